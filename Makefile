@@ -1,0 +1,28 @@
+# Both entry points install what they need first (scripts/setup.sh is idempotent).
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint typecheck proto bench-classifier clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/adaptermesh demo
+
+test: setup
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
+
+proto: setup
+	$(PY) -m adaptermesh.proto.generate
+
+bench-classifier: setup
+	$(PY) bench/bench_classifier.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,43 @@
+"""The ``adaptermesh`` entry point: ``agent``, ``control-plane``, ``worker`` and ``demo``.
+
+Each subcommand forwards its arguments to the part's own ``cli.main(argv) -> int``, so every
+part owns its flags and can be run as ``python -m adaptermesh.<part>.cli`` too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["app", "main"]
+
+_COMMANDS = {
+    "agent": ("adaptermesh.agent.cli", "Run the node agent (eBPF classifier + xDS server)."),
+    "control-plane": ("adaptermesh.control_plane.cli", "Run the control plane gRPC API."),
+    "worker": ("adaptermesh.worker.cli", "Run a GPU/CPU worker with the OpenAI-compatible API."),
+    "demo": ("adaptermesh.cli.demo", "Run the local demo mesh in network namespaces."),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: adaptermesh COMMAND [ARGS]...", "", "commands:"]
+    lines += [f"  {name:<14} {doc}" for name, (_, doc) in _COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in _COMMANDS:
+        print(f"adaptermesh: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(_COMMANDS[name][0])
+    result: int = module.main(rest)
+    return result
+
+
+def app() -> None:
+    sys.exit(main())

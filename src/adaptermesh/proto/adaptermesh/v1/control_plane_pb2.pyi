@@ -1,0 +1,213 @@
+import datetime
+
+from adaptermesh.proto.adaptermesh.v1 import assignment_pb2 as _assignment_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class UpsertShardRequest(_message.Message):
+    __slots__ = ("shard",)
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    shard: _assignment_pb2.Shard
+    def __init__(self, shard: _Optional[_Union[_assignment_pb2.Shard, _Mapping]] = ...) -> None: ...
+
+class DeleteShardRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class DeleteShardResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListShardsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListShardsResponse(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[_assignment_pb2.Shard]
+    def __init__(self, shards: _Optional[_Iterable[_Union[_assignment_pb2.Shard, _Mapping]]] = ...) -> None: ...
+
+class SetOverrideRequest(_message.Message):
+    __slots__ = ("shard_id", "weight", "ttl_seconds", "reason")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    weight: int
+    ttl_seconds: int
+    reason: str
+    def __init__(self, shard_id: _Optional[str] = ..., weight: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ClearOverrideRequest(_message.Message):
+    __slots__ = ("shard_id",)
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    def __init__(self, shard_id: _Optional[str] = ...) -> None: ...
+
+class ClearOverrideResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListOverridesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListOverridesResponse(_message.Message):
+    __slots__ = ("overrides",)
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    overrides: _containers.RepeatedCompositeFieldContainer[_assignment_pb2.Override]
+    def __init__(self, overrides: _Optional[_Iterable[_Union[_assignment_pb2.Override, _Mapping]]] = ...) -> None: ...
+
+class PinTenantRequest(_message.Message):
+    __slots__ = ("cidr", "shard_id")
+    CIDR_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    cidr: str
+    shard_id: str
+    def __init__(self, cidr: _Optional[str] = ..., shard_id: _Optional[str] = ...) -> None: ...
+
+class UnpinTenantRequest(_message.Message):
+    __slots__ = ("cidr",)
+    CIDR_FIELD_NUMBER: _ClassVar[int]
+    cidr: str
+    def __init__(self, cidr: _Optional[str] = ...) -> None: ...
+
+class UnpinTenantResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPinsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPinsResponse(_message.Message):
+    __slots__ = ("pins",)
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    pins: _containers.RepeatedCompositeFieldContainer[_assignment_pb2.Pin]
+    def __init__(self, pins: _Optional[_Iterable[_Union[_assignment_pb2.Pin, _Mapping]]] = ...) -> None: ...
+
+class GetAssignmentRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchAssignmentsRequest(_message.Message):
+    __slots__ = ("from_version", "node_id")
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    from_version: int
+    node_id: str
+    def __init__(self, from_version: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class ListHistoryRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class AssignmentRecord(_message.Message):
+    __slots__ = ("version", "reason", "generated_at", "assignment")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_AT_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    reason: str
+    generated_at: _timestamp_pb2.Timestamp
+    assignment: _assignment_pb2.Assignment
+    def __init__(self, version: _Optional[int] = ..., reason: _Optional[str] = ..., generated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., assignment: _Optional[_Union[_assignment_pb2.Assignment, _Mapping]] = ...) -> None: ...
+
+class ListHistoryResponse(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[AssignmentRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[AssignmentRecord, _Mapping]]] = ...) -> None: ...
+
+class ShardTraffic(_message.Message):
+    __slots__ = ("shard_id", "packets_per_s", "bytes_per_s", "new_flows_per_s", "active_flows")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKETS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    NEW_FLOWS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FLOWS_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    packets_per_s: float
+    bytes_per_s: float
+    new_flows_per_s: float
+    active_flows: int
+    def __init__(self, shard_id: _Optional[str] = ..., packets_per_s: _Optional[float] = ..., bytes_per_s: _Optional[float] = ..., new_flows_per_s: _Optional[float] = ..., active_flows: _Optional[int] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("node_id", "applied_version", "shards", "observed_at", "apply_error")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_AT_FIELD_NUMBER: _ClassVar[int]
+    APPLY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    applied_version: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardTraffic]
+    observed_at: _timestamp_pb2.Timestamp
+    apply_error: str
+    def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardTraffic, _Mapping]]] = ..., observed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., apply_error: _Optional[str] = ...) -> None: ...
+
+class ReportLoadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node_id", "applied_version", "last_report", "apply_error")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPORT_FIELD_NUMBER: _ClassVar[int]
+    APPLY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    applied_version: int
+    last_report: _timestamp_pb2.Timestamp
+    apply_error: str
+    def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., last_report: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., apply_error: _Optional[str] = ...) -> None: ...
+
+class ShardLoad(_message.Message):
+    __slots__ = ("shard_id", "weight", "queue_depth", "running", "latency_ms", "tokens_per_s", "kv_cache_usage", "free_gpu_bytes", "known")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    FREE_GPU_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    weight: int
+    queue_depth: float
+    running: float
+    latency_ms: float
+    tokens_per_s: float
+    kv_cache_usage: float
+    free_gpu_bytes: float
+    known: bool
+    def __init__(self, shard_id: _Optional[str] = ..., weight: _Optional[int] = ..., queue_depth: _Optional[float] = ..., running: _Optional[float] = ..., latency_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., free_gpu_bytes: _Optional[float] = ..., known: _Optional[bool] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("assignment", "nodes", "loads")
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    assignment: _assignment_pb2.Assignment
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    loads: _containers.RepeatedCompositeFieldContainer[ShardLoad]
+    def __init__(self, assignment: _Optional[_Union[_assignment_pb2.Assignment, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,62 @@
+"""Regenerate the adaptermesh.v1 Python modules with grpcio-tools.
+
+``python -m adaptermesh.proto.generate`` rewrites the modules beside the .proto files;
+``generate(out_dir)`` writes them elsewhere, which the staleness test uses.
+
+The .proto files import each other as ``adaptermesh/v1/...``, the path other languages use.
+The generated Python imports are rewritten to the package's real location,
+``adaptermesh.proto.adaptermesh.v1``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["PROTO_ROOT", "generate", "main"]
+
+PROTO_ROOT = Path(str(resources.files("adaptermesh.proto")))
+_PKG_DIR = Path("adaptermesh") / "v1"
+_IMPORT_RE = re.compile(r"^from adaptermesh\.v1 import", re.MULTILINE)
+
+
+def generate(out_dir: Path) -> list[Path]:
+    """Generate *_pb2.py, *_pb2.pyi and *_pb2_grpc.py for every .proto into out_dir."""
+    from grpc_tools import protoc  # dev dependency; imported lazily
+
+    protos = sorted((PROTO_ROOT / _PKG_DIR).glob("*.proto"))
+    include = Path(str(resources.files("grpc_tools"))) / "_proto"
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [
+            "protoc",
+            f"-I{PROTO_ROOT}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *(str(p.relative_to(PROTO_ROOT)) for p in protos),
+        ]
+        if protoc.main(args) != 0:
+            raise RuntimeError("protoc failed: " + " ".join(args))
+        written = []
+        for src in sorted((Path(tmp) / _PKG_DIR).iterdir()):
+            text = _IMPORT_RE.sub("from adaptermesh.proto.adaptermesh.v1 import", src.read_text())
+            dst = out_dir / src.name
+            dst.write_text(text)
+            written.append(dst)
+    return written
+
+
+def main() -> None:
+    out = PROTO_ROOT / _PKG_DIR
+    for path in generate(out):
+        print(f"wrote {path}", file=sys.stderr)
+    shutil.rmtree(out / "__pycache__", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Types shared by the worker engine and the HTTP service around it.
+
+The service calls ``Engine.submit(request)`` and iterates the returned async stream of
+``TokenEvent``; the last event has ``finish_reason`` set. Cancelling the iteration (or calling
+``stream.cancel()``) cancels the request and frees its batch slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+__all__ = [
+    "AdapterNotFoundError",
+    "EngineError",
+    "EngineOverloadedError",
+    "EngineProtocol",
+    "FinishReason",
+    "GenerationRequest",
+    "InvalidRequestError",
+    "SamplingParams",
+    "TokenEvent",
+    "TokenStream",
+]
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class EngineError(Exception):
+    """Base class for errors the engine reports to callers."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request is malformed; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class AdapterNotFoundError(EngineError, LookupError):
+    """The named adapter does not exist under the adapter root (or failed validation)."""
+
+    def __init__(self, name: str, message: str = "adapter not found") -> None:
+        super().__init__(f"{name}: {message}")
+        self.name = name
+
+
+class EngineOverloadedError(EngineError):
+    """The engine cannot accept more work now; retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    # None or the base model's name: base only. Otherwise an adapter name.
+    adapter: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Absolute deadline in time.monotonic() seconds; None: no deadline.
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token_id: int | None
+    text: str  # the detokenised increment (may be "" while a multi-byte char is incomplete)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class TokenStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[TokenEvent]: ...
+    def cancel(self) -> None: ...
+
+
+class EngineProtocol(Protocol):
+    model_name: str
+
+    def submit(self, request: GenerationRequest) -> TokenStream: ...
+    def tokenize(self, text: str) -> list[int]: ...
+    def detokenize(self, token_ids: list[int]) -> str: ...
