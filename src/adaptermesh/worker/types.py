@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 __all__ = [
+    "AdapterInfo",
     "AdapterNotFoundError",
     "EngineError",
     "EngineOverloadedError",
     "EngineProtocol",
+    "EngineStats",
     "FinishReason",
     "GenerationRequest",
     "InvalidRequestError",
@@ -85,9 +87,49 @@ class TokenStream(Protocol):
     def cancel(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    name: str
+    path: str
+    rank: int
+    resident_on_gpu: bool
+    pinned: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A point-in-time snapshot the service turns into Prometheus series."""
+
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float  # 0..1
+    gpu_slots_used: int
+    gpu_slots_total: int
+    adapter_hits: int  # cumulative
+    adapter_misses: int  # cumulative
+    adapter_evictions: int  # cumulative
+    free_gpu_bytes: int  # 0 on CPU
+    generated_tokens: int  # cumulative
+    # Adapter load latencies (seconds) observed since the previous call; drained by the caller.
+    new_load_latencies: tuple[float, ...] = ()
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
+
+
 class EngineProtocol(Protocol):
     model_name: str
+    max_model_len: int
 
     def submit(self, request: GenerationRequest) -> TokenStream: ...
     def tokenize(self, text: str) -> list[int]: ...
     def detokenize(self, token_ids: list[int]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
+        """Token ids for a chat, or None when the tokenizer has no chat template."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo: ...
+    async def unload_adapter(self, name: str) -> None: ...
+    def list_adapters(self) -> list[AdapterInfo]: ...
+    def stats(self) -> EngineStats: ...
+    async def shutdown(self) -> None: ...
