@@ -26,13 +26,15 @@ from adaptermesh.proto.adaptermesh.v1 import assignment_pb2 as adaptermesh_dot_v
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"adaptermesh/v1/control_plane.proto\x12\x0e\x61\x64\x61ptermesh.v1\x1a\x1f\x61\x64\x61ptermesh/v1/assignment.proto\x1a\x1fgoogle/protobuf/timestamp.proto\":\n\x12UpsertShardRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.adaptermesh.v1.Shard\" \n\x12\x44\x65leteShardRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteShardResponse\"\x13\n\x11ListShardsRequest\";\n\x12ListShardsResponse\x12%\n\x06shards\x18\x01 \x03(\x0b\x32\x15.adaptermesh.v1.Shard\"[\n\x12SetOverrideRequest\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"(\n\x14\x43learOverrideRequest\x12\x10\n\x08shard_id\x18\x01 \x01(\t\"\x17\n\x15\x43learOverrideResponse\"\x16\n\x14ListOverridesRequest\"D\n\x15ListOverridesResponse\x12+\n\toverrides\x18\x01 \x03(\x0b\x32\x18.adaptermesh.v1.Override\"2\n\x10PinTenantRequest\x12\x0c\n\x04\x63idr\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\t\"\"\n\x12UnpinTenantRequest\x12\x0c\n\x04\x63idr\x18\x01 \x01(\t\"\x15\n\x13UnpinTenantResponse\"\x11\n\x0fListPinsRequest\"5\n\x10ListPinsResponse\x12!\n\x04pins\x18\x01 \x03(\x0b\x32\x13.adaptermesh.v1.Pin\"\x16\n\x14GetAssignmentRequest\"@\n\x17WatchAssignmentsRequest\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\x04\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"#\n\x12ListHistoryRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"\x95\x01\n\x10\x41ssignmentRecord\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x30\n\x0cgenerated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nassignment\x18\x04 \x01(\x0b\x32\x1a.adaptermesh.v1.Assignment\"H\n\x13ListHistoryResponse\x12\x31\n\x07records\x18\x01 \x03(\x0b\x32 .adaptermesh.v1.AssignmentRecord\"{\n\x0cShardTraffic\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x15\n\rpackets_per_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x62ytes_per_s\x18\x03 \x01(\x01\x12\x17\n\x0fnew_flows_per_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x61\x63tive_flows\x18\x05 \x01(\x04\"\xaa\x01\n\nLoadReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61pplied_version\x18\x02 \x01(\x04\x12,\n\x06shards\x18\x03 \x03(\x0b\x32\x1c.adaptermesh.v1.ShardTraffic\x12/\n\x0bobserved_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0b\x61pply_error\x18\x05 \x01(\t\"\x14\n\x12ReportLoadResponse\"\x12\n\x10GetStatusRequest\"|\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61pplied_version\x18\x02 \x01(\x04\x12/\n\x0blast_report\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0b\x61pply_error\x18\x04 \x01(\t\"\xbc\x01\n\tShardLoad\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\x01\x12\x0f\n\x07running\x18\x04 \x01(\x01\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\x16\n\x0e\x66ree_gpu_bytes\x18\x08 \x01(\x01\x12\r\n\x05known\x18\t \x01(\x08\"\x95\x01\n\x0eStatusResponse\x12.\n\nassignment\x18\x01 \x01(\x0b\x32\x1a.adaptermesh.v1.Assignment\x12)\n\x05nodes\x18\x02 \x03(\x0b\x32\x1a.adaptermesh.v1.NodeStatus\x12(\n\x05loads\x18\x03 \x03(\x0b\x32\x19.adaptermesh.v1.ShardLoad2\x9c\t\n\x0c\x43ontrolPlane\x12H\n\x0bUpsertShard\x12\".adaptermesh.v1.UpsertShardRequest\x1a\x15.adaptermesh.v1.Shard\x12V\n\x0b\x44\x65leteShard\x12\".adaptermesh.v1.DeleteShardRequest\x1a#.adaptermesh.v1.DeleteShardResponse\x12S\n\nListShards\x12!.adaptermesh.v1.ListShardsRequest\x1a\".adaptermesh.v1.ListShardsResponse\x12K\n\x0bSetOverride\x12\".adaptermesh.v1.SetOverrideRequest\x1a\x18.adaptermesh.v1.Override\x12\\\n\rClearOverride\x12$.adaptermesh.v1.ClearOverrideRequest\x1a%.adaptermesh.v1.ClearOverrideResponse\x12\\\n\rListOverrides\x12$.adaptermesh.v1.ListOverridesRequest\x1a%.adaptermesh.v1.ListOverridesResponse\x12\x42\n\tPinTenant\x12 .adaptermesh.v1.PinTenantRequest\x1a\x13.adaptermesh.v1.Pin\x12V\n\x0bUnpinTenant\x12\".adaptermesh.v1.UnpinTenantRequest\x1a#.adaptermesh.v1.UnpinTenantResponse\x12M\n\x08ListPins\x12\x1f.adaptermesh.v1.ListPinsRequest\x1a .adaptermesh.v1.ListPinsResponse\x12Q\n\rGetAssignment\x12$.adaptermesh.v1.GetAssignmentRequest\x1a\x1a.adaptermesh.v1.Assignment\x12Y\n\x10WatchAssignments\x12\'.adaptermesh.v1.WatchAssignmentsRequest\x1a\x1a.adaptermesh.v1.Assignment0\x01\x12V\n\x0bListHistory\x12\".adaptermesh.v1.ListHistoryRequest\x1a#.adaptermesh.v1.ListHistoryResponse\x12L\n\nReportLoad\x12\x1a.adaptermesh.v1.LoadReport\x1a\".adaptermesh.v1.ReportLoadResponse\x12M\n\tGetStatus\x12 .adaptermesh.v1.GetStatusRequest\x1a\x1e.adaptermesh.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"adaptermesh/v1/control_plane.proto\x12\x0e\x61\x64\x61ptermesh.v1\x1a\x1f\x61\x64\x61ptermesh/v1/assignment.proto\x1a\x1fgoogle/protobuf/timestamp.proto\":\n\x12UpsertShardRequest\x12$\n\x05shard\x18\x01 \x01(\x0b\x32\x15.adaptermesh.v1.Shard\" \n\x12\x44\x65leteShardRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteShardResponse\"\x13\n\x11ListShardsRequest\";\n\x12ListShardsResponse\x12%\n\x06shards\x18\x01 \x03(\x0b\x32\x15.adaptermesh.v1.Shard\"[\n\x12SetOverrideRequest\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"(\n\x14\x43learOverrideRequest\x12\x10\n\x08shard_id\x18\x01 \x01(\t\"\x17\n\x15\x43learOverrideResponse\"\x16\n\x14ListOverridesRequest\"D\n\x15ListOverridesResponse\x12+\n\toverrides\x18\x01 \x03(\x0b\x32\x18.adaptermesh.v1.Override\"2\n\x10PinTenantRequest\x12\x0c\n\x04\x63idr\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\t\"\"\n\x12UnpinTenantRequest\x12\x0c\n\x04\x63idr\x18\x01 \x01(\t\"\x15\n\x13UnpinTenantResponse\"\x11\n\x0fListPinsRequest\"5\n\x10ListPinsResponse\x12!\n\x04pins\x18\x01 \x03(\x0b\x32\x13.adaptermesh.v1.Pin\"\x16\n\x14GetAssignmentRequest\"@\n\x17WatchAssignmentsRequest\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\x04\x12\x0f\n\x07node_id\x18\x02 \x01(\t\";\n\x12ListHistoryRequest\x12\r\n\x05limit\x18\x01 \x01(\r\x12\x16\n\x0e\x62\x65\x66ore_version\x18\x02 \x01(\x04\"\x95\x01\n\x10\x41ssignmentRecord\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x30\n\x0cgenerated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nassignment\x18\x04 \x01(\x0b\x32\x1a.adaptermesh.v1.Assignment\"H\n\x13ListHistoryResponse\x12\x31\n\x07records\x18\x01 \x03(\x0b\x32 .adaptermesh.v1.AssignmentRecord\"{\n\x0cShardTraffic\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x15\n\rpackets_per_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x62ytes_per_s\x18\x03 \x01(\x01\x12\x17\n\x0fnew_flows_per_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x61\x63tive_flows\x18\x05 \x01(\x04\"\xaa\x01\n\nLoadReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61pplied_version\x18\x02 \x01(\x04\x12,\n\x06shards\x18\x03 \x03(\x0b\x32\x1c.adaptermesh.v1.ShardTraffic\x12/\n\x0bobserved_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0b\x61pply_error\x18\x05 \x01(\t\"\x14\n\x12ReportLoadResponse\"\x12\n\x10GetStatusRequest\"|\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61pplied_version\x18\x02 \x01(\x04\x12/\n\x0blast_report\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0b\x61pply_error\x18\x04 \x01(\t\"\x88\x02\n\tShardLoad\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\x01\x12\x0f\n\x07running\x18\x04 \x01(\x01\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\x16\n\x0e\x66ree_gpu_bytes\x18\x08 \x01(\x01\x12\r\n\x05known\x18\t \x01(\x08\x12\x13\n\x0butilization\x18\n \x01(\x01\x12\x0f\n\x07workers\x18\x0b \x01(\r\x12\x15\n\rworkers_known\x18\x0c \x01(\r\x12\r\n\x05\x61ge_s\x18\r \x01(\x01\"\x95\x01\n\x0eStatusResponse\x12.\n\nassignment\x18\x01 \x01(\x0b\x32\x1a.adaptermesh.v1.Assignment\x12)\n\x05nodes\x18\x02 \x03(\x0b\x32\x1a.adaptermesh.v1.NodeStatus\x12(\n\x05loads\x18\x03 \x03(\x0b\x32\x19.adaptermesh.v1.ShardLoad\"F\n\x08ModelRef\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x14\n\x0c\x61\x64\x61pter_path\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\"0\n\x0c\x41\x64\x61pterRoute\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\"8\n\x0f\x41\x64\x61pterSecurity\x12\x0e\n\x06scopes\x18\x01 \x03(\t\x12\x15\n\rallowed_cidrs\x18\x02 \x03(\t\"\xc9\x02\n\x0f\x41\x64\x61pterInstance\x12\x0c\n\x04name\x18\x01 \x01(\t\x12+\n\tmodel_ref\x18\x02 \x01(\x0b\x32\x18.adaptermesh.v1.ModelRef\x12,\n\x06routes\x18\x03 \x03(\x0b\x32\x1c.adaptermesh.v1.AdapterRoute\x12\x31\n\x08security\x18\x04 \x01(\x0b\x32\x1f.adaptermesh.v1.AdapterSecurity\x12;\n\x06labels\x18\x05 \x03(\x0b\x32+.adaptermesh.v1.AdapterInstance.LabelsEntry\x12.\n\nupdated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Q\n\x1cUpsertAdapterInstanceRequest\x12\x31\n\x08instance\x18\x01 \x01(\x0b\x32\x1f.adaptermesh.v1.AdapterInstance\",\n\x1c\x44\x65leteAdapterInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1f\n\x1d\x44\x65leteAdapterInstanceResponse\"\x1d\n\x1bListAdapterInstancesRequest\"R\n\x1cListAdapterInstancesResponse\x12\x32\n\tinstances\x18\x01 \x03(\x0b\x32\x1f.adaptermesh.v1.AdapterInstance2\xed\x0b\n\x0c\x43ontrolPlane\x12H\n\x0bUpsertShard\x12\".adaptermesh.v1.UpsertShardRequest\x1a\x15.adaptermesh.v1.Shard\x12V\n\x0b\x44\x65leteShard\x12\".adaptermesh.v1.DeleteShardRequest\x1a#.adaptermesh.v1.DeleteShardResponse\x12S\n\nListShards\x12!.adaptermesh.v1.ListShardsRequest\x1a\".adaptermesh.v1.ListShardsResponse\x12K\n\x0bSetOverride\x12\".adaptermesh.v1.SetOverrideRequest\x1a\x18.adaptermesh.v1.Override\x12\\\n\rClearOverride\x12$.adaptermesh.v1.ClearOverrideRequest\x1a%.adaptermesh.v1.ClearOverrideResponse\x12\\\n\rListOverrides\x12$.adaptermesh.v1.ListOverridesRequest\x1a%.adaptermesh.v1.ListOverridesResponse\x12\x42\n\tPinTenant\x12 .adaptermesh.v1.PinTenantRequest\x1a\x13.adaptermesh.v1.Pin\x12V\n\x0bUnpinTenant\x12\".adaptermesh.v1.UnpinTenantRequest\x1a#.adaptermesh.v1.UnpinTenantResponse\x12M\n\x08ListPins\x12\x1f.adaptermesh.v1.ListPinsRequest\x1a .adaptermesh.v1.ListPinsResponse\x12\x66\n\x15UpsertAdapterInstance\x12,.adaptermesh.v1.UpsertAdapterInstanceRequest\x1a\x1f.adaptermesh.v1.AdapterInstance\x12t\n\x15\x44\x65leteAdapterInstance\x12,.adaptermesh.v1.DeleteAdapterInstanceRequest\x1a-.adaptermesh.v1.DeleteAdapterInstanceResponse\x12q\n\x14ListAdapterInstances\x12+.adaptermesh.v1.ListAdapterInstancesRequest\x1a,.adaptermesh.v1.ListAdapterInstancesResponse\x12Q\n\rGetAssignment\x12$.adaptermesh.v1.GetAssignmentRequest\x1a\x1a.adaptermesh.v1.Assignment\x12Y\n\x10WatchAssignments\x12\'.adaptermesh.v1.WatchAssignmentsRequest\x1a\x1a.adaptermesh.v1.Assignment0\x01\x12V\n\x0bListHistory\x12\".adaptermesh.v1.ListHistoryRequest\x1a#.adaptermesh.v1.ListHistoryResponse\x12L\n\nReportLoad\x12\x1a.adaptermesh.v1.LoadReport\x1a\".adaptermesh.v1.ReportLoadResponse\x12M\n\tGetStatus\x12 .adaptermesh.v1.GetStatusRequest\x1a\x1e.adaptermesh.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'adaptermesh.v1.control_plane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ADAPTERINSTANCE_LABELSENTRY']._loaded_options = None
+  _globals['_ADAPTERINSTANCE_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_UPSERTSHARDREQUEST']._serialized_start=120
   _globals['_UPSERTSHARDREQUEST']._serialized_end=178
   _globals['_DELETESHARDREQUEST']._serialized_start=180
@@ -68,25 +70,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHASSIGNMENTSREQUEST']._serialized_start=782
   _globals['_WATCHASSIGNMENTSREQUEST']._serialized_end=846
   _globals['_LISTHISTORYREQUEST']._serialized_start=848
-  _globals['_LISTHISTORYREQUEST']._serialized_end=883
-  _globals['_ASSIGNMENTRECORD']._serialized_start=886
-  _globals['_ASSIGNMENTRECORD']._serialized_end=1035
-  _globals['_LISTHISTORYRESPONSE']._serialized_start=1037
-  _globals['_LISTHISTORYRESPONSE']._serialized_end=1109
-  _globals['_SHARDTRAFFIC']._serialized_start=1111
-  _globals['_SHARDTRAFFIC']._serialized_end=1234
-  _globals['_LOADREPORT']._serialized_start=1237
-  _globals['_LOADREPORT']._serialized_end=1407
-  _globals['_REPORTLOADRESPONSE']._serialized_start=1409
-  _globals['_REPORTLOADRESPONSE']._serialized_end=1429
-  _globals['_GETSTATUSREQUEST']._serialized_start=1431
-  _globals['_GETSTATUSREQUEST']._serialized_end=1449
-  _globals['_NODESTATUS']._serialized_start=1451
-  _globals['_NODESTATUS']._serialized_end=1575
-  _globals['_SHARDLOAD']._serialized_start=1578
-  _globals['_SHARDLOAD']._serialized_end=1766
-  _globals['_STATUSRESPONSE']._serialized_start=1769
-  _globals['_STATUSRESPONSE']._serialized_end=1918
-  _globals['_CONTROLPLANE']._serialized_start=1921
-  _globals['_CONTROLPLANE']._serialized_end=3101
+  _globals['_LISTHISTORYREQUEST']._serialized_end=907
+  _globals['_ASSIGNMENTRECORD']._serialized_start=910
+  _globals['_ASSIGNMENTRECORD']._serialized_end=1059
+  _globals['_LISTHISTORYRESPONSE']._serialized_start=1061
+  _globals['_LISTHISTORYRESPONSE']._serialized_end=1133
+  _globals['_SHARDTRAFFIC']._serialized_start=1135
+  _globals['_SHARDTRAFFIC']._serialized_end=1258
+  _globals['_LOADREPORT']._serialized_start=1261
+  _globals['_LOADREPORT']._serialized_end=1431
+  _globals['_REPORTLOADRESPONSE']._serialized_start=1433
+  _globals['_REPORTLOADRESPONSE']._serialized_end=1453
+  _globals['_GETSTATUSREQUEST']._serialized_start=1455
+  _globals['_GETSTATUSREQUEST']._serialized_end=1473
+  _globals['_NODESTATUS']._serialized_start=1475
+  _globals['_NODESTATUS']._serialized_end=1599
+  _globals['_SHARDLOAD']._serialized_start=1602
+  _globals['_SHARDLOAD']._serialized_end=1866
+  _globals['_STATUSRESPONSE']._serialized_start=1869
+  _globals['_STATUSRESPONSE']._serialized_end=2018
+  _globals['_MODELREF']._serialized_start=2020
+  _globals['_MODELREF']._serialized_end=2090
+  _globals['_ADAPTERROUTE']._serialized_start=2092
+  _globals['_ADAPTERROUTE']._serialized_end=2140
+  _globals['_ADAPTERSECURITY']._serialized_start=2142
+  _globals['_ADAPTERSECURITY']._serialized_end=2198
+  _globals['_ADAPTERINSTANCE']._serialized_start=2201
+  _globals['_ADAPTERINSTANCE']._serialized_end=2530
+  _globals['_ADAPTERINSTANCE_LABELSENTRY']._serialized_start=2485
+  _globals['_ADAPTERINSTANCE_LABELSENTRY']._serialized_end=2530
+  _globals['_UPSERTADAPTERINSTANCEREQUEST']._serialized_start=2532
+  _globals['_UPSERTADAPTERINSTANCEREQUEST']._serialized_end=2613
+  _globals['_DELETEADAPTERINSTANCEREQUEST']._serialized_start=2615
+  _globals['_DELETEADAPTERINSTANCEREQUEST']._serialized_end=2659
+  _globals['_DELETEADAPTERINSTANCERESPONSE']._serialized_start=2661
+  _globals['_DELETEADAPTERINSTANCERESPONSE']._serialized_end=2692
+  _globals['_LISTADAPTERINSTANCESREQUEST']._serialized_start=2694
+  _globals['_LISTADAPTERINSTANCESREQUEST']._serialized_end=2723
+  _globals['_LISTADAPTERINSTANCESRESPONSE']._serialized_start=2725
+  _globals['_LISTADAPTERINSTANCESRESPONSE']._serialized_end=2807
+  _globals['_CONTROLPLANE']._serialized_start=2810
+  _globals['_CONTROLPLANE']._serialized_end=4327
 # @@protoc_insertion_point(module_scope)

@@ -109,10 +109,12 @@ class WatchAssignmentsRequest(_message.Message):
     def __init__(self, from_version: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class ListHistoryRequest(_message.Message):
-    __slots__ = ("limit",)
+    __slots__ = ("limit", "before_version")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_VERSION_FIELD_NUMBER: _ClassVar[int]
     limit: int
-    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+    before_version: int
+    def __init__(self, limit: _Optional[int] = ..., before_version: _Optional[int] = ...) -> None: ...
 
 class AssignmentRecord(_message.Message):
     __slots__ = ("version", "reason", "generated_at", "assignment")
@@ -181,7 +183,7 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., last_report: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., apply_error: _Optional[str] = ...) -> None: ...
 
 class ShardLoad(_message.Message):
-    __slots__ = ("shard_id", "weight", "queue_depth", "running", "latency_ms", "tokens_per_s", "kv_cache_usage", "free_gpu_bytes", "known")
+    __slots__ = ("shard_id", "weight", "queue_depth", "running", "latency_ms", "tokens_per_s", "kv_cache_usage", "free_gpu_bytes", "known", "utilization", "workers", "workers_known", "age_s")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +193,10 @@ class ShardLoad(_message.Message):
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     FREE_GPU_BYTES_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     weight: int
     queue_depth: float
@@ -200,7 +206,11 @@ class ShardLoad(_message.Message):
     kv_cache_usage: float
     free_gpu_bytes: float
     known: bool
-    def __init__(self, shard_id: _Optional[str] = ..., weight: _Optional[int] = ..., queue_depth: _Optional[float] = ..., running: _Optional[float] = ..., latency_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., free_gpu_bytes: _Optional[float] = ..., known: _Optional[bool] = ...) -> None: ...
+    utilization: float
+    workers: int
+    workers_known: int
+    age_s: float
+    def __init__(self, shard_id: _Optional[str] = ..., weight: _Optional[int] = ..., queue_depth: _Optional[float] = ..., running: _Optional[float] = ..., latency_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., free_gpu_bytes: _Optional[float] = ..., known: _Optional[bool] = ..., utilization: _Optional[float] = ..., workers: _Optional[int] = ..., workers_known: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("assignment", "nodes", "loads")
@@ -211,3 +221,78 @@ class StatusResponse(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     loads: _containers.RepeatedCompositeFieldContainer[ShardLoad]
     def __init__(self, assignment: _Optional[_Union[_assignment_pb2.Assignment, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ...) -> None: ...
+
+class ModelRef(_message.Message):
+    __slots__ = ("base_model", "adapter_path", "revision")
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_PATH_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    adapter_path: str
+    revision: str
+    def __init__(self, base_model: _Optional[str] = ..., adapter_path: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
+
+class AdapterRoute(_message.Message):
+    __slots__ = ("shard_id", "weight")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    weight: int
+    def __init__(self, shard_id: _Optional[str] = ..., weight: _Optional[int] = ...) -> None: ...
+
+class AdapterSecurity(_message.Message):
+    __slots__ = ("scopes", "allowed_cidrs")
+    SCOPES_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_CIDRS_FIELD_NUMBER: _ClassVar[int]
+    scopes: _containers.RepeatedScalarFieldContainer[str]
+    allowed_cidrs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, scopes: _Optional[_Iterable[str]] = ..., allowed_cidrs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AdapterInstance(_message.Message):
+    __slots__ = ("name", "model_ref", "routes", "security", "labels", "updated_at")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REF_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    SECURITY_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model_ref: ModelRef
+    routes: _containers.RepeatedCompositeFieldContainer[AdapterRoute]
+    security: AdapterSecurity
+    labels: _containers.ScalarMap[str, str]
+    updated_at: _timestamp_pb2.Timestamp
+    def __init__(self, name: _Optional[str] = ..., model_ref: _Optional[_Union[ModelRef, _Mapping]] = ..., routes: _Optional[_Iterable[_Union[AdapterRoute, _Mapping]]] = ..., security: _Optional[_Union[AdapterSecurity, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class UpsertAdapterInstanceRequest(_message.Message):
+    __slots__ = ("instance",)
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    instance: AdapterInstance
+    def __init__(self, instance: _Optional[_Union[AdapterInstance, _Mapping]] = ...) -> None: ...
+
+class DeleteAdapterInstanceRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteAdapterInstanceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdapterInstancesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdapterInstancesResponse(_message.Message):
+    __slots__ = ("instances",)
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[AdapterInstance]
+    def __init__(self, instances: _Optional[_Iterable[_Union[AdapterInstance, _Mapping]]] = ...) -> None: ...

@@ -80,6 +80,21 @@ class ControlPlaneStub:
                 request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListPinsRequest.SerializeToString,
                 response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListPinsResponse.FromString,
                 _registered_method=True)
+        self.UpsertAdapterInstance = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/UpsertAdapterInstance',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.UpsertAdapterInstanceRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.AdapterInstance.FromString,
+                _registered_method=True)
+        self.DeleteAdapterInstance = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/DeleteAdapterInstance',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.DeleteAdapterInstanceRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.DeleteAdapterInstanceResponse.FromString,
+                _registered_method=True)
+        self.ListAdapterInstances = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/ListAdapterInstances',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesResponse.FromString,
+                _registered_method=True)
         self.GetAssignment = channel.unary_unary(
                 '/adaptermesh.v1.ControlPlane/GetAssignment',
                 request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.GetAssignmentRequest.SerializeToString,
@@ -167,6 +182,25 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpsertAdapterInstance(self, request, context):
+        """Declarative adapter instances (stored and shown; routes name shards).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteAdapterInstance(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapterInstances(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetAssignment(self, request, context):
         """Assignments.
         """
@@ -247,6 +281,21 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ListPins,
                     request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListPinsRequest.FromString,
                     response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListPinsResponse.SerializeToString,
+            ),
+            'UpsertAdapterInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpsertAdapterInstance,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.UpsertAdapterInstanceRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.AdapterInstance.SerializeToString,
+            ),
+            'DeleteAdapterInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteAdapterInstance,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.DeleteAdapterInstanceRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.DeleteAdapterInstanceResponse.SerializeToString,
+            ),
+            'ListAdapterInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapterInstances,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesResponse.SerializeToString,
             ),
             'GetAssignment': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAssignment,
@@ -517,6 +566,87 @@ class ControlPlane:
             '/adaptermesh.v1.ControlPlane/ListPins',
             adaptermesh_dot_v1_dot_control__plane__pb2.ListPinsRequest.SerializeToString,
             adaptermesh_dot_v1_dot_control__plane__pb2.ListPinsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpsertAdapterInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/UpsertAdapterInstance',
+            adaptermesh_dot_v1_dot_control__plane__pb2.UpsertAdapterInstanceRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.AdapterInstance.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteAdapterInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/DeleteAdapterInstance',
+            adaptermesh_dot_v1_dot_control__plane__pb2.DeleteAdapterInstanceRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.DeleteAdapterInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapterInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/ListAdapterInstances',
+            adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesResponse.FromString,
             options,
             channel_credentials,
             insecure,
