@@ -1,0 +1,283 @@
+"""Prometheus series of the worker service.
+
+Two families live here, each listed with its type and labels in ``docs/worker-service.md``:
+
+- vLLM's names (``vllm:*``), so gateways and dashboards built for vLLM read this worker
+  unchanged. Their labels follow vLLM's (``model_name``; ``running_lora_adapters``,
+  ``waiting_lora_adapters`` and ``max_lora`` on ``vllm:lora_requests_info``).
+- The project's ``adaptermesh_*`` series, which the control plane's rebalancer scrapes.
+
+Engine-derived values are read from one ``EngineStats`` snapshot per scrape (and once a
+second by the service's poller, which feeds the tokens-per-second window), so every series in
+one scrape describes the same instant. ``EngineStats.new_load_latencies`` is drained by each
+``stats()`` call, so all calls go through ``ServiceMetrics.poll()``, which records them.
+
+Every service owns its registry: two workers in one process (tests) never share series.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from adaptermesh.worker.fair_queue import FairQueue
+from adaptermesh.worker.types import EngineProtocol, EngineStats
+
+__all__ = ["TOKENS_PER_SECOND_WINDOW_S", "ServiceMetrics"]
+
+# Window of the tokens-per-second gauge: long enough to smooth batch-step jitter, short enough
+# that the 5 s rebalancer sees a load change within two of its periods.
+TOKENS_PER_SECOND_WINDOW_S = 10.0
+
+# Bucket edges (seconds). TTFT spans an H200's few-millisecond prefill up to a minute of
+# queueing under overload; TPOT spans ~2 ms decode steps on the GPU to ~1 s steps on CPU.
+_TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+_TPOT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)
+_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+)
+_LOAD_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+
+class ServiceMetrics:
+    """All series of one worker service, in one registry."""
+
+    def __init__(
+        self,
+        engine: EngineProtocol,
+        queue: FairQueue,
+        *,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.model_name = engine.model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._clock = clock
+        # (monotonic time, cumulative generated tokens) samples for the tokens/s window.
+        self._token_samples: deque[tuple[float, int]] = deque()
+        self._last_stats: EngineStats | None = None
+
+        r = self.registry
+        self.ttft = Histogram(
+            "adaptermesh_time_to_first_token_seconds",
+            "Time from the request's arrival to its first generated token, queueing included.",
+            registry=r, buckets=_TTFT_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "adaptermesh_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per finished request.",
+            registry=r, buckets=_TPOT_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "adaptermesh_request_latency_seconds",
+            "Time from arrival to the last token, per finished generation request.",
+            registry=r, buckets=_LATENCY_BUCKETS,
+        )
+        self.queue_wait = Histogram(
+            "adaptermesh_queue_wait_seconds",
+            "Time a request waited in its tenant queue before the engine admitted it.",
+            registry=r, buckets=_TTFT_BUCKETS,
+        )
+        self.load_latency = Histogram(
+            "adaptermesh_adapter_load_latency_seconds",
+            "Adapter load latency reported by the engine (disk or CPU cache to GPU slot).",
+            registry=r, buckets=_LOAD_BUCKETS,
+        )
+        self.requests = Counter(
+            "adaptermesh_requests",
+            "Finished generation requests by outcome (finish reason, or the error that ended them).",
+            ["outcome"], registry=r,
+        )
+        self.rejected = Counter(
+            "adaptermesh_requests_rejected",
+            "Generation requests refused before reaching the engine, by reason.",
+            ["reason"], registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "adaptermesh_prompt_tokens",
+            "Prompt tokens of requests admitted into the engine.",
+            registry=r,
+        )
+        r.register(_EngineCollector(self))
+
+    # --------------------------------------------------------------------------------- polling
+    def poll(self) -> EngineStats:
+        """Read the engine's stats once, record drained load latencies and the token sample."""
+        stats = self.engine.stats()
+        for seconds in stats.new_load_latencies:
+            self.load_latency.observe(seconds)
+        now = self._clock()
+        samples = self._token_samples
+        samples.append((now, stats.generated_tokens))
+        # Keep one sample at or before the window's start so the rate spans the full window.
+        while len(samples) > 2 and samples[1][0] <= now - TOKENS_PER_SECOND_WINDOW_S:
+            samples.popleft()
+        self._last_stats = stats
+        return stats
+
+    def tokens_per_second(self) -> float:
+        samples = self._token_samples
+        if len(samples) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = samples[0], samples[-1]
+        if t1 <= t0:
+            return 0.0
+        return max(0, n1 - n0) / (t1 - t0)
+
+    # --------------------------------------------------------------------------- observations
+    def observe_finished(
+        self,
+        *,
+        outcome: str,
+        arrived: float,
+        first_token: float | None,
+        last_token: float | None,
+        completion_tokens: int,
+    ) -> None:
+        self.requests.labels(outcome=outcome).inc()
+        if first_token is None:
+            return
+        self.ttft.observe(first_token - arrived)
+        if last_token is not None:
+            self.e2e.observe(last_token - arrived)
+            if completion_tokens > 1:
+                self.tpot.observe((last_token - first_token) / (completion_tokens - 1))
+
+
+class _EngineCollector(Collector):
+    """Series computed at scrape time from the engine's stats and the fair queue."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self._m = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        # Returning nothing keeps registration from calling collect() (and the engine) early.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        stats = m.poll()
+        queue = m.queue
+        model = [m.model_name]
+
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting",
+            "Requests waiting: in the worker's tenant queues plus in the engine's own queue.",
+            labels=["model_name"],
+        )
+        waiting.add_metric(model, queue.num_waiting + stats.num_waiting)
+        yield waiting
+
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running",
+            "Requests in the engine's running batch.",
+            labels=["model_name"],
+        )
+        running.add_metric(model, stats.num_running)
+        yield running
+
+        kv = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage as a fraction: 0 is empty, 1 is full.",
+            labels=["model_name"],
+        )
+        kv.add_metric(model, stats.kv_cache_usage)
+        yield kv
+
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Adapters of running and waiting requests (comma-separated label values); the "
+            "value is the scrape's Unix time.",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        lora.add_metric(
+            [
+                ",".join(sorted(set(stats.running_adapters))),
+                ",".join(sorted(set(stats.waiting_adapters))),
+                str(stats.max_loras),
+            ],
+            time.time(),
+        )
+        yield lora
+
+        depth = GaugeMetricFamily(
+            "adaptermesh_queue_depth",
+            "Requests waiting in each tenant's queue (tenants idle for 5 minutes are dropped).",
+            labels=["tenant"],
+        )
+        tenant_running = GaugeMetricFamily(
+            "adaptermesh_tenant_requests_running",
+            "Requests each tenant has admitted into the engine.",
+            labels=["tenant"],
+        )
+        for tenant, snap in sorted(queue.snapshot().items()):
+            depth.add_metric([tenant], snap.waiting)
+            tenant_running.add_metric([tenant], snap.running)
+        yield depth
+        yield tenant_running
+
+        total_depth = GaugeMetricFamily(
+            "adaptermesh_queue_depth_total",
+            "Requests waiting in all tenant queues.",
+        )
+        total_depth.add_metric([], queue.num_waiting)
+        yield total_depth
+
+        admitted = GaugeMetricFamily(
+            "adaptermesh_requests_admitted",
+            "Requests admitted into the engine and not yet finished (bounded by max_running).",
+        )
+        admitted.add_metric([], queue.num_running)
+        yield admitted
+
+        tps = GaugeMetricFamily(
+            "adaptermesh_generation_tokens_per_second",
+            f"Generated tokens per second over the last {TOKENS_PER_SECOND_WINDOW_S:g} s.",
+        )
+        tps.add_metric([], m.tokens_per_second())
+        yield tps
+
+        for name, doc, value in (
+            ("adaptermesh_generation_tokens", "Tokens generated by the engine.",
+             stats.generated_tokens),
+            ("adaptermesh_adapter_cache_hits", "Adapter lookups served from a GPU slot.",
+             stats.adapter_hits),
+            ("adaptermesh_adapter_cache_misses", "Adapter lookups that had to load the adapter.",
+             stats.adapter_misses),
+            ("adaptermesh_adapter_cache_evictions", "Adapters evicted from a GPU slot.",
+             stats.adapter_evictions),
+        ):
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], value)
+            yield counter
+
+        for name, doc, gauge_value in (
+            ("adaptermesh_gpu_slots_used", "Adapter GPU slots holding an adapter.",
+             float(stats.gpu_slots_used)),
+            ("adaptermesh_gpu_slots_total", "Adapter GPU slots in the pool.",
+             float(stats.gpu_slots_total)),
+            ("adaptermesh_free_gpu_memory_bytes", "Free GPU memory in bytes (0 on CPU).",
+             float(stats.free_gpu_bytes)),
+            ("adaptermesh_kv_cache_usage_ratio", "KV-cache usage as a fraction (0..1).",
+             float(stats.kv_cache_usage)),
+            ("adaptermesh_max_loras", "Adapters the engine can batch at once.",
+             float(stats.max_loras)),
+        ):
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], gauge_value)
+            yield gauge

@@ -1,0 +1,850 @@
+"""The worker's OpenAI-compatible HTTP service (aiohttp) around an ``EngineProtocol`` engine.
+
+Routes follow vLLM's, so existing clients, gateways and dashboards work unchanged:
+
+- ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` gives SSE);
+- ``GET /v1/models``; ``POST /v1/load_lora_adapter``; ``POST /v1/unload_lora_adapter``;
+- ``GET /health`` and ``GET /metrics``.
+
+Every generation request passes through a ``FairQueue`` keyed by tenant before it reaches the
+engine, so the engine never holds more than ``max_running`` of this service's requests and
+memory stays bounded. Errors use OpenAI's shape ``{"error": {"message", "type", "param",
+"code"}}`` with ``param`` naming the offending field.
+
+Run it with ``WorkerService(engine, config).app`` on an ``aiohttp.web.AppRunner`` created with
+``handler_cancellation=True`` (``serve()`` does this): a client that disconnects then cancels
+its handler, which cancels the engine request and frees its slot even while it is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import math
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from adaptermesh.worker.fair_queue import FairQueue, QueueFullError
+from adaptermesh.worker.metrics import ServiceMetrics
+from adaptermesh.worker.types import (
+    AdapterNotFoundError,
+    EngineError,
+    EngineOverloadedError,
+    EngineProtocol,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    TokenEvent,
+    TokenStream,
+)
+
+__all__ = ["ApiError", "ServiceConfig", "WorkerService", "serve", "tenant_of"]
+
+log = logging.getLogger(__name__)
+
+_JSON = "application/json"
+# The most stop sequences one request may carry (OpenAI's limit).
+_MAX_STOP = 4
+_MAX_STOP_CHARS = 256
+_TENANT_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+-]{1,64}$")
+# Engine field names that differ from the API's.
+_ENGINE_FIELD_TO_PARAM = {"name": "lora_name", "path": "lora_path", "adapter": "model",
+                          "prompt_token_ids": "prompt"}
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """Limits and policies of one worker service. See ``docs/worker-service.md``."""
+
+    # Requests admitted into the engine at once; the rest wait in the tenant queues.
+    max_running: int = 64
+    max_waiting_per_tenant: int = 64
+    max_waiting_total: int = 1024
+    # Deficit round robin quantum, in tokens (prompt + max_tokens) of credit per turn.
+    fair_quantum_tokens: int = 512
+    # Deadline of a request that does not send ``x-request-timeout`` (seconds).
+    request_timeout_s: float = 600.0
+    # A client's ``x-request-timeout`` is capped at this (seconds).
+    max_request_timeout_s: float = 3600.0
+    # Retry-After on 429 and 503 (seconds).
+    retry_after_s: int = 1
+    admin_token: str | None = None
+    max_body_bytes: int = 4 << 20
+    default_max_tokens: int = 16
+    # Seconds SIGTERM waits for in-flight requests before cancelling them.
+    drain_timeout_s: float = 30.0
+    stats_poll_interval_s: float = 1.0
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI-shaped JSON with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # the wire field is named "type"
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def _invalid(param: str, message: str, status: int = 422, code: str = "invalid_value") -> ApiError:
+    return ApiError(status, f"{param}: {message}", param=param, code=code)
+
+
+def tenant_of(request: web.BaseRequest) -> str:
+    """The tenant a request belongs to: its API key, else ``x-tenant-id``, else its address.
+
+    API keys are hashed so that metrics labels and logs never carry a secret.
+    """
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    token = token.strip()
+    if scheme.lower() == "bearer" and token:
+        return "key-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    header = request.headers.get("x-tenant-id", "").strip()
+    if header:
+        if _TENANT_ID_RE.match(header):
+            return "id-" + header
+        # An odd header value still names a tenant, but never lands raw in a metrics label.
+        return "id-sha-" + hashlib.sha256(header.encode()).hexdigest()[:16]
+    return "ip-" + (request.remote or "unknown")
+
+
+# ------------------------------------------------------------------------------ validation
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
+
+
+def _get_int(body: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise _invalid(name, f"must be an integer, got {type(value).__name__}", code="invalid_type")
+    result: int = value
+    return result
+
+
+def _get_number(body: dict[str, Any], name: str, default: float, low: float, high: float,
+                low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise _invalid(name, f"must be a number, got {type(value).__name__}", code="invalid_type")
+    number = float(value)
+    if number > high or number < low or (low_open and number == low):
+        bracket = "(" if low_open else "["
+        raise _invalid(name, f"must be in {bracket}{low:g}, {high:g}], got {number:g}")
+    return number
+
+
+def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _invalid(name, f"must be a boolean, got {type(value).__name__}", code="invalid_type")
+    return value
+
+
+def _get_str(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if value is None:
+        raise _invalid(name, "is required", code="missing_field")
+    if not isinstance(value, str):
+        raise _invalid(name, f"must be a string, got {type(value).__name__}", code="invalid_type")
+    if not value:
+        raise _invalid(name, "must not be empty")
+    return value
+
+
+def _get_stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _invalid("stop", "must be a string or a list of strings", code="invalid_type")
+    if len(items) > _MAX_STOP:
+        raise _invalid("stop", f"at most {_MAX_STOP} sequences are allowed, got {len(items)}")
+    for s in items:
+        if not s or len(s) > _MAX_STOP_CHARS:
+            raise _invalid("stop", f"each sequence must have 1 to {_MAX_STOP_CHARS} characters")
+    return tuple(items)
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    """Fields this server does not implement are refused unless they ask for the default."""
+    defaults: dict[str, tuple[Any, ...]] = {
+        "n": (None, 1),
+        "best_of": (None, 1),
+        "echo": (None, False),
+        "logprobs": (None, False),
+        "top_logprobs": (None, 0),
+        "suffix": (None, ""),
+        "presence_penalty": (None, 0, 0.0),
+        "frequency_penalty": (None, 0, 0.0),
+        "logit_bias": (None, {}),
+        "tools": (None, []),
+    }
+    for name, allowed in defaults.items():
+        if name in body and not any(
+            (body[name] == a and type(body[name]) is type(a)) or body[name] is a
+            for a in allowed
+        ):
+            raise _invalid(name, "is not supported by this server (only the default is)",
+                           code="unsupported")
+
+
+def _prompt_token_ids(engine: EngineProtocol, prompt: Any) -> list[int]:
+    """A completion prompt: a string, a list of token ids, or a batch of exactly one of those."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _invalid("prompt", "must not be empty")
+        return list(engine.tokenize(prompt))
+    if isinstance(prompt, list):
+        if not prompt:
+            raise _invalid("prompt", "must not be empty")
+        if all(_is_int(t) for t in prompt):
+            if any(t < 0 for t in prompt):
+                raise _invalid("prompt", "token ids must not be negative")
+            return list(prompt)
+        if all(isinstance(p, str | list) for p in prompt):
+            raise _invalid("prompt", f"batches of prompts are not supported (got {len(prompt)});"
+                           " send one request per prompt", code="unsupported")
+        raise _invalid("prompt", "must be a string or a list of integer token ids",
+                       code="invalid_type")
+    if prompt is None:
+        raise _invalid("prompt", "is required", code="missing_field")
+    raise _invalid("prompt", f"must be a string or a list of token ids, got "
+                   f"{type(prompt).__name__}", code="invalid_type")
+
+
+def _chat_messages(value: Any) -> list[dict[str, str]]:
+    if value is None:
+        raise _invalid("messages", "is required", code="missing_field")
+    if not isinstance(value, list) or not value:
+        raise _invalid("messages", "must be a non-empty list of messages", code="invalid_type")
+    messages: list[dict[str, str]] = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _invalid(where, "must be an object", code="invalid_type")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise _invalid(f"{where}.role", "must be a non-empty string", code="invalid_type")
+        content = message.get("content")
+        if isinstance(content, list):
+            # Content parts: only text parts can go through a text-only model.
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str
+                ):
+                    raise _invalid(f"{where}.content[{j}]",
+                                   "only {\"type\": \"text\", \"text\": ...} parts are supported",
+                                   code="unsupported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise _invalid(f"{where}.content", "must be a string or a list of text parts",
+                           code="invalid_type")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+@dataclass(slots=True)
+class _Job:
+    """One validated generation request on its way through queue and engine."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    adapter: str | None
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    tenant: str
+    arrived: float
+    deadline: float
+    request_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(slots=True)
+class _Progress:
+    first_token: float | None = None
+    last_token: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    # How the request ended, for metrics, once known.
+    outcome: str | None = None
+
+
+class WorkerService:
+    """The aiohttp application plus the fair queue and metrics it serves with."""
+
+    def __init__(self, engine: EngineProtocol, config: ServiceConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or ServiceConfig()
+        c = self.config
+        self.queue = FairQueue(
+            max_running=c.max_running,
+            max_waiting_per_tenant=c.max_waiting_per_tenant,
+            max_waiting_total=c.max_waiting_total,
+            quantum=c.fair_quantum_tokens,
+        )
+        self.metrics = ServiceMetrics(engine, self.queue)
+        self.draining = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._poller: asyncio.Task[None] | None = None
+        self.app = web.Application(
+            client_max_size=c.max_body_bytes, middlewares=[self._error_middleware]
+        )
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/chat/completions", self._chat_completions),
+                web.get("/v1/models", self._models),
+                web.post("/v1/load_lora_adapter", self._load_adapter),
+                web.post("/v1/unload_lora_adapter", self._unload_adapter),
+                web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
+            ]
+        )
+        self.app.on_startup.append(self._start_poller)
+        self.app.on_cleanup.append(self._stop_poller)
+
+    # ------------------------------------------------------------------------------ lifecycle
+    async def _start_poller(self, _app: web.Application) -> None:
+        self._poller = asyncio.create_task(self._poll_stats(), name="worker-stats-poller")
+
+    async def _stop_poller(self, _app: web.Application) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+
+    async def _poll_stats(self) -> None:
+        # Feeds the tokens/s window and drains load latencies even when nobody scrapes.
+        while True:
+            try:
+                self.metrics.poll()
+            except Exception:
+                log.exception("engine stats poll failed")
+            await asyncio.sleep(self.config.stats_poll_interval_s)
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Refuse new generation requests and wait for in-flight ones to finish.
+
+        Returns True when everything finished within ``timeout`` seconds.
+        """
+        self.draining = True
+        limit = self.config.drain_timeout_s if timeout is None else timeout
+        try:
+            await asyncio.wait_for(self._idle.wait(), limit)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    # ----------------------------------------------------------------------------- middleware
+    @web.middleware
+    async def _error_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return exc.response()
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            error_type = "invalid_request_error" if exc.status < 500 else "server_error"
+            code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
+                exc.status
+            )
+            headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+            return ApiError(exc.status, exc.reason if exc.status != 413 else exc.text or
+                            exc.reason, type=error_type, code=code, headers=headers).response()
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return ApiError(500, "internal server error", type="server_error",
+                            code="internal_error").response()
+
+    # ------------------------------------------------------------------------------ endpoints
+    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"request body is larger than {self.config.max_body_bytes} bytes",
+                           code="payload_too_large") from None
+        if not raw:
+            raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}",
+                           code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}",
+                           code="invalid_json")
+        return body
+
+    def _check_admin(self, request: web.Request) -> None:
+        expected = self.config.admin_token
+        if expected is None:
+            return
+        given = request.headers.get("x-admin-token")
+        if given is None:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            given = token.strip() if scheme.lower() == "bearer" else None
+        if not given:
+            raise ApiError(401, "this endpoint needs the admin token (Authorization: Bearer or "
+                           "x-admin-token)", type="authentication_error", code="missing_token",
+                           headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise ApiError(403, "the admin token is wrong", type="permission_error",
+                           code="invalid_token")
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503,
+                                     headers={"Retry-After": str(self.config.retry_after_s)})
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        payload = generate_latest(self.metrics.registry)
+        return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        created = int(time.time())
+        base = self.engine.model_name
+        data: list[dict[str, Any]] = [
+            {"id": base, "object": "model", "created": created, "owned_by": "adaptermesh",
+             "root": base, "parent": None, "max_model_len": self.engine.max_model_len}
+        ]
+        for info in sorted(self.engine.list_adapters(), key=lambda a: a.name):
+            data.append({"id": info.name, "object": "model", "created": created,
+                         "owned_by": "adaptermesh", "root": info.path, "parent": base,
+                         "max_model_len": self.engine.max_model_len, "rank": info.rank,
+                         "resident_on_gpu": info.resident_on_gpu, "pinned": info.pinned})
+        return web.json_response({"object": "list", "data": data})
+
+    async def _load_adapter(self, request: web.Request) -> web.Response:
+        self._check_admin(request)
+        body = await self._read_json(request)
+        name = _get_str(body, "lora_name")
+        path = _get_str(body, "lora_path")
+        if name == self.engine.model_name:
+            raise _invalid("lora_name", "must differ from the base model's name")
+        try:
+            await self.engine.load_adapter(name, path)
+        except AdapterNotFoundError as exc:
+            raise ApiError(404, f"lora_path: {exc}", param="lora_path",
+                           code="adapter_not_found") from None
+        except InvalidRequestError as exc:
+            param = _ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
+            raise ApiError(422, str(exc), param=param, code="invalid_adapter") from None
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_adapter(self, request: web.Request) -> web.Response:
+        self._check_admin(request)
+        body = await self._read_json(request)
+        name = _get_str(body, "lora_name")
+        try:
+            await self.engine.unload_adapter(name)
+        except AdapterNotFoundError as exc:
+            raise ApiError(404, f"lora_name: {exc}", param="lora_name",
+                           code="adapter_not_found") from None
+        except InvalidRequestError as exc:
+            param = _ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
+            raise ApiError(422, str(exc), param=param) from None
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_json(request)
+        job = self._job(request, body, "completion")
+        return await self._run(request, job)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_json(request)
+        job = self._job(request, body, "chat")
+        return await self._run(request, job)
+
+    # ----------------------------------------------------------------------- request building
+    def _job(self, request: web.Request, body: dict[str, Any],
+             kind: Literal["completion", "chat"]) -> _Job:
+        if self.draining:
+            raise ApiError(503, "the worker is draining; send the request to another worker",
+                           type="service_unavailable", code="draining",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+        arrived = time.monotonic()
+        model_value = body.get("model")
+        if model_value is not None and not isinstance(model_value, str):
+            raise _invalid("model", "must be a string", code="invalid_type")
+        model = model_value or self.engine.model_name
+        adapter = None if model == self.engine.model_name else model
+        _reject_unsupported(body)
+        stream = _get_bool(body, "stream", False)
+        include_usage = False
+        options = body.get("stream_options")
+        if options is not None:
+            if not isinstance(options, dict):
+                raise _invalid("stream_options", "must be an object", code="invalid_type")
+            include_usage = _get_bool(options, "include_usage", False)
+        # OpenAI's default temperature is 1; clients that want greedy decoding send 0.
+        temperature = _get_number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _get_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+        seed = _get_int(body, "seed", None)
+        stop = _get_stop(body)
+        max_len = self.engine.max_model_len
+
+        if kind == "completion":
+            prompt_ids = _prompt_token_ids(self.engine, body.get("prompt"))
+            max_tokens_name = "max_tokens"
+            max_tokens = _get_int(body, "max_tokens", None)
+        else:
+            messages = _chat_messages(body.get("messages"))
+            ids = self.engine.apply_chat_template(messages)
+            if ids is None:
+                raise ApiError(400, "messages: this model's tokenizer has no chat template; "
+                               "use /v1/completions", param="messages",
+                               code="chat_template_missing")
+            prompt_ids = list(ids)
+            max_tokens_name = ("max_completion_tokens" if body.get("max_completion_tokens")
+                               is not None else "max_tokens")
+            max_tokens = _get_int(body, max_tokens_name, None)
+
+        if len(prompt_ids) >= max_len:
+            raise ApiError(413, f"prompt: has {len(prompt_ids)} tokens; this model's context "
+                           f"is {max_len} tokens, so a prompt may have at most {max_len - 1}",
+                           param="prompt" if kind == "completion" else "messages",
+                           code="context_length_exceeded")
+        room = max_len - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = (min(self.config.default_max_tokens, room) if kind == "completion"
+                          else room)
+        if max_tokens < 1:
+            raise _invalid(max_tokens_name, f"must be at least 1, got {max_tokens}")
+        if max_tokens > room:
+            raise _invalid(max_tokens_name, f"is {max_tokens}, but the prompt has "
+                           f"{len(prompt_ids)} tokens and the context is {max_len} tokens, so "
+                           f"at most {room} tokens can be generated",
+                           code="context_length_exceeded")
+
+        timeout = self.config.request_timeout_s
+        header = request.headers.get("x-request-timeout")
+        if header is not None:
+            try:
+                timeout = float(header)
+            except ValueError:
+                timeout = math.nan
+            if not math.isfinite(timeout) or timeout <= 0:
+                raise _invalid("x-request-timeout", "must be a positive number of seconds",
+                               code="invalid_header")
+            timeout = min(timeout, self.config.max_request_timeout_s)
+
+        prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+        return _Job(
+            kind=kind,
+            model=model,
+            adapter=adapter,
+            prompt_ids=prompt_ids,
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                    top_p=top_p, seed=seed, stop=stop),
+            stream=stream,
+            include_usage=include_usage,
+            tenant=tenant_of(request),
+            arrived=arrived,
+            deadline=arrived + timeout,
+            request_id=prefix + uuid.uuid4().hex,
+        )
+
+    # ------------------------------------------------------------------------------ execution
+    def _retry_headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.config.retry_after_s)}
+
+    def _engine_error(self, exc: Exception) -> ApiError:
+        if isinstance(exc, AdapterNotFoundError):
+            return ApiError(404, f"model: {exc}", param="model", code="model_not_found")
+        if isinstance(exc, InvalidRequestError):
+            param = _ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
+            return ApiError(422, str(exc), param=param, code="invalid_value")
+        if isinstance(exc, EngineOverloadedError):
+            self.metrics.rejected.labels(reason="engine_overloaded").inc()
+            return ApiError(429, f"the engine is overloaded: {exc}", type="rate_limit_error",
+                            code="engine_overloaded", headers=self._retry_headers())
+        return ApiError(500, f"engine error: {exc}", type="server_error", code="engine_error")
+
+    async def _run(self, request: web.Request, job: _Job) -> web.StreamResponse:
+        try:
+            ticket = self.queue.submit(job.tenant, cost=len(job.prompt_ids) +
+                                       job.sampling.max_tokens)
+        except QueueFullError as exc:
+            self.metrics.rejected.labels(reason=f"{exc.scope}_queue_full").inc()
+            raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
+                           headers=self._retry_headers()) from None
+        self._inflight += 1
+        self._idle.clear()
+        progress = _Progress()
+        outcome = "error"
+        token_stream: TokenStream | None = None
+        try:
+            try:
+                async with asyncio.timeout_at(job.deadline):
+                    await self.queue.wait(ticket)
+            except TimeoutError:
+                outcome = "deadline_queued"
+                raise ApiError(504, "the request's deadline passed while it waited in the "
+                               "queue", type="timeout_error", code="deadline_exceeded",
+                               headers=self._retry_headers()) from None
+            assert ticket.admitted_at is not None
+            self.metrics.queue_wait.observe(ticket.admitted_at - ticket.enqueued_at)
+            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+            gen = GenerationRequest(
+                request_id=job.request_id,
+                prompt_token_ids=tuple(job.prompt_ids),
+                adapter=job.adapter,
+                sampling=job.sampling,
+                deadline=job.deadline,
+            )
+            try:
+                token_stream = self.engine.submit(gen)
+            except EngineError as exc:
+                outcome = type(exc).__name__
+                raise self._engine_error(exc) from None
+            events = token_stream.__aiter__()
+            # The first event comes before any header, so errors still get a real status code.
+            first = await self._next_event(events, job, progress)
+            if job.stream:
+                return await self._stream_response(request, job, first, events, progress)
+            text = await self._collect(job, first, events, progress)
+            progress.outcome = outcome = progress.finish_reason or "error"
+            return web.json_response(self._final_body(job, text, progress))
+        except ApiError as exc:
+            if outcome == "error":
+                outcome = exc.code or "error"
+            raise
+        except asyncio.CancelledError:
+            outcome = "disconnected"
+            raise
+        finally:
+            if token_stream is not None and progress.finish_reason is None:
+                token_stream.cancel()
+            self.queue.release(ticket)
+            self.metrics.observe_finished(
+                outcome=progress.outcome or outcome,
+                arrived=job.arrived,
+                first_token=progress.first_token,
+                last_token=progress.last_token,
+                completion_tokens=progress.completion_tokens,
+            )
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def _next_event(self, events: AsyncIterator[TokenEvent], job: _Job,
+                          progress: _Progress) -> TokenEvent:
+        try:
+            async with asyncio.timeout_at(job.deadline):
+                event = await anext(events)
+        except TimeoutError:
+            raise ApiError(504, "the request's deadline passed during generation",
+                           type="timeout_error", code="deadline_exceeded") from None
+        except StopAsyncIteration:
+            raise ApiError(500, "the engine ended the request without a finish reason",
+                           type="server_error", code="engine_error") from None
+        except EngineError as exc:
+            raise self._engine_error(exc) from None
+        now = time.monotonic()
+        if event.token_id is not None or event.text:
+            if progress.first_token is None:
+                progress.first_token = now
+            progress.last_token = now
+        progress.prompt_tokens = event.prompt_tokens or len(job.prompt_ids)
+        progress.completion_tokens = event.completion_tokens
+        if event.finish_reason is not None:
+            progress.finish_reason = event.finish_reason
+            if progress.first_token is None and event.completion_tokens > 0:
+                progress.first_token = now
+            if progress.last_token is None and progress.first_token is not None:
+                progress.last_token = now
+        return event
+
+    def _finish_error(self, job: _Job, reason: str) -> ApiError:
+        if reason == "cancelled" and time.monotonic() >= job.deadline - 0.05:
+            return ApiError(504, "the request's deadline passed during generation",
+                            type="timeout_error", code="deadline_exceeded")
+        if reason == "cancelled":
+            return ApiError(503, "the engine cancelled the request (it is shutting down)",
+                            type="service_unavailable", code="cancelled",
+                            headers=self._retry_headers())
+        return ApiError(500, "the engine failed while generating", type="server_error",
+                        code="engine_error")
+
+    async def _collect(self, job: _Job, first: TokenEvent, events: AsyncIterator[TokenEvent],
+                       progress: _Progress) -> str:
+        parts = [first.text]
+        event = first
+        while event.finish_reason is None:
+            event = await self._next_event(events, job, progress)
+            parts.append(event.text)
+        reason = event.finish_reason
+        if reason in ("cancelled", "error"):
+            raise self._finish_error(job, reason)
+        return "".join(parts)
+
+    def _final_body(self, job: _Job, text: str, progress: _Progress) -> dict[str, Any]:
+        usage = self._usage(progress)
+        if job.kind == "completion":
+            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                                      "finish_reason": progress.finish_reason}
+            obj = "text_completion"
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": progress.finish_reason}
+            obj = "chat.completion"
+        return {"id": job.request_id, "object": obj, "created": job.created,
+                "model": job.model, "choices": [choice], "usage": usage}
+
+    @staticmethod
+    def _usage(progress: _Progress) -> dict[str, int]:
+        return {"prompt_tokens": progress.prompt_tokens,
+                "completion_tokens": progress.completion_tokens,
+                "total_tokens": progress.prompt_tokens + progress.completion_tokens}
+
+    def _chunk(self, job: _Job, text: str | None, finish_reason: str | None,
+               role: bool = False) -> bytes:
+        if job.kind == "completion":
+            choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None,
+                                      "finish_reason": finish_reason}
+            obj = "text_completion"
+        else:
+            delta: dict[str, str] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
+            obj = "chat.completion.chunk"
+        return _sse({"id": job.request_id, "object": obj, "created": job.created,
+                     "model": job.model, "choices": [choice]})
+
+    async def _stream_response(self, request: web.Request, job: _Job, first: TokenEvent,
+                               events: AsyncIterator[TokenEvent],
+                               progress: _Progress) -> web.StreamResponse:
+        """Send the SSE stream; ``progress.outcome`` says how it ended."""
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                     "x-request-id": job.request_id}
+        )
+        await response.prepare(request)
+        progress.outcome = "disconnected"  # until a later line knows better
+        event = first
+        try:
+            if job.kind == "chat":
+                await response.write(self._chunk(job, "", None, role=True))
+            while True:
+                if event.finish_reason in ("cancelled", "error"):
+                    assert event.finish_reason is not None
+                    error = self._finish_error(job, event.finish_reason)
+                    await response.write(_sse(error.body()))
+                    await response.write(b"data: [DONE]\n\n")
+                    progress.outcome = error.code or "error"
+                    return response
+                if event.text or event.finish_reason is not None:
+                    await response.write(self._chunk(job, event.text, event.finish_reason))
+                if event.finish_reason is not None:
+                    break
+                try:
+                    event = await self._next_event(events, job, progress)
+                except ApiError as exc:
+                    # Headers are gone: report in-band, as vLLM does, and end the stream.
+                    await response.write(_sse(exc.body()))
+                    await response.write(b"data: [DONE]\n\n")
+                    progress.outcome = exc.code or "error"
+                    return response
+            if job.include_usage:
+                await response.write(_sse({"id": job.request_id, "object": (
+                    "text_completion" if job.kind == "completion" else "chat.completion.chunk"),
+                    "created": job.created, "model": job.model, "choices": [],
+                    "usage": self._usage(progress)}))
+            await response.write(b"data: [DONE]\n\n")
+            progress.outcome = progress.finish_reason or "error"
+            await response.write_eof()
+        except ConnectionResetError:
+            progress.outcome = "disconnected"
+        return response
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def serve(service: WorkerService, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving ``service`` on ``host:port`` (0 picks a free port); returns the port."""
+    runner = web.AppRunner(service.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    # With port 0 the bound port is only known after start.
+    bound = int(runner.addresses[0][1])
+    return runner, bound
