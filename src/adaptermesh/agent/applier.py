@@ -1,0 +1,134 @@
+"""Applies Assignments to the datapath and the xDS snapshot as one step.
+
+Order: the BPF maps first (the datapath validates before it touches a map), then the xDS
+snapshot. If the snapshot is refused, the maps are put back to the last good Assignment, so
+the two never disagree. A refused version is remembered and never retried; the last good
+Assignment keeps serving, and the error is reported to the control plane.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from adaptermesh.agent.metrics import AgentMetrics
+from adaptermesh.agent.ports import Datapath, XdsSink
+from adaptermesh.agent.state import AssignmentStore
+from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
+
+__all__ = ["Applier", "ApplyResult"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    version: int
+    ok: bool
+    error: str = ""
+    skipped: bool = False
+
+
+class Applier:
+    def __init__(
+        self,
+        datapath: Datapath,
+        xds: XdsSink,
+        metrics: AgentMetrics,
+        store: AssignmentStore | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._datapath = datapath
+        self._xds = xds
+        self._metrics = metrics
+        self._store = store or AssignmentStore(None)
+        self._clock = clock
+        self.current: assignment_pb2.Assignment | None = None
+        self.last_error = ""
+        self.rejected_version = 0
+        self.received_version = 0
+        self.listeners: list[Callable[[assignment_pb2.Assignment], None]] = []
+
+    @property
+    def applied_version(self) -> int:
+        return self.current.version if self.current is not None else 0
+
+    def reconcile(self) -> ApplyResult | None:
+        """On start: re-apply the cached Assignment, so maps and xDS agree before any watch.
+
+        The maps may already hold it (a restart keeps the pins); applying it again is
+        idempotent and repairs a map that someone edited by hand.
+        """
+        cached = self._store.load()
+        if cached is None:
+            return None
+        _log.info("reconciling with cached assignment version %d", cached.version)
+        return self.apply(cached, persist=False)
+
+    def apply(self, assignment: assignment_pb2.Assignment, persist: bool = True) -> ApplyResult:
+        version = assignment.version
+        self.received_version = max(self.received_version, version)
+        self._metrics.received_version.set(self.received_version)
+        if version <= self.applied_version or version == self.rejected_version:
+            # Versions only grow; an old or already-refused one is a replay after a reconnect.
+            self._metrics.applies.labels("stale").inc()
+            return ApplyResult(version, ok=True, skipped=True)
+        started = time.perf_counter()
+        try:
+            self._datapath.apply(assignment)
+        except Exception as exc:
+            return self._reject(assignment, f"datapath: {exc}")
+        try:
+            self._xds.publish(assignment)
+        except Exception as exc:
+            self._rollback_datapath()
+            return self._reject(assignment, f"xds: {exc}")
+        self._metrics.apply_seconds.observe(time.perf_counter() - started)
+        self.current = assignment
+        self.last_error = ""
+        self._metrics.applies.labels("ok").inc()
+        self._metrics.applied_version.set(version)
+        self._metrics.apply_error.set(0)
+        self._metrics.last_apply_timestamp.set(self._clock())
+        self._metrics.set_shards({s.index: (s.id, s.weight) for s in assignment.shards})
+        if persist:
+            try:
+                self._store.save(assignment)
+            except OSError as exc:
+                # Serving is unaffected; only a restart would start from an older cache.
+                _log.warning("could not cache assignment %d: %s", version, exc)
+        _log.info(
+            "applied assignment version %d (%d shards, %d pins): %s",
+            version,
+            len(assignment.shards),
+            len(assignment.pins),
+            assignment.reason or "-",
+        )
+        for listener in self.listeners:
+            listener(assignment)
+        return ApplyResult(version, ok=True)
+
+    def _rollback_datapath(self) -> None:
+        if self.current is None:
+            return
+        try:
+            self._datapath.apply(self.current)
+        except Exception:
+            # The maps validated this Assignment before; failing now means the kernel side is
+            # broken, which the datapath_attached gauge and /healthz report.
+            _log.exception("could not restore assignment %d to the datapath", self.current.version)
+
+    def _reject(self, assignment: assignment_pb2.Assignment, error: str) -> ApplyResult:
+        self.rejected_version = assignment.version
+        self.last_error = f"version {assignment.version}: {error}"
+        self._metrics.applies.labels("error").inc()
+        self._metrics.apply_error.set(1)
+        _log.error(
+            "rejected assignment version %d (still serving %d): %s",
+            assignment.version,
+            self.applied_version,
+            error,
+        )
+        return ApplyResult(assignment.version, ok=False, error=self.last_error)

@@ -1,0 +1,140 @@
+"""``adaptermesh agent``: run the node agent.
+
+Example::
+
+    adaptermesh agent --node-id node-a --control-plane 10.0.0.5:50051 \\
+        --token-file /etc/adaptermesh/agent.token --iface eth0 \\
+        --pin-dir /sys/fs/bpf/adaptermesh --xds-port 18000 --metrics-port 9464
+
+SIGTERM and SIGINT stop it gracefully: the classifier stays attached and keeps steering with
+the last Assignment, so a restart (an upgrade, a crash loop) loses no traffic. ``--detach``
+removes the filter and the pinned maps on the way out, for uninstalling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from adaptermesh.agent.daemon import Agent, AgentConfig
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port out of range: {value}")
+    return value
+
+
+def _host_port(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="adaptermesh agent", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--node-id", required=True, help="this node's name, as the control plane sees it"
+    )
+    p.add_argument("--control-plane", required=True, type=_host_port, metavar="HOST:PORT")
+    p.add_argument("--token-file", type=Path, help="bearer token with the read and write scopes")
+    p.add_argument("--iface", required=True, help="interface whose ingress the classifier steers")
+    p.add_argument("--pin-dir", type=Path, default=Path("/sys/fs/bpf/adaptermesh"))
+    p.add_argument("--vxlan-dev", help="collect-metadata VXLAN device for tunnel steering")
+    p.add_argument("--xds-host", default="127.0.0.1", help="address the xDS server binds")
+    p.add_argument("--xds-port", type=_port, default=18000)
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics binds")
+    p.add_argument("--metrics-port", type=_port, default=9464)
+    p.add_argument(
+        "--state-file",
+        type=Path,
+        default=Path("/var/lib/adaptermesh/agent/assignment.pb"),
+        help="cache of the last applied Assignment, served at once after a restart",
+    )
+    p.add_argument("--report-interval", type=_positive, default=2.0, metavar="SECONDS")
+    p.add_argument("--tls-ca", type=Path, help="CA bundle: connect to the control plane with TLS")
+    p.add_argument("--tls-cert", type=Path, help="client certificate for mTLS")
+    p.add_argument("--tls-key", type=Path, help="client key for mTLS")
+    p.add_argument(
+        "--detach", action="store_true", help="on exit, remove the filter and pinned maps"
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    token = None
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"adaptermesh agent: --token-file: {exc}") from exc
+        if not token:
+            raise SystemExit(f"adaptermesh agent: --token-file: {args.token_file} is empty")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise SystemExit("adaptermesh agent: --tls-cert and --tls-key go together")
+    if args.tls_cert is not None and args.tls_ca is None:
+        raise SystemExit("adaptermesh agent: --tls-cert needs --tls-ca")
+    return AgentConfig(
+        node_id=args.node_id,
+        control_plane=args.control_plane,
+        token=token,
+        iface=args.iface,
+        pin_dir=args.pin_dir,
+        vxlan_dev=args.vxlan_dev,
+        xds_host=args.xds_host,
+        xds_port=args.xds_port,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        state_file=args.state_file,
+        report_interval_s=args.report_interval,
+        detach=args.detach,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
+
+
+async def _run(config: AgentConfig) -> None:
+    from adaptermesh.agent.backends import bpf_datapath, mesh_xds
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await Agent(config, bpf_datapath, mesh_xds).run(stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = config_from_args(args)
+    try:
+        asyncio.run(_run(config))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        logging.getLogger("adaptermesh.agent").exception("agent failed: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The node agent: datapath + control-plane watch + load reports + xDS + its own HTTP.
+
+Start-up order matters for a restart that loses no traffic:
+
+1. open the datapath (the loader reuses the pinned maps and the attached filter, so the
+   classifier never stops steering);
+2. start the xDS server and reconcile with the cached Assignment, so an Envoy that reconnects
+   gets the same configuration it had, not an empty one;
+3. only then watch the control plane, resuming from the applied version.
+
+A graceful stop leaves the filter and the pinned maps in place unless ``detach`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from adaptermesh.agent.applier import Applier
+from adaptermesh.agent.backoff import Backoff
+from adaptermesh.agent.http import build_app
+from adaptermesh.agent.load import LoadTracker
+from adaptermesh.agent.metrics import AgentMetrics
+from adaptermesh.agent.ports import Datapath, FlowEvent, XdsSink
+from adaptermesh.agent.state import AssignmentStore
+from adaptermesh.agent.watch import AssignmentWatcher, LoadReporter
+from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2_grpc
+
+__all__ = ["Agent", "AgentConfig"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    node_id: str
+    control_plane: str  # HOST:PORT
+    token: str | None = None
+    iface: str = "eth0"
+    pin_dir: Path = Path("/sys/fs/bpf/adaptermesh")
+    vxlan_dev: str | None = None
+    xds_host: str = "127.0.0.1"
+    xds_port: int = 18000
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9464
+    state_file: Path | None = Path("/var/lib/adaptermesh/agent/assignment.pb")
+    report_interval_s: float = 2.0
+    detach: bool = False
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 10.0
+
+
+DatapathFactory = Callable[[AgentConfig], Datapath]
+XdsFactory = Callable[[AgentConfig], Awaitable[XdsSink]]
+
+
+def _channel(config: AgentConfig) -> grpc.aio.Channel:
+    # Keepalives notice a dead control plane (or a dropped NAT entry) within seconds instead of
+    # waiting for TCP to time out, so the reconnect starts promptly.
+    options = [
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if config.tls_ca is None:
+        return grpc.aio.insecure_channel(config.control_plane, options=options)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=config.tls_ca.read_bytes(),
+        private_key=config.tls_key.read_bytes() if config.tls_key else None,
+        certificate_chain=config.tls_cert.read_bytes() if config.tls_cert else None,
+    )
+    return grpc.aio.secure_channel(config.control_plane, creds, options=options)
+
+
+class Agent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        datapath_factory: DatapathFactory,
+        xds_factory: XdsFactory,
+        metrics: AgentMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self._datapath_factory = datapath_factory
+        self._xds_factory = xds_factory
+        self.metrics = metrics or AgentMetrics()
+        self.tracker = LoadTracker()
+        self.datapath: Datapath | None = None
+        self.xds: XdsSink | None = None
+        self.applier: Applier | None = None
+        self.watcher: AssignmentWatcher | None = None
+        self.reporter: LoadReporter | None = None
+        self.http_port: int | None = None
+        self._poll_stop = threading.Event()
+        self._poll_error = ""
+        self.started = asyncio.Event()
+
+    # -- event thread ---------------------------------------------------------------------
+
+    def _on_event(self, event: FlowEvent) -> None:
+        self.tracker.on_event(event, time.monotonic())
+        self.metrics.events.labels(event.reason).inc()
+
+    def _poll_events(self, datapath: Datapath) -> None:
+        # bcc's ring-buffer poll blocks in the kernel; a thread keeps the event loop free.
+        while not self._poll_stop.is_set():
+            try:
+                datapath.poll_events(self._on_event, 200)
+            except Exception as exc:
+                self._poll_error = str(exc)
+                _log.exception("ring buffer poll failed; retrying")
+                self._poll_stop.wait(1.0)
+
+    # -- HTTP views -----------------------------------------------------------------------
+
+    def _health(self) -> tuple[bool, dict[str, Any]]:
+        applier = self.applier
+        ok = self.datapath is not None and self.xds is not None and not self._poll_error
+        return ok, {
+            "applied_version": applier.applied_version if applier else 0,
+            "control_plane_connected": bool(self.watcher and self.watcher.connected),
+            "error": self._poll_error,
+        }
+
+    def _ready(self) -> bool:
+        return self.applier is not None and self.applier.applied_version > 0
+
+    def status(self) -> dict[str, Any]:
+        applier = self.applier
+        current = applier.current if applier else None
+        rates = self.tracker.last()
+        shards = []
+        if current is not None:
+            for s in current.shards:
+                r = rates.get(s.index)
+                shards.append(
+                    {
+                        "id": s.id,
+                        "index": s.index,
+                        "weight": s.weight,
+                        "state": assignment_pb2.ShardState.Name(s.state),
+                        "endpoints": [f"{e.address}:{e.port}" for e in s.endpoints],
+                        "packets_per_s": r.packets_per_s if r else 0.0,
+                        "bytes_per_s": r.bytes_per_s if r else 0.0,
+                        "new_flows_per_s": r.new_flows_per_s if r else 0.0,
+                        "active_flows": r.active_flows if r else 0,
+                        "packets_total": r.packets_total if r else 0,
+                        "new_flows_total": r.new_flows_total if r else 0,
+                    }
+                )
+        return {
+            "node_id": self.config.node_id,
+            "applied_version": applier.applied_version if applier else 0,
+            "received_version": applier.received_version if applier else 0,
+            "apply_error": applier.last_error if applier else "",
+            "reason": current.reason if current else "",
+            "control_plane_connected": bool(self.watcher and self.watcher.connected),
+            "watch_error": self.watcher.last_error if self.watcher else "",
+            "report_error": self.reporter.last_error if self.reporter else "",
+            "events_total": self.tracker.events_total,
+            "shards": shards,
+            "pins": [{"cidr": p.cidr, "shard_id": p.shard_id} for p in current.pins]
+            if current
+            else [],
+            "overrides": [
+                {"shard_id": o.shard_id, "weight": o.weight, "reason": o.reason}
+                for o in current.overrides
+            ]
+            if current
+            else [],
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        config = self.config
+        self.metrics.bind_rates(self.tracker.last)
+        datapath = self._datapath_factory(config)
+        self.datapath = datapath
+        self.metrics.datapath_attached.set(1)
+        tasks: list[asyncio.Task[None]] = []
+        runner: web.AppRunner | None = None
+        channel: grpc.aio.Channel | None = None
+        poller: threading.Thread | None = None
+        try:
+            self.xds = await self._xds_factory(config)
+            applier = Applier(datapath, self.xds, self.metrics, AssignmentStore(config.state_file))
+            self.applier = applier
+            applier.reconcile()
+
+            runner = web.AppRunner(build_app(self.metrics, self._health, self._ready, self.status))
+            await runner.setup()
+            site = web.TCPSite(runner, config.metrics_host, config.metrics_port)
+            await site.start()
+            self.http_port = _bound_port(site, config.metrics_port)
+
+            self._poll_stop.clear()
+            poller = threading.Thread(
+                target=self._poll_events, args=(datapath,), name="am-ringbuf", daemon=True
+            )
+            poller.start()
+
+            channel = _channel(config)
+            stub = control_plane_pb2_grpc.ControlPlaneStub(channel)  # type: ignore[no-untyped-call]
+            self.reporter = LoadReporter(
+                stub,
+                config.node_id,
+                applier,
+                datapath,
+                self.tracker,
+                self.metrics,
+                token=config.token,
+                interval_s=config.report_interval_s,
+            )
+            self.watcher = AssignmentWatcher(
+                stub,
+                config.node_id,
+                applier,
+                self.metrics,
+                token=config.token,
+                backoff=Backoff(config.backoff_initial_s, config.backoff_max_s),
+                on_applied=self.reporter.poke,
+            )
+            tasks = [
+                asyncio.create_task(self.watcher.run(), name="am-watch"),
+                asyncio.create_task(self.reporter.run(), name="am-report"),
+            ]
+            self.started.set()
+            _log.info(
+                "agent %s up: iface=%s xds=%s:%d http=%s:%s control-plane=%s",
+                config.node_id,
+                config.iface,
+                config.xds_host,
+                config.xds_port,
+                config.metrics_host,
+                self.http_port,
+                config.control_plane,
+            )
+            stop_wait = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait([stop_wait, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            stop_wait.cancel()
+            for task in done:
+                if task is not stop_wait and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if channel is not None:
+                await channel.close()
+            self._poll_stop.set()
+            if poller is not None:
+                await asyncio.to_thread(poller.join, 2.0)
+            if runner is not None:
+                await runner.cleanup()
+            if self.xds is not None:
+                await self.xds.close()
+            datapath.close(config.detach)
+            self.metrics.datapath_attached.set(0)
+            _log.info(
+                "agent %s stopped (%s)",
+                config.node_id,
+                "datapath detached" if config.detach else "datapath left in place",
+            )
+
+
+def _bound_port(site: web.TCPSite, requested: int) -> int:
+    if requested:
+        return requested
+    server = site._server  # aiohttp keeps the asyncio server here; port 0 needs its real port
+    sockets = getattr(server, "sockets", None) or []
+    for sock in sockets:
+        return int(sock.getsockname()[1])
+    return requested

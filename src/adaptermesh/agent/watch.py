@@ -1,0 +1,198 @@
+"""The control-plane side of the agent: the WatchAssignments stream and the ReportLoad loop.
+
+The watch resumes from the applied version after every failure, with exponential backoff and
+jitter, and never touches the applied state on a disconnect: the node keeps serving its last
+Assignment for as long as the control plane is away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from adaptermesh.agent.applier import Applier
+from adaptermesh.agent.backoff import Backoff
+from adaptermesh.agent.load import LoadTracker, ShardRates
+from adaptermesh.agent.metrics import AgentMetrics
+from adaptermesh.agent.ports import Datapath
+from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2, control_plane_pb2_grpc
+
+__all__ = ["AssignmentWatcher", "LoadReporter", "auth_metadata"]
+
+_log = logging.getLogger(__name__)
+
+
+def auth_metadata(token: str | None) -> Sequence[tuple[str, str]]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class AssignmentWatcher:
+    """Keeps one WatchAssignments stream open and hands every Assignment to the applier."""
+
+    def __init__(
+        self,
+        stub: control_plane_pb2_grpc.ControlPlaneStub,
+        node_id: str,
+        applier: Applier,
+        metrics: AgentMetrics,
+        token: str | None = None,
+        backoff: Backoff | None = None,
+        on_applied: Callable[[], None] | None = None,
+        # A stream that lived this long counts as healthy: the next failure starts the
+        # backoff from its initial delay again.
+        healthy_after_s: float = 5.0,
+    ) -> None:
+        self._stub = stub
+        self._node_id = node_id
+        self._applier = applier
+        self._metrics = metrics
+        self._metadata = auth_metadata(token)
+        self.backoff = backoff or Backoff()
+        self._on_applied = on_applied
+        self._healthy_after_s = healthy_after_s
+        self.connected = False
+        self.last_error = ""
+        self.sleeps: list[float] = []  # recent backoff delays, for /status and tests
+
+    async def run(self) -> None:
+        first = True
+        while True:
+            if not first:
+                self._metrics.reconnects.inc()
+            first = False
+            opened = time.monotonic()
+            try:
+                await self._stream_once()
+                self.last_error = "stream ended by the control plane"
+            except grpc.aio.AioRpcError as exc:
+                self.last_error = f"{exc.code().name}: {exc.details()}"
+                self._metrics.watch_errors.labels(exc.code().name).inc()
+            finally:
+                self.connected = False
+                self._metrics.connected.set(0)
+            if time.monotonic() - opened >= self._healthy_after_s:
+                self.backoff.reset()
+            delay = self.backoff.next()
+            self.sleeps = [*self.sleeps[-9:], delay]
+            _log.warning(
+                "control plane watch lost (%s); serving version %d, retrying in %.2fs",
+                self.last_error,
+                self._applier.applied_version,
+                delay,
+            )
+            await asyncio.sleep(delay)
+
+    async def _stream_once(self) -> None:
+        request = control_plane_pb2.WatchAssignmentsRequest(
+            from_version=self._applier.applied_version, node_id=self._node_id
+        )
+        call = self._stub.WatchAssignments(request, metadata=self._metadata)
+        try:
+            # wait_for_connection() would block forever on an unreachable server; the first
+            # read fails fast instead and the backoff takes over.
+            async for assignment in call:
+                if not self.connected:
+                    self.connected = True
+                    self._metrics.connected.set(1)
+                    self.backoff.reset()
+                    _log.info("watching assignments from %s", self._node_id)
+                result = self._applier.apply(assignment)
+                if not result.skipped and self._on_applied is not None:
+                    self._on_applied()
+        finally:
+            call.cancel()
+
+
+class LoadReporter:
+    """Reports the applied version and per-shard traffic facts every ``interval_s``."""
+
+    def __init__(
+        self,
+        stub: control_plane_pb2_grpc.ControlPlaneStub,
+        node_id: str,
+        applier: Applier,
+        datapath: Datapath,
+        tracker: LoadTracker,
+        metrics: AgentMetrics,
+        token: str | None = None,
+        interval_s: float = 2.0,
+        timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._stub = stub
+        self._node_id = node_id
+        self._applier = applier
+        self._datapath = datapath
+        self._tracker = tracker
+        self._metrics = metrics
+        self._metadata = auth_metadata(token)
+        self.interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._wake = asyncio.Event()
+        self.last_error = ""
+
+    def poke(self) -> None:
+        """Report now (after an apply) instead of waiting for the next interval."""
+        self._wake.set()
+
+    def sample(self) -> dict[int, ShardRates]:
+        return self._tracker.update(self._datapath.read_stats(), self._clock())
+
+    def build_report(self, rates: dict[int, ShardRates]) -> control_plane_pb2.LoadReport:
+        names = {}
+        if self._applier.current is not None:
+            names = {s.index: s.id for s in self._applier.current.shards}
+        observed = Timestamp()
+        observed.GetCurrentTime()
+        report = control_plane_pb2.LoadReport(
+            node_id=self._node_id,
+            applied_version=self._applier.applied_version,
+            observed_at=observed,
+            apply_error=self._applier.last_error,
+        )
+        for index, r in sorted(rates.items()):
+            if index not in names:
+                continue  # counters for an index no shard uses any more
+            report.shards.add(
+                shard_id=names[index],
+                packets_per_s=r.packets_per_s,
+                bytes_per_s=r.bytes_per_s,
+                new_flows_per_s=r.new_flows_per_s,
+                active_flows=r.active_flows,
+            )
+        return report
+
+    async def report_once(self, resample: bool = True) -> bool:
+        # A report right after an apply reuses the last rates: a sample over a few
+        # milliseconds would be mostly noise.
+        rates = self.sample() if resample or not self._tracker.last() else self._tracker.last()
+        try:
+            await self._stub.ReportLoad(
+                self.build_report(rates), metadata=self._metadata, timeout=self._timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            self.last_error = f"{exc.code().name}: {exc.details()}"
+            self._metrics.reports.labels("error").inc()
+            return False
+        self.last_error = ""
+        self._metrics.reports.labels("ok").inc()
+        return True
+
+    async def run(self) -> None:
+        next_sample = self._clock()
+        while True:
+            now = self._clock()
+            resample = now >= next_sample
+            if resample:
+                next_sample = now + self.interval_s
+            await self.report_once(resample)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(0.0, next_sample - self._clock()))
