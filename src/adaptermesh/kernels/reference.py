@@ -1,0 +1,116 @@
+"""Plain-torch twins of the Triton kernels.
+
+Each ``<op>_ref`` has the same signature and contract as ``<op>`` in ``sgmm.py`` / ``fuse.py``.
+Tests use them as the oracle; the worker runs them on CPU. They compute in fp32 and round the
+way the kernels round: ``v`` is kept in fp32, cast to the weight dtype before the expand
+matmul (the kernel feeds bf16/fp16 operands to the tensor cores), and the sum with ``out`` is
+formed in fp32 and rounded once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from adaptermesh.kernels._validate import check_expand, check_meta, check_pair, check_shrink
+from adaptermesh.kernels.meta import SegmentMeta
+
+__all__ = [
+    "add_lora_ref",
+    "sgmm_expand_ref",
+    "sgmm_shrink_ref",
+]
+
+
+def _slot_groups(meta: SegmentMeta, num_tokens: int) -> list[tuple[int, torch.Tensor]]:
+    """(slot, token indices) for every non-empty segment, read from the metadata."""
+    starts = meta.seg_start.tolist()
+    order = meta.sorted_tokens
+    groups = []
+    for s in range(meta.num_slots):
+        a, b = starts[s], starts[s + 1]
+        if b > a:
+            groups.append((s, order[a:b].long()))
+    return groups
+
+
+def sgmm_shrink_ref(
+    x: torch.Tensor,  # [T, H]
+    lora_a: torch.Tensor,  # [n_slices, S, R_max, H]
+    ranks: torch.Tensor,  # [S] int32
+    meta: SegmentMeta,
+    *,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """v[i, t, :r] = x[t] @ lora_a[i, slot(t), :r].T with r = ranks[slot(t)]; fp32.
+
+    Returns ``v: [n_slices, T, R_max]`` float32. Entries past a token's rank and the rows of
+    base tokens are unspecified (the Triton kernel leaves them unwritten); this twin zeroes
+    them.
+    """
+    shapes = check_shrink(x, lora_a, ranks, check_values)
+    check_meta(meta, shapes, x)
+    v = torch.zeros(
+        shapes.n_slices, shapes.num_tokens, shapes.r_max, dtype=torch.float32, device=x.device
+    )
+    rank_list = ranks.tolist()
+    for s, idx in _slot_groups(meta, shapes.num_tokens):
+        r = min(int(rank_list[s]), shapes.r_max)
+        if r == 0:
+            continue
+        xs = x.index_select(0, idx).float()
+        for i in range(shapes.n_slices):
+            v[i, idx, :r] = xs @ lora_a[i, s, :r].float().T
+    return v
+
+
+def sgmm_expand_ref(
+    out: torch.Tensor,  # [T, sum N_i]
+    v: torch.Tensor,  # [n_slices, T, R_max] fp32
+    lora_b: Sequence[torch.Tensor],  # n_slices x [S, N_i, R_max]
+    scales: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32
+    meta: SegmentMeta,
+    *,
+    check_values: bool = True,
+) -> None:
+    """out[t, off_i:off_i+N_i] += scales[s] * v[i, t, :r] @ lora_b[i][s, :, :r].T, in place."""
+    shapes = check_expand(out, v, lora_b, scales, ranks, check_values)
+    check_meta(meta, shapes, out)
+    rank_list = ranks.tolist()
+    scale_list = scales.tolist()
+    wdtype = lora_b[0].dtype
+    for s, idx in _slot_groups(meta, shapes.num_tokens):
+        r = min(int(rank_list[s]), shapes.r_max)
+        if r == 0:
+            continue
+        for i, b in enumerate(lora_b):
+            off, n = shapes.out_offsets[i], shapes.out_sizes[i]
+            vi = v[i].index_select(0, idx)[:, :r].to(wdtype).float()
+            delta = (vi @ b[s, :, :r].float().T) * scale_list[s]
+            cols = out[:, off : off + n]
+            cols[idx] = (cols[idx].float() + delta).to(out.dtype)
+
+
+def add_lora_ref(
+    out: torch.Tensor,  # [T, sum N_i]
+    x: torch.Tensor,  # [T, H]
+    lora_a: torch.Tensor,  # [n_slices, S, R_max, H]
+    lora_b: Sequence[torch.Tensor],  # n_slices x [S, N_i, R_max]
+    scales: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32
+    meta: SegmentMeta,
+    *,
+    check_values: bool = True,
+) -> None:
+    """out += scale * (x @ A.T) @ B.T per token's slot; base tokens untouched."""
+    shapes = check_shrink(x, lora_a, ranks, check_values)
+    check_meta(meta, shapes, x)
+    v_probe = torch.empty(
+        shapes.n_slices, shapes.num_tokens, shapes.r_max, dtype=torch.float32, device=x.device
+    )
+    check_expand(out, v_probe, lora_b, scales, ranks, False)
+    check_pair(out, x, lora_a, lora_b)
+    v = sgmm_shrink_ref(x, lora_a, ranks, meta, check_values=False)
+    sgmm_expand_ref(out, v, lora_b, scales, ranks, meta, check_values=False)

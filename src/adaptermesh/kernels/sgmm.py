@@ -1,0 +1,440 @@
+# Triton kernels take untyped launch arguments; mypy checks the typed launchers below them.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""SGMM: segmented gather matrix multiply for a batch that mixes many LoRA adapters.
+
+Maths, for every token ``t`` whose slot ``s = a(t)`` is not -1 and every output slice ``i``
+(q/k/v of a fused QKV projection, or gate/up), with ``r = ranks[s]``::
+
+    shrink:  v[i, t, :r]                 = x[t] @ A[i, s, :r, :].T            (fp32 accumulate)
+    expand:  out[t, off_i : off_i + N_i] += scales[s] * v[i, t, :r] @ B_i[s, :, :r].T
+
+Design (after Punica's SGMV and vLLM's ``lora_shrink_op``): tokens are grouped by slot once per
+batch (``meta.py``); each program owns a BLOCK_M tile of one slot's segment, so a tile shares
+one adapter and its product is a real ``tl.dot`` on the tensor cores. Instead of a grid of
+``max_tiles x S`` programs that mostly exit, the grid's first axis is the bound
+``cdiv(T, BLOCK_M) + min(S, T)`` on the number of non-empty tiles, and each program finds its
+(slot, tile) by a prefix sum over the per-slot tile counts (``S`` is small, so that is a few
+vector ops on cached data). The grid depends only on ``T``, ``S`` and the pool shape, never on
+the token mix: no host synchronisation, and a captured CUDA graph stays valid.
+
+Ranks are read per slot: a rank-8 adapter in a pool with ``R_max = 128`` loads and multiplies
+8 rows (one masked 16-wide tile), not 128. ``v`` is fp32; the expand kernel rounds it to the
+weight dtype before the tensor-core product, and adds to ``out`` in fp32 with one rounding.
+Entries of ``v`` past a token's rank, and rows of base tokens, are left unwritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from adaptermesh.kernels._validate import check_expand, check_meta, check_pair, check_shrink
+from adaptermesh.kernels.dispatch import interpreter_enabled
+from adaptermesh.kernels.meta import SegmentMeta
+
+__all__ = ["SgmmConfig", "add_lora", "sgmm_expand", "sgmm_shrink"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Config space. Defaults chosen by the sweep in bench/bench_sgmm.py (`--tune`) on one H200
+# (bf16, H=4096, N in {4096, 14336}); the table and numbers are in docs/kernels.md. The
+# reasoning behind the shape of the heuristic:
+# - shrink is bound by reading x (T*H*2 bytes; A is small and stays in L2), so it wants many
+#   programs: BLOCK_M=16 keeps >= 2 waves of programs on 132 SMs down to T=4096 with S=1.
+# - expand is bound by reading and writing out (2*T*N*2 bytes); BLOCK_N=128 keeps the stores
+#   wide and BLOCK_M grows with T so each B tile is reused across more tokens.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SgmmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, int(triton.next_power_of_2(n)))
+
+
+def shrink_config(num_tokens: int, hidden: int, r_max: int) -> SgmmConfig:
+    block_n = min(_pow2_at_least_16(r_max), 64)
+    block_m = 16 if num_tokens <= 1024 else 32
+    return SgmmConfig(block_m=block_m, block_n=block_n, block_k=128, num_warps=4, num_stages=3)
+
+
+def expand_config(num_tokens: int, n_max: int, r_max: int) -> SgmmConfig:
+    block_k = min(_pow2_at_least_16(r_max), 64)
+    block_m = 16 if num_tokens <= 64 else (32 if num_tokens <= 512 else 64)
+    return SgmmConfig(block_m=block_m, block_n=128, block_k=block_k, num_warps=4, num_stages=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared device helper: map a program of the compact tile axis to (slot, first row, end row).
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _locate_tile(
+    pid_m,
+    seg_start_ptr,
+    S,
+    BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    offs_s = tl.arange(0, BLOCK_S)
+    in_range = offs_s < S
+    starts = tl.load(seg_start_ptr + offs_s, mask=in_range, other=0)
+    ends = tl.load(seg_start_ptr + 1 + offs_s, mask=in_range, other=0)
+    n_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(n_tiles, 0)  # inclusive prefix sum of tiles per slot
+    total = tl.sum(n_tiles, 0)
+    # Slot owning tile pid_m: the number of slots whose tiles all come before it.
+    slot = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    slot = tl.minimum(slot, S - 1)
+    is_slot = offs_s == slot
+    first_tile = tl.sum(tl.where(is_slot, cum - n_tiles, 0), 0)
+    seg_begin = tl.sum(tl.where(is_slot, starts, 0), 0)
+    seg_end = tl.sum(tl.where(is_slot, ends, 0), 0)
+    row_begin = seg_begin + (pid_m - first_tile) * BLOCK_M
+    return pid_m < total, slot, row_begin, seg_end
+
+
+@triton.jit
+def _sgmm_shrink_kernel(
+    # pointers
+    x_ptr,
+    a_ptr,
+    v_ptr,
+    ranks_ptr,
+    sorted_ptr,
+    seg_start_ptr,
+    # sizes
+    H,
+    S,
+    R_MAX,
+    # strides
+    stride_xt,
+    stride_xh,
+    stride_ai,
+    stride_as,
+    stride_ar,
+    stride_ah,
+    stride_vi,
+    stride_vt,
+    stride_vr,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_i = tl.program_id(2).to(tl.int64)
+    has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    if not has_tile:
+        return
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
+    n_start = pid_n * BLOCK_N
+    if n_start >= rank:  # no work past the slot's real rank
+        return
+    offs_m = row_begin + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < seg_end
+    tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < rank
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    a_ptrs = (
+        a_ptr
+        + pid_i * stride_ai
+        + slot.to(tl.int64) * stride_as
+        + offs_n[None, :] * stride_ar
+        + offs_k[:, None] * stride_ah
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        k_left = H - k * BLOCK_K
+        xt = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        at = tl.load(a_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        if DOT_FP32:
+            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(xt, at)
+        x_ptrs += BLOCK_K * stride_xh
+        a_ptrs += BLOCK_K * stride_ah
+    v_ptrs = v_ptr + pid_i * stride_vi + tok[:, None] * stride_vt + offs_n[None, :] * stride_vr
+    tl.store(v_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _sgmm_expand_kernel(
+    # pointers
+    out_ptr,
+    v_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    scales_ptr,
+    ranks_ptr,
+    sorted_ptr,
+    seg_start_ptr,
+    # sizes
+    S,
+    R_MAX,
+    N0,
+    N1,
+    N2,
+    OFF1,
+    OFF2,
+    # strides
+    stride_ot,
+    stride_on,
+    stride_vi,
+    stride_vt,
+    stride_vr,
+    stride_b0s,
+    stride_b0n,
+    stride_b0r,
+    stride_b1s,
+    stride_b1n,
+    stride_b1r,
+    stride_b2s,
+    stride_b2n,
+    stride_b2r,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_i = tl.program_id(2)
+    # Per-slice B matrix, width, column offset and strides (at most three slices).
+    if pid_i == 0:
+        b_ptr = b0_ptr
+        n_size = N0
+        col_off = 0
+        stride_bs = stride_b0s
+        stride_bn = stride_b0n
+        stride_br = stride_b0r
+    elif pid_i == 1:
+        b_ptr = b1_ptr
+        n_size = N1
+        col_off = OFF1
+        stride_bs = stride_b1s
+        stride_bn = stride_b1n
+        stride_br = stride_b1r
+    else:
+        b_ptr = b2_ptr
+        n_size = N2
+        col_off = OFF2
+        stride_bs = stride_b2s
+        stride_bn = stride_b2n
+        stride_br = stride_b2r
+    n_start = pid_n * BLOCK_N
+    if n_start >= n_size:
+        return
+    has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    if not has_tile:
+        return
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
+    if rank == 0:
+        return
+    offs_m = row_begin + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < seg_end
+    tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_size
+    offs_k = tl.arange(0, BLOCK_K)
+    v_ptrs = v_ptr + pid_i.to(tl.int64) * stride_vi + tok[:, None] * stride_vt
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The loop runs to the slot's rank, not R_MAX.
+    for k in range(0, tl.cdiv(rank, BLOCK_K)):
+        kk = k * BLOCK_K + offs_k
+        mask_k = kk < rank
+        vt = tl.load(v_ptrs + kk[None, :] * stride_vr, mask=mask_m[:, None] & mask_k[None, :])
+        bt = tl.load(b_ptrs + kk[:, None] * stride_br, mask=mask_k[:, None] & mask_n[None, :])
+        vt = vt.to(bt.dtype)
+        if DOT_FP32:
+            acc += tl.dot(vt.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(vt, bt)
+    scale = tl.load(scales_ptr + slot)
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
+    o_mask = mask_m[:, None] & mask_n[None, :]
+    o = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, (o + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def _dot_fp32(dtype: torch.dtype) -> bool:
+    """Whether tl.dot runs on fp32 operands with IEEE precision.
+
+    fp32 activations get IEEE fp32 products instead of tf32. Under TRITON_INTERPRET=1 every
+    dtype does, because the CPU interpreter of triton 3.9 returns garbage for a bf16 tl.dot;
+    the operands are upcast exactly (bf16 and fp16 embed in fp32), so the maths is unchanged.
+    """
+    return dtype == torch.float32 or interpreter_enabled()
+
+
+def _tile_axis(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """Upper bound on non-empty (slot, BLOCK_M) tiles: fixed by shapes, not by the token mix."""
+    return int(triton.cdiv(num_tokens, block_m)) + min(num_slots, num_tokens)
+
+
+def sgmm_shrink(
+    x: torch.Tensor,  # [T, H] fp16/bf16/fp32
+    lora_a: torch.Tensor,  # [n_slices, S, R_max, H], dtype of x
+    ranks: torch.Tensor,  # [S] int32, each <= R_max
+    meta: SegmentMeta,
+    *,
+    out: torch.Tensor | None = None,  # [n_slices, T, R_max] fp32, reused when given
+    config: SgmmConfig | None = None,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Return ``v: [n_slices, T, R_max]`` float32 with ``v[i, t, :r] = x[t] @ A[i, a(t), :r].T``.
+
+    One launch for all slices and slots. Rows of base tokens and columns past a token's rank
+    are left unwritten (``torch.empty`` contents unless ``out`` is given).
+    """
+    shapes = check_shrink(x, lora_a, ranks, check_values)
+    check_meta(meta, shapes, x)
+    v = _v_buffer(out, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
+    cfg = config or shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max)
+    grid = (
+        _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m),
+        triton.cdiv(shapes.r_max, cfg.block_n),
+        shapes.n_slices,
+    )
+    _sgmm_shrink_kernel[grid](
+        x,
+        lora_a,
+        v,
+        ranks,
+        meta.sorted_tokens,
+        meta.seg_start,
+        shapes.hidden,
+        shapes.num_slots,
+        shapes.r_max,
+        x.stride(0),
+        x.stride(1),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        lora_a.stride(2),
+        lora_a.stride(3),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_S=triton.next_power_of_2(shapes.num_slots),
+        DOT_FP32=_dot_fp32(x.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return v
+
+
+def sgmm_expand(
+    out: torch.Tensor,  # [T, sum N_i], updated in place
+    v: torch.Tensor,  # [n_slices, T, R_max] fp32 (sgmm_shrink's output)
+    lora_b: Sequence[torch.Tensor],  # n_slices x [S, N_i, R_max], dtype of out
+    scales: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32
+    meta: SegmentMeta,
+    *,
+    config: SgmmConfig | None = None,
+    check_values: bool = True,
+) -> None:
+    """``out[t, off_i:off_i+N_i] += scales[s] * v[i, t, :r] @ B_i[s, :, :r].T``; one launch."""
+    shapes = check_expand(out, v, lora_b, scales, ranks, check_values)
+    check_meta(meta, shapes, out)
+    bs = list(lora_b) + [lora_b[0]] * (3 - shapes.n_slices)
+    sizes = list(shapes.out_sizes) + [0] * (3 - shapes.n_slices)
+    offs = list(shapes.out_offsets) + [0] * (3 - shapes.n_slices)
+    n_max = max(shapes.out_sizes)
+    cfg = config or expand_config(shapes.num_tokens, n_max, shapes.r_max)
+    grid = (
+        _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m),
+        triton.cdiv(n_max, cfg.block_n),
+        shapes.n_slices,
+    )
+    _sgmm_expand_kernel[grid](
+        out,
+        v,
+        bs[0],
+        bs[1],
+        bs[2],
+        scales,
+        ranks,
+        meta.sorted_tokens,
+        meta.seg_start,
+        shapes.num_slots,
+        shapes.r_max,
+        sizes[0],
+        sizes[1],
+        sizes[2],
+        offs[1],
+        offs[2],
+        out.stride(0),
+        out.stride(1),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        *bs[0].stride(),
+        *bs[1].stride(),
+        *bs[2].stride(),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_S=triton.next_power_of_2(shapes.num_slots),
+        DOT_FP32=_dot_fp32(out.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def add_lora(
+    out: torch.Tensor,  # [T, sum N_i], updated in place
+    x: torch.Tensor,  # [T, H]
+    lora_a: torch.Tensor,  # [n_slices, S, R_max, H]
+    lora_b: Sequence[torch.Tensor],  # n_slices x [S, N_i, R_max]
+    scales: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32
+    meta: SegmentMeta,
+    *,
+    v_buffer: torch.Tensor | None = None,  # [n_slices, T, R_max] fp32 scratch, for graphs
+    shrink_cfg: SgmmConfig | None = None,
+    expand_cfg: SgmmConfig | None = None,
+    check_values: bool = True,
+) -> None:
+    """``out += scale * (x @ A.T) @ B.T`` per token's slot: two launches (shrink, expand)."""
+    # Every check runs before the first launch, so a bad lora_b cannot leave a half-done op.
+    shapes = check_shrink(x, lora_a, ranks, check_values)
+    check_meta(meta, shapes, x)
+    v = _v_buffer(v_buffer, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
+    check_expand(out, v, lora_b, scales, ranks, False)
+    check_pair(out, x, lora_a, lora_b)
+    sgmm_shrink(x, lora_a, ranks, meta, out=v, config=shrink_cfg, check_values=False)
+    sgmm_expand(out, v, lora_b, scales, ranks, meta, config=expand_cfg, check_values=False)
+
+
+def _v_buffer(
+    buf: torch.Tensor | None, n_slices: int, num_tokens: int, r_max: int, device: torch.device
+) -> torch.Tensor:
+    shape = (n_slices, num_tokens, r_max)
+    if buf is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if not isinstance(buf, torch.Tensor) or tuple(buf.shape) != shape:
+        raise ValueError(f"v buffer must be a float32 tensor of shape {list(shape)}")
+    if buf.dtype != torch.float32 or buf.device != device:
+        raise ValueError(f"v buffer must be float32 on {device}")
+    return buf
