@@ -1,0 +1,99 @@
+{{/*
+Names, labels and image references shared by every template.
+*/}}
+
+{{- define "adaptermesh.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Object-name prefix. Component suffixes ("-control-plane" is the longest, 14 characters) must
+still fit the 63-character DNS label limit, hence the truncation to 48.
+*/}}
+{{- define "adaptermesh.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 48 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 48 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 48 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "adaptermesh.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels on every object. Call with (dict "root" $ "component" "agent"). */}}
+{{- define "adaptermesh.labels" -}}
+helm.sh/chart: {{ include "adaptermesh.chart" .root }}
+{{ include "adaptermesh.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: adaptermesh
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels: stable across upgrades, so they never include versions. */}}
+{{- define "adaptermesh.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "adaptermesh.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/*
+Image reference. Call with (dict "root" $ "image" .Values.agent.image). The tag falls back to
+image.tag and then to the chart's appVersion; a digest, when given, pins the content.
+*/}}
+{{- define "adaptermesh.image" -}}
+{{- $root := .root -}}
+{{- $tag := .image.tag | default $root.Values.image.tag | default $root.Chart.AppVersion | toString -}}
+{{- $repo := .image.repository -}}
+{{- if $root.Values.image.registry -}}
+{{- $repo = printf "%s/%s" (trimSuffix "/" $root.Values.image.registry) $repo -}}
+{{- end -}}
+{{- if .image.digest -}}
+{{- printf "%s:%s@%s" $repo $tag .image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repo $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Envoy image: the agent image unless envoy.image.repository is set. */}}
+{{- define "adaptermesh.envoyImage" -}}
+{{- if .Values.envoy.image.repository -}}
+{{- if not .Values.envoy.image.tag -}}
+{{- fail "envoy.image.tag is required when envoy.image.repository is set" -}}
+{{- end -}}
+{{- $repo := .Values.envoy.image.repository -}}
+{{- if .Values.envoy.image.digest -}}
+{{- printf "%s:%s@%s" $repo .Values.envoy.image.tag .Values.envoy.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repo .Values.envoy.image.tag -}}
+{{- end -}}
+{{- else -}}
+{{- include "adaptermesh.image" (dict "root" . "image" .Values.agent.image) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "adaptermesh.controlPlaneHost" -}}
+{{- printf "%s-control-plane.%s.svc" (include "adaptermesh.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{- define "adaptermesh.tokensSecret" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-tokens" (include "adaptermesh.fullname" .)) -}}
+{{- end -}}
+
+{{- define "adaptermesh.imagePullSecrets" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end -}}
