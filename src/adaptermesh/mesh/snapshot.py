@@ -1,0 +1,575 @@
+"""Pure builders: an ``Assignment`` becomes a consistent set of Envoy xDS resources.
+
+Nothing here does I/O, reads a clock or logs. :func:`build_snapshot` turns one
+``adaptermesh.v1.Assignment`` into a :class:`Snapshot`; :meth:`Snapshot.check_consistent`
+verifies the references between the resources before anything is published.
+
+Resources per shard ``<id>`` (every name is ``shard-<id>``):
+
+- **Listener** on ``service_address:service_port``: an HTTP connection manager (HTTP/1.1 and
+  HTTP/2 downstream, codec AUTO) that fetches its routes by RDS over ADS.
+- **RouteConfiguration**: one route per adapter resident on a serving worker (header
+  ``x-adapter-id`` equals the adapter -> subset ``envoy.lb/adapter = <adapter>``), then a
+  catch-all route to the whole shard. No total timeout, retries on connect failure.
+- **Cluster** (EDS over ADS): weighted round robin (or least request, per shard label),
+  HTTP/1.1 or HTTP/2 upstreams, active health checks on ``/health``, outlier detection,
+  circuit breakers, subset load balancing on the ``adapter`` key with ``list_as_any`` and an
+  ``ANY_ENDPOINT`` fallback, so an adapter that nobody holds gets the whole shard.
+- **ClusterLoadAssignment**: one endpoint per worker, ``load_balancing_weight`` >= 1,
+  ``health_status`` DRAINING for draining workers, resident adapters as endpoint metadata.
+
+Per-shard labels override the defaults in :class:`BuildOptions`:
+``adaptermesh.io/lb-policy`` = ``round_robin`` | ``least_request`` and
+``adaptermesh.io/upstream-protocol`` = ``http1`` | ``http2`` | ``downstream``.
+
+Invalid input raises :class:`AssignmentError`, whose ``field`` names the offending field
+(for example ``shards[1].endpoints[0].weight``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import (
+    address_pb2,
+    base_pb2,
+    config_source_pb2,
+    health_check_pb2,
+    protocol_pb2,
+)
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.matcher.v3 import string_pb2
+from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
+from google.protobuf.message import Message
+
+if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
+    from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
+else:
+    from adaptermesh.proto import assignment_pb2
+
+__all__ = [
+    "ADS_TYPE_ORDER",
+    "CLUSTER_TYPE",
+    "ENDPOINT_TYPE",
+    "LISTENER_TYPE",
+    "ROUTE_TYPE",
+    "AssignmentError",
+    "BuildOptions",
+    "InconsistentSnapshotError",
+    "Snapshot",
+    "build_snapshot",
+    "cluster_name",
+    "resource_version",
+    "validate_assignment",
+]
+
+CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+
+# Make-before-break order: a cluster and its endpoints exist before a listener or route
+# can point at them (Envoy's own ADS sequencing expects CDS -> EDS -> LDS -> RDS).
+ADS_TYPE_ORDER: tuple[str, ...] = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
+
+LB_POLICY_LABEL = "adaptermesh.io/lb-policy"
+UPSTREAM_PROTOCOL_LABEL = "adaptermesh.io/upstream-protocol"
+ADAPTER_METADATA_KEY = "adapter"
+_LB_NAMESPACE = "envoy.lb"
+
+# Shard ids become resource and stat names; keep them to characters Envoy accepts there.
+_SHARD_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_LB_POLICIES = ("round_robin", "least_request")
+_UPSTREAM_PROTOCOLS = ("http1", "http2", "downstream")
+
+
+class AssignmentError(ValueError):
+    """An Assignment field makes an invalid Envoy configuration; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class InconsistentSnapshotError(ValueError):
+    """A snapshot whose resources reference something that is not in it."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("inconsistent snapshot: " + "; ".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Knobs of the generated Envoy resources. Defaults suit long streaming LLM responses."""
+
+    lb_policy: str = "round_robin"
+    upstream_protocol: str = "http1"
+    adapter_header: str = "x-adapter-id"
+    connect_timeout_s: float = 2.0
+    # Zero disables: a long generation must never be cut off by a total or idle timer; the
+    # client's own deadline is the only limit.
+    route_timeout_s: float = 0.0
+    stream_idle_timeout_s: float = 0.0
+    # Upstream connection pool idle timeout (connections, not streams).
+    upstream_idle_timeout_s: float = 300.0
+    health_check_path: str = "/health"
+    health_check_interval_s: float = 5.0
+    health_check_timeout_s: float = 1.0
+    # Envoy's default no-traffic interval is 60 s, which would hide a dead idle worker.
+    health_check_no_traffic_interval_s: float = 5.0
+    healthy_threshold: int = 1
+    unhealthy_threshold: int = 3
+    retry_on: str = "connect-failure,refused-stream,reset-before-request"
+    num_retries: int = 2
+    outlier_consecutive_5xx: int = 5
+    outlier_interval_s: float = 10.0
+    outlier_base_ejection_s: float = 30.0
+    outlier_max_ejection_percent: int = 50
+    max_connections: int = 4096
+    max_pending_requests: int = 4096
+    max_requests: int = 4096
+    max_retries: int = 64
+
+
+def cluster_name(shard_id: str) -> str:
+    """The Envoy cluster (and listener and route configuration) name of a shard."""
+    return f"shard-{shard_id}"
+
+
+def resource_version(resource: Message) -> str:
+    """A content hash of one resource (delta xDS per-resource version)."""
+    return hashlib.sha256(resource.SerializeToString(deterministic=True)).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One node's complete xDS state at one version.
+
+    ``resources[type_url][name]`` holds the typed Envoy messages. ``type_versions[type_url]``
+    is the version_info sent for that type; the cache carries a type's version forward when
+    its resources did not change, so a weight update only pushes EDS.
+    """
+
+    version: str
+    resources: Mapping[str, Mapping[str, Message]]
+    type_versions: Mapping[str, str]
+    resource_versions: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # Each resource packed once, so a push to many Envoys does not re-serialise it.
+    packed: Mapping[str, Mapping[str, any_pb2.Any]] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, version: str, resources: Mapping[str, Iterable[Message]]) -> Snapshot:
+        """A snapshot from lists of resources; every type gets ``version``."""
+        if not version:
+            raise ValueError("snapshot version must not be empty")
+        by_type: dict[str, dict[str, Message]] = {t: {} for t in ADS_TYPE_ORDER}
+        for type_url, listed in resources.items():
+            if type_url not in by_type:
+                raise ValueError(f"unsupported resource type {type_url!r}")
+            for item in listed:
+                name = _resource_name(item)
+                if name in by_type[type_url]:
+                    raise InconsistentSnapshotError([f"duplicate {_short(type_url)} {name!r}"])
+                by_type[type_url][name] = item
+        hashes: dict[str, dict[str, str]] = {}
+        packed: dict[str, dict[str, any_pb2.Any]] = {}
+        for type_url, items in by_type.items():
+            hashes[type_url], packed[type_url] = {}, {}
+            for name, message in items.items():
+                data = message.SerializeToString(deterministic=True)
+                hashes[type_url][name] = hashlib.sha256(data).hexdigest()[:16]
+                packed[type_url][name] = any_pb2.Any(type_url=type_url, value=data)
+        return cls(
+            version=version,
+            resources=by_type,
+            type_versions=dict.fromkeys(ADS_TYPE_ORDER, version),
+            resource_versions=hashes,
+            packed=packed,
+        )
+
+    def carry_versions_from(self, previous: Snapshot | None) -> Snapshot:
+        """This snapshot, reusing ``previous``'s type version where a type is unchanged."""
+        if previous is None:
+            return self
+        versions = dict(self.type_versions)
+        for type_url in ADS_TYPE_ORDER:
+            if self.resource_versions.get(type_url) == previous.resource_versions.get(type_url):
+                versions[type_url] = previous.type_versions[type_url]
+        return Snapshot(self.version, self.resources, versions, self.resource_versions,
+                        self.packed)
+
+    def check_consistent(self) -> None:
+        """Raise :class:`InconsistentSnapshotError` listing every dangling reference.
+
+        Rules: every listener's RDS name is a route configuration here; every cluster a route
+        names is a cluster here; every EDS cluster has a ClusterLoadAssignment and every
+        ClusterLoadAssignment belongs to an EDS cluster; every resource sits under its name.
+        """
+        problems: list[str] = []
+        clusters = self.resources.get(CLUSTER_TYPE, {})
+        endpoints = self.resources.get(ENDPOINT_TYPE, {})
+        listeners = self.resources.get(LISTENER_TYPE, {})
+        routes = self.resources.get(ROUTE_TYPE, {})
+        for type_url, items in self.resources.items():
+            for name, message in items.items():
+                if _resource_name(message) != name:
+                    problems.append(f"{_short(type_url)} stored as {name!r} is named "
+                                    f"{_resource_name(message)!r}")
+        for name, listener in listeners.items():
+            for route_name in _listener_rds_names(listener):
+                if route_name not in routes:
+                    problems.append(f"listener {name!r} uses missing route configuration "
+                                    f"{route_name!r}")
+        for name, route_config in routes.items():
+            for target in _route_clusters(route_config):
+                if target not in clusters:
+                    problems.append(f"route configuration {name!r} names missing cluster "
+                                    f"{target!r}")
+        eds_names: set[str] = set()
+        for name, message in clusters.items():
+            cluster: Any = message
+            if cluster.type == cluster_pb2.Cluster.EDS:
+                service = cluster.eds_cluster_config.service_name or name
+                eds_names.add(service)
+                if service not in endpoints:
+                    problems.append(f"EDS cluster {name!r} has no endpoints resource {service!r}")
+        for name in endpoints:
+            if name not in eds_names:
+                problems.append(f"endpoints {name!r} belong to no EDS cluster")
+        if problems:
+            raise InconsistentSnapshotError(problems)
+
+
+def validate_assignment(assignment: assignment_pb2.Assignment) -> None:
+    """Raise :class:`AssignmentError` naming the first field Envoy could not accept."""
+    seen_ids: set[str] = set()
+    seen_listeners: dict[tuple[str, int], str] = {}
+    for i, shard in enumerate(assignment.shards):
+        where = f"shards[{i}]"
+        if not _SHARD_ID_RE.match(shard.id):
+            raise AssignmentError(f"{where}.id", f"{shard.id!r} must match {_SHARD_ID_RE.pattern}")
+        if shard.id in seen_ids:
+            raise AssignmentError(f"{where}.id", f"duplicate shard id {shard.id!r}")
+        seen_ids.add(shard.id)
+        _check_ip(f"{where}.service_address", shard.service_address)
+        _check_port(f"{where}.service_port", shard.service_port)
+        key = (str(ipaddress.ip_address(shard.service_address)), shard.service_port)
+        if key in seen_listeners:
+            raise AssignmentError(
+                f"{where}.service_port",
+                f"{shard.service_address}:{shard.service_port} is already the listener of "
+                f"shard {seen_listeners[key]!r}",
+            )
+        seen_listeners[key] = shard.id
+        policy = shard.labels.get(LB_POLICY_LABEL)
+        if policy is not None and policy not in _LB_POLICIES:
+            raise AssignmentError(f"{where}.labels[{LB_POLICY_LABEL}]",
+                                  f"{policy!r} is not one of {', '.join(_LB_POLICIES)}")
+        protocol = shard.labels.get(UPSTREAM_PROTOCOL_LABEL)
+        if protocol is not None and protocol not in _UPSTREAM_PROTOCOLS:
+            raise AssignmentError(f"{where}.labels[{UPSTREAM_PROTOCOL_LABEL}]",
+                                  f"{protocol!r} is not one of {', '.join(_UPSTREAM_PROTOCOLS)}")
+        seen_endpoints: set[tuple[str, int]] = set()
+        for j, ep in enumerate(shard.endpoints):
+            ewhere = f"{where}.endpoints[{j}]"
+            _check_ip(f"{ewhere}.address", ep.address)
+            _check_port(f"{ewhere}.port", ep.port)
+            if ep.weight < 1:
+                raise AssignmentError(f"{ewhere}.weight", f"must be >= 1, got {ep.weight}")
+            ep_key = (str(ipaddress.ip_address(ep.address)), ep.port)
+            if ep_key in seen_endpoints:
+                raise AssignmentError(f"{ewhere}", f"duplicate endpoint {ep.address}:{ep.port}")
+            seen_endpoints.add(ep_key)
+            for k, adapter in enumerate(ep.adapters):
+                if not adapter or not adapter.isprintable() or len(adapter) > 256:
+                    raise AssignmentError(f"{ewhere}.adapters[{k}]",
+                                          f"{adapter!r} must be 1-256 printable characters")
+
+
+def build_snapshot(
+    assignment: assignment_pb2.Assignment,
+    version: str | None = None,
+    options: BuildOptions | None = None,
+) -> Snapshot:
+    """Validate ``assignment`` and build its snapshot (version defaults to its ``version``).
+
+    The result has passed :meth:`Snapshot.check_consistent`.
+    """
+    opts = options or BuildOptions()
+    if opts.lb_policy not in _LB_POLICIES:
+        raise ValueError(f"BuildOptions.lb_policy {opts.lb_policy!r} not in {_LB_POLICIES}")
+    if opts.upstream_protocol not in _UPSTREAM_PROTOCOLS:
+        raise ValueError(f"BuildOptions.upstream_protocol {opts.upstream_protocol!r} not in "
+                         f"{_UPSTREAM_PROTOCOLS}")
+    validate_assignment(assignment)
+    clusters: list[Message] = []
+    endpoints: list[Message] = []
+    listeners: list[Message] = []
+    routes: list[Message] = []
+    for shard in assignment.shards:
+        clusters.append(build_cluster(shard, opts))
+        endpoints.append(build_load_assignment(shard))
+        listeners.append(build_listener(shard, opts))
+        routes.append(build_route_configuration(shard, opts))
+    snapshot = Snapshot.create(
+        version if version is not None else str(assignment.version),
+        {CLUSTER_TYPE: clusters, ENDPOINT_TYPE: endpoints, LISTENER_TYPE: listeners,
+         ROUTE_TYPE: routes},
+    )
+    snapshot.check_consistent()
+    return snapshot
+
+
+def build_cluster(shard: assignment_pb2.Shard, opts: BuildOptions) -> cluster_pb2.Cluster:
+    """The shard's EDS cluster."""
+    name = cluster_name(shard.id)
+    policy = shard.labels.get(LB_POLICY_LABEL, opts.lb_policy)
+    protocol = shard.labels.get(UPSTREAM_PROTOCOL_LABEL, opts.upstream_protocol)
+    cluster = cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.EDS,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads_source()),
+        connect_timeout=_duration(opts.connect_timeout_s),
+        lb_policy=(cluster_pb2.Cluster.LEAST_REQUEST if policy == "least_request"
+                   else cluster_pb2.Cluster.ROUND_ROBIN),
+        health_checks=[health_check_pb2.HealthCheck(
+            timeout=_duration(opts.health_check_timeout_s),
+            interval=_duration(opts.health_check_interval_s),
+            no_traffic_interval=_duration(opts.health_check_no_traffic_interval_s),
+            healthy_threshold=wrappers_pb2.UInt32Value(value=opts.healthy_threshold),
+            unhealthy_threshold=wrappers_pb2.UInt32Value(value=opts.unhealthy_threshold),
+            http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(
+                path=opts.health_check_path),
+        )],
+        outlier_detection=outlier_detection_pb2.OutlierDetection(
+            consecutive_5xx=wrappers_pb2.UInt32Value(value=opts.outlier_consecutive_5xx),
+            interval=_duration(opts.outlier_interval_s),
+            base_ejection_time=_duration(opts.outlier_base_ejection_s),
+            max_ejection_percent=wrappers_pb2.UInt32Value(
+                value=opts.outlier_max_ejection_percent),
+        ),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[
+            circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                priority=base_pb2.DEFAULT,
+                max_connections=wrappers_pb2.UInt32Value(value=opts.max_connections),
+                max_pending_requests=wrappers_pb2.UInt32Value(value=opts.max_pending_requests),
+                max_requests=wrappers_pb2.UInt32Value(value=opts.max_requests),
+                max_retries=wrappers_pb2.UInt32Value(value=opts.max_retries),
+            ),
+        ]),
+        lb_subset_config=cluster_pb2.Cluster.LbSubsetConfig(
+            fallback_policy=cluster_pb2.Cluster.LbSubsetConfig.ANY_ENDPOINT,
+            subset_selectors=[cluster_pb2.Cluster.LbSubsetConfig.LbSubsetSelector(
+                keys=[ADAPTER_METADATA_KEY])],
+            list_as_any=True,
+        ),
+    )
+    cluster.typed_extension_protocol_options[
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ].CopyFrom(_pack(_upstream_protocol_options(protocol, opts)))
+    return cluster
+
+
+def build_load_assignment(
+    shard: assignment_pb2.Shard,
+) -> endpoint_pb2.ClusterLoadAssignment:
+    """The shard's endpoints with weights, DRAINING marks and resident adapters."""
+    lb_endpoints = []
+    for ep in shard.endpoints:
+        lb = endpoint_components_pb2.LbEndpoint(
+            endpoint=endpoint_components_pb2.Endpoint(address=_socket(ep.address, ep.port)),
+            load_balancing_weight=wrappers_pb2.UInt32Value(value=ep.weight),
+            health_status=health_check_pb2.DRAINING if ep.draining else health_check_pb2.UNKNOWN,
+        )
+        if ep.adapters:
+            adapters = struct_pb2.ListValue()
+            adapters.extend(sorted(set(ep.adapters)))
+            lb.metadata.filter_metadata[_LB_NAMESPACE].fields[
+                ADAPTER_METADATA_KEY].list_value.CopyFrom(adapters)
+        lb_endpoints.append(lb)
+    return endpoint_pb2.ClusterLoadAssignment(
+        cluster_name=cluster_name(shard.id),
+        endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=lb_endpoints)]
+        if lb_endpoints else [],
+    )
+
+
+def build_listener(shard: assignment_pb2.Shard, opts: BuildOptions) -> listener_pb2.Listener:
+    """The shard's listener on its service address, routing by RDS."""
+    name = cluster_name(shard.id)
+    manager = hcm_pb2.HttpConnectionManager(
+        stat_prefix=name.replace("-", "_"),
+        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        rds=hcm_pb2.Rds(config_source=_ads_source(), route_config_name=name),
+        stream_idle_timeout=_duration(opts.stream_idle_timeout_s),
+        http_filters=[hcm_pb2.HttpFilter(
+            name="envoy.filters.http.router", typed_config=_pack(router_pb2.Router()))],
+    )
+    return listener_pb2.Listener(
+        name=name,
+        address=_socket(shard.service_address, shard.service_port),
+        filter_chains=[listener_components_pb2.FilterChain(filters=[
+            listener_components_pb2.Filter(
+                name="envoy.filters.network.http_connection_manager",
+                typed_config=_pack(manager),
+            ),
+        ])],
+    )
+
+
+def build_route_configuration(
+    shard: assignment_pb2.Shard, opts: BuildOptions
+) -> route_pb2.RouteConfiguration:
+    """Adapter-affinity routes (one per adapter a serving worker holds), then the shard."""
+    name = cluster_name(shard.id)
+    # Draining workers are unhealthy for the load balancer, so their adapters do not count.
+    adapters = sorted({a for ep in shard.endpoints if not ep.draining for a in ep.adapters})
+    routes = []
+    for adapter in adapters:
+        action = _route_action(name, opts)
+        action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
+            ADAPTER_METADATA_KEY].string_value = adapter
+        routes.append(route_components_pb2.Route(
+            name=f"adapter:{adapter}",
+            match=route_components_pb2.RouteMatch(
+                prefix="/",
+                headers=[route_components_pb2.HeaderMatcher(
+                    name=opts.adapter_header,
+                    string_match=string_pb2.StringMatcher(exact=adapter),
+                )],
+            ),
+            route=action,
+        ))
+    routes.append(route_components_pb2.Route(
+        name="shard",
+        match=route_components_pb2.RouteMatch(prefix="/"),
+        route=_route_action(name, opts),
+    ))
+    return route_pb2.RouteConfiguration(
+        name=name,
+        virtual_hosts=[route_components_pb2.VirtualHost(name=name, domains=["*"], routes=routes)],
+    )
+
+
+def _route_action(cluster: str, opts: BuildOptions) -> route_components_pb2.RouteAction:
+    return route_components_pb2.RouteAction(
+        cluster=cluster,
+        timeout=_duration(opts.route_timeout_s),
+        retry_policy=route_components_pb2.RetryPolicy(
+            retry_on=opts.retry_on,
+            num_retries=wrappers_pb2.UInt32Value(value=opts.num_retries),
+            retry_host_predicate=[route_components_pb2.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=_pack(previous_hosts_pb2.PreviousHostsPredicate()),
+            )],
+            host_selection_retry_max_attempts=3,
+        ),
+    )
+
+
+def _upstream_protocol_options(
+    protocol: str, opts: BuildOptions
+) -> http_protocol_options_pb2.HttpProtocolOptions:
+    Options = http_protocol_options_pb2.HttpProtocolOptions
+    common = protocol_pb2.HttpProtocolOptions(idle_timeout=_duration(opts.upstream_idle_timeout_s))
+    if protocol == "http2":
+        return Options(common_http_protocol_options=common,
+                       explicit_http_config=Options.ExplicitHttpConfig(
+                           http2_protocol_options=protocol_pb2.Http2ProtocolOptions()))
+    if protocol == "downstream":
+        return Options(common_http_protocol_options=common,
+                       use_downstream_protocol_config=Options.UseDownstreamHttpConfig(
+                           http_protocol_options=protocol_pb2.Http1ProtocolOptions(),
+                           http2_protocol_options=protocol_pb2.Http2ProtocolOptions()))
+    return Options(common_http_protocol_options=common,
+                   explicit_http_config=Options.ExplicitHttpConfig(
+                       http_protocol_options=protocol_pb2.Http1ProtocolOptions()))
+
+
+def _ads_source() -> config_source_pb2.ConfigSource:
+    return config_source_pb2.ConfigSource(
+        ads=config_source_pb2.AggregatedConfigSource(),
+        resource_api_version=config_source_pb2.V3,
+    )
+
+
+def _socket(address: str, port: int) -> address_pb2.Address:
+    return address_pb2.Address(socket_address=address_pb2.SocketAddress(
+        address=address, port_value=port, protocol=address_pb2.SocketAddress.TCP))
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    whole = int(seconds)
+    return duration_pb2.Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
+
+
+def _pack(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def _check_ip(field_name: str, value: str) -> None:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise AssignmentError(field_name, f"{value!r} is not an IP address") from None
+
+
+def _check_port(field_name: str, value: int) -> None:
+    if not 1 <= value <= 65535:
+        raise AssignmentError(field_name, f"port {value} is outside 1-65535")
+
+
+def _resource_name(message: Message) -> str:
+    if isinstance(message, endpoint_pb2.ClusterLoadAssignment):
+        return str(message.cluster_name)
+    name: Any = getattr(message, "name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"{type(message).__name__} is not an xDS resource")
+    return name
+
+
+def _short(type_url: str) -> str:
+    return type_url.rsplit(".", 1)[-1]
+
+
+def _listener_rds_names(listener: listener_pb2.Listener) -> list[str]:
+    names = []
+    for chain in listener.filter_chains:
+        for flt in chain.filters:
+            if flt.typed_config.Is(hcm_pb2.HttpConnectionManager.DESCRIPTOR):
+                manager = hcm_pb2.HttpConnectionManager()
+                flt.typed_config.Unpack(manager)
+                if manager.HasField("rds"):
+                    names.append(manager.rds.route_config_name)
+    return names
+
+
+def _route_clusters(route_config: route_pb2.RouteConfiguration) -> list[str]:
+    names = []
+    for host in route_config.virtual_hosts:
+        for route in host.routes:
+            if not route.HasField("route"):
+                continue
+            action = route.route
+            if action.cluster:
+                names.append(action.cluster)
+            names.extend(c.name for c in action.weighted_clusters.clusters)
+    return names
