@@ -54,7 +54,7 @@ class Harness:
             detach=detach,
         )
 
-        async def xds_factory(_config: AgentConfig) -> FakeXds:
+        async def xds_factory(_config: AgentConfig, _registry) -> FakeXds:
             return self.xds
 
         self.agent = Agent(self.config, lambda _c: self.dp, xds_factory)

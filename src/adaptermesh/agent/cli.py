@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vxlan-dev", help="collect-metadata VXLAN device for tunnel steering")
     p.add_argument("--xds-host", default="127.0.0.1", help="address the xDS server binds")
     p.add_argument("--xds-port", type=_port, default=18000)
+    p.add_argument(
+        "--xds-group",
+        choices=["shard", "node"],
+        default="shard",
+        help="shard: one snapshot per shard, picked by the Envoy's node.cluster 'shard-<id>'; "
+        "node: every Envoy gets all shards",
+    )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics binds")
     p.add_argument("--metrics-port", type=_port, default=9464)
     p.add_argument(
@@ -99,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         vxlan_dev=args.vxlan_dev,
         xds_host=args.xds_host,
         xds_port=args.xds_port,
+        xds_group=args.xds_group,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         state_file=args.state_file,

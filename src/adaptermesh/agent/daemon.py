@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from adaptermesh.agent.applier import Applier
 from adaptermesh.agent.backoff import Backoff
@@ -51,6 +52,9 @@ class AgentConfig:
     vxlan_dev: str | None = None
     xds_host: str = "127.0.0.1"
     xds_port: int = 18000
+    # "shard": one snapshot per shard, Envoys name their shard in node.cluster; "node": one
+    # snapshot with every shard for all Envoys (see agent/backends.py).
+    xds_group: str = "shard"
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 9464
     state_file: Path | None = Path("/var/lib/adaptermesh/agent/assignment.pb")
@@ -64,7 +68,8 @@ class AgentConfig:
 
 
 DatapathFactory = Callable[[AgentConfig], Datapath]
-XdsFactory = Callable[[AgentConfig], Awaitable[XdsSink]]
+# Receives the agent's registry, so the xDS server's series appear on the agent's /metrics.
+XdsFactory = Callable[[AgentConfig, CollectorRegistry], Awaitable[XdsSink]]
 
 
 def _channel(config: AgentConfig) -> grpc.aio.Channel:
@@ -197,7 +202,7 @@ class Agent:
         channel: grpc.aio.Channel | None = None
         poller: threading.Thread | None = None
         try:
-            self.xds = await self._xds_factory(config)
+            self.xds = await self._xds_factory(config, self.metrics.registry)
             applier = Applier(datapath, self.xds, self.metrics, AssignmentStore(config.state_file))
             self.applier = applier
             applier.reconcile()

@@ -1,0 +1,128 @@
+"""The real datapath and xDS sink behind the agent's Protocols.
+
+xDS keys. The agent publishes one snapshot per shard under the key ``shard-<id>``, holding
+only that shard's listener, routes, cluster and endpoints; an Envoy picks its shard with its
+bootstrap ``node.cluster`` (``--service-cluster``). Shards may therefore share one service
+address (a VIP that every shard's node owns), which is what kernel steering needs: the
+classifier picks the shard, not the destination address. With ``xds_group="node"`` every
+Envoy instead gets one snapshot with all shards (one Envoy per node in front of all local
+shards); service addresses must then be distinct.
+
+Every snapshot is built and checked before any is published, so a refused Assignment leaves
+every key on its last good snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from adaptermesh.agent.daemon import AgentConfig
+from adaptermesh.agent.ports import FlowEvent, ShardCounters
+from adaptermesh.mesh.cache import SnapshotCache
+from adaptermesh.mesh.metrics import XdsMetrics
+from adaptermesh.mesh.server import XdsServer
+from adaptermesh.mesh.snapshot import build_snapshot, cluster_name
+from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
+
+__all__ = ["NODE_KEY", "MeshXds", "bpf_datapath", "mesh_xds", "shard_assignment"]
+
+_log = logging.getLogger(__name__)
+
+NODE_KEY = "node"
+
+
+def shard_assignment(
+    assignment: assignment_pb2.Assignment, shard_id: str | None
+) -> assignment_pb2.Assignment:
+    """The part of ``assignment`` one shard's Envoy needs (all of it for ``None``)."""
+    part = assignment_pb2.Assignment()
+    part.CopyFrom(assignment)
+    if shard_id is None:
+        return part
+    del part.shards[:]
+    part.shards.extend(s for s in assignment.shards if s.id == shard_id)
+    # Pins and overrides steer the classifier, not Envoy.
+    del part.pins[:]
+    del part.overrides[:]
+    return part
+
+
+class MeshXds:
+    def __init__(self, cache: SnapshotCache, server: XdsServer | None, group: str) -> None:
+        if group not in ("shard", "node"):
+            raise ValueError(f"xds_group: {group!r} is not 'shard' or 'node'")
+        self.cache = cache
+        self.server = server
+        self.group = group
+        self._keys: set[str] = set()
+
+    def _parts(self, assignment: assignment_pb2.Assignment) -> dict[str, Any]:
+        if self.group == "node":
+            return {NODE_KEY: shard_assignment(assignment, None)}
+        parts = {cluster_name(s.id): shard_assignment(assignment, s.id) for s in assignment.shards}
+        # A shard that left the Assignment gets an empty snapshot, so its Envoy drops the
+        # listener instead of serving a shard the control plane no longer has.
+        for key in self._keys - parts.keys():
+            empty = assignment_pb2.Assignment(version=assignment.version, reason="shard removed")
+            parts[key] = empty
+        return parts
+
+    def publish(self, assignment: assignment_pb2.Assignment) -> None:
+        parts = self._parts(assignment)
+        for key, part in parts.items():
+            try:
+                build_snapshot(part, options=self.cache.options)
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from exc
+        for key, part in parts.items():
+            self.cache.set_assignment(key, part)
+        self._keys = {k for k, p in parts.items() if len(p.shards) > 0}
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    def status(self) -> dict[str, Any]:
+        return {node: st.as_dict() for node, st in self.cache.status().items()}
+
+
+def _node_key_for(group: str) -> Callable[[Any], str]:
+    if group == "node":
+        return lambda _node: NODE_KEY
+    # Envoys name their shard in node.cluster; one without it falls back to its node id.
+    return lambda node: str(node.cluster or node.id)
+
+
+async def mesh_xds(config: AgentConfig, registry: CollectorRegistry | None = None) -> MeshXds:
+    metrics = XdsMetrics(registry=registry) if registry is not None else None
+    cache = SnapshotCache(node_key=_node_key_for(config.xds_group), metrics=metrics)
+    server = XdsServer(cache, host=config.xds_host, port=config.xds_port, metrics=metrics)
+    server.start()
+    return MeshXds(cache, server, config.xds_group)
+
+
+class BpfDatapath:
+    """Adapts ``adaptermesh.bpf``'s ShardTable to the agent's Datapath Protocol."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def apply(self, assignment: assignment_pb2.Assignment) -> None:
+        self.table.apply(assignment)
+
+    def read_stats(self) -> Mapping[int, ShardCounters]:
+        raise NotImplementedError
+
+    def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int) -> int:
+        raise NotImplementedError
+
+    def close(self, detach: bool) -> None:
+        self.table.close(detach)
+
+
+def bpf_datapath(config: AgentConfig) -> BpfDatapath:
+    raise NotImplementedError

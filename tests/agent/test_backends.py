@@ -1,0 +1,64 @@
+"""The xDS side of the agent over the real snapshot cache (no Envoy, no server)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from adaptermesh.agent.backends import NODE_KEY, MeshXds
+from adaptermesh.mesh.cache import SnapshotCache
+from adaptermesh.mesh.metrics import XdsMetrics
+from adaptermesh.mesh.snapshot import LISTENER_TYPE
+
+from .fakes import make_assignment
+
+
+def _cache() -> SnapshotCache:
+    return SnapshotCache(metrics=XdsMetrics(registry=CollectorRegistry()))
+
+
+def _listeners(cache: SnapshotCache, key: str) -> list[str]:
+    snap = cache.get_snapshot(key)
+    assert snap is not None
+    return sorted(snap.resources[LISTENER_TYPE])
+
+
+def test_one_snapshot_per_shard_and_a_shared_vip_is_fine():
+    xds = MeshXds(_cache(), None, "shard")
+    a = make_assignment(1, {"a": 5000, "b": 5000})
+    for shard in a.shards:  # every shard's Envoy listens on the same VIP, on its own node
+        shard.service_address, shard.service_port = "10.0.0.100", 8080
+    xds.publish(a)
+    assert xds.cache.keys() == ["shard-a", "shard-b"]
+    assert _listeners(xds.cache, "shard-a") == ["shard-a"]
+    assert _listeners(xds.cache, "shard-b") == ["shard-b"]
+
+
+def test_node_group_gets_every_shard():
+    xds = MeshXds(_cache(), None, "node")
+    xds.publish(make_assignment(1, {"a": 3000, "b": 3000, "c": 4000}))
+    assert _listeners(xds.cache, NODE_KEY) == ["shard-a", "shard-b", "shard-c"]
+
+
+def test_a_removed_shard_gets_an_empty_snapshot():
+    xds = MeshXds(_cache(), None, "shard")
+    xds.publish(make_assignment(1, {"a": 5000, "b": 5000}))
+    xds.publish(make_assignment(2, {"a": 10_000}))
+    assert _listeners(xds.cache, "shard-a") == ["shard-a"]
+    assert xds.cache.get_snapshot("shard-b").resources[LISTENER_TYPE] == {}
+
+
+def test_refused_assignment_leaves_every_key_on_its_last_good_snapshot():
+    xds = MeshXds(_cache(), None, "shard")
+    xds.publish(make_assignment(1, {"a": 5000, "b": 5000}))
+    bad = make_assignment(2, {"a": 5000, "b": 5000})
+    bad.shards[1].endpoints[0].port = 0  # only shard b is broken
+    with pytest.raises(ValueError, match=r"shard-b: .*endpoints\[0\]\.port"):
+        xds.publish(bad)
+    assert xds.cache.get_snapshot("shard-a").version == "1"
+    assert xds.cache.get_snapshot("shard-b").version == "1"
+
+
+def test_unknown_group_is_refused():
+    with pytest.raises(ValueError, match="xds_group"):
+        MeshXds(_cache(), None, "cluster")
