@@ -10,14 +10,21 @@ formed in fp32 and rounded once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from adaptermesh.kernels._validate import check_expand, check_meta, check_pair, check_shrink
 from adaptermesh.kernels.meta import SegmentMeta
 
+if TYPE_CHECKING:
+    from adaptermesh.kernels.fuse import MergeTable
+
 __all__ = [
     "add_lora_ref",
+    "fused_switch_ref",
+    "gated_add_lora_ref",
+    "route_ref",
     "sgmm_expand_ref",
     "sgmm_shrink_ref",
 ]
@@ -114,3 +121,74 @@ def add_lora_ref(
     check_pair(out, x, lora_a, lora_b)
     v = sgmm_shrink_ref(x, lora_a, ranks, meta, check_values=False)
     sgmm_expand_ref(out, v, lora_b, scales, ranks, meta, check_values=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# AdaFuse twins
+# ---------------------------------------------------------------------------------------------
+def route_ref(
+    h: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [E, H]
+    bias: torch.Tensor | None,  # [E]
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, k] int32, gates [T, k] fp32): top-k of fp32 logits, softmax over them."""
+    logits = h.float() @ weight.float().T
+    if bias is not None:
+        logits = logits + bias.float()
+    vals, ids = torch.topk(logits, top_k, dim=-1, sorted=True)
+    return ids.to(torch.int32), torch.softmax(vals, dim=-1)
+
+
+def _selection_delta_ref(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor
+) -> torch.Tensor:
+    n, k = lora_b.shape[1], lora_a.shape[2]
+    delta = torch.zeros(n, k, dtype=torch.float32, device=lora_a.device)
+    for e, g in zip(ids.tolist(), gates.tolist(), strict=True):
+        if e >= 0:
+            delta += g * (lora_b[e].float() @ lora_a[e].float())
+    return delta
+
+
+def fused_switch_ref(
+    table: MergeTable,
+    new_ids: torch.Tensor,  # [k] int32
+    new_gates: torch.Tensor,  # [k] fp32
+    *,
+    old_ids: torch.Tensor,
+    old_gates: torch.Tensor,
+) -> None:
+    """Exact mode: W = round(W0 + c*D_new). Delta mode: W = round(W + c*(D_new - D_old))."""
+    for t in table.targets:
+        delta = _selection_delta_ref(t.lora_a, t.lora_b, new_ids, new_gates)
+        if table.exact:
+            assert t.master is not None
+            src = t.master
+        else:
+            delta -= _selection_delta_ref(t.lora_a, t.lora_b, old_ids, old_gates)
+            src = t.weight
+        t.weight.copy_((src.float() + t.scale * delta).to(t.weight.dtype))
+
+
+def gated_add_lora_ref(
+    out: torch.Tensor,  # [T, N]
+    x: torch.Tensor,  # [T, K]
+    lora_a: torch.Tensor,  # [E, r, K]
+    lora_b: torch.Tensor,  # [E, N, r]
+    expert_ids: torch.Tensor,  # [T, k] int32
+    gates: torch.Tensor,  # [T, k] fp32
+    scale: float,
+) -> None:
+    """out[t] += scale * sum_j g[t, j] * round_w(g-scaled x[t] @ A[e].T) @ B[e].T."""
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    xf = x.float()
+    for j in range(expert_ids.shape[1]):
+        ids = expert_ids[:, j].long()
+        for e in torch.unique(ids).tolist():
+            if e < 0:
+                continue
+            rows = (ids == e).nonzero().flatten()
+            v = (xf[rows] @ lora_a[e].float().T) * gates[rows, j : j + 1]
+            acc[rows] += v.to(lora_b.dtype).float() @ lora_b[e].float().T
+    out.copy_((out.float() + scale * acc).to(out.dtype))

@@ -1,0 +1,881 @@
+# Triton kernels take untyped launch arguments; mypy checks the typed launchers below them.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""AdaFuse dynamic adapters: token-level pre-gating, fused merge/switch, gated SGMM.
+
+Maths. ``E`` expert LoRAs per targeted module ``m`` (``A_m[e]: [r, K_m]``, ``B_m[e]: [N_m, r]``,
+scale ``c_m``); a router picks, per token, ``k`` experts ``e_1..e_k`` with gates ``g_1..g_k``::
+
+    router:        logits = h @ W_r.T (+ b);  (e, l) = topk(logits, k);  g = softmax(l)
+    merged W_m:    W'_m = W_m + c_m * sum_j g_j * B_m[e_j] @ A_m[e_j]
+    switch:        W''_m = W'_m - Delta(old selection) + Delta(new selection)
+    gated SGMM:    y[t] += c_m * sum_j g[t, j] * (x[t] @ A_m[e_tj].T) @ B_m[e_tj].T
+
+The router runs once, at the first layer, and its decision is reused by every layer. A batch of
+one token (decode) merges its selection into the backbone with ONE launch over every targeted
+module of every layer (``fused_switch``: a pointer table describes all modules and each
+program finds its module by a prefix sum over per-module tile counts). Larger batches keep the
+backbone clean and add the gated low-rank terms per token (``gated_add_lora``).
+
+No drift. In exact mode (default) each module keeps a pristine copy ``W0`` of its weight, and
+a switch writes ``W = round(W0 + Delta_new)``: the old selection is removed exactly because
+the sum is rebuilt from ``W0``, not subtracted in rounded arithmetic. Switching back to "no
+experts" restores ``W0`` bit for bit after any number of switches. The switch reads ``W0`` and
+writes ``W`` (the same bytes as an in-place ``W - Delta_old + Delta_new``), at the cost of one
+more copy of the targeted weights in memory. Delta mode (``exact=False``) needs no copy and
+computes ``round(W - Delta_old + Delta_new)`` in fp32 with one rounding per switch, so the
+error is a rounding random walk; docs/kernels.md states its measured bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from adaptermesh.kernels.dispatch import Backend, choose_backend, interpreter_enabled
+
+__all__ = [
+    "AdaFuseController",
+    "AdaFuseRouter",
+    "DynamicAdapter",
+    "MergeTable",
+    "MergeTarget",
+    "build_merge_table",
+    "fused_merge",
+    "fused_switch",
+    "gated_add_lora",
+    "route",
+]
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_FLOAT_DTYPES = tuple(_TL_DTYPES)
+
+# Tile sizes. Router: 16 tokens x all experts (E <= 64) per program. Switch: 64 x 128 weight
+# tiles (16 KiB of bf16 read and written per program), which the H200 sweep in
+# bench/bench_adafuse.py found within noise of 128 x 128 and 64 x 256 (docs/kernels.md).
+_ROUTER_BLOCK_T = 16
+_ROUTER_BLOCK_H = 128
+_SWITCH_BLOCK_N = 64
+_SWITCH_BLOCK_K = 128
+_GATED_BLOCK_K = 128
+_GATED_BLOCK_N = 128
+
+
+def _dot_fp32(dtype: torch.dtype) -> bool:
+    # See sgmm._dot_fp32: the triton 3.9 CPU interpreter mis-computes bf16 tl.dot.
+    return dtype == torch.float32 or interpreter_enabled()
+
+
+def _check_float(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# Router: logits = h @ W.T + b, top-k, softmax over the k selected logits.
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _router_kernel(
+    # pointers
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    ids_ptr,
+    gates_ptr,
+    # sizes
+    T,
+    H,
+    E,
+    # strides
+    stride_ht,
+    stride_hh,
+    stride_we,
+    stride_wh,
+    # meta-parameters
+    TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < E
+    offs_h = tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_H)):
+        hh = k * BLOCK_H + offs_h
+        mask_h = hh < H
+        ht = tl.load(
+            h_ptr + offs_t[:, None].to(tl.int64) * stride_ht + hh[None, :] * stride_hh,
+            mask=mask_t[:, None] & mask_h[None, :],
+            other=0.0,
+        )
+        wt = tl.load(
+            w_ptr + offs_e[None, :] * stride_we + hh[:, None] * stride_wh,
+            mask=mask_e[None, :] & mask_h[:, None],
+            other=0.0,
+        )
+        if DOT_FP32:
+            acc += tl.dot(ht.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(ht, wt)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)[None, :]
+    logits = tl.where(mask_e[None, :], acc, float("-inf"))
+    offs_j = tl.arange(0, BLOCK_TOPK)
+    sel_val = tl.full((BLOCK_T, BLOCK_TOPK), float("-inf"), dtype=tl.float32)
+    sel_idx = tl.zeros((BLOCK_T, BLOCK_TOPK), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(logits, 1)
+        # Lowest index among equal maxima, so ties resolve deterministically.
+        idx = tl.min(tl.where(logits == best[:, None], offs_e[None, :], BLOCK_E), 1)
+        sel_val = tl.where(offs_j[None, :] == j, best[:, None], sel_val)
+        sel_idx = tl.where(offs_j[None, :] == j, idx[:, None], sel_idx)
+        logits = tl.where(offs_e[None, :] == idx[:, None], float("-inf"), logits)
+    top = tl.max(sel_val, 1)
+    ex = tl.where(offs_j[None, :] < TOP_K, tl.exp(sel_val - top[:, None]), 0.0)
+    gates = ex / tl.sum(ex, 1)[:, None]
+    out_off = offs_t[:, None] * TOP_K + offs_j[None, :]
+    out_mask = mask_t[:, None] & (offs_j[None, :] < TOP_K)
+    tl.store(ids_ptr + out_off, sel_idx, mask=out_mask)
+    tl.store(gates_ptr + out_off, gates, mask=out_mask)
+
+
+def _check_route(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int):
+    h = _check_float("h", h)
+    weight = _check_float("weight", weight)
+    if h.dim() != 2:
+        raise ValueError(f"h must be 2-D [T, H], got {tuple(h.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != h.shape[1]:
+        raise ValueError(f"weight must be [E, {h.shape[1]}], got {tuple(weight.shape)}")
+    if weight.dtype != h.dtype or weight.device != h.device:
+        raise ValueError(f"weight must be {h.dtype} on {h.device}")
+    e = weight.shape[0]
+    if not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be an int in [1, E={e}], got {top_k!r}")
+    if bias is not None:
+        bias = _check_float("bias", bias)
+        if bias.shape != (e,) or bias.device != h.device:
+            raise ValueError(f"bias must be [{e}] on {h.device}, got {tuple(bias.shape)}")
+
+
+def route(
+    h: torch.Tensor,  # [T, H] hidden states at the first layer
+    weight: torch.Tensor,  # [E, H] router weight, dtype of h
+    bias: torch.Tensor | None,  # [E] or None
+    top_k: int,
+    *,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k pre-gating: ``(expert_ids [T, k] int32, gates [T, k] fp32)``, best first.
+
+    Gates are the softmax of the k selected logits (they sum to 1 per token). Ties between
+    equal logits go to the lower expert index.
+    """
+    _check_route(h, weight, bias, top_k)
+    if choose_backend(h, backend) == "torch":
+        from adaptermesh.kernels.reference import route_ref
+
+        return route_ref(h, weight, bias, top_k)
+    t, hidden = h.shape
+    e = weight.shape[0]
+    if e > 64:
+        raise ValueError(f"the Triton router supports up to 64 experts, got E={e}")
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=h.device)
+    gates = torch.empty(t, top_k, dtype=torch.float32, device=h.device)
+    grid = (triton.cdiv(t, _ROUTER_BLOCK_T),)
+    _router_kernel[grid](
+        h,
+        weight,
+        bias if bias is not None else weight,
+        ids,
+        gates,
+        t,
+        hidden,
+        e,
+        h.stride(0),
+        h.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        TOP_K=top_k,
+        HAS_BIAS=bias is not None,
+        BLOCK_T=_ROUTER_BLOCK_T,
+        BLOCK_E=max(16, triton.next_power_of_2(e)),
+        BLOCK_H=_ROUTER_BLOCK_H,
+        BLOCK_TOPK=max(2, triton.next_power_of_2(top_k)),
+        DOT_FP32=_dot_fp32(h.dtype),
+    )
+    return ids, gates
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused merge / switch over every targeted module of every layer.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class MergeTarget:
+    """One targeted linear layer: ``weight [N, K]`` and its experts."""
+
+    weight: torch.Tensor  # [N, K], updated in place by merges
+    lora_a: torch.Tensor  # [E, r, K]
+    lora_b: torch.Tensor  # [E, N, r]
+    scale: float
+    master: torch.Tensor | None = None  # [N, K] pristine copy (exact mode)
+
+
+@dataclass
+class MergeTable:
+    """Device-side description of all targets, built once (``build_merge_table``)."""
+
+    targets: list[MergeTarget]
+    w_ptrs: torch.Tensor  # [M] int64 addresses of the weights
+    src_ptrs: torch.Tensor  # [M] int64: masters in exact mode, else the weights
+    a_ptrs: torch.Tensor  # [M] int64
+    b_ptrs: torch.Tensor  # [M] int64
+    dims: torch.Tensor  # [M, 3] int32: N, K, r
+    scales: torch.Tensor  # [M] fp32
+    tile_start: torch.Tensor  # [M + 1] int32: prefix sum of per-module tile counts
+    total_tiles: int
+    num_experts: int
+    r_max: int
+    dtype: torch.dtype
+    exact: bool
+    # Current selection (what the weights hold now), [k] int32 / fp32; -1 = no expert.
+    cur_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    cur_gates: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+
+    @property
+    def device(self) -> torch.device:
+        return self.w_ptrs.device
+
+    def backbone_bytes(self) -> int:
+        """Bytes one switch must move: read W (or W0) and write W for every target."""
+        return sum(2 * t.weight.numel() * t.weight.element_size() for t in self.targets)
+
+
+def build_merge_table(targets: Sequence[MergeTarget], *, exact: bool = True) -> MergeTable:
+    """Validate the targets and build the pointer table. With ``exact`` every target needs a
+    ``master`` (``DynamicAdapter`` makes one); the caller keeps all tensors alive."""
+    if not targets:
+        raise ValueError("targets must name at least one module")
+    t0 = targets[0]
+    dtype, device = t0.weight.dtype, t0.weight.device
+    num_experts = t0.lora_a.shape[0] if t0.lora_a.dim() == 3 else -1
+    tiles = [0]
+    dims = []
+    r_max = 1
+    for i, t in enumerate(targets):
+        w, a, b = t.weight, t.lora_a, t.lora_b
+        name = f"targets[{i}]"
+        for what, x in (("weight", w), ("lora_a", a), ("lora_b", b)):
+            _check_float(f"{name}.{what}", x)
+            if x.dtype != dtype or x.device != device:
+                raise ValueError(f"{name}.{what} must be {dtype} on {device}")
+            if not x.is_contiguous():
+                raise ValueError(f"{name}.{what} must be contiguous")
+        if w.dim() != 2:
+            raise ValueError(f"{name}.weight must be 2-D [N, K], got {tuple(w.shape)}")
+        n, k = w.shape
+        if a.dim() != 3 or a.shape[0] != num_experts or a.shape[2] != k:
+            raise ValueError(f"{name}.lora_a must be [{num_experts}, r, {k}], got {tuple(a.shape)}")
+        r = a.shape[1]
+        if b.shape != (num_experts, n, r):
+            raise ValueError(
+                f"{name}.lora_b must be [{num_experts}, {n}, {r}], got {tuple(b.shape)}"
+            )
+        if r < 1 or r > 128:
+            raise ValueError(f"{name} rank must be in [1, 128], got {r}")
+        if exact:
+            if t.master is None or t.master.shape != w.shape or t.master.dtype != dtype:
+                raise ValueError(f"{name}.master must be a {dtype} copy of the weight (exact mode)")
+            if t.master.device != device or not t.master.is_contiguous():
+                raise ValueError(f"{name}.master must be contiguous on {device}")
+        r_max = max(r_max, r)
+        dims.append((n, k, r))
+        tiles.append(tiles[-1] + triton.cdiv(n, _SWITCH_BLOCK_N) * triton.cdiv(k, _SWITCH_BLOCK_K))
+    if tiles[-1] >= 2**31:
+        raise ValueError("too many weight tiles for one launch")
+
+    def ptrs(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.tensor([x.data_ptr() for x in xs], dtype=torch.int64, device=device)
+
+    return MergeTable(
+        targets=list(targets),
+        w_ptrs=ptrs([t.weight for t in targets]),
+        src_ptrs=ptrs(
+            [t.master if (exact and t.master is not None) else t.weight for t in targets]
+        ),
+        a_ptrs=ptrs([t.lora_a for t in targets]),
+        b_ptrs=ptrs([t.lora_b for t in targets]),
+        dims=torch.tensor(dims, dtype=torch.int32, device=device),
+        scales=torch.tensor([float(t.scale) for t in targets], dtype=torch.float32, device=device),
+        tile_start=torch.tensor(tiles, dtype=torch.int32, device=device),
+        total_tiles=tiles[-1],
+        num_experts=num_experts,
+        r_max=r_max,
+        dtype=dtype,
+        exact=exact,
+        cur_ids=torch.full((1,), -1, dtype=torch.int32, device=device),
+        cur_gates=torch.zeros(1, dtype=torch.float32, device=device),
+    )
+
+
+@triton.jit
+def _selection_delta(
+    acc,
+    a_base,
+    b_base,
+    ids_ptr,
+    gates_ptr,
+    N,
+    K,
+    R,
+    offs_n,
+    offs_k,
+    offs_r,
+    TOP_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """acc += sum_j g_j * B[e_j][offs_n, :R] @ A[e_j][:R, offs_k] (experts with id < 0 skipped)."""
+    mask_r = offs_r < R
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + j)
+        g = tl.load(gates_ptr + j)
+        if e >= 0:
+            e64 = e.to(tl.int64)
+            bt = tl.load(
+                b_base + e64 * N * R + offs_n[:, None].to(tl.int64) * R + offs_r[None, :],
+                mask=(offs_n[:, None] < N) & mask_r[None, :],
+                other=0.0,
+            )
+            at = tl.load(
+                a_base + e64 * R * K + offs_r[:, None].to(tl.int64) * K + offs_k[None, :],
+                mask=mask_r[:, None] & (offs_k[None, :] < K),
+                other=0.0,
+            )
+            if DOT_FP32:
+                acc += g * tl.dot(bt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+            else:
+                acc += g * tl.dot(bt, at)
+    return acc
+
+
+@triton.jit
+def _fused_switch_kernel(
+    # pointers: per-module tables, then the two selections
+    w_ptrs,
+    src_ptrs,
+    a_ptrs,
+    b_ptrs,
+    dims_ptr,
+    scales_ptr,
+    tile_start_ptr,
+    new_ids_ptr,
+    new_gates_ptr,
+    old_ids_ptr,
+    old_gates_ptr,
+    # sizes
+    M,
+    # meta-parameters
+    DTYPE: tl.constexpr,
+    NEW_K: tl.constexpr,
+    OLD_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_MOD: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # Which module owns this tile: count modules whose tiles end at or before it.
+    offs_mod = tl.arange(0, BLOCK_MOD)
+    ends = tl.load(tile_start_ptr + 1 + offs_mod, mask=offs_mod < M, other=2147483647)
+    mod = tl.sum((ends <= pid).to(tl.int32), 0)
+    first = tl.load(tile_start_ptr + mod)
+    N = tl.load(dims_ptr + mod * 3)
+    K = tl.load(dims_ptr + mod * 3 + 1)
+    R = tl.load(dims_ptr + mod * 3 + 2)
+    scale = tl.load(scales_ptr + mod)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    local = pid - first
+    tn = local // tiles_k
+    tk = local % tiles_k
+    w_base = tl.load(w_ptrs + mod).to(tl.pointer_type(DTYPE))
+    src_base = tl.load(src_ptrs + mod).to(tl.pointer_type(DTYPE))
+    a_base = tl.load(a_ptrs + mod).to(tl.pointer_type(DTYPE))
+    b_base = tl.load(b_ptrs + mod).to(tl.pointer_type(DTYPE))
+    offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tk * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    delta = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    delta = _selection_delta(
+        delta, a_base, b_base, new_ids_ptr, new_gates_ptr, N, K, R,
+        offs_n, offs_k, offs_r, NEW_K, DOT_FP32,
+    )  # fmt: skip
+    if OLD_K > 0:
+        old = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        old = _selection_delta(
+            old, a_base, b_base, old_ids_ptr, old_gates_ptr, N, K, R,
+            offs_n, offs_k, offs_r, OLD_K, DOT_FP32,
+        )  # fmt: skip
+        delta -= old
+    w_off = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    src = tl.load(src_base + w_off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(w_base + w_off, (src + scale * delta).to(DTYPE), mask=mask)
+
+
+def _check_selection(table: MergeTable, ids: torch.Tensor, gates: torch.Tensor, what: str) -> None:
+    if not isinstance(ids, torch.Tensor) or not isinstance(gates, torch.Tensor):
+        raise ValueError(f"{what} ids and gates must be tensors")
+    if ids.dim() != 1 or ids.dtype != torch.int32 or ids.numel() < 1:
+        raise ValueError(
+            f"{what}_ids must be a non-empty 1-D int32 tensor [k], got {ids.dtype} {tuple(ids.shape)}"
+        )
+    if gates.shape != ids.shape or gates.dtype != torch.float32:
+        raise ValueError(f"{what}_gates must be float32 of shape {tuple(ids.shape)}")
+    if ids.device != table.device or gates.device != table.device:
+        raise ValueError(f"{what} ids and gates must be on {table.device}")
+    if not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < -1 or hi >= table.num_experts:
+            raise ValueError(
+                f"{what}_ids must lie in [-1, {table.num_experts}), got min {lo} max {hi}"
+            )
+
+
+def fused_switch(
+    table: MergeTable,
+    new_ids: torch.Tensor,  # [k] int32, -1 = no expert in that position
+    new_gates: torch.Tensor,  # [k] fp32
+    *,
+    old_ids: torch.Tensor | None = None,  # [k'] int32; default: the table's current selection
+    old_gates: torch.Tensor | None = None,  # [k'] fp32
+    backend: Backend | None = None,
+) -> None:
+    """Replace the merged selection in every targeted module with one launch.
+
+    Exact mode: ``W = round(W0 + Delta_new)`` (the old selection is not needed). Delta mode:
+    ``W = round(W - Delta_old + Delta_new)`` with both deltas formed in fp32.
+    """
+    if not isinstance(table, MergeTable):
+        raise ValueError(f"table must be a MergeTable, got {type(table).__name__}")
+    _check_selection(table, new_ids, new_gates, "new")
+    if old_ids is None or old_gates is None:
+        old_ids, old_gates = table.cur_ids, table.cur_gates
+    _check_selection(table, old_ids, old_gates, "old")
+    if choose_backend(table.w_ptrs, backend) == "torch":
+        from adaptermesh.kernels.reference import fused_switch_ref
+
+        fused_switch_ref(table, new_ids, new_gates, old_ids=old_ids, old_gates=old_gates)
+    else:
+        _fused_switch_kernel[(table.total_tiles,)](
+            table.w_ptrs,
+            table.src_ptrs,
+            table.a_ptrs,
+            table.b_ptrs,
+            table.dims,
+            table.scales,
+            table.tile_start,
+            new_ids,
+            new_gates,
+            old_ids,
+            old_gates,
+            len(table.targets),
+            DTYPE=_TL_DTYPES[table.dtype],
+            NEW_K=new_ids.numel(),
+            OLD_K=0 if table.exact else old_ids.numel(),
+            BLOCK_N=_SWITCH_BLOCK_N,
+            BLOCK_K=_SWITCH_BLOCK_K,
+            BLOCK_R=max(16, triton.next_power_of_2(table.r_max)),
+            BLOCK_MOD=triton.next_power_of_2(len(table.targets)),
+            DOT_FP32=_dot_fp32(table.dtype),
+            num_warps=4,
+        )
+    table.cur_ids = new_ids.clone()
+    table.cur_gates = new_gates.clone()
+
+
+def fused_merge(
+    table: MergeTable,
+    ids: torch.Tensor,  # [k] int32
+    gates: torch.Tensor,  # [k] fp32
+    *,
+    backend: Backend | None = None,
+) -> None:
+    """``W' = W + sum_j g_j * c * B[e_j] @ A[e_j]`` for every target, one launch.
+
+    Merging onto weights that already hold a selection replaces it (a switch)."""
+    fused_switch(table, ids, gates, backend=backend)
+
+
+def fused_unmerge(table: MergeTable, *, backend: Backend | None = None) -> None:
+    """Back to the plain backbone (bit-exact in exact mode)."""
+    none_ids = torch.full((1,), -1, dtype=torch.int32, device=table.device)
+    fused_switch(
+        table, none_ids, torch.zeros(1, dtype=torch.float32, device=table.device), backend=backend
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated SGMM: per-token experts for batches of more than one token.
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _gated_shrink_kernel(
+    # pointers
+    x_ptr,
+    a_ptr,
+    ids_ptr,
+    gates_ptr,
+    v_ptr,
+    # sizes
+    K,
+    R,
+    # strides
+    stride_xt,
+    # meta-parameters
+    TOP_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    e = tl.load(ids_ptr + t * TOP_K + j)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    v_ptrs = v_ptr + (t * TOP_K + j) * BLOCK_R + offs_r
+    if e < 0:  # no expert in this position: a zero row keeps the expand branch-free
+        tl.store(v_ptrs, tl.zeros((BLOCK_R,), dtype=tl.float32))
+        return
+    g = tl.load(gates_ptr + t * TOP_K + j)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_row = a_ptr + e.to(tl.int64) * R * K + offs_r[:, None] * K
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        kk = k * BLOCK_K + offs_k
+        mask_k = kk < K
+        xv = tl.load(x_ptr + t * stride_xt + kk, mask=mask_k, other=0.0).to(tl.float32)
+        at = tl.load(a_row + kk[None, :], mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.sum(at.to(tl.float32) * xv[None, :], 1)
+    tl.store(v_ptrs, g * acc)
+
+
+@triton.jit
+def _gated_expand_kernel(
+    # pointers
+    out_ptr,
+    v_ptr,
+    b_ptr,
+    ids_ptr,
+    # sizes
+    N,
+    R,
+    scale,
+    # strides
+    stride_ot,
+    # meta-parameters
+    TOP_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j)
+        if e >= 0:
+            vv = tl.load(v_ptr + (t * TOP_K + j) * BLOCK_R + offs_r)
+            # v rounded to the weight dtype, as in the SGMM expand.
+            bt = tl.load(
+                b_ptr + e.to(tl.int64) * N * R + offs_n[:, None].to(tl.int64) * R + offs_r[None, :],
+                mask=mask_n[:, None] & mask_r[None, :],
+                other=0.0,
+            )
+            vq = vv.to(bt.dtype).to(tl.float32)
+            acc += tl.sum(bt.to(tl.float32) * vq[None, :], 1)
+    o_ptrs = out_ptr + t * stride_ot + offs_n
+    o = tl.load(o_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, (o + scale * acc).to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def _check_gated(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gates: torch.Tensor,
+) -> None:
+    for name, ten in (("out", out), ("x", x), ("lora_a", lora_a), ("lora_b", lora_b)):
+        _check_float(name, ten)
+        if ten.dtype != x.dtype or ten.device != x.device:
+            raise ValueError(
+                f"{name} must be {x.dtype} on {x.device}, got {ten.dtype} on {ten.device}"
+            )
+    if x.dim() != 2 or out.dim() != 2 or out.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x [T, K] and out [T, N] must agree on T, got {tuple(x.shape)} and {tuple(out.shape)}"
+        )
+    if x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("x and out need unit stride along their last dimension")
+    t, k = x.shape
+    n = out.shape[1]
+    if lora_a.dim() != 3 or lora_a.shape[2] != k or not lora_a.is_contiguous():
+        raise ValueError(f"lora_a must be a contiguous [E, r, {k}], got {tuple(lora_a.shape)}")
+    e, r, _ = lora_a.shape
+    if lora_b.shape != (e, n, r) or not lora_b.is_contiguous():
+        raise ValueError(f"lora_b must be a contiguous [{e}, {n}, {r}], got {tuple(lora_b.shape)}")
+    if r > 128:
+        raise ValueError(f"rank must be <= 128, got {r}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != t or expert_ids.dtype != torch.int32:
+        raise ValueError(
+            f"expert_ids must be int32 [{t}, k], got {expert_ids.dtype} {tuple(expert_ids.shape)}"
+        )
+    if gates.shape != expert_ids.shape or gates.dtype != torch.float32:
+        raise ValueError(f"gates must be float32 of shape {tuple(expert_ids.shape)}")
+    if expert_ids.device != x.device or gates.device != x.device:
+        raise ValueError(f"expert_ids and gates must be on {x.device}")
+    if not expert_ids.is_contiguous() or not gates.is_contiguous():
+        raise ValueError("expert_ids and gates must be contiguous")
+    if expert_ids.numel() and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < -1 or hi >= e:
+            raise ValueError(f"expert_ids must lie in [-1, {e}), got min {lo} max {hi}")
+
+
+def gated_add_lora(
+    out: torch.Tensor,  # [T, N], updated in place
+    x: torch.Tensor,  # [T, K]
+    lora_a: torch.Tensor,  # [E, r, K]
+    lora_b: torch.Tensor,  # [E, N, r]
+    expert_ids: torch.Tensor,  # [T, k] int32, -1 = none
+    gates: torch.Tensor,  # [T, k] fp32
+    scale: float,
+    *,
+    backend: Backend | None = None,
+) -> None:
+    """``out[t] += scale * sum_j gates[t, j] * (x[t] @ A[e_tj].T) @ B[e_tj].T``; two launches."""
+    _check_gated(out, x, lora_a, lora_b, expert_ids, gates)
+    if choose_backend(x, backend) == "torch":
+        from adaptermesh.kernels.reference import gated_add_lora_ref
+
+        gated_add_lora_ref(out, x, lora_a, lora_b, expert_ids, gates, scale)
+        return
+    t, k = x.shape
+    n = out.shape[1]
+    _, r, _ = lora_a.shape
+    top_k = expert_ids.shape[1]
+    if t == 0:
+        return
+    block_r = max(16, triton.next_power_of_2(r))
+    v = torch.empty(t, top_k, block_r, dtype=torch.float32, device=x.device)
+    _gated_shrink_kernel[(t, top_k)](
+        x, lora_a, expert_ids, gates, v, k, r, x.stride(0),
+        TOP_K=top_k, BLOCK_R=block_r, BLOCK_K=_GATED_BLOCK_K,
+    )  # fmt: skip
+    _gated_expand_kernel[(t, triton.cdiv(n, _GATED_BLOCK_N))](
+        out, v, lora_b, expert_ids, n, r, float(scale), out.stride(0),
+        TOP_K=top_k, BLOCK_R=block_r, BLOCK_N=_GATED_BLOCK_N,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules the worker wires in.
+# ---------------------------------------------------------------------------------------------
+class AdaFuseRouter(nn.Module):
+    """Token-level pre-gating at the first layer: one linear ``hidden -> num_experts``, top-k,
+    softmax over the selected logits. ``forward(h [T, hidden]) -> (ids [T, k] int32,
+    gates [T, k] fp32)``."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        bias: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.top_k = top_k
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(num_experts, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+        nn.init.normal_(self.weight, std=hidden**-0.5)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(h, self.weight, self.bias, self.top_k)
+
+
+class DynamicAdapter(nn.Module):
+    """One backbone linear layer with ``E`` expert LoRAs under AdaFuse gating.
+
+    Constructor::
+
+        DynamicAdapter(base: nn.Linear,
+                       lora_a: Tensor[E, r, base.in_features],
+                       lora_b: Tensor[E, base.out_features, r],
+                       scale: float,            # alpha / r (or alpha / sqrt(r)), by the caller
+                       *, exact: bool = True)   # keep a pristine copy of base.weight
+
+    The expert weights are copied to ``base.weight``'s dtype and device. ``exact`` keeps a copy
+    of the backbone weight so merges never drift (see the module docstring); set it False to
+    save that memory and accept a bounded rounding drift.
+
+    ``forward(x: Tensor[..., in_features]) -> Tensor[..., out_features]``:
+
+    - without a controller or a routing decision: the plain backbone ``base(x)``;
+    - when the controller merged a batch-1 selection into the weights: ``base(x)`` (the
+      weight already holds ``W + c * sum_j g_j B_j A_j``);
+    - otherwise ``base(x)`` plus the gated SGMM path with the controller's per-token routing;
+      the number of tokens ``prod(x.shape[:-1])`` must equal the routed batch's.
+
+    Register every ``DynamicAdapter`` of the model with one ``AdaFuseController``, then call
+    ``controller.route(h_first_layer)`` once per forward step before running the layers.
+    """
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scale: float,
+        *,
+        exact: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise ValueError(f"base must be an nn.Linear, got {type(base).__name__}")
+        w = base.weight
+        e = lora_a.shape[0] if lora_a.dim() == 3 else -1
+        if lora_a.dim() != 3 or lora_a.shape[2] != base.in_features or e < 1:
+            raise ValueError(
+                f"lora_a must be [E, r, {base.in_features}], got {tuple(lora_a.shape)}"
+            )
+        r = lora_a.shape[1]
+        if lora_b.shape != (e, base.out_features, r):
+            raise ValueError(
+                f"lora_b must be [{e}, {base.out_features}, {r}], got {tuple(lora_b.shape)}"
+            )
+        self.base = base
+        self.scale = float(scale)
+        self.exact = exact
+        self.lora_a: torch.Tensor
+        self.lora_b: torch.Tensor
+        self.register_buffer("lora_a", lora_a.detach().to(device=w.device, dtype=w.dtype).contiguous())
+        self.register_buffer("lora_b", lora_b.detach().to(device=w.device, dtype=w.dtype).contiguous())
+        self.master: torch.Tensor | None
+        self.register_buffer("master", w.detach().clone() if exact else None)
+        self.controller: AdaFuseController | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.lora_a.shape[0])
+
+    def target(self) -> MergeTarget:
+        if not self.base.weight.is_contiguous():
+            raise ValueError("base.weight must be contiguous to be merged in place")
+        return MergeTarget(
+            weight=self.base.weight.data,
+            lora_a=self.lora_a,
+            lora_b=self.lora_b,
+            scale=self.scale,
+            master=self.master,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.base(x)
+        ctl = self.controller
+        if ctl is None or ctl.merged or ctl.routing is None:
+            return y
+        ids, gates = ctl.routing
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] != ids.shape[0]:
+            raise ValueError(f"x has {x2.shape[0]} tokens, the controller routed {ids.shape[0]}")
+        y2 = y.reshape(-1, y.shape[-1])
+        if not y2.is_contiguous():
+            y2 = y2.contiguous()
+        gated_add_lora(y2, x2.contiguous(), self.lora_a, self.lora_b, ids, gates, self.scale)
+        return y2.view(y.shape)
+
+
+class AdaFuseController:
+    """Routes once per step and picks the path for every registered ``DynamicAdapter``.
+
+    ``route(h [T, hidden])`` runs the router on the first layer's hidden states. With ``T == 1``
+    it merges the token's selection into every targeted weight with one ``fused_switch`` launch
+    (skipped when the selection is unchanged; the comparison reads 2k numbers back). With
+    ``T > 1`` it restores the plain backbone (one launch, if something was merged) and leaves
+    the per-token routing for the adapters' gated SGMM path. Returns ``(ids, gates)``.
+    """
+
+    def __init__(
+        self,
+        router: AdaFuseRouter,
+        adapters: Sequence[DynamicAdapter],
+        *,
+        exact: bool = True,
+    ) -> None:
+        if not adapters:
+            raise ValueError("adapters must hold at least one DynamicAdapter")
+        for i, a in enumerate(adapters):
+            if a.exact != exact:
+                raise ValueError(
+                    f"adapters[{i}].exact={a.exact} but the controller has exact={exact}"
+                )
+            if a.num_experts != router.weight.shape[0]:
+                raise ValueError(
+                    f"adapters[{i}] has {a.num_experts} experts, the router {router.weight.shape[0]}"
+                )
+        self.router = router
+        self.adapters = list(adapters)
+        self.table = build_merge_table([a.target() for a in adapters], exact=exact)
+        self.merged = False
+        self.routing: tuple[torch.Tensor, torch.Tensor] | None = None
+        for a in adapters:
+            a.controller = self
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, gates = self.router(h)
+        if h.shape[0] == 1:
+            new_ids, new_gates = ids[0].contiguous(), gates[0].contiguous()
+            same = (
+                self.merged
+                and torch.equal(new_ids, self.table.cur_ids)
+                and torch.equal(new_gates, self.table.cur_gates)
+            )
+            if not same:
+                fused_switch(self.table, new_ids, new_gates)
+            self.merged = True
+        else:
+            self.unmerge()
+        self.routing = (ids, gates)
+        return ids, gates
+
+    def unmerge(self) -> None:
+        """Restore the plain backbone weights (bit-exact in exact mode)."""
+        if self.merged:
+            fused_unmerge(self.table)
+            self.merged = False
