@@ -1,4 +1,4 @@
-"""Per-tenant bounded queues with deficit round robin admission into the engine.
+"""Per-tenant bounded queues with start-time fair queuing admission into the engine.
 
 The HTTP service puts every generation request through one ``FairQueue`` before it reaches
 the engine. Three bounds keep memory finite whatever clients do:
@@ -9,10 +9,22 @@ the engine. Three bounds keep memory finite whatever clients do:
 
 A request over a bound is refused at once with ``QueueFullError`` (the service answers 429).
 
-When a slot frees, the next request is picked by deficit round robin (Shreedhar and Varghese)
-over the tenants that have waiting requests. Each request costs its estimated work in tokens
-(prompt plus ``max_tokens``), so a tenant that sends long requests gets the same token share,
-not the same request count, as a tenant that sends short ones. Within a tenant, order is FIFO.
+When a slot frees, the next request is picked by start-time fair queuing (SFQ, Goyal, Vin and
+Cheng 1996), a virtual-clock cousin of deficit round robin. Each request costs its estimated
+work in tokens (prompt plus ``max_tokens``) and gets a start tag
+``max(virtual_time, finish tag of the tenant's previous request)`` and a finish tag
+``start + cost``; the waiting request with the smallest start tag runs next, and the virtual
+time moves to that tag. So:
+
+- backlogged tenants share admitted tokens equally, within one request's cost of each other,
+  whatever their request sizes (DRR's guarantee, without DRR's quantum-sized bursts);
+- a tenant that was quiet starts at the current virtual time: its request runs next instead of
+  behind a flooding tenant's backlog, and it cannot bank credit while idle;
+- within a tenant, order is FIFO (tags grow along a tenant's requests).
+
+DRR with a quantum admits up to a quantum's worth of one tenant's requests in a row, which
+puts a quiet tenant behind that burst; SFQ's per-request interleaving avoids it at the cost of
+a heap operation (O(log n)) per request.
 
 The queue is single-threaded: call it from one event loop only.
 """
@@ -20,11 +32,11 @@ The queue is single-threaded: call it from one event loop only.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["FairQueue", "QueueFullError", "TenantSnapshot", "Ticket"]
@@ -58,6 +70,8 @@ class Ticket:
     seq: int
     enqueued_at: float
     admitted: asyncio.Future[None]
+    start_tag: float = 0.0
+    finish_tag: float = 0.0
     state: TicketState = "waiting"
     admitted_at: float | None = None
 
@@ -72,18 +86,17 @@ class TenantSnapshot:
 
 @dataclass(slots=True)
 class _Tenant:
-    queue: deque[Ticket] = field(default_factory=deque)
+    waiting: int = 0
     running: int = 0
-    deficit: int = 0
-    # True while this tenant's current DRR turn has already been credited with its quantum.
-    credited: bool = False
+    # Finish tag of the tenant's latest queued or admitted request.
+    last_finish: float = 0.0
     admitted_total: int = 0
     admitted_cost_total: int = 0
     idle_since: float | None = None
 
 
 class FairQueue:
-    """Deficit round robin over per-tenant FIFO queues, with bounded admission."""
+    """Start-time fair queuing over per-tenant FIFO queues, with bounded admission."""
 
     def __init__(
         self,
@@ -91,23 +104,22 @@ class FairQueue:
         max_running: int,
         max_waiting_per_tenant: int,
         max_waiting_total: int,
-        quantum: int = 512,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_running < 1:
             raise ValueError("max_running must be at least 1")
         if max_waiting_per_tenant < 0 or max_waiting_total < 0:
             raise ValueError("queue bounds must not be negative")
-        if quantum < 1:
-            raise ValueError("quantum must be at least 1")
         self.max_running = max_running
         self.max_waiting_per_tenant = max_waiting_per_tenant
         self.max_waiting_total = max_waiting_total
-        self.quantum = quantum
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
-        # Tenants with at least one waiting ticket, in round-robin order; the head has the turn.
-        self._active: deque[str] = deque()
+        # Waiting tickets by (start tag, arrival). Withdrawn tickets stay until popped or until
+        # they outnumber the live ones, when the heap is rebuilt.
+        self._heap: list[tuple[float, int, Ticket]] = []
+        self._stale = 0
+        self._virtual_time = 0.0
         self._num_waiting = 0
         self._num_running = 0
         self._seq = itertools.count()
@@ -121,13 +133,15 @@ class FairQueue:
     def num_running(self) -> int:
         return self._num_running
 
+    @property
+    def virtual_time(self) -> float:
+        return self._virtual_time
+
     def snapshot(self) -> dict[str, TenantSnapshot]:
         """Per-tenant counts: live tenants plus recently idle ones (reported with zeros)."""
         self._forget_idle_tenants()
         return {
-            name: TenantSnapshot(
-                len(t.queue), t.running, t.admitted_total, t.admitted_cost_total
-            )
+            name: TenantSnapshot(t.waiting, t.running, t.admitted_total, t.admitted_cost_total)
             for name, t in self._tenants.items()
         }
 
@@ -139,23 +153,27 @@ class FairQueue:
         """
         cost = max(1, int(cost))
         state = self._tenants.get(tenant)
+        immediate = self._num_running < self.max_running and self._num_waiting == 0
+        if not immediate:
+            if state is not None and state.waiting >= self.max_waiting_per_tenant:
+                raise QueueFullError("tenant", tenant, self.max_waiting_per_tenant)
+            if state is None and self.max_waiting_per_tenant == 0:
+                raise QueueFullError("tenant", tenant, self.max_waiting_per_tenant)
+            if self._num_waiting >= self.max_waiting_total:
+                raise QueueFullError("global", tenant, self.max_waiting_total)
+        state = self._tenant(tenant)
         loop = asyncio.get_running_loop()
         ticket = Ticket(tenant, cost, next(self._seq), self._clock(), loop.create_future())
-        if self._num_running < self.max_running and self._num_waiting == 0:
-            state = self._tenant(tenant)
+        ticket.start_tag = max(self._virtual_time, state.last_finish)
+        ticket.finish_tag = ticket.start_tag + cost
+        state.last_finish = ticket.finish_tag
+        state.idle_since = None
+        if immediate:
             self._admit(state, ticket)
             return ticket
-        waiting_here = len(state.queue) if state is not None else 0
-        if waiting_here >= self.max_waiting_per_tenant:
-            raise QueueFullError("tenant", tenant, self.max_waiting_per_tenant)
-        if self._num_waiting >= self.max_waiting_total:
-            raise QueueFullError("global", tenant, self.max_waiting_total)
-        state = self._tenant(tenant)
-        if not state.queue:
-            self._active.append(tenant)
-        state.queue.append(ticket)
-        state.idle_since = None
+        state.waiting += 1
         self._num_waiting += 1
+        heapq.heappush(self._heap, (ticket.start_tag, ticket.seq, ticket))
         self._dispatch()
         return ticket
 
@@ -177,11 +195,18 @@ class FairQueue:
             ticket.state = "withdrawn"
             if not ticket.admitted.done():
                 ticket.admitted.cancel()
+            self._num_waiting -= 1
+            self._stale += 1
             if state is not None:
-                state.queue.remove(ticket)
-                self._num_waiting -= 1
-                if not state.queue:
-                    self._deactivate(ticket.tenant, state)
+                state.waiting -= 1
+                # A withdrawn last request gives its tag back, so leaving costs no share.
+                if state.last_finish == ticket.finish_tag:
+                    state.last_finish = ticket.start_tag
+                self._mark_idle_if_empty(state)
+            if self._stale > max(64, len(self._heap) // 2):
+                self._heap = [e for e in self._heap if e[2].state == "waiting"]
+                heapq.heapify(self._heap)
+                self._stale = 0
         elif ticket.state == "admitted":
             ticket.state = "released"
             self._num_running -= 1
@@ -208,6 +233,7 @@ class FairQueue:
     def _admit(self, state: _Tenant, ticket: Ticket) -> None:
         ticket.state = "admitted"
         ticket.admitted_at = self._clock()
+        self._virtual_time = max(self._virtual_time, ticket.start_tag)
         state.running += 1
         state.admitted_total += 1
         state.admitted_cost_total += ticket.cost
@@ -216,18 +242,8 @@ class FairQueue:
         if not ticket.admitted.done():
             ticket.admitted.set_result(None)
 
-    def _deactivate(self, name: str, state: _Tenant) -> None:
-        # An emptied queue loses its deficit, as in DRR: credit is not banked across idle time.
-        state.deficit = 0
-        state.credited = False
-        if self._active and self._active[0] == name:
-            self._active.popleft()
-        else:
-            self._active.remove(name)
-        self._mark_idle_if_empty(state)
-
     def _mark_idle_if_empty(self, state: _Tenant) -> None:
-        if not state.queue and state.running == 0:
+        if state.waiting == 0 and state.running == 0:
             state.idle_since = self._clock()
 
     def _forget_idle_tenants(self) -> None:
@@ -243,43 +259,16 @@ class FairQueue:
             keep = idle[-_MAX_IDLE_TENANTS:]
             expired = {name for _, name in idle} - {name for _, name in keep}
         for name in expired:
+            # A forgotten tenant comes back at the current virtual time, as an idle one would.
             del self._tenants[name]
 
     def _dispatch(self) -> None:
-        stalled = 0  # turns in a row that admitted nothing
-        while self._num_running < self.max_running and self._active:
-            name = self._active[0]
-            state = self._tenants[name]
-            if not state.credited:
-                state.deficit += self.quantum
-                state.credited = True
-            head = state.queue[0]
-            if head.cost <= state.deficit:
-                state.queue.popleft()
-                self._num_waiting -= 1
-                state.deficit -= head.cost
-                self._admit(state, head)
-                stalled = 0
-                if not state.queue:
-                    self._deactivate(name, state)
+        while self._num_running < self.max_running and self._num_waiting > 0:
+            _, _, ticket = heapq.heappop(self._heap)
+            if ticket.state != "waiting":
+                self._stale -= 1
                 continue
-            # The turn is over: the head request costs more than the remaining credit.
-            state.credited = False
-            self._active.rotate(-1)
-            stalled += 1
-            if stalled >= len(self._active):
-                self._skip_empty_rounds()
-                stalled = 0
-
-    def _skip_empty_rounds(self) -> None:
-        """Credit all active tenants with the rounds in which nobody could afford its head.
-
-        Equivalent to running those rounds one by one, without spinning through them.
-        """
-        rounds = min(
-            -(-(self._tenants[n].queue[0].cost - self._tenants[n].deficit) // self.quantum)
-            for n in self._active
-        )
-        if rounds > 1:
-            for n in self._active:
-                self._tenants[n].deficit += (rounds - 1) * self.quantum
+            state = self._tenants[ticket.tenant]
+            state.waiting -= 1
+            self._num_waiting -= 1
+            self._admit(state, ticket)

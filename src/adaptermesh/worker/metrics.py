@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -72,6 +72,9 @@ class ServiceMetrics:
         self._token_samples: deque[tuple[float, int]] = deque()
         self._last_stats: EngineStats | None = None
 
+        # The *_created series double the scrape size and no consumer reads them; vLLM turns
+        # them off too. The switch is process-wide, which is fine in a worker process.
+        disable_created_metrics()
         r = self.registry
         self.ttft = Histogram(
             "adaptermesh_time_to_first_token_seconds",

@@ -71,8 +71,6 @@ class ServiceConfig:
     max_running: int = 64
     max_waiting_per_tenant: int = 64
     max_waiting_total: int = 1024
-    # Deficit round robin quantum, in tokens (prompt + max_tokens) of credit per turn.
-    fair_quantum_tokens: int = 512
     # Deadline of a request that does not send ``x-request-timeout`` (seconds).
     request_timeout_s: float = 600.0
     # A client's ``x-request-timeout`` is capped at this (seconds).
@@ -341,7 +339,6 @@ class WorkerService:
             max_running=c.max_running,
             max_waiting_per_tenant=c.max_waiting_per_tenant,
             max_waiting_total=c.max_waiting_total,
-            quantum=c.fair_quantum_tokens,
         )
         self.metrics = ServiceMetrics(engine, self.queue)
         self.draining = False

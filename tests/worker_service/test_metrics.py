@@ -1,0 +1,149 @@
+"""/metrics against the fake engine: parses with prometheus-client, has every documented series
+with the right labels, and the values follow what happened."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from .conftest import Server, StartServer
+from .fakes import FakeEngine
+from .test_service import wait_until
+
+# Every series the service documents (docs/worker-service.md), with its type and label names.
+EXPECTED = {
+    "vllm:num_requests_waiting": ("gauge", {"model_name"}),
+    "vllm:num_requests_running": ("gauge", {"model_name"}),
+    "vllm:kv_cache_usage_perc": ("gauge", {"model_name"}),
+    "vllm:lora_requests_info": ("gauge", {"running_lora_adapters", "waiting_lora_adapters",
+                                          "max_lora"}),
+    "adaptermesh_queue_depth": ("gauge", {"tenant"}),
+    "adaptermesh_tenant_requests_running": ("gauge", {"tenant"}),
+    "adaptermesh_queue_depth_total": ("gauge", set()),
+    "adaptermesh_requests_admitted": ("gauge", set()),
+    "adaptermesh_time_to_first_token_seconds": ("histogram", set()),
+    "adaptermesh_time_per_output_token_seconds": ("histogram", set()),
+    "adaptermesh_request_latency_seconds": ("histogram", set()),
+    "adaptermesh_queue_wait_seconds": ("histogram", set()),
+    "adaptermesh_generation_tokens_per_second": ("gauge", set()),
+    "adaptermesh_generation_tokens": ("counter", set()),
+    "adaptermesh_prompt_tokens": ("counter", set()),
+    "adaptermesh_adapter_cache_hits": ("counter", set()),
+    "adaptermesh_adapter_cache_misses": ("counter", set()),
+    "adaptermesh_adapter_cache_evictions": ("counter", set()),
+    "adaptermesh_gpu_slots_used": ("gauge", set()),
+    "adaptermesh_gpu_slots_total": ("gauge", set()),
+    "adaptermesh_adapter_load_latency_seconds": ("histogram", set()),
+    "adaptermesh_free_gpu_memory_bytes": ("gauge", set()),
+    "adaptermesh_kv_cache_usage_ratio": ("gauge", set()),
+    "adaptermesh_max_loras": ("gauge", set()),
+    "adaptermesh_requests": ("counter", {"outcome"}),
+    "adaptermesh_requests_rejected": ("counter", {"reason"}),
+}
+
+
+async def scrape(server: Server) -> dict:
+    r = await server.client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def value(families: dict, name: str, sample: str | None = None, **labels: str) -> float:
+    family = families[name]
+    for s in family.samples:
+        if (sample is None or s.name == sample) and all(
+            s.labels.get(k) == v for k, v in labels.items()
+        ):
+            return s.value
+    raise KeyError((name, sample, labels))
+
+
+async def test_every_series_is_present_with_its_type_and_labels(server: Server) -> None:
+    # Exercise labelled series once so they have samples.
+    await server.client.post("/v1/completions", json={"model": "alpha", "prompt": "a b",
+                                                      "max_tokens": 3})
+    server.service.metrics.rejected.labels(reason="tenant_queue_full")
+    families = await scrape(server)
+    for name, (kind, labels) in EXPECTED.items():
+        assert name in families, name
+        family = families[name]
+        assert family.type == kind, name
+        assert family.documentation, name
+        for s in family.samples:
+            assert set(s.labels) - {"le"} == labels, (name, s)
+    # No undocumented series sneak in.
+    extra = {n for n in families if n.startswith(("adaptermesh_", "vllm:"))} - set(EXPECTED)
+    assert not extra
+
+
+async def test_values_follow_traffic(start_server: StartServer) -> None:
+    engine = FakeEngine(token_delay=0.01, max_batch=1)
+    s = await start_server(engine, max_running=2, max_waiting_per_tenant=4)
+    body = {"model": "alpha", "prompt": "a b", "max_tokens": 20}
+    tasks = [asyncio.create_task(s.client.post("/v1/completions", json=body,
+                                               headers={"x-tenant-id": "acme"}))
+             for _ in range(4)]
+    await wait_until(lambda: s.service.queue.num_waiting == 2 and len(engine.running) == 1)
+    f = await scrape(s)
+    assert value(f, "adaptermesh_queue_depth", tenant="id-acme") == 2
+    assert value(f, "adaptermesh_tenant_requests_running", tenant="id-acme") == 2
+    # Two in the tenant queue plus one in the engine's own queue (its batch holds one).
+    assert value(f, "vllm:num_requests_waiting", model_name="tiny-base") == 3
+    assert value(f, "vllm:num_requests_running", model_name="tiny-base") == 1
+    assert value(f, "vllm:kv_cache_usage_perc", model_name="tiny-base") == 1.0
+    info = f["vllm:lora_requests_info"].samples[0]
+    assert info.labels == {"running_lora_adapters": "alpha", "waiting_lora_adapters": "alpha",
+                           "max_lora": "4"}
+    assert info.value > 1e9  # a Unix timestamp, as vLLM sets it
+    for t in tasks:
+        assert (await t).status_code == 200
+    s.service.metrics.poll()
+    f = await scrape(s)
+    assert value(f, "adaptermesh_queue_depth", tenant="id-acme") == 0
+    assert value(f, "adaptermesh_generation_tokens", "adaptermesh_generation_tokens_total") == 80
+    assert value(f, "adaptermesh_prompt_tokens", "adaptermesh_prompt_tokens_total") == 8
+    assert value(f, "adaptermesh_generation_tokens_per_second") > 0
+    assert value(f, "adaptermesh_time_to_first_token_seconds",
+                 "adaptermesh_time_to_first_token_seconds_count") == 4
+    assert value(f, "adaptermesh_time_per_output_token_seconds",
+                 "adaptermesh_time_per_output_token_seconds_count") == 4
+    tpot_sum = value(f, "adaptermesh_time_per_output_token_seconds",
+                     "adaptermesh_time_per_output_token_seconds_sum")
+    assert 0.005 < tpot_sum / 4 < 0.5
+    assert value(f, "adaptermesh_requests", "adaptermesh_requests_total", outcome="length") == 4
+    # The first request loaded "alpha" (a miss, one load latency); the other three hit.
+    assert value(f, "adaptermesh_adapter_cache_misses",
+                 "adaptermesh_adapter_cache_misses_total") == 1
+    assert value(f, "adaptermesh_adapter_cache_hits",
+                 "adaptermesh_adapter_cache_hits_total") == 3
+    assert value(f, "adaptermesh_adapter_load_latency_seconds",
+                 "adaptermesh_adapter_load_latency_seconds_count") == 1
+    assert value(f, "adaptermesh_gpu_slots_used") == 1
+    assert value(f, "adaptermesh_gpu_slots_total") == 4
+
+
+async def test_rejections_are_counted(start_server: StartServer) -> None:
+    s = await start_server(FakeEngine(token_delay=0.02), max_running=1,
+                           max_waiting_per_tenant=1, max_waiting_total=5)
+    tasks = [asyncio.create_task(s.client.post("/v1/completions",
+                                               json={"prompt": "x", "max_tokens": 3}))
+             for _ in range(4)]
+    codes = sorted(r.status_code for r in await asyncio.gather(*tasks))
+    assert codes == [200, 200, 429, 429]
+    f = await scrape(s)
+    assert value(f, "adaptermesh_requests_rejected", "adaptermesh_requests_rejected_total",
+                 reason="tenant_queue_full") == 2
+
+
+async def test_two_services_in_one_process_do_not_share_series(
+    start_server: StartServer,
+) -> None:
+    a = await start_server()
+    b = await start_server()
+    await a.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    fa, fb = await scrape(a), await scrape(b)
+    count = "adaptermesh_time_to_first_token_seconds_count"
+    assert value(fa, "adaptermesh_time_to_first_token_seconds", count) == 1
+    assert value(fb, "adaptermesh_time_to_first_token_seconds", count) == 0
