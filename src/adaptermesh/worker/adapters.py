@@ -1,0 +1,594 @@
+"""Adapter manager: PEFT adapters on disk -> CPU cache (LRU, bytes) -> GPU pool slots (LRU).
+
+Tiers and invariants:
+
+* **Disk.** Adapters live under one adapter root. Names and paths never resolve outside it
+  (no ``..``, no absolute paths elsewhere, no symlink escapes).
+* **CPU cache.** Validated, packed weights (pinned memory on CUDA), LRU bounded in bytes.
+  Pinned adapters are never dropped.
+* **GPU slots.** ``LoraPool`` slots, LRU bounded in count. A slot with a non-zero reference
+  count (in-flight requests) or a pinned adapter is never evicted.
+
+Loads are two-phase. *prepare* reads and validates the files (in a thread), reserves a free or
+evictable slot, copies the weights into it and verifies the copy by checksum; *commit* then
+publishes ``name -> slot`` in one assignment on the event loop. A failed prepare releases the
+slot and leaves the published table untouched. Reloading a name publishes the new slot while the
+old one stays "retired" until its last in-flight request releases it.
+
+All bookkeeping runs on the event-loop thread; only file reads and slot copies run in worker
+threads, so serving continues while an adapter loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from adaptermesh.worker.model import (
+    GROUPS,
+    SUPPORTED_MODULES,
+    LoraPool,
+    ModelConfig,
+)
+from adaptermesh.worker.types import AdapterInfo, AdapterNotFoundError, EngineOverloadedError
+
+__all__ = [
+    "AdapterManager",
+    "AdapterValidationError",
+    "CpuAdapter",
+    "read_adapter",
+    "resolve_in_root",
+    "validate_name",
+]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,199}$")
+_PARENTS = {m: ("self_attn" if m in GROUPS["qkv"] or m == "o_proj" else "mlp") for m in SUPPORTED_MODULES}
+
+
+class AdapterValidationError(AdapterNotFoundError):
+    """An adapter exists but cannot be served; ``field`` names what is wrong."""
+
+    def __init__(self, name: str, field: str, message: str) -> None:
+        super().__init__(name, f"{field}: {message}")
+        self.field = field
+
+
+def validate_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME_RE.match(name) or any(p in ("..", ".") for p in name.split("/")):
+        raise AdapterValidationError(str(name), "name", "must be 1-200 characters of [A-Za-z0-9._-/] with no '.' or '..' parts")
+
+
+def resolve_in_root(root: Path, name: str, path: str | None = None) -> Path:
+    """The adapter directory for ``name`` (or an explicit ``path``), guaranteed inside ``root``."""
+    rel = Path(path) if path is not None else Path(name)
+    if ".." in rel.parts:
+        raise AdapterValidationError(name, "lora_path", "must not contain '..'")
+    root_r = root.resolve()
+    candidate = rel if rel.is_absolute() else root_r / rel
+    resolved = candidate.resolve(strict=False)  # follows symlinks, so an escaping link is caught
+    if not resolved.is_relative_to(root_r):
+        raise AdapterValidationError(name, "lora_path", f"resolves outside the adapter root {root_r}")
+    return resolved
+
+
+@dataclass(slots=True)
+class CpuAdapter:
+    """A validated adapter, packed per group: a[g] [L, n, r, in], b[g][i] [L, N_i, r]."""
+
+    name: str
+    path: Path
+    rank: int
+    alpha: float
+    use_rslora: bool
+    scale: float
+    targets: frozenset[str]
+    a: dict[str, torch.Tensor]
+    b: dict[str, tuple[torch.Tensor, ...]]
+    checksum: dict[str, float]
+    nbytes: int
+    pinned: bool = False
+
+
+def _fail(name: str, fld: str, msg: str) -> AdapterValidationError:
+    return AdapterValidationError(name, fld, msg)
+
+
+def _target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tuple[int, str]]:
+    raw = cfg_json.get("target_modules")
+    layers = cfg_json.get("layers_to_transform")
+    if isinstance(layers, int):
+        layer_ids = {layers}
+    elif isinstance(layers, list):
+        layer_ids = {int(x) for x in layers}
+    else:
+        layer_ids = set(range(cfg.num_layers))
+    bad_layers = [x for x in layer_ids if not 0 <= x < cfg.num_layers]
+    if bad_layers:
+        raise _fail(name, "layers_to_transform", f"layers {bad_layers} do not exist (model has {cfg.num_layers})")
+    full = {
+        (layer, m): f"model.layers.{layer}.{_PARENTS[m]}.{m}" for layer in range(cfg.num_layers) for m in SUPPORTED_MODULES
+    }
+    out: set[tuple[int, str]] = set()
+    if isinstance(raw, str):
+        if raw == "all-linear":
+            out = {k for k in full if k[0] in layer_ids}
+        else:
+            try:
+                pat = re.compile(raw)
+            except re.error as e:
+                raise _fail(name, "target_modules", f"invalid regular expression: {e}") from None
+            out = {k for k, path in full.items() if k[0] in layer_ids and pat.fullmatch(path)}
+            if not out:
+                raise _fail(name, "target_modules", f"{raw!r} matches no module of the base model")
+    elif isinstance(raw, list) and raw:
+        for entry in raw:
+            if not isinstance(entry, str):
+                raise _fail(name, "target_modules", f"entries must be strings, got {entry!r}")
+            hits = {k for k, path in full.items() if k[0] in layer_ids and (path == entry or path.endswith("." + entry))}
+            if not hits:
+                raise _fail(name, "target_modules", f"{entry!r} is not a module of the base model (supported: {', '.join(SUPPORTED_MODULES)})")
+            out |= hits
+    else:
+        raise _fail(name, "target_modules", "must be a non-empty list of module names or a string")
+    return out
+
+
+def read_adapter(
+    name: str, path: Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype, pin_memory: bool
+) -> CpuAdapter:
+    """Read, validate and pack one PEFT adapter directory. Raises AdapterValidationError."""
+    if not path.is_dir():
+        raise AdapterNotFoundError(name, f"no adapter directory at {path}")
+    cfg_path = path / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise AdapterNotFoundError(name, f"{path} has no adapter_config.json")
+    try:
+        cj = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise _fail(name, "adapter_config.json", f"unreadable: {e}") from None
+    if not isinstance(cj, dict):
+        raise _fail(name, "adapter_config.json", "must hold a JSON object")
+    if cj.get("peft_type", "LORA") != "LORA":
+        raise _fail(name, "peft_type", f"only LORA is supported, got {cj.get('peft_type')!r}")
+    r = cj.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise _fail(name, "r", f"must be a positive integer, got {r!r}")
+    if r > max_rank:
+        raise _fail(name, "r", f"rank {r} exceeds the engine's max_lora_rank {max_rank}")
+    alpha = cj.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise _fail(name, "lora_alpha", f"must be a number, got {alpha!r}")
+    use_rslora = cj.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise _fail(name, "use_rslora", f"must be a boolean, got {use_rslora!r}")
+    for key, ok in (
+        ("use_dora", not cj.get("use_dora")),
+        ("bias", cj.get("bias", "none") in ("none", None)),
+        ("fan_in_fan_out", not cj.get("fan_in_fan_out")),
+        ("modules_to_save", not cj.get("modules_to_save")),
+        ("rank_pattern", not cj.get("rank_pattern")),
+        ("alpha_pattern", not cj.get("alpha_pattern")),
+    ):
+        if not ok:
+            raise _fail(name, key, f"unsupported value {cj.get(key)!r}")
+    targets = _target_set(name, cj, cfg)
+
+    st_path = path / "adapter_model.safetensors"
+    if not st_path.is_file():
+        raise _fail(name, "adapter_model.safetensors", "file is missing")
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(st_path), framework="pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensors[k] = fh.get_tensor(k)
+    except Exception as e:  # safetensors raises its own error types for corrupt/truncated files
+        raise _fail(name, "adapter_model.safetensors", f"corrupt or truncated: {e}") from None
+
+    L = cfg.num_layers
+    a: dict[str, torch.Tensor] = {}
+    b: dict[str, tuple[torch.Tensor, ...]] = {}
+    expected: set[str] = set()
+    target_modules = {m for _, m in targets}
+    for g, mods in GROUPS.items():
+        if not any(m in target_modules for m in mods):
+            continue
+        fan_in = cfg.module_shape(mods[0])[0]
+        ga = torch.zeros((L, len(mods), r, fan_in), dtype=dtype)
+        gb = [torch.zeros((L, cfg.module_shape(m)[1], r), dtype=dtype) for m in mods]
+        for layer in range(L):
+            for i, m in enumerate(mods):
+                if (layer, m) not in targets:
+                    continue
+                prefix = f"base_model.model.model.layers.{layer}.{_PARENTS[m]}.{m}"
+                fi, fo = cfg.module_shape(m)
+                for suffix, shape in ((".lora_A.weight", (r, fi)), (".lora_B.weight", (fo, r))):
+                    key = prefix + suffix
+                    expected.add(key)
+                    t = tensors.get(key)
+                    if t is None:
+                        raise _fail(name, "adapter_model.safetensors", f"missing tensor {key}")
+                    if tuple(t.shape) != shape:
+                        raise _fail(name, "adapter_model.safetensors", f"tensor {key} has shape {tuple(t.shape)}, expected {shape} (rank {r})")
+                    if not torch.isfinite(t).all():
+                        raise _fail(name, "adapter_model.safetensors", f"tensor {key} holds NaN or Inf")
+                    if suffix == ".lora_A.weight":
+                        ga[layer, i] = t.to(dtype)
+                    else:
+                        gb[i][layer] = t.to(dtype)
+        a[g] = ga
+        b[g] = tuple(gb)
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise _fail(name, "adapter_model.safetensors", f"unexpected tensor {extra[0]} (not in target_modules of the base model)")
+    if pin_memory:
+        a = {g: t.pin_memory() for g, t in a.items()}
+        b = {g: tuple(t.pin_memory() for t in ts) for g, ts in b.items()}
+    checksum = {}
+    for g in GROUPS:
+        if g in a:
+            s = a[g].double().sum() + sum((t.double().sum() for t in b[g]), torch.zeros((), dtype=torch.float64))
+            checksum[g] = float(s)
+        else:
+            checksum[g] = 0.0
+    nbytes = sum(t.numel() * t.element_size() for t in a.values())
+    nbytes += sum(t.numel() * t.element_size() for ts in b.values() for t in ts)
+    scale = float(alpha) / (math.sqrt(r) if use_rslora else r)
+    return CpuAdapter(
+        name=name, path=path, rank=r, alpha=float(alpha), use_rslora=use_rslora, scale=scale,
+        targets=frozenset(target_modules), a=a, b=b, checksum=checksum, nbytes=nbytes,
+    )
+
+
+@dataclass(slots=True)
+class _Slot:
+    name: str | None = None  # published owner, None when free or retired
+    version: int = 0
+    refcount: int = 0
+    last_used: float = 0.0
+    reserved: bool = False  # a prepare is writing into it
+    pinned: bool = False
+    retired: bool = False  # replaced or unloaded; frees itself when refcount drops to 0
+    rank: int = 0
+
+
+@dataclass(slots=True)
+class _Published:
+    slot: int
+    version: int
+    path: Path
+    rank: int
+
+
+@dataclass(slots=True)
+class _Registration:
+    path: Path
+    pinned: bool = False
+
+
+@dataclass(slots=True)
+class ManagerCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    cpu_hits: int = 0
+    loads: int = 0
+    failed_loads: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        root: Path,
+        cfg: ModelConfig,
+        pool: LoraPool,
+        *,
+        max_rank: int,
+        cpu_cache_bytes: int,
+        dtype: torch.dtype,
+        negative_ttl_s: float = 30.0,
+        negative_max_entries: int = 10_000,
+        slot_wait_s: float = 10.0,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.root = root
+        self.cfg = cfg
+        self.pool = pool
+        self.max_rank = max_rank
+        self.cpu_cache_bytes = cpu_cache_bytes
+        self.dtype = dtype
+        self.negative_ttl_s = negative_ttl_s
+        self.negative_max_entries = negative_max_entries
+        self.slot_wait_s = slot_wait_s
+        self.on_change = on_change or (lambda: None)
+        self.slots = [_Slot() for _ in range(pool.num_slots)]
+        self.published: dict[str, _Published] = {}
+        self.registered: dict[str, _Registration] = {}
+        self.cpu_cache: OrderedDict[str, CpuAdapter] = OrderedDict()
+        self.cpu_bytes = 0
+        # Names that are absent or failed validation -> (expiry, error), so a flood of requests
+        # for them is answered from memory without touching the disk.
+        self.negative: OrderedDict[str, tuple[float, AdapterNotFoundError]] = OrderedDict()
+        self.inflight: dict[str, asyncio.Task[int]] = {}
+        self.counters = ManagerCounters()
+        self._versions: dict[str, int] = {}
+        self._pin = pool.device.type == "cuda"
+        self._upload_stream: torch.cuda.Stream | None = None
+        if pool.device.type == "cuda":
+            self._upload_stream = torch.cuda.Stream(device=pool.device)  # type: ignore[no-untyped-call]
+
+    # ---- lookups used by submit() and the scheduler -------------------------------------------
+
+    def check_request(self, name: str) -> None:
+        """Fast admission check: raises AdapterNotFoundError for invalid or absent names."""
+        validate_name(name)
+        if name in self.published or name in self.inflight or name in self.registered:
+            return
+        self._raise_if_negative(name)
+        path = resolve_in_root(self.root, name)
+        if not (path / "adapter_config.json").is_file():
+            err = AdapterNotFoundError(name, "no adapter with this name under the adapter root")
+            self._remember_failure(name, err)
+            raise err
+
+    def _raise_if_negative(self, name: str) -> None:
+        neg = self.negative.get(name)
+        if neg is not None:
+            if neg[0] > time.monotonic():
+                raise neg[1]
+            del self.negative[name]
+
+    def _remember_failure(self, name: str, err: AdapterNotFoundError) -> None:
+        self.negative[name] = (time.monotonic() + self.negative_ttl_s, err)
+        self.negative.move_to_end(name)
+        while len(self.negative) > self.negative_max_entries:
+            self.negative.popitem(last=False)
+
+    def note_lookup(self, name: str) -> bool:
+        """Count one request's first lookup as a hit (resident on GPU) or a miss."""
+        pub = self.published.get(name)
+        if pub is not None:
+            self.counters.hits += 1
+            return True
+        self.counters.misses += 1
+        return False
+
+    def try_acquire(self, name: str) -> tuple[int, int] | None:
+        """(slot, version) with a reference taken, or None while the adapter is loading.
+
+        Starts an on-demand load when the adapter is not resident. Raises the load's error once
+        when it failed.
+        """
+        pub = self.published.get(name)
+        if pub is not None:
+            s = self.slots[pub.slot]
+            s.refcount += 1
+            s.last_used = time.monotonic()
+            return pub.slot, pub.version
+        self._raise_if_negative(name)
+        if name not in self.inflight:
+            self._start_load(name)
+        return None
+
+    def release(self, slot: int) -> None:
+        s = self.slots[slot]
+        if s.refcount <= 0:
+            raise RuntimeError(f"adapter slot {slot} released more often than acquired")
+        s.refcount -= 1
+        if s.refcount == 0 and s.retired:
+            self._free_slot(slot)
+            self.on_change()
+
+    # ---- loading ------------------------------------------------------------------------------
+
+    def _start_load(self, name: str, path: Path | None = None, pinned: bool = False) -> asyncio.Task[int]:
+        task = asyncio.get_running_loop().create_task(self._load(name, path, pinned))
+        self.inflight[name] = task
+
+        def done(t: asyncio.Task[int]) -> None:
+            if self.inflight.get(name) is t:
+                del self.inflight[name]
+            if not t.cancelled() and t.exception() is not None:
+                exc = t.exception()
+                if isinstance(exc, AdapterNotFoundError):
+                    self._remember_failure(name, exc)
+                elif not isinstance(exc, EngineOverloadedError):
+                    self._remember_failure(name, AdapterNotFoundError(name, f"load failed: {exc}"))
+            self.on_change()
+
+        task.add_done_callback(done)
+        return task
+
+    async def _load(self, name: str, path: Path | None, pinned: bool) -> int:
+        """prepare (read, validate, copy, verify) then commit. Returns the published slot."""
+        t0 = time.perf_counter()
+        reg = self.registered.get(name)
+        if path is None:
+            path = reg.path if reg is not None else resolve_in_root(self.root, name)
+        pinned = pinned or (reg.pinned if reg is not None else False)
+        cpu = self.cpu_cache.get(name)
+        if cpu is not None and cpu.path == path:
+            self.cpu_cache.move_to_end(name)
+            self.counters.cpu_hits += 1
+        else:
+            cpu = await asyncio.to_thread(read_adapter, name, path, self.cfg, self.max_rank, self.dtype, self._pin)
+        cpu.pinned = pinned
+        slot = await self._reserve_slot(exclude=name)
+        try:
+            await asyncio.to_thread(self._write_and_verify, slot, cpu)
+        except BaseException:
+            self.slots[slot] = _Slot()
+            self.pool.clear(slot)
+            raise
+        # ---- commit: one synchronous block on the event loop, nothing can interleave ----
+        self._cache_cpu(cpu)
+        version = self._versions.get(name, 0) + 1
+        self._versions[name] = version
+        old = self.published.get(name)
+        self.slots[slot] = _Slot(name=name, version=version, last_used=time.monotonic(), pinned=pinned, rank=cpu.rank)
+        self.published[name] = _Published(slot, version, path, cpu.rank)
+        if old is not None:
+            self._retire(old.slot)
+        self.negative.pop(name, None)
+        self.counters.loads += 1
+        self.counters.latencies.append(time.perf_counter() - t0)
+        self.on_change()
+        return slot
+
+    def _write_and_verify(self, slot: int, cpu: CpuAdapter) -> None:
+        if self._upload_stream is not None:
+            with torch.cuda.stream(self._upload_stream):
+                self.pool.write(slot, cpu.rank, cpu.scale, cpu.a, cpu.b)
+                got = self.pool.checksum(slot)
+            self._upload_stream.synchronize()
+        else:
+            self.pool.write(slot, cpu.rank, cpu.scale, cpu.a, cpu.b)
+            got = self.pool.checksum(slot)
+        for g, want in cpu.checksum.items():
+            if not math.isclose(got[g], want, rel_tol=1e-3, abs_tol=1e-3 * max(1.0, abs(want))):
+                raise AdapterValidationError(cpu.name, "gpu_copy", f"slot {slot} group {g} checksum {got[g]} != {want}")
+
+    async def _reserve_slot(self, exclude: str) -> int:
+        deadline = time.monotonic() + self.slot_wait_s
+        while True:
+            slot = self._pick_slot(exclude)
+            if slot is not None:
+                self.slots[slot].reserved = True
+                return slot
+            if time.monotonic() > deadline:
+                raise EngineOverloadedError("adapter slots: every GPU slot is pinned or in use; retry later")
+            await asyncio.sleep(0.005)
+
+    def _pick_slot(self, exclude: str) -> int | None:
+        # ``exclude``: the name being (re)loaded keeps serving its current version meanwhile.
+        free = [i for i, s in enumerate(self.slots) if s.name is None and not s.reserved and not s.retired]
+        if free:
+            return free[0]
+        victims = [
+            i for i, s in enumerate(self.slots)
+            if s.name is not None and s.name != exclude and s.refcount == 0 and not s.pinned and not s.reserved
+        ]
+        if not victims:
+            return None
+        victim = min(victims, key=lambda i: self.slots[i].last_used)
+        name = self.slots[victim].name
+        assert name is not None
+        del self.published[name]
+        self.slots[victim] = _Slot()
+        self.pool.clear(victim)
+        self.counters.evictions += 1
+        return victim
+
+    def _retire(self, slot: int) -> None:
+        s = self.slots[slot]
+        s.name = None
+        s.retired = True
+        s.pinned = False
+        if s.refcount == 0:
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        self.slots[slot] = _Slot()
+        self.pool.clear(slot)
+
+    def _cache_cpu(self, cpu: CpuAdapter) -> None:
+        prev = self.cpu_cache.pop(cpu.name, None)
+        if prev is not None:
+            self.cpu_bytes -= prev.nbytes
+        self.cpu_cache[cpu.name] = cpu
+        self.cpu_bytes += cpu.nbytes
+        for key in list(self.cpu_cache):
+            if self.cpu_bytes <= self.cpu_cache_bytes:
+                break
+            entry = self.cpu_cache[key]
+            if entry.pinned or key == cpu.name:
+                continue
+            del self.cpu_cache[key]
+            self.cpu_bytes -= entry.nbytes
+        if self.cpu_bytes > self.cpu_cache_bytes and not cpu.pinned:
+            # Larger than the whole budget: serve it from the GPU copy only.
+            del self.cpu_cache[cpu.name]
+            self.cpu_bytes -= cpu.nbytes
+
+    # ---- admin API ----------------------------------------------------------------------------
+
+    async def load(self, name: str, path: str | None = None, *, pinned: bool = False) -> AdapterInfo:
+        """Explicit (re)load: two-phase; on failure nothing that is serving changes."""
+        validate_name(name)
+        resolved = resolve_in_root(self.root, name, path)
+        pending = self.inflight.get(name)
+        if pending is not None:
+            # Let a concurrent on-demand load finish first so versions commit in order.
+            await asyncio.gather(pending, return_exceptions=True)
+        self.negative.pop(name, None)
+        stale = self.cpu_cache.pop(name, None)  # a reload always re-reads the files
+        if stale is not None:
+            self.cpu_bytes -= stale.nbytes
+        task = self._start_load(name, resolved, pinned)
+        try:
+            await task
+        except AdapterNotFoundError:
+            # Explicit loads report to their caller; they do not poison on-demand resolution.
+            self.negative.pop(name, None)
+            raise
+        self.registered[name] = _Registration(resolved, pinned)
+        return self.info(name)
+
+    async def unload(self, name: str) -> None:
+        validate_name(name)
+        pending = self.inflight.get(name)
+        if pending is not None:
+            await asyncio.gather(pending, return_exceptions=True)
+        pub = self.published.pop(name, None)
+        reg = self.registered.pop(name, None)
+        if pub is None and reg is None:
+            raise AdapterNotFoundError(name, "not loaded")
+        if pub is not None:
+            self._retire(pub.slot)
+        entry = self.cpu_cache.pop(name, None)
+        if entry is not None:
+            self.cpu_bytes -= entry.nbytes
+        self.on_change()
+
+    def prefetch(self, names: Iterable[str]) -> list[asyncio.Task[int]]:
+        """Start loading adapters that are not resident yet; does not touch hit/miss counters."""
+        tasks = []
+        for name in names:
+            validate_name(name)
+            if name in self.published:
+                continue
+            task = self.inflight.get(name) or self._start_load(name)
+            tasks.append(task)
+        return tasks
+
+    def info(self, name: str) -> AdapterInfo:
+        pub = self.published.get(name)
+        reg = self.registered.get(name)
+        if pub is not None:
+            return AdapterInfo(name, str(pub.path), pub.rank, True, self.slots[pub.slot].pinned)
+        cpu = self.cpu_cache.get(name)
+        if reg is not None:
+            return AdapterInfo(name, str(reg.path), cpu.rank if cpu else 0, False, reg.pinned)
+        raise AdapterNotFoundError(name, "not loaded")
+
+    def list(self) -> list[AdapterInfo]:
+        names = sorted(set(self.published) | set(self.registered))
+        return [self.info(n) for n in names]
+
+    def version(self, name: str) -> int | None:
+        pub = self.published.get(name)
+        return pub.version if pub else None
+
+    def slots_used(self) -> int:
+        return sum(1 for s in self.slots if s.name is not None or s.retired or s.reserved)
