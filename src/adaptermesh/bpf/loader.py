@@ -1,0 +1,527 @@
+"""Compile, pin, attach and drive the shard classifier.
+
+Usage by the node agent::
+
+    table = BpfShardTable(ifname="eth0", pin_dir="/sys/fs/bpf/adaptermesh", vxlan_dev="am-vx0")
+    table.attach()                     # clsact ingress, direct-action filter, replaced in place
+    table.apply(assignment)            # validate -> shards -> pins -> idle Maglev table -> flip
+    table.read_stats()                 # {shard index: ShardStats}
+    table.read_counters()              # DatapathCounters, incl. failed ring-buffer reservations
+    table.poll_events(callback, 100)   # FlowEvent per new flow
+    table.close(detach=False)          # keep the filter and pins: a restart picks them up
+
+``netns`` names a network namespace that holds ``ifname`` and ``vxlan_dev`` (tests and the
+demo); the default is the caller's namespace.
+
+Restarts: every map is pinned under ``pin_dir``. A new BpfShardTable compiles the program,
+reuses the pinned maps (counters, sticky flows, the live Maglev table and its version stay),
+and ``attach()`` swaps the new program into the same filter slot with one netlink replace, so
+traffic never sees a missing or empty classifier.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import ipaddress
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from adaptermesh.bpf import libbpf, maglev
+from adaptermesh.bpf.table import (
+    AM_MAX_PINS,
+    AM_MAX_SHARDS,
+    F_INGRESS,
+    F_SET_MAC,
+    REASON_NAMES,
+    STATE_ACTIVE,
+    STATE_DRAINING,
+    DatapathCounters,
+    FlowEvent,
+    Plan,
+    ShardPlan,
+    ShardStats,
+    validate_assignment,
+)
+
+if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
+    from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
+else:
+    from adaptermesh.proto import assignment_pb2
+
+__all__ = [
+    "DEFAULT_PIN_DIR",
+    "AmCtl",
+    "AmEvent",
+    "AmFlow",
+    "AmLpmKey",
+    "AmShard",
+    "AmStats",
+    "ApplyTiming",
+    "BpfShardTable",
+    "classifier_source",
+]
+
+DEFAULT_PIN_DIR = "/sys/fs/bpf/adaptermesh"
+MAP_NAMES = (
+    "am_pins", "am_flows", "am_maglev", "am_ctl", "am_shards", "am_stats", "am_counters",
+    "am_events",
+)
+# The filter slot we own on the clsact ingress hook; replace-in-place targets exactly it.
+FILTER_PRIO = 0xA11
+FILTER_HANDLE = 1
+TC_INGRESS = "ffff:fff2"
+ETH_P_ALL = 0x0003
+AM_CNT_MAX = 8
+
+
+# ---- mirrors of classifier.h --------------------------------------------------------------
+
+
+class AmLpmKey(ctypes.Structure):
+    # Must stay in sync with struct am_lpm_key.
+    _fields_ = [("prefixlen", ctypes.c_uint32), ("addr", ctypes.c_uint8 * 16)]
+
+
+class AmFlow(ctypes.Structure):
+    # Must stay in sync with struct am_flow.
+    _fields_ = [
+        ("last_seen_ns", ctypes.c_uint64),
+        ("shard", ctypes.c_uint32),
+        ("reason", ctypes.c_uint32),
+    ]
+
+
+class AmShard(ctypes.Structure):
+    # Must stay in sync with struct am_shard.
+    _fields_ = [
+        ("state", ctypes.c_uint8),
+        ("kind", ctypes.c_uint8),
+        ("flags", ctypes.c_uint8),
+        ("pad0", ctypes.c_uint8),
+        ("ifindex", ctypes.c_uint32),
+        ("remote_ipv4", ctypes.c_uint32),
+        ("vni", ctypes.c_uint32),
+        ("mark", ctypes.c_uint32),
+        ("mac", ctypes.c_uint8 * 6),
+        ("pad1", ctypes.c_uint8 * 2),
+    ]
+
+
+class AmCtl(ctypes.Structure):
+    # Must stay in sync with struct am_ctl.
+    _fields_ = [
+        ("active", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("version", ctypes.c_uint64),
+    ]
+
+
+class AmStats(ctypes.Structure):
+    # Must stay in sync with struct am_stats.
+    _fields_ = [
+        ("packets", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+        ("new_flows", ctypes.c_uint64),
+        ("events_dropped", ctypes.c_uint64),
+    ]
+
+
+class AmEvent(ctypes.Structure):
+    # Must stay in sync with struct am_event.
+    _fields_ = [
+        ("ts_ns", ctypes.c_uint64),
+        ("src", ctypes.c_uint8 * 16),
+        ("shard", ctypes.c_uint32),
+        ("reason", ctypes.c_uint32),
+        ("version", ctypes.c_uint64),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyTiming:
+    """Where the last apply() spent its time (nanoseconds from the apply() call)."""
+
+    validated_ns: int
+    table_built_ns: int
+    flipped_ns: int
+    done_ns: int
+    pins_written: int
+    pins_deleted: int
+
+
+def classifier_source() -> Path:
+    """Absolute path of the packaged classifier.bpf.c."""
+    return Path(str(resources.files("adaptermesh.bpf").joinpath("classifier.bpf.c")))
+
+
+def _possible_cpus() -> int:
+    text = Path("/sys/devices/system/cpu/possible").read_text().strip()
+    n = 0
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        n += (int(hi) if hi else int(lo)) - int(lo) + 1
+    return n
+
+
+def _ensure_bpffs(pin_dir: Path) -> None:
+    """Mount bpffs on /sys/fs/bpf when nothing is mounted there, then create pin_dir."""
+    mounts = Path("/proc/self/mounts").read_text().splitlines()
+    if not any(m.split()[2] == "bpf" and str(pin_dir).startswith(m.split()[1]) for m in mounts):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mount(b"bpf", b"/sys/fs/bpf", b"bpf", 0, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount bpffs on /sys/fs/bpf: {os.strerror(err)}")
+    pin_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _shard_value(p: ShardPlan, state: int) -> AmShard:
+    v = AmShard()
+    v.state = state
+    v.kind = p.steer.kind
+    v.ifindex = p.steer.ifindex
+    v.remote_ipv4 = p.steer.remote_ipv4
+    v.vni = p.steer.vni
+    v.mark = p.steer.mark
+    flags = 0
+    if p.steer.mac is not None:
+        flags |= F_SET_MAC
+        v.mac[:] = list(p.steer.mac)
+    if p.steer.ingress:
+        flags |= F_INGRESS
+    v.flags = flags
+    return v
+
+
+class BpfShardTable:
+    """The kernel ShardTable: the classifier program and its pinned maps."""
+
+    def __init__(
+        self,
+        ifname: str,
+        pin_dir: str = DEFAULT_PIN_DIR,
+        vxlan_dev: str | None = None,
+        *,
+        netns: str | None = None,
+        maglev_size: int = maglev.DEFAULT_SIZE,
+        max_shards: int = AM_MAX_SHARDS,
+        max_pins: int = AM_MAX_PINS,
+        max_flows: int = 262144,
+        ringbuf_pages: int = 256,
+        learn: bool = True,
+    ) -> None:
+        from bcc import BPF  # imported here so the Protocol and the fake need no bcc
+
+        if not maglev.is_prime(maglev_size):
+            raise ValueError(f"maglev_size: {maglev_size} is not prime")
+        if not 0 < max_shards <= maglev.NO_SHARD:
+            raise ValueError(f"max_shards: {max_shards} out of range")
+        self.ifname = ifname
+        self.pin_dir = Path(pin_dir)
+        self.vxlan_dev = vxlan_dev
+        self.netns = netns
+        self.maglev_size = maglev_size
+        self.max_shards = max_shards
+        self.max_pins = max_pins
+        self.last_apply: ApplyTiming | None = None
+        _ensure_bpffs(self.pin_dir)
+        src = classifier_source()
+        cflags = [
+            f"-I{src.parent}",
+            f'-DAM_PIN_DIR="{self.pin_dir}"',
+            f"-DAM_MAGLEV_SIZE={maglev_size}",
+            f"-DAM_MAX_SHARDS={max_shards}",
+            f"-DAM_MAX_PINS={max_pins}",
+            f"-DAM_MAX_FLOWS={max_flows}",
+            f"-DAM_RINGBUF_PAGES={ringbuf_pages}",
+            f"-DAM_LEARN={1 if learn else 0}",
+        ]
+        self._bpf: Any = BPF(src_file=str(src).encode(), cflags=cflags)
+        self._fn: Any = self._bpf.load_func(b"am_classify", BPF.SCHED_CLS)
+        self._fd = {name: int(self._bpf[name.encode()].map_fd) for name in MAP_NAMES}
+        self._ncpu = _possible_cpus()
+        self._ring_open = False
+        self._callback: Callable[[FlowEvent], None] | None = None
+        self._delivered = 0
+        self._callback_error: BaseException | None = None
+        self._load_shadow()
+
+    # ---- state carried over from the pins (a restarted loader resumes from them) ----------
+
+    def _load_shadow(self) -> None:
+        ctl = AmCtl()
+        libbpf.map_lookup(self._fd["am_ctl"], ctypes.c_uint32(0), ctl)
+        self._active = ctl.active & 1
+        self._version: int | None = ctl.version if ctl.version else None
+        self._shard_state: dict[int, int] = {}
+        for idx in range(self.max_shards):
+            v = AmShard()
+            if libbpf.map_lookup(self._fd["am_shards"], ctypes.c_uint32(idx), v) and v.state:
+                self._shard_state[idx] = v.state
+        self._pins: dict[tuple[int, bytes], int] = {}
+        pins = self._bpf[b"am_pins"]
+        for k, v in pins.items():
+            self._pins[(int(k.prefixlen), bytes(k.addr))] = int(v.value)
+
+    @property
+    def applied_version(self) -> int | None:
+        return self._version
+
+    @property
+    def prog_fd(self) -> int:
+        return int(self._fn.fd)
+
+    def map_fd(self, name: str) -> int:
+        return self._fd[name]
+
+    # ---- attach / detach -------------------------------------------------------------------
+
+    @contextmanager
+    def _ipr(self) -> Iterator[Any]:
+        from pyroute2 import IPRoute, NetNS
+
+        ipr = NetNS(self.netns) if self.netns else IPRoute()
+        try:
+            yield ipr
+        finally:
+            ipr.close()
+
+    def _ifindex(self, ipr: Any, name: str) -> int | None:
+        found = ipr.link_lookup(ifname=name)
+        return int(found[0]) if found else None
+
+    def attach(self) -> None:
+        """Attach to ``ifname``'s clsact ingress, replacing our filter in place."""
+        from pyroute2 import NetlinkError
+
+        with self._ipr() as ipr:
+            idx = self._ifindex(ipr, self.ifname)
+            if idx is None:
+                raise ValueError(f"ifname: no interface {self.ifname!r}")
+            try:
+                ipr.tc("add", "clsact", idx)
+            except NetlinkError as e:
+                if e.code != errno.EEXIST:
+                    raise
+            ipr.tc(
+                "replace-filter", "bpf", idx, f":{FILTER_HANDLE}",
+                fd=self._fn.fd, name=self._fn.name.decode(), parent=TC_INGRESS, classid=1,
+                direct_action=True, prio=FILTER_PRIO, protocol=ETH_P_ALL,
+            )
+
+    def detach(self) -> None:
+        """Remove our filter (the clsact qdisc stays: other programs may use it)."""
+        from pyroute2 import NetlinkError
+
+        with self._ipr() as ipr:
+            idx = self._ifindex(ipr, self.ifname)
+            if idx is None:
+                return
+            try:
+                ipr.tc(
+                    "del-filter", "bpf", idx, f":{FILTER_HANDLE}", parent=TC_INGRESS,
+                    prio=FILTER_PRIO, protocol=ETH_P_ALL,
+                )
+            except NetlinkError as e:
+                if e.code not in (errno.ENOENT, errno.EINVAL):
+                    raise
+
+    def close(self, detach: bool = False, *, unpin: bool = False) -> None:
+        """Release this process's handles. ``detach`` removes the filter; ``unpin`` the maps."""
+        if detach:
+            self.detach()
+        if unpin:
+            for name in MAP_NAMES:
+                (self.pin_dir / name).unlink(missing_ok=True)
+            with suppress(FileNotFoundError, OSError):
+                self.pin_dir.rmdir()  # fails while other pins still live there
+        self._bpf.cleanup()
+
+    # ---- apply -------------------------------------------------------------------------------
+
+    def _resolve(self, name: str) -> int | None:
+        with self._ipr() as ipr:
+            return self._ifindex(ipr, name)
+
+    def validate(self, assignment: assignment_pb2.Assignment) -> Plan:
+        vx = None
+        if self.vxlan_dev is not None:
+            vx = self._resolve(self.vxlan_dev)
+            if vx is None:
+                raise ValueError(f"vxlan_dev: no interface {self.vxlan_dev!r}")
+        return validate_assignment(
+            assignment,
+            max_shards=self.max_shards,
+            max_pins=self.max_pins,
+            applied_version=self._version,
+            resolve_ifname=self._resolve,
+            vxlan_ifindex=vx,
+        )
+
+    def apply(self, assignment: assignment_pb2.Assignment) -> None:
+        """Validate, then write shards and pins, fill the idle Maglev table and flip am_ctl.
+
+        A shard that leaves ACTIVE, or leaves the assignment, is rewritten only after the flip,
+        so the table still in use never points at a shard the classifier would refuse.
+        """
+        t0 = time.perf_counter_ns()
+        plan = self.validate(assignment)
+        t_valid = time.perf_counter_ns()
+        table = maglev.build_table(plan.backends, self.maglev_size)
+        t_built = time.perf_counter_ns()
+
+        before: list[tuple[int, AmShard]] = []
+        after: list[tuple[int, AmShard]] = []
+        for idx, p in plan.shards.items():
+            if p.state == STATE_DRAINING and self._shard_state.get(idx) == STATE_ACTIVE:
+                after.append((idx, _shard_value(p, STATE_DRAINING)))
+            else:
+                before.append((idx, _shard_value(p, p.state)))
+        for idx in self._shard_state:
+            if idx not in plan.shards:
+                after.append((idx, AmShard()))
+        self._write_shards(before)
+
+        upserts = [(k, v) for k, v in plan.pins.items() if self._pins.get(k) != v]
+        deletes = [k for k in self._pins if k not in plan.pins]
+        self._write_pins(upserts)
+        for plen, addr in deletes:
+            key = AmLpmKey(prefixlen=plen)
+            key.addr[:] = list(addr)
+            libbpf.map_delete(self._fd["am_pins"], key)
+
+        idle = self._active ^ 1
+        buf_addr, _ = table.buffer_info()
+        libbpf.map_update(self._fd["am_maglev"], ctypes.c_uint32(idle), buf_addr)
+        libbpf.map_update(
+            self._fd["am_ctl"], ctypes.c_uint32(0), AmCtl(active=idle, version=plan.version)
+        )
+        t_flip = time.perf_counter_ns()
+        self._write_shards(after)
+
+        self._active = idle
+        self._version = plan.version
+        self._pins = dict(plan.pins)
+        self._shard_state = {idx: p.state for idx, p in plan.shards.items()}
+        self.last_apply = ApplyTiming(
+            validated_ns=t_valid - t0,
+            table_built_ns=t_built - t0,
+            flipped_ns=t_flip - t0,
+            done_ns=time.perf_counter_ns() - t0,
+            pins_written=len(upserts),
+            pins_deleted=len(deletes),
+        )
+
+    def _write_shards(self, items: list[tuple[int, AmShard]]) -> None:
+        if not items:
+            return
+        keys = (ctypes.c_uint32 * len(items))(*(i for i, _ in items))
+        values = (AmShard * len(items))(*(v for _, v in items))
+        libbpf.map_update_batch(self._fd["am_shards"], keys, values, len(items))
+
+    def _write_pins(self, items: list[tuple[tuple[int, bytes], int]]) -> None:
+        if not items:
+            return
+        keys = (AmLpmKey * len(items))()
+        for i, ((plen, addr), _) in enumerate(items):
+            keys[i].prefixlen = plen
+            ctypes.memmove(keys[i].addr, addr, 16)
+        values = (ctypes.c_uint32 * len(items))(*(v for _, v in items))
+        libbpf.map_update_batch(self._fd["am_pins"], keys, values, len(items))
+
+    def clear_flows(self) -> None:
+        """Forget every sticky flow (the next packet of each flow is a new flow)."""
+        flows = self._bpf[b"am_flows"]
+        flows.clear()
+
+    def active_table(self) -> list[int]:
+        """The live Maglev table as the classifier reads it."""
+        buf = (ctypes.c_uint16 * self.maglev_size)()
+        libbpf.map_lookup(self._fd["am_maglev"], ctypes.c_uint32(self._active), buf)
+        return list(buf)
+
+    # ---- stats and events ----------------------------------------------------------------
+
+    def _percpu(self, name: str, key: int, ctype: type[Any]) -> list[Any]:
+        stride = (ctypes.sizeof(ctype) + 7) // 8 * 8
+        buf = ctypes.create_string_buffer(stride * self._ncpu)
+        if not libbpf.map_lookup(self._fd[name], ctypes.c_uint32(key), buf):
+            return []
+        return [ctype.from_buffer(buf, i * stride) for i in range(self._ncpu)]
+
+    def read_stats(self) -> dict[int, ShardStats]:
+        """Per-shard counters summed over CPUs, for every shard known or ever counted."""
+        out: dict[int, ShardStats] = {}
+        for idx in range(self.max_shards):
+            per_cpu = self._percpu("am_stats", idx, AmStats)
+            s = ShardStats(
+                packets=sum(c.packets for c in per_cpu),
+                bytes=sum(c.bytes for c in per_cpu),
+                new_flows=sum(c.new_flows for c in per_cpu),
+                events_dropped=sum(c.events_dropped for c in per_cpu),
+            )
+            if idx in self._shard_state or s != ShardStats():
+                out[idx] = s
+        return out
+
+    def read_counters(self) -> DatapathCounters:
+        vals = [
+            sum(c.value for c in self._percpu("am_counters", i, ctypes.c_uint64))
+            for i in range(AM_CNT_MAX)
+        ]
+        return DatapathCounters(
+            ringbuf_failed=vals[0], non_ip=vals[1], malformed=vals[2], vlan=vals[3],
+            no_shard=vals[4], steer_failed=vals[5],
+        )
+
+    def _on_event(self, _ctx: Any, data: Any, _size: Any) -> int:
+        try:
+            ev = AmEvent.from_address(data)
+            raw = bytes(ev.src)
+            src: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.IPv6Address(raw)
+            if raw[:12] == b"\x00" * 10 + b"\xff\xff":
+                src = ipaddress.IPv4Address(raw[12:])
+            event = FlowEvent(
+                ts_ns=ev.ts_ns,
+                source=src,
+                shard=ev.shard,
+                reason=REASON_NAMES.get(ev.reason, str(ev.reason)),
+                version=ev.version,
+            )
+            if self._callback is not None:
+                self._callback(event)
+            self._delivered += 1
+        except BaseException as e:  # surfaced by poll_events(); ctypes would swallow it
+            self._callback_error = e
+            return -1
+        return 0
+
+    def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int = 0) -> int:
+        """Deliver queued new-flow events to ``callback``; wait up to ``timeout_ms`` for one."""
+        if not self._ring_open:
+            self._bpf[b"am_events"].open_ring_buffer(self._on_event)
+            self._ring_open = True
+        self._callback = callback
+        self._delivered = 0
+        self._bpf.ring_buffer_poll(timeout_ms)
+        if self._callback_error is not None:
+            err, self._callback_error = self._callback_error, None
+            raise err
+        return self._delivered
+
+    def poll_raw(self, handler: Callable[[int, int], None], timeout_ms: int = 0) -> None:
+        """Low-level poll: ``handler(address, size)`` per record, no decoding (benchmarks)."""
+        def cb(_ctx: Any, data: Any, size: Any) -> int:
+            handler(data, size)
+            return 0
+
+        self._bpf[b"am_events"].open_ring_buffer(cb)
+        self._ring_open = True
+        self._bpf.ring_buffer_poll(timeout_ms)
+
