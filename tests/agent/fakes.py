@@ -50,6 +50,7 @@ class FakeDatapath:
         self.pending_events: list[FlowEvent] = []
         self.closed: bool | None = None
         self.fail_next = False
+        self.lost = 0
 
     def apply(self, assignment: assignment_pb2.Assignment) -> None:
         if self.fail_next:
@@ -73,6 +74,9 @@ class FakeDatapath:
 
     def read_stats(self) -> Mapping[int, ShardCounters]:
         return dict(self.counters)
+
+    def read_counters(self) -> Mapping[str, int]:
+        return {"ringbuf_failed": self.lost, "no_shard": 0}
 
     def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int) -> int:
         events, self.pending_events = self.pending_events, []

@@ -62,3 +62,37 @@ def test_refused_assignment_leaves_every_key_on_its_last_good_snapshot():
 def test_unknown_group_is_refused():
     with pytest.raises(ValueError, match="xds_group"):
         MeshXds(_cache(), None, "cluster")
+
+
+def test_table_datapath_over_the_classifier_fake_reports_what_traffic_did():
+    """The agent's view of ``adaptermesh.bpf``'s FakeShardTable: stats, events, counters."""
+    from adaptermesh.agent.backends import TableDatapath
+    from adaptermesh.agent.load import LoadTracker
+    from adaptermesh.bpf.table import FakeShardTable
+
+    table = FakeShardTable(maglev_size=251)
+    dp = TableDatapath(table)
+    dp.apply(make_assignment(1, {"a": 5000, "b": 5000}, pins={"10.9.0.0/24": "b"}))
+    for i in range(40):
+        table.classify(f"10.8.0.{i}", size=100)
+    for i in range(5):
+        table.classify(f"10.9.0.{i}", size=100)
+        table.classify(f"10.9.0.{i}", size=100)  # second packet: sticky, no new event
+    tracker = LoadTracker()
+    tracker.update(dp.read_stats(), now=0.0)
+    events = []
+    assert dp.poll_events(events.append, 0) == 45
+    for e in events:
+        tracker.on_event(e, now=0.5)
+    assert {e.reason for e in events} == {"maglev", "pin"}
+    assert all(e.shard_index == 1 for e in events if e.source.startswith("10.9.0."))
+    stats = dp.read_stats()
+    assert stats[0].packets + stats[1].packets == 50
+    assert stats[1].packets >= 10  # the pinned tenant's ten packets at least
+    rates = tracker.update(stats, now=1.0)
+    assert rates[0].active_flows + rates[1].active_flows == 45
+    assert rates[0].active_flows > 5  # Maglev spread the unpinned ones over both shards
+    assert dp.read_counters()["ringbuf_failed"] == 0
+    # A bad assignment is refused by the classifier's own validation, naming the field.
+    with pytest.raises(ValueError, match=r"pins\[0\]\.cidr"):
+        dp.apply(make_assignment(2, pins={"10.9.0.1/24": "a"}))

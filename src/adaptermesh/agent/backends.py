@@ -22,13 +22,22 @@ from prometheus_client import CollectorRegistry
 
 from adaptermesh.agent.daemon import AgentConfig
 from adaptermesh.agent.ports import FlowEvent, ShardCounters
+from adaptermesh.bpf.table import FlowEvent as TableFlowEvent
+from adaptermesh.bpf.table import ShardTable
 from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.mesh.metrics import XdsMetrics
 from adaptermesh.mesh.server import XdsServer
 from adaptermesh.mesh.snapshot import build_snapshot, cluster_name
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 
-__all__ = ["NODE_KEY", "MeshXds", "bpf_datapath", "mesh_xds", "shard_assignment"]
+__all__ = [
+    "NODE_KEY",
+    "MeshXds",
+    "TableDatapath",
+    "bpf_datapath",
+    "mesh_xds",
+    "shard_assignment",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -105,24 +114,68 @@ async def mesh_xds(config: AgentConfig, registry: CollectorRegistry | None = Non
     return MeshXds(cache, server, config.xds_group)
 
 
-class BpfDatapath:
-    """Adapts ``adaptermesh.bpf``'s ShardTable to the agent's Datapath Protocol."""
+class TableDatapath:
+    """Adapts a ``adaptermesh.bpf.table.ShardTable`` (the kernel one or the fake) to the
+    agent's Datapath Protocol."""
 
-    def __init__(self, table: Any) -> None:
+    def __init__(self, table: ShardTable, closer: Callable[[bool], None] | None = None) -> None:
         self.table = table
+        self._closer = closer
 
     def apply(self, assignment: assignment_pb2.Assignment) -> None:
         self.table.apply(assignment)
 
     def read_stats(self) -> Mapping[int, ShardCounters]:
-        raise NotImplementedError
+        return {
+            index: ShardCounters(s.packets, s.bytes, s.new_flows)
+            for index, s in self.table.read_stats().items()
+        }
+
+    def read_counters(self) -> dict[str, int]:
+        c = self.table.read_counters()
+        return {
+            "ringbuf_failed": c.ringbuf_failed,
+            "non_ip": c.non_ip,
+            "malformed": c.malformed,
+            "vlan": c.vlan,
+            "no_shard": c.no_shard,
+            "steer_failed": c.steer_failed,
+        }
 
     def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int) -> int:
-        raise NotImplementedError
+        def deliver(event: TableFlowEvent) -> None:
+            callback(
+                FlowEvent(
+                    timestamp_ns=event.ts_ns,
+                    source=str(event.source),
+                    shard_index=event.shard,
+                    reason=event.reason,
+                    version=event.version,
+                )
+            )
+
+        return self.table.poll_events(deliver, timeout_ms)
 
     def close(self, detach: bool) -> None:
-        self.table.close(detach)
+        if self._closer is not None:
+            self._closer(detach)
 
 
-def bpf_datapath(config: AgentConfig) -> BpfDatapath:
-    raise NotImplementedError
+def bpf_datapath(config: AgentConfig) -> TableDatapath:
+    """Compile and load the classifier, reuse the pinned maps, attach to ``config.iface``.
+
+    A restarted agent swaps its program into the same filter slot with one netlink replace
+    and keeps the pinned maps (sticky flows, counters, the live Maglev table).
+    """
+    from adaptermesh.bpf.loader import BpfShardTable
+
+    table = BpfShardTable(
+        ifname=config.iface, pin_dir=str(config.pin_dir), vxlan_dev=config.vxlan_dev
+    )
+    table.attach()
+
+    def close(detach: bool) -> None:
+        # --detach is an uninstall: remove the filter and the pinned maps.
+        table.close(detach=detach, unpin=detach)
+
+    return TableDatapath(table, close)

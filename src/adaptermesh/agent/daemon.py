@@ -177,6 +177,7 @@ class Agent:
             "watch_error": self.watcher.last_error if self.watcher else "",
             "report_error": self.reporter.last_error if self.reporter else "",
             "events_total": self.tracker.events_total,
+            "datapath_counters": dict(self.tracker.counters),
             "shards": shards,
             "pins": [{"cidr": p.cidr, "shard_id": p.shard_id} for p in current.pins]
             if current
@@ -193,7 +194,7 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         config = self.config
-        self.metrics.bind_rates(self.tracker.last)
+        self.metrics.bind_rates(self.tracker.last, lambda: dict(self.tracker.counters))
         datapath = self._datapath_factory(config)
         self.datapath = datapath
         self.metrics.datapath_attached.set(1)

@@ -44,6 +44,7 @@ class LoadTracker:
         self._prev: Mapping[int, ShardCounters] | None = None
         self._prev_t = 0.0
         self._last: dict[int, ShardRates] = {}
+        self.counters: dict[str, int] = {}
 
     @property
     def events_total(self) -> int:

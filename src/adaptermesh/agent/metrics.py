@@ -24,9 +24,11 @@ class _ShardCollector(Collector):
         self,
         rates: Callable[[], dict[int, ShardRates]],
         names: Callable[[], dict[int, tuple[str, int]]],
+        counters: Callable[[], dict[str, int]],
     ) -> None:
         self._rates = rates
         self._names = names
+        self._counters = counters
 
     def collect(self) -> Iterable[Metric]:
         names = self._names()
@@ -81,7 +83,21 @@ class _ShardCollector(Collector):
             bps.add_metric(label, r.bytes_per_s)
             nfs.add_metric(label, r.new_flows_per_s)
             active.add_metric(label, float(r.active_flows))
-        yield from (packets, nbytes, flows, pps, bps, nfs, active, weight)
+        counters = self._counters()
+        lost = CounterMetricFamily(
+            "adaptermesh_agent_ringbuf_lost_events",
+            "New-flow events the classifier could not reserve ring-buffer space for.",
+        )
+        passed = CounterMetricFamily(
+            "adaptermesh_agent_classifier_passed_packets",
+            "Packets the classifier passed on untouched, by reason.",
+            labels=["reason"],
+        )
+        if counters:
+            lost.add_metric([], float(counters.get("ringbuf_failed", 0)))
+            for reason in ("non_ip", "malformed", "vlan", "no_shard", "steer_failed"):
+                passed.add_metric([reason], float(counters.get(reason, 0)))
+        yield from (packets, nbytes, flows, pps, bps, nfs, active, weight, lost, passed)
 
 
 class AgentMetrics:
@@ -155,10 +171,20 @@ class AgentMetrics:
         )
         self._shard_names: dict[int, tuple[str, int]] = {}
         self._rates: Callable[[], dict[int, ShardRates]] = dict
-        r.register(_ShardCollector(lambda: self._rates(), lambda: dict(self._shard_names)))
+        self._counters: Callable[[], dict[str, int]] = dict
+        r.register(
+            _ShardCollector(
+                lambda: self._rates(), lambda: dict(self._shard_names), lambda: self._counters()
+            )
+        )
 
-    def bind_rates(self, rates: Callable[[], dict[int, ShardRates]]) -> None:
+    def bind_rates(
+        self,
+        rates: Callable[[], dict[int, ShardRates]],
+        counters: Callable[[], dict[str, int]] = dict,
+    ) -> None:
         self._rates = rates
+        self._counters = counters
 
     def set_shards(self, shards: dict[int, tuple[str, int]]) -> None:
         """Index -> (shard id, weight) of the applied Assignment, for labels."""

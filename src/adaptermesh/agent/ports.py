@@ -48,6 +48,12 @@ class Datapath(Protocol):
         """Cumulative counters by shard index."""
         ...
 
+    def read_counters(self) -> Mapping[str, int]:
+        """Cumulative datapath counters: ``ringbuf_failed`` (lost events) and the packets
+        passed untouched (``non_ip``, ``malformed``, ``vlan``, ``no_shard``,
+        ``steer_failed``)."""
+        ...
+
     def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int) -> int:
         """Deliver pending ring-buffer events; returns how many were delivered."""
         ...

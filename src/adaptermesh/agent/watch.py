@@ -143,6 +143,7 @@ class LoadReporter:
         self._wake.set()
 
     def sample(self) -> dict[int, ShardRates]:
+        self._tracker.counters = dict(self._datapath.read_counters())
         return self._tracker.update(self._datapath.read_stats(), self._clock())
 
     def build_report(self, rates: dict[int, ShardRates]) -> control_plane_pb2.LoadReport:
