@@ -1,0 +1,324 @@
+"""Policy: resources everywhere, pinned images, explicit security contexts, and no privilege
+beyond the agent's, each grant justified by a comment right above it in the rendered chart."""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import pytest
+import yaml
+
+from .chart import Obj, containers, find, pod_specs, render, render_text
+from .test_chart_render import VALUE_SETS
+
+APP_VERSION = "0.1.0"
+AGENT_CAPS = {"BPF", "NET_ADMIN", "SYS_ADMIN"}
+AGENT_HOST_PATHS = {"/sys/fs/bpf", "/lib/modules", "/usr/src", "/var/lib/adaptermesh/agent"}
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_SETS), ids=str)
+def case(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any], list[Obj]]:
+    values = copy.deepcopy(VALUE_SETS[request.param])
+    return request.param, values, render(copy.deepcopy(values))
+
+
+def _component(o: Obj) -> str:
+    return str(o.doc["metadata"]["labels"]["app.kubernetes.io/component"])
+
+
+def test_every_container_has_requests_and_limits(case: Any) -> None:
+    name, _, objs = case
+    for o, c in containers(objs):
+        res = c.get("resources", {})
+        for section in ("requests", "limits"):
+            for key in ("cpu", "memory"):
+                assert key in res.get(section, {}), f"{name}: {o.name}/{c['name']} {section}.{key}"
+
+
+def test_images_are_pinned_never_latest(case: Any) -> None:
+    name, _, objs = case
+    for o, c in containers(objs):
+        image = c["image"]
+        ref = image.split("@", 1)[0]
+        last = ref.rsplit("/", 1)[-1]
+        assert ":" in last, f"{name}: {o.name}/{c['name']} untagged image {image}"
+        assert last.rsplit(":", 1)[1].lower() != "latest", f"{name}: {image}"
+        if "@" in image:
+            assert re.fullmatch(r"sha256:[0-9a-f]{64}", image.split("@", 1)[1]), image
+
+
+def test_default_images_follow_app_version() -> None:
+    objs = render()
+    images = {c["name"]: c["image"] for _, c in containers(objs)}
+    assert images == {
+        "agent": f"adaptermesh/agent:{APP_VERSION}",
+        "envoy": f"adaptermesh/agent:{APP_VERSION}",
+        "control-plane": f"adaptermesh/control-plane:{APP_VERSION}",
+        "worker": f"adaptermesh/worker:{APP_VERSION}",
+    }
+    assert all(c["imagePullPolicy"] == "IfNotPresent" for _, c in containers(objs))
+
+
+def test_registry_and_tag_overrides() -> None:
+    objs = render({"image": {"registry": "reg.example.com/ml", "tag": "0.1.1"}})
+    for _, c in containers(objs):
+        assert c["image"].startswith("reg.example.com/ml/adaptermesh/"), c["image"]
+        assert c["image"].endswith(":0.1.1"), c["image"]
+
+
+def test_security_context_is_explicit(case: Any) -> None:
+    name, _, objs = case
+    for o, spec in pod_specs(objs):
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", o.name
+        for c in spec["containers"]:
+            sc = c.get("securityContext")
+            assert sc, f"{name}: {o.name}/{c['name']} has no securityContext"
+            for key in ("privileged", "allowPrivilegeEscalation", "readOnlyRootFilesystem"):
+                assert key in sc, f"{name}: {o.name}/{c['name']} leaves {key} implicit"
+            assert "runAsNonRoot" in sc or "runAsNonRoot" in spec["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True
+            if not sc["privileged"]:
+                assert sc["capabilities"]["drop"] == ["ALL"], f"{o.name}/{c['name']}"
+
+
+def test_only_the_agent_holds_privilege(case: Any) -> None:
+    name, values, objs = case
+    for o, spec in pod_specs(objs):
+        agent_pod = o.kind == "DaemonSet" and _component(o) == "agent"
+        for key in ("hostPID", "hostIPC"):
+            assert not spec.get(key), f"{name}: {o.name} sets {key}"
+        assert bool(spec.get("hostNetwork")) == agent_pod, f"{name}: {o.name} hostNetwork"
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            privileged_agent = agent_pod and c["name"] == "agent"
+            if not privileged_agent:
+                assert sc["privileged"] is False, f"{name}: {o.name}/{c['name']}"
+                assert sc["allowPrivilegeEscalation"] is False, f"{name}: {o.name}/{c['name']}"
+                assert "add" not in sc["capabilities"], f"{name}: {o.name}/{c['name']}"
+                assert sc.get("runAsUser", 1) != 0
+                assert sc.get("runAsNonRoot", spec["securityContext"].get("runAsNonRoot"))
+                continue
+            if values.get("agent", {}).get("privileged"):
+                assert sc["privileged"] is True
+            else:
+                assert sc["privileged"] is False, f"{name}: agent privileged without opting in"
+                assert set(sc["capabilities"]["add"]) == AGENT_CAPS
+        # hostPath: the agent's kernel interfaces, and read-only model/adapter directories on
+        # the workers when the operator chose hostPath volumes.
+        mounts = {
+            m["name"]: m for c in spec["containers"] for m in c.get("volumeMounts", [])
+        }
+        for v in spec.get("volumes", []):
+            if "hostPath" not in v:
+                continue
+            if agent_pod:
+                assert v["hostPath"]["path"] in AGENT_HOST_PATHS, v
+            else:
+                assert _component(o) == "worker" and v["name"] in ("model", "adapters"), v
+                if v["name"] == "model":
+                    assert mounts["model"]["readOnly"] is True
+
+
+def _comment_block_above(lines: list[str], index: int) -> str:
+    """The contiguous comment lines directly above lines[index] (same or deeper indent)."""
+    block: list[str] = []
+    i = index - 1
+    while i >= 0 and lines[i].strip().startswith("#"):
+        block.append(lines[i].strip().lstrip("#").strip())
+        i -= 1
+    return " ".join(reversed(block))
+
+
+_GRANTS = {
+    "hostNetwork: true": ("network namespace",),
+    "privileged: true": ("kernels", "seccomp"),
+    "allowPrivilegeEscalation: true": ("CAP_SYS_ADMIN",),
+    "add: [": tuple(f"{cap}:" for cap in sorted(AGENT_CAPS)),
+    "runAsUser: 0": ("uid 0",),
+}
+
+
+@pytest.mark.parametrize(
+    "values", [{}, {"agent": {"privileged": True}}, {"agent": {"rbac": {"readNodes": True}}}], ids=str
+)
+def test_every_privilege_grant_has_a_justifying_comment(values: dict[str, Any]) -> None:
+    """Each privilege in the rendered manifests sits under a comment that names its reason.
+    Helm keeps template comments in its output, so this checks what is installed."""
+    seen: set[str] = set()
+    for template, text in render_text(values).items():
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            stripped = line.strip()
+            for grant, words in _GRANTS.items():
+                if not stripped.startswith(grant):
+                    continue
+                seen.add(grant)
+                # The capability list sits inside a securityContext whose comment covers it.
+                comment = _comment_block_above(lines, i)
+                for word in words:
+                    assert word in comment, f"{template}: '{stripped}' lacks a comment on {word!r}: {comment!r}"
+            if stripped.startswith("- apiGroups:"):
+                seen.add("rbac rule")
+                assert _comment_block_above(lines, i), f"{template}: RBAC rule without a reason"
+    assert {"hostNetwork: true", "allowPrivilegeEscalation: true", "runAsUser: 0"} <= seen
+    if values.get("agent", {}).get("privileged"):
+        assert "privileged: true" in seen
+    else:
+        assert "add: [" in seen
+
+
+def test_agent_pod_mounts_kernel_interfaces_and_tolerates_gpus() -> None:
+    ds = find(render(), "DaemonSet", "-agent").doc["spec"]["template"]["spec"]
+    assert ds["hostNetwork"] is True and ds["dnsPolicy"] == "ClusterFirstWithHostNet"
+    agent = next(c for c in ds["containers"] if c["name"] == "agent")
+    mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+    for path in ("/sys/fs/bpf", "/lib/modules", "/usr/src"):
+        assert path in mounts, path
+    assert mounts["/lib/modules"]["readOnly"] and mounts["/usr/src"]["readOnly"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in ds[
+        "tolerations"
+    ]
+    assert {c["name"] for c in ds["containers"]} == {"agent", "envoy"}
+    assert agent["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_custom_tolerations_replace_defaults() -> None:
+    tol = [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoExecute"}]
+    objs = render({"agent": {"tolerations": tol}, "worker": {"tolerations": tol}})
+    for _, spec in pod_specs(objs):
+        if "tolerations" in spec:
+            assert spec["tolerations"] == tol
+
+
+def test_workers_request_gpus_and_mount_models() -> None:
+    objs = render(
+        {
+            "worker": {
+                "gpus": 2,
+                "shards": [{"id": "a", "replicas": 1}, {"id": "b", "replicas": 3}],
+                "model": {"subPath": "llama", "volume": {"type": "hostPath", "hostPath": "/data/m"}},
+            }
+        }
+    )
+    workers = [o for o in objs if o.kind == "Deployment" and _component(o) == "worker"]
+    assert sorted(o.doc["spec"]["replicas"] for o in workers) == [1, 3]
+    for o in workers:
+        spec = o.doc["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == "2"
+        assert "--model=/models/llama" in c["args"] and "--adapter-root=/adapters" in c["args"]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["model"]["hostPath"] == {"path": "/data/m", "type": "Directory"}
+        assert volumes["adapters"]["persistentVolumeClaim"]["claimName"] == "adaptermesh-adapters"
+        assert o.doc["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+
+
+def test_cpu_workers_ask_for_no_gpu() -> None:
+    objs = render({"worker": {"gpus": 0, "device": "cpu"}})
+    for o, c in containers(objs):
+        if _component(o) == "worker":
+            assert "nvidia.com/gpu" not in c["resources"]["limits"]
+            assert "--device=cpu" in c["args"]
+
+
+def test_rbac_is_least_privilege() -> None:
+    objs = render()
+    role = find(objs, "Role", "-control-plane").doc
+    assert role["rules"] == [
+        {"apiGroups": ["adaptermesh.io"], "resources": ["adapterinstances"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["adaptermesh.io"], "resources": ["adapterinstances/status"], "verbs": ["get", "update", "patch"]},
+    ]
+    for o in objs:
+        if o.kind == "ServiceAccount":
+            want = _component(o) == "control-plane"
+            assert o.doc["automountServiceAccountToken"] is want, o.name
+    for o, spec in pod_specs(objs):
+        assert spec["automountServiceAccountToken"] is (_component(o) == "control-plane"), o.name
+    nodes = render({"agent": {"rbac": {"readNodes": True}}})
+    cr = find(nodes, "ClusterRole", "-agent").doc
+    assert cr["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+    none = render({"controlPlane": {"rbac": {"watchAdapterInstances": False}}})
+    assert not any(o.kind in ("Role", "RoleBinding") for o in none)
+
+
+def test_tokens_are_generated_scoped_and_split() -> None:
+    objs = render({"auth": {"agentScopes": ["read", "write"], "operatorScopes": ["read", "write"]}})
+    secret = find(objs, "Secret", "-tokens").doc["stringData"]
+    tokens = yaml.safe_load(secret["tokens.yaml"])["tokens"]
+    by_name = {t["name"]: t for t in tokens}
+    assert set(by_name) == {"agent", "operator", "read-only"}
+    assert by_name["agent"]["token"] == secret["agent-token"]
+    assert by_name["operator"]["token"] == secret["operator-token"]
+    assert by_name["read-only"]["scopes"] == ["read"]
+    values = [t["token"] for t in tokens]
+    assert len(set(values)) == 3 and all(len(v) >= 32 for v in values)
+    # Random per install, not a constant baked into the chart.
+    again = yaml.safe_load(find(render(), "Secret", "-tokens").doc["stringData"]["tokens.yaml"])
+    assert {t["token"] for t in again["tokens"]}.isdisjoint(values)
+    # Agents mount only their own token; the control plane only the tokens file.
+    for o, spec in pod_specs(objs):
+        for v in spec["volumes"]:
+            if v.get("secret", {}).get("secretName", "").endswith("-tokens"):
+                keys = [i["key"] for i in v["secret"]["items"]]
+                assert keys == {"agent": ["agent-token"], "control-plane": ["tokens.yaml"]}[_component(o)]
+
+
+def test_tls_wires_certificates_into_both_sides() -> None:
+    objs = render(
+        {
+            "controlPlane": {"tls": {"enabled": True, "secretName": "cp-tls", "clientAuth": True}},
+            "agent": {"tls": {"clientSecretName": "agent-tls"}},
+        }
+    )
+    cp = find(objs, "Deployment", "-control-plane").doc["spec"]["template"]["spec"]
+    args = cp["containers"][0]["args"]
+    assert "--tls-cert=/etc/adaptermesh/tls/tls.crt" in args
+    assert "--tls-client-ca=/etc/adaptermesh/tls/ca.crt" in args
+    # The kubelet's gRPC probe cannot speak TLS.
+    assert "tcpSocket" in cp["containers"][0]["readinessProbe"]
+    ds = find(objs, "DaemonSet", "-agent").doc["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in ds["volumes"]}
+    assert volumes["control-plane-ca"]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    assert volumes["agent-tls"]["secret"]["secretName"] == "agent-tls"
+    agent_args = ds["containers"][0]["args"]
+    assert "--tls-ca=/etc/adaptermesh/control-plane-ca/ca.crt" in agent_args
+    assert "--tls-key=/etc/adaptermesh/agent-tls/tls.key" in agent_args
+
+
+def test_control_plane_is_single_writer_with_persistent_state() -> None:
+    objs = render()
+    dep = find(objs, "Deployment", "-control-plane").doc
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    spec = dep["spec"]["template"]["spec"]
+    claim = next(v for v in spec["volumes"] if v["name"] == "state")["persistentVolumeClaim"]
+    pvc = find(objs, "PersistentVolumeClaim", "-control-plane-state")
+    assert claim["claimName"] == pvc.name
+    assert pvc.doc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    c = spec["containers"][0]
+    assert c["readinessProbe"] == {"grpc": {"port": 50051}, "periodSeconds": 5}
+    assert {p["name"] for p in c["ports"]} == {"grpc", "metrics"}
+    ephemeral = render({"controlPlane": {"persistence": {"enabled": False}}})
+    assert not any(o.kind == "PersistentVolumeClaim" for o in ephemeral)
+
+
+def test_agent_args_parse_with_the_agent_cli() -> None:
+    """The flags the chart passes are the agent's real flags (argparse rejects unknown ones)."""
+    cli = pytest.importorskip("adaptermesh.agent.cli")
+    for values in (
+        {},
+        {"agent": {"vxlanDev": "vx0", "keepDatapathOnExit": False}},
+        {
+            "controlPlane": {"tls": {"enabled": True, "secretName": "s", "clientAuth": True}},
+            "agent": {"tls": {"clientSecretName": "c"}},
+        },
+    ):
+        ds = find(render(values), "DaemonSet", "-agent").doc["spec"]["template"]["spec"]
+        args = ds["containers"][0]["args"]
+        assert args[0] == "agent"
+        parsed = cli.build_parser().parse_args(args[1:])
+        assert parsed.metrics_port == 9464 and parsed.xds_host == "127.0.0.1"
+        assert parsed.detach is (values.get("agent", {}).get("keepDatapathOnExit") is False)
