@@ -1,0 +1,117 @@
+"""``adaptermesh control-plane``: run the control plane.
+
+    adaptermesh control-plane --state-dir DIR --listen HOST:PORT --tokens-file F --interval 5
+
+Prints ``listening on HOST:PORT`` (the bound port, useful with ``:0``) once it serves, and
+stops cleanly on SIGTERM or SIGINT. Exit codes: 0 after a clean stop, 1 when it cannot start
+(unreadable tokens file, port in use, bad TLS files), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from adaptermesh.control_plane.auth import AuthError, load_tokens
+from adaptermesh.control_plane.policy import PolicyConfig
+from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
+
+__all__ = ["build_parser", "main"]
+
+_DEFAULTS = PolicyConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="adaptermesh control-plane", description=__doc__.split("\n")[0])
+    p.add_argument("--state-dir", type=Path, required=True, help="directory for the SQLite state")
+    p.add_argument("--listen", default="127.0.0.1:7400", help="HOST:PORT (port 0: any free)")
+    auth = p.add_mutually_exclusive_group(required=True)
+    auth.add_argument("--tokens-file", type=Path, help="bearer tokens: 'TOKEN SCOPES [NAME]' lines")
+    auth.add_argument(
+        "--no-auth", action="store_true", help="accept every call (local development only)"
+    )
+    p.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
+    p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
+    p.add_argument("--interval", type=float, default=5.0, help="rebalance interval in seconds")
+    p.add_argument("--scrape-timeout", type=float, default=2.0, help="per-worker scrape timeout")
+    p.add_argument("--prometheus-url", help="read load from this Prometheus HTTP API instead")
+    p.add_argument(
+        "--synchronous",
+        default="FULL",
+        choices=["NORMAL", "FULL", "EXTRA"],
+        help="SQLite synchronous mode (FULL: acknowledged writes survive a power cut)",
+    )
+    p.add_argument("--min-weight", type=int, default=_DEFAULTS.min_weight)
+    p.add_argument("--max-step", type=int, default=_DEFAULTS.max_step)
+    p.add_argument("--publish-threshold", type=int, default=_DEFAULTS.publish_threshold)
+    p.add_argument("--ewma-alpha", type=float, default=_DEFAULTS.ewma_alpha)
+    p.add_argument("--no-rebalance", action="store_true", help="serve the API only (no loop)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+async def _serve(config: ServerConfig) -> None:
+    server = ControlPlaneServer(config)
+    port = await server.start()
+    host = server.config.listen.rsplit(":", 1)[0]
+    print(f"listening on {host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.interval <= 0:
+        parser.error("--interval must be positive")
+    try:
+        policy = PolicyConfig(
+            min_weight=args.min_weight,
+            max_step=args.max_step,
+            publish_threshold=args.publish_threshold,
+            ewma_alpha=args.ewma_alpha,
+        )
+        policy.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        tokens = load_tokens(args.tokens_file) if args.tokens_file else None
+    except (OSError, AuthError) as exc:
+        print(f"adaptermesh control-plane: tokens file: {exc}", file=sys.stderr)
+        return 1
+    config = ServerConfig(
+        state_dir=args.state_dir,
+        listen=args.listen,
+        tokens=tokens,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        interval_s=args.interval,
+        scrape_timeout_s=args.scrape_timeout,
+        prometheus_url=args.prometheus_url,
+        synchronous=args.synchronous,
+        rebalance=not args.no_rebalance,
+        policy=policy,
+    )
+    try:
+        asyncio.run(_serve(config))
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"adaptermesh control-plane: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""Load input for the policy: worker metrics, scraped directly or read from Prometheus.
+
+Both sources return one ``WorkerObservation`` per worker endpoint. A worker whose last good
+reading is older than ``stale_after`` (three intervals by default) is *unknown*: the policy
+holds its weight and never reads the silence as an idle worker. Missing series are tolerated:
+each contributes nothing, and a worker with no series at all is unknown.
+
+Series read (the names the workers export, vLLM's first so existing gateways work):
+
+* ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``
+* ``vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}``
+* ``adaptermesh_ttft_seconds`` (histogram; ``vllm:time_to_first_token_seconds`` as fallback)
+* ``adaptermesh_generated_tokens_total`` (counter; ``vllm:generation_tokens_total`` fallback)
+* ``adaptermesh_gpu_free_bytes``, ``adaptermesh_adapter_gpu_slots_used``
+* ``adaptermesh_adapter_resident{adapter}`` (1 when resident), when the worker exports it
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from adaptermesh.control_plane.policy import WorkerObservation, endpoint_key
+
+__all__ = [
+    "LoadSource",
+    "PrometheusSource",
+    "RawSample",
+    "ScrapeSource",
+    "Target",
+    "parse_metrics",
+]
+
+_TTFT = ("adaptermesh_ttft_seconds", "vllm:time_to_first_token_seconds")
+_TOKENS = ("adaptermesh_generated_tokens_total", "vllm:generation_tokens_total")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    shard_id: str
+    address: str
+    port: int
+
+    @property
+    def key(self) -> str:
+        return endpoint_key(self.address, self.port)
+
+
+@dataclass(slots=True)
+class RawSample:
+    """What one scrape of one worker said; counters are cumulative."""
+
+    waiting: float | None = None
+    running: float | None = None
+    kv_cache_usage: float | None = None
+    ttft_sum: float | None = None
+    ttft_count: float | None = None
+    tokens_total: float | None = None
+    gpu_free_bytes: float | None = None
+    slots_used: float | None = None
+    max_lora: float | None = None
+    running_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
+    resident_adapters: frozenset[str] = frozenset()
+    series: int = 0
+
+
+def _adapters(value: str) -> frozenset[str]:
+    return frozenset(a for a in (s.strip() for s in value.split(",")) if a)
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def parse_metrics(text: str) -> RawSample:
+    """Parse Prometheus text exposition; unknown series are ignored, missing ones stay None."""
+    raw = RawSample()
+    ttft: dict[str, tuple[float | None, float | None]] = {}
+    tokens: dict[str, float] = {}
+    resident: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name, value = s.name, _finite(float(s.value))
+            if value is None:
+                continue
+            raw.series += 1
+            if name == "vllm:num_requests_waiting":
+                raw.waiting = (raw.waiting or 0.0) + value
+            elif name == "vllm:num_requests_running":
+                raw.running = (raw.running or 0.0) + value
+            elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+                raw.kv_cache_usage = max(raw.kv_cache_usage or 0.0, value)
+            elif name == "vllm:lora_requests_info":
+                raw.running_adapters |= _adapters(s.labels.get("running_lora_adapters", ""))
+                raw.waiting_adapters |= _adapters(s.labels.get("waiting_lora_adapters", ""))
+                if s.labels.get("max_lora", "").isdigit():
+                    raw.max_lora = float(s.labels["max_lora"])
+            elif name == "adaptermesh_gpu_free_bytes":
+                raw.gpu_free_bytes = (raw.gpu_free_bytes or 0.0) + value
+            elif name == "adaptermesh_adapter_gpu_slots_used":
+                raw.slots_used = value
+            elif name == "adaptermesh_adapter_resident":
+                if value > 0 and s.labels.get("adapter"):
+                    resident.add(s.labels["adapter"])
+            else:
+                for base in _TTFT:
+                    if name == base + "_sum":
+                        ttft[base] = (value, ttft.get(base, (None, None))[1])
+                    elif name == base + "_count":
+                        ttft[base] = (ttft.get(base, (None, None))[0], value)
+                for base in _TOKENS:
+                    # The parser strips "_total" from the family but keeps it on the sample.
+                    if name in (base, base.removesuffix("_total")):
+                        tokens[base] = tokens.get(base, 0.0) + value
+    for base in _TTFT:
+        if base in ttft and None not in ttft[base]:
+            raw.ttft_sum, raw.ttft_count = ttft[base]
+            break
+    for base in _TOKENS:
+        if base in tokens:
+            raw.tokens_total = tokens[base]
+            break
+    # An adapter with running requests is resident even if the worker does not say so.
+    raw.resident_adapters = frozenset(resident) | raw.running_adapters
+    return raw
+
+
+@dataclass(slots=True)
+class _WorkerHistory:
+    sample: RawSample | None = None
+    at: float | None = None  # monotonic time of the last good scrape
+    observation: WorkerObservation | None = None
+
+
+def _observe(
+    target: Target, prev: _WorkerHistory, raw: RawSample, now: float
+) -> WorkerObservation:
+    """Turn two consecutive scrapes into rates over the interval between them."""
+    latency: float | None = None
+    tokens_per_s = 0.0
+    before = prev.sample
+    if before is not None and prev.at is not None and now > prev.at:
+        dt = now - prev.at
+        if (
+            raw.ttft_sum is not None
+            and raw.ttft_count is not None
+            and before.ttft_sum is not None
+            and before.ttft_count is not None
+        ):
+            dn = raw.ttft_count - before.ttft_count
+            ds = raw.ttft_sum - before.ttft_sum
+            # A counter reset (worker restart) gives a negative delta: skip the interval.
+            if dn > 0 and ds >= 0:
+                latency = ds / dn
+        if raw.tokens_total is not None and before.tokens_total is not None:
+            dt_tokens = raw.tokens_total - before.tokens_total
+            if dt_tokens >= 0:
+                tokens_per_s = dt_tokens / dt
+    return WorkerObservation(
+        address=target.address,
+        port=target.port,
+        known=raw.series > 0,
+        waiting=raw.waiting or 0.0,
+        running=raw.running or 0.0,
+        kv_cache_usage=min(1.0, max(0.0, raw.kv_cache_usage or 0.0)),
+        latency_s=latency,
+        tokens_per_s=tokens_per_s,
+        gpu_free_bytes=raw.gpu_free_bytes,
+        resident_adapters=raw.resident_adapters,
+        requested_adapters=raw.running_adapters | raw.waiting_adapters,
+        age_s=0.0,
+    )
+
+
+class LoadSource(Protocol):
+    async def collect(
+        self, targets: Sequence[Target], now: float
+    ) -> dict[str, WorkerObservation]:
+        """One observation per target key (``address:port``); ``now`` is monotonic seconds."""
+        ...
+
+
+def _stale(target: Target, last: WorkerObservation | None, age: float) -> WorkerObservation:
+    base = last or WorkerObservation(address=target.address, port=target.port, known=False)
+    return replace(base, known=False, age_s=age)
+
+
+@dataclass
+class ScrapeSource:
+    """Scrape every worker's ``/metrics`` concurrently, each with its own timeout."""
+
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+    stale_intervals: float = 3.0
+    path: str = "/metrics"
+    max_concurrency: int = 64
+    client: httpx.AsyncClient | None = None
+    _history: dict[str, _WorkerHistory] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stale_after_s(self) -> float:
+        return self.stale_intervals * self.interval_s
+
+    async def _fetch(self, client: httpx.AsyncClient, target: Target) -> str:
+        url = f"http://{_host(target.address)}:{target.port}{self.path}"
+        resp = await client.get(url, timeout=self.timeout_s)
+        resp.raise_for_status()
+        return resp.text
+
+    async def collect(
+        self, targets: Sequence[Target], now: float
+    ) -> dict[str, WorkerObservation]:
+        own = self.client is None
+        client = self.client or httpx.AsyncClient(trust_env=False)
+        limit = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(t: Target) -> tuple[Target, str | BaseException]:
+            async with limit:
+                try:
+                    return t, await asyncio.wait_for(self._fetch(client, t), self.timeout_s)
+                except Exception as exc:  # each failure only makes that worker older
+                    return t, exc
+
+        try:
+            results = await asyncio.gather(*(one(t) for t in targets))
+        finally:
+            if own:
+                await client.aclose()
+        out: dict[str, WorkerObservation] = {}
+        for target, result in results:
+            hist = self._history.setdefault(target.key, _WorkerHistory())
+            raw: RawSample | None = None
+            if isinstance(result, str):
+                try:
+                    raw = parse_metrics(result)
+                except Exception as exc:  # malformed exposition: treat like a failed scrape
+                    result = exc
+            if raw is not None and raw.series > 0:
+                obs = _observe(target, hist, raw, now)
+                hist.sample, hist.at, hist.observation = raw, now, obs
+                self.errors.pop(target.key, None)
+                out[target.key] = obs
+                continue
+            self.errors[target.key] = (
+                repr(result) if isinstance(result, BaseException) else "no known series"
+            )
+            age = now - hist.at if hist.at is not None else math.inf
+            if hist.observation is not None and age <= self.stale_after_s:
+                # A missed scrape inside the staleness window keeps the last reading.
+                out[target.key] = replace(hist.observation, age_s=age)
+            else:
+                out[target.key] = _stale(target, hist.observation, age)
+        wanted = {t.key for t in targets}
+        for key in list(self._history):
+            if key not in wanted:
+                del self._history[key]
+        return out
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+@dataclass
+class PrometheusSource:
+    """Read the same series from a Prometheus HTTP API (``/api/v1/query``) with PromQL.
+
+    Workers are matched by the ``instance`` label (``address:port``), the default for
+    Prometheus' own scrape configs. Rates use ``window`` (a PromQL duration).
+    """
+
+    base_url: str
+    interval_s: float = 5.0
+    timeout_s: float = 3.0
+    stale_intervals: float = 3.0
+    window: str = "1m"
+    instance_label: str = "instance"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    client: httpx.AsyncClient | None = None
+    _last: dict[str, tuple[float, WorkerObservation]] = field(default_factory=dict)
+
+    def queries(self) -> dict[str, str]:
+        lbl, w = self.instance_label, self.window
+        return {
+            "waiting": f"sum by ({lbl}) (vllm:num_requests_waiting)",
+            "running": f"sum by ({lbl}) (vllm:num_requests_running)",
+            "kv": f"max by ({lbl}) (vllm:kv_cache_usage_perc)",
+            "ttft": f"sum by ({lbl}) (rate(adaptermesh_ttft_seconds_sum[{w}]))"
+            f" / sum by ({lbl}) (rate(adaptermesh_ttft_seconds_count[{w}]))",
+            "tokens": f"sum by ({lbl}) (rate(adaptermesh_generated_tokens_total[{w}]))",
+            "free": f"sum by ({lbl}) (adaptermesh_gpu_free_bytes)",
+            "lora": "vllm:lora_requests_info",
+        }
+
+    async def _query(self, client: httpx.AsyncClient, promql: str) -> list[dict[str, object]]:
+        resp = await client.get(
+            self.base_url.rstrip("/") + "/api/v1/query",
+            params={"query": promql},
+            headers=dict(self.headers),
+            timeout=self.timeout_s,
+        )
+        resp.raise_for_status()
+        body = resp.json()
+        if body.get("status") != "success":
+            raise RuntimeError(f"prometheus query failed: {body.get('error', body)}")
+        result = body.get("data", {}).get("result", [])
+        return list(result) if isinstance(result, list) else []
+
+    async def collect(
+        self, targets: Sequence[Target], now: float
+    ) -> dict[str, WorkerObservation]:
+        own = self.client is None
+        client = self.client or httpx.AsyncClient(trust_env=False)
+        names = list(self.queries())
+        try:
+            answers = await asyncio.gather(
+                *(self._query(client, q) for q in self.queries().values()),
+                return_exceptions=True,
+            )
+        finally:
+            if own:
+                await client.aclose()
+        per: dict[str, dict[str, float]] = {}
+        lora: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+        for name, answer in zip(names, answers, strict=True):
+            if isinstance(answer, BaseException):
+                continue
+            for item in answer:
+                metric = item.get("metric")
+                value = item.get("value")
+                if not isinstance(metric, dict) or not isinstance(value, list) or len(value) != 2:
+                    continue
+                inst = str(metric.get(self.instance_label, ""))
+                try:
+                    val = float(value[1])
+                except (TypeError, ValueError):
+                    continue
+                if name == "lora":
+                    lora[inst] = (
+                        _adapters(str(metric.get("running_lora_adapters", ""))),
+                        _adapters(str(metric.get("waiting_lora_adapters", ""))),
+                    )
+                elif math.isfinite(val):
+                    per.setdefault(inst, {})[name] = val
+        out: dict[str, WorkerObservation] = {}
+        for t in targets:
+            vals = per.get(t.key)
+            if vals:
+                running_a, waiting_a = lora.get(t.key, (frozenset(), frozenset()))
+                obs = WorkerObservation(
+                    address=t.address,
+                    port=t.port,
+                    known=True,
+                    waiting=vals.get("waiting", 0.0),
+                    running=vals.get("running", 0.0),
+                    kv_cache_usage=min(1.0, max(0.0, vals.get("kv", 0.0))),
+                    latency_s=vals.get("ttft"),
+                    tokens_per_s=vals.get("tokens", 0.0),
+                    gpu_free_bytes=vals.get("free"),
+                    resident_adapters=running_a,
+                    requested_adapters=running_a | waiting_a,
+                )
+                self._last[t.key] = (now, obs)
+                out[t.key] = obs
+                continue
+            last = self._last.get(t.key)
+            age = now - last[0] if last else math.inf
+            if last and age <= self.stale_intervals * self.interval_s:
+                out[t.key] = replace(last[1], age_s=age)
+            else:
+                out[t.key] = _stale(t, last[1] if last else None, age)
+        return out

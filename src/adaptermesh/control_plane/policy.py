@@ -1,0 +1,580 @@
+"""The rebalancing policy: observations in, shard and endpoint weights out. Pure.
+
+``decide(observation, current, now, config) -> Decision`` does no I/O, reads no clock and logs
+nothing, so the rebalancer, the tests and the benchmark drive it the same way.
+
+Capacity model
+--------------
+Each shard is modelled as a queue whose latency grows as ``L = L0 / (1 - rho)`` with its
+utilisation ``rho``. One smoothed observation gives ``rho`` directly:
+
+* latency inflation ``1 - L0 / L`` (``L`` is the mean time to first token over the interval,
+  ``L0`` a slowly rising running minimum of it: the unloaded latency),
+* KV-cache occupancy (``vllm:kv_cache_usage_perc``),
+* queueing: any waiting request means ``rho >= 1``; ``1 + waiting / running`` says by how much.
+
+``rho`` is the largest of the three. A three-parameter fit ``L = alpha * T^-beta + c`` needs a
+spread of operating points that a shard held at a steady weight never visits, so its fit is
+ill-conditioned exactly when the system is calm; the one-parameter queue model needs one point.
+
+If the shard's traffic scales with its weight, ``rho_i / w_i`` is its load per unit of weight,
+and the weights that equalise predicted utilisation (and so predicted latency and headroom) are
+``w_i' ~ w_i / rho_i``. Both ``rho`` and the weight that produced it are smoothed with the same
+EWMA, so their ratio is not skewed by the smoothing lag. Load that does not follow the weight
+(pinned tenants) makes the step partial; repeated ticks close the gap.
+
+Stability
+---------
+* EWMA on the inputs (``ewma_alpha``).
+* A utilisation deadband: shards within ``deadband`` of the weighted mean count as equal.
+* Hysteresis per shard: it starts moving only when its target is ``enter_band`` parts away and
+  keeps moving until it is within ``exit_band``.
+* A bounded step: no shard moves more than ``max_step`` parts per tick, and the moves are
+  scaled so the budget is conserved exactly.
+* Every active shard keeps at least ``min_weight``.
+* Shards whose metrics are all stale are unknown: they hold their weight, they are never
+  treated as idle.
+
+Overrides fix a shard's weight until they expire; the other active shards share the rest in
+proportion to their current weights and keep rebalancing among themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+__all__ = [
+    "BUDGET",
+    "Decision",
+    "Observation",
+    "OverrideSpec",
+    "PolicyConfig",
+    "PolicyState",
+    "ShardEstimate",
+    "ShardObservation",
+    "WorkerObservation",
+    "apportion",
+    "decide",
+    "desired",
+    "endpoint_key",
+    "validate_weights",
+]
+
+BUDGET = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    budget: int = BUDGET
+    min_weight: int = 50
+    ewma_alpha: float = 0.5
+    max_step: int = 1500
+    deadband: float = 0.10
+    enter_band: int = 100
+    exit_band: int = 20
+    publish_threshold: int = 50
+    rho_min: float = 0.02
+    rho_max: float = 4.0
+    # Per tick, the latency baseline may rise this much toward the current latency, so a
+    # baseline learnt on a lucky interval does not stick forever.
+    baseline_drift: float = 0.01
+    # Endpoint scoring: bonus for free GPU memory (relative to the shard's best worker) and for
+    # the fraction of the shard's requested adapters that are resident on the worker.
+    memory_bonus: float = 0.25
+    affinity_bonus: float = 0.5
+    endpoint_scale: int = 100
+    # Endpoint weight changes smaller than this fraction of the scale do not force a publish.
+    endpoint_threshold: float = 0.10
+
+    def validate(self) -> None:
+        if self.budget <= 0:
+            raise ValueError("budget must be positive")
+        if not 0 <= self.min_weight < self.budget:
+            raise ValueError("min_weight must be in [0, budget)")
+        if not 0 < self.ewma_alpha <= 1:
+            raise ValueError("ewma_alpha must be in (0, 1]")
+        if self.max_step <= 0:
+            raise ValueError("max_step must be positive")
+        if not 0 <= self.exit_band <= self.enter_band:
+            raise ValueError("bands must satisfy 0 <= exit_band <= enter_band")
+        if not 0 < self.rho_min < self.rho_max:
+            raise ValueError("rho bounds must satisfy 0 < rho_min < rho_max")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerObservation:
+    """One worker's scraped metrics, already turned into rates over the last interval."""
+
+    address: str
+    port: int
+    # False when the worker's last good scrape is older than the staleness limit.
+    known: bool
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_cache_usage: float = 0.0
+    # Mean time to first token over the interval; None when no request finished in it.
+    latency_s: float | None = None
+    tokens_per_s: float = 0.0
+    gpu_free_bytes: float | None = None
+    resident_adapters: frozenset[str] = frozenset()
+    # Adapters named by running or waiting requests.
+    requested_adapters: frozenset[str] = frozenset()
+    age_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ShardObservation:
+    shard_id: str
+    active: bool
+    workers: tuple[WorkerObservation, ...] = ()
+    # Adapters routed to this shard by AdapterInstances.
+    routed_adapters: frozenset[str] = frozenset()
+
+    @property
+    def known(self) -> bool:
+        return any(w.known for w in self.workers)
+
+
+@dataclass(frozen=True, slots=True)
+class OverrideSpec:
+    shard_id: str
+    weight: int
+    # Seconds on the caller's clock; None: no TTL.
+    expires_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    shards: Mapping[str, ShardObservation]
+    overrides: Mapping[str, OverrideSpec] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardEstimate:
+    rho: float | None = None  # smoothed utilisation; None until the first known observation
+    weight_eff: float | None = None  # smoothed weight that produced the observed rho
+    latency_s: float | None = None  # smoothed mean time to first token
+    baseline_s: float | None = None  # unloaded latency estimate
+    tokens_per_s: float = 0.0
+    moving: bool = False  # hysteresis state
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """What the policy remembers between ticks. ``weights`` are the published weights."""
+
+    weights: Mapping[str, int] = field(default_factory=dict)
+    endpoint_weights: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    estimates: Mapping[str, ShardEstimate] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    weights: dict[str, int]
+    endpoint_weights: dict[str, dict[str, int]]
+    state: PolicyState
+    # Total variation against the previous weights, in parts (sum of |delta| / 2).
+    change: int
+    publish: bool
+    reason: str
+    expired_overrides: tuple[str, ...]
+    utilization: dict[str, float | None]
+
+
+def endpoint_key(address: str, port: int) -> str:
+    return f"{address}:{port}"
+
+
+def _ewma(prev: float | None, value: float, alpha: float) -> float:
+    return value if prev is None else prev + alpha * (value - prev)
+
+
+def _raw_rho(
+    shard: ShardObservation, est: ShardEstimate, cfg: PolicyConfig
+) -> tuple[float, float | None, float | None, float]:
+    """Utilisation of one interval, with the updated latency EWMA and baseline."""
+    known = [w for w in shard.workers if w.known]
+    waiting = sum(w.waiting for w in known)
+    running = sum(w.running for w in known)
+    kv = sum(w.kv_cache_usage for w in known) / len(known)
+    tokens = sum(w.tokens_per_s for w in known)
+    lat_samples = [(w.latency_s, max(w.tokens_per_s, 1e-9)) for w in known if w.latency_s]
+    latency = est.latency_s
+    baseline = est.baseline_s
+    rho_lat = 0.0
+    if lat_samples:
+        total = sum(weight for _, weight in lat_samples)
+        sample = sum(lat * weight for lat, weight in lat_samples if lat is not None) / total
+        latency = _ewma(est.latency_s, sample, cfg.ewma_alpha)
+        if baseline is None:
+            baseline = sample
+        else:
+            baseline = min(sample, baseline * (1.0 + cfg.baseline_drift))
+        # From the raw sample: rho itself is smoothed once, below, not twice.
+        if sample > 0:
+            rho_lat = 1.0 - baseline / sample
+    rho_q = 1.0 + waiting / max(running, 1.0) if waiting > 0 else 0.0
+    rho = max(rho_lat, kv, rho_q)
+    return min(max(rho, cfg.rho_min), cfg.rho_max), latency, baseline, tokens
+
+
+def apportion(shares: Mapping[str, float], total: int, floor: int = 0) -> dict[str, int]:
+    """Integers proportional to ``shares`` that sum to exactly ``total``, each >= ``floor``.
+
+    Largest remainder: the rounding never breaks the budget. Shares are clipped to ``floor``
+    first by water-filling, so a shard at the floor stays there exactly.
+    """
+    keys = sorted(shares)
+    if not keys:
+        return {}
+    if floor * len(keys) > total:
+        floor = total // len(keys)
+    clean = {k: max(0.0, shares[k]) if math.isfinite(shares[k]) else 0.0 for k in keys}
+    if sum(clean.values()) <= 0:
+        clean = dict.fromkeys(keys, 1.0)
+    # Water-fill: shards whose proportional share is below the floor are pinned to it.
+    pinned: set[str] = set()
+    while True:
+        free = [k for k in keys if k not in pinned]
+        rest = total - floor * len(pinned)
+        mass = sum(clean[k] for k in free)
+        if not free:
+            break
+        if mass <= 0:
+            clean.update(dict.fromkeys(free, 1.0))
+            mass = float(len(free))
+        low = [k for k in free if rest * clean[k] / mass < floor]
+        if not low:
+            break
+        pinned.update(low)
+    exact: dict[str, float] = dict.fromkeys(pinned, float(floor))
+    free = [k for k in keys if k not in pinned]
+    rest = total - floor * len(pinned)
+    mass = sum(clean[k] for k in free)
+    for k in free:
+        exact[k] = rest * clean[k] / mass if mass > 0 else rest / len(free)
+    out = {k: max(floor, math.floor(v)) for k, v in exact.items()}
+    remainder = total - sum(out.values())
+    order = sorted(keys, key=lambda k: (-(exact[k] - math.floor(exact[k])), k))
+    i = 0
+    while remainder != 0 and order:
+        k = order[i % len(order)]
+        if remainder > 0:
+            out[k] += 1
+            remainder -= 1
+        elif out[k] > floor:
+            out[k] -= 1
+            remainder += 1
+        i += 1
+        if i > 4 * len(order) * (abs(remainder) + 1):
+            break
+    return out
+
+
+def validate_weights(
+    weights: Mapping[str, int], active: Sequence[str], cfg: PolicyConfig
+) -> list[str]:
+    """Problems with a weight set; empty when it may be published."""
+    problems: list[str] = []
+    unknown = sorted(set(weights) - set(active))
+    if unknown:
+        problems.append(f"weights name unknown or inactive shards: {unknown}")
+    missing = sorted(set(active) - set(weights))
+    if missing:
+        problems.append(f"active shards without a weight: {missing}")
+    if active:
+        total = sum(weights.values())
+        if total != cfg.budget:
+            problems.append(f"weights sum to {total}, not {cfg.budget}")
+        floor = min(cfg.min_weight, cfg.budget // len(active))
+        low = sorted(k for k, v in weights.items() if v < floor)
+        if low:
+            problems.append(f"weights below the minimum {floor}: {low}")
+    return problems
+
+
+def _endpoint_weights(
+    shard: ShardObservation, previous: Mapping[str, int], cfg: PolicyConfig
+) -> dict[str, int]:
+    """Favour workers with headroom, free GPU memory and the shard's adapters resident."""
+    if not shard.workers:
+        return {}
+    requested: set[str] = set(shard.routed_adapters)
+    for w in shard.workers:
+        requested |= w.requested_adapters
+    free_max = max((w.gpu_free_bytes or 0.0) for w in shard.workers if w.known) if any(
+        w.known for w in shard.workers
+    ) else 0.0
+    scores: dict[str, float] = {}
+    for w in shard.workers:
+        if not w.known:
+            continue
+        rho = max(w.kv_cache_usage, 1.0 + w.waiting / max(w.running, 1.0) if w.waiting else 0.0)
+        headroom = max(0.05, 1.0 - min(rho, 0.95))
+        mem = (w.gpu_free_bytes or 0.0) / free_max if free_max > 0 else 0.0
+        affinity = len(requested & w.resident_adapters) / len(requested) if requested else 0.0
+        scores[endpoint_key(w.address, w.port)] = (
+            headroom * (1.0 + cfg.memory_bonus * mem) * (1.0 + cfg.affinity_bonus * affinity)
+        )
+    best = max(scores.values()) if scores else 0.0
+    out: dict[str, int] = {}
+    for w in shard.workers:
+        key = endpoint_key(w.address, w.port)
+        if key in scores and best > 0:
+            target = cfg.endpoint_scale * scores[key] / best
+            prev = previous.get(key)
+            value = target if prev is None else prev + cfg.ewma_alpha * (target - prev)
+            out[key] = max(1, round(value))
+        else:
+            # Unknown: keep what it had, never more because it looks quiet.
+            known_vals = sorted(
+                v for k, v in previous.items() if k in scores
+            )
+            median = known_vals[len(known_vals) // 2] if known_vals else cfg.endpoint_scale
+            out[key] = max(1, previous.get(key, median))
+    return out
+
+
+def decide(
+    observation: Observation, current: PolicyState, now: float, config: PolicyConfig
+) -> Decision:
+    cfg = config
+    active = sorted(s for s, o in observation.shards.items() if o.active)
+
+    # 1. Overrides: expired ones are reported for removal; ones on inactive shards are kept
+    # in the store but have no effect until the shard is active again.
+    expired, overrides = _effective_overrides(observation, now)
+
+    # 2. Estimates.
+    estimates: dict[str, ShardEstimate] = {}
+    utilization: dict[str, float | None] = {}
+    for sid in active:
+        shard = observation.shards[sid]
+        est = current.estimates.get(sid, ShardEstimate())
+        w_prev = current.weights.get(sid)
+        if shard.known:
+            rho, latency, baseline, tokens = _raw_rho(shard, est, cfg)
+            est = replace(
+                est,
+                rho=_ewma(est.rho, rho, cfg.ewma_alpha),
+                weight_eff=_ewma(est.weight_eff, float(w_prev), cfg.ewma_alpha)
+                if w_prev is not None
+                else est.weight_eff,
+                latency_s=latency,
+                baseline_s=baseline,
+                tokens_per_s=_ewma(est.tokens_per_s or None, tokens, cfg.ewma_alpha),
+            )
+        estimates[sid] = est
+        utilization[sid] = est.rho if shard.known else None
+
+    fixed, c, rest, free, floor = _baseline(observation, current, overrides, active, cfg)
+    movable = [
+        sid
+        for sid in free
+        if observation.shards[sid].known
+        and estimates[sid].rho is not None
+        and estimates[sid].weight_eff is not None
+    ]
+    target = dict(c)
+    if len(movable) >= 2:
+        pool = sum(c[sid] for sid in movable)
+        # Load per unit of weight is rho / weight_eff: equal utilisation needs w ~ w_eff / rho.
+        share = {
+            sid: (estimates[sid].weight_eff or 0.0) / (estimates[sid].rho or cfg.rho_min)
+            for sid in movable
+        }
+        if sum(share.values()) > 0:
+            target.update(_waterfill(share, pool, float(floor)))
+
+    # 6. Hysteresis and the bounded step.
+    deltas: dict[str, float] = {}
+    for sid in free:
+        d = target[sid] - c[sid]
+        est = estimates[sid]
+        moving = est.moving
+        # The deadband is relative: a shard within deadband * weight of its target is
+        # balanced enough, which keeps measurement noise from moving weight.
+        if not moving and abs(d) > max(cfg.enter_band, cfg.deadband * c[sid]):
+            moving = True
+        elif moving and abs(d) <= cfg.exit_band:
+            moving = False
+        estimates[sid] = replace(est, moving=moving)
+        deltas[sid] = max(-cfg.max_step, min(cfg.max_step, d)) if moving else 0.0
+    pos = sum(d for d in deltas.values() if d > 0)
+    neg = -sum(d for d in deltas.values() if d < 0)
+    if pos > neg:
+        deltas = {k: (d * neg / pos if d > 0 else d) for k, d in deltas.items()}
+    elif neg > pos:
+        deltas = {k: (d * pos / neg if d < 0 else d) for k, d in deltas.items()}
+    new_free = {sid: c[sid] + deltas[sid] for sid in free}
+    weights = dict(fixed)
+    weights.update(apportion(new_free, rest, floor) if free else {})
+
+    # 7. Endpoint weights and the publish decision.
+    endpoint_weights = {
+        sid: _endpoint_weights(
+            observation.shards[sid], current.endpoint_weights.get(sid, {}), cfg
+        )
+        for sid in sorted(observation.shards)
+    }
+    prev_w = current.weights
+    keys = set(prev_w) | set(weights)
+    change = sum(abs(weights.get(k, 0) - prev_w.get(k, 0)) for k in keys) // 2
+    structure = set(prev_w) != set(weights)
+    ep_moved = _endpoint_change(current.endpoint_weights, endpoint_weights)
+    ep_structure = {k: set(v) for k, v in current.endpoint_weights.items()} != {
+        k: set(v) for k, v in endpoint_weights.items()
+    }
+    reasons: list[str] = []
+    if structure:
+        reasons.append("shard set changed")
+    if expired:
+        reasons.append("override expired: " + ", ".join(expired))
+    if change >= cfg.publish_threshold:
+        moved = sorted(keys, key=lambda k: -abs(weights.get(k, 0) - prev_w.get(k, 0)))[:3]
+        reasons.append(
+            f"rebalance: {change} parts moved ("
+            + ", ".join(f"{k} {prev_w.get(k, 0)}->{weights.get(k, 0)}" for k in moved)
+            + ")"
+        )
+    if ep_structure:
+        reasons.append("endpoint set changed")
+    elif ep_moved >= cfg.endpoint_threshold * cfg.endpoint_scale:
+        reasons.append(f"endpoint weights moved by up to {ep_moved}")
+    publish = bool(reasons)
+    if publish:
+        state = PolicyState(weights, endpoint_weights, estimates)
+    else:
+        # Below the threshold: keep the published weights so small moves are not lost silently
+        # (they are recomputed from the same target next tick).
+        state = PolicyState(dict(prev_w), current.endpoint_weights, estimates)
+        weights = {k: int(v) for k, v in prev_w.items()}
+        endpoint_weights = {k: dict(v) for k, v in current.endpoint_weights.items()}
+    return Decision(
+        weights=weights,
+        endpoint_weights=endpoint_weights,
+        state=state,
+        change=change if publish else 0,
+        publish=publish,
+        reason="; ".join(reasons) if reasons else "no significant change",
+        expired_overrides=expired,
+        utilization=utilization,
+    )
+
+
+def _baseline(
+    observation: Observation,
+    current: PolicyState,
+    overrides: Mapping[str, int],
+    active: Sequence[str],
+    cfg: PolicyConfig,
+) -> tuple[dict[str, int], dict[str, float], int, list[str], int]:
+    """Overrides applied and the other shards re-normalised: (fixed, free weights, rest,
+    free shard ids, floor)."""
+    n = len(active)
+    floor = min(cfg.min_weight, cfg.budget // n) if n else 0
+    # 3. Starting point: the published weights over the active shards. A new shard starts at
+    # its share by worker count (its capacity prior); the others make room proportionally.
+    workers = {sid: max(1, len(observation.shards[sid].workers)) for sid in active}
+    total_workers = sum(workers.values())
+    cur: dict[str, float] = {}
+    for sid in active:
+        prev = current.weights.get(sid)
+        cur[sid] = (
+            float(prev) if prev is not None else cfg.budget * workers[sid] / total_workers
+        )
+
+    # 4. Fixed shards: overrides (scaled down if they leave no room for the others' floors).
+    free = [sid for sid in active if sid not in overrides]
+    room = cfg.budget - floor * len(free)
+    fixed_total = sum(overrides.values())
+    if overrides and (fixed_total > room or not free):
+        fixed = apportion({k: float(v) for k, v in overrides.items()}, room if free else cfg.budget)
+    else:
+        fixed = dict(overrides)
+    rest = cfg.budget - sum(fixed.values())
+
+    # 5. Free shards share the rest; unknown ones hold their (re-normalised) share.
+    cur_free_total = sum(cur[sid] for sid in free)
+    c = {
+        sid: (cur[sid] * rest / cur_free_total if cur_free_total > 0 else rest / len(free))
+        for sid in free
+    }
+    c = {sid: max(float(floor), v) for sid, v in c.items()}
+    excess = sum(c.values()) - rest
+    if free and excess > 1e-9:
+        above = {sid: v - floor for sid, v in c.items() if v > floor}
+        mass = sum(above.values())
+        for sid, v in above.items():
+            c[sid] -= excess * v / mass
+    return fixed, c, rest, free, floor
+
+
+def _effective_overrides(
+    observation: Observation, now: float
+) -> tuple[tuple[str, ...], dict[str, int]]:
+    expired = tuple(
+        sorted(
+            sid
+            for sid, o in observation.overrides.items()
+            if o.expires_at is not None and o.expires_at <= now
+        )
+    )
+    overrides = {
+        sid: o.weight
+        for sid, o in observation.overrides.items()
+        if sid in observation.shards and observation.shards[sid].active and sid not in expired
+    }
+    return expired, overrides
+
+
+def desired(
+    observation: Observation, current: PolicyState, now: float, config: PolicyConfig
+) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Weights for an immediate publish after a change of desired state (an override, a pin,
+    a shard): overrides applied, the others re-normalised, nothing re-estimated or moved."""
+    active = sorted(s for s, o in observation.shards.items() if o.active)
+    _, overrides = _effective_overrides(observation, now)
+    fixed, c, rest, free, floor = _baseline(observation, current, overrides, active, config)
+    weights = dict(fixed)
+    weights.update(apportion(c, rest, floor) if free else {})
+    endpoints: dict[str, dict[str, int]] = {}
+    for sid in sorted(observation.shards):
+        prev = current.endpoint_weights.get(sid, {})
+        endpoints[sid] = {
+            endpoint_key(w.address, w.port): prev.get(
+                endpoint_key(w.address, w.port), config.endpoint_scale
+            )
+            for w in observation.shards[sid].workers
+        }
+    return weights, endpoints
+
+
+def _waterfill(share: Mapping[str, float], total: float, floor: float) -> dict[str, float]:
+    """Floats proportional to ``share`` summing to ``total``, each at least ``floor``."""
+    pinned: set[str] = set()
+    while True:
+        free = [k for k in share if k not in pinned]
+        if not free:
+            return dict.fromkeys(share, total / len(share))
+        rest = total - floor * len(pinned)
+        mass = sum(share[k] for k in free)
+        out = {k: (rest * share[k] / mass if mass > 0 else rest / len(free)) for k in free}
+        low = [k for k, v in out.items() if v < floor]
+        if not low:
+            out.update(dict.fromkeys(pinned, floor))
+            return out
+        pinned.update(low)
+
+
+def _endpoint_change(
+    before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]]
+) -> int:
+    worst = 0
+    for sid, eps in after.items():
+        prev = before.get(sid, {})
+        for key, value in eps.items():
+            worst = max(worst, abs(value - prev.get(key, value)))
+    return worst

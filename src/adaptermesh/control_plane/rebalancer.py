@@ -1,0 +1,416 @@
+"""The rebalancing loop, the immediate publish path, and the Assignment fan-out.
+
+``Rebalancer.step()`` is one read -> decide -> validate -> publish. ``run()`` only repeats it
+every ``interval_s`` and backs off after a failure; the loop never dies. Changes of desired
+state (shards, overrides, pins) go through ``Rebalancer.mutate``, which writes them and the
+Assignment they cause in one transaction and publishes at once, without waiting for a tick.
+
+Everything runs on one asyncio loop: a mutation and the synchronous part of a step never
+interleave, so the policy state and the store cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from adaptermesh.control_plane import policy
+from adaptermesh.control_plane.metrics_source import LoadSource, Target
+from adaptermesh.control_plane.policy import (
+    Decision,
+    Observation,
+    OverrideSpec,
+    PolicyConfig,
+    PolicyState,
+    ShardObservation,
+    WorkerObservation,
+    endpoint_key,
+)
+from adaptermesh.control_plane.store import Store
+from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
+
+__all__ = [
+    "AssignmentHub",
+    "Clock",
+    "FakeClock",
+    "PublishError",
+    "Rebalancer",
+    "RebalancerConfig",
+    "SystemClock",
+]
+
+T = TypeVar("T")
+_ACTIVE = assignment_pb2.SHARD_STATE_ACTIVE
+
+
+class Clock(Protocol):
+    def time(self) -> float:
+        """Wall-clock seconds since the epoch: timestamps and TTLs (they survive restarts)."""
+        ...
+
+    def monotonic(self) -> float:
+        """Seconds for intervals and staleness."""
+        ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    def time(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+class FakeClock:
+    """A clock that moves only when told to; ``sleep`` advances it and yields once."""
+
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self._t = start
+        self._mono = 1000.0
+
+    def time(self) -> float:
+        return self._t
+
+    def monotonic(self) -> float:
+        return self._mono
+
+    def step(self, seconds: float) -> None:
+        self._t += seconds
+        self._mono += seconds
+
+    async def sleep(self, seconds: float) -> None:
+        self.step(seconds)
+        await asyncio.sleep(0)
+
+
+class PublishError(Exception):
+    """The computed Assignment failed validation; nothing was published."""
+
+
+class AssignmentHub:
+    """The newest Assignment plus a wake-up for every watcher when it changes.
+
+    Watchers always get the newest version (Assignments are complete, so skipping
+    intermediate versions loses nothing), which keeps a slow watcher from holding a queue.
+    """
+
+    def __init__(self) -> None:
+        self._latest: assignment_pb2.Assignment | None = None
+        self._changed = asyncio.Event()
+        self.watchers = 0
+
+    @property
+    def latest(self) -> assignment_pb2.Assignment | None:
+        return self._latest
+
+    def publish(self, assignment: assignment_pb2.Assignment) -> None:
+        if self._latest is not None and assignment.version <= self._latest.version:
+            raise PublishError(
+                f"version {assignment.version} is not above {self._latest.version}"
+            )
+        self._latest = assignment
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def newer_than(self, version: int) -> assignment_pb2.Assignment:
+        while True:
+            changed = self._changed
+            latest = self._latest
+            if latest is not None and latest.version > version:
+                return latest
+            await changed.wait()
+
+
+@dataclass(frozen=True, slots=True)
+class RebalancerConfig:
+    interval_s: float = 5.0
+    max_backoff_s: float = 60.0
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+@dataclass(slots=True)
+class ShardLoadView:
+    """What GetStatus shows per shard."""
+
+    shard_id: str
+    weight: int
+    queue_depth: float
+    running: float
+    latency_ms: float
+    tokens_per_s: float
+    kv_cache_usage: float
+    free_gpu_bytes: float
+    known: bool
+    utilization: float
+    workers: int
+    workers_known: int
+    age_s: float
+
+
+class Rebalancer:
+    def __init__(
+        self,
+        store: Store,
+        source: LoadSource,
+        *,
+        clock: Clock | None = None,
+        config: RebalancerConfig | None = None,
+        hub: AssignmentHub | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.store = store
+        self.source = source
+        self.clock: Clock = clock or SystemClock()
+        self.config = config or RebalancerConfig()
+        self.config.policy.validate()
+        self.hub = hub or AssignmentHub()
+        self.log = logger or logging.getLogger("adaptermesh.control_plane.rebalancer")
+        self.workers: dict[str, WorkerObservation] = {}
+        self.loads: dict[str, ShardLoadView] = {}
+        self.steps = 0
+        self.failures = 0
+        self.publishes = 0
+        self.last_error = ""
+        self.state = PolicyState()
+        latest = store.latest_assignment()
+        if latest is not None:
+            self.state = PolicyState(
+                weights={s.id: s.weight for s in latest.shards if s.state == _ACTIVE},
+                endpoint_weights={
+                    s.id: {endpoint_key(e.address, e.port): e.weight for e in s.endpoints}
+                    for s in latest.shards
+                },
+            )
+            self.hub.publish(latest)
+
+    # -- desired state -> observation ------------------------------------------------------
+
+    def observation(self, workers: Mapping[str, WorkerObservation]) -> Observation:
+        routed: dict[str, set[str]] = {}
+        for inst in self.store.list_adapter_instances():
+            for route in inst.routes:
+                routed.setdefault(route.shard_id, set()).add(inst.name)
+        shards: dict[str, ShardObservation] = {}
+        for spec in self.store.list_shards():
+            obs = []
+            for ep in spec.endpoints:
+                key = endpoint_key(ep.address, ep.port)
+                w = workers.get(key)
+                obs.append(
+                    w if w is not None else WorkerObservation(ep.address, ep.port, known=False)
+                )
+            shards[spec.id] = ShardObservation(
+                spec.id,
+                active=spec.state in (_ACTIVE, assignment_pb2.SHARD_STATE_UNSPECIFIED),
+                workers=tuple(obs),
+                routed_adapters=frozenset(routed.get(spec.id, ())),
+            )
+        overrides = {
+            sid: OverrideSpec(sid, weight, expires_at)
+            for sid, weight, _, expires_at, _ in self.store.list_overrides()
+        }
+        return Observation(shards, overrides)
+
+    def targets(self) -> list[Target]:
+        return [
+            Target(s.id, ep.address, ep.port)
+            for s in self.store.list_shards()
+            for ep in s.endpoints
+        ]
+
+    # -- building and publishing -----------------------------------------------------------
+
+    def _build(
+        self,
+        weights: Mapping[str, int],
+        endpoint_weights: Mapping[str, Mapping[str, int]],
+        reason: str,
+    ) -> assignment_pb2.Assignment:
+        now = self.clock.time()
+        out = assignment_pb2.Assignment(version=self.store.last_version() + 1, reason=reason)
+        out.generated_at.FromNanoseconds(int(now * 1e9))
+        for spec in self.store.list_shards():
+            shard = out.shards.add()
+            shard.CopyFrom(spec)
+            if shard.state == assignment_pb2.SHARD_STATE_UNSPECIFIED:
+                shard.state = _ACTIVE
+            shard.weight = weights.get(spec.id, 0) if shard.state == _ACTIVE else 0
+            eps = endpoint_weights.get(spec.id, {})
+            for ep in shard.endpoints:
+                key = endpoint_key(ep.address, ep.port)
+                ep.weight = max(1, eps.get(key, self.config.policy.endpoint_scale))
+                seen = self.workers.get(key)
+                if seen is not None and seen.known and seen.resident_adapters:
+                    del ep.adapters[:]
+                    ep.adapters.extend(sorted(seen.resident_adapters))
+        for cidr, shard_id in self.store.list_pins():
+            out.pins.add(cidr=cidr, shard_id=shard_id)
+        for sid, weight, why, expires_at, created_at in self.store.list_overrides():
+            if expires_at is not None and expires_at <= now:
+                continue
+            o = out.overrides.add(shard_id=sid, weight=weight, reason=why)
+            o.created_at.FromNanoseconds(int(created_at * 1e9))
+            if expires_at is not None:
+                o.expires_at.FromNanoseconds(int(expires_at * 1e9))
+        return out
+
+    def _validate(self, assignment: assignment_pb2.Assignment) -> None:
+        active = [s.id for s in assignment.shards if s.state == _ACTIVE]
+        weights = {s.id: s.weight for s in assignment.shards if s.state == _ACTIVE}
+        problems = policy.validate_weights(weights, active, self.config.policy)
+        problems += [
+            f"shard {s.id} endpoint {e.address}:{e.port} has weight 0"
+            for s in assignment.shards
+            for e in s.endpoints
+            if e.weight < 1
+        ]
+        known = {s.id for s in assignment.shards}
+        problems += [f"pin {p.cidr} names unknown shard {p.shard_id}" for p in assignment.pins
+                     if p.shard_id not in known]
+        if problems:
+            raise PublishError("; ".join(problems))
+
+    def _stage(
+        self,
+        weights: Mapping[str, int],
+        endpoint_weights: Mapping[str, Mapping[str, int]],
+        reason: str,
+    ) -> assignment_pb2.Assignment:
+        """Build, validate and record an Assignment inside the caller's transaction."""
+        assignment = self._build(weights, endpoint_weights, reason)
+        self._validate(assignment)
+        self.store.append_assignment(assignment)
+        return assignment
+
+    def _commit(self, assignment: assignment_pb2.Assignment, state: PolicyState) -> None:
+        self.state = state
+        self.publishes += 1
+        self.hub.publish(assignment)
+
+    def mutate(self, change: Callable[[], T], reason: str, *, publish: bool = True) -> T:
+        """Apply a desired-state change and publish its Assignment at once, atomically.
+
+        If the change or the Assignment it leads to is invalid, the transaction rolls back
+        and nothing is stored or published.
+        """
+        with self.store.transaction():
+            result = change()
+            if not publish:
+                return result
+            obs = self.observation(self.workers)
+            weights, endpoints = policy.desired(
+                obs, self.state, self.clock.time(), self.config.policy
+            )
+            assignment = self._stage(weights, endpoints, reason)
+        self._commit(
+            assignment,
+            PolicyState(weights, endpoints, self.state.estimates),
+        )
+        return result
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def step(self) -> Decision:
+        """One read -> decide -> validate -> publish."""
+        self.steps += 1
+        workers = await self.source.collect(self.targets(), self.clock.monotonic())
+        self.workers = dict(workers)
+        now = self.clock.time()
+        obs = self.observation(self.workers)
+        decision = policy.decide(obs, self.state, now, self.config.policy)
+        if decision.publish or decision.expired_overrides:
+            with self.store.transaction():
+                if decision.expired_overrides:
+                    self.store.delete_expired_overrides(now)
+                assignment = self._stage(
+                    decision.weights, decision.endpoint_weights, decision.reason
+                )
+            self._commit(assignment, decision.state)
+        else:
+            self.state = decision.state
+        self._summarise(obs, decision)
+        return decision
+
+    def _summarise(self, obs: Observation, decision: Decision) -> None:
+        loads: dict[str, ShardLoadView] = {}
+        for sid, shard in obs.shards.items():
+            known = [w for w in shard.workers if w.known]
+            est = decision.state.estimates.get(sid)
+            lat = est.latency_s if est is not None and est.latency_s is not None else 0.0
+            ages = [w.age_s for w in shard.workers if math.isfinite(w.age_s)]
+            loads[sid] = ShardLoadView(
+                shard_id=sid,
+                weight=self.state.weights.get(sid, 0),
+                queue_depth=sum(w.waiting for w in known),
+                running=sum(w.running for w in known),
+                latency_ms=lat * 1000.0,
+                tokens_per_s=sum(w.tokens_per_s for w in known),
+                kv_cache_usage=(
+                    sum(w.kv_cache_usage for w in known) / len(known) if known else 0.0
+                ),
+                free_gpu_bytes=sum(w.gpu_free_bytes or 0.0 for w in known),
+                known=bool(known),
+                utilization=decision.utilization.get(sid) or 0.0,
+                workers=len(shard.workers),
+                workers_known=len(known),
+                age_s=min(ages) if ages else -1.0,
+            )
+        self.loads = loads
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Repeat ``step()`` every interval until ``stop`` is set; back off after failures."""
+        stop = stop or asyncio.Event()
+        consecutive = 0
+        while not stop.is_set():
+            delay = self.config.interval_s
+            try:
+                await self.step()
+                consecutive = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                consecutive += 1
+                self.failures += 1
+                self.last_error = repr(exc)
+                delay = min(
+                    self.config.max_backoff_s, self.config.interval_s * 2 ** min(consecutive, 16)
+                )
+                self.log.exception("rebalance step failed (%d in a row); retry in %.1fs",
+                                   consecutive, delay)
+            sleeper = asyncio.ensure_future(self.clock.sleep(delay))
+            stopper = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sleeper.cancel()
+                stopper.cancel()
+
+    def status_loads(self) -> list[control_plane_pb2.ShardLoad]:
+        return [
+            control_plane_pb2.ShardLoad(
+                shard_id=v.shard_id,
+                weight=self.state.weights.get(v.shard_id, 0),
+                queue_depth=v.queue_depth,
+                running=v.running,
+                latency_ms=v.latency_ms,
+                tokens_per_s=v.tokens_per_s,
+                kv_cache_usage=v.kv_cache_usage,
+                free_gpu_bytes=v.free_gpu_bytes,
+                known=v.known,
+                utilization=v.utilization,
+                workers=v.workers,
+                workers_known=v.workers_known,
+                age_s=v.age_s,
+            )
+            for v in sorted(self.loads.values(), key=lambda v: v.shard_id)
+        ]

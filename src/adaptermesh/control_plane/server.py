@@ -1,0 +1,144 @@
+"""Wiring: store + load source + rebalancer + gRPC server (API, health, reflection)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from adaptermesh.control_plane.api import ApiLimits, ControlPlaneServicer
+from adaptermesh.control_plane.auth import AuthInterceptor, TokenTable, server_credentials
+from adaptermesh.control_plane.metrics_source import LoadSource, PrometheusSource, ScrapeSource
+from adaptermesh.control_plane.policy import PolicyConfig
+from adaptermesh.control_plane.rebalancer import Clock, Rebalancer, RebalancerConfig
+from adaptermesh.control_plane.store import Store
+from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2, control_plane_pb2_grpc
+
+__all__ = ["CONTROL_PLANE_SERVICE", "ControlPlaneServer", "ServerConfig"]
+
+CONTROL_PLANE_SERVICE = control_plane_pb2.DESCRIPTOR.services_by_name["ControlPlane"].full_name
+DB_NAME = "control-plane.sqlite3"
+
+
+@dataclass
+class ServerConfig:
+    state_dir: Path
+    listen: str = "127.0.0.1:7400"
+    tokens: TokenTable | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    interval_s: float = 5.0
+    scrape_timeout_s: float = 2.0
+    prometheus_url: str | None = None
+    synchronous: str = "FULL"
+    index_quarantine_s: float = 300.0
+    # Requests above this size are refused by the transport (RESOURCE_EXHAUSTED) before any
+    # handler runs; the API's own limits name the field for anything smaller.
+    max_message_bytes: int = 4 * 1024 * 1024
+    rebalance: bool = True
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    limits: ApiLimits = field(default_factory=ApiLimits)
+
+
+class ControlPlaneServer:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        source: LoadSource | None = None,
+        clock: Clock | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.config = config
+        self.log = logger or logging.getLogger("adaptermesh.control_plane")
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(
+            config.state_dir / DB_NAME,
+            synchronous=config.synchronous,
+            index_quarantine_s=config.index_quarantine_s,
+        )
+        if source is None:
+            source = (
+                PrometheusSource(config.prometheus_url, interval_s=config.interval_s)
+                if config.prometheus_url
+                else ScrapeSource(interval_s=config.interval_s, timeout_s=config.scrape_timeout_s)
+            )
+        self.rebalancer = Rebalancer(
+            self.store,
+            source,
+            clock=clock,
+            config=RebalancerConfig(interval_s=config.interval_s, policy=config.policy),
+            logger=self.log,
+        )
+        self.servicer = ControlPlaneServicer(self.rebalancer, config.limits, self.log)
+        self.health = health_aio.HealthServicer()
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    async def start(self) -> int:
+        cfg = self.config
+        interceptors = [AuthInterceptor(cfg.tokens)] if cfg.tokens is not None else []
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ("grpc.so_reuseport", 0),
+            # Watch streams are long-lived: keepalives find dead agents.
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ]
+        server = grpc.aio.server(interceptors=interceptors, options=options)
+        control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(  # type: ignore[no-untyped-call]
+            self.servicer, server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (CONTROL_PLANE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+        )
+        if cfg.tls_cert or cfg.tls_key:
+            if not (cfg.tls_cert and cfg.tls_key):
+                raise ValueError("--tls-cert and --tls-key go together")
+            creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+            self.port = server.add_secure_port(cfg.listen, creds)
+        else:
+            if cfg.tls_client_ca:
+                raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+            self.port = server.add_insecure_port(cfg.listen)
+        if not self.port:
+            raise OSError(f"cannot listen on {cfg.listen}")
+        await server.start()
+        self._server = server
+        serving = health_pb2.HealthCheckResponse.SERVING
+        await self.health.set("", serving)
+        await self.health.set(CONTROL_PLANE_SERVICE, serving)
+        if cfg.rebalance:
+            self._loop_task = asyncio.create_task(self.rebalancer.run(self._stop))
+        return self.port
+
+    async def stop(self, grace: float = 1.0) -> None:
+        self._stop.set()
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", not_serving)
+        await self.health.set(CONTROL_PLANE_SERVICE, not_serving)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        if self._server is not None:
+            await self._server.stop(grace)
+        self.store.close()
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()

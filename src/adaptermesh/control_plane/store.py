@@ -1,0 +1,355 @@
+"""Durable control-plane state in SQLite.
+
+WAL mode with ``synchronous=FULL`` by default: a write is acknowledged only after its
+transaction is on disk, so an acknowledged change survives ``kill -9`` and a power cut. Each
+API write is one transaction, together with the Assignment it publishes, so the history and
+the desired state never disagree.
+
+The schema is versioned with ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes version ``i`` to
+``i + 1`` inside one transaction. Add a migration, never edit a released one.
+
+Objects are stored as serialised protobuf messages beside the columns that are queried, so
+new proto fields need no migration.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "AlreadyExistsError", "Store", "StoreError"]
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    # 0 -> 1: the core objects.
+    (
+        """CREATE TABLE shards (
+            id TEXT PRIMARY KEY,
+            idx INTEGER NOT NULL UNIQUE,
+            spec BLOB NOT NULL,
+            updated_at REAL NOT NULL)""",
+        # Indices of deleted shards, kept out of reuse for a quarantine so sticky flows that
+        # still carry the index in a node's flow table cannot land on a different shard.
+        "CREATE TABLE freed_indices (idx INTEGER PRIMARY KEY, freed_at REAL NOT NULL)",
+        """CREATE TABLE overrides (
+            shard_id TEXT PRIMARY KEY,
+            weight INTEGER NOT NULL,
+            reason TEXT NOT NULL,
+            expires_at REAL,
+            created_at REAL NOT NULL)""",
+        """CREATE TABLE pins (
+            cidr TEXT PRIMARY KEY,
+            shard_id TEXT NOT NULL,
+            created_at REAL NOT NULL)""",
+        """CREATE TABLE assignments (
+            version INTEGER PRIMARY KEY,
+            reason TEXT NOT NULL,
+            generated_at REAL NOT NULL,
+            body BLOB NOT NULL)""",
+        """CREATE TABLE nodes (
+            node_id TEXT PRIMARY KEY,
+            applied_version INTEGER NOT NULL,
+            last_report REAL NOT NULL,
+            apply_error TEXT NOT NULL,
+            report BLOB NOT NULL)""",
+    ),
+    # 1 -> 2: declarative AdapterInstance documents.
+    (
+        """CREATE TABLE adapter_instances (
+            name TEXT PRIMARY KEY,
+            spec BLOB NOT NULL,
+            updated_at REAL NOT NULL)""",
+    ),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class StoreError(Exception):
+    pass
+
+
+class AlreadyExistsError(StoreError):
+    pass
+
+
+class Store:
+    """One SQLite database; every method runs on the caller's thread.
+
+    The control plane calls it from its event loop only, so a lock is enough to keep the
+    ``transaction()`` nesting straight if a test touches it from another thread.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        synchronous: str = "FULL",
+        index_quarantine_s: float = 300.0,
+        history_limit: int = 10_000,
+    ) -> None:
+        if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, not {synchronous}")
+        self.path = Path(path)
+        self.index_quarantine_s = index_quarantine_s
+        self.history_limit = history_limit
+        self._lock = threading.RLock()
+        self._depth = 0
+        # Autocommit mode: transactions are explicit BEGIN IMMEDIATE ... COMMIT.
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self.migrate()
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._db.close()
+
+    @property
+    def schema_version(self) -> int:
+        row = self._db.execute("PRAGMA user_version").fetchone()
+        return int(row[0])
+
+    @property
+    def journal_mode(self) -> str:
+        return str(self._db.execute("PRAGMA journal_mode").fetchone()[0])
+
+    def migrate(self) -> int:
+        """Bring the schema to SCHEMA_VERSION; returns the number of migrations applied."""
+        current = self.schema_version
+        if current > SCHEMA_VERSION:
+            raise StoreError(
+                f"database schema {current} is newer than this release ({SCHEMA_VERSION})"
+            )
+        applied = 0
+        for version in range(current, SCHEMA_VERSION):
+            with self.transaction():
+                for statement in MIGRATIONS[version]:
+                    self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version={version + 1}")
+            applied += 1
+        return applied
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One atomic write; nested uses join the outer transaction."""
+        with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            self._db.execute("BEGIN IMMEDIATE")
+            self._depth = 1
+            try:
+                yield
+            except BaseException:
+                self._depth = 0
+                self._db.execute("ROLLBACK")
+                raise
+            self._depth = 0
+            self._db.execute("COMMIT")
+
+    # -- shards ----------------------------------------------------------------------------
+
+    def list_shards(self) -> list[assignment_pb2.Shard]:
+        rows = self._db.execute("SELECT spec FROM shards ORDER BY id").fetchall()
+        return [assignment_pb2.Shard.FromString(r[0]) for r in rows]
+
+    def get_shard(self, shard_id: str) -> assignment_pb2.Shard | None:
+        row = self._db.execute("SELECT spec FROM shards WHERE id=?", (shard_id,)).fetchone()
+        return assignment_pb2.Shard.FromString(row[0]) if row else None
+
+    def upsert_shard(self, shard: assignment_pb2.Shard, now: float) -> assignment_pb2.Shard:
+        """Store the shard; a new one gets the smallest free index, an existing one keeps its."""
+        with self.transaction():
+            row = self._db.execute("SELECT idx FROM shards WHERE id=?", (shard.id,)).fetchone()
+            stored = assignment_pb2.Shard()
+            stored.CopyFrom(shard)
+            stored.index = int(row[0]) if row else self._allocate_index(now)
+            self._db.execute(
+                "INSERT INTO shards(id, idx, spec, updated_at) VALUES(?,?,?,?) "
+                "ON CONFLICT(id) DO UPDATE SET spec=excluded.spec, updated_at=excluded.updated_at",
+                (stored.id, stored.index, stored.SerializeToString(), now),
+            )
+            self._db.execute("DELETE FROM freed_indices WHERE idx=?", (stored.index,))
+        return stored
+
+    def _allocate_index(self, now: float) -> int:
+        used = {r[0] for r in self._db.execute("SELECT idx FROM shards")}
+        held = {
+            r[0]
+            for r in self._db.execute(
+                "SELECT idx FROM freed_indices WHERE freed_at > ?", (now - self.index_quarantine_s,)
+            )
+        }
+        idx = 0
+        while idx in used or idx in held:
+            idx += 1
+        return idx
+
+    def delete_shard(self, shard_id: str, now: float) -> bool:
+        with self.transaction():
+            row = self._db.execute("SELECT idx FROM shards WHERE id=?", (shard_id,)).fetchone()
+            if row is None:
+                return False
+            self._db.execute("DELETE FROM shards WHERE id=?", (shard_id,))
+            self._db.execute("DELETE FROM overrides WHERE shard_id=?", (shard_id,))
+            self._db.execute(
+                "INSERT OR REPLACE INTO freed_indices(idx, freed_at) VALUES(?,?)", (row[0], now)
+            )
+        return True
+
+    # -- overrides -------------------------------------------------------------------------
+
+    def set_override(
+        self, shard_id: str, weight: int, reason: str, expires_at: float | None, now: float
+    ) -> None:
+        with self.transaction():
+            self._db.execute(
+                "INSERT OR REPLACE INTO overrides(shard_id, weight, reason, expires_at, created_at)"
+                " VALUES(?,?,?,?,?)",
+                (shard_id, weight, reason, expires_at, now),
+            )
+
+    def clear_override(self, shard_id: str) -> bool:
+        with self.transaction():
+            cur = self._db.execute("DELETE FROM overrides WHERE shard_id=?", (shard_id,))
+        return cur.rowcount > 0
+
+    def list_overrides(self) -> list[tuple[str, int, str, float | None, float]]:
+        """(shard_id, weight, reason, expires_at, created_at) rows."""
+        rows = self._db.execute(
+            "SELECT shard_id, weight, reason, expires_at, created_at FROM overrides ORDER BY shard_id"
+        ).fetchall()
+        return [(str(a), int(b), str(c), d, float(e)) for a, b, c, d, e in rows]
+
+    def delete_expired_overrides(self, now: float) -> list[str]:
+        with self.transaction():
+            rows = self._db.execute(
+                "SELECT shard_id FROM overrides WHERE expires_at IS NOT NULL AND expires_at <= ?",
+                (now,),
+            ).fetchall()
+            self._db.execute(
+                "DELETE FROM overrides WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
+            )
+        return [str(r[0]) for r in rows]
+
+    # -- pins ------------------------------------------------------------------------------
+
+    def add_pin(self, cidr: str, shard_id: str, now: float) -> None:
+        with self.transaction():
+            if self._db.execute("SELECT 1 FROM pins WHERE cidr=?", (cidr,)).fetchone():
+                raise AlreadyExistsError(cidr)
+            self._db.execute(
+                "INSERT INTO pins(cidr, shard_id, created_at) VALUES(?,?,?)", (cidr, shard_id, now)
+            )
+
+    def remove_pin(self, cidr: str) -> bool:
+        with self.transaction():
+            cur = self._db.execute("DELETE FROM pins WHERE cidr=?", (cidr,))
+        return cur.rowcount > 0
+
+    def list_pins(self) -> list[tuple[str, str]]:
+        rows = self._db.execute("SELECT cidr, shard_id FROM pins ORDER BY cidr").fetchall()
+        return [(str(a), str(b)) for a, b in rows]
+
+    def pins_for_shard(self, shard_id: str) -> list[str]:
+        rows = self._db.execute("SELECT cidr FROM pins WHERE shard_id=?", (shard_id,)).fetchall()
+        return [str(r[0]) for r in rows]
+
+    # -- adapter instances -----------------------------------------------------------------
+
+    def upsert_adapter_instance(
+        self, instance: control_plane_pb2.AdapterInstance, now: float
+    ) -> None:
+        with self.transaction():
+            self._db.execute(
+                "INSERT OR REPLACE INTO adapter_instances(name, spec, updated_at) VALUES(?,?,?)",
+                (instance.name, instance.SerializeToString(), now),
+            )
+
+    def delete_adapter_instance(self, name: str) -> bool:
+        with self.transaction():
+            cur = self._db.execute("DELETE FROM adapter_instances WHERE name=?", (name,))
+        return cur.rowcount > 0
+
+    def list_adapter_instances(self) -> list[control_plane_pb2.AdapterInstance]:
+        rows = self._db.execute("SELECT spec FROM adapter_instances ORDER BY name").fetchall()
+        return [control_plane_pb2.AdapterInstance.FromString(r[0]) for r in rows]
+
+    # -- assignments -----------------------------------------------------------------------
+
+    def last_version(self) -> int:
+        row = self._db.execute("SELECT MAX(version) FROM assignments").fetchone()
+        return int(row[0] or 0)
+
+    def append_assignment(self, assignment: assignment_pb2.Assignment) -> None:
+        """Record a published Assignment; its version must exceed every earlier one."""
+        with self.transaction():
+            last = self.last_version()
+            if assignment.version <= last:
+                raise StoreError(f"version {assignment.version} is not above {last}")
+            self._db.execute(
+                "INSERT INTO assignments(version, reason, generated_at, body) VALUES(?,?,?,?)",
+                (
+                    assignment.version,
+                    assignment.reason,
+                    assignment.generated_at.ToNanoseconds() / 1e9,
+                    assignment.SerializeToString(),
+                ),
+            )
+            # Keep the newest history_limit records; the newest always stays, so the version
+            # sequence survives pruning.
+            self._db.execute(
+                "DELETE FROM assignments WHERE version <= ?",
+                (assignment.version - self.history_limit,),
+            )
+
+    def latest_assignment(self) -> assignment_pb2.Assignment | None:
+        row = self._db.execute(
+            "SELECT body FROM assignments ORDER BY version DESC LIMIT 1"
+        ).fetchone()
+        return assignment_pb2.Assignment.FromString(row[0]) if row else None
+
+    def history(self, limit: int, before_version: int = 0) -> list[assignment_pb2.Assignment]:
+        if before_version:
+            rows = self._db.execute(
+                "SELECT body FROM assignments WHERE version < ? ORDER BY version DESC LIMIT ?",
+                (before_version, limit),
+            ).fetchall()
+        else:
+            rows = self._db.execute(
+                "SELECT body FROM assignments ORDER BY version DESC LIMIT ?", (limit,)
+            ).fetchall()
+        return [assignment_pb2.Assignment.FromString(r[0]) for r in rows]
+
+    # -- nodes -----------------------------------------------------------------------------
+
+    def record_report(self, report: control_plane_pb2.LoadReport, now: float) -> None:
+        with self.transaction():
+            self._db.execute(
+                "INSERT OR REPLACE INTO nodes(node_id, applied_version, last_report, apply_error,"
+                " report) VALUES(?,?,?,?,?)",
+                (
+                    report.node_id,
+                    report.applied_version,
+                    now,
+                    report.apply_error,
+                    report.SerializeToString(),
+                ),
+            )
+
+    def list_nodes(self) -> list[tuple[str, int, float, str]]:
+        rows = self._db.execute(
+            "SELECT node_id, applied_version, last_report, apply_error FROM nodes ORDER BY node_id"
+        ).fetchall()
+        return [(str(a), int(b), float(c), str(d)) for a, b, c, d in rows]
