@@ -74,7 +74,7 @@ class ServiceMetrics:
 
         # The *_created series double the scrape size and no consumer reads them; vLLM turns
         # them off too. The switch is process-wide, which is fine in a worker process.
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         r = self.registry
         self.ttft = Histogram(
             "adaptermesh_time_to_first_token_seconds",

@@ -124,6 +124,21 @@ def _invalid(param: str, message: str, status: int = 422, code: str = "invalid_v
     return ApiError(status, f"{param}: {message}", param=param, code=code)
 
 
+def _adapter_error(exc: AdapterNotFoundError, param: str) -> ApiError:
+    """404 for an adapter that does not exist; 422 for one that exists but is unusable.
+
+    The engine marks the second kind with a ``field`` attribute (a bad name, a path outside
+    the adapter root, a rank or target-module mismatch, a corrupt weights file).
+    """
+    field_name = getattr(exc, "field", None)
+    if field_name is None:
+        code = "model_not_found" if param == "model" else "adapter_not_found"
+        return ApiError(404, f"{param}: {exc}", param=param, code=code)
+    if field_name == "name" and param != "model":
+        param = "lora_name"
+    return ApiError(422, f"{param}: {exc}", param=param, code="invalid_adapter")
+
+
 def tenant_of(request: web.BaseRequest) -> str:
     """The tenant a request belongs to: its API key, else ``x-tenant-id``, else its address.
 
@@ -494,8 +509,7 @@ class WorkerService:
         try:
             await self.engine.load_adapter(name, path)
         except AdapterNotFoundError as exc:
-            raise ApiError(404, f"lora_path: {exc}", param="lora_path",
-                           code="adapter_not_found") from None
+            raise _adapter_error(exc, "lora_path") from None
         except InvalidRequestError as exc:
             param = _ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
             raise ApiError(422, str(exc), param=param, code="invalid_adapter") from None
@@ -508,8 +522,7 @@ class WorkerService:
         try:
             await self.engine.unload_adapter(name)
         except AdapterNotFoundError as exc:
-            raise ApiError(404, f"lora_name: {exc}", param="lora_name",
-                           code="adapter_not_found") from None
+            raise _adapter_error(exc, "lora_name") from None
         except InvalidRequestError as exc:
             param = _ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
             raise ApiError(422, str(exc), param=param) from None
@@ -620,7 +633,7 @@ class WorkerService:
 
     def _engine_error(self, exc: Exception) -> ApiError:
         if isinstance(exc, AdapterNotFoundError):
-            return ApiError(404, f"model: {exc}", param="model", code="model_not_found")
+            return _adapter_error(exc, "model")
         if isinstance(exc, InvalidRequestError):
             param = _ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
             return ApiError(422, str(exc), param=param, code="invalid_value")
@@ -836,12 +849,23 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def serve(service: WorkerService, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving ``service`` on ``host:port`` (0 picks a free port); returns the port."""
-    runner = web.AppRunner(service.app, handler_cancellation=True, access_log=None)
+async def serve(
+    service: WorkerService, host: str, port: int, *, shutdown_timeout: float = 2.0
+) -> tuple[web.AppRunner, int]:
+    """Start serving ``service`` on ``host:port`` (0 picks a free port); returns the port.
+
+    ``runner.cleanup()`` waits ``shutdown_timeout`` seconds for handlers still running, then
+    cancels them; ``WorkerService.drain`` is the place for a long, orderly wait.
+    """
+    runner = web.AppRunner(service.app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     # With port 0 the bound port is only known after start.
     bound = int(runner.addresses[0][1])
     return runner, bound

@@ -1,0 +1,227 @@
+"""``adaptermesh worker``: serve one base model and its adapters over the OpenAI-style API.
+
+    adaptermesh worker --model DIR --adapter-root DIR [--port 8000] [--host 127.0.0.1]
+        [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
+        [--admin-token-file FILE] [--served-model-name NAME] ...
+
+SIGTERM or SIGINT drains: ``/health`` turns 503 and new generation requests get 503 with
+Retry-After at once, in-flight requests finish (up to ``--drain-timeout`` seconds, after which
+they are cancelled), then the listener closes and the engine shuts down. Exit status 0 after a
+clean drain, 1 when the drain timed out, 2 on bad arguments or an engine that cannot start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
+from adaptermesh.worker.types import EngineError, EngineProtocol
+
+__all__ = ["build_parser", "main", "run_worker"]
+
+log = logging.getLogger("adaptermesh.worker")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="adaptermesh worker",
+        description="Serve a base model and its LoRA adapters with an OpenAI-compatible API.",
+    )
+    p.add_argument("--model", required=True, type=Path,
+                   help="local Hugging Face model directory (config.json, *.safetensors)")
+    p.add_argument("--adapter-root", required=True, type=Path,
+                   help="directory whose subdirectories are PEFT adapters, resolved by name")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; use 0.0.0.0 in a pod)")
+    p.add_argument("--port", type=_port, default=8000, help="port (0 picks a free one)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda when a GPU is visible, else cpu")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   default="auto", help="auto: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--served-model-name", default=None,
+                   help="name of the base model in the API (default: the model directory name)")
+    p.add_argument("--admin-token-file", type=Path, default=None,
+                   help="file holding the token that load/unload requests must present")
+    # Engine sizes.
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help="decode batch rows (KV slots)")
+    p.add_argument("--max-loras", type=_positive_int, default=None, help="adapter GPU slots")
+    p.add_argument("--max-lora-rank", type=_positive_int, default=None)
+    p.add_argument("--gpu-memory-fraction", type=float, default=None)
+    # Service limits.
+    p.add_argument("--max-running", type=_positive_int, default=None,
+                   help="requests admitted into the engine at once (default 2 x max-num-seqs)")
+    p.add_argument("--max-queue-per-tenant", type=_non_negative_int, default=64)
+    p.add_argument("--max-queue-total", type=_non_negative_int, default=1024)
+    p.add_argument("--request-timeout", type=_positive_float, default=600.0,
+                   help="default request deadline in seconds (x-request-timeout overrides)")
+    p.add_argument("--drain-timeout", type=_positive_float, default=30.0,
+                   help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20)
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"--admin-token-file: cannot read {path}: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"--admin-token-file: {path} is empty")
+    return token
+
+
+def _build_engine(args: argparse.Namespace) -> EngineProtocol:
+    import torch
+
+    from adaptermesh.worker.engine import Engine, EngineConfig
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible")
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    config = EngineConfig()
+    for flag, attr in (("max_model_len", "max_model_len"), ("max_num_seqs", "max_num_seqs"),
+                       ("max_loras", "max_loras"), ("max_lora_rank", "max_lora_rank"),
+                       ("gpu_memory_fraction", "gpu_memory_fraction")):
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(config, attr, value)
+    engine: EngineProtocol = Engine(args.model, args.adapter_root, device=device, dtype=dtype,
+                                    config=config, model_name=args.served_model_name)
+    return engine
+
+
+async def run_worker(
+    engine: EngineProtocol,
+    config: ServiceConfig,
+    host: str,
+    port: int,
+    *,
+    stop: asyncio.Event,
+    on_ready: Callable[[int], None] | None = None,
+) -> bool:
+    """Serve until ``stop`` is set, then drain. Returns True when the drain finished in time.
+
+    The engine is shut down on the way out, whatever happens.
+    """
+    service = WorkerService(engine, config)
+    try:
+        runner, bound = await serve(service, host, port)
+    except BaseException:
+        await engine.shutdown()
+        raise
+    try:
+        if on_ready is not None:
+            on_ready(bound)
+        await stop.wait()
+        log.info("draining: %d requests in flight", service.inflight)
+        drained = await service.drain()
+        if not drained:
+            log.warning("drain timed out after %.0f s; cancelling %d requests",
+                        config.drain_timeout_s, service.inflight)
+        return drained
+    finally:
+        # Closing the runner cancels handlers still running (after a timed-out drain).
+        await runner.cleanup()
+        await engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if not args.model.is_dir():
+            raise ValueError(f"--model: {args.model} is not a directory")
+        if not args.adapter_root.is_dir():
+            raise ValueError(f"--adapter-root: {args.adapter_root} is not a directory")
+        token = _read_token(args.admin_token_file) if args.admin_token_file else None
+    except ValueError as exc:
+        print(f"adaptermesh worker: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_main(args, token))
+
+
+async def _main(args: argparse.Namespace, token: str | None) -> int:
+    # The engine starts its step loop on this event loop, so it is built inside it.
+    try:
+        engine = _build_engine(args)
+    except (EngineError, ValueError, OSError) as exc:
+        print(f"adaptermesh worker: cannot start the engine: {exc}", file=sys.stderr)
+        return 2
+    engine_seqs = getattr(getattr(engine, "config", None), "max_num_seqs", 8)
+    config = ServiceConfig(
+        max_running=args.max_running or 2 * int(engine_seqs),
+        max_waiting_per_tenant=args.max_queue_per_tenant,
+        max_waiting_total=args.max_queue_total,
+        request_timeout_s=args.request_timeout,
+        max_request_timeout_s=max(args.request_timeout, 3600.0),
+        admin_token=token,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def ready(port: int) -> None:
+        # One parseable line on stdout so scripts (and tests) learn a port picked with 0.
+        print(f"adaptermesh worker listening on http://{args.host}:{port}", flush=True)
+        log.info("serving %s with %d admission slots", engine.model_name, config.max_running)
+
+    try:
+        drained = await run_worker(engine, config, args.host, args.port, stop=stop,
+                                   on_ready=ready)
+    except OSError as exc:
+        print(f"adaptermesh worker: cannot listen on {args.host}:{args.port}: {exc}",
+              file=sys.stderr)
+        return 2
+    return 0 if drained else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
