@@ -45,9 +45,7 @@ MODELS: dict[tuple[str, str], Any] = {
     ("rbac.authorization.k8s.io/v1", "Role"): rbac_v1.Role,
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): rbac_v1.RoleBinding,
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): rbac_v1.ClusterRole,
-    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): (
-        rbac_v1.ClusterRoleBinding
-    ),
+    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): (rbac_v1.ClusterRoleBinding),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): (
         apiextensions_v1.CustomResourceDefinition
     ),
@@ -56,7 +54,9 @@ MODELS: dict[tuple[str, str], Any] = {
 # ServiceMonitor is not a core type, so lightkube has no model for it. This is the subset of
 # the monitoring.coreos.com/v1 CRD's schema for the fields the chart sets, closed with
 # additionalProperties: false so a misspelled field fails here as it would on the API server.
-_DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+_DURATION = (
+    r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+)
 _LABEL_SELECTOR = {
     "type": "object",
     "additionalProperties": False,
@@ -198,7 +198,11 @@ def _diff(want: Any, got: Any, path: str = "$") -> list[str]:
     if isinstance(want, list) and isinstance(got, list):
         if len(want) != len(got):
             return [f"{path}: length {len(want)} != {len(got)}"]
-        return [d for i, (a, b) in enumerate(zip(want, got, strict=True)) for d in _diff(a, b, f"{path}[{i}]")]
+        return [
+            d
+            for i, (a, b) in enumerate(zip(want, got, strict=True))
+            for d in _diff(a, b, f"{path}[{i}]")
+        ]
     if want != got or type(want) is not type(got):
         return [f"{path}: {want!r} became {got!r}"]
     return []

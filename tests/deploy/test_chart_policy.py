@@ -107,16 +107,15 @@ def test_only_the_agent_holds_privilege(case: Any) -> None:
                 assert set(sc["capabilities"]["add"]) == AGENT_CAPS
         # hostPath: the agent's kernel interfaces, and read-only model/adapter directories on
         # the workers when the operator chose hostPath volumes.
-        mounts = {
-            m["name"]: m for c in spec["containers"] for m in c.get("volumeMounts", [])
-        }
+        mounts = {m["name"]: m for c in spec["containers"] for m in c.get("volumeMounts", [])}
         for v in spec.get("volumes", []):
             if "hostPath" not in v:
                 continue
             if agent_pod:
                 assert v["hostPath"]["path"] in AGENT_HOST_PATHS, v
             else:
-                assert _component(o) == "worker" and v["name"] in ("model", "adapters"), v
+                assert _component(o) == "worker", v
+                assert v["name"] in ("model", "adapters"), v
                 if v["name"] == "model":
                     assert mounts["model"]["readOnly"] is True
 
@@ -141,7 +140,9 @@ _GRANTS = {
 
 
 @pytest.mark.parametrize(
-    "values", [{}, {"agent": {"privileged": True}}, {"agent": {"rbac": {"readNodes": True}}}], ids=str
+    "values",
+    [{}, {"agent": {"privileged": True}}, {"agent": {"rbac": {"readNodes": True}}}],
+    ids=str,
 )
 def test_every_privilege_grant_has_a_justifying_comment(values: dict[str, Any]) -> None:
     """Each privilege in the rendered manifests sits under a comment that names its reason.
@@ -158,7 +159,9 @@ def test_every_privilege_grant_has_a_justifying_comment(values: dict[str, Any]) 
                 # The capability list sits inside a securityContext whose comment covers it.
                 comment = _comment_block_above(lines, i)
                 for word in words:
-                    assert word in comment, f"{template}: '{stripped}' lacks a comment on {word!r}: {comment!r}"
+                    assert word in comment, (
+                        f"{template}: '{stripped}' lacks a comment on {word!r}: {comment!r}"
+                    )
             if stripped.startswith("- apiGroups:"):
                 seen.add("rbac rule")
                 assert _comment_block_above(lines, i), f"{template}: RBAC rule without a reason"
@@ -171,12 +174,14 @@ def test_every_privilege_grant_has_a_justifying_comment(values: dict[str, Any]) 
 
 def test_agent_pod_mounts_kernel_interfaces_and_tolerates_gpus() -> None:
     ds = find(render(), "DaemonSet", "-agent").doc["spec"]["template"]["spec"]
-    assert ds["hostNetwork"] is True and ds["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert ds["hostNetwork"] is True
+    assert ds["dnsPolicy"] == "ClusterFirstWithHostNet"
     agent = next(c for c in ds["containers"] if c["name"] == "agent")
     mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
     for path in ("/sys/fs/bpf", "/lib/modules", "/usr/src"):
         assert path in mounts, path
-    assert mounts["/lib/modules"]["readOnly"] and mounts["/usr/src"]["readOnly"]
+    assert mounts["/lib/modules"]["readOnly"]
+    assert mounts["/usr/src"]["readOnly"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in ds[
         "tolerations"
     ]
@@ -198,7 +203,10 @@ def test_workers_request_gpus_and_mount_models() -> None:
             "worker": {
                 "gpus": 2,
                 "shards": [{"id": "a", "replicas": 1}, {"id": "b", "replicas": 3}],
-                "model": {"subPath": "llama", "volume": {"type": "hostPath", "hostPath": "/data/m"}},
+                "model": {
+                    "subPath": "llama",
+                    "volume": {"type": "hostPath", "hostPath": "/data/m"},
+                },
             }
         }
     )
@@ -209,7 +217,8 @@ def test_workers_request_gpus_and_mount_models() -> None:
         c = spec["containers"][0]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
         assert c["resources"]["requests"]["nvidia.com/gpu"] == "2"
-        assert "--model=/models/llama" in c["args"] and "--adapter-root=/adapters" in c["args"]
+        assert "--model=/models/llama" in c["args"]
+        assert "--adapter-root=/adapters" in c["args"]
         assert c["readinessProbe"]["httpGet"]["path"] == "/health"
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["model"]["hostPath"] == {"path": "/data/m", "type": "Directory"}
@@ -229,8 +238,16 @@ def test_rbac_is_least_privilege() -> None:
     objs = render()
     role = find(objs, "Role", "-control-plane").doc
     assert role["rules"] == [
-        {"apiGroups": ["adaptermesh.io"], "resources": ["adapterinstances"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": ["adaptermesh.io"], "resources": ["adapterinstances/status"], "verbs": ["get", "update", "patch"]},
+        {
+            "apiGroups": ["adaptermesh.io"],
+            "resources": ["adapterinstances"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {
+            "apiGroups": ["adaptermesh.io"],
+            "resources": ["adapterinstances/status"],
+            "verbs": ["get", "update", "patch"],
+        },
     ]
     for o in objs:
         if o.kind == "ServiceAccount":
@@ -240,7 +257,9 @@ def test_rbac_is_least_privilege() -> None:
         assert spec["automountServiceAccountToken"] is (_component(o) == "control-plane"), o.name
     nodes = render({"agent": {"rbac": {"readNodes": True}}})
     cr = find(nodes, "ClusterRole", "-agent").doc
-    assert cr["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+    assert cr["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}
+    ]
     none = render({"controlPlane": {"rbac": {"watchAdapterInstances": False}}})
     assert not any(o.kind in ("Role", "RoleBinding") for o in none)
 
@@ -255,7 +274,8 @@ def test_tokens_are_generated_scoped_and_split() -> None:
     assert by_name["operator"]["token"] == secret["operator-token"]
     assert by_name["read-only"]["scopes"] == ["read"]
     values = [t["token"] for t in tokens]
-    assert len(set(values)) == 3 and all(len(v) >= 32 for v in values)
+    assert len(set(values)) == 3
+    assert all(len(v) >= 32 for v in values)
     # Random per install, not a constant baked into the chart.
     again = yaml.safe_load(find(render(), "Secret", "-tokens").doc["stringData"]["tokens.yaml"])
     assert {t["token"] for t in again["tokens"]}.isdisjoint(values)
@@ -264,7 +284,10 @@ def test_tokens_are_generated_scoped_and_split() -> None:
         for v in spec["volumes"]:
             if v.get("secret", {}).get("secretName", "").endswith("-tokens"):
                 keys = [i["key"] for i in v["secret"]["items"]]
-                assert keys == {"agent": ["agent-token"], "control-plane": ["tokens.yaml"]}[_component(o)]
+                assert (
+                    keys
+                    == {"agent": ["agent-token"], "control-plane": ["tokens.yaml"]}[_component(o)]
+                )
 
 
 def test_tls_wires_certificates_into_both_sides() -> None:
@@ -292,7 +315,8 @@ def test_tls_wires_certificates_into_both_sides() -> None:
 def test_control_plane_is_single_writer_with_persistent_state() -> None:
     objs = render()
     dep = find(objs, "Deployment", "-control-plane").doc
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
     spec = dep["spec"]["template"]["spec"]
     claim = next(v for v in spec["volumes"] if v["name"] == "state")["persistentVolumeClaim"]
     pvc = find(objs, "PersistentVolumeClaim", "-control-plane-state")
@@ -320,5 +344,6 @@ def test_agent_args_parse_with_the_agent_cli() -> None:
         args = ds["containers"][0]["args"]
         assert args[0] == "agent"
         parsed = cli.build_parser().parse_args(args[1:])
-        assert parsed.metrics_port == 9464 and parsed.xds_host == "127.0.0.1"
+        assert parsed.metrics_port == 9464
+        assert parsed.xds_host == "127.0.0.1"
         assert parsed.detach is (values.get("agent", {}).get("keepDatapathOnExit") is False)

@@ -81,7 +81,9 @@ def test_lint_is_clean() -> None:
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
-@pytest.mark.parametrize("example", sorted(EXAMPLES_DIR.glob("values-*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "example", sorted(EXAMPLES_DIR.glob("values-*.yaml")), ids=lambda p: p.stem
+)
 def test_lint_with_example_values(example: Path) -> None:
     report = helm.lint(CHART_DIR, load_values_file(example), strict=True, namespace=NAMESPACE)
     assert report["errors"] == [], report
@@ -172,7 +174,9 @@ def test_servicemonitors_cover_every_component() -> None:
 
 def test_services_select_pods_and_target_named_ports(rendered: tuple[str, list[Obj]]) -> None:
     name, objs = rendered
-    pods = [(o, spec, o.doc["spec"]["template"]["metadata"]["labels"]) for o, spec in pod_specs(objs)]
+    pods = [
+        (o, spec, o.doc["spec"]["template"]["metadata"]["labels"]) for o, spec in pod_specs(objs)
+    ]
     for svc in (o for o in objs if o.kind == "Service"):
         selector = svc.doc["spec"]["selector"]
         backing = [(o, spec) for o, spec, labels in pods if selector.items() <= labels.items()]
@@ -231,7 +235,8 @@ def test_probes_use_declared_ports(rendered: tuple[str, list[Obj]]) -> None:
         for c in spec["containers"]:
             names = {p["name"] for p in c.get("ports", [])}
             numbers = {p["containerPort"] for p in c.get("ports", [])}
-            assert "readinessProbe" in c and "livenessProbe" in c, f"{o.name}/{c['name']}"
+            assert "readinessProbe" in c, f"{o.name}/{c['name']}"
+            assert "livenessProbe" in c, f"{o.name}/{c['name']}"
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 handler = c.get(probe)
                 if not handler:
@@ -251,7 +256,8 @@ def test_chart_sdk_sees_crd_and_schema() -> None:
     assert [crd["filename"] for crd in c.crds] == [
         "adaptermesh/crds/adapterinstances.adaptermesh.io.yaml"
     ]
-    assert c.schema is not None and c.schema["additionalProperties"] is False
+    assert c.schema is not None
+    assert c.schema["additionalProperties"] is False
     assert c.metadata["appVersion"] == "0.1.0"
 
 

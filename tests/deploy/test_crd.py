@@ -54,10 +54,13 @@ def test_crd_is_a_strictly_valid_apiextensions_object() -> None:
     crd = _crd()
     assert strict_errors(crd) == []
     spec = crd["spec"]
-    assert spec["group"] == "adaptermesh.io" and spec["names"]["kind"] == "AdapterInstance"
+    assert spec["group"] == "adaptermesh.io"
+    assert spec["names"]["kind"] == "AdapterInstance"
     assert crd["metadata"]["name"] == f"{spec['names']['plural']}.{spec['group']}"
     (version,) = spec["versions"]
-    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    assert version["name"] == "v1alpha1"
+    assert version["served"]
+    assert version["storage"]
     assert version["subresources"] == {"status": {}}
 
 
@@ -89,10 +92,13 @@ def test_schema_is_structural() -> None:
     jsonschema.Draft7Validator.check_schema(schema)
 
 
-@pytest.mark.parametrize("path", sorted(EXAMPLES_DIR.glob("adapterinstance-*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", sorted(EXAMPLES_DIR.glob("adapterinstance-*.yaml")), ids=lambda p: p.stem
+)
 def test_examples_are_valid(path: Any) -> None:
     doc = yaml.safe_load(path.read_text())
-    assert doc["apiVersion"] == "adaptermesh.io/v1alpha1" and doc["kind"] == "AdapterInstance"
+    assert doc["apiVersion"] == "adaptermesh.io/v1alpha1"
+    assert doc["kind"] == "AdapterInstance"
     errors = [f"{list(e.path)}: {e.message}" for e in _validator().iter_errors(doc)]
     assert errors == []
 
@@ -156,7 +162,20 @@ def test_status_with_conditions_is_accepted() -> None:
     doc["status"] = {
         "phase": "Ready",
         "observedGeneration": 3,
-        "loadedOn": [{"shard": "shard-a", "worker": "am-adaptermesh-worker-shard-a-0", "since": "2026-01-01T00:00:00Z"}],
-        "conditions": [{"type": "Loaded", "status": "True", "reason": "AdapterResident", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+        "loadedOn": [
+            {
+                "shard": "shard-a",
+                "worker": "am-adaptermesh-worker-shard-a-0",
+                "since": "2026-01-01T00:00:00Z",
+            }
+        ],
+        "conditions": [
+            {
+                "type": "Loaded",
+                "status": "True",
+                "reason": "AdapterResident",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+            }
+        ],
     }
     assert list(_validator().iter_errors(doc)) == []

@@ -25,21 +25,35 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
     ("missing memory request", {"agent": {"resources": {"requests": {"memory": None}}}}, "memory"),
     ("bad quantity", {"envoy": {"resources": {"limits": {"memory": "lots"}}}}, "/envoy/resources"),
     ("hostPath without path", {"worker": {"model": {"volume": {"type": "hostPath"}}}}, "hostPath"),
-    ("unknown volume type", {"worker": {"adapters": {"volume": {"type": "nfs"}}}}, "/worker/adapters/volume/type"),
+    (
+        "unknown volume type",
+        {"worker": {"adapters": {"volume": {"type": "nfs"}}}},
+        "/worker/adapters/volume/type",
+    ),
     ("TLS without secret", {"controlPlane": {"tls": {"enabled": True}}}, "secretName"),
     ("unknown scope", {"auth": {"agentScopes": ["admin"]}}, "/auth/agentScopes"),
-    ("shard id not a DNS label", {"worker": {"shards": [{"id": "Shard_A", "replicas": 1}]}}, "/worker/shards/0/id"),
+    (
+        "shard id not a DNS label",
+        {"worker": {"shards": [{"id": "Shard_A", "replicas": 1}]}},
+        "/worker/shards/0/id",
+    ),
     ("interface name too long", {"agent": {"iface": "a-very-long-ifname0"}}, "/agent/iface"),
     ("bad toleration operator", {"agent": {"tolerations": [{"operator": "In"}]}}, "operator"),
     ("bad scrape interval", {"serviceMonitor": {"interval": "fast"}}, "/serviceMonitor/interval"),
     ("bad device", {"worker": {"device": "tpu"}}, "/worker/device"),
     ("negative gpus", {"worker": {"gpus": -1}}, "/worker/gpus"),
-    ("relative mount path", {"worker": {"model": {"mountPath": "models"}}}, "/worker/model/mountPath"),
+    (
+        "relative mount path",
+        {"worker": {"model": {"mountPath": "models"}}},
+        "/worker/model/mountPath",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("label", "values", "field"), BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
-def test_bad_values_fail_the_render_naming_the_field(label: str, values: dict[str, Any], field: str) -> None:
+def test_bad_values_fail_the_render_naming_the_field(
+    label: str, values: dict[str, Any], field: str
+) -> None:
     with pytest.raises(helm.HelmValuesError) as info:
         render(values)
     assert field in str(info.value), f"{label}: {info.value}"
@@ -102,9 +116,11 @@ def test_every_value_is_in_the_schema_and_documented() -> None:
         if not parent_comment:
             undocumented.append(f"{i + 1}: {line.strip()}")
     # Keys of example list entries and sub-keys of resources are described by their parent.
-    allowed = re.compile(r": (requests|limits|cpu|memory|key|operator|effect|value|id|replicas|"
-                         r"nodeSelector|repository|tag|digest|volume|type|claimName|hostPath|"
-                         r"rbac|tls|service|persistence|image|model|adapters):")
+    allowed = re.compile(
+        r": (requests|limits|cpu|memory|key|operator|effect|value|id|replicas|"
+        r"nodeSelector|repository|tag|digest|volume|type|claimName|hostPath|"
+        r"rbac|tls|service|persistence|image|model|adapters):"
+    )
     assert [u for u in undocumented if not allowed.search(": " + u.split(": ", 1)[1])] == []
 
 
