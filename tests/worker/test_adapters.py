@@ -1,0 +1,273 @@
+"""Adapter manager: bad input, path safety, negative cache, hot swap under load, eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from adaptermesh.worker.adapters import AdapterValidationError, resolve_in_root
+from adaptermesh.worker.testing import make_adapter
+from adaptermesh.worker.types import AdapterNotFoundError
+
+from .conftest import ADAPTERS, PROMPTS, Tiny, collect, request, tokens
+
+
+def _copy_root(tiny: Tiny, dst: Path) -> Path:
+    shutil.copytree(tiny.root, dst)
+    return dst
+
+
+async def _good_request_still_works(eng: Any, tiny: Tiny, name: str | None = "alpha") -> None:
+    ids = tiny.encode(PROMPTS[0])
+    got = tokens(await collect(eng.submit(request("after-bad", ids, name, max_tokens=4))))
+    assert got == tiny.ref.greedy(list(ids), name, 4)
+
+
+def _corrupt(path: Path) -> None:
+    st = path / "adapter_model.safetensors"
+    data = st.read_bytes()
+    st.write_bytes(data[: len(data) // 2])
+
+
+def _drop_tensor(path: Path) -> None:
+    st = path / "adapter_model.safetensors"
+    t = load_file(str(st))
+    t.pop(sorted(t)[0])
+    save_file(t, str(st))
+
+
+def _wrong_rank(path: Path) -> None:
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["r"] = cfg["r"] * 2
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def _wrong_shape(path: Path) -> None:
+    st = path / "adapter_model.safetensors"
+    t = load_file(str(st))
+    key = next(k for k in sorted(t) if k.endswith("lora_B.weight"))
+    t[key] = t[key][:-1].contiguous()
+    save_file(t, str(st))
+
+
+def _absent_module(path: Path) -> None:
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "c_attn"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def _rank_too_large(path: Path) -> None:
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["r"] = 1024
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+BAD = {
+    "corrupt": (_corrupt, "corrupt or truncated"),
+    "missing-tensor": (_drop_tensor, "missing tensor"),
+    "rank-mismatch": (_wrong_rank, "has shape"),
+    "shape-mismatch": (_wrong_shape, "has shape"),
+    "absent-module": (_absent_module, "'c_attn' is not a module of the base model"),
+    "rank-too-large": (_rank_too_large, "exceeds the engine's max_lora_rank"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+async def test_bad_adapter_rejected_and_engine_keeps_serving(tiny: Tiny, tmp_path: Path, make_engine: Any, kind: str) -> None:
+    root = _copy_root(tiny, tmp_path / "root")
+    mutate, message = BAD[kind]
+    bad = root / "bad"
+    shutil.copytree(root / "alpha", bad)
+    mutate(bad)
+    eng = make_engine(root=root)
+    # Explicit load: a clear error naming the problem; nothing published.
+    with pytest.raises(AdapterValidationError, match=message):
+        await eng.load_adapter("bad", "bad")
+    assert all(a.name != "bad" for a in eng.list_adapters())
+    # On-demand: the stream raises before any token, and the failure is negative-cached.
+    with pytest.raises(AdapterNotFoundError, match=message):
+        await collect(eng.submit(request("od", tiny.encode("hi"), "bad")))
+    with pytest.raises(AdapterNotFoundError, match=message):
+        eng.submit(request("od2", tiny.encode("hi"), "bad"))
+    await _good_request_still_works(eng, tiny)
+    await _good_request_still_works(eng, tiny, None)
+
+
+async def test_failed_reload_keeps_serving_old_version(tiny: Tiny, tmp_path: Path, make_engine: Any) -> None:
+    root = _copy_root(tiny, tmp_path / "root")
+    broken = root / "alpha_broken"
+    shutil.copytree(root / "alpha", broken)
+    _corrupt(broken)
+    eng = make_engine(root=root)
+    await eng.load_adapter("alpha", "alpha")
+    version = eng.adapters.version("alpha")
+    with pytest.raises(AdapterValidationError):
+        await eng.load_adapter("alpha", "alpha_broken")
+    assert eng.adapters.version("alpha") == version
+    await _good_request_still_works(eng, tiny, "alpha")
+
+
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [("esc", "../outside"), ("esc", "/etc"), ("esc", "link_out"), ("../outside", None), ("/abs", None), ("a/../../b", None)],
+)
+async def test_paths_outside_root_rejected(tiny: Tiny, tmp_path: Path, make_engine: Any, name: str, path: str | None) -> None:
+    root = _copy_root(tiny, tmp_path / "root")
+    outside = tmp_path / "outside"
+    shutil.copytree(tiny.root / "alpha", outside)
+    os.symlink(outside, root / "link_out")
+    eng = make_engine(root=root)
+    with pytest.raises(AdapterValidationError) as err:
+        if path is None:
+            eng.submit(request("p", tiny.encode("hi"), name))
+        else:
+            await eng.load_adapter(name, path)
+    assert err.value.field in ("lora_path", "name")
+    await _good_request_still_works(eng, tiny)
+
+
+def test_resolve_in_root_follows_symlinks(tmp_path: Path) -> None:
+    root = tmp_path / "r"
+    (root / "inner").mkdir(parents=True)
+    os.symlink(root / "inner", root / "alias")
+    assert resolve_in_root(root, "x", "alias") == (root / "inner").resolve()
+    assert resolve_in_root(root, "x", str(root / "inner")) == (root / "inner").resolve()
+
+
+async def test_unknown_adapter_is_negative_cached(tiny: Tiny, make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = make_engine()
+    with pytest.raises(AdapterNotFoundError, match="no adapter with this name"):
+        eng.submit(request("u", tiny.encode("hi"), "nope"))
+    # From now on no filesystem access at all for this name.
+    def boom(*a: Any, **k: Any) -> Any:
+        raise AssertionError("disk touched for a negative-cached name")
+
+    monkeypatch.setattr(Path, "is_file", boom)
+    monkeypatch.setattr(Path, "resolve", boom)
+    t0 = time.perf_counter()
+    for i in range(2000):
+        with pytest.raises(AdapterNotFoundError):
+            eng.submit(request(f"u{i}", tiny.encode("hi"), "nope"))
+    per_call = (time.perf_counter() - t0) / 2000
+    assert per_call < 1e-3, per_call
+    monkeypatch.undo()
+    # An explicit unload of an unknown name is a clear error too.
+    with pytest.raises(AdapterNotFoundError):
+        await eng.unload_adapter("nope")
+
+
+async def test_on_demand_load_does_not_block_other_requests(tiny: Tiny, make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaptermesh.worker import adapters as adapters_mod
+
+    real = adapters_mod.read_adapter
+    gate = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow_read(*a: Any, **k: Any) -> Any:
+        asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(timeout=30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(adapters_mod, "read_adapter", slow_read)
+    eng = make_engine()
+    ids = tiny.encode(PROMPTS[1])
+    slow = asyncio.ensure_future(collect(eng.submit(request("slow", ids, "gamma", max_tokens=4))))
+    fast = await collect(eng.submit(request("fast", ids, None, max_tokens=4)))
+    assert tokens(fast) == tiny.ref.greedy(list(ids), None, 4)
+    assert not slow.done()
+    gate.set()
+    assert tokens(await slow) == tiny.ref.greedy(list(ids), "gamma", 4)
+
+
+async def test_hot_swap_under_concurrent_load(tiny: Tiny, tmp_path: Path, make_engine: Any) -> None:
+    root = _copy_root(tiny, tmp_path / "root")
+    make_adapter(root, tiny.model_dir, "alpha_v2", 4, ("q_proj", "v_proj", "down_proj"), seed=77)
+    eng = make_engine(root=root, max_num_seqs=8)
+    ids = tiny.encode(PROMPTS[2])
+    v1 = tiny.ref.greedy(list(ids), "alpha", 6)
+    v2 = tokens(await collect(eng.submit(request("v2-direct", ids, "alpha_v2", max_tokens=6))))
+    assert v1 != v2
+    await eng.load_adapter("alpha", "alpha")
+    committed = asyncio.Event()
+    results: list[tuple[bool, list[int]]] = []
+    failures: list[BaseException] = []
+
+    async def client(i: int) -> None:
+        while len(results) < 60:
+            after = committed.is_set()
+            try:
+                got = tokens(await collect(eng.submit(request(f"c{i}-{len(results)}", ids, "alpha", max_tokens=6))))
+            except BaseException as e:  # the test counts every failure
+                failures.append(e)
+                return
+            results.append((after, got))
+
+    clients = [asyncio.ensure_future(client(i)) for i in range(6)]
+    while len(results) < 10:
+        await asyncio.sleep(0.005)
+    await eng.load_adapter("alpha", "alpha_v2")
+    committed.set()
+    # The new version is visible right after commit.
+    assert tokens(await collect(eng.submit(request("right-after", ids, "alpha", max_tokens=6)))) == v2
+    await asyncio.gather(*clients)
+    assert not failures
+    assert all(got in (v1, v2) for _, got in results)
+    assert all(got == v2 for after, got in results if after)
+    assert any(got == v1 for _, got in results)
+    # The old version's slot was retired and freed once its requests drained.
+    assert eng.adapters.slots_used() == 2  # alpha (v2) and alpha_v2
+
+
+async def test_eviction_pressure_counters_add_up(tiny: Tiny, make_engine: Any) -> None:
+    eng = make_engine(max_loras=2, max_num_seqs=4)
+    ids = tiny.encode(PROMPTS[0])
+    names = [*ADAPTERS, None]
+    expected = {n: tiny.ref.greedy(list(ids), n, 4) for n in names}
+    jobs = [names[i % len(names)] for i in range(20)]
+    streams = [eng.submit(request(f"e{i}", ids, n, max_tokens=4)) for i, n in enumerate(jobs)]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for n, events in zip(jobs, results, strict=True):
+        assert tokens(events) == expected[n], n
+    st = eng.stats()
+    adapter_requests = sum(1 for n in jobs if n is not None)
+    c = eng.adapters.counters
+    assert st.adapter_hits + st.adapter_misses == adapter_requests
+    assert st.adapter_misses >= len(ADAPTERS)  # every adapter was cold once
+    assert st.adapter_evictions >= len(ADAPTERS) - 2
+    assert c.loads - st.adapter_evictions == st.gpu_slots_used <= 2
+    assert len(st.new_load_latencies) == c.loads
+    assert c.cpu_hits >= 1  # a re-load after eviction came from the CPU cache, not the disk
+
+
+async def test_pinned_adapter_is_never_evicted(tiny: Tiny, make_engine: Any) -> None:
+    eng = make_engine(max_loras=2)
+    await eng.load_adapter("alpha", "alpha", pinned=True)
+    ids = tiny.encode(PROMPTS[0])
+    for n in ["beta", "gamma", "delta", "beta"]:
+        await collect(eng.submit(request(f"p-{n}", ids, n, max_tokens=2)))
+    info = {a.name: a for a in eng.list_adapters()}
+    assert info["alpha"].resident_on_gpu
+    assert info["alpha"].pinned
+    assert eng.stats().adapter_evictions >= 2
+
+
+async def test_unload_and_prefetch(tiny: Tiny, make_engine: Any) -> None:
+    eng = make_engine()
+    info = await eng.load_adapter("beta", "beta")
+    assert (info.name, info.rank, info.resident_on_gpu) == ("beta", 8, True)
+    await eng.unload_adapter("beta")
+    assert eng.list_adapters() == []
+    await asyncio.gather(*eng.prefetch(["gamma", "delta"]))
+    assert {a.name for a in eng.list_adapters()} == {"gamma", "delta"}
+    st = eng.stats()
+    assert st.adapter_hits == st.adapter_misses == 0  # prefetch is not a request
+    ids = tiny.encode(PROMPTS[0])
+    await collect(eng.submit(request("pf", ids, "gamma", max_tokens=2)))
+    assert eng.stats().adapter_hits == 1
