@@ -195,7 +195,9 @@ class Agent:
     async def run(self, stop: asyncio.Event) -> None:
         config = self.config
         self.metrics.bind_rates(self.tracker.last, lambda: dict(self.tracker.counters))
-        datapath = self._datapath_factory(config)
+        # The datapath runs off the event loop: pyroute2's synchronous API (used by the loader
+        # to attach and resolve interfaces) refuses to run inside a running event loop.
+        datapath = await asyncio.to_thread(self._datapath_factory, config)
         self.datapath = datapath
         self.metrics.datapath_attached.set(1)
         tasks: list[asyncio.Task[None]] = []
@@ -206,7 +208,7 @@ class Agent:
             self.xds = await self._xds_factory(config, self.metrics.registry)
             applier = Applier(datapath, self.xds, self.metrics, AssignmentStore(config.state_file))
             self.applier = applier
-            applier.reconcile()
+            await asyncio.to_thread(applier.reconcile)
 
             runner = web.AppRunner(build_app(self.metrics, self._health, self._ready, self.status))
             await runner.setup()
@@ -277,7 +279,7 @@ class Agent:
                 await runner.cleanup()
             if self.xds is not None:
                 await self.xds.close()
-            datapath.close(config.detach)
+            await asyncio.to_thread(datapath.close, config.detach)
             self.metrics.datapath_attached.set(0)
             _log.info(
                 "agent %s stopped (%s)",

@@ -102,7 +102,8 @@ class AssignmentWatcher:
                     self._metrics.connected.set(1)
                     self.backoff.reset()
                     _log.info("watching assignments from %s", self._node_id)
-                result = self._applier.apply(assignment)
+                # Off the event loop: the datapath may block (netlink, map batches).
+                result = await asyncio.to_thread(self._applier.apply, assignment)
                 if not result.skipped and self._on_applied is not None:
                     self._on_applied()
         finally:
@@ -173,7 +174,10 @@ class LoadReporter:
     async def report_once(self, resample: bool = True) -> bool:
         # A report right after an apply reuses the last rates: a sample over a few
         # milliseconds would be mostly noise.
-        rates = self.sample() if resample or not self._tracker.last() else self._tracker.last()
+        if resample or not self._tracker.last():
+            rates = await asyncio.to_thread(self.sample)
+        else:
+            rates = self._tracker.last()
         try:
             await self._stub.ReportLoad(
                 self.build_report(rates), metadata=self._metadata, timeout=self._timeout_s
