@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from .chart import Obj, containers, find, pod_specs, render, render_text
 from .test_chart_render import VALUE_SETS
@@ -235,7 +235,8 @@ def test_cpu_workers_ask_for_no_gpu() -> None:
 
 
 def test_rbac_is_least_privilege() -> None:
-    objs = render()
+    assert not any(o.kind in ("Role", "ClusterRole") for o in render())
+    objs = render({"controlPlane": {"rbac": {"watchAdapterInstances": True}}})
     role = find(objs, "Role", "-control-plane").doc
     assert role["rules"] == [
         {
@@ -260,34 +261,33 @@ def test_rbac_is_least_privilege() -> None:
     assert cr["rules"] == [
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}
     ]
-    none = render({"controlPlane": {"rbac": {"watchAdapterInstances": False}}})
-    assert not any(o.kind in ("Role", "RoleBinding") for o in none)
 
 
-def test_tokens_are_generated_scoped_and_split() -> None:
-    objs = render({"auth": {"agentScopes": ["read", "write"], "operatorScopes": ["read", "write"]}})
+def test_tokens_are_generated_scoped_and_split(tmp_path: Path) -> None:
+    auth = pytest.importorskip("adaptermesh.control_plane.auth")
+    objs = render({"auth": {"agentScopes": ["read", "write"], "operatorScopes": ["write"]}})
     secret = find(objs, "Secret", "-tokens").doc["stringData"]
-    tokens = yaml.safe_load(secret["tokens.yaml"])["tokens"]
-    by_name = {t["name"]: t for t in tokens}
-    assert set(by_name) == {"agent", "operator", "read-only"}
-    assert by_name["agent"]["token"] == secret["agent-token"]
-    assert by_name["operator"]["token"] == secret["operator-token"]
-    assert by_name["read-only"]["scopes"] == ["read"]
-    values = [t["token"] for t in tokens]
+    # The control plane's own parser reads the rendered tokens file.
+    path = tmp_path / "tokens"
+    path.write_text(secret["tokens"])
+    table = auth.load_tokens(path)
+    assert len(table) == 3
+    assert table.lookup(secret["agent-token"]) == (frozenset({"read", "write"}), "agent")
+    assert table.lookup(secret["operator-token"]) == (frozenset({"write"}), "operator")
+    assert table.lookup(secret["read-token"]) == (frozenset({"read"}), "read-only")
+    values = [secret["agent-token"], secret["operator-token"], secret["read-token"]]
     assert len(set(values)) == 3
     assert all(len(v) >= 32 for v in values)
     # Random per install, not a constant baked into the chart.
-    again = yaml.safe_load(find(render(), "Secret", "-tokens").doc["stringData"]["tokens.yaml"])
-    assert {t["token"] for t in again["tokens"]}.isdisjoint(values)
+    again = find(render(), "Secret", "-tokens").doc["stringData"]
+    assert again["agent-token"] not in values
     # Agents mount only their own token; the control plane only the tokens file.
     for o, spec in pod_specs(objs):
         for v in spec["volumes"]:
             if v.get("secret", {}).get("secretName", "").endswith("-tokens"):
                 keys = [i["key"] for i in v["secret"]["items"]]
-                assert (
-                    keys
-                    == {"agent": ["agent-token"], "control-plane": ["tokens.yaml"]}[_component(o)]
-                )
+                want = {"agent": ["agent-token"], "control-plane": ["tokens"]}[_component(o)]
+                assert keys == want
 
 
 def test_tls_wires_certificates_into_both_sides() -> None:
@@ -347,3 +347,26 @@ def test_agent_args_parse_with_the_agent_cli() -> None:
         assert parsed.metrics_port == 9464
         assert parsed.xds_host == "127.0.0.1"
         assert parsed.detach is (values.get("agent", {}).get("keepDatapathOnExit") is False)
+
+
+def test_control_plane_and_worker_args_parse_with_their_clis() -> None:
+    cp_cli = pytest.importorskip("adaptermesh.control_plane.cli")
+    worker_cli = pytest.importorskip("adaptermesh.worker.cli")
+    tls = {"tls": {"enabled": True, "secretName": "s", "clientAuth": True}}
+    for values in ({}, {"controlPlane": tls, "agent": {"tls": {"clientSecretName": "c"}}}):
+        objs = render(values)
+        cp = find(objs, "Deployment", "-control-plane").doc["spec"]["template"]["spec"]
+        args = cp["containers"][0]["args"]
+        assert args[0] == "control-plane"
+        parsed = cp_cli.build_parser().parse_args(args[1:])
+        assert parsed.listen == "0.0.0.0:50051"
+        assert parsed.interval == 5.0
+        assert (parsed.tls_client_ca is not None) is bool(values)
+    objs = render({"worker": {"model": {"subPath": "llama"}}})
+    for o, c in containers(objs):
+        if _component(o) == "worker":
+            assert c["args"][0] == "worker"
+            parsed = worker_cli.build_parser().parse_args(c["args"][1:])
+            assert str(parsed.model) == "/models/llama"
+            assert parsed.host == "0.0.0.0"
+            assert parsed.device == "cuda"

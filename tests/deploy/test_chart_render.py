@@ -44,7 +44,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "agents-only-no-workers": {"worker": {"enabled": False}},
     "privileged-agent": {"agent": {"privileged": True}},
     "agent-reads-nodes": {"agent": {"rbac": {"readNodes": True}}},
-    "no-adapterinstance-watch": {"controlPlane": {"rbac": {"watchAdapterInstances": False}}},
+    "adapterinstance-watch": {"controlPlane": {"rbac": {"watchAdapterInstances": True}}},
     "registry-digest-upstream-envoy": {
         "image": {"registry": "registry.example.com/ml/"},
         "worker": {"image": {"digest": "sha256:" + "ab" * 32}},
@@ -139,7 +139,6 @@ def test_default_render_has_every_component() -> None:
         ("Service", f"{prefix}-control-plane"),
         ("PersistentVolumeClaim", f"{prefix}-control-plane-state"),
         ("Secret", f"{prefix}-tokens"),
-        ("Role", f"{prefix}-control-plane"),
         ("Deployment", f"{prefix}-worker-shard-0"),
         ("Service", f"{prefix}-worker-shard-0"),
         ("ServiceAccount", f"{prefix}-agent"),

@@ -73,9 +73,11 @@ def test_users_match_the_chart_security_context() -> None:
             continue
         user = re.findall(r"^USER (\S+)$", _dockerfile(name), flags=re.M)[-1]
         run_as = c["securityContext"].get("runAsUser")
-        run_as = run_as if run_as is not None else o.doc["spec"]["template"]["spec"][
-            "securityContext"
-        ].get("runAsUser")
+        run_as = (
+            run_as
+            if run_as is not None
+            else o.doc["spec"]["template"]["spec"]["securityContext"].get("runAsUser")
+        )
         assert user.split(":")[0] == str(run_as), f"{name}: USER {user} vs runAsUser {run_as}"
 
 
@@ -89,7 +91,8 @@ def test_agent_image_has_the_datapath_tools() -> None:
 
 def test_worker_image_is_cuda_based() -> None:
     (final, *_) = reversed(_base_images(_dockerfile("worker")))
-    assert final.startswith("nvidia/cuda:") and "runtime" in final
+    assert final.startswith("nvidia/cuda:")
+    assert "runtime" in final
 
 
 @pytest.mark.parametrize("part", ["agent", "control-plane"])
