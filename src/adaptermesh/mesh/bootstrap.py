@@ -46,6 +46,10 @@ from envoy.config.core.v3 import (
     protocol_pb2,
 )
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.overload.v3 import overload_pb2
+from envoy.extensions.resource_monitors.downstream_connections.v3 import (
+    downstream_connections_pb2,
+)
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format
 
@@ -77,6 +81,7 @@ def build_bootstrap(
     xds_retry_base_s: float = 0.25,
     xds_retry_max_s: float = 2.0,
     initial_fetch_timeout_s: float = 15.0,
+    max_downstream_connections: int = 50_000,
 ) -> bootstrap_pb2.Bootstrap:
     """A bootstrap that takes everything but the xDS cluster from our ADS server."""
     if not node_id:
@@ -109,8 +114,17 @@ def build_bootstrap(
         resource_api_version=config_source_pb2.V3,
         initial_fetch_timeout=_duration(initial_fetch_timeout_s),
     )
+    connection_limit = any_pb2.Any()
+    connection_limit.Pack(downstream_connections_pb2.DownstreamConnectionsConfig(
+        max_active_downstream_connections=max_downstream_connections))
     return bootstrap_pb2.Bootstrap(
         node=base_pb2.Node(id=node_id, cluster=node_cluster),
+        # A bound on downstream connections keeps a connection flood from exhausting fds.
+        overload_manager=overload_pb2.OverloadManager(resource_monitors=[
+            overload_pb2.ResourceMonitor(
+                name="envoy.resource_monitors.global_downstream_max_connections",
+                typed_config=connection_limit),
+        ]),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(clusters=[xds_cluster]),
         dynamic_resources=bootstrap_pb2.Bootstrap.DynamicResources(
             ads_config=config_source_pb2.ApiConfigSource(
