@@ -121,6 +121,12 @@ async def test_applies_streamed_assignments_and_reports_version_and_traffic(tmp_
         assert a.bytes_per_s > a.packets_per_s > 0
         assert a.new_flows_per_s > 0
 
+        status, body = await h.get("/flows?source=10.9.0.3")
+        assert status == 200
+        assert '"shard_id": "a"' in body
+        assert '"10.9.0.3"' in body
+        assert "10.9.0.4" not in body
+
         cp.servicer.publish(make_assignment(2, {"a": 2000, "b": 8000}, reason="rebalance"))
         await wait_until(lambda: h.dp.applied == [1, 2], what="v2 applied")
         await wait_until(lambda: cp.servicer.reports[-1].applied_version == 2, what="report v2")

@@ -66,3 +66,10 @@ def test_mtls_flags_go_together(tmp_path):
     args = build_parser().parse_args([*BASE, "--tls-cert", str(tmp_path / "c")])
     with pytest.raises(SystemExit, match="--tls-key"):
         config_from_args(args)
+
+
+def test_unix_socket_control_plane_is_accepted():
+    args = build_parser().parse_args(
+        ["--node-id", "n", "--control-plane", "unix:/run/cp.sock", "--iface", "e"]
+    )
+    assert config_from_args(args).control_plane == "unix:/run/cp.sock"

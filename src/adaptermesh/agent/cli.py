@@ -33,6 +33,8 @@ def _port(text: str) -> int:
 
 
 def _host_port(text: str) -> str:
+    if text.startswith("unix:") and len(text) > len("unix:"):
+        return text  # a control plane on this host's unix socket (gRPC target syntax)
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
@@ -51,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--node-id", required=True, help="this node's name, as the control plane sees it"
     )
-    p.add_argument("--control-plane", required=True, type=_host_port, metavar="HOST:PORT")
+    p.add_argument(
+        "--control-plane",
+        required=True,
+        type=_host_port,
+        metavar="HOST:PORT",
+        help="the control plane's gRPC address (or unix:/PATH)",
+    )
     p.add_argument("--token-file", type=Path, help="bearer token with the read and write scopes")
     p.add_argument("--iface", required=True, help="interface whose ingress the classifier steers")
     p.add_argument("--pin-dir", type=Path, default=Path("/sys/fs/bpf/adaptermesh"))

@@ -190,6 +190,21 @@ class Agent:
             else [],
         }
 
+    def flows(self, source: str | None) -> dict[str, Any]:
+        current = self.applier.current if self.applier else None
+        names = {s.index: s.id for s in current.shards} if current else {}
+        rows = [
+            {
+                "source": src,
+                "shard_index": index,
+                "shard_id": names.get(index, ""),
+                "age_s": round(age, 3),
+            }
+            for src, index, age in sorted(self.tracker.flows(time.monotonic()))
+            if source is None or src == source
+        ]
+        return {"window_s": self.tracker.active_window_s, "flows": rows}
+
     # -- lifecycle ------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -210,7 +225,9 @@ class Agent:
             self.applier = applier
             await asyncio.to_thread(applier.reconcile)
 
-            runner = web.AppRunner(build_app(self.metrics, self._health, self._ready, self.status))
+            runner = web.AppRunner(
+                build_app(self.metrics, self._health, self._ready, self.status, self.flows)
+            )
             await runner.setup()
             site = web.TCPSite(runner, config.metrics_host, config.metrics_port)
             await site.start()

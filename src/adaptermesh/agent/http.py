@@ -6,6 +6,8 @@
   serving its last Assignment.
 - ``/readyz``: 200 once an Assignment has been applied (from the control plane or the cache).
 - ``/status``: JSON with the applied version, the connection and per-shard weights and loads.
+- ``/flows[?source=IP]``: which shard each active source address was steered to, from the
+  classifier's new-flow events (troubleshooting "where does tenant X go?").
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def build_app(
     health: Callable[[], tuple[bool, dict[str, Any]]],
     ready: Callable[[], bool],
     status: Callable[[], dict[str, Any]],
+    flows: Callable[[str | None], dict[str, Any]],
 ) -> web.Application:
     async def get_metrics(_: web.Request) -> web.Response:
         body = generate_latest(metrics.registry)
@@ -42,9 +45,13 @@ def build_app(
     async def get_status(_: web.Request) -> web.Response:
         return web.json_response(status())
 
+    async def get_flows(request: web.Request) -> web.Response:
+        return web.json_response(flows(request.query.get("source")))
+
     app = web.Application()
     app.router.add_get("/metrics", get_metrics)
     app.router.add_get("/healthz", get_healthz)
     app.router.add_get("/readyz", get_readyz)
     app.router.add_get("/status", get_status)
+    app.router.add_get("/flows", get_flows)
     return app

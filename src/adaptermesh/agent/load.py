@@ -70,6 +70,12 @@ class LoadTracker:
         for src in stale:
             del self._sources[src]
 
+    def flows(self, now: float) -> list[tuple[str, int, float]]:
+        """(source, shard index, seconds since its event) for every active flow."""
+        with self._lock:
+            self._prune_locked(now)
+            return [(src, shard, now - seen) for src, (shard, seen) in self._sources.items()]
+
     def active_flows(self, now: float) -> dict[int, int]:
         with self._lock:
             self._prune_locked(now)
