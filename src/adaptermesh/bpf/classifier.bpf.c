@@ -197,6 +197,12 @@ int am_classify(struct __sk_buff *skb)
 			am_count(AM_CNT_MALFORMED);
 			return TC_ACT_OK;
 		}
+		/* Link-local sources (fe80::/10: neighbour discovery) talk to this node only. */
+		if (ip6->saddr.in6_u.u6_addr8[0] == 0xfe &&
+		    (ip6->saddr.in6_u.u6_addr8[1] & 0xc0) == 0x80) {
+			am_count(AM_CNT_LINK_LOCAL);
+			return TC_ACT_OK;
+		}
 		__builtin_memcpy(src.a, &ip6->saddr, 16);
 	} else if (eth->h_proto == bpf_htons(ETH_P_8021Q) ||
 		   eth->h_proto == bpf_htons(ETH_P_8021AD)) {

@@ -57,6 +57,7 @@
 #define AM_CNT_VLAN 3      /* VLAN-tagged in the packet data: passed untouched */
 #define AM_CNT_NO_SHARD 4  /* no active shard to pick: passed untouched */
 #define AM_CNT_STEER_FAIL 5 /* a steering helper failed: passed untouched */
+#define AM_CNT_LINK_LOCAL 6 /* IPv6 link-local source: passed untouched */
 #define AM_CNT_MAX 8
 
 /* am_pins key: IPv4 lives in the IPv4-mapped IPv6 space (::ffff:a.b.c.d, prefixlen 96 + n). */

@@ -477,7 +477,7 @@ class BpfShardTable:
         ]
         return DatapathCounters(
             ringbuf_failed=vals[0], non_ip=vals[1], malformed=vals[2], vlan=vals[3],
-            no_shard=vals[4], steer_failed=vals[5],
+            no_shard=vals[4], steer_failed=vals[5], link_local=vals[6],
         )
 
     def _on_event(self, _ctx: Any, data: Any, _size: Any) -> int:

@@ -92,6 +92,7 @@ class DatapathCounters:
     vlan: int = 0
     no_shard: int = 0
     steer_failed: int = 0
+    link_local: int = 0
 
 
 @dataclass(frozen=True, slots=True)
