@@ -8,6 +8,7 @@ at once (the rest wait in its own queue) and sleeps ``token_delay`` seconds per 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -56,10 +57,8 @@ class FakeStream:
         return self._run()
 
     async def _sleep(self, seconds: float) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), seconds)
-        except TimeoutError:
-            pass
 
     async def _run(self) -> AsyncIterator[TokenEvent]:
         eng = self.engine

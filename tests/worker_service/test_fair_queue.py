@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 
 import pytest
@@ -45,7 +46,8 @@ async def test_bounds_refuse_without_changing_state() -> None:
         q.submit("c")
     assert info.value.scope == "global"
     snap = q.snapshot()
-    assert snap["a"].waiting == 2 and snap["a"].running == 1
+    assert snap["a"].waiting == 2
+    assert snap["a"].running == 1
     assert snap["b"].waiting == 1
     assert "c" not in snap
     assert q.num_waiting == 3
@@ -97,7 +99,7 @@ async def test_idle_tenant_cannot_bank_credit() -> None:
         order.append(next(t for t in busy + late if t.state == "admitted").tenant)
     # Strict alternation: "late" gets no burst for the time it was idle.
     assert order.count("late") in (5, 6)
-    assert all(a != b for a, b in zip(order, order[1:], strict=False))
+    assert all(a != b for a, b in itertools.pairwise(order))
 
 
 async def test_cancelled_wait_withdraws_the_ticket() -> None:

@@ -53,7 +53,8 @@ async def test_adapter_is_named_by_model_and_token_prompts_work(server: Server) 
     assert r.json()["choices"][0]["text"] == expected_text([5, 6, 7], "alpha", 3)
     req = server.engine.submitted[-1]
     assert req.adapter == "alpha"
-    assert req.sampling.seed == 4 and req.sampling.stop == ("zz",)
+    assert req.sampling.seed == 4
+    assert req.sampling.stop == ("zz",)
     assert req.sampling.temperature == 1.0  # OpenAI's default
 
 
@@ -67,11 +68,12 @@ async def test_stream_concatenates_to_the_same_text(server: Server) -> None:
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    ids = [word_id(w) for w in "a b c".split()]
+    ids = [word_id(w) for w in ["a", "b", "c"]]
     assert text == expected_text(ids, "beta", 6)
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert [c["choices"][0]["finish_reason"] for c in finals] == ["length"]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
 async def test_stop_sequence_finishes_with_stop(server: Server) -> None:
@@ -123,7 +125,8 @@ async def test_models_lists_base_and_adapters(server: Server) -> None:
 
 async def test_health(server: Server) -> None:
     r = await server.client.get("/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok"}
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -206,22 +209,26 @@ async def test_oversized_body_gets_413(start_server: StartServer) -> None:
 
 async def test_unknown_route_and_method_get_json_errors(server: Server) -> None:
     r = await server.client.get("/v1/nothing")
-    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "not_found"
     r = await server.client.get("/v1/completions")
-    assert r.status_code == 405 and "POST" in r.headers["allow"]
+    assert r.status_code == 405
+    assert "POST" in r.headers["allow"]
 
 
 async def test_bad_timeout_header(server: Server) -> None:
     r = await server.client.post("/v1/completions", json={"prompt": "x"},
                                  headers={"x-request-timeout": "-1"})
-    assert r.status_code == 422 and r.json()["error"]["param"] == "x-request-timeout"
+    assert r.status_code == 422
+    assert r.json()["error"]["param"] == "x-request-timeout"
 
 
 # ------------------------------------------------------------------------------- engine errors
 async def test_engine_overload_gives_429(server: Server) -> None:
     server.engine.fail_on_submit = EngineOverloadedError("batch full")
     r = await server.client.post("/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"
     server.engine.fail_on_submit = None
     assert server.service.queue.num_running == 0
 
@@ -229,7 +236,8 @@ async def test_engine_overload_gives_429(server: Server) -> None:
 async def test_engine_crash_gives_500_and_server_keeps_serving(server: Server) -> None:
     server.engine.fail_in_stream = RuntimeError("boom")
     r = await server.client.post("/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
     server.engine.fail_in_stream = None
     r = await server.client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 200
@@ -300,7 +308,8 @@ async def test_tenant_identity_api_key_header_and_address(start_server: StartSer
     assert "ip-127.0.0.1" in tenants
     assert "id-team-a" in tenants
     keys = [t for t in tenants if t.startswith("key-")]
-    assert len(keys) == 2 and not any("sk-" in t for t in keys)
+    assert len(keys) == 2
+    assert not any("sk-" in t for t in keys)
     await asyncio.gather(blocker, *waits)
 
 
@@ -341,7 +350,8 @@ async def test_deadline_during_generation_gives_504(start_server: StartServer) -
     s = await start_server(FakeEngine(token_delay=0.05))
     r = await s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 50},
                             headers={"x-request-timeout": "0.2"})
-    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+    assert r.status_code == 504
+    assert r.json()["error"]["code"] == "deadline_exceeded"
     await wait_until(lambda: s.service.queue.num_running == 0 and not s.engine.running)
 
 
@@ -378,7 +388,8 @@ async def test_admin_endpoints_need_the_token(start_server: StartServer) -> None
     assert "new" not in s.engine.adapters
     r = await s.client.post("/v1/load_lora_adapter", json=body,
                             headers={"Authorization": "Bearer s3cret"})
-    assert r.status_code == 200 and "new" in r.text
+    assert r.status_code == 200
+    assert "new" in r.text
     r = await s.client.post("/v1/unload_lora_adapter", json={"lora_name": "new"},
                             headers={"x-admin-token": "s3cret"})
     assert r.status_code == 200
@@ -413,7 +424,8 @@ async def test_drain_refuses_new_work_and_waits_for_inflight(start_server: Start
     drain = asyncio.create_task(s.service.drain(5))
     await asyncio.sleep(0.02)
     r = await s.client.post("/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "draining"
     assert (await s.client.get("/health")).status_code == 503
     assert not drain.done()
     assert (await inflight).status_code == 200

@@ -76,6 +76,9 @@ class ServiceMetrics:
         # them off too. The switch is process-wide, which is fine in a worker process.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         r = self.registry
+        # Registered first: collection follows registration order, and this collector's poll()
+        # moves freshly drained load latencies into the histogram below within the same scrape.
+        r.register(_EngineCollector(self))
         self.ttft = Histogram(
             "adaptermesh_time_to_first_token_seconds",
             "Time from the request's arrival to its first generated token, queueing included.",
@@ -116,7 +119,6 @@ class ServiceMetrics:
             "Prompt tokens of requests admitted into the engine.",
             registry=r,
         )
-        r.register(_EngineCollector(self))
 
     # --------------------------------------------------------------------------------- polling
     def poll(self) -> EngineStats:
