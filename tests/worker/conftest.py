@@ -3,7 +3,6 @@ transformers + peft reference that every output is checked against."""
 
 from __future__ import annotations
 
-import asyncio
 import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field

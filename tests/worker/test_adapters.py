@@ -125,11 +125,15 @@ async def test_paths_outside_root_rejected(tiny: Tiny, tmp_path: Path, make_engi
     shutil.copytree(tiny.root / "alpha", outside)
     os.symlink(outside, root / "link_out")
     eng = make_engine(root=root)
-    with pytest.raises(AdapterValidationError) as err:
+
+    async def attempt() -> None:
         if path is None:
             eng.submit(request("p", tiny.encode("hi"), name))
         else:
             await eng.load_adapter(name, path)
+
+    with pytest.raises(AdapterValidationError) as err:
+        await attempt()
     assert err.value.field in ("lora_path", "name")
     await _good_request_still_works(eng, tiny)
 

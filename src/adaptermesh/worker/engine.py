@@ -127,7 +127,10 @@ class Engine:
         dtype: str | torch.dtype = "float32",
         config: EngineConfig | None = None,
         model_name: str | None = None,
+        weights: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """``weights``: use these tensors (Hugging Face names) instead of reading
+        ``model_dir/*.safetensors``; benches pass random weights made on the device."""
         from transformers import AutoTokenizer
 
         self.config = cfg = config or EngineConfig()
@@ -146,7 +149,8 @@ class Engine:
         self.max_model_len = int(cfg.max_model_len or min(mc.max_position_embeddings, 4096))
         self.tokenizer: Any = AutoTokenizer.from_pretrained(str(self.model_dir))
 
-        self.model = TransformerModel(mc, read_weights(self.model_dir), self.device, dtype, self.max_model_len)
+        tensors = weights if weights is not None else read_weights(self.model_dir)
+        self.model = TransformerModel(mc, tensors, self.device, dtype, self.max_model_len)
         self.pool = LoraPool(mc, cfg.max_loras, cfg.max_lora_rank, self.device, dtype)
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.max_model_len, dtype)
         if cfg.kv_cache_bytes is not None:
