@@ -60,7 +60,10 @@ def kernels_description() -> str:
 def build_meta(token_slots: torch.Tensor, num_slots: int, *, use_kernels: bool = True) -> LoraBatchMeta:
     """Routing facts for one batch. ``token_slots`` must already be on the compute device."""
     if use_kernels and KERNELS_AVAILABLE and _kernel_build_meta is not None:
-        km = _kernel_build_meta(token_slots, num_slots, max_tokens=int(token_slots.shape[0]))
+        # The engine builds slots itself, so the host-side range check (a sync on CUDA) is skipped.
+        km = _kernel_build_meta(
+            token_slots, num_slots, max_tokens=int(token_slots.shape[0]), check_values=not token_slots.is_cuda
+        )
         return LoraBatchMeta(token_slots, km, None, True)
     if token_slots.is_cuda:
         # No host sync: graph capture must see only device work.
@@ -81,7 +84,7 @@ def add_lora(
     if not meta.any_lora:
         return
     if meta.kernel_meta is not None and _kernel_add_lora is not None:
-        _kernel_add_lora(out, x, lora_a, lora_b, scales, ranks, meta.kernel_meta)
+        _kernel_add_lora(out, x, lora_a, lora_b, scales, ranks, meta.kernel_meta, check_values=False)
         return
     if meta.slots_present is not None:
         _add_lora_per_slot(out, x, lora_a, lora_b, scales, meta)
