@@ -42,7 +42,7 @@ def xds() -> Iterator[Xds]:
     try:
         yield state
     finally:
-        state.server.stop()
+        state.server.stop(grace=0.1)
 
 
 @pytest.fixture

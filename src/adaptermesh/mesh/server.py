@@ -63,6 +63,13 @@ _SERVED = frozenset(ADS_TYPE_ORDER)
 # Types whose empty first subscription means "everything" (xDS legacy wildcard).
 _WILDCARD_TYPES = frozenset((CLUSTER_TYPE, LISTENER_TYPE))
 _END = object()
+
+
+@dataclass(frozen=True)
+class _BadRequest:
+    detail: str
+
+
 _WAKE = object()
 
 
@@ -116,8 +123,10 @@ class _Stream:
             try:
                 async for request in requests:
                     self._queue.put_nowait(request)
-            except (grpc.RpcError, asyncio.CancelledError):
+            except asyncio.CancelledError:
                 pass
+            except Exception as exc:  # an undecodable message ends up here
+                self._queue.put_nowait(_BadRequest(f"{type(exc).__name__}: {exc}"))
             finally:
                 self._queue.put_nowait(_END)
 
@@ -129,6 +138,8 @@ class _Stream:
                 item = await self._queue.get()
                 if item is _END:
                     return
+                if isinstance(item, _BadRequest):
+                    await self._protocol_error("undecodable", f"bad request: {item.detail}")
                 if item is _WAKE:
                     self._wake_pending = False
                     await self._push_all()

@@ -1,0 +1,228 @@
+"""Pure builders, Assignment validation, snapshot consistency, the cache and the bootstrap."""
+
+from __future__ import annotations
+
+import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import health_check_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaptermesh.mesh.bootstrap import (
+    EnvoyError,
+    EnvoyProcess,
+    build_bootstrap,
+    validate_bootstrap,
+)
+from adaptermesh.mesh.cache import SnapshotCache, StaleVersionError
+from adaptermesh.mesh.snapshot import (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    ROUTE_TYPE,
+    AssignmentError,
+    InconsistentSnapshotError,
+    Snapshot,
+    build_snapshot,
+)
+from adaptermesh.proto import assignment_pb2 as ap
+
+
+def _shard(sid: str = "s0", port: int = 20000, **labels: str) -> ap.Shard:
+    return ap.Shard(id=sid, service_address="127.0.0.1", service_port=port, labels=labels,
+                    endpoints=[
+                        ap.Endpoint(address="10.0.0.1", port=8000, weight=3,
+                                    adapters=["sql", "chat"]),
+                        ap.Endpoint(address="10.0.0.2", port=8000, weight=1, draining=True,
+                                    adapters=["legal"]),
+                    ])
+
+
+def test_cluster_settings() -> None:
+    snap = build_snapshot(ap.Assignment(version=7, shards=[_shard()]))
+    cluster = snap.resources[CLUSTER_TYPE]["shard-s0"]
+    assert snap.version == "7"
+    assert cluster.type == cluster_pb2.Cluster.EDS
+    assert cluster.lb_policy == cluster_pb2.Cluster.ROUND_ROBIN
+    assert cluster.health_checks[0].http_health_check.path == "/health"
+    assert cluster.outlier_detection.consecutive_5xx.value == 5
+    assert cluster.circuit_breakers.thresholds[0].max_requests.value == 4096
+    assert list(cluster.lb_subset_config.subset_selectors[0].keys) == ["adapter"]
+    assert cluster.lb_subset_config.list_as_any
+    options = http_protocol_options_pb2.HttpProtocolOptions()
+    cluster.typed_extension_protocol_options[
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].Unpack(options)
+    assert options.explicit_http_config.HasField("http_protocol_options")
+
+
+def test_labels_pick_least_request_and_http2() -> None:
+    shard = _shard(**{"adaptermesh.io/lb-policy": "least_request",
+                      "adaptermesh.io/upstream-protocol": "http2"})
+    cluster = build_snapshot(ap.Assignment(version=1, shards=[shard])).resources[
+        CLUSTER_TYPE]["shard-s0"]
+    assert cluster.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
+    options = http_protocol_options_pb2.HttpProtocolOptions()
+    cluster.typed_extension_protocol_options[
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].Unpack(options)
+    assert options.explicit_http_config.HasField("http2_protocol_options")
+
+
+def test_endpoints_routes_and_listener() -> None:
+    snap = build_snapshot(ap.Assignment(version=1, shards=[_shard()]))
+    cla = snap.resources[ENDPOINT_TYPE]["shard-s0"]
+    lbs = cla.endpoints[0].lb_endpoints
+    assert [lb.load_balancing_weight.value for lb in lbs] == [3, 1]
+    assert [lb.health_status for lb in lbs] == [health_check_pb2.UNKNOWN,
+                                                health_check_pb2.DRAINING]
+    adapters = lbs[0].metadata.filter_metadata["envoy.lb"].fields["adapter"].list_value
+    assert [v.string_value for v in adapters.values] == ["chat", "sql"]
+    routes = snap.resources[ROUTE_TYPE]["shard-s0"].virtual_hosts[0].routes
+    # Only adapters of serving workers get an affinity route; the shard route comes last.
+    assert [r.name for r in routes] == ["adapter:chat", "adapter:sql", "shard"]
+    assert routes[0].match.headers[0].name == "x-adapter-id"
+    assert routes[0].route.timeout.ToTimedelta().total_seconds() == 0  # no cut-off
+    assert "connect-failure" in routes[0].route.retry_policy.retry_on
+    listener = snap.resources[LISTENER_TYPE]["shard-s0"]
+    assert listener.address.socket_address.port_value == 20000
+    manager = hcm_pb2.HttpConnectionManager()
+    listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
+    assert manager.rds.route_config_name == "shard-s0"
+    assert manager.stream_idle_timeout.ToTimedelta().total_seconds() == 0
+
+
+@pytest.mark.parametrize(("mutate", "field"), [
+    (lambda a: setattr(a.shards[0], "id", "bad id!"), "shards[0].id"),
+    (lambda a: a.shards.append(a.shards[0]), "shards[1].id"),
+    (lambda a: setattr(a.shards[0], "service_address", "localhost"), "shards[0].service_address"),
+    (lambda a: setattr(a.shards[0], "service_port", 0), "shards[0].service_port"),
+    (lambda a: setattr(a.shards[0].endpoints[1], "weight", 0), "shards[0].endpoints[1].weight"),
+    (lambda a: setattr(a.shards[0].endpoints[0], "port", 70000), "shards[0].endpoints[0].port"),
+    (lambda a: setattr(a.shards[0].endpoints[0], "address", "x"), "shards[0].endpoints[0].address"),
+    (lambda a: a.shards[0].endpoints[0].adapters.append(""), "shards[0].endpoints[0].adapters[2]"),
+    (lambda a: a.shards[0].labels.update({"adaptermesh.io/lb-policy": "random"}),
+     "shards[0].labels[adaptermesh.io/lb-policy]"),
+    (lambda a: a.shards.append(_shard("s1", 20000)), "shards[1].service_port"),
+])
+def test_invalid_assignment_names_the_field(mutate, field) -> None:
+    assignment = ap.Assignment(version=1, shards=[_shard()])
+    mutate(assignment)
+    with pytest.raises(AssignmentError) as info:
+        build_snapshot(assignment)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_consistency_catches_dangling_references() -> None:
+    snap = build_snapshot(ap.Assignment(version=1, shards=[_shard("a", 1), _shard("b", 2)]))
+    resources = {t: list(r.values()) for t, r in snap.resources.items()}
+    no_cla = dict(resources, **{ENDPOINT_TYPE: resources[ENDPOINT_TYPE][:1]})
+    with pytest.raises(InconsistentSnapshotError, match="no endpoints resource 'shard-b'"):
+        Snapshot.create("2", no_cla).check_consistent()
+    no_cluster = dict(resources, **{CLUSTER_TYPE: resources[CLUSTER_TYPE][:1]})
+    with pytest.raises(InconsistentSnapshotError) as info:
+        Snapshot.create("2", no_cluster).check_consistent()
+    assert any("missing cluster 'shard-b'" in p for p in info.value.problems)
+    assert any("belong to no EDS cluster" in p for p in info.value.problems)
+    no_route = dict(resources, **{ROUTE_TYPE: resources[ROUTE_TYPE][1:]})
+    with pytest.raises(InconsistentSnapshotError, match="missing route configuration 'shard-a'"):
+        Snapshot.create("2", no_route).check_consistent()
+
+
+_ids = st.from_regex(r"[a-z0-9][a-z0-9-]{0,10}", fullmatch=True)
+_adapters = st.lists(st.sampled_from(["a", "b", "c", "sql", "chat"]), max_size=3)
+_endpoints = st.lists(st.builds(
+    lambda last, port, weight, draining, adapters: ap.Endpoint(
+        address=f"10.0.0.{last}", port=port, weight=weight, draining=draining, adapters=adapters),
+    st.integers(1, 254), st.integers(1, 65535), st.integers(1, 10_000), st.booleans(), _adapters,
+), max_size=6, unique_by=lambda e: (e.address, e.port))
+
+
+@st.composite
+def assignments(draw: st.DrawFn) -> ap.Assignment:
+    ids = draw(st.lists(_ids, min_size=0, max_size=6, unique=True))
+    ports = draw(st.lists(st.integers(1, 65535), min_size=len(ids), max_size=len(ids),
+                          unique=True))
+    return ap.Assignment(version=draw(st.integers(1, 2**63)), shards=[
+        ap.Shard(id=i, service_address="127.0.0.1", service_port=p, endpoints=draw(_endpoints))
+        for i, p in zip(ids, ports, strict=True)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(assignments())
+def test_every_valid_assignment_builds_a_consistent_snapshot(assignment: ap.Assignment) -> None:
+    snap = build_snapshot(assignment)
+    snap.check_consistent()
+    names = {f"shard-{s.id}" for s in assignment.shards}
+    for type_url in (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE):
+        assert set(snap.resources[type_url]) == names
+    for shard in assignment.shards:
+        cla = snap.resources[ENDPOINT_TYPE][f"shard-{shard.id}"]
+        weights = [lb.load_balancing_weight.value for g in cla.endpoints for lb in g.lb_endpoints]
+        assert weights == [e.weight for e in shard.endpoints]
+        assert all(w >= 1 for w in weights)
+        routes = snap.resources[ROUTE_TYPE][f"shard-{shard.id}"].virtual_hosts[0].routes
+        serving = {a for e in shard.endpoints if not e.draining for a in e.adapters}
+        assert len(routes) == len(serving) + 1
+        assert routes[-1].name == "shard"
+
+
+@settings(max_examples=60, deadline=None)
+@given(assignments(), assignments())
+def test_cache_carries_versions_of_unchanged_types(first, second) -> None:
+    cache = SnapshotCache()
+    second.version = first.version + 1
+    v1 = cache.set_assignment("k", first)
+    cache.set_assignment("k", second)
+    s1, s2 = build_snapshot(first), cache.get_snapshot("k")
+    for type_url in s2.type_versions:
+        if s1.resource_versions[type_url] == s2.resource_versions[type_url]:
+            assert s2.type_versions[type_url] == v1
+        else:
+            assert s2.type_versions[type_url] == str(second.version)
+
+
+def test_cache_refuses_bad_input_and_keeps_the_last_good() -> None:
+    cache = SnapshotCache()
+    good = ap.Assignment(version=5, shards=[_shard()])
+    assert cache.set_assignment("k", good) == "5"
+    assert cache.set_assignment("k", good) == "5"  # same content again: no-op
+    bad = ap.Assignment(version=6, shards=[_shard()])
+    bad.shards[0].endpoints[0].weight = 0
+    with pytest.raises(AssignmentError, match=r"shards\[0\].endpoints\[0\].weight"):
+        cache.set_assignment("k", bad)
+    with pytest.raises(StaleVersionError, match="version"):
+        cache.set_assignment("k", ap.Assignment(version=4, shards=[]))
+    assert cache.get_snapshot("k").version == "5"
+    snap = cache.get_snapshot("k")
+    broken = {t: list(r.values()) for t, r in snap.resources.items()}
+    broken[ENDPOINT_TYPE] = []
+    with pytest.raises(InconsistentSnapshotError):
+        cache.set_snapshot("k", Snapshot.create("6", broken))
+    assert cache.get_snapshot("k") is snap
+    assert not cache.wait_for_version(["nobody"], "5", 0.05)
+
+
+def test_bootstrap_passes_envoy_validate() -> None:
+    validate_bootstrap(build_bootstrap("node-a", 18000))
+    validate_bootstrap(build_bootstrap("node-b", 18000, delta=True, admin_port=0))
+    with pytest.raises(ValueError, match="node_id"):
+        build_bootstrap("", 18000)
+
+
+def test_envoy_validate_reports_a_broken_bootstrap() -> None:
+    bootstrap = build_bootstrap("node-a", 18000)
+    bootstrap.static_resources.clusters[0].connect_timeout.seconds = -1
+    with pytest.raises(EnvoyError, match="validate"):
+        validate_bootstrap(bootstrap)
+
+
+def test_envoy_process_start_failure_is_reported_and_cleaned_up() -> None:
+    envoy = EnvoyProcess(build_bootstrap("node-a", 18000), extra_args=("--no-such-flag",))
+    with pytest.raises(EnvoyError, match="exited"):
+        envoy.start(ready_timeout=10)
+    assert not envoy.running
+    envoy.cleanup()
