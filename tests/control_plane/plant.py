@@ -67,3 +67,26 @@ class Plant:
                 )
             shards[sid] = ShardObservation(sid, True, tuple(workers))
         return Observation(shards, dict(overrides or {}))
+
+
+def ideal_weights(plant: Plant, budget: int = 10_000, floor: float = 50.0) -> dict[str, float]:
+    """Weights that equalise utilisation exactly (water-filling with a floor), by bisection."""
+
+    def weights_at(rho: float) -> dict[str, float]:
+        return {
+            sid: max(floor, budget * (rho * c - plant.pinned.get(sid, 0.0)) / plant.steerable)
+            for sid, c in plant.capacity.items()
+        }
+
+    lo, hi = 0.0, 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if sum(weights_at(mid).values()) > budget:
+            hi = mid
+        else:
+            lo = mid
+    return weights_at(lo)
+
+
+def total_variation(a: Mapping[str, float], b: Mapping[str, float]) -> float:
+    return sum(abs(a.get(k, 0) - b.get(k, 0)) for k in set(a) | set(b)) / 2

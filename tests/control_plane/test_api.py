@@ -7,7 +7,8 @@ import asyncio
 import grpc
 import pytest
 
-from adaptermesh.proto import assignment_pb2, control_plane_pb2 as cp_pb2
+from adaptermesh.proto import assignment_pb2
+from adaptermesh.proto import control_plane_pb2 as cp_pb2
 
 from .conftest import RO_TOKEN, WO_TOKEN, Harness, creds, shard
 

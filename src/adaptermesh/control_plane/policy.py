@@ -42,7 +42,7 @@ proportion to their current weights and keep rebalancing among themselves.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 __all__ = [
@@ -274,9 +274,15 @@ def apportion(shares: Mapping[str, float], total: int, floor: int = 0) -> dict[s
 
 
 def validate_weights(
-    weights: Mapping[str, int], active: Sequence[str], cfg: PolicyConfig
+    weights: Mapping[str, int],
+    active: Sequence[str],
+    cfg: PolicyConfig,
+    overridden: Collection[str] = (),
 ) -> list[str]:
-    """Problems with a weight set; empty when it may be published."""
+    """Problems with a weight set; empty when it may be published.
+
+    Overridden shards may sit below the minimum: the operator asked for that weight.
+    """
     problems: list[str] = []
     unknown = sorted(set(weights) - set(active))
     if unknown:
@@ -289,7 +295,7 @@ def validate_weights(
         if total != cfg.budget:
             problems.append(f"weights sum to {total}, not {cfg.budget}")
         floor = min(cfg.min_weight, cfg.budget // len(active))
-        low = sorted(k for k, v in weights.items() if v < floor)
+        low = sorted(k for k, v in weights.items() if v < floor and k not in overridden)
         if low:
             problems.append(f"weights below the minimum {floor}: {low}")
     return problems
@@ -388,19 +394,23 @@ def decide(
         if sum(share.values()) > 0:
             target.update(_waterfill(share, pool, float(floor)))
 
-    # 6. Hysteresis and the bounded step.
+    # 6. Hysteresis and the bounded step. The hysteresis is global: a rebalance starts when any
+    # shard is further from its target than its entry band, and then every free shard moves
+    # (the others must absorb the weight, or the budget-conserving step would cancel it) until
+    # all are within the exit band.
+    gaps = {sid: target[sid] - c[sid] for sid in free}
+    was_moving = any(estimates[sid].moving for sid in free)
+    # The deadband is relative: a shard within deadband * weight of its target is balanced
+    # enough, which keeps measurement noise from moving weight.
+    start = any(abs(d) > max(cfg.enter_band, cfg.deadband * c[sid]) for sid, d in gaps.items())
+    keep = was_moving and any(
+        abs(d) > max(cfg.exit_band, cfg.deadband * c[sid] / 2) for sid, d in gaps.items()
+    )
+    moving = start or keep
     deltas: dict[str, float] = {}
     for sid in free:
-        d = target[sid] - c[sid]
-        est = estimates[sid]
-        moving = est.moving
-        # The deadband is relative: a shard within deadband * weight of its target is
-        # balanced enough, which keeps measurement noise from moving weight.
-        if not moving and abs(d) > max(cfg.enter_band, cfg.deadband * c[sid]):
-            moving = True
-        elif moving and abs(d) <= cfg.exit_band:
-            moving = False
-        estimates[sid] = replace(est, moving=moving)
+        estimates[sid] = replace(estimates[sid], moving=moving)
+        d = gaps[sid]
         deltas[sid] = max(-cfg.max_step, min(cfg.max_step, d)) if moving else 0.0
     pos = sum(d for d in deltas.values() if d > 0)
     neg = -sum(d for d in deltas.values() if d < 0)

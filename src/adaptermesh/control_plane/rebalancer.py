@@ -267,7 +267,9 @@ class Rebalancer:
     def _validate(self, assignment: assignment_pb2.Assignment) -> None:
         active = [s.id for s in assignment.shards if s.state == _ACTIVE]
         weights = {s.id: s.weight for s in assignment.shards if s.state == _ACTIVE}
-        problems = policy.validate_weights(weights, active, self.config.policy)
+        problems = policy.validate_weights(
+            weights, active, self.config.policy, {o.shard_id for o in assignment.overrides}
+        )
         problems += [
             f"shard {s.id} endpoint {e.address}:{e.port} has weight 0"
             for s in assignment.shards
