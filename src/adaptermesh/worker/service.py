@@ -820,7 +820,9 @@ class WorkerService:
                     await response.write(b"data: [DONE]\n\n")
                     progress.outcome = error.code or "error"
                     return response
-                if event.text or event.finish_reason is not None:
+                # One chunk per generated token, even when its text is "" (an incomplete
+                # multi-byte character): clients time tokens by chunks, as with vLLM.
+                if event.token_id is not None or event.text or event.finish_reason is not None:
                     await response.write(self._chunk(job, event.text, event.finish_reason))
                 if event.finish_reason is not None:
                     break
