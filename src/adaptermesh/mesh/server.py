@@ -143,6 +143,9 @@ class _Stream:
                 if item is _WAKE:
                     self._wake_pending = False
                     await self._push_all()
+                    # A publish that changed nothing this node holds needs no round trip:
+                    # the node is already at the new version.
+                    self._check_in_sync()
                     continue
                 if self.node_id is None:
                     if not item.HasField("node") or not item.node.id:
