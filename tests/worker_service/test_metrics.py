@@ -4,6 +4,8 @@ with the right labels, and the values follow what happened."""
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -147,3 +149,18 @@ async def test_two_services_in_one_process_do_not_share_series(
     count = "adaptermesh_time_to_first_token_seconds_count"
     assert value(fa, "adaptermesh_time_to_first_token_seconds", count) == 1
     assert value(fb, "adaptermesh_time_to_first_token_seconds", count) == 0
+
+
+def test_every_series_is_documented_with_its_type_and_labels() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "worker-service.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        m = re.match(r"\| `((?:vllm:|adaptermesh_)[a-z_:]+)` \| (\w+) \|([^|]*)\|", line)
+        if m:
+            labels = set(re.findall(r"`(\w+)`", m.group(3)))
+            rows[m.group(1)] = (m.group(2), labels)
+    for name, (kind, labels) in EXPECTED.items():
+        documented = name + "_total" if kind == "counter" else name
+        assert documented in rows, name
+        assert rows[documented] == (kind, labels), name
+    assert len(rows) == len(EXPECTED)

@@ -678,7 +678,6 @@ class WorkerService:
             try:
                 token_stream = self.engine.submit(gen)
             except EngineError as exc:
-                outcome = type(exc).__name__
                 raise self._engine_error(exc) from None
             events = token_stream.__aiter__()
             # The first event comes before any header, so errors still get a real status code.
