@@ -65,8 +65,10 @@ def pct(values: list[float], q: float) -> float | None:
     return s[k]
 
 
-def summarize(records: list[dict[str, Any]], duration: float, slo_ttft: float,
+def summarize(records: list[dict[str, Any]], duration: float, wall: float, slo_ttft: float,
               slo_tpot: float) -> dict[str, Any]:
+    """``duration``: the arrival window; ``wall``: until the last response ended (rates of
+    completed work divide by it, so a backlog served after the window is not over-counted)."""
     ok = [r for r in records if r["status"] == 200 and r["tokens"] > 0]
     ttft = [r["ttft"] for r in ok]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
@@ -76,13 +78,15 @@ def summarize(records: list[dict[str, Any]], duration: float, slo_ttft: float,
         codes[str(r["status"])] = codes.get(str(r["status"]), 0) + 1
     return {
         "offered": len(records),
+        "offered_req_s": len(records) / duration,
+        "wall_s": wall,
         "completed": len(ok),
         "status_counts": codes,
         "ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)},
         "tpot_s": {"p50": pct(tpot, 50), "p99": pct(tpot, 99)},
-        "throughput_tok_s": sum(r["tokens"] for r in ok) / duration,
-        "goodput_req_s": len(good) / duration,
-        "goodput_tok_s": sum(r["tokens"] for r in good) / duration,
+        "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "goodput_req_s": len(good) / wall,
+        "goodput_tok_s": sum(r["tokens"] for r in good) / wall,
         "share_within_slo": len(good) / len(records) if records else None,
     }
 
@@ -383,7 +387,8 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
             before = rejected(service)
             out = await run_client(spec)
             row = {"load_fraction": frac, "rate_req_s": rate, "duration_s": args.duration,
-                   **summarize(out["records"], args.duration, args.slo_ttft, args.slo_tpot)}
+                   **summarize(out["records"], args.duration, out["wall_s"], args.slo_ttft,
+                             args.slo_tpot)}
             row["rejected_by_queue_bounds"] = {k: v - before[k]
                                                for k, v in rejected(service).items()}
             sweep.append(row)
