@@ -237,8 +237,8 @@ def read_adapter(
     checksum = {}
     for g in GROUPS:
         if g in a:
-            s = a[g].double().sum() + sum((t.double().sum() for t in b[g]), torch.zeros((), dtype=torch.float64))
-            checksum[g] = float(s)
+            # Accumulate in float64 without materialising a float64 copy of the weights.
+            checksum[g] = float(a[g].sum(dtype=torch.float64)) + sum(float(t.sum(dtype=torch.float64)) for t in b[g])
         else:
             checksum[g] = 0.0
     nbytes = sum(t.numel() * t.element_size() for t in a.values())

@@ -246,6 +246,11 @@ class Engine:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def _decode_for_stream(self, token_ids: list[int]) -> str:
+        # The Rust tokenizer directly: the Python wrapper costs more than the decode itself, and
+        # this runs for every sequence on every step.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return str(backend.decode(token_ids, skip_special_tokens=True))
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:

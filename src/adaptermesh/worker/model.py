@@ -294,10 +294,9 @@ class LoraPool:
         """Sum of each group's slot contents (float64), for verifying a copy."""
         out: dict[str, float] = {}
         for g in GROUPS:
-            s = self.a[g][:, :, slot].double().sum()
-            for b in self.b[g]:
-                s = s + b[:, slot].double().sum()
-            out[g] = float(s)
+            parts = [self.a[g][:, :, slot].sum(dtype=torch.float64)]
+            parts += [b[:, slot].sum(dtype=torch.float64) for b in self.b[g]]
+            out[g] = float(torch.stack(parts).sum())  # one host sync per group
         return out
 
 
