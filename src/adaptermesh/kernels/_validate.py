@@ -171,6 +171,12 @@ def check_pair(
     lora_b: Sequence[torch.Tensor],  # n_slices x [S, N_i, R_max]
 ) -> None:
     """Cross-checks that add_lora needs beyond the separate shrink and expand checks."""
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        raise ValueError("out must be a 2-D tensor [T, sum N_i]")
+    if isinstance(lora_b, torch.Tensor) or not isinstance(lora_b, Sequence):
+        raise ValueError("lora_b must be a tuple of tensors, one [S, N_i, R_max] per slice")
+    if not all(isinstance(b, torch.Tensor) and b.dim() == 3 for b in lora_b):
+        raise ValueError("lora_b must hold 3-D tensors [S, N_i, R_max]")
     if out.shape[0] != x.shape[0]:
         raise ValueError(f"out has {out.shape[0]} rows, x has {x.shape[0]}")
     if out.dtype != x.dtype:

@@ -117,8 +117,8 @@ def add_lora_ref(
     v_probe = torch.empty(
         shapes.n_slices, shapes.num_tokens, shapes.r_max, dtype=torch.float32, device=x.device
     )
-    check_expand(out, v_probe, lora_b, scales, ranks, False)
     check_pair(out, x, lora_a, lora_b)
+    check_expand(out, v_probe, lora_b, scales, ranks, False)
     v = sgmm_shrink_ref(x, lora_a, ranks, meta, check_values=False)
     sgmm_expand_ref(out, v, lora_b, scales, ranks, meta, check_values=False)
 

@@ -421,8 +421,8 @@ def add_lora(
     shapes = check_shrink(x, lora_a, ranks, check_values)
     check_meta(meta, shapes, x)
     v = _v_buffer(v_buffer, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
-    check_expand(out, v, lora_b, scales, ranks, False)
     check_pair(out, x, lora_a, lora_b)
+    check_expand(out, v, lora_b, scales, ranks, False)
     sgmm_shrink(x, lora_a, ranks, meta, out=v, config=shrink_cfg, check_values=False)
     sgmm_expand(out, v, lora_b, scales, ranks, meta, config=expand_cfg, check_values=False)
 

@@ -1,0 +1,68 @@
+"""Segment metadata: grouping, fixed-size reuse, invalid slots, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaptermesh.kernels import SegmentMeta, build_segment_meta
+
+
+def _groups(meta: SegmentMeta) -> dict[int, list[int]]:
+    st = meta.seg_start.tolist()
+    order = meta.sorted_tokens.tolist()
+    return {s: order[st[s] : st[s + 1]] for s in range(meta.num_slots)}
+
+
+def test_groups_tokens_by_slot_stably() -> None:
+    slots = torch.tensor([2, -1, 0, 2, 2, -1, 0], dtype=torch.int32)
+    meta = build_segment_meta(slots, num_slots=4)
+    assert _groups(meta) == {0: [2, 6], 1: [], 2: [0, 3, 4], 3: []}
+    assert meta.seg_start.tolist() == [0, 2, 2, 5, 5]
+    # base tokens sort last
+    assert sorted(meta.sorted_tokens.tolist()[5:]) == [1, 5]
+    assert int(meta.invalid) == 0
+
+
+def test_padding_rows_are_base_and_out_is_reused() -> None:
+    meta = build_segment_meta(torch.tensor([1, 1], dtype=torch.int32), 3, max_tokens=6)
+    assert meta.token_slots.tolist() == [1, 1, -1, -1, -1, -1]
+    ptrs = (meta.sorted_tokens.data_ptr(), meta.seg_start.data_ptr())
+    again = build_segment_meta(torch.tensor([0, 2, 2], dtype=torch.int32), 3, 6, out=meta)
+    assert again is meta
+    assert (meta.sorted_tokens.data_ptr(), meta.seg_start.data_ptr()) == ptrs
+    assert _groups(meta) == {0: [0], 1: [], 2: [1, 2]}
+
+
+def test_unchecked_out_of_range_slots_run_as_base_and_are_counted() -> None:
+    slots = torch.tensor([0, 7, -3, 1], dtype=torch.int32)
+    meta = build_segment_meta(slots, 2, check_values=False)
+    assert int(meta.invalid) == 2
+    assert _groups(meta) == {0: [0], 1: [3]}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"token_slots": torch.tensor([0, 5], dtype=torch.int32)}, "token_slots values"),
+        ({"token_slots": torch.tensor([-2], dtype=torch.int32)}, "token_slots values"),
+        ({"token_slots": torch.zeros(2, 2, dtype=torch.int32)}, "token_slots must be 1-D"),
+        ({"token_slots": torch.zeros(2)}, "token_slots must be int32"),
+        ({"num_slots": 0}, "num_slots"),
+        ({"max_tokens": 1}, "max_tokens"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs: dict[str, object], match: str) -> None:
+    args: dict[str, object] = {"token_slots": torch.tensor([0, 1], dtype=torch.int32)}
+    args["num_slots"] = 3
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        build_segment_meta(**args)  # type: ignore[arg-type]
+
+
+def test_out_with_other_sizes_is_rejected() -> None:
+    meta = build_segment_meta(torch.tensor([0], dtype=torch.int32), 2, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        build_segment_meta(torch.tensor([0], dtype=torch.int32), 2, max_tokens=8, out=meta)
+    with pytest.raises(ValueError, match="num_slots"):
+        build_segment_meta(torch.tensor([0], dtype=torch.int32), 3, max_tokens=4, out=meta)
