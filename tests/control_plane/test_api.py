@@ -64,9 +64,11 @@ async def test_override_publishes_at_once_and_others_renormalise(cp: Harness) ->
     watch.cancel()
     assert a.version == 5
     w = {s.id: s.weight for s in a.shards}
-    assert w["s0"] == 7000 and sum(w.values()) == 10_000
+    assert w["s0"] == 7000
+    assert sum(w.values()) == 10_000
     assert {w["s1"], w["s2"], w["s3"]} == {1000}
-    assert "canary" in a.reason and a.overrides[0].shard_id == "s0"
+    assert "canary" in a.reason
+    assert a.overrides[0].shard_id == "s0"
     listed = await cp.stub.ListOverrides(cp_pb2.ListOverridesRequest(), metadata=cp.md)
     assert [x.shard_id for x in listed.overrides] == ["s0"]
     await cp.stub.ClearOverride(cp_pb2.ClearOverrideRequest(shard_id="s0"), metadata=cp.md)
@@ -82,7 +84,8 @@ async def test_override_ttl_expires_on_tick(cp: Harness) -> None:
     )
     rb = cp.server.rebalancer
     await rb.step()
-    assert rb.hub.latest is not None and rb.hub.latest.shards[0].weight == 9000
+    assert rb.hub.latest is not None
+    assert rb.hub.latest.shards[0].weight == 9000
     cp.clock.step(11)
     await rb.step()
     a = rb.hub.latest
@@ -108,7 +111,8 @@ async def test_pins_longest_prefix_and_duplicates(cp: Harness) -> None:
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     await cp.stub.UnpinTenant(cp_pb2.UnpinTenantRequest(cidr="10.1.2.0/24"), metadata=cp.md)
     a2 = await cp.stub.GetAssignment(cp_pb2.GetAssignmentRequest(), metadata=cp.md)
-    assert a2.version == a.version + 1 and "unpin 10.1.2.0/24" in a2.reason
+    assert a2.version == a.version + 1
+    assert "unpin 10.1.2.0/24" in a2.reason
 
 
 BAD = [
@@ -179,8 +183,8 @@ async def test_auth_unauthenticated_vs_permission_denied(cp: Harness) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await cp.stub.ListShards(cp_pb2.ListShardsRequest(), metadata=creds(WO_TOKEN))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    stream = cp.stub.WatchAssignments(cp_pb2.WatchAssignmentsRequest())
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        stream = cp.stub.WatchAssignments(cp_pb2.WatchAssignmentsRequest())
         await stream.read()
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     await cp.stub.UpsertShard(req, metadata=creds(WO_TOKEN))
@@ -202,7 +206,8 @@ async def test_health_and_reflection_need_no_token(cp: Harness) -> None:
     answer = await call.read()
     await call.done_writing()
     names = {s.name for s in answer.list_services_response.service}
-    assert "adaptermesh.v1.ControlPlane" in names and "grpc.health.v1.Health" in names
+    assert "adaptermesh.v1.ControlPlane" in names
+    assert "grpc.health.v1.Health" in names
 
 
 async def test_watch_resumes_from_version_and_status_shows_lagging_nodes(cp: Harness) -> None:

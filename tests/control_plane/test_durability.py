@@ -121,5 +121,6 @@ def test_acknowledged_writes_survive_kill_9(tmp_path: Path, procs: list[Proc]) -
     assert after.version > current.version
     hist = second.stub.ListHistory(cp_pb2.ListHistoryRequest(limit=1000), metadata=md).records
     versions = [r.version for r in hist]
-    assert versions == sorted(versions, reverse=True) and len(set(versions)) == len(versions)
+    assert versions == sorted(versions, reverse=True)
+    assert len(set(versions)) == len(versions)
     assert any("override s1=6000" in r.reason for r in hist)

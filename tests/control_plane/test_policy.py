@@ -72,17 +72,20 @@ def _run(plant: Plant, ticks: int) -> tuple[PolicyState, list[int]]:
     return state, changes
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(plants())
 def test_converges_on_stationary_load(plant: Plant) -> None:
-    state, changes = _run(plant, 50)
-    assert sum(changes[-10:]) == 0, f"still moving: {changes}"
+    # The latency baseline adapts slowly (baseline_drift), so the estimate settles over tens of
+    # ticks; after that no weight moves at all.
+    state, changes = _run(plant, 200)
+    assert sum(changes[-50:]) == 0, f"still moving: {changes}"
     ideal = ideal_weights(plant)
     # Within the deadband of the equal-utilisation weights.
     assert total_variation(state.weights, ideal) <= 0.08 * BUDGET
 
 
-@settings(max_examples=60, deadline=None)
+# Closed-loop properties run a fixed example set so CI is reproducible.
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(plants(noise=0.1), st.integers(0, 2**32))
 def test_total_variation_is_bounded_on_noisy_load(plant: Plant, seed: int) -> None:
     plant.rng = random.Random(seed)

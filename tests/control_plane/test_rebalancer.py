@@ -31,7 +31,7 @@ class PlantSource:
             raise ConnectionError("scrape failed")
         obs = self.plant.observe(self.rb[0].state.weights)
         out = {}
-        for sid, s in obs.shards.items():
+        for _sid, s in obs.shards.items():
             for w in s.workers:
                 out[endpoint_key(w.address, w.port)] = w
         return {t.key: out[t.key] for t in targets if t.key in out}
@@ -46,7 +46,8 @@ def _setup(tmp_path: Path, plant: Plant) -> tuple[Rebalancer, PlantSource, FakeC
     holder.append(rb)
     for i, sid in enumerate(sorted(plant.capacity)):
         eps = [(f"10.0.{i}.{k + 1}", 8000) for k in range(plant.workers_per_shard)]
-        rb.mutate(lambda s=shard(sid, *eps): store.upsert_shard(s, clock.time()), f"add {sid}")
+        spec = shard(sid, *eps)
+        rb.mutate(lambda spec=spec: store.upsert_shard(spec, clock.time()), f"add {sid}")
     return rb, source, clock
 
 
@@ -68,7 +69,8 @@ async def test_spike_shifts_weight_within_two_ticks_and_comes_back(tmp_path: Pat
             shifted = True
             break
     assert shifted, f"d still at {rb.state.weights['d']} (was {steady['d']})"
-    assert rb.hub.latest.version > version and "rebalance" in rb.hub.latest.reason
+    assert rb.hub.latest.version > version
+    assert "rebalance" in rb.hub.latest.reason
     for _ in range(10):
         await rb.step()
         clock.step(5)
@@ -105,7 +107,7 @@ async def test_no_publish_below_threshold(tmp_path: Path) -> None:
 
 async def test_failed_steps_back_off_and_the_loop_survives(tmp_path: Path) -> None:
     plant = Plant({"a": 400, "b": 400}, steerable=400)
-    rb, source, clock = _setup(tmp_path, plant)
+    rb, source, _clock = _setup(tmp_path, plant)
     source.fail = 3
     stop = asyncio.Event()
     task = asyncio.create_task(rb.run(stop))
@@ -115,7 +117,8 @@ async def test_failed_steps_back_off_and_the_loop_survives(tmp_path: Path) -> No
             break
     stop.set()
     await asyncio.wait_for(task, 5)
-    assert rb.failures == 3 and rb.steps >= 4
+    assert rb.failures == 3
+    assert rb.steps >= 4
     assert "scrape failed" in rb.last_error
     rb.store.close()
 
@@ -134,7 +137,8 @@ async def test_run_smoke_with_the_system_clock(tmp_path: Path) -> None:
     await asyncio.sleep(0.3)
     stop.set()
     await asyncio.wait_for(task, 2)
-    assert rb.steps >= 3 and rb.failures == 0
+    assert rb.steps >= 3
+    assert rb.failures == 0
     assert rb.loads["a"].known is False  # no metrics: unknown, not idle
     store.close()
 
@@ -150,5 +154,6 @@ async def test_invalid_assignment_is_never_published(tmp_path: Path, bad: str) -
     with pytest.raises(PublishError):
         with rb.store.transaction():
             rb._stage(weights, {}, "bad")
-    assert rb.hub.latest.version == v and rb.store.last_version() == v
+    assert rb.hub.latest.version == v
+    assert rb.store.last_version() == v
     rb.store.close()

@@ -9,7 +9,7 @@ Each shard is modelled as a queue whose latency grows as ``L = L0 / (1 - rho)`` 
 utilisation ``rho``. One smoothed observation gives ``rho`` directly:
 
 * latency inflation ``1 - L0 / L`` (``L`` is the mean time to first token over the interval,
-  ``L0`` a slowly rising running minimum of it: the unloaded latency),
+  ``L0`` the running minimum of its EWMA: the unloaded latency),
 * KV-cache occupancy (``vllm:kv_cache_usage_perc``),
 * queueing: any waiting request means ``rho >= 1``; ``1 + waiting / running`` says by how much.
 
@@ -77,8 +77,9 @@ class PolicyConfig:
     publish_threshold: int = 50
     rho_min: float = 0.02
     rho_max: float = 4.0
-    # Per tick, the latency baseline may rise this much toward the current latency, so a
-    # baseline learnt on a lucky interval does not stick forever.
+    # Per tick, the latency baseline may rise this much toward the current latency. Off by
+    # default: a drifting baseline slowly forgets the unloaded latency under steady load, and
+    # the estimate it feeds then moves weight on a stationary load.
     baseline_drift: float = 0.01
     # Endpoint scoring: bonus for free GPU memory (relative to the shard's best worker) and for
     # the fraction of the shard's requested adapters that are resident on the worker.
