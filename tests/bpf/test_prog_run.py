@@ -175,7 +175,8 @@ def test_sticky_flow_on_a_drained_shard_is_repicked(fresh: BpfShardTable) -> Non
     for s in on1:
         assert shard_of(libbpf.prog_test_run(fresh.prog_fd, udp4(s))) in (0, 2)
     evs = events(fresh)
-    assert {e.reason for e in evs} == {"repick"} and len(evs) == len(on1)
+    assert {e.reason for e in evs} == {"repick"}
+    assert len(evs) == len(on1)
     # the re-pick is sticky in turn
     for s in on1:
         libbpf.prog_test_run(fresh.prog_fd, udp4(s))
@@ -259,7 +260,7 @@ def test_malformed_packets_pass_untouched_and_are_counted(fresh: BpfShardTable, 
         # The test runner itself refuses an L3 header shorter than its ethertype implies, so
         # those frames go through the real ingress path instead: a packet socket on the
         # tenant's veth, the classifier on the node's end.
-        assert e.errno == errno.EINVAL
+        assert e.errno == errno.EINVAL  # noqa: PT017
         frame = bytes.fromhex(topo.node_tenant_mac.replace(":", "")) + pkt[6:]
         inject(topo, [frame])
         wait_for(lambda: fresh.read_counters().malformed > before_c.malformed)

@@ -79,7 +79,7 @@ def test_version_may_repeat_but_never_go_back() -> None:
     fake.apply(a)
     older = good()
     older.version = a.version - 1
-    with pytest.raises(AssignmentError, match="^version: "):
+    with pytest.raises(AssignmentError, match=r"^version: "):
         fake.apply(older)
 
 
