@@ -1,0 +1,706 @@
+"""``adapterctl``: the operator CLI for the adaptermesh control plane.
+
+Connection options also come from the environment: ``ADAPTERMESH_SERVER``,
+``ADAPTERMESH_TOKEN``, ``ADAPTERMESH_TOKEN_FILE``.
+
+Exit codes: 0 success, 1 server-side failure, 2 bad input (usage, invalid values, rejected
+arguments), 3 not found, 4 already exists or failed precondition, 5 not authenticated or not
+permitted, 6 server unreachable or timed out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import grpc
+import typer
+import yaml
+from google.protobuf.json_format import MessageToDict
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from adaptermesh.proto.adaptermesh.v1 import (
+    assignment_pb2,
+    control_plane_pb2,
+    control_plane_pb2_grpc,
+)
+
+__all__ = ["app", "parse_weight"]
+
+T = TypeVar("T")
+BUDGET = 10_000
+KINDS = ("Shard", "AdapterInstance", "Pin", "Override")
+
+app = typer.Typer(help=__doc__.split("\n")[0], no_args_is_help=True, add_completion=False)
+shard_app = typer.Typer(help="Create, change or delete shards.", no_args_is_help=True)
+override_app = typer.Typer(help="Operator weight overrides.", no_args_is_help=True)
+app.add_typer(shard_app, name="shard")
+app.add_typer(override_app, name="override")
+
+out = Console()
+err = Console(stderr=True)
+
+_EXIT = {
+    grpc.StatusCode.INVALID_ARGUMENT: 2,
+    grpc.StatusCode.OUT_OF_RANGE: 2,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 2,
+    grpc.StatusCode.NOT_FOUND: 3,
+    grpc.StatusCode.ALREADY_EXISTS: 4,
+    grpc.StatusCode.FAILED_PRECONDITION: 4,
+    grpc.StatusCode.UNAUTHENTICATED: 5,
+    grpc.StatusCode.PERMISSION_DENIED: 5,
+    grpc.StatusCode.UNAVAILABLE: 6,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 6,
+}
+
+
+def _die(message: str, code: int) -> NoReturn:
+    err.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+@dataclass
+class Ctx:
+    server: str
+    token: str | None
+    ca: Path | None
+    cert: Path | None
+    key: Path | None
+    timeout: float
+    _stub: control_plane_pb2_grpc.ControlPlaneStub | None = None
+    _channel: grpc.Channel | None = None
+
+    @property
+    def stub(self) -> control_plane_pb2_grpc.ControlPlaneStub:
+        if self._stub is None:
+            if self.ca:
+                creds = grpc.ssl_channel_credentials(
+                    root_certificates=self.ca.read_bytes(),
+                    private_key=self.key.read_bytes() if self.key else None,
+                    certificate_chain=self.cert.read_bytes() if self.cert else None,
+                )
+                self._channel = grpc.secure_channel(self.server, creds)
+            else:
+                self._channel = grpc.insecure_channel(self.server)
+            self._stub = control_plane_pb2_grpc.ControlPlaneStub(self._channel)  # type: ignore[no-untyped-call]
+        return self._stub
+
+    @property
+    def metadata(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
+
+    def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        try:
+            return getattr(self.stub, method)(
+                request, metadata=self.metadata, timeout=timeout or self.timeout
+            )
+        except grpc.RpcError as exc:
+            code = exc.code()
+            _die(f"{method}: {code.name}: {exc.details()}", _EXIT.get(code, 1))
+
+
+def _ctx(ctx: typer.Context) -> Ctx:
+    obj = ctx.find_root().obj
+    assert isinstance(obj, Ctx)
+    return obj
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    server: Annotated[
+        str, typer.Option(envvar="ADAPTERMESH_SERVER", help="control plane HOST:PORT")
+    ] = "127.0.0.1:7400",
+    token: Annotated[
+        str | None, typer.Option(envvar="ADAPTERMESH_TOKEN", help="bearer token")
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(envvar="ADAPTERMESH_TOKEN_FILE", help="file holding the bearer token"),
+    ] = None,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA to verify the server (enables TLS)")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="client certificate for mTLS")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="client key for mTLS")] = None,
+    timeout: Annotated[float, typer.Option(help="per-call timeout in seconds")] = 10.0,
+) -> None:
+    if token and token_file:
+        _die("--token and --token-file are exclusive", 2)
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            _die(f"--token-file: {exc}", 2)
+    if (tls_cert or tls_key) and not tls_ca:
+        _die("--tls-cert/--tls-key need --tls-ca", 2)
+    ctx.obj = Ctx(server, token, tls_ca, tls_cert, tls_key, timeout)
+
+
+# -- input parsing -----------------------------------------------------------------------
+
+
+def parse_weight(text: str | float | int, field: str = "weight") -> int:
+    """Parts per 10,000 from ``2500``, ``2500.0`` or ``25%``; rejects negative, NaN, inf."""
+    raw = str(text).strip()
+    percent = raw.endswith("%")
+    try:
+        value = float(raw[:-1] if percent else raw)
+    except ValueError:
+        raise ValueError(f"{field}: {text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{field}: {text!r} is not finite")
+    if value < 0:
+        raise ValueError(f"{field}: {text!r} is negative")
+    parts = value * 100 if percent else value
+    if parts != round(parts):
+        raise ValueError(f"{field}: {text!r} is not a whole number of parts per 10,000")
+    if parts > BUDGET:
+        raise ValueError(f"{field}: {text!r} is above {BUDGET} parts (100%)")
+    return round(parts)
+
+
+def _hostport(text: str, field: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{field}: {text!r} is not ADDRESS:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _ts(ts: Any) -> str:
+    if not ts.seconds and not ts.nanos:
+        return "-"
+    return datetime.fromtimestamp(ts.seconds, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _state(value: int) -> str:
+    return assignment_pb2.ShardState.Name(value).removeprefix("SHARD_STATE_")
+
+
+# -- documents (apply / get) -------------------------------------------------------------
+
+
+def _shard_doc(s: assignment_pb2.Shard) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "endpoints": [{"address": e.address, "port": e.port} | ({"draining": True} if e.draining else {})
+                      for e in s.endpoints],
+        "state": _state(s.state) if s.state else "ACTIVE",
+    }
+    steer = MessageToDict(s.steer)
+    if steer:
+        spec["steer"] = steer
+    if s.service_address or s.service_port:
+        spec["service"] = {"address": s.service_address, "port": s.service_port}
+    meta: dict[str, Any] = {"name": s.id}
+    if s.labels:
+        meta["labels"] = dict(s.labels)
+    return {"kind": "Shard", "metadata": meta, "spec": spec}
+
+
+def _instance_doc(i: control_plane_pb2.AdapterInstance) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": i.name}
+    if i.labels:
+        meta["labels"] = dict(i.labels)
+    spec: dict[str, Any] = {"modelRef": MessageToDict(i.model_ref)}
+    spec["routes"] = [{"shard": r.shard_id} | ({"weight": r.weight} if r.weight else {})
+                      for r in i.routes]
+    sec = MessageToDict(i.security)
+    if sec:
+        spec["security"] = {"scopes": sec.get("scopes", []), "allowedCIDRs": sec.get("allowedCidrs", [])}
+    return {"kind": "AdapterInstance", "metadata": meta, "spec": spec}
+
+
+def _pin_doc(p: assignment_pb2.Pin) -> dict[str, Any]:
+    return {"kind": "Pin", "spec": {"cidr": p.cidr, "shard": p.shard_id}}
+
+
+def _override_doc(o: assignment_pb2.Override) -> dict[str, Any]:
+    spec: dict[str, Any] = {"shard": o.shard_id, "weight": o.weight, "reason": o.reason}
+    if o.expires_at.seconds:
+        spec["expiresAt"] = _ts(o.expires_at)
+    return {"kind": "Override", "spec": spec}
+
+
+def _need(mapping: Any, key: str, where: str) -> Any:
+    if not isinstance(mapping, dict) or key not in mapping:
+        raise ValueError(f"{where}.{key}: required")
+    return mapping[key]
+
+
+def _shard_from_doc(doc: dict[str, Any], where: str) -> assignment_pb2.Shard:
+    meta, spec = doc.get("metadata") or {}, doc.get("spec") or {}
+    s = assignment_pb2.Shard(id=str(_need(meta, "name", f"{where}.metadata")))
+    for k, v in (meta.get("labels") or {}).items():
+        s.labels[str(k)] = str(v)
+    for i, ep in enumerate(spec.get("endpoints") or []):
+        if isinstance(ep, str):
+            addr, port = _hostport(ep, f"{where}.spec.endpoints[{i}]")
+            s.endpoints.add(address=addr, port=port)
+        else:
+            s.endpoints.add(
+                address=str(_need(ep, "address", f"{where}.spec.endpoints[{i}]")),
+                port=int(_need(ep, "port", f"{where}.spec.endpoints[{i}]")),
+                draining=bool(ep.get("draining", False)),
+            )
+    state = str(spec.get("state", "ACTIVE")).upper()
+    if state not in ("ACTIVE", "DRAINING"):
+        raise ValueError(f"{where}.spec.state: {state!r} is not ACTIVE or DRAINING")
+    s.state = (
+        assignment_pb2.SHARD_STATE_DRAINING if state == "DRAINING" else assignment_pb2.SHARD_STATE_ACTIVE
+    )
+    steer = spec.get("steer") or {}
+    if "tunnel" in steer:
+        t = steer["tunnel"]
+        s.steer.tunnel.remote_ipv4 = str(t.get("remoteIpv4", t.get("remoteIPv4", "")))
+        s.steer.tunnel.vni = int(t.get("vni", 0))
+        s.steer.tunnel.inner_dst_mac = str(t.get("innerDstMac", ""))
+    elif "redirect" in steer:
+        r = steer["redirect"]
+        s.steer.redirect.ifname = str(r.get("ifname", ""))
+        s.steer.redirect.ifindex = int(r.get("ifindex", 0))
+        s.steer.redirect.dst_mac = str(r.get("dstMac", ""))
+        s.steer.redirect.ingress = bool(r.get("ingress", False))
+    elif "mark" in steer:
+        m = steer["mark"]
+        s.steer.mark.mark = int(m.get("mark", 0) if isinstance(m, dict) else m)
+    service = spec.get("service") or {}
+    s.service_address = str(service.get("address", ""))
+    s.service_port = int(service.get("port", 0))
+    return s
+
+
+def _instance_from_doc(doc: dict[str, Any], where: str) -> control_plane_pb2.AdapterInstance:
+    meta, spec = doc.get("metadata") or {}, doc.get("spec") or {}
+    i = control_plane_pb2.AdapterInstance(name=str(_need(meta, "name", f"{where}.metadata")))
+    for k, v in (meta.get("labels") or {}).items():
+        i.labels[str(k)] = str(v)
+    ref = _need(spec, "modelRef", f"{where}.spec")
+    i.model_ref.base_model = str(_need(ref, "baseModel", f"{where}.spec.modelRef"))
+    i.model_ref.adapter_path = str(ref.get("adapterPath", ""))
+    i.model_ref.revision = str(ref.get("revision", ""))
+    for n, route in enumerate(spec.get("routes") or []):
+        w = route.get("weight", 0)
+        i.routes.add(
+            shard_id=str(_need(route, "shard", f"{where}.spec.routes[{n}]")),
+            weight=parse_weight(w, f"{where}.spec.routes[{n}].weight") if w else 0,
+        )
+    sec = spec.get("security") or {}
+    i.security.scopes.extend(str(x) for x in sec.get("scopes") or [])
+    i.security.allowed_cidrs.extend(str(x) for x in sec.get("allowedCIDRs") or [])
+    return i
+
+
+@dataclass
+class _Change:
+    kind: str
+    name: str
+    verb: str  # create | update | unchanged
+    detail: str
+    apply: Callable[[], None] | None
+
+
+def _diff_dicts(before: Any, after: Any, prefix: str = "") -> list[str]:
+    if isinstance(before, dict) and isinstance(after, dict):
+        lines: list[str] = []
+        for k in sorted(set(before) | set(after)):
+            lines += _diff_dicts(before.get(k), after.get(k), f"{prefix}.{k}" if prefix else k)
+        return lines
+    if before != after:
+        return [f"{prefix}: {json.dumps(before)} -> {json.dumps(after)}"]
+    return []
+
+
+def _load_documents(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text()
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"-f {path}: {exc}") from None
+    outd: list[tuple[str, dict[str, Any]]] = []
+    for n, doc in enumerate(docs):
+        where = f"document {n + 1}"
+        if not isinstance(doc, dict):
+            raise ValueError(f"{where}: not a mapping")
+        if doc.get("kind") == "List":
+            outd += [(f"{where}.items[{k}]", d) for k, d in enumerate(doc.get("items") or [])]
+        else:
+            outd.append((where, doc))
+    for where, doc in outd:
+        if doc.get("kind") not in KINDS:
+            raise ValueError(f"{where}.kind: {doc.get('kind')!r} is not one of {', '.join(KINDS)}")
+    return outd
+
+
+def _plan(c: Ctx, docs: list[tuple[str, dict[str, Any]]]) -> list[_Change]:
+    shards = {s.id: s for s in c.call("ListShards", control_plane_pb2.ListShardsRequest()).shards}
+    insts = {
+        i.name: i
+        for i in c.call(
+            "ListAdapterInstances", control_plane_pb2.ListAdapterInstancesRequest()
+        ).instances
+    }
+    pins = {p.cidr: p.shard_id for p in c.call("ListPins", control_plane_pb2.ListPinsRequest()).pins}
+    overrides = {
+        o.shard_id: o
+        for o in c.call("ListOverrides", control_plane_pb2.ListOverridesRequest()).overrides
+    }
+    changes: list[_Change] = []
+    order = {k: n for n, k in enumerate(KINDS)}
+    for where, doc in sorted(docs, key=lambda d: order[d[1]["kind"]]):
+        kind = doc["kind"]
+        if kind == "Shard":
+            s = _shard_from_doc(doc, where)
+            old = shards.get(s.id)
+            new_doc = _shard_doc(s)
+            if old is None:
+                changes.append(_Change(kind, s.id, "create", "", _bind(c, "UpsertShard",
+                               control_plane_pb2.UpsertShardRequest(shard=s))))
+            else:
+                lines = _diff_dicts(_shard_doc(old), new_doc)
+                changes.append(_Change(kind, s.id, "update" if lines else "unchanged",
+                                       "; ".join(lines), _bind(c, "UpsertShard",
+                                       control_plane_pb2.UpsertShardRequest(shard=s)) if lines else None))
+        elif kind == "AdapterInstance":
+            i = _instance_from_doc(doc, where)
+            old_i = insts.get(i.name)
+            if old_i is None:
+                verb, lines = "create", []
+            else:
+                lines = _diff_dicts(_instance_doc(old_i), _instance_doc(i))
+                verb = "update" if lines else "unchanged"
+            changes.append(_Change(kind, i.name, verb, "; ".join(lines), _bind(
+                c, "UpsertAdapterInstance", control_plane_pb2.UpsertAdapterInstanceRequest(instance=i)
+            ) if verb != "unchanged" else None))
+        elif kind == "Pin":
+            spec = doc.get("spec") or {}
+            cidr = str(_need(spec, "cidr", f"{where}.spec"))
+            shard_id = str(_need(spec, "shard", f"{where}.spec"))
+            current = pins.get(cidr)
+            req = control_plane_pb2.PinTenantRequest(cidr=cidr, shard_id=shard_id)
+            if current is None:
+                changes.append(_Change(kind, cidr, "create", f"-> {shard_id}", _bind(c, "PinTenant", req)))
+            elif current == shard_id:
+                changes.append(_Change(kind, cidr, "unchanged", "", None))
+            else:
+                changes.append(_Change(kind, cidr, "update", f"shard: {current} -> {shard_id}",
+                                       _repin(c, cidr, req)))
+        else:
+            spec = doc.get("spec") or {}
+            shard_id = str(_need(spec, "shard", f"{where}.spec"))
+            weight = parse_weight(_need(spec, "weight", f"{where}.spec"), f"{where}.spec.weight")
+            ttl = spec.get("ttlSeconds", 0)
+            if not isinstance(ttl, int) or ttl < 0:
+                raise ValueError(f"{where}.spec.ttlSeconds: {ttl!r} is not a whole number >= 0")
+            reason = str(spec.get("reason", "applied from file"))
+            req_o = control_plane_pb2.SetOverrideRequest(
+                shard_id=shard_id, weight=weight, ttl_seconds=ttl, reason=reason
+            )
+            old_o = overrides.get(shard_id)
+            if old_o is not None and old_o.weight == weight and old_o.reason == reason:
+                # Same weight and reason: unchanged (re-applying does not extend a TTL).
+                changes.append(_Change(kind, shard_id, "unchanged", "", None))
+            else:
+                detail = (f"weight: {old_o.weight} -> {weight}" if old_o else f"weight {weight}")
+                changes.append(_Change(kind, shard_id, "update" if old_o else "create", detail,
+                                       _bind(c, "SetOverride", req_o)))
+    return changes
+
+
+def _repin(c: Ctx, cidr: str, req: control_plane_pb2.PinTenantRequest) -> Callable[[], None]:
+    def run() -> None:
+        c.call("UnpinTenant", control_plane_pb2.UnpinTenantRequest(cidr=cidr))
+        c.call("PinTenant", req)
+
+    return run
+
+
+def _bind(c: Ctx, method: str, request: Any) -> Callable[[], None]:
+    def run() -> None:
+        c.call(method, request)
+
+    return run
+
+
+def _guard(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except ValueError as exc:
+        _die(str(exc), 2)
+
+
+# -- commands ----------------------------------------------------------------------------
+
+
+@app.command("shards")
+def shards_cmd(ctx: typer.Context) -> None:
+    """List shards with their published weights and endpoints."""
+    resp = _ctx(ctx).call("ListShards", control_plane_pb2.ListShardsRequest())
+    t = Table("SHARD", "INDEX", "STATE", "WEIGHT", "ENDPOINTS", "STEER")
+    for s in resp.shards:
+        eps = ", ".join(f"{e.address}:{e.port}({e.weight})" for e in s.endpoints)
+        kind = s.steer.WhichOneof("target") or "-"
+        t.add_row(s.id, str(s.index), _state(s.state), f"{s.weight / 100:.2f}%", eps or "-", kind)
+    out.print(t)
+
+
+@shard_app.command("upsert")
+def shard_upsert(
+    ctx: typer.Context,
+    shard_id: Annotated[str, typer.Argument(metavar="SHARD")],
+    endpoint: Annotated[list[str] | None, typer.Option("--endpoint", "-e", help="ADDRESS:PORT")] = None,
+    tunnel: Annotated[str | None, typer.Option(help="VXLAN remote IPv4")] = None,
+    vni: Annotated[int, typer.Option(help="VXLAN VNI")] = 0,
+    ifname: Annotated[str | None, typer.Option(help="redirect to this local interface")] = None,
+    mark: Annotated[int | None, typer.Option(help="steer by skb mark")] = None,
+    service: Annotated[str | None, typer.Option(help="Envoy listener ADDRESS:PORT")] = None,
+    draining: Annotated[bool, typer.Option(help="mark the shard DRAINING")] = False,
+    label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE")] = None,
+) -> None:
+    """Create or replace a shard (its index is kept)."""
+
+    def build() -> assignment_pb2.Shard:
+        s = assignment_pb2.Shard(id=shard_id)
+        for i, e in enumerate(endpoint or []):
+            addr, port = _hostport(e, f"--endpoint[{i}]")
+            s.endpoints.add(address=addr, port=port)
+        if sum(x is not None for x in (tunnel, ifname, mark)) > 1:
+            raise ValueError("--tunnel, --ifname and --mark are exclusive")
+        if tunnel is not None:
+            s.steer.tunnel.remote_ipv4, s.steer.tunnel.vni = tunnel, vni
+        elif ifname is not None:
+            s.steer.redirect.ifname = ifname
+        elif mark is not None:
+            s.steer.mark.mark = mark
+        if service:
+            s.service_address, s.service_port = _hostport(service, "--service")
+        s.state = assignment_pb2.SHARD_STATE_DRAINING if draining else assignment_pb2.SHARD_STATE_ACTIVE
+        for kv in label or []:
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise ValueError(f"--label: {kv!r} is not KEY=VALUE")
+            s.labels[k] = v
+        return s
+
+    s = _guard(build)
+    stored = _ctx(ctx).call("UpsertShard", control_plane_pb2.UpsertShardRequest(shard=s))
+    out.print(f"shard {stored.id} stored (index {stored.index})")
+
+
+@shard_app.command("delete")
+def shard_delete(ctx: typer.Context, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]) -> None:
+    """Delete a shard (unpin its tenants first)."""
+    _ctx(ctx).call("DeleteShard", control_plane_pb2.DeleteShardRequest(id=shard_id))
+    out.print(f"shard {shard_id} deleted")
+
+
+@override_app.command("set")
+def override_set(
+    ctx: typer.Context,
+    shard_id: Annotated[str, typer.Argument(metavar="SHARD")],
+    weight: Annotated[str, typer.Argument(metavar="WEIGHT", help="parts per 10,000, or N%")],
+    ttl: Annotated[int, typer.Option(help="seconds until it expires (0: never)")] = 0,
+    reason: Annotated[str, typer.Option(help="why; recorded in the history")] = "",
+) -> None:
+    """Fix a shard's weight; the other shards re-normalise."""
+    parts = _guard(lambda: parse_weight(weight))
+    if ttl < 0:
+        _die(f"--ttl: {ttl} is negative", 2)
+    o = _ctx(ctx).call(
+        "SetOverride",
+        control_plane_pb2.SetOverrideRequest(shard_id=shard_id, weight=parts, ttl_seconds=ttl, reason=reason),
+    )
+    out.print(f"override {o.shard_id} = {o.weight} parts, expires {_ts(o.expires_at)}")
+
+
+@override_app.command("clear")
+def override_clear(ctx: typer.Context, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]) -> None:
+    """Remove a shard's override."""
+    _ctx(ctx).call("ClearOverride", control_plane_pb2.ClearOverrideRequest(shard_id=shard_id))
+    out.print(f"override on {shard_id} cleared")
+
+
+@override_app.command("list")
+def override_list(ctx: typer.Context) -> None:
+    """List active overrides."""
+    resp = _ctx(ctx).call("ListOverrides", control_plane_pb2.ListOverridesRequest())
+    t = Table("SHARD", "WEIGHT", "EXPIRES", "REASON")
+    for o in resp.overrides:
+        t.add_row(o.shard_id, str(o.weight), _ts(o.expires_at), o.reason)
+    out.print(t)
+
+
+@app.command("pin")
+def pin_cmd(ctx: typer.Context, cidr: str, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]) -> None:
+    """Pin a tenant CIDR to a shard (the longest prefix wins)."""
+    p = _ctx(ctx).call("PinTenant", control_plane_pb2.PinTenantRequest(cidr=cidr, shard_id=shard_id))
+    out.print(f"pinned {p.cidr} -> {p.shard_id}")
+
+
+@app.command("unpin")
+def unpin_cmd(ctx: typer.Context, cidr: str) -> None:
+    """Remove a tenant pin."""
+    _ctx(ctx).call("UnpinTenant", control_plane_pb2.UnpinTenantRequest(cidr=cidr))
+    out.print(f"unpinned {cidr}")
+
+
+def _status_table(st: control_plane_pb2.StatusResponse) -> Table:
+    a = st.assignment
+    t = Table("SHARD", "STATE", "WEIGHT", "UTIL", "QUEUE", "RUNNING", "TTFT ms", "TOK/s", "KV",
+              "WORKERS", title=f"assignment v{a.version} at {_ts(a.generated_at)}: {a.reason}")
+    loads = {ld.shard_id: ld for ld in st.loads}
+    for s in a.shards:
+        ld = loads.get(s.id)
+        if ld is None or not ld.known:
+            cells = ["unknown"] + ["-"] * 5
+        else:
+            cells = [f"{ld.utilization:.2f}", f"{ld.queue_depth:.0f}", f"{ld.running:.0f}",
+                     f"{ld.latency_ms:.0f}", f"{ld.tokens_per_s:.0f}", f"{ld.kv_cache_usage:.0%}"]
+        workers = f"{ld.workers_known}/{ld.workers}" if ld else f"?/{len(s.endpoints)}"
+        t.add_row(s.id, _state(s.state), f"{s.weight / 100:.2f}%", *cells, workers)
+    return t
+
+
+def _nodes_table(st: control_plane_pb2.StatusResponse) -> Table:
+    t = Table("NODE", "APPLIED", "LAG", "LAST REPORT", "ERROR", title="nodes")
+    for n in st.nodes:
+        lag = st.assignment.version - n.applied_version
+        style = "red" if lag > 0 or n.apply_error else ""
+        t.add_row(n.node_id, str(n.applied_version), str(lag), _ts(n.last_report),
+                  n.apply_error or "", style=style)
+    return t
+
+
+@app.command("status")
+def status_cmd(ctx: typer.Context) -> None:
+    """Weights, loads, and the version each node applied (lagging nodes show in red)."""
+    st = _ctx(ctx).call("GetStatus", control_plane_pb2.GetStatusRequest())
+    out.print(_status_table(st))
+    out.print(_nodes_table(st))
+
+
+@app.command("watch")
+def watch_cmd(
+    ctx: typer.Context,
+    from_version: Annotated[int, typer.Option(help="resume after this version")] = 0,
+    count: Annotated[int, typer.Option(help="stop after this many Assignments (0: never)")] = 0,
+) -> None:
+    """Live table of Assignments as they are published."""
+    c = _ctx(ctx)
+    stream = c.stub.WatchAssignments(
+        control_plane_pb2.WatchAssignmentsRequest(from_version=from_version, node_id="adapterctl"),
+        metadata=c.metadata,
+    )
+    seen = 0
+    try:
+        with Live(Table(), console=out, auto_refresh=False, transient=not out.is_terminal) as live:
+            for a in stream:
+                st = control_plane_pb2.StatusResponse(assignment=a)
+                with _quiet():
+                    st.loads.extend(c.stub.GetStatus(control_plane_pb2.GetStatusRequest(),
+                                                     metadata=c.metadata, timeout=c.timeout).loads)
+                live.update(_status_table(st), refresh=True)
+                if not out.is_terminal:
+                    out.print(f"v{a.version} {a.reason}", highlight=False)
+                seen += 1
+                if count and seen >= count:
+                    stream.cancel()
+                    break
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.CANCELLED:
+            _die(f"WatchAssignments: {exc.code().name}: {exc.details()}", _EXIT.get(exc.code(), 1))
+    except KeyboardInterrupt:
+        stream.cancel()
+
+
+class _quiet:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return exc[0] is not None and issubclass(exc[0], grpc.RpcError)  # type: ignore[arg-type]
+
+
+@app.command("history")
+def history_cmd(
+    ctx: typer.Context,
+    limit: Annotated[int, typer.Option(help="how many versions")] = 20,
+    before: Annotated[int, typer.Option(help="only versions below this one")] = 0,
+) -> None:
+    """Published Assignment versions with their reasons, newest first."""
+    resp = _ctx(ctx).call("ListHistory", control_plane_pb2.ListHistoryRequest(limit=limit, before_version=before))
+    t = Table("VERSION", "GENERATED", "WEIGHTS", "REASON")
+    for r in resp.records:
+        w = " ".join(f"{s.id}={s.weight}" for s in r.assignment.shards if s.weight)
+        t.add_row(str(r.version), _ts(r.generated_at), w, r.reason)
+    out.print(t)
+
+
+@app.command("get")
+def get_cmd(
+    ctx: typer.Context,
+    what: Annotated[str, typer.Argument(help="all | shards | pins | overrides | adapters | assignment")] = "all",
+    output: Annotated[str, typer.Option("--output", "-o", help="yaml | json")] = "yaml",
+) -> None:
+    """Print objects as documents that `apply -f` accepts."""
+    if output not in ("yaml", "json"):
+        _die(f"--output: {output!r} is not yaml or json", 2)
+    valid = ("all", "shards", "pins", "overrides", "adapters", "assignment")
+    if what not in valid:
+        _die(f"WHAT: {what!r} is not one of {', '.join(valid)}", 2)
+    c = _ctx(ctx)
+    docs: list[dict[str, Any]] = []
+    if what == "assignment":
+        a = c.call("GetAssignment", control_plane_pb2.GetAssignmentRequest())
+        payload: Any = MessageToDict(a)
+    else:
+        if what in ("all", "shards"):
+            docs += [_shard_doc(s) for s in c.call("ListShards", control_plane_pb2.ListShardsRequest()).shards]
+        if what in ("all", "adapters"):
+            docs += [_instance_doc(i) for i in c.call(
+                "ListAdapterInstances", control_plane_pb2.ListAdapterInstancesRequest()).instances]
+        if what in ("all", "pins"):
+            docs += [_pin_doc(p) for p in c.call("ListPins", control_plane_pb2.ListPinsRequest()).pins]
+        if what in ("all", "overrides"):
+            docs += [_override_doc(o) for o in c.call(
+                "ListOverrides", control_plane_pb2.ListOverridesRequest()).overrides]
+        payload = {"kind": "List", "items": docs}
+    if output == "json":
+        sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    elif isinstance(payload, dict) and payload.get("kind") == "List":
+        sys.stdout.write(yaml.safe_dump_all(payload["items"], sort_keys=False))
+    else:
+        sys.stdout.write(yaml.safe_dump(payload, sort_keys=False))
+
+
+@app.command("apply")
+def apply_cmd(
+    ctx: typer.Context,
+    filename: Annotated[Path, typer.Option("--filename", "-f", help="YAML file ('-': stdin)")],
+    dry_run: Annotated[bool, typer.Option(help="print the diff only")] = False,
+) -> None:
+    """Make the server match Shard, AdapterInstance, Pin and Override documents; idempotent."""
+    c = _ctx(ctx)
+    docs = _guard(lambda: _load_documents(filename))
+    changes = _guard(lambda: _plan(c, docs))  # everything validated before anything is sent
+    marks = {"create": "[green]+[/green]", "update": "[yellow]~[/yellow]", "unchanged": "="}
+    for ch in changes:
+        detail = f"  ({ch.detail})" if ch.detail else ""
+        out.print(f"{marks[ch.verb]} {ch.kind}/{ch.name} {ch.verb}{detail}", highlight=False)
+    todo = [ch for ch in changes if ch.apply is not None]
+    if dry_run:
+        out.print(f"{len(todo)} change(s) (dry run: nothing sent)")
+        return
+    for ch in todo:
+        assert ch.apply is not None
+        ch.apply()
+    out.print(f"{len(todo)} change(s) applied, {len(changes) - len(todo)} unchanged")
+
+
+if __name__ == "__main__":
+    app()
