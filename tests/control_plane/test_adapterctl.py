@@ -153,7 +153,8 @@ def test_apply_is_idempotent_prints_a_diff_and_round_trips(server: str, tmp_path
     # What get prints, apply accepts, and it changes nothing.
     (tmp_path / "back.yaml").write_text(r.output)
     r2 = run(server, "apply", "-f", str(tmp_path / "back.yaml"))
-    assert r2.exit_code == 0 and "0 change(s) applied" in r2.output, r2.output
+    assert r2.exit_code == 0, r2.output
+    assert "0 change(s) applied" in r2.output, r2.output
     j = json.loads(run(server, "get", "assignment", "-o", "json").output)
     assert sum(s.get("weight", 0) for s in j["shards"] if s.get("state") == "SHARD_STATE_ACTIVE") == 10_000
 

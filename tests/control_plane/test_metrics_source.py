@@ -1,0 +1,156 @@
+"""Scraping and the Prometheus source against local aiohttp servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from aiohttp import web
+
+from adaptermesh.control_plane.metrics_source import (
+    PrometheusSource,
+    ScrapeSource,
+    Target,
+    parse_metrics,
+)
+
+EXPOSITION = """\
+# HELP vllm:num_requests_waiting waiting
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{model_name="m"}} {waiting}
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{model_name="m"}} 4
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{model_name="m"}} 0.25
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{{max_lora="4",running_lora_adapters="a,b",waiting_lora_adapters="c"}} 1.7e9
+# TYPE adaptermesh_ttft_seconds histogram
+adaptermesh_ttft_seconds_bucket{{le="+Inf"}} {count}
+adaptermesh_ttft_seconds_sum {ttft_sum}
+adaptermesh_ttft_seconds_count {count}
+# TYPE adaptermesh_generated_tokens_total counter
+adaptermesh_generated_tokens_total {tokens}
+# TYPE adaptermesh_gpu_free_bytes gauge
+adaptermesh_gpu_free_bytes 8e9
+"""
+
+
+def test_parse_tolerates_missing_and_unknown_series() -> None:
+    raw = parse_metrics(EXPOSITION.format(waiting=2, count=10, ttft_sum=1.0, tokens=500))
+    assert raw.waiting == 2
+    assert raw.running == 4
+    assert raw.ttft_count == 10
+    assert raw.tokens_total == 500
+    assert raw.running_adapters == {"a", "b"}
+    assert raw.waiting_adapters == {"c"}
+    assert raw.resident_adapters >= {"a", "b"}
+    partial = parse_metrics("# TYPE other gauge\nother 1\nvllm:num_requests_running 3\n")
+    assert partial.running == 3
+    assert partial.waiting is None
+    assert partial.tokens_total is None
+    assert parse_metrics("").series == 0
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[tuple[int, dict[str, object]]]:
+    state: dict[str, object] = {"waiting": 0, "count": 0, "ttft_sum": 0.0, "tokens": 0, "delay": 0.0, "status": 200}
+
+    async def metrics(request: web.Request) -> web.Response:
+        await asyncio.sleep(float(state["delay"]))  # type: ignore[arg-type]
+        if state["status"] != 200:
+            return web.Response(status=int(state["status"]))  # type: ignore[call-overload]
+        return web.Response(text=EXPOSITION.format(**{k: state[k] for k in ("waiting", "count", "ttft_sum", "tokens")}))
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield port, state
+    finally:
+        await runner.cleanup()
+
+
+async def test_scrape_rates_timeouts_and_staleness(worker: tuple[int, dict[str, object]]) -> None:
+    port, state = worker
+    src = ScrapeSource(interval_s=1.0, timeout_s=0.3)
+    targets = [Target("s", "127.0.0.1", port), Target("s", "127.0.0.1", 1)]  # port 1: refused
+    first = await src.collect(targets, now=100.0)
+    good, dead = first[f"127.0.0.1:{port}"], first["127.0.0.1:1"]
+    assert good.known
+    assert good.latency_s is None  # one scrape gives no rate yet
+    assert not dead.known  # never scraped: unknown, not idle
+    state.update(count=20, ttft_sum=3.0, tokens=1000)
+    second = (await src.collect(targets, now=102.0))[f"127.0.0.1:{port}"]
+    assert second.latency_s == pytest.approx(0.15)
+    assert second.tokens_per_s == pytest.approx(500.0)
+    assert second.requested_adapters == {"a", "b", "c"}
+    # A slow worker times out; inside three intervals its last reading stands, then unknown.
+    state["delay"] = 1.0
+    third = (await src.collect(targets, now=104.0))[f"127.0.0.1:{port}"]
+    assert third.known
+    assert third.age_s == pytest.approx(2.0)
+    fourth = (await src.collect(targets, now=105.5))[f"127.0.0.1:{port}"]
+    assert not fourth.known
+    assert "Timeout" in src.errors[f"127.0.0.1:{port}"] or "timeout" in src.errors[f"127.0.0.1:{port}"].lower()
+
+
+async def test_scrapes_run_concurrently(worker: tuple[int, dict[str, object]]) -> None:
+    port, state = worker
+    state["delay"] = 0.2
+    src = ScrapeSource(interval_s=1.0, timeout_s=1.0)
+    # The same worker 20 times: serial scraping would take 4 s.
+    many = [Target("s", "127.0.0.1", port) for _ in range(20)]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    out = await src.collect(many, now=1.0)
+    assert loop.time() - t0 < 2.0
+    assert all(o.known for o in out.values())
+
+
+@pytest.fixture
+async def prometheus() -> AsyncIterator[tuple[int, Callable[[str], list[dict[str, object]]]]]:
+    def answer(query: str) -> list[dict[str, object]]:
+        inst = {"instance": "10.0.0.1:8000"}
+        if query.startswith("vllm:lora_requests_info"):
+            return [{"metric": inst | {"running_lora_adapters": "a", "waiting_lora_adapters": "b"}, "value": [1, "1"]}]
+        values = {"waiting": "3", "running": "5", "max by": "0.5", "rate(adaptermesh_ttft": "0.2",
+                  "rate(adaptermesh_generated": "800", "adaptermesh_gpu_free_bytes": "1e9"}
+        for key, v in values.items():
+            if key in query:
+                return [{"metric": inst, "value": [1, v]}]
+        return []
+
+    async def handler(request: web.Request) -> web.Response:
+        q = request.query["query"]
+        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": answer(q)}})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield port, answer
+    finally:
+        await runner.cleanup()
+
+
+async def test_prometheus_source(prometheus: tuple[int, object]) -> None:
+    port, _ = prometheus
+    src = PrometheusSource(f"http://127.0.0.1:{port}", interval_s=1.0)
+    out = await src.collect([Target("s", "10.0.0.1", 8000), Target("s", "10.0.0.2", 8000)], now=10.0)
+    w = out["10.0.0.1:8000"]
+    assert w.known
+    assert w.waiting == 3
+    assert w.running == 5
+    assert w.latency_s == pytest.approx(0.2)
+    assert w.tokens_per_s == 800
+    assert w.requested_adapters == {"a", "b"}
+    assert not out["10.0.0.2:8000"].known
