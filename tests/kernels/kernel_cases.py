@@ -86,10 +86,11 @@ def make_case(
     """Fresh random inputs (never zeros) scaled so v, the LoRA term and out are all O(1):
     a kernel that skips an element of out then misses by O(1), far outside tolerance."""
     gen = torch.Generator().manual_seed(seed)
+    dgen = torch.Generator(device=device).manual_seed(seed)  # big pools: draw on the device
     n_slices = len(out_sizes)
 
     def rnd(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * std).to(dtype=dtype, device=device)
+        return (torch.randn(*shape, generator=dgen, device=device) * std).to(dtype)
 
     x = rnd(t, h, std=1.0)
     lora_a = rnd(n_slices, s, r_max, h, std=1.0 / math.sqrt(h))

@@ -216,28 +216,22 @@ def _sgmm_expand_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_i = tl.program_id(2)
-    # Per-slice B matrix, width, column offset and strides (at most three slices).
+    # Per-slice B matrix, width, column offset and strides (at most three slices). Integers
+    # go through tl.where rather than if/else, because Triton may specialise any of them to a
+    # constant (e.g. a stride of 1) and branches must then agree on types.
+    is0 = pid_i == 0
+    is1 = pid_i == 1
+    n_size = tl.where(is0, N0, tl.where(is1, N1, N2))
+    col_off = tl.where(is0, 0, tl.where(is1, OFF1, OFF2))
+    stride_bs = tl.where(is0, stride_b0s, tl.where(is1, stride_b1s, stride_b2s)).to(tl.int64)
+    stride_bn = tl.where(is0, stride_b0n, tl.where(is1, stride_b1n, stride_b2n))
+    stride_br = tl.where(is0, stride_b0r, tl.where(is1, stride_b1r, stride_b2r))
     if pid_i == 0:
         b_ptr = b0_ptr
-        n_size = N0
-        col_off = 0
-        stride_bs = stride_b0s
-        stride_bn = stride_b0n
-        stride_br = stride_b0r
     elif pid_i == 1:
         b_ptr = b1_ptr
-        n_size = N1
-        col_off = OFF1
-        stride_bs = stride_b1s
-        stride_bn = stride_b1n
-        stride_br = stride_b1r
     else:
         b_ptr = b2_ptr
-        n_size = N2
-        col_off = OFF2
-        stride_bs = stride_b2s
-        stride_bn = stride_b2n
-        stride_br = stride_b2r
     n_start = pid_n * BLOCK_N
     if n_start >= n_size:
         return
