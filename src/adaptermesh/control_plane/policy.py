@@ -196,18 +196,27 @@ def _raw_rho(
     shard: ShardObservation, est: ShardEstimate, cfg: PolicyConfig
 ) -> tuple[float, float | None, float | None, float]:
     """Utilisation of one interval, with the updated latency EWMA and baseline."""
-    known = [w for w in shard.workers if w.known]
-    waiting = sum(w.waiting for w in known)
-    running = sum(w.running for w in known)
-    kv = sum(w.kv_cache_usage for w in known) / len(known)
-    tokens = sum(w.tokens_per_s for w in known)
-    lat_samples = [(w.latency_s, max(w.tokens_per_s, 1e-9)) for w in known if w.latency_s]
+    # One pass over the workers: this runs for every shard every tick.
+    waiting = running = kv = tokens = lat_weight = lat_total = 0.0
+    n = 0
+    for w in shard.workers:
+        if not w.known:
+            continue
+        n += 1
+        waiting += w.waiting
+        running += w.running
+        kv += w.kv_cache_usage
+        tokens += w.tokens_per_s
+        if w.latency_s:
+            weight = w.tokens_per_s if w.tokens_per_s > 1e-9 else 1e-9
+            lat_weight += weight
+            lat_total += w.latency_s * weight
+    kv = kv / n if n else 0.0
     latency = est.latency_s
     baseline = est.baseline_s
     rho_lat = 0.0
-    if lat_samples:
-        total = sum(weight for _, weight in lat_samples)
-        sample = sum(lat * weight for lat, weight in lat_samples if lat is not None) / total
+    if lat_weight > 0:
+        sample = lat_total / lat_weight
         latency = _ewma(est.latency_s, sample, cfg.ewma_alpha)
         if baseline is None:
             baseline = sample
@@ -306,41 +315,48 @@ def _endpoint_weights(
     shard: ShardObservation, previous: Mapping[str, int], cfg: PolicyConfig
 ) -> dict[str, int]:
     """Favour workers with headroom, free GPU memory and the shard's adapters resident."""
-    if not shard.workers:
+    workers = shard.workers
+    if not workers:
         return {}
-    requested: set[str] = set(shard.routed_adapters)
-    for w in shard.workers:
-        requested |= w.requested_adapters
-    free_max = max((w.gpu_free_bytes or 0.0) for w in shard.workers if w.known) if any(
-        w.known for w in shard.workers
-    ) else 0.0
+    # This runs for every worker every tick (8,000 at the benchmark's size): keep it lean.
+    requested: frozenset[str] | set[str] = shard.routed_adapters
+    for w in workers:
+        if w.requested_adapters:
+            requested = requested | w.requested_adapters
+    n_requested = len(requested)
+    known = [w for w in workers if w.known]
+    free_max = max([w.gpu_free_bytes or 0.0 for w in known], default=0.0)
+    inv_free = 1.0 / free_max if free_max > 1.0 else 0.0  # below one byte: no signal
+    aff_bonus = cfg.affinity_bonus / n_requested if n_requested else 0.0
     scores: dict[str, float] = {}
-    for w in shard.workers:
-        if not w.known:
-            continue
-        rho = max(w.kv_cache_usage, 1.0 + w.waiting / max(w.running, 1.0) if w.waiting else 0.0)
-        headroom = max(0.05, 1.0 - min(rho, 0.95))
-        mem = (w.gpu_free_bytes or 0.0) / free_max if free_max > 0 else 0.0
-        affinity = len(requested & w.resident_adapters) / len(requested) if requested else 0.0
-        scores[endpoint_key(w.address, w.port)] = (
-            headroom * (1.0 + cfg.memory_bonus * mem) * (1.0 + cfg.affinity_bonus * affinity)
-        )
-    best = max(scores.values()) if scores else 0.0
+    for w in known:
+        rho = w.kv_cache_usage
+        if w.waiting:
+            rho = max(rho, 1.0 + w.waiting / max(w.running, 1.0))
+        headroom = 1.0 - rho if rho < 0.95 else 0.05
+        free = w.gpu_free_bytes if w.gpu_free_bytes and w.gpu_free_bytes > 0 else 0.0
+        score = headroom * (1.0 + cfg.memory_bonus * free * inv_free)
+        if aff_bonus and w.resident_adapters:
+            score *= 1.0 + aff_bonus * len(requested & w.resident_adapters)
+        scores[f"{w.address}:{w.port}"] = score
+    best = max(scores.values(), default=0.0)
     out: dict[str, int] = {}
-    for w in shard.workers:
-        key = endpoint_key(w.address, w.port)
-        if key in scores and best > 0:
-            target = cfg.endpoint_scale * scores[key] / best
+    if best > 0:
+        scale = cfg.endpoint_scale / best
+        alpha = cfg.ewma_alpha
+        for key, score in scores.items():
+            target = scale * score
             prev = previous.get(key)
-            value = target if prev is None else prev + cfg.ewma_alpha * (target - prev)
+            value = target if prev is None else prev + alpha * (target - prev)
             out[key] = max(1, round(value))
-        else:
-            # Unknown: keep what it had, never more because it looks quiet.
-            known_vals = sorted(
-                v for k, v in previous.items() if k in scores
-            )
-            median = known_vals[len(known_vals) // 2] if known_vals else cfg.endpoint_scale
-            out[key] = max(1, previous.get(key, median))
+    if len(known) < len(workers):
+        # Unknown: keep what it had, never more because it looks quiet.
+        known_vals = sorted(v for k, v in previous.items() if k in scores)
+        median = known_vals[len(known_vals) // 2] if known_vals else cfg.endpoint_scale
+        for w in workers:
+            key = f"{w.address}:{w.port}"
+            if key not in out:
+                out[key] = max(1, previous.get(key, median))
     return out
 
 
@@ -357,14 +373,16 @@ def decide(
     # 2. Estimates.
     estimates: dict[str, ShardEstimate] = {}
     utilization: dict[str, float | None] = {}
+    known: set[str] = set()
+    blank = ShardEstimate()
     for sid in active:
         shard = observation.shards[sid]
-        est = current.estimates.get(sid, ShardEstimate())
+        est = current.estimates.get(sid, blank)
         w_prev = current.weights.get(sid)
         if shard.known:
+            known.add(sid)
             rho, latency, baseline, tokens = _raw_rho(shard, est, cfg)
-            est = replace(
-                est,
+            est = ShardEstimate(
                 rho=_ewma(est.rho, rho, cfg.ewma_alpha),
                 weight_eff=_ewma(est.weight_eff, float(w_prev), cfg.ewma_alpha)
                 if w_prev is not None
@@ -372,15 +390,18 @@ def decide(
                 latency_s=latency,
                 baseline_s=baseline,
                 tokens_per_s=_ewma(est.tokens_per_s or None, tokens, cfg.ewma_alpha),
+                moving=est.moving,
             )
+            utilization[sid] = est.rho
+        else:
+            utilization[sid] = None
         estimates[sid] = est
-        utilization[sid] = est.rho if shard.known else None
 
     fixed, c, rest, free, floor = _baseline(observation, current, overrides, active, cfg)
     movable = [
         sid
         for sid in free
-        if observation.shards[sid].known
+        if sid in known
         and estimates[sid].rho is not None
         and estimates[sid].weight_eff is not None
     ]
@@ -410,7 +431,8 @@ def decide(
     moving = start or keep
     deltas: dict[str, float] = {}
     for sid in free:
-        estimates[sid] = replace(estimates[sid], moving=moving)
+        if estimates[sid].moving != moving:
+            estimates[sid] = replace(estimates[sid], moving=moving)
         d = gaps[sid]
         deltas[sid] = max(-cfg.max_step, min(cfg.max_step, d)) if moving else 0.0
     pos = sum(d for d in deltas.values() if d > 0)
