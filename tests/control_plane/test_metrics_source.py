@@ -25,14 +25,14 @@ vllm:num_requests_running{{model_name="m"}} 4
 vllm:kv_cache_usage_perc{{model_name="m"}} 0.25
 # TYPE vllm:lora_requests_info gauge
 vllm:lora_requests_info{{max_lora="4",running_lora_adapters="a,b",waiting_lora_adapters="c"}} 1.7e9
-# TYPE adaptermesh_ttft_seconds histogram
-adaptermesh_ttft_seconds_bucket{{le="+Inf"}} {count}
-adaptermesh_ttft_seconds_sum {ttft_sum}
-adaptermesh_ttft_seconds_count {count}
-# TYPE adaptermesh_generated_tokens_total counter
-adaptermesh_generated_tokens_total {tokens}
-# TYPE adaptermesh_gpu_free_bytes gauge
-adaptermesh_gpu_free_bytes 8e9
+# TYPE adaptermesh_time_to_first_token_seconds histogram
+adaptermesh_time_to_first_token_seconds_bucket{{le="+Inf"}} {count}
+adaptermesh_time_to_first_token_seconds_sum {ttft_sum}
+adaptermesh_time_to_first_token_seconds_count {count}
+# TYPE adaptermesh_generation_tokens counter
+adaptermesh_generation_tokens_total {tokens}
+# TYPE adaptermesh_free_gpu_memory_bytes gauge
+adaptermesh_free_gpu_memory_bytes 8e9
 """
 
 
@@ -45,11 +45,14 @@ def test_parse_tolerates_missing_and_unknown_series() -> None:
     assert raw.running_adapters == {"a", "b"}
     assert raw.waiting_adapters == {"c"}
     assert raw.resident_adapters >= {"a", "b"}
+    assert raw.gpu_free_bytes == 8e9
     partial = parse_metrics("# TYPE other gauge\nother 1\nvllm:num_requests_running 3\n")
     assert partial.running == 3
     assert partial.waiting is None
     assert partial.tokens_total is None
     assert parse_metrics("").series == 0
+    older = parse_metrics("adaptermesh_ttft_seconds_sum 2\nadaptermesh_ttft_seconds_count 4\n")
+    assert (older.ttft_sum, older.ttft_count) == (2, 4)
 
 
 @pytest.fixture
@@ -118,8 +121,8 @@ async def prometheus() -> AsyncIterator[tuple[int, Callable[[str], list[dict[str
         inst = {"instance": "10.0.0.1:8000"}
         if query.startswith("vllm:lora_requests_info"):
             return [{"metric": inst | {"running_lora_adapters": "a", "waiting_lora_adapters": "b"}, "value": [1, "1"]}]
-        values = {"waiting": "3", "running": "5", "max by": "0.5", "rate(adaptermesh_ttft": "0.2",
-                  "rate(adaptermesh_generated": "800", "adaptermesh_gpu_free_bytes": "1e9"}
+        values = {"waiting": "3", "running": "5", "max by": "0.5", "rate(adaptermesh_time_to_first": "0.2",
+                  "rate(adaptermesh_generation": "800", "adaptermesh_free_gpu_memory_bytes": "1e9"}
         for key, v in values.items():
             if key in query:
                 return [{"metric": inst, "value": [1, v]}]

@@ -9,9 +9,10 @@ Series read (the names the workers export, vLLM's first so existing gateways wor
 
 * ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``
 * ``vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}``
-* ``adaptermesh_ttft_seconds`` (histogram; ``vllm:time_to_first_token_seconds`` as fallback)
-* ``adaptermesh_generated_tokens_total`` (counter; ``vllm:generation_tokens_total`` fallback)
-* ``adaptermesh_gpu_free_bytes``, ``adaptermesh_adapter_gpu_slots_used``
+* ``adaptermesh_time_to_first_token_seconds`` (histogram; ``vllm:time_to_first_token_seconds``
+  as a fallback)
+* ``adaptermesh_generation_tokens_total`` (counter; ``vllm:generation_tokens_total`` fallback)
+* ``adaptermesh_free_gpu_memory_bytes``, ``adaptermesh_gpu_slots_used``
 * ``adaptermesh_adapter_resident{adapter}`` (1 when resident), when the worker exports it
 """
 
@@ -37,8 +38,19 @@ __all__ = [
     "parse_metrics",
 ]
 
-_TTFT = ("adaptermesh_ttft_seconds", "vllm:time_to_first_token_seconds")
-_TOKENS = ("adaptermesh_generated_tokens_total", "vllm:generation_tokens_total")
+# First name found wins: the worker's own (docs/worker-service.md), then older or vLLM names.
+_TTFT = (
+    "adaptermesh_time_to_first_token_seconds",
+    "adaptermesh_ttft_seconds",
+    "vllm:time_to_first_token_seconds",
+)
+_TOKENS = (
+    "adaptermesh_generation_tokens_total",
+    "adaptermesh_generated_tokens_total",
+    "vllm:generation_tokens_total",
+)
+_FREE = ("adaptermesh_free_gpu_memory_bytes", "adaptermesh_gpu_free_bytes")
+_SLOTS = ("adaptermesh_gpu_slots_used", "adaptermesh_adapter_gpu_slots_used")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +114,10 @@ def parse_metrics(text: str) -> RawSample:
                 raw.waiting_adapters |= _adapters(s.labels.get("waiting_lora_adapters", ""))
                 if s.labels.get("max_lora", "").isdigit():
                     raw.max_lora = float(s.labels["max_lora"])
-            elif name == "adaptermesh_gpu_free_bytes":
-                raw.gpu_free_bytes = (raw.gpu_free_bytes or 0.0) + value
-            elif name == "adaptermesh_adapter_gpu_slots_used":
+            elif name in _FREE:
+                # Both names may be present during a rename: take one, never the sum.
+                raw.gpu_free_bytes = max(raw.gpu_free_bytes or 0.0, value)
+            elif name in _SLOTS:
                 raw.slots_used = value
             elif name == "adaptermesh_adapter_resident":
                 if value > 0 and s.labels.get("adapter"):
@@ -293,10 +306,10 @@ class PrometheusSource:
             "waiting": f"sum by ({lbl}) (vllm:num_requests_waiting)",
             "running": f"sum by ({lbl}) (vllm:num_requests_running)",
             "kv": f"max by ({lbl}) (vllm:kv_cache_usage_perc)",
-            "ttft": f"sum by ({lbl}) (rate(adaptermesh_ttft_seconds_sum[{w}]))"
-            f" / sum by ({lbl}) (rate(adaptermesh_ttft_seconds_count[{w}]))",
-            "tokens": f"sum by ({lbl}) (rate(adaptermesh_generated_tokens_total[{w}]))",
-            "free": f"sum by ({lbl}) (adaptermesh_gpu_free_bytes)",
+            "ttft": f"sum by ({lbl}) (rate(adaptermesh_time_to_first_token_seconds_sum[{w}]))"
+            f" / sum by ({lbl}) (rate(adaptermesh_time_to_first_token_seconds_count[{w}]))",
+            "tokens": f"sum by ({lbl}) (rate(adaptermesh_generation_tokens_total[{w}]))",
+            "free": f"sum by ({lbl}) (adaptermesh_free_gpu_memory_bytes)",
             "lora": "vllm:lora_requests_info",
         }
 
