@@ -158,7 +158,14 @@ class Agent:
                         "index": s.index,
                         "weight": s.weight,
                         "state": assignment_pb2.ShardState.Name(s.state),
-                        "endpoints": [f"{e.address}:{e.port}" for e in s.endpoints],
+                        "endpoints": [
+                            {
+                                "address": f"{e.address}:{e.port}",
+                                "weight": e.weight,
+                                "draining": e.draining,
+                            }
+                            for e in s.endpoints
+                        ],
                         "packets_per_s": r.packets_per_s if r else 0.0,
                         "bytes_per_s": r.bytes_per_s if r else 0.0,
                         "new_flows_per_s": r.new_flows_per_s if r else 0.0,
