@@ -1,4 +1,4 @@
-"""``adapterctl``: the operator CLI for the adaptermesh control plane.
+"""adapterctl: the operator CLI for the adaptermesh control plane.
 
 Connection options also come from the environment: ``ADAPTERMESH_SERVER``,
 ``ADAPTERMESH_TOKEN``, ``ADAPTERMESH_TOKEN_FILE``.
