@@ -978,10 +978,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    p = argparse.ArgumentParser(prog="adaptermesh demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="adaptermesh demo",
+        description="The whole mesh in network namespaces: traffic, an override, a pin and a "
+        "load spike. `adaptermesh demo classifier` shows the datapath alone.",
+    )
     p.add_argument("--shards", type=int, default=3, choices=[2, 3])
     p.add_argument("--interval", type=float, default=5.0, help="rebalance interval (s)")
-    p.add_argument("--prefix", default="amd", help="namespace/interface prefix (<= 4 chars)")
+    p.add_argument("--prefix", default="amd", help="namespace/interface prefix (<= 8 chars)")
     p.add_argument(
         "--live",
         action=argparse.BooleanOptionalAction,
