@@ -9,6 +9,11 @@ Tiers and invariants:
 * **GPU slots.** ``LoraPool`` slots, LRU bounded in count. A slot with a non-zero reference
   count (in-flight requests) or a pinned adapter is never evicted.
 
+AdaFuse expert sets (``adafuse.py``: a directory with ``adaptermesh_adafuse.json``) resolve by
+the same names and path rules. They skip the CPU cache and the LoRA pool: a validated set is
+copied to the device once and published in its own table, bounded by ``max_expert_sets``
+(LRU, never evicting a pinned set or one that in-flight requests hold).
+
 Loads are two-phase. *prepare* reads and validates the files (in a thread), reserves a free or
 evictable slot, copies the weights into it and verifies the copy by checksum; *commit* then
 publishes ``name -> slot`` in one assignment on the event loop. A failed prepare releases the
@@ -35,6 +40,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from adaptermesh.worker.adafuse import CpuExpertSet, ExpertSet, is_expert_set, read_expert_set
 from adaptermesh.worker.model import (
     GROUPS,
     SUPPORTED_MODULES,
@@ -47,6 +53,7 @@ __all__ = [
     "AdapterManager",
     "AdapterValidationError",
     "CpuAdapter",
+    "Lease",
     "read_adapter",
     "resolve_in_root",
     "validate_name",
@@ -277,6 +284,24 @@ class _Registration:
 
 
 @dataclass(slots=True)
+class _PublishedSet:
+    expert_set: ExpertSet
+    path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What a request holds while it runs: a LoRA pool slot, or an expert set (slot -1)."""
+
+    slot: int
+    version: int
+    expert_set: ExpertSet | None = None
+
+
+ExpertSetBuilder = Callable[[CpuExpertSet, int], ExpertSet]
+
+
+@dataclass(slots=True)
 class ManagerCounters:
     hits: int = 0
     misses: int = 0
@@ -284,6 +309,8 @@ class ManagerCounters:
     cpu_hits: int = 0
     loads: int = 0
     failed_loads: int = 0
+    expert_set_loads: int = 0
+    expert_set_evictions: int = 0
     latencies: list[float] = field(default_factory=list)
 
 
@@ -301,6 +328,8 @@ class AdapterManager:
         negative_max_entries: int = 10_000,
         slot_wait_s: float = 10.0,
         on_change: Callable[[], None] | None = None,
+        build_expert_set: ExpertSetBuilder | None = None,
+        max_expert_sets: int = 4,
     ) -> None:
         self.root = root
         self.cfg = cfg
@@ -314,6 +343,9 @@ class AdapterManager:
         self.on_change = on_change or (lambda: None)
         self.slots = [_Slot() for _ in range(pool.num_slots)]
         self.published: dict[str, _Published] = {}
+        self.expert_sets: dict[str, _PublishedSet] = {}
+        self.build_expert_set = build_expert_set
+        self.max_expert_sets = max_expert_sets
         self.registered: dict[str, _Registration] = {}
         self.cpu_cache: OrderedDict[str, CpuAdapter] = OrderedDict()
         self.cpu_bytes = 0
@@ -333,11 +365,11 @@ class AdapterManager:
     def check_request(self, name: str) -> None:
         """Fast admission check: raises AdapterNotFoundError for invalid or absent names."""
         validate_name(name)
-        if name in self.published or name in self.inflight or name in self.registered:
+        if name in self.published or name in self.expert_sets or name in self.inflight or name in self.registered:
             return
         self._raise_if_negative(name)
         path = resolve_in_root(self.root, name)
-        if not (path / "adapter_config.json").is_file():
+        if not (path / "adapter_config.json").is_file() and not is_expert_set(path):
             err = AdapterNotFoundError(name, "no adapter with this name under the adapter root")
             self._remember_failure(name, err)
             raise err
@@ -357,15 +389,14 @@ class AdapterManager:
 
     def note_lookup(self, name: str) -> bool:
         """Count one request's first lookup as a hit (resident on GPU) or a miss."""
-        pub = self.published.get(name)
-        if pub is not None:
+        if name in self.published or name in self.expert_sets:
             self.counters.hits += 1
             return True
         self.counters.misses += 1
         return False
 
-    def try_acquire(self, name: str) -> tuple[int, int] | None:
-        """(slot, version) with a reference taken, or None while the adapter is loading.
+    def try_acquire(self, name: str) -> Lease | None:
+        """A lease with a reference taken, or None while the adapter is loading.
 
         Starts an on-demand load when the adapter is not resident. Raises the load's error once
         when it failed.
@@ -375,7 +406,13 @@ class AdapterManager:
             s = self.slots[pub.slot]
             s.refcount += 1
             s.last_used = time.monotonic()
-            return pub.slot, pub.version
+            return Lease(pub.slot, pub.version)
+        ps = self.expert_sets.get(name)
+        if ps is not None:
+            es = ps.expert_set
+            es.refcount += 1
+            es.last_used = time.monotonic()
+            return Lease(-1, es.version, es)
         self._raise_if_negative(name)
         if name not in self.inflight:
             self._start_load(name)
@@ -389,6 +426,13 @@ class AdapterManager:
         if s.refcount == 0 and s.retired:
             self._free_slot(slot)
             self.on_change()
+
+    def release_expert_set(self, es: ExpertSet) -> None:
+        if es.refcount <= 0:
+            raise RuntimeError(f"expert set {es.name} released more often than acquired")
+        es.refcount -= 1
+        if es.refcount == 0:
+            self.on_change()  # a load may be waiting for an evictable set
 
     # ---- loading ------------------------------------------------------------------------------
 
@@ -417,6 +461,8 @@ class AdapterManager:
         if path is None:
             path = reg.path if reg is not None else resolve_in_root(self.root, name)
         pinned = pinned or (reg.pinned if reg is not None else False)
+        if is_expert_set(path):
+            return await self._load_expert_set(name, path, pinned, t0)
         cpu = self.cpu_cache.get(name)
         if cpu is not None and cpu.path == path:
             self.cpu_cache.move_to_end(name)
@@ -436,6 +482,7 @@ class AdapterManager:
         version = self._versions.get(name, 0) + 1
         self._versions[name] = version
         old = self.published.get(name)
+        self.expert_sets.pop(name, None)  # the name may have been an expert set before
         self.slots[slot] = _Slot(name=name, version=version, last_used=time.monotonic(), pinned=pinned, rank=cpu.rank)
         self.published[name] = _Published(slot, version, path, cpu.rank)
         if old is not None:
@@ -445,6 +492,52 @@ class AdapterManager:
         self.counters.latencies.append(time.perf_counter() - t0)
         self.on_change()
         return slot
+
+    async def _load_expert_set(self, name: str, path: Path, pinned: bool, t0: float) -> int:
+        """prepare (read, validate, copy to the device) then commit; returns -1 (no pool slot)."""
+        builder = self.build_expert_set
+        if builder is None:
+            raise AdapterValidationError(name, "adaptermesh_adafuse.json", "this engine does not serve AdaFuse expert sets")
+        cpu = await asyncio.to_thread(read_expert_set, name, path, self.root, self.cfg, self.max_rank, self.dtype)
+        cpu.pinned = pinned
+        await self._make_room_for_set(exclude=name)
+        version = self._versions.get(name, 0) + 1
+        es = await asyncio.to_thread(self._build_set, builder, cpu, version)
+        # ---- commit ----
+        self._versions[name] = version
+        es.last_used = time.monotonic()
+        self.expert_sets[name] = _PublishedSet(es, path)
+        old = self.published.pop(name, None)  # the name may have been a LoRA adapter before
+        if old is not None:
+            self._retire(old.slot)
+        self.negative.pop(name, None)
+        self.counters.expert_set_loads += 1
+        self.counters.latencies.append(time.perf_counter() - t0)
+        self.on_change()
+        return -1
+
+    def _build_set(self, builder: ExpertSetBuilder, cpu: CpuExpertSet, version: int) -> ExpertSet:
+        if self._upload_stream is not None:
+            with torch.cuda.stream(self._upload_stream):
+                es = builder(cpu, version)
+            self._upload_stream.synchronize()
+            return es
+        return builder(cpu, version)
+
+    async def _make_room_for_set(self, exclude: str) -> None:
+        deadline = time.monotonic() + self.slot_wait_s
+        while sum(1 for n in self.expert_sets if n != exclude) >= self.max_expert_sets:
+            victims = [
+                (ps.expert_set.last_used, n) for n, ps in self.expert_sets.items()
+                if n != exclude and ps.expert_set.refcount == 0 and not ps.expert_set.pinned
+            ]
+            if victims:
+                del self.expert_sets[min(victims)[1]]
+                self.counters.expert_set_evictions += 1
+                continue
+            if time.monotonic() > deadline:
+                raise EngineOverloadedError("expert sets: every resident set is pinned or in use; retry later")
+            await asyncio.sleep(0.005)
 
     def _write_and_verify(self, slot: int, cpu: CpuAdapter) -> None:
         if self._upload_stream is not None:
@@ -552,7 +645,9 @@ class AdapterManager:
             await asyncio.gather(pending, return_exceptions=True)
         pub = self.published.pop(name, None)
         reg = self.registered.pop(name, None)
-        if pub is None and reg is None:
+        # In-flight requests keep the set object alive; it goes when the last one ends.
+        ps = self.expert_sets.pop(name, None)
+        if pub is None and reg is None and ps is None:
             raise AdapterNotFoundError(name, "not loaded")
         if pub is not None:
             self._retire(pub.slot)
@@ -566,7 +661,7 @@ class AdapterManager:
         tasks = []
         for name in names:
             validate_name(name)
-            if name in self.published:
+            if name in self.published or name in self.expert_sets:
                 continue
             task = self.inflight.get(name) or self._start_load(name)
             tasks.append(task)
@@ -577,18 +672,24 @@ class AdapterManager:
         reg = self.registered.get(name)
         if pub is not None:
             return AdapterInfo(name, str(pub.path), pub.rank, True, self.slots[pub.slot].pinned)
+        ps = self.expert_sets.get(name)
+        if ps is not None:
+            return AdapterInfo(name, str(ps.path), ps.expert_set.rank, True, ps.expert_set.pinned)
         cpu = self.cpu_cache.get(name)
         if reg is not None:
             return AdapterInfo(name, str(reg.path), cpu.rank if cpu else 0, False, reg.pinned)
         raise AdapterNotFoundError(name, "not loaded")
 
     def list(self) -> list[AdapterInfo]:
-        names = sorted(set(self.published) | set(self.registered))
+        names = sorted(set(self.published) | set(self.expert_sets) | set(self.registered))
         return [self.info(n) for n in names]
 
     def version(self, name: str) -> int | None:
         pub = self.published.get(name)
-        return pub.version if pub else None
+        if pub is not None:
+            return pub.version
+        ps = self.expert_sets.get(name)
+        return ps.expert_set.version if ps else None
 
     def slots_used(self) -> int:
         return sum(1 for s in self.slots if s.name is not None or s.retired or s.reserved)

@@ -7,6 +7,13 @@ tokens to each request's stream.
 
 On CUDA, pure-decode steps replay a CUDA graph per context-length bucket; the graph covers every
 KV slot, so its shapes never change. Steps that contain prompt chunks run eagerly.
+
+AdaFuse expert sets (``adafuse.py``): a step that is a single token of a single expert-set
+request merges the router's selection into the backbone weights (one ``fused_switch``) and then
+runs as a plain base step, graph included; any other step first restores the pristine backbone
+(bit-exact) and adds the experts on the gated path. The engine also restores the backbone
+whenever it goes idle, so between steps the weights are only ever merged for the request that
+is running alone.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 import torch
 
 from adaptermesh.worker import lora_ops
+from adaptermesh.worker.adafuse import BackboneMasters, CpuExpertSet, ExpertSet, GatedBatch
 from adaptermesh.worker.adapters import AdapterManager
 from adaptermesh.worker.kv_cache import KVCache, KVCacheSpec, kv_bytes_per_slot, slots_for_budget
 from adaptermesh.worker.model import (
@@ -68,6 +76,7 @@ class EngineConfig:
     max_waiting: int = 4096
     use_cuda_graphs: bool = True
     adapter_slot_wait_s: float = 10.0
+    max_expert_sets: int = 4  # resident AdaFuse expert sets (device memory outside the LoRA pool)
 
 
 class EngineStream:
@@ -168,12 +177,19 @@ class Engine:
         self.adapters = AdapterManager(
             self.adapter_root, mc, self.pool, max_rank=cfg.max_lora_rank, cpu_cache_bytes=cfg.cpu_cache_bytes,
             dtype=dtype, negative_ttl_s=cfg.negative_ttl_s, slot_wait_s=cfg.adapter_slot_wait_s, on_change=self._wake,
+            build_expert_set=self._build_expert_set, max_expert_sets=cfg.max_expert_sets,
         )
         self.scheduler = Scheduler(
             self.kv, self.adapters, base_names=frozenset({self.model_name, str(self.model_dir)}),
             max_num_batched_tokens=max(cfg.max_num_batched_tokens, self.kv.num_slots + 1),
             max_prefill_chunk=cfg.max_prefill_chunk, max_model_len=self.max_model_len, eos_token_ids=frozenset(eos),
         )
+        self._masters = BackboneMasters(self.model)
+        # The expert set whose selection the backbone weights hold right now (merged path).
+        self._merged: ExpertSet | None = None
+        self.adafuse_merges = 0  # fused_switch launches that merged a new selection
+        self.adafuse_restores = 0  # launches that restored the pristine backbone
+        self.adafuse_gated_steps = 0
         self._graphs: dict[int, _DecodeGraph] = {}
         self._graph_pool: Any = None
         self._graphs_ok = self.device.type == "cuda" and cfg.use_cuda_graphs
@@ -318,6 +334,9 @@ class Engine:
             self._event.clear()
             plan = self.scheduler.schedule()
             if plan is None:
+                if self._merged is not None:
+                    await asyncio.to_thread(self._restore_backbone)
+                    continue
                 await self._event.wait()
                 continue
             try:
@@ -338,9 +357,47 @@ class Engine:
             b *= 2
         return min(b, self.max_model_len)
 
+    def _build_expert_set(self, cpu: CpuExpertSet, version: int) -> ExpertSet:
+        return ExpertSet.build(cpu, self.model, self._masters, version)
+
+    def _restore_backbone(self) -> None:
+        if self._merged is not None:
+            self._merged.unmerge()
+            self._merged = None
+            self.adafuse_restores += 1
+
+    @staticmethod
+    def _single_expert_token(plan: StepPlan) -> tuple[ExpertSet, int] | None:
+        """(set, token id) when the step is exactly one token of one expert-set request."""
+        if len(plan.decode) == 1 and not plan.prefill:
+            s = plan.decode[0]
+            return (s.expert_set, s.output[-1]) if s.expert_set is not None else None
+        if not plan.decode and len(plan.prefill) == 1 and plan.prefill[0][2] == 1:
+            s, start, _ = plan.prefill[0]
+            return (s.expert_set, s.prompt[start]) if s.expert_set is not None else None
+        return None
+
+    def _merge_for(self, es: ExpertSet, token: int) -> None:
+        # The router reads the first layer's input, which for one token is its embedding row.
+        ids, gates = es.route(self.model.embed[token : token + 1])
+        ids, gates = ids[0].contiguous(), gates[0].contiguous()
+        if self._merged is es and es.holds(ids, gates):
+            return
+        es.merge(ids, gates)  # exact mode: rebuilt from W0, so any previous selection is gone
+        self._merged = es
+        self.adafuse_merges += 1
+
     def _execute(self, plan: StepPlan) -> dict[int, int]:
         sample_seqs: list[Sequence] = []
-        if plan.decode and not plan.prefill and self._graphs_ok:
+        single = self._single_expert_token(plan)
+        if self._merged is not None and (single is None or single[0] is not self._merged):
+            self._restore_backbone()  # nothing else may ever run on merged weights
+        if single is not None:
+            self._merge_for(*single)
+        has_sets = single is None and any(
+            s.expert_set is not None for s in [*plan.decode, *(p[0] for p in plan.prefill)]
+        )
+        if plan.decode and not plan.prefill and self._graphs_ok and not has_sets:
             logits_all = self._run_graph(plan)
             if logits_all is not None:
                 rows = torch.tensor([s.kv_slot for s in plan.decode], device=self.device)
@@ -349,7 +406,8 @@ class Engine:
                 return {id(s): t for s, t in zip(plan.decode, toks, strict=True)}
         batch, sample_seqs = self._build_batch(plan)
         meta = lora_ops.build_meta(batch.token_slots, self.pool.num_slots)
-        logits = self.model.forward(batch, self.kv, self.pool, meta)
+        gated = self._gated_batch(plan, batch) if has_sets else None
+        logits = self.model.forward(batch, self.kv, self.pool, meta, gated)
         toks = sample_rows(logits, sample_seqs)
         return {id(s): t for s, t in zip(sample_seqs, toks, strict=True)}
 
@@ -406,6 +464,31 @@ class Engine:
             logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev),
         )
         return batch, sample_seqs
+
+    def _gated_batch(self, plan: StepPlan, batch: BatchInputs) -> GatedBatch:
+        """Which rows of the flat batch (laid out by ``_build_batch``) each expert set owns."""
+        sets: list[ExpertSet] = []
+        index: dict[int, int] = {}
+        token_set = [-1] * int(batch.input_ids.shape[0])
+
+        def idx(es: ExpertSet) -> int:
+            if id(es) not in index:
+                index[id(es)] = len(sets)
+                sets.append(es)
+            return index[id(es)]
+
+        for s in plan.decode:
+            if s.expert_set is not None:
+                assert s.kv_slot is not None
+                token_set[s.kv_slot] = idx(s.expert_set)
+        off = batch.decode_rows
+        for s, _, n in plan.prefill:
+            if s.expert_set is not None:
+                token_set[off : off + n] = [idx(s.expert_set)] * n
+            off += n
+        self.adafuse_gated_steps += 1
+        t = torch.tensor(token_set, dtype=torch.int32, device=self.device)
+        return GatedBatch(sets, t, self.model_config)
 
     def _run_graph(self, plan: StepPlan) -> torch.Tensor | None:
         ids, pos, write, slots, lens, bucket = self._decode_arrays(plan)
@@ -473,4 +556,7 @@ class Engine:
             "kv_slots": self.kv.num_slots, "max_model_len": self.max_model_len, "lora_slots": self.pool.num_slots,
             "lora_ops": lora_ops.kernels_description(), "cuda_graphs": self.cuda_graphs_active,
             "weights_bytes": self.model.nbytes, "pool_bytes": self.pool.nbytes, "kv_bytes": self.kv.nbytes,
+            "expert_sets": len(self.adapters.expert_sets), "backbone_master_bytes": self._masters.nbytes,
+            "adafuse_merges": self.adafuse_merges, "adafuse_restores": self.adafuse_restores,
+            "adafuse_gated_steps": self.adafuse_gated_steps,
         }

@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from safetensors import safe_open
 
 from adaptermesh.worker import lora_ops
 from adaptermesh.worker.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from adaptermesh.worker.adafuse import GatedBatch
 
 __all__ = [
     "GROUPS",
@@ -367,6 +370,24 @@ class TransformerModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
 
+    def module_weight(self, layer: int, module: str) -> torch.Tensor:
+        """The live [out, in] weight of one module: a row range of the fused weight, so it is
+        contiguous and writing it (AdaFuse merges) changes what the forward pass uses."""
+        lw = self.layers[layer]
+        q, kv, inter = self.q_size, self.kv_size, self.cfg.intermediate_size
+        views = {
+            "q_proj": lambda: lw["wqkv"][:q],
+            "k_proj": lambda: lw["wqkv"][q : q + kv],
+            "v_proj": lambda: lw["wqkv"][q + kv :],
+            "o_proj": lambda: lw["wo"],
+            "gate_proj": lambda: lw["wgu"][:inter],
+            "up_proj": lambda: lw["wgu"][inter:],
+            "down_proj": lambda: lw["wd"],
+        }
+        if module not in views:
+            raise ValueError(f"module: unknown module {module!r}")
+        return views[module]()
+
     @property
     def nbytes(self) -> int:
         tensors = [self.embed, self.norm, self.lm_head, *(t for layer in self.layers for t in layer.values())]
@@ -380,10 +401,23 @@ class TransformerModel:
         return total
 
     @torch.inference_mode()
-    def forward(self, batch: BatchInputs, kv: KVCache, pool: LoraPool | None, meta: lora_ops.LoraBatchMeta | None) -> torch.Tensor:
-        """Logits [R, vocab] (fp32) for ``batch.logits_rows`` (all rows if None)."""
+    def forward(
+        self,
+        batch: BatchInputs,
+        kv: KVCache,
+        pool: LoraPool | None,
+        meta: lora_ops.LoraBatchMeta | None,
+        gated: GatedBatch | None = None,
+    ) -> torch.Tensor:
+        """Logits [R, vocab] (fp32) for ``batch.logits_rows`` (all rows if None).
+
+        ``gated``: AdaFuse expert sets on the unmerged path; routed once here, from the first
+        layer's input, and applied in every targeted module.
+        """
         cfg = self.cfg
         h = self.embed.index_select(0, batch.input_ids)
+        if gated is not None:
+            gated.route(h)
         cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
         sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
         use_lora = pool is not None and meta is not None and meta.any_lora
@@ -395,6 +429,8 @@ class TransformerModel:
                 qkv = qkv + layer["bqkv"]
             if pool is not None and meta is not None and use_lora:
                 _apply_lora(pool, meta, "qkv", li, qkv, x)
+            if gated is not None:
+                gated.apply(li, "qkv", qkv, x)
             q = qkv[:, : self.q_size].view(T, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -407,16 +443,22 @@ class TransformerModel:
             o = attn @ layer["wo"].T
             if pool is not None and meta is not None and use_lora:
                 _apply_lora(pool, meta, "o", li, o, attn)
+            if gated is not None:
+                gated.apply(li, "o", o, attn)
             h = h + o
             x = _rms_norm(h, layer["ln2"], cfg.rms_eps)
             gu = x @ layer["wgu"].T
             if pool is not None and meta is not None and use_lora:
                 _apply_lora(pool, meta, "gate_up", li, gu, x)
+            if gated is not None:
+                gated.apply(li, "gate_up", gu, x)
             inter = cfg.intermediate_size
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
             d = act @ layer["wd"].T
             if pool is not None and meta is not None and use_lora:
                 _apply_lora(pool, meta, "down", li, d, act)
+            if gated is not None:
+                gated.apply(li, "down", d, act)
             h = h + d
         if batch.logits_rows is not None:
             h = h.index_select(0, batch.logits_rows)

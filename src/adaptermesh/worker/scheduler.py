@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from adaptermesh.worker.adafuse import ExpertSet
 from adaptermesh.worker.adapters import AdapterManager
 from adaptermesh.worker.kv_cache import KVCache
 from adaptermesh.worker.types import (
@@ -63,6 +64,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     kv_slot: int | None = None
     lora_slot: int = -1
+    expert_set: ExpertSet | None = None  # held while running when the adapter is an expert set
     looked_up: bool = False
     computed: int = 0  # prompt tokens already in the KV cache
     cancelled: bool = False
@@ -155,6 +157,9 @@ class Scheduler:
         if seq.lora_slot >= 0:
             self.adapters.release(seq.lora_slot)
             seq.lora_slot = -1
+        if seq.expert_set is not None:
+            self.adapters.release_expert_set(seq.expert_set)
+            seq.expert_set = None
 
     def finish(
         self, seq: Sequence, reason: FinishReason, error: BaseException | None = None, last_token: int | None = None
@@ -223,7 +228,8 @@ class Scheduler:
                 if got is None:
                     still.append(seq)  # loading; later requests may still be admitted
                     continue
-                seq.lora_slot = got[0]
+                seq.lora_slot = got.slot
+                seq.expert_set = got.expert_set
             slot = self.kv.allocate()
             assert slot is not None
             seq.kv_slot = slot

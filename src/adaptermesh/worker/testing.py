@@ -12,6 +12,9 @@ Public API::
     make_adapter(dir, base_dir, name, rank, target_modules, seed, use_rslora=False, ...) -> Path
         A LoRA adapter for the model in ``base_dir`` with random non-zero A and B, saved under
         ``dir/name``.
+    make_adafuse_expert_set(dir, base_dir, name, num_experts, top_k, rank, target_modules, seed, ...) -> Path
+        An AdaFuse expert set (router + ``num_experts`` PEFT experts) in the engine's on-disk
+        format, saved under ``dir/name``.
     make_model_config(arch, ...) -> dict
         The ``config.json`` contents of a model of a given shape (benches use it for a
         Llama-2-7B-shaped model).
@@ -31,6 +34,7 @@ from safetensors.torch import save_file
 __all__ = [
     "ALL_TARGET_MODULES",
     "CHAT_TEMPLATE",
+    "make_adafuse_expert_set",
     "make_adapter",
     "make_model_config",
     "make_tiny_model",
@@ -295,4 +299,59 @@ def make_adapter(
         "use_dora": False,
     }
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return out
+
+
+def make_adafuse_expert_set(
+    directory: str | Path,
+    base_dir: str | Path,
+    name: str,
+    num_experts: int = 4,
+    top_k: int = 2,
+    rank: int = 4,
+    target_modules: Sequence[str] = ("q_proj", "v_proj"),
+    seed: int = 0,
+    use_rslora: bool = False,
+    *,
+    lora_alpha: float | None = None,
+    router_bias: bool = True,
+    router_std: float = 1.0,
+    scale_b: float = 0.05,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write an AdaFuse expert set for the model in ``base_dir`` to ``directory/name``.
+
+    Layout (see ``adaptermesh.worker.adafuse``): ``adaptermesh_adafuse.json``,
+    ``router.safetensors`` (``weight`` [E, hidden], ``bias`` [E]) and ``experts/<i>/`` PEFT
+    adapters with random non-zero weights. ``router_std`` scales the router weight so that
+    different tokens pick different experts. Returns the set's directory.
+    """
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k: must be in [1, num_experts={num_experts}], got {top_k}")
+    config = json.loads((Path(base_dir) / "config.json").read_text())
+    hidden = int(config["hidden_size"])
+    alpha = float(2 * rank if lora_alpha is None else lora_alpha)
+    out = Path(directory) / name
+    for i in range(num_experts):
+        make_adapter(
+            out / "experts", base_dir, str(i), rank, target_modules, seed * 1000 + i + 1, use_rslora,
+            lora_alpha=alpha, scale_b=scale_b, dtype=dtype,
+        )
+    gen = torch.Generator().manual_seed(seed)
+    router = {"weight": (router_std * torch.randn(num_experts, hidden, generator=gen)).to(dtype)}
+    if router_bias:
+        router["bias"] = (0.1 * torch.randn(num_experts, generator=gen)).to(dtype)
+    save_file(router, str(out / "router.safetensors"), metadata={"format": "pt"})
+    meta = {
+        "format": "adaptermesh.adafuse",
+        "version": 1,
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "router": {"hidden_size": hidden, "bias": router_bias},
+        "target_modules": sorted(target_modules),
+        "r": rank,
+        "lora_alpha": alpha,
+        "use_rslora": use_rslora,
+    }
+    (out / "adaptermesh_adafuse.json").write_text(json.dumps(meta, indent=2))
     return out
