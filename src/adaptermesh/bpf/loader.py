@@ -284,9 +284,17 @@ class BpfShardTable:
 
     @contextmanager
     def _ipr(self) -> Iterator[Any]:
-        from pyroute2 import IPRoute, NetNS
+        from pyroute2 import IPRoute
 
-        ipr = NetNS(self.netns) if self.netns else IPRoute()
+        from adaptermesh.bpf.netns import inside
+
+        # A netlink socket opened inside the namespace stays bound to it; this avoids
+        # pyroute2's NetNS, which forks a helper process.
+        if self.netns:
+            with inside(self.netns):
+                ipr = IPRoute()
+        else:
+            ipr = IPRoute()
         try:
             yield ipr
         finally:

@@ -108,7 +108,12 @@ def _round(topo: NodeTopology, table: BpfShardTable, rx: list[UdpReceiver], titl
         print(f"  {len(extra_sources)} other sources: {share}")
 
 
+_MAIN_PID = os.getpid()
+
+
 def _raise_interrupt(_sig: int, _frame: FrameType | None) -> None:
+    if os.getpid() != _MAIN_PID:  # a forked helper inherited the handler
+        os._exit(143)
     raise KeyboardInterrupt
 
 
