@@ -17,8 +17,8 @@ through ``ip netns exec`` and the agent still sees the host's bpffs for its pins
 
 Nothing listens in the host's namespace: every port (8080 service, 8101+ workers, 9464 agent,
 9901 Envoy admin, 18000 xDS) is inside the mesh's own namespaces, and the control plane's
-socket is a file in the work directory. Names start with the prefix (``amd`` for the demo,
-``ame`` for the e2e tests), so runs with different prefixes never collide.
+socket is a file in the work directory. Names start with the prefix (``ammesh`` for the
+demo, ``ame`` for the e2e tests), so runs with different prefixes never collide.
 
 ``adaptermesh demo`` runs :func:`main` (the story: traffic, an override and a pin through
 ``adapterctl``, a load spike the rebalancer moves weight away from); ``tests/e2e`` drive
@@ -66,7 +66,7 @@ ENVOY_ADMIN_PORT = 9901
 
 @dataclass
 class MeshConfig:
-    prefix: str = "amd"
+    prefix: str = "ammesh"
     shards: int = 3
     workers_per_shard: int = 2
     tenants: int = 6
@@ -985,7 +985,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--shards", type=int, default=3, choices=[2, 3])
     p.add_argument("--interval", type=float, default=5.0, help="rebalance interval (s)")
-    p.add_argument("--prefix", default="amd", help="namespace/interface prefix (<= 8 chars)")
+    p.add_argument("--prefix", default="ammesh", help="namespace/interface prefix (<= 8 chars)")
     p.add_argument(
         "--live",
         action=argparse.BooleanOptionalAction,
@@ -1033,7 +1033,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("\n[yellow]interrupted: tearing down[/yellow]")
         code = 130
-    except MeshError as exc:
+    except (MeshError, RuntimeError, OSError, grpc.RpcError) as exc:
         console.print(f"[red]demo failed:[/red] {exc}")
         code = 1
     finally:
