@@ -113,7 +113,7 @@ def main() -> int:
     def loop(ids: torch.Tensor, gates: torch.Tensor) -> None:
         idx = ids.long()
         for t in targets:
-            bsel = t.lora_b.index_select(0, idx) * (gates * t.scale)[:, None, None]  # [k, N, r]
+            bsel = t.lora_b.index_select(0, idx) * (gates * t.scale).to(DT)[:, None, None]  # [k, N, r]
             bcat = bsel.permute(1, 0, 2).reshape(t.weight.shape[0], -1)
             acat = t.lora_a.index_select(0, idx).reshape(-1, t.weight.shape[1])
             torch.addmm(t.master, bcat, acat, out=t.weight)

@@ -96,9 +96,9 @@ def test_graph_style_buffers_reuse() -> None:
         t=10, h=24, s=3, r_max=16, ranks=None, out_sizes=(16,),
         mix="uniform", dtype=torch.bfloat16, device=DEVICE, seed=11,
     )  # fmt: skip
-    meta = build_segment_meta(torch.full((10,), -1, dtype=torch.int32), 3)
+    meta = build_segment_meta(torch.full((10,), -1, dtype=torch.int32, device=DEVICE), 3)
     build_segment_meta(case.slots, 3, out=meta)
-    v_buf = torch.empty(1, 10, 16)
+    v_buf = torch.empty(1, 10, 16, device=DEVICE)
     got = case.out.clone()
     _sgmm().add_lora(
         got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, v_buffer=v_buf
