@@ -6,7 +6,9 @@ new flow. The builder follows Maglev (Eisenbud et al., NSDI 2016): every backend
 permutation of the slots, ``(offset + j * skip) % size``, and claims the first free slot on its
 turn. Weights set how often a backend gets a turn: in round ``r`` backend ``i`` claims
 ``(r * w_i) // w_max - ((r - 1) * w_i) // w_max`` slots (0 or 1), so after any number of rounds
-each backend holds its share within about one slot. Offsets and skips come from a hash of the
+each backend holds its share within about one slot: with ``c_i = R w_i / w_max - f_i + d_i``
+(``f_i`` in [0, 1), ``d_i`` in {0, 1} for the partial last round), ``|c_i - M w_i / W| <= 1 +
+n w_i / W``, so the total error is at most ``2n`` slots. Offsets and skips come from a hash of the
 backend's *key* (the shard id), never from its position in the input, and backends are visited
 in key order, so equal inputs give equal tables on every node.
 
