@@ -10,6 +10,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
+
+# CI explores a fixed set of examples, so a run is reproducible; developers' runs explore
+# fresh random examples (HYPOTHESIS_PROFILE=dev, the default outside CI).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
 def _cuda_available() -> bool:
