@@ -2,7 +2,7 @@
 agent, control plane, Envoy and workers, in network namespaces prefixed ``ame``.
 
 One topology (two shards of two workers) is shared by every test in this module; each test
-leaves it as it found it. Timing figures are printed (run with ``-s`` to see them) and written
+leaves it as it found it. Namespaces are named ``ame<4 hex>-*``, unique per run. Timing figures are printed (run with ``-s`` to see them) and written
 to ``$AME_E2E_REPORT`` when that is set.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import threading
 import time
 from collections import Counter
@@ -37,8 +38,10 @@ def _figure(name: str, value: float) -> None:
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[LocalMesh]:
     m = LocalMesh(
+        # A prefix of its own per run: two runs of this suite on one machine (a developer and
+        # CI, say) must never delete each other's namespaces.
         MeshConfig(
-            prefix="ame",
+            prefix=f"ame{secrets.token_hex(2)}",
             shards=2,
             workers_per_shard=2,
             tenants=4,
