@@ -70,6 +70,21 @@ def _rank_too_large(path: Path) -> None:
     (path / "adapter_config.json").write_text(json.dumps(cfg))
 
 
+def _nan(path: Path) -> None:
+    st = path / "adapter_model.safetensors"
+    t = load_file(str(st))
+    key = sorted(t)[-1]
+    t[key][0, 0] = float("nan")
+    save_file(t, str(st))
+
+
+def _bad_header(path: Path) -> None:
+    st = path / "adapter_model.safetensors"
+    data = bytearray(st.read_bytes())
+    data[:8] = (len(data) * 2).to_bytes(8, "little")  # a header longer than the file
+    st.write_bytes(bytes(data))
+
+
 BAD = {
     "corrupt": (_corrupt, "corrupt or truncated"),
     "missing-tensor": (_drop_tensor, "missing tensor"),
@@ -77,6 +92,8 @@ BAD = {
     "shape-mismatch": (_wrong_shape, "has shape"),
     "absent-module": (_absent_module, "'c_attn' is not a module of the base model"),
     "rank-too-large": (_rank_too_large, "exceeds the engine's max_lora_rank"),
+    "nan": (_nan, "holds NaN or Inf"),
+    "bad-header": (_bad_header, "corrupt or truncated"),
 }
 
 

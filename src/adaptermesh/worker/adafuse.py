@@ -222,12 +222,14 @@ def read_expert_set(
         if extra_dirs:
             raise fail(EXPERTS_DIR, f"holds {extra_dirs[0]!r}, but num_experts is {num_experts} (experts are 0..{num_experts - 1})")
 
+    # (layer, group, slice, is_b) -> matrix, per expert; every expert has every target.
+    views = [{(e.layer, e.group, e.index, e.is_b): ex.view(e) for e in ex.entries} for ex in per_expert]
     a: dict[tuple[int, str], torch.Tensor] = {}
     b: dict[tuple[int, str], torch.Tensor] = {}
     for layer, m in sorted(targets):
         g, i = MODULE_TO_GROUP[m]
-        a[(layer, m)] = torch.stack([ex.a[g][layer, i] for ex in per_expert]).contiguous()
-        b[(layer, m)] = torch.stack([ex.b[g][i][layer] for ex in per_expert]).contiguous()
+        a[(layer, m)] = torch.stack([v[(layer, g, i, False)] for v in views]).to(dtype).contiguous()
+        b[(layer, m)] = torch.stack([v[(layer, g, i, True)] for v in views]).to(dtype).contiguous()
     rw = rt["weight"].to(dtype).contiguous()
     rb = rt["bias"].to(dtype).contiguous() if has_bias else None
     nbytes = sum(t.numel() * t.element_size() for d in (a, b) for t in d.values()) + rw.numel() * rw.element_size()

@@ -124,6 +124,16 @@ class _DecodeGraph:
         self.logits = logits
 
 
+class _PrefillGraph:
+    """A captured first-chunk prefill of one prompt, padded to ``bucket`` tokens."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: BatchInputs, logits: torch.Tensor, bucket: int) -> None:
+        self.graph = graph
+        self.inputs = inputs
+        self.logits = logits
+        self.bucket = bucket
+
+
 class Engine:
     """Multi-LoRA inference engine over a local Llama/Mistral/Qwen2 checkpoint."""
 
@@ -191,6 +201,10 @@ class Engine:
         self.adafuse_restores = 0  # launches that restored the pristine backbone
         self.adafuse_gated_steps = 0
         self._graphs: dict[int, _DecodeGraph] = {}
+        self._prefill_graphs: dict[int, _PrefillGraph] = {}
+        # Prompts up to this many tokens prefill through a graph when they run alone.
+        self._prefill_graph_max = min(512, self.max_model_len, cfg.max_prefill_chunk)
+        self._prefill_graphs_ok = self.device.type == "cuda" and cfg.use_cuda_graphs
         self._graph_pool: Any = None
         self._graphs_ok = self.device.type == "cuda" and cfg.use_cuda_graphs
         self._event: asyncio.Event | None = None
@@ -397,6 +411,14 @@ class Engine:
         has_sets = single is None and any(
             s.expert_set is not None for s in [*plan.decode, *(p[0] for p in plan.prefill)]
         )
+        if self._prefill_graphs_ok and not plan.decode and len(plan.prefill) == 1 and not has_sets:
+            s, start, n = plan.prefill[0]
+            if start == 0 and n <= self._prefill_graph_max:
+                logits = self._run_prefill_graph(s, n)
+                if logits is not None:
+                    if n < len(s.prompt):
+                        return {}  # more chunks follow; nothing to sample yet
+                    return {id(s): sample_rows(logits, [s])[0]}
         if plan.decode and not plan.prefill and self._graphs_ok and not has_sets:
             logits_all = self._run_graph(plan)
             if logits_all is not None:
@@ -462,6 +484,7 @@ class Engine:
             token_slots=torch.tensor(slots, dtype=torch.int32, device=dev),
             decode_rows=decode_rows, decode_lengths=lens_t, decode_len_bucket=bucket, prefill=segs,
             logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev),
+            self_prefill=not plan.decode and len(plan.prefill) == 1 and plan.prefill[0][1] == 0,
         )
         return batch, sample_seqs
 
@@ -513,6 +536,70 @@ class Engine:
         g.graph.replay()
         return g.logits
 
+    def _run_prefill_graph(self, seq: Sequence, n: int) -> torch.Tensor | None:
+        """Logits [1, V] of the chunk's last token, or None when graphs are unavailable."""
+        bucket = self._len_bucket(n)
+        g = self._prefill_graphs.get(bucket)
+        if g is None:
+            try:
+                g = self._capture_prefill(bucket)
+            except Exception:
+                log.exception("CUDA graph capture of prefill failed; prefilling eagerly from now on")
+                self._prefill_graphs_ok = False
+                return None
+            self._prefill_graphs[bucket] = g
+        assert seq.kv_slot is not None
+        pad = bucket - n
+        ids = seq.prompt[:n] + [0] * pad
+        write = [seq.kv_slot] * n + [self.kv.scratch_slot] * pad
+        slots = [seq.lora_slot] * n + [-1] * pad
+        # One pinned host buffer and one copy for every input of the step.
+        host = torch.tensor([ids, write, slots, [n - 1] + [0] * (bucket - 1)], dtype=torch.int64).pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        inp = g.inputs
+        inp.input_ids.copy_(dev[0])
+        inp.write_slots.copy_(dev[1])
+        inp.token_slots.copy_(dev[2])
+        assert inp.logits_rows is not None
+        inp.logits_rows.copy_(dev[3, :1])
+        g.graph.replay()
+        return g.logits
+
+    def _capture_prefill(self, bucket: int) -> _PrefillGraph:
+        dev = self.device
+        inputs = BatchInputs(
+            input_ids=torch.zeros(bucket, dtype=torch.int64, device=dev),
+            positions=torch.arange(bucket, dtype=torch.int64, device=dev),
+            write_slots=torch.full((bucket,), self.kv.scratch_slot, dtype=torch.int64, device=dev),
+            token_slots=torch.full((bucket,), -1, dtype=torch.int32, device=dev),
+            decode_rows=0, decode_lengths=None, decode_len_bucket=0,
+            logits_rows=torch.zeros(1, dtype=torch.int64, device=dev), self_prefill=True,
+        )
+
+        def step() -> torch.Tensor:
+            meta = lora_ops.build_meta(inputs.token_slots, self.pool.num_slots)
+            return self.model.forward(inputs, self.kv, self.pool, meta)
+
+        graph, logits = self._capture_graph(step)
+        return _PrefillGraph(graph, inputs, logits, bucket)
+
+    def _capture_graph(self, step: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        dev = self.device
+        # Warm up on a side stream (lazy initialisation and autotuning must not be captured),
+        # writing only to the scratch KV row.
+        side = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = step()
+        return graph, logits
+
     def _capture(self, bucket: int) -> _DecodeGraph:
         n = self.kv.num_slots
         dev = self.device
@@ -529,19 +616,7 @@ class Engine:
             meta = lora_ops.build_meta(inputs.token_slots, self.pool.num_slots)
             return self.model.forward(inputs, self.kv, self.pool, meta)
 
-        # Warm up on a side stream (lazy initialisation and autotuning must not be captured),
-        # writing only to the scratch KV row.
-        side = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = step()
+        graph, logits = self._capture_graph(step)
         return _DecodeGraph(graph, inputs, logits)
 
     # ---- introspection for tests and benches ----------------------------------------------------
@@ -550,11 +625,16 @@ class Engine:
     def cuda_graphs_active(self) -> bool:
         return self._graphs_ok and bool(self._graphs)
 
+    @property
+    def prefill_graphs_active(self) -> bool:
+        return self._prefill_graphs_ok and bool(self._prefill_graphs)
+
     def describe(self) -> dict[str, Any]:
         return {
             "model": self.model_name, "device": str(self.device), "dtype": str(self.dtype),
             "kv_slots": self.kv.num_slots, "max_model_len": self.max_model_len, "lora_slots": self.pool.num_slots,
             "lora_ops": lora_ops.kernels_description(), "cuda_graphs": self.cuda_graphs_active,
+            "prefill_graph_buckets": sorted(self._prefill_graphs),
             "weights_bytes": self.model.nbytes, "pool_bytes": self.pool.nbytes, "kv_bytes": self.kv.nbytes,
             "expert_sets": len(self.adapters.expert_sets), "backbone_master_bytes": self._masters.nbytes,
             "adafuse_merges": self.adafuse_merges, "adafuse_restores": self.adafuse_restores,

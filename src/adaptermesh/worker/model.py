@@ -223,6 +223,10 @@ class BatchInputs:
     decode_len_bucket: int  # keys read per decode row (>= every decode length)
     prefill: list[PrefillSegment] = field(default_factory=list)
     logits_rows: torch.Tensor | None = None  # [R] rows whose logits are wanted; None = all
+    # All T rows are the first chunk (from position 0) of ONE prompt, possibly followed by
+    # padding rows: attention then needs no cache read and no per-segment host facts, so the
+    # step can be captured in a CUDA graph. ``prefill`` is ignored.
+    self_prefill: bool = False
 
 
 class LoraPool:
@@ -266,41 +270,30 @@ class LoraPool:
         for g in GROUPS:
             self.ranks[g][slot] = 0
 
-    def write(
-        self,
-        slot: int,
-        rank: int,
-        scale: float,
-        a_packed: dict[str, torch.Tensor],
-        b_packed: dict[str, tuple[torch.Tensor, ...]],
-        stream: torch.cuda.Stream | None = None,
-    ) -> None:
-        """Copy one adapter into ``slot``. Packed tensors: a [L, n, r, in], b[i] [L, N_i, r].
-
-        Groups missing from ``a_packed`` are zeroed and get rank 0. The slot must not be in use
-        by any running batch (the adapter manager guarantees it).
-        """
+    def zero_slot(self, slot: int) -> None:
+        # Ranks above an adapter's own and layers it does not target must read as zeros.
         for g in GROUPS:
-            a_dst = self.a[g][:, :, slot]
-            a_dst.zero_()
+            self.a[g][:, :, slot].zero_()
             for b in self.b[g]:
                 b[:, slot].zero_()
-            if g in a_packed:
-                a_dst[:, :, :rank].copy_(a_packed[g], non_blocking=True)
-                for b, src in zip(self.b[g], b_packed[g], strict=True):
-                    b[:, slot, :, :rank].copy_(src, non_blocking=True)
+
+    def slot_view(self, group: str, index: int, layer: int, slot: int, rank: int, is_b: bool) -> torch.Tensor:
+        """Where one adapter matrix goes: A [rank, in] or B [out, rank] of (layer, slice)."""
+        if is_b:
+            return self.b[group][index][layer, slot, :, :rank]
+        return self.a[group][layer, index, slot, :rank]
+
+    def set_slot(self, slot: int, rank: int, scale: float, groups: frozenset[str]) -> None:
+        """Publish the slot's ranks (0 for untargeted groups) and scale to the kernels."""
         for g in GROUPS:
-            self.ranks[g][slot] = rank if g in a_packed else 0
+            self.ranks[g][slot] = rank if g in groups else 0
         self.scales[slot] = scale
 
-    def checksum(self, slot: int) -> dict[str, float]:
-        """Sum of each group's slot contents (float64), for verifying a copy."""
-        out: dict[str, float] = {}
-        for g in GROUPS:
-            parts = [self.a[g][:, :, slot].sum(dtype=torch.float64)]
-            parts += [b[:, slot].sum(dtype=torch.float64) for b in self.b[g]]
-            out[g] = float(torch.stack(parts).sum())  # one host sync per group
-        return out
+    def slot_sum(self, slot: int) -> torch.Tensor:
+        """float64 sum of everything in ``slot`` (a device scalar; no host sync)."""
+        parts = [self.a[g][:, :, slot].sum(dtype=torch.float64) for g in GROUPS]
+        parts += [b[:, slot].sum(dtype=torch.float64) for g in GROUPS for b in self.b[g]]
+        return torch.stack(parts).sum()
 
 
 def _apply_lora(pool: LoraPool, meta: lora_ops.LoraBatchMeta, group: str, layer: int, out: torch.Tensor, x: torch.Tensor) -> None:
@@ -439,7 +432,7 @@ class TransformerModel:
             kc, vc = kv.k[li], kv.v[li]
             kc.index_put_((batch.write_slots, batch.positions), k)
             vc.index_put_((batch.write_slots, batch.positions), v)
-            attn = self._attention(q, batch, kc, vc)
+            attn = self._self_attention(q, k, v) if batch.self_prefill else self._attention(q, batch, kc, vc)
             o = attn @ layer["wo"].T
             if pool is not None and meta is not None and use_lora:
                 _apply_lora(pool, meta, "o", li, o, attn)
@@ -464,6 +457,24 @@ class TransformerModel:
             h = h.index_select(0, batch.logits_rows)
         h = _rms_norm(h, self.norm, cfg.rms_eps)
         return (h @ self.lm_head.T).float()
+
+    def _self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of one prompt chunk that starts at position 0, over its own keys.
+        Padding rows (if any) come last, so the causal mask keeps them out of real rows."""
+        cfg = self.cfg
+        T = q.shape[0]
+        group = cfg.num_heads // cfg.num_kv_heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
+        if cfg.sliding_window is not None and cfg.sliding_window < T:
+            pos = torch.arange(T, device=q.device)
+            allowed = (pos.view(1, T) <= pos.view(T, 1)) & (pos.view(1, T) > pos.view(T, 1) - cfg.sliding_window)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=self.scale)
+        else:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
+        return o.transpose(0, 1).reshape(T, -1)
 
     def _attention(self, q: torch.Tensor, batch: BatchInputs, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
