@@ -8,6 +8,7 @@ Usage by the node agent::
     table.read_stats()                 # {shard index: ShardStats}
     table.read_counters()              # DatapathCounters, incl. failed ring-buffer reservations
     table.poll_events(callback, 100)   # FlowEvent per new flow
+    table.poll_batch(callback, 100)    # or one EventBatch (numpy columns) per drain
     table.close(detach=False)          # keep the filter and pins: a restart picks them up
 
 ``netns`` names a network namespace that holds ``ifname`` and ``vxlan_dev`` (tests and the
@@ -25,7 +26,10 @@ import ctypes
 import errno
 import ipaddress
 import os
+import socket
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -33,7 +37,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from adaptermesh.bpf import libbpf, maglev
+from adaptermesh.bpf import libbpf, maglev, ringbuf
+from adaptermesh.bpf.ringbuf import EventBatch, RingBuffer
 from adaptermesh.bpf.table import (
     AM_MAX_PINS,
     AM_MAX_SHARDS,
@@ -47,6 +52,7 @@ from adaptermesh.bpf.table import (
     Plan,
     ShardPlan,
     ShardStats,
+    SteerPlan,
     validate_assignment,
 )
 
@@ -246,7 +252,12 @@ class BpfShardTable:
         self._fn: Any = self._bpf.load_func(b"am_classify", BPF.SCHED_CLS)
         self._fd = {name: int(self._bpf[name.encode()].map_fd) for name in MAP_NAMES}
         self._ncpu = _possible_cpus()
-        self._ring_open = False
+        self._ring_open = False  # bcc's consumer (CPUs other than x86-64)
+        self._ring: RingBuffer | None = None  # the mmap consumer
+        self._ring_lock = threading.Lock()  # close() must not unmap under a running poll
+        # Events decoded but not yet delivered because a callback raised: delivered first by
+        # the next poll_events(), so a failing callback loses only its own event.
+        self._pending: deque[FlowEvent] = deque()
         self._callback: Callable[[FlowEvent], None] | None = None
         self._delivered = 0
         self._callback_error: BaseException | None = None
@@ -260,11 +271,15 @@ class BpfShardTable:
         self._active = ctl.active & 1
         self._version: int | None = ctl.version if ctl.version else None
         self._shard_state: dict[int, int] = {}
+        # (state, steer) last written per shard index by this process; empty after a restart,
+        # so the first apply() rewrites every shard.
+        self._shard_written: dict[int, tuple[int, SteerPlan]] = {}
         for idx in range(self.max_shards):
             v = AmShard()
             if libbpf.map_lookup(self._fd["am_shards"], ctypes.c_uint32(idx), v) and v.state:
                 self._shard_state[idx] = v.state
         self._pins: dict[tuple[int, bytes], int] = {}
+        self._pins_applied: dict[tuple[int, bytes], int] | None = None
         pins = self._bpf[b"am_pins"]
         for k, v in pins.items():
             self._pins[(int(k.prefixlen), bytes(k.addr))] = int(v.value)
@@ -349,13 +364,26 @@ class BpfShardTable:
                 (self.pin_dir / name).unlink(missing_ok=True)
             with suppress(FileNotFoundError, OSError):
                 self.pin_dir.rmdir()  # fails while other pins still live there
+        with self._ring_lock:
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
         self._bpf.cleanup()
 
     # ---- apply -------------------------------------------------------------------------------
 
     def _resolve(self, name: str) -> int | None:
-        with self._ipr() as ipr:
-            return self._ifindex(ipr, name)
+        # if_nametoindex is one ioctl; a netlink socket costs about a millisecond, once per
+        # redirect shard and once for the VXLAN device on every apply().
+        from adaptermesh.bpf.netns import inside
+
+        try:
+            if self.netns:
+                with inside(self.netns):
+                    return socket.if_nametoindex(name)
+            return socket.if_nametoindex(name)
+        except OSError:
+            return None
 
     def validate(self, assignment: assignment_pb2.Assignment) -> Plan:
         vx = None
@@ -386,18 +414,28 @@ class BpfShardTable:
 
         before: list[tuple[int, AmShard]] = []
         after: list[tuple[int, AmShard]] = []
+        written = dict(self._shard_written)
         for idx, p in plan.shards.items():
             if p.state == STATE_DRAINING and self._shard_state.get(idx) == STATE_ACTIVE:
                 after.append((idx, _shard_value(p, STATE_DRAINING)))
-            else:
+            elif written.get(idx) != (p.state, p.steer):
+                # Weights live in the Maglev table, not in am_shards: an unchanged shard needs
+                # no write (100 ctypes values cost about 0.3 ms).
                 before.append((idx, _shard_value(p, p.state)))
+            written[idx] = (p.state, p.steer)
         for idx in self._shard_state:
             if idx not in plan.shards:
                 after.append((idx, AmShard()))
+                written.pop(idx, None)
         self._write_shards(before)
 
-        upserts = [(k, v) for k, v in plan.pins.items() if self._pins.get(k) != v]
-        deletes = [k for k in self._pins if k not in plan.pins]
+        if plan.pins is self._pins_applied:
+            # Validation handed back the dict we applied last: the pins did not change.
+            upserts: list[tuple[tuple[int, bytes], int]] = []
+            deletes: list[tuple[int, bytes]] = []
+        else:
+            upserts = [(k, v) for k, v in plan.pins.items() if self._pins.get(k) != v]
+            deletes = [k for k in self._pins if k not in plan.pins]
         self._write_pins(upserts)
         for plen, addr in deletes:
             key = AmLpmKey(prefixlen=plen)
@@ -415,8 +453,11 @@ class BpfShardTable:
 
         self._active = idle
         self._version = plan.version
-        self._pins = dict(plan.pins)
+        if plan.pins is not self._pins_applied:
+            self._pins = dict(plan.pins)
+            self._pins_applied = plan.pins
         self._shard_state = {idx: p.state for idx, p in plan.shards.items()}
+        self._shard_written = written
         self.last_apply = ApplyTiming(
             validated_ns=t_valid - t0,
             table_built_ns=t_built - t0,
@@ -488,6 +529,63 @@ class BpfShardTable:
             no_shard=vals[4], steer_failed=vals[5], link_local=vals[6],
         )
 
+    def _ring_consumer(self) -> RingBuffer | None:
+        if self._ring is None and ringbuf.supported():
+            self._ring = RingBuffer(self._fd["am_events"])
+        return self._ring
+
+    def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int = 0) -> int:
+        """Deliver queued new-flow events to ``callback``; wait up to ``timeout_ms`` for one.
+
+        Returns how many were delivered. If ``callback`` raises, the error propagates and the
+        events after the failing one are kept for the next call.
+        """
+        with self._ring_lock:
+            ring = self._ring_consumer()
+            if ring is None:
+                return self._poll_bcc(callback, timeout_ms)
+            if self._pending:
+                events = list(self._pending)
+                self._pending.clear()
+            else:
+                events = ring.poll(timeout_ms).events()
+            for i, ev in enumerate(events):
+                try:
+                    callback(ev)
+                except BaseException:
+                    self._pending.extend(events[i + 1:])
+                    raise
+            return len(events)
+
+    def poll_batch(self, callback: Callable[[EventBatch], None], timeout_ms: int = 0) -> int:
+        """Like :meth:`poll_events`, but hands over each drain as one :class:`EventBatch`
+        (numpy columns), for consumers that aggregate: no per-event Python objects.
+
+        Returns the number of events in the batch (0: no callback). Needs the mmap consumer
+        (x86-64).
+        """
+        with self._ring_lock:
+            ring = self._ring_consumer()
+            if ring is None:
+                raise NotImplementedError("poll_batch needs the mmap ring consumer (x86-64)")
+            if self._pending:
+                raise RuntimeError("poll_events() has undelivered events; call it first")
+            batch = ring.poll(timeout_ms)
+            if len(batch):
+                callback(batch)
+            return len(batch)
+
+    def ring_positions(self) -> tuple[int, int]:
+        """(consumer_pos, producer_pos) of am_events in bytes since creation (tests, metrics)."""
+        with self._ring_lock:
+            ring = self._ring_consumer()
+            if ring is None:
+                raise NotImplementedError("needs the mmap ring consumer (x86-64)")
+            return ring.consumer_pos, ring.producer_pos
+
+    # bcc's per-event callback consumer, kept for CPUs where the mmap consumer's plain loads
+    # and stores are not acquire/release (see ringbuf.supported()).
+
     def _on_event(self, _ctx: Any, data: Any, _size: Any) -> int:
         try:
             ev = AmEvent.from_address(data)
@@ -510,8 +608,7 @@ class BpfShardTable:
             return -1
         return 0
 
-    def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int = 0) -> int:
-        """Deliver queued new-flow events to ``callback``; wait up to ``timeout_ms`` for one."""
+    def _poll_bcc(self, callback: Callable[[FlowEvent], None], timeout_ms: int) -> int:
         if not self._ring_open:
             self._bpf[b"am_events"].open_ring_buffer(self._on_event)
             self._ring_open = True
@@ -522,14 +619,3 @@ class BpfShardTable:
             err, self._callback_error = self._callback_error, None
             raise err
         return self._delivered
-
-    def poll_raw(self, handler: Callable[[int, int], None], timeout_ms: int = 0) -> None:
-        """Low-level poll: ``handler(address, size)`` per record, no decoding (benchmarks)."""
-        def cb(_ctx: Any, data: Any, size: Any) -> int:
-            handler(data, size)
-            return 0
-
-        self._bpf[b"am_events"].open_ring_buffer(cb)
-        self._ring_open = True
-        self._bpf.ring_buffer_poll(timeout_ms)
-
