@@ -413,6 +413,9 @@ class ManagerCounters:
     expert_set_loads: int = 0
     expert_set_evictions: int = 0
     latencies: list[float] = field(default_factory=list)
+    # Seconds per phase of the latest LoRA load: read (disk or CPU cache), reserve, upload
+    # (copy + verify), commit; benches report them next to the end-to-end figure.
+    last_phases: dict[str, float] = field(default_factory=dict)
 
 
 class AdapterManager:
@@ -571,13 +574,16 @@ class AdapterManager:
         else:
             cpu = await asyncio.to_thread(read_adapter, name, path, self.cfg, self.max_rank, self.dtype, self._pin)
         cpu.pinned = pinned
+        t_read = time.perf_counter()
         slot = await self._reserve_slot(exclude=name)
+        t_reserve = time.perf_counter()
         try:
             await asyncio.to_thread(self._write_and_verify, slot, cpu)
         except BaseException:
             self.slots[slot] = _Slot()
             self.pool.clear(slot)
             raise
+        t_upload = time.perf_counter()
         # ---- commit: one synchronous block on the event loop, nothing can interleave ----
         self._cache_cpu(cpu)
         version = self._versions.get(name, 0) + 1
@@ -590,7 +596,11 @@ class AdapterManager:
             self._retire(old.slot)
         self.negative.pop(name, None)
         self.counters.loads += 1
-        self.counters.latencies.append(time.perf_counter() - t0)
+        t_end = time.perf_counter()
+        self.counters.latencies.append(t_end - t0)
+        self.counters.last_phases = {
+            "read": t_read - t0, "reserve": t_reserve - t_read, "upload_verify": t_upload - t_reserve, "commit": t_end - t_upload,
+        }
         self.on_change()
         return slot
 
