@@ -361,6 +361,9 @@ def test_control_plane_and_worker_args_parse_with_their_clis() -> None:
         parsed = cp_cli.build_parser().parse_args(args[1:])
         assert parsed.listen == "0.0.0.0:50051"
         assert parsed.interval == 5.0
+        # /metrics is served on the port the pod and Service declare as "metrics".
+        assert parsed.metrics_port == 9090
+        assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in cp["containers"][0]["ports"]
         assert (parsed.tls_client_ca is not None) is bool(values)
     objs = render({"worker": {"model": {"subPath": "llama"}}})
     for o, c in containers(objs):

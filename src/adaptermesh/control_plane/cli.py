@@ -1,6 +1,7 @@
 """``adaptermesh control-plane``: run the control plane.
 
-    adaptermesh control-plane --state-dir DIR --listen HOST:PORT --tokens-file F --interval 5
+    adaptermesh control-plane --state-dir DIR --listen HOST:PORT --tokens-file F --interval 5 \
+        [--metrics-port 9090]
 
 Prints ``listening on HOST:PORT`` (the bound port, useful with ``:0``) once it serves, and
 stops cleanly on SIGTERM or SIGINT. Exit codes: 0 after a clean stop, 1 when it cannot start
@@ -23,6 +24,16 @@ from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
 __all__ = ["build_parser", "main"]
 
 _DEFAULTS = PolicyConfig()
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not in 0..65535")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-step", type=int, default=_DEFAULTS.max_step)
     p.add_argument("--publish-threshold", type=int, default=_DEFAULTS.publish_threshold)
     p.add_argument("--ewma-alpha", type=float, default=_DEFAULTS.ewma_alpha)
+    p.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=0,
+        help="serve Prometheus /metrics on this port, on the --listen host (0: off)",
+    )
     p.add_argument("--no-rebalance", action="store_true", help="serve the API only (no loop)")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -103,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         prometheus_url=args.prometheus_url,
         synchronous=args.synchronous,
         rebalance=not args.no_rebalance,
+        metrics_port=args.metrics_port,
         policy=policy,
     )
     try:

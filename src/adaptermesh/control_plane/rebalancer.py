@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from adaptermesh.control_plane import policy
+from adaptermesh.control_plane.metrics import ControlPlaneMetrics
 from adaptermesh.control_plane.metrics_source import LoadSource, Target
 from adaptermesh.control_plane.policy import (
     Decision,
@@ -167,6 +168,7 @@ class Rebalancer:
         config: RebalancerConfig | None = None,
         hub: AssignmentHub | None = None,
         logger: logging.Logger | None = None,
+        metrics: ControlPlaneMetrics | None = None,
     ) -> None:
         self.store = store
         self.source = source
@@ -181,6 +183,8 @@ class Rebalancer:
         self.failures = 0
         self.publishes = 0
         self.last_error = ""
+        self.metrics = metrics or ControlPlaneMetrics()
+        self.metrics.bind(self, self.clock.time)
         self.state = PolicyState()
         latest = store.latest_assignment()
         if latest is not None:
@@ -297,6 +301,7 @@ class Rebalancer:
     def _commit(self, assignment: assignment_pb2.Assignment, state: PolicyState) -> None:
         self.state = state
         self.publishes += 1
+        self.metrics.count_publish(assignment.reason)
         self.hub.publish(assignment)
 
     def mutate(self, change: Callable[[], T], reason: str, *, publish: bool = True) -> T:
@@ -325,11 +330,18 @@ class Rebalancer:
     async def step(self) -> Decision:
         """One read -> decide -> validate -> publish."""
         self.steps += 1
+        started = time.perf_counter()
         workers = await self.source.collect(self.targets(), self.clock.monotonic())
+        errors = getattr(self.source, "errors", None)
+        if isinstance(errors, Mapping):
+            # ScrapeSource keeps one entry per worker whose last scrape failed.
+            self.metrics.scrape_errors += len(errors)
         self.workers = dict(workers)
         now = self.clock.time()
         obs = self.observation(self.workers)
+        t0 = time.perf_counter()
         decision = policy.decide(obs, self.state, now, self.config.policy)
+        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         if decision.publish or decision.expired_overrides:
             with self.store.transaction():
                 if decision.expired_overrides:
@@ -341,6 +353,7 @@ class Rebalancer:
         else:
             self.state = decision.state
         self._summarise(obs, decision)
+        self.metrics.step_seconds.observe(time.perf_counter() - started)
         return decision
 
     def _summarise(self, obs: Observation, decision: Decision) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_health.v1.health import aio as health_aio
@@ -16,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from adaptermesh.control_plane.api import ApiLimits, ControlPlaneServicer
 from adaptermesh.control_plane.auth import AuthInterceptor, TokenTable, server_credentials
+from adaptermesh.control_plane.metrics import serve_metrics
 from adaptermesh.control_plane.metrics_source import LoadSource, PrometheusSource, ScrapeSource
 from adaptermesh.control_plane.policy import PolicyConfig
 from adaptermesh.control_plane.rebalancer import Clock, Rebalancer, RebalancerConfig
@@ -45,6 +47,8 @@ class ServerConfig:
     # handler runs; the API's own limits name the field for anything smaller.
     max_message_bytes: int = 4 * 1024 * 1024
     rebalance: bool = True
+    # Prometheus /metrics on this port, on the host of ``listen``; 0: off.
+    metrics_port: int = 0
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     limits: ApiLimits = field(default_factory=ApiLimits)
 
@@ -83,6 +87,7 @@ class ControlPlaneServer:
         self.health = health_aio.HealthServicer()
         self.port = 0
         self._server: grpc.aio.Server | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
 
@@ -119,6 +124,15 @@ class ControlPlaneServer:
             raise OSError(f"cannot listen on {cfg.listen}")
         await server.start()
         self._server = server
+        if cfg.metrics_port:
+            host = cfg.listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+            try:
+                self._metrics_runner = await serve_metrics(
+                    self.rebalancer.metrics, host, cfg.metrics_port
+                )
+            except OSError as exc:
+                await server.stop(None)
+                raise OSError(f"cannot serve metrics on {host}:{cfg.metrics_port}: {exc}") from exc
         serving = health_pb2.HealthCheckResponse.SERVING
         await self.health.set("", serving)
         await self.health.set(CONTROL_PLANE_SERVICE, serving)
@@ -135,6 +149,8 @@ class ControlPlaneServer:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
         if self._server is not None:
             await self._server.stop(grace)
         self.store.close()
