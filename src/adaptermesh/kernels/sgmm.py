@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from adaptermesh.kernels._validate import check_expand, check_meta, check_pair, check_shrink
+from adaptermesh.kernels._workspace import split_workspace
 from adaptermesh.kernels.dispatch import interpreter_enabled
 from adaptermesh.kernels.meta import SegmentMeta
 
@@ -40,13 +41,16 @@ __all__ = ["SgmmConfig", "add_lora", "sgmm_expand", "sgmm_shrink"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Config space. Defaults chosen by the sweep in bench/bench_sgmm.py (`--tune`) on one H200
-# (bf16, H=4096, N in {4096, 14336}); the table and numbers are in docs/kernels.md. The
-# reasoning behind the shape of the heuristic:
-# - shrink is bound by reading x (T*H*2 bytes; A is small and stays in L2), so it wants many
-#   programs: BLOCK_M=16 keeps >= 2 waves of programs on 132 SMs down to T=4096 with S=1.
-# - expand is bound by reading and writing out (2*T*N*2 bytes); BLOCK_N=128 keeps the stores
-#   wide and BLOCK_M grows with T so each B tile is reused across more tokens.
+# Config space: one small table per op, keyed by (token-count bucket, rank bucket), filled from
+# the sweep in bench/bench_sgmm.py (`--sweep`) on one H200; the numbers are recorded next to
+# each table and in docs/kernels.md. How the shape of the heuristic follows from the roofline:
+# - shrink reads x (T*H*2 bytes) and each used adapter's A (R*H*2 bytes). At small T there are
+#   only a few (token tile, rank tile) programs, each walking all of H, so the reduction over H
+#   is split (split-K): SPLIT_K programs per tile take disjoint ranges of H, and the last one to
+#   finish adds the fp32 partials in a fixed order (see _workspace.py). The table's split_k is
+#   the most splits; the launcher lowers it when the grid already fills the GPU.
+# - expand reads and writes out (2*T*N*2 bytes); B and v are small. BLOCK_N keeps the stores
+#   wide, BLOCK_M grows with T so each B tile is reused across more tokens.
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SgmmConfig:
@@ -55,23 +59,67 @@ class SgmmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    # shrink only: the most programs that share one tile's reduction over H (1 = no split).
+    split_k: int = 1
+    # expand only: issue the load of the out tile before the product, so both memory round
+    # trips overlap instead of following each other.
+    prefetch_out: bool = False
 
 
 def _pow2_at_least_16(n: int) -> int:
     return max(16, int(triton.next_power_of_2(n)))
 
 
+# Token-count buckets (upper bounds, inclusive) and rank buckets: ranks up to 32 use the
+# "low" row, larger ranks the "high" row. The sweep ran r=16 and r=64.
+T_BUCKETS = (16, 64, 256, 1 << 62)
+
+
+def _t_bucket(num_tokens: int) -> int:
+    return next(b for b in T_BUCKETS if num_tokens <= b)
+
+
+def _r_bucket(r_max: int) -> str:
+    return "low" if r_max <= 32 else "high"
+
+
+# shrink: (block_m, block_k, split_k, num_warps, num_stages); block_n = min(pow2(R_max), 64).
+_SHRINK_TABLE: dict[tuple[int, str], tuple[int, int, int, int, int]] = {
+    (16, "low"): (16, 128, 16, 4, 3),
+    (16, "high"): (16, 128, 16, 4, 3),
+    (64, "low"): (16, 128, 16, 4, 3),
+    (64, "high"): (16, 128, 16, 4, 3),
+    (256, "low"): (16, 128, 4, 4, 3),
+    (256, "high"): (16, 128, 4, 4, 3),
+    # First sweep (whole add_lora, graph replay): BLOCK_M=32, BLOCK_K=256 was fastest at
+    # T=4096 (96.9 us at N=14336, r=16).
+    (T_BUCKETS[-1], "low"): (32, 256, 1, 4, 3),
+    (T_BUCKETS[-1], "high"): (32, 256, 1, 4, 3),
+}
+
+# expand: (block_m, block_n, num_warps, num_stages, prefetch_out); block_k = min(pow2(R_max), 64).
+_EXPAND_TABLE: dict[tuple[int, str], tuple[int, int, int, int, bool]] = {
+    (16, "low"): (16, 128, 4, 2, False),
+    (16, "high"): (16, 128, 4, 2, False),
+    (64, "low"): (16, 128, 4, 2, False),
+    (64, "high"): (16, 128, 4, 2, False),
+    (256, "low"): (32, 128, 4, 2, False),
+    (256, "high"): (32, 128, 4, 2, False),
+    (T_BUCKETS[-1], "low"): (64, 128, 4, 2, False),
+    (T_BUCKETS[-1], "high"): (64, 128, 4, 2, False),
+}
+
+
 def shrink_config(num_tokens: int, hidden: int, r_max: int) -> SgmmConfig:
-    block_n = min(_pow2_at_least_16(r_max), 64)
-    # H200 sweep (bench_sgmm.py --tune): BLOCK_M=32, BLOCK_K=256 was fastest at T=16, 64 and
-    # 4096 (12.6, 43.0, 96.9 us for the whole add_lora in those three shapes).
-    return SgmmConfig(block_m=32, block_n=block_n, block_k=256, num_warps=4, num_stages=3)
+    bm, bk, split, warps, stages = _SHRINK_TABLE[(_t_bucket(num_tokens), _r_bucket(r_max))]
+    bn = min(_pow2_at_least_16(r_max), 64)
+    return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, split_k=split)
 
 
 def expand_config(num_tokens: int, n_max: int, r_max: int) -> SgmmConfig:
-    block_k = min(_pow2_at_least_16(r_max), 64)
-    block_m = 16 if num_tokens <= 64 else (32 if num_tokens <= 512 else 64)
-    return SgmmConfig(block_m=block_m, block_n=128, block_k=block_k, num_warps=4, num_stages=2)
+    bm, bn, warps, stages, prefetch = _EXPAND_TABLE[(_t_bucket(num_tokens), _r_bucket(r_max))]
+    bk = min(_pow2_at_least_16(r_max), 64)
+    return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, prefetch_out=prefetch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,10 +160,17 @@ def _sgmm_shrink_kernel(
     ranks_ptr,
     sorted_ptr,
     seg_start_ptr,
+    part_ptr,  # [SPLIT_K, n_slices, T, R_max] fp32 partial sums (split-K only)
+    count_ptr,  # [grid_m * n_rank_tiles * n_slices] int32 arrivals per tile, 0 when idle
     # sizes
     H,
     S,
     R_MAX,
+    T,
+    GRID_M,
+    N_TILES_N,
+    SPLIT_K,  # programs sharing one tile's reduction over H (1 = no split)
+    K_PER_SPLIT,  # H range per split, a multiple of BLOCK_K
     # strides
     stride_xt,
     stride_xh,
@@ -134,9 +189,13 @@ def _sgmm_shrink_kernel(
     DOT_FP32: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_nk = tl.program_id(1)
     pid_i = tl.program_id(2).to(tl.int64)
+    pid_n = pid_nk // SPLIT_K
+    pid_k = pid_nk % SPLIT_K
     has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    # Every split of a tile takes the same exits, so a tile's counter is touched by all of its
+    # splits or by none.
     if not has_tile:
         return
     rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
@@ -148,18 +207,20 @@ def _sgmm_shrink_kernel(
     tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < rank
+    k_begin = pid_k * K_PER_SPLIT
+    k_len = tl.minimum(H - k_begin, K_PER_SPLIT)  # > 0: the launcher leaves no split empty
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + (k_begin + offs_k)[None, :] * stride_xh
     a_ptrs = (
         a_ptr
         + pid_i * stride_ai
         + slot.to(tl.int64) * stride_as
         + offs_n[None, :] * stride_ar
-        + offs_k[:, None] * stride_ah
+        + (k_begin + offs_k)[:, None] * stride_ah
     )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        k_left = H - k * BLOCK_K
+    for k in range(0, tl.cdiv(k_len, BLOCK_K)):
+        k_left = k_len - k * BLOCK_K
         xt = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         at = tl.load(a_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
         if DOT_FP32:
@@ -168,8 +229,31 @@ def _sgmm_shrink_kernel(
             acc += tl.dot(xt, at)
         x_ptrs += BLOCK_K * stride_xh
         a_ptrs += BLOCK_K * stride_ah
+    mask_mn = mask_m[:, None] & mask_n[None, :]
     v_ptrs = v_ptr + pid_i * stride_vi + tok[:, None] * stride_vt + offs_n[None, :] * stride_vr
-    tl.store(v_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    if SPLIT_K == 1:
+        tl.store(v_ptrs, acc, mask=mask_mn)
+    else:
+        # Partials are laid out like v (contiguous), one [n_slices, T, R_max] block per split.
+        stride_pk = tl.num_programs(2).to(tl.int64) * T * R_MAX
+        p_ptrs = part_ptr + pid_i * T * R_MAX + tok[:, None] * R_MAX + offs_n[None, :]
+        tl.store(p_ptrs + pid_k * stride_pk, acc, mask=mask_mn)
+        # All threads' partial stores happen before the (single-thread, release) arrival.
+        tl.debug_barrier()
+        count = count_ptr + (pid_i * N_TILES_N + pid_n) * GRID_M + pid_m
+        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            # Last split of this tile: add the partials in split order (deterministic, the
+            # same whichever split finishes last), own partial from registers. ".cg" reads
+            # from L2, where the other SMs' stores are visible, not from a stale L1 line.
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in range(0, SPLIT_K):
+                other = tl.load(
+                    p_ptrs + j * stride_pk, mask=mask_mn, other=0.0, cache_modifier=".cg"
+                )
+                total += tl.where(j == pid_k, acc, other)
+            tl.store(v_ptrs, total, mask=mask_mn)
+            tl.atomic_xchg(count, 0)  # ready for the next launch (and graph replay)
 
 
 @triton.jit
@@ -213,6 +297,7 @@ def _sgmm_expand_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PREFETCH_OUT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -250,6 +335,10 @@ def _sgmm_expand_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     v_ptrs = v_ptr + pid_i.to(tl.int64) * stride_vi + tok[:, None] * stride_vt
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
+    o_mask = mask_m[:, None] & mask_n[None, :]
+    if PREFETCH_OUT:
+        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # The loop runs to the slot's rank, not R_MAX.
     for k in range(0, tl.cdiv(rank, BLOCK_K)):
@@ -263,10 +352,9 @@ def _sgmm_expand_kernel(
         else:
             acc += tl.dot(vt, bt)
     scale = tl.load(scales_ptr + slot)
-    o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
-    o_mask = mask_m[:, None] & mask_n[None, :]
-    o = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, (o + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
+    if not PREFETCH_OUT:
+        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _dot_fp32(dtype: torch.dtype) -> bool:
@@ -282,6 +370,43 @@ def _dot_fp32(dtype: torch.dtype) -> bool:
 def _tile_axis(num_tokens: int, num_slots: int, block_m: int) -> int:
     """Upper bound on non-empty (slot, BLOCK_M) tiles: fixed by shapes, not by the token mix."""
     return int(triton.cdiv(num_tokens, block_m)) + min(num_slots, num_tokens)
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132 on an H200; used as such off CUDA)."""
+    if device.type != "cuda":
+        return 132
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+# The split-K shrink stops adding splits once the grid holds this many programs per SM: past
+# that, the GPU is full anyway and every extra split only costs another partial write and read.
+_MAX_PROGRAMS_PER_SM = 4
+
+
+def _split_plan(
+    cfg: SgmmConfig, hidden: int, base_programs: int, device: torch.device
+) -> tuple[int, int]:
+    """(splits, H elements per split) from shapes only, so a captured graph stays valid.
+
+    At most ``cfg.split_k`` splits, no more than the BLOCK_K steps over H, and fewer when the
+    unsplit grid already has ``_MAX_PROGRAMS_PER_SM`` programs per SM. No split is left empty.
+    """
+    k_steps = int(triton.cdiv(hidden, cfg.block_k))
+    budget = max(1, (_MAX_PROGRAMS_PER_SM * _sm_count(device)) // max(base_programs, 1))
+    split = max(1, min(cfg.split_k, k_steps, budget))
+    steps_per_split = int(triton.cdiv(k_steps, split))
+    split = int(triton.cdiv(k_steps, steps_per_split))
+    return split, steps_per_split * cfg.block_k
+
+
+def _check_config(cfg: SgmmConfig) -> None:
+    for name in ("block_m", "block_n", "block_k"):
+        val = getattr(cfg, name)
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"config.{name} must be a power of two >= 16, got {val}")
+    if cfg.split_k < 1:
+        raise ValueError(f"config.split_k must be >= 1, got {cfg.split_k}")
 
 
 def sgmm_shrink(
@@ -303,11 +428,21 @@ def sgmm_shrink(
     check_meta(meta, shapes, x)
     v = _v_buffer(out, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
     cfg = config or shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max)
-    grid = (
-        _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m),
-        triton.cdiv(shapes.r_max, cfg.block_n),
-        shapes.n_slices,
+    _check_config(cfg)
+    grid_m = _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m)
+    n_tiles_n = int(triton.cdiv(shapes.r_max, cfg.block_n))
+    split, k_per_split = _split_plan(
+        cfg, shapes.hidden, grid_m * n_tiles_n * shapes.n_slices, x.device
     )
+    if split > 1:
+        counters, partials = split_workspace(
+            x.device,
+            grid_m * n_tiles_n * shapes.n_slices,
+            split * shapes.n_slices * shapes.num_tokens * shapes.r_max,
+        )
+    else:  # never read: the split-K branch is compiled out for SPLIT_K == 1
+        counters, partials = ranks, v
+    grid = (grid_m, n_tiles_n * split, shapes.n_slices)
     _sgmm_shrink_kernel[grid](
         x,
         lora_a,
@@ -315,9 +450,16 @@ def sgmm_shrink(
         ranks,
         meta.sorted_tokens,
         meta.seg_start,
+        partials,
+        counters,
         shapes.hidden,
         shapes.num_slots,
         shapes.r_max,
+        shapes.num_tokens,
+        grid_m,
+        n_tiles_n,
+        split,
+        k_per_split,
         x.stride(0),
         x.stride(1),
         lora_a.stride(0),
@@ -357,6 +499,7 @@ def sgmm_expand(
     offs = list(shapes.out_offsets) + [0] * (3 - shapes.n_slices)
     n_max = max(shapes.out_sizes)
     cfg = config or expand_config(shapes.num_tokens, n_max, shapes.r_max)
+    _check_config(cfg)
     grid = (
         _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m),
         triton.cdiv(n_max, cfg.block_n),
@@ -392,6 +535,7 @@ def sgmm_expand(
         BLOCK_K=cfg.block_k,
         BLOCK_S=triton.next_power_of_2(shapes.num_slots),
         DOT_FP32=_dot_fp32(out.dtype),
+        PREFETCH_OUT=cfg.prefetch_out,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
