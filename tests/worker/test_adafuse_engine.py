@@ -130,6 +130,15 @@ def _check(rid: str, ids: tuple[int, ...], got: list[int], want_logits: Callable
     torch.testing.assert_close(torch.stack(log[rid]), ref, atol=2e-4, rtol=1e-4)
 
 
+async def _idle(eng: Any) -> None:
+    """Wait until the engine has gone idle and restored the backbone (it does so on its own)."""
+    for _ in range(500):
+        if eng._merged is None and not eng.scheduler.running:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the engine kept merged weights while idle")
+
+
 def _weights(eng: Any) -> list[torch.Tensor]:
     return [t.clone() for layer in eng.model.layers for t in layer.values()]
 
@@ -150,6 +159,7 @@ async def test_expert_sets_in_mixed_batch_match_reference(
     tiny: Tiny, moe_root: Path, moe_ref: ExpertSetReference, make_engine: Any, logit_log: dict[str, list[torch.Tensor]]
 ) -> None:
     eng = make_engine(root=moe_root, max_num_seqs=8, max_prefill_chunk=6, max_num_batched_tokens=20)
+    pristine = _weights(eng)
     jobs = []
     for i, prompt in enumerate(PROMPTS):
         for j, name in enumerate([None, "alpha", "gamma", *SETS]):
@@ -166,6 +176,8 @@ async def test_expert_sets_in_mixed_batch_match_reference(
     info = eng.describe()
     assert info["adafuse_gated_steps"] > 0
     assert info["expert_sets"] == len(SETS)
+    await _idle(eng)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(eng), pristine, strict=True))
     assert {a.name: a.rank for a in eng.list_adapters() if a.name in SETS} == {"moe": 4, "moe_k1": 8}
 
 
@@ -185,11 +197,7 @@ async def test_single_request_merges_and_restores_backbone_exactly(
     assert info["adafuse_gated_steps"] == 3
     assert info["adafuse_merges"] >= 3
     # The engine restores the backbone when it goes idle; bit for bit, no drift.
-    for _ in range(200):
-        if eng._merged is None:
-            break
-        await asyncio.sleep(0.01)
-    assert eng._merged is None
+    await _idle(eng)
     assert all(torch.equal(a, b) for a, b in zip(_weights(eng), pristine, strict=True))
     assert tokens(await collect(eng.submit(request("base-after", ids, None, max_tokens=8)))) == base_before
 

@@ -93,10 +93,11 @@ def test_expert_sets_on_cuda_match_reference(tiny: Tiny, tmp_path: Path) -> None
     async def go() -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, Any], bool]:
         cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16)
         eng = Engine(tiny.model_dir, root, device="cuda", dtype="float32", config=cfg, model_name="tiny")
+        # Before any request: nothing can be merged yet.
+        pristine = [t.clone() for layer in eng.model.layers for t in layer.values()]
         jobs = {f"{i}-{n}": (tiny.encode(p), n) for i, p in enumerate(PROMPTS) for n in (None, "alpha", *SETS)}
         streams = {rid: eng.submit(request(rid, ids, n, max_tokens=6)) for rid, (ids, n) in jobs.items()}
         mixed = {rid: tokens(await collect(s)) for rid, s in streams.items()}
-        pristine = [t.clone() for layer in eng.model.layers for t in layer.values()]
         alone = {}
         for name in SETS:  # alone: decode steps take the merged path (and the decode graph)
             alone[name] = tokens(await collect(eng.submit(request(f"alone-{name}", tiny.encode(PROMPTS[2]), name, max_tokens=6))))
@@ -113,9 +114,9 @@ def test_expert_sets_on_cuda_match_reference(tiny: Tiny, tmp_path: Path) -> None
     assert info["adafuse_merges"] > 0, info
     assert info["adafuse_gated_steps"] > 0, info
     assert info["cuda_graphs"], info
-    assert restored
     for rid, got in mixed.items():
         i, name = rid.split("-", 1)
         assert got == greedy(list(tiny.encode(PROMPTS[int(i)])), None if name == "None" else name, 6), rid
     for name, got in alone.items():
         assert got == greedy(list(tiny.encode(PROMPTS[2])), name, 6), name
+    assert restored
