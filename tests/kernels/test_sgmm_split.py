@@ -148,8 +148,8 @@ def test_bad_config_raises(field: str, value: int) -> None:
 
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16, 64, 256])
-@pytest.mark.parametrize("h", [2049, 4096, 4104])
+@pytest.mark.parametrize("t", [1, 16, 256])
+@pytest.mark.parametrize("h", [2049, 4104])
 @pytest.mark.parametrize("ranks", ["16", "64", "mixed"])
 def test_gpu_split_real_shapes(t: int, h: int, ranks: str) -> None:
     r_max = 128 if ranks == "mixed" else int(ranks)
@@ -163,7 +163,7 @@ def test_gpu_split_real_shapes(t: int, h: int, ranks: str) -> None:
     sgmm = _sgmm()
     check_split(case, torch.bfloat16, None)  # the table's choice for this shape
     bn = min(max(16, 1 << (r_max - 1).bit_length()), 64)
-    for split in (2, 7, 32):
+    for split in (7, 32):
         check_split(case, torch.bfloat16, sgmm.SgmmConfig(16, bn, 128, split_k=split))
 
 
