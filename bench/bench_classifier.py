@@ -10,9 +10,13 @@ Run as root: ``.venv/bin/python bench/bench_classifier.py [--quick] [--out FILE]
    kernel's per-run time over distinct sources, one run each.
 2. apply() latency for 100 shards, M = 65,537 and 10,000 pins, from the call to the am_ctl
    flip, with new weights on every apply.
-3. Ring-buffer consumer: a producer process emits events into the pinned am_events map at a
-   paced rate; the loader's poll_events() consumes and decodes them. Loss is read from the
-   exported per-CPU failed-reservation counter.
+3. Ring-buffer consumer: a producer process emits events (random IPv4 sources) into the
+   pinned am_events map at a paced rate; the loader's mmap consumer drains them, once through
+   poll_events() (a FlowEvent and a callback per event, what the agent uses) and once through
+   poll_batch() (numpy columns per drain). Loss is read from the exported per-CPU
+   failed-reservation counter.
+
+Other engineers share this 2-core machine: the load average is recorded before and after.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from scapy.layers.l2 import Ether
 
 from adaptermesh.bpf import libbpf
 from adaptermesh.bpf.loader import BpfShardTable
+from adaptermesh.bpf.ringbuf import EventBatch
 from adaptermesh.proto import assignment_pb2 as pb
 
 N_SHARDS, N_PINS = 100, 10_000
@@ -142,12 +147,13 @@ def apply_latency(pin_dir: Path, n: int) -> dict[str, object]:
     table.apply(assignment(1, rng, pins))
     cold = table.last_apply
     cold_total = time.perf_counter_ns() - t0
-    flips, built, done = [], [], []
+    flips, built, done, valid = [], [], [], []
     for v in range(2, n + 2):
         table.apply(assignment(v, rng, pins))  # new weights every time: a full table rebuild
         la = table.last_apply
         assert la is not None
         flips.append(la.flipped_ns / 1e6)
+        valid.append(la.validated_ns / 1e6)
         built.append((la.table_built_ns - la.validated_ns) / 1e6)
         done.append(la.done_ns / 1e6)
     churn = []
@@ -169,6 +175,7 @@ def apply_latency(pin_dir: Path, n: int) -> dict[str, object]:
     return {
         "shards": N_SHARDS, "maglev_size": table.maglev_size, "pins": N_PINS, "applies": n,
         "to_flip_ms": {"p50": pct(flips, 0.5), "p99": pct(flips, 0.99), "max": round(max(flips), 3)},
+        "validate_ms": {"p50": pct(valid, 0.5), "p99": pct(valid, 0.99)},
         "table_build_ms": {"p50": pct(built, 0.5), "p99": pct(built, 0.99)},
         "whole_apply_ms": {"p50": pct(done, 0.5), "p99": pct(done, 0.99)},
         "with_100_pins_changed_to_flip_ms": {"p50": pct(churn, 0.5), "p99": pct(churn, 0.99)},
@@ -190,8 +197,10 @@ BPF_TABLE_PINNED("percpu_array", u32, u64, am_counters, 8, "@PINDIR@/am_counters
 int produce(struct __sk_buff *skb) {
     struct ev *e = am_events.ringbuf_reserve(sizeof(struct ev));
     if (!e) { u32 k = 0; u64 *c = am_counters.lookup(&k); if (c) *c += 1; return 0; }
+    u32 r = bpf_get_prandom_u32();
     e->ts = bpf_ktime_get_ns(); __builtin_memset(e->src, 0, 16); e->src[10] = 0xff;
-    e->src[11] = 0xff; e->src[15] = 1; e->shard = 0; e->reason = 2; e->version = 1;
+    e->src[11] = 0xff; __builtin_memcpy(e->src + 12, &r, 4); e->shard = r % 100; e->reason = 2;
+    e->version = 1;
     am_events.ringbuf_submit(e, 0);
     return 0;
 }
@@ -222,39 +231,58 @@ def _producer(pin: str, rate: int, seconds: float, ready: object, go: object,
 
 def ringbuf(pin_dir: Path, rates: list[int], seconds: float) -> dict[str, object]:
     table = BpfShardTable("lo", pin_dir=str(pin_dir / "ring"))
-    rows = []
     ctx = mp.get_context("fork")
-    for rate in rates:
-        ready, go, sent = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
-        proc = ctx.Process(target=_producer,
-                           args=(str(pin_dir / "ring"), rate, seconds, ready, go, sent))
-        proc.start()
-        ready.wait(60)
-        before = table.read_counters().ringbuf_failed
-        got = 0
+    out: dict[str, object] = {"ring_bytes": table.ring_bytes()}
+    for consumer in ("poll_events", "poll_batch"):
+        rows = []
+        for rate in rates:
+            ready, go, sent = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
+            proc = ctx.Process(target=_producer,
+                               args=(str(pin_dir / "ring"), rate, seconds, ready, go, sent))
+            proc.start()
+            ready.wait(60)
+            before = table.read_counters().ringbuf_failed
+            got = 0
 
-        def count(_e: object) -> None:
-            nonlocal got
-            got += 1
+            def count(_e: object) -> None:
+                nonlocal got
+                got += 1
 
-        go.set()
-        t0 = time.perf_counter()
-        while proc.is_alive():
-            table.poll_events(count, 50)
-        while table.poll_events(count, 50):
-            pass
-        elapsed = time.perf_counter() - t0
-        proc.join()
-        lost = table.read_counters().ringbuf_failed - before
-        rows.append({"offered_per_s": rate, "sent": sent.value, "received": got,
-                     "failed_reservations": lost, "seconds": round(elapsed, 2),
-                     "consumed_per_s": round(got / elapsed), "lossless": lost == 0
-                     and got == sent.value})
+            def count_batch(b: EventBatch) -> None:
+                nonlocal got
+                got += len(b)
+
+            def poll(timeout_ms: int, consumer: str = consumer) -> int:
+                if consumer == "poll_events":
+                    return table.poll_events(count, timeout_ms)
+                return table.poll_batch(count_batch, timeout_ms)
+
+            go.set()
+            t0 = time.perf_counter()
+            cpu0 = time.process_time()
+            while proc.is_alive():
+                poll(50)
+            while poll(50):
+                pass
+            elapsed = time.perf_counter() - t0
+            cpu = time.process_time() - cpu0
+            proc.join()
+            lost = table.read_counters().ringbuf_failed - before
+            rows.append({"offered_per_s": rate, "sent": sent.value, "received": got,
+                         "failed_reservations": lost, "seconds": round(elapsed, 2),
+                         "consumed_per_s": round(got / elapsed),
+                         "consumer_cpu_s": round(cpu, 2),
+                         "lossless": lost == 0 and got == sent.value,
+                         "accounted": got + lost == sent.value})
+        best = max((r["offered_per_s"] for r in rows if r["lossless"] and r["sent"]), default=0)
+        out[consumer] = {"runs": rows, "max_lossless_offered_per_s": best}
     table.close(unpin=True)
-    best = max((r["offered_per_s"] for r in rows if r["lossless"] and r["sent"]), default=0)
-    return {"consumer": "BpfShardTable.poll_events (decodes every event into a FlowEvent)",
-            "ring_bytes": 256 * 4096, "runs": rows, "max_lossless_offered_per_s": best,
-            "target_per_s": 200_000, "target_met": best >= 200_000}
+    pe = out["poll_events"]
+    assert isinstance(pe, dict)
+    out |= {"consumer": "mmap ring consumer (bpf.ringbuf.RingBuffer); poll_events decodes every "
+                        "event into a FlowEvent and calls back once per event",
+            "target_per_s": 200_000, "target_met": pe["max_lossless_offered_per_s"] >= 200_000}
+    return out
 
 
 def main() -> int:
@@ -268,16 +296,19 @@ def main() -> int:
     pin_dir = Path(f"/sys/fs/bpf/amb-bench-{secrets.token_hex(3)}")
     pin_dir.mkdir(parents=True, exist_ok=True) if Path("/sys/fs/bpf").is_mount() else None
     try:
+        load_before = os.getloadavg()
         result = {
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": machine(),
+            "load_average_before": [round(x, 2) for x in load_before],
             "per_packet": per_packet(pin_dir, 100_000 if args.quick else 1_000_000,
                                      2 if args.quick else 5),
             "apply_latency": apply_latency(pin_dir, 20 if args.quick else 200),
             "ring_buffer": ringbuf(pin_dir, [200_000, 300_000, 400_000, 600_000],
                                    1.0 if args.quick else 3.0),
         }
+        result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     finally:
         shutil.rmtree(pin_dir, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -99,3 +101,61 @@ def test_source_hash_is_stable() -> None:
     addr = b"\x00" * 10 + b"\xff\xff" + bytes([10, 0, 0, 1])
     assert maglev.source_hash(addr) == maglev.source_hash(bytes(addr))
     assert maglev.source_hash(addr) != maglev.source_hash(addr[:-1] + b"\x02")
+
+
+def build_by_rounds(bs: list[Backend], size: int) -> array[int]:
+    """The turn rule read literally: walk round after round, every backend in key order.
+
+    The builders order turns with a calendar (C) or a heap (Python) instead; both must give
+    exactly this table, turn for turn.
+    """
+    live = sorted((b for b in bs if b.weight > 0), key=lambda b: b.key)
+    table = array("H", [maglev.NO_SHARD]) * size
+    if not live:
+        return table
+    perms = [maglev._permutation(b.key, size) for b in live]
+    w_max = max(b.weight for b in live)
+    nxt = [0] * len(live)
+    filled, r = 0, 0
+    while True:
+        r += 1
+        for i, b in enumerate(live):
+            if (r * b.weight) // w_max == ((r - 1) * b.weight) // w_max:
+                continue
+            offset, skip = perms[i]
+            j = nxt[i]
+            while table[(offset + j * skip) % size] != maglev.NO_SHARD:
+                j += 1
+            table[(offset + j * skip) % size] = b.value
+            nxt[i] = j + 1
+            filled += 1
+            if filled == size:
+                return table
+
+
+@settings(max_examples=40, deadline=None)
+@given(bs=backends(max_size=40), size=st.sampled_from([251, 1009, 4099]),
+       skew=st.booleans())
+def test_builders_follow_the_round_rule_turn_for_turn(bs: list[Backend], size: int,
+                                                      skew: bool) -> None:
+    if skew:  # one heavy shard beside light ones: thousands of rounds
+        bs = [Backend(b.key, b.value, 10_000 if i == 0 else 1 + b.weight % 3)
+              for i, b in enumerate(bs)]
+    expected = build_by_rounds(bs, size)
+    assert build_table(bs, size) == expected
+    assert build_table_py(bs, size) == expected
+
+
+def test_skewed_weights_keep_their_shares_at_the_default_size() -> None:
+    # The case that made a per-round loop slow: 99 shards of weight 1 beside one of 9,901.
+    bs = [Backend(f"shard-{i:03d}", i, 9901 if i == 0 else 1) for i in range(100)]
+    table = build_table(bs)
+    shares = table_shares(table)
+    assert sum(shares.values()) == maglev.DEFAULT_SIZE
+    assert abs(shares[0] - maglev.DEFAULT_SIZE * 0.9901) <= 1 + 100 * 0.9901
+
+
+def test_weights_too_skewed_for_the_native_calendar_use_the_python_builder() -> None:
+    # A weight ratio of 2^40 would need a calendar of 2^41 rounds: the Python builder takes it.
+    bs = [Backend("a", 0, 1 << 40), Backend("b", 1, 1)]
+    assert build_table(bs, 251) == build_table_py(bs, 251)

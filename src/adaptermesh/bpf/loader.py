@@ -583,6 +583,10 @@ class BpfShardTable:
                 raise NotImplementedError("needs the mmap ring consumer (x86-64)")
             return ring.consumer_pos, ring.producer_pos
 
+    def ring_bytes(self) -> int:
+        """Size of am_events' data area (from the map itself: a reused pin keeps its size)."""
+        return ringbuf.map_max_entries(self._fd["am_events"])
+
     # bcc's per-event callback consumer, kept for CPUs where the mmap consumer's plain loads
     # and stores are not acquire/release (see ringbuf.supported()).
 

@@ -50,6 +50,7 @@ __all__ = [
     "EventBatch",
     "RingBuffer",
     "drain_span",
+    "map_max_entries",
     "supported",
 ]
 
@@ -106,29 +107,28 @@ class EventBatch:
             foreign=foreign,
         )
 
+    def sources(self) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+        n = len(self)
+        if self.src[:, :12].tobytes() == _V4_MAPPED * n:  # every source IPv4: one pass
+            return list(map(ipaddress.IPv4Address,
+                            self.src[:, 12:].copy().view(">u4").ravel().tolist()))
+        raw = self.src.tobytes()
+        out: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
+        for i in range(n):
+            addr = raw[16 * i: 16 * i + 16]
+            out.append(ipaddress.IPv4Address(addr[12:]) if addr[:12] == _V4_MAPPED
+                       else ipaddress.IPv6Address(addr))
+        return out
+
     def events(self) -> list[FlowEvent]:
         """The batch as FlowEvents (about 2 us each: use the columns where that matters)."""
-        n = len(self)
-        if n == 0:
+        if len(self) == 0:
             return []
-        raw = self.src.tobytes()
-        v4 = self.src[:, :12].tobytes() == _V4_MAPPED * n  # fast path: every source IPv4
-        ip4 = (self.src[:, 12:].copy().view(">u4").ravel().tolist() if v4 else None)
         names = REASON_NAMES
-        out: list[FlowEvent] = []
-        append = out.append
-        for i, (ts, shard, reason, version) in enumerate(zip(
-                self.ts_ns.tolist(), self.shard.tolist(), self.reason.tolist(),
-                self.version.tolist(), strict=True)):
-            source: ipaddress.IPv4Address | ipaddress.IPv6Address
-            if ip4 is not None:
-                source = ipaddress.IPv4Address(ip4[i])
-            else:
-                addr = raw[16 * i: 16 * i + 16]
-                source = (ipaddress.IPv4Address(addr[12:]) if addr[:12] == _V4_MAPPED
-                          else ipaddress.IPv6Address(addr))
-            append(FlowEvent(ts, source, shard, names.get(reason, str(reason)), version))
-        return out
+        reasons = [names.get(r) or str(r) for r in self.reason.tolist()]
+        # map() over columns: no per-event bytecode loop, about half the cost of one.
+        return list(map(FlowEvent, self.ts_ns.tolist(), self.sources(), self.shard.tolist(),
+                        reasons, self.version.tolist()))
 
 
 def _empty() -> EventBatch:
@@ -179,7 +179,8 @@ def drain_span(data: npt.NDArray[np.uint8], cons: int, prod: int, size: int
     return pos, EventBatch.from_records(records, foreign)
 
 
-def _max_entries(fd: int) -> int:
+def map_max_entries(fd: int) -> int:
+    """A BPF map's max_entries (for a ring buffer: its data size in bytes)."""
     for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
         if line.startswith("max_entries:"):
             return int(line.split()[1])
@@ -191,7 +192,7 @@ class RingBuffer:
 
     def __init__(self, map_fd: int) -> None:
         self.fd = map_fd
-        self.size = _max_entries(map_fd)
+        self.size = map_max_entries(map_fd)
         if self.size <= 0 or self.size & (self.size - 1):
             raise ValueError(f"ring size {self.size} is not a power of two")
         page = mmap.PAGESIZE
