@@ -407,6 +407,11 @@ def build_cluster(shard: assignment_pb2.Shard, opts: BuildOptions) -> cluster_pb
             subset_selectors=[cluster_pb2.Cluster.LbSubsetConfig.LbSubsetSelector(
                 keys=[ADAPTER_METADATA_KEY])],
             list_as_any=True,
+            # A subset whose workers are all unhealthy (the only worker holding an adapter
+            # died) is in panic; without this Envoy would keep picking the dead worker there.
+            # With it, the request falls back to the whole shard's healthy workers, which
+            # load the adapter on demand.
+            panic_mode_any=True,
         ),
     )
     cluster.typed_extension_protocol_options[
