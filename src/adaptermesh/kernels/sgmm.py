@@ -83,30 +83,39 @@ def _r_bucket(r_max: int) -> str:
     return "low" if r_max <= 32 else "high"
 
 
+# Sweep of 2026-11-29 (bench_sgmm.py --sweep, bench/results/sgmm_h200_run2.json): each op alone,
+# graph replay over 16 input sets, S=1, H=4096, bf16; every candidate checked against fp32 torch.
 # shrink: (block_m, block_k, split_k, num_warps, num_stages); block_n = min(pow2(R_max), 64).
+# Best vs. the unsplit tile, us: T=16 r=16 6.6 (unsplit 16x256: 10.4); T=16 r=64 8.3 (15.9);
+# T=64 r=16 6.6 (10.5); T=64 r=64 8.7 (15.8); T=256 r=16 7.5 (32x256: 10.8); T=256 r=64 9.7;
+# T=4096 r=16 14.3
+# (split 1: 14.4); T=4096 r=64 18.7 (32x256: 20.3). More splits lose: 32 splits of 128 cost
+# 11.6-15.8 us at T=16/64, the partial traffic and the serial last-arrival sum grow.
 _SHRINK_TABLE: dict[tuple[int, str], tuple[int, int, int, int, int]] = {
-    (16, "low"): (16, 128, 16, 4, 3),
-    (16, "high"): (16, 128, 16, 4, 3),
-    (64, "low"): (16, 128, 16, 4, 3),
-    (64, "high"): (16, 128, 16, 4, 3),
-    (256, "low"): (16, 128, 4, 4, 3),
+    (16, "low"): (16, 256, 8, 4, 3),
+    (16, "high"): (16, 256, 8, 4, 3),
+    (64, "low"): (16, 256, 8, 4, 3),
+    (64, "high"): (16, 128, 8, 4, 3),
+    (256, "low"): (16, 128, 8, 4, 3),
     (256, "high"): (16, 128, 4, 4, 3),
-    # First sweep (whole add_lora, graph replay): BLOCK_M=32, BLOCK_K=256 was fastest at
-    # T=4096 (96.9 us at N=14336, r=16).
-    (T_BUCKETS[-1], "low"): (32, 256, 1, 4, 3),
-    (T_BUCKETS[-1], "high"): (32, 256, 1, 4, 3),
+    (T_BUCKETS[-1], "low"): (32, 256, 2, 4, 3),
+    (T_BUCKETS[-1], "high"): (64, 256, 1, 8, 3),
 }
 
 # expand: (block_m, block_n, num_warps, num_stages, prefetch_out); block_k = min(pow2(R_max), 64).
+# Picked per (T, r) by the least summed slowdown over N=4096 and N=14336, us (N=4096 / 14336):
+# T=16 r=16 3.0/3.3; T=16 r=64 3.7/4.6; T=64 r=16 3.2/4.2; T=64 r=64 4.2/5.6 (16x128: 4.5/8.4);
+# T=256 r=16 5.2/10.1; T=256 r=64 5.8/19.1; T=4096 r=16 27.9/90.4; T=4096 r=64 47.1/149.7
+# (the old 64x128 tile: 51.7/166.5). Prefetching out wins by 0-5 %, never loses more than 4 %.
 _EXPAND_TABLE: dict[tuple[int, str], tuple[int, int, int, int, bool]] = {
-    (16, "low"): (16, 128, 4, 2, False),
+    (16, "low"): (16, 128, 4, 2, True),
     (16, "high"): (16, 128, 4, 2, False),
-    (64, "low"): (16, 128, 4, 2, False),
-    (64, "high"): (16, 128, 4, 2, False),
-    (256, "low"): (32, 128, 4, 2, False),
-    (256, "high"): (32, 128, 4, 2, False),
+    (64, "low"): (32, 128, 4, 2, True),
+    (64, "high"): (32, 128, 4, 2, True),
+    (256, "low"): (64, 128, 4, 2, True),
+    (256, "high"): (32, 128, 4, 2, True),
     (T_BUCKETS[-1], "low"): (64, 128, 4, 2, False),
-    (T_BUCKETS[-1], "high"): (64, 128, 4, 2, False),
+    (T_BUCKETS[-1], "high"): (64, 256, 8, 2, True),
 }
 
 
