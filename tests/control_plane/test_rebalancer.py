@@ -157,3 +157,59 @@ async def test_invalid_assignment_is_never_published(tmp_path: Path, bad: str) -
     assert rb.hub.latest.version == v
     assert rb.store.last_version() == v
     rb.store.close()
+
+
+class DownSource:
+    """Two workers, both resident-holding adapter ``a``; ``down`` marks one unreachable."""
+
+    def __init__(self) -> None:
+        self.down: set[str] = set()
+
+    async def collect(self, targets: Sequence[Target], now: float) -> dict[str, WorkerObservation]:
+        return {
+            t.key: WorkerObservation(
+                address=t.address,
+                port=t.port,
+                known=True,
+                running=1.0,
+                latency_s=0.05,
+                tokens_per_s=100.0,
+                resident_adapters=frozenset({"a"}) if t.address.endswith(".1") else frozenset(),
+                down=t.key in self.down,
+            )
+            for t in targets
+        }
+
+
+async def test_unreachable_worker_loses_adapter_affinity_at_once(tmp_path: Path) -> None:
+    """A dead worker that alone holds an adapter must stop attracting that adapter's requests
+    on the next tick (not after the staleness window), and regain affinity when it returns."""
+    store = Store(tmp_path / "cp.sqlite3", synchronous="NORMAL")
+    source = DownSource()
+    clock = FakeClock()
+    rb = Rebalancer(store, source, clock=clock, config=RebalancerConfig(interval_s=5.0))
+    spec = shard("s", ("10.0.0.1", 8000), ("10.0.0.2", 8000))
+    rb.mutate(lambda: store.upsert_shard(spec, clock.time()), "add s")
+    for _ in range(3):
+        await rb.step()
+        clock.step(5)
+
+    def adapters() -> dict[str, list[str]]:
+        current = rb.hub.latest
+        assert current is not None
+        return {f"{e.address}": list(e.adapters) for e in current.shards[0].endpoints}
+
+    assert adapters()["10.0.0.1"] == ["a"]
+    before = store.last_version()
+    source.down = {"10.0.0.1:8000"}
+    await rb.step()
+    assert store.last_version() == before + 1, "an unreachable worker must publish at once"
+    assert adapters()["10.0.0.1"] == []
+    assert "unreachable 10.0.0.1:8000" in rb.hub.latest.reason
+    clock.step(5)
+    await rb.step()
+    assert store.last_version() == before + 1, "no republish while nothing changes"
+    source.down = set()
+    clock.step(5)
+    await rb.step()
+    assert adapters()["10.0.0.1"] == ["a"]

@@ -272,22 +272,38 @@ def test_killed_worker_is_ejected_and_the_shard_keeps_serving(mesh: LocalMesh):
             )
             ejected = time.monotonic()
             _figure("worker_kill_to_ejected_s", ejected - killed)
-            # Envoy may still pick the dead worker until every subset and retry has seen
-            # the ejection; give it a moment, then every request must succeed.
-            time.sleep(2.0)
+            # Adapters held only by the dead worker form Envoy subsets with no healthy host.
+            # The control plane's next scrape finds the worker unreachable and publishes it
+            # without adapter affinity; once the agent applied that, those requests fall back
+            # to the shard's other worker and every request must succeed.
+            dead = f"{addr}:{port}"
+
+            def affinity_dropped() -> int | None:
+                a = mesh.cp_status().assignment
+                for s in a.shards:
+                    for ep in s.endpoints:
+                        if f"{ep.address}:{ep.port}" == dead and not ep.adapters:
+                            return int(a.version)
+                return None
+
+            version = _wait(affinity_dropped, 30, "the dead worker to lose adapter affinity")
+            mesh.wait_agent_applied(version, timeout=10)
             settled = time.monotonic()
+            _figure("worker_kill_to_affinity_dropped_s", settled - killed)
             traffic.wait_for(30)
         # A request already on the worker when it died cannot be saved (its connection is cut
-        # after the request was sent); between the kill and the ejection Envoy retries connect
-        # failures on the other worker. Those are counted and reported; every request sent
-        # once the ejection settled must succeed.
+        # after the request was sent), and until the affinity update lands, requests for an
+        # adapter only the dead worker held fail fast. Those are counted and reported; every
+        # request sent once the update was applied must succeed.
         early = [t for t in traffic.failure_times if t[0] <= settled]
         late = [
             f
             for f, (a, _b) in zip(traffic.failures, traffic.failure_times, strict=True)
             if a > settled
         ]
-        assert late == [], "\n".join(late)
+        assert late == [], "\n".join(
+            [*late[:5], f"hosts: {mesh.envoy_hosts(victim_shard)}"]
+        )
         _figure("worker_kill_failed_before_settled", len(early))
         _figure("worker_kill_failed_after_settled", len(late))
         _figure("worker_kill_requests_ok", traffic.ok)

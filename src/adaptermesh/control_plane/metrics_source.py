@@ -266,11 +266,12 @@ class ScrapeSource:
                 repr(result) if isinstance(result, BaseException) else "no known series"
             )
             age = now - hist.at if hist.at is not None else math.inf
+            down = isinstance(result, httpx.ConnectError | ConnectionRefusedError)
             if hist.observation is not None and age <= self.stale_after_s:
                 # A missed scrape inside the staleness window keeps the last reading.
-                out[target.key] = replace(hist.observation, age_s=age)
+                out[target.key] = replace(hist.observation, age_s=age, down=down)
             else:
-                out[target.key] = _stale(target, hist.observation, age)
+                out[target.key] = replace(_stale(target, hist.observation, age), down=down)
         wanted = {t.key for t in targets}
         for key in list(self._history):
             if key not in wanted:

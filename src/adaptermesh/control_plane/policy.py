@@ -131,6 +131,10 @@ class WorkerObservation:
     # Adapters named by running or waiting requests.
     requested_adapters: frozenset[str] = frozenset()
     age_s: float = 0.0
+    # True when the latest scrape could not connect at all (nothing listening): the worker is
+    # gone, not merely slow. Its load still counts as unknown until the staleness limit, but it
+    # loses adapter affinity at once.
+    down: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,6 +178,9 @@ class Rebalancer:
         self.hub = hub or AssignmentHub()
         self.log = logger or logging.getLogger("adaptermesh.control_plane.rebalancer")
         self.workers: dict[str, WorkerObservation] = {}
+        # The observed resident adapters per worker in the last published Assignment: a change
+        # (an adapter loaded or evicted, a worker gone) publishes without waiting for weights.
+        self._affinity_published: dict[str, tuple[str, ...]] = {}
         self.loads: dict[str, ShardLoadView] = {}
         self.steps = 0
         self.failures = 0
@@ -234,6 +237,14 @@ class Rebalancer:
 
     # -- building and publishing -----------------------------------------------------------
 
+    def _affinity(self) -> dict[str, tuple[str, ...]]:
+        out = {}
+        for key, seen in self.workers.items():
+            observed = _observed_adapters(seen)
+            if observed is not None:
+                out[key] = observed
+        return out
+
     def _build(
         self,
         weights: Mapping[str, int],
@@ -253,10 +264,10 @@ class Rebalancer:
             for ep in shard.endpoints:
                 key = endpoint_key(ep.address, ep.port)
                 ep.weight = max(1, eps.get(key, self.config.policy.endpoint_scale))
-                seen = self.workers.get(key)
-                if seen is not None and seen.known and seen.resident_adapters:
+                observed = _observed_adapters(self.workers.get(key))
+                if observed is not None:
                     del ep.adapters[:]
-                    ep.adapters.extend(sorted(seen.resident_adapters))
+                    ep.adapters.extend(observed)
         for cidr, shard_id in self.store.list_pins():
             out.pins.add(cidr=cidr, shard_id=shard_id)
         for sid, weight, why, expires_at, created_at in self.store.list_overrides():
@@ -300,6 +311,7 @@ class Rebalancer:
 
     def _commit(self, assignment: assignment_pb2.Assignment, state: PolicyState) -> None:
         self.state = state
+        self._affinity_published = self._affinity()
         self.publishes += 1
         self.metrics.count_publish(assignment.reason)
         self.hub.publish(assignment)
@@ -342,13 +354,16 @@ class Rebalancer:
         t0 = time.perf_counter()
         decision = policy.decide(obs, self.state, now, self.config.policy)
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
-        if decision.publish or decision.expired_overrides:
+        affinity = self._affinity()
+        affinity_changed = affinity != self._affinity_published
+        if decision.publish or decision.expired_overrides or affinity_changed:
+            reason = decision.reason
+            if affinity_changed and not (decision.publish or decision.expired_overrides):
+                reason = _affinity_reason(affinity, self._affinity_published)
             with self.store.transaction():
                 if decision.expired_overrides:
                     self.store.delete_expired_overrides(now)
-                assignment = self._stage(
-                    decision.weights, decision.endpoint_weights, decision.reason
-                )
+                assignment = self._stage(decision.weights, decision.endpoint_weights, reason)
             self._commit(assignment, decision.state)
         else:
             self.state = decision.state
@@ -429,3 +444,29 @@ class Rebalancer:
             )
             for v in sorted(self.loads.values(), key=lambda v: v.shard_id)
         ]
+
+
+
+def _observed_adapters(seen: WorkerObservation | None) -> tuple[str, ...] | None:
+    """The adapters to publish for a worker, or None to keep the shard spec's own list.
+
+    An unreachable worker gets none: Envoy would keep picking it when it is the only holder of
+    an adapter (that subset panics), while without affinity the request falls back to the
+    shard's healthy workers, which load the adapter on demand.
+    """
+    if seen is None:
+        return None
+    if seen.down:
+        return ()
+    if seen.known and seen.resident_adapters:
+        return tuple(sorted(seen.resident_adapters))
+    return None
+
+
+def _affinity_reason(
+    now: Mapping[str, tuple[str, ...]], before: Mapping[str, tuple[str, ...]]
+) -> str:
+    gone = sorted(k for k, v in now.items() if v == () and before.get(k) != ())
+    moved = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
+    detail = f"unreachable {', '.join(gone)}" if gone else f"resident adapters of {', '.join(moved)}"
+    return f"endpoint set changed: adapter affinity ({detail})"
