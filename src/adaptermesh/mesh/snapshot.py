@@ -407,10 +407,10 @@ def build_cluster(shard: assignment_pb2.Shard, opts: BuildOptions) -> cluster_pb
             subset_selectors=[cluster_pb2.Cluster.LbSubsetConfig.LbSubsetSelector(
                 keys=[ADAPTER_METADATA_KEY])],
             list_as_any=True,
-            # A subset whose workers are all unhealthy (the only worker holding an adapter
-            # died) is in panic; without this Envoy would keep picking the dead worker there.
-            # With it, the request falls back to the whole shard's healthy workers, which
-            # load the adapter on demand.
+            # When the whole cluster is in panic, balance over every worker rather than over
+            # the adapter's subset. A subset whose only holder died still panics onto that
+            # worker: the control plane republishes an unreachable worker without adapters
+            # on its next scrape, which removes the subset (docs/control-plane.md).
             panic_mode_any=True,
         ),
     )
