@@ -194,7 +194,7 @@ def test_add_lora_bad_input_raises_before_launch(
         assert torch.equal(args["out"], before)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="device mismatch needs a GPU")
+@pytest.mark.gpu
 def test_device_mismatch_raises() -> None:
     args = _good()
     args["scales"] = torch.ones(2)
