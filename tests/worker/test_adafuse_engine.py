@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from adaptermesh.worker import adafuse as adafuse_mod
 from adaptermesh.worker import engine as engine_mod
 from adaptermesh.worker.adapters import AdapterValidationError
 from adaptermesh.worker.testing import make_adafuse_expert_set
@@ -33,6 +34,9 @@ SETS: dict[str, tuple[int, int, int, tuple[str, ...], int, bool]] = {
     "moe": (4, 2, 4, ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"), 11, False),
     "moe_k1": (3, 1, 8, ("k_proj", "up_proj"), 12, True),
 }
+# A copy of "moe" whose router ignores the token (zero weight, distinct biases): every token
+# picks the same experts with the same gates, so the selection repeats on every step.
+CONST = "moe_const"
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
@@ -101,12 +105,16 @@ def moe_root(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(tiny.root, root)
     for name, (e, k, r, targets, seed, rs) in SETS.items():
         make_adafuse_expert_set(root, tiny.model_dir, name, e, k, r, targets, seed, rs, router_std=2.0, scale_b=0.1)
+    shutil.copytree(root / "moe", root / CONST)
+    router = load_file(str(root / CONST / "router.safetensors"))
+    save_file({"weight": torch.zeros_like(router["weight"]), "bias": torch.tensor([0.3, -0.5, 0.9, 0.0])},
+              str(root / CONST / "router.safetensors"))
     return root
 
 
 @pytest.fixture(scope="module")
 def moe_ref(tiny: Tiny, moe_root: Path) -> ExpertSetReference:
-    return ExpertSetReference(tiny.model_dir, moe_root, list(SETS))
+    return ExpertSetReference(tiny.model_dir, moe_root, [*SETS, CONST])
 
 
 @pytest.fixture
@@ -184,7 +192,8 @@ async def test_expert_sets_in_mixed_batch_match_reference(
 async def test_single_request_merges_and_restores_backbone_exactly(
     tiny: Tiny, moe_root: Path, moe_ref: ExpertSetReference, make_engine: Any, logit_log: dict[str, list[torch.Tensor]]
 ) -> None:
-    eng = make_engine(root=moe_root)
+    # adafuse_merge_after=1: every decode step merges its selection (or finds it merged).
+    eng = make_engine(root=moe_root, adafuse_merge_after=1)
     ids = tiny.encode(PROMPTS[2])
     base_before = tokens(await collect(eng.submit(request("base-before", ids, None, max_tokens=8))))
     pristine = _weights(eng)
@@ -196,6 +205,8 @@ async def test_single_request_merges_and_restores_backbone_exactly(
     # Prompt prefill (many tokens) took the gated path; every decode step the merged path.
     assert info["adafuse_gated_steps"] == 3
     assert info["adafuse_merges"] >= 3
+    assert info["adafuse_merged_steps"] == 3 * 7
+    assert info["adafuse_solo_gated_steps"] == 0
     # The engine restores the backbone when it goes idle; bit for bit, no drift.
     await _idle(eng)
     assert all(torch.equal(a, b) for a, b in zip(_weights(eng), pristine, strict=True))
@@ -207,7 +218,7 @@ async def test_merged_request_then_other_requests_see_clean_backbone(
 ) -> None:
     # A base and a LoRA request arrive while an expert-set request decodes alone on merged
     # weights: the backbone must be restored before their first step.
-    eng = make_engine(root=moe_root)
+    eng = make_engine(root=moe_root, adafuse_merge_after=1)
     ids = tiny.encode(PROMPTS[1])
     stream = eng.submit(request("solo", ids, "moe", max_tokens=12))
     it = stream.__aiter__()
@@ -220,6 +231,84 @@ async def test_merged_request_then_other_requests_see_clean_backbone(
     _check("late-None", ids, tokens(late[0]), lambda full: tiny.ref.logits(full, None), logit_log)
     _check("late-alpha", ids, tokens(late[1]), lambda full: tiny.ref.logits(full, "alpha"), logit_log)
     assert eng.describe()["adafuse_restores"] >= 1
+
+
+async def test_repeated_selection_merges_after_n_tokens(
+    tiny: Tiny, moe_root: Path, moe_ref: ExpertSetReference, make_engine: Any, logit_log: dict[str, list[torch.Tensor]]
+) -> None:
+    # Every token of CONST selects the same experts and gates. With N = 3, decode steps 1 and 2
+    # take the gated path on the clean backbone, step 3 merges, steps 4..7 run merged.
+    eng = make_engine(root=moe_root, adafuse_merge_after=3)
+    pristine = _weights(eng)
+    ids = tiny.encode(PROMPTS[1])
+    got = tokens(await collect(eng.submit(request("const", ids, CONST, max_tokens=8))))
+    _check("const", ids, got, lambda full: moe_ref.logits(full, CONST), logit_log)
+    info = eng.describe()
+    counts = {k: info[f"adafuse_{k}"] for k in ("merges", "merged_steps", "solo_gated_steps", "compensated_steps", "gated_steps")}
+    assert counts == {"merges": 1, "merged_steps": 5, "solo_gated_steps": 2, "compensated_steps": 0, "gated_steps": 1}
+    await _idle(eng)
+    assert eng.describe()["adafuse_restores"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(_weights(eng), pristine, strict=True))
+    # adafuse_merge_after=0 never merges: the same request stays on the gated path throughout.
+    eng0 = make_engine(root=moe_root, adafuse_merge_after=0)
+    got0 = tokens(await collect(eng0.submit(request("const0", ids, CONST, max_tokens=8))))
+    _check("const0", ids, got0, lambda full: moe_ref.logits(full, CONST), logit_log)
+    assert (eng0.adafuse_merges, eng0.adafuse_solo_gated_steps) == (0, 7)
+
+
+def _distinct_selection_tokens(ref: ExpertSetReference, name: str, vocab: int, n: int) -> list[int]:
+    """n tokens whose routing (experts and gates) differs pairwise, by the oracle's router."""
+    s = ref.sets[name]
+    emb = ref.model.model.embed_tokens.weight[:vocab].detach()
+    rl = emb @ s["router"]["weight"].T + s["router"]["bias"]
+    picks = torch.topk(rl, s["meta"]["top_k"], dim=-1).indices.tolist()
+    out: list[int] = []
+    seen: set[tuple[int, ...]] = set()
+    for tok in range(3, vocab):
+        key = tuple(picks[tok])
+        if key not in seen:
+            seen.add(key)
+            out.append(tok)
+        if len(out) == n:
+            return out
+    raise AssertionError(f"only {len(out)} distinct selections")
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-sgmm", "gated-kernels"])
+async def test_changing_selection_stays_unmerged_and_cancels_merged_one(
+    tiny: Tiny, moe_root: Path, moe_ref: ExpertSetReference, make_engine: Any, logit_log: dict[str, list[torch.Tensor]],
+    monkeypatch: pytest.MonkeyPatch, packed: bool,
+) -> None:
+    # One-token prompt chunks make every prompt token a single-request step whose selection the
+    # test chooses. N = 2: a repeated token merges; a changed selection runs gated over the
+    # merged weights, cancelling the merged experts with negated gates, and does not re-merge.
+    # Both solo implementations: experts packed as one SGMM LoRA, and the per-token kernels.
+    if not packed:
+        monkeypatch.setattr(adafuse_mod, "PACKED_MAX_RANK", 0)
+    a, b, c, d = _distinct_selection_tokens(moe_ref, "moe", 200, 4)
+    prompt = (a, a, b, b, b, c, a, d)
+    # step:   gated, merge a, gated-over-a, merge b, merged, gated-over-b, gated-over-b, gated-over-b
+    eng = make_engine(root=moe_root, adafuse_merge_after=2, max_prefill_chunk=1)
+    pristine = _weights(eng)
+    got = tokens(await collect(eng.submit(request("walk", prompt, "moe", max_tokens=1))))
+    _check("walk", prompt, got, lambda full: moe_ref.logits(full, "moe"), logit_log)
+    info = eng.describe()
+    counts = {k: info[f"adafuse_{k}"] for k in ("merges", "merged_steps", "solo_gated_steps", "compensated_steps", "gated_steps")}
+    assert counts == {"merges": 2, "merged_steps": 3, "solo_gated_steps": 5, "compensated_steps": 4, "gated_steps": 0}
+    await _idle(eng)
+    assert all(torch.equal(x, y) for x, y in zip(_weights(eng), pristine, strict=True))
+    # The same walk followed by decode steps: every logit still matches the oracle.
+    got = tokens(await collect(eng.submit(request("walk-decode", prompt, "moe", max_tokens=6))))
+    _check("walk-decode", prompt, got, lambda full: moe_ref.logits(full, "moe"), logit_log)
+    assert eng.adafuse_compensated_steps >= 8
+    assert bool(eng.adapters.expert_sets["moe"].expert_set.packed) == packed
+
+
+async def test_bad_merge_after_is_rejected(make_engine: Any) -> None:
+    from adaptermesh.worker.types import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="adafuse_merge_after"):
+        make_engine(adafuse_merge_after=-1)
 
 
 async def test_load_unload_reload_and_eviction(tiny: Tiny, moe_root: Path, make_engine: Any) -> None:

@@ -72,26 +72,33 @@ def test_expert_sets_on_cuda_match_reference(tiny: Tiny, tmp_path: Path) -> None
     import shutil
 
     import torch
+    from safetensors.torch import load_file, save_file
 
     from adaptermesh.worker.testing import make_adafuse_expert_set
 
-    from .test_adafuse_engine import SETS, ExpertSetReference
+    from .test_adafuse_engine import CONST, SETS, ExpertSetReference
 
     root = tmp_path / "adapters"
     shutil.copytree(tiny.root, root)
     for name, (e, k, r, targets, seed, rs) in SETS.items():
         make_adafuse_expert_set(root, tiny.model_dir, name, e, k, r, targets, seed, rs, router_std=2.0, scale_b=0.1)
-    ref = ExpertSetReference(tiny.model_dir, root, list(SETS))
+    # A set whose every token routes alike, so its decode repeats one selection and merges.
+    shutil.copytree(root / "moe", root / CONST)
+    router = load_file(str(root / CONST / "router.safetensors"))
+    save_file({"weight": torch.zeros_like(router["weight"]), "bias": torch.tensor([0.3, -0.5, 0.9, 0.0])},
+              str(root / CONST / "router.safetensors"))
+    sets = [*SETS, CONST]
+    ref = ExpertSetReference(tiny.model_dir, root, sets)
 
     def greedy(ids: list[int], name: str | None, n: int) -> list[int]:
         out: list[int] = []
         for _ in range(n):
-            logits = ref.logits(ids + out, name) if name in SETS else tiny.ref.logits(ids + out, name)
+            logits = ref.logits(ids + out, name) if name in sets else tiny.ref.logits(ids + out, name)
             out.append(int(logits[-1].argmax()))
         return out
 
     async def go() -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, Any], bool]:
-        cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16)
+        cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16, adafuse_merge_after=3)
         eng = Engine(tiny.model_dir, root, device="cuda", dtype="float32", config=cfg, model_name="tiny")
         # Before any request: nothing can be merged yet.
         pristine = [t.clone() for layer in eng.model.layers for t in layer.values()]
@@ -99,7 +106,7 @@ def test_expert_sets_on_cuda_match_reference(tiny: Tiny, tmp_path: Path) -> None
         streams = {rid: eng.submit(request(rid, ids, n, max_tokens=6)) for rid, (ids, n) in jobs.items()}
         mixed = {rid: tokens(await collect(s)) for rid, s in streams.items()}
         alone = {}
-        for name in SETS:  # alone: decode steps take the merged path (and the decode graph)
+        for name in sets:  # alone: decode steps run in a graph, gated (solo graph) or merged
             alone[name] = tokens(await collect(eng.submit(request(f"alone-{name}", tiny.encode(PROMPTS[2]), name, max_tokens=6))))
         for _ in range(200):
             if eng._merged is None:
@@ -111,7 +118,8 @@ def test_expert_sets_on_cuda_match_reference(tiny: Tiny, tmp_path: Path) -> None
         return mixed, alone, info, restored
 
     mixed, alone, info, restored = asyncio.run(go())
-    assert info["adafuse_merges"] > 0, info
+    assert info["adafuse_merges"] > 0, info  # CONST: the selection repeats, so it merges
+    assert info["adafuse_solo_graph_steps"] > 0, info
     assert info["adafuse_gated_steps"] > 0, info
     assert info["cuda_graphs"], info
     for rid, got in mixed.items():

@@ -19,17 +19,30 @@ On disk (one directory under the adapter root, named like any adapter)::
                                       adapter_config.json agrees with r, lora_alpha,
                                       use_rslora and the resolved target modules
 
-Two execution paths, both from ``adaptermesh.kernels.fuse``:
+Three execution paths, all from ``adaptermesh.kernels.fuse``:
 
-* **Merged** (a step that is one token of one request, i.e. batch-1 decode): ``fused_switch``
-  writes ``W = round(W0 + Delta)`` into every targeted backbone weight with one launch; the
-  forward pass is then the plain backbone (and CUDA-graph decode still applies). ``W0`` is a
-  pristine copy of each targeted weight, shared by every expert set that targets it, so
-  unmerging restores the backbone bit for bit. The engine unmerges before any step that runs
-  anything else, and whenever it goes idle.
+* **Merged** (one token of one request, and only when the same selection has repeated for
+  ``adafuse_merge_after`` consecutive tokens, or is already merged): ``fused_switch`` writes
+  ``W = round(W0 + Delta)`` into every targeted backbone weight with one launch; the forward
+  pass is then the plain backbone (and CUDA-graph decode still applies). ``W0`` is a pristine
+  copy of each targeted weight, shared by every expert set that targets it, so unmerging
+  restores the backbone bit for bit. The engine unmerges before any step that runs another
+  request, and whenever it goes idle.
+* **Solo gated** (one token of one request whose selection is not the merged one): the
+  backbone is left as it is and each targeted module adds the token's experts from static
+  buffers (``SoloGated``), inside the decode CUDA graph on a GPU. If the backbone still holds
+  an older selection of the same set, the old experts are added too, with negated gates, so
+  they cancel out of the merged weight (no switch is needed). With ``E * r <= 128`` the set's
+  experts are packed per group as ONE LoRA of rank ``E * r`` and the step runs the SGMM
+  shrink, scales each expert's rank rows by its net coefficient, and runs the SGMM expand
+  (the split-K shrink keeps a one-token launch fast); larger sets use ``gated_add_lora``.
 * **Gated** (every other step, mixed with LoRA and base requests): the backbone stays clean
   and each targeted module adds ``gated_add_lora`` with the set's per-token routing; rows of
   other requests get expert id -1 and are skipped by the kernels.
+
+Routing depends only on the token: the router reads the token's embedding. ``ExpertSet``
+therefore routes the whole embedding table once when it is built and keeps every token's
+selection on the host, so choosing a single-request path costs no device work and no sync.
 """
 
 from __future__ import annotations
@@ -39,11 +52,12 @@ import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import safe_open
 
+from adaptermesh.kernels import build_segment_meta, sgmm_expand, sgmm_shrink
 from adaptermesh.kernels.fuse import (
     MergeTable,
     MergeTarget,
@@ -63,6 +77,9 @@ __all__ = [
     "CpuExpertSet",
     "ExpertSet",
     "GatedBatch",
+    "GatedTerms",
+    "Selection",
+    "SoloGated",
     "is_expert_set",
     "read_expert_set",
 ]
@@ -74,6 +91,14 @@ FORMAT_NAME = "adaptermesh.adafuse"
 FORMAT_VERSION = 1
 # The Triton router keeps every expert's logit of a 16-token tile in registers.
 MAX_EXPERTS = 64
+# Rows of the embedding table routed per call when an expert set builds its selection table.
+_ROUTE_CHUNK = 8192
+# Largest E * r packed as one LoRA for the solo path. Packing reads every expert each token,
+# so it pays only while E * r stays small; above this the per-token gated kernels run.
+PACKED_MAX_RANK = 128
+
+# One token's routing, as host values: (expert ids, gates), best first.
+Selection = tuple[tuple[int, ...], tuple[float, ...]]
 
 
 def is_expert_set(path: Path) -> bool:
@@ -289,6 +314,15 @@ class ExpertSet:
     last_used: float = 0.0
     # Per layer and group: [(slice index, A, B)], so the forward pass does no dict lookups.
     by_layer: list[dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+    # Every vocabulary token's selection (host): ids [V, k] int32 and gates [V, k] fp32.
+    token_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
+    token_gates: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    # Solo path with packed experts (E * r <= PACKED_MAX_RANK), per layer and group: A
+    # [n_slices, 1, E*r, in] and B per slice [1, N_i, E*r]; expert e owns rank rows
+    # e*r .. e*r+r-1. Slices the set does not target hold zeros. Empty when not packed.
+    packed: list[dict[str, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]] = field(default_factory=list)
+    packed_ranks: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
+    packed_scales: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
     @classmethod
     def build(cls, cpu: CpuExpertSet, model: TransformerModel, masters: BackboneMasters, version: int) -> ExpertSet:
@@ -307,19 +341,104 @@ class ExpertSet:
         for (layer, m), (a, b) in weights.items():
             g, i = MODULE_TO_GROUP[m]
             by_layer[layer][g].append((i, a, b))
-        return cls(
+        es = cls(
             name=cpu.name, path=cpu.path, version=version, num_experts=cpu.num_experts, top_k=cpu.top_k,
             rank=cpu.rank, scale=cpu.scale, router_weight=cpu.router_weight.to(dev),
             router_bias=None if cpu.router_bias is None else cpu.router_bias.to(dev), weights=weights,
             table=table, nbytes=cpu.nbytes, pinned=cpu.pinned, by_layer=by_layer,
         )
+        # The router's input for a token is its embedding row, so a token's selection never
+        # changes: route the whole table once (the same kernel, row for row, as a live call).
+        tok_ids: list[torch.Tensor] = []
+        tok_gates: list[torch.Tensor] = []
+        for lo in range(0, model.embed.shape[0], _ROUTE_CHUNK):
+            chunk_ids, chunk_gates = es.route(model.embed[lo : lo + _ROUTE_CHUNK])
+            tok_ids.append(chunk_ids.cpu())
+            tok_gates.append(chunk_gates.cpu())
+        es.token_ids = torch.cat(tok_ids)
+        es.token_gates = torch.cat(tok_gates)
+        if cpu.num_experts * cpu.rank <= PACKED_MAX_RANK:
+            es._pack(model.cfg)
+        return es
+
+    def _pack(self, cfg: ModelConfig) -> None:
+        e, r = self.num_experts, self.rank
+        rr = e * r
+        dev, dtype = self.router_weight.device, self.weights[next(iter(self.weights))][0].dtype
+        self.packed = [{} for _ in range(cfg.num_layers)]
+        for layer, groups in enumerate(self.by_layer):
+            for g, items in groups.items():
+                if not items:
+                    continue
+                mods = GROUPS[g]
+                fan_in = cfg.module_shape(mods[0])[0]
+                a = torch.zeros((len(mods), 1, rr, fan_in), dtype=dtype, device=dev)
+                bs = [torch.zeros((1, cfg.module_shape(m)[1], rr), dtype=dtype, device=dev) for m in mods]
+                for i, ea, eb in items:
+                    a[i, 0] = ea.reshape(rr, fan_in)  # [E, r, in] -> rows e*r + j
+                    bs[i][0] = eb.permute(1, 0, 2).reshape(eb.shape[1], rr)  # [E, N, r] -> [N, e*r + j]
+                self.packed[layer][g] = (a, tuple(bs))
+        self.packed_ranks = torch.tensor([rr], dtype=torch.int32, device=dev)
+        self.packed_scales = torch.ones(1, dtype=torch.float32, device=dev)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [T, k] int32, gates [T, k] fp32) from the first layer's input ``h`` [T, H]."""
         return route(h, self.router_weight, self.router_bias, self.top_k)
 
-    def merge(self, ids: torch.Tensor, gates: torch.Tensor) -> None:
+    def selection(self, token: int) -> Selection:
+        """The router's choice for ``token`` (host values; no device work)."""
+        return tuple(self.token_ids[token].tolist()), tuple(self.token_gates[token].tolist())
+
+    def solo_shape(self, rows: int) -> tuple[int, ...]:
+        """Shape of the int32 selection buffer ``SoloGated`` reads for a batch of ``rows``.
+
+        Packed: ``[rows + E*r]``: each row's pool slot (0 for the request, -1 for the rest),
+        then per rank row its expert's net coefficient as fp32 bits. Otherwise
+        ``[2, rows, 2k]``: expert ids (-1 = none), then the gates' fp32 bits."""
+        if self.packed:
+            return (rows + self.num_experts * self.rank,)
+        return (2, rows, 2 * self.top_k)
+
+    def solo_empty(self, rows: int, device: torch.device) -> torch.Tensor:
+        """A selection buffer that adds nothing (every row base / no expert)."""
+        buf = torch.zeros(self.solo_shape(rows), dtype=torch.int32, device=device)
+        if self.packed:
+            buf[:rows].fill_(-1)
+        else:
+            buf[0].fill_(-1)
+        return buf
+
+    def solo_rows(self, rows: int, row: int, new: Selection, merged: Selection | None) -> torch.Tensor:
+        """Host selection buffer (``solo_shape``) for one token in row ``row``: its selection
+        ``new``, minus ``merged``, a selection the backbone still holds (negated gates remove
+        it exactly as far as rounding goes); every other row adds nothing."""
+        buf = self.solo_empty(rows, torch.device("cpu"))
+        if self.packed:
+            # Net coefficient per expert: top-k experts are distinct within a selection, so an
+            # expert in both selections gets c * (g_new - g_old).
+            coef = [0.0] * self.num_experts
+            for e, g in zip(*new, strict=True):
+                coef[e] += g
+            if merged is not None:
+                for e, g in zip(*merged, strict=True):
+                    coef[e] -= g
+            per_rank = torch.tensor(coef, dtype=torch.float32).mul_(self.scale).repeat_interleave(self.rank)
+            buf[row] = 0
+            buf[rows:] = per_rank.view(torch.int32)
+            return buf
+        k = self.top_k
+        buf[0, row, :k] = torch.tensor(new[0], dtype=torch.int32)
+        buf[1, row, :k] = torch.tensor(new[1], dtype=torch.float32).view(torch.int32)
+        if merged is not None:
+            buf[0, row, k:] = torch.tensor(merged[0], dtype=torch.int32)
+            buf[1, row, k:] = torch.tensor([-g for g in merged[1]], dtype=torch.float32).view(torch.int32)
+        return buf
+
+    def merge(self, sel: Selection) -> None:
         """Write ``W0 + c * sum_j g_j B_j A_j`` into every targeted weight (one launch)."""
+        dev = self.table.device
+        ids = torch.tensor(sel[0], dtype=torch.int32, device=dev)
+        gates = torch.tensor(sel[1], dtype=torch.float32, device=dev)
         fused_switch(self.table, ids, gates)
 
     def unmerge(self) -> None:
@@ -327,10 +446,69 @@ class ExpertSet:
         dev = self.table.device
         fused_switch(self.table, torch.full((1,), -1, dtype=torch.int32, device=dev), torch.zeros(1, device=dev))
 
-    def holds(self, ids: torch.Tensor, gates: torch.Tensor) -> bool:
-        """Whether the weights already hold exactly this selection (reads 2k numbers back)."""
-        cur_i, cur_g = self.table.cur_ids, self.table.cur_gates
-        return cur_i.shape == ids.shape and torch.equal(cur_i, ids) and torch.equal(cur_g, gates)
+
+def _group_cols(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:
+    """Column ranges of each slice in the fused outputs (wqkv = [q; k; v], w_gate_up = [g; u])."""
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    return {
+        "qkv": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+        "o": [(0, cfg.hidden_size)],
+        "gate_up": [(0, inter), (inter, 2 * inter)],
+        "down": [(0, cfg.hidden_size)],
+    }
+
+
+class GatedTerms(Protocol):
+    """What the forward pass calls for expert sets on an unmerged path."""
+
+    def route(self, h: torch.Tensor) -> None: ...
+
+    def apply(self, layer: int, group: str, out: torch.Tensor, x: torch.Tensor) -> None: ...
+
+
+class SoloGated:
+    """One token of one expert-set request on the gated path, with its selection given.
+
+    ``sel`` is the int32 device buffer laid out by ``ExpertSet.solo_rows`` for a batch of
+    ``rows``. It may be a CUDA graph's static buffer: nothing here reads values on the host
+    (value checks are off, or skipped by the kernels during capture), so a replay does no
+    host work at all.
+    """
+
+    def __init__(self, es: ExpertSet, sel: torch.Tensor, rows: int, cfg: ModelConfig) -> None:
+        if tuple(sel.shape) != es.solo_shape(rows):
+            raise ValueError(f"sel must have shape {es.solo_shape(rows)}, got {tuple(sel.shape)}")
+        self.es = es
+        self.sel = sel
+        self.rows = rows
+        self.cols = _group_cols(cfg)
+        self.meta: Any = None
+
+    def route(self, h: torch.Tensor) -> None:
+        """No router launch (the selection came from the set's token table); packed sets group
+        the rows by slot once per step, on the device."""
+        if self.es.packed:
+            slots = self.sel[: self.rows]
+            self.meta = build_segment_meta(slots, 1, max_tokens=self.rows, check_values=not slots.is_cuda)
+
+    def apply(self, layer: int, group: str, out: torch.Tensor, x: torch.Tensor) -> None:
+        es = self.es
+        if es.packed:
+            pk = es.packed[layer].get(group)
+            if pk is None:
+                return
+            a, bs = pk
+            v = sgmm_shrink(x, a, es.packed_ranks, self.meta, check_values=False)
+            v.mul_(self.sel[self.rows :].view(torch.float32))  # each expert's rank rows x its coefficient
+            sgmm_expand(out, v, bs, es.packed_scales, es.packed_ranks, self.meta, check_values=False)
+            return
+        cols = self.cols[group]
+        ids, gates = self.sel[0], self.sel[1].view(torch.float32)
+        for i, ea, eb in es.by_layer[layer][group]:
+            lo, hi = cols[i]
+            gated_add_lora(out[:, lo:hi], x, ea, eb, ids, gates, es.scale)
 
 
 class GatedBatch:
@@ -339,16 +517,7 @@ class GatedBatch:
     def __init__(self, sets: list[ExpertSet], token_set: torch.Tensor, cfg: ModelConfig) -> None:
         self.sets = sets
         self.token_set = token_set  # [T] int32: index into ``sets``, -1 = not an expert-set row
-        q = cfg.num_heads * cfg.head_dim
-        kv = cfg.num_kv_heads * cfg.head_dim
-        inter = cfg.intermediate_size
-        # Column ranges of each slice in the fused outputs (wqkv = [q; k; v], w_gate_up = [g; u]).
-        self.cols: dict[str, list[tuple[int, int]]] = {
-            "qkv": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
-            "o": [(0, cfg.hidden_size)],
-            "gate_up": [(0, inter), (inter, 2 * inter)],
-            "down": [(0, cfg.hidden_size)],
-        }
+        self.cols = _group_cols(cfg)
         self.routes: list[tuple[ExpertSet, torch.Tensor, torch.Tensor]] = []
 
     def route(self, h: torch.Tensor) -> None:

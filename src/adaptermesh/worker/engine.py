@@ -9,11 +9,15 @@ On CUDA, pure-decode steps replay a CUDA graph per context-length bucket; the gr
 KV slot, so its shapes never change. Steps that contain prompt chunks run eagerly.
 
 AdaFuse expert sets (``adafuse.py``): a step that is a single token of a single expert-set
-request merges the router's selection into the backbone weights (one ``fused_switch``) and then
-runs as a plain base step, graph included; any other step first restores the pristine backbone
-(bit-exact) and adds the experts on the gated path. The engine also restores the backbone
-whenever it goes idle, so between steps the weights are only ever merged for the request that
-is running alone.
+request picks by cost. Merging a selection into the backbone (one ``fused_switch``) reads and
+writes every targeted weight, gigabytes on a 7B model, while the unmerged gated path reads only
+the selected experts' LoRA matrices. So the step runs on merged weights only when they already
+hold the token's selection, or when the same selection has now repeated for
+``EngineConfig.adafuse_merge_after`` consecutive tokens (then it merges once); otherwise it runs
+the gated path on top of whatever the backbone holds (cancelling a merged selection with
+negated gates), in the decode CUDA graph on a GPU. Any step that runs another request first
+restores the pristine backbone (bit-exact), and so does going idle, so the weights are only
+ever merged for the request that is running alone.
 """
 
 from __future__ import annotations
@@ -29,7 +33,15 @@ from typing import Any
 import torch
 
 from adaptermesh.worker import lora_ops
-from adaptermesh.worker.adafuse import BackboneMasters, CpuExpertSet, ExpertSet, GatedBatch
+from adaptermesh.worker.adafuse import (
+    BackboneMasters,
+    CpuExpertSet,
+    ExpertSet,
+    GatedBatch,
+    GatedTerms,
+    Selection,
+    SoloGated,
+)
 from adaptermesh.worker.adapters import AdapterManager
 from adaptermesh.worker.kv_cache import KVCache, KVCacheSpec, kv_bytes_per_slot, slots_for_budget
 from adaptermesh.worker.model import (
@@ -77,6 +89,9 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     adapter_slot_wait_s: float = 10.0
     max_expert_sets: int = 4  # resident AdaFuse expert sets (device memory outside the LoRA pool)
+    # A request decoding alone merges its expert selection into the backbone only after the
+    # same selection has repeated for this many consecutive tokens (0: never merge).
+    adafuse_merge_after: int = 4
 
 
 class EngineStream:
@@ -116,12 +131,27 @@ class EngineStream:
 
 
 class _DecodeGraph:
-    """A captured decode step over every KV slot, for one context-length bucket."""
+    """A captured decode step over every KV slot, for one context-length bucket.
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: BatchInputs, logits: torch.Tensor) -> None:
+    ``sel``: for a solo expert-set graph, the static int32 [2, slots, 2k] selection buffer."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: BatchInputs, logits: torch.Tensor,
+                 sel: torch.Tensor | None = None) -> None:
         self.graph = graph
         self.inputs = inputs
         self.logits = logits
+        self.sel = sel
+
+
+@dataclass(slots=True)
+class _SoloStep:
+    """One token of one expert-set request: where its row sits in the step's flat batch."""
+
+    seq: Sequence
+    es: ExpertSet
+    token: int
+    rows: int  # rows of the flat batch
+    row: int  # the request's row
 
 
 class _PrefillGraph:
@@ -172,6 +202,11 @@ class Engine:
         self.model = TransformerModel(mc, tensors, self.device, dtype, self.max_model_len)
         self.pool = LoraPool(mc, cfg.max_loras, cfg.max_lora_rank, self.device, dtype)
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.max_model_len, dtype)
+        if not isinstance(cfg.adafuse_merge_after, int) or isinstance(cfg.adafuse_merge_after, bool) \
+                or cfg.adafuse_merge_after < 0:
+            raise InvalidRequestError(
+                "adafuse_merge_after", f"must be an integer >= 0, got {cfg.adafuse_merge_after!r}"
+            )
         if cfg.kv_cache_bytes is not None:
             budget = cfg.kv_cache_bytes
         elif self.device.type == "cuda":
@@ -195,18 +230,30 @@ class Engine:
             max_prefill_chunk=cfg.max_prefill_chunk, max_model_len=self.max_model_len, eos_token_ids=frozenset(eos),
         )
         self._masters = BackboneMasters(self.model)
-        # The expert set whose selection the backbone weights hold right now (merged path).
+        # The expert set whose selection the backbone weights hold right now (merged path), that
+        # selection, and the request it was merged for.
         self._merged: ExpertSet | None = None
+        self._merged_sel: Selection | None = None
+        self._merged_owner: Sequence | None = None
+        # The current run of identical selections of one request: (seq, set, selection), length.
+        self._streak: tuple[Sequence, ExpertSet, Selection] | None = None
+        self._streak_len = 0
         self.adafuse_merges = 0  # fused_switch launches that merged a new selection
         self.adafuse_restores = 0  # launches that restored the pristine backbone
-        self.adafuse_gated_steps = 0
+        self.adafuse_gated_steps = 0  # steps with several tokens or requests (eager, routed live)
+        self.adafuse_merged_steps = 0  # single-request tokens run on merged weights
+        self.adafuse_solo_gated_steps = 0  # single-request tokens on the gated path
+        self.adafuse_compensated_steps = 0  # of those, run over a merged older selection
+        self.adafuse_solo_graph_steps = 0  # of those, replayed in a decode graph
         self._graphs: dict[int, _DecodeGraph] = {}
+        self._solo_graphs: dict[tuple[int, ExpertSet], _DecodeGraph] = {}
         self._prefill_graphs: dict[int, _PrefillGraph] = {}
         # Prompts up to this many tokens prefill through a graph when they run alone.
         self._prefill_graph_max = min(512, self.max_model_len, cfg.max_prefill_chunk)
         self._prefill_graphs_ok = self.device.type == "cuda" and cfg.use_cuda_graphs
         self._graph_pool: Any = None
         self._graphs_ok = self.device.type == "cuda" and cfg.use_cuda_graphs
+        self._solo_graphs_ok = self._graphs_ok
         self._event: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -378,40 +425,71 @@ class Engine:
         if self._merged is not None:
             self._merged.unmerge()
             self._merged = None
+            self._merged_sel = None
+            self._merged_owner = None
             self.adafuse_restores += 1
 
-    @staticmethod
-    def _single_expert_token(plan: StepPlan) -> tuple[ExpertSet, int] | None:
-        """(set, token id) when the step is exactly one token of one expert-set request."""
+    def _single_expert_token(self, plan: StepPlan) -> _SoloStep | None:
+        """The step when it is exactly one token of one expert-set request."""
         if len(plan.decode) == 1 and not plan.prefill:
             s = plan.decode[0]
-            return (s.expert_set, s.output[-1]) if s.expert_set is not None else None
+            if s.expert_set is None:
+                return None
+            assert s.kv_slot is not None
+            return _SoloStep(s, s.expert_set, s.output[-1], self.kv.num_slots, s.kv_slot)
         if not plan.decode and len(plan.prefill) == 1 and plan.prefill[0][2] == 1:
             s, start, _ = plan.prefill[0]
-            return (s.expert_set, s.prompt[start]) if s.expert_set is not None else None
+            return _SoloStep(s, s.expert_set, s.prompt[start], 1, 0) if s.expert_set is not None else None
         return None
 
-    def _merge_for(self, es: ExpertSet, token: int) -> None:
-        # The router reads the first layer's input, which for one token is its embedding row.
-        ids, gates = es.route(self.model.embed[token : token + 1])
-        ids, gates = ids[0].contiguous(), gates[0].contiguous()
-        if self._merged is es and es.holds(ids, gates):
-            return
-        es.merge(ids, gates)  # exact mode: rebuilt from W0, so any previous selection is gone
-        self._merged = es
-        self.adafuse_merges += 1
+    def _choose_solo_path(self, solo: _SoloStep) -> torch.Tensor | None:
+        """Merge or not, for one token of one request. Returns None to run the step on merged
+        weights (plain base step), else the host selection rows for ``SoloGated``.
+
+        Cost rule: a switch moves every targeted weight (read W0, write W); the gated path
+        moves only the token's experts. So merge only a selection that keeps repeating."""
+        es, seq = solo.es, solo.seq
+        sel = es.selection(solo.token)
+        key = (seq, es, sel)
+        st = self._streak
+        if st is not None and st[0] is seq and st[1] is es and st[2] == sel:
+            self._streak_len += 1
+        else:
+            self._streak, self._streak_len = key, 1
+        if self._merged is es and self._merged_sel == sel:
+            self.adafuse_merged_steps += 1
+            return None
+        n = self.config.adafuse_merge_after
+        if n > 0 and self._streak_len >= n:
+            es.merge(sel)  # exact mode: rebuilt from W0, so any previous selection is gone
+            self._merged, self._merged_sel, self._merged_owner = es, sel, seq
+            self.adafuse_merges += 1
+            self.adafuse_merged_steps += 1
+            return None
+        # The caller restored the backbone unless it holds this request's set.
+        held = self._merged_sel if self._merged is es else None
+        self.adafuse_solo_gated_steps += 1
+        if held is not None:
+            self.adafuse_compensated_steps += 1
+        return es.solo_rows(solo.rows, solo.row, sel, held)
 
     def _execute(self, plan: StepPlan) -> dict[int, int]:
         sample_seqs: list[Sequence] = []
         single = self._single_expert_token(plan)
-        if self._merged is not None and (single is None or single[0] is not self._merged):
+        if self._merged is not None and (
+            single is None or single.es is not self._merged or single.seq is not self._merged_owner
+        ):
             self._restore_backbone()  # nothing else may ever run on merged weights
+        solo_sel: torch.Tensor | None = None
         if single is not None:
-            self._merge_for(*single)
+            solo_sel = self._choose_solo_path(single)
+        else:
+            self._streak, self._streak_len = None, 0
         has_sets = single is None and any(
             s.expert_set is not None for s in [*plan.decode, *(p[0] for p in plan.prefill)]
         )
-        if self._prefill_graphs_ok and not plan.decode and len(plan.prefill) == 1 and not has_sets:
+        if (self._prefill_graphs_ok and not plan.decode and len(plan.prefill) == 1 and not has_sets
+                and solo_sel is None):
             s, start, n = plan.prefill[0]
             if start == 0 and n <= self._prefill_graph_max:
                 logits = self._run_prefill_graph(s, n)
@@ -419,16 +497,23 @@ class Engine:
                     if n < len(s.prompt):
                         return {}  # more chunks follow; nothing to sample yet
                     return {id(s): sample_rows(logits, [s])[0]}
-        if plan.decode and not plan.prefill and self._graphs_ok and not has_sets:
-            logits_all = self._run_graph(plan)
+        solo = None if single is None or solo_sel is None else (single.es, solo_sel)
+        if plan.decode and not plan.prefill and self._graphs_ok and not has_sets and (solo is None or self._solo_graphs_ok):
+            logits_all = self._run_graph(plan, solo)
             if logits_all is not None:
+                if solo is not None:
+                    self.adafuse_solo_graph_steps += 1
                 rows = torch.tensor([s.kv_slot for s in plan.decode], device=self.device)
                 logits = logits_all.index_select(0, rows)
                 toks = sample_rows(logits, plan.decode)
                 return {id(s): t for s, t in zip(plan.decode, toks, strict=True)}
         batch, sample_seqs = self._build_batch(plan)
         meta = lora_ops.build_meta(batch.token_slots, self.pool.num_slots)
-        gated = self._gated_batch(plan, batch) if has_sets else None
+        gated: GatedTerms | None = None
+        if has_sets:
+            gated = self._gated_batch(plan, batch)
+        elif single is not None and solo_sel is not None:
+            gated = SoloGated(single.es, solo_sel.to(self.device), single.rows, self.model_config)
         logits = self.model.forward(batch, self.kv, self.pool, meta, gated)
         toks = sample_rows(logits, sample_seqs)
         return {id(s): t for s, t in zip(sample_seqs, toks, strict=True)}
@@ -513,17 +598,31 @@ class Engine:
         t = torch.tensor(token_set, dtype=torch.int32, device=self.device)
         return GatedBatch(sets, t, self.model_config)
 
-    def _run_graph(self, plan: StepPlan) -> torch.Tensor | None:
+    def _run_graph(self, plan: StepPlan, solo: tuple[ExpertSet, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Replay the bucket's decode graph. ``solo``: (expert set, host selection rows) runs
+        that set's solo gated graph instead, its selection copied into the static buffer."""
         ids, pos, write, slots, lens, bucket = self._decode_arrays(plan)
-        g = self._graphs.get(bucket)
+        g = self._graphs.get(bucket) if solo is None else self._solo_graphs.get((bucket, solo[0]))
         if g is None:
             try:
-                g = self._capture(bucket)
+                if solo is None:
+                    g = self._capture(bucket)
+                    self._graphs[bucket] = g
+                else:
+                    self._prune_solo_graphs()
+                    g = self._capture(bucket, solo[0])
+                    self._solo_graphs[(bucket, solo[0])] = g
             except Exception:
+                if solo is not None:  # the plain decode graphs stay in use
+                    log.exception("CUDA graph capture of a solo expert-set step failed; those run eagerly from now on")
+                    self._solo_graphs_ok = False
+                    return None
                 log.exception("CUDA graph capture failed; decoding eagerly from now on")
                 self._graphs_ok = False
                 return None
-            self._graphs[bucket] = g
+        if solo is not None:
+            assert g.sel is not None
+            g.sel.copy_(solo[1].pin_memory(), non_blocking=True)
         inp = g.inputs
         host = torch.tensor([ids, pos, write, slots, lens], dtype=torch.int64).pin_memory()
         dev = host.to(self.device, non_blocking=True)
@@ -600,7 +699,15 @@ class Engine:
             logits = step()
         return graph, logits
 
-    def _capture(self, bucket: int) -> _DecodeGraph:
+    def _prune_solo_graphs(self) -> None:
+        """Drop solo graphs of expert sets that are neither resident nor held by a running
+        request: their graphs keep the sets' device tensors alive."""
+        live = {id(ps.expert_set) for ps in self.adapters.expert_sets.values()}
+        live |= {id(s.expert_set) for s in self.scheduler.running if s.expert_set is not None}
+        for key in [k for k in self._solo_graphs if id(k[1]) not in live]:
+            del self._solo_graphs[key]
+
+    def _capture(self, bucket: int, es: ExpertSet | None = None) -> _DecodeGraph:
         n = self.kv.num_slots
         dev = self.device
         inputs = BatchInputs(
@@ -612,12 +719,19 @@ class Engine:
             logits_rows=None,
         )
 
+        sel: torch.Tensor | None = None
+        solo: SoloGated | None = None
+        if es is not None:
+            # Static selection buffer, adding nothing until a replay fills it.
+            sel = es.solo_empty(n, dev)
+            solo = SoloGated(es, sel, n, self.model_config)
+
         def step() -> torch.Tensor:
             meta = lora_ops.build_meta(inputs.token_slots, self.pool.num_slots)
-            return self.model.forward(inputs, self.kv, self.pool, meta)
+            return self.model.forward(inputs, self.kv, self.pool, meta, solo)
 
         graph, logits = self._capture_graph(step)
-        return _DecodeGraph(graph, inputs, logits)
+        return _DecodeGraph(graph, inputs, logits, sel)
 
     # ---- introspection for tests and benches ----------------------------------------------------
 
@@ -638,5 +752,9 @@ class Engine:
             "weights_bytes": self.model.nbytes, "pool_bytes": self.pool.nbytes, "kv_bytes": self.kv.nbytes,
             "expert_sets": len(self.adapters.expert_sets), "backbone_master_bytes": self._masters.nbytes,
             "adafuse_merges": self.adafuse_merges, "adafuse_restores": self.adafuse_restores,
-            "adafuse_gated_steps": self.adafuse_gated_steps,
+            "adafuse_gated_steps": self.adafuse_gated_steps, "adafuse_merged_steps": self.adafuse_merged_steps,
+            "adafuse_solo_gated_steps": self.adafuse_solo_gated_steps,
+            "adafuse_compensated_steps": self.adafuse_compensated_steps,
+            "adafuse_solo_graph_steps": self.adafuse_solo_graph_steps,
+            "adafuse_merge_after": self.config.adafuse_merge_after, "solo_graphs": len(self._solo_graphs),
         }

@@ -28,7 +28,7 @@ from adaptermesh.worker import lora_ops
 from adaptermesh.worker.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from adaptermesh.worker.adafuse import GatedBatch
+    from adaptermesh.worker.adafuse import GatedTerms
 
 __all__ = [
     "GROUPS",
@@ -400,12 +400,13 @@ class TransformerModel:
         kv: KVCache,
         pool: LoraPool | None,
         meta: lora_ops.LoraBatchMeta | None,
-        gated: GatedBatch | None = None,
+        gated: GatedTerms | None = None,
     ) -> torch.Tensor:
         """Logits [R, vocab] (fp32) for ``batch.logits_rows`` (all rows if None).
 
-        ``gated``: AdaFuse expert sets on the unmerged path; routed once here, from the first
-        layer's input, and applied in every targeted module.
+        ``gated``: AdaFuse expert sets on an unmerged path; routed once here, from the first
+        layer's input (a ``SoloGated`` brings its selection along), and applied in every
+        targeted module.
         """
         cfg = self.cfg
         h = self.embed.index_select(0, batch.input_ids)
