@@ -13,13 +13,16 @@ Measures (each figure is what this script timed, in this process):
    was just written, which the JSON says), with the load's phases, and the first token of a
    resident adapter with the prefill graph and eagerly.
 4. AdaFuse through the engine: an expert set (top-2 of 8 experts, rank 16, all seven modules)
-   served by ``Engine`` at batch 1 (merged path: one fused switch per token, then the decode
-   graph) against the backbone and a plain rank-16 LoRA in the same engine.
+   served by ``Engine`` at batch 1 against the backbone and a plain rank-16 LoRA in the same
+   engine: with the default rule (merge only a selection repeated for ``adafuse_merge_after``
+   tokens, else the experts unmerged inside the decode graph) and, for comparison, with
+   ``adafuse_merge_after=1`` (one fused switch whenever the selection changes).
 5. AdaFuse decode at batch 1 in a transformers harness (top-2 of 8 experts on all seven modules)
    against the backbone and against per-layer routing (a router in every layer, two matmuls
    per selected expert).
 
-Usage: python bench/bench_engine.py --out results.json [--tiny]   (--tiny: CPU smoke run)
+Usage: python bench/bench_engine.py --out results.json [--tiny] [--only adafuse_engine]
+(--tiny: CPU smoke run; --only adafuse_engine: build the engine and run only part 4)
 """
 
 from __future__ import annotations
@@ -178,6 +181,7 @@ async def bench_engine(args: argparse.Namespace, cfg: dict[str, Any], model_dir:
     its time limit still leaves every finished figure on disk. Order: hot load, disk -> first
     token, AdaFuse through the engine, then the (longest) throughput runs."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    only_ae = args.only == "adafuse_engine"
     ecfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.batch, max_loras=args.batch,
                         max_lora_rank=16, max_num_batched_tokens=args.batch * args.prompt_len + args.batch,
                         max_prefill_chunk=args.prompt_len * 4, use_cuda_graphs=True)
@@ -186,6 +190,11 @@ async def bench_engine(args: argparse.Namespace, cfg: dict[str, Any], model_dir:
                  weights=random_weights(cfg, device, dtype))
     res["engine"] = eng.describe()
     names = [f"ad{i:02d}" for i in range(args.batch)]
+    if only_ae:
+        res["adafuse_engine"] = await bench_expert_set(args, cfg, eng, root, names[0], device)
+        save()
+        await eng.shutdown()
+        return res
     t = time.perf_counter()
     await asyncio.gather(*eng.prefetch(names))
     res["prefetch_all_s"] = time.perf_counter() - t
@@ -287,21 +296,41 @@ async def bench_expert_set(args: argparse.Namespace, cfg: dict[str, Any], eng: E
     out["load_s"] = time.perf_counter() - t
     log(f"expert set written in {out['write_s']:.1f}s, loaded in {out['load_s']:.2f}s")
     n = args.adafuse_tokens
-    await single_decode(eng, None, args.prompt_len, n, "xwarm")  # captures this length's decode graphs
-    runs: dict[str, list[dict[str, float]]] = {"backbone": [], "lora_r16_qkvo": [], "adafuse": []}
+    merge_after = eng.config.adafuse_merge_after
+    # Warm-up (not timed): captures this length's decode graphs, the expert set's solo graphs,
+    # and compiles every kernel the runs use.
+    for label, name in (("backbone", None), ("lora_r16_qkvo", lora), ("adafuse", "experts8")):
+        await single_decode(eng, name, args.prompt_len, n, f"xwarm-{label}")
+    counters = ("adafuse_merges", "adafuse_restores", "adafuse_gated_steps", "adafuse_merged_steps",
+                "adafuse_solo_gated_steps", "adafuse_compensated_steps", "adafuse_solo_graph_steps")
+    before = eng.describe()
+    configs = [("backbone", None), ("lora_r16_qkvo", lora), ("adafuse", "experts8")]
+    if not args.skip_merge_every_change:
+        configs.append(("adafuse_merge_every_change", "experts8"))
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in configs}
     for k in range(2):  # interleaved, so clock drift hits every configuration alike
-        for label, name in (("backbone", None), ("lora_r16_qkvo", lora), ("adafuse", "experts8")):
+        for label, name in configs:
+            eng.config.adafuse_merge_after = 1 if label == "adafuse_merge_every_change" else merge_after
             runs[label].append(await single_decode(eng, name, args.prompt_len, n, f"x{label}{k}"))
+    eng.config.adafuse_merge_after = merge_after
     for label, rs in runs.items():
         out[label] = {"decode_ms_per_token": statistics.median(r["decode_ms_per_token"] for r in rs),
                       "first_token_ms": statistics.median(r["first_token_ms"] for r in rs), "runs": rs}
         log(f"batch-1 {label}: {out[label]['decode_ms_per_token']:.2f} ms/token")
     out["adafuse_vs_backbone"] = out["adafuse"]["decode_ms_per_token"] / out["backbone"]["decode_ms_per_token"]
+    if "adafuse_merge_every_change" in out:
+        out["merge_every_change_vs_backbone"] = (out["adafuse_merge_every_change"]["decode_ms_per_token"]
+                                                 / out["backbone"]["decode_ms_per_token"])
     info = eng.describe()
-    out["engine"] = {k: info[k] for k in ("adafuse_merges", "adafuse_restores", "adafuse_gated_steps", "backbone_master_bytes")}
+    out["engine"] = {k: info[k] for k in (*counters, "adafuse_merge_after", "solo_graphs", "backbone_master_bytes")}
+    out["engine_counters_during_timed_runs"] = {k: info[k] - before[k] for k in counters}
+    es = eng.adapters.expert_sets["experts8"].expert_set
+    out["solo_path"] = "packed SGMM (one rank-E*r LoRA per group)" if es.packed else "gated_add_lora"
     out["harness"] = ("adaptermesh Engine, one request alone; decode graph over every KV slot "
-                      f"({info['kv_slots']} rows); AdaFuse: fused_switch of all {7 * cfg['num_hidden_layers']} modules per token "
-                      "(skipped when the selection repeats), then the graph")
+                      f"({info['kv_slots']} rows). AdaFuse default: merged weights only while they hold the token's "
+                      f"selection or after it repeated {merge_after} tokens, else the experts unmerged in the decode "
+                      "graph. merge_every_change: adafuse_merge_after=1, one fused_switch of all "
+                      f"{7 * cfg['num_hidden_layers']} modules whenever the selection changes. Warm-up runs not timed.")
     return out
 
 
@@ -495,6 +524,10 @@ def main() -> int:
     ap.add_argument("--adafuse-tokens", type=int, default=48, help="decode tokens per engine AdaFuse run")
     ap.add_argument("--skip-expert-set", action="store_true", help="skip the engine AdaFuse measurement")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: engine,peft,adafuse")
+    ap.add_argument("--only", choices=["adafuse_engine"], default=None,
+                    help="run only this section (builds the engine, writes one LoRA adapter, skips the rest)")
+    ap.add_argument("--skip-merge-every-change", action="store_true",
+                    help="engine AdaFuse: skip the adafuse_merge_after=1 comparison runs")
     args = ap.parse_args()
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     cfg = SHAPE_TINY if args.tiny else SHAPE_7B
@@ -502,13 +535,15 @@ def main() -> int:
         args.batch, args.max_tokens, args.repeats, args.peft_tokens, args.adafuse_steps = 8, 8, 1, 4, 4
         args.adafuse_tokens = 4
     skip = set(filter(None, args.skip.split(",")))
+    if args.only == "adafuse_engine":
+        skip |= {"peft", "adafuse"}
     work = Path(tempfile.mkdtemp(prefix="bench_engine_"))
     model_dir = work / "model"
     make_tokenizer(model_dir)
     (model_dir / "config.json").write_text(json.dumps(make_model_config("llama", **cfg)))
     root = work / "adapters"
     t = time.perf_counter()
-    for i in range(args.batch):
+    for i in range(1 if args.only else args.batch):
         write_adapter(root, f"ad{i:02d}", cfg, 16, i, device)
     log(f"wrote {args.batch} adapters in {time.perf_counter() - t:.1f}s")
     result: dict[str, Any] = {

@@ -2,6 +2,7 @@
 # Worker-engine GPU run: the gpu-marked worker tests, then bench/bench_engine.py.
 # Runs on the GPU machine from the repository root; results go to $OUT (default ./gpu_out).
 # The GPU image has no pytest-asyncio/pytest-timeout, so pytest runs with a minimal ini.
+# Knobs: SKIP_TESTS=1, TEST_K=<pytest -k expr>, BENCH_ARGS (e.g. "--only adafuse_engine").
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -15,7 +16,7 @@ export PYTHONPATH=$PWD/src
 printf '[pytest]\nmarkers =\n  gpu: gpu\n  slow: slow\n  root: root\n  e2e: e2e\n' > "$OUT/pytest_gpu.ini"
 if [ -z "${SKIP_TESTS:-}" ]; then
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -c "$OUT/pytest_gpu.ini" --rootdir "$PWD" -p no:cacheprovider \
-  -q -m gpu tests/worker/test_gpu.py > "$OUT/engine_gpu_tests.txt" 2>&1
+  -q -m gpu ${TEST_K:+-k "$TEST_K"} tests/worker/test_gpu.py > "$OUT/engine_gpu_tests.txt" 2>&1
 echo "gpu tests rc=$?" | tee -a "$OUT/engine_gpu_tests.txt"
 tail -5 "$OUT/engine_gpu_tests.txt"
 fi
