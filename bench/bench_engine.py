@@ -545,7 +545,7 @@ def main() -> int:
     t = time.perf_counter()
     for i in range(1 if args.only else args.batch):
         write_adapter(root, f"ad{i:02d}", cfg, 16, i, device)
-    log(f"wrote {args.batch} adapters in {time.perf_counter() - t:.1f}s")
+    log(f"wrote {1 if args.only else args.batch} adapters in {time.perf_counter() - t:.1f}s")
     result: dict[str, Any] = {
         "bench": "bench_engine", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
