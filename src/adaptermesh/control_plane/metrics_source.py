@@ -152,6 +152,12 @@ class _WorkerHistory:
     observation: WorkerObservation | None = None
 
 
+def _reuse(new: frozenset[str], old: frozenset[str] | None) -> frozenset[str]:
+    """The previous tick's set when it is equal: the policy's column layout interns adapter
+    sets by object, so an unchanged set costs it one identity check instead of a hash."""
+    return old if old is not None and old == new else new
+
+
 def _observe(
     target: Target, prev: _WorkerHistory, raw: RawSample, now: float
 ) -> WorkerObservation:
@@ -159,6 +165,7 @@ def _observe(
     latency: float | None = None
     tokens_per_s = 0.0
     before = prev.sample
+    last = prev.observation
     if before is not None and prev.at is not None and now > prev.at:
         dt = now - prev.at
         if (
@@ -186,8 +193,11 @@ def _observe(
         latency_s=latency,
         tokens_per_s=tokens_per_s,
         gpu_free_bytes=raw.gpu_free_bytes,
-        resident_adapters=raw.resident_adapters,
-        requested_adapters=raw.running_adapters | raw.waiting_adapters,
+        resident_adapters=_reuse(raw.resident_adapters, last.resident_adapters if last else None),
+        requested_adapters=_reuse(
+            raw.running_adapters | raw.waiting_adapters,
+            last.requested_adapters if last else None,
+        ),
         age_s=0.0,
     )
 
@@ -369,6 +379,8 @@ class PrometheusSource:
             vals = per.get(t.key)
             if vals:
                 running_a, waiting_a = lora.get(t.key, (frozenset(), frozenset()))
+                prior = self._last.get(t.key)
+                before = prior[1] if prior else None
                 obs = WorkerObservation(
                     address=t.address,
                     port=t.port,
@@ -379,8 +391,12 @@ class PrometheusSource:
                     latency_s=vals.get("ttft"),
                     tokens_per_s=vals.get("tokens", 0.0),
                     gpu_free_bytes=vals.get("free"),
-                    resident_adapters=running_a,
-                    requested_adapters=running_a | waiting_a,
+                    resident_adapters=_reuse(
+                        running_a, before.resident_adapters if before else None
+                    ),
+                    requested_adapters=_reuse(
+                        running_a | waiting_a, before.requested_adapters if before else None
+                    ),
                 )
                 self._last[t.key] = (now, obs)
                 out[t.key] = obs

@@ -46,12 +46,14 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
     "BUDGET",
+    "ColumnLayout",
     "Decision",
     "EndpointWeights",
     "Estimates",
@@ -333,6 +335,191 @@ class ObservationColumns:
             (self.shard_ids is shard_ids or self.shard_ids == shard_ids)
             and np.array_equal(self.offsets, offsets)
             and (self.endpoints is endpoints or self.endpoints == endpoints)
+        )
+
+
+_ROW_FIELDS = ("waiting", "running", "kv_cache_usage", "latency_s", "tokens_per_s",
+               "gpu_free_bytes")
+# What a non-finite reading becomes: 0 for counts and rates, nan ("not reported") for latency
+# and free memory.
+_ROW_FILL = (0.0, 0.0, 0.0, math.nan, 0.0, math.nan)
+_KNOWN = attrgetter("known")
+_RESIDENT = attrgetter("resident_adapters")
+_REQUESTED = attrgetter("requested_adapters")
+_GETTERS = tuple(attrgetter(name) for name in _ROW_FIELDS)
+_EMPTY: frozenset[str] = frozenset()
+
+
+class ColumnLayout:
+    """Where every shard and worker sits in ``ObservationColumns``, built once per shard set.
+
+    The shard ids, the row of every endpoint, and the adapters routed to each shard change
+    only when the desired state does; the readings change every tick. Keeping the layout lets
+    a tick turn 8,000 ``WorkerObservation``s into columns with one C-level attribute sweep per
+    reading and no per-worker Python code (``columns``). Adapter sets are interned into bit
+    masks (``uint64`` words), so a shard's wanted adapters and every worker's hits are array
+    operations; an interned set is remembered while the layout lives (new sets cost one
+    lookup, repeated ones none).
+    """
+
+    __slots__ = (
+        "_adapter_bit", "_mask_cache", "_masks", "_routed_masks", "_set_id", "active",
+        "endpoints", "offsets", "routed", "shard_ids", "shard_of",
+    )
+
+    # Interned adapter sets are forgotten past this many, so a churning adapter population
+    # cannot grow the table without bound.
+    max_interned = 65_536
+
+    def __init__(
+        self,
+        shard_ids: Sequence[str],
+        active: Sequence[bool],
+        endpoints: Sequence[Sequence[str]],
+        routed: Sequence[Collection[str]] | None = None,
+    ) -> None:
+        """``endpoints[i]`` are the ``address:port`` keys of shard ``shard_ids[i]``, in row order;
+        ``shard_ids`` must be sorted (the order ``decide`` reports in)."""
+        ids = tuple(shard_ids)
+        if list(ids) != sorted(ids):
+            raise ValueError("shard_ids must be sorted")
+        if len(set(ids)) != len(ids):
+            raise ValueError("shard_ids must be unique")
+        if len(active) != len(ids) or len(endpoints) != len(ids):
+            raise ValueError("active and endpoints need one entry per shard")
+        if routed is not None and len(routed) != len(ids):
+            raise ValueError("routed needs one entry per shard")
+        self.shard_ids = ids
+        self.active = np.array(list(active), dtype=np.bool_)
+        counts = np.array([len(e) for e in endpoints], dtype=np.int64)
+        self.offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(counts, out=self.offsets[1:])
+        self.endpoints = tuple(k for eps in endpoints for k in eps)
+        self.shard_of = np.repeat(np.arange(len(ids), dtype=np.int64), counts)
+        self.routed = tuple(frozenset(r) for r in routed) if routed is not None else tuple(
+            _EMPTY for _ in ids
+        )
+        self._reset_interning()
+
+    @classmethod
+    def from_observation(cls, observation: Observation) -> ColumnLayout:
+        ids = sorted(observation.shards)
+        shards = [observation.shards[sid] for sid in ids]
+        return cls(
+            ids,
+            [s.active for s in shards],
+            [[f"{w.address}:{w.port}" for w in s.workers] for s in shards],
+            [s.routed_adapters for s in shards],
+        )
+
+    def __len__(self) -> int:
+        return len(self.endpoints)
+
+    def _reset_interning(self) -> None:
+        self._adapter_bit: dict[str, int] = {}
+        self._set_id: dict[frozenset[str], int] = {_EMPTY: 0}
+        self._masks: list[int] = [0]  # per interned set, a Python int bit mask
+        self._mask_cache: npt.NDArray[np.uint64] | None = None
+        self._routed_masks = [self._mask(r) for r in self.routed]
+
+    def _mask(self, adapters: Collection[str]) -> int:
+        bits = self._adapter_bit
+        mask = 0
+        for name in adapters:
+            bit = bits.get(name)
+            if bit is None:
+                bit = bits[name] = len(bits)
+            mask |= 1 << bit
+        return mask
+
+    def _ids(self, sets: list[frozenset[str]]) -> _I:
+        ids = list(map(self._set_id.get, sets))
+        try:
+            return np.array(ids, dtype=np.int64)
+        except TypeError:  # a set not seen before (None in the list)
+            pass
+        if len(self._set_id) + len(sets) > self.max_interned:
+            self._reset_interning()
+            ids = list(map(self._set_id.get, sets))
+        for i, got in enumerate(ids):
+            if got is None:
+                s = frozenset(sets[i])
+                got = self._set_id.get(s)
+                if got is None:
+                    got = self._set_id[s] = len(self._masks)
+                    self._masks.append(self._mask(s))
+                    self._mask_cache = None
+                ids[i] = got
+        return np.array(ids, dtype=np.int64)
+
+    def _mask_table(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+        """(interned sets, words) and (shards, words) bit masks, 64 adapters per word."""
+        words = max(1, (len(self._adapter_bit) + 63) // 64)
+        cached = self._mask_cache
+        if cached is None or cached.shape[1] != words:
+            full = (1 << 64) - 1
+            every = self._masks + self._routed_masks
+            cached = np.array(
+                [[(m >> (64 * k)) & full for k in range(words)] for m in every], dtype=np.uint64
+            ).reshape(len(every), words)
+            self._mask_cache = cached
+        n_sets = len(self._masks)
+        return cached[:n_sets], cached[n_sets:]
+
+    def columns(
+        self,
+        workers: Sequence[WorkerObservation],
+        overrides: Mapping[str, OverrideSpec] | None = None,
+    ) -> ObservationColumns:
+        """The columns for one tick: ``workers[j]`` is the reading of endpoint row ``j``.
+
+        Non-finite readings count as not reported. Nothing here loops over workers in Python
+        except interning an adapter set the layout has not seen yet.
+        """
+        if len(workers) != len(self.endpoints):
+            raise ValueError(
+                f"workers: {len(workers)} readings for {len(self.endpoints)} endpoint rows"
+            )
+        n_shards = len(self.shard_ids)
+        cols = []
+        for get, fill in zip(_GETTERS, _ROW_FILL, strict=True):
+            col = np.array(list(map(get, workers)), dtype=np.float64)
+            bad = ~np.isfinite(col)
+            if bad.any():
+                col[bad] = fill
+            cols.append(col)
+        known = np.array(list(map(_KNOWN, workers)), dtype=np.bool_)
+        res_ids = self._ids(list(map(_RESIDENT, workers)))
+        req_ids = self._ids(list(map(_REQUESTED, workers)))
+        masks, routed = self._mask_table()
+        if masks.shape[0] == 1 and not routed.any():
+            # No worker names an adapter and none is routed: nothing is wanted anywhere.
+            wanted = np.zeros(n_shards)
+            hits = np.zeros(len(workers))
+        else:
+            shard_req = routed.copy()
+            np.bitwise_or.at(shard_req, self.shard_of, masks[req_ids])
+            wanted = np.bitwise_count(shard_req).sum(axis=1, dtype=np.int64).astype(np.float64)
+            hits = (
+                np.bitwise_count(shard_req[self.shard_of] & masks[res_ids])
+                .sum(axis=1, dtype=np.int64)
+                .astype(np.float64)
+            )
+        return ObservationColumns(
+            shard_ids=self.shard_ids,
+            active=self.active,
+            offsets=self.offsets,
+            endpoints=self.endpoints,
+            known=known,
+            waiting=cols[0],
+            running=cols[1],
+            kv_cache_usage=cols[2],
+            latency_s=cols[3],
+            tokens_per_s=cols[4],
+            gpu_free_bytes=cols[5],
+            affinity_hits=hits,
+            wanted=wanted,
+            overrides=dict(overrides) if overrides else {},
         )
 
 

@@ -13,18 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from adaptermesh.control_plane import policy
 from adaptermesh.control_plane.metrics import ControlPlaneMetrics
 from adaptermesh.control_plane.metrics_source import LoadSource, Target
 from adaptermesh.control_plane.policy import (
+    ColumnLayout,
     Decision,
     Observation,
+    ObservationColumns,
     OverrideSpec,
     PolicyConfig,
     PolicyState,
@@ -46,6 +51,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_F = npt.NDArray[np.float64]
 _ACTIVE = assignment_pb2.SHARD_STATE_ACTIVE
 
 
@@ -158,6 +164,41 @@ class ShardLoadView:
     age_s: float
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _Layout:
+    """The desired state a tick needs, read from the store once per change of it."""
+
+    key: tuple[int, int]
+    specs: tuple[assignment_pb2.Shard, ...]  # in id order
+    columns: ColumnLayout
+    targets: tuple[Target, ...]  # one per endpoint row
+    # Stand-ins for workers the load source said nothing about: unknown, never idle.
+    unknown: tuple[WorkerObservation, ...]
+
+    @classmethod
+    def read(cls, store: Store) -> _Layout:
+        key = store.layout_key()
+        routed: dict[str, set[str]] = {}
+        for inst in store.list_adapter_instances():
+            for route in inst.routes:
+                routed.setdefault(route.shard_id, set()).add(inst.name)
+        specs = tuple(sorted(store.list_shards(), key=lambda s: s.id))
+        columns = ColumnLayout(
+            [s.id for s in specs],
+            [s.state in (_ACTIVE, assignment_pb2.SHARD_STATE_UNSPECIFIED) for s in specs],
+            [[endpoint_key(ep.address, ep.port) for ep in s.endpoints] for s in specs],
+            [routed.get(s.id, ()) for s in specs],
+        )
+        targets = tuple(
+            Target(s.id, ep.address, ep.port) for s in specs for ep in s.endpoints
+        )
+        unknown = tuple(WorkerObservation(t.address, t.port, known=False) for t in targets)
+        return cls(key, specs, columns, targets, unknown)
+
+
+_AGE = attrgetter("age_s")
+
+
 class Rebalancer:
     def __init__(
         self,
@@ -181,7 +222,12 @@ class Rebalancer:
         # The observed resident adapters per worker in the last published Assignment: a change
         # (an adapter loaded or evicted, a worker gone) publishes without waiting for weights.
         self._affinity_published: dict[str, tuple[str, ...]] = {}
-        self.loads: dict[str, ShardLoadView] = {}
+        self._loads: dict[str, ShardLoadView] | None = {}
+        self._loads_from: tuple[ObservationColumns, _F, Decision, Mapping[str, int]] | None = None
+        self._layout: _Layout | None = None
+        # Sorted adapter tuples per resident set, so publishing affinity does not sort 8,000
+        # small sets every tick.
+        self._sorted_adapters: dict[frozenset[str], tuple[str, ...]] = {}
         self.steps = 0
         self.failures = 0
         self.publishes = 0
@@ -228,21 +274,51 @@ class Rebalancer:
         }
         return Observation(shards, overrides)
 
+    def layout(self) -> _Layout:
+        """The cached desired-state layout, re-read only when the store says it changed."""
+        key = self.store.layout_key()
+        if self._layout is None or self._layout.key != key:
+            self._layout = _Layout.read(self.store)
+        return self._layout
+
     def targets(self) -> list[Target]:
-        return [
-            Target(s.id, ep.address, ep.port)
-            for s in self.store.list_shards()
-            for ep in s.endpoints
-        ]
+        return list(self.layout().targets)
+
+    def _rows(
+        self, layout: _Layout, workers: Mapping[str, WorkerObservation]
+    ) -> list[WorkerObservation]:
+        """One reading per endpoint row, in row order; unknown where the source had none."""
+        return list(map(workers.get, layout.columns.endpoints, layout.unknown))
+
+    def columns(
+        self, workers: Mapping[str, WorkerObservation]
+    ) -> tuple[ObservationColumns, list[WorkerObservation]]:
+        """The policy's input for ``workers``: the same as ``observation`` gives, as columns
+        built on the cached layout (array writes only), plus the rows it was built from."""
+        layout = self.layout()
+        rows = self._rows(layout, workers)
+        overrides = {
+            sid: OverrideSpec(sid, weight, expires_at)
+            for sid, weight, _, expires_at, _ in self.store.list_overrides()
+        }
+        return layout.columns.columns(rows, overrides), rows
 
     # -- building and publishing -----------------------------------------------------------
 
     def _affinity(self) -> dict[str, tuple[str, ...]]:
-        out = {}
+        memo = self._sorted_adapters
+        if len(memo) > 65_536:
+            memo.clear()
+        out: dict[str, tuple[str, ...]] = {}
         for key, seen in self.workers.items():
-            observed = _observed_adapters(seen)
-            if observed is not None:
-                out[key] = observed
+            if seen.down:
+                out[key] = ()
+            elif seen.known and seen.resident_adapters:
+                res = seen.resident_adapters
+                got = memo.get(res)
+                if got is None:
+                    got = memo[res] = tuple(sorted(res))
+                out[key] = got
         return out
 
     def _build(
@@ -254,7 +330,7 @@ class Rebalancer:
         now = self.clock.time()
         out = assignment_pb2.Assignment(version=self.store.last_version() + 1, reason=reason)
         out.generated_at.FromNanoseconds(int(now * 1e9))
-        for spec in self.store.list_shards():
+        for spec in self.layout().specs:
             shard = out.shards.add()
             shard.CopyFrom(spec)
             if shard.state == assignment_pb2.SHARD_STATE_UNSPECIFIED:
@@ -309,9 +385,14 @@ class Rebalancer:
         self.store.append_assignment(assignment)
         return assignment
 
-    def _commit(self, assignment: assignment_pb2.Assignment, state: PolicyState) -> None:
+    def _commit(
+        self,
+        assignment: assignment_pb2.Assignment,
+        state: PolicyState,
+        affinity: dict[str, tuple[str, ...]] | None = None,
+    ) -> None:
         self.state = state
-        self._affinity_published = self._affinity()
+        self._affinity_published = self._affinity() if affinity is None else affinity
         self.publishes += 1
         self.metrics.count_publish(assignment.reason)
         self.hub.publish(assignment)
@@ -326,7 +407,7 @@ class Rebalancer:
             result = change()
             if not publish:
                 return result
-            obs = self.observation(self.workers)
+            obs, _ = self.columns(self.workers)
             weights, endpoints = policy.desired(
                 obs, self.state, self.clock.time(), self.config.policy
             )
@@ -350,8 +431,8 @@ class Rebalancer:
             self.metrics.scrape_errors += len(errors)
         self.workers = dict(workers)
         now = self.clock.time()
-        obs = self.observation(self.workers)
         t0 = time.perf_counter()
+        obs, rows = self.columns(self.workers)
         decision = policy.decide(obs, self.state, now, self.config.policy)
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         affinity = self._affinity()
@@ -364,38 +445,22 @@ class Rebalancer:
                 if decision.expired_overrides:
                     self.store.delete_expired_overrides(now)
                 assignment = self._stage(decision.weights, decision.endpoint_weights, reason)
-            self._commit(assignment, decision.state)
+            self._commit(assignment, decision.state, affinity)
         else:
             self.state = decision.state
-        self._summarise(obs, decision)
+        ages = np.array(list(map(_AGE, rows)), dtype=np.float64)
+        self._loads_from = (obs, ages, decision, self.state.weights)
+        self._loads = None
         self.metrics.step_seconds.observe(time.perf_counter() - started)
         return decision
 
-    def _summarise(self, obs: Observation, decision: Decision) -> None:
-        loads: dict[str, ShardLoadView] = {}
-        for sid, shard in obs.shards.items():
-            known = [w for w in shard.workers if w.known]
-            est = decision.state.estimates.get(sid)
-            lat = est.latency_s if est is not None and est.latency_s is not None else 0.0
-            ages = [w.age_s for w in shard.workers if math.isfinite(w.age_s)]
-            loads[sid] = ShardLoadView(
-                shard_id=sid,
-                weight=self.state.weights.get(sid, 0),
-                queue_depth=sum(w.waiting for w in known),
-                running=sum(w.running for w in known),
-                latency_ms=lat * 1000.0,
-                tokens_per_s=sum(w.tokens_per_s for w in known),
-                kv_cache_usage=(
-                    sum(w.kv_cache_usage for w in known) / len(known) if known else 0.0
-                ),
-                free_gpu_bytes=sum(w.gpu_free_bytes or 0.0 for w in known),
-                known=bool(known),
-                utilization=decision.utilization.get(sid) or 0.0,
-                workers=len(shard.workers),
-                workers_known=len(known),
-                age_s=min(ages) if ages else -1.0,
-            )
-        self.loads = loads
+    @property
+    def loads(self) -> dict[str, ShardLoadView]:
+        """Per-shard load of the last step, built when read (GetStatus, a metrics scrape)."""
+        if self._loads is None:
+            assert self._loads_from is not None
+            self._loads = _summarise(*self._loads_from)
+        return self._loads
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Repeat ``step()`` every interval until ``stop`` is set; back off after failures."""
@@ -470,3 +535,51 @@ def _affinity_reason(
     moved = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
     detail = f"unreachable {', '.join(gone)}" if gone else f"resident adapters of {', '.join(moved)}"
     return f"endpoint set changed: adapter affinity ({detail})"
+
+
+
+def _summarise(
+    obs: ObservationColumns, ages: _F, decision: Decision, weights: Mapping[str, int]
+) -> dict[str, ShardLoadView]:
+    n = len(obs.shard_ids)
+    shard_of = obs.shard_of
+    known = obs.known
+    ks = shard_of[known]
+
+    def ksum(values: _F) -> list[float]:
+        out: list[float] = np.bincount(ks, weights=values[known], minlength=n).tolist()
+        return out
+
+    n_known = np.bincount(ks, minlength=n)
+    kv = np.bincount(ks, weights=obs.kv_cache_usage[known], minlength=n)
+    kv_mean = np.where(n_known > 0, kv / np.maximum(n_known, 1), 0.0).tolist()
+    finite = np.isfinite(ages)
+    min_age = np.full(n, np.inf)
+    np.minimum.at(min_age, shard_of[finite], ages[finite])
+    age = np.where(np.isfinite(min_age), min_age, -1.0).tolist()
+    waiting, running = ksum(obs.waiting), ksum(obs.running)
+    tokens = ksum(obs.tokens_per_s)
+    free = ksum(np.nan_to_num(obs.gpu_free_bytes, nan=0.0))
+    counts = np.diff(obs.offsets).tolist()
+    nk = n_known.tolist()
+    estimates = decision.state.estimates
+    loads: dict[str, ShardLoadView] = {}
+    for i, sid in enumerate(obs.shard_ids):
+        est = estimates.get(sid)
+        lat = est.latency_s if est is not None and est.latency_s is not None else 0.0
+        loads[sid] = ShardLoadView(
+            shard_id=sid,
+            weight=weights.get(sid, 0),
+            queue_depth=waiting[i],
+            running=running[i],
+            latency_ms=lat * 1000.0,
+            tokens_per_s=tokens[i],
+            kv_cache_usage=kv_mean[i],
+            free_gpu_bytes=free[i],
+            known=nk[i] > 0,
+            utilization=decision.utilization.get(sid) or 0.0,
+            workers=counts[i],
+            workers_known=nk[i],
+            age_s=age[i],
+        )
+    return loads

@@ -98,6 +98,10 @@ class Store:
         self.history_limit = history_limit
         self._lock = threading.RLock()
         self._depth = 0
+        # Bumped by every write to shards or adapter instances made through this object (and
+        # by every rollback, which may undo one): readers that cache a layout derived from
+        # them compare ``layout_key()`` instead of re-reading 1,000 shard specs every tick.
+        self._layout_generation = 0
         # Autocommit mode: transactions are explicit BEGIN IMMEDIATE ... COMMIT.
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -153,10 +157,20 @@ class Store:
                 yield
             except BaseException:
                 self._depth = 0
+                self._layout_generation += 1
                 self._db.execute("ROLLBACK")
                 raise
             self._depth = 0
             self._db.execute("COMMIT")
+
+    def layout_key(self) -> tuple[int, int]:
+        """Changes whenever the shard specs or adapter instances may have changed.
+
+        The first part counts this object's own writes; the second is SQLite's
+        ``data_version``, which moves when another connection commits.
+        """
+        row = self._db.execute("PRAGMA data_version").fetchone()
+        return self._layout_generation, int(row[0])
 
     # -- shards ----------------------------------------------------------------------------
 
@@ -170,6 +184,7 @@ class Store:
 
     def upsert_shard(self, shard: assignment_pb2.Shard, now: float) -> assignment_pb2.Shard:
         """Store the shard; a new one gets the smallest free index, an existing one keeps its."""
+        self._layout_generation += 1
         with self.transaction():
             row = self._db.execute("SELECT idx FROM shards WHERE id=?", (shard.id,)).fetchone()
             stored = assignment_pb2.Shard()
@@ -197,6 +212,7 @@ class Store:
         return idx
 
     def delete_shard(self, shard_id: str, now: float) -> bool:
+        self._layout_generation += 1
         with self.transaction():
             row = self._db.execute("SELECT idx FROM shards WHERE id=?", (shard_id,)).fetchone()
             if row is None:
@@ -271,6 +287,7 @@ class Store:
     def upsert_adapter_instance(
         self, instance: control_plane_pb2.AdapterInstance, now: float
     ) -> None:
+        self._layout_generation += 1
         with self.transaction():
             self._db.execute(
                 "INSERT OR REPLACE INTO adapter_instances(name, spec, updated_at) VALUES(?,?,?)",
@@ -278,6 +295,7 @@ class Store:
             )
 
     def delete_adapter_instance(self, name: str) -> bool:
+        self._layout_generation += 1
         with self.transaction():
             cur = self._db.execute("DELETE FROM adapter_instances WHERE name=?", (name,))
         return cur.rowcount > 0
