@@ -16,6 +16,7 @@ __all__ = [
     "SKB_CTX_SIZE",
     "TestRunResult",
     "map_delete",
+    "map_delete_batch",
     "map_lookup",
     "map_update",
     "map_update_batch",
@@ -57,6 +58,8 @@ def _lib() -> ctypes.CDLL:
     vp, u32p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)
     lib.bpf_map_update_batch.argtypes = [ctypes.c_int, vp, vp, u32p, vp]
     lib.bpf_map_update_batch.restype = ctypes.c_int
+    lib.bpf_map_delete_batch.argtypes = [ctypes.c_int, vp, u32p, vp]
+    lib.bpf_map_delete_batch.restype = ctypes.c_int
     lib.bpf_map_update_elem.argtypes = [ctypes.c_int, vp, vp, ctypes.c_uint64]
     lib.bpf_map_update_elem.restype = ctypes.c_int
     lib.bpf_map_lookup_elem.argtypes = [ctypes.c_int, vp, vp]
@@ -89,6 +92,24 @@ def map_update_batch(fd: int, keys: Any, values: Any,
     n = ctypes.c_uint32(count)
     rc = _lib().bpf_map_update_batch(fd, _addr(keys), _addr(values), ctypes.byref(n), None)
     _check(rc, f"bpf_map_update_batch ({n.value}/{count} written)")
+
+
+def map_delete_batch(fd: int, keys: Any, count: int) -> int:
+    """Delete ``count`` keys in one syscall (bpf_map_delete_batch); returns how many went.
+
+    The kernel deletes in order and stops at the first failure, so on an error the first
+    ``deleted`` keys are gone and the rest are untouched; ``OSError.deleted`` says how many.
+    """
+    if count == 0:
+        return 0
+    n = ctypes.c_uint32(count)
+    rc = _lib().bpf_map_delete_batch(fd, _addr(keys), ctypes.byref(n), None)
+    if rc < 0:
+        err = -rc if rc != -1 else ctypes.get_errno()
+        e = OSError(err, f"bpf_map_delete_batch ({n.value}/{count} deleted): {os.strerror(err)}")
+        e.deleted = n.value  # type: ignore[attr-defined]
+        raise e
+    return n.value
 
 
 def map_update(fd: int, key: object, value: object | int) -> None:
