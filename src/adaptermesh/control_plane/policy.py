@@ -364,12 +364,8 @@ class ColumnLayout:
 
     __slots__ = (
         "_adapter_bit", "_mask_cache", "_masks", "_routed_masks", "_set_id", "active",
-        "endpoints", "offsets", "routed", "shard_ids", "shard_of",
+        "endpoints", "max_interned", "offsets", "routed", "shard_ids", "shard_of",
     )
-
-    # Interned adapter sets are forgotten past this many, so a churning adapter population
-    # cannot grow the table without bound.
-    max_interned = 65_536
 
     def __init__(
         self,
@@ -396,6 +392,9 @@ class ColumnLayout:
         np.cumsum(counts, out=self.offsets[1:])
         self.endpoints = tuple(k for eps in endpoints for k in eps)
         self.shard_of = np.repeat(np.arange(len(ids), dtype=np.int64), counts)
+        # Interned adapter sets are forgotten past this many, so a churning adapter
+        # population cannot grow the table without bound.
+        self.max_interned = 65_536
         self.routed = tuple(frozenset(r) for r in routed) if routed is not None else tuple(
             _EMPTY for _ in ids
         )
@@ -489,8 +488,9 @@ class ColumnLayout:
                 col[bad] = fill
             cols.append(col)
         known = np.array(list(map(_KNOWN, workers)), dtype=np.bool_)
-        res_ids = self._ids(list(map(_RESIDENT, workers)))
-        req_ids = self._ids(list(map(_REQUESTED, workers)))
+        # One call for both, so a reset of the interning table cannot split them.
+        both = self._ids(list(map(_RESIDENT, workers)) + list(map(_REQUESTED, workers)))
+        res_ids, req_ids = both[: len(workers)], both[len(workers):]
         masks, routed = self._mask_table()
         if masks.shape[0] == 1 and not routed.any():
             # No worker names an adapter and none is routed: nothing is wanted anywhere.
