@@ -229,3 +229,27 @@ def test_fast_cidr_parser_agrees_with_ipaddress(cidr: str) -> None:
         assert fast == slow
     if slow is None:
         assert fast is None
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("size", [10, 400])  # below and above the helper-thread threshold
+def test_a_failed_pin_write_is_reported_and_the_next_apply_is_exact(
+    pin_table: BpfShardTable, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tb = pin_table
+    first = [(f"198.18.{k // 256}.{k % 256}/32", "s1") for k in range(size)]
+    tb.apply(assignment(first))
+    second = [(f"198.19.{k // 256}.{k % 256}/32", "s2") for k in range(size)]
+
+    def refuse(keys: list[tuple[int, bytes]]) -> None:
+        raise OSError(5, "injected delete failure")
+
+    monkeypatch.setattr(tb, "_delete_pins", refuse)
+    with pytest.raises(OSError, match="injected"):
+        tb.apply(assignment(second))
+    monkeypatch.undo()
+    # the upserts went in, the deletes did not: the loader re-read the map ...
+    assert tb.read_pins() == expected(first) | expected(second)
+    tb.apply(assignment(second))  # ... so this apply removes exactly the leftovers
+    assert tb.read_pins() == expected(second)
+    tb.apply(assignment([]))
