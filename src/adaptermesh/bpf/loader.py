@@ -162,6 +162,8 @@ class ApplyTiming:
     """Where the last apply() spent its time (nanoseconds from the apply() call)."""
 
     validated_ns: int
+    # shards that stay or become ACTIVE and the pins written, and the idle table built (a
+    # large pin change is written while the table is built)
     table_built_ns: int
     flipped_ns: int
     done_ns: int
