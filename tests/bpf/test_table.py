@@ -102,3 +102,16 @@ def test_empty_assignment_is_valid_and_steers_nothing() -> None:
     fake = FakeShardTable(maglev_size=251)
     fake.apply(pb.Assignment(version=1))
     assert fake.classify("10.0.0.1") is None
+
+
+def test_a_redirect_by_name_is_resolved_on_every_apply() -> None:
+    """Validated shards are remembered by content, but an interface name may stop existing."""
+    fake = FakeShardTable(maglev_size=251, interfaces={"amb-eth9": 7})
+    a = make_assignment([S("a", 0, 10000, ("redirect", "amb-eth9", ""))])
+    fake.apply(a)
+    assert fake.plan is not None and fake.plan.shards[0].steer.ifindex == 7
+    fake.interfaces.clear()
+    a.version += 1
+    with pytest.raises(AssignmentError) as info:
+        fake.apply(a)
+    assert info.value.field == "shards[0].steer.redirect.ifname"
