@@ -109,7 +109,8 @@ def test_a_redirect_by_name_is_resolved_on_every_apply() -> None:
     fake = FakeShardTable(maglev_size=251, interfaces={"amb-eth9": 7})
     a = make_assignment([S("a", 0, 10000, ("redirect", "amb-eth9", ""))])
     fake.apply(a)
-    assert fake.plan is not None and fake.plan.shards[0].steer.ifindex == 7
+    assert fake.plan is not None
+    assert fake.plan.shards[0].steer.ifindex == 7
     fake.interfaces.clear()
     a.version += 1
     with pytest.raises(AssignmentError) as info:
