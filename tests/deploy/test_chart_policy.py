@@ -10,6 +10,11 @@ from typing import Any
 
 import pytest
 
+from adaptermesh.agent import cli as agent_cli
+from adaptermesh.control_plane import auth
+from adaptermesh.control_plane import cli as cp_cli
+from adaptermesh.worker import cli as worker_cli
+
 from .chart import Obj, containers, find, pod_specs, render, render_text
 from .test_chart_render import VALUE_SETS
 
@@ -264,7 +269,6 @@ def test_rbac_is_least_privilege() -> None:
 
 
 def test_tokens_are_generated_scoped_and_split(tmp_path: Path) -> None:
-    auth = pytest.importorskip("adaptermesh.control_plane.auth")
     objs = render({"auth": {"agentScopes": ["read", "write"], "operatorScopes": ["write"]}})
     secret = find(objs, "Secret", "-tokens").doc["stringData"]
     # The control plane's own parser reads the rendered tokens file.
@@ -331,7 +335,6 @@ def test_control_plane_is_single_writer_with_persistent_state() -> None:
 
 def test_agent_args_parse_with_the_agent_cli() -> None:
     """The flags the chart passes are the agent's real flags (argparse rejects unknown ones)."""
-    cli = pytest.importorskip("adaptermesh.agent.cli")
     for values in (
         {},
         {"agent": {"vxlanDev": "vx0", "keepDatapathOnExit": False}},
@@ -343,15 +346,13 @@ def test_agent_args_parse_with_the_agent_cli() -> None:
         ds = find(render(values), "DaemonSet", "-agent").doc["spec"]["template"]["spec"]
         args = ds["containers"][0]["args"]
         assert args[0] == "agent"
-        parsed = cli.build_parser().parse_args(args[1:])
+        parsed = agent_cli.build_parser().parse_args(args[1:])
         assert parsed.metrics_port == 9464
         assert parsed.xds_host == "127.0.0.1"
         assert parsed.detach is (values.get("agent", {}).get("keepDatapathOnExit") is False)
 
 
 def test_control_plane_and_worker_args_parse_with_their_clis() -> None:
-    cp_cli = pytest.importorskip("adaptermesh.control_plane.cli")
-    worker_cli = pytest.importorskip("adaptermesh.worker.cli")
     tls = {"tls": {"enabled": True, "secretName": "s", "clientAuth": True}}
     for values in ({}, {"controlPlane": tls, "agent": {"tls": {"clientSecretName": "c"}}}):
         objs = render(values)
