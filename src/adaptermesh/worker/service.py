@@ -330,6 +330,9 @@ class _Job:
     deadline: float
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
+    # The SSE chunk's bytes up to its choices list: the same for every chunk of the request,
+    # so it is encoded once instead of once per token.
+    chunk_head: bytes = b""
 
 
 @dataclass(slots=True)
@@ -794,8 +797,11 @@ class WorkerService:
             choice = {"index": 0, "delta": delta, "logprobs": None,
                       "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
-        return _sse({"id": job.request_id, "object": obj, "created": job.created,
-                     "model": job.model, "choices": [choice]})
+        if not job.chunk_head:
+            head = _sse({"id": job.request_id, "object": obj, "created": job.created,
+                         "model": job.model, "choices": []})
+            job.chunk_head = head[: -len(b"]}\n\n")]
+        return job.chunk_head + _dumps(choice) + b"]}\n\n"
 
     async def _stream_response(self, request: web.Request, job: _Job, first: TokenEvent,
                                events: AsyncIterator[TokenEvent],
@@ -846,8 +852,12 @@ class WorkerService:
         return response
 
 
+def _dumps(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
 def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _dumps(payload) + b"\n\n"
 
 
 async def serve(
