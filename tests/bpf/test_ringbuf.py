@@ -80,6 +80,23 @@ def test_drain_decodes_committed_records_and_stops_at_a_busy_one() -> None:
     assert {e.reason for e in batch.events()} == {"maglev"}
 
 
+def test_drained_events_do_not_alias_the_ring() -> None:
+    """The space is handed back to the producer right after a drain: a batch must own its data."""
+    ring = FakeRing(4096)
+    for k in range(3):
+        ring.put(event_bytes(k))
+    ring.put(b"x" * 13)  # forces a second run, through the one-record path
+    ring.put(event_bytes(3))
+    data = ring.doubled()
+    for prod in (3 * RECORD.itemsize, ring.prod):  # one run, then several
+        _, batch = drain_span(data, 0, prod, ring.size)
+        expected = batch.ts_ns.tolist()
+        data[:] = 0xAB  # the producer reuses the space
+        assert batch.ts_ns.tolist() == expected
+        assert batch.src[0, 12:].tolist() == [10, 9, 0, 0]
+        data = ring.doubled()
+
+
 def test_drain_skips_discarded_and_counts_foreign_records() -> None:
     ring = FakeRing(4096)
     ring.put(event_bytes(0))

@@ -157,7 +157,7 @@ def drain_span(data: npt.NDArray[np.uint8], cons: int, prod: int, size: int
             bad = np.flatnonzero(view["len"] != EVENT_SIZE)
             k = int(bad[0]) if bad.size else n
             if k:
-                runs.append(view[:k].copy())  # copy out before the space is handed back
+                runs.append(view[:k])  # still the ring's memory: copied out below
                 pos += k * RECORD.itemsize
                 continue
         # One record the fast path does not take: busy, discarded, or another length.
@@ -168,13 +168,15 @@ def drain_span(data: npt.NDArray[np.uint8], cons: int, prod: int, size: int
         step = (length + HEADER_SIZE + 7) & ~7
         if not hdr & DISCARD_BIT:
             if length == EVENT_SIZE:
-                runs.append(data[off: off + RECORD.itemsize].view(RECORD).copy())
+                runs.append(data[off: off + RECORD.itemsize].view(RECORD))
             else:
                 foreign += 1
         pos += step
     if not runs:
         return pos, (_empty() if not foreign else EventBatch.from_records(
             np.empty(0, dtype=RECORD), foreign))
+    # from_records copies each column out (and concatenate copies too), so the batch never
+    # aliases the ring: one copy per event, made before the caller hands the space back.
     records = runs[0] if len(runs) == 1 else np.concatenate(runs)
     return pos, EventBatch.from_records(records, foreign)
 
