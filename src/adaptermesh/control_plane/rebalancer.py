@@ -306,6 +306,12 @@ class Rebalancer:
     # -- building and publishing -----------------------------------------------------------
 
     def _affinity(self) -> dict[str, tuple[str, ...]]:
+        """The adapters to publish per worker; a worker absent keeps its shard spec's list.
+
+        An unreachable worker gets none: Envoy would keep picking it when it is the only holder
+        of an adapter (that subset panics), while without affinity the request falls back to
+        the shard's healthy workers, which load the adapter on demand.
+        """
         memo = self._sorted_adapters
         if len(memo) > 65_536:
             memo.clear()
@@ -326,6 +332,7 @@ class Rebalancer:
         weights: Mapping[str, int],
         endpoint_weights: Mapping[str, Mapping[str, int]],
         reason: str,
+        affinity: Mapping[str, tuple[str, ...]],
     ) -> assignment_pb2.Assignment:
         now = self.clock.time()
         out = assignment_pb2.Assignment(version=self.store.last_version() + 1, reason=reason)
@@ -340,7 +347,8 @@ class Rebalancer:
             for ep in shard.endpoints:
                 key = endpoint_key(ep.address, ep.port)
                 ep.weight = max(1, eps.get(key, self.config.policy.endpoint_scale))
-                observed = _observed_adapters(self.workers.get(key))
+                # Absent: keep the shard spec's own list (see ``_affinity``).
+                observed = affinity.get(key)
                 if observed is not None:
                     del ep.adapters[:]
                     ep.adapters.extend(observed)
@@ -378,9 +386,12 @@ class Rebalancer:
         weights: Mapping[str, int],
         endpoint_weights: Mapping[str, Mapping[str, int]],
         reason: str,
+        affinity: Mapping[str, tuple[str, ...]] | None = None,
     ) -> assignment_pb2.Assignment:
         """Build, validate and record an Assignment inside the caller's transaction."""
-        assignment = self._build(weights, endpoint_weights, reason)
+        if affinity is None:
+            affinity = self._affinity()
+        assignment = self._build(weights, endpoint_weights, reason, affinity)
         self._validate(assignment)
         self.store.append_assignment(assignment)
         return assignment
@@ -411,10 +422,12 @@ class Rebalancer:
             weights, endpoints = policy.desired(
                 obs, self.state, self.clock.time(), self.config.policy
             )
-            assignment = self._stage(weights, endpoints, reason)
+            affinity = self._affinity()
+            assignment = self._stage(weights, endpoints, reason, affinity)
         self._commit(
             assignment,
             PolicyState(weights, endpoints, self.state.estimates),
+            affinity,
         )
         return result
 
@@ -444,7 +457,9 @@ class Rebalancer:
             with self.store.transaction():
                 if decision.expired_overrides:
                     self.store.delete_expired_overrides(now)
-                assignment = self._stage(decision.weights, decision.endpoint_weights, reason)
+                assignment = self._stage(
+                    decision.weights, decision.endpoint_weights, reason, affinity
+                )
             self._commit(assignment, decision.state, affinity)
         else:
             self.state = decision.state
@@ -510,22 +525,6 @@ class Rebalancer:
             for v in sorted(self.loads.values(), key=lambda v: v.shard_id)
         ]
 
-
-
-def _observed_adapters(seen: WorkerObservation | None) -> tuple[str, ...] | None:
-    """The adapters to publish for a worker, or None to keep the shard spec's own list.
-
-    An unreachable worker gets none: Envoy would keep picking it when it is the only holder of
-    an adapter (that subset panics), while without affinity the request falls back to the
-    shard's healthy workers, which load the adapter on demand.
-    """
-    if seen is None:
-        return None
-    if seen.down:
-        return ()
-    if seen.known and seen.resident_adapters:
-        return tuple(sorted(seen.resident_adapters))
-    return None
 
 
 def _affinity_reason(
