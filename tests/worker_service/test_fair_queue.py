@@ -225,3 +225,14 @@ def test_backlogged_tenants_get_equal_token_shares(costs, seed) -> None:
         assert max(shares) - min(shares) <= 2 * max(costs)
 
     asyncio.run(body())
+
+
+async def test_one_off_tenants_do_not_grow_the_table_without_a_scrape() -> None:
+    """Every new client address is a tenant; with nothing reading snapshot() the idle ones
+    must still be forgotten, or memory grows with every address ever seen."""
+    from adaptermesh.worker import fair_queue
+
+    q = FairQueue(max_running=4, max_waiting_per_tenant=4, max_waiting_total=16)
+    for i in range(10 * fair_queue._MAX_IDLE_TENANTS):
+        q.release(q.submit(f"10.0.{i // 256}.{i % 256}"))
+    assert len(q._tenants) <= 2 * fair_queue._MAX_IDLE_TENANTS + 1

@@ -123,6 +123,10 @@ class FairQueue:
         self._num_waiting = 0
         self._num_running = 0
         self._seq = itertools.count()
+        # Idle tenants are swept when the table reaches this size (amortised O(1) per new
+        # tenant), so a stream of one-off client addresses cannot grow it without bound even
+        # when nothing reads snapshot().
+        self._sweep_at = 2 * _MAX_IDLE_TENANTS
 
     # ----------------------------------------------------------------------------------- state
     @property
@@ -227,6 +231,9 @@ class FairQueue:
     def _tenant(self, name: str) -> _Tenant:
         state = self._tenants.get(name)
         if state is None:
+            if len(self._tenants) >= self._sweep_at:
+                self._forget_idle_tenants()
+                self._sweep_at = 2 * max(len(self._tenants), _MAX_IDLE_TENANTS)
             state = self._tenants[name] = _Tenant()
         return state
 
