@@ -93,6 +93,18 @@ def test_table_datapath_over_the_classifier_fake_reports_what_traffic_did():
     assert rates[0].active_flows + rates[1].active_flows == 45
     assert rates[0].active_flows > 5  # Maglev spread the unpinned ones over both shards
     assert dp.read_counters()["ringbuf_failed"] == 0
+    # Every classifier counter reaches the agent, and /metrics exports each pass reason.
+    from adaptermesh.agent.metrics import AgentMetrics
+    from adaptermesh.bpf.table import DatapathCounters
+
+    table._counters = DatapathCounters(link_local=3, vlan=2)
+    counters = dp.read_counters()
+    assert counters["link_local"] == 3
+    metrics = AgentMetrics()
+    metrics.bind_rates(dict, lambda: counters)
+    passed = metrics.registry.get_sample_value
+    assert passed("adaptermesh_agent_classifier_passed_packets_total", {"reason": "link_local"}) == 3
+    assert passed("adaptermesh_agent_classifier_passed_packets_total", {"reason": "vlan"}) == 2
     # A bad assignment is refused by the classifier's own validation, naming the field.
     with pytest.raises(ValueError, match=r"pins\[0\]\.cidr"):
         dp.apply(make_assignment(2, pins={"10.9.0.1/24": "a"}))

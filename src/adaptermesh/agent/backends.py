@@ -14,6 +14,7 @@ every key on its last good snapshot.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -132,15 +133,8 @@ class TableDatapath:
         }
 
     def read_counters(self) -> dict[str, int]:
-        c = self.table.read_counters()
-        return {
-            "ringbuf_failed": c.ringbuf_failed,
-            "non_ip": c.non_ip,
-            "malformed": c.malformed,
-            "vlan": c.vlan,
-            "no_shard": c.no_shard,
-            "steer_failed": c.steer_failed,
-        }
+        # Every DatapathCounters field, so a counter added to the classifier is exported too.
+        return dataclasses.asdict(self.table.read_counters())
 
     def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int) -> int:
         def deliver(event: TableFlowEvent) -> None:

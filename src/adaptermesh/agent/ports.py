@@ -51,7 +51,7 @@ class Datapath(Protocol):
     def read_counters(self) -> Mapping[str, int]:
         """Cumulative datapath counters: ``ringbuf_failed`` (lost events) and the packets
         passed untouched (``non_ip``, ``malformed``, ``vlan``, ``no_shard``,
-        ``steer_failed``)."""
+        ``steer_failed``, ``link_local``)."""
         ...
 
     def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int) -> int:
