@@ -16,6 +16,7 @@ from adaptermesh.control_plane.policy import (
     ColumnLayout,
     Observation,
     ObservationColumns,
+    OverrideSpec,
     PolicyConfig,
     PolicyState,
     ShardObservation,
@@ -25,7 +26,7 @@ from adaptermesh.control_plane.policy import (
 )
 from adaptermesh.control_plane.rebalancer import FakeClock, Rebalancer
 from adaptermesh.control_plane.store import Store
-from adaptermesh.proto import control_plane_pb2
+from adaptermesh.proto import assignment_pb2, control_plane_pb2
 
 from .conftest import StaticSource, shard
 from .reference_policy import decide_ref
@@ -34,6 +35,33 @@ from .strategies import observations
 CFG = PolicyConfig()
 _ARRAYS = ("active", "offsets", "known", "waiting", "running", "kv_cache_usage", "latency_s",
            "tokens_per_s", "gpu_free_bytes", "affinity_hits", "wanted")
+
+
+def _object_observation(rb: Rebalancer, workers: dict[str, WorkerObservation]) -> Observation:
+    """The per-object Observation of the rebalancer's store, read shard by shard: the
+    reference the cached column layout must match."""
+    routed: dict[str, set[str]] = {}
+    for inst in rb.store.list_adapter_instances():
+        for route in inst.routes:
+            routed.setdefault(route.shard_id, set()).add(inst.name)
+    shards: dict[str, ShardObservation] = {}
+    for spec in rb.store.list_shards():
+        obs = []
+        for ep in spec.endpoints:
+            w = workers.get(endpoint_key(ep.address, ep.port))
+            obs.append(w if w is not None else WorkerObservation(ep.address, ep.port, known=False))
+        shards[spec.id] = ShardObservation(
+            spec.id,
+            active=spec.state in (assignment_pb2.SHARD_STATE_ACTIVE,
+                                  assignment_pb2.SHARD_STATE_UNSPECIFIED),
+            workers=tuple(obs),
+            routed_adapters=frozenset(routed.get(spec.id, ())),
+        )
+    overrides = {
+        sid: OverrideSpec(sid, weight, expires_at)
+        for sid, weight, _, expires_at, _ in rb.store.list_overrides()
+    }
+    return Observation(shards, overrides)
 
 
 def _assert_same(a: ObservationColumns, b: ObservationColumns) -> None:
@@ -200,7 +228,7 @@ async def test_step_columns_match_the_object_observation(tmp_path: Path) -> None
     await rb.step()
     workers = dict(rb.workers)
     cols, rows = rb.columns(workers)
-    _assert_same(cols, ObservationColumns.from_observation(rb.observation(workers)))
+    _assert_same(cols, ObservationColumns.from_observation(_object_observation(rb, workers)))
     assert [endpoint_key(w.address, w.port) for w in rows] == list(cols.endpoints)
     assert not cols.known[1]
     loads = rb.loads

@@ -28,12 +28,10 @@ from adaptermesh.control_plane.metrics_source import LoadSource, Target
 from adaptermesh.control_plane.policy import (
     ColumnLayout,
     Decision,
-    Observation,
     ObservationColumns,
     OverrideSpec,
     PolicyConfig,
     PolicyState,
-    ShardObservation,
     WorkerObservation,
     endpoint_key,
 )
@@ -247,32 +245,6 @@ class Rebalancer:
             self.hub.publish(latest)
 
     # -- desired state -> observation ------------------------------------------------------
-
-    def observation(self, workers: Mapping[str, WorkerObservation]) -> Observation:
-        routed: dict[str, set[str]] = {}
-        for inst in self.store.list_adapter_instances():
-            for route in inst.routes:
-                routed.setdefault(route.shard_id, set()).add(inst.name)
-        shards: dict[str, ShardObservation] = {}
-        for spec in self.store.list_shards():
-            obs = []
-            for ep in spec.endpoints:
-                key = endpoint_key(ep.address, ep.port)
-                w = workers.get(key)
-                obs.append(
-                    w if w is not None else WorkerObservation(ep.address, ep.port, known=False)
-                )
-            shards[spec.id] = ShardObservation(
-                spec.id,
-                active=spec.state in (_ACTIVE, assignment_pb2.SHARD_STATE_UNSPECIFIED),
-                workers=tuple(obs),
-                routed_adapters=frozenset(routed.get(spec.id, ())),
-            )
-        overrides = {
-            sid: OverrideSpec(sid, weight, expires_at)
-            for sid, weight, _, expires_at, _ in self.store.list_overrides()
-        }
-        return Observation(shards, overrides)
 
     def layout(self) -> _Layout:
         """The cached desired-state layout, re-read only when the store says it changed."""
