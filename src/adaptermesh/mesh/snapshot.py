@@ -432,16 +432,23 @@ def build_load_assignment(
             health_status=health_check_pb2.DRAINING if ep.draining else health_check_pb2.UNKNOWN,
         )
         if ep.adapters:
-            adapters = struct_pb2.ListValue()
-            adapters.extend(sorted(set(ep.adapters)))
             lb.metadata.filter_metadata[_LB_NAMESPACE].fields[
-                ADAPTER_METADATA_KEY].list_value.CopyFrom(adapters)
+                ADAPTER_METADATA_KEY].list_value.CopyFrom(
+                    _adapter_list(tuple(sorted(set(ep.adapters)))))
         lb_endpoints.append(lb)
     return endpoint_pb2.ClusterLoadAssignment(
         cluster_name=cluster_name(shard.id),
         endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=lb_endpoints)]
         if lb_endpoints else [],
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _adapter_list(adapters: tuple[str, ...]) -> struct_pb2.ListValue:
+    # Filling a ListValue item by item runs in Python (~20 us for 32 adapters) and EDS is
+    # rebuilt for every endpoint on every rebalance while resident sets rarely change.
+    # Callers copy the result, so the cached message is never mutated.
+    return struct_pb2.ListValue(values=[struct_pb2.Value(string_value=a) for a in adapters])
 
 
 def build_listener(shard: assignment_pb2.Shard, opts: BuildOptions) -> listener_pb2.Listener:
