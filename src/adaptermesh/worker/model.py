@@ -316,6 +316,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rot * sin
 
 
+@dataclass(slots=True)
+class _AttnMasks:
+    """A batch's attention masks, the same in every layer: True = masked out for decode rows
+    ([n, 1, 1, len bucket]), True = allowed for each prefill segment ([t, end])."""
+
+    decode: torch.Tensor | None
+    prefill: list[torch.Tensor]
+
+
 class TransformerModel:
     """The base weights, fused per layer, plus the forward pass over a flat batch."""
 
@@ -416,6 +425,9 @@ class TransformerModel:
         sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
         use_lora = pool is not None and meta is not None and meta.any_lora
         T = h.shape[0]
+        # Attention masks depend on the batch only: built once here, shared by every layer.
+        self_mask = self._self_mask(T, h.device) if batch.self_prefill else None
+        masks = None if batch.self_prefill else self._attention_masks(batch, h.device)
         for li, layer in enumerate(self.layers):
             x = _rms_norm(h, layer["ln1"], cfg.rms_eps)
             qkv = x @ layer["wqkv"].T
@@ -433,7 +445,11 @@ class TransformerModel:
             kc, vc = kv.k[li], kv.v[li]
             kc.index_put_((batch.write_slots, batch.positions), k)
             vc.index_put_((batch.write_slots, batch.positions), v)
-            attn = self._self_attention(q, k, v) if batch.self_prefill else self._attention(q, batch, kc, vc)
+            attn = (
+                self._self_attention(q, k, v, self_mask)
+                if batch.self_prefill
+                else self._attention(q, batch, kc, vc, masks)
+            )
             o = attn @ layer["wo"].T
             if pool is not None and meta is not None and use_lora:
                 _apply_lora(pool, meta, "o", li, o, attn)
@@ -459,9 +475,46 @@ class TransformerModel:
         h = _rms_norm(h, self.norm, cfg.rms_eps)
         return (h @ self.lm_head.T).float()
 
-    def _self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _self_mask(self, T: int, device: torch.device) -> torch.Tensor | None:
+        """The sliding-window causal mask of a self-prefill chunk of T rows; None when plain
+        causal attention is exact."""
+        w = self.cfg.sliding_window
+        if w is None or w >= T:
+            return None
+        pos = torch.arange(T, device=device)
+        return (pos.view(1, T) <= pos.view(T, 1)) & (pos.view(1, T) > pos.view(T, 1) - w)
+
+    def _attention_masks(self, batch: BatchInputs, device: torch.device) -> _AttnMasks:
+        """Decode and prefill masks of ``batch`` (see ``_attention``)."""
+        cfg = self.cfg
+        decode_mask = None
+        n = batch.decode_rows
+        if n:
+            assert batch.decode_lengths is not None
+            lb = batch.decode_len_bucket
+            pos = torch.arange(lb, device=device)
+            decode_mask = pos.view(1, 1, 1, lb) >= batch.decode_lengths.view(n, 1, 1, 1)
+            if cfg.sliding_window is not None:
+                decode_mask = decode_mask | (
+                    pos.view(1, 1, 1, lb) < (batch.decode_lengths - cfg.sliding_window).view(n, 1, 1, 1)
+                )
+        prefill: list[torch.Tensor] = []
+        for seg in batch.prefill:
+            end = seg.start_pos + seg.num_tokens
+            qpos = torch.arange(seg.start_pos, end, device=device).unsqueeze(1)
+            kpos = torch.arange(end, device=device).unsqueeze(0)
+            allowed = kpos <= qpos
+            if cfg.sliding_window is not None:
+                allowed = allowed & (kpos > qpos - cfg.sliding_window)
+            prefill.append(allowed)
+        return _AttnMasks(decode_mask, prefill)
+
+    def _self_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Causal attention of one prompt chunk that starts at position 0, over its own keys.
-        Padding rows (if any) come last, so the causal mask keeps them out of real rows."""
+        Padding rows (if any) come last, so the causal mask keeps them out of real rows.
+        ``mask`` is ``_self_mask(T)``, computed here when not given."""
         cfg = self.cfg
         T = q.shape[0]
         group = cfg.num_heads // cfg.num_kv_heads
@@ -469,16 +522,21 @@ class TransformerModel:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
-        if cfg.sliding_window is not None and cfg.sliding_window < T:
-            pos = torch.arange(T, device=q.device)
-            allowed = (pos.view(1, T) <= pos.view(T, 1)) & (pos.view(1, T) > pos.view(T, 1) - cfg.sliding_window)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=self.scale)
+        if mask is None:
+            mask = self._self_mask(T, q.device)
+        if mask is not None:
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
         return o.transpose(0, 1).reshape(T, -1)
 
-    def _attention(self, q: torch.Tensor, batch: BatchInputs, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self, q: torch.Tensor, batch: BatchInputs, kc: torch.Tensor, vc: torch.Tensor, masks: _AttnMasks | None = None
+    ) -> torch.Tensor:
+        """``masks`` is ``_attention_masks(batch)``, computed here when not given."""
         cfg = self.cfg
+        if masks is None:
+            masks = self._attention_masks(batch, q.device)
         T = q.shape[0]
         group = cfg.num_heads // cfg.num_kv_heads
         out = torch.empty((T, cfg.num_heads * cfg.head_dim), dtype=q.dtype, device=q.device)
@@ -490,15 +548,12 @@ class TransformerModel:
             keys = kc[:n, :lb]  # [n, lb, kvh, D], read in place: row i is cache row i
             vals = vc[:n, :lb]
             scores = torch.einsum("skgd,slkd->skgl", qd, keys).float() * self.scale
-            pos = torch.arange(lb, device=q.device)
-            mask = pos.view(1, 1, 1, lb) >= batch.decode_lengths.view(n, 1, 1, 1)
-            if cfg.sliding_window is not None:
-                mask = mask | (pos.view(1, 1, 1, lb) < (batch.decode_lengths - cfg.sliding_window).view(n, 1, 1, 1))
-            scores = scores.masked_fill(mask, float("-inf"))
+            assert masks.decode is not None
+            scores = scores.masked_fill(masks.decode, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
             od = torch.einsum("skgl,slkd->skgd", probs, vals)
             out[:n] = od.reshape(n, -1)
-        for seg in batch.prefill:
+        for seg, allowed in zip(batch.prefill, masks.prefill, strict=True):
             qs = q[seg.offset : seg.offset + seg.num_tokens]  # [t, H, D]
             end = seg.start_pos + seg.num_tokens
             ks = kc[seg.slot, :end]  # [end, kvh, D]
@@ -506,11 +561,6 @@ class TransformerModel:
             if group > 1:
                 ks = ks.repeat_interleave(group, dim=1)
                 vs = vs.repeat_interleave(group, dim=1)
-            qpos = torch.arange(seg.start_pos, end, device=q.device).unsqueeze(1)
-            kpos = torch.arange(end, device=q.device).unsqueeze(0)
-            allowed = kpos <= qpos
-            if cfg.sliding_window is not None:
-                allowed = allowed & (kpos > qpos - cfg.sliding_window)
             o = F.scaled_dot_product_attention(
                 qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=allowed, scale=self.scale
             )  # [H, t, D]
