@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from adaptermesh.kernels._validate import check_expand, check_meta, check_pair, check_shrink
+from adaptermesh.kernels._validate import (
+    SgmmShapes,
+    check_expand,
+    check_meta,
+    check_pair,
+    check_shrink,
+)
 from adaptermesh.kernels.meta import SegmentMeta
 
 if TYPE_CHECKING:
@@ -30,7 +36,7 @@ __all__ = [
 ]
 
 
-def _slot_groups(meta: SegmentMeta, num_tokens: int) -> list[tuple[int, torch.Tensor]]:
+def _slot_groups(meta: SegmentMeta) -> list[tuple[int, torch.Tensor]]:
     """(slot, token indices) for every non-empty segment, read from the metadata."""
     starts = meta.seg_start.tolist()
     order = meta.sorted_tokens
@@ -40,6 +46,52 @@ def _slot_groups(meta: SegmentMeta, num_tokens: int) -> list[tuple[int, torch.Te
         if b > a:
             groups.append((s, order[a:b].long()))
     return groups
+
+
+def _shrink_into(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    rank_list: list[int],
+    groups: list[tuple[int, torch.Tensor]],
+) -> None:
+    r_max = v.shape[2]
+    for s, idx in groups:
+        r = min(int(rank_list[s]), r_max)
+        if r == 0:
+            continue
+        xs = x.index_select(0, idx).float()
+        for i in range(v.shape[0]):
+            v[i, idx, :r] = xs @ lora_a[i, s, :r].float().T
+
+
+def _expand_from(
+    out: torch.Tensor,
+    v: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    rank_list: list[int],
+    groups: list[tuple[int, torch.Tensor]],
+    shapes: SgmmShapes,
+) -> None:
+    scale_list = scales.tolist()
+    wdtype = lora_b[0].dtype
+    for s, idx in groups:
+        r = min(int(rank_list[s]), shapes.r_max)
+        if r == 0:
+            continue
+        for i, b in enumerate(lora_b):
+            off, n = shapes.out_offsets[i], shapes.out_sizes[i]
+            vi = v[i].index_select(0, idx)[:, :r].to(wdtype).float()
+            delta = (vi @ b[s, :, :r].float().T) * scale_list[s]
+            cols = out[:, off : off + n]
+            cols[idx] = (cols[idx].float() + delta).to(out.dtype)
+
+
+def _new_v(shapes: SgmmShapes, device: torch.device) -> torch.Tensor:
+    return torch.zeros(
+        shapes.n_slices, shapes.num_tokens, shapes.r_max, dtype=torch.float32, device=device
+    )
 
 
 def sgmm_shrink_ref(
@@ -58,17 +110,8 @@ def sgmm_shrink_ref(
     """
     shapes = check_shrink(x, lora_a, ranks, check_values)
     check_meta(meta, shapes, x)
-    v = torch.zeros(
-        shapes.n_slices, shapes.num_tokens, shapes.r_max, dtype=torch.float32, device=x.device
-    )
-    rank_list = ranks.tolist()
-    for s, idx in _slot_groups(meta, shapes.num_tokens):
-        r = min(int(rank_list[s]), shapes.r_max)
-        if r == 0:
-            continue
-        xs = x.index_select(0, idx).float()
-        for i in range(shapes.n_slices):
-            v[i, idx, :r] = xs @ lora_a[i, s, :r].float().T
+    v = _new_v(shapes, x.device)
+    _shrink_into(v, x, lora_a, ranks.tolist(), _slot_groups(meta))
     return v
 
 
@@ -85,19 +128,7 @@ def sgmm_expand_ref(
     """out[t, off_i:off_i+N_i] += scales[s] * v[i, t, :r] @ lora_b[i][s, :, :r].T, in place."""
     shapes = check_expand(out, v, lora_b, scales, ranks, check_values)
     check_meta(meta, shapes, out)
-    rank_list = ranks.tolist()
-    scale_list = scales.tolist()
-    wdtype = lora_b[0].dtype
-    for s, idx in _slot_groups(meta, shapes.num_tokens):
-        r = min(int(rank_list[s]), shapes.r_max)
-        if r == 0:
-            continue
-        for i, b in enumerate(lora_b):
-            off, n = shapes.out_offsets[i], shapes.out_sizes[i]
-            vi = v[i].index_select(0, idx)[:, :r].to(wdtype).float()
-            delta = (vi @ b[s, :, :r].float().T) * scale_list[s]
-            cols = out[:, off : off + n]
-            cols[idx] = (cols[idx].float() + delta).to(out.dtype)
+    _expand_from(out, v, lora_b, scales, ranks.tolist(), _slot_groups(meta), shapes)
 
 
 def add_lora_ref(
@@ -112,15 +143,17 @@ def add_lora_ref(
     check_values: bool = True,
 ) -> None:
     """out += scale * (x @ A.T) @ B.T per token's slot; base tokens untouched."""
+    # Every check runs before any write, and the metadata and ranks are read once for both
+    # halves: the worker calls this for every targeted module of every layer on CPU.
     shapes = check_shrink(x, lora_a, ranks, check_values)
     check_meta(meta, shapes, x)
-    v_probe = torch.empty(
-        shapes.n_slices, shapes.num_tokens, shapes.r_max, dtype=torch.float32, device=x.device
-    )
+    v = _new_v(shapes, x.device)
     check_pair(out, x, lora_a, lora_b)
-    check_expand(out, v_probe, lora_b, scales, ranks, False)
-    v = sgmm_shrink_ref(x, lora_a, ranks, meta, check_values=False)
-    sgmm_expand_ref(out, v, lora_b, scales, ranks, meta, check_values=False)
+    eshapes = check_expand(out, v, lora_b, scales, ranks, False)
+    rank_list = ranks.tolist()
+    groups = _slot_groups(meta)
+    _shrink_into(v, x, lora_a, rank_list, groups)
+    _expand_from(out, v, lora_b, scales, rank_list, groups, eshapes)
 
 
 # ---------------------------------------------------------------------------------------------
