@@ -213,7 +213,10 @@ int am_classify(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	}
 
+#if AM_LEARN
+	/* Only flow learning needs the time: the stateless build skips the helper call. */
 	__u64 now = bpf_ktime_get_ns();
+#endif
 	__u32 len = skb->len;
 	__u32 shard = AM_NO_SHARD;
 	__u32 reason = 0;
