@@ -268,9 +268,9 @@ def validate_assignment(assignment: assignment_pb2.Assignment) -> None:
         if shard.id in seen_ids:
             raise AssignmentError(f"{where}.id", f"duplicate shard id {shard.id!r}")
         seen_ids.add(shard.id)
-        _check_ip(f"{where}.service_address", shard.service_address)
+        service_ip = _check_ip(f"{where}.service_address", shard.service_address)
         _check_port(f"{where}.service_port", shard.service_port)
-        key = (str(ipaddress.ip_address(shard.service_address)), shard.service_port)
+        key = (str(service_ip), shard.service_port)
         if key in seen_listeners:
             raise AssignmentError(
                 f"{where}.service_port",
@@ -289,11 +289,11 @@ def validate_assignment(assignment: assignment_pb2.Assignment) -> None:
         seen_endpoints: set[tuple[str, int]] = set()
         for j, ep in enumerate(shard.endpoints):
             ewhere = f"{where}.endpoints[{j}]"
-            _check_ip(f"{ewhere}.address", ep.address)
+            ep_ip = _check_ip(f"{ewhere}.address", ep.address)
             _check_port(f"{ewhere}.port", ep.port)
             if ep.weight < 1:
                 raise AssignmentError(f"{ewhere}.weight", f"must be >= 1, got {ep.weight}")
-            ep_key = (str(ipaddress.ip_address(ep.address)), ep.port)
+            ep_key = (str(ep_ip), ep.port)
             if ep_key in seen_endpoints:
                 raise AssignmentError(f"{ewhere}", f"duplicate endpoint {ep.address}:{ep.port}")
             seen_endpoints.add(ep_key)
@@ -566,9 +566,9 @@ def _pack(message: Message) -> any_pb2.Any:
     return packed
 
 
-def _check_ip(field_name: str, value: str) -> None:
+def _check_ip(field_name: str, value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     try:
-        ipaddress.ip_address(value)
+        return ipaddress.ip_address(value)
     except ValueError:
         raise AssignmentError(field_name, f"{value!r} is not an IP address") from None
 
