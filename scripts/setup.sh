@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-APT_PACKAGES=(python3-bpfcc linux-headers-amd64 iproute2 bpftool ethtool)
+APT_PACKAGES=(python3-bpfcc linux-headers-amd64 iproute2 bpftool ethtool openssl)
 
 log() { printf '[setup] %s\n' "$*"; }
 
@@ -74,6 +74,8 @@ for m in mods:
         importlib.import_module(m)
     except Exception as e:  # noqa: BLE001
         bad.append(f"{m}: {e}")
+if shutil.which("openssl") is None:
+    bad.append("openssl missing (TLS tests make their certificates with it)")
 if shutil.which("envoy", path=sys.prefix + "/bin") is None:
     bad.append("envoy binary missing from .venv/bin")
 if bad:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,8 +14,6 @@ from adaptermesh.proto import control_plane_pb2 as cp_pb2
 from adaptermesh.proto import control_plane_pb2_grpc
 
 from .conftest import RW_TOKEN, StaticSource, creds, write_tokens
-
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
 
 def _ssl(*args: str, cwd: Path) -> None:
