@@ -619,6 +619,7 @@ def _check_gated(
     lora_b: torch.Tensor,
     expert_ids: torch.Tensor,
     gates: torch.Tensor,
+    check_values: bool,
 ) -> None:
     for name, ten in (("out", out), ("x", x), ("lora_a", lora_a), ("lora_b", lora_b)):
         _check_float(name, ten)
@@ -651,7 +652,11 @@ def _check_gated(
         raise ValueError(f"expert_ids and gates must be on {x.device}")
     if not expert_ids.is_contiguous() or not gates.is_contiguous():
         raise ValueError("expert_ids and gates must be contiguous")
-    if expert_ids.numel() and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if (
+        check_values
+        and expert_ids.numel()
+        and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
         lo, hi = int(expert_ids.min()), int(expert_ids.max())
         if lo < -1 or hi >= e:
             raise ValueError(f"expert_ids must lie in [-1, {e}), got min {lo} max {hi}")
@@ -667,9 +672,16 @@ def gated_add_lora(
     scale: float,
     *,
     backend: Backend | None = None,
+    check_values: bool = True,
 ) -> None:
-    """``out[t] += scale * sum_j gates[t, j] * (x[t] @ A[e_tj].T) @ B[e_tj].T``; two launches."""
-    _check_gated(out, x, lora_a, lora_b, expert_ids, gates)
+    """``out[t] += scale * sum_j gates[t, j] * (x[t] @ A[e_tj].T) @ B[e_tj].T``; two launches.
+
+    ``check_values`` compares every id with ``[-1, E)`` and raises ``ValueError``; on CUDA that
+    reads the ids back (a host synchronisation). Unlike the SGMM slots, an id past ``E`` is not
+    made safe on the device, so only a caller whose ids come from ``route`` over these same
+    experts (or are -1) may turn it off.
+    """
+    _check_gated(out, x, lora_a, lora_b, expert_ids, gates, check_values)
     if choose_backend(x, backend) == "torch":
         from adaptermesh.kernels.reference import gated_add_lora_ref
 

@@ -505,10 +505,12 @@ class SoloGated:
             sgmm_expand(out, v, bs, es.packed_scales, es.packed_ranks, self.meta, check_values=False)
             return
         cols = self.cols[group]
+        # Ids come from the set's own token table (router output) or are -1: no per-call
+        # range check, which on CUDA would be a host sync per module and layer.
         ids, gates = self.sel[0], self.sel[1].view(torch.float32)
         for i, ea, eb in es.by_layer[layer][group]:
             lo, hi = cols[i]
-            gated_add_lora(out[:, lo:hi], x, ea, eb, ids, gates, es.scale)
+            gated_add_lora(out[:, lo:hi], x, ea, eb, ids, gates, es.scale, check_values=False)
 
 
 class GatedBatch:
@@ -533,7 +535,8 @@ class GatedBatch:
     def apply(self, layer: int, group: str, out: torch.Tensor, x: torch.Tensor) -> None:
         """``out[:, slice] += c * sum_j g_tj (x @ A[e_tj].T) @ B[e_tj].T`` for each targeted slice."""
         cols = self.cols[group]
+        # Ids are route()'s top-k over this set's experts, or -1: no per-call range check.
         for es, ids, gates in self.routes:
             for i, a, b in es.by_layer[layer][group]:
                 lo, hi = cols[i]
-                gated_add_lora(out[:, lo:hi], x, a, b, ids, gates, es.scale)
+                gated_add_lora(out[:, lo:hi], x, a, b, ids, gates, es.scale, check_values=False)
