@@ -39,6 +39,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
+
 from adaptermesh.bpf import libbpf, maglev, ringbuf
 from adaptermesh.bpf.ringbuf import EventBatch, RingBuffer
 from adaptermesh.bpf.table import (
@@ -606,15 +608,18 @@ class BpfShardTable:
 
     def read_stats(self) -> dict[int, ShardStats]:
         """Per-shard counters summed over CPUs, for every shard known or ever counted."""
+        # One buffer for every lookup, summed over CPUs by numpy: a ctypes struct per CPU per
+        # shard index would cost max_shards * CPUs objects on every load report.
+        nfields = ctypes.sizeof(AmStats) // 8  # all u64, so no per-CPU padding
+        buf = ctypes.create_string_buffer(ctypes.sizeof(AmStats) * self._ncpu)
+        per_cpu = np.frombuffer(memoryview(buf), dtype=np.uint64).reshape(self._ncpu, nfields)
+        fd = self._fd["am_stats"]
         out: dict[int, ShardStats] = {}
         for idx in range(self.max_shards):
-            per_cpu = self._percpu("am_stats", idx, AmStats)
-            s = ShardStats(
-                packets=sum(c.packets for c in per_cpu),
-                bytes=sum(c.bytes for c in per_cpu),
-                new_flows=sum(c.new_flows for c in per_cpu),
-                events_dropped=sum(c.events_dropped for c in per_cpu),
-            )
+            if libbpf.map_lookup(fd, ctypes.c_uint32(idx), buf):
+                s = ShardStats(*per_cpu.sum(axis=0).tolist())
+            else:
+                s = ShardStats()
             if idx in self._shard_state or s != ShardStats():
                 out[idx] = s
         return out
