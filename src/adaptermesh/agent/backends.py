@@ -83,13 +83,15 @@ class MeshXds:
 
     def publish(self, assignment: assignment_pb2.Assignment) -> None:
         parts = self._parts(assignment)
+        # Check every key before publishing any, so a bad Assignment changes nothing.
+        built = {}
         for key, part in parts.items():
             try:
-                build_snapshot(part, options=self.cache.options)
+                built[key] = build_snapshot(part, options=self.cache.options)
             except ValueError as exc:
                 raise ValueError(f"{key}: {exc}") from exc
         for key, part in parts.items():
-            self.cache.set_assignment(key, part)
+            self.cache.set_assignment(key, part, snapshot=built[key])
         self._keys = {k for k, p in parts.items() if len(p.shards) > 0}
 
     async def close(self) -> None:

@@ -165,17 +165,26 @@ class SnapshotCache:
 
     # -- publication ---------------------------------------------------------------------
 
-    def set_assignment(self, key: str, assignment: assignment_pb2.Assignment) -> str:
+    def set_assignment(
+        self,
+        key: str,
+        assignment: assignment_pb2.Assignment,
+        *,
+        snapshot: Snapshot | None = None,
+    ) -> str:
         """Build, check and publish ``assignment`` for ``key``; return the snapshot version.
 
         Re-publishing the same version with the same content is a no-op. Raises on invalid
         input, an inconsistent snapshot or a version that is not newer; the previous snapshot
-        then stays.
+        then stays. A caller that already built the snapshot (``build_snapshot(assignment,
+        options=cache.options)``, e.g. to check several keys before publishing any) passes it
+        as ``snapshot`` so it is not built twice.
         """
         with self._lock:
             current = self._entries.get(key)
         try:
-            snapshot = build_snapshot(assignment, options=self.options)
+            if snapshot is None:
+                snapshot = build_snapshot(assignment, options=self.options)
             if current is not None and current.assignment_version is not None:
                 if (assignment.version == current.assignment_version
                         and snapshot.resource_versions == current.snapshot.resource_versions):
