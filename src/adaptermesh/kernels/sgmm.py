@@ -32,7 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from adaptermesh.kernels._validate import check_expand, check_meta, check_pair, check_shrink
+from adaptermesh.kernels._validate import (
+    SgmmShapes,
+    check_expand,
+    check_meta,
+    check_pair,
+    check_shrink,
+)
 from adaptermesh.kernels._workspace import split_workspace
 from adaptermesh.kernels.dispatch import interpreter_enabled
 from adaptermesh.kernels.meta import SegmentMeta
@@ -436,6 +442,19 @@ def sgmm_shrink(
     shapes = check_shrink(x, lora_a, ranks, check_values)
     check_meta(meta, shapes, x)
     v = _v_buffer(out, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
+    _launch_shrink(x, lora_a, ranks, meta, v, shapes, config)
+    return v
+
+
+def _launch_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: torch.Tensor,
+    meta: SegmentMeta,
+    v: torch.Tensor,
+    shapes: SgmmShapes,  # from check_shrink
+    config: SgmmConfig | None,
+) -> None:
     cfg = config or shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max)
     _check_config(cfg)
     grid_m = _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m)
@@ -486,7 +505,6 @@ def sgmm_shrink(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return v
 
 
 def sgmm_expand(
@@ -503,6 +521,19 @@ def sgmm_expand(
     """``out[t, off_i:off_i+N_i] += scales[s] * v[i, t, :r] @ B_i[s, :, :r].T``; one launch."""
     shapes = check_expand(out, v, lora_b, scales, ranks, check_values)
     check_meta(meta, shapes, out)
+    _launch_expand(out, v, lora_b, scales, ranks, meta, shapes, config)
+
+
+def _launch_expand(
+    out: torch.Tensor,
+    v: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    ranks: torch.Tensor,
+    meta: SegmentMeta,
+    shapes: SgmmShapes,  # from check_expand
+    config: SgmmConfig | None,
+) -> None:
     bs = list(lora_b) + [lora_b[0]] * (3 - shapes.n_slices)
     sizes = list(shapes.out_sizes) + [0] * (3 - shapes.n_slices)
     offs = list(shapes.out_offsets) + [0] * (3 - shapes.n_slices)
@@ -570,9 +601,11 @@ def add_lora(
     check_meta(meta, shapes, x)
     v = _v_buffer(v_buffer, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
     check_pair(out, x, lora_a, lora_b)
-    check_expand(out, v, lora_b, scales, ranks, False)
-    sgmm_shrink(x, lora_a, ranks, meta, out=v, config=shrink_cfg, check_values=False)
-    sgmm_expand(out, v, lora_b, scales, ranks, meta, config=expand_cfg, check_values=False)
+    expand_shapes = check_expand(out, v, lora_b, scales, ranks, False)
+    # Launch straight away: sgmm_shrink / sgmm_expand would repeat the checks above, and this
+    # runs for every targeted module of every layer.
+    _launch_shrink(x, lora_a, ranks, meta, v, shapes, shrink_cfg)
+    _launch_expand(out, v, lora_b, scales, ranks, meta, expand_shapes, expand_cfg)
 
 
 def _v_buffer(
