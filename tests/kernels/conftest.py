@@ -16,6 +16,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("adaptermesh.kernels.sgmm", "adaptermesh.kernels.fuse"):
+    for _name in (
+        "adaptermesh.kernels.sgmm",
+        "adaptermesh.kernels.fuse",
+        "adaptermesh.kernels.layer_ops",
+        "adaptermesh.kernels.paged_attention",
+    ):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])

@@ -27,9 +27,13 @@ if TYPE_CHECKING:
     from adaptermesh.kernels.fuse import MergeTable
 
 __all__ = [
+    "act_mul_ref",
     "add_lora_ref",
     "fused_switch_ref",
     "gated_add_lora_ref",
+    "paged_attention_ref",
+    "rms_norm_ref",
+    "rope_kv_write_ref",
     "route_ref",
     "sgmm_expand_ref",
     "sgmm_shrink_ref",
@@ -225,3 +229,321 @@ def gated_add_lora_ref(
             v = (xf[rows] @ lora_a[e].float().T) * gates[rows, j : j + 1]
             acc[rows] += v.to(lora_b.dtype).float() @ lora_b[e].float().T
     out.copy_((out.float() + scale * acc).to(out.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoder-layer elementwise twins (layer_ops.py): residual add + RMSNorm, RoPE + paged KV write,
+# gated activation. The argument checks below are shared with the Triton launchers, so both
+# backends reject the same inputs with the same messages. No check reads tensor values, so
+# they cost no host synchronisation and run inside CUDA-graph capture.
+# ---------------------------------------------------------------------------------------------
+LAYER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+
+
+def _layer_tensor(name: str, t: object, ndim: int, ref: torch.Tensor | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {list(t.shape)}")
+    if ref is not None and t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device}, expected {ref.device}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+    return t
+
+
+def _layer_dtype(name: str, t: torch.Tensor, want: torch.dtype | None = None) -> None:
+    if want is None and t.dtype not in LAYER_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if want is not None and t.dtype != want:
+        raise ValueError(f"{name} must be {want} (the dtype of its activations), got {t.dtype}")
+
+
+def _layer_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+
+
+def check_rms_norm(
+    x: object,
+    weight: object,
+    eps: object,
+    residual: object | None,
+    out: object | None,
+) -> tuple[int, int]:
+    """(T, H) of a valid ``rms_norm`` call; ValueError naming the first bad argument."""
+    x = _layer_tensor("x", x, 2)
+    _layer_dtype("x", x)
+    t, h = x.shape
+    if h == 0:
+        raise ValueError("x must have a non-empty hidden dimension")
+    w = _layer_tensor("weight", weight, 1, x)
+    _layer_shape("weight", w, (h,))
+    _layer_dtype("weight", w, x.dtype)
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    for name, other in (("residual", residual), ("out", out)):
+        if other is not None:
+            other = _layer_tensor(name, other, 2, x)
+            _layer_shape(name, other, (t, h))
+            _layer_dtype(name, other, x.dtype)
+    if (
+        isinstance(residual, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and out.numel() > 0
+        and out.data_ptr() == residual.data_ptr()
+    ):
+        raise ValueError("out must not alias residual (residual receives x + residual)")
+    return t, h
+
+
+def check_act_mul(gu: object, act: object, out: object | None) -> int:
+    """The intermediate size I of a valid ``act_mul`` call (gu is [T, 2*I])."""
+    if not isinstance(act, str) or act not in ACTIVATIONS:
+        raise ValueError(f"act must be one of {', '.join(ACTIVATIONS)}; got {act!r}")
+    gu = _layer_tensor("gu", gu, 2)
+    _layer_dtype("gu", gu)
+    t, width = gu.shape
+    if width == 0 or width % 2:
+        raise ValueError(f"gu must be [T, 2*I] with I >= 1, got shape {list(gu.shape)}")
+    if out is not None:
+        out = _layer_tensor("out", out, 2, gu)
+        _layer_shape("out", out, (t, width // 2))
+        _layer_dtype("out", out, gu.dtype)
+    return width // 2
+
+
+def check_rope_kv_write(
+    q: object,
+    k: object,
+    v: object,
+    positions: object,
+    cos_sin_cache: object,
+    k_cache: object,
+    v_cache: object,
+    slot_mapping: object,
+    rotary_dim: object | None,
+) -> int:
+    """The rotary dimension of a valid ``rope_kv_write`` call (``head_dim`` when None)."""
+    q = _layer_tensor("q", q, 3)
+    _layer_dtype("q", q)
+    t, hq, d = q.shape
+    if hq == 0 or d == 0:
+        raise ValueError(f"q must be [T, Hq, D] with Hq, D >= 1, got shape {list(q.shape)}")
+    k = _layer_tensor("k", k, 3, q)
+    _layer_dtype("k", k, q.dtype)
+    if k.shape[0] != t or k.shape[2] != d or k.shape[1] == 0:
+        raise ValueError(f"k must be [{t}, Hkv, {d}] with Hkv >= 1, got shape {list(k.shape)}")
+    hkv = k.shape[1]
+    v = _layer_tensor("v", v, 3, q)
+    _layer_shape("v", v, (t, hkv, d))
+    _layer_dtype("v", v, q.dtype)
+    rot = d if rotary_dim is None else rotary_dim
+    if isinstance(rot, bool) or not isinstance(rot, int) or rot < 2 or rot > d or rot % 2:
+        raise ValueError(f"rotary_dim must be an even int in [2, {d}], got {rotary_dim!r}")
+    for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
+        idx = _layer_tensor(name, idx, 1, q)
+        _layer_shape(name, idx, (t,))
+        if idx.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {idx.dtype}")
+    cs = _layer_tensor("cos_sin_cache", cos_sin_cache, 2, q)
+    if cs.shape[0] == 0 or cs.shape[1] != rot:
+        raise ValueError(
+            f"cos_sin_cache must be [max_pos, {rot}] (cos | sin), got shape {list(cs.shape)}"
+        )
+    if cs.dtype not in (torch.float32, q.dtype):
+        raise ValueError(f"cos_sin_cache must be float32 or {q.dtype}, got {cs.dtype}")
+    kc = _layer_tensor("k_cache", k_cache, 4, q)
+    if tuple(kc.shape[2:]) != (hkv, d):
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, {hkv}, {d}], got shape {list(kc.shape)}"
+        )
+    _layer_dtype("k_cache", kc, q.dtype)
+    vc = _layer_tensor("v_cache", v_cache, 4, q)
+    _layer_shape("v_cache", vc, tuple(kc.shape))
+    _layer_dtype("v_cache", vc, q.dtype)
+    return rot
+
+
+def rms_norm_ref(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H], dtype of x
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,  # [T, H], updated in place to x + residual
+    out: torch.Tensor | None = None,  # [T, H]
+    gemma: bool = False,
+) -> torch.Tensor:
+    """y = weight * round(xf * rsqrt(mean(xf^2) + eps)), xf = float32 rows of x (or of h).
+
+    The order of transformers' LlamaRMSNorm: normalise in fp32, round to the dtype, multiply by
+    the weight with one rounding. ``gemma``: y = round((1 + weight) * normalised) in fp32.
+    With ``residual``: h = round(x + residual) is stored into ``residual`` (the new residual
+    stream) and normalised instead of x. Returns y (``out`` when given).
+    """
+    check_rms_norm(x, weight, eps, residual, out)
+    h = x
+    if residual is not None:
+        h = torch.add(x, residual)
+        residual.copy_(h)
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    # Gemma scales in fp32 and rounds once; Llama rounds, then multiplies in the dtype.
+    y = ((1.0 + weight.float()) * normed).to(x.dtype) if gemma else weight * normed.to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def rope_kv_write_ref(
+    q: torch.Tensor,  # [T, Hq, D], rotated in place
+    k: torch.Tensor,  # [T, Hkv, D], read only
+    v: torch.Tensor,  # [T, Hkv, D], read only
+    positions: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_pos, rotary_dim]: cos | sin, fp32 or the dtype of q
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64 flat slots, negative = no write
+    *,
+    rotary_dim: int | None = None,
+) -> None:
+    """RoPE (rotate_half) on q in place; rotated k and v into the paged caches at each slot.
+
+    With r = rotary_dim, half = r // 2, c/s = the cos/sin halves of ``cos_sin_cache[pos]``:
+    ``x[:half] <- x[:half]*c - x[half:r]*s``, ``x[half:r] <- x[half:r]*c + x[:half]*s``,
+    dimensions past r unchanged. Each output is formed in fp32 from the dtype inputs and
+    rounded once, as the kernel does (torch's per-op bf16 rounding can differ by one ulp; the
+    kernel may contract a product and sum into one fma, which rarely moves the rounding by one
+    ulp of the dtype). Slot s writes ``cache[s // block_size, s % block_size]``; slots outside
+    [0, num_blocks * block_size) are not written and positions are clamped to the table, so no
+    input addresses memory outside the tensors. k itself is not modified.
+    """
+    rot = check_rope_kv_write(
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rotary_dim
+    )
+    half = rot // 2
+    pos = positions.clamp(0, cos_sin_cache.shape[0] - 1)
+    cs = cos_sin_cache.index_select(0, pos).float().unsqueeze(1)  # [T, 1, rot]
+    cos, sin = cs[..., :half], cs[..., half:]
+
+    def rotated(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half].float(), x[..., half:rot].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    k_new = rotated(k)
+    if rot < k.shape[2]:
+        k_new = torch.cat((k_new, k[..., rot:]), dim=-1)
+    q[..., :rot] = rotated(q)
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    keep = ((slot_mapping >= 0) & (slot_mapping < num_blocks * block_size)).nonzero().squeeze(1)
+    slots = slot_mapping.index_select(0, keep)
+    where = (slots // block_size, slots % block_size)
+    k_cache.index_put_(where, k_new.index_select(0, keep))
+    v_cache.index_put_(where, v.index_select(0, keep))
+
+
+def _activation_ref(act: str, g: torch.Tensor) -> torch.Tensor:
+    fn = torch.nn.functional
+    if act == "silu":
+        return fn.silu(g)
+    if act == "gelu":
+        return fn.gelu(g)
+    if act == "gelu_pytorch_tanh":
+        return fn.gelu(g, approximate="tanh")
+    return fn.relu(g)
+
+
+def act_mul_ref(
+    gu: torch.Tensor,  # [T, 2*I]: gate | up
+    *,
+    act: str = "silu",
+    out: torch.Tensor | None = None,  # [T, I]
+) -> torch.Tensor:
+    """act(gate) * up as [T, I] in gu's dtype: fp32 activation and product, rounded once.
+
+    ``act``: silu, gelu (erf), gelu_pytorch_tanh (tanh approximation) or relu. The kernel's
+    fp32 formulas agree with torch's fp32 functions to a few fp32 ulps.
+    """
+    inter = check_act_mul(gu, act, out)
+    y = (_activation_ref(act, gu[:, :inter].float()) * gu[:, inter:].float()).to(gu.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged attention twin (paged_attention.py)
+# ---------------------------------------------------------------------------------------------
+def paged_attention_ref(
+    out: torch.Tensor,  # [T, Hq, D], written only for rows that belong to a sequence
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    seq_lens: torch.Tensor,  # [S] int32, 0 = padding sequence
+    query_start: torch.Tensor,  # [S + 1] int32, non-decreasing
+    *,
+    scale: float,
+    max_query_len: int,
+    sliding_window: int | None = None,
+    num_splits: int = 1,
+    softcap: float | None = None,
+    workspace: torch.Tensor | None = None,
+) -> None:
+    """Causal paged attention in fp32, one masked softmax per sequence; see paged_attention.py.
+
+    ``num_splits`` and ``workspace`` only shape the kernel's schedule and are ignored here.
+    The metadata is read on the host, so its values are checked too: a sequence may own at
+    most ``max_query_len`` rows (the kernel's grid is sized by it) and no more rows than keys.
+    """
+    # Imported here: the check is shared with the launcher, and importing the twins must not
+    # import triton.
+    from adaptermesh.kernels.paged_attention import check_paged_attention
+
+    shapes = check_paged_attention(
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start,
+        scale=scale, max_query_len=max_query_len, sliding_window=sliding_window,
+        num_splits=num_splits, softcap=softcap,
+    )  # fmt: skip
+    lens = seq_lens.tolist()
+    starts = query_start.tolist()
+    bs, hkv, d = shapes.block_size, shapes.num_kv_heads, shapes.head_dim
+    for s, seq_len in enumerate(lens):
+        row, n = starts[s], starts[s + 1] - starts[s]
+        if n < 0 or row < 0 or starts[s + 1] > shapes.num_tokens:
+            raise ValueError(
+                f"query_start must be non-decreasing within [0, T={shapes.num_tokens}], "
+                f"got {starts[s]}, {starts[s + 1]} at sequence {s}"
+            )
+        if seq_len <= 0 or n == 0:
+            continue
+        if n > max_query_len:
+            raise ValueError(f"sequence {s} owns {n} query rows, more than max_query_len")
+        if n > seq_len or seq_len > shapes.max_blocks * bs:
+            raise ValueError(
+                f"seq_lens[{s}] = {seq_len} must be >= its {n} query rows and fit its "
+                f"{shapes.max_blocks} blocks of {bs}"
+            )
+        # Keys from the first one any of the sequence's queries sees: blocks wholly before it
+        # are not read, as in the kernel.
+        first = 0 if sliding_window is None else max(0, seq_len - n - sliding_window + 1)
+        b0 = first // bs
+        blocks = block_tables[s, b0 : -(-seq_len // bs)].long()
+        keys = slice(first - b0 * bs, seq_len - b0 * bs)
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[keys].float()  # [Lk, Hkv, D]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[keys].float()
+        qs = q[row : row + n].float().view(n, hkv, -1, d)  # [n, Hkv, G, D]
+        x = torch.einsum("nhgd,khd->hgnk", qs, k) * scale
+        if softcap is not None:
+            x = softcap * torch.tanh(x / softcap)
+        pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
+        key = torch.arange(first, seq_len, device=q.device)[None, :]
+        seen = key <= pos
+        if sliding_window is not None:
+            seen &= key > pos - sliding_window
+        p = torch.softmax(x.masked_fill(~seen, float("-inf")), dim=-1)
+        o = torch.einsum("hgnk,khd->nhgd", p, v).reshape(n, -1, d)
+        out[row : row + n] = o.to(out.dtype)
