@@ -1,0 +1,425 @@
+"""Batched, device-side token sampling with per-row parameters.
+
+For each row r with logits l (after penalties, below), temperature T, and filters top-k, top-p
+and min-p::
+
+    T == 0:  token = argmax_i l_i
+    T  > 0:  p = softmax(l / T)
+             S = top-k set  ∩  top-p set (on p renormalised over the top-k set)  ∩  min-p set
+             token ~ p restricted to S, renormalised
+
+* top-k keeps the k largest logits (k <= 0 or k >= V: no limit).
+* top-p keeps the smallest prefix of the descending order whose mass reaches top_p; the most
+  likely token is always kept; top_p >= 1 keeps everything.
+* min-p keeps i with p_i >= min_p * max_j p_j, i.e. l_i >= max_j l_j + T * log(min_p).
+
+Each filter becomes one threshold in logit units per row (the smallest kept logit), and the mask
+is ``l >= threshold``. Thresholds are values, not positions, so tokens tied with the last kept
+one are kept too: a filter can keep a few more tokens than its exact definition when logits tie.
+
+Drawing: the exponential race. With E_i ~ Exp(1) independent, argmax_{i in S} p_i / E_i is
+distributed as p restricted to S and renormalised (the renormalisation never has to be computed,
+since a common factor does not change an argmax). In logits::
+
+    token = argmin_{i in S} (log E_i - l_i / T)
+
+E_i = -log(u_i) with u_i = uniform(hash(seed, counter, i)) computed by integer ops on the device:
+a SplitMix64 finaliser turns (seed, counter) into a 32-bit row key, and the lowbias32 hash
+(Wellons) of key ^ w(i) gives 32 bits per token, of which 23 become u in (0, 1) exactly
+(u = (m + 1/2) / 2^23, never 0 or 1, so log E is finite). The draw is therefore a pure function of
+(seed, counter, logits row): the same in any batch, at any row, and after a preempted request
+resumes (``counter`` is the index of the token within the request's output, not a step number).
+PyTorch has no unsigned integers with logical shifts, so right shifts are arithmetic and masked;
+multiplications wrap modulo 2^32 (int32) or 2^64 (int64), as the hashes require.
+
+Penalties (applied before everything, greedy rows included), with c_i the count of token i in
+the request's output so far:
+
+    repetition (HF/vLLM; i in the prompt or c_i > 0):  l_i = l_i / r if l_i > 0 else l_i * r
+    frequency and presence (OpenAI):                    l_i -= f * c_i + p * (c_i > 0)
+
+Design for the serving loop:
+
+* ``SamplingBuffers`` holds the per-row parameters as device tensors of a fixed capacity, filled by
+  one host-to-device copy from a pinned staging buffer, so a CUDA graph captured around
+  ``sample`` replays with new contents.
+* ``sample`` never synchronises with the host and has no data-dependent shapes; its only Python
+  branches are on ``SamplerMode``, host flags computed from the batch. A greedy-only batch without
+  penalties is one argmax launch. A mode with more flags than the batch needs gives bitwise the
+  same tokens (disabled filters and zero penalties are exact no-ops), so one graph captured with
+  every flag set serves every batch.
+* Temporaries: the random path holds two [N, V] 32-bit buffers (noise, scratch) and a bool mask
+  beside the caller's logits; the top-k/top-p path adds one descending sort and a cumulative sum
+  of the sorted probabilities, freed before the noise is drawn.
+
+Preconditions, validated where requests enter the engine: temperature finite and >= 0, top_p in
+(0, 1], min_p in [0, 1], repetition_penalty > 0. Rows of ``logits`` past the batch may hold
+anything (NaN, inf): they sample as greedy rows and yield some token id in [0, V).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "RowParams",
+    "SamplerMode",
+    "SamplingBuffers",
+    "apply_penalties",
+    "counts_from_tokens",
+    "prompt_mask_from_tokens",
+    "sample",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RowParams:
+    """One row's sampling parameters (see the module docstring for their meaning)."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0  # any integer; its low 64 bits are used
+    counter: int = 0  # index of the token being sampled within the request's output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerMode:
+    """Which stages ``sample`` runs. Flags may be set when no row needs them (same tokens, more
+    work), never cleared when one does. ``repetition`` implies ``penalties``."""
+
+    any_random: bool  # some row has temperature > 0
+    any_top_p_or_k: bool  # some random row has top_p < 1 or top_k > 0
+    any_min_p: bool  # some random row has min_p > 0
+    penalties: bool  # some row has a presence, frequency or repetition penalty
+    repetition: bool  # some row has repetition_penalty != 1
+
+    def __post_init__(self) -> None:
+        if self.repetition and not self.penalties:
+            raise ValueError("SamplerMode: repetition requires penalties")
+
+    @staticmethod
+    def of(rows: list[RowParams]) -> SamplerMode:
+        random = [r for r in rows if r.temperature > 0.0]
+        repetition = any(r.repetition_penalty != 1.0 for r in rows)
+        return SamplerMode(
+            any_random=bool(random),
+            any_top_p_or_k=any(r.top_p < 1.0 or r.top_k > 0 for r in random),
+            any_min_p=any(r.min_p > 0.0 for r in random),
+            penalties=repetition
+            or any(r.presence_penalty != 0.0 or r.frequency_penalty != 0.0 for r in rows),
+            repetition=repetition,
+        )
+
+
+# ---- parameter buffers ----------------------------------------------------------------------
+
+# Staging layout, one block of ``capacity`` elements per field, int64 fields first so every
+# block starts aligned: [seed, counter] int64 | [the _F32_FIELDS] fp32 | [top_k] int32.
+# SamplingBuffers' tensor fields are views of one device buffer with this layout.
+_I64_FIELDS = ("seed", "counter")
+_F32_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_I32_FIELDS = ("top_k",)
+_ROW_BYTES = 8 * len(_I64_FIELDS) + 4 * len(_F32_FIELDS) + 4 * len(_I32_FIELDS)
+# Values of the rows past the batch: a greedy row with every filter and penalty off.
+_F32_DEFAULTS = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0], dtype=np.float32)[:, None]
+_get_f32 = operator.attrgetter(*_F32_FIELDS)
+_U64_MASK = (1 << 64) - 1
+_Array = np.ndarray[Any, Any]
+
+
+@dataclass(eq=False)
+class SamplingBuffers:
+    """Per-row sampling parameters as device tensors of a fixed capacity (so a CUDA graph can
+    capture ``sample()`` once and replay it with new contents).
+
+    ``fill`` and ``sample`` must run on the same CUDA stream.
+    """
+
+    temperature: Tensor  # [C] fp32, 0 = greedy
+    top_p: Tensor  # [C] fp32 in (0, 1]
+    top_k: Tensor  # [C] int32, <= 0 or >= vocab = disabled
+    min_p: Tensor  # [C] fp32, 0 = disabled
+    seed: Tensor  # [C] int64
+    counter: Tensor  # [C] int64, index of the token being sampled within the request's output
+    presence_penalty: Tensor  # [C] fp32
+    frequency_penalty: Tensor  # [C] fp32
+    repetition_penalty: Tensor  # [C] fp32, 1 = disabled
+    _device: Tensor = field(repr=False)  # [C * _ROW_BYTES] uint8, the storage of the fields above
+    _host: Tensor = field(repr=False)  # same layout on the host, pinned when the device is CUDA
+    _staging: tuple[_Array, _Array, _Array] = field(repr=False)  # numpy views of _host: i64, f32, i32
+    _copied: torch.Event | None = field(repr=False)  # the last fill's copy, on CUDA
+
+    @classmethod
+    def allocate(cls, capacity: int, device: torch.device | str) -> SamplingBuffers:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        device = torch.device(device)
+        c = capacity
+        dev = torch.zeros(c * _ROW_BYTES, dtype=torch.uint8, device=device)
+        host = torch.zeros(c * _ROW_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        f32_at, i32_at = 8 * len(_I64_FIELDS) * c, (8 * len(_I64_FIELDS) + 4 * len(_F32_FIELDS)) * c
+
+        def blocks(buf: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            return (
+                buf[:f32_at].view(torch.int64).view(len(_I64_FIELDS), c),
+                buf[f32_at:i32_at].view(torch.float32).view(len(_F32_FIELDS), c),
+                buf[i32_at:].view(torch.int32).view(len(_I32_FIELDS), c),
+            )
+
+        i64, f32, i32 = blocks(dev)
+        views = {name: i64[j] for j, name in enumerate(_I64_FIELDS)}
+        views |= {name: f32[j] for j, name in enumerate(_F32_FIELDS)}
+        views |= {name: i32[j] for j, name in enumerate(_I32_FIELDS)}
+        staging = tuple(b.numpy() for b in blocks(host))
+        buffers = cls(
+            **views,
+            _device=dev,
+            _host=host,
+            _staging=(staging[0], staging[1], staging[2]),
+            _copied=torch.Event(device) if device.type == "cuda" else None,
+        )
+        buffers.fill([])
+        return buffers
+
+    @property
+    def capacity(self) -> int:
+        return int(self.temperature.shape[0])
+
+    def fill(self, rows: list[RowParams]) -> None:
+        """Rows 0..len(rows)-1 take ``rows``; the rest become greedy. One host-to-device copy."""
+        n = len(rows)
+        if n > self.capacity:
+            raise ValueError(f"{n} rows do not fit in sampling buffers of capacity {self.capacity}")
+        if self._copied is not None:
+            # The previous copy may still be reading the pinned staging buffer.
+            self._copied.synchronize()
+        i64, f32, i32 = self._staging
+        if n:
+            i64[0, :n] = np.array([r.seed & _U64_MASK for r in rows], dtype=np.uint64).view(np.int64)
+            i64[1, :n] = [r.counter for r in rows]
+            f32[:, :n] = np.array([_get_f32(r) for r in rows], dtype=np.float32).T
+            i32[0, :n] = [r.top_k for r in rows]
+        i64[:, n:] = 0
+        f32[:, n:] = _F32_DEFAULTS
+        i32[:, n:] = 0
+        self._device.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
+# ---- noise ----------------------------------------------------------------------------------
+
+
+def _s64(x: int) -> int:
+    """The int64 with the bits of the unsigned 64-bit constant ``x``."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _s32(x: int) -> int:
+    """The int32 with the bits of the unsigned 32-bit constant ``x``."""
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+# SplitMix64 (Steele, Lea, Flood 2014): state seed + (counter + 1) * golden gamma, then its finaliser.
+_GAMMA64 = _s64(0x9E3779B97F4A7C15)
+_MIX64_A = _s64(0xBF58476D1CE4E5B9)
+_MIX64_B = _s64(0x94D049BB133111EB)
+# lowbias32 (C. Wellons, "hash-prospector"): x ^= x >> 16; x *= A; x ^= x >> 15; x *= B; x ^= x >> 16.
+_MIX32_A = _s32(0x7FEB352D)
+_MIX32_B = _s32(0x846CA68B)
+_GAMMA32 = _s32(0x9E3779B9)  # spreads consecutive token ids before the hash
+_ONE_MINUS_HALF_ULP = 1.0 - 2.0**-24
+
+
+def _lsr64(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 ``x`` by ``s`` (an arithmetic shift with the sign bits masked)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _xorshift32_(x: Tensor, s: int, scratch: Tensor) -> None:
+    """x ^= x >>> s for int32 ``x``, in place; ``scratch`` is an int32 tensor of x's shape."""
+    torch.bitwise_right_shift(x, s, out=scratch)
+    scratch &= (1 << (32 - s)) - 1
+    x ^= scratch
+
+
+def _row_keys(seed: Tensor, counter: Tensor) -> Tensor:
+    """[N] int32 key of each (seed, counter): the high half of SplitMix64's mix."""
+    z = torch.add(seed, counter, alpha=_GAMMA64)
+    z += _GAMMA64  # state seed + (counter + 1) * gamma: (0, 0) does not hash to the fixed point 0
+    z ^= _lsr64(z, 30)
+    z *= _MIX64_A
+    z ^= _lsr64(z, 27)
+    z *= _MIX64_B
+    # The high 32 bits of the last product are the best mixed; SplitMix64's final
+    # z ^= z >>> 31 would only flip their lowest bit.
+    return (z >> 32).to(torch.int32)
+
+
+def _uniform(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
+    """[N, V] fp32 u in (0, 1), u[r, i] = uniform(lowbias32(key(seed_r, counter_r) ^ w(i))).
+
+    lowbias32's first xorshift is linear over xor, so it is applied to the token term w(i) alone
+    ([V] work instead of [N, V]); the row key, already a hash output, needs no such step.
+    """
+    w = torch.arange(vocab, dtype=torch.int32, device=seed.device)
+    w *= _GAMMA32
+    w ^= (w >> 16) & 0xFFFF
+    x = _row_keys(seed, counter)[:, None] ^ w
+    scratch = torch.empty_like(x)
+    x *= _MIX32_A
+    _xorshift32_(x, 15, scratch)
+    x *= _MIX32_B
+    _xorshift32_(x, 16, scratch)
+    # 23 random mantissa bits under the exponent of 1.0 give f in [1, 2); f - (1 - 2^-24) is
+    # exact and lies in [2^-24, 1 - 2^-24].
+    x &= 0x7FFFFF
+    x |= 0x3F800000
+    return x.view(torch.float32).sub_(_ONE_MINUS_HALF_ULP)
+
+
+# ---- penalties ------------------------------------------------------------------------------
+
+
+def apply_penalties(
+    logits: Tensor,  # [N, V] fp32
+    buf: SamplingBuffers,  # capacity >= N; uses the first N rows
+    token_counts: Tensor,  # [N, V] int32, count of each token in each row's output so far
+    prompt_mask: Tensor | None = None,  # [N, V] bool, token present in the prompt; None: skip repetition
+) -> Tensor:
+    """[N, V] fp32 logits with the repetition (when ``prompt_mask`` is given), frequency and
+    presence penalties applied; ``logits`` is not modified."""
+    n = logits.shape[0]
+    if token_counts.shape != logits.shape:
+        raise ValueError(f"token_counts has shape {tuple(token_counts.shape)}, logits {tuple(logits.shape)}")
+    in_output = token_counts > 0
+    if prompt_mask is not None:
+        if prompt_mask.shape != logits.shape:
+            raise ValueError(f"prompt_mask has shape {tuple(prompt_mask.shape)}, logits {tuple(logits.shape)}")
+        rep = buf.repetition_penalty[:n, None]
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(in_output | prompt_mask, penalised, logits)
+    out = logits - token_counts * buf.frequency_penalty[:n, None]
+    out -= in_output * buf.presence_penalty[:n, None]
+    return out
+
+
+# ---- sampling -------------------------------------------------------------------------------
+
+
+def _top_k_top_p_threshold(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """[N, 1] smallest logit kept by top-k then top-p (on the top-k renormalised distribution).
+
+    ``temperature`` [N, 1] (> 0), ``top_k`` [N] int32, ``top_p`` [N] fp32.
+    """
+    vocab = logits.shape[1]
+    ordered = torch.sort(logits, dim=-1, descending=True).values
+    # Position of the k-th largest logit; k <= 0 and k >= V both mean V.
+    last_k = (top_k.to(torch.int64).clamp(0, vocab) - 1).remainder_(vocab)[:, None]
+    cum = torch.softmax(ordered / temperature, dim=-1).cumsum_(dim=-1)
+    # First position where the mass reaches top_p of the top-k mass; clamped to the top-k set
+    # and ignored for top_p >= 1, where cumsum rounding could otherwise drop a long tail.
+    target = cum.gather(1, last_k) * top_p[:, None]
+    last_p = torch.searchsorted(cum, target)
+    last = torch.where(top_p[:, None] >= 1.0, last_k, torch.minimum(last_p, last_k))
+    return ordered.gather(1, last)
+
+
+def sample(
+    logits: Tensor,  # [N, V] fp32; rows past the batch may hold anything
+    buf: SamplingBuffers,  # capacity >= N; uses the first N rows
+    *,
+    mode: SamplerMode,
+    token_counts: Tensor | None = None,  # [N, V] int32, needed when mode.penalties
+    prompt_mask: Tensor | None = None,  # [N, V] bool, needed when mode.repetition
+    out: Tensor | None = None,  # [N] int64 destination
+) -> Tensor:
+    """[N] int64 token ids, one per row, on the logits' device (see the module docstring)."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be [N, V] float32, got {tuple(logits.shape)} {logits.dtype}")
+    n, vocab = logits.shape
+    if n > buf.capacity:
+        raise ValueError(f"{n} rows exceed sampling buffers of capacity {buf.capacity}")
+    if mode.penalties:
+        if token_counts is None:
+            raise ValueError("mode.penalties needs token_counts")
+        if mode.repetition and prompt_mask is None:
+            raise ValueError("mode.repetition needs prompt_mask")
+        logits = apply_penalties(logits, buf, token_counts, prompt_mask if mode.repetition else None)
+    if not mode.any_random:
+        return torch.argmax(logits, dim=-1, out=out)
+
+    temp = buf.temperature[:n]
+    is_greedy = temp == 0.0
+    t = torch.where(is_greedy, 1.0, temp)[:, None]  # greedy rows divide by 1
+    top, greedy = logits.max(dim=-1, keepdim=True)
+    threshold: Tensor | None = None
+    if mode.any_top_p_or_k:
+        threshold = _top_k_top_p_threshold(logits, t, buf.top_k[:n], buf.top_p[:n])
+    if mode.any_min_p:
+        # p_i >= min_p * p_max  <=>  l_i >= l_max + T * log(min_p); min_p = 0 gives -inf.
+        floor = torch.addcmul(top, t, torch.log(buf.min_p[:n])[:, None])
+        threshold = floor if threshold is None else torch.maximum(threshold, floor)
+    # score = log E - l / T with E = -log(u); the minimum wins the race.
+    score = _uniform(buf.seed[:n], buf.counter[:n], vocab).log_().neg_().log_()
+    score.addcdiv_(logits, t, value=-1.0)
+    if threshold is not None:
+        score.masked_fill_(logits < threshold, math.inf)
+    drawn = score.argmin(dim=-1)
+    return torch.where(is_greedy, greedy[:, 0], drawn, out=out)
+
+
+# ---- penalty inputs -------------------------------------------------------------------------
+
+
+def _flat_token_index(tokens: list[list[int]], vocab: int, device: torch.device | str) -> Tensor:
+    """[N * L] int64 on ``device``: r * V + token for each token of each row, padded with N * V
+    (a spare slot past the [N, V] block). One host-to-device copy."""
+    device = torch.device(device)
+    rows = len(tokens)
+    width = max((len(t) for t in tokens), default=0)
+    host = torch.full((rows, max(width, 1)), rows * vocab, dtype=torch.int64,
+                      pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    for r, toks in enumerate(tokens):
+        if toks:
+            ids = np.asarray(toks, dtype=np.int64)
+            if ids.min() < 0 or ids.max() >= vocab:
+                raise ValueError(f"row {r} has a token id outside [0, {vocab})")
+            flat[r, : len(ids)] = ids + r * vocab
+    return host.view(-1).to(device, non_blocking=True)
+
+
+def counts_from_tokens(tokens: list[list[int]], vocab: int, device: torch.device | str) -> Tensor:
+    """[N, V] int32 count of each token id in each row of ``tokens`` (N = len(tokens))."""
+    index = _flat_token_index(tokens, vocab, device)
+    counts = torch.zeros(len(tokens) * vocab + 1, dtype=torch.int32, device=index.device)
+    counts.scatter_add_(0, index, torch.ones(1, dtype=torch.int32, device=index.device).expand_as(index))
+    return counts[:-1].view(len(tokens), vocab)
+
+
+def prompt_mask_from_tokens(tokens: list[list[int]], vocab: int, device: torch.device | str) -> Tensor:
+    """[N, V] bool, True where the token id occurs in that row of ``tokens`` (N = len(tokens))."""
+    index = _flat_token_index(tokens, vocab, device)
+    mask = torch.zeros(len(tokens) * vocab + 1, dtype=torch.bool, device=index.device)
+    mask.index_fill_(0, index, True)
+    return mask[:-1].view(len(tokens), vocab)
