@@ -120,14 +120,15 @@ def moe_ref(tiny: Tiny, moe_root: Path) -> ExpertSetReference:
 @pytest.fixture
 def logit_log(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tensor]]:
     log: dict[str, list[torch.Tensor]] = {}
-    real = engine_mod.sample_rows
+    real = engine_mod.sample_logits
 
-    def recording(logits: torch.Tensor, seqs: list[Any]) -> list[int]:
-        for i, s in enumerate(seqs):
-            log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
-        return real(logits, seqs)
+    def recording(logits: torch.Tensor, buf: Any, mode: Any, rows: list[Any], out: Any = None) -> torch.Tensor:
+        for i, s in enumerate(rows):
+            if s is not None:
+                log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
+        return real(logits, buf, mode, rows, out)
 
-    monkeypatch.setattr(engine_mod, "sample_rows", recording)
+    monkeypatch.setattr(engine_mod, "sample_logits", recording)
     return log
 
 

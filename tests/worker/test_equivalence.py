@@ -20,14 +20,15 @@ from .conftest import ADAPTERS, PROMPTS, Reference, Tiny, collect, request, toke
 def logit_log(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tensor]]:
     """Records, per request id, the logits row each token was sampled from."""
     log: dict[str, list[torch.Tensor]] = {}
-    real = engine_mod.sample_rows
+    real = engine_mod.sample_logits
 
-    def recording(logits: torch.Tensor, seqs: list[Any]) -> list[int]:
-        for i, s in enumerate(seqs):
-            log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
-        return real(logits, seqs)
+    def recording(logits: torch.Tensor, buf: Any, mode: Any, rows: list[Any], out: Any = None) -> torch.Tensor:
+        for i, s in enumerate(rows):
+            if s is not None:
+                log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
+        return real(logits, buf, mode, rows, out)
 
-    monkeypatch.setattr(engine_mod, "sample_rows", recording)
+    monkeypatch.setattr(engine_mod, "sample_logits", recording)
     return log
 
 

@@ -1,12 +1,26 @@
 """``Engine``: the worker's inference engine, implementing ``types.EngineProtocol``.
 
-The engine owns one model, one KV cache, one LoRA pool and one adapter manager. A background
-task on the caller's event loop repeats: plan a step (scheduler, on the loop), run it (forward +
-sampling, in a worker thread so the loop keeps serving HTTP and adapter loads), and deliver
-tokens to each request's stream.
+The engine owns one model, one paged KV cache (``kv_cache.py`` + ``paging.py``), one LoRA pool
+and one adapter manager. A background task on the caller's event loop repeats: plan a step
+(scheduler, on the loop), launch it (inputs staged into one pinned buffer and copied with one
+transfer; forward and sampling on the device), and deliver the previous step's tokens to each
+request's stream.
 
-On CUDA, pure-decode steps replay a CUDA graph per context-length bucket; the graph covers every
-KV slot, so its shapes never change. Steps that contain prompt chunks run eagerly.
+**Overlap.** On CUDA, step N+1 is planned and launched while step N runs: the tokens step N
+samples stay on the device in ``last_tokens`` and step N+1's decode rows gather them from
+there; the host learns them through one asynchronous copy per step and applies them (stop
+rules, detokenisation, streaming) while the GPU runs the next step. Steps that need host facts
+the device has not returned yet (AdaFuse expert sets choose their path from the token,
+penalties count tokens) drain the pipeline first.
+
+**Graphs.** A step is a fixed shape once padded: ``T`` token rows and ``S`` sequence entries.
+Pure-decode steps replay a CUDA graph per batch-size bucket (1, 2, 4, 8, 16, 24, 32, ...)
+over the active rows only; steps that mix prompt chunks and decode rows under the token
+budget replay a graph per token bucket (16, 32, ... up to ``graph_max_tokens``) with a decode
+region and a region of up to ``max_prefill_seqs`` prompt chunks. Each graph is the whole step:
+input gather, forward, sampling (greedy or random variant), and the write of the sampled ids.
+A base-only variant (no adapter row in the step) has no LoRA launch at all. Larger steps run
+the same code eagerly.
 
 AdaFuse expert sets (``adafuse.py``): a step that is a single token of a single expert-set
 request picks by cost. Merging a selection into the backbone (one ``fused_switch``) reads and
@@ -15,7 +29,7 @@ the selected experts' LoRA matrices. So the step runs on merged weights only whe
 hold the token's selection, or when the same selection has now repeated for
 ``EngineConfig.adafuse_merge_after`` consecutive tokens (then it merges once); otherwise it runs
 the gated path on top of whatever the backbone holds (cancelling a merged selection with
-negated gates), in the decode CUDA graph on a GPU. Any step that runs another request first
+negated gates), in the batch-1 decode graph on a GPU. Any step that runs another request first
 restores the pristine backbone (bit-exact), and so does going idle, so the weights are only
 ever merged for the request that is running alone.
 """
@@ -25,11 +39,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from adaptermesh.worker import lora_ops
@@ -43,16 +60,17 @@ from adaptermesh.worker.adafuse import (
     SoloGated,
 )
 from adaptermesh.worker.adapters import AdapterManager
-from adaptermesh.worker.kv_cache import KVCache, KVCacheSpec, kv_bytes_per_slot, slots_for_budget
+from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache, spec_bytes_per_token
 from adaptermesh.worker.model import (
-    BatchInputs,
     LoraPool,
     ModelConfig,
-    PrefillSegment,
+    StepInputs,
     TransformerModel,
     read_weights,
 )
-from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence, StepPlan, sample_rows
+from adaptermesh.worker.paging import BlockManager
+from adaptermesh.worker.sampling import RowParams, SamplerMode, SamplingBuffers, sample
+from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence, StepPlan
 from adaptermesh.worker.types import (
     AdapterInfo,
     EngineError,
@@ -63,12 +81,17 @@ from adaptermesh.worker.types import (
     TokenEvent,
 )
 
-__all__ = ["Engine", "EngineConfig", "EngineStream"]
+__all__ = ["Engine", "EngineConfig", "EngineStream", "sample_logits"]
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+# Sampler variants a graph is captured for: greedy rows only, or any mix with random rows
+# (top-k / top-p / min-p filters always on in that variant; disabled values are no-ops).
+_GREEDY = SamplerMode(any_random=False, any_top_p_or_k=False, any_min_p=False, penalties=False, repetition=False)
+_RANDOM = SamplerMode(any_random=True, any_top_p_or_k=True, any_min_p=True, penalties=False, repetition=False)
 
 
 @dataclass(slots=True)
@@ -76,22 +99,39 @@ class EngineConfig:
     """Limits and sizes. Defaults suit a CPU test box; GPU deployments raise them."""
 
     max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
-    max_num_seqs: int = 8  # KV slots = decode batch rows (fewer if the memory budget is short)
+    max_num_seqs: int = 8  # sequences running at once (decode batch rows)
     max_loras: int = 8  # GPU pool slots
     max_lora_rank: int = 64
     max_num_batched_tokens: int = 512  # token budget per step (decode rows + prompt chunks)
     max_prefill_chunk: int = 256
+    max_prefill_seqs: int = 8  # prompt chunks per step
     gpu_memory_fraction: float = 0.85  # of total GPU memory, for weights + pool + KV cache
-    kv_cache_bytes: int | None = None  # CPU (or explicit) KV budget; default 256 MiB on CPU
+    # Explicit KV budget in bytes (all of it becomes blocks). None: from gpu_memory_fraction on
+    # CUDA (256 MiB on CPU), capped at 4x what max_num_seqs full contexts need.
+    kv_cache_bytes: int | None = None
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True  # share full prompt blocks between requests of one adapter
     cpu_cache_bytes: int = 2 << 30  # adapter CPU cache budget
     negative_ttl_s: float = 30.0
     max_waiting: int = 4096
     use_cuda_graphs: bool = True
+    graph_max_tokens: int = 512  # mixed prefill+decode steps up to this many tokens replay graphs
+    async_scheduling: bool = True  # plan and launch step N+1 while step N runs (CUDA only)
+    profile_steps: bool = False  # record host and GPU time per step in Engine.step_profile
     adapter_slot_wait_s: float = 10.0
     max_expert_sets: int = 4  # resident AdaFuse expert sets (device memory outside the LoRA pool)
     # A request decoding alone merges its expert selection into the backbone only after the
     # same selection has repeated for this many consecutive tokens (0: never merge).
     adafuse_merge_after: int = 4
+
+
+def sample_logits(logits: torch.Tensor, buf: SamplingBuffers, mode: SamplerMode,
+                  rows: list[Sequence | None], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids [S] for logits [S, V]; ``rows[e]`` is the sequence that samples from entry e
+    (None: a padding entry or a chunk that does not sample). Inside a captured graph this runs
+    once, at capture; the replays repeat its device work."""
+    del rows  # a hook for tests that record what each sequence sampled from
+    return sample(logits, buf, mode=mode, out=out)
 
 
 class EngineStream:
@@ -130,38 +170,94 @@ class EngineStream:
             self._engine._wake()
 
 
-class _DecodeGraph:
-    """A captured decode step over every KV slot, for one context-length bucket.
-
-    ``sel``: for a solo expert-set graph, the static int32 [2, slots, 2k] selection buffer."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: BatchInputs, logits: torch.Tensor,
-                 sel: torch.Tensor | None = None) -> None:
-        self.graph = graph
-        self.inputs = inputs
-        self.logits = logits
-        self.sel = sel
-
-
 @dataclass(slots=True)
 class _SoloStep:
-    """One token of one expert-set request: where its row sits in the step's flat batch."""
+    """One token of one expert-set request (a batch of one row)."""
 
     seq: Sequence
     es: ExpertSet
     token: int
-    rows: int  # rows of the flat batch
-    row: int  # the request's row
+    rows: int
+    row: int
 
 
-class _PrefillGraph:
-    """A captured first-chunk prefill of one prompt, padded to ``bucket`` tokens."""
+class _StepBuffers:
+    """Device inputs of one step shape: one int64 staging vector, filled by one host->device
+    copy, and the views the step reads. Layout: ids, src, positions, slots, lora slots (T
+    each), then seq_lens, logits_rows, table_rows (S each) and query_start (S + 1)."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: BatchInputs, logits: torch.Tensor, bucket: int) -> None:
-        self.graph = graph
-        self.inputs = inputs
-        self.logits = logits
-        self.bucket = bucket
+    def __init__(self, T: int, S: int, device: torch.device) -> None:
+        self.T, self.S = T, S
+        self.size = 5 * T + 4 * S + 1
+        self.dev = torch.zeros(self.size, dtype=torch.int64, device=device)
+        d = self.dev
+        self.ids, self.src, self.pos, self.slot, self.lora = (d[i * T : (i + 1) * T] for i in range(5))
+        o = 5 * T
+        self.seq_lens = d[o : o + S]
+        self.logits_rows = d[o + S : o + 2 * S]
+        self.table_rows = d[o + 2 * S : o + 3 * S]
+        self.query_start = d[o + 3 * S : o + 4 * S + 1]
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    buf: _StepBuffers
+    sbuf: SamplingBuffers
+    sel: torch.Tensor | None = None  # solo expert-set selection buffer
+
+
+@dataclass(slots=True)
+class _Layout:
+    """How one plan sits in a step: shape, regions, and which entries sample."""
+
+    T: int
+    S: int
+    num_decode: int  # size of the decode region (entries)
+    max_prefill_len: int
+    entries: list[Sequence | None]  # per entry, the sequence that samples there
+    key: tuple[Any, ...] | None  # graph key, None = eager
+
+
+@dataclass(slots=True)
+class _InFlight:
+    plan: StepPlan
+    samplers: list[Sequence]
+    entries: list[int]  # entry of each sampler in the step's token output
+    host_tokens: torch.Tensor
+    S: int
+    done: Any  # torch.cuda.Event or None (CPU: already complete)
+    started: Any = None
+    host_ms: float = 0.0
+    graph: bool = False
+    rows: int = 0
+    tokens: int = 0
+    logits: torch.Tensor | None = None  # CPU only: kept for tests through sample_logits
+
+    def wait(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        vals = self.host_tokens[: self.S].tolist()
+        return [int(vals[e]) for e in self.entries]
+
+
+def _buckets(limit: int, start: int = 1) -> list[int]:
+    """Batch-size buckets: powers of two up to 16, then steps of 8 to 64, of 32 to 256, of 64
+    beyond; ``limit`` itself is always the last bucket."""
+    out: list[int] = []
+    b = start
+    while b < limit:
+        out.append(b)
+        b = b * 2 if b < 16 else b + (8 if b < 64 else 32 if b < 256 else 64)
+    out.append(limit)
+    return out
+
+
+def _bucket(n: int, buckets: list[int]) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
 
 
 class Engine:
@@ -193,6 +289,18 @@ class Engine:
                 raise InvalidRequestError("dtype", f"unknown dtype {dtype!r} (float32, bfloat16, float16)")
             dtype = _DTYPES[dtype]
         self.dtype = dtype
+        bs = cfg.block_size
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 8 or bs > 256 or bs & (bs - 1):
+            raise InvalidRequestError("block_size", f"must be a power of two in [8, 256], got {bs!r}")
+        if not isinstance(cfg.max_num_seqs, int) or cfg.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs", f"must be a positive integer, got {cfg.max_num_seqs!r}")
+        if not isinstance(cfg.max_prefill_seqs, int) or cfg.max_prefill_seqs < 1:
+            raise InvalidRequestError("max_prefill_seqs", f"must be a positive integer, got {cfg.max_prefill_seqs!r}")
+        if not isinstance(cfg.adafuse_merge_after, int) or isinstance(cfg.adafuse_merge_after, bool) \
+                or cfg.adafuse_merge_after < 0:
+            raise InvalidRequestError(
+                "adafuse_merge_after", f"must be an integer >= 0, got {cfg.adafuse_merge_after!r}"
+            )
         self.model_config = mc = ModelConfig.from_dir(self.model_dir)
         self.model_name = model_name or self.model_dir.name
         self.max_model_len = int(cfg.max_model_len or min(mc.max_position_embeddings, 4096))
@@ -201,21 +309,25 @@ class Engine:
         tensors = weights if weights is not None else read_weights(self.model_dir)
         self.model = TransformerModel(mc, tensors, self.device, dtype, self.max_model_len)
         self.pool = LoraPool(mc, cfg.max_loras, cfg.max_lora_rank, self.device, dtype)
-        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.max_model_len, dtype)
-        if not isinstance(cfg.adafuse_merge_after, int) or isinstance(cfg.adafuse_merge_after, bool) \
-                or cfg.adafuse_merge_after < 0:
-            raise InvalidRequestError(
-                "adafuse_merge_after", f"must be an integer >= 0, got {cfg.adafuse_merge_after!r}"
-            )
+
+        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, dtype)
+        per_block = spec_bytes_per_token(spec) * bs
+        self.max_blocks_per_seq = -(-self.max_model_len // bs)
+        rows = cfg.max_num_seqs
+        cap: int | None = 1 + 4 * rows * self.max_blocks_per_seq
         if cfg.kv_cache_bytes is not None:
-            budget = cfg.kv_cache_bytes
+            budget, cap = cfg.kv_cache_bytes, None
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * cfg.gpu_memory_fraction) - used - (256 << 20)  # headroom for activations
+            budget = int(total * cfg.gpu_memory_fraction) - (total - free) - (1 << 30)  # activations, graphs
         else:
             budget = 256 << 20
-        self.kv = KVCache(spec, slots_for_budget(spec, budget, cfg.max_num_seqs), self.device)
+        num_blocks = max(0, budget) // per_block
+        if cap is not None:
+            num_blocks = min(num_blocks, cap)
+        self.kv = PagedKVCache(spec, int(num_blocks), self.device)
+        self.blocks = BlockManager(self.kv.num_blocks, bs, enable_prefix_caching=cfg.enable_prefix_caching)
+
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -224,11 +336,41 @@ class Engine:
             dtype=dtype, negative_ttl_s=cfg.negative_ttl_s, slot_wait_s=cfg.adapter_slot_wait_s, on_change=self._wake,
             build_expert_set=self._build_expert_set, max_expert_sets=cfg.max_expert_sets,
         )
+        budget_tokens = max(cfg.max_num_batched_tokens, rows + 1)
         self.scheduler = Scheduler(
-            self.kv, self.adapters, base_names=frozenset({self.model_name, str(self.model_dir)}),
-            max_num_batched_tokens=max(cfg.max_num_batched_tokens, self.kv.num_slots + 1),
-            max_prefill_chunk=cfg.max_prefill_chunk, max_model_len=self.max_model_len, eos_token_ids=frozenset(eos),
+            self.blocks, self.adapters, base_names=frozenset({self.model_name, str(self.model_dir)}),
+            max_num_seqs=rows, max_num_batched_tokens=budget_tokens, max_prefill_chunk=cfg.max_prefill_chunk,
+            max_prefill_seqs=cfg.max_prefill_seqs, max_model_len=self.max_model_len, eos_token_ids=frozenset(eos),
         )
+
+        # Block tables of admitted sequences, one row each (row ``rows`` stays all zeros: padding
+        # entries read it), mirrored on the device whenever a row grew.
+        self._pad_row = rows
+        self._table = np.zeros((rows + 1, self.max_blocks_per_seq), dtype=np.int32)
+        self._table_dev = torch.zeros((rows + 1, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
+        self._table_dirty = False
+        self._decode_buckets = _buckets(rows)
+        gmax = min(cfg.graph_max_tokens, budget_tokens)
+        self._mixed_buckets = [b for b in (16 << i for i in range(16)) if b <= gmax]
+        if gmax not in self._mixed_buckets and gmax >= 16:
+            self._mixed_buckets.append(gmax)
+        max_entries = rows + cfg.max_prefill_seqs
+        self._max_entries = max(max_entries, budget_tokens)
+        # Every step writes its sampled ids here; the next step's decode rows gather from it.
+        self.last_tokens = torch.zeros(self._max_entries, dtype=torch.int64, device=self.device)
+        self._scratch_tokens = torch.zeros_like(self.last_tokens)  # graph warm-ups write here
+        self._cuda = self.device.type == "cuda"
+        stage_len = 5 * budget_tokens + 4 * self._max_entries + 1
+        # Host staging, three deep: step N+1 fills one while the copies of step N may still be
+        # queued behind step N-1 on the stream.
+        self._ring = 3
+        self._stage = [self._host(torch.zeros(stage_len, dtype=torch.int64)) for _ in range(self._ring)]
+        self._tstage = [self._host(torch.zeros_like(self._table_dev, device="cpu")) for _ in range(self._ring)]
+        self._tok_host = [self._host(torch.zeros(self._max_entries, dtype=torch.int64)) for _ in range(self._ring)]
+        self._ring_pos = 0
+        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self._cuda else 1
+        self._overlap = self._cuda and cfg.async_scheduling
+
         self._masters = BackboneMasters(self.model)
         # The expert set whose selection the backbone weights hold right now (merged path), that
         # selection, and the request it was merged for.
@@ -245,25 +387,26 @@ class Engine:
         self.adafuse_solo_gated_steps = 0  # single-request tokens on the gated path
         self.adafuse_compensated_steps = 0  # of those, run over a merged older selection
         self.adafuse_solo_graph_steps = 0  # of those, replayed in a decode graph
-        self._graphs: dict[int, _DecodeGraph] = {}
-        self._solo_graphs: dict[tuple[int, ExpertSet], _DecodeGraph] = {}
-        self._prefill_graphs: dict[int, _PrefillGraph] = {}
-        # Prompts up to this many tokens prefill through a graph when they run alone.
-        self._prefill_graph_max = min(512, self.max_model_len, cfg.max_prefill_chunk)
-        self._prefill_graphs_ok = self.device.type == "cuda" and cfg.use_cuda_graphs
+        self._graphs: dict[tuple[Any, ...], _Graph] = {}
         self._graph_pool: Any = None
-        self._graphs_ok = self.device.type == "cuda" and cfg.use_cuda_graphs
+        self._graphs_ok = self._cuda and cfg.use_cuda_graphs
         self._solo_graphs_ok = self._graphs_ok
+        self.graph_steps = 0
+        self.eager_steps = 0
+        self.step_profile: list[dict[str, Any]] = []
         self._event: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._latency_cursor = 0
         self.steps = 0
         log.info(
-            "engine ready: %s on %s (%s), kv slots %d x %d tokens (%.1f MiB), lora slots %d, lora ops %s",
-            self.model_name, self.device, dtype, self.kv.num_slots, self.max_model_len,
-            kv_bytes_per_slot(spec) * self.kv.num_slots / 2**20, cfg.max_loras, lora_ops.kernels_description(),
+            "engine ready: %s on %s (%s), kv %d blocks x %d tokens (%.1f MiB), %d sequences, lora slots %d, lora ops %s",
+            self.model_name, self.device, dtype, self.kv.num_blocks, bs, self.kv.nbytes / 2**20, rows,
+            cfg.max_loras, lora_ops.kernels_description(),
         )
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     # ---- EngineProtocol -----------------------------------------------------------------------
 
@@ -277,16 +420,13 @@ class Engine:
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting")
         sp = request.sampling
-        gen = None
-        if sp.temperature > 0:
-            gen = torch.Generator()
-            if sp.seed is not None:
-                gen.manual_seed(sp.seed)
-            else:
-                gen.seed()
         seq = Sequence(
             request=request, queue=asyncio.Queue(), detok=Detokenizer(self._decode_for_stream),
-            prompt=list(request.prompt_token_ids), generator=gen,
+            prompt=list(request.prompt_token_ids),
+            # Counter-based sampling: (seed, output index) decides each draw, so a request's
+            # tokens do not depend on its batch neighbours or on preemption. Seeds of any size
+            # are folded into the sampler's 63 bits.
+            seed=sp.seed % (1 << 63) if sp.seed is not None else random.getrandbits(63),
         )
         self.scheduler.waiting.append(seq)
         self._ensure_loop()
@@ -313,6 +453,16 @@ class Engine:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {sp.top_p!r}")
         if sp.seed is not None and (not isinstance(sp.seed, int) or sp.seed < 0):
             raise InvalidRequestError("seed", f"must be a non-negative integer, got {sp.seed!r}")
+        if not isinstance(sp.top_k, int) or isinstance(sp.top_k, bool) or sp.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 = off), got {sp.top_k!r}")
+        if not (0.0 <= sp.min_p <= 1.0):
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {sp.min_p!r}")
+        for fname in ("presence_penalty", "frequency_penalty"):
+            val = getattr(sp, fname)
+            if not (-2.0 <= val <= 2.0):
+                raise InvalidRequestError(fname, f"must be in [-2, 2], got {val!r}")
+        if not (0.0 < sp.repetition_penalty <= 10.0):
+            raise InvalidRequestError("repetition_penalty", f"must be in (0, 10], got {sp.repetition_penalty!r}")
         if any(not isinstance(s, str) or not s for s in sp.stop):
             raise InvalidRequestError("stop", "stop sequences must be non-empty strings")
 
@@ -358,7 +508,7 @@ class Engine:
         free_gpu = int(torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else 0
         sch = self.scheduler
         return EngineStats(
-            num_waiting=len(sch.waiting), num_running=len(sch.running), kv_cache_usage=self.kv.usage(),
+            num_waiting=len(sch.waiting), num_running=len(sch.running), kv_cache_usage=self.blocks.usage(),
             gpu_slots_used=self.adapters.slots_used(), gpu_slots_total=self.pool.num_slots,
             adapter_hits=c.hits, adapter_misses=c.misses, adapter_evictions=c.evictions,
             free_gpu_bytes=free_gpu, generated_tokens=sch.generated_tokens, new_load_latencies=lat,
@@ -389,34 +539,379 @@ class Engine:
             self._event = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
+    def _needs_sync(self) -> bool:
+        """Steps that decide on the host from tokens the device holds run without overlap:
+        expert sets (the path depends on the token) and penalties (counts of past tokens)."""
+        for s in self.scheduler.running:
+            if s.expert_set is not None or _penalised(s):
+                return True
+        return bool(self._merged is not None)
+
     async def _run(self) -> None:
         assert self._event is not None
+        inflight: _InFlight | None = None
         while not self._closed:
             self._event.clear()
-            plan = self.scheduler.schedule()
+            if inflight is not None and (not self._overlap or self._needs_sync()):
+                await self._finish(inflight)
+                inflight = None
+            plan = self.scheduler.schedule(allow_preempt=inflight is None)
             if plan is None:
+                if inflight is not None:
+                    await self._finish(inflight)
+                    inflight = None
+                    continue
                 if self._merged is not None:
                     await asyncio.to_thread(self._restore_backbone)
                     continue
                 await self._event.wait()
                 continue
             try:
-                sampled = await asyncio.to_thread(self._execute, plan)
+                launched = await asyncio.to_thread(self._launch, plan) if self._cuda else self._launch(plan)
             except Exception as e:  # a failed step fails its requests; the engine keeps serving
                 log.exception("engine step failed")
-                for seq in [*plan.decode, *(s for s, _, _ in plan.prefill)]:
-                    self.scheduler.finish(seq, "error", EngineError(f"step failed: {e}"))
+                self._fail(plan, e)
                 continue
-            self.scheduler.apply(plan, sampled)
-            self.steps += 1
+            if inflight is not None:
+                await self._finish(inflight)
+            inflight = launched
+            if not self._overlap:
+                await self._finish(inflight)
+                inflight = None
+            await asyncio.sleep(0)  # let HTTP handlers and adapter loads run between steps
+        if inflight is not None:
+            with contextlib.suppress(Exception):
+                inflight.wait()
 
-    # ---- execution (worker thread) ------------------------------------------------------------
+    def _fail(self, plan: StepPlan, e: BaseException) -> None:
+        for seq in plan.sequences():
+            self.scheduler.finish(seq, "error", EngineError(f"step failed: {e}"))
+        # Blocks the failed step was writing may have been registered for sharing.
+        self.blocks.reset_prefix_cache()
 
-    def _len_bucket(self, n: int) -> int:
-        b = 16
-        while b < n:
-            b *= 2
-        return min(b, self.max_model_len)
+    async def _finish(self, fl: _InFlight) -> None:
+        try:
+            toks = await asyncio.to_thread(fl.wait) if fl.done is not None else fl.wait()
+        except Exception as e:
+            log.exception("engine step failed on the device")
+            for s in fl.samplers:
+                s.pending -= 1
+            self._fail(fl.plan, e)
+            return
+        self.scheduler.apply(fl.samplers, toks)
+        self.steps += 1
+        if self.config.profile_steps:
+            gpu_ms = float(fl.started.elapsed_time(fl.done)) if fl.done is not None else 0.0
+            self.step_profile.append({"rows": len(fl.plan.decode) + len(fl.plan.prefill), "tokens": fl.tokens,
+                                      "graph": fl.graph, "host_ms": fl.host_ms, "gpu_ms": gpu_ms})
+
+    # ---- launching a step (worker thread on CUDA) -------------------------------------------
+
+    def _layout(self, plan: StepPlan, graphable: bool, lora: bool, mode: SamplerMode,
+                solo: ExpertSet | None) -> _Layout:
+        nd, npf, T = len(plan.decode), len(plan.prefill), plan.num_tokens
+        dec: list[Sequence | None] = list(plan.decode)
+        pre: list[Sequence | None] = [s if start + n >= s.known_len else None for s, start, n in plan.prefill]
+        random_mode = mode.any_random
+        if graphable and npf == 0:
+            b = _bucket(nd, self._decode_buckets)
+            if b is not None:
+                return _Layout(b, b, b, 0, dec + [None] * (b - nd), ("d", b, lora, random_mode, solo))
+        if graphable and solo is None and npf <= self.config.max_prefill_seqs:
+            tb = _bucket(T, self._mixed_buckets)
+            if tb is not None:
+                dr = min(self.config.max_num_seqs, tb)
+                P = self.config.max_prefill_seqs
+                entries = dec + [None] * (dr - nd) + pre + [None] * (P - npf)
+                return _Layout(tb, dr + P, dr, tb, entries, ("m", tb, lora, random_mode))
+        mp = max((n for _, _, n in plan.prefill), default=0)
+        return _Layout(T, nd + npf, nd, mp, dec + pre, None)
+
+    def _fill(self, stage: np.ndarray[Any, Any], lay: _Layout, plan: StepPlan) -> list[tuple[int, int]]:
+        """Write the step's inputs into ``stage`` (the int64 staging layout of _StepBuffers);
+        returns each plan sequence's (first row, rows)."""
+        T, S = lay.T, lay.S
+        bs = self.kv.block_size
+        tab = self._table
+        ids, src, pos, slot, lora = (stage[i * T : (i + 1) * T] for i in range(5))
+        o = 5 * T
+        seq_lens, lrows, trows = stage[o : o + S], stage[o + S : o + 2 * S], stage[o + 2 * S : o + 3 * S]
+        qs = stage[o + 3 * S : o + 4 * S + 1]
+        ids[:] = 0
+        src[:] = -1
+        pos[:] = 0
+        slot[:] = -1
+        lora[:] = -1
+        seq_lens[:] = 0
+        lrows[:] = 0
+        trows[:] = self._pad_row
+        ranges: list[tuple[int, int]] = []
+        nd = len(plan.decode)
+        for j, s in enumerate(plan.decode):
+            self._mirror(s)
+            p = s.num_computed
+            row = s.table_row
+            assert row is not None
+            if s.pending:
+                src[j] = s.last_entry
+            else:
+                ids[j] = s.token_at(p)
+            pos[j] = p
+            slot[j] = int(tab[row, p // bs]) * bs + p % bs
+            lora[j] = s.lora_slot
+            seq_lens[j] = p + 1
+            lrows[j] = j
+            trows[j] = row
+            ranges.append((j, 1))
+        qs[: nd + 1] = np.arange(nd + 1)
+        qs[nd + 1 : lay.num_decode + 1] = nd
+        cursor = nd
+        e = lay.num_decode
+        for s, start, n in plan.prefill:
+            self._mirror(s)
+            assert s.pending == 0
+            assert s.table_row is not None
+            row = s.table_row
+            r = slice(cursor, cursor + n)
+            if start + n <= len(s.prompt):
+                ids[r] = s.prompt[start : start + n]
+            else:
+                ids[r] = [s.token_at(q) for q in range(start, start + n)]
+            p_arr = np.arange(start, start + n)
+            pos[r] = p_arr
+            slot[r] = tab[row, p_arr // bs].astype(np.int64) * bs + p_arr % bs
+            lora[r] = s.lora_slot
+            seq_lens[e] = start + n
+            lrows[e] = cursor + n - 1
+            trows[e] = row
+            qs[e] = cursor
+            ranges.append((cursor, n))
+            cursor += n
+            e += 1
+        qs[e:] = cursor
+        return ranges
+
+    def _mirror(self, s: Sequence) -> None:
+        """Copy the sequence's new block-table entries into its row of the mirror."""
+        need = -(-s.reserved // self.kv.block_size)
+        if s.table_len >= need:
+            return
+        bt = self.blocks.block_table(s.seq_id)
+        assert s.table_row is not None
+        self._table[s.table_row, s.table_len : len(bt)] = bt[s.table_len :]
+        s.table_len = len(bt)
+        self._table_dirty = True
+
+    def _row_params(self, entries: list[Sequence | None]) -> list[RowParams]:
+        out: list[RowParams] = []
+        for s in entries:
+            if s is None:
+                out.append(RowParams(temperature=0.0))
+                continue
+            sp = s.request.sampling
+            out.append(RowParams(
+                temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=s.seed,
+                counter=len(s.output) + s.pending, presence_penalty=sp.presence_penalty,
+                frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
+            ))
+        return out
+
+    def _splits(self, num_seqs: int, max_len: int) -> int:
+        if not self._cuda:
+            return 1
+        from adaptermesh.kernels.paged_attention import decode_splits
+
+        return int(decode_splits(num_seqs, self.model_config.num_kv_heads, max_len, self._num_sms))
+
+    def _launch(self, plan: StepPlan) -> _InFlight:
+        t0 = time.perf_counter()
+        single = self._single_expert_token(plan)
+        if self._merged is not None and (
+            single is None or single.es is not self._merged or single.seq is not self._merged_owner
+        ):
+            self._restore_backbone()  # nothing else may ever run on merged weights
+        solo_sel: torch.Tensor | None = None
+        if single is not None:
+            solo_sel = self._choose_solo_path(single)
+        else:
+            self._streak, self._streak_len = None, 0
+        seqs = plan.sequences()
+        has_sets = single is None and any(s.expert_set is not None for s in seqs)
+        penalties = any(_penalised(s) for s in seqs)
+        lora = any(s.lora_slot >= 0 for s in seqs)
+        solo_es = single.es if single is not None and solo_sel is not None else None
+        random_mode = any(s.request.sampling.temperature > 0 for s in seqs)
+        mode = _RANDOM if random_mode else _GREEDY
+        graphable = self._graphs_ok and not has_sets and not penalties and (solo_es is None or self._solo_graphs_ok)
+        lay = self._layout(plan, graphable, lora, mode, solo_es)
+        k = self._ring_pos
+        self._ring_pos = (k + 1) % self._ring
+        stage = self._stage[k]
+        g: _Graph | None = None
+        if lay.key is not None:
+            g = self._graphs.get(lay.key)
+            if g is None:
+                g = self._try_capture(lay, lora, mode, solo_es)
+                if g is None:
+                    lay = self._layout(plan, False, lora, mode, None)
+        buf = g.buf if g is not None else _StepBuffers(lay.T, lay.S, self.device)
+        ranges = self._fill(stage.numpy(), lay, plan)
+        samplers = self.scheduler.launched(plan)
+        entries = [e for e, s in enumerate(lay.entries) if s is not None]
+        for e in entries:
+            s = lay.entries[e]
+            assert s is not None
+            s.last_entry = e
+        started = done = None
+        if self._cuda:
+            started = torch.cuda.Event(enable_timing=self.config.profile_steps)  # type: ignore[no-untyped-call]
+            started.record()
+        if self._table_dirty:
+            ts = self._tstage[k]
+            ts.numpy()[:] = self._table
+            self._table_dev.copy_(ts, non_blocking=True)
+            self._table_dirty = False
+        buf.dev.copy_(stage[: buf.size], non_blocking=True)
+        params = self._row_params(lay.entries)
+        logits: torch.Tensor | None = None
+        if g is not None:
+            g.sbuf.fill(params)
+            if solo_es is not None:
+                assert g.sel is not None
+                assert solo_sel is not None
+                g.sel.copy_(solo_sel.pin_memory() if self._cuda else solo_sel, non_blocking=True)
+                self.adafuse_solo_graph_steps += 1
+            g.graph.replay()
+            self.graph_steps += 1
+        else:
+            sbuf = SamplingBuffers.allocate(lay.S, self.device)
+            sbuf.fill(params)
+            gated: GatedTerms | None = None
+            if has_sets:
+                gated = self._gated_batch(plan, ranges, lay.T)
+            elif solo_es is not None:
+                assert solo_sel is not None
+                gated = SoloGated(solo_es, solo_sel.to(self.device), 1, self.model_config)
+            mode_e = SamplerMode.of(params) if penalties else mode
+            split = self._splits(lay.num_decode, max((s.num_computed + 1 for s in plan.decode), default=1))
+            logits = self._step(buf, lay, split, lora, sbuf, mode_e, gated, self.last_tokens, penalties)
+            self.eager_steps += 1
+        host = self._tok_host[k]
+        host[: lay.S].copy_(self.last_tokens[: lay.S], non_blocking=True)
+        if self._cuda:
+            done = torch.cuda.Event(enable_timing=self.config.profile_steps)  # type: ignore[no-untyped-call]
+            done.record()
+        del logits
+        return _InFlight(plan, samplers, [s.last_entry for s in samplers], host, lay.S, done, started,
+                         1e3 * (time.perf_counter() - t0), g is not None, len(seqs), plan.num_tokens)
+
+    def _step(self, buf: _StepBuffers, lay: _Layout, splits: int, lora: bool, sbuf: SamplingBuffers,
+              mode: SamplerMode, gated: GatedTerms | None, dst: torch.Tensor, penalties: bool = False) -> torch.Tensor:
+        """The whole step on the device: input gather, forward, sampling, write of the ids."""
+        src = buf.src
+        ids = torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), buf.ids)
+        inp = StepInputs(
+            input_ids=ids, positions=buf.pos, slot_mapping=buf.slot, token_slots=buf.lora.to(torch.int32),
+            block_tables=self._table_dev.index_select(0, buf.table_rows), seq_lens=buf.seq_lens.to(torch.int32),
+            query_start=buf.query_start.to(torch.int32), logits_rows=buf.logits_rows,
+            num_decode=lay.num_decode, max_prefill_len=lay.max_prefill_len, num_splits=splits,
+        )
+        meta = lora_ops.build_meta(inp.token_slots, self.pool.num_slots) if lora else None
+        logits = self.model.forward(inp, self.kv, self.pool if lora else None, meta, gated)
+        if penalties:
+            toks = self._sample_penalised(logits, sbuf, lay)
+        else:
+            toks = sample_logits(logits, sbuf, mode, lay.entries)
+        dst[: toks.shape[0]].copy_(toks)
+        return logits
+
+    def _sample_penalised(self, logits: torch.Tensor, sbuf: SamplingBuffers, lay: _Layout) -> torch.Tensor:
+        from adaptermesh.worker.sampling import counts_from_tokens, prompt_mask_from_tokens
+
+        vocab = int(logits.shape[1])
+        outs = [list(s.output) if s is not None else [] for s in lay.entries]
+        prompts = [[*s.prompt, *s.output] if s is not None else [] for s in lay.entries]
+        params = self._row_params(lay.entries)
+        mode = SamplerMode.of(params)
+        counts = counts_from_tokens(outs, vocab, self.device) if mode.penalties else None
+        pmask = prompt_mask_from_tokens(prompts, vocab, self.device) if mode.repetition else None
+        return sample_logits_penalised(logits, sbuf, mode, lay.entries, counts, pmask)
+
+    def _try_capture(self, lay: _Layout, lora: bool, mode: SamplerMode, es: ExpertSet | None) -> _Graph | None:
+        assert lay.key is not None
+        try:
+            g = self._capture(lay, lora, mode, es)
+        except Exception:
+            if es is not None:  # the plain graphs stay in use
+                log.exception("CUDA graph capture of a solo expert-set step failed; those run eagerly from now on")
+                self._solo_graphs_ok = False
+                return None
+            log.exception("CUDA graph capture failed; running steps eagerly from now on")
+            self._graphs_ok = False
+            return None
+        if es is not None:
+            self._prune_solo_graphs()
+        self._graphs[lay.key] = g
+        return g
+
+    def _capture(self, lay: _Layout, lora: bool, mode: SamplerMode, es: ExpertSet | None) -> _Graph:
+        dev = self.device
+        buf = _StepBuffers(lay.T, lay.S, dev)
+        # Padding everywhere: the warm-ups write no KV slot, read no key, use no adapter.
+        pad = np.zeros(buf.size, dtype=np.int64)
+        T, S = lay.T, lay.S
+        pad[T : 2 * T] = -1
+        pad[3 * T : 5 * T] = -1
+        pad[5 * T + 2 * S : 5 * T + 3 * S] = self._pad_row
+        buf.dev.copy_(torch.from_numpy(pad).to(dev))
+        sbuf = SamplingBuffers.allocate(lay.S, dev)
+        sbuf.fill([])
+        sel: torch.Tensor | None = None
+        gated: SoloGated | None = None
+        if es is not None:
+            sel = es.solo_empty(1, dev)
+            gated = SoloGated(es, sel, 1, self.model_config)
+        splits = self._splits(lay.num_decode, self.max_model_len)
+        lay_c = _Layout(lay.T, lay.S, lay.num_decode, lay.max_prefill_len, [None] * lay.S, lay.key)
+        side = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy initialisation and autotuning must not be captured
+                self._step(buf, lay_c, splits, lora, sbuf, mode, gated, self._scratch_tokens)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: adapter uploads on the event-loop thread may run during the capture.
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            self._step(buf, lay_c, splits, lora, sbuf, mode, gated, self.last_tokens)
+        return _Graph(graph, buf, sbuf, sel)
+
+    def _prune_solo_graphs(self) -> None:
+        """Drop solo graphs of expert sets that are neither resident nor held by a running
+        request: their graphs keep the sets' device tensors alive."""
+        live = {id(ps.expert_set) for ps in self.adapters.expert_sets.values()}
+        live |= {id(s.expert_set) for s in self.scheduler.running if s.expert_set is not None}
+        for key in [k for k in self._graphs if k[0] == "d" and k[4] is not None and id(k[4]) not in live]:
+            del self._graphs[key]
+
+    def _gated_batch(self, plan: StepPlan, ranges: list[tuple[int, int]], T: int) -> GatedBatch:
+        """Which rows of the flat batch each expert set owns."""
+        sets: list[ExpertSet] = []
+        index: dict[int, int] = {}
+        token_set = [-1] * T
+        for s, (r0, n) in zip(plan.sequences(), ranges, strict=True):
+            if s.expert_set is None:
+                continue
+            if id(s.expert_set) not in index:
+                index[id(s.expert_set)] = len(sets)
+                sets.append(s.expert_set)
+            token_set[r0 : r0 + n] = [index[id(s.expert_set)]] * n
+        self.adafuse_gated_steps += 1
+        t = torch.tensor(token_set, dtype=torch.int32, device=self.device)
+        return GatedBatch(sets, t, self.model_config)
+
+    # ---- expert sets ----------------------------------------------------------------------------
 
     def _build_expert_set(self, cpu: CpuExpertSet, version: int) -> ExpertSet:
         return ExpertSet.build(cpu, self.model, self._masters, version)
@@ -435,11 +930,10 @@ class Engine:
             s = plan.decode[0]
             if s.expert_set is None:
                 return None
-            assert s.kv_slot is not None
-            return _SoloStep(s, s.expert_set, s.output[-1], self.kv.num_slots, s.kv_slot)
+            return _SoloStep(s, s.expert_set, s.token_at(s.num_computed), 1, 0)
         if not plan.decode and len(plan.prefill) == 1 and plan.prefill[0][2] == 1:
             s, start, _ = plan.prefill[0]
-            return _SoloStep(s, s.expert_set, s.prompt[start], 1, 0) if s.expert_set is not None else None
+            return _SoloStep(s, s.expert_set, s.token_at(start), 1, 0) if s.expert_set is not None else None
         return None
 
     def _choose_solo_path(self, solo: _SoloStep) -> torch.Tensor | None:
@@ -473,282 +967,26 @@ class Engine:
             self.adafuse_compensated_steps += 1
         return es.solo_rows(solo.rows, solo.row, sel, held)
 
-    def _execute(self, plan: StepPlan) -> dict[int, int]:
-        sample_seqs: list[Sequence] = []
-        single = self._single_expert_token(plan)
-        if self._merged is not None and (
-            single is None or single.es is not self._merged or single.seq is not self._merged_owner
-        ):
-            self._restore_backbone()  # nothing else may ever run on merged weights
-        solo_sel: torch.Tensor | None = None
-        if single is not None:
-            solo_sel = self._choose_solo_path(single)
-        else:
-            self._streak, self._streak_len = None, 0
-        has_sets = single is None and any(
-            s.expert_set is not None for s in [*plan.decode, *(p[0] for p in plan.prefill)]
-        )
-        if (self._prefill_graphs_ok and not plan.decode and len(plan.prefill) == 1 and not has_sets
-                and solo_sel is None):
-            s, start, n = plan.prefill[0]
-            if start == 0 and n <= self._prefill_graph_max:
-                logits = self._run_prefill_graph(s, n)
-                if logits is not None:
-                    if n < len(s.prompt):
-                        return {}  # more chunks follow; nothing to sample yet
-                    return {id(s): sample_rows(logits, [s])[0]}
-        solo = None if single is None or solo_sel is None else (single.es, solo_sel)
-        if plan.decode and not plan.prefill and self._graphs_ok and not has_sets and (solo is None or self._solo_graphs_ok):
-            logits_all = self._run_graph(plan, solo)
-            if logits_all is not None:
-                if solo is not None:
-                    self.adafuse_solo_graph_steps += 1
-                rows = torch.tensor([s.kv_slot for s in plan.decode], device=self.device)
-                logits = logits_all.index_select(0, rows)
-                toks = sample_rows(logits, plan.decode)
-                return {id(s): t for s, t in zip(plan.decode, toks, strict=True)}
-        batch, sample_seqs = self._build_batch(plan)
-        meta = lora_ops.build_meta(batch.token_slots, self.pool.num_slots)
-        gated: GatedTerms | None = None
-        if has_sets:
-            gated = self._gated_batch(plan, batch)
-        elif single is not None and solo_sel is not None:
-            gated = SoloGated(single.es, solo_sel.to(self.device), single.rows, self.model_config)
-        logits = self.model.forward(batch, self.kv, self.pool, meta, gated)
-        toks = sample_rows(logits, sample_seqs)
-        return {id(s): t for s, t in zip(sample_seqs, toks, strict=True)}
-
-    def _decode_arrays(self, plan: StepPlan) -> tuple[list[int], list[int], list[int], list[int], list[int], int]:
-        n = self.kv.num_slots
-        ids, pos, write, slots, lens = [0] * n, [0] * n, [self.kv.scratch_slot] * n, [-1] * n, [1] * n
-        for s in plan.decode:
-            assert s.kv_slot is not None
-            r = s.kv_slot
-            ids[r] = s.output[-1]
-            pos[r] = s.context_len - 1
-            write[r] = r
-            slots[r] = s.lora_slot
-            lens[r] = s.context_len
-        return ids, pos, write, slots, lens, self._len_bucket(max(lens))
-
-    def _build_batch(self, plan: StepPlan) -> tuple[BatchInputs, list[Sequence]]:
-        ids: list[int] = []
-        pos: list[int] = []
-        write: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        decode_rows = 0
-        lens_t = None
-        bucket = 0
-        if plan.decode:
-            ids, pos, write, slots, lens, bucket = self._decode_arrays(plan)
-            decode_rows = len(ids)
-            lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)
-            for s in plan.decode:
-                assert s.kv_slot is not None
-                rows.append(s.kv_slot)
-                sample_seqs.append(s)
-        segs: list[PrefillSegment] = []
-        for s, start, n in plan.prefill:
-            assert s.kv_slot is not None
-            off = len(ids)
-            ids.extend(s.prompt[start : start + n])
-            pos.extend(range(start, start + n))
-            write.extend([s.kv_slot] * n)
-            slots.extend([s.lora_slot] * n)
-            segs.append(PrefillSegment(s.kv_slot, start, n, off))
-            if start + n == len(s.prompt):
-                rows.append(off + n - 1)
-                sample_seqs.append(s)
-        dev = self.device
-        batch = BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            write_slots=torch.tensor(write, dtype=torch.int64, device=dev),
-            token_slots=torch.tensor(slots, dtype=torch.int32, device=dev),
-            decode_rows=decode_rows, decode_lengths=lens_t, decode_len_bucket=bucket, prefill=segs,
-            logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev),
-            self_prefill=not plan.decode and len(plan.prefill) == 1 and plan.prefill[0][1] == 0,
-        )
-        return batch, sample_seqs
-
-    def _gated_batch(self, plan: StepPlan, batch: BatchInputs) -> GatedBatch:
-        """Which rows of the flat batch (laid out by ``_build_batch``) each expert set owns."""
-        sets: list[ExpertSet] = []
-        index: dict[int, int] = {}
-        token_set = [-1] * int(batch.input_ids.shape[0])
-
-        def idx(es: ExpertSet) -> int:
-            if id(es) not in index:
-                index[id(es)] = len(sets)
-                sets.append(es)
-            return index[id(es)]
-
-        for s in plan.decode:
-            if s.expert_set is not None:
-                assert s.kv_slot is not None
-                token_set[s.kv_slot] = idx(s.expert_set)
-        off = batch.decode_rows
-        for s, _, n in plan.prefill:
-            if s.expert_set is not None:
-                token_set[off : off + n] = [idx(s.expert_set)] * n
-            off += n
-        self.adafuse_gated_steps += 1
-        t = torch.tensor(token_set, dtype=torch.int32, device=self.device)
-        return GatedBatch(sets, t, self.model_config)
-
-    def _run_graph(self, plan: StepPlan, solo: tuple[ExpertSet, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Replay the bucket's decode graph. ``solo``: (expert set, host selection rows) runs
-        that set's solo gated graph instead, its selection copied into the static buffer."""
-        ids, pos, write, slots, lens, bucket = self._decode_arrays(plan)
-        g = self._graphs.get(bucket) if solo is None else self._solo_graphs.get((bucket, solo[0]))
-        if g is None:
-            try:
-                if solo is None:
-                    g = self._capture(bucket)
-                    self._graphs[bucket] = g
-                else:
-                    self._prune_solo_graphs()
-                    g = self._capture(bucket, solo[0])
-                    self._solo_graphs[(bucket, solo[0])] = g
-            except Exception:
-                if solo is not None:  # the plain decode graphs stay in use
-                    log.exception("CUDA graph capture of a solo expert-set step failed; those run eagerly from now on")
-                    self._solo_graphs_ok = False
-                    return None
-                log.exception("CUDA graph capture failed; decoding eagerly from now on")
-                self._graphs_ok = False
-                return None
-        if solo is not None:
-            assert g.sel is not None
-            g.sel.copy_(solo[1].pin_memory(), non_blocking=True)
-        inp = g.inputs
-        host = torch.tensor([ids, pos, write, slots, lens], dtype=torch.int64).pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        inp.input_ids.copy_(dev[0])
-        inp.positions.copy_(dev[1])
-        inp.write_slots.copy_(dev[2])
-        inp.token_slots.copy_(dev[3])
-        assert inp.decode_lengths is not None
-        inp.decode_lengths.copy_(dev[4])
-        g.graph.replay()
-        return g.logits
-
-    def _run_prefill_graph(self, seq: Sequence, n: int) -> torch.Tensor | None:
-        """Logits [1, V] of the chunk's last token, or None when graphs are unavailable."""
-        bucket = self._len_bucket(n)
-        g = self._prefill_graphs.get(bucket)
-        if g is None:
-            try:
-                g = self._capture_prefill(bucket)
-            except Exception:
-                log.exception("CUDA graph capture of prefill failed; prefilling eagerly from now on")
-                self._prefill_graphs_ok = False
-                return None
-            self._prefill_graphs[bucket] = g
-        assert seq.kv_slot is not None
-        pad = bucket - n
-        ids = seq.prompt[:n] + [0] * pad
-        write = [seq.kv_slot] * n + [self.kv.scratch_slot] * pad
-        slots = [seq.lora_slot] * n + [-1] * pad
-        # One pinned host buffer and one copy for every input of the step.
-        host = torch.tensor([ids, write, slots, [n - 1] + [0] * (bucket - 1)], dtype=torch.int64).pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        inp = g.inputs
-        inp.input_ids.copy_(dev[0])
-        inp.write_slots.copy_(dev[1])
-        inp.token_slots.copy_(dev[2])
-        assert inp.logits_rows is not None
-        inp.logits_rows.copy_(dev[3, :1])
-        g.graph.replay()
-        return g.logits
-
-    def _capture_prefill(self, bucket: int) -> _PrefillGraph:
-        dev = self.device
-        inputs = BatchInputs(
-            input_ids=torch.zeros(bucket, dtype=torch.int64, device=dev),
-            positions=torch.arange(bucket, dtype=torch.int64, device=dev),
-            write_slots=torch.full((bucket,), self.kv.scratch_slot, dtype=torch.int64, device=dev),
-            token_slots=torch.full((bucket,), -1, dtype=torch.int32, device=dev),
-            decode_rows=0, decode_lengths=None, decode_len_bucket=0,
-            logits_rows=torch.zeros(1, dtype=torch.int64, device=dev), self_prefill=True,
-        )
-
-        def step() -> torch.Tensor:
-            meta = lora_ops.build_meta(inputs.token_slots, self.pool.num_slots)
-            return self.model.forward(inputs, self.kv, self.pool, meta)
-
-        graph, logits = self._capture_graph(step)
-        return _PrefillGraph(graph, inputs, logits, bucket)
-
-    def _capture_graph(self, step: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        dev = self.device
-        # Warm up on a side stream (lazy initialisation and autotuning must not be captured),
-        # writing only to the scratch KV row.
-        side = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = step()
-        return graph, logits
-
-    def _prune_solo_graphs(self) -> None:
-        """Drop solo graphs of expert sets that are neither resident nor held by a running
-        request: their graphs keep the sets' device tensors alive."""
-        live = {id(ps.expert_set) for ps in self.adapters.expert_sets.values()}
-        live |= {id(s.expert_set) for s in self.scheduler.running if s.expert_set is not None}
-        for key in [k for k in self._solo_graphs if id(k[1]) not in live]:
-            del self._solo_graphs[key]
-
-    def _capture(self, bucket: int, es: ExpertSet | None = None) -> _DecodeGraph:
-        n = self.kv.num_slots
-        dev = self.device
-        inputs = BatchInputs(
-            input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
-            positions=torch.zeros(n, dtype=torch.int64, device=dev),
-            write_slots=torch.full((n,), self.kv.scratch_slot, dtype=torch.int64, device=dev),
-            token_slots=torch.full((n,), -1, dtype=torch.int32, device=dev),
-            decode_rows=n, decode_lengths=torch.ones(n, dtype=torch.int64, device=dev), decode_len_bucket=bucket,
-            logits_rows=None,
-        )
-
-        sel: torch.Tensor | None = None
-        solo: SoloGated | None = None
-        if es is not None:
-            # Static selection buffer, adding nothing until a replay fills it.
-            sel = es.solo_empty(n, dev)
-            solo = SoloGated(es, sel, n, self.model_config)
-
-        def step() -> torch.Tensor:
-            meta = lora_ops.build_meta(inputs.token_slots, self.pool.num_slots)
-            return self.model.forward(inputs, self.kv, self.pool, meta, solo)
-
-        graph, logits = self._capture_graph(step)
-        return _DecodeGraph(graph, inputs, logits, sel)
-
     # ---- introspection for tests and benches ----------------------------------------------------
 
     @property
     def cuda_graphs_active(self) -> bool:
         return self._graphs_ok and bool(self._graphs)
 
-    @property
-    def prefill_graphs_active(self) -> bool:
-        return self._prefill_graphs_ok and bool(self._prefill_graphs)
-
     def describe(self) -> dict[str, Any]:
+        keys = sorted((k for k in self._graphs), key=repr)
         return {
             "model": self.model_name, "device": str(self.device), "dtype": str(self.dtype),
-            "kv_slots": self.kv.num_slots, "max_model_len": self.max_model_len, "lora_slots": self.pool.num_slots,
+            "max_num_seqs": self.config.max_num_seqs, "kv_slots": self.config.max_num_seqs,
+            "max_model_len": self.max_model_len, "lora_slots": self.pool.num_slots,
+            "kv_blocks": self.kv.num_blocks, "block_size": self.kv.block_size, "kv_tokens": self.kv.num_tokens,
+            "kv_cached_blocks": self.blocks.num_cached_blocks(),
+            "prefix_hit_tokens": self.blocks.stats.hit_tokens, "prefix_query_tokens": self.blocks.stats.query_tokens,
+            "preemptions": self.scheduler.preemptions,
             "lora_ops": lora_ops.kernels_description(), "cuda_graphs": self.cuda_graphs_active,
-            "prefill_graph_buckets": sorted(self._prefill_graphs),
+            "graph_buckets": [list(map(str, k[:4])) for k in keys],
+            "decode_buckets": list(self._decode_buckets), "mixed_buckets": list(self._mixed_buckets),
+            "graph_steps": self.graph_steps, "eager_steps": self.eager_steps, "async_scheduling": self._overlap,
             "weights_bytes": self.model.nbytes, "pool_bytes": self.pool.nbytes, "kv_bytes": self.kv.nbytes,
             "expert_sets": len(self.adapters.expert_sets), "backbone_master_bytes": self._masters.nbytes,
             "adafuse_merges": self.adafuse_merges, "adafuse_restores": self.adafuse_restores,
@@ -756,5 +994,19 @@ class Engine:
             "adafuse_solo_gated_steps": self.adafuse_solo_gated_steps,
             "adafuse_compensated_steps": self.adafuse_compensated_steps,
             "adafuse_solo_graph_steps": self.adafuse_solo_graph_steps,
-            "adafuse_merge_after": self.config.adafuse_merge_after, "solo_graphs": len(self._solo_graphs),
+            "adafuse_merge_after": self.config.adafuse_merge_after,
+            "solo_graphs": sum(1 for k in self._graphs if k[0] == "d" and k[4] is not None),
         }
+
+
+def _penalised(s: Sequence) -> bool:
+    sp = s.request.sampling
+    return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+
+
+def sample_logits_penalised(logits: torch.Tensor, buf: SamplingBuffers, mode: SamplerMode,
+                            rows: list[Sequence | None], counts: torch.Tensor | None,
+                            prompt_mask: torch.Tensor | None) -> torch.Tensor:
+    """``sample_logits`` with penalties over each row's past tokens (eager steps only)."""
+    del rows
+    return sample(logits, buf, mode=mode, token_counts=counts, prompt_mask=prompt_mask)

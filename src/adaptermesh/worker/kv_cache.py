@@ -1,13 +1,15 @@
-"""Slot-based KV cache: one fixed row of ``max_model_len`` positions per running sequence.
+"""Paged KV cache: device memory in fixed-size blocks, shared by every running sequence.
 
-Layout per layer: ``k[L][num_slots + 1, max_len, kv_heads, head_dim]`` (same for v). The extra
-last row is a scratch row: idle decode rows write there so that a CUDA-graph decode step can
-always run over every row without touching a sequence that is mid-prefill.
+Layout per layer: ``k[l]`` and ``v[l]`` are ``[num_blocks, block_size, kv_heads, head_dim]``.
+A sequence's positions map to blocks through its block table (``paging.BlockManager`` keeps
+the tables on the host); position ``p`` of a sequence lives at flat slot
+``table[p // block_size] * block_size + p % block_size``. Block 0 is never handed to a
+sequence: padding entries of block tables point there.
 
-Why slots rather than pages: decode attention then reads the cache in place (row i of the
-decode batch is cache row i), with no gather and fixed shapes for CUDA graphs. The cost is
-that each sequence reserves ``max_model_len`` positions; the number of rows comes from a byte
-budget (a GPU memory fraction on CUDA), so operators trade concurrency for context length.
+Why pages: memory is held in proportion to the tokens a sequence really has, so concurrency is
+bounded by the tokens held rather than by the longest context a request may reach, and full
+blocks of a prompt can be shared by later requests of the same adapter (prefix caching).
+Attention reads the blocks in place (``kernels.paged_attention``), so paging costs no gather.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KVCache", "KVCacheSpec", "kv_bytes_per_slot", "slots_for_budget"]
+from adaptermesh.worker.paging import kv_bytes_per_token
+
+__all__ = ["KVCacheSpec", "PagedKVCache", "spec_bytes_per_token"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,58 +28,39 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    max_len: int
+    block_size: int
     dtype: torch.dtype
 
 
-def kv_bytes_per_slot(spec: KVCacheSpec) -> int:
+def spec_bytes_per_token(spec: KVCacheSpec) -> int:
+    """Bytes one token occupies across every layer, K and V (``paging.kv_bytes_per_token``)."""
     elem = torch.empty((), dtype=spec.dtype).element_size()
-    return 2 * spec.num_layers * spec.max_len * spec.num_kv_heads * spec.head_dim * elem
+    return kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, elem)
 
 
-def slots_for_budget(spec: KVCacheSpec, budget_bytes: int, max_slots: int) -> int:
-    """How many sequence rows fit in ``budget_bytes`` (one row is kept back as scratch)."""
-    per = kv_bytes_per_slot(spec)
-    fit = budget_bytes // per - 1
-    return int(max(0, min(max_slots, fit)))
+class PagedKVCache:
+    """The device tensors of the cache; all bookkeeping lives in ``paging.BlockManager``."""
 
-
-class KVCache:
-    def __init__(self, spec: KVCacheSpec, num_slots: int, device: torch.device) -> None:
-        if num_slots < 1:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        if num_blocks < 2:
             raise ValueError(
-                "kv_cache: the memory budget does not fit a single sequence of "
-                f"max_model_len={spec.max_len}; lower max_model_len or raise the budget"
+                "kv_cache: the memory budget does not fit a single KV block; lower max_model_len, "
+                "max_num_seqs or the weights' footprint, or raise the budget"
             )
         self.spec = spec
-        self.num_slots = num_slots
-        self.scratch_slot = num_slots
-        shape = (num_slots + 1, spec.max_len, spec.num_kv_heads, spec.head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = spec.block_size
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # One allocation per layer and tensor; zeros so that no read of an unwritten slot
+        # (there is none by construction) could ever see NaN.
         self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self._free = list(range(num_slots - 1, -1, -1))
-        self.lengths = [0] * num_slots  # tokens stored per slot (host-side bookkeeping)
 
     @property
     def nbytes(self) -> int:
-        return kv_bytes_per_slot(self.spec) * (self.num_slots + 1)
+        return spec_bytes_per_token(self.spec) * self.num_blocks * self.block_size
 
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int | None:
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        self.lengths[slot] = 0
-        return slot
-
-    def free(self, slot: int) -> None:
-        if slot in self._free:
-            raise RuntimeError(f"kv_cache: slot {slot} freed twice")
-        self.lengths[slot] = 0
-        self._free.append(slot)
-
-    def usage(self) -> float:
-        """Fraction of cache positions holding live tokens."""
-        return sum(self.lengths) / float(self.num_slots * self.spec.max_len)
+    @property
+    def num_tokens(self) -> int:
+        """Token capacity of the usable blocks (block 0 excluded)."""
+        return (self.num_blocks - 1) * self.block_size

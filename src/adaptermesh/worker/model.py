@@ -1,10 +1,9 @@
 """Llama-family model runtime (Llama, Mistral, Qwen2) with multi-LoRA linear layers.
 
-One forward pass runs a flat batch of T tokens that may mix two kinds of rows:
-
-* a **decode block**: one row per KV-cache slot (row i reads and writes cache row i), present
-  whenever any sequence is decoding. Idle rows point at the scratch cache row and slot -1.
-* **prefill segments**: chunks of prompts, each attending causally to its own cache row.
+One forward pass runs a flat batch of T token rows over a paged KV cache (``StepInputs``):
+a decode region of sequences with one query row each, then a prefill region of prompt chunks.
+Attention reads K/V in place through each sequence's block table; RoPE is fused with the KV
+write, and the residual adds with RMSNorm.
 
 Every targeted linear module adds its LoRA delta through ``lora_ops.add_lora`` over the whole
 flat batch, so requests for different adapters (and the base model, slot -1) share each launch.
@@ -16,16 +15,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
+from adaptermesh import kernels
 from adaptermesh.worker import lora_ops
-from adaptermesh.worker.kv_cache import KVCache
+from adaptermesh.worker.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
     from adaptermesh.worker.adafuse import GatedTerms
@@ -34,10 +33,9 @@ __all__ = [
     "GROUPS",
     "MODULE_TO_GROUP",
     "SUPPORTED_MODULES",
-    "BatchInputs",
     "LoraPool",
     "ModelConfig",
-    "PrefillSegment",
+    "StepInputs",
     "TransformerModel",
     "load_model",
 ]
@@ -201,32 +199,30 @@ def rope_inv_freq(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float]:
 
 
 @dataclass(slots=True)
-class PrefillSegment:
-    """A chunk of one prompt in the flat batch."""
+class StepInputs:
+    """Device tensors and host facts for one forward pass over a paged KV cache.
 
-    slot: int  # KV cache row
-    start_pos: int  # position of the chunk's first token
-    num_tokens: int
-    offset: int  # index of the chunk's first token in the flat batch
-
-
-@dataclass(slots=True)
-class BatchInputs:
-    """Device tensors and host facts for one forward pass. Decode rows (if any) come first."""
+    The step holds ``S`` sequence entries and ``T`` token rows. Sequences ``[0, num_decode)``
+    own exactly one query row each (the decode region, served by the split-KV decode kernel);
+    sequences ``[num_decode, S)`` own up to ``max_prefill_len`` rows each (prompt chunks,
+    served by the tiled prefill kernel). A sequence's rows are its last positions: rows
+    ``query_start[s] .. query_start[s+1]-1`` sit at positions ``seq_lens[s]-n_s ..
+    seq_lens[s]-1``. Padding sequences have ``seq_lens == 0``; padding rows write nowhere
+    (``slot_mapping == -1``) and use no adapter, so a CUDA graph captured for a bucket of
+    shapes replays any smaller step.
+    """
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    write_slots: torch.Tensor  # [T] int64, KV row each token is written to
+    slot_mapping: torch.Tensor  # [T] int64 flat KV slot (block * block_size + offset), -1 = no write
     token_slots: torch.Tensor  # [T] int32, LoRA pool slot, -1 = base
-    decode_rows: int  # 0 or the number of KV slots (the decode block covers every slot)
-    decode_lengths: torch.Tensor | None  # [decode_rows] int64, context length after this step
-    decode_len_bucket: int  # keys read per decode row (>= every decode length)
-    prefill: list[PrefillSegment] = field(default_factory=list)
-    logits_rows: torch.Tensor | None = None  # [R] rows whose logits are wanted; None = all
-    # All T rows are the first chunk (from position 0) of ONE prompt, possibly followed by
-    # padding rows: attention then needs no cache read and no per-segment host facts, so the
-    # step can be captured in a CUDA graph. ``prefill`` is ignored.
-    self_prefill: bool = False
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32, keys held after this step (0 = padding sequence)
+    query_start: torch.Tensor  # [S + 1] int32
+    logits_rows: torch.Tensor  # [S] int64: the row whose logits each sequence samples from
+    num_decode: int  # host: sequences in the decode region
+    max_prefill_len: int  # host: bound on rows per prefill-region sequence (0: none)
+    num_splits: int = 1  # host: key partitions per decode sequence
 
 
 class LoraPool:
@@ -301,30 +297,6 @@ def _apply_lora(pool: LoraPool, meta: lora_ops.LoraBatchMeta, group: str, layer:
     lora_ops.add_lora(out, x, a, b, pool.scales, r, meta)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as transformers' LlamaRMSNorm, for bit-close outputs.
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, heads, D]; cos/sin [T, 1, D]. rotate_half convention (Hugging Face checkpoints).
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
-
-
-@dataclass(slots=True)
-class _AttnMasks:
-    """A batch's attention masks, the same in every layer: True = masked out for decode rows
-    ([n, 1, 1, len bucket]), True = allowed for each prefill segment ([t, end])."""
-
-    decode: torch.Tensor | None
-    prefill: list[torch.Tensor]
-
-
 class TransformerModel:
     """The base weights, fused per layer, plus the forward pass over a flat batch."""
 
@@ -363,11 +335,11 @@ class TransformerModel:
         else:
             self.lm_head = take("lm_head.weight")
         inv, mscale = rope_inv_freq(cfg, max_len)
-        t = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(t, inv)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * mscale).to(device=device, dtype=dtype)
-        self.sin = (emb.sin() * mscale).to(device=device, dtype=dtype)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
+        # [max_len, D]: cos of each frequency, then sin, rounded to the model dtype like the
+        # cos/sin tables of transformers' Llama.
+        self.cos_sin = torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1).to(device=device, dtype=dtype)
+        self.act = "silu"
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -405,167 +377,93 @@ class TransformerModel:
     @torch.inference_mode()
     def forward(
         self,
-        batch: BatchInputs,
-        kv: KVCache,
+        inp: StepInputs,
+        kv: PagedKVCache,
         pool: LoraPool | None,
         meta: lora_ops.LoraBatchMeta | None,
         gated: GatedTerms | None = None,
     ) -> torch.Tensor:
-        """Logits [R, vocab] (fp32) for ``batch.logits_rows`` (all rows if None).
+        """Logits [S, vocab] (fp32), one row per sequence entry (``inp.logits_rows``).
+
+        Per layer, outside LoRA: fused residual-add + RMSNorm, the fused q/k/v matmul, RoPE
+        fused with the paged KV write, decode and/or prefill paged attention (reading K/V in
+        place through the block tables), the o matmul, fused add + RMSNorm, the fused
+        gate/up matmul, fused activation x up, the down matmul: 10 launches (11 with a q/k/v
+        bias, +1 when split-KV decode reduces partitions, +1 for a mixed step's second
+        attention launch). ``pool``/``meta`` None: a base-only step with no LoRA launch.
 
         ``gated``: AdaFuse expert sets on an unmerged path; routed once here, from the first
         layer's input (a ``SoloGated`` brings its selection along), and applied in every
         targeted module.
         """
         cfg = self.cfg
-        h = self.embed.index_select(0, batch.input_ids)
+        h = self.embed.index_select(0, inp.input_ids)
         if gated is not None:
             gated.route(h)
-        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
-        sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
-        use_lora = pool is not None and meta is not None and meta.any_lora
+        lp = (pool, meta) if pool is not None and meta is not None and meta.any_lora else None
         T = h.shape[0]
-        # Attention masks depend on the batch only: built once here, shared by every layer.
-        self_mask = self._self_mask(T, h.device) if batch.self_prefill else None
-        masks = None if batch.self_prefill else self._attention_masks(batch, h.device)
+        attn = torch.empty((T, cfg.num_heads, cfg.head_dim), dtype=h.dtype, device=h.device)
+        attn.zero_()  # rows no sequence owns stay finite (they feed the o matmul, then are dropped)
+        residual = h
+        d: torch.Tensor | None = None
         for li, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer["ln1"], cfg.rms_eps)
-            qkv = x @ layer["wqkv"].T
+            if d is None:
+                x = kernels.rms_norm(h, layer["ln1"], cfg.rms_eps)
+            else:
+                x = kernels.rms_norm(d, layer["ln1"], cfg.rms_eps, residual=residual)
             if "bqkv" in layer:
-                qkv = qkv + layer["bqkv"]
-            if pool is not None and meta is not None and use_lora:
-                _apply_lora(pool, meta, "qkv", li, qkv, x)
+                qkv = torch.addmm(layer["bqkv"], x, layer["wqkv"].T)
+            else:
+                qkv = x @ layer["wqkv"].T
+            if lp is not None:
+                _apply_lora(*lp, "qkv", li, qkv, x)
             if gated is not None:
                 gated.apply(li, "qkv", qkv, x)
             q = qkv[:, : self.q_size].view(T, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
-            q = _rotate(q, cos, sin)
-            k = _rotate(k, cos, sin)
             kc, vc = kv.k[li], kv.v[li]
-            kc.index_put_((batch.write_slots, batch.positions), k)
-            vc.index_put_((batch.write_slots, batch.positions), v)
-            attn = (
-                self._self_attention(q, k, v, self_mask)
-                if batch.self_prefill
-                else self._attention(q, batch, kc, vc, masks)
-            )
-            o = attn @ layer["wo"].T
-            if pool is not None and meta is not None and use_lora:
-                _apply_lora(pool, meta, "o", li, o, attn)
+            kernels.rope_kv_write(q, k, v, inp.positions, self.cos_sin, kc, vc, inp.slot_mapping)
+            self._attention(attn, q, kc, vc, inp)
+            a2 = attn.view(T, -1)
+            o = a2 @ layer["wo"].T
+            if lp is not None:
+                _apply_lora(*lp, "o", li, o, a2)
             if gated is not None:
-                gated.apply(li, "o", o, attn)
-            h = h + o
-            x = _rms_norm(h, layer["ln2"], cfg.rms_eps)
+                gated.apply(li, "o", o, a2)
+            x = kernels.rms_norm(o, layer["ln2"], cfg.rms_eps, residual=residual)
             gu = x @ layer["wgu"].T
-            if pool is not None and meta is not None and use_lora:
-                _apply_lora(pool, meta, "gate_up", li, gu, x)
+            if lp is not None:
+                _apply_lora(*lp, "gate_up", li, gu, x)
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
-            inter = cfg.intermediate_size
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+            act = kernels.act_mul(gu, act=self.act)
             d = act @ layer["wd"].T
-            if pool is not None and meta is not None and use_lora:
-                _apply_lora(pool, meta, "down", li, d, act)
+            if lp is not None:
+                _apply_lora(*lp, "down", li, d, act)
             if gated is not None:
                 gated.apply(li, "down", d, act)
-            h = h + d
-        if batch.logits_rows is not None:
-            h = h.index_select(0, batch.logits_rows)
-        h = _rms_norm(h, self.norm, cfg.rms_eps)
-        return (h @ self.lm_head.T).float()
+        assert d is not None
+        rows_d = d.index_select(0, inp.logits_rows)
+        rows_r = residual.index_select(0, inp.logits_rows)
+        hn = kernels.rms_norm(rows_d, self.norm, cfg.rms_eps, residual=rows_r)
+        return (hn @ self.lm_head.T).float()
 
-    def _self_mask(self, T: int, device: torch.device) -> torch.Tensor | None:
-        """The sliding-window causal mask of a self-prefill chunk of T rows; None when plain
-        causal attention is exact."""
-        w = self.cfg.sliding_window
-        if w is None or w >= T:
-            return None
-        pos = torch.arange(T, device=device)
-        return (pos.view(1, T) <= pos.view(T, 1)) & (pos.view(1, T) > pos.view(T, 1) - w)
-
-    def _attention_masks(self, batch: BatchInputs, device: torch.device) -> _AttnMasks:
-        """Decode and prefill masks of ``batch`` (see ``_attention``)."""
-        cfg = self.cfg
-        decode_mask = None
-        n = batch.decode_rows
-        if n:
-            assert batch.decode_lengths is not None
-            lb = batch.decode_len_bucket
-            pos = torch.arange(lb, device=device)
-            decode_mask = pos.view(1, 1, 1, lb) >= batch.decode_lengths.view(n, 1, 1, 1)
-            if cfg.sliding_window is not None:
-                decode_mask = decode_mask | (
-                    pos.view(1, 1, 1, lb) < (batch.decode_lengths - cfg.sliding_window).view(n, 1, 1, 1)
-                )
-        prefill: list[torch.Tensor] = []
-        for seg in batch.prefill:
-            end = seg.start_pos + seg.num_tokens
-            qpos = torch.arange(seg.start_pos, end, device=device).unsqueeze(1)
-            kpos = torch.arange(end, device=device).unsqueeze(0)
-            allowed = kpos <= qpos
-            if cfg.sliding_window is not None:
-                allowed = allowed & (kpos > qpos - cfg.sliding_window)
-            prefill.append(allowed)
-        return _AttnMasks(decode_mask, prefill)
-
-    def _self_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Causal attention of one prompt chunk that starts at position 0, over its own keys.
-        Padding rows (if any) come last, so the causal mask keeps them out of real rows.
-        ``mask`` is ``_self_mask(T)``, computed here when not given."""
-        cfg = self.cfg
-        T = q.shape[0]
-        group = cfg.num_heads // cfg.num_kv_heads
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
-        if mask is None:
-            mask = self._self_mask(T, q.device)
-        if mask is not None:
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
-        else:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
-        return o.transpose(0, 1).reshape(T, -1)
-
-    def _attention(
-        self, q: torch.Tensor, batch: BatchInputs, kc: torch.Tensor, vc: torch.Tensor, masks: _AttnMasks | None = None
-    ) -> torch.Tensor:
-        """``masks`` is ``_attention_masks(batch)``, computed here when not given."""
-        cfg = self.cfg
-        if masks is None:
-            masks = self._attention_masks(batch, q.device)
-        T = q.shape[0]
-        group = cfg.num_heads // cfg.num_kv_heads
-        out = torch.empty((T, cfg.num_heads * cfg.head_dim), dtype=q.dtype, device=q.device)
-        n = batch.decode_rows
-        if n:
-            assert batch.decode_lengths is not None
-            lb = batch.decode_len_bucket
-            qd = q[:n].view(n, cfg.num_kv_heads, group, cfg.head_dim)
-            keys = kc[:n, :lb]  # [n, lb, kvh, D], read in place: row i is cache row i
-            vals = vc[:n, :lb]
-            scores = torch.einsum("skgd,slkd->skgl", qd, keys).float() * self.scale
-            assert masks.decode is not None
-            scores = scores.masked_fill(masks.decode, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            od = torch.einsum("skgl,slkd->skgd", probs, vals)
-            out[:n] = od.reshape(n, -1)
-        for seg, allowed in zip(batch.prefill, masks.prefill, strict=True):
-            qs = q[seg.offset : seg.offset + seg.num_tokens]  # [t, H, D]
-            end = seg.start_pos + seg.num_tokens
-            ks = kc[seg.slot, :end]  # [end, kvh, D]
-            vs = vc[seg.slot, :end]
-            if group > 1:
-                ks = ks.repeat_interleave(group, dim=1)
-                vs = vs.repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=allowed, scale=self.scale
-            )  # [H, t, D]
-            out[seg.offset : seg.offset + seg.num_tokens] = o.transpose(0, 1).reshape(seg.num_tokens, -1)
-        return out
+    def _attention(self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, inp: StepInputs) -> None:
+        """Decode region with the split-KV decode kernel, prefill region with the tiled one."""
+        nd = inp.num_decode
+        S = int(inp.seq_lens.shape[0])
+        window = self.cfg.sliding_window
+        if nd > 0:
+            kernels.paged_attention(
+                out, q, kc, vc, inp.block_tables[:nd], inp.seq_lens[:nd], inp.query_start[: nd + 1],
+                scale=self.scale, max_query_len=1, sliding_window=window, num_splits=inp.num_splits,
+            )
+        if nd < S and inp.max_prefill_len > 0:
+            kernels.paged_attention(
+                out, q, kc, vc, inp.block_tables[nd:], inp.seq_lens[nd:], inp.query_start[nd:],
+                scale=self.scale, max_query_len=inp.max_prefill_len, sliding_window=window,
+            )
 
 
 def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -1,24 +1,30 @@
-"""Continuous batching: admission, per-step token budget, chunked prefill, sampling, stop rules.
+"""Continuous batching over a paged KV cache: admission, per-step token budget, chunked
+prefill, prefix reuse, preemption, stop rules.
 
 Between two forward passes the scheduler (on the event-loop thread) drops cancelled and expired
-requests, admits waiting ones whose adapter is resident (a request whose adapter is still
-loading waits without blocking the others), and plans the next step: every decoding sequence
-contributes one token, and prompt chunks fill the rest of ``max_num_batched_tokens``.
+requests, admits waiting ones whose adapter is resident and whose blocks fit (a request whose
+adapter is still loading waits without blocking the others), and plans the next step: every
+decoding sequence contributes one token, and prompt chunks fill the rest of
+``max_num_batched_tokens``.
+
+Steps overlap: the engine plans and launches step N+1 while step N still runs on the GPU.
+A sequence therefore carries ``pending`` tokens: sampled on the device, not yet seen on the
+host. Its next decode row reads that token from the device (the engine gathers it), and
+everything the plan needs (positions, slots, lengths) follows from counts the host knows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-
-import torch
 
 from adaptermesh.worker.adafuse import ExpertSet
 from adaptermesh.worker.adapters import AdapterManager
-from adaptermesh.worker.kv_cache import KVCache
+from adaptermesh.worker.paging import BlockManager
 from adaptermesh.worker.types import (
     AdapterNotFoundError,
     EngineError,
@@ -27,7 +33,9 @@ from adaptermesh.worker.types import (
     TokenEvent,
 )
 
-__all__ = ["Detokenizer", "Scheduler", "Sequence", "StepPlan", "sample_rows"]
+__all__ = ["Detokenizer", "Scheduler", "Sequence", "StepPlan"]
+
+_ids = itertools.count(1)
 
 
 class Detokenizer:
@@ -61,15 +69,24 @@ class Sequence:
     queue: asyncio.Queue[TokenEvent | BaseException]
     detok: Detokenizer
     prompt: list[int]
+    seed: int = 0  # counter-based sampling seed (the request's, or one drawn at submit)
     output: list[int] = field(default_factory=list)
-    kv_slot: int | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    table_row: int | None = None  # row of the engine's block-table mirror while admitted
+    table_len: int = 0  # block-table entries already mirrored into that row
     lora_slot: int = -1
+    cache_key: Hashable = None  # prefix-cache identity: (adapter, version) or the base model
     expert_set: ExpertSet | None = None  # held while running when the adapter is an expert set
     looked_up: bool = False
-    computed: int = 0  # prompt tokens already in the KV cache
+    acquired: bool = False  # adapter lease taken (kept across preemption)
+    num_computed: int = 0  # tokens whose KV is written or being written by a launched step
+    reserved: int = 0  # tokens the block manager holds room for
+    pending: int = 0  # tokens sampled by launched steps, not yet applied on the host
+    last_entry: int = 0  # entry of the latest launched step that sampled for this sequence
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    preemptions: int = 0
     cancelled: bool = False
     finished: bool = False
-    generator: torch.Generator | None = None
     text: str = ""  # detokenised output so far, including text held back for stop matching
     emitted: int = 0  # characters of ``text`` already sent
     submitted_at: float = field(default_factory=time.monotonic)
@@ -79,70 +96,69 @@ class Sequence:
         return self.request.adapter
 
     @property
-    def in_decode(self) -> bool:
-        return self.computed >= len(self.prompt)
+    def context_len(self) -> int:
+        """Tokens known on the host (prompt + applied output)."""
+        return len(self.prompt) + len(self.output)
 
     @property
-    def context_len(self) -> int:
-        return len(self.prompt) + len(self.output)
+    def known_len(self) -> int:
+        """Tokens the sequence has, counting those still on the device."""
+        return len(self.prompt) + len(self.output) + self.pending
+
+    @property
+    def in_decode(self) -> bool:
+        return self.num_computed >= len(self.prompt)
+
+    def token_at(self, pos: int) -> int:
+        p = len(self.prompt)
+        return self.prompt[pos] if pos < p else self.output[pos - p]
 
 
 @dataclass(slots=True)
 class StepPlan:
+    """One step: ``decode`` sequences contribute one row each (their last token), then each
+    ``prefill`` entry (sequence, start position, number of tokens) a chunk."""
+
     decode: list[Sequence]
-    prefill: list[tuple[Sequence, int, int]]  # (sequence, start position, number of tokens)
+    prefill: list[tuple[Sequence, int, int]]
 
     @property
     def num_tokens(self) -> int:
         return len(self.decode) + sum(n for _, _, n in self.prefill)
 
-
-def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of ``logits`` [R, V] (fp32), with each sequence's own parameters."""
-    greedy = [i for i, s in enumerate(seqs) if s.request.sampling.temperature == 0.0]
-    out = [0] * len(seqs)
-    if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
-        for i, t in zip(greedy, logits.index_select(0, idx).argmax(-1).tolist(), strict=True):
-            out[i] = int(t)
-    for i, s in enumerate(seqs):
-        sp = s.request.sampling
-        if sp.temperature == 0.0:
-            continue
-        row = logits[i].float().cpu() / sp.temperature
-        probs = torch.softmax(row, dim=-1)
-        if sp.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            cum = sorted_p.cumsum(0)
-            keep = (cum - sorted_p) < sp.top_p  # always keeps the most likely token
-            sorted_p = sorted_p * keep
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        out[i] = int(torch.multinomial(probs, 1, generator=s.generator).item())
-    return out
+    def sequences(self) -> list[Sequence]:
+        return [*self.decode, *(s for s, _, _ in self.prefill)]
 
 
 class Scheduler:
     def __init__(
         self,
-        kv: KVCache,
+        blocks: BlockManager,
         adapters: AdapterManager,
         *,
         base_names: frozenset[str],
+        max_num_seqs: int,
         max_num_batched_tokens: int,
         max_prefill_chunk: int,
+        max_prefill_seqs: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        on_admit: Callable[[Sequence], None] | None = None,
     ) -> None:
-        self.kv = kv
+        self.blocks = blocks
         self.adapters = adapters
         self.base_names = base_names
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk
+        self.max_prefill_seqs = max_prefill_seqs
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.generated_tokens = 0
+        self.preemptions = 0
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def adapter_of(self, seq: Sequence) -> str | None:
         name = seq.adapter
@@ -150,16 +166,24 @@ class Scheduler:
 
     # ---- finishing ----------------------------------------------------------------------------
 
+    def _release_blocks(self, seq: Sequence) -> None:
+        if seq.table_row is not None:
+            self.blocks.free(seq.seq_id)
+            self._free_rows.append(seq.table_row)
+            seq.table_row = None
+            seq.table_len = 0
+        seq.reserved = 0
+        seq.num_computed = 0
+
     def _release(self, seq: Sequence) -> None:
-        if seq.kv_slot is not None:
-            self.kv.free(seq.kv_slot)
-            seq.kv_slot = None
+        self._release_blocks(seq)
         if seq.lora_slot >= 0:
             self.adapters.release(seq.lora_slot)
             seq.lora_slot = -1
         if seq.expert_set is not None:
             self.adapters.release_expert_set(seq.expert_set)
             seq.expert_set = None
+        seq.acquired = False
 
     def finish(
         self, seq: Sequence, reason: FinishReason, error: BaseException | None = None, last_token: int | None = None
@@ -185,7 +209,20 @@ class Scheduler:
 
     # ---- planning -----------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan | None:
+    def _wants_step(self, seq: Sequence) -> bool:
+        """Whether processing the sequence's next tokens is of use: a last token is processed
+        only if the token it samples may still be delivered (max_tokens, context limit)."""
+        left = seq.known_len - seq.num_computed
+        if left != 1:
+            return left > 1
+        return len(seq.output) + seq.pending < seq.request.sampling.max_tokens and seq.known_len < self.max_model_len
+
+    def schedule(self, *, allow_preempt: bool = True) -> StepPlan | None:
+        """The next step, or None when nothing can run now.
+
+        ``allow_preempt`` False (a step is still in flight): a sequence that needs a block
+        when none is free sits this step out instead of preempting another sequence, since a
+        preempted sequence must not have tokens on the device."""
         now = time.monotonic()
         for seq in [*self.running, *self.waiting]:
             dl = seq.request.deadline
@@ -193,63 +230,137 @@ class Scheduler:
                 self.finish(seq, "cancelled")
         self.waiting = deque(s for s in self.waiting if not s.finished)
         self._admit()
-        decode = [s for s in self.running if s.in_decode]
-        budget = self.max_num_batched_tokens - len(decode)
-        prefill: list[tuple[Sequence, int, int]] = []
-        for seq in self.running:
-            if seq.in_decode or budget <= 0:
+        budget = self.max_num_batched_tokens
+        decode: list[Sequence] = []
+        chunks: list[Sequence] = []
+        planned: set[int] = set()
+        for seq in list(self.running):
+            if seq.table_row is None or not self._wants_step(seq):  # finished or preempted above
                 continue
-            n = min(len(seq.prompt) - seq.computed, budget, self.max_prefill_chunk)
-            prefill.append((seq, seq.computed, n))
+            left = seq.known_len - seq.num_computed
+            if left == 1:
+                if budget <= 0 or not self._reserve(seq, 1, planned, allow_preempt):
+                    continue
+                decode.append(seq)
+                planned.add(seq.seq_id)
+                budget -= 1
+            elif left > 1:
+                chunks.append(seq)
+        prefill: list[tuple[Sequence, int, int]] = []
+        for seq in chunks:
+            if budget <= 0 or len(prefill) >= self.max_prefill_seqs:
+                break
+            if seq.table_row is None:
+                continue  # preempted to make room above
+            n = min(seq.known_len - seq.num_computed, budget, self.max_prefill_chunk)
+            if not self._reserve(seq, n, planned, allow_preempt):
+                continue
+            prefill.append((seq, seq.num_computed, n))
+            planned.add(seq.seq_id)
             budget -= n
+        decode = [s for s in decode if s.table_row is not None]
+        prefill = [p for p in prefill if p[0].table_row is not None]
         if not decode and not prefill:
             return None
         return StepPlan(decode, prefill)
 
+    def _reserve(self, seq: Sequence, n: int, planned: set[int], allow_preempt: bool) -> bool:
+        """Room for ``n`` more tokens of ``seq`` from ``num_computed``; preempts the newest
+        other running sequences (not already in this plan) when blocks run out."""
+        need = seq.num_computed + n - seq.reserved
+        if need <= 0:
+            return True
+        while not self.blocks.append_slots(seq.seq_id, need):
+            if not allow_preempt:
+                return False
+            victim = next((v for v in reversed(self.running) if v is not seq and v.seq_id not in planned), None)
+            if victim is None:
+                self.preempt(seq)
+                return False
+            self.preempt(victim)
+        seq.reserved += need
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give back a running sequence's blocks; it resumes first, recomputing its context
+        (full blocks it registered may still be cached). The adapter lease is kept."""
+        assert seq.pending == 0, "a sequence with tokens in flight cannot be preempted"
+        self._release_blocks(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
     def _admit(self) -> None:
         still: deque[Sequence] = deque()
+        blocked = False
         while self.waiting:
             seq = self.waiting.popleft()
-            if self.kv.num_free() == 0:
+            if blocked or not self._free_rows:
                 still.append(seq)
-                still.extend(self.waiting)
-                self.waiting.clear()
-                break
-            name = self.adapter_of(seq)
-            if name is not None:
-                if not seq.looked_up:
-                    seq.looked_up = True
-                    self.adapters.note_lookup(name)
-                try:
-                    got = self.adapters.try_acquire(name)
-                except AdapterNotFoundError as e:
-                    self.finish(seq, "error", e)
-                    continue
-                if got is None:
-                    still.append(seq)  # loading; later requests may still be admitted
-                    continue
-                seq.lora_slot = got.slot
-                seq.expert_set = got.expert_set
-            slot = self.kv.allocate()
-            assert slot is not None
-            seq.kv_slot = slot
+                continue
+            if not seq.acquired:
+                name = self.adapter_of(seq)
+                if name is not None:
+                    if not seq.looked_up:
+                        seq.looked_up = True
+                        self.adapters.note_lookup(name)
+                    try:
+                        got = self.adapters.try_acquire(name)
+                    except AdapterNotFoundError as e:
+                        self.finish(seq, "error", e)
+                        continue
+                    if got is None:
+                        still.append(seq)  # loading; later requests may still be admitted
+                        continue
+                    seq.lora_slot = got.slot
+                    seq.expert_set = got.expert_set
+                    seq.cache_key = (name, got.version)
+                seq.acquired = True
+            tokens = [*seq.prompt, *seq.output]
+            # Keep one free block per running sequence so decoding rarely has to preempt.
+            headroom = len(self.running) * self.blocks.block_size
+            if not self.blocks.can_allocate(len(tokens) + headroom, seq.cache_key, tokens):
+                still.append(seq)
+                blocked = True  # first come, first served: later arrivals wait behind it
+                continue
+            cached = self.blocks.allocate(seq.seq_id, seq.cache_key, tokens)
+            seq.reserved = len(tokens)
+            seq.num_computed = cached
+            if not seq.output:
+                seq.cached_tokens = cached
+            seq.table_row = self._free_rows.pop()
+            seq.table_len = 0
             self.running.append(seq)
         self.waiting = still
 
     # ---- applying a step's result -------------------------------------------------------------
 
-    def apply(self, plan: StepPlan, sampled: dict[int, int]) -> None:
-        """Advance sequences after a forward pass; ``sampled`` maps id(seq) -> new token."""
-        for seq, _, n in plan.prefill:
-            seq.computed += n
-            if seq.kv_slot is not None:
-                self.kv.lengths[seq.kv_slot] = seq.computed
+    def launched(self, plan: StepPlan) -> list[Sequence]:
+        """Advance counts for a step that was just launched; returns the sequences that sample
+        a token in it (their chunk reaches the last known token), in plan order."""
+        out: list[Sequence] = []
         for seq in plan.decode:
-            if seq.kv_slot is not None:
-                self.kv.lengths[seq.kv_slot] = seq.context_len
-        for seq in [*plan.decode, *(s for s, _, _ in plan.prefill)]:
-            tok = sampled.get(id(seq))
-            if tok is None or seq.finished:
+            seq.num_computed += 1
+            seq.pending += 1
+            out.append(seq)
+        for seq, start, n in plan.prefill:
+            seq.num_computed = start + n
+            if seq.num_computed >= seq.known_len:
+                seq.pending += 1
+                out.append(seq)
+        # Full blocks whose tokens the host knows can be shared from now on: a later step that
+        # reads them runs after this one on the same stream.
+        for seq in plan.sequences():
+            self.blocks.commit(seq.seq_id, _TokenView(seq, min(seq.num_computed, seq.context_len)))
+        return out
+
+    def apply(self, samplers: list[Sequence], sampled: list[int]) -> None:
+        """Deliver the tokens of a finished step (``samplers`` as ``launched`` returned)."""
+        for seq, tok in zip(samplers, sampled, strict=True):
+            seq.pending -= 1
+            if seq.finished:
                 continue
             self._append_token(seq, tok)
 
@@ -281,6 +392,29 @@ class Scheduler:
         delta = seq.text[seq.emitted : visible] if visible > seq.emitted else ""
         seq.emitted = max(seq.emitted, visible)
         seq.queue.put_nowait(TokenEvent(tok, delta, None, len(seq.prompt), len(seq.output)))
+
+
+class _TokenView:
+    """The first ``n`` known tokens of a sequence as a read-only sequence, without copying
+    prompt + output on every step (the block manager reads only blocks that just filled)."""
+
+    __slots__ = ("_n", "_seq")
+
+    def __init__(self, seq: Sequence, n: int) -> None:
+        self._seq = seq
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return [self._seq.token_at(j) for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._seq.token_at(i)
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -60,6 +60,11 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
 
 
 @dataclass(frozen=True, slots=True)
