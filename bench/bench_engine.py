@@ -228,9 +228,9 @@ async def bench_engine(args: argparse.Namespace, cfg: dict[str, Any], model_dir:
 
     # Engine warm-up, not adapter work: captures the prefill graph of this prompt's length bucket.
     await first_token(None, "prefill-warmup")
-    graphs_ok, eng._prefill_graphs_ok = eng._prefill_graphs_ok, False
+    graphs_ok, eng._graphs_ok = eng._graphs_ok, False
     eager = [await first_token(names[0], f"e{k}") for k in range(3)]
-    eng._prefill_graphs_ok = graphs_ok
+    eng._graphs_ok = graphs_ok
     ttft_cold, ttft_warm, phases = [], [], []
     cold_n = max(5, args.repeats)
     for k in range(cold_n):
@@ -245,7 +245,7 @@ async def bench_engine(args: argparse.Namespace, cfg: dict[str, Any], model_dir:
         "resident_adapter_first_token_eager_prefill_ms": 1e3 * statistics.median(eager),
         "load_phases_ms": {p: statistics.median(ph[p] for ph in phases) for p in phases[0]},
         "prompt_tokens": args.prompt_len, "page_cache": "warm (file written just before)",
-        "prefill_graph_buckets": eng.describe()["prefill_graph_buckets"]}
+        "graph_buckets": eng.describe()["graph_buckets"]}
     log(f"disk->first token: {res['disk_to_first_token_ms']['median']:.1f} ms (resident: {1e3 * statistics.median(ttft_warm):.1f} ms, "
         f"eager prefill {1e3 * statistics.median(eager):.1f} ms), phases {res['disk_to_first_token_ms']['load_phases_ms']}")
     res["load_latencies_s"] = list(eng.stats().new_load_latencies)[-cold_n:]
@@ -326,8 +326,8 @@ async def bench_expert_set(args: argparse.Namespace, cfg: dict[str, Any], eng: E
     out["engine_counters_during_timed_runs"] = {k: info[k] - before[k] for k in counters}
     es = eng.adapters.expert_sets["experts8"].expert_set
     out["solo_path"] = "packed SGMM (one rank-E*r LoRA per group)" if es.packed else "gated_add_lora"
-    out["harness"] = ("adaptermesh Engine, one request alone; decode graph over every KV slot "
-                      f"({info['kv_slots']} rows). AdaFuse default: merged weights only while they hold the token's "
+    out["harness"] = ("adaptermesh Engine, one request alone; the batch-1 decode graph "
+                      f"(engine of {info['kv_slots']} sequences). AdaFuse default: merged weights only while they hold the token's "
                       f"selection or after it repeated {merge_after} tokens, else the experts unmerged in the decode "
                       "graph. merge_every_change: adafuse_merge_after=1, one fused_switch of all "
                       f"{7 * cfg['num_hidden_layers']} modules whenever the selection changes. Warm-up runs not timed.")

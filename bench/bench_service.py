@@ -15,20 +15,40 @@ Measured, each by this script in one run:
 3. HTTP overhead: the same closed-loop workload (concurrency 1 and 16) through HTTP streaming
    and through ``Engine.submit`` in this process; the difference in TTFT and per-token time.
 
+``--mix`` (a separate mode; the default above is unchanged): a serving mix over 64 rank-16
+adapters on all seven modules. Prompts uniform in 64..2,048 tokens, outputs uniform in 16..512
+(``max_tokens``; random weights rarely sample EOS, and the completion tokens actually received
+are recorded), context limit 2,576, streaming, the API's default sampling (no temperature sent:
+temperature 1), Poisson arrivals, tenant = adapter. Engine: max_num_seqs 256,
+max_num_batched_tokens 2048, max_prefill_chunk 2048, KV from gpu_memory_fraction.
+1. Capacity: output tok/s the server completes under a saturating closed loop (256 requests in
+   flight), counted by the client over a window after a ramp; the engine's own token counter
+   over the same window beside it.
+2. Load: Poisson arrivals at 80% of that rate for a fixed time: TTFT and TPOT p50/p95/p99
+   (client side, queueing included), output tok/s achieved, and the targets.
+The header carries the measured copy bandwidth and bf16 matmul rate and, from them, the floor
+this mix puts on output tok/s (prefill FLOPs, KV and weight bytes per output token).
+
 Usage:
     python bench/bench_service.py --device cuda --out bench/results/service_h200.json
     python bench/bench_service.py --device cpu --out /tmp/service_cpu.json   # small smoke run
+    python bench/bench_service.py --mix --device cuda --out bench/results/engine_speed_h200_http.json
+    python bench/bench_service.py --mix --device cpu --out /tmp/mix_cpu.json   # small smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import math
+import os
 import platform
 import random
+import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -37,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL7 = (*ATTN, "gate_proj", "up_proj", "down_proj")
 SHAPE_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
             "max_position_embeddings": 4096}
@@ -134,6 +155,9 @@ async def client_main(args: argparse.Namespace) -> None:
     import aiohttp
 
     spec = json.loads(args.client)
+    if spec["mode"] in ("mix_closed", "mix_open"):
+        await mix_client_main(spec)
+        return
     rng = random.Random(spec["seed"])
     adapters = spec["adapters"]
     t_base = time.monotonic()
@@ -178,6 +202,115 @@ async def client_main(args: argparse.Namespace) -> None:
     json.dump({"records": records, "wall_s": time.monotonic() - t_base}, sys.stdout)
 
 
+# ================================================================================= mix client
+def mix_body(spec: dict[str, Any], i: int) -> dict[str, Any]:
+    """Request ``i`` of a mix phase, drawn from (seed, i) alone: the same index gives the same
+    request whatever order the workers take them in."""
+    rng = random.Random(spec["seed"] * 1_000_003 + i)
+    plen = rng.randint(*spec["prompt_range"])
+    olen = rng.randint(*spec["output_range"])
+    # No temperature/top_p: the API's default sampling.
+    return {"model": rng.choice(spec["adapters"]),
+            "prompt": prompt_ids(spec["seed"] * 100003 + i, plen), "max_tokens": olen,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def _one_mix(session: Any, spec: dict[str, Any], body: dict[str, Any],
+                   rec: dict[str, Any], t_base: float) -> None:
+    """Stream one completion into ``rec`` (times in seconds since ``t_base``). A request still
+    running when its phase is cut keeps what it received, with ``cut`` set."""
+    w0, w1 = spec["window"]
+    rec.update(sent=time.monotonic() - t_base, prompt_tokens=len(body["prompt"]),
+               max_tokens=body["max_tokens"], adapter=body["model"], status=0, chunks=0,
+               in_window=0, first=None, last=None, usage_tokens=None, done=False, cut=False)
+    try:
+        async with session.post(spec["url"] + "/v1/completions", json=body,
+                                headers={"x-tenant-id": body["model"],
+                                         "x-request-timeout": str(spec["timeout_s"])}) as resp:
+            rec["status"] = resp.status
+            if resp.status != 200:
+                await resp.read()
+                return
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["status"] = chunk["error"].get("code") or "stream_error"
+                    break
+                if chunk.get("usage"):
+                    rec["usage_tokens"] = chunk["usage"]["completion_tokens"]
+                if chunk["choices"]:  # one chunk per generated token
+                    now = time.monotonic() - t_base
+                    rec["chunks"] += 1
+                    if rec["first"] is None:
+                        rec["first"] = now
+                    rec["last"] = now
+                    if w0 <= now <= w1:
+                        rec["in_window"] += 1
+        rec["done"] = True
+    except asyncio.CancelledError:
+        rec["cut"] = True
+        raise
+    except Exception as exc:  # a failed request is a data point, not a crash
+        rec["status"] = type(exc).__name__
+
+
+async def mix_client_main(spec: dict[str, Any]) -> None:
+    """``mix_closed``: ``concurrency`` workers, each sending its next request as soon as the
+    previous one ends, cut at the end of the window. ``mix_open``: Poisson arrivals at ``rate``
+    for ``duration`` seconds, every request served to its end. ``t_base`` is on the monotonic
+    clock the server shares, so the server can read its own counters over the same window."""
+    import aiohttp
+
+    t_base = spec["t_base"]
+    records: list[dict[str, Any]] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=spec["timeout_s"] + 30)
+    await asyncio.sleep(max(0.0, t_base - time.monotonic()))
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        if spec["mode"] == "mix_closed":
+            counter = iter(range(1 << 62))
+            end = spec["window"][1]
+
+            async def worker() -> None:
+                while time.monotonic() - t_base < end:
+                    i = next(counter)
+                    rec: dict[str, Any] = {"i": i}
+                    records.append(rec)
+                    await _one_mix(session, spec, mix_body(spec, i), rec, t_base)
+
+            tasks = [asyncio.create_task(worker()) for _ in range(spec["concurrency"])]
+            await asyncio.sleep(max(0.0, t_base + end - time.monotonic()))
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        else:
+            rng = random.Random(spec["seed"] + 1)
+            pending = []
+            t, i = 0.0, 0
+            while True:
+                t += rng.expovariate(spec["rate"])
+                if t >= spec["duration"]:
+                    break
+                delay = t_base + t - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                rec = {"i": i, "scheduled": t}
+                records.append(rec)
+                pending.append(asyncio.create_task(
+                    _one_mix(session, spec, mix_body(spec, i), rec, t_base)))
+                i += 1
+            # Requests still running max_tail_s after the last arrival are cut (and counted as
+            # such), so an overloaded server cannot stretch the phase to the request timeout.
+            _, late = await asyncio.wait(pending, timeout=spec["max_tail_s"])
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+    json.dump({"records": records, "t_end": time.monotonic() - t_base}, sys.stdout)
+
+
 async def run_client(spec: dict[str, Any]) -> dict[str, Any]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--client", json.dumps(spec),
@@ -215,28 +348,31 @@ def random_weights(cfg: dict[str, Any], device: str, dtype: Any, seed: int = 0) 
 
 
 def write_adapter(root: Path, name: str, cfg: dict[str, Any], rank: int, seed: int,
-                  device: str) -> None:
+                  device: str, targets: tuple[str, ...] = ATTN) -> None:
     import torch
     from safetensors.torch import save_file
 
     # Drawn on the device: 64 adapters of a 7B shape are ~1 G random numbers.
     g = torch.Generator(device=device).manual_seed(seed)
-    h = cfg["hidden_size"]
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     kvd = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
-    outs = {"q_proj": h, "k_proj": kvd, "v_proj": kvd, "o_proj": h}
+    # module -> (in features, out features)
+    shapes = {"q_proj": (h, h), "k_proj": (h, kvd), "v_proj": (h, kvd), "o_proj": (h, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
     t = {}
     for layer in range(cfg["num_hidden_layers"]):
-        for m in ATTN:
-            p = f"base_model.model.model.layers.{layer}.self_attn.{m}"
-            t[p + ".lora_A.weight"] = (torch.randn(rank, h, generator=g, device=device)
-                                       * h**-0.5).bfloat16().cpu()
-            t[p + ".lora_B.weight"] = (torch.randn(outs[m], rank, generator=g, device=device)
+        for m in targets:
+            fi, fo = shapes[m]
+            p = f"base_model.model.model.layers.{layer}.{'self_attn' if m in ATTN else 'mlp'}.{m}"
+            t[p + ".lora_A.weight"] = (torch.randn(rank, fi, generator=g, device=device)
+                                       * fi**-0.5).bfloat16().cpu()
+            t[p + ".lora_B.weight"] = (torch.randn(fo, rank, generator=g, device=device)
                                        * 0.02).bfloat16().cpu()
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     save_file(t, str(d / "adapter_model.safetensors"))
     (d / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(ATTN),
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
         "use_rslora": False, "bias": "none", "task_type": "CAUSAL_LM"}))
 
 
@@ -407,6 +543,320 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# ================================================================================= mix server
+def matmul_rate(device: str) -> dict[str, Any]:
+    """bf16 (fp32 on CPU) square matmul on random data: TFLOP/s, median of 10 after 3 warm-ups."""
+    import torch
+
+    n = 8192 if device == "cuda" else 512
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        if device == "cuda":
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            a @ b
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) / 1e3)
+        else:
+            t = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    return {"TFLOP_s": 2 * n**3 / med / 1e12, "n": n, "dtype": str(dtype), "median_s": med}
+
+
+def mix_floor(cfg: dict[str, int], dtype_bytes: int, prompt: float, output: float, batch: int,
+              adapters: int, adapter_bytes: int, copy_Bps: float, flops: float) -> dict[str, Any]:
+    """What one request of mean prompt/output length costs the GPU at least, per output token:
+    prefill FLOPs (linear layers + causal attention), the KV every decode step reads, and the
+    weights and adapters each step reads, shared by ``batch`` rows."""
+    from bench_engine_speed import kv_bytes_per_token, weight_bytes_per_step
+
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kvd = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    linear = layers * (2 * h * h + 2 * kvd * h + 3 * h * inter)
+    prefill_flops = 2 * linear * prompt + layers * 2 * h * prompt * prompt  # QK^T + PV, causal
+    decode_flops = output * 2 * (linear + cfg["vocab_size"] * h)
+    kv_bytes = output * (prompt + output / 2) * kv_bytes_per_token(cfg, dtype_bytes)
+    step_bytes = weight_bytes_per_step(cfg, dtype_bytes, batch) + min(adapters, batch) * adapter_bytes
+    shared_bytes = output * step_bytes / batch
+    t_flops = (prefill_flops + decode_flops) / flops
+    t_bytes = (kv_bytes + shared_bytes) / copy_Bps
+    return {
+        "mean_prompt_tokens": prompt, "mean_output_tokens": output, "rows_per_step": batch,
+        "flops_per_request": prefill_flops + decode_flops, "bytes_per_request": kv_bytes + shared_bytes,
+        "kv_bytes_per_request": kv_bytes,
+        "bound_output_tok_s": output / max(t_flops, t_bytes),
+        "serial_estimate_output_tok_s": output / (t_flops + t_bytes),
+        "note": "bound: FLOPs and bytes fully overlapped (no server does better); serial estimate: "
+                "prefill compute and decode memory traffic one after the other",
+    }
+
+
+def mix_summary(records: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
+    ok = [r for r in records if r.get("status") == 200 and r.get("done") and r.get("chunks")]
+    ttft = [1e3 * (r["first"] - r["sent"]) for r in ok]
+    tpot = [1e3 * (r["last"] - r["first"]) / (r["chunks"] - 1) for r in ok if r["chunks"] > 1]
+    codes: dict[str, int] = {}
+    for r in records:
+        key = "cut" if r.get("cut") else str(r.get("status"))
+        codes[key] = codes.get(key, 0) + 1
+
+    def dist(v: list[float]) -> dict[str, float | None]:
+        return {"p50": pct(v, 50), "p95": pct(v, 95), "p99": pct(v, 99),
+                "mean": statistics.fmean(v) if v else None}
+
+    completion = [r["usage_tokens"] if r["usage_tokens"] is not None else r["chunks"] for r in ok]
+    return {
+        "requests": len(records), "completed": len(ok), "status_counts": codes,
+        "ttft_ms": dist(ttft), "tpot_ms": dist(tpot),
+        "window_s": window_s, "window_output_tokens": sum(r.get("in_window", 0) for r in records),
+        "output_tok_s": sum(r.get("in_window", 0) for r in records) / window_s,
+        "completed_output_tokens": sum(completion),
+        "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in ok) if ok else None,
+        "mean_completion_tokens": statistics.fmean(completion) if completion else None,
+        "completion_over_max_tokens": (sum(completion) / sum(r["max_tokens"] for r in ok)) if ok else None,
+    }
+
+
+async def sample_engine(engine: Any, t_base: float, window: tuple[float, float],
+                        stop: asyncio.Event) -> dict[str, Any]:
+    """The engine's generated-token counter at the window's ends, and its batch every 0.25 s."""
+    marks: dict[str, int] = {}
+    running: list[int] = []
+    waiting: list[int] = []
+    while not stop.is_set():
+        now = time.monotonic() - t_base
+        st = engine.stats()
+        if window[0] <= now <= window[1]:
+            marks.setdefault("start", st.generated_tokens)
+            marks["end"] = st.generated_tokens
+            marks.setdefault("t_start", now)  # type: ignore[arg-type]
+            marks["t_end"] = now  # type: ignore[assignment]
+            running.append(st.num_running)
+            waiting.append(st.num_waiting)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.25)
+    span = marks.get("t_end", 0) - marks.get("t_start", 0)
+    return {"engine_output_tok_s": (marks["end"] - marks["start"]) / span if span > 0 else None,
+            "mean_running": statistics.fmean(running) if running else None,
+            "max_running": max(running, default=None), "mean_waiting": statistics.fmean(waiting) if waiting else None}
+
+
+async def mix_phase(engine: Any, spec: dict[str, Any], window: tuple[float, float]) -> dict[str, Any]:
+    spec = {**spec, "t_base": time.monotonic() + 2.0, "window": list(window)}
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_engine(engine, spec["t_base"], window, stop))
+    try:
+        out = await run_client(spec)
+    finally:
+        stop.set()
+    return {"client": out, "engine": await sampler}
+
+
+def _compact(records: list[dict[str, Any]]) -> list[list[Any]]:
+    """Per-request rows for the JSON: sent, ttft, last, chunks, usage tokens, prompt, max_tokens,
+    status (times in seconds since the phase's base)."""
+    return [[r.get("sent"), r.get("first"), r.get("last"), r.get("chunks"), r.get("usage_tokens"),
+             r.get("prompt_tokens"), r.get("max_tokens"), "cut" if r.get("cut") else r.get("status")]
+            for r in records]
+
+
+async def mix_main(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_engine_speed import adapter_bytes, copy_bandwidth, driver_version, versions
+
+    from adaptermesh.worker.engine import Engine, EngineConfig
+    from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
+    from adaptermesh.worker.testing import make_model_config, make_tokenizer
+    from adaptermesh.worker.types import SamplingParams
+
+    device = args.device
+    gpu = device == "cuda"
+    cfg = dict(SHAPE_7B if gpu else SHAPE_TINY)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype_bytes = 2 if gpu else 4
+    out_path = Path(args.out) if args.out else None
+    result: dict[str, Any] = {
+        "bench": "bench_service --mix",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {"device": device, "gpu": torch.cuda.get_device_name(0) if gpu else None,
+                    "driver": driver_version() if gpu else None, "hostname": socket.gethostname(),
+                    "versions": versions(), "cpu_count": os.cpu_count()},
+        "model": {"shape": cfg, "dtype": str(dtype), "weights": "random"},
+        "adapters": {"count": args.adapters, "rank": args.rank, "targets": list(ALL7)},
+    }
+
+    def save() -> None:
+        if out_path is not None:
+            out_path.write_text(json.dumps(result, indent=2, default=str))
+
+    result["machine"]["copy_bandwidth"] = copy_bandwidth(device, (2 << 30) if gpu else (64 << 20))
+    result["machine"]["matmul"] = matmul_rate(device)
+    if gpu:
+        torch.cuda.empty_cache()
+    work = Path(tempfile.mkdtemp(prefix="bench-service-mix-"))
+    model_dir, root = work / "model", work / "adapters"
+    model_dir.mkdir()
+    root.mkdir()
+    make_tokenizer(model_dir)
+    (model_dir / "config.json").write_text(json.dumps(make_model_config("llama", **cfg)))
+    adapters = [f"ad{i:02d}" for i in range(args.adapters)]
+    t = time.monotonic()
+    for i, name in enumerate(adapters):
+        write_adapter(root, name, cfg, args.rank, seed=i, device=device, targets=ALL7)
+    log(f"wrote {len(adapters)} adapters in {time.monotonic() - t:.1f}s")
+    ekw: dict[str, Any] = {"max_model_len": args.mix_max_model_len, "max_num_seqs": args.mix_max_num_seqs,
+                           "max_loras": len(adapters), "max_lora_rank": args.rank,
+                           "max_num_batched_tokens": 2048, "max_prefill_chunk": 2048}
+    if args.gpu_memory_fraction is not None:
+        ekw["gpu_memory_fraction"] = args.gpu_memory_fraction
+    ecfg = EngineConfig(**ekw)
+    t = time.monotonic()
+    engine = Engine(model_dir, root, device=device, dtype=dtype, config=ecfg,
+                    model_name="bench-base", weights=random_weights(cfg, device, dtype))
+    await asyncio.gather(*engine.prefetch(adapters))
+    log(f"engine built and adapters loaded in {time.monotonic() - t:.1f}s")
+    service = WorkerService(engine, ServiceConfig(
+        max_running=args.mix_max_num_seqs, max_waiting_per_tenant=args.mix_max_num_seqs,
+        max_waiting_total=4096, request_timeout_s=args.timeout))
+    runner, port = await serve(service, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}"
+    lo_p, hi_p = args.mix_prompt
+    lo_o, hi_o = args.mix_output
+    result["engine_config"] = {k: getattr(ecfg, k) for k in ekw}
+    result["workload"] = {
+        "prompt_tokens": f"uniform [{lo_p}, {hi_p}]", "max_tokens": f"uniform [{lo_o}, {hi_o}]",
+        "max_model_len": args.mix_max_model_len, "sampling": "API default (no temperature sent)",
+        "stream": True, "arrivals": "closed loop, then Poisson", "tenant": "one per adapter (x-tenant-id)",
+        "adapter_choice": "uniform", "closed_concurrency": args.mix_concurrency, "load": args.mix_load,
+        "ramp_s": args.mix_ramp_s, "capacity_s": args.mix_capacity_s, "run_s": args.mix_run_s,
+        "max_tail_s": args.mix_max_tail_s,
+        "service_max_running": args.mix_max_num_seqs,
+    }
+    result["floor"] = mix_floor(
+        cfg, dtype_bytes, (lo_p + hi_p) / 2, (lo_o + hi_o) / 2, args.mix_max_num_seqs, len(adapters),
+        adapter_bytes(cfg, args.rank, dtype_bytes), result["machine"]["copy_bandwidth"]["GB_s"] * 1e9,
+        result["machine"]["matmul"]["TFLOP_s"] * 1e12)
+    base = {"url": url, "adapters": adapters, "prompt_range": [lo_p, hi_p], "output_range": [lo_o, hi_o],
+            "timeout_s": args.timeout}
+    try:
+        result["engine"] = engine.describe()
+        # Warm-up, in process: every decode batch bucket once (the graph of each is captured
+        # now, not inside the timed phases), with sampling at temperature 1 like the API's
+        # default, plus a few full-size prefill chunks.
+        t = time.monotonic()
+        listed = result["engine"].get("decode_buckets") or result["engine"].get("graph_buckets") or ()
+        buckets = sorted({x for x in listed if isinstance(x, int)}
+                         or {1 << k for k in range(args.mix_max_num_seqs.bit_length())}
+                         | {args.mix_max_num_seqs})
+        # Short prompts and 16 tokens: every request of a bucket is admitted within a step or
+        # two, so all of them decode together for a while.
+        sp = SamplingParams(max_tokens=16, temperature=1.0, seed=1)
+        for bsz in (x for x in buckets if 0 < x <= args.mix_max_num_seqs):
+            await direct_batch(engine, adapters, bsz, min(lo_p, 16), sp)
+        await direct_batch(engine, adapters, 4, min(hi_p, args.mix_max_model_len - 16), sp)
+        result["warmup_s"] = time.monotonic() - t
+        log(f"warm-up over {len(buckets)} batch buckets in {result['warmup_s']:.1f}s")
+
+        # 1. Capacity: closed loop, counted over [ramp, ramp + capacity_s], then cut.
+        w = (args.mix_ramp_s, args.mix_ramp_s + args.mix_capacity_s)
+        cap = await mix_phase(engine, {**base, "mode": "mix_closed", "seed": 11,
+                                       "concurrency": args.mix_concurrency}, w)
+        summ = mix_summary(cap["client"]["records"], args.mix_capacity_s)
+        result["capacity"] = {**summ, "concurrency": args.mix_concurrency, **cap["engine"],
+                              "requests_detail": _compact(cap["client"]["records"])}
+        log(f"capacity: {summ['output_tok_s']:.0f} output tok/s (engine counter "
+            f"{cap['engine']['engine_output_tok_s']}), mean running {cap['engine']['mean_running']}")
+        save()
+        t = time.monotonic()
+        while service.inflight and time.monotonic() - t < 60:  # the cut requests wind down
+            await asyncio.sleep(0.1)
+
+        # 2. Poisson load at a fraction of that capacity.
+        if summ["output_tok_s"] <= 0:
+            raise RuntimeError(f"the capacity phase completed no tokens: {summ['status_counts']}")
+        per_req = (lo_o + hi_o) / 2 * (summ["completion_over_max_tokens"] or 1.0)
+        rate = args.mix_load * summ["output_tok_s"] / per_req
+        ramp = min(args.mix_ramp_s, args.mix_run_s / 4)
+        run = await mix_phase(engine, {**base, "mode": "mix_open", "seed": 12, "rate": rate,
+                                       "duration": args.mix_run_s, "max_tail_s": args.mix_max_tail_s},
+                              (ramp, args.mix_run_s))
+        lsum = mix_summary(run["client"]["records"], args.mix_run_s - ramp)
+        result["load"] = {**lsum, "load_fraction": args.mix_load, "rate_req_s": rate,
+                          "expected_output_tokens_per_request": per_req,
+                          "offered_output_tok_s": rate * per_req, "duration_s": args.mix_run_s,
+                          "tail_s": run["client"]["t_end"] - args.mix_run_s, **run["engine"],
+                          "requests_detail": _compact(run["client"]["records"])}
+        log(f"load {args.mix_load:.0%} ({rate:.2f} req/s): ttft p95 {lsum['ttft_ms']['p95']} ms, "
+            f"tpot p95 {lsum['tpot_ms']['p95']} ms, {lsum['output_tok_s']:.0f} output tok/s")
+        result["engine_at_end"] = engine.describe()
+    finally:
+        result["targets"] = mix_targets(result)
+        save()
+        await runner.cleanup()
+        await engine.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+async def direct_batch(engine: Any, adapters: list[str], n: int, prompt_len: int, sp: Any) -> None:
+    from adaptermesh.worker.types import GenerationRequest
+
+    async def one(i: int) -> None:
+        req = GenerationRequest(f"warm-{n}-{prompt_len}-{i}",
+                                tuple(prompt_ids(7_000_000 + n * 1000 + i, prompt_len)),
+                                adapters[i % len(adapters)], sp)
+        async for _ in engine.submit(req):
+            pass
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def mix_targets(r: dict[str, Any]) -> dict[str, Any]:
+    cap = (r.get("capacity") or {}).get("output_tok_s")
+    load = r.get("load") or {}
+    tpot = (load.get("tpot_ms") or {}).get("p95")
+    ttft = (load.get("ttft_ms") or {}).get("p95")
+
+    def row(value: float | None, target: str, ok: bool) -> dict[str, Any]:
+        return {"value": value, "target": target, "met": None if value is None else ok}
+
+    return {
+        "http_capacity_output_tok_s": row(cap, ">= 6000", cap is not None and cap >= 6000),
+        "http_tpot_p95_at_80pct_ms": row(tpot, "<= 25", tpot is not None and tpot <= 25),
+        "http_ttft_p95_at_80pct_ms": row(ttft, "<= 400", ttft is not None and ttft <= 400),
+    }
+
+
+def print_mix_table(r: dict[str, Any]) -> None:
+    print("\n== bench_service --mix ==")
+    for name, t in r.get("targets", {}).items():
+        v = t["value"]
+        print(f"{name:32s} {('n/a' if v is None else f'{v:.1f}'):>10s} {t['target']:>8s} {t['met']}")
+    load = r.get("load") or {}
+    if load:
+        print(f"load {load.get('load_fraction')}: {load.get('rate_req_s', 0):.2f} req/s, "
+              f"ttft p50/p95/p99 {[round(x or 0) for x in load['ttft_ms'].values()][:3]} ms, "
+              f"tpot p50/p95/p99 {[round(x or 0, 1) for x in load['tpot_ms'].values()][:3]} ms, "
+              f"{load.get('output_tok_s', 0):.0f} output tok/s, codes {load.get('status_counts')}")
+    fl = r.get("floor") or {}
+    if fl:
+        print(f"floor: bound {fl['bound_output_tok_s']:.0f} output tok/s, serial estimate "
+              f"{fl['serial_estimate_output_tok_s']:.0f}")
+    sys.stdout.flush()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--client", help=argparse.SUPPRESS)
@@ -422,14 +872,49 @@ def main() -> int:
     p.add_argument("--fractions", type=float, nargs="+", default=list(LOAD_FRACTIONS))
     p.add_argument("--slo-ttft", type=float, default=None)
     p.add_argument("--slo-tpot", type=float, default=None)
-    p.add_argument("--timeout", type=float, default=60.0, help="per-request deadline (s)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="per-request deadline (s); default 60, with --mix 120")
     p.add_argument("--queue-per-tenant", type=int, default=8)
     p.add_argument("--queue-total", type=int, default=256)
+    mix = p.add_argument_group("--mix mode (defaults: GPU / CPU)")
+    mix.add_argument("--mix", action="store_true", help="the serving-mix benchmark instead of the sweep")
+    mix.add_argument("--mix-concurrency", type=int, default=None, help="closed-loop requests in flight (256 / 16)")
+    mix.add_argument("--mix-ramp-s", type=float, default=None, help="seconds before counting starts (8 / 1)")
+    mix.add_argument("--mix-capacity-s", type=float, default=None, help="closed-loop counting window (60 / 3)")
+    mix.add_argument("--mix-run-s", type=float, default=None, help="Poisson arrival window (60 / 3)")
+    mix.add_argument("--mix-load", type=float, default=0.8, help="Poisson rate as a fraction of capacity")
+    mix.add_argument("--mix-max-tail-s", type=float, default=None,
+                     help="after the last arrival, cut requests still running after this (30 / 10)")
+    mix.add_argument("--mix-prompt", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                     help="prompt tokens, uniform (64 2048 / 16 128)")
+    mix.add_argument("--mix-output", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                     help="max_tokens, uniform (16 512 / 4 32)")
+    mix.add_argument("--mix-max-model-len", type=int, default=None, help="context limit (2576 / 176)")
+    mix.add_argument("--mix-max-num-seqs", type=int, default=None, help="engine max_num_seqs (256 / 32)")
+    mix.add_argument("--gpu-memory-fraction", type=float, default=None,
+                     help="EngineConfig.gpu_memory_fraction (default: the engine's)")
     args = p.parse_args()
     if args.client:
         asyncio.run(client_main(args))
         return 0
     gpu = args.device == "cuda"
+    if args.mix:
+        for name, on_gpu, on_cpu in (("rank", 16, 16), ("timeout", 120.0, 60.0),
+                                     ("mix_concurrency", 256, 16), ("mix_ramp_s", 8.0, 1.0),
+                                     ("mix_capacity_s", 60.0, 3.0), ("mix_run_s", 60.0, 3.0),
+                                     ("mix_prompt", [64, 2048], [16, 128]),
+                                     ("mix_output", [16, 512], [4, 32]),
+                                     ("mix_max_model_len", 2576, 176),
+                                     ("mix_max_num_seqs", 256, 32), ("mix_max_tail_s", 30.0, 10.0)):
+            if getattr(args, name) is None:
+                setattr(args, name, on_gpu if gpu else on_cpu)
+        if args.mix_prompt[1] + args.mix_output[1] > args.mix_max_model_len:
+            p.error("--mix-prompt HI + --mix-output HI must fit in --mix-max-model-len")
+        result = asyncio.run(mix_main(args))
+        print_mix_table(result)
+        return 0
+    if args.timeout is None:
+        args.timeout = 60.0
     # Defaults: a 7B-shaped run on the GPU; a small smoke run on CPU.
     for name, on_gpu, on_cpu in (("rank", 16, 4), ("batch", 64, 8), ("prompt_len", 128, 16),
                                  ("max_tokens", 64, 16), ("duration", 12.0, 3.0),
