@@ -100,3 +100,33 @@ async def test_seeded_tokens_do_not_depend_on_the_batch(tiny: Tiny, make_engine:
                      temperature=0.7 * (i % 2), seed=i) for i in range(5)]
     outs = await asyncio.gather(*(collect(eng.submit(r)) for r in [*noise[:2], mine, *noise[2:]]))
     assert tokens(outs[2]) == alone
+
+
+async def test_overlapped_steps_match_peft(tiny: Tiny, make_engine: Any) -> None:
+    # Step N+1 is planned before step N's tokens reach the host: decode rows gather their input
+    # from the device, and tokens of sequences that stopped meanwhile are dropped.
+    eng = make_engine(block_size=BS, async_scheduling=True, max_num_seqs=4, max_prefill_chunk=5,
+                      max_num_batched_tokens=12)
+    names: list[str | None] = [None, "alpha", "beta", "gamma", "delta"]
+    jobs = [(f"o{i}-{n}", tiny.encode(p), n, 5 + (i + j) % 4)
+            for i, p in enumerate(PROMPTS) for j, n in enumerate(names)]
+    outs = await asyncio.gather(*(collect(eng.submit(request(r, ids, n, max_tokens=k))) for r, ids, n, k in jobs))
+    for (rid, ids, name, k), ev in zip(jobs, outs, strict=True):
+        assert tokens(ev) == tiny.ref.greedy(list(ids), name, k), rid
+        assert ev[-1].completion_tokens == k
+    assert eng.describe()["async_scheduling"] is True
+    assert eng.blocks.num_free() == eng.kv.num_blocks - 1
+
+
+async def test_overlapped_stop_string_drops_the_extra_token(tiny: Tiny, make_engine: Any) -> None:
+    eng = make_engine(block_size=BS, async_scheduling=True)
+    ids = tiny.encode(PROMPTS[1])
+    full = await collect(eng.submit(request("full", ids, "alpha", max_tokens=12)))
+    text = "".join(e.text for e in full)
+    assert len(text) >= 4, text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = await collect(eng.submit(request("cut", ids, "alpha", max_tokens=12, stop=(stop,))))
+    assert cut[-1].finish_reason == "stop"
+    assert "".join(e.text for e in cut) == text[: text.find(stop)]
+    assert eng.stats().num_running == 0
+    assert eng.blocks.num_free() == eng.kv.num_blocks - 1

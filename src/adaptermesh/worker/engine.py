@@ -116,7 +116,10 @@ class EngineConfig:
     max_waiting: int = 4096
     use_cuda_graphs: bool = True
     graph_max_tokens: int = 512  # mixed prefill+decode steps up to this many tokens replay graphs
-    async_scheduling: bool = True  # plan and launch step N+1 while step N runs (CUDA only)
+    # Plan and launch step N+1 while step N runs. None: on CUDA only. True also on CPU, where
+    # steps finish at launch but the in-flight token path (device gather, dropped tokens of
+    # sequences that stopped) runs the same way; tests use it.
+    async_scheduling: bool | None = None
     profile_steps: bool = False  # record host and GPU time per step in Engine.step_profile
     adapter_slot_wait_s: float = 10.0
     max_expert_sets: int = 4  # resident AdaFuse expert sets (device memory outside the LoRA pool)
@@ -369,7 +372,7 @@ class Engine:
         self._tok_host = [self._host(torch.zeros(self._max_entries, dtype=torch.int64)) for _ in range(self._ring)]
         self._ring_pos = 0
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self._cuda else 1
-        self._overlap = self._cuda and cfg.async_scheduling
+        self._overlap = self._cuda if cfg.async_scheduling is None else bool(cfg.async_scheduling)
 
         self._masters = BackboneMasters(self.model)
         # The expert set whose selection the backbone weights hold right now (merged path), that
