@@ -7,7 +7,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/src
+export PYTHONPATH=$PWD/src REQUIRE_GPU=1
 {
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -10,7 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1 ADAPTERMESH_DRIFT_REPORT=1
+export PYTHONPATH=src PYTHONUNBUFFERED=1 ADAPTERMESH_DRIFT_REPORT=1 REQUIRE_GPU=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
   | tee "$OUT/nvidia_smi.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \

@@ -1,6 +1,8 @@
 """Shared pytest configuration: marker gating.
 
-- ``gpu`` tests skip without CUDA (CI has none).
+- ``gpu`` tests skip without CUDA (CI has none). With ``REQUIRE_GPU=1`` (the GPU scripts in
+  ``bench/`` set it) a missing or broken CUDA install fails the run instead, so it cannot
+  look green on the GPU machine.
 - ``root`` tests need root: CI runs as root, so they run there. Nothing is skipped for a
   missing install step: scripts/setup.sh checks every import the tests need.
 """
@@ -29,6 +31,8 @@ def _cuda_available() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_gpu = _cuda_available()
+    if os.environ.get("REQUIRE_GPU") == "1" and not has_gpu:
+        raise pytest.UsageError("REQUIRE_GPU=1 but torch sees no CUDA device: the GPU install is broken")
     is_root = os.geteuid() == 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_root = pytest.mark.skip(reason="needs root (eBPF, network namespaces)")
