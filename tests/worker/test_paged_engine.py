@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from adaptermesh.worker.kv_cache import KVCacheSpec, spec_bytes_per_token
 from adaptermesh.worker.model import ModelConfig
 
@@ -72,7 +74,8 @@ async def test_whole_prompt_cached_still_computes_its_last_token(tiny: Tiny, mak
 async def test_preempted_requests_resume_with_unchanged_output(tiny: Tiny, make_engine: Any) -> None:
     n_req, prompt_len, new = 6, 20, 24
     # Room for about three sequences at full length: the others are preempted while decoding.
-    eng = make_engine(block_size=BS, max_num_seqs=n_req, kv_cache_bytes=_kv_bytes(tiny, 3 * (prompt_len + new) + BS),
+    eng = make_engine(block_size=BS, max_num_seqs=n_req, max_model_len=64,
+                      kv_cache_bytes=_kv_bytes(tiny, 3 * (prompt_len + new) + BS),
                       enable_prefix_caching=False)
     names = [None, "alpha", "beta", "gamma", "delta", "alpha"]
     prompts = [_long_prompt(tiny, prompt_len + i) for i in range(n_req)]
@@ -130,3 +133,11 @@ async def test_overlapped_stop_string_drops_the_extra_token(tiny: Tiny, make_eng
     assert "".join(e.text for e in cut) == text[: text.find(stop)]
     assert eng.stats().num_running == 0
     assert eng.blocks.num_free() == eng.kv.num_blocks - 1
+
+
+def test_a_cache_smaller_than_one_context_is_refused(tiny: Tiny) -> None:
+    from adaptermesh.worker.engine import Engine, EngineConfig
+
+    cfg = EngineConfig(block_size=BS, max_model_len=64, kv_cache_bytes=_kv_bytes(tiny, 40))
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        Engine(tiny.model_dir, tiny.root, config=cfg)

@@ -328,6 +328,11 @@ class Engine:
         num_blocks = max(0, budget) // per_block
         if cap is not None:
             num_blocks = min(num_blocks, cap)
+        if num_blocks - 1 < self.max_blocks_per_seq:
+            raise ValueError(
+                f"kv_cache: the memory budget holds {max(0, num_blocks - 1) * bs} tokens, less than one sequence of "
+                f"max_model_len={self.max_model_len}; lower max_model_len or raise the budget"
+            )
         self.kv = PagedKVCache(spec, int(num_blocks), self.device)
         self.blocks = BlockManager(self.kv.num_blocks, bs, enable_prefix_caching=cfg.enable_prefix_caching)
 
