@@ -79,7 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     # Engine sizes.
     p.add_argument("--max-model-len", type=_positive_int, default=None)
     p.add_argument("--max-num-seqs", type=_positive_int, default=None,
-                   help="decode batch rows (KV slots)")
+                   help="sequences running at once (decode batch rows)")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="token budget of one step (decode rows + prompt chunks)")
+    p.add_argument("--max-prefill-chunk", type=_positive_int, default=None)
+    p.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (8..256, a power of two)")
+    p.add_argument("--kv-cache-bytes", type=_positive_int, default=None,
+                   help="KV cache size in bytes (default: from --gpu-memory-fraction)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share prompt blocks between requests of the same adapter")
     p.add_argument("--max-loras", type=_positive_int, default=None, help="adapter GPU slots")
     p.add_argument("--max-lora-rank", type=_positive_int, default=None)
     p.add_argument("--gpu-memory-fraction", type=float, default=None)
@@ -124,10 +132,15 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
     config = EngineConfig()
     for flag, attr in (("max_model_len", "max_model_len"), ("max_num_seqs", "max_num_seqs"),
                        ("max_loras", "max_loras"), ("max_lora_rank", "max_lora_rank"),
-                       ("gpu_memory_fraction", "gpu_memory_fraction")):
+                       ("gpu_memory_fraction", "gpu_memory_fraction"),
+                       ("max_num_batched_tokens", "max_num_batched_tokens"),
+                       ("max_prefill_chunk", "max_prefill_chunk"), ("block_size", "block_size"),
+                       ("kv_cache_bytes", "kv_cache_bytes")):
         value = getattr(args, flag)
         if value is not None:
             setattr(config, attr, value)
+    if args.no_prefix_caching:
+        config.enable_prefix_caching = False
     engine: EngineProtocol = Engine(args.model, args.adapter_root, device=device, dtype=dtype,
                                     config=config, model_name=args.served_model_name)
     return engine
