@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from adaptermesh.worker import engine as engine_mod
 from adaptermesh.worker.engine import Engine, EngineConfig
 from adaptermesh.worker.testing import make_adapter, make_tiny_model
 from adaptermesh.worker.types import GenerationRequest, SamplingParams, TokenEvent
@@ -133,3 +134,20 @@ def tokens(events: list[TokenEvent]) -> list[int]:
 async def aiter_events(stream: Any) -> AsyncIterator[TokenEvent]:
     async for e in stream:
         yield e
+
+
+@pytest.fixture
+def logit_log(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tensor]]:
+    """Records, per request id, the logits row each token was sampled from (CPU engines run
+    ``engine.sample_logits`` on every step; graphs would call it only at capture)."""
+    log: dict[str, list[torch.Tensor]] = {}
+    real = engine_mod.sample_logits
+
+    def recording(logits: torch.Tensor, buf: Any, mode: Any, rows: list[Any], out: Any = None) -> torch.Tensor:
+        for i, s in enumerate(rows):
+            if s is not None:
+                log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
+        return real(logits, buf, mode, rows, out)
+
+    monkeypatch.setattr(engine_mod, "sample_logits", recording)
+    return log

@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from adaptermesh.worker import adafuse as adafuse_mod
-from adaptermesh.worker import engine as engine_mod
 from adaptermesh.worker.adapters import AdapterValidationError
 from adaptermesh.worker.testing import make_adafuse_expert_set
 from adaptermesh.worker.types import AdapterNotFoundError
@@ -115,21 +114,6 @@ def moe_root(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def moe_ref(tiny: Tiny, moe_root: Path) -> ExpertSetReference:
     return ExpertSetReference(tiny.model_dir, moe_root, [*SETS, CONST])
-
-
-@pytest.fixture
-def logit_log(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tensor]]:
-    log: dict[str, list[torch.Tensor]] = {}
-    real = engine_mod.sample_logits
-
-    def recording(logits: torch.Tensor, buf: Any, mode: Any, rows: list[Any], out: Any = None) -> torch.Tensor:
-        for i, s in enumerate(rows):
-            if s is not None:
-                log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
-        return real(logits, buf, mode, rows, out)
-
-    monkeypatch.setattr(engine_mod, "sample_logits", recording)
-    return log
 
 
 def _check(rid: str, ids: tuple[int, ...], got: list[int], want_logits: Callable[[list[int]], torch.Tensor],

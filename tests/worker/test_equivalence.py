@@ -10,26 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from adaptermesh.worker import engine as engine_mod
 from adaptermesh.worker.testing import make_adapter, make_tiny_model
 
 from .conftest import ADAPTERS, PROMPTS, Reference, Tiny, collect, request, tokens
-
-
-@pytest.fixture
-def logit_log(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tensor]]:
-    """Records, per request id, the logits row each token was sampled from."""
-    log: dict[str, list[torch.Tensor]] = {}
-    real = engine_mod.sample_logits
-
-    def recording(logits: torch.Tensor, buf: Any, mode: Any, rows: list[Any], out: Any = None) -> torch.Tensor:
-        for i, s in enumerate(rows):
-            if s is not None:
-                log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
-        return real(logits, buf, mode, rows, out)
-
-    monkeypatch.setattr(engine_mod, "sample_logits", recording)
-    return log
 
 
 async def test_mixed_batch_matches_peft(tiny: Tiny, make_engine: Any, logit_log: dict[str, list[torch.Tensor]]) -> None:
