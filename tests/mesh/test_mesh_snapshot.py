@@ -132,7 +132,7 @@ def test_consistency_catches_dangling_references() -> None:
         Snapshot.create("2", no_route).check_consistent()
 
 
-_ids = st.from_regex(r"[a-z0-9][a-z0-9-]{0,10}", fullmatch=True)
+_ids = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,9}[a-z0-9])?", fullmatch=True)
 _adapters = st.lists(st.sampled_from(["a", "b", "c", "sql", "chat"]), max_size=3)
 _endpoints = st.lists(st.builds(
     lambda last, port, weight, draining, adapters: ap.Endpoint(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import re
 import socket
 from collections import deque
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 
+from adaptermesh import assignment_rules as rules
 from adaptermesh.bpf import maglev
 
 if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
@@ -54,10 +54,11 @@ __all__ = [
     "validate_assignment",
 ]
 
-WEIGHT_BUDGET = 10_000
-# Must stay in sync with the defaults in classifier.h.
-AM_MAX_SHARDS = 256
-AM_MAX_PINS = 16384
+# The one copy of each limit lives in assignment_rules; the loader compiles the classifier
+# with -DAM_MAX_SHARDS / -DAM_MAX_PINS from these.
+WEIGHT_BUDGET = rules.WEIGHT_BUDGET
+AM_MAX_SHARDS = rules.MAX_SHARDS
+AM_MAX_PINS = rules.MAX_PINS
 # struct am_shard.state / .kind / .flags and struct am_event.reason (classifier.h).
 STATE_ABSENT, STATE_ACTIVE, STATE_DRAINING = 0, 1, 2
 STEER_NONE, STEER_TUNNEL, STEER_REDIRECT, STEER_MARK = 0, 1, 2, 3
@@ -65,16 +66,8 @@ F_SET_MAC, F_INGRESS = 0x1, 0x2
 REASON_PIN, REASON_MAGLEV, REASON_REPICK = 1, 2, 3
 REASON_NAMES = {REASON_PIN: "pin", REASON_MAGLEV: "maglev", REASON_REPICK: "repick"}
 
-_MAC_RE = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
-
-
-class AssignmentError(ValueError):
-    """An Assignment was rejected; ``field`` names the offending field (``shards[2].weight``)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        self.message = message
-        super().__init__(f"{field}: {message}")
+# An Assignment was rejected; ``field`` names the offending field (``shards[2].weight``).
+AssignmentError = rules.RuleError
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +195,9 @@ def _fast_pin_key(cidr: str) -> tuple[int, bytes] | None:
 
 
 def _parse_pin_key(cidr: str) -> tuple[int, bytes]:
-    return _fast_pin_key(cidr) or lpm_key(ipaddress.ip_network(cidr, strict=True))
+    # The shared rules decide what a CIDR is; the fast path only answers for plain spellings
+    # that they accept too.
+    return _fast_pin_key(cidr) or lpm_key(rules.cidr_network(cidr))
 
 
 @functools.lru_cache(maxsize=1 << 17)
@@ -210,14 +205,6 @@ def _pin_key(cidr: str) -> tuple[int, bytes]:
     # Pins change rarely between assignments; parsing 10,000 of them every 5 s would
     # dominate apply() (about 10 ms), so parsed keys are remembered.
     return _parse_pin_key(cidr)
-
-
-def _mac(text: str, name: str) -> bytes | None:
-    if not text:
-        return None
-    if not _MAC_RE.match(text):
-        raise AssignmentError(name, f"invalid MAC address {text!r}")
-    return bytes(int(p, 16) for p in text.split(":"))
 
 
 def _steer(
@@ -229,39 +216,31 @@ def _steer(
     which = shard.steer.WhichOneof("target") if shard.HasField("steer") else None
     if which is None:
         return SteerPlan()
+    # What needs nothing of this node is the shared rules' call; then the node's own facts.
+    rules.check_steer(shard.steer, f"{name}.steer")
     if which == "tunnel":
         t = shard.steer.tunnel
-        try:
-            remote = ipaddress.IPv4Address(t.remote_ipv4)
-        except ValueError as e:
-            raise AssignmentError(f"{name}.steer.tunnel.remote_ipv4", str(e)) from None
-        if not 0 < t.vni < 1 << 24:
-            raise AssignmentError(f"{name}.steer.tunnel.vni", f"{t.vni} is not in 1..16777215")
+        remote = ipaddress.IPv4Address(t.remote_ipv4)
         if vxlan_ifindex is None:
             raise AssignmentError(
                 f"{name}.steer.tunnel", "this node has no collect-metadata VXLAN device"
             )
-        mac = _mac(t.inner_dst_mac, f"{name}.steer.tunnel.inner_dst_mac")
+        mac = rules.mac_bytes(t.inner_dst_mac, f"{name}.steer.tunnel.inner_dst_mac")
         return SteerPlan(kind=STEER_TUNNEL, ifindex=vxlan_ifindex, remote_ipv4=int(remote),
                          vni=t.vni, mac=mac)
     if which == "redirect":
         r = shard.steer.redirect
         ifindex = r.ifindex
         if ifindex == 0:
-            if not r.ifname:
-                raise AssignmentError(f"{name}.steer.redirect", "needs ifname or ifindex")
             found = resolve_ifname(r.ifname)
             if found is None:
                 raise AssignmentError(
                     f"{name}.steer.redirect.ifname", f"no interface {r.ifname!r} on this node"
                 )
             ifindex = found
-        mac = _mac(r.dst_mac, f"{name}.steer.redirect.dst_mac")
+        mac = rules.mac_bytes(r.dst_mac, f"{name}.steer.redirect.dst_mac")
         return SteerPlan(kind=STEER_REDIRECT, ifindex=ifindex, mac=mac, ingress=r.ingress)
-    m = shard.steer.mark.mark
-    if m == 0:
-        raise AssignmentError(f"{name}.steer.mark.mark", "must be non-zero")
-    return SteerPlan(kind=STEER_MARK, mark=m)
+    return SteerPlan(kind=STEER_MARK, mark=shard.steer.mark.mark)
 
 
 def validate_assignment(

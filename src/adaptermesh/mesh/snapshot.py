@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import ipaddress
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,6 +55,8 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
+
+from adaptermesh import assignment_rules as rules
 
 if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
     from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
@@ -87,24 +88,17 @@ ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 # can point at them (Envoy's own ADS sequencing expects CDS -> EDS -> LDS -> RDS).
 ADS_TYPE_ORDER: tuple[str, ...] = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
 
-LB_POLICY_LABEL = "adaptermesh.io/lb-policy"
-UPSTREAM_PROTOCOL_LABEL = "adaptermesh.io/upstream-protocol"
+LB_POLICY_LABEL = rules.LB_POLICY_LABEL
+UPSTREAM_PROTOCOL_LABEL = rules.UPSTREAM_PROTOCOL_LABEL
 ADAPTER_METADATA_KEY = "adapter"
 _LB_NAMESPACE = "envoy.lb"
 
-# Shard ids become resource and stat names; keep them to characters Envoy accepts there.
-_SHARD_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_LB_POLICIES = ("round_robin", "least_request")
-_UPSTREAM_PROTOCOLS = ("http1", "http2", "downstream")
+_LB_POLICIES = rules.LB_POLICIES
+_UPSTREAM_PROTOCOLS = rules.UPSTREAM_PROTOCOLS
 
 
-class AssignmentError(ValueError):
-    """An Assignment field makes an invalid Envoy configuration; ``field`` names it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+# An Assignment field makes an invalid Envoy configuration; ``field`` names it.
+AssignmentError = rules.RuleError
 
 
 class InconsistentSnapshotError(ValueError):
@@ -258,19 +252,22 @@ class Snapshot:
 
 
 def validate_assignment(assignment: assignment_pb2.Assignment) -> None:
-    """Raise :class:`AssignmentError` naming the first field Envoy could not accept."""
+    """Raise :class:`AssignmentError` naming the first field Envoy could not accept.
+
+    The rules are the shared Assignment rules (:mod:`adaptermesh.assignment_rules`), per shard
+    and across shards (one listener per address and port); the snapshot needs no others.
+    """
     seen_ids: set[str] = set()
     seen_listeners: dict[tuple[str, int], str] = {}
     for i, shard in enumerate(assignment.shards):
         where = f"shards[{i}]"
-        if not _SHARD_ID_RE.match(shard.id):
-            raise AssignmentError(f"{where}.id", f"{shard.id!r} must match {_SHARD_ID_RE.pattern}")
+        rules.check_shard(shard, where, weighted=True)
         if shard.id in seen_ids:
             raise AssignmentError(f"{where}.id", f"duplicate shard id {shard.id!r}")
         seen_ids.add(shard.id)
-        service_ip = _check_ip(f"{where}.service_address", shard.service_address)
-        _check_port(f"{where}.service_port", shard.service_port)
-        key = (str(service_ip), shard.service_port)
+        if not shard.service_address:
+            continue  # no listener for this shard
+        key = (str(ipaddress.ip_address(shard.service_address)), shard.service_port)
         if key in seen_listeners:
             raise AssignmentError(
                 f"{where}.service_port",
@@ -278,29 +275,6 @@ def validate_assignment(assignment: assignment_pb2.Assignment) -> None:
                 f"shard {seen_listeners[key]!r}",
             )
         seen_listeners[key] = shard.id
-        policy = shard.labels.get(LB_POLICY_LABEL)
-        if policy is not None and policy not in _LB_POLICIES:
-            raise AssignmentError(f"{where}.labels[{LB_POLICY_LABEL}]",
-                                  f"{policy!r} is not one of {', '.join(_LB_POLICIES)}")
-        protocol = shard.labels.get(UPSTREAM_PROTOCOL_LABEL)
-        if protocol is not None and protocol not in _UPSTREAM_PROTOCOLS:
-            raise AssignmentError(f"{where}.labels[{UPSTREAM_PROTOCOL_LABEL}]",
-                                  f"{protocol!r} is not one of {', '.join(_UPSTREAM_PROTOCOLS)}")
-        seen_endpoints: set[tuple[str, int]] = set()
-        for j, ep in enumerate(shard.endpoints):
-            ewhere = f"{where}.endpoints[{j}]"
-            ep_ip = _check_ip(f"{ewhere}.address", ep.address)
-            _check_port(f"{ewhere}.port", ep.port)
-            if ep.weight < 1:
-                raise AssignmentError(f"{ewhere}.weight", f"must be >= 1, got {ep.weight}")
-            ep_key = (str(ep_ip), ep.port)
-            if ep_key in seen_endpoints:
-                raise AssignmentError(f"{ewhere}", f"duplicate endpoint {ep.address}:{ep.port}")
-            seen_endpoints.add(ep_key)
-            for k, adapter in enumerate(ep.adapters):
-                if not adapter or not adapter.isprintable() or len(adapter) > 256:
-                    raise AssignmentError(f"{ewhere}.adapters[{k}]",
-                                          f"{adapter!r} must be 1-256 printable characters")
 
 
 def build_snapshot(
@@ -332,6 +306,8 @@ def build_snapshot(
         clusters.append(cluster_pb2.Cluster.FromString(
             _cluster_bytes(shard.id, labels, opts)))
         endpoints.append(build_load_assignment(shard))
+        if not shard.service_address:
+            continue  # reachable only through another listener's routes, if any
         listeners.append(listener_pb2.Listener.FromString(
             _listener_bytes(shard.id, shard.service_address, shard.service_port, opts)))
         routes.append(route_pb2.RouteConfiguration.FromString(
@@ -564,18 +540,6 @@ def _pack(message: Message) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
     return packed
-
-
-def _check_ip(field_name: str, value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    try:
-        return ipaddress.ip_address(value)
-    except ValueError:
-        raise AssignmentError(field_name, f"{value!r} is not an IP address") from None
-
-
-def _check_port(field_name: str, value: int) -> None:
-    if not 1 <= value <= 65535:
-        raise AssignmentError(field_name, f"port {value} is outside 1-65535")
 
 
 def _resource_name(message: Message) -> str:

@@ -1,0 +1,350 @@
+"""What an Assignment may contain: the one owner of its rules and limits.
+
+The control plane checks every write against these rules before it stores anything, the
+rebalancer checks every Assignment before it publishes, and the node agent checks every
+Assignment before it applies it. Because all three call the same functions, a value the agent
+would refuse can never be stored, and an agent never freezes on an Assignment that the
+control plane thought was fine.
+
+Every check raises :class:`RuleError`, whose ``field`` names the offending field
+(``shards[2].steer.tunnel.vni``, ``shard.endpoints[0].address``) and whose message says what
+is allowed. ``docs/limits.md`` lists every limit with its value and the error it produces.
+
+The map sizes are the classifier's: the loader compiles ``classifier.bpf.c`` with
+``-DAM_MAX_SHARDS=MAX_SHARDS`` and ``-DAM_MAX_PINS=MAX_PINS`` from here, so there is one copy
+of each.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
+    from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
+else:
+    from adaptermesh.proto import assignment_pb2
+
+__all__ = [
+    "LB_POLICIES",
+    "LB_POLICY_LABEL",
+    "MAX_ADAPTERS_PER_ENDPOINT",
+    "MAX_ADAPTER_NAME",
+    "MAX_ALLOWED_CIDRS",
+    "MAX_APPLY_ERROR",
+    "MAX_ENDPOINTS",
+    "MAX_IFNAME",
+    "MAX_LABELS",
+    "MAX_LABEL_KEY",
+    "MAX_LABEL_VALUE",
+    "MAX_NODES",
+    "MAX_NODE_ID",
+    "MAX_PINS",
+    "MAX_REASON",
+    "MAX_SHARDS",
+    "MAX_VNI",
+    "SHARD_ID_RE",
+    "UPSTREAM_PROTOCOLS",
+    "UPSTREAM_PROTOCOL_LABEL",
+    "WEIGHT_BUDGET",
+    "RuleError",
+    "check_address",
+    "check_assignment",
+    "check_labels",
+    "check_mac",
+    "check_port",
+    "check_reason",
+    "check_shard",
+    "check_shard_id",
+    "check_steer",
+    "cidr_network",
+    "mac_bytes",
+    "normalise_cidr",
+]
+
+# -- limits ----------------------------------------------------------------------------------
+
+# am_shards / am_stats entries: shard indices are 0 .. MAX_SHARDS - 1 (classifier.h).
+MAX_SHARDS = 256
+# am_pins (LPM trie) entries (classifier.h).
+MAX_PINS = 16_384
+# Shard weights are parts per 10,000 and sum to this over ACTIVE shards.
+WEIGHT_BUDGET = 10_000
+# VXLAN network identifiers are 24 bits; 0 is refused (no tunnel key).
+MAX_VNI = (1 << 24) - 1
+# Linux interface names (IFNAMSIZ - 1).
+MAX_IFNAME = 15
+MAX_ENDPOINTS = 1024  # per shard
+MAX_ADAPTERS_PER_ENDPOINT = 4096
+MAX_ADAPTER_NAME = 256
+MAX_LABELS = 64
+MAX_LABEL_KEY = 63
+MAX_LABEL_VALUE = 256
+MAX_REASON = 512  # operator text: override reasons, the Assignment's reason
+MAX_ALLOWED_CIDRS = 256  # per adapter instance
+MAX_NODES = 4096  # node rows the control plane keeps (load reports create them)
+MAX_NODE_ID = 253
+MAX_APPLY_ERROR = 4096
+
+# Shard ids become BPF-side names, Envoy resource names (``shard-<id>``) and stat names.
+SHARD_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
+LB_POLICY_LABEL = "adaptermesh.io/lb-policy"
+UPSTREAM_PROTOCOL_LABEL = "adaptermesh.io/upstream-protocol"
+LB_POLICIES = ("round_robin", "least_request")
+UPSTREAM_PROTOCOLS = ("http1", "http2", "downstream")
+_MAC_RE = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
+_ACTIVE = assignment_pb2.SHARD_STATE_ACTIVE
+_DRAINING = assignment_pb2.SHARD_STATE_DRAINING
+_STATES = (assignment_pb2.SHARD_STATE_UNSPECIFIED, _ACTIVE, _DRAINING)
+
+
+class RuleError(ValueError):
+    """A value breaks a rule; ``field`` names it, ``message`` says what is allowed."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+# -- single values ---------------------------------------------------------------------------
+
+
+def _text(value: str, field: str, limit: int, what: str = "characters") -> None:
+    if len(value) > limit:
+        raise RuleError(field, f"at most {limit} {what}, got {len(value)}")
+
+
+def check_shard_id(value: str, field: str) -> None:
+    if not value:
+        raise RuleError(field, "required")
+    if not SHARD_ID_RE.match(value):
+        raise RuleError(field, f"{value[:80]!r} must match {SHARD_ID_RE.pattern}")
+
+
+def check_address(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An IP address in its plain form: no host names (Envoy's EDS takes addresses), no
+    ``%zone`` suffix (two spellings of one address would be two endpoints)."""
+    if not value:
+        raise RuleError(field, "required")
+    if "%" in value:
+        raise RuleError(field, f"{value[:80]!r}: scoped addresses (%zone) are not allowed")
+    try:
+        return ipaddress.ip_address(value)
+    except ValueError:
+        raise RuleError(field, f"{value[:80]!r} is not an IP address") from None
+
+
+def check_port(value: int, field: str) -> None:
+    if not 1 <= value <= 65535:
+        raise RuleError(field, f"{value} is not in 1..65535")
+
+
+def mac_bytes(value: str, field: str) -> bytes | None:
+    """The six bytes of ``aa:bb:cc:dd:ee:ff``; None for empty (keep the frame's own)."""
+    if not value:
+        return None
+    if not _MAC_RE.match(value):
+        raise RuleError(field, f"invalid MAC address {value[:80]!r} (want aa:bb:cc:dd:ee:ff)")
+    return bytes(int(p, 16) for p in value.split(":"))
+
+
+def check_mac(value: str, field: str) -> None:
+    mac_bytes(value, field)
+
+
+def check_reason(value: str, field: str = "reason") -> None:
+    _text(value, field, MAX_REASON)
+
+
+def check_labels(labels: Mapping[str, str], field: str) -> None:
+    if len(labels) > MAX_LABELS:
+        raise RuleError(field, f"at most {MAX_LABELS} labels, got {len(labels)}")
+    for k, v in labels.items():
+        if not k or len(k) > MAX_LABEL_KEY:
+            raise RuleError(f"{field}[{k[:80]!r}]", f"label keys are 1-{MAX_LABEL_KEY} characters")
+        if len(v) > MAX_LABEL_VALUE:
+            raise RuleError(f"{field}[{k!r}]",
+                            f"label values are at most {MAX_LABEL_VALUE} characters")
+    policy = labels.get(LB_POLICY_LABEL)
+    if policy is not None and policy not in LB_POLICIES:
+        raise RuleError(f"{field}[{LB_POLICY_LABEL}]",
+                        f"{policy[:80]!r} is not one of {', '.join(LB_POLICIES)}")
+    protocol = labels.get(UPSTREAM_PROTOCOL_LABEL)
+    if protocol is not None and protocol not in UPSTREAM_PROTOCOLS:
+        raise RuleError(f"{field}[{UPSTREAM_PROTOCOL_LABEL}]",
+                        f"{protocol[:80]!r} is not one of {', '.join(UPSTREAM_PROTOCOLS)}")
+
+
+def cidr_network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """The network ``text`` names, strictly (no host bits, no ``%zone``); ValueError if none.
+
+    ``ipaddress`` keeps a zone in the network (``fe80::1%eth0/128``), while the classifier
+    keys on the address alone, so a zoned pin would collide with the plain one in am_pins.
+    """
+    if "%" in text:
+        raise ValueError("scoped addresses (%zone) are not allowed in a CIDR")
+    if text != text.strip():
+        raise ValueError("leading or trailing white space")
+    return ipaddress.ip_network(text, strict=True)
+
+
+@functools.lru_cache(maxsize=1 << 15)
+def _canonical_cidr(text: str) -> str:
+    return str(cidr_network(text))
+
+
+def normalise_cidr(text: str, field: str = "cidr") -> str:
+    """The canonical spelling of a CIDR (one spelling per prefix, so duplicates are seen)."""
+    if not text:
+        raise RuleError(field, "required")
+    try:
+        return _canonical_cidr(text)
+    except ValueError as exc:
+        raise RuleError(field, f"{text[:80]!r} is not a valid CIDR ({exc})") from None
+
+
+# -- a shard ---------------------------------------------------------------------------------
+
+
+def check_steer(steer: assignment_pb2.Steer, field: str) -> None:
+    """Checks that need nothing of the node; the agent then resolves ifnames and devices."""
+    kind = steer.WhichOneof("target")
+    if kind == "tunnel":
+        t = steer.tunnel
+        try:
+            ipaddress.IPv4Address(t.remote_ipv4)
+        except ValueError:
+            raise RuleError(f"{field}.tunnel.remote_ipv4",
+                            f"{t.remote_ipv4[:80]!r} is not an IPv4 address") from None
+        if not 0 < t.vni <= MAX_VNI:
+            raise RuleError(f"{field}.tunnel.vni", f"{t.vni} is not in 1..{MAX_VNI}")
+        check_mac(t.inner_dst_mac, f"{field}.tunnel.inner_dst_mac")
+    elif kind == "redirect":
+        r = steer.redirect
+        if not r.ifname and not r.ifindex:
+            raise RuleError(f"{field}.redirect", "needs ifname or ifindex")
+        if len(r.ifname) > MAX_IFNAME:
+            raise RuleError(f"{field}.redirect.ifname",
+                            f"interface names are at most {MAX_IFNAME} characters")
+        if not r.ifname.isprintable() or any(c in r.ifname for c in "/ "):
+            raise RuleError(f"{field}.redirect.ifname", f"{r.ifname!r} is not an interface name")
+        check_mac(r.dst_mac, f"{field}.redirect.dst_mac")
+    elif kind == "mark" and steer.mark.mark == 0:
+        raise RuleError(f"{field}.mark.mark", "must be non-zero (0 means no mark)")
+
+
+def check_shard(
+    shard: assignment_pb2.Shard, field: str, *, published: bool = False, weighted: bool = False
+) -> None:
+    """One shard's own fields. ``published``: as it appears in an Assignment (state set,
+    index in the maps' range, endpoint weights >= 1), not as an operator writes it;
+    ``weighted``: only the endpoint weights (what Envoy's EDS needs)."""
+    weighted = weighted or published
+    check_shard_id(shard.id, f"{field}.id")
+    if shard.state not in _STATES or (published and shard.state not in (_ACTIVE, _DRAINING)):
+        raise RuleError(f"{field}.state", "must be ACTIVE or DRAINING")
+    if published and shard.index >= MAX_SHARDS:
+        raise RuleError(f"{field}.index", f"{shard.index} is out of range 0..{MAX_SHARDS - 1}")
+    if shard.weight > WEIGHT_BUDGET:
+        raise RuleError(f"{field}.weight", f"{shard.weight} exceeds {WEIGHT_BUDGET}")
+    if len(shard.endpoints) > MAX_ENDPOINTS:
+        raise RuleError(f"{field}.endpoints",
+                        f"at most {MAX_ENDPOINTS} endpoints, got {len(shard.endpoints)}")
+    seen: set[tuple[str, int]] = set()
+    for j, ep in enumerate(shard.endpoints):
+        where = f"{field}.endpoints[{j}]"
+        ip = check_address(ep.address, f"{where}.address")
+        check_port(ep.port, f"{where}.port")
+        if weighted and ep.weight < 1:
+            raise RuleError(f"{where}.weight", f"must be >= 1, got {ep.weight}")
+        key = (str(ip), ep.port)
+        if key in seen:
+            raise RuleError(where, f"duplicate endpoint {ep.address}:{ep.port}")
+        seen.add(key)
+        if len(ep.adapters) > MAX_ADAPTERS_PER_ENDPOINT:
+            raise RuleError(f"{where}.adapters",
+                            f"at most {MAX_ADAPTERS_PER_ENDPOINT}, got {len(ep.adapters)}")
+        for k, adapter in enumerate(ep.adapters):
+            if not adapter or not adapter.isprintable() or len(adapter) > MAX_ADAPTER_NAME:
+                raise RuleError(f"{where}.adapters[{k}]",
+                                f"{adapter[:80]!r} must be 1-{MAX_ADAPTER_NAME} printable "
+                                "characters")
+    check_steer(shard.steer, f"{field}.steer")
+    if shard.service_address or shard.service_port:
+        check_address(shard.service_address, f"{field}.service_address")
+        check_port(shard.service_port, f"{field}.service_port")
+    check_labels(shard.labels, f"{field}.labels")
+
+
+# -- a whole Assignment ----------------------------------------------------------------------
+
+
+def _pin_targets(shards: Iterable[assignment_pb2.Shard]) -> dict[str, int]:
+    return {s.id: s.state for s in shards}
+
+
+def check_assignment(a: assignment_pb2.Assignment) -> None:
+    """Everything an Assignment says, as the agent's maps and Envoy will meet it."""
+    if len(a.shards) > MAX_SHARDS:
+        raise RuleError("shards", f"{len(a.shards)} shards, but the maps hold at most {MAX_SHARDS}")
+    if len(a.pins) > MAX_PINS:
+        raise RuleError("pins", f"{len(a.pins)} pins, but am_pins holds at most {MAX_PINS}")
+    if len(a.overrides) > MAX_SHARDS:
+        raise RuleError("overrides", f"at most {MAX_SHARDS}, got {len(a.overrides)}")
+    check_reason(a.reason)
+    ids: dict[str, int] = {}
+    indices: dict[int, int] = {}
+    listeners: dict[tuple[str, int], str] = {}
+    total = 0
+    active = 0
+    for i, s in enumerate(a.shards):
+        field = f"shards[{i}]"
+        check_shard(s, field, published=True)
+        if s.id in ids:
+            raise RuleError(f"{field}.id", f"duplicate id {s.id!r} (also shards[{ids[s.id]}])")
+        ids[s.id] = i
+        if s.index in indices:
+            raise RuleError(f"{field}.index",
+                            f"duplicate index {s.index} (also shards[{indices[s.index]}])")
+        indices[s.index] = i
+        if s.service_address:
+            key = (str(ipaddress.ip_address(s.service_address)), s.service_port)
+            if key in listeners:
+                raise RuleError(f"{field}.service_port",
+                                f"{s.service_address}:{s.service_port} is already the listener "
+                                f"of shard {listeners[key]!r}")
+            listeners[key] = s.id
+        if s.state == _ACTIVE:
+            total += s.weight
+            active += 1
+        elif s.weight:
+            raise RuleError(f"{field}.weight", f"a DRAINING shard has weight 0, not {s.weight}")
+    if active and total != WEIGHT_BUDGET:
+        raise RuleError("shards.weight",
+                        f"ACTIVE shard weights sum to {total}, want {WEIGHT_BUDGET}")
+    states = _pin_targets(a.shards)
+    seen: dict[str, int] = {}
+    for i, pin in enumerate(a.pins):
+        cidr = normalise_cidr(pin.cidr, f"pins[{i}].cidr")
+        if cidr in seen:
+            raise RuleError(f"pins[{i}].cidr",
+                            f"duplicate pin {pin.cidr} (also pins[{seen[cidr]}])")
+        seen[cidr] = i
+        _check_target(states, pin.shard_id, f"pins[{i}].shard_id")
+    for i, o in enumerate(a.overrides):
+        _check_target(states, o.shard_id, f"overrides[{i}].shard_id")
+        if o.weight > WEIGHT_BUDGET:
+            raise RuleError(f"overrides[{i}].weight", f"{o.weight} exceeds {WEIGHT_BUDGET}")
+        check_reason(o.reason, f"overrides[{i}].reason")
+
+
+def _check_target(states: Mapping[str, int], shard_id: str, field: str) -> None:
+    state = states.get(shard_id)
+    if state is None:
+        raise RuleError(field, f"unknown shard {shard_id[:80]!r}")
+    if state != _ACTIVE:
+        raise RuleError(field, f"shard {shard_id!r} is DRAINING")
