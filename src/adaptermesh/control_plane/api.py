@@ -7,7 +7,6 @@ Writes that change routing publish a new Assignment at once, in the same transac
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import re
@@ -17,6 +16,8 @@ from typing import Any, NoReturn, TypeAlias
 
 import grpc
 
+from adaptermesh import assignment_rules as rules
+from adaptermesh.assignment_rules import RuleError
 from adaptermesh.control_plane.policy import BUDGET
 from adaptermesh.control_plane.rebalancer import PublishError, Rebalancer
 from adaptermesh.control_plane.store import AlreadyExistsError
@@ -30,28 +31,25 @@ __all__ = ["ApiError", "ApiLimits", "ControlPlaneServicer", "normalise_cidr"]
 
 # grpc ships no type information; the context is grpc.aio.ServicerContext.
 _Ctx: TypeAlias = Any
-_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-_HOST_RE = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+$")
 _SCOPE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._/-]{0,127}$")
-_STATES = (
-    assignment_pb2.SHARD_STATE_UNSPECIFIED,
-    assignment_pb2.SHARD_STATE_ACTIVE,
-    assignment_pb2.SHARD_STATE_DRAINING,
-)
+_DRAINING = assignment_pb2.SHARD_STATE_DRAINING
+# A shard spec as written (the Assignment as a whole is bounded by the rules).
+MAX_SHARD_BYTES = 1 << 20
+# A ListHistory answer stops before this many bytes (page on with before_version), so a
+# client with gRPC's default 4 MiB receive limit can always read it.
+MAX_HISTORY_BYTES = 3 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class ApiLimits:
-    max_shards: int = 1024
-    max_endpoints: int = 1024
-    max_pins: int = 100_000
-    max_labels: int = 64
-    max_reason: int = 512
+    """Limits of the API's own objects; what an Assignment may hold is assignment_rules'."""
+
     max_ttl_s: int = 30 * 24 * 3600
     max_history: int = 1000
     max_routes: int = 256
     max_scopes: int = 64
+    max_nodes: int = rules.MAX_NODES
 
 
 class ApiError(Exception):
@@ -66,80 +64,22 @@ def _invalid(field: str, message: str) -> NoReturn:
 
 
 def normalise_cidr(text: str, field: str = "cidr") -> str:
-    if not text:
-        _invalid(field, "required")
+    """The canonical spelling (assignment_rules.normalise_cidr) or INVALID_ARGUMENT."""
     try:
-        net = ipaddress.ip_network(text.strip(), strict=True)
-    except ValueError as exc:
-        _invalid(field, f"{text!r} is not a valid CIDR ({exc})")
-    return str(net)
+        return rules.normalise_cidr(text, field)
+    except RuleError as exc:
+        _invalid(exc.field, exc.message)
 
 
-def _check_address(value: str, field: str, *, hostname_ok: bool) -> None:
+def validate_shard(shard: assignment_pb2.Shard) -> None:
+    """A shard as an operator writes it: the shared rules, plus a size bound."""
+    size = shard.ByteSize()
+    if size > MAX_SHARD_BYTES:
+        _invalid("shard", f"{size} bytes, at most {MAX_SHARD_BYTES}")
     try:
-        ipaddress.ip_address(value)
-        return
-    except ValueError:
-        pass
-    if hostname_ok and _HOST_RE.match(value):
-        return
-    _invalid(field, f"{value!r} is not an IP address" + (" or host name" if hostname_ok else ""))
-
-
-def _check_labels(labels: Any, field: str, limits: ApiLimits) -> None:
-    if len(labels) > limits.max_labels:
-        _invalid(field, f"at most {limits.max_labels} labels")
-    for k, v in labels.items():
-        if not k or len(k) > 63:
-            _invalid(f"{field}[{k!r}]", "label keys are 1-63 characters")
-        if len(v) > 256:
-            _invalid(f"{field}[{k!r}]", "label values are at most 256 characters")
-
-
-def _check_reason(reason: str, limits: ApiLimits) -> None:
-    if len(reason) > limits.max_reason:
-        _invalid("reason", f"at most {limits.max_reason} characters, got {len(reason)}")
-
-
-def validate_shard(shard: assignment_pb2.Shard, limits: ApiLimits) -> None:
-    if not shard.id:
-        _invalid("shard.id", "required")
-    if not _ID_RE.match(shard.id):
-        _invalid("shard.id", f"{shard.id!r} must match {_ID_RE.pattern}")
-    if shard.state not in _STATES:
-        _invalid("shard.state", f"unknown state {shard.state}")
-    if len(shard.endpoints) > limits.max_endpoints:
-        _invalid("shard.endpoints", f"at most {limits.max_endpoints}, got {len(shard.endpoints)}")
-    seen: set[tuple[str, int]] = set()
-    for i, ep in enumerate(shard.endpoints):
-        _check_address(ep.address, f"shard.endpoints[{i}].address", hostname_ok=True)
-        if not 1 <= ep.port <= 65535:
-            _invalid(f"shard.endpoints[{i}].port", f"{ep.port} is not in 1..65535")
-        if (ep.address, ep.port) in seen:
-            _invalid(f"shard.endpoints[{i}]", f"duplicate endpoint {ep.address}:{ep.port}")
-        seen.add((ep.address, ep.port))
-        if len(ep.adapters) > 4096:
-            _invalid(f"shard.endpoints[{i}].adapters", "at most 4096")
-    kind = shard.steer.WhichOneof("target")
-    if kind == "tunnel":
-        t = shard.steer.tunnel
-        try:
-            ipaddress.IPv4Address(t.remote_ipv4)
-        except ValueError:
-            _invalid("shard.steer.tunnel.remote_ipv4", f"{t.remote_ipv4!r} is not an IPv4 address")
-        if t.vni >= 1 << 24:
-            _invalid("shard.steer.tunnel.vni", f"{t.vni} does not fit in 24 bits")
-    elif kind == "redirect":
-        r = shard.steer.redirect
-        if not r.ifname and not r.ifindex:
-            _invalid("shard.steer.redirect", "ifname or ifindex is required")
-        if len(r.ifname) > 15:
-            _invalid("shard.steer.redirect.ifname", "interface names are at most 15 characters")
-    if shard.service_address:
-        _check_address(shard.service_address, "shard.service_address", hostname_ok=False)
-    if shard.service_port > 65535:
-        _invalid("shard.service_port", f"{shard.service_port} is not in 0..65535")
-    _check_labels(shard.labels, "shard.labels", limits)
+        rules.check_shard(shard, "shard")
+    except RuleError as exc:
+        _invalid(exc.field, exc.message)
 
 
 class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
@@ -159,6 +99,15 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     async def _fail(self, context: _Ctx, exc: Exception) -> NoReturn:
         if isinstance(exc, ApiError):
             await context.abort(exc.code, str(exc))
+        if isinstance(exc, RuleError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if isinstance(exc, PublishError) and isinstance(exc.__cause__, RuleError):
+            # The write is fine on its own but the Assignment it leads to is not (a listener
+            # address two shards share, an index past the maps): refused, nothing stored.
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{exc.__cause__} (in the Assignment this write would publish)",
+            )
         if isinstance(exc, PublishError):
             # The change would lead to an invalid Assignment; it was rolled back.
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -185,12 +134,19 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         try:
             spec = assignment_pb2.Shard()
             spec.CopyFrom(request.shard)
-            validate_shard(spec, self.limits)
+            validate_shard(spec)
             existing = self.store.get_shard(spec.id)
-            if existing is None and len(self.store.list_shards()) >= self.limits.max_shards:
-                raise ApiError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, "shard", f"at most {self.limits.max_shards}"
-                )
+            if existing is None and len(self.store.list_shards()) >= rules.MAX_SHARDS:
+                _invalid("shard", f"at most {rules.MAX_SHARDS} shards (the size of am_shards)")
+            if spec.state == _DRAINING:
+                pins = self.store.pins_for_shard(spec.id)
+                if pins:
+                    raise ApiError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        "shard.state",
+                        f"shard {spec.id!r} still has pins {pins[:5]}: unpin them before "
+                        "draining it",
+                    )
             if spec.state == assignment_pb2.SHARD_STATE_UNSPECIFIED:
                 spec.state = assignment_pb2.SHARD_STATE_ACTIVE
             spec.weight = 0  # the policy owns weights
@@ -203,9 +159,14 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
                 if same == existing:
                     return existing  # idempotent: no new Assignment for a no-op
             verb = "created" if existing is None else "updated"
-            stored: assignment_pb2.Shard = self.rb.mutate(
-                lambda: self.store.upsert_shard(spec, self._now()), f"shard {spec.id} {verb}"
-            )
+
+            def change() -> assignment_pb2.Shard:
+                if spec.state == _DRAINING:
+                    # A DRAINING shard's weight is 0: its override goes with the drain.
+                    self.store.clear_override(spec.id)
+                return self.store.upsert_shard(spec, self._now())
+
+            stored: assignment_pb2.Shard = self.rb.mutate(change, f"shard {spec.id} {verb}")
             return stored
         except Exception as exc:
             await self._fail(context, exc)
@@ -278,7 +239,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
                 "ttl_seconds",
                 f"{request.ttl_seconds} is above the maximum {self.limits.max_ttl_s}",
             )
-        _check_reason(request.reason, self.limits)
+        rules.check_reason(request.reason)
         active = [
             s.id
             for s in self.store.list_shards()
@@ -370,11 +331,15 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     ) -> assignment_pb2.Pin:
         try:
             cidr = normalise_cidr(request.cidr)
-            self._require_shard(request.shard_id)
-            if len(self.store.list_pins()) >= self.limits.max_pins:
+            target = self._require_shard(request.shard_id)
+            if target.state == _DRAINING:
                 raise ApiError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, "cidr", f"at most {self.limits.max_pins} pins"
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "shard_id",
+                    f"shard {request.shard_id!r} is DRAINING; pin to an ACTIVE shard",
                 )
+            if len(self.store.list_pins()) >= rules.MAX_PINS:
+                _invalid("cidr", f"at most {rules.MAX_PINS} pins (the size of am_pins)")
             try:
                 self.rb.mutate(
                     lambda: self.store.add_pin(cidr, request.shard_id, self._now()),
@@ -441,9 +406,11 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         for i, scope in enumerate(inst.security.scopes):
             if not _SCOPE_RE.match(scope):
                 _invalid(f"instance.security.scopes[{i}]", f"{scope!r} must match {_SCOPE_RE.pattern}")
+        if len(inst.security.allowed_cidrs) > rules.MAX_ALLOWED_CIDRS:
+            _invalid("instance.security.allowed_cidrs", f"at most {rules.MAX_ALLOWED_CIDRS}")
         for i, cidr in enumerate(inst.security.allowed_cidrs):
             normalise_cidr(cidr, f"instance.security.allowed_cidrs[{i}]")
-        _check_labels(inst.labels, "instance.labels", self.limits)
+        rules.check_labels(inst.labels, "instance.labels")
 
     async def UpsertAdapterInstance(
         self, request: control_plane_pb2.UpsertAdapterInstanceRequest, context: _Ctx
@@ -534,10 +501,18 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             if limit > self.limits.max_history:
                 _invalid("limit", f"at most {self.limits.max_history}")
             out = control_plane_pb2.ListHistoryResponse()
-            for a in self.store.history(limit, request.before_version):
-                rec = out.records.add(version=a.version, reason=a.reason)
+            size = 0
+            # Records leave out the pins (ListPins has them; each record's reason says what
+            # changed), and the answer stops short of MAX_HISTORY_BYTES: the caller pages on
+            # with before_version.
+            for a in self.store.history(limit, request.before_version, pins=False):
+                rec = control_plane_pb2.AssignmentRecord(version=a.version, reason=a.reason)
                 rec.generated_at.CopyFrom(a.generated_at)
                 rec.assignment.CopyFrom(a)
+                size += rec.ByteSize() + 8
+                if out.records and size > MAX_HISTORY_BYTES:
+                    break
+                out.records.append(rec)
             return out
         except Exception as exc:
             await self._fail(context, exc)
@@ -550,12 +525,21 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         try:
             if not request.node_id:
                 _invalid("node_id", "required")
-            if len(request.node_id) > 253:
-                _invalid("node_id", "at most 253 characters")
-            if len(request.apply_error) > 4096:
-                _invalid("apply_error", "at most 4096 characters")
-            if len(request.shards) > 4 * self.limits.max_shards:
-                _invalid("shards", f"at most {4 * self.limits.max_shards}")
+            if len(request.node_id) > rules.MAX_NODE_ID:
+                _invalid("node_id", f"at most {rules.MAX_NODE_ID} characters")
+            if not request.node_id.isprintable():
+                _invalid("node_id", "must be printable characters")
+            if len(request.apply_error) > rules.MAX_APPLY_ERROR:
+                _invalid("apply_error", f"at most {rules.MAX_APPLY_ERROR} characters")
+            if len(request.shards) > rules.MAX_SHARDS:
+                _invalid("shards", f"at most {rules.MAX_SHARDS}")
+            if (
+                not self.store.has_node(request.node_id)
+                and self.store.count_nodes() >= self.limits.max_nodes
+            ):
+                # Any holder of a write token can report; each new node id is a row.
+                _invalid("node_id", f"at most {self.limits.max_nodes} nodes; "
+                         f"{request.node_id[:80]!r} would be a new one")
             for i, t in enumerate(request.shards):
                 for name in ("packets_per_s", "bytes_per_s", "new_flows_per_s"):
                     v = getattr(t, name)

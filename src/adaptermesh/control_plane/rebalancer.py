@@ -22,6 +22,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from adaptermesh import assignment_rules as rules
 from adaptermesh.control_plane import policy
 from adaptermesh.control_plane.metrics import ControlPlaneMetrics
 from adaptermesh.control_plane.metrics_source import LoadSource, Target
@@ -307,6 +308,8 @@ class Rebalancer:
         affinity: Mapping[str, tuple[str, ...]],
     ) -> assignment_pb2.Assignment:
         now = self.clock.time()
+        if len(reason) > rules.MAX_REASON:  # a summary: its head says what changed
+            reason = reason[: rules.MAX_REASON - 3] + "..."
         out = assignment_pb2.Assignment(version=self.store.last_version() + 1, reason=reason)
         out.generated_at.FromNanoseconds(int(now * 1e9))
         for spec in self.layout().specs:
@@ -336,20 +339,17 @@ class Rebalancer:
         return out
 
     def _validate(self, assignment: assignment_pb2.Assignment) -> None:
+        # First what every agent will check before it applies (the same rules, so nothing
+        # published can be refused by all of them at once), then the policy's own budget.
+        try:
+            rules.check_assignment(assignment)
+        except rules.RuleError as exc:
+            raise PublishError(str(exc)) from exc
         active = [s.id for s in assignment.shards if s.state == _ACTIVE]
         weights = {s.id: s.weight for s in assignment.shards if s.state == _ACTIVE}
         problems = policy.validate_weights(
             weights, active, self.config.policy, {o.shard_id for o in assignment.overrides}
         )
-        problems += [
-            f"shard {s.id} endpoint {e.address}:{e.port} has weight 0"
-            for s in assignment.shards
-            for e in s.endpoints
-            if e.weight < 1
-        ]
-        known = {s.id for s in assignment.shards}
-        problems += [f"pin {p.cidr} names unknown shard {p.shard_id}" for p in assignment.pins
-                     if p.shard_id not in known]
         if problems:
             raise PublishError("; ".join(problems))
 

@@ -14,6 +14,7 @@ new proto fields need no migration.
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -63,6 +64,16 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             name TEXT PRIMARY KEY,
             spec BLOB NOT NULL,
             updated_at REAL NOT NULL)""",
+    ),
+    # 2 -> 3: an Assignment's pins are stored once per distinct pin list, not once per
+    # version (16,384 pins are ~0.5 MB; most versions only move weights). Rows written before
+    # keep their pins in the body and a NULL pins_digest.
+    (
+        """CREATE TABLE pin_sets (
+            digest BLOB PRIMARY KEY,
+            body BLOB NOT NULL)""",
+        "ALTER TABLE assignments ADD COLUMN pins_digest BLOB",
+        "CREATE INDEX assignments_pins_digest ON assignments(pins_digest)",
     ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -316,39 +327,69 @@ class Store:
             last = self.last_version()
             if assignment.version <= last:
                 raise StoreError(f"version {assignment.version} is not above {last}")
+            body = assignment_pb2.Assignment()
+            body.CopyFrom(assignment)
+            del body.pins[:]
+            pins = assignment_pb2.Assignment(pins=assignment.pins).SerializeToString()
+            digest = hashlib.sha256(pins).digest()
             self._db.execute(
-                "INSERT INTO assignments(version, reason, generated_at, body) VALUES(?,?,?,?)",
+                "INSERT OR IGNORE INTO pin_sets(digest, body) VALUES(?,?)", (digest, pins)
+            )
+            self._db.execute(
+                "INSERT INTO assignments(version, reason, generated_at, body, pins_digest)"
+                " VALUES(?,?,?,?,?)",
                 (
                     assignment.version,
                     assignment.reason,
                     assignment.generated_at.ToNanoseconds() / 1e9,
-                    assignment.SerializeToString(),
+                    body.SerializeToString(),
+                    digest,
                 ),
             )
             # Keep the newest history_limit records; the newest always stays, so the version
             # sequence survives pruning.
-            self._db.execute(
+            cur = self._db.execute(
                 "DELETE FROM assignments WHERE version <= ?",
                 (assignment.version - self.history_limit,),
             )
+            if cur.rowcount:
+                self._db.execute(
+                    "DELETE FROM pin_sets WHERE digest NOT IN"
+                    " (SELECT pins_digest FROM assignments WHERE pins_digest IS NOT NULL)"
+                )
+
+    def _assignment(self, body: bytes, digest: bytes | None, pins: bool = True
+                    ) -> assignment_pb2.Assignment:
+        out = assignment_pb2.Assignment.FromString(body)
+        if digest is not None and pins:
+            row = self._db.execute("SELECT body FROM pin_sets WHERE digest=?", (digest,)).fetchone()
+            out.MergeFromString(row[0])
+        elif not pins:
+            del out.pins[:]
+        return out
 
     def latest_assignment(self) -> assignment_pb2.Assignment | None:
         row = self._db.execute(
-            "SELECT body FROM assignments ORDER BY version DESC LIMIT 1"
+            "SELECT body, pins_digest FROM assignments ORDER BY version DESC LIMIT 1"
         ).fetchone()
-        return assignment_pb2.Assignment.FromString(row[0]) if row else None
+        return self._assignment(row[0], row[1]) if row else None
 
-    def history(self, limit: int, before_version: int = 0) -> list[assignment_pb2.Assignment]:
+    def history(
+        self, limit: int, before_version: int = 0, *, pins: bool = True
+    ) -> list[assignment_pb2.Assignment]:
+        """Newest first; ``pins=False`` leaves every record's pins out."""
         if before_version:
             rows = self._db.execute(
-                "SELECT body FROM assignments WHERE version < ? ORDER BY version DESC LIMIT ?",
+                "SELECT body, pins_digest FROM assignments WHERE version < ?"
+                " ORDER BY version DESC LIMIT ?",
                 (before_version, limit),
             ).fetchall()
         else:
             rows = self._db.execute(
-                "SELECT body FROM assignments ORDER BY version DESC LIMIT ?", (limit,)
+                "SELECT body, pins_digest FROM assignments ORDER BY version DESC LIMIT ?",
+                (limit,),
             ).fetchall()
-        return [assignment_pb2.Assignment.FromString(r[0]) for r in rows]
+        return [self._assignment(body, digest, pins) for body, digest in rows]
 
     # -- nodes -----------------------------------------------------------------------------
 
@@ -365,6 +406,13 @@ class Store:
                     report.SerializeToString(),
                 ),
             )
+
+    def has_node(self, node_id: str) -> bool:
+        row = self._db.execute("SELECT 1 FROM nodes WHERE node_id=?", (node_id,)).fetchone()
+        return row is not None
+
+    def count_nodes(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0])
 
     def list_nodes(self) -> list[tuple[str, int, float, str]]:
         rows = self._db.execute(
