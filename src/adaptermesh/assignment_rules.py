@@ -35,6 +35,7 @@ __all__ = [
     "MAX_ADAPTER_NAME",
     "MAX_ALLOWED_CIDRS",
     "MAX_APPLY_ERROR",
+    "MAX_ASSIGNMENT_BYTES",
     "MAX_ENDPOINTS",
     "MAX_IFNAME",
     "MAX_LABELS",
@@ -88,6 +89,9 @@ MAX_ALLOWED_CIDRS = 256  # per adapter instance
 MAX_NODES = 4096  # node rows the control plane keeps (load reports create them)
 MAX_NODE_ID = 253
 MAX_APPLY_ERROR = 4096
+# The whole Assignment, serialised: under gRPC's default 4 MiB receive limit, which the
+# agents' watch channels keep, with room for the stream's framing.
+MAX_ASSIGNMENT_BYTES = 3 << 20
 
 # Shard ids become BPF-side names, Envoy resource names (``shard-<id>``) and stat names.
 SHARD_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
@@ -296,6 +300,9 @@ def check_assignment(a: assignment_pb2.Assignment) -> None:
     if len(a.overrides) > MAX_SHARDS:
         raise RuleError("overrides", f"at most {MAX_SHARDS}, got {len(a.overrides)}")
     check_reason(a.reason)
+    size = a.ByteSize()
+    if size > MAX_ASSIGNMENT_BYTES:
+        raise RuleError("assignment", f"{size} bytes serialised, at most {MAX_ASSIGNMENT_BYTES}")
     ids: dict[str, int] = {}
     indices: dict[int, int] = {}
     listeners: dict[tuple[str, int], str] = {}

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
 
@@ -57,10 +58,27 @@ class ApiError(Exception):
         super().__init__(f"{field}: {message}" if field else message)
         self.code = code
         self.field = field
+        self.message = message
 
 
 def _invalid(field: str, message: str) -> NoReturn:
     raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, field, message)
+
+
+@contextmanager
+def _within(prefix: str, strip: str) -> Iterator[None]:
+    """Re-raise an object's field error under its place in a batch (``shard.id`` ->
+    ``shards[2].id``)."""
+    try:
+        yield
+    except (ApiError, RuleError) as exc:
+        code = exc.code if isinstance(exc, ApiError) else grpc.StatusCode.INVALID_ARGUMENT
+        field = exc.field
+        if strip and (field == strip or field.startswith(strip + ".")):
+            field = field[len(strip):]
+        elif field:
+            field = "." + field
+        raise ApiError(code, prefix + field, exc.message) from None
 
 
 def normalise_cidr(text: str, field: str = "cidr") -> str:
@@ -128,45 +146,55 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     # -- shards ----------------------------------------------------------------------------
 
+    def _shard_step(self, request_shard: assignment_pb2.Shard) -> assignment_pb2.Shard | None:
+        """Check one shard write against the store as it is now; None: it changes nothing."""
+        spec = assignment_pb2.Shard()
+        spec.CopyFrom(request_shard)
+        validate_shard(spec)
+        existing = self.store.get_shard(spec.id)
+        if existing is None and len(self.store.list_shards()) >= rules.MAX_SHARDS:
+            _invalid("shard", f"at most {rules.MAX_SHARDS} shards (the size of am_shards)")
+        if spec.state == _DRAINING:
+            pins = self.store.pins_for_shard(spec.id)
+            if pins:
+                raise ApiError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "shard.state",
+                    f"shard {spec.id!r} still has pins {pins[:5]}: unpin them before "
+                    "draining it",
+                )
+        if spec.state == assignment_pb2.SHARD_STATE_UNSPECIFIED:
+            spec.state = assignment_pb2.SHARD_STATE_ACTIVE
+        spec.weight = 0  # the policy owns weights
+        for ep in spec.endpoints:
+            ep.weight = 0
+        if existing is not None:
+            same = assignment_pb2.Shard()
+            same.CopyFrom(spec)
+            same.index = existing.index
+            if same == existing:
+                return None  # idempotent: no new Assignment for a no-op
+        return spec
+
+    def _store_shard(self, spec: assignment_pb2.Shard) -> assignment_pb2.Shard:
+        if spec.state == _DRAINING:
+            # A DRAINING shard's weight is 0: its override goes with the drain.
+            self.store.clear_override(spec.id)
+        return self.store.upsert_shard(spec, self._now())
+
     async def UpsertShard(
         self, request: control_plane_pb2.UpsertShardRequest, context: _Ctx
     ) -> assignment_pb2.Shard:
         try:
-            spec = assignment_pb2.Shard()
-            spec.CopyFrom(request.shard)
-            validate_shard(spec)
-            existing = self.store.get_shard(spec.id)
-            if existing is None and len(self.store.list_shards()) >= rules.MAX_SHARDS:
-                _invalid("shard", f"at most {rules.MAX_SHARDS} shards (the size of am_shards)")
-            if spec.state == _DRAINING:
-                pins = self.store.pins_for_shard(spec.id)
-                if pins:
-                    raise ApiError(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        "shard.state",
-                        f"shard {spec.id!r} still has pins {pins[:5]}: unpin them before "
-                        "draining it",
-                    )
-            if spec.state == assignment_pb2.SHARD_STATE_UNSPECIFIED:
-                spec.state = assignment_pb2.SHARD_STATE_ACTIVE
-            spec.weight = 0  # the policy owns weights
-            for ep in spec.endpoints:
-                ep.weight = 0
-            if existing is not None:
-                same = assignment_pb2.Shard()
-                same.CopyFrom(spec)
-                same.index = existing.index
-                if same == existing:
-                    return existing  # idempotent: no new Assignment for a no-op
-            verb = "created" if existing is None else "updated"
-
-            def change() -> assignment_pb2.Shard:
-                if spec.state == _DRAINING:
-                    # A DRAINING shard's weight is 0: its override goes with the drain.
-                    self.store.clear_override(spec.id)
-                return self.store.upsert_shard(spec, self._now())
-
-            stored: assignment_pb2.Shard = self.rb.mutate(change, f"shard {spec.id} {verb}")
+            spec = self._shard_step(request.shard)
+            if spec is None:
+                existing = self.store.get_shard(request.shard.id)
+                assert existing is not None
+                return existing
+            verb = "updated" if self.store.get_shard(spec.id) else "created"
+            stored: assignment_pb2.Shard = self.rb.mutate(
+                lambda: self._store_shard(spec), f"shard {spec.id} {verb}"
+            )
             return stored
         except Exception as exc:
             await self._fail(context, exc)
@@ -326,20 +354,25 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     # -- pins ------------------------------------------------------------------------------
 
+    def _pin_step(self, request: control_plane_pb2.PinTenantRequest) -> str:
+        """Check a pin against the store as it is now; returns the canonical CIDR."""
+        cidr = normalise_cidr(request.cidr)
+        target = self._require_shard(request.shard_id)
+        if target.state == _DRAINING:
+            raise ApiError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "shard_id",
+                f"shard {request.shard_id!r} is DRAINING; pin to an ACTIVE shard",
+            )
+        if len(self.store.list_pins()) >= rules.MAX_PINS:
+            _invalid("cidr", f"at most {rules.MAX_PINS} pins (the size of am_pins)")
+        return cidr
+
     async def PinTenant(
         self, request: control_plane_pb2.PinTenantRequest, context: _Ctx
     ) -> assignment_pb2.Pin:
         try:
-            cidr = normalise_cidr(request.cidr)
-            target = self._require_shard(request.shard_id)
-            if target.state == _DRAINING:
-                raise ApiError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "shard_id",
-                    f"shard {request.shard_id!r} is DRAINING; pin to an ACTIVE shard",
-                )
-            if len(self.store.list_pins()) >= rules.MAX_PINS:
-                _invalid("cidr", f"at most {rules.MAX_PINS} pins (the size of am_pins)")
+            cidr = self._pin_step(request)
             try:
                 self.rb.mutate(
                     lambda: self.store.add_pin(cidr, request.shard_id, self._now()),
@@ -412,29 +445,40 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             normalise_cidr(cidr, f"instance.security.allowed_cidrs[{i}]")
         rules.check_labels(inst.labels, "instance.labels")
 
+    def _instance_step(
+        self, request_instance: control_plane_pb2.AdapterInstance
+    ) -> control_plane_pb2.AdapterInstance | None:
+        """The instance as it will be stored; None: the same one is stored already."""
+        inst = control_plane_pb2.AdapterInstance()
+        inst.CopyFrom(request_instance)
+        self._check_instance(inst)
+        cidrs = [normalise_cidr(c) for c in inst.security.allowed_cidrs]
+        del inst.security.allowed_cidrs[:]
+        inst.security.allowed_cidrs.extend(cidrs)
+        inst.ClearField("updated_at")
+        for existing in self.store.list_adapter_instances():
+            if existing.name == inst.name:
+                same = control_plane_pb2.AdapterInstance()
+                same.CopyFrom(existing)
+                same.ClearField("updated_at")
+                if same == inst:
+                    return None
+        inst.updated_at.FromNanoseconds(int(self._now() * 1e9))
+        return inst
+
     async def UpsertAdapterInstance(
         self, request: control_plane_pb2.UpsertAdapterInstanceRequest, context: _Ctx
     ) -> control_plane_pb2.AdapterInstance:
         try:
-            inst = control_plane_pb2.AdapterInstance()
-            inst.CopyFrom(request.instance)
-            self._check_instance(inst)
-            cidrs = [normalise_cidr(c) for c in inst.security.allowed_cidrs]
-            del inst.security.allowed_cidrs[:]
-            inst.security.allowed_cidrs.extend(cidrs)
-            inst.ClearField("updated_at")
-            for existing in self.store.list_adapter_instances():
-                if existing.name == inst.name:
-                    same = control_plane_pb2.AdapterInstance()
-                    same.CopyFrom(existing)
-                    same.ClearField("updated_at")
-                    if same == inst:
+            inst = self._instance_step(request.instance)
+            if inst is None:
+                for existing in self.store.list_adapter_instances():
+                    if existing.name == request.instance.name:
                         return existing
-            now = self._now()
-            inst.updated_at.FromNanoseconds(int(now * 1e9))
+                raise AssertionError("instance vanished")
             # Not part of the Assignment: stored, listed, and used by the policy's affinity.
             self.rb.mutate(
-                lambda: self.store.upsert_adapter_instance(inst, now), "", publish=False
+                lambda: self.store.upsert_adapter_instance(inst, self._now()), "", publish=False
             )
             return inst
         except Exception as exc:
@@ -460,6 +504,74 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         return control_plane_pb2.ListAdapterInstancesResponse(
             instances=self.store.list_adapter_instances()
         )
+
+    # -- many writes at once -----------------------------------------------------------
+
+    async def Apply(
+        self, request: control_plane_pb2.ApplyRequest, context: _Ctx
+    ) -> control_plane_pb2.ApplyResponse:
+        """Every object in one transaction and at most one Assignment: all or nothing.
+
+        Objects are written in the order shards, adapter instances, pins, overrides, each
+        checked against the state the earlier ones left, so a file may create a shard and pin
+        to it. A field error names the object (``shards[2].endpoints[0].address``).
+        """
+        try:
+            for name, items, limit in (
+                ("shards", request.shards, rules.MAX_SHARDS),
+                ("instances", request.instances, rules.MAX_SHARDS),
+                ("pins", request.pins, rules.MAX_PINS),
+                ("overrides", request.overrides, rules.MAX_SHARDS),
+            ):
+                if len(items) > limit:
+                    _invalid(name, f"at most {limit} in one Apply, got {len(items)}")
+            rules.check_reason(request.reason)
+            routing = bool(request.shards or request.pins or request.overrides)
+            changes: list[str] = []
+
+            def change() -> None:
+                for i, sh in enumerate(request.shards):
+                    with _within(f"shards[{i}]", "shard"):
+                        spec = self._shard_step(sh)
+                        if spec is not None:
+                            self._store_shard(spec)
+                            changes.append(f"shard {spec.id}")
+                for i, inst in enumerate(request.instances):
+                    with _within(f"instances[{i}]", "instance"):
+                        stored = self._instance_step(inst)
+                        if stored is not None:
+                            self.store.upsert_adapter_instance(stored, self._now())
+                            changes.append(f"adapter instance {stored.name}")
+                for i, pin in enumerate(request.pins):
+                    with _within(f"pins[{i}]", ""):
+                        cidr = normalise_cidr(pin.cidr)
+                        owner = dict(self.store.list_pins()).get(cidr)
+                        if owner == pin.shard_id:
+                            continue
+                        if owner is not None:
+                            self.store.remove_pin(cidr)  # a move: the new pin replaces it
+                        cidr = self._pin_step(
+                            control_plane_pb2.PinTenantRequest(cidr=cidr, shard_id=pin.shard_id)
+                        )
+                        self.store.add_pin(cidr, pin.shard_id, self._now())
+                        changes.append(f"pin {cidr} -> {pin.shard_id}")
+                for i, o in enumerate(request.overrides):
+                    with _within(f"overrides[{i}]", ""):
+                        self._check_override(o)
+                        now = self._now()
+                        expires = now + o.ttl_seconds if o.ttl_seconds else None
+                        self.store.set_override(
+                            o.shard_id, o.weight, o.reason or "operator override", expires, now
+                        )
+                        changes.append(f"override {o.shard_id}={o.weight}")
+
+            reason = request.reason or "applied"
+            self.rb.mutate(change, reason, publish=routing)
+            latest = self.rb.hub.latest
+            version = latest.version if routing and latest is not None else 0
+            return control_plane_pb2.ApplyResponse(version=version, changes=len(changes))
+        except Exception as exc:
+            await self._fail(context, exc)
 
     # -- assignments -----------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ SCOPES = frozenset({READ, WRITE})
 _SERVICE = "/adaptermesh.v1.ControlPlane/"
 _WRITE_METHODS = frozenset(
     {
+        "Apply",
         "UpsertShard",
         "DeleteShard",
         "SetOverride",

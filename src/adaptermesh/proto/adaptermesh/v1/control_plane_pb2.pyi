@@ -96,6 +96,28 @@ class ListPinsResponse(_message.Message):
     pins: _containers.RepeatedCompositeFieldContainer[_assignment_pb2.Pin]
     def __init__(self, pins: _Optional[_Iterable[_Union[_assignment_pb2.Pin, _Mapping]]] = ...) -> None: ...
 
+class ApplyRequest(_message.Message):
+    __slots__ = ("shards", "instances", "pins", "overrides", "reason")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[_assignment_pb2.Shard]
+    instances: _containers.RepeatedCompositeFieldContainer[AdapterInstance]
+    pins: _containers.RepeatedCompositeFieldContainer[_assignment_pb2.Pin]
+    overrides: _containers.RepeatedCompositeFieldContainer[SetOverrideRequest]
+    reason: str
+    def __init__(self, shards: _Optional[_Iterable[_Union[_assignment_pb2.Shard, _Mapping]]] = ..., instances: _Optional[_Iterable[_Union[AdapterInstance, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[_assignment_pb2.Pin, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[SetOverrideRequest, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ApplyResponse(_message.Message):
+    __slots__ = ("version", "changes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    changes: int
+    def __init__(self, version: _Optional[int] = ..., changes: _Optional[int] = ...) -> None: ...
+
 class GetAssignmentRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -95,6 +95,11 @@ class ControlPlaneStub:
                 request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesRequest.SerializeToString,
                 response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesResponse.FromString,
                 _registered_method=True)
+        self.Apply = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/Apply',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ApplyRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ApplyResponse.FromString,
+                _registered_method=True)
         self.GetAssignment = channel.unary_unary(
                 '/adaptermesh.v1.ControlPlane/GetAssignment',
                 request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.GetAssignmentRequest.SerializeToString,
@@ -201,6 +206,13 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Apply(self, request, context):
+        """Many writes as one transaction (adapterctl apply -f): all of them, or none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetAssignment(self, request, context):
         """Assignments.
         """
@@ -296,6 +308,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ListAdapterInstances,
                     request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesRequest.FromString,
                     response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesResponse.SerializeToString,
+            ),
+            'Apply': grpc.unary_unary_rpc_method_handler(
+                    servicer.Apply,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ApplyRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ApplyResponse.SerializeToString,
             ),
             'GetAssignment': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAssignment,
@@ -647,6 +664,33 @@ class ControlPlane:
             '/adaptermesh.v1.ControlPlane/ListAdapterInstances',
             adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesRequest.SerializeToString,
             adaptermesh_dot_v1_dot_control__plane__pb2.ListAdapterInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Apply(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/Apply',
+            adaptermesh_dot_v1_dot_control__plane__pb2.ApplyRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.ApplyResponse.FromString,
             options,
             channel_credentials,
             insecure,
