@@ -1,6 +1,8 @@
 """Applies Assignments to the datapath and the xDS snapshot as one step.
 
-Order: the BPF maps first (the datapath validates before it touches a map), then the xDS
+Order: the shared Assignment rules first (the same module the control plane checks every
+write and every publish with), then the BPF maps (the datapath validates what only this node
+knows, such as interface names, before it touches a map), then the xDS
 snapshot. If the snapshot is refused, the maps are put back to the last good Assignment, so
 the two never disagree. A refused version is remembered and never retried; the last good
 Assignment keeps serving, and the error is reported to the control plane.
@@ -13,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from adaptermesh import assignment_rules as rules
 from adaptermesh.agent.metrics import AgentMetrics
 from adaptermesh.agent.ports import Datapath, XdsSink
 from adaptermesh.agent.state import AssignmentStore
@@ -77,6 +80,10 @@ class Applier:
             return ApplyResult(version, ok=True, skipped=True)
         started = time.perf_counter()
         try:
+            rules.check_assignment(assignment)
+        except rules.RuleError as exc:
+            return self._reject(assignment, f"rules: {exc}")
+        try:
             self._datapath.apply(assignment)
         except Exception as exc:
             return self._reject(assignment, f"datapath: {exc}")
@@ -122,7 +129,9 @@ class Applier:
 
     def _reject(self, assignment: assignment_pb2.Assignment, error: str) -> ApplyResult:
         self.rejected_version = assignment.version
-        self.last_error = f"version {assignment.version}: {error}"
+        # Reported in every LoadReport and shown by `adapterctl status`; bounded so the
+        # control plane never refuses the report that carries it.
+        self.last_error = f"version {assignment.version}: {error}"[: rules.MAX_APPLY_ERROR]
         self._metrics.applies.labels("error").inc()
         self._metrics.apply_error.set(1)
         _log.error(

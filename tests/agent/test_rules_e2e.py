@@ -1,0 +1,182 @@
+"""The real control plane in process and the real agent (FakeShardTable datapath, the real
+xDS builder): what the control plane accepts, the agent applies; what the agent would refuse,
+the control plane refuses; an agent that still gets a bad Assignment keeps the last good one
+and the control plane shows it DEGRADED."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from adaptermesh import assignment_rules as rules
+from adaptermesh.agent.backends import MeshXds, TableDatapath
+from adaptermesh.agent.daemon import Agent, AgentConfig
+from adaptermesh.bpf.table import FakeShardTable
+from adaptermesh.cli.adapterctl import node_state
+from adaptermesh.control_plane.auth import load_tokens
+from adaptermesh.control_plane.rebalancer import FakeClock
+from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
+from adaptermesh.mesh.cache import SnapshotCache
+from adaptermesh.proto import assignment_pb2, control_plane_pb2, control_plane_pb2_grpc
+
+TOKEN = "rw-token-e2e-0123456789abcdef"
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or cond}")
+        await asyncio.sleep(0.01)
+
+
+class Mesh:
+    def __init__(self, cp: ControlPlaneServer, stub: control_plane_pb2_grpc.ControlPlaneStub,
+                 agent: Agent, table: FakeShardTable) -> None:
+        self.cp = cp
+        self.stub = stub
+        self.agent = agent
+        self.table = table
+        self.md = [("authorization", f"Bearer {TOKEN}")]
+
+    @property
+    def applied(self) -> int:
+        return self.table.applied_version or 0
+
+    def latest(self) -> int:
+        a = self.cp.rebalancer.hub.latest
+        return a.version if a is not None else 0
+
+
+@pytest.fixture
+async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN} read,write e2e\n")
+    cp = ControlPlaneServer(
+        ServerConfig(state_dir=tmp_path / "state", listen="127.0.0.1:0",
+                     tokens=load_tokens(tokens), rebalance=False, synchronous="NORMAL"),
+        clock=FakeClock(),
+    )
+    port = await cp.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+    table = FakeShardTable(maglev_size=251)
+    config = AgentConfig(
+        node_id="node-e2e", control_plane=f"127.0.0.1:{port}", token=TOKEN, iface="lo",
+        metrics_host="127.0.0.1", metrics_port=0, state_file=tmp_path / "assignment.pb",
+        report_interval_s=0.1, backoff_initial_s=0.05, backoff_max_s=0.2,
+    )
+
+    async def xds_factory(_config: AgentConfig, _registry: object) -> MeshXds:
+        return MeshXds(SnapshotCache(), None, "shard")
+
+    agent = Agent(config, lambda _c: TableDatapath(table), xds_factory)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    await asyncio.wait_for(agent.started.wait(), 5)
+    try:
+        yield Mesh(cp, stub, agent, table)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await channel.close()
+        await cp.stop(0)
+
+
+def _shard(i: int, **extra: object) -> assignment_pb2.Shard:
+    s = assignment_pb2.Shard(id=f"s{i}", service_address="10.200.0.1", service_port=9000 + i)
+    s.endpoints.add(address=f"10.0.{i}.1", port=8000)
+    s.steer.mark.mark = 0x100 + i
+    return s
+
+
+WRITES_THE_AGENT_REFUSES = [
+    ("UpsertShard", "shard.steer.mark.mark",
+     lambda s: setattr(s.steer.mark, "mark", 0)),
+    ("UpsertShard", "shard.steer.redirect.dst_mac",
+     lambda s: (setattr(s.steer.redirect, "ifindex", 1),
+                setattr(s.steer.redirect, "dst_mac", "00:11:22:33:44"))),
+    ("UpsertShard", "shard.endpoints[0].address",
+     lambda s: setattr(s.endpoints[0], "address", "999.1.1.1")),
+    ("UpsertShard", "shard.service_port",
+     lambda s: setattr(s, "service_port", 0)),
+    ("UpsertShard", "shard.endpoints[0].adapters[0]",
+     lambda s: s.endpoints[0].adapters.append("a\nb")),
+]
+
+
+async def test_writes_the_agent_would_refuse_are_refused_and_the_rest_applied(mesh: Mesh) -> None:
+    for i in range(3):
+        await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=_shard(i)),
+                                    metadata=mesh.md)
+    await mesh.stub.PinTenant(control_plane_pb2.PinTenantRequest(cidr="fe80::/64",
+                                                                 shard_id="s1"), metadata=mesh.md)
+    await wait_until(lambda: mesh.applied == mesh.latest() == 4, what="v4 applied")
+    for method, field, bad in WRITES_THE_AGENT_REFUSES:
+        s = _shard(1)
+        bad(s)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=s),
+                                        metadata=mesh.md)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert (err.value.details() or "").startswith(field), err.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await mesh.stub.PinTenant(control_plane_pb2.PinTenantRequest(
+            cidr="fe80::%eth0/64", shard_id="s2"), metadata=mesh.md)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert mesh.latest() == 4
+    # Every write that was accepted has been applied by the agent, with no error.
+    await mesh.stub.SetOverride(control_plane_pb2.SetOverrideRequest(shard_id="s0", weight=5000),
+                                metadata=mesh.md)
+    await wait_until(lambda: mesh.applied == mesh.latest() == 5, what="v5 applied")
+    assert mesh.agent.applier is not None
+    assert mesh.agent.applier.last_error == ""
+
+
+async def test_a_bad_assignment_keeps_the_last_good_one_and_shows_degraded(mesh: Mesh) -> None:
+    for i in range(2):
+        await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=_shard(i)),
+                                    metadata=mesh.md)
+    await wait_until(lambda: mesh.applied == 2, what="v2 applied")
+    applier = mesh.agent.applier
+    assert applier is not None
+    good = applier.current
+    assert good is not None
+    for n, spoil in enumerate([
+        lambda a: setattr(a.shards[0].steer.mark, "mark", 0),
+        lambda a: a.pins.add(cidr="fe80::1%eth0/128", shard_id="s0"),
+        lambda a: setattr(a.shards[1], "state", assignment_pb2.SHARD_STATE_DRAINING),
+    ]):
+        bad = assignment_pb2.Assignment()
+        bad.CopyFrom(good)
+        bad.version = 100 + n
+        spoil(bad)
+        with pytest.raises(rules.RuleError):
+            rules.check_assignment(bad)
+        result = applier.apply(bad)
+        assert not result.ok
+        assert applier.current is good
+        assert mesh.table.applied_version == 2
+        assert f"version {100 + n}: rules: " in applier.last_error
+    assert mesh.agent.status()["apply_error"] == applier.last_error
+
+    async def degraded() -> control_plane_pb2.NodeStatus | None:
+        st = await mesh.stub.GetStatus(control_plane_pb2.GetStatusRequest(), metadata=mesh.md)
+        for node in st.nodes:
+            if node.node_id == "node-e2e" and node_state(node, st.assignment.version) == "DEGRADED":
+                return node
+        return None
+
+    deadline = time.monotonic() + 5
+    node = await degraded()
+    while node is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        node = await degraded()
+    assert node is not None, "the control plane never showed the node as DEGRADED"
+    assert node.applied_version == 2
+    assert "rules: " in node.apply_error
