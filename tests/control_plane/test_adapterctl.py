@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -187,3 +188,92 @@ def test_parse_weight() -> None:
     for bad in ("-1", "nan", "inf", "10001", "1.5"):
         with pytest.raises(ValueError, match="weight"):
             parse_weight(bad)
+
+
+BAD_DOCUMENTS = [
+    ("kind: Shard\nmetadata: {name: w1}\nspec: {endpoints: [{address: 10.0.9.1, port: abc}]}\n",
+     "spec.endpoints[0].port"),
+    ("kind: Shard\nmetadata: {name: w1}\nspec: {endpoints: 5}\n", "spec.endpoints"),
+    ("kind: Shard\nmetadata: {name: w1}\nspec: {endpoint: [10.0.9.1:80]}\n", "spec.endpoint"),
+    ("kind: Shard\nmetadata: {name: w1}\nspec: {steer: {mark: [1]}}\n", "spec.steer.mark"),
+    ("kind: Shard\nmetadata: {name: w1}\nspec: {steer: {tunnel: 7}}\n", "spec.steer.tunnel"),
+    ("kind: Shard\nmetadata: {name: [w1]}\n", "metadata.name"),
+    ("kind: Shard\nmetadata: {name: w1}\nspec: {service: {port: -1}}\n", "spec.service.port"),
+    ("kind: Pin\nspec: {cidr: 10.0.0.0/8, shard: web, extra: 1}\n", "spec.extra"),
+    ("kind: Override\nspec: {shard: web, weight: 10, ttlSeconds: soon}\n", "spec.ttlSeconds"),
+    ("kind: List\nitems: [3]\n", "items[0]"),
+    ("kind: AdapterInstance\nmetadata: {name: x}\nspec: {modelRef: tiny}\n", "spec.modelRef"),
+    ("kind: [Shard]\n", "kind"),
+]
+
+
+@pytest.mark.parametrize(("text", "field"), BAD_DOCUMENTS,
+                         ids=[f for _, f in BAD_DOCUMENTS])
+def test_wrong_yaml_types_and_unknown_fields_are_one_line_errors(
+    server: str, tmp_path: Path, text: str, field: str
+) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    r = run(server, "apply", "-f", str(f))
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    assert field in r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_apply_sends_one_transaction_so_a_refused_object_changes_nothing(
+    server: str, tmp_path: Path
+) -> None:
+    before = run(server, "get", "all", "-o", "json").output
+    f = tmp_path / "half.yaml"
+    f.write_text(
+        "kind: Shard\nmetadata: {name: good-one}\n"
+        "spec: {endpoints: [10.0.40.1:8000], steer: {mark: 40}}\n"
+        "---\n"
+        "kind: Pin\nspec: {cidr: 10.40.0.0/16, shard: good-one}\n"
+        "---\n"
+        "kind: Shard\nmetadata: {name: bad-one}\n"
+        "spec: {endpoints: [10.0.41.1:8000], steer: {mark: 0}}\n"
+    )
+    r = run(server, "apply", "-f", str(f))
+    assert r.exit_code == 2, r.output
+    assert "steer.mark.mark" in r.output
+    assert run(server, "get", "all", "-o", "json").output == before
+
+
+@pytest.mark.parametrize("args", [["history", "--limit", "-1"], ["history", "--limit", "5000"],
+                                  ["history", "--before", "-3"], ["watch", "--count", "-1"],
+                                  ["shard", "upsert", "x1", "--mark", "-1"],
+                                  ["shard", "upsert", "x1", "--tunnel", "10.0.0.1", "--vni", "-5"],
+                                  ["history", "--limit", "many"]])
+def test_bad_flags_exit_2_without_a_traceback(server: str, args: list[str]) -> None:
+    r = run(server, *args)
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+
+
+def test_user_text_is_shown_literally(server: str) -> None:
+    from adaptermesh.proto import control_plane_pb2, control_plane_pb2_grpc
+
+    assert run(server, "shard", "upsert", "markup", "-e", "10.0.50.1:8000").exit_code == 0
+    reason = "[/] [bold]loud[/bold] [link=http://x]y[/link]"
+    r = run(server, "override", "set", "markup", "10", "--reason", reason)
+    assert r.exit_code == 0, r.output
+    channel = grpc.insecure_channel(server)
+    stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+    stub.ReportLoad(control_plane_pb2.LoadReport(node_id="[bold]n1[/]", applied_version=1,
+                                                 apply_error="version 9: [/] rules: [red]x"),
+                    metadata=[("authorization", f"Bearer {RW_TOKEN}")])
+    channel.close()
+    for args, expected in ((["override", "list"], "[bold]loud[/bold]"),
+                           (["history", "--limit", "3"], "[bold]loud[/bold]"),
+                           (["status"], "[bold]n1[/]"),
+                           (["status"], "version 9: [/] rules: [red]x")):
+        r = run(server, *args)
+        assert r.exit_code == 0, r.output
+        flat = " ".join(r.output.split())
+        assert expected in flat, (args, r.output)
+    assert "DEGRADED" in run(server, "status").output
+    assert run(server, "override", "clear", "markup").exit_code == 0

@@ -25,6 +25,7 @@ import yaml
 from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from adaptermesh.proto.adaptermesh.v1 import (
@@ -33,7 +34,7 @@ from adaptermesh.proto.adaptermesh.v1 import (
     control_plane_pb2_grpc,
 )
 
-__all__ = ["app", "parse_weight"]
+__all__ = ["app", "node_state", "parse_weight"]
 
 T = TypeVar("T")
 BUDGET = 10_000
@@ -63,7 +64,9 @@ _EXIT = {
 
 
 def _die(message: str, code: int) -> NoReturn:
-    err.print(f"[red]error:[/red] {message}", highlight=False)
+    # One line: server messages quote user text, which must show as written.
+    line = " ".join(message.split())
+    err.print(f"[red]error:[/red] {escape(line)}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -228,71 +231,140 @@ def _override_doc(o: assignment_pb2.Override) -> dict[str, Any]:
 
 
 def _need(mapping: Any, key: str, where: str) -> Any:
-    if not isinstance(mapping, dict) or key not in mapping:
+    if not isinstance(mapping, dict) or key not in mapping or mapping[key] is None:
         raise ValueError(f"{where}.{key}: required")
     return mapping[key]
 
 
+def _map(value: Any, where: str, allowed: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """A YAML mapping (None: empty) with only the ``allowed`` keys."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(value).__name__}")
+    if allowed is not None:
+        unknown = sorted(str(k) for k in value if k not in allowed)
+        if unknown:
+            raise ValueError(f"{where}.{unknown[0]}: unknown field (expected one of "
+                             f"{', '.join(allowed)})")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise ValueError(f"{where}: expected a string, got {type(value).__name__}")
+    return str(value)
+
+
+def _int(value: Any, where: str, hi: int = 2**32 - 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: expected a whole number, got {value!r}")
+    if not 0 <= value <= hi:
+        raise ValueError(f"{where}: {value} is not in 0..{hi}")
+    return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def _labels(meta: dict[str, Any], where: str) -> dict[str, str]:
+    labels = _map(meta.get("labels"), f"{where}.labels")
+    return {_str(k, f"{where}.labels"): _str(v, f"{where}.labels.{k}") for k, v in labels.items()}
+
+
+_TOP = ("kind", "apiVersion", "metadata", "spec")
+
+
 def _shard_from_doc(doc: dict[str, Any], where: str) -> assignment_pb2.Shard:
-    meta, spec = doc.get("metadata") or {}, doc.get("spec") or {}
-    s = assignment_pb2.Shard(id=str(_need(meta, "name", f"{where}.metadata")))
-    for k, v in (meta.get("labels") or {}).items():
-        s.labels[str(k)] = str(v)
-    for i, ep in enumerate(spec.get("endpoints") or []):
+    _map(doc, where, _TOP)
+    meta = _map(doc.get("metadata"), f"{where}.metadata", ("name", "labels"))
+    spec = _map(doc.get("spec"), f"{where}.spec", ("endpoints", "state", "steer", "service"))
+    s = assignment_pb2.Shard(id=_str(_need(meta, "name", f"{where}.metadata"),
+                                     f"{where}.metadata.name"))
+    s.labels.update(_labels(meta, f"{where}.metadata"))
+    for i, ep in enumerate(_list(spec.get("endpoints"), f"{where}.spec.endpoints")):
+        ew = f"{where}.spec.endpoints[{i}]"
         if isinstance(ep, str):
-            addr, port = _hostport(ep, f"{where}.spec.endpoints[{i}]")
+            addr, port = _hostport(ep, ew)
             s.endpoints.add(address=addr, port=port)
         else:
+            ep = _map(ep, ew, ("address", "port", "draining"))
             s.endpoints.add(
-                address=str(_need(ep, "address", f"{where}.spec.endpoints[{i}]")),
-                port=int(_need(ep, "port", f"{where}.spec.endpoints[{i}]")),
-                draining=bool(ep.get("draining", False)),
+                address=_str(_need(ep, "address", ew), f"{ew}.address"),
+                port=_int(_need(ep, "port", ew), f"{ew}.port", 65535),
+                draining=_bool(ep.get("draining", False), f"{ew}.draining"),
             )
-    state = str(spec.get("state", "ACTIVE")).upper()
+    state = _str(spec.get("state", "ACTIVE"), f"{where}.spec.state").upper()
     if state not in ("ACTIVE", "DRAINING"):
         raise ValueError(f"{where}.spec.state: {state!r} is not ACTIVE or DRAINING")
     s.state = (
         assignment_pb2.SHARD_STATE_DRAINING if state == "DRAINING" else assignment_pb2.SHARD_STATE_ACTIVE
     )
-    steer = spec.get("steer") or {}
+    sw = f"{where}.spec.steer"
+    steer = _map(spec.get("steer"), sw, ("tunnel", "redirect", "mark"))
+    if len(steer) > 1:
+        raise ValueError(f"{sw}: one of tunnel, redirect or mark, not {', '.join(steer)}")
     if "tunnel" in steer:
-        t = steer["tunnel"]
-        s.steer.tunnel.remote_ipv4 = str(t.get("remoteIpv4", t.get("remoteIPv4", "")))
-        s.steer.tunnel.vni = int(t.get("vni", 0))
-        s.steer.tunnel.inner_dst_mac = str(t.get("innerDstMac", ""))
+        t = _map(steer["tunnel"], f"{sw}.tunnel", ("remoteIpv4", "remoteIPv4", "vni", "innerDstMac"))
+        s.steer.tunnel.remote_ipv4 = _str(t.get("remoteIpv4", t.get("remoteIPv4", "")),
+                                          f"{sw}.tunnel.remoteIpv4")
+        s.steer.tunnel.vni = _int(t.get("vni", 0), f"{sw}.tunnel.vni")
+        s.steer.tunnel.inner_dst_mac = _str(t.get("innerDstMac", ""), f"{sw}.tunnel.innerDstMac")
     elif "redirect" in steer:
-        r = steer["redirect"]
-        s.steer.redirect.ifname = str(r.get("ifname", ""))
-        s.steer.redirect.ifindex = int(r.get("ifindex", 0))
-        s.steer.redirect.dst_mac = str(r.get("dstMac", ""))
-        s.steer.redirect.ingress = bool(r.get("ingress", False))
+        r = _map(steer["redirect"], f"{sw}.redirect", ("ifname", "ifindex", "dstMac", "ingress"))
+        s.steer.redirect.ifname = _str(r.get("ifname", ""), f"{sw}.redirect.ifname")
+        s.steer.redirect.ifindex = _int(r.get("ifindex", 0), f"{sw}.redirect.ifindex")
+        s.steer.redirect.dst_mac = _str(r.get("dstMac", ""), f"{sw}.redirect.dstMac")
+        s.steer.redirect.ingress = _bool(r.get("ingress", False), f"{sw}.redirect.ingress")
     elif "mark" in steer:
         m = steer["mark"]
-        s.steer.mark.mark = int(m.get("mark", 0) if isinstance(m, dict) else m)
-    service = spec.get("service") or {}
-    s.service_address = str(service.get("address", ""))
-    s.service_port = int(service.get("port", 0))
+        if isinstance(m, dict):
+            m = _map(m, f"{sw}.mark", ("mark",)).get("mark", 0)
+        s.steer.mark.mark = _int(m, f"{sw}.mark")
+    service = _map(spec.get("service"), f"{where}.spec.service", ("address", "port"))
+    s.service_address = _str(service.get("address", ""), f"{where}.spec.service.address")
+    s.service_port = _int(service.get("port", 0), f"{where}.spec.service.port", 65535)
     return s
 
 
 def _instance_from_doc(doc: dict[str, Any], where: str) -> control_plane_pb2.AdapterInstance:
-    meta, spec = doc.get("metadata") or {}, doc.get("spec") or {}
-    i = control_plane_pb2.AdapterInstance(name=str(_need(meta, "name", f"{where}.metadata")))
-    for k, v in (meta.get("labels") or {}).items():
-        i.labels[str(k)] = str(v)
-    ref = _need(spec, "modelRef", f"{where}.spec")
-    i.model_ref.base_model = str(_need(ref, "baseModel", f"{where}.spec.modelRef"))
-    i.model_ref.adapter_path = str(ref.get("adapterPath", ""))
-    i.model_ref.revision = str(ref.get("revision", ""))
-    for n, route in enumerate(spec.get("routes") or []):
+    _map(doc, where, _TOP)
+    meta = _map(doc.get("metadata"), f"{where}.metadata", ("name", "labels"))
+    spec = _map(doc.get("spec"), f"{where}.spec", ("modelRef", "routes", "security"))
+    i = control_plane_pb2.AdapterInstance(
+        name=_str(_need(meta, "name", f"{where}.metadata"), f"{where}.metadata.name"))
+    i.labels.update(_labels(meta, f"{where}.metadata"))
+    rw = f"{where}.spec.modelRef"
+    ref = _map(_need(spec, "modelRef", f"{where}.spec"), rw, ("baseModel", "adapterPath", "revision"))
+    i.model_ref.base_model = _str(_need(ref, "baseModel", rw), f"{rw}.baseModel")
+    i.model_ref.adapter_path = _str(ref.get("adapterPath", ""), f"{rw}.adapterPath")
+    i.model_ref.revision = _str(ref.get("revision", ""), f"{rw}.revision")
+    for n, route in enumerate(_list(spec.get("routes"), f"{where}.spec.routes")):
+        rtw = f"{where}.spec.routes[{n}]"
+        route = _map(route, rtw, ("shard", "weight"))
         w = route.get("weight", 0)
         i.routes.add(
-            shard_id=str(_need(route, "shard", f"{where}.spec.routes[{n}]")),
-            weight=parse_weight(w, f"{where}.spec.routes[{n}].weight") if w else 0,
+            shard_id=_str(_need(route, "shard", rtw), f"{rtw}.shard"),
+            weight=parse_weight(w, f"{rtw}.weight") if w else 0,
         )
-    sec = spec.get("security") or {}
-    i.security.scopes.extend(str(x) for x in sec.get("scopes") or [])
-    i.security.allowed_cidrs.extend(str(x) for x in sec.get("allowedCIDRs") or [])
+    sw = f"{where}.spec.security"
+    sec = _map(spec.get("security"), sw, ("scopes", "allowedCIDRs"))
+    i.security.scopes.extend(_str(x, f"{sw}.scopes[{k}]")
+                             for k, x in enumerate(_list(sec.get("scopes"), f"{sw}.scopes")))
+    i.security.allowed_cidrs.extend(
+        _str(x, f"{sw}.allowedCIDRs[{k}]")
+        for k, x in enumerate(_list(sec.get("allowedCIDRs"), f"{sw}.allowedCIDRs")))
     return i
 
 
@@ -302,7 +374,7 @@ class _Change:
     name: str
     verb: str  # create | update | unchanged
     detail: str
-    apply: Callable[[], None] | None
+    add: Callable[[control_plane_pb2.ApplyRequest], None] | None
 
 
 def _diff_dicts(before: Any, after: Any, prefix: str = "") -> list[str]:
@@ -328,12 +400,15 @@ def _load_documents(path: Path) -> list[tuple[str, dict[str, Any]]]:
         if not isinstance(doc, dict):
             raise ValueError(f"{where}: not a mapping")
         if doc.get("kind") == "List":
-            outd += [(f"{where}.items[{k}]", d) for k, d in enumerate(doc.get("items") or [])]
+            items = _list(doc.get("items"), f"{where}.items")
+            outd += [(f"{where}.items[{k}]", _map(d, f"{where}.items[{k}]"))
+                     for k, d in enumerate(items)]
         else:
             outd.append((where, doc))
     for where, doc in outd:
-        if doc.get("kind") not in KINDS:
-            raise ValueError(f"{where}.kind: {doc.get('kind')!r} is not one of {', '.join(KINDS)}")
+        kind = doc.get("kind")
+        if not isinstance(kind, str) or kind not in KINDS:
+            raise ValueError(f"{where}.kind: {kind!r} is not one of {', '.join(KINDS)}")
     return outd
 
 
@@ -357,47 +432,39 @@ def _plan(c: Ctx, docs: list[tuple[str, dict[str, Any]]]) -> list[_Change]:
         if kind == "Shard":
             s = _shard_from_doc(doc, where)
             old = shards.get(s.id)
-            new_doc = _shard_doc(s)
-            if old is None:
-                changes.append(_Change(kind, s.id, "create", "", _bind(c, "UpsertShard",
-                               control_plane_pb2.UpsertShardRequest(shard=s))))
-            else:
-                lines = _diff_dicts(_shard_doc(old), new_doc)
-                changes.append(_Change(kind, s.id, "update" if lines else "unchanged",
-                                       "; ".join(lines), _bind(c, "UpsertShard",
-                                       control_plane_pb2.UpsertShardRequest(shard=s)) if lines else None))
+            lines = _diff_dicts(_shard_doc(old), _shard_doc(s)) if old is not None else []
+            verb = "create" if old is None else "update" if lines else "unchanged"
+            changes.append(_Change(kind, s.id, verb, "; ".join(lines),
+                                   None if verb == "unchanged" else _adder("shards", s)))
         elif kind == "AdapterInstance":
             i = _instance_from_doc(doc, where)
             old_i = insts.get(i.name)
-            if old_i is None:
-                verb, lines = "create", []
-            else:
-                lines = _diff_dicts(_instance_doc(old_i), _instance_doc(i))
-                verb = "update" if lines else "unchanged"
-            changes.append(_Change(kind, i.name, verb, "; ".join(lines), _bind(
-                c, "UpsertAdapterInstance", control_plane_pb2.UpsertAdapterInstanceRequest(instance=i)
-            ) if verb != "unchanged" else None))
+            lines = _diff_dicts(_instance_doc(old_i), _instance_doc(i)) if old_i is not None else []
+            verb = "create" if old_i is None else "update" if lines else "unchanged"
+            changes.append(_Change(kind, i.name, verb, "; ".join(lines),
+                                   None if verb == "unchanged" else _adder("instances", i)))
         elif kind == "Pin":
-            spec = doc.get("spec") or {}
-            cidr = str(_need(spec, "cidr", f"{where}.spec"))
-            shard_id = str(_need(spec, "shard", f"{where}.spec"))
+            _map(doc, where, _TOP)
+            spec = _map(doc.get("spec"), f"{where}.spec", ("cidr", "shard"))
+            cidr = _str(_need(spec, "cidr", f"{where}.spec"), f"{where}.spec.cidr")
+            shard_id = _str(_need(spec, "shard", f"{where}.spec"), f"{where}.spec.shard")
             current = pins.get(cidr)
-            req = control_plane_pb2.PinTenantRequest(cidr=cidr, shard_id=shard_id)
+            pin = assignment_pb2.Pin(cidr=cidr, shard_id=shard_id)
             if current is None:
-                changes.append(_Change(kind, cidr, "create", f"-> {shard_id}", _bind(c, "PinTenant", req)))
+                changes.append(_Change(kind, cidr, "create", f"-> {shard_id}", _adder("pins", pin)))
             elif current == shard_id:
                 changes.append(_Change(kind, cidr, "unchanged", "", None))
             else:
                 changes.append(_Change(kind, cidr, "update", f"shard: {current} -> {shard_id}",
-                                       _repin(c, cidr, req)))
+                                       _adder("pins", pin)))
         else:
-            spec = doc.get("spec") or {}
-            shard_id = str(_need(spec, "shard", f"{where}.spec"))
-            weight = parse_weight(_need(spec, "weight", f"{where}.spec"), f"{where}.spec.weight")
-            ttl = spec.get("ttlSeconds", 0)
-            if not isinstance(ttl, int) or ttl < 0:
-                raise ValueError(f"{where}.spec.ttlSeconds: {ttl!r} is not a whole number >= 0")
-            reason = str(spec.get("reason", "applied from file"))
+            _map(doc, where, _TOP)
+            sw = f"{where}.spec"
+            spec = _map(doc.get("spec"), sw, ("shard", "weight", "ttlSeconds", "reason"))
+            shard_id = _str(_need(spec, "shard", sw), f"{sw}.shard")
+            weight = parse_weight(_need(spec, "weight", sw), f"{sw}.weight")
+            ttl = _int(spec.get("ttlSeconds", 0), f"{sw}.ttlSeconds")
+            reason = _str(spec.get("reason", "applied from file"), f"{sw}.reason")
             req_o = control_plane_pb2.SetOverrideRequest(
                 shard_id=shard_id, weight=weight, ttl_seconds=ttl, reason=reason
             )
@@ -408,29 +475,21 @@ def _plan(c: Ctx, docs: list[tuple[str, dict[str, Any]]]) -> list[_Change]:
             else:
                 detail = (f"weight: {old_o.weight} -> {weight}" if old_o else f"weight {weight}")
                 changes.append(_Change(kind, shard_id, "update" if old_o else "create", detail,
-                                       _bind(c, "SetOverride", req_o)))
+                                       _adder("overrides", req_o)))
     return changes
 
 
-def _repin(c: Ctx, cidr: str, req: control_plane_pb2.PinTenantRequest) -> Callable[[], None]:
-    def run() -> None:
-        c.call("UnpinTenant", control_plane_pb2.UnpinTenantRequest(cidr=cidr))
-        c.call("PinTenant", req)
+def _adder(field: str, item: Any) -> Callable[[control_plane_pb2.ApplyRequest], None]:
+    def add(req: control_plane_pb2.ApplyRequest) -> None:
+        getattr(req, field).append(item)
 
-    return run
-
-
-def _bind(c: Ctx, method: str, request: Any) -> Callable[[], None]:
-    def run() -> None:
-        c.call(method, request)
-
-    return run
+    return add
 
 
 def _guard(fn: Callable[[], T]) -> T:
     try:
         return fn()
-    except ValueError as exc:
+    except (ValueError, TypeError, OverflowError) as exc:
         _die(str(exc), 2)
 
 
@@ -445,7 +504,8 @@ def shards_cmd(ctx: typer.Context) -> None:
     for s in resp.shards:
         eps = ", ".join(f"{e.address}:{e.port}({e.weight})" for e in s.endpoints)
         kind = s.steer.WhichOneof("target") or "-"
-        t.add_row(s.id, str(s.index), _state(s.state), f"{s.weight / 100:.2f}%", eps or "-", kind)
+        t.add_row(escape(s.id), str(s.index), _state(s.state), f"{s.weight / 100:.2f}%",
+                  escape(eps) or "-", kind)
     out.print(t)
 
 
@@ -489,14 +549,14 @@ def shard_upsert(
 
     s = _guard(build)
     stored = _ctx(ctx).call("UpsertShard", control_plane_pb2.UpsertShardRequest(shard=s))
-    out.print(f"shard {stored.id} stored (index {stored.index})")
+    out.print(f"shard {stored.id} stored (index {stored.index})", markup=False, highlight=False)
 
 
 @shard_app.command("delete")
 def shard_delete(ctx: typer.Context, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]) -> None:
     """Delete a shard (unpin its tenants first)."""
     _ctx(ctx).call("DeleteShard", control_plane_pb2.DeleteShardRequest(id=shard_id))
-    out.print(f"shard {shard_id} deleted")
+    out.print(f"shard {shard_id} deleted", markup=False, highlight=False)
 
 
 @override_app.command("set")
@@ -515,14 +575,14 @@ def override_set(
         "SetOverride",
         control_plane_pb2.SetOverrideRequest(shard_id=shard_id, weight=parts, ttl_seconds=ttl, reason=reason),
     )
-    out.print(f"override {o.shard_id} = {o.weight} parts, expires {_ts(o.expires_at)}")
+    out.print(f"override {o.shard_id} = {o.weight} parts, expires {_ts(o.expires_at)}", markup=False, highlight=False)
 
 
 @override_app.command("clear")
 def override_clear(ctx: typer.Context, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]) -> None:
     """Remove a shard's override."""
     _ctx(ctx).call("ClearOverride", control_plane_pb2.ClearOverrideRequest(shard_id=shard_id))
-    out.print(f"override on {shard_id} cleared")
+    out.print(f"override on {shard_id} cleared", markup=False, highlight=False)
 
 
 @override_app.command("list")
@@ -531,7 +591,7 @@ def override_list(ctx: typer.Context) -> None:
     resp = _ctx(ctx).call("ListOverrides", control_plane_pb2.ListOverridesRequest())
     t = Table("SHARD", "WEIGHT", "EXPIRES", "REASON")
     for o in resp.overrides:
-        t.add_row(o.shard_id, str(o.weight), _ts(o.expires_at), o.reason)
+        t.add_row(escape(o.shard_id), str(o.weight), _ts(o.expires_at), escape(o.reason))
     out.print(t)
 
 
@@ -539,20 +599,21 @@ def override_list(ctx: typer.Context) -> None:
 def pin_cmd(ctx: typer.Context, cidr: str, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]) -> None:
     """Pin a tenant CIDR to a shard (the longest prefix wins)."""
     p = _ctx(ctx).call("PinTenant", control_plane_pb2.PinTenantRequest(cidr=cidr, shard_id=shard_id))
-    out.print(f"pinned {p.cidr} -> {p.shard_id}")
+    out.print(f"pinned {p.cidr} -> {p.shard_id}", markup=False, highlight=False)
 
 
 @app.command("unpin")
 def unpin_cmd(ctx: typer.Context, cidr: str) -> None:
     """Remove a tenant pin."""
     _ctx(ctx).call("UnpinTenant", control_plane_pb2.UnpinTenantRequest(cidr=cidr))
-    out.print(f"unpinned {cidr}")
+    out.print(f"unpinned {cidr}", markup=False, highlight=False)
 
 
 def _status_table(st: control_plane_pb2.StatusResponse) -> Table:
     a = st.assignment
     t = Table("SHARD", "STATE", "WEIGHT", "UTIL", "QUEUE", "RUNNING", "TTFT ms", "TOK/s", "KV",
-              "WORKERS", title=f"assignment v{a.version} at {_ts(a.generated_at)}: {a.reason}")
+              "WORKERS",
+              title=f"assignment v{a.version} at {_ts(a.generated_at)}: {escape(a.reason)}")
     loads = {ld.shard_id: ld for ld in st.loads}
     for s in a.shards:
         ld = loads.get(s.id)
@@ -562,17 +623,26 @@ def _status_table(st: control_plane_pb2.StatusResponse) -> Table:
             cells = [f"{ld.utilization:.2f}", f"{ld.queue_depth:.0f}", f"{ld.running:.0f}",
                      f"{ld.latency_ms:.0f}", f"{ld.tokens_per_s:.0f}", f"{ld.kv_cache_usage:.0%}"]
         workers = f"{ld.workers_known}/{ld.workers}" if ld else f"?/{len(s.endpoints)}"
-        t.add_row(s.id, _state(s.state), f"{s.weight / 100:.2f}%", *cells, workers)
+        t.add_row(escape(s.id), _state(s.state), f"{s.weight / 100:.2f}%", *cells, workers)
     return t
 
 
+def node_state(n: control_plane_pb2.NodeStatus, version: int) -> str:
+    """DEGRADED: the node refused an Assignment and serves an older one; LAGGING: it has not
+    applied the newest yet; OK otherwise."""
+    if n.apply_error:
+        return "DEGRADED"
+    return "LAGGING" if n.applied_version < version else "OK"
+
+
 def _nodes_table(st: control_plane_pb2.StatusResponse) -> Table:
-    t = Table("NODE", "APPLIED", "LAG", "LAST REPORT", "ERROR", title="nodes")
+    t = Table("NODE", "STATE", "APPLIED", "LAG", "LAST REPORT", "ERROR", title="nodes")
     for n in st.nodes:
         lag = st.assignment.version - n.applied_version
-        style = "red" if lag > 0 or n.apply_error else ""
-        t.add_row(n.node_id, str(n.applied_version), str(lag), _ts(n.last_report),
-                  n.apply_error or "", style=style)
+        state = node_state(n, st.assignment.version)
+        style = "" if state == "OK" else "red"
+        t.add_row(escape(n.node_id), state, str(n.applied_version), str(lag), _ts(n.last_report),
+                  escape(n.apply_error), style=style)
     return t
 
 
@@ -591,6 +661,8 @@ def watch_cmd(
     count: Annotated[int, typer.Option(help="stop after this many Assignments (0: never)")] = 0,
 ) -> None:
     """Live table of Assignments as they are published."""
+    if from_version < 0 or count < 0:
+        _die("--from-version and --count must be >= 0", 2)
     c = _ctx(ctx)
     stream = c.stub.WatchAssignments(
         control_plane_pb2.WatchAssignmentsRequest(from_version=from_version, node_id="adapterctl"),
@@ -606,7 +678,7 @@ def watch_cmd(
                                                      metadata=c.metadata, timeout=c.timeout).loads)
                 live.update(_status_table(st), refresh=True)
                 if not out.is_terminal:
-                    out.print(f"v{a.version} {a.reason}", highlight=False)
+                    out.print(f"v{a.version} {a.reason}", highlight=False, markup=False)
                 seen += 1
                 if count and seen >= count:
                     stream.cancel()
@@ -633,11 +705,15 @@ def history_cmd(
     before: Annotated[int, typer.Option(help="only versions below this one")] = 0,
 ) -> None:
     """Published Assignment versions with their reasons, newest first."""
+    if not 0 < limit <= 1000:
+        _die(f"--limit: {limit} is not in 1..1000", 2)
+    if before < 0:
+        _die(f"--before: {before} is negative", 2)
     resp = _ctx(ctx).call("ListHistory", control_plane_pb2.ListHistoryRequest(limit=limit, before_version=before))
     t = Table("VERSION", "GENERATED", "WEIGHTS", "REASON")
     for r in resp.records:
         w = " ".join(f"{s.id}={s.weight}" for s in r.assignment.shards if s.weight)
-        t.add_row(str(r.version), _ts(r.generated_at), w, r.reason)
+        t.add_row(str(r.version), _ts(r.generated_at), escape(w), escape(r.reason))
     out.print(t)
 
 
@@ -690,16 +766,24 @@ def apply_cmd(
     changes = _guard(lambda: _plan(c, docs))  # everything validated before anything is sent
     marks = {"create": "[green]+[/green]", "update": "[yellow]~[/yellow]", "unchanged": "="}
     for ch in changes:
-        detail = f"  ({ch.detail})" if ch.detail else ""
-        out.print(f"{marks[ch.verb]} {ch.kind}/{ch.name} {ch.verb}{detail}", highlight=False)
-    todo = [ch for ch in changes if ch.apply is not None]
+        detail = f"  ({escape(ch.detail)})" if ch.detail else ""
+        out.print(f"{marks[ch.verb]} {escape(ch.kind)}/{escape(ch.name)} {ch.verb}{detail}",
+                  highlight=False)
+    todo = [ch for ch in changes if ch.add is not None]
     if dry_run:
         out.print(f"{len(todo)} change(s) (dry run: nothing sent)")
         return
+    if not todo:
+        out.print(f"0 change(s) applied, {len(changes)} unchanged")
+        return
+    # One request, one server-side transaction: every change is made, or none is.
+    req = control_plane_pb2.ApplyRequest(reason=_guard(lambda: f"apply -f {filename.name}"))
     for ch in todo:
-        assert ch.apply is not None
-        ch.apply()
-    out.print(f"{len(todo)} change(s) applied, {len(changes) - len(todo)} unchanged")
+        assert ch.add is not None
+        ch.add(req)
+    resp = c.call("Apply", req)
+    version = f" (assignment v{resp.version})" if resp.version else ""
+    out.print(f"{len(todo)} change(s) applied{version}, {len(changes) - len(todo)} unchanged")
 
 
 if __name__ == "__main__":
