@@ -8,7 +8,8 @@
  * table indexed by a hash of the source address. A chosen shard must be ACTIVE; a pin or a
  * sticky entry naming a shard that is not falls through to the next step, so nothing new is
  * ever sent to a draining shard. Frames that cannot be classified safely (truncated or invalid
- * headers, VLAN tags, non-IP) pass untouched and are counted in am_counters.
+ * headers, VLAN tags, non-IP) and sources no client has (link-local, unspecified, loopback,
+ * multicast, broadcast) pass untouched and are counted in am_counters.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/if_ether.h>
@@ -66,6 +67,53 @@ static __always_inline void am_count(__u32 idx)
 	__u64 *c = am_counters.lookup(&idx);
 	if (c)
 		*c += 1;
+}
+
+/*
+ * The L3 header, len bytes at ETH_HLEN: in place when the linear part holds it (every small
+ * packet), else copied into buf. GRO/GSO super-frames and jumbo frames can arrive with little
+ * more than the Ethernet header linear; read in place they would look truncated. Copying every
+ * header instead would cost a helper call per packet, so the copy is only the fallback.
+ * NULL: the frame is shorter than the header.
+ */
+static __always_inline void *am_l3(struct __sk_buff *skb, void *buf, __u32 len)
+{
+	void *data = (void *)(long)skb->data;
+	void *data_end = (void *)(long)skb->data_end;
+
+	if (data + ETH_HLEN + len <= data_end)
+		return data + ETH_HLEN;
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, buf, len) < 0)
+		return NULL;
+	return buf;
+}
+
+/*
+ * IPv4 sources that no client has: the kernel's own martian-source set (0.0.0.0/8, 127.0.0.0/8,
+ * 224.0.0.0/4, 255.255.255.255). IPv4 is keyed IPv4-mapped, so these would otherwise hash and
+ * match pins like real tenants.
+ */
+static __always_inline int am_martian4(__be32 saddr)
+{
+	__u8 b0 = ((__u8 *)&saddr)[0];
+	return b0 == 0 || b0 == 127 || (b0 & 0xf0) == 0xe0 || saddr == 0xffffffff;
+}
+
+/*
+ * IPv6 sources that no client has: multicast (ff00::/8), unspecified (::, duplicate address
+ * detection), loopback (::1) and IPv4-mapped (::ffff:0:0/96: never valid on the wire, and it
+ * is the key space of IPv4 sources, so it would let an IPv6 packet take an IPv4 tenant's pin
+ * and sticky shard).
+ */
+static __always_inline int am_martian6(const struct am_addr *src)
+{
+	__u32 w[4];
+	__builtin_memcpy(w, src->a, 16);
+	if (src->a[0] == 0xff)
+		return 1;
+	if (w[0] | w[1])
+		return 0;
+	return w[2] == bpf_htonl(0xffff) || (w[2] == 0 && (w[3] == 0 || w[3] == bpf_htonl(1)));
 }
 
 static __always_inline __u32 am_fmix(__u32 h)
@@ -180,20 +228,32 @@ int am_classify(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	}
 	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
-		struct iphdr *ip = (void *)(eth + 1);
-		if ((void *)(ip + 1) > data_end || ip->version != 4 || ip->ihl < 5 ||
-		    bpf_ntohs(ip->tot_len) < ip->ihl * 4 ||
-		    (void *)ip + ip->ihl * 4 > data_end) {
+		struct iphdr buf4;
+		struct iphdr *ip = am_l3(skb, &buf4, sizeof(buf4));
+		/* Options may lie beyond the linear part: the whole frame (skb->len) must hold them. */
+		if (!ip || ip->version != 4 || ip->ihl < 5 || bpf_ntohs(ip->tot_len) < ip->ihl * 4 ||
+		    ETH_HLEN + ip->ihl * 4 > skb->len) {
 			am_count(AM_CNT_MALFORMED);
+			return TC_ACT_OK;
+		}
+		__be32 saddr = ip->saddr;
+		/* Link-local sources (169.254.0.0/16) talk to this node only (RFC 3927). */
+		if ((saddr & bpf_htonl(0xffff0000)) == bpf_htonl(0xa9fe0000)) {
+			am_count(AM_CNT_LINK_LOCAL);
+			return TC_ACT_OK;
+		}
+		if (am_martian4(saddr)) {
+			am_count(AM_CNT_MARTIAN);
 			return TC_ACT_OK;
 		}
 		/* Only the source address matters, so options and fragments classify alike. */
 		src.a[10] = 0xff;
 		src.a[11] = 0xff;
-		__builtin_memcpy(&src.a[12], &ip->saddr, 4);
+		__builtin_memcpy(&src.a[12], &saddr, 4);
 	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
-		struct ipv6hdr *ip6 = (void *)(eth + 1);
-		if ((void *)(ip6 + 1) > data_end || ip6->version != 6) {
+		struct ipv6hdr buf6;
+		struct ipv6hdr *ip6 = am_l3(skb, &buf6, sizeof(buf6));
+		if (!ip6 || ip6->version != 6) {
 			am_count(AM_CNT_MALFORMED);
 			return TC_ACT_OK;
 		}
@@ -204,6 +264,10 @@ int am_classify(struct __sk_buff *skb)
 			return TC_ACT_OK;
 		}
 		__builtin_memcpy(src.a, &ip6->saddr, 16);
+		if (am_martian6(&src)) {
+			am_count(AM_CNT_MARTIAN);
+			return TC_ACT_OK;
+		}
 	} else if (eth->h_proto == bpf_htons(ETH_P_8021Q) ||
 		   eth->h_proto == bpf_htons(ETH_P_8021AD)) {
 		am_count(AM_CNT_VLAN);

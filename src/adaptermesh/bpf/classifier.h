@@ -57,8 +57,10 @@
 #define AM_CNT_VLAN 3      /* VLAN-tagged in the packet data: passed untouched */
 #define AM_CNT_NO_SHARD 4  /* no active shard to pick: passed untouched */
 #define AM_CNT_STEER_FAIL 5 /* a steering helper failed: passed untouched */
-#define AM_CNT_LINK_LOCAL 6 /* IPv6 link-local source: passed untouched */
-#define AM_CNT_MAX 8
+#define AM_CNT_LINK_LOCAL 6 /* link-local source (fe80::/10, 169.254.0.0/16): passed untouched */
+#define AM_CNT_MARTIAN 7    /* a source no client has (unspecified, loopback, multicast,
+			     * 255.255.255.255, IPv4-mapped in an IPv6 header): passed untouched */
+#define AM_CNT_MAX 8 /* the pinned am_counters has 8 entries: a ninth needs a new map */
 
 /* am_pins key: IPv4 lives in the IPv4-mapped IPv6 space (::ffff:a.b.c.d, prefixlen 96 + n). */
 struct am_lpm_key {

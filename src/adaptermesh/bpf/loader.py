@@ -75,6 +75,7 @@ __all__ = [
     "AmStats",
     "ApplyTiming",
     "BpfShardTable",
+    "ClassifierCounters",
     "classifier_source",
 ]
 
@@ -146,6 +147,15 @@ class AmStats(ctypes.Structure):
         ("new_flows", ctypes.c_uint64),
         ("events_dropped", ctypes.c_uint64),
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class ClassifierCounters(DatapathCounters):
+    """DatapathCounters plus the pass reasons added since. Must stay in sync with AM_CNT_*."""
+
+    # AM_CNT_MARTIAN: sources no client has (unspecified, loopback, multicast,
+    # 255.255.255.255, IPv4-mapped in an IPv6 header).
+    martian_source: int = 0
 
 
 class AmEvent(ctypes.Structure):
@@ -624,14 +634,14 @@ class BpfShardTable:
                 out[idx] = s
         return out
 
-    def read_counters(self) -> DatapathCounters:
+    def read_counters(self) -> ClassifierCounters:
         vals = [
             sum(c.value for c in self._percpu("am_counters", i, ctypes.c_uint64))
             for i in range(AM_CNT_MAX)
         ]
-        return DatapathCounters(
+        return ClassifierCounters(
             ringbuf_failed=vals[0], non_ip=vals[1], malformed=vals[2], vlan=vals[3],
-            no_shard=vals[4], steer_failed=vals[5], link_local=vals[6],
+            no_shard=vals[4], steer_failed=vals[5], link_local=vals[6], martian_source=vals[7],
         )
 
     def _ring_consumer(self) -> RingBuffer | None:
