@@ -83,3 +83,72 @@ def plants(draw: st.DrawFn, noise: float = 0.0) -> Plant:
             pinned[sid] = min(capacity[sid] * 0.5, pinned_frac * total / n)
     steerable = total - sum(pinned.values())
     return Plant(capacity, steerable, pinned, noise=noise)
+
+
+# -- API messages: any value of the right type, biased towards the edges of the rules ------
+
+from google.protobuf import message_factory  # noqa: E402
+from google.protobuf.descriptor import Descriptor, FieldDescriptor  # noqa: E402
+from google.protobuf.message import Message  # noqa: E402
+
+_EDGE_TEXT = [
+    "", "s0", "s1", "ghost", "10.0.0.1", "999.1.1.1", "fe80::1", "fe80::1%eth0", "10.0.0.0/8",
+    "10.0.0.1/8", "fe80::1%eth0/128", "::/0", "0.0.0.0/0", " 10.1.0.0/16", "host.example",
+    "10.0.0.1:80", "aa:bb:cc:dd:ee:ff", "zz:00:00:00:00:00", "eth0", "x" * 300, "[/]",
+    "[bold]x[/bold]", "round_robin", "least_request", "adaptermesh.io/lb-policy", "\x00", "é",
+]
+_EDGE_INT = [0, 1, 2, 255, 256, 1000, 9999, 10_000, 10_001, 65535, 65536, (1 << 24) - 1,
+             1 << 24, 2**31, 2**32 - 1]
+_INT_RANGE = {
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1), FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+}
+
+
+def _scalar(f: FieldDescriptor) -> st.SearchStrategy[object]:
+    if f.type == FieldDescriptor.TYPE_STRING:
+        return st.one_of(st.sampled_from(_EDGE_TEXT), st.text(max_size=20))
+    if f.type == FieldDescriptor.TYPE_BOOL:
+        return st.booleans()
+    if f.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        return st.floats(allow_nan=True, allow_infinity=True, width=64 if f.type == FieldDescriptor.TYPE_DOUBLE else 32)
+    if f.type == FieldDescriptor.TYPE_ENUM:
+        return st.sampled_from([v.number for v in f.enum_type.values] + [7])
+    if f.type == FieldDescriptor.TYPE_BYTES:
+        return st.binary(max_size=8)
+    lo, hi = _INT_RANGE[f.type]
+    return st.one_of(st.sampled_from([v for v in _EDGE_INT if lo <= v <= hi]), st.integers(lo, hi))
+
+
+@st.composite
+def messages(draw: st.DrawFn, cls: type[Message], depth: int = 0) -> Message:
+    """A well-typed ``cls`` with random fields (well typed: every value fits its field)."""
+    msg = cls()
+    desc: Descriptor = cls.DESCRIPTOR
+    for f in desc.fields:
+        if f.message_type is not None and f.message_type.full_name.startswith("google.protobuf"):
+            continue
+        if not draw(st.booleans()):
+            continue
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            keys = draw(st.lists(_scalar(f.message_type.fields_by_name["key"]), max_size=3))
+            vals = f.message_type.fields_by_name["value"]
+            for k in keys:
+                getattr(msg, f.name)[k] = draw(_scalar(vals))
+            continue
+        if f.message_type is not None:
+            if depth > 3:
+                continue
+            sub_cls = message_factory.GetMessageClass(f.message_type)
+            n = draw(st.integers(0, 3)) if f.is_repeated else 1
+            subs = [draw(messages(sub_cls, depth + 1)) for _ in range(n)]
+            if f.is_repeated:
+                getattr(msg, f.name).extend(subs)
+            else:
+                getattr(msg, f.name).CopyFrom(subs[0])
+            continue
+        if f.is_repeated:
+            getattr(msg, f.name).extend(draw(st.lists(_scalar(f), max_size=3)))
+        else:
+            setattr(msg, f.name, draw(_scalar(f)))
+    return msg

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 
 from adaptermesh import assignment_rules as rules
 from adaptermesh.assignment_rules import RuleError
@@ -28,7 +30,7 @@ from adaptermesh.proto.adaptermesh.v1 import (
     control_plane_pb2_grpc,
 )
 
-__all__ = ["ApiError", "ApiLimits", "ControlPlaneServicer", "normalise_cidr"]
+__all__ = ["ApiError", "ApiLimits", "ControlPlaneServicer", "add_to_server", "normalise_cidr"]
 
 # grpc ships no type information; the context is grpc.aio.ServicerContext.
 _Ctx: TypeAlias = Any
@@ -673,3 +675,44 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             n.last_report.FromNanoseconds(int(last * 1e9))
         out.loads.extend(self.rb.status_loads())
         return out
+
+
+def _parsing_handler(method: Any, behaviour: Any) -> grpc.RpcMethodHandler:
+    request_cls = message_factory.GetMessageClass(method.input_type)
+    response_cls = message_factory.GetMessageClass(method.output_type)
+
+    async def parse(raw: bytes, context: _Ctx) -> Any:
+        try:
+            return request_cls.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request: not a valid {method.input_type.name} ({exc})",
+            )
+
+    if method.server_streaming:
+        async def stream(raw: bytes, context: _Ctx) -> AsyncIterator[Any]:
+            async for item in behaviour(await parse(raw, context), context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream, response_serializer=response_cls.SerializeToString
+        )
+
+    async def unary(raw: bytes, context: _Ctx) -> Any:
+        return await behaviour(await parse(raw, context), context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        unary, response_serializer=response_cls.SerializeToString
+    )
+
+
+def add_to_server(servicer: ControlPlaneServicer, server: Any) -> None:
+    """Register the servicer like the generated ``add_ControlPlaneServicer_to_server``, but
+    parse each request inside its handler: a request that is no valid message (broken wire
+    bytes, a string that is not UTF-8) is INVALID_ARGUMENT, not grpc's INTERNAL."""
+    service = control_plane_pb2.DESCRIPTOR.services_by_name["ControlPlane"]
+    handlers = {m.name: _parsing_handler(m, getattr(servicer, m.name)) for m in service.methods}
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )

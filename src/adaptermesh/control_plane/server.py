@@ -15,14 +15,14 @@ from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from adaptermesh.control_plane.api import ApiLimits, ControlPlaneServicer
+from adaptermesh.control_plane.api import ApiLimits, ControlPlaneServicer, add_to_server
 from adaptermesh.control_plane.auth import AuthInterceptor, TokenTable, server_credentials
 from adaptermesh.control_plane.metrics import serve_metrics
 from adaptermesh.control_plane.metrics_source import LoadSource, PrometheusSource, ScrapeSource
 from adaptermesh.control_plane.policy import PolicyConfig
 from adaptermesh.control_plane.rebalancer import Clock, Rebalancer, RebalancerConfig
 from adaptermesh.control_plane.store import Store
-from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2, control_plane_pb2_grpc
+from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2
 
 __all__ = ["CONTROL_PLANE_SERVICE", "ControlPlaneServer", "ServerConfig"]
 
@@ -104,9 +104,7 @@ class ControlPlaneServer:
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(  # type: ignore[no-untyped-call]
-            self.servicer, server
-        )
+        add_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (CONTROL_PLANE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
