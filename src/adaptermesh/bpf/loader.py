@@ -6,7 +6,7 @@ Usage by the node agent::
     table.attach()                     # clsact ingress, direct-action filter, replaced in place
     table.apply(assignment)            # validate -> shards -> pins -> idle Maglev table -> flip
     table.read_stats()                 # {shard index: ShardStats}
-    table.read_counters()              # DatapathCounters, incl. failed ring-buffer reservations
+    table.read_counters()              # ClassifierCounters: lost events, each pass reason
     table.poll_events(callback, 100)   # FlowEvent per new flow
     table.poll_batch(callback, 100)    # or one EventBatch (numpy columns) per drain
     table.close(detach=False)          # keep the filter and pins: a restart picks them up
