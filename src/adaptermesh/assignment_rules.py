@@ -214,9 +214,13 @@ def normalise_cidr(text: str, field: str = "cidr") -> str:
 # -- a shard ---------------------------------------------------------------------------------
 
 
-def check_steer(steer: assignment_pb2.Steer, field: str) -> None:
-    """Checks that need nothing of the node; the agent then resolves ifnames and devices."""
-    kind = steer.WhichOneof("target")
+def check_steer(steer: assignment_pb2.Steer, field: str, kind: str | None = "?") -> None:
+    """Checks that need nothing of the node; the agent then resolves ifnames and devices.
+
+    ``kind``: the caller's ``steer.WhichOneof("target")``, when it has it already.
+    """
+    if kind == "?":
+        kind = steer.WhichOneof("target")
     if kind == "tunnel":
         t = steer.tunnel
         try:

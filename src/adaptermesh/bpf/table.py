@@ -217,7 +217,8 @@ def _steer(
     if which is None:
         return SteerPlan()
     # What needs nothing of this node is the shared rules' call; then the node's own facts.
-    rules.check_steer(shard.steer, f"{name}.steer")
+    steer = shard.steer
+    rules.check_steer(steer, name + ".steer", which)
     if which == "tunnel":
         t = shard.steer.tunnel
         remote = ipaddress.IPv4Address(t.remote_ipv4)
