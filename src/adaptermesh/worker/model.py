@@ -25,6 +25,7 @@ from safetensors import safe_open
 from adaptermesh import kernels
 from adaptermesh.worker import lora_ops
 from adaptermesh.worker.kv_cache import PagedKVCache
+from adaptermesh.worker.model_fields import ACTIVATIONS, IGNORED_TENSOR_SUFFIXES, check_model_config
 
 if TYPE_CHECKING:
     from adaptermesh.worker.adafuse import GatedTerms
@@ -52,7 +53,30 @@ MODULE_TO_GROUP: dict[str, tuple[str, int]] = {
     m: (g, i) for g, ms in GROUPS.items() for i, m in enumerate(ms)
 }
 SUPPORTED_MODULES: tuple[str, ...] = tuple(MODULE_TO_GROUP)
-_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+
+def _layer_windows(model_type: str, d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers 5 applies it.
+
+    Mistral: ``sliding_window`` on every layer (absent means MistralConfig's 4096). Qwen2: the
+    window only when ``use_sliding_window``, on layers whose ``layer_types`` entry is
+    sliding_attention; without layer_types, layers with index >= ``max_window_layers`` (default
+    28) slide (Qwen2Config.__post_init__).
+    """
+    if model_type == "mistral":
+        w = d.get("sliding_window", 4096)
+        return tuple([int(w)] * num_layers) if w else ()
+    if model_type == "qwen2":
+        w = d.get("sliding_window", 4096)
+        if not d.get("use_sliding_window", False) or not w:
+            return ()
+        types = d.get("layer_types")
+        if types is None:
+            first = int(d.get("max_window_layers", 28))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        out = tuple(int(w) if t == "sliding_attention" else None for t in types)
+        return out if any(x is not None for x in out) else ()
+    return ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +97,24 @@ class ModelConfig:
     qkv_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # The largest window of any layer (None: every layer attends to the whole sequence).
     sliding_window: int | None = None
+    o_bias: bool = False  # o_proj bias (Llama attention_bias)
+    mlp_bias: bool = False  # gate/up/down biases
+    act: str = "silu"  # kernels.act_mul's name for hidden_act
+    # Per layer: the sliding window, or None for full attention. Empty: no windows anywhere.
+    layer_windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        model_type = str(d.get("model_type", ""))
-        if model_type not in _ARCHS:
-            raise ValueError(f"config.model_type: unsupported architecture {model_type!r} (llama, mistral, qwen2)")
+        """Parse ``config.json``; every field is read or harmless (``model_fields``), else refused."""
+        bad = check_model_config(d)
+        if bad is not None:
+            raise ValueError(f"config.{bad[0]}: {bad[1]}")
+        model_type = str(d["model_type"])
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         kv_heads = int(d.get("num_key_value_heads") or heads)
@@ -96,18 +131,21 @@ class ModelConfig:
         if scaling is not None:
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
             scaling["rope_type"] = rope_type
+            scaling.pop("type", None)
+            scaling.pop("partial_rotary_factor", None)  # only 1.0 passes model_fields
             if rope_type == "default":
                 scaling = None
         eos = d.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        qkv_bias = model_type == "qwen2" or bool(d.get("attention_bias", False))
-        window = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
+        num_layers = int(d["num_hidden_layers"])
+        attention_bias = model_type == "llama" and bool(d.get("attention_bias", False))
+        windows = _layer_windows(model_type, d, num_layers)
         return cls(
             arch=model_type,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -116,10 +154,14 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
+            qkv_bias=model_type == "qwen2" or attention_bias,
             eos_token_ids=eos_ids,
             bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
-            sliding_window=int(window) if window else None,
+            sliding_window=max((w for w in windows if w is not None), default=None),
+            o_bias=attention_bias,
+            mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
+            act=ACTIVATIONS[str(d.get("hidden_act", "silu"))],
+            layer_windows=windows,
         )
 
     @classmethod
@@ -178,22 +220,36 @@ def rope_inv_freq(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float]:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, out), 1.0
     if kind == "yarn":
-        orig_y = float(sc.get("original_max_position_embeddings", cfg.max_position_embeddings))
-        beta_fast = float(sc.get("beta_fast", 32.0))
-        beta_slow = float(sc.get("beta_slow", 1.0))
+        # transformers' _compute_yarn_parameters, field for field.
+        orig_y = float(sc.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+        yf = float(sc["factor"]) if sc.get("factor") is not None else cfg.max_position_embeddings / orig_y
+        beta_fast = float(sc.get("beta_fast") or 32.0)
+        beta_slow = float(sc.get("beta_slow") or 1.0)
+        ms, ms_all = sc.get("mscale"), sc.get("mscale_all_dim")
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
         attn_factor = sc.get("attention_factor")
-        mscale = float(attn_factor) if attn_factor is not None else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+        if attn_factor is not None:
+            mscale = float(attn_factor)
+        elif ms and ms_all:
+            mscale = get_mscale(yf, float(ms)) / get_mscale(yf, float(ms_all))
+        else:
+            mscale = get_mscale(yf)
 
         def corr_dim(rot: float) -> float:
             return (dim * math.log(orig_y / (rot * 2 * math.pi))) / (2 * math.log(base))
 
-        lo = max(math.floor(corr_dim(beta_fast)), 0)
-        hi = min(math.ceil(corr_dim(beta_slow)), dim - 1)
+        lo_f, hi_f = corr_dim(beta_fast), corr_dim(beta_slow)
+        if sc.get("truncate", True):
+            lo_f, hi_f = math.floor(lo_f), math.ceil(hi_f)
+        lo, hi = max(lo_f, 0), min(hi_f, dim - 1)
         if lo == hi:
-            hi += 1  # avoid a zero-width ramp
+            hi += 0.001  # transformers' guard against a zero-width ramp
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
         extrapolation = 1 - ramp
-        interp = inv / factor
+        interp = inv / yf
         return interp * (1 - extrapolation) + inv * extrapolation, mscale
     raise ValueError(f"config.rope_scaling.rope_type: unsupported {kind!r} (linear, dynamic, llama3, yarn)")
 
@@ -328,18 +384,29 @@ class TransformerModel:
                 layer["bqkv"] = torch.cat(
                     [take(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")]
                 ).contiguous()
+            if cfg.o_bias:
+                layer["bo"] = take(p + "self_attn.o_proj.bias")
+            if cfg.mlp_bias:
+                layer["bgu"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]).contiguous()
+                layer["bd"] = take(p + "mlp.down_proj.bias")
             self.layers.append(layer)
         self.norm = take("model.norm.weight")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+        if cfg.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)  # transformers ties it to the embedding too
             self.lm_head = self.embed
         else:
             self.lm_head = take("lm_head.weight")
+        # A tensor nothing consumed means the checkpoint uses a feature this runtime lacks.
+        left = sorted(k for k in weights if not k.endswith(IGNORED_TENSOR_SUFFIXES))
+        if left:
+            more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+            raise ValueError(f"model weights: tensor {left[0]}{more} is not used by any module of the {cfg.arch} runtime")
         inv, mscale = rope_inv_freq(cfg, max_len)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
         # [max_len, D]: cos of each frequency, then sin, rounded to the model dtype like the
         # cos/sin tables of transformers' Llama.
         self.cos_sin = torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1).to(device=device, dtype=dtype)
-        self.act = "silu"
+        self.act = cfg.act
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -388,8 +455,8 @@ class TransformerModel:
         Per layer, outside LoRA: fused residual-add + RMSNorm, the fused q/k/v matmul, RoPE
         fused with the paged KV write, decode and/or prefill paged attention (reading K/V in
         place through the block tables), the o matmul, fused add + RMSNorm, the fused
-        gate/up matmul, fused activation x up, the down matmul: 10 launches (11 with a q/k/v
-        bias, +1 when split-KV decode reduces partitions, +1 for a mixed step's second
+        gate/up matmul, fused activation x up, the down matmul: 10 launches (biases ride in
+        addmm, no extra launch; +1 when split-KV decode reduces partitions, +1 for a mixed step's second
         attention launch). ``pool``/``meta`` None: a base-only step with no LoRA launch.
 
         ``gated``: AdaFuse expert sets on an unmerged path; routed once here, from the first
@@ -424,21 +491,21 @@ class TransformerModel:
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             kc, vc = kv.k[li], kv.v[li]
             kernels.rope_kv_write(q, k, v, inp.positions, self.cos_sin, kc, vc, inp.slot_mapping)
-            self._attention(attn, q, kc, vc, inp)
+            self._attention(attn, q, kc, vc, inp, cfg.window(li))
             a2 = attn.view(T, -1)
-            o = a2 @ layer["wo"].T
+            o = torch.addmm(layer["bo"], a2, layer["wo"].T) if "bo" in layer else a2 @ layer["wo"].T
             if lp is not None:
                 _apply_lora(*lp, "o", li, o, a2)
             if gated is not None:
                 gated.apply(li, "o", o, a2)
             x = kernels.rms_norm(o, layer["ln2"], cfg.rms_eps, residual=residual)
-            gu = x @ layer["wgu"].T
+            gu = torch.addmm(layer["bgu"], x, layer["wgu"].T) if "bgu" in layer else x @ layer["wgu"].T
             if lp is not None:
                 _apply_lora(*lp, "gate_up", li, gu, x)
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
             act = kernels.act_mul(gu, act=self.act)
-            d = act @ layer["wd"].T
+            d = torch.addmm(layer["bd"], act, layer["wd"].T) if "bd" in layer else act @ layer["wd"].T
             if lp is not None:
                 _apply_lora(*lp, "down", li, d, act)
             if gated is not None:
@@ -449,11 +516,13 @@ class TransformerModel:
         hn = kernels.rms_norm(rows_d, self.norm, cfg.rms_eps, residual=rows_r)
         return (hn @ self.lm_head.T).float()
 
-    def _attention(self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, inp: StepInputs) -> None:
-        """Decode region with the split-KV decode kernel, prefill region with the tiled one."""
+    def _attention(
+        self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, inp: StepInputs, window: int | None
+    ) -> None:
+        """Decode region with the split-KV decode kernel, prefill region with the tiled one;
+        ``window``: this layer's sliding window (None: full attention)."""
         nd = inp.num_decode
         S = int(inp.seq_lens.shape[0])
-        window = self.cfg.sliding_window
         if nd > 0:
             kernels.paged_attention(
                 out, q, kc, vc, inp.block_tables[:nd], inp.seq_lens[:nd], inp.query_start[: nd + 1],

@@ -1,0 +1,326 @@
+"""What the runtime reads from ``config.json`` and ``adapter_config.json``, and what it refuses.
+
+Each rule has one home here. A checkpoint or adapter loads only if every field in its config is
+either read with a supported value or listed as harmless (it does not change a single logit:
+training knobs, generation defaults, bookkeeping). Anything else refuses the load with the
+field's name and value, because serving it would give silently wrong tokens.
+
+``check_model_config(d)`` and ``check_adapter_config(cj)`` return the first violation as
+``(field, message)`` or None; the callers raise their own error types with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = [
+    "ACTIVATIONS",
+    "ADAPTER_FIELDS",
+    "ARCH_FIELDS",
+    "HARMLESS_MODEL_FIELDS",
+    "IGNORED_TENSOR_SUFFIXES",
+    "ROPE_KEYS",
+    "check_adapter_config",
+    "check_model_config",
+]
+
+Check = Callable[[Any, Mapping[str, Any]], str | None]
+
+# hidden_act -> the activation name ``kernels.act_mul`` takes (transformers' ACT2FN names).
+ACTIVATIONS: dict[str, str] = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "relu": "relu",
+}
+
+# RoPE type -> the keys of rope_scaling / rope_parameters it reads (besides rope_type/type and
+# rope_theta). Must stay in sync with ``model.rope_inv_freq``.
+ROPE_KEYS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset({
+        "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+        "attention_factor", "truncate",
+    }),
+}
+
+# Checkpoint tensors no module consumes on purpose: buffers some exporters save.
+IGNORED_TENSOR_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+# config.json keys that cannot change a logit of a causal-LM forward pass at inference.
+HARMLESS_MODEL_FIELDS: frozenset[str] = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "initializer_range", "pad_token_id", "attention_dropout", "pretraining_tp", "model_type",
+    # PretrainedConfig bookkeeping and generation defaults that old configs carry.
+    "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder", "is_decoder",
+    "add_cross_attention", "tie_encoder_decoder", "chunk_size_feed_forward", "id2label", "label2id",
+    "problem_type", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id",
+    "task_specific_params", "finetuning_task", "torchscript", "use_bfloat16", "pruned_heads",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens", "cross_attention_hidden_size", "tf_legacy_loss",
+    "output_router_logits",
+})
+
+
+def _pos_int(v: Any, d: Mapping[str, Any]) -> str | None:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v > 0 else "must be a positive integer"
+
+
+def _opt_pos_int(v: Any, d: Mapping[str, Any]) -> str | None:
+    return None if v is None else _pos_int(v, d)
+
+
+def _number(v: Any, d: Mapping[str, Any]) -> str | None:
+    return None if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else "must be a positive number"
+
+
+def _bool(v: Any, d: Mapping[str, Any]) -> str | None:
+    return None if isinstance(v, bool) else "must be true or false"
+
+
+def _false(v: Any, d: Mapping[str, Any]) -> str | None:
+    return None if v in (False, None) else "is not implemented (only false)"
+
+
+def _token_id(v: Any, d: Mapping[str, Any]) -> str | None:
+    ok = v is None or (isinstance(v, int) and not isinstance(v, bool))
+    ok = ok or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v))
+    return None if ok else "must be a token id, a list of token ids or null"
+
+
+def _hidden_act(v: Any, d: Mapping[str, Any]) -> str | None:
+    return None if v in ACTIVATIONS else f"is not implemented (supported: {', '.join(ACTIVATIONS)})"
+
+
+def _kv_heads(v: Any, d: Mapping[str, Any]) -> str | None:
+    if v is None:
+        return None
+    if _pos_int(v, d) or int(d.get("num_attention_heads", 0)) % v:
+        return "must be a positive integer dividing num_attention_heads"
+    return None
+
+
+def _rope(v: Any, d: Mapping[str, Any]) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        return "must be an object or null"
+    kind = v.get("rope_type", v.get("type", "default"))
+    if kind not in ROPE_KEYS:
+        return f"rope_type {kind!r} is not implemented (supported: {', '.join(ROPE_KEYS)})"
+    for key, val in v.items():
+        if key in ("rope_type", "type", "rope_theta"):
+            continue
+        if key == "partial_rotary_factor" and val in (1, 1.0, None):
+            continue
+        if key not in ROPE_KEYS[kind]:
+            return f"{key}={val!r} is not implemented for rope_type {kind!r}"
+    if kind != "default" and "factor" not in v and kind != "yarn":
+        return f"rope_type {kind!r} needs a factor"
+    return None
+
+
+def _null_window(v: Any, d: Mapping[str, Any]) -> str | None:
+    return None if v is None else "is not implemented for this architecture (only null)"
+
+
+def _layer_types_full(v: Any, d: Mapping[str, Any]) -> str | None:
+    if v is None or (isinstance(v, list) and all(x == "full_attention" for x in v)):
+        return None
+    return "is not implemented for this architecture (only full_attention layers)"
+
+
+def _layer_types_qwen2(v: Any, d: Mapping[str, Any]) -> str | None:
+    if v is None:
+        return None
+    n = d.get("num_hidden_layers")
+    if not isinstance(v, list) or len(v) != n or any(x not in ("full_attention", "sliding_attention") for x in v):
+        return f"must list full_attention or sliding_attention for each of the {n} layers"
+    return None
+
+
+def _never(reason: str) -> Check:
+    def check(v: Any, d: Mapping[str, Any]) -> str | None:
+        return reason
+
+    return check
+
+
+_COMMON: dict[str, Check] = {
+    "vocab_size": _pos_int,
+    "hidden_size": _pos_int,
+    "intermediate_size": _pos_int,
+    "num_hidden_layers": _pos_int,
+    "num_attention_heads": _pos_int,
+    "num_key_value_heads": _kv_heads,
+    "head_dim": _opt_pos_int,
+    "hidden_act": _hidden_act,
+    "max_position_embeddings": _pos_int,
+    "rms_norm_eps": _number,
+    "rope_theta": _number,
+    "rope_scaling": _rope,
+    "rope_parameters": _rope,
+    "tie_word_embeddings": _bool,
+    "bos_token_id": _token_id,
+    "eos_token_id": _token_id,
+    "quantization_config": _never("quantized checkpoints are not implemented"),
+    "auto_map": _never("custom modeling code is not implemented"),
+}
+
+# model_type -> every config.json field the runtime reads, with its check. A field absent
+# here and from HARMLESS_MODEL_FIELDS refuses the load.
+ARCH_FIELDS: dict[str, dict[str, Check]] = {
+    "llama": {
+        **_COMMON,
+        "attention_bias": _bool,  # q/k/v/o biases
+        "mlp_bias": _bool,  # gate/up/down biases
+        "sliding_window": _null_window,
+        "layer_types": _layer_types_full,
+    },
+    "mistral": {
+        **_COMMON,
+        "sliding_window": _opt_pos_int,  # every layer; absent means 4096 (MistralConfig's default)
+        "layer_types": _layer_types_full,
+    },
+    "qwen2": {
+        **_COMMON,
+        "use_sliding_window": _bool,
+        "sliding_window": _opt_pos_int,
+        "max_window_layers": lambda v, d: None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "must be a non-negative integer",
+        "layer_types": _layer_types_qwen2,
+        "use_mrope": _false,
+    },
+}
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_model_config(d: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first field of ``config.json`` that the runtime cannot honour, as (field, message)."""
+    model_type = d.get("model_type")
+    if model_type not in ARCH_FIELDS:
+        return "model_type", f"unsupported architecture {model_type!r} ({', '.join(ARCH_FIELDS)})"
+    table = ARCH_FIELDS[str(model_type)]
+    for key in _REQUIRED:
+        if key not in d:
+            return key, "is required"
+    for key, val in d.items():
+        check = table.get(key)
+        if check is None:
+            if key in HARMLESS_MODEL_FIELDS:
+                continue
+            return key, f"unknown field (value {val!r}): not implemented for {model_type}, refused rather than ignored"
+        msg = check(val, d)
+        if msg is not None:
+            return key, f"{val!r} {msg}"
+    return None
+
+
+# --- adapter_config.json -------------------------------------------------------------------
+
+
+def _a_false(v: Any, cj: Mapping[str, Any]) -> str | None:
+    return None if v in (False, None) else "is not implemented"
+
+
+def _a_empty(v: Any, cj: Mapping[str, Any]) -> str | None:
+    return None if v in (None, [], {}, "") else "is not implemented"
+
+
+def _a_any(v: Any, cj: Mapping[str, Any]) -> str | None:
+    return None
+
+
+def _a_bias(v: Any, cj: Mapping[str, Any]) -> str | None:
+    return None if v in ("none", None) else "is not implemented (only 'none': the adapter would carry biases)"
+
+
+def _a_loftq(v: Any, cj: Mapping[str, Any]) -> str | None:
+    # LoftQ only changes how weights are initialised (and quantises the base during training);
+    # the saved adapter is an ordinary LoRA unless it asks for the base to be replaced.
+    return None if not v or not v.get("loftq_bits") else "is not implemented (the base weights would be replaced)"
+
+
+def _a_init(v: Any, cj: Mapping[str, Any]) -> str | None:
+    # Every init option only decides the starting point of training; PiSSA/OLoRA/CorDA-style
+    # inits subtract from the base weights unless converted, which the file cannot show: they
+    # are refused, like PEFT's own warning says they must be converted before sharing.
+    if v in (True, False, None, "gaussian", "eva", "orthogonal"):
+        return None
+    return "is not implemented (an init that changes the base weights; convert the adapter to plain LoRA)"
+
+
+def _a_tristate(v: Any, cj: Mapping[str, Any]) -> str | None:
+    return None if v in (False, None) else "is not implemented"
+
+
+# adapter_config.json key -> check. Read (honoured) fields and harmless ones are both listed;
+# any other key refuses the adapter.
+ADAPTER_FIELDS: dict[str, Check] = {
+    # honoured: read by adapters.read_adapter / _target_set
+    "peft_type": lambda v, cj: None if v in ("LORA", None) else "only LORA is supported",
+    "r": _a_any,
+    "lora_alpha": _a_any,
+    "use_rslora": _a_any,
+    "target_modules": _a_any,
+    "exclude_modules": _a_any,
+    "layers_to_transform": _a_any,
+    "layers_pattern": _a_any,
+    "rank_pattern": _a_any,
+    "alpha_pattern": _a_any,
+    # harmless at inference
+    "task_type": _a_any,
+    "base_model_name_or_path": _a_any,
+    "revision": _a_any,
+    "inference_mode": _a_any,
+    "lora_dropout": _a_any,
+    "auto_mapping": _a_any,
+    "peft_version": _a_any,
+    "init_lora_weights": _a_init,
+    "loftq_config": _a_loftq,
+    "megatron_config": _a_any,  # only used to build Megatron parallel layers; same maths
+    "megatron_core": _a_any,
+    "layer_replication": _a_empty,
+    "eva_config": _a_any,  # EVA is an init
+    "corda_config": _a_any,
+    "qalora_group_size": _a_any,  # only read when use_qalora
+    "lora_bias": _a_false,
+    "target_parameters": _a_empty,
+    "trainable_token_indices": _a_empty,
+    "runtime_config": _a_any,
+    "ensure_weight_tying": _a_false,
+    # refused when set
+    "use_dora": _a_false,
+    "use_qalora": _a_false,
+    "bias": _a_bias,
+    "fan_in_fan_out": _a_false,
+    "modules_to_save": _a_empty,
+    "alora_invocation_tokens": lambda v, cj: None if v is None else "activated LoRA (aLoRA) is not implemented",
+    "arrow_config": _a_tristate,
+    "use_bdlora": _a_tristate,
+    "lora_ga_config": _a_empty,  # LoRA-GA moves part of the weight out of the base
+    "velora_config": _a_empty,
+    "monteclora_config": _a_empty,
+    "kasa_config": _a_empty,
+}
+
+
+def check_adapter_config(cj: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first field of ``adapter_config.json`` that the runtime cannot honour."""
+    for key, val in cj.items():
+        check = ADAPTER_FIELDS.get(key)
+        if check is None:
+            return key, f"unknown field (value {val!r}): not implemented, refused rather than ignored"
+        msg = check(val, cj)
+        if msg is not None:
+            return key, f"{val!r} {msg}"
+    return None
