@@ -48,6 +48,7 @@ from adaptermesh.worker.model import (
     LoraPool,
     ModelConfig,
 )
+from adaptermesh.worker.model_fields import check_adapter_config
 from adaptermesh.worker.types import AdapterInfo, AdapterNotFoundError, EngineOverloadedError
 
 __all__ = [
@@ -144,50 +145,108 @@ def _fail(name: str, fld: str, msg: str) -> AdapterValidationError:
     return AdapterValidationError(name, fld, msg)
 
 
+_REFUSED_TARGETS = {"lm_head": "lm_head", "embed_tokens": "model.embed_tokens"}
+
+
+def _matches(spec: str | list[str], key: str) -> bool:
+    """PEFT's rule: a string is a regular expression over the whole module name; a list entry
+    names the module or a dotted suffix of it."""
+    if isinstance(spec, str):
+        return re.fullmatch(spec, key) is not None
+    return key in spec or any(key.endswith("." + e) for e in spec)
+
+
 def _target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tuple[int, str]]:
+    """The (layer, module) pairs the adapter targets, resolved exactly as PEFT resolves them
+    (``peft.tuners.tuners_utils.check_target_module_exists``): exclude_modules first, then
+    target_modules, with layers_to_transform applied only to a list of module names."""
     raw = cfg_json.get("target_modules")
     layers = cfg_json.get("layers_to_transform")
-    if isinstance(layers, int):
-        layer_ids = {layers}
-    elif isinstance(layers, list):
-        layer_ids = {int(x) for x in layers}
-    else:
-        layer_ids = set(range(cfg.num_layers))
-    bad_layers = [x for x in layer_ids if not 0 <= x < cfg.num_layers]
-    if bad_layers:
-        raise _fail(name, "layers_to_transform", f"layers {bad_layers} do not exist (model has {cfg.num_layers})")
+    if isinstance(layers, bool) or not (layers is None or isinstance(layers, int) or (isinstance(layers, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in layers))):
+        raise _fail(name, "layers_to_transform", f"must be a layer index or a list of them, got {layers!r}")
+    layer_ids: set[int] | None = {layers} if isinstance(layers, int) else (set(layers) if layers else None)
+    if layer_ids is not None:
+        bad_layers = sorted(x for x in layer_ids if not 0 <= x < cfg.num_layers)
+        if bad_layers:
+            raise _fail(name, "layers_to_transform", f"layers {bad_layers} do not exist (model has {cfg.num_layers})")
+    pattern = cfg_json.get("layers_pattern")
+    if pattern not in (None, "", [], "layers", ["layers"]):
+        raise _fail(name, "layers_pattern", f"{pattern!r} names no layer list of the base model (only 'layers')")
+    exclude = cfg_json.get("exclude_modules")
+    if exclude is not None and not isinstance(exclude, (str, list)):
+        raise _fail(name, "exclude_modules", f"must be a list of module names or a string, got {exclude!r}")
+    if isinstance(exclude, str):
+        try:
+            re.compile(exclude)
+        except re.error as e:
+            raise _fail(name, "exclude_modules", f"invalid regular expression: {e}") from None
     full = {
         (layer, m): f"model.layers.{layer}.{_PARENTS[m]}.{m}" for layer in range(cfg.num_layers) for m in SUPPORTED_MODULES
     }
-    out: set[tuple[int, str]] = set()
+    if raw == "all-linear":
+        raw = list(SUPPORTED_MODULES)  # PEFT expands it to every linear but the output head
     if isinstance(raw, str):
-        if raw == "all-linear":
-            out = {k for k in full if k[0] in layer_ids}
-        else:
-            try:
-                pat = re.compile(raw)
-            except re.error as e:
-                raise _fail(name, "target_modules", f"invalid regular expression: {e}") from None
-            out = {k for k, path in full.items() if k[0] in layer_ids and pat.fullmatch(path)}
-            if not out:
-                raise _fail(name, "target_modules", f"{raw!r} matches no module of the base model")
+        if layer_ids is not None:
+            raise _fail(name, "layers_to_transform", "cannot be combined with a regular-expression target_modules")
+        try:
+            re.compile(raw)
+        except re.error as e:
+            raise _fail(name, "target_modules", f"invalid regular expression: {e}") from None
+        for short, path in _REFUSED_TARGETS.items():
+            if re.fullmatch(raw, path):
+                raise _fail(name, "target_modules", f"{raw!r} targets {short}: adapters on {short} are not implemented")
     elif isinstance(raw, list) and raw:
         for entry in raw:
             if not isinstance(entry, str):
                 raise _fail(name, "target_modules", f"entries must be strings, got {entry!r}")
-            hits = {k for k, path in full.items() if k[0] in layer_ids and (path == entry or path.endswith("." + entry))}
-            if not hits:
+            for short, path in _REFUSED_TARGETS.items():
+                if entry == path or path.endswith("." + entry) or entry.endswith(short):
+                    raise _fail(name, "target_modules", f"{entry!r}: adapters on {short} are not implemented")
+            if not any(path == entry or path.endswith("." + entry) for path in full.values()):
                 raise _fail(name, "target_modules", f"{entry!r} is not a module of the base model (supported: {', '.join(SUPPORTED_MODULES)})")
-            out |= hits
     else:
         raise _fail(name, "target_modules", "must be a non-empty list of module names or a string")
+    out: set[tuple[int, str]] = set()
+    for k, path in full.items():
+        if exclude and _matches(exclude, path):
+            continue
+        if isinstance(raw, str):
+            hit = _matches(raw, path)
+        elif path in raw:
+            hit = True  # a full module name: PEFT skips the layer filter
+        else:
+            hit = _matches(raw, path) and (layer_ids is None or k[0] in layer_ids)
+        if hit:
+            out.add(k)
+    if not out:
+        raise _fail(name, "target_modules", f"{raw!r} matches no module of the base model (after exclude_modules and layers_to_transform)")
     return out
+
+
+def _pattern_value(name: str, fld: str, pattern: dict[str, Any], key: str, default: Any) -> Any:
+    """PEFT's get_pattern_key: the first pattern whose regex matches a dotted suffix of ``key``."""
+    for pat, val in pattern.items():
+        try:
+            if re.match(rf"(.*\.)?({pat})$", key):
+                return val
+        except re.error as e:
+            raise _fail(name, fld, f"invalid regular expression {pat!r}: {e}") from None
+    return default
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def read_adapter(
     name: str, path: Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype, pin_memory: bool
 ) -> CpuAdapter:
-    """Read, validate and pack one PEFT adapter directory. Raises AdapterValidationError."""
+    """Read, validate and pack one PEFT adapter directory. Raises AdapterValidationError.
+
+    Every adapter_config.json field is honoured or refused by name (``model_fields``). With a
+    rank_pattern or alpha_pattern, each module keeps its own rank (zero-padded in the slot to the
+    largest) and its own scale, folded into its B matrix (the slot's scale is then 1).
+    """
     if not path.is_dir():
         raise AdapterNotFoundError(name, f"no adapter directory at {path}")
     cfg_path = path / "adapter_config.json"
@@ -199,68 +258,126 @@ def read_adapter(
         raise _fail(name, "adapter_config.json", f"unreadable: {e}") from None
     if not isinstance(cj, dict):
         raise _fail(name, "adapter_config.json", "must hold a JSON object")
-    if cj.get("peft_type", "LORA") != "LORA":
-        raise _fail(name, "peft_type", f"only LORA is supported, got {cj.get('peft_type')!r}")
-    r = cj.get("r")
+    bad = check_adapter_config(cj)
+    if bad is not None:
+        raise _fail(name, *bad)
+    r = cj.get("r", 8)
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise _fail(name, "r", f"must be a positive integer, got {r!r}")
-    if r > max_rank:
-        raise _fail(name, "r", f"rank {r} exceeds the engine's max_lora_rank {max_rank}")
     alpha = cj.get("lora_alpha", 8)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+    if not _is_number(alpha):
         raise _fail(name, "lora_alpha", f"must be a number, got {alpha!r}")
     use_rslora = cj.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _fail(name, "use_rslora", f"must be a boolean, got {use_rslora!r}")
-    for key, ok in (
-        ("use_dora", not cj.get("use_dora")),
-        ("bias", cj.get("bias", "none") in ("none", None)),
-        ("fan_in_fan_out", not cj.get("fan_in_fan_out")),
-        ("modules_to_save", not cj.get("modules_to_save")),
-        ("rank_pattern", not cj.get("rank_pattern")),
-        ("alpha_pattern", not cj.get("alpha_pattern")),
-    ):
-        if not ok:
-            raise _fail(name, key, f"unsupported value {cj.get(key)!r}")
+    patterns: dict[str, dict[str, Any]] = {}
+    for fld in ("rank_pattern", "alpha_pattern"):
+        pat = cj.get(fld) or {}
+        if not isinstance(pat, dict):
+            raise _fail(name, fld, f"must be an object of pattern -> value, got {pat!r}")
+        for k, v in pat.items():
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1 if fld == "rank_pattern" else _is_number(v)
+            if not ok:
+                raise _fail(name, fld, f"{k!r}: {v!r} is not a valid {'rank' if fld == 'rank_pattern' else 'alpha'}")
+        patterns[fld] = pat
     targets = _target_set(name, cj, cfg)
+    # (layer, module) -> (rank, scale), as PEFT's LoraModel._create_and_replace picks them.
+    per: dict[tuple[int, str], tuple[int, float]] = {}
+    for layer, m in targets:
+        key = f"model.layers.{layer}.{_PARENTS[m]}.{m}"
+        rm = int(_pattern_value(name, "rank_pattern", patterns["rank_pattern"], key, r))
+        am = float(_pattern_value(name, "alpha_pattern", patterns["alpha_pattern"], key, alpha))
+        per[(layer, m)] = (rm, am / (math.sqrt(rm) if use_rslora else rm))
+    slot_rank = max(rm for rm, _ in per.values())
+    if slot_rank > max_rank:
+        fld = "r" if slot_rank == r else "rank_pattern"
+        raise _fail(name, fld, f"rank {slot_rank} exceeds the engine's max_lora_rank {max_rank}")
+    scales = {sc for _, sc in per.values()}
+    fold = len(scales) > 1
+    scale = 1.0 if fold else next(iter(scales))
 
-    st_path = path / "adapter_model.safetensors"
-    if not st_path.is_file():
-        raise _fail(name, "adapter_model.safetensors", "file is missing")
-    header, data = _read_safetensors(name, st_path, pin_memory)
-
+    header, data, wfld = _read_weights_file(name, path, pin_memory)
     entries: list[TensorEntry] = []
     target_modules = {m for _, m in targets}
     for layer, m in sorted(targets):
         g, i = MODULE_TO_GROUP[m]
         prefix = f"base_model.model.model.layers.{layer}.{_PARENTS[m]}.{m}"
         fi, fo = cfg.module_shape(m)
-        for suffix, shape in ((".lora_A.weight", (r, fi)), (".lora_B.weight", (fo, r))):
+        rm, sm = per[(layer, m)]
+        for suffix, shape in ((".lora_A.weight", (rm, fi)), (".lora_B.weight", (fo, rm))):
             key = prefix + suffix
             h = header.pop(key, None)
             if h is None:
-                raise _fail(name, "adapter_model.safetensors", f"missing tensor {key}")
+                raise _fail(name, wfld, f"missing tensor {key}")
             dt, got_shape, start, end = h
             if got_shape != shape:
-                raise _fail(name, "adapter_model.safetensors", f"tensor {key} has shape {got_shape}, expected {shape} (rank {r})")
-            entries.append(TensorEntry(key, g, i, layer, suffix == ".lora_B.weight", dt, shape, start, end))
+                raise _fail(name, wfld, f"tensor {key} has shape {got_shape}, expected {shape} (rank {rm})")
+            ent = TensorEntry(key, g, i, layer, suffix == ".lora_B.weight", dt, shape, start, end)
+            if fold and ent.is_b:
+                data[start:end].view(dt).mul_(sm)  # this module's scale rides in its B
+            entries.append(ent)
     if header:
         extra = sorted(header)[0]
-        raise _fail(name, "adapter_model.safetensors", f"unexpected tensor {extra} (not in target_modules of the base model)")
+        why = "a bias or a saved module" if not extra.endswith((".lora_A.weight", ".lora_B.weight")) else "not in target_modules of the base model"
+        raise _fail(name, wfld, f"unexpected tensor {extra} ({why}): refused rather than ignored")
     spans = sorted((e.start, e.end) for e in entries)
     tiles = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     uniform = bool(entries) and tiles and spans[0][0] == 0 and spans[-1][1] == data.numel()
     uniform = uniform and len({e.dtype for e in entries}) == 1
     cpu = CpuAdapter(
-        name=name, path=path, rank=r, alpha=float(alpha), use_rslora=use_rslora,
-        scale=float(alpha) / (math.sqrt(r) if use_rslora else r), targets=frozenset(target_modules),
+        name=name, path=path, rank=slot_rank, alpha=float(alpha), use_rslora=use_rslora,
+        scale=scale, targets=frozenset(target_modules),
         groups=frozenset(MODULE_TO_GROUP[m][0] for m in target_modules), data=data, entries=tuple(entries),
         uniform=uniform, nbytes=data.numel(),
     )
     if not pin_memory and not _all_finite(cpu, dtype):
         # Without a GPU the slot copy cannot check finiteness on the device; check here, once.
-        raise _fail(name, "adapter_model.safetensors", f"tensor {cpu.first_non_finite(data, dtype)} holds NaN or Inf")
+        raise _fail(name, wfld, f"tensor {cpu.first_non_finite(data, dtype)} holds NaN or Inf")
     return cpu
+
+
+def _read_weights_file(
+    name: str, path: Path, pin_memory: bool
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], torch.Tensor, str]:
+    """The adapter's tensors from adapter_model.safetensors, else adapter_model.bin (PEFT's
+    order), with the file name used in errors."""
+    st_path = path / "adapter_model.safetensors"
+    if st_path.is_file():
+        return (*_read_safetensors(name, st_path, pin_memory), st_path.name)
+    bin_path = path / "adapter_model.bin"
+    if bin_path.is_file():
+        return (*_read_bin(name, bin_path, pin_memory), bin_path.name)
+    raise _fail(name, "adapter_model.safetensors", "file is missing (and there is no adapter_model.bin)")
+
+
+def _read_bin(
+    name: str, path: Path, pin_memory: bool
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], torch.Tensor]:
+    """A pickled state dict, loaded with ``weights_only=True`` (no code runs), packed into one
+    buffer in the layout ``_read_safetensors`` returns."""
+    fld = path.name
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle and zip errors have no common base class
+        raise _fail(name, fld, f"unreadable or not a weights-only state dict: {e}") from None
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise _fail(name, fld, "must hold a dict of tensor name -> tensor")
+    dtypes = set(_ST_DTYPES.values())
+    out: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+    offset = 0
+    for key, t in sd.items():
+        if t.dtype not in dtypes:
+            raise _fail(name, fld, f"tensor {key}: unsupported dtype {t.dtype}")
+        align = -offset % t.element_size()
+        offset += align
+        n = t.numel() * t.element_size()
+        out[key] = (t.dtype, tuple(t.shape), offset, offset + n)
+        offset += n
+    data = torch.zeros(offset, dtype=torch.uint8, pin_memory=pin_memory)
+    for key, t in sd.items():
+        _, _, start, end = out[key]
+        data[start:end].view(t.dtype).copy_(t.contiguous().reshape(-1))
+    return out, data
 
 
 # Exponent bits of each float format: all ones means Inf or NaN.
@@ -675,7 +792,11 @@ class AdapterManager:
         pool = self.pool
         data = cpu.data.to(pool.device, non_blocking=True) if pool.device.type == "cuda" else cpu.data
         pool.zero_slot(slot)
-        dst = [pool.slot_view(e.group, e.index, e.layer, slot, cpu.rank, e.is_b) for e in cpu.entries]
+        # Each matrix at its own rank (rank_pattern); the slot's higher ranks stay zero.
+        dst = [
+            pool.slot_view(e.group, e.index, e.layer, slot, e.shape[1] if e.is_b else e.shape[0], e.is_b)
+            for e in cpu.entries
+        ]
         src = [cpu.view(e, data) for e in cpu.entries]
         torch._foreach_copy_(dst, src)  # one call for every matrix, not a Python loop of copies
         pool.set_slot(slot, cpu.rank, cpu.scale, cpu.groups)
