@@ -11,8 +11,10 @@
 ARG DEBIAN_IMAGE=debian:12.11-slim
 
 FROM ${DEBIAN_IMAGE} AS build
+# gcc + python3-dev: the package's C extension (the Maglev fill) is compiled here, so the
+# runtime image needs no compiler.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-pip \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-pip python3-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY deploy/docker/requirements-agent.txt /tmp/requirements.txt

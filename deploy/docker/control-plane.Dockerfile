@@ -7,6 +7,10 @@
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+# gcc: the package's C extension is compiled in this stage only (the image ships Python's headers).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY deploy/docker/requirements-control-plane.txt /tmp/requirements.txt
 RUN python -m venv /opt/adaptermesh \

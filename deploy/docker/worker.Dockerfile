@@ -12,8 +12,9 @@ ARG TORCH_VERSION=2.11.0
 
 FROM ${CUDA_IMAGE} AS build
 ARG TORCH_VERSION
+# gcc + python3-dev: the package's C extension is compiled in this stage only.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-pip \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-pip python3-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/adaptermesh \
  && /opt/adaptermesh/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}"

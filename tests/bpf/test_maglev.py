@@ -159,3 +159,14 @@ def test_weights_too_skewed_for_the_native_calendar_use_the_python_builder() -> 
     # A weight ratio of 2^40 would need a calendar of 2^41 rounds: the Python builder takes it.
     bs = [Backend("a", 0, 1 << 40), Backend("b", 1, 1)]
     assert build_table(bs, 251) == build_table_py(bs, 251)
+
+
+def test_native_builder_is_the_packaged_extension() -> None:
+    # Built with the package, never compiled at run time: the module is a real extension and
+    # the builder uses its shared object.
+    import importlib.machinery
+
+    from adaptermesh.bpf import _maglev_native  # type: ignore[attr-defined]
+
+    assert _maglev_native.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    assert maglev.native_available()

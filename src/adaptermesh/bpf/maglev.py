@@ -17,9 +17,10 @@ builders do not loop over rounds: a min-heap keyed by ``(round, position in key 
 out the turns in exactly the round rule's order, at O(log n) per slot whatever the weight skew.
 The tables are the same as a round-by-round walk gives (a test keeps that walk as the oracle).
 
-Two implementations give identical tables: a small C routine compiled once per machine with
-the system C compiler (a full 100-shard, 65,537-slot build takes about a millisecond), and a
-pure-Python one that serves as the reference and the fallback where no compiler exists.
+Two implementations give identical tables: a small C routine, compiled into the package as the
+``_maglev_native`` extension when the package is built (a full 100-shard, 65,537-slot build
+takes about a millisecond), and a pure-Python one that serves as the reference for tests
+(``ADAPTERMESH_MAGLEV_PURE=1`` selects it). Nothing is compiled at run time.
 """
 
 from __future__ import annotations
@@ -29,15 +30,10 @@ import functools
 import hashlib
 import heapq
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -169,13 +165,11 @@ _native_fn: Any = None
 _native_tried = False
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "adaptermesh"
-
-
 def _load_native() -> Any:
-    """Compile (once per source version) and load maglev_fill.c; None without a compiler."""
+    """The C fill from the extension module built with the package (``_maglev_native.c``).
+
+    A package built without it fails here with ImportError: the pure-Python builder is the
+    reference for tests and ``ADAPTERMESH_MAGLEV_PURE=1``, never a silent fallback."""
     global _native_fn, _native_tried
     with _native_lock:
         if _native_tried:
@@ -183,26 +177,9 @@ def _load_native() -> Any:
         _native_tried = True
         if os.environ.get("ADAPTERMESH_MAGLEV_PURE") == "1":
             return None
-        src = resources.files("adaptermesh.bpf").joinpath("maglev_fill.c").read_bytes()
-        tag = hashlib.sha256(src).hexdigest()[:16]
-        out = _cache_dir() / f"maglev_fill-{tag}.so"
-        if not out.exists():
-            cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-            if cc is None:
-                return None
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                c_path = Path(tmp) / "maglev_fill.c"
-                c_path.write_bytes(src)
-                so_tmp = Path(tmp) / "maglev_fill.so"
-                proc = subprocess.run(
-                    [cc, "-O2", "-shared", "-fPIC", "-o", str(so_tmp), str(c_path)],
-                    capture_output=True,
-                    check=False,
-                )
-                if proc.returncode != 0:
-                    return None
-                os.replace(so_tmp, out)  # atomic: concurrent builders never see half a file
+        from adaptermesh.bpf import _maglev_native  # type: ignore[attr-defined]
+
+        out = _maglev_native.__file__
         lib = ctypes.CDLL(str(out))
         fn = lib.am_maglev_fill
         fn.restype = ctypes.c_int
