@@ -50,8 +50,10 @@ mkdir -p .venv/debian-shim
 [ -e .venv/debian-shim/bcc ] || ln -sfn /usr/lib/python3/dist-packages/bcc .venv/debian-shim/bcc
 echo "$(pwd)/.venv/debian-shim" > "$site/adaptermesh-debian-bcc.pth"
 
-# 4. Python dependencies, reinstalled only when pyproject.toml changes.
-stamp=.venv/.deps-$(sha256sum pyproject.toml | cut -c1-16)
+# 4. Python dependencies and the package's C extension, reinstalled only when pyproject.toml
+#    or the extension's sources change.
+stamp=.venv/.deps-$(cat pyproject.toml src/adaptermesh/bpf/_maglev_native.c src/adaptermesh/bpf/maglev_fill.c \
+  | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
   log "pip install (this takes a few minutes the first time)"
   .venv/bin/python -m pip install -q --upgrade pip
