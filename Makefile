@@ -11,7 +11,10 @@ setup:
 demo: setup
 	$(VENV)/bin/adaptermesh demo
 
+# Style and types first (ruff, mypy strict): a finding fails the run like a failing test.
 test: setup
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 lint: setup
