@@ -115,7 +115,7 @@ def test_the_datapath_parses_cidrs_by_the_shared_rule(cidr: str) -> None:
     with pytest.raises(rules.RuleError) as info:
         FakeShardTable(maglev_size=251).apply(a)
     assert info.value.field == "pins[2].cidr"
-    with pytest.raises(ValueError):  # noqa: PT011 - ipaddress words it
+    with pytest.raises(ValueError):  # ipaddress words it
         rules.cidr_network(cidr)
 
 

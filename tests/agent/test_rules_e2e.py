@@ -96,17 +96,13 @@ def _shard(i: int, **extra: object) -> assignment_pb2.Shard:
 
 
 WRITES_THE_AGENT_REFUSES = [
-    ("UpsertShard", "shard.steer.mark.mark",
-     lambda s: setattr(s.steer.mark, "mark", 0)),
-    ("UpsertShard", "shard.steer.redirect.dst_mac",
+    ("shard.steer.mark.mark", lambda s: setattr(s.steer.mark, "mark", 0)),
+    ("shard.steer.redirect.dst_mac",
      lambda s: (setattr(s.steer.redirect, "ifindex", 1),
                 setattr(s.steer.redirect, "dst_mac", "00:11:22:33:44"))),
-    ("UpsertShard", "shard.endpoints[0].address",
-     lambda s: setattr(s.endpoints[0], "address", "999.1.1.1")),
-    ("UpsertShard", "shard.service_port",
-     lambda s: setattr(s, "service_port", 0)),
-    ("UpsertShard", "shard.endpoints[0].adapters[0]",
-     lambda s: s.endpoints[0].adapters.append("a\nb")),
+    ("shard.endpoints[0].address", lambda s: setattr(s.endpoints[0], "address", "999.1.1.1")),
+    ("shard.service_port", lambda s: setattr(s, "service_port", 0)),
+    ("shard.endpoints[0].adapters[0]", lambda s: s.endpoints[0].adapters.append("a\nb")),
 ]
 
 
@@ -117,7 +113,7 @@ async def test_writes_the_agent_would_refuse_are_refused_and_the_rest_applied(me
     await mesh.stub.PinTenant(control_plane_pb2.PinTenantRequest(cidr="fe80::/64",
                                                                  shard_id="s1"), metadata=mesh.md)
     await wait_until(lambda: mesh.applied == mesh.latest() == 4, what="v4 applied")
-    for method, field, bad in WRITES_THE_AGENT_REFUSES:
+    for field, bad in WRITES_THE_AGENT_REFUSES:
         s = _shard(1)
         bad(s)
         with pytest.raises(grpc.aio.AioRpcError) as err:
