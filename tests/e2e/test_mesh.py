@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from adaptermesh.agent.localmesh import LocalMesh, MeshConfig
+from adaptermesh.demo.localmesh import LocalMesh, MeshConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.slow]
 

@@ -3,7 +3,7 @@
 ``adaptermesh demo`` builds tenants, a node with the agent and the control plane, and shards of
 Envoy + CPU workers, then tells the story: tenant traffic flows, an ``adapterctl`` override and
 a tenant pin take effect, and a load spike on one shard makes the rebalancer move weight away
-(:mod:`adaptermesh.agent.localmesh`).
+(:mod:`adaptermesh.demo.localmesh`).
 
 ``adaptermesh demo classifier`` is the datapath alone. It builds a node namespace with the classifier on its tenant-facing interface, a tenant namespace
 with several tenant addresses and three shard namespaces (one steered by VXLAN tunnel, one by
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["classifier"]:
         return classifier_main(args[1:])
-    from adaptermesh.agent.localmesh import main as mesh_main
+    from adaptermesh.demo.localmesh import main as mesh_main
 
     return mesh_main(args)
 
