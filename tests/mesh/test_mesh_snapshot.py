@@ -226,3 +226,20 @@ def test_envoy_process_start_failure_is_reported_and_cleaned_up() -> None:
         envoy.start(ready_timeout=10)
     assert not envoy.running
     envoy.cleanup()
+
+
+def test_a_shard_without_a_service_address_gets_no_listener() -> None:
+    # The control plane accepts a shard without a listener (steered in the kernel, served by
+    # its workers' own ports); refusing it here would freeze every node's xDS.
+    bare = _shard("s1")
+    bare.service_address, bare.service_port = "", 0
+    snap = build_snapshot(ap.Assignment(version=1, shards=[_shard("s0"), bare]))
+    assert set(snap.resources[CLUSTER_TYPE]) == {"shard-s0", "shard-s1"}
+    assert set(snap.resources[ENDPOINT_TYPE]) == {"shard-s0", "shard-s1"}
+    assert set(snap.resources[LISTENER_TYPE]) == {"shard-s0"}
+    assert set(snap.resources[ROUTE_TYPE]) == {"shard-s0"}
+    half = _shard("s2")
+    half.service_port = 0
+    with pytest.raises(AssignmentError) as info:
+        build_snapshot(ap.Assignment(version=1, shards=[half]))
+    assert info.value.field == "shards[0].service_port"
