@@ -8,6 +8,12 @@
 - ``/status``: JSON with the applied version, the connection and per-shard weights and loads.
 - ``/flows[?source=IP]``: which shard each active source address was steered to, from the
   classifier's new-flow events (troubleshooting "where does tenant X go?").
+
+The app carries ``adaptermesh.httpserve``'s header caps and keep-alive timeout as handler
+arguments, so any runner that serves it gets them (aiohttp 3.14 also closes a connection whose
+request has not arrived within the keep-alive timeout of connecting). Serve it with
+``httpserve.serve_app`` for the header deadline, the JSON 408/431 answers and the connection
+cap.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from adaptermesh.agent.metrics import AgentMetrics
+from adaptermesh.httpserve import ListenerLimits
 
 __all__ = ["build_app"]
 
@@ -29,6 +36,7 @@ def build_app(
     ready: Callable[[], bool],
     status: Callable[[], dict[str, Any]],
     flows: Callable[[str | None], dict[str, Any]],
+    limits: ListenerLimits | None = None,
 ) -> web.Application:
     async def get_metrics(_: web.Request) -> web.Response:
         body = generate_latest(metrics.registry)
@@ -48,7 +56,7 @@ def build_app(
     async def get_flows(request: web.Request) -> web.Response:
         return web.json_response(flows(request.query.get("source")))
 
-    app = web.Application()
+    app = web.Application(handler_args=(limits or ListenerLimits()).handler_args())
     app.router.add_get("/metrics", get_metrics)
     app.router.add_get("/healthz", get_healthz)
     app.router.add_get("/readyz", get_readyz)

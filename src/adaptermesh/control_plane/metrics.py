@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from adaptermesh.httpserve import serve_app
+
 if TYPE_CHECKING:
     from adaptermesh.control_plane.rebalancer import Rebalancer
 
@@ -191,8 +193,6 @@ async def serve_metrics(metrics: ControlPlaneMetrics, host: str, port: int) -> w
 
     app = web.Application()
     app.router.add_get("/metrics", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    # Header deadlines, header caps and a connection cap (adaptermesh.httpserve).
+    runner, _ = await serve_app(app, host, port)
     return runner

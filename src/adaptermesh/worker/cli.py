@@ -2,7 +2,8 @@
 
     adaptermesh worker --model DIR --adapter-root DIR [--port 8000] [--host 127.0.0.1]
         [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
-        [--admin-token-file FILE] [--served-model-name NAME] ...
+        [--admin-token-file FILE] [--served-model-name NAME]
+        [--max-connections N] [--header-timeout S] [--body-timeout S] [--keepalive-timeout S] ...
 
 SIGTERM or SIGINT drains: ``/health`` turns 503 and new generation requests get 503 with
 Retry-After at once, in-flight requests finish (up to ``--drain-timeout`` seconds, after which
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from adaptermesh.httpserve import ListenerLimits, raise_fd_limit
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
 from adaptermesh.worker.types import EngineError, EngineProtocol
 
@@ -101,6 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=_positive_float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests")
     p.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20)
+    # Listener limits (defaults: adaptermesh.httpserve.ListenerLimits).
+    d = ListenerLimits()
+    p.add_argument("--max-connections", type=_positive_int, default=d.max_connections,
+                   help="open connections at once; above it a stalled one is evicted, "
+                   "else the new one gets 503")
+    p.add_argument("--header-timeout", type=_positive_float, default=d.header_timeout_s,
+                   help="seconds for a request's line and headers to arrive (else 408)")
+    p.add_argument("--body-timeout", type=_positive_float, default=d.body_timeout_s,
+                   help="seconds for a request's body to arrive (else 408)")
+    p.add_argument("--keepalive-timeout", type=_positive_float, default=d.keepalive_timeout_s,
+                   help="seconds an idle kept-alive connection stays open")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -195,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"adaptermesh worker: {exc}", file=sys.stderr)
         return 2
+    nofile = raise_fd_limit()
+    log.info("RLIMIT_NOFILE soft limit: %d", nofile)
     return asyncio.run(_main(args, token))
 
 
@@ -215,6 +230,10 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
         admin_token=token,
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
+        listener=ListenerLimits(max_connections=args.max_connections,
+                                header_timeout_s=args.header_timeout,
+                                body_timeout_s=args.body_timeout,
+                                keepalive_timeout_s=args.keepalive_timeout),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

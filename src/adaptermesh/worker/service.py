@@ -11,9 +11,14 @@ engine, so the engine never holds more than ``max_running`` of this service's re
 memory stays bounded. Errors use OpenAI's shape ``{"error": {"message", "type", "param",
 "code"}}`` with ``param`` naming the offending field.
 
-Run it with ``WorkerService(engine, config).app`` on an ``aiohttp.web.AppRunner`` created with
-``handler_cancellation=True`` (``serve()`` does this): a client that disconnects then cancels
-its handler, which cancels the engine request and frees its slot even while it is queued.
+Run it with ``serve()``: it puts the app behind ``adaptermesh.httpserve``'s listener guards
+(header and body deadlines, header caps, a connection cap) with ``handler_cancellation=True``,
+so a client that disconnects cancels its handler, which cancels the engine request and frees
+its slot even while it is queued.
+
+CPU-heavy request work stays off the event loop: bodies over ``JSON_INLINE_BYTES`` are parsed
+in a child process, and prompts over ``_TOKENIZE_INLINE_CHARS`` are tokenised on a thread (the
+Rust tokenizer releases the GIL).
 """
 
 from __future__ import annotations
@@ -29,12 +34,23 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from adaptermesh.httpserve import (
+    BodyTimeoutError,
+    JsonBodyError,
+    JsonBodyParser,
+    ListenerLimits,
+    read_body,
+    serve_app,
+)
 from adaptermesh.worker.fair_queue import FairQueue, QueueFullError
 from adaptermesh.worker.metrics import ServiceMetrics
 from adaptermesh.worker.types import (
@@ -61,6 +77,16 @@ _TENANT_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+-]{1,64}$")
 # Engine field names that differ from the API's.
 _ENGINE_FIELD_TO_PARAM = {"name": "lora_name", "path": "lora_path", "adapter": "model",
                           "prompt_token_ids": "prompt"}
+# Prompts up to this many characters are tokenised on the event loop (under 1 ms with the
+# Rust tokenizer); longer ones on a thread, so a 4 MB prompt does not stall other requests.
+_TOKENIZE_INLINE_CHARS = 16 << 10
+# Names (model, lora_name) and path components: NAME_MAX on Linux.
+_MAX_NAME_CHARS = 255
+# A whole lora_path: PATH_MAX on Linux.
+_MAX_PATH_CHARS = 4096
+# top_k is an int32 on the device; -1 (vLLM's "off") is accepted as 0.
+_MAX_TOP_K = (1 << 31) - 1
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +109,8 @@ class ServiceConfig:
     # Seconds SIGTERM waits for in-flight requests before cancelling them.
     drain_timeout_s: float = 30.0
     stats_poll_interval_s: float = 1.0
+    # Header/body deadlines, header caps and the connection cap of the listener.
+    listener: ListenerLimits = field(default_factory=ListenerLimits)
 
 
 class ApiError(Exception):
@@ -164,11 +192,18 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
+    # Integers of any size are numbers (range checks refuse the huge ones); floats must be
+    # finite (JSON's 1e999 parses as inf).
+    if isinstance(value, bool):
+        return False
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _as_float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int past 1.8e308
+        return math.inf if value > 0 else -math.inf
 
 
 def _get_int(body: dict[str, Any], name: str, default: int | None) -> int | None:
@@ -188,7 +223,7 @@ def _get_number(body: dict[str, Any], name: str, default: float, low: float, hig
         return default
     if not _is_number(value):
         raise _invalid(name, f"must be a number, got {type(value).__name__}", code="invalid_type")
-    number = float(value)
+    number = _as_float(value)
     if number > high or number < low or (low_open and number == low):
         bracket = "(" if low_open else "["
         raise _invalid(name, f"must be in {bracket}{low:g}, {high:g}], got {number:g}")
@@ -204,7 +239,25 @@ def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _get_str(body: dict[str, Any], name: str) -> str:
+def _get_top_k(body: dict[str, Any]) -> int:
+    value = _get_int(body, "top_k", 0)
+    assert value is not None
+    if not -1 <= value <= _MAX_TOP_K:
+        raise _invalid("top_k", f"must be -1 or 0 (off) or at most {_MAX_TOP_K}, got {value}")
+    return max(value, 0)
+
+
+def _check_text(name: str, value: str) -> str:
+    """Refuse strings that are not valid Unicode (a lone UTF-16 surrogate such as "\\ud800")."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _invalid(name, f"holds a lone surrogate at index {exc.start}; send valid Unicode",
+                       code="invalid_unicode") from None
+    return value
+
+
+def _get_str(body: dict[str, Any], name: str, max_chars: int = _MAX_NAME_CHARS) -> str:
     value = body.get(name)
     if value is None:
         raise _invalid(name, "is required", code="missing_field")
@@ -212,7 +265,20 @@ def _get_str(body: dict[str, Any], name: str) -> str:
         raise _invalid(name, f"must be a string, got {type(value).__name__}", code="invalid_type")
     if not value:
         raise _invalid(name, "must not be empty")
-    return value
+    if len(value) > max_chars:
+        raise _invalid(name, f"must have at most {max_chars} characters, got {len(value)}")
+    if "\0" in value:
+        raise _invalid(name, "must not contain NUL characters")
+    return _check_text(name, value)
+
+
+def _get_path(body: dict[str, Any], name: str) -> str:
+    path = _get_str(body, name, _MAX_PATH_CHARS)
+    longest = max(len(part.encode()) for part in path.split("/"))
+    if longest > _MAX_NAME_CHARS:
+        raise _invalid(name, f"each path component must have at most {_MAX_NAME_CHARS} bytes, "
+                       f"one has {longest}")
+    return path
 
 
 def _get_stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -227,6 +293,7 @@ def _get_stop(body: dict[str, Any]) -> tuple[str, ...]:
     for s in items:
         if not s or len(s) > _MAX_STOP_CHARS:
             raise _invalid("stop", f"each sequence must have 1 to {_MAX_STOP_CHARS} characters")
+        _check_text("stop", s)
     return tuple(items)
 
 
@@ -239,8 +306,6 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
         "logprobs": (None, False),
         "top_logprobs": (None, 0),
         "suffix": (None, ""),
-        "presence_penalty": (None, 0, 0.0),
-        "frequency_penalty": (None, 0, 0.0),
         "logit_bias": (None, {}),
         "tools": (None, []),
     }
@@ -253,14 +318,15 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
                            code="unsupported")
 
 
-def _prompt_token_ids(engine: EngineProtocol, prompt: Any) -> list[int]:
-    """A completion prompt: a string, a list of token ids, or a batch of exactly one of those."""
+def _prompt(prompt: Any) -> str | list[int]:
+    """A completion prompt (text, or token ids): a string, a list of token ids, or a batch of
+    exactly one of those."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise _invalid("prompt", "must not be empty")
-        return list(engine.tokenize(prompt))
+        return _check_text("prompt", prompt)
     if isinstance(prompt, list):
         if not prompt:
             raise _invalid("prompt", "must not be empty")
@@ -292,6 +358,7 @@ def _chat_messages(value: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise _invalid(f"{where}.role", "must be a non-empty string", code="invalid_type")
+        _check_text(f"{where}.role", role)
         content = message.get("content")
         if isinstance(content, list):
             # Content parts: only text parts can go through a text-only model.
@@ -310,6 +377,7 @@ def _chat_messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise _invalid(f"{where}.content", "must be a string or a list of text parts",
                            code="invalid_type")
+        _check_text(f"{where}.content", content)
         messages.append({"role": role, "content": content})
     return messages
 
@@ -380,6 +448,11 @@ class WorkerService:
         )
         self.app.on_startup.append(self._start_poller)
         self.app.on_cleanup.append(self._stop_poller)
+        self.app.on_cleanup.append(self._close_executors)
+        self._json = JsonBodyParser()
+        # Tokenising long prompts and chat templates; two threads keep one 4 MB prompt from
+        # holding up the next long one.
+        self._cpu = ThreadPoolExecutor(2, thread_name_prefix="worker-tokenize")
 
     # ------------------------------------------------------------------------------ lifecycle
     async def _start_poller(self, _app: web.Application) -> None:
@@ -390,6 +463,16 @@ class WorkerService:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+
+    async def _close_executors(self, _app: web.Application) -> None:
+        self._json.close()
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, size: int, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` inline when ``size`` is small, else on the tokenizer threads."""
+        if size <= _TOKENIZE_INLINE_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     async def _poll_stats(self) -> None:
         # Feeds the tokens/s window and drains load latencies even when nobody scrapes.
@@ -446,17 +529,24 @@ class WorkerService:
     # ------------------------------------------------------------------------------ endpoints
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
         try:
-            raw = await request.read()
+            raw = await read_body(request, self.config.listener.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"request body is larger than {self.config.max_body_bytes} bytes",
                            code="payload_too_large") from None
+        except BodyTimeoutError as exc:
+            raise ApiError(408, str(exc), code="body_timeout") from None
+        except HttpProcessingError as exc:  # a broken chunked encoding or Content-Length
+            raise ApiError(400, f"request body is malformed: {exc.message}",
+                           code="invalid_body") from None
         if not raw:
             raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}",
-                           code="invalid_json") from None
+            body = await self._json.parse(raw)
+        except JsonBodyError as exc:
+            raise ApiError(exc.status, exc.message, code=exc.code) from None
+        except BrokenProcessPool:
+            raise ApiError(503, "the JSON parser restarted; retry", type="service_unavailable",
+                           code="parser_restarted", headers=self._retry_headers()) from None
         if not isinstance(body, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}",
                            code="invalid_json")
@@ -506,7 +596,7 @@ class WorkerService:
         self._check_admin(request)
         body = await self._read_json(request)
         name = _get_str(body, "lora_name")
-        path = _get_str(body, "lora_path")
+        path = _get_path(body, "lora_path")
         if name == self.engine.model_name:
             raise _invalid("lora_name", "must differ from the base model's name")
         try:
@@ -516,6 +606,15 @@ class WorkerService:
         except InvalidRequestError as exc:
             param = _ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
             raise ApiError(422, str(exc), param=param, code="invalid_adapter") from None
+        except (OSError, ValueError, RuntimeError) as exc:
+            # What the filesystem says about the path (a name too long, a permission, a
+            # symlink loop, which pathlib reports as RuntimeError on Python 3.11) is about the
+            # client's lora_path, not a server fault. Other RuntimeErrors (CUDA) are.
+            if isinstance(exc, RuntimeError) and "Symlink loop" not in str(exc):
+                raise
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise _invalid("lora_path", f"cannot be read: {reason}",
+                           code="invalid_adapter") from None
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def _unload_adapter(self, request: web.Request) -> web.Response:
@@ -533,17 +632,17 @@ class WorkerService:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
-        job = self._job(request, body, "completion")
+        job = await self._job(request, body, "completion")
         return await self._run(request, job)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
-        job = self._job(request, body, "chat")
+        job = await self._job(request, body, "chat")
         return await self._run(request, job)
 
     # ----------------------------------------------------------------------- request building
-    def _job(self, request: web.Request, body: dict[str, Any],
-             kind: Literal["completion", "chat"]) -> _Job:
+    async def _job(self, request: web.Request, body: dict[str, Any],
+                   kind: Literal["completion", "chat"]) -> _Job:
         if self.draining:
             raise ApiError(503, "the worker is draining; send the request to another worker",
                            type="service_unavailable", code="draining",
@@ -552,7 +651,7 @@ class WorkerService:
         model_value = body.get("model")
         if model_value is not None and not isinstance(model_value, str):
             raise _invalid("model", "must be a string", code="invalid_type")
-        model = model_value or self.engine.model_name
+        model = _get_str(body, "model") if model_value else self.engine.model_name
         adapter = None if model == self.engine.model_name else model
         _reject_unsupported(body)
         stream = _get_bool(body, "stream", False)
@@ -567,15 +666,28 @@ class WorkerService:
         top_p = _get_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
         seed = _get_int(body, "seed", None)
         stop = _get_stop(body)
+        # The engine checks the same ranges; checking here names the field before queueing.
+        top_k = _get_top_k(body)
+        min_p = _get_number(body, "min_p", 0.0, 0.0, 1.0)
+        presence_penalty = _get_number(body, "presence_penalty", 0.0, -2.0, 2.0)
+        frequency_penalty = _get_number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+        repetition_penalty = _get_number(body, "repetition_penalty", 1.0, 0.0, 10.0,
+                                         low_open=True)
         max_len = self.engine.max_model_len
 
         if kind == "completion":
-            prompt_ids = _prompt_token_ids(self.engine, body.get("prompt"))
+            prompt = _prompt(body.get("prompt"))
+            if isinstance(prompt, str):
+                prompt_ids = list(await self._off_loop(len(prompt), self.engine.tokenize,
+                                                       prompt))
+            else:
+                prompt_ids = prompt
             max_tokens_name = "max_tokens"
             max_tokens = _get_int(body, "max_tokens", None)
         else:
             messages = _chat_messages(body.get("messages"))
-            ids = self.engine.apply_chat_template(messages)
+            chars = sum(len(m["content"]) for m in messages)
+            ids = await self._off_loop(chars, self.engine.apply_chat_template, messages)
             if ids is None:
                 raise ApiError(400, "messages: this model's tokenizer has no chat template; "
                                "use /v1/completions", param="messages",
@@ -621,7 +733,10 @@ class WorkerService:
             adapter=adapter,
             prompt_ids=prompt_ids,
             sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                    top_p=top_p, seed=seed, stop=stop),
+                                    top_p=top_p, seed=seed, stop=stop, top_k=top_k,
+                                    min_p=min_p, presence_penalty=presence_penalty,
+                                    frequency_penalty=frequency_penalty,
+                                    repetition_penalty=repetition_penalty),
             stream=stream,
             include_usage=include_usage,
             tenant=tenant_of(request),
@@ -865,18 +980,9 @@ async def serve(
 ) -> tuple[web.AppRunner, int]:
     """Start serving ``service`` on ``host:port`` (0 picks a free port); returns the port.
 
-    ``runner.cleanup()`` waits ``shutdown_timeout`` seconds for handlers still running, then
-    cancels them; ``WorkerService.drain`` is the place for a long, orderly wait.
+    The listener has ``service.config.listener``'s limits. ``runner.cleanup()`` waits
+    ``shutdown_timeout`` seconds for handlers still running, then cancels them;
+    ``WorkerService.drain`` is the place for a long, orderly wait.
     """
-    runner = web.AppRunner(service.app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=shutdown_timeout)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    try:
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    # With port 0 the bound port is only known after start.
-    bound = int(runner.addresses[0][1])
-    return runner, bound
+    return await serve_app(service.app, host, port, service.config.listener,
+                           handler_cancellation=True, shutdown_timeout=shutdown_timeout)
