@@ -13,7 +13,7 @@ from adaptermesh import assignment_rules as rules
 from adaptermesh.proto import assignment_pb2
 from adaptermesh.proto import control_plane_pb2 as cp_pb2
 
-from .conftest import Harness, shard
+from .conftest import RO_TOKEN, Harness, creds, shard
 
 
 async def _seed(h: Harness, n: int = 2) -> None:
@@ -153,7 +153,7 @@ async def test_pins_and_overrides_never_outlive_a_drain(cp: Harness) -> None:
     assert (err.value.details() or "").startswith("shard_id: ")
 
 
-async def test_node_rows_are_bounded(cp: Harness) -> None:
+async def test_node_rows_are_bounded_per_token(cp: Harness) -> None:
     cp.server.servicer.limits = type(cp.server.servicer.limits)(max_nodes=3)
     for i in range(3):
         await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id=f"n{i}"), metadata=cp.md)
@@ -161,7 +161,12 @@ async def test_node_rows_are_bounded(cp: Harness) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n3"), metadata=cp.md)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (err.value.details() or "").startswith("node_id: at most 3 nodes")
+    assert (err.value.details() or "").startswith("node_id: at most 3 nodes per token")
+    # Another token has its own allowance; one token cannot use up everyone's.
+    await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n3"), metadata=creds(RO_TOKEN))
+    nodes = (await cp.stub.GetStatus(cp_pb2.GetStatusRequest(), metadata=cp.md)).nodes
+    assert [n.node_id for n in nodes] == ["n0", "n1", "n2", "n3"]
+    assert nodes[0].applied_version == 1
 
 
 async def test_history_works_with_16384_pins_and_stores_each_pin_list_once(cp: Harness) -> None:

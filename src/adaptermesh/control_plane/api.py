@@ -7,6 +7,7 @@ Writes that change routing publish a new Assignment at once, in the same transac
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import re
@@ -647,19 +648,21 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
                 _invalid("apply_error", f"at most {rules.MAX_APPLY_ERROR} characters")
             if len(request.shards) > rules.MAX_SHARDS:
                 _invalid("shards", f"at most {rules.MAX_SHARDS}")
+            owner = _token_owner(context)
             if (
                 not self.store.has_node(request.node_id)
-                and self.store.count_nodes() >= self.limits.max_nodes
+                and self.store.count_nodes(owner) >= self.limits.max_nodes
             ):
-                # Any holder of a write token can report; each new node id is a row.
-                _invalid("node_id", f"at most {self.limits.max_nodes} nodes; "
+                # Any holder of a token can report, and each new node id is a row: a token
+                # may create at most max_nodes of them.
+                _invalid("node_id", f"at most {self.limits.max_nodes} nodes per token; "
                          f"{request.node_id[:80]!r} would be a new one")
             for i, t in enumerate(request.shards):
                 for name in ("packets_per_s", "bytes_per_s", "new_flows_per_s"):
                     v = getattr(t, name)
                     if not math.isfinite(v) or v < 0:
                         _invalid(f"shards[{i}].{name}", f"{v} is not a finite number >= 0")
-            self.store.record_report(request, self._now())
+            self.store.record_report(request, self._now(), owner)
             return control_plane_pb2.ReportLoadResponse()
         except Exception as exc:
             await self._fail(context, exc)
@@ -675,6 +678,15 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             n.last_report.FromNanoseconds(int(last * 1e9))
         out.loads.extend(self.rb.status_loads())
         return out
+
+
+def _token_owner(context: _Ctx) -> str:
+    """A digest of the caller's bearer token ('' without one): who created a node row."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return ""
 
 
 def _parsing_handler(method: Any, behaviour: Any) -> grpc.RpcMethodHandler:

@@ -74,6 +74,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             body BLOB NOT NULL)""",
         "ALTER TABLE assignments ADD COLUMN pins_digest BLOB",
         "CREATE INDEX assignments_pins_digest ON assignments(pins_digest)",
+        # Who created each node row (a digest of the reporting token), to bound them per token.
+        "ALTER TABLE nodes ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
     ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -393,17 +395,23 @@ class Store:
 
     # -- nodes -----------------------------------------------------------------------------
 
-    def record_report(self, report: control_plane_pb2.LoadReport, now: float) -> None:
+    def record_report(
+        self, report: control_plane_pb2.LoadReport, now: float, owner: str = ""
+    ) -> None:
+        """Upsert the node's row; ``owner`` is recorded when the row is created."""
         with self.transaction():
             self._db.execute(
-                "INSERT OR REPLACE INTO nodes(node_id, applied_version, last_report, apply_error,"
-                " report) VALUES(?,?,?,?,?)",
+                "INSERT INTO nodes(node_id, applied_version, last_report, apply_error, report,"
+                " owner) VALUES(?,?,?,?,?,?) ON CONFLICT(node_id) DO UPDATE SET"
+                " applied_version=excluded.applied_version, last_report=excluded.last_report,"
+                " apply_error=excluded.apply_error, report=excluded.report",
                 (
                     report.node_id,
                     report.applied_version,
                     now,
                     report.apply_error,
                     report.SerializeToString(),
+                    owner,
                 ),
             )
 
@@ -411,8 +419,12 @@ class Store:
         row = self._db.execute("SELECT 1 FROM nodes WHERE node_id=?", (node_id,)).fetchone()
         return row is not None
 
-    def count_nodes(self) -> int:
-        return int(self._db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0])
+    def count_nodes(self, owner: str | None = None) -> int:
+        """All node rows, or those ``owner`` created."""
+        if owner is None:
+            return int(self._db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0])
+        row = self._db.execute("SELECT COUNT(*) FROM nodes WHERE owner=?", (owner,)).fetchone()
+        return int(row[0])
 
     def list_nodes(self) -> list[tuple[str, int, float, str]]:
         rows = self._db.execute(
