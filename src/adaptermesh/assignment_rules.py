@@ -309,7 +309,6 @@ def check_assignment(a: assignment_pb2.Assignment) -> None:
         raise RuleError("assignment", f"{size} bytes serialised, at most {MAX_ASSIGNMENT_BYTES}")
     ids: dict[str, int] = {}
     indices: dict[int, int] = {}
-    listeners: dict[tuple[str, int], str] = {}
     total = 0
     active = 0
     for i, s in enumerate(a.shards):
@@ -322,13 +321,9 @@ def check_assignment(a: assignment_pb2.Assignment) -> None:
             raise RuleError(f"{field}.index",
                             f"duplicate index {s.index} (also shards[{indices[s.index]}])")
         indices[s.index] = i
-        if s.service_address:
-            key = (str(ipaddress.ip_address(s.service_address)), s.service_port)
-            if key in listeners:
-                raise RuleError(f"{field}.service_port",
-                                f"{s.service_address}:{s.service_port} is already the listener "
-                                f"of shard {listeners[key]!r}")
-            listeners[key] = s.id
+        # Shards may share a service address and port: the classifier steers the VIP to each
+        # shard's own node, whose Envoy serves only that shard's listener. Envoys that serve
+        # several shards (xds_group "node") need distinct ones; the snapshot checks that.
         if s.state == _ACTIVE:
             total += s.weight
             active += 1

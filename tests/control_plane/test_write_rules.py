@@ -88,17 +88,33 @@ async def test_agent_refusals_are_refused_at_write_time(
     assert len(cp.server.rebalancer.store.list_shards()) == 2
 
 
-async def test_two_shards_on_one_listener_are_refused_with_the_store_unchanged(cp: Harness) -> None:
-    a = shard("s0", ("10.0.0.1", 8000))
-    a.service_address, a.service_port = "10.9.0.1", 80
-    await cp.stub.UpsertShard(cp_pb2.UpsertShardRequest(shard=a), metadata=cp.md)
-    b = shard("s1", ("10.0.1.1", 8000))
-    b.service_address, b.service_port = "10.9.0.1", 80
+async def test_shards_may_share_a_listener_address(cp: Harness) -> None:
+    # One VIP for every shard: each node's Envoy serves only its own shard's listener.
+    for i in range(2):
+        s = shard(f"s{i}", (f"10.0.{i}.1", 8000))
+        s.service_address, s.service_port = "10.9.0.1", 80
+        await cp.stub.UpsertShard(cp_pb2.UpsertShardRequest(shard=s), metadata=cp.md)
+    a = await cp.stub.GetAssignment(cp_pb2.GetAssignmentRequest(), metadata=cp.md)
+    rules.check_assignment(a)
+    assert [s.service_port for s in a.shards] == [80, 80]
+
+
+async def test_a_write_whose_assignment_breaks_a_rule_is_refused_naming_it(cp: Harness) -> None:
+    store = cp.server.rebalancer.store
+    with store.transaction():  # indices 0..254 taken, 255 quarantined after a delete
+        for i in range(rules.MAX_SHARDS):
+            store.upsert_shard(shard(f"t{i}", (f"10.{i // 250}.{i % 250}.1", 8000)),
+                               cp.clock.time())
+        store.delete_shard("t255", cp.clock.time())
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await cp.stub.UpsertShard(cp_pb2.UpsertShardRequest(shard=b), metadata=cp.md)
+        await cp.stub.UpsertShard(
+            cp_pb2.UpsertShardRequest(shard=shard("late", ("10.99.0.1", 8000))), metadata=cp.md
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "shards[1].service_port: " in (err.value.details() or "")
-    assert [s.id for s in cp.server.rebalancer.store.list_shards()] == ["s0"]
+    details = err.value.details() or ""
+    assert details.startswith("shards[") and ".index: 256 is out of range" in details, details
+    assert details.endswith("(in the Assignment this write would publish)")
+    assert store.get_shard("late") is None
 
 
 async def test_the_257th_shard_is_refused(cp: Harness) -> None:
