@@ -142,6 +142,23 @@ def check_address(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.I
         raise RuleError(field, f"{value[:80]!r} is not an IP address") from None
 
 
+@functools.lru_cache(maxsize=1 << 15)
+def _address_key(value: str) -> str | None:
+    """The canonical text of an acceptable address, None otherwise (check_address words it).
+    Cached: an Assignment repeats the same few thousand worker addresses every few seconds."""
+    if not value or "%" in value:
+        return None
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        return None
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _adapter_ok(name: str) -> bool:
+    return 0 < len(name) <= MAX_ADAPTER_NAME and name.isprintable()
+
+
 def check_port(value: int, field: str) -> None:
     if not 1 <= value <= 65535:
         raise RuleError(field, f"{value} is not in 1..65535")
@@ -262,25 +279,30 @@ def check_shard(
     if len(shard.endpoints) > MAX_ENDPOINTS:
         raise RuleError(f"{field}.endpoints",
                         f"at most {MAX_ENDPOINTS} endpoints, got {len(shard.endpoints)}")
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[str | None, int]] = set()
+    # Field names are built only on an error: this loop runs over every worker of every
+    # shard on each publish and each apply.
     for j, ep in enumerate(shard.endpoints):
-        where = f"{field}.endpoints[{j}]"
-        ip = check_address(ep.address, f"{where}.address")
-        check_port(ep.port, f"{where}.port")
+        key = (_address_key(ep.address), ep.port)
+        if key[0] is None:
+            check_address(ep.address, f"{field}.endpoints[{j}].address")  # raises
+        if not 1 <= ep.port <= 65535:
+            check_port(ep.port, f"{field}.endpoints[{j}].port")
         if weighted and ep.weight < 1:
-            raise RuleError(f"{where}.weight", f"must be >= 1, got {ep.weight}")
-        key = (str(ip), ep.port)
+            raise RuleError(f"{field}.endpoints[{j}].weight", f"must be >= 1, got {ep.weight}")
         if key in seen:
-            raise RuleError(where, f"duplicate endpoint {ep.address}:{ep.port}")
+            raise RuleError(f"{field}.endpoints[{j}]",
+                            f"duplicate endpoint {ep.address}:{ep.port}")
         seen.add(key)
-        if len(ep.adapters) > MAX_ADAPTERS_PER_ENDPOINT:
-            raise RuleError(f"{where}.adapters",
-                            f"at most {MAX_ADAPTERS_PER_ENDPOINT}, got {len(ep.adapters)}")
-        for k, adapter in enumerate(ep.adapters):
-            if not adapter or not adapter.isprintable() or len(adapter) > MAX_ADAPTER_NAME:
-                raise RuleError(f"{where}.adapters[{k}]",
-                                f"{adapter[:80]!r} must be 1-{MAX_ADAPTER_NAME} printable "
-                                "characters")
+        adapters = ep.adapters
+        if len(adapters) > MAX_ADAPTERS_PER_ENDPOINT:
+            raise RuleError(f"{field}.endpoints[{j}].adapters",
+                            f"at most {MAX_ADAPTERS_PER_ENDPOINT}, got {len(adapters)}")
+        if adapters and not all(map(_adapter_ok, adapters)):
+            k = next(k for k, name in enumerate(adapters) if not _adapter_ok(name))
+            raise RuleError(f"{field}.endpoints[{j}].adapters[{k}]",
+                            f"{adapters[k][:80]!r} must be 1-{MAX_ADAPTER_NAME} printable "
+                            "characters")
     check_steer(shard.steer, f"{field}.steer")
     if shard.service_address or shard.service_port:
         check_address(shard.service_address, f"{field}.service_address")
@@ -333,19 +355,40 @@ def check_assignment(a: assignment_pb2.Assignment) -> None:
         raise RuleError("shards.weight",
                         f"ACTIVE shard weights sum to {total}, want {WEIGHT_BUDGET}")
     states = _pin_targets(a.shards)
+    _check_pins(a.pins, states)
+    for i, o in enumerate(a.overrides):
+        _check_target(states, o.shard_id, f"overrides[{i}].shard_id")
+        if o.weight > WEIGHT_BUDGET:
+            raise RuleError(f"overrides[{i}].weight", f"{o.weight} exceeds {WEIGHT_BUDGET}")
+        check_reason(o.reason, f"overrides[{i}].reason")
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _canonical_or_none(text: str) -> str | None:
+    try:
+        return _canonical_cidr(text)
+    except ValueError:
+        return None
+
+
+def _check_pins(pins: Iterable[assignment_pb2.Pin], states: Mapping[str, int]) -> None:
+    # 16,384 pins on every publish and apply: the common all-valid case is a few C-level
+    # passes over cached results; any problem is then found and named by the walk below.
+    pins = list(pins)
+    cidrs = [p.cidr for p in pins]
+    targets = {p.shard_id for p in pins}
+    canon = list(map(_canonical_or_none, cidrs))
+    active = {sid for sid, state in states.items() if state == _ACTIVE}
+    if None not in canon and len(set(canon)) == len(canon) and targets <= active:
+        return
     seen: dict[str, int] = {}
-    for i, pin in enumerate(a.pins):
+    for i, pin in enumerate(pins):
         cidr = normalise_cidr(pin.cidr, f"pins[{i}].cidr")
         if cidr in seen:
             raise RuleError(f"pins[{i}].cidr",
                             f"duplicate pin {pin.cidr} (also pins[{seen[cidr]}])")
         seen[cidr] = i
         _check_target(states, pin.shard_id, f"pins[{i}].shard_id")
-    for i, o in enumerate(a.overrides):
-        _check_target(states, o.shard_id, f"overrides[{i}].shard_id")
-        if o.weight > WEIGHT_BUDGET:
-            raise RuleError(f"overrides[{i}].weight", f"{o.weight} exceeds {WEIGHT_BUDGET}")
-        check_reason(o.reason, f"overrides[{i}].reason")
 
 
 def _check_target(states: Mapping[str, int], shard_id: str, field: str) -> None:
