@@ -7,22 +7,20 @@ imported), which is how the CPU tests run the real kernels; ``"torch"`` runs the
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 
 from adaptermesh.kernels import reference
+from adaptermesh.kernels._backend import Backend, choose_backend, interpreter_enabled
 from adaptermesh.kernels.meta import SegmentMeta
-
-Backend = Literal["triton", "torch"]
 
 __all__ = [
     "Backend",
     "act_mul",
     "add_lora",
     "choose_backend",
+    "interpreter_enabled",
     "paged_attention",
     "rms_norm",
     "rope_kv_write",
@@ -30,26 +28,6 @@ __all__ = [
     "sgmm_shrink",
 ]
 
-
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def choose_backend(t: torch.Tensor, backend: Backend | None) -> Backend:
-    """The backend an op on tensor ``t`` runs with."""
-    if backend not in (None, "triton", "torch"):
-        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
-    if backend == "torch":
-        return "torch"
-    if t.is_cuda:
-        return "triton"
-    if backend == "triton":
-        if not interpreter_enabled():
-            raise ValueError(
-                "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 before triton is imported"
-            )
-        return "triton"
-    return "torch"
 
 
 def sgmm_shrink(

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from adaptermesh.kernels.dispatch import Backend, choose_backend, interpreter_enabled
+from adaptermesh.kernels._backend import Backend, choose_backend, interpreter_enabled
 
 __all__ = [
     "AdaFuseController",

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from adaptermesh.kernels._backend import interpreter_enabled
 from adaptermesh.kernels._validate import (
     SgmmShapes,
     check_expand,
@@ -40,7 +41,6 @@ from adaptermesh.kernels._validate import (
     check_shrink,
 )
 from adaptermesh.kernels._workspace import split_workspace
-from adaptermesh.kernels.dispatch import interpreter_enabled
 from adaptermesh.kernels.meta import SegmentMeta
 
 __all__ = ["SgmmConfig", "add_lora", "sgmm_expand", "sgmm_shrink"]
