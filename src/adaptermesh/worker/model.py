@@ -1,4 +1,4 @@
-"""Llama-family model runtime (Llama, Mistral, Qwen2) with multi-LoRA linear layers.
+"""Llama-family model runtime (Llama, Mistral, Qwen2, Qwen3) with multi-LoRA linear layers.
 
 One forward pass runs a flat batch of T token rows over a paged KV cache (``StepInputs``):
 a decode region of sequences with one query row each, then a prefill region of prompt chunks.
@@ -58,7 +58,7 @@ SUPPORTED_MODULES: tuple[str, ...] = tuple(MODULE_TO_GROUP)
 def _layer_windows(model_type: str, d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers 5 applies it.
 
-    Mistral: ``sliding_window`` on every layer (absent means MistralConfig's 4096). Qwen2: the
+    Mistral: ``sliding_window`` on every layer (absent means MistralConfig's 4096). Qwen2/3: the
     window only when ``use_sliding_window``, on layers whose ``layer_types`` entry is
     sliding_attention; without layer_types, layers with index >= ``max_window_layers`` (default
     28) slide (Qwen2Config.__post_init__).
@@ -66,7 +66,7 @@ def _layer_windows(model_type: str, d: dict[str, Any], num_layers: int) -> tuple
     if model_type == "mistral":
         w = d.get("sliding_window", 4096)
         return tuple([int(w)] * num_layers) if w else ()
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         w = d.get("sliding_window", 4096)
         if not d.get("use_sliding_window", False) or not w:
             return ()
@@ -104,6 +104,7 @@ class ModelConfig:
     act: str = "silu"  # kernels.act_mul's name for hidden_act
     # Per layer: the sliding window, or None for full attention. Empty: no windows anywhere.
     layer_windows: tuple[int | None, ...] = ()
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -118,7 +119,8 @@ class ModelConfig:
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         kv_heads = int(d.get("num_key_value_heads") or heads)
-        head_dim = int(d.get("head_dim") or hidden // heads)
+        # Qwen3Config's head_dim defaults to 128, not hidden / heads.
+        head_dim = int(d.get("head_dim") or (128 if model_type == "qwen3" and "head_dim" not in d else hidden // heads))
         # transformers 5 nests RoPE settings in rope_parameters; 4.x uses rope_theta + rope_scaling.
         rope_params = d.get("rope_parameters")
         scaling: dict[str, Any] | None
@@ -138,7 +140,7 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         num_layers = int(d["num_hidden_layers"])
-        attention_bias = model_type == "llama" and bool(d.get("attention_bias", False))
+        attention_bias = model_type in ("llama", "qwen3") and bool(d.get("attention_bias", False))
         windows = _layer_windows(model_type, d, num_layers)
         return cls(
             arch=model_type,
@@ -162,6 +164,7 @@ class ModelConfig:
             mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
             act=ACTIVATIONS[str(d.get("hidden_act", "silu"))],
             layer_windows=windows,
+            qk_norm=model_type == "qwen3",
         )
 
     @classmethod
@@ -384,6 +387,9 @@ class TransformerModel:
                 layer["bqkv"] = torch.cat(
                     [take(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")]
                 ).contiguous()
+            if cfg.qk_norm:
+                layer["qn"] = take(p + "self_attn.q_norm.weight")
+                layer["kn"] = take(p + "self_attn.k_norm.weight")
             if cfg.o_bias:
                 layer["bo"] = take(p + "self_attn.o_proj.bias")
             if cfg.mlp_bias:
@@ -456,7 +462,7 @@ class TransformerModel:
         fused with the paged KV write, decode and/or prefill paged attention (reading K/V in
         place through the block tables), the o matmul, fused add + RMSNorm, the fused
         gate/up matmul, fused activation x up, the down matmul: 10 launches (biases ride in
-        addmm, no extra launch; +1 when split-KV decode reduces partitions, +1 for a mixed step's second
+        addmm, no extra launch; +2 for Qwen3's q/k norms; +1 when split-KV decode reduces partitions, +1 for a mixed step's second
         attention launch). ``pool``/``meta`` None: a base-only step with no LoRA launch.
 
         ``gated``: AdaFuse expert sets on an unmerged path; routed once here, from the first
@@ -489,6 +495,10 @@ class TransformerModel:
             q = qkv[:, : self.q_size].view(T, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
+            if "qn" in layer:
+                # Qwen3 normalises each head of the projections (LoRA included) before RoPE.
+                q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), layer["qn"], cfg.rms_eps).view(q.shape)
+                k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), layer["kn"], cfg.rms_eps).view(k.shape)
             kc, vc = kv.k[li], kv.v[li]
             kernels.rope_kv_write(q, k, v, inp.positions, self.cos_sin, kc, vc, inp.slot_mapping)
             self._attention(attn, q, kc, vc, inp, cfg.window(li))

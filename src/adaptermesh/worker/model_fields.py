@@ -199,6 +199,14 @@ ARCH_FIELDS: dict[str, dict[str, Check]] = {
         "layer_types": _layer_types_qwen2,
         "use_mrope": _false,
     },
+    "qwen3": {
+        **_COMMON,
+        "attention_bias": _bool,  # q/k/v/o biases
+        "use_sliding_window": _bool,
+        "sliding_window": _opt_pos_int,
+        "max_window_layers": lambda v, d: None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "must be a non-negative integer",
+        "layer_types": _layer_types_qwen2,
+    },
 }
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
