@@ -171,7 +171,8 @@ REFUSED_CONFIG = [
     ("qwen2", {"use_mrope": True}, "use_mrope"),
     ("qwen2", {"layer_types": ["full_attention"]}, "layer_types"),
     ("qwen2", {"mlp_bias": True}, "mlp_bias"),
-    ("qwen3", {}, "model_type"),
+    ("qwen3", {"use_mrope": True}, "use_mrope"),
+    ("qwen3", {"mlp_bias": True}, "mlp_bias"),
     ("phi3", {}, "model_type"),
     ("gemma2", {}, "model_type"),
 ]
@@ -324,7 +325,7 @@ def test_adapter_field_refused_by_name(tmp_path: Path, tiny_llama: Path, patch: 
     path = _adapter_with(tmp_path, tiny_llama, patch)
     cfg = ModelConfig.from_dir(tiny_llama)
     with pytest.raises(AdapterValidationError) as exc:
-        read_adapter("ad", path, cfg, 16, torch.float32, pin_memory=False)
+        read_adapter("ad", path, cfg, 16, torch.float32, pin_memory=False, per_module=True)
     assert exc.value.field == field
     assert field in str(exc.value)
 
@@ -347,6 +348,29 @@ def test_harmless_adapter_fields_load(tmp_path: Path, tiny_llama: Path, patch: d
             read_adapter("ad", path, cfg, 16, torch.float32, pin_memory=False)  # layer 0's tensors are extra
     else:
         assert read_adapter("ad", path, cfg, 16, torch.float32, pin_memory=False).rank == 4
+
+
+def test_patterns_refused_where_one_scale_is_shared(tmp_path: Path, tiny_llama: Path) -> None:
+    # AdaFuse experts read without per_module: an alpha_pattern would be silently dropped.
+    cfg = ModelConfig.from_dir(tiny_llama)
+    for fld, pat in (("alpha_pattern", {"q_proj": 3.0}), ("rank_pattern", {"q_proj": 2})):
+        path = _adapter_with(tmp_path / fld, tiny_llama, {fld: pat})
+        with pytest.raises(AdapterValidationError) as exc:
+            read_adapter("ad", path, cfg, 16, torch.float32, pin_memory=False)
+        assert exc.value.field == fld
+
+
+def test_adafuse_expert_with_alpha_pattern_refused(tmp_path: Path, tiny_llama: Path) -> None:
+    from adaptermesh.worker.adafuse import read_expert_set
+    from adaptermesh.worker.testing import make_adafuse_expert_set
+
+    es = make_adafuse_expert_set(tmp_path, tiny_llama, "es", num_experts=2, top_k=1, rank=4)
+    cj_path = es / "experts" / "1" / "adapter_config.json"
+    cj = json.loads(cj_path.read_text())
+    cj["alpha_pattern"] = {"v_proj": 1.0}
+    cj_path.write_text(json.dumps(cj))
+    with pytest.raises(AdapterValidationError, match="alpha_pattern"):
+        read_expert_set("es", es, tmp_path, ModelConfig.from_dir(tiny_llama), 16, torch.float32)
 
 
 def test_adapter_bias_tensor_refused_by_name(tmp_path: Path, tiny_llama: Path) -> None:
@@ -383,12 +407,14 @@ FEATURES = [
     ("llama", {"hidden_act": "relu"}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1, "num_hidden_layers": 3}),
     ("mistral", {"sliding_window": 5}),
+    ("qwen3", {"head_dim": 16, "attention_bias": True}),
+    ("qwen3", {"head_dim": 8, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1, "num_hidden_layers": 3}),
     ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                                 "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False, "beta_fast": 16}}),
 ]
 
 
-@pytest.mark.parametrize(("arch", "extra"), FEATURES, ids=["attention_bias", "mlp_bias", "gelu", "gelu_tanh", "relu", "qwen2-window-layers", "mistral-window", "yarn-mscale-truncate"])
+@pytest.mark.parametrize(("arch", "extra"), FEATURES, ids=["attention_bias", "mlp_bias", "gelu", "gelu_tanh", "relu", "qwen2-window-layers", "mistral-window", "qwen3-bias", "qwen3-window-layers", "yarn-mscale-truncate"])
 async def test_feature_matches_transformers(
     tmp_path: Path, make_engine: Any, logits_seen: dict[str, list[torch.Tensor]], arch: str, extra: dict[str, Any]
 ) -> None:
@@ -439,7 +465,7 @@ _EXAMPLES = int(os.environ.get("ADAPTERMESH_FIDELITY_EXAMPLES", "6"))
 
 @st.composite
 def model_and_adapters(draw: st.DrawFn) -> dict[str, Any]:
-    arch = draw(st.sampled_from(["llama", "mistral", "qwen2"]))
+    arch = draw(st.sampled_from(["llama", "mistral", "qwen2", "qwen3"]))
     kv = draw(st.sampled_from([1, 2]))
     heads = kv * draw(st.sampled_from([1, 2, 4]))
     head_dim = draw(st.sampled_from([8, 16]))
@@ -470,9 +496,11 @@ def model_and_adapters(draw: st.DrawFn) -> dict[str, Any]:
     if arch == "llama":
         cfg["attention_bias"] = draw(st.booleans())
         cfg["mlp_bias"] = draw(st.booleans())
+    if arch == "qwen3":
+        cfg["attention_bias"] = draw(st.booleans())
     elif arch == "mistral":
         cfg["sliding_window"] = draw(st.sampled_from([None, 3, 6]))
-    elif draw(st.booleans()):
+    if arch in ("qwen2", "qwen3") and draw(st.booleans()):
         cfg.update(use_sliding_window=True, sliding_window=draw(st.sampled_from([3, 6])),
                    max_window_layers=draw(st.integers(0, layers)))
     adapters = []

@@ -239,13 +239,16 @@ def _is_number(v: Any) -> bool:
 
 
 def read_adapter(
-    name: str, path: Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype, pin_memory: bool
+    name: str, path: Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype, pin_memory: bool,
+    *, per_module: bool = False,
 ) -> CpuAdapter:
     """Read, validate and pack one PEFT adapter directory. Raises AdapterValidationError.
 
-    Every adapter_config.json field is honoured or refused by name (``model_fields``). With a
-    rank_pattern or alpha_pattern, each module keeps its own rank (zero-padded in the slot to the
-    largest) and its own scale, folded into its B matrix (the slot's scale is then 1).
+    Every adapter_config.json field is honoured or refused by name (``model_fields``). With
+    ``per_module`` (LoRA pool slots), a rank_pattern or alpha_pattern is honoured: each module
+    keeps its own rank (zero-padded in the slot to the largest) and its own scale, folded into
+    its B matrix (the slot's scale is then 1). Without it (AdaFuse experts, which share one rank
+    and one scale across the set) a pattern is refused.
     """
     if not path.is_dir():
         raise AdapterNotFoundError(name, f"no adapter directory at {path}")
@@ -279,6 +282,8 @@ def read_adapter(
             ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1 if fld == "rank_pattern" else _is_number(v)
             if not ok:
                 raise _fail(name, fld, f"{k!r}: {v!r} is not a valid {'rank' if fld == 'rank_pattern' else 'alpha'}")
+        if pat and not per_module:
+            raise _fail(name, fld, f"{pat!r} is not implemented here: every AdaFuse expert has one rank and one scale")
         patterns[fld] = pat
     targets = _target_set(name, cj, cfg)
     # (layer, module) -> (rank, scale), as PEFT's LoraModel._create_and_replace picks them.
@@ -689,7 +694,9 @@ class AdapterManager:
             self.cpu_cache.move_to_end(name)
             self.counters.cpu_hits += 1
         else:
-            cpu = await asyncio.to_thread(read_adapter, name, path, self.cfg, self.max_rank, self.dtype, self._pin)
+            cpu = await asyncio.to_thread(
+                read_adapter, name, path, self.cfg, self.max_rank, self.dtype, self._pin, per_module=True
+            )
         cpu.pinned = pinned
         t_read = time.perf_counter()
         slot = await self._reserve_slot(exclude=name)
