@@ -112,7 +112,8 @@ async def test_a_write_whose_assignment_breaks_a_rule_is_refused_naming_it(cp: H
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = err.value.details() or ""
-    assert details.startswith("shards[") and ".index: 256 is out of range" in details, details
+    assert details.startswith("shards["), details
+    assert ".index: 256 is out of range" in details, details
     assert details.endswith("(in the Assignment this write would publish)")
     assert store.get_shard("late") is None
 
