@@ -32,6 +32,7 @@ import json
 import logging
 import multiprocessing
 import resource
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
@@ -237,23 +238,26 @@ def _header_bytes(message: Any) -> int:
 
 
 class _Gate:
-    """The open connections of one listener, oldest first."""
+    """The open connections of one listener, oldest first, and who hears of refusals."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, on_refusal: Callable[[str], None] | None) -> None:
         self.cap = cap
         self.open: dict[_GuardedHandler, None] = {}
-        self.shed = 0
-        self.evicted = 0
+        self._on_refusal = on_refusal
+
+    def refused(self, reason: str) -> None:
+        if self._on_refusal is not None:
+            self._on_refusal(reason)
 
     def admit(self, handler: _GuardedHandler) -> bool:
         if len(self.open) >= self.cap:
             victim = next((h for h in self.open if h.awaiting_headers()), None)
             if victim is None:
-                self.shed += 1
+                self.refused("too_many_connections")
                 return False
-            self.evicted += 1
+            self.refused("evicted")
             victim.reject(408, "the connection was closed to make room: its request headers "
-                          "had not arrived", "header_timeout")
+                          "had not arrived", "header_timeout", quiet_when_idle=True)
         self.open[handler] = None
         return True
 
@@ -286,12 +290,20 @@ class _GuardedHandler(RequestHandler):
         return waiter is not None and not waiter.done()
 
     def reject(self, status: int, message: str, code: str,
-               headers: dict[str, str] | None = None) -> None:
-        """Answer ``status`` with a JSON error and close, whatever the parser holds."""
+               headers: dict[str, str] | None = None, *, quiet_when_idle: bool = False) -> None:
+        """Answer ``status`` with a JSON error and close, whatever the parser holds.
+
+        With ``quiet_when_idle``, a connection that has sent nothing of its next request is
+        closed without an answer: a client could read an unasked-for 408 on an idle
+        kept-alive connection as the answer to the request it sends next.
+        """
         self._cancel_header_timer()
         self._gate.open.pop(self, None)
         transport = self.transport
-        if transport is not None and not transport.is_closing():
+        idle = self._header_bytes == 0
+        if transport is not None and not transport.is_closing() and not (
+            quiet_when_idle and idle
+        ):
             transport.write(_raw_response(status, error_json(status, message, code), headers))
         self.force_close()
 
@@ -332,9 +344,11 @@ class _GuardedHandler(RequestHandler):
             # Headers that arrived whole in one read are measured on the parsed messages.
             fresh = list(self._messages)[before - self._request_count:]
             if any(_header_bytes(msg) > limit for msg, _ in fresh):
+                self._gate.refused("headers_too_large")
                 self.reject(431, f"request headers are larger than {limit} bytes",
                             "headers_too_large")
         elif in_headers and self._header_bytes > limit:
+            self._gate.refused("headers_too_large")
             self.reject(431, f"request headers are larger than {limit} bytes",
                         "headers_too_large")
 
@@ -347,8 +361,10 @@ class _GuardedHandler(RequestHandler):
             isinstance(exc, BadHttpMessage) and "Too many headers" in str(exc)
         ):
             status, code = 431, "headers_too_large"
+            self._gate.refused(code)
         elif status < 500:
             code = "bad_request"
+            self._gate.refused(code)
         else:
             log.error("error handling a request from %s", request.remote, exc_info=exc)
             code = "internal_error"
@@ -375,20 +391,22 @@ class _GuardedHandler(RequestHandler):
         if self.transport is not None and self.awaiting_headers() and (
             self._request_count == 0 or self._header_bytes > 0
         ):
+            self._gate.refused("header_timeout")
             self.reject(408, f"request headers did not arrive within "
-                        f"{self._limits.header_timeout_s:g} s", "header_timeout")
+                        f"{self._limits.header_timeout_s:g} s", "header_timeout",
+                        quiet_when_idle=True)
 
 
 class _GuardedSite(web.BaseSite):
     """A TCP site whose connections are ``_GuardedHandler``s sharing one gate."""
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, limits: ListenerLimits,
-                 cap: int, handler_kwargs: dict[str, Any]) -> None:
+                 gate: _Gate, handler_kwargs: dict[str, Any]) -> None:
         super().__init__(runner, backlog=limits.backlog)
         self._host = host
         self._port = port
         self._limits = limits
-        self.gate = _Gate(cap)
+        self.gate = gate
         self._handler_kwargs = handler_kwargs
 
     @property
@@ -417,10 +435,14 @@ async def serve_app(
     *,
     handler_cancellation: bool = False,
     shutdown_timeout: float = 2.0,
+    on_refusal: Callable[[str], None] | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on ``host:port`` (0 picks a free port) behind the listener guards.
 
-    Returns the runner (``await runner.cleanup()`` stops it) and the bound port.
+    ``on_refusal(reason)`` hears of each connection the guards close or refuse before a
+    handler runs: ``too_many_connections``, ``evicted``, ``header_timeout``,
+    ``headers_too_large``, ``bad_request``. Returns the runner (``await runner.cleanup()``
+    stops it) and the bound port.
     """
     limits = limits or ListenerLimits()
     fd_soft = raise_fd_limit()
@@ -430,7 +452,7 @@ async def serve_app(
     runner = web.AppRunner(app, handler_cancellation=handler_cancellation,
                            shutdown_timeout=shutdown_timeout, **handler_kwargs)
     await runner.setup()
-    site = _GuardedSite(runner, host, port, limits, cap, handler_kwargs)
+    site = _GuardedSite(runner, host, port, limits, _Gate(cap, on_refusal), handler_kwargs)
     try:
         await site.start()
     except BaseException:

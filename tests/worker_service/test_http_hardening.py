@@ -250,3 +250,49 @@ def test_worker_cli_listener_options_default_to_the_listener_limits() -> None:
                                         d.body_timeout_s, d.keepalive_timeout_s)
     args = build_parser().parse_args([*base, "--max-connections", "64", "--header-timeout", "3"])
     assert (args.max_connections, args.header_timeout) == (64, 3.0)
+
+
+async def test_a_connection_that_sends_nothing_is_closed_without_an_answer(
+        start_server: StartServer) -> None:
+    server = await start_server(listener=FAST)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+    try:
+        async with asyncio.timeout(3):
+            assert await reader.read() == b""
+    finally:
+        writer.close()
+
+
+async def test_evicting_an_idle_kept_alive_connection_sends_no_answer(start_server: StartServer
+                                                                      ) -> None:
+    server = await start_server(listener=ListenerLimits(max_connections=2))
+    port = port_of(server)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    async with asyncio.timeout(3):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=5) as a, \
+                httpx.AsyncClient(base_url=server.url, timeout=5) as b:
+            assert (await a.get("/health")).status_code == 200
+            assert (await b.get("/health")).status_code == 200
+        async with asyncio.timeout(3):
+            assert await reader.read() == b""  # closed, with no unasked-for 408
+    finally:
+        writer.close()
+
+
+async def test_refused_connections_are_counted_by_reason(start_server: StartServer) -> None:
+    server = await start_server(listener=FAST)
+    port = port_of(server)
+    await raw_request(port, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    await raw_request(port, b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n")
+    await raw_request(port, b"\x16\x03\x01 not http\r\n\r\n")
+    counter = server.service.metrics.listener_refused
+    for reason in ("header_timeout", "headers_too_large", "bad_request"):
+        assert counter.labels(reason=reason)._value.get() == 1, reason
+    text = (await server.client.get("/metrics")).text
+    assert 'adaptermesh_http_connections_refused_total{reason="header_timeout"} 1.0' in text

@@ -42,6 +42,7 @@ EXPECTED = {
     "adaptermesh_max_loras": ("gauge", set()),
     "adaptermesh_requests": ("counter", {"outcome"}),
     "adaptermesh_requests_rejected": ("counter", {"reason"}),
+    "adaptermesh_http_connections_refused": ("counter", {"reason"}),
 }
 
 

@@ -114,6 +114,11 @@ class ServiceMetrics:
             "Generation requests refused before reaching the engine, by reason.",
             ["reason"], registry=r,
         )
+        self.listener_refused = Counter(
+            "adaptermesh_http_connections_refused",
+            "Connections the listener closed or refused before a handler ran, by reason.",
+            ["reason"], registry=r,
+        )
         self.prompt_tokens = Counter(
             "adaptermesh_prompt_tokens",
             "Prompt tokens of requests admitted into the engine.",

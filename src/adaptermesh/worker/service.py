@@ -984,5 +984,7 @@ async def serve(
     ``shutdown_timeout`` seconds for handlers still running, then cancels them;
     ``WorkerService.drain`` is the place for a long, orderly wait.
     """
+    refused = service.metrics.listener_refused
     return await serve_app(service.app, host, port, service.config.listener,
-                           handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+                           handler_cancellation=True, shutdown_timeout=shutdown_timeout,
+                           on_refusal=lambda reason: refused.labels(reason=reason).inc())
