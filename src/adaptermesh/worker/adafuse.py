@@ -127,7 +127,7 @@ class CpuExpertSet:
 
 
 def _int_field(name: str, cj: dict[str, Any], key: str, lo: int, hi: int) -> int:
-    from adaptermesh.worker.adapters import AdapterValidationError
+    from adaptermesh.worker.peft_adapter import AdapterValidationError
 
     v = cj.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -142,7 +142,7 @@ def _message(e: Exception) -> str:
 
 def _inside(root: Path, name: str, p: Path, fld: str) -> Path:
     # Files inside the set's directory may be symlinks too; none may lead out of the root.
-    from adaptermesh.worker.adapters import AdapterValidationError
+    from adaptermesh.worker.peft_adapter import AdapterValidationError
 
     resolved = p.resolve(strict=False)
     if not resolved.is_relative_to(root.resolve()):
@@ -154,7 +154,7 @@ def read_expert_set(
     name: str, path: Path, root: Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype
 ) -> CpuExpertSet:
     """Read and validate an expert-set directory. Raises AdapterValidationError naming the field."""
-    from adaptermesh.worker.adapters import AdapterValidationError, _target_set, read_adapter
+    from adaptermesh.worker.peft_adapter import AdapterValidationError, _target_set, read_adapter
 
     def fail(fld: str, msg: str) -> AdapterValidationError:
         return AdapterValidationError(name, fld, msg)

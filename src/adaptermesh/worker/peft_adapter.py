@@ -1,0 +1,455 @@
+"""PEFT adapters on disk: name and path rules, adapter_config.json and weight-file validation,
+and the packed CPU form (``CpuAdapter``) the adapter manager caches and uploads.
+
+Everything here is pure reading and checking, with no device state, so both the adapter
+manager (``adapters.py``) and AdaFuse expert sets (``adafuse.py``, whose experts are PEFT
+adapters) use it without importing each other.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adaptermesh.worker.model import (
+    GROUPS,
+    MODULE_TO_GROUP,
+    SUPPORTED_MODULES,
+    ModelConfig,
+)
+from adaptermesh.worker.model_fields import check_adapter_config
+from adaptermesh.worker.types import AdapterNotFoundError
+
+__all__ = [
+    "AdapterValidationError",
+    "CpuAdapter",
+    "TensorEntry",
+    "read_adapter",
+    "resolve_in_root",
+    "validate_name",
+]
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,199}$")
+_PARENTS = {m: ("self_attn" if m in GROUPS["qkv"] or m == "o_proj" else "mlp") for m in SUPPORTED_MODULES}
+
+
+class AdapterValidationError(AdapterNotFoundError):
+    """An adapter exists but cannot be served; ``field`` names what is wrong."""
+
+    def __init__(self, name: str, field: str, message: str) -> None:
+        super().__init__(name, f"{field}: {message}")
+        self.field = field
+
+
+def validate_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME_RE.match(name) or any(p in ("..", ".") for p in name.split("/")):
+        raise AdapterValidationError(str(name), "name", "must be 1-200 characters of [A-Za-z0-9._-/] with no '.' or '..' parts")
+
+
+def resolve_in_root(root: Path, name: str, path: str | None = None) -> Path:
+    """The adapter directory for ``name`` (or an explicit ``path``), guaranteed inside ``root``."""
+    rel = Path(path) if path is not None else Path(name)
+    if ".." in rel.parts:
+        raise AdapterValidationError(name, "lora_path", "must not contain '..'")
+    root_r = root.resolve()
+    candidate = rel if rel.is_absolute() else root_r / rel
+    resolved = candidate.resolve(strict=False)  # follows symlinks, so an escaping link is caught
+    if not resolved.is_relative_to(root_r):
+        raise AdapterValidationError(name, "lora_path", f"resolves outside the adapter root {root_r}")
+    return resolved
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one LoRA matrix lies in ``CpuAdapter.data`` and where it goes in a pool slot."""
+
+    key: str
+    group: str
+    index: int  # slice within the group
+    layer: int
+    is_b: bool  # lora_B [out, r] (else lora_A [r, in])
+    dtype: torch.dtype  # as stored in the file
+    shape: tuple[int, int]
+    start: int  # byte offsets in ``data``
+    end: int
+
+
+@dataclass(slots=True)
+class CpuAdapter:
+    """A validated adapter as read from disk: the safetensors data section in one buffer
+    (pinned on CUDA, so it reaches the GPU in one copy) plus where each matrix lies in it."""
+
+    name: str
+    path: Path
+    rank: int
+    alpha: float
+    use_rslora: bool
+    scale: float
+    targets: frozenset[str]
+    groups: frozenset[str]  # groups with at least one targeted module
+    data: torch.Tensor  # uint8 [nbytes]
+    entries: tuple[TensorEntry, ...]
+    # All entries share one dtype and tile ``data`` exactly: one reduction covers them all.
+    uniform: bool
+    nbytes: int
+    pinned: bool = False
+
+    def view(self, e: TensorEntry, data: torch.Tensor | None = None) -> torch.Tensor:
+        """Entry ``e`` as a tensor over ``data`` (default: the host buffer; or a device copy)."""
+        buf = self.data if data is None else data
+        return buf[e.start : e.end].view(e.dtype).view(e.shape)
+
+    def first_non_finite(self, data: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> str | None:
+        """Key of the first matrix holding NaN or Inf (after a cast to ``dtype``), if any."""
+        for e in self.entries:
+            t = self.view(e, data)
+            if not bool(torch.isfinite(t if dtype is None else t.to(dtype)).all()):
+                return e.key
+        return None
+
+
+def _fail(name: str, fld: str, msg: str) -> AdapterValidationError:
+    return AdapterValidationError(name, fld, msg)
+
+
+_REFUSED_TARGETS = {"lm_head": "lm_head", "embed_tokens": "model.embed_tokens"}
+
+
+def _matches(spec: str | list[str], key: str) -> bool:
+    """PEFT's rule: a string is a regular expression over the whole module name; a list entry
+    names the module or a dotted suffix of it."""
+    if isinstance(spec, str):
+        return re.fullmatch(spec, key) is not None
+    return key in spec or any(key.endswith("." + e) for e in spec)
+
+
+def _target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tuple[int, str]]:
+    """The (layer, module) pairs the adapter targets, resolved exactly as PEFT resolves them
+    (``peft.tuners.tuners_utils.check_target_module_exists``): exclude_modules first, then
+    target_modules, with layers_to_transform applied only to a list of module names."""
+    raw = cfg_json.get("target_modules")
+    layers = cfg_json.get("layers_to_transform")
+    if isinstance(layers, bool) or not (layers is None or isinstance(layers, int) or (isinstance(layers, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in layers))):
+        raise _fail(name, "layers_to_transform", f"must be a layer index or a list of them, got {layers!r}")
+    layer_ids: set[int] | None = {layers} if isinstance(layers, int) else (set(layers) if layers else None)
+    if layer_ids is not None:
+        bad_layers = sorted(x for x in layer_ids if not 0 <= x < cfg.num_layers)
+        if bad_layers:
+            raise _fail(name, "layers_to_transform", f"layers {bad_layers} do not exist (model has {cfg.num_layers})")
+    pattern = cfg_json.get("layers_pattern")
+    if pattern not in (None, "", [], "layers", ["layers"]):
+        raise _fail(name, "layers_pattern", f"{pattern!r} names no layer list of the base model (only 'layers')")
+    exclude = cfg_json.get("exclude_modules")
+    if exclude is not None and not isinstance(exclude, (str, list)):
+        raise _fail(name, "exclude_modules", f"must be a list of module names or a string, got {exclude!r}")
+    if isinstance(exclude, str):
+        try:
+            re.compile(exclude)
+        except re.error as e:
+            raise _fail(name, "exclude_modules", f"invalid regular expression: {e}") from None
+    full = {
+        (layer, m): f"model.layers.{layer}.{_PARENTS[m]}.{m}" for layer in range(cfg.num_layers) for m in SUPPORTED_MODULES
+    }
+    if raw == "all-linear":
+        raw = list(SUPPORTED_MODULES)  # PEFT expands it to every linear but the output head
+    if isinstance(raw, str):
+        if layer_ids is not None:
+            raise _fail(name, "layers_to_transform", "cannot be combined with a regular-expression target_modules")
+        try:
+            re.compile(raw)
+        except re.error as e:
+            raise _fail(name, "target_modules", f"invalid regular expression: {e}") from None
+        for short, path in _REFUSED_TARGETS.items():
+            if re.fullmatch(raw, path):
+                raise _fail(name, "target_modules", f"{raw!r} targets {short}: adapters on {short} are not implemented")
+    elif isinstance(raw, list) and raw:
+        for entry in raw:
+            if not isinstance(entry, str):
+                raise _fail(name, "target_modules", f"entries must be strings, got {entry!r}")
+            for short, path in _REFUSED_TARGETS.items():
+                if entry == path or path.endswith("." + entry) or entry.endswith(short):
+                    raise _fail(name, "target_modules", f"{entry!r}: adapters on {short} are not implemented")
+            if not any(path == entry or path.endswith("." + entry) for path in full.values()):
+                raise _fail(name, "target_modules", f"{entry!r} is not a module of the base model (supported: {', '.join(SUPPORTED_MODULES)})")
+    else:
+        raise _fail(name, "target_modules", "must be a non-empty list of module names or a string")
+    out: set[tuple[int, str]] = set()
+    for k, path in full.items():
+        if exclude and _matches(exclude, path):
+            continue
+        if isinstance(raw, str):
+            hit = _matches(raw, path)
+        elif path in raw:
+            hit = True  # a full module name: PEFT skips the layer filter
+        else:
+            hit = _matches(raw, path) and (layer_ids is None or k[0] in layer_ids)
+        if hit:
+            out.add(k)
+    if not out:
+        raise _fail(name, "target_modules", f"{raw!r} matches no module of the base model (after exclude_modules and layers_to_transform)")
+    return out
+
+
+def _pattern_value(name: str, fld: str, pattern: dict[str, Any], key: str, default: Any) -> Any:
+    """PEFT's get_pattern_key: the first pattern whose regex matches a dotted suffix of ``key``."""
+    for pat, val in pattern.items():
+        try:
+            if re.match(rf"(.*\.)?({pat})$", key):
+                return val
+        except re.error as e:
+            raise _fail(name, fld, f"invalid regular expression {pat!r}: {e}") from None
+    return default
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def read_adapter(
+    name: str, path: Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype, pin_memory: bool,
+    *, per_module: bool = False,
+) -> CpuAdapter:
+    """Read, validate and pack one PEFT adapter directory. Raises AdapterValidationError.
+
+    Every adapter_config.json field is honoured or refused by name (``model_fields``). With
+    ``per_module`` (LoRA pool slots), a rank_pattern or alpha_pattern is honoured: each module
+    keeps its own rank (zero-padded in the slot to the largest) and its own scale, folded into
+    its B matrix (the slot's scale is then 1). Without it (AdaFuse experts, which share one rank
+    and one scale across the set) a pattern is refused.
+    """
+    if not path.is_dir():
+        raise AdapterNotFoundError(name, f"no adapter directory at {path}")
+    cfg_path = path / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise AdapterNotFoundError(name, f"{path} has no adapter_config.json")
+    try:
+        cj = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise _fail(name, "adapter_config.json", f"unreadable: {e}") from None
+    if not isinstance(cj, dict):
+        raise _fail(name, "adapter_config.json", "must hold a JSON object")
+    bad = check_adapter_config(cj)
+    if bad is not None:
+        raise _fail(name, *bad)
+    r = cj.get("r", 8)
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise _fail(name, "r", f"must be a positive integer, got {r!r}")
+    alpha = cj.get("lora_alpha", 8)
+    if not _is_number(alpha):
+        raise _fail(name, "lora_alpha", f"must be a number, got {alpha!r}")
+    use_rslora = cj.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise _fail(name, "use_rslora", f"must be a boolean, got {use_rslora!r}")
+    patterns: dict[str, dict[str, Any]] = {}
+    for fld in ("rank_pattern", "alpha_pattern"):
+        pat = cj.get(fld) or {}
+        if not isinstance(pat, dict):
+            raise _fail(name, fld, f"must be an object of pattern -> value, got {pat!r}")
+        for k, v in pat.items():
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1 if fld == "rank_pattern" else _is_number(v)
+            if not ok:
+                raise _fail(name, fld, f"{k!r}: {v!r} is not a valid {'rank' if fld == 'rank_pattern' else 'alpha'}")
+        if pat and not per_module:
+            raise _fail(name, fld, f"{pat!r} is not implemented here: every AdaFuse expert has one rank and one scale")
+        patterns[fld] = pat
+    targets = _target_set(name, cj, cfg)
+    # (layer, module) -> (rank, scale), as PEFT's LoraModel._create_and_replace picks them.
+    per: dict[tuple[int, str], tuple[int, float]] = {}
+    for layer, m in targets:
+        key = f"model.layers.{layer}.{_PARENTS[m]}.{m}"
+        rm = int(_pattern_value(name, "rank_pattern", patterns["rank_pattern"], key, r))
+        am = float(_pattern_value(name, "alpha_pattern", patterns["alpha_pattern"], key, alpha))
+        per[(layer, m)] = (rm, am / (math.sqrt(rm) if use_rslora else rm))
+    slot_rank = max(rm for rm, _ in per.values())
+    if slot_rank > max_rank:
+        fld = "r" if slot_rank == r else "rank_pattern"
+        raise _fail(name, fld, f"rank {slot_rank} exceeds the engine's max_lora_rank {max_rank}")
+    scales = {sc for _, sc in per.values()}
+    fold = len(scales) > 1
+    scale = 1.0 if fold else next(iter(scales))
+
+    header, data, wfld = _read_weights_file(name, path, pin_memory)
+    entries: list[TensorEntry] = []
+    target_modules = {m for _, m in targets}
+    for layer, m in sorted(targets):
+        g, i = MODULE_TO_GROUP[m]
+        prefix = f"base_model.model.model.layers.{layer}.{_PARENTS[m]}.{m}"
+        fi, fo = cfg.module_shape(m)
+        rm, sm = per[(layer, m)]
+        for suffix, shape in ((".lora_A.weight", (rm, fi)), (".lora_B.weight", (fo, rm))):
+            key = prefix + suffix
+            h = header.pop(key, None)
+            if h is None:
+                raise _fail(name, wfld, f"missing tensor {key}")
+            dt, got_shape, start, end = h
+            if got_shape != shape:
+                raise _fail(name, wfld, f"tensor {key} has shape {got_shape}, expected {shape} (rank {rm})")
+            ent = TensorEntry(key, g, i, layer, suffix == ".lora_B.weight", dt, shape, start, end)
+            if fold and ent.is_b:
+                data[start:end].view(dt).mul_(sm)  # this module's scale rides in its B
+            entries.append(ent)
+    if header:
+        extra = sorted(header)[0]
+        why = "a bias or a saved module" if not extra.endswith((".lora_A.weight", ".lora_B.weight")) else "not in target_modules of the base model"
+        raise _fail(name, wfld, f"unexpected tensor {extra} ({why}): refused rather than ignored")
+    spans = sorted((e.start, e.end) for e in entries)
+    tiles = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    uniform = bool(entries) and tiles and spans[0][0] == 0 and spans[-1][1] == data.numel()
+    uniform = uniform and len({e.dtype for e in entries}) == 1
+    cpu = CpuAdapter(
+        name=name, path=path, rank=slot_rank, alpha=float(alpha), use_rslora=use_rslora,
+        scale=scale, targets=frozenset(target_modules),
+        groups=frozenset(MODULE_TO_GROUP[m][0] for m in target_modules), data=data, entries=tuple(entries),
+        uniform=uniform, nbytes=data.numel(),
+    )
+    if not pin_memory and not _all_finite(cpu, dtype):
+        # Without a GPU the slot copy cannot check finiteness on the device; check here, once.
+        raise _fail(name, wfld, f"tensor {cpu.first_non_finite(data, dtype)} holds NaN or Inf")
+    return cpu
+
+
+def _read_weights_file(
+    name: str, path: Path, pin_memory: bool
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], torch.Tensor, str]:
+    """The adapter's tensors from adapter_model.safetensors, else adapter_model.bin (PEFT's
+    order), with the file name used in errors."""
+    st_path = path / "adapter_model.safetensors"
+    if st_path.is_file():
+        return (*_read_safetensors(name, st_path, pin_memory), st_path.name)
+    bin_path = path / "adapter_model.bin"
+    if bin_path.is_file():
+        return (*_read_bin(name, bin_path, pin_memory), bin_path.name)
+    raise _fail(name, "adapter_model.safetensors", "file is missing (and there is no adapter_model.bin)")
+
+
+def _read_bin(
+    name: str, path: Path, pin_memory: bool
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], torch.Tensor]:
+    """A pickled state dict, loaded with ``weights_only=True`` (no code runs), packed into one
+    buffer in the layout ``_read_safetensors`` returns."""
+    fld = path.name
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle and zip errors have no common base class
+        raise _fail(name, fld, f"unreadable or not a weights-only state dict: {e}") from None
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise _fail(name, fld, "must hold a dict of tensor name -> tensor")
+    dtypes = set(_ST_DTYPES.values())
+    out: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+    offset = 0
+    for key, t in sd.items():
+        if t.dtype not in dtypes:
+            raise _fail(name, fld, f"tensor {key}: unsupported dtype {t.dtype}")
+        align = -offset % t.element_size()
+        offset += align
+        n = t.numel() * t.element_size()
+        out[key] = (t.dtype, tuple(t.shape), offset, offset + n)
+        offset += n
+    data = torch.zeros(offset, dtype=torch.uint8, pin_memory=pin_memory)
+    for key, t in sd.items():
+        _, _, start, end = out[key]
+        data[start:end].view(t.dtype).copy_(t.contiguous().reshape(-1))
+    return out, data
+
+
+# Exponent bits of each float format: all ones means Inf or NaN.
+_EXP_BITS = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+}
+
+
+def _all_finite(cpu: CpuAdapter, dtype: torch.dtype) -> bool:
+    """Host-side finiteness of every matrix (as cast to ``dtype``), by integer ops on the bits:
+    several times faster on a CPU than isfinite or a float64 sum over bf16."""
+    if not cpu.uniform:
+        return cpu.first_non_finite(cpu.data, dtype) is None
+    src = cpu.entries[0].dtype
+    if src.itemsize > dtype.itemsize:  # a narrowing cast can overflow to Inf
+        return bool(torch.isfinite(cpu.data.view(src).to(dtype)).all())
+    int_t, mask = _EXP_BITS[src]
+    bits = cpu.data.view(int_t)
+    return not bool(((bits & mask) == mask).any())
+
+
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_MAX_HEADER = 100 << 20
+
+
+def _read_safetensors(
+    name: str, path: Path, pin_memory: bool
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], torch.Tensor]:
+    """Header ``key -> (dtype, shape, start, end)`` and the whole data section in one buffer.
+
+    One read into one (pinned) buffer instead of a tensor per matrix: the buffer is what the
+    CPU cache keeps and what one host-to-device copy moves. Corrupt or truncated files are
+    rejected here; the layout is the documented safetensors one (an 8-byte little-endian
+    header length, a JSON header, then the data section).
+    """
+    fld = "adapter_model.safetensors"
+    try:
+        size = path.stat().st_size
+        with open(path, "rb", buffering=0) as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _fail(name, fld, "corrupt or truncated: shorter than a safetensors header")
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, _MAX_HEADER):
+                raise _fail(name, fld, f"corrupt or truncated: header length {n} does not fit the file")
+            raw = json.loads(f.read(n))
+            data_len = size - 8 - n
+            data = torch.empty(data_len, dtype=torch.uint8, pin_memory=pin_memory)
+            view = memoryview(data.numpy())  # type: ignore[arg-type]
+            got = 0
+            while got < data_len:
+                k = f.readinto(view[got:])
+                if not k:
+                    raise _fail(name, fld, "corrupt or truncated: the file shrank while being read")
+                got += k
+    except OSError as e:
+        raise _fail(name, fld, f"unreadable: {e}") from None
+    except ValueError as e:
+        raise _fail(name, fld, f"corrupt or truncated: {e}") from None
+    if not isinstance(raw, dict):
+        raise _fail(name, fld, "corrupt or truncated: the header is not a JSON object")
+    out: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+    for key, info in raw.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dt = _ST_DTYPES[info["dtype"]]
+            shape = tuple(int(x) for x in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise _fail(name, fld, f"tensor {key}: unsupported dtype or malformed header entry {info!r}") from None
+        numel = math.prod(shape)
+        if not 0 <= start <= end or end - start != numel * dt.itemsize or start % dt.itemsize:
+            raise _fail(name, fld, f"corrupt or truncated: tensor {key} has inconsistent data offsets")
+        if end > data_len:
+            raise _fail(name, fld, f"corrupt or truncated: tensor {key} lies past the end of the file")
+        out[key] = (dt, shape, start, end)
+    return out, data
+
+
+def _entry_sums(cpu: CpuAdapter, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[sum, sum of |x|] (float64) of every matrix cast to ``dtype``; non-finite iff some
+    element is NaN or Inf (float64 cannot overflow on sums of 16/32-bit floats)."""
+    if cpu.uniform:
+        t = data.view(cpu.entries[0].dtype)
+        if t.dtype != dtype:
+            t = t.to(dtype)
+        return torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)])
+    parts = [cpu.view(e, data).to(dtype) for e in cpu.entries]
+    return torch.stack([
+        torch.stack([p.sum(dtype=torch.float64) for p in parts]).sum(),
+        torch.stack([p.abs().sum(dtype=torch.float64) for p in parts]).sum(),
+    ])
