@@ -54,6 +54,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format
 
 __all__ = [
+    "EXT_PROC_CLUSTER",
     "XDS_CLUSTER",
     "EnvoyError",
     "EnvoyProcess",
@@ -64,6 +65,8 @@ __all__ = [
 ]
 
 XDS_CLUSTER = "adaptermesh_xds"
+# The agent's ext_proc server; the name matches snapshot.ExtProcOptions.cluster.
+EXT_PROC_CLUSTER = "adaptermesh_extproc"
 
 
 class EnvoyError(RuntimeError):
@@ -82,14 +85,22 @@ def build_bootstrap(
     xds_retry_max_s: float = 2.0,
     initial_fetch_timeout_s: float = 15.0,
     max_downstream_connections: int = 50_000,
+    ext_proc_port: int | None = None,
+    ext_proc_host: str = "127.0.0.1",
 ) -> bootstrap_pb2.Bootstrap:
-    """A bootstrap that takes everything but the xDS cluster from our ADS server."""
+    """A bootstrap that takes everything but the xDS cluster from our ADS server.
+
+    ``ext_proc_port`` adds the static cluster ``adaptermesh_extproc`` (HTTP/2) of the agent's
+    external processor, which listeners built with ``BuildOptions(ext_proc=...)`` call.
+    """
     if not node_id:
         raise ValueError("node_id: must not be empty")
     if not 1 <= xds_port <= 65535:
         raise ValueError(f"xds_port: {xds_port} is outside 1-65535")
     if not 0 <= admin_port <= 65535:
         raise ValueError(f"admin_port: {admin_port} is outside 0-65535")
+    if ext_proc_port is not None and not 1 <= ext_proc_port <= 65535:
+        raise ValueError(f"ext_proc_port: {ext_proc_port} is outside 1-65535")
     protocol_options = http_protocol_options_pb2.HttpProtocolOptions(
         explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions()))
@@ -109,6 +120,24 @@ def build_bootstrap(
     )
     xds_cluster.typed_extension_protocol_options[
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(packed_options)
+    static_clusters = [xds_cluster]
+    if ext_proc_port is not None:
+        ext_proc_cluster = cluster_pb2.Cluster(
+            name=EXT_PROC_CLUSTER,
+            type=cluster_pb2.Cluster.STATIC,
+            connect_timeout=duration_pb2.Duration(seconds=1),
+            load_assignment=endpoint_pb2.ClusterLoadAssignment(
+                cluster_name=EXT_PROC_CLUSTER,
+                endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[
+                    endpoint_components_pb2.LbEndpoint(
+                        endpoint=endpoint_components_pb2.Endpoint(
+                            address=_address(ext_proc_host, ext_proc_port))),
+                ])],
+            ),
+        )
+        ext_proc_cluster.typed_extension_protocol_options[
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(packed_options)
+        static_clusters.append(ext_proc_cluster)
     ads_source = config_source_pb2.ConfigSource(
         ads=config_source_pb2.AggregatedConfigSource(),
         resource_api_version=config_source_pb2.V3,
@@ -125,7 +154,7 @@ def build_bootstrap(
                 name="envoy.resource_monitors.global_downstream_max_connections",
                 typed_config=connection_limit),
         ]),
-        static_resources=bootstrap_pb2.Bootstrap.StaticResources(clusters=[xds_cluster]),
+        static_resources=bootstrap_pb2.Bootstrap.StaticResources(clusters=static_clusters),
         dynamic_resources=bootstrap_pb2.Bootstrap.DynamicResources(
             ads_config=config_source_pb2.ApiConfigSource(
                 api_type=(config_source_pb2.ApiConfigSource.DELTA_GRPC if delta

@@ -40,12 +40,14 @@ from envoy.config.core.v3 import (
     address_pb2,
     base_pb2,
     config_source_pb2,
+    grpc_service_pb2,
     health_check_pb2,
     protocol_pb2,
 )
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
@@ -71,6 +73,7 @@ __all__ = [
     "ROUTE_TYPE",
     "AssignmentError",
     "BuildOptions",
+    "ExtProcOptions",
     "InconsistentSnapshotError",
     "Snapshot",
     "build_snapshot",
@@ -110,6 +113,27 @@ class InconsistentSnapshotError(ValueError):
 
 
 @dataclass(frozen=True)
+class ExtProcOptions:
+    """The listener's ext_proc filter: the agent's processor reads the body's ``model``.
+
+    ``cluster`` is the bootstrap's static cluster of the processor (``build_bootstrap(...,
+    ext_proc_port=...)``). The body is sent ``BUFFERED``, bounded by ``max_body_bytes`` (the
+    listener's per-connection buffer limit): Envoy answers a longer body 413 itself. ``BUFFERED_PARTIAL``
+    would forward it instead, but Envoy may then start routing before the body (and so the
+    adapter header) is known: about 5 % of requests from the openai client missed the
+    adapter's route in tests/mesh/test_extproc.py. ``failure_mode_allow`` lets requests
+    through, unchanged, when the processor is down or slower than ``message_timeout_s``; they
+    then take the shard's catch-all route.
+    """
+
+    cluster: str = "adaptermesh_extproc"
+    # Long-context chat bodies (128k tokens of JSON) stay well under this.
+    max_body_bytes: int = 4 << 20
+    message_timeout_s: float = 0.2
+    failure_mode_allow: bool = True
+
+
+@dataclass(frozen=True)
 class BuildOptions:
     """Knobs of the generated Envoy resources. Defaults suit long streaming LLM responses."""
 
@@ -140,6 +164,8 @@ class BuildOptions:
     max_pending_requests: int = 4096
     max_requests: int = 4096
     max_retries: int = 64
+    # None: no ext_proc filter; routing then needs the client to send the adapter header.
+    ext_proc: ExtProcOptions | None = None
 
 
 def cluster_name(shard_id: str) -> str:
@@ -435,12 +461,17 @@ def build_listener(shard: assignment_pb2.Shard, opts: BuildOptions) -> listener_
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         rds=hcm_pb2.Rds(config_source=_ads_source(), route_config_name=name),
         stream_idle_timeout=_duration(opts.stream_idle_timeout_s),
-        http_filters=[hcm_pb2.HttpFilter(
+        http_filters=[*_ext_proc_filters(shard.id, opts), hcm_pb2.HttpFilter(
             name="envoy.filters.http.router", typed_config=_pack(router_pb2.Router()))],
     )
     return listener_pb2.Listener(
         name=name,
         address=_socket(shard.service_address, shard.service_port),
+        # The ext_proc filter buffers the body within this limit and Envoy answers 413 above
+        # it (a route's buffer limit does not bound it: measured in tests/mesh).
+        per_connection_buffer_limit_bytes=(
+            None if opts.ext_proc is None
+            else wrappers_pb2.UInt32Value(value=opts.ext_proc.max_body_bytes)),
         filter_chains=[listener_components_pb2.FilterChain(filters=[
             listener_components_pb2.Filter(
                 name="envoy.filters.network.http_connection_manager",
@@ -448,6 +479,28 @@ def build_listener(shard: assignment_pb2.Shard, opts: BuildOptions) -> listener_
             ),
         ])],
     )
+
+
+def _ext_proc_filters(shard_id: str, opts: BuildOptions) -> list[hcm_pb2.HttpFilter]:
+    ext = opts.ext_proc
+    if ext is None:
+        return []
+    Mode = processing_mode_pb2.ProcessingMode
+    config = ext_proc_pb2.ExternalProcessor(
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=ext.cluster),
+            # Names the shard: the processor fails open for shard listeners and follows the
+            # picker protocol for GIE gateways (agent/extproc.py).
+            initial_metadata=[base_pb2.HeaderValue(key="x-adaptermesh-shard", value=shard_id)],
+        ),
+        failure_mode_allow=ext.failure_mode_allow,
+        message_timeout=_duration(ext.message_timeout_s),
+        processing_mode=Mode(
+            request_header_mode=Mode.SEND, response_header_mode=Mode.SKIP,
+            request_body_mode=Mode.BUFFERED, response_body_mode=Mode.NONE,
+            request_trailer_mode=Mode.SKIP, response_trailer_mode=Mode.SKIP),
+    )
+    return [hcm_pb2.HttpFilter(name="envoy.filters.http.ext_proc", typed_config=_pack(config))]
 
 
 def build_route_configuration(

@@ -1,0 +1,368 @@
+"""The agent's Envoy external processor (``ext_proc``): adapter by body, and a GIE endpoint picker.
+
+One gRPC ``envoy.service.ext_proc.v3.ExternalProcessor`` answers two kinds of Envoy:
+
+- **a shard's Envoy** (its listener's ext_proc filter, built by ``mesh/snapshot.py``, names the
+  shard in the gRPC initial metadata ``x-adaptermesh-shard``). The processor reads the OpenAI
+  ``model`` field from the buffered body and sets ``x-adapter-id`` to it, which the shard's
+  adapter-subset routes match; a base-model request (``model`` equal to the base model) loses
+  any ``x-adapter-id`` the client sent. It also names its pick (below). When it cannot pick it
+  forwards the request unchanged, and Envoy's ``failure_mode_allow`` covers a processor that is
+  down: both fail open to the shard's catch-all route.
+- **a Gateway API Inference Extension gateway** (no shard metadata): the processor is the
+  pool's endpoint picker (GIE ``004-endpoint-picker-protocol``). It picks among every serving
+  worker, or among the ``x-gateway-destination-endpoint-subset`` list when the gateway sends one
+  in ``envoy.lb.subset_hint`` metadata, and returns the pick in the
+  ``x-gateway-destination-endpoint`` request header and in dynamic metadata
+  ``envoy.lb/x-gateway-destination-endpoint`` (the same value in both, as the protocol
+  demands). With nothing eligible it answers an ImmediateResponse 503.
+
+Body handling. A ``BUFFERED`` body arrives in one message after the headers were answered,
+so the header changes ride on the body response. ``FULL_DUPLEX_STREAMED``
+(what GIE's Envoy setup uses) sends headers and chunks without waiting: the processor holds its
+headers answer until the body ends, then returns the headers mutation and the body it buffered.
+At most ``max_body_bytes`` are read for the model; a longer body (or one that is not a JSON
+object with a string ``model``) is forwarded as if it named no model. (A shard listener's
+Envoy itself refuses a body over its limit with 413, see ``mesh/snapshot.py``.)
+
+Health: gRPC health checking answers ``""``, ``liveness``, ``readiness`` and the ext_proc service
+name, as the protocol asks of a picker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import httpx
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from adaptermesh.agent.picker import Decision, EndpointBook, decide, model_of
+from adaptermesh.control_plane.metrics_source import parse_metrics
+
+__all__ = [
+    "ADAPTER_HEADER",
+    "DESTINATION_HEADER",
+    "SHARD_METADATA_KEY",
+    "ExtProcConfig",
+    "ExtProcServer",
+    "MetricsPoller",
+]
+
+_log = logging.getLogger(__name__)
+
+ADAPTER_HEADER = "x-adapter-id"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+# gRPC initial metadata a shard listener's filter sends; its absence marks a GIE gateway.
+SHARD_METADATA_KEY = "x-adaptermesh-shard"
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+@dataclass(frozen=True, slots=True)
+class ExtProcConfig:
+    base_model: str | None = None
+    max_body_bytes: int = 4 << 20
+    # Extra endpoints after the best one in the GIE answer; 0 keeps the header a single
+    # ip:port, which Envoy's ORIGINAL_DST cluster (GIE's documented setup) needs.
+    fallbacks: int = 0
+
+
+class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, book: EndpointBook, config: ExtProcConfig,
+                 on_decision: Callable[[Decision], None] | None = None) -> None:
+        self.book = book
+        self.config = config
+        self.on_decision = on_decision
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        shard: str | None = None
+        for key, value in context.invocation_metadata() or ():
+            if key == SHARD_METADATA_KEY:
+                shard = value if isinstance(value, str) else value.decode()
+        full_duplex = False
+        held_headers = False
+        decided: Decision | None = None
+        subset: list[str] | None = None
+        body = bytearray()
+        over = False
+        async for request in request_iterator:
+            kind = request.WhichOneof("request")
+            if request.HasField("protocol_config"):
+                full_duplex = request.protocol_config.request_body_mode == _FULL_DUPLEX
+            if request.HasField("metadata_context"):
+                subset = _subset(request.metadata_context) if subset is None else subset
+            if kind == "request_headers":
+                if request.request_headers.end_of_stream:  # no body: no model
+                    decided = self._decide(None, shard, subset)
+                    yield self._headers_answer(decided)
+                    if decided.status is not None:
+                        return
+                elif full_duplex:
+                    held_headers = True
+                else:
+                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+            elif kind == "request_body":
+                chunk = request.request_body
+                if decided is not None:  # streaming on after the decision
+                    yield _body_echo(chunk.body, chunk.end_of_stream)
+                    continue
+                if not over:
+                    body += chunk.body
+                    over = len(body) > self.config.max_body_bytes
+                if not (chunk.end_of_stream or over or not full_duplex):
+                    continue
+                model = None if over else model_of(bytes(body))
+                decided = self._decide(model, shard, subset)
+                if decided.status is not None:
+                    yield _immediate(decided)
+                    return
+                if held_headers:
+                    yield self._headers_answer(decided)
+                    yield _body_echo(bytes(body), chunk.end_of_stream)
+                else:
+                    yield self._body_answer(decided)
+            elif kind == "request_trailers":
+                if decided is None:  # a body that ended only at its trailers
+                    decided = self._decide(None if over else model_of(bytes(body)),
+                                           shard, subset)
+                    if decided.status is not None:
+                        yield _immediate(decided)
+                        return
+                    if held_headers:
+                        yield self._headers_answer(decided)
+                        yield _body_echo(bytes(body), False)
+                yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+            elif kind == "response_headers":
+                yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+            elif kind == "response_body":
+                chunk = request.response_body
+                if full_duplex:
+                    yield ep.ProcessingResponse(response_body=ep.BodyResponse(
+                        response=ep.CommonResponse(body_mutation=ep.BodyMutation(
+                            streamed_response=ep.StreamedBodyResponse(
+                                body=chunk.body, end_of_stream=chunk.end_of_stream)))))
+                else:
+                    yield ep.ProcessingResponse(response_body=ep.BodyResponse())
+            elif kind == "response_trailers":
+                yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+    def _decide(self, model: str | None, shard: str | None,
+                subset: list[str] | None) -> Decision:
+        decision = decide(
+            model, self.config.base_model, self.book.candidates(shard), subset=subset,
+            must_pick=shard is None, rotation=self.book.rotation,
+            fallbacks=self.config.fallbacks)
+        if decision.endpoints:
+            self.book.note_pick(decision.endpoints[0])
+        if self.on_decision is not None:
+            self.on_decision(decision)
+        return decision
+
+    def _common(self, decision: Decision) -> ep.CommonResponse:
+        mutation = ep.HeaderMutation()
+        if decision.adapter is not None:
+            mutation.set_headers.append(_header(ADAPTER_HEADER, decision.adapter))
+        else:
+            mutation.remove_headers.append(ADAPTER_HEADER)
+        if decision.endpoints:
+            mutation.set_headers.append(_header(DESTINATION_HEADER, ",".join(decision.endpoints)))
+        # The adapter header decides the route: re-match it after the change.
+        return ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+
+    def _headers_answer(self, decision: Decision) -> ep.ProcessingResponse:
+        if decision.status is not None:
+            return _immediate(decision)
+        return ep.ProcessingResponse(
+            request_headers=ep.HeadersResponse(response=self._common(decision)),
+            dynamic_metadata=_metadata(decision))
+
+    def _body_answer(self, decision: Decision) -> ep.ProcessingResponse:
+        return ep.ProcessingResponse(
+            request_body=ep.BodyResponse(response=self._common(decision)),
+            dynamic_metadata=_metadata(decision))
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def _metadata(decision: Decision) -> struct_pb2.Struct | None:
+    if not decision.endpoints:
+        return None
+    meta = struct_pb2.Struct()
+    meta.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = ",".join(
+        decision.endpoints)
+    return meta
+
+
+def _subset(context: base_pb2.Metadata) -> list[str] | None:
+    hint = context.filter_metadata.get(SUBSET_NAMESPACE)
+    if hint is None or SUBSET_KEY not in hint.fields:
+        return None
+    value = hint.fields[SUBSET_KEY]
+    if value.HasField("list_value"):
+        return [v.string_value for v in value.list_value.values if v.string_value]
+    if value.HasField("string_value"):
+        return [s.strip() for s in value.string_value.split(",") if s.strip()]
+    return []
+
+
+def _body_echo(data: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
+        body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
+            body=data, end_of_stream=end_of_stream)))))
+
+
+def _immediate(decision: Decision) -> ep.ProcessingResponse:
+    code = decision.status or 503
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=code),
+        body=decision.reason.encode(), details=decision.reason.replace(" ", "_")))
+
+
+class ExtProcServer:
+    """The processor on grpcio's asyncio server, on its own thread (like the xDS server), so
+    its latency does not depend on what the agent's event loop is doing."""
+
+    def __init__(self, book: EndpointBook, config: ExtProcConfig | None = None, *,
+                 host: str = "127.0.0.1", port: int = 0,
+                 on_decision: Callable[[Decision], None] | None = None) -> None:
+        self.book = book
+        self.config = config or ExtProcConfig()
+        self.host = host
+        self._requested_port = port
+        self.port = 0
+        self._on_decision = on_decision
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+
+    def start(self) -> int:
+        if self._thread is not None:
+            raise RuntimeError("ExtProcServer already started")
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="ext-proc", daemon=True)
+        thread.start()
+        self._loop, self._thread = loop, thread
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._start(), loop).result(10)
+        except BaseException:
+            self._shutdown_loop()
+            raise
+        _log.info("ext_proc server listening on %s:%d", self.host, self.port)
+        return self.port
+
+    async def _start(self) -> int:
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", 2 * self.config.max_body_bytes + (1 << 20)),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+        ])
+        ep_grpc.add_ExternalProcessorServicer_to_server(
+            _Servicer(self.book, self.config, self._on_decision), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        port = int(server.add_insecure_port(f"{self.host}:{self._requested_port}"))
+        if port == 0:
+            raise OSError(f"cannot bind the ext_proc server to {self.host}:{self._requested_port}")
+        await server.start()
+        for name in ("", "liveness", "readiness", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        return port
+
+    def stop(self, grace: float = 0.5) -> None:
+        if self._loop is None:
+            return
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(
+                    self._server.stop(grace), self._loop).result(grace + 10)
+        self._shutdown_loop()
+
+    def _shutdown_loop(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+        self._loop = self._thread = None
+        self._server = None
+
+
+class MetricsPoller:
+    """Scrapes every worker the book knows (``GET /metrics``) into the book.
+
+    ``step()`` is one round; ``run()`` repeats it every ``interval_s``. A worker that does not
+    answer is forgotten (scored as unknown) rather than kept at its last, possibly idle,
+    reading. A failed round is logged and the loop goes on.
+    """
+
+    def __init__(self, book: EndpointBook, *, interval_s: float = 1.0, timeout_s: float = 1.0,
+                 client: httpx.AsyncClient | None = None) -> None:
+        self.book = book
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._client = client
+        self.rounds = 0
+        self.failures = 0
+
+    async def step(self, client: httpx.AsyncClient) -> None:
+        async def one(address: str, port: int) -> None:
+            host = f"[{address}]" if ":" in address else address
+            try:
+                resp = await client.get(f"http://{host}:{port}/metrics", timeout=self.timeout_s)
+                resp.raise_for_status()
+                sample = parse_metrics(resp.text)
+            except (httpx.HTTPError, ValueError) as exc:
+                self.failures += 1
+                _log.debug("scrape of %s:%d failed: %s", address, port, exc)
+                self.book.observe(address, port, None)
+                return
+            self.book.observe(address, port, sample)
+
+        await asyncio.gather(*(one(a, p) for a, p in self.book.targets()))
+        self.rounds += 1
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        client = self._client or httpx.AsyncClient()
+        try:
+            while stop is None or not stop.is_set():
+                started = time.monotonic()
+                try:
+                    await self.step(client)
+                except Exception:
+                    _log.exception("metrics round failed")
+                delay = max(self.interval_s - (time.monotonic() - started), 0.0)
+                if stop is None:
+                    await asyncio.sleep(delay)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), delay)
+        finally:
+            if self._client is None:
+                await client.aclose()
