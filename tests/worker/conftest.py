@@ -3,8 +3,9 @@ transformers + peft reference that every output is checked against."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,8 @@ async def aiter_events(stream: Any) -> AsyncIterator[TokenEvent]:
         yield e
 
 
-@pytest.fixture
-def logit_log(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tensor]]:
+@contextlib.contextmanager
+def recording_logits() -> Iterator[dict[str, list[torch.Tensor]]]:
     """Records, per request id, the logits row each token was sampled from (CPU engines run
     ``engine.sample_logits`` on every step; graphs would call it only at capture)."""
     log: dict[str, list[torch.Tensor]] = {}
@@ -149,5 +150,14 @@ def logit_log(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tensor]]:
                 log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
         return real(logits, buf, mode, rows, out)
 
-    monkeypatch.setattr(engine_mod, "sample_logits", recording)
-    return log
+    engine_mod.sample_logits = recording  # type: ignore[assignment]
+    try:
+        yield log
+    finally:
+        engine_mod.sample_logits = real  # type: ignore[assignment]
+
+
+@pytest.fixture
+def logit_log() -> Iterator[dict[str, list[torch.Tensor]]]:
+    with recording_logits() as log:
+        yield log

@@ -16,7 +16,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptermesh.worker import engine as engine_mod
 from adaptermesh.worker.adapters import AdapterValidationError, read_adapter
 from adaptermesh.worker.model import ModelConfig, TransformerModel, read_weights, rope_inv_freq
 from adaptermesh.worker.testing import (
@@ -26,7 +25,7 @@ from adaptermesh.worker.testing import (
     make_tokenizer,
 )
 
-from .conftest import collect, request, tokens
+from .conftest import collect, recording_logits, request, tokens
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -110,22 +109,6 @@ class Ref:
                     return self.model(input_ids=x).logits[0].float()
             self.model.set_adapter(adapter)
             return self.model(input_ids=x).logits[0].float()
-
-
-@pytest.fixture
-def logits_seen(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tensor]]:
-    """Request id -> the logits row each of its tokens was sampled from."""
-    log: dict[str, list[torch.Tensor]] = {}
-    real = engine_mod.sample_logits
-
-    def recording(logits: torch.Tensor, buf: Any, mode: Any, rows: list[Any], out: Any = None) -> torch.Tensor:
-        for i, s in enumerate(rows):
-            if s is not None:
-                log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
-        return real(logits, buf, mode, rows, out)
-
-    monkeypatch.setattr(engine_mod, "sample_logits", recording)
-    return log
 
 
 PROMPT = tuple(range(2, 40, 3))  # 13 tokens: longer than every window used below
@@ -416,7 +399,7 @@ FEATURES = [
 
 @pytest.mark.parametrize(("arch", "extra"), FEATURES, ids=["attention_bias", "mlp_bias", "gelu", "gelu_tanh", "relu", "qwen2-window-layers", "mistral-window", "qwen3-bias", "qwen3-window-layers", "yarn-mscale-truncate"])
 async def test_feature_matches_transformers(
-    tmp_path: Path, make_engine: Any, logits_seen: dict[str, list[torch.Tensor]], arch: str, extra: dict[str, Any]
+    tmp_path: Path, make_engine: Any, logit_log: dict[str, list[torch.Tensor]], arch: str, extra: dict[str, Any]
 ) -> None:
     model_dir = build_model(tmp_path / "m", arch, seed=3, **extra)
     root = tmp_path / "adapters"
@@ -424,7 +407,7 @@ async def test_feature_matches_transformers(
     peft_adapter(root, model_dir, "ad", seed=5, r=4, lora_alpha=8, target_modules=list(MODULES))
     ref = Ref(model_dir, root, ["ad"])
     eng = make_engine(model_dir=model_dir, root=root, max_prefill_chunk=5, max_num_batched_tokens=16)
-    await assert_matches(eng, ref, [None, "ad"], logits_seen, [PROMPT, PROMPT[:6]])
+    await assert_matches(eng, ref, [None, "ad"], logit_log, [PROMPT, PROMPT[:6]])
 
 
 async def test_window_really_applies(tmp_path: Path, make_engine: Any) -> None:
@@ -437,7 +420,7 @@ async def test_window_really_applies(tmp_path: Path, make_engine: Any) -> None:
         Ref(full, tmp_path, []).logits(list(PROMPT), None)[-1]).abs().max() > 1e-3
 
 
-async def test_adapter_options_match_peft(tmp_path: Path, make_engine: Any, logits_seen: dict[str, list[torch.Tensor]]) -> None:
+async def test_adapter_options_match_peft(tmp_path: Path, make_engine: Any, logit_log: dict[str, list[torch.Tensor]]) -> None:
     model_dir = build_model(tmp_path / "m", "llama", seed=4, num_hidden_layers=3)
     root = tmp_path / "adapters"
     peft_adapter(root, model_dir, "pat", seed=1, r=4, lora_alpha=8, target_modules=list(MODULES),
@@ -455,7 +438,7 @@ async def test_adapter_options_match_peft(tmp_path: Path, make_engine: Any, logi
     names = ["pat", "excl", "lay", "bin"]
     ref = Ref(model_dir, root, names)
     eng = make_engine(model_dir=model_dir, root=root, max_lora_rank=16, max_loras=4)
-    await assert_matches(eng, ref, [None, *names], logits_seen, [PROMPT])
+    await assert_matches(eng, ref, [None, *names], logit_log, [PROMPT])
 
 
 # --- property: random configs and adapters -------------------------------------------------
@@ -534,20 +517,10 @@ async def _random_case(tmp: Path, case: dict[str, Any]) -> None:
         peft_adapter(root, model_dir, f"a{i}", seed=case["seed"] + i, **ad)
         names.append(f"a{i}")
     ref = Ref(model_dir, root, names)
-    log: dict[str, list[torch.Tensor]] = {}
-    real = engine_mod.sample_logits
-
-    def recording(logits: torch.Tensor, buf: Any, mode: Any, rows: list[Any], out: Any = None) -> torch.Tensor:
-        for i, s in enumerate(rows):
-            if s is not None:
-                log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
-        return real(logits, buf, mode, rows, out)
-
-    engine_mod.sample_logits = recording  # type: ignore[assignment]
     eng = Engine(model_dir, root, config=EngineConfig(max_num_seqs=8, max_loras=2, max_lora_rank=32,
                                                       max_prefill_chunk=5, max_num_batched_tokens=16), model_name="p")
     try:
-        await assert_matches(eng, ref, [None, *names], log, [PROMPT, PROMPT[3:7]], n=3, tag=f"{case['arch']}-")
+        with recording_logits() as log:
+            await assert_matches(eng, ref, [None, *names], log, [PROMPT, PROMPT[3:7]], n=3, tag=f"{case['arch']}-")
     finally:
-        engine_mod.sample_logits = real  # type: ignore[assignment]
         await eng.shutdown()
