@@ -41,7 +41,8 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.streams import EMPTY_PAYLOAD
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
 __all__ = [
     "FD_RESERVE",
@@ -232,6 +233,10 @@ async def read_body(request: web.BaseRequest, timeout_s: float) -> bytes:
         raise BodyTimeoutError(f"the request body did not arrive within {timeout_s:g} s") from None
 
 
+class _HeadersTooLargeError(BadHttpMessage):
+    """Headers over ``max_header_bytes`` in all (aiohttp caps only single lines and counts)."""
+
+
 def _header_bytes(message: Any) -> int:
     raw = getattr(message, "raw_headers", None) or ()
     return sum(len(name) + len(value) + 4 for name, value in raw)
@@ -341,12 +346,18 @@ class _GuardedHandler(RequestHandler):
         if self._request_count != before:
             self._header_bytes = 0
             self._cancel_header_timer()
-            # Headers that arrived whole in one read are measured on the parsed messages.
-            fresh = list(self._messages)[before - self._request_count:]
-            if any(_header_bytes(msg) > limit for msg, _ in fresh):
-                self._gate.refused("headers_too_large")
-                self.reject(431, f"request headers are larger than {limit} bytes",
-                            "headers_too_large")
+            # Headers that arrived whole in one read are measured on the parsed messages. An
+            # oversized one is swapped for an error entry, so aiohttp answers it (through
+            # handle_error, 431) instead of running its handler, and drops what follows.
+            first = len(self._messages) - (self._request_count - before)
+            for i in range(max(first, 0), len(self._messages)):
+                if _header_bytes(self._messages[i][0]) > limit:
+                    exc = _HeadersTooLargeError(f"request headers are larger than {limit} bytes")
+                    while len(self._messages) > i:
+                        self._messages.pop()
+                    self._messages.append((_ErrInfo(status=431, exc=exc, message=exc.message),
+                                           EMPTY_PAYLOAD))
+                    break
         elif in_headers and self._header_bytes > limit:
             self._gate.refused("headers_too_large")
             self.reject(431, f"request headers are larger than {limit} bytes",
@@ -357,7 +368,7 @@ class _GuardedHandler(RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         if request.writer.output_size > 0:
             return super().handle_error(request, status, exc, message)
-        if isinstance(exc, LineTooLong) or (
+        if isinstance(exc, LineTooLong | _HeadersTooLargeError) or (
             isinstance(exc, BadHttpMessage) and "Too many headers" in str(exc)
         ):
             status, code = 431, "headers_too_large"

@@ -296,3 +296,18 @@ async def test_refused_connections_are_counted_by_reason(start_server: StartServ
         assert counter.labels(reason=reason)._value.get() == 1, reason
     text = (await server.client.get("/metrics")).text
     assert 'adaptermesh_http_connections_refused_total{reason="header_timeout"} 1.0' in text
+
+
+async def test_oversized_headers_in_one_read_never_reach_the_handler(start_server: StartServer
+                                                                     ) -> None:
+    server = await start_server()
+    body = b'{"prompt": "a b", "max_tokens": 2}'
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               + b"".join(b"X-%d: %s\r\n" % (i, b"b" * 1000) for i in range(40))
+               + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    status, answer = await raw_request(port_of(server), request)
+    assert status == 431
+    assert answer["error"]["code"] == "headers_too_large"
+    assert server.engine.submitted == []
+    assert server.service.metrics.listener_refused.labels(
+        reason="headers_too_large")._value.get() == 1

@@ -144,3 +144,45 @@ def test_large_body_is_parsed_off_the_loop_with_the_same_answers(client: httpx.C
     assert error_of(r)["code"] == "too_many_values"
     r = client.post("/v1/completions", content=b'{"prompt": "' + b"z" * (200 << 10), headers=JSON)
     assert error_of(r)["code"] == "invalid_json"
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
+                                                                max_size=3),
+    max_leaves=30)
+
+
+def depth_of(value) -> int:
+    if isinstance(value, dict | list):
+        items = value.values() if isinstance(value, dict) else value
+        return 1 + max((depth_of(v) for v in items), default=0)
+    return 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=JSON_VALUES, wrap=st.integers(0, 40), max_depth=st.integers(1, 40),
+       max_values=st.integers(1, 200))
+def test_parse_json_bounded_returns_the_value_or_refuses_over_a_cap(
+        value, wrap: int, max_depth: int, max_values: int) -> None:
+    import json as _json
+
+    from adaptermesh.httpserve import JsonBodyError, parse_json_bounded
+
+    for _ in range(wrap):
+        value = [value]
+    raw = _json.dumps(value).encode()
+    count = 0
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        count += 1
+        if isinstance(v, dict | list):
+            stack.extend(v.values() if isinstance(v, dict) else v)
+    if depth_of(value) > max_depth or count > max_values:
+        with pytest.raises(JsonBodyError) as caught:
+            parse_json_bounded(raw, max_depth, max_values)
+        assert (caught.value.status, caught.value.code) in {(400, "json_too_deep"),
+                                                            (413, "too_many_values")}
+    else:
+        assert parse_json_bounded(raw, max_depth, max_values) == value
