@@ -110,3 +110,24 @@ def test_the_pass_reason_reaches_the_agent_metrics(fresh: BpfShardTable) -> None
     value = metrics.registry.get_sample_value(
         "adaptermesh_agent_classifier_passed_packets_total", {"reason": "martian_source"})
     assert value == counters["martian_source"]
+
+
+@pytest.mark.parametrize("src", [s for s, _ in PASSED] + NEIGHBOURS)
+def test_fake_table_passes_and_steers_the_same_sources(fresh: BpfShardTable, src: str) -> None:
+    # Contract: agent tests trust FakeShardTable.classify; it must pass, count and steer
+    # exactly the sources the BPF program does.
+    from adaptermesh.bpf.table import FakeShardTable
+
+    a = make_assignment(_shards())
+    fresh.apply(a)
+    fake = FakeShardTable(maglev_size=fresh.maglev_size)
+    fake.apply(a)
+    pkt = _v6(src) if ":" in src else _v4(src)
+    before = fresh.read_counters()
+    res = libbpf.prog_test_run(fresh.prog_fd, pkt)
+    real_delta = counters_delta(before, fresh.read_counters())
+    fb = fake.read_counters()
+    got = fake.classify(src)
+    fake_delta = counters_delta(fb, fake.read_counters())
+    assert got == shard_of(res)
+    assert fake_delta == real_delta

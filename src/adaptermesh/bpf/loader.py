@@ -6,7 +6,7 @@ Usage by the node agent::
     table.attach()                     # clsact ingress, direct-action filter, replaced in place
     table.apply(assignment)            # validate -> shards -> pins -> idle Maglev table -> flip
     table.read_stats()                 # {shard index: ShardStats}
-    table.read_counters()              # ClassifierCounters: lost events, each pass reason
+    table.read_counters()              # DatapathCounters: lost events, each pass reason
     table.poll_events(callback, 100)   # FlowEvent per new flow
     table.poll_batch(callback, 100)    # or one EventBatch (numpy columns) per drain
     table.close(detach=False)          # keep the filter and pins: a restart picks them up
@@ -75,7 +75,6 @@ __all__ = [
     "AmStats",
     "ApplyTiming",
     "BpfShardTable",
-    "ClassifierCounters",
     "classifier_source",
 ]
 
@@ -147,15 +146,6 @@ class AmStats(ctypes.Structure):
         ("new_flows", ctypes.c_uint64),
         ("events_dropped", ctypes.c_uint64),
     ]
-
-
-@dataclass(frozen=True, slots=True)
-class ClassifierCounters(DatapathCounters):
-    """DatapathCounters plus the pass reasons added since. Must stay in sync with AM_CNT_*."""
-
-    # AM_CNT_MARTIAN: sources no client has (unspecified, loopback, multicast,
-    # 255.255.255.255, IPv4-mapped in an IPv6 header).
-    martian_source: int = 0
 
 
 class AmEvent(ctypes.Structure):
@@ -634,12 +624,12 @@ class BpfShardTable:
                 out[idx] = s
         return out
 
-    def read_counters(self) -> ClassifierCounters:
+    def read_counters(self) -> DatapathCounters:
         vals = [
             sum(c.value for c in self._percpu("am_counters", i, ctypes.c_uint64))
             for i in range(AM_CNT_MAX)
         ]
-        return ClassifierCounters(
+        return DatapathCounters(
             ringbuf_failed=vals[0], non_ip=vals[1], malformed=vals[2], vlan=vals[3],
             no_shard=vals[4], steer_failed=vals[5], link_local=vals[6], martian_source=vals[7],
         )

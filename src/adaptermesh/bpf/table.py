@@ -20,7 +20,7 @@ import ipaddress
 import socket
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -92,6 +92,26 @@ class DatapathCounters:
     no_shard: int = 0
     steer_failed: int = 0
     link_local: int = 0
+    # AM_CNT_MARTIAN: sources no client has (unspecified, loopback, multicast,
+    # 255.255.255.255, IPv4-mapped in an IPv6 header).
+    martian_source: int = 0
+
+
+_V4_MARTIAN = tuple(ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "224.0.0.0/4", "255.255.255.255/32"))
+_V4_LINK_LOCAL = ipaddress.ip_network("169.254.0.0/16")
+_V6_LINK_LOCAL = ipaddress.ip_network("fe80::/10")
+
+
+def source_pass_reason(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """The counter a packet from ``ip`` is passed untouched under, before any lookup (None:
+    a possible client). Must stay in sync with am_martian4/am_martian6 and the link-local checks in classifier.bpf.c."""
+    if isinstance(ip, ipaddress.IPv4Address):
+        if any(ip in n for n in _V4_MARTIAN):
+            return "martian_source"
+        return "link_local" if ip in _V4_LINK_LOCAL else None
+    if ip.is_unspecified or ip.is_loopback or ip.is_multicast or ip.ipv4_mapped is not None:
+        return "martian_source"
+    return "link_local" if ip in _V6_LINK_LOCAL else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -564,6 +584,10 @@ class FakeShardTable:
         if self.plan is None:
             return None
         ip = ipaddress.ip_address(source)
+        passed = source_pass_reason(ip)
+        if passed is not None:
+            self._counters = replace(self._counters, **{passed: getattr(self._counters, passed) + 1})
+            return None
         src = addr16(ip)
         flow = self.flows.get(src)
         pin = _lpm_lookup(self.plan.pins, src)
