@@ -28,7 +28,7 @@ from adaptermesh.bpf.table import ShardTable
 from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.mesh.metrics import XdsMetrics
 from adaptermesh.mesh.server import XdsServer
-from adaptermesh.mesh.snapshot import build_snapshot, cluster_name
+from adaptermesh.mesh.snapshot import BuildOptions, ExtProcOptions, build_snapshot, cluster_name
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 
 __all__ = [
@@ -111,7 +111,11 @@ def _node_key_for(group: str) -> Callable[[Any], str]:
 
 async def mesh_xds(config: AgentConfig, registry: CollectorRegistry | None = None) -> MeshXds:
     metrics = XdsMetrics(registry=registry) if registry is not None else None
-    cache = SnapshotCache(node_key=_node_key_for(config.xds_group), metrics=metrics)
+    # With the agent's ext_proc server on, every shard listener reads the body's model.
+    options = BuildOptions() if config.ext_proc_port is None else BuildOptions(
+        ext_proc=ExtProcOptions(max_body_bytes=config.ext_proc_max_body_bytes))
+    cache = SnapshotCache(node_key=_node_key_for(config.xds_group), metrics=metrics,
+                          options=options)
     server = XdsServer(cache, host=config.xds_host, port=config.xds_port, metrics=metrics)
     server.start()
     return MeshXds(cache, server, config.xds_group)

@@ -73,6 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard: one snapshot per shard, picked by the Envoy's node.cluster 'shard-<id>'; "
         "node: every Envoy gets all shards",
     )
+    p.add_argument(
+        "--ext-proc-port",
+        type=_port,
+        default=None,
+        help="serve Envoy ext_proc here (adapter by body, GIE endpoint picker); shard "
+        "listeners then read the request's model; off when not given",
+    )
+    p.add_argument("--ext-proc-host", default="127.0.0.1", help="address ext_proc binds")
+    p.add_argument(
+        "--base-model",
+        help="the served base model's name: requests naming it get no adapter header",
+    )
+    p.add_argument(
+        "--ext-proc-max-body-bytes",
+        type=int,
+        default=4 << 20,
+        metavar="BYTES",
+        help="largest request body read for its model (Envoy answers 413 above it)",
+    )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics binds")
     p.add_argument("--metrics-port", type=_port, default=9464)
     p.add_argument(
@@ -115,6 +134,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         xds_host=args.xds_host,
         xds_port=args.xds_port,
         xds_group=args.xds_group,
+        ext_proc_port=args.ext_proc_port,
+        ext_proc_host=args.ext_proc_host,
+        base_model=args.base_model,
+        ext_proc_max_body_bytes=args.ext_proc_max_body_bytes,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         state_file=args.state_file,

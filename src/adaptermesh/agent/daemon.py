@@ -29,9 +29,11 @@ from prometheus_client import CollectorRegistry
 
 from adaptermesh.agent.applier import Applier
 from adaptermesh.agent.backoff import Backoff
+from adaptermesh.agent.extproc import ExtProcConfig, ExtProcServer, MetricsPoller
 from adaptermesh.agent.http import build_app
 from adaptermesh.agent.load import LoadTracker
 from adaptermesh.agent.metrics import AgentMetrics
+from adaptermesh.agent.picker import EndpointBook
 from adaptermesh.agent.ports import Datapath, FlowEvent, XdsSink
 from adaptermesh.agent.state import AssignmentStore
 from adaptermesh.agent.watch import AssignmentWatcher, LoadReporter
@@ -65,6 +67,14 @@ class AgentConfig:
     tls_key: Path | None = None
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
+    # Adapter by body (agent/extproc.py): the ext_proc server's port, None to run none. Shard
+    # listeners then get the ext_proc filter (agent/backends.py), and Envoy's bootstrap needs
+    # the adaptermesh_extproc cluster pointing here.
+    ext_proc_port: int | None = None
+    ext_proc_host: str = "127.0.0.1"
+    base_model: str | None = None
+    ext_proc_max_body_bytes: int = 4 << 20
+    picker_scrape_interval_s: float = 1.0
 
 
 DatapathFactory = Callable[[AgentConfig], Datapath]
@@ -110,6 +120,7 @@ class Agent:
         self.watcher: AssignmentWatcher | None = None
         self.reporter: LoadReporter | None = None
         self.http_port: int | None = None
+        self.ext_proc: ExtProcServer | None = None
         self._poll_stop = threading.Event()
         self._poll_error = ""
         self.started = asyncio.Event()
@@ -214,6 +225,24 @@ class Agent:
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    async def _start_ext_proc(self, applier: Applier) -> None:
+        """Serve ext_proc and keep its picker's workers and loads fresh (until cancelled)."""
+        config = self.config
+        book = EndpointBook()
+        if applier.current is not None:
+            book.set_assignment(applier.current)
+        server = ExtProcServer(
+            book,
+            ExtProcConfig(base_model=config.base_model,
+                          max_body_bytes=config.ext_proc_max_body_bytes),
+            host=config.ext_proc_host,
+            port=config.ext_proc_port or 0,
+        )
+        await asyncio.to_thread(server.start)
+        self.ext_proc = server
+        await MetricsPoller(book, interval_s=config.picker_scrape_interval_s,
+                            assignment=lambda: applier.current).run()
+
     async def run(self, stop: asyncio.Event) -> None:
         config = self.config
         self.metrics.bind_rates(self.tracker.last, lambda: dict(self.tracker.counters))
@@ -271,6 +300,8 @@ class Agent:
                 asyncio.create_task(self.watcher.run(), name="am-watch"),
                 asyncio.create_task(self.reporter.run(), name="am-report"),
             ]
+            if config.ext_proc_port is not None:
+                tasks.append(asyncio.create_task(self._start_ext_proc(applier), name="am-picker"))
             self.started.set()
             _log.info(
                 "agent %s up: iface=%s xds=%s:%d http=%s:%s control-plane=%s",
@@ -299,6 +330,9 @@ class Agent:
             self._poll_stop.set()
             if poller is not None:
                 await asyncio.to_thread(poller.join, 2.0)
+            if self.ext_proc is not None:
+                await asyncio.to_thread(self.ext_proc.stop)
+                self.ext_proc = None
             if runner is not None:
                 await runner.cleanup()
             if self.xds is not None:

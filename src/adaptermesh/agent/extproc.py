@@ -52,6 +52,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from adaptermesh.agent.picker import Decision, EndpointBook, decide, model_of
 from adaptermesh.control_plane.metrics_source import parse_metrics
+from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 
 __all__ = [
     "ADAPTER_HEADER",
@@ -317,14 +318,19 @@ class ExtProcServer:
 class MetricsPoller:
     """Scrapes every worker the book knows (``GET /metrics``) into the book.
 
-    ``step()`` is one round; ``run()`` repeats it every ``interval_s``. A worker that does not
+    ``assignment`` (the agent's applied Assignment) refreshes the book's workers first when its
+    version changed. ``step()`` is one round; ``run()`` repeats it every ``interval_s``. A worker that does not
     answer is forgotten (scored as unknown) rather than kept at its last, possibly idle,
     reading. A failed round is logged and the loop goes on.
     """
 
     def __init__(self, book: EndpointBook, *, interval_s: float = 1.0, timeout_s: float = 1.0,
-                 client: httpx.AsyncClient | None = None) -> None:
+                 client: httpx.AsyncClient | None = None,
+                 assignment: Callable[[], assignment_pb2.Assignment | None] | None = None,
+                 ) -> None:
         self.book = book
+        self._assignment = assignment
+        self._version: int | None = None
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._client = client
@@ -332,6 +338,10 @@ class MetricsPoller:
         self.failures = 0
 
     async def step(self, client: httpx.AsyncClient) -> None:
+        current = self._assignment() if self._assignment is not None else None
+        if current is not None and current.version != self._version:
+            self.book.set_assignment(current)
+            self._version = current.version
         async def one(address: str, port: int) -> None:
             host = f"[{address}]" if ":" in address else address
             try:
