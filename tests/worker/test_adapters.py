@@ -292,3 +292,13 @@ async def test_unload_and_prefetch(tiny: Tiny, make_engine: Any) -> None:
     ids = tiny.encode(PROMPTS[0])
     await collect(eng.submit(request("pf", ids, "gamma", max_tokens=2)))
     assert eng.stats().adapter_hits == 1
+
+
+def test_lora_path_that_cannot_be_resolved_is_a_validation_error(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "loop").symlink_to(root / "loop")
+    for path in ("loop/x", "a\x00b"):
+        with pytest.raises(AdapterValidationError) as ei:
+            resolve_in_root(root, "n", path)
+        assert ei.value.field == "lora_path", path

@@ -61,7 +61,12 @@ def resolve_in_root(root: Path, name: str, path: str | None = None) -> Path:
         raise AdapterValidationError(name, "lora_path", "must not contain '..'")
     root_r = root.resolve()
     candidate = rel if rel.is_absolute() else root_r / rel
-    resolved = candidate.resolve(strict=False)  # follows symlinks, so an escaping link is caught
+    if "\x00" in str(rel):
+        raise AdapterValidationError(name, "lora_path", "must not contain NUL")
+    try:
+        resolved = candidate.resolve(strict=False)  # follows symlinks, so an escaping link is caught
+    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError on 3.11), a name too long
+        raise AdapterValidationError(name, "lora_path", f"cannot be resolved: {exc}") from None
     if not resolved.is_relative_to(root_r):
         raise AdapterValidationError(name, "lora_path", f"resolves outside the adapter root {root_r}")
     return resolved
