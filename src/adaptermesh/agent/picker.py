@@ -84,10 +84,13 @@ class EndpointLoad:
     kv_cache_usage: float | None = None
     # Picks made since the last scrape (not yet visible in ``waiting``).
     pending: int = 0
+    # ``ip:port``; computed when empty. The book passes it in: parsing the address for every
+    # candidate of every request cost about 0.1 ms of the processor's time per request.
+    key: str = ""
 
-    @property
-    def key(self) -> str:
-        return endpoint_key(self.address, self.port)
+    def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", endpoint_key(self.address, self.port))
 
 
 def score(load: EndpointLoad, adapter: str | None) -> float:
@@ -168,6 +171,7 @@ class _Worker:
     assigned: frozenset[str]
     sample: RawSample | None = None
     pending: int = 0
+    key: str = ""
 
 
 @dataclass
@@ -198,7 +202,7 @@ class EndpointBook:
                     old = self._workers.get(key)
                     worker = workers.get(key) or _Worker(
                         ep.address, ep.port, frozenset(),
-                        old.sample if old else None, old.pending if old else 0)
+                        old.sample if old else None, old.pending if old else 0, key)
                     worker.assigned = worker.assigned | frozenset(ep.adapters)
                     workers[key] = worker
                     if key not in keys:
@@ -211,7 +215,7 @@ class EndpointBook:
             keys = []
             for address, port in endpoints:
                 key = endpoint_key(address, port)
-                self._workers.setdefault(key, _Worker(address, port, frozenset()))
+                self._workers.setdefault(key, _Worker(address, port, frozenset(), key=key))
                 keys.append(key)
             self._shards[shard_id] = keys
 
@@ -256,7 +260,8 @@ class EndpointBook:
 def _load(worker: _Worker) -> EndpointLoad:
     s = worker.sample
     if s is None:
-        return EndpointLoad(worker.address, worker.port, worker.assigned, pending=worker.pending)
+        return EndpointLoad(worker.address, worker.port, worker.assigned,
+                            pending=worker.pending, key=worker.key)
     return EndpointLoad(
         worker.address,
         worker.port,
@@ -266,4 +271,5 @@ def _load(worker: _Worker) -> EndpointLoad:
         waiting=s.waiting,
         kv_cache_usage=s.kv_cache_usage,
         pending=worker.pending,
+        key=worker.key,
     )
