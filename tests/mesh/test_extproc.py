@@ -404,3 +404,26 @@ def test_grpc_health_answers_the_picker_services() -> None:
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         processor.stop()
+
+
+def test_readiness_waits_for_the_workers() -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    processor = ExtProcServer(EndpointBook(), ready=False)
+    port = processor.start()
+    serving = health_pb2.HealthCheckResponse.SERVING
+
+    def status(channel: grpc.Channel, service: str) -> int:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status)
+
+    try:
+        with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
+            assert status(channel, "liveness") == serving
+            assert status(channel, "readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+            processor.set_ready(True)
+            wait_until(lambda: status(channel, "readiness") == serving, 5, "readiness")
+            assert status(channel, "envoy.service.ext_proc.v3.ExternalProcessor") == serving
+    finally:
+        processor.stop()

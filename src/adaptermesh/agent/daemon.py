@@ -237,11 +237,14 @@ class Agent:
                           max_body_bytes=config.ext_proc_max_body_bytes),
             host=config.ext_proc_host,
             port=config.ext_proc_port or 0,
+            # A GIE gateway should not pick this agent before it knows any worker.
+            ready=applier.current is not None,
         )
         await asyncio.to_thread(server.start)
         self.ext_proc = server
         await MetricsPoller(book, interval_s=config.picker_scrape_interval_s,
-                            assignment=lambda: applier.current).run()
+                            assignment=lambda: applier.current,
+                            on_assignment=lambda _a: server.set_ready(True)).run()
 
     async def run(self, stop: asyncio.Event) -> None:
         config = self.config

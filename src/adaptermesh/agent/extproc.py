@@ -25,8 +25,9 @@ At most ``max_body_bytes`` are read for the model; a longer body (or one that is
 object with a string ``model``) is forwarded as if it named no model. (A shard listener's
 Envoy itself refuses a body over its limit with 413, see ``mesh/snapshot.py``.)
 
-Health: gRPC health checking answers ``""``, ``liveness``, ``readiness`` and the ext_proc service
-name, as the protocol asks of a picker.
+Health: gRPC health checking answers ``""`` and ``liveness`` SERVING while the server runs, and
+``readiness`` and the ext_proc service name SERVING once the picker knows the workers (the
+agent has an Assignment), as the protocol asks of a picker.
 """
 
 from __future__ import annotations
@@ -250,9 +251,11 @@ class ExtProcServer:
 
     def __init__(self, book: EndpointBook, config: ExtProcConfig | None = None, *,
                  host: str = "127.0.0.1", port: int = 0,
-                 on_decision: Callable[[Decision], None] | None = None) -> None:
+                 on_decision: Callable[[Decision], None] | None = None,
+                 ready: bool = True) -> None:
         self.book = book
         self.config = config or ExtProcConfig()
+        self._ready = ready
         self.host = host
         self._requested_port = port
         self.port = 0
@@ -290,10 +293,23 @@ class ExtProcServer:
         if port == 0:
             raise OSError(f"cannot bind the ext_proc server to {self.host}:{self._requested_port}")
         await server.start()
-        for name in ("", "liveness", "readiness", SERVICE_NAME):
+        for name in ("", "liveness"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_ready(self._ready)
         self._server = server
         return port
+
+    async def _set_ready(self, ready: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if ready
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("readiness", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    def set_ready(self, ready: bool) -> None:
+        """Readiness (and the ext_proc service's health) from any thread."""
+        self._ready = ready
+        if self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self._set_ready(ready), self._loop)
 
     def stop(self, grace: float = 0.5) -> None:
         if self._loop is None:
@@ -327,9 +343,11 @@ class MetricsPoller:
     def __init__(self, book: EndpointBook, *, interval_s: float = 1.0, timeout_s: float = 1.0,
                  client: httpx.AsyncClient | None = None,
                  assignment: Callable[[], assignment_pb2.Assignment | None] | None = None,
+                 on_assignment: Callable[[assignment_pb2.Assignment], None] | None = None,
                  ) -> None:
         self.book = book
         self._assignment = assignment
+        self._on_assignment = on_assignment
         self._version: int | None = None
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -342,6 +360,8 @@ class MetricsPoller:
         if current is not None and current.version != self._version:
             self.book.set_assignment(current)
             self._version = current.version
+            if self._on_assignment is not None:
+                self._on_assignment(current)
         async def one(address: str, port: int) -> None:
             host = f"[{address}]" if ":" in address else address
             try:
