@@ -137,16 +137,18 @@ def _shard_assignment(port: int, workers: list[FakeWorker]) -> ap.Assignment:
                    for w, a in zip(workers, adapters, strict=True)])])
 
 
-@pytest.fixture
-def mesh() -> Iterator[Mesh]:
+@pytest.fixture(params=["ext_proc"])
+def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
+    native = request.param == "native"
     workers = [FakeWorker(f"w{i}") for i in range(3)]
     book = EndpointBook()
     decisions: list[Decision] = []
     processor = ExtProcServer(book, ExtProcConfig(base_model=BASE, max_body_bytes=64 * 1024),
                               on_decision=decisions.append)
     ext_port = processor.start()
-    options = dataclasses.replace(TEST_OPTIONS,
-                                  ext_proc=ExtProcOptions(max_body_bytes=64 * 1024))
+    options = dataclasses.replace(
+        TEST_OPTIONS, route_by_body=native,
+        ext_proc=None if native else ExtProcOptions(max_body_bytes=64 * 1024))
     cache = SnapshotCache(options=options)
     xds = XdsServer(cache)
     xds_port = xds.start()
@@ -154,7 +156,8 @@ def mesh() -> Iterator[Mesh]:
     assignment = _shard_assignment(port, workers)
     book.set_assignment(assignment)
     cache.set_assignment("node-x", assignment)
-    envoy = EnvoyProcess(build_bootstrap("node-x", xds_port, ext_proc_port=ext_port,
+    envoy = EnvoyProcess(build_bootstrap("node-x", xds_port,
+                                         ext_proc_port=None if native else ext_port,
                                          initial_fetch_timeout_s=5.0))
     try:
         envoy.start(ready_timeout=20.0)
@@ -217,29 +220,43 @@ def test_snapshot_puts_ext_proc_before_the_router() -> None:
     assert dumped["typedConfig"]["failureModeAllow"] is True
 
 
-@pytest.mark.slow
-def test_openai_client_reaches_a_holder_by_model_alone(mesh: Mesh) -> None:
+def _openai_reaches_holders(mesh: Mesh, header: bool) -> None:
     client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
     holders = {"sql": "w0", "chat": "w1"}
     for adapter, holder in holders.items():
+        # The ext_proc path also sets the adapter header; the native path only routes.
+        want = f"{holder}|{adapter if header else None}"
         for _ in range(15):
             done = client.completions.create(model=adapter, prompt="hi", max_tokens=4)
-            assert done.choices[0].text == f"{holder}|{adapter}"
+            assert done.choices[0].text == want
             stream = client.completions.create(model=adapter, prompt="hi", max_tokens=4,
                                                stream=True)
-            assert "".join(c.choices[0].text for c in stream) == f"{holder}|{adapter}"
+            assert "".join(c.choices[0].text for c in stream) == want
             chat = client.chat.completions.create(
                 model=adapter, messages=[{"role": "user", "content": "hi"}])
-            assert chat.choices[0].message.content == f"{holder}|{adapter}"
+            assert chat.choices[0].message.content == want
             chunks = client.chat.completions.create(
                 model=adapter, messages=[{"role": "user", "content": "hi"}], stream=True)
             assert "".join(c.choices[0].delta.content or "" for c in chunks
-                           if c.choices) == f"{holder}|{adapter}"
+                           if c.choices) == want
     # The base model spreads over the whole shard and carries no adapter header.
     seen = {client.completions.create(model=BASE, prompt="hi").choices[0].text
             for _ in range(12)}
     assert seen == {"w0|None", "w1|None", "w2|None"}
+
+
+@pytest.mark.slow
+def test_openai_client_reaches_a_holder_by_model_alone(mesh: Mesh) -> None:
+    _openai_reaches_holders(mesh, header=True)
     assert all(d.status is None for d in mesh.decisions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["native"], indirect=True)
+def test_native_body_routing_reaches_a_holder_without_a_processor(mesh: Mesh) -> None:
+    mesh.processor.stop()  # not in the path at all
+    _openai_reaches_holders(mesh, header=False)
+    assert mesh.decisions == []
 
 
 @pytest.mark.slow

@@ -34,19 +34,29 @@ def test_cli_flags_reach_the_config() -> None:
     plain = config_from_args(build_parser().parse_args(
         ["--node-id", "n", "--control-plane", "cp:1", "--iface", "lo"]))
     assert plain.ext_proc_port is None
+    assert not plain.route_by_body
+    native = config_from_args(build_parser().parse_args(
+        ["--node-id", "n", "--control-plane", "cp:1", "--iface", "lo", "--route-by-body"]))
+    assert native.route_by_body
 
 
 async def test_mesh_xds_adds_the_filter_only_when_ext_proc_is_on() -> None:
     on = await mesh_xds(AgentConfig(node_id="n", control_plane="x:1", xds_port=0,
                                     ext_proc_port=18001, ext_proc_max_body_bytes=2048))
     off = await mesh_xds(AgentConfig(node_id="n", control_plane="x:1", xds_port=0))
+    native = await mesh_xds(AgentConfig(node_id="n", control_plane="x:1", xds_port=0,
+                                        route_by_body=True))
     try:
         assert on.cache.options.ext_proc is not None
         assert on.cache.options.ext_proc.max_body_bytes == 2048
         assert off.cache.options.ext_proc is None
+        assert not off.cache.options.route_by_body
+        assert native.cache.options.route_by_body
+        assert native.cache.options.ext_proc is None
     finally:
         await on.close()
         await off.close()
+        await native.close()
 
 
 def _process(port: int, shard: str, body: bytes) -> list[ep.ProcessingResponse]:

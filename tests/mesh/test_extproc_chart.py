@@ -90,6 +90,14 @@ def test_gie_values_render_the_pool_picker_and_agent_flags() -> None:
     assert epp["spec"]["selector"].items() <= agent_labels.items()
 
 
+def test_native_value_passes_the_flag_without_the_processor() -> None:
+    objs = render({"extProc": {"native": True}})
+    agent = next(c for c in find(objs, "DaemonSet", "-agent").doc["spec"]["template"]["spec"][
+        "containers"] if c["name"] == "agent")
+    assert "--route-by-body" in agent["args"]
+    assert not [a for a in agent["args"] if a.startswith("--ext-proc")]
+
+
 def test_gie_without_ext_proc_fails_the_render() -> None:
     with pytest.raises(Exception, match=r"gie\.enabled needs extProc\.enabled"):
         render({"gie": {"enabled": True}})

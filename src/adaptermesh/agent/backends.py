@@ -112,8 +112,10 @@ def _node_key_for(group: str) -> Callable[[Any], str]:
 async def mesh_xds(config: AgentConfig, registry: CollectorRegistry | None = None) -> MeshXds:
     metrics = XdsMetrics(registry=registry) if registry is not None else None
     # With the agent's ext_proc server on, every shard listener reads the body's model.
-    options = BuildOptions() if config.ext_proc_port is None else BuildOptions(
-        ext_proc=ExtProcOptions(max_body_bytes=config.ext_proc_max_body_bytes))
+    options = BuildOptions(
+        route_by_body=config.route_by_body,
+        ext_proc=None if config.ext_proc_port is None
+        else ExtProcOptions(max_body_bytes=config.ext_proc_max_body_bytes))
     cache = SnapshotCache(node_key=_node_key_for(config.xds_group), metrics=metrics,
                           options=options)
     server = XdsServer(cache, host=config.xds_host, port=config.xds_port, metrics=metrics)

@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ext-proc-host", default="127.0.0.1", help="address ext_proc binds")
     p.add_argument(
+        "--route-by-body",
+        action="store_true",
+        help="shard listeners route by the request's model inside Envoy (json_to_metadata), "
+        "without the ext_proc hop: no scoring, no GIE",
+    )
+    p.add_argument(
         "--base-model",
         help="the served base model's name: requests naming it get no adapter header",
     )
@@ -138,6 +144,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         ext_proc_host=args.ext_proc_host,
         base_model=args.base_model,
         ext_proc_max_body_bytes=args.ext_proc_max_body_bytes,
+        route_by_body=args.route_by_body,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         state_file=args.state_file,

@@ -75,6 +75,8 @@ class AgentConfig:
     base_model: str | None = None
     ext_proc_max_body_bytes: int = 4 << 20
     picker_scrape_interval_s: float = 1.0
+    # Route by the body's model inside Envoy (json_to_metadata), without the processor hop.
+    route_by_body: bool = False
 
 
 DatapathFactory = Callable[[AgentConfig], Datapath]

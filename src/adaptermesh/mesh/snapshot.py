@@ -48,13 +48,14 @@ from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
-from envoy.type.matcher.v3 import string_pb2
+from envoy.type.matcher.v3 import metadata_pb2, string_pb2, value_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
@@ -166,6 +167,10 @@ class BuildOptions:
     max_retries: int = 64
     # None: no ext_proc filter; routing then needs the client to send the adapter header.
     ext_proc: ExtProcOptions | None = None
+    # Route by the body's "model" inside Envoy: the json_to_metadata filter copies it into
+    # dynamic metadata and each adapter route also matches it there. No processor hop, but
+    # no scoring and no GIE protocol either (docs/ecosystem.md compares the two).
+    route_by_body: bool = False
 
 
 def cluster_name(shard_id: str) -> str:
@@ -461,8 +466,11 @@ def build_listener(shard: assignment_pb2.Shard, opts: BuildOptions) -> listener_
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         rds=hcm_pb2.Rds(config_source=_ads_source(), route_config_name=name),
         stream_idle_timeout=_duration(opts.stream_idle_timeout_s),
-        http_filters=[*_ext_proc_filters(shard.id, opts), hcm_pb2.HttpFilter(
-            name="envoy.filters.http.router", typed_config=_pack(router_pb2.Router()))],
+        http_filters=[
+            *_body_filters(opts), *_ext_proc_filters(shard.id, opts),
+            hcm_pb2.HttpFilter(name="envoy.filters.http.router",
+                               typed_config=_pack(router_pb2.Router())),
+        ],
     )
     return listener_pb2.Listener(
         name=name,
@@ -479,6 +487,21 @@ def build_listener(shard: assignment_pb2.Shard, opts: BuildOptions) -> listener_
             ),
         ])],
     )
+
+
+BODY_METADATA_NAMESPACE = "adaptermesh.body"
+
+
+def _body_filters(opts: BuildOptions) -> list[hcm_pb2.HttpFilter]:
+    if not opts.route_by_body:
+        return []
+    J = json_to_metadata_pb2.JsonToMetadata
+    config = J(request_rules=J.MatchRules(rules=[J.Rule(
+        selectors=[J.Selector(key="model")],
+        on_present=J.KeyValuePair(metadata_namespace=BODY_METADATA_NAMESPACE, key="model"),
+    )]))
+    return [hcm_pb2.HttpFilter(name="envoy.filters.http.json_to_metadata",
+                               typed_config=_pack(config))]
 
 
 def _ext_proc_filters(shard_id: str, opts: BuildOptions) -> list[hcm_pb2.HttpFilter]:
@@ -511,6 +534,24 @@ def build_route_configuration(
     # Draining workers are unhealthy for the load balancer, so their adapters do not count.
     adapters = sorted({a for ep in shard.endpoints if not ep.draining for a in ep.adapters})
     routes = []
+    for adapter in adapters if opts.route_by_body else ():
+        # The body's model first: it decides over a client's header.
+        action = _route_action(name, opts)
+        action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
+            ADAPTER_METADATA_KEY].string_value = adapter
+        routes.append(route_components_pb2.Route(
+            name=f"body:{adapter}",
+            match=route_components_pb2.RouteMatch(
+                prefix="/",
+                dynamic_metadata=[metadata_pb2.MetadataMatcher(
+                    filter=BODY_METADATA_NAMESPACE,
+                    path=[metadata_pb2.MetadataMatcher.PathSegment(key="model")],
+                    value=value_pb2.ValueMatcher(
+                        string_match=string_pb2.StringMatcher(exact=adapter)),
+                )],
+            ),
+            route=action,
+        ))
     for adapter in adapters:
         action = _route_action(name, opts)
         action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
