@@ -11,15 +11,18 @@ setup:
 demo: setup
 	$(VENV)/bin/adaptermesh demo
 
-# Style and types first (ruff, mypy strict): a finding fails the run like a failing test.
+# Style, types and the import contracts first (ruff, mypy strict, import-linter): a finding
+# fails the run like a failing test.
 test: setup
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 proto: setup
 	$(PY) -m adaptermesh.proto.generate

@@ -69,7 +69,8 @@ fi
 .venv/bin/python - <<'PY'
 import importlib, shutil, sys
 mods = ["bcc", "pyroute2", "torch", "triton", "transformers", "peft", "grpc", "xds", "envoy",
-        "scapy", "hypothesis", "aiohttp", "httpx", "prometheus_client", "typer", "rich", "yaml"]
+        "scapy", "hypothesis", "aiohttp", "httpx", "prometheus_client", "typer", "rich", "yaml",
+        "importlinter"]
 bad = []
 for m in mods:
     try:

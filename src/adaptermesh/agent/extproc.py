@@ -52,8 +52,8 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from adaptermesh.agent.picker import Decision, EndpointBook, decide, model_of
-from adaptermesh.control_plane.metrics_source import parse_metrics
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
+from adaptermesh.worker_scrape import parse_metrics
 
 __all__ = [
     "ADAPTER_HEADER",

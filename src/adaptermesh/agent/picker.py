@@ -31,8 +31,8 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from adaptermesh.control_plane.metrics_source import RawSample
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
+from adaptermesh.worker_scrape import RawSample
 
 __all__ = [
     "Decision",
