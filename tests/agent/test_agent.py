@@ -246,3 +246,18 @@ async def test_metrics_endpoint_exposes_every_agent_series(tmp_path, cp):
     }, "every exported series is documented"
     assert "adaptermesh_agent_shard_packets_total" in names
     assert "adaptermesh_agent_flow_events_total" in names
+
+
+async def test_agent_listener_has_the_shared_guards(tmp_path, cp):
+    # The daemon serves through httpserve.serve_app: oversized headers get the JSON 431 there
+    # (a plain aiohttp runner answers 400 text), and a stalled client is cut at the deadline.
+    async with running(Harness(tmp_path, cp.target)) as h:
+        reader, writer = await asyncio.open_connection("127.0.0.1", h.agent.http_port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40_000 + b"\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(4096), 5)
+        writer.close()
+        assert head.split(b" ", 2)[1] == b"431", head[:80]
+        assert b"application/json" in head
+        status, _ = await h.get("/healthz")
+        assert status == 200

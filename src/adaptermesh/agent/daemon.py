@@ -37,6 +37,7 @@ from adaptermesh.agent.picker import EndpointBook
 from adaptermesh.agent.ports import Datapath, FlowEvent, XdsSink
 from adaptermesh.agent.state import AssignmentStore
 from adaptermesh.agent.watch import AssignmentWatcher, LoadReporter
+from adaptermesh.httpserve import serve_app
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2_grpc
 
 __all__ = ["Agent", "AgentConfig"]
@@ -266,13 +267,12 @@ class Agent:
             self.applier = applier
             await asyncio.to_thread(applier.reconcile)
 
-            runner = web.AppRunner(
-                build_app(self.metrics, self._health, self._ready, self.status, self.flows)
+            # The listener guards every HTTP listener shares (httpserve.py): header and body
+            # deadlines, header caps (431), a connection cap, the fd limit raised.
+            runner, self.http_port = await serve_app(
+                build_app(self.metrics, self._health, self._ready, self.status, self.flows),
+                config.metrics_host, config.metrics_port,
             )
-            await runner.setup()
-            site = web.TCPSite(runner, config.metrics_host, config.metrics_port)
-            await site.start()
-            self.http_port = _bound_port(site, config.metrics_port)
 
             self._poll_stop.clear()
             poller = threading.Thread(
@@ -349,13 +349,3 @@ class Agent:
                 config.node_id,
                 "datapath detached" if config.detach else "datapath left in place",
             )
-
-
-def _bound_port(site: web.TCPSite, requested: int) -> int:
-    if requested:
-        return requested
-    server = site._server  # aiohttp keeps the asyncio server here; port 0 needs its real port
-    sockets = getattr(server, "sockets", None) or []
-    for sock in sockets:
-        return int(sock.getsockname()[1])
-    return requested
