@@ -1,6 +1,6 @@
 """The hardening properties over the real tiny engine on CPU: random hostile bodies, the
 bodies once answered 500 (a lone surrogate, a 100,000-deep array, a seed of 2^70, lora_path
-with NUL, 300 characters or a symlink loop), and a 4 MB prompt tokenised off the event loop
+with NUL, 300 characters or a symlink loop), and a 4 MB prompt refused without stalling the event loop
 while another client's small requests keep their latency."""
 
 from __future__ import annotations
@@ -104,11 +104,11 @@ async def small_latencies(client: httpx.AsyncClient, seconds: float, until: asyn
     return out
 
 
-async def test_4mb_prompt_is_tokenised_off_the_loop(model_files: tuple[Path, Path],
+async def test_4mb_prompt_never_stalls_the_loop(model_files: tuple[Path, Path],
                                                     start_server: StartServer) -> None:
     server = await start_server(engine_for(model_files))
     prompt = ("The quick brown fox jumps over the lazy dog. " * 100_000)[:4_000_000]
-    # Tokenising 4 MB takes 10-30 s on a loaded 2-core machine.
+    # Longer than max_model_len * max_token_chars: refused before the tokenizer runs.
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as other, \
             httpx.AsyncClient(base_url=server.url, timeout=300) as heavy:
         baseline = await small_latencies(other, 1.0)
@@ -117,9 +117,37 @@ async def test_4mb_prompt_is_tokenised_off_the_loop(model_files: tuple[Path, Pat
         await asyncio.sleep(0.5)  # past the body upload and the parse in the child process
         during = await small_latencies(other, 60.0, until=big)
         r = await big
-    assert r.status_code == 413, r.text  # tokenised, then refused: longer than the context
+    assert r.status_code == 413, r.text  # longer than any tokenisation could fit: refused untokenised
     assert r.json()["error"]["code"] == "context_length_exceeded"
     rise = statistics.median(during) - statistics.median(baseline)
     # bench/bench_http_hardening.py records p99; the median is the robust figure on a shared
     # 2-core CI runner.
-    assert rise < 0.05, f"median rose {rise * 1e3:.1f} ms while a 4 MB prompt was tokenised"
+    assert rise < 0.05, f"median rose {rise * 1e3:.1f} ms while a 4 MB prompt was handled"
+
+
+async def test_a_prompt_longer_than_any_tokenisation_is_refused_untokenised(
+        model_files: tuple[Path, Path], start_server: StartServer) -> None:
+    engine = engine_for(model_files)
+    server = await start_server(engine)
+    bound = engine.max_model_len * engine.max_token_chars
+    calls: list[int] = []
+    real = engine.tokenize
+
+    def counting(text: str) -> list[int]:
+        calls.append(len(text))
+        return real(text)
+
+    engine.tokenize = counting  # type: ignore[method-assign]
+    r = await server.client.post("/v1/completions", json={"prompt": "a" * (bound + 1), "max_tokens": 1})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["param"] == "prompt"
+    assert calls == []  # refused before the tokenizer ran
+    chat = await server.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "b" * (bound + 1)}], "max_tokens": 1})
+    assert chat.status_code == 413, chat.text
+    assert chat.json()["error"]["param"] == "messages"
+    # At the bound the prompt is tokenised as before (and refused only if its tokens overflow).
+    r = await server.client.post("/v1/completions", json={"prompt": "hello " * 3, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert calls == [18]
+    await engine.shutdown()

@@ -308,6 +308,10 @@ class Engine:
         self.model_name = model_name or self.model_dir.name
         self.max_model_len = int(cfg.max_model_len or min(mc.max_position_embeddings, 4096))
         self.tokenizer: Any = AutoTokenizer.from_pretrained(str(self.model_dir))
+        # No token covers more characters than its vocabulary string has (byte-level BPE
+        # spells one byte per character, SentencePiece one character per character), so a text
+        # longer than max_model_len * this cannot fit the context: it is refused untokenised.
+        self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
 
         tensors = weights if weights is not None else read_weights(self.model_dir)
         self.model = TransformerModel(mc, tensors, self.device, dtype, self.max_model_len)

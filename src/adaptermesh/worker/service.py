@@ -464,6 +464,16 @@ class WorkerService:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
 
+    def _refuse_untokenised(self, chars: int, max_len: int, param: str) -> None:
+        """413 for a text too long for the context whatever its tokens: no token covers more
+        than ``engine.max_token_chars`` characters, so nothing is tokenised (a multi-megabyte
+        prompt costs no tokenizer time and never stalls the loop)."""
+        per = getattr(self.engine, "max_token_chars", 0)
+        if isinstance(per, int) and per > 0 and chars > max_len * per:
+            raise ApiError(413, f"{param}: {chars} characters cannot fit the {max_len}-token "
+                           f"context (no token of this model covers more than {per} characters)",
+                           param=param, code="context_length_exceeded")
+
     async def _close_executors(self, _app: web.Application) -> None:
         self._json.close()
         self._cpu.shutdown(wait=False, cancel_futures=True)
@@ -678,6 +688,7 @@ class WorkerService:
         if kind == "completion":
             prompt = _prompt(body.get("prompt"))
             if isinstance(prompt, str):
+                self._refuse_untokenised(len(prompt), max_len, "prompt")
                 prompt_ids = list(await self._off_loop(len(prompt), self.engine.tokenize,
                                                        prompt))
             else:
@@ -687,6 +698,7 @@ class WorkerService:
         else:
             messages = _chat_messages(body.get("messages"))
             chars = sum(len(m["content"]) for m in messages)
+            self._refuse_untokenised(chars, max_len, "messages")
             ids = await self._off_loop(chars, self.engine.apply_chat_template, messages)
             if ids is None:
                 raise ApiError(400, "messages: this model's tokenizer has no chat template; "
