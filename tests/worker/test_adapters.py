@@ -264,7 +264,12 @@ async def test_eviction_pressure_counters_add_up(tiny: Tiny, make_engine: Any) -
     assert st.adapter_evictions >= len(ADAPTERS) - 2
     assert c.loads - st.adapter_evictions == st.gpu_slots_used <= 2
     assert len(st.new_load_latencies) == c.loads
-    assert c.cpu_hits >= 1  # a re-load after eviction came from the CPU cache, not the disk
+    # A request for an evicted adapter re-loads it from the CPU cache, not the disk.
+    resident = {a.name for a in eng.list_adapters() if a.resident_on_gpu}
+    evicted = next(n for n in ADAPTERS if n not in resident)
+    again = await collect(eng.submit(request("again", ids, evicted, max_tokens=4)))
+    assert tokens(again) == expected[evicted]
+    assert c.cpu_hits >= 1
 
 
 async def test_pinned_adapter_is_never_evicted(tiny: Tiny, make_engine: Any) -> None:
