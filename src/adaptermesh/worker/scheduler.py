@@ -83,8 +83,6 @@ class Sequence:
     reserved: int = 0  # tokens the block manager holds room for
     pending: int = 0  # tokens sampled by launched steps, not yet applied on the host
     last_entry: int = 0  # entry of the latest launched step that sampled for this sequence
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    preemptions: int = 0
     cancelled: bool = False
     finished: bool = False
     text: str = ""  # detokenised output so far, including text held back for stop matching
@@ -288,7 +286,6 @@ class Scheduler:
         self._release_blocks(seq)
         if seq in self.running:
             self.running.remove(seq)
-        seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -328,8 +325,6 @@ class Scheduler:
             cached = self.blocks.allocate(seq.seq_id, seq.cache_key, tokens)
             seq.reserved = len(tokens)
             seq.num_computed = cached
-            if not seq.output:
-                seq.cached_tokens = cached
             seq.table_row = self._free_rows.pop()
             seq.table_len = 0
             self.running.append(seq)
