@@ -14,8 +14,12 @@ Layout (all int32, fixed size so that a CUDA graph captured once can replay with
   base tokens so no kernel reads outside the pool; the count lets a caller that skipped the
   host-side check (``check_values=False``) find the error later without a synchronisation.
 
-Building is a handful of device ops (``where``, a stable ``sort``, ``scatter_add``,
-``cumsum``) with no host synchronisation, so it can run inside stream capture too.
+On CUDA the build is one Triton launch (``_segment_meta_kernel``): program ``s`` counts the
+tokens of lower slots, which is where slot ``s``'s segment starts, then writes its own tokens
+there in batch order; one more program places the base tokens after all adapter tokens,
+writes the cleaned slots and counts the invalid ones. Elsewhere it is a handful of torch ops
+(``where``, a stable ``sort``, ``scatter_add``, ``cumsum``). Both give the same buffers, with
+no host synchronisation, so either can run inside stream capture.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 __all__ = ["SegmentMeta", "build_segment_meta"]
 
@@ -74,6 +80,72 @@ class SegmentMeta:
         return self.seg_start[1:] - self.seg_start[:-1]
 
 
+# Triton kernels take untyped launch arguments.
+@triton.jit  # type: ignore[untyped-decorator]
+def _segment_meta_kernel(  # type: ignore[no-untyped-def]
+    slots_in_ptr,  # [T] int32/int64 as given
+    slots_out_ptr,  # [T_max] int32: cleaned slots, -1 past T
+    sorted_ptr,  # [T_max] int32
+    seg_start_ptr,  # [S + 1] int32
+    invalid_ptr,  # [1] int32
+    T,
+    T_MAX,
+    S,
+    BLOCK_T: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_T)
+    # Pass 1: where this program's tokens start (tokens of lower slots; for the base program,
+    # every adapter token).
+    before = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for c in range(0, tl.cdiv(T_MAX, BLOCK_T)):
+        t = c * BLOCK_T + offs
+        raw = tl.load(slots_in_ptr + t, mask=t < T, other=-1)
+        ok = (raw >= 0) & (raw < S)
+        before += (ok & (raw < pid)).to(tl.int32)
+    start = tl.sum(before, 0)
+    if pid < S:
+        tl.store(seg_start_ptr + pid, start)
+    else:
+        tl.store(seg_start_ptr + S, start)
+    # Pass 2: this program's tokens, in batch order.
+    placed = start
+    n_bad = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for c in range(0, tl.cdiv(T_MAX, BLOCK_T)):
+        t = c * BLOCK_T + offs
+        in_batch = t < T
+        raw = tl.load(slots_in_ptr + t, mask=in_batch, other=-1)
+        ok = (raw >= 0) & (raw < S)
+        if pid < S:
+            mine = ok & (raw == pid)
+        else:
+            mine = (~ok) & (t < T_MAX)
+            bad = in_batch & ((raw < -1) | (raw >= S))
+            n_bad += bad.to(tl.int32)
+            tl.store(slots_out_ptr + t, tl.where(ok, raw, -1).to(tl.int32), mask=t < T_MAX)
+        m = mine.to(tl.int32)
+        pos = placed + tl.cumsum(m, 0) - 1
+        tl.store(sorted_ptr + pos, t.to(tl.int32), mask=mine)
+        placed += tl.sum(m, 0)
+    if pid == S:
+        tl.store(invalid_ptr, tl.sum(n_bad, 0))
+
+
+def _build_triton(out: SegmentMeta, token_slots: torch.Tensor, t: int) -> None:
+    from adaptermesh.kernels._launch import launch
+
+    src = token_slots if t > 0 else out.token_slots
+    launch(
+        _segment_meta_kernel,
+        (out.num_slots + 1, 1, 1),
+        (src, out.token_slots, out.sorted_tokens, out.seg_start, out.invalid, t, out.max_tokens,
+         out.num_slots),
+        {"BLOCK_T": min(1024, max(16, int(triton.next_power_of_2(out.max_tokens))))},
+        num_warps=4,
+        num_stages=1,
+    )  # fmt: skip
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -85,6 +157,7 @@ def build_segment_meta(
     out: SegmentMeta | None = None,
     *,
     check_values: bool = True,
+    use_triton: bool | None = None,
 ) -> SegmentMeta:
     """Group a batch's tokens by adapter slot.
 
@@ -96,6 +169,9 @@ def build_segment_meta(
     On a CUDA tensor that reads the values back (one host synchronisation), so the hot path may
     turn it off; it is skipped during stream capture. Either way out-of-range slots never
     reach a kernel: they count in ``meta.invalid`` and run as base tokens.
+
+    ``use_triton`` picks the one-launch Triton build (default: on CUDA tensors) or the torch
+    ops; the result is the same.
     """
     if not isinstance(token_slots, torch.Tensor):
         raise ValueError("token_slots must be a torch.Tensor")
@@ -127,6 +203,11 @@ def build_segment_meta(
                 f"token_slots values must lie in [-1, {num_slots}), got min {lo} max {hi}"
             )
 
+    if use_triton is None:
+        use_triton = dev.type == "cuda"
+    if use_triton:
+        _build_triton(out, token_slots, t)
+        return out
     slots = out.token_slots
     slots.fill_(-1)
     if t > 0:

@@ -25,6 +25,7 @@ Entries of ``v`` past a token's rank, and rows of base tokens, are left unwritte
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 
 from adaptermesh.kernels._backend import interpreter_enabled
+from adaptermesh.kernels._launch import launch
 from adaptermesh.kernels._validate import (
     SgmmShapes,
     check_expand,
@@ -43,7 +45,16 @@ from adaptermesh.kernels._validate import (
 from adaptermesh.kernels._workspace import split_workspace
 from adaptermesh.kernels.meta import SegmentMeta
 
-__all__ = ["SgmmConfig", "add_lora", "sgmm_expand", "sgmm_shrink"]
+__all__ = [
+    "FusedConfig",
+    "SgmmConfig",
+    "add_lora",
+    "expand_config",
+    "fused_config",
+    "sgmm_expand",
+    "sgmm_shrink",
+    "shrink_config",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,16 +136,98 @@ _EXPAND_TABLE: dict[tuple[int, str], tuple[int, int, int, int, bool]] = {
 }
 
 
-def shrink_config(num_tokens: int, hidden: int, r_max: int) -> SgmmConfig:
-    bm, bk, split, warps, stages = _SHRINK_TABLE[(_t_bucket(num_tokens), _r_bucket(r_max))]
+# Tokens per active adapter: "sparse" batches (decode: a few tokens per adapter) leave most
+# rows of a tall tile empty, so they get their own rows in every table. The host knows the
+# batch's adapters (the scheduler built it); add_lora assumes as many as the pool has slots when
+# the caller does not say, the worst case for a CUDA graph captured once for any mix.
+SPARSE_TOKENS_PER_SLOT = 4
+
+
+def _d_bucket(num_tokens: int, active_slots: int | None) -> str:
+    slots = max(1, num_tokens if active_slots is None else min(active_slots, num_tokens))
+    return "sparse" if num_tokens <= SPARSE_TOKENS_PER_SLOT * slots else "dense"
+
+
+# Sparse rows (decode-like batches): one 16-row tile per adapter segment, wide expand stores.
+_SHRINK_SPARSE: dict[tuple[int, str], tuple[int, int, int, int, int]] = {
+    (16, "low"): (16, 256, 8, 4, 3),
+    (16, "high"): (16, 256, 8, 4, 3),
+    (64, "low"): (16, 256, 8, 4, 3),
+    (64, "high"): (16, 128, 8, 4, 3),
+    (256, "low"): (16, 256, 4, 4, 3),
+    (256, "high"): (16, 128, 4, 4, 3),
+    (T_BUCKETS[-1], "low"): (16, 256, 2, 4, 3),
+    (T_BUCKETS[-1], "high"): (16, 128, 2, 4, 3),
+}
+_EXPAND_SPARSE: dict[tuple[int, str], tuple[int, int, int, int, bool]] = {
+    (16, "low"): (16, 256, 4, 2, True),
+    (16, "high"): (16, 256, 4, 2, True),
+    (64, "low"): (16, 256, 4, 2, True),
+    (64, "high"): (16, 256, 4, 2, True),
+    (256, "low"): (16, 256, 4, 2, True),
+    (256, "high"): (16, 256, 4, 2, True),
+    (T_BUCKETS[-1], "low"): (16, 256, 4, 2, True),
+    (T_BUCKETS[-1], "high"): (16, 256, 8, 2, True),
+}
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """One launch for shrink and expand: each program reduces its tile over all of H into
+    registers (``v`` never goes to memory), then streams ``n_blocks`` BLOCK_N-wide column
+    blocks of its slice's output. ``block_r`` holds the whole rank, so R_max <= 64 only."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    n_blocks: int  # column blocks per program: fewer programs each re-read A less often
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+FUSED_MAX_RANK = 64
+
+# (T bucket, density, rank bucket) -> fused config, or None where two launches win.
+_FUSED_TABLE: dict[tuple[int, str, str], tuple[int, int, int, int, int, int] | None] = {
+    (16, "sparse", "low"): (16, 256, 256, 4, 4, 3),
+    (16, "sparse", "high"): (16, 256, 128, 4, 4, 3),
+    (16, "dense", "low"): (16, 256, 256, 2, 4, 3),
+    (16, "dense", "high"): (16, 256, 128, 2, 4, 3),
+}
+
+
+def shrink_config(
+    num_tokens: int, hidden: int, r_max: int, active_slots: int | None = None
+) -> SgmmConfig:
+    key = (_t_bucket(num_tokens), _r_bucket(r_max))
+    dense = _d_bucket(num_tokens, active_slots) == "dense"
+    bm, bk, split, warps, stages = (_SHRINK_TABLE if dense else _SHRINK_SPARSE)[key]
     bn = min(_pow2_at_least_16(r_max), 64)
     return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, split_k=split)
 
 
-def expand_config(num_tokens: int, n_max: int, r_max: int) -> SgmmConfig:
-    bm, bn, warps, stages, prefetch = _EXPAND_TABLE[(_t_bucket(num_tokens), _r_bucket(r_max))]
+def expand_config(
+    num_tokens: int, n_max: int, r_max: int, active_slots: int | None = None
+) -> SgmmConfig:
+    key = (_t_bucket(num_tokens), _r_bucket(r_max))
+    dense = _d_bucket(num_tokens, active_slots) == "dense"
+    bm, bn, warps, stages, prefetch = (_EXPAND_TABLE if dense else _EXPAND_SPARSE)[key]
     bk = min(_pow2_at_least_16(r_max), 64)
     return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, prefetch_out=prefetch)
+
+
+def fused_config(
+    num_tokens: int, r_max: int, active_slots: int | None = None
+) -> FusedConfig | None:
+    """The single-launch config for this batch shape, or None where two launches win."""
+    if r_max > FUSED_MAX_RANK:
+        return None
+    key = (_t_bucket(num_tokens), _d_bucket(num_tokens, active_slots), _r_bucket(r_max))
+    row = _FUSED_TABLE.get(key)
+    if row is None:
+        return None
+    bm, bn, bk, nb, warps, stages = row
+    return FusedConfig(bm, bn, bk, nb, num_warps=warps, num_stages=stages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,6 +465,128 @@ def _sgmm_expand_kernel(
     tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _sgmm_fused_kernel(
+    # pointers
+    out_ptr,
+    x_ptr,
+    a_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    scales_ptr,
+    ranks_ptr,
+    sorted_ptr,
+    seg_start_ptr,
+    # sizes
+    H,
+    S,
+    R_MAX,
+    N0,
+    N1,
+    N2,
+    OFF1,
+    OFF2,
+    N_BLOCKS,  # column blocks per program
+    # strides
+    stride_xt,
+    stride_xh,
+    stride_ai,
+    stride_as,
+    stride_ar,
+    stride_ah,
+    stride_ot,
+    stride_on,
+    stride_b0s,
+    stride_b0n,
+    stride_b0r,
+    stride_b1s,
+    stride_b1n,
+    stride_b1r,
+    stride_b2s,
+    stride_b2n,
+    stride_b2r,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_i = tl.program_id(2)
+    is0 = pid_i == 0
+    is1 = pid_i == 1
+    n_size = tl.where(is0, N0, tl.where(is1, N1, N2))
+    col_off = tl.where(is0, 0, tl.where(is1, OFF1, OFF2))
+    stride_bs = tl.where(is0, stride_b0s, tl.where(is1, stride_b1s, stride_b2s)).to(tl.int64)
+    stride_bn = tl.where(is0, stride_b0n, tl.where(is1, stride_b1n, stride_b2n))
+    stride_br = tl.where(is0, stride_b0r, tl.where(is1, stride_b1r, stride_b2r))
+    if pid_i == 0:
+        b_ptr = b0_ptr
+    elif pid_i == 1:
+        b_ptr = b1_ptr
+    else:
+        b_ptr = b2_ptr
+    n_first = pid_n * N_BLOCKS * BLOCK_N
+    if n_first >= n_size:
+        return
+    has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    if not has_tile:
+        return
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
+    if rank == 0:
+        return
+    offs_m = row_begin + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < seg_end
+    tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    # Shrink: the whole reduction over H for this tile, kept in registers.
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    a_ptrs = (
+        a_ptr
+        + pid_i.to(tl.int64) * stride_ai
+        + slot.to(tl.int64) * stride_as
+        + offs_r[None, :] * stride_ar
+        + offs_k[:, None] * stride_ah
+    )
+    v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        k_left = H - k * BLOCK_K
+        xt = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        at = tl.load(a_ptrs, mask=(offs_k[:, None] < k_left) & mask_r[None, :], other=0.0)
+        if DOT_FP32:
+            v += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+        else:
+            v += tl.dot(xt, at)
+        x_ptrs += BLOCK_K * stride_xh
+        a_ptrs += BLOCK_K * stride_ah
+    scale = tl.load(scales_ptr + slot)
+    # Expand: v rounded to the weight dtype once, as the two-launch path does.
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    vt = v.to(b0_ptr.dtype.element_ty)
+    for j in range(0, N_BLOCKS):
+        offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_size
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
+        o_mask = mask_m[:, None] & mask_n[None, :]
+        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        bt = tl.load(
+            b_base + offs_n[None, :] * stride_bn, mask=mask_r[:, None] & mask_n[None, :], other=0.0
+        )
+        if DOT_FP32:
+            acc = tl.dot(vt.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(vt, bt)
+        tl.store(
+            o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask
+        )
+
+
 def _dot_fp32(dtype: torch.dtype) -> bool:
     """Whether tl.dot runs on fp32 operands with IEEE precision.
 
@@ -471,37 +686,43 @@ def _launch_shrink(
     else:  # never read: the split-K branch is compiled out for SPLIT_K == 1
         counters, partials = ranks, v
     grid = (grid_m, n_tiles_n * split, shapes.n_slices)
-    _sgmm_shrink_kernel[grid](
-        x,
-        lora_a,
-        v,
-        ranks,
-        meta.sorted_tokens,
-        meta.seg_start,
-        partials,
-        counters,
-        shapes.hidden,
-        shapes.num_slots,
-        shapes.r_max,
-        shapes.num_tokens,
-        grid_m,
-        n_tiles_n,
-        split,
-        k_per_split,
-        x.stride(0),
-        x.stride(1),
-        lora_a.stride(0),
-        lora_a.stride(1),
-        lora_a.stride(2),
-        lora_a.stride(3),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        BLOCK_S=triton.next_power_of_2(shapes.num_slots),
-        DOT_FP32=_dot_fp32(x.dtype),
+    launch(
+        _sgmm_shrink_kernel,
+        grid,
+        (
+            x,
+            lora_a,
+            v,
+            ranks,
+            meta.sorted_tokens,
+            meta.seg_start,
+            partials,
+            counters,
+            shapes.hidden,
+            shapes.num_slots,
+            shapes.r_max,
+            shapes.num_tokens,
+            grid_m,
+            n_tiles_n,
+            split,
+            k_per_split,
+            x.stride(0),
+            x.stride(1),
+            lora_a.stride(0),
+            lora_a.stride(1),
+            lora_a.stride(2),
+            lora_a.stride(3),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+        ),
+        {
+            "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n,
+            "BLOCK_K": cfg.block_k,
+            "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
+            "DOT_FP32": _dot_fp32(x.dtype),
+        },
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -545,37 +766,119 @@ def _launch_expand(
         triton.cdiv(n_max, cfg.block_n),
         shapes.n_slices,
     )
-    _sgmm_expand_kernel[grid](
-        out,
-        v,
-        bs[0],
-        bs[1],
-        bs[2],
-        scales,
-        ranks,
-        meta.sorted_tokens,
-        meta.seg_start,
-        shapes.num_slots,
-        shapes.r_max,
-        sizes[0],
-        sizes[1],
-        sizes[2],
-        offs[1],
-        offs[2],
-        out.stride(0),
-        out.stride(1),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        *bs[0].stride(),
-        *bs[1].stride(),
-        *bs[2].stride(),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        BLOCK_S=triton.next_power_of_2(shapes.num_slots),
-        DOT_FP32=_dot_fp32(out.dtype),
-        PREFETCH_OUT=cfg.prefetch_out,
+    launch(
+        _sgmm_expand_kernel,
+        grid,
+        (
+            out,
+            v,
+            bs[0],
+            bs[1],
+            bs[2],
+            scales,
+            ranks,
+            meta.sorted_tokens,
+            meta.seg_start,
+            shapes.num_slots,
+            shapes.r_max,
+            sizes[0],
+            sizes[1],
+            sizes[2],
+            offs[1],
+            offs[2],
+            out.stride(0),
+            out.stride(1),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            *bs[0].stride(),
+            *bs[1].stride(),
+            *bs[2].stride(),
+        ),
+        {
+            "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n,
+            "BLOCK_K": cfg.block_k,
+            "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
+            "DOT_FP32": _dot_fp32(out.dtype),
+            "PREFETCH_OUT": cfg.prefetch_out,
+        },
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def _launch_fused(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    ranks: torch.Tensor,
+    meta: SegmentMeta,
+    shapes: SgmmShapes,  # from check_expand, with hidden set
+    cfg: FusedConfig,
+) -> None:
+    if shapes.r_max > FUSED_MAX_RANK:
+        raise ValueError(f"the fused add_lora holds ranks up to {FUSED_MAX_RANK}, R_max={shapes.r_max}")
+    for name in ("block_m", "block_n", "block_k"):
+        val = getattr(cfg, name)
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"config.{name} must be a power of two >= 16, got {val}")
+    if cfg.n_blocks < 1:
+        raise ValueError(f"config.n_blocks must be >= 1, got {cfg.n_blocks}")
+    bs = list(lora_b) + [lora_b[0]] * (3 - shapes.n_slices)
+    sizes = list(shapes.out_sizes) + [0] * (3 - shapes.n_slices)
+    offs = list(shapes.out_offsets) + [0] * (3 - shapes.n_slices)
+    n_max = max(shapes.out_sizes)
+    grid = (
+        _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m),
+        int(triton.cdiv(n_max, cfg.block_n * cfg.n_blocks)),
+        shapes.n_slices,
+    )
+    launch(
+        _sgmm_fused_kernel,
+        grid,
+        (
+            out,
+            x,
+            lora_a,
+            bs[0],
+            bs[1],
+            bs[2],
+            scales,
+            ranks,
+            meta.sorted_tokens,
+            meta.seg_start,
+            shapes.hidden,
+            shapes.num_slots,
+            shapes.r_max,
+            sizes[0],
+            sizes[1],
+            sizes[2],
+            offs[1],
+            offs[2],
+            cfg.n_blocks,
+            x.stride(0),
+            x.stride(1),
+            lora_a.stride(0),
+            lora_a.stride(1),
+            lora_a.stride(2),
+            lora_a.stride(3),
+            out.stride(0),
+            out.stride(1),
+            *bs[0].stride(),
+            *bs[1].stride(),
+            *bs[2].stride(),
+        ),
+        {
+            "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n,
+            "BLOCK_K": cfg.block_k,
+            "BLOCK_R": _pow2_at_least_16(shapes.r_max),
+            "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
+            "DOT_FP32": _dot_fp32(out.dtype),
+        },
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -593,15 +896,40 @@ def add_lora(
     v_buffer: torch.Tensor | None = None,  # [n_slices, T, R_max] fp32 scratch, for graphs
     shrink_cfg: SgmmConfig | None = None,
     expand_cfg: SgmmConfig | None = None,
+    fused_cfg: FusedConfig | bool | None = None,
+    active_slots: int | None = None,
     check_values: bool = True,
 ) -> None:
-    """``out += scale * (x @ A.T) @ B.T`` per token's slot: two launches (shrink, expand)."""
+    """``out += scale * (x @ A.T) @ B.T`` per token's slot.
+
+    One fused launch where the config table says it wins (small batches, R_max <= 64), else
+    two (shrink, expand). ``active_slots`` is how many distinct adapters the batch uses at most
+    (the scheduler knows); it picks the tile shapes. Left out, it is the pool's slot count: the
+    worst case, which suits a CUDA graph captured once for any mix. ``fused_cfg`` forces the
+    fused launch with that config, ``False`` forces two launches; explicit shrink/expand
+    configs imply two launches.
+    """
     # Every check runs before the first launch, so a bad lora_b cannot leave a half-done op.
     shapes = check_shrink(x, lora_a, ranks, check_values)
     check_meta(meta, shapes, x)
-    v = _v_buffer(v_buffer, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
     check_pair(out, x, lora_a, lora_b)
+    if active_slots is None:
+        active_slots = shapes.num_slots
+    if fused_cfg is None and shrink_cfg is None and expand_cfg is None:
+        fused_cfg = fused_config(shapes.num_tokens, shapes.r_max, active_slots)
+    if isinstance(fused_cfg, FusedConfig):
+        expand_shapes = check_expand(out, None, lora_b, scales, ranks, False)
+        fused_shapes = dataclasses.replace(expand_shapes, hidden=shapes.hidden)
+        _launch_fused(out, x, lora_a, lora_b, scales, ranks, meta, fused_shapes, fused_cfg)
+        return
+    v = _v_buffer(v_buffer, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
     expand_shapes = check_expand(out, v, lora_b, scales, ranks, False)
+    if shrink_cfg is None:
+        shrink_cfg = shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max, active_slots)
+    if expand_cfg is None:
+        expand_cfg = expand_config(
+            shapes.num_tokens, max(expand_shapes.out_sizes), shapes.r_max, active_slots
+        )
     # Launch straight away: sgmm_shrink / sgmm_expand would repeat the checks above, and this
     # runs for every targeted module of every layer.
     _launch_shrink(x, lora_a, ranks, meta, v, shapes, shrink_cfg)

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One GPU call, several stages, each under its own timeout, results and logs in $OUT:
+#   tests     gpu-marked kernel tests (and worker tests with TESTS_WORKER=1)
+#   sweep     bench/sweep_sgmm_decode.py (add_lora configs on the engine's shapes)
+#   peers     bench/bench_sgmm_peers.py (our kernels beside the peers; needs bench/.peers)
+#   adafuse   bench/bench_adafuse.py
+#   engine    bench/bench_engine_speed.py (ENGINE_ARGS, e.g. "--only batch1,batch64,step_split")
+#   http      bench/bench_service.py --mix
+# STAGES picks them in order (default: all); <STAGE>_S overrides a stage's timeout.
+#   STAGES="tests sweep engine" ENGINE_ARGS="--only batch1,batch64" bench/gpu_session.sh
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 REQUIRE_GPU=1
+STAGES=${STAGES:-tests sweep peers adafuse engine http}
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+  git rev-parse HEAD 2>/dev/null
+} > "$OUT/env.txt" 2>&1
+printf '[pytest]\nmarkers =\n  gpu: gpu\n  slow: slow\n  root: root\n  e2e: e2e\n' > /tmp/pytest_gpu.ini
+stage() {  # name default_timeout command...
+  local name=$1 t=$2
+  shift 2
+  local var="${name^^}_S"
+  t=${!var:-$t}
+  local t0=$(date +%s)
+  timeout -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc in $(( $(date +%s) - t0 ))s (timeout ${t}s)"
+  grep -E "passed|failed|Error|CASE|PICK|TARGET|target|met" "$OUT/$name.log" | tail -${TAIL:-40}
+}
+for s in $STAGES; do
+  case $s in
+    tests)
+      paths="tests/kernels"
+      [ -n "${TESTS_WORKER:-}" ] && paths="$paths tests/worker"
+      stage tests 150 python3 -m pytest -c /tmp/pytest_gpu.ini --rootdir "$PWD" -p no:cacheprovider \
+        -q -m gpu $paths ;;
+    sweep)
+      stage sweep 240 python3 bench/sweep_sgmm_decode.py --out "$OUT/sgmm_decode_sweep_h200.json" \
+        --budget-s $(( ${SWEEP_S:-240} - 25 )) ${SWEEP_ARGS:-} ;;
+    peers)
+      stage peers 260 python3 bench/bench_sgmm_peers.py --out "$OUT/sgmm_peers_h200.json" \
+        --budget-s $(( ${PEERS_S:-260} - 20 )) ${PEERS_ARGS:-} ;;
+    adafuse)
+      stage adafuse 160 python3 bench/bench_adafuse.py --out "$OUT/adafuse_h200.json" ;;
+    engine)
+      stage engine 300 python3 bench/bench_engine_speed.py --out "$OUT/engine_speed_h200.json" \
+        --budget-s $(( ${ENGINE_S:-300} - 15 )) ${ENGINE_ARGS:-} ;;
+    http)
+      stage http 200 python3 bench/bench_service.py --mix --device cuda \
+        --out "$OUT/engine_speed_h200_http.json" ${HTTP_ARGS:-} ;;
+  esac
+done
