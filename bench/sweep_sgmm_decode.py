@@ -242,6 +242,52 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
     }  # fmt: skip
 
 
+def host_costs() -> dict:
+    """CPU µs to issue one call (median of 5 bursts of 200 calls, timed before the sync), on a
+    small decode shape so the GPU is never the bottleneck."""
+    import os
+
+    from adaptermesh.kernels import _launch
+
+    setup = Setup("qkv", 16, 16, 16, 128, seed=5)
+    a, b, x, out, meta, v = setup.sets[0]
+    slots = meta.token_slots[:16].clone()
+
+    def burst(fn: Callable[[], object], n: int = 200) -> float:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - t0) / n * 1e6)
+            torch.cuda.synchronize()
+        return statistics.median(times)
+
+    def add(fused: FusedConfig | bool | None) -> Callable[[], object]:
+        return lambda: sgmm.add_lora(out, x, a, b, setup.scales, setup.ranks, meta, v_buffer=v,
+                                     fused_cfg=fused, check_values=False)  # fmt: skip
+
+    res: dict = {}
+    for name, fused in (("fused", None), ("two_launch", False)):
+        res[f"add_lora_{name}_us"] = burst(add(fused))
+        os.environ["ADAPTERMESH_GENERIC_LAUNCH"] = "1"
+        _launch.clear_cache()
+        res[f"add_lora_{name}_generic_launch_us"] = burst(add(fused))
+        os.environ.pop("ADAPTERMESH_GENERIC_LAUNCH")
+        plan = sgmm.plan_add_lora(out, x, a, b, setup.scales, setup.ranks, meta, v_buffer=v,
+                                  fused_cfg=fused, check_values=False)  # fmt: skip
+        res[f"plan_{name}_us"] = burst(plan)
+    res["segment_meta_triton_us"] = burst(
+        lambda: build_segment_meta(slots, 128, 16, out=meta, check_values=False))
+    res["segment_meta_torch_us"] = burst(
+        lambda: build_segment_meta(slots, 128, 16, out=meta, check_values=False,
+                                   use_triton=False))  # fmt: skip
+    return res
+
+
 def _t_bucket(t: int) -> int:
     return next(b for b in sgmm.T_BUCKETS if t <= b)
 
@@ -267,6 +313,8 @@ def main() -> int:
         "skipped": [],
     }  # fmt: skip
     print(f"copy bandwidth {results['copy_gbps']:.0f} GB/s", flush=True)
+    results["host"] = host_costs()
+    print(f"HOST {results['host']}", flush=True)
     ranks = [int(r) for r in args.ranks.split(",")]
     order = [(t, s, r) for r in ranks for (t, s) in SHAPES]
     for t, s, r in order:

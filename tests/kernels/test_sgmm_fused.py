@@ -211,3 +211,54 @@ def test_gpu_cached_launch_is_bit_identical() -> None:
         results[generic] = outs
     for a, b in zip(results[True], results[False], strict=True):
         assert torch.equal(a, b)
+
+
+def test_plan_runs_the_same_op_on_fixed_buffers() -> None:
+    """A plan made once gives add_lora's result on every call, with new contents each time,
+    for the fused and the two-launch path; making it runs nothing."""
+    sgmm = _sgmm()
+    for fused in (None, False):
+        case = make_case(
+            t=7, h=40, s=3, r_max=16, ranks=[16, 5, 0], out_sizes=(24, 8), mix="with_base",
+            dtype=torch.float32, device=DEVICE, seed=11,
+        )  # fmt: skip
+        meta = build_segment_meta(case.slots, 3)
+        out = case.out.clone()
+        plan = sgmm.plan_add_lora(
+            out, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+            fused_cfg=fused,
+        )  # fmt: skip
+        assert torch.equal(out, case.out)  # nothing ran yet
+        assert plan.launches == (2 if fused is False else plan.launches)
+        for step in range(2):
+            case.x.copy_(torch.randn_like(case.x))  # new contents, same storage
+            want = out.clone()
+            reference.add_lora_ref(
+                want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta
+            )
+            plan()
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+@pytest.mark.gpu
+def test_gpu_plan_is_bit_identical_to_add_lora() -> None:
+    sgmm = _sgmm()
+    for t, s in ((1, 1), (64, 64), (512, 8)):
+        case = make_case(
+            t=t, h=4096, s=s, r_max=16, ranks=None, out_sizes=(4096, 1024), mix="uniform",
+            dtype=torch.bfloat16, device="cuda", seed=t,
+        )  # fmt: skip
+        meta = build_segment_meta(case.slots, s)
+        a = case.out.clone()
+        b = case.out.clone()
+        plan = sgmm.plan_add_lora(
+            b, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+            check_values=False,
+        )  # fmt: skip
+        for _ in range(3):
+            sgmm.add_lora(
+                a, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+                check_values=False,
+            )  # fmt: skip
+            plan()
+        assert torch.equal(a, b)

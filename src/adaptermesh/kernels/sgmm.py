@@ -26,15 +26,16 @@ Entries of ``v`` past a token's rank, and rows of base tokens, are left unwritte
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from adaptermesh.kernels._backend import interpreter_enabled
-from adaptermesh.kernels._launch import launch
+from adaptermesh.kernels._launch import launch, prepare
 from adaptermesh.kernels._validate import (
     SgmmShapes,
     check_expand,
@@ -46,11 +47,13 @@ from adaptermesh.kernels._workspace import split_workspace
 from adaptermesh.kernels.meta import SegmentMeta
 
 __all__ = [
+    "AddLoraPlan",
     "FusedConfig",
     "SgmmConfig",
     "add_lora",
     "expand_config",
     "fused_config",
+    "plan_add_lora",
     "sgmm_expand",
     "sgmm_shrink",
     "shrink_config",
@@ -669,7 +672,8 @@ def _launch_shrink(
     v: torch.Tensor,
     shapes: SgmmShapes,  # from check_shrink
     config: SgmmConfig | None,
-) -> None:
+    run: Any = launch,
+) -> Any:
     cfg = config or shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max)
     _check_config(cfg)
     grid_m = _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m)
@@ -686,7 +690,7 @@ def _launch_shrink(
     else:  # never read: the split-K branch is compiled out for SPLIT_K == 1
         counters, partials = ranks, v
     grid = (grid_m, n_tiles_n * split, shapes.n_slices)
-    launch(
+    return run(
         _sgmm_shrink_kernel,
         grid,
         (
@@ -754,7 +758,8 @@ def _launch_expand(
     meta: SegmentMeta,
     shapes: SgmmShapes,  # from check_expand
     config: SgmmConfig | None,
-) -> None:
+    run: Any = launch,
+) -> Any:
     bs = list(lora_b) + [lora_b[0]] * (3 - shapes.n_slices)
     sizes = list(shapes.out_sizes) + [0] * (3 - shapes.n_slices)
     offs = list(shapes.out_offsets) + [0] * (3 - shapes.n_slices)
@@ -766,7 +771,7 @@ def _launch_expand(
         triton.cdiv(n_max, cfg.block_n),
         shapes.n_slices,
     )
-    launch(
+    return run(
         _sgmm_expand_kernel,
         grid,
         (
@@ -818,7 +823,8 @@ def _launch_fused(
     meta: SegmentMeta,
     shapes: SgmmShapes,  # from check_expand, with hidden set
     cfg: FusedConfig,
-) -> None:
+    run: Any = launch,
+) -> Any:
     if shapes.r_max > FUSED_MAX_RANK:
         raise ValueError(f"the fused add_lora holds ranks up to {FUSED_MAX_RANK}, R_max={shapes.r_max}")
     for name in ("block_m", "block_n", "block_k"):
@@ -836,7 +842,7 @@ def _launch_fused(
         int(triton.cdiv(n_max, cfg.block_n * cfg.n_blocks)),
         shapes.n_slices,
     )
-    launch(
+    return run(
         _sgmm_fused_kernel,
         grid,
         (
@@ -909,6 +915,72 @@ def add_lora(
     fused launch with that config, ``False`` forces two launches; explicit shrink/expand
     configs imply two launches.
     """
+    _add_lora(
+        out, x, lora_a, lora_b, scales, ranks, meta, v_buffer, shrink_cfg, expand_cfg,
+        fused_cfg, active_slots, check_values, launch,
+    )  # fmt: skip
+
+
+class AddLoraPlan:
+    """``add_lora`` on fixed tensors, checked and bound once: each call only launches.
+
+    For eager callers that run the same op on the same buffers many times (a serving loop
+    outside CUDA graphs): the checks, the config choice, the kernels' argument lists and their
+    compiled kernels are all settled when the plan is made, so a call costs one or two driver
+    launches. The tensors' contents may change between calls, their storage must not. A plan
+    uses the split-K scratch of the stream it was made on; run it on that stream.
+    """
+
+    def __init__(self, launches: list[Callable[[], None]], fused: bool) -> None:
+        self._launches = launches
+        self.fused = fused
+        self.launches = len(launches)
+
+    def __call__(self) -> None:
+        for f in self._launches:
+            f()
+
+
+def plan_add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    ranks: torch.Tensor,
+    meta: SegmentMeta,
+    *,
+    v_buffer: torch.Tensor | None = None,
+    shrink_cfg: SgmmConfig | None = None,
+    expand_cfg: SgmmConfig | None = None,
+    fused_cfg: FusedConfig | bool | None = None,
+    active_slots: int | None = None,
+    check_values: bool = True,
+) -> AddLoraPlan:
+    """An ``AddLoraPlan`` for these tensors (same arguments as ``add_lora``); nothing runs."""
+    launches: list[Callable[[], None]] = _add_lora(
+        out, x, lora_a, lora_b, scales, ranks, meta, v_buffer, shrink_cfg, expand_cfg,
+        fused_cfg, active_slots, check_values, prepare,
+    )  # fmt: skip
+    return AddLoraPlan(launches, fused=len(launches) == 1)
+
+
+def _add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    ranks: torch.Tensor,
+    meta: SegmentMeta,
+    v_buffer: torch.Tensor | None,
+    shrink_cfg: SgmmConfig | None,
+    expand_cfg: SgmmConfig | None,
+    fused_cfg: FusedConfig | bool | None,
+    active_slots: int | None,
+    check_values: bool,
+    run: Any,
+) -> list[Any]:
     # Every check runs before the first launch, so a bad lora_b cannot leave a half-done op.
     shapes = check_shrink(x, lora_a, ranks, check_values)
     check_meta(meta, shapes, x)
@@ -920,8 +992,9 @@ def add_lora(
     if isinstance(fused_cfg, FusedConfig):
         expand_shapes = check_expand(out, None, lora_b, scales, ranks, False)
         fused_shapes = dataclasses.replace(expand_shapes, hidden=shapes.hidden)
-        _launch_fused(out, x, lora_a, lora_b, scales, ranks, meta, fused_shapes, fused_cfg)
-        return
+        return [
+            _launch_fused(out, x, lora_a, lora_b, scales, ranks, meta, fused_shapes, fused_cfg, run)
+        ]
     v = _v_buffer(v_buffer, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
     expand_shapes = check_expand(out, v, lora_b, scales, ranks, False)
     if shrink_cfg is None:
@@ -932,8 +1005,10 @@ def add_lora(
         )
     # Launch straight away: sgmm_shrink / sgmm_expand would repeat the checks above, and this
     # runs for every targeted module of every layer.
-    _launch_shrink(x, lora_a, ranks, meta, v, shapes, shrink_cfg)
-    _launch_expand(out, v, lora_b, scales, ranks, meta, expand_shapes, expand_cfg)
+    return [
+        _launch_shrink(x, lora_a, ranks, meta, v, shapes, shrink_cfg, run),
+        _launch_expand(out, v, lora_b, scales, ranks, meta, expand_shapes, expand_cfg, run),
+    ]
 
 
 def _v_buffer(
