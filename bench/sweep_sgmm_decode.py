@@ -51,20 +51,21 @@ GROUPS = {
     "down": (11008, (4096,)),
 }
 # (T, S distinct adapters); the pool has --pool slots either way.
-SHAPES = [(1, 1), (16, 16), (16, 1), (64, 64), (64, 8), (64, 1), (256, 64), (256, 256)]
+SHAPES = [(1, 1), (16, 16), (16, 1), (64, 64), (64, 8), (64, 1), (256, 64), (256, 256), (1024, 64)]
 SHRINK = [  # (block_m, block_k, split_k, num_warps, num_stages)
-    (16, 256, 1, 4, 3), (16, 256, 2, 4, 3), (16, 256, 4, 4, 3), (16, 256, 8, 4, 3),
-    (16, 128, 8, 4, 3), (16, 128, 16, 4, 3), (16, 512, 4, 8, 3), (32, 256, 4, 4, 3),
+    (16, 256, 1, 4, 3), (16, 256, 4, 4, 3), (16, 256, 8, 4, 3), (32, 256, 4, 4, 3),
+    (16, 256, 1, 4, 5), (16, 256, 4, 4, 5), (32, 256, 4, 4, 5), (16, 128, 8, 4, 5),
 ]  # fmt: skip
-EXPAND = [  # (block_m, block_n, num_warps, num_stages, prefetch_out)
-    (16, 128, 4, 2, True), (16, 256, 4, 2, True), (16, 256, 8, 2, True), (16, 512, 8, 2, True),
-    (16, 512, 4, 2, True), (32, 128, 4, 2, True), (32, 256, 8, 2, True),
+EXPAND = [  # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks)
+    (16, 256, 4, 2, True, 1), (16, 256, 4, 2, True, 2), (16, 256, 4, 3, True, 4),
+    (16, 256, 4, 3, True, 8), (16, 128, 4, 3, True, 4), (16, 128, 4, 3, True, 8),
+    (16, 512, 8, 2, True, 2), (16, 256, 4, 3, False, 4), (32, 256, 8, 2, True, 1),
 ]  # fmt: skip
 FUSED = [  # (block_m, block_n, block_k, n_blocks, num_warps, num_stages)
-    (16, bn, bk, nb, w, 3)
-    for bn, bk, w in [(128, 256, 4), (256, 256, 4), (256, 128, 4), (256, 256, 8), (512, 256, 8)]
-    for nb in (1, 2, 4, 8)
+    (16, 256, 256, 1, 4, 3), (16, 256, 256, 4, 4, 3), (16, 512, 256, 8, 8, 3),
 ]
+# Ranks other than the first are swept on these shapes only.
+SHAPES_OTHER_RANKS = [(16, 1), (64, 64), (256, 64)]
 TARGET_BYTES = 256 << 20
 
 
@@ -210,7 +211,7 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
     expand_us: dict[tuple, float] = {}
     for c in EXPAND[:4] if quick else EXPAND:
         cfg = SgmmConfig(c[0], c[1], _bn(setup.r), num_warps=c[2], num_stages=c[3],
-                         prefetch_out=c[4])  # fmt: skip
+                         prefetch_out=c[4], n_blocks=c[5])  # fmt: skip
         sc = sgmm.shrink_config(setup.t, setup.h, setup.r)
         err = setup.error(setup.pair_fn(sc, cfg))
         if err > 0.03:
@@ -316,13 +317,14 @@ def main() -> int:
     results["host"] = host_costs()
     print(f"HOST {results['host']}", flush=True)
     ranks = [int(r) for r in args.ranks.split(",")]
-    order = [(t, s, r) for r in ranks for (t, s) in SHAPES]
+    order = [(t, s, ranks[0]) for (t, s) in SHAPES]
+    order += [(t, s, r) for r in ranks[1:] for (t, s) in SHAPES_OTHER_RANKS]
     for t, s, r in order:
         for group in GROUPS:
             if time.monotonic() - t0 > args.budget_s:
                 results["skipped"].append([group, t, s, r])
                 continue
-            setup = Setup(group, t, s, r, args.pool, seed=t * 7 + s + r)
+            setup = Setup(group, t, s, r, max(args.pool, s), seed=t * 7 + s + r)
             res = run_case(setup, results["candidates"], args.quick)
             b = res["best"]
             case = {

@@ -262,3 +262,24 @@ def test_gpu_plan_is_bit_identical_to_add_lora() -> None:
             )  # fmt: skip
             plan()
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n_blocks", [2, 3])
+def test_expand_column_blocks_per_program(n_blocks) -> None:  # type: ignore[no-untyped-def]
+    """An expand program writing several column blocks covers every column once, on odd
+    widths where the last program's blocks run past the slice."""
+    sgmm = _sgmm()
+    case = make_case(
+        t=9, h=24, s=3, r_max=16, ranks=[16, 9, 0], out_sizes=(50, 17, 33), mix="with_base",
+        dtype=torch.float32, device=DEVICE, seed=n_blocks,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, 3)
+    cfg = sgmm.SgmmConfig(16, 16, 16, num_warps=4, num_stages=2, n_blocks=n_blocks)
+    got = case.out.clone()
+    sgmm.add_lora(
+        got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+        shrink_cfg=sgmm.shrink_config(9, 24, 16), expand_cfg=cfg,
+    )  # fmt: skip
+    want = case.out.clone()
+    reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

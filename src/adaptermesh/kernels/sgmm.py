@@ -84,6 +84,8 @@ class SgmmConfig:
     # expand only: issue the load of the out tile before the product, so both memory round
     # trips overlap instead of following each other.
     prefetch_out: bool = False
+    # expand only: BLOCK_N-wide column blocks each program writes, one after the other.
+    n_blocks: int = 1
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -128,9 +130,9 @@ _SHRINK_TABLE: dict[tuple[int, str], tuple[int, int, int, int, int]] = {
 # T=256 r=16 5.2/10.1; T=256 r=64 5.8/19.1; T=4096 r=16 27.9/90.4; T=4096 r=64 47.1/149.7
 # (the old 64x128 tile: 51.7/166.5). Prefetching out wins by 0-5 %, never loses more than 4 %.
 _EXPAND_TABLE: dict[tuple[int, str], tuple[int, int, int, int, bool]] = {
-    (16, "low"): (16, 128, 4, 2, True),
+    (16, "low"): (16, 256, 4, 2, True),
     (16, "high"): (16, 128, 4, 2, False),
-    (64, "low"): (32, 128, 4, 2, True),
+    (64, "low"): (16, 256, 4, 2, True),
     (64, "high"): (32, 128, 4, 2, True),
     (256, "low"): (64, 128, 4, 2, True),
     (256, "high"): (32, 128, 4, 2, True),
@@ -152,16 +154,21 @@ def _d_bucket(num_tokens: int, active_slots: int | None) -> str:
 
 
 # Sparse rows (decode-like batches): one 16-row tile per adapter segment, wide expand stores.
+# Decode sweep of 2026-12-02 (bench/sweep_sgmm_decode.py, bench/results/sgmm_decode_sweep_h200
+# .json): summed µs over the four module groups of a 7B layer (qkv, o, gate_up, down), r=16,
+# pool of 128, >= 256 MB touched per pass. Shrink: T=1 29.9, T=16 S=16 37.1, T=64 S=64 53.0
+# (32-row tiles, 4 splits; 16-row unsplit 63.2), T=256 S=64 64.9.
 _SHRINK_SPARSE: dict[tuple[int, str], tuple[int, int, int, int, int]] = {
     (16, "low"): (16, 256, 8, 4, 3),
     (16, "high"): (16, 256, 8, 4, 3),
-    (64, "low"): (16, 256, 8, 4, 3),
+    (64, "low"): (32, 256, 4, 4, 3),
     (64, "high"): (16, 128, 8, 4, 3),
     (256, "low"): (16, 256, 4, 4, 3),
     (256, "high"): (16, 128, 4, 4, 3),
     (T_BUCKETS[-1], "low"): (16, 256, 2, 4, 3),
     (T_BUCKETS[-1], "high"): (16, 128, 2, 4, 3),
 }
+# Expand: a 16x256 tile won every decode shape (T=64 S=64: 93.1 summed; 32x128 before).
 _EXPAND_SPARSE: dict[tuple[int, str], tuple[int, int, int, int, bool]] = {
     (16, "low"): (16, 256, 4, 2, True),
     (16, "high"): (16, 256, 4, 2, True),
@@ -190,13 +197,12 @@ class FusedConfig:
 
 FUSED_MAX_RANK = 64
 
-# (T bucket, density, rank bucket) -> fused config, or None where two launches win.
-_FUSED_TABLE: dict[tuple[int, str, str], tuple[int, int, int, int, int, int] | None] = {
-    (16, "sparse", "low"): (16, 256, 256, 4, 4, 3),
-    (16, "sparse", "high"): (16, 256, 128, 4, 4, 3),
-    (16, "dense", "low"): (16, 256, 256, 2, 4, 3),
-    (16, "dense", "high"): (16, 256, 128, 2, 4, 3),
-}
+# (T bucket, density, rank bucket) -> fused config, or None where two launches win. The decode
+# sweep of 2026-12-02 found no shape where it did: at T=1 the best fused launch took 12.4 µs
+# (qkv) against 6.8 + 3.4 for the pair, and at T=64 S=64 70.9 against 57.5 (gate_up): each
+# program re-reads its slot's A for every column block it writes, which costs more than the
+# second launch saves. The table stays empty until a sweep on some GPU says otherwise.
+_FUSED_TABLE: dict[tuple[int, str, str], tuple[int, int, int, int, int, int] | None] = {}
 
 
 def shrink_config(
@@ -387,6 +393,7 @@ def _sgmm_expand_kernel(
     N2,
     OFF1,
     OFF2,
+    N_BLOCKS,  # column blocks per program
     # strides
     stride_ot,
     stride_on,
@@ -429,8 +436,8 @@ def _sgmm_expand_kernel(
         b_ptr = b1_ptr
     else:
         b_ptr = b2_ptr
-    n_start = pid_n * BLOCK_N
-    if n_start >= n_size:
+    n_first = pid_n * N_BLOCKS * BLOCK_N
+    if n_first >= n_size:
         return
     has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
     if not has_tile:
@@ -441,31 +448,36 @@ def _sgmm_expand_kernel(
     offs_m = row_begin + tl.arange(0, BLOCK_M)
     mask_m = offs_m < seg_end
     tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n_size
     offs_k = tl.arange(0, BLOCK_K)
     v_ptrs = v_ptr + pid_i.to(tl.int64) * stride_vi + tok[:, None] * stride_vt
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
-    o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
-    o_mask = mask_m[:, None] & mask_n[None, :]
-    if PREFETCH_OUT:
-        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The loop runs to the slot's rank, not R_MAX.
-    for k in range(0, tl.cdiv(rank, BLOCK_K)):
-        kk = k * BLOCK_K + offs_k
-        mask_k = kk < rank
-        vt = tl.load(v_ptrs + kk[None, :] * stride_vr, mask=mask_m[:, None] & mask_k[None, :])
-        bt = tl.load(b_ptrs + kk[:, None] * stride_br, mask=mask_k[:, None] & mask_n[None, :])
-        vt = vt.to(bt.dtype)
-        if DOT_FP32:
-            acc += tl.dot(vt.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(vt, bt)
     scale = tl.load(scales_ptr + slot)
-    if not PREFETCH_OUT:
-        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-    tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
+    # N_BLOCKS column blocks per program: a program streams a longer run of B and out, so
+    # fewer programs each keep more loads in flight (decode: one token per adapter).
+    for j in range(0, N_BLOCKS):
+        offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_size
+        b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
+        o_mask = mask_m[:, None] & mask_n[None, :]
+        if PREFETCH_OUT:
+            o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The loop runs to the slot's rank, not R_MAX.
+        for k in range(0, tl.cdiv(rank, BLOCK_K)):
+            kk = k * BLOCK_K + offs_k
+            mask_k = kk < rank
+            vt = tl.load(v_ptrs + kk[None, :] * stride_vr, mask=mask_m[:, None] & mask_k[None, :])
+            bt = tl.load(b_ptrs + kk[:, None] * stride_br, mask=mask_k[:, None] & mask_n[None, :])
+            vt = vt.to(bt.dtype)
+            if DOT_FP32:
+                acc += tl.dot(vt.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(vt, bt)
+        if not PREFETCH_OUT:
+            o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        tl.store(
+            o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask
+        )
 
 
 @triton.jit
@@ -640,6 +652,8 @@ def _check_config(cfg: SgmmConfig) -> None:
             raise ValueError(f"config.{name} must be a power of two >= 16, got {val}")
     if cfg.split_k < 1:
         raise ValueError(f"config.split_k must be >= 1, got {cfg.split_k}")
+    if cfg.n_blocks < 1:
+        raise ValueError(f"config.n_blocks must be >= 1, got {cfg.n_blocks}")
 
 
 def sgmm_shrink(
@@ -768,7 +782,7 @@ def _launch_expand(
     _check_config(cfg)
     grid = (
         _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m),
-        triton.cdiv(n_max, cfg.block_n),
+        int(triton.cdiv(n_max, cfg.block_n * cfg.n_blocks)),
         shapes.n_slices,
     )
     return run(
@@ -791,6 +805,7 @@ def _launch_expand(
             sizes[2],
             offs[1],
             offs[2],
+            cfg.n_blocks,
             out.stride(0),
             out.stride(1),
             v.stride(0),
