@@ -156,8 +156,8 @@ REFUSED_CONFIG = [
     ("qwen2", {"mlp_bias": True}, "mlp_bias"),
     ("qwen3", {"use_mrope": True}, "use_mrope"),
     ("qwen3", {"mlp_bias": True}, "mlp_bias"),
-    ("phi3", {}, "model_type"),
-    ("gemma2", {}, "model_type"),
+    ("gemma3_text", {}, "model_type"),
+    ("phimoe", {}, "model_type"),
 ]
 
 

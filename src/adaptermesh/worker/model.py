@@ -1,4 +1,5 @@
-"""Llama-family model runtime (Llama, Mistral, Qwen2, Qwen3) with multi-LoRA linear layers.
+"""Llama-family model runtime (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2) with
+multi-LoRA linear layers.
 
 One forward pass runs a flat batch of T token rows over a paged KV cache (``StepInputs``):
 a decode region of sequences with one query row each, then a prefill region of prompt chunks.
@@ -8,12 +9,14 @@ write, and the residual adds with RMSNorm.
 Every targeted linear module adds its LoRA delta through ``lora_ops.add_lora`` over the whole
 flat batch, so requests for different adapters (and the base model, slot -1) share each launch.
 q/k/v form one group of 3 slices and gate/up one group of 2 slices, matching the fused base
-weights.
+weights. Phi-3 checkpoints store those fused (qkv_proj, gate_up_proj) and load as they are;
+an adapter on a fused module is split onto the slices (``FUSED_MODULES``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +28,21 @@ from safetensors import safe_open
 from adaptermesh import kernels
 from adaptermesh.worker import lora_ops
 from adaptermesh.worker.kv_cache import PagedKVCache
-from adaptermesh.worker.model_fields import ACTIVATIONS, IGNORED_TENSOR_SUFFIXES, check_model_config
+from adaptermesh.worker.model_fields import (
+    ACTIVATIONS,
+    IGNORED_TENSOR_SUFFIXES,
+    check_model_config,
+    gemma_act,
+    rotary_dim,
+)
 
 if TYPE_CHECKING:
     from adaptermesh.worker.adafuse import GatedTerms
 
+log = logging.getLogger(__name__)
+
 __all__ = [
+    "FUSED_MODULES",
     "GROUPS",
     "MODULE_TO_GROUP",
     "SUPPORTED_MODULES",
@@ -53,6 +65,10 @@ MODULE_TO_GROUP: dict[str, tuple[str, int]] = {
     m: (g, i) for g, ms in GROUPS.items() for i, m in enumerate(ms)
 }
 SUPPORTED_MODULES: tuple[str, ...] = tuple(MODULE_TO_GROUP)
+# A checkpoint's fused module -> the modules it stacks, in row order (Phi-3). An adapter on it
+# has one A for all of them and a B whose row blocks are theirs.
+FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": GROUPS["qkv"], "gate_up_proj": GROUPS["gate_up"]}
+_PHI3_MODULES: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _layer_windows(model_type: str, d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
@@ -66,6 +82,15 @@ def _layer_windows(model_type: str, d: dict[str, Any], num_layers: int) -> tuple
     if model_type == "mistral":
         w = d.get("sliding_window", 4096)
         return tuple([int(w)] * num_layers) if w else ()
+    if model_type == "phi3":
+        w = d.get("sliding_window")
+        return tuple([int(w)] * num_layers) if w else ()
+    if model_type == "gemma2":
+        # Gemma2Config: window 4096 when absent, even layers sliding when layer_types is absent.
+        w = d.get("sliding_window", 4096)
+        types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        out = tuple(int(w) if w and t == "sliding_attention" else None for t in types)
+        return out if any(x is not None for x in out) else ()
     if model_type in ("qwen2", "qwen3"):
         w = d.get("sliding_window", 4096)
         if not d.get("use_sliding_window", False) or not w:
@@ -105,6 +130,23 @@ class ModelConfig:
     # Per layer: the sliding window, or None for full attention. Empty: no windows anywhere.
     layer_windows: tuple[int | None, ...] = ()
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
+    rotary_dim: int = 0  # rotated dimensions of a head (partial_rotary_factor); 0: head_dim
+    attn_scale: float | None = None  # softmax scale (Gemma 2: query_pre_attn_scalar^-0.5); None: head_dim^-0.5
+    attn_softcap: float | None = None  # scores -> c * tanh(scores / c)
+    final_softcap: float | None = None  # logits -> c * tanh(logits / c)
+    gemma_norm: bool = False  # RMSNorm scales by (1 + weight), in fp32
+    embed_scale: float | None = None  # embeddings times sqrt(hidden_size), rounded to the dtype
+    sandwich_norm: bool = False  # Gemma 2: norms after attention and around the MLP too
+    fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj are stored fused
+
+    @property
+    def rot_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def adapter_modules(self) -> tuple[str, ...]:
+        """The linear modules of the checkpoint an adapter may target, as PEFT names them."""
+        return _PHI3_MODULES if self.fused_checkpoint else SUPPORTED_MODULES
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -119,8 +161,9 @@ class ModelConfig:
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         kv_heads = int(d.get("num_key_value_heads") or heads)
-        # Qwen3Config's head_dim defaults to 128, not hidden / heads.
-        head_dim = int(d.get("head_dim") or (128 if model_type == "qwen3" and "head_dim" not in d else hidden // heads))
+        # Qwen3Config's head_dim defaults to 128 and Gemma's to 256, not hidden / heads.
+        default_hd = {"qwen3": 128, "gemma": 256, "gemma2": 256}.get(model_type) if "head_dim" not in d else None
+        head_dim = int(d.get("head_dim") or default_hd or hidden // heads)
         # transformers 5 nests RoPE settings in rope_parameters; 4.x uses rope_theta + rope_scaling.
         rope_params = d.get("rope_parameters")
         scaling: dict[str, Any] | None
@@ -134,14 +177,31 @@ class ModelConfig:
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
             scaling["rope_type"] = rope_type
             scaling.pop("type", None)
-            scaling.pop("partial_rotary_factor", None)  # only 1.0 passes model_fields
+            scaling.pop("partial_rotary_factor", None)  # read by model_fields.rotary_dim
+            if rope_type == "su":
+                rope_type = scaling["rope_type"] = "longrope"
+            if rope_type == "longrope":
+                # Phi3Config's top-level original_max_position_embeddings (default 4096) wins.
+                scaling["original_max_position_embeddings"] = int(d.get("original_max_position_embeddings", 4096))
             if rope_type == "default":
                 scaling = None
         eos = d.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         num_layers = int(d["num_hidden_layers"])
-        attention_bias = model_type in ("llama", "qwen3") and bool(d.get("attention_bias", False))
+        attention_bias = model_type in ("llama", "qwen3", "gemma", "gemma2") and bool(d.get("attention_bias", False))
         windows = _layer_windows(model_type, d, num_layers)
+        gemma = model_type in ("gemma", "gemma2")
+        if model_type == "gemma":
+            act = gemma_act(d)
+        elif model_type == "gemma2":
+            act = str(d.get("hidden_activation", "gelu_pytorch_tanh"))
+        else:
+            act = str(d.get("hidden_act", "silu"))
+        rot = rotary_dim({**d, "head_dim": head_dim})
+        caps: dict[str, float | None] = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+        if model_type == "gemma2":  # Gemma2Config's defaults: 50 and 30
+            caps = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+            caps.update({k: d[k] for k in caps if k in d})
         return cls(
             arch=model_type,
             vocab_size=int(d["vocab_size"]),
@@ -155,16 +215,24 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             eos_token_ids=eos_ids,
             bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
             sliding_window=max((w for w in windows if w is not None), default=None),
             o_bias=attention_bias,
             mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
-            act=ACTIVATIONS[str(d.get("hidden_act", "silu"))],
+            act=ACTIVATIONS[act],
             layer_windows=windows,
             qk_norm=model_type == "qwen3",
+            rotary_dim=rot if rot != head_dim else 0,
+            attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5 if model_type == "gemma2" else None,
+            attn_softcap=None if caps["attn_logit_softcapping"] is None else float(caps["attn_logit_softcapping"]),
+            final_softcap=None if caps["final_logit_softcapping"] is None else float(caps["final_logit_softcapping"]),
+            gemma_norm=gemma,
+            embed_scale=math.sqrt(hidden) if gemma else None,
+            sandwich_norm=model_type == "gemma2",
+            fused_checkpoint=model_type == "phi3",
         )
 
     @classmethod
@@ -175,10 +243,12 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
     def module_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of a targetable linear module."""
+        """(in_features, out_features) of a targetable linear module (or a fused one)."""
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         return {
+            "qkv_proj": (self.hidden_size, q + 2 * kv),
+            "gate_up_proj": (self.hidden_size, 2 * self.intermediate_size),
             "q_proj": (self.hidden_size, q),
             "k_proj": (self.hidden_size, kv),
             "v_proj": (self.hidden_size, kv),
@@ -190,8 +260,8 @@ class ModelConfig:
 
 
 def rope_inv_freq(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] (fp32) and the attention scaling factor for cos/sin."""
-    dim = cfg.head_dim
+    """Inverse frequencies [rotary_dim/2] (fp32) and the attention scaling factor for cos/sin."""
+    dim = cfg.rot_dim
     base = cfg.rope_theta
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     sc = cfg.rope_scaling
@@ -254,7 +324,28 @@ def rope_inv_freq(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float]:
         extrapolation = 1 - ramp
         interp = inv / yf
         return interp * (1 - extrapolation) + inv * extrapolation, mscale
-    raise ValueError(f"config.rope_scaling.rope_type: unsupported {kind!r} (linear, dynamic, llama3, yarn)")
+    if kind == "longrope":
+        # transformers' _compute_longrope_parameters. Which factors apply is fixed at the
+        # serving context length, like dynamic above: transformers picks per forward call
+        # (long once the call's last position passes the original length), which a KV cache
+        # cannot follow without re-rotating cached keys. With max_len <= the original length
+        # this is transformers' output for every sequence; above it, the long factors apply
+        # from position 0, as in transformers' forward over any sequence past that length.
+        orig_l = float(sc["original_max_position_embeddings"])
+        lf = float(sc["factor"]) if sc.get("factor") is not None else cfg.max_position_embeddings / orig_l
+        af = sc.get("attention_factor")
+        if af is None:
+            af = 1.0 if lf <= 1.0 else math.sqrt(1 + math.log(lf) / math.log(orig_l))
+        long = max_len > orig_l
+        if long:
+            log.warning(
+                "LongRoPE: max_model_len %d > original_max_position_embeddings %d, so every sequence uses the "
+                "long factors; transformers uses the short ones for sequences of at most %d tokens",
+                max_len, int(orig_l), int(orig_l),
+            )
+        ext = torch.tensor(sc["long_factor"] if long else sc["short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), float(af)
+    raise ValueError(f"config.rope_scaling.rope_type: unsupported {kind!r} (linear, dynamic, llama3, yarn, longrope)")
 
 
 @dataclass(slots=True)
@@ -373,16 +464,26 @@ class TransformerModel:
         self.layers: list[dict[str, torch.Tensor]] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
+            if cfg.fused_checkpoint:
+                wqkv, wgu = take(p + "self_attn.qkv_proj.weight"), take(p + "mlp.gate_up_proj.weight")
+            else:
+                wqkv = torch.cat([take(p + f"self_attn.{m}.weight") for m in GROUPS["qkv"]]).contiguous()
+                wgu = torch.cat([take(p + f"mlp.{m}.weight") for m in GROUPS["gate_up"]]).contiguous()
             layer = {
                 "ln1": take(p + "input_layernorm.weight"),
-                "ln2": take(p + "post_attention_layernorm.weight"),
-                "wqkv": torch.cat(
-                    [take(p + f"self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")]
-                ).contiguous(),
+                "wqkv": wqkv,
                 "wo": take(p + "self_attn.o_proj.weight"),
-                "wgu": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
+                "wgu": wgu,
                 "wd": take(p + "mlp.down_proj.weight"),
             }
+            if cfg.sandwich_norm:
+                # Gemma 2: post_attention_layernorm normalises the attention output; the MLP
+                # input is pre_feedforward_layernorm's, and its output gets its own norm.
+                layer["ln_attn_out"] = take(p + "post_attention_layernorm.weight")
+                layer["ln2"] = take(p + "pre_feedforward_layernorm.weight")
+                layer["ln_mlp_out"] = take(p + "post_feedforward_layernorm.weight")
+            else:
+                layer["ln2"] = take(p + "post_attention_layernorm.weight")
             if cfg.qkv_bias:
                 layer["bqkv"] = torch.cat(
                     [take(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")]
@@ -409,13 +510,18 @@ class TransformerModel:
             raise ValueError(f"model weights: tensor {left[0]}{more} is not used by any module of the {cfg.arch} runtime")
         inv, mscale = rope_inv_freq(cfg, max_len)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
-        # [max_len, D]: cos of each frequency, then sin, rounded to the model dtype like the
-        # cos/sin tables of transformers' Llama.
+        # [max_len, rotary_dim]: cos of each frequency, then sin, rounded to the model dtype
+        # like the cos/sin tables of transformers' Llama.
         self.cos_sin = torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1).to(device=device, dtype=dtype)
         self.act = cfg.act
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        self.rotary_dim = cfg.rotary_dim or None
+        # Gemma multiplies the embeddings by sqrt(hidden) cast to the model dtype.
+        self.embed_scale = (
+            None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale, dtype=torch.float32).to(device=device, dtype=dtype)
+        )
 
     def module_weight(self, layer: int, module: str) -> torch.Tensor:
         """The live [out, in] weight of one module: a row range of the fused weight, so it is
@@ -470,7 +576,10 @@ class TransformerModel:
         targeted module.
         """
         cfg = self.cfg
+        gn = cfg.gemma_norm
         h = self.embed.index_select(0, inp.input_ids)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         if gated is not None:
             gated.route(h)
         lp = (pool, meta) if pool is not None and meta is not None and meta.any_lora else None
@@ -481,9 +590,9 @@ class TransformerModel:
         d: torch.Tensor | None = None
         for li, layer in enumerate(self.layers):
             if d is None:
-                x = kernels.rms_norm(h, layer["ln1"], cfg.rms_eps)
+                x = kernels.rms_norm(h, layer["ln1"], cfg.rms_eps, gemma=gn)
             else:
-                x = kernels.rms_norm(d, layer["ln1"], cfg.rms_eps, residual=residual)
+                x = kernels.rms_norm(d, layer["ln1"], cfg.rms_eps, residual=residual, gemma=gn)
             if "bqkv" in layer:
                 qkv = torch.addmm(layer["bqkv"], x, layer["wqkv"].T)
             else:
@@ -500,7 +609,7 @@ class TransformerModel:
                 q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), layer["qn"], cfg.rms_eps).view(q.shape)
                 k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), layer["kn"], cfg.rms_eps).view(k.shape)
             kc, vc = kv.k[li], kv.v[li]
-            kernels.rope_kv_write(q, k, v, inp.positions, self.cos_sin, kc, vc, inp.slot_mapping)
+            kernels.rope_kv_write(q, k, v, inp.positions, self.cos_sin, kc, vc, inp.slot_mapping, rotary_dim=self.rotary_dim)
             self._attention(attn, q, kc, vc, inp, cfg.window(li))
             a2 = attn.view(T, -1)
             o = torch.addmm(layer["bo"], a2, layer["wo"].T) if "bo" in layer else a2 @ layer["wo"].T
@@ -508,7 +617,9 @@ class TransformerModel:
                 _apply_lora(*lp, "o", li, o, a2)
             if gated is not None:
                 gated.apply(li, "o", o, a2)
-            x = kernels.rms_norm(o, layer["ln2"], cfg.rms_eps, residual=residual)
+            if "ln_attn_out" in layer:
+                o = kernels.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
+            x = kernels.rms_norm(o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn)
             gu = torch.addmm(layer["bgu"], x, layer["wgu"].T) if "bgu" in layer else x @ layer["wgu"].T
             if lp is not None:
                 _apply_lora(*lp, "gate_up", li, gu, x)
@@ -520,11 +631,16 @@ class TransformerModel:
                 _apply_lora(*lp, "down", li, d, act)
             if gated is not None:
                 gated.apply(li, "down", d, act)
+            if "ln_mlp_out" in layer:
+                d = kernels.rms_norm(d, layer["ln_mlp_out"], cfg.rms_eps, gemma=gn)
         assert d is not None
         rows_d = d.index_select(0, inp.logits_rows)
         rows_r = residual.index_select(0, inp.logits_rows)
-        hn = kernels.rms_norm(rows_d, self.norm, cfg.rms_eps, residual=rows_r)
-        return (hn @ self.lm_head.T).float()
+        hn = kernels.rms_norm(rows_d, self.norm, cfg.rms_eps, residual=rows_r, gemma=gn)
+        logits = (hn @ self.lm_head.T).float()
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits
 
     def _attention(
         self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, inp: StepInputs, window: int | None
@@ -537,11 +653,13 @@ class TransformerModel:
             kernels.paged_attention(
                 out, q, kc, vc, inp.block_tables[:nd], inp.seq_lens[:nd], inp.query_start[: nd + 1],
                 scale=self.scale, max_query_len=1, sliding_window=window, num_splits=inp.num_splits,
+                softcap=self.cfg.attn_softcap,
             )
         if nd < S and inp.max_prefill_len > 0:
             kernels.paged_attention(
                 out, q, kc, vc, inp.block_tables[nd:], inp.seq_lens[nd:], inp.query_start[nd:],
                 scale=self.scale, max_query_len=inp.max_prefill_len, sliding_window=window,
+                softcap=self.cfg.attn_softcap,
             )
 
 

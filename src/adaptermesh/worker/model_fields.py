@@ -23,6 +23,8 @@ __all__ = [
     "ROPE_KEYS",
     "check_adapter_config",
     "check_model_config",
+    "gemma_act",
+    "rotary_dim",
 ]
 
 Check = Callable[[Any, Mapping[str, Any]], str | None]
@@ -47,7 +49,12 @@ ROPE_KEYS: dict[str, frozenset[str]] = {
         "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
         "attention_factor", "truncate",
     }),
+    # Phi-3 LongRoPE ("su" in the first Phi-3 configs): per-frequency short/long factors.
+    "longrope": frozenset({"short_factor", "long_factor", "factor", "attention_factor", "original_max_position_embeddings"}),
 }
+# RoPE types each architecture's transformers config accepts (phi3 validates to these two).
+_ROPE_TYPES_PHI3 = frozenset({"default", "longrope", "su"})
+_ROPE_TYPES_COMMON = frozenset(ROPE_KEYS) - {"longrope"}
 
 # Checkpoint tensors no module consumes on purpose: buffers some exporters save.
 IGNORED_TENSOR_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
@@ -109,24 +116,77 @@ def _kv_heads(v: Any, d: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _rope(v: Any, d: Mapping[str, Any]) -> str | None:
+def rotary_dim(d: Mapping[str, Any]) -> int:
+    """The rotated dimensions of a head: head_dim x partial_rotary_factor (top level, or inside
+    rope_parameters / rope_scaling), as transformers computes ``dim``; head_dim when absent."""
+    heads = int(d.get("num_attention_heads") or 1)
+    head_dim = int(d.get("head_dim") or int(d.get("hidden_size") or 0) // heads)
+    factor = d.get("partial_rotary_factor")
+    for key in ("rope_parameters", "rope_scaling"):
+        inner = d.get(key)
+        if isinstance(inner, dict) and inner.get("partial_rotary_factor") is not None:
+            factor = inner["partial_rotary_factor"]
+    return int(head_dim * float(factor if factor is not None else 1.0))
+
+
+def _partial_factor(v: Any, d: Mapping[str, Any]) -> str | None:
     if v is None:
         return None
-    if not isinstance(v, dict):
-        return "must be an object or null"
-    kind = v.get("rope_type", v.get("type", "default"))
-    if kind not in ROPE_KEYS:
-        return f"rope_type {kind!r} is not implemented (supported: {', '.join(ROPE_KEYS)})"
-    for key, val in v.items():
-        if key in ("rope_type", "type", "rope_theta"):
-            continue
-        if key == "partial_rotary_factor" and val in (1, 1.0, None):
-            continue
-        if key not in ROPE_KEYS[kind]:
-            return f"{key}={val!r} is not implemented for rope_type {kind!r}"
-    if kind != "default" and "factor" not in v and kind != "yarn":
-        return f"rope_type {kind!r} needs a factor"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+        return "must be a number in (0, 1]"
+    rot = rotary_dim(d)
+    if rot < 2 or rot % 2:
+        return f"gives {rot} rotated dimensions per head, which must be even and >= 2"
     return None
+
+
+def _factor_list(v: Any, n: int) -> str | None:
+    if not isinstance(v, list) or len(v) != n:
+        return f"must be a list of {n} numbers (rotary_dim / 2)"
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v):
+        return "must hold positive numbers"
+    return None
+
+
+def _rope_check(kinds: frozenset[str], partial: bool) -> Check:
+    """rope_scaling / rope_parameters: a type in ``kinds`` with only the keys it reads;
+    ``partial``: partial_rotary_factor (any valid value) is honoured, else only 1.0."""
+
+    def check(v: Any, d: Mapping[str, Any]) -> str | None:
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            return "must be an object or null"
+        kind = v.get("rope_type", v.get("type", "default"))
+        if kind not in kinds:
+            return f"rope_type {kind!r} is not implemented for {d.get('model_type')} (supported: {', '.join(sorted(kinds))})"
+        kind = "longrope" if kind == "su" else kind
+        for key, val in v.items():
+            if key in ("rope_type", "type", "rope_theta"):
+                continue
+            if key == "partial_rotary_factor":
+                if partial:
+                    msg = _partial_factor(val, d)
+                    if msg:
+                        return f"partial_rotary_factor={val!r} {msg}"
+                    continue
+                if val in (1, 1.0, None):
+                    continue
+            if key not in ROPE_KEYS[kind]:
+                return f"{key}={val!r} is not implemented for rope_type {kind!r}"
+        if kind == "longrope":
+            for key in ("short_factor", "long_factor"):
+                msg = _factor_list(v.get(key), rotary_dim(d) // 2)
+                if msg:
+                    return f"{key} {msg}"
+        elif kind != "default" and "factor" not in v and kind != "yarn":
+            return f"rope_type {kind!r} needs a factor"
+        return None
+
+    return check
+
+
+_rope = _rope_check(_ROPE_TYPES_COMMON, partial=False)
 
 
 def _null_window(v: Any, d: Mapping[str, Any]) -> str | None:
@@ -146,6 +206,43 @@ def _layer_types_qwen2(v: Any, d: Mapping[str, Any]) -> str | None:
     if not isinstance(v, list) or len(v) != n or any(x not in ("full_attention", "sliding_attention") for x in v):
         return f"must list full_attention or sliding_attention for each of the {n} layers"
     return None
+
+
+def _opt_number(v: Any, d: Mapping[str, Any]) -> str | None:
+    return None if v is None else _number(v, d)
+
+
+def _any(v: Any, d: Mapping[str, Any]) -> str | None:
+    return None
+
+
+def _equals(*allowed: Any) -> Check:
+    def check(v: Any, d: Mapping[str, Any]) -> str | None:
+        return None if v in allowed else f"is not implemented (only {' or '.join(repr(a) for a in allowed)})"
+
+    return check
+
+
+def _phi3_auto_map(v: Any, d: Mapping[str, Any]) -> str | None:
+    # Phi-3 checkpoints published before transformers had the architecture name their own
+    # copies of it; transformers loads its built-in Phi3 for them unless told to trust the
+    # remote code. Served only when every entry names a Phi-3 class.
+    if isinstance(v, dict) and v and all(isinstance(x, str) and x.rsplit(".", 1)[-1].startswith("Phi3") for x in v.values()):
+        return None
+    return "custom modeling code is not implemented (only the Phi3Config / Phi3ForCausalLM entries of Phi-3 checkpoints)"
+
+
+def _gemma_hidden_activation(v: Any, d: Mapping[str, Any]) -> str | None:
+    # transformers 5's GemmaMLP reads hidden_act (legacy "gelu" meaning the tanh form); a
+    # hidden_activation naming another function would be served differently by older code.
+    want = gemma_act(d)
+    return None if v is None or v == want else f"differs from hidden_act ({want!r}), which is what runs"
+
+
+def gemma_act(d: Mapping[str, Any]) -> str:
+    """Gemma 1's activation as GemmaConfig resolves it: hidden_act, "gelu" read as the tanh form."""
+    act = str(d.get("hidden_act", "gelu_pytorch_tanh"))
+    return "gelu_pytorch_tanh" if act == "gelu" else act
 
 
 def _never(reason: str) -> Check:
@@ -207,6 +304,47 @@ ARCH_FIELDS: dict[str, dict[str, Check]] = {
         "max_window_layers": lambda v, d: None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "must be a non-negative integer",
         "layer_types": _layer_types_qwen2,
     },
+}
+
+_NO_HIDDEN_ACT = {k: v for k, v in _COMMON.items() if k != "hidden_act"}
+
+ARCH_FIELDS["phi3"] = {
+    **_COMMON,
+    "rope_scaling": _rope_check(_ROPE_TYPES_PHI3, partial=True),
+    "rope_parameters": _rope_check(_ROPE_TYPES_PHI3, partial=True),
+    "partial_rotary_factor": _partial_factor,
+    "original_max_position_embeddings": _pos_int,
+    "sliding_window": _opt_pos_int,  # every layer
+    "resid_pdrop": _any,  # dropout: training only
+    "embd_pdrop": _any,
+    "auto_map": _phi3_auto_map,
+    # Carried by Phi-4-mini's published config; transformers' Phi3 reads none of them, and
+    # only these values are what the checkpoint was exported with.
+    "attention_bias": _false,
+    "mlp_bias": _false,
+    "lm_head_bias": _false,
+    "full_attn_mod": _equals(1),
+    "interpolate_factor": _equals(1, 1.0),
+}
+ARCH_FIELDS["gemma"] = {
+    **_COMMON,
+    "hidden_act": lambda v, d: _hidden_act(gemma_act(d), d),
+    "hidden_activation": _gemma_hidden_activation,
+    "attention_bias": _bool,  # q/k/v/o biases
+    "use_bidirectional_attention": _false,
+}
+ARCH_FIELDS["gemma2"] = {
+    **_NO_HIDDEN_ACT,
+    "hidden_activation": _hidden_act,
+    "hidden_act": _any,  # published configs carry it; Gemma2MLP reads hidden_activation only
+    "attention_bias": _bool,
+    "query_pre_attn_scalar": _number,
+    "sliding_window": _opt_pos_int,
+    "layer_types": _layer_types_qwen2,
+    "attn_logit_softcapping": _opt_number,
+    "final_logit_softcapping": _opt_number,
+    "use_bidirectional_attention": _false,
+    "cache_implementation": _any,  # generation's cache class
 }
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")

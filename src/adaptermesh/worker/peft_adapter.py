@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from adaptermesh.worker.model import (
+    FUSED_MODULES,
     GROUPS,
     MODULE_TO_GROUP,
     SUPPORTED_MODULES,
@@ -39,6 +40,7 @@ __all__ = [
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,199}$")
 _PARENTS = {m: ("self_attn" if m in GROUPS["qkv"] or m == "o_proj" else "mlp") for m in SUPPORTED_MODULES}
+_PARENTS.update(qkv_proj="self_attn", gate_up_proj="mlp")
 
 
 class AdapterValidationError(AdapterNotFoundError):
@@ -160,11 +162,12 @@ def _target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tu
             re.compile(exclude)
         except re.error as e:
             raise _fail(name, "exclude_modules", f"invalid regular expression: {e}") from None
+    modules = cfg.adapter_modules
     full = {
-        (layer, m): f"model.layers.{layer}.{_PARENTS[m]}.{m}" for layer in range(cfg.num_layers) for m in SUPPORTED_MODULES
+        (layer, m): f"model.layers.{layer}.{_PARENTS[m]}.{m}" for layer in range(cfg.num_layers) for m in modules
     }
     if raw == "all-linear":
-        raw = list(SUPPORTED_MODULES)  # PEFT expands it to every linear but the output head
+        raw = list(modules)  # PEFT expands it to every linear but the output head
     if isinstance(raw, str):
         if layer_ids is not None:
             raise _fail(name, "layers_to_transform", "cannot be combined with a regular-expression target_modules")
@@ -183,7 +186,7 @@ def _target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tu
                 if entry == path or path.endswith("." + entry) or entry.endswith(short):
                     raise _fail(name, "target_modules", f"{entry!r}: adapters on {short} are not implemented")
             if not any(path == entry or path.endswith("." + entry) for path in full.values()):
-                raise _fail(name, "target_modules", f"{entry!r} is not a module of the base model (supported: {', '.join(SUPPORTED_MODULES)})")
+                raise _fail(name, "target_modules", f"{entry!r} is not a module of the base model (supported: {', '.join(modules)})")
     else:
         raise _fail(name, "target_modules", "must be a non-empty list of module names or a string")
     out: set[tuple[int, str]] = set()
@@ -266,6 +269,9 @@ def read_adapter(
             raise _fail(name, fld, f"{pat!r} is not implemented here: every AdaFuse expert has one rank and one scale")
         patterns[fld] = pat
     targets = _target_set(name, cj, cfg)
+    fused = sorted({m for _, m in targets if m in FUSED_MODULES})
+    if fused and not per_module:
+        raise _fail(name, "target_modules", f"{fused[0]!r}: AdaFuse experts on a fused module are not implemented")
     # (layer, module) -> (rank, scale), as PEFT's LoraModel._create_and_replace picks them.
     per: dict[tuple[int, str], tuple[int, float]] = {}
     for layer, m in targets:
@@ -283,9 +289,8 @@ def read_adapter(
 
     header, data, wfld = _read_weights_file(name, path, pin_memory)
     entries: list[TensorEntry] = []
-    target_modules = {m for _, m in targets}
+    target_modules = {sub for _, m in targets for sub in FUSED_MODULES.get(m, (m,))}
     for layer, m in sorted(targets):
-        g, i = MODULE_TO_GROUP[m]
         prefix = f"base_model.model.model.layers.{layer}.{_PARENTS[m]}.{m}"
         fi, fo = cfg.module_shape(m)
         rm, sm = per[(layer, m)]
@@ -297,10 +302,10 @@ def read_adapter(
             dt, got_shape, start, end = h
             if got_shape != shape:
                 raise _fail(name, wfld, f"tensor {key} has shape {got_shape}, expected {shape} (rank {rm})")
-            ent = TensorEntry(key, g, i, layer, suffix == ".lora_B.weight", dt, shape, start, end)
-            if fold and ent.is_b:
+            is_b = suffix == ".lora_B.weight"
+            if fold and is_b:
                 data[start:end].view(dt).mul_(sm)  # this module's scale rides in its B
-            entries.append(ent)
+            entries.extend(_split_entry(cfg, key, m, layer, is_b, dt, shape, start))
     if header:
         extra = sorted(header)[0]
         why = "a bias or a saved module" if not extra.endswith((".lora_A.weight", ".lora_B.weight")) else "not in target_modules of the base model"
@@ -319,6 +324,28 @@ def read_adapter(
         # Without a GPU the slot copy cannot check finiteness on the device; check here, once.
         raise _fail(name, wfld, f"tensor {cpu.first_non_finite(data, dtype)} holds NaN or Inf")
     return cpu
+
+
+def _split_entry(
+    cfg: ModelConfig, key: str, module: str, layer: int, is_b: bool, dt: torch.dtype, shape: tuple[int, int], start: int
+) -> list[TensorEntry]:
+    """The pool entries of one file matrix. A fused module's (Phi-3 qkv_proj, gate_up_proj)
+    adapter computes ``B (A x)`` for the stacked output; each slice's rows of it are
+    ``B_rows (A x)``, so every slice gets the shared A and its own row block of B (rows of a
+    row-major B are one contiguous byte range)."""
+    parts = FUSED_MODULES.get(module, (module,))
+    out: list[TensorEntry] = []
+    row = 0
+    for sub in parts:
+        g, i = MODULE_TO_GROUP[sub]
+        if not is_b:
+            out.append(TensorEntry(key, g, i, layer, False, dt, shape, start, start + shape[0] * shape[1] * dt.itemsize))
+            continue
+        n = cfg.module_shape(sub)[1] if len(parts) > 1 else shape[0]
+        lo = start + row * shape[1] * dt.itemsize
+        out.append(TensorEntry(key, g, i, layer, True, dt, (n, shape[1]), lo, lo + n * shape[1] * dt.itemsize))
+        row += n
+    return out
 
 
 def _read_weights_file(
