@@ -165,7 +165,8 @@ def bench_rebalancer(repeats: int) -> dict[str, object]:
     shards, the BPF maps' size) x 8 workers through a real store (SQLite, FULL sync). The pure
     decision above keeps its 1,000-shard case."""
     from adaptermesh.assignment_rules import MAX_SHARDS
-    from adaptermesh.control_plane.rebalancer import FakeClock, Rebalancer, RebalancerConfig
+    from adaptermesh.clock import FakeClock
+    from adaptermesh.control_plane.rebalancer import Rebalancer, RebalancerConfig
     from adaptermesh.control_plane.store import Store
 
     rng = random.Random(11)

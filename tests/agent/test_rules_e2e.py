@@ -18,8 +18,8 @@ from adaptermesh.agent.backends import MeshXds, TableDatapath
 from adaptermesh.agent.daemon import Agent, AgentConfig
 from adaptermesh.bpf.table import FakeShardTable
 from adaptermesh.cli.adapterctl import node_state
+from adaptermesh.clock import FakeClock
 from adaptermesh.control_plane.auth import load_tokens
-from adaptermesh.control_plane.rebalancer import FakeClock
 from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
 from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.proto import assignment_pb2, control_plane_pb2, control_plane_pb2_grpc

@@ -7,11 +7,11 @@ import random
 import pytest
 
 from adaptermesh.agent.applier import Applier
-from adaptermesh.agent.backoff import Backoff
 from adaptermesh.agent.load import LoadTracker
 from adaptermesh.agent.metrics import AgentMetrics
 from adaptermesh.agent.ports import FlowEvent, ShardCounters
 from adaptermesh.agent.state import AssignmentStore
+from adaptermesh.backoff import Backoff
 
 from .fakes import FakeDatapath, FakeXds, make_assignment
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from adaptermesh.clock import FakeClock
 from adaptermesh.control_plane.auth import load_tokens
 from adaptermesh.control_plane.metrics_source import Target
 from adaptermesh.control_plane.policy import WorkerObservation
-from adaptermesh.control_plane.rebalancer import FakeClock
 from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
 from adaptermesh.proto import assignment_pb2, control_plane_pb2_grpc
 

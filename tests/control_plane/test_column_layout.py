@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from adaptermesh.clock import FakeClock
 from adaptermesh.control_plane.policy import (
     ColumnLayout,
     Observation,
@@ -24,7 +25,7 @@ from adaptermesh.control_plane.policy import (
     decide,
     endpoint_key,
 )
-from adaptermesh.control_plane.rebalancer import FakeClock, Rebalancer
+from adaptermesh.control_plane.rebalancer import Rebalancer
 from adaptermesh.control_plane.store import Store
 from adaptermesh.proto import assignment_pb2, control_plane_pb2
 

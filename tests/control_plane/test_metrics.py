@@ -12,11 +12,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from adaptermesh.clock import FakeClock
 from adaptermesh.control_plane import cli
 from adaptermesh.control_plane.auth import load_tokens
 from adaptermesh.control_plane.metrics import PREFIX, publish_cause
 from adaptermesh.control_plane.policy import WorkerObservation
-from adaptermesh.control_plane.rebalancer import FakeClock
 from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
 from adaptermesh.proto import control_plane_pb2 as cp_pb2
 from adaptermesh.proto import control_plane_pb2_grpc

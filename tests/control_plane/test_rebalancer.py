@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from adaptermesh.clock import FakeClock
 from adaptermesh.control_plane.metrics_source import Target
 from adaptermesh.control_plane.policy import WorkerObservation, endpoint_key
-from adaptermesh.control_plane.rebalancer import FakeClock, Rebalancer, RebalancerConfig
+from adaptermesh.control_plane.rebalancer import Rebalancer, RebalancerConfig
 from adaptermesh.control_plane.store import Store
 
 from .conftest import shard

@@ -28,7 +28,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from adaptermesh.agent.applier import Applier
-from adaptermesh.agent.backoff import Backoff
 from adaptermesh.agent.extproc import ExtProcConfig, ExtProcServer, MetricsPoller
 from adaptermesh.agent.http import build_app
 from adaptermesh.agent.load import LoadTracker
@@ -37,6 +36,7 @@ from adaptermesh.agent.picker import EndpointBook
 from adaptermesh.agent.ports import Datapath, FlowEvent, XdsSink
 from adaptermesh.agent.state import AssignmentStore
 from adaptermesh.agent.watch import AssignmentWatcher, LoadReporter
+from adaptermesh.backoff import Backoff
 from adaptermesh.httpserve import serve_app
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2_grpc
 

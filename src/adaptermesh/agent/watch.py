@@ -17,10 +17,10 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from adaptermesh.agent.applier import Applier
-from adaptermesh.agent.backoff import Backoff
 from adaptermesh.agent.load import LoadTracker, ShardRates
 from adaptermesh.agent.metrics import AgentMetrics
 from adaptermesh.agent.ports import Datapath
+from adaptermesh.backoff import Backoff
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2, control_plane_pb2_grpc
 
 __all__ = ["AssignmentWatcher", "LoadReporter", "auth_metadata"]

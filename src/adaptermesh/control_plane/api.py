@@ -24,7 +24,7 @@ from adaptermesh import assignment_rules as rules
 from adaptermesh.assignment_rules import RuleError
 from adaptermesh.control_plane.policy import BUDGET
 from adaptermesh.control_plane.rebalancer import PublishError, Rebalancer
-from adaptermesh.control_plane.store import AlreadyExistsError
+from adaptermesh.control_plane.store import AlreadyExistsError, override_message
 from adaptermesh.proto.adaptermesh.v1 import (
     assignment_pb2,
     control_plane_pb2,
@@ -311,13 +311,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
                 ),
                 f"override {request.shard_id}={request.weight}{ttl}: {reason}",
             )
-            out = assignment_pb2.Override(
-                shard_id=request.shard_id, weight=request.weight, reason=reason
-            )
-            out.created_at.FromNanoseconds(int(now * 1e9))
-            if expires is not None:
-                out.expires_at.FromNanoseconds(int(expires * 1e9))
-            return out
+            return override_message(request.shard_id, request.weight, reason, now, expires)
         except Exception as exc:
             await self._fail(context, exc)
 
@@ -346,13 +340,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     ) -> control_plane_pb2.ListOverridesResponse:
         out = control_plane_pb2.ListOverridesResponse()
         now = self._now()
-        for sid, weight, reason, expires_at, created_at in self.store.list_overrides():
-            if expires_at is not None and expires_at <= now:
-                continue  # expired; the next tick removes it
-            o = out.overrides.add(shard_id=sid, weight=weight, reason=reason)
-            o.created_at.FromNanoseconds(int(created_at * 1e9))
-            if expires_at is not None:
-                o.expires_at.FromNanoseconds(int(expires_at * 1e9))
+        out.overrides.extend(self.store.live_overrides(now))
         return out
 
     # -- pins ------------------------------------------------------------------------------

@@ -51,6 +51,8 @@ from operator import attrgetter
 import numpy as np
 import numpy.typing as npt
 
+from adaptermesh.assignment_rules import WEIGHT_BUDGET
+
 __all__ = [
     "BUDGET",
     "ColumnLayout",
@@ -72,7 +74,8 @@ __all__ = [
     "validate_weights",
 ]
 
-BUDGET = 10_000
+# Shard weights are parts per BUDGET over ACTIVE shards: the Assignment rules' constant.
+BUDGET = WEIGHT_BUDGET
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,12 +17,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from adaptermesh import assignment_rules as rules
+from adaptermesh.backoff import Backoff
+from adaptermesh.clock import Clock, SystemClock
 from adaptermesh.control_plane import policy
 from adaptermesh.control_plane.metrics import ControlPlaneMetrics
 from adaptermesh.control_plane.metrics_source import LoadSource, Target
@@ -41,62 +43,14 @@ from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
 
 __all__ = [
     "AssignmentHub",
-    "Clock",
-    "FakeClock",
     "PublishError",
     "Rebalancer",
     "RebalancerConfig",
-    "SystemClock",
 ]
 
 T = TypeVar("T")
 _F = npt.NDArray[np.float64]
 _ACTIVE = assignment_pb2.SHARD_STATE_ACTIVE
-
-
-class Clock(Protocol):
-    def time(self) -> float:
-        """Wall-clock seconds since the epoch: timestamps and TTLs (they survive restarts)."""
-        ...
-
-    def monotonic(self) -> float:
-        """Seconds for intervals and staleness."""
-        ...
-
-    async def sleep(self, seconds: float) -> None: ...
-
-
-class SystemClock:
-    def time(self) -> float:
-        return time.time()
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-
-
-class FakeClock:
-    """A clock that moves only when told to; ``sleep`` advances it and yields once."""
-
-    def __init__(self, start: float = 1_700_000_000.0) -> None:
-        self._t = start
-        self._mono = 1000.0
-
-    def time(self) -> float:
-        return self._t
-
-    def monotonic(self) -> float:
-        return self._mono
-
-    def step(self, seconds: float) -> None:
-        self._t += seconds
-        self._mono += seconds
-
-    async def sleep(self, seconds: float) -> None:
-        self.step(seconds)
-        await asyncio.sleep(0)
 
 
 class PublishError(Exception):
@@ -329,13 +283,7 @@ class Rebalancer:
                     ep.adapters.extend(observed)
         for cidr, shard_id in self.store.list_pins():
             out.pins.add(cidr=cidr, shard_id=shard_id)
-        for sid, weight, why, expires_at, created_at in self.store.list_overrides():
-            if expires_at is not None and expires_at <= now:
-                continue
-            o = out.overrides.add(shard_id=sid, weight=weight, reason=why)
-            o.created_at.FromNanoseconds(int(created_at * 1e9))
-            if expires_at is not None:
-                o.expires_at.FromNanoseconds(int(expires_at * 1e9))
+        out.overrides.extend(self.store.live_overrides(now))
         return out
 
     def _validate(self, assignment: assignment_pb2.Assignment) -> None:
@@ -452,21 +400,24 @@ class Rebalancer:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Repeat ``step()`` every interval until ``stop`` is set; back off after failures."""
         stop = stop or asyncio.Event()
+        # n failures in a row wait interval * 2**n, up to max_backoff_s (no jitter: there is
+        # one control plane, so no herd to spread out).
+        cap = self.config.max_backoff_s
+        backoff = Backoff(min(2 * self.config.interval_s, cap), cap, jitter=0.0)
         consecutive = 0
         while not stop.is_set():
             delay = self.config.interval_s
             try:
                 await self.step()
                 consecutive = 0
+                backoff.reset()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                consecutive += 1
                 self.failures += 1
                 self.last_error = repr(exc)
-                delay = min(
-                    self.config.max_backoff_s, self.config.interval_s * 2 ** min(consecutive, 16)
-                )
+                consecutive += 1
+                delay = backoff.next()
                 self.log.exception("rebalance step failed (%d in a row); retry in %.1fs",
                                    consecutive, delay)
             sleeper = asyncio.ensure_future(self.clock.sleep(delay))

@@ -15,12 +15,13 @@ from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from adaptermesh.clock import Clock
 from adaptermesh.control_plane.api import ApiLimits, ControlPlaneServicer, add_to_server
 from adaptermesh.control_plane.auth import AuthInterceptor, TokenTable, server_credentials
 from adaptermesh.control_plane.metrics import serve_metrics
 from adaptermesh.control_plane.metrics_source import LoadSource, PrometheusSource, ScrapeSource
 from adaptermesh.control_plane.policy import PolicyConfig
-from adaptermesh.control_plane.rebalancer import Clock, Rebalancer, RebalancerConfig
+from adaptermesh.control_plane.rebalancer import Rebalancer, RebalancerConfig
 from adaptermesh.control_plane.store import Store
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2
 

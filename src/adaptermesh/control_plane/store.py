@@ -23,7 +23,14 @@ from pathlib import Path
 
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "AlreadyExistsError", "Store", "StoreError"]
+__all__ = [
+    "MIGRATIONS",
+    "SCHEMA_VERSION",
+    "AlreadyExistsError",
+    "Store",
+    "StoreError",
+    "override_message",
+]
 
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # 0 -> 1: the core objects.
@@ -261,6 +268,15 @@ class Store:
         ).fetchall()
         return [(str(a), int(b), str(c), d, float(e)) for a, b, c, d, e in rows]
 
+    def live_overrides(self, now: float) -> list[assignment_pb2.Override]:
+        """The overrides in force at ``now`` (expired ones wait for the next tick's delete),
+        as the Assignment and ListOverrides carry them."""
+        return [
+            override_message(sid, weight, reason, created_at, expires_at)
+            for sid, weight, reason, expires_at, created_at in self.list_overrides()
+            if expires_at is None or expires_at > now
+        ]
+
     def delete_expired_overrides(self, now: float) -> list[str]:
         with self.transaction():
             rows = self._db.execute(
@@ -431,3 +447,14 @@ class Store:
             "SELECT node_id, applied_version, last_report, apply_error FROM nodes ORDER BY node_id"
         ).fetchall()
         return [(str(a), int(b), float(c), str(d)) for a, b, c, d in rows]
+
+
+def override_message(
+    shard_id: str, weight: int, reason: str, created_at: float, expires_at: float | None
+) -> assignment_pb2.Override:
+    """An override row as its message: the one conversion, for the API and the Assignment."""
+    o = assignment_pb2.Override(shard_id=shard_id, weight=weight, reason=reason)
+    o.created_at.FromNanoseconds(int(created_at * 1e9))
+    if expires_at is not None:
+        o.expires_at.FromNanoseconds(int(expires_at * 1e9))
+    return o

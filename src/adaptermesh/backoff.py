@@ -1,4 +1,5 @@
-"""Exponential backoff with full jitter for reconnect loops."""
+"""Exponential backoff, with jitter, for every retry loop: the agent's reconnects and the
+control plane's failed rebalance steps."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class Backoff:
 
     def next(self) -> float:
         ceiling = min(self.maximum, self.initial * self.multiplier**self._attempt)
-        self._attempt += 1
+        if ceiling < self.maximum:  # at the cap the exponent stops (no float overflow)
+            self._attempt += 1
         return ceiling * (1.0 - self.jitter * self._rng.random())
 
     def reset(self) -> None:
