@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import async_wait_until as wait_until
 
 from adaptermesh.agent.daemon import Agent, AgentConfig
 from adaptermesh.agent.ports import FlowEvent, ShardCounters
@@ -20,14 +20,6 @@ from adaptermesh.agent.state import AssignmentStore
 from .fakes import ControlPlaneServer, FakeControlPlane, FakeDatapath, FakeXds, make_assignment
 
 TOKEN = "agent-secret"
-
-
-async def wait_until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or cond}")
-        await asyncio.sleep(0.01)
 
 
 def free_port() -> int:
@@ -103,7 +95,9 @@ async def test_applies_streamed_assignments_and_reports_version_and_traffic(tmp_
         )
         # Traffic: counters grow and the ring buffer says which source went where.
         h.dp.counters = {0: ShardCounters(0, 0, 0), 1: ShardCounters(0, 0, 0)}
-        await asyncio.sleep(0.3)
+        # Two more reports: at least one sampled the zero counters.
+        seen = len(cp.servicer.reports)
+        await wait_until(lambda: len(cp.servicer.reports) >= seen + 2, what="a zero sample")
         h.dp.counters = {0: ShardCounters(1000, 150_000, 20), 1: ShardCounters(10, 900, 1)}
         h.dp.pending_events = [FlowEvent(1, f"10.9.0.{i}", 0, "maglev", 1) for i in range(5)]
 

@@ -6,12 +6,12 @@ and the control plane shows it DEGRADED."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
+from waiting import async_wait_until as wait_until
 
 from adaptermesh import assignment_rules as rules
 from adaptermesh.agent.backends import MeshXds, TableDatapath
@@ -25,14 +25,6 @@ from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.proto import assignment_pb2, control_plane_pb2, control_plane_pb2_grpc
 
 TOKEN = "rw-token-e2e-0123456789abcdef"
-
-
-async def wait_until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or cond}")
-        await asyncio.sleep(0.01)
 
 
 class Mesh:
@@ -168,11 +160,6 @@ async def test_a_bad_assignment_keeps_the_last_good_one_and_shows_degraded(mesh:
                 return node
         return None
 
-    deadline = time.monotonic() + 5
-    node = await degraded()
-    while node is None and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        node = await degraded()
-    assert node is not None, "the control plane never showed the node as DEGRADED"
+    node = await wait_until(degraded, 5, interval=0.05, what="the node shown as DEGRADED")
     assert node.applied_version == 2
     assert "rules: " in node.apply_error

@@ -5,13 +5,13 @@ from __future__ import annotations
 import errno
 import ipaddress
 import socket
-import time
 from collections.abc import Callable
 
 import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import ARP, Dot1AD, Dot1Q, Ether
+from waiting import wait_until
 
 from adaptermesh.bpf import libbpf, maglev
 from adaptermesh.bpf.loader import BpfShardTable
@@ -51,10 +51,7 @@ def inject(topo: NodeTopology, frames: list[bytes]) -> None:
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 2.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
+    wait_until(cond, timeout)
 
 
 def shard_of(res: libbpf.TestRunResult) -> int | None:

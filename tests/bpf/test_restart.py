@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from adaptermesh.bpf import maglev
 from adaptermesh.bpf.netns import NodeTopology
@@ -94,6 +95,8 @@ def test_restart_while_traffic_flows_loses_and_misroutes_nothing(
     stop = threading.Event()
     sent: dict[str, int] = {}
 
+    rounds = [0]  # what the sender has sent, for the waits below
+
     def traffic() -> None:
         seq = 0
         while not stop.is_set():
@@ -104,18 +107,23 @@ def test_restart_while_traffic_flows_loses_and_misroutes_nothing(
             for src in raw_sources:
                 sent[src] = sent.get(src, 0) + 1
             seq += 1
+            rounds[0] = seq
             time.sleep(0.005)
+
+    def more_traffic(what: str) -> None:
+        start = rounds[0]
+        wait_until(lambda: rounds[0] >= start + 50, 10, what=f"50 rounds of traffic {what}")
 
     sender = threading.Thread(target=traffic, daemon=True)
     sender.start()
     try:
-        time.sleep(0.5)
+        more_traffic("through the first loader")
         first.kill()  # the filter and the pinned maps outlive it
-        time.sleep(0.5)
+        more_traffic("with no loader running")
         second = Loader(topo, pin_dir, path)
         loaders.append(second)
         second.wait_ready()  # compiles, reuses the pins, replaces the filter in place
-        time.sleep(0.5)
+        more_traffic("through the second loader")
     finally:
         stop.set()
         sender.join(timeout=10)

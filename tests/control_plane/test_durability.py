@@ -7,12 +7,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from waiting import wait_until
 
 from adaptermesh.proto import control_plane_pb2 as cp_pb2
 from adaptermesh.proto import control_plane_pb2_grpc
@@ -95,7 +95,7 @@ def test_acknowledged_writes_survive_kill_9(tmp_path: Path, procs: list[Proc]) -
 
     t = threading.Thread(target=writer)
     t.start()
-    time.sleep(0.8)
+    wait_until(lambda: len(acked) >= 20 or not t.is_alive(), 10, what="acknowledged writes")
     last_version_seen = first.stub.GetAssignment(cp_pb2.GetAssignmentRequest(), metadata=md).version
     first.kill9()
     stop.set()

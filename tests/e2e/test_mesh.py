@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+from waiting import wait_until
 
 from adaptermesh.demo.localmesh import LocalMesh, MeshConfig
 
@@ -102,25 +103,17 @@ class Traffic:
             t.join(30)
 
     def wait_for(self, n: int, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
         start = self.ok
-        while self.ok - start < n:
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"only {self.ok - start} requests in {timeout}s: {self.failures[-3:]}"
-                )
-            time.sleep(0.05)
+        try:
+            wait_until(lambda: self.ok - start >= n, timeout, 0.05, what=f"{n} requests")
+        except AssertionError:
+            raise AssertionError(
+                f"only {self.ok - start} requests in {timeout}s: {self.failures[-3:]}"
+            ) from None
 
 
 def _wait(cond, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    return wait_until(cond, timeout, interval, what=what)
 
 
 def _envoy_requests(mesh: LocalMesh) -> dict[str, int]:

@@ -8,7 +8,6 @@ import json
 import queue
 import socket
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,6 +15,7 @@ from typing import Any
 
 import grpc
 from envoy.service.discovery.v3 import discovery_pb2
+from waiting import wait_until
 
 from adaptermesh.mesh.bootstrap import EnvoyProcess
 from adaptermesh.proto import assignment_pb2 as ap
@@ -137,14 +137,6 @@ def send_requests(port: int, n: int, headers: dict[str, str] | None = None,
     return out
 
 
-def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
 def healthy_hosts(envoy: EnvoyProcess, cluster: str) -> list[tuple[int, int]]:
     """(port, weight) of the cluster's hosts that Envoy currently considers healthy."""
     out = []
@@ -228,4 +220,4 @@ def wait_routable(port: int, names: set[str], timeout: float = 10.0) -> None:
     show."""
     def reached() -> bool:
         return set(send_requests(port, 4 * len(names)).counts) >= names
-    wait_until(reached, timeout, f"traffic to reach {sorted(names)}", interval=0.1)
+    wait_until(reached, timeout, what=f"traffic to reach {sorted(names)}", interval=0.1)

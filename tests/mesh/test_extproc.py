@@ -194,7 +194,7 @@ def _wait_all_healthy(m: Mesh) -> None:
         got = {_post(m.port, b'{"model": "' + BASE.encode() + b'"}')["worker"]
                for _ in range(12)}
         return got >= names
-    wait_until(reached, 15, "every worker routable", interval=0.1)
+    wait_until(reached, 15, what="every worker routable", interval=0.1)
 
 
 def test_snapshot_puts_ext_proc_before_the_router() -> None:
@@ -342,7 +342,7 @@ async def _scrape(book: EndpointBook) -> None:
 
 def _log_lines(log: Path, n: int) -> list[dict[str, str]]:
     wait_until(lambda: log.exists() and len(log.read_text().splitlines()) >= n, 10,
-               "access log lines")
+               what="access log lines")
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
@@ -440,7 +440,7 @@ def test_readiness_waits_for_the_workers() -> None:
             assert status(channel, "liveness") == serving
             assert status(channel, "readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
             processor.set_ready(True)
-            wait_until(lambda: status(channel, "readiness") == serving, 5, "readiness")
+            wait_until(lambda: status(channel, "readiness") == serving, 5, what="readiness")
             assert status(channel, "envoy.service.ext_proc.v3.ExternalProcessor") == serving
     finally:
         processor.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -16,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from agent.fakes import ControlPlaneServer, FakeControlPlane, FakeDatapath, FakeXds, make_assignment
+from waiting import async_wait_until
 
 from adaptermesh.agent.backends import mesh_xds
 from adaptermesh.agent.cli import build_parser, config_from_args
@@ -88,19 +88,20 @@ async def test_agent_serves_ext_proc_from_its_applied_assignment(tmp_path: Path)
     stop = asyncio.Event()
     task = asyncio.create_task(agent.run(stop))
     try:
-        deadline = time.monotonic() + 10
-        while agent.ext_proc is None or agent.ext_proc.port == 0 or not dp.applied:
-            assert time.monotonic() < deadline, "agent never served ext_proc"
-            await asyncio.sleep(0.02)
+        await async_wait_until(
+            lambda: agent.ext_proc is not None and agent.ext_proc.port != 0 and dp.applied,
+            10, what="the agent serving ext_proc")
+        assert agent.ext_proc is not None
         port = agent.ext_proc.port
+
         # Shard "a" has one worker, 127.0.0.1:9000, in make_assignment.
-        for _ in range(100):
+        async def picked() -> dict[str, str] | None:
             replies = await asyncio.to_thread(_process, port, "a", b'{"model": "sql"}')
             headers = {h.header.key: h.header.raw_value.decode()
                        for h in replies[1].request_body.response.header_mutation.set_headers}
-            if "x-gateway-destination-endpoint" in headers:
-                break
-            await asyncio.sleep(0.05)
+            return headers if "x-gateway-destination-endpoint" in headers else None
+
+        headers = await async_wait_until(picked, 5, interval=0.05, what="an endpoint picked")
         assert headers == {"x-adapter-id": "sql",
                            "x-gateway-destination-endpoint": "127.0.0.1:9000"}
         replies = await asyncio.to_thread(_process, port, "a", b'{"model": "base"}')

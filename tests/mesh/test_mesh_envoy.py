@@ -113,7 +113,7 @@ def _endpoints(cla) -> list[tuple]:
 
 def _wait_healthy(envoy, cluster: str, ports: list[int]) -> None:
     wait_until(lambda: [p for p, _ in healthy_hosts(envoy, cluster)] == sorted(ports), 10,
-               f"{cluster} hosts {ports} healthy")
+               what=f"{cluster} hosts {ports} healthy")
 
 
 def test_envoy_config_matches_snapshot(xds: Xds, start_envoy, backends) -> None:
@@ -149,7 +149,7 @@ def test_envoy_config_matches_snapshot(xds: Xds, start_envoy, backends) -> None:
     version = xds.cache.set_assignment("node-cfg", a)
     assert xds.cache.wait_for_version(["node-cfg"], version, 10)
     wait_until(lambda: set(_dynamic_state(envoy)[LISTENER_TYPE]) == {"shard-s0"}, 10,
-               "listener removal")
+               what="listener removal")
     assert_envoy_matches(envoy, xds.cache.get_snapshot("node-cfg"))
 
 
@@ -211,7 +211,8 @@ def test_twenty_weight_updates_under_load_drop_nothing(xds: Xds, start_envoy, ba
             version = xds.cache.set_assignment("node-load", a)
             assert xds.cache.wait_for_version(["node-load"], version, 10)
             totals.append(traffic.total)
-            time.sleep(0.05)
+            wait_until(lambda: traffic.total > totals[-1], 10,
+                       what="requests served after the update")
     finally:
         stop.set()
         for c in clients:
@@ -243,7 +244,7 @@ def test_nack_keeps_last_good_config(xds: Xds, start_envoy, backends) -> None:
     def nacked() -> bool:
         status = xds.cache.node_status("node-nack")
         return status is not None and status.last_nack is not None
-    wait_until(nacked, 10, "the NACK")
+    wait_until(nacked, 10, what="the NACK")
     status = xds.cache.node_status("node-nack")
     assert status.last_nack.version == "2"
     assert status.last_nack.type_url == ENDPOINT_TYPE
@@ -344,7 +345,7 @@ def test_delta_xds_envoy(xds: Xds, start_envoy, backends) -> None:
     version = xds.cache.set_assignment("node-delta", a)
     assert xds.cache.wait_for_version(["node-delta"], version, 10)
     wait_until(lambda: set(_dynamic_state(envoy)[CLUSTER_TYPE]) == {"shard-s0"}, 10,
-               "cluster removal over delta xDS")
+               what="cluster removal over delta xDS")
     assert set(_dynamic_state(envoy)[LISTENER_TYPE]) == {"shard-s0"}
     traffic = send_requests(a.shards[0].service_port, 100)
     assert traffic.errors == []

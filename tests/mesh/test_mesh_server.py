@@ -12,6 +12,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
 from mesh_support import AdsClient, Backend, EndpointSpec, assignment, shard
 from prometheus_client import REGISTRY
+from waiting import wait_until
 
 from adaptermesh.mesh.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE
 
@@ -276,7 +277,10 @@ def test_delta_sends_changes_and_removals(xds: Xds, workers) -> None:
         assert list(removal.resources) == []
         # NACK in delta is recorded too.
         client.send(_dreq(CLUSTER_TYPE, nonce=removal.nonce, error="no"))
-        time.sleep(0.2)
+        def nack_recorded() -> bool:
+            status = xds.cache.node_status("proto-node")
+            return status is not None and status.last_nack is not None
+        wait_until(nack_recorded, 5, what="the delta NACK recorded")
         assert xds.cache.node_status("proto-node").last_nack.message == "no"
     finally:
         client.close()
