@@ -12,6 +12,7 @@ from adaptermesh.agent.metrics import AgentMetrics
 from adaptermesh.agent.ports import FlowEvent, ShardCounters
 from adaptermesh.agent.state import AssignmentStore
 from adaptermesh.backoff import Backoff
+from adaptermesh.clock import FakeClock
 
 from .fakes import FakeDatapath, FakeXds, make_assignment
 
@@ -39,6 +40,17 @@ def _applier(tmp_path=None):
     dp, xds, m = FakeDatapath(), FakeXds(), AgentMetrics()
     store = AssignmentStore(tmp_path / "a.pb" if tmp_path else None)
     return Applier(dp, xds, m, store), dp, xds, m
+
+
+def test_apply_is_stamped_with_the_injected_clock():
+    clock = FakeClock(start=1_234.5)
+    dp, xds, m = FakeDatapath(), FakeXds(), AgentMetrics()
+    applier = Applier(dp, xds, m, AssignmentStore(None), clock=clock)
+    assert applier.apply(make_assignment(1)).ok
+    assert _metric(m, "adaptermesh_agent_last_apply_timestamp_seconds") == 1_234.5
+    clock.step(10)
+    assert applier.apply(make_assignment(2)).ok
+    assert _metric(m, "adaptermesh_agent_last_apply_timestamp_seconds") == 1_244.5
 
 
 def _metric(m: AgentMetrics, name: str, labels: dict[str, str] | None = None) -> float | None:

@@ -19,6 +19,7 @@ from adaptermesh import assignment_rules as rules
 from adaptermesh.agent.metrics import AgentMetrics
 from adaptermesh.agent.ports import Datapath, XdsSink
 from adaptermesh.agent.state import AssignmentStore
+from adaptermesh.clock import Clock, SystemClock
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 
 __all__ = ["Applier", "ApplyResult"]
@@ -41,13 +42,13 @@ class Applier:
         xds: XdsSink,
         metrics: AgentMetrics,
         store: AssignmentStore | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | None = None,
     ) -> None:
         self._datapath = datapath
         self._xds = xds
         self._metrics = metrics
         self._store = store or AssignmentStore(None)
-        self._clock = clock
+        self._clock: Clock = clock or SystemClock()
         self.current: assignment_pb2.Assignment | None = None
         self.last_error = ""
         self.rejected_version = 0
@@ -98,7 +99,7 @@ class Applier:
         self._metrics.applies.labels("ok").inc()
         self._metrics.applied_version.set(version)
         self._metrics.apply_error.set(0)
-        self._metrics.last_apply_timestamp.set(self._clock())
+        self._metrics.last_apply_timestamp.set(self._clock.time())
         self._metrics.set_shards({s.index: (s.id, s.weight) for s in assignment.shards})
         if persist:
             try:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from adaptermesh.agent.ports import Datapath, FlowEvent, XdsSink
 from adaptermesh.agent.state import AssignmentStore
 from adaptermesh.agent.watch import AssignmentWatcher, LoadReporter
 from adaptermesh.backoff import Backoff
+from adaptermesh.clock import Clock, SystemClock
 from adaptermesh.httpserve import serve_app
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2_grpc
 
@@ -111,8 +111,11 @@ class Agent:
         datapath_factory: DatapathFactory,
         xds_factory: XdsFactory,
         metrics: AgentMetrics | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.config = config
+        # The one clock of the agent's loops: the applier, the watch, the load reports.
+        self.clock: Clock = clock or SystemClock()
         self._datapath_factory = datapath_factory
         self._xds_factory = xds_factory
         self.metrics = metrics or AgentMetrics()
@@ -131,7 +134,7 @@ class Agent:
     # -- event thread ---------------------------------------------------------------------
 
     def _on_event(self, event: FlowEvent) -> None:
-        self.tracker.on_event(event, time.monotonic())
+        self.tracker.on_event(event, self.clock.monotonic())
         self.metrics.events.labels(event.reason).inc()
 
     def _poll_events(self, datapath: Datapath) -> None:
@@ -221,7 +224,7 @@ class Agent:
                 "shard_id": names.get(index, ""),
                 "age_s": round(age, 3),
             }
-            for src, index, age in sorted(self.tracker.flows(time.monotonic()))
+            for src, index, age in sorted(self.tracker.flows(self.clock.monotonic()))
             if source is None or src == source
         ]
         return {"window_s": self.tracker.active_window_s, "flows": rows}
@@ -263,7 +266,8 @@ class Agent:
         poller: threading.Thread | None = None
         try:
             self.xds = await self._xds_factory(config, self.metrics.registry)
-            applier = Applier(datapath, self.xds, self.metrics, AssignmentStore(config.state_file))
+            applier = Applier(datapath, self.xds, self.metrics, AssignmentStore(config.state_file),
+                              clock=self.clock)
             self.applier = applier
             await asyncio.to_thread(applier.reconcile)
 
@@ -291,6 +295,7 @@ class Agent:
                 self.metrics,
                 token=config.token,
                 interval_s=config.report_interval_s,
+                clock=self.clock,
             )
             self.watcher = AssignmentWatcher(
                 stub,
@@ -300,6 +305,7 @@ class Agent:
                 token=config.token,
                 backoff=Backoff(config.backoff_initial_s, config.backoff_max_s),
                 on_applied=self.reporter.poke,
+                clock=self.clock,
             )
             tasks = [
                 asyncio.create_task(self.watcher.run(), name="am-watch"),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -21,6 +20,7 @@ from adaptermesh.agent.load import LoadTracker, ShardRates
 from adaptermesh.agent.metrics import AgentMetrics
 from adaptermesh.agent.ports import Datapath
 from adaptermesh.backoff import Backoff
+from adaptermesh.clock import Clock, SystemClock
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2, control_plane_pb2_grpc
 
 __all__ = ["AssignmentWatcher", "LoadReporter", "auth_metadata"]
@@ -47,6 +47,7 @@ class AssignmentWatcher:
         # A stream that lived this long counts as healthy: the next failure starts the
         # backoff from its initial delay again.
         healthy_after_s: float = 5.0,
+        clock: Clock | None = None,
     ) -> None:
         self._stub = stub
         self._node_id = node_id
@@ -56,6 +57,7 @@ class AssignmentWatcher:
         self.backoff = backoff or Backoff()
         self._on_applied = on_applied
         self._healthy_after_s = healthy_after_s
+        self._clock: Clock = clock or SystemClock()
         self.connected = False
         self.last_error = ""
         self.sleeps: list[float] = []  # recent backoff delays, for /status and tests
@@ -66,7 +68,7 @@ class AssignmentWatcher:
             if not first:
                 self._metrics.reconnects.inc()
             first = False
-            opened = time.monotonic()
+            opened = self._clock.monotonic()
             try:
                 await self._stream_once()
                 self.last_error = "stream ended by the control plane"
@@ -76,7 +78,7 @@ class AssignmentWatcher:
             finally:
                 self.connected = False
                 self._metrics.connected.set(0)
-            if time.monotonic() - opened >= self._healthy_after_s:
+            if self._clock.monotonic() - opened >= self._healthy_after_s:
                 self.backoff.reset()
             delay = self.backoff.next()
             self.sleeps = [*self.sleeps[-9:], delay]
@@ -86,7 +88,7 @@ class AssignmentWatcher:
                 self._applier.applied_version,
                 delay,
             )
-            await asyncio.sleep(delay)
+            await self._clock.sleep(delay)
 
     async def _stream_once(self) -> None:
         request = control_plane_pb2.WatchAssignmentsRequest(
@@ -124,7 +126,7 @@ class LoadReporter:
         token: str | None = None,
         interval_s: float = 2.0,
         timeout_s: float = 2.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
     ) -> None:
         self._stub = stub
         self._node_id = node_id
@@ -135,7 +137,7 @@ class LoadReporter:
         self._metadata = auth_metadata(token)
         self.interval_s = interval_s
         self._timeout_s = timeout_s
-        self._clock = clock
+        self._clock: Clock = clock or SystemClock()
         self._wake = asyncio.Event()
         self.last_error = ""
 
@@ -145,7 +147,7 @@ class LoadReporter:
 
     def sample(self) -> dict[int, ShardRates]:
         self._tracker.counters = dict(self._datapath.read_counters())
-        return self._tracker.update(self._datapath.read_stats(), self._clock())
+        return self._tracker.update(self._datapath.read_stats(), self._clock.monotonic())
 
     def build_report(self, rates: dict[int, ShardRates]) -> control_plane_pb2.LoadReport:
         names = {}
@@ -191,13 +193,13 @@ class LoadReporter:
         return True
 
     async def run(self) -> None:
-        next_sample = self._clock()
+        next_sample = self._clock.monotonic()
         while True:
-            now = self._clock()
+            now = self._clock.monotonic()
             resample = now >= next_sample
             if resample:
                 next_sample = now + self.interval_s
             await self.report_once(resample)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, next_sample - self._clock()))
+                await asyncio.wait_for(self._wake.wait(), max(0.0, next_sample - self._clock.monotonic()))
