@@ -20,6 +20,14 @@ EXPECTED = {
     "vllm:kv_cache_usage_perc": ("gauge", {"model_name"}),
     "vllm:lora_requests_info": ("gauge", {"running_lora_adapters", "waiting_lora_adapters",
                                           "max_lora"}),
+    "vllm:gpu_cache_usage_perc": ("gauge", {"model_name"}),
+    "vllm:time_to_first_token_seconds": ("histogram", {"model_name"}),
+    "vllm:time_per_output_token_seconds": ("histogram", {"model_name"}),
+    "vllm:e2e_request_latency_seconds": ("histogram", {"model_name"}),
+    "vllm:prompt_tokens": ("counter", {"model_name"}),
+    "vllm:generation_tokens": ("counter", {"model_name"}),
+    "vllm:request_success": ("counter", {"model_name", "finished_reason"}),
+    "adaptermesh_adapter_resident": ("gauge", {"adapter", "pinned"}),
     "adaptermesh_queue_depth": ("gauge", {"tenant"}),
     "adaptermesh_tenant_requests_running": ("gauge", {"tenant"}),
     "adaptermesh_queue_depth_total": ("gauge", set()),
@@ -156,7 +164,7 @@ def test_every_series_is_documented_with_its_type_and_labels() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "worker-service.md").read_text()
     rows = {}
     for line in doc.splitlines():
-        m = re.match(r"\| `((?:vllm:|adaptermesh_)[a-z_:]+)` \| (\w+) \|([^|]*)\|", line)
+        m = re.match(r"\| `((?:vllm:|adaptermesh_)[a-z0-9_:]+)` \| (\w+) \|([^|]*)\|", line)
         if m:
             labels = set(re.findall(r"`(\w+)`", m.group(3)))
             rows[m.group(1)] = (m.group(2), labels)

@@ -2,7 +2,7 @@
 
     adaptermesh worker --model DIR --adapter-root DIR [--port 8000] [--host 127.0.0.1]
         [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
-        [--admin-token-file FILE] [--served-model-name NAME]
+        [--admin-token-file FILE] [--served-model-name NAME] [--lora-modules NAME=PATH ...]
         [--max-connections N] [--header-timeout S] [--body-timeout S] [--keepalive-timeout S] ...
 
 SIGTERM or SIGINT drains: ``/health`` turns 503 and new generation requests get 503 with
@@ -15,17 +15,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
+import json
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from adaptermesh.httpserve import ListenerLimits, raise_fd_limit
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
 from adaptermesh.worker.types import EngineError, EngineProtocol
 
-__all__ = ["build_parser", "main", "run_worker"]
+__all__ = ["LoraModule", "build_parser", "load_lora_modules", "main", "parse_lora_module",
+           "run_worker"]
 
 log = logging.getLogger("adaptermesh.worker")
 
@@ -58,6 +62,71 @@ def _port(text: str) -> int:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class LoraModule:
+    """One ``--lora-modules`` entry: an adapter loaded and pinned at start-up."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(text: str) -> LoraModule:
+    """``name=path``, or the JSON object vLLM accepts: ``{"name", "path", "base_model_name"}``."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"invalid JSON ({exc.msg}): {text}") from None
+        if not isinstance(obj, dict):
+            raise argparse.ArgumentTypeError(f"must be a JSON object: {text}")
+        unknown = sorted(set(obj) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown field {unknown[0]!r}: {text}")
+        name, path, base = obj.get("name"), obj.get("path"), obj.get("base_model_name")
+        if not isinstance(name, str) or not name:
+            raise argparse.ArgumentTypeError(f"\"name\" must be a non-empty string: {text}")
+        if not isinstance(path, str) or not path:
+            raise argparse.ArgumentTypeError(f"\"path\" must be a non-empty string: {text}")
+        if base is not None and not isinstance(base, str):
+            raise argparse.ArgumentTypeError(f"\"base_model_name\" must be a string: {text}")
+        return LoraModule(name, path, base)
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {text!r}")
+    return LoraModule(name, path)
+
+
+async def load_lora_modules(engine: EngineProtocol, modules: Sequence[LoraModule]) -> None:
+    """Load and pin each start-up adapter, in order; the first failure raises.
+
+    Pinned adapters are never evicted from their GPU slot. An engine whose ``load_adapter``
+    takes no ``pinned`` argument (a test double) loads them unpinned.
+    """
+    names: set[str] = set()
+    for module in modules:
+        if module.name in names:
+            raise ValueError(f"--lora-modules: {module.name!r} is given twice")
+        names.add(module.name)
+        if module.name == engine.model_name:
+            raise ValueError(f"--lora-modules: {module.name!r} is the base model's name")
+        if module.base_model_name not in (None, engine.model_name):
+            raise ValueError(f"--lora-modules: {module.name!r} names base model "
+                             f"{module.base_model_name!r}; this worker serves "
+                             f"{engine.model_name!r}")
+    # The protocol's load_adapter has no ``pinned``; the real engine's does.
+    load: Callable[..., Awaitable[object]] = engine.load_adapter
+    pinned = {"pinned": True} if "pinned" in inspect.signature(load).parameters else {}
+    for module in modules:
+        try:
+            await load(module.name, module.path, **pinned)
+        except EngineError as exc:
+            raise ValueError(f"--lora-modules: cannot load {module.name!r} from "
+                             f"{module.path}: {exc}") from None
+        log.info("loaded adapter %s from %s (pinned)", module.name, module.path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="adaptermesh worker",
@@ -78,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name of the base model in the API (default: the model directory name)")
     p.add_argument("--admin-token-file", type=Path, default=None,
                    help="file holding the token that load/unload requests must present")
+    p.add_argument("--lora-modules", type=parse_lora_module, nargs="+", action="extend",
+                   default=[], metavar="NAME=PATH|JSON",
+                   help="adapters loaded and pinned before the listener opens (so /health "
+                   "answers only once they are in): name=path, or vLLM's JSON form "
+                   "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a path "
+                   "relative to --adapter-root or inside it")
     # Engine sizes.
     p.add_argument("--max-model-len", type=_positive_int, default=None)
     p.add_argument("--max-num-seqs", type=_positive_int, default=None,
@@ -167,13 +242,17 @@ async def run_worker(
     *,
     stop: asyncio.Event,
     on_ready: Callable[[int], None] | None = None,
+    lora_modules: Sequence[LoraModule] = (),
 ) -> bool:
-    """Serve until ``stop`` is set, then drain. Returns True when the drain finished in time.
+    """Load ``lora_modules``, serve until ``stop`` is set, then drain. Returns True when the
+    drain finished in time.
 
-    The engine is shut down on the way out, whatever happens.
+    The listener opens only after every start-up adapter is loaded, so ``/health`` never
+    answers ready without them. The engine is shut down on the way out, whatever happens.
     """
     service = WorkerService(engine, config)
     try:
+        await load_lora_modules(engine, lora_modules)
         runner, bound = await serve(service, host, port)
     except BaseException:
         await engine.shutdown()
@@ -247,7 +326,10 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
 
     try:
         drained = await run_worker(engine, config, args.host, args.port, stop=stop,
-                                   on_ready=ready)
+                                   on_ready=ready, lora_modules=args.lora_modules)
+    except ValueError as exc:
+        print(f"adaptermesh worker: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"adaptermesh worker: cannot listen on {args.host}:{args.port}: {exc}",
               file=sys.stderr)

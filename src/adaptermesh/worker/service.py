@@ -797,7 +797,7 @@ class WorkerService:
                                headers=self._retry_headers()) from None
             assert ticket.admitted_at is not None
             self.metrics.queue_wait.observe(ticket.admitted_at - ticket.enqueued_at)
-            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+            self.metrics.observe_prompt(len(job.prompt_ids))
             gen = GenerationRequest(
                 request_id=job.request_id,
                 prompt_token_ids=tuple(job.prompt_ids),
