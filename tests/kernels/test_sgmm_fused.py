@@ -118,7 +118,10 @@ def test_density_picks_configs() -> None:
     assert sgmm._d_bucket(64, None) == "sparse"
     assert sgmm._d_bucket(64, 1) == "dense"
     assert sgmm._d_bucket(64, 16) == "sparse"
-    assert sgmm._d_bucket(64, 15) == "dense"
+    assert sgmm._d_bucket(64, 15) == "mid"
+    assert sgmm._d_bucket(4096, 64) == "dense"
+    # Tall tiles stay for long single-adapter prefills.
+    assert sgmm.shrink_config(4096, 4096, 16, active_slots=1).block_m >= 32
     assert sgmm.fused_config(16, 128) is None  # rank past the register tile
     for t in (1, 16, 64, 256, 4096):
         for r in (8, 16, 64, 128):

@@ -141,43 +141,67 @@ _EXPAND_TABLE: dict[tuple[int, str], tuple[int, int, int, int, bool]] = {
 }
 
 
-# Tokens per active adapter: "sparse" batches (decode: a few tokens per adapter) leave most
-# rows of a tall tile empty, so they get their own rows in every table. The host knows the
-# batch's adapters (the scheduler built it); add_lora assumes as many as the pool has slots when
-# the caller does not say, the worst case for a CUDA graph captured once for any mix.
+# Tokens per active adapter: batches with few tokens per adapter (decode) leave most rows of a
+# tall tile empty, so they get their own rows: "sparse" (<= 4 per adapter), "mid" (<= 32),
+# else "dense". The host knows the batch's adapters (the scheduler built it); add_lora assumes
+# as many as the pool has slots when the caller does not say, the worst case for a CUDA graph
+# captured once for any mix.
 SPARSE_TOKENS_PER_SLOT = 4
+MID_TOKENS_PER_SLOT = 32
 
 
 def _d_bucket(num_tokens: int, active_slots: int | None) -> str:
     slots = max(1, num_tokens if active_slots is None else min(active_slots, num_tokens))
-    return "sparse" if num_tokens <= SPARSE_TOKENS_PER_SLOT * slots else "dense"
+    if num_tokens <= SPARSE_TOKENS_PER_SLOT * slots:
+        return "sparse"
+    return "mid" if num_tokens <= MID_TOKENS_PER_SLOT * slots else "dense"
 
 
-# Sparse rows (decode-like batches): one 16-row tile per adapter segment, wide expand stores.
-# Decode sweep of 2026-12-02 (bench/sweep_sgmm_decode.py, bench/results/sgmm_decode_sweep_h200
-# .json): summed µs over the four module groups of a 7B layer (qkv, o, gate_up, down), r=16,
-# pool of 128, >= 256 MB touched per pass. Shrink: T=1 29.9, T=16 S=16 37.1, T=64 S=64 53.0
-# (32-row tiles, 4 splits; 16-row unsplit 63.2), T=256 S=64 64.9.
-_SHRINK_SPARSE: dict[tuple[int, str], tuple[int, int, int, int, int]] = {
-    (16, "low"): (16, 256, 8, 4, 3),
-    (16, "high"): (16, 256, 8, 4, 3),
-    (64, "low"): (32, 256, 4, 4, 3),
-    (64, "high"): (16, 128, 8, 4, 3),
-    (256, "low"): (16, 256, 4, 4, 3),
-    (256, "high"): (16, 128, 4, 4, 3),
-    (T_BUCKETS[-1], "low"): (16, 256, 2, 4, 3),
-    (T_BUCKETS[-1], "high"): (16, 128, 2, 4, 3),
+# Rows by (T bucket, density, rank bucket) that override the tables above, from the decode
+# sweep of 2026-12-02 (bench/sweep_sgmm_decode.py; bench/results/sgmm_decode_sweep_h200.json):
+# each op timed alone on the four module groups of a 7B layer (qkv, o, gate_up, down) in graph
+# replay, pool of 128 (256 for S=256), >= 256 MB touched per pass; the pick has the least
+# summed time over the groups and shapes of its key. Every T <= 256 shape measured (S = 1..256)
+# and T=1024 at 16 tokens per adapter won with 16- or 32-row tiles: at T=1024 S=64 the old
+# 64-row rows took 385.9 us summed, these 182.6.
+_SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int]] = {
+    (16, "sparse", "low"): (16, 256, 4, 4, 5),
+    (16, "sparse", "high"): (16, 256, 8, 4, 3),
+    (16, "mid", "low"): (16, 256, 8, 4, 3),
+    (16, "mid", "high"): (16, 256, 8, 4, 3),
+    (16, "dense", "low"): (16, 256, 8, 4, 3),
+    (16, "dense", "high"): (16, 256, 8, 4, 3),
+    (64, "sparse", "low"): (32, 256, 4, 4, 3),
+    (64, "sparse", "high"): (16, 256, 1, 4, 3),
+    (64, "mid", "low"): (16, 256, 4, 4, 5),
+    (64, "dense", "low"): (16, 256, 4, 4, 5),
+    (256, "sparse", "low"): (16, 256, 4, 4, 3),
+    (256, "sparse", "high"): (16, 256, 4, 4, 3),
+    (T_BUCKETS[-1], "sparse", "low"): (16, 256, 4, 4, 3),
+    (T_BUCKETS[-1], "mid", "low"): (16, 256, 4, 4, 3),
+    (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 4, 3),
+    (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 4, 3),
 }
-# Expand: a 16x256 tile won every decode shape (T=64 S=64: 93.1 summed; 32x128 before).
-_EXPAND_SPARSE: dict[tuple[int, str], tuple[int, int, int, int, bool]] = {
-    (16, "low"): (16, 256, 4, 2, True),
-    (16, "high"): (16, 256, 4, 2, True),
-    (64, "low"): (16, 256, 4, 2, True),
-    (64, "high"): (16, 256, 4, 2, True),
-    (256, "low"): (16, 256, 4, 2, True),
-    (256, "high"): (16, 256, 4, 2, True),
-    (T_BUCKETS[-1], "low"): (16, 256, 4, 2, True),
-    (T_BUCKETS[-1], "high"): (16, 256, 8, 2, True),
+# (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks)
+_EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, bool, int]] = {
+    (16, "sparse", "low"): (16, 256, 4, 2, True, 1),
+    (16, "sparse", "high"): (16, 256, 4, 2, True, 1),
+    (16, "mid", "low"): (16, 256, 4, 2, True, 1),
+    (16, "mid", "high"): (16, 256, 4, 2, True, 1),
+    (16, "dense", "low"): (16, 256, 4, 2, True, 1),
+    (16, "dense", "high"): (16, 256, 4, 2, True, 1),
+    (64, "sparse", "low"): (16, 128, 4, 3, True, 4),
+    (64, "sparse", "high"): (16, 256, 4, 2, True, 2),
+    (64, "mid", "low"): (16, 256, 4, 2, True, 2),
+    (64, "mid", "high"): (16, 256, 4, 2, True, 2),
+    (64, "dense", "low"): (16, 256, 4, 2, True, 2),
+    (64, "dense", "high"): (16, 256, 4, 2, True, 2),
+    (256, "sparse", "low"): (16, 256, 4, 3, True, 4),
+    (256, "sparse", "high"): (16, 256, 4, 3, True, 4),
+    (T_BUCKETS[-1], "sparse", "low"): (16, 128, 4, 3, True, 4),
+    (T_BUCKETS[-1], "mid", "low"): (16, 128, 4, 3, True, 4),
+    (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 3, True, 4),
+    (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 3, True, 4),
 }
 
 
@@ -208,9 +232,9 @@ _FUSED_TABLE: dict[tuple[int, str, str], tuple[int, int, int, int, int, int] | N
 def shrink_config(
     num_tokens: int, hidden: int, r_max: int, active_slots: int | None = None
 ) -> SgmmConfig:
-    key = (_t_bucket(num_tokens), _r_bucket(r_max))
-    dense = _d_bucket(num_tokens, active_slots) == "dense"
-    bm, bk, split, warps, stages = (_SHRINK_TABLE if dense else _SHRINK_SPARSE)[key]
+    tb, rb = _t_bucket(num_tokens), _r_bucket(r_max)
+    row = _SHRINK_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
+    bm, bk, split, warps, stages = row if row is not None else _SHRINK_TABLE[(tb, rb)]
     bn = min(_pow2_at_least_16(r_max), 64)
     return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, split_k=split)
 
@@ -218,11 +242,13 @@ def shrink_config(
 def expand_config(
     num_tokens: int, n_max: int, r_max: int, active_slots: int | None = None
 ) -> SgmmConfig:
-    key = (_t_bucket(num_tokens), _r_bucket(r_max))
-    dense = _d_bucket(num_tokens, active_slots) == "dense"
-    bm, bn, warps, stages, prefetch = (_EXPAND_TABLE if dense else _EXPAND_SPARSE)[key]
+    tb, rb = _t_bucket(num_tokens), _r_bucket(r_max)
+    row = _EXPAND_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
+    bm, bn, warps, stages, prefetch, nb = row if row is not None else (*_EXPAND_TABLE[(tb, rb)], 1)
     bk = min(_pow2_at_least_16(r_max), 64)
-    return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, prefetch_out=prefetch)
+    return SgmmConfig(
+        bm, bn, bk, num_warps=warps, num_stages=stages, prefetch_out=prefetch, n_blocks=nb
+    )
 
 
 def fused_config(
