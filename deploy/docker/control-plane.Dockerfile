@@ -12,12 +12,11 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY deploy/docker/requirements-control-plane.txt /tmp/requirements.txt
-RUN python -m venv /opt/adaptermesh \
- && /opt/adaptermesh/bin/pip install --no-cache-dir -r /tmp/requirements.txt
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN /opt/adaptermesh/bin/pip install --no-cache-dir --no-deps .
+# The shared dependencies plus the control-plane extra, all from pyproject.toml.
+RUN python -m venv /opt/adaptermesh \
+ && /opt/adaptermesh/bin/pip install --no-cache-dir ".[control-plane]"
 
 FROM ${PYTHON_IMAGE}
 COPY --from=build /opt/adaptermesh /opt/adaptermesh

@@ -21,7 +21,9 @@ RUN python3 -m venv /opt/adaptermesh \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN /opt/adaptermesh/bin/pip install --no-cache-dir .
+# The shared dependencies plus the worker extra (torch, already installed above at the
+# pinned release, triton, transformers, tokenizers, safetensors, pydantic).
+RUN /opt/adaptermesh/bin/pip install --no-cache-dir ".[worker]"
 
 FROM ${CUDA_IMAGE}
 RUN apt-get update \

