@@ -56,10 +56,12 @@ SHRINK = [  # (block_m, block_k, split_k, num_warps, num_stages)
     (16, 256, 1, 4, 3), (16, 256, 4, 4, 3), (16, 256, 8, 4, 3), (32, 256, 4, 4, 3),
     (16, 256, 1, 4, 5), (16, 256, 4, 4, 5), (32, 256, 4, 4, 5), (16, 128, 8, 4, 5),
 ]  # fmt: skip
-EXPAND = [  # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks)
-    (16, 256, 4, 2, True, 1), (16, 256, 4, 2, True, 2), (16, 256, 4, 3, True, 4),
-    (16, 256, 4, 3, True, 8), (16, 128, 4, 3, True, 4), (16, 128, 4, 3, True, 8),
-    (16, 512, 8, 2, True, 2), (16, 256, 4, 3, False, 4), (32, 256, 8, 2, True, 1),
+EXPAND = [  # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, gemv)
+    (16, 256, 4, 2, True, 1, False), (16, 256, 4, 2, True, 2, False),
+    (16, 256, 4, 3, True, 4, False), (16, 128, 4, 3, True, 4, False),
+    (1, 256, 4, 2, False, 1, True), (1, 512, 4, 2, False, 1, True),
+    (1, 256, 4, 3, False, 4, True), (1, 1024, 8, 2, False, 1, True),
+    (2, 512, 4, 2, False, 1, True), (4, 512, 8, 2, False, 1, True),
 ]  # fmt: skip
 FUSED = [  # (block_m, block_n, block_k, n_blocks, num_warps, num_stages)
     (16, 256, 256, 1, 4, 3), (16, 256, 256, 4, 4, 3), (16, 512, 256, 8, 8, 3),
@@ -210,8 +212,9 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
         results.append({**row, "kind": "shrink", "cfg": list(c), "err": err, "us": shrink_us[c]})
     expand_us: dict[tuple, float] = {}
     for c in EXPAND[:4] if quick else EXPAND:
-        cfg = SgmmConfig(c[0], c[1], _bn(setup.r), num_warps=c[2], num_stages=c[3],
-                         prefetch_out=c[4], n_blocks=c[5])  # fmt: skip
+        bk = max(16, triton.next_power_of_2(setup.r)) if c[6] else _bn(setup.r)
+        cfg = SgmmConfig(c[0], c[1], bk, num_warps=c[2], num_stages=c[3],
+                         prefetch_out=c[4], n_blocks=c[5], gemv=c[6])  # fmt: skip
         sc = sgmm.shrink_config(setup.t, setup.h, setup.r)
         err = setup.error(setup.pair_fn(sc, cfg))
         if err > 0.03:

@@ -286,3 +286,52 @@ def test_expand_column_blocks_per_program(n_blocks) -> None:  # type: ignore[no-
     want = case.out.clone()
     reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("block_m", "n_blocks", "mix"), [(1, 1, "distinct"), (2, 2, "with_base"),
+                                                          (4, 3, "zipf"), (4, 1, "identical")])
+def test_gemv_expand_matches_twin(block_m, n_blocks, mix) -> None:  # type: ignore[no-untyped-def]
+    """The matrix-vector expand (a few tokens per program, whole rank per tile) against the
+    twin: segments longer than block_m, ragged widths, mixed ranks with rank 0."""
+    sgmm = _sgmm()
+    case = make_case(
+        t=11, h=24, s=4, r_max=24, ranks=[24, 7, 0, 16], out_sizes=(40, 9, 33), mix=mix,
+        dtype=torch.float32, device=DEVICE, seed=block_m * 10 + n_blocks,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, 4)
+    cfg = sgmm.SgmmConfig(block_m, 16, 32, num_warps=4, num_stages=2, n_blocks=n_blocks,
+                          gemv=True)  # fmt: skip
+    got = case.out.clone()
+    sgmm.add_lora(
+        got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+        shrink_cfg=sgmm.shrink_config(11, 24, 24), expand_cfg=cfg,
+    )  # fmt: skip
+    want = case.out.clone()
+    reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="block_k >= R_max"):
+        sgmm.add_lora(
+            got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+            expand_cfg=sgmm.SgmmConfig(1, 16, 16, gemv=True),
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "s", "r"), [(1, 1, 16), (64, 64, 16), (256, 64, 64), (64, 16, 32)])
+def test_gpu_gemv_expand_matches_tiles(t, s, r) -> None:  # type: ignore[no-untyped-def]
+    sgmm = _sgmm()
+    case = make_case(
+        t=t, h=4096, s=s, r_max=r, ranks=None, out_sizes=(4096, 11008), mix="uniform",
+        dtype=torch.bfloat16, device="cuda", seed=t + r,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, s)
+    tiles = case.out.clone()
+    sgmm.add_lora(tiles, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+                  fused_cfg=False)  # fmt: skip
+    for bm, bn, nb in ((1, 256, 1), (4, 512, 2)):
+        got = case.out.clone()
+        cfg = sgmm.SgmmConfig(bm, bn, max(16, r), n_blocks=nb, gemv=True)
+        sgmm.add_lora(got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+                      shrink_cfg=sgmm.shrink_config(t, 4096, r), expand_cfg=cfg)  # fmt: skip
+        rtol, atol = tolerance(torch.bfloat16, "out")
+        torch.testing.assert_close(got, tiles, rtol=rtol, atol=atol)

@@ -86,6 +86,9 @@ class SgmmConfig:
     prefetch_out: bool = False
     # expand only: BLOCK_N-wide column blocks each program writes, one after the other.
     n_blocks: int = 1
+    # expand only: the gathered matrix-vector kernel (CUDA cores, block_m tokens per program,
+    # block_k covering the whole rank) instead of tensor-core tiles.
+    gemv: bool = False
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -507,6 +510,105 @@ def _sgmm_expand_kernel(
 
 
 @triton.jit
+def _sgmm_expand_gemv_kernel(
+    # pointers
+    out_ptr,
+    v_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    scales_ptr,
+    ranks_ptr,
+    sorted_ptr,
+    seg_start_ptr,
+    # sizes
+    S,
+    R_MAX,
+    N0,
+    N1,
+    N2,
+    OFF1,
+    OFF2,
+    N_BLOCKS,
+    # strides
+    stride_ot,
+    stride_on,
+    stride_vi,
+    stride_vt,
+    stride_vr,
+    stride_b0s,
+    stride_b0n,
+    stride_b0r,
+    stride_b1s,
+    stride_b1n,
+    stride_b1r,
+    stride_b2s,
+    stride_b2n,
+    stride_b2r,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,  # tokens per program (a few: this is the one-token-per-adapter path)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= R_MAX: the whole rank in one tile
+    BLOCK_S: tl.constexpr,
+):
+    """Expand as a gathered matrix-vector product: each program loads a [BLOCK_N, rank] tile
+    of its slot's B once and, for each of its (at most BLOCK_M) tokens, reduces it against the
+    token's v row on the CUDA cores. No tensor-core tile, so no 16-row padding of a segment
+    that holds one token."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_i = tl.program_id(2)
+    is0 = pid_i == 0
+    is1 = pid_i == 1
+    n_size = tl.where(is0, N0, tl.where(is1, N1, N2))
+    col_off = tl.where(is0, 0, tl.where(is1, OFF1, OFF2))
+    stride_bs = tl.where(is0, stride_b0s, tl.where(is1, stride_b1s, stride_b2s)).to(tl.int64)
+    stride_bn = tl.where(is0, stride_b0n, tl.where(is1, stride_b1n, stride_b2n))
+    stride_br = tl.where(is0, stride_b0r, tl.where(is1, stride_b1r, stride_b2r))
+    if pid_i == 0:
+        b_ptr = b0_ptr
+    elif pid_i == 1:
+        b_ptr = b1_ptr
+    else:
+        b_ptr = b2_ptr
+    n_first = pid_n * N_BLOCKS * BLOCK_N
+    if n_first >= n_size:
+        return
+    has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    if not has_tile:
+        return
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
+    if rank == 0:
+        return
+    scale = tl.load(scales_ptr + slot)
+    offs_r = tl.arange(0, BLOCK_K)
+    mask_r = offs_r < rank
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
+    v_base = v_ptr + pid_i.to(tl.int64) * stride_vi + offs_r * stride_vr
+    for j in range(0, N_BLOCKS):
+        offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_size
+        bt = tl.load(
+            b_base + offs_n[:, None] * stride_bn, mask=mask_n[:, None] & mask_r[None, :], other=0.0
+        )
+        btf = bt.to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            row = row_begin + m
+            if row < seg_end:
+                t = tl.load(sorted_ptr + row).to(tl.int64)
+                vv = tl.load(v_base + t * stride_vt, mask=mask_r, other=0.0)
+                # Rounded to the weight dtype first, as the tensor-core path does.
+                vv = vv.to(bt.dtype).to(tl.float32)
+                acc = tl.sum(btf * vv[None, :], axis=1)
+                o_ptrs = out_ptr + t * stride_ot + (col_off + offs_n) * stride_on
+                o = tl.load(o_ptrs, mask=mask_n, other=0.0)
+                tl.store(
+                    o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
+                    mask=mask_n,
+                )  # fmt: skip
+
+
+@triton.jit
 def _sgmm_fused_kernel(
     # pointers
     out_ptr,
@@ -674,8 +776,9 @@ def _split_plan(
 def _check_config(cfg: SgmmConfig) -> None:
     for name in ("block_m", "block_n", "block_k"):
         val = getattr(cfg, name)
-        if val < 16 or val & (val - 1):
-            raise ValueError(f"config.{name} must be a power of two >= 16, got {val}")
+        least = 1 if cfg.gemv and name == "block_m" else 16
+        if val < least or val & (val - 1):
+            raise ValueError(f"config.{name} must be a power of two >= {least}, got {val}")
     if cfg.split_k < 1:
         raise ValueError(f"config.split_k must be >= 1, got {cfg.split_k}")
     if cfg.n_blocks < 1:
@@ -806,52 +909,52 @@ def _launch_expand(
     n_max = max(shapes.out_sizes)
     cfg = config or expand_config(shapes.num_tokens, n_max, shapes.r_max)
     _check_config(cfg)
+    if cfg.gemv and cfg.block_k < shapes.r_max:
+        raise ValueError(f"a gemv expand needs config.block_k >= R_max={shapes.r_max}")
     grid = (
         _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m),
         int(triton.cdiv(n_max, cfg.block_n * cfg.n_blocks)),
         shapes.n_slices,
     )
-    return run(
-        _sgmm_expand_kernel,
-        grid,
-        (
-            out,
-            v,
-            bs[0],
-            bs[1],
-            bs[2],
-            scales,
-            ranks,
-            meta.sorted_tokens,
-            meta.seg_start,
-            shapes.num_slots,
-            shapes.r_max,
-            sizes[0],
-            sizes[1],
-            sizes[2],
-            offs[1],
-            offs[2],
-            cfg.n_blocks,
-            out.stride(0),
-            out.stride(1),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            *bs[0].stride(),
-            *bs[1].stride(),
-            *bs[2].stride(),
-        ),
-        {
-            "BLOCK_M": cfg.block_m,
-            "BLOCK_N": cfg.block_n,
-            "BLOCK_K": cfg.block_k,
-            "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
-            "DOT_FP32": _dot_fp32(out.dtype),
-            "PREFETCH_OUT": cfg.prefetch_out,
-        },
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+    args = (
+        out,
+        v,
+        bs[0],
+        bs[1],
+        bs[2],
+        scales,
+        ranks,
+        meta.sorted_tokens,
+        meta.seg_start,
+        shapes.num_slots,
+        shapes.r_max,
+        sizes[0],
+        sizes[1],
+        sizes[2],
+        offs[1],
+        offs[2],
+        cfg.n_blocks,
+        out.stride(0),
+        out.stride(1),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        *bs[0].stride(),
+        *bs[1].stride(),
+        *bs[2].stride(),
     )
+    consts: dict[str, object] = {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
+    }
+    if cfg.gemv:
+        kernel = _sgmm_expand_gemv_kernel
+    else:
+        kernel = _sgmm_expand_kernel
+        consts |= {"DOT_FP32": _dot_fp32(out.dtype), "PREFETCH_OUT": cfg.prefetch_out}
+    return run(kernel, grid, args, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _launch_fused(
@@ -1044,6 +1147,10 @@ def _add_lora(
         expand_cfg = expand_config(
             shapes.num_tokens, max(expand_shapes.out_sizes), shapes.r_max, active_slots
         )
+    _check_config(shrink_cfg)
+    _check_config(expand_cfg)
+    if expand_cfg.gemv and expand_cfg.block_k < shapes.r_max:
+        raise ValueError(f"a gemv expand needs config.block_k >= R_max={shapes.r_max}")
     # Launch straight away: sgmm_shrink / sgmm_expand would repeat the checks above, and this
     # runs for every targeted module of every layer.
     return [
