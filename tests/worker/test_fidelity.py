@@ -156,7 +156,7 @@ REFUSED_CONFIG = [
     ("qwen2", {"mlp_bias": True}, "mlp_bias"),
     ("qwen3", {"use_mrope": True}, "use_mrope"),
     ("qwen3", {"mlp_bias": True}, "mlp_bias"),
-    ("gemma3_text", {}, "model_type"),
+    ("gemma3", {}, "model_type"),
     ("phimoe", {}, "model_type"),
 ]
 

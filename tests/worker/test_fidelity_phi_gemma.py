@@ -1,4 +1,4 @@
-"""Phi-3 and Gemma (1 and 2) fidelity: the worker against transformers + peft on tiny random
+"""Phi-3 and Gemma (1, 2 and 3 text) fidelity: the worker against transformers + peft on tiny random
 models, every config field honoured or refused by name, and adapters on Phi-3's fused
 qkv_proj / gate_up_proj split exactly onto the q/k/v and gate/up slices."""
 
@@ -99,6 +99,16 @@ REAL_CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
         "transformers_version": "4.42.4", "use_cache": True, "vocab_size": 384,
     },
+    "gemma-3-1b": {
+        "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+        "final_logit_softcapping": None, "head_dim": 32, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 64,
+        "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 32768,
+        "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 1,
+        "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 2,
+        "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 384,
+    },
     "gemma-7b": {
         "architectures": ["GemmaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 2,
         "eos_token_id": 1, "head_dim": 32, "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh",
@@ -135,6 +145,14 @@ def test_real_config_key_sets_load() -> None:
     assert c.act == "gelu_pytorch_tanh"
     assert c.gemma_norm
     assert c.embed_scale == math.sqrt(64)
+    c = ModelConfig.from_dict(REAL_CONFIGS["gemma-3-1b"])
+    assert c.local_rope == (10000.0, None)
+    assert c.rope_theta == 1e6
+    assert c.rope_scaling is None
+    assert c.local_rope_layers == (True, False)
+    assert c.layer_windows == (512, None)
+    assert c.attn_softcap is None
+    assert c.qk_norm
     c = ModelConfig.from_dict(REAL_CONFIGS["gemma-7b"])
     assert c.act == "gelu_pytorch_tanh"
     assert c.attn_scale is None
@@ -227,7 +245,15 @@ REFUSED = [
     ("gemma", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("gemma", {"sliding_window": 16}, "sliding_window"),
     ("gemma", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-    ("gemma3_text", {}, "model_type"),
+    ("gemma3_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "rope_parameters"),
+    ("gemma3_text", {"rope_parameters": {"chunked_attention": {"rope_type": "default"}}}, "rope_parameters"),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "longrope", "rope_theta": 1e4}}}, "rope_parameters"),
+    ("gemma3_text", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "partial_rotary_factor": 0.5}}}, "rope_parameters"),
+    ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma3_text", {"mlp_bias": True}, "mlp_bias"),
+    ("gemma3_text", {"rope_local_base_freq": -1}, "rope_local_base_freq"),
+    ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma3", {}, "model_type"),
     ("phimoe", {}, "model_type"),
     ("phi3small", {}, "model_type"),
 ]
@@ -235,7 +261,7 @@ REFUSED = [
 
 @pytest.mark.parametrize(("arch", "patch", "field"), REFUSED, ids=[f"{a}-{f}-{i}" for i, (a, _, f) in enumerate(REFUSED)])
 def test_field_refused_by_name(arch: str, patch: dict[str, Any], field: str) -> None:
-    d = _config(arch if arch in ("phi3", "gemma", "gemma2") else "gemma2")
+    d = _config(arch if arch in ("phi3", "gemma", "gemma2", "gemma3_text") else "gemma2")
     d["model_type"] = arch
     d.update(patch)
     with pytest.raises(ValueError, match=rf"config\.{field}:") as exc:
@@ -318,6 +344,15 @@ FEATURES: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
                                        "final_logit_softcapping": 5.0, "sliding_window": 3,
                                        "layer_types": ["full_attention", "sliding_attention"]}, {}),
     ("gemma", "gemma", {"head_dim": 16, "hidden_act": "gelu", "tie_word_embeddings": True, "attention_bias": True}, {}),
+    # Gemma 3: q/k norms with (1 + w), sliding layers with their own RoPE base, full layers
+    # with linear scaling on theirs.
+    ("gemma3", "gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 4, "num_hidden_layers": 3,
+                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                               "rope_theta": 1000.0, "rope_local_base_freq": 50.0,
+                               "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "tie_word_embeddings": True}, {}),
+    ("gemma3-pattern-cap", "gemma3_text", {"head_dim": 8, "sliding_window": 3, "sliding_window_pattern": 2,
+                                           "final_logit_softcapping": 3.0,
+                                            "attention_bias": True}, {}),
 ]
 
 
@@ -363,7 +398,7 @@ _EXAMPLES = int(os.environ.get("ADAPTERMESH_FIDELITY_EXAMPLES", "6"))
 
 @st.composite
 def family_case(draw: st.DrawFn) -> dict[str, Any]:
-    arch = draw(st.sampled_from(["phi3", "gemma", "gemma2"]))
+    arch = draw(st.sampled_from(["phi3", "gemma", "gemma2", "gemma3_text"]))
     kv = draw(st.sampled_from([1, 2]))
     heads = kv * draw(st.sampled_from([1, 2, 4]))
     head_dim = draw(st.sampled_from([8, 16]))
@@ -390,9 +425,12 @@ def family_case(draw: st.DrawFn) -> dict[str, Any]:
         cfg["head_dim"] = head_dim
         cfg["attention_bias"] = draw(st.booleans())
         cfg["hidden_act" if arch == "gemma" else "hidden_activation"] = act
-    if arch == "gemma2":
+    if arch == "gemma3_text":
+        cfg["rope_local_base_freq"] = draw(st.sampled_from([100.0, 10000.0]))
+        cfg["rope_theta"] = draw(st.sampled_from([1000.0, 1e6]))
+    if arch in ("gemma2", "gemma3_text"):
         cfg["query_pre_attn_scalar"] = draw(st.sampled_from([8, 12, 64]))
-        cfg["attn_logit_softcapping"] = draw(st.sampled_from([None, 1.5, 50.0]))
+        cfg["attn_logit_softcapping"] = draw(st.sampled_from([None, 1.5, 50.0])) if arch == "gemma2" else None
         cfg["final_logit_softcapping"] = draw(st.sampled_from([None, 2.0, 30.0]))
         cfg["sliding_window"] = draw(st.sampled_from([3, 6]))
         cfg["layer_types"] = draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]), min_size=layers, max_size=layers))

@@ -1,4 +1,4 @@
-"""Llama-family model runtime (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2) with
+"""Llama-family model runtime (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1-3 text) with
 multi-LoRA linear layers.
 
 One forward pass runs a flat batch of T token rows over a paged KV cache (``StepInputs``):
@@ -15,6 +15,7 @@ an adapter on a fused module is split onto the slices (``FUSED_MODULES``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -71,6 +72,38 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": GROUPS["qkv"], "gate_up
 _PHI3_MODULES: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+def _rope_settings(
+    params: dict[str, Any] | None, legacy: dict[str, Any] | None, theta: float, d: dict[str, Any]
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling or None) from transformers 5's ``rope_parameters`` or, without it,
+    4.x's ``rope_theta`` + ``rope_scaling``; scaling None is plain RoPE."""
+    scaling: dict[str, Any] | None
+    if params is not None:
+        theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        scaling = dict(legacy) if legacy else None
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling["rope_type"] = rope_type
+        scaling.pop("type", None)
+        scaling.pop("partial_rotary_factor", None)  # read by model_fields.rotary_dim
+        if rope_type == "su":
+            rope_type = scaling["rope_type"] = "longrope"
+        if rope_type == "longrope":
+            # Phi3Config's top-level original_max_position_embeddings (default 4096) wins.
+            scaling["original_max_position_embeddings"] = int(d.get("original_max_position_embeddings", 4096))
+        if rope_type == "default":
+            scaling = None
+    return theta, scaling
+
+
+def _gemma3_layer_types(d: dict[str, Any], num_layers: int) -> list[str]:
+    """Gemma3TextConfig: layer_types, else every sliding_window_pattern-th layer (6) is full."""
+    pattern = int(d.get("sliding_window_pattern", 6))
+    return list(d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)])
+
+
 def _layer_windows(model_type: str, d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers 5 applies it.
 
@@ -85,21 +118,24 @@ def _layer_windows(model_type: str, d: dict[str, Any], num_layers: int) -> tuple
     if model_type == "phi3":
         w = d.get("sliding_window")
         return tuple([int(w)] * num_layers) if w else ()
-    if model_type == "gemma2":
+    if model_type in ("gemma2", "gemma3_text"):
         # Gemma2Config: window 4096 when absent, even layers sliding when layer_types is absent.
         w = d.get("sliding_window", 4096)
-        types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        if model_type == "gemma3_text":
+            types = _gemma3_layer_types(d, num_layers)
+        else:
+            types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
         out = tuple(int(w) if w and t == "sliding_attention" else None for t in types)
         return out if any(x is not None for x in out) else ()
     if model_type in ("qwen2", "qwen3"):
         w = d.get("sliding_window", 4096)
         if not d.get("use_sliding_window", False) or not w:
             return ()
-        types = d.get("layer_types")
-        if types is None:
+        qtypes = d.get("layer_types")
+        if qtypes is None:
             first = int(d.get("max_window_layers", 28))
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-        out = tuple(int(w) if t == "sliding_attention" else None for t in types)
+            qtypes = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        out = tuple(int(w) if t == "sliding_attention" else None for t in qtypes)
         return out if any(x is not None for x in out) else ()
     return ()
 
@@ -138,6 +174,10 @@ class ModelConfig:
     embed_scale: float | None = None  # embeddings times sqrt(hidden_size), rounded to the dtype
     sandwich_norm: bool = False  # Gemma 2: norms after attention and around the MLP too
     fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj are stored fused
+    # Gemma 3: (rope_theta, rope_scaling) of the sliding-attention layers, which layers those
+    # are (their own RoPE even without a window).
+    local_rope: tuple[float, dict[str, Any] | None] | None = None
+    local_rope_layers: tuple[bool, ...] = ()
 
     @property
     def rot_dim(self) -> int:
@@ -162,38 +202,35 @@ class ModelConfig:
         heads = int(d["num_attention_heads"])
         kv_heads = int(d.get("num_key_value_heads") or heads)
         # Qwen3Config's head_dim defaults to 128 and Gemma's to 256, not hidden / heads.
-        default_hd = {"qwen3": 128, "gemma": 256, "gemma2": 256}.get(model_type) if "head_dim" not in d else None
+        default_hd = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}.get(model_type) if "head_dim" not in d else None
         head_dim = int(d.get("head_dim") or default_hd or hidden // heads)
         # transformers 5 nests RoPE settings in rope_parameters; 4.x uses rope_theta + rope_scaling.
-        rope_params = d.get("rope_parameters")
-        scaling: dict[str, Any] | None
-        if isinstance(rope_params, dict):
-            theta = float(rope_params.get("rope_theta", d.get("rope_theta", 10000.0)))
-            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        local_rope: tuple[float, dict[str, Any] | None] | None = None
+        if model_type == "gemma3_text":
+            # Gemma3TextConfig: RoPE per layer type; legacy rope_theta / rope_scaling are the
+            # full-attention layers', rope_local_base_freq the sliding layers' theta.
+            nested = d.get("rope_parameters") or {}
+            full = dict(nested.get("full_attention") or {"rope_type": "default"})
+            if d.get("rope_scaling"):
+                full.update(d["rope_scaling"])
+            full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+            local = dict(nested.get("sliding_attention") or {"rope_type": "default"})
+            local.setdefault("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+            theta, scaling = _rope_settings(full, None, 0.0, d)
+            local_rope = _rope_settings(local, None, 0.0, d)
         else:
-            theta = float(d.get("rope_theta", 10000.0))
-            scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else None
-        if scaling is not None:
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            scaling["rope_type"] = rope_type
-            scaling.pop("type", None)
-            scaling.pop("partial_rotary_factor", None)  # read by model_fields.rotary_dim
-            if rope_type == "su":
-                rope_type = scaling["rope_type"] = "longrope"
-            if rope_type == "longrope":
-                # Phi3Config's top-level original_max_position_embeddings (default 4096) wins.
-                scaling["original_max_position_embeddings"] = int(d.get("original_max_position_embeddings", 4096))
-            if rope_type == "default":
-                scaling = None
+            rp = d.get("rope_parameters")
+            theta, scaling = _rope_settings(rp if isinstance(rp, dict) else None, d.get("rope_scaling"), float(d.get("rope_theta", 10000.0)), d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         num_layers = int(d["num_hidden_layers"])
-        attention_bias = model_type in ("llama", "qwen3", "gemma", "gemma2") and bool(d.get("attention_bias", False))
+        attention_bias = model_type in ("llama", "qwen3", "gemma", "gemma2", "gemma3_text") and bool(d.get("attention_bias", False))
         windows = _layer_windows(model_type, d, num_layers)
-        gemma = model_type in ("gemma", "gemma2")
+        gemma = model_type in ("gemma", "gemma2", "gemma3_text")
+        sandwich = model_type in ("gemma2", "gemma3_text")
         if model_type == "gemma":
             act = gemma_act(d)
-        elif model_type == "gemma2":
+        elif sandwich:
             act = str(d.get("hidden_activation", "gelu_pytorch_tanh"))
         else:
             act = str(d.get("hidden_act", "silu"))
@@ -201,6 +238,7 @@ class ModelConfig:
         caps: dict[str, float | None] = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
         if model_type == "gemma2":  # Gemma2Config's defaults: 50 and 30
             caps = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+        if sandwich:  # Gemma3TextConfig's defaults are null
             caps.update({k: d[k] for k in caps if k in d})
         return cls(
             arch=model_type,
@@ -224,15 +262,19 @@ class ModelConfig:
             mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
             act=ACTIVATIONS[act],
             layer_windows=windows,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             rotary_dim=rot if rot != head_dim else 0,
-            attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5 if model_type == "gemma2" else None,
+            attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5 if sandwich else None,
             attn_softcap=None if caps["attn_logit_softcapping"] is None else float(caps["attn_logit_softcapping"]),
             final_softcap=None if caps["final_logit_softcapping"] is None else float(caps["final_logit_softcapping"]),
             gemma_norm=gemma,
             embed_scale=math.sqrt(hidden) if gemma else None,
-            sandwich_norm=model_type == "gemma2",
+            sandwich_norm=sandwich,
             fused_checkpoint=model_type == "phi3",
+            local_rope=local_rope,
+            local_rope_layers=(
+                tuple(t == "sliding_attention" for t in _gemma3_layer_types(d, num_layers)) if local_rope else ()
+            ),
         )
 
     @classmethod
@@ -346,6 +388,14 @@ def rope_inv_freq(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float]:
         ext = torch.tensor(sc["long_factor"] if long else sc["short_factor"], dtype=torch.float32)
         return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), float(af)
     raise ValueError(f"config.rope_scaling.rope_type: unsupported {kind!r} (linear, dynamic, llama3, yarn, longrope)")
+
+
+def _cos_sin(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[max_len, rotary_dim]: cos of each frequency, then sin, rounded to the model dtype like
+    the cos/sin tables of transformers' Llama."""
+    inv, mscale = rope_inv_freq(cfg, max_len)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
+    return torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1).to(device=device, dtype=dtype)
 
 
 @dataclass(slots=True)
@@ -508,11 +558,11 @@ class TransformerModel:
         if left:
             more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
             raise ValueError(f"model weights: tensor {left[0]}{more} is not used by any module of the {cfg.arch} runtime")
-        inv, mscale = rope_inv_freq(cfg, max_len)
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
-        # [max_len, rotary_dim]: cos of each frequency, then sin, rounded to the model dtype
-        # like the cos/sin tables of transformers' Llama.
-        self.cos_sin = torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1).to(device=device, dtype=dtype)
+        self.cos_sin = _cos_sin(cfg, max_len, device, dtype)
+        self.cos_sin_local = self.cos_sin
+        if cfg.local_rope is not None:
+            theta, scaling = cfg.local_rope
+            self.cos_sin_local = _cos_sin(dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling), max_len, device, dtype)
         self.act = cfg.act
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -606,10 +656,11 @@ class TransformerModel:
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             if "qn" in layer:
                 # Qwen3 normalises each head of the projections (LoRA included) before RoPE.
-                q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), layer["qn"], cfg.rms_eps).view(q.shape)
-                k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), layer["kn"], cfg.rms_eps).view(k.shape)
+                q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), layer["qn"], cfg.rms_eps, gemma=gn).view(q.shape)
+                k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), layer["kn"], cfg.rms_eps, gemma=gn).view(k.shape)
             kc, vc = kv.k[li], kv.v[li]
-            kernels.rope_kv_write(q, k, v, inp.positions, self.cos_sin, kc, vc, inp.slot_mapping, rotary_dim=self.rotary_dim)
+            cos_sin = self.cos_sin_local if cfg.local_rope_layers and cfg.local_rope_layers[li] else self.cos_sin
+            kernels.rope_kv_write(q, k, v, inp.positions, cos_sin, kc, vc, inp.slot_mapping, rotary_dim=self.rotary_dim)
             self._attention(attn, q, kc, vc, inp, cfg.window(li))
             a2 = attn.view(T, -1)
             o = torch.addmm(layer["bo"], a2, layer["wo"].T) if "bo" in layer else a2 @ layer["wo"].T

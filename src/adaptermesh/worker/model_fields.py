@@ -347,6 +347,34 @@ ARCH_FIELDS["gemma2"] = {
     "cache_implementation": _any,  # generation's cache class
 }
 
+def _rope_by_layer_type(v: Any, d: Mapping[str, Any]) -> str | None:
+    # Gemma3TextConfig nests RoPE by layer type; a flat object would not load in transformers.
+    if v is None:
+        return None
+    if not isinstance(v, dict) or not set(v) <= {"full_attention", "sliding_attention"}:
+        return "must map full_attention / sliding_attention to RoPE settings"
+    for kind, inner in v.items():
+        msg = _rope(inner, d)
+        if msg is not None:
+            return f"{kind}: {msg}"
+    return None
+
+
+def _null_gemma3_cap(v: Any, d: Mapping[str, Any]) -> str | None:
+    return None if v is None else "is not applied by transformers' Gemma 3 (only null)"
+
+
+ARCH_FIELDS["gemma3_text"] = {
+    **ARCH_FIELDS["gemma2"],
+    "rope_parameters": _rope_by_layer_type,
+    "rope_local_base_freq": _number,  # sliding layers' rope_theta (default 10000; full: 1e6)
+    "sliding_window_pattern": _pos_int,  # every n-th layer is full when layer_types is absent
+    "_sliding_window_pattern": _any,  # saved by transformers; never read back
+    # Gemma3Attention stores it but never passes it to the attention function: a value would
+    # be served capped here and uncapped by transformers, so only null loads.
+    "attn_logit_softcapping": _null_gemma3_cap,
+}
+
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
