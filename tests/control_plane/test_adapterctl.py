@@ -20,8 +20,9 @@ from .conftest import RO_TOKEN, RW_TOKEN, write_tokens
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A control plane of the test's own: no test sees what another one stored."""
     tmp = tmp_path_factory.mktemp("cp")
     p = subprocess.Popen(
         [sys.executable, "-m", "adaptermesh.control_plane.cli", "--state-dir", str(tmp / "state"),
@@ -257,6 +258,8 @@ def test_bad_flags_exit_2_without_a_traceback(server: str, args: list[str]) -> N
 def test_user_text_is_shown_literally(server: str) -> None:
     from adaptermesh.proto import control_plane_pb2, control_plane_pb2_grpc
 
+    # Two shards: an override of the only active shard would have to hold the whole budget.
+    assert run(server, "shard", "upsert", "plain", "-e", "10.0.51.1:8000").exit_code == 0
     assert run(server, "shard", "upsert", "markup", "-e", "10.0.50.1:8000").exit_code == 0
     reason = "[/] [bold]loud[/bold] [link=http://x]y[/link]"
     r = run(server, "override", "set", "markup", "10", "--reason", reason)

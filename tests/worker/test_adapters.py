@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -173,12 +172,10 @@ async def test_unknown_adapter_is_negative_cached(tiny: Tiny, make_engine: Any, 
 
     monkeypatch.setattr(Path, "is_file", boom)
     monkeypatch.setattr(Path, "resolve", boom)
-    t0 = time.perf_counter()
+    # The speed of a refusal is the benchmark's to measure; the test says no disk is touched.
     for i in range(2000):
         with pytest.raises(AdapterNotFoundError):
             eng.submit(request(f"u{i}", tiny.encode("hi"), "nope"))
-    per_call = (time.perf_counter() - t0) / 2000
-    assert per_call < 1e-3, per_call
     monkeypatch.undo()
     # An explicit unload of an unknown name is a clear error too.
     with pytest.raises(AdapterNotFoundError):
