@@ -39,28 +39,30 @@ from torch import nn
 from adaptermesh.kernels._backend import Backend, choose_backend, interpreter_enabled
 
 __all__ = [
+    "DEFAULT_SWITCH_CONFIG",
+    "SWITCH_CANDIDATES",
     "AdaFuseController",
     "AdaFuseRouter",
     "DynamicAdapter",
     "MergeTable",
     "MergeTarget",
+    "SwitchConfig",
+    "SwitchPlan",
     "build_merge_table",
     "fused_merge",
     "fused_switch",
     "gated_add_lora",
     "route",
+    "switch_launch_args",
 ]
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _FLOAT_DTYPES = tuple(_TL_DTYPES)
 
-# Tile sizes. Router: 16 tokens x all experts (E <= 64) per program. Switch: 64 x 128 weight
-# tiles (16 KiB of bf16 read and written per program), which the H200 sweep in
-# bench/bench_adafuse.py found within noise of 128 x 128 and 64 x 256 (docs/kernels.md).
+# Tile sizes. Router: 16 tokens x all experts (E <= 64) per program. The switch's tiling is a
+# SwitchConfig (below), swept on the GPU by bench/bench_adafuse.py.
 _ROUTER_BLOCK_T = 16
 _ROUTER_BLOCK_H = 128
-_SWITCH_BLOCK_N = 64
-_SWITCH_BLOCK_K = 128
 _GATED_BLOCK_K = 128
 _GATED_BLOCK_N = 128
 
@@ -223,6 +225,69 @@ def route(
 # ---------------------------------------------------------------------------------------------
 # Fused merge / switch over every targeted module of every layer.
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SwitchConfig:
+    """Tiling of the fused switch. A program owns ``block_n`` contiguous columns of one module
+    and walks ``chunks`` chunks of ``block_m`` rows down them, ``num_stages`` chunks in flight
+    (asynchronous copies into shared memory); ``num_warps`` per program."""
+
+    block_m: int = 32
+    block_n: int = 256
+    chunks: int = 16
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.chunks < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"bad switch config {self}")
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "block_m": self.block_m,
+            "block_n": self.block_n,
+            "chunks": self.chunks,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
+
+# Roofline pick for the H200 (the switch is bound by HBM: ~13 GB read and written for the 7B
+# shape, ~6.2 ms at the copy rate). 32 x 256 bf16 chunks (512-byte row segments, 16-byte
+# vectors); a program walks 512 rows, so the selection's A columns (2 x 16 x 256) are read once
+# per 256 KiB of weights and each chunk adds only 2 KiB of B rows. Compiled for sm_90 it takes
+# 155 registers and 56 KiB of shared memory: 3 programs an SM, each with 3 chunks (48 KiB) in
+# flight, about 2.5x what Little's law asks of an SM at 4.8 TB/s. bench/bench_adafuse.py sweeps
+# SWITCH_CANDIDATES on the GPU and records the best.
+DEFAULT_SWITCH_CONFIG = SwitchConfig()
+SWITCH_CANDIDATES: tuple[SwitchConfig, ...] = (
+    DEFAULT_SWITCH_CONFIG,
+    SwitchConfig(32, 256, 16, 4, 2),
+    SwitchConfig(32, 128, 32, 4, 4),  # 78 registers: 5 programs an SM
+    SwitchConfig(16, 256, 32, 4, 4),
+    SwitchConfig(16, 512, 32, 4, 4),
+    SwitchConfig(32, 512, 16, 8, 3),
+    SwitchConfig(64, 128, 16, 4, 3),
+    SwitchConfig(64, 256, 8, 8, 3),
+    SwitchConfig(64, 256, 1, 8, 1),  # one tile a program, no pipelining
+)
+
+
+@dataclass
+class SwitchPlan:
+    """Per-config launch description: one row ``(module, first row, first column)`` per
+    program, so a program finds its module with one load instead of a search."""
+
+    config: SwitchConfig
+    tiles: torch.Tensor  # [P, 3] int32
+    num_programs: int
+    even_rows: bool  # every module's N is a multiple of block_m
+    even_cols: bool  # every module's K is a multiple of block_n
+
+
 @dataclass
 class MergeTarget:
     """One targeted linear layer: ``weight [N, K]`` and its experts."""
@@ -245,12 +310,14 @@ class MergeTable:
     b_ptrs: torch.Tensor  # [M] int64
     dims: torch.Tensor  # [M, 3] int32: N, K, r
     scales: torch.Tensor  # [M] fp32
-    tile_start: torch.Tensor  # [M + 1] int32: prefix sum of per-module tile counts
-    total_tiles: int
+    shapes: list[tuple[int, int, int]]  # host copy of dims
     num_experts: int
     r_max: int
     dtype: torch.dtype
     exact: bool
+    aligned: bool  # every base address 16-byte aligned and every K a multiple of 8
+    # Launch tables, one per SwitchConfig used so far (built on first use).
+    plans: dict[SwitchConfig, SwitchPlan] = field(default_factory=dict)
     # Current selection (what the weights hold now), [k] int32 / fp32; -1 = no expert.
     cur_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     cur_gates: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -272,8 +339,7 @@ def build_merge_table(targets: Sequence[MergeTarget], *, exact: bool = True) -> 
     t0 = targets[0]
     dtype, device = t0.weight.dtype, t0.weight.device
     num_experts = t0.lora_a.shape[0] if t0.lora_a.dim() == 3 else -1
-    tiles = [0]
-    dims = []
+    dims: list[tuple[int, int, int]] = []
     r_max = 1
     for i, t in enumerate(targets):
         w, a, b = t.weight, t.lora_a, t.lora_b
@@ -301,11 +367,13 @@ def build_merge_table(targets: Sequence[MergeTarget], *, exact: bool = True) -> 
                 raise ValueError(f"{name}.master must be a {dtype} copy of the weight (exact mode)")
             if t.master.device != device or not t.master.is_contiguous():
                 raise ValueError(f"{name}.master must be contiguous on {device}")
+        if max(w.numel(), a.numel(), b.numel()) >= 2**31:
+            raise ValueError(f"{name}: tensors of 2^31 elements or more are not supported")
         r_max = max(r_max, r)
         dims.append((n, k, r))
-        tiles.append(tiles[-1] + triton.cdiv(n, _SWITCH_BLOCK_N) * triton.cdiv(k, _SWITCH_BLOCK_K))
-    if tiles[-1] >= 2**31:
-        raise ValueError("too many weight tiles for one launch")
+    srcs = [t.master if (exact and t.master is not None) else t.weight for t in targets]
+    bases = [x for t in targets for x in (t.weight, t.lora_a, t.lora_b)] + srcs
+    aligned = all(x.data_ptr() % 16 == 0 for x in bases) and all(k % 8 == 0 for _, k, _ in dims)
 
     def ptrs(xs: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.tensor([x.data_ptr() for x in xs], dtype=torch.int64, device=device)
@@ -313,130 +381,206 @@ def build_merge_table(targets: Sequence[MergeTarget], *, exact: bool = True) -> 
     return MergeTable(
         targets=list(targets),
         w_ptrs=ptrs([t.weight for t in targets]),
-        src_ptrs=ptrs(
-            [t.master if (exact and t.master is not None) else t.weight for t in targets]
-        ),
+        src_ptrs=ptrs(srcs),
         a_ptrs=ptrs([t.lora_a for t in targets]),
         b_ptrs=ptrs([t.lora_b for t in targets]),
         dims=torch.tensor(dims, dtype=torch.int32, device=device),
         scales=torch.tensor([float(t.scale) for t in targets], dtype=torch.float32, device=device),
-        tile_start=torch.tensor(tiles, dtype=torch.int32, device=device),
-        total_tiles=tiles[-1],
+        shapes=dims,
         num_experts=num_experts,
         r_max=r_max,
         dtype=dtype,
         exact=exact,
+        aligned=aligned,
         cur_ids=torch.full((1,), -1, dtype=torch.int32, device=device),
         cur_gates=torch.zeros(1, dtype=torch.float32, device=device),
     )
 
 
+def _switch_plan(table: MergeTable, cfg: SwitchConfig) -> SwitchPlan:
+    plan = table.plans.get(cfg)
+    if plan is not None:
+        return plan
+    span = cfg.block_m * cfg.chunks
+    rows: list[torch.Tensor] = []
+    for m, (n, k, _r) in enumerate(table.shapes):
+        r0 = torch.arange(0, n, span, dtype=torch.int32)
+        c0 = torch.arange(0, k, cfg.block_n, dtype=torch.int32)
+        grid = torch.stack(torch.meshgrid(r0, c0, indexing="ij"), -1).reshape(-1, 2)
+        rows.append(torch.cat([torch.full((grid.shape[0], 1), m, dtype=torch.int32), grid], 1))
+    tiles = torch.cat(rows).contiguous()
+    if tiles.shape[0] >= 2**31:
+        raise ValueError("too many weight tiles for one launch")
+    plan = SwitchPlan(
+        config=cfg,
+        tiles=tiles.to(table.device),
+        num_programs=int(tiles.shape[0]),
+        even_rows=all(n % cfg.block_m == 0 for n, _, _ in table.shapes),
+        even_cols=all(k % cfg.block_n == 0 for _, k, _ in table.shapes),
+    )
+    table.plans[cfg] = plan
+    return plan
+
+
 @triton.jit
-def _selection_delta(
+def _load_a(a_base, e, ok, K, R, offs_r, offs_n, EVEN_N: tl.constexpr):
+    """A[e][:R, offs_n] as a [BLOCK_R, BLOCK_N] tile; zeros where ``ok`` is false (an absent
+    expert reads no rows, so the mask stays constant along the contiguous columns)."""
+    ptrs = a_base + e * R * K + offs_r[:, None] * K + offs_n[None, :]
+    mask = offs_r[:, None] < tl.where(ok, R, 0)
+    if not EVEN_N:
+        mask = mask & (offs_n[None, :] < K)
+    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
+
+
+@triton.jit
+def _gated_term(
     acc,
-    a_base,
     b_base,
-    ids_ptr,
-    gates_ptr,
+    e,
+    ok,
+    g,
+    at,
     N,
-    K,
     R,
-    offs_n,
-    offs_k,
+    offs_m,
     offs_r,
-    TOP_K: tl.constexpr,
+    EVEN_R: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """acc += sum_j g_j * B[e_j][offs_n, :R] @ A[e_j][:R, offs_k] (experts with id < 0 skipped)."""
-    mask_r = offs_r < R
-    for j in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + j)
-        g = tl.load(gates_ptr + j)
-        if e >= 0:
-            e64 = e.to(tl.int64)
-            bt = tl.load(
-                b_base + e64 * N * R + offs_n[:, None].to(tl.int64) * R + offs_r[None, :],
-                mask=(offs_n[:, None] < N) & mask_r[None, :],
-                other=0.0,
-            )
-            at = tl.load(
-                a_base + e64 * R * K + offs_r[:, None].to(tl.int64) * K + offs_k[None, :],
-                mask=mask_r[:, None] & (offs_k[None, :] < K),
-                other=0.0,
-            )
-            if DOT_FP32:
-                acc += g * tl.dot(bt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-            else:
-                acc += g * tl.dot(bt, at)
+    """acc += g * B_e[offs_m, :R] @ A_e[:R, cols] for one expert (``at`` already loaded)."""
+    ptrs = b_base + e * N * R + offs_m[:, None] * R + offs_r[None, :]
+    mask = offs_m[:, None] < tl.where(ok, N, 0)
+    if not EVEN_R:
+        mask = mask & (offs_r[None, :] < R)
+    bt = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
+    if DOT_FP32:
+        acc += g * tl.dot(bt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+    else:
+        acc += g * tl.dot(bt, at)
     return acc
 
 
 @triton.jit
+def _expert(ids_ptr, gates_ptr, j, NEG: tl.constexpr):
+    """(id clamped to a valid expert, present?, gate or 0; negated for the old selection)."""
+    e = tl.load(ids_ptr + j)
+    ok = e >= 0
+    g = tl.load(gates_ptr + j)
+    if NEG:
+        g = -g
+    return tl.maximum(e, 0), ok, tl.where(ok, g, 0.0)
+
+
+@triton.jit
 def _fused_switch_kernel(
-    # pointers: per-module tables, then the two selections
+    # pointers: the program table, the per-module tables, then the two selections
+    tiles_ptr,
     w_ptrs,
     src_ptrs,
     a_ptrs,
     b_ptrs,
     dims_ptr,
     scales_ptr,
-    tile_start_ptr,
     new_ids_ptr,
     new_gates_ptr,
     old_ids_ptr,
     old_gates_ptr,
-    # sizes
-    M,
     # meta-parameters
     DTYPE: tl.constexpr,
     NEW_K: tl.constexpr,
     OLD_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_MOD: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_R: tl.constexpr,
+    ALIGNED: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
+    """One program: columns [col0, col0 + BLOCK_N) x rows [row0, row0 + CHUNKS * BLOCK_M) of one
+    module, walked down in chunks of BLOCK_M rows. W = round(src + scale * (Delta_new -
+    Delta_old)), src = W0 (exact) or W (delta).
+
+    The first two new experts' A columns are loaded once per program; each chunk reads only
+    its B rows (BLOCK_R values a row) besides the weights. All offsets are int32
+    (build_merge_table refuses tensors of 2^31 elements or more). With ALIGNED every base
+    address is 16-byte aligned and every K a multiple of 8, so weight rows move in 16-byte
+    vectors."""
     pid = tl.program_id(0)
-    # Which module owns this tile: count modules whose tiles end at or before it.
-    offs_mod = tl.arange(0, BLOCK_MOD)
-    ends = tl.load(tile_start_ptr + 1 + offs_mod, mask=offs_mod < M, other=2147483647)
-    mod = tl.sum((ends <= pid).to(tl.int32), 0)
-    first = tl.load(tile_start_ptr + mod)
+    mod = tl.load(tiles_ptr + pid * 3)
+    row0 = tl.load(tiles_ptr + pid * 3 + 1)
+    col0 = tl.load(tiles_ptr + pid * 3 + 2)
     N = tl.load(dims_ptr + mod * 3)
     K = tl.load(dims_ptr + mod * 3 + 1)
-    R = tl.load(dims_ptr + mod * 3 + 2)
+    if EVEN_R:  # noqa: SIM108 (a constexpr branch)
+        R = BLOCK_R
+    else:
+        R = tl.load(dims_ptr + mod * 3 + 2)
     scale = tl.load(scales_ptr + mod)
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    local = pid - first
-    tn = local // tiles_k
-    tk = local % tiles_k
     w_base = tl.load(w_ptrs + mod).to(tl.pointer_type(DTYPE))
     src_base = tl.load(src_ptrs + mod).to(tl.pointer_type(DTYPE))
     a_base = tl.load(a_ptrs + mod).to(tl.pointer_type(DTYPE))
     b_base = tl.load(b_ptrs + mod).to(tl.pointer_type(DTYPE))
-    offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tk * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    if ALIGNED:
+        K = tl.multiple_of(K, 8)
+        w_base = tl.multiple_of(w_base, 16)
+        src_base = tl.multiple_of(src_base, 16)
+        a_base = tl.multiple_of(a_base, 16)
+        b_base = tl.multiple_of(b_base, 16)
+        offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
-    delta = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    delta = _selection_delta(
-        delta, a_base, b_base, new_ids_ptr, new_gates_ptr, N, K, R,
-        offs_n, offs_k, offs_r, NEW_K, DOT_FP32,
-    )  # fmt: skip
-    if OLD_K > 0:
-        old = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        old = _selection_delta(
-            old, a_base, b_base, old_ids_ptr, old_gates_ptr, N, K, R,
-            offs_n, offs_k, offs_r, OLD_K, DOT_FP32,
-        )  # fmt: skip
-        delta -= old
-    w_off = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    src = tl.load(src_base + w_off, mask=mask, other=0.0).to(tl.float32)
-    tl.store(w_base + w_off, (src + scale * delta).to(DTYPE), mask=mask)
+    offs_c = tl.arange(0, BLOCK_M)
+
+    # The selection's A columns for this program's band, loaded once for all its chunks.
+    e0, ok0, g0 = _expert(new_ids_ptr, new_gates_ptr, 0, False)
+    a0 = _load_a(a_base, e0, ok0, K, R, offs_r, offs_n, EVEN_N)
+    if NEW_K > 1:
+        e1, ok1, g1 = _expert(new_ids_ptr, new_gates_ptr, 1, False)
+        a1 = _load_a(a_base, e1, ok1, K, R, offs_r, offs_n, EVEN_N)
+
+    n_chunks = tl.minimum(CHUNKS, tl.cdiv(N - row0, BLOCK_M))
+    for c in tl.range(0, n_chunks, num_stages=NUM_STAGES):
+        offs_m = row0 + c * BLOCK_M + offs_c
+        w_off = offs_m[:, None] * K + offs_n[None, :]
+        # The streamed weights: read once, not kept in L2.
+        if EVEN_M and EVEN_N:
+            src = tl.load(src_base + w_off, eviction_policy="evict_first")
+        else:
+            wmask = (offs_m[:, None] < N) & (offs_n[None, :] < K)
+            src = tl.load(src_base + w_off, mask=wmask, other=0.0, eviction_policy="evict_first")
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _gated_term(acc, b_base, e0, ok0, g0, a0, N, R, offs_m, offs_r,
+                          EVEN_R, DOT_FP32)  # fmt: skip
+        if NEW_K > 1:
+            acc = _gated_term(acc, b_base, e1, ok1, g1, a1, N, R, offs_m, offs_r,
+                              EVEN_R, DOT_FP32)  # fmt: skip
+        for j in tl.static_range(2, NEW_K):  # k > 2: A re-read per chunk (cache hits)
+            e, ok, g = _expert(new_ids_ptr, new_gates_ptr, j, False)
+            at = _load_a(a_base, e, ok, K, R, offs_r, offs_n, EVEN_N)
+            acc = _gated_term(acc, b_base, e, ok, g, at, N, R, offs_m, offs_r,
+                              EVEN_R, DOT_FP32)  # fmt: skip
+        # Delta mode: the old selection enters the same accumulator with negated gates (one
+        # fp32 tile of registers, not two).
+        for j in tl.static_range(OLD_K):
+            e, ok, g = _expert(old_ids_ptr, old_gates_ptr, j, True)
+            at = _load_a(a_base, e, ok, K, R, offs_r, offs_n, EVEN_N)
+            acc = _gated_term(acc, b_base, e, ok, g, at, N, R, offs_m, offs_r,
+                              EVEN_R, DOT_FP32)  # fmt: skip
+        out = (src.to(tl.float32) + scale * acc).to(DTYPE)
+        if EVEN_M and EVEN_N:
+            tl.store(w_base + w_off, out, eviction_policy="evict_first")
+        else:
+            tl.store(w_base + w_off, out, mask=wmask, eviction_policy="evict_first")
 
 
-def _check_selection(table: MergeTable, ids: torch.Tensor, gates: torch.Tensor, what: str) -> None:
+def _check_selection(
+    table: MergeTable, ids: torch.Tensor, gates: torch.Tensor, what: str, *, values: bool = True
+) -> None:
     if not isinstance(ids, torch.Tensor) or not isinstance(gates, torch.Tensor):
         raise ValueError(f"{what} ids and gates must be tensors")
     if ids.dim() != 1 or ids.dtype != torch.int32 or ids.numel() < 1:
@@ -447,12 +591,40 @@ def _check_selection(table: MergeTable, ids: torch.Tensor, gates: torch.Tensor, 
         raise ValueError(f"{what}_gates must be float32 of shape {tuple(ids.shape)}")
     if ids.device != table.device or gates.device != table.device:
         raise ValueError(f"{what} ids and gates must be on {table.device}")
-    if not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
-        lo, hi = int(ids.min()), int(ids.max())
+    if not ids.is_contiguous() or not gates.is_contiguous():
+        raise ValueError(f"{what} ids and gates must be contiguous")
+    if values and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one read-back
         if lo < -1 or hi >= table.num_experts:
             raise ValueError(
                 f"{what}_ids must lie in [-1, {table.num_experts}), got min {lo} max {hi}"
             )
+
+
+def switch_launch_args(
+    table: MergeTable, k_new: int, k_old: int, config: SwitchConfig | None = None
+) -> tuple[SwitchPlan, dict[str, object]]:
+    """The plan and the meta-parameters one ``fused_switch`` launch uses (bench and tests)."""
+    cfg = config or DEFAULT_SWITCH_CONFIG
+    plan = _switch_plan(table, cfg)
+    block_r = max(16, triton.next_power_of_2(table.r_max))
+    meta: dict[str, object] = {
+        "DTYPE": _TL_DTYPES[table.dtype],
+        "NEW_K": k_new,
+        "OLD_K": 0 if table.exact else k_old,
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_R": block_r,
+        "CHUNKS": cfg.chunks,
+        "NUM_STAGES": cfg.num_stages,
+        "EVEN_M": plan.even_rows,
+        "EVEN_N": plan.even_cols,
+        "EVEN_R": all(r == block_r for _, _, r in table.shapes),
+        "ALIGNED": table.aligned,
+        "DOT_FP32": _dot_fp32(table.dtype),
+        "num_warps": cfg.num_warps,
+    }
+    return plan, meta
 
 
 def fused_switch(
@@ -463,45 +635,42 @@ def fused_switch(
     old_ids: torch.Tensor | None = None,  # [k'] int32; default: the table's current selection
     old_gates: torch.Tensor | None = None,  # [k'] fp32
     backend: Backend | None = None,
+    config: SwitchConfig | None = None,
 ) -> None:
     """Replace the merged selection in every targeted module with one launch.
 
     Exact mode: ``W = round(W0 + Delta_new)`` (the old selection is not needed). Delta mode:
-    ``W = round(W - Delta_old + Delta_new)`` with both deltas formed in fp32.
+    ``W = round(W - Delta_old + Delta_new)`` with both deltas formed in fp32. ``config``
+    overrides the tiling (``DEFAULT_SWITCH_CONFIG``); the result does not depend on it.
     """
     if not isinstance(table, MergeTable):
         raise ValueError(f"table must be a MergeTable, got {type(table).__name__}")
     _check_selection(table, new_ids, new_gates, "new")
     if old_ids is None or old_gates is None:
+        # The table's own selection was checked when it was merged.
         old_ids, old_gates = table.cur_ids, table.cur_gates
-    _check_selection(table, old_ids, old_gates, "old")
+        _check_selection(table, old_ids, old_gates, "old", values=False)
+    else:
+        _check_selection(table, old_ids, old_gates, "old")
     if choose_backend(table.w_ptrs, backend) == "torch":
         from adaptermesh.kernels.reference import fused_switch_ref
 
         fused_switch_ref(table, new_ids, new_gates, old_ids=old_ids, old_gates=old_gates)
     else:
-        _fused_switch_kernel[(table.total_tiles,)](
+        plan, meta = switch_launch_args(table, new_ids.numel(), old_ids.numel(), config)
+        _fused_switch_kernel[(plan.num_programs,)](
+            plan.tiles,
             table.w_ptrs,
             table.src_ptrs,
             table.a_ptrs,
             table.b_ptrs,
             table.dims,
             table.scales,
-            table.tile_start,
             new_ids,
             new_gates,
             old_ids,
             old_gates,
-            len(table.targets),
-            DTYPE=_TL_DTYPES[table.dtype],
-            NEW_K=new_ids.numel(),
-            OLD_K=0 if table.exact else old_ids.numel(),
-            BLOCK_N=_SWITCH_BLOCK_N,
-            BLOCK_K=_SWITCH_BLOCK_K,
-            BLOCK_R=max(16, triton.next_power_of_2(table.r_max)),
-            BLOCK_MOD=triton.next_power_of_2(len(table.targets)),
-            DOT_FP32=_dot_fp32(table.dtype),
-            num_warps=4,
+            **meta,
         )
     table.cur_ids = new_ids.clone()
     table.cur_gates = new_gates.clone()
@@ -513,19 +682,21 @@ def fused_merge(
     gates: torch.Tensor,  # [k] fp32
     *,
     backend: Backend | None = None,
+    config: SwitchConfig | None = None,
 ) -> None:
     """``W' = W + sum_j g_j * c * B[e_j] @ A[e_j]`` for every target, one launch.
 
     Merging onto weights that already hold a selection replaces it (a switch)."""
-    fused_switch(table, ids, gates, backend=backend)
+    fused_switch(table, ids, gates, backend=backend, config=config)
 
 
-def fused_unmerge(table: MergeTable, *, backend: Backend | None = None) -> None:
+def fused_unmerge(
+    table: MergeTable, *, backend: Backend | None = None, config: SwitchConfig | None = None
+) -> None:
     """Back to the plain backbone (bit-exact in exact mode)."""
     none_ids = torch.full((1,), -1, dtype=torch.int32, device=table.device)
-    fused_switch(
-        table, none_ids, torch.zeros(1, dtype=torch.float32, device=table.device), backend=backend
-    )
+    none_gates = torch.zeros(1, dtype=torch.float32, device=table.device)
+    fused_switch(table, none_ids, none_gates, backend=backend, config=config)
 
 
 # ---------------------------------------------------------------------------------------------
