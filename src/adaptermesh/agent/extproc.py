@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from adaptermesh.agent.picker import Decision, EndpointBook, decide, model_of
+from adaptermesh.loopthread import LoopThread
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 from adaptermesh.worker_scrape import parse_metrics
 
@@ -260,23 +260,12 @@ class ExtProcServer:
         self._requested_port = port
         self.port = 0
         self._on_decision = on_decision
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop = LoopThread("ext-proc")
         self._server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
 
     def start(self) -> int:
-        if self._thread is not None:
-            raise RuntimeError("ExtProcServer already started")
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="ext-proc", daemon=True)
-        thread.start()
-        self._loop, self._thread = loop, thread
-        try:
-            self.port = asyncio.run_coroutine_threadsafe(self._start(), loop).result(10)
-        except BaseException:
-            self._shutdown_loop()
-            raise
+        self.port = self._loop.start(self._start)
         _log.info("ext_proc server listening on %s:%d", self.host, self.port)
         return self.port
 
@@ -308,26 +297,11 @@ class ExtProcServer:
     def set_ready(self, ready: bool) -> None:
         """Readiness (and the ext_proc service's health) from any thread."""
         self._ready = ready
-        if self._loop is not None:
-            asyncio.run_coroutine_threadsafe(self._set_ready(ready), self._loop)
+        if self._loop.loop is not None:
+            asyncio.run_coroutine_threadsafe(self._set_ready(ready), self._loop.loop)
 
     def stop(self, grace: float = 0.5) -> None:
-        if self._loop is None:
-            return
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(
-                    self._server.stop(grace), self._loop).result(grace + 10)
-        self._shutdown_loop()
-
-    def _shutdown_loop(self) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-        self._loop = self._thread = None
+        self._loop.stop(self._server, grace)
         self._server = None
 
 

@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +45,7 @@ from typing import Any
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from adaptermesh.loopthread import LoopThread
 from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.mesh.metrics import XdsMetrics
 from adaptermesh.mesh.snapshot import (
@@ -392,22 +392,11 @@ class XdsServer:
         self._requested_port = port
         self.metrics = metrics or cache.metrics
         self.port: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop = LoopThread("xds-server")
         self._server: grpc.aio.Server | None = None
 
     def start(self) -> int:
-        if self._thread is not None:
-            raise RuntimeError("XdsServer already started")
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="xds-server", daemon=True)
-        thread.start()
-        self._loop, self._thread = loop, thread
-        try:
-            self.port = asyncio.run_coroutine_threadsafe(self._start(), loop).result(10)
-        except BaseException:
-            self._shutdown_loop()
-            raise
+        self.port = self._loop.start(self._start)
         log.info("xDS server listening on %s:%d", self.host, self.port)
         return self.port
 
@@ -429,24 +418,11 @@ class XdsServer:
         return port
 
     def stop(self, grace: float = 0.5) -> None:
-        if self._loop is None:
+        if self._loop.loop is None:
             return
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(
-                    self._server.stop(grace), self._loop).result(grace + 10)
-            self._server = None
-        self._shutdown_loop()
+        self._loop.stop(self._server, grace)
+        self._server = None
         log.info("xDS server on port %s stopped", self.port)
-
-    def _shutdown_loop(self) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-        self._loop = self._thread = None
 
     def __enter__(self) -> XdsServer:
         self.start()
