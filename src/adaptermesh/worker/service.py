@@ -36,12 +36,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 
 from adaptermesh.httpserve import (
     BodyTimeoutError,
@@ -50,6 +51,16 @@ from adaptermesh.httpserve import (
     ListenerLimits,
     read_body,
     serve_app,
+)
+from adaptermesh.worker.api import (
+    ChatChoice,
+    ChatCompletionRequest,
+    CompletionChoice,
+    CompletionRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    Usage,
+    request_error,
 )
 from adaptermesh.worker.fair_queue import FairQueue, QueueFullError
 from adaptermesh.worker.metrics import ServiceMetrics
@@ -70,9 +81,6 @@ __all__ = ["ApiError", "ServiceConfig", "WorkerService", "serve", "tenant_of"]
 log = logging.getLogger(__name__)
 
 _JSON = "application/json"
-# The most stop sequences one request may carry (OpenAI's limit).
-_MAX_STOP = 4
-_MAX_STOP_CHARS = 256
 _TENANT_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+-]{1,64}$")
 # Engine field names that differ from the API's.
 _ENGINE_FIELD_TO_PARAM = {"name": "lora_name", "path": "lora_path", "adapter": "model",
@@ -80,12 +88,6 @@ _ENGINE_FIELD_TO_PARAM = {"name": "lora_name", "path": "lora_path", "adapter": "
 # Prompts up to this many characters are tokenised on the event loop (under 1 ms with the
 # Rust tokenizer); longer ones on a thread, so a 4 MB prompt does not stall other requests.
 _TOKENIZE_INLINE_CHARS = 16 << 10
-# Names (model, lora_name) and path components: NAME_MAX on Linux.
-_MAX_NAME_CHARS = 255
-# A whole lora_path: PATH_MAX on Linux.
-_MAX_PATH_CHARS = 4096
-# top_k is an int32 on the device; -1 (vLLM's "off") is accepted as 0.
-_MAX_TOP_K = (1 << 31) - 1
 _T = TypeVar("_T")
 
 
@@ -187,199 +189,16 @@ def tenant_of(request: web.BaseRequest) -> str:
 
 
 # ------------------------------------------------------------------------------ validation
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_M = TypeVar("_M", bound=BaseModel)
 
 
-def _is_number(value: Any) -> bool:
-    # Integers of any size are numbers (range checks refuse the huge ones); floats must be
-    # finite (JSON's 1e999 parses as inf).
-    if isinstance(value, bool):
-        return False
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
-
-
-def _as_float(value: int | float) -> float:
+def _parse(model: type[_M], body: dict[str, Any]) -> _M:
+    """``body`` as ``model``; the first invalid field is a 422 naming it."""
     try:
-        return float(value)
-    except OverflowError:  # an int past 1.8e308
-        return math.inf if value > 0 else -math.inf
-
-
-def _get_int(body: dict[str, Any], name: str, default: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_int(value):
-        raise _invalid(name, f"must be an integer, got {type(value).__name__}", code="invalid_type")
-    result: int = value
-    return result
-
-
-def _get_number(body: dict[str, Any], name: str, default: float, low: float, high: float,
-                low_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value):
-        raise _invalid(name, f"must be a number, got {type(value).__name__}", code="invalid_type")
-    number = _as_float(value)
-    if number > high or number < low or (low_open and number == low):
-        bracket = "(" if low_open else "["
-        raise _invalid(name, f"must be in {bracket}{low:g}, {high:g}], got {number:g}")
-    return number
-
-
-def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _invalid(name, f"must be a boolean, got {type(value).__name__}", code="invalid_type")
-    return value
-
-
-def _get_top_k(body: dict[str, Any]) -> int:
-    value = _get_int(body, "top_k", 0)
-    assert value is not None
-    if not -1 <= value <= _MAX_TOP_K:
-        raise _invalid("top_k", f"must be -1 or 0 (off) or at most {_MAX_TOP_K}, got {value}")
-    return max(value, 0)
-
-
-def _check_text(name: str, value: str) -> str:
-    """Refuse strings that are not valid Unicode (a lone UTF-16 surrogate such as "\\ud800")."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise _invalid(name, f"holds a lone surrogate at index {exc.start}; send valid Unicode",
-                       code="invalid_unicode") from None
-    return value
-
-
-def _get_str(body: dict[str, Any], name: str, max_chars: int = _MAX_NAME_CHARS) -> str:
-    value = body.get(name)
-    if value is None:
-        raise _invalid(name, "is required", code="missing_field")
-    if not isinstance(value, str):
-        raise _invalid(name, f"must be a string, got {type(value).__name__}", code="invalid_type")
-    if not value:
-        raise _invalid(name, "must not be empty")
-    if len(value) > max_chars:
-        raise _invalid(name, f"must have at most {max_chars} characters, got {len(value)}")
-    if "\0" in value:
-        raise _invalid(name, "must not contain NUL characters")
-    return _check_text(name, value)
-
-
-def _get_path(body: dict[str, Any], name: str) -> str:
-    path = _get_str(body, name, _MAX_PATH_CHARS)
-    longest = max(len(part.encode()) for part in path.split("/"))
-    if longest > _MAX_NAME_CHARS:
-        raise _invalid(name, f"each path component must have at most {_MAX_NAME_CHARS} bytes, "
-                       f"one has {longest}")
-    return path
-
-
-def _get_stop(body: dict[str, Any]) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise _invalid("stop", "must be a string or a list of strings", code="invalid_type")
-    if len(items) > _MAX_STOP:
-        raise _invalid("stop", f"at most {_MAX_STOP} sequences are allowed, got {len(items)}")
-    for s in items:
-        if not s or len(s) > _MAX_STOP_CHARS:
-            raise _invalid("stop", f"each sequence must have 1 to {_MAX_STOP_CHARS} characters")
-        _check_text("stop", s)
-    return tuple(items)
-
-
-def _reject_unsupported(body: dict[str, Any]) -> None:
-    """Fields this server does not implement are refused unless they ask for the default."""
-    defaults: dict[str, tuple[Any, ...]] = {
-        "n": (None, 1),
-        "best_of": (None, 1),
-        "echo": (None, False),
-        "logprobs": (None, False),
-        "top_logprobs": (None, 0),
-        "suffix": (None, ""),
-        "logit_bias": (None, {}),
-        "tools": (None, []),
-    }
-    for name, allowed in defaults.items():
-        if name in body and not any(
-            (body[name] == a and type(body[name]) is type(a)) or body[name] is a
-            for a in allowed
-        ):
-            raise _invalid(name, "is not supported by this server (only the default is)",
-                           code="unsupported")
-
-
-def _prompt(prompt: Any) -> str | list[int]:
-    """A completion prompt (text, or token ids): a string, a list of token ids, or a batch of
-    exactly one of those."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _invalid("prompt", "must not be empty")
-        return _check_text("prompt", prompt)
-    if isinstance(prompt, list):
-        if not prompt:
-            raise _invalid("prompt", "must not be empty")
-        if all(_is_int(t) for t in prompt):
-            if any(t < 0 for t in prompt):
-                raise _invalid("prompt", "token ids must not be negative")
-            return list(prompt)
-        if all(isinstance(p, str | list) for p in prompt):
-            raise _invalid("prompt", f"batches of prompts are not supported (got {len(prompt)});"
-                           " send one request per prompt", code="unsupported")
-        raise _invalid("prompt", "must be a string or a list of integer token ids",
-                       code="invalid_type")
-    if prompt is None:
-        raise _invalid("prompt", "is required", code="missing_field")
-    raise _invalid("prompt", f"must be a string or a list of token ids, got "
-                   f"{type(prompt).__name__}", code="invalid_type")
-
-
-def _chat_messages(value: Any) -> list[dict[str, str]]:
-    if value is None:
-        raise _invalid("messages", "is required", code="missing_field")
-    if not isinstance(value, list) or not value:
-        raise _invalid("messages", "must be a non-empty list of messages", code="invalid_type")
-    messages: list[dict[str, str]] = []
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise _invalid(where, "must be an object", code="invalid_type")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise _invalid(f"{where}.role", "must be a non-empty string", code="invalid_type")
-        _check_text(f"{where}.role", role)
-        content = message.get("content")
-        if isinstance(content, list):
-            # Content parts: only text parts can go through a text-only model.
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str
-                ):
-                    raise _invalid(f"{where}.content[{j}]",
-                                   "only {\"type\": \"text\", \"text\": ...} parts are supported",
-                                   code="unsupported")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise _invalid(f"{where}.content", "must be a string or a list of text parts",
-                           code="invalid_type")
-        _check_text(f"{where}.content", content)
-        messages.append({"role": role, "content": content})
-    return messages
+        return model.model_validate(body)
+    except ValidationError as exc:
+        param, code, message = request_error(exc)
+        raise ApiError(422, message, param=param, code=code) from None
 
 
 @dataclass(slots=True)
@@ -397,6 +216,8 @@ class _Job:
     arrived: float
     deadline: float
     request_id: str
+    # Choices: n engine sequences of one prompt, answered together.
+    n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
     # The SSE chunk's bytes up to its choices list: the same for every chunk of the request,
     # so it is encoded once instead of once per token.
@@ -604,9 +425,8 @@ class WorkerService:
 
     async def _load_adapter(self, request: web.Request) -> web.Response:
         self._check_admin(request)
-        body = await self._read_json(request)
-        name = _get_str(body, "lora_name")
-        path = _get_path(body, "lora_path")
+        load = _parse(LoadLoraAdapterRequest, await self._read_json(request))
+        name, path = load.lora_name, load.lora_path
         if name == self.engine.model_name:
             raise _invalid("lora_name", "must differ from the base model's name")
         try:
@@ -629,8 +449,7 @@ class WorkerService:
 
     async def _unload_adapter(self, request: web.Request) -> web.Response:
         self._check_admin(request)
-        body = await self._read_json(request)
-        name = _get_str(body, "lora_name")
+        name = _parse(UnloadLoraAdapterRequest, await self._read_json(request)).lora_name
         try:
             await self.engine.unload_adapter(name)
         except AdapterNotFoundError as exc:
@@ -658,45 +477,24 @@ class WorkerService:
                            type="service_unavailable", code="draining",
                            headers={"Retry-After": str(self.config.retry_after_s)})
         arrived = time.monotonic()
-        model_value = body.get("model")
-        if model_value is not None and not isinstance(model_value, str):
-            raise _invalid("model", "must be a string", code="invalid_type")
-        model = _get_str(body, "model") if model_value else self.engine.model_name
+        parsed: CompletionRequest | ChatCompletionRequest = (
+            _parse(CompletionRequest, body) if kind == "completion"
+            else _parse(ChatCompletionRequest, body))
+        model = parsed.model or self.engine.model_name
         adapter = None if model == self.engine.model_name else model
-        _reject_unsupported(body)
-        stream = _get_bool(body, "stream", False)
-        include_usage = False
-        options = body.get("stream_options")
-        if options is not None:
-            if not isinstance(options, dict):
-                raise _invalid("stream_options", "must be an object", code="invalid_type")
-            include_usage = _get_bool(options, "include_usage", False)
-        # OpenAI's default temperature is 1; clients that want greedy decoding send 0.
-        temperature = _get_number(body, "temperature", 1.0, 0.0, 2.0)
-        top_p = _get_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
-        seed = _get_int(body, "seed", None)
-        stop = _get_stop(body)
-        # The engine checks the same ranges; checking here names the field before queueing.
-        top_k = _get_top_k(body)
-        min_p = _get_number(body, "min_p", 0.0, 0.0, 1.0)
-        presence_penalty = _get_number(body, "presence_penalty", 0.0, -2.0, 2.0)
-        frequency_penalty = _get_number(body, "frequency_penalty", 0.0, -2.0, 2.0)
-        repetition_penalty = _get_number(body, "repetition_penalty", 1.0, 0.0, 10.0,
-                                         low_open=True)
         max_len = self.engine.max_model_len
 
-        if kind == "completion":
-            prompt = _prompt(body.get("prompt"))
+        if isinstance(parsed, CompletionRequest):
+            prompt = parsed.prompt
             if isinstance(prompt, str):
                 self._refuse_untokenised(len(prompt), max_len, "prompt")
                 prompt_ids = list(await self._off_loop(len(prompt), self.engine.tokenize,
                                                        prompt))
             else:
-                prompt_ids = prompt
-            max_tokens_name = "max_tokens"
-            max_tokens = _get_int(body, "max_tokens", None)
+                prompt_ids = list(prompt)
+            max_tokens_name, max_tokens = "max_tokens", parsed.max_tokens
         else:
-            messages = _chat_messages(body.get("messages"))
+            messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
             chars = sum(len(m["content"]) for m in messages)
             self._refuse_untokenised(chars, max_len, "messages")
             ids = await self._off_loop(chars, self.engine.apply_chat_template, messages)
@@ -705,9 +503,7 @@ class WorkerService:
                                "use /v1/completions", param="messages",
                                code="chat_template_missing")
             prompt_ids = list(ids)
-            max_tokens_name = ("max_completion_tokens" if body.get("max_completion_tokens")
-                               is not None else "max_tokens")
-            max_tokens = _get_int(body, max_tokens_name, None)
+            max_tokens_name, max_tokens = parsed.max_tokens_field
 
         if len(prompt_ids) >= max_len:
             raise ApiError(413, f"prompt: has {len(prompt_ids)} tokens; this model's context "
@@ -744,13 +540,15 @@ class WorkerService:
             model=model,
             adapter=adapter,
             prompt_ids=prompt_ids,
-            sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                    top_p=top_p, seed=seed, stop=stop, top_k=top_k,
-                                    min_p=min_p, presence_penalty=presence_penalty,
-                                    frequency_penalty=frequency_penalty,
-                                    repetition_penalty=repetition_penalty),
-            stream=stream,
-            include_usage=include_usage,
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=parsed.temperature,
+                                    top_p=parsed.top_p, seed=parsed.seed, stop=parsed.stop,
+                                    top_k=max(parsed.top_k, 0), min_p=parsed.min_p,
+                                    presence_penalty=parsed.presence_penalty,
+                                    frequency_penalty=parsed.frequency_penalty,
+                                    repetition_penalty=parsed.repetition_penalty),
+            n=parsed.n,
+            stream=parsed.stream,
+            include_usage=parsed.include_usage,
             tenant=tenant_of(request),
             arrived=arrived,
             deadline=arrived + timeout,
@@ -776,7 +574,7 @@ class WorkerService:
     async def _run(self, request: web.Request, job: _Job) -> web.StreamResponse:
         try:
             ticket = self.queue.submit(job.tenant, cost=len(job.prompt_ids) +
-                                       job.sampling.max_tokens)
+                                       job.n * job.sampling.max_tokens)
         except QueueFullError as exc:
             self.metrics.rejected.labels(reason=f"{exc.scope}_queue_full").inc()
             raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
@@ -784,8 +582,9 @@ class WorkerService:
         self._inflight += 1
         self._idle.clear()
         progress = _Progress()
+        progresses = [progress] + [_Progress() for _ in range(job.n - 1)]
         outcome = "error"
-        token_stream: TokenStream | None = None
+        streams: list[TokenStream] = []
         try:
             try:
                 async with asyncio.timeout_at(job.deadline):
@@ -798,25 +597,29 @@ class WorkerService:
             assert ticket.admitted_at is not None
             self.metrics.queue_wait.observe(ticket.admitted_at - ticket.enqueued_at)
             self.metrics.observe_prompt(len(job.prompt_ids))
-            gen = GenerationRequest(
-                request_id=job.request_id,
-                prompt_token_ids=tuple(job.prompt_ids),
-                adapter=job.adapter,
-                sampling=job.sampling,
-                deadline=job.deadline,
-            )
             try:
-                token_stream = self.engine.submit(gen)
+                for index in range(job.n):
+                    streams.append(self.engine.submit(self._generation(job, index)))
             except EngineError as exc:
                 raise self._engine_error(exc) from None
-            events = token_stream.__aiter__()
-            # The first event comes before any header, so errors still get a real status code.
-            first = await self._next_event(events, job, progress)
+            iters = [stream.__aiter__() for stream in streams]
+            # The first events come before any header, so errors still get a real status code.
+            firsts = [await self._next_event(it, job, p) for it, p in zip(iters, progresses,
+                                                                          strict=True)]
+            if job.stream and job.n == 1:
+                return await self._stream_response(request, job, firsts[0], iters[0], progress)
             if job.stream:
-                return await self._stream_response(request, job, first, events, progress)
-            text = await self._collect(job, first, events, progress)
-            progress.outcome = outcome = progress.finish_reason or "error"
-            return web.json_response(self._final_body(job, text, progress))
+                return await self._stream_choices(request, job, firsts, iters, progresses)
+            results = await asyncio.gather(
+                *(self._collect(job, first, it, p)
+                  for first, it, p in zip(firsts, iters, progresses, strict=True)),
+                return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            texts = [r for r in results if isinstance(r, str)]
+            progress.outcome = outcome = _outcome(progresses)
+            return web.json_response(self._final_body(job, texts, progresses))
         except ApiError as exc:
             if outcome == "error":
                 outcome = exc.code or "error"
@@ -825,19 +628,39 @@ class WorkerService:
             outcome = "disconnected"
             raise
         finally:
-            if token_stream is not None and progress.finish_reason is None:
-                token_stream.cancel()
+            for stream, p in zip(streams, progresses, strict=False):
+                if p.finish_reason is None:
+                    stream.cancel()
             self.queue.release(ticket)
+            # One observation per request: with n choices, the first token of any choice and
+            # the last of all, over the longest choice's tokens.
+            firsts_seen = [p.first_token for p in progresses if p.first_token is not None]
+            lasts_seen = [p.last_token for p in progresses if p.last_token is not None]
             self.metrics.observe_finished(
                 outcome=progress.outcome or outcome,
                 arrived=job.arrived,
-                first_token=progress.first_token,
-                last_token=progress.last_token,
-                completion_tokens=progress.completion_tokens,
+                first_token=min(firsts_seen) if firsts_seen else None,
+                last_token=max(lasts_seen) if lasts_seen else None,
+                completion_tokens=max(p.completion_tokens for p in progresses),
             )
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
+
+    @staticmethod
+    def _generation(job: _Job, index: int) -> GenerationRequest:
+        """The engine request of choice ``index``; choice i > 0 of a seeded request gets
+        seed + i, so the choices differ and the whole answer is still reproducible."""
+        sampling = job.sampling
+        if index and sampling.seed is not None:
+            sampling = replace(sampling, seed=sampling.seed + index)
+        return GenerationRequest(
+            request_id=job.request_id if job.n == 1 else f"{job.request_id}-{index}",
+            prompt_token_ids=tuple(job.prompt_ids),
+            adapter=job.adapter,
+            sampling=sampling,
+            deadline=job.deadline,
+        )
 
     async def _next_event(self, events: AsyncIterator[TokenEvent], job: _Job,
                           progress: _Progress) -> TokenEvent:
@@ -890,29 +713,35 @@ class WorkerService:
             raise self._finish_error(job, reason)
         return "".join(parts)
 
-    def _final_body(self, job: _Job, text: str, progress: _Progress) -> dict[str, Any]:
-        usage = self._usage(progress)
-        if job.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
-                                      "finish_reason": progress.finish_reason}
-            obj = "text_completion"
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": progress.finish_reason}
-            obj = "chat.completion"
+    def _final_body(self, job: _Job, texts: list[str],
+                    progresses: list[_Progress]) -> dict[str, Any]:
+        usage = self._usage(progresses)
+        choices: list[dict[str, Any]] = []
+        for index, (text, p) in enumerate(zip(texts, progresses, strict=True)):
+            if job.kind == "completion":
+                choices.append(CompletionChoice(index=index, text=text,
+                                                finish_reason=p.finish_reason).model_dump())
+            else:
+                choices.append(ChatChoice(index=index,
+                                          message={"role": "assistant", "content": text},
+                                          finish_reason=p.finish_reason).model_dump())
+        obj = "text_completion" if job.kind == "completion" else "chat.completion"
         return {"id": job.request_id, "object": obj, "created": job.created,
-                "model": job.model, "choices": [choice], "usage": usage}
+                "model": job.model, "choices": choices, "usage": usage}
 
     @staticmethod
-    def _usage(progress: _Progress) -> dict[str, int]:
-        return {"prompt_tokens": progress.prompt_tokens,
-                "completion_tokens": progress.completion_tokens,
-                "total_tokens": progress.prompt_tokens + progress.completion_tokens}
+    def _usage(progresses: _Progress | list[_Progress]) -> dict[str, int]:
+        """Usage of the whole request: the prompt once, the tokens of every choice."""
+        ps = progresses if isinstance(progresses, list) else [progresses]
+        prompt = ps[0].prompt_tokens
+        completion = sum(p.completion_tokens for p in ps)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion).model_dump()
 
     def _chunk(self, job: _Job, text: str | None, finish_reason: str | None,
-               role: bool = False) -> bytes:
+               role: bool = False, index: int = 0) -> bytes:
         if job.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None,
+            choice: dict[str, Any] = {"index": index, "text": text or "", "logprobs": None,
                                       "finish_reason": finish_reason}
             obj = "text_completion"
         else:
@@ -921,7 +750,7 @@ class WorkerService:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None,
+            choice = {"index": index, "delta": delta, "logprobs": None,
                       "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         if not job.chunk_head:
@@ -977,6 +806,77 @@ class WorkerService:
         except ConnectionResetError:
             progress.outcome = "disconnected"
         return response
+
+    async def _stream_choices(self, request: web.Request, job: _Job, firsts: list[TokenEvent],
+                              iters: list[AsyncIterator[TokenEvent]],
+                              progresses: list[_Progress]) -> web.StreamResponse:
+        """The SSE stream of n > 1 choices: each choice's chunks in the order its tokens come,
+        interleaved, each naming its ``index``; ``progresses[0].outcome`` says how it ended."""
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                     "x-request-id": job.request_id}
+        )
+        await response.prepare(request)
+        head = progresses[0]
+        head.outcome = "disconnected"
+        events: asyncio.Queue[tuple[int, TokenEvent | ApiError]] = asyncio.Queue()
+
+        async def pump(index: int, event: TokenEvent, it: AsyncIterator[TokenEvent],
+                       progress: _Progress) -> None:
+            while True:
+                events.put_nowait((index, event))
+                if event.finish_reason is not None:
+                    return
+                try:
+                    event = await self._next_event(it, job, progress)
+                except ApiError as exc:
+                    events.put_nowait((index, exc))
+                    return
+
+        pumps = [asyncio.create_task(pump(i, first, it, p))
+                 for i, (first, it, p) in enumerate(zip(firsts, iters, progresses, strict=True))]
+        try:
+            if job.kind == "chat":
+                for index in range(job.n):
+                    await response.write(self._chunk(job, "", None, role=True, index=index))
+            finished = 0
+            while finished < job.n:
+                index, item = await events.get()
+                if isinstance(item, ApiError) or item.finish_reason in ("cancelled", "error"):
+                    error = item if isinstance(item, ApiError) else self._finish_error(
+                        job, str(item.finish_reason))
+                    await response.write(_sse(error.body()))
+                    await response.write(b"data: [DONE]\n\n")
+                    head.outcome = error.code or "error"
+                    return response
+                if item.token_id is not None or item.text or item.finish_reason is not None:
+                    await response.write(self._chunk(job, item.text, item.finish_reason,
+                                                     index=index))
+                if item.finish_reason is not None:
+                    finished += 1
+            if job.include_usage:
+                await response.write(_sse({"id": job.request_id, "object": (
+                    "text_completion" if job.kind == "completion" else "chat.completion.chunk"),
+                    "created": job.created, "model": job.model, "choices": [],
+                    "usage": self._usage(progresses)}))
+            await response.write(b"data: [DONE]\n\n")
+            head.outcome = _outcome(progresses)
+            await response.write_eof()
+        except ConnectionResetError:
+            head.outcome = "disconnected"
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+        return response
+
+
+def _outcome(progresses: list[_Progress]) -> str:
+    """A finished request's outcome: ``length`` when any choice hit its cap, else ``stop``."""
+    reasons = {p.finish_reason for p in progresses}
+    if None in reasons or not reasons <= {"stop", "length"}:
+        return "error"
+    return "length" if "length" in reasons else "stop"
 
 
 def _dumps(payload: dict[str, Any]) -> bytes:

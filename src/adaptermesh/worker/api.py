@@ -1,0 +1,440 @@
+"""The worker's OpenAI request and response bodies as pydantic models.
+
+Requests are validated strictly (no coercion: ``"1"`` is not an integer, ``true`` is not a
+number, floats must be finite) and refuse unknown fields, so a misspelt ``max_token`` is an
+error naming it instead of a silently ignored option. ``request_error`` turns pydantic's first
+error into the service's ``(param, code, message)``: ``param`` is the field's path
+(``messages[0].content``), ``code`` one of ``missing_field``, ``invalid_type``,
+``invalid_value``, ``invalid_unicode``, ``unknown_field``, ``unsupported``.
+
+OpenAI fields this server does not implement (``logprobs``, ``top_logprobs``, ``echo``,
+``suffix``, ``logit_bias``, ``tools``, ``response_format`` other than text, ``best_of`` above
+``n``) are accepted only with their default value and otherwise refused by name as
+``unsupported``. Response models (``Usage``, the choices, the chunks) document the wire
+shapes; the streaming path writes pre-encoded chunks of the same shape.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "MAX_N",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "LoadLoraAdapterRequest",
+    "StreamOptions",
+    "UnloadLoraAdapterRequest",
+    "Usage",
+    "request_error",
+]
+
+# Choices one request may ask for (each is one engine sequence).
+MAX_N = 16
+# The most stop sequences one request may carry (OpenAI's limit), and their length.
+MAX_STOP = 4
+MAX_STOP_CHARS = 256
+# Names (model, lora_name) and path components: NAME_MAX on Linux; a whole path: PATH_MAX.
+MAX_NAME_CHARS = 255
+MAX_PATH_CHARS = 4096
+# top_k is an int32 on the device; -1 (vLLM's "off") is accepted as 0.
+MAX_TOP_K = (1 << 31) - 1
+
+StrictInt = Annotated[int, Strict()]
+StrictBool = Annotated[bool, Strict()]
+
+
+Temperature = Annotated[float, Strict(), Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Strict(), Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+MinP = Annotated[float, Strict(), Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Strict(), Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Strict(), Field(gt=0.0, le=10.0, allow_inf_nan=False)]
+
+
+def _error(code: str, message: str, at: str = "") -> PydanticCustomError:
+    """A validation error of type ``code``; ``at`` is a path below the field (``[2]``)."""
+    return PydanticCustomError(code, message, {"at": at} if at else None)
+
+
+def check_text(value: str) -> str:
+    """Refuse strings that are not valid Unicode (a lone UTF-16 surrogate such as "\\ud800")."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _error("invalid_unicode", f"holds a lone surrogate at index {exc.start}; send "
+                     "valid Unicode") from None
+    return value
+
+
+def check_name(value: str, max_chars: int = MAX_NAME_CHARS) -> str:
+    if not value:
+        raise _error("invalid_value", "must not be empty")
+    if len(value) > max_chars:
+        raise _error("invalid_value", f"must have at most {max_chars} characters, got "
+                     f"{len(value)}")
+    if "\0" in value:
+        raise _error("invalid_value", "must not contain NUL characters")
+    return check_text(value)
+
+
+def _unsupported(what: str) -> PydanticCustomError:
+    return _error("unsupported", f"{what} is not supported by this server (only the default is)")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+    # OpenAI's newer option: usage on every chunk; accepted only off.
+    continuous_usage_stats: StrictBool = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _continuous(cls, value: bool) -> bool:
+        if value:
+            raise _unsupported("continuous_usage_stats")
+        return value
+
+
+class _Sampling(_Body):
+    """Fields both generation endpoints share."""
+
+    model: Annotated[str, Strict()] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1
+    # OpenAI's default temperature is 1; clients that want greedy decoding send 0.
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: Annotated[int, Strict(), Field(ge=-1, le=MAX_TOP_K)] = 0
+    min_p: MinP = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    # Any integer: the engine uses its low 64 bits.
+    seed: StrictInt | None = None
+    stop: Any = ()
+    max_tokens: StrictInt | None = None
+    user: Annotated[str, Strict(), Field(max_length=MAX_PATH_CHARS)] | None = None
+    # Accepted only with their defaults (see the module's docstring).
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    best_of: Any = None
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str | None) -> str | None:
+        # "" means the base model, as before; anything else must be a usable name.
+        return value if not value else check_name(value)
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, value: str | None) -> str | None:
+        return None if value is None else check_text(value)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise _error("invalid_type", "must be a string or a list of strings")
+        if len(items) > MAX_STOP:
+            raise _error("invalid_value", f"at most {MAX_STOP} sequences are allowed, got "
+                         f"{len(items)}")
+        for s in items:
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise _error("invalid_value", f"each sequence must have 1 to {MAX_STOP_CHARS} "
+                             "characters")
+            check_text(s)
+        return tuple(items)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> None:
+        if value not in (None, {}) or (value is not None and not isinstance(value, dict)):
+            raise _unsupported("logit_bias")
+        return None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: Any) -> None:
+        if value is not None and not (type(value) is int and value == 1):
+            raise _unsupported("best_of above 1")
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: Any = Field(default=None, validate_default=True)
+    echo: Any = None
+    suffix: Any = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: Any) -> None:
+        # Completions take an integer count; 0, false and null ask for none.
+        if value is not None and value is not False and not (type(value) is int and value == 0):
+            raise _unsupported("logprobs")
+        return None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: Any) -> None:
+        if value is not None:
+            raise _error("unknown_field", "is a chat completions field; completions take "
+                         "logprobs")
+        return None
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value: Any) -> None:
+        if value is not None and value is not False:
+            raise _unsupported("echo")
+        return None
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value: Any) -> None:
+        if value not in (None, "") or (value is not None and not isinstance(value, str)):
+            raise _unsupported("suffix")
+        return None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt: Any) -> str | list[int]:
+        """A string, a list of token ids, or a batch of exactly one of those."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise _error("invalid_value", "must not be empty")
+            return check_text(prompt)
+        if isinstance(prompt, list):
+            if not prompt:
+                raise _error("invalid_value", "must not be empty")
+            if all(type(t) is int for t in prompt):
+                if any(t < 0 for t in prompt):
+                    raise _error("invalid_value", "token ids must not be negative")
+                return list(prompt)
+            if all(isinstance(p, str | list) for p in prompt):
+                raise _error("unsupported", f"batches of prompts are not supported (got "
+                             f"{len(prompt)}); send one request per prompt")
+            raise _error("invalid_type", "must be a string or a list of integer token ids")
+        if prompt is None:
+            raise _error("missing_field", "is required")
+        raise _error("invalid_type", f"must be a string or a list of token ids, got "
+                     f"{type(prompt).__name__}")
+
+
+class ChatMessage(_Body):
+    # Other message fields (name, tool_calls, ...) are ignored, not refused: chat clients
+    # send back what the server answered, and a text-only model has no use for them.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    role: Annotated[str, Strict(), Field(min_length=1)]
+    content: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, value: str) -> str:
+        return check_text(value)
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content: Any) -> str:
+        if isinstance(content, list):
+            # Content parts: only text parts can go through a text-only model.
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str
+                ):
+                    raise _error("unsupported", "only {\"type\": \"text\", \"text\": ...} "
+                                 "parts are supported", at=f"[{j}]")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise _error("invalid_type", "must be a string or a list of text parts")
+        return check_text(content)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions`` (the prompt is the model's chat template over
+    ``messages``)."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: StrictInt | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: Any) -> None:
+        if value is not None and value is not False:
+            raise _unsupported("logprobs")
+        return None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: Any) -> None:
+        if value is not None and not (type(value) is int and value == 0):
+            raise _unsupported("top_logprobs")
+        return None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: Any) -> None:
+        if value not in (None, []) or (value is not None and not isinstance(value, list)):
+            raise _unsupported("tools")
+        return None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> None:
+        if value not in (None, "none"):
+            raise _unsupported("tool_choice")
+        return None
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _parallel(cls, value: Any) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise _error("invalid_type", "must be a boolean")
+        return None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: Any) -> None:
+        if value is None or value == {"type": "text"}:
+            return None
+        raise _error("unsupported", "only {\"type\": \"text\"} is supported (no JSON mode or "
+                     "schema-guided decoding)")
+
+    @property
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        """The name and value of the output cap the client set (the newer name wins)."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+class LoadLoraAdapterRequest(_Body):
+    """``POST /v1/load_lora_adapter``, vLLM's body."""
+
+    lora_name: Annotated[str, Strict()]
+    lora_path: Annotated[str, Strict()]
+    # vLLM's in-place reload; only a fresh load is supported.
+    load_inplace: StrictBool = False
+
+    @field_validator("lora_name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_name(value)
+
+    @field_validator("lora_path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        check_name(value, MAX_PATH_CHARS)
+        longest = max(len(part.encode()) for part in value.split("/"))
+        if longest > MAX_NAME_CHARS:
+            raise _error("invalid_value", f"each path component must have at most "
+                         f"{MAX_NAME_CHARS} bytes, one has {longest}")
+        return value
+
+    @field_validator("load_inplace")
+    @classmethod
+    def _inplace(cls, value: bool) -> bool:
+        if value:
+            raise _unsupported("load_inplace")
+        return value
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """``POST /v1/unload_lora_adapter``, vLLM's body."""
+
+    lora_name: Annotated[str, Strict()]
+    # vLLM accepts an integer id beside the name; names are what this server keys on.
+    lora_int_id: StrictInt | None = None
+
+    @field_validator("lora_name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_name(value)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: dict[str, str]
+    logprobs: None = None
+    finish_reason: str | None
+
+
+# ------------------------------------------------------------------------------------ errors
+_TYPE_CODES = {"missing": "missing_field", "extra_forbidden": "unknown_field",
+               "string_unicode": "invalid_unicode"}
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        name = str(part) or '""'  # an unknown field named "" is still named
+        out += f"[{part}]" if isinstance(part, int) else (f".{name}" if out else name)
+    return out
+
+
+def request_error(exc: ValidationError) -> tuple[str, str, str]:
+    """``(param, code, message)`` of a request body's first validation error."""
+    error = exc.errors(include_url=False)[0]
+    param = (_param(tuple(error["loc"])) or "body") + str((error.get("ctx") or {}).get("at", ""))
+    kind = str(error["type"])
+    code = _TYPE_CODES.get(kind)
+    if code is None:
+        if kind in {"invalid_type", "invalid_value", "invalid_unicode", "unsupported",
+                    "missing_field", "unknown_field"}:
+            code = kind
+        elif kind.endswith(("_type", "_parsing")) or kind in {"model_type", "dict_type"}:
+            code = "invalid_type"
+        else:
+            code = "invalid_value"
+    message = str(error["msg"])
+    if code == "unknown_field":
+        message = "is not a field this server knows" if kind == "extra_forbidden" else message
+    elif code == "missing_field":
+        message = "is required"
+    elif message.startswith("Input should be"):
+        message = "must be" + message[len("Input should be"):]
+        got = error.get("input")
+        if code == "invalid_type" and got is not None:
+            message += f", got {type(got).__name__}"
+    return param, code, f"{param}: {message}"
