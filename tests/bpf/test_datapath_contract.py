@@ -13,6 +13,7 @@ import pytest
 from agent.fakes import FakeDatapath
 from agent.fakes import make_assignment as agent_assignment
 
+from adaptermesh.bpf import libbpf
 from adaptermesh.bpf.loader import BpfShardTable
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 
@@ -83,3 +84,29 @@ def test_a_refused_assignment_names_the_field(
     assert str(refused.value).startswith(f"{field}:"), refused.value
     # Still serving the valid one: a refusal changes nothing.
     datapath.apply(_valid(next_version()))
+
+
+def test_fake_table_classifies_like_the_program(fresh: BpfShardTable) -> None:
+    # Agent tests trust FakeShardTable.classify: the same packets must land on the same
+    # shards as in the BPF program, through pins, a pin to a draining shard, Maglev and the
+    # sticky flows that outlive a weight change.
+    from adaptermesh.bpf.table import FakeShardTable
+
+    from .helpers import make_assignment as bpf_assignment
+    from .test_prog_run import _mark_shards, shard_of, udp4_fast
+
+    pins = {"10.64.1.0/24": "shard-1", "10.64.2.0/24": "shard-2", "10.64.3.7/32": "shard-0"}
+    fake = FakeShardTable(maglev_size=fresh.maglev_size)
+    srcs = [f"10.64.{k // 100}.{k % 100}" for k in range(400)] + ["10.64.3.7"]
+
+    def compare() -> None:
+        for s in srcs:
+            assert fake.classify(s) == shard_of(libbpf.prog_test_run(fresh.prog_fd,
+                                                                   udp4_fast(s))), s
+
+    for weights, draining in (((5000, 3000, 2000), ()), ((6000, 4000, 0), (2,)),
+                              ((1000, 2000, 7000), ())):
+        a = bpf_assignment(_mark_shards(weights, draining), pins=pins)
+        fresh.apply(a)
+        fake.apply(a)
+        compare()
