@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
         "adaptermesh.kernels.fuse",
         "adaptermesh.kernels.layer_ops",
         "adaptermesh.kernels.paged_attention",
+        "adaptermesh.kernels.sgmm_int4",
     ):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
