@@ -391,10 +391,9 @@ def bench_peft(args: argparse.Namespace, cfg: dict[str, Any], root: Path, device
 
 def bench_adafuse(args: argparse.Namespace, cfg: dict[str, Any], device: str) -> dict[str, Any]:
     """Batch-1 decode latency: backbone vs AdaFuse vs per-layer routing, same HF harness."""
+    from adafuse_modules import AdaFuseController, AdaFuseRouter, DynamicAdapter
     from torch import nn
     from transformers import DynamicCache
-
-    from adaptermesh.kernels.fuse import AdaFuseController, AdaFuseRouter, DynamicAdapter
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = hf_model(cfg, device, dtype)
