@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from adaptermesh import kernels
+from adaptermesh.kernels import sgmm_int4
 from adaptermesh.kernels.meta import SegmentMeta, build_segment_meta
 
-__all__ = ["LoraBatchMeta", "add_lora", "build_meta", "kernels_description"]
+__all__ = ["LoraBatchMeta", "add_lora", "add_lora_int4", "build_meta", "kernels_description"]
 
 
 @dataclass(slots=True)
@@ -63,3 +64,17 @@ def add_lora(
 ) -> None:
     if meta.any_lora:
         kernels.add_lora(out, x, lora_a, lora_b, scales, ranks, meta.kernel_meta, check_values=False)
+
+
+def add_lora_int4(
+    out: torch.Tensor,  # [T, sum N_i]
+    x: torch.Tensor,  # [T, H]
+    qa: sgmm_int4.Int4Weight,  # [n_slices, S, R_max, H]
+    qb: tuple[sgmm_int4.Int4Weight, ...],  # n_slices x [S, N_i, R_max]
+    scales: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32
+    meta: LoraBatchMeta,
+) -> None:
+    """``add_lora`` on an INT4 pool (``kernels.sgmm_int4``): Triton on CUDA, the twin on CPU."""
+    if meta.any_lora:
+        sgmm_int4.add_lora_int4(out, x, qa, qb, scales, ranks, meta.kernel_meta, check_values=False)

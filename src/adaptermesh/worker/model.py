@@ -27,6 +27,8 @@ import torch
 from safetensors import safe_open
 
 from adaptermesh import kernels
+from adaptermesh.kernels import sgmm_int4
+from adaptermesh.kernels.sgmm_int4 import DEFAULT_GROUP_SIZE, Int4Weight, quantize_int4
 from adaptermesh.worker import lora_ops
 from adaptermesh.worker.kv_cache import PagedKVCache
 from adaptermesh.worker.model_fields import (
@@ -45,13 +47,16 @@ log = logging.getLogger(__name__)
 __all__ = [
     "FUSED_MODULES",
     "GROUPS",
+    "LORA_DTYPES",
     "MODULE_TO_GROUP",
     "SUPPORTED_MODULES",
+    "Int4LoraPool",
     "LoraPool",
     "ModelConfig",
     "StepInputs",
     "TransformerModel",
     "load_model",
+    "make_lora_pool",
 ]
 
 # Group name -> module names in slice order. Must stay in sync with the fused weight layout in
@@ -491,8 +496,135 @@ class LoraPool:
         parts += [b[:, slot].sum(dtype=torch.float64) for g in GROUPS for b in self.b[g]]
         return torch.stack(parts).sum()
 
+    @property
+    def slot_nbytes(self) -> int:
+        """Device bytes one adapter slot takes (all layers and groups)."""
+        return self.nbytes // self.num_slots
+
+
+class Int4LoraPool(LoraPool):
+    """``LoraPool`` with INT4 weights (``kernels.sgmm_int4``): A grouped along its input, B along
+    its output, ``group_size`` elements per bf16 scale. A load writes the slot's matrices into a
+    full-precision staging copy of one slot (``slot_view``); ``set_slot`` quantises it into the
+    packed storage, and ``slot_sum`` verifies the copy against the staging, then drops it.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype,
+                 group_size: int = DEFAULT_GROUP_SIZE) -> None:  # fmt: skip
+        # No full-precision pool: only the shapes of LoraPool, with no storage behind them.
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.device = device
+        self.dtype = dtype
+        self.group_size = group_size
+        self._cfg = cfg
+        L = cfg.num_layers
+        self.qa: dict[str, Int4Weight] = {}
+        self.qb: dict[str, tuple[Int4Weight, ...]] = {}
+        self.ranks = {}
+        self.a, self.b = {}, {}
+        for g, mods in GROUPS.items():
+            fan_in = cfg.module_shape(mods[0])[0]
+            self.qa[g] = _empty_int4((L, len(mods), num_slots, max_rank, fan_in), group_size, -1, device)
+            self.qb[g] = tuple(
+                _empty_int4((L, num_slots, cfg.module_shape(m)[1], max_rank), group_size, -2, device) for m in mods
+            )
+            self.ranks[g] = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self._layers = {g: [(self.qa[g][li], tuple(b[li] for b in self.qb[g])) for li in range(L)] for g in GROUPS}
+        # slot -> (A staging per group [L, n, R, in], B staging per group and slice [L, N_i, R])
+        self._staging: dict[int, tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, ...]]]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(q.nbytes for q in self.qa.values()) + sum(q.nbytes for qs in self.qb.values() for q in qs)
+
+    def int4_layer_args(self, g: str, layer: int) -> tuple[Int4Weight, tuple[Int4Weight, ...], torch.Tensor]:
+        qa, qb = self._layers[g][layer]
+        return qa, qb, self.ranks[g]
+
+    def layer_args(self, g: str, layer: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+        raise TypeError("an Int4LoraPool has no full-precision layer weights; use int4_layer_args")
+
+    def clear(self, slot: int) -> None:
+        super().clear(slot)
+        self._staging.pop(slot, None)
+
+    def zero_slot(self, slot: int) -> None:
+        L, dev, dt = self._cfg.num_layers, self.device, self.dtype
+        a: dict[str, torch.Tensor] = {}
+        b: dict[str, tuple[torch.Tensor, ...]] = {}
+        for g, mods in GROUPS.items():
+            fan_in = self._cfg.module_shape(mods[0])[0]
+            a[g] = torch.zeros((L, len(mods), self.max_rank, fan_in), dtype=dt, device=dev)
+            b[g] = tuple(torch.zeros((L, self._cfg.module_shape(m)[1], self.max_rank), dtype=dt, device=dev) for m in mods)
+        self._staging[slot] = (a, b)
+
+    def slot_view(self, group: str, index: int, layer: int, slot: int, rank: int, is_b: bool) -> torch.Tensor:
+        a, b = self._staging[slot]
+        if is_b:
+            return b[group][index][layer, :, :rank]
+        return a[group][layer, index, :rank]
+
+    def set_slot(self, slot: int, rank: int, scale: float, groups: frozenset[str]) -> None:
+        staged = self._staging.get(slot)
+        if staged is not None:
+            a, b = staged
+            for g in GROUPS:
+                _store_int4(self.qa[g], slot, 2, quantize_int4(a[g], self.group_size, group_dim=-1))
+                for dst, w in zip(self.qb[g], b[g], strict=True):
+                    _store_int4(dst, slot, 1, quantize_int4(w, self.group_size, group_dim=-2))
+        super().set_slot(slot, rank, scale, groups)
+
+    def slot_sum(self, slot: int) -> torch.Tensor:
+        """float64 sum of the slot's staged (full-precision) weights; the staging is dropped."""
+        staged = self._staging.pop(slot, None)
+        if staged is None:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        a, b = staged
+        parts = [t.sum(dtype=torch.float64) for t in a.values()]
+        parts += [t.sum(dtype=torch.float64) for ts in b.values() for t in ts]
+        return torch.stack(parts).sum()
+
+
+def _empty_int4(shape: tuple[int, ...], group_size: int, group_dim: int, device: torch.device) -> Int4Weight:
+    packed = torch.zeros(sgmm_int4.packed_shape(shape), dtype=torch.uint8, device=device)
+    scales = torch.zeros(sgmm_int4.scales_shape(shape, group_size, group_dim), dtype=sgmm_int4.SCALE_DTYPE, device=device)
+    return Int4Weight(packed, scales, shape[-1], group_size, group_dim)
+
+
+def _store_int4(dst: Int4Weight, slot: int, slot_dim: int, src: Int4Weight) -> None:
+    """Write one slot's quantised weights (``src`` lacks the slot dim) into the pool's storage."""
+    dst.packed.select(slot_dim, slot).copy_(src.packed)
+    dst.scales.select(slot_dim, slot).copy_(src.scales)
+
+
+LORA_DTYPES = ("bf16", "fp16", "fp32", "int4")
+
+
+def make_lora_pool(cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype,
+                   lora_dtype: str | None = None) -> LoraPool:  # fmt: skip
+    """The pool for ``lora_dtype`` (None: the model dtype; "int4": an ``Int4LoraPool``).
+
+    Float pools must match the model dtype (the kernels take A and B in the activation dtype).
+    """
+    if lora_dtype is None:
+        return LoraPool(cfg, num_slots, max_rank, device, dtype)
+    if lora_dtype == "int4":
+        return Int4LoraPool(cfg, num_slots, max_rank, device, dtype)
+    want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(lora_dtype)
+    if want is None:
+        raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {lora_dtype!r}")
+    if want != dtype:
+        raise ValueError(f"lora_dtype {lora_dtype} needs the model dtype to match, it is {dtype}")
+    return LoraPool(cfg, num_slots, max_rank, device, dtype)
+
 
 def _apply_lora(pool: LoraPool, meta: lora_ops.LoraBatchMeta, group: str, layer: int, out: torch.Tensor, x: torch.Tensor) -> None:
+    if isinstance(pool, Int4LoraPool):
+        qa, qb, r = pool.int4_layer_args(group, layer)
+        lora_ops.add_lora_int4(out, x, qa, qb, pool.scales, r, meta)
+        return
     a, b, r = pool.layer_args(group, layer)
     lora_ops.add_lora(out, x, a, b, pool.scales, r, meta)
 
