@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from adaptermesh.kernels import fuse
 
+DEVICE = "cuda"
 DT = torch.bfloat16
 E, R, K_TOP = 8, 16, 2
 LAYER = [(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008)]
@@ -63,7 +64,7 @@ def timed_ms(fn: Callable[[], object], reps: int) -> list[float]:
 def copy_bandwidth_gbs() -> float:
     """Device-to-device copy rate (bytes read + written per second) of a 2 GiB bf16 buffer."""
     n = 1 << 30
-    bufs = [torch.empty(n, dtype=DT, device="cuda").normal_(), torch.empty(n, dtype=DT, device="cuda")]
+    bufs = [torch.empty(n, dtype=DT, device=DEVICE).normal_(), torch.empty(n, dtype=DT, device=DEVICE)]
     bufs[1].copy_(bufs[0])
     ms = statistics.median(timed_ms(lambda: bufs[1].copy_(bufs[0]), 20))
     bufs.clear()
@@ -86,19 +87,19 @@ class Backbone:
 
 
 def _random_sel(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randperm(E, device="cuda", generator=g)[:K_TOP].to(torch.int32)
-    gates = torch.softmax(torch.randn(K_TOP, device="cuda", generator=g), 0)
+    ids = torch.randperm(E, device=DEVICE, generator=g)[:K_TOP].to(torch.int32)
+    gates = torch.softmax(torch.randn(K_TOP, device=DEVICE, generator=g), 0)
     return ids, gates
 
 
 def build_backbone(layers: int = 32, seed: int = 0) -> Backbone:
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     targets = []
     for _ in range(layers):
         for nn_, kk in LAYER:
-            w = torch.randn(nn_, kk, device="cuda", dtype=DT, generator=g) * 0.02
-            la = torch.randn(E, R, kk, device="cuda", dtype=DT, generator=g) / kk**0.5
-            lb = torch.randn(E, nn_, R, device="cuda", dtype=DT, generator=g) / R**0.5 * 0.02
+            w = torch.randn(nn_, kk, device=DEVICE, dtype=DT, generator=g) * 0.02
+            la = torch.randn(E, R, kk, device=DEVICE, dtype=DT, generator=g) / kk**0.5
+            lb = torch.randn(E, nn_, R, device=DEVICE, dtype=DT, generator=g) / R**0.5 * 0.02
             targets.append(fuse.MergeTarget(w, la, lb, scale=2.0, master=w.clone()))
     exact = fuse.build_merge_table(targets, exact=True)
     delta = fuse.build_merge_table(targets, exact=False)
@@ -259,7 +260,7 @@ def main() -> int:
     res["torch_addmm_loop_gbs"] = touched / (med * 1e-3) / 1e9
     for t in targets:
         t.weight.copy_(t.master)
-    exact.cur_ids = torch.full((1,), -1, dtype=torch.int32, device="cuda")
+    exact.cur_ids = torch.full((1,), -1, dtype=torch.int32, device=DEVICE)
     res["speedup_vs_addmm_loop"] = med / res["fused_switch_exact_ms"]
 
     # Launch count for one switch.
@@ -299,15 +300,15 @@ def main() -> int:
             t.weight.copy_(t.master)
 
     # Router (one token) and gated SGMM on one 4096x4096 module.
-    h = torch.randn(1, 4096, device="cuda", dtype=DT, generator=g)
-    r_w = torch.randn(E, 4096, device="cuda", dtype=DT, generator=g) / 64
-    r_b = torch.zeros(E, device="cuda", dtype=DT)
+    h = torch.randn(1, 4096, device=DEVICE, dtype=DT, generator=g)
+    r_w = torch.randn(E, 4096, device=DEVICE, dtype=DT, generator=g) / 64
+    r_b = torch.zeros(E, device=DEVICE, dtype=DT)
     fuse.route(h, r_w, r_b, K_TOP)
     res["router_t1_us"] = 1e3 * statistics.median(timed_ms(lambda: fuse.route(h, r_w, r_b, K_TOP), 50))
     tgt = targets[0]
     for t_ in (16, 64):
-        x = torch.randn(t_, 4096, device="cuda", dtype=DT, generator=g)
-        out = torch.randn(t_, 4096, device="cuda", dtype=DT, generator=g)
+        x = torch.randn(t_, 4096, device=DEVICE, dtype=DT, generator=g)
+        out = torch.randn(t_, 4096, device=DEVICE, dtype=DT, generator=g)
         ids, gates = fuse.route(x, r_w, r_b, K_TOP)
 
         def gated(x=x, out=out, ids=ids, gates=gates) -> None:  # type: ignore[no-untyped-def]

@@ -12,8 +12,8 @@ scale ``c_m``); a router picks, per token, ``k`` experts ``e_1..e_k`` with gates
 
 The router runs once, at the first layer, and its decision is reused by every layer. A batch of
 one token (decode) merges its selection into the backbone with ONE launch over every targeted
-module of every layer (``fused_switch``: a pointer table describes all modules and each
-program finds its module by a prefix sum over per-module tile counts). Larger batches keep the
+module of every layer (``fused_switch``: a pointer table describes all modules and a launch
+table gives each program its module and tile with one load). Larger batches keep the
 backbone clean and add the gated low-rank terms per token (``gated_add_lora``).
 
 No drift. In exact mode (default) each module keeps a pristine copy ``W0`` of its weight, and
