@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -22,10 +22,13 @@ from .fakes import ControlPlaneServer, FakeControlPlane, FakeDatapath, FakeXds, 
 TOKEN = "agent-secret"
 
 
-def free_port() -> int:
+@pytest.fixture
+def dead_address() -> Iterator[str]:
+    """An address where nothing answers: a port bound (kept, so no one else takes it) but not
+    listening, so a connection is refused at once."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        yield f"127.0.0.1:{s.getsockname()[1]}"
 
 
 class Harness:
@@ -176,9 +179,11 @@ async def test_bad_assignment_is_reported_and_the_last_good_one_serves(tmp_path,
         await wait_until(lambda: cp.servicer.reports[-1].apply_error == "")
 
 
-async def test_restart_serves_the_cached_assignment_before_the_control_plane_answers(tmp_path):
+async def test_restart_serves_the_cached_assignment_before_the_control_plane_answers(
+    tmp_path, dead_address
+):
     AssignmentStore(tmp_path / "assignment.pb").save(make_assignment(4, pins={"10.2.0.0/24": "b"}))
-    dead = f"127.0.0.1:{free_port()}"
+    dead = dead_address
     async with running(Harness(tmp_path, dead)) as h:
         assert h.dp.applied == [4]
         assert h.xds.published == [4]
@@ -189,8 +194,8 @@ async def test_restart_serves_the_cached_assignment_before_the_control_plane_ans
         assert "10.2.0.0/24" in body
 
 
-async def test_not_ready_until_something_is_applied(tmp_path):
-    async with running(Harness(tmp_path, f"127.0.0.1:{free_port()}")) as h:
+async def test_not_ready_until_something_is_applied(tmp_path, dead_address):
+    async with running(Harness(tmp_path, dead_address)) as h:
         assert (await h.get("/readyz"))[0] == 503
         assert (await h.get("/healthz"))[0] == 200
 
