@@ -303,6 +303,9 @@ def main() -> int:
     ap.add_argument("--ranks", default="16,64")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default=None,
+                    help="TxS list for the first rank, e.g. 1x1,64x64 (default: all)")
+    ap.add_argument("--groups", default=None, help="module groups, e.g. qkv,gate_up (default: all)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -320,10 +323,14 @@ def main() -> int:
     results["host"] = host_costs()
     print(f"HOST {results['host']}", flush=True)
     ranks = [int(r) for r in args.ranks.split(",")]
-    order = [(t, s, ranks[0]) for (t, s) in SHAPES]
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in ts.split("x")) for ts in args.shapes.split(",")]
+    groups = list(GROUPS) if not args.groups else args.groups.split(",")
+    order = [(t, s, ranks[0]) for (t, s) in shapes]
     order += [(t, s, r) for r in ranks[1:] for (t, s) in SHAPES_OTHER_RANKS]
     for t, s, r in order:
-        for group in GROUPS:
+        for group in groups:
             if time.monotonic() - t0 > args.budget_s:
                 results["skipped"].append([group, t, s, r])
                 continue
