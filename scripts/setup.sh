@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-APT_PACKAGES=(python3-bpfcc linux-headers-amd64 iproute2 bpftool ethtool openssl)
+# mosquitto: the MQTT broker the bridge's tests run against (never started as a service here).
+APT_PACKAGES=(python3-bpfcc linux-headers-amd64 iproute2 bpftool ethtool openssl mosquitto)
 
 log() { printf '[setup] %s\n' "$*"; }
 
