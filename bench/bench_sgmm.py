@@ -27,7 +27,6 @@ import datetime as dt
 import itertools
 import json
 import platform
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _timing import copy_bandwidth, time_graph, time_rotating
+
 from adaptermesh.kernels import build_segment_meta, sgmm
 from adaptermesh.kernels.sgmm import SgmmConfig, expand_config, shrink_config
 
@@ -44,58 +45,10 @@ N_SETS = 16
 DT = torch.bfloat16
 
 
-def time_rotating(fns: list[Callable[[], object]], reps: int = 7, passes: int = 3) -> float:
-    """Median over reps of the mean µs per call, cycling through the input sets."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(passes):
-            for f in fns:
-                f()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) * 1e3 / (passes * len(fns)))
-    return statistics.median(out)
 
 
-def time_graph(fns: list[Callable[[], object]], reps: int = 7, replays: int = 3) -> float:
-    """µs per call when the calls over all input sets are captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(replays):
-            g.replay()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) * 1e3 / (replays * len(fns)))
-    return statistics.median(out)
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy GB/s counting bytes read plus written (2 GiB buffers)."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=DT, device="cuda").normal_()
-    b = torch.empty_like(a)
-    us = time_rotating([lambda: b.copy_(a)], reps=10, passes=5)
-    return 2 * a.numel() * a.element_size() / (us * 1e-6) / 1e9
 
 
 def count_launches(fn: Callable[[], object]) -> int:

@@ -30,7 +30,6 @@ import inspect
 import json
 import math
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
+from _timing import copy_bandwidth, time_graph
 from sgmm_peers import PeerCase, load
 
 from adaptermesh.kernels import build_segment_meta, sgmm
@@ -68,54 +68,8 @@ def case_name(r: Any, t: int, s: int) -> str:
     return f"r{r}_T{t}_S{s}"
 
 
-def time_graph(fns: list[Callable[[], object]], reps: int = 7, replays: int = 3) -> float:
-    """µs per call with the calls over all input sets captured in one CUDA graph."""
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(reps):
-        a.record()
-        for _ in range(replays):
-            g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / (replays * len(fns)))
-    del g
-    return statistics.median(out)
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy GB/s, bytes read plus written (1 GiB buffers)."""
-    a = torch.empty(1 << 29, dtype=DT, device="cuda").normal_()
-    b = torch.empty_like(a)
-    for _ in range(2):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(7):
-        e0.record()
-        for _ in range(3):
-            b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 3 * 1e-3)
-    bw = 2 * a.numel() * a.element_size() / statistics.median(ts) / 1e9
-    del a, b
-    torch.cuda.empty_cache()
-    return bw
 
 
 class Case:

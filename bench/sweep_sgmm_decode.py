@@ -4,12 +4,11 @@ The engine applies LoRA per layer as four add_lora calls on a Llama-2-7B shape: 
 three 4096-wide slices), o (4096 -> 4096), gate_up (4096 -> two 11008-wide slices) and down
 (11008 -> 4096). Each is timed here for batch shapes (T tokens over S distinct adapters, one
 pool of ``--pool`` slots) from decode (one token per adapter) to prefill-like, with every
-candidate of three families:
+candidate of two families:
 
-- two launches: each shrink candidate with the best expand, each expand with the best shrink
-  (the ops are timed alone and their times add);
-- fused: the single-launch kernel (shrink in registers, then expand) per (BLOCK_N, BLOCK_K,
-  column blocks per program, warps);
+- two launches: each shrink candidate with the best expand, each expand candidate (tensor-core
+  tiles and the matrix-vector kernel) with the best shrink (the ops are timed alone and their
+  times add);
 - the current defaults of ``kernels/sgmm.py`` (what add_lora picks by itself).
 
 Inputs rotate over enough layers of adapter pools and activations that at least 256 MB are
@@ -40,8 +39,10 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _timing import copy_bandwidth, time_graph
+
 from adaptermesh.kernels import build_segment_meta, sgmm
-from adaptermesh.kernels.sgmm import FusedConfig, SgmmConfig
+from adaptermesh.kernels.sgmm import SgmmConfig
 
 DT = torch.bfloat16
 GROUPS = {
@@ -63,54 +64,13 @@ EXPAND = [  # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, 
     (1, 256, 4, 3, False, 4, True), (1, 1024, 8, 2, False, 1, True),
     (2, 512, 4, 2, False, 1, True), (4, 512, 8, 2, False, 1, True),
 ]  # fmt: skip
-FUSED = [  # (block_m, block_n, block_k, n_blocks, num_warps, num_stages)
-    (16, 256, 256, 1, 4, 3), (16, 256, 256, 4, 4, 3), (16, 512, 256, 8, 8, 3),
-]
 # Ranks other than the first are swept on these shapes only.
 SHAPES_OTHER_RANKS = [(16, 1), (64, 64), (256, 64)]
 TARGET_BYTES = 256 << 20
 
 
-def time_graph(fns: list[Callable[[], object]], reps: int = 5, replays: int = 3) -> float:
-    """µs per call when the calls over all input sets are captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(replays):
-            g.replay()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) * 1e3 / (replays * len(fns)))
-    del g
-    return statistics.median(out)
 
 
-def copy_bandwidth() -> float:
-    n = 1 << 30
-    a = torch.empty(n, dtype=DT, device="cuda").normal_()
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    us = (time.perf_counter() - t0) / 10 * 1e6
-    return 2 * a.numel() * a.element_size() / (us * 1e-6) / 1e9
 
 
 class Setup:
@@ -186,10 +146,10 @@ class Setup:
             shrink_cfg=sc, expand_cfg=ec, check_values=False,
         )  # fmt: skip
 
-    def fused_fn(self, fc: FusedConfig | bool | None, active: int | None = None) -> Callable[[tuple], object]:  # type: ignore[type-arg]
+    def default_fn(self, active: int | None = None) -> Callable[[tuple], object]:  # type: ignore[type-arg]
         return lambda st: sgmm.add_lora(
             st[3], st[2], st[0], st[1], self.scales, self.ranks, st[4], v_buffer=st[5],
-            fused_cfg=fc, active_slots=active, check_values=False,
+            active_slots=active, check_values=False,
         )  # fmt: skip
 
 
@@ -222,26 +182,15 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
             continue
         expand_us[c] = time_graph(setup.calls(setup.expand_fn(cfg)))
         results.append({**row, "kind": "expand", "cfg": list(c), "err": err, "us": expand_us[c]})
-    fused_us: dict[tuple, float] = {}
-    if setup.r <= sgmm.FUSED_MAX_RANK:
-        for c in FUSED[::3] if quick else FUSED:
-            fc = FusedConfig(*c[:4], num_warps=c[4], num_stages=c[5])
-            err = setup.error(setup.fused_fn(fc))
-            if err > 0.03:
-                results.append({**row, "kind": "fused", "cfg": list(c), "err": err, "us": None})
-                continue
-            fused_us[c] = time_graph(setup.calls(setup.fused_fn(fc)))
-            results.append({**row, "kind": "fused", "cfg": list(c), "err": err, "us": fused_us[c]})
-    default_err = setup.error(setup.fused_fn(None, setup.s))
-    default_us = time_graph(setup.calls(setup.fused_fn(None, setup.s)))
+    default_err = setup.error(setup.default_fn(setup.s))
+    default_us = time_graph(setup.calls(setup.default_fn(setup.s)))
     best = {
         "shrink": min(shrink_us.items(), key=lambda kv: kv[1]) if shrink_us else None,
         "expand": min(expand_us.items(), key=lambda kv: kv[1]) if expand_us else None,
-        "fused": min(fused_us.items(), key=lambda kv: kv[1]) if fused_us else None,
     }
     two = (best["shrink"][1] + best["expand"][1]) if best["shrink"] and best["expand"] else None
     return {
-        "shrink_us": shrink_us, "expand_us": expand_us, "fused_us": fused_us, "best": best,
+        "shrink_us": shrink_us, "expand_us": expand_us, "best": best,
         "two_launch_us": two, "default_us": default_us, "default_err": default_err,
     }  # fmt: skip
 
@@ -249,10 +198,6 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
 def host_costs() -> dict:
     """CPU µs to issue one call (median of 5 bursts of 200 calls, timed before the sync), on a
     small decode shape so the GPU is never the bottleneck."""
-    import os
-
-    from adaptermesh.kernels import _launch
-
     setup = Setup("qkv", 16, 16, 16, 128, seed=5)
     a, b, x, out, meta, v = setup.sets[0]
     slots = meta.token_slots[:16].clone()
@@ -270,20 +215,13 @@ def host_costs() -> dict:
             torch.cuda.synchronize()
         return statistics.median(times)
 
-    def add(fused: FusedConfig | bool | None) -> Callable[[], object]:
-        return lambda: sgmm.add_lora(out, x, a, b, setup.scales, setup.ranks, meta, v_buffer=v,
-                                     fused_cfg=fused, check_values=False)  # fmt: skip
-
     res: dict = {}
-    for name, fused in (("fused", None), ("two_launch", False)):
-        res[f"add_lora_{name}_us"] = burst(add(fused))
-        os.environ["ADAPTERMESH_GENERIC_LAUNCH"] = "1"
-        _launch.clear_cache()
-        res[f"add_lora_{name}_generic_launch_us"] = burst(add(fused))
-        os.environ.pop("ADAPTERMESH_GENERIC_LAUNCH")
-        plan = sgmm.plan_add_lora(out, x, a, b, setup.scales, setup.ranks, meta, v_buffer=v,
-                                  fused_cfg=fused, check_values=False)  # fmt: skip
-        res[f"plan_{name}_us"] = burst(plan)
+    res["add_lora_us"] = burst(
+        lambda: sgmm.add_lora(out, x, a, b, setup.scales, setup.ranks, meta, v_buffer=v,
+                              check_values=False))  # fmt: skip
+    plan = sgmm.plan_add_lora(out, x, a, b, setup.scales, setup.ranks, meta, v_buffer=v,
+                              check_values=False)  # fmt: skip
+    res["plan_us"] = burst(plan)
     res["segment_meta_triton_us"] = burst(
         lambda: build_segment_meta(slots, 128, 16, out=meta, check_values=False))
     res["segment_meta_torch_us"] = burst(
@@ -344,20 +282,16 @@ def main() -> int:
                 "best_shrink_us": b["shrink"][1] if b["shrink"] else None,
                 "best_expand": list(b["expand"][0]) if b["expand"] else None,
                 "best_expand_us": b["expand"][1] if b["expand"] else None,
-                "best_fused": list(b["fused"][0]) if b["fused"] else None,
-                "best_fused_us": b["fused"][1] if b["fused"] else None,
                 "two_launch_us": res["two_launch_us"], "default_us": res["default_us"],
                 "default_err": res["default_err"],
             }  # fmt: skip
-            best_us = min(x for x in (case["two_launch_us"], case["best_fused_us"]) if x)
+            best_us = case["two_launch_us"] or res["default_us"]
             case["best_pct_copy_bw"] = 100 * setup.min_bytes / (best_us * 1e-6) / 1e9 / results["copy_gbps"]
             case["default_pct_copy_bw"] = 100 * setup.min_bytes / (res["default_us"] * 1e-6) / 1e9 / results["copy_gbps"]
             results["cases"].append(case)
             print(f"CASE {group:7s} T={t:4d} S={s:3d} r={r:2d}: default {res['default_us']:.1f} us, "
                   f"two {case['two_launch_us'] and round(case['two_launch_us'], 1)} "
-                  f"({case['best_shrink']} + {case['best_expand']}), "
-                  f"fused {case['best_fused_us'] and round(case['best_fused_us'], 1)} "
-                  f"({case['best_fused']})", flush=True)  # fmt: skip
+                  f"({case['best_shrink']} + {case['best_expand']})", flush=True)  # fmt: skip
             del setup
             torch.cuda.empty_cache()
             Path(args.out).write_text(json.dumps(results, indent=1, default=str))

@@ -95,15 +95,14 @@ def check_shrink(
 
 def check_expand(
     out: torch.Tensor,  # [T, sum N_i]
-    v: torch.Tensor | None,  # [n_slices, T, R_max] fp32; None: no v (the fused add_lora)
+    v: torch.Tensor,  # [n_slices, T, R_max] fp32
     lora_b: Sequence[torch.Tensor],  # n_slices x [S, N_i, R_max]
     scales: torch.Tensor,  # [S] fp32
     ranks: torch.Tensor,  # [S] int32
     check_values: bool,
 ) -> SgmmShapes:
     out = _tensor("out", out)
-    if v is not None:
-        v = _tensor("v", v)
+    v = _tensor("v", v)
     if out.dim() != 2:
         raise ValueError(f"out must be 2-D [T, sum N_i], got shape {tuple(out.shape)}")
     if out.dtype not in ACT_DTYPES:
@@ -130,13 +129,12 @@ def check_expand(
     t = out.shape[0]
     if out.shape[1] != sum(sizes):
         raise ValueError(f"out has {out.shape[1]} columns, the slices of lora_b need {sum(sizes)}")
-    if v is not None:
-        want = (n_slices, t, r_max)
-        if tuple(v.shape) != want:
-            raise ValueError(f"v must have shape {list(want)}, got {tuple(v.shape)}")
-        if v.dtype != torch.float32:
-            raise ValueError(f"v must be float32 (sgmm_shrink's output), got {v.dtype}")
-        _same_device("v", v, out)
+    want = (n_slices, t, r_max)
+    if tuple(v.shape) != want:
+        raise ValueError(f"v must have shape {list(want)}, got {tuple(v.shape)}")
+    if v.dtype != torch.float32:
+        raise ValueError(f"v must be float32 (sgmm_shrink's output), got {v.dtype}")
+    _same_device("v", v, out)
     scales = _tensor("scales", scales)
     if scales.shape != (s,):
         raise ValueError(f"scales must have shape [{s}], got {tuple(scales.shape)}")

@@ -25,7 +25,6 @@ Entries of ``v`` past a token's rank, and rows of base tokens, are left unwritte
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,11 +47,9 @@ from adaptermesh.kernels.meta import SegmentMeta
 
 __all__ = [
     "AddLoraPlan",
-    "FusedConfig",
     "SgmmConfig",
     "add_lora",
     "expand_config",
-    "fused_config",
     "plan_add_lora",
     "sgmm_expand",
     "sgmm_shrink",
@@ -185,51 +182,32 @@ _SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int]] = {
     (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 4, 3),
     (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 4, 3),
 }
-# (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks)
-_EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, bool, int]] = {
-    (16, "sparse", "low"): (16, 256, 4, 2, True, 1),
-    (16, "sparse", "high"): (16, 256, 4, 2, True, 1),
-    (16, "mid", "low"): (16, 256, 4, 2, True, 1),
-    (16, "mid", "high"): (16, 256, 4, 2, True, 1),
-    (16, "dense", "low"): (16, 256, 4, 2, True, 1),
-    (16, "dense", "high"): (16, 256, 4, 2, True, 1),
-    (64, "sparse", "low"): (16, 128, 4, 3, True, 4),
-    (64, "sparse", "high"): (16, 256, 4, 2, True, 2),
-    (64, "mid", "low"): (16, 256, 4, 2, True, 2),
-    (64, "mid", "high"): (16, 256, 4, 2, True, 2),
-    (64, "dense", "low"): (16, 256, 4, 2, True, 2),
-    (64, "dense", "high"): (16, 256, 4, 2, True, 2),
-    (256, "sparse", "low"): (16, 256, 4, 3, True, 4),
-    (256, "sparse", "high"): (16, 256, 4, 3, True, 4),
-    (T_BUCKETS[-1], "sparse", "low"): (16, 128, 4, 3, True, 4),
-    (T_BUCKETS[-1], "mid", "low"): (16, 128, 4, 3, True, 4),
-    (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 3, True, 4),
-    (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 3, True, 4),
+# (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, gemv). The two gemv rows are
+# from the matrix-vector sweep of 2026-12-02 (bench/results/sgmm_decode_sweep_h200_gemv.json):
+# at one to four tokens per adapter and T <= 64, one token per program with the whole rank in one
+# tile won every case against the tensor-core tiles (pick summed over the layer's groups: T=16
+# 38.9 us, T=64 56.3 us); at T=64 S=64 the case's best shrink plus best expand took 30.6 us for
+# qkv and 35.5 for gate_up, the tables of that day 40.4 and 55.0. At T=256 tiles won 3 of 4.
+_EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, bool, int, bool]] = {
+    (16, "sparse", "low"): (1, 512, 4, 2, False, 1, True),
+    (16, "sparse", "high"): (16, 256, 4, 2, True, 1, False),
+    (16, "mid", "low"): (16, 256, 4, 2, True, 1, False),
+    (16, "mid", "high"): (16, 256, 4, 2, True, 1, False),
+    (16, "dense", "low"): (16, 256, 4, 2, True, 1, False),
+    (16, "dense", "high"): (16, 256, 4, 2, True, 1, False),
+    (64, "sparse", "low"): (1, 512, 4, 2, False, 1, True),
+    (64, "sparse", "high"): (16, 256, 4, 2, True, 2, False),
+    (64, "mid", "low"): (16, 256, 4, 2, True, 2, False),
+    (64, "mid", "high"): (16, 256, 4, 2, True, 2, False),
+    (64, "dense", "low"): (16, 256, 4, 2, True, 2, False),
+    (64, "dense", "high"): (16, 256, 4, 2, True, 2, False),
+    (256, "sparse", "low"): (16, 256, 4, 3, True, 4, False),
+    (256, "sparse", "high"): (16, 256, 4, 3, True, 4, False),
+    (T_BUCKETS[-1], "sparse", "low"): (16, 128, 4, 3, True, 4, False),
+    (T_BUCKETS[-1], "mid", "low"): (16, 128, 4, 3, True, 4, False),
+    (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 3, True, 4, False),
+    (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 3, True, 4, False),
 }
-
-
-@dataclass(frozen=True)
-class FusedConfig:
-    """One launch for shrink and expand: each program reduces its tile over all of H into
-    registers (``v`` never goes to memory), then streams ``n_blocks`` BLOCK_N-wide column
-    blocks of its slice's output. ``block_r`` holds the whole rank, so R_max <= 64 only."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    n_blocks: int  # column blocks per program: fewer programs each re-read A less often
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-FUSED_MAX_RANK = 64
-
-# (T bucket, density, rank bucket) -> fused config, or None where two launches win. The decode
-# sweep of 2026-12-02 found no shape where it did: at T=1 the best fused launch took 12.4 µs
-# (qkv) against 6.8 + 3.4 for the pair, and at T=64 S=64 70.9 against 57.5 (gate_up): each
-# program re-reads its slot's A for every column block it writes, which costs more than the
-# second launch saves. The table stays empty until a sweep on some GPU says otherwise.
-_FUSED_TABLE: dict[tuple[int, str, str], tuple[int, int, int, int, int, int] | None] = {}
 
 
 def shrink_config(
@@ -247,25 +225,15 @@ def expand_config(
 ) -> SgmmConfig:
     tb, rb = _t_bucket(num_tokens), _r_bucket(r_max)
     row = _EXPAND_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
-    bm, bn, warps, stages, prefetch, nb = row if row is not None else (*_EXPAND_TABLE[(tb, rb)], 1)
-    bk = min(_pow2_at_least_16(r_max), 64)
-    return SgmmConfig(
-        bm, bn, bk, num_warps=warps, num_stages=stages, prefetch_out=prefetch, n_blocks=nb
+    bm, bn, warps, stages, prefetch, nb, gemv = (
+        row if row is not None else (*_EXPAND_TABLE[(tb, rb)], 1, False)
     )
-
-
-def fused_config(
-    num_tokens: int, r_max: int, active_slots: int | None = None
-) -> FusedConfig | None:
-    """The single-launch config for this batch shape, or None where two launches win."""
-    if r_max > FUSED_MAX_RANK:
-        return None
-    key = (_t_bucket(num_tokens), _d_bucket(num_tokens, active_slots), _r_bucket(r_max))
-    row = _FUSED_TABLE.get(key)
-    if row is None:
-        return None
-    bm, bn, bk, nb, warps, stages = row
-    return FusedConfig(bm, bn, bk, nb, num_warps=warps, num_stages=stages)
+    # A gemv program holds the whole rank in one tile; a tensor-core tile walks it in steps.
+    bk = _pow2_at_least_16(r_max) if gemv else min(_pow2_at_least_16(r_max), 64)
+    return SgmmConfig(
+        bm, bn, bk, num_warps=warps, num_stages=stages, prefetch_out=prefetch, n_blocks=nb,
+        gemv=gemv,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,128 +576,6 @@ def _sgmm_expand_gemv_kernel(
                 )  # fmt: skip
 
 
-@triton.jit
-def _sgmm_fused_kernel(
-    # pointers
-    out_ptr,
-    x_ptr,
-    a_ptr,
-    b0_ptr,
-    b1_ptr,
-    b2_ptr,
-    scales_ptr,
-    ranks_ptr,
-    sorted_ptr,
-    seg_start_ptr,
-    # sizes
-    H,
-    S,
-    R_MAX,
-    N0,
-    N1,
-    N2,
-    OFF1,
-    OFF2,
-    N_BLOCKS,  # column blocks per program
-    # strides
-    stride_xt,
-    stride_xh,
-    stride_ai,
-    stride_as,
-    stride_ar,
-    stride_ah,
-    stride_ot,
-    stride_on,
-    stride_b0s,
-    stride_b0n,
-    stride_b0r,
-    stride_b1s,
-    stride_b1n,
-    stride_b1r,
-    stride_b2s,
-    stride_b2n,
-    stride_b2r,
-    # meta-parameters
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_i = tl.program_id(2)
-    is0 = pid_i == 0
-    is1 = pid_i == 1
-    n_size = tl.where(is0, N0, tl.where(is1, N1, N2))
-    col_off = tl.where(is0, 0, tl.where(is1, OFF1, OFF2))
-    stride_bs = tl.where(is0, stride_b0s, tl.where(is1, stride_b1s, stride_b2s)).to(tl.int64)
-    stride_bn = tl.where(is0, stride_b0n, tl.where(is1, stride_b1n, stride_b2n))
-    stride_br = tl.where(is0, stride_b0r, tl.where(is1, stride_b1r, stride_b2r))
-    if pid_i == 0:
-        b_ptr = b0_ptr
-    elif pid_i == 1:
-        b_ptr = b1_ptr
-    else:
-        b_ptr = b2_ptr
-    n_first = pid_n * N_BLOCKS * BLOCK_N
-    if n_first >= n_size:
-        return
-    has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    if rank == 0:
-        return
-    offs_m = row_begin + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < seg_end
-    tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rank
-    # Shrink: the whole reduction over H for this tile, kept in registers.
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    a_ptrs = (
-        a_ptr
-        + pid_i.to(tl.int64) * stride_ai
-        + slot.to(tl.int64) * stride_as
-        + offs_r[None, :] * stride_ar
-        + offs_k[:, None] * stride_ah
-    )
-    v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        k_left = H - k * BLOCK_K
-        xt = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        at = tl.load(a_ptrs, mask=(offs_k[:, None] < k_left) & mask_r[None, :], other=0.0)
-        if DOT_FP32:
-            v += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-        else:
-            v += tl.dot(xt, at)
-        x_ptrs += BLOCK_K * stride_xh
-        a_ptrs += BLOCK_K * stride_ah
-    scale = tl.load(scales_ptr + slot)
-    # Expand: v rounded to the weight dtype once, as the two-launch path does.
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
-    vt = v.to(b0_ptr.dtype.element_ty)
-    for j in range(0, N_BLOCKS):
-        offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < n_size
-        o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
-        o_mask = mask_m[:, None] & mask_n[None, :]
-        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-        bt = tl.load(
-            b_base + offs_n[None, :] * stride_bn, mask=mask_r[:, None] & mask_n[None, :], other=0.0
-        )
-        if DOT_FP32:
-            acc = tl.dot(vt.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
-        else:
-            acc = tl.dot(vt, bt)
-        tl.store(
-            o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask
-        )
-
-
 def _dot_fp32(dtype: torch.dtype) -> bool:
     """Whether tl.dot runs on fp32 operands with IEEE precision.
 
@@ -957,83 +803,6 @@ def _launch_expand(
     return run(kernel, grid, args, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _launch_fused(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: Sequence[torch.Tensor],
-    scales: torch.Tensor,
-    ranks: torch.Tensor,
-    meta: SegmentMeta,
-    shapes: SgmmShapes,  # from check_expand, with hidden set
-    cfg: FusedConfig,
-    run: Any = launch,
-) -> Any:
-    if shapes.r_max > FUSED_MAX_RANK:
-        raise ValueError(f"the fused add_lora holds ranks up to {FUSED_MAX_RANK}, R_max={shapes.r_max}")
-    for name in ("block_m", "block_n", "block_k"):
-        val = getattr(cfg, name)
-        if val < 16 or val & (val - 1):
-            raise ValueError(f"config.{name} must be a power of two >= 16, got {val}")
-    if cfg.n_blocks < 1:
-        raise ValueError(f"config.n_blocks must be >= 1, got {cfg.n_blocks}")
-    bs = list(lora_b) + [lora_b[0]] * (3 - shapes.n_slices)
-    sizes = list(shapes.out_sizes) + [0] * (3 - shapes.n_slices)
-    offs = list(shapes.out_offsets) + [0] * (3 - shapes.n_slices)
-    n_max = max(shapes.out_sizes)
-    grid = (
-        _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m),
-        int(triton.cdiv(n_max, cfg.block_n * cfg.n_blocks)),
-        shapes.n_slices,
-    )
-    return run(
-        _sgmm_fused_kernel,
-        grid,
-        (
-            out,
-            x,
-            lora_a,
-            bs[0],
-            bs[1],
-            bs[2],
-            scales,
-            ranks,
-            meta.sorted_tokens,
-            meta.seg_start,
-            shapes.hidden,
-            shapes.num_slots,
-            shapes.r_max,
-            sizes[0],
-            sizes[1],
-            sizes[2],
-            offs[1],
-            offs[2],
-            cfg.n_blocks,
-            x.stride(0),
-            x.stride(1),
-            lora_a.stride(0),
-            lora_a.stride(1),
-            lora_a.stride(2),
-            lora_a.stride(3),
-            out.stride(0),
-            out.stride(1),
-            *bs[0].stride(),
-            *bs[1].stride(),
-            *bs[2].stride(),
-        ),
-        {
-            "BLOCK_M": cfg.block_m,
-            "BLOCK_N": cfg.block_n,
-            "BLOCK_K": cfg.block_k,
-            "BLOCK_R": _pow2_at_least_16(shapes.r_max),
-            "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
-            "DOT_FP32": _dot_fp32(out.dtype),
-        },
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-
-
 def add_lora(
     out: torch.Tensor,  # [T, sum N_i], updated in place
     x: torch.Tensor,  # [T, H]
@@ -1046,22 +815,18 @@ def add_lora(
     v_buffer: torch.Tensor | None = None,  # [n_slices, T, R_max] fp32 scratch, for graphs
     shrink_cfg: SgmmConfig | None = None,
     expand_cfg: SgmmConfig | None = None,
-    fused_cfg: FusedConfig | bool | None = None,
     active_slots: int | None = None,
     check_values: bool = True,
 ) -> None:
-    """``out += scale * (x @ A.T) @ B.T`` per token's slot.
+    """``out += scale * (x @ A.T) @ B.T`` per token's slot: two launches (shrink, expand).
 
-    One fused launch where the config table says it wins (small batches, R_max <= 64), else
-    two (shrink, expand). ``active_slots`` is how many distinct adapters the batch uses at most
-    (the scheduler knows); it picks the tile shapes. Left out, it is the pool's slot count: the
-    worst case, which suits a CUDA graph captured once for any mix. ``fused_cfg`` forces the
-    fused launch with that config, ``False`` forces two launches; explicit shrink/expand
-    configs imply two launches.
+    ``active_slots`` is how many distinct adapters the batch uses at most (the scheduler
+    knows); it picks the tile shapes. Left out, it is the pool's slot count: the worst case,
+    which suits a CUDA graph captured once for any mix.
     """
     _add_lora(
         out, x, lora_a, lora_b, scales, ranks, meta, v_buffer, shrink_cfg, expand_cfg,
-        fused_cfg, active_slots, check_values, launch,
+        active_slots, check_values, launch,
     )  # fmt: skip
 
 
@@ -1075,9 +840,8 @@ class AddLoraPlan:
     uses the split-K scratch of the stream it was made on; run it on that stream.
     """
 
-    def __init__(self, launches: list[Callable[[], None]], fused: bool) -> None:
+    def __init__(self, launches: list[Callable[[], None]]) -> None:
         self._launches = launches
-        self.fused = fused
         self.launches = len(launches)
 
     def __call__(self) -> None:
@@ -1097,16 +861,15 @@ def plan_add_lora(
     v_buffer: torch.Tensor | None = None,
     shrink_cfg: SgmmConfig | None = None,
     expand_cfg: SgmmConfig | None = None,
-    fused_cfg: FusedConfig | bool | None = None,
     active_slots: int | None = None,
     check_values: bool = True,
 ) -> AddLoraPlan:
     """An ``AddLoraPlan`` for these tensors (same arguments as ``add_lora``); nothing runs."""
     launches: list[Callable[[], None]] = _add_lora(
         out, x, lora_a, lora_b, scales, ranks, meta, v_buffer, shrink_cfg, expand_cfg,
-        fused_cfg, active_slots, check_values, prepare,
+        active_slots, check_values, prepare,
     )  # fmt: skip
-    return AddLoraPlan(launches, fused=len(launches) == 1)
+    return AddLoraPlan(launches)
 
 
 def _add_lora(
@@ -1120,7 +883,6 @@ def _add_lora(
     v_buffer: torch.Tensor | None,
     shrink_cfg: SgmmConfig | None,
     expand_cfg: SgmmConfig | None,
-    fused_cfg: FusedConfig | bool | None,
     active_slots: int | None,
     check_values: bool,
     run: Any,
@@ -1131,14 +893,6 @@ def _add_lora(
     check_pair(out, x, lora_a, lora_b)
     if active_slots is None:
         active_slots = shapes.num_slots
-    if fused_cfg is None and shrink_cfg is None and expand_cfg is None:
-        fused_cfg = fused_config(shapes.num_tokens, shapes.r_max, active_slots)
-    if isinstance(fused_cfg, FusedConfig):
-        expand_shapes = check_expand(out, None, lora_b, scales, ranks, False)
-        fused_shapes = dataclasses.replace(expand_shapes, hidden=shapes.hidden)
-        return [
-            _launch_fused(out, x, lora_a, lora_b, scales, ranks, meta, fused_shapes, fused_cfg, run)
-        ]
     v = _v_buffer(v_buffer, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
     expand_shapes = check_expand(out, v, lora_b, scales, ranks, False)
     if shrink_cfg is None:

@@ -1,10 +1,10 @@
-"""The single-launch add_lora (shrink in registers, then expand) and the density-keyed configs.
+"""Decode-shaped SGMM: density-keyed configs, several column blocks per expand program, the
+matrix-vector expand, and the prebuilt plan.
 
-CPU (CI): the real fused kernel under TRITON_INTERPRET=1 against the torch twin on fresh random
-inputs: ragged segments, odd hidden and output sizes, mixed ranks with rank 0, base tokens,
-1-3 slices, several column blocks per program, and configs picked by density. ``gpu``: the
-fused kernel against the two-launch path on real shapes, inside a CUDA graph, and the cached
-launch path bit-identical to Triton's generic one.
+CPU (CI): the kernels under TRITON_INTERPRET=1 against the torch twin on fresh random inputs:
+ragged segments, odd hidden and output sizes, mixed ranks with rank 0, base tokens, 1-3
+slices. ``gpu``: the matrix-vector expand against the tile path on real shapes, and the plan
+bit-identical to add_lora.
 """
 
 from __future__ import annotations
@@ -26,90 +26,6 @@ def _sgmm():  # type: ignore[no-untyped-def]
     return sgmm
 
 
-def _check(case, cfg, dtype=torch.float32) -> None:  # type: ignore[no-untyped-def]
-    sgmm = _sgmm()
-    s = case.lora_a.shape[1]
-    meta = build_segment_meta(case.slots, s)
-    got = case.out.clone()
-    sgmm.add_lora(
-        got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, fused_cfg=cfg
-    )
-    want = case.out.clone()
-    reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
-    rtol, atol = tolerance(dtype, "out")
-    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
-    # Base tokens' rows are untouched, bit for bit.
-    base = case.slots < 0
-    assert torch.equal(got[base], case.out[base])
-
-
-@pytest.mark.parametrize(
-    ("t", "h", "out_sizes", "ranks", "mix", "n_blocks"),
-    [
-        (5, 40, (24,), [16, 3, 0], "distinct", 1),
-        (9, 33, (17, 31, 5), [8, 16, 12], "with_base", 2),
-        (17, 64, (48, 20), [1, 16, 7, 16], "zipf", 3),
-        (3, 16, (16,), [16], "identical", 1),
-        (12, 72, (40,), [0, 0], "uniform", 2),
-    ],
-)
-def test_fused_matches_twin(t, h, out_sizes, ranks, mix, n_blocks) -> None:  # type: ignore[no-untyped-def]
-    sgmm = _sgmm()
-    case = make_case(
-        t=t, h=h, s=len(ranks), r_max=16, ranks=ranks, out_sizes=out_sizes, mix=mix,
-        dtype=torch.float32, device=DEVICE, seed=t * 31 + h,
-    )  # fmt: skip
-    _check(case, sgmm.FusedConfig(16, 16, 16, n_blocks, num_warps=4, num_stages=2))
-
-
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    t=st.integers(1, 20),
-    h=st.integers(1, 70),
-    s=st.integers(1, 5),
-    r_max=st.sampled_from([4, 16, 32]),
-    n_sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3),
-    mix=st.sampled_from(MIXES),
-    n_blocks=st.integers(1, 3),
-    block_k=st.sampled_from([16, 32]),
-    seed=st.integers(0, 2**16),
-)
-def test_fused_property(t, h, s, r_max, n_sizes, mix, n_blocks, block_k, seed) -> None:  # type: ignore[no-untyped-def]
-    sgmm = _sgmm()
-    gen = torch.Generator().manual_seed(seed)
-    ranks = torch.randint(0, r_max + 1, (s,), generator=gen).tolist()
-    case = make_case(
-        t=t, h=h, s=s, r_max=r_max, ranks=ranks, out_sizes=tuple(n_sizes), mix=mix,
-        dtype=torch.float32, device=DEVICE, seed=seed,
-    )  # fmt: skip
-    _check(case, sgmm.FusedConfig(16, 16, block_k, n_blocks, num_warps=4, num_stages=2))
-
-
-def test_fused_refuses_large_rank_and_bad_config() -> None:
-    sgmm = _sgmm()
-    case = make_case(
-        t=4, h=16, s=2, r_max=80, ranks=None, out_sizes=(16,), mix="distinct",
-        dtype=torch.float32, device=DEVICE, seed=1,
-    )  # fmt: skip
-    meta = build_segment_meta(case.slots, 2)
-    before = case.out.clone()
-    with pytest.raises(ValueError, match="R_max=80"):
-        sgmm.add_lora(
-            case.out, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-            fused_cfg=sgmm.FusedConfig(16, 16, 16, 1),
-        )  # fmt: skip
-    case2 = make_case(
-        t=4, h=16, s=2, r_max=16, ranks=None, out_sizes=(16,), mix="distinct",
-        dtype=torch.float32, device=DEVICE, seed=1,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="n_blocks"):
-        sgmm.add_lora(
-            case2.out, case2.x, case2.lora_a, case2.lora_b, case2.scales, case2.ranks,
-            build_segment_meta(case2.slots, 2), fused_cfg=sgmm.FusedConfig(16, 16, 16, 0),
-        )  # fmt: skip
-    assert torch.equal(case.out, before)
-
-
 def test_density_picks_configs() -> None:
     sgmm = _sgmm()
     # Decode-like: one token per adapter gets 16-row tiles; a dense batch keeps the tall ones.
@@ -122,17 +38,26 @@ def test_density_picks_configs() -> None:
     assert sgmm._d_bucket(4096, 64) == "dense"
     # Tall tiles stay for long single-adapter prefills.
     assert sgmm.shrink_config(4096, 4096, 16, active_slots=1).block_m >= 32
-    assert sgmm.fused_config(16, 128) is None  # rank past the register tile
+    # One to four tokens per adapter at T <= 64 and a low rank: the matrix-vector expand with
+    # the whole rank in one tile; a high rank or a denser batch keeps the tensor-core tiles.
+    for t, a in ((1, 1), (16, 16), (64, 64), (64, None)):
+        cfg = sgmm.expand_config(t, 4096, 16, active_slots=a)
+        assert cfg.gemv, (t, a)
+        assert cfg.block_k >= 16, (t, a)
+    assert sgmm.expand_config(64, 4096, 32).block_k >= 32
+    assert not sgmm.expand_config(64, 4096, 64).gemv
+    assert not sgmm.expand_config(64, 4096, 16, active_slots=1).gemv
+    assert not sgmm.expand_config(256, 4096, 16).gemv
     for t in (1, 16, 64, 256, 4096):
         for r in (8, 16, 64, 128):
             for a in (None, 1, 8, 64):
                 sgmm.shrink_config(t, 4096, r, a)
-                sgmm.expand_config(t, 4096, r, a)
-                sgmm.fused_config(t, r, a)
+                e = sgmm.expand_config(t, 4096, r, a)
+                assert not e.gemv or e.block_k >= r  # a gemv tile covers the whole rank
 
 
 def test_default_add_lora_matches_twin_across_densities() -> None:
-    """add_lora with no config (table-picked, fused or not) against the twin."""
+    """add_lora with no config (table-picked, gemv or tiles) against the twin."""
     sgmm = _sgmm()
     for t, s, mix in ((6, 6, "distinct"), (16, 2, "identical"), (20, 3, "with_base")):
         case = make_case(
@@ -156,71 +81,11 @@ def test_default_add_lora_matches_twin_across_densities() -> None:
 # ------------------------------------------------------------------------------------------
 # GPU
 # ------------------------------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.parametrize(("t", "s", "r", "sizes"), [
-    (1, 1, 16, (4096,)), (16, 16, 16, (4096, 1024, 1024)), (64, 64, 16, (11008, 11008)),
-    (16, 1, 64, (4096,)), (64, 8, 64, (4096,)),
-])  # fmt: skip
-def test_gpu_fused_matches_two_launches(t, s, r, sizes) -> None:  # type: ignore[no-untyped-def]
-    sgmm = _sgmm()
-    case = make_case(
-        t=t, h=4096, s=s, r_max=r, ranks=None, out_sizes=sizes, mix="uniform",
-        dtype=torch.bfloat16, device="cuda", seed=7,
-    )  # fmt: skip
-    meta = build_segment_meta(case.slots, s)
-    two = case.out.clone()
-    sgmm.add_lora(
-        two, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, fused_cfg=False
-    )
-    for cfg in (sgmm.FusedConfig(16, 256, 256, 1), sgmm.FusedConfig(16, 128, 128, 4, 8, 3)):
-        one = case.out.clone()
-        sgmm.add_lora(
-            one, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, fused_cfg=cfg
-        )
-        rtol, atol = tolerance(torch.bfloat16, "out")
-        torch.testing.assert_close(one, two, rtol=rtol, atol=atol)
-
-
-@pytest.mark.gpu
-def test_gpu_cached_launch_is_bit_identical() -> None:
-    """The cached launch path gives the same bits as Triton's generic dispatch, eager and
-    inside a graph, with new tensors of the same specialisation on every call."""
-    from adaptermesh.kernels import _launch
-
-    sgmm = _sgmm()
-    results = {}
-    for generic in (True, False):
-        _launch.clear_cache()
-        outs = []
-        for seed in range(3):
-            case = make_case(
-                t=64, h=4096, s=64, r_max=16, ranks=None, out_sizes=(4096,), mix="distinct",
-                dtype=torch.bfloat16, device="cuda", seed=seed,
-            )  # fmt: skip
-            meta = build_segment_meta(case.slots, 64)
-            import os
-
-            os.environ["ADAPTERMESH_GENERIC_LAUNCH"] = "1" if generic else "0"
-            try:
-                for fused in (False, None):
-                    o = case.out.clone()
-                    sgmm.add_lora(
-                        o, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-                        fused_cfg=fused, check_values=False,
-                    )  # fmt: skip
-                    outs.append(o)
-            finally:
-                os.environ.pop("ADAPTERMESH_GENERIC_LAUNCH", None)
-        results[generic] = outs
-    for a, b in zip(results[True], results[False], strict=True):
-        assert torch.equal(a, b)
-
-
 def test_plan_runs_the_same_op_on_fixed_buffers() -> None:
-    """A plan made once gives add_lora's result on every call, with new contents each time,
-    for the fused and the two-launch path; making it runs nothing."""
+    """A plan made once gives add_lora's result on every call, with new contents each time, for
+    the table's picks and for a gemv expand; making it runs nothing."""
     sgmm = _sgmm()
-    for fused in (None, False):
+    for expand_cfg in (None, sgmm.SgmmConfig(1, 16, 16, n_blocks=2, gemv=True)):
         case = make_case(
             t=7, h=40, s=3, r_max=16, ranks=[16, 5, 0], out_sizes=(24, 8), mix="with_base",
             dtype=torch.float32, device=DEVICE, seed=11,
@@ -229,10 +94,10 @@ def test_plan_runs_the_same_op_on_fixed_buffers() -> None:
         out = case.out.clone()
         plan = sgmm.plan_add_lora(
             out, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-            fused_cfg=fused,
+            expand_cfg=expand_cfg,
         )  # fmt: skip
         assert torch.equal(out, case.out)  # nothing ran yet
-        assert plan.launches == (2 if fused is False else plan.launches)
+        assert plan.launches == 2  # shrink, expand
         for step in range(2):
             case.x.copy_(torch.randn_like(case.x))  # new contents, same storage
             want = out.clone()
@@ -316,6 +181,47 @@ def test_gemv_expand_matches_twin(block_m, n_blocks, mix) -> None:  # type: igno
         )  # fmt: skip
 
 
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    t=st.integers(1, 20),
+    h=st.integers(1, 50),
+    s=st.integers(1, 5),
+    r_max=st.sampled_from([1, 4, 16, 24]),
+    n_sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    mix=st.sampled_from(MIXES),
+    gemv=st.booleans(),
+    block_m=st.sampled_from([1, 2, 4, 16]),
+    n_blocks=st.integers(1, 3),
+    prefetch=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_expand_configs_property(  # type: ignore[no-untyped-def]
+    t, h, s, r_max, n_sizes, mix, gemv, block_m, n_blocks, prefetch, seed
+) -> None:
+    """Any valid expand config, tiles or gemv, gives the twin's result; base rows keep their
+    bits."""
+    sgmm = _sgmm()
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(0, r_max + 1, (s,), generator=gen).tolist()
+    case = make_case(
+        t=t, h=h, s=s, r_max=r_max, ranks=ranks, out_sizes=tuple(n_sizes), mix=mix,
+        dtype=torch.float32, device=DEVICE, seed=seed,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, s)
+    bm = block_m if gemv else 16
+    cfg = sgmm.SgmmConfig(bm, 16, 32 if gemv else 16, num_warps=4, num_stages=2,
+                          prefetch_out=prefetch, n_blocks=n_blocks, gemv=gemv)  # fmt: skip
+    got = case.out.clone()
+    sgmm.add_lora(
+        got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, expand_cfg=cfg
+    )
+    want = case.out.clone()
+    reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    base = case.slots < 0
+    assert torch.equal(got[base], case.out[base])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("t", "s", "r"), [(1, 1, 16), (64, 64, 16), (256, 64, 64), (64, 16, 32)])
 def test_gpu_gemv_expand_matches_tiles(t, s, r) -> None:  # type: ignore[no-untyped-def]
@@ -327,7 +233,7 @@ def test_gpu_gemv_expand_matches_tiles(t, s, r) -> None:  # type: ignore[no-unty
     meta = build_segment_meta(case.slots, s)
     tiles = case.out.clone()
     sgmm.add_lora(tiles, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-                  fused_cfg=False)  # fmt: skip
+                  expand_cfg=sgmm.SgmmConfig(16, 256, min(64, max(16, r))))  # fmt: skip
     for bm, bn, nb in ((1, 256, 1), (4, 512, 2)):
         got = case.out.clone()
         cfg = sgmm.SgmmConfig(bm, bn, max(16, r), n_blocks=nb, gemv=True)
