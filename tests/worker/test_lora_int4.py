@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from adaptermesh.worker import engine as engine_mod
-from adaptermesh.worker.model import Int4LoraPool, LoraPool, ModelConfig, make_lora_pool
+from adaptermesh.worker.model import Int4LoraPool, ModelConfig, make_lora_pool
 
 from .conftest import ADAPTERS, PROMPTS, Tiny, collect, request, tokens
 
@@ -23,18 +22,10 @@ MEAN_ABS = 0.15
 MAX_REL_TO_EFFECT = 0.3
 
 
-@pytest.fixture
-def int4_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    def build(cfg: ModelConfig, slots: int, rank: int, device: torch.device, dtype: torch.dtype) -> LoraPool:
-        return make_lora_pool(cfg, slots, rank, device, dtype, "int4")
-
-    monkeypatch.setattr(engine_mod, "LoraPool", build)
-
-
 async def test_int4_logits_close_to_full_precision(
-    tiny: Tiny, make_engine: Any, int4_pool: None, logit_log: dict[str, list[torch.Tensor]]
+    tiny: Tiny, make_engine: Any, logit_log: dict[str, list[torch.Tensor]]
 ) -> None:
-    eng = make_engine()
+    eng = make_engine(lora_dtype="int4")
     assert isinstance(eng.pool, Int4LoraPool)
     jobs = [(f"{name}-{i}", tiny.encode(p), name) for name in ADAPTERS for i, p in enumerate(PROMPTS[:2])]
     streams = [eng.submit(request(rid, ids, name, max_tokens=6)) for rid, ids, name in jobs]
@@ -69,8 +60,9 @@ async def test_int4_logits_close_to_full_precision(
     assert agree == firm
 
 
-async def test_int4_adapter_still_changes_output(tiny: Tiny, make_engine: Any, int4_pool: None) -> None:
-    eng = make_engine()
+async def test_int4_adapter_still_changes_output(tiny: Tiny, make_engine: Any) -> None:
+    eng = make_engine(lora_dtype="int4")
+    assert isinstance(eng.pool, Int4LoraPool)
     ids = tiny.encode(PROMPTS[1])
     outs = {}
     for name in [None, *ADAPTERS]:
@@ -95,3 +87,8 @@ def test_make_lora_pool_checks_dtype(tiny: Tiny) -> None:
         make_lora_pool(cfg, 2, 8, dev, torch.float32, "int8")
     with pytest.raises(ValueError, match="model dtype"):
         make_lora_pool(cfg, 2, 8, dev, torch.float32, "bf16")
+
+
+def test_engine_refuses_unknown_lora_dtype(make_engine: Any) -> None:
+    with pytest.raises(ValueError, match="lora_dtype must be one of"):
+        make_engine(lora_dtype="int8")

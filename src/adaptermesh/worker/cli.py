@@ -233,10 +233,7 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
     if args.no_prefix_caching:
         config.enable_prefix_caching = False
     if args.lora_dtype is not None:
-        # EngineConfig.lora_dtype feeds worker.model.make_lora_pool.
-        if "lora_dtype" not in getattr(EngineConfig, "__dataclass_fields__", {}):
-            raise ValueError("--lora-dtype: this engine has no lora_dtype setting yet")
-        setattr(config, "lora_dtype", args.lora_dtype)  # noqa: B010
+        config.lora_dtype = args.lora_dtype
     engine: EngineProtocol = Engine(args.model, args.adapter_root, device=device, dtype=dtype,
                                     config=config, model_name=args.served_model_name)
     return engine

@@ -62,10 +62,10 @@ from adaptermesh.worker.adafuse import (
 from adaptermesh.worker.adapters import AdapterManager
 from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache, spec_bytes_per_token
 from adaptermesh.worker.model import (
-    LoraPool,
     ModelConfig,
     StepInputs,
     TransformerModel,
+    make_lora_pool,
     read_weights,
 )
 from adaptermesh.worker.paging import BlockManager
@@ -102,6 +102,9 @@ class EngineConfig:
     max_num_seqs: int = 8  # sequences running at once (decode batch rows)
     max_loras: int = 8  # GPU pool slots
     max_lora_rank: int = 64
+    # Adapter weights in the GPU pool: None (the model dtype), "bf16"/"fp16"/"fp32" (must be
+    # the model dtype) or "int4" (grouped INT4, about a quarter of the bytes per slot).
+    lora_dtype: str | None = None
     max_num_batched_tokens: int = 512  # token budget per step (decode rows + prompt chunks)
     max_prefill_chunk: int = 256
     max_prefill_seqs: int = 8  # prompt chunks per step
@@ -315,7 +318,7 @@ class Engine:
 
         tensors = weights if weights is not None else read_weights(self.model_dir)
         self.model = TransformerModel(mc, tensors, self.device, dtype, self.max_model_len)
-        self.pool = LoraPool(mc, cfg.max_loras, cfg.max_lora_rank, self.device, dtype)
+        self.pool = make_lora_pool(mc, cfg.max_loras, cfg.max_lora_rank, self.device, dtype, cfg.lora_dtype)
 
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, dtype)
         per_block = spec_bytes_per_token(spec) * bs
