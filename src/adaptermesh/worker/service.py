@@ -76,7 +76,7 @@ from adaptermesh.worker.types import (
     TokenStream,
 )
 
-__all__ = ["ApiError", "ServiceConfig", "WorkerService", "serve", "tenant_of"]
+__all__ = ["ApiError", "ChoiceEvent", "ServiceConfig", "WorkerService", "serve", "tenant_of"]
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,19 @@ class _Job:
     # The SSE chunk's bytes up to its choices list: the same for every chunk of the request,
     # so it is encoded once instead of once per token.
     chunk_head: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceEvent:
+    """One engine event of choice ``index`` of a request run by ``WorkerService.job_events``.
+
+    ``usage`` (the whole request's, as in the HTTP answer) is set on the event that finishes
+    the request's last choice, and only there.
+    """
+
+    index: int
+    event: TokenEvent
+    usage: dict[str, int] | None = None
 
 
 @dataclass(slots=True)
@@ -371,6 +384,10 @@ class WorkerService:
                            code="invalid_body") from None
         if not raw:
             raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
+        return await self.decode_json(raw)
+
+    async def decode_json(self, raw: bytes) -> dict[str, Any]:
+        """``raw`` as a JSON object, parsed off the loop when large; errors are ``ApiError``."""
         try:
             body = await self._json.parse(raw)
         except JsonBodyError as exc:
@@ -638,6 +655,118 @@ class WorkerService:
             lasts_seen = [p.last_token for p in progresses if p.last_token is not None]
             self.metrics.observe_finished(
                 outcome=progress.outcome or outcome,
+                arrived=job.arrived,
+                first_token=min(firsts_seen) if firsts_seen else None,
+                last_token=max(lasts_seen) if lasts_seen else None,
+                completion_tokens=max(p.completion_tokens for p in progresses),
+            )
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def build_job(self, request: web.Request, body: dict[str, Any],
+                        kind: Literal["completion", "chat"]) -> _Job:
+        """``body`` validated as a completion or chat request of ``request``'s tenant, with the
+        same limits and errors as the HTTP routes (``ApiError``)."""
+        return await self._job(request, body, kind)
+
+    async def job_events(self, job: _Job) -> AsyncIterator[ChoiceEvent]:
+        """Run ``job`` and yield its choices' events as they come, for transports other than
+        HTTP responses (the WebSocket route).
+
+        Same tenant queue, deadlines, metrics and errors (``ApiError``, raised from the
+        iterator) as ``_run``. The event that finishes the last choice carries the request's
+        usage. Closing the iterator early, or cancelling its consumer, cancels the engine
+        sequences and counts the request as ``disconnected``, as an HTTP client that goes
+        away does.
+        """
+        try:
+            ticket = self.queue.submit(job.tenant, cost=len(job.prompt_ids) +
+                                       job.n * job.sampling.max_tokens)
+        except QueueFullError as exc:
+            self.metrics.rejected.labels(reason=f"{exc.scope}_queue_full").inc()
+            raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
+                           headers=self._retry_headers()) from None
+        self._inflight += 1
+        self._idle.clear()
+        progresses = [_Progress() for _ in range(job.n)]
+        outcome: str | None = None
+        streams: list[TokenStream] = []
+        pumps: list[asyncio.Task[None]] = []
+        try:
+            try:
+                async with asyncio.timeout_at(job.deadline):
+                    await self.queue.wait(ticket)
+            except TimeoutError:
+                outcome = "deadline_queued"
+                raise ApiError(504, "the request's deadline passed while it waited in the "
+                               "queue", type="timeout_error", code="deadline_exceeded",
+                               headers=self._retry_headers()) from None
+            assert ticket.admitted_at is not None
+            self.metrics.queue_wait.observe(ticket.admitted_at - ticket.enqueued_at)
+            self.metrics.observe_prompt(len(job.prompt_ids))
+            try:
+                for index in range(job.n):
+                    streams.append(self.engine.submit(self._generation(job, index)))
+            except EngineError as exc:
+                raise self._engine_error(exc) from None
+            iters = [stream.__aiter__() for stream in streams]
+            merged: asyncio.Queue[tuple[int, TokenEvent | ApiError]] = asyncio.Queue()
+
+            async def pump(index: int) -> None:
+                while True:
+                    try:
+                        event = await self._next_event(iters[index], job, progresses[index])
+                    except ApiError as exc:
+                        merged.put_nowait((index, exc))
+                        return
+                    merged.put_nowait((index, event))
+                    if event.finish_reason is not None:
+                        return
+
+            if job.n > 1:
+                pumps = [asyncio.create_task(pump(i)) for i in range(job.n)]
+            finished = 0
+            item: TokenEvent | ApiError
+            while finished < job.n:
+                if job.n == 1:
+                    index, item = 0, await self._next_event(iters[0], job, progresses[0])
+                else:
+                    index, item = await merged.get()
+                if isinstance(item, ApiError):
+                    raise item
+                reason = item.finish_reason
+                if reason in ("cancelled", "error"):
+                    assert reason is not None
+                    raise self._finish_error(job, reason)
+                usage = None
+                if reason is not None:
+                    finished += 1
+                    if finished == job.n:
+                        outcome = _outcome(progresses)
+                        usage = self._usage(progresses)
+                yield ChoiceEvent(index, item, usage)
+        except ApiError as exc:
+            if outcome is None:
+                outcome = exc.code or "error"
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            if outcome is None:
+                outcome = "disconnected"
+            raise
+        finally:
+            for task in pumps:
+                task.cancel()
+            if pumps:
+                await asyncio.gather(*pumps, return_exceptions=True)
+            for stream, p in zip(streams, progresses, strict=False):
+                if p.finish_reason is None:
+                    stream.cancel()
+            self.queue.release(ticket)
+            firsts_seen = [p.first_token for p in progresses if p.first_token is not None]
+            lasts_seen = [p.last_token for p in progresses if p.last_token is not None]
+            self.metrics.observe_finished(
+                outcome=outcome or "error",
                 arrived=job.arrived,
                 first_token=min(firsts_seen) if firsts_seen else None,
                 last_token=max(lasts_seen) if lasts_seen else None,
