@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call, several stages, each under its own timeout, results and logs in $OUT:
-#   tests     gpu-marked kernel tests (and worker tests with TESTS_WORKER=1)
+#   tests     gpu-marked kernel tests (and worker tests with TESTS_WORKER=1), via bench/gpu_tests.py
 #   sweep     bench/sweep_sgmm_decode.py (add_lora configs on the engine's shapes)
 #   peers     bench/bench_sgmm_peers.py (our kernels beside the peers; needs bench/.peers)
 #   adafuse   bench/bench_adafuse.py
@@ -20,7 +20,6 @@ STAGES=${STAGES:-tests sweep peers adafuse engine http}
   python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
   git rev-parse HEAD 2>/dev/null
 } > "$OUT/env.txt" 2>&1
-printf '[pytest]\nmarkers =\n  gpu: gpu\n  slow: slow\n  root: root\n  e2e: e2e\n' > /tmp/pytest_gpu.ini
 stage() {  # name default_timeout command...
   local name=$1 t=$2
   shift 2
@@ -36,9 +35,9 @@ for s in $STAGES; do
   case $s in
     tests)
       paths="tests/kernels"
-      [ -n "${TESTS_WORKER:-}" ] && paths="$paths tests/worker"
-      stage tests 150 python3 -m pytest -c /tmp/pytest_gpu.ini --rootdir "$PWD" -p no:cacheprovider \
-        -q -m gpu $paths ;;
+      [ -n "${TESTS_WORKER:-}" ] && paths="$paths tests/worker/test_gpu.py tests/worker/test_sampling.py"
+      stage tests 150 python3 bench/gpu_tests.py --out "$OUT/gpu_tests_h200.json" \
+        --timeout-s $(( ${TESTS_S:-150} - 10 )) -- -m gpu $paths ;;
     sweep)
       stage sweep 240 python3 bench/sweep_sgmm_decode.py --out "$OUT/sgmm_decode_sweep_h200.json" \
         --budget-s $(( ${SWEEP_S:-240} - 25 )) ${SWEEP_ARGS:-} ;;
