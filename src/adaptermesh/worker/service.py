@@ -33,7 +33,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
@@ -670,7 +670,7 @@ class WorkerService:
         same limits and errors as the HTTP routes (``ApiError``)."""
         return await self._job(request, body, kind)
 
-    async def job_events(self, job: _Job) -> AsyncIterator[ChoiceEvent]:
+    async def job_events(self, job: _Job) -> AsyncGenerator[ChoiceEvent, None]:
         """Run ``job`` and yield its choices' events as they come, for transports other than
         HTTP responses (the WebSocket route).
 
