@@ -1,0 +1,227 @@
+"""The MQTT bridge against a real mosquitto broker and a fake OpenAI-compatible mesh."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from waiting import wait_until
+
+from adaptermesh.bridge.protocol import Request
+from adaptermesh.bridge.store import Store
+
+from .conftest import RunningBridge
+from .support import FakeMesh, Replies, publish, request
+
+StartBridge = Callable[..., RunningBridge]
+
+
+def _one(replies: Replies, req_id: str, timeout: float = 10.0) -> dict[str, Any]:
+    got = wait_until(lambda: replies.by_id().get(req_id), timeout, what=f"a reply to {req_id}")
+    return got[0].doc
+
+
+def test_request_reply_both_endpoints(
+    start_bridge: StartBridge, client: Any, replies: Replies
+) -> None:
+    start_bridge()
+    publish(client, "requests/a", request("r1", correlation={"trace": 7}))
+    chat = {
+        "id": "r2",
+        "reply_to": "replies/chat",
+        "endpoint": "chat.completions",
+        "body": {"model": "sql", "messages": [{"role": "user", "content": "hi"}]},
+    }
+    publish(client, "requests/a", chat)
+    doc = _one(replies, "r1")
+    assert doc["ok"] is True
+    assert doc["status"] == 200
+    assert doc["endpoint"] == "completions"
+    assert doc["correlation"] == {"trace": 7}
+    assert doc["response"]["choices"][0]["text"] == "echo:p-r1"
+    doc2 = _one(replies, "r2")
+    assert doc2["endpoint"] == "chat.completions"
+    assert doc2["response"]["object"] == "chat.completion"
+    assert [r.topic for r in replies.by_id()["r2"]] == ["replies/chat"]
+
+
+def test_mqtt5_response_topic_and_correlation_data(
+    start_bridge: StartBridge, client: Any, replies: Replies
+) -> None:
+    start_bridge()
+    req = request("r1")
+    del req["reply_to"]
+    publish(client, "requests/x", req, response_topic="replies/v5", correlation_data=b"\x00c1")
+    wait_until(lambda: replies.by_id().get("r1"), 10)
+    (reply,) = replies.by_id()["r1"]
+    assert reply.topic == "replies/v5"
+    assert reply.correlation_data == b"\x00c1"
+    assert reply.doc["ok"] is True
+
+
+def test_redelivered_id_is_answered_once(
+    start_bridge: StartBridge, client: Any, replies: Replies, mesh: FakeMesh
+) -> None:
+    rb = start_bridge()
+    for _ in range(3):  # back to back: the copies arrive while the first is in flight
+        publish(client, "requests/a", request("dup"))
+    _one(replies, "dup")
+    publish(client, "requests/a", request("dup"))  # after it was answered and published
+    publish(client, "requests/a", request("after"))
+    _one(replies, "after")
+    assert len(replies.by_id()["dup"]) == 1
+    assert mesh.calls["p-dup"] == 1
+    assert rb.bridge.stats.duplicates == 3
+
+
+def test_an_id_reused_for_another_request_is_a_conflict(
+    start_bridge: StartBridge, client: Any, replies: Replies
+) -> None:
+    start_bridge()
+    publish(client, "requests/a", request("k", prompt="one"))
+    first = _one(replies, "k")
+    publish(client, "requests/a", request("k", prompt="two"))
+    wait_until(lambda: len(replies.by_id()["k"]) == 2, 10)
+    second = replies.by_id()["k"][1].doc
+    assert first["ok"] is True
+    assert second["ok"] is False
+    assert second["status"] == 409
+    assert second["error"]["type"] == "conflict"
+    assert second["error"]["field"] == "id"
+
+
+INVALID = [
+    (b"not json", "$"),
+    (b"[1, 2]", "$"),
+    (b"\xff\xfe", "$"),
+    (json.dumps({"reply_to": "replies/t", "endpoint": "completions", "body": {}}), "id"),
+    (json.dumps({**request("x"), "id": 5}), "id"),
+    (json.dumps({**request("x"), "bdy": {}}), "bdy"),
+    (json.dumps({**request("x"), "endpoint": "embeddings"}), "endpoint"),
+    (json.dumps({k: v for k, v in request("x").items() if k != "body"}), "body"),
+    (json.dumps({**request("x"), "body": "prompt"}), "body"),
+    (json.dumps({**request("x"), "body": {"prompt": "a", "stream": True}}), "body.stream"),
+    (json.dumps({**request("x"), "reply_to": "replies/#"}), "reply_to"),
+]
+
+
+@pytest.mark.parametrize(("payload", "field"), INVALID)
+def test_invalid_request_gets_an_error_naming_the_field(
+    start_bridge: StartBridge, client: Any, replies: Replies, payload: bytes | str, field: str
+) -> None:
+    rb = start_bridge()
+    # The Response Topic property addresses the error when the payload cannot.
+    publish(client, "requests/a", payload, response_topic="replies/errors", correlation_data=b"bad")
+    got = wait_until(lambda: replies.snapshot(), 10, what="an error reply")
+    (reply,) = got
+    assert reply.correlation_data == b"bad"
+    assert reply.doc["ok"] is False
+    assert reply.doc["status"] == 400
+    assert reply.doc["error"]["type"] == "invalid_request"
+    assert reply.doc["error"]["field"] == field
+    # Acknowledged, never retried, and the bridge carries on.
+    publish(client, "requests/a", request("ok"))
+    assert _one(replies, "ok")["ok"] is True
+    assert rb.bridge.stats.invalid == 1
+    assert len(replies.snapshot()) == 2
+
+
+def test_a_reply_topic_that_loops_back_gets_no_reply(
+    start_bridge: StartBridge, client: Any, replies: Replies
+) -> None:
+    rb = start_bridge()
+    publish(client, "requests/a", request("loop", reply_to="requests/echo"))
+    publish(client, "requests/a", request("ok"))
+    _one(replies, "ok")
+    wait_until(lambda: rb.bridge.stats.unanswerable == 1, 5)
+    assert rb.bridge.stats.received == 2  # its own error reply never came back
+
+
+def test_mesh_4xx_is_an_error_reply(
+    start_bridge: StartBridge, client: Any, replies: Replies, mesh: FakeMesh
+) -> None:
+    start_bridge()
+    req = request("m")
+    req["body"]["model"] = "missing-adapter"
+    publish(client, "requests/a", req)
+    doc = _one(replies, "m")
+    assert doc["ok"] is False
+    assert doc["status"] == 404
+    assert doc["error"] == {
+        "type": "mesh_error",
+        "field": "body.model",
+        "message": "model 'missing-adapter' is not loaded",
+    }
+    assert doc["response"]["error"]["code"] == "model_not_found"
+
+
+def test_busy_mesh_is_retried_with_backoff(
+    start_bridge: StartBridge, client: Any, replies: Replies, mesh: FakeMesh
+) -> None:
+    mesh.script["p-busy"] = [503, 429, 503]
+    mesh.script["p-down"] = [503] * 10
+    start_bridge(max_attempts=4)
+    publish(client, "requests/a", request("busy"))
+    publish(client, "requests/a", request("down"))
+    doc = _one(replies, "busy")
+    assert doc["ok"] is True
+    assert mesh.calls["p-busy"] == 4
+    down = _one(replies, "down")
+    assert down["ok"] is False
+    assert down["status"] == 503
+    assert down["error"]["type"] == "mesh_unavailable"
+    assert mesh.calls["p-down"] == 4
+
+
+def test_mesh_unreachable_is_bounded(
+    start_bridge: StartBridge, client: Any, replies: Replies
+) -> None:
+    from .support import free_port
+
+    start_bridge(base_url=f"http://127.0.0.1:{free_port()}", max_attempts=3)
+    publish(client, "requests/a", request("gone"))
+    doc = _one(replies, "gone")
+    assert doc["error"]["type"] == "mesh_unavailable"
+    assert "ConnectError" in doc["error"]["message"]
+
+
+def test_back_pressure_bounds_work_and_buffering(
+    start_bridge: StartBridge, client: Any, replies: Replies, mesh: FakeMesh
+) -> None:
+    mesh.delay = 0.15
+    rb = start_bridge(max_in_flight=3)
+    n = 30
+    for i in range(n):
+        publish(client, "requests/a", request(f"bp{i}"))
+    wait_until(lambda: len(replies.by_id()) == n, 30, what="every reply")
+    assert mesh.peak == 3  # the bound is reached, never passed
+    assert rb.bridge.stats.max_in_flight_seen == 3
+    # The broker sent at most Receive Maximum (3) unacknowledged requests ahead: the rest
+    # waited at the broker, not in the bridge.
+    assert 1 <= rb.bridge.stats.max_waiting_seen <= 3
+
+
+def test_restart_runs_unfinished_and_republishes_unconfirmed(
+    start_bridge: StartBridge, replies: Replies, mesh: FakeMesh, tmp_path: Path
+) -> None:
+    store = Store(tmp_path / "state" / "bridge.sqlite3")
+    unfinished = Request("u1", "replies/t", "completions", {"model": "b", "prompt": "p-u1"})
+    store.accept(unfinished, 1.0)
+    answered = Request("d1", "replies/t", "completions", {"model": "b", "prompt": "p-d1"})
+    store.accept(answered, 1.0)
+    store.complete("d1", b'{"id":"d1","ok":true,"stored":1}', 2.0)
+    published = Request("p1", "replies/t", "completions", {"model": "b", "prompt": "p-p1"})
+    store.accept(published, 1.0)
+    store.complete("p1", b'{"id":"p1","ok":true}', 2.0)
+    store.mark_published("p1", 3.0)
+    store.close()
+    rb = start_bridge()
+    assert _one(replies, "u1")["ok"] is True
+    assert _one(replies, "d1") == {"id": "d1", "ok": True, "stored": 1}
+    wait_until(lambda: rb.bridge.store.counts()["published"] == 3, 5)
+    assert "p1" not in replies.by_id()
+    assert mesh.calls == {"p-u1": 1}
+    assert rb.bridge.stats.recovered == 1
