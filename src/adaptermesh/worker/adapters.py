@@ -1,13 +1,18 @@
-"""Adapter manager: PEFT adapters on disk -> CPU cache (LRU, bytes) -> GPU pool slots (LRU).
+"""Adapter manager: PEFT adapters on disk -> CPU cache (bytes) -> GPU pool slots (count).
 
 Tiers and invariants:
 
 * **Disk.** Adapters live under one adapter root. Names and paths never resolve outside it
   (no ``..``, no absolute paths elsewhere, no symlink escapes).
-* **CPU cache.** Validated, packed weights (pinned memory on CUDA), LRU bounded in bytes.
+* **CPU cache.** Validated, packed weights (pinned memory on CUDA), bounded in bytes.
   Pinned adapters are never dropped.
-* **GPU slots.** ``LoraPool`` slots, LRU bounded in count. A slot with a non-zero reference
-  count (in-flight requests) or a pinned adapter is never evicted.
+* **GPU slots.** ``LoraPool`` slots, bounded in count. A slot with a non-zero reference
+  count (in-flight requests), a reserved slot or a pinned adapter is never evicted.
+* **Eviction.** Each tier has its own policy from ``eviction.py`` (``eviction=`` names it:
+  lru, lru-greedy, s3-fifo or w-tinylfu). The manager tells the policy about every request
+  (``note_lookup``), every adapter that becomes resident and every removal it did not ask for,
+  and asks it for a victim among the keys it may evict. A request always gets its adapter;
+  what a policy's admission decides is only how soon a newcomer goes again.
 
 AdaFuse expert sets (``adafuse.py``: a directory with ``adaptermesh_adafuse.json``) resolve by
 the same names and path rules. They skip the CPU cache and the LoRA pool: a validated set is
@@ -37,6 +42,7 @@ from pathlib import Path
 import torch
 
 from adaptermesh.worker.adafuse import CpuExpertSet, ExpertSet, is_expert_set, read_expert_set
+from adaptermesh.worker.eviction import DEFAULT_POLICY, make_policy
 from adaptermesh.worker.model import (
     LoraPool,
     ModelConfig,
@@ -139,6 +145,8 @@ class AdapterManager:
         on_change: Callable[[], None] | None = None,
         build_expert_set: ExpertSetBuilder | None = None,
         max_expert_sets: int = 4,
+        eviction: str = DEFAULT_POLICY,
+        cpu_cache_entries: int = 4096,
     ) -> None:
         self.root = root
         self.cfg = cfg
@@ -163,6 +171,11 @@ class AdapterManager:
         self.negative: OrderedDict[str, tuple[float, AdapterNotFoundError]] = OrderedDict()
         self.inflight: dict[str, asyncio.Task[int]] = {}
         self.counters = ManagerCounters()
+        # One policy per tier: GPU slots count one per adapter; the CPU cache counts bytes
+        # (``cpu_cache_entries`` sizes its history, about how many adapters fit the budget).
+        self.eviction = eviction
+        self.gpu_policy = make_policy(eviction, pool.num_slots)
+        self.cpu_policy = make_policy(eviction, max(1, cpu_cache_bytes), entries=cpu_cache_entries)
         self._versions: dict[str, int] = {}
         self._pin = pool.device.type == "cuda"
         self._upload_stream: torch.cuda.Stream | None = None
@@ -197,8 +210,13 @@ class AdapterManager:
             self.negative.popitem(last=False)
 
     def note_lookup(self, name: str) -> bool:
-        """Count one request's first lookup as a hit (resident on GPU) or a miss."""
-        if name in self.published or name in self.expert_sets:
+        """Count one request's first lookup as a hit (resident on GPU) or a miss, and tell the
+        GPU eviction policy about the request."""
+        if name in self.expert_sets:
+            self.counters.hits += 1
+            return True
+        self.gpu_policy.access(name)
+        if name in self.published:
             self.counters.hits += 1
             return True
         self.counters.misses += 1
@@ -273,8 +291,8 @@ class AdapterManager:
         if is_expert_set(path):
             return await self._load_expert_set(name, path, pinned, t0)
         cpu = self.cpu_cache.get(name)
+        self.cpu_policy.access(name)
         if cpu is not None and cpu.path == path:
-            self.cpu_cache.move_to_end(name)
             self.counters.cpu_hits += 1
         else:
             cpu = await asyncio.to_thread(
@@ -301,6 +319,10 @@ class AdapterManager:
         self.published[name] = _Published(slot, version, path, cpu.rank)
         if old is not None:
             self._retire(old.slot)
+        if name in self.gpu_policy:
+            self.gpu_policy.access(name)  # a reload keeps the name's standing
+        else:
+            self.gpu_policy.insert(name)
         self.negative.pop(name, None)
         self.counters.loads += 1
         t_end = time.perf_counter()
@@ -327,6 +349,7 @@ class AdapterManager:
         self.expert_sets[name] = _PublishedSet(es, path)
         old = self.published.pop(name, None)  # the name may have been a LoRA adapter before
         if old is not None:
+            self.gpu_policy.remove(name)
             self._retire(old.slot)
         self.negative.pop(name, None)
         self.counters.expert_set_loads += 1
@@ -408,16 +431,18 @@ class AdapterManager:
         free = [i for i, s in enumerate(self.slots) if s.name is None and not s.reserved and not s.retired]
         if free:
             return free[0]
-        victims = [
-            i for i, s in enumerate(self.slots)
-            if s.name is not None and s.name != exclude and s.refcount == 0 and not s.pinned and not s.reserved
-        ]
-        if not victims:
+
+        def evictable(name: str) -> bool:
+            pub = self.published.get(name)
+            if pub is None or name == exclude:
+                return False
+            s = self.slots[pub.slot]
+            return s.refcount == 0 and not s.pinned and not s.reserved
+
+        name = self.gpu_policy.evict(evictable)
+        if name is None:
             return None
-        victim = min(victims, key=lambda i: self.slots[i].last_used)
-        name = self.slots[victim].name
-        assert name is not None
-        del self.published[name]
+        victim = self.published.pop(name).slot
         self.slots[victim] = _Slot()
         self.pool.clear(victim)
         self.counters.evictions += 1
@@ -441,18 +466,29 @@ class AdapterManager:
             self.cpu_bytes -= prev.nbytes
         self.cpu_cache[cpu.name] = cpu
         self.cpu_bytes += cpu.nbytes
-        for key in list(self.cpu_cache):
-            if self.cpu_bytes <= self.cpu_cache_bytes:
+        if prev is not cpu or cpu.name not in self.cpu_policy:
+            self.cpu_policy.insert(cpu.name, cpu.nbytes)  # new, or re-read files (a new size)
+
+        def evictable(key: str) -> bool:
+            entry = self.cpu_cache.get(key)
+            return entry is not None and not entry.pinned and key != cpu.name
+
+        while self.cpu_bytes > self.cpu_cache_bytes:
+            key = self.cpu_policy.evict(evictable)
+            if key is None:
                 break
-            entry = self.cpu_cache[key]
-            if entry.pinned or key == cpu.name:
-                continue
-            del self.cpu_cache[key]
-            self.cpu_bytes -= entry.nbytes
+            self.cpu_bytes -= self.cpu_cache.pop(key).nbytes
         if self.cpu_bytes > self.cpu_cache_bytes and not cpu.pinned:
             # Larger than the whole budget: serve it from the GPU copy only.
             del self.cpu_cache[cpu.name]
             self.cpu_bytes -= cpu.nbytes
+            self.cpu_policy.remove(cpu.name)
+
+    def _drop_cpu(self, name: str) -> None:
+        entry = self.cpu_cache.pop(name, None)
+        if entry is not None:
+            self.cpu_bytes -= entry.nbytes
+        self.cpu_policy.remove(name)
 
     # ---- admin API ----------------------------------------------------------------------------
 
@@ -465,9 +501,7 @@ class AdapterManager:
             # Let a concurrent on-demand load finish first so versions commit in order.
             await asyncio.gather(pending, return_exceptions=True)
         self.negative.pop(name, None)
-        stale = self.cpu_cache.pop(name, None)  # a reload always re-reads the files
-        if stale is not None:
-            self.cpu_bytes -= stale.nbytes
+        self._drop_cpu(name)  # a reload always re-reads the files
         task = self._start_load(name, resolved, pinned)
         try:
             await task
@@ -490,10 +524,9 @@ class AdapterManager:
         if pub is None and reg is None and ps is None:
             raise AdapterNotFoundError(name, "not loaded")
         if pub is not None:
+            self.gpu_policy.remove(name)
             self._retire(pub.slot)
-        entry = self.cpu_cache.pop(name, None)
-        if entry is not None:
-            self.cpu_bytes -= entry.nbytes
+        self._drop_cpu(name)
         self.on_change()
 
     def prefetch(self, names: Iterable[str]) -> list[asyncio.Task[int]]:

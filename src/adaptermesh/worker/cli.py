@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adaptermesh.httpserve import ListenerLimits, raise_fd_limit
+from adaptermesh.worker.eviction import POLICY_NAMES
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
 from adaptermesh.worker.types import EngineError, EngineProtocol
 
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-dtype", choices=["bf16", "fp16", "fp32", "int4"], default=None,
                    help="adapter pool storage (default: the model dtype); int4 quantises each "
                    "adapter on load, group-wise, about 3.7x the adapters per GB of slots")
+    p.add_argument("--adapter-eviction", choices=list(POLICY_NAMES), default=None,
+                   help="eviction policy of the adapter GPU slots and CPU cache (default: "
+                   "EngineConfig.adapter_eviction)")
     p.add_argument("--gpu-memory-fraction", type=float, default=None)
     # Service limits.
     p.add_argument("--max-running", type=_positive_int, default=None,
@@ -234,6 +238,8 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.enable_prefix_caching = False
     if args.lora_dtype is not None:
         config.lora_dtype = args.lora_dtype
+    if args.adapter_eviction is not None:
+        config.adapter_eviction = args.adapter_eviction
     engine: EngineProtocol = Engine(args.model, args.adapter_root, device=device, dtype=dtype,
                                     config=config, model_name=args.served_model_name)
     return engine

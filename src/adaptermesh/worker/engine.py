@@ -102,6 +102,8 @@ class EngineConfig:
     max_num_seqs: int = 8  # sequences running at once (decode batch rows)
     max_loras: int = 8  # GPU pool slots
     max_lora_rank: int = 64
+    # GPU slot and CPU cache eviction: "lru", "lru-greedy", "s3-fifo" or "w-tinylfu" (worker.eviction).
+    adapter_eviction: str = "w-tinylfu"
     # Adapter weights in the GPU pool: None (the model dtype), "bf16"/"fp16"/"fp32" (must be
     # the model dtype) or "int4" (grouped INT4, about a quarter of the bytes per slot).
     lora_dtype: str | None = None
@@ -350,6 +352,7 @@ class Engine:
             self.adapter_root, mc, self.pool, max_rank=cfg.max_lora_rank, cpu_cache_bytes=cfg.cpu_cache_bytes,
             dtype=dtype, negative_ttl_s=cfg.negative_ttl_s, slot_wait_s=cfg.adapter_slot_wait_s, on_change=self._wake,
             build_expert_set=self._build_expert_set, max_expert_sets=cfg.max_expert_sets,
+            eviction=cfg.adapter_eviction,
         )
         budget_tokens = max(cfg.max_num_batched_tokens, rows + 1)
         self.scheduler = Scheduler(
