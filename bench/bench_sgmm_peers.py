@@ -142,12 +142,17 @@ class Case:
         return [(a, b, c) for a, b, c in segs]
 
     # -- implementations: each returns one callable per input set --
-    def ours(self) -> list[Callable[[], None]]:
+    def ours(self, hint: bool = True) -> list[Callable[[], None]]:
+        """add_lora told the batch's distinct adapters (``active_slots``, which the scheduler
+        knows when it builds the batch); ``hint=False``: the worst case it assumes otherwise
+        (every pool slot active), as a graph captured once for any mix does."""
+        active = self.s_used if hint else None
+
         def mk(st: dict[str, Any]) -> Callable[[], None]:
             a, b = self.a[st["pool"]].unsqueeze(0), (self.b[st["pool"]],)
             return lambda: sgmm.add_lora(
                 st["out"], st["x"], a, b, self.scales, self.ranks, st["meta"],
-                v_buffer=st["v"], check_values=False,
+                v_buffer=st["v"], active_slots=active, check_values=False,
             )  # fmt: skip
 
         return [mk(st) for st in self.sets]
@@ -214,7 +219,8 @@ def check(case: Case, fns: list[Callable[[], None]],
 
 
 def impls(case: Case, peers: dict[str, Any]) -> dict[str, Callable[[], list[Callable[[], None]]]]:
-    out: dict[str, Callable[[], list[Callable[[], None]]]] = {"ours": case.ours}
+    out: dict[str, Callable[[], list[Callable[[], None]]]] = {
+        "ours": case.ours, "ours_no_hint": lambda: case.ours(hint=False)}
     for name, p in peers.items():
         out[name] = lambda b=p.build: case.peer(b)
     if case.s_used == 1:
@@ -461,9 +467,12 @@ def main() -> None:
             torch.cuda.empty_cache()
     hc = host_cost(peers)
     results["host_cost_us"] = hc
-    ours_hc = hc.get("ours") if isinstance(hc.get("ours"), float) else None
-    targets["host_cost_us"] = {"value": ours_hc, "target": 30.0,
-                               "met": ours_hc is not None and ours_hc <= 30.0}
+    # The eager call with prebuilt arguments (plan_add_lora) is what the target asks for; the
+    # plain add_lora (checks and config choice on every call) is reported beside it.
+    for key, impl in (("host_cost_us", "ours_plan"), ("host_cost_plain_add_lora_us", "ours")):
+        v = hc.get(impl) if isinstance(hc.get(impl), float) else None
+        targets[key] = {"value": v, "target": 30.0, "met": v is not None and v <= 30.0,
+                        "impl": impl}
     md = metadata_cost()
     results["metadata_us"] = md
     targets["metadata_us"] = {"value": md, "target": 50.0, "met": md <= 50.0}

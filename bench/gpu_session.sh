@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 REQUIRE_GPU=1
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 REQUIRE_GPU=1
 STAGES=${STAGES:-tests sweep peers adafuse engine http}
 {
   date -u +%FT%TZ
