@@ -210,8 +210,14 @@ class Replies:
 
     def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
         cdata = getattr(msg.properties, "CorrelationData", None)
+        try:
+            doc = json.loads(msg.payload)
+        except ValueError:  # a request seen by a "#" subscription
+            doc = None
         with self._lock:
-            self.items.append(Reply(msg.topic, json.loads(msg.payload), bytes(msg.payload), cdata))
+            self.items.append(
+                Reply(msg.topic, doc if isinstance(doc, dict) else {}, bytes(msg.payload), cdata)
+            )
 
     def snapshot(self) -> list[Reply]:
         with self._lock:

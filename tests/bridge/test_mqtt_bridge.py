@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from waiting import wait_until
 
-from adaptermesh.bridge.protocol import Request
+from adaptermesh.bridge.protocol import (
+    FIELDS,
+    Invalid,
+    Request,
+    error_reply,
+    parse_request,
+    valid_reply_topic,
+)
 from adaptermesh.bridge.store import Store
 
 from .conftest import RunningBridge
@@ -225,3 +238,231 @@ def test_restart_runs_unfinished_and_republishes_unconfirmed(
     assert "p1" not in replies.by_id()
     assert mesh.calls == {"p-u1": 1}
     assert rb.bridge.stats.recovered == 1
+
+
+class BridgeProcess:
+    """``adaptermesh mqtt-bridge`` as a subprocess, started and killed by the test."""
+
+    def __init__(self, broker_port: int, base_url: str, state_dir: Path, log: Path) -> None:
+        self.args = [
+            sys.executable,
+            "-m",
+            "adaptermesh.bridge.cli",
+            "--broker",
+            f"127.0.0.1:{broker_port}",
+            "--request-topic",
+            "requests/#",
+            "--base-url",
+            base_url,
+            "--state-dir",
+            str(state_dir),
+            "--max-in-flight",
+            "8",
+            "--client-id",
+            "bridge-kill-test",
+            "--log-level",
+            "WARNING",
+        ]
+        self.log = log
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        with self.log.open("a") as err:
+            self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=err, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.startswith("subscribed to requests/#"), (line, self.log.read_text())
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+@pytest.mark.slow
+def test_kill_mid_load_every_request_gets_exactly_one_answer(
+    broker: Any, mesh: FakeMesh, replies: Replies, client: Any, tmp_path: Path
+) -> None:
+    n = 200
+    mesh.delay = 0.03
+    bridge = BridgeProcess(broker.port, mesh.url, tmp_path / "state", tmp_path / "bridge.log")
+    bridge.start()
+    try:
+        for i in range(n):
+            publish(client, "requests/load", request(f"k{i:03d}"))
+        kills = []
+        for threshold in (40, 120):  # kill twice, each time with work in every stage
+            wait_until(
+                lambda t=threshold: len(replies.by_id()) >= t, 60, what=f"{threshold} answers"
+            )
+            bridge.kill()
+            kills.append(len(replies.by_id()))
+            bridge.start()
+        wait_until(lambda: len(replies.by_id()) == n, 120, what="an answer for every request")
+        assert bridge.stop() == 0
+    finally:
+        if bridge.proc is not None and bridge.proc.poll() is None:
+            bridge.proc.kill()
+    by_id = replies.by_id()
+    assert all(k < n for k in kills), kills  # both kills landed mid-load
+    assert sorted(by_id) == [f"k{i:03d}" for i in range(n)]  # none lost
+    distinct = {k: {r.raw for r in v} for k, v in by_id.items()}
+    # Each mesh call answers with a fresh nonce: two distinct payloads would mean two
+    # answers for one id.
+    assert all(len(v) == 1 for v in distinct.values()), {
+        k: len(v) for k, v in distinct.items() if len(v) > 1
+    }
+    assert all(r.doc["ok"] for v in by_id.values() for r in v)
+    duplicates = sum(len(v) - 1 for v in by_id.values())
+    reruns = sum(c - 1 for c in mesh.calls.values())
+    print(
+        f"kill test: {n} requests, killed at {kills} answers, {duplicates} duplicate "
+        f"deliveries of a stored answer, {reruns} mesh calls repeated after a kill"
+    )
+
+
+# -- malformed messages (Hypothesis) --
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda kids: (
+        st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids, max_size=3)
+    ),
+    max_leaves=8,
+)
+_topics = st.sampled_from(
+    ["replies/t", "", "replies/+", "replies/#", "$SYS/x", "requests/x", "a\x00b", "x" * 70000]
+) | st.text(max_size=10)
+_valid = request("h1")
+
+
+@st.composite
+def _mutated(draw: st.DrawFn) -> bytes:
+    """A request with some fields removed, replaced or added, or bytes that are not one."""
+    kind = draw(st.sampled_from(["fields", "bytes", "json"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=64))
+    if kind == "json":
+        return json.dumps(draw(_json)).encode()
+    doc: dict[str, Any] = json.loads(json.dumps(_valid))
+    for key in draw(st.sets(st.sampled_from(sorted(doc)), max_size=3)):
+        if draw(st.booleans()):
+            del doc[key]
+        else:
+            doc[key] = draw(_topics if key == "reply_to" else _json)
+    if draw(st.booleans()):
+        doc["body"] = (
+            {**doc.get("body", {}), "stream": draw(_json)}
+            if isinstance(doc.get("body"), dict)
+            else doc.get("body")
+        )
+    if draw(st.booleans()):
+        doc[draw(st.text(max_size=6))] = draw(_json)
+    return json.dumps(doc).encode()
+
+
+def _loops(topic: str) -> bool:
+    return topic.startswith("requests/")
+
+
+@given(payload=_mutated(), response_topic=st.none() | _topics)
+def test_parse_never_raises_and_names_a_field(payload: bytes, response_topic: str | None) -> None:
+    got = parse_request(payload, loops_back=_loops, response_topic=response_topic)
+    if isinstance(got, Request):
+        # Only a request that really is one passes.
+        doc = json.loads(payload)
+        assert set(doc) <= set(FIELDS)
+        assert got.id == doc["id"]
+        assert isinstance(got.id, str)
+        assert got.id
+        assert got.endpoint in ("completions", "chat.completions")
+        assert isinstance(got.body, dict)
+        assert got.body.get("stream") in (None, False)
+        assert valid_reply_topic(got.reply_to, _loops) is None
+        return
+    assert isinstance(got, Invalid)
+    assert got.message
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        assert got.field in {*FIELDS, "body.stream", "$"} or got.field in doc
+    else:
+        assert got.field == "$"
+    if got.reply_to is not None:
+        assert valid_reply_topic(got.reply_to, _loops) is None
+    reply = json.loads(
+        error_reply(
+            got.id,
+            got.correlation,
+            status=400,
+            kind="invalid_request",
+            message=got.message,
+            field=got.field,
+        )
+    )
+    assert reply["error"]["field"] == got.field
+    assert reply["ok"] is False
+
+
+@pytest.fixture(scope="module")
+def shared_bridge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Replies]]:
+    from adaptermesh.bridge.mqtt import BridgeConfig
+
+    from .support import Mosquitto, mqtt_client
+
+    root = tmp_path_factory.mktemp("hyp")
+    broker = Mosquitto(root / "broker")
+    broker.start()
+    mesh = FakeMesh().start()
+    replies = Replies(broker.port, "#")  # error replies may go to any topic the request named
+    rb = RunningBridge(
+        BridgeConfig(
+            "127.0.0.1", broker.port, "requests/#", mesh.url, root / "state", client_id="bridge-hyp"
+        )
+    )
+    client = mqtt_client(broker.port)
+    yield client, replies
+    client.disconnect()
+    client.loop_stop()
+    rb.stop()
+    replies.close()
+    mesh.stop()
+    broker.stop()
+
+
+@settings(max_examples=30, deadline=None)
+@given(payload=_mutated())
+def test_malformed_messages_through_the_broker(
+    shared_bridge: tuple[Any, Replies], payload: bytes
+) -> None:
+    client, replies = shared_bridge
+    expected = parse_request(payload, loops_back=_loops, response_topic="replies/hyp")
+    tag = uuid.uuid4().hex.encode()
+    before = len(replies.snapshot())
+    publish(client, "requests/h", payload, response_topic="replies/hyp", correlation_data=tag)
+    if isinstance(expected, Request):
+        return  # a valid (or redelivered) request: answered or deduplicated, not an error
+    got = wait_until(
+        lambda: [
+            r
+            for r in replies.snapshot()[before:]
+            if r.correlation_data == tag and not r.topic.startswith("requests/")
+        ],
+        10,
+        what="the error reply",
+    )
+    (reply,) = got
+    assert reply.doc["ok"] is False
+    assert reply.doc["error"]["field"] == expected.field
+    assert reply.topic == (expected.reply_to or "replies/hyp")
