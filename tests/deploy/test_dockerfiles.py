@@ -118,7 +118,7 @@ def test_the_gpu_stack_is_the_workers_only() -> None:
         assert not _names(extras[part]) & heavy, part
     assert heavy <= _names(extras["worker"])
     # The development environment has every part's dependencies.
-    assert "adaptermesh[agent,control-plane,worker]" in extras["dev"]
+    assert "adaptermesh[agent,control-plane,worker,bridge]" in extras["dev"]
 
 
 def test_readme_documents_every_image_build() -> None:

