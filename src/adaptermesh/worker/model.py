@@ -134,11 +134,11 @@ def _layer_windows(model_type: str, d: dict[str, Any], num_layers: int) -> tuple
         return out if any(x is not None for x in out) else ()
     if model_type in ("qwen2", "qwen3"):
         w = d.get("sliding_window", 4096)
+        qtypes = d.get("layer_types")
+        first = int(d.get("max_window_layers", 28))
         if not d.get("use_sliding_window", False) or not w:
             return ()
-        qtypes = d.get("layer_types")
         if qtypes is None:
-            first = int(d.get("max_window_layers", 28))
             qtypes = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         out = tuple(int(w) if t == "sliding_attention" else None for t in qtypes)
         return out if any(x is not None for x in out) else ()
@@ -239,7 +239,7 @@ class ModelConfig:
             act = str(d.get("hidden_activation", "gelu_pytorch_tanh"))
         else:
             act = str(d.get("hidden_act", "silu"))
-        rot = rotary_dim({**d, "head_dim": head_dim})
+        rot = rotary_dim(d, head_dim)
         caps: dict[str, float | None] = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
         if model_type == "gemma2":  # Gemma2Config's defaults: 50 and 30
             caps = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}

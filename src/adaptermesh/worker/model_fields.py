@@ -21,6 +21,7 @@ __all__ = [
     "HARMLESS_MODEL_FIELDS",
     "IGNORED_TENSOR_SUFFIXES",
     "ROPE_KEYS",
+    "UNREAD_FIELDS",
     "check_adapter_config",
     "check_model_config",
     "gemma_act",
@@ -116,11 +117,13 @@ def _kv_heads(v: Any, d: Mapping[str, Any]) -> str | None:
     return None
 
 
-def rotary_dim(d: Mapping[str, Any]) -> int:
+def rotary_dim(d: Mapping[str, Any], head_dim: int | None = None) -> int:
     """The rotated dimensions of a head: head_dim x partial_rotary_factor (top level, or inside
-    rope_parameters / rope_scaling), as transformers computes ``dim``; head_dim when absent."""
-    heads = int(d.get("num_attention_heads") or 1)
-    head_dim = int(d.get("head_dim") or int(d.get("hidden_size") or 0) // heads)
+    rope_parameters / rope_scaling), as transformers computes ``dim``; head_dim when absent.
+    ``head_dim``: the resolved one (an architecture's default), else config / hidden / heads."""
+    if head_dim is None:
+        heads = int(d.get("num_attention_heads") or 1)
+        head_dim = int(d.get("head_dim") or int(d.get("hidden_size") or 0) // heads)
     factor = d.get("partial_rotary_factor")
     for key in ("rope_parameters", "rope_scaling"):
         inner = d.get(key)
@@ -245,6 +248,15 @@ def gemma_act(d: Mapping[str, Any]) -> str:
     return "gelu_pytorch_tanh" if act == "gelu" else act
 
 
+def _same_as(other: str) -> Check:
+    def check(v: Any, d: Mapping[str, Any]) -> str | None:
+        if v is None or v == d.get(other):
+            return None
+        return f"differs from {other} ({d.get(other)!r}), which is the one transformers applies"
+
+    return check
+
+
 def _never(reason: str) -> Check:
     def check(v: Any, d: Mapping[str, Any]) -> str | None:
         return reason
@@ -345,6 +357,8 @@ ARCH_FIELDS["gemma2"] = {
     "final_logit_softcapping": _opt_number,
     "use_bidirectional_attention": _false,
     "cache_implementation": _any,  # generation's cache class
+    # gemma-2-9b / -27b carry it beside sliding_window; Gemma2Config never reads it.
+    "sliding_window_size": _same_as("sliding_window"),
 }
 
 def _rope_by_layer_type(v: Any, d: Mapping[str, Any]) -> str | None:
@@ -373,6 +387,30 @@ ARCH_FIELDS["gemma3_text"] = {
     # Gemma3Attention stores it but never passes it to the attention function: a value would
     # be served capped here and uncapped by transformers, so only null loads.
     "attn_logit_softcapping": _null_gemma3_cap,
+}
+
+# Per architecture, the fields of ARCH_FIELDS that ``ModelConfig.from_dict`` never reads: each
+# check admits only the value the runtime implements anyway (a bias that must be false, full
+# attention only), or the field is one transformers' own model ignores too (dropout, the
+# generation cache class, a duplicate of another field). Every other field of a table is read.
+# tests/worker/test_fidelity.py holds real and transformers-written configs to this.
+_UNREAD_COMMON = frozenset({"quantization_config", "auto_map"})
+UNREAD_FIELDS: dict[str, frozenset[str]] = {
+    "llama": _UNREAD_COMMON | {"sliding_window", "layer_types"},
+    "mistral": _UNREAD_COMMON | {"layer_types"},
+    "qwen2": _UNREAD_COMMON | {"use_mrope"},
+    "qwen3": _UNREAD_COMMON,
+    "phi3": _UNREAD_COMMON | {
+        "resid_pdrop", "embd_pdrop", "attention_bias", "mlp_bias", "lm_head_bias", "full_attn_mod",
+        "interpolate_factor",
+        "original_max_position_embeddings",  # read only with LongRoPE, like Phi3Config does
+    },
+    "gemma": _UNREAD_COMMON | {"hidden_activation", "use_bidirectional_attention"},
+    "gemma2": _UNREAD_COMMON | {"hidden_act", "use_bidirectional_attention", "cache_implementation", "sliding_window_size"},
+    "gemma3_text": _UNREAD_COMMON | {
+        "hidden_act", "use_bidirectional_attention", "cache_implementation", "sliding_window_size",
+        "_sliding_window_pattern",
+    },
 }
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")

@@ -1,0 +1,251 @@
+"""Run the model and adapter fidelity suite on a device and record the result.
+
+The suite (tests/worker/test_fidelity.py and test_fidelity_phi_gemma.py) builds tiny random
+models with transformers, adapters with peft, and checks one mixed batch through the engine
+against transformers + peft per request: the same greedy tokens, logits within tolerance.
+With ``--device cuda`` the engine runs the Triton kernels (SGMM add_lora, paged attention,
+fused norms / RoPE / activations) in fp32; the reference stays on the CPU in fp32.
+
+This runner starts pytest on those files with ADAPTERMESH_TEST_DEVICE set, reads the JUnit
+XML it writes, and writes ``bench/results/fidelity_<device>.json`` itself: the GPU name,
+library versions, date, command, pass/fail/skip counts, each failing test with its message,
+the largest logit difference seen per test, and the duration.
+
+It needs only the repository, ``PYTHONPATH=src`` (set for the child by this script), and
+torch, triton, transformers, peft, pytest and hypothesis; no pytest plugins, since the suite
+drives the engine with ``asyncio.run``. The pytest options come from pyproject.toml (markers,
+warning filters) minus those of plugins the machine lacks.
+
+    PYTHONPATH=src python3 bench/fidelity_gpu.py --device cuda --examples 12
+    PYTHONPATH=src python3 bench/fidelity_gpu.py --device cpu --examples 2   # writes fidelity_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import xml.etree.ElementTree as ET
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SUITE = ("tests/worker/test_fidelity.py", "tests/worker/test_fidelity_phi_gemma.py")
+_LIBS = ("torch", "triton", "transformers", "peft", "pytest", "hypothesis", "safetensors")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def write_ini(path: Path) -> None:
+    """pytest.ini holding pyproject's pytest settings that need no missing plugin."""
+    opts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    lines = ["[pytest]"]
+    for key in ("markers", "filterwarnings"):
+        lines.append(f"{key} =")
+        lines += [f"    {v}" for v in opts.get(key, [])]
+    lines.append(f"xfail_strict = {str(opts.get('xfail_strict', True)).lower()}")
+    if _has("pytest_timeout") and "timeout" in opts:
+        lines.append(f"timeout = {opts['timeout']}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def device_info(device: str) -> tuple[str, str]:
+    """(name for the file, full description) of the device the suite runs on."""
+    import torch
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {device}: torch sees no CUDA device")
+        name = torch.cuda.get_device_name(torch.device(device))
+        short = re.sub(r"[^a-z0-9]+", "_", name.lower().replace("nvidia", "")).strip("_") or "cuda"
+        return short, name
+    import platform
+
+    return (
+        "cpu",
+        f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} logical cores)",
+    )
+
+
+def parse_junit(path: Path) -> dict[str, Any]:
+    """Counts and failing cases from a JUnit XML file pytest wrote."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures: list[dict[str, str]] = []
+    skipped: list[dict[str, str]] = []
+    for suite in suites:
+        for case in suite.iter("testcase"):
+            counts["tests"] += 1
+            test_id = f"{case.get('classname', '')}::{case.get('name', '')}"
+            bad = case.find("failure")
+            kind = "failed"
+            if bad is None:
+                bad = case.find("error")
+                kind = "errors"
+            if bad is not None:
+                counts[kind] += 1
+                text = (bad.get("message") or bad.text or "").strip()
+                failures.append(
+                    {
+                        "test": test_id,
+                        "kind": "failure" if kind == "failed" else "error",
+                        "message": text[:2000],
+                    }
+                )
+                continue
+            skip = case.find("skipped")
+            if skip is not None:
+                counts["skipped"] += 1
+                skipped.append({"test": test_id, "reason": (skip.get("message") or "")[:500]})
+                continue
+            counts["passed"] += 1
+    return {"counts": counts, "failures": failures, "skipped": skipped}
+
+
+def read_diffs(path: Path) -> dict[str, Any]:
+    """Largest |engine - reference| logit difference, overall and per test (from the suite's log)."""
+    per_test: dict[str, float] = {}
+    requests = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            requests += 1
+            per_test[rec["test"]] = max(
+                per_test.get(rec["test"], 0.0), float(rec["max_abs_logit_diff"])
+            )
+    return {
+        "compared_requests": requests,
+        "max_abs_logit_diff": max(per_test.values(), default=None),
+        "per_test_max_abs_logit_diff": dict(sorted(per_test.items())),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N (default cuda)")
+    ap.add_argument(
+        "--examples",
+        type=int,
+        default=12,
+        help="Hypothesis examples per property test (default 12)",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="result JSON (default bench/results/fidelity_<device>.json)",
+    )
+    ap.add_argument(
+        "--timeout-s", type=int, default=600, help="kill pytest after this many seconds"
+    )
+    ap.add_argument(
+        "-k", dest="keyword", default=None, help="pytest -k expression (a subset of the suite)"
+    )
+    args = ap.parse_args()
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        ap.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.examples < 1:
+        ap.error("--examples must be at least 1")
+
+    short, described = device_info(args.device)
+    out = args.out or REPO / "bench" / "results" / f"fidelity_{short}.json"
+    with tempfile.TemporaryDirectory(prefix="fidelity_") as tmp_s:
+        tmp = Path(tmp_s)
+        ini, xml, diffs = tmp / "pytest.ini", tmp / "junit.xml", tmp / "diffs.jsonl"
+        write_ini(ini)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-c",
+            str(ini),
+            "--rootdir",
+            str(REPO),
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rfE",
+            f"--junitxml={xml}",
+            *SUITE,
+        ]
+        if args.keyword:
+            cmd += ["-k", args.keyword]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p
+            ),
+            "ADAPTERMESH_TEST_DEVICE": args.device,
+            "ADAPTERMESH_FIDELITY_EXAMPLES": str(args.examples),
+            "ADAPTERMESH_FIDELITY_DIFF_LOG": str(diffs),
+            "HYPOTHESIS_PROFILE": "ci",  # derandomized: the same examples on every run
+            "PYTHONUNBUFFERED": "1",
+        }
+        t0 = time.monotonic()
+        timed_out = False
+        try:
+            rc = subprocess.run(
+                cmd, cwd=REPO, env=env, timeout=args.timeout_s, check=False
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc, timed_out = 124, True
+        duration = time.monotonic() - t0
+        result = (
+            parse_junit(xml) if xml.exists() else {"counts": None, "failures": [], "skipped": []}
+        )
+        diff = read_diffs(diffs)
+
+    record = {
+        "what": "fidelity suite (tests/worker/test_fidelity*.py): engine vs transformers + peft, token for token, "
+        "logits within tolerance, on tiny random models and adapters",
+        "device": args.device,
+        "device_name": described,
+        "dtype": "float32 (engine and reference; IEEE fp32 products in the Triton kernels)",
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": shlex.join(["python3", "bench/fidelity_gpu.py", *sys.argv[1:]]),
+        "pytest_command": shlex.join(["python3", *cmd[1:]]).replace(str(tmp), "$TMP"),
+        "hypothesis_examples_per_property": args.examples,
+        "versions": {lib: _version(lib) for lib in _LIBS} | {"python": sys.version.split()[0]},
+        "pytest_exit_code": rc,
+        "timed_out": timed_out,
+        "duration_s": round(duration, 1),
+        **(result["counts"] or {"counts": None}),
+        "failures": result["failures"],
+        "skipped_tests": result["skipped"],
+        **diff,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    c = result["counts"] or {}
+    print(
+        f"fidelity on {described}: {c.get('passed')} passed, {c.get('failed')} failed, {c.get('errors')} errors, "
+        f"{c.get('skipped')} skipped in {duration:.1f}s; max |logit diff| {diff['max_abs_logit_diff']}; wrote {out}"
+    )
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
