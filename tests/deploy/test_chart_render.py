@@ -50,6 +50,22 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "worker": {"image": {"digest": "sha256:" + "ab" * 32}},
         "envoy": {"image": {"repository": "envoyproxy/envoy", "tag": "v1.36.2"}},
     },
+    "mqtt-bridge": {
+        "bridge": {
+            "enabled": True,
+            "broker": {"host": "mqtt.messaging.svc", "existingSecret": "mqtt-creds"},
+            "baseUrl": "http://am-envoy:8080",
+            "extraEnv": [{"name": "AM_DEBUG", "value": "1"}],
+        },
+    },
+    "mqtt-bridge-ephemeral": {
+        "bridge": {
+            "enabled": True,
+            "broker": {"host": "10.0.0.5"},
+            "baseUrl": "http://10.0.0.6:8000",
+            "persistence": {"enabled": False},
+        },
+    },
     "extra-args-env-and-pull-secrets": {
         "imagePullSecrets": ["regcred"],
         "commonLabels": {"team": "ml-platform"},
