@@ -31,7 +31,8 @@ Cost model, constants MEASURED in this run on ``--device`` (never typed in):
 * ``load_disk_s``: the same from the adapter's files on disk (OS page cache warm: the files
   were just written).
 * ``step_s``: one decode step of the engine at batch ``--batch`` with resident adapters:
-  (wall(T2) - wall(T1)) / (T2 - T1) for two runs of T1 and T2 tokens per request.
+  (wall(T2) - wall(T1)) / ((tokens(T2) - tokens(T1)) / batch) for runs of T1 and T2 tokens per
+  request, the minimum over ``--step-repeats`` repeats (other work on a shared host only adds).
 
 Each request decodes ``--tokens-per-request`` tokens; the engine decodes ``--batch`` rows per
 step. For a trace of R requests with m_cpu CPU-hit loads and m_disk disk loads:
@@ -330,11 +331,13 @@ async def measure_constants(args: argparse.Namespace, work: Path) -> dict[str, A
 
         await run(4)  # warm-up (graph capture on CUDA)
         t1, t2 = args.step_tokens
-        steps = []
+        steps, runs = [], []
         for _ in range(args.step_repeats):
             (w1, n1), (w2, n2) = await run(t1), await run(t2)
             steps.append((w2 - w1) / ((n2 - n1) / args.batch))  # per step of ``batch`` rows
-        step_s = statistics.median(steps)
+            runs.append({"wall_s": [w1, w2], "tokens": [n1, n2]})
+        # The least disturbed repeat: on a shared host, other work only ever adds time.
+        step_s = min(steps)
     finally:
         await eng.shutdown()
     disk_evicting = disk[slots:]
@@ -342,7 +345,13 @@ async def measure_constants(args: argparse.Namespace, work: Path) -> dict[str, A
         "load_cpu_s": statistics.median(cpu),
         "load_disk_s": statistics.median(disk_evicting or disk),
         "step_s": step_s,
-        "samples": {"load_cpu_s": cpu, "load_disk_s": disk_evicting or disk, "step_s": steps},
+        "samples": {
+            "load_cpu_s": cpu,
+            "load_disk_s": disk_evicting or disk,
+            "step_s": steps,
+            "step_runs": runs,
+        },
+        "statistic": "loads: median; step: minimum over repeats",
         "model_shape": cfg,
         "adapter": {"rank": 16, "targets": list(ATTN), "file_dtype": "bfloat16"},
         "engine_dtype": str(dtype),
@@ -383,7 +392,7 @@ def main() -> int:
     )
     ap.add_argument("--load-samples", type=int, default=8)
     ap.add_argument("--step-tokens", type=int, nargs=2, default=(8, 24))
-    ap.add_argument("--step-repeats", type=int, default=3)
+    ap.add_argument("--step-repeats", type=int, default=5)
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is visible")
@@ -483,32 +492,66 @@ def main() -> int:
     result["sweeps"] = sweeps
 
     targets: dict[str, Any] = {}
+    summary: dict[str, Any] = {}
     for p in policies:
         hr = res["bursty"][p]["hit_rate"]
-        worst_drop, worst_vs_opt = 0.0, math.inf
+        tp: dict[str, Any] = {
+            "bursty_hit_rate": hr,
+            "bursty_hit_rate_ge_0.90": hr >= 0.90,
+            "bursty_belady_hit_rate": res["bursty"]["belady"]["hit_rate"],
+        }
+        ok = True
         for family, pts in sweeps.items():
             thr = [pts[str(w)][p]["throughput_tok_s"] for w in SWEEP]
             opt = [pts[str(w)]["belady"]["throughput_tok_s"] for w in SWEEP]
-            worst_drop = max(worst_drop, *(1 - b / a for a, b in itertools.pairwise(thr)))
-            worst_vs_opt = min(worst_vs_opt, *(t / o for t, o in zip(thr, opt, strict=True)))
-            targets.setdefault(p, {})[f"{family}_max_adjacent_drop"] = max(
-                1 - b / a for a, b in itertools.pairwise(thr)
+            hit = [pts[str(w)][p]["hit_rate"] for w in SWEEP]
+            hit_opt = [pts[str(w)]["belady"]["hit_rate"] for w in SWEEP]
+            drop = max(1 - b / a for a, b in itertools.pairwise(thr))
+            vs_opt = min(t / o for t, o in zip(thr, opt, strict=True))
+            hit_vs_opt = min(h / o for h, o in zip(hit, hit_opt, strict=True) if o > 0)
+            tp[f"{family}_max_adjacent_throughput_drop"] = drop
+            tp[f"{family}_min_throughput_vs_belady"] = vs_opt
+            tp[f"{family}_min_hit_rate_vs_belady"] = hit_vs_opt
+            ok = ok and drop <= 0.5 and vs_opt >= 0.5 and hit_vs_opt >= 0.5
+        tp["no_thrash_collapse"] = ok
+        targets[p] = tp
+        all_hits = [res[t][p]["hit_rate"] for t in res] + [
+            pts[str(w)][p]["hit_rate"] for pts in sweeps.values() for w in SWEEP
+        ]
+        summary[p] = {
+            "mean_hit_rate_traces": statistics.fmean(res[t][p]["hit_rate"] for t in res),
+            "mean_hit_rate_sweeps": statistics.fmean(
+                pts[str(w)][p]["hit_rate"] for pts in sweeps.values() for w in SWEEP
+            ),
+            "mean_hit_rate_all": statistics.fmean(all_hits),
+            "mean_throughput_vs_lru": statistics.fmean(
+                [res[t][p]["throughput_tok_s"] / res[t]["lru"]["throughput_tok_s"] for t in res]
+                + [
+                    pts[str(w)][p]["throughput_tok_s"] / pts[str(w)]["lru"]["throughput_tok_s"]
+                    for pts in sweeps.values()
+                    for w in SWEEP
+                ]
             )
-            targets[p][f"{family}_min_vs_belady"] = min(
-                t / o for t, o in zip(thr, opt, strict=True)
-            )
-        targets[p].update(
-            {
-                "bursty_hit_rate": hr,
-                "bursty_hit_rate_ge_0.90": hr >= 0.90,
-                "no_thrash_collapse": worst_drop <= 0.5 and worst_vs_opt >= 0.5,
-            }
-        )
-    targets["criteria"] = {
-        "bursty_hit_rate_ge_0.90": "GPU hit rate on the bursty trace >= 0.90 (design's LRU-Greedy figure)",
-        "no_thrash_collapse": "on sweep-zipf and sweep-loop: throughput falls by at most 50% between adjacent "
-        "working-set sizes, and stays >= 50% of the throughput at Belady's hit rate",
+            if "lru" in policies
+            else None,
+        }
+    best = max(policies, key=lambda q: summary[q]["mean_hit_rate_all"])
+    summary["best_by_mean_hit_rate"] = best
+    targets["default_is_best"] = {
+        "default": DEFAULT_POLICY,
+        "best": best,
+        "met": best == DEFAULT_POLICY,
     }
+    targets["criteria"] = {
+        "bursty_hit_rate_ge_0.90": "GPU hit rate on the bursty trace >= 0.90 (design's LRU-Greedy figure); "
+        "bursty_belady_hit_rate is the offline optimum on the same trace",
+        "no_thrash_collapse": "on sweep-zipf and sweep-loop: throughput falls by at most 50% between adjacent "
+        "working-set sizes (steps <= 1.5x), stays >= 50% of the throughput at Belady's hit rate, and the "
+        "hit rate stays >= 50% of Belady's at every size",
+        "default_is_best": "the EngineConfig default has the highest mean GPU hit rate over all traces and "
+        "sweep points (each weighted equally)",
+    }
+    result["summary"] = summary
     result["targets"] = targets
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
