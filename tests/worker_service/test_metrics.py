@@ -51,6 +51,9 @@ EXPECTED = {
     "adaptermesh_requests": ("counter", {"outcome"}),
     "adaptermesh_requests_rejected": ("counter", {"reason"}),
     "adaptermesh_http_connections_refused": ("counter", {"reason"}),
+    "adaptermesh_websocket_sessions_open": ("gauge", set()),
+    "adaptermesh_websocket_sessions": ("counter", {"close"}),
+    "adaptermesh_websocket_requests": ("counter", {"outcome"}),
 }
 
 

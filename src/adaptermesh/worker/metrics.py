@@ -21,7 +21,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -123,6 +129,24 @@ class ServiceMetrics:
             "adaptermesh_prompt_tokens",
             "Prompt tokens of requests admitted into the engine.",
             registry=r,
+        )
+        # WebSocket streaming (``/v1/ws``). Its requests also count in the request series above.
+        self.ws_open = Gauge(
+            "adaptermesh_websocket_sessions_open",
+            "WebSocket sessions open now.",
+            registry=r,
+        )
+        self.ws_sessions = Counter(
+            "adaptermesh_websocket_sessions",
+            "Ended WebSocket sessions by how they closed (client_closed, disconnected, "
+            "slow_client, message_too_big, binary_frame, protocol_error, server_shutdown).",
+            ["close"], registry=r,
+        )
+        self.ws_requests = Counter(
+            "adaptermesh_websocket_requests",
+            "Requests received over WebSocket sessions by outcome (finish reason, cancelled, "
+            "disconnected, or the error code that ended them).",
+            ["outcome"], registry=r,
         )
         # vLLM's request-level series, with its names, types and labels, fed by the same
         # observations as the adaptermesh_* ones above.
