@@ -27,6 +27,7 @@ from websockets.sync.client import connect as sync_connect
 from worker_service.fakes import FakeEngine, expected_text
 from worker_service.strategies import BODY_LEVEL_CODES, FIELDS, HOSTILE, encode
 
+from adaptermesh.worker.cli import run_worker
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
 from adaptermesh.worker.ws import WS_PATH, WebSocketLimits, mount_websocket
 
@@ -487,6 +488,35 @@ async def test_invalid_messages_answer_an_error_naming_the_field(
         _, done = await run_one(ws, "ok")
         assert done["type"] == "done"
     assert server.service.inflight == 0
+
+
+async def test_the_worker_process_serves_the_socket_and_closes_it_on_stop() -> None:
+    stop = asyncio.Event()
+    engine = FakeEngine(token_delay=0.05)
+    closed: list[int] = []
+
+    def ready(port: int) -> None:
+        async def client() -> None:
+            async with connect(f"ws://127.0.0.1:{port}{WS_PATH}") as ws:
+                await ws.send(json.dumps({"id": "a", "prompt": "hi", "max_tokens": 2}))
+                _, done = await run_one(ws, "a")
+                assert done["type"] == "done"
+                await ws.send(json.dumps({"id": "b", "prompt": "hi", "max_tokens": 100}))
+                await recv(ws)
+                stop.set()  # SIGTERM: drain, then the socket is closed with 1001
+                with pytest.raises(websockets.ConnectionClosed) as info:
+                    await drain(ws)
+                assert info.value.rcvd is not None
+                closed.append(info.value.rcvd.code)
+
+        tasks.append(asyncio.create_task(client()))
+
+    tasks: list[asyncio.Task[None]] = []
+    config = ServiceConfig(drain_timeout_s=0.2)
+    assert not await run_worker(engine, config, "127.0.0.1", 0, stop=stop, on_ready=ready)
+    await asyncio.gather(*tasks)
+    assert closed == [1001]
+    assert len(engine.cancelled) == 1
 
 
 async def test_plain_http_get_is_426(start_server: StartServer) -> None:

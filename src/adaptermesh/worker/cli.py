@@ -28,6 +28,7 @@ from adaptermesh.httpserve import ListenerLimits, raise_fd_limit
 from adaptermesh.worker.eviction import POLICY_NAMES
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
 from adaptermesh.worker.types import EngineError, EngineProtocol
+from adaptermesh.worker.ws import mount_websocket
 
 __all__ = ["LoraModule", "build_parser", "load_lora_modules", "main", "parse_lora_module",
            "run_worker"]
@@ -262,6 +263,7 @@ async def run_worker(
     answers ready without them. The engine is shut down on the way out, whatever happens.
     """
     service = WorkerService(engine, config)
+    mount_websocket(service)  # GET /v1/ws, on the same port, limits and metrics
     try:
         await load_lora_modules(engine, lora_modules)
         runner, bound = await serve(service, host, port)
