@@ -20,6 +20,9 @@ Sections (in the order they run):
   prefix      time to first token of a 1,024-token system prompt + 32 user tokens: the first
               request (cold), the next five (prefix-cache hits), and the same under another
               adapter (the cache is keyed by adapter, so it must be cold again).
+  logprobs    batch-64 decode (base model, greedy) with every row asking logprobs with the top 5
+              alternatives against the same batch asking none, interleaved: decode tok/s of both
+              and their ratio (the engine's logprob gather runs after each step, on its logits).
   capacity    the KV cache of the engine above (40 GiB, max_model_len >= 2048): its token
               capacity, sequences of a full 2,048-token context that fit at once, and the peak
               number of 200 requests (256-token prompts, 16 tokens) running at once.
@@ -42,6 +45,7 @@ Usage:
     python bench/bench_engine_speed.py                        # CUDA: bench/results/engine_speed_h200.json
     python bench/bench_engine_speed.py --tiny --out /tmp/s.json  # CPU smoke run, tiny model, seconds
     python bench/bench_engine_speed.py --skip hf_static --budget-s 240
+    python bench/bench_engine_speed.py --only logprobs --out bench/results/engine_speed_logprobs_h200.json
 """
 
 from __future__ import annotations
@@ -79,11 +83,11 @@ MiB = 1 << 20
 SHAPE_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 384,
               "max_position_embeddings": 512}
-SECTIONS = ("batch1", "batch64", "sampling", "prefix", "capacity", "step_split", "hf_static")
-MAIN_ENGINE_SECTIONS = ("batch1", "batch64", "sampling", "prefix", "capacity")
+SECTIONS = ("batch1", "batch64", "sampling", "prefix", "logprobs", "capacity", "step_split", "hf_static")
+MAIN_ENGINE_SECTIONS = ("batch1", "batch64", "sampling", "prefix", "logprobs", "capacity")
 # Rough H200 seconds per section (engine builds included where the section builds one); a
 # section is skipped when --budget-s leaves less than this, so the run ends inside its limit.
-SECTION_ESTIMATE_S = {"batch1": 20, "batch64": 40, "sampling": 25, "prefix": 15, "capacity": 25,
+SECTION_ESTIMATE_S = {"batch1": 20, "batch64": 40, "sampling": 25, "prefix": 15, "logprobs": 25, "capacity": 25,
                       "step_split": 60, "hf_static": 100}
 HF_BATCH_ESTIMATE_S = 90  # one batch size of hf_static: torch.compile of the decode step + timed runs
 OLD_DESIGN_SLOTS = 64  # the slot KV cache: one max_model_len slot per decode row, 64 rows
@@ -114,6 +118,10 @@ class Sizes:
     system_prompt: int = 1024
     user_tokens: int = 32
     prefix_warm: int = 5
+    # logprobs
+    logprobs_batch: int = 64
+    logprobs_top: int = 5
+    logprobs_new_tokens: int = 128
     # step_split (its own engine)
     split_batches: tuple[int, ...] = (1, 64, 256)
     split_prompt: int = 32
@@ -133,6 +141,7 @@ TINY = Sizes(adapters=8, prompt=16, new_tokens=8, batch=8, repeats=2, max_model_
              max_num_seqs=128, max_num_batched_tokens=2048, max_prefill_chunk=256,
              kv_cache_bytes=20 * MiB, capacity_ctx=256, capacity_requests=96, capacity_prompt=32,
              capacity_new_tokens=4, system_prompt=64, user_tokens=8, prefix_warm=3,
+             logprobs_new_tokens=64,
              split_batches=(1, 4, 16), split_prompt=8, split_new_tokens=10, split_kv_bytes=4 * MiB,
              split_max_model_len=128, profile_window_steps=3, hf_prompt=8, hf_new_tokens=8,
              hf_batches=(1, 8), copy_bytes=64 * MiB)
@@ -447,7 +456,8 @@ def ttft_ms(tr: dict[str, Any]) -> float | None:
 
 async def run_batch(b: Bench, eng: Any, adapters: list[str | None], prompt_len: int, new_tokens: int,
                     seed: int, temperature: float = 0.0, top_p: float = 1.0,
-                    on_token: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                    on_token: Callable[[int, int], None] | None = None,
+                    logprobs: int | None = None) -> dict[str, Any]:
     """Submit one request per entry of ``adapters`` at once. Decode tok/s counts the tokens that
     arrived while every request was decoding: after the last first token, up to the first last
     token. Prompts are distinct per request and per call, so no run reuses another's prefix."""
@@ -455,7 +465,7 @@ async def run_batch(b: Bench, eng: Any, adapters: list[str | None], prompt_len: 
 
     def sp(i: int) -> Any:
         return SamplingParams(max_tokens=new_tokens, temperature=temperature, top_p=top_p,
-                              seed=(seed * 1009 + i) if temperature > 0 else None)
+                              seed=(seed * 1009 + i) if temperature > 0 else None, logprobs=logprobs)
 
     t0 = time.perf_counter()
     traces = await asyncio.gather(*(
@@ -561,6 +571,31 @@ async def sec_sampling(b: Bench, eng: Any) -> dict[str, Any]:
         out[label] = {"decode_tok_s": median([r["decode_tok_s"] for r in runs[label]]), "runs": runs[label]}
         log(f"sampling {label}: {_fmt(out[label]['decode_tok_s'])} decode tok/s")
     out["sampled_vs_greedy"] = ratio(out["t1_p09"]["decode_tok_s"], out["greedy"]["decode_tok_s"])
+    return out
+
+
+async def sec_logprobs(b: Bench, eng: Any) -> dict[str, Any]:
+    s = b.s
+    names: list[str | None] = [None] * s.logprobs_batch
+    configs: tuple[tuple[str, int | None], ...] = (("none", None), (f"top{s.logprobs_top}", s.logprobs_top))
+    for j, (_, k) in enumerate(configs):  # warm-up: this batch's graph bucket, the logprob path
+        await run_batch(b, eng, names, s.prompt, s.logprobs_new_tokens, seed=500 + j, logprobs=k)
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
+    steps0 = eng.logprob_steps
+    for rep in range(s.repeats):  # interleaved: clock drift hits both alike
+        for j, (label, k) in enumerate(configs):
+            runs[label].append(await run_batch(b, eng, names, s.prompt, s.logprobs_new_tokens,
+                                               seed=600 + 10 * rep + j, logprobs=k))
+    out: dict[str, Any] = {"batch": s.logprobs_batch, "prompt_tokens": s.prompt, "new_tokens": s.logprobs_new_tokens,
+                           "model": "base", "sampling": "greedy", "repeats": s.repeats,
+                           "asked": f"every row: logprobs with the top {s.logprobs_top} alternatives",
+                           "logprob_steps": eng.logprob_steps - steps0,
+                           "timing": "as batch64; runs with and without logprobs interleaved"}
+    for label, _ in configs:
+        out[label] = {"decode_tok_s": median([r["decode_tok_s"] for r in runs[label]]), "runs": runs[label]}
+        log(f"logprobs {label}: {_fmt(out[label]['decode_tok_s'])} decode tok/s")
+    out["logprobs_vs_none"] = ratio(out[configs[1][0]]["decode_tok_s"], out["none"]["decode_tok_s"])
+    log(f"logprobs: top{s.logprobs_top} vs none {_fmt(out['logprobs_vs_none'])}")
     return out
 
 
@@ -933,7 +968,7 @@ def print_table(r: dict[str, Any]) -> None:
 async def run_all(b: Bench) -> None:
     main_sections = [n for n in MAIN_ENGINE_SECTIONS if n in b.selected]
     fns = {"batch1": sec_batch1, "batch64": sec_batch64, "sampling": sec_sampling,
-           "prefix": sec_prefix, "capacity": sec_capacity}
+           "prefix": sec_prefix, "logprobs": sec_logprobs, "capacity": sec_capacity}
     if main_sections:
         eng = None
         try:

@@ -102,8 +102,8 @@ def test_sampling_fields_reach_the_engine(client: openai.OpenAI,
 
 
 @pytest.mark.parametrize(("kwargs", "param", "code"), [
-    ({"logprobs": True}, "logprobs", "unsupported"),
-    ({"top_logprobs": 2}, "top_logprobs", "unsupported"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
     ({"response_format": {"type": "json_object"}}, "response_format", "unsupported"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported"),
     ({"n": 0}, "n", "invalid_value"),

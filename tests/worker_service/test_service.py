@@ -161,7 +161,7 @@ BAD = [
     ({"prompt": "x", "stream_options": 3}, 422, "stream_options"),
     ({"prompt": "x", "n": 0}, 422, "n"),
     ({"prompt": "x", "n": 17}, 422, "n"),
-    ({"prompt": "x", "logprobs": 2}, 422, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, 422, "logprobs"),
     ({"prompt": "x", "max_token": 2}, 422, "max_token"),
     ({"prompt": "x", "echo": True}, 422, "echo"),
     ({"model": "nope", "prompt": "x"}, 404, "model"),

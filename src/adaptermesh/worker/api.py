@@ -7,10 +7,13 @@ error into the service's ``(param, code, message)``: ``param`` is the field's pa
 (``messages[0].content``), ``code`` one of ``missing_field``, ``invalid_type``,
 ``invalid_value``, ``invalid_unicode``, ``unknown_field``, ``unsupported``.
 
-OpenAI fields this server does not implement (``logprobs``, ``top_logprobs``, ``echo``,
-``suffix``, ``logit_bias``, ``tools``, ``response_format`` other than text, ``best_of`` above
-``n``) are accepted only with their default value and otherwise refused by name as
-``unsupported``. Response models (``Usage``, the choices, the chunks) document the wire
+Logprobs: completions take ``logprobs`` (an integer in [0, MAX_LOGPROBS]: the sampled token's
+logprob plus that many alternatives); chat takes ``logprobs: true`` with an optional
+``top_logprobs`` in [0, MAX_LOGPROBS], which needs ``logprobs: true``.
+
+OpenAI fields this server does not implement (``echo``, ``suffix``, ``logit_bias``, ``tools``,
+``response_format`` other than text, ``best_of`` above ``n``) are accepted only with their
+default value and otherwise refused by name as ``unsupported``. Response models (``Usage``, the choices, the chunks) document the wire
 shapes; the streaming path writes pre-encoded chunks of the same shape.
 """
 
@@ -18,10 +21,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
+from adaptermesh.worker.types import MAX_LOGPROBS
+
 __all__ = [
+    "MAX_LOGPROBS",
     "MAX_N",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -123,8 +137,6 @@ class _Sampling(_Body):
     max_tokens: StrictInt | None = None
     user: Annotated[str, Strict(), Field(max_length=MAX_PATH_CHARS)] | None = None
     # Accepted only with their defaults (see the module's docstring).
-    logprobs: Any = None
-    top_logprobs: Any = None
     logit_bias: Any = None
     best_of: Any = None
 
@@ -180,16 +192,28 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
     prompt: Any = Field(default=None, validate_default=True)
+    # None (or false): no logprobs; k: the sampled token's logprob and the k most likely.
+    logprobs: Any = None
+    top_logprobs: Any = None
     echo: Any = None
     suffix: Any = None
 
     @field_validator("logprobs")
     @classmethod
-    def _logprobs(cls, value: Any) -> None:
-        # Completions take an integer count; 0, false and null ask for none.
-        if value is not None and value is not False and not (type(value) is int and value == 0):
-            raise _unsupported("logprobs")
-        return None
+    def _logprobs(cls, value: Any) -> int | None:
+        if value is None or value is False:
+            return None
+        if type(value) is not int:
+            raise _error("invalid_type", f"must be an integer in [0, {MAX_LOGPROBS}], got "
+                         f"{type(value).__name__}")
+        if not 0 <= value <= MAX_LOGPROBS:
+            raise _error("invalid_value", f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        return value
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token for the engine, or None when no logprobs are asked for."""
+        return self.logprobs if isinstance(self.logprobs, int) else None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -284,20 +308,23 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     response_format: Any = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value: Any) -> None:
-        if value is not None and value is not False:
-            raise _unsupported("logprobs")
-        return None
+    # logprobs: true reports each output token's logprob; top_logprobs adds that many of the
+    # most likely alternatives and needs logprobs: true.
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs(cls, value: Any) -> None:
-        if value is not None and not (type(value) is int and value == 0):
-            raise _unsupported("top_logprobs")
-        return None
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # logprobs is validated first (field order); when it failed, its own error comes first.
+        if value is not None and "logprobs" in info.data and info.data["logprobs"] is not True:
+            raise _error("invalid_value", "needs logprobs: true")
+        return value
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token for the engine, or None when no logprobs are asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools")
     @classmethod
@@ -386,17 +413,44 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per output token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    # Per token: the asked-for most likely alternatives and the sampled token, by text.
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobEntry]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: dict[str, str]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 

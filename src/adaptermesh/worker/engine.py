@@ -32,12 +32,23 @@ the gated path on top of whatever the backbone holds (cancelling a merged select
 negated gates), in the batch-1 decode graph on a GPU. Any step that runs another request first
 restores the pristine backbone (bit-exact), and so does going idle, so the weights are only
 ever merged for the request that is running alone.
+
+**Logprobs.** A step where some sampling row asked for logprobs (``SamplingParams.logprobs``)
+runs one more small piece of device work after the step (graph or eager) on the step's logits
+buffer (the graph's static output, which stays valid until the next replay on the same stream):
+``log_softmax`` over the vocabulary of the asking rows only (one ``index_select``), a gather
+of each sampled token's logprob and one ``topk`` of the largest k asked. The values are
+written behind the sampled ids in one device buffer, so the host still gets everything with
+the step's single device-to-host copy. Rows that did not ask, and steps where none did, run
+exactly as before; graphs are not duplicated per logprob setting. The values are the raw
+model distribution (before penalties, temperature and filters), as vLLM reports by default.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -70,8 +81,9 @@ from adaptermesh.worker.model import (
 )
 from adaptermesh.worker.paging import BlockManager
 from adaptermesh.worker.sampling import RowParams, SamplerMode, SamplingBuffers, sample
-from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence, StepPlan
+from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence, StepLogprobs, StepPlan
 from adaptermesh.worker.types import (
+    MAX_LOGPROBS,
     AdapterInfo,
     EngineError,
     EngineOverloadedError,
@@ -213,6 +225,7 @@ class _Graph:
     buf: _StepBuffers
     sbuf: SamplingBuffers
     sel: torch.Tensor | None = None  # solo expert-set selection buffer
+    logits: torch.Tensor | None = None  # [S, V] fp32, the graph's output, rewritten by each replay
 
 
 @dataclass(slots=True)
@@ -241,12 +254,28 @@ class _InFlight:
     rows: int = 0
     tokens: int = 0
     logits: torch.Tensor | None = None  # CPU only: kept for tests through sample_logits
+    # Logprobs: per sampler, its row among the asking rows (-1: did not ask) and how many
+    # alternatives it asked for; ``lp_rows`` asking rows, ``lp_k`` alternatives per row.
+    lp_index: list[int] | None = None
+    lp_want: list[int] | None = None
+    lp_rows: int = 0
+    lp_k: int = 0
 
-    def wait(self) -> list[int]:
+    def wait(self) -> tuple[list[int], list[StepLogprobs | None] | None]:
+        """Each sampler's token and, when some sampler asked, the logprobs of each."""
         if self.done is not None:
             self.done.synchronize()
-        vals = self.host_tokens[: self.S].tolist()
-        return [int(vals[e]) for e in self.entries]
+        S, R, k = self.S, self.lp_rows, self.lp_k
+        vals = self.host_tokens[:S].tolist()
+        toks = [int(vals[e]) for e in self.entries]
+        if self.lp_index is None or self.lp_want is None:
+            return toks, None
+        lv = self.host_tokens[S : S + R * (k + 1)].view(torch.float64).view(R, k + 1).tolist()
+        li = self.host_tokens[S + R * (k + 1) : S + R * (2 * k + 1)].view(R, k).tolist()
+        lps: list[StepLogprobs | None] = []
+        for j, want in zip(self.lp_index, self.lp_want, strict=True):
+            lps.append(None if j < 0 else StepLogprobs(lv[j][0], li[j][:want], lv[j][1 : 1 + want]))
+        return toks, lps
 
 
 def _buckets(limit: int, start: int = 1) -> list[int]:
@@ -359,7 +388,11 @@ class Engine:
             self.blocks, self.adapters, base_names=frozenset({self.model_name, str(self.model_dir)}),
             max_num_seqs=rows, max_num_batched_tokens=budget_tokens, max_prefill_chunk=cfg.max_prefill_chunk,
             max_prefill_seqs=cfg.max_prefill_seqs, max_model_len=self.max_model_len, eos_token_ids=frozenset(eos),
+            token_piece=self._token_piece,
         )
+        self._pieces: dict[int, tuple[str, bytes]] = {}
+        self._byte_level = _is_byte_level(self.tokenizer)
+        self._special_ids = _special_ids(self.tokenizer)
 
         # Block tables of admitted sequences, one row each (row ``rows`` stays all zeros: padding
         # entries read it), mirrored on the device whenever a row grew.
@@ -384,7 +417,16 @@ class Engine:
         self._ring = 3
         self._stage = [self._host(torch.zeros(stage_len, dtype=torch.int64)) for _ in range(self._ring)]
         self._tstage = [self._host(torch.zeros_like(self._table_dev, device="cpu")) for _ in range(self._ring)]
-        self._tok_host = [self._host(torch.zeros(self._max_entries, dtype=torch.int64)) for _ in range(self._ring)]
+        # Per step, one copy to the host: the sampled ids [S], then for logprob steps the values
+        # [R, k + 1] (fp64 bits: the sampled token's, then the top k) and the top ids [R, k] of
+        # the R <= rows + max_prefill_seqs asking rows (at most that many entries sample).
+        self._lp_max_rows = rows + cfg.max_prefill_seqs
+        out_len = self._max_entries + self._lp_max_rows * (2 * MAX_LOGPROBS + 1)
+        self._out_dev = torch.zeros(out_len, dtype=torch.int64, device=self.device)
+        self._tok_host = [self._host(torch.zeros(out_len, dtype=torch.int64)) for _ in range(self._ring)]
+        self._lp_rows_host = [self._host(torch.zeros(self._lp_max_rows, dtype=torch.int64))
+                              for _ in range(self._ring)]
+        self.logprob_steps = 0
         self._ring_pos = 0
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self._cuda else 1
         self._overlap = self._cuda if cfg.async_scheduling is None else bool(cfg.async_scheduling)
@@ -469,6 +511,12 @@ class Engine:
             raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {sp.temperature!r}")
         if not (0.0 < sp.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {sp.top_p!r}")
+        if sp.logprobs is not None and (
+            not isinstance(sp.logprobs, int) or isinstance(sp.logprobs, bool) or not 0 <= sp.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}], got {sp.logprobs!r}"
+            )
         if sp.seed is not None and (not isinstance(sp.seed, int) or sp.seed < 0):
             raise InvalidRequestError("seed", f"must be a non-negative integer, got {sp.seed!r}")
         if not isinstance(sp.top_k, int) or isinstance(sp.top_k, bool) or sp.top_k < 0:
@@ -497,6 +545,13 @@ class Engine:
         if backend is not None:
             return str(backend.decode(token_ids, skip_special_tokens=True))
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+    def _token_piece(self, tid: int) -> tuple[str, bytes]:
+        """A token's text and exact bytes on its own (cached; logprob entries name tokens)."""
+        hit = self._pieces.get(tid)
+        if hit is None:
+            hit = self._pieces[tid] = _piece_of(self.tokenizer, tid, self._byte_level, self._special_ids)
+        return hit
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -616,7 +671,7 @@ class Engine:
                 s.pending -= 1
             self._fail(fl.plan, e)
             return
-        self.scheduler.apply(fl.samplers, toks)
+        self.scheduler.apply(fl.samplers, *toks)
         self.steps += 1
         if self.config.profile_steps:
             gpu_ms = float(fl.started.elapsed_time(fl.done)) if fl.done is not None else 0.0
@@ -815,13 +870,53 @@ class Engine:
             logits = self._step(buf, lay, split, lora, sbuf, mode_e, gated, self.last_tokens, penalties)
             self.eager_steps += 1
         host = self._tok_host[k]
-        host[: lay.S].copy_(self.last_tokens[: lay.S], non_blocking=True)
+        wants = [s.request.sampling.logprobs for s in samplers]
+        lp_index: list[int] | None = None
+        lp_want: list[int] | None = None
+        rows_lp = kmax = 0
+        if any(w is not None for w in wants):
+            step_logits = g.logits if g is not None else logits
+            assert step_logits is not None
+            lp_index, lp_want = [], []
+            asking: list[int] = []
+            for s, w in zip(samplers, wants, strict=True):
+                lp_index.append(len(asking) if w is not None else -1)
+                lp_want.append(w or 0)
+                if w is not None:
+                    asking.append(s.last_entry)
+            rows_lp, kmax = len(asking), max(lp_want)
+            n_out = self._gather_logprobs(step_logits, lay.S, asking, kmax, self._lp_rows_host[k])
+            host[:n_out].copy_(self._out_dev[:n_out], non_blocking=True)
+            self.logprob_steps += 1
+        else:
+            host[: lay.S].copy_(self.last_tokens[: lay.S], non_blocking=True)
         if self._cuda:
             done = torch.cuda.Event(enable_timing=self.config.profile_steps)  # type: ignore[no-untyped-call]
             done.record()
         del logits
         return _InFlight(plan, samplers, [s.last_entry for s in samplers], host, lay.S, done, started,
-                         1e3 * (time.perf_counter() - t0), g is not None, len(seqs), plan.num_tokens)
+                         1e3 * (time.perf_counter() - t0), g is not None, len(seqs), plan.num_tokens,
+                         lp_index=lp_index, lp_want=lp_want, lp_rows=rows_lp, lp_k=kmax)
+
+    def _gather_logprobs(self, logits: torch.Tensor, S: int, entries: list[int], k: int,
+                         rows_host: torch.Tensor) -> int:
+        """Fill ``_out_dev`` with the step's ids [S], then the fp64 bits of [R, k + 1] values
+        (each asking entry's sampled-token logprob, then its top k) and the top ids [R, k];
+        returns how many int64 elements to copy. All on the device, after the step's work on
+        the same stream; no host synchronisation."""
+        R = len(entries)
+        rows_host[:R] = torch.tensor(entries, dtype=torch.int64)
+        rows = rows_host[:R].to(self.device, non_blocking=True)
+        out = self._out_dev
+        out[:S].copy_(self.last_tokens[:S])
+        lp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)  # [R, V]
+        vals = out[S : S + R * (k + 1)].view(torch.float64).view(R, k + 1)
+        vals[:, 0] = lp.gather(1, self.last_tokens.index_select(0, rows)[:, None])[:, 0]
+        if k:
+            top = torch.topk(lp, k, dim=-1)
+            vals[:, 1:] = top.values
+            out[S + R * (k + 1) : S + R * (2 * k + 1)].view(R, k).copy_(top.indices)
+        return S + R * (2 * k + 1)
 
     def _step(self, buf: _StepBuffers, lay: _Layout, splits: int, lora: bool, sbuf: SamplingBuffers,
               mode: SamplerMode, gated: GatedTerms | None, dst: torch.Tensor, penalties: bool = False) -> torch.Tensor:
@@ -902,8 +997,10 @@ class Engine:
         graph = torch.cuda.CUDAGraph()
         # thread_local: adapter uploads on the event-loop thread may run during the capture.
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            self._step(buf, lay_c, splits, lora, sbuf, mode, gated, self.last_tokens)
-        return _Graph(graph, buf, sbuf, sel)
+            logits = self._step(buf, lay_c, splits, lora, sbuf, mode, gated, self.last_tokens)
+        # Keeping the output referenced keeps its memory out of later captures in the shared
+        # pool, so logprob steps can read it after a replay.
+        return _Graph(graph, buf, sbuf, sel, logits)
 
     def _prune_solo_graphs(self) -> None:
         """Drop solo graphs of expert sets that are neither resident nor held by a running
@@ -1015,6 +1112,62 @@ class Engine:
             "adafuse_merge_after": self.config.adafuse_merge_after,
             "solo_graphs": sum(1 for k in self._graphs if k[0] == "d" and k[4] is not None),
         }
+
+
+def _byte_to_char() -> dict[int, str]:
+    """The byte-level BPE alphabet: printable Latin-1 bytes stand for themselves, every other
+    byte for the code point 256 + its rank among them."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_CHAR_TO_BYTE = {c: b for b, c in _byte_to_char().items()}
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder")
+    except (ValueError, AttributeError):
+        return False
+    return "ByteLevel" in json.dumps(decoder)
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    """Named special tokens and added tokens marked special (the text skips both)."""
+    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids |= {int(i) for i, t in added.items() if getattr(t, "special", False)}
+    return frozenset(ids)
+
+
+def _piece_of(tokenizer: Any, tid: int, byte_level: bool, special: frozenset[int]) -> tuple[str, bytes]:
+    """(text, exact bytes) of one token on its own. Byte-level vocabularies map back to their
+    bytes (a token may hold part of a multi-byte character; its text then shows U+FFFD);
+    SentencePiece byte tokens (<0xE2>) are that byte; special tokens are spelt out."""
+    tok = tokenizer.convert_ids_to_tokens(tid)
+    if not isinstance(tok, str):
+        tok = ""
+    if tid in special:
+        return tok, tok.encode()
+    if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+        with contextlib.suppress(ValueError):
+            raw = bytes([int(tok[3:5], 16)])
+            return raw.decode("utf-8", errors="replace"), raw
+    if byte_level and all(c in _CHAR_TO_BYTE for c in tok):
+        raw = bytes(_CHAR_TO_BYTE[c] for c in tok)
+        return raw.decode("utf-8", errors="replace"), raw
+    text = tok.replace("\u2581", " ") if "\u2581" in tok else str(
+        tokenizer.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+    return text, text.encode()
 
 
 def _penalised(s: Sequence) -> bool:

@@ -11,6 +11,12 @@ Steps overlap: the engine plans and launches step N+1 while step N still runs on
 A sequence therefore carries ``pending`` tokens: sampled on the device, not yet seen on the
 host. Its next decode row reads that token from the device (the engine gathers it), and
 everything the plan needs (positions, slots, lengths) follows from counts the host knows.
+
+Logprobs (requests with ``SamplingParams.logprobs``) travel with the tokens: each applied token
+gets a ``TokenLogprob`` whose ``text_offset`` is where its text starts in ``Sequence.text``. An
+entry is released with the event that releases the text at its offset, so an entry never
+precedes its text, and entries of tokens that a stop string cuts (offset at or past the cut)
+are dropped with the text.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from adaptermesh.worker.adafuse import ExpertSet
 from adaptermesh.worker.adapters import AdapterManager
@@ -31,9 +38,11 @@ from adaptermesh.worker.types import (
     FinishReason,
     GenerationRequest,
     TokenEvent,
+    TokenLogprob,
+    TopLogprob,
 )
 
-__all__ = ["Detokenizer", "Scheduler", "Sequence", "StepPlan"]
+__all__ = ["Detokenizer", "Scheduler", "Sequence", "StepLogprobs", "StepPlan"]
 
 _ids = itertools.count(1)
 
@@ -63,6 +72,14 @@ class Detokenizer:
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 
 
+class StepLogprobs(NamedTuple):
+    """What one step measured for one sampled token (raw model distribution)."""
+
+    logprob: float  # of the sampled token
+    top_ids: list[int]  # the k most likely token ids, most likely first
+    top_logprobs: list[float]  # their logprobs
+
+
 @dataclass(eq=False)
 class Sequence:
     request: GenerationRequest
@@ -87,6 +104,8 @@ class Sequence:
     finished: bool = False
     text: str = ""  # detokenised output so far, including text held back for stop matching
     emitted: int = 0  # characters of ``text`` already sent
+    # Logprob entries of applied tokens not yet released (their text is held back).
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -142,7 +161,9 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         on_admit: Callable[[Sequence], None] | None = None,
+        token_piece: Callable[[int], tuple[str, bytes]] | None = None,
     ) -> None:
+        """``token_piece(id)``: a token's text and exact bytes, for logprob entries."""
         self.blocks = blocks
         self.adapters = adapters
         self.base_names = base_names
@@ -152,6 +173,7 @@ class Scheduler:
         self.max_prefill_seqs = max_prefill_seqs
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.token_piece = token_piece or (lambda t: (str(t), str(t).encode()))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.generated_tokens = 0
@@ -198,7 +220,8 @@ class Scheduler:
             return
         tail = seq.text[seq.emitted :]
         seq.emitted = len(seq.text)
-        seq.queue.put_nowait(TokenEvent(last_token, tail, reason, len(seq.prompt), len(seq.output)))
+        lps, seq.held_logprobs = tuple(seq.held_logprobs), []
+        seq.queue.put_nowait(TokenEvent(last_token, tail, reason, len(seq.prompt), len(seq.output), lps))
 
     def fail_all(self, error: BaseException) -> None:
         for seq in [*self.running, *self.waiting]:
@@ -351,21 +374,32 @@ class Scheduler:
             self.blocks.commit(seq.seq_id, _TokenView(seq, min(seq.num_computed, seq.context_len)))
         return out
 
-    def apply(self, samplers: list[Sequence], sampled: list[int]) -> None:
-        """Deliver the tokens of a finished step (``samplers`` as ``launched`` returned)."""
-        for seq, tok in zip(samplers, sampled, strict=True):
+    def apply(self, samplers: list[Sequence], sampled: list[int],
+              logprobs: list[StepLogprobs | None] | None = None) -> None:
+        """Deliver the tokens of a finished step (``samplers`` as ``launched`` returned) and,
+        for samplers whose request asked, their logprobs."""
+        lps: list[StepLogprobs | None] = [None] * len(samplers) if logprobs is None else logprobs
+        for seq, tok, lp in zip(samplers, sampled, lps, strict=True):
             seq.pending -= 1
             if seq.finished:
                 continue
-            self._append_token(seq, tok)
+            self._append_token(seq, tok, lp)
 
-    def _append_token(self, seq: Sequence, tok: int) -> None:
+    def _entry(self, tok: int, lp: StepLogprobs, offset: int) -> TokenLogprob:
+        piece = self.token_piece
+        text, raw = piece(tok)
+        top = tuple(TopLogprob(t, *piece(t), v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True))
+        return TokenLogprob(tok, text, raw, lp.logprob, offset, top)
+
+    def _append_token(self, seq: Sequence, tok: int, lp: StepLogprobs | None = None) -> None:
         seq.output.append(tok)
         self.generated_tokens += 1
         sp = seq.request.sampling
         if seq.cancelled:
             self.finish(seq, "cancelled")
             return
+        if lp is not None:
+            seq.held_logprobs.append(self._entry(tok, lp, len(seq.text)))
         if tok in self.eos_token_ids:
             self.finish(seq, "stop", last_token=tok)
             return
@@ -378,6 +412,9 @@ class Scheduler:
             if hits:
                 seq.text = seq.text[: min(hits)]
                 reason = "stop"
+                # Tokens whose text starts at or past the cut are cut with it.
+                cut = len(seq.text)
+                seq.held_logprobs = [e for e in seq.held_logprobs if e.text_offset < cut]
         if reason is None and at_limit:
             reason = "length"
         if reason is not None:
@@ -386,7 +423,14 @@ class Scheduler:
         visible = len(seq.text) - _held_back(seq.text, sp.stop)
         delta = seq.text[seq.emitted : visible] if visible > seq.emitted else ""
         seq.emitted = max(seq.emitted, visible)
-        seq.queue.put_nowait(TokenEvent(tok, delta, None, len(seq.prompt), len(seq.output)))
+        released: tuple[TokenLogprob, ...] = ()
+        if seq.held_logprobs:
+            held = seq.held_logprobs
+            # Without stop strings nothing can be cut: release every entry at once.
+            k = len(held) if not sp.stop else next(
+                (i for i, e in enumerate(held) if e.text_offset >= seq.emitted), len(held))
+            released, seq.held_logprobs = tuple(held[:k]), held[k:]
+        seq.queue.put_nowait(TokenEvent(tok, delta, None, len(seq.prompt), len(seq.output), released))
 
 
 class _TokenView:

@@ -55,7 +55,9 @@ from adaptermesh.httpserve import (
 from adaptermesh.worker.api import (
     ChatChoice,
     ChatCompletionRequest,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     LoadLoraAdapterRequest,
     UnloadLoraAdapterRequest,
@@ -73,6 +75,7 @@ from adaptermesh.worker.types import (
     InvalidRequestError,
     SamplingParams,
     TokenEvent,
+    TokenLogprob,
     TokenStream,
 )
 
@@ -562,7 +565,8 @@ class WorkerService:
                                     top_k=max(parsed.top_k, 0), min_p=parsed.min_p,
                                     presence_penalty=parsed.presence_penalty,
                                     frequency_penalty=parsed.frequency_penalty,
-                                    repetition_penalty=parsed.repetition_penalty),
+                                    repetition_penalty=parsed.repetition_penalty,
+                                    logprobs=parsed.logprobs_k),
             n=parsed.n,
             stream=parsed.stream,
             include_usage=parsed.include_usage,
@@ -634,9 +638,9 @@ class WorkerService:
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
-            texts = [r for r in results if isinstance(r, str)]
+            outputs = [r for r in results if isinstance(r, tuple)]
             progress.outcome = outcome = _outcome(progresses)
-            return web.json_response(self._final_body(job, texts, progresses))
+            return web.json_response(self._final_body(job, outputs, progresses))
         except ApiError as exc:
             if outcome == "error":
                 outcome = exc.code or "error"
@@ -831,29 +835,36 @@ class WorkerService:
                         code="engine_error")
 
     async def _collect(self, job: _Job, first: TokenEvent, events: AsyncIterator[TokenEvent],
-                       progress: _Progress) -> str:
+                       progress: _Progress) -> tuple[str, list[TokenLogprob]]:
         parts = [first.text]
+        lps = list(first.logprobs)
         event = first
         while event.finish_reason is None:
             event = await self._next_event(events, job, progress)
             parts.append(event.text)
+            lps.extend(event.logprobs)
         reason = event.finish_reason
         if reason in ("cancelled", "error"):
             raise self._finish_error(job, reason)
-        return "".join(parts)
+        return "".join(parts), lps
 
-    def _final_body(self, job: _Job, texts: list[str],
+    def _final_body(self, job: _Job, outputs: list[tuple[str, list[TokenLogprob]]],
                     progresses: list[_Progress]) -> dict[str, Any]:
         usage = self._usage(progresses)
         choices: list[dict[str, Any]] = []
-        for index, (text, p) in enumerate(zip(texts, progresses, strict=True)):
+        asked = job.sampling.logprobs is not None
+        for index, ((text, lps), p) in enumerate(zip(outputs, progresses, strict=True)):
             if job.kind == "completion":
-                choices.append(CompletionChoice(index=index, text=text,
-                                                finish_reason=p.finish_reason).model_dump())
+                choices.append(CompletionChoice(
+                    index=index, text=text, finish_reason=p.finish_reason,
+                    logprobs=CompletionLogprobs(**_completion_logprobs(lps)) if asked else None,
+                ).model_dump())
             else:
-                choices.append(ChatChoice(index=index,
-                                          message={"role": "assistant", "content": text},
-                                          finish_reason=p.finish_reason).model_dump())
+                choices.append(ChatChoice(
+                    index=index, message={"role": "assistant", "content": text},
+                    finish_reason=p.finish_reason,
+                    logprobs=ChatLogprobs(**_chat_logprobs(lps)) if asked else None,
+                ).model_dump())
         obj = "text_completion" if job.kind == "completion" else "chat.completion"
         return {"id": job.request_id, "object": obj, "created": job.created,
                 "model": job.model, "choices": choices, "usage": usage}
@@ -868,9 +879,11 @@ class WorkerService:
                      total_tokens=prompt + completion).model_dump()
 
     def _chunk(self, job: _Job, text: str | None, finish_reason: str | None,
-               role: bool = False, index: int = 0) -> bytes:
+               role: bool = False, index: int = 0, lps: tuple[TokenLogprob, ...] = ()) -> bytes:
+        """One SSE chunk; ``lps``: the logprobs of the tokens whose text it carries."""
         if job.kind == "completion":
-            choice: dict[str, Any] = {"index": index, "text": text or "", "logprobs": None,
+            choice: dict[str, Any] = {"index": index, "text": text or "",
+                                      "logprobs": _completion_logprobs(lps) if lps else None,
                                       "finish_reason": finish_reason}
             obj = "text_completion"
         else:
@@ -879,7 +892,8 @@ class WorkerService:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None,
+            choice = {"index": index, "delta": delta,
+                      "logprobs": _chat_logprobs(lps) if lps else None,
                       "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         if not job.chunk_head:
@@ -913,7 +927,8 @@ class WorkerService:
                 # One chunk per generated token, even when its text is "" (an incomplete
                 # multi-byte character): clients time tokens by chunks, as with vLLM.
                 if event.token_id is not None or event.text or event.finish_reason is not None:
-                    await response.write(self._chunk(job, event.text, event.finish_reason))
+                    await response.write(self._chunk(job, event.text, event.finish_reason,
+                                                     lps=event.logprobs))
                 if event.finish_reason is not None:
                     break
                 try:
@@ -980,7 +995,7 @@ class WorkerService:
                     return response
                 if item.token_id is not None or item.text or item.finish_reason is not None:
                     await response.write(self._chunk(job, item.text, item.finish_reason,
-                                                     index=index))
+                                                     index=index, lps=item.logprobs))
                 if item.finish_reason is not None:
                     finished += 1
             if job.include_usage:
@@ -1006,6 +1021,37 @@ def _outcome(progresses: list[_Progress]) -> str:
     if None in reasons or not reasons <= {"stop", "length"}:
         return "error"
     return "length" if "length" in reasons else "stop"
+
+
+# A logprob the model gives (almost) no chance is reported as this, not -inf, which JSON
+# cannot carry.
+_MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return value if value >= _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def _completion_logprobs(lps: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """The legacy completions shape; each ``top_logprobs`` dict holds the asked-for most
+    likely alternatives and the sampled token, keyed by text (the first of equal texts)."""
+    tops: list[dict[str, float]] = []
+    for e in lps:
+        top: dict[str, float] = {}
+        for t in e.top:
+            top.setdefault(t.token, _lp(t.logprob))
+        top.setdefault(e.token, _lp(e.logprob))
+        tops.append(top)
+    return {"tokens": [e.token for e in lps], "token_logprobs": [_lp(e.logprob) for e in lps],
+            "top_logprobs": tops, "text_offset": [e.text_offset for e in lps]}
+
+
+def _chat_logprobs(lps: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    return {"content": [
+        {"token": e.token, "logprob": _lp(e.logprob), "bytes": list(e.token_bytes),
+         "top_logprobs": [{"token": t.token, "logprob": _lp(t.logprob),
+                           "bytes": list(t.token_bytes)} for t in e.top]}
+        for e in lps]}
 
 
 def _dumps(payload: dict[str, Any]) -> bytes:

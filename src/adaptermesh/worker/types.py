@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 __all__ = [
+    "MAX_LOGPROBS",
     "AdapterInfo",
     "AdapterNotFoundError",
     "EngineError",
@@ -23,10 +24,17 @@ __all__ = [
     "InvalidRequestError",
     "SamplingParams",
     "TokenEvent",
+    "TokenLogprob",
     "TokenStream",
+    "TopLogprob",
 ]
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+# The most alternatives per token a request may ask for (``SamplingParams.logprobs``): OpenAI's
+# chat limit, also applied to the legacy completions ``logprobs``. The engine sizes its per-step
+# host copy for it.
+MAX_LOGPROBS = 20
 
 
 class EngineError(Exception):
@@ -65,6 +73,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off
+    # None: no logprobs. k >= 0: the logprob of each sampled token and the k most likely
+    # alternatives, all from the raw model distribution (log_softmax of the logits, before
+    # penalties, temperature and filters). At most MAX_LOGPROBS.
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +91,36 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    token: str  # the token's text on its own (special tokens spelt out)
+    token_bytes: bytes  # the token's exact bytes (may be part of a multi-byte character)
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One output token's logprob and its ``top`` alternatives, most likely first."""
+
+    token_id: int
+    token: str
+    token_bytes: bytes
+    logprob: float
+    text_offset: int  # where the token's text starts in the request's output text
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     token_id: int | None
     text: str  # the detokenised increment (may be "" while a multi-byte char is incomplete)
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Requests with ``logprobs``: the tokens whose text this event releases, in output order.
+    # Usually the event's own token; tokens whose text is held back (a possible stop string)
+    # come with the event that releases the text, and tokens a stop string cuts never come.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class TokenStream(Protocol):
