@@ -257,3 +257,29 @@ def test_random_shapes_match_twin(
     )  # fmt: skip
     # Tiny outputs make the norm bound noisy; the elementwise bound still holds.
     check_int4_case(case, torch.bfloat16, group, b_dim, norm=False)
+
+
+def test_int4_expand_never_takes_the_gemv_rows() -> None:
+    """The table's sparse decode rows pick the matrix-vector expand, which has no INT4 variant:
+    the INT4 launcher gets the tile row of the same T bucket, and a gemv config is refused."""
+    from adaptermesh.kernels import sgmm
+
+    for t, a in ((1, 1), (16, 16), (64, 64), (64, None)):
+        assert sgmm.expand_config(t, 4096, 16, a).gemv  # the bf16 path takes it
+        cfg = sgmm.expand_config(t, 4096, 16, a, allow_gemv=False)
+        assert not cfg.gemv
+        assert cfg.block_m >= 16  # tl.dot's least tile
+    case = make_case(
+        t=4, h=32, s=2, r_max=16, ranks=None, out_sizes=(32,), mix="distinct",
+        dtype=torch.float32, device=DEVICE, seed=3,
+    )  # fmt: skip
+    q = _q()
+    qa, qb = q.quantize_lora(case.lora_a, case.lora_b, 16)
+    meta = build_segment_meta(case.slots, 2)
+    before = case.out.clone()
+    with pytest.raises(ValueError, match="gemv"):
+        q.add_lora_int4(
+            case.out, case.x, qa, qb, case.scales, case.ranks, meta,
+            expand_cfg=sgmm.SgmmConfig(1, 16, 16, gemv=True),
+        )  # fmt: skip
+    assert torch.equal(case.out, before)

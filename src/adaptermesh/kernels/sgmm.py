@@ -221,13 +221,20 @@ def shrink_config(
 
 
 def expand_config(
-    num_tokens: int, n_max: int, r_max: int, active_slots: int | None = None
+    num_tokens: int,
+    n_max: int,
+    r_max: int,
+    active_slots: int | None = None,
+    *,
+    allow_gemv: bool = True,
 ) -> SgmmConfig:
+    """The expand config for a batch; ``allow_gemv=False`` (a kernel with no matrix-vector
+    variant, e.g. INT4) gets the tile row of the T bucket where the density row is a gemv."""
     tb, rb = _t_bucket(num_tokens), _r_bucket(r_max)
     row = _EXPAND_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
-    bm, bn, warps, stages, prefetch, nb, gemv = (
-        row if row is not None else (*_EXPAND_TABLE[(tb, rb)], 1, False)
-    )
+    if row is None or (row[6] and not allow_gemv):
+        row = (*_EXPAND_TABLE[(tb, rb)], 1, False)
+    bm, bn, warps, stages, prefetch, nb, gemv = row
     # A gemv program holds the whole rank in one tile; a tensor-core tile walks it in steps.
     bk = _pow2_at_least_16(r_max) if gemv else min(_pow2_at_least_16(r_max), 64)
     return SgmmConfig(
@@ -263,6 +270,74 @@ def _locate_tile(
     seg_end = tl.sum(tl.where(is_slot, ends, 0), 0)
     row_begin = seg_begin + (pid_m - first_tile) * BLOCK_M
     return pid_m < total, slot, row_begin, seg_end
+
+
+@triton.jit
+def _of_slice(pid_i, v0, v1, v2):
+    """The integer of slice ``pid_i`` (0, 1 or 2). Through tl.where rather than if/else,
+    because Triton may specialise any of the three to a constant (e.g. a stride of 1) and the
+    branches must then agree on types."""
+    return tl.where(pid_i == 0, v0, tl.where(pid_i == 1, v1, v2))
+
+
+@triton.jit
+def _store_shrink_tile(
+    acc,
+    v_ptrs,
+    part_ptr,
+    count_ptr,
+    tok,
+    offs_n,
+    mask_mn,
+    pid_i,
+    pid_k,
+    pid_n,
+    pid_m,
+    T,
+    R_MAX,
+    GRID_M,
+    N_TILES_N,
+    SPLIT_K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Write one shrink tile's fp32 result to v; with split-K, through the partials.
+
+    Partials are laid out like v (contiguous), one [n_slices, T, R_max] block per split. Each
+    split stores its partial, then arrives on the tile's counter; the last to arrive adds the
+    partials in split order (deterministic, the same whichever split finishes last), its own
+    from registers, stores v and resets the counter for the next launch (and graph replay).
+    """
+    if SPLIT_K == 1:
+        tl.store(v_ptrs, acc, mask=mask_mn)
+    else:
+        stride_pk = tl.num_programs(2).to(tl.int64) * T * R_MAX
+        p_ptrs = part_ptr + pid_i * T * R_MAX + tok[:, None] * R_MAX + offs_n[None, :]
+        tl.store(p_ptrs + pid_k * stride_pk, acc, mask=mask_mn)
+        # All threads' partial stores happen before the (single-thread, release) arrival.
+        tl.debug_barrier()
+        count = count_ptr + (pid_i * N_TILES_N + pid_n) * GRID_M + pid_m
+        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            # ".cg" reads from L2, where the other SMs' stores are visible, not from a stale
+            # L1 line.
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in range(0, SPLIT_K):
+                other = tl.load(
+                    p_ptrs + j * stride_pk, mask=mask_mn, other=0.0, cache_modifier=".cg"
+                )
+                total += tl.where(j == pid_k, acc, other)
+            tl.store(v_ptrs, total, mask=mask_mn)
+            tl.atomic_xchg(count, 0)
+
+
+def _three_slices(
+    items: Sequence[Any], sizes: Sequence[int], offsets: Sequence[int]
+) -> tuple[list[Any], list[int], list[int]]:
+    """Per-slice arguments padded to the kernels' three slots (a padding slice has width 0,
+    so its programs exit at once)."""
+    pad = 3 - len(items)
+    return list(items) + [items[0]] * pad, list(sizes) + [0] * pad, list(offsets) + [0] * pad
 
 
 @triton.jit
@@ -345,29 +420,10 @@ def _sgmm_shrink_kernel(
         a_ptrs += BLOCK_K * stride_ah
     mask_mn = mask_m[:, None] & mask_n[None, :]
     v_ptrs = v_ptr + pid_i * stride_vi + tok[:, None] * stride_vt + offs_n[None, :] * stride_vr
-    if SPLIT_K == 1:
-        tl.store(v_ptrs, acc, mask=mask_mn)
-    else:
-        # Partials are laid out like v (contiguous), one [n_slices, T, R_max] block per split.
-        stride_pk = tl.num_programs(2).to(tl.int64) * T * R_MAX
-        p_ptrs = part_ptr + pid_i * T * R_MAX + tok[:, None] * R_MAX + offs_n[None, :]
-        tl.store(p_ptrs + pid_k * stride_pk, acc, mask=mask_mn)
-        # All threads' partial stores happen before the (single-thread, release) arrival.
-        tl.debug_barrier()
-        count = count_ptr + (pid_i * N_TILES_N + pid_n) * GRID_M + pid_m
-        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            # Last split of this tile: add the partials in split order (deterministic, the
-            # same whichever split finishes last), own partial from registers. ".cg" reads
-            # from L2, where the other SMs' stores are visible, not from a stale L1 line.
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in range(0, SPLIT_K):
-                other = tl.load(
-                    p_ptrs + j * stride_pk, mask=mask_mn, other=0.0, cache_modifier=".cg"
-                )
-                total += tl.where(j == pid_k, acc, other)
-            tl.store(v_ptrs, total, mask=mask_mn)
-            tl.atomic_xchg(count, 0)  # ready for the next launch (and graph replay)
+    _store_shrink_tile(
+        acc, v_ptrs, part_ptr, count_ptr, tok, offs_n, mask_mn, pid_i, pid_k, pid_n, pid_m,
+        T, R_MAX, GRID_M, N_TILES_N, SPLIT_K, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -417,16 +473,12 @@ def _sgmm_expand_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_i = tl.program_id(2)
-    # Per-slice B matrix, width, column offset and strides (at most three slices). Integers
-    # go through tl.where rather than if/else, because Triton may specialise any of them to a
-    # constant (e.g. a stride of 1) and branches must then agree on types.
-    is0 = pid_i == 0
-    is1 = pid_i == 1
-    n_size = tl.where(is0, N0, tl.where(is1, N1, N2))
-    col_off = tl.where(is0, 0, tl.where(is1, OFF1, OFF2))
-    stride_bs = tl.where(is0, stride_b0s, tl.where(is1, stride_b1s, stride_b2s)).to(tl.int64)
-    stride_bn = tl.where(is0, stride_b0n, tl.where(is1, stride_b1n, stride_b2n))
-    stride_br = tl.where(is0, stride_b0r, tl.where(is1, stride_b1r, stride_b2r))
+    # Per-slice B matrix, width, column offset and strides (at most three slices).
+    n_size = _of_slice(pid_i, N0, N1, N2)
+    col_off = _of_slice(pid_i, 0, OFF1, OFF2)
+    stride_bs = _of_slice(pid_i, stride_b0s, stride_b1s, stride_b2s).to(tl.int64)
+    stride_bn = _of_slice(pid_i, stride_b0n, stride_b1n, stride_b2n)
+    stride_br = _of_slice(pid_i, stride_b0r, stride_b1r, stride_b2r)
     if pid_i == 0:
         b_ptr = b0_ptr
     elif pid_i == 1:
@@ -526,13 +578,12 @@ def _sgmm_expand_gemv_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_i = tl.program_id(2)
-    is0 = pid_i == 0
-    is1 = pid_i == 1
-    n_size = tl.where(is0, N0, tl.where(is1, N1, N2))
-    col_off = tl.where(is0, 0, tl.where(is1, OFF1, OFF2))
-    stride_bs = tl.where(is0, stride_b0s, tl.where(is1, stride_b1s, stride_b2s)).to(tl.int64)
-    stride_bn = tl.where(is0, stride_b0n, tl.where(is1, stride_b1n, stride_b2n))
-    stride_br = tl.where(is0, stride_b0r, tl.where(is1, stride_b1r, stride_b2r))
+    # Per-slice B matrix, width, column offset and strides (at most three slices).
+    n_size = _of_slice(pid_i, N0, N1, N2)
+    col_off = _of_slice(pid_i, 0, OFF1, OFF2)
+    stride_bs = _of_slice(pid_i, stride_b0s, stride_b1s, stride_b2s).to(tl.int64)
+    stride_bn = _of_slice(pid_i, stride_b0n, stride_b1n, stride_b2n)
+    stride_br = _of_slice(pid_i, stride_b0r, stride_b1r, stride_b2r)
     if pid_i == 0:
         b_ptr = b0_ptr
     elif pid_i == 1:
@@ -749,9 +800,7 @@ def _launch_expand(
     config: SgmmConfig | None,
     run: Any = launch,
 ) -> Any:
-    bs = list(lora_b) + [lora_b[0]] * (3 - shapes.n_slices)
-    sizes = list(shapes.out_sizes) + [0] * (3 - shapes.n_slices)
-    offs = list(shapes.out_offsets) + [0] * (3 - shapes.n_slices)
+    bs, sizes, offs = _three_slices(lora_b, shapes.out_sizes, shapes.out_offsets)
     n_max = max(shapes.out_sizes)
     cfg = config or expand_config(shapes.num_tokens, n_max, shapes.r_max)
     _check_config(cfg)

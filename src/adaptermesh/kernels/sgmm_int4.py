@@ -54,7 +54,10 @@ from adaptermesh.kernels.sgmm import (
     _check_config,
     _dot_fp32,
     _locate_tile,
+    _of_slice,
     _split_plan,
+    _store_shrink_tile,
+    _three_slices,
     _tile_axis,
     _v_buffer,
     expand_config,
@@ -393,25 +396,10 @@ def _shrink_int4_kernel(
             acc += tl.dot(xo, wo)
     mask_mn = mask_m[:, None] & mask_n[None, :]
     v_ptrs = v_ptr + pid_i * stride_vi + tok[:, None] * stride_vt + offs_n[None, :] * stride_vr
-    if SPLIT_K == 1:
-        tl.store(v_ptrs, acc, mask=mask_mn)
-    else:
-        # The bf16 shrink's split-K protocol (see sgmm.py and _workspace.py).
-        stride_pk = tl.num_programs(2).to(tl.int64) * T * R_MAX
-        p_ptrs = part_ptr + pid_i * T * R_MAX + tok[:, None] * R_MAX + offs_n[None, :]
-        tl.store(p_ptrs + pid_k * stride_pk, acc, mask=mask_mn)
-        tl.debug_barrier()
-        count = count_ptr + (pid_i * N_TILES_N + pid_n) * GRID_M + pid_m
-        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in range(0, SPLIT_K):
-                other = tl.load(
-                    p_ptrs + j * stride_pk, mask=mask_mn, other=0.0, cache_modifier=".cg"
-                )
-                total += tl.where(j == pid_k, acc, other)
-            tl.store(v_ptrs, total, mask=mask_mn)
-            tl.atomic_xchg(count, 0)
+    _store_shrink_tile(
+        acc, v_ptrs, part_ptr, count_ptr, tok, offs_n, mask_mn, pid_i, pid_k, pid_n, pid_m,
+        T, R_MAX, GRID_M, N_TILES_N, SPLIT_K, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -470,16 +458,14 @@ def _expand_int4_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_i = tl.program_id(2)
-    is0 = pid_i == 0
-    is1 = pid_i == 1
-    n_size = tl.where(is0, N0, tl.where(is1, N1, N2))
-    col_off = tl.where(is0, 0, tl.where(is1, OFF1, OFF2))
-    stride_qs = tl.where(is0, stride_q0s, tl.where(is1, stride_q1s, stride_q2s)).to(tl.int64)
-    stride_qn = tl.where(is0, stride_q0n, tl.where(is1, stride_q1n, stride_q2n))
-    stride_qr = tl.where(is0, stride_q0r, tl.where(is1, stride_q1r, stride_q2r))
-    stride_ss = tl.where(is0, stride_s0s, tl.where(is1, stride_s1s, stride_s2s)).to(tl.int64)
-    stride_sn = tl.where(is0, stride_s0n, tl.where(is1, stride_s1n, stride_s2n))
-    stride_sr = tl.where(is0, stride_s0r, tl.where(is1, stride_s1r, stride_s2r))
+    n_size = _of_slice(pid_i, N0, N1, N2)
+    col_off = _of_slice(pid_i, 0, OFF1, OFF2)
+    stride_qs = _of_slice(pid_i, stride_q0s, stride_q1s, stride_q2s).to(tl.int64)
+    stride_qn = _of_slice(pid_i, stride_q0n, stride_q1n, stride_q2n)
+    stride_qr = _of_slice(pid_i, stride_q0r, stride_q1r, stride_q2r)
+    stride_ss = _of_slice(pid_i, stride_s0s, stride_s1s, stride_s2s).to(tl.int64)
+    stride_sn = _of_slice(pid_i, stride_s0n, stride_s1n, stride_s2n)
+    stride_sr = _of_slice(pid_i, stride_s0r, stride_s1r, stride_s2r)
     if pid_i == 0:
         q_ptr = q0_ptr
         s_ptr = s0_ptr
@@ -550,6 +536,11 @@ def _expand_int4_kernel(
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
+def _check_no_gemv(cfg: SgmmConfig | None) -> None:
+    if cfg is not None and cfg.gemv:
+        raise ValueError("the INT4 expand has no matrix-vector variant: config.gemv must be False")
+
+
 def _at_least_32(cfg: SgmmConfig) -> SgmmConfig:
     # Each step is two dots of depth BLOCK_K / 2, and tl.dot needs depth >= 16.
     if cfg.block_k >= 32:
@@ -622,11 +613,12 @@ def _launch_expand_int4(
     if len({(b.group_size, b.group_dim) for b in qb}) != 1:
         raise ValueError("every slice of qb must use the same group_size and group_dim")
     n = shapes.n_slices
-    bs = list(qb) + [qb[0]] * (3 - n)
-    sizes = list(shapes.out_sizes) + [0] * (3 - n)
-    offs = list(shapes.out_offsets) + [0] * (3 - n)
+    bs, sizes, offs = _three_slices(qb, shapes.out_sizes, shapes.out_offsets)
     n_max = max(shapes.out_sizes)
-    cfg = config or expand_config(shapes.num_tokens, n_max, shapes.r_max, active_slots)
+    _check_no_gemv(config)
+    cfg = config or expand_config(
+        shapes.num_tokens, n_max, shapes.r_max, active_slots, allow_gemv=False
+    )
     _check_config(cfg)
     cfg = _at_least_32(cfg)
     grid = (
@@ -706,6 +698,7 @@ def add_lora_int4(
     Triton on CUDA tensors (or with ``backend="triton"`` under ``TRITON_INTERPRET=1``), the
     torch twin on CPU. Configs: the bf16 tables, BLOCK_K at least 32.
     """
+    _check_no_gemv(expand_cfg)
     if choose_backend(x, backend) == "torch":
         add_lora_int4_ref(out, x, qa, qb, scales, ranks, meta, check_values=check_values)
         return
