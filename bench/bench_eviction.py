@@ -10,6 +10,8 @@ Traces (seeded, ``--requests`` requests each, 1,000 adapters ``a0000``..``a0999`
   change half of the hot set is replaced by adapters drawn uniformly from the rest.
 * ``scan``: Zipf(1.0) with a scan every 2,000 requests: 200 adapters never requested before
   in this trace, once each, in a row (a batch job touching its tenants' adapters once).
+* (Each trace row also records ``sim_us_per_request``: host microseconds per simulated request,
+  both tiers' policy bookkeeping included, the simulator's own set updates too.)
 * Working-set sweep (the no-thrash-collapse check): W distinct adapters, W in 32 .. 1,000:
   ``sweep-zipf`` (Zipf 0.8 over the W) and ``sweep-loop`` (rounds over all W, each round in
   a fresh random order: the pattern where LRU collapses once W exceeds the slots).
@@ -451,7 +453,11 @@ def main() -> int:
         )
         row["belady"] = {"hit_rate": row["belady"]["hit_rate"]}
         for p in policies:
-            row[p] = figures(simulate(p, tr, args.slots, args.cpu_adapters), c, args)
+            t0 = time.perf_counter()
+            sim = simulate(p, tr, args.slots, args.cpu_adapters)
+            # Host cost of the policy bookkeeping (both tiers and the simulator's own sets).
+            us = 1e6 * (time.perf_counter() - t0) / len(tr)
+            row[p] = {**figures(sim, c, args), "sim_us_per_request": us}
         res[tname] = row
         log(
             f"{tname}: "
