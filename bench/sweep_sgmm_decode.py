@@ -6,8 +6,8 @@ three 4096-wide slices), o (4096 -> 4096), gate_up (4096 -> two 11008-wide slice
 pool of ``--pool`` slots) from decode (one token per adapter) to prefill-like, with every
 candidate of two families:
 
-- two launches: each shrink candidate with the best expand, each expand candidate (tensor-core
-  tiles and the matrix-vector kernel) with the best shrink (the ops are timed alone and their
+- two launches: each shrink candidate with the best expand, each expand candidate with the
+  best shrink (for both ops: tensor-core tiles and the matrix-vector kernels) (the ops are timed alone and their
   times add);
 - the current defaults of ``kernels/sgmm.py`` (what add_lora picks by itself).
 
@@ -53,9 +53,12 @@ GROUPS = {
 }
 # (T, S distinct adapters); the pool has --pool slots either way.
 SHAPES = [(1, 1), (16, 16), (16, 1), (64, 64), (64, 8), (64, 1), (256, 64), (256, 256), (1024, 64)]
-SHRINK = [  # (block_m, block_k, split_k, num_warps, num_stages)
-    (16, 256, 1, 4, 3), (16, 256, 4, 4, 3), (16, 256, 8, 4, 3), (32, 256, 4, 4, 3),
-    (16, 256, 1, 4, 5), (16, 256, 4, 4, 5), (32, 256, 4, 4, 5), (16, 128, 8, 4, 5),
+SHRINK = [  # (block_m, block_k, split_k, num_warps, num_stages, gemv_rows): as _SHRINK_ROWS
+    (16, 256, 1, 4, 3, 0), (16, 256, 4, 4, 3, 0), (16, 256, 8, 4, 3, 0), (32, 256, 4, 4, 3, 0),
+    (16, 256, 1, 4, 5, 0), (16, 256, 4, 4, 5, 0), (32, 256, 4, 4, 5, 0), (16, 128, 8, 4, 5, 0),
+    # matrix-vector: block_m tokens and gemv_rows rank rows per program, block_k of H per step
+    (1, 512, 1, 4, 2, 4), (1, 1024, 1, 4, 2, 2), (1, 256, 1, 4, 3, 8), (2, 512, 1, 4, 2, 4),
+    (1, 512, 1, 8, 2, 16), (4, 256, 1, 4, 2, 2),
 ]  # fmt: skip
 EXPAND = [  # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, gemv)
     (16, 256, 4, 2, True, 1, False), (16, 256, 4, 2, True, 2, False),
@@ -161,8 +164,12 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
     row: dict = {"group": setup.group, "t": setup.t, "s": setup.s, "r": setup.r}
     # Shrink alone, with the default expand's buffer filled once.
     shrink_us: dict[tuple, float] = {}
-    for c in SHRINK[:4] if quick else SHRINK:
-        cfg = SgmmConfig(c[0], _bn(setup.r), c[1], num_warps=c[3], num_stages=c[4], split_k=c[2])
+    for c in SHRINK[:4] + SHRINK[8:10] if quick else SHRINK:
+        if c[5]:
+            cfg = SgmmConfig(c[0], c[5], c[1], num_warps=c[3], num_stages=c[4], gemv=True)
+        else:
+            cfg = SgmmConfig(c[0], _bn(setup.r), c[1], num_warps=c[3], num_stages=c[4],
+                             split_k=c[2])  # fmt: skip
         ec = sgmm.expand_config(setup.t, max(setup.sizes), setup.r)
         err = setup.error(setup.pair_fn(cfg, ec))
         if err > 0.03:

@@ -222,6 +222,75 @@ def test_expand_configs_property(  # type: ignore[no-untyped-def]
     assert torch.equal(got[base], case.out[base])
 
 
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    t=st.integers(1, 20),
+    h=st.integers(1, 70),
+    s=st.integers(1, 5),
+    r_max=st.sampled_from([1, 4, 16, 24]),
+    n_sizes=st.lists(st.integers(1, 30), min_size=1, max_size=3),
+    mix=st.sampled_from(MIXES),
+    block_m=st.sampled_from([1, 2, 4]),
+    block_n=st.sampled_from([1, 2, 4, 16]),
+    block_k=st.sampled_from([16, 32]),
+    seed=st.integers(0, 2**16),
+)
+def test_gemv_shrink_property(  # type: ignore[no-untyped-def]
+    t, h, s, r_max, n_sizes, mix, block_m, block_n, block_k, seed
+) -> None:
+    """The matrix-vector shrink (a few tokens and rank rows per program, the whole of H walked
+    once, no split) against the twin: ragged H, ranks with 0, base tokens, 1-3 slices."""
+    sgmm = _sgmm()
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(0, r_max + 1, (s,), generator=gen).tolist()
+    case = make_case(
+        t=t, h=h, s=s, r_max=r_max, ranks=ranks, out_sizes=tuple(n_sizes), mix=mix,
+        dtype=torch.float32, device=DEVICE, seed=seed,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, s)
+    cfg = sgmm.SgmmConfig(block_m, block_n, block_k, num_warps=4, num_stages=2, gemv=True)
+    got = case.out.clone()
+    sgmm.add_lora(
+        got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, shrink_cfg=cfg
+    )
+    want = case.out.clone()
+    reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    base = case.slots < 0
+    assert torch.equal(got[base], case.out[base])
+
+
+def test_gemv_shrink_plan_and_int4_refusal() -> None:
+    """A plan with a gemv shrink is one launch per op; the INT4 path refuses a gemv shrink
+    config and never takes a gemv row from the table."""
+    sgmm = _sgmm()
+    from adaptermesh.kernels import sgmm_int4
+
+    case = make_case(
+        t=6, h=40, s=3, r_max=16, ranks=[16, 5, 0], out_sizes=(24,), mix="with_base",
+        dtype=torch.float32, device=DEVICE, seed=2,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, 3)
+    cfg = sgmm.SgmmConfig(1, 4, 16, gemv=True)
+    out = case.out.clone()
+    plan = sgmm.plan_add_lora(
+        out, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, shrink_cfg=cfg
+    )
+    assert plan.launches == 2
+    plan()
+    want = case.out.clone()
+    reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    qa, qb = sgmm_int4.quantize_lora(case.lora_a, case.lora_b, 8)
+    with pytest.raises(ValueError, match="gemv"):
+        sgmm_int4.add_lora_int4(case.out, case.x, qa, qb, case.scales, case.ranks, meta,
+                                shrink_cfg=cfg)  # fmt: skip
+    for t, a in ((1, 1), (16, 16), (64, 64), (256, 64), (4096, 1)):
+        c = sgmm.shrink_config(t, 4096, 16, a, allow_gemv=False)
+        assert not c.gemv
+        assert c.block_m >= 16
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("t", "s", "r"), [(1, 1, 16), (64, 64, 16), (256, 64, 64), (64, 16, 32)])
 def test_gpu_gemv_expand_matches_tiles(t, s, r) -> None:  # type: ignore[no-untyped-def]
@@ -239,5 +308,28 @@ def test_gpu_gemv_expand_matches_tiles(t, s, r) -> None:  # type: ignore[no-unty
         cfg = sgmm.SgmmConfig(bm, bn, max(16, r), n_blocks=nb, gemv=True)
         sgmm.add_lora(got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
                       shrink_cfg=sgmm.shrink_config(t, 4096, r), expand_cfg=cfg)  # fmt: skip
+        rtol, atol = tolerance(torch.bfloat16, "out")
+        torch.testing.assert_close(got, tiles, rtol=rtol, atol=atol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "s", "r"), [(1, 1, 16), (64, 64, 16), (16, 16, 64), (256, 64, 16)])
+def test_gpu_gemv_shrink_matches_tiles(t, s, r) -> None:  # type: ignore[no-untyped-def]
+    sgmm = _sgmm()
+    case = make_case(
+        t=t, h=4096, s=s, r_max=r, ranks=None, out_sizes=(4096, 1024, 1024), mix="uniform",
+        dtype=torch.bfloat16, device="cuda", seed=t + 3 * r,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, s)
+    tiles = case.out.clone()
+    ec = sgmm.SgmmConfig(16, 256, min(64, max(16, r)))
+    sgmm.add_lora(tiles, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+                  shrink_cfg=sgmm.SgmmConfig(16, min(64, max(16, r)), 256, split_k=4),
+                  expand_cfg=ec)  # fmt: skip
+    for bm, bn, bk in ((1, 4, 512), (2, 2, 1024), (1, 16, 256)):
+        got = case.out.clone()
+        sgmm.add_lora(got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+                      shrink_cfg=sgmm.SgmmConfig(bm, bn, bk, num_stages=2, gemv=True),
+                      expand_cfg=ec)  # fmt: skip
         rtol, atol = tolerance(torch.bfloat16, "out")
         torch.testing.assert_close(got, tiles, rtol=rtol, atol=atol)

@@ -83,8 +83,9 @@ class SgmmConfig:
     prefetch_out: bool = False
     # expand only: BLOCK_N-wide column blocks each program writes, one after the other.
     n_blocks: int = 1
-    # expand only: the gathered matrix-vector kernel (CUDA cores, block_m tokens per program,
-    # block_k covering the whole rank) instead of tensor-core tiles.
+    # The gathered matrix-vector kernels (CUDA cores) instead of tensor-core tiles. Expand:
+    # block_m tokens per program, block_n columns, block_k covering the whole rank. Shrink:
+    # block_m tokens, block_n rank rows per program, block_k columns of H per step, no split.
     gemv: bool = False
 
 
@@ -164,23 +165,25 @@ def _d_bucket(num_tokens: int, active_slots: int | None) -> str:
 # summed time over the groups and shapes of its key. Every T <= 256 shape measured (S = 1..256)
 # and T=1024 at 16 tokens per adapter won with 16- or 32-row tiles: at T=1024 S=64 the old
 # 64-row rows took 385.9 us summed, these 182.6.
-_SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int]] = {
-    (16, "sparse", "low"): (16, 256, 4, 4, 5),
-    (16, "sparse", "high"): (16, 256, 8, 4, 3),
-    (16, "mid", "low"): (16, 256, 8, 4, 3),
-    (16, "mid", "high"): (16, 256, 8, 4, 3),
-    (16, "dense", "low"): (16, 256, 8, 4, 3),
-    (16, "dense", "high"): (16, 256, 8, 4, 3),
-    (64, "sparse", "low"): (32, 256, 4, 4, 3),
-    (64, "sparse", "high"): (16, 256, 1, 4, 3),
-    (64, "mid", "low"): (16, 256, 4, 4, 5),
-    (64, "dense", "low"): (16, 256, 4, 4, 5),
-    (256, "sparse", "low"): (16, 256, 4, 4, 3),
-    (256, "sparse", "high"): (16, 256, 4, 4, 3),
-    (T_BUCKETS[-1], "sparse", "low"): (16, 256, 4, 4, 3),
-    (T_BUCKETS[-1], "mid", "low"): (16, 256, 4, 4, 3),
-    (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 4, 3),
-    (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 4, 3),
+# (block_m, block_k, split_k, num_warps, num_stages, gemv_rows): gemv_rows > 0 picks the
+# matrix-vector shrink with that many rank rows per program (block_n), no split.
+_SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int]] = {
+    (16, "sparse", "low"): (16, 256, 4, 4, 5, 0),
+    (16, "sparse", "high"): (16, 256, 8, 4, 3, 0),
+    (16, "mid", "low"): (16, 256, 8, 4, 3, 0),
+    (16, "mid", "high"): (16, 256, 8, 4, 3, 0),
+    (16, "dense", "low"): (16, 256, 8, 4, 3, 0),
+    (16, "dense", "high"): (16, 256, 8, 4, 3, 0),
+    (64, "sparse", "low"): (32, 256, 4, 4, 3, 0),
+    (64, "sparse", "high"): (16, 256, 1, 4, 3, 0),
+    (64, "mid", "low"): (16, 256, 4, 4, 5, 0),
+    (64, "dense", "low"): (16, 256, 4, 4, 5, 0),
+    (256, "sparse", "low"): (16, 256, 4, 4, 3, 0),
+    (256, "sparse", "high"): (16, 256, 4, 4, 3, 0),
+    (T_BUCKETS[-1], "sparse", "low"): (16, 256, 4, 4, 3, 0),
+    (T_BUCKETS[-1], "mid", "low"): (16, 256, 4, 4, 3, 0),
+    (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 4, 3, 0),
+    (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 4, 3, 0),
 }
 # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, gemv). The two gemv rows are
 # from the matrix-vector sweep of 2026-12-02 (bench/results/sgmm_decode_sweep_h200_gemv.json):
@@ -211,11 +214,22 @@ _EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, bool, int, bo
 
 
 def shrink_config(
-    num_tokens: int, hidden: int, r_max: int, active_slots: int | None = None
+    num_tokens: int,
+    hidden: int,
+    r_max: int,
+    active_slots: int | None = None,
+    *,
+    allow_gemv: bool = True,
 ) -> SgmmConfig:
+    """The shrink config for a batch; ``allow_gemv=False`` (a kernel with no matrix-vector
+    variant, e.g. INT4) gets the tile row of the T bucket where the density row is a gemv."""
     tb, rb = _t_bucket(num_tokens), _r_bucket(r_max)
     row = _SHRINK_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
-    bm, bk, split, warps, stages = row if row is not None else _SHRINK_TABLE[(tb, rb)]
+    if row is None or (row[5] and not allow_gemv):
+        row = (*_SHRINK_TABLE[(tb, rb)], 0)
+    bm, bk, split, warps, stages, gemv_rows = row
+    if gemv_rows:
+        return SgmmConfig(bm, gemv_rows, bk, num_warps=warps, num_stages=stages, gemv=True)
     bn = min(_pow2_at_least_16(r_max), 64)
     return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, split_k=split)
 
@@ -424,6 +438,70 @@ def _sgmm_shrink_kernel(
         acc, v_ptrs, part_ptr, count_ptr, tok, offs_n, mask_mn, pid_i, pid_k, pid_n, pid_m,
         T, R_MAX, GRID_M, N_TILES_N, SPLIT_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
+
+
+@triton.jit
+def _sgmm_shrink_gemv_kernel(
+    # pointers
+    x_ptr,
+    a_ptr,
+    v_ptr,
+    ranks_ptr,
+    sorted_ptr,
+    seg_start_ptr,
+    # sizes
+    H,
+    S,
+    R_MAX,
+    # strides
+    stride_xt,
+    stride_xh,
+    stride_ai,
+    stride_as,
+    stride_ar,
+    stride_ah,
+    stride_vi,
+    stride_vt,
+    stride_vr,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,  # tokens per program (a few: the one-token-per-adapter path)
+    BLOCK_N: tl.constexpr,  # rank rows per program
+    BLOCK_K: tl.constexpr,  # H columns per step
+    BLOCK_S: tl.constexpr,
+):
+    """Shrink as a gathered matrix-vector product: each program owns BLOCK_N rank rows of its
+    slot's A and walks the whole of H once, reducing against its tokens' x on the CUDA cores.
+    With many programs per slot (one per few rank rows) a decode step fills the GPU without
+    split-K, so there are no partials, counters or second pass."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_i = tl.program_id(2).to(tl.int64)
+    has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    if not has_tile:
+        return
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
+    n_start = pid_n * BLOCK_N
+    if n_start >= rank:
+        return
+    offs_m = row_begin + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < seg_end
+    tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < rank
+    offs_k = tl.arange(0, BLOCK_K)
+    x_base = x_ptr + tok[:, None] * stride_xt
+    a_base = a_ptr + pid_i * stride_ai + slot.to(tl.int64) * stride_as + offs_n[:, None] * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        kk = k * BLOCK_K + offs_k
+        mask_k = kk < H
+        xt = tl.load(x_base + kk[None, :] * stride_xh, mask=mask_m[:, None] & mask_k[None, :],
+                     other=0.0).to(tl.float32)  # fmt: skip
+        at = tl.load(a_base + kk[None, :] * stride_ah, mask=mask_n[:, None] & mask_k[None, :],
+                     other=0.0).to(tl.float32)  # fmt: skip
+        acc += tl.sum(xt[:, None, :] * at[None, :, :], axis=2)
+    v_ptrs = v_ptr + pid_i * stride_vi + tok[:, None] * stride_vt + offs_n[None, :] * stride_vr
+    tl.store(v_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -673,7 +751,9 @@ def _split_plan(
 def _check_config(cfg: SgmmConfig) -> None:
     for name in ("block_m", "block_n", "block_k"):
         val = getattr(cfg, name)
-        least = 1 if cfg.gemv and name == "block_m" else 16
+        # A matrix-vector program may hold a single token (block_m) and, in the shrink, a
+        # single rank row or output column (block_n); tensor-core tiles need 16.
+        least = 1 if cfg.gemv and name in ("block_m", "block_n") else 16
         if val < least or val & (val - 1):
             raise ValueError(f"config.{name} must be a power of two >= {least}, got {val}")
     if cfg.split_k < 1:
@@ -718,6 +798,24 @@ def _launch_shrink(
     _check_config(cfg)
     grid_m = _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m)
     n_tiles_n = int(triton.cdiv(shapes.r_max, cfg.block_n))
+    if cfg.gemv:
+        return run(
+            _sgmm_shrink_gemv_kernel,
+            (grid_m, n_tiles_n, shapes.n_slices),
+            (
+                x, lora_a, v, ranks, meta.sorted_tokens, meta.seg_start, shapes.hidden,
+                shapes.num_slots, shapes.r_max, x.stride(0), x.stride(1), *lora_a.stride(),
+                *v.stride(),
+            ),
+            {
+                "BLOCK_M": cfg.block_m,
+                "BLOCK_N": cfg.block_n,
+                "BLOCK_K": cfg.block_k,
+                "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
+            },
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
     split, k_per_split = _split_plan(
         cfg, shapes.hidden, grid_m * n_tiles_n * shapes.n_slices, x.device
     )

@@ -538,7 +538,7 @@ def _expand_int4_kernel(
 # ---------------------------------------------------------------------------------------------
 def _check_no_gemv(cfg: SgmmConfig | None) -> None:
     if cfg is not None and cfg.gemv:
-        raise ValueError("the INT4 expand has no matrix-vector variant: config.gemv must be False")
+        raise ValueError("the INT4 kernels have no matrix-vector variant: config.gemv must be False")
 
 
 def _at_least_32(cfg: SgmmConfig) -> SgmmConfig:
@@ -560,7 +560,10 @@ def _launch_shrink_int4(
     config: SgmmConfig | None,
     active_slots: int | None,
 ) -> None:
-    cfg = config or shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max, active_slots)
+    _check_no_gemv(config)
+    cfg = config or shrink_config(
+        shapes.num_tokens, shapes.hidden, shapes.r_max, active_slots, allow_gemv=False
+    )
     _check_config(cfg)
     cfg = _at_least_32(cfg)
     grid_m = _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m)
@@ -698,6 +701,7 @@ def add_lora_int4(
     Triton on CUDA tensors (or with ``backend="triton"`` under ``TRITON_INTERPRET=1``), the
     torch twin on CPU. Configs: the bf16 tables, BLOCK_K at least 32.
     """
+    _check_no_gemv(shrink_cfg)
     _check_no_gemv(expand_cfg)
     if choose_backend(x, backend) == "torch":
         add_lora_int4_ref(out, x, qa, qb, scales, ranks, meta, check_values=check_values)
