@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import health_check_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
@@ -24,12 +25,16 @@ from adaptermesh.mesh.snapshot import (
     ENDPOINT_TYPE,
     LISTENER_TYPE,
     ROUTE_TYPE,
+    WEBSOCKET_PATH,
     AssignmentError,
+    BuildOptions,
+    ExtProcOptions,
     InconsistentSnapshotError,
     Snapshot,
     build_snapshot,
 )
 from adaptermesh.proto import assignment_pb2 as ap
+from adaptermesh.worker.ws import WS_PATH
 
 
 def _shard(sid: str = "s0", port: int = 20000, **labels: str) -> ap.Shard:
@@ -243,3 +248,71 @@ def test_a_shard_without_a_service_address_gets_no_listener() -> None:
     with pytest.raises(AssignmentError) as info:
         build_snapshot(ap.Assignment(version=1, shards=[half]))
     assert info.value.field == "shards[0].service_port"
+
+
+def _manager(snap: Snapshot, shard_id: str = "s0") -> hcm_pb2.HttpConnectionManager:
+    manager = hcm_pb2.HttpConnectionManager()
+    snap.resources[LISTENER_TYPE][f"shard-{shard_id}"].filter_chains[0].filters[
+        0].typed_config.Unpack(manager)
+    return manager
+
+
+@pytest.mark.parametrize("options", [
+    BuildOptions(), BuildOptions(route_by_body=True),
+    BuildOptions(ext_proc=ExtProcOptions()),
+])
+def test_every_listener_upgrades_websockets_without_cutting_them(options: BuildOptions) -> None:
+    snap = build_snapshot(ap.Assignment(version=1, shards=[_shard(), _shard("s1", 20001)]),
+                          options=options)
+    for sid in ("s0", "s1"):
+        manager = _manager(snap, sid)
+        assert [u.upgrade_type for u in manager.upgrade_configs] == ["websocket"]
+        # Not disabled per upgrade, and HTTP/2 clients may use extended CONNECT (RFC 8441).
+        assert not manager.upgrade_configs[0].HasField("enabled")
+        assert manager.http2_protocol_options.allow_connect
+        assert manager.stream_idle_timeout.ToTimedelta().total_seconds() == 0
+        routes = snap.resources[ROUTE_TYPE][f"shard-{sid}"].virtual_hosts[0].routes
+        assert routes
+        for route in routes:
+            assert route.route.timeout.ToTimedelta().total_seconds() == 0, route.name
+            assert not route.route.upgrade_configs  # the listener's upgrade applies
+
+
+@pytest.mark.parametrize("protocol", ["http2", "downstream"])
+def test_http2_upstreams_carry_websockets_as_extended_connect(protocol: str) -> None:
+    shard = _shard(**{"adaptermesh.io/upstream-protocol": protocol})
+    cluster = build_snapshot(ap.Assignment(version=1, shards=[shard])).resources[
+        CLUSTER_TYPE]["shard-s0"]
+    options = http_protocol_options_pb2.HttpProtocolOptions()
+    cluster.typed_extension_protocol_options[
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].Unpack(options)
+    h2 = (options.explicit_http_config.http2_protocol_options if protocol == "http2"
+          else options.use_downstream_protocol_config.http2_protocol_options)
+    assert h2.allow_connect
+
+
+def test_websocket_path_is_the_workers() -> None:
+    assert WEBSOCKET_PATH == WS_PATH
+
+
+def test_with_ext_proc_the_websocket_path_skips_the_body_buffering_filter() -> None:
+    snap = build_snapshot(ap.Assignment(version=1, shards=[_shard()]),
+                          options=BuildOptions(ext_proc=ExtProcOptions()))
+    routes = snap.resources[ROUTE_TYPE]["shard-s0"].virtual_hosts[0].routes
+    # Before every other route, so an upgrade never reaches a route that runs ext_proc.
+    assert [r.name for r in routes][:3] == ["ws:chat", "ws:sql", "ws"]
+    assert [r.name for r in routes][3:] == ["adapter:chat", "adapter:sql", "shard"]
+    for route in routes[:3]:
+        assert route.match.path == WEBSOCKET_PATH
+        per_route = ext_proc_pb2.ExtProcPerRoute()
+        assert route.typed_per_filter_config["envoy.filters.http.ext_proc"].Unpack(per_route)
+        assert per_route.disabled
+    assert routes[0].match.headers[0].string_match.exact == "chat"
+    assert routes[0].route.metadata_match.filter_metadata["envoy.lb"].fields[
+        "adapter"].string_value == "chat"
+    assert not routes[2].match.headers
+    assert not routes[2].route.HasField("metadata_match")
+    # Without ext_proc nothing buffers the body, and the routes are unchanged.
+    plain = build_snapshot(ap.Assignment(version=1, shards=[_shard()]))
+    assert [r.name for r in plain.resources[ROUTE_TYPE]["shard-s0"].virtual_hosts[0].routes] \
+        == ["adapter:chat", "adapter:sql", "shard"]

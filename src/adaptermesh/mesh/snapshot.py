@@ -72,6 +72,7 @@ __all__ = [
     "ENDPOINT_TYPE",
     "LISTENER_TYPE",
     "ROUTE_TYPE",
+    "WEBSOCKET_PATH",
     "AssignmentError",
     "BuildOptions",
     "ExtProcOptions",
@@ -466,6 +467,12 @@ def build_listener(shard: assignment_pb2.Shard, opts: BuildOptions) -> listener_
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         rds=hcm_pb2.Rds(config_source=_ads_source(), route_config_name=name),
         stream_idle_timeout=_duration(opts.stream_idle_timeout_s),
+        # The worker's WebSocket route (GET /v1/ws): HTTP/1.1 upgrades, and extended CONNECT
+        # from HTTP/2 clients (RFC 8441). The zero route and stream idle timeouts above keep a
+        # long-lived socket open; the worker's heartbeat pings (20 s) find dead peers, and
+        # keep a non-zero stream_idle_timeout_s above 20 s from closing an idle socket.
+        upgrade_configs=[hcm_pb2.HttpConnectionManager.UpgradeConfig(upgrade_type="websocket")],
+        http2_protocol_options=protocol_pb2.Http2ProtocolOptions(allow_connect=True),
         http_filters=[
             *_body_filters(opts), *_ext_proc_filters(shard.id, opts),
             hcm_pb2.HttpFilter(name="envoy.filters.http.router",
@@ -490,6 +497,9 @@ def build_listener(shard: assignment_pb2.Shard, opts: BuildOptions) -> listener_
 
 
 BODY_METADATA_NAMESPACE = "adaptermesh.body"
+# The worker's WebSocket route; must stay in sync with adaptermesh.worker.ws.WS_PATH (the
+# mesh sits below the worker, so it cannot import it; tests/mesh/test_mesh_snapshot.py checks).
+WEBSOCKET_PATH = "/v1/ws"
 
 
 def _body_filters(opts: BuildOptions) -> list[hcm_pb2.HttpFilter]:
@@ -552,6 +562,8 @@ def build_route_configuration(
             ),
             route=action,
         ))
+    if opts.ext_proc is not None:
+        routes.extend(_websocket_routes(name, adapters, opts))
     for adapter in adapters:
         action = _route_action(name, opts)
         action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
@@ -578,6 +590,31 @@ def build_route_configuration(
     )
 
 
+def _websocket_routes(name: str, adapters: list[str],
+                      opts: BuildOptions) -> list[route_components_pb2.Route]:
+    """The worker's WebSocket path without the ext_proc filter: it buffers the request body,
+    and an upgrade's body never ends, so the handshake would stall (measured in
+    tests/mesh/test_ws_envoy.py). Each message names its own model, so there is no body to
+    route by; the adapter header still picks holders."""
+    skip = {"envoy.filters.http.ext_proc": _pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+    routes = []
+    for adapter in [*adapters, None]:
+        action = _route_action(name, opts)
+        headers = []
+        if adapter is not None:
+            action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
+                ADAPTER_METADATA_KEY].string_value = adapter
+            headers = [route_components_pb2.HeaderMatcher(
+                name=opts.adapter_header, string_match=string_pb2.StringMatcher(exact=adapter))]
+        routes.append(route_components_pb2.Route(
+            name="ws" if adapter is None else f"ws:{adapter}",
+            match=route_components_pb2.RouteMatch(path=WEBSOCKET_PATH, headers=headers),
+            route=action,
+            typed_per_filter_config=skip,
+        ))
+    return routes
+
+
 def _route_action(cluster: str, opts: BuildOptions) -> route_components_pb2.RouteAction:
     return route_components_pb2.RouteAction(
         cluster=cluster,
@@ -594,6 +631,10 @@ def _route_action(cluster: str, opts: BuildOptions) -> route_components_pb2.Rout
     )
 
 
+# Extended CONNECT upstream carries a client's WebSocket to an HTTP/2 worker.
+_UPSTREAM_HTTP2 = protocol_pb2.Http2ProtocolOptions(allow_connect=True)
+
+
 def _upstream_protocol_options(
     protocol: str, opts: BuildOptions
 ) -> http_protocol_options_pb2.HttpProtocolOptions:
@@ -602,12 +643,12 @@ def _upstream_protocol_options(
     if protocol == "http2":
         return Options(common_http_protocol_options=common,
                        explicit_http_config=Options.ExplicitHttpConfig(
-                           http2_protocol_options=protocol_pb2.Http2ProtocolOptions()))
+                           http2_protocol_options=_UPSTREAM_HTTP2))
     if protocol == "downstream":
         return Options(common_http_protocol_options=common,
                        use_downstream_protocol_config=Options.UseDownstreamHttpConfig(
                            http_protocol_options=protocol_pb2.Http1ProtocolOptions(),
-                           http2_protocol_options=protocol_pb2.Http2ProtocolOptions()))
+                           http2_protocol_options=_UPSTREAM_HTTP2))
     return Options(common_http_protocol_options=common,
                    explicit_http_config=Options.ExplicitHttpConfig(
                        http_protocol_options=protocol_pb2.Http1ProtocolOptions()))
