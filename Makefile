@@ -12,12 +12,13 @@ demo: setup
 	$(VENV)/bin/adaptermesh demo
 
 # Style, types and the import contracts first (ruff, mypy strict, import-linter): a finding
-# fails the run like a failing test.
+# fails the run like a failing test. The tests run in a shuffled order (inside each directory;
+# tests/conftest.py): the seed is in the header, and TEST_ORDER_SEED=<seed> make test repeats it.
 test: setup
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu" --order shuffle $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench

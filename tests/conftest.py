@@ -5,9 +5,16 @@
   look green on the GPU machine.
 - ``root`` tests need root: CI runs as root, so they run there. Nothing is skipped for a
   missing install step: scripts/setup.sh checks every import the tests need.
-- ``--order reverse`` or ``--order shuffle`` (seed ``--order-seed``, printed in the header)
-  runs each file's tests in another order, to show that no test leans on what an earlier
-  one left behind.
+- ``--order reverse`` or ``--order shuffle`` runs the tests in another order, to show that no
+  test leans on what an earlier one left behind. ``make test`` (so CI) shuffles; the seed is
+  printed in the header, and ``TEST_ORDER_SEED=N make test`` (or ``--order-seed N``) repeats
+  a run's order. ``TEST_ORDER`` sets the default of ``--order``.
+
+  The order changes inside a directory, never across directories: the files of one
+  directory are shuffled, then each file's classes, then each class's tests (so class- and
+  module-scoped fixtures are still set up once). Directories keep their collection order
+  because tests/kernels/conftest.py sets TRITON_INTERPRET and reloads the kernel modules for
+  the tests collected after it, and the order of parts is part of how the suite is read.
 """
 
 from __future__ import annotations
@@ -26,11 +33,39 @@ settings.register_profile("dev", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
+_ORDERS = ("file", "reverse", "shuffle")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--order", choices=("file", "reverse", "shuffle"), default="file",
-                     help="order of the tests inside each file")
-    parser.addoption("--order-seed", type=int, default=None,
-                     help="seed of --order shuffle (random when not given)")
+    parser.addoption(
+        "--order",
+        choices=_ORDERS,
+        default=_env_order(),
+        help="order of the tests inside each directory (default: $TEST_ORDER or file)",
+    )
+    parser.addoption(
+        "--order-seed",
+        type=int,
+        default=_env_seed(),
+        help="seed of --order shuffle (default: $TEST_ORDER_SEED, else random)",
+    )
+
+
+def _env_order() -> str:
+    order = os.environ.get("TEST_ORDER", "file")
+    if order not in _ORDERS:
+        raise pytest.UsageError(f"TEST_ORDER={order!r}: want one of {', '.join(_ORDERS)}")
+    return order
+
+
+def _env_seed() -> int | None:
+    text = os.environ.get("TEST_ORDER_SEED", "")
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise pytest.UsageError(f"TEST_ORDER_SEED={text!r}: want a whole number") from None
 
 
 def _order_seed(config: pytest.Config) -> int:
@@ -44,24 +79,49 @@ def _order_seed(config: pytest.Config) -> int:
 def pytest_report_header(config: pytest.Config) -> str | None:
     order = config.getoption("--order")
     if order == "shuffle":
-        return f"test order: shuffle, --order-seed {_order_seed(config)}"
+        seed = _order_seed(config)
+        return f"test order: shuffle, seed {seed} (repeat: TEST_ORDER_SEED={seed} or --order-seed {seed})"
     return None if order == "file" else f"test order: {order}"
+
+
+def _levels(item: pytest.Item) -> tuple[str, ...]:
+    """The groups an item sits in, outermost first: its directory, its file, its class."""
+    path, _, rest = item.nodeid.partition("::")
+    directory, _, _ = path.rpartition("/")
+    parts = rest.split("::")
+    return (directory, path, *("::".join(parts[: i + 1]) for i in range(len(parts) - 1)))
+
+
+def _arrange(
+    items: list[pytest.Item], depth: int, order: str, rng: random.Random
+) -> list[pytest.Item]:
+    # Items that share a group at ``depth`` stay together; the groups (and the items that
+    # sit directly at this depth) are reordered, then each group inside.
+    blocks: list[list[pytest.Item]] = []
+    for key, group in groupby(items, key=lambda item: _group_key(item, depth)):
+        tests = list(group)
+        if key is None:
+            blocks.extend([t] for t in tests)
+        else:
+            blocks.append(_arrange(tests, depth + 1, order, rng))
+    if depth > 0:  # directories (depth 0) keep their order
+        if order == "reverse":
+            blocks.reverse()
+        else:
+            rng.shuffle(blocks)
+    return [t for block in blocks for t in block]
+
+
+def _group_key(item: pytest.Item, depth: int) -> str | None:
+    levels = _levels(item)
+    return levels[depth] if depth < len(levels) else None
 
 
 def _reorder(config: pytest.Config, items: list[pytest.Item]) -> None:
     order = config.getoption("--order")
     if order == "file":
         return
-    rng = random.Random(_order_seed(config))
-    out: list[pytest.Item] = []
-    for _, group in groupby(items, key=lambda item: item.nodeid.split("::")[0]):
-        tests = list(group)
-        if order == "reverse":
-            tests.reverse()
-        else:
-            rng.shuffle(tests)
-        out.extend(tests)
-    items[:] = out
+    items[:] = _arrange(items, 0, order, random.Random(_order_seed(config)))
 
 
 def _cuda_available() -> bool:
@@ -76,7 +136,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _reorder(config, items)
     has_gpu = _cuda_available()
     if os.environ.get("REQUIRE_GPU") == "1" and not has_gpu:
-        raise pytest.UsageError("REQUIRE_GPU=1 but torch sees no CUDA device: the GPU install is broken")
+        raise pytest.UsageError(
+            "REQUIRE_GPU=1 but torch sees no CUDA device: the GPU install is broken"
+        )
     is_root = os.geteuid() == 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_root = pytest.mark.skip(reason="needs root (eBPF, network namespaces)")

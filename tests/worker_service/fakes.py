@@ -12,10 +12,14 @@ import contextlib
 import time
 import zlib
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import cast
 
+from adaptermesh.worker.engine import Engine
 from adaptermesh.worker.types import (
     AdapterInfo,
     AdapterNotFoundError,
+    EngineError,
     EngineOverloadedError,
     EngineStats,
     GenerationRequest,
@@ -128,6 +132,7 @@ class FakeEngine:
     def __init__(self, *, max_batch: int = 8, token_delay: float = 0.0,
                  max_model_len: int = 128, chat: bool = True) -> None:
         self.max_model_len = max_model_len
+        self.model_config = SimpleNamespace(vocab_size=VOCAB)  # what Engine._validate reads
         self.token_delay = token_delay
         self.chat = chat
         self.slots = asyncio.Semaphore(max_batch)
@@ -150,8 +155,12 @@ class FakeEngine:
     def submit(self, request: GenerationRequest) -> FakeStream:
         if self.fail_on_submit is not None:
             raise self.fail_on_submit
-        if any(t >= VOCAB for t in request.prompt_token_ids):
-            raise InvalidRequestError("prompt_token_ids", f"token ids must be below {VOCAB}")
+        if self.shut_down:
+            raise EngineError("engine is shut down")
+        # The engine's own request checks (fields, limits, messages), over this vocabulary
+        # and max_model_len: tests/worker_service/test_fake_engine_contract.py holds the two
+        # to the same answers.
+        Engine._validate(cast(Engine, self), request)
         self.submitted.append(request)
         return FakeStream(self, request)
 
