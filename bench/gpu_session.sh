@@ -5,8 +5,11 @@
 #   peers     bench/bench_sgmm_peers.py (our kernels beside the peers; needs bench/.peers)
 #   adafuse   bench/bench_adafuse.py
 #   engine    bench/bench_engine_speed.py (ENGINE_ARGS, e.g. "--only batch1,batch64,step_split")
+#   fidelity  bench/fidelity_gpu.py (the model/adapter fidelity suite with the Triton kernels)
+#   evict     bench/bench_eviction.py --device cuda --shape llama7b
 #   http      bench/bench_service.py --mix
-# STAGES picks them in order (default: all); <STAGE>_S overrides a stage's timeout.
+# STAGES picks them in order (default: all but fidelity and evict); <STAGE>_S overrides a
+# stage's timeout; TESTS_PATHS and TESTS_OUT narrow the tests stage.
 #   STAGES="tests sweep engine" ENGINE_ARGS="--only batch1,batch64" bench/gpu_session.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -34,9 +37,9 @@ stage() {  # name default_timeout command...
 for s in $STAGES; do
   case $s in
     tests)
-      paths="tests/kernels"
+      paths=${TESTS_PATHS:-tests/kernels}
       [ -n "${TESTS_WORKER:-}" ] && paths="$paths tests/worker/test_gpu.py tests/worker/test_sampling.py"
-      stage tests 150 python3 bench/gpu_tests.py --out "$OUT/gpu_tests_h200.json" \
+      stage tests 150 python3 bench/gpu_tests.py --out "$OUT/${TESTS_OUT:-gpu_tests_h200.json}" \
         --timeout-s $(( ${TESTS_S:-150} - 10 )) -- -m gpu $paths ;;
     sweep)
       stage sweep 240 python3 bench/sweep_sgmm_decode.py --out "$OUT/sgmm_decode_sweep_h200.json" \
@@ -49,6 +52,12 @@ for s in $STAGES; do
     engine)
       stage engine 300 python3 bench/bench_engine_speed.py --out "$OUT/engine_speed_h200.json" \
         --budget-s $(( ${ENGINE_S:-300} - 15 )) ${ENGINE_ARGS:-} ;;
+    fidelity)
+      stage fidelity 170 python3 bench/fidelity_gpu.py --device cuda \
+        --out "$OUT/fidelity_h200.json" --timeout-s $(( ${FIDELITY_S:-170} - 15 )) ${FIDELITY_ARGS:-} ;;
+    evict)
+      stage evict 120 python3 bench/bench_eviction.py --device cuda --shape llama7b \
+        --out "$OUT/eviction_h200.json" ${EVICT_ARGS:-} ;;
     http)
       stage http 200 python3 bench/bench_service.py --mix --device cuda \
         --out "$OUT/engine_speed_h200_http.json" ${HTTP_ARGS:-} ;;
