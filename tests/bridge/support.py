@@ -53,6 +53,7 @@ class Mosquitto:
             "persistence true\n"
             f"persistence_location {workdir}/\n"
             "autosave_interval 1\n"
+            "set_tcp_nodelay true\n"
             "max_queued_messages 100000\n"
             "log_dest stderr\n"
             "log_type error\n"
@@ -180,7 +181,14 @@ def mqtt_client(port: int, client_id: str = "") -> paho.Client:
         protocol=MQTTProtocolVersion.MQTTv5,
     )
     connected = threading.Event()
-    client.on_connect = lambda c, u, f, rc, p: connected.set()
+
+    def on_connect(c: paho.Client, u: Any, f: Any, rc: Any, p: Any) -> None:
+        sock = c.socket()
+        if isinstance(sock, socket.socket):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connected.set()
+
+    client.on_connect = on_connect
     client.connect("127.0.0.1", port)
     client.loop_start()
     assert connected.wait(10), "no connection to the broker"

@@ -118,6 +118,9 @@ INVALID = [
     (json.dumps({**request("x"), "body": "prompt"}), "body"),
     (json.dumps({**request("x"), "body": {"prompt": "a", "stream": True}}), "body.stream"),
     (json.dumps({**request("x"), "reply_to": "replies/#"}), "reply_to"),
+    # A broker closes the connection on a topic with a control character (mosquitto does).
+    (json.dumps({**request("x"), "reply_to": "replies/\u0001"}), "reply_to"),
+    (json.dumps({**request("x"), "reply_to": "replies/\ufffe"}), "reply_to"),
 ]
 
 

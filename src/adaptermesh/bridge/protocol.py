@@ -93,13 +93,27 @@ def valid_reply_topic(topic: object, loops_back: Callable[[str], bool]) -> str |
         return f"must be at most {_MAX_TOPIC_BYTES} bytes"
     if any(c in topic for c in "+#\x00"):
         return "must be a topic name, without wildcards (+, #) or NUL"
-    if any("\ud800" <= c <= "\udfff" for c in topic):
-        return "must be valid UTF-8 (holds a lone surrogate)"
+    if any(_refused_in_topic(c) for c in topic):
+        return "must be valid UTF-8 without control characters or non-characters"
     if topic.startswith("$"):
         return "must not start with '$' (broker-reserved topics)"
     if loops_back(topic):
         return "matches the bridge's request topic (the reply would come back as a request)"
     return None
+
+
+def _refused_in_topic(c: str) -> bool:
+    """Code points MQTT says a topic should not hold, which brokers (mosquitto among them)
+    answer by closing the connection: a reply published to such a topic would be resent on
+    every reconnect and cut the bridge off each time."""
+    o = ord(c)
+    return (
+        o <= 0x1F
+        or 0x7F <= o <= 0x9F
+        or 0xD800 <= o <= 0xDFFF
+        or 0xFDD0 <= o <= 0xFDEF
+        or (o & 0xFFFE) == 0xFFFE
+    )
 
 
 def _valid_id(value: object) -> str | None:
