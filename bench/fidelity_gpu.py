@@ -16,7 +16,7 @@ torch, triton, transformers, peft, pytest and hypothesis; no pytest plugins, sin
 drives the engine with ``asyncio.run``. The pytest options come from pyproject.toml (markers,
 warning filters) minus those of plugins the machine lacks.
 
-    PYTHONPATH=src python3 bench/fidelity_gpu.py --device cuda --examples 12
+    PYTHONPATH=src python3 bench/fidelity_gpu.py --device cuda
     PYTHONPATH=src python3 bench/fidelity_gpu.py --device cpu --examples 2   # writes fidelity_cpu.json
 """
 
@@ -87,17 +87,19 @@ def device_info(device: str) -> tuple[str, str]:
     )
 
 
-def parse_junit(path: Path) -> dict[str, Any]:
-    """Counts and failing cases from a JUnit XML file pytest wrote."""
-    root = ET.parse(path).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+def parse_junit(paths: list[Path]) -> dict[str, Any]:
+    """Counts, failing cases and per-test durations from the JUnit XML files pytest wrote."""
     counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     failures: list[dict[str, str]] = []
     skipped: list[dict[str, str]] = []
-    for suite in suites:
-        for case in suite.iter("testcase"):
+    durations: dict[str, float] = {}
+    for path in paths:
+        root = ET.parse(path).getroot()
+        for case in root.iter("testcase"):
             counts["tests"] += 1
-            test_id = f"{case.get('classname', '')}::{case.get('name', '')}"
+            module = case.get("classname", "").replace(".", "/")
+            test_id = f"{module}.py::{case.get('name', '')}"
+            durations[test_id] = round(float(case.get("time") or 0.0), 2)
             bad = case.find("failure")
             kind = "failed"
             if bad is None:
@@ -105,12 +107,12 @@ def parse_junit(path: Path) -> dict[str, Any]:
                 kind = "errors"
             if bad is not None:
                 counts[kind] += 1
-                text = (bad.get("message") or bad.text or "").strip()
                 failures.append(
                     {
                         "test": test_id,
                         "kind": "failure" if kind == "failed" else "error",
-                        "message": text[:2000],
+                        "message": (bad.get("message") or "").strip()[:2000],
+                        "traceback_tail": (bad.text or "").strip()[-4000:],
                     }
                 )
                 continue
@@ -120,7 +122,21 @@ def parse_junit(path: Path) -> dict[str, Any]:
                 skipped.append({"test": test_id, "reason": (skip.get("message") or "")[:500]})
                 continue
             counts["passed"] += 1
-    return {"counts": counts, "failures": failures, "skipped": skipped}
+    slowest = dict(sorted(durations.items(), key=lambda kv: -kv[1])[:15])
+    return {"counts": counts, "failures": failures, "skipped": skipped, "slowest_tests_s": slowest}
+
+
+def shard(node_ids: list[str], jobs: int) -> list[list[str]]:
+    """Split the suite over ``jobs`` pytest processes: the property tests (the longest, one
+    node each) first, one per shard, then the rest round-robin from the next shard on."""
+    heavy = [n for n in node_ids if "::test_random_" in n]
+    rest = [n for n in node_ids if n not in heavy]
+    shards: list[list[str]] = [[] for _ in range(jobs)]
+    for i, n in enumerate(heavy):
+        shards[i % jobs].append(n)
+    for i, n in enumerate(rest):
+        shards[(len(heavy) + i) % jobs].append(n)
+    return [s for s in shards if s]
 
 
 def read_diffs(path: Path) -> dict[str, Any]:
@@ -149,8 +165,8 @@ def main() -> int:
     ap.add_argument(
         "--examples",
         type=int,
-        default=12,
-        help="Hypothesis examples per property test (default 12)",
+        default=8,
+        help="Hypothesis examples per property test (default 8)",
     )
     ap.add_argument(
         "--out",
@@ -162,6 +178,12 @@ def main() -> int:
         "--timeout-s", type=int, default=600, help="kill pytest after this many seconds"
     )
     ap.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="pytest processes sharing the device (default: 1 on cpu, up to 4 on cuda)",
+    )
+    ap.add_argument(
         "-k", dest="keyword", default=None, help="pytest -k expression (a subset of the suite)"
     )
     args = ap.parse_args()
@@ -171,28 +193,15 @@ def main() -> int:
         ap.error("--examples must be at least 1")
 
     short, described = device_info(args.device)
+    jobs = args.jobs or (min(4, max(1, (os.cpu_count() or 2) // 4)) if args.device != "cpu" else 1)
     out = args.out or REPO / "bench" / "results" / f"fidelity_{short}.json"
     with tempfile.TemporaryDirectory(prefix="fidelity_") as tmp_s:
         tmp = Path(tmp_s)
-        ini, xml, diffs = tmp / "pytest.ini", tmp / "junit.xml", tmp / "diffs.jsonl"
+        ini, diffs = tmp / "pytest.ini", tmp / "diffs.jsonl"
         write_ini(ini)
-        cmd = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-c",
-            str(ini),
-            "--rootdir",
-            str(REPO),
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "-rfE",
-            f"--junitxml={xml}",
-            *SUITE,
-        ]
-        if args.keyword:
-            cmd += ["-k", args.keyword]
+        base = [sys.executable, "-m", "pytest", "-c", str(ini), "--rootdir", str(REPO)]
+        base += ["-p", "no:cacheprovider", "-q"]
+        select = [*SUITE, *(["-k", args.keyword] if args.keyword else [])]
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(
@@ -203,20 +212,55 @@ def main() -> int:
             "ADAPTERMESH_FIDELITY_DIFF_LOG": str(diffs),
             "HYPOTHESIS_PROFILE": "ci",  # derandomized: the same examples on every run
             "PYTHONUNBUFFERED": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
+            "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+            # The processes share the host's cores instead of each taking all of them.
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs)),
         }
         t0 = time.monotonic()
+        if jobs > 1:
+            listed = subprocess.run(
+                [*base, "--collect-only", *select], cwd=REPO, env=env, check=False,
+                capture_output=True, text=True,
+            )  # fmt: skip
+            node_ids = [ln for ln in listed.stdout.splitlines() if "::" in ln]
+            if listed.returncode != 0 or not node_ids:
+                print(listed.stdout[-4000:], listed.stderr[-4000:], sep="\n")
+                raise SystemExit(f"collecting the suite failed (exit {listed.returncode})")
+            groups = shard(node_ids, jobs)
+        else:
+            groups = [select]
+        xmls = [tmp / f"junit_{i}.xml" for i in range(len(groups))]
+        cmds = [[*base, "-rfE", f"--junitxml={x}", *g] for x, g in zip(xmls, groups, strict=True)]
+        logs = [open(tmp / f"pytest_{i}.log", "w+") for i in range(len(cmds))]  # noqa: SIM115
+        procs = [
+            subprocess.Popen(c, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+            for c, f in zip(cmds, logs, strict=True)
+        ]
         timed_out = False
-        try:
-            rc = subprocess.run(
-                cmd, cwd=REPO, env=env, timeout=args.timeout_s, check=False
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc, timed_out = 124, True
+        rcs: list[int] = []
+        for proc in procs:
+            left = max(1.0, args.timeout_s - (time.monotonic() - t0))
+            try:
+                rcs.append(proc.wait(timeout=left))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                proc.kill()
+                rcs.append(124)
         duration = time.monotonic() - t0
-        result = (
-            parse_junit(xml) if xml.exists() else {"counts": None, "failures": [], "skipped": []}
-        )
+        for i, f in enumerate(logs):
+            f.seek(0)
+            tail = f.read()[-3000:]
+            f.close()
+            print(f"--- shard {i} (exit {rcs[i]}) ---\n{tail}")
+        rc = 0 if all(r == 0 for r in rcs) else next(r for r in rcs if r != 0)
+        result = parse_junit([x for x in xmls if x.exists()])
         diff = read_diffs(diffs)
+        pytest_command = shlex.join(
+            ["python3", *base[1:], "-rfE", "--junitxml=$TMP/junit.xml", *select]
+        )
+        pytest_command = pytest_command.replace(str(tmp), "$TMP")
 
     record = {
         "what": "fidelity suite (tests/worker/test_fidelity*.py): engine vs transformers + peft, token for token, "
@@ -226,20 +270,22 @@ def main() -> int:
         "dtype": "float32 (engine and reference; IEEE fp32 products in the Triton kernels)",
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": shlex.join(["python3", "bench/fidelity_gpu.py", *sys.argv[1:]]),
-        "pytest_command": shlex.join(["python3", *cmd[1:]]).replace(str(tmp), "$TMP"),
+        "pytest_command": pytest_command,
+        "pytest_processes": len(groups),
         "hypothesis_examples_per_property": args.examples,
         "versions": {lib: _version(lib) for lib in _LIBS} | {"python": sys.version.split()[0]},
-        "pytest_exit_code": rc,
+        "pytest_exit_codes": rcs,
         "timed_out": timed_out,
         "duration_s": round(duration, 1),
-        **(result["counts"] or {"counts": None}),
+        **result["counts"],
         "failures": result["failures"],
         "skipped_tests": result["skipped"],
+        "slowest_tests_s": result["slowest_tests_s"],
         **diff,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
-    c = result["counts"] or {}
+    c = result["counts"]
     print(
         f"fidelity on {described}: {c.get('passed')} passed, {c.get('failed')} failed, {c.get('errors')} errors, "
         f"{c.get('skipped')} skipped in {duration:.1f}s; max |logit diff| {diff['max_abs_logit_diff']}; wrote {out}"

@@ -9,7 +9,7 @@ fp32 ``tl.dot`` runs with IEEE products (no TF32) and torch's fp32 matmuls are h
 "highest" precision, so token-for-token equality stays meaningful on the GPU too.
 
 ``ADAPTERMESH_FIDELITY_EXAMPLES`` sets how many Hypothesis examples each property test draws
-(default 20). ``ADAPTERMESH_FIDELITY_DIFF_LOG`` names a file that receives one JSON line per
+(default 10). ``ADAPTERMESH_FIDELITY_DIFF_LOG`` names a file that receives one JSON line per
 compared request (test id, device, largest |logit difference|); bench/fidelity_gpu.py reads it.
 
 No pytest-asyncio needed: every test drives the engine with ``asyncio.run``, so the suite runs
@@ -68,10 +68,11 @@ def _device() -> torch.device:
 
 
 DEVICE = _device()
-EXAMPLES = int(os.environ.get("ADAPTERMESH_FIDELITY_EXAMPLES", "20"))
-# (atol, rtol) on fp32 logits. The CPU engine and transformers run the same torch ops in a
-# different order; on CUDA the Triton kernels reduce in other orders again (split-K SGMM,
-# online-softmax attention with exp2), still in IEEE fp32.
+EXAMPLES = int(os.environ.get("ADAPTERMESH_FIDELITY_EXAMPLES", "10"))
+# (atol, rtol) on fp32 logits, atol per unit of the largest |logit| of the compared request
+# (Gemma's scaled embeddings and tied head give logits tens of units large). The CPU engine
+# and transformers run the same torch ops in another order; on CUDA the Triton kernels reduce
+# in other orders again (split-K SGMM, online-softmax attention with exp2), still in IEEE fp32.
 TOLERANCE: tuple[float, float] = (2e-4, 1e-4) if DEVICE.type == "cpu" else (5e-4, 2e-4)
 
 PROMPT = tuple(range(2, 40, 3))  # 13 tokens: longer than every window the suites use
@@ -139,7 +140,12 @@ def peft_adapter(root: Path, model_dir: Path, name: str, seed: int, **lora: Any)
 
 
 class Ref:
-    """transformers + peft over a model and any number of adapters (or none), on the CPU."""
+    """transformers + peft over a model and any number of adapters (or none), on the CPU.
+
+    The reference runs transformers' eager attention, the one every family's modeling code
+    defines: the SDPA path of some transformers releases drops Gemma 2's attention
+    soft-capping (transformers 5.17 does; 5.24 does not), which would make the reference, not
+    the engine, depend on the installed version."""
 
     def __init__(self, model_dir: Path, root: Path, names: list[str]) -> None:
         import peft
@@ -148,7 +154,7 @@ class Ref:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.model: Any = transformers.AutoModelForCausalLM.from_pretrained(
-                str(model_dir), dtype=torch.float32
+                str(model_dir), dtype=torch.float32, attn_implementation="eager"
             )
             if names:
                 self.model = peft.PeftModel.from_pretrained(
@@ -254,7 +260,8 @@ async def assert_matches(
         assert got == want, f"{rid}: engine {got} != reference {want} on {DEVICE}"
         mine = torch.stack(log[rid])
         _log_diff(rid, float((mine - ref_logits).abs().max()))
-        torch.testing.assert_close(mine, ref_logits, atol=atol, rtol=rtol)
+        scale = max(1.0, float(ref_logits.abs().max()))
+        torch.testing.assert_close(mine, ref_logits, atol=atol * scale, rtol=rtol)
 
 
 def match_case(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,9 @@ def _unaccounted(d: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> list[str
     )
 
 
-@pytest.mark.parametrize("name", list(ACCEPTED))
+@pytest.mark.parametrize(
+    "name", list(ACCEPTED), ids=[re.sub(r"[^A-Za-z0-9.-]+", "_", k) for k in ACCEPTED]
+)
 def test_published_configs_load_with_every_field_accounted(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -177,7 +180,9 @@ def test_published_configs_derived_settings() -> None:
     assert p.fused_checkpoint
 
 
-@pytest.mark.parametrize("name", list(REFUSED))
+@pytest.mark.parametrize(
+    "name", list(REFUSED), ids=[re.sub(r"[^A-Za-z0-9.-]+", "_", k) for k in REFUSED]
+)
 def test_published_configs_refused_by_name(name: str) -> None:
     d, field = REFUSED[name]
     with pytest.raises(ValueError, match=rf"config\.{field}:"):
@@ -356,6 +361,9 @@ def test_adapter_field_refused_by_name(
         {"megatron_config": {"tensor_model_parallel_size": 1}, "megatron_core": "megatron.core"},
         {"loftq_config": {}},
         {"init_lora_weights": "gaussian"},
+        {"init_lora_weights": "orthogonal"},
+        {"init_lora_weights": False},
+        {"init_lora_weights": "eva", "eva_config": {"rho": 2.0}},
         {"eva_config": None, "corda_config": None, "lora_bias": False, "use_dora": False},
         {"layers_pattern": "layers", "layers_to_transform": [1]},
     ],
