@@ -142,7 +142,7 @@ TINY = Sizes(adapters=8, prompt=16, new_tokens=8, batch=8, repeats=2, max_model_
              max_num_seqs=128, max_num_batched_tokens=2048, max_prefill_chunk=256,
              kv_cache_bytes=20 * MiB, capacity_ctx=256, capacity_requests=96, capacity_prompt=32,
              capacity_new_tokens=4, system_prompt=64, user_tokens=8, prefix_warm=3,
-             logprobs_new_tokens=64,
+             logprobs_new_tokens=32,
              split_batches=(1, 4, 16), split_prompt=8, split_new_tokens=10, split_kv_bytes=4 * MiB,
              split_max_model_len=128, profile_window_steps=3, hf_prompt=8, hf_new_tokens=8,
              hf_batches=(1, 8), copy_bytes=64 * MiB)

@@ -136,6 +136,7 @@ async def test_mixed_batch_rows_that_do_not_ask_are_unchanged(
         ]
 
     plain = await asyncio.gather(*(collect(eng.submit(r)) for r in reqs(False)))
+    assert eng.logprob_steps == 0  # steps where no row asked run no logprob work
     mixed = await asyncio.gather(*(collect(eng.submit(r)) for r in reqs(True)))
     assert eng.logprob_steps > 0
     for (rid, p, a, _), before, after in zip(base, plain, mixed, strict=True):
