@@ -50,7 +50,7 @@ for s in $STAGES; do
     adafuse)
       stage adafuse 160 python3 bench/bench_adafuse.py --out "$OUT/adafuse_h200.json" ;;
     engine)
-      stage engine 300 python3 bench/bench_engine_speed.py --out "$OUT/engine_speed_h200.json" \
+      stage engine 300 python3 bench/bench_engine_speed.py --out "$OUT/${ENGINE_OUT:-engine_speed_h200.json}" \
         --budget-s $(( ${ENGINE_S:-300} - 15 )) ${ENGINE_ARGS:-} ;;
     fidelity)
       stage fidelity 170 python3 bench/fidelity_gpu.py --device cuda \
