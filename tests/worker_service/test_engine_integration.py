@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import statistics
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import async_wait_until as wait_until
 
 from adaptermesh.worker.engine import Engine, EngineConfig
 from adaptermesh.worker.testing import make_adapter, make_tiny_model
@@ -26,7 +25,6 @@ from adaptermesh.worker.types import GenerationRequest, SamplingParams
 
 from .conftest import StartServer
 from .test_metrics import EXPECTED
-from .test_service import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +147,7 @@ async def test_openai_client_matches_engine_greedy_output(
         await engine.shutdown()
 
 
-async def test_flooding_tenant_gets_429_while_quiet_tenant_keeps_latency(
+async def test_flooding_tenant_gets_429_while_quiet_tenant_goes_ahead_of_its_backlog(
     model_files, start_server: StartServer
 ) -> None:
     engine = engine_for(model_files, max_num_seqs=2)
@@ -160,33 +158,40 @@ async def test_flooding_tenant_gets_429_while_quiet_tenant_keeps_latency(
                   "temperature": 0}
     quiet_body = {"model": "a0", "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
 
-    async def timed(body: dict, tenant: str) -> tuple[float, httpx.Response]:
-        t0 = time.monotonic()
+    # The order in which answers come back (an ordering, not a time: a loaded CI machine
+    # slows every request alike; the latency figure is bench/bench_http_hardening.py's).
+    finished: list[str] = []
+
+    async def post(body: dict, tenant: str) -> httpx.Response:
         r = await s.client.post("/v1/completions", json=body, headers={"x-tenant-id": tenant})
-        return time.monotonic() - t0, r
+        finished.append(tenant)
+        return r
 
     try:
-        await timed(quiet_body, "quiet")  # warm up
-        baseline = statistics.median([(await timed(quiet_body, "quiet"))[0] for _ in range(3)])
-        alone, r = await timed(flood_body, "flood")
-        assert r.status_code == 200
-        flood = [asyncio.create_task(timed(flood_body, "flood")) for _ in range(16)]
+        assert (await post(quiet_body, "quiet")).status_code == 200  # a0 loaded: a warm start
+        assert (await post(flood_body, "flood")).status_code == 200
+        finished.clear()
+        flood = [asyncio.create_task(post(flood_body, "flood")) for _ in range(16)]
         await wait_until(lambda: s.service.queue.num_waiting == 3)
-        quiet = [await timed(quiet_body, "quiet") for _ in range(3)]
+        # Two flood requests run and three wait; the refused ones are answered at once.
+        await wait_until(lambda: finished.count("flood") == 11)
+        quiet = []
+        for _ in range(3):
+            quiet.append(await post(quiet_body, "quiet"))
         flood_results = await asyncio.gather(*flood)
     finally:
         await engine.shutdown()
-    codes = [r.status_code for _, r in flood_results]
+    codes = [r.status_code for r in flood_results]
     assert codes.count(200) == 5
     assert codes.count(429) == 11
-    assert all(r.headers.get("retry-after") for _, r in flood_results if r.status_code == 429)
-    assert [r.status_code for _, r in quiet] == [200, 200, 200]
-    # Fair queuing puts the quiet tenant's request in the next free slot, ahead of the flood's
-    # backlog: it waits at most for one flood request to finish, then runs.
-    worst = max(t for t, _ in quiet)
-    assert worst < 1.5 * alone + 3 * baseline + 0.25, (worst, alone, baseline)
-    queued_flood = sorted(t for t, r in flood_results if r.status_code == 200)[-1]
-    assert worst < queued_flood
+    assert all(r.headers.get("retry-after") for r in flood_results if r.status_code == 429)
+    assert [r.status_code for r in quiet] == [200, 200, 200]
+    # Fair queuing puts each quiet request in the next free slot, ahead of the flood's
+    # backlog: the first waits only for a running flood request (first-come order would put
+    # it behind all three queued ones), and all three are answered before the flood's last.
+    served = finished[11:]  # after the eleven refusals
+    assert served.index("quiet") <= 2, served
+    assert served[-1] == "flood", served
 
 
 async def test_disconnect_mid_stream_frees_the_slot(model_files, start_server: StartServer) -> None:
@@ -208,13 +213,12 @@ async def test_disconnect_mid_stream_frees_the_slot(model_files, start_server: S
         await wait_until(lambda: engine.stats().num_running == 0)
         generated = engine.stats().generated_tokens
         assert generated - before < 900
-        await asyncio.sleep(0.2)
-        assert engine.stats().generated_tokens == generated  # nothing runs for the lost client
-        t0 = time.monotonic()
         r = await client.completions.create(model="a0", prompt=PROMPT, max_tokens=8,
                                             temperature=0)
         assert r.choices[0].finish_reason in ("length", "stop")
-        assert time.monotonic() - t0 < 5
+        # Nothing ran for the lost client: the engine generated this answer's tokens only.
+        assert r.usage is not None
+        assert engine.stats().generated_tokens == generated + r.usage.completion_tokens
         text = (await s.client.get("/metrics")).text
         assert 'adaptermesh_requests_total{outcome="disconnected"} 1.0' in text
     finally:
@@ -376,8 +380,12 @@ async def test_cli_serves_and_drains_on_sigterm(model_files, tmp_path: Path) -> 
                     if len(events) == 2:
                         proc.send_signal(15)
                         async with httpx.AsyncClient(base_url=url, timeout=5) as c2:
-                            await asyncio.sleep(0.2)
-                            health = await c2.get("/health")
+
+                            async def draining(c2: httpx.AsyncClient = c2) -> httpx.Response | None:
+                                h = await c2.get("/health")
+                                return h if h.status_code == 503 else None
+
+                            health = await wait_until(draining)
                             refused = await c2.post("/v1/completions", json={"prompt": "x"})
             assert health.status_code == 503
             assert refused.status_code == 503
