@@ -469,3 +469,20 @@ def test_malformed_messages_through_the_broker(
     assert reply.doc["ok"] is False
     assert reply.doc["error"]["field"] == expected.field
     assert reply.topic == (expected.reply_to or "replies/hyp")
+
+
+def test_metrics_count_requests(start_bridge: StartBridge, client: Any, replies: Replies) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    rb = start_bridge()
+    registry = CollectorRegistry()
+    registry.register(rb.bridge.collector())
+    publish(client, "requests/a", request("m1"))
+    publish(client, "requests/a", b"{}", response_topic="replies/errors")
+    _one(replies, "m1")
+    wait_until(lambda: rb.bridge.stats.published == 1 and rb.bridge.stats.invalid == 1, 5)
+    text = generate_latest(registry).decode()
+    assert "adaptermesh_bridge_received_total 2.0" in text
+    assert "adaptermesh_bridge_invalid_total 1.0" in text
+    assert "adaptermesh_bridge_published_total 1.0" in text
+    assert 'adaptermesh_bridge_stored_requests{state="published"} 1.0' in text
