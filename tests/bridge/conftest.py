@@ -62,7 +62,6 @@ class RunningBridge:
         self.bridge = Bridge(config, mesh=mesh, on_ready=self.ready.set)
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._started = threading.Event()
         self._thread = threading.Thread(target=self._main, daemon=True, name="bridge")
         self._thread.start()
         assert self.ready.wait(10), "the bridge did not subscribe"
