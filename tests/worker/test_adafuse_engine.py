@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from waiting import async_wait_until
 
 from adaptermesh.worker import adafuse as adafuse_mod
 from adaptermesh.worker.adapters import AdapterValidationError
@@ -100,10 +101,15 @@ class ExpertSetReference:
 
 @pytest.fixture(scope="module")
 def moe_root(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("wk_moe") / "adapters"
+    return write_expert_sets(tiny, tmp_path_factory.mktemp("wk_moe") / "adapters")
+
+
+def write_expert_sets(tiny: Tiny, root: Path) -> Path:
+    """The tiny model's adapters plus every set in SETS and CONST under ``root``."""
     shutil.copytree(tiny.root, root)
     for name, (e, k, r, targets, seed, rs) in SETS.items():
         make_adafuse_expert_set(root, tiny.model_dir, name, e, k, r, targets, seed, rs, router_std=2.0, scale_b=0.1)
+    # A set whose every token routes alike, so its decode repeats one selection and merges.
     shutil.copytree(root / "moe", root / CONST)
     router = load_file(str(root / CONST / "router.safetensors"))
     save_file({"weight": torch.zeros_like(router["weight"]), "bias": torch.tensor([0.3, -0.5, 0.9, 0.0])},
@@ -125,11 +131,8 @@ def _check(rid: str, ids: tuple[int, ...], got: list[int], want_logits: Callable
 
 async def _idle(eng: Any) -> None:
     """Wait until the engine has gone idle and restored the backbone (it does so on its own)."""
-    for _ in range(500):
-        if eng._merged is None and not eng.scheduler.running:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the engine kept merged weights while idle")
+    await async_wait_until(lambda: eng._merged is None and not eng.scheduler.running,
+                           what="the engine to restore the backbone while idle")
 
 
 def _weights(eng: Any) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from safetensors.torch import load_file, save_file
+from waiting import async_wait_until
 
 from adaptermesh.worker.adapters import AdapterValidationError, resolve_in_root
 from adaptermesh.worker.testing import make_adapter
@@ -228,8 +229,8 @@ async def test_hot_swap_under_concurrent_load(tiny: Tiny, tmp_path: Path, make_e
             results.append((after, got))
 
     clients = [asyncio.ensure_future(client(i)) for i in range(6)]
-    while len(results) < 10:
-        await asyncio.sleep(0.005)
+    await async_wait_until(lambda: len(results) >= 10, timeout=120, interval=0.005,
+                           what="ten answers from the old version")
     await eng.load_adapter("alpha", "alpha_v2")
     committed.set()
     # The new version is visible right after commit.

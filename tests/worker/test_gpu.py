@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import async_wait_until
 
 from adaptermesh.worker.engine import Engine, EngineConfig
 
@@ -70,24 +71,11 @@ def test_single_request_prefill_graph_matches_peft(tiny: Tiny) -> None:
 
 
 def test_expert_sets_on_cuda_match_reference(tiny: Tiny, tmp_path: Path) -> None:
-    import shutil
-
     import torch
-    from safetensors.torch import load_file, save_file
 
-    from adaptermesh.worker.testing import make_adafuse_expert_set
+    from .test_adafuse_engine import CONST, SETS, ExpertSetReference, write_expert_sets
 
-    from .test_adafuse_engine import CONST, SETS, ExpertSetReference
-
-    root = tmp_path / "adapters"
-    shutil.copytree(tiny.root, root)
-    for name, (e, k, r, targets, seed, rs) in SETS.items():
-        make_adafuse_expert_set(root, tiny.model_dir, name, e, k, r, targets, seed, rs, router_std=2.0, scale_b=0.1)
-    # A set whose every token routes alike, so its decode repeats one selection and merges.
-    shutil.copytree(root / "moe", root / CONST)
-    router = load_file(str(root / CONST / "router.safetensors"))
-    save_file({"weight": torch.zeros_like(router["weight"]), "bias": torch.tensor([0.3, -0.5, 0.9, 0.0])},
-              str(root / CONST / "router.safetensors"))
+    root = write_expert_sets(tiny, tmp_path / "adapters")
     sets = [*SETS, CONST]
     ref = ExpertSetReference(tiny.model_dir, root, sets)
 
@@ -109,10 +97,8 @@ def test_expert_sets_on_cuda_match_reference(tiny: Tiny, tmp_path: Path) -> None
         alone = {}
         for name in sets:  # alone: decode steps run in a graph, gated (solo graph) or merged
             alone[name] = tokens(await collect(eng.submit(request(f"alone-{name}", tiny.encode(PROMPTS[2]), name, max_tokens=6))))
-        for _ in range(200):
-            if eng._merged is None:
-                break
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: eng._merged is None, timeout=2.0,
+                               what="the backbone restored after the merged decode")
         restored = all(torch.equal(a, b) for a, b in zip(pristine, (t for layer in eng.model.layers for t in layer.values()), strict=True))
         info = eng.describe()
         await eng.shutdown()
