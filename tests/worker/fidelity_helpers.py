@@ -143,9 +143,9 @@ class Ref:
     """transformers + peft over a model and any number of adapters (or none), on the CPU.
 
     The reference runs transformers' eager attention, the one every family's modeling code
-    defines: the SDPA path of some transformers releases drops Gemma 2's attention
-    soft-capping (transformers 5.17 does; 5.24 does not), which would make the reference, not
-    the engine, depend on the installed version."""
+    defines: transformers 5.17 loads Gemma 2 with SDPA by default, which does not apply the
+    attention soft-capping (5.24 defaults to eager), so the default would make the reference,
+    not the engine, depend on the installed version."""
 
     def __init__(self, model_dir: Path, root: Path, names: list[str]) -> None:
         import peft
