@@ -486,3 +486,58 @@ def test_metrics_count_requests(start_bridge: StartBridge, client: Any, replies:
     assert "adaptermesh_bridge_invalid_total 1.0" in text
     assert "adaptermesh_bridge_published_total 1.0" in text
     assert 'adaptermesh_bridge_stored_requests{state="published"} 1.0' in text
+
+
+def test_through_the_worker_service(
+    broker: Any, replies: Replies, client: Any, tmp_path: Path
+) -> None:
+    """Against the real worker HTTP service (its validation and error shapes) around the
+    service tests' fake engine."""
+    from worker_service.fakes import FakeEngine
+    from worker_service.threaded import threaded_service
+
+    from adaptermesh.bridge.mqtt import BridgeConfig
+
+    with threaded_service(FakeEngine) as url:
+        rb = RunningBridge(
+            BridgeConfig(
+                "127.0.0.1",
+                broker.port,
+                "requests/#",
+                url,
+                tmp_path / "state",
+                client_id="bridge-worker",
+            )
+        )
+        try:
+            publish(
+                client,
+                "requests/w",
+                {
+                    "id": "w1",
+                    "reply_to": "replies/w",
+                    "endpoint": "completions",
+                    "body": {"model": "tiny-base", "prompt": "hello", "max_tokens": 3},
+                },
+            )
+            publish(
+                client,
+                "requests/w",
+                {
+                    "id": "w2",
+                    "reply_to": "replies/w",
+                    "endpoint": "completions",
+                    "body": {"model": "tiny-base", "prompt": "hello", "max_tokens": -1},
+                },
+            )
+            ok = _one(replies, "w1")
+            assert ok["ok"] is True
+            assert ok["response"]["object"] == "text_completion"
+            assert ok["response"]["usage"]["completion_tokens"] == 3
+            bad = _one(replies, "w2")
+            assert bad["ok"] is False
+            assert 400 <= bad["status"] < 500  # the service's own status, passed through
+            assert bad["error"]["type"] == "mesh_error"
+            assert bad["error"]["field"] == "body.max_tokens"
+        finally:
+            rb.stop()
