@@ -397,6 +397,37 @@ async def test_a_client_that_does_not_read_is_closed_and_others_are_served(
         assert done["type"] == "done"
 
 
+async def test_a_client_that_answers_no_ping_is_closed_and_its_requests_cancelled(
+    start_server: StartServer,
+) -> None:
+    server = await start_server(FakeEngine(token_delay=0.05), WebSocketLimits(heartbeat_s=0.4))
+    engine = server.engine
+    async with connect(server.ws_url) as ws:
+        await ws.send(json.dumps({"id": "a", "prompt": "hi", "max_tokens": 100}))
+        await recv(ws)
+        # Still connected, but reading nothing: the server's pings go unanswered.
+        ws.transport.pause_reading()
+        await wait_for(lambda: len(engine.cancelled) == 1)
+        await wait_for(
+            lambda: (
+                metric(server.service, "adaptermesh_websocket_sessions_total", close="disconnected")
+                == 1
+            )
+        )
+        assert server.service.inflight == 0
+        ws.transport.resume_reading()
+
+
+async def test_pings_keep_an_idle_socket_open(start_server: StartServer) -> None:
+    server = await start_server(limits=WebSocketLimits(heartbeat_s=0.2))
+    async with connect(server.ws_url) as ws:
+        await asyncio.sleep(1.0)  # five heartbeats, each answered by the client
+        await ws.send(json.dumps({"id": "a", "prompt": "hi", "max_tokens": 1}))
+        _, done = await run_one(ws, "a")
+        assert done["type"] == "done"
+    assert metric(server.service, "adaptermesh_websocket_sessions_total", close="disconnected") == 0
+
+
 async def test_drain_refuses_new_requests_and_new_sockets(start_server: StartServer) -> None:
     server = await start_server()
     async with connect(server.ws_url) as ws:
