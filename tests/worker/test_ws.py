@@ -14,6 +14,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -353,8 +354,12 @@ async def test_tcp_drop_mid_stream_cancels_in_the_engine(start_server: StartServ
 async def test_a_client_that_does_not_read_is_closed_and_others_are_served(
     start_server: StartServer,
 ) -> None:
+    # Enough output to overflow the server's kernel send buffer (its ceiling is tcp_wmem's
+    # maximum) twice over, in 12 streams of ~80-byte token messages.
+    wmem_max = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    per_request = max(8000, 2 * wmem_max // 80 // 12)
     server = await start_server(
-        FakeEngine(max_model_len=8192),
+        FakeEngine(max_model_len=per_request + 16),
         WebSocketLimits(send_buffer_bytes=16 << 10, close_timeout_s=10),
     )
     engine = server.engine
@@ -363,12 +368,11 @@ async def test_a_client_that_does_not_read_is_closed_and_others_are_served(
     sock.setblocking(False)
     port = int(server.url.rsplit(":", 1)[1])
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    # max_queue=1: the client stops reading from TCP once one message waits unread. Twelve
-    # streams of 8,000 tokens (~7 MB) overflow the kernel's socket buffers (4 MB at most).
+    # max_queue=1: the client stops reading from TCP once one message waits unread.
     slow = await connect(server.ws_url, sock=sock, max_queue=1)
     ids = [f"r{i}" for i in range(12)]
     for cid in ids:
-        await slow.send(json.dumps({"id": cid, "prompt": "x", "max_tokens": 8000}))
+        await slow.send(json.dumps({"id": cid, "prompt": "x", "max_tokens": per_request}))
     # Another client is served while the slow one's messages back up.
     async with connect(server.ws_url) as other:
         await other.send(json.dumps({"id": "o", "prompt": "hi", "max_tokens": 3}))
@@ -376,7 +380,7 @@ async def test_a_client_that_does_not_read_is_closed_and_others_are_served(
         assert done["type"] == "done"
     await wait_for(lambda: len(engine.cancelled) == len(ids))
     assert server.service.inflight == 0
-    assert engine.generated < len(ids) * 8000 + 3
+    assert engine.generated < len(ids) * per_request + 3
     # Reading again, the slow client finds the close frame behind its backlog.
     with pytest.raises(websockets.ConnectionClosed) as info:
         await drain(slow)
