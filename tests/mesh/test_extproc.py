@@ -202,7 +202,7 @@ def test_snapshot_puts_ext_proc_before_the_router() -> None:
     worker_port = 9
     snap = build_snapshot(ap.Assignment(version=1, shards=[ap.Shard(
         id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
-        service_address=LOOPBACK, service_port=free_port(),
+        service_address=LOOPBACK, service_port=8080,  # built, never bound
         endpoints=[ap.Endpoint(address=LOOPBACK, port=worker_port, weight=1,
                                adapters=["sql"])])]), options=options)
     from envoy.extensions.filters.network.http_connection_manager.v3 import (
