@@ -257,9 +257,9 @@ async def assert_matches(
         assert got, rid
         ref_logits = ref.logits([*p, *got][:-1], name)[len(p) - 1 :]
         want = [int(r.argmax()) for r in ref_logits]
-        assert got == want, f"{rid}: engine {got} != reference {want} on {DEVICE}"
-        mine = torch.stack(log[rid])
+        mine = torch.stack(log[rid])  # the reference ran on the engine's tokens: same shape
         _log_diff(rid, float((mine - ref_logits).abs().max()))
+        assert got == want, f"{rid}: engine {got} != reference {want} on {DEVICE}"
         scale = max(1.0, float(ref_logits.abs().max()))
         torch.testing.assert_close(mine, ref_logits, atol=atol * scale, rtol=rtol)
 
