@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
@@ -55,6 +56,22 @@ def test_parse_tolerates_missing_and_unknown_series() -> None:
     assert (older.ttft_sum, older.ttft_count) == (2, 4)
 
 
+@contextlib.asynccontextmanager
+async def serving(path: str, handler: Callable[[web.Request], Awaitable[web.Response]]
+                  ) -> AsyncIterator[int]:
+    """``handler`` at ``path`` on an ephemeral loopback port (bound to 0), yielding the port."""
+    app = web.Application()
+    app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def worker() -> AsyncIterator[tuple[int, dict[str, object]]]:
     state: dict[str, object] = {"waiting": 0, "count": 0, "ttft_sum": 0.0, "tokens": 0, "delay": 0.0, "status": 200}
@@ -73,17 +90,8 @@ async def worker() -> AsyncIterator[tuple[int, dict[str, object]]]:
             return web.Response(status=int(state["status"]))  # type: ignore[call-overload]
         return web.Response(text=EXPOSITION.format(**{k: state[k] for k in ("waiting", "count", "ttft_sum", "tokens")}))
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with serving("/metrics", metrics) as port:
         yield port, state
-    finally:
-        await runner.cleanup()
 
 
 async def test_scrape_rates_timeouts_and_staleness(worker: tuple[int, dict[str, object]]) -> None:
@@ -144,17 +152,8 @@ async def prometheus() -> AsyncIterator[tuple[int, Callable[[str], list[dict[str
         q = request.query["query"]
         return web.json_response({"status": "success", "data": {"resultType": "vector", "result": answer(q)}})
 
-    app = web.Application()
-    app.router.add_get("/api/v1/query", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with serving("/api/v1/query", handler) as port:
         yield port, answer
-    finally:
-        await runner.cleanup()
 
 
 async def test_prometheus_source(prometheus: tuple[int, object]) -> None:
