@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 
 import grpc
 
-from adaptermesh.agent.ports import FlowEvent, ShardCounters
+from adaptermesh.agent.ports import DatapathCounters, FlowEvent, ShardStats
 from adaptermesh.bpf.table import validate_assignment
 from adaptermesh.proto.adaptermesh.v1 import (
     assignment_pb2,
@@ -47,7 +47,7 @@ class FakeDatapath:
     def __init__(self) -> None:
         self.applied: list[int] = []
         self.current: assignment_pb2.Assignment | None = None
-        self.counters: dict[int, ShardCounters] = {}
+        self.counters: dict[int, ShardStats] = {}
         self.pending_events: list[FlowEvent] = []
         self.closed: bool | None = None
         self.fail_next = False
@@ -62,13 +62,17 @@ class FakeDatapath:
         self.current = assignment
         self.applied.append(assignment.version)
 
-    def read_stats(self) -> Mapping[int, ShardCounters]:
+    @property
+    def applied_version(self) -> int | None:
+        return self.applied[-1] if self.applied else None
+
+    def read_stats(self) -> dict[int, ShardStats]:
         return dict(self.counters)
 
-    def read_counters(self) -> Mapping[str, int]:
-        return {"ringbuf_failed": self.lost, "no_shard": 0}
+    def read_counters(self) -> DatapathCounters:
+        return DatapathCounters(ringbuf_failed=self.lost)
 
-    def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int) -> int:
+    def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int = 0) -> int:
         events, self.pending_events = self.pending_events, []
         for event in events:
             callback(event)

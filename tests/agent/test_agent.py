@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator
+from ipaddress import ip_address
 from pathlib import Path
 
 import aiohttp
@@ -14,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from waiting import async_wait_until as wait_until
 
 from adaptermesh.agent.daemon import Agent, AgentConfig
-from adaptermesh.agent.ports import FlowEvent, ShardCounters
+from adaptermesh.agent.ports import FlowEvent, ShardStats
 from adaptermesh.agent.state import AssignmentStore
 
 from .fakes import ControlPlaneServer, FakeControlPlane, FakeDatapath, FakeXds, make_assignment
@@ -97,12 +98,12 @@ async def test_applies_streamed_assignments_and_reports_version_and_traffic(tmp_
             lambda: any(r.applied_version == 1 for r in cp.servicer.reports), what="report v1"
         )
         # Traffic: counters grow and the ring buffer says which source went where.
-        h.dp.counters = {0: ShardCounters(0, 0, 0), 1: ShardCounters(0, 0, 0)}
+        h.dp.counters = {0: ShardStats(0, 0, 0), 1: ShardStats(0, 0, 0)}
         # Two more reports: at least one sampled the zero counters.
         seen = len(cp.servicer.reports)
         await wait_until(lambda: len(cp.servicer.reports) >= seen + 2, what="a zero sample")
-        h.dp.counters = {0: ShardCounters(1000, 150_000, 20), 1: ShardCounters(10, 900, 1)}
-        h.dp.pending_events = [FlowEvent(1, f"10.9.0.{i}", 0, "maglev", 1) for i in range(5)]
+        h.dp.counters = {0: ShardStats(1000, 150_000, 20), 1: ShardStats(10, 900, 1)}
+        h.dp.pending_events = [FlowEvent(1, ip_address(f"10.9.0.{i}"), 0, "maglev", 1) for i in range(5)]
 
         def traffic_reported() -> bool:
             for r in cp.servicer.reports:
@@ -221,8 +222,8 @@ async def test_bad_token_shows_as_unauthenticated(tmp_path, cp):
 async def test_metrics_endpoint_exposes_every_agent_series(tmp_path, cp):
     cp.servicer.publish(make_assignment(1))
     async with running(Harness(tmp_path, cp.target)) as h:
-        h.dp.counters = {0: ShardCounters(5, 500, 1)}
-        h.dp.pending_events = [FlowEvent(1, "10.9.0.1", 0, "maglev", 1)]
+        h.dp.counters = {0: ShardStats(5, 500, 1)}
+        h.dp.pending_events = [FlowEvent(1, ip_address("10.9.0.1"), 0, "maglev", 1)]
         await wait_until(lambda: h.dp.applied == [1])
         await wait_until(lambda: h.agent.tracker.events_total == 1)
         await wait_until(lambda: 0 in h.agent.tracker.last())

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+from ipaddress import ip_address
 
 import pytest
 
 from adaptermesh.agent.applier import Applier
 from adaptermesh.agent.load import LoadTracker
 from adaptermesh.agent.metrics import AgentMetrics
-from adaptermesh.agent.ports import FlowEvent, ShardCounters
+from adaptermesh.agent.ports import FlowEvent, ShardStats
 from adaptermesh.agent.state import AssignmentStore
 from adaptermesh.backoff import Backoff
 from adaptermesh.clock import FakeClock
@@ -144,12 +145,12 @@ def test_corrupt_cache_is_ignored(tmp_path):
 
 def test_load_tracker_rates_and_active_flows():
     t = LoadTracker(active_window_s=10)
-    assert t.update({0: ShardCounters(100, 10_000, 5)}, now=0.0)[0].packets_per_s == 0
+    assert t.update({0: ShardStats(100, 10_000, 5)}, now=0.0)[0].packets_per_s == 0
     for i in range(4):
-        t.on_event(FlowEvent(0, f"10.0.0.{i}", 0, "maglev", 1), now=1.0)
-    t.on_event(FlowEvent(0, "10.0.0.9", 1, "pin", 1), now=1.0)
-    t.on_event(FlowEvent(0, "10.0.0.0", 1, "repick", 2), now=1.5)  # moved to shard 1
-    rates = t.update({0: ShardCounters(300, 30_000, 9), 1: ShardCounters(50, 500, 2)}, now=2.0)
+        t.on_event(FlowEvent(0, ip_address(f"10.0.0.{i}"), 0, "maglev", 1), now=1.0)
+    t.on_event(FlowEvent(0, ip_address("10.0.0.9"), 1, "pin", 1), now=1.0)
+    t.on_event(FlowEvent(0, ip_address("10.0.0.0"), 1, "repick", 2), now=1.5)  # moved to shard 1
+    rates = t.update({0: ShardStats(300, 30_000, 9), 1: ShardStats(50, 500, 2)}, now=2.0)
     assert rates[0].packets_per_s == pytest.approx(100.0)
     assert rates[0].bytes_per_s == pytest.approx(10_000.0)
     assert rates[0].new_flows_per_s == pytest.approx(2.0)
@@ -157,7 +158,7 @@ def test_load_tracker_rates_and_active_flows():
     assert rates[1].active_flows == 2
     assert t.events_by_reason() == {"maglev": 4, "pin": 1, "repick": 1}
     # Counters that went backwards (maps recreated) give zero, not a negative rate.
-    assert t.update({0: ShardCounters(10, 10, 0)}, now=3.0)[0].packets_per_s == 0
+    assert t.update({0: ShardStats(10, 10, 0)}, now=3.0)[0].packets_per_s == 0
     # Flows expire from the active count after the window.
     assert t.active_flows(now=20.0) == {}
 
@@ -165,6 +166,6 @@ def test_load_tracker_rates_and_active_flows():
 def test_load_tracker_bounds_its_memory():
     t = LoadTracker(active_window_s=100, max_sources=10)
     for i in range(50):
-        t.on_event(FlowEvent(0, f"10.0.{i}.1", 0, "maglev", 1), now=float(i))
+        t.on_event(FlowEvent(0, ip_address(f"10.0.{i}.1"), 0, "maglev", 1), now=float(i))
     assert sum(t.active_flows(now=50.0).values()) == 10
     assert t.events_total == 50

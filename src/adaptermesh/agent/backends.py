@@ -14,17 +14,14 @@ every key on its last good snapshot.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from adaptermesh.agent.daemon import AgentConfig
-from adaptermesh.agent.ports import FlowEvent, ShardCounters
-from adaptermesh.bpf.table import FlowEvent as TableFlowEvent
-from adaptermesh.bpf.table import ShardTable
+from adaptermesh.bpf.table import DatapathCounters, FlowEvent, ShardStats, ShardTable
 from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.mesh.metrics import XdsMetrics
 from adaptermesh.mesh.server import XdsServer
@@ -124,39 +121,28 @@ async def mesh_xds(config: AgentConfig, registry: CollectorRegistry | None = Non
 
 
 class TableDatapath:
-    """Adapts a ``adaptermesh.bpf.table.ShardTable`` (the kernel one or the fake) to the
-    agent's Datapath Protocol."""
+    """A ``adaptermesh.bpf.table.ShardTable`` (the kernel one or the fake) as the agent's
+    Datapath: the table itself, plus what closing it means on this node."""
 
     def __init__(self, table: ShardTable, closer: Callable[[bool], None] | None = None) -> None:
         self.table = table
         self._closer = closer
 
+    @property
+    def applied_version(self) -> int | None:
+        return self.table.applied_version
+
     def apply(self, assignment: assignment_pb2.Assignment) -> None:
         self.table.apply(assignment)
 
-    def read_stats(self) -> Mapping[int, ShardCounters]:
-        return {
-            index: ShardCounters(s.packets, s.bytes, s.new_flows)
-            for index, s in self.table.read_stats().items()
-        }
+    def read_stats(self) -> dict[int, ShardStats]:
+        return self.table.read_stats()
 
-    def read_counters(self) -> dict[str, int]:
-        # Every DatapathCounters field, so a counter added to the classifier is exported too.
-        return dataclasses.asdict(self.table.read_counters())
+    def read_counters(self) -> DatapathCounters:
+        return self.table.read_counters()
 
-    def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int) -> int:
-        def deliver(event: TableFlowEvent) -> None:
-            callback(
-                FlowEvent(
-                    timestamp_ns=event.ts_ns,
-                    source=str(event.source),
-                    shard_index=event.shard,
-                    reason=event.reason,
-                    version=event.version,
-                )
-            )
-
-        return self.table.poll_events(deliver, timeout_ms)
+    def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int = 0) -> int:
+        return self.table.poll_events(callback, timeout_ms)
 
     def close(self, detach: bool) -> None:
         if self._closer is not None:

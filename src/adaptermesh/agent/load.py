@@ -13,7 +13,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from adaptermesh.agent.ports import FlowEvent, ShardCounters
+from adaptermesh.agent.ports import FlowEvent, ShardStats
 
 __all__ = ["LoadTracker", "ShardRates"]
 
@@ -41,7 +41,7 @@ class LoadTracker:
         self._sources: dict[str, tuple[int, float]] = {}
         self._events_total = 0
         self._events_by_reason: dict[str, int] = {}
-        self._prev: Mapping[int, ShardCounters] | None = None
+        self._prev: Mapping[int, ShardStats] | None = None
         self._prev_t = 0.0
         self._last: dict[int, ShardRates] = {}
         self.counters: dict[str, int] = {}
@@ -58,11 +58,12 @@ class LoadTracker:
         with self._lock:
             self._events_total += 1
             self._events_by_reason[event.reason] = self._events_by_reason.get(event.reason, 0) + 1
-            if event.source not in self._sources and len(self._sources) >= self.max_sources:
+            source = str(event.source)
+            if source not in self._sources and len(self._sources) >= self.max_sources:
                 self._prune_locked(now)
                 if len(self._sources) >= self.max_sources:
                     return
-            self._sources[event.source] = (event.shard_index, now)
+            self._sources[source] = (event.shard, now)
 
     def _prune_locked(self, now: float) -> None:
         cutoff = now - self.active_window_s
@@ -84,7 +85,7 @@ class LoadTracker:
                 counts[shard] = counts.get(shard, 0) + 1
             return counts
 
-    def update(self, stats: Mapping[int, ShardCounters], now: float) -> dict[int, ShardRates]:
+    def update(self, stats: Mapping[int, ShardStats], now: float) -> dict[int, ShardRates]:
         """Take a fresh ``read_stats()`` snapshot and return per-shard rates since the last."""
         active = self.active_flows(now)
         rates: dict[int, ShardRates] = {}

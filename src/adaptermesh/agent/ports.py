@@ -8,55 +8,17 @@ implementations are thin adapters over ``adaptermesh.bpf`` and ``adaptermesh.mes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Protocol
 
+from adaptermesh.bpf.table import DatapathCounters, FlowEvent, ShardStats, ShardTable
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 
-__all__ = ["Datapath", "FlowEvent", "ShardCounters", "XdsSink"]
+__all__ = ["Datapath", "DatapathCounters", "FlowEvent", "ShardStats", "XdsSink"]
 
 
-@dataclass(frozen=True, slots=True)
-class ShardCounters:
-    """Cumulative per-shard counters, summed over CPUs (``am_stats``)."""
-
-    packets: int
-    bytes: int
-    new_flows: int
-
-
-@dataclass(frozen=True, slots=True)
-class FlowEvent:
-    """One ``am_events`` record: a source address got a shard for a new (or re-picked) flow."""
-
-    timestamp_ns: int
-    source: str
-    shard_index: int
-    reason: str
-    version: int
-
-
-class Datapath(Protocol):
-    """The node's classifier maps (``adaptermesh.bpf``'s ShardTable, seen by the agent)."""
-
-    def apply(self, assignment: assignment_pb2.Assignment) -> None:
-        """Apply atomically; on error raise and leave the maps as they were."""
-        ...
-
-    def read_stats(self) -> Mapping[int, ShardCounters]:
-        """Cumulative counters by shard index."""
-        ...
-
-    def read_counters(self) -> Mapping[str, int]:
-        """Cumulative datapath counters: ``ringbuf_failed`` (lost events) and the packets
-        passed untouched (``non_ip``, ``malformed``, ``vlan``, ``no_shard``,
-        ``steer_failed``, ``link_local``)."""
-        ...
-
-    def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int) -> int:
-        """Deliver pending ring-buffer events; returns how many were delivered."""
-        ...
+class Datapath(ShardTable, Protocol):
+    """The node's classifier maps: ``adaptermesh.bpf``'s ShardTable (apply, stats, counters,
+    new-flow events, the applied version), and how the agent lets go of them."""
 
     def close(self, detach: bool) -> None:
         """Release handles; with ``detach`` also remove the filter and the pinned maps."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
@@ -146,7 +147,7 @@ class LoadReporter:
         self._wake.set()
 
     def sample(self) -> dict[int, ShardRates]:
-        self._tracker.counters = dict(self._datapath.read_counters())
+        self._tracker.counters = dataclasses.asdict(self._datapath.read_counters())
         return self._tracker.update(self._datapath.read_stats(), self._clock.monotonic())
 
     def build_report(self, rates: dict[int, ShardRates]) -> control_plane_pb2.LoadReport:
