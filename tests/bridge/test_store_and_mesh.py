@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaptermesh.backoff import Backoff
@@ -59,6 +59,7 @@ def test_store_refuses_a_newer_schema(tmp_path: Path) -> None:
         Store(path)
 
 
+@settings(deadline=None)  # each example creates and fsyncs a database
 @given(ids=st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=20))
 def test_unfinished_holds_each_accepted_id_once(tmp_path_factory: Any, ids: list[str]) -> None:
     store = Store(tmp_path_factory.mktemp("s") / "s.sqlite3", synchronous="NORMAL")
