@@ -13,9 +13,14 @@ from .chart import DOCKER_DIR, REPO, containers, render
 
 IMAGES = {
     "agent": "adaptermesh/agent",
+    "bridge": "adaptermesh/bridge",
     "control-plane": "adaptermesh/control-plane",
     "worker": "adaptermesh/worker",
 }
+# The CLI subcommand each image's container runs (the container's name elsewhere).
+SUBCOMMAND = {"bridge": "mqtt-bridge"}
+# Values that render every optional part, so each image's container is in the manifests.
+ALL_PARTS = {"bridge": {"enabled": True, "broker": {"host": "mqtt"}, "baseUrl": "http://envoy:8080"}}
 
 
 def _dockerfile(name: str) -> str:
@@ -58,16 +63,17 @@ def test_base_images_are_pinned(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(IMAGES))
 def test_entrypoint_matches_the_chart(name: str) -> None:
     text = _dockerfile(name)
+    sub = SUBCOMMAND.get(name, name)
     assert re.search(r'^ENTRYPOINT \["adaptermesh"\]$', text, flags=re.M), name
     # The build runs the part's own CLI, so a missing import fails the build.
-    assert f"adaptermesh {name} --help" in text
-    objs = render()
+    assert f"adaptermesh {sub} --help" in text
+    objs = render(ALL_PARTS)
     args = {c["name"]: c["args"] for _, c in containers(objs)}
-    assert args[name][0] == name
+    assert args[name][0] == sub
 
 
 def test_users_match_the_chart_security_context() -> None:
-    objs = render()
+    objs = render(ALL_PARTS)
     for o, c in containers(objs):
         name = c["name"]
         if name == "envoy":

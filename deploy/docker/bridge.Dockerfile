@@ -1,0 +1,33 @@
+# syntax=docker/dockerfile:1.7
+# MQTT request bridge image: `adaptermesh mqtt-bridge` (requests from a broker topic to the
+# mesh, answers to each request's reply topic; durable state in SQLite under a volume).
+# Build from the repository root:
+#   docker build -f deploy/docker/bridge.Dockerfile -t adaptermesh/bridge:0.1.0 .
+
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+# gcc: the package's C extension is compiled in this stage only (the image ships Python's headers).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY src ./src
+# The shared dependencies plus the bridge extra, all from pyproject.toml.
+RUN python -m venv /opt/adaptermesh \
+ && /opt/adaptermesh/bin/pip install --no-cache-dir ".[bridge]"
+
+FROM ${PYTHON_IMAGE}
+COPY --from=build /opt/adaptermesh /opt/adaptermesh
+ENV PATH=/opt/adaptermesh/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+RUN adaptermesh mqtt-bridge --help >/dev/null
+# The uid the chart runs it as (runAsUser/fsGroup 10001); the state directory is a volume.
+RUN groupadd --gid 10001 adaptermesh \
+ && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin adaptermesh \
+ && mkdir -p /var/lib/adaptermesh && chown 10001:10001 /var/lib/adaptermesh
+USER 10001:10001
+ENTRYPOINT ["adaptermesh"]
+CMD ["mqtt-bridge", "--help"]
