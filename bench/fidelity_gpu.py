@@ -165,8 +165,8 @@ def main() -> int:
     ap.add_argument(
         "--examples",
         type=int,
-        default=8,
-        help="Hypothesis examples per property test (default 8)",
+        default=6,
+        help="Hypothesis examples per property test (default 6: the suite took 112.5 s on one H200)",
     )
     ap.add_argument(
         "--out",
