@@ -64,7 +64,7 @@ from adaptermesh.worker.api import (
     Usage,
     request_error,
 )
-from adaptermesh.worker.fair_queue import FairQueue, QueueFullError
+from adaptermesh.worker.fair_queue import FairQueue, QueueFullError, Ticket
 from adaptermesh.worker.metrics import ServiceMetrics
 from adaptermesh.worker.types import (
     AdapterNotFoundError,
@@ -151,6 +151,14 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+class _QueuedPastDeadline(ApiError):
+    """The request's deadline passed while it waited in the tenant queue."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        super().__init__(504, "the request's deadline passed while it waited in the queue",
+                         type="timeout_error", code="deadline_exceeded", headers=headers)
 
 
 def _invalid(param: str, message: str, status: int = 422, code: str = "invalid_value") -> ApiError:
@@ -593,36 +601,13 @@ class WorkerService:
         return ApiError(500, f"engine error: {exc}", type="server_error", code="engine_error")
 
     async def _run(self, request: web.Request, job: _Job) -> web.StreamResponse:
-        try:
-            ticket = self.queue.submit(job.tenant, cost=len(job.prompt_ids) +
-                                       job.n * job.sampling.max_tokens)
-        except QueueFullError as exc:
-            self.metrics.rejected.labels(reason=f"{exc.scope}_queue_full").inc()
-            raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
-                           headers=self._retry_headers()) from None
-        self._inflight += 1
-        self._idle.clear()
+        ticket = self._enqueue(job)
         progress = _Progress()
         progresses = [progress] + [_Progress() for _ in range(job.n - 1)]
         outcome = "error"
         streams: list[TokenStream] = []
         try:
-            try:
-                async with asyncio.timeout_at(job.deadline):
-                    await self.queue.wait(ticket)
-            except TimeoutError:
-                outcome = "deadline_queued"
-                raise ApiError(504, "the request's deadline passed while it waited in the "
-                               "queue", type="timeout_error", code="deadline_exceeded",
-                               headers=self._retry_headers()) from None
-            assert ticket.admitted_at is not None
-            self.metrics.queue_wait.observe(ticket.admitted_at - ticket.enqueued_at)
-            self.metrics.observe_prompt(len(job.prompt_ids))
-            try:
-                for index in range(job.n):
-                    streams.append(self.engine.submit(self._generation(job, index)))
-            except EngineError as exc:
-                raise self._engine_error(exc) from None
+            await self._admit(job, ticket, streams)
             iters = [stream.__aiter__() for stream in streams]
             # The first events come before any header, so errors still get a real status code.
             firsts = [await self._next_event(it, job, p) for it, p in zip(iters, progresses,
@@ -641,6 +626,9 @@ class WorkerService:
             outputs = [r for r in results if isinstance(r, tuple)]
             progress.outcome = outcome = _outcome(progresses)
             return web.json_response(self._final_body(job, outputs, progresses))
+        except _QueuedPastDeadline:
+            outcome = "deadline_queued"
+            raise
         except ApiError as exc:
             if outcome == "error":
                 outcome = exc.code or "error"
@@ -649,24 +637,7 @@ class WorkerService:
             outcome = "disconnected"
             raise
         finally:
-            for stream, p in zip(streams, progresses, strict=False):
-                if p.finish_reason is None:
-                    stream.cancel()
-            self.queue.release(ticket)
-            # One observation per request: with n choices, the first token of any choice and
-            # the last of all, over the longest choice's tokens.
-            firsts_seen = [p.first_token for p in progresses if p.first_token is not None]
-            lasts_seen = [p.last_token for p in progresses if p.last_token is not None]
-            self.metrics.observe_finished(
-                outcome=progress.outcome or outcome,
-                arrived=job.arrived,
-                first_token=min(firsts_seen) if firsts_seen else None,
-                last_token=max(lasts_seen) if lasts_seen else None,
-                completion_tokens=max(p.completion_tokens for p in progresses),
-            )
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+            self._settle(job, ticket, streams, progresses, progress.outcome or outcome)
 
     async def build_job(self, request: web.Request, body: dict[str, Any],
                         kind: Literal["completion", "chat"]) -> _Job:
@@ -684,36 +655,13 @@ class WorkerService:
         sequences and counts the request as ``disconnected``, as an HTTP client that goes
         away does.
         """
-        try:
-            ticket = self.queue.submit(job.tenant, cost=len(job.prompt_ids) +
-                                       job.n * job.sampling.max_tokens)
-        except QueueFullError as exc:
-            self.metrics.rejected.labels(reason=f"{exc.scope}_queue_full").inc()
-            raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
-                           headers=self._retry_headers()) from None
-        self._inflight += 1
-        self._idle.clear()
+        ticket = self._enqueue(job)
         progresses = [_Progress() for _ in range(job.n)]
         outcome: str | None = None
         streams: list[TokenStream] = []
         pumps: list[asyncio.Task[None]] = []
         try:
-            try:
-                async with asyncio.timeout_at(job.deadline):
-                    await self.queue.wait(ticket)
-            except TimeoutError:
-                outcome = "deadline_queued"
-                raise ApiError(504, "the request's deadline passed while it waited in the "
-                               "queue", type="timeout_error", code="deadline_exceeded",
-                               headers=self._retry_headers()) from None
-            assert ticket.admitted_at is not None
-            self.metrics.queue_wait.observe(ticket.admitted_at - ticket.enqueued_at)
-            self.metrics.observe_prompt(len(job.prompt_ids))
-            try:
-                for index in range(job.n):
-                    streams.append(self.engine.submit(self._generation(job, index)))
-            except EngineError as exc:
-                raise self._engine_error(exc) from None
+            await self._admit(job, ticket, streams)
             iters = [stream.__aiter__() for stream in streams]
             merged: asyncio.Queue[tuple[int, TokenEvent | ApiError]] = asyncio.Queue()
 
@@ -750,6 +698,10 @@ class WorkerService:
                         outcome = _outcome(progresses)
                         usage = self._usage(progresses)
                 yield ChoiceEvent(index, item, usage)
+        except _QueuedPastDeadline:
+            if outcome is None:
+                outcome = "deadline_queued"
+            raise
         except ApiError as exc:
             if outcome is None:
                 outcome = exc.code or "error"
@@ -763,22 +715,62 @@ class WorkerService:
                 task.cancel()
             if pumps:
                 await asyncio.gather(*pumps, return_exceptions=True)
-            for stream, p in zip(streams, progresses, strict=False):
-                if p.finish_reason is None:
-                    stream.cancel()
-            self.queue.release(ticket)
-            firsts_seen = [p.first_token for p in progresses if p.first_token is not None]
-            lasts_seen = [p.last_token for p in progresses if p.last_token is not None]
-            self.metrics.observe_finished(
-                outcome=outcome or "error",
-                arrived=job.arrived,
-                first_token=min(firsts_seen) if firsts_seen else None,
-                last_token=max(lasts_seen) if lasts_seen else None,
-                completion_tokens=max(p.completion_tokens for p in progresses),
-            )
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+            self._settle(job, ticket, streams, progresses, outcome or "error")
+
+    # -- the steps every transport shares (HTTP responses and job_events) --------------------
+    def _enqueue(self, job: _Job) -> Ticket:
+        """Put the request in its tenant's queue (429 when full) and count it in flight."""
+        try:
+            ticket = self.queue.submit(job.tenant, cost=len(job.prompt_ids) +
+                                       job.n * job.sampling.max_tokens)
+        except QueueFullError as exc:
+            self.metrics.rejected.labels(reason=f"{exc.scope}_queue_full").inc()
+            raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
+                           headers=self._retry_headers()) from None
+        self._inflight += 1
+        self._idle.clear()
+        return ticket
+
+    async def _admit(self, job: _Job, ticket: Ticket, streams: list[TokenStream]) -> None:
+        """Wait for the queue to admit the request (504 past its deadline), then submit its n
+        choices to the engine, appending each stream as it is made (so a failure part-way
+        still leaves every submitted stream to cancel)."""
+        try:
+            async with asyncio.timeout_at(job.deadline):
+                await self.queue.wait(ticket)
+        except TimeoutError:
+            raise _QueuedPastDeadline(self._retry_headers()) from None
+        assert ticket.admitted_at is not None
+        self.metrics.queue_wait.observe(ticket.admitted_at - ticket.enqueued_at)
+        self.metrics.observe_prompt(len(job.prompt_ids))
+        try:
+            for index in range(job.n):
+                streams.append(self.engine.submit(self._generation(job, index)))
+        except EngineError as exc:
+            raise self._engine_error(exc) from None
+
+    def _settle(self, job: _Job, ticket: Ticket, streams: list[TokenStream],
+                progresses: list[_Progress], outcome: str) -> None:
+        """Cancel unfinished choices, release the queue slot, record the request once, and
+        mark the server idle when it was the last in flight."""
+        for stream, p in zip(streams, progresses, strict=False):
+            if p.finish_reason is None:
+                stream.cancel()
+        self.queue.release(ticket)
+        # One observation per request: with n choices, the first token of any choice and the
+        # last of all, over the longest choice's tokens.
+        firsts_seen = [p.first_token for p in progresses if p.first_token is not None]
+        lasts_seen = [p.last_token for p in progresses if p.last_token is not None]
+        self.metrics.observe_finished(
+            outcome=outcome,
+            arrived=job.arrived,
+            first_token=min(firsts_seen) if firsts_seen else None,
+            last_token=max(lasts_seen) if lasts_seen else None,
+            completion_tokens=max(p.completion_tokens for p in progresses),
+        )
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
 
     @staticmethod
     def _generation(job: _Job, index: int) -> GenerationRequest:
