@@ -369,6 +369,10 @@ async def test_deadline_while_queued_gives_504(start_server: StartServer) -> Non
     assert "queue" in r.json()["error"]["message"]
     assert s.service.queue.num_waiting == 0
     await blocker
+    metrics = (await s.client.get("/metrics")).text
+    # Recorded as a queue deadline, apart from deadlines that pass during generation.
+    assert 'adaptermesh_requests_total{outcome="deadline_queued"} 1.0' in metrics
+    assert 'outcome="deadline_exceeded"' not in metrics
 
 
 async def test_server_default_deadline_applies(start_server: StartServer) -> None:
