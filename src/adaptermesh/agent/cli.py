@@ -21,15 +21,9 @@ import sys
 from pathlib import Path
 
 from adaptermesh.agent.daemon import Agent, AgentConfig
+from adaptermesh.cliargs import port
 
 __all__ = ["build_parser", "config_from_args", "main"]
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port out of range: {value}")
-    return value
 
 
 def _host_port(text: str) -> str:
@@ -65,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin-dir", type=Path, default=Path("/sys/fs/bpf/adaptermesh"))
     p.add_argument("--vxlan-dev", help="collect-metadata VXLAN device for tunnel steering")
     p.add_argument("--xds-host", default="127.0.0.1", help="address the xDS server binds")
-    p.add_argument("--xds-port", type=_port, default=18000)
+    p.add_argument("--xds-port", type=port, default=18000)
     p.add_argument(
         "--xds-group",
         choices=["shard", "node"],
@@ -75,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ext-proc-port",
-        type=_port,
+        type=port,
         default=None,
         help="serve Envoy ext_proc here (adapter by body, GIE endpoint picker); shard "
         "listeners then read the request's model; off when not given",
@@ -99,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body read for its model (Envoy answers 413 above it)",
     )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics binds")
-    p.add_argument("--metrics-port", type=_port, default=9464)
+    p.add_argument("--metrics-port", type=port, default=9464)
     p.add_argument(
         "--state-file",
         type=Path,

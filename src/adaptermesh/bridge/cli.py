@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from adaptermesh.bridge.mqtt import Bridge, BridgeConfig
+from adaptermesh.cliargs import port
 
 __all__ = ["build_parser", "main"]
 
@@ -55,16 +56,6 @@ def _pos_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{value} must be positive")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not in 0..65535")
     return value
 
 
@@ -154,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-port",
-        type=_port,
+        type=port,
         default=0,
         help="serve Prometheus /metrics on this port (0: off)",
     )

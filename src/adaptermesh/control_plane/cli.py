@@ -17,6 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
+from adaptermesh.cliargs import port
 from adaptermesh.control_plane.auth import AuthError, load_tokens
 from adaptermesh.control_plane.policy import PolicyConfig
 from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
@@ -24,16 +25,6 @@ from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
 __all__ = ["build_parser", "main"]
 
 _DEFAULTS = PolicyConfig()
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not in 0..65535")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ewma-alpha", type=float, default=_DEFAULTS.ewma_alpha)
     p.add_argument(
         "--metrics-port",
-        type=_port,
+        type=port,
         default=0,
         help="serve Prometheus /metrics on this port, on the --listen host (0: off)",
     )
