@@ -3,6 +3,7 @@ budget and its fallback, and source-CIDR-only rules as pins."""
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from adaptermesh.rules import (
     parse_rule_set,
     rule_set_document,
 )
+from adaptermesh.rules.guards import Screen, screen
 
 TENANTS = ["acme", "globex", ""]
 ADAPTERS = ["fin-risk", "fin-fraud", "ops-sum", ""]
@@ -244,3 +246,36 @@ def test_only_the_leading_cidr_run_becomes_pins() -> None:
         }
     )
     assert cidr_pins(reject_first) == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(expressions, min_size=1, max_size=8), st.lists(requests, min_size=1, max_size=6))
+def test_python_screens_agree_with_cel_alone(
+    exprs: list[tuple[str, Ref]], reqs: list[RequestFacts]
+) -> None:
+    rules = tuple(
+        Rule(f"r{i}", s, Action("priority", str(i % 10))) for i, (s, _) in enumerate(exprs)
+    )
+    compiled = compile_rule_set(RuleSet(rules))
+    cel_only = dataclasses.replace(
+        compiled, screens=tuple(Screen((), False) for _ in rules), header_keys=None
+    )
+    fast, slow = Evaluator(compiled), Evaluator(cel_only)
+    for req in reqs:
+        assert fast.evaluate(req) == slow.evaluate(req)
+
+
+def test_screens_cover_simple_conjunctions() -> None:
+    s = screen(
+        '(adapter == "a") && request.headers["x-tier"] == "gold" && '
+        'inCidr(request.source_ip, "10.0.0.0/8")',
+        in_cidr,
+    )
+    assert s.complete
+    assert len(s.guards) == 3
+    assert s.guards[1]("10.0.0.1", "", {}, "a") is None  # missing key: CEL decides
+    assert s.guards[1]("10.0.0.1", "", {"x-tier": "silver"}, "a") is False
+    assert screen('adapter == "a" || adapter == "b"', in_cidr).guards == ()
+    partial = screen('adapter == "a" && now.getHours() > 3', in_cidr)
+    assert not partial.complete
+    assert len(partial.guards) == 1

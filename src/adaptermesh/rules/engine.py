@@ -26,12 +26,13 @@ import functools
 import ipaddress
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import cel
 
+from adaptermesh.rules.guards import Screen, screen
 from adaptermesh.rules.model import Action, Rule, RuleError, RuleSet
 
 __all__ = [
@@ -214,11 +215,37 @@ def _compile_rule(rule: Rule) -> cel.Program:
 class CompiledRuleSet:
     rule_set: RuleSet
     programs: tuple[cel.Program, ...]
+    screens: tuple[Screen, ...]
+    # The header names the rules read; None when some rule reads the map as a whole.
+    header_keys: frozenset[str] | None
+    uses_now: bool
+
+
+_HEADER_USE = re.compile(r"request\s*\.\s*headers")
+_KEY_USE = re.compile(r'request\.headers\[\s*"([^"\\]*)"\s*\]|"([^"\\]*)"\s+in\s+request\.headers')
+
+
+def _header_keys(sources: list[str]) -> frozenset[str] | None:
+    keys: set[str] = set()
+    for src in sources:
+        found = _KEY_USE.findall(src)
+        if len(found) != len(_HEADER_USE.findall(src)):
+            return None
+        keys.update(a or b for a, b in found)
+    return frozenset(keys)
 
 
 def compile_rule_set(rule_set: RuleSet) -> CompiledRuleSet:
     """Compile and check every rule; raise RuleError naming the first bad one."""
-    return CompiledRuleSet(rule_set, tuple(_compile_rule(r) for r in rule_set.rules))
+    programs = tuple(_compile_rule(r) for r in rule_set.rules)
+    sources = [r.when for r in rule_set.rules]
+    return CompiledRuleSet(
+        rule_set,
+        programs,
+        tuple(screen(src, in_cidr) for src in sources),
+        _header_keys(sources),
+        any("now" in p.variables() for p in programs),
+    )
 
 
 @dataclass(frozen=True)
@@ -251,47 +278,72 @@ class EvaluatorStats:
 class Evaluator:
     """Evaluates one compiled rule set per request. Not thread-safe (one per event loop)."""
 
-    def __init__(self, compiled: CompiledRuleSet, *, clock: Any = time.perf_counter_ns) -> None:
+    def __init__(
+        self, compiled: CompiledRuleSet, *, clock: Callable[[], int] = time.perf_counter_ns
+    ) -> None:
         self._rules = compiled.rule_set.rules
         self._programs = compiled.programs
+        self._screens = tuple((s.guards, s.complete) for s in compiled.screens)
+        self._header_keys = compiled.header_keys
+        self._uses_now = compiled.uses_now
         self._budget = compiled.rule_set.budget
         self._fallback = compiled.rule_set.fallback
         self._clock = clock
         self.stats = EvaluatorStats()
 
-    def evaluate(self, facts: RequestFacts) -> Outcome:
-        start = self._clock()
-        deadline = start + self._budget.max_us * 1000
-        max_rules = self._budget.max_rules
-        now = facts.now if facts.now is not None else dt.datetime.now(dt.UTC)
-        context = cel.Context(
-            {
-                "request": {
-                    "source_ip": facts.source_ip,
-                    "tenant": facts.tenant,
-                    "headers": dict(facts.headers),
-                },
-                "adapter": facts.adapter,
-                "now": now,
+    def _context(self, facts: RequestFacts) -> cel.Context:
+        headers = facts.headers
+        keys = self._header_keys
+        if keys is not None:
+            headers = {k: v for k, v in headers.items() if k in keys}
+        variables: dict[str, Any] = {
+            "request": {
+                "source_ip": facts.source_ip,
+                "tenant": facts.tenant,
+                "headers": dict(headers),
             },
-            {"inCidr": in_cidr},
-        )
-        self.stats.requests += 1
+            "adapter": facts.adapter,
+        }
+        if self._uses_now:
+            variables["now"] = facts.now if facts.now is not None else dt.datetime.now(dt.UTC)
+        return cel.Context(variables, {"inCidr": in_cidr})
+
+    def evaluate(self, facts: RequestFacts) -> Outcome:
+        clock = self._clock
+        deadline = clock() + self._budget.max_us * 1000
+        max_rules = self._budget.max_rules
+        ip, tenant, headers, adapter = facts.source_ip, facts.tenant, facts.headers, facts.adapter
+        context: cel.Context | None = None  # built only when a rule needs CEL
+        stats = self.stats
+        stats.requests += 1
         errors = 0
-        for i, program in enumerate(self._programs):
-            if i >= max_rules or self._clock() > deadline:
-                self.stats.over_budget += 1
-                self.stats.rule_errors += errors
+        for i, (guards, complete) in enumerate(self._screens):
+            if i >= max_rules or clock() > deadline:
+                stats.over_budget += 1
+                stats.rule_errors += errors
                 return Outcome(self._fallback, None, i, errors, True)
-            try:
-                hit = program.execute(context) is True
-            except Exception:  # a missing key or a runtime type error: no match
-                errors += 1
+            verdict: bool | None = True
+            for guard in guards:
+                v = guard(ip, tenant, headers, adapter)
+                if v is False:
+                    verdict = False
+                    break
+                if v is None:
+                    verdict = None
+            if verdict is False:
                 continue
-            if hit:
-                self.stats.matched += 1
-                self.stats.rule_errors += errors
-                rule = self._rules[i]
-                return Outcome(rule.action, rule.name, i + 1, errors, False)
-        self.stats.rule_errors += errors
+            if verdict is None or not complete:
+                if context is None:
+                    context = self._context(facts)
+                try:
+                    if self._programs[i].execute(context) is not True:
+                        continue
+                except Exception:  # a missing key or a runtime type error: no match
+                    errors += 1
+                    continue
+            stats.matched += 1
+            stats.rule_errors += errors
+            rule = self._rules[i]
+            return Outcome(rule.action, rule.name, i + 1, errors, False)
+        stats.rule_errors += errors
         return Outcome(None, None, len(self._programs), errors, False)
