@@ -1,20 +1,26 @@
-"""Conjuncts that the evaluator decides in Python before it pays for a CEL evaluation.
+"""The part of a rule's ``when`` that the evaluator decides in Python before it pays for CEL.
 
 Building a CEL activation for one request costs more than a dozen rules' Python checks (about
-17 us on the 2-core CPU dev box for the request map alone, see docs/rules.md), so a rule whose
-``when`` is a top-level ``&&`` of simple conjuncts is screened first: one false conjunct decides
-the rule false (CEL's ``&&`` gives false whatever the other conjuncts give, errors included),
-and a rule made only of conjuncts that all hold is decided true. Anything else goes to CEL.
-The conjunct forms (string literals without escapes):
+17 us on the 2-core CPU dev box for the request map alone, see docs/rules.md), so each rule is
+screened first. Its ``when`` is read as a tree of ``||``, ``&&`` and ``!`` over simple atoms
+(string literals without escapes):
 
     adapter == "x"   request.tenant == "x"   request.source_ip == "x"
     adapter.startsWith("x")   adapter.endsWith("x")   (and the same on request.tenant)
     "k" in request.headers   request.headers["k"] == "v"   inCidr(request.source_ip, "c")
     true   false
+
+Any other sub-expression is unknown. The tree is evaluated with three values, true, false and
+unknown, by CEL's own commutative logic: ``&&`` is false when any side is false whatever the
+others give (errors included) and true when all are true; ``||`` the mirror image. A known
+root decides the rule exactly as CEL would; an unknown root sends the rule to CEL. A missing
+header key in ``request.headers["k"]`` is unknown (CEL's error value), never false.
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,13 +35,15 @@ _FIELDS = ("adapter", "request.tenant", "request.source_ip")
 
 @dataclass(frozen=True)
 class Screen:
-    guards: tuple[Guard, ...]
-    # Every conjunct is a guard: all True decides the rule true without CEL.
+    # None when no part of the expression is known: straight to CEL.
+    decide: Guard | None
+    # Every atom is known: the screen decides unless a header key is missing.
     complete: bool
 
 
-def _split_and(src: str) -> list[str] | None:
-    """The top-level ``&&`` conjuncts, or None when the top level has ``||`` or ``?:``."""
+def _split(src: str, op: str) -> list[str] | None:
+    """``src`` split at top-level ``op`` (``||`` or ``&&``); None when the top level has ``?:``
+    (or, splitting on ``&&``, an ``||``, which binds looser)."""
     parts, depth, start, i = [], 0, 0, 0
     while i < len(src):
         c = src[i]
@@ -51,9 +59,9 @@ def _split_and(src: str) -> list[str] | None:
             depth -= 1
         elif depth == 0:
             two = src[i : i + 2]
-            if two == "||" or c in "?:":
+            if c in "?:" or (op == "&&" and two == "||"):
                 return None
-            if two == "&&":
+            if two == op:
                 parts.append(src[start:i])
                 start = i + 2
                 i += 2
@@ -107,8 +115,7 @@ def _affix(name: str, how: str, lit: str) -> Guard:
     return lambda ip, t, h, a: t.endswith(lit)
 
 
-def _guard(conjunct: str, in_cidr: Callable[[str, str], bool]) -> Guard | None:
-    text = _unwrap(conjunct)
+def _atom(text: str, in_cidr: Callable[[str, str], bool]) -> Guard | None:
     if text == "true":
         return lambda ip, t, h, a: True
     if text == "false":
@@ -125,18 +132,102 @@ def _guard(conjunct: str, in_cidr: Callable[[str, str], bool]) -> Guard | None:
         return lambda ip, t, h, a: key in h
     if m := re.fullmatch(rf"request\.headers\[\s*{_LIT}\s*\]\s*==\s*{_LIT}", text):
         key, lit = m.group(1), m.group(2)
-        # A missing key is CEL's error value, not false: leave that case to CEL.
         return lambda ip, t, h, a: (h[key] == lit) if key in h else None
     if m := re.fullmatch(rf"inCidr\(\s*request\.source_ip\s*,\s*{_LIT}\s*\)", text):
-        cidr = m.group(1)
-        return lambda ip, t, h, a: in_cidr(ip, cidr)
+        return _cidr(m.group(1), in_cidr)
     return None
 
 
+@functools.lru_cache(maxsize=65536)
+def _address_bits(ip: str) -> tuple[int, int] | None:
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return None
+    return addr.version, int(addr)
+
+
+def _cidr(cidr: str, in_cidr: Callable[[str, str], bool]) -> Guard:
+    # Integer compare against a cached parse of the address: ipaddress's own `in` costs
+    # several times more per rule. A CIDR that does not parse falls back to in_cidr.
+    try:
+        net = ipaddress.ip_network(cidr, strict=False)
+    except ValueError:
+        return lambda ip, t, h, a: in_cidr(ip, cidr)
+    version, mask, base = net.version, int(net.netmask), int(net.network_address)
+
+    def decide(ip: str, t: str, h: Mapping[str, str], a: str) -> bool | None:
+        bits = _address_bits(ip)
+        return bits is not None and bits[0] == version and bits[1] & mask == base
+
+    return decide
+
+
+def _unknown(ip: str, t: str, h: Mapping[str, str], a: str) -> bool | None:
+    return None
+
+
+def _any(parts: list[Guard]) -> Guard:
+    def decide(ip: str, t: str, h: Mapping[str, str], a: str) -> bool | None:
+        out: bool | None = False
+        for p in parts:
+            v = p(ip, t, h, a)
+            if v is True:
+                return True
+            if v is None:
+                out = None
+        return out
+
+    return decide
+
+
+def _all(parts: list[Guard]) -> Guard:
+    def decide(ip: str, t: str, h: Mapping[str, str], a: str) -> bool | None:
+        out: bool | None = True
+        for p in parts:
+            v = p(ip, t, h, a)
+            if v is False:
+                return False
+            if v is None:
+                out = None
+        return out
+
+    return decide
+
+
+def _not(part: Guard) -> Guard:
+    def decide(ip: str, t: str, h: Mapping[str, str], a: str) -> bool | None:
+        v = part(ip, t, h, a)
+        return None if v is None else not v
+
+    return decide
+
+
+def _tree(src: str, in_cidr: Callable[[str, str], bool], unknown: list[int]) -> Guard:
+    """The screen of ``src``; each unknown sub-expression appends to ``unknown``."""
+    text = _unwrap(src.strip())
+    for op, join in (("||", _any), ("&&", _all)):
+        parts = _split(text, op)
+        if parts is None:
+            unknown.append(1)
+            return _unknown
+        if len(parts) > 1:
+            return join([_tree(p, in_cidr, unknown) for p in parts])
+    if text.startswith("!") and not text.startswith("!="):
+        rest = _unwrap(text[1:].strip())
+        if rest != text[1:].strip() or _atom(rest, in_cidr) is not None:
+            return _not(_tree(rest, in_cidr, unknown))
+    atom = _atom(text, in_cidr)
+    if atom is None:
+        unknown.append(1)
+        return _unknown
+    return atom
+
+
 def screen(src: str, in_cidr: Callable[[str, str], bool]) -> Screen:
-    """The guards of ``src``'s top-level conjuncts (none when it is not a conjunction)."""
-    parts = _split_and(src)
-    if parts is None:
-        return Screen((), False)
-    guards = [g for g in (_guard(p, in_cidr) for p in parts) if g is not None]
-    return Screen(tuple(guards), len(guards) == len(parts))
+    """The Python screen of one rule's ``when``."""
+    unknown: list[int] = []
+    decide = _tree(src, in_cidr, unknown)
+    if decide is _unknown:
+        return Screen(None, False)
+    return Screen(decide, not unknown)

@@ -1,0 +1,181 @@
+"""Cost of evaluating 100 routing rules (CEL) per request, as the agent's processor does.
+
+The rule set mixes the forms operators write (see docs/rules.md): header-and-adapter
+conjunctions, source CIDRs, tenant-or-adapter disjunctions, time windows and header macros.
+Requests carry a dozen Envoy-style headers and are drawn at random so that some match early,
+some late and many match nothing (a request that matches nothing evaluates all 100 rules,
+the worst case). Each request is timed alone with ``perf_counter_ns`` around
+``Evaluator.evaluate``; the same requests also run through a CEL-only evaluator (Python
+screens off) for comparison.
+
+    .venv/bin/python bench/bench_rules.py [--requests 20000] [--out bench/results/rules_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from adaptermesh.rules import Evaluator, RequestFacts, compile_rule_set, parse_rule_set
+from adaptermesh.rules.guards import Screen
+
+N_RULES = 100
+
+
+def rule_document() -> dict[str, object]:
+    rules: list[dict[str, object]] = []
+    for i in range(N_RULES):
+        kind = i % 5
+        if kind == 0:
+            when = f'request.headers["x-tier"] == "tier{i}" && adapter.startsWith("fin-{i}-")'
+            action: dict[str, object] = {"shard": f"s{i}"}
+        elif kind == 1:
+            when = f'inCidr(request.source_ip, "10.{i}.0.0/16")'
+            action = {"shard": f"s{i}"}
+        elif kind == 2:
+            when = f'request.tenant == "tenant{i}" || adapter == "adapter{i}"'
+            action = {"adapter_version": f"2.{i}.0"}
+        elif kind == 3:
+            when = f'request.tenant == "tenant{i}" && now.getHours() >= 0'
+            action = {"priority": i % 10}
+        else:
+            when = (
+                f'"x-debug-{i}" in request.headers && '
+                f'request.headers.exists(k, k.startsWith("x-block-{i}"))'
+            )
+            action = {"reject": {"status": 403, "message": f"blocked by rule {i}"}}
+        rules.append({"name": f"rule-{i}", "when": when, **action})
+    return {"rules": rules, "budget": {"max_rules": N_RULES, "max_us": 10_000}}
+
+
+def requests(n: int, rng: random.Random) -> list[RequestFacts]:
+    base = {
+        ":method": "POST",
+        ":path": "/v1/completions",
+        ":authority": "mesh.local",
+        ":scheme": "http",
+        "content-type": "application/json",
+        "user-agent": "openai-python",
+        "accept": "application/json",
+        "x-request-id": "0",
+        "x-forwarded-proto": "http",
+        "content-length": "120",
+        "authorization": "Bearer x",
+        "x-envoy-expected-rq-timeout-ms": "60000",
+    }
+    out = []
+    for k in range(n):
+        i = rng.randrange(N_RULES * 2)  # half the picks name no rule's values
+        headers = dict(base, **{"x-request-id": str(k), "x-tier": f"tier{i}"})
+        if rng.random() < 0.1:
+            headers[f"x-debug-{i}"] = "1"
+            headers[f"x-block-{i}"] = "1"
+        out.append(
+            RequestFacts(
+                source_ip=f"10.{i % 256}.{rng.randrange(256)}.{rng.randrange(1, 255)}"
+                if rng.random() < 0.3
+                else f"172.16.{rng.randrange(256)}.{rng.randrange(1, 255)}",
+                tenant=f"tenant{i}" if rng.random() < 0.5 else "tenant-x",
+                headers=headers,
+                adapter=f"fin-{i}-risk" if rng.random() < 0.5 else f"adapter{rng.randrange(400)}",
+            )
+        )
+    return out
+
+
+def percentiles(ns: list[int]) -> dict[str, float]:
+    s = sorted(ns)
+
+    def at(q: float) -> float:
+        return round(s[min(len(s) - 1, int(q * len(s)))] / 1000, 2)
+
+    return {
+        "p50_us": at(0.50),
+        "p90_us": at(0.90),
+        "p99_us": at(0.99),
+        "max_us": at(1.0),
+        "mean_us": round(statistics.fmean(s) / 1000, 2),
+    }
+
+
+def run(evaluator: Evaluator, reqs: list[RequestFacts]) -> tuple[list[int], list[int]]:
+    times, evaluated = [], []
+    clock = time.perf_counter_ns
+    for r in reqs:
+        t0 = clock()
+        out = evaluator.evaluate(r)
+        times.append(clock() - t0)
+        evaluated.append(out.evaluated)
+    return times, evaluated
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument("--warmup", type=int, default=2_000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default="bench/results/rules_cpu.json")
+    args = ap.parse_args()
+
+    compiled = compile_rule_set(parse_rule_set(rule_document()))
+    cel_only = dataclasses.replace(
+        compiled,
+        screens=tuple(Screen(None, False) for _ in compiled.programs),
+        whole_headers=tuple(True for _ in compiled.programs),
+    )
+    rng = random.Random(args.seed)
+    warm, reqs = requests(args.warmup, rng), requests(args.requests, rng)
+    results: dict[str, object] = {}
+    for label, c in (("screened", compiled), ("cel_only", cel_only)):
+        ev = Evaluator(c)
+        run(ev, warm)
+        times, evaluated = run(ev, reqs)
+        no_match = [
+            t for t, e, r in zip(times, evaluated, reqs, strict=True) if ev.evaluate(r).rule is None
+        ]
+        results[label] = {
+            "all_requests": percentiles(times),
+            "no_match_requests": percentiles(no_match) if no_match else None,
+            "no_match_share": round(len(no_match) / len(times), 3),
+            "rules_evaluated_mean": round(statistics.fmean(evaluated), 1),
+            "over_budget": ev.stats.over_budget,
+        }
+    screens = compiled.screens
+    out = {
+        "bench": "bench_rules",
+        "rules": N_RULES,
+        "requests": args.requests,
+        "rules_decided_in_python": sum(s.complete for s in screens),
+        "rules_screened_then_cel": sum(s.decide is not None and not s.complete for s in screens),
+        "rules_cel_only": sum(s.decide is None for s in screens),
+        "target_p99_us": 50,
+        "results": results,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+            "python": platform.python_version(),
+            "common-expression-language": importlib.metadata.version("common-expression-language"),
+        },
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
