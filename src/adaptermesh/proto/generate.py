@@ -6,6 +6,10 @@
 The .proto files import each other as ``adaptermesh/v1/...``, the path other languages use.
 The generated Python imports are rewritten to the package's real location,
 ``adaptermesh.proto.adaptermesh.v1``.
+
+Protos of a public package that other libraries also ship (``inference``, the KServe v2
+protocol, which tritonclient registers too) are built into a private descriptor pool, so a
+process that imports both does not fail on duplicate symbols.
 """
 
 from __future__ import annotations
@@ -22,6 +26,14 @@ __all__ = ["PROTO_ROOT", "generate", "main"]
 PROTO_ROOT = Path(str(resources.files("adaptermesh.proto")))
 _PKG_DIR = Path("adaptermesh") / "v1"
 _IMPORT_RE = re.compile(r"^from adaptermesh\.v1 import", re.MULTILINE)
+# Generated modules whose descriptors go into their own pool rather than the default one.
+_PRIVATE_POOL = frozenset({"open_inference_pb2.py"})
+_DEFAULT_POOL = "DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile("
+_OWN_POOL = (
+    "# A private pool: other libraries register the same public package in the default one.\n"
+    "POOL = _descriptor_pool.DescriptorPool()\n"
+    "DESCRIPTOR = POOL.AddSerializedFile("
+)
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -45,6 +57,10 @@ def generate(out_dir: Path) -> list[Path]:
         written = []
         for src in sorted((Path(tmp) / _PKG_DIR).iterdir()):
             text = _IMPORT_RE.sub("from adaptermesh.proto.adaptermesh.v1 import", src.read_text())
+            if src.name in _PRIVATE_POOL:
+                if _DEFAULT_POOL not in text:
+                    raise RuntimeError(f"{src.name}: no default-pool registration to replace")
+                text = text.replace(_DEFAULT_POOL, _OWN_POOL)
             dst = out_dir / src.name
             dst.write_text(text)
             written.append(dst)

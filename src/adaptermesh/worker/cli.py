@@ -26,6 +26,7 @@ from pathlib import Path
 
 from adaptermesh.httpserve import ListenerLimits, raise_fd_limit
 from adaptermesh.worker.eviction import POLICY_NAMES
+from adaptermesh.worker.grpc_v2 import GrpcV2Server
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
 from adaptermesh.worker.types import EngineError, EngineProtocol
 from adaptermesh.worker.ws import mount_websocket
@@ -141,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; use 0.0.0.0 in a pod)")
     p.add_argument("--port", type=_port, default=8000, help="port (0 picks a free one)")
+    p.add_argument("--grpc-port", type=_port, default=None,
+                   help="port of the KServe v2 gRPC API (0 picks a free one; default: off; "
+                   "the chart's layout is 8001 beside HTTP 8000)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda when a GPU is visible, else cpu")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
@@ -255,6 +259,8 @@ async def run_worker(
     stop: asyncio.Event,
     on_ready: Callable[[int], None] | None = None,
     lora_modules: Sequence[LoraModule] = (),
+    grpc_port: int | None = None,
+    on_grpc_ready: Callable[[int], None] | None = None,
 ) -> bool:
     """Load ``lora_modules``, serve until ``stop`` is set, then drain. Returns True when the
     drain finished in time.
@@ -264,6 +270,8 @@ async def run_worker(
     """
     service = WorkerService(engine, config)
     mount_websocket(service)  # GET /v1/ws, on the same port, limits and metrics
+    # KServe v2 over gRPC on its own port, through the same service (queue, limits, metrics).
+    grpc_server = GrpcV2Server(service) if grpc_port is not None else None
     try:
         await load_lora_modules(engine, lora_modules)
         runner, bound = await serve(service, host, port)
@@ -271,10 +279,16 @@ async def run_worker(
         await engine.shutdown()
         raise
     try:
+        if grpc_server is not None and grpc_port is not None:
+            grpc_bound = await grpc_server.start(host, grpc_port)
+            if on_grpc_ready is not None:
+                on_grpc_ready(grpc_bound)
         if on_ready is not None:
             on_ready(bound)
         await stop.wait()
         log.info("draining: %d requests in flight", service.inflight)
+        if grpc_server is not None:
+            await grpc_server.draining()
         drained = await service.drain()
         if not drained:
             log.warning("drain timed out after %.0f s; cancelling %d requests",
@@ -282,6 +296,8 @@ async def run_worker(
         return drained
     finally:
         # Closing the runner cancels handlers still running (after a timed-out drain).
+        if grpc_server is not None:
+            await grpc_server.stop()
         await runner.cleanup()
         await engine.shutdown()
 
@@ -337,9 +353,13 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
         print(f"adaptermesh worker listening on http://{args.host}:{port}", flush=True)
         log.info("serving %s with %d admission slots", engine.model_name, config.max_running)
 
+    def grpc_ready(port: int) -> None:
+        print(f"adaptermesh worker gRPC listening on {args.host}:{port}", flush=True)
+
     try:
         drained = await run_worker(engine, config, args.host, args.port, stop=stop,
-                                   on_ready=ready, lora_modules=args.lora_modules)
+                                   on_ready=ready, lora_modules=args.lora_modules,
+                                   grpc_port=args.grpc_port, on_grpc_ready=grpc_ready)
     except ValueError as exc:
         print(f"adaptermesh worker: {exc}", file=sys.stderr)
         return 2
