@@ -25,6 +25,13 @@ At most ``max_body_bytes`` are read for the model; a longer body (or one that is
 object with a string ``model``) is forwarded as if it named no model. (A shard listener's
 Envoy itself refuses a body over its limit with 413, see ``mesh/snapshot.py``.)
 
+Routing rules (``adaptermesh.rules``, see docs/rules.md). With a rule set installed
+(``ExtProcServer.set_rules``) every request is evaluated once its adapter is known, over the
+request headers, the source address (Envoy's ``source.address`` attribute, else the first
+``x-forwarded-for`` entry), the tenant (``x-tenant-id``) and the adapter. The first matching
+rule's action sets ``x-adaptermesh-shard``, ``x-adapter-version`` or ``x-adaptermesh-priority``,
+or answers an ImmediateResponse with the rule's status (a reject).
+
 Health: gRPC health checking answers ``""`` and ``liveness`` SERVING while the server runs, and
 ``readiness`` and the ext_proc service name SERVING once the picker knows the workers (the
 agent has an Assignment), as the protocol asks of a picker.
@@ -34,10 +41,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -53,6 +61,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from adaptermesh.agent.picker import Decision, EndpointBook, decide, model_of
 from adaptermesh.loopthread import LoopThread
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
+from adaptermesh.rules import Evaluator, RequestFacts
 from adaptermesh.worker_scrape import parse_metrics
 
 __all__ = [
@@ -74,6 +83,14 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 # gRPC initial metadata a shard listener's filter sends; its absence marks a GIE gateway.
 SHARD_METADATA_KEY = "x-adaptermesh-shard"
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+# What a routing rule's action sets, and the header a rule reads the tenant from.
+RULE_SHARD_HEADER = "x-adaptermesh-shard"
+RULE_VERSION_HEADER = "x-adapter-version"
+RULE_PRIORITY_HEADER = "x-adaptermesh-priority"
+TENANT_HEADER = "x-tenant-id"
+_SOURCE_ATTRIBUTE = "source.address"
+_ACTION_HEADERS = {"shard": RULE_SHARD_HEADER, "adapter_version": RULE_VERSION_HEADER,
+                   "priority": RULE_PRIORITY_HEADER}
 
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
@@ -93,6 +110,8 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.book = book
         self.config = config
         self.on_decision = on_decision
+        # Swapped whole by ExtProcServer.set_rules; read once per request.
+        self.rules: Evaluator | None = None
 
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest],
@@ -108,6 +127,7 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         subset: list[str] | None = None
         body = bytearray()
         over = False
+        facts = _Facts()
         async for request in request_iterator:
             kind = request.WhichOneof("request")
             if request.HasField("protocol_config"):
@@ -115,8 +135,9 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if request.HasField("metadata_context"):
                 subset = _subset(request.metadata_context) if subset is None else subset
             if kind == "request_headers":
+                facts.read(request)
                 if request.request_headers.end_of_stream:  # no body: no model
-                    decided = self._decide(None, shard, subset)
+                    decided = self._decide(None, shard, subset, facts)
                     yield self._headers_answer(decided)
                     if decided.status is not None:
                         return
@@ -135,7 +156,7 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if not (chunk.end_of_stream or over or not full_duplex):
                     continue
                 model = None if over else model_of(bytes(body))
-                decided = self._decide(model, shard, subset)
+                decided = self._decide(model, shard, subset, facts)
                 if decided.status is not None:
                     yield _immediate(decided)
                     return
@@ -147,7 +168,7 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             elif kind == "request_trailers":
                 if decided is None:  # a body that ended only at its trailers
                     decided = self._decide(None if over else model_of(bytes(body)),
-                                           shard, subset)
+                                           shard, subset, facts)
                     if decided.status is not None:
                         yield _immediate(decided)
                         return
@@ -170,11 +191,24 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
     def _decide(self, model: str | None, shard: str | None,
-                subset: list[str] | None) -> Decision:
+                subset: list[str] | None, facts: _Facts) -> _Decided:
         decision = decide(
             model, self.config.base_model, self.book.candidates(shard), subset=subset,
             must_pick=shard is None, rotation=self.book.rotation,
             fallbacks=self.config.fallbacks)
+        decision = _Decided(**{f: getattr(decision, f) for f in _DECISION_FIELDS})
+        rules = self.rules
+        if rules is not None and decision.status is None:
+            outcome = rules.evaluate(RequestFacts(
+                source_ip=facts.source_ip, tenant=facts.headers.get(TENANT_HEADER, ""),
+                headers=facts.headers, adapter=decision.adapter or model or ""))
+            action = outcome.action
+            if action is not None and action.kind == "reject":
+                decision = dataclasses.replace(
+                    decision, endpoints=(), status=action.status,
+                    reason=action.message or f"rejected by rule {outcome.rule}")
+            elif action is not None:
+                decision.rule_headers.append((_ACTION_HEADERS[action.kind], action.value))
         if decision.endpoints:
             self.book.note_pick(decision.endpoints[0])
         if self.on_decision is not None:
@@ -183,6 +217,8 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _common(self, decision: Decision) -> ep.CommonResponse:
         mutation = ep.HeaderMutation()
+        for key, value in getattr(decision, "rule_headers", ()):
+            mutation.set_headers.append(_header(key, value))
         if decision.adapter is not None:
             mutation.set_headers.append(_header(ADAPTER_HEADER, decision.adapter))
         else:
@@ -203,6 +239,43 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return ep.ProcessingResponse(
             request_body=ep.BodyResponse(response=self._common(decision)),
             dynamic_metadata=_metadata(decision))
+
+
+_DECISION_FIELDS = tuple(f.name for f in dataclasses.fields(Decision))
+
+
+@dataclass(frozen=True)
+class _Decided(Decision):
+    """The picker's decision plus the headers a routing rule's action sets."""
+
+    rule_headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+class _Facts:
+    """What the request headers tell the routing rules."""
+
+    __slots__ = ("headers", "source_ip")
+
+    def __init__(self) -> None:
+        self.headers: dict[str, str] = {}
+        self.source_ip = ""
+
+    def read(self, request: ep.ProcessingRequest) -> None:
+        for h in request.request_headers.headers.headers:
+            self.headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+        attrs = request.attributes.get("envoy.filters.http.ext_proc")
+        source = attrs.fields.get(_SOURCE_ATTRIBUTE) if attrs is not None else None
+        if source is not None and source.string_value:
+            self.source_ip = _host(source.string_value)
+        elif forwarded := self.headers.get("x-forwarded-for"):
+            self.source_ip = forwarded.split(",")[0].strip()
+
+
+def _host(address: str) -> str:
+    """``10.0.0.1:5000`` or ``[2001:db8::1]:5000`` -> the address alone."""
+    if address.startswith("["):
+        return address[1:].split("]", 1)[0]
+    return address.rsplit(":", 1)[0] if address.count(":") == 1 else address
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -262,6 +335,7 @@ class ExtProcServer:
         self._on_decision = on_decision
         self._loop = LoopThread("ext-proc")
         self._server: grpc.aio.Server | None = None
+        self._servicer = _Servicer(book, self.config, on_decision)
         self.health = health.aio.HealthServicer()
 
     def start(self) -> int:
@@ -275,8 +349,7 @@ class ExtProcServer:
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 10_000),
         ])
-        ep_grpc.add_ExternalProcessorServicer_to_server(
-            _Servicer(self.book, self.config, self._on_decision), server)
+        ep_grpc.add_ExternalProcessorServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         port = int(server.add_insecure_port(f"{self.host}:{self._requested_port}"))
         if port == 0:
@@ -293,6 +366,15 @@ class ExtProcServer:
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("readiness", SERVICE_NAME):
             await self.health.set(name, status)
+
+    def set_rules(self, rules: Evaluator | None) -> None:
+        """Install a compiled routing-rule set (None: no rules), from any thread; requests
+        already past their decision keep the set they saw."""
+        self._servicer.rules = rules
+
+    @property
+    def rules(self) -> Evaluator | None:
+        return self._servicer.rules
 
     def set_ready(self, ready: bool) -> None:
         """Readiness (and the ext_proc service's health) from any thread."""
