@@ -17,6 +17,10 @@ Resources per shard ``<id>`` (every name is ``shard-<id>``):
   ``ANY_ENDPOINT`` fallback, so an adapter that nobody holds gets the whole shard.
 - **ClusterLoadAssignment**: one endpoint per worker, ``load_balancing_weight`` >= 1,
   ``health_status`` DRAINING for draining workers, resident adapters as endpoint metadata.
+- With ``BuildOptions.grpc_port_offset`` set, a second EDS cluster ``shard-<id>-grpc`` (HTTP/2
+  upstreams, gRPC health checks) whose endpoints are the workers at ``port + offset`` (their
+  KServe v2 gRPC listener), and routes for ``/inference.GRPCInferenceService/`` to it, placed
+  before the HTTP routes and with ext_proc off (the body is protobuf, not JSON).
 
 Per-shard labels override the defaults in :class:`BuildOptions`:
 ``adaptermesh.io/lb-policy`` = ``round_robin`` | ``least_request`` and
@@ -70,6 +74,7 @@ __all__ = [
     "ADS_TYPE_ORDER",
     "CLUSTER_TYPE",
     "ENDPOINT_TYPE",
+    "GRPC_V2_PREFIX",
     "LISTENER_TYPE",
     "ROUTE_TYPE",
     "WEBSOCKET_PATH",
@@ -80,6 +85,7 @@ __all__ = [
     "Snapshot",
     "build_snapshot",
     "cluster_name",
+    "grpc_cluster_name",
     "resource_version",
     "validate_assignment",
 ]
@@ -172,11 +178,19 @@ class BuildOptions:
     # dynamic metadata and each adapter route also matches it there. No processor hop, but
     # no scoring and no GIE protocol either (docs/ecosystem.md compares the two).
     route_by_body: bool = False
+    # None: no gRPC cluster. Otherwise each worker's KServe v2 gRPC port is its HTTP port plus
+    # this (1 for the usual 8000 HTTP / 8001 gRPC layout).
+    grpc_port_offset: int | None = None
 
 
 def cluster_name(shard_id: str) -> str:
     """The Envoy cluster (and listener and route configuration) name of a shard."""
     return f"shard-{shard_id}"
+
+
+def grpc_cluster_name(shard_id: str) -> str:
+    """The Envoy cluster of a shard's workers' KServe v2 gRPC listeners."""
+    return f"shard-{shard_id}-grpc"
 
 
 def resource_version(resource: Message) -> str:
@@ -325,6 +339,11 @@ def build_snapshot(
         raise ValueError(f"BuildOptions.upstream_protocol {opts.upstream_protocol!r} not in "
                          f"{_UPSTREAM_PROTOCOLS}")
     validate_assignment(assignment)
+    offset = opts.grpc_port_offset
+    if offset is not None:
+        if offset == 0:
+            raise ValueError("BuildOptions.grpc_port_offset 0 would send gRPC to the HTTP port")
+        _check_grpc_ports(assignment, offset)
     clusters: list[Message] = []
     endpoints: list[Message] = []
     listeners: list[Message] = []
@@ -338,6 +357,10 @@ def build_snapshot(
         clusters.append(cluster_pb2.Cluster.FromString(
             _cluster_bytes(shard.id, labels, opts)))
         endpoints.append(build_load_assignment(shard))
+        if offset is not None:
+            clusters.append(cluster_pb2.Cluster.FromString(
+                _grpc_cluster_bytes(shard.id, labels, opts)))
+            endpoints.append(build_load_assignment(shard, grpc_port_offset=offset))
         if not shard.service_address:
             continue  # reachable only through another listener's routes, if any
         listeners.append(listener_pb2.Listener.FromString(
@@ -358,6 +381,22 @@ def _cluster_bytes(shard_id: str, labels: tuple[tuple[str, str], ...],
                    opts: BuildOptions) -> bytes:
     shard = assignment_pb2.Shard(id=shard_id, labels=dict(labels))
     return bytes(build_cluster(shard, opts).SerializeToString(deterministic=True))
+
+
+def _check_grpc_ports(assignment: assignment_pb2.Assignment, offset: int) -> None:
+    for i, shard in enumerate(assignment.shards):
+        for j, ep in enumerate(shard.endpoints):
+            if not 1 <= ep.port + offset <= 65535:
+                raise AssignmentError(
+                    f"shards[{i}].endpoints[{j}].port",
+                    f"port {ep.port} plus the gRPC port offset {offset} is outside 1..65535")
+
+
+@functools.lru_cache(maxsize=4096)
+def _grpc_cluster_bytes(shard_id: str, labels: tuple[tuple[str, str], ...],
+                        opts: BuildOptions) -> bytes:
+    shard = assignment_pb2.Shard(id=shard_id, labels=dict(labels))
+    return bytes(build_grpc_cluster(shard, opts).SerializeToString(deterministic=True))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -428,14 +467,31 @@ def build_cluster(shard: assignment_pb2.Shard, opts: BuildOptions) -> cluster_pb
     return cluster
 
 
+def build_grpc_cluster(shard: assignment_pb2.Shard, opts: BuildOptions) -> cluster_pb2.Cluster:
+    """The shard's gRPC cluster: the HTTP cluster's balancing, subsets, outlier detection and
+    limits, over HTTP/2, health-checked with ``grpc.health.v1``."""
+    cluster = build_cluster(shard, opts)
+    cluster.name = grpc_cluster_name(shard.id)
+    check = cluster.health_checks[0]
+    check.ClearField("http_health_check")
+    check.grpc_health_check.CopyFrom(health_check_pb2.HealthCheck.GrpcHealthCheck())
+    cluster.typed_extension_protocol_options[
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ].CopyFrom(_pack(_upstream_protocol_options("http2", opts)))
+    return cluster
+
+
 def build_load_assignment(
-    shard: assignment_pb2.Shard,
+    shard: assignment_pb2.Shard, *, grpc_port_offset: int | None = None
 ) -> endpoint_pb2.ClusterLoadAssignment:
-    """The shard's endpoints with weights, DRAINING marks and resident adapters."""
+    """The shard's endpoints with weights, DRAINING marks and resident adapters; with
+    ``grpc_port_offset``, the same workers' gRPC listeners (for the gRPC cluster)."""
     lb_endpoints = []
+    shift = grpc_port_offset or 0
     for ep in shard.endpoints:
         lb = endpoint_components_pb2.LbEndpoint(
-            endpoint=endpoint_components_pb2.Endpoint(address=_socket(ep.address, ep.port)),
+            endpoint=endpoint_components_pb2.Endpoint(
+                address=_socket(ep.address, ep.port + shift)),
             load_balancing_weight=wrappers_pb2.UInt32Value(value=ep.weight),
             health_status=health_check_pb2.DRAINING if ep.draining else health_check_pb2.UNKNOWN,
         )
@@ -445,7 +501,8 @@ def build_load_assignment(
                     _adapter_list(tuple(sorted(set(ep.adapters)))))
         lb_endpoints.append(lb)
     return endpoint_pb2.ClusterLoadAssignment(
-        cluster_name=cluster_name(shard.id),
+        cluster_name=(cluster_name(shard.id) if grpc_port_offset is None
+                      else grpc_cluster_name(shard.id)),
         endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=lb_endpoints)]
         if lb_endpoints else [],
     )
@@ -544,6 +601,8 @@ def build_route_configuration(
     # Draining workers are unhealthy for the load balancer, so their adapters do not count.
     adapters = sorted({a for ep in shard.endpoints if not ep.draining for a in ep.adapters})
     routes = []
+    if opts.grpc_port_offset is not None:
+        routes.extend(_grpc_routes(shard.id, adapters, opts))
     for adapter in adapters if opts.route_by_body else ():
         # The body's model first: it decides over a client's header.
         action = _route_action(name, opts)
@@ -609,6 +668,35 @@ def _websocket_routes(name: str, adapters: list[str],
         routes.append(route_components_pb2.Route(
             name="ws" if adapter is None else f"ws:{adapter}",
             match=route_components_pb2.RouteMatch(path=WEBSOCKET_PATH, headers=headers),
+            route=action,
+            typed_per_filter_config=skip,
+        ))
+    return routes
+
+
+GRPC_V2_PREFIX = "/inference.GRPCInferenceService/"
+
+
+def _grpc_routes(shard_id: str, adapters: list[str],
+                 opts: BuildOptions) -> list[route_components_pb2.Route]:
+    """KServe v2 gRPC calls to the shard's gRPC cluster. The model name is inside the
+    protobuf body, so ext_proc (which reads JSON) is off for them; the adapter header still
+    picks the adapter's holders."""
+    name = grpc_cluster_name(shard_id)
+    skip = ({"envoy.filters.http.ext_proc": _pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+            if opts.ext_proc is not None else {})
+    routes = []
+    for adapter in [*adapters, None]:
+        action = _route_action(name, opts)
+        headers = []
+        if adapter is not None:
+            action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
+                ADAPTER_METADATA_KEY].string_value = adapter
+            headers = [route_components_pb2.HeaderMatcher(
+                name=opts.adapter_header, string_match=string_pb2.StringMatcher(exact=adapter))]
+        routes.append(route_components_pb2.Route(
+            name="grpc" if adapter is None else f"grpc:{adapter}",
+            match=route_components_pb2.RouteMatch(prefix=GRPC_V2_PREFIX, headers=headers),
             route=action,
             typed_per_filter_config=skip,
         ))
