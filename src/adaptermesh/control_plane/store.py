@@ -15,18 +15,23 @@ new proto fields need no migration.
 from __future__ import annotations
 
 import hashlib
+import json
 import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
+from adaptermesh.rules import compile_rule_set, parse_rule_set, rule_set_document
 
 __all__ = [
     "MIGRATIONS",
     "SCHEMA_VERSION",
     "AlreadyExistsError",
+    "RuleSetRecord",
     "Store",
     "StoreError",
     "override_message",
@@ -84,8 +89,28 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         # Who created each node row (a digest of the reporting token), to bound them per token.
         "ALTER TABLE nodes ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
     ),
+    # Routing rules (adaptermesh.rules): every applied set is a new version, kept as history;
+    # the newest row is the live set. The document is the set's canonical JSON form.
+    (
+        """CREATE TABLE rule_sets (
+            version INTEGER PRIMARY KEY AUTOINCREMENT,
+            document TEXT NOT NULL,
+            digest BLOB NOT NULL,
+            reason TEXT NOT NULL,
+            created_at REAL NOT NULL)""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+
+
+@dataclass(frozen=True)
+class RuleSetRecord:
+    version: int
+    document: dict[str, Any]
+    reason: str
+    created_at: float
+    # True when the set equals the one before it (an apply that changed nothing).
+    unchanged: bool = False
 
 
 class StoreError(Exception):
@@ -335,6 +360,56 @@ class Store:
 
     # -- assignments -----------------------------------------------------------------------
 
+    # -- routing rules -----------------------------------------------------------------------
+
+    def apply_rule_set(self, document: Any, reason: str, now: float) -> RuleSetRecord:
+        """Compile and store a rule set as a new version; RuleError (naming the rule and the
+        position) before anything is written. Applying the live set again adds no version."""
+        rule_set = parse_rule_set(document)
+        compile_rule_set(rule_set)
+        canonical = json.dumps(rule_set_document(rule_set), sort_keys=True, separators=(",", ":"))
+        digest = hashlib.sha256(canonical.encode()).digest()
+        with self.transaction():
+            row = self._db.execute(
+                "SELECT version, digest, reason, created_at FROM rule_sets "
+                "ORDER BY version DESC LIMIT 1"
+            ).fetchone()
+            if row is not None and bytes(row[1]) == digest:
+                return RuleSetRecord(
+                    int(row[0]), json.loads(canonical), str(row[2]), float(row[3]), unchanged=True
+                )
+            cur = self._db.execute(
+                "INSERT INTO rule_sets (document, digest, reason, created_at) VALUES (?,?,?,?)",
+                (canonical, digest, reason, now),
+            )
+            version = int(cur.lastrowid or 0)
+        return RuleSetRecord(version, json.loads(canonical), reason, now)
+
+    def rule_set(self, version: int | None = None) -> RuleSetRecord | None:
+        """The live rule set (the newest version), or the given version; None if none."""
+        if version is None:
+            row = self._db.execute(
+                "SELECT version, document, reason, created_at FROM rule_sets "
+                "ORDER BY version DESC LIMIT 1"
+            ).fetchone()
+        else:
+            row = self._db.execute(
+                "SELECT version, document, reason, created_at FROM rule_sets WHERE version = ?",
+                (version,),
+            ).fetchone()
+        if row is None:
+            return None
+        return RuleSetRecord(int(row[0]), json.loads(row[1]), str(row[2]), float(row[3]))
+
+    def rule_set_history(self, limit: int = 100) -> list[RuleSetRecord]:
+        """Versions newest first."""
+        rows = self._db.execute(
+            "SELECT version, document, reason, created_at FROM rule_sets "
+            "ORDER BY version DESC LIMIT ?",
+            (limit,),
+        ).fetchall()
+        return [RuleSetRecord(int(r[0]), json.loads(r[1]), str(r[2]), float(r[3])) for r in rows]
+
     def last_version(self) -> int:
         row = self._db.execute("SELECT MAX(version) FROM assignments").fetchone()
         return int(row[0] or 0)
@@ -376,8 +451,9 @@ class Store:
                     " (SELECT pins_digest FROM assignments WHERE pins_digest IS NOT NULL)"
                 )
 
-    def _assignment(self, body: bytes, digest: bytes | None, pins: bool = True
-                    ) -> assignment_pb2.Assignment:
+    def _assignment(
+        self, body: bytes, digest: bytes | None, pins: bool = True
+    ) -> assignment_pb2.Assignment:
         out = assignment_pb2.Assignment.FromString(body)
         if digest is not None and pins:
             row = self._db.execute("SELECT body FROM pin_sets WHERE digest=?", (digest,)).fetchone()
