@@ -161,8 +161,8 @@ def main() -> None:
     activation_us = (time.perf_counter_ns() - t0) / len(sample) / 1000
     program = compiled.programs[2]  # request.tenant == "..." || adapter == "..."
     t0 = time.perf_counter_ns()
-    for c in contexts:
-        program.execute(c)
+    for ctx in contexts:
+        program.execute(ctx)
     call_us = (time.perf_counter_ns() - t0) / len(sample) / 1000
     results["cel_activation_mean_us"] = round(activation_us, 2)
     results["cel_call_mean_us"] = round(call_us, 2)
