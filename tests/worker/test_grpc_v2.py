@@ -422,3 +422,64 @@ async def _shared(start_server: StartServer) -> Server:
         _SHARED.clear()
         _SHARED[key] = await start_server()
     return _SHARED[key]
+
+
+async def test_run_worker_serves_grpc_and_reports_not_serving_on_drain() -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from adaptermesh.worker.cli import build_parser, run_worker
+
+    assert build_parser().parse_args(["--model", "m", "--adapter-root", "r"]).grpc_port is None
+    assert (
+        build_parser()
+        .parse_args(["--model", "m", "--adapter-root", "r", "--grpc-port", "8001"])
+        .grpc_port
+        == 8001
+    )
+    engine = FakeEngine(token_delay=0.02)
+    stop = asyncio.Event()
+    ports: list[int] = []
+    seen: dict[str, Any] = {}
+
+    async def drive() -> None:
+        while not ports:
+            await asyncio.sleep(0.01)
+        url = f"127.0.0.1:{ports[0]}"
+        client = tca.InferenceServerClient(url)
+        try:
+            result = await client.infer("tiny-base", text_inputs("a"), parameters={"max_tokens": 2})
+            seen["ids"] = ids_of(result)
+            slow = asyncio.create_task(
+                client.infer("tiny-base", text_inputs("a"), parameters={"max_tokens": 20})
+            )
+            while not engine.running:
+                await asyncio.sleep(0.01)
+            stop.set()
+            async with grpc.aio.insecure_channel(url) as channel:
+                health_stub = health_pb2_grpc.HealthStub(channel)
+                for _ in range(100):
+                    answer = await health_stub.Check(health_pb2.HealthCheckRequest())
+                    if answer.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                        seen["not_serving"] = True
+                        break
+                    await asyncio.sleep(0.01)
+            seen["slow"] = len(ids_of(await slow))  # the drain lets it finish
+        finally:
+            await client.close()
+
+    task = asyncio.create_task(drive())
+    assert await run_worker(
+        engine,
+        ServiceConfig(drain_timeout_s=10),
+        "127.0.0.1",
+        0,
+        stop=stop,
+        grpc_port=0,
+        on_grpc_ready=ports.append,
+    )
+    await task
+    assert seen == {
+        "ids": expected_ids(FakeEngine().tokenize("a"), None, 2),
+        "not_serving": True,
+        "slow": 20,
+    }
