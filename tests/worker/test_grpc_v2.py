@@ -483,3 +483,32 @@ async def test_run_worker_serves_grpc_and_reports_not_serving_on_drain() -> None
         "not_serving": True,
         "slow": 20,
     }
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(junk=st.binary(min_size=1, max_size=40))
+async def test_undecodable_bytes_are_invalid_argument(
+    start_server: StartServer, junk: bytes
+) -> None:
+    try:
+        service_pb2.ModelInferRequest.FromString(junk)
+    except Exception:
+        pass
+    else:
+        return  # these bytes happen to be a valid message
+    server = await _shared(start_server)
+    async with grpc.aio.insecure_channel(server.grpc_url) as channel:
+        unary = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await unary(junk, timeout=TIMEOUT)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request: is not a valid ModelInferRequest" in (exc.value.details() or "")
+        streaming = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        call = streaming(iter([junk]), timeout=TIMEOUT)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            async for _ in call:
+                pass
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert await server.client.is_server_live()

@@ -37,6 +37,7 @@ from typing import Any, cast
 
 import grpc
 from aiohttp import web
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -677,6 +678,67 @@ def _stream_error(request_id: str, exc: _Failure) -> pb.ModelStreamInferResponse
     )
 
 
+def add_to_server(servicer: GrpcV2Servicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` like the generated ``add_..._to_server``, but parse each request
+    inside its handler, so bytes that are no valid message are INVALID_ARGUMENT (grpc would
+    answer INTERNAL)."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        fn = getattr(servicer, method.name)
+        if method.client_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                _parsing_stream(fn, request_cls),
+                response_serializer=response_cls.SerializeToString,
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _parsing_unary(fn, request_cls),
+                response_serializer=response_cls.SerializeToString,
+            )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+
+
+def _parse_message(request_cls: Any, raw: bytes) -> Any:
+    try:
+        return request_cls.FromString(raw)
+    except DecodeError:
+        raise _invalid("request", f"is not a valid {request_cls.__name__}") from None
+
+
+def _parsing_unary(fn: Any, request_cls: Any) -> Any:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            request = _parse_message(request_cls, raw)
+        except _Failure as exc:
+            await context.abort(exc.code, exc.message)
+        return await fn(request, context)
+
+    return handler
+
+
+def _parsing_stream(fn: Any, request_cls: Any) -> Any:
+    async def handler(
+        raw_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        async def requests() -> AsyncIterator[Any]:
+            async for raw in raw_iterator:
+                try:
+                    yield _parse_message(request_cls, raw)
+                except _Failure as exc:
+                    # The stream's framing is intact but its sender is broken: end it.
+                    await context.abort(exc.code, exc.message)
+
+        async for message in fn(requests(), context):
+            yield message
+
+    return handler
+
+
 class GrpcV2Server:
     """The worker's gRPC listener: v2 inference plus ``grpc.health.v1`` (for Envoy)."""
 
@@ -692,9 +754,7 @@ class GrpcV2Server:
                 ("grpc.max_send_message_length", size),
             ]
         )
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            self.servicer, self.server
-        )
+        add_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 
     async def start(self, host: str, port: int) -> int:
