@@ -45,6 +45,8 @@ shard_app = typer.Typer(help="Create, change or delete shards.", no_args_is_help
 override_app = typer.Typer(help="Operator weight overrides.", no_args_is_help=True)
 app.add_typer(shard_app, name="shard")
 app.add_typer(override_app, name="override")
+rules_app = typer.Typer(help="Routing rules (CEL): apply, list, show.", no_args_is_help=True)
+app.add_typer(rules_app, name="rules")
 
 out = Console()
 err = Console(stderr=True)
@@ -600,6 +602,45 @@ def pin_cmd(ctx: typer.Context, cidr: str, shard_id: Annotated[str, typer.Argume
     """Pin a tenant CIDR to a shard (the longest prefix wins)."""
     p = _ctx(ctx).call("PinTenant", control_plane_pb2.PinTenantRequest(cidr=cidr, shard_id=shard_id))
     out.print(f"pinned {p.cidr} -> {p.shard_id}", markup=False, highlight=False)
+
+
+@rules_app.command("apply")
+def rules_apply_cmd(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Option("-f", "--file", help="rule set YAML ('-': stdin)")],
+    reason: Annotated[str, typer.Option(help="why, kept in the history")] = "adapterctl rules apply",
+) -> None:
+    """Apply a routing-rule set; a bad rule is refused with its name and position."""
+    text = sys.stdin.read() if str(file) == "-" else file.read_text()
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        out.print(f"error: {file}: not YAML: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    resp = _ctx(ctx).call("ApplyRules", control_plane_pb2.ApplyRulesRequest(
+        document_json=json.dumps(document), reason=reason))
+    r = resp.rule_set
+    what = "unchanged" if resp.unchanged else "applied"
+    out.print(f"rules v{r.version} {what} ({r.rules} rules)", markup=False, highlight=False)
+
+
+@rules_app.command("list")
+def rules_list_cmd(ctx: typer.Context, limit: int = 20) -> None:
+    """Rule set versions, newest first (the first row is live)."""
+    resp = _ctx(ctx).call("ListRules", control_plane_pb2.ListRulesRequest(limit=limit))
+    t = Table("VERSION", "RULES", "CREATED", "REASON")
+    for r in resp.rule_sets:
+        t.add_row(str(r.version), str(r.rules), _ts(r.created_at), escape(r.reason))
+    out.print(t)
+
+
+@rules_app.command("get")
+def rules_get_cmd(ctx: typer.Context, version: int = 0) -> None:
+    """A rule set as YAML (default: the live one)."""
+    r = _ctx(ctx).call("GetRules", control_plane_pb2.GetRulesRequest(version=version))
+    out.print(f"# rules v{r.version}: {r.reason}", markup=False, highlight=False)
+    out.print(yaml.safe_dump(json.loads(r.document_json), sort_keys=False), markup=False,
+              highlight=False)
 
 
 @app.command("unpin")

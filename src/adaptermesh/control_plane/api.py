@@ -8,6 +8,7 @@ Writes that change routing publish a new Assignment at once, in the same transac
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import re
@@ -24,12 +25,13 @@ from adaptermesh import assignment_rules as rules
 from adaptermesh.assignment_rules import RuleError
 from adaptermesh.control_plane.policy import BUDGET
 from adaptermesh.control_plane.rebalancer import PublishError, Rebalancer
-from adaptermesh.control_plane.store import AlreadyExistsError, override_message
+from adaptermesh.control_plane.store import AlreadyExistsError, RuleSetRecord, override_message
 from adaptermesh.proto.adaptermesh.v1 import (
     assignment_pb2,
     control_plane_pb2,
     control_plane_pb2_grpc,
 )
+from adaptermesh.rules import RuleError as RoutingRuleError
 
 __all__ = ["ApiError", "ApiLimits", "ControlPlaneServicer", "add_to_server", "normalise_cidr"]
 
@@ -391,6 +393,61 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             return control_plane_pb2.UnpinTenantResponse()
         except Exception as exc:
             await self._fail(context, exc)
+
+    # -- routing rules ---------------------------------------------------------------------
+
+    @staticmethod
+    def _rule_set_message(record: RuleSetRecord) -> control_plane_pb2.RuleSetVersion:
+        msg = control_plane_pb2.RuleSetVersion(
+            version=record.version,
+            document_json=json.dumps(record.document, sort_keys=True),
+            reason=record.reason,
+            rules=len(record.document.get("rules", [])),
+        )
+        msg.created_at.FromNanoseconds(int(record.created_at * 1e9))
+        return msg
+
+    async def ApplyRules(
+        self, request: control_plane_pb2.ApplyRulesRequest, context: _Ctx
+    ) -> control_plane_pb2.ApplyRulesResponse:
+        try:
+            rules.check_reason(request.reason)
+            try:
+                document = json.loads(request.document_json)
+            except ValueError as exc:
+                _invalid("document_json", f"not JSON: {exc}")
+            try:
+                record = self.store.apply_rule_set(document, request.reason, self._now())
+            except RoutingRuleError as exc:
+                # Names the rule and where CEL gives one the line:column; nothing stored.
+                _invalid("document_json", str(exc))
+            if not record.unchanged:
+                self.log.info("routing rules v%d applied: %s", record.version, request.reason)
+            return control_plane_pb2.ApplyRulesResponse(
+                rule_set=self._rule_set_message(record), unchanged=record.unchanged
+            )
+        except Exception as exc:
+            await self._fail(context, exc)
+
+    async def GetRules(
+        self, request: control_plane_pb2.GetRulesRequest, context: _Ctx
+    ) -> control_plane_pb2.RuleSetVersion:
+        try:
+            record = self.store.rule_set(request.version or None)
+            if record is None:
+                what = f"version {request.version}" if request.version else "a rule set"
+                raise ApiError(grpc.StatusCode.NOT_FOUND, "version", f"no {what} stored")
+            return self._rule_set_message(record)
+        except Exception as exc:
+            await self._fail(context, exc)
+
+    async def ListRules(
+        self, request: control_plane_pb2.ListRulesRequest, context: _Ctx
+    ) -> control_plane_pb2.ListRulesResponse:
+        limit = min(request.limit or 100, 1000)
+        return control_plane_pb2.ListRulesResponse(
+            rule_sets=[self._rule_set_message(r) for r in self.store.rule_set_history(limit)]
+        )
 
     async def ListPins(
         self, request: control_plane_pb2.ListPinsRequest, context: _Ctx

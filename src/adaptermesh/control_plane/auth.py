@@ -57,6 +57,7 @@ _WRITE_METHODS = frozenset(
         "UnpinTenant",
         "UpsertAdapterInstance",
         "DeleteAdapterInstance",
+        "ApplyRules",
     }
 )
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")

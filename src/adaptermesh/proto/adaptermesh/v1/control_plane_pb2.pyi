@@ -318,3 +318,51 @@ class ListAdapterInstancesResponse(_message.Message):
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[AdapterInstance]
     def __init__(self, instances: _Optional[_Iterable[_Union[AdapterInstance, _Mapping]]] = ...) -> None: ...
+
+class RuleSetVersion(_message.Message):
+    __slots__ = ("version", "document_json", "reason", "created_at", "rules")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    document_json: str
+    reason: str
+    created_at: _timestamp_pb2.Timestamp
+    rules: int
+    def __init__(self, version: _Optional[int] = ..., document_json: _Optional[str] = ..., reason: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., rules: _Optional[int] = ...) -> None: ...
+
+class ApplyRulesRequest(_message.Message):
+    __slots__ = ("document_json", "reason")
+    DOCUMENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    document_json: str
+    reason: str
+    def __init__(self, document_json: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ApplyRulesResponse(_message.Message):
+    __slots__ = ("rule_set", "unchanged")
+    RULE_SET_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    rule_set: RuleSetVersion
+    unchanged: bool
+    def __init__(self, rule_set: _Optional[_Union[RuleSetVersion, _Mapping]] = ..., unchanged: _Optional[bool] = ...) -> None: ...
+
+class GetRulesRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class ListRulesRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class ListRulesResponse(_message.Message):
+    __slots__ = ("rule_sets",)
+    RULE_SETS_FIELD_NUMBER: _ClassVar[int]
+    rule_sets: _containers.RepeatedCompositeFieldContainer[RuleSetVersion]
+    def __init__(self, rule_sets: _Optional[_Iterable[_Union[RuleSetVersion, _Mapping]]] = ...) -> None: ...

@@ -115,6 +115,21 @@ class ControlPlaneStub:
                 request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryRequest.SerializeToString,
                 response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryResponse.FromString,
                 _registered_method=True)
+        self.ApplyRules = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/ApplyRules',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ApplyRulesRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ApplyRulesResponse.FromString,
+                _registered_method=True)
+        self.GetRules = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/GetRules',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.GetRulesRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.RuleSetVersion.FromString,
+                _registered_method=True)
+        self.ListRules = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/ListRules',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesResponse.FromString,
+                _registered_method=True)
         self.ReportLoad = channel.unary_unary(
                 '/adaptermesh.v1.ControlPlane/ReportLoad',
                 request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.LoadReport.SerializeToString,
@@ -233,6 +248,25 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyRules(self, request, context):
+        """Routing rules (CEL; see docs/rules.md). ApplyRules needs write, the others read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRules(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRules(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportLoad(self, request, context):
         """Node agents.
         """
@@ -328,6 +362,21 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ListHistory,
                     request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryRequest.FromString,
                     response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryResponse.SerializeToString,
+            ),
+            'ApplyRules': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyRules,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ApplyRulesRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ApplyRulesResponse.SerializeToString,
+            ),
+            'GetRules': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRules,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.GetRulesRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.RuleSetVersion.SerializeToString,
+            ),
+            'ListRules': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRules,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesResponse.SerializeToString,
             ),
             'ReportLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportLoad,
@@ -772,6 +821,87 @@ class ControlPlane:
             '/adaptermesh.v1.ControlPlane/ListHistory',
             adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryRequest.SerializeToString,
             adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyRules(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/ApplyRules',
+            adaptermesh_dot_v1_dot_control__plane__pb2.ApplyRulesRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.ApplyRulesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRules(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/GetRules',
+            adaptermesh_dot_v1_dot_control__plane__pb2.GetRulesRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.RuleSetVersion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRules(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/ListRules',
+            adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesResponse.FromString,
             options,
             channel_credentials,
             insecure,
