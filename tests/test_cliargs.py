@@ -12,6 +12,7 @@ from adaptermesh.agent.cli import build_parser as agent_parser
 from adaptermesh.bridge.cli import build_parser as bridge_parser
 from adaptermesh.cliargs import port
 from adaptermesh.control_plane.cli import build_parser as control_plane_parser
+from adaptermesh.worker.cli import build_parser as worker_parser
 
 
 @given(st.integers(0, 65535))
@@ -44,3 +45,10 @@ def test_each_process_refuses_a_bad_metrics_port(  # type: ignore[no-untyped-def
         parser().parse_args([*required, "--metrics-port", "70000"])
     assert exc.value.code == 2
     assert "--metrics-port" in capsys.readouterr().err
+
+
+def test_the_worker_refuses_a_bad_port(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as exc:
+        worker_parser().parse_args(["--port", "70000"])
+    assert exc.value.code == 2
+    assert "--port: 70000 is not in 0..65535" in capsys.readouterr().err

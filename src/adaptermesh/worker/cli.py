@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from adaptermesh.cliargs import port
 from adaptermesh.httpserve import ListenerLimits, raise_fd_limit
 from adaptermesh.worker.eviction import POLICY_NAMES
 from adaptermesh.worker.grpc_v2 import GrpcV2Server
@@ -55,13 +56,6 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
     return value
 
 
@@ -141,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory whose subdirectories are PEFT adapters, resolved by name")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; use 0.0.0.0 in a pod)")
-    p.add_argument("--port", type=_port, default=8000, help="port (0 picks a free one)")
-    p.add_argument("--grpc-port", type=_port, default=None,
+    p.add_argument("--port", type=port, default=8000, help="port (0 picks a free one)")
+    p.add_argument("--grpc-port", type=port, default=None,
                    help="port of the KServe v2 gRPC API (0 picks a free one; default: off; "
                    "the chart's layout is 8001 beside HTTP 8000)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
