@@ -52,6 +52,7 @@ class FakeDatapath:
         self.closed: bool | None = None
         self.fail_next = False
         self.lost = 0
+        self.sticky: dict[str, int] = {}  # source -> shard index, as am_flows holds it
 
     def apply(self, assignment: assignment_pb2.Assignment) -> None:
         if self.fail_next:
@@ -68,6 +69,9 @@ class FakeDatapath:
 
     def read_stats(self) -> dict[int, ShardStats]:
         return dict(self.counters)
+
+    def lookup_flow(self, source: str) -> int | None:
+        return self.sticky.get(source)
 
     def read_counters(self) -> DatapathCounters:
         return DatapathCounters(ringbuf_failed=self.lost)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator, Iterator
 from ipaddress import ip_address
@@ -124,6 +125,16 @@ async def test_applies_streamed_assignments_and_reports_version_and_traffic(tmp_
         assert '"shard_id": "a"' in body
         assert '"10.9.0.3"' in body
         assert "10.9.0.4" not in body
+        # A flow that stayed sticky past the event window: only the flow table knows it.
+        h.dp.sticky["10.9.7.7"] = 1
+        status, body = await h.get("/flows?source=10.9.7.7")
+        assert status == 200
+        flows = json.loads(body)["flows"]
+        assert flows == [{"source": "10.9.7.7", "shard_index": 1, "shard_id": "b", "age_s": None}]
+        status, body = await h.get("/flows?source=10.9.7.8")
+        assert json.loads(body)["flows"] == []
+        status, body = await h.get("/flows")
+        assert "10.9.7.7" not in body  # the listing is the window's flows only
 
         cp.servicer.publish(make_assignment(2, {"a": 2000, "b": 8000}, reason="rebalance"))
         await wait_until(lambda: h.dp.applied == [1, 2], what="v2 applied")

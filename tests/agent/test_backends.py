@@ -110,3 +110,20 @@ def test_table_datapath_over_the_classifier_fake_reports_what_traffic_did():
     # A bad assignment is refused by the classifier's own validation, naming the field.
     with pytest.raises(ValueError, match=r"pins\[0\]\.cidr"):
         dp.apply(make_assignment(2, pins={"10.9.0.1/24": "a"}))
+
+
+def test_table_datapath_reads_the_tables_sticky_flows() -> None:
+    """Through the agent's wrapper, lookup_flow answers from the table's flow entries: the
+    shard each source's packets took; none for a source that never sent."""
+    from adaptermesh.agent.backends import TableDatapath
+    from adaptermesh.bpf.table import FakeShardTable, FlowLookup
+
+    table = FakeShardTable(maglev_size=251)
+    dp = TableDatapath(table)
+    assert isinstance(dp, FlowLookup)
+    dp.apply(make_assignment(1, {"a": 5000, "b": 5000}, pins={"10.9.0.0/24": "b"}))
+    took = {f"10.8.0.{i}": table.classify(f"10.8.0.{i}") for i in range(20)}
+    took["10.9.0.1"] = table.classify("10.9.0.1")
+    assert {s: dp.lookup_flow(s) for s in took} == took
+    assert took["10.9.0.1"] == 1
+    assert dp.lookup_flow("10.7.0.1") is None

@@ -314,3 +314,17 @@ def test_failed_ring_buffer_reservations_are_counted(fresh: BpfShardTable) -> No
     per_shard = sum(s.events_dropped for s in fresh.read_stats().values()) - sum(
         s.events_dropped for s in before_s.values())
     assert per_shard == lost
+
+
+def test_lookup_flow_reads_the_sticky_table(fresh: BpfShardTable) -> None:
+    """lookup_flow says where each source's sticky flow goes, the shard its packets took; a
+    source that never sent, or a string that is not an address, has none."""
+    fresh.apply(make_assignment(_mark_shards()))
+    srcs = [f"10.64.0.{k}" for k in range(1, 30)]
+    took = {s: shard_of(libbpf.prog_test_run(fresh.prog_fd, udp4(s))) for s in srcs}
+    events(fresh)
+    assert {s: fresh.lookup_flow(s) for s in srcs} == took
+    assert fresh.lookup_flow("10.64.1.1") is None
+    assert fresh.lookup_flow("not-an-ip") is None
+    fresh.clear_flows()
+    assert fresh.lookup_flow(srcs[0]) is None

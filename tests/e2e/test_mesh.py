@@ -140,7 +140,7 @@ def test_tenant_traffic_is_steered_and_answers_are_right_per_adapter(mesh: Local
             assert r["choices"][0]["text"] == direct[a], (source, a)
         after = _envoy_requests(mesh)
         # The classifier chose one shard for this tenant, and that shard's Envoy served all.
-        shard = mesh.agent_flows()[source]
+        shard = mesh.agent_flow(source)
         assert after[shard] - before[shard] == len(adapters), (source, shard, before, after)
         others = [s for s in mesh.shard_ids if s != shard]
         assert all(after[s] == before[s] for s in others), (source, before, after)
@@ -170,7 +170,7 @@ def test_override_and_pin_take_effect_end_to_end(mesh: LocalMesh):
 
     # Pin: move one existing tenant to the other shard; pins beat its sticky flow.
     tenant = mesh.tenants[0]
-    current = mesh.agent_flows()[tenant]
+    current = mesh.agent_flow(tenant)
     target = "s0" if current == "s1" else "s1"
     before = _envoy_requests(mesh)
     t0 = time.monotonic()
@@ -179,7 +179,7 @@ def test_override_and_pin_take_effect_end_to_end(mesh: LocalMesh):
     _figure("pin_to_first_request_served_s", time.monotonic() - t0)
     after = _envoy_requests(mesh)
     assert after[target] - before[target] == 1, (before, after)
-    assert mesh.agent_flows()[tenant] == target
+    assert mesh.agent_flow(tenant) == target
     mesh.wait_agent_applied(mesh.unpin(f"{tenant}/32"), timeout=10)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from adaptermesh.agent.daemon import AgentConfig
-from adaptermesh.bpf.table import DatapathCounters, FlowEvent, ShardStats, ShardTable
+from adaptermesh.bpf.table import DatapathCounters, FlowEvent, FlowLookup, ShardStats, ShardTable
 from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.mesh.metrics import XdsMetrics
 from adaptermesh.mesh.server import XdsServer
@@ -143,6 +143,10 @@ class TableDatapath:
 
     def poll_events(self, callback: Callable[[FlowEvent], None], timeout_ms: int = 0) -> int:
         return self.table.poll_events(callback, timeout_ms)
+
+    def lookup_flow(self, source: str) -> int | None:
+        """The table's sticky flow for ``source``, when the table keeps one it can read."""
+        return self.table.lookup_flow(source) if isinstance(self.table, FlowLookup) else None
 
     def close(self, detach: bool) -> None:
         if self._closer is not None:

@@ -36,6 +36,7 @@ from adaptermesh.agent.ports import Datapath, FlowEvent, XdsSink
 from adaptermesh.agent.state import AssignmentStore
 from adaptermesh.agent.watch import AssignmentWatcher, LoadReporter
 from adaptermesh.backoff import Backoff
+from adaptermesh.bpf.table import FlowLookup
 from adaptermesh.clock import Clock, SystemClock
 from adaptermesh.httpserve import serve_app
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2_grpc
@@ -227,6 +228,14 @@ class Agent:
             for src, index, age in sorted(self.tracker.flows(self.clock.monotonic()))
             if source is None or src == source
         ]
+        # A flow that stays sticky sends no new-flow event, so one older than the window is
+        # not in the tracker; for one source, the datapath's flow table still says where it
+        # goes (age unknown: null).
+        if source is not None and not rows and isinstance(self.datapath, FlowLookup):
+            index = self.datapath.lookup_flow(source)
+            if index is not None:
+                rows = [{"source": source, "shard_index": index,
+                         "shard_id": names.get(index, ""), "age_s": None}]  # fmt: skip
         return {"window_s": self.tracker.active_window_s, "flows": rows}
 
     # -- lifecycle ------------------------------------------------------------------------

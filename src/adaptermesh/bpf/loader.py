@@ -57,6 +57,7 @@ from adaptermesh.bpf.table import (
     ShardPlan,
     ShardStats,
     SteerPlan,
+    addr16,
     validate_assignment,
 )
 
@@ -585,6 +586,17 @@ class BpfShardTable:
                     raise
         for i in range(done, len(keys)):
             libbpf.map_delete(fd, arr[i])
+
+    def lookup_flow(self, source: str) -> int | None:
+        """The shard index in ``source``'s sticky flow entry (None: no entry, or not an IP)."""
+        try:
+            key = addr16(ipaddress.ip_address(source))
+        except ValueError:
+            return None
+        value = AmFlow()
+        if not libbpf.map_lookup(self._fd["am_flows"], (ctypes.c_uint8 * 16)(*key), value):
+            return None
+        return int(value.shard)
 
     def clear_flows(self) -> None:
         """Forget every sticky flow (the next packet of each flow is a new flow)."""

@@ -43,6 +43,7 @@ __all__ = [
     "DatapathCounters",
     "FakeShardTable",
     "FlowEvent",
+    "FlowLookup",
     "PinDelta",
     "Plan",
     "ShardPlan",
@@ -175,6 +176,15 @@ class ShardTable(Protocol):
 
     @property
     def applied_version(self) -> int | None: ...
+
+
+@runtime_checkable
+class FlowLookup(Protocol):
+    """A datapath that can say where one source's sticky flow goes now."""
+
+    def lookup_flow(self, source: str) -> int | None:
+        """The shard index of ``source``'s entry in the sticky flow table (None: none)."""
+        ...
 
 
 def addr16(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
@@ -578,6 +588,9 @@ class FakeShardTable:
             and shard in self.plan.shards
             and self.plan.shards[shard].state == STATE_ACTIVE
         )
+
+    def lookup_flow(self, source: str) -> int | None:
+        return self.flows.get(addr16(ipaddress.ip_address(source)))
 
     def classify(self, source: str, size: int = 64, ts_ns: int = 0) -> int | None:
         """The shard a packet from ``source`` goes to (None: passed untouched)."""

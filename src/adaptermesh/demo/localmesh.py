@@ -636,9 +636,17 @@ class LocalMesh:
         return self.in_node(_http_json, self.agent_url("/status"))
 
     def agent_flows(self) -> dict[str, str]:
-        """Source address -> shard id, from the agent's view of the ring buffer."""
+        """Source address -> shard id for the flows that started within the agent's window,
+        from its view of the ring buffer."""
         data = self.in_node(_http_json, self.agent_url("/flows"))
         return {f["source"]: f["shard_id"] for f in data["flows"]}
+
+    def agent_flow(self, source: str) -> str | None:
+        """The shard id ``source`` is steered to, as the agent sees it (its recent flows, then
+        the datapath's sticky flow table); None when it has no flow."""
+        data = self.in_node(_http_json, self.agent_url(f"/flows?source={source}"))
+        flows = data["flows"]
+        return str(flows[0]["shard_id"]) if flows else None
 
     def wait_agent_applied(self, version: int | None = None, timeout: float = 30) -> int:
         """Wait until the agent applied ``version`` (default: the control plane's current)."""
