@@ -7,7 +7,8 @@
 - ``/readyz``: 200 once an Assignment has been applied (from the control plane or the cache).
 - ``/status``: JSON with the applied version, the connection and per-shard weights and loads.
 - ``/flows[?source=IP]``: which shard each active source address was steered to, from the
-  classifier's new-flow events (troubleshooting "where does tenant X go?").
+  classifier's new-flow events (troubleshooting "where does tenant X go?"); for one source
+  whose flow is older than the window, the datapath's sticky flow entry (``age_s`` null).
 
 The app carries ``adaptermesh.httpserve``'s header caps and keep-alive timeout as handler
 arguments, so any runner that serves it gets them (aiohttp 3.14 also closes a connection whose
