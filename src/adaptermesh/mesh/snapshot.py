@@ -655,23 +655,7 @@ def _websocket_routes(name: str, adapters: list[str],
     and an upgrade's body never ends, so the handshake would stall (measured in
     tests/mesh/test_ws_envoy.py). Each message names its own model, so there is no body to
     route by; the adapter header still picks holders."""
-    skip = {"envoy.filters.http.ext_proc": _pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
-    routes = []
-    for adapter in [*adapters, None]:
-        action = _route_action(name, opts)
-        headers = []
-        if adapter is not None:
-            action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
-                ADAPTER_METADATA_KEY].string_value = adapter
-            headers = [route_components_pb2.HeaderMatcher(
-                name=opts.adapter_header, string_match=string_pb2.StringMatcher(exact=adapter))]
-        routes.append(route_components_pb2.Route(
-            name="ws" if adapter is None else f"ws:{adapter}",
-            match=route_components_pb2.RouteMatch(path=WEBSOCKET_PATH, headers=headers),
-            route=action,
-            typed_per_filter_config=skip,
-        ))
-    return routes
+    return _routes_without_ext_proc("ws", name, adapters, opts, {"path": WEBSOCKET_PATH})
 
 
 GRPC_V2_PREFIX = "/inference.GRPCInferenceService/"
@@ -682,12 +666,19 @@ def _grpc_routes(shard_id: str, adapters: list[str],
     """KServe v2 gRPC calls to the shard's gRPC cluster. The model name is inside the
     protobuf body, so ext_proc (which reads JSON) is off for them; the adapter header still
     picks the adapter's holders."""
-    name = grpc_cluster_name(shard_id)
+    return _routes_without_ext_proc("grpc", grpc_cluster_name(shard_id), adapters, opts,
+                                    {"prefix": GRPC_V2_PREFIX})  # fmt: skip
+
+
+def _routes_without_ext_proc(kind: str, cluster: str, adapters: list[str], opts: BuildOptions,
+                             match: dict[str, str]) -> list[route_components_pb2.Route]:
+    """One route per adapter (matched by the adapter header, to that adapter's holders) and
+    one for the rest, all on ``match`` (a path or prefix), with ext_proc off when it runs."""
     skip = ({"envoy.filters.http.ext_proc": _pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
             if opts.ext_proc is not None else {})
     routes = []
     for adapter in [*adapters, None]:
-        action = _route_action(name, opts)
+        action = _route_action(cluster, opts)
         headers = []
         if adapter is not None:
             action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
@@ -695,8 +686,8 @@ def _grpc_routes(shard_id: str, adapters: list[str],
             headers = [route_components_pb2.HeaderMatcher(
                 name=opts.adapter_header, string_match=string_pb2.StringMatcher(exact=adapter))]
         routes.append(route_components_pb2.Route(
-            name="grpc" if adapter is None else f"grpc:{adapter}",
-            match=route_components_pb2.RouteMatch(prefix=GRPC_V2_PREFIX, headers=headers),
+            name=kind if adapter is None else f"{kind}:{adapter}",
+            match=route_components_pb2.RouteMatch(headers=headers, **match),
             route=action,
             typed_per_filter_config=skip,
         ))
