@@ -44,7 +44,6 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from adaptermesh.proto.adaptermesh.v1 import open_inference_pb2 as pb
 from adaptermesh.proto.adaptermesh.v1 import open_inference_pb2_grpc as pb_grpc
 from adaptermesh.worker.service import ApiError, WorkerService
-from adaptermesh.worker.types import AdapterNotFoundError, InvalidRequestError
 
 __all__ = [
     "INPUT_NAME",
@@ -93,7 +92,7 @@ _STATUS: dict[int, grpc.StatusCode] = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 # Where an HTTP body field sits in a v2 request.
-_FIELD = {"prompt": f"inputs[{INPUT_NAME}]", "model": "model_name"}
+_FIELD = {"prompt": f"inputs[{INPUT_NAME}]", "model": "model_name", "lora_name": "model_name"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,15 +601,9 @@ class GrpcV2Servicer(pb_grpc.GRPCInferenceServiceServicer):
                 raise _invalid("model_name", "is the base model, which is always loaded")
             path = _load_path(request)
             try:
-                await self.service.engine.load_adapter(name, path)
-            except AdapterNotFoundError as exc:
-                raise _Failure(grpc.StatusCode.NOT_FOUND, f"lora_path: {exc}") from None
-            except InvalidRequestError as exc:
-                raise _invalid(
-                    exc.field if exc.field == "name" else "lora_path", str(exc)
-                ) from None
-            except (OSError, ValueError) as exc:
-                raise _invalid("lora_path", f"cannot be read: {exc}") from None
+                await self.service.load_adapter(name, path)
+            except ApiError as exc:
+                raise _from_api(exc) from None
         except _Failure as exc:
             await context.abort(exc.code, exc.message)
         return pb.RepositoryModelLoadResponse()
@@ -628,11 +621,9 @@ class GrpcV2Servicer(pb_grpc.GRPCInferenceServiceServicer):
             if name == self.service.engine.model_name:
                 raise _invalid("model_name", "is the base model, which cannot be unloaded")
             try:
-                await self.service.engine.unload_adapter(name)
-            except AdapterNotFoundError as exc:
-                raise _Failure(grpc.StatusCode.NOT_FOUND, f"model_name: {exc}") from None
-            except InvalidRequestError as exc:
-                raise _invalid("model_name", str(exc)) from None
+                await self.service.unload_adapter(name)
+            except ApiError as exc:
+                raise _from_api(exc) from None
         except _Failure as exc:
             await context.abort(exc.code, exc.message)
         return pb.RepositoryModelUnloadResponse()

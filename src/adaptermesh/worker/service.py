@@ -457,6 +457,12 @@ class WorkerService:
         name, path = load.lora_name, load.lora_path
         if name == self.engine.model_name:
             raise _invalid("lora_name", "must differ from the base model's name")
+        await self.load_adapter(name, path)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load (or reload) adapter ``name`` from ``path``, for every transport; engine errors
+        become ``ApiError`` naming ``lora_name`` or ``lora_path``."""
         try:
             await self.engine.load_adapter(name, path)
         except AdapterNotFoundError as exc:
@@ -473,11 +479,15 @@ class WorkerService:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise _invalid("lora_path", f"cannot be read: {reason}",
                            code="invalid_adapter") from None
-        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def _unload_adapter(self, request: web.Request) -> web.Response:
         self._check_admin(request)
         name = _parse(UnloadLoraAdapterRequest, await self._read_json(request)).lora_name
+        await self.unload_adapter(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload adapter ``name``, for every transport; errors as ``ApiError``."""
         try:
             await self.engine.unload_adapter(name)
         except AdapterNotFoundError as exc:
@@ -485,7 +495,6 @@ class WorkerService:
         except InvalidRequestError as exc:
             param = _ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
             raise ApiError(422, str(exc), param=param) from None
-        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
