@@ -27,15 +27,12 @@ _DEFAULTS = BridgeConfig("", 0, "x", "", Path())
 
 
 def _broker(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
+    host, sep, port_text = text.rpartition(":")
     if not sep or not host:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
-    try:
-        value = int(port)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{port!r} is not a port number") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not in 1..65535")
+    value = port(port_text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("0 is not a broker port (1..65535)")
     return host.strip("[]"), value
 
 
