@@ -111,9 +111,11 @@ class Sizes:
     kv_cache_bytes: int = 40 * GiB
     # capacity
     capacity_ctx: int = 2048
-    capacity_requests: int = 200
-    capacity_prompt: int = 256
-    capacity_new_tokens: int = 16
+    # More requests than the KV holds at once (544 tokens each: 150 in 40 GiB, below
+    # max_num_seqs), so the measured peak shows which bound binds.
+    capacity_requests: int = 240
+    capacity_prompt: int = 512
+    capacity_new_tokens: int = 32
     # prefix
     system_prompt: int = 1024
     user_tokens: int = 32
@@ -140,7 +142,7 @@ class Sizes:
 
 TINY = Sizes(adapters=8, prompt=16, new_tokens=8, batch=8, repeats=2, max_model_len=512,
              max_num_seqs=128, max_num_batched_tokens=2048, max_prefill_chunk=256,
-             kv_cache_bytes=20 * MiB, capacity_ctx=256, capacity_requests=96, capacity_prompt=32,
+             kv_cache_bytes=2 * MiB, capacity_ctx=256, capacity_requests=96, capacity_prompt=32,
              capacity_new_tokens=4, system_prompt=64, user_tokens=8, prefix_warm=3,
              logprobs_new_tokens=32,
              split_batches=(1, 4, 16), split_prompt=8, split_new_tokens=10, split_kv_bytes=4 * MiB,
@@ -931,11 +933,20 @@ def compute_targets(r: dict[str, Any]) -> dict[str, Any]:
         "batch64_64_vs_1": row(_get(r, "batch64", "distinct_vs_one"), ">= 0.9", lambda v: v >= 0.9,
                                at_floor=_get(r, "batch64", "distinct_vs_one_at_floor")),
         "sampling_t1_p09_vs_greedy": row(_get(r, "sampling", "sampled_vs_greedy"), ">= 0.95", lambda v: v >= 0.95),
+        # The row: sequences held at once are bounded by the tokens they hold, not by
+        # slots of the longest context. Value: the peak of sequences running at once when more
+        # requests arrive than the KV holds; met when that bound is the tokens held (not the
+        # request count or max_num_seqs) and the peak reaches 90% of it. 40 GiB of 7B KV hold
+        # 40 full 2,048-token contexts in any layout (full_ctx_sequences, reported beside).
         "kv_sequences_2048ctx_40GB": row(
-            cap.get("full_ctx_sequences"), f"> {OLD_DESIGN_SLOTS}, bounded by tokens held", lambda v: v > OLD_DESIGN_SLOTS,
-            kv_tokens=cap.get("kv_tokens"), budget_bound=cap.get("full_ctx_sequences_in_budget"),
-            measured_peak_running=_get(cap, "measured", "peak_running"),
-            measured_binding_bound=_get(cap, "measured", "binding_bound")),
+            _get(cap, "measured", "peak_running"), "bounded by tokens held (peak >= 90% of that bound)",
+            lambda v: (_get(cap, "measured", "binding_bound") == "tokens_held"
+                       and v >= 0.9 * (_get(cap, "measured", "upper_bounds", "tokens_held") or float("inf"))),
+            tokens_held_bound=_get(cap, "measured", "upper_bounds", "tokens_held"),
+            measured_binding_bound=_get(cap, "measured", "binding_bound"),
+            tokens_held_per_request=_get(cap, "measured", "tokens_held_per_request"),
+            kv_tokens=cap.get("kv_tokens"), full_ctx_sequences=cap.get("full_ctx_sequences"),
+            budget_bound=cap.get("full_ctx_sequences_in_budget"), old_design_slots=OLD_DESIGN_SLOTS),
         "prefix_ttft_cold_over_warm": row(_get(r, "prefix", "same_adapter", "cold_over_warm"), ">= 5", lambda v: v >= 5,
                                           no_sharing_across_adapters=_get(r, "prefix", "no_sharing_across_adapters")),
     }
