@@ -9,8 +9,6 @@ candidate of two families:
 - two launches: each shrink candidate with the best expand, each expand candidate with the
   best shrink (for both ops: tensor-core tiles and the matrix-vector kernels) (the ops are timed alone and their
   times add);
-- one launch (``FusedConfig``: shrink partials, a grid barrier, expand) for T <= 64, with
-  the pair picked by the tables forced beside it (``pair_default_us``);
 - the current defaults of ``kernels/sgmm.py`` (what add_lora picks by itself).
 
 Inputs rotate over enough layers of adapter pools and activations that at least 256 MB are
@@ -69,11 +67,6 @@ EXPAND = [  # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, 
     (1, 256, 4, 3, False, 4, True), (1, 1024, 8, 2, False, 1, True),
     (2, 512, 4, 2, False, 1, True), (4, 512, 8, 2, False, 1, True),
 ]  # fmt: skip
-FUSED = [  # one-launch add_lora: (block_m, block_k, k_chunk, block_n, num_warps), as FusedConfig
-    (1, 128, 256, 128, 4), (1, 256, 256, 128, 4), (1, 128, 512, 128, 4), (1, 128, 256, 64, 4),
-    (1, 128, 256, 256, 4), (2, 128, 256, 128, 4), (4, 128, 256, 128, 4), (1, 256, 512, 256, 8),
-]  # fmt: skip
-FUSED_MAX_T = 64  # the one-launch kernel is a decode kernel: not swept on larger batches
 # Ranks other than the first are swept on these shapes only.
 SHAPES_OTHER_RANKS = [(16, 1), (64, 64), (256, 64)]
 TARGET_BYTES = 256 << 20
@@ -156,12 +149,6 @@ class Setup:
             shrink_cfg=sc, expand_cfg=ec, check_values=False,
         )  # fmt: skip
 
-    def fused_fn(self, cfg: sgmm.FusedConfig) -> Callable[[tuple], object]:  # type: ignore[type-arg]
-        return lambda st: sgmm.add_lora(
-            st[3], st[2], st[0], st[1], self.scales, self.ranks, st[4], fused_cfg=cfg,
-            check_values=False,
-        )  # fmt: skip
-
     def default_fn(self, active: int | None = None) -> Callable[[tuple], object]:  # type: ignore[type-arg]
         return lambda st: sgmm.add_lora(
             st[3], st[2], st[0], st[1], self.scales, self.ranks, st[4], v_buffer=st[5],
@@ -202,34 +189,16 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
             continue
         expand_us[c] = time_graph(setup.calls(setup.expand_fn(cfg)))
         results.append({**row, "kind": "expand", "cfg": list(c), "err": err, "us": expand_us[c]})
-    fused_us: dict[tuple, float] = {}
-    if setup.t <= FUSED_MAX_T:
-        for c in FUSED:
-            if setup.r > 32 and (c[0] > 1 or c[3] > 128):
-                continue  # a wide rank tile with several tokens or columns spills registers
-            cfg = sgmm.FusedConfig(block_m=c[0], block_k=c[1], k_chunk=c[2], block_n=c[3],
-                                   num_warps=c[4])  # fmt: skip
-            err = setup.error(setup.fused_fn(cfg))
-            if err > 0.03:
-                results.append({**row, "kind": "fused", "cfg": list(c), "err": err, "us": None})
-                continue
-            fused_us[c] = time_graph(setup.calls(setup.fused_fn(cfg)))
-            results.append({**row, "kind": "fused", "cfg": list(c), "err": err, "us": fused_us[c]})
-    pair_sc = sgmm.shrink_config(setup.t, setup.h, setup.r, setup.s)
-    pair_ec = sgmm.expand_config(setup.t, max(setup.sizes), setup.r, setup.s)
-    pair_default_us = time_graph(setup.calls(setup.pair_fn(pair_sc, pair_ec)))
     default_err = setup.error(setup.default_fn(setup.s))
     default_us = time_graph(setup.calls(setup.default_fn(setup.s)))
     best = {
         "shrink": min(shrink_us.items(), key=lambda kv: kv[1]) if shrink_us else None,
         "expand": min(expand_us.items(), key=lambda kv: kv[1]) if expand_us else None,
-        "fused": min(fused_us.items(), key=lambda kv: kv[1]) if fused_us else None,
     }
     two = (best["shrink"][1] + best["expand"][1]) if best["shrink"] and best["expand"] else None
     return {
         "shrink_us": shrink_us, "expand_us": expand_us, "best": best,
         "two_launch_us": two, "default_us": default_us, "default_err": default_err,
-        "pair_default_us": pair_default_us,
     }  # fmt: skip
 
 
@@ -321,20 +290,15 @@ def main() -> int:
                 "best_expand": list(b["expand"][0]) if b["expand"] else None,
                 "best_expand_us": b["expand"][1] if b["expand"] else None,
                 "two_launch_us": res["two_launch_us"], "default_us": res["default_us"],
-                "default_err": res["default_err"], "pair_default_us": res["pair_default_us"],
-                "best_fused": list(b["fused"][0]) if b["fused"] else None,
-                "best_fused_us": b["fused"][1] if b["fused"] else None,
+                "default_err": res["default_err"],
             }  # fmt: skip
             best_us = case["two_launch_us"] or res["default_us"]
             case["best_pct_copy_bw"] = 100 * setup.min_bytes / (best_us * 1e-6) / 1e9 / results["copy_gbps"]
             case["default_pct_copy_bw"] = 100 * setup.min_bytes / (res["default_us"] * 1e-6) / 1e9 / results["copy_gbps"]
             results["cases"].append(case)
             print(f"CASE {group:7s} T={t:4d} S={s:3d} r={r:2d}: default {res['default_us']:.1f} us, "
-                  f"pair-default {res['pair_default_us']:.1f}, "
                   f"two {case['two_launch_us'] and round(case['two_launch_us'], 1)} "
-                  f"({case['best_shrink']} + {case['best_expand']}), "
-                  f"fused {case['best_fused_us'] and round(case['best_fused_us'], 1)} "
-                  f"{case['best_fused']}", flush=True)  # fmt: skip
+                  f"({case['best_shrink']} + {case['best_expand']})", flush=True)  # fmt: skip
             del setup
             torch.cuda.empty_cache()
             Path(args.out).write_text(json.dumps(results, indent=1, default=str))

@@ -40,10 +40,18 @@ def test_density_picks_configs() -> None:
     assert sgmm.shrink_config(4096, 4096, 16, active_slots=1).block_m >= 32
     # One to four tokens per adapter at T <= 64 and a low rank: the matrix-vector expand with
     # the whole rank in one tile; a high rank or a denser batch keeps the tensor-core tiles.
-    for t, a in ((1, 1), (16, 16), (64, 64), (64, None)):
+    for t, a in ((2, 2), (16, 16), (64, 64), (64, None)):
         cfg = sgmm.expand_config(t, 4096, 16, active_slots=a)
         assert cfg.gemv, (t, a)
         assert cfg.block_k >= 16, (t, a)
+    # One token, low rank: the matrix-vector shrink over H <= 4096, split-K over wider H, and
+    # the 16-row expand tile (the batch-1 rows of the 2026-12-03 sweep); INT4 keeps tiles.
+    assert sgmm.shrink_config(1, 4096, 16, 1).gemv
+    assert not sgmm.shrink_config(1, 11008, 16, 1).gemv
+    assert sgmm.shrink_config(1, 11008, 16, 1).split_k > 1
+    assert not sgmm.expand_config(1, 4096, 16, 1).gemv
+    assert not sgmm.shrink_config(1, 4096, 16, 1, allow_gemv=False).gemv
+    assert not sgmm.shrink_config(1, 4096, 64, 1).gemv
     assert sgmm.expand_config(64, 4096, 32).block_k >= 32
     assert not sgmm.expand_config(64, 4096, 64).gemv
     assert not sgmm.expand_config(64, 4096, 16, active_slots=1).gemv

@@ -28,7 +28,7 @@ import torch
 __all__ = ["split_workspace"]
 
 _lock = threading.Lock()
-# (device type, index, stream, n_counters, n_partial, kind) -> (counters int32, partials fp32).
+# (device type, index, stream, n_counters, n_partial) -> (counters int32, partials fp32).
 _cache: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 # Pairs allocated during stream capture: kept alive for the graphs that hold their addresses.
 _captured: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -42,25 +42,20 @@ def _new_pair(device: torch.device, n_counters: int, n_partial: int) -> tuple[to
 
 
 def split_workspace(
-    device: torch.device, n_counters: int, n_partial: int, kind: str = "split"
+    device: torch.device, n_counters: int, n_partial: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(counters [>= n_counters] int32, zero when idle; partials [>= n_partial] fp32).
-
-    ``kind`` keeps the pairs of different kernels apart (the split-K shrink's tile counters and
-    the one-launch add_lora's grid barrier never share a pair, even at equal sizes)."""
+    """(counters [>= n_counters] int32, zero when idle; partials [>= n_partial] fp32)."""
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     stream = int(torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else 0
     with _lock:
         if capturing:
-            for (dtype_, index, _s, nc, npart, k), pair in _cache.items():
-                if (dtype_, index, nc, npart, k) == (
-                    device.type, device.index, n_counters, n_partial, kind
-                ):
+            for (dtype_, index, _s, nc, npart), pair in _cache.items():
+                if (dtype_, index, nc, npart) == (device.type, device.index, n_counters, n_partial):
                     return pair
             counters, partials = _new_pair(device, n_counters, n_partial)
             _captured.append((counters, partials))
             return counters, partials
-        key = (device.type, device.index, stream, n_counters, n_partial, kind)
+        key = (device.type, device.index, stream, n_counters, n_partial)
         hit = _cache.get(key)
         if hit is None:
             counters, partials = _new_pair(device, n_counters, n_partial)

@@ -25,7 +25,6 @@ Entries of ``v`` past a token's rank, and rows of base tokens, are left unwritte
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,11 +47,9 @@ from adaptermesh.kernels.meta import SegmentMeta
 
 __all__ = [
     "AddLoraPlan",
-    "FusedConfig",
     "SgmmConfig",
     "add_lora",
     "expand_config",
-    "fused_config",
     "plan_add_lora",
     "sgmm_expand",
     "sgmm_shrink",
@@ -216,6 +213,21 @@ _EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, bool, int, bo
 }
 
 
+# One token (batch-1 decode), ranks up to 32: rows from the decode sweep of 2026-12-03
+# (bench/results/sgmm_decode_sweep_h200_fused.json, T=1 S=1 r=16, graph replay, pool of 128):
+# the best shrink was the matrix-vector kernel (two rank rows per program, 1,024 columns of H per
+# step) where H = 4096 (qkv 8.9, o 8.0, gate_up 9.4 us with the best expand) and the split-K tile
+# for the MLP's down input, H = 11008 (11.6 us); the best expand was the 16-row tensor-core tile
+# for all four. The T <= 16 sparse rows above took 10.9 / 9.5 / 11.2 / 13.2 us for the same
+# cases: 44.8 against 37.9 us per 7B layer.
+_ONE_TOKEN_NARROW_H = 4096
+_ONE_TOKEN_SHRINK: dict[bool, tuple[int, int, int, int, int, int]] = {
+    False: (1, 1024, 1, 4, 2, 2),  # H <= 4096
+    True: (16, 256, 8, 4, 3, 0),  # wider H
+}
+_ONE_TOKEN_EXPAND: tuple[int, int, int, int, bool, int, bool] = (16, 256, 4, 2, True, 1, False)
+
+
 def shrink_config(
     num_tokens: int,
     hidden: int,
@@ -228,6 +240,8 @@ def shrink_config(
     variant, e.g. INT4) gets the tile row of the T bucket where the density row is a gemv."""
     tb, rb = _t_bucket(num_tokens), _r_bucket(r_max)
     row = _SHRINK_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
+    if num_tokens == 1 and rb == "low":
+        row = _ONE_TOKEN_SHRINK[hidden > _ONE_TOKEN_NARROW_H]
     if row is None or (row[5] and not allow_gemv):
         row = (*_SHRINK_TABLE[(tb, rb)], 0)
     bm, bk, split, warps, stages, gemv_rows = row
@@ -249,6 +263,8 @@ def expand_config(
     variant, e.g. INT4) gets the tile row of the T bucket where the density row is a gemv."""
     tb, rb = _t_bucket(num_tokens), _r_bucket(r_max)
     row = _EXPAND_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
+    if num_tokens == 1 and rb == "low":
+        row = _ONE_TOKEN_EXPAND
     if row is None or (row[6] and not allow_gemv):
         row = (*_EXPAND_TABLE[(tb, rb)], 1, False)
     bm, bn, warps, stages, prefetch, nb, gemv = row
@@ -258,43 +274,6 @@ def expand_config(
         bm, bn, bk, num_warps=warps, num_stages=stages, prefetch_out=prefetch, n_blocks=nb,
         gemv=gemv,
     )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class FusedConfig:
-    """The one-launch add_lora (``_sgmm_fused_kernel``): tokens per tile, H columns per shrink
-    step and per shrink work item, output columns per expand work item, warps."""
-
-    block_m: int = 1
-    block_k: int = 128
-    k_chunk: int = 256
-    block_n: int = 128
-    num_warps: int = 4
-
-
-# Rows by (T bucket, density, rank bucket) where add_lora runs as one launch instead of the
-# shrink + expand pair: decode batches with one to four tokens per adapter and ranks up to 32,
-# where the pair's cost is two launch latencies rather than bytes (T=1: 6.8 + 3.4 us for qkv in
-# the decode sweep of 2026-12-02, bench/results/sgmm_decode_sweep_h200.json).
-# ``ADAPTERMESH_FUSED_LORA=0`` turns the rows off (the pair everywhere), for side-by-side runs.
-_FUSED_ROWS: dict[tuple[int, str, str], FusedConfig] = {
-    (16, "sparse", "low"): FusedConfig(block_m=1, block_k=128, k_chunk=256, block_n=128),
-    (64, "sparse", "low"): FusedConfig(block_m=1, block_k=128, k_chunk=256, block_n=128),
-}
-_FUSED_ENABLED = os.environ.get("ADAPTERMESH_FUSED_LORA", "1") != "0"
-# Programs poll the grid barrier at most this many times (a microsecond or so each) before
-# going on with the flag raised; a correct launch waits a few microseconds.
-_FUSED_MAX_SPIN = 1 << 22
-
-
-def fused_config(
-    num_tokens: int, r_max: int, active_slots: int | None = None
-) -> FusedConfig | None:
-    """The one-launch config for a batch, or None where the shrink + expand pair is used."""
-    if not _FUSED_ENABLED:
-        return None
-    tb, rb = _t_bucket(num_tokens), _r_bucket(r_max)
-    return _FUSED_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -745,195 +724,6 @@ def _sgmm_expand_gemv_kernel(
                 )  # fmt: skip
 
 
-@triton.jit
-def _sgmm_fused_kernel(
-    # pointers
-    out_ptr,
-    x_ptr,
-    a_ptr,
-    b0_ptr,
-    b1_ptr,
-    b2_ptr,
-    scales_ptr,
-    ranks_ptr,
-    sorted_ptr,
-    seg_start_ptr,
-    part_ptr,  # [N_CHUNKS, n_slices, T, BLOCK_R] fp32 shrink partials
-    bar_ptr,  # [3] int32: arrivals, departures (both 0 when idle), spin-limit flag
-    # sizes
-    H,
-    S,
-    R_MAX,
-    T,
-    N0,
-    N1,
-    N2,
-    OFF1,
-    OFF2,
-    GRID_M,  # bound on non-empty (slot, BLOCK_M) tiles
-    N_SLICES,
-    N_CHUNKS,  # ranges of H, K_CHUNK wide, one shrink work item each
-    K_CHUNK,
-    N_NBLK,  # BLOCK_N column blocks of the widest slice
-    NUM_PROGS,  # programs in the grid, all resident at once (<= SM count)
-    # strides
-    stride_ot,
-    stride_on,
-    stride_xt,
-    stride_xh,
-    stride_ai,
-    stride_as,
-    stride_ar,
-    stride_ah,
-    stride_b0s,
-    stride_b0n,
-    stride_b0r,
-    stride_b1s,
-    stride_b1n,
-    stride_b1r,
-    stride_b2s,
-    stride_b2n,
-    stride_b2r,
-    # meta-parameters
-    BLOCK_M: tl.constexpr,  # tokens per tile (a few: decode has one or two per adapter)
-    BLOCK_R: tl.constexpr,  # >= R_MAX: the whole rank in one tile
-    BLOCK_K: tl.constexpr,  # H columns per shrink step
-    BLOCK_N: tl.constexpr,  # output columns per expand work item
-    BLOCK_S: tl.constexpr,
-    PHASE: tl.constexpr,  # 0: both phases and the grid barrier; 1 or 2: that phase alone
-    MAX_SPIN: tl.constexpr,
-):
-    """shrink + expand in one launch, for batches with a few tokens per adapter.
-
-    Phase 1: work item (slice, tile, chunk of H) writes ``x[t, chunk] @ A[i, s, :r, chunk].T``
-    as an fp32 partial. Every program then arrives on a grid barrier (all programs are
-    resident: the grid is at most one program per SM). Phase 2: work item (slice, tile, column
-    block) adds the partials in chunk order (deterministic), rounds ``v`` to the weight dtype
-    and adds ``scale * v @ B_i[s, block, :r].T`` to ``out``. The last program to leave sets the
-    counters back to 0, so the next launch (and a graph replay) needs no memset. The barrier's
-    wait is bounded: past ``MAX_SPIN`` polls a program goes on and raises the flag in
-    ``bar_ptr[2]``, which the tests read, so a broken residency assumption shows as an error
-    and never as a hang. Under the CPU interpreter the phases run as two launches.
-    """
-    pid = tl.program_id(0)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_mm = tl.arange(0, BLOCK_M)
-    if PHASE != 2:
-        n_items = N_SLICES * GRID_M * N_CHUNKS
-        for w in range(pid, n_items, NUM_PROGS):
-            pid_i = w // (GRID_M * N_CHUNKS)
-            rem = w % (GRID_M * N_CHUNKS)
-            pid_m = rem // N_CHUNKS
-            chunk = rem % N_CHUNKS
-            has_tile, slot, row_begin, seg_end = _locate_tile(
-                pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S
-            )
-            rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-            if has_tile & (rank > 0):
-                offs_m = row_begin + offs_mm
-                mask_m = offs_m < seg_end
-                tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-                mask_r = offs_r < rank
-                k0 = chunk * K_CHUNK
-                k_end = tl.minimum(H, k0 + K_CHUNK)
-                a_base = (
-                    a_ptr
-                    + pid_i.to(tl.int64) * stride_ai
-                    + slot.to(tl.int64) * stride_as
-                    + offs_r[:, None] * stride_ar
-                )
-                x_base = x_ptr + tok[:, None] * stride_xt
-                acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for kb in range(k0, k_end, BLOCK_K):
-                    kk = kb + offs_k
-                    mask_k = kk < k_end
-                    xt = tl.load(x_base + kk[None, :] * stride_xh,
-                                 mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-                    at = tl.load(a_base + kk[None, :] * stride_ah,
-                                 mask=mask_r[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-                    acc += tl.sum(
-                        xt.to(tl.float32)[:, None, :] * at.to(tl.float32)[None, :, :], axis=2
-                    )
-                p_ptrs = (
-                    part_ptr
-                    + ((chunk * N_SLICES + pid_i) * T).to(tl.int64) * BLOCK_R
-                    + tok[:, None] * BLOCK_R
-                    + offs_r[None, :]
-                )
-                tl.store(p_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
-    if PHASE == 0:
-        # Every thread's partial stores come before this program's (release) arrival.
-        tl.debug_barrier()
-        seen = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") + 1
-        spins = 0
-        while (seen < NUM_PROGS) & (spins < MAX_SPIN):
-            seen = tl.atomic_add(bar_ptr, 0, sem="acq_rel", scope="gpu")
-            spins += 1
-        if seen < NUM_PROGS:
-            tl.atomic_xchg(bar_ptr + 2, 1)
-        tl.debug_barrier()
-    if PHASE != 1:
-        n_items2 = N_SLICES * GRID_M * N_NBLK
-        for w in range(pid, n_items2, NUM_PROGS):
-            pid_i = w // (GRID_M * N_NBLK)
-            rem = w % (GRID_M * N_NBLK)
-            pid_m = rem // N_NBLK
-            nblk = rem % N_NBLK
-            n_size = _of_slice(pid_i, N0, N1, N2)
-            has_tile, slot, row_begin, seg_end = _locate_tile(
-                pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S
-            )
-            rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-            if has_tile & (rank > 0) & (nblk * BLOCK_N < n_size):
-                col_off = _of_slice(pid_i, 0, OFF1, OFF2)
-                stride_bs = _of_slice(pid_i, stride_b0s, stride_b1s, stride_b2s).to(tl.int64)
-                stride_bn = _of_slice(pid_i, stride_b0n, stride_b1n, stride_b2n)
-                stride_br = _of_slice(pid_i, stride_b0r, stride_b1r, stride_b2r)
-                if pid_i == 0:
-                    b_ptr = b0_ptr
-                elif pid_i == 1:
-                    b_ptr = b1_ptr
-                else:
-                    b_ptr = b2_ptr
-                offs_m = row_begin + offs_mm
-                mask_m = offs_m < seg_end
-                tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-                mask_r = offs_r < rank
-                mask_mr = mask_m[:, None] & mask_r[None, :]
-                p_base = part_ptr + tok[:, None] * BLOCK_R + offs_r[None, :]
-                v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for c in range(0, N_CHUNKS):
-                    off = ((c * N_SLICES + pid_i) * T).to(tl.int64) * BLOCK_R
-                    # ".cg": from L2, where the other programs' partials are visible.
-                    v += tl.load(p_base + off, mask=mask_mr, other=0.0, cache_modifier=".cg")
-                offs_n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < n_size
-                bt = tl.load(
-                    b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn
-                    + offs_r[None, :] * stride_br,
-                    mask=mask_n[:, None] & mask_r[None, :], other=0.0,
-                )  # fmt: skip
-                # v is rounded to the weight dtype first, as the two-launch path does.
-                vr = v.to(bt.dtype).to(tl.float32)
-                acc = tl.sum(vr[:, None, :] * bt.to(tl.float32)[None, :, :], axis=2)
-                scale = tl.load(scales_ptr + slot)
-                o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
-                o_mask = mask_m[:, None] & mask_n[None, :]
-                o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-                tl.store(
-                    o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
-                    mask=o_mask,
-                )  # fmt: skip
-    if PHASE == 0:
-        tl.debug_barrier()
-        left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if left == NUM_PROGS - 1:
-            # Everyone has passed the wait: the counters may go back to 0 for the next launch.
-            tl.atomic_xchg(bar_ptr, 0)
-            tl.atomic_xchg(bar_ptr + 1, 0)
-
-
 def _dot_fp32(dtype: torch.dtype) -> bool:
     """Whether tl.dot runs on fp32 operands with IEEE precision.
 
@@ -1179,85 +969,6 @@ def _launch_expand(
     return run(kernel, grid, args, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _check_fused_config(cfg: FusedConfig, r_max: int) -> None:
-    for name in ("block_m", "block_k", "block_n"):
-        val = getattr(cfg, name)
-        if val < 1 or val & (val - 1):
-            raise ValueError(f"fused config.{name} must be a power of two, got {val}")
-    if cfg.k_chunk < cfg.block_k or cfg.k_chunk % cfg.block_k:
-        raise ValueError(
-            f"fused config.k_chunk must be a multiple of block_k={cfg.block_k}, got {cfg.k_chunk}"
-        )
-    if r_max > 64:
-        raise ValueError(f"the one-launch add_lora holds the whole rank in a tile: R_max {r_max} > 64")
-
-
-def fused_workspace(
-    device: torch.device, n_chunks: int, n_slices: int, num_tokens: int, block_r: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-launch add_lora's (barrier counters [3] int32, partials) pair for a shape."""
-    return split_workspace(
-        device, 3, n_chunks * n_slices * num_tokens * block_r, kind="fused"
-    )
-
-
-def _launch_fused(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: Sequence[torch.Tensor],
-    scales: torch.Tensor,
-    ranks: torch.Tensor,
-    meta: SegmentMeta,
-    shapes: SgmmShapes,  # from check_shrink
-    out_shapes: SgmmShapes,  # from check_expand
-    cfg: FusedConfig,
-    run: Any = launch,
-) -> list[Any]:
-    """One launch on a GPU; under the CPU interpreter, which runs programs one after another
-    and so cannot wait at a barrier, the same kernel as two launches (phase 1, phase 2)."""
-    _check_fused_config(cfg, shapes.r_max)
-    bs, sizes, offs = _three_slices(lora_b, out_shapes.out_sizes, out_shapes.out_offsets)
-    block_r = _pow2_at_least_16(shapes.r_max)
-    grid_m = _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m)
-    n_chunks = int(triton.cdiv(shapes.hidden, cfg.k_chunk))
-    n_nblk = int(triton.cdiv(max(out_shapes.out_sizes), cfg.block_n))
-    items = shapes.n_slices * grid_m * max(n_chunks, n_nblk)
-    progs = max(1, min(_sm_count(x.device), items))
-    counters, partials = fused_workspace(
-        x.device, n_chunks, shapes.n_slices, shapes.num_tokens, block_r
-    )
-    args = (
-        out, x, lora_a, bs[0], bs[1], bs[2], scales, ranks, meta.sorted_tokens, meta.seg_start,
-        partials, counters,
-        shapes.hidden, shapes.num_slots, shapes.r_max, shapes.num_tokens,
-        sizes[0], sizes[1], sizes[2], offs[1], offs[2],
-        grid_m, shapes.n_slices, n_chunks, cfg.k_chunk, n_nblk, progs,
-        out.stride(0), out.stride(1), x.stride(0), x.stride(1), *lora_a.stride(),
-        *bs[0].stride(), *bs[1].stride(), *bs[2].stride(),
-    )  # fmt: skip
-    phases = (1, 2) if interpreter_enabled() else (0,)
-    return [
-        run(
-            _sgmm_fused_kernel,
-            (progs, 1, 1),
-            args,
-            {
-                "BLOCK_M": cfg.block_m,
-                "BLOCK_R": block_r,
-                "BLOCK_K": cfg.block_k,
-                "BLOCK_N": cfg.block_n,
-                "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
-                "PHASE": phase,
-                "MAX_SPIN": _FUSED_MAX_SPIN,
-            },
-            num_warps=cfg.num_warps,
-            num_stages=1,
-        )
-        for phase in phases
-    ]
-
-
 def add_lora(
     out: torch.Tensor,  # [T, sum N_i], updated in place
     x: torch.Tensor,  # [T, H]
@@ -1272,19 +983,16 @@ def add_lora(
     expand_cfg: SgmmConfig | None = None,
     active_slots: int | None = None,
     check_values: bool = True,
-    fused_cfg: FusedConfig | None = None,
 ) -> None:
-    """``out += scale * (x @ A.T) @ B.T`` per token's slot.
+    """``out += scale * (x @ A.T) @ B.T`` per token's slot: two launches (shrink, expand).
 
-    Two launches (shrink, expand), or one (``_sgmm_fused_kernel``) for decode batches where
-    ``fused_config`` has a row, or when ``fused_cfg`` is given. Explicit ``shrink_cfg`` /
-    ``expand_cfg`` ask for the pair. ``active_slots`` is how many distinct adapters the batch
-    uses at most (the scheduler knows); it picks the tile shapes. Left out, it is the pool's
-    slot count: the worst case, which suits a CUDA graph captured once for any mix.
+    ``active_slots`` is how many distinct adapters the batch uses at most (the scheduler
+    knows); it picks the tile shapes. Left out, it is the pool's slot count: the worst case,
+    which suits a CUDA graph captured once for any mix.
     """
     _add_lora(
         out, x, lora_a, lora_b, scales, ranks, meta, v_buffer, shrink_cfg, expand_cfg,
-        active_slots, check_values, launch, fused_cfg,
+        active_slots, check_values, launch,
     )  # fmt: skip
 
 
@@ -1321,12 +1029,11 @@ def plan_add_lora(
     expand_cfg: SgmmConfig | None = None,
     active_slots: int | None = None,
     check_values: bool = True,
-    fused_cfg: FusedConfig | None = None,
 ) -> AddLoraPlan:
     """An ``AddLoraPlan`` for these tensors (same arguments as ``add_lora``); nothing runs."""
     launches: list[Callable[[], None]] = _add_lora(
         out, x, lora_a, lora_b, scales, ranks, meta, v_buffer, shrink_cfg, expand_cfg,
-        active_slots, check_values, prepare, fused_cfg,
+        active_slots, check_values, prepare,
     )  # fmt: skip
     return AddLoraPlan(launches)
 
@@ -1345,7 +1052,6 @@ def _add_lora(
     active_slots: int | None,
     check_values: bool,
     run: Any,
-    fused_cfg: FusedConfig | None = None,
 ) -> list[Any]:
     # Every check runs before the first launch, so a bad lora_b cannot leave a half-done op.
     shapes = check_shrink(x, lora_a, ranks, check_values)
@@ -1355,12 +1061,6 @@ def _add_lora(
         active_slots = shapes.num_slots
     v = _v_buffer(v_buffer, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
     expand_shapes = check_expand(out, v, lora_b, scales, ranks, False)
-    if fused_cfg is None and shrink_cfg is None and expand_cfg is None:
-        fused_cfg = fused_config(shapes.num_tokens, shapes.r_max, active_slots)
-    if fused_cfg is not None:
-        return _launch_fused(
-            out, x, lora_a, lora_b, scales, ranks, meta, shapes, expand_shapes, fused_cfg, run
-        )
     if shrink_cfg is None:
         shrink_cfg = shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max, active_slots)
     if expand_cfg is None:
