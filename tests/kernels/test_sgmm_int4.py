@@ -264,7 +264,7 @@ def test_int4_expand_never_takes_the_gemv_rows() -> None:
     the INT4 launcher gets the tile row of the same T bucket, and a gemv config is refused."""
     from adaptermesh.kernels import sgmm
 
-    for t, a in ((1, 1), (16, 16), (64, 64), (64, None)):
+    for t, a in ((2, 2), (16, 16), (64, 64), (64, None)):
         assert sgmm.expand_config(t, 4096, 16, a).gemv  # the bf16 path takes it
         cfg = sgmm.expand_config(t, 4096, 16, a, allow_gemv=False)
         assert not cfg.gemv
