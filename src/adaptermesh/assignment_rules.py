@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
@@ -60,6 +60,7 @@ __all__ = [
     "check_reason",
     "check_shard",
     "check_shard_id",
+    "check_shard_set",
     "check_steer",
     "cidr_network",
     "mac_bytes",
@@ -317,6 +318,42 @@ def _pin_targets(shards: Iterable[assignment_pb2.Shard]) -> dict[str, int]:
     return {s.id: s.state for s in shards}
 
 
+def check_shard_set(shards: Sequence[assignment_pb2.Shard], max_shards: int = MAX_SHARDS) -> None:
+    """The rules that make a list of shards one consistent set of map entries: at most
+    ``max_shards`` of them, ids non-empty and unique, indices unique and in
+    0..``max_shards`` - 1, state ACTIVE or DRAINING, each weight within the budget and the
+    ACTIVE weights summing to it. ``check_assignment`` calls it after each shard's own rules;
+    the classifier's tables (``bpf.table``) call it with their own map size."""
+    if len(shards) > max_shards:
+        raise RuleError("shards", f"{len(shards)} shards, but the maps hold at most {max_shards}")
+    ids: dict[str, int] = {}
+    indices: dict[int, int] = {}
+    total = 0
+    active = 0
+    for i, s in enumerate(shards):
+        if not s.id:
+            raise RuleError(f"shards[{i}].id", "must not be empty")
+        if s.id in ids:
+            raise RuleError(f"shards[{i}].id", f"duplicate id {s.id!r} (also shards[{ids[s.id]}])")
+        ids[s.id] = i
+        if s.index >= max_shards:
+            raise RuleError(f"shards[{i}].index", f"{s.index} is out of range 0..{max_shards - 1}")
+        if s.index in indices:
+            raise RuleError(f"shards[{i}].index",
+                            f"duplicate index {s.index} (also shards[{indices[s.index]}])")
+        indices[s.index] = i
+        if s.state not in (_ACTIVE, _DRAINING):
+            raise RuleError(f"shards[{i}].state", "must be ACTIVE or DRAINING")
+        if s.weight > WEIGHT_BUDGET:
+            raise RuleError(f"shards[{i}].weight", f"{s.weight} exceeds {WEIGHT_BUDGET}")
+        if s.state == _ACTIVE:
+            total += s.weight
+            active += 1
+    if active and total != WEIGHT_BUDGET:
+        raise RuleError("shards.weight",
+                        f"ACTIVE shard weights sum to {total}, want {WEIGHT_BUDGET}")
+
+
 def check_assignment(a: assignment_pb2.Assignment) -> None:
     """Everything an Assignment says, as the agent's maps and Envoy will meet it."""
     if len(a.shards) > MAX_SHARDS:
@@ -329,31 +366,15 @@ def check_assignment(a: assignment_pb2.Assignment) -> None:
     size = a.ByteSize()
     if size > MAX_ASSIGNMENT_BYTES:
         raise RuleError("assignment", f"{size} bytes serialised, at most {MAX_ASSIGNMENT_BYTES}")
-    ids: dict[str, int] = {}
-    indices: dict[int, int] = {}
-    total = 0
-    active = 0
     for i, s in enumerate(a.shards):
         field = f"shards[{i}]"
         check_shard(s, field, published=True)
-        if s.id in ids:
-            raise RuleError(f"{field}.id", f"duplicate id {s.id!r} (also shards[{ids[s.id]}])")
-        ids[s.id] = i
-        if s.index in indices:
-            raise RuleError(f"{field}.index",
-                            f"duplicate index {s.index} (also shards[{indices[s.index]}])")
-        indices[s.index] = i
         # Shards may share a service address and port: the classifier steers the VIP to each
         # shard's own node, whose Envoy serves only that shard's listener. Envoys that serve
         # several shards (xds_group "node") need distinct ones; the snapshot checks that.
-        if s.state == _ACTIVE:
-            total += s.weight
-            active += 1
-        elif s.weight:
+        if s.state != _ACTIVE and s.weight:
             raise RuleError(f"{field}.weight", f"a DRAINING shard has weight 0, not {s.weight}")
-    if active and total != WEIGHT_BUDGET:
-        raise RuleError("shards.weight",
-                        f"ACTIVE shard weights sum to {total}, want {WEIGHT_BUDGET}")
+    check_shard_set(a.shards)
     states = _pin_targets(a.shards)
     _check_pins(a.pins, states)
     for i, o in enumerate(a.overrides):

@@ -292,46 +292,18 @@ def validate_assignment(
         raise AssignmentError(
             "version", f"{a.version} is older than the applied version {applied_version}"
         )
-    if len(a.shards) > max_shards:
-        raise AssignmentError(
-            "shards", f"{len(a.shards)} shards, but the maps hold at most {max_shards}"
-        )
+    # The shard set's rules (ids, indices in this table's range, states, the weight budget)
+    # are assignment_rules'; what is left here is what the node adds: steering targets.
+    rules.check_shard_set(a.shards, max_shards)
     shards: dict[int, ShardPlan] = {}
     by_id: dict[str, ShardPlan] = {}
-    where: dict[int, int] = {}
     for i, s in enumerate(a.shards):
-        name = f"shards[{i}]"
-        if not s.id:
-            raise AssignmentError(f"{name}.id", "must not be empty")
-        if s.id in by_id:
-            raise AssignmentError(f"{name}.id", f"duplicate id {s.id!r}")
-        if s.index >= max_shards:
-            raise AssignmentError(
-                f"{name}.index", f"{s.index} is out of range 0..{max_shards - 1}"
-            )
-        if s.index in where:
-            raise AssignmentError(
-                f"{name}.index", f"duplicate index {s.index} (also shards[{where[s.index]}])"
-            )
-        if s.state == assignment_pb2.SHARD_STATE_ACTIVE:
-            state = STATE_ACTIVE
-        elif s.state == assignment_pb2.SHARD_STATE_DRAINING:
-            state = STATE_DRAINING
-        else:
-            raise AssignmentError(f"{name}.state", "must be ACTIVE or DRAINING")
-        if s.weight > WEIGHT_BUDGET:
-            raise AssignmentError(f"{name}.weight", f"{s.weight} exceeds {WEIGHT_BUDGET}")
-        steer = _steer(s, name, resolve_ifname, vxlan_ifindex)
+        state = STATE_ACTIVE if s.state == assignment_pb2.SHARD_STATE_ACTIVE else STATE_DRAINING
+        steer = _steer(s, f"shards[{i}]", resolve_ifname, vxlan_ifindex)
         plan = ShardPlan(index=s.index, id=s.id, state=state, weight=s.weight, steer=steer)
         shards[s.index] = plan
         by_id[s.id] = plan
-        where[s.index] = i
     active = [p for p in shards.values() if p.state == STATE_ACTIVE]
-    total = sum(p.weight for p in active)
-    if active and total != WEIGHT_BUDGET:
-        raise AssignmentError(
-            "shards.weight", f"ACTIVE shard weights sum to {total}, want {WEIGHT_BUDGET}"
-        )
     if len(a.pins) > max_pins:
         raise AssignmentError("pins", f"{len(a.pins)} pins, but am_pins holds at most {max_pins}")
     pins, pins_delta = _validate_pins(a, {sid: p.index for sid, p in by_id.items()})
