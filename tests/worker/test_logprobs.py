@@ -607,9 +607,11 @@ def test_parameter_combinations_are_served_or_refused_by_name(
 
 
 @pytest.mark.gpu
-def test_graph_steps_report_the_same_logprobs_as_eager_steps(tiny: Tiny) -> None:
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_graph_steps_report_the_same_logprobs_as_eager_steps(tiny: Tiny, mode: str) -> None:
     async def run(graphs: bool) -> tuple[dict[str, list[TokenEvent]], dict[str, Any]]:
-        cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16, use_cuda_graphs=graphs)
+        cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16, use_cuda_graphs=graphs,
+                           logprobs_mode=mode)
         eng = Engine(tiny.model_dir, tiny.root, device="cuda", config=cfg, model_name="tiny")
         reqs = [
             request(
@@ -618,6 +620,7 @@ def test_graph_steps_report_the_same_logprobs_as_eager_steps(tiny: Tiny) -> None
                 [None, "alpha", "gamma"][i % 3],
                 max_tokens=8,
                 temperature=0.8 * (i % 2),
+                top_k=[0, 4][i % 2],
                 seed=i,
                 logprobs=[None, 3, 0, 5][i % 4],
             )
