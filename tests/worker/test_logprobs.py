@@ -607,9 +607,11 @@ def test_parameter_combinations_are_served_or_refused_by_name(
 
 
 @pytest.mark.gpu
-def test_graph_steps_report_the_same_logprobs_as_eager_steps(tiny: Tiny) -> None:
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_graph_steps_report_the_same_logprobs_as_eager_steps(tiny: Tiny, mode: str) -> None:
     async def run(graphs: bool) -> tuple[dict[str, list[TokenEvent]], dict[str, Any]]:
-        cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16, use_cuda_graphs=graphs)
+        cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16, use_cuda_graphs=graphs,
+                           logprobs_mode=mode)
         eng = Engine(tiny.model_dir, tiny.root, device="cuda", config=cfg, model_name="tiny")
         reqs = [
             request(
@@ -618,6 +620,7 @@ def test_graph_steps_report_the_same_logprobs_as_eager_steps(tiny: Tiny) -> None
                 [None, "alpha", "gamma"][i % 3],
                 max_tokens=8,
                 temperature=0.8 * (i % 2),
+                top_k=[0, 4][i % 2],
                 seed=i,
                 logprobs=[None, 3, 0, 5][i % 4],
             )
@@ -639,3 +642,103 @@ def test_graph_steps_report_the_same_logprobs_as_eager_steps(tiny: Tiny) -> None
         for x, y in zip(a, b, strict=True):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-3)
             assert [t.logprob for t in x.top] == pytest.approx([t.logprob for t in y.top], abs=1e-3)
+
+
+# ---- processed mode: the distribution the sampler draws from ------------------------------
+
+
+def penalised(x: torch.Tensor, seen: set[int], counts: dict[int, int], rep: float, freq: float,
+              pres: float) -> torch.Tensor:
+    """The sampler's penalty formula on one float64 logits row."""
+    x = x.clone()
+    for t in seen | set(counts):
+        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+    for t, c in counts.items():
+        x[t] -= freq * c + pres
+    return x
+
+
+async def test_processed_mode_reports_tempered_top_k_logprobs(tiny: Tiny, make_engine: Any) -> None:
+    eng = make_engine(logprobs_mode="processed")
+    ids = tiny.encode(PROMPTS[1])
+    temp, top_k = 1.7, 6
+    events = await collect(eng.submit(request(
+        "t", ids, "beta", max_tokens=8, temperature=temp, top_k=top_k, seed=21, logprobs=8)))
+    out = tokens(events)
+    entries = entries_of(events)
+    assert [e.token_id for e in entries] == out
+    logits = tiny.ref.logits([*ids, *out[:-1]], "beta")[len(ids) - 1 :].double()
+    for i, e in enumerate(entries):
+        x = logits[i]
+        keep = x >= x.topk(top_k).values[-1]
+        ref = torch.log_softmax(torch.where(keep, x / temp, -torch.inf), dim=-1)
+        assert e.logprob == pytest.approx(float(ref[e.token_id]), abs=TOL), i
+        vals = [t.logprob for t in e.top]
+        assert vals == sorted(vals, reverse=True)
+        # The 6 kept tokens renormalise; the other 2 alternatives are impossible.
+        assert all(v > -torch.inf for v in vals[:top_k])
+        assert all(v == -torch.inf for v in vals[top_k:])
+        for t in e.top[:top_k]:
+            assert t.logprob == pytest.approx(float(ref[t.token_id]), abs=TOL)
+
+
+async def test_processed_mode_greedy_rows_report_the_penalised_distribution(
+    tiny: Tiny, make_engine: Any
+) -> None:
+    eng = make_engine(logprobs_mode="processed")
+    ids = tiny.encode(PROMPTS[2])
+    rep, freq, pres = 1.8, 1.0, 0.5
+    events = await collect(eng.submit(request(
+        "p", ids, "alpha", max_tokens=8, repetition_penalty=rep, frequency_penalty=freq,
+        presence_penalty=pres, logprobs=3)))
+    out = tokens(events)
+    logits = tiny.ref.logits([*ids, *out[:-1]], "alpha")[len(ids) - 1 :].double()
+    for i, e in enumerate(entries_of(events)):
+        counts: dict[int, int] = {}
+        for t in out[:i]:
+            counts[t] = counts.get(t, 0) + 1
+        ref = torch.log_softmax(penalised(logits[i], set(ids), counts, rep, freq, pres), dim=-1)
+        assert e.token_id == int(ref.argmax())  # greedy on the penalised logits
+        assert e.logprob == pytest.approx(float(ref[e.token_id]), abs=TOL), i
+        assert e.top[0].logprob == pytest.approx(e.logprob, abs=TOL)
+        for t in e.top:
+            assert t.logprob == pytest.approx(float(ref[t.token_id]), abs=TOL)
+
+
+async def test_processed_logprobs_do_not_depend_on_the_batch(tiny: Tiny, make_engine: Any) -> None:
+    eng = make_engine(logprobs_mode="processed")
+    ids = tiny.encode(PROMPTS[0])
+    asked = request("x", ids, "gamma", max_tokens=7, temperature=0.9, top_p=0.8, seed=5,
+                    logprobs=5)
+    alone = await collect(eng.submit(asked))
+    others = [request(f"o{i}", tiny.encode(PROMPTS[i % 3]), a, max_tokens=9, temperature=t,
+                      seed=i, logprobs=k)
+              for i, (a, t, k) in enumerate([(None, 0.0, 2), ("alpha", 1.3, None),
+                                             ("beta", 0.6, 20)])]
+    together = await asyncio.gather(*(collect(eng.submit(r)) for r in [*others, asked]))
+    a, b = entries_of(alone), entries_of(together[-1])
+    assert [e.token_id for e in a] == [e.token_id for e in b]
+    for x, y in zip(a, b, strict=True):
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-5)
+        assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
+        assert [t.logprob for t in x.top] == pytest.approx([t.logprob for t in y.top], abs=1e-5)
+
+
+async def test_logprobs_mode_is_checked_and_reaches_the_engine_from_the_cli(
+    tiny: Tiny, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from adaptermesh.worker.cli import _build_engine, build_parser
+
+    with pytest.raises(InvalidRequestError, match="logprobs_mode"):
+        Engine(tiny.model_dir, tiny.root, config=EngineConfig(logprobs_mode="logits"))
+    base = ["--model", str(tiny.model_dir), "--adapter-root", str(tiny.root), "--device", "cpu"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--logprobs-mode", "logits"])
+    assert "--logprobs-mode" in capsys.readouterr().err
+    assert build_parser().parse_args(base).logprobs_mode is None  # EngineConfig's "raw"
+    eng = _build_engine(build_parser().parse_args([*base, "--logprobs-mode", "processed"]))
+    try:
+        assert isinstance(eng, Engine)
+        assert eng.config.logprobs_mode == "processed"
+    finally:
+        await eng.shutdown()

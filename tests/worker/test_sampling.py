@@ -22,8 +22,10 @@ from adaptermesh.worker.sampling import (
     _uniform,
     apply_penalties,
     counts_from_tokens,
+    processed_logits,
     prompt_mask_from_tokens,
     sample,
+    token_logprobs,
 )
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -399,6 +401,126 @@ def test_tokens_are_allowed_and_independent_of_row_order(batch: tuple[torch.Tens
     permuted = draw(logits[perm], [rows[p] for p in perm])
     assert [permuted[perm.index(i)] for i in range(len(rows))] == got
     assert [draw(logits[i : i + 1], [r])[0] for i, r in enumerate(rows)] == got
+
+
+# ---- log-probabilities ------------------------------------------------------------------------
+
+
+def logprobs_of(
+    logits: torch.Tensor, rows: list[RowParams], k: int, counts: torch.Tensor | None = None,
+    prompt: torch.Tensor | None = None,
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens and (chosen, top values, top ids) the way the engine gathers them: one ``sample``
+    and one ``processed_logits`` over the same buffers and mode."""
+    buf = SamplingBuffers.allocate(len(rows), logits.device)
+    buf.fill(rows)
+    mode = SamplerMode.of(rows)
+    kw = {"token_counts": counts, "prompt_mask": prompt}
+    toks = sample(logits, buf, mode=mode, **kw)
+    chosen, vals, ids = token_logprobs(processed_logits(logits, buf, mode=mode, **kw), toks, k)
+    return toks.tolist(), chosen, vals, ids
+
+
+def penalised_ref(logits: np.ndarray, r: RowParams, counts: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """The penalty formula of the module docstring, in float64."""
+    x = logits.astype(np.float64)
+    rep = np.where(x > 0, x / r.repetition_penalty, x * r.repetition_penalty)
+    x = np.where(seen | (counts > 0), rep, x)
+    return x - r.frequency_penalty * counts - r.presence_penalty * (counts > 0)
+
+
+@st.composite
+def penalised_batches(draw_: st.DrawFn) -> tuple[torch.Tensor, list[RowParams], list[int], torch.Tensor,
+                                                  torch.Tensor, int]:
+    logits, rows, perm = draw_(batches())
+    n, v = logits.shape
+    pen = st.floats(-1.0, 2.0, width=32)
+    rows = [dataclasses.replace(r, presence_penalty=draw_(pen), frequency_penalty=draw_(pen),
+                                repetition_penalty=draw_(st.floats(0.5, 2.0, width=32)))
+            if draw_(st.booleans()) else r for r in rows]
+    counts = torch.tensor(draw_(st.lists(st.lists(st.integers(0, 3), min_size=v, max_size=v),
+                                         min_size=n, max_size=n)), dtype=torch.int32)
+    prompt = torch.tensor(draw_(st.lists(st.lists(st.booleans(), min_size=v, max_size=v),
+                                         min_size=n, max_size=n)))
+    return logits, rows, perm, counts, prompt, draw_(st.integers(0, v))
+
+
+@settings(max_examples=40, deadline=None)
+@given(penalised_batches())
+def test_logprobs_are_the_sampled_distribution_sorted_and_batch_independent(
+    batch: tuple[torch.Tensor, list[RowParams], list[int], torch.Tensor, torch.Tensor, int],
+) -> None:
+    logits, rows, perm, counts, prompt, k = batch
+    toks, chosen, vals, ids = logprobs_of(logits, rows, k, counts, prompt)
+    assert chosen.shape == (len(rows),)
+    assert vals.shape == ids.shape == (len(rows), k)
+    assert torch.all(chosen <= 0.0)
+    assert torch.all(vals <= 0.0)
+    assert torch.all(vals[:, :-1] >= vals[:, 1:])  # most likely first
+    for i, r in enumerate(rows):
+        x = penalised_ref(logits[i].numpy(), r, counts[i].numpy(), prompt[i].numpy())
+        # The drawn token is inside the kept set: its logprob is finite.
+        assert math.isfinite(float(chosen[i])), (i, r)
+        if r.temperature == 0.0:
+            ref = torch.log_softmax(torch.from_numpy(x), dim=-1)
+        else:
+            keep = oracle(x, r) > 0.0
+            if not np.array_equal(keep, oracle(x, r, slack=1e-3) > 0.0):
+                continue  # a row on a filter's rounding edge: the kept set is not well defined
+            ref = torch.log_softmax(torch.from_numpy(np.where(keep, x / r.temperature, -np.inf)), dim=-1)
+        assert float(chosen[i]) == pytest.approx(float(ref[toks[i]]), abs=1e-4), (i, r)
+        want = torch.sort(ref, descending=True).values[:k]
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(vals[i]), finite), (i, r)
+        assert torch.allclose(vals[i][finite].double(), want[finite], atol=1e-4), (i, r)
+        assert torch.allclose(ref[ids[i]][finite], want[finite], atol=1e-4)
+        if k:
+            assert float(chosen[i]) <= float(vals[i, 0]) + 1e-6
+    # Same seed, same logprobs, wherever the row sits and whoever shares the batch.
+    p_toks, p_chosen, p_vals, _ = logprobs_of(logits[perm], [rows[p] for p in perm], k, counts[perm],
+                                              prompt[perm])
+    for j, i in enumerate(perm):
+        assert p_toks[j] == toks[i]
+        assert torch.allclose(p_chosen[j], chosen[i], atol=1e-6, rtol=0)
+        assert torch.allclose(p_vals[j], vals[i], atol=1e-6, rtol=0)
+    for i, r in enumerate(rows):
+        a_toks, a_chosen, a_vals, _ = logprobs_of(logits[i : i + 1], [r], k, counts[i : i + 1], prompt[i : i + 1])
+        assert a_toks == [toks[i]]
+        assert torch.allclose(a_chosen[0], chosen[i], atol=1e-6, rtol=0)
+        assert torch.allclose(a_vals[0], vals[i], atol=1e-6, rtol=0)
+
+
+def test_processed_logprobs_follow_temperature_and_filters() -> None:
+    logits = LOGITS8[None, :]
+    greedy = logprobs_of(logits, [RowParams(0.0)], 3)
+    assert float(greedy[1][0]) == pytest.approx(float(torch.log_softmax(LOGITS8, -1).max()), abs=1e-6)
+    hot = logprobs_of(logits, [RowParams(2.0, seed=1)], 8)
+    assert torch.allclose(hot[2][0], torch.log_softmax(LOGITS8 / 2.0, -1).sort(descending=True).values, atol=1e-6)
+    # top-k 2 keeps logits 2.2 and 2.0: the rest are impossible (-inf) and the two renormalise.
+    top2 = logprobs_of(logits, [RowParams(1.0, top_k=2, seed=3)], 4)
+    vals = top2[2][0]
+    assert sorted(top2[3][0, :2].tolist()) == [1, 5]
+    assert torch.isinf(vals[2:]).all()
+    assert float(torch.logsumexp(vals[:2], 0)) == pytest.approx(0.0, abs=1e-6)
+    assert top2[0][0] in (1, 5)
+
+
+def test_processed_logits_never_synchronise_and_greedy_modes_are_the_logits() -> None:
+    logits = torch.randn(4, 50)
+    buf = SamplingBuffers.allocate(4, "cpu")
+    rows = [RowParams(0.7, top_p=0.9, top_k=5, min_p=0.1, seed=i) for i in range(4)]
+    rows = [dataclasses.replace(r, repetition_penalty=1.3, frequency_penalty=0.2) for r in rows]
+    buf.fill(rows)
+    counts = counts_from_tokens([[1, 2], [3], [], [5, 5]], 50, "cpu")
+    prompt = prompt_mask_from_tokens([[7], [8], [9], [10]], 50, "cpu")
+    toks = torch.tensor([1, 2, 3, 4])
+    with _OpLog() as log:
+        p = processed_logits(logits, buf, mode=SamplerMode.of(rows), token_counts=counts, prompt_mask=prompt)
+        token_logprobs(p, toks, 5)
+    syncing = {"_local_scalar_dense", "nonzero", "masked_select", "multinomial", "unique", "item"}
+    assert not syncing & set(log.ops), log.ops
+    buf.fill([RowParams(0.0)] * 4)
+    assert processed_logits(logits, buf, mode=SamplerMode.of([RowParams(0.0)])) is logits
 
 
 # ---- CUDA -----------------------------------------------------------------------------------

@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eviction policy of the adapter GPU slots and CPU cache (default: "
                    "EngineConfig.adapter_eviction)")
     p.add_argument("--gpu-memory-fraction", type=float, default=None)
+    p.add_argument("--logprobs-mode", choices=["raw", "processed"], default=None,
+                   help="what logprobs describe: raw (log_softmax of the model's logits, the "
+                        "default, as vLLM) or processed (the distribution the sampler draws from: "
+                        "penalties, temperature, top-k/top-p/min-p applied)")
     # Service limits.
     p.add_argument("--max-running", type=_positive_int, default=None,
                    help="requests admitted into the engine at once (default 2 x max-num-seqs)")
@@ -239,6 +243,8 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.lora_dtype = args.lora_dtype
     if args.adapter_eviction is not None:
         config.adapter_eviction = args.adapter_eviction
+    if args.logprobs_mode is not None:
+        config.logprobs_mode = args.logprobs_mode
     engine: EngineProtocol = Engine(args.model, args.adapter_root, device=device, dtype=dtype,
                                     config=config, model_name=args.served_model_name)
     return engine

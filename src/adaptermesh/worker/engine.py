@@ -40,8 +40,11 @@ buffer (the graph's static output, which stays valid until the next replay on th
 of each sampled token's logprob and one ``topk`` of the largest k asked. The values are
 written behind the sampled ids in one device buffer, so the host still gets everything with
 the step's single device-to-host copy. Rows that did not ask, and steps where none did, run
-exactly as before; graphs are not duplicated per logprob setting. The values are the raw
-model distribution (before penalties, temperature and filters), as vLLM reports by default.
+exactly as before; graphs are not duplicated per logprob setting. By default
+(``EngineConfig.logprobs_mode="raw"``) the values are the raw model distribution (before
+penalties, temperature and filters), as vLLM reports by default; ``"processed"`` first runs
+``sampling.processed_logits`` over the step's logits with the step's own sampling buffers and
+mode, so the values are the distribution the sampler drew each token from.
 """
 
 from __future__ import annotations
@@ -80,7 +83,14 @@ from adaptermesh.worker.model import (
     read_weights,
 )
 from adaptermesh.worker.paging import BlockManager
-from adaptermesh.worker.sampling import RowParams, SamplerMode, SamplingBuffers, sample
+from adaptermesh.worker.sampling import (
+    RowParams,
+    SamplerMode,
+    SamplingBuffers,
+    processed_logits,
+    sample,
+    token_logprobs,
+)
 from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence, StepLogprobs, StepPlan
 from adaptermesh.worker.types import (
     MAX_LOGPROBS,
@@ -93,7 +103,9 @@ from adaptermesh.worker.types import (
     TokenEvent,
 )
 
-__all__ = ["Engine", "EngineConfig", "EngineStream", "sample_logits"]
+__all__ = ["LOGPROBS_MODES", "Engine", "EngineConfig", "EngineStream", "sample_logits"]
+
+LOGPROBS_MODES = ("raw", "processed")
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +155,10 @@ class EngineConfig:
     # A request decoding alone merges its expert selection into the backbone only after the
     # same selection has repeated for this many consecutive tokens (0: never merge).
     adafuse_merge_after: int = 4
+    # Which distribution logprobs describe (``SamplingParams.logprobs``): "raw" (log_softmax of
+    # the model's logits, vLLM's default) or "processed" (the distribution the sampler draws
+    # from: penalties, temperature and top-k/top-p/min-p applied; sampling.processed_logits).
+    logprobs_mode: str = "raw"
 
 
 def sample_logits(logits: torch.Tensor, buf: SamplingBuffers, mode: SamplerMode,
@@ -326,6 +342,9 @@ class Engine:
                 raise InvalidRequestError("dtype", f"unknown dtype {dtype!r} (float32, bfloat16, float16)")
             dtype = _DTYPES[dtype]
         self.dtype = dtype
+        if cfg.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidRequestError("logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}, "
+                                      f"got {cfg.logprobs_mode!r}")
         bs = cfg.block_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 8 or bs > 256 or bs & (bs - 1):
             raise InvalidRequestError("block_size", f"must be a power of two in [8, 256], got {bs!r}")
@@ -847,6 +866,8 @@ class Engine:
         buf.dev.copy_(stage[: buf.size], non_blocking=True)
         params = self._row_params(lay.entries)
         logits: torch.Tensor | None = None
+        step_sbuf: SamplingBuffers | None = g.sbuf if g is not None else None
+        step_mode = mode
         if g is not None:
             g.sbuf.fill(params)
             if solo_es is not None:
@@ -866,6 +887,7 @@ class Engine:
                 assert solo_sel is not None
                 gated = SoloGated(solo_es, solo_sel.to(self.device), 1, self.model_config)
             mode_e = SamplerMode.of(params) if penalties else mode
+            step_sbuf, step_mode = sbuf, mode_e
             split = self._splits(lay.num_decode, max((s.num_computed + 1 for s in plan.decode), default=1))
             logits = self._step(buf, lay, split, lora, sbuf, mode_e, gated, self.last_tokens, penalties)
             self.eager_steps += 1
@@ -877,6 +899,9 @@ class Engine:
         if any(w is not None for w in wants):
             step_logits = g.logits if g is not None else logits
             assert step_logits is not None
+            assert step_sbuf is not None
+            if self.config.logprobs_mode == "processed":
+                step_logits = self._processed_logits(step_logits, lay, step_sbuf, step_mode)
             lp_index, lp_want = [], []
             asking: list[int] = []
             for s, w in zip(samplers, wants, strict=True):
@@ -909,14 +934,23 @@ class Engine:
         rows = rows_host[:R].to(self.device, non_blocking=True)
         out = self._out_dev
         out[:S].copy_(self.last_tokens[:S])
-        lp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)  # [R, V]
+        chosen, top_vals, top_ids = token_logprobs(
+            logits.index_select(0, rows), self.last_tokens.index_select(0, rows), k)
         vals = out[S : S + R * (k + 1)].view(torch.float64).view(R, k + 1)
-        vals[:, 0] = lp.gather(1, self.last_tokens.index_select(0, rows)[:, None])[:, 0]
+        vals[:, 0] = chosen
         if k:
-            top = torch.topk(lp, k, dim=-1)
-            vals[:, 1:] = top.values
-            out[S + R * (k + 1) : S + R * (2 * k + 1)].view(R, k).copy_(top.indices)
+            vals[:, 1:] = top_vals
+            out[S + R * (k + 1) : S + R * (2 * k + 1)].view(R, k).copy_(top_ids)
         return S + R * (2 * k + 1)
+
+    def _processed_logits(self, logits: torch.Tensor, lay: _Layout, sbuf: SamplingBuffers,
+                          mode: SamplerMode) -> torch.Tensor:
+        """The step's logits as the sampler processed them (same buffers, same mode), for
+        ``logprobs_mode="processed"``; penalty steps rebuild their token counts."""
+        counts = pmask = None
+        if mode.penalties:
+            counts, pmask = self._penalty_inputs(lay, int(logits.shape[1]), mode)
+        return processed_logits(logits[: lay.S], sbuf, mode=mode, token_counts=counts, prompt_mask=pmask)
 
     def _step(self, buf: _StepBuffers, lay: _Layout, splits: int, lora: bool, sbuf: SamplingBuffers,
               mode: SamplerMode, gated: GatedTerms | None, dst: torch.Tensor, penalties: bool = False) -> torch.Tensor:
@@ -939,16 +973,19 @@ class Engine:
         return logits
 
     def _sample_penalised(self, logits: torch.Tensor, sbuf: SamplingBuffers, lay: _Layout) -> torch.Tensor:
+        mode = SamplerMode.of(self._row_params(lay.entries))
+        counts, pmask = self._penalty_inputs(lay, int(logits.shape[1]), mode)
+        return sample_logits_penalised(logits, sbuf, mode, lay.entries, counts, pmask)
+
+    def _penalty_inputs(self, lay: _Layout, vocab: int, mode: SamplerMode
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         from adaptermesh.worker.sampling import counts_from_tokens, prompt_mask_from_tokens
 
-        vocab = int(logits.shape[1])
         outs = [list(s.output) if s is not None else [] for s in lay.entries]
         prompts = [[*s.prompt, *s.output] if s is not None else [] for s in lay.entries]
-        params = self._row_params(lay.entries)
-        mode = SamplerMode.of(params)
         counts = counts_from_tokens(outs, vocab, self.device) if mode.penalties else None
         pmask = prompt_mask_from_tokens(prompts, vocab, self.device) if mode.repetition else None
-        return sample_logits_penalised(logits, sbuf, mode, lay.entries, counts, pmask)
+        return counts, pmask
 
     def _try_capture(self, lay: _Layout, lora: bool, mode: SamplerMode, es: ExpertSet | None) -> _Graph | None:
         assert lay.key is not None

@@ -52,6 +52,11 @@ Design for the serving loop:
   beside the caller's logits; the top-k/top-p path adds one descending sort and a cumulative sum
   of the sorted probabilities, freed before the noise is drawn.
 
+Log-probabilities: ``processed_logits`` rebuilds, with the same helpers, parameters and mode as
+``sample``, each row's distribution as logits (penalised, divided by T, -inf outside the kept
+set; greedy rows: the penalised logits at T = 1), and ``token_logprobs`` turns any [R, V] logits
+into the sampled token's log_softmax and the top k, batched, without a host synchronisation.
+
 Preconditions, validated where requests enter the engine: temperature finite and >= 0, top_p in
 (0, 1], min_p in [0, 1], repetition_penalty > 0. Rows of ``logits`` past the batch may hold
 anything (NaN, inf): they sample as greedy rows and yield some token id in [0, V).
@@ -74,8 +79,10 @@ __all__ = [
     "SamplingBuffers",
     "apply_penalties",
     "counts_from_tokens",
+    "processed_logits",
     "prompt_mask_from_tokens",
     "sample",
+    "token_logprobs",
 ]
 
 
@@ -344,6 +351,44 @@ def _top_k_top_p_threshold(logits: Tensor, temperature: Tensor, top_k: Tensor, t
     return ordered.gather(1, last)
 
 
+def _tempered_threshold(
+    logits: Tensor, top: Tensor, buf: SamplingBuffers, mode: SamplerMode
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """For a mode with random rows, from the logits and their [N, 1] row maxima: ([N] greedy-row
+    flags, [N, 1] temperature with greedy rows at 1, [N, 1] smallest kept logit or None when no
+    filter runs)."""
+    n = logits.shape[0]
+    temp = buf.temperature[:n]
+    is_greedy = temp == 0.0
+    t = torch.where(is_greedy, 1.0, temp)[:, None]  # greedy rows divide by 1
+    threshold: Tensor | None = None
+    if mode.any_top_p_or_k:
+        threshold = _top_k_top_p_threshold(logits, t, buf.top_k[:n], buf.top_p[:n])
+    if mode.any_min_p:
+        # p_i >= min_p * p_max  <=>  l_i >= l_max + T * log(min_p); min_p = 0 gives -inf.
+        floor = torch.addcmul(top, t, torch.log(buf.min_p[:n])[:, None])
+        threshold = floor if threshold is None else torch.maximum(threshold, floor)
+    return is_greedy, t, threshold
+
+
+def _penalised(logits: Tensor, buf: SamplingBuffers, mode: SamplerMode, token_counts: Tensor | None,
+               prompt_mask: Tensor | None) -> Tensor:
+    if not mode.penalties:
+        return logits
+    if token_counts is None:
+        raise ValueError("mode.penalties needs token_counts")
+    if mode.repetition and prompt_mask is None:
+        raise ValueError("mode.repetition needs prompt_mask")
+    return apply_penalties(logits, buf, token_counts, prompt_mask if mode.repetition else None)
+
+
+def _check(logits: Tensor, buf: SamplingBuffers) -> None:
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be [N, V] float32, got {tuple(logits.shape)} {logits.dtype}")
+    if logits.shape[0] > buf.capacity:
+        raise ValueError(f"{logits.shape[0]} rows exceed sampling buffers of capacity {buf.capacity}")
+
+
 def sample(
     logits: Tensor,  # [N, V] fp32; rows past the batch may hold anything
     buf: SamplingBuffers,  # capacity >= N; uses the first N rows
@@ -354,31 +399,14 @@ def sample(
     out: Tensor | None = None,  # [N] int64 destination
 ) -> Tensor:
     """[N] int64 token ids, one per row, on the logits' device (see the module docstring)."""
-    if logits.dim() != 2 or logits.dtype != torch.float32:
-        raise ValueError(f"logits must be [N, V] float32, got {tuple(logits.shape)} {logits.dtype}")
+    _check(logits, buf)
     n, vocab = logits.shape
-    if n > buf.capacity:
-        raise ValueError(f"{n} rows exceed sampling buffers of capacity {buf.capacity}")
-    if mode.penalties:
-        if token_counts is None:
-            raise ValueError("mode.penalties needs token_counts")
-        if mode.repetition and prompt_mask is None:
-            raise ValueError("mode.repetition needs prompt_mask")
-        logits = apply_penalties(logits, buf, token_counts, prompt_mask if mode.repetition else None)
+    logits = _penalised(logits, buf, mode, token_counts, prompt_mask)
     if not mode.any_random:
         return torch.argmax(logits, dim=-1, out=out)
 
-    temp = buf.temperature[:n]
-    is_greedy = temp == 0.0
-    t = torch.where(is_greedy, 1.0, temp)[:, None]  # greedy rows divide by 1
     top, greedy = logits.max(dim=-1, keepdim=True)
-    threshold: Tensor | None = None
-    if mode.any_top_p_or_k:
-        threshold = _top_k_top_p_threshold(logits, t, buf.top_k[:n], buf.top_p[:n])
-    if mode.any_min_p:
-        # p_i >= min_p * p_max  <=>  l_i >= l_max + T * log(min_p); min_p = 0 gives -inf.
-        floor = torch.addcmul(top, t, torch.log(buf.min_p[:n])[:, None])
-        threshold = floor if threshold is None else torch.maximum(threshold, floor)
+    is_greedy, t, threshold = _tempered_threshold(logits, top, buf, mode)
     # score = log E - l / T with E = -log(u); the minimum wins the race.
     score = _uniform(buf.seed[:n], buf.counter[:n], vocab).log_().neg_().log_()
     score.addcdiv_(logits, t, value=-1.0)
@@ -386,6 +414,50 @@ def sample(
         score.masked_fill_(logits < threshold, math.inf)
     drawn = score.argmin(dim=-1)
     return torch.where(is_greedy, greedy[:, 0], drawn, out=out)
+
+
+# ---- log-probabilities ----------------------------------------------------------------------
+
+
+def processed_logits(
+    logits: Tensor,  # [N, V] fp32
+    buf: SamplingBuffers,  # capacity >= N; uses the first N rows
+    *,
+    mode: SamplerMode,
+    token_counts: Tensor | None = None,  # [N, V] int32, needed when mode.penalties
+    prompt_mask: Tensor | None = None,  # [N, V] bool, needed when mode.repetition
+) -> Tensor:
+    """[N, V] fp32: each row's sampling distribution as logits, built by the same code as
+    ``sample`` with the same parameters and mode: penalties applied, divided by the row's
+    temperature, and -inf outside the row's kept set (top-k, top-p, min-p). ``log_softmax`` of a
+    row is then the log-probability ``sample`` draws each token with, so a drawn token's is
+    always finite. A greedy row (temperature 0) is its penalised logits, unfiltered: the token
+    is their argmax and its log-probability is that of the penalised distribution at T = 1.
+    The result may be ``logits`` itself (a greedy mode without penalties)."""
+    _check(logits, buf)
+    logits = _penalised(logits, buf, mode, token_counts, prompt_mask)
+    if not mode.any_random:
+        return logits
+    top = logits.amax(dim=-1, keepdim=True)
+    is_greedy, t, threshold = _tempered_threshold(logits, top, buf, mode)
+    out = logits / t
+    if threshold is not None:
+        out.masked_fill_((logits < threshold) & ~is_greedy[:, None], -math.inf)
+    return out
+
+
+def token_logprobs(
+    logits: Tensor,  # [R, V] float, the distribution of each row as logits (raw or processed)
+    tokens: Tensor,  # [R] int64, each row's sampled token
+    k: int,  # alternatives per row, 0 <= k <= V
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(the [R] log-probability of each row's token, the [R, k] k largest log-probabilities in
+    descending order, their [R, k] int64 token ids), from ``log_softmax`` over each row in fp32.
+    Batched: a handful of launches whatever R is, and no host synchronisation."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens[:, None])[:, 0]
+    top = torch.topk(lp, k, dim=-1)
+    return chosen, top.values, top.indices
 
 
 # ---- penalty inputs -------------------------------------------------------------------------
