@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import TEST_OPTIONS
 from mesh_support import LOOPBACK, free_port, wait_until
+from waiting import async_wait_until
 from worker_service.fakes import FakeEngine, expected_text
 
 from adaptermesh.agent.extproc import ExtProcConfig, ExtProcServer
@@ -174,12 +175,6 @@ async def sse(url: str, body: dict[str, Any]) -> tuple[list[str], dict[str, Any]
     return texts, usage
 
 
-async def wait_for(predicate: Any, timeout: float = TIMEOUT) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
 def test_tokens_through_envoy_equal_the_sse_stream(mesh: Mesh) -> None:
     async def main() -> None:
         body = {"model": "alpha", "prompt": "hello world", "max_tokens": 6}
@@ -210,14 +205,14 @@ def test_cancel_and_tcp_drop_through_envoy_cancel_in_the_engine(mesh: Mesh) -> N
             while msg["type"] == "token":
                 msg = await recv(ws)
             assert msg["finish_reasons"] == ["cancelled"]
-        await wait_for(lambda: len(engine.cancelled) == 1)
+        await async_wait_until(lambda: len(engine.cancelled) == 1, TIMEOUT)
 
         dropped = await connect(mesh.ws_url)
         await dropped.send(json.dumps({"id": "d", "prompt": "hi", "max_tokens": 100}))
         assert (await recv(dropped))["type"] == "token"
         dropped.transport.abort()  # the client's TCP connection to Envoy just goes away
-        await wait_for(lambda: len(engine.cancelled) == 2)
-        await wait_for(lambda: not engine.running and mesh.worker.service.inflight == 0)
+        await async_wait_until(lambda: len(engine.cancelled) == 2, TIMEOUT)
+        await async_wait_until(lambda: not engine.running and mesh.worker.service.inflight == 0, TIMEOUT)
 
     asyncio.run(main())
 

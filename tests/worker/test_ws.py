@@ -23,6 +23,7 @@ import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
+from waiting import async_wait_until
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.sync.client import connect as sync_connect
 from worker_service.fakes import FakeEngine, expected_text
@@ -93,12 +94,6 @@ async def drain(ws: ClientConnection) -> None:
     """Read until the socket closes."""
     while True:
         await asyncio.wait_for(ws.recv(), TIMEOUT)
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 def metric(service: WorkerService, name: str, **labels: str) -> float:
@@ -196,7 +191,7 @@ async def test_cancel_frees_the_engine_sequence_on_the_tiny_model(
         )
         first = await recv(ws)
         assert first["type"] == "token", first
-        await wait_for(lambda: engine.stats().num_running == 1)
+        await async_wait_until(lambda: engine.stats().num_running == 1, TIMEOUT)
         await ws.send(json.dumps({"type": "cancel", "id": "c"}))
         msg = first
         while msg["type"] == "token":
@@ -209,7 +204,7 @@ async def test_cancel_frees_the_engine_sequence_on_the_tiny_model(
             "finish_reasons": ["cancelled"],
             "usage": None,
         }
-        await wait_for(lambda: engine.stats().num_running == 0 and server.service.inflight == 0)
+        await async_wait_until(lambda: engine.stats().num_running == 0 and server.service.inflight == 0, TIMEOUT)
         assert engine.stats().kv_cache_usage == 0.0
         # The socket stays open and the engine serves the next request.
         await ws.send(json.dumps({"id": "next", "prompt": "Hi", "max_tokens": 2}))
@@ -318,17 +313,18 @@ async def test_client_close_mid_stream_cancels_every_request(start_server: Start
         for cid in ("a", "b"):
             await ws.send(json.dumps({"id": cid, "prompt": "hi", "max_tokens": 100}))
         await recv(ws)
-        await wait_for(lambda: len(engine.running) == 2)
-    await wait_for(lambda: len(engine.cancelled) == 2 and server.service.inflight == 0)
+        await async_wait_until(lambda: len(engine.running) == 2, TIMEOUT)
+    await async_wait_until(lambda: len(engine.cancelled) == 2 and server.service.inflight == 0, TIMEOUT)
     assert not engine.running
     assert (
         metric(server.service, "adaptermesh_websocket_requests_total", outcome="disconnected") == 2
     )
-    await wait_for(
+    await async_wait_until(
         lambda: (
             metric(server.service, "adaptermesh_websocket_sessions_total", close="client_closed")
             == 1
-        )
+        ),
+        TIMEOUT,
     )
     assert metric(server.service, "adaptermesh_requests_total", outcome="disconnected") == 2
 
@@ -340,13 +336,14 @@ async def test_tcp_drop_mid_stream_cancels_in_the_engine(start_server: StartServ
     await ws.send(json.dumps({"id": "a", "prompt": "hi", "max_tokens": 100}))
     await recv(ws)
     ws.transport.abort()  # no close frame: the connection just drops
-    await wait_for(lambda: engine.cancelled == [engine.submitted[0].request_id])
-    await wait_for(lambda: server.service.inflight == 0 and not engine.running)
-    await wait_for(
+    await async_wait_until(lambda: engine.cancelled == [engine.submitted[0].request_id], TIMEOUT)
+    await async_wait_until(lambda: server.service.inflight == 0 and not engine.running, TIMEOUT)
+    await async_wait_until(
         lambda: (
             metric(server.service, "adaptermesh_websocket_sessions_total", close="disconnected")
             == 1
-        )
+        ),
+        TIMEOUT,
     )
     assert metric(server.service, "adaptermesh_websocket_sessions_open") == 0
 
@@ -378,7 +375,7 @@ async def test_a_client_that_does_not_read_is_closed_and_others_are_served(
         await other.send(json.dumps({"id": "o", "prompt": "hi", "max_tokens": 3}))
         _, done = await run_one(other, "o")
         assert done["type"] == "done"
-    await wait_for(lambda: len(engine.cancelled) == len(ids))
+    await async_wait_until(lambda: len(engine.cancelled) == len(ids), TIMEOUT)
     assert server.service.inflight == 0
     assert engine.generated < len(ids) * per_request + 3
     # Reading again, the slow client finds the close frame behind its backlog.
@@ -387,10 +384,11 @@ async def test_a_client_that_does_not_read_is_closed_and_others_are_served(
     assert info.value.rcvd is not None
     assert info.value.rcvd.code == 1008
     assert "not reading" in info.value.rcvd.reason
-    await wait_for(
+    await async_wait_until(
         lambda: (
             metric(server.service, "adaptermesh_websocket_sessions_total", close="slow_client") == 1
-        )
+        ),
+        TIMEOUT,
     )
     assert metric(
         server.service, "adaptermesh_websocket_requests_total", outcome="disconnected"
@@ -411,12 +409,13 @@ async def test_a_client_that_answers_no_ping_is_closed_and_its_requests_cancelle
         await recv(ws)
         # Still connected, but reading nothing: the server's pings go unanswered.
         ws.transport.pause_reading()
-        await wait_for(lambda: len(engine.cancelled) == 1)
-        await wait_for(
+        await async_wait_until(lambda: len(engine.cancelled) == 1, TIMEOUT)
+        await async_wait_until(
             lambda: (
                 metric(server.service, "adaptermesh_websocket_sessions_total", close="disconnected")
                 == 1
-            )
+            ),
+            TIMEOUT,
         )
         assert server.service.inflight == 0
         ws.transport.resume_reading()
@@ -458,11 +457,12 @@ async def test_message_over_the_body_limit_closes_with_1009(start_server: StartS
     assert info.value.rcvd is not None
     assert info.value.rcvd.code == 1009
     assert "1024 bytes" in info.value.rcvd.reason
-    await wait_for(
+    await async_wait_until(
         lambda: (
             metric(server.service, "adaptermesh_websocket_sessions_total", close="message_too_big")
             == 1
-        )
+        ),
+        TIMEOUT,
     )
 
 
@@ -564,12 +564,12 @@ async def test_plain_http_get_is_426(start_server: StartServer) -> None:
 async def test_metrics_count_sessions_and_requests(start_server: StartServer) -> None:
     server = await start_server()
     async with connect(server.ws_url) as ws:
-        await wait_for(lambda: metric(server.service, "adaptermesh_websocket_sessions_open") == 1)
+        await async_wait_until(lambda: metric(server.service, "adaptermesh_websocket_sessions_open") == 1, TIMEOUT)
         await ws.send(json.dumps({"id": "a", "prompt": "hi", "max_tokens": 2}))
         await run_one(ws, "a")
         await ws.send(json.dumps({"id": "b", "prompt": "hi", "max_tokens": 0}))
         await run_one(ws, "b")
-    await wait_for(lambda: metric(server.service, "adaptermesh_websocket_sessions_open") == 0)
+    await async_wait_until(lambda: metric(server.service, "adaptermesh_websocket_sessions_open") == 0, TIMEOUT)
     assert metric(server.service, "adaptermesh_websocket_requests_total", outcome="length") == 1
     assert (
         metric(server.service, "adaptermesh_websocket_requests_total", outcome="invalid_value") == 1

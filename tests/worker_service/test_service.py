@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
+from waiting import async_wait_until as wait_until
 
 from adaptermesh.worker.types import EngineOverloadedError
 
@@ -18,14 +18,6 @@ from .fakes import FakeEngine, expected_text, word_id
 
 def sse_events(body: str) -> list[str]:
     return [line[len("data: "):] for line in body.split("\n") if line.startswith("data: ")]
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 # ---------------------------------------------------------------------------------- happy paths
