@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from adaptermesh.worker.adafuse_train import TextDataset, TrainConfig, load_base, train, write_expert_set
+from adaptermesh.worker.adafuse_train import (
+    TextDataset,
+    TrainConfig,
+    load_base,
+    train,
+    write_expert_set,
+)
 from adaptermesh.worker.engine import Engine, EngineConfig
 from adaptermesh.worker.testing import make_tiny_model
 from adaptermesh.worker.types import GenerationRequest, SamplingParams
@@ -52,7 +58,7 @@ def log(msg: str) -> None:
 
 def corpus(dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
-    files = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+    files = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
     for f in files:
         if f.is_file():
             (dest / f.name).write_text(f.read_text(encoding="utf-8"), encoding="utf-8")
