@@ -26,6 +26,7 @@ from adaptermesh.control_plane.policy.capacity import (
     PowerLawFit,
     ShardCurve,
     fit_power_law,
+    narrow_range,
     plan_split,
 )
 
@@ -235,3 +236,18 @@ def test_history_skips_stale_and_idle_readings_and_forgets_gone_workers() -> Non
     assert set(h.fits()) == {"a:1"}
     h.add({"b:1": stale})
     assert h.fits() == {}
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.lists(st.floats(1.0, 1e5), min_size=8, max_size=60),
+    seed=st.integers(0, 2**16),
+)
+def test_narrow_range_rejects_only_what_the_fit_rejects(tokens: list[float], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    t = np.array(tokens)
+    lat = law(t, 1e-6, -1.5, 0.02) * np.exp(rng.normal(0, 0.05, t.size))
+    quick = narrow_range(float(t.min()), float(t.max()), t.size, CFG)
+    if quick is not None:
+        assert not quick.usable
+        assert not fit_power_law(t, lat, CFG).usable

@@ -19,7 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from adaptermesh.control_plane.policy import WorkerObservation
-from adaptermesh.control_plane.policy.capacity import CapacityConfig, PowerLawFit, fit_power_law
+from adaptermesh.control_plane.policy.capacity import (
+    CapacityConfig,
+    PowerLawFit,
+    fit_power_law,
+    narrow_range,
+)
 
 __all__ = ["CapacityHistory"]
 
@@ -28,6 +33,7 @@ __all__ = ["CapacityHistory"]
 class _Series:
     tokens: deque[float]
     latency: deque[float]
+    phase: int  # which tick of every refit_every this series is re-fitted on
     new: int = 0
     fit: PowerLawFit | None = None
 
@@ -48,7 +54,9 @@ class CapacityHistory:
         s = self._series.get(key)
         if s is None:
             w = self.config.window
-            s = self._series[key] = _Series(deque(maxlen=w), deque(maxlen=w))
+            s = self._series[key] = _Series(
+                deque(maxlen=w), deque(maxlen=w), zlib.crc32(key.encode()) % self.refit_every
+            )
         s.tokens.append(tokens_per_s)
         s.latency.append(latency_s)
         s.new += 1
@@ -71,15 +79,15 @@ class CapacityHistory:
     def fits(self) -> dict[str, PowerLawFit]:
         out: dict[str, PowerLawFit] = {}
         cfg = self.config
+        tick = self._ticks % self.refit_every
         for key, s in self._series.items():
             if len(s.tokens) < cfg.min_points:
                 continue
-            due = s.fit is None or (
-                s.new >= self.refit_every
-                and (self._ticks + zlib.crc32(key.encode())) % self.refit_every == 0
-            )
+            due = s.fit is None or (s.new >= self.refit_every and s.phase == tick)
             if due:
-                s.fit = fit_power_law(list(s.tokens), list(s.latency), cfg)
+                s.fit = narrow_range(min(s.tokens), max(s.tokens), len(s.tokens), cfg) or fit_power_law(
+                    list(s.tokens), list(s.latency), cfg
+                )
                 s.new = 0
             assert s.fit is not None
             out[key] = s.fit

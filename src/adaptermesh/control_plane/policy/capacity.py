@@ -51,6 +51,7 @@ __all__ = [
     "PowerLawFit",
     "ShardCurve",
     "fit_power_law",
+    "narrow_range",
     "plan_split",
     "queue_latency",
 ]
@@ -129,6 +130,17 @@ class PowerLawFit:
 
 def _unusable(points: int, reason: str) -> PowerLawFit:
     return PowerLawFit(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, points, False, reason)
+
+
+def narrow_range(tokens_min: float, tokens_max: float, points: int, cfg: CapacityConfig) -> PowerLawFit | None:
+    """The unusable fit, without fitting, when the readings cannot reach the excitation bar.
+
+    The standard deviation of ``ln T`` is at most half its range, so a range below twice
+    ``min_log_spread`` can never pass: a steady fleet costs two comparisons per worker."""
+    if tokens_min > 0 and math.log(tokens_max / tokens_min) < 2 * cfg.min_log_spread:
+        return _unusable(points, f"not excited: ln(T) range {math.log(tokens_max / tokens_min):.3f}"
+                         f" < {2 * cfg.min_log_spread}")
+    return None
 
 
 def fit_power_law(

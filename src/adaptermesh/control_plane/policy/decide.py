@@ -91,8 +91,8 @@ def _shard_curves(
     a whole, as does a shard without fits (one unidentified worker may be the bottleneck) and
     a saturated one.
     """
-    if not obs.curves:
-        return None
+    if not any(f.usable for f in obs.curves.values()):
+        return None  # the steady fleet: one pass over the fits, no per-shard work
     out: list[ShardCurve] = []
     any_fit = False
     for i in np.flatnonzero(movable).tolist():
