@@ -251,3 +251,17 @@ def test_narrow_range_rejects_only_what_the_fit_rejects(tokens: list[float], see
     if quick is not None:
         assert not quick.usable
         assert not fit_power_law(t, lat, CFG).usable
+
+
+def test_slow_decode_tail_loses_endpoint_weight() -> None:
+    def obs(tpot_b: float | None) -> Observation:
+        return Observation({"s": ShardObservation("s", True, (
+            WorkerObservation("10.0.0.1", 1, True, tokens_per_s=100.0, tpot_p95_s=0.02),
+            WorkerObservation("10.0.0.2", 1, True, tokens_per_s=100.0, tpot_p95_s=tpot_b),
+        ))})
+
+    slow = decide(obs(0.08), PolicyState(), 0.0, PolicyConfig()).endpoint_weights["s"]
+    assert slow["10.0.0.1:1"] == 100
+    assert slow["10.0.0.2:1"] == 50  # 4x slower tail: halved, the floor of the scaling
+    same = decide(obs(None), PolicyState(), 0.0, PolicyConfig()).endpoint_weights["s"]
+    assert same["10.0.0.1:1"] == same["10.0.0.2:1"]

@@ -163,6 +163,15 @@ def _endpoint_cols(obs: ObservationColumns, prev: _F, cfg: PolicyConfig) -> _I:
         obs.wanted > 0, cfg.affinity_bonus / np.where(obs.wanted > 0, obs.wanted, 1.0), 0.0
     )
     score = headroom * (1.0 + cfg.memory_bonus * free * inv_free[shard_of])
+    if obs.tpot_p95_s is not None:
+        # Tail decode speed: a worker whose p95 time per output token is above its shard's
+        # best loses weight in proportion (at most halved); unreported rows are untouched.
+        tpot = obs.tpot_p95_s
+        has = known & ~np.isnan(tpot) & (tpot > 0)
+        best_tpot = np.full(n_shards, np.inf)
+        np.minimum.at(best_tpot, shard_of[has], tpot[has])
+        ratio = np.where(has, best_tpot[shard_of] / np.where(has, tpot, 1.0), 1.0)
+        score = score * np.clip(ratio, 0.5, 1.0)
     # Multiplying by exactly 1.0 where nothing is resident changes nothing.
     score = score * (1.0 + aff_bonus[shard_of] * obs.affinity_hits)
     best = np.zeros(n_shards)

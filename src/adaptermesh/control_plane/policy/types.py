@@ -30,7 +30,9 @@ class PolicyConfig:
     # the estimate it feeds then moves weight on a stationary load.
     baseline_drift: float = 0.01
     # Endpoint scoring: bonus for free GPU memory (relative to the shard's best worker) and for
-    # the fraction of the shard's requested adapters that are resident on the worker.
+    # the fraction of the shard's requested adapters that are resident on the worker; a worker
+    # whose p95 time per output token is above its shard's best is scaled by best / its own
+    # (at least 0.5).
     memory_bonus: float = 0.25
     affinity_bonus: float = 0.5
     endpoint_scale: int = 100
