@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from adaptermesh.clock import FakeClock
 from adaptermesh.control_plane.capacity_history import CapacityHistory
+from adaptermesh.control_plane.metrics_source import Target
 from adaptermesh.control_plane.policy import (
     Observation,
     PolicyConfig,
@@ -29,6 +34,10 @@ from adaptermesh.control_plane.policy.capacity import (
     narrow_range,
     plan_split,
 )
+from adaptermesh.control_plane.rebalancer import Rebalancer, RebalancerConfig
+from adaptermesh.control_plane.store import Store
+
+from .conftest import shard
 
 CFG = CapacityConfig()
 
@@ -265,3 +274,47 @@ def test_slow_decode_tail_loses_endpoint_weight() -> None:
     assert slow["10.0.0.2:1"] == 50  # 4x slower tail: halved, the floor of the scaling
     same = decide(obs(None), PolicyState(), 0.0, PolicyConfig()).endpoint_weights["s"]
     assert same["10.0.0.1:1"] == same["10.0.0.2:1"]
+
+
+class PowerLawSource:
+    """The Rebalancer's load source: the power-law plant at the weights last published."""
+
+    def __init__(self, plant: PowerLawPlant, holder: list[Any]) -> None:
+        self.plant = plant
+        self.holder = holder
+        self.tick = 0
+        self.worst: list[float] = []
+
+    async def collect(self, targets: Sequence[Target], now: float) -> dict[str, WorkerObservation]:
+        weights = dict(self.holder[0].state.weights) or {s: 5000 for s in self.plant.curves}
+        obs, worst = self.plant.observe(weights, self.tick)
+        self.tick += 1
+        self.worst.append(worst)
+        return {f"{w.address}:{w.port}": w for s in obs.shards.values() for w in s.workers}
+
+
+async def run_rebalancer(tmp_path: Path, plant: PowerLawPlant, power_law: bool, ticks: int = 100) -> tuple[float, Any]:
+    store = Store(tmp_path / f"cp-{power_law}.sqlite3", synchronous="NORMAL")
+    holder: list[Any] = []
+    source = PowerLawSource(plant, holder)
+    clock = FakeClock()
+    rb = Rebalancer(store, source, clock=clock, config=RebalancerConfig(power_law=power_law))
+    holder.append(rb)
+    for sid in sorted(plant.curves):
+        spec = shard(sid, *[(f"10.0.{ord(sid[-1])}.{j}", 8000) for j in range(2)])
+        rb.mutate(lambda spec=spec: store.upsert_shard(spec, clock.time()), f"add {sid}")
+    for _ in range(ticks):
+        await rb.step()
+        clock.step(5)
+    store.close()
+    return float(np.mean(source.worst[ticks // 2:])), rb
+
+
+async def test_rebalancer_with_a_fake_clock_fits_the_plant_and_beats_the_queueing_model(tmp_path: Path) -> None:
+    plant = dict(curves={"a": (4e-8, -2.5, 0.03), "b": (2e-4, -1.0, 0.12)}, demand=4000.0)
+    queue_tail, _ = await run_rebalancer(tmp_path, PowerLawPlant(**plant), power_law=False)
+    law_tail, rb = await run_rebalancer(tmp_path, PowerLawPlant(**plant), power_law=True)
+    fit = rb.capacity.fits()["10.0.97.0:8000"]
+    assert fit.usable, fit.reason
+    assert fit.beta == pytest.approx(-2.5, abs=0.4)
+    assert law_tail <= queue_tail * 1.02, (law_tail, queue_tail)
