@@ -7,6 +7,8 @@ Series read (the names the workers export, vLLM's first so existing gateways wor
 * ``vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}``
 * ``adaptermesh_time_to_first_token_seconds`` (histogram; ``vllm:time_to_first_token_seconds``
   as a fallback)
+* ``adaptermesh_time_per_output_token_seconds`` (histogram; ``vllm:time_per_output_token_seconds``
+  as a fallback): the buckets of both histograms are kept for interval percentiles
 * ``adaptermesh_generation_tokens_total`` (counter; ``vllm:generation_tokens_total`` fallback)
 * ``adaptermesh_free_gpu_memory_bytes``, ``adaptermesh_gpu_slots_used``
 * ``adaptermesh_adapter_resident{adapter}`` (1 when resident), when the worker exports it
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["RawSample", "adapter_list", "parse_metrics"]
+__all__ = ["RawSample", "adapter_list", "interval_quantile", "parse_metrics"]
 
 # First name found wins: the worker's own (docs/worker-service.md), then older or vLLM names.
 _TTFT = (
@@ -31,6 +33,10 @@ _TOKENS = (
     "adaptermesh_generation_tokens_total",
     "adaptermesh_generated_tokens_total",
     "vllm:generation_tokens_total",
+)
+_TPOT = (
+    "adaptermesh_time_per_output_token_seconds",
+    "vllm:time_per_output_token_seconds",
 )
 _FREE = ("adaptermesh_free_gpu_memory_bytes", "adaptermesh_gpu_free_bytes")
 _SLOTS = ("adaptermesh_gpu_slots_used", "adaptermesh_adapter_gpu_slots_used")
@@ -45,6 +51,9 @@ class RawSample:
     kv_cache_usage: float | None = None
     ttft_sum: float | None = None
     ttft_count: float | None = None
+    # Cumulative histogram buckets (upper bound, cumulative count), ascending, +Inf last.
+    ttft_buckets: tuple[tuple[float, float], ...] = ()
+    tpot_buckets: tuple[tuple[float, float], ...] = ()
     tokens_total: float | None = None
     gpu_free_bytes: float | None = None
     slots_used: float | None = None
@@ -64,12 +73,56 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+_HISTOGRAMS = frozenset(_TTFT + _TPOT)
+
+
+def _le(text: str) -> float | None:
+    try:
+        v = float(text)
+    except ValueError:
+        return None
+    return None if math.isnan(v) else v
+
+
+def interval_quantile(
+    q: float,
+    now: tuple[tuple[float, float], ...],
+    before: tuple[tuple[float, float], ...],
+) -> float | None:
+    """The ``q`` quantile of the observations made between two scrapes of one histogram,
+    interpolated linearly inside its bucket as Prometheus' ``histogram_quantile`` does.
+
+    None when nothing was observed in between, or the bucket bounds changed, or a counter went
+    backwards (a worker restart). A quantile in the +Inf bucket is the largest finite bound.
+    """
+    if not now or len(now) != len(before) or any(a[0] != b[0] for a, b in zip(now, before, strict=True)):
+        return None
+    deltas = [(le, c - b) for (le, c), (_, b) in zip(now, before, strict=True)]
+    if any(d < 0 for _, d in deltas):
+        return None
+    total = deltas[-1][1]
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in deltas:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le if prev_le > 0 else None
+            if c == prev_c:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+        prev_le, prev_c = le, c
+    return None
+
+
 def parse_metrics(text: str) -> RawSample:
     """Parse Prometheus text exposition; unknown series are ignored, missing ones stay None."""
     raw = RawSample()
     ttft: dict[str, tuple[float | None, float | None]] = {}
     tokens: dict[str, float] = {}
     resident: set[str] = set()
+    buckets: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             name, value = s.name, _finite(float(s.value))
@@ -95,6 +148,11 @@ def parse_metrics(text: str) -> RawSample:
             elif name == "adaptermesh_adapter_resident":
                 if value > 0 and s.labels.get("adapter"):
                     resident.add(s.labels["adapter"])
+            elif name.endswith("_bucket") and name[: -len("_bucket")] in _HISTOGRAMS:
+                le = _le(s.labels.get("le", ""))
+                if le is not None:
+                    per = buckets.setdefault(name[: -len("_bucket")], {})
+                    per[le] = per.get(le, 0.0) + value
             else:
                 for base in _TTFT:
                     if name == base + "_sum":
@@ -109,6 +167,11 @@ def parse_metrics(text: str) -> RawSample:
         if base in ttft and None not in ttft[base]:
             raw.ttft_sum, raw.ttft_count = ttft[base]
             break
+    for names, attr in ((_TTFT, "ttft_buckets"), (_TPOT, "tpot_buckets")):
+        for base in names:
+            if base in buckets:
+                setattr(raw, attr, tuple(sorted(buckets[base].items())))
+                break
     for base in _TOKENS:
         if base in tokens:
             raw.tokens_total = tokens[base]

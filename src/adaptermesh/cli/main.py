@@ -1,5 +1,5 @@
-"""The ``adaptermesh`` entry point: ``agent``, ``control-plane``, ``worker``, ``mqtt-bridge``
-and ``demo``.
+"""The ``adaptermesh`` entry point: ``agent``, ``control-plane``, ``worker``,
+``adafuse-train``, ``mqtt-bridge`` and ``demo``.
 
 Each subcommand forwards its arguments to the part's own ``cli.main(argv) -> int``, so every
 part owns its flags and can be run as ``python -m adaptermesh.<part>.cli`` too.
@@ -16,6 +16,10 @@ _COMMANDS = {
     "agent": ("adaptermesh.agent.cli", "Run the node agent (eBPF classifier + xDS server)."),
     "control-plane": ("adaptermesh.control_plane.cli", "Run the control plane gRPC API."),
     "worker": ("adaptermesh.worker.cli", "Run a GPU/CPU worker with the OpenAI-compatible API."),
+    "adafuse-train": (
+        "adaptermesh.worker.adafuse_train_cli",
+        "Train an AdaFuse expert set (router + LoRA experts) on text files.",
+    ),
     "mqtt-bridge": (
         "adaptermesh.bridge.cli",
         "Answer OpenAI requests from an MQTT topic through the mesh.",

@@ -19,9 +19,10 @@ from typing import Protocol
 import httpx
 
 from adaptermesh.control_plane.policy import WorkerObservation, endpoint_key
-from adaptermesh.worker_scrape import RawSample, adapter_list, parse_metrics
+from adaptermesh.worker_scrape import RawSample, adapter_list, interval_quantile, parse_metrics
 
 __all__ = [
+    "TAIL_QUANTILE",
     "LoadSource",
     "PrometheusSource",
     "RawSample",
@@ -29,6 +30,10 @@ __all__ = [
     "Target",
     "parse_metrics",
 ]
+
+# The tail the policy reads: p95 of time to first token and of time per output token.
+TAIL_QUANTILE = 0.95
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -59,6 +64,8 @@ def _observe(
 ) -> WorkerObservation:
     """Turn two consecutive scrapes into rates over the interval between them."""
     latency: float | None = None
+    ttft_p95: float | None = None
+    tpot_p95: float | None = None
     tokens_per_s = 0.0
     before = prev.sample
     last = prev.observation
@@ -75,6 +82,8 @@ def _observe(
             # A counter reset (worker restart) gives a negative delta: skip the interval.
             if dn > 0 and ds >= 0:
                 latency = ds / dn
+        ttft_p95 = interval_quantile(TAIL_QUANTILE, raw.ttft_buckets, before.ttft_buckets)
+        tpot_p95 = interval_quantile(TAIL_QUANTILE, raw.tpot_buckets, before.tpot_buckets)
         if raw.tokens_total is not None and before.tokens_total is not None:
             dt_tokens = raw.tokens_total - before.tokens_total
             if dt_tokens >= 0:
@@ -87,6 +96,8 @@ def _observe(
         running=raw.running or 0.0,
         kv_cache_usage=min(1.0, max(0.0, raw.kv_cache_usage or 0.0)),
         latency_s=latency,
+        ttft_p95_s=ttft_p95,
+        tpot_p95_s=tpot_p95,
         tokens_per_s=tokens_per_s,
         gpu_free_bytes=raw.gpu_free_bytes,
         resident_adapters=_reuse(raw.resident_adapters, last.resident_adapters if last else None),
@@ -215,6 +226,10 @@ class PrometheusSource:
             "kv": f"max by ({lbl}) (vllm:kv_cache_usage_perc)",
             "ttft": f"sum by ({lbl}) (rate(adaptermesh_time_to_first_token_seconds_sum[{w}]))"
             f" / sum by ({lbl}) (rate(adaptermesh_time_to_first_token_seconds_count[{w}]))",
+            "ttft_p95": f"histogram_quantile({TAIL_QUANTILE}, sum by ({lbl}, le)"
+            f" (rate(adaptermesh_time_to_first_token_seconds_bucket[{w}])))",
+            "tpot_p95": f"histogram_quantile({TAIL_QUANTILE}, sum by ({lbl}, le)"
+            f" (rate(adaptermesh_time_per_output_token_seconds_bucket[{w}])))",
             "tokens": f"sum by ({lbl}) (rate(adaptermesh_generation_tokens_total[{w}]))",
             "free": f"sum by ({lbl}) (adaptermesh_free_gpu_memory_bytes)",
             "lora": "vllm:lora_requests_info",
@@ -285,6 +300,8 @@ class PrometheusSource:
                     running=vals.get("running", 0.0),
                     kv_cache_usage=min(1.0, max(0.0, vals.get("kv", 0.0))),
                     latency_s=vals.get("ttft"),
+                    ttft_p95_s=vals.get("ttft_p95"),
+                    tpot_p95_s=vals.get("tpot_p95"),
                     tokens_per_s=vals.get("tokens", 0.0),
                     gpu_free_bytes=vals.get("free"),
                     resident_adapters=_reuse(

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import TypeVar
 
@@ -26,6 +26,7 @@ from adaptermesh import assignment_rules as rules
 from adaptermesh.backoff import Backoff
 from adaptermesh.clock import Clock, SystemClock
 from adaptermesh.control_plane import policy
+from adaptermesh.control_plane.capacity_history import CapacityHistory
 from adaptermesh.control_plane.metrics import ControlPlaneMetrics
 from adaptermesh.control_plane.metrics_source import LoadSource, Target
 from adaptermesh.control_plane.policy import (
@@ -38,6 +39,7 @@ from adaptermesh.control_plane.policy import (
     WorkerObservation,
     endpoint_key,
 )
+from adaptermesh.control_plane.policy.capacity import CapacityConfig
 from adaptermesh.control_plane.store import Store
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
 
@@ -96,6 +98,9 @@ class RebalancerConfig:
     interval_s: float = 5.0
     max_backoff_s: float = 60.0
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # The power-law capacity model (docs/control-plane.md); False: the queueing model only.
+    power_law: bool = True
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
 
 
 @dataclass(slots=True)
@@ -187,6 +192,7 @@ class Rebalancer:
         self.last_error = ""
         self.metrics = metrics or ControlPlaneMetrics()
         self.metrics.bind(self, self.clock.time)
+        self.capacity = CapacityHistory(self.config.capacity)
         self.state = PolicyState()
         latest = store.latest_assignment()
         if latest is not None:
@@ -366,6 +372,9 @@ class Rebalancer:
         now = self.clock.time()
         t0 = time.perf_counter()
         obs, rows = self.columns(self.workers)
+        if self.config.power_law:
+            self.capacity.add(self.workers)
+            obs = replace(obs, curves=self.capacity.fits())
         decision = policy.decide(obs, self.state, now, self.config.policy)
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         affinity = self._affinity()

@@ -11,6 +11,7 @@ from operator import attrgetter
 import numpy as np
 import numpy.typing as npt
 
+from adaptermesh.control_plane.policy.capacity import PowerLawFit
 from adaptermesh.control_plane.policy.types import (
     Observation,
     OverrideSpec,
@@ -66,6 +67,9 @@ class ObservationColumns:
     affinity_hits: _F  # (W,)
     wanted: _F  # (S,)
     overrides: Mapping[str, OverrideSpec] = field(default_factory=dict)
+    ttft_p95_s: _F | None = None  # (W,) nan: not reported; None: no worker reports it
+    tpot_p95_s: _F | None = None  # (W,) as above
+    curves: Mapping[str, PowerLawFit] = field(default_factory=dict)
 
     @property
     def shard_of(self) -> _I:
@@ -115,17 +119,20 @@ class ObservationColumns:
                         w.latency_s,
                         w.tokens_per_s,
                         w.gpu_free_bytes,
+                        w.ttft_p95_s,
+                        w.tpot_p95_s,
                     )
                     for w in workers
                 ]
             )
-        table = np.array(rows, dtype=np.float64).reshape(len(rows), 7)
+        table = np.array(rows, dtype=np.float64).reshape(len(rows), 9)
         offsets = np.zeros(len(shard_ids) + 1, dtype=np.int64)
         np.cumsum(np.array(counts, dtype=np.int64), out=offsets[1:])
         if not np.isfinite(table).all():
             # A non-finite count or rate is as good as no reading: 0 for counts and rates,
             # nan ("not reported") for latency and free memory.
-            for col, fill in ((1, 0.0), (2, 0.0), (3, 0.0), (4, math.nan), (5, 0.0), (6, math.nan)):
+            for col, fill in ((1, 0.0), (2, 0.0), (3, 0.0), (4, math.nan), (5, 0.0), (6, math.nan),
+                              (7, math.nan), (8, math.nan)):
                 bad = ~np.isfinite(table[:, col])
                 table[bad, col] = fill
         return cls(
@@ -143,6 +150,9 @@ class ObservationColumns:
             affinity_hits=np.array(hits, dtype=np.float64),
             wanted=np.array(wanted, dtype=np.float64),
             overrides=dict(observation.overrides),
+            ttft_p95_s=_reported(table[:, 7]),
+            tpot_p95_s=_reported(table[:, 8]),
+            curves=dict(observation.curves),
         )
 
     def same_layout(self, shard_ids: tuple[str, ...], offsets: _I, endpoints: tuple[str, ...]) -> bool:
@@ -154,10 +164,15 @@ class ObservationColumns:
 
 
 _ROW_FIELDS = ("waiting", "running", "kv_cache_usage", "latency_s", "tokens_per_s",
-               "gpu_free_bytes")
+               "gpu_free_bytes", "ttft_p95_s", "tpot_p95_s")
 # What a non-finite reading becomes: 0 for counts and rates, nan ("not reported") for latency
 # and free memory.
-_ROW_FILL = (0.0, 0.0, 0.0, math.nan, 0.0, math.nan)
+_ROW_FILL = (0.0, 0.0, 0.0, math.nan, 0.0, math.nan, math.nan, math.nan)
+
+
+def _reported(col: _F) -> _F | None:
+    """A percentile column, or None when no worker reported it (the common old-worker case)."""
+    return np.ascontiguousarray(col) if not np.isnan(col).all() else None
 _KNOWN = attrgetter("known")
 _RESIDENT = attrgetter("resident_adapters")
 _REQUESTED = attrgetter("requested_adapters")
@@ -284,6 +299,7 @@ class ColumnLayout:
         self,
         workers: Sequence[WorkerObservation],
         overrides: Mapping[str, OverrideSpec] | None = None,
+        curves: Mapping[str, PowerLawFit] | None = None,
     ) -> ObservationColumns:
         """The columns for one tick: ``workers[j]`` is the reading of endpoint row ``j``.
 
@@ -335,6 +351,9 @@ class ColumnLayout:
             affinity_hits=hits,
             wanted=wanted,
             overrides=dict(overrides) if overrides else {},
+            ttft_p95_s=_reported(cols[6]),
+            tpot_p95_s=_reported(cols[7]),
+            curves=curves if curves is not None else {},
         )
 
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from adaptermesh.control_plane.policy.apportion import _apportion_cols, _waterfill_cols, apportion
+from adaptermesh.control_plane.policy.capacity import PowerLawFit, ShardCurve, plan_split
 from adaptermesh.control_plane.policy.columns import (
     _B,
     _F,
@@ -71,6 +72,53 @@ from adaptermesh.control_plane.policy.types import (
 def _ewma_cols(prev: _F, value: _F, alpha: float) -> _F:
     return np.where(np.isnan(prev), value, prev + alpha * (value - prev))
 
+
+
+def _shard_curves(
+    obs: ObservationColumns,
+    act: _I,
+    movable: _B,
+    rho: _F,
+    weight_eff: _F,
+    baseline: _F,
+    latency: _F,
+) -> list[ShardCurve] | None:
+    """One curve per movable shard, or None when no movable shard has a usable fit (then the
+    utilisation split applies unchanged).
+
+    A shard's curve holds the usable fits of its known workers with their observed tokens/s.
+    A shard with a worker that carries load but has no usable fit uses the queueing model as
+    a whole, as does a shard without fits (one unidentified worker may be the bottleneck) and
+    a saturated one.
+    """
+    if not any(f.usable for f in obs.curves.values()):
+        return None  # the steady fleet: one pass over the fits, no per-shard work
+    out: list[ShardCurve] = []
+    any_fit = False
+    for i in np.flatnonzero(movable).tolist():
+        s = int(act[i])
+        lo, hi = int(obs.offsets[s]), int(obs.offsets[s + 1])
+        fits: list[tuple[PowerLawFit, float]] = []
+        complete = True
+        for j in range(lo, hi):
+            if not obs.known[j]:
+                continue
+            tok = float(obs.tokens_per_s[j])
+            fit = obs.curves.get(obs.endpoints[j])
+            if fit is not None and fit.usable and tok > 0:
+                fits.append((fit, tok))
+            elif tok > 0:
+                complete = False
+        r = float(rho[i])
+        l0 = float(baseline[i]) if not math.isnan(baseline[i]) else float(latency[i])
+        # A saturated shard (waiting requests or rho >= 1) has left the curve: its throughput
+        # no longer grows with load, only its latency does. The queueing model handles it.
+        if fits and complete and r < 1.0:
+            any_fit = True
+            out.append(ShardCurve(float(weight_eff[i]), r, l0, tuple(fits)))
+        else:
+            out.append(ShardCurve(float(weight_eff[i]), r, l0 if not math.isnan(l0) else 1.0))
+    return out if any_fit else None
 
 
 def _previous_endpoints(
@@ -115,6 +163,15 @@ def _endpoint_cols(obs: ObservationColumns, prev: _F, cfg: PolicyConfig) -> _I:
         obs.wanted > 0, cfg.affinity_bonus / np.where(obs.wanted > 0, obs.wanted, 1.0), 0.0
     )
     score = headroom * (1.0 + cfg.memory_bonus * free * inv_free[shard_of])
+    if obs.tpot_p95_s is not None:
+        # Tail decode speed: a worker whose p95 time per output token is above its shard's
+        # best loses weight in proportion (at most halved); unreported rows are untouched.
+        tpot = obs.tpot_p95_s
+        has = known & ~np.isnan(tpot) & (tpot > 0)
+        best_tpot = np.full(n_shards, np.inf)
+        np.minimum.at(best_tpot, shard_of[has], tpot[has])
+        ratio = np.where(has, best_tpot[shard_of] / np.where(has, tpot, 1.0), 1.0)
+        score = score * np.clip(ratio, 0.5, 1.0)
     # Multiplying by exactly 1.0 where nothing is resident changes nothing.
     score = score * (1.0 + aff_bonus[shard_of] * obs.affinity_hits)
     best = np.zeros(n_shards)
@@ -271,10 +328,15 @@ def decide(
     kv = ksum(obs.kv_cache_usage)
     tokens = ksum(obs.tokens_per_s)
     kv = np.where(n_known > 0, kv / np.maximum(n_known, 1), 0.0)
-    has_lat = known_w & ~np.isnan(obs.latency_s) & (obs.latency_s != 0)
+    # Tail latency: a worker's p95 time to first token where its histogram reported one this
+    # interval, its mean otherwise (older workers).
+    lat_col = obs.latency_s
+    if obs.ttft_p95_s is not None:
+        lat_col = np.where(np.isnan(obs.ttft_p95_s), lat_col, obs.ttft_p95_s)
+    has_lat = known_w & ~np.isnan(lat_col) & (lat_col != 0)
     lat_w = np.where(obs.tokens_per_s > 1e-9, obs.tokens_per_s, 1e-9)
     lat_weight = ksum(lat_w, has_lat)
-    lat_total = ksum(obs.latency_s * lat_w, has_lat)
+    lat_total = ksum(lat_col * lat_w, has_lat)
     sampled = known & (lat_weight > 0)
     sample = np.where(sampled, lat_total / np.where(sampled, lat_weight, 1.0), math.nan)
     latency = np.where(sampled, _ewma_cols(old.latency_s, sample, cfg.ewma_alpha), old.latency_s)
@@ -309,13 +371,26 @@ def decide(
     floor = base.floor
     movable = free & known & ~np.isnan(est_rho) & ~np.isnan(est_weff)
     target = c.copy()
+    predicted: dict[str, float] = {}
     if int(movable.sum()) >= 2:
         pool = _seqsum(c[movable])
-        # Load per unit of weight is rho / weight_eff: equal utilisation needs w ~ w_eff / rho.
-        rho_m = est_rho[movable]
-        share = est_weff[movable] / np.where(rho_m != 0, rho_m, cfg.rho_min)
-        if _seqsum(share) > 0:
-            target[movable] = _waterfill_cols(share, pool, float(floor))
+        curves = _shard_curves(obs, act, movable, est_rho, est_weff, est_baseline, est_latency)
+        if curves is not None:
+            # Power-law fits: equalise predicted tail latency (shards without a usable fit
+            # use the queueing model inside the same split).
+            planned = plan_split(curves, pool, float(floor))
+            target[movable] = planned
+            m_ids = [ids[i] for i in np.flatnonzero(movable)]
+            predicted = {
+                sid: c_.predict(float(w)) for sid, c_, w in zip(m_ids, curves, planned, strict=True)
+            }
+        else:
+            # Load per unit of weight is rho / weight_eff: equal utilisation needs
+            # w ~ w_eff / rho.
+            rho_m = est_rho[movable]
+            share = est_weff[movable] / np.where(rho_m != 0, rho_m, cfg.rho_min)
+            if _seqsum(share) > 0:
+                target[movable] = _waterfill_cols(share, pool, float(floor))
 
     # 4. Hysteresis and the bounded step. The hysteresis is global: a rebalance starts when any
     # shard is further from its target than its entry band, and then every free shard moves
@@ -415,6 +490,7 @@ def decide(
         reason="; ".join(reasons) if reasons else "no significant change",
         expired_overrides=expired,
         utilization=utilization,
+        predicted_latency_s=predicted,
     )
 
 

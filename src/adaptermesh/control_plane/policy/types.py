@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from adaptermesh.assignment_rules import WEIGHT_BUDGET
+from adaptermesh.control_plane.policy.capacity import PowerLawFit
 
 # Shard weights are parts per BUDGET over ACTIVE shards: the Assignment rules' constant.
 BUDGET = WEIGHT_BUDGET
@@ -29,7 +30,9 @@ class PolicyConfig:
     # the estimate it feeds then moves weight on a stationary load.
     baseline_drift: float = 0.01
     # Endpoint scoring: bonus for free GPU memory (relative to the shard's best worker) and for
-    # the fraction of the shard's requested adapters that are resident on the worker.
+    # the fraction of the shard's requested adapters that are resident on the worker; a worker
+    # whose p95 time per output token is above its shard's best is scaled by best / its own
+    # (at least 0.5).
     memory_bonus: float = 0.25
     affinity_bonus: float = 0.5
     endpoint_scale: int = 100
@@ -64,6 +67,10 @@ class WorkerObservation:
     kv_cache_usage: float = 0.0
     # Mean time to first token over the interval; None when no request finished in it.
     latency_s: float | None = None
+    # 95th percentiles over the interval from the workers' histograms (time to first token,
+    # time per output token); None when the histogram had no new observation.
+    ttft_p95_s: float | None = None
+    tpot_p95_s: float | None = None
     tokens_per_s: float = 0.0
     gpu_free_bytes: float | None = None
     resident_adapters: frozenset[str] = frozenset()
@@ -101,6 +108,8 @@ class OverrideSpec:
 class Observation:
     shards: Mapping[str, ShardObservation]
     overrides: Mapping[str, OverrideSpec] = field(default_factory=dict)
+    # Fitted power-law curves per endpoint key (``address:port``); only usable ones are used.
+    curves: Mapping[str, PowerLawFit] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +143,8 @@ class Decision:
     reason: str
     expired_overrides: tuple[str, ...]
     utilization: dict[str, float | None]
+    # Per shard moved by the power-law planner: its predicted tail latency at the new weight.
+    predicted_latency_s: dict[str, float] = field(default_factory=dict)
 
 
 def endpoint_key(address: str, port: int) -> str:

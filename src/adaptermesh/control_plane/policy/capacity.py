@@ -1,0 +1,304 @@
+"""The power-law capacity model: fit, confidence, prediction and the latency-equalising split.
+
+Model
+-----
+A worker's tail latency (p95 time to first token) as a function of the throughput it carries::
+
+    L(T) = alpha * T^(-beta) + eps          alpha > 0, beta in [beta_min, beta_max], 0 <= eps < min L
+
+``eps`` is the latency floor (prefill of an idle worker), ``alpha * T^(-beta)`` the part that
+load adds. Latency grows with load, so a healthy fit has ``beta < 0``; ``beta`` may be slightly
+positive (batching makes a busier worker's tail no worse), which the planner reads as "no
+constraint from this worker".
+
+Fit (``fit_power_law``)
+-----------------------
+In log space, so one slow interval does not dominate: for each ``eps`` on a grid of fractions
+of the smallest latency, ``ln(L - eps) = ln(alpha) - beta * ln(T)`` is a straight line fitted by
+least squares; ``beta`` and ``ln(alpha)`` are clipped to their bounds (and ``ln(alpha)``
+re-fitted for a clipped ``beta``). The ``eps`` with the smallest squared error of ``ln L``
+wins. Three parameters are identifiable only if the observations span a range of throughputs,
+so the fit reports:
+
+* at least ``min_levels`` distinct throughput levels (bins of ``ln T``), else no fit at all;
+* ``excitation``: the standard deviation of ``ln T`` over ``full_log_spread`` (capped at 1),
+  and 0 below ``min_log_spread`` (a worker held at one operating point);
+* ``r2``: the share of the variance of ``ln L`` the curve explains;
+* ``confidence = r2 * excitation``, in [0, 1]. The fit is *usable* when ``confidence >=
+  min_confidence`` and it had ``min_points`` observations; otherwise the caller falls back to
+  the queueing model ``L = L0 / (1 - rho)``, which needs one point.
+
+Planning (``plan_split``)
+-------------------------
+A shard's traffic scales with its weight, so each worker's throughput at shard weight ``w`` is
+``T_j(w) = T_j * w / w_eff``. A shard's predicted tail latency is the worst of its workers'.
+The split equalises predicted tail latency: find the level ``lambda`` at which the largest
+weights whose predictions stay at or under ``lambda`` sum to the pool (bisection on
+``ln lambda``; each shard's weight at a level is closed form for both models).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "CapacityConfig",
+    "PowerLawFit",
+    "ShardCurve",
+    "fit_power_law",
+    "narrow_range",
+    "plan_split",
+    "queue_latency",
+]
+
+_F = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityConfig:
+    # Observations kept per worker (one per tick: 10 minutes at the 5 s period).
+    window: int = 120
+    min_points: int = 8
+    # Standard deviation of ln(T) below which the curve is not identified (a factor ~1.2 in
+    # throughput) and at which excitation counts fully (a factor ~1.35).
+    min_log_spread: float = 0.15
+    full_log_spread: float = 0.3
+    min_confidence: float = 0.5
+    # Distinct operating points needed: readings whose ln(T) fall in different bins this wide.
+    min_levels: int = 5
+    level_width: float = 0.05
+    ln_alpha_bounds: tuple[float, float] = (-30.0, 30.0)
+    beta_bounds: tuple[float, float] = (-6.0, 1.0)
+    eps_grid: int = 16
+    # Readings below this throughput (tokens/s) carry no information about the curve.
+    min_tokens_per_s: float = 1e-3
+
+    def validate(self) -> None:
+        if self.window < self.min_points or self.min_points < 3:
+            raise ValueError("capacity: need 3 <= min_points <= window")
+        if not 0 <= self.min_log_spread < self.full_log_spread:
+            raise ValueError("capacity: need 0 <= min_log_spread < full_log_spread")
+        if self.min_levels < 3 or not self.level_width > 0:
+            raise ValueError("capacity: need min_levels >= 3 and level_width > 0")
+        if not 0 < self.min_confidence <= 1:
+            raise ValueError("capacity: min_confidence must be in (0, 1]")
+        lo, hi = self.beta_bounds
+        if not lo < hi:
+            raise ValueError("capacity: beta_bounds must be increasing")
+        if not self.ln_alpha_bounds[0] < self.ln_alpha_bounds[1]:
+            raise ValueError("capacity: ln_alpha_bounds must be increasing")
+        if self.eps_grid < 1:
+            raise ValueError("capacity: eps_grid must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PowerLawFit:
+    alpha: float
+    beta: float
+    eps: float
+    r2: float
+    excitation: float
+    confidence: float
+    points: int
+    usable: bool
+    reason: str  # why it is not usable; "" when it is
+
+    def predict(self, tokens_per_s: float) -> float:
+        t = max(float(tokens_per_s), 1e-9)
+        try:
+            return self.eps + self.alpha * math.pow(t, -self.beta)
+        except OverflowError:
+            return math.inf
+
+    def max_throughput(self, latency_s: float) -> float:
+        """The largest throughput whose predicted latency is at most ``latency_s`` (inf: no
+        limit, 0: never)."""
+        if self.beta >= 0:
+            return math.inf
+        if latency_s <= self.eps:
+            return 0.0
+        try:
+            return math.exp(math.log((latency_s - self.eps) / self.alpha) / (-self.beta))
+        except OverflowError:
+            return math.inf
+
+
+def _unusable(points: int, reason: str) -> PowerLawFit:
+    return PowerLawFit(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, points, False, reason)
+
+
+def narrow_range(tokens_min: float, tokens_max: float, points: int, cfg: CapacityConfig) -> PowerLawFit | None:
+    """The unusable fit, without fitting, when the readings cannot reach the excitation bar.
+
+    The standard deviation of ``ln T`` is at most half its range, so a range below twice
+    ``min_log_spread`` can never pass: a steady fleet costs two comparisons per worker."""
+    if tokens_min > 0 and math.log(tokens_max / tokens_min) < 2 * cfg.min_log_spread:
+        return _unusable(points, f"not excited: ln(T) range {math.log(tokens_max / tokens_min):.3f}"
+                         f" < {2 * cfg.min_log_spread}")
+    return None
+
+
+def fit_power_law(
+    tokens_per_s: Sequence[float] | _F, latency_s: Sequence[float] | _F, cfg: CapacityConfig
+) -> PowerLawFit:
+    """Fit ``L = alpha * T^(-beta) + eps`` to paired readings; never raises on bad data."""
+    t = np.asarray(tokens_per_s, dtype=np.float64)
+    lat = np.asarray(latency_s, dtype=np.float64)
+    if t.shape != lat.shape or t.ndim != 1:
+        raise ValueError("tokens_per_s and latency_s must be 1-d and of one length")
+    ok = np.isfinite(t) & np.isfinite(lat) & (t > cfg.min_tokens_per_s) & (lat > 0)
+    t, lat = t[ok], lat[ok]
+    n = int(t.size)
+    if n < cfg.min_points:
+        return _unusable(n, f"{n} points, need {cfg.min_points}")
+    x = np.log(t)
+    y_full = np.log(lat)
+    spread = float(x.std())
+    # Three parameters need at least as many distinct operating points, and a couple more to
+    # tell a curve from noise: two levels always fit perfectly and say nothing.
+    levels = int(np.unique(np.round(x / cfg.level_width)).size)
+    if levels < cfg.min_levels:
+        return _unusable(n, f"not excited: {levels} distinct throughput levels, need {cfg.min_levels}")
+    if spread < cfg.min_log_spread:
+        # One operating point identifies no curve: skip the fit (the steady state, so cheap).
+        return _unusable(n, f"not excited: ln(T) spread {spread:.3f} < {cfg.min_log_spread}")
+    excitation = min(1.0, spread / cfg.full_log_spread)
+    lmin = float(lat.min())
+    b_lo, b_hi = cfg.beta_bounds
+    a_lo, a_hi = cfg.ln_alpha_bounds
+    xm = x - x.mean()
+    sxx = float(xm @ xm)
+
+    def line(f: float) -> tuple[float, float, float, float]:
+        eps = f * lmin
+        y = np.log(lat - eps)
+        slope = float(xm @ (y - y.mean())) / sxx if sxx > 0 else 0.0
+        beta = min(b_hi, max(b_lo, -slope))
+        ln_alpha = min(a_hi, max(a_lo, float((y + beta * x).mean())))
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            resid = y_full - np.log(eps + np.exp(ln_alpha - beta * x))
+        sse = float(resid @ resid)
+        return (sse if math.isfinite(sse) else math.inf, ln_alpha, beta, eps)
+
+    # eps as a fraction of the smallest latency: a grid dense near 1 (a floor close to the
+    # unloaded latency is the common case), then golden-section search around the best point.
+    fracs = [0.0] + [1.0 - 10.0 ** (-3.0 * k / max(1, cfg.eps_grid - 1)) for k in range(1, cfg.eps_grid)]
+    if cfg.eps_grid > 1:
+        fracs[-1] = 0.999
+    scored = [line(f) for f in fracs]
+    k = min(range(len(scored)), key=lambda i: scored[i][0])
+    best = scored[k]
+    lo_f, hi_f = fracs[max(0, k - 1)], fracs[min(len(fracs) - 1, k + 1)]
+    g = (math.sqrt(5) - 1) / 2
+    c, d = hi_f - g * (hi_f - lo_f), lo_f + g * (hi_f - lo_f)
+    fc, fd = line(c), line(d)
+    for _ in range(24):
+        if fc[0] < fd[0]:
+            hi_f, d, fd = d, c, fc
+            c = hi_f - g * (hi_f - lo_f)
+            fc = line(c)
+        else:
+            lo_f, c, fc = c, d, fd
+            d = lo_f + g * (hi_f - lo_f)
+            fd = line(d)
+    for cand in (fc, fd):
+        if cand[0] < best[0]:
+            best = cand
+    if not math.isfinite(best[0]):
+        return _unusable(n, "no finite fit")
+    sse, ln_alpha, beta, eps = best
+    yc = y_full - y_full.mean()
+    sst = float(yc @ yc)
+    r2 = max(0.0, min(1.0, 1.0 - sse / sst)) if sst > 1e-12 else 0.0
+    confidence = r2 * excitation
+    reason = ""
+    if confidence < cfg.min_confidence:
+        reason = f"confidence {confidence:.2f} < {cfg.min_confidence} (r2 {r2:.2f})"
+    return PowerLawFit(math.exp(ln_alpha), beta, eps, r2, excitation, confidence, n, not reason, reason)
+
+
+def queue_latency(baseline_s: float, rho: float) -> float:
+    """The queueing model ``L0 / (1 - rho)``; inf at or past saturation."""
+    return baseline_s / (1.0 - rho) if rho < 1.0 else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class ShardCurve:
+    """What predicts one shard's tail latency at a candidate weight ``w``.
+
+    ``weight_eff`` is the weight that produced the observed load. With ``fits`` (one per
+    worker that has a usable fit, with that worker's observed tokens/s), a worker's throughput
+    at ``w`` is ``tokens * w / weight_eff``. Without, the queueing model: ``rho(w) = rho *
+    w / weight_eff`` and ``L = baseline / (1 - rho(w))``.
+    """
+
+    weight_eff: float
+    rho: float
+    baseline_s: float
+    fits: tuple[tuple[PowerLawFit, float], ...] = ()
+
+    def predict(self, weight: float) -> float:
+        k = weight / self.weight_eff
+        if self.fits:
+            return max(f.predict(tok * k) for f, tok in self.fits)
+        return queue_latency(self.baseline_s, self.rho * k)
+
+    def max_weight(self, level: float) -> float:
+        """The largest weight whose predicted latency is at most ``level``."""
+        if self.fits:
+            w = math.inf
+            for f, tok in self.fits:
+                cap = f.max_throughput(level)
+                if tok > 0:
+                    w = min(w, cap * self.weight_eff / tok)
+            return w
+        if level <= self.baseline_s or self.rho <= 0:
+            return math.inf if self.rho <= 0 else 0.0
+        return self.weight_eff * (1.0 - self.baseline_s / level) / self.rho
+
+
+def plan_split(curves: Sequence[ShardCurve], pool: float, floor: float) -> _F:
+    """Weights (floats, each >= ``floor``, summing to ``pool``) that equalise predicted tail
+    latency across ``curves``. Requires ``pool >= floor * len(curves)``."""
+    n = len(curves)
+    if n == 0:
+        return np.zeros(0)
+    spare = pool - floor * n
+
+    def alloc(level: float) -> _F:
+        return np.array(
+            [min(pool, max(floor, c.max_weight(level))) for c in curves], dtype=np.float64
+        )
+
+    lows = [c.predict(floor) for c in curves]
+    lo_level = max(1e-9, min(v for v in lows if math.isfinite(v)) if any(map(math.isfinite, lows)) else 1e-9)
+    hi_level = lo_level * 2.0
+    for _ in range(200):
+        if alloc(hi_level).sum() >= pool:
+            break
+        hi_level *= 2.0
+    w_hi = alloc(hi_level)
+    if w_hi.sum() < pool:
+        # No level reaches the pool (every shard is capped): give the remainder evenly.
+        even: _F = w_hi + (pool - w_hi.sum()) / n
+        return even
+    lo = math.log(lo_level)
+    hi = math.log(hi_level)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if alloc(math.exp(mid)).sum() >= pool:
+            hi = mid
+        else:
+            lo = mid
+    w = alloc(math.exp(hi))
+    # Scale what is above the floor so the total is exactly the pool.
+    above = w - floor
+    mass = float(above.sum())
+    if mass > 0 and spare >= 0:
+        w = floor + above * (spare / mass)
+    return w
