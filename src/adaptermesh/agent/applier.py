@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from adaptermesh import adapter_edge
 from adaptermesh import assignment_rules as rules
 from adaptermesh.agent.metrics import AgentMetrics
 from adaptermesh.agent.ports import Datapath, XdsSink
@@ -82,6 +83,7 @@ class Applier:
         started = time.perf_counter()
         try:
             rules.check_assignment(assignment)
+            adapter_edge.check_edges(assignment)
         except rules.RuleError as exc:
             return self._reject(assignment, f"rules: {exc}")
         try:

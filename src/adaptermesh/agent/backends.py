@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from adaptermesh.agent.daemon import AgentConfig
 from adaptermesh.bpf.table import DatapathCounters, FlowEvent, FlowLookup, ShardStats, ShardTable
 from adaptermesh.mesh.cache import SnapshotCache
+from adaptermesh.mesh.edge import EdgeAuthOptions
 from adaptermesh.mesh.metrics import XdsMetrics
 from adaptermesh.mesh.server import XdsServer
 from adaptermesh.mesh.snapshot import BuildOptions, ExtProcOptions, build_snapshot, cluster_name
@@ -52,6 +53,15 @@ def shard_assignment(
         return part
     del part.shards[:]
     part.shards.extend(s for s in assignment.shards if s.id == shard_id)
+    # Adapters placed on other shards are forwarded to those shards' workers: their clusters
+    # come along, without a listener of their own here.
+    placed = {p for e in assignment.adapters if shard_id not in e.shards for p in e.shards}
+    for s in assignment.shards:
+        if s.id in placed and s.id != shard_id:
+            other = part.shards.add()
+            other.CopyFrom(s)
+            other.ClearField("service_address")
+            other.ClearField("service_port")
     # Pins and overrides steer the classifier, not Envoy.
     del part.pins[:]
     del part.overrides[:]
@@ -112,7 +122,9 @@ async def mesh_xds(config: AgentConfig, registry: CollectorRegistry | None = Non
     options = BuildOptions(
         route_by_body=config.route_by_body,
         ext_proc=None if config.ext_proc_port is None
-        else ExtProcOptions(max_body_bytes=config.ext_proc_max_body_bytes))
+        else ExtProcOptions(max_body_bytes=config.ext_proc_max_body_bytes),
+        edge_auth=None if config.edge_jwks is None or config.edge_issuer is None
+        else EdgeAuthOptions(config.edge_issuer, config.edge_jwks, config.edge_audiences))
     cache = SnapshotCache(node_key=_node_key_for(config.xds_group), metrics=metrics,
                           options=options)
     server = XdsServer(cache, host=config.xds_host, port=config.xds_port, metrics=metrics)

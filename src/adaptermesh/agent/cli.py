@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard listeners route by the request's model inside Envoy (json_to_metadata), "
         "without the ext_proc hop: no scoring, no GIE",
     )
+    p.add_argument("--edge-jwks", type=Path,
+                   help="JWKS file with the keys that sign callers' bearer tokens, for "
+                   "AdapterInstances with security scopes (docs/adapter-instance.md)")
+    p.add_argument("--edge-issuer", help="the tokens' issuer (iss); needed with --edge-jwks")
+    p.add_argument("--edge-audience", action="append", default=[],
+                   help="an accepted audience (aud); repeat; none: any")
     p.add_argument(
         "--base-model",
         help="the served base model's name: requests naming it get no adapter header",
@@ -124,7 +130,12 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise SystemExit("adaptermesh agent: --tls-cert and --tls-key go together")
     if args.tls_cert is not None and args.tls_ca is None:
         raise SystemExit("adaptermesh agent: --tls-cert needs --tls-ca")
+    if (args.edge_jwks is None) != (args.edge_issuer is None):
+        raise SystemExit("adaptermesh agent: --edge-jwks and --edge-issuer go together")
     return AgentConfig(
+        edge_jwks=None if args.edge_jwks is None else args.edge_jwks.read_text(),
+        edge_issuer=args.edge_issuer,
+        edge_audiences=tuple(args.edge_audience),
         node_id=args.node_id,
         control_plane=args.control_plane,
         token=token,

@@ -79,6 +79,11 @@ class AgentConfig:
     picker_scrape_interval_s: float = 1.0
     # Route by the body's model inside Envoy (json_to_metadata), without the processor hop.
     route_by_body: bool = False
+    # Bearer-token checks for adapters with scopes (mesh/edge.py): the JWT issuer and a
+    # JWKS document with the keys that sign the tokens (public keys).
+    edge_issuer: str | None = None
+    edge_jwks: str | None = None
+    edge_audiences: tuple[str, ...] = ()
 
 
 DatapathFactory = Callable[[AgentConfig], Datapath]

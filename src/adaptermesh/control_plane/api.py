@@ -21,6 +21,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 
+from adaptermesh import adapter_edge
 from adaptermesh import assignment_rules as rules
 from adaptermesh.assignment_rules import RuleError
 from adaptermesh.control_plane.policy import BUDGET
@@ -68,6 +69,12 @@ class ApiError(Exception):
 
 def _invalid(field: str, message: str) -> NoReturn:
     raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, field, message)
+
+
+def _edge_changed(store: Any, inst: control_plane_pb2.AdapterInstance) -> bool:
+    """Writing ``inst`` changes the Assignment's edges (so it publishes a new one)."""
+    old = [i for i in store.list_adapter_instances() if i.name == inst.name]
+    return adapter_edge.edge_of(inst) != (adapter_edge.edge_of(old[0]) if old else None)
 
 
 @contextmanager
@@ -217,7 +224,8 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
                     f"shard {request.id!r} still has pins {pins[:5]}: unpin them first",
                 )
             for inst in self.store.list_adapter_instances():
-                if any(r.shard_id == request.id for r in inst.routes):
+                if any(r.shard_id == request.id for r in inst.routes) or request.id in (
+                        *inst.placement.shards, *inst.placement.pinned_shards):
                     raise ApiError(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         "id",
@@ -476,6 +484,8 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             _invalid("instance.routes", f"at most {self.limits.max_routes}")
         seen: set[str] = set()
         for i, route in enumerate(inst.routes):
+            if route.path:
+                continue  # a path route (adapter_edge checks it below)
             self._require_shard(route.shard_id, f"instance.routes[{i}].shard_id")
             if route.shard_id in seen:
                 _invalid(f"instance.routes[{i}].shard_id", f"duplicate route to {route.shard_id}")
@@ -492,6 +502,13 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         for i, cidr in enumerate(inst.security.allowed_cidrs):
             normalise_cidr(cidr, f"instance.security.allowed_cidrs[{i}]")
         rules.check_labels(inst.labels, "instance.labels")
+        adapter_edge.check_instance(inst, {s.id for s in self.store.list_shards()})
+        paths = {r.path for r in inst.routes if r.path}
+        for other in self.store.list_adapter_instances():
+            taken = paths & {r.path for r in other.routes if r.path}
+            if other.name != inst.name and taken:
+                _invalid("instance.routes", f"path {sorted(taken)[0]!r} already reaches "
+                                            f"adapter instance {other.name!r}")
 
     def _instance_step(
         self, request_instance: control_plane_pb2.AdapterInstance
@@ -524,9 +541,11 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
                     if existing.name == request.instance.name:
                         return existing
                 raise AssertionError("instance vanished")
-            # Not part of the Assignment: stored, listed, and used by the policy's affinity.
+            # Its edge (paths, protocol, security, placement) is part of the Assignment.
             self.rb.mutate(
-                lambda: self.store.upsert_adapter_instance(inst, self._now()), "", publish=False
+                lambda: self.store.upsert_adapter_instance(inst, self._now()),
+                f"adapter instance {inst.name}",
+                publish=_edge_changed(self.store, inst),
             )
             return inst
         except Exception as exc:
@@ -538,10 +557,16 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         try:
             if not request.name:
                 _invalid("name", "required")
-            if not self.store.delete_adapter_instance(request.name):
+            gone = [i for i in self.store.list_adapter_instances() if i.name == request.name]
+            if not gone:
                 raise ApiError(
                     grpc.StatusCode.NOT_FOUND, "name", f"no adapter instance {request.name!r}"
                 )
+            self.rb.mutate(
+                lambda: self.store.delete_adapter_instance(request.name),
+                f"adapter instance {request.name} deleted",
+                publish=adapter_edge.edge_of(gone[0]) is not None,
+            )
             return control_plane_pb2.DeleteAdapterInstanceResponse()
         except Exception as exc:
             await self._fail(context, exc)
@@ -574,7 +599,8 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
                 if len(items) > limit:
                     _invalid(name, f"at most {limit} in one Apply, got {len(items)}")
             rules.check_reason(request.reason)
-            routing = bool(request.shards or request.pins or request.overrides)
+            routing = bool(request.shards or request.pins or request.overrides) or any(
+                _edge_changed(self.store, i) for i in request.instances)
             changes: list[str] = []
 
             def change() -> None:

@@ -22,6 +22,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from adaptermesh import adapter_edge
 from adaptermesh import assignment_rules as rules
 from adaptermesh.backoff import Backoff
 from adaptermesh.clock import Clock, SystemClock
@@ -132,14 +133,20 @@ class _Layout:
     targets: tuple[Target, ...]  # one per endpoint row
     # Stand-ins for workers the load source said nothing about: unknown, never idle.
     unknown: tuple[WorkerObservation, ...]
+    # The AdapterInstances' edge contracts (adapter_edge), for every Assignment.
+    edges: tuple[assignment_pb2.AdapterEdge, ...] = ()
 
     @classmethod
     def read(cls, store: Store) -> _Layout:
         key = store.layout_key()
         routed: dict[str, set[str]] = {}
-        for inst in store.list_adapter_instances():
-            for route in inst.routes:
-                routed.setdefault(route.shard_id, set()).add(inst.name)
+        instances = store.list_adapter_instances()
+        for inst in instances:
+            # Shard routes lie inside placement.shards (adapter_edge.check_instance); with
+            # placement and no shard routes, the placement's shards hold the adapter.
+            for shard_id in ([r.shard_id for r in inst.routes if r.shard_id]
+                             or list(inst.placement.shards)):
+                routed.setdefault(shard_id, set()).add(inst.name)
         specs = tuple(sorted(store.list_shards(), key=lambda s: s.id))
         columns = ColumnLayout(
             [s.id for s in specs],
@@ -151,7 +158,7 @@ class _Layout:
             Target(s.id, ep.address, ep.port) for s in specs for ep in s.endpoints
         )
         unknown = tuple(WorkerObservation(t.address, t.port, known=False) for t in targets)
-        return cls(key, specs, columns, targets, unknown)
+        return cls(key, specs, columns, targets, unknown, tuple(adapter_edge.edges_of(instances)))
 
 
 _AGE = attrgetter("age_s")
@@ -290,6 +297,7 @@ class Rebalancer:
         for cidr, shard_id in self.store.list_pins():
             out.pins.add(cidr=cidr, shard_id=shard_id)
         out.overrides.extend(self.store.live_overrides(now))
+        out.adapters.extend(self.layout().edges)
         return out
 
     def _validate(self, assignment: assignment_pb2.Assignment) -> None:
@@ -297,6 +305,7 @@ class Rebalancer:
         # published can be refused by all of them at once), then the policy's own budget.
         try:
             rules.check_assignment(assignment)
+            adapter_edge.check_edges(assignment)
         except rules.RuleError as exc:
             raise PublishError(str(exc)) from exc
         active = [s.id for s in assignment.shards if s.state == _ACTIVE]

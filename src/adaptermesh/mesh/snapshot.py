@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import ipaddress
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +63,15 @@ from envoy.type.matcher.v3 import metadata_pb2, string_pb2, value_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
+from adaptermesh import adapter_edge
 from adaptermesh import assignment_rules as rules
+from adaptermesh.mesh.edge import (
+    EdgeAuthOptions,
+    EdgeContext,
+    edge_filters,
+    edge_routes,
+    needs_body_model,
+)
 
 if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
     from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
@@ -181,6 +189,9 @@ class BuildOptions:
     # None: no gRPC cluster. Otherwise each worker's KServe v2 gRPC port is its HTTP port plus
     # this (1 for the usual 8000 HTTP / 8001 gRPC layout).
     grpc_port_offset: int | None = None
+    # Bearer-token verification for adapters with scopes (mesh/edge.py). None: their routes
+    # refuse every request (403 from rbac), since no token can be verified.
+    edge_auth: EdgeAuthOptions | None = None
 
 
 def cluster_name(shard_id: str) -> str:
@@ -321,6 +332,7 @@ def validate_assignment(assignment: assignment_pb2.Assignment) -> None:
                 f"shard {seen_listeners[key]!r}",
             )
         seen_listeners[key] = shard.id
+    adapter_edge.check_edges(assignment)
 
 
 def build_snapshot(
@@ -348,6 +360,8 @@ def build_snapshot(
     endpoints: list[Message] = []
     listeners: list[Message] = []
     routes: list[Message] = []
+    # The adapter edges, as bytes: part of the memo keys of listeners and routes.
+    edge_key = tuple(e.SerializeToString(deterministic=True) for e in assignment.adapters)
     for shard in assignment.shards:
         # Only EDS changes on a rebalance; the other three come from a memo of their inputs
         # (a shard of 32 adapters costs ~3 ms of route building otherwise).
@@ -364,9 +378,10 @@ def build_snapshot(
         if not shard.service_address:
             continue  # reachable only through another listener's routes, if any
         listeners.append(listener_pb2.Listener.FromString(
-            _listener_bytes(shard.id, shard.service_address, shard.service_port, opts)))
+            _listener_bytes(shard.id, shard.service_address, shard.service_port, opts,
+                            edge_key)))
         routes.append(route_pb2.RouteConfiguration.FromString(
-            _route_bytes(shard.id, serving, opts)))
+            _route_bytes(shard.id, serving, opts, edge_key)))
     snapshot = Snapshot.create(
         version if version is not None else str(assignment.version),
         {CLUSTER_TYPE: clusters, ENDPOINT_TYPE: endpoints, LISTENER_TYPE: listeners,
@@ -399,17 +414,25 @@ def _grpc_cluster_bytes(shard_id: str, labels: tuple[tuple[str, str], ...],
     return bytes(build_grpc_cluster(shard, opts).SerializeToString(deterministic=True))
 
 
+def _edges(edge_key: tuple[bytes, ...]) -> list[assignment_pb2.AdapterEdge]:
+    return [assignment_pb2.AdapterEdge.FromString(b) for b in edge_key]
+
+
 @functools.lru_cache(maxsize=4096)
-def _listener_bytes(shard_id: str, address: str, port: int, opts: BuildOptions) -> bytes:
+def _listener_bytes(shard_id: str, address: str, port: int, opts: BuildOptions,
+                    edge_key: tuple[bytes, ...] = ()) -> bytes:
     shard = assignment_pb2.Shard(id=shard_id, service_address=address, service_port=port)
-    return bytes(build_listener(shard, opts).SerializeToString(deterministic=True))
+    listener = build_listener(shard, opts, _edges(edge_key))
+    return bytes(listener.SerializeToString(deterministic=True))
 
 
 @functools.lru_cache(maxsize=4096)
-def _route_bytes(shard_id: str, adapters: tuple[str, ...], opts: BuildOptions) -> bytes:
+def _route_bytes(shard_id: str, adapters: tuple[str, ...], opts: BuildOptions,
+                 edge_key: tuple[bytes, ...] = ()) -> bytes:
     shard = assignment_pb2.Shard(id=shard_id, endpoints=[
         assignment_pb2.Endpoint(adapters=list(adapters))])
-    return bytes(build_route_configuration(shard, opts).SerializeToString(deterministic=True))
+    config = build_route_configuration(shard, opts, _edges(edge_key))
+    return bytes(config.SerializeToString(deterministic=True))
 
 
 def build_cluster(shard: assignment_pb2.Shard, opts: BuildOptions) -> cluster_pb2.Cluster:
@@ -516,8 +539,12 @@ def _adapter_list(adapters: tuple[str, ...]) -> struct_pb2.ListValue:
     return struct_pb2.ListValue(values=[struct_pb2.Value(string_value=a) for a in adapters])
 
 
-def build_listener(shard: assignment_pb2.Shard, opts: BuildOptions) -> listener_pb2.Listener:
-    """The shard's listener on its service address, routing by RDS."""
+def build_listener(
+    shard: assignment_pb2.Shard, opts: BuildOptions,
+    edges: Sequence[assignment_pb2.AdapterEdge] = (),
+) -> listener_pb2.Listener:
+    """The shard's listener on its service address, routing by RDS; with adapter edges, the
+    body's model is read and guarded routes check tokens (mesh/edge.py)."""
     name = cluster_name(shard.id)
     manager = hcm_pb2.HttpConnectionManager(
         stat_prefix=name.replace("-", "_"),
@@ -531,7 +558,8 @@ def build_listener(shard: assignment_pb2.Shard, opts: BuildOptions) -> listener_
         upgrade_configs=[hcm_pb2.HttpConnectionManager.UpgradeConfig(upgrade_type="websocket")],
         http2_protocol_options=protocol_pb2.Http2ProtocolOptions(allow_connect=True),
         http_filters=[
-            *_body_filters(opts), *_ext_proc_filters(shard.id, opts),
+            *_body_filters(opts, needs_body_model(edges)), *_ext_proc_filters(shard.id, opts),
+            *edge_filters(edges, opts.edge_auth),
             hcm_pb2.HttpFilter(name="envoy.filters.http.router",
                                typed_config=_pack(router_pb2.Router())),
         ],
@@ -559,8 +587,8 @@ BODY_METADATA_NAMESPACE = "adaptermesh.body"
 WEBSOCKET_PATH = "/v1/ws"
 
 
-def _body_filters(opts: BuildOptions) -> list[hcm_pb2.HttpFilter]:
-    if not opts.route_by_body:
+def _body_filters(opts: BuildOptions, edges_need_it: bool = False) -> list[hcm_pb2.HttpFilter]:
+    if not opts.route_by_body and not edges_need_it:
         return []
     J = json_to_metadata_pb2.JsonToMetadata
     config = J(request_rules=J.MatchRules(rules=[J.Rule(
@@ -594,13 +622,27 @@ def _ext_proc_filters(shard_id: str, opts: BuildOptions) -> list[hcm_pb2.HttpFil
 
 
 def build_route_configuration(
-    shard: assignment_pb2.Shard, opts: BuildOptions
+    shard: assignment_pb2.Shard, opts: BuildOptions,
+    edges: Sequence[assignment_pb2.AdapterEdge] = (),
 ) -> route_pb2.RouteConfiguration:
-    """Adapter-affinity routes (one per adapter a serving worker holds), then the shard."""
+    """The adapter edges' routes (mesh/edge.py), adapter-affinity routes (one per adapter a
+    serving worker holds), then the shard."""
     name = cluster_name(shard.id)
     # Draining workers are unhealthy for the load balancer, so their adapters do not count.
     adapters = sorted({a for ep in shard.endpoints if not ep.draining for a in ep.adapters})
-    routes = []
+    routes = edge_routes(edges, EdgeContext(
+        shard_id=shard.id,
+        adapter_header=opts.adapter_header,
+        auth=opts.edge_auth,
+        http_action=lambda cluster: _route_action(cluster, opts),
+        http_cluster=cluster_name,
+        grpc_cluster=None if opts.grpc_port_offset is None else grpc_cluster_name,
+        grpc_prefix=GRPC_V2_PREFIX,
+        websocket_path=WEBSOCKET_PATH,
+        ext_proc=opts.ext_proc is not None,
+        body_namespace=BODY_METADATA_NAMESPACE,
+        adapter_key=ADAPTER_METADATA_KEY,
+    )) if edges else []
     if opts.grpc_port_offset is not None:
         routes.extend(_grpc_routes(shard.id, adapters, opts))
     for adapter in adapters if opts.route_by_body else ():

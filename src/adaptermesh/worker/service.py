@@ -79,6 +79,10 @@ from adaptermesh.worker.types import (
     TokenStream,
 )
 
+# The adapter header the mesh's Envoy sets (mesh/snapshot.py BuildOptions.adapter_header); the
+# worker sits beside the mesh, not above it, so the name is repeated here.
+ADAPTER_HEADER = "x-adapter-id"
+
 __all__ = ["ApiError", "ChoiceEvent", "ServiceConfig", "WorkerService", "serve", "tenant_of"]
 
 log = logging.getLogger(__name__)
@@ -517,7 +521,10 @@ class WorkerService:
         parsed: CompletionRequest | ChatCompletionRequest = (
             _parse(CompletionRequest, body) if kind == "completion"
             else _parse(ChatCompletionRequest, body))
-        model = parsed.model or self.engine.model_name
+        # A body without a model, sent to an AdapterInstance's path: the edge names the
+        # adapter in the header (mesh/edge.py). The body's own model always wins.
+        model = (parsed.model or request.headers.get(ADAPTER_HEADER, "").strip()
+                 or self.engine.model_name)
         adapter = None if model == self.engine.model_name else model
         max_len = self.engine.max_model_len
 

@@ -122,18 +122,36 @@ class Override(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     def __init__(self, shard_id: _Optional[str] = ..., weight: _Optional[int] = ..., reason: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
+class AdapterEdge(_message.Message):
+    __slots__ = ("name", "protocol", "paths", "scopes", "tls", "shards")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    SCOPES_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    protocol: str
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    scopes: _containers.RepeatedScalarFieldContainer[str]
+    tls: bool
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., protocol: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., scopes: _Optional[_Iterable[str]] = ..., tls: _Optional[bool] = ..., shards: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class Assignment(_message.Message):
-    __slots__ = ("version", "shards", "pins", "overrides", "generated_at", "reason")
+    __slots__ = ("version", "shards", "pins", "overrides", "generated_at", "reason", "adapters")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     GENERATED_AT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     shards: _containers.RepeatedCompositeFieldContainer[Shard]
     pins: _containers.RepeatedCompositeFieldContainer[Pin]
     overrides: _containers.RepeatedCompositeFieldContainer[Override]
     generated_at: _timestamp_pb2.Timestamp
     reason: str
-    def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., generated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterEdge]
+    def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., generated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[AdapterEdge, _Mapping]]] = ...) -> None: ...

@@ -255,23 +255,39 @@ class ModelRef(_message.Message):
     def __init__(self, base_model: _Optional[str] = ..., adapter_path: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class AdapterRoute(_message.Message):
-    __slots__ = ("shard_id", "weight")
+    __slots__ = ("shard_id", "weight", "path")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     weight: int
-    def __init__(self, shard_id: _Optional[str] = ..., weight: _Optional[int] = ...) -> None: ...
+    path: str
+    def __init__(self, shard_id: _Optional[str] = ..., weight: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class AdapterSecurity(_message.Message):
-    __slots__ = ("scopes", "allowed_cidrs")
+    __slots__ = ("scopes", "allowed_cidrs", "tls")
     SCOPES_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_CIDRS_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
     scopes: _containers.RepeatedScalarFieldContainer[str]
     allowed_cidrs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, scopes: _Optional[_Iterable[str]] = ..., allowed_cidrs: _Optional[_Iterable[str]] = ...) -> None: ...
+    tls: bool
+    def __init__(self, scopes: _Optional[_Iterable[str]] = ..., allowed_cidrs: _Optional[_Iterable[str]] = ..., tls: _Optional[bool] = ...) -> None: ...
+
+class AdapterPlacement(_message.Message):
+    __slots__ = ("shards", "replicas", "preload", "pinned_shards")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PRELOAD_FIELD_NUMBER: _ClassVar[int]
+    PINNED_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    replicas: int
+    preload: bool
+    pinned_shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., replicas: _Optional[int] = ..., preload: _Optional[bool] = ..., pinned_shards: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdapterInstance(_message.Message):
-    __slots__ = ("name", "model_ref", "routes", "security", "labels", "updated_at")
+    __slots__ = ("name", "model_ref", "routes", "security", "labels", "updated_at", "protocol", "placement")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -285,13 +301,17 @@ class AdapterInstance(_message.Message):
     SECURITY_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_ref: ModelRef
     routes: _containers.RepeatedCompositeFieldContainer[AdapterRoute]
     security: AdapterSecurity
     labels: _containers.ScalarMap[str, str]
     updated_at: _timestamp_pb2.Timestamp
-    def __init__(self, name: _Optional[str] = ..., model_ref: _Optional[_Union[ModelRef, _Mapping]] = ..., routes: _Optional[_Iterable[_Union[AdapterRoute, _Mapping]]] = ..., security: _Optional[_Union[AdapterSecurity, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    protocol: str
+    placement: AdapterPlacement
+    def __init__(self, name: _Optional[str] = ..., model_ref: _Optional[_Union[ModelRef, _Mapping]] = ..., routes: _Optional[_Iterable[_Union[AdapterRoute, _Mapping]]] = ..., security: _Optional[_Union[AdapterSecurity, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., protocol: _Optional[str] = ..., placement: _Optional[_Union[AdapterPlacement, _Mapping]] = ...) -> None: ...
 
 class UpsertAdapterInstanceRequest(_message.Message):
     __slots__ = ("instance",)
