@@ -15,7 +15,7 @@ def test_generated_modules_are_fresh(tmp_path: Path) -> None:
     for fresh in written:
         current = committed / fresh.name
         assert current.exists(), f"{current.name} is missing: run `make proto`"
-        assert current.read_text() == fresh.read_text(), (
+        assert current.read_bytes() == fresh.read_bytes(), (
             f"{current.name} is stale: run `make proto` and commit the result"
         )
 

@@ -14,7 +14,13 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from adaptermesh.assignment_rules import MAX_ADAPTER_NAME, MAX_SHARDS, RuleError
+from adaptermesh.assignment_rules import (
+    MAX_ADAPTER_NAME,
+    MAX_ALLOWED_CIDRS,
+    MAX_SHARDS,
+    RuleError,
+    normalise_cidr,
+)
 
 if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
     from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
@@ -173,9 +179,10 @@ def edge_of(inst: control_plane_pb2.AdapterInstance) -> assignment_pb2.AdapterEd
         scopes=list(inst.security.scopes),
         tls=inst.security.tls,
         shards=list(inst.placement.shards),
+        allowed_cidrs=[normalise_cidr(c) for c in inst.security.allowed_cidrs],
     )
     if (edge.protocol == HTTP_JSON and not edge.paths and not edge.scopes and not edge.tls
-            and not edge.shards):
+            and not edge.shards and not edge.allowed_cidrs):
         return None
     return edge
 
@@ -189,8 +196,8 @@ def edges_of(
 
 
 def guarded(edge: assignment_pb2.AdapterEdge) -> bool:
-    """Requests for the adapter need a token (scopes) or TLS."""
-    return bool(edge.scopes) or edge.tls
+    """Requests for the adapter need a token (scopes), TLS or an allowed source."""
+    return bool(edge.scopes) or edge.tls or bool(edge.allowed_cidrs)
 
 
 def check_edges(assignment: assignment_pb2.Assignment) -> None:
@@ -220,3 +227,7 @@ def check_edges(assignment: assignment_pb2.Assignment) -> None:
             owners[path] = edge.name
         _check_scopes(edge.scopes, f"{field}.scopes")
         _check_shard_list(edge.shards, shard_ids, f"{field}.shards")
+        if len(edge.allowed_cidrs) > MAX_ALLOWED_CIDRS:
+            raise RuleError(f"{field}.allowed_cidrs", f"at most {MAX_ALLOWED_CIDRS}")
+        for j, cidr in enumerate(edge.allowed_cidrs):
+            normalise_cidr(cidr, f"{field}.allowed_cidrs[{j}]")

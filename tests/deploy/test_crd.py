@@ -93,7 +93,9 @@ def test_schema_is_structural() -> None:
 
 
 @pytest.mark.parametrize(
-    "path", sorted(EXAMPLES_DIR.glob("adapterinstance-*.yaml")), ids=lambda p: p.stem
+    "path",
+    [*sorted(EXAMPLES_DIR.glob("adapterinstance-*.yaml")), EXAMPLES_DIR / "credit-risk-v2.yaml"],
+    ids=lambda p: p.stem,
 )
 def test_examples_are_valid(path: Any) -> None:
     doc = yaml.safe_load(path.read_text())
@@ -134,7 +136,11 @@ BAD_DOCUMENTS = [
     ("no base model", _without(["spec", "modelRef", "baseModel"])),
     ("no adapter path", _without(["spec", "adapter", "path"])),
     ("empty base model", _set(["spec", "modelRef", "baseModel"], "")),
-    ("route without shard", _without(["spec", "routes", 0, "shard"])),
+    ("route without shard or path", _without(["spec", "routes", 0, "shard"])),
+    ("unknown protocol", _set(["spec", "protocol"], "soap")),
+    ("path without its slash", _set(["spec", "routes", 0], {"path": "v1/evaluate"})),
+    ("tls as string", _set(["spec", "security", "tls"], "yes")),
+    ("uppercase placement shard", _set(["spec", "placement", "shards"], ["Shard-B"])),
     ("zero weight", _set(["spec", "routes", 0, "weight"], 0)),
     ("weight as string", _set(["spec", "routes", 0, "weight"], "3")),
     ("CIDR without prefix", _set(["spec", "routes", 0, "tenantCIDRs"], ["10.20.0.0"])),

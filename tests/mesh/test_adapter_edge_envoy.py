@@ -132,6 +132,9 @@ def edge_assignment(ports: dict[str, int], workers: dict[str, Worker]) -> ap.Ass
                        scopes=SCOPES, shards=["s1"]),
         ap.AdapterEdge(name="tls-only", protocol="http-json", paths=["/v1/tls-only"], tls=True),
         ap.AdapterEdge(name="open-adapter", protocol="http-json", paths=["/v1/open"]),
+        ap.AdapterEdge(name="elsewhere-only", paths=["/v1/elsewhere"],
+                       allowed_cidrs=["10.99.0.0/16", "192.0.2.0/24"]),
+        ap.AdapterEdge(name="loopback-only", paths=["/v1/loopback"], allowed_cidrs=["127.0.0.0/8"]),
     ])
 
 
@@ -249,3 +252,10 @@ def test_open_adapters_and_the_base_model_need_no_token(edge: Edge) -> None:
     r = httpx.post(edge.url("s0", "/v1/completions"), json=BODY, timeout=10)
     assert r.status_code == 200
     assert r.json()["backend"] == "s0"
+
+
+def test_allowed_sources_are_checked(edge: Edge) -> None:
+    r = _refused(edge, 403, "POST", edge.url("s0", "/v1/elsewhere"), json=BODY)
+    assert "RBAC" in r.text
+    r = httpx.post(edge.url("s0", "/v1/loopback"), json=BODY, timeout=10)
+    assert r.json() == {"backend": "s0", "path": "/v1/completions", "adapter": "loopback-only"}

@@ -213,11 +213,19 @@ def _instance_doc(i: control_plane_pb2.AdapterInstance) -> dict[str, Any]:
     if i.labels:
         meta["labels"] = dict(i.labels)
     spec: dict[str, Any] = {"modelRef": MessageToDict(i.model_ref)}
-    spec["routes"] = [{"shard": r.shard_id} | ({"weight": r.weight} if r.weight else {})
+    if i.protocol:
+        spec["protocol"] = i.protocol
+    spec["routes"] = [{"path": r.path} if r.path else
+                      {"shard": r.shard_id} | ({"weight": r.weight} if r.weight else {})
                       for r in i.routes]
     sec = MessageToDict(i.security)
     if sec:
         spec["security"] = {"scopes": sec.get("scopes", []), "allowedCIDRs": sec.get("allowedCidrs", [])}
+        if i.security.tls:
+            spec["security"]["tls"] = True
+    place = MessageToDict(i.placement)
+    if place:
+        spec["placement"] = place
     return {"kind": "AdapterInstance", "metadata": meta, "spec": spec}
 
 
@@ -341,33 +349,69 @@ def _shard_from_doc(doc: dict[str, Any], where: str) -> assignment_pb2.Shard:
 
 
 def _instance_from_doc(doc: dict[str, Any], where: str) -> control_plane_pb2.AdapterInstance:
+    """An AdapterInstance document in the CRD's shape (deploy/crds/) or adapterctl's own
+    (``modelRef.adapterPath``); a route's ``tenantCIDRs`` become pins (see ``_tenant_pins``)."""
     _map(doc, where, _TOP)
-    meta = _map(doc.get("metadata"), f"{where}.metadata", ("name", "labels"))
-    spec = _map(doc.get("spec"), f"{where}.spec", ("modelRef", "routes", "security"))
-    i = control_plane_pb2.AdapterInstance(
-        name=_str(_need(meta, "name", f"{where}.metadata"), f"{where}.metadata.name"))
+    meta = _map(doc.get("metadata"), f"{where}.metadata", ("name", "namespace", "labels"))
+    spec = _map(doc.get("spec"), f"{where}.spec",
+                ("modelRef", "adapter", "protocol", "routes", "security", "placement"))
+    adapter = _map(spec.get("adapter"), f"{where}.spec.adapter", ("name", "path"))
+    name = adapter.get("name") or _need(meta, "name", f"{where}.metadata")
+    i = control_plane_pb2.AdapterInstance(name=_str(name, f"{where}.metadata.name"))
     i.labels.update(_labels(meta, f"{where}.metadata"))
     rw = f"{where}.spec.modelRef"
     ref = _map(_need(spec, "modelRef", f"{where}.spec"), rw, ("baseModel", "adapterPath", "revision"))
     i.model_ref.base_model = _str(_need(ref, "baseModel", rw), f"{rw}.baseModel")
-    i.model_ref.adapter_path = _str(ref.get("adapterPath", ""), f"{rw}.adapterPath")
+    if "path" in adapter and "adapterPath" in ref:
+        raise ValueError(f"{where}.spec.adapter.path: give it there or in modelRef.adapterPath, "
+                         "not both")
+    i.model_ref.adapter_path = _str(adapter.get("path", ref.get("adapterPath", "")),
+                                    f"{rw}.adapterPath")
     i.model_ref.revision = _str(ref.get("revision", ""), f"{rw}.revision")
+    i.protocol = _str(spec.get("protocol", ""), f"{where}.spec.protocol")
     for n, route in enumerate(_list(spec.get("routes"), f"{where}.spec.routes")):
         rtw = f"{where}.spec.routes[{n}]"
-        route = _map(route, rtw, ("shard", "weight"))
+        route = _map(route, rtw, ("shard", "weight", "tenantCIDRs", "path"))
+        if "path" in route:
+            if set(route) != {"path"}:
+                raise ValueError(f"{rtw}: a path route has only a path")
+            i.routes.add(path=_str(route["path"], f"{rtw}.path"))
+            continue
         w = route.get("weight", 0)
         i.routes.add(
             shard_id=_str(_need(route, "shard", rtw), f"{rtw}.shard"),
             weight=parse_weight(w, f"{rtw}.weight") if w else 0,
         )
+    pw = f"{where}.spec.placement"
+    place = _map(spec.get("placement"), pw, ("shards", "replicas", "preload", "pinnedShards"))
+    i.placement.shards.extend(_str(x, f"{pw}.shards[{k}]")
+                              for k, x in enumerate(_list(place.get("shards"), f"{pw}.shards")))
+    i.placement.pinned_shards.extend(
+        _str(x, f"{pw}.pinnedShards[{k}]")
+        for k, x in enumerate(_list(place.get("pinnedShards"), f"{pw}.pinnedShards")))
+    i.placement.replicas = _int(place.get("replicas", 0), f"{pw}.replicas")
+    i.placement.preload = _bool(place.get("preload", False), f"{pw}.preload")
     sw = f"{where}.spec.security"
-    sec = _map(spec.get("security"), sw, ("scopes", "allowedCIDRs"))
+    sec = _map(spec.get("security"), sw, ("scopes", "allowedCIDRs", "tls"))
+    i.security.tls = _bool(sec.get("tls", False), f"{sw}.tls")
     i.security.scopes.extend(_str(x, f"{sw}.scopes[{k}]")
                              for k, x in enumerate(_list(sec.get("scopes"), f"{sw}.scopes")))
     i.security.allowed_cidrs.extend(
         _str(x, f"{sw}.allowedCIDRs[{k}]")
         for k, x in enumerate(_list(sec.get("allowedCIDRs"), f"{sw}.allowedCIDRs")))
     return i
+
+
+def _tenant_pins(doc: dict[str, Any], where: str) -> list[assignment_pb2.Pin]:
+    """The pins an AdapterInstance's routes ask for (``routes[].tenantCIDRs``)."""
+    pins = []
+    spec = doc.get("spec") or {}
+    for n, route in enumerate(_list(spec.get("routes"), f"{where}.spec.routes")):
+        rtw = f"{where}.spec.routes[{n}]"
+        for k, cidr in enumerate(_list(route.get("tenantCIDRs"), f"{rtw}.tenantCIDRs")):
+            pins.append(assignment_pb2.Pin(cidr=_str(cidr, f"{rtw}.tenantCIDRs[{k}]"),
+                                           shard_id=_str(route["shard"], f"{rtw}.shard")))
+    return pins
 
 
 @dataclass
@@ -445,20 +489,14 @@ def _plan(c: Ctx, docs: list[tuple[str, dict[str, Any]]]) -> list[_Change]:
             verb = "create" if old_i is None else "update" if lines else "unchanged"
             changes.append(_Change(kind, i.name, verb, "; ".join(lines),
                                    None if verb == "unchanged" else _adder("instances", i)))
+            # Pins go after the instances in the server's transaction (ApplyRequest order).
+            changes += [_pin_change(pins, p.cidr, p.shard_id) for p in _tenant_pins(doc, where)]
         elif kind == "Pin":
             _map(doc, where, _TOP)
             spec = _map(doc.get("spec"), f"{where}.spec", ("cidr", "shard"))
             cidr = _str(_need(spec, "cidr", f"{where}.spec"), f"{where}.spec.cidr")
             shard_id = _str(_need(spec, "shard", f"{where}.spec"), f"{where}.spec.shard")
-            current = pins.get(cidr)
-            pin = assignment_pb2.Pin(cidr=cidr, shard_id=shard_id)
-            if current is None:
-                changes.append(_Change(kind, cidr, "create", f"-> {shard_id}", _adder("pins", pin)))
-            elif current == shard_id:
-                changes.append(_Change(kind, cidr, "unchanged", "", None))
-            else:
-                changes.append(_Change(kind, cidr, "update", f"shard: {current} -> {shard_id}",
-                                       _adder("pins", pin)))
+            changes.append(_pin_change(pins, cidr, shard_id))
         else:
             _map(doc, where, _TOP)
             sw = f"{where}.spec"
@@ -479,6 +517,16 @@ def _plan(c: Ctx, docs: list[tuple[str, dict[str, Any]]]) -> list[_Change]:
                 changes.append(_Change(kind, shard_id, "update" if old_o else "create", detail,
                                        _adder("overrides", req_o)))
     return changes
+
+
+def _pin_change(pins: dict[str, str], cidr: str, shard_id: str) -> _Change:
+    current = pins.get(cidr)
+    pin = assignment_pb2.Pin(cidr=cidr, shard_id=shard_id)
+    if current is None:
+        return _Change("Pin", cidr, "create", f"-> {shard_id}", _adder("pins", pin))
+    if current == shard_id:
+        return _Change("Pin", cidr, "unchanged", "", None)
+    return _Change("Pin", cidr, "update", f"shard: {current} -> {shard_id}", _adder("pins", pin))
 
 
 def _adder(field: str, item: Any) -> Callable[[control_plane_pb2.ApplyRequest], None]:

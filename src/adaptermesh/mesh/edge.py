@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from envoy.config.core.v3 import base_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2
 from envoy.config.rbac.v3 import rbac_pb2 as rbac_config_pb2
 from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
@@ -41,6 +41,7 @@ from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
 from adaptermesh import adapter_edge
+from adaptermesh.mesh.transcoder import transcoder_filter
 
 if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
     from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
@@ -52,6 +53,8 @@ __all__ = [
     "EdgeContext",
     "edge_filters",
     "edge_routes",
+    "front_filters",
+    "grpc_json_paths",
     "needs_body_model",
 ]
 
@@ -114,14 +117,27 @@ def needs_body_model(edges: Sequence[assignment_pb2.AdapterEdge]) -> bool:
     return any(adapter_edge.guarded(e) or e.shards for e in edges)
 
 
+def grpc_json_paths(edges: Sequence[assignment_pb2.AdapterEdge]) -> tuple[str, ...]:
+    return tuple(sorted(p for e in edges if e.protocol == adapter_edge.GRPC_JSON
+                        for p in e.paths))
+
+
+def front_filters(edges: Sequence[assignment_pb2.AdapterEdge],
+                  grpc: bool) -> list[hcm_pb2.HttpFilter]:
+    """Filters that go first: the gRPC-JSON transcoder when a grpc-json adapter has paths
+    and the mesh serves gRPC (without gRPC, those paths answer 503)."""
+    paths = grpc_json_paths(edges)
+    return [transcoder_filter(paths)] if paths and grpc else []
+
+
 def edge_filters(edges: Sequence[assignment_pb2.AdapterEdge],
                  auth: EdgeAuthOptions | None) -> list[hcm_pb2.HttpFilter]:
     """jwt_authn and rbac, placed after the filters that may change the route (body, ext_proc)
     and before the router; both act only where a route's per-route config asks them to."""
-    if not any(e.scopes for e in edges):
+    if not any(e.scopes or e.allowed_cidrs for e in edges):
         return []
     filters = []
-    if auth is not None:
+    if auth is not None and any(e.scopes for e in edges):
         provider = jwt_pb2.JwtProvider(
             issuer=auth.issuer,
             audiences=list(auth.audiences),
@@ -149,17 +165,29 @@ def _scope_matcher(scope: str) -> rbac_config_pb2.Principal:
     ))
 
 
+def _source_matcher(cidrs: Sequence[str]) -> rbac_config_pb2.Principal:
+    ranges = []
+    for cidr in cidrs:
+        address, _, prefix = cidr.partition("/")
+        ranges.append(rbac_config_pb2.Principal(direct_remote_ip=address_pb2.CidrRange(
+            address_prefix=address, prefix_len={"value": int(prefix)})))
+    return rbac_config_pb2.Principal(or_ids=rbac_config_pb2.Principal.Set(ids=ranges))
+
+
 def _guard(edge: assignment_pb2.AdapterEdge, ctx: EdgeContext) -> dict[str, any_pb2.Any]:
-    """Per-route configs: ext_proc off (the adapter is decided), the token and its scopes."""
+    """Per-route configs: ext_proc off (the adapter is decided), the token and its scopes,
+    the allowed sources (the client's own address: the classifier steers without NAT)."""
     out: dict[str, any_pb2.Any] = {}
     if ctx.ext_proc:
         out[_EXT_PROC] = _pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))
-    if not edge.scopes:
+    if not edge.scopes and not edge.allowed_cidrs:
         return out
-    if ctx.auth is not None:
+    if edge.scopes and ctx.auth is not None:
         out[JWT_FILTER] = _pack(jwt_pb2.PerRouteConfig(requirement_name=_PROVIDER))
-    principal = rbac_config_pb2.Principal(and_ids=rbac_config_pb2.Principal.Set(
-        ids=[_scope_matcher(s) for s in edge.scopes]))
+    ids = [_scope_matcher(s) for s in edge.scopes]
+    if edge.allowed_cidrs:
+        ids.append(_source_matcher(edge.allowed_cidrs))
+    principal = rbac_config_pb2.Principal(and_ids=rbac_config_pb2.Principal.Set(ids=ids))
     policy = rbac_config_pb2.Policy(
         permissions=[rbac_config_pb2.Permission(any=True)], principals=[principal])
     out[RBAC_FILTER] = _pack(rbac_pb2.RBACPerRoute(rbac=rbac_pb2.RBAC(rules=rbac_config_pb2.RBAC(
@@ -243,7 +271,10 @@ def edge_routes(edges: Sequence[assignment_pb2.AdapterEdge],
                     action.prefix_rewrite = ctx.grpc_prefix
                 routes += _routes_for(edge, f"path:{path}", RM(prefix=path), action, ctx, True)
             elif edge.protocol == adapter_edge.GRPC_JSON:
-                routes += _routes_for(edge, f"path:{path}", RM(path=path), None, ctx, True)
+                # The transcoder has already made it a ModelInfer call on this route.
+                action = (None if ctx.grpc_cluster is None
+                          else _action(edge, ctx, ctx.grpc_cluster))
+                routes += _routes_for(edge, f"path:{path}", RM(path=path), action, ctx, True)
             else:
                 action = _action(edge, ctx, ctx.http_cluster)
                 action.prefix_rewrite = COMPLETIONS_PATH

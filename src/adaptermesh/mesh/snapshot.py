@@ -70,6 +70,7 @@ from adaptermesh.mesh.edge import (
     EdgeContext,
     edge_filters,
     edge_routes,
+    front_filters,
     needs_body_model,
 )
 
@@ -558,6 +559,7 @@ def build_listener(
         upgrade_configs=[hcm_pb2.HttpConnectionManager.UpgradeConfig(upgrade_type="websocket")],
         http2_protocol_options=protocol_pb2.Http2ProtocolOptions(allow_connect=True),
         http_filters=[
+            *front_filters(edges, opts.grpc_port_offset is not None),
             *_body_filters(opts, needs_body_model(edges)), *_ext_proc_filters(shard.id, opts),
             *edge_filters(edges, opts.edge_auth),
             hcm_pb2.HttpFilter(name="envoy.filters.http.router",

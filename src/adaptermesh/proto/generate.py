@@ -21,10 +21,11 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["PROTO_ROOT", "generate", "main"]
+__all__ = ["DESCRIPTOR_SET", "PROTO_ROOT", "generate", "main"]
 
 PROTO_ROOT = Path(str(resources.files("adaptermesh.proto")))
 _PKG_DIR = Path("adaptermesh") / "v1"
+DESCRIPTOR_SET = "open_inference.desc"
 _IMPORT_RE = re.compile(r"^from adaptermesh\.v1 import", re.MULTILINE)
 # Generated modules whose descriptors go into their own pool rather than the default one.
 _PRIVATE_POOL = frozenset({"open_inference_pb2.py"})
@@ -54,8 +55,21 @@ def generate(out_dir: Path) -> list[Path]:
         ]
         if protoc.main(args) != 0:
             raise RuntimeError("protoc failed: " + " ".join(args))
+        # The KServe v2 service's descriptor set, for Envoy's gRPC-JSON transcoder
+        # (mesh/transcoder.py adds each grpc-json AdapterInstance path to it).
+        desc = Path(tmp) / _PKG_DIR / DESCRIPTOR_SET
+        v2 = [
+            "protoc", f"-I{PROTO_ROOT}", f"-I{include}", "--include_imports",
+            f"--descriptor_set_out={desc}", str(_PKG_DIR / "open_inference.proto"),
+        ]
+        if protoc.main(v2) != 0:
+            raise RuntimeError("protoc failed: " + " ".join(v2))
         written = []
         for src in sorted((Path(tmp) / _PKG_DIR).iterdir()):
+            if src.name == DESCRIPTOR_SET:
+                (out_dir / src.name).write_bytes(src.read_bytes())
+                written.append(out_dir / src.name)
+                continue
             text = _IMPORT_RE.sub("from adaptermesh.proto.adaptermesh.v1 import", src.read_text())
             if src.name in _PRIVATE_POOL:
                 if _DEFAULT_POOL not in text:

@@ -43,7 +43,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from adaptermesh.proto.adaptermesh.v1 import open_inference_pb2 as pb
 from adaptermesh.proto.adaptermesh.v1 import open_inference_pb2_grpc as pb_grpc
-from adaptermesh.worker.service import ApiError, WorkerService
+from adaptermesh.worker.service import ADAPTER_HEADER, ApiError, WorkerService
 
 __all__ = [
     "INPUT_NAME",
@@ -407,26 +407,35 @@ class GrpcV2Servicer(pb_grpc.GRPCInferenceServiceServicer):
     def _parse(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> _Parsed:
-        if not request.model_name:
+        headers = _metadata(context)
+        # The adapter the edge routed (and checked the caller's scopes for) by path or header
+        # (mesh/edge.py): it names the model when the message does not, and a message may not
+        # name another one, which the edge never checked.
+        routed = headers.get(ADAPTER_HEADER, "").strip()
+        model = request.model_name or routed
+        if not model:
             raise _invalid("model_name", "is required (the base model or an adapter)")
+        if routed and model != routed:
+            raise _Failure(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"model_name: {model!r} is not the adapter this call was routed for "
+                f"({ADAPTER_HEADER}: {routed!r})",
+            )
         if request.model_version not in _VERSIONS:
             raise _Failure(
                 grpc.StatusCode.NOT_FOUND,
-                f"model_version: model {request.model_name!r} has only version 1",
+                f"model_version: model {model!r} has only version 1",
             )
         body, empty_final, timeout = _sampling(request.parameters)
-        body["model"] = request.model_name
+        body["model"] = model
         body["prompt"] = _prompt(request)
         outputs = _outputs(request)
-        headers = _metadata(context)
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = remaining if timeout is None else min(timeout, remaining)
         if timeout is not None:
             headers["x-request-timeout"] = repr(max(timeout, 1e-3))
-        return _Parsed(
-            request.model_name, body, outputs, empty_final, headers, _peer_host(context.peer())
-        )
+        return _Parsed(model, body, outputs, empty_final, headers, _peer_host(context.peer()))
 
     async def _job(self, parsed: _Parsed) -> Any:
         # An adapter not loaded yet is resolved under the adapter root, as over HTTP.

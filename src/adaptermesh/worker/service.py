@@ -83,7 +83,7 @@ from adaptermesh.worker.types import (
 # worker sits beside the mesh, not above it, so the name is repeated here.
 ADAPTER_HEADER = "x-adapter-id"
 
-__all__ = ["ApiError", "ChoiceEvent", "ServiceConfig", "WorkerService", "serve", "tenant_of"]
+__all__ = ["ADAPTER_HEADER", "ApiError", "ChoiceEvent", "ServiceConfig", "WorkerService", "serve", "tenant_of"]
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from aiohttp import WebSocketError, WSCloseCode, WSMsgType, web
 
-from adaptermesh.worker.service import ApiError, WorkerService
+from adaptermesh.worker.service import ADAPTER_HEADER, ApiError, WorkerService
 
 __all__ = ["WS_PATH", "WebSocketLimits", "WebSocketRoute", "mount_websocket"]
 
@@ -379,6 +379,14 @@ class _Session:
         request_id: str | None = None
         model: str | None = None
         try:
+            # The edge checked the caller for the adapter in the upgrade's header (mesh/edge.py)
+            # and never reads the messages: a message may not name another model.
+            routed = self.request.headers.get(ADAPTER_HEADER, "").strip()
+            named = body.get("model")
+            if routed and named is not None and named != routed:
+                raise ApiError(403, f"model: {named!r} is not the adapter this socket was "
+                                    f"routed for ({ADAPTER_HEADER}: {routed!r})",
+                               type="permission_error", param="model", code="adapter_mismatch")
             job = await self.service.build_job(self.request, body, kind)
             request_id, model = job.request_id, job.model
             reasons: list[str | None] = [None] * job.n

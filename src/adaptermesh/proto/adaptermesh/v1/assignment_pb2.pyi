@@ -123,20 +123,22 @@ class Override(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., weight: _Optional[int] = ..., reason: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class AdapterEdge(_message.Message):
-    __slots__ = ("name", "protocol", "paths", "scopes", "tls", "shards")
+    __slots__ = ("name", "protocol", "paths", "scopes", "tls", "shards", "allowed_cidrs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     PATHS_FIELD_NUMBER: _ClassVar[int]
     SCOPES_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_CIDRS_FIELD_NUMBER: _ClassVar[int]
     name: str
     protocol: str
     paths: _containers.RepeatedScalarFieldContainer[str]
     scopes: _containers.RepeatedScalarFieldContainer[str]
     tls: bool
     shards: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., protocol: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., scopes: _Optional[_Iterable[str]] = ..., tls: _Optional[bool] = ..., shards: _Optional[_Iterable[str]] = ...) -> None: ...
+    allowed_cidrs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., protocol: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., scopes: _Optional[_Iterable[str]] = ..., tls: _Optional[bool] = ..., shards: _Optional[_Iterable[str]] = ..., allowed_cidrs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("version", "shards", "pins", "overrides", "generated_at", "reason", "adapters")
