@@ -56,6 +56,10 @@ def shard_assignment(
     # Adapters placed on other shards are forwarded to those shards' workers: their clusters
     # come along, without a listener of their own here.
     placed = {p for e in assignment.adapters if shard_id not in e.shards for p in e.shards}
+    for edge in part.adapters:
+        if shard_id in edge.shards:  # served here: this listener needs no other holder
+            del edge.shards[:]
+            edge.shards.append(shard_id)
     for s in assignment.shards:
         if s.id in placed and s.id != shard_id:
             other = part.shards.add()

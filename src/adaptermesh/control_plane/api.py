@@ -74,7 +74,11 @@ def _invalid(field: str, message: str) -> NoReturn:
 def _edge_changed(store: Any, inst: control_plane_pb2.AdapterInstance) -> bool:
     """Writing ``inst`` changes the Assignment's edges (so it publishes a new one)."""
     old = [i for i in store.list_adapter_instances() if i.name == inst.name]
-    return adapter_edge.edge_of(inst) != (adapter_edge.edge_of(old[0]) if old else None)
+    try:
+        edge = adapter_edge.edge_of(inst)
+    except RuleError:
+        return True  # not valid yet: the write's own checks refuse it, naming the field
+    return edge != (adapter_edge.edge_of(old[0]) if old else None)
 
 
 @contextmanager
