@@ -81,7 +81,8 @@ def test_any_path_is_accepted_or_refused_naming_the_field(path: str, protocol: s
     try:
         adapter_edge.check_path(path, protocol, "routes[0].path")
     except RuleError as exc:
-        assert exc.field == "routes[0].path"
+        field = exc.field
+        assert field == "routes[0].path"
     else:
         assert path.startswith("/")
         assert "//" not in path
@@ -116,7 +117,8 @@ def test_hostile_edges_are_refused_naming_the_field(edge: ap.AdapterEdge) -> Non
     try:
         adapter_edge.check_edges(_assignment(edge))
     except RuleError as exc:
-        assert exc.field.startswith("adapters[0].")
+        field = exc.field
+        assert field.startswith("adapters[0].")
     else:
         build_snapshot(_assignment(edge), options=OPTIONS)
 

@@ -3,20 +3,17 @@ another shard, and every security rule (401 without or with a bad token, 403 wit
 scope, 403 in plaintext for a TLS adapter, 403 for unnamed gRPC and WebSocket requests while
 an adapter is guarded), each proven to leave the workers untouched.
 
-Tokens are HS256 JWTs signed here with the standard library; Envoy verifies them with the
-JWKS given in ``BuildOptions.edge_auth``.
+Tokens are HS256 JWTs (tests/edge_tokens.py); Envoy verifies them with the JWKS given in
+``BuildOptions.edge_auth``.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import hashlib
-import hmac
 import json
+import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -28,39 +25,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import TEST_OPTIONS
+from edge_tokens import ISSUER, JWKS, OTHER_KEY, bearer, token
 from mesh_support import LOOPBACK, free_port, wait_until
 
 from adaptermesh.mesh.bootstrap import EnvoyProcess, build_bootstrap
 from adaptermesh.mesh.cache import SnapshotCache
-from adaptermesh.mesh.edge import EdgeAuthOptions
+from adaptermesh.mesh.edge import EdgeAuthOptions, EdgeTlsOptions
 from adaptermesh.mesh.server import XdsServer
 from adaptermesh.proto import assignment_pb2 as ap
 
-ISSUER = "https://issuer.adaptermesh.test"
-KEY = b"k" * 32
-OTHER_KEY = b"o" * 32
 ADAPTER = "credit-risk-v2"
 SCOPES = ["risk:evaluate", "tenant-acme"]
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-JWKS = json.dumps({"keys": [{"kty": "oct", "alg": "HS256", "kid": "k1", "k": _b64(KEY)}]})
-
-
-def token(scope: str, *, key: bytes = KEY, iss: str = ISSUER, exp_in: float = 600) -> str:
-    header = _b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": "k1"}).encode())
-    claims = {"iss": ISSUER if iss is None else iss, "sub": "client-1", "scope": scope,
-              "exp": int(time.time() + exp_in)}
-    payload = _b64(json.dumps(claims).encode())
-    signed = f"{header}.{payload}".encode()
-    return f"{header}.{payload}.{_b64(hmac.new(key, signed, hashlib.sha256).digest())}"
-
-
-def bearer(tok: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {tok}"}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -111,6 +86,7 @@ class Worker:
 class Edge:
     workers: dict[str, Worker]
     ports: dict[str, int]
+    ca: Path
 
     def url(self, shard: str, path: str) -> str:
         return f"http://{LOOPBACK}:{self.ports[shard]}{path}"
@@ -138,12 +114,23 @@ def edge_assignment(ports: dict[str, int], workers: dict[str, Worker]) -> ap.Ass
     ])
 
 
+def _self_signed(d: Path) -> tuple[Path, Path]:
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    "edge.key", "-out", "edge.pem", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"],
+                   cwd=d, check=True, capture_output=True)
+    return d / "edge.pem", d / "edge.key"
+
+
 @pytest.fixture(scope="module")
-def edge() -> Iterator[Edge]:
+def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
+    cert, key = _self_signed(tmp_path_factory.mktemp("edge-tls"))
     workers = {sid: Worker(sid) for sid in ("s0", "s1")}
     ports = {sid: free_port() for sid in ("s0", "s1")}
     options = dataclasses.replace(TEST_OPTIONS, edge_auth=EdgeAuthOptions(ISSUER, JWKS),
-                                  grpc_port_offset=1)
+                                  grpc_port_offset=1,
+                                  edge_tls=EdgeTlsOptions(str(cert), str(key)))
     cache = SnapshotCache(options=options)
     xds = XdsServer(cache)
     xds_port = xds.start()
@@ -151,7 +138,7 @@ def edge() -> Iterator[Edge]:
     envoy = EnvoyProcess(build_bootstrap("node-edge", xds_port, initial_fetch_timeout_s=5.0))
     try:
         envoy.start(ready_timeout=20.0)
-        state = Edge(workers, ports)
+        state = Edge(workers, ports, cert)
 
         def routable() -> bool:
             try:
@@ -259,3 +246,61 @@ def test_allowed_sources_are_checked(edge: Edge) -> None:
     assert "RBAC" in r.text
     r = httpx.post(edge.url("s0", "/v1/loopback"), json=BODY, timeout=10)
     assert r.json() == {"backend": "s0", "path": "/v1/completions", "adapter": "loopback-only"}
+
+
+def test_a_tls_adapter_is_served_over_tls_on_the_same_port(edge: Edge) -> None:
+    url = edge.url("s0", "/v1/tls-only").replace("http://", "https://")
+    r = httpx.post(url, json=BODY, timeout=10, verify=str(edge.ca))
+    assert r.status_code == 200, r.text
+    assert r.json() == {"backend": "s0", "path": "/v1/completions", "adapter": "tls-only"}
+    # TLS does not stand in for a token.
+    url = edge.url("s1", "/v1/evaluate").replace("http://", "https://")
+    _refused(edge, 401, "POST", url, json=BODY, verify=str(edge.ca))
+    r = httpx.post(url, json=BODY, timeout=10, verify=str(edge.ca),
+                   headers=bearer(token(" ".join(SCOPES))))
+    assert r.json()["adapter"] == ADAPTER
+
+
+def test_a_plaintext_http2_client_cannot_claim_https(edge: Edge) -> None:
+    """h2c with prior knowledge lets a client write its own :scheme; the listener writes
+    over it before routing."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    with socket.create_connection((LOOPBACK, edge.ports["s0"]), timeout=10) as sock:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        body = json.dumps(BODY).encode()
+        conn.send_headers(1, [(":method", "POST"), (":scheme", "https"),
+                              (":authority", f"{LOOPBACK}:{edge.ports['s0']}"),
+                              (":path", "/v1/tls-only"), ("content-type", "application/json"),
+                              ("content-length", str(len(body)))])
+        conn.send_data(1, body, end_stream=True)
+        before = edge.total_seen()
+        sock.sendall(conn.data_to_send())
+        status = None
+        while status is None:
+            data = sock.recv(65536)
+            assert data, "connection closed before the response"
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived):
+                    status = dict(event.headers)[b":status"]
+            sock.sendall(conn.data_to_send())
+    assert status == b"403"
+    assert edge.total_seen() == before
+
+
+def test_a_body_of_another_content_type_cannot_name_a_guarded_adapter(edge: Edge) -> None:
+    url = edge.url("s1", "/v1/completions")
+    body = json.dumps({**BODY, "model": ADAPTER})
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "APPLICATION/JSON",
+                         "application/json; charset=latin-1", "application/json;x=1",
+                         "application/jsonx"):
+        _refused(edge, 415, "POST", url, content=body, headers={"content-type": content_type})
+    _refused(edge, 415, "POST", url, content=body)  # no content type at all
+    # JSON with a charset is read, so the adapter's checks apply.
+    for content_type in ("application/json; charset=utf-8", "application/json;charset=UTF-8"):
+        _refused(edge, 401, "POST", url, content=body, headers={"content-type": content_type})

@@ -23,8 +23,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import TEST_OPTIONS
+from edge_tokens import ISSUER, JWKS, bearer, token
 from mesh_support import LOOPBACK, free_port, wait_until
-from test_adapter_edge_envoy import ISSUER, JWKS, bearer, token
 from worker_service.fakes import FakeEngine, expected_text
 
 from adaptermesh.mesh.bootstrap import EnvoyProcess, build_bootstrap

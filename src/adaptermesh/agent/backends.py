@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from adaptermesh.agent.daemon import AgentConfig
 from adaptermesh.bpf.table import DatapathCounters, FlowEvent, FlowLookup, ShardStats, ShardTable
 from adaptermesh.mesh.cache import SnapshotCache
-from adaptermesh.mesh.edge import EdgeAuthOptions
+from adaptermesh.mesh.edge import EdgeAuthOptions, EdgeTlsOptions
 from adaptermesh.mesh.metrics import XdsMetrics
 from adaptermesh.mesh.server import XdsServer
 from adaptermesh.mesh.snapshot import BuildOptions, ExtProcOptions, build_snapshot, cluster_name
@@ -128,7 +128,10 @@ async def mesh_xds(config: AgentConfig, registry: CollectorRegistry | None = Non
         ext_proc=None if config.ext_proc_port is None
         else ExtProcOptions(max_body_bytes=config.ext_proc_max_body_bytes),
         edge_auth=None if config.edge_jwks is None or config.edge_issuer is None
-        else EdgeAuthOptions(config.edge_issuer, config.edge_jwks, config.edge_audiences))
+        else EdgeAuthOptions(config.edge_issuer, config.edge_jwks, config.edge_audiences),
+        edge_tls=None if config.edge_tls_cert is None or config.edge_tls_key is None
+        else EdgeTlsOptions(config.edge_tls_cert, config.edge_tls_key),
+        grpc_port_offset=config.grpc_port_offset)
     cache = SnapshotCache(node_key=_node_key_for(config.xds_group), metrics=metrics,
                           options=options)
     server = XdsServer(cache, host=config.xds_host, port=config.xds_port, metrics=metrics)

@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edge-issuer", help="the tokens' issuer (iss); needed with --edge-jwks")
     p.add_argument("--edge-audience", action="append", default=[],
                    help="an accepted audience (aud); repeat; none: any")
+    p.add_argument("--edge-tls-cert", help="certificate chain file (as Envoy reads it) for TLS "
+                   "beside plaintext on the shard listeners")
+    p.add_argument("--edge-tls-key", help="the private key file of --edge-tls-cert")
+    p.add_argument("--grpc-port-offset", type=int, default=None,
+                   help="workers serve KServe v2 gRPC at their HTTP port plus this (1 for "
+                   "8000/8001): shard listeners then route gRPC to them")
     p.add_argument(
         "--base-model",
         help="the served base model's name: requests naming it get no adapter header",
@@ -132,7 +138,12 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise SystemExit("adaptermesh agent: --tls-cert needs --tls-ca")
     if (args.edge_jwks is None) != (args.edge_issuer is None):
         raise SystemExit("adaptermesh agent: --edge-jwks and --edge-issuer go together")
+    if (args.edge_tls_cert is None) != (args.edge_tls_key is None):
+        raise SystemExit("adaptermesh agent: --edge-tls-cert and --edge-tls-key go together")
     return AgentConfig(
+        edge_tls_cert=args.edge_tls_cert,
+        edge_tls_key=args.edge_tls_key,
+        grpc_port_offset=args.grpc_port_offset,
         edge_jwks=None if args.edge_jwks is None else args.edge_jwks.read_text(),
         edge_issuer=args.edge_issuer,
         edge_audiences=tuple(args.edge_audience),

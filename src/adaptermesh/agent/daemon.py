@@ -84,6 +84,12 @@ class AgentConfig:
     edge_issuer: str | None = None
     edge_jwks: str | None = None
     edge_audiences: tuple[str, ...] = ()
+    # TLS beside plaintext on every shard listener (certificate chain and key files, as the
+    # Envoy process reads them); adapters with security.tls need it.
+    edge_tls_cert: str | None = None
+    edge_tls_key: str | None = None
+    # The workers' KServe v2 gRPC port relative to their HTTP port (None: no gRPC clusters).
+    grpc_port_offset: int | None = None
 
 
 DatapathFactory = Callable[[AgentConfig], Datapath]

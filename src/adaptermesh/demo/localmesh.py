@@ -79,6 +79,10 @@ class MeshConfig:
     max_running: int = 4
     workdir: Path | None = None
     keep_workdir: bool = False
+    # Workers also serve KServe v2 gRPC at their HTTP port plus this; the agent routes it.
+    grpc_port_offset: int | None = None
+    # More agent flags (edge token and TLS settings, say).
+    agent_args: Sequence[str] = ()
 
 
 @dataclass
@@ -409,6 +413,8 @@ class LocalMesh:
                 str(self.config.max_running),
                 "--log-level",
                 "WARNING",
+                *(() if self.config.grpc_port_offset is None
+                  else ("--grpc-port", str(port + self.config.grpc_port_offset))),
             ],
         )
 
@@ -486,6 +492,9 @@ class LocalMesh:
             str(self.workdir / "agent" / "assignment.pb"),
             "--report-interval",
             str(self.config.report_interval_s),
+            *(() if self.config.grpc_port_offset is None
+              else ("--grpc-port-offset", str(self.config.grpc_port_offset))),
+            *self.config.agent_args,
         ]
 
     def start_agent(self) -> Proc:
@@ -676,6 +685,10 @@ class LocalMesh:
 
     def in_node(self, fn: Callable[..., T], *args: Any) -> T:
         return self.ns.run(self.node_ns, fn, *args)
+
+    def in_tenant(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn`` in the tenants' namespace (bind a tenant address to send as that tenant)."""
+        return self.ns.run(self.tenant_ns, fn, *args)
 
     def complete(
         self, source: str, adapter: str, prompt: str, max_tokens: int = 8, timeout: float = 30.0

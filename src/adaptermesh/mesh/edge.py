@@ -27,15 +27,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from envoy.config.core.v3 import address_pb2, base_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, protocol_pb2
+from envoy.config.listener.v3 import listener_components_pb2
 from envoy.config.rbac.v3 import rbac_pb2 as rbac_config_pb2
 from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
 from envoy.extensions.filters.http.jwt_authn.v3 import config_pb2 as jwt_pb2
 from envoy.extensions.filters.http.rbac.v3 import rbac_pb2
+from envoy.extensions.filters.listener.tls_inspector.v3 import tls_inspector_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as secret_pb2
+from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
@@ -48,14 +52,19 @@ if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
 
 __all__ = [
     "COMPLETIONS_PATH",
+    "JSON_CONTENT_TYPES",
     "JWT_FILTER",
     "EdgeAuthOptions",
     "EdgeContext",
+    "EdgeTlsOptions",
     "edge_filters",
     "edge_routes",
     "front_filters",
     "grpc_json_paths",
     "needs_body_model",
+    "tls_filter_chain",
+    "tls_inspector",
+    "tls_scheme",
 ]
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -65,6 +74,18 @@ _EXT_PROC = "envoy.filters.http.ext_proc"
 _PROVIDER = "adaptermesh"
 _PAYLOAD_KEY = "jwt_payload"
 _LB_NAMESPACE = "envoy.lb"
+
+
+# The content types whose body the listener reads for its "model" (json_to_metadata's
+# allow_content_types, set by mesh/snapshot.py from this list). While an adapter is guarded,
+# POSTs of any other type (gRPC aside) are refused, so a body cannot name it unread.
+JSON_CONTENT_TYPES = (
+    "application/json",
+    "application/json; charset=utf-8",
+    "application/json;charset=utf-8",
+    "application/json; charset=UTF-8",
+    "application/json;charset=UTF-8",
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +107,50 @@ class EdgeAuthOptions:
             raise ValueError("EdgeAuthOptions.jwks: a JWKS document with at least one key")
         if not self.issuer:
             raise ValueError("EdgeAuthOptions.issuer: required")
+
+
+@dataclass(frozen=True)
+class EdgeTlsOptions:
+    """TLS termination on every shard listener, beside plaintext on the same port (the
+    listener tells them apart by the ClientHello): the certificate chain and key files as
+    the Envoy process reads them. Adapters with ``security.tls`` are served only over it."""
+
+    cert_chain_file: str
+    private_key_file: str
+
+    def __post_init__(self) -> None:
+        if not self.cert_chain_file or not self.private_key_file:
+            raise ValueError("EdgeTlsOptions: cert_chain_file and private_key_file are required")
+
+
+def tls_filter_chain(tls: EdgeTlsOptions,
+                     chain: listener_components_pb2.FilterChain) -> listener_components_pb2.FilterChain:
+    """``chain`` (the plaintext one) behind TLS: matched on a TLS ClientHello, ALPN h2 and
+    http/1.1."""
+    context = tls_pb2.DownstreamTlsContext(common_tls_context=tls_pb2.CommonTlsContext(
+        tls_certificates=[secret_pb2.TlsCertificate(
+            certificate_chain=base_pb2.DataSource(filename=tls.cert_chain_file),
+            private_key=base_pb2.DataSource(filename=tls.private_key_file))],
+        alpn_protocols=["h2", "http/1.1"]))
+    out = listener_components_pb2.FilterChain()
+    out.CopyFrom(chain)
+    out.name = "tls"
+    out.filter_chain_match.transport_protocol = "tls"
+    out.transport_socket.CopyFrom(base_pb2.TransportSocket(
+        name="envoy.transport_sockets.tls", typed_config=_pack(context)))
+    return out
+
+
+def tls_scheme(tls: bool) -> protocol_pb2.SchemeHeaderTransformation:
+    """The scheme a chain's HTTP manager writes over every request's ``:scheme`` before
+    routing (what a client sent does not count): a TLS adapter's routes match ``https``."""
+    return protocol_pb2.SchemeHeaderTransformation(scheme_to_overwrite="https" if tls else "http")
+
+
+def tls_inspector() -> listener_components_pb2.ListenerFilter:
+    return listener_components_pb2.ListenerFilter(
+        name="envoy.filters.listener.tls_inspector",
+        typed_config=_pack(tls_inspector_pb2.TlsInspector()))
 
 
 @dataclass(frozen=True)
@@ -239,7 +304,8 @@ def _routes_for(edge: assignment_pb2.AdapterEdge, name: str,
             header=base_pb2.HeaderValue(key=ctx.adapter_header, value=edge.name),
             append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD))
     if edge.tls:
-        route.match.tls_context.presented.value = True
+        route.match.headers.append(route_components_pb2.HeaderMatcher(
+            name=":scheme", string_match=string_pb2.StringMatcher(exact="https")))
         routes.append(route)
         plain = route_components_pb2.RouteMatch()
         plain.CopyFrom(match)
@@ -279,6 +345,19 @@ def edge_routes(edges: Sequence[assignment_pb2.AdapterEdge],
                 action = _action(edge, ctx, ctx.http_cluster)
                 action.prefix_rewrite = COMPLETIONS_PATH
                 routes += _routes_for(edge, f"path:{path}", RM(path=path), action, ctx, True)
+    if any(adapter_edge.guarded(e) for e in edges):
+        # The body is read for the model only when it is JSON (json_to_metadata's content
+        # types); the worker parses any body as JSON, so another content type could name a
+        # guarded adapter unseen. POSTs other than JSON and gRPC are refused instead.
+        accepted = "|".join(re.escape(t) for t in JSON_CONTENT_TYPES)
+        other = route_components_pb2.HeaderMatcher(
+            name="content-type", invert_match=True, treat_missing_header_as_empty=True,
+            string_match=string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(
+                regex=rf"^({accepted}|application/grpc([+][a-z]+)?)$")))
+        post = route_components_pb2.HeaderMatcher(
+            name=":method", string_match=string_pb2.StringMatcher(exact="POST"))
+        routes.append(_refusal("edge:content-type", RM(prefix="/", headers=[post, other]), 415,
+                               "send the request body as application/json\n"))
     named = [e for e in edges if adapter_edge.guarded(e) or e.shards]
     for edge in named:
         body = RM(prefix="/", dynamic_metadata=[metadata_pb2.MetadataMatcher(

@@ -66,12 +66,17 @@ from google.protobuf.message import Message
 from adaptermesh import adapter_edge
 from adaptermesh import assignment_rules as rules
 from adaptermesh.mesh.edge import (
+    JSON_CONTENT_TYPES,
     EdgeAuthOptions,
     EdgeContext,
+    EdgeTlsOptions,
     edge_filters,
     edge_routes,
     front_filters,
     needs_body_model,
+    tls_filter_chain,
+    tls_inspector,
+    tls_scheme,
 )
 
 if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
@@ -193,6 +198,9 @@ class BuildOptions:
     # Bearer-token verification for adapters with scopes (mesh/edge.py). None: their routes
     # refuse every request (403 from rbac), since no token can be verified.
     edge_auth: EdgeAuthOptions | None = None
+    # TLS on the shard listeners beside plaintext (mesh/edge.py); None: plaintext only, and
+    # adapters with security.tls refuse every request.
+    edge_tls: EdgeTlsOptions | None = None
 
 
 def cluster_name(shard_id: str) -> str:
@@ -566,6 +574,17 @@ def build_listener(
                                typed_config=_pack(router_pb2.Router())),
         ],
     )
+
+    def chain(tls: bool) -> listener_components_pb2.FilterChain:
+        hcm = hcm_pb2.HttpConnectionManager()
+        hcm.CopyFrom(manager)
+        if any(e.tls for e in edges):
+            hcm.scheme_header_transformation.CopyFrom(tls_scheme(tls))
+        return listener_components_pb2.FilterChain(filters=[listener_components_pb2.Filter(
+            name="envoy.filters.network.http_connection_manager", typed_config=_pack(hcm))])
+
+    chains = [chain(False)] if opts.edge_tls is None else [
+        tls_filter_chain(opts.edge_tls, chain(True)), chain(False)]
     return listener_pb2.Listener(
         name=name,
         address=_socket(shard.service_address, shard.service_port),
@@ -574,12 +593,8 @@ def build_listener(
         per_connection_buffer_limit_bytes=(
             None if opts.ext_proc is None
             else wrappers_pb2.UInt32Value(value=opts.ext_proc.max_body_bytes)),
-        filter_chains=[listener_components_pb2.FilterChain(filters=[
-            listener_components_pb2.Filter(
-                name="envoy.filters.network.http_connection_manager",
-                typed_config=_pack(manager),
-            ),
-        ])],
+        filter_chains=chains,
+        listener_filters=[] if opts.edge_tls is None else [tls_inspector()],
     )
 
 
@@ -593,10 +608,13 @@ def _body_filters(opts: BuildOptions, edges_need_it: bool = False) -> list[hcm_p
     if not opts.route_by_body and not edges_need_it:
         return []
     J = json_to_metadata_pb2.JsonToMetadata
-    config = J(request_rules=J.MatchRules(rules=[J.Rule(
-        selectors=[J.Selector(key="model")],
-        on_present=J.KeyValuePair(metadata_namespace=BODY_METADATA_NAMESPACE, key="model"),
-    )]))
+    config = J(request_rules=J.MatchRules(
+        rules=[J.Rule(
+            selectors=[J.Selector(key="model")],
+            on_present=J.KeyValuePair(metadata_namespace=BODY_METADATA_NAMESPACE, key="model"),
+        )],
+        allow_content_types=list(JSON_CONTENT_TYPES),
+    ))
     return [hcm_pb2.HttpFilter(name="envoy.filters.http.json_to_metadata",
                                typed_config=_pack(config))]
 
