@@ -12,7 +12,8 @@ AdapterInstance edges (docs/adapter-instance.md):
 - ``grpc_json``: ``grpc-json`` path ``/v1/json`` through Envoy's gRPC-JSON transcoder;
 - ``grpc_json_jwt``: the same with scopes.
 
-Baselines through the same Envoy: ``http`` (``POST /v1/completions`` naming the model, the
+``http_direct`` is the HTTP request straight to the worker, without Envoy. Baselines through
+the same Envoy: ``http`` (``POST /v1/completions`` naming the model, the
 HTTP path of the mesh) and ``grpc`` (``ModelInfer`` on the v2 service, adapter header set).
 "added" is each transport's median minus each baseline's median. One request in flight from a separate client process,
 transports interleaved in blocks so drift on a shared machine falls on all alike.
@@ -47,7 +48,7 @@ from bench_ws import MODEL, PROMPT, InstantEngine, quantiles
 from edge_tokens import ISSUER, JWKS, token
 
 SCOPE = "bench:call"
-TRANSPORTS = ("http", "http_path", "http_path_jwt", "http_path_tls", "grpc", "grpc_path",
+TRANSPORTS = ("http_direct", "http", "http_path", "http_path_jwt", "http_path_tls", "grpc", "grpc_path",
               "grpc_json", "grpc_json_jwt")
 
 
@@ -66,7 +67,8 @@ def _edges() -> list[Any]:
 
 
 # ------------------------------------------------------------------------------------ client
-async def client_main(port: int, ca: str, args: argparse.Namespace) -> dict[str, list[float]]:
+async def client_main(port: int, worker: int, ca: str,
+                      args: argparse.Namespace) -> dict[str, list[float]]:
     import aiohttp
     import grpc
 
@@ -108,6 +110,8 @@ async def client_main(port: int, ca: str, args: argparse.Namespace) -> dict[str,
                 assert r.status == 200, (url, r.status, text[:300])
 
         runs = {
+            "http_direct": lambda: post(session, f"http://127.0.0.1:{worker}/v1/completions",
+                                        {**body, "model": MODEL}),
             "http": lambda: post(session, base + "/v1/completions", {**body, "model": MODEL}),
             "http_path": lambda: post(session, base + "/v1/plain", body),
             "http_path_jwt": lambda: post(session, base + "/v1/scoped", body, auth),
@@ -140,6 +144,7 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     from adaptermesh.worker.grpc_v2 import GrpcV2Server
     from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
 
+    load_before = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
                         "edge.key", "-out", "edge.pem", "-days", "1", "-subj", "/CN=127.0.0.1",
@@ -173,7 +178,8 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
             envoy.start(ready_timeout=30.0)
             await _wait_routable(port)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "--client", str(port), "--ca", f"{tmp}/edge.pem",
+                sys.executable, __file__, "--client", str(port), "--worker", str(http_port),
+                "--ca", f"{tmp}/edge.pem",
                 "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds),
                 "--block", str(args.block), "--warmup", str(args.warmup),
                 stdout=subprocess.PIPE)
@@ -196,7 +202,9 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+                    "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    # A shared box: the load during the run says how much noise to expect.
+                    "load_average_1m_before_after": [load_before, round(os.getloadavg()[0], 2)]},
         "versions": {"envoy": json.loads(envoy_version).get("version", ""),
                      **{n: _version(n) for n in ("aiohttp", "grpcio", "protobuf")}},
         "engine": "instant (tokens cost one event-loop turn)",
@@ -245,9 +253,10 @@ def main() -> None:
     parser.add_argument("--envoy-concurrency", type=int, default=1)
     parser.add_argument("--client", metavar="PORT", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ca", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        json.dump(asyncio.run(client_main(args.client, args.ca, args)), sys.stdout)
+        json.dump(asyncio.run(client_main(args.client, args.worker, args.ca, args)), sys.stdout)
         return
     result = asyncio.run(server_main(args))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
