@@ -66,6 +66,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "persistence": {"enabled": False},
         },
     },
+    "adapter-edge": {
+        "edge": {"auth": {"jwksSecret": "edge-jwks", "issuer": "https://id.example.com",
+                          "audiences": ["adaptermesh"]},
+                 "tlsSecret": "edge-tls", "grpcPortOffset": 1},
+    },
     "extra-args-env-and-pull-secrets": {
         "imagePullSecrets": ["regcred"],
         "commonLabels": {"team": "ml-platform"},
@@ -299,3 +304,27 @@ def test_envoy_bootstrap_validates_with_real_envoy(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout + proc.stderr
+
+
+def test_edge_values_reach_the_agent_envoy_and_workers() -> None:
+    objs = render(copy.deepcopy(VALUE_SETS["adapter-edge"]))
+    specs = {o.name: spec for o, spec in pod_specs(objs)}
+    (agent_spec,) = [s for n, s in specs.items() if n.endswith("-agent")]
+    containers = {c["name"]: c for c in agent_spec["containers"]}
+    args = containers["agent"]["args"]
+    for arg in ("--edge-jwks=/etc/adaptermesh/edge-jwks/jwks.json",
+                "--edge-issuer=https://id.example.com", "--edge-audience=adaptermesh",
+                "--edge-tls-cert=/etc/adaptermesh/edge-tls/tls.crt",
+                "--edge-tls-key=/etc/adaptermesh/edge-tls/tls.key", "--grpc-port-offset=1"):
+        assert arg in args
+    # Envoy reads the certificate, so the secret is mounted there; the agent reads the JWKS.
+    assert {m["name"] for m in containers["envoy"]["volumeMounts"]} >= {"edge-tls"}
+    assert {m["name"] for m in containers["agent"]["volumeMounts"]} >= {"edge-jwks"}
+    (worker_spec,) = [s for n, s in specs.items() if "-worker-" in n]
+    (worker,) = worker_spec["containers"]
+    port = next(p["containerPort"] for p in worker["ports"] if p["name"] == "http")
+    assert f"--grpc-port={port + 1}" in worker["args"]
+    plain = render({})
+    for o, spec in pod_specs(plain):
+        for c in spec["containers"]:
+            assert not [a for a in c.get("args", []) if "edge" in str(a) or "grpc-port" in str(a)]
