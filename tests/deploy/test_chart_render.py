@@ -325,6 +325,6 @@ def test_edge_values_reach_the_agent_envoy_and_workers() -> None:
     port = next(p["containerPort"] for p in worker["ports"] if p["name"] == "http")
     assert f"--grpc-port={port + 1}" in worker["args"]
     plain = render({})
-    for o, spec in pod_specs(plain):
+    for _obj, spec in pod_specs(plain):
         for c in spec["containers"]:
             assert not [a for a in c.get("args", []) if "edge" in str(a) or "grpc-port" in str(a)]
