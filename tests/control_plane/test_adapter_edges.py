@@ -120,3 +120,17 @@ def test_a_path_belongs_to_one_instance_and_placed_shards_stay(
         stub.DeleteShard(cp.DeleteShardRequest(id="shard-b"), metadata=md)
     assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "credit-risk-v2" in (exc.value.details() or "")
+
+
+def test_an_edge_before_any_shard_is_published_with_the_first_shard(
+        server: str, tmp_path: Path) -> None:
+    doc = _doc(routes=[{"path": "/v1/evaluate"}], security={"scopes": ["s"]})
+    r = _apply(server, tmp_path, doc, "early.yaml")
+    assert r.exit_code == 0, r.output
+    stub, md = _stub(server)
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.GetAssignment(cp.GetAssignmentRequest(), metadata=md)
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert _apply(server, tmp_path, SHARDS).exit_code == 0
+    a = stub.GetAssignment(cp.GetAssignmentRequest(), metadata=md)
+    assert [(e.name, list(e.paths)) for e in a.adapters] == [("bad-one", ["/v1/evaluate"])]

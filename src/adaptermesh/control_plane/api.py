@@ -72,7 +72,10 @@ def _invalid(field: str, message: str) -> NoReturn:
 
 
 def _edge_changed(store: Any, inst: control_plane_pb2.AdapterInstance) -> bool:
-    """Writing ``inst`` changes the Assignment's edges (so it publishes a new one)."""
+    """Writing ``inst`` changes the Assignment's edges (so it publishes a new one). Without
+    shards there is no Assignment to publish: the first shard's publishes the edges."""
+    if not store.list_shards():
+        return False
     old = [i for i in store.list_adapter_instances() if i.name == inst.name]
     try:
         edge = adapter_edge.edge_of(inst)
@@ -569,7 +572,8 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             self.rb.mutate(
                 lambda: self.store.delete_adapter_instance(request.name),
                 f"adapter instance {request.name} deleted",
-                publish=adapter_edge.edge_of(gone[0]) is not None,
+                publish=adapter_edge.edge_of(gone[0]) is not None and bool(
+                    self.store.list_shards()),
             )
             return control_plane_pb2.DeleteAdapterInstanceResponse()
         except Exception as exc:
