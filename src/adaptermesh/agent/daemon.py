@@ -254,6 +254,8 @@ class Agent:
             port=config.ext_proc_port or 0,
             # A GIE gateway should not pick this agent before it knows any worker.
             ready=applier.current is not None,
+            # Read per request: a new split applies with the Assignment, not a poll later.
+            assignment=lambda: applier.current,
         )
         await asyncio.to_thread(server.start)
         self.ext_proc = server

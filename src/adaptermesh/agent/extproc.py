@@ -32,6 +32,12 @@ request headers, the source address (Envoy's ``source.address`` attribute, else 
 rule's action sets ``x-adaptermesh-shard``, ``x-adapter-version`` or ``x-adaptermesh-priority``,
 or answers an ImmediateResponse with the rule's status (a reject).
 
+Adapter versions (gray release, ``agent/splits.py``, docs/rollout.md). When the applied
+Assignment splits the requested adapter between two versions, the client's bucket (its
+``x-session-id``, else its source address) picks one; the processor then sets
+``x-adapter-version`` and routes by the versioned name (``x-adapter-id: <adapter>@<version>``),
+which the workers serve. A rule's ``adapter_version`` action beats the split.
+
 Health: gRPC health checking answers ``""`` and ``liveness`` SERVING while the server runs, and
 ``readiness`` and the ext_proc service name SERVING once the picker knows the workers (the
 agent has an Assignment), as the protocol asks of a picker.
@@ -59,6 +65,8 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from adaptermesh.agent.picker import Decision, EndpointBook, decide, model_of
+from adaptermesh.agent.splits import SESSION_HEADER, SplitTable
+from adaptermesh.assignment_rules import served_name
 from adaptermesh.loopthread import LoopThread
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 from adaptermesh.rules import Evaluator, RequestFacts
@@ -112,6 +120,9 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.on_decision = on_decision
         # Swapped whole by ExtProcServer.set_rules; read once per request.
         self.rules: Evaluator | None = None
+        # The applied Assignment (its adapter splits), read per request.
+        self.assignment: Callable[[], assignment_pb2.Assignment | None] | None = None
+        self.splits = SplitTable()
 
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest],
@@ -192,22 +203,41 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _decide(self, model: str | None, shard: str | None,
                 subset: list[str] | None, facts: _Facts) -> _Decided:
+        # A gray release (agent/splits.py) picks the adapter's version first, so the endpoint
+        # pick and the adapter header see the versioned name the workers serve it under.
+        served, version = model, None
+        if self.assignment is not None:
+            self.splits.refresh(self.assignment())
+        rules = self.rules
+        outcome = None
+        if rules is not None:
+            outcome = rules.evaluate(RequestFacts(
+                source_ip=facts.source_ip, tenant=facts.headers.get(TENANT_HEADER, ""),
+                headers=facts.headers, adapter=model or ""))
+        action = outcome.action if outcome is not None else None
+        if model is not None and model != self.config.base_model:
+            if action is not None and action.kind == "adapter_version":
+                version = action.value  # an operator's rule beats the rollout's split
+                served = served_name(model, version)
+            elif self.splits:
+                pick = self.splits.pick(model, facts.headers.get(SESSION_HEADER)
+                                        or facts.source_ip)
+                if pick is not None:
+                    served, version = pick.served, pick.version
         decision = decide(
-            model, self.config.base_model, self.book.candidates(shard), subset=subset,
+            served, self.config.base_model, self.book.candidates(shard), subset=subset,
             must_pick=shard is None, rotation=self.book.rotation,
             fallbacks=self.config.fallbacks)
         decision = _Decided(**{f: getattr(decision, f) for f in _DECISION_FIELDS})
-        rules = self.rules
-        if rules is not None and decision.status is None:
-            outcome = rules.evaluate(RequestFacts(
-                source_ip=facts.source_ip, tenant=facts.headers.get(TENANT_HEADER, ""),
-                headers=facts.headers, adapter=decision.adapter or model or ""))
-            action = outcome.action
-            if action is not None and action.kind == "reject":
+        if version:
+            decision.rule_headers.append((RULE_VERSION_HEADER, version))
+        if decision.status is None and action is not None:
+            assert outcome is not None
+            if action.kind == "reject":
                 decision = dataclasses.replace(
                     decision, endpoints=(), status=action.status,
                     reason=action.message or f"rejected by rule {outcome.rule}")
-            elif action is not None:
+            elif action.kind != "adapter_version":
                 decision.rule_headers.append((_ACTION_HEADERS[action.kind], action.value))
         if decision.endpoints:
             self.book.note_pick(decision.endpoints[0])
@@ -325,7 +355,9 @@ class ExtProcServer:
     def __init__(self, book: EndpointBook, config: ExtProcConfig | None = None, *,
                  host: str = "127.0.0.1", port: int = 0,
                  on_decision: Callable[[Decision], None] | None = None,
-                 ready: bool = True) -> None:
+                 ready: bool = True,
+                 assignment: Callable[[], assignment_pb2.Assignment | None] | None = None,
+                 ) -> None:
         self.book = book
         self.config = config or ExtProcConfig()
         self._ready = ready
@@ -336,6 +368,7 @@ class ExtProcServer:
         self._loop = LoopThread("ext-proc")
         self._server: grpc.aio.Server | None = None
         self._servicer = _Servicer(book, self.config, on_decision)
+        self._servicer.assignment = assignment
         self.health = health.aio.HealthServicer()
 
     def start(self) -> int:

@@ -40,6 +40,7 @@ from adaptermesh.control_plane.policy import (
     endpoint_key,
 )
 from adaptermesh.control_plane.policy.capacity import CapacityConfig
+from adaptermesh.control_plane.rollout_state import splits as rollout_splits
 from adaptermesh.control_plane.store import Store
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
 
@@ -290,6 +291,7 @@ class Rebalancer:
         for cidr, shard_id in self.store.list_pins():
             out.pins.add(cidr=cidr, shard_id=shard_id)
         out.overrides.extend(self.store.live_overrides(now))
+        out.adapter_splits.extend(rollout_splits(self.store.rollouts()))
         return out
 
     def _validate(self, assignment: assignment_pb2.Assignment) -> None:

@@ -44,6 +44,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from adaptermesh.assignment_rules import VERSION_SEPARATOR, RuleError, check_version, served_name
 from adaptermesh.httpserve import (
     BodyTimeoutError,
     JsonBodyError,
@@ -53,6 +54,7 @@ from adaptermesh.httpserve import (
     serve_app,
 )
 from adaptermesh.worker.api import (
+    MAX_NAME_CHARS,
     ChatChoice,
     ChatCompletionRequest,
     ChatLogprobs,
@@ -65,6 +67,7 @@ from adaptermesh.worker.api import (
     request_error,
 )
 from adaptermesh.worker.fair_queue import FairQueue, QueueFullError, Ticket
+from adaptermesh.worker.faults import FaultTable
 from adaptermesh.worker.metrics import ServiceMetrics
 from adaptermesh.worker.types import (
     AdapterNotFoundError,
@@ -84,6 +87,8 @@ __all__ = ["ApiError", "ChoiceEvent", "ServiceConfig", "WorkerService", "serve",
 log = logging.getLogger(__name__)
 
 _JSON = "application/json"
+# The adapter version the mesh chose (a rollout's split, a routing rule): agent/extproc.py sets it.
+VERSION_HEADER = "x-adapter-version"
 _TENANT_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+-]{1,64}$")
 # Engine field names that differ from the API's.
 _ENGINE_FIELD_TO_PARAM = {"name": "lora_name", "path": "lora_path", "adapter": "model",
@@ -272,6 +277,7 @@ class WorkerService:
             max_waiting_total=c.max_waiting_total,
         )
         self.metrics = ServiceMetrics(engine, self.queue)
+        self.faults = FaultTable()
         self.draining = False
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -289,6 +295,8 @@ class WorkerService:
                 web.post("/v1/unload_lora_adapter", self._unload_adapter),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
+                web.get("/v1/admin/faults", self._get_faults),
+                web.post("/v1/admin/faults", self._set_faults),
             ]
         )
         self.app.on_startup.append(self._start_poller)
@@ -499,12 +507,46 @@ class WorkerService:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
         job = await self._job(request, body, "completion")
+        self._inject_fault(job)
         return await self._run(request, job)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
         job = await self._job(request, body, "chat")
+        self._inject_fault(job)
         return await self._run(request, job)
+
+    def _inject_fault(self, job: _Job) -> None:
+        """An operator's injected fault (worker/faults.py): a 500, counted as the adapter's."""
+        if self.faults.should_fail(job.adapter):
+            self.metrics.observe_finished(outcome="injected_fault", arrived=job.arrived,
+                                          first_token=None, last_token=None,
+                                          completion_tokens=0, adapter=job.adapter)
+            raise ApiError(500, f"injected fault for adapter {job.adapter!r}",
+                           type="server_error", code="injected_fault")
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        self._check_admin(request)
+        return web.json_response({"faults": self.faults.rates()})
+
+    async def _set_faults(self, request: web.Request) -> web.Response:
+        """``{"adapter": name, "error_rate": 0-1}`` (admin token); rate 0 clears."""
+        self._check_admin(request)
+        body = await self._read_json(request)
+        adapter = body.get("adapter")
+        if not isinstance(adapter, str) or not adapter:
+            raise _invalid("adapter", "must be a non-empty string")
+        if len(adapter) > MAX_NAME_CHARS or not adapter.isprintable():
+            raise _invalid("adapter", f"must be 1-{MAX_NAME_CHARS} printable characters")
+        rate = body.get("error_rate")
+        if isinstance(rate, bool) or not isinstance(rate, int | float):
+            raise _invalid("error_rate", "must be a number in 0-1")
+        try:
+            self.faults.set(adapter, float(rate))
+        except ValueError as exc:
+            field, _, message = str(exc).partition(": ")
+            raise _invalid(field, message) from None
+        return web.json_response({"faults": self.faults.rates()})
 
     # ----------------------------------------------------------------------- request building
     async def _job(self, request: web.Request, body: dict[str, Any],
@@ -518,6 +560,15 @@ class WorkerService:
             _parse(CompletionRequest, body) if kind == "completion"
             else _parse(ChatCompletionRequest, body))
         model = parsed.model or self.engine.model_name
+        version = request.headers.get(VERSION_HEADER)
+        if version and model != self.engine.model_name and VERSION_SEPARATOR not in model:
+            # A version chosen by the mesh (a rollout's split or a routing rule): the adapter
+            # is served under its versioned name (docs/rollout.md).
+            try:
+                check_version(version, VERSION_HEADER, allow_empty=False)
+            except RuleError as exc:
+                raise _invalid(VERSION_HEADER, exc.message, code="invalid_header") from None
+            model = served_name(model, version)
         adapter = None if model == self.engine.model_name else model
         max_len = self.engine.max_model_len
 
@@ -776,6 +827,7 @@ class WorkerService:
             first_token=min(firsts_seen) if firsts_seen else None,
             last_token=max(lasts_seen) if lasts_seen else None,
             completion_tokens=max(p.completion_tokens for p in progresses),
+            adapter=job.adapter,
         )
         self._inflight -= 1
         if self._inflight == 0:

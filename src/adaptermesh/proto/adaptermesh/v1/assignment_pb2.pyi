@@ -122,18 +122,34 @@ class Override(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     def __init__(self, shard_id: _Optional[str] = ..., weight: _Optional[int] = ..., reason: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
+class AdapterSplit(_message.Message):
+    __slots__ = ("adapter", "stable_version", "canary_version", "canary_share", "rollout_id")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STABLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANARY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANARY_SHARE_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    stable_version: str
+    canary_version: str
+    canary_share: int
+    rollout_id: str
+    def __init__(self, adapter: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., canary_share: _Optional[int] = ..., rollout_id: _Optional[str] = ...) -> None: ...
+
 class Assignment(_message.Message):
-    __slots__ = ("version", "shards", "pins", "overrides", "generated_at", "reason")
+    __slots__ = ("version", "shards", "pins", "overrides", "generated_at", "reason", "adapter_splits")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     GENERATED_AT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SPLITS_FIELD_NUMBER: _ClassVar[int]
     version: int
     shards: _containers.RepeatedCompositeFieldContainer[Shard]
     pins: _containers.RepeatedCompositeFieldContainer[Pin]
     overrides: _containers.RepeatedCompositeFieldContainer[Override]
     generated_at: _timestamp_pb2.Timestamp
     reason: str
-    def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., generated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    adapter_splits: _containers.RepeatedCompositeFieldContainer[AdapterSplit]
+    def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., generated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., adapter_splits: _Optional[_Iterable[_Union[AdapterSplit, _Mapping]]] = ...) -> None: ...
