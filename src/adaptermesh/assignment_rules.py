@@ -111,7 +111,7 @@ LB_POLICIES = ("round_robin", "least_request")
 UPSTREAM_PROTOCOLS = ("http1", "http2", "downstream")
 # Adapter versions: a worker serves version v of adapter a as the adapter "a@v" (a directory
 # of that name under its adapter root), so a version is a short name-safe token.
-VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
+VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 VERSION_SEPARATOR = "@"
 _MAC_RE = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
 _ACTIVE = assignment_pb2.SHARD_STATE_ACTIVE
@@ -187,7 +187,7 @@ def check_version(value: str, field: str, *, allow_empty: bool = True) -> None:
     if value == "" and allow_empty:
         return
     if not VERSION_RE.match(value):
-        raise RuleError(field, f"{value[:80]!r} is not a version: 1-64 of A-Z a-z 0-9 . _ + -, "
+        raise RuleError(field, f"{value[:80]!r} is not a version: 1-64 of A-Z a-z 0-9 . _ -, "
                         "starting with a letter or digit")
 
 
