@@ -41,6 +41,7 @@ from typing import Any, Literal, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
@@ -53,6 +54,7 @@ from adaptermesh.httpserve import (
     read_body,
     serve_app,
 )
+from adaptermesh.tracing import Tracing
 from adaptermesh.worker.api import (
     MAX_NAME_CHARS,
     ChatChoice,
@@ -87,6 +89,8 @@ __all__ = ["ApiError", "ChoiceEvent", "ServiceConfig", "WorkerService", "serve",
 log = logging.getLogger(__name__)
 
 _JSON = "application/json"
+# The shard whose Envoy sent the request (agent/extproc.py's header), for span attributes.
+SHARD_HEADER = "x-adaptermesh-shard"
 # The adapter version the mesh chose (a rollout's split, a routing rule): agent/extproc.py sets it.
 VERSION_HEADER = "x-adapter-version"
 _TENANT_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+-]{1,64}$")
@@ -238,6 +242,9 @@ class _Job:
     # The SSE chunk's bytes up to its choices list: the same for every chunk of the request,
     # so it is encoded once instead of once per token.
     chunk_head: bytes = b""
+    # The W3C trace context the request carried and its span attributes (tracing on only).
+    trace_context: Any = None
+    trace_attrs: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,9 +274,13 @@ class _Progress:
 class WorkerService:
     """The aiohttp application plus the fair queue and metrics it serves with."""
 
-    def __init__(self, engine: EngineProtocol, config: ServiceConfig | None = None) -> None:
+    def __init__(self, engine: EngineProtocol, config: ServiceConfig | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.engine = engine
         self.config = config or ServiceConfig()
+        # OpenTelemetry spans per request (docs/tracing.md); off unless the worker is given
+        # an OTLP endpoint.
+        self.tracing = tracing or Tracing.off()
         c = self.config
         self.queue = FairQueue(
             max_running=c.max_running,
@@ -642,7 +653,17 @@ class WorkerService:
             arrived=arrived,
             deadline=arrived + timeout,
             request_id=prefix + uuid.uuid4().hex,
+            **(self._trace_fields(request, model) if self.tracing.enabled else {}),
         )
+
+    def _trace_fields(self, request: web.Request, model: str) -> dict[str, Any]:
+        headers = request.headers
+        attrs = {"adaptermesh.model": model, "adaptermesh.tenant": tenant_of(request),
+                 "adaptermesh.adapter": model.split(VERSION_SEPARATOR, 1)[0],
+                 "adaptermesh.adapter_version": model.partition(VERSION_SEPARATOR)[2]}
+        if shard := headers.get(SHARD_HEADER):
+            attrs["adaptermesh.shard"] = shard
+        return {"trace_context": Tracing.extract(headers), "trace_attrs": attrs}
 
     # ------------------------------------------------------------------------------ execution
     def _retry_headers(self) -> dict[str, str]:
@@ -829,9 +850,44 @@ class WorkerService:
             completion_tokens=max(p.completion_tokens for p in progresses),
             adapter=job.adapter,
         )
+        if self.tracing.enabled:
+            self._record_spans(job, ticket, min(firsts_seen) if firsts_seen else None,
+                               max(lasts_seen) if lasts_seen else None, outcome)
         self._inflight -= 1
         if self._inflight == 0:
             self._idle.set()
+
+    def _record_spans(self, job: _Job, ticket: Ticket, first: float | None,
+                      last: float | None, outcome: str) -> None:
+        """The request's spans, from the times already taken (monotonic, turned into the
+        epoch nanoseconds OTLP wants): the request, its queueing, prefill (admission to the
+        first token) and decode (first to last token)."""
+        now = time.monotonic()
+        shift = time.time_ns() - int(now * 1e9)
+
+        def ns(t: float) -> int:
+            return int(t * 1e9) + shift
+
+        tracer = self.tracing.tracer
+        attrs = dict(job.trace_attrs or {})
+        attrs["adaptermesh.outcome"] = outcome
+        root = tracer.start_span("worker " + job.kind, context=job.trace_context,
+                                 kind=SpanKind.SERVER, start_time=ns(job.arrived),
+                                 attributes=attrs)
+        ctx = set_span_in_context(root)
+        admitted = ticket.admitted_at
+        if admitted is not None:
+            tracer.start_span("queue", context=ctx, start_time=ns(ticket.enqueued_at),
+                              attributes={"adaptermesh.tenant": job.tenant}).end(ns(admitted))
+            if first is not None:
+                tracer.start_span("prefill", context=ctx, start_time=ns(admitted), attributes={
+                    "adaptermesh.prompt_tokens": len(job.prompt_ids),
+                    "adaptermesh.adapter": job.adapter or ""}).end(ns(first))
+                if last is not None and last > first:
+                    tracer.start_span("decode", context=ctx, start_time=ns(first)).end(ns(last))
+        if outcome not in ("stop", "length"):
+            root.set_status(Status(StatusCode.ERROR, outcome))
+        root.end(ns(now))
 
     @staticmethod
     def _generation(job: _Job, index: int) -> GenerationRequest:
