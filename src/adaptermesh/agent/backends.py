@@ -25,7 +25,13 @@ from adaptermesh.bpf.table import DatapathCounters, FlowEvent, FlowLookup, Shard
 from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.mesh.metrics import XdsMetrics
 from adaptermesh.mesh.server import XdsServer
-from adaptermesh.mesh.snapshot import BuildOptions, ExtProcOptions, build_snapshot, cluster_name
+from adaptermesh.mesh.snapshot import (
+    BuildOptions,
+    ExtProcOptions,
+    TracingOptions,
+    build_snapshot,
+    cluster_name,
+)
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 
 __all__ = [
@@ -112,7 +118,9 @@ async def mesh_xds(config: AgentConfig, registry: CollectorRegistry | None = Non
     options = BuildOptions(
         route_by_body=config.route_by_body,
         ext_proc=None if config.ext_proc_port is None
-        else ExtProcOptions(max_body_bytes=config.ext_proc_max_body_bytes))
+        else ExtProcOptions(max_body_bytes=config.ext_proc_max_body_bytes),
+        tracing=None if config.envoy_trace_percent is None
+        else TracingOptions(sample_percent=config.envoy_trace_percent))
     cache = SnapshotCache(node_key=_node_key_for(config.xds_group), metrics=metrics,
                           options=options)
     server = XdsServer(cache, host=config.xds_host, port=config.xds_port, metrics=metrics)

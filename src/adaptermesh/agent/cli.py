@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
@@ -92,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BYTES",
         help="largest request body read for its model (Envoy answers 413 above it)",
     )
+    p.add_argument(
+        "--envoy-trace-percent",
+        type=_percent,
+        default=None,
+        help="shard listeners trace this percent of requests with Envoy's OpenTelemetry "
+        "tracer, to the bootstrap's adaptermesh_otlp collector (off when not given)",
+    )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics binds")
     p.add_argument("--metrics-port", type=port, default=9464)
     p.add_argument(
@@ -139,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         base_model=args.base_model,
         ext_proc_max_body_bytes=args.ext_proc_max_body_bytes,
         route_by_body=args.route_by_body,
+        envoy_trace_percent=args.envoy_trace_percent,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         state_file=args.state_file,
@@ -178,3 +187,13 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0.0 <= value <= 100.0):
+        raise argparse.ArgumentTypeError(f"--envoy-trace-percent: {text!r} is not in 0-100")
+    return value

@@ -79,6 +79,9 @@ class AgentConfig:
     picker_scrape_interval_s: float = 1.0
     # Route by the body's model inside Envoy (json_to_metadata), without the processor hop.
     route_by_body: bool = False
+    # Percent of requests the shard listeners' Envoy tracer samples (docs/tracing.md); None:
+    # no tracing. Envoy's bootstrap then needs the adaptermesh_otlp collector cluster.
+    envoy_trace_percent: float | None = None
 
 
 DatapathFactory = Callable[[AgentConfig], Datapath]
