@@ -1,6 +1,6 @@
-"""Envoy's and the worker's spans join one trace: a real Envoy (its OpenTelemetry tracer, our
-snapshot and bootstrap) in front of a real worker service, both exporting to a real OTLP/gRPC
-receiver inside the test."""
+"""Envoy's, the agent's ext_proc and the worker's spans join one trace: a real Envoy (its
+OpenTelemetry tracer, our snapshot and bootstrap, the ext_proc filter) in front of a real
+worker service, all exporting to a real OTLP/gRPC receiver inside the test."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ from mesh_support import LOOPBACK, free_port
 from otlp import OtlpReceiver
 from waiting import wait_until
 
+from adaptermesh.agent.extproc import ExtProcConfig, ExtProcServer
+from adaptermesh.agent.picker import EndpointBook
 from adaptermesh.mesh.bootstrap import EnvoyProcess, build_bootstrap
 from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.mesh.server import XdsServer
-from adaptermesh.mesh.snapshot import TracingOptions, build_listener
+from adaptermesh.mesh.snapshot import ExtProcOptions, TracingOptions, build_listener
 from adaptermesh.proto import assignment_pb2 as ap
 from adaptermesh.tracing import Tracing
 
@@ -59,7 +61,13 @@ def traced_mesh() -> Iterator[tuple[int, OtlpReceiver]]:
     tracing = Tracing.from_config(f"127.0.0.1:{otlp_port}", 1.0, "adaptermesh-worker",
                                   schedule_delay_millis=50)
     worker = _Worker(tracing)
-    options = dataclasses.replace(TEST_OPTIONS, tracing=TracingOptions(sample_percent=100.0))
+    agent_tracing = Tracing.from_config(f"127.0.0.1:{otlp_port}", 1.0, "adaptermesh-agent",
+                                        schedule_delay_millis=50)
+    book = EndpointBook()
+    processor = ExtProcServer(book, ExtProcConfig(base_model="tiny-base"), tracing=agent_tracing)
+    ext_port = processor.start()
+    options = dataclasses.replace(TEST_OPTIONS, tracing=TracingOptions(sample_percent=100.0),
+                                  ext_proc=ExtProcOptions(max_body_bytes=64 * 1024))
     cache = SnapshotCache(options=options)
     xds = XdsServer(cache)
     xds_port = xds.start()
@@ -67,17 +75,21 @@ def traced_mesh() -> Iterator[tuple[int, OtlpReceiver]]:
     shard = ap.Shard(id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
                      service_address=LOOPBACK, service_port=port,
                      endpoints=[ap.Endpoint(address=LOOPBACK, port=worker.port, weight=1)])
-    cache.set_assignment("node-x", ap.Assignment(version=1, shards=[shard], reason="test"))
+    assignment = ap.Assignment(version=1, shards=[shard], reason="test")
+    book.set_assignment(assignment)
+    cache.set_assignment("node-x", assignment)
     envoy = EnvoyProcess(build_bootstrap("node-x", xds_port, otlp_port=otlp_port,
-                                         initial_fetch_timeout_s=5.0))
+                                         ext_proc_port=ext_port, initial_fetch_timeout_s=5.0))
     try:
         envoy.start(ready_timeout=20.0)
         yield port, receiver
     finally:
         envoy.cleanup()
         xds.stop(grace=0.1)
+        processor.stop()
         worker.close()
         tracing.shutdown()
+        agent_tracing.shutdown()
         receiver.stop()
 
 
@@ -112,6 +124,14 @@ def test_envoy_and_worker_spans_join_one_trace(traced_mesh) -> None:  # type: ig
     assert any(s.parent_span_id == PARENT for s in envoy)
     children = [s for s in receiver.snapshot() if s.parent_span_id == root.span_id]
     assert {s.name for s in children} == {"queue", "prefill", "decode"}
+    # The agent's ext_proc decision joins the same trace, under the span of Envoy's call.
+    decided = wait_until(lambda: [s for s in receiver.snapshot() if s.trace_id == TRACE
+                                  and s.name == "ext_proc decide"], 20, 0.1,
+                         what="the ext_proc decision's span")
+    spans = receiver.snapshot()
+    assert decided[0].parent_span_id in {s.span_id for s in spans
+                                         if s.service == "adaptermesh-envoy"}
+    assert decided[0].attributes["adaptermesh.adapter"] == "alpha"
     # A request without a trace context still gets one trace, started by Envoy (100%).
     untraced = {s.trace_id for s in receiver.snapshot() if s.trace_id != TRACE}
     assert untraced

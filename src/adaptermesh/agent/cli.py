@@ -23,6 +23,7 @@ from pathlib import Path
 
 from adaptermesh.agent.daemon import Agent, AgentConfig
 from adaptermesh.cliargs import port
+from adaptermesh.tracing import check_ratio
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -100,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard listeners trace this percent of requests with Envoy's OpenTelemetry "
         "tracer, to the bootstrap's adaptermesh_otlp collector (off when not given)",
     )
+    p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
+                   help="export the ext_proc decisions' spans to this OTLP/gRPC collector")
+    p.add_argument("--trace-sample-ratio", type=_ratio, default=1.0,
+                   help="share of new traces the agent samples (a sampled parent is followed)")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics binds")
     p.add_argument("--metrics-port", type=port, default=9464)
     p.add_argument(
@@ -148,6 +153,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         ext_proc_max_body_bytes=args.ext_proc_max_body_bytes,
         route_by_body=args.route_by_body,
         envoy_trace_percent=args.envoy_trace_percent,
+        otlp_endpoint=args.otlp_endpoint,
+        trace_sample_ratio=args.trace_sample_ratio,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         state_file=args.state_file,
@@ -197,3 +204,10 @@ def _percent(text: str) -> float:
     if not (math.isfinite(value) and 0.0 <= value <= 100.0):
         raise argparse.ArgumentTypeError(f"--envoy-trace-percent: {text!r} is not in 0-100")
     return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        return check_ratio(float(text), "--trace-sample-ratio")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

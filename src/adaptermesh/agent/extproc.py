@@ -63,6 +63,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from adaptermesh.agent.picker import Decision, EndpointBook, decide, model_of
 from adaptermesh.agent.splits import SESSION_HEADER, SplitTable
@@ -70,6 +71,7 @@ from adaptermesh.assignment_rules import served_name
 from adaptermesh.loopthread import LoopThread
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 from adaptermesh.rules import Evaluator, RequestFacts
+from adaptermesh.tracing import Tracing
 from adaptermesh.worker_scrape import parse_metrics
 
 __all__ = [
@@ -100,6 +102,7 @@ _SOURCE_ATTRIBUTE = "source.address"
 _ACTION_HEADERS = {"shard": RULE_SHARD_HEADER, "adapter_version": RULE_VERSION_HEADER,
                    "priority": RULE_PRIORITY_HEADER}
 
+_TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
@@ -123,22 +126,27 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # The applied Assignment (its adapter splits), read per request.
         self.assignment: Callable[[], assignment_pb2.Assignment | None] | None = None
         self.splits = SplitTable()
+        # OpenTelemetry (docs/tracing.md): a span per decision, in the trace Envoy's ext_proc
+        # call carries in its gRPC metadata.
+        self.tracing = Tracing.off()
 
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[ep.ProcessingResponse]:
         shard: str | None = None
+        facts = _Facts()
         for key, value in context.invocation_metadata() or ():
             if key == SHARD_METADATA_KEY:
                 shard = value if isinstance(value, str) else value.decode()
+            elif key in _TRACE_KEYS and self.tracing.enabled:
+                facts.trace[key] = value if isinstance(value, str) else value.decode()
         full_duplex = False
         held_headers = False
         decided: Decision | None = None
         subset: list[str] | None = None
         body = bytearray()
         over = False
-        facts = _Facts()
         async for request in request_iterator:
             kind = request.WhichOneof("request")
             if request.HasField("protocol_config"):
@@ -203,6 +211,26 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _decide(self, model: str | None, shard: str | None,
                 subset: list[str] | None, facts: _Facts) -> _Decided:
+        if not self.tracing.enabled:
+            return self._decide_now(model, shard, subset, facts)
+        started = time.time_ns()
+        decision = self._decide_now(model, shard, subset, facts)
+        attrs = {"adaptermesh.adapter": model or "", "adaptermesh.served": decision.adapter or "",
+                 "adaptermesh.shard": shard or "", "adaptermesh.source": facts.source_ip,
+                 "adaptermesh.endpoint": ",".join(decision.endpoints),
+                 "adaptermesh.reason": decision.reason}
+        for key, value in decision.rule_headers:
+            attrs[key] = value
+        span = self.tracing.tracer.start_span(
+            "ext_proc decide", context=Tracing.extract(facts.trace), kind=SpanKind.SERVER,
+            start_time=started, attributes=attrs)
+        if decision.status is not None:
+            span.set_status(Status(StatusCode.ERROR, f"answered {decision.status}"))
+        span.end()
+        return decision
+
+    def _decide_now(self, model: str | None, shard: str | None,
+                    subset: list[str] | None, facts: _Facts) -> _Decided:
         # A gray release (agent/splits.py) picks the adapter's version first, so the endpoint
         # pick and the adapter header see the versioned name the workers serve it under.
         served, version = model, None
@@ -284,11 +312,12 @@ class _Decided(Decision):
 class _Facts:
     """What the request headers tell the routing rules."""
 
-    __slots__ = ("headers", "source_ip")
+    __slots__ = ("headers", "source_ip", "trace")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.source_ip = ""
+        self.trace: dict[str, str] = {}
 
     def read(self, request: ep.ProcessingRequest) -> None:
         for h in request.request_headers.headers.headers:
@@ -357,6 +386,7 @@ class ExtProcServer:
                  on_decision: Callable[[Decision], None] | None = None,
                  ready: bool = True,
                  assignment: Callable[[], assignment_pb2.Assignment | None] | None = None,
+                 tracing: Tracing | None = None,
                  ) -> None:
         self.book = book
         self.config = config or ExtProcConfig()
@@ -369,6 +399,8 @@ class ExtProcServer:
         self._server: grpc.aio.Server | None = None
         self._servicer = _Servicer(book, self.config, on_decision)
         self._servicer.assignment = assignment
+        if tracing is not None:
+            self._servicer.tracing = tracing
         self.health = health.aio.HealthServicer()
 
     def start(self) -> int:
