@@ -33,6 +33,7 @@ __all__ = [
     "LB_POLICY_LABEL",
     "MAX_ADAPTERS_PER_ENDPOINT",
     "MAX_ADAPTER_NAME",
+    "MAX_ADAPTER_SPLITS",
     "MAX_ALLOWED_CIDRS",
     "MAX_APPLY_ERROR",
     "MAX_ASSIGNMENT_BYTES",
@@ -50,8 +51,11 @@ __all__ = [
     "SHARD_ID_RE",
     "UPSTREAM_PROTOCOLS",
     "UPSTREAM_PROTOCOL_LABEL",
+    "VERSION_RE",
+    "VERSION_SEPARATOR",
     "WEIGHT_BUDGET",
     "RuleError",
+    "check_adapter_name",
     "check_address",
     "check_assignment",
     "check_labels",
@@ -61,10 +65,13 @@ __all__ = [
     "check_shard",
     "check_shard_id",
     "check_shard_set",
+    "check_split",
     "check_steer",
+    "check_version",
     "cidr_network",
     "mac_bytes",
     "normalise_cidr",
+    "served_name",
 ]
 
 # -- limits ----------------------------------------------------------------------------------
@@ -90,6 +97,8 @@ MAX_ALLOWED_CIDRS = 256  # per adapter instance
 MAX_NODES = 4096  # node rows the control plane keeps (load reports create them)
 MAX_NODE_ID = 253
 MAX_APPLY_ERROR = 4096
+# Adapters under gray release at once (Assignment.adapter_splits).
+MAX_ADAPTER_SPLITS = 1024
 # The whole Assignment, serialised: under gRPC's default 4 MiB receive limit, which the
 # agents' watch channels keep, with room for the stream's framing.
 MAX_ASSIGNMENT_BYTES = 3 << 20
@@ -100,6 +109,10 @@ LB_POLICY_LABEL = "adaptermesh.io/lb-policy"
 UPSTREAM_PROTOCOL_LABEL = "adaptermesh.io/upstream-protocol"
 LB_POLICIES = ("round_robin", "least_request")
 UPSTREAM_PROTOCOLS = ("http1", "http2", "downstream")
+# Adapter versions: a worker serves version v of adapter a as the adapter "a@v" (a directory
+# of that name under its adapter root), so a version is a short name-safe token.
+VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+VERSION_SEPARATOR = "@"
 _MAC_RE = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
 _ACTIVE = assignment_pb2.SHARD_STATE_ACTIVE
 _DRAINING = assignment_pb2.SHARD_STATE_DRAINING
@@ -158,6 +171,42 @@ def _address_key(value: str) -> str | None:
 @functools.lru_cache(maxsize=1 << 16)
 def _adapter_ok(name: str) -> bool:
     return 0 < len(name) <= MAX_ADAPTER_NAME and name.isprintable()
+
+
+def check_adapter_name(value: str, field: str) -> None:
+    """An adapter a version can be added to: printable, no version separator."""
+    if not _adapter_ok(value) or VERSION_SEPARATOR in value or value != value.strip():
+        raise RuleError(field, f"{value[:80]!r} must be 1-{MAX_ADAPTER_NAME - 66} printable "
+                        f"characters without {VERSION_SEPARATOR!r} or surrounding spaces")
+    if len(value) > MAX_ADAPTER_NAME - 66:  # room for "@" and the longest version
+        raise RuleError(field, f"at most {MAX_ADAPTER_NAME - 66} characters, got {len(value)}")
+
+
+def check_version(value: str, field: str, *, allow_empty: bool = True) -> None:
+    """An adapter version: "" (the adapter's own name) or a VERSION_RE token."""
+    if value == "" and allow_empty:
+        return
+    if not VERSION_RE.match(value):
+        raise RuleError(field, f"{value[:80]!r} is not a version: 1-64 of A-Z a-z 0-9 . _ -, "
+                        "starting with a letter or digit")
+
+
+def served_name(adapter: str, version: str) -> str:
+    """The adapter name a worker serves ``version`` of ``adapter`` under."""
+    return f"{adapter}{VERSION_SEPARATOR}{version}" if version else adapter
+
+
+def check_split(split: assignment_pb2.AdapterSplit, field: str) -> None:
+    check_adapter_name(split.adapter, f"{field}.adapter")
+    check_version(split.stable_version, f"{field}.stable_version")
+    check_version(split.canary_version, f"{field}.canary_version")
+    if split.canary_share > WEIGHT_BUDGET:
+        raise RuleError(f"{field}.canary_share",
+                        f"{split.canary_share} exceeds {WEIGHT_BUDGET} (parts per 10,000)")
+    if split.canary_share and split.canary_version == split.stable_version:
+        raise RuleError(f"{field}.canary_version",
+                        f"equals the stable version {split.stable_version!r}")
+    _text(split.rollout_id, f"{field}.rollout_id", 64)
 
 
 def check_port(value: int, field: str) -> None:
@@ -382,6 +431,16 @@ def check_assignment(a: assignment_pb2.Assignment) -> None:
         if o.weight > WEIGHT_BUDGET:
             raise RuleError(f"overrides[{i}].weight", f"{o.weight} exceeds {WEIGHT_BUDGET}")
         check_reason(o.reason, f"overrides[{i}].reason")
+    if len(a.adapter_splits) > MAX_ADAPTER_SPLITS:
+        raise RuleError("adapter_splits",
+                        f"at most {MAX_ADAPTER_SPLITS}, got {len(a.adapter_splits)}")
+    split_of: dict[str, int] = {}
+    for i, split in enumerate(a.adapter_splits):
+        check_split(split, f"adapter_splits[{i}]")
+        if split.adapter in split_of:
+            raise RuleError(f"adapter_splits[{i}].adapter", f"duplicate adapter "
+                            f"{split.adapter!r} (also adapter_splits[{split_of[split.adapter]}])")
+        split_of[split.adapter] = i
 
 
 @functools.lru_cache(maxsize=1 << 17)

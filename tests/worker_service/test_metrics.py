@@ -49,6 +49,8 @@ EXPECTED = {
     "adaptermesh_kv_cache_usage_ratio": ("gauge", set()),
     "adaptermesh_max_loras": ("gauge", set()),
     "adaptermesh_requests": ("counter", {"outcome"}),
+    "adaptermesh_adapter_requests": ("counter", {"adapter", "outcome"}),
+    "adaptermesh_adapter_time_to_first_token_seconds": ("histogram", {"adapter"}),
     "adaptermesh_requests_rejected": ("counter", {"reason"}),
     "adaptermesh_http_connections_refused": ("counter", {"reason"}),
     "adaptermesh_websocket_sessions_open": ("gauge", set()),

@@ -26,7 +26,13 @@ from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.mesh.edge import EdgeAuthOptions, EdgeTlsOptions
 from adaptermesh.mesh.metrics import XdsMetrics
 from adaptermesh.mesh.server import XdsServer
-from adaptermesh.mesh.snapshot import BuildOptions, ExtProcOptions, build_snapshot, cluster_name
+from adaptermesh.mesh.snapshot import (
+    BuildOptions,
+    ExtProcOptions,
+    TracingOptions,
+    build_snapshot,
+    cluster_name,
+)
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 
 __all__ = [
@@ -131,7 +137,9 @@ async def mesh_xds(config: AgentConfig, registry: CollectorRegistry | None = Non
         else EdgeAuthOptions(config.edge_issuer, config.edge_jwks, config.edge_audiences),
         edge_tls=None if config.edge_tls_cert is None or config.edge_tls_key is None
         else EdgeTlsOptions(config.edge_tls_cert, config.edge_tls_key),
-        grpc_port_offset=config.grpc_port_offset)
+        grpc_port_offset=config.grpc_port_offset,
+        tracing=None if config.envoy_trace_percent is None
+        else TracingOptions(sample_percent=config.envoy_trace_percent))
     cache = SnapshotCache(node_key=_node_key_for(config.xds_group), metrics=metrics,
                           options=options)
     server = XdsServer(cache, host=config.xds_host, port=config.xds_port, metrics=metrics)

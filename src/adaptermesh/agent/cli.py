@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
 
 from adaptermesh.agent.daemon import Agent, AgentConfig
 from adaptermesh.cliargs import port
+from adaptermesh.tracing import check_ratio
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -104,6 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BYTES",
         help="largest request body read for its model (Envoy answers 413 above it)",
     )
+    p.add_argument(
+        "--envoy-trace-percent",
+        type=_percent,
+        default=None,
+        help="shard listeners trace this percent of requests with Envoy's OpenTelemetry "
+        "tracer, to the bootstrap's adaptermesh_otlp collector (off when not given)",
+    )
+    p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
+                   help="export the ext_proc decisions' spans to this OTLP/gRPC collector")
+    p.add_argument("--trace-sample-ratio", type=_ratio, default=1.0,
+                   help="share of new traces the agent samples (a sampled parent is followed)")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics binds")
     p.add_argument("--metrics-port", type=port, default=9464)
     p.add_argument(
@@ -161,6 +174,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         base_model=args.base_model,
         ext_proc_max_body_bytes=args.ext_proc_max_body_bytes,
         route_by_body=args.route_by_body,
+        envoy_trace_percent=args.envoy_trace_percent,
+        otlp_endpoint=args.otlp_endpoint,
+        trace_sample_ratio=args.trace_sample_ratio,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         state_file=args.state_file,
@@ -200,3 +216,20 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0.0 <= value <= 100.0):
+        raise argparse.ArgumentTypeError(f"--envoy-trace-percent: {text!r} is not in 0-100")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        return check_ratio(float(text), "--trace-sample-ratio")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -40,6 +40,7 @@ from adaptermesh.bpf.table import FlowLookup
 from adaptermesh.clock import Clock, SystemClock
 from adaptermesh.httpserve import serve_app
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2_grpc
+from adaptermesh.tracing import Tracing
 
 __all__ = ["Agent", "AgentConfig"]
 
@@ -90,6 +91,12 @@ class AgentConfig:
     edge_tls_key: str | None = None
     # The workers' KServe v2 gRPC port relative to their HTTP port (None: no gRPC clusters).
     grpc_port_offset: int | None = None
+    # Percent of requests the shard listeners' Envoy tracer samples (docs/tracing.md); None:
+    # no tracing. Envoy's bootstrap then needs the adaptermesh_otlp collector cluster.
+    envoy_trace_percent: float | None = None
+    # The agent's own spans (the ext_proc decisions) to this OTLP/gRPC collector; None: off.
+    otlp_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
 
 
 DatapathFactory = Callable[[AgentConfig], Datapath]
@@ -265,6 +272,10 @@ class Agent:
             port=config.ext_proc_port or 0,
             # A GIE gateway should not pick this agent before it knows any worker.
             ready=applier.current is not None,
+            # Read per request: a new split applies with the Assignment, not a poll later.
+            assignment=lambda: applier.current,
+            tracing=Tracing.from_config(config.otlp_endpoint, config.trace_sample_ratio,
+                                        "adaptermesh-agent"),
         )
         await asyncio.to_thread(server.start)
         self.ext_proc = server

@@ -32,6 +32,12 @@ request headers, the source address (Envoy's ``source.address`` attribute, else 
 rule's action sets ``x-adaptermesh-shard``, ``x-adapter-version`` or ``x-adaptermesh-priority``,
 or answers an ImmediateResponse with the rule's status (a reject).
 
+Adapter versions (gray release, ``agent/splits.py``, docs/rollout.md). When the applied
+Assignment splits the requested adapter between two versions, the client's bucket (its
+``x-session-id``, else its source address) picks one; the processor then sets
+``x-adapter-version`` and routes by the versioned name (``x-adapter-id: <adapter>@<version>``),
+which the workers serve. A rule's ``adapter_version`` action beats the split.
+
 Health: gRPC health checking answers ``""`` and ``liveness`` SERVING while the server runs, and
 ``readiness`` and the ext_proc service name SERVING once the picker knows the workers (the
 agent has an Assignment), as the protocol asks of a picker.
@@ -57,11 +63,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from adaptermesh.agent.picker import Decision, EndpointBook, decide, model_of
+from adaptermesh.agent.splits import SESSION_HEADER, SplitTable
+from adaptermesh.assignment_rules import served_name
 from adaptermesh.loopthread import LoopThread
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 from adaptermesh.rules import Evaluator, RequestFacts
+from adaptermesh.tracing import Tracing
 from adaptermesh.worker_scrape import parse_metrics
 
 __all__ = [
@@ -92,6 +102,7 @@ _SOURCE_ATTRIBUTE = "source.address"
 _ACTION_HEADERS = {"shard": RULE_SHARD_HEADER, "adapter_version": RULE_VERSION_HEADER,
                    "priority": RULE_PRIORITY_HEADER}
 
+_TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
@@ -112,22 +123,30 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.on_decision = on_decision
         # Swapped whole by ExtProcServer.set_rules; read once per request.
         self.rules: Evaluator | None = None
+        # The applied Assignment (its adapter splits), read per request.
+        self.assignment: Callable[[], assignment_pb2.Assignment | None] | None = None
+        self.splits = SplitTable()
+        # OpenTelemetry (docs/tracing.md): a span per decision, in the trace Envoy's ext_proc
+        # call carries in its gRPC metadata.
+        self.tracing = Tracing.off()
 
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[ep.ProcessingResponse]:
         shard: str | None = None
+        facts = _Facts()
         for key, value in context.invocation_metadata() or ():
             if key == SHARD_METADATA_KEY:
                 shard = value if isinstance(value, str) else value.decode()
+            elif key in _TRACE_KEYS and self.tracing.enabled:
+                facts.trace[key] = value if isinstance(value, str) else value.decode()
         full_duplex = False
         held_headers = False
         decided: Decision | None = None
         subset: list[str] | None = None
         body = bytearray()
         over = False
-        facts = _Facts()
         async for request in request_iterator:
             kind = request.WhichOneof("request")
             if request.HasField("protocol_config"):
@@ -192,22 +211,61 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _decide(self, model: str | None, shard: str | None,
                 subset: list[str] | None, facts: _Facts) -> _Decided:
+        if not self.tracing.enabled:
+            return self._decide_now(model, shard, subset, facts)
+        started = time.time_ns()
+        decision = self._decide_now(model, shard, subset, facts)
+        attrs = {"adaptermesh.adapter": model or "", "adaptermesh.served": decision.adapter or "",
+                 "adaptermesh.shard": shard or "", "adaptermesh.source": facts.source_ip,
+                 "adaptermesh.endpoint": ",".join(decision.endpoints),
+                 "adaptermesh.reason": decision.reason}
+        for key, value in decision.rule_headers:
+            attrs[key] = value
+        span = self.tracing.tracer.start_span(
+            "ext_proc decide", context=Tracing.extract(facts.trace), kind=SpanKind.SERVER,
+            start_time=started, attributes=attrs)
+        if decision.status is not None:
+            span.set_status(Status(StatusCode.ERROR, f"answered {decision.status}"))
+        span.end()
+        return decision
+
+    def _decide_now(self, model: str | None, shard: str | None,
+                    subset: list[str] | None, facts: _Facts) -> _Decided:
+        # A gray release (agent/splits.py) picks the adapter's version first, so the endpoint
+        # pick and the adapter header see the versioned name the workers serve it under.
+        served, version = model, None
+        if self.assignment is not None:
+            self.splits.refresh(self.assignment())
+        rules = self.rules
+        outcome = None
+        if rules is not None:
+            outcome = rules.evaluate(RequestFacts(
+                source_ip=facts.source_ip, tenant=facts.headers.get(TENANT_HEADER, ""),
+                headers=facts.headers, adapter=model or ""))
+        action = outcome.action if outcome is not None else None
+        if model is not None and model != self.config.base_model:
+            if action is not None and action.kind == "adapter_version":
+                version = action.value  # an operator's rule beats the rollout's split
+                served = served_name(model, version)
+            elif self.splits:
+                pick = self.splits.pick(model, facts.headers.get(SESSION_HEADER)
+                                        or facts.source_ip)
+                if pick is not None:
+                    served, version = pick.served, pick.version
         decision = decide(
-            model, self.config.base_model, self.book.candidates(shard), subset=subset,
+            served, self.config.base_model, self.book.candidates(shard), subset=subset,
             must_pick=shard is None, rotation=self.book.rotation,
             fallbacks=self.config.fallbacks)
         decision = _Decided(**{f: getattr(decision, f) for f in _DECISION_FIELDS})
-        rules = self.rules
-        if rules is not None and decision.status is None:
-            outcome = rules.evaluate(RequestFacts(
-                source_ip=facts.source_ip, tenant=facts.headers.get(TENANT_HEADER, ""),
-                headers=facts.headers, adapter=decision.adapter or model or ""))
-            action = outcome.action
-            if action is not None and action.kind == "reject":
+        if version:
+            decision.rule_headers.append((RULE_VERSION_HEADER, version))
+        if decision.status is None and action is not None:
+            assert outcome is not None
+            if action.kind == "reject":
                 decision = dataclasses.replace(
                     decision, endpoints=(), status=action.status,
                     reason=action.message or f"rejected by rule {outcome.rule}")
-            elif action is not None:
+            elif action.kind != "adapter_version":
                 decision.rule_headers.append((_ACTION_HEADERS[action.kind], action.value))
         if decision.endpoints:
             self.book.note_pick(decision.endpoints[0])
@@ -254,11 +312,12 @@ class _Decided(Decision):
 class _Facts:
     """What the request headers tell the routing rules."""
 
-    __slots__ = ("headers", "source_ip")
+    __slots__ = ("headers", "source_ip", "trace")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.source_ip = ""
+        self.trace: dict[str, str] = {}
 
     def read(self, request: ep.ProcessingRequest) -> None:
         for h in request.request_headers.headers.headers:
@@ -325,7 +384,10 @@ class ExtProcServer:
     def __init__(self, book: EndpointBook, config: ExtProcConfig | None = None, *,
                  host: str = "127.0.0.1", port: int = 0,
                  on_decision: Callable[[Decision], None] | None = None,
-                 ready: bool = True) -> None:
+                 ready: bool = True,
+                 assignment: Callable[[], assignment_pb2.Assignment | None] | None = None,
+                 tracing: Tracing | None = None,
+                 ) -> None:
         self.book = book
         self.config = config or ExtProcConfig()
         self._ready = ready
@@ -336,6 +398,9 @@ class ExtProcServer:
         self._loop = LoopThread("ext-proc")
         self._server: grpc.aio.Server | None = None
         self._servicer = _Servicer(book, self.config, on_decision)
+        self._servicer.assignment = assignment
+        if tracing is not None:
+            self._servicer.tracing = tracing
         self.health = health.aio.HealthServicer()
 
     def start(self) -> int:

@@ -691,6 +691,128 @@ def rules_get_cmd(ctx: typer.Context, version: int = 0) -> None:
               highlight=False)
 
 
+_ROLLOUT_STATES = {
+    control_plane_pb2.ROLLOUT_STATE_RUNNING: "RUNNING",
+    control_plane_pb2.ROLLOUT_STATE_PAUSED: "PAUSED",
+    control_plane_pb2.ROLLOUT_STATE_COMPLETED: "COMPLETED",
+    control_plane_pb2.ROLLOUT_STATE_ROLLED_BACK: "ROLLED_BACK",
+    control_plane_pb2.ROLLOUT_STATE_ABORTED: "ABORTED",
+}
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str, field: str, default_unit: str = "s") -> float:
+    """``90s``, ``2m``, ``1h``, ``800ms`` (a bare number is in ``default_unit``) -> that unit."""
+    t = text.strip().lower()
+    unit = next((u for u in ("ms", "s", "m", "h") if t.endswith(u)), default_unit)
+    number = t[: -len(unit)] if t.endswith(unit) else t
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{field}: {text!r} is not a duration such as 90s, 2m or 800ms") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{field}: {text!r} must be a finite duration >= 0")
+    return value * _DURATION_UNITS[unit] / _DURATION_UNITS[default_unit]
+
+
+def parse_fraction(text: str, field: str) -> float:
+    """``1%`` or ``0.01`` -> 0.01."""
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise ValueError(f"{field}: {text!r} is not a rate such as 1% or 0.01") from None
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise ValueError(f"{field}: {text!r} is not between 0% and 100%")
+    return value
+
+
+def parse_steps(text: str) -> list[int]:
+    try:
+        return [int(p.strip().rstrip("%")) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--steps: {text!r} is not a list of percentages such as 5,25,50,100") from None
+
+
+def _rollouts_table(rollouts: Any, title: str = "rollouts") -> Table:
+    t = Table("ADAPTER", "FROM", "TO", "STATE", "STEP", "SHARE", "REQS", "ERRORS", "P95 TTFT",
+              "REASON", title=title)
+    for r in rollouts:
+        spec = r.spec
+        step = f"{r.step + 1}/{len(spec.steps_percent)}"
+        p95 = f"{r.window_p95_ttft_ms:.0f} ms" if r.window_requests else "-"
+        t.add_row(escape(spec.adapter), escape(spec.from_version or "(unversioned)"),
+                  escape(spec.to_version), _ROLLOUT_STATES.get(r.state, "?"), step,
+                  f"{r.share / 100:g}%", str(r.window_requests), str(r.window_errors), p95,
+                  escape(r.reason))
+    return t
+
+
+@app.command("rollout", context_settings={"allow_interspersed_args": True})
+def rollout_cmd(
+    ctx: typer.Context,
+    args: Annotated[list[str], typer.Argument(
+        metavar="ADAPTER | pause ADAPTER | resume ADAPTER | abort ADAPTER | status [ADAPTER] "
+                "| history ADAPTER")],
+    to: Annotated[str, typer.Option("--to", help="the new version")] = "",
+    from_version: Annotated[str, typer.Option("--from", help="the version now serving "
+                                              "(default: the adapter's stable one)")] = "",
+    steps: Annotated[str, typer.Option(help="canary shares in percent, the last 100")] = "5,25,50,100",
+    interval: Annotated[str, typer.Option(help="least time per step (90s, 2m, 1h)")] = "2m",
+    max_error_rate: Annotated[str, typer.Option(help="roll back above this error rate (1%; 0: none)")] = "0",
+    max_p95_ttft: Annotated[str, typer.Option(help="roll back above this p95 TTFT (800ms; 0: none)")] = "0",
+    min_requests: Annotated[int, typer.Option(help="requests of the new version a step needs")] = 20,
+    reason: Annotated[str, typer.Option(help="why; recorded with the rollout")] = "",
+) -> None:
+    """Gray release of an adapter version by traffic share, promoted step by step and rolled
+    back when the new version breaks a bound; or pause / resume / abort / status / history."""
+    c = _ctx(ctx)
+    verb = args[0] if args else ""
+    if verb in ("pause", "resume", "abort"):
+        if len(args) != 2:
+            _die(f"usage: adapterctl rollout {verb} ADAPTER", 2)
+        r = c.call("ControlRollout", control_plane_pb2.ControlRolloutRequest(
+            adapter=args[1], action=verb, reason=reason))
+        out.print(f"rollout {r.spec.adapter} -> {r.spec.to_version}: "
+                  f"{_ROLLOUT_STATES.get(r.state, '?')} at {r.share / 100:g}%",
+                  markup=False, highlight=False)
+        return
+    if verb in ("status", "history"):
+        if len(args) > 2 or (verb == "history" and len(args) != 2):
+            _die(f"usage: adapterctl rollout {verb} {'ADAPTER' if verb == 'history' else '[ADAPTER]'}", 2)
+        resp = c.call("ListRollouts", control_plane_pb2.ListRolloutsRequest(
+            adapter=args[1] if len(args) == 2 else "", history=verb == "history"))
+        out.print(_rollouts_table(resp.rollouts))
+        if verb == "history":
+            t = Table("AT", "ADAPTER", "TO", "EVENT", "SHARE", "REASON", title="events")
+            for r in resp.rollouts:
+                for e in r.events:
+                    t.add_row(_ts(e.at), escape(r.spec.adapter), escape(r.spec.to_version),
+                              e.kind, f"{e.share / 100:g}%", escape(e.reason))
+            out.print(t)
+        return
+    if len(args) != 1:
+        _die("usage: adapterctl rollout ADAPTER --to VERSION [--steps ...]", 2)
+    if not to:
+        _die("--to: the new version is required", 2)
+
+    def spec() -> control_plane_pb2.RolloutSpec:
+        seconds = parse_duration(interval, "--interval")
+        if seconds != int(seconds) or seconds < 1:
+            raise ValueError(f"--interval: {interval!r} must be a whole number of seconds >= 1")
+        return control_plane_pb2.RolloutSpec(
+            adapter=args[0], from_version=from_version, to_version=to,
+            steps_percent=parse_steps(steps), interval_seconds=int(seconds),
+            max_error_rate=parse_fraction(max_error_rate, "--max-error-rate"),
+            max_p95_ttft_ms=parse_duration(max_p95_ttft, "--max-p95-ttft", "ms"),
+            min_requests=min_requests)
+
+    r = c.call("StartRollout", control_plane_pb2.StartRolloutRequest(spec=_guard(spec), reason=reason))
+    out.print(f"rollout {r.spec.adapter} {r.spec.from_version or '(unversioned)'} -> "
+              f"{r.spec.to_version} started at {r.share / 100:g}% (id {r.id})",
+              markup=False, highlight=False)
+
+
 @app.command("unpin")
 def unpin_cmd(ctx: typer.Context, cidr: str) -> None:
     """Remove a tenant pin."""
@@ -741,6 +863,9 @@ def status_cmd(ctx: typer.Context) -> None:
     st = _ctx(ctx).call("GetStatus", control_plane_pb2.GetStatusRequest())
     out.print(_status_table(st))
     out.print(_nodes_table(st))
+    rollouts = _ctx(ctx).call("ListRollouts", control_plane_pb2.ListRolloutsRequest())
+    if rollouts.rollouts:
+        out.print(_rollouts_table(rollouts.rollouts))
 
 
 @app.command("watch")

@@ -26,6 +26,7 @@ from adaptermesh import assignment_rules as rules
 from adaptermesh.assignment_rules import RuleError
 from adaptermesh.control_plane.policy import BUDGET
 from adaptermesh.control_plane.rebalancer import PublishError, Rebalancer
+from adaptermesh.control_plane.rollout_api import RolloutApi
 from adaptermesh.control_plane.store import AlreadyExistsError, RuleSetRecord, override_message
 from adaptermesh.proto.adaptermesh.v1 import (
     assignment_pb2,
@@ -119,7 +120,7 @@ def validate_shard(shard: assignment_pb2.Shard) -> None:
         _invalid(exc.field, exc.message)
 
 
-class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
+class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServicer):
     def __init__(
         self,
         rebalancer: Rebalancer,

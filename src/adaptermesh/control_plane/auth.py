@@ -58,6 +58,8 @@ _WRITE_METHODS = frozenset(
         "UpsertAdapterInstance",
         "DeleteAdapterInstance",
         "ApplyRules",
+        "StartRollout",
+        "ControlRollout",
     }
 )
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")

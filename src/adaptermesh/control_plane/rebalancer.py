@@ -41,6 +41,7 @@ from adaptermesh.control_plane.policy import (
     endpoint_key,
 )
 from adaptermesh.control_plane.policy.capacity import CapacityConfig
+from adaptermesh.control_plane.rollout_state import splits as rollout_splits
 from adaptermesh.control_plane.store import Store
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
 
@@ -298,6 +299,7 @@ class Rebalancer:
             out.pins.add(cidr=cidr, shard_id=shard_id)
         out.overrides.extend(self.store.live_overrides(now))
         out.adapters.extend(self.layout().edges)
+        out.adapter_splits.extend(rollout_splits(self.store.rollouts()))
         return out
 
     def _validate(self, assignment: assignment_pb2.Assignment) -> None:

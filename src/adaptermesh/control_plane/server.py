@@ -22,6 +22,7 @@ from adaptermesh.control_plane.metrics import serve_metrics
 from adaptermesh.control_plane.metrics_source import LoadSource, PrometheusSource, ScrapeSource
 from adaptermesh.control_plane.policy import PolicyConfig
 from adaptermesh.control_plane.rebalancer import Rebalancer, RebalancerConfig
+from adaptermesh.control_plane.rollout import RolloutController
 from adaptermesh.control_plane.store import Store
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2
 
@@ -48,6 +49,8 @@ class ServerConfig:
     # handler runs; the API's own limits name the field for anything smaller.
     max_message_bytes: int = 4 * 1024 * 1024
     rebalance: bool = True
+    # How often running rollouts read worker metrics and decide (docs/rollout.md).
+    rollout_tick_s: float = 1.0
     # Prometheus /metrics on this port, on the host of ``listen``; 0: off.
     metrics_port: int = 0
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -85,6 +88,10 @@ class ControlPlaneServer:
             logger=self.log,
         )
         self.servicer = ControlPlaneServicer(self.rebalancer, config.limits, self.log)
+        self.rollouts = RolloutController(self.rebalancer, tick_s=config.rollout_tick_s,
+                                          logger=self.log)
+        self.servicer.rollouts = self.rollouts
+        self._rollout_task: asyncio.Task[None] | None = None
         self.health = health_aio.HealthServicer()
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -137,6 +144,7 @@ class ControlPlaneServer:
         await self.health.set(CONTROL_PLANE_SERVICE, serving)
         if cfg.rebalance:
             self._loop_task = asyncio.create_task(self.rebalancer.run(self._stop))
+            self._rollout_task = asyncio.create_task(self.rollouts.run(self._stop))
         return self.port
 
     async def stop(self, grace: float = 1.0) -> None:
@@ -144,6 +152,11 @@ class ControlPlaneServer:
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set("", not_serving)
         await self.health.set(CONTROL_PLANE_SERVICE, not_serving)
+        for task in (self._rollout_task,):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

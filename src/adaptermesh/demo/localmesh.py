@@ -62,6 +62,7 @@ XDS_PORT = 18000
 AGENT_METRICS_PORT = 9464
 WORKER_BASE_PORT = 8101
 ENVOY_ADMIN_PORT = 9901
+EXT_PROC_PORT = 18100
 
 
 @dataclass
@@ -83,6 +84,12 @@ class MeshConfig:
     grpc_port_offset: int | None = None
     # More agent flags (edge token and TLS settings, say).
     agent_args: Sequence[str] = ()
+    # The agent's external processor in front of every shard (adapter by body, routing
+    # rules, adapter version splits).
+    ext_proc: bool = False
+    # Adapters made on disk but not listed as resident: the workers load them on demand
+    # (versions for a rollout, "<adapter>@<version>").
+    extra_adapters: Sequence[str] = ()
 
 
 @dataclass
@@ -292,7 +299,8 @@ class LocalMesh:
 
         if not (self.model_dir / "config.json").exists():
             make_tiny_model(self.model_dir)
-        for i, name in enumerate(self.config.adapters):
+        names = [*self.config.adapters, *self.config.extra_adapters]
+        for i, name in enumerate(names):
             if not (self.adapter_root / name / "adapter_config.json").exists():
                 self.make_adapter(name, seed=i + 1, rank=4 + 4 * (i % 4))
         del make_adapter
@@ -495,6 +503,8 @@ class LocalMesh:
             *(() if self.config.grpc_port_offset is None
               else ("--grpc-port-offset", str(self.config.grpc_port_offset))),
             *self.config.agent_args,
+            *(["--ext-proc-host", "0.0.0.0", "--ext-proc-port", str(EXT_PROC_PORT),
+               "--base-model", BASE_MODEL] if self.config.ext_proc else []),
         ]
 
     def start_agent(self) -> Proc:
@@ -522,6 +532,8 @@ class LocalMesh:
             xds_host=s.node_addr,
             node_cluster=f"shard-{shard_id}",
             admin_port=ENVOY_ADMIN_PORT,
+            ext_proc_port=EXT_PROC_PORT if self.config.ext_proc else None,
+            ext_proc_host=s.node_addr,
         )
         workdir = self.workdir / f"envoy-{shard_id}"
         envoy = EnvoyProcess(bootstrap, workdir=workdir, concurrency=1)
@@ -691,7 +703,8 @@ class LocalMesh:
         return self.ns.run(self.tenant_ns, fn, *args)
 
     def complete(
-        self, source: str, adapter: str, prompt: str, max_tokens: int = 8, timeout: float = 30.0
+        self, source: str, adapter: str, prompt: str, max_tokens: int = 8, timeout: float = 30.0,
+        headers: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """One completion from tenant address ``source`` through classifier -> Envoy -> worker.
 
@@ -707,6 +720,7 @@ class LocalMesh:
             prompt,
             max_tokens,
             timeout,
+            headers,
         )
 
     def complete_direct(
@@ -737,14 +751,15 @@ def _http_post_status(url: str, body: dict[str, Any]) -> int:
 
 
 def _complete(
-    source: str | None, base: str, adapter: str, prompt: str, max_tokens: int, timeout: float
+    source: str | None, base: str, adapter: str, prompt: str, max_tokens: int, timeout: float,
+    headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     transport = httpx.HTTPTransport(local_address=source) if source else None
     with httpx.Client(transport=transport, timeout=timeout) as client:
         r = client.post(
             f"{base}/v1/completions",
             json={"model": adapter, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-            headers={"x-adapter-id": adapter},
+            headers={"x-adapter-id": adapter, **(headers or {})},
         )
         if r.status_code != 200:
             raise MeshError(f"{source} -> {adapter}: HTTP {r.status_code}: {r.text[:300]}")

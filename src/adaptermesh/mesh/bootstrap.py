@@ -67,6 +67,8 @@ __all__ = [
 XDS_CLUSTER = "adaptermesh_xds"
 # The agent's ext_proc server; the name matches snapshot.ExtProcOptions.cluster.
 EXT_PROC_CLUSTER = "adaptermesh_extproc"
+# The OTLP/gRPC collector Envoy sends spans to; the name matches snapshot.TracingOptions.cluster.
+OTLP_CLUSTER = "adaptermesh_otlp"
 
 
 class EnvoyError(RuntimeError):
@@ -87,11 +89,15 @@ def build_bootstrap(
     max_downstream_connections: int = 50_000,
     ext_proc_port: int | None = None,
     ext_proc_host: str = "127.0.0.1",
+    otlp_port: int | None = None,
+    otlp_host: str = "127.0.0.1",
 ) -> bootstrap_pb2.Bootstrap:
     """A bootstrap that takes everything but the xDS cluster from our ADS server.
 
     ``ext_proc_port`` adds the static cluster ``adaptermesh_extproc`` (HTTP/2) of the agent's
     external processor, which listeners built with ``BuildOptions(ext_proc=...)`` call.
+    ``otlp_port`` adds ``adaptermesh_otlp``, the OTLP/gRPC collector that listeners built with
+    ``BuildOptions(tracing=...)`` send spans to (``otlp_host`` may be a DNS name).
     """
     if not node_id:
         raise ValueError("node_id: must not be empty")
@@ -121,6 +127,25 @@ def build_bootstrap(
     xds_cluster.typed_extension_protocol_options[
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(packed_options)
     static_clusters = [xds_cluster]
+    if otlp_port is not None:
+        if not 1 <= otlp_port <= 65535:
+            raise ValueError(f"otlp_port: {otlp_port} is outside 1-65535")
+        otlp_cluster = cluster_pb2.Cluster(
+            name=OTLP_CLUSTER,
+            type=cluster_pb2.Cluster.STRICT_DNS,
+            connect_timeout=duration_pb2.Duration(seconds=1),
+            load_assignment=endpoint_pb2.ClusterLoadAssignment(
+                cluster_name=OTLP_CLUSTER,
+                endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[
+                    endpoint_components_pb2.LbEndpoint(
+                        endpoint=endpoint_components_pb2.Endpoint(
+                            address=_address(otlp_host, otlp_port))),
+                ])],
+            ),
+        )
+        otlp_cluster.typed_extension_protocol_options[
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(packed_options)
+        static_clusters.append(otlp_cluster)
     if ext_proc_port is not None:
         ext_proc_cluster = cluster_pb2.Cluster(
             name=EXT_PROC_CLUSTER,

@@ -51,6 +51,7 @@ from envoy.config.core.v3 import (
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.config.trace.v3 import http_tracer_pb2, opentelemetry_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
@@ -60,6 +61,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, string_pb2, value_pb2
+from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
@@ -201,6 +203,21 @@ class BuildOptions:
     # TLS on the shard listeners beside plaintext (mesh/edge.py); None: plaintext only, and
     # adapters with security.tls refuse every request.
     edge_tls: EdgeTlsOptions | None = None
+    # None: no tracing. Otherwise each shard listener starts or joins a W3C trace, sends its
+    # spans by OTLP/gRPC to the bootstrap's collector cluster and passes the context on to the
+    # worker (and to the ext_proc call); docs/tracing.md.
+    tracing: TracingOptions | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TracingOptions:
+    """Envoy's OpenTelemetry tracer on shard listeners. Must stay in sync with
+    ``bootstrap.OTLP_CLUSTER`` (the collector's static cluster)."""
+
+    cluster: str = "adaptermesh_otlp"
+    # Share of requests that start a trace (0-100); a sampled traceparent is always followed.
+    sample_percent: float = 100.0
+    service_name: str = "adaptermesh-envoy"
 
 
 def cluster_name(shard_id: str) -> str:
@@ -574,6 +591,8 @@ def build_listener(
                                typed_config=_pack(router_pb2.Router())),
         ],
     )
+    if opts.tracing is not None:
+        manager.tracing.CopyFrom(_tracing(opts.tracing))
 
     def chain(tls: bool) -> listener_components_pb2.FilterChain:
         hcm = hcm_pb2.HttpConnectionManager()
@@ -596,6 +615,20 @@ def build_listener(
         filter_chains=chains,
         listener_filters=[] if opts.edge_tls is None else [tls_inspector()],
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _tracing(t: TracingOptions) -> hcm_pb2.HttpConnectionManager.Tracing:
+    if not 0.0 <= t.sample_percent <= 100.0:
+        raise ValueError(f"tracing.sample_percent: {t.sample_percent} is outside 0-100")
+    provider = opentelemetry_pb2.OpenTelemetryConfig(
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=t.cluster)),
+        service_name=t.service_name)
+    return hcm_pb2.HttpConnectionManager.Tracing(
+        random_sampling=percent_pb2.Percent(value=t.sample_percent),
+        provider=http_tracer_pb2.Tracing.Http(name="envoy.tracers.opentelemetry",
+                                              typed_config=_pack(provider)))
 
 
 BODY_METADATA_NAMESPACE = "adaptermesh.body"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from adaptermesh.cliargs import port
 from adaptermesh.httpserve import ListenerLimits, raise_fd_limit
+from adaptermesh.tracing import Tracing, check_ratio
 from adaptermesh.worker.eviction import POLICY_NAMES
 from adaptermesh.worker.grpc_v2 import GrpcV2Server
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
@@ -199,9 +200,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for a request's body to arrive (else 408)")
     p.add_argument("--keepalive-timeout", type=_positive_float, default=d.keepalive_timeout_s,
                    help="seconds an idle kept-alive connection stays open")
+    p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
+                   help="export OpenTelemetry spans to this OTLP/gRPC collector (off when "
+                   "not given; docs/tracing.md)")
+    p.add_argument("--trace-sample-ratio", type=_ratio, default=1.0,
+                   help="share of new traces sampled (a sampled parent is always followed)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
+
+def _ratio(text: str) -> float:
+    try:
+        return check_ratio(float(text), "--trace-sample-ratio")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _read_token(path: Path) -> str:
@@ -261,6 +274,7 @@ async def run_worker(
     lora_modules: Sequence[LoraModule] = (),
     grpc_port: int | None = None,
     on_grpc_ready: Callable[[int], None] | None = None,
+    tracing: Tracing | None = None,
 ) -> bool:
     """Load ``lora_modules``, serve until ``stop`` is set, then drain. Returns True when the
     drain finished in time.
@@ -268,7 +282,7 @@ async def run_worker(
     The listener opens only after every start-up adapter is loaded, so ``/health`` never
     answers ready without them. The engine is shut down on the way out, whatever happens.
     """
-    service = WorkerService(engine, config)
+    service = WorkerService(engine, config, tracing)
     mount_websocket(service)  # GET /v1/ws, on the same port, limits and metrics
     # KServe v2 over gRPC on its own port, through the same service (queue, limits, metrics).
     grpc_server = GrpcV2Server(service) if grpc_port is not None else None
@@ -300,6 +314,8 @@ async def run_worker(
             await grpc_server.stop()
         await runner.cleanup()
         await engine.shutdown()
+        if tracing is not None:
+            tracing.shutdown()  # flushes the spans still batched
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,7 +375,10 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
     try:
         drained = await run_worker(engine, config, args.host, args.port, stop=stop,
                                    on_ready=ready, lora_modules=args.lora_modules,
-                                   grpc_port=args.grpc_port, on_grpc_ready=grpc_ready)
+                                   grpc_port=args.grpc_port, on_grpc_ready=grpc_ready,
+                                   tracing=Tracing.from_config(
+                                       args.otlp_endpoint, args.trace_sample_ratio,
+                                       "adaptermesh-worker"))
     except ValueError as exc:
         print(f"adaptermesh worker: {exc}", file=sys.stderr)
         return 2

@@ -115,6 +115,19 @@ class ServiceMetrics:
             "Finished generation requests by outcome (finish reason, or the error that ended them).",
             ["outcome"], registry=r,
         )
+        # Per adapter as served (a version is its own name, "a@v"): what the control plane's
+        # rollout controller judges a new version by (docs/rollout.md). Base-model requests
+        # are not counted here.
+        self.adapter_requests = Counter(
+            "adaptermesh_adapter_requests",
+            "Finished generation requests per adapter (version included) by outcome.",
+            ["adapter", "outcome"], registry=r,
+        )
+        self.adapter_ttft = Histogram(
+            "adaptermesh_adapter_time_to_first_token_seconds",
+            "Time to first token per adapter (version included), queueing included.",
+            ["adapter"], registry=r, buckets=_TTFT_BUCKETS,
+        )
         self.rejected = Counter(
             "adaptermesh_requests_rejected",
             "Generation requests refused before reaching the engine, by reason.",
@@ -211,8 +224,13 @@ class ServiceMetrics:
         first_token: float | None,
         last_token: float | None,
         completion_tokens: int,
+        adapter: str | None = None,
     ) -> None:
         self.requests.labels(outcome=outcome).inc()
+        if adapter is not None:
+            self.adapter_requests.labels(adapter=adapter, outcome=outcome).inc()
+            if first_token is not None:
+                self.adapter_ttft.labels(adapter=adapter).observe(first_token - arrived)
         if outcome in ("stop", "length"):
             self.vllm_success.labels(model_name=self.model_name, finished_reason=outcome).inc()
         if first_token is None:

@@ -38,7 +38,8 @@ __all__ = [
 ]
 
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,199}$")
+# "@" joins an adapter and its version ("credit-risk@2.0.0", docs/rollout.md).
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/@]{0,199}$")
 _PARENTS = {m: ("self_attn" if m in GROUPS["qkv"] or m == "o_proj" else "mlp") for m in SUPPORTED_MODULES}
 _PARENTS.update(qkv_proj="self_attn", gate_up_proj="mlp")
 
@@ -53,7 +54,7 @@ class AdapterValidationError(AdapterNotFoundError):
 
 def validate_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME_RE.match(name) or any(p in ("..", ".") for p in name.split("/")):
-        raise AdapterValidationError(str(name), "name", "must be 1-200 characters of [A-Za-z0-9._-/] with no '.' or '..' parts")
+        raise AdapterValidationError(str(name), "name", "must be 1-200 characters of [A-Za-z0-9._-/@] with no '.' or '..' parts")
 
 
 def resolve_in_root(root: Path, name: str, path: str | None = None) -> Path:

@@ -41,9 +41,11 @@ from typing import Any, Literal, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from adaptermesh.assignment_rules import VERSION_SEPARATOR, RuleError, check_version, served_name
 from adaptermesh.httpserve import (
     BodyTimeoutError,
     JsonBodyError,
@@ -52,7 +54,9 @@ from adaptermesh.httpserve import (
     read_body,
     serve_app,
 )
+from adaptermesh.tracing import Tracing
 from adaptermesh.worker.api import (
+    MAX_NAME_CHARS,
     ChatChoice,
     ChatCompletionRequest,
     ChatLogprobs,
@@ -65,6 +69,7 @@ from adaptermesh.worker.api import (
     request_error,
 )
 from adaptermesh.worker.fair_queue import FairQueue, QueueFullError, Ticket
+from adaptermesh.worker.faults import FaultTable
 from adaptermesh.worker.metrics import ServiceMetrics
 from adaptermesh.worker.types import (
     AdapterNotFoundError,
@@ -88,6 +93,10 @@ __all__ = ["ADAPTER_HEADER", "ApiError", "ChoiceEvent", "ServiceConfig", "Worker
 log = logging.getLogger(__name__)
 
 _JSON = "application/json"
+# The shard whose Envoy sent the request (agent/extproc.py's header), for span attributes.
+SHARD_HEADER = "x-adaptermesh-shard"
+# The adapter version the mesh chose (a rollout's split, a routing rule): agent/extproc.py sets it.
+VERSION_HEADER = "x-adapter-version"
 _TENANT_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+-]{1,64}$")
 # Engine field names that differ from the API's.
 _ENGINE_FIELD_TO_PARAM = {"name": "lora_name", "path": "lora_path", "adapter": "model",
@@ -237,6 +246,9 @@ class _Job:
     # The SSE chunk's bytes up to its choices list: the same for every chunk of the request,
     # so it is encoded once instead of once per token.
     chunk_head: bytes = b""
+    # The W3C trace context the request carried and its span attributes (tracing on only).
+    trace_context: Any = None
+    trace_attrs: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,9 +278,13 @@ class _Progress:
 class WorkerService:
     """The aiohttp application plus the fair queue and metrics it serves with."""
 
-    def __init__(self, engine: EngineProtocol, config: ServiceConfig | None = None) -> None:
+    def __init__(self, engine: EngineProtocol, config: ServiceConfig | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.engine = engine
         self.config = config or ServiceConfig()
+        # OpenTelemetry spans per request (docs/tracing.md); off unless the worker is given
+        # an OTLP endpoint.
+        self.tracing = tracing or Tracing.off()
         c = self.config
         self.queue = FairQueue(
             max_running=c.max_running,
@@ -276,6 +292,7 @@ class WorkerService:
             max_waiting_total=c.max_waiting_total,
         )
         self.metrics = ServiceMetrics(engine, self.queue)
+        self.faults = FaultTable()
         self.draining = False
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -293,6 +310,8 @@ class WorkerService:
                 web.post("/v1/unload_lora_adapter", self._unload_adapter),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
+                web.get("/v1/admin/faults", self._get_faults),
+                web.post("/v1/admin/faults", self._set_faults),
             ]
         )
         self.app.on_startup.append(self._start_poller)
@@ -503,12 +522,46 @@ class WorkerService:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
         job = await self._job(request, body, "completion")
+        self._inject_fault(job)
         return await self._run(request, job)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
         job = await self._job(request, body, "chat")
+        self._inject_fault(job)
         return await self._run(request, job)
+
+    def _inject_fault(self, job: _Job) -> None:
+        """An operator's injected fault (worker/faults.py): a 500, counted as the adapter's."""
+        if self.faults.should_fail(job.adapter):
+            self.metrics.observe_finished(outcome="injected_fault", arrived=job.arrived,
+                                          first_token=None, last_token=None,
+                                          completion_tokens=0, adapter=job.adapter)
+            raise ApiError(500, f"injected fault for adapter {job.adapter!r}",
+                           type="server_error", code="injected_fault")
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        self._check_admin(request)
+        return web.json_response({"faults": self.faults.rates()})
+
+    async def _set_faults(self, request: web.Request) -> web.Response:
+        """``{"adapter": name, "error_rate": 0-1}`` (admin token); rate 0 clears."""
+        self._check_admin(request)
+        body = await self._read_json(request)
+        adapter = body.get("adapter")
+        if not isinstance(adapter, str) or not adapter:
+            raise _invalid("adapter", "must be a non-empty string")
+        if len(adapter) > MAX_NAME_CHARS or not adapter.isprintable():
+            raise _invalid("adapter", f"must be 1-{MAX_NAME_CHARS} printable characters")
+        rate = body.get("error_rate")
+        if isinstance(rate, bool) or not isinstance(rate, int | float):
+            raise _invalid("error_rate", "must be a number in 0-1")
+        try:
+            self.faults.set(adapter, float(rate))
+        except ValueError as exc:
+            field, _, message = str(exc).partition(": ")
+            raise _invalid(field, message) from None
+        return web.json_response({"faults": self.faults.rates()})
 
     # ----------------------------------------------------------------------- request building
     async def _job(self, request: web.Request, body: dict[str, Any],
@@ -525,6 +578,15 @@ class WorkerService:
         # adapter in the header (mesh/edge.py). The body's own model always wins.
         model = (parsed.model or request.headers.get(ADAPTER_HEADER, "").strip()
                  or self.engine.model_name)
+        version = request.headers.get(VERSION_HEADER)
+        if version and model != self.engine.model_name and VERSION_SEPARATOR not in model:
+            # A version chosen by the mesh (a rollout's split or a routing rule): the adapter
+            # is served under its versioned name (docs/rollout.md).
+            try:
+                check_version(version, VERSION_HEADER, allow_empty=False)
+            except RuleError as exc:
+                raise _invalid(VERSION_HEADER, exc.message, code="invalid_header") from None
+            model = served_name(model, version)
         adapter = None if model == self.engine.model_name else model
         max_len = self.engine.max_model_len
 
@@ -598,7 +660,17 @@ class WorkerService:
             arrived=arrived,
             deadline=arrived + timeout,
             request_id=prefix + uuid.uuid4().hex,
+            **(self._trace_fields(request, model) if self.tracing.enabled else {}),
         )
+
+    def _trace_fields(self, request: web.Request, model: str) -> dict[str, Any]:
+        headers = request.headers
+        attrs = {"adaptermesh.model": model, "adaptermesh.tenant": tenant_of(request),
+                 "adaptermesh.adapter": model.split(VERSION_SEPARATOR, 1)[0],
+                 "adaptermesh.adapter_version": model.partition(VERSION_SEPARATOR)[2]}
+        if shard := headers.get(SHARD_HEADER):
+            attrs["adaptermesh.shard"] = shard
+        return {"trace_context": Tracing.extract(headers), "trace_attrs": attrs}
 
     # ------------------------------------------------------------------------------ execution
     def _retry_headers(self) -> dict[str, str]:
@@ -783,10 +855,46 @@ class WorkerService:
             first_token=min(firsts_seen) if firsts_seen else None,
             last_token=max(lasts_seen) if lasts_seen else None,
             completion_tokens=max(p.completion_tokens for p in progresses),
+            adapter=job.adapter,
         )
+        if self.tracing.enabled:
+            self._record_spans(job, ticket, min(firsts_seen) if firsts_seen else None,
+                               max(lasts_seen) if lasts_seen else None, outcome)
         self._inflight -= 1
         if self._inflight == 0:
             self._idle.set()
+
+    def _record_spans(self, job: _Job, ticket: Ticket, first: float | None,
+                      last: float | None, outcome: str) -> None:
+        """The request's spans, from the times already taken (monotonic, turned into the
+        epoch nanoseconds OTLP wants): the request, its queueing, prefill (admission to the
+        first token) and decode (first to last token)."""
+        now = time.monotonic()
+        shift = time.time_ns() - int(now * 1e9)
+
+        def ns(t: float) -> int:
+            return int(t * 1e9) + shift
+
+        tracer = self.tracing.tracer
+        attrs = dict(job.trace_attrs or {})
+        attrs["adaptermesh.outcome"] = outcome
+        root = tracer.start_span("worker " + job.kind, context=job.trace_context,
+                                 kind=SpanKind.SERVER, start_time=ns(job.arrived),
+                                 attributes=attrs)
+        ctx = set_span_in_context(root)
+        admitted = ticket.admitted_at
+        if admitted is not None:
+            tracer.start_span("queue", context=ctx, start_time=ns(ticket.enqueued_at),
+                              attributes={"adaptermesh.tenant": job.tenant}).end(ns(admitted))
+            if first is not None:
+                tracer.start_span("prefill", context=ctx, start_time=ns(admitted), attributes={
+                    "adaptermesh.prompt_tokens": len(job.prompt_ids),
+                    "adaptermesh.adapter": job.adapter or ""}).end(ns(first))
+                if last is not None and last > first:
+                    tracer.start_span("decode", context=ctx, start_time=ns(first)).end(ns(last))
+        if outcome not in ("stop", "length"):
+            root.set_status(Status(StatusCode.ERROR, outcome))
+        root.end(ns(now))
 
     @staticmethod
     def _generation(job: _Job, index: int) -> GenerationRequest:

@@ -140,8 +140,22 @@ class AdapterEdge(_message.Message):
     allowed_cidrs: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, name: _Optional[str] = ..., protocol: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., scopes: _Optional[_Iterable[str]] = ..., tls: _Optional[bool] = ..., shards: _Optional[_Iterable[str]] = ..., allowed_cidrs: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class AdapterSplit(_message.Message):
+    __slots__ = ("adapter", "stable_version", "canary_version", "canary_share", "rollout_id")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STABLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANARY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANARY_SHARE_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    stable_version: str
+    canary_version: str
+    canary_share: int
+    rollout_id: str
+    def __init__(self, adapter: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., canary_share: _Optional[int] = ..., rollout_id: _Optional[str] = ...) -> None: ...
+
 class Assignment(_message.Message):
-    __slots__ = ("version", "shards", "pins", "overrides", "generated_at", "reason", "adapters")
+    __slots__ = ("version", "shards", "pins", "overrides", "generated_at", "reason", "adapters", "adapter_splits")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +163,7 @@ class Assignment(_message.Message):
     GENERATED_AT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SPLITS_FIELD_NUMBER: _ClassVar[int]
     version: int
     shards: _containers.RepeatedCompositeFieldContainer[Shard]
     pins: _containers.RepeatedCompositeFieldContainer[Pin]
@@ -156,4 +171,5 @@ class Assignment(_message.Message):
     generated_at: _timestamp_pb2.Timestamp
     reason: str
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterEdge]
-    def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., generated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[AdapterEdge, _Mapping]]] = ...) -> None: ...
+    adapter_splits: _containers.RepeatedCompositeFieldContainer[AdapterSplit]
+    def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., generated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[AdapterEdge, _Mapping]]] = ..., adapter_splits: _Optional[_Iterable[_Union[AdapterSplit, _Mapping]]] = ...) -> None: ...

@@ -3,12 +3,28 @@ import datetime
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2 as _assignment_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RolloutState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_STATE_UNSPECIFIED: _ClassVar[RolloutState]
+    ROLLOUT_STATE_RUNNING: _ClassVar[RolloutState]
+    ROLLOUT_STATE_PAUSED: _ClassVar[RolloutState]
+    ROLLOUT_STATE_COMPLETED: _ClassVar[RolloutState]
+    ROLLOUT_STATE_ROLLED_BACK: _ClassVar[RolloutState]
+    ROLLOUT_STATE_ABORTED: _ClassVar[RolloutState]
+ROLLOUT_STATE_UNSPECIFIED: RolloutState
+ROLLOUT_STATE_RUNNING: RolloutState
+ROLLOUT_STATE_PAUSED: RolloutState
+ROLLOUT_STATE_COMPLETED: RolloutState
+ROLLOUT_STATE_ROLLED_BACK: RolloutState
+ROLLOUT_STATE_ABORTED: RolloutState
 
 class UpsertShardRequest(_message.Message):
     __slots__ = ("shard",)
@@ -386,3 +402,95 @@ class ListRulesResponse(_message.Message):
     RULE_SETS_FIELD_NUMBER: _ClassVar[int]
     rule_sets: _containers.RepeatedCompositeFieldContainer[RuleSetVersion]
     def __init__(self, rule_sets: _Optional[_Iterable[_Union[RuleSetVersion, _Mapping]]] = ...) -> None: ...
+
+class RolloutEvent(_message.Message):
+    __slots__ = ("at", "kind", "share", "reason")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    at: _timestamp_pb2.Timestamp
+    kind: str
+    share: int
+    reason: str
+    def __init__(self, at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kind: _Optional[str] = ..., share: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RolloutSpec(_message.Message):
+    __slots__ = ("adapter", "from_version", "to_version", "steps_percent", "interval_seconds", "max_error_rate", "max_p95_ttft_ms", "min_requests")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ERROR_RATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_P95_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    MIN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    from_version: str
+    to_version: str
+    steps_percent: _containers.RepeatedScalarFieldContainer[int]
+    interval_seconds: int
+    max_error_rate: float
+    max_p95_ttft_ms: float
+    min_requests: int
+    def __init__(self, adapter: _Optional[str] = ..., from_version: _Optional[str] = ..., to_version: _Optional[str] = ..., steps_percent: _Optional[_Iterable[int]] = ..., interval_seconds: _Optional[int] = ..., max_error_rate: _Optional[float] = ..., max_p95_ttft_ms: _Optional[float] = ..., min_requests: _Optional[int] = ...) -> None: ...
+
+class Rollout(_message.Message):
+    __slots__ = ("id", "spec", "state", "step", "share", "created_at", "step_started_at", "reason", "events", "window_requests", "window_errors", "window_p95_ttft_ms")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STEP_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_P95_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    spec: RolloutSpec
+    state: RolloutState
+    step: int
+    share: int
+    created_at: _timestamp_pb2.Timestamp
+    step_started_at: _timestamp_pb2.Timestamp
+    reason: str
+    events: _containers.RepeatedCompositeFieldContainer[RolloutEvent]
+    window_requests: int
+    window_errors: int
+    window_p95_ttft_ms: float
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[RolloutSpec, _Mapping]] = ..., state: _Optional[_Union[RolloutState, str]] = ..., step: _Optional[int] = ..., share: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., step_started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., events: _Optional[_Iterable[_Union[RolloutEvent, _Mapping]]] = ..., window_requests: _Optional[int] = ..., window_errors: _Optional[int] = ..., window_p95_ttft_ms: _Optional[float] = ...) -> None: ...
+
+class StartRolloutRequest(_message.Message):
+    __slots__ = ("spec", "reason")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    spec: RolloutSpec
+    reason: str
+    def __init__(self, spec: _Optional[_Union[RolloutSpec, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ControlRolloutRequest(_message.Message):
+    __slots__ = ("adapter", "action", "reason")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    action: str
+    reason: str
+    def __init__(self, adapter: _Optional[str] = ..., action: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ListRolloutsRequest(_message.Message):
+    __slots__ = ("adapter", "history")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    history: bool
+    def __init__(self, adapter: _Optional[str] = ..., history: _Optional[bool] = ...) -> None: ...
+
+class ListRolloutsResponse(_message.Message):
+    __slots__ = ("rollouts",)
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    rollouts: _containers.RepeatedCompositeFieldContainer[Rollout]
+    def __init__(self, rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ...) -> None: ...

@@ -130,6 +130,21 @@ class ControlPlaneStub:
                 request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesRequest.SerializeToString,
                 response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesResponse.FromString,
                 _registered_method=True)
+        self.StartRollout = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/StartRollout',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.StartRolloutRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.Rollout.FromString,
+                _registered_method=True)
+        self.ControlRollout = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/ControlRollout',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ControlRolloutRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.Rollout.FromString,
+                _registered_method=True)
+        self.ListRollouts = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/ListRollouts',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRolloutsRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRolloutsResponse.FromString,
+                _registered_method=True)
         self.ReportLoad = channel.unary_unary(
                 '/adaptermesh.v1.ControlPlane/ReportLoad',
                 request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.LoadReport.SerializeToString,
@@ -267,6 +282,25 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartRollout(self, request, context):
+        """Gray release per adapter version (see docs/rollout.md). Start and Control need write.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ControlRollout(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRollouts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportLoad(self, request, context):
         """Node agents.
         """
@@ -377,6 +411,21 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ListRules,
                     request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesRequest.FromString,
                     response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesResponse.SerializeToString,
+            ),
+            'StartRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartRollout,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.StartRolloutRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.Rollout.SerializeToString,
+            ),
+            'ControlRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControlRollout,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ControlRolloutRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.Rollout.SerializeToString,
+            ),
+            'ListRollouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRollouts,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRolloutsRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListRolloutsResponse.SerializeToString,
             ),
             'ReportLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportLoad,
@@ -902,6 +951,87 @@ class ControlPlane:
             '/adaptermesh.v1.ControlPlane/ListRules',
             adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesRequest.SerializeToString,
             adaptermesh_dot_v1_dot_control__plane__pb2.ListRulesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/StartRollout',
+            adaptermesh_dot_v1_dot_control__plane__pb2.StartRolloutRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.Rollout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ControlRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/ControlRollout',
+            adaptermesh_dot_v1_dot_control__plane__pb2.ControlRolloutRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.Rollout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRollouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/ListRollouts',
+            adaptermesh_dot_v1_dot_control__plane__pb2.ListRolloutsRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.ListRolloutsResponse.FromString,
             options,
             channel_credentials,
             insecure,

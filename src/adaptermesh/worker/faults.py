@@ -1,0 +1,54 @@
+"""Injected faults, to rehearse a rollback: a share of one adapter's requests answered 500.
+
+An operator (or a game-day script) sets ``POST /v1/admin/faults {"adapter": "credit-risk@2.0.0",
+"error_rate": 0.3}`` on a worker (admin token), and that adapter's requests fail at that rate
+with ``code: injected_fault`` and count as errors in the per-adapter series the rollout
+controller reads (``docs/rollout.md``). Rate 0 clears it. The pattern is deterministic: the
+n-th request fails when floor(n * rate) moves, so any window of requests holds the rate to
+within one request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["MAX_FAULTS", "FaultTable"]
+
+MAX_FAULTS = 1024
+
+
+@dataclass(slots=True)
+class _Fault:
+    rate: float
+    seen: int = 0
+
+
+class FaultTable:
+    def __init__(self) -> None:
+        self._faults: dict[str, _Fault] = {}
+
+    def set(self, adapter: str, rate: float) -> None:
+        """Fail ``rate`` of ``adapter``'s requests from now on; 0 clears. ValueError names
+        the field for a rate outside 0-1 or too many adapters."""
+        if not (math.isfinite(rate) and 0.0 <= rate <= 1.0):
+            raise ValueError(f"error_rate: {rate} is not a fraction in 0-1")
+        if rate == 0.0:
+            self._faults.pop(adapter, None)
+            return
+        if adapter not in self._faults and len(self._faults) >= MAX_FAULTS:
+            raise ValueError(f"adapter: at most {MAX_FAULTS} adapters may have faults")
+        self._faults[adapter] = _Fault(rate)
+
+    def rates(self) -> dict[str, float]:
+        return {name: f.rate for name, f in sorted(self._faults.items())}
+
+    def should_fail(self, adapter: str | None) -> bool:
+        if not self._faults or adapter is None:
+            return False
+        fault = self._faults.get(adapter)
+        if fault is None:
+            return False
+        before = math.floor(fault.seen * fault.rate)
+        fault.seen += 1
+        return math.floor(fault.seen * fault.rate) > before

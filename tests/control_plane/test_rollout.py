@@ -1,0 +1,362 @@
+"""Gray release per adapter version: the controller on a fake clock, through the real store and
+rebalancer, fed per-adapter worker counters by a fake source; the API and adapterctl's parsers."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaptermesh.assignment_rules import RuleError, check_assignment
+from adaptermesh.clock import FakeClock
+from adaptermesh.control_plane.metrics_source import Target
+from adaptermesh.control_plane.policy import WorkerObservation
+from adaptermesh.control_plane.rebalancer import Rebalancer, RebalancerConfig
+from adaptermesh.control_plane.rollout import (
+    AdapterCounters,
+    RolloutController,
+    RolloutError,
+    parse_adapter_series,
+)
+from adaptermesh.control_plane.rollout_state import Window, check_spec, decide, p95
+from adaptermesh.control_plane.store import Store
+from adaptermesh.proto import control_plane_pb2
+
+from .conftest import Harness, shard
+
+S = control_plane_pb2
+NEW = "credit-risk@2.0.0"
+
+
+class Idle:
+    async def collect(self, targets: Sequence[Target], now: float) -> dict[str, WorkerObservation]:
+        return {}
+
+
+class CounterSource:
+    """Per worker, per served adapter: cumulative counters the test moves."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, dict[str, AdapterCounters]] = {}
+        self.calls = 0
+
+    def serve(self, worker: str, adapter: str, requests: int, errors: int = 0,
+              ttft_s: float = 0.05) -> None:
+        c = self.counters.setdefault(worker, {}).setdefault(adapter, AdapterCounters())
+        c.requests += requests
+        c.errors += errors
+        ok = requests - errors
+        for le in (0.1, 0.5, 1.0, 5.0):
+            if ttft_s <= le:
+                c.ttft[le] = c.ttft.get(le, 0) + ok
+            else:
+                c.ttft.setdefault(le, 0)
+        c.ttft_count += ok
+
+    async def collect(self, targets: list[Target],
+                      adapters: Iterable[str]) -> dict[str, dict[str, AdapterCounters]]:
+        self.calls += 1
+        names = set(adapters)
+        return {k: {a: AdapterCounters(c.requests, c.errors, dict(c.ttft), c.ttft_count)
+                    for a, c in per.items() if a in names}
+                for k, per in self.counters.items()}
+
+
+def spec(**kw: object) -> control_plane_pb2.RolloutSpec:
+    base: dict[str, object] = dict(adapter="credit-risk", from_version="1.2.0", to_version="2.0.0",
+                                   steps_percent=[5, 25, 50, 100], interval_seconds=120,
+                                   max_error_rate=0.01, max_p95_ttft_ms=800, min_requests=20)
+    base.update(kw)
+    return control_plane_pb2.RolloutSpec(**base)  # type: ignore[arg-type]
+
+
+def setup(tmp_path: Path) -> tuple[RolloutController, CounterSource, FakeClock, Rebalancer]:
+    store = Store(tmp_path / "cp.sqlite3", synchronous="NORMAL")
+    clock = FakeClock()
+    rb = Rebalancer(store, Idle(), clock=clock, config=RebalancerConfig(interval_s=5.0))
+    spec_ = shard("s0", ("10.0.0.1", 8000), ("10.0.0.2", 8000))
+    rb.mutate(lambda: store.upsert_shard(spec_, clock.time()), "add s0")
+    source = CounterSource()
+    return RolloutController(rb, source, tick_s=1.0), source, clock, rb
+
+
+def split(rb: Rebalancer) -> tuple[str, str, int] | None:
+    latest = rb.hub.latest
+    assert latest is not None
+    check_assignment(latest)
+    if not latest.adapter_splits:
+        return None
+    (s,) = latest.adapter_splits
+    return s.stable_version, s.canary_version, s.canary_share
+
+
+async def test_a_healthy_rollout_promotes_step_by_step_and_survives_a_restart(tmp_path: Path):
+    ctl, source, clock, rb = setup(tmp_path)
+    r = ctl.start(spec(), "release 2")
+    assert split(rb) == ("1.2.0", "2.0.0", 500)  # published at once, with the write
+    shares = [500]
+    for _ in range(40):
+        source.serve("10.0.0.1:8000", NEW, 15)
+        source.serve("10.0.0.2:8000", NEW, 15)
+        clock.step(30)
+        await ctl.step()
+        s = split(rb)
+        assert s is not None
+        if s[2] != shares[-1]:
+            shares.append(s[2])
+        if s[1] == "":
+            break
+    assert shares == [500, 2500, 5000, 10000, 0]
+    assert split(rb) == ("2.0.0", "", 0)  # the new version is the stable one now
+    (done,) = ctl.listing("credit-risk")
+    assert done.state == S.ROLLOUT_STATE_COMPLETED
+    assert done.id == r.id
+    assert [e.kind for e in done.events] == ["start", "advance", "advance", "advance", "complete"]
+    assert "promoted" in done.reason
+    # Durable: a new control plane on the same file publishes the same split.
+    rb.store.close()
+    store = Store(tmp_path / "cp.sqlite3", synchronous="NORMAL")
+    rb2 = Rebalancer(store, Idle(), clock=clock)
+    assert split(rb2) == ("2.0.0", "", 0)
+    # The next rollout starts from the stable version by default.
+    ctl2 = RolloutController(rb2, source)
+    nxt = ctl2.start(spec(from_version="", to_version="2.1.0"), "")
+    assert nxt.spec.from_version == "2.0.0"
+    assert split(rb2) == ("2.0.0", "2.1.0", 500)
+
+
+async def test_no_step_without_evidence(tmp_path: Path):
+    ctl, source, clock, rb = setup(tmp_path)
+    ctl.start(spec(min_requests=50), "")
+    clock.step(600)
+    source.serve("10.0.0.1:8000", NEW, 49)
+    await ctl.step()  # baseline
+    source.serve("10.0.0.1:8000", NEW, 49)
+    ((_, step),) = await ctl.step()
+    assert step.kind == "hold"
+    assert "waiting for 50 requests" in step.reason
+    assert split(rb) == ("1.2.0", "2.0.0", 500)
+
+
+@pytest.mark.parametrize(("errors", "ttft", "why"), [
+    (3, 0.05, "error rate 10.0% > 1.0%"),
+    (0, 2.0, "p95 TTFT"),
+])
+async def test_a_broken_bound_rolls_back_with_the_reason(tmp_path: Path, errors: int, ttft: float,
+                                                         why: str):
+    ctl, source, clock, rb = setup(tmp_path)
+    ctl.start(spec(), "")
+    await ctl.step()  # the window's baseline
+    source.serve("10.0.0.1:8000", NEW, 30, errors=errors, ttft_s=ttft)
+    clock.step(1)  # long before the interval: a bound acts at once
+    ((_, step),) = await ctl.step()
+    assert step.kind == "rollback"
+    assert why in step.reason
+    assert split(rb) == ("1.2.0", "", 0)
+    (r,) = ctl.listing("credit-risk")
+    assert r.state == S.ROLLOUT_STATE_ROLLED_BACK
+    assert why in r.reason
+    assert r.events[-1].kind == "rollback"
+    assert why in r.events[-1].reason
+    latest = rb.hub.latest
+    assert latest is not None
+    assert "rollback" in latest.reason
+
+
+async def test_errors_before_the_step_do_not_count_and_a_worker_restart_counts_from_zero(
+        tmp_path: Path):
+    ctl, source, clock, _rb = setup(tmp_path)
+    source.serve("10.0.0.1:8000", NEW, 100, errors=100)  # before the rollout began
+    ctl.start(spec(), "")
+    await ctl.step()
+    source.counters["10.0.0.1:8000"][NEW] = AdapterCounters()  # the worker restarted
+    source.serve("10.0.0.1:8000", NEW, 40)
+    clock.step(121)
+    ((_, step),) = await ctl.step()
+    assert step.kind == "advance", step.reason
+
+
+async def test_pause_resume_abort(tmp_path: Path):
+    ctl, source, clock, rb = setup(tmp_path)
+    ctl.start(spec(), "")
+    paused = ctl.control("credit-risk", "pause", "looking at dashboards")
+    assert paused.state == S.ROLLOUT_STATE_PAUSED
+    source.serve("10.0.0.1:8000", NEW, 100)
+    clock.step(1000)
+    assert await ctl.step() == []  # a paused rollout does not move
+    assert split(rb) == ("1.2.0", "2.0.0", 500)
+    ctl.control("credit-risk", "resume", "")
+    await ctl.step()
+    source.serve("10.0.0.1:8000", NEW, 100)
+    clock.step(60)
+    ((_, step),) = await ctl.step()
+    assert step.kind == "hold"  # the step's clock restarted at resume
+    aborted = ctl.control("credit-risk", "abort", "wrong build")
+    assert aborted.state == S.ROLLOUT_STATE_ABORTED
+    assert aborted.share == 0
+    assert split(rb) == ("1.2.0", "", 0)
+    kinds = [e.kind for e in ctl.listing("credit-risk")[0].events]
+    assert kinds == ["start", "pause", "resume", "abort"]
+    with pytest.raises(RolloutError, match="no rollout in progress"):
+        ctl.control("credit-risk", "resume", "")
+
+
+async def test_an_unversioned_adapter_rolls_back_to_no_split(tmp_path: Path):
+    ctl, _source, _clock, rb = setup(tmp_path)
+    ctl.start(spec(from_version=""), "")
+    assert split(rb) == ("", "2.0.0", 500)
+    ctl.control("credit-risk", "abort", "")
+    assert split(rb) is None
+
+
+async def test_one_rollout_per_adapter_and_bad_specs_change_nothing(tmp_path: Path):
+    ctl, _source, _clock, rb = setup(tmp_path)
+    ctl.start(spec(), "")
+    version = rb.store.last_version()
+    with pytest.raises(RolloutError, match="already has a rollout in progress"):
+        ctl.start(spec(to_version="3.0.0"), "")
+    with pytest.raises(RuleError, match=r"spec.steps_percent\[1\]"):
+        ctl.start(spec(adapter="other", steps_percent=[50, 20, 100]), "")
+    with pytest.raises(RolloutError, match="already serves"):
+        ctl.start(spec(adapter="other", from_version="2.0.0"), "")
+    with pytest.raises(RolloutError, match="not one of"):
+        ctl.control("credit-risk", "promote", "")
+    assert rb.store.last_version() == version
+    assert [r.spec.adapter for r in ctl.listing()] == ["credit-risk"]
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"adapter": ""}, "spec.adapter"),
+    ({"adapter": "a@b"}, "spec.adapter"),
+    ({"to_version": ""}, "spec.to_version"),
+    ({"to_version": "2 0"}, "spec.to_version"),
+    ({"from_version": "-x"}, "spec.from_version"),
+    ({"steps_percent": []}, "spec.steps_percent"),
+    ({"steps_percent": [0, 100]}, "spec.steps_percent[0]"),
+    ({"steps_percent": [5, 50]}, "spec.steps_percent"),
+    ({"steps_percent": [5, 5, 100]}, "spec.steps_percent[1]"),
+    ({"interval_seconds": 0}, "spec.interval_seconds"),
+    ({"max_error_rate": 1.5}, "spec.max_error_rate"),
+    ({"max_error_rate": float("nan")}, "spec.max_error_rate"),
+    ({"max_p95_ttft_ms": -1}, "spec.max_p95_ttft_ms"),
+])
+def test_bad_specs_name_the_field(kw: dict[str, object], field: str) -> None:
+    with pytest.raises(RuleError) as info:
+        check_spec(spec(**kw))
+    assert info.value.field == field
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-5, 120), max_size=25), st.integers(0, 10**6))
+def test_any_steps_either_pass_or_name_a_field(steps: list[int], interval: int) -> None:
+    error: RuleError | None = None
+    try:
+        check_spec(spec(steps_percent=[max(s, 0) for s in steps], interval_seconds=interval))
+    except RuleError as exc:
+        error = exc
+    if error is not None:
+        assert error.field.startswith(("spec.steps_percent", "spec.interval_seconds"))
+    else:
+        assert steps[-1] == 100
+        assert all(a < b for a, b in itertools.pairwise(steps))
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests=st.integers(0, 500), errors=st.integers(0, 500), elapsed=st.integers(0, 500),
+       step=st.integers(0, 3))
+def test_decide_never_moves_on_without_evidence_and_always_bounds(requests: int, errors: int,
+                                                                 elapsed: int, step: int) -> None:
+    errors = min(errors, requests)
+    r = control_plane_pb2.Rollout(id="x", spec=spec(), state=S.ROLLOUT_STATE_RUNNING, step=step,
+                                  share=[5, 25, 50, 100][step] * 100)
+    r.step_started_at.FromSeconds(1000)
+    w = Window(requests, errors, ((0.1, requests - errors),), requests - errors)
+    got = decide(r, w, 1000 + elapsed)
+    if requests >= 20 and errors / requests > 0.01:
+        assert got.kind == "rollback"
+    elif requests < 20 or elapsed < 120:
+        assert got.kind == "hold"
+    else:
+        assert got.kind == ("complete" if step == 3 else "advance")
+
+
+def test_p95_interpolates_like_histogram_quantile() -> None:
+    w = Window(100, 0, ((0.1, 50), (0.5, 90), (1.0, 100)), 100)
+    assert p95(w) == pytest.approx(750.0)
+    assert p95(Window()) is None
+    assert p95(Window(10, 0, ((0.1, 5),), 10)) == float("inf")
+
+
+def test_parse_adapter_series_reads_the_worker_format() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    reg = CollectorRegistry()
+    c = Counter("adaptermesh_adapter_requests", "x", ["adapter", "outcome"], registry=reg)
+    h = Histogram("adaptermesh_adapter_time_to_first_token_seconds", "x", ["adapter"],
+                  registry=reg, buckets=(0.1, 1.0))
+    c.labels(NEW, "stop").inc(7)
+    c.labels(NEW, "length").inc(2)
+    c.labels(NEW, "injected_fault").inc(3)
+    c.labels(NEW, "disconnected").inc(1)
+    c.labels("other", "error").inc(5)
+    h.labels(NEW).observe(0.05)
+    h.labels(NEW).observe(0.5)
+    got = parse_adapter_series(generate_latest(reg).decode(), [NEW])
+    assert set(got) == {NEW}
+    g = got[NEW]
+    assert (g.requests, g.errors, g.ttft, g.ttft_count) == (13, 3, {0.1: 1, 1.0: 2}, 2)
+
+
+# -- the API ---------------------------------------------------------------------------------
+
+
+async def test_api_start_list_control_and_errors(cp: Harness) -> None:
+    stub, md = cp.stub, cp.md
+    await stub.UpsertShard(control_plane_pb2.UpsertShardRequest(
+        shard=shard("s0", ("10.0.0.1", 8000))), metadata=md)
+    r = await stub.StartRollout(S.StartRolloutRequest(spec=spec(), reason="go"), metadata=md)
+    assert r.share == 500
+    assert r.state == S.ROLLOUT_STATE_RUNNING
+    latest = await stub.GetAssignment(control_plane_pb2.GetAssignmentRequest(), metadata=md)
+    assert [(s.adapter, s.canary_share) for s in latest.adapter_splits] == [("credit-risk", 500)]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.StartRollout(S.StartRolloutRequest(spec=spec(steps_percent=[5])), metadata=md)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.steps_percent" in (info.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.StartRollout(S.StartRolloutRequest(spec=spec()), metadata=md)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    paused = await stub.ControlRollout(S.ControlRolloutRequest(
+        adapter="credit-risk", action="pause"), metadata=md)
+    assert paused.state == S.ROLLOUT_STATE_PAUSED
+    listed = await stub.ListRollouts(S.ListRolloutsRequest(history=True), metadata=md)
+    assert [e.kind for e in listed.rollouts[0].events] == ["start", "pause"]
+    from .conftest import RO_TOKEN, creds
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ControlRollout(S.ControlRolloutRequest(adapter="credit-risk", action="abort"),
+                                  metadata=creds(RO_TOKEN))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    await stub.ListRollouts(S.ListRolloutsRequest(), metadata=creds(RO_TOKEN))
+
+
+def test_adapterctl_parsers() -> None:
+    from adaptermesh.cli.adapterctl import parse_duration, parse_fraction, parse_steps
+
+    assert parse_duration("2m", "i") == 120
+    assert parse_duration("90", "i") == 90
+    assert parse_duration("800ms", "t", "ms") == pytest.approx(800)
+    assert parse_duration("1.5s", "t", "ms") == pytest.approx(1500)
+    assert parse_fraction("1%", "r") == pytest.approx(0.01)
+    assert parse_fraction("0.2", "r") == pytest.approx(0.2)
+    assert parse_steps("5,25,50,100") == [5, 25, 50, 100]
+    for bad in ("x", "-1s", "nan"):
+        with pytest.raises(ValueError, match="--interval"):
+            parse_duration(bad, "--interval")
+    with pytest.raises(ValueError, match="--max-error-rate"):
+        parse_fraction("150%", "--max-error-rate")
