@@ -11,6 +11,11 @@
 # STAGES picks them in order (default: all but fidelity and evict); <STAGE>_S overrides a
 # stage's timeout; TESTS_PATHS and TESTS_OUT narrow the tests stage.
 #   STAGES="tests sweep engine" ENGINE_ARGS="--only batch1,batch64" bench/gpu_session.sh
+# The worker service imports pydantic and opentelemetry, which the GPU image lacked on
+# 2026-12-03: carry their wheels (pydantic, pydantic_core, annotated-types, typing-inspection,
+# opentelemetry-api/-sdk/-proto/-exporter-otlp-proto-common/-semantic-conventions) in an
+# ignored .whl folder, install them with pip --target /tmp/site and put that on PYTHONPATH
+# before calling this script (it appends to PYTHONPATH).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
