@@ -70,7 +70,8 @@ def test_pinned_shards_pin_on_replicas_and_replicas_alone_preload() -> None:
     by = {(a.shard_id, a.pinned) for a in p.actions}
     assert by == {("s0", False), ("s1", True)}
     assert len(p.actions) == 4  # two workers on each shard
-    assert len(p.pins) == 2 and all(k[1] == "a" for k in p.pins)
+    assert len(p.pins) == 2
+    assert all(k[1] == "a" for k in p.pins)
 
 
 def test_already_resident_workers_are_kept_and_nothing_is_sent_twice() -> None:
@@ -105,10 +106,12 @@ def test_unpin_where_the_instance_no_longer_wants_it_or_is_gone() -> None:
 def test_held_pairs_and_the_bound_defer() -> None:
     wants = wants_of([_inst(f"a{i}", preload=True) for i in range(10)], SHARDS)
     p = plan(wants, _workers(), managed={}, max_actions=4)
-    assert len(p.actions) == 4 and p.deferred == 26
+    assert len(p.actions) == 4
+    assert p.deferred == 26
     held = frozenset(a.key for a in p.actions)
     q = plan(wants, _workers(), managed={}, held=held, max_actions=100)
-    assert not held & {a.key for a in q.actions} and q.deferred == 4
+    assert not held & {a.key for a in q.actions}
+    assert q.deferred == 4
 
 
 @st.composite

@@ -116,7 +116,9 @@ def _error_text(resp: httpx.Response) -> str:
         message, param = str(err.get("message", "")), err.get("param")
     except (ValueError, AttributeError):
         return resp.text[:200]
-    return f"{param}: {message}" if param else message or resp.text[:200]
+    if param and not message.startswith(f"{param}:"):
+        message = f"{param}: {message}"
+    return message or resp.text[:200]
 
 
 @dataclass(frozen=True, slots=True)
