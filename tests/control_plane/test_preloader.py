@@ -17,6 +17,7 @@ from aiohttp import web
 from waiting import async_wait_until
 
 from adaptermesh.clock import FakeClock
+from adaptermesh.control_plane import cli
 from adaptermesh.control_plane.preloader import HttpWorkerAdmin, Preloader, PreloaderConfig
 from adaptermesh.control_plane.store import Store
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2
@@ -319,3 +320,33 @@ async def test_real_workers_keep_the_pinned_adapter_while_others_evict(
             await runner.cleanup()
         for engine in engines:
             await engine.shutdown()
+
+
+@pytest.mark.parametrize(("content", "says"), [(None, "No such file"), ("  \n", "is empty")])
+def test_the_worker_token_file_is_checked_at_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None,
+        says: str) -> None:
+    path = tmp_path / "worker-token"
+    if content is not None:
+        path.write_text(content)
+    code = cli.main(["--state-dir", str(tmp_path / "state"), "--no-auth",
+                     "--worker-admin-token-file", str(path)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "--worker-admin-token-file" in err
+    assert says in err
+
+
+async def test_a_deleted_instance_takes_its_problems_and_retries_with_it(
+        start_worker: Start, store: Store, admin: HttpWorkerAdmin) -> None:
+    w = await start_worker(refuse=(503, "", "every GPU slot is pinned or in use"))
+    store.upsert_shard(shard("s0", ("127.0.0.1", w.port)), 0.0)
+    store.upsert_adapter_instance(instance("a", pinned_shards=["s0"]), 0.0)
+    pre = loop(store, admin, FakeClock())
+    assert (await pre.step()).failed
+    assert "every GPU slot is pinned" in next(iter(pre.problems().values()))
+    store.delete_adapter_instance("a")
+    await pre.step()
+    assert pre.problems() == {}
+    assert pre._backoff == {}
+    assert pre._not_before == {}

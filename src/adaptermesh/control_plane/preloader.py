@@ -239,7 +239,7 @@ class Preloader:
                 done.append(action)
             else:
                 failed.append((action, error))
-        self._note_state(decided, down, views)
+        self._note_state(decided, down, views, {w.adapter for w in wants})
         self.steps += 1
         return StepReport(tuple(done), tuple(failed), tuple(down), decided.deferred, decided.short)
 
@@ -270,7 +270,7 @@ class Preloader:
         self._problems[f"{key[0]}/{action.adapter}"] = message
 
     def _note_state(self, decided: Plan, down: Sequence[tuple[str, str]],
-                    views: Sequence[WorkerView]) -> None:
+                    views: Sequence[WorkerView], named: set[str]) -> None:
         for name in [k for k in self._problems if k.startswith(("unreachable ", "short "))]:
             del self._problems[name]
         for worker, why in down:
@@ -279,13 +279,23 @@ class Preloader:
             self._problems[f"short {adapter}/{shard_id}"] = (
                 f"{adapter!r} on shard {shard_id}: {held} of {wanted} replicas (the shard has "
                 f"{held} serving worker{'s' if held != 1 else ''} that answered)")
-        # Pins the plan no longer wants and the worker no longer holds are forgotten.
+        # Pins the plan no longer wants and a worker that answered no longer holds are
+        # forgotten (an unreachable worker's are kept, to be undone when it is back).
+        seen = {v.key for v in views}
         holds = {(v.key, a) for v in views for a in v.pinned}
-        for key in [k for k in self.managed if k not in decided.pins and k not in holds]:
+        for key in [k for k in self.managed
+                    if k[0] in seen and k not in decided.pins and k not in holds]:
             del self.managed[key]
+        # Retry state of adapters no instance names any more goes with them.
+        for key in [k for k in self._backoff if k[1] not in named]:
+            del self._backoff[key]
         now = self.clock.monotonic()
-        for key in [k for k, t in self._not_before.items() if t <= now and k not in self._backoff]:
+        for key in [k for k, t in self._not_before.items()
+                    if k not in self._backoff and (t <= now or k[1] not in named)]:
             del self._not_before[key]
+        for name in [k for k in self._problems if "/" in k and not k.startswith(
+                ("unreachable ", "short ")) and k.rsplit("/", 1)[1] not in named]:
+            del self._problems[name]
 
     async def run(self, stop: asyncio.Event) -> None:
         """Repeat ``step()`` until ``stop`` is set; a failed step backs off, the loop lives."""
