@@ -33,6 +33,7 @@ from adaptermesh.agent.load import LoadTracker
 from adaptermesh.agent.metrics import AgentMetrics
 from adaptermesh.agent.picker import EndpointBook
 from adaptermesh.agent.ports import Datapath, FlowEvent, XdsSink
+from adaptermesh.agent.rulesync import RuleSync
 from adaptermesh.agent.state import AssignmentStore
 from adaptermesh.agent.watch import AssignmentWatcher, LoadReporter
 from adaptermesh.backoff import Backoff
@@ -146,6 +147,8 @@ class Agent:
         self.reporter: LoadReporter | None = None
         self.http_port: int | None = None
         self.ext_proc: ExtProcServer | None = None
+        # The Assignment's routing rules, compiled and installed into the ext_proc server.
+        self.rule_sync = RuleSync()
         self._poll_stop = threading.Event()
         self._poll_error = ""
         self.started = asyncio.Event()
@@ -215,6 +218,7 @@ class Agent:
             "applied_version": applier.applied_version if applier else 0,
             "received_version": applier.received_version if applier else 0,
             "apply_error": applier.last_error if applier else "",
+            "routing_rules": {"version": self.rule_sync.version, "error": self.rule_sync.error},
             "reason": current.reason if current else "",
             "control_plane_connected": bool(self.watcher and self.watcher.connected),
             "watch_error": self.watcher.last_error if self.watcher else "",
@@ -278,6 +282,7 @@ class Agent:
                                         "adaptermesh-agent"),
         )
         await asyncio.to_thread(server.start)
+        self.rule_sync.attach(server.set_rules)
         self.ext_proc = server
         await MetricsPoller(book, interval_s=config.picker_scrape_interval_s,
                             assignment=lambda: applier.current,
@@ -300,6 +305,7 @@ class Agent:
             applier = Applier(datapath, self.xds, self.metrics, AssignmentStore(config.state_file),
                               clock=self.clock)
             self.applier = applier
+            applier.listeners.append(self.rule_sync.on_assignment)
             await asyncio.to_thread(applier.reconcile)
 
             # The listener guards every HTTP listener shares (httpserve.py): header and body
@@ -327,6 +333,7 @@ class Agent:
                 token=config.token,
                 interval_s=config.report_interval_s,
                 clock=self.clock,
+                extra_error=lambda: self.rule_sync.error,
             )
             self.watcher = AssignmentWatcher(
                 stub,
