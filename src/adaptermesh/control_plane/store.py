@@ -486,6 +486,9 @@ class Store:
             body = assignment_pb2.Assignment()
             body.CopyFrom(assignment)
             del body.pins[:]
+            # The carried rule set is kept once, in rule_sets: each record keeps its version
+            # and digest only (up to 2 MiB per Assignment otherwise, on every publish).
+            body.routing_rules.ClearField("document_json")
             pins = assignment_pb2.Assignment(pins=assignment.pins).SerializeToString()
             digest = hashlib.sha256(pins).digest()
             self._db.execute(
@@ -523,6 +526,17 @@ class Store:
             out.MergeFromString(row[0])
         elif not pins:
             del out.pins[:]
+        carried = out.routing_rules
+        if pins and carried.version and not carried.document_json:
+            row = self._db.execute(
+                "SELECT document FROM rule_sets WHERE version = ?", (carried.version,)
+            ).fetchone()
+            if row is not None:
+                carried.document_json = str(row[0])
+        elif not pins:
+            # Like the pins: a history page leaves the (large) document out, keeping its
+            # version and digest.
+            carried.ClearField("document_json")
         return out
 
     def latest_assignment(self) -> assignment_pb2.Assignment | None:
