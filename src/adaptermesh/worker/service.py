@@ -73,7 +73,6 @@ from adaptermesh.worker.faults import FaultTable
 from adaptermesh.worker.metrics import ServiceMetrics
 from adaptermesh.worker.types import (
     AdapterNotFoundError,
-    AdapterResolution,
     EngineError,
     EngineOverloadedError,
     EngineProtocol,
@@ -274,8 +273,6 @@ class _Progress:
     finish_reason: str | None = None
     # How the request ended, for metrics, once known.
     outcome: str | None = None
-    # How the engine found the adapter (its first event carries it; tracing's span).
-    resolution: AdapterResolution | None = None
 
 
 class WorkerService:
@@ -483,15 +480,14 @@ class WorkerService:
         name, path = load.lora_name, load.lora_path
         if name == self.engine.model_name:
             raise _invalid("lora_name", "must differ from the base model's name")
-        await self.load_adapter(name, path, pinned=load.pinned)
+        await self.load_adapter(name, path)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
-    async def load_adapter(self, name: str, path: str, *, pinned: bool = False) -> None:
+    async def load_adapter(self, name: str, path: str) -> None:
         """Load (or reload) adapter ``name`` from ``path``, for every transport; engine errors
-        become ``ApiError`` naming ``lora_name`` or ``lora_path``. ``pinned`` keeps it in its GPU
-        slot (never evicted) until it is loaded again unpinned or unloaded."""
+        become ``ApiError`` naming ``lora_name`` or ``lora_path``."""
         try:
-            await self.engine.load_adapter(name, path, pinned=pinned)
+            await self.engine.load_adapter(name, path)
         except AdapterNotFoundError as exc:
             raise _adapter_error(exc, "lora_path") from None
         except InvalidRequestError as exc:
@@ -862,20 +858,17 @@ class WorkerService:
             adapter=job.adapter,
         )
         if self.tracing.enabled:
-            resolution = next((p.resolution for p in progresses if p.resolution), None)
             self._record_spans(job, ticket, min(firsts_seen) if firsts_seen else None,
-                               max(lasts_seen) if lasts_seen else None, outcome, resolution)
+                               max(lasts_seen) if lasts_seen else None, outcome)
         self._inflight -= 1
         if self._inflight == 0:
             self._idle.set()
 
     def _record_spans(self, job: _Job, ticket: Ticket, first: float | None,
-                      last: float | None, outcome: str,
-                      resolution: AdapterResolution | None = None) -> None:
+                      last: float | None, outcome: str) -> None:
         """The request's spans, from the times already taken (monotonic, turned into the
-        epoch nanoseconds OTLP wants): the request, its queueing, adapter resolution (the
-        engine's first lookup to its lease: the tier that served it and the load it waited
-        for), prefill (admission to the first token) and decode (first to last token)."""
+        epoch nanoseconds OTLP wants): the request, its queueing, prefill (admission to the
+        first token) and decode (first to last token)."""
         now = time.monotonic()
         shift = time.time_ns() - int(now * 1e9)
 
@@ -899,15 +892,6 @@ class WorkerService:
                     "adaptermesh.adapter": job.adapter or ""}).end(ns(first))
                 if last is not None and last > first:
                     tracer.start_span("decode", context=ctx, start_time=ns(first)).end(ns(last))
-        if resolution is not None:
-            tracer.start_span("adapter resolution", context=ctx,
-                              start_time=ns(resolution.started), attributes={
-                                  "adaptermesh.adapter": job.adapter or "",
-                                  "adaptermesh.adapter.tier": resolution.tier,
-                                  "adaptermesh.adapter.cache_hit": resolution.tier == "gpu",
-                                  "adaptermesh.adapter.load_ms": resolution.load_s * 1e3,
-                                  "adaptermesh.adapter.slot_version": resolution.version,
-                              }).end(ns(max(resolution.resolved, resolution.started)))
         if outcome not in ("stop", "length"):
             root.set_status(Status(StatusCode.ERROR, outcome))
         root.end(ns(now))
@@ -941,8 +925,6 @@ class WorkerService:
         except EngineError as exc:
             raise self._engine_error(exc) from None
         now = time.monotonic()
-        if event.resolution is not None:
-            progress.resolution = event.resolution
         if event.token_id is not None or event.text:
             if progress.first_token is None:
                 progress.first_token = now
