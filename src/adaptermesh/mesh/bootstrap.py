@@ -112,57 +112,16 @@ def build_bootstrap(
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions()))
     packed_options = any_pb2.Any()
     packed_options.Pack(protocol_options)
-    xds_cluster = cluster_pb2.Cluster(
-        name=XDS_CLUSTER,
-        type=cluster_pb2.Cluster.STATIC,
-        connect_timeout=duration_pb2.Duration(seconds=1),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=XDS_CLUSTER,
-            endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[
-                endpoint_components_pb2.LbEndpoint(endpoint=endpoint_components_pb2.Endpoint(
-                    address=_address(xds_host, xds_port))),
-            ])],
-        ),
-    )
-    xds_cluster.typed_extension_protocol_options[
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(packed_options)
-    static_clusters = [xds_cluster]
+    static_clusters = [_h2_cluster(XDS_CLUSTER, cluster_pb2.Cluster.STATIC, xds_host, xds_port,
+                                   packed_options)]
     if otlp_port is not None:
         if not 1 <= otlp_port <= 65535:
             raise ValueError(f"otlp_port: {otlp_port} is outside 1-65535")
-        otlp_cluster = cluster_pb2.Cluster(
-            name=OTLP_CLUSTER,
-            type=cluster_pb2.Cluster.STRICT_DNS,
-            connect_timeout=duration_pb2.Duration(seconds=1),
-            load_assignment=endpoint_pb2.ClusterLoadAssignment(
-                cluster_name=OTLP_CLUSTER,
-                endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[
-                    endpoint_components_pb2.LbEndpoint(
-                        endpoint=endpoint_components_pb2.Endpoint(
-                            address=_address(otlp_host, otlp_port))),
-                ])],
-            ),
-        )
-        otlp_cluster.typed_extension_protocol_options[
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(packed_options)
-        static_clusters.append(otlp_cluster)
+        static_clusters.append(_h2_cluster(OTLP_CLUSTER, cluster_pb2.Cluster.STRICT_DNS,
+                                           otlp_host, otlp_port, packed_options))
     if ext_proc_port is not None:
-        ext_proc_cluster = cluster_pb2.Cluster(
-            name=EXT_PROC_CLUSTER,
-            type=cluster_pb2.Cluster.STATIC,
-            connect_timeout=duration_pb2.Duration(seconds=1),
-            load_assignment=endpoint_pb2.ClusterLoadAssignment(
-                cluster_name=EXT_PROC_CLUSTER,
-                endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[
-                    endpoint_components_pb2.LbEndpoint(
-                        endpoint=endpoint_components_pb2.Endpoint(
-                            address=_address(ext_proc_host, ext_proc_port))),
-                ])],
-            ),
-        )
-        ext_proc_cluster.typed_extension_protocol_options[
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(packed_options)
-        static_clusters.append(ext_proc_cluster)
+        static_clusters.append(_h2_cluster(EXT_PROC_CLUSTER, cluster_pb2.Cluster.STATIC,
+                                           ext_proc_host, ext_proc_port, packed_options))
     ads_source = config_source_pb2.ConfigSource(
         ads=config_source_pb2.AggregatedConfigSource(),
         resource_api_version=config_source_pb2.V3,
@@ -417,6 +376,27 @@ class EnvoyProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+def _h2_cluster(name: str, kind: int, host: str, port: int,
+                packed_options: any_pb2.Any) -> cluster_pb2.Cluster:
+    """A static-bootstrap cluster of one endpoint spoken to over HTTP/2 (gRPC): the ADS server,
+    the agent's external processor, the OTLP collector."""
+    cluster = cluster_pb2.Cluster(
+        name=name,
+        type=kind,
+        connect_timeout=duration_pb2.Duration(seconds=1),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=name,
+            endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[
+                endpoint_components_pb2.LbEndpoint(endpoint=endpoint_components_pb2.Endpoint(
+                    address=_address(host, port))),
+            ])],
+        ),
+    )
+    cluster.typed_extension_protocol_options[
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(packed_options)
+    return cluster
 
 
 def _address(host: str, port: int) -> address_pb2.Address:
