@@ -92,7 +92,7 @@ class InstantEngine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
         return self.tokenize(" ".join(m["content"] for m in messages))
 
-    async def load_adapter(self, name: str, path: str) -> Any:
+    async def load_adapter(self, name: str, path: str, pinned: bool = False) -> Any:
         raise NotImplementedError
 
     async def unload_adapter(self, name: str) -> None:

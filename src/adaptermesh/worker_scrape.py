@@ -11,7 +11,8 @@ Series read (the names the workers export, vLLM's first so existing gateways wor
   as a fallback): the buckets of both histograms are kept for interval percentiles
 * ``adaptermesh_generation_tokens_total`` (counter; ``vllm:generation_tokens_total`` fallback)
 * ``adaptermesh_free_gpu_memory_bytes``, ``adaptermesh_gpu_slots_used``
-* ``adaptermesh_adapter_resident{adapter}`` (1 when resident), when the worker exports it
+* ``adaptermesh_adapter_resident{adapter, pinned}`` (1 when resident; ``pinned="true"`` when
+  it is kept in its slot), when the worker exports it
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class RawSample:
     running_adapters: frozenset[str] = frozenset()
     waiting_adapters: frozenset[str] = frozenset()
     resident_adapters: frozenset[str] = frozenset()
+    # Resident adapters the worker holds pinned (never evicted).
+    pinned_adapters: frozenset[str] = frozenset()
     series: int = 0
 
 
@@ -122,6 +125,7 @@ def parse_metrics(text: str) -> RawSample:
     ttft: dict[str, tuple[float | None, float | None]] = {}
     tokens: dict[str, float] = {}
     resident: set[str] = set()
+    pinned: set[str] = set()
     buckets: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -148,6 +152,8 @@ def parse_metrics(text: str) -> RawSample:
             elif name == "adaptermesh_adapter_resident":
                 if value > 0 and s.labels.get("adapter"):
                     resident.add(s.labels["adapter"])
+                    if s.labels.get("pinned") == "true":
+                        pinned.add(s.labels["adapter"])
             elif name.endswith("_bucket") and name[: -len("_bucket")] in _HISTOGRAMS:
                 le = _le(s.labels.get("le", ""))
                 if le is not None:
@@ -178,4 +184,5 @@ def parse_metrics(text: str) -> RawSample:
             break
     # An adapter with running requests is resident even if the worker does not say so.
     raw.resident_adapters = frozenset(resident) | raw.running_adapters
+    raw.pinned_adapters = frozenset(pinned)
     return raw

@@ -5,7 +5,8 @@ bearer token; every security rule refuses at Envoy with the worker untouched.
 
 Real control plane, agent, Envoys and CPU workers in network namespaces prefixed ``amai``.
 The example is applied as written except for the names this topology has: shard-b is ``s1``,
-and the pinned and allowed tenant networks are the mesh's tenant network.
+the pinned and allowed tenant networks are the mesh's tenant network, and the adapter's path
+is the one the workers see (relative to their adapter root).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
         m.make_adapter("credit-risk-v2", seed=42)
         doc = (EXAMPLE.read_text().replace("shard-b", "s1")
                .replace("10.40.0.0/16", f"{m.tenants[0]}/32")
-               .replace("10.20.0.0/16", "10.77.0.0/16"))
+               .replace("10.20.0.0/16", "10.77.0.0/16")
+               .replace("path: /adapters/risk/credit-risk-v2", "path: credit-risk-v2"))
         (work / "credit-risk-v2.yaml").write_text(doc)
         out = m.adapterctl("apply", "-f", str(work / "credit-risk-v2.yaml"))
         assert "AdapterInstance/credit-risk-v2 create" in out.stdout, out.stdout
@@ -95,6 +97,24 @@ def _call(mesh: LocalMesh, scheme: str, headers: dict[str, str]) -> tuple[int, A
 def _upstream(mesh: LocalMesh) -> int:
     stats = mesh.envoy_stats("s1", r"cluster\.shard-s1-grpc\.upstream_rq_total$")
     return sum(stats.values())
+
+
+def _models(url: str) -> dict[str, tuple[bool, bool]]:
+    body = httpx.get(url, timeout=10).json()
+    return {m["id"]: (m["resident_on_gpu"], m["pinned"]) for m in body["data"] if m["parent"]}
+
+
+def test_the_control_plane_pins_the_example_on_its_shard(mesh: LocalMesh) -> None:
+    # placement: preload, pinnedShards [shard-b]: the control plane's placement loop loads it
+    # pinned onto s1's worker with no request for it (docs/adapter-instance.md).
+    (addr, port), = mesh.worker_endpoints("s1")
+    deadline = time.monotonic() + 30
+    while True:
+        models = mesh.in_node(_models, f"http://{addr}:{port}/v1/models")
+        if models.get("credit-risk-v2") == (True, True) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert models.get("credit-risk-v2") == (True, True), models
 
 
 def test_the_example_is_served_by_path_over_tls_with_a_token(mesh: LocalMesh) -> None:

@@ -175,13 +175,13 @@ class FakeEngine:
             return None
         return self.tokenize(" ".join(f"{m['role']}: {m['content']}" for m in messages))
 
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+    async def load_adapter(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
         if ".." in path:
             raise InvalidRequestError("path", "must stay inside the adapter root")
         if not path.startswith("ok"):
             raise AdapterNotFoundError(name, f"no adapter at {path}")
         await asyncio.sleep(0.001)
-        info = AdapterInfo(name, path, 8, False)
+        info = AdapterInfo(name, path, 8, False, pinned)
         self.adapters[name] = info
         self.load_latencies.append(0.001)
         return info

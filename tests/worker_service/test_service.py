@@ -395,7 +395,23 @@ async def test_admin_endpoints_need_the_token(start_server: StartServer) -> None
     assert "new" not in s.engine.adapters
 
 
+async def test_load_can_pin_and_models_say_so(server: Server) -> None:
+    r = await server.client.post("/v1/load_lora_adapter",
+                                 json={"lora_name": "p", "lora_path": "ok/p", "pinned": True})
+    assert r.status_code == 200, r.text
+    assert server.engine.adapters["p"].pinned
+    pinned = {m["id"]: m["pinned"] for m in (await server.client.get("/v1/models")).json()["data"]
+              if m["parent"]}
+    assert pinned == {"p": True}
+    r = await server.client.post("/v1/load_lora_adapter",
+                                 json={"lora_name": "p", "lora_path": "ok/p"})
+    assert r.status_code == 200
+    assert not server.engine.adapters["p"].pinned
+
+
 @pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "ok/x", "pinned": "yes"}, 422,
+     "pinned"),
     ("/v1/load_lora_adapter", {"lora_path": "ok/x"}, 422, "lora_name"),
     ("/v1/load_lora_adapter", {"lora_name": 3, "lora_path": "ok/x"}, 422, "lora_name"),
     ("/v1/load_lora_adapter", {"lora_name": "x"}, 422, "lora_path"),

@@ -176,6 +176,7 @@ async def test_idle_resident_adapters_are_exported(start_server: StartServer) ->
     # The shared scrape parser (control plane, endpoint picker) sees both idle residents.
     raw = parse_metrics(r.text)
     assert raw.resident_adapters == {"pinned-one", "alpha"}
+    assert raw.pinned_adapters == {"pinned-one"}  # the placement loop reads pins from here
     assert raw.max_lora == 4
 
 

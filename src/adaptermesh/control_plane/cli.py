@@ -58,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="serve Prometheus /metrics on this port, on the --listen host (0: off)",
     )
-    p.add_argument("--no-rebalance", action="store_true", help="serve the API only (no loop)")
+    p.add_argument("--no-rebalance", action="store_true",
+                   help="serve the API only (no rebalancing, rollout or placement loop)")
+    p.add_argument("--worker-admin-token-file", type=Path, default=None,
+                   help="token the placement loop sends to the workers' load endpoint (the "
+                        "workers' --admin-token-file)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -99,6 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, AuthError) as exc:
         print(f"adaptermesh control-plane: tokens file: {exc}", file=sys.stderr)
         return 1
+    worker_token: str | None = None
+    if args.worker_admin_token_file is not None:
+        try:
+            worker_token = args.worker_admin_token_file.read_text().strip()
+        except OSError as exc:
+            print(f"adaptermesh control-plane: --worker-admin-token-file: {exc}", file=sys.stderr)
+            return 1
+        if not worker_token:
+            print(f"adaptermesh control-plane: --worker-admin-token-file: "
+                  f"{args.worker_admin_token_file} is empty", file=sys.stderr)
+            return 1
     config = ServerConfig(
         state_dir=args.state_dir,
         listen=args.listen,
@@ -113,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         rebalance=not args.no_rebalance,
         metrics_port=args.metrics_port,
         policy=policy,
+        worker_admin_token=worker_token,
     )
     try:
         asyncio.run(_serve(config))

@@ -21,6 +21,7 @@ from adaptermesh.control_plane.auth import AuthInterceptor, TokenTable, server_c
 from adaptermesh.control_plane.metrics import serve_metrics
 from adaptermesh.control_plane.metrics_source import LoadSource, PrometheusSource, ScrapeSource
 from adaptermesh.control_plane.policy import PolicyConfig
+from adaptermesh.control_plane.preloader import HttpWorkerAdmin, Preloader, PreloaderConfig
 from adaptermesh.control_plane.rebalancer import Rebalancer, RebalancerConfig
 from adaptermesh.control_plane.rollout import RolloutController
 from adaptermesh.control_plane.store import Store
@@ -54,6 +55,10 @@ class ServerConfig:
     # Prometheus /metrics on this port, on the host of ``listen``; 0: off.
     metrics_port: int = 0
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # The placement loop (preload, pinned shards, replicas; docs/adapter-instance.md) and the
+    # token it sends to the workers' load endpoint (their --admin-token-file).
+    placement: PreloaderConfig = field(default_factory=PreloaderConfig)
+    worker_admin_token: str | None = None
     limits: ApiLimits = field(default_factory=ApiLimits)
 
 
@@ -92,6 +97,10 @@ class ControlPlaneServer:
                                           logger=self.log)
         self.servicer.rollouts = self.rollouts
         self._rollout_task: asyncio.Task[None] | None = None
+        self.worker_admin = HttpWorkerAdmin(config.worker_admin_token)
+        self.preloader = Preloader(self.store, self.worker_admin, clock=clock,
+                                   config=config.placement, logger=self.log)
+        self._placement_task: asyncio.Task[None] | None = None
         self.health = health_aio.HealthServicer()
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -145,6 +154,7 @@ class ControlPlaneServer:
         if cfg.rebalance:
             self._loop_task = asyncio.create_task(self.rebalancer.run(self._stop))
             self._rollout_task = asyncio.create_task(self.rollouts.run(self._stop))
+            self._placement_task = asyncio.create_task(self.preloader.run(self._stop))
         return self.port
 
     async def stop(self, grace: float = 1.0) -> None:
@@ -152,7 +162,7 @@ class ControlPlaneServer:
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set("", not_serving)
         await self.health.set(CONTROL_PLANE_SERVICE, not_serving)
-        for task in (self._rollout_task,):
+        for task in (self._rollout_task, self._placement_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -165,6 +175,7 @@ class ControlPlaneServer:
             await self._metrics_runner.cleanup()
         if self._server is not None:
             await self._server.stop(grace)
+        await self.worker_admin.aclose()
         self.store.close()
 
     async def wait(self) -> None:

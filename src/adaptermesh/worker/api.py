@@ -370,6 +370,10 @@ class LoadLoraAdapterRequest(_Body):
     lora_path: Annotated[str, Strict()]
     # vLLM's in-place reload; only a fresh load is supported.
     load_inplace: StrictBool = False
+    # The mesh's own field (vLLM has none): keep the adapter in its GPU slot, never evicted,
+    # until it is loaded again unpinned or unloaded (the control plane's placement loop sends
+    # it for an AdapterInstance's pinnedShards).
+    pinned: StrictBool = False
 
     @field_validator("lora_name")
     @classmethod

@@ -480,14 +480,15 @@ class WorkerService:
         name, path = load.lora_name, load.lora_path
         if name == self.engine.model_name:
             raise _invalid("lora_name", "must differ from the base model's name")
-        await self.load_adapter(name, path)
+        await self.load_adapter(name, path, pinned=load.pinned)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
-    async def load_adapter(self, name: str, path: str) -> None:
+    async def load_adapter(self, name: str, path: str, *, pinned: bool = False) -> None:
         """Load (or reload) adapter ``name`` from ``path``, for every transport; engine errors
-        become ``ApiError`` naming ``lora_name`` or ``lora_path``."""
+        become ``ApiError`` naming ``lora_name`` or ``lora_path``. ``pinned`` keeps it in its GPU
+        slot (never evicted) until it is loaded again unpinned or unloaded."""
         try:
-            await self.engine.load_adapter(name, path)
+            await self.engine.load_adapter(name, path, pinned=pinned)
         except AdapterNotFoundError as exc:
             raise _adapter_error(exc, "lora_path") from None
         except InvalidRequestError as exc:
