@@ -157,7 +157,8 @@ def main() -> None:
     ev = Evaluator(compiled)
     sample = reqs[: min(len(reqs), 5000)]
     t0 = time.perf_counter_ns()
-    contexts = [ev._context(r, True) for r in sample]
+    now = datetime.datetime.now(datetime.UTC)
+    contexts = [ev._context(r, True, now) for r in sample]
     activation_us = (time.perf_counter_ns() - t0) / len(sample) / 1000
     program = compiled.programs[2]  # request.tenant == "..." || adapter == "..."
     t0 = time.perf_counter_ns()

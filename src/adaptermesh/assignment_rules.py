@@ -18,6 +18,7 @@ of each.
 from __future__ import annotations
 
 import functools
+import hashlib
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,6 +47,7 @@ __all__ = [
     "MAX_NODE_ID",
     "MAX_PINS",
     "MAX_REASON",
+    "MAX_RULES_DOCUMENT_BYTES",
     "MAX_SHARDS",
     "MAX_VNI",
     "SHARD_ID_RE",
@@ -62,6 +64,7 @@ __all__ = [
     "check_mac",
     "check_port",
     "check_reason",
+    "check_routing_rules",
     "check_shard",
     "check_shard_id",
     "check_shard_set",
@@ -102,6 +105,10 @@ MAX_ADAPTER_SPLITS = 1024
 # The whole Assignment, serialised: under gRPC's default 4 MiB receive limit, which the
 # agents' watch channels keep, with room for the stream's framing.
 MAX_ASSIGNMENT_BYTES = 3 << 20
+# The routing-rule set an Assignment carries (its canonical JSON, UTF-8): 2 MiB, under the
+# whole Assignment's bound with room for 16,384 pins and 256 shards. A stored set must fit:
+# the publish that would carry a larger one is refused, so ApplyRules refuses the set.
+MAX_RULES_DOCUMENT_BYTES = 2 << 20
 
 # Shard ids become BPF-side names, Envoy resource names (``shard-<id>``) and stat names.
 SHARD_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
@@ -434,6 +441,7 @@ def check_assignment(a: assignment_pb2.Assignment) -> None:
     if len(a.adapter_splits) > MAX_ADAPTER_SPLITS:
         raise RuleError("adapter_splits",
                         f"at most {MAX_ADAPTER_SPLITS}, got {len(a.adapter_splits)}")
+    check_routing_rules(a.routing_rules)
     split_of: dict[str, int] = {}
     for i, split in enumerate(a.adapter_splits):
         check_split(split, f"adapter_splits[{i}]")
@@ -441,6 +449,23 @@ def check_assignment(a: assignment_pb2.Assignment) -> None:
             raise RuleError(f"adapter_splits[{i}].adapter", f"duplicate adapter "
                             f"{split.adapter!r} (also adapter_splits[{split_of[split.adapter]}])")
         split_of[split.adapter] = i
+
+
+def check_routing_rules(r: assignment_pb2.RoutingRules, field: str = "routing_rules") -> None:
+    """The carried rule set's envelope: version, size, digest. What the rules say is checked by
+    ``adaptermesh.rules.carried`` (parse and compile), which the rebalancer and the agent call."""
+    if not r.document_json:
+        if r.version or r.digest:
+            raise RuleError(field, "no document_json: version and digest must be unset")
+        return
+    if r.version < 1:
+        raise RuleError(f"{field}.version", "a carried rule set has a version of at least 1")
+    size = len(r.document_json.encode())
+    if size > MAX_RULES_DOCUMENT_BYTES:
+        raise RuleError(f"{field}.document_json",
+                        f"{size} bytes, at most {MAX_RULES_DOCUMENT_BYTES}")
+    if r.digest != hashlib.sha256(r.document_json.encode()).digest():
+        raise RuleError(f"{field}.digest", "is not the SHA-256 of document_json")
 
 
 @functools.lru_cache(maxsize=1 << 17)

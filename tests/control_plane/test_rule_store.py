@@ -101,3 +101,25 @@ def test_stored_sets_round_trip_and_pin(
     pins = cidr_pins(parse_rule_set(live.document))
     assert {p.shard_id for p in pins} <= {f"s-{n}" for n, _, _ in rows}
     assert pins[0].shard_id == f"s-{rows[0][0]}"
+
+
+def test_assignments_keep_the_carried_rule_set_once(tmp_path: Path) -> None:
+    from adaptermesh.proto import assignment_pb2
+    from adaptermesh.rules import routing_rules_message
+
+    store = Store(tmp_path / "cp.db")
+    record = store.apply_rule_set(GOLD, "gold tier", now=1.0)
+    carried = routing_rules_message(record.version, record.document)
+    for version in (1, 2, 3):
+        store.append_assignment(assignment_pb2.Assignment(version=version, routing_rules=carried))
+    bodies = [bytes(r[0]) for r in store._db.execute("SELECT body FROM assignments")]
+    assert all(carried.document_json.encode() not in b for b in bodies)
+    latest = store.latest_assignment()
+    assert latest is not None
+    assert latest.routing_rules == carried  # whole again, digest and all
+    store.close()
+    reopened = Store(tmp_path / "cp.db")
+    assert [a.routing_rules for a in reopened.history(10)] == [carried] * 3
+    light = reopened.history(10, pins=False)
+    assert all(a.routing_rules.digest == carried.digest and not a.routing_rules.document_json
+               for a in light)

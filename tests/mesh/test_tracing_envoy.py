@@ -123,7 +123,7 @@ def test_envoy_and_worker_spans_join_one_trace(traced_mesh) -> None:  # type: ig
     assert root.parent_span_id in {s.span_id for s in envoy}
     assert any(s.parent_span_id == PARENT for s in envoy)
     children = [s for s in receiver.snapshot() if s.parent_span_id == root.span_id]
-    assert {s.name for s in children} == {"queue", "prefill", "decode"}
+    assert {s.name for s in children} == {"queue", "adapter resolution", "prefill", "decode"}
     # The agent's ext_proc decision joins the same trace, under the span of Envoy's call.
     decided = wait_until(lambda: [s for s in receiver.snapshot() if s.trace_id == TRACE
                                   and s.name == "ext_proc decide"], 20, 0.1,

@@ -4,6 +4,7 @@ budget and its fallback, and source-CIDR-only rules as pins."""
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import ipaddress
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +61,15 @@ def _atoms() -> st.SearchStrategy[tuple[str, Ref]]:
     def longer(n: int) -> tuple[str, Ref]:
         return f"size(adapter) > {n}", lambda r: len(r.adapter) > n
 
+    def key_prefix(p: str) -> tuple[str, Ref]:
+        return (f'request.headers.exists(k, k.startsWith("{p}"))',
+                lambda r: any(k.startswith(p) for k in r.headers))
+
+    def hour(on: tuple[str, int]) -> tuple[str, Ref]:
+        op, n = on
+        compare = {"<": int.__lt__, ">=": int.__ge__, "==": int.__eq__, "!=": int.__ne__}[op]
+        return f"now.getHours() {op} {n}", lambda r: compare(r.now.hour, n)
+
     return st.one_of(
         st.sampled_from(TENANTS).map(eq_tenant),
         st.sampled_from(["fin-", "ops", "x"]).map(starts),
@@ -67,6 +77,8 @@ def _atoms() -> st.SearchStrategy[tuple[str, Ref]]:
         st.tuples(st.sampled_from(KEYS), st.sampled_from(VALUES)).map(header_eq),
         st.sampled_from(CIDRS).map(cidr),
         st.integers(0, 9).map(longer),
+        st.sampled_from(["x-t", "x-tier", "y"]).map(key_prefix),
+        st.tuples(st.sampled_from(["<", ">=", "==", "!="]), st.integers(0, 24)).map(hour),
         st.sampled_from([("true", lambda r: True), ("false", lambda r: False)]),
     )
 
@@ -112,6 +124,8 @@ requests = st.builds(
     tenant=st.sampled_from(TENANTS),
     headers=st.dictionaries(st.sampled_from(KEYS), st.sampled_from(VALUES), max_size=2),
     adapter=st.sampled_from(ADAPTERS),
+    now=st.datetimes(min_value=dt.datetime(2026, 1, 1), max_value=dt.datetime(2027, 1, 1),
+                     timezones=st.just(dt.UTC)),
 )
 
 
@@ -121,7 +135,9 @@ def test_first_match_agrees_with_reference(
     exprs: list[tuple[str, Ref]], reqs: list[RequestFacts]
 ) -> None:
     rules = tuple(Rule(f"r{i}", src, Action("shard", f"s{i}")) for i, (src, _) in enumerate(exprs))
-    evaluator = Evaluator(compile_rule_set(RuleSet(rules)))
+    # A still clock: agreement, not the time budget, is under test (a loaded CI box can
+    # pass 1 ms between two readings).
+    evaluator = Evaluator(compile_rule_set(RuleSet(rules)), clock=lambda: 0)
     for req in reqs:
         values = [ref(req) for _, ref in exprs]
         want = next((i for i, v in enumerate(values) if v is True), None)
@@ -264,7 +280,7 @@ def test_python_screens_agree_with_cel_alone(
         screens=tuple(Screen(None, False) for _ in rules),
         whole_headers=tuple(True for _ in rules),
     )
-    fast, slow = Evaluator(compiled), Evaluator(cel_only)
+    fast, slow = Evaluator(compiled, clock=lambda: 0), Evaluator(cel_only, clock=lambda: 0)
     for req in reqs:
         assert fast.evaluate(req) == slow.evaluate(req)
 
@@ -277,18 +293,27 @@ def test_screens_decide_known_trees() -> None:
     )
     assert s.complete
     assert s.decide is not None
-    assert s.decide("192.0.2.1", "", {"x-tier": "gold"}, "a") is True
-    assert s.decide("10.0.0.1", "", {"x-tier": "gold"}, "a") is False
-    assert s.decide("192.0.2.1", "", {}, "a") is None  # missing key: CEL decides
-    assert s.decide("192.0.2.1", "", {}, "b") is False  # a false side decides anyway
+    assert s.decide("192.0.2.1", "", {"x-tier": "gold"}, "a", -1) is True
+    assert s.decide("10.0.0.1", "", {"x-tier": "gold"}, "a", -1) is False
+    assert s.decide("192.0.2.1", "", {}, "a", -1) is None  # missing key: CEL decides
+    assert s.decide("192.0.2.1", "", {}, "b", -1) is False  # a false side decides anyway
     either = screen('adapter == "a" || request.tenant.startsWith("t-")', in_cidr)
     assert either.complete
     assert either.decide is not None
-    assert either.decide("", "t-1", {}, "b") is True
-    partial = screen('adapter == "a" && now.getHours() > 3', in_cidr)
+    assert either.decide("", "t-1", {}, "b", -1) is True
+    partial = screen('adapter == "a" && now.getMinutes() > 3', in_cidr)
     assert not partial.complete
     assert partial.decide is not None
-    assert partial.decide("", "", {}, "b") is False
-    assert partial.decide("", "", {}, "a") is None
+    assert partial.decide("", "", {}, "b", 5) is False
+    assert partial.decide("", "", {}, "a", 5) is None
+    # The UTC hour and a key macro are decided in Python; an hour not taken (-1) is unknown.
+    timed = screen('now.getHours() < 6 && request.headers.exists(k, k.startsWith("x-b"))',
+                   in_cidr)
+    assert timed.complete
+    assert timed.decide is not None
+    assert timed.decide("", "", {"x-block": "1"}, "", 5) is True
+    assert timed.decide("", "", {"x-block": "1"}, "", 6) is False
+    assert timed.decide("", "", {"x-a": "1"}, "", 5) is False
+    assert timed.decide("", "", {"x-block": "1"}, "", -1) is None
     assert screen("size(adapter) > 3", in_cidr).decide is None
     assert screen('adapter == "a" ? true : false', in_cidr).decide is None

@@ -305,3 +305,35 @@ def test_lora_path_that_cannot_be_resolved_is_a_validation_error(tmp_path: Path)
         with pytest.raises(AdapterValidationError) as ei:
             resolve_in_root(root, "n", path)
         assert ei.value.field == "lora_path", path
+
+
+async def test_first_event_reports_the_tier_that_served_the_adapter(tiny: Tiny, make_engine: Any) -> None:
+    """The scheduler's AdapterResolution (the tracing span's source): disk when cold, gpu when
+    resident, cpu when evicted from the GPU but kept in the CPU cache; on the first event only."""
+    eng = make_engine(max_loras=2, max_num_seqs=4)
+    ids = tiny.encode(PROMPTS[0])
+    names = list(ADAPTERS)
+    assert len(names) >= 3
+
+    async def resolve(name: str | None, rid: str) -> Any:
+        events = await collect(eng.submit(request(rid, ids, name, max_tokens=3)))
+        found = [e.resolution for e in events if e.resolution is not None]
+        assert events[0].resolution is (found[0] if found else None)
+        assert len(found) <= 1
+        return found[0] if found else None
+
+    cold = await resolve(names[0], "cold")
+    assert cold.tier == "disk"
+    assert cold.load_s > 0
+    assert cold.started <= cold.resolved
+    assert cold.load_s == pytest.approx(eng.adapters.counters.latencies[-1], abs=1e-3)
+    warm = await resolve(names[0], "warm")
+    assert (warm.tier, warm.load_s, warm.version) == ("gpu", 0.0, cold.version)
+    for i, name in enumerate(names[1:]):
+        assert (await resolve(name, f"fill{i}")).tier == "disk"
+    resident = {a.name for a in eng.list_adapters() if a.resident_on_gpu}
+    evicted = next(n for n in names if n not in resident)
+    back = await resolve(evicted, "back")
+    assert back.tier == "cpu"
+    assert back.load_s > 0
+    assert await resolve(None, "base") is None

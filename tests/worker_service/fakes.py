@@ -19,6 +19,7 @@ from adaptermesh.worker.engine import Engine
 from adaptermesh.worker.types import (
     AdapterInfo,
     AdapterNotFoundError,
+    AdapterResolution,
     EngineError,
     EngineOverloadedError,
     EngineStats,
@@ -49,6 +50,8 @@ class FakeStream:
         self.engine = engine
         self.request = request
         self.cancelled = False
+        # Like the scheduler's: on the first event (the engine's first lookup to its lease).
+        self.resolution: AdapterResolution | None = None
         self._wake = asyncio.Event()
 
     def cancel(self) -> None:
@@ -69,14 +72,17 @@ class FakeStream:
         req = self.request
         if eng.fail_in_stream is not None:
             raise eng.fail_in_stream
+        looked_up = time.monotonic()
         if req.adapter is not None and req.adapter not in eng.adapters:
             if req.adapter not in eng.on_disk:
                 raise AdapterNotFoundError(req.adapter)
             eng.adapters[req.adapter] = AdapterInfo(req.adapter, f"/root/{req.adapter}", 8, True)
             eng.misses += 1
             eng.load_latencies.append(0.003)
+            self.resolution = AdapterResolution("disk", looked_up, time.monotonic(), 0.003, 1)
         elif req.adapter is not None:
             eng.hits += 1
+            self.resolution = AdapterResolution("gpu", looked_up, time.monotonic(), 0.0, 1)
         eng.waiting.append(req)
         try:
             async with eng.slots:
@@ -121,7 +127,8 @@ class FakeStream:
                 reason = "stop"
             elif done:
                 reason = "length"
-            yield TokenEvent(token, piece, reason, n_prompt, i + 1)
+            resolution, self.resolution = self.resolution, None
+            yield TokenEvent(token, piece, reason, n_prompt, i + 1, (), resolution)
             if reason is not None:
                 return
 

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from adaptermesh.agent.daemon import Agent, AgentConfig
+from adaptermesh.agent.flowlog import FLOW_EVENT_MODES
 from adaptermesh.cliargs import port
 from adaptermesh.tracing import check_ratio
 
@@ -117,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export the ext_proc decisions' spans to this OTLP/gRPC collector")
     p.add_argument("--trace-sample-ratio", type=_ratio, default=1.0,
                    help="share of new traces the agent samples (a sampled parent is followed)")
+    p.add_argument("--flow-events", choices=FLOW_EVENT_MODES, default="off",
+                   help="export each new-flow classifier decision keyed by the flow: a JSON "
+                   "log line (log), a span in the flow's trace (span, needs --otlp-endpoint), "
+                   "or both")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics binds")
     p.add_argument("--metrics-port", type=port, default=9464)
     p.add_argument(
@@ -153,6 +158,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise SystemExit("adaptermesh agent: --edge-jwks and --edge-issuer go together")
     if (args.edge_tls_cert is None) != (args.edge_tls_key is None):
         raise SystemExit("adaptermesh agent: --edge-tls-cert and --edge-tls-key go together")
+    if args.flow_events in ("span", "both") and args.otlp_endpoint is None:
+        raise SystemExit(f"adaptermesh agent: --flow-events {args.flow_events} needs "
+                         "--otlp-endpoint")
     return AgentConfig(
         edge_tls_cert=args.edge_tls_cert,
         edge_tls_key=args.edge_tls_key,
@@ -177,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         envoy_trace_percent=args.envoy_trace_percent,
         otlp_endpoint=args.otlp_endpoint,
         trace_sample_ratio=args.trace_sample_ratio,
+        flow_events=args.flow_events,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         state_file=args.state_file,

@@ -28,11 +28,13 @@ from prometheus_client import CollectorRegistry
 
 from adaptermesh.agent.applier import Applier
 from adaptermesh.agent.extproc import ExtProcConfig, ExtProcServer, MetricsPoller
+from adaptermesh.agent.flowlog import FlowEventMode, FlowExporter
 from adaptermesh.agent.http import build_app
 from adaptermesh.agent.load import LoadTracker
 from adaptermesh.agent.metrics import AgentMetrics
 from adaptermesh.agent.picker import EndpointBook
 from adaptermesh.agent.ports import Datapath, FlowEvent, XdsSink
+from adaptermesh.agent.rulesync import RuleSync
 from adaptermesh.agent.state import AssignmentStore
 from adaptermesh.agent.watch import AssignmentWatcher, LoadReporter
 from adaptermesh.backoff import Backoff
@@ -97,6 +99,9 @@ class AgentConfig:
     # The agent's own spans (the ext_proc decisions) to this OTLP/gRPC collector; None: off.
     otlp_endpoint: str | None = None
     trace_sample_ratio: float = 1.0
+    # Each new-flow ring-buffer event exported keyed by the flow (agent/flowlog.py): "log" (a
+    # JSON line on the adaptermesh.flows logger), "span" (needs otlp_endpoint), "both", "off".
+    flow_events: FlowEventMode = "off"
 
 
 DatapathFactory = Callable[[AgentConfig], Datapath]
@@ -146,6 +151,11 @@ class Agent:
         self.reporter: LoadReporter | None = None
         self.http_port: int | None = None
         self.ext_proc: ExtProcServer | None = None
+        # The Assignment's routing rules, compiled and installed into the ext_proc server.
+        self.rule_sync = RuleSync()
+        self.tracing = Tracing.off()
+        self.flow_exporter: FlowExporter | None = None
+        self._names_of: tuple[assignment_pb2.Assignment, dict[int, str]] | None = None
         self._poll_stop = threading.Event()
         self._poll_error = ""
         self.started = asyncio.Event()
@@ -155,6 +165,12 @@ class Agent:
     def _on_event(self, event: FlowEvent) -> None:
         self.tracker.on_event(event, self.clock.monotonic())
         self.metrics.events.labels(event.reason).inc()
+        exporter = self.flow_exporter
+        if exporter is not None:
+            try:
+                exporter(event)
+            except Exception:  # exporting is best effort; the flow is counted either way
+                _log.exception("could not export flow event")
 
     def _poll_events(self, datapath: Datapath) -> None:
         # bcc's ring-buffer poll blocks in the kernel; a thread keeps the event loop free.
@@ -165,6 +181,15 @@ class Agent:
                 self._poll_error = str(exc)
                 _log.exception("ring buffer poll failed; retrying")
                 self._poll_stop.wait(1.0)
+
+    def _shard_names(self) -> dict[int, str]:
+        current = self.applier.current if self.applier else None
+        if current is None:
+            return {}
+        names = self._names_of
+        if names is None or names[0] is not current:
+            names = self._names_of = (current, {s.index: s.id for s in current.shards})
+        return names[1]
 
     # -- HTTP views -----------------------------------------------------------------------
 
@@ -215,6 +240,7 @@ class Agent:
             "applied_version": applier.applied_version if applier else 0,
             "received_version": applier.received_version if applier else 0,
             "apply_error": applier.last_error if applier else "",
+            "routing_rules": {"version": self.rule_sync.version, "error": self.rule_sync.error},
             "reason": current.reason if current else "",
             "control_plane_connected": bool(self.watcher and self.watcher.connected),
             "watch_error": self.watcher.last_error if self.watcher else "",
@@ -274,10 +300,10 @@ class Agent:
             ready=applier.current is not None,
             # Read per request: a new split applies with the Assignment, not a poll later.
             assignment=lambda: applier.current,
-            tracing=Tracing.from_config(config.otlp_endpoint, config.trace_sample_ratio,
-                                        "adaptermesh-agent"),
+            tracing=self.tracing,
         )
         await asyncio.to_thread(server.start)
+        self.rule_sync.attach(server.set_rules)
         self.ext_proc = server
         await MetricsPoller(book, interval_s=config.picker_scrape_interval_s,
                             assignment=lambda: applier.current,
@@ -288,6 +314,12 @@ class Agent:
         self.metrics.bind_rates(self.tracker.last, lambda: dict(self.tracker.counters))
         # The datapath runs off the event loop: pyroute2's synchronous API (used by the loader
         # to attach and resolve interfaces) refuses to run inside a running event loop.
+        self.tracing = Tracing.from_config(config.otlp_endpoint, config.trace_sample_ratio,
+                                           "adaptermesh-agent")
+        if config.flow_events != "off":
+            self.flow_exporter = FlowExporter(
+                config.flow_events, self.tracing, config.node_id, self._shard_names,
+                sample_ratio=config.trace_sample_ratio)
         datapath = await asyncio.to_thread(self._datapath_factory, config)
         self.datapath = datapath
         self.metrics.datapath_attached.set(1)
@@ -300,6 +332,7 @@ class Agent:
             applier = Applier(datapath, self.xds, self.metrics, AssignmentStore(config.state_file),
                               clock=self.clock)
             self.applier = applier
+            applier.listeners.append(self.rule_sync.on_assignment)
             await asyncio.to_thread(applier.reconcile)
 
             # The listener guards every HTTP listener shares (httpserve.py): header and body
@@ -327,6 +360,7 @@ class Agent:
                 token=config.token,
                 interval_s=config.report_interval_s,
                 clock=self.clock,
+                extra_error=lambda: self.rule_sync.error,
             )
             self.watcher = AssignmentWatcher(
                 stub,
@@ -380,6 +414,7 @@ class Agent:
             if self.xds is not None:
                 await self.xds.close()
             await asyncio.to_thread(datapath.close, config.detach)
+            await asyncio.to_thread(self.tracing.shutdown)
             self.metrics.datapath_attached.set(0)
             _log.info(
                 "agent %s stopped (%s)",

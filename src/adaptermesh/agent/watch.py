@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from adaptermesh import assignment_rules as rules
 from adaptermesh.agent.applier import Applier
 from adaptermesh.agent.load import LoadTracker, ShardRates
 from adaptermesh.agent.metrics import AgentMetrics
@@ -128,10 +129,13 @@ class LoadReporter:
         interval_s: float = 2.0,
         timeout_s: float = 2.0,
         clock: Clock | None = None,
+        extra_error: Callable[[], str] | None = None,
     ) -> None:
         self._stub = stub
         self._node_id = node_id
         self._applier = applier
+        # An error the applier does not own (a refused routing-rule set) reported the same way.
+        self._extra_error = extra_error or (lambda: "")
         self._datapath = datapath
         self._tracker = tracker
         self._metrics = metrics
@@ -160,7 +164,7 @@ class LoadReporter:
             node_id=self._node_id,
             applied_version=self._applier.applied_version,
             observed_at=observed,
-            apply_error=self._applier.last_error,
+            apply_error=(self._applier.last_error or self._extra_error())[: rules.MAX_APPLY_ERROR],
         )
         for index, r in sorted(rates.items()):
             if index not in names:

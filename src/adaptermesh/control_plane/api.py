@@ -34,6 +34,7 @@ from adaptermesh.proto.adaptermesh.v1 import (
     control_plane_pb2_grpc,
 )
 from adaptermesh.rules import RuleError as RoutingRuleError
+from adaptermesh.rules import canonical_document, parse_rule_set
 
 __all__ = ["ApiError", "ApiLimits", "ControlPlaneServicer", "add_to_server", "normalise_cidr"]
 
@@ -433,7 +434,18 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
             except ValueError as exc:
                 _invalid("document_json", f"not JSON: {exc}")
             try:
-                record = self.store.apply_rule_set(document, request.reason, self._now())
+                # Stored and published in one transaction: the Assignment carries the set (and
+                # its source-CIDR-only rules as pins) to every agent at once. A set that would
+                # make the Assignment invalid (too large, too many pins) is not stored.
+                live = self.store.rule_set()
+                unchanged = live is not None and canonical_document(
+                    parse_rule_set(document)
+                ) == canonical_document(parse_rule_set(live.document))
+                record = self.rb.mutate(
+                    lambda: self.store.apply_rule_set(document, request.reason, self._now()),
+                    f"routing rules: {request.reason}" if request.reason else "routing rules",
+                    publish=bool(self.store.list_shards()) and not unchanged,
+                )
             except RoutingRuleError as exc:
                 # Names the rule and where CEL gives one the line:column; nothing stored.
                 _invalid("document_json", str(exc))

@@ -44,6 +44,8 @@ from adaptermesh.control_plane.policy.capacity import CapacityConfig
 from adaptermesh.control_plane.rollout_state import splits as rollout_splits
 from adaptermesh.control_plane.store import Store
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
+from adaptermesh.rules import RuleError as RoutingRuleError
+from adaptermesh.rules import carried_pins, carried_rules, routing_rules_message
 
 __all__ = [
     "AssignmentHub",
@@ -194,6 +196,8 @@ class Rebalancer:
         # Sorted adapter tuples per resident set, so publishing affinity does not sort 8,000
         # small sets every tick.
         self._sorted_adapters: dict[frozenset[str], tuple[str, ...]] = {}
+        # The live routing-rule set in its carried form (rebuilt when its version moves).
+        self._carried: assignment_pb2.RoutingRules | None = None
         self.steps = 0
         self.failures = 0
         self.publishes = 0
@@ -295,12 +299,36 @@ class Rebalancer:
                 if observed is not None:
                     del ep.adapters[:]
                     ep.adapters.extend(observed)
+        pinned = set()
         for cidr, shard_id in self.store.list_pins():
             out.pins.add(cidr=cidr, shard_id=shard_id)
+            pinned.add(cidr)
+        carried = self._routing_rules()
+        if carried is not None:
+            out.routing_rules.CopyFrom(carried)
+            # The set's source-CIDR-only rules reach the classifier as pins; an operator's pin
+            # of the same CIDR wins (it is the more specific intent, and the rule agrees or
+            # was written later against a pinned range).
+            active = frozenset(s.id for s in out.shards if s.state == _ACTIVE)
+            for pin in carried_pins(carried, active):
+                if pin.cidr not in pinned:
+                    out.pins.append(pin)
+                    pinned.add(pin.cidr)
         out.overrides.extend(self.store.live_overrides(now))
         out.adapters.extend(self.layout().edges)
         out.adapter_splits.extend(rollout_splits(self.store.rollouts()))
         return out
+
+    def _routing_rules(self) -> assignment_pb2.RoutingRules | None:
+        """The live rule set in its carried form, rebuilt only when its version moves."""
+        version = self.store.live_rule_set_version()
+        if version == 0:
+            return None
+        if self._carried is None or self._carried.version != version:
+            record = self.store.rule_set(version)
+            assert record is not None
+            self._carried = routing_rules_message(record.version, record.document)
+        return self._carried
 
     def _validate(self, assignment: assignment_pb2.Assignment) -> None:
         # First what every agent will check before it applies (the same rules, so nothing
@@ -308,6 +336,10 @@ class Rebalancer:
         try:
             rules.check_assignment(assignment)
             adapter_edge.check_edges(assignment)
+            try:
+                carried_rules(assignment.routing_rules)
+            except RoutingRuleError as exc:
+                raise rules.RuleError("routing_rules", str(exc)) from None
         except rules.RuleError as exc:
             raise PublishError(str(exc)) from exc
         active = [s.id for s in assignment.shards if s.state == _ACTIVE]
@@ -328,8 +360,14 @@ class Rebalancer:
         """Build, validate and record an Assignment inside the caller's transaction."""
         if affinity is None:
             affinity = self._affinity()
-        assignment = self._build(weights, endpoint_weights, reason, affinity)
-        self._validate(assignment)
+        try:
+            assignment = self._build(weights, endpoint_weights, reason, affinity)
+            self._validate(assignment)
+        except Exception:
+            # The caller's transaction rolls back, and a rule set version it wrote may be
+            # written again with other content: forget the carried form built from it.
+            self._carried = None
+            raise
         self.store.append_assignment(assignment)
         return assignment
 

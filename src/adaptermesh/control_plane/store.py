@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
-from adaptermesh.rules import compile_rule_set, parse_rule_set, rule_set_document
+from adaptermesh.rules import canonical_document, compile_rule_set, parse_rule_set
 
 __all__ = [
     "MIGRATIONS",
@@ -382,7 +382,7 @@ class Store:
         position) before anything is written. Applying the live set again adds no version."""
         rule_set = parse_rule_set(document)
         compile_rule_set(rule_set)
-        canonical = json.dumps(rule_set_document(rule_set), sort_keys=True, separators=(",", ":"))
+        canonical = canonical_document(rule_set)
         digest = hashlib.sha256(canonical.encode()).digest()
         with self.transaction():
             row = self._db.execute(
@@ -399,6 +399,11 @@ class Store:
             )
             version = int(cur.lastrowid or 0)
         return RuleSetRecord(version, json.loads(canonical), reason, now)
+
+    def live_rule_set_version(self) -> int:
+        """The live (newest) rule set's version; 0 when none was ever applied."""
+        row = self._db.execute("SELECT MAX(version) FROM rule_sets").fetchone()
+        return int(row[0] or 0)
 
     def rule_set(self, version: int | None = None) -> RuleSetRecord | None:
         """The live rule set (the newest version), or the given version; None if none."""
@@ -481,6 +486,12 @@ class Store:
             body = assignment_pb2.Assignment()
             body.CopyFrom(assignment)
             del body.pins[:]
+            # The carried rule set is kept once, in rule_sets: each record keeps its version
+            # and digest only (up to 2 MiB per Assignment otherwise, on every publish).
+            # (Guarded: touching an absent submessage would make it present, and the record
+            # would no longer equal the Assignment served.)
+            if body.HasField("routing_rules"):
+                body.routing_rules.ClearField("document_json")
             pins = assignment_pb2.Assignment(pins=assignment.pins).SerializeToString()
             digest = hashlib.sha256(pins).digest()
             self._db.execute(
@@ -518,6 +529,19 @@ class Store:
             out.MergeFromString(row[0])
         elif not pins:
             del out.pins[:]
+        if not out.HasField("routing_rules"):  # (reading an absent one would add it)
+            return out
+        carried = out.routing_rules
+        if pins and carried.version and not carried.document_json:
+            row = self._db.execute(
+                "SELECT document FROM rule_sets WHERE version = ?", (carried.version,)
+            ).fetchone()
+            if row is not None:
+                carried.document_json = str(row[0])
+        elif not pins:
+            # Like the pins: a history page leaves the (large) document out, keeping its
+            # version and digest.
+            carried.ClearField("document_json")
         return out
 
     def latest_assignment(self) -> assignment_pb2.Assignment | None:

@@ -3,6 +3,12 @@ version, a priority or a rejection. One module owns them; the control plane comp
 the agent's external processor evaluates per request, and source-CIDR-only rules become the
 Assignment's pins."""
 
+from adaptermesh.rules.carried import (
+    canonical_document,
+    carried_pins,
+    carried_rules,
+    routing_rules_message,
+)
 from adaptermesh.rules.engine import (
     CompiledRuleSet,
     Evaluator,
@@ -32,9 +38,13 @@ __all__ = [
     "Rule",
     "RuleError",
     "RuleSet",
+    "canonical_document",
+    "carried_pins",
+    "carried_rules",
     "cidr_pins",
     "compile_rule_set",
     "in_cidr",
     "parse_rule_set",
+    "routing_rules_message",
     "rule_set_document",
 ]

@@ -296,7 +296,9 @@ class Evaluator:
         self._clock = clock
         self.stats = EvaluatorStats()
 
-    def _context(self, facts: RequestFacts, whole_headers: bool) -> cel.Context:
+    def _context(
+        self, facts: RequestFacts, whole_headers: bool, now: dt.datetime | None
+    ) -> cel.Context:
         # Converting the activation is most of a CEL evaluation's cost (it grows with the
         # headers), so rules that read headers by name get only the names the set reads.
         headers = facts.headers
@@ -311,8 +313,8 @@ class Evaluator:
             },
             "adapter": facts.adapter,
         }
-        if self._uses_now:
-            variables["now"] = facts.now if facts.now is not None else dt.datetime.now(dt.UTC)
+        if now is not None:
+            variables["now"] = now
         return cel.Context(variables, {"inCidr": in_cidr})
 
     def evaluate(self, facts: RequestFacts) -> Outcome:
@@ -326,6 +328,13 @@ class Evaluator:
         stats = self.stats
         stats.requests += 1
         errors = 0
+        # One reading of the clock per request, shared by the screens (its UTC hour) and CEL.
+        now: dt.datetime | None = None
+        hour = -1
+        if self._uses_now:
+            now = facts.now if facts.now is not None else dt.datetime.now(dt.UTC)
+            if now.tzinfo is not None:
+                hour = now.astimezone(dt.UTC).hour
         screens = self._screens
         n = len(screens)
         for i in range(min(n, max_rules)):
@@ -335,14 +344,14 @@ class Evaluator:
                 stats.rule_errors += errors
                 return Outcome(self._fallback, None, i, errors, True)
             decide = screens[i]
-            verdict = None if decide is None else decide(ip, tenant, headers, adapter)
+            verdict = None if decide is None else decide(ip, tenant, headers, adapter, hour)
             if verdict is False:
                 continue
             if verdict is None:
                 w = whole[i]
                 context = contexts[w]
                 if context is None:
-                    context = contexts[w] = self._context(facts, w)
+                    context = contexts[w] = self._context(facts, w, now)
                 try:
                     if self._programs[i].execute(context) is not True:
                         continue

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 __all__ = ["Guard", "Screen", "screen"]
 
-# A guard answers True, False, or None (cannot tell: CEL decides).
-Guard = Callable[[str, str, Mapping[str, str], str], "bool | None"]
+# A guard answers True, False, or None (cannot tell: CEL decides), from the source address,
+# tenant, headers, adapter and the UTC hour of ``now`` (-1 when the set does not read ``now``).
+Guard = Callable[[str, str, Mapping[str, str], str, int], "bool | None"]
 _LIT = r'"([^"\\]*)"'
 _FIELDS = ("adapter", "request.tenant", "request.source_ip")
 
@@ -99,27 +100,27 @@ def _closing(text: str) -> int:
 
 def _equals(name: str, lit: str) -> Guard:
     if name == "adapter":
-        return lambda ip, t, h, a: a == lit
+        return lambda ip, t, h, a, hr: a == lit
     if name == "request.tenant":
-        return lambda ip, t, h, a: t == lit
-    return lambda ip, t, h, a: ip == lit
+        return lambda ip, t, h, a, hr: t == lit
+    return lambda ip, t, h, a, hr: ip == lit
 
 
 def _affix(name: str, how: str, lit: str) -> Guard:
     if name == "adapter":
         if how == "startsWith":
-            return lambda ip, t, h, a: a.startswith(lit)
-        return lambda ip, t, h, a: a.endswith(lit)
+            return lambda ip, t, h, a, hr: a.startswith(lit)
+        return lambda ip, t, h, a, hr: a.endswith(lit)
     if how == "startsWith":
-        return lambda ip, t, h, a: t.startswith(lit)
-    return lambda ip, t, h, a: t.endswith(lit)
+        return lambda ip, t, h, a, hr: t.startswith(lit)
+    return lambda ip, t, h, a, hr: t.endswith(lit)
 
 
 def _atom(text: str, in_cidr: Callable[[str, str], bool]) -> Guard | None:
     if text == "true":
-        return lambda ip, t, h, a: True
+        return lambda ip, t, h, a, hr: True
     if text == "false":
-        return lambda ip, t, h, a: False
+        return lambda ip, t, h, a, hr: False
     fields = "|".join(re.escape(f) for f in _FIELDS)
     if m := re.fullmatch(rf"({fields})\s*==\s*{_LIT}", text):
         return _equals(m.group(1), m.group(2))
@@ -129,13 +130,43 @@ def _atom(text: str, in_cidr: Callable[[str, str], bool]) -> Guard | None:
         return _affix(m.group(1), m.group(2), m.group(3))
     if m := re.fullmatch(rf"{_LIT}\s+in\s+request\.headers", text):
         key = m.group(1)
-        return lambda ip, t, h, a: key in h
+        return lambda ip, t, h, a, hr: key in h
     if m := re.fullmatch(rf"request\.headers\[\s*{_LIT}\s*\]\s*==\s*{_LIT}", text):
         key, lit = m.group(1), m.group(2)
-        return lambda ip, t, h, a: (h[key] == lit) if key in h else None
+        return lambda ip, t, h, a, hr: (h[key] == lit) if key in h else None
     if m := re.fullmatch(rf"inCidr\(\s*request\.source_ip\s*,\s*{_LIT}\s*\)", text):
         return _cidr(m.group(1), in_cidr)
+    if m := re.fullmatch(
+        rf"request\.headers\.exists\(\s*([A-Za-z_]\w*)\s*,\s*\1\s*"
+        rf"(?:\.\s*(startsWith|endsWith)\(\s*{_LIT}\s*\)|==\s*{_LIT})\s*\)",
+        text,
+    ):
+        return _key_exists(m.group(2), m.group(3) if m.group(2) else m.group(4))
+    if m := re.fullmatch(r"now\.getHours\(\)\s*(==|!=|<=|>=|<|>)\s*(-?\d{1,3})", text):
+        return _hour(m.group(1), int(m.group(2)))
     return None
+
+
+def _key_exists(how: str | None, lit: str) -> Guard:
+    # CEL's exists over a map ranges over its keys; strings' startsWith never errors.
+    if how == "startsWith":
+        return lambda ip, t, h, a, hr: any(k.startswith(lit) for k in h)
+    if how == "endsWith":
+        return lambda ip, t, h, a, hr: any(k.endswith(lit) for k in h)
+    return lambda ip, t, h, a, hr: lit in h
+
+
+_COMPARE: dict[str, Callable[[int, int], bool]] = {
+    "==": int.__eq__, "!=": int.__ne__, "<": int.__lt__,
+    "<=": int.__le__, ">": int.__gt__, ">=": int.__ge__,
+}
+
+
+def _hour(op: str, n: int) -> Guard:
+    # ``now.getHours()`` is the UTC hour, 0-23; an hour the evaluator did not take (-1) is
+    # unknown and goes to CEL.
+    compare = _COMPARE[op]
+    return lambda ip, t, h, a, hr: None if hr < 0 else compare(hr, n)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -153,25 +184,25 @@ def _cidr(cidr: str, in_cidr: Callable[[str, str], bool]) -> Guard:
     try:
         net = ipaddress.ip_network(cidr, strict=False)
     except ValueError:
-        return lambda ip, t, h, a: in_cidr(ip, cidr)
+        return lambda ip, t, h, a, hr: in_cidr(ip, cidr)
     version, mask, base = net.version, int(net.netmask), int(net.network_address)
 
-    def decide(ip: str, t: str, h: Mapping[str, str], a: str) -> bool | None:
+    def decide(ip: str, t: str, h: Mapping[str, str], a: str, hr: int) -> bool | None:
         bits = _address_bits(ip)
         return bits is not None and bits[0] == version and bits[1] & mask == base
 
     return decide
 
 
-def _unknown(ip: str, t: str, h: Mapping[str, str], a: str) -> bool | None:
+def _unknown(ip: str, t: str, h: Mapping[str, str], a: str, hr: int) -> bool | None:
     return None
 
 
 def _any(parts: list[Guard]) -> Guard:
-    def decide(ip: str, t: str, h: Mapping[str, str], a: str) -> bool | None:
+    def decide(ip: str, t: str, h: Mapping[str, str], a: str, hr: int) -> bool | None:
         out: bool | None = False
         for p in parts:
-            v = p(ip, t, h, a)
+            v = p(ip, t, h, a, hr)
             if v is True:
                 return True
             if v is None:
@@ -182,10 +213,10 @@ def _any(parts: list[Guard]) -> Guard:
 
 
 def _all(parts: list[Guard]) -> Guard:
-    def decide(ip: str, t: str, h: Mapping[str, str], a: str) -> bool | None:
+    def decide(ip: str, t: str, h: Mapping[str, str], a: str, hr: int) -> bool | None:
         out: bool | None = True
         for p in parts:
-            v = p(ip, t, h, a)
+            v = p(ip, t, h, a, hr)
             if v is False:
                 return False
             if v is None:
@@ -196,8 +227,8 @@ def _all(parts: list[Guard]) -> Guard:
 
 
 def _not(part: Guard) -> Guard:
-    def decide(ip: str, t: str, h: Mapping[str, str], a: str) -> bool | None:
-        v = part(ip, t, h, a)
+    def decide(ip: str, t: str, h: Mapping[str, str], a: str, hr: int) -> bool | None:
+        v = part(ip, t, h, a, hr)
         return None if v is None else not v
 
     return decide

@@ -87,6 +87,10 @@ class _Published:
     version: int
     path: Path
     rank: int
+    # Where the load that published it read the adapter from ("cpu" cache or "disk"), and
+    # its seconds end to end: what a request that waited for it reports (AdapterResolution).
+    source: str = "disk"
+    load_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -99,6 +103,7 @@ class _Registration:
 class _PublishedSet:
     expert_set: ExpertSet
     path: Path
+    load_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,9 @@ class Lease:
     slot: int
     version: int
     expert_set: ExpertSet | None = None
+    # The published load's source tier and seconds (see _Published).
+    source: str = "disk"
+    load_s: float = 0.0
 
 
 ExpertSetBuilder = Callable[[CpuExpertSet, int], ExpertSet]
@@ -233,13 +241,13 @@ class AdapterManager:
             s = self.slots[pub.slot]
             s.refcount += 1
             s.last_used = time.monotonic()
-            return Lease(pub.slot, pub.version)
+            return Lease(pub.slot, pub.version, None, pub.source, pub.load_s)
         ps = self.expert_sets.get(name)
         if ps is not None:
             es = ps.expert_set
             es.refcount += 1
             es.last_used = time.monotonic()
-            return Lease(-1, es.version, es)
+            return Lease(-1, es.version, es, "disk", ps.load_s)
         self._raise_if_negative(name)
         if name not in self.inflight:
             self._start_load(name)
@@ -292,9 +300,11 @@ class AdapterManager:
             return await self._load_expert_set(name, path, pinned, t0)
         cpu = self.cpu_cache.get(name)
         self.cpu_policy.access(name)
+        source = "cpu"
         if cpu is not None and cpu.path == path:
             self.counters.cpu_hits += 1
         else:
+            source = "disk"
             cpu = await asyncio.to_thread(
                 read_adapter, name, path, self.cfg, self.max_rank, self.dtype, self._pin, per_module=True
             )
@@ -316,7 +326,8 @@ class AdapterManager:
         old = self.published.get(name)
         self.expert_sets.pop(name, None)  # the name may have been an expert set before
         self.slots[slot] = _Slot(name=name, version=version, last_used=time.monotonic(), pinned=pinned, rank=cpu.rank)
-        self.published[name] = _Published(slot, version, path, cpu.rank)
+        self.published[name] = _Published(slot, version, path, cpu.rank, source,
+                                          time.perf_counter() - t0)
         if old is not None:
             self._retire(old.slot)
         if name in self.gpu_policy:
@@ -346,7 +357,7 @@ class AdapterManager:
         # ---- commit ----
         self._versions[name] = version
         es.last_used = time.monotonic()
-        self.expert_sets[name] = _PublishedSet(es, path)
+        self.expert_sets[name] = _PublishedSet(es, path, time.perf_counter() - t0)
         old = self.published.pop(name, None)  # the name may have been a LoRA adapter before
         if old is not None:
             self.gpu_policy.remove(name)

@@ -34,6 +34,7 @@ from adaptermesh.worker.adapters import AdapterManager
 from adaptermesh.worker.paging import BlockManager
 from adaptermesh.worker.types import (
     AdapterNotFoundError,
+    AdapterResolution,
     EngineError,
     FinishReason,
     GenerationRequest,
@@ -95,6 +96,11 @@ class Sequence:
     cache_key: Hashable = None  # prefix-cache identity: (adapter, version) or the base model
     expert_set: ExpertSet | None = None  # held while running when the adapter is an expert set
     looked_up: bool = False
+    # The first lookup's time and whether the adapter was resident on the GPU then; the
+    # resolution rides on the sequence's first TokenEvent (then None).
+    lookup_at: float = 0.0
+    lookup_hit: bool = False
+    resolution: AdapterResolution | None = None
     acquired: bool = False  # adapter lease taken (kept across preemption)
     num_computed: int = 0  # tokens whose KV is written or being written by a launched step
     reserved: int = 0  # tokens the block manager holds room for
@@ -221,7 +227,8 @@ class Scheduler:
         tail = seq.text[seq.emitted :]
         seq.emitted = len(seq.text)
         lps, seq.held_logprobs = tuple(seq.held_logprobs), []
-        seq.queue.put_nowait(TokenEvent(last_token, tail, reason, len(seq.prompt), len(seq.output), lps))
+        resolution, seq.resolution = seq.resolution, None
+        seq.queue.put_nowait(TokenEvent(last_token, tail, reason, len(seq.prompt), len(seq.output), lps, resolution))
 
     def fail_all(self, error: BaseException) -> None:
         for seq in [*self.running, *self.waiting]:
@@ -325,7 +332,8 @@ class Scheduler:
                 if name is not None:
                     if not seq.looked_up:
                         seq.looked_up = True
-                        self.adapters.note_lookup(name)
+                        seq.lookup_at = time.monotonic()
+                        seq.lookup_hit = self.adapters.note_lookup(name)
                     try:
                         got = self.adapters.try_acquire(name)
                     except AdapterNotFoundError as e:
@@ -337,6 +345,10 @@ class Scheduler:
                     seq.lora_slot = got.slot
                     seq.expert_set = got.expert_set
                     seq.cache_key = (name, got.version)
+                    hit = seq.lookup_hit
+                    seq.resolution = AdapterResolution(
+                        "gpu" if hit else got.source, seq.lookup_at, time.monotonic(),
+                        0.0 if hit else got.load_s, got.version)
                 seq.acquired = True
             tokens = [*seq.prompt, *seq.output]
             # Keep one free block per running sequence so decoding rarely has to preempt.
@@ -430,7 +442,8 @@ class Scheduler:
             k = len(held) if not sp.stop else next(
                 (i for i, e in enumerate(held) if e.text_offset >= seq.emitted), len(held))
             released, seq.held_logprobs = tuple(held[:k]), held[k:]
-        seq.queue.put_nowait(TokenEvent(tok, delta, None, len(seq.prompt), len(seq.output), released))
+        resolution, seq.resolution = seq.resolution, None
+        seq.queue.put_nowait(TokenEvent(tok, delta, None, len(seq.prompt), len(seq.output), released, resolution))
 
 
 class _TokenView:

@@ -73,6 +73,7 @@ from adaptermesh.worker.faults import FaultTable
 from adaptermesh.worker.metrics import ServiceMetrics
 from adaptermesh.worker.types import (
     AdapterNotFoundError,
+    AdapterResolution,
     EngineError,
     EngineOverloadedError,
     EngineProtocol,
@@ -273,6 +274,8 @@ class _Progress:
     finish_reason: str | None = None
     # How the request ended, for metrics, once known.
     outcome: str | None = None
+    # How the engine found the adapter (its first event carries it; tracing's span).
+    resolution: AdapterResolution | None = None
 
 
 class WorkerService:
@@ -859,17 +862,20 @@ class WorkerService:
             adapter=job.adapter,
         )
         if self.tracing.enabled:
+            resolution = next((p.resolution for p in progresses if p.resolution), None)
             self._record_spans(job, ticket, min(firsts_seen) if firsts_seen else None,
-                               max(lasts_seen) if lasts_seen else None, outcome)
+                               max(lasts_seen) if lasts_seen else None, outcome, resolution)
         self._inflight -= 1
         if self._inflight == 0:
             self._idle.set()
 
     def _record_spans(self, job: _Job, ticket: Ticket, first: float | None,
-                      last: float | None, outcome: str) -> None:
+                      last: float | None, outcome: str,
+                      resolution: AdapterResolution | None = None) -> None:
         """The request's spans, from the times already taken (monotonic, turned into the
-        epoch nanoseconds OTLP wants): the request, its queueing, prefill (admission to the
-        first token) and decode (first to last token)."""
+        epoch nanoseconds OTLP wants): the request, its queueing, adapter resolution (the
+        engine's first lookup to its lease: the tier that served it and the load it waited
+        for), prefill (admission to the first token) and decode (first to last token)."""
         now = time.monotonic()
         shift = time.time_ns() - int(now * 1e9)
 
@@ -893,6 +899,15 @@ class WorkerService:
                     "adaptermesh.adapter": job.adapter or ""}).end(ns(first))
                 if last is not None and last > first:
                     tracer.start_span("decode", context=ctx, start_time=ns(first)).end(ns(last))
+        if resolution is not None:
+            tracer.start_span("adapter resolution", context=ctx,
+                              start_time=ns(resolution.started), attributes={
+                                  "adaptermesh.adapter": job.adapter or "",
+                                  "adaptermesh.adapter.tier": resolution.tier,
+                                  "adaptermesh.adapter.cache_hit": resolution.tier == "gpu",
+                                  "adaptermesh.adapter.load_ms": resolution.load_s * 1e3,
+                                  "adaptermesh.adapter.slot_version": resolution.version,
+                              }).end(ns(max(resolution.resolved, resolution.started)))
         if outcome not in ("stop", "length"):
             root.set_status(Status(StatusCode.ERROR, outcome))
         root.end(ns(now))
@@ -926,6 +941,8 @@ class WorkerService:
         except EngineError as exc:
             raise self._engine_error(exc) from None
         now = time.monotonic()
+        if event.resolution is not None:
+            progress.resolution = event.resolution
         if event.token_id is not None or event.text:
             if progress.first_token is None:
                 progress.first_token = now

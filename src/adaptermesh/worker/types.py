@@ -111,6 +111,20 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterResolution:
+    """How a request's adapter was found: the tier that served it (``gpu``: resident at the
+    first lookup; ``cpu``: loaded from the CPU cache; ``disk``: read from the adapter root),
+    the seconds of the load it waited for (0 for a hit), and the monotonic times of the first
+    lookup and of the lease. Host clock readings only: taking it never synchronises a device."""
+
+    tier: str
+    started: float
+    resolved: float
+    load_s: float = 0.0
+    version: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     token_id: int | None
     text: str  # the detokenised increment (may be "" while a multi-byte char is incomplete)
@@ -121,6 +135,8 @@ class TokenEvent:
     # Usually the event's own token; tokens whose text is held back (a possible stop string)
     # come with the event that releases the text, and tokens a stop string cuts never come.
     logprobs: tuple[TokenLogprob, ...] = ()
+    # Set on a sequence's first event when it named an adapter (tracing's resolution span).
+    resolution: AdapterResolution | None = None
 
 
 class TokenStream(Protocol):

@@ -154,8 +154,18 @@ class AdapterSplit(_message.Message):
     rollout_id: str
     def __init__(self, adapter: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., canary_share: _Optional[int] = ..., rollout_id: _Optional[str] = ...) -> None: ...
 
+class RoutingRules(_message.Message):
+    __slots__ = ("version", "document_json", "digest")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    document_json: str
+    digest: bytes
+    def __init__(self, version: _Optional[int] = ..., document_json: _Optional[str] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
 class Assignment(_message.Message):
-    __slots__ = ("version", "shards", "pins", "overrides", "generated_at", "reason", "adapters", "adapter_splits")
+    __slots__ = ("version", "shards", "pins", "overrides", "generated_at", "reason", "adapters", "adapter_splits", "routing_rules")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +174,7 @@ class Assignment(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_RULES_FIELD_NUMBER: _ClassVar[int]
     version: int
     shards: _containers.RepeatedCompositeFieldContainer[Shard]
     pins: _containers.RepeatedCompositeFieldContainer[Pin]
@@ -172,4 +183,5 @@ class Assignment(_message.Message):
     reason: str
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterEdge]
     adapter_splits: _containers.RepeatedCompositeFieldContainer[AdapterSplit]
-    def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., generated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[AdapterEdge, _Mapping]]] = ..., adapter_splits: _Optional[_Iterable[_Union[AdapterSplit, _Mapping]]] = ...) -> None: ...
+    routing_rules: RoutingRules
+    def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., generated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[AdapterEdge, _Mapping]]] = ..., adapter_splits: _Optional[_Iterable[_Union[AdapterSplit, _Mapping]]] = ..., routing_rules: _Optional[_Union[RoutingRules, _Mapping]] = ...) -> None: ...
