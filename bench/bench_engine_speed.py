@@ -497,13 +497,28 @@ async def sec_batch1(b: Bench, eng: Any) -> dict[str, Any]:
 
     s = b.s
     sp = SamplingParams(max_tokens=s.new_tokens)
-    configs = (("backbone", None), ("lora_r16_all7", b.names[0]))
+    configs = [("backbone", None), ("lora_r16_all7", b.names[0])]
+    # The LoRA shrink beside the base matmul on a side stream (EngineConfig.lora_overlap) against
+    # the same engine with it off (graphs are keyed by the path, so each has its own), interleaved.
+    side = getattr(getattr(eng, "model", None), "lora_side", None)
+    if side is not None:
+        configs.append(("lora_r16_all7_serial", b.names[0]))
+
+    async def one(label: str, name: str | None, rid: str, prompt: Any) -> Any:
+        if label.endswith("_serial"):
+            eng.model.lora_side = None
+        try:
+            return await trace(eng, rid, prompt, name, sp)
+        finally:
+            if side is not None:
+                eng.model.lora_side = side
+
     for label, name in configs:  # warm-up: batch-1 graph capture, prefill of this length
-        await trace(eng, b.rid(f"b1warm-{label}"), b.prompt(10_000 + len(label), s.prompt), name, sp)
+        await one(label, name, b.rid(f"b1warm-{label}"), b.prompt(10_000 + len(label), s.prompt))
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
     for k in range(s.repeats):  # interleaved: clock drift hits both alike
         for j, (label, name) in enumerate(configs):
-            tr = await trace(eng, b.rid(f"b1-{label}"), b.prompt(11_000 + 10 * k + j, s.prompt), name, sp)
+            tr = await one(label, name, b.rid(f"b1-{label}"), b.prompt(11_000 + 10 * k + j, s.prompt))
             runs[label].append({"decode_ms_per_token": decode_ms(tr), "ttft_ms": ttft_ms(tr), "tokens": len(tr["stamps"])})
     kvpt = kv_bytes_per_token(b.shape, b.dtype_bytes)
     ctx = s.prompt + s.new_tokens / 2
@@ -523,6 +538,9 @@ async def sec_batch1(b: Bench, eng: Any) -> dict[str, Any]:
                       "runs": runs[label]}
         log(f"batch1 {label}: {_fmt(ms)} ms/token ({_fmt(out[label]['pct_of_copy_bw'])}% of copy bw)")
     out["lora_vs_backbone"] = ratio(out["lora_r16_all7"]["decode_ms_per_token"], out["backbone"]["decode_ms_per_token"])
+    if "lora_r16_all7_serial" in out:
+        out["lora_serial_vs_backbone"] = ratio(out["lora_r16_all7_serial"]["decode_ms_per_token"],
+                                               out["backbone"]["decode_ms_per_token"])
     return out
 
 

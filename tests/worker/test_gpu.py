@@ -17,14 +17,17 @@ from .conftest import ADAPTERS, PROMPTS, Tiny, collect, request, tokens
 pytestmark = pytest.mark.gpu
 
 
-def _run(tiny: Tiny, *, graphs: bool, dtype: str = "float32") -> tuple[dict[str, list[int]], dict[str, Any]]:
+def _run(tiny: Tiny, *, graphs: bool, dtype: str = "float32",
+         overlap: bool = True) -> tuple[dict[str, list[int]], dict[str, Any]]:
     async def go() -> tuple[dict[str, list[int]], dict[str, Any]]:
-        cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16, max_prefill_chunk=7, use_cuda_graphs=graphs)
+        cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16, max_prefill_chunk=7, use_cuda_graphs=graphs,
+                           lora_overlap=overlap)
         eng = Engine(tiny.model_dir, tiny.root, device="cuda", dtype=dtype, config=cfg, model_name="tiny")
         jobs = {f"{i}-{n}": (tiny.encode(p), n) for i, p in enumerate(PROMPTS) for n in (None, *ADAPTERS)}
         streams = {rid: eng.submit(request(rid, ids, n, max_tokens=8)) for rid, (ids, n) in jobs.items()}
         outs = {rid: tokens(await collect(s)) for rid, s in streams.items()}
         info = eng.describe()
+        info["lora_side"] = eng.model.lora_side is not None
         await eng.shutdown()
         return outs, info
 
@@ -40,6 +43,17 @@ def test_cuda_graph_decode_matches_peft(tiny: Tiny) -> None:
         assert got == tiny.ref.greedy(list(tiny.encode(PROMPTS[int(i)])), adapter, 8), rid
     eager, _ = _run(tiny, graphs=False)
     assert eager == outs
+
+
+def test_lora_shrink_beside_the_matmul_equals_the_serial_path(tiny: Tiny) -> None:
+    # The side-stream shrink (the default on CUDA) against shrink + expand after the matmul,
+    # graphs and eager: the same greedy tokens for a batch mixing base rows and three adapters.
+    for graphs in (True, False):
+        side, info = _run(tiny, graphs=graphs)
+        serial, info_off = _run(tiny, graphs=graphs, overlap=False)
+        assert info["lora_side"]
+        assert not info_off["lora_side"]
+        assert side == serial, graphs
 
 
 def test_bf16_serves_mixed_batch(tiny: Tiny) -> None:

@@ -1014,6 +1014,12 @@ class AddLoraPlan:
         for f in self._launches:
             f()
 
+    def steps(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        """The shrink and the expand launches apart, for a caller that runs them on two
+        streams (each launches on the stream current when it is called)."""
+        shrink, expand = self._launches
+        return shrink, expand
+
 
 def plan_add_lora(
     out: torch.Tensor,

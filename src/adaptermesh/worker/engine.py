@@ -144,6 +144,9 @@ class EngineConfig:
     negative_ttl_s: float = 30.0
     max_waiting: int = 4096
     use_cuda_graphs: bool = True
+    # CUDA: each LoRA shrink runs on a side stream beside its base matmul (both read the same
+    # input), so its latency hides behind the matmul; the expand follows on the step's stream.
+    lora_overlap: bool = True
     graph_max_tokens: int = 512  # mixed prefill+decode steps up to this many tokens replay graphs
     # Plan and launch step N+1 while step N runs. None: on CUDA only. True also on CPU, where
     # steps finish at launch but the in-flight token path (device gather, dropped tokens of
@@ -369,6 +372,8 @@ class Engine:
         tensors = weights if weights is not None else read_weights(self.model_dir)
         self.model = TransformerModel(mc, tensors, self.device, dtype, self.max_model_len)
         self.pool = make_lora_pool(mc, cfg.max_loras, cfg.max_lora_rank, self.device, dtype, cfg.lora_dtype)
+        if cfg.lora_overlap and self.device.type == "cuda":
+            self.model.lora_side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
 
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, dtype)
         per_block = spec_bytes_per_token(spec) * bs
@@ -699,6 +704,10 @@ class Engine:
 
     # ---- launching a step (worker thread on CUDA) -------------------------------------------
 
+    def _lora_side(self, lora: bool) -> bool:
+        # Part of a graph's key: a graph records the LoRA path it was captured with.
+        return lora and self.model.lora_side is not None
+
     def _layout(self, plan: StepPlan, graphable: bool, lora: bool, mode: SamplerMode,
                 solo: ExpertSet | None) -> _Layout:
         nd, npf, T = len(plan.decode), len(plan.prefill), plan.num_tokens
@@ -708,14 +717,14 @@ class Engine:
         if graphable and npf == 0:
             b = _bucket(nd, self._decode_buckets)
             if b is not None:
-                return _Layout(b, b, b, 0, dec + [None] * (b - nd), ("d", b, lora, random_mode, solo))
+                return _Layout(b, b, b, 0, dec + [None] * (b - nd), ("d", b, lora, random_mode, solo, self._lora_side(lora)))
         if graphable and solo is None and npf <= self.config.max_prefill_seqs:
             tb = _bucket(T, self._mixed_buckets)
             if tb is not None:
                 dr = min(self.config.max_num_seqs, tb)
                 P = self.config.max_prefill_seqs
                 entries = dec + [None] * (dr - nd) + pre + [None] * (P - npf)
-                return _Layout(tb, dr + P, dr, tb, entries, ("m", tb, lora, random_mode))
+                return _Layout(tb, dr + P, dr, tb, entries, ("m", tb, lora, random_mode, self._lora_side(lora)))
         mp = max((n for _, _, n in plan.prefill), default=0)
         return _Layout(T, nd + npf, nd, mp, dec + pre, None)
 

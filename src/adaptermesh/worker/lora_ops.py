@@ -27,7 +27,14 @@ from adaptermesh import kernels
 from adaptermesh.kernels import sgmm_int4
 from adaptermesh.kernels.meta import SegmentMeta, build_segment_meta
 
-__all__ = ["LoraBatchMeta", "add_lora", "add_lora_int4", "build_meta", "kernels_description"]
+__all__ = [
+    "LoraBatchMeta",
+    "add_lora",
+    "add_lora_int4",
+    "build_meta",
+    "kernels_description",
+    "project_with_lora",
+]
 
 
 @dataclass(slots=True)
@@ -78,3 +85,44 @@ def add_lora_int4(
     """``add_lora`` on an INT4 pool (``kernels.sgmm_int4``): Triton on CUDA, the twin on CPU."""
     if meta.any_lora:
         sgmm_int4.add_lora_int4(out, x, qa, qb, scales, ranks, meta.kernel_meta, check_values=False)
+
+
+def project_with_lora(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [N, H] base projection
+    bias: torch.Tensor | None,  # [N]
+    lora_a: torch.Tensor,  # [n_slices, S, R_max, H]
+    lora_b: tuple[torch.Tensor, ...],  # n_slices x [S, N_i, R_max], sum N_i = N
+    scales: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32
+    meta: LoraBatchMeta,
+    side: torch.cuda.Stream,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` plus the batch's LoRA terms, with the LoRA shrink running on
+    ``side`` beside the base matmul (CUDA only).
+
+    Both read ``x``; the shrink is a few microseconds of mostly launch and first-touch latency,
+    so on a stream of its own it hides behind the matmul (one fork and one join, which a CUDA
+    graph records as edges). The expand then adds into the matmul's output on the calling
+    stream. Buffers are allocated on the calling stream before the fork, and the side stream
+    waits for the caller before each shrink, so nothing is reused while in use.
+    """
+    from adaptermesh.kernels import sgmm
+
+    main = torch.cuda.current_stream(x.device)
+    t = x.shape[0]
+    out = torch.empty((t, weight.shape[0]), dtype=x.dtype, device=x.device)
+    v = torch.empty((lora_a.shape[0], t, lora_a.shape[2]), dtype=torch.float32, device=x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        shrink, expand = sgmm.plan_add_lora(
+            out, x, lora_a, lora_b, scales, ranks, meta.kernel_meta, v_buffer=v, check_values=False
+        ).steps()
+        shrink()
+    if bias is None:
+        torch.matmul(x, weight.T, out=out)
+    else:
+        torch.addmm(bias, x, weight.T, out=out)
+    main.wait_stream(side)
+    expand()
+    return out

@@ -620,6 +620,10 @@ def make_lora_pool(cfg: ModelConfig, num_slots: int, max_rank: int, device: torc
     return LoraPool(cfg, num_slots, max_rank, device, dtype)
 
 
+# A layer's weight and bias names per LoRA group.
+_WEIGHTS = {"qkv": ("wqkv", "bqkv"), "o": ("wo", "bo"), "gate_up": ("wgu", "bgu"), "down": ("wd", "bd")}
+
+
 def _apply_lora(pool: LoraPool, meta: lora_ops.LoraBatchMeta, group: str, layer: int, out: torch.Tensor, x: torch.Tensor) -> None:
     if isinstance(pool, Int4LoraPool):
         qa, qb, r = pool.int4_layer_args(group, layer)
@@ -636,6 +640,9 @@ class TransformerModel:
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
+        # A CUDA stream for the LoRA shrinks beside the base matmuls (the engine sets it when
+        # EngineConfig.lora_overlap is on); None: the shrink and expand run after the matmul.
+        self.lora_side: torch.cuda.Stream | None = None
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -775,12 +782,7 @@ class TransformerModel:
                 x = kernels.rms_norm(h, layer["ln1"], cfg.rms_eps, gemma=gn)
             else:
                 x = kernels.rms_norm(d, layer["ln1"], cfg.rms_eps, residual=residual, gemma=gn)
-            if "bqkv" in layer:
-                qkv = torch.addmm(layer["bqkv"], x, layer["wqkv"].T)
-            else:
-                qkv = x @ layer["wqkv"].T
-            if lp is not None:
-                _apply_lora(*lp, "qkv", li, qkv, x)
+            qkv = self._project(layer, "qkv", x, li, lp)
             if gated is not None:
                 gated.apply(li, "qkv", qkv, x)
             q = qkv[:, : self.q_size].view(T, cfg.num_heads, cfg.head_dim)
@@ -795,23 +797,17 @@ class TransformerModel:
             kernels.rope_kv_write(q, k, v, inp.positions, cos_sin, kc, vc, inp.slot_mapping, rotary_dim=self.rotary_dim)
             self._attention(attn, q, kc, vc, inp, cfg.window(li))
             a2 = attn.view(T, -1)
-            o = torch.addmm(layer["bo"], a2, layer["wo"].T) if "bo" in layer else a2 @ layer["wo"].T
-            if lp is not None:
-                _apply_lora(*lp, "o", li, o, a2)
+            o = self._project(layer, "o", a2, li, lp)
             if gated is not None:
                 gated.apply(li, "o", o, a2)
             if "ln_attn_out" in layer:
                 o = kernels.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
             x = kernels.rms_norm(o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn)
-            gu = torch.addmm(layer["bgu"], x, layer["wgu"].T) if "bgu" in layer else x @ layer["wgu"].T
-            if lp is not None:
-                _apply_lora(*lp, "gate_up", li, gu, x)
+            gu = self._project(layer, "gate_up", x, li, lp)
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
             act = kernels.act_mul(gu, act=self.act)
-            d = torch.addmm(layer["bd"], act, layer["wd"].T) if "bd" in layer else act @ layer["wd"].T
-            if lp is not None:
-                _apply_lora(*lp, "down", li, d, act)
+            d = self._project(layer, "down", act, li, lp)
             if gated is not None:
                 gated.apply(li, "down", d, act)
             if "ln_mlp_out" in layer:
@@ -824,6 +820,23 @@ class TransformerModel:
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
+
+    def _project(
+        self, layer: dict[str, torch.Tensor], group: str, x: torch.Tensor, li: int,
+        lp: tuple[LoraPool, lora_ops.LoraBatchMeta] | None,
+    ) -> torch.Tensor:
+        """One projection of a layer plus the batch's LoRA terms for it. With ``lora_side``
+        set (CUDA, bf16/fp16 pool) the LoRA shrink runs on that stream beside the matmul."""
+        wname, bname = _WEIGHTS[group]
+        bias = layer.get(bname)
+        if lp is not None and self.lora_side is not None and not isinstance(lp[0], Int4LoraPool):
+            pool, meta = lp
+            a, b, r = pool.layer_args(group, li)
+            return lora_ops.project_with_lora(x, layer[wname], bias, a, b, pool.scales, r, meta, self.lora_side)
+        out = torch.addmm(bias, x, layer[wname].T) if bias is not None else x @ layer[wname].T
+        if lp is not None:
+            _apply_lora(*lp, group, li, out, x)
+        return out
 
     def _attention(
         self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, inp: StepInputs, window: int | None
