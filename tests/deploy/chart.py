@@ -31,6 +31,9 @@ CRD_FILE = REPO / "deploy" / "crds" / "adapterinstances.adaptermesh.io.yaml"
 CHART_CRD_FILE = CHART_DIR / "crds" / "adapterinstances.adaptermesh.io.yaml"
 DOCKER_DIR = REPO / "deploy" / "docker"
 
+# libyaml's loader when present: the same safe loader, ten times faster on rendered charts.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 RELEASE = "am"
 NAMESPACE = "inference"
 
@@ -165,7 +168,7 @@ def render(values: Mapping[str, Any] | None = None) -> list[Obj]:
     for template, text in render_text(values).items():
         if not template.endswith((".yaml", ".yml")):
             continue
-        for doc in yaml.safe_load_all(text):
+        for doc in yaml.load_all(text, Loader=_LOADER):
             if doc:
                 objs.append(Obj(template, doc))
     return objs

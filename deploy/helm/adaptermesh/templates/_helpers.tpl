@@ -97,3 +97,51 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/*
+Tracing (docs/tracing.md). The schema checks each value's form; the rules across values fail
+here, naming the value. The collector's host:port, or a failed render when tracing is on
+without one.
+*/}}
+{{- define "adaptermesh.otlpEndpoint" -}}
+{{- if not .Values.tracing.otlpEndpoint -}}
+{{- fail "tracing.otlpEndpoint is required when tracing.enabled is true: the host:port of an OTLP/gRPC collector, e.g. otel-collector.observability.svc:4317" -}}
+{{- end -}}
+{{- .Values.tracing.otlpEndpoint -}}
+{{- end -}}
+
+{{/* The collector's host as Envoy's socket_address takes it: an IPv6 address unbracketed. */}}
+{{- define "adaptermesh.otlpHost" -}}
+{{- $endpoint := include "adaptermesh.otlpEndpoint" . -}}
+{{- trimSuffix (printf ":%s" (include "adaptermesh.otlpPort" .)) $endpoint | trimPrefix "[" | trimSuffix "]" -}}
+{{- end -}}
+
+{{- define "adaptermesh.otlpPort" -}}
+{{- regexFind "[0-9]+$" (include "adaptermesh.otlpEndpoint" .) -}}
+{{- end -}}
+
+{{/* The agent's --flow-events mode. YAML reads an unquoted off as false, taken as off. */}}
+{{- define "adaptermesh.flowEvents" -}}
+{{- $mode := .Values.tracing.flowEvents | toString -}}
+{{- if eq $mode "false" -}}off{{- else -}}{{ $mode }}{{- end -}}
+{{- end -}}
+
+{{/*
+Percent of requests without a trace context that Envoy starts a trace for:
+tracing.envoyPercent, or tracing.sampleRatio x 100 when it is null.
+*/}}
+{{- define "adaptermesh.envoyTracePercent" -}}
+{{- if kindIs "invalid" .Values.tracing.envoyPercent -}}
+{{- mulf .Values.tracing.sampleRatio 100 -}}
+{{- else -}}
+{{- .Values.tracing.envoyPercent -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The span-export flags of the agent and the workers; nothing when tracing is off. */}}
+{{- define "adaptermesh.tracingArgs" -}}
+{{- if .Values.tracing.enabled }}
+- --otlp-endpoint={{ include "adaptermesh.otlpEndpoint" . }}
+- --trace-sample-ratio={{ .Values.tracing.sampleRatio }}
+{{- end }}
+{{- end -}}
