@@ -149,6 +149,17 @@ def check_rms_norm(
     assert torch.equal(twin, formula(h_new, w, EPS))
     _close(got, twin, dtype)
 
+    # A term computed beside x (the engine's LoRA delta), strided: round(round(x + e) + r).
+    ext = _randn(gen, t, h + 1, dtype=dtype)[:, 1:]
+    res_k, res_t = res0.clone(), res0.clone()
+    got = kernel(residual=res_k, extra=ext)
+    twin = reference.rms_norm_ref(x, w, EPS, residual=res_t, gemma=gemma, extra=ext)
+    h_new = (x + ext) + res0
+    assert torch.equal(res_k, h_new)
+    assert torch.equal(res_t, h_new)
+    assert torch.equal(twin, formula(h_new, w, EPS))
+    _close(got, twin, dtype)
+
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("h", [1, 7, 65, 200])
@@ -500,6 +511,37 @@ def test_rms_norm_out_aliasing_residual_raises(impl: Backend) -> None:
     res = torch.randn(3, 8, device=DEVICE)
     with pytest.raises(ValueError, match="out must not alias residual"):
         dispatch.rms_norm(args["x"], args["weight"], EPS, residual=res, out=res, backend=impl)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize(
+    ("extra", "with_residual", "match"),
+    [
+        (lambda: torch.randn(3, 8, device=DEVICE), False, "extra needs residual"),
+        (lambda: torch.randn(3, 9, device=DEVICE), True, "extra must have shape"),
+        (lambda: torch.randn(3, 8, dtype=torch.float16, device=DEVICE), True,
+         "extra must be torch.float32"),
+        (lambda: torch.randn(3, 16, device=DEVICE)[:, ::2], True, "extra must have a contiguous"),
+    ],
+)
+def test_rms_norm_bad_extra_raises_and_leaves_residual(
+    impl: Backend, extra: Any, with_residual: bool, match: str
+) -> None:
+    args = _rms_args()
+    res = torch.randn(3, 8, device=DEVICE)
+    before = res.clone()
+    with pytest.raises(ValueError, match=match):
+        dispatch.rms_norm(args["x"], args["weight"], EPS, residual=res if with_residual else None,
+                          extra=extra(), backend=impl)
+    assert torch.equal(res, before)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_rms_norm_extra_aliasing_residual_raises(impl: Backend) -> None:
+    args = _rms_args()
+    res = torch.randn(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="extra must not alias residual"):
+        dispatch.rms_norm(args["x"], args["weight"], EPS, residual=res, extra=res, backend=impl)
 
 
 ROPE_BAD = [

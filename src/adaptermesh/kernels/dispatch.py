@@ -104,14 +104,18 @@ def rms_norm(
     residual: torch.Tensor | None = None,  # [T, H], becomes round(x + residual) in place
     out: torch.Tensor | None = None,  # [T, H]
     gemma: bool = False,
+    extra: torch.Tensor | None = None,  # [T, H], added to x before the residual
     backend: Backend | None = None,
 ) -> torch.Tensor:
-    """RMSNorm of x, or of x + residual (stored into residual); see ``layer_ops.rms_norm``."""
+    """RMSNorm of x, or of x (+ extra) + residual (stored into residual); see
+    ``layer_ops.rms_norm``."""
     if choose_backend(x, backend) == "torch":
-        return reference.rms_norm_ref(x, weight, eps, residual=residual, out=out, gemma=gemma)
+        return reference.rms_norm_ref(
+            x, weight, eps, residual=residual, out=out, gemma=gemma, extra=extra
+        )
     from adaptermesh.kernels import layer_ops
 
-    return layer_ops.rms_norm(x, weight, eps, residual=residual, out=out, gemma=gemma)
+    return layer_ops.rms_norm(x, weight, eps, residual=residual, out=out, gemma=gemma, extra=extra)
 
 
 def rope_kv_write(

@@ -103,6 +103,7 @@ def _rms_norm_kernel(
     w_ptr,
     res_ptr,  # the residual stream (read, then overwritten with h); unused without residual
     out_ptr,
+    extra_ptr,  # a term added to x first (HAS_EXTRA, which implies HAS_RESIDUAL)
     # sizes
     H,
     eps,
@@ -110,21 +111,27 @@ def _rms_norm_kernel(
     stride_xt,
     stride_rt,
     stride_ot,
+    stride_et,
     # meta-parameters
     BLOCK_H: tl.constexpr,
     SINGLE_PASS: tl.constexpr,  # H <= BLOCK_H: the row stays in registers
     HAS_RESIDUAL: tl.constexpr,
     GEMMA: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xt
     r_row = res_ptr + row * stride_rt
+    e_row = extra_ptr + row * stride_et
     o_row = out_ptr + row * stride_ot
     dtype = out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_H)
     if SINGLE_PASS:
         mask = offs < H
         h = tl.load(x_row + offs, mask=mask, other=0.0)
+        if HAS_EXTRA:
+            e = tl.load(e_row + offs, mask=mask, other=0.0)
+            h = (h.to(tl.float32) + e.to(tl.float32)).to(dtype)
         if HAS_RESIDUAL:
             r = tl.load(r_row + offs, mask=mask, other=0.0)
             h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
@@ -139,6 +146,9 @@ def _rms_norm_kernel(
             cols = start + offs
             mask = cols < H
             h = tl.load(x_row + cols, mask=mask, other=0.0)
+            if HAS_EXTRA:
+                e = tl.load(e_row + cols, mask=mask, other=0.0)
+                h = (h.to(tl.float32) + e.to(tl.float32)).to(dtype)
             if HAS_RESIDUAL:
                 r = tl.load(r_row + cols, mask=mask, other=0.0)
                 h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
@@ -306,32 +316,38 @@ def rms_norm(
     out: torch.Tensor | None = None,  # [T, H], may be x itself; must not alias residual
     gemma: bool = False,
     block_h: int | None = None,  # columns per step; None picks min(pow2(H), RMS_MAX_BLOCK)
+    extra: torch.Tensor | None = None,  # [T, H], added to x first (h = round(round(x + extra)
+    # + residual)); needs residual. The engine passes a LoRA delta computed beside the matmul.
 ) -> torch.Tensor:
     """RMSNorm of x (or of round(x + residual), stored into residual); one launch.
 
     Returns ``y`` ([T, H], x's dtype; ``out`` when given). See the module docstring and
     ``reference.rms_norm_ref`` for the rounding points.
     """
-    t, h = check_rms_norm(x, weight, eps, residual, out)
+    t, h = check_rms_norm(x, weight, eps, residual, out, extra)
     block = _check_block("block_h", block_h, min(_pow2(h), RMS_MAX_BLOCK))
     y = torch.empty((t, h), dtype=x.dtype, device=x.device) if out is None else out
     if t == 0:
         return y
     res = x if residual is None else residual
+    ext = x if extra is None else extra
     _rms_norm_kernel[(t,)](
         x,
         weight,
         res,
         y,
+        ext,
         h,
         float(eps),
         x.stride(0),
         res.stride(0),
         y.stride(0),
+        ext.stride(0),
         BLOCK_H=block,
         SINGLE_PASS=h <= block,
         HAS_RESIDUAL=residual is not None,
         GEMMA=bool(gemma),
+        HAS_EXTRA=extra is not None,
         num_warps=_rms_warps(block),
     )
     return y

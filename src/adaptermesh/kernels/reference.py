@@ -271,6 +271,7 @@ def check_rms_norm(
     eps: object,
     residual: object | None,
     out: object | None,
+    extra: object | None = None,
 ) -> tuple[int, int]:
     """(T, H) of a valid ``rms_norm`` call; ValueError naming the first bad argument."""
     x = _layer_tensor("x", x, 2)
@@ -283,7 +284,9 @@ def check_rms_norm(
     _layer_dtype("weight", w, x.dtype)
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    for name, other in (("residual", residual), ("out", out)):
+    if extra is not None and residual is None:
+        raise ValueError("extra needs residual (it is added to x before the residual)")
+    for name, other in (("residual", residual), ("out", out), ("extra", extra)):
         if other is not None:
             other = _layer_tensor(name, other, 2, x)
             _layer_shape(name, other, (t, h))
@@ -295,6 +298,13 @@ def check_rms_norm(
         and out.data_ptr() == residual.data_ptr()
     ):
         raise ValueError("out must not alias residual (residual receives x + residual)")
+    if (
+        isinstance(extra, torch.Tensor)
+        and isinstance(residual, torch.Tensor)
+        and extra.numel() > 0
+        and extra.data_ptr() == residual.data_ptr()
+    ):
+        raise ValueError("extra must not alias residual (residual receives x + extra + residual)")
     return t, h
 
 
@@ -374,16 +384,20 @@ def rms_norm_ref(
     residual: torch.Tensor | None = None,  # [T, H], updated in place to x + residual
     out: torch.Tensor | None = None,  # [T, H]
     gemma: bool = False,
+    extra: torch.Tensor | None = None,  # [T, H], added to x first; needs residual
 ) -> torch.Tensor:
     """y = weight * round(xf * rsqrt(mean(xf^2) + eps)), xf = float32 rows of x (or of h).
 
     The order of transformers' LlamaRMSNorm: normalise in fp32, round to the dtype, multiply by
     the weight with one rounding. ``gemma``: y = round((1 + weight) * normalised) in fp32.
     With ``residual``: h = round(x + residual) is stored into ``residual`` (the new residual
-    stream) and normalised instead of x. Returns y (``out`` when given).
+    stream) and normalised instead of x. ``extra`` (a term computed beside x, such as a LoRA
+    delta): h = round(round(x + extra) + residual). Returns y (``out`` when given).
     """
-    check_rms_norm(x, weight, eps, residual, out)
+    check_rms_norm(x, weight, eps, residual, out, extra)
     h = x
+    if extra is not None:
+        x = torch.add(x, extra)
     if residual is not None:
         h = torch.add(x, residual)
         residual.copy_(h)

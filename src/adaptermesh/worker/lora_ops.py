@@ -34,6 +34,7 @@ __all__ = [
     "build_meta",
     "kernels_description",
     "project_with_lora",
+    "project_with_lora_delta",
 ]
 
 
@@ -126,3 +127,41 @@ def project_with_lora(
     main.wait_stream(side)
     expand()
     return out
+
+
+def project_with_lora_delta(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [N, H]
+    bias: torch.Tensor | None,  # [N]
+    lora_a: torch.Tensor,
+    lora_b: tuple[torch.Tensor, ...],
+    scales: torch.Tensor,
+    ranks: torch.Tensor,
+    meta: LoraBatchMeta,
+    side: torch.cuda.Stream,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x @ weight.T (+ bias), delta)`` with the whole LoRA term (zeroed buffer, shrink,
+    expand) computed into ``delta`` on ``side`` beside the matmul; the caller adds ``delta``
+    where the output is consumed (``rms_norm(..., extra=delta)`` folds it into the residual
+    add), so no LoRA launch waits for the matmul. The calling stream joins ``side`` right
+    after the matmul, so everything after it sees both."""
+    from adaptermesh.kernels import sgmm
+
+    main = torch.cuda.current_stream(x.device)
+    t = x.shape[0]
+    out = torch.empty((t, weight.shape[0]), dtype=x.dtype, device=x.device)
+    delta = torch.empty_like(out)
+    v = torch.empty((lora_a.shape[0], t, lora_a.shape[2]), dtype=torch.float32, device=x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        delta.zero_()  # rows of base tokens stay zero
+        sgmm.plan_add_lora(
+            delta, x, lora_a, lora_b, scales, ranks, meta.kernel_meta, v_buffer=v,
+            check_values=False,
+        )()
+    if bias is None:
+        torch.matmul(x, weight.T, out=out)
+    else:
+        torch.addmm(bias, x, weight.T, out=out)
+    main.wait_stream(side)
+    return out, delta

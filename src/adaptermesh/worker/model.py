@@ -777,11 +777,12 @@ class TransformerModel:
         attn.zero_()  # rows no sequence owns stay finite (they feed the o matmul, then are dropped)
         residual = h
         d: torch.Tensor | None = None
+        d_lora: torch.Tensor | None = None
         for li, layer in enumerate(self.layers):
             if d is None:
                 x = kernels.rms_norm(h, layer["ln1"], cfg.rms_eps, gemma=gn)
             else:
-                x = kernels.rms_norm(d, layer["ln1"], cfg.rms_eps, residual=residual, gemma=gn)
+                x = kernels.rms_norm(d, layer["ln1"], cfg.rms_eps, residual=residual, gemma=gn, extra=d_lora)
             qkv = self._project(layer, "qkv", x, li, lp)
             if gated is not None:
                 gated.apply(li, "qkv", qkv, x)
@@ -797,17 +798,19 @@ class TransformerModel:
             kernels.rope_kv_write(q, k, v, inp.positions, cos_sin, kc, vc, inp.slot_mapping, rotary_dim=self.rotary_dim)
             self._attention(attn, q, kc, vc, inp, cfg.window(li))
             a2 = attn.view(T, -1)
-            o = self._project(layer, "o", a2, li, lp)
+            # With the side stream, o's and down's LoRA terms come back apart and join the
+            # residual add inside the next RMSNorm (no LoRA launch after the matmul).
+            o, o_lora = self._project_deferred(layer, "o", a2, li, lp, "ln_attn_out" not in layer)
             if gated is not None:
                 gated.apply(li, "o", o, a2)
             if "ln_attn_out" in layer:
                 o = kernels.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
-            x = kernels.rms_norm(o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn)
+            x = kernels.rms_norm(o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn, extra=o_lora)
             gu = self._project(layer, "gate_up", x, li, lp)
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
             act = kernels.act_mul(gu, act=self.act)
-            d = self._project(layer, "down", act, li, lp)
+            d, d_lora = self._project_deferred(layer, "down", act, li, lp, "ln_mlp_out" not in layer)
             if gated is not None:
                 gated.apply(li, "down", d, act)
             if "ln_mlp_out" in layer:
@@ -815,7 +818,8 @@ class TransformerModel:
         assert d is not None
         rows_d = d.index_select(0, inp.logits_rows)
         rows_r = residual.index_select(0, inp.logits_rows)
-        hn = kernels.rms_norm(rows_d, self.norm, cfg.rms_eps, residual=rows_r, gemma=gn)
+        rows_e = None if d_lora is None else d_lora.index_select(0, inp.logits_rows)
+        hn = kernels.rms_norm(rows_d, self.norm, cfg.rms_eps, residual=rows_r, gemma=gn, extra=rows_e)
         logits = (hn @ self.lm_head.T).float()
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
@@ -837,6 +841,20 @@ class TransformerModel:
         if lp is not None:
             _apply_lora(*lp, group, li, out, x)
         return out
+
+    def _project_deferred(
+        self, layer: dict[str, torch.Tensor], group: str, x: torch.Tensor, li: int,
+        lp: tuple[LoraPool, lora_ops.LoraBatchMeta] | None, can_defer: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_project``, or (with ``lora_side``, when the output's consumer can take it) the
+        base output and the LoRA term apart, the term computed wholly beside the matmul."""
+        if can_defer and lp is not None and self.lora_side is not None and not isinstance(lp[0], Int4LoraPool):
+            pool, meta = lp
+            a, b, r = pool.layer_args(group, li)
+            wname, bname = _WEIGHTS[group]
+            return lora_ops.project_with_lora_delta(
+                x, layer[wname], layer.get(bname), a, b, pool.scales, r, meta, self.lora_side)
+        return self._project(layer, group, x, li, lp), None
 
     def _attention(
         self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, inp: StepInputs, window: int | None
