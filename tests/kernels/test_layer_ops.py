@@ -419,6 +419,16 @@ def check_act_mul(
     assert torch.equal(twin, act_formula(act, gu))
     _close(got, twin, dtype)
 
+    # With a term computed beside gu (the engine's LoRA delta), strided: of round(gu + e).
+    ext = _randn(gen, t, 2 * inter + 1, dtype=dtype)[:, 1:]
+    if block_i is None:
+        got = dispatch.act_mul(gu, act=act, extra=ext, backend="triton")
+    else:
+        got = _ops().act_mul(gu, act=act, block_i=block_i, extra=ext)
+    twin = reference.act_mul_ref(gu, act=act, extra=ext)
+    assert torch.equal(twin, act_formula(act, gu + ext))
+    _close(got, twin, dtype)
+
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("act", ACTS)
@@ -452,6 +462,22 @@ def test_act_mul_property(
     t: int, inter: int, act: str, dtype: torch.dtype, block_i: int | None, row_pad: int, seed: int
 ) -> None:
     check_act_mul(t, inter, act, dtype, block_i=block_i, row_pad=row_pad, seed=seed)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (lambda: torch.randn(4, 21, device=DEVICE), "extra must have shape"),
+        (lambda: torch.randn(4, 42, dtype=torch.float16, device=DEVICE), "extra must be torch.float32"),
+        (lambda: torch.randn(4, 84, device=DEVICE)[:, ::2], "extra must have a contiguous"),
+        (lambda: torch.randn(42, device=DEVICE), "extra must be 2-D"),
+    ],
+)
+def test_act_mul_bad_extra_raises(impl: Backend, extra: Any, match: str) -> None:
+    gu = torch.randn(4, 42, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        dispatch.act_mul(gu, act="silu", extra=extra(), backend=impl)
 
 
 # ------------------------------------------------------------------------------ bad inputs

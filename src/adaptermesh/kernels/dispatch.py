@@ -146,14 +146,15 @@ def act_mul(
     *,
     act: str = "silu",
     out: torch.Tensor | None = None,  # [T, I]
+    extra: torch.Tensor | None = None,  # [T, 2*I], added to gu first
     backend: Backend | None = None,
 ) -> torch.Tensor:
     """act(gate) * up as [T, I]; see ``layer_ops.act_mul``."""
     if choose_backend(gu, backend) == "torch":
-        return reference.act_mul_ref(gu, act=act, out=out)
+        return reference.act_mul_ref(gu, act=act, out=out, extra=extra)
     from adaptermesh.kernels import layer_ops
 
-    return layer_ops.act_mul(gu, act=act, out=out)
+    return layer_ops.act_mul(gu, act=act, out=out, extra=extra)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -278,21 +278,31 @@ def _act_mul_kernel(
     # pointers
     gu_ptr,
     out_ptr,
+    extra_ptr,  # [T, 2*I] added to gu first (HAS_EXTRA)
     # sizes
     INTER,
     # strides
     stride_gt,
     stride_ot,
+    stride_et,
     # meta-parameters
     BLOCK_I: tl.constexpr,
     ACT: tl.constexpr,  # index into reference.ACTIVATIONS
+    HAS_EXTRA: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = cols < INTER
     g_row = gu_ptr + row * stride_gt
-    g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(g_row + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_row + cols, mask=mask, other=0.0)
+    u = tl.load(g_row + INTER + cols, mask=mask, other=0.0)
+    if HAS_EXTRA:  # round(gu + extra) in gu's dtype, as if the sum had been stored
+        dtype = out_ptr.dtype.element_ty
+        e_row = extra_ptr + row * stride_et
+        g = (g.to(tl.float32) + tl.load(e_row + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        u = (u.to(tl.float32) + tl.load(e_row + INTER + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
     if ACT == 0:  # silu
         a = g * tl.sigmoid(g)
     elif ACT == 1:  # gelu, erf form
@@ -431,22 +441,28 @@ def act_mul(
     act: str = "silu",
     out: torch.Tensor | None = None,  # [T, I], dtype of gu
     block_i: int | None = None,  # columns per program; None picks min(pow2(I), ACT_MAX_BLOCK)
+    extra: torch.Tensor | None = None,  # [T, 2*I], added to gu first (rounded to its dtype)
 ) -> torch.Tensor:
-    """act(gate) * up, [T, I] in gu's dtype, fp32 inside and rounded once; one launch."""
-    inter = check_act_mul(gu, act, out)
+    """act(gate) * up, [T, I] in gu's dtype, fp32 inside and rounded once; one launch.
+    ``extra`` (the engine's LoRA delta of the gate/up matmul): of round(gu + extra)."""
+    inter = check_act_mul(gu, act, out, extra)
     t = gu.shape[0]
     block = _check_block("block_i", block_i, min(_pow2(inter), ACT_MAX_BLOCK))
     y = torch.empty((t, inter), dtype=gu.dtype, device=gu.device) if out is None else out
     if t == 0:
         return y
+    ext = gu if extra is None else extra
     _act_mul_kernel[(t, triton.cdiv(inter, block))](
         gu,
         y,
+        ext,
         inter,
         gu.stride(0),
         y.stride(0),
+        ext.stride(0),
         BLOCK_I=block,
         ACT=_ACT_CODE[act],
+        HAS_EXTRA=extra is not None,
         num_warps=4,
     )
     return y

@@ -308,7 +308,7 @@ def check_rms_norm(
     return t, h
 
 
-def check_act_mul(gu: object, act: object, out: object | None) -> int:
+def check_act_mul(gu: object, act: object, out: object | None, extra: object | None = None) -> int:
     """The intermediate size I of a valid ``act_mul`` call (gu is [T, 2*I])."""
     if not isinstance(act, str) or act not in ACTIVATIONS:
         raise ValueError(f"act must be one of {', '.join(ACTIVATIONS)}; got {act!r}")
@@ -321,6 +321,10 @@ def check_act_mul(gu: object, act: object, out: object | None) -> int:
         out = _layer_tensor("out", out, 2, gu)
         _layer_shape("out", out, (t, width // 2))
         _layer_dtype("out", out, gu.dtype)
+    if extra is not None:
+        extra = _layer_tensor("extra", extra, 2, gu)
+        _layer_shape("extra", extra, (t, width))
+        _layer_dtype("extra", extra, gu.dtype)
     return width // 2
 
 
@@ -474,13 +478,16 @@ def act_mul_ref(
     *,
     act: str = "silu",
     out: torch.Tensor | None = None,  # [T, I]
+    extra: torch.Tensor | None = None,  # [T, 2*I]: of round(gu + extra)
 ) -> torch.Tensor:
     """act(gate) * up as [T, I] in gu's dtype: fp32 activation and product, rounded once.
 
     ``act``: silu, gelu (erf), gelu_pytorch_tanh (tanh approximation) or relu. The kernel's
     fp32 formulas agree with torch's fp32 functions to a few fp32 ulps.
     """
-    inter = check_act_mul(gu, act, out)
+    inter = check_act_mul(gu, act, out, extra)
+    if extra is not None:
+        gu = torch.add(gu, extra)
     y = (_activation_ref(act, gu[:, :inter].float()) * gu[:, inter:].float()).to(gu.dtype)
     if out is None:
         return y

@@ -798,18 +798,19 @@ class TransformerModel:
             kernels.rope_kv_write(q, k, v, inp.positions, cos_sin, kc, vc, inp.slot_mapping, rotary_dim=self.rotary_dim)
             self._attention(attn, q, kc, vc, inp, cfg.window(li))
             a2 = attn.view(T, -1)
-            # With the side stream, o's and down's LoRA terms come back apart and join the
-            # residual add inside the next RMSNorm (no LoRA launch after the matmul).
+            # With the side stream, o's, gate_up's and down's LoRA terms come back apart and
+            # join the next elementwise kernel (RMSNorm's residual add, the activation): no
+            # LoRA launch waits for the matmul.
             o, o_lora = self._project_deferred(layer, "o", a2, li, lp, "ln_attn_out" not in layer)
             if gated is not None:
                 gated.apply(li, "o", o, a2)
             if "ln_attn_out" in layer:
                 o = kernels.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
             x = kernels.rms_norm(o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn, extra=o_lora)
-            gu = self._project(layer, "gate_up", x, li, lp)
+            gu, gu_lora = self._project_deferred(layer, "gate_up", x, li, lp, True)
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
-            act = kernels.act_mul(gu, act=self.act)
+            act = kernels.act_mul(gu, act=self.act, extra=gu_lora)
             d, d_lora = self._project_deferred(layer, "down", act, li, lp, "ln_mlp_out" not in layer)
             if gated is not None:
                 gated.apply(li, "down", d, act)
