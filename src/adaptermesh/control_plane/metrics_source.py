@@ -6,6 +6,9 @@ holds its weight and never reads the silence as an idle worker. Missing series a
 each contributes nothing, and a worker with no series at all is unknown.
 
 The series read are parsed by ``adaptermesh.worker_scrape.parse_metrics`` (listed there).
+``ScrapeSource`` also hands over each adapter's TTFT histogram over the interval
+(``WorkerObservation.adapter_ttft``) for the per adapter-class capacity fits;
+``PrometheusSource`` does not (it reads per-worker aggregates only).
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ from typing import Protocol
 import httpx
 
 from adaptermesh.control_plane.policy import WorkerObservation, endpoint_key
-from adaptermesh.worker_scrape import RawSample, adapter_list, interval_quantile, parse_metrics
+from adaptermesh.worker_scrape import (
+    MAX_ADAPTER_HISTOGRAMS,
+    RawSample,
+    adapter_list,
+    interval_deltas,
+    interval_quantile,
+    parse_metrics,
+)
 
 __all__ = [
     "TAIL_QUANTILE",
@@ -67,10 +77,13 @@ def _observe(
     ttft_p95: float | None = None
     tpot_p95: float | None = None
     tokens_per_s = 0.0
+    first_tokens = 0.0
+    adapter_ttft: dict[str, tuple[tuple[float, float], ...]] = {}
     before = prev.sample
     last = prev.observation
     if before is not None and prev.at is not None and now > prev.at:
         dt = now - prev.at
+        restarted = False
         if (
             raw.ttft_sum is not None
             and raw.ttft_count is not None
@@ -80,8 +93,22 @@ def _observe(
             dn = raw.ttft_count - before.ttft_count
             ds = raw.ttft_sum - before.ttft_sum
             # A counter reset (worker restart) gives a negative delta: skip the interval.
+            restarted = dn < 0
             if dn > 0 and ds >= 0:
                 latency = ds / dn
+                first_tokens = dn
+        if not restarted:
+            # Per adapter class fits (capacity_history.py): a series absent last time was
+            # born in the interval, so all its counts are new (unless the last scrape was at
+            # the cap, which may have left it out).
+            born_ok = len(before.adapter_ttft) < MAX_ADAPTER_HISTOGRAMS
+            for name, buckets in raw.adapter_ttft.items():
+                old = before.adapter_ttft.get(name)
+                if old is None and not born_ok:
+                    continue
+                delta = interval_deltas(buckets, old)
+                if delta is not None:
+                    adapter_ttft[name] = delta
         ttft_p95 = interval_quantile(TAIL_QUANTILE, raw.ttft_buckets, before.ttft_buckets)
         tpot_p95 = interval_quantile(TAIL_QUANTILE, raw.tpot_buckets, before.tpot_buckets)
         if raw.tokens_total is not None and before.tokens_total is not None:
@@ -106,6 +133,8 @@ def _observe(
             last.requested_adapters if last else None,
         ),
         age_s=0.0,
+        first_tokens=first_tokens,
+        adapter_ttft=adapter_ttft,
     )
 
 
