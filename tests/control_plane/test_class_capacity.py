@@ -385,3 +385,40 @@ def test_the_rebalancer_reads_classes_from_adapter_instance_labels(tmp_path: obj
         assert rb.layout().classes == {"code-x": "large"}
     finally:
         store.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    workers=st.lists(
+        st.tuples(st.lists(st.tuples(fits_in_bounds, st.floats(1e-3, 1.0)), min_size=2, max_size=4),
+                  st.floats(1.0, 1e4), st.integers(0, 3)),
+        min_size=1, max_size=6),
+    levels=st.lists(st.floats(1e-3, 1e3), min_size=1, max_size=5),
+    weight=st.floats(1.0, 1e4),
+)
+def test_the_planners_batch_agrees_with_each_mixed_curve(
+    workers: list[tuple[list[tuple[PowerLawFit, float]], float, int]], levels: list[float],
+    weight: float,
+) -> None:
+    """``plan_split`` caps and predicts all mixed workers at once; each ``MixedCurve`` is the
+    oracle."""
+    from adaptermesh.control_plane.policy.capacity import _MixBatch
+
+    shards: dict[int, list[tuple[MixedCurve, float]]] = {}
+    for parts, tok, sid in workers:
+        curve = mixed_curve(ClassMix(tuple((f"c{i}", f, s) for i, (f, s) in enumerate(parts))),
+                            None, tok)
+        if isinstance(curve, MixedCurve):
+            shards.setdefault(sid, []).append((curve, tok))
+    curves = [ShardCurve(2500.0, 0.5, 0.1, tuple(v)) for _, v in sorted(shards.items())]
+    batch = _MixBatch(curves)
+    for c, low in zip(curves, batch.predict(weight), strict=True):
+        assert low == pytest.approx(c.predict(weight), rel=1e-9)
+    # In any order: each level's solve is bracketed by the levels solved before it.
+    for level in levels:
+        for c, cap in zip(curves, batch.max_weights(level), strict=True):
+            want = c.max_weight(level)
+            if want == 0 or math.isinf(want):
+                assert cap == want
+            else:
+                assert cap == pytest.approx(want, rel=1e-6)

@@ -56,6 +56,7 @@ adds the constant it predicts at the worker's observed throughput).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -293,7 +294,8 @@ class ClassMix:
 _TAIL = 0.05
 _LN_TAIL = math.log(1.0 / _TAIL)
 _LN_T_LO = math.log(1e-9)
-_LN_T_HI = 200.0  # e^200 tokens/s: every growing curve has overflowed to inf long before
+# Throughputs searched: 1e-9 to e^60 (1e26) tokens/s; a cap above that is no cap.
+_LN_T_HI = 60.0
 
 
 def _tail(x: float, parts: Sequence[tuple[float, float, float]]) -> float:
@@ -301,7 +303,7 @@ def _tail(x: float, parts: Sequence[tuple[float, float, float]]) -> float:
     exponential tail above its floor."""
     total = 0.0
     for share, q, floor in parts:
-        if x < floor or math.isinf(q):
+        if x <= floor or math.isinf(q):
             total += share
         elif q > floor:
             total += share * math.exp(-_LN_TAIL * (x - floor) / (q - floor))
@@ -415,17 +417,21 @@ class ShardCurve:
     baseline_s: float
     fits: tuple[tuple[LatencyCurve, float], ...] = ()
 
-    def predict(self, weight: float) -> float:
+    def predict(self, weight: float, *, skip_mixed: bool = False) -> float:
         k = weight / self.weight_eff
         if self.fits:
-            return max(f.predict(tok * k) for f, tok in self.fits)
+            return max((f.predict(tok * k) for f, tok in self.fits
+                        if not (skip_mixed and isinstance(f, MixedCurve))), default=-math.inf)
         return queue_latency(self.baseline_s, self.rho * k)
 
-    def max_weight(self, level: float) -> float:
-        """The largest weight whose predicted latency is at most ``level``."""
+    def max_weight(self, level: float, *, skip_mixed: bool = False) -> float:
+        """The largest weight whose predicted latency is at most ``level``; ``skip_mixed``:
+        leave out the workers with a ``MixedCurve`` (``plan_split`` caps those in one batch)."""
         if self.fits:
             w = math.inf
             for f, tok in self.fits:
+                if skip_mixed and isinstance(f, MixedCurve):
+                    continue
                 cap = f.max_throughput(level)
                 if tok > 0:
                     w = min(w, cap * self.weight_eff / tok)
@@ -435,6 +441,134 @@ class ShardCurve:
         return self.weight_eff * (1.0 - self.baseline_s / level) / self.rho
 
 
+class _MixBatch:
+    """Every ``MixedCurve`` of a plan as (worker, class) arrays, so the throughput caps of all
+    of them at one level are one vectorised bisection on ``ln T`` instead of one Python
+    bisection per worker (100 shards x 8 mixed workers: ~10 s per plan one by one).
+
+    A fixed class is a growing one with exponent 0: ``q = eps + (q - eps) * T^0``."""
+
+    # On ln T in [ln 1e-9, 60]: 30 halvings leave 7e-8 of ln T (a weight to 1e-7 of itself,
+    # where the Assignment's parts are 1e-4 of the budget); bisection stops there.
+    _STEPS = 30
+    _TOL = 8e-8
+
+    def __init__(self, curves: Sequence[ShardCurve]) -> None:
+        rows: list[list[tuple[float, float, float, float]]] = []  # (share, alpha, -beta, eps)
+        shard: list[int] = []
+        per_token: list[float] = []
+        for i, c in enumerate(curves):
+            for f, tok in c.fits:
+                if isinstance(f, MixedCurve) and tok > 0:
+                    rows.append([(sh, g.alpha, -g.beta, g.eps) for sh, g in f.growing]
+                                + [(sh, q - e, 0.0, e) for sh, q, e in f.fixed])
+                    shard.append(i)
+                    per_token.append(c.weight_eff / tok)
+        k = max((len(r) for r in rows), default=0)
+        table = np.zeros((len(rows), max(k, 1), 4))
+        for j, r in enumerate(rows):
+            table[j, : len(r)] = r
+        self.share, self.alpha, self.power, self.eps = (table[:, :, m] for m in range(4))
+        self.shard = np.array(shard, dtype=np.int64)
+        self.per_token = np.array(per_token, dtype=np.float64)
+        self.n = len(curves)
+        # Levels solved so far, ascending, with (ln T under the cap, ln T over it, caps).
+        self._levels: list[float] = []
+        self._solved: list[tuple[_F, _F, _F]] = []
+
+    def __len__(self) -> int:
+        return int(self.shard.size)
+
+    def _over(self, ln_t: _F, scale: _F, below: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+        """Per worker: is its mixture's p95 above the level at ``T = e^ln_t``? ``scale`` is
+        ``ln 20 * (level - eps) / alpha``, ``below`` where the level is at or under a class
+        floor: a class's tail at the level is ``exp(-scale * T^-power)``."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            term = np.where(below, 1.0, np.exp(-scale * np.exp(-self.power * ln_t[:, None])))
+        tail: _F = (self.share * term).sum(axis=1)
+        return tail > _TAIL
+
+    def predict(self, weight: float) -> _F:
+        """(shards,) the largest mixed-worker prediction of each shard at ``weight`` (-inf:
+        none); the vectorised ``MixedCurve.predict``."""
+        out = np.full(self.n, -math.inf)
+        if not len(self):
+            return out
+        ln_t = np.log(np.maximum(weight / self.per_token, 1e-9))
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            gap = self.alpha * np.exp(self.power * ln_t[:, None])
+            q = self.eps + gap
+            used = self.share > 0
+            lo = np.log(np.maximum(np.where(used, q, np.inf).min(axis=1), 1e-300))
+            top = np.where(used, q, 0.0).max(axis=1)
+            hi = np.log(np.where(np.isfinite(top) & (top > 0), top, 1.0))
+            for _ in range(self._STEPS + 10):
+                mid = 0.5 * (lo + hi)
+                x = np.exp(mid)[:, None]
+                term = np.where(x < self.eps, 1.0, np.exp(-_LN_TAIL * (x - self.eps) / gap))
+                over = (self.share * term).sum(axis=1) > _TAIL
+                lo = np.where(over, mid, lo)
+                hi = np.where(over, hi, mid)
+            value = np.where(np.isfinite(top), np.where(top > 0, np.exp(hi), 0.0), math.inf)
+        np.maximum.at(out, self.shard, value)
+        return out
+
+    def max_weights(self, level: float) -> _F:
+        """(shards,) the smallest weight cap of each shard's mixed workers at ``level``
+        (inf: none, or no cap)."""
+        caps = self._caps(level) if level > 0 else np.zeros(len(self))
+        out = np.full(self.n, math.inf)
+        with np.errstate(invalid="ignore"):
+            np.minimum.at(out, self.shard, np.nan_to_num(caps * self.per_token, nan=0.0, posinf=math.inf))
+        return out
+
+    def _caps(self, level: float) -> _F:
+        """Throughput caps at ``level`` by bisection on ``ln T``, bracketed by the levels
+        already solved: a throughput under the cap at a lower level is under it here, one
+        over the cap at a higher level is over it here. ``plan_split`` bisects the level, so
+        its brackets shrink with it and a late level costs a few steps."""
+        m = len(self)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            # alpha 0 (a fixed class at its floor): no tail above the floor.
+            scale = np.where(self.alpha > 0, _LN_TAIL * (level - self.eps)
+                             / np.where(self.alpha > 0, self.alpha, 1.0), np.inf)
+        below = level <= self.eps
+        lo = np.full(m, _LN_T_LO)
+        hi = np.full(m, _LN_T_HI)
+        known_lo = np.zeros(m, dtype=np.bool_)  # lo is a throughput known to be under
+        known_hi = np.zeros(m, dtype=np.bool_)  # hi is one known to be over
+        zero = np.zeros(m, dtype=np.bool_)
+        free = np.zeros(m, dtype=np.bool_)
+        k = bisect.bisect_left(self._levels, level)
+        if k < len(self._levels) and self._levels[k] == level:
+            return self._solved[k][2]
+        if k > 0:
+            lo1, _, caps1 = self._solved[k - 1]
+            free |= np.isinf(caps1) & (caps1 > 0)
+            use = caps1 > 0
+            lo = np.where(use, np.maximum(lo, lo1), lo)
+            known_lo |= use
+        if k < len(self._levels):
+            _, hi3, caps3 = self._solved[k]
+            zero |= caps3 == 0
+            use = np.isfinite(caps3)
+            hi = np.where(use, np.minimum(hi, hi3), hi)
+            known_hi |= use
+        zero |= ~known_lo & ~free & self._over(lo, scale, below)
+        free |= ~known_hi & ~zero & ~self._over(hi, scale, below)
+        for _ in range(self._STEPS):
+            if not ((hi - lo) > self._TOL).any():
+                break
+            mid = 0.5 * (lo + hi)
+            over = self._over(mid, scale, below)
+            hi = np.where(over, mid, hi)
+            lo = np.where(over, lo, mid)
+        caps = np.where(zero, 0.0, np.where(free, math.inf, np.exp(lo)))
+        self._levels.insert(k, level)
+        self._solved.insert(k, (lo, hi, caps))
+        return caps
+
+
 def plan_split(curves: Sequence[ShardCurve], pool: float, floor: float) -> _F:
     """Weights (floats, each >= ``floor``, summing to ``pool``) that equalise predicted tail
     latency across ``curves``. Requires ``pool >= floor * len(curves)``."""
@@ -442,13 +576,26 @@ def plan_split(curves: Sequence[ShardCurve], pool: float, floor: float) -> _F:
     if n == 0:
         return np.zeros(0)
     spare = pool - floor * n
+    batch = _MixBatch(curves)
 
     def alloc(level: float) -> _F:
+        if not len(batch):
+            return np.array(
+                [min(pool, max(floor, c.max_weight(level))) for c in curves], dtype=np.float64
+            )
+        mixed = batch.max_weights(level)
         return np.array(
-            [min(pool, max(floor, c.max_weight(level))) for c in curves], dtype=np.float64
+            [min(pool, max(floor, min(c.max_weight(level, skip_mixed=True), float(m))))
+             for c, m in zip(curves, mixed, strict=True)],
+            dtype=np.float64,
         )
 
-    lows = [c.predict(floor) for c in curves]
+    if len(batch):
+        mixed_lows = batch.predict(floor)
+        lows = [max(c.predict(floor, skip_mixed=True), float(m))
+                for c, m in zip(curves, mixed_lows, strict=True)]
+    else:
+        lows = [c.predict(floor) for c in curves]
     lo_level = max(1e-9, min(v for v in lows if math.isfinite(v)) if any(map(math.isfinite, lows)) else 1e-9)
     hi_level = lo_level * 2.0
     for _ in range(200):
