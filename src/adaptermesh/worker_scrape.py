@@ -30,6 +30,7 @@ __all__ = [
     "adapter_list",
     "interval_deltas",
     "interval_quantile",
+    "le_bound",
     "parse_metrics",
 ]
 
@@ -95,7 +96,8 @@ def _finite(value: float) -> float | None:
 _HISTOGRAMS = frozenset(_TTFT + _TPOT)
 
 
-def _le(text: str) -> float | None:
+def le_bound(text: str) -> float | None:
+    """A histogram bucket's ``le`` label as a number (``+Inf`` included); None if it is not one."""
     try:
         v = float(text)
     except ValueError:
@@ -191,14 +193,14 @@ def parse_metrics(text: str) -> RawSample:
                     if s.labels.get("pinned") == "true":
                         pinned.add(s.labels["adapter"])
             elif name == _ADAPTER_TTFT + "_bucket":
-                adapter, le = s.labels.get("adapter"), _le(s.labels.get("le", ""))
+                adapter, le = s.labels.get("adapter"), le_bound(s.labels.get("le", ""))
                 if adapter and le is not None and (
                     adapter in per_adapter or len(per_adapter) < MAX_ADAPTER_HISTOGRAMS
                 ):
                     per = per_adapter.setdefault(adapter, {})
                     per[le] = per.get(le, 0.0) + value
             elif name.endswith("_bucket") and name[: -len("_bucket")] in _HISTOGRAMS:
-                le = _le(s.labels.get("le", ""))
+                le = le_bound(s.labels.get("le", ""))
                 if le is not None:
                     per = buckets.setdefault(name[: -len("_bucket")], {})
                     per[le] = per.get(le, 0.0) + value

@@ -422,3 +422,41 @@ def test_the_planners_batch_agrees_with_each_mixed_curve(
                 assert cap == want
             else:
                 assert cap == pytest.approx(want, rel=1e-6)
+
+
+async def test_the_prometheus_source_reads_each_adapters_window_histogram() -> None:
+    from aiohttp import web
+
+    from adaptermesh.control_plane.metrics_source import PrometheusSource
+
+    def answer(query: str) -> list[dict[str, object]]:
+        inst = {"instance": KEY}
+        if "adaptermesh_adapter_time_to_first_token_seconds_bucket" in query:
+            rows = [("code-x@v3", "0.5", "2"), ("code-x@v3", "1.0", "9"), ("code-x@v3", "+Inf", "10"),
+                    ("chat-a", "0.5", "0"), ("chat-a", "+Inf", "0"),  # idle in the window
+                    ("bad", "x", "3")]
+            return [{"metric": inst | {"adapter": a, "le": le}, "value": [1, v]} for a, le, v in rows]
+        if "adaptermesh_time_to_first_token_seconds_count" in query:
+            return [{"metric": inst, "value": [1, "25"]}]
+        if "generation_tokens" in query:
+            return [{"metric": inst, "value": [1, "800"]}]
+        return []
+
+    async def handler(request: web.Request) -> web.Response:
+        result = answer(request.query["query"])
+        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        out = await PrometheusSource(f"http://127.0.0.1:{port}").collect([TARGET], now=1.0)
+    finally:
+        await runner.cleanup()
+    w = out[KEY]
+    assert w.first_tokens == 25
+    assert w.adapter_ttft == {"code-x@v3": ((0.5, 2.0), (1.0, 9.0), (math.inf, 10.0))}

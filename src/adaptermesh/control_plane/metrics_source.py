@@ -6,9 +6,9 @@ holds its weight and never reads the silence as an idle worker. Missing series a
 each contributes nothing, and a worker with no series at all is unknown.
 
 The series read are parsed by ``adaptermesh.worker_scrape.parse_metrics`` (listed there).
-``ScrapeSource`` also hands over each adapter's TTFT histogram over the interval
-(``WorkerObservation.adapter_ttft``) for the per adapter-class capacity fits;
-``PrometheusSource`` does not (it reads per-worker aggregates only).
+Both also hand over each adapter's TTFT histogram over the interval
+(``WorkerObservation.adapter_ttft``) for the per adapter-class capacity fits: bucket deltas
+between two scrapes, or ``increase`` over the PromQL window.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from adaptermesh.worker_scrape import (
     adapter_list,
     interval_deltas,
     interval_quantile,
+    le_bound,
     parse_metrics,
 )
 
@@ -225,6 +226,18 @@ class ScrapeSource:
         return out
 
 
+def _window_histograms(
+    per: Mapping[str, Mapping[float, float]],
+) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Per adapter, its buckets' increase over the query window (ascending, +Inf last), for
+    the adapters with a request in it."""
+    out: dict[str, tuple[tuple[float, float], ...]] = {}
+    for adapter, by_le in per.items():
+        if math.inf in by_le and by_le[math.inf] > 0:
+            out[adapter] = tuple(sorted(by_le.items()))
+    return out
+
+
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
@@ -262,6 +275,10 @@ class PrometheusSource:
             "tokens": f"sum by ({lbl}) (rate(adaptermesh_generation_tokens_total[{w}]))",
             "free": f"sum by ({lbl}) (adaptermesh_free_gpu_memory_bytes)",
             "lora": "vllm:lora_requests_info",
+            "first_tokens": f"sum by ({lbl}) "
+            f"(increase(adaptermesh_time_to_first_token_seconds_count[{w}]))",
+            "adapter_ttft": f"sum by ({lbl}, adapter, le) "
+            f"(increase(adaptermesh_adapter_time_to_first_token_seconds_bucket[{w}]))",
         }
 
     async def _query(self, client: httpx.AsyncClient, promql: str) -> list[dict[str, object]]:
@@ -294,6 +311,7 @@ class PrometheusSource:
                 await client.aclose()
         per: dict[str, dict[str, float]] = {}
         lora: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+        buckets: dict[str, dict[str, dict[float, float]]] = {}  # instance -> adapter -> le
         for name, answer in zip(names, answers, strict=True):
             if isinstance(answer, BaseException):
                 continue
@@ -307,7 +325,15 @@ class PrometheusSource:
                     val = float(value[1])
                 except (TypeError, ValueError):
                     continue
-                if name == "lora":
+                if name == "adapter_ttft":
+                    adapter = str(metric.get("adapter", ""))
+                    le = le_bound(str(metric.get("le", "")))
+                    per_inst = buckets.setdefault(inst, {})
+                    if adapter and le is not None and math.isfinite(val) and val >= 0 and (
+                        adapter in per_inst or len(per_inst) < MAX_ADAPTER_HISTOGRAMS
+                    ):
+                        per_inst.setdefault(adapter, {})[le] = val
+                elif name == "lora":
                     lora[inst] = (
                         adapter_list(str(metric.get("running_lora_adapters", ""))),
                         adapter_list(str(metric.get("waiting_lora_adapters", ""))),
@@ -339,6 +365,8 @@ class PrometheusSource:
                     requested_adapters=_reuse(
                         running_a | waiting_a, before.requested_adapters if before else None
                     ),
+                    first_tokens=max(0.0, vals.get("first_tokens", 0.0)),
+                    adapter_ttft=_window_histograms(buckets.get(t.key, {})),
                 )
                 self._last[t.key] = (now, obs)
                 out[t.key] = obs
