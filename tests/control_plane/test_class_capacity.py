@@ -460,3 +460,80 @@ async def test_the_prometheus_source_reads_each_adapters_window_histogram() -> N
     w = out[KEY]
     assert w.first_tokens == 25
     assert w.adapter_ttft == {"code-x@v3": ((0.5, 2.0), (1.0, 9.0), (math.inf, 10.0))}
+
+
+# -- the rebalancer, closed loop ---------------------------------------------------------------
+
+
+class ClassPlantSource:
+    """Two shards of one worker each, scraped through real exposition text. Shard ``a`` serves
+    chat adapters only; shard ``b`` also the code adapter, whose share drifts 5 %..60 %. Each
+    shard's throughput follows its weight; the demand swings +-40 %."""
+
+    def __init__(self, holder: list[object], demand: float = 2400.0) -> None:
+        self.holder = holder
+        self.demand = demand
+        self.plants = {
+            "a": ClassPlant(curves={"small": (2.5e-8, -2.0, 0.05), "large": (1e-8, -2.5, 0.4)},
+                            adapters={"small": ("chat-a", "chat-b"), "large": ("code-x",)}, seed=11),
+            "b": ClassPlant(curves={"small": (2.5e-8, -2.0, 0.05), "large": (1e-8, -2.5, 0.4)},
+                            adapters={"small": ("chat-a", "chat-b"), "large": ("code-x",)}, seed=12),
+        }
+        self.tick = 0
+        self.worst: list[float] = []
+
+    async def collect(self, targets: list[Target], now: float) -> dict[str, WorkerObservation]:
+        rb = self.holder[0]
+        weights = dict(rb.state.weights) or {"a": 5000, "b": 5000}  # type: ignore[attr-defined]
+        d = self.demand * (1 + 0.4 * math.sin(2 * math.pi * self.tick / 24))
+        large = 0.325 + 0.275 * math.sin(2 * math.pi * self.tick / 37)
+        out: dict[str, WorkerObservation] = {}
+        worst = 0.0
+        for sid, plant in self.plants.items():
+            shares = {"small": 1.0} if sid == "a" else {"small": 1.0 - large, "large": large}
+            obs = plant.interval(d * weights.get(sid, 5000) / 10_000, shares, n=300)
+            key = f"10.0.{ord(sid)}.1:8000"
+            out[key] = replace(obs, address=f"10.0.{ord(sid)}.1")
+            worst = max(worst, obs.ttft_p95_s or 0.0)
+        self.tick += 1
+        self.worst.append(worst)
+        return out
+
+
+async def test_the_rebalancer_fits_labelled_classes_and_plans_with_their_mix(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from adaptermesh.clock import FakeClock
+    from adaptermesh.control_plane.rebalancer import Rebalancer, RebalancerConfig
+    from adaptermesh.control_plane.store import Store
+    from adaptermesh.proto import control_plane_pb2
+
+    from .conftest import shard
+
+    assert isinstance(tmp_path, Path)
+    store = Store(tmp_path / "cp.sqlite3", synchronous="NORMAL")
+    holder: list[object] = []
+    source = ClassPlantSource(holder)
+    clock = FakeClock()
+    rb = Rebalancer(store, source, clock=clock, config=RebalancerConfig())
+    holder.append(rb)
+    try:
+        for sid in ("a", "b"):
+            spec = shard(sid, (f"10.0.{ord(sid)}.1", 8000))
+            rb.mutate(lambda spec=spec: store.upsert_shard(spec, clock.time()), f"add {sid}")
+        for name, cls in CLASSES.items():
+            inst = control_plane_pb2.AdapterInstance(name=name, labels={ADAPTER_CLASS_LABEL: cls})
+            inst.model_ref.base_model = "m"
+            inst.model_ref.adapter_path = f"/adapters/{name}"
+            rb.mutate(lambda inst=inst: store.upsert_adapter_instance(inst, clock.time()), "add")
+        planned = 0
+        for _ in range(100):
+            decision = await rb.step()
+            planned += bool(decision.predicted_latency_s)
+            clock.step(5)
+        mixes = rb.capacity.class_mixes()
+        b = mixes["10.0.98.1:8000"]
+        assert {c for c, _, _ in b.classes} == {"small", "large"}  # the labels, not the names
+        assert planned > 0
+    finally:
+        store.close()
