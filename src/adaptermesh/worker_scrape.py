@@ -13,16 +13,31 @@ Series read (the names the workers export, vLLM's first so existing gateways wor
 * ``adaptermesh_free_gpu_memory_bytes``, ``adaptermesh_gpu_slots_used``
 * ``adaptermesh_adapter_resident{adapter, pinned}`` (1 when resident; ``pinned="true"`` when
   it is kept in its slot), when the worker exports it
+* ``adaptermesh_adapter_time_to_first_token_seconds{adapter}`` (histogram per served adapter):
+  its buckets, for the first ``MAX_ADAPTER_HISTOGRAMS`` adapters in the exposition
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["RawSample", "adapter_list", "interval_quantile", "parse_metrics"]
+__all__ = [
+    "MAX_ADAPTER_HISTOGRAMS",
+    "RawSample",
+    "adapter_list",
+    "interval_deltas",
+    "interval_quantile",
+    "le_bound",
+    "parse_metrics",
+]
+
+# Per-adapter TTFT histograms kept per scrape: a worker exports one for every adapter it has
+# served since it started, and a reader keeps the last scrape's buckets of each.
+MAX_ADAPTER_HISTOGRAMS = 256
+_ADAPTER_TTFT = "adaptermesh_adapter_time_to_first_token_seconds"
 
 # First name found wins: the worker's own (docs/worker-service.md), then older or vLLM names.
 _TTFT = (
@@ -64,6 +79,8 @@ class RawSample:
     resident_adapters: frozenset[str] = frozenset()
     # Resident adapters the worker holds pinned (never evicted).
     pinned_adapters: frozenset[str] = frozenset()
+    # Per served adapter, its cumulative TTFT buckets (as ``ttft_buckets``).
+    adapter_ttft: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     series: int = 0
 
 
@@ -79,7 +96,8 @@ def _finite(value: float) -> float | None:
 _HISTOGRAMS = frozenset(_TTFT + _TPOT)
 
 
-def _le(text: str) -> float | None:
+def le_bound(text: str) -> float | None:
+    """A histogram bucket's ``le`` label as a number (``+Inf`` included); None if it is not one."""
     try:
         v = float(text)
     except ValueError:
@@ -119,6 +137,25 @@ def interval_quantile(
     return None
 
 
+def interval_deltas(
+    now: tuple[tuple[float, float], ...], before: tuple[tuple[float, float], ...] | None
+) -> tuple[tuple[float, float], ...] | None:
+    """The buckets of the observations made between two scrapes of one histogram (cumulative
+    in ``le``, as ``now``). ``before`` None: the series was born in between, so all of ``now``.
+    None when nothing was observed, the bounds changed or a count went backwards."""
+    if not now:
+        return None
+    if before is None:
+        deltas = now
+    else:
+        if len(now) != len(before) or any(a[0] != b[0] for a, b in zip(now, before, strict=True)):
+            return None
+        deltas = tuple((le, c - b) for (le, c), (_, b) in zip(now, before, strict=True))
+    if any(not d >= 0 for _, d in deltas) or not deltas[-1][1] > 0:
+        return None
+    return deltas
+
+
 def parse_metrics(text: str) -> RawSample:
     """Parse Prometheus text exposition; unknown series are ignored, missing ones stay None."""
     raw = RawSample()
@@ -127,6 +164,7 @@ def parse_metrics(text: str) -> RawSample:
     resident: set[str] = set()
     pinned: set[str] = set()
     buckets: dict[str, dict[float, float]] = {}
+    per_adapter: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             name, value = s.name, _finite(float(s.value))
@@ -154,8 +192,15 @@ def parse_metrics(text: str) -> RawSample:
                     resident.add(s.labels["adapter"])
                     if s.labels.get("pinned") == "true":
                         pinned.add(s.labels["adapter"])
+            elif name == _ADAPTER_TTFT + "_bucket":
+                adapter, le = s.labels.get("adapter"), le_bound(s.labels.get("le", ""))
+                if adapter and le is not None and (
+                    adapter in per_adapter or len(per_adapter) < MAX_ADAPTER_HISTOGRAMS
+                ):
+                    per = per_adapter.setdefault(adapter, {})
+                    per[le] = per.get(le, 0.0) + value
             elif name.endswith("_bucket") and name[: -len("_bucket")] in _HISTOGRAMS:
-                le = _le(s.labels.get("le", ""))
+                le = le_bound(s.labels.get("le", ""))
                 if le is not None:
                     per = buckets.setdefault(name[: -len("_bucket")], {})
                     per[le] = per.get(le, 0.0) + value
@@ -185,4 +230,7 @@ def parse_metrics(text: str) -> RawSample:
     # An adapter with running requests is resident even if the worker does not say so.
     raw.resident_adapters = frozenset(resident) | raw.running_adapters
     raw.pinned_adapters = frozenset(pinned)
+    raw.adapter_ttft = {
+        a: tuple(sorted(b.items())) for a, b in per_adapter.items() if math.inf in b
+    }
     return raw

@@ -6,6 +6,9 @@ holds its weight and never reads the silence as an idle worker. Missing series a
 each contributes nothing, and a worker with no series at all is unknown.
 
 The series read are parsed by ``adaptermesh.worker_scrape.parse_metrics`` (listed there).
+Both also hand over each adapter's TTFT histogram over the interval
+(``WorkerObservation.adapter_ttft``) for the per adapter-class capacity fits: bucket deltas
+between two scrapes, or ``increase`` over the PromQL window.
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ from typing import Protocol
 import httpx
 
 from adaptermesh.control_plane.policy import WorkerObservation, endpoint_key
-from adaptermesh.worker_scrape import RawSample, adapter_list, interval_quantile, parse_metrics
+from adaptermesh.worker_scrape import (
+    MAX_ADAPTER_HISTOGRAMS,
+    RawSample,
+    adapter_list,
+    interval_deltas,
+    interval_quantile,
+    le_bound,
+    parse_metrics,
+)
 
 __all__ = [
     "TAIL_QUANTILE",
@@ -67,10 +78,13 @@ def _observe(
     ttft_p95: float | None = None
     tpot_p95: float | None = None
     tokens_per_s = 0.0
+    first_tokens = 0.0
+    adapter_ttft: dict[str, tuple[tuple[float, float], ...]] = {}
     before = prev.sample
     last = prev.observation
     if before is not None and prev.at is not None and now > prev.at:
         dt = now - prev.at
+        restarted = False
         if (
             raw.ttft_sum is not None
             and raw.ttft_count is not None
@@ -80,8 +94,22 @@ def _observe(
             dn = raw.ttft_count - before.ttft_count
             ds = raw.ttft_sum - before.ttft_sum
             # A counter reset (worker restart) gives a negative delta: skip the interval.
+            restarted = dn < 0
             if dn > 0 and ds >= 0:
                 latency = ds / dn
+                first_tokens = dn
+        if not restarted:
+            # Per adapter class fits (capacity_history.py): a series absent last time was
+            # born in the interval, so all its counts are new (unless the last scrape was at
+            # the cap, which may have left it out).
+            born_ok = len(before.adapter_ttft) < MAX_ADAPTER_HISTOGRAMS
+            for name, buckets in raw.adapter_ttft.items():
+                old = before.adapter_ttft.get(name)
+                if old is None and not born_ok:
+                    continue
+                delta = interval_deltas(buckets, old)
+                if delta is not None:
+                    adapter_ttft[name] = delta
         ttft_p95 = interval_quantile(TAIL_QUANTILE, raw.ttft_buckets, before.ttft_buckets)
         tpot_p95 = interval_quantile(TAIL_QUANTILE, raw.tpot_buckets, before.tpot_buckets)
         if raw.tokens_total is not None and before.tokens_total is not None:
@@ -106,6 +134,8 @@ def _observe(
             last.requested_adapters if last else None,
         ),
         age_s=0.0,
+        first_tokens=first_tokens,
+        adapter_ttft=adapter_ttft,
     )
 
 
@@ -196,6 +226,18 @@ class ScrapeSource:
         return out
 
 
+def _window_histograms(
+    per: Mapping[str, Mapping[float, float]],
+) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Per adapter, its buckets' increase over the query window (ascending, +Inf last), for
+    the adapters with a request in it."""
+    out: dict[str, tuple[tuple[float, float], ...]] = {}
+    for adapter, by_le in per.items():
+        if math.inf in by_le and by_le[math.inf] > 0:
+            out[adapter] = tuple(sorted(by_le.items()))
+    return out
+
+
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
@@ -233,6 +275,10 @@ class PrometheusSource:
             "tokens": f"sum by ({lbl}) (rate(adaptermesh_generation_tokens_total[{w}]))",
             "free": f"sum by ({lbl}) (adaptermesh_free_gpu_memory_bytes)",
             "lora": "vllm:lora_requests_info",
+            "first_tokens": f"sum by ({lbl}) "
+            f"(increase(adaptermesh_time_to_first_token_seconds_count[{w}]))",
+            "adapter_ttft": f"sum by ({lbl}, adapter, le) "
+            f"(increase(adaptermesh_adapter_time_to_first_token_seconds_bucket[{w}]))",
         }
 
     async def _query(self, client: httpx.AsyncClient, promql: str) -> list[dict[str, object]]:
@@ -265,6 +311,7 @@ class PrometheusSource:
                 await client.aclose()
         per: dict[str, dict[str, float]] = {}
         lora: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+        buckets: dict[str, dict[str, dict[float, float]]] = {}  # instance -> adapter -> le
         for name, answer in zip(names, answers, strict=True):
             if isinstance(answer, BaseException):
                 continue
@@ -278,7 +325,15 @@ class PrometheusSource:
                     val = float(value[1])
                 except (TypeError, ValueError):
                     continue
-                if name == "lora":
+                if name == "adapter_ttft":
+                    adapter = str(metric.get("adapter", ""))
+                    le = le_bound(str(metric.get("le", "")))
+                    per_inst = buckets.setdefault(inst, {})
+                    if adapter and le is not None and math.isfinite(val) and val >= 0 and (
+                        adapter in per_inst or len(per_inst) < MAX_ADAPTER_HISTOGRAMS
+                    ):
+                        per_inst.setdefault(adapter, {})[le] = val
+                elif name == "lora":
                     lora[inst] = (
                         adapter_list(str(metric.get("running_lora_adapters", ""))),
                         adapter_list(str(metric.get("waiting_lora_adapters", ""))),
@@ -310,6 +365,8 @@ class PrometheusSource:
                     requested_adapters=_reuse(
                         running_a | waiting_a, before.requested_adapters if before else None
                     ),
+                    first_tokens=max(0.0, vals.get("first_tokens", 0.0)),
+                    adapter_ttft=_window_histograms(buckets.get(t.key, {})),
                 )
                 self._last[t.key] = (now, obs)
                 out[t.key] = obs

@@ -27,7 +27,7 @@ from adaptermesh import assignment_rules as rules
 from adaptermesh.backoff import Backoff
 from adaptermesh.clock import Clock, SystemClock
 from adaptermesh.control_plane import policy
-from adaptermesh.control_plane.capacity_history import CapacityHistory
+from adaptermesh.control_plane.capacity_history import ADAPTER_CLASS_LABEL, CapacityHistory
 from adaptermesh.control_plane.metrics import ControlPlaneMetrics
 from adaptermesh.control_plane.metrics_source import LoadSource, Target
 from adaptermesh.control_plane.policy import (
@@ -138,6 +138,8 @@ class _Layout:
     unknown: tuple[WorkerObservation, ...]
     # The AdapterInstances' edge contracts (adapter_edge), for every Assignment.
     edges: tuple[assignment_pb2.AdapterEdge, ...] = ()
+    # AdapterInstance name -> its adapter class label, for the capacity fits per class.
+    classes: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def read(cls, store: Store) -> _Layout:
@@ -161,7 +163,10 @@ class _Layout:
             Target(s.id, ep.address, ep.port) for s in specs for ep in s.endpoints
         )
         unknown = tuple(WorkerObservation(t.address, t.port, known=False) for t in targets)
-        return cls(key, specs, columns, targets, unknown, tuple(adapter_edge.edges_of(instances)))
+        classes = {i.name: i.labels[ADAPTER_CLASS_LABEL] for i in instances
+                   if i.labels.get(ADAPTER_CLASS_LABEL)}
+        return cls(key, specs, columns, targets, unknown, tuple(adapter_edge.edges_of(instances)),
+                   classes)
 
 
 _AGE = attrgetter("age_s")
@@ -422,8 +427,10 @@ class Rebalancer:
         t0 = time.perf_counter()
         obs, rows = self.columns(self.workers)
         if self.config.power_law:
-            self.capacity.add(self.workers)
-            obs = replace(obs, curves=self.capacity.fits())
+            self.capacity.add(self.workers, self.layout().classes)
+            obs = replace(
+                obs, curves=self.capacity.fits(), class_mixes=self.capacity.class_mixes()
+            )
         decision = policy.decide(obs, self.state, now, self.config.policy)
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         affinity = self._affinity()

@@ -35,22 +35,45 @@ A shard's traffic scales with its weight, so each worker's throughput at shard w
 The split equalises predicted tail latency: find the level ``lambda`` at which the largest
 weights whose predictions stay at or under ``lambda`` sum to the pool (bisection on
 ``ln lambda``; each shard's weight at a level is closed form for both models).
+
+Adapter classes (``ClassMix``, ``MixedCurve``)
+----------------------------------------------
+Requests of different adapter classes share a worker's batches but not its latency: a class
+of large-rank adapters has a higher floor and a steeper curve. Each (worker, class) gets its
+own fit, with the same rules, of the class's p95 TTFT against the *worker's* throughput. A
+worker's tail at throughput ``T`` is then the p95 of the mixture of its classes, each
+weighted by its observed request share ``s_c``. With each class's p95 ``q_c(T)`` and floor
+``eps_c`` known, each class's wait above its floor is taken as exponential (the M/M/1
+sojourn time): ``P(L > x) = 20^(-(x - eps_c) / (q_c - eps_c))`` above the floor, 1 below it;
+the mixture's p95 ``x`` solves ``sum_c s_c P_c(L > x) = 0.05`` (bisection: it lies between
+the smallest and the largest ``q_c``). One class gives back its own curve; the share-weighted
+mean of the ``q_c`` would not be the mixture's p95 (it under-reads the tail by most of the
+gap to the slowest class).
+A class whose fit is not usable is predicted by the worker's own fit (its share is the mix's
+``rest``); ``MixedCurve`` is monotone non-decreasing in ``T`` (a class fit with ``beta >= 0``
+adds the constant it predicts at the worker's observed throughput).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
     "CapacityConfig",
+    "ClassMix",
+    "LatencyCurve",
+    "MixedCurve",
     "PowerLawFit",
     "ShardCurve",
     "fit_power_law",
+    "mixed_curve",
     "narrow_range",
     "plan_split",
     "queue_latency",
@@ -77,6 +100,18 @@ class CapacityConfig:
     eps_grid: int = 16
     # Readings below this throughput (tokens/s) carry no information about the curve.
     min_tokens_per_s: float = 1e-3
+    # Adapter classes tracked per worker (each holds one window of readings); a class idle
+    # for ``class_evict_after`` readings of its worker gives its place to a new one.
+    max_classes: int = 8
+    class_evict_after: int = 12
+    # A class's interval p95 is a reading only when at least this many of its requests had
+    # their first token in the interval (a p95 of two requests is their maximum).
+    min_class_requests: int = 5
+    # Request shares: an EWMA over about this many readings of the worker (1 min at 5 s).
+    class_share_window: int = 12
+    # With no usable worker fit, the class mix stands alone only if the classes without a
+    # usable fit (and requests of no tracked class) carry at most this share.
+    max_uncovered_share: float = 0.05
 
     def validate(self) -> None:
         if self.window < self.min_points or self.min_points < 3:
@@ -94,6 +129,12 @@ class CapacityConfig:
             raise ValueError("capacity: ln_alpha_bounds must be increasing")
         if self.eps_grid < 1:
             raise ValueError("capacity: eps_grid must be >= 1")
+        if self.max_classes < 1 or self.class_evict_after < 1:
+            raise ValueError("capacity: need max_classes >= 1 and class_evict_after >= 1")
+        if self.min_class_requests < 1 or self.class_share_window < 1:
+            raise ValueError("capacity: need min_class_requests >= 1 and class_share_window >= 1")
+        if not 0 <= self.max_uncovered_share < 1:
+            raise ValueError("capacity: max_uncovered_share must be in [0, 1)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,12 +268,146 @@ def queue_latency(baseline_s: float, rho: float) -> float:
     return baseline_s / (1.0 - rho) if rho < 1.0 else math.inf
 
 
+class LatencyCurve(Protocol):
+    """What the planner needs of a worker's curve: a p95 TTFT at a throughput, and the largest
+    throughput that keeps it at or under a level."""
+
+    def predict(self, tokens_per_s: float) -> float: ...
+
+    def max_throughput(self, latency_s: float) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ClassMix:
+    """One worker's traffic by adapter class, as the capacity history resolved it.
+
+    ``classes`` holds ``(class, fit, share)`` for the classes whose fit is usable; ``rest`` is
+    the share of requests the worker's own fit predicts (classes without a usable fit, and
+    requests in no tracked class). Shares are of all requests and sum to 1.
+    """
+
+    classes: tuple[tuple[str, PowerLawFit, float], ...]
+    rest: float = 0.0
+
+
+# The tail read: p95, so a class's tail probability at its own p95 is 0.05 = 20^-1.
+_TAIL = 0.05
+_LN_TAIL = math.log(1.0 / _TAIL)
+_LN_T_LO = math.log(1e-9)
+# Throughputs searched: 1e-9 to e^60 (1e26) tokens/s; a cap above that is no cap.
+_LN_T_HI = 60.0
+
+
+def _tail(x: float, parts: Sequence[tuple[float, float, float]]) -> float:
+    """``P(L > x)`` of the mixture of classes ``(share, p95 q, floor e)``, each with an
+    exponential tail above its floor."""
+    total = 0.0
+    for share, q, floor in parts:
+        if x <= floor or math.isinf(q):
+            total += share
+        elif q > floor:
+            total += share * math.exp(-_LN_TAIL * (x - floor) / (q - floor))
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class MixedCurve:
+    """A worker's p95 TTFT from its adapter classes' curves and request shares (see the
+    module docstring). ``growing``: ``(share, fit)`` of class fits with ``beta < 0``;
+    ``fixed``: ``(share, p95)`` of the others, held at their prediction for the worker's
+    observed throughput. Shares sum to 1."""
+
+    growing: tuple[tuple[float, PowerLawFit], ...]
+    fixed: tuple[tuple[float, float, float], ...] = ()  # (share, p95, floor)
+
+    def _parts(self, tokens_per_s: float) -> list[tuple[float, float, float]]:
+        return [(s, f.predict(tokens_per_s), f.eps) for s, f in self.growing] + list(self.fixed)
+
+    def predict(self, tokens_per_s: float) -> float:
+        parts = [p for p in self._parts(tokens_per_s) if p[0] > 0]
+        if not parts:
+            return 0.0
+        qs = [q for _, q, _ in parts]
+        lo, hi = min(qs), max(qs)
+        if math.isinf(hi):
+            return math.inf
+        if not hi > 0:
+            return 0.0
+        # The mixture's p95 lies between its classes' smallest and largest p95: at x = lo
+        # every class still has at least 5 % of its requests above x, at x = hi none has more.
+        # Bisection on ln x: the classes' p95s may be orders of magnitude apart.
+        ln_lo, ln_hi = math.log(max(lo, 1e-300)), math.log(hi)
+        for _ in range(64):
+            mid = 0.5 * (ln_lo + ln_hi)
+            if _tail(math.exp(mid), parts) > _TAIL:
+                ln_lo = mid
+            else:
+                ln_hi = mid
+        return math.exp(ln_hi)
+
+    def max_throughput(self, latency_s: float) -> float:
+        if not latency_s > 0:
+            return 0.0
+        # predict(T) <= level  <=>  P(L > level) <= 0.05 at T, and that tail grows with T.
+        def over(ln_t: float) -> bool:
+            return _tail(latency_s, self._parts(math.exp(ln_t))) > _TAIL
+
+        if over(_LN_T_LO):
+            return 0.0
+        if not over(_LN_T_HI):
+            return math.inf
+        lo, hi = _LN_T_LO, _LN_T_HI
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            if over(mid):
+                hi = mid
+            else:
+                lo = mid
+        return math.exp(lo)
+
+
+def mixed_curve(
+    mix: ClassMix | None, worker_fit: PowerLawFit | None, tokens_per_s: float
+) -> LatencyCurve | None:
+    """The curve that predicts one worker: its class mix where it has one, else its own fit.
+
+    A class without a usable fit, and the ``rest`` share, are predicted by the worker's fit;
+    with no usable worker fit and a ``rest`` left, there is no curve (the caller falls back
+    to the queueing model). None: no curve at all."""
+    own = worker_fit if worker_fit is not None and worker_fit.usable else None
+    if mix is None:
+        return own
+    parts: list[tuple[float, PowerLawFit]] = []
+    rest = mix.rest if math.isfinite(mix.rest) and mix.rest > 0 else 0.0
+    for _, fit, share in mix.classes:
+        if not (math.isfinite(share) and share > 0):
+            continue
+        if fit.usable:
+            parts.append((share, fit))
+        else:
+            rest += share
+    if rest > 0:
+        if own is None:
+            return None
+        parts.append((rest, own))
+    total = sum(s for s, _ in parts)
+    if not parts or not total > 0:
+        return own
+    if len(parts) == 1:
+        return parts[0][1]
+    tok = float(tokens_per_s) if math.isfinite(tokens_per_s) else 0.0
+    growing = tuple((s / total, f) for s, f in parts if f.beta < 0)
+    fixed = tuple((s / total, f.predict(tok), f.eps) for s, f in parts if f.beta >= 0)
+    return MixedCurve(growing, fixed)
+
+
 @dataclass(frozen=True, slots=True)
 class ShardCurve:
     """What predicts one shard's tail latency at a candidate weight ``w``.
 
-    ``weight_eff`` is the weight that produced the observed load. With ``fits`` (one per
-    worker that has a usable fit, with that worker's observed tokens/s), a worker's throughput
+    ``weight_eff`` is the weight that produced the observed load. With ``fits`` (one curve per
+    worker that has one: its usable fit or its class mix, with that worker's observed
+    tokens/s), a worker's throughput
     at ``w`` is ``tokens * w / weight_eff``. Without, the queueing model: ``rho(w) = rho *
     w / weight_eff`` and ``L = baseline / (1 - rho(w))``.
     """
@@ -240,19 +415,23 @@ class ShardCurve:
     weight_eff: float
     rho: float
     baseline_s: float
-    fits: tuple[tuple[PowerLawFit, float], ...] = ()
+    fits: tuple[tuple[LatencyCurve, float], ...] = ()
 
-    def predict(self, weight: float) -> float:
+    def predict(self, weight: float, *, skip_mixed: bool = False) -> float:
         k = weight / self.weight_eff
         if self.fits:
-            return max(f.predict(tok * k) for f, tok in self.fits)
+            return max((f.predict(tok * k) for f, tok in self.fits
+                        if not (skip_mixed and isinstance(f, MixedCurve))), default=-math.inf)
         return queue_latency(self.baseline_s, self.rho * k)
 
-    def max_weight(self, level: float) -> float:
-        """The largest weight whose predicted latency is at most ``level``."""
+    def max_weight(self, level: float, *, skip_mixed: bool = False) -> float:
+        """The largest weight whose predicted latency is at most ``level``; ``skip_mixed``:
+        leave out the workers with a ``MixedCurve`` (``plan_split`` caps those in one batch)."""
         if self.fits:
             w = math.inf
             for f, tok in self.fits:
+                if skip_mixed and isinstance(f, MixedCurve):
+                    continue
                 cap = f.max_throughput(level)
                 if tok > 0:
                     w = min(w, cap * self.weight_eff / tok)
@@ -262,6 +441,134 @@ class ShardCurve:
         return self.weight_eff * (1.0 - self.baseline_s / level) / self.rho
 
 
+class _MixBatch:
+    """Every ``MixedCurve`` of a plan as (worker, class) arrays, so the throughput caps of all
+    of them at one level are one vectorised bisection on ``ln T`` instead of one Python
+    bisection per worker (100 shards x 8 mixed workers: ~10 s per plan one by one).
+
+    A fixed class is a growing one with exponent 0: ``q = eps + (q - eps) * T^0``."""
+
+    # On ln T in [ln 1e-9, 60]: 30 halvings leave 7e-8 of ln T (a weight to 1e-7 of itself,
+    # where the Assignment's parts are 1e-4 of the budget); bisection stops there.
+    _STEPS = 30
+    _TOL = 8e-8
+
+    def __init__(self, curves: Sequence[ShardCurve]) -> None:
+        rows: list[list[tuple[float, float, float, float]]] = []  # (share, alpha, -beta, eps)
+        shard: list[int] = []
+        per_token: list[float] = []
+        for i, c in enumerate(curves):
+            for f, tok in c.fits:
+                if isinstance(f, MixedCurve) and tok > 0:
+                    rows.append([(sh, g.alpha, -g.beta, g.eps) for sh, g in f.growing]
+                                + [(sh, q - e, 0.0, e) for sh, q, e in f.fixed])
+                    shard.append(i)
+                    per_token.append(c.weight_eff / tok)
+        k = max((len(r) for r in rows), default=0)
+        table = np.zeros((len(rows), max(k, 1), 4))
+        for j, r in enumerate(rows):
+            table[j, : len(r)] = r
+        self.share, self.alpha, self.power, self.eps = (table[:, :, m] for m in range(4))
+        self.shard = np.array(shard, dtype=np.int64)
+        self.per_token = np.array(per_token, dtype=np.float64)
+        self.n = len(curves)
+        # Levels solved so far, ascending, with (ln T under the cap, ln T over it, caps).
+        self._levels: list[float] = []
+        self._solved: list[tuple[_F, _F, _F]] = []
+
+    def __len__(self) -> int:
+        return int(self.shard.size)
+
+    def _over(self, ln_t: _F, scale: _F, below: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+        """Per worker: is its mixture's p95 above the level at ``T = e^ln_t``? ``scale`` is
+        ``ln 20 * (level - eps) / alpha``, ``below`` where the level is at or under a class
+        floor: a class's tail at the level is ``exp(-scale * T^-power)``."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            term = np.where(below, 1.0, np.exp(-scale * np.exp(-self.power * ln_t[:, None])))
+        tail: _F = (self.share * term).sum(axis=1)
+        return tail > _TAIL
+
+    def predict(self, weight: float) -> _F:
+        """(shards,) the largest mixed-worker prediction of each shard at ``weight`` (-inf:
+        none); the vectorised ``MixedCurve.predict``."""
+        out = np.full(self.n, -math.inf)
+        if not len(self):
+            return out
+        ln_t = np.log(np.maximum(weight / self.per_token, 1e-9))
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            gap = self.alpha * np.exp(self.power * ln_t[:, None])
+            q = self.eps + gap
+            used = self.share > 0
+            lo = np.log(np.maximum(np.where(used, q, np.inf).min(axis=1), 1e-300))
+            top = np.where(used, q, 0.0).max(axis=1)
+            hi = np.log(np.where(np.isfinite(top) & (top > 0), top, 1.0))
+            for _ in range(self._STEPS + 10):
+                mid = 0.5 * (lo + hi)
+                x = np.exp(mid)[:, None]
+                term = np.where(x < self.eps, 1.0, np.exp(-_LN_TAIL * (x - self.eps) / gap))
+                over = (self.share * term).sum(axis=1) > _TAIL
+                lo = np.where(over, mid, lo)
+                hi = np.where(over, hi, mid)
+            value = np.where(np.isfinite(top), np.where(top > 0, np.exp(hi), 0.0), math.inf)
+        np.maximum.at(out, self.shard, value)
+        return out
+
+    def max_weights(self, level: float) -> _F:
+        """(shards,) the smallest weight cap of each shard's mixed workers at ``level``
+        (inf: none, or no cap)."""
+        caps = self._caps(level) if level > 0 else np.zeros(len(self))
+        out = np.full(self.n, math.inf)
+        with np.errstate(invalid="ignore"):
+            np.minimum.at(out, self.shard, np.nan_to_num(caps * self.per_token, nan=0.0, posinf=math.inf))
+        return out
+
+    def _caps(self, level: float) -> _F:
+        """Throughput caps at ``level`` by bisection on ``ln T``, bracketed by the levels
+        already solved: a throughput under the cap at a lower level is under it here, one
+        over the cap at a higher level is over it here. ``plan_split`` bisects the level, so
+        its brackets shrink with it and a late level costs a few steps."""
+        m = len(self)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            # alpha 0 (a fixed class at its floor): no tail above the floor.
+            scale = np.where(self.alpha > 0, _LN_TAIL * (level - self.eps)
+                             / np.where(self.alpha > 0, self.alpha, 1.0), np.inf)
+        below = level <= self.eps
+        lo = np.full(m, _LN_T_LO)
+        hi = np.full(m, _LN_T_HI)
+        known_lo = np.zeros(m, dtype=np.bool_)  # lo is a throughput known to be under
+        known_hi = np.zeros(m, dtype=np.bool_)  # hi is one known to be over
+        zero = np.zeros(m, dtype=np.bool_)
+        free = np.zeros(m, dtype=np.bool_)
+        k = bisect.bisect_left(self._levels, level)
+        if k < len(self._levels) and self._levels[k] == level:
+            return self._solved[k][2]
+        if k > 0:
+            lo1, _, caps1 = self._solved[k - 1]
+            free |= np.isinf(caps1) & (caps1 > 0)
+            use = caps1 > 0
+            lo = np.where(use, np.maximum(lo, lo1), lo)
+            known_lo |= use
+        if k < len(self._levels):
+            _, hi3, caps3 = self._solved[k]
+            zero |= caps3 == 0
+            use = np.isfinite(caps3)
+            hi = np.where(use, np.minimum(hi, hi3), hi)
+            known_hi |= use
+        zero |= ~known_lo & ~free & self._over(lo, scale, below)
+        free |= ~known_hi & ~zero & ~self._over(hi, scale, below)
+        for _ in range(self._STEPS):
+            if not ((hi - lo) > self._TOL).any():
+                break
+            mid = 0.5 * (lo + hi)
+            over = self._over(mid, scale, below)
+            hi = np.where(over, mid, hi)
+            lo = np.where(over, lo, mid)
+        caps = np.where(zero, 0.0, np.where(free, math.inf, np.exp(lo)))
+        self._levels.insert(k, level)
+        self._solved.insert(k, (lo, hi, caps))
+        return caps
+
+
 def plan_split(curves: Sequence[ShardCurve], pool: float, floor: float) -> _F:
     """Weights (floats, each >= ``floor``, summing to ``pool``) that equalise predicted tail
     latency across ``curves``. Requires ``pool >= floor * len(curves)``."""
@@ -269,13 +576,26 @@ def plan_split(curves: Sequence[ShardCurve], pool: float, floor: float) -> _F:
     if n == 0:
         return np.zeros(0)
     spare = pool - floor * n
+    batch = _MixBatch(curves)
 
     def alloc(level: float) -> _F:
+        if not len(batch):
+            return np.array(
+                [min(pool, max(floor, c.max_weight(level))) for c in curves], dtype=np.float64
+            )
+        mixed = batch.max_weights(level)
         return np.array(
-            [min(pool, max(floor, c.max_weight(level))) for c in curves], dtype=np.float64
+            [min(pool, max(floor, min(c.max_weight(level, skip_mixed=True), float(m))))
+             for c, m in zip(curves, mixed, strict=True)],
+            dtype=np.float64,
         )
 
-    lows = [c.predict(floor) for c in curves]
+    if len(batch):
+        mixed_lows = batch.predict(floor)
+        lows = [max(c.predict(floor, skip_mixed=True), float(m))
+                for c, m in zip(curves, mixed_lows, strict=True)]
+    else:
+        lows = [c.predict(floor) for c in curves]
     lo_level = max(1e-9, min(v for v in lows if math.isfinite(v)) if any(map(math.isfinite, lows)) else 1e-9)
     hi_level = lo_level * 2.0
     for _ in range(200):

@@ -11,7 +11,7 @@ from operator import attrgetter
 import numpy as np
 import numpy.typing as npt
 
-from adaptermesh.control_plane.policy.capacity import PowerLawFit
+from adaptermesh.control_plane.policy.capacity import ClassMix, PowerLawFit
 from adaptermesh.control_plane.policy.types import (
     Observation,
     OverrideSpec,
@@ -70,6 +70,7 @@ class ObservationColumns:
     ttft_p95_s: _F | None = None  # (W,) nan: not reported; None: no worker reports it
     tpot_p95_s: _F | None = None  # (W,) as above
     curves: Mapping[str, PowerLawFit] = field(default_factory=dict)
+    class_mixes: Mapping[str, ClassMix] = field(default_factory=dict)
 
     @property
     def shard_of(self) -> _I:
@@ -153,6 +154,7 @@ class ObservationColumns:
             ttft_p95_s=_reported(table[:, 7]),
             tpot_p95_s=_reported(table[:, 8]),
             curves=dict(observation.curves),
+            class_mixes=dict(observation.class_mixes),
         )
 
     def same_layout(self, shard_ids: tuple[str, ...], offsets: _I, endpoints: tuple[str, ...]) -> bool:
@@ -300,6 +302,7 @@ class ColumnLayout:
         workers: Sequence[WorkerObservation],
         overrides: Mapping[str, OverrideSpec] | None = None,
         curves: Mapping[str, PowerLawFit] | None = None,
+        class_mixes: Mapping[str, ClassMix] | None = None,
     ) -> ObservationColumns:
         """The columns for one tick: ``workers[j]`` is the reading of endpoint row ``j``.
 
@@ -354,6 +357,7 @@ class ColumnLayout:
             ttft_p95_s=_reported(cols[6]),
             tpot_p95_s=_reported(cols[7]),
             curves=curves if curves is not None else {},
+            class_mixes=class_mixes if class_mixes is not None else {},
         )
 
 

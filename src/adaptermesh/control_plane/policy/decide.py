@@ -50,7 +50,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from adaptermesh.control_plane.policy.apportion import _apportion_cols, _waterfill_cols, apportion
-from adaptermesh.control_plane.policy.capacity import PowerLawFit, ShardCurve, plan_split
+from adaptermesh.control_plane.policy.capacity import (
+    LatencyCurve,
+    ShardCurve,
+    mixed_curve,
+    plan_split,
+)
 from adaptermesh.control_plane.policy.columns import (
     _B,
     _F,
@@ -86,28 +91,34 @@ def _shard_curves(
     """One curve per movable shard, or None when no movable shard has a usable fit (then the
     utilisation split applies unchanged).
 
-    A shard's curve holds the usable fits of its known workers with their observed tokens/s.
-    A shard with a worker that carries load but has no usable fit uses the queueing model as
-    a whole, as does a shard without fits (one unidentified worker may be the bottleneck) and
-    a saturated one.
+    A shard's curve holds the curves of its known workers with their observed tokens/s: a
+    worker's class mix where its classes' fits are usable (``mixed_curve``: the classes'
+    curves weighted by their request shares, the worker's own fit for the rest), else its own
+    usable fit. A shard with a worker that carries load but has no curve uses the queueing
+    model as a whole, as does a shard without curves (one unidentified worker may be the
+    bottleneck) and a saturated one.
     """
-    if not any(f.usable for f in obs.curves.values()):
+    mixes = obs.class_mixes
+    if not mixes and not any(f.usable for f in obs.curves.values()):
         return None  # the steady fleet: one pass over the fits, no per-shard work
     out: list[ShardCurve] = []
     any_fit = False
     for i in np.flatnonzero(movable).tolist():
         s = int(act[i])
         lo, hi = int(obs.offsets[s]), int(obs.offsets[s + 1])
-        fits: list[tuple[PowerLawFit, float]] = []
+        fits: list[tuple[LatencyCurve, float]] = []
         complete = True
         for j in range(lo, hi):
             if not obs.known[j]:
                 continue
             tok = float(obs.tokens_per_s[j])
-            fit = obs.curves.get(obs.endpoints[j])
-            if fit is not None and fit.usable and tok > 0:
-                fits.append((fit, tok))
-            elif tok > 0:
+            if not tok > 0:
+                continue
+            key = obs.endpoints[j]
+            curve = mixed_curve(mixes.get(key), obs.curves.get(key), tok)
+            if curve is not None:
+                fits.append((curve, tok))
+            else:
                 complete = False
         r = float(rho[i])
         l0 = float(baseline[i]) if not math.isnan(baseline[i]) else float(latency[i])

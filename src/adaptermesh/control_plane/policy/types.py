@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from adaptermesh.assignment_rules import WEIGHT_BUDGET
-from adaptermesh.control_plane.policy.capacity import PowerLawFit
+from adaptermesh.control_plane.policy.capacity import ClassMix, PowerLawFit
 
 # Shard weights are parts per BUDGET over ACTIVE shards: the Assignment rules' constant.
 BUDGET = WEIGHT_BUDGET
@@ -81,6 +81,11 @@ class WorkerObservation:
     # gone, not merely slow. Its load still counts as unknown until the staleness limit, but it
     # loses adapter affinity at once.
     down: bool = False
+    # Requests whose first token came in the interval (the TTFT histogram's count delta).
+    first_tokens: float = 0.0
+    # Per served adapter, its TTFT histogram over the interval: (upper bound, cumulative
+    # count) ascending, +Inf last; only adapters with a request in the interval.
+    adapter_ttft: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +115,8 @@ class Observation:
     overrides: Mapping[str, OverrideSpec] = field(default_factory=dict)
     # Fitted power-law curves per endpoint key (``address:port``); only usable ones are used.
     curves: Mapping[str, PowerLawFit] = field(default_factory=dict)
+    # Per endpoint key, its traffic by adapter class with the classes' fits (capacity.py).
+    class_mixes: Mapping[str, ClassMix] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
