@@ -132,3 +132,32 @@ def test_endpoint_weights_favour_free_memory_and_resident_adapters() -> None:
     eps = d.endpoint_weights["s"]
     assert eps["10.0.0.1:8000"] > eps["10.0.0.2:8000"] >= 1
     assert eps["10.0.0.3:8000"] >= 1
+
+
+_READINGS = ("waiting", "running", "kv_cache_usage", "latency_s", "ttft_p95_s", "tpot_p95_s",
+             "tokens_per_s", "gpu_free_bytes", "first_tokens", "age_s")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    field=st.sampled_from(_READINGS),
+    value=st.sampled_from([1e308, -1e308, 5e-324, -5e-324, -1.0, 1e12, float("nan"),
+                           float("inf")]) | st.floats(allow_nan=True, allow_infinity=True),
+)
+def test_a_wild_reading_is_refused_quietly(field: str, value: float) -> None:
+    """One worker exporting an absurd figure (a broken exporter, a hostile one) neither raises
+    (numpy warnings are errors in the tests) nor leaves invalid weights."""
+    from adaptermesh.control_plane.policy import ShardObservation, WorkerObservation
+
+    kw: dict[str, float] = {"latency_s": 0.2, "tokens_per_s": 100.0}
+    kw[field] = value
+    odd = WorkerObservation("10.0.0.1", 8000, True, **kw)  # type: ignore[arg-type]
+    fine = WorkerObservation("10.0.0.2", 8000, True, latency_s=0.3, tokens_per_s=50.0)
+    obs = Observation({"a": ShardObservation("a", True, (odd,)),
+                       "b": ShardObservation("b", True, (fine,))}, {})
+    state = PolicyState()
+    for t in range(3):
+        d = decide(obs, state, float(t), CFG)
+        state = d.state
+        assert validate_weights(d.weights, ["a", "b"], CFG, set()) == []
+        assert sum(d.weights.values()) == BUDGET

@@ -136,6 +136,12 @@ class ObservationColumns:
                               (7, math.nan), (8, math.nan)):
                 bad = ~np.isfinite(table[:, col])
                 table[bad, col] = fill
+        # A latency no worker can have (negative, or above a million seconds) is a broken
+        # exporter: not reported, like a non-finite one (and no overflow downstream).
+        lat = table[:, (4, 7, 8)]
+        wild = (lat < 0) | (lat > _MAX_LATENCY_S)
+        if wild.any():
+            table[:, (4, 7, 8)] = np.where(wild, math.nan, lat)
         return cls(
             shard_ids=shard_ids,
             active=np.array(active, dtype=np.bool_),
@@ -165,6 +171,7 @@ class ObservationColumns:
         )
 
 
+_MAX_LATENCY_S = 1e6
 _ROW_FIELDS = ("waiting", "running", "kv_cache_usage", "latency_s", "tokens_per_s",
                "gpu_free_bytes", "ttft_p95_s", "tpot_p95_s")
 # What a non-finite reading becomes: 0 for counts and rates, nan ("not reported") for latency
