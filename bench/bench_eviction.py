@@ -10,6 +10,26 @@ Traces (seeded, ``--requests`` requests each, 1,000 adapters ``a0000``..``a0999`
   change half of the hot set is replaced by adapters drawn uniformly from the rest.
 * ``scan``: Zipf(1.0) with a scan every 2,000 requests: 200 adapters never requested before
   in this trace, once each, in a row (a batch job touching its tenants' adapters once).
+* ``bursty-scan``: the condition the design's figure (LRU 68%) describes, calibrated to it. A
+  stable hot set of 60 adapters (it fits the 64 slots with 4 to spare) served in rotation: each
+  round requests every hot adapter once, ordered by the adapter's fixed phase plus a uniform
+  jitter of +-1/4 round (steady tenants, as a fair-share scheduler serves backlogged tenants in
+  turn). Bursts interrupt the rotation: 8 distinct cold adapters in a row, drawn uniformly
+  from the other 940 (a batch job or crawler sweeping adapters; one-off within a burst, a cold
+  adapter recurs about once in 117 bursts). The knob is the burst rate: an exponentially
+  distributed number of hot requests between bursts, mean ``mean_gap``.
+  Calibrated once (``BURSTY_SCAN_MEAN_GAP``, see there): the grid value whose LRU hit rate,
+  averaged over three calibration seeds that are not the bench's seed, is nearest 0.68. The
+  bench re-runs that search every time and records it (``calibration`` in the JSON) with
+  whether it still picks the constant; the reported row uses the constant on ``--seed``.
+  The shape (60 hot, bursts of 8, jitter, rotation) was fixed before the calibration by one
+  criterion on LRU and Belady only: at LRU 0.68 the offline optimum must stay clearly above
+  0.90, or the 0.90 target would again be out of reach by construction. A rotation meets it:
+  a burst that overflows the 4 spare slots evicts, under LRU, the hot adapters next in the
+  rotation, and each of their misses evicts the next one. With hot requests drawn
+  independently (as in ``bursty``) LRU loses only about one hot request per cold one, and
+  LRU at 0.68 leaves the optimum below 0.90; the JSON records that variant
+  (``calibration.bursty-scan-independent``: the same search, with its LRU and Belady).
 * (Each trace row also records ``sim_us_per_request``: host microseconds per simulated request,
   both tiers' policy bookkeeping included, the simulator's own set updates too.)
 * Working-set sweep (the no-thrash-collapse check): W distinct adapters, W in 32 .. 1,000:
@@ -50,7 +70,8 @@ Loads per second: GPU misses per second at the modelled serial throughput, and a
 offered load of ``--request-rate`` requests per second.
 
 Targets (in the JSON): (1) hit rate >= 0.90 on ``bursty`` (the figure the design reports for
-LRU-Greedy); (2) no thrash collapse on both sweeps: between adjacent working-set sizes
+LRU-Greedy), and the same on ``bursty-scan`` (the trace calibrated to the design's LRU 0.68);
+(2) no thrash collapse on both sweeps: between adjacent working-set sizes
 (each step at most 1.5x) throughput never drops by more than 50%, and at every size it stays
 at least half of the throughput Belady's hit rate would give.
 
@@ -92,6 +113,22 @@ from adaptermesh.worker.types import GenerationRequest, SamplingParams
 N_ADAPTERS = 1000
 SWEEP = (32, 48, 64, 80, 96, 128, 192, 256, 384, 512, 768, 1000)
 ZIPF_S = (0.6, 0.8, 1.0, 1.2)
+
+# bursty-scan: the shape, fixed before calibration (see the module docstring).
+BURSTY_SCAN_HOT = 60  # hot adapters: the hot set fits the 64 slots with 4 to spare
+BURSTY_SCAN_BURST = 8  # distinct cold adapters per burst: twice the spare slots
+BURSTY_SCAN_JITTER = 0.5  # width of the rotation's uniform jitter, in rounds (+-1/4 round)
+# The knob, calibrated once: mean hot requests between bursts. Chosen by
+# ``calibrate_bursty_scan`` (LRU hit rate, mean over CALIBRATION_SEEDS, 60,000 requests each,
+# 64 slots, 256-adapter CPU tier, grid CALIBRATION_GRID): nearest 0.68 at mean_gap = 100
+# (LRU 0.670; 90 gives 0.648, 110 gives 0.691; burst share 7.6%; Belady 0.928 there). The
+# bench re-runs this search and records whether it still picks this value
+# (``calibration.bursty-scan.reproduced``).
+BURSTY_SCAN_MEAN_GAP = 100
+BURSTY_SCAN_TARGET_LRU = 0.68  # the design's LRU hit rate under bursty access
+CALIBRATION_SEEDS = (101, 102, 103)  # never the bench's --seed (default 7)
+CALIBRATION_REQUESTS = 60_000
+CALIBRATION_GRID = tuple(range(10, 201, 10))
 
 
 def log(msg: str) -> None:
@@ -165,6 +202,59 @@ def trace_scan(requests: int, seed: int, every: int = 2000, scan_len: int = 200)
         seen.update(scan)
         out.extend(scan)
     return out[:requests]
+
+
+def bursty_scan_hot_set(seed: int, hot: int = BURSTY_SCAN_HOT) -> list[str]:
+    """The hot set of ``trace_bursty_scan(..., seed, hot=hot)``."""
+    return random.Random(seed).sample(_names(N_ADAPTERS), hot)
+
+
+def trace_bursty_scan(
+    requests: int,
+    seed: int,
+    mean_gap: float = BURSTY_SCAN_MEAN_GAP,
+    *,
+    hot: int = BURSTY_SCAN_HOT,
+    burst: int = BURSTY_SCAN_BURST,
+    jitter: float = BURSTY_SCAN_JITTER,
+    hot_order: str = "rotation",
+) -> list[str]:
+    """A stable hot set in rotation, interrupted by bursts of distinct cold adapters.
+
+    ``hot_order="independent"`` draws each hot request uniformly from the hot set instead (the
+    variant the calibration records beside the rotation; not a reported trace).
+    """
+    if hot_order not in ("rotation", "independent"):
+        raise ValueError(f"hot_order: expected rotation or independent, got {hot_order!r}")
+    if not 0 < hot < N_ADAPTERS or not 0 < burst <= N_ADAPTERS - hot or mean_gap <= 0:
+        raise ValueError(f"bursty-scan: bad shape hot={hot} burst={burst} mean_gap={mean_gap}")
+    hot_set = bursty_scan_hot_set(seed, hot)
+    hot_keys = set(hot_set)
+    cold = [k for k in _names(N_ADAPTERS) if k not in hot_keys]
+    rng = random.Random(f"bursty-scan requests {seed}")  # str seeds hash the same everywhere
+    phase = {k: rng.random() for k in hot_set}
+    round_left: list[str] = []  # the current round, next request last
+
+    def next_hot() -> str:
+        if hot_order == "independent":
+            return rng.choice(hot_set)
+        if not round_left:
+            jittered = {k: phase[k] + jitter * (rng.random() - 0.5) for k in hot_set}
+            round_left.extend(sorted(hot_set, key=jittered.__getitem__, reverse=True))
+        return round_left.pop()
+
+    out: list[str] = []
+    while len(out) < requests:
+        for _ in range(max(1, int(rng.expovariate(1.0 / mean_gap)))):
+            out.append(next_hot())
+        out.extend(rng.sample(cold, burst))
+    return out[:requests]
+
+
+def burst_share(trace: list[str], seed: int, hot: int = BURSTY_SCAN_HOT) -> float:
+    """Share of a bursty-scan trace's requests that are outside its hot set."""
+    hot_keys = set(bursty_scan_hot_set(seed, hot))
+    return sum(1 for k in trace if k not in hot_keys) / len(trace)
 
 
 def trace_loop(n_keys: int, requests: int, seed: int) -> list[str]:
@@ -256,6 +346,52 @@ def figures(sim: dict[str, int], c: dict[str, Any], args: argparse.Namespace) ->
         "throughput_overlap_tok_s": tokens / max(decode, load),
         "loads_per_s_at_throughput": misses / (decode + load),
         "loads_per_s_at_request_rate": misses / r * args.request_rate,
+    }
+
+
+def calibrate_bursty_scan(slots: int, cpu_adapters: int, hot_order: str) -> dict[str, Any]:
+    """The search that chose ``BURSTY_SCAN_MEAN_GAP``: per grid value, LRU's GPU hit rate
+    averaged over ``CALIBRATION_SEEDS``; the pick is the value nearest the target (the smaller
+    gap on a tie). Belady's hit rate at the pick, on the same seeds, is recorded beside it."""
+    grid: list[dict[str, Any]] = []
+    for gap in CALIBRATION_GRID:
+        per_seed, share = [], []
+        for seed in CALIBRATION_SEEDS:
+            tr = trace_bursty_scan(CALIBRATION_REQUESTS, seed, gap, hot_order=hot_order)
+            per_seed.append(simulate("lru", tr, slots, cpu_adapters)["hits"] / len(tr))
+            share.append(burst_share(tr, seed))
+        grid.append(
+            {
+                "mean_gap": gap,
+                "lru_hit_rate": statistics.fmean(per_seed),
+                "lru_hit_rate_per_seed": per_seed,
+                "burst_share": statistics.fmean(share),
+            }
+        )
+    pick = min(grid, key=lambda r: (abs(r["lru_hit_rate"] - BURSTY_SCAN_TARGET_LRU), r["mean_gap"]))
+    belady = [
+        belady_hits(tr, slots) / len(tr)
+        for tr in (
+            trace_bursty_scan(CALIBRATION_REQUESTS, seed, pick["mean_gap"], hot_order=hot_order)
+            for seed in CALIBRATION_SEEDS
+        )
+    ]
+    return {
+        "hot_order": hot_order,
+        "knob": "mean_gap (mean hot requests between bursts, exponential)",
+        "target_lru_hit_rate": BURSTY_SCAN_TARGET_LRU,
+        "seeds": list(CALIBRATION_SEEDS),
+        "requests_per_seed": CALIBRATION_REQUESTS,
+        "shape": {
+            "hot": BURSTY_SCAN_HOT,
+            "burst": BURSTY_SCAN_BURST,
+            "jitter_rounds": BURSTY_SCAN_JITTER,
+        },
+        "grid": grid,
+        "picked_mean_gap": pick["mean_gap"],
+        "lru_hit_rate_at_pick": pick["lru_hit_rate"],
+        "belady_hit_rate_at_pick": statistics.fmean(belady),
+        "belady_hit_rate_at_pick_per_seed": belady,
     }
 
 
@@ -443,6 +579,40 @@ def main() -> int:
     }
     traces["bursty"] = trace_bursty(args.requests, args.seed)
     traces["scan"] = trace_scan(args.requests, args.seed)
+    traces["bursty-scan"] = trace_bursty_scan(args.requests, args.seed)
+
+    calibration: dict[str, Any] = {}
+    for variant, order in (("bursty-scan", "rotation"), ("bursty-scan-independent", "independent")):
+        t = time.perf_counter()
+        cal = calibrate_bursty_scan(args.slots, args.cpu_adapters, order)
+        calibration[variant] = cal
+        log(
+            f"calibration {variant}: mean_gap {cal['picked_mean_gap']} gives LRU "
+            f"{cal['lru_hit_rate_at_pick']:.3f}, Belady {cal['belady_hit_rate_at_pick']:.3f} "
+            f"[{time.perf_counter() - t:.1f}s]"
+        )
+    calibration["bursty-scan"]["constant_mean_gap"] = BURSTY_SCAN_MEAN_GAP
+    calibration["bursty-scan"]["reproduced"] = (
+        calibration["bursty-scan"]["picked_mean_gap"] == BURSTY_SCAN_MEAN_GAP
+    )
+    calibration["bursty-scan"]["reported_trace"] = {
+        "seed": args.seed,
+        "requests": args.requests,
+        "mean_gap": BURSTY_SCAN_MEAN_GAP,
+        "burst_share": burst_share(traces["bursty-scan"], args.seed),
+    }
+    calibration["bursty-scan-independent"]["note"] = (
+        "the same shape and search with each hot request drawn independently from the hot set; "
+        "recorded to show that LRU at 0.68 then leaves the offline optimum below 0.90 "
+        "(not a reported trace)"
+    )
+    if not calibration["bursty-scan"]["reproduced"]:
+        log(
+            f"WARNING: the calibration now picks mean_gap "
+            f"{calibration['bursty-scan']['picked_mean_gap']}, not the constant "
+            f"{BURSTY_SCAN_MEAN_GAP}; the reported row uses the constant"
+        )
+    result["calibration"] = calibration
     res: dict[str, Any] = {}
     for tname, tr in traces.items():
         t = time.perf_counter()
@@ -501,10 +671,14 @@ def main() -> int:
     summary: dict[str, Any] = {}
     for p in policies:
         hr = res["bursty"][p]["hit_rate"]
+        hs = res["bursty-scan"][p]["hit_rate"]
         tp: dict[str, Any] = {
             "bursty_hit_rate": hr,
             "bursty_hit_rate_ge_0.90": hr >= 0.90,
             "bursty_belady_hit_rate": res["bursty"]["belady"]["hit_rate"],
+            "bursty_scan_hit_rate": hs,
+            "bursty_scan_hit_rate_ge_0.90": hs >= 0.90,
+            "bursty_scan_belady_hit_rate": res["bursty-scan"]["belady"]["hit_rate"],
         }
         ok = True
         for family, pts in sweeps.items():
@@ -551,6 +725,9 @@ def main() -> int:
     targets["criteria"] = {
         "bursty_hit_rate_ge_0.90": "GPU hit rate on the bursty trace >= 0.90 (design's LRU-Greedy figure); "
         "bursty_belady_hit_rate is the offline optimum on the same trace",
+        "bursty_scan_hit_rate_ge_0.90": "GPU hit rate on the bursty-scan trace (calibrated so that LRU gets "
+        "about 0.68, the design's LRU figure; see calibration.bursty-scan) >= 0.90 (the design's "
+        "LRU-Greedy figure); bursty_scan_belady_hit_rate is the offline optimum on the same trace",
         "no_thrash_collapse": "on sweep-zipf and sweep-loop: throughput falls by at most 50% between adjacent "
         "working-set sizes (steps <= 1.5x), stays >= 50% of the throughput at Belady's hit rate, and the "
         "hit rate stays >= 50% of Belady's at every size",
@@ -564,7 +741,9 @@ def main() -> int:
     for p in policies:
         t = targets[p]
         log(
-            f"{p}: bursty {t['bursty_hit_rate']:.3f} (>=0.90 {t['bursty_hit_rate_ge_0.90']}), no collapse {t['no_thrash_collapse']}"
+            f"{p}: bursty {t['bursty_hit_rate']:.3f} (>=0.90 {t['bursty_hit_rate_ge_0.90']}), "
+            f"bursty-scan {t['bursty_scan_hit_rate']:.3f} (>=0.90 {t['bursty_scan_hit_rate_ge_0.90']}), "
+            f"no collapse {t['no_thrash_collapse']}"
         )
     log(f"wrote {out}")
     return 0

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import random
+from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -362,3 +367,94 @@ async def test_cli_flag_maps_into_the_engine(
         await eng.shutdown()
     default = build_parser().parse_args(base)
     assert default.adapter_eviction is None  # EngineConfig's default applies
+
+
+# ---- the benchmark's calibrated bursty-scan trace -------------------------------------------------
+
+BENCH = Path(__file__).parents[2] / "bench" / "bench_eviction.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_eviction", BENCH)
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bursts(trace: list[str], hot: set[str]) -> list[list[str]]:
+    return [list(g) for is_hot, g in itertools.groupby(trace, key=hot.__contains__) if not is_hot]
+
+
+def test_bursty_scan_is_deterministic_per_seed(bench: ModuleType) -> None:
+    a = bench.trace_bursty_scan(5000, 3)
+    assert a == bench.trace_bursty_scan(5000, 3)
+    assert a != bench.trace_bursty_scan(5000, 4)
+    assert len(a) == 5000
+    assert bench.bursty_scan_hot_set(3) == bench.bursty_scan_hot_set(3)
+
+
+def test_bursty_scan_has_the_stated_shape(bench: ModuleType) -> None:
+    tr = bench.trace_bursty_scan(20_000, 5)
+    hot = set(bench.bursty_scan_hot_set(5))
+    counts = Counter(tr)
+    # A stable hot set of 60 adapters that fits the 64 slots; each is requested far more
+    # often than any cold adapter.
+    assert bench.BURSTY_SCAN_HOT == len(hot) < 64
+    assert hot <= set(tr)
+    assert min(counts[k] for k in hot) > 20 * max(n for k, n in counts.items() if k not in hot)
+    # Hot requests, in order, are whole rounds: every chunk of 60 is the hot set once.
+    hot_seq = [k for k in tr if k in hot]
+    for i in range(0, len(hot_seq) - 60, 60):
+        assert set(hot_seq[i : i + 60]) == hot
+    # Bursts: runs of exactly 8 distinct cold adapters (the last one may be cut by the end).
+    bursts = _bursts(tr, hot)
+    assert all(len(b) == bench.BURSTY_SCAN_BURST == len(set(b)) for b in bursts[:-1])
+    # Burst share: 8 / (mean gap + 8) = 7.4% at the calibrated gap, within sampling noise.
+    share = bench.burst_share(tr, 5)
+    assert share == pytest.approx(sum(len(b) for b in bursts) / len(tr))
+    want = bench.BURSTY_SCAN_BURST / (bench.BURSTY_SCAN_MEAN_GAP + bench.BURSTY_SCAN_BURST)
+    assert abs(share - want) < 0.015
+
+
+def test_bursty_scan_lru_lands_near_the_calibration_with_room_above_090(
+    bench: ModuleType,
+) -> None:
+    # A short trace on a seed that neither the calibration nor the bench uses.
+    tr = bench.trace_bursty_scan(20_000, 29)
+    lru = bench.simulate("lru", tr, 64, 256)["hits"] / len(tr)
+    assert abs(lru - bench.BURSTY_SCAN_TARGET_LRU) < 0.06
+    assert bench.belady_hits(tr, 64) / len(tr) >= 0.90
+    # The knob moves LRU the stated way: rarer bursts, more hits.
+    rarer = bench.trace_bursty_scan(20_000, 29, 2 * bench.BURSTY_SCAN_MEAN_GAP)
+    assert bench.simulate("lru", rarer, 64, 256)["hits"] / len(rarer) > lru + 0.05
+
+
+def test_bursty_scan_refuses_a_bad_shape(bench: ModuleType) -> None:
+    with pytest.raises(ValueError, match="hot_order"):
+        bench.trace_bursty_scan(100, 1, hot_order="zipf")
+    with pytest.raises(ValueError, match="mean_gap"):
+        bench.trace_bursty_scan(100, 1, 0)
+    with pytest.raises(ValueError, match="burst"):
+        bench.trace_bursty_scan(100, 1, burst=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    mean_gap=st.floats(1, 300),
+    hot_order=st.sampled_from(["rotation", "independent"]),
+)
+def test_property_bursty_scan_is_hot_requests_and_whole_bursts(
+    bench: ModuleType, seed: int, mean_gap: float, hot_order: str
+) -> None:
+    tr = bench.trace_bursty_scan(3000, seed, mean_gap, hot_order=hot_order)
+    hot = set(bench.bursty_scan_hot_set(seed))
+    assert len(tr) == 3000
+    assert tr[0] in hot  # every burst follows at least one hot request
+    bursts = _bursts(tr, hot)
+    assert bursts, "3,000 requests hold at least one burst"
+    assert all(len(b) == bench.BURSTY_SCAN_BURST == len(set(b)) for b in bursts[:-1])
+    assert 0 < len(bursts[-1]) <= bench.BURSTY_SCAN_BURST
