@@ -15,6 +15,11 @@ unknown, by CEL's own commutative logic: ``&&`` is false when any side is false 
 others give (errors included) and true when all are true; ``||`` the mirror image. A known
 root decides the rule exactly as CEL would; an unknown root sends the rule to CEL. A missing
 header key in ``request.headers["k"]`` is unknown (CEL's error value), never false.
+
+``parse`` gives the tree itself (``AnyOf``, ``AllOf``, ``Not``, the atom nodes and ``Opaque``
+for what is not read); ``screen`` turns it into a guard, and the rule index
+(``rules/index.py``) derives its lookups from the same tree, so the two cannot disagree on
+what an expression says.
 """
 
 from __future__ import annotations
@@ -25,13 +30,107 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Guard", "Screen", "screen"]
+__all__ = [
+    "Affix",
+    "AllOf",
+    "AnyOf",
+    "Const",
+    "Equals",
+    "Guard",
+    "HasKey",
+    "HeaderEquals",
+    "Hour",
+    "InCidr",
+    "KeyExists",
+    "Node",
+    "Not",
+    "Opaque",
+    "Screen",
+    "address_bits",
+    "parse",
+    "screen",
+]
 
 # A guard answers True, False, or None (cannot tell: CEL decides), from the source address,
 # tenant, headers, adapter and the UTC hour of ``now`` (-1 when the set does not read ``now``).
 Guard = Callable[[str, str, Mapping[str, str], str, int], "bool | None"]
 _LIT = r'"([^"\\]*)"'
 _FIELDS = ("adapter", "request.tenant", "request.source_ip")
+
+
+# -- the tree ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Const:
+    value: bool
+
+
+@dataclass(frozen=True)
+class Equals:
+    field: str  # "adapter", "request.tenant" or "request.source_ip"
+    lit: str
+
+
+@dataclass(frozen=True)
+class Affix:
+    field: str  # "adapter" or "request.tenant"
+    how: str  # "startsWith" or "endsWith"
+    lit: str
+
+
+@dataclass(frozen=True)
+class HasKey:
+    key: str  # "key" in request.headers
+
+
+@dataclass(frozen=True)
+class HeaderEquals:
+    key: str  # request.headers["key"] == lit: unknown when the key is missing
+    lit: str
+
+
+@dataclass(frozen=True)
+class InCidr:
+    cidr: str  # inCidr(request.source_ip, cidr)
+
+
+@dataclass(frozen=True)
+class KeyExists:
+    how: str | None  # request.headers.exists(k, k.startsWith/endsWith(lit)), None: k == lit
+    lit: str
+
+
+@dataclass(frozen=True)
+class Hour:
+    op: str  # now.getHours() <op> n
+    n: int
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """A sub-expression the screen does not read: CEL decides it."""
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    parts: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class AllOf:
+    parts: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Not:
+    part: Node
+
+
+Node = (
+    Const | Equals | Affix | HasKey | HeaderEquals | InCidr | KeyExists | Hour | Opaque
+) | (AnyOf | AllOf | Not)
+_OPAQUE = Opaque()
 
 
 @dataclass(frozen=True)
@@ -98,6 +197,62 @@ def _closing(text: str) -> int:
     return -1
 
 
+def _atom(text: str) -> Node:
+    if text in ("true", "false"):
+        return Const(text == "true")
+    fields = "|".join(re.escape(f) for f in _FIELDS)
+    if m := re.fullmatch(rf"({fields})\s*==\s*{_LIT}", text):
+        return Equals(m.group(1), m.group(2))
+    if m := re.fullmatch(
+        rf"(adapter|request\.tenant)\.(startsWith|endsWith)\(\s*{_LIT}\s*\)", text
+    ):
+        return Affix(m.group(1), m.group(2), m.group(3))
+    if m := re.fullmatch(rf"{_LIT}\s+in\s+request\.headers", text):
+        return HasKey(m.group(1))
+    if m := re.fullmatch(rf"request\.headers\[\s*{_LIT}\s*\]\s*==\s*{_LIT}", text):
+        return HeaderEquals(m.group(1), m.group(2))
+    if m := re.fullmatch(rf"inCidr\(\s*request\.source_ip\s*,\s*{_LIT}\s*\)", text):
+        return InCidr(m.group(1))
+    if m := re.fullmatch(
+        rf"request\.headers\.exists\(\s*([A-Za-z_]\w*)\s*,\s*\1\s*"
+        rf"(?:\.\s*(startsWith|endsWith)\(\s*{_LIT}\s*\)|==\s*{_LIT})\s*\)",
+        text,
+    ):
+        return KeyExists(m.group(2), m.group(3) if m.group(2) else m.group(4))
+    if m := re.fullmatch(r"now\.getHours\(\)\s*(==|!=|<=|>=|<|>)\s*(-?\d{1,3})", text):
+        return Hour(m.group(1), int(m.group(2)))
+    return _OPAQUE
+
+
+def parse(src: str) -> Node:
+    """The tree of ``src``: ``||``, ``&&`` and ``!`` over the atoms the screen reads."""
+    text = _unwrap(src.strip())
+    for op, join in (("||", AnyOf), ("&&", AllOf)):
+        parts = _split(text, op)
+        if parts is None:
+            return _OPAQUE
+        if len(parts) > 1:
+            return join(tuple(parse(p) for p in parts))
+    if text.startswith("!") and not text.startswith("!="):
+        rest = _unwrap(text[1:].strip())
+        if rest != text[1:].strip() or not isinstance(_atom(rest), Opaque):
+            return Not(parse(rest))
+    return _atom(text)
+
+
+def _opaque_inside(node: Node) -> bool:
+    if isinstance(node, Opaque):
+        return True
+    if isinstance(node, AnyOf | AllOf):
+        return any(_opaque_inside(p) for p in node.parts)
+    if isinstance(node, Not):
+        return _opaque_inside(node.part)
+    return False
+
+
+# -- guards ------------------------------------------------------------------------------------
+
+
 def _equals(name: str, lit: str) -> Guard:
     if name == "adapter":
         return lambda ip, t, h, a, hr: a == lit
@@ -114,37 +269,6 @@ def _affix(name: str, how: str, lit: str) -> Guard:
     if how == "startsWith":
         return lambda ip, t, h, a, hr: t.startswith(lit)
     return lambda ip, t, h, a, hr: t.endswith(lit)
-
-
-def _atom(text: str, in_cidr: Callable[[str, str], bool]) -> Guard | None:
-    if text == "true":
-        return lambda ip, t, h, a, hr: True
-    if text == "false":
-        return lambda ip, t, h, a, hr: False
-    fields = "|".join(re.escape(f) for f in _FIELDS)
-    if m := re.fullmatch(rf"({fields})\s*==\s*{_LIT}", text):
-        return _equals(m.group(1), m.group(2))
-    if m := re.fullmatch(
-        rf"(adapter|request\.tenant)\.(startsWith|endsWith)\(\s*{_LIT}\s*\)", text
-    ):
-        return _affix(m.group(1), m.group(2), m.group(3))
-    if m := re.fullmatch(rf"{_LIT}\s+in\s+request\.headers", text):
-        key = m.group(1)
-        return lambda ip, t, h, a, hr: key in h
-    if m := re.fullmatch(rf"request\.headers\[\s*{_LIT}\s*\]\s*==\s*{_LIT}", text):
-        key, lit = m.group(1), m.group(2)
-        return lambda ip, t, h, a, hr: (h[key] == lit) if key in h else None
-    if m := re.fullmatch(rf"inCidr\(\s*request\.source_ip\s*,\s*{_LIT}\s*\)", text):
-        return _cidr(m.group(1), in_cidr)
-    if m := re.fullmatch(
-        rf"request\.headers\.exists\(\s*([A-Za-z_]\w*)\s*,\s*\1\s*"
-        rf"(?:\.\s*(startsWith|endsWith)\(\s*{_LIT}\s*\)|==\s*{_LIT})\s*\)",
-        text,
-    ):
-        return _key_exists(m.group(2), m.group(3) if m.group(2) else m.group(4))
-    if m := re.fullmatch(r"now\.getHours\(\)\s*(==|!=|<=|>=|<|>)\s*(-?\d{1,3})", text):
-        return _hour(m.group(1), int(m.group(2)))
-    return None
 
 
 def _key_exists(how: str | None, lit: str) -> Guard:
@@ -170,7 +294,8 @@ def _hour(op: str, n: int) -> Guard:
 
 
 @functools.lru_cache(maxsize=65536)
-def _address_bits(ip: str) -> tuple[int, int] | None:
+def address_bits(ip: str) -> tuple[int, int] | None:
+    """(IP version, the address as an integer), or None for a string that is no address."""
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
@@ -188,7 +313,7 @@ def _cidr(cidr: str, in_cidr: Callable[[str, str], bool]) -> Guard:
     version, mask, base = net.version, int(net.netmask), int(net.network_address)
 
     def decide(ip: str, t: str, h: Mapping[str, str], a: str, hr: int) -> bool | None:
-        bits = _address_bits(ip)
+        bits = address_bits(ip)
         return bits is not None and bits[0] == version and bits[1] & mask == base
 
     return decide
@@ -234,31 +359,38 @@ def _not(part: Guard) -> Guard:
     return decide
 
 
-def _tree(src: str, in_cidr: Callable[[str, str], bool], unknown: list[int]) -> Guard:
-    """The screen of ``src``; each unknown sub-expression appends to ``unknown``."""
-    text = _unwrap(src.strip())
-    for op, join in (("||", _any), ("&&", _all)):
-        parts = _split(text, op)
-        if parts is None:
-            unknown.append(1)
-            return _unknown
-        if len(parts) > 1:
-            return join([_tree(p, in_cidr, unknown) for p in parts])
-    if text.startswith("!") and not text.startswith("!="):
-        rest = _unwrap(text[1:].strip())
-        if rest != text[1:].strip() or _atom(rest, in_cidr) is not None:
-            return _not(_tree(rest, in_cidr, unknown))
-    atom = _atom(text, in_cidr)
-    if atom is None:
-        unknown.append(1)
-        return _unknown
-    return atom
+def _guard(node: Node, in_cidr: Callable[[str, str], bool]) -> Guard:
+    if isinstance(node, AnyOf):
+        return _any([_guard(p, in_cidr) for p in node.parts])
+    if isinstance(node, AllOf):
+        return _all([_guard(p, in_cidr) for p in node.parts])
+    if isinstance(node, Not):
+        return _not(_guard(node.part, in_cidr))
+    if isinstance(node, Const):
+        value = node.value
+        return lambda ip, t, h, a, hr: value
+    if isinstance(node, Equals):
+        return _equals(node.field, node.lit)
+    if isinstance(node, Affix):
+        return _affix(node.field, node.how, node.lit)
+    if isinstance(node, HasKey):
+        key = node.key
+        return lambda ip, t, h, a, hr: key in h
+    if isinstance(node, HeaderEquals):
+        key, lit = node.key, node.lit
+        return lambda ip, t, h, a, hr: (h[key] == lit) if key in h else None
+    if isinstance(node, InCidr):
+        return _cidr(node.cidr, in_cidr)
+    if isinstance(node, KeyExists):
+        return _key_exists(node.how, node.lit)
+    if isinstance(node, Hour):
+        return _hour(node.op, node.n)
+    return _unknown
 
 
 def screen(src: str, in_cidr: Callable[[str, str], bool]) -> Screen:
     """The Python screen of one rule's ``when``."""
-    unknown: list[int] = []
-    decide = _tree(src, in_cidr, unknown)
-    if decide is _unknown:
+    tree = parse(src)
+    if isinstance(tree, Opaque):
         return Screen(None, False)
-    return Screen(decide, not unknown)
+    return Screen(_guard(tree, in_cidr), not _opaque_inside(tree))
