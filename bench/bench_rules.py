@@ -5,8 +5,12 @@ conjunctions, source CIDRs, tenant-or-adapter disjunctions, time windows and hea
 Requests carry a dozen Envoy-style headers and are drawn at random so that some match early,
 some late and many match nothing (a request that matches nothing evaluates all 100 rules,
 the worst case). Each request is timed alone with ``perf_counter_ns`` around
-``Evaluator.evaluate``; the same requests also run through a CEL-only evaluator (Python
-screens off) for comparison.
+``Evaluator.evaluate``. The same requests run through three evaluators in one process, one
+after the other: ``indexed`` (as shipped: the rule index picks the candidate rules, each is
+screened in Python, then CEL if the screen cannot tell), ``linear`` (``index=False``: every
+rule's screen in order, the index's reference) and ``cel_only`` (linear, screens off: CEL for
+every rule). Indexed and linear must give the same outcome for every request; the bench checks
+that before it writes anything.
 
     .venv/bin/python bench/bench_rules.py [--requests 20000] [--out bench/results/rules_cpu.json]
 """
@@ -28,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from adaptermesh.rules import Evaluator, RequestFacts, compile_rule_set, parse_rule_set
+from adaptermesh.rules import Evaluator, Outcome, RequestFacts, compile_rule_set, parse_rule_set
 from adaptermesh.rules.guards import Screen
 
 N_RULES = 100
@@ -110,15 +114,19 @@ def percentiles(ns: list[int]) -> dict[str, float]:
     }
 
 
-def run(evaluator: Evaluator, reqs: list[RequestFacts]) -> tuple[list[int], list[int]]:
-    times, evaluated = [], []
+def run(evaluator: Evaluator, reqs: list[RequestFacts]) -> tuple[list[int], list[Outcome]]:
+    times, outcomes = [], []
     clock = time.perf_counter_ns
     for r in reqs:
         t0 = clock()
         out = evaluator.evaluate(r)
         times.append(clock() - t0)
-        evaluated.append(out.evaluated)
-    return times, evaluated
+        outcomes.append(out)
+    return times, outcomes
+
+
+def same(a: Outcome, b: Outcome) -> bool:
+    return (a.action, a.rule, a.errors, a.over_budget) == (b.action, b.rule, b.errors, b.over_budget)
 
 
 def main() -> None:
@@ -138,20 +146,35 @@ def main() -> None:
     rng = random.Random(args.seed)
     warm, reqs = requests(args.warmup, rng), requests(args.requests, rng)
     results: dict[str, object] = {}
-    for label, c in (("screened", compiled), ("cel_only", cel_only)):
-        ev = Evaluator(c)
+    outcomes: dict[str, list[Outcome]] = {}
+    for label, c, indexed in (
+        ("indexed", compiled, True),
+        ("linear", compiled, False),
+        ("cel_only", cel_only, False),
+    ):
+        ev = Evaluator(c, index=indexed)
         run(ev, warm)
-        times, evaluated = run(ev, reqs)
-        no_match = [
-            t for t, e, r in zip(times, evaluated, reqs, strict=True) if ev.evaluate(r).rule is None
-        ]
+        times, outs = run(ev, reqs)
+        outcomes[label] = outs
+        no_match = [t for t, o in zip(times, outs, strict=True) if o.rule is None]
         results[label] = {
             "all_requests": percentiles(times),
             "no_match_requests": percentiles(no_match) if no_match else None,
             "no_match_share": round(len(no_match) / len(times), 3),
-            "rules_evaluated_mean": round(statistics.fmean(evaluated), 1),
+            "rules_evaluated_mean": round(statistics.fmean(o.evaluated for o in outs), 1),
+            "rules_evaluated_max": max(o.evaluated for o in outs),
             "over_budget": ev.stats.over_budget,
         }
+    # A request over the time budget (a descheduled process on a shared box) ends in the
+    # fallback in one evaluator and not the other; the outcomes must agree on all the rest.
+    disagree = sum(
+        not same(a, b)
+        for a, b in zip(outcomes["indexed"], outcomes["linear"], strict=True)
+        if not (a.over_budget or b.over_budget)
+    )
+    if disagree:
+        sys.exit(f"indexed and linear evaluators disagree on {disagree} requests")
+    results["indexed_equals_linear"] = True
     # The two costs the screens avoid: building one request's CEL activation (every header,
     # as a rule that reads the whole map gets) and one CEL call on it.
     ev = Evaluator(compiled)
@@ -175,6 +198,8 @@ def main() -> None:
         "rules_decided_in_python": sum(s.complete for s in screens),
         "rules_screened_then_cel": sum(s.decide is not None and not s.complete for s in screens),
         "rules_cel_only": sum(s.decide is None for s in screens),
+        "rules_found_by_index": compiled.index.indexed,
+        "rules_always_candidates": compiled.index.rules - compiled.index.indexed,
         "target_p99_us": 50,
         "results": results,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -9,6 +9,7 @@ import ipaddress
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -149,26 +150,48 @@ def test_first_match_agrees_with_reference(
         assert not got.over_budget
 
 
-def test_budget_rules_fall_back_and_count() -> None:
+# `!(adapter == "")` is false for a request without an adapter, but has no index lookup: every
+# request visits it, indexed or not, so the budget sees the same walk both ways.
+VISITED_FALSE = '!(adapter == "")'
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_budget_rules_fall_back_and_count(index: bool) -> None:
     reject = Action("reject", status=503, message="rules over budget")
-    rules = tuple(Rule(f"r{i}", "false", Action("shard", "a")) for i in range(5))
-    ev = Evaluator(compile_rule_set(RuleSet(rules, Budget(max_rules=3), reject)))
+    rules = tuple(Rule(f"r{i}", VISITED_FALSE, Action("shard", "a")) for i in range(5))
+    ev = Evaluator(compile_rule_set(RuleSet(rules, Budget(max_rules=3), reject)), index=index)
     out = ev.evaluate(RequestFacts())
     assert out.over_budget
     assert out.action == reject
     assert out.evaluated == 3
     assert ev.stats.over_budget == 1
     # Within budget the same set passes the request unchanged.
-    ok = Evaluator(compile_rule_set(RuleSet(rules, Budget(max_rules=5), reject)))
+    ok = Evaluator(compile_rule_set(RuleSet(rules, Budget(max_rules=5), reject)), index=index)
     assert ok.evaluate(RequestFacts()).action is None
     assert ok.stats.over_budget == 0
 
 
-def test_budget_time_falls_back() -> None:
+def test_budget_counts_only_rules_the_index_lets_through() -> None:
+    # `false` is never a candidate: max_rules bounds rules visited, not list positions.
+    rules = tuple(Rule(f"r{i}", "false", Action("shard", "a")) for i in range(5))
+    rules += (Rule("last", "true", Action("shard", "b")),)
+    compiled = compile_rule_set(RuleSet(rules, Budget(max_rules=3)))
+    out = Evaluator(compiled).evaluate(RequestFacts())
+    assert (out.rule, out.evaluated, out.over_budget) == ("last", 1, False)
+    linear = Evaluator(compiled, index=False).evaluate(RequestFacts())
+    assert (linear.rule, linear.evaluated, linear.over_budget) == (None, 3, True)
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_budget_time_falls_back(index: bool) -> None:
     ticks = iter(range(0, 10**9, 40_000))  # each clock read is 40 us later
     # The clock is read at the start and before rules 0, 8, 16, ...: 40, 80, 120 us.
-    rules = tuple(Rule(f"r{i}", "false", Action("shard", "a")) for i in range(20))
-    ev = Evaluator(compile_rule_set(RuleSet(rules, Budget(max_us=100))), clock=lambda: next(ticks))
+    rules = tuple(Rule(f"r{i}", VISITED_FALSE, Action("shard", "a")) for i in range(20))
+    ev = Evaluator(
+        compile_rule_set(RuleSet(rules, Budget(max_us=100))),
+        index=index,
+        clock=lambda: next(ticks),
+    )
     out = ev.evaluate(RequestFacts())
     assert out.over_budget
     assert out.action is None

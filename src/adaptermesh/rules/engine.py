@@ -15,8 +15,11 @@ must parse, and the expression is evaluated against typed probe requests, where 
 bool without a type error (a type error found this way has no position).
 
 Evaluation: first match wins. A rule whose evaluation errors (a missing header key, say) does
-not match and is counted. The per-request budget bounds the rules evaluated and the wall time;
-past either the set's fallback decides and the request is counted as over budget.
+not match and is counted. The set's index (rules/index.py) rules out, per request, the rules
+that are definitely false; the rest are visited in order, screen first, then CEL. The
+per-request budget bounds the rules visited (``max_rules``: rules whose screen or CEL ran) and
+the wall time (index lookups included); past either the set's fallback decides and the request
+is counted as over budget.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ import functools
 import ipaddress
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import cel
 
-from adaptermesh.rules.guards import Screen, screen
+from adaptermesh.rules.guards import Screen, parse, screen_of
+from adaptermesh.rules.index import RuleIndex, build_index, members
 from adaptermesh.rules.model import Action, Rule, RuleError, RuleSet
 
 __all__ = [
@@ -221,6 +225,8 @@ class CompiledRuleSet:
     header_keys: frozenset[str]
     whole_headers: tuple[bool, ...]
     uses_now: bool
+    # Which rules can match a request, by lookups (rules/index.py).
+    index: RuleIndex
 
 
 _HEADER_USE = re.compile(r"request\s*\.\s*headers")
@@ -242,13 +248,15 @@ def compile_rule_set(rule_set: RuleSet) -> CompiledRuleSet:
     programs = tuple(_compile_rule(r) for r in rule_set.rules)
     sources = [r.when for r in rule_set.rules]
     keys = [_header_keys([src]) for src in sources]
+    trees = [parse(src) for src in sources]
     return CompiledRuleSet(
         rule_set,
         programs,
-        tuple(screen(src, in_cidr) for src in sources),
+        tuple(screen_of(tree, in_cidr) for tree in trees),
         frozenset().union(*(k for k in keys if k is not None)),
         tuple(k is None for k in keys),
         any("now" in p.variables() for p in programs),
+        build_index(trees),
     )
 
 
@@ -266,6 +274,8 @@ class Outcome:
     # The action to apply (None: leave the request as it is).
     action: Action | None
     rule: str | None  # the matching rule's name
+    # Rules whose screen or CEL ran for this request (rules the index ruled out cost nothing
+    # and are not counted); the budget's max_rules bounds this count.
     evaluated: int
     errors: int
     over_budget: bool
@@ -280,11 +290,22 @@ class EvaluatorStats:
 
 
 class Evaluator:
-    """Evaluates one compiled rule set per request. Not thread-safe (one per event loop)."""
+    """Evaluates one compiled rule set per request. Not thread-safe (one per event loop).
+
+    With ``index=True`` (the default) a request visits only the rules the set's index lets
+    through (rules/index.py); ``index=False`` walks every rule in order, the reference the
+    index is tested against. Both give the same outcome whenever the linear walk stays within
+    the budget.
+    """
 
     def __init__(
-        self, compiled: CompiledRuleSet, *, clock: Callable[[], int] = time.perf_counter_ns
+        self,
+        compiled: CompiledRuleSet,
+        *,
+        index: bool = True,
+        clock: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
+        self._index = compiled.index if index else None
         self._rules = compiled.rule_set.rules
         self._programs = compiled.programs
         self._screens = tuple(s.decide for s in compiled.screens)
@@ -336,13 +357,19 @@ class Evaluator:
             if now.tzinfo is not None:
                 hour = now.astimezone(dt.UTC).hour
         screens = self._screens
-        n = len(screens)
-        for i in range(min(n, max_rules)):
+        order: Sequence[int]
+        if self._index is None:
+            order = range(len(screens))
+        else:
+            order = members(self._index.candidates(ip, tenant, headers, adapter, hour))
+        n = len(order)
+        for k in range(min(n, max_rules)):
             # The clock is read every 8 rules: a read costs about as much as a screened rule.
-            if not i & 7 and clock() > deadline:
+            if not k & 7 and clock() > deadline:
                 stats.over_budget += 1
                 stats.rule_errors += errors
-                return Outcome(self._fallback, None, i, errors, True)
+                return Outcome(self._fallback, None, k, errors, True)
+            i = order[k]
             decide = screens[i]
             verdict = None if decide is None else decide(ip, tenant, headers, adapter, hour)
             if verdict is False:
@@ -361,7 +388,7 @@ class Evaluator:
             stats.matched += 1
             stats.rule_errors += errors
             rule = self._rules[i]
-            return Outcome(rule.action, rule.name, i + 1, errors, False)
+            return Outcome(rule.action, rule.name, k + 1, errors, False)
         stats.rule_errors += errors
         if n > max_rules:
             stats.over_budget += 1

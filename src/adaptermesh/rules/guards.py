@@ -49,6 +49,7 @@ __all__ = [
     "address_bits",
     "parse",
     "screen",
+    "screen_of",
 ]
 
 # A guard answers True, False, or None (cannot tell: CEL decides), from the source address,
@@ -390,7 +391,11 @@ def _guard(node: Node, in_cidr: Callable[[str, str], bool]) -> Guard:
 
 def screen(src: str, in_cidr: Callable[[str, str], bool]) -> Screen:
     """The Python screen of one rule's ``when``."""
-    tree = parse(src)
+    return screen_of(parse(src), in_cidr)
+
+
+def screen_of(tree: Node, in_cidr: Callable[[str, str], bool]) -> Screen:
+    """The Python screen of a parsed ``when``."""
     if isinstance(tree, Opaque):
         return Screen(None, False)
     return Screen(_guard(tree, in_cidr), not _opaque_inside(tree))
