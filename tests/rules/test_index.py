@@ -76,7 +76,7 @@ atoms = st.one_of(
     st.tuples(st.sampled_from(["<", ">=", "==", "!=", "<=", ">"]), st.integers(-1, 24)).map(
         lambda on: f"now.getHours() {on[0]} {on[1]}"
     ),
-    st.sampled_from(KEYS + ["x-t", ""]).map(
+    st.sampled_from([*KEYS, "x-t", ""]).map(
         lambda p: f"request.headers.exists(k, k.startsWith({_q(p)}))"
     ),
     st.sampled_from(KEYS).map(lambda k: f"request.headers.exists(h, h == {_q(k)})"),
@@ -116,7 +116,7 @@ requests = st.builds(
     RequestFacts,
     source_ip=st.sampled_from(IPS),
     tenant=st.sampled_from(TENANTS),
-    headers=st.dictionaries(st.sampled_from(KEYS + ["x-other"]), st.sampled_from(VALUES)),
+    headers=st.dictionaries(st.sampled_from([*KEYS, "x-other"]), st.sampled_from(VALUES)),
     adapter=st.sampled_from(ADAPTERS),
     now=times,
 )
