@@ -85,7 +85,7 @@ atoms = st.one_of(
     st.integers(0, 6).map(lambda n: f"size(adapter) > {n}"),
     st.integers(0, 59).map(lambda n: f"now.getMinutes() < {n}"),
     st.sampled_from(["risk", "-"]).map(lambda s: f"adapter.contains({_q(s)})"),
-    st.sampled_from(KEYS).map(lambda k: f"request.headers[{_q(k)}].startsWith(\"g\")"),
+    st.sampled_from(KEYS).map(lambda k: f'request.headers[{_q(k)}].startsWith("g")'),
     st.sampled_from(ADAPTERS).map(lambda a: f"(adapter == {_q(a)} ? true : false)"),
 )
 
@@ -248,3 +248,12 @@ def test_a_hundred_rule_set_visits_a_few() -> None:
 
 def _args(req: RequestFacts) -> tuple[str, str, dict[str, str], str, int]:
     return req.source_ip, req.tenant, dict(req.headers), req.adapter, 5
+
+
+@given(
+    st.one_of(
+        st.integers(0, 2**12), st.integers(0, 2**1000), st.integers(0, 999).map(lambda i: 1 << i)
+    )
+)
+def test_members_are_the_set_bits_ascending(mask: int) -> None:
+    assert members(mask) == [i for i in range(mask.bit_length()) if mask >> i & 1]

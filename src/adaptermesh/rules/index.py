@@ -207,6 +207,8 @@ class RuleIndex:
 
 def members(mask: int) -> list[int]:
     """The set bits of ``mask``, ascending: the candidate rules in rule order."""
+    if not mask & (mask - 1):  # none or one: the common case for a well-indexed set
+        return [mask.bit_length() - 1] if mask else []
     # str.find runs in C: about 0.1 us a candidate, against a Python loop over every bit.
     bits = bin(mask)[:1:-1]
     out: list[int] = []
