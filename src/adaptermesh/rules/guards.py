@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "HOUR_COMPARE",
     "Affix",
     "AllOf",
     "AnyOf",
@@ -281,7 +282,8 @@ def _key_exists(how: str | None, lit: str) -> Guard:
     return lambda ip, t, h, a, hr: lit in h
 
 
-_COMPARE: dict[str, Callable[[int, int], bool]] = {
+# now.getHours() <op> n, for the screens and the index alike.
+HOUR_COMPARE: dict[str, Callable[[int, int], bool]] = {
     "==": int.__eq__, "!=": int.__ne__, "<": int.__lt__,
     "<=": int.__le__, ">": int.__gt__, ">=": int.__ge__,
 }
@@ -290,7 +292,7 @@ _COMPARE: dict[str, Callable[[int, int], bool]] = {
 def _hour(op: str, n: int) -> Guard:
     # ``now.getHours()`` is the UTC hour, 0-23; an hour the evaluator did not take (-1) is
     # unknown and goes to CEL.
-    compare = _COMPARE[op]
+    compare = HOUR_COMPARE[op]
     return lambda ip, t, h, a, hr: None if hr < 0 else compare(hr, n)
 
 

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from adaptermesh.rules.guards import (
+    HOUR_COMPARE,
     Affix,
     AllOf,
     AnyOf,
@@ -63,14 +64,6 @@ Keys = frozenset[Key]
 # header, and a prefix, a CIDR or a key's presence is broad.
 _COST = {"eq": 1, "header": 2, "cidr": 3, "hour": 3, "affix": 4, "has": 4}
 _HOURS = range(-1, 24)  # -1: the evaluator took no hour (CEL decides)
-_COMPARE = {
-    "==": int.__eq__,
-    "!=": int.__ne__,
-    "<": int.__lt__,
-    "<=": int.__le__,
-    ">": int.__gt__,
-    ">=": int.__ge__,
-}
 
 
 def _cost(keys: Keys) -> int:
@@ -83,13 +76,16 @@ def _cheapest(options: Sequence[Keys | None]) -> Keys | None:
 
 
 def _union(options: Sequence[Keys | None]) -> Keys | None:
-    if any(k is None for k in options):
-        return None
-    return frozenset().union(*options)  # type: ignore[arg-type]
+    out: set[Key] = set()
+    for keys in options:
+        if keys is None:
+            return None
+        out |= keys
+    return frozenset(out)
 
 
 def _hours(op: str, n: int, passing: bool) -> Keys:
-    compare = _COMPARE[op]
+    compare = HOUR_COMPARE[op]
     return frozenset(("hour", h) for h in _HOURS if h < 0 or compare(h, n) is passing)
 
 
