@@ -31,7 +31,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import cel
 
@@ -269,8 +269,10 @@ class RequestFacts:
     now: dt.datetime | None = None
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
+    # A named tuple, not a frozen dataclass: made once per request, and a frozen dataclass's
+    # construction cost 1.7 us on the 2-core box against 0.3 us (a fifth of an indexed
+    # request's p50).
     # The action to apply (None: leave the request as it is).
     action: Action | None
     rule: str | None  # the matching rule's name
@@ -354,7 +356,9 @@ class Evaluator:
         hour = -1
         if self._uses_now:
             now = facts.now if facts.now is not None else dt.datetime.now(dt.UTC)
-            if now.tzinfo is not None:
+            if now.tzinfo is dt.UTC:
+                hour = now.hour
+            elif now.tzinfo is not None:
                 hour = now.astimezone(dt.UTC).hour
         screens = self._screens
         order: Sequence[int]
