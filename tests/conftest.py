@@ -24,7 +24,17 @@ import random
 from itertools import groupby
 
 import pytest
+import torch
 from hypothesis import settings
+
+# Triton decides interpreted-or-compiled when a function is decorated, its own standard
+# library (tl.zeros, tl.sum, ...) included, and that happens the first time anything imports
+# triton: a test module of another part collected before tests/kernels may import the worker
+# (so triton) first. Without CUDA the whole session runs the interpreter, set here, before
+# any test module is imported (tests/kernels/conftest.py also reloads the kernel modules, for
+# a run that names tests/kernels alone).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 # CI explores a fixed set of examples, so a run is reproducible; developers' runs explore
 # fresh random examples (HYPOTHESIS_PROFILE=dev, the default outside CI).

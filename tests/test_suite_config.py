@@ -133,3 +133,15 @@ def test_require_gpu_turns_the_gpu_skip_into_a_failed_run(
     loud = suite.runpytest("test_gpu_only.py")
     assert loud.ret != 0
     assert "REQUIRE_GPU=1" in loud.stderr.str() + loud.stdout.str()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels compile")
+def test_triton_runs_interpreted_from_the_first_import() -> None:
+    # A kernel test fails with "Cannot call @triton.jit'd outside of the scope of a kernel"
+    # when triton was first imported (by any module collected earlier) before the interpreter
+    # was switched on: its own library functions then stay compiled-mode objects.
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(tl.zeros, InterpretedFunction)
+    assert isinstance(tl.sum, InterpretedFunction)
