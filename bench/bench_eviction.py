@@ -467,15 +467,20 @@ async def measure_constants(args: argparse.Namespace, work: Path) -> dict[str, A
             made = sum(await asyncio.gather(*(one(r) for r in reqs)))
             return time.perf_counter() - t, made
 
-        await run(4)  # warm-up (graph capture on CUDA)
         t1, t2 = args.step_tokens
+        for n in (4, t1, t2):  # warm-up: every graph bucket and length the timed runs meet
+            await run(n)
         steps, runs = [], []
         for _ in range(args.step_repeats):
             (w1, n1), (w2, n2) = await run(t1), await run(t2)
             steps.append((w2 - w1) / ((n2 - n1) / args.batch))  # per step of ``batch`` rows
             runs.append({"wall_s": [w1, w2], "tokens": [n1, n2]})
-        # The least disturbed repeat: on a shared host, other work only ever adds time.
-        step_s = min(steps)
+        # The least disturbed repeat: on a shared host, other work only ever adds time. A
+        # repeat whose short run was the slower one (a stall in it) measures nothing: dropped.
+        valid = [s for s in steps if s > 0]
+        if not valid:
+            raise RuntimeError(f"no repeat measured a step (per-step seconds {steps})")
+        step_s = min(valid)
     finally:
         await eng.shutdown()
     disk_evicting = disk[slots:]
