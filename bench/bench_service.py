@@ -721,6 +721,8 @@ async def mix_main(args: argparse.Namespace) -> dict[str, Any]:
                            "max_num_batched_tokens": 2048, "max_prefill_chunk": 2048}
     if args.gpu_memory_fraction is not None:
         ekw["gpu_memory_fraction"] = args.gpu_memory_fraction
+    if args.no_lora_overlap:
+        ekw["lora_overlap"] = False
     ecfg = EngineConfig(**ekw)
     t = time.monotonic()
     engine = Engine(model_dir, root, device=device, dtype=dtype, config=ecfg,
@@ -891,6 +893,8 @@ def main() -> int:
                      help="max_tokens, uniform (16 512 / 4 32)")
     mix.add_argument("--mix-max-model-len", type=int, default=None, help="context limit (2576 / 176)")
     mix.add_argument("--mix-max-num-seqs", type=int, default=None, help="engine max_num_seqs (256 / 32)")
+    mix.add_argument("--no-lora-overlap", action="store_true",
+                     help="LoRA terms after each matmul instead of beside it (EngineConfig.lora_overlap)")
     mix.add_argument("--gpu-memory-fraction", type=float, default=None,
                      help="EngineConfig.gpu_memory_fraction (default: the engine's)")
     args = p.parse_args()
