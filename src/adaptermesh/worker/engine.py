@@ -147,6 +147,9 @@ class EngineConfig:
     # CUDA: each LoRA shrink runs on a side stream beside its base matmul (both read the same
     # input), so its latency hides behind the matmul; the expand follows on the step's stream.
     lora_overlap: bool = True
+    # ... for steps of at most this many tokens (batch-1/small decode, where launch latency
+    # dominates); larger steps run the terms after each matmul.
+    lora_overlap_max_tokens: int = 64
     graph_max_tokens: int = 512  # mixed prefill+decode steps up to this many tokens replay graphs
     # Plan and launch step N+1 while step N runs. None: on CUDA only. True also on CPU, where
     # steps finish at launch but the in-flight token path (device gather, dropped tokens of
@@ -374,6 +377,7 @@ class Engine:
         self.pool = make_lora_pool(mc, cfg.max_loras, cfg.max_lora_rank, self.device, dtype, cfg.lora_dtype)
         if cfg.lora_overlap and self.device.type == "cuda":
             self.model.lora_side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self.model.lora_side_max_tokens = cfg.lora_overlap_max_tokens
 
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, dtype)
         per_block = spec_bytes_per_token(spec) * bs
