@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import Protocol
 
-__all__ = ["Clock", "FakeClock", "SystemClock"]
+__all__ = ["Clock", "FakeClock", "SystemClock", "sleep_or_stop"]
 
 
 class Clock(Protocol):
@@ -58,3 +58,15 @@ class FakeClock:
     async def sleep(self, seconds: float) -> None:
         self.step(seconds)
         await asyncio.sleep(0)
+
+
+async def sleep_or_stop(clock: Clock, seconds: float, stop: asyncio.Event) -> None:
+    """Wait ``seconds`` on ``clock`` or until ``stop`` is set, whichever comes first; the
+    loser is cancelled (also when the caller is), so a stopped loop leaves nothing behind."""
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        stopper.cancel()

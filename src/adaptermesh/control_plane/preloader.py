@@ -27,7 +27,7 @@ from typing import Protocol
 import httpx
 
 from adaptermesh.backoff import Backoff
-from adaptermesh.clock import Clock, SystemClock
+from adaptermesh.clock import Clock, SystemClock, sleep_or_stop
 from adaptermesh.control_plane.placement import (
     PRELOAD,
     Action,
@@ -309,9 +309,5 @@ class Preloader:
                 self.failed_steps += 1
                 delay = backoff.next()
                 self.log.exception("placement step failed; next in %.1f s", delay)
-            sleeper = asyncio.ensure_future(self.clock.sleep(delay))
-            stopper = asyncio.ensure_future(stop.wait())
-            await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (sleeper, stopper):
-                task.cancel()
+            await sleep_or_stop(self.clock, delay, stop)
 

@@ -25,7 +25,7 @@ import numpy.typing as npt
 from adaptermesh import adapter_edge
 from adaptermesh import assignment_rules as rules
 from adaptermesh.backoff import Backoff
-from adaptermesh.clock import Clock, SystemClock
+from adaptermesh.clock import Clock, SystemClock, sleep_or_stop
 from adaptermesh.control_plane import policy
 from adaptermesh.control_plane.capacity_history import ADAPTER_CLASS_LABEL, CapacityHistory
 from adaptermesh.control_plane.metrics import ControlPlaneMetrics
@@ -485,13 +485,7 @@ class Rebalancer:
                 delay = backoff.next()
                 self.log.exception("rebalance step failed (%d in a row); retry in %.1fs",
                                    consecutive, delay)
-            sleeper = asyncio.ensure_future(self.clock.sleep(delay))
-            stopper = asyncio.ensure_future(stop.wait())
-            try:
-                await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                sleeper.cancel()
-                stopper.cancel()
+            await sleep_or_stop(self.clock, delay, stop)
 
     def status_loads(self) -> list[control_plane_pb2.ShardLoad]:
         return [

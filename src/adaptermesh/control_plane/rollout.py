@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from adaptermesh import assignment_rules as rules
 from adaptermesh.backoff import Backoff
-from adaptermesh.clock import Clock
+from adaptermesh.clock import Clock, sleep_or_stop
 from adaptermesh.control_plane.metrics_source import Target
 from adaptermesh.control_plane.rebalancer import Rebalancer
 from adaptermesh.control_plane.rollout_state import (
@@ -307,10 +307,4 @@ class RolloutController:
                 self.failures += 1
                 delay = backoff.next()
                 self.log.exception("rollout step failed; retry in %.1fs", delay)
-            sleeper = asyncio.ensure_future(self.clock.sleep(delay))
-            stopper = asyncio.ensure_future(stop.wait())
-            try:
-                await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                sleeper.cancel()
-                stopper.cancel()
+            await sleep_or_stop(self.clock, delay, stop)
