@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 
 from adaptermesh.agent.cli import build_parser as agent_parser
 from adaptermesh.bridge.cli import build_parser as bridge_parser
-from adaptermesh.cliargs import port
+from adaptermesh.cliargs import fraction, percent, port, read_secret
 from adaptermesh.control_plane.cli import build_parser as control_plane_parser
 from adaptermesh.worker.cli import build_parser as worker_parser
 
@@ -52,3 +54,35 @@ def test_the_worker_refuses_a_bad_port(capsys) -> None:  # type: ignore[no-untyp
         worker_parser().parse_args(["--port", "70000"])
     assert exc.value.code == 2
     assert "--port: 70000 is not in 0..65535" in capsys.readouterr().err
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8))
+def test_fraction_and_percent_take_their_range_and_name_anything_else(value: object) -> None:
+    text = repr(value) if isinstance(value, float) else str(value)
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    for parse, hi in ((fraction, 1.0), (percent, 100.0)):
+        if math.isfinite(number) and 0.0 <= number <= hi:
+            assert parse(text) == number
+        else:
+            with pytest.raises(argparse.ArgumentTypeError, match="is not"):
+                parse(text)
+
+
+@pytest.mark.parametrize(("content", "says"), [(None, "cannot read"), ("", "is empty"),
+                                               (" \n\t", "is empty")])
+def test_read_secret_refuses_a_missing_or_empty_file_naming_the_flag(
+        tmp_path: Path, content: str | None, says: str) -> None:
+    path = tmp_path / "secret"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=f"--x-file: .*{says}"):
+        read_secret(path, "--x-file")
+
+
+def test_read_secret_strips_the_secret(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_text("  s3cret\n")
+    assert read_secret(path, "--x-file") == "s3cret"

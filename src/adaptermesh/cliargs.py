@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
 
-__all__ = ["port"]
+__all__ = ["fraction", "percent", "port", "read_secret"]
 
 
 def port(text: str) -> int:
@@ -16,3 +18,39 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not in 0..65535")
     return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        return math.nan
+    return value
+
+
+def fraction(text: str) -> float:
+    """A share in 0..1 (a sampling ratio)."""
+    value = _finite(text)
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in 0-1")
+    return value
+
+
+def percent(text: str) -> float:
+    """A percentage in 0..100."""
+    value = _finite(text)
+    if not (math.isfinite(value) and 0.0 <= value <= 100.0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not in 0-100")
+    return value
+
+
+def read_secret(path: Path, flag: str) -> str:
+    """The token or password in ``path``, stripped; ValueError naming ``flag`` when the file
+    cannot be read or holds nothing (a process must not start with an empty secret)."""
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {path}: {exc.strerror}") from None
+    if not text:
+        raise ValueError(f"{flag}: {path} is empty")
+    return text

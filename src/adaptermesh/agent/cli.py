@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import signal
 import sys
 from pathlib import Path
 
 from adaptermesh.agent.daemon import Agent, AgentConfig
 from adaptermesh.agent.flowlog import FLOW_EVENT_MODES
-from adaptermesh.cliargs import port
-from adaptermesh.tracing import check_ratio
+from adaptermesh.cliargs import fraction, percent, port, read_secret
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -109,14 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--envoy-trace-percent",
-        type=_percent,
+        type=percent,
         default=None,
         help="shard listeners trace this percent of requests with Envoy's OpenTelemetry "
         "tracer, to the bootstrap's adaptermesh_otlp collector (off when not given)",
     )
     p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
                    help="export the ext_proc decisions' spans to this OTLP/gRPC collector")
-    p.add_argument("--trace-sample-ratio", type=_ratio, default=1.0,
+    p.add_argument("--trace-sample-ratio", type=fraction, default=1.0,
                    help="share of new traces the agent samples (a sampled parent is followed)")
     p.add_argument("--flow-events", choices=FLOW_EVENT_MODES, default="off",
                    help="export each new-flow classifier decision keyed by the flow: a JSON "
@@ -145,11 +143,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     token = None
     if args.token_file is not None:
         try:
-            token = args.token_file.read_text().strip()
-        except OSError as exc:
-            raise SystemExit(f"adaptermesh agent: --token-file: {exc}") from exc
-        if not token:
-            raise SystemExit(f"adaptermesh agent: --token-file: {args.token_file} is empty")
+            token = read_secret(args.token_file, "--token-file")
+        except ValueError as exc:
+            raise SystemExit(f"adaptermesh agent: {exc}") from None
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("adaptermesh agent: --tls-cert and --tls-key go together")
     if args.tls_cert is not None and args.tls_ca is None:
@@ -227,18 +223,3 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0.0 <= value <= 100.0):
-        raise argparse.ArgumentTypeError(f"--envoy-trace-percent: {text!r} is not in 0-100")
-    return value
-
-
-def _ratio(text: str) -> float:
-    try:
-        return check_ratio(float(text), "--trace-sample-ratio")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from adaptermesh.cliargs import port
+from adaptermesh.cliargs import port, read_secret
 from adaptermesh.control_plane.auth import AuthError, load_tokens
 from adaptermesh.control_plane.policy import PolicyConfig
 from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
@@ -106,13 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     worker_token: str | None = None
     if args.worker_admin_token_file is not None:
         try:
-            worker_token = args.worker_admin_token_file.read_text().strip()
-        except OSError as exc:
-            print(f"adaptermesh control-plane: --worker-admin-token-file: {exc}", file=sys.stderr)
-            return 1
-        if not worker_token:
-            print(f"adaptermesh control-plane: --worker-admin-token-file: "
-                  f"{args.worker_admin_token_file} is empty", file=sys.stderr)
+            worker_token = read_secret(args.worker_admin_token_file, "--worker-admin-token-file")
+        except ValueError as exc:
+            print(f"adaptermesh control-plane: {exc}", file=sys.stderr)
             return 1
     config = ServerConfig(
         state_dir=args.state_dir,

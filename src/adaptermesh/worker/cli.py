@@ -24,9 +24,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from adaptermesh.cliargs import port
+from adaptermesh.cliargs import fraction, port, read_secret
 from adaptermesh.httpserve import ListenerLimits, raise_fd_limit
-from adaptermesh.tracing import Tracing, check_ratio
+from adaptermesh.tracing import Tracing
 from adaptermesh.worker.eviction import POLICY_NAMES
 from adaptermesh.worker.grpc_v2 import GrpcV2Server
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
@@ -203,28 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
                    help="export OpenTelemetry spans to this OTLP/gRPC collector (off when "
                    "not given; docs/tracing.md)")
-    p.add_argument("--trace-sample-ratio", type=_ratio, default=1.0,
+    p.add_argument("--trace-sample-ratio", type=fraction, default=1.0,
                    help="share of new traces sampled (a sampled parent is always followed)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
-
-
-def _ratio(text: str) -> float:
-    try:
-        return check_ratio(float(text), "--trace-sample-ratio")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _read_token(path: Path) -> str:
-    try:
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"--admin-token-file: cannot read {path}: {exc.strerror}") from None
-    if not token:
-        raise ValueError(f"--admin-token-file: {path} is empty")
-    return token
 
 
 def _build_engine(args: argparse.Namespace) -> EngineProtocol:
@@ -328,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--model: {args.model} is not a directory")
         if not args.adapter_root.is_dir():
             raise ValueError(f"--adapter-root: {args.adapter_root} is not a directory")
-        token = _read_token(args.admin_token_file) if args.admin_token_file else None
+        token = read_secret(args.admin_token_file, "--admin-token-file") if args.admin_token_file else None
     except ValueError as exc:
         print(f"adaptermesh worker: {exc}", file=sys.stderr)
         return 2
