@@ -291,20 +291,11 @@ def check_rms_norm(
             other = _layer_tensor(name, other, 2, x)
             _layer_shape(name, other, (t, h))
             _layer_dtype(name, other, x.dtype)
-    if (
-        isinstance(residual, torch.Tensor)
-        and isinstance(out, torch.Tensor)
-        and out.numel() > 0
-        and out.data_ptr() == residual.data_ptr()
-    ):
-        raise ValueError("out must not alias residual (residual receives x + residual)")
-    if (
-        isinstance(extra, torch.Tensor)
-        and isinstance(residual, torch.Tensor)
-        and extra.numel() > 0
-        and extra.data_ptr() == residual.data_ptr()
-    ):
-        raise ValueError("extra must not alias residual (residual receives x + extra + residual)")
+    if isinstance(residual, torch.Tensor):
+        for name, other in (("out", out), ("extra", extra)):
+            if (isinstance(other, torch.Tensor) and other.numel() > 0
+                    and other.data_ptr() == residual.data_ptr()):
+                raise ValueError(f"{name} must not alias residual (residual receives the sum)")
     return t, h
 
 
@@ -399,11 +390,9 @@ def rms_norm_ref(
     delta): h = round(round(x + extra) + residual). Returns y (``out`` when given).
     """
     check_rms_norm(x, weight, eps, residual, out, extra)
-    h = x
-    if extra is not None:
-        x = torch.add(x, extra)
+    h = x if extra is None else torch.add(x, extra)
     if residual is not None:
-        h = torch.add(x, residual)
+        h = torch.add(h, residual)
         residual.copy_(h)
     hf = h.float()
     normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)

@@ -34,7 +34,6 @@ __all__ = [
     "build_meta",
     "kernels_description",
     "project_with_lora",
-    "project_with_lora_delta",
 ]
 
 
@@ -98,70 +97,45 @@ def project_with_lora(
     ranks: torch.Tensor,  # [S] int32
     meta: LoraBatchMeta,
     side: torch.cuda.Stream,
-) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` plus the batch's LoRA terms, with the LoRA shrink running on
-    ``side`` beside the base matmul (CUDA only).
+    *,
+    defer: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x @ weight.T (+ bias)`` and the batch's LoRA terms, with LoRA work on ``side``
+    beside the base matmul (CUDA only). Returns ``(out, delta)``.
 
-    Both read ``x``; the shrink is a few microseconds of mostly launch and first-touch latency,
-    so on a stream of its own it hides behind the matmul (one fork and one join, which a CUDA
-    graph records as edges). The expand then adds into the matmul's output on the calling
-    stream. Buffers are allocated on the calling stream before the fork, and the side stream
-    waits for the caller before each shrink, so nothing is reused while in use.
+    The shrink reads the same ``x`` as the matmul; it is a few microseconds of mostly launch
+    and first-touch latency, so on a stream of its own it hides behind the matmul (one fork
+    and one join, which a CUDA graph records as edges). Without ``defer`` the expand then adds
+    into ``out`` on the calling stream (``delta`` is None). With ``defer`` the whole term
+    (zeroed buffer, shrink, expand) goes into ``delta`` on ``side``, and the caller adds it
+    where the output is consumed (``rms_norm(..., extra=delta)``, ``act_mul(..., extra=)``):
+    no LoRA launch waits for the matmul. Buffers are allocated on the calling stream before
+    the fork, the side stream waits for the caller first, and the caller joins it right after
+    the matmul, so nothing is reused while in use.
     """
     from adaptermesh.kernels import sgmm
 
     main = torch.cuda.current_stream(x.device)
     t = x.shape[0]
     out = torch.empty((t, weight.shape[0]), dtype=x.dtype, device=x.device)
+    delta = torch.empty_like(out) if defer else None
     v = torch.empty((lora_a.shape[0], t, lora_a.shape[2]), dtype=torch.float32, device=x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
+        if delta is not None:
+            delta.zero_()  # rows of base tokens stay zero
         shrink, expand = sgmm.plan_add_lora(
-            out, x, lora_a, lora_b, scales, ranks, meta.kernel_meta, v_buffer=v, check_values=False
+            out if delta is None else delta, x, lora_a, lora_b, scales, ranks, meta.kernel_meta,
+            v_buffer=v, check_values=False,
         ).steps()
         shrink()
+        if delta is not None:
+            expand()
     if bias is None:
         torch.matmul(x, weight.T, out=out)
     else:
         torch.addmm(bias, x, weight.T, out=out)
     main.wait_stream(side)
-    expand()
-    return out
-
-
-def project_with_lora_delta(
-    x: torch.Tensor,  # [T, H]
-    weight: torch.Tensor,  # [N, H]
-    bias: torch.Tensor | None,  # [N]
-    lora_a: torch.Tensor,
-    lora_b: tuple[torch.Tensor, ...],
-    scales: torch.Tensor,
-    ranks: torch.Tensor,
-    meta: LoraBatchMeta,
-    side: torch.cuda.Stream,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x @ weight.T (+ bias), delta)`` with the whole LoRA term (zeroed buffer, shrink,
-    expand) computed into ``delta`` on ``side`` beside the matmul; the caller adds ``delta``
-    where the output is consumed (``rms_norm(..., extra=delta)`` folds it into the residual
-    add), so no LoRA launch waits for the matmul. The calling stream joins ``side`` right
-    after the matmul, so everything after it sees both."""
-    from adaptermesh.kernels import sgmm
-
-    main = torch.cuda.current_stream(x.device)
-    t = x.shape[0]
-    out = torch.empty((t, weight.shape[0]), dtype=x.dtype, device=x.device)
-    delta = torch.empty_like(out)
-    v = torch.empty((lora_a.shape[0], t, lora_a.shape[2]), dtype=torch.float32, device=x.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        delta.zero_()  # rows of base tokens stay zero
-        sgmm.plan_add_lora(
-            delta, x, lora_a, lora_b, scales, ranks, meta.kernel_meta, v_buffer=v,
-            check_values=False,
-        )()
-    if bias is None:
-        torch.matmul(x, weight.T, out=out)
-    else:
-        torch.addmm(bias, x, weight.T, out=out)
-    main.wait_stream(side)
+    if delta is None:
+        expand()
     return out, delta

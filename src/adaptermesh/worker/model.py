@@ -787,7 +787,7 @@ class TransformerModel:
                 x = kernels.rms_norm(h, layer["ln1"], cfg.rms_eps, gemma=gn)
             else:
                 x = kernels.rms_norm(d, layer["ln1"], cfg.rms_eps, residual=residual, gemma=gn, extra=d_lora)
-            qkv = self._project(layer, "qkv", x, li, lp)
+            qkv, _ = self._project(layer, "qkv", x, li, lp)  # its consumer (RoPE) takes no extra
             if gated is not None:
                 gated.apply(li, "qkv", qkv, x)
             q = qkv[:, : self.q_size].view(T, cfg.num_heads, cfg.head_dim)
@@ -805,17 +805,17 @@ class TransformerModel:
             # With the side stream, o's, gate_up's and down's LoRA terms come back apart and
             # join the next elementwise kernel (RMSNorm's residual add, the activation): no
             # LoRA launch waits for the matmul.
-            o, o_lora = self._project_deferred(layer, "o", a2, li, lp, "ln_attn_out" not in layer)
+            o, o_lora = self._project(layer, "o", a2, li, lp, "ln_attn_out" not in layer)
             if gated is not None:
                 gated.apply(li, "o", o, a2)
             if "ln_attn_out" in layer:
                 o = kernels.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
             x = kernels.rms_norm(o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn, extra=o_lora)
-            gu, gu_lora = self._project_deferred(layer, "gate_up", x, li, lp, True)
+            gu, gu_lora = self._project(layer, "gate_up", x, li, lp, True)
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
             act = kernels.act_mul(gu, act=self.act, extra=gu_lora)
-            d, d_lora = self._project_deferred(layer, "down", act, li, lp, "ln_mlp_out" not in layer)
+            d, d_lora = self._project(layer, "down", act, li, lp, "ln_mlp_out" not in layer)
             if gated is not None:
                 gated.apply(li, "down", d, act)
             if "ln_mlp_out" in layer:
@@ -832,39 +832,27 @@ class TransformerModel:
 
     def _project(
         self, layer: dict[str, torch.Tensor], group: str, x: torch.Tensor, li: int,
-        lp: tuple[LoraPool, lora_ops.LoraBatchMeta] | None,
-    ) -> torch.Tensor:
-        """One projection of a layer plus the batch's LoRA terms for it. With ``lora_side``
-        set (CUDA, bf16/fp16 pool) the LoRA shrink runs on that stream beside the matmul."""
+        lp: tuple[LoraPool, lora_ops.LoraBatchMeta] | None, defer: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One projection of a layer plus the batch's LoRA terms for it: ``(out, delta)``.
+
+        With ``lora_side`` (CUDA, a bf16/fp16 pool, a step of at most ``lora_side_max_tokens``
+        tokens) the LoRA work runs on that stream beside the matmul, and with ``defer`` (the
+        output's consumer takes an ``extra=`` term) the whole term comes back apart as
+        ``delta``. Otherwise shrink and expand follow the matmul and ``delta`` is None."""
         wname, bname = _WEIGHTS[group]
         bias = layer.get(bname)
-        if lp is not None and self._side_for(x) and not isinstance(lp[0], Int4LoraPool):
-            assert self.lora_side is not None
+        side = self.lora_side
+        if (lp is not None and side is not None and x.shape[0] <= self.lora_side_max_tokens
+                and not isinstance(lp[0], Int4LoraPool)):
             pool, meta = lp
             a, b, r = pool.layer_args(group, li)
-            return lora_ops.project_with_lora(x, layer[wname], bias, a, b, pool.scales, r, meta, self.lora_side)
+            return lora_ops.project_with_lora(x, layer[wname], bias, a, b, pool.scales, r, meta, side,
+                                              defer=defer)
         out = torch.addmm(bias, x, layer[wname].T) if bias is not None else x @ layer[wname].T
         if lp is not None:
             _apply_lora(*lp, group, li, out, x)
-        return out
-
-    def _side_for(self, x: torch.Tensor) -> bool:
-        return self.lora_side is not None and x.shape[0] <= self.lora_side_max_tokens
-
-    def _project_deferred(
-        self, layer: dict[str, torch.Tensor], group: str, x: torch.Tensor, li: int,
-        lp: tuple[LoraPool, lora_ops.LoraBatchMeta] | None, can_defer: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``_project``, or (with ``lora_side``, when the output's consumer can take it) the
-        base output and the LoRA term apart, the term computed wholly beside the matmul."""
-        if can_defer and lp is not None and self._side_for(x) and not isinstance(lp[0], Int4LoraPool):
-            assert self.lora_side is not None
-            pool, meta = lp
-            a, b, r = pool.layer_args(group, li)
-            wname, bname = _WEIGHTS[group]
-            return lora_ops.project_with_lora_delta(
-                x, layer[wname], layer.get(bname), a, b, pool.scales, r, meta, self.lora_side)
-        return self._project(layer, group, x, li, lp), None
+        return out, None
 
     def _attention(
         self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, inp: StepInputs, window: int | None
