@@ -12,9 +12,10 @@
 
   The order changes inside a directory, never across directories: the files of one
   directory are shuffled, then each file's classes, then each class's tests (so class- and
-  module-scoped fixtures are still set up once). Directories keep their collection order
-  because tests/kernels/conftest.py sets TRITON_INTERPRET and reloads the kernel modules for
-  the tests collected after it, and the order of parts is part of how the suite is read.
+  module-scoped fixtures are still set up once). Directories keep their collection order:
+  the order of parts is part of how the suite is read.
+- Without CUDA the whole session runs Triton's interpreter (set below, before any test
+  module is imported), so the kernel tests run the real kernels on the CPU.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ from hypothesis import settings
 # library (tl.zeros, tl.sum, ...) included, and that happens the first time anything imports
 # triton: a test module of another part collected before tests/kernels may import the worker
 # (so triton) first. Without CUDA the whole session runs the interpreter, set here, before
-# any test module is imported (tests/kernels/conftest.py also reloads the kernel modules, for
-# a run that names tests/kernels alone).
+# any test module is imported (this file is loaded first whatever paths a run names).
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
