@@ -19,9 +19,8 @@ from adaptermesh.agent.daemon import Agent, AgentConfig
 from adaptermesh.agent.ports import FlowEvent, ShardStats
 from adaptermesh.agent.state import AssignmentStore
 
-from .fakes import ControlPlaneServer, FakeControlPlane, FakeDatapath, FakeXds, make_assignment
-
-TOKEN = "agent-secret"
+from .conftest import TOKEN
+from .fakes import FakeDatapath, FakeXds, make_assignment
 
 
 @pytest.fixture
@@ -71,14 +70,6 @@ class Harness:
         url = f"http://127.0.0.1:{self.agent.http_port}{path}"
         async with aiohttp.ClientSession() as s, s.get(url) as r:
             return r.status, await r.text()
-
-
-@pytest.fixture
-async def cp() -> AsyncIterator[ControlPlaneServer]:
-    server = ControlPlaneServer(FakeControlPlane(token=TOKEN))
-    await server.start()
-    yield server
-    await server.stop()
 
 
 @contextlib.asynccontextmanager

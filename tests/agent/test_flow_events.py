@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
 from ipaddress import ip_address
 from pathlib import Path
 
@@ -21,22 +20,14 @@ from adaptermesh.agent.flowlog import FlowExporter, flow_trace_id
 from adaptermesh.agent.ports import FlowEvent
 from adaptermesh.tracing import Tracing
 
-from .fakes import ControlPlaneServer, FakeControlPlane, FakeDatapath, FakeXds, make_assignment
+from .conftest import TOKEN
+from .fakes import ControlPlaneServer, FakeDatapath, FakeXds, make_assignment
 
-TOKEN = "agent-secret"
 EVENTS = [
     FlowEvent(0, ip_address("10.9.0.1"), 0, "maglev", 1),
     FlowEvent(0, ip_address("10.9.0.2"), 1, "pin", 1),
     FlowEvent(0, ip_address("10.9.0.1"), 1, "repick", 1),
 ]
-
-
-@pytest.fixture
-async def cp() -> AsyncIterator[ControlPlaneServer]:
-    server = ControlPlaneServer(FakeControlPlane(token=TOKEN))
-    await server.start()
-    yield server
-    await server.stop()
 
 
 async def _run_agent(tmp_path: Path, cp: ControlPlaneServer, **extra: object) -> None:

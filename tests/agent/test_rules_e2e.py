@@ -5,7 +5,6 @@ and the control plane shows it DEGRADED."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,77 +13,16 @@ import pytest
 from waiting import async_wait_until as wait_until
 
 from adaptermesh import assignment_rules as rules
-from adaptermesh.agent.backends import MeshXds, TableDatapath
-from adaptermesh.agent.daemon import Agent, AgentConfig
-from adaptermesh.bpf.table import FakeShardTable
 from adaptermesh.cli.adapterctl import node_state
-from adaptermesh.clock import FakeClock
-from adaptermesh.control_plane.auth import load_tokens
-from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
-from adaptermesh.mesh.cache import SnapshotCache
-from adaptermesh.proto import assignment_pb2, control_plane_pb2, control_plane_pb2_grpc
+from adaptermesh.proto import assignment_pb2, control_plane_pb2
 
-TOKEN = "rw-token-e2e-0123456789abcdef"
-
-
-class Mesh:
-    def __init__(self, cp: ControlPlaneServer, stub: control_plane_pb2_grpc.ControlPlaneStub,
-                 agent: Agent, table: FakeShardTable) -> None:
-        self.cp = cp
-        self.stub = stub
-        self.agent = agent
-        self.table = table
-        self.md = [("authorization", f"Bearer {TOKEN}")]
-
-    @property
-    def applied(self) -> int:
-        return self.table.applied_version or 0
-
-    def latest(self) -> int:
-        a = self.cp.rebalancer.hub.latest
-        return a.version if a is not None else 0
+from .inprocess import Mesh, inprocess_mesh, shard
 
 
 @pytest.fixture
 async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
-    tokens = tmp_path / "tokens"
-    tokens.write_text(f"{TOKEN} read,write e2e\n")
-    cp = ControlPlaneServer(
-        ServerConfig(state_dir=tmp_path / "state", listen="127.0.0.1:0",
-                     tokens=load_tokens(tokens), rebalance=False, synchronous="NORMAL"),
-        clock=FakeClock(),
-    )
-    port = await cp.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
-    table = FakeShardTable(maglev_size=251)
-    config = AgentConfig(
-        node_id="node-e2e", control_plane=f"127.0.0.1:{port}", token=TOKEN, iface="lo",
-        metrics_host="127.0.0.1", metrics_port=0, state_file=tmp_path / "assignment.pb",
-        report_interval_s=0.1, backoff_initial_s=0.05, backoff_max_s=0.2,
-    )
-
-    async def xds_factory(_config: AgentConfig, _registry: object) -> MeshXds:
-        return MeshXds(SnapshotCache(), None, "shard")
-
-    agent = Agent(config, lambda _c: TableDatapath(table), xds_factory)
-    stop = asyncio.Event()
-    task = asyncio.create_task(agent.run(stop))
-    await asyncio.wait_for(agent.started.wait(), 5)
-    try:
-        yield Mesh(cp, stub, agent, table)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-        await channel.close()
-        await cp.stop(0)
-
-
-def _shard(i: int, **extra: object) -> assignment_pb2.Shard:
-    s = assignment_pb2.Shard(id=f"s{i}", service_address="10.200.0.1", service_port=9000 + i)
-    s.endpoints.add(address=f"10.0.{i}.1", port=8000)
-    s.steer.mark.mark = 0x100 + i
-    return s
+    async with inprocess_mesh(tmp_path, "node-e2e") as m:
+        yield m
 
 
 WRITES_THE_AGENT_REFUSES = [
@@ -100,13 +38,13 @@ WRITES_THE_AGENT_REFUSES = [
 
 async def test_writes_the_agent_would_refuse_are_refused_and_the_rest_applied(mesh: Mesh) -> None:
     for i in range(3):
-        await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=_shard(i)),
+        await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=shard(i)),
                                     metadata=mesh.md)
     await mesh.stub.PinTenant(control_plane_pb2.PinTenantRequest(cidr="fe80::/64",
                                                                  shard_id="s1"), metadata=mesh.md)
-    await wait_until(lambda: mesh.applied == mesh.latest() == 4, what="v4 applied")
+    await wait_until(lambda: mesh.applied == mesh.latest_version() == 4, what="v4 applied")
     for field, bad in WRITES_THE_AGENT_REFUSES:
-        s = _shard(1)
+        s = shard(1)
         bad(s)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=s),
@@ -117,18 +55,18 @@ async def test_writes_the_agent_would_refuse_are_refused_and_the_rest_applied(me
         await mesh.stub.PinTenant(control_plane_pb2.PinTenantRequest(
             cidr="fe80::%eth0/64", shard_id="s2"), metadata=mesh.md)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert mesh.latest() == 4
+    assert mesh.latest_version() == 4
     # Every write that was accepted has been applied by the agent, with no error.
     await mesh.stub.SetOverride(control_plane_pb2.SetOverrideRequest(shard_id="s0", weight=5000),
                                 metadata=mesh.md)
-    await wait_until(lambda: mesh.applied == mesh.latest() == 5, what="v5 applied")
+    await wait_until(lambda: mesh.applied == mesh.latest_version() == 5, what="v5 applied")
     assert mesh.agent.applier is not None
     assert mesh.agent.applier.last_error == ""
 
 
 async def test_a_bad_assignment_keeps_the_last_good_one_and_shows_degraded(mesh: Mesh) -> None:
     for i in range(2):
-        await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=_shard(i)),
+        await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=shard(i)),
                                     metadata=mesh.md)
     await wait_until(lambda: mesh.applied == 2, what="v2 applied")
     applier = mesh.agent.applier

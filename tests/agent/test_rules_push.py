@@ -19,19 +19,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 from waiting import async_wait_until as wait_until
 
-from adaptermesh.agent.backends import MeshXds, TableDatapath
-from adaptermesh.agent.daemon import Agent, AgentConfig
 from adaptermesh.agent.extproc import RULE_SHARD_HEADER, SHARD_METADATA_KEY
-from adaptermesh.bpf.table import FakeShardTable
 from adaptermesh.cli.adapterctl import node_state
-from adaptermesh.clock import FakeClock
-from adaptermesh.control_plane.auth import load_tokens
-from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
-from adaptermesh.mesh.cache import SnapshotCache
-from adaptermesh.proto import assignment_pb2, control_plane_pb2, control_plane_pb2_grpc
+from adaptermesh.proto import assignment_pb2, control_plane_pb2
 
-TOKEN = "rw-token-rules-0123456789abcdef"
-MD = [("authorization", f"Bearer {TOKEN}")]
+from .inprocess import MD, Mesh, inprocess_mesh, shard
 
 RULES_V1 = {
     "rules": [
@@ -46,57 +38,11 @@ RULES_V1 = {
 RULES_V2 = {"rules": [RULES_V1["rules"][1]]}
 
 
-class Mesh:
-    def __init__(self, cp: ControlPlaneServer, stub: control_plane_pb2_grpc.ControlPlaneStub,
-                 agent: Agent, table: FakeShardTable) -> None:
-        self.cp, self.stub, self.agent, self.table = cp, stub, agent, table
-
-    def latest(self) -> assignment_pb2.Assignment:
-        a = self.cp.rebalancer.hub.latest
-        assert a is not None
-        return a
-
-
 @pytest.fixture
 async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
-    tokens = tmp_path / "tokens"
-    tokens.write_text(f"{TOKEN} read,write rules\n")
-    cp = ControlPlaneServer(
-        ServerConfig(state_dir=tmp_path / "state", listen="127.0.0.1:0",
-                     tokens=load_tokens(tokens), rebalance=False, synchronous="NORMAL"),
-        clock=FakeClock(),
-    )
-    port = await cp.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    table = FakeShardTable(maglev_size=251)
-    config = AgentConfig(
-        node_id="node-rules", control_plane=f"127.0.0.1:{port}", token=TOKEN, iface="lo",
-        metrics_host="127.0.0.1", metrics_port=0, state_file=tmp_path / "assignment.pb",
-        report_interval_s=0.1, backoff_initial_s=0.05, backoff_max_s=0.2,
-        ext_proc_port=0, base_model="base", picker_scrape_interval_s=60.0,
-    )
-
-    async def xds_factory(_config: AgentConfig, _registry: object) -> MeshXds:
-        return MeshXds(SnapshotCache(), None, "shard")
-
-    agent = Agent(config, lambda _c: TableDatapath(table), xds_factory)
-    stop = asyncio.Event()
-    task = asyncio.create_task(agent.run(stop))
-    await asyncio.wait_for(agent.started.wait(), 5)
-    try:
-        yield Mesh(cp, control_plane_pb2_grpc.ControlPlaneStub(channel), agent, table)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-        await channel.close()
-        await cp.stop(0)
-
-
-def _shard(i: int) -> assignment_pb2.Shard:
-    s = assignment_pb2.Shard(id=f"s{i}", service_address="10.200.0.1", service_port=9000 + i)
-    s.endpoints.add(address=f"10.0.{i}.1", port=8000)
-    s.steer.mark.mark = 0x100 + i
-    return s
+    async with inprocess_mesh(tmp_path, "node-rules", ext_proc_port=0, base_model="base",
+                              picker_scrape_interval_s=60.0) as m:
+        yield m
 
 
 def _ext_proc(port: int, headers: dict[str, str], model: str, source: str) -> dict[str, str]:
@@ -126,7 +72,7 @@ async def test_applied_rules_reach_the_ext_proc_and_the_classifier(mesh: Mesh) -
     # Rules written before any shard ride in the first Assignment the shards publish.
     assert await _apply(mesh, RULES_V1, "tenant range and gold tier") == 1
     for i in range(2):
-        await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=_shard(i)),
+        await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=shard(i)),
                                     metadata=MD)
     agent = mesh.agent
     await wait_until(lambda: agent.rule_sync.version == 1 and agent.ext_proc is not None
@@ -161,7 +107,7 @@ async def test_applied_rules_reach_the_ext_proc_and_the_classifier(mesh: Mesh) -
 
 
 async def test_a_set_the_agent_cannot_compile_keeps_the_last_good_one(mesh: Mesh) -> None:
-    await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=_shard(0)),
+    await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=shard(0)),
                                 metadata=MD)
     await _apply(mesh, RULES_V2, "gold tier")
     agent = mesh.agent

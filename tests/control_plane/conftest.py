@@ -13,7 +13,7 @@ from adaptermesh.control_plane.auth import load_tokens
 from adaptermesh.control_plane.metrics_source import Target
 from adaptermesh.control_plane.policy import WorkerObservation
 from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
-from adaptermesh.proto import assignment_pb2, control_plane_pb2_grpc
+from adaptermesh.proto import assignment_pb2, control_plane_pb2, control_plane_pb2_grpc
 
 RW_TOKEN = "rw-token-0123456789abcdef"
 RO_TOKEN = "ro-token-0123456789abcdef"
@@ -90,3 +90,15 @@ async def cp(tmp_path: Path) -> AsyncIterator[Harness]:
     finally:
         await channel.close()
         await server.stop(0)
+
+
+def instance(name: str, path: str = "", **placement: object) -> control_plane_pb2.AdapterInstance:
+    """An AdapterInstance with these ``placement`` fields (lists extend repeated ones)."""
+    inst = control_plane_pb2.AdapterInstance(name=name)
+    inst.model_ref.adapter_path = path
+    for k, v in placement.items():
+        if isinstance(v, list):
+            getattr(inst.placement, k).extend(v)
+        else:
+            setattr(inst.placement, k, v)
+    return inst

@@ -11,16 +11,11 @@ from hypothesis import strategies as st
 from adaptermesh.control_plane.placement import Action, Want, WorkerView, plan, wants_of
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
 
+from .conftest import instance
+
 
 def _inst(name: str, **placement: object) -> control_plane_pb2.AdapterInstance:
-    inst = control_plane_pb2.AdapterInstance(name=name)
-    inst.model_ref.adapter_path = f"risk/{name}"
-    for k, v in placement.items():
-        if isinstance(v, list):
-            getattr(inst.placement, k).extend(v)
-        else:
-            setattr(inst.placement, k, v)
-    return inst
+    return instance(name, f"risk/{name}", **placement)
 
 
 SHARDS = [assignment_pb2.Shard(id=i) for i in ("s0", "s1", "s2")]

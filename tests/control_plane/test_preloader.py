@@ -20,12 +20,11 @@ from adaptermesh.clock import FakeClock
 from adaptermesh.control_plane import cli
 from adaptermesh.control_plane.preloader import HttpWorkerAdmin, Preloader, PreloaderConfig
 from adaptermesh.control_plane.store import Store
-from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2
 from adaptermesh.worker.engine import Engine, EngineConfig
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
 from adaptermesh.worker.testing import make_adapter, make_tiny_model
 
-from .conftest import shard
+from .conftest import instance, shard
 
 TOKEN = "worker-admin-secret"
 
@@ -96,17 +95,6 @@ async def admin() -> AsyncIterator[HttpWorkerAdmin]:
     a = HttpWorkerAdmin(TOKEN, timeout_s=5.0)
     yield a
     await a.aclose()
-
-
-def instance(name: str, path: str = "", **placement: Any) -> control_plane_pb2.AdapterInstance:
-    inst = control_plane_pb2.AdapterInstance(name=name)
-    inst.model_ref.adapter_path = path
-    for k, v in placement.items():
-        if isinstance(v, list):
-            getattr(inst.placement, k).extend(v)
-        else:
-            setattr(inst.placement, k, v)
-    return inst
 
 
 def loop(store: Store, admin: HttpWorkerAdmin, clock: FakeClock, **cfg: Any) -> Preloader:

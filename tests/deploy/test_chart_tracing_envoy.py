@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import http.client
-import json
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +18,7 @@ from envoy.config.bootstrap.v3 import bootstrap_pb2
 from google.protobuf import json_format
 from otlp import OtlpReceiver
 from waiting import wait_until
-from worker_service.fakes import FakeEngine
+from worker_service.threaded import ThreadedWorker, post_completion
 
 from adaptermesh.agent import cli as agent_cli
 from adaptermesh.agent.backends import mesh_xds
@@ -29,7 +26,6 @@ from adaptermesh.mesh.bootstrap import EnvoyProcess, validate_bootstrap
 from adaptermesh.proto import assignment_pb2 as ap
 from adaptermesh.tracing import Tracing
 from adaptermesh.worker import cli as worker_cli
-from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
 
 from .chart import Obj, containers, find, render
 
@@ -70,26 +66,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _Worker:
-    """A real WorkerService (fake engine) on its own event loop thread."""
-
-    def __init__(self, tracing: Tracing) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-        async def start() -> tuple[Any, int]:
-            return await serve(WorkerService(FakeEngine(), ServiceConfig(), tracing), LOOPBACK, 0)
-
-        self.runner, self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
-
-
 @pytest.fixture
 def chart_mesh(tmp_path: Path) -> Iterator[tuple[int, OtlpReceiver]]:
     receiver = OtlpReceiver()
@@ -106,7 +82,7 @@ def chart_mesh(tmp_path: Path) -> Iterator[tuple[int, OtlpReceiver]]:
     worker_args = worker_cli.build_parser().parse_args(_container(objs, "worker")["args"][1:])
     tracing = Tracing.from_config(worker_args.otlp_endpoint, worker_args.trace_sample_ratio,
                                   "adaptermesh-worker", schedule_delay_millis=50)
-    worker = _Worker(tracing)
+    worker = ThreadedWorker(tracing)
     port = _free_port()
     mesh.publish(ap.Assignment(version=1, reason="test", shards=[ap.Shard(
         id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
@@ -125,23 +101,10 @@ def chart_mesh(tmp_path: Path) -> Iterator[tuple[int, OtlpReceiver]]:
         receiver.stop()
 
 
-def _post(port: int, headers: dict[str, str]) -> int:
-    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=10)
-    try:
-        conn.request("POST", "/v1/completions",
-                     body=json.dumps({"model": "tiny-base", "prompt": "a b", "max_tokens": 2}),
-                     headers={"content-type": "application/json", **headers})
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status
-    finally:
-        conn.close()
-
-
 def test_envoy_and_worker_spans_join_one_trace(chart_mesh: tuple[int, OtlpReceiver]) -> None:
     port, receiver = chart_mesh
-    wait_until(lambda: _post(port, {}) == 200, 20, 0.2, what="Envoy routing to the worker")
-    assert _post(port, {"traceparent": f"00-{TRACE}-{PARENT}-01"}) == 200
+    wait_until(lambda: post_completion(port, {}, "tiny-base") == 200, 20, 0.2, what="Envoy routing to the worker")
+    assert post_completion(port, {"traceparent": f"00-{TRACE}-{PARENT}-01"}, "tiny-base") == 200
 
     def joined() -> tuple[list[Any], list[Any]] | None:
         spans = [s for s in receiver.snapshot() if s.trace_id == TRACE]

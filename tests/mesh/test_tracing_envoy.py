@@ -4,11 +4,7 @@ worker service, all exporting to a real OTLP/gRPC receiver inside the test."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import http.client
-import json
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +12,7 @@ from conftest import TEST_OPTIONS
 from mesh_support import LOOPBACK, free_port
 from otlp import OtlpReceiver
 from waiting import wait_until
+from worker_service.threaded import ThreadedWorker, post_completion
 
 from adaptermesh.agent.extproc import ExtProcConfig, ExtProcServer
 from adaptermesh.agent.picker import EndpointBook
@@ -30,37 +27,13 @@ TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
 
 
-class _Worker:
-    """A real WorkerService (fake engine) on its own event loop thread."""
-
-    def __init__(self, tracing: Tracing) -> None:
-        from worker_service.fakes import FakeEngine
-
-        from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
-
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-        async def start() -> tuple[object, int]:
-            service = WorkerService(FakeEngine(), ServiceConfig(), tracing)
-            return await serve(service, LOOPBACK, 0)
-
-        self.runner, self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)  # type: ignore[attr-defined]
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-
-
 @pytest.fixture
 def traced_mesh() -> Iterator[tuple[int, OtlpReceiver]]:
     receiver = OtlpReceiver()
     otlp_port = receiver.start()
     tracing = Tracing.from_config(f"127.0.0.1:{otlp_port}", 1.0, "adaptermesh-worker",
                                   schedule_delay_millis=50)
-    worker = _Worker(tracing)
+    worker = ThreadedWorker(tracing)
     agent_tracing = Tracing.from_config(f"127.0.0.1:{otlp_port}", 1.0, "adaptermesh-agent",
                                         schedule_delay_millis=50)
     book = EndpointBook()
@@ -93,23 +66,10 @@ def traced_mesh() -> Iterator[tuple[int, OtlpReceiver]]:
         receiver.stop()
 
 
-def _post(port: int, headers: dict[str, str]) -> int:
-    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=10)
-    try:
-        conn.request("POST", "/v1/completions",
-                     body=json.dumps({"model": "alpha", "prompt": "a b", "max_tokens": 3}),
-                     headers={"content-type": "application/json", **headers})
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status
-    finally:
-        conn.close()
-
-
 def test_envoy_and_worker_spans_join_one_trace(traced_mesh) -> None:  # type: ignore[no-untyped-def]
     port, receiver = traced_mesh
-    wait_until(lambda: _post(port, {}) == 200, 20, 0.2, what="Envoy routing to the worker")
-    assert _post(port, {"traceparent": f"00-{TRACE}-{PARENT}-01"}) == 200
+    wait_until(lambda: post_completion(port, {}, "alpha", 3) == 200, 20, 0.2, what="Envoy routing to the worker")
+    assert post_completion(port, {"traceparent": f"00-{TRACE}-{PARENT}-01"}, "alpha", 3) == 200
 
     def joined():
         spans = [s for s in receiver.snapshot() if s.trace_id == TRACE]

@@ -1,36 +1,46 @@
-"""A worker service on its own event loop in a thread, for synchronous callers (Hypothesis
-tests drive it with a blocking httpx client, one example after another)."""
+"""A real WorkerService on a fake engine, served from an event loop thread of its own, for
+tests whose own code is synchronous (a real Envoy in front of it, an OTLP receiver)."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import http.client
+import json
 from typing import Any
 
+from adaptermesh.loopthread import LoopThread
+from adaptermesh.tracing import Tracing
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
+from worker_service.fakes import FakeEngine
+
+LOOPBACK = "127.0.0.1"
 
 
-@contextmanager
-def threaded_service(make_engine: Callable[[], Any], **config: Any) -> Iterator[str]:
-    """Yield the base URL of a service around ``make_engine()`` (built on the server's loop)."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="worker-service", daemon=True)
-    thread.start()
+class ThreadedWorker:
+    def __init__(self, tracing: Tracing) -> None:
+        self._thread = LoopThread("test-worker")
 
-    async def start() -> tuple[Any, Any, int]:
-        engine = make_engine()
-        service = WorkerService(engine, ServiceConfig(**config))
-        runner, port = await serve(service, "127.0.0.1", 0)
-        return engine, runner, port
+        async def start() -> tuple[Any, int]:
+            return await serve(WorkerService(FakeEngine(), ServiceConfig(), tracing), LOOPBACK, 0)
 
-    engine, runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(120)
+        self.runner, self.port = self._thread.start(start, timeout=30)
+
+    def close(self) -> None:
+        loop = self._thread.loop
+        if loop is not None:
+            asyncio.run_coroutine_threadsafe(self.runner.cleanup(), loop).result(30)
+        self._thread.stop()
+
+
+def post_completion(port: int, headers: dict[str, str], model: str, max_tokens: int = 2) -> int:
+    """POST a small completion to ``port``; the HTTP status."""
+    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=10)
     try:
-        yield f"http://127.0.0.1:{port}"
+        conn.request("POST", "/v1/completions",
+                     body=json.dumps({"model": model, "prompt": "a b", "max_tokens": max_tokens}),
+                     headers={"content-type": "application/json", **headers})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        asyncio.run_coroutine_threadsafe(engine.shutdown(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+        conn.close()
