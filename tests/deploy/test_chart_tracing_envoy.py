@@ -6,6 +6,7 @@ a real OTLP/gRPC receiver. Envoy's spans and the worker's join one trace."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 from collections.abc import Iterator
@@ -18,7 +19,8 @@ from envoy.config.bootstrap.v3 import bootstrap_pb2
 from google.protobuf import json_format
 from otlp import OtlpReceiver
 from waiting import wait_until
-from worker_service.threaded import ThreadedWorker, post_completion
+from worker_service.fakes import FakeEngine
+from worker_service.threaded import port_of, post_completion, threaded_service
 
 from adaptermesh.agent import cli as agent_cli
 from adaptermesh.agent.backends import mesh_xds
@@ -82,12 +84,13 @@ def chart_mesh(tmp_path: Path) -> Iterator[tuple[int, OtlpReceiver]]:
     worker_args = worker_cli.build_parser().parse_args(_container(objs, "worker")["args"][1:])
     tracing = Tracing.from_config(worker_args.otlp_endpoint, worker_args.trace_sample_ratio,
                                   "adaptermesh-worker", schedule_delay_millis=50)
-    worker = ThreadedWorker(tracing)
+    worker = contextlib.ExitStack()
+    worker_port = port_of(worker.enter_context(threaded_service(FakeEngine, tracing)))
     port = _free_port()
     mesh.publish(ap.Assignment(version=1, reason="test", shards=[ap.Shard(
         id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
         service_address=LOOPBACK, service_port=port,
-        endpoints=[ap.Endpoint(address=LOOPBACK, port=worker.port, weight=1)])]))
+        endpoints=[ap.Endpoint(address=LOOPBACK, port=worker_port, weight=1)])]))
     assert mesh.server.port is not None
     envoy = EnvoyProcess(_bootstrap(objs, mesh.server.port), extra_args=_node_flags(objs))
     try:

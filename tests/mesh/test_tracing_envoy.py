@@ -4,6 +4,7 @@ worker service, all exporting to a real OTLP/gRPC receiver inside the test."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 
@@ -12,7 +13,8 @@ from conftest import TEST_OPTIONS
 from mesh_support import LOOPBACK, free_port
 from otlp import OtlpReceiver
 from waiting import wait_until
-from worker_service.threaded import ThreadedWorker, post_completion
+from worker_service.fakes import FakeEngine
+from worker_service.threaded import port_of, post_completion, threaded_service
 
 from adaptermesh.agent.extproc import ExtProcConfig, ExtProcServer
 from adaptermesh.agent.picker import EndpointBook
@@ -33,7 +35,8 @@ def traced_mesh() -> Iterator[tuple[int, OtlpReceiver]]:
     otlp_port = receiver.start()
     tracing = Tracing.from_config(f"127.0.0.1:{otlp_port}", 1.0, "adaptermesh-worker",
                                   schedule_delay_millis=50)
-    worker = ThreadedWorker(tracing)
+    worker = contextlib.ExitStack()
+    worker_port = port_of(worker.enter_context(threaded_service(FakeEngine, tracing)))
     agent_tracing = Tracing.from_config(f"127.0.0.1:{otlp_port}", 1.0, "adaptermesh-agent",
                                         schedule_delay_millis=50)
     book = EndpointBook()
@@ -47,7 +50,7 @@ def traced_mesh() -> Iterator[tuple[int, OtlpReceiver]]:
     port = free_port()
     shard = ap.Shard(id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
                      service_address=LOOPBACK, service_port=port,
-                     endpoints=[ap.Endpoint(address=LOOPBACK, port=worker.port, weight=1)])
+                     endpoints=[ap.Endpoint(address=LOOPBACK, port=worker_port, weight=1)])
     assignment = ap.Assignment(version=1, shards=[shard], reason="test")
     book.set_assignment(assignment)
     cache.set_assignment("node-x", assignment)

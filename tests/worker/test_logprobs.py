@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -18,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from worker_service.threaded import threaded_service
 
 from adaptermesh.worker.engine import Engine, EngineConfig
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
@@ -464,35 +463,13 @@ async def test_openai_client_parses_logprobs(tiny: Tiny, http: Any) -> None:
 # ---- request parameter combinations ----------------------------------------------------------
 
 
-@contextmanager
-def threaded_service(make: Callable[[], Engine]) -> Iterator[tuple[str, Engine]]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start() -> tuple[Engine, Any, int]:
-        eng = make()
-        runner, port = await serve(WorkerService(eng, ServiceConfig()), "127.0.0.1", 0)
-        return eng, runner, port
-
-    eng, runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(120)
-    try:
-        yield f"http://127.0.0.1:{port}", eng
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        asyncio.run_coroutine_threadsafe(eng.shutdown(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
 @pytest.fixture(scope="module")
 def live(tiny: Tiny) -> Iterator[str]:
     def make() -> Engine:
         cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16, async_scheduling=True)
         return Engine(tiny.model_dir, tiny.root, config=cfg, model_name="tiny")
 
-    with threaded_service(make) as (url, _):
+    with threaded_service(make) as url:
         yield url
 
 

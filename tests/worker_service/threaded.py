@@ -1,35 +1,48 @@
-"""A real WorkerService on a fake engine, served from an event loop thread of its own, for
-tests whose own code is synchronous (a real Envoy in front of it, an OTLP receiver)."""
+"""A worker service on its own event loop in a thread, for synchronous callers (Hypothesis
+tests drive it with a blocking httpx client, one example after another; a real Envoy sits in
+front of it in the tracing tests)."""
 
 from __future__ import annotations
 
 import asyncio
 import http.client
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from adaptermesh.loopthread import LoopThread
 from adaptermesh.tracing import Tracing
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
-from worker_service.fakes import FakeEngine
 
 LOOPBACK = "127.0.0.1"
 
 
-class ThreadedWorker:
-    def __init__(self, tracing: Tracing) -> None:
-        self._thread = LoopThread("test-worker")
+@contextmanager
+def threaded_service(make_engine: Callable[[], Any], tracing: Tracing | None = None,
+                     **config: Any) -> Iterator[str]:
+    """Yield the base URL of a service around ``make_engine()`` (built on the server's loop)."""
+    thread = LoopThread("worker-service")
 
-        async def start() -> tuple[Any, int]:
-            return await serve(WorkerService(FakeEngine(), ServiceConfig(), tracing), LOOPBACK, 0)
+    async def start() -> tuple[Any, Any, int]:
+        engine = make_engine()
+        service = WorkerService(engine, ServiceConfig(**config), tracing)
+        runner, port = await serve(service, LOOPBACK, 0)
+        return engine, runner, port
 
-        self.runner, self.port = self._thread.start(start, timeout=30)
+    engine, runner, port = thread.start(start, timeout=120)
+    loop = thread.loop
+    assert loop is not None
+    try:
+        yield f"http://{LOOPBACK}:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        asyncio.run_coroutine_threadsafe(engine.shutdown(), loop).result(30)
+        thread.stop()
 
-    def close(self) -> None:
-        loop = self._thread.loop
-        if loop is not None:
-            asyncio.run_coroutine_threadsafe(self.runner.cleanup(), loop).result(30)
-        self._thread.stop()
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 def post_completion(port: int, headers: dict[str, str], model: str, max_tokens: int = 2) -> int:
