@@ -20,10 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
-import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -31,6 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _results import provenance, write_results
 
 from adaptermesh.rules import Evaluator, Outcome, RequestFacts, compile_rule_set, parse_rule_set
 from adaptermesh.rules.guards import Screen
@@ -210,20 +209,9 @@ def main() -> None:
         "rules_always_candidates": compiled.index.rules - compiled.index.indexed,
         "target_p99_us": 50,
         "results": results,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "loadavg_1m_start": round(load_start, 2),
-            "loadavg_1m": round(os.getloadavg()[0], 2),
-            "python": platform.python_version(),
-            "common-expression-language": importlib.metadata.version("common-expression-language"),
-        },
+        **provenance("common-expression-language", load_start=load_start),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import importlib.metadata
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +25,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import httpx
+from _results import provenance, write_results
 from otlp import OtlpReceiver
 from worker_service.fakes import FakeEngine
 
@@ -114,19 +110,9 @@ def main() -> None:
         "bench": "bench_tracing",
         "requests_per_setting": args.requests,
         **got,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "loadavg_1m": round(os.getloadavg()[0], 2),
-            "python": platform.python_version(),
-            "opentelemetry-sdk": importlib.metadata.version("opentelemetry-sdk"),
-        },
+        **provenance("opentelemetry-sdk"),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,36 @@
+"""What every CPU bench writes beside its figures: when, by which command, on which machine
+(with the 1-minute load average, since these boxes are shared), and the JSON file itself."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def provenance(*packages: str, load_start: float | None = None) -> dict[str, Any]:
+    """``date``, ``command`` and ``machine`` (with the versions of ``packages``)."""
+    machine: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count()}
+    if load_start is not None:
+        machine["loadavg_1m_start"] = round(load_start, 2)
+    machine["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    machine["python"] = platform.python_version()
+    for name in packages:
+        machine[name] = importlib.metadata.version(name)
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine,
+    }
+
+
+def write_results(path: str | Path, doc: dict[str, Any]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc, indent=2))
