@@ -69,3 +69,13 @@ class OtlpReceiver:
     def snapshot(self) -> list[ReceivedSpan]:
         with self.lock:
             return list(self.spans)
+
+
+def envoy_and_worker_spans(
+    receiver: OtlpReceiver, trace_id: str
+) -> tuple[list[ReceivedSpan], list[ReceivedSpan]] | None:
+    """Envoy's spans and the worker's request span in ``trace_id``; None until both came."""
+    spans = [s for s in receiver.snapshot() if s.trace_id == trace_id]
+    envoy = [s for s in spans if s.service == "adaptermesh-envoy"]
+    worker = [s for s in spans if s.name == "worker completion"]
+    return (envoy, worker) if envoy and worker else None

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 from google.protobuf import json_format
-from otlp import OtlpReceiver
+from otlp import OtlpReceiver, envoy_and_worker_spans
 from waiting import wait_until
 from worker_service.fakes import FakeEngine
 from worker_service.threaded import port_of, post_completion, threaded_service
@@ -109,13 +109,7 @@ def test_envoy_and_worker_spans_join_one_trace(chart_mesh: tuple[int, OtlpReceiv
     wait_until(lambda: post_completion(port, {}, "tiny-base") == 200, 20, 0.2, what="Envoy routing to the worker")
     assert post_completion(port, {"traceparent": f"00-{TRACE}-{PARENT}-01"}, "tiny-base") == 200
 
-    def joined() -> tuple[list[Any], list[Any]] | None:
-        spans = [s for s in receiver.snapshot() if s.trace_id == TRACE]
-        envoy = [s for s in spans if s.service == "adaptermesh-envoy"]
-        worker = [s for s in spans if s.name == "worker completion"]
-        return (envoy, worker) if envoy and worker else None
-
-    envoy, worker = wait_until(joined, 20, 0.1, what="Envoy's and the worker's spans")
+    envoy, worker = wait_until(lambda: envoy_and_worker_spans(receiver, TRACE), 20, 0.1, what="Envoy's and the worker's spans")
     (request,) = worker
     assert request.parent_span_id in {s.span_id for s in envoy}
     assert any(s.parent_span_id == PARENT for s in envoy)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import TEST_OPTIONS
 from mesh_support import LOOPBACK, free_port
-from otlp import OtlpReceiver
+from otlp import OtlpReceiver, envoy_and_worker_spans
 from waiting import wait_until
 from worker_service.fakes import FakeEngine
 from worker_service.threaded import port_of, post_completion, threaded_service
@@ -74,13 +74,7 @@ def test_envoy_and_worker_spans_join_one_trace(traced_mesh) -> None:  # type: ig
     wait_until(lambda: post_completion(port, {}, "alpha", 3) == 200, 20, 0.2, what="Envoy routing to the worker")
     assert post_completion(port, {"traceparent": f"00-{TRACE}-{PARENT}-01"}, "alpha", 3) == 200
 
-    def joined():
-        spans = [s for s in receiver.snapshot() if s.trace_id == TRACE]
-        envoy = [s for s in spans if s.service == "adaptermesh-envoy"]
-        worker = [s for s in spans if s.name == "worker completion"]
-        return (envoy, worker) if envoy and worker else None
-
-    envoy, worker = wait_until(joined, 20, 0.1, what="Envoy's and the worker's spans")
+    envoy, worker = wait_until(lambda: envoy_and_worker_spans(receiver, TRACE), 20, 0.1, what="Envoy's and the worker's spans")
     (root,) = worker
     # The worker's request span is a child of a span Envoy exported, in the caller's trace.
     assert root.parent_span_id in {s.span_id for s in envoy}
