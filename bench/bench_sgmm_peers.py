@@ -429,7 +429,8 @@ def main() -> None:
     peer_sources: dict[str, Any] = {}
     if (args.peers / "SOURCES.json").exists():
         src = json.loads((args.peers / "SOURCES.json").read_text())
-        peer_sources = {k: {"commit": v.get("commit"), "files": v.get("files")}
+        peer_sources = {k: {"commit": v.get("commit"), "version": v.get("version"),
+                            "files": v.get("files")}
                         for k, v in src.items()}
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s; peers {sorted(peers)}; errors {peer_errors}")

@@ -40,7 +40,6 @@ PEER_FILES = {
     "sglang": [
         "python/sglang/srt/lora/triton_ops/sgemm_lora_a.py",
         "python/sglang/srt/lora/triton_ops/sgemm_lora_b.py",
-        "python/sglang/srt/lora/triton_ops/kernel_utils.py",
         "python/sglang/srt/lora/triton_ops/chunked_sgmv_shrink.py",
         "python/sglang/srt/lora/triton_ops/chunked_sgmv_expand.py",
     ],
@@ -53,8 +52,17 @@ SHIMS = {
     "vllm/triton_utils.py": "import triton\nimport triton.language as tl\n\nHAS_TRITON = True\n",
     "vllm/utils/__init__.py": "",
     "vllm/utils/torch_utils.py": (
+        "import torch\n\n\n"
         "def direct_register_custom_op(*args, **kwargs):\n"
-        "    raise AttributeError('custom-op registration is not used by the bench')\n"
+        "    raise AttributeError('custom-op registration is not used by the bench')\n\n\n"
+        "def async_tensor_h2d(data, device=None, dtype=None, out=None):\n"
+        "    if dtype is None and out is not None:\n        dtype = out.dtype\n"
+        "    t = torch.as_tensor(data, dtype=dtype)\n"
+        "    if out is not None:\n        out.copy_(t, non_blocking=True)\n        return out\n"
+        "    return t.to(device, non_blocking=True)\n"
+    ),
+    "vllm/utils/math_utils.py": (
+        "def next_power_of_2(n):\n    return 1 if n < 1 else 1 << (int(n) - 1).bit_length()\n"
     ),
     "vllm/platforms/__init__.py": (
         "import torch\n\n\nclass _Platform:\n"
@@ -65,13 +73,32 @@ SHIMS = {
         "    def get_device_name(self, device_id=0):\n"
         "        return torch.cuda.get_device_name(device_id) if torch.cuda.is_available() "
         "else 'cpu'\n"
-        "    def has_device_capability(self, *a, **k):\n        return False\n"
-        "    def get_device_capability(self, device_id=0):\n        return None\n\n\n"
+        "    def _cap(self):\n"
+        "        if not torch.cuda.is_available():\n            return -1\n"
+        "        major, minor = torch.cuda.get_device_capability()\n"
+        "        return major * 10 + minor\n"
+        "    def has_device_capability(self, cap, device_id=0):\n"
+        "        return self._cap() >= cap\n"
+        "    def is_device_capability(self, cap, device_id=0):\n"
+        "        return self._cap() == cap\n"
+        "    def get_device_capability(self, device_id=0):\n"
+        "        return torch.cuda.get_device_capability(device_id) "
+        "if torch.cuda.is_available() else None\n\n\n"
         "current_platform = _Platform()\n"
     ),
-    "vllm/envs.py": "VLLM_TUNED_CONFIG_FOLDER = None\nVLLM_LORA_TUNED_CONFIG_FOLDER = None\n",
+    # vLLM's defaults for the settings its LoRA kernels read (PDL on where supported).
+    "vllm/envs.py": (
+        "VLLM_TUNED_CONFIG_FOLDER = None\nVLLM_LORA_TUNED_CONFIG_FOLDER = None\n"
+        "VLLM_BATCH_INVARIANT = False\nVLLM_LORA_DISABLE_PDL = False\n"
+        "VLLM_LORA_ENABLE_DUAL_STREAM = False\n"
+    ),
     "vllm/logger.py": (
-        "import logging\n\n\ndef init_logger(name):\n    return logging.getLogger(name)\n"
+        "import logging\n\n\nclass _Logger(logging.LoggerAdapter):\n"
+        "    def warning_once(self, msg, *args, **kwargs):\n"
+        "        self.warning(msg, *args)\n"
+        "    def info_once(self, msg, *args, **kwargs):\n"
+        "        self.info(msg, *args)\n\n\n"
+        "def init_logger(name):\n    return _Logger(logging.getLogger(name), {})\n"
     ),
     "vllm/lora/__init__.py": "",
     "vllm/lora/ops/__init__.py": "",
@@ -83,6 +110,10 @@ SHIMS = {
         "    def get(self):\n        return self.v\n\n\n"
         "class _Envs:\n    def __getattr__(self, name):\n        return _Flag(False)\n\n\n"
         "envs = _Envs()\n"
+    ),
+    "sglang/srt/utils.py": (
+        "def cached_triton_kernel(key_fn=None, *args, **kwargs):\n"
+        "    return lambda kernel: kernel\n"
     ),
     "sglang/srt/lora/__init__.py": "",
     "sglang/srt/lora/utils.py": (
@@ -103,6 +134,16 @@ def _find_mirror(root: Path, name: str) -> Path | None:
         for gd in [cand, *sorted(cand.glob("*.git")), *sorted(cand.glob("*/"))]:
             if (gd / "HEAD").exists() and (gd / "objects").exists():
                 return gd
+    return None
+
+
+def _release_version(root: Path) -> str | None:
+    """The release a plain source tree came from: an sdist's PKG-INFO or a wheel's METADATA."""
+    for meta in [root / "PKG-INFO", *sorted(root.glob("*.dist-info/METADATA"))]:
+        if meta.exists():
+            for line in meta.read_text(errors="replace").splitlines():
+                if line.startswith("Version:"):
+                    return line.split(":", 1)[1].strip()
     return None
 
 
@@ -127,6 +168,7 @@ def prepare(dest: Path, mirror_root: Path = Path("/work/.mirror"),
                 entry["commit"] = _git(srcs[peer] / ".git", "rev-parse", "HEAD").decode().strip()
             except Exception:
                 entry["commit"] = None
+            entry["version"] = _release_version(srcs[peer])
         elif gd is not None:
             entry["source"] = str(gd)
             entry["commit"] = _git(gd, "rev-parse", "HEAD").decode().strip()
@@ -235,10 +277,56 @@ def _sglang_sgemm(mods: dict[str, Any]) -> Callable[[PeerCase], Callable[[], Non
         )
         names = {f.name for f in util.LoRABatchInfo.__dataclass_fields__.values()}
         info = util.LoRABatchInfo(**{k: v for k, v in kw.items() if k in names})
+        # Older releases took the scale as an argument; newer ones read batch_info.scalings.
+        extra = ({"scaling": c.scale}
+                 if "scaling" in inspect.signature(lb.sgemm_lora_b_fwd).parameters else {})
 
         def run() -> None:
             v = la.sgemm_lora_a_fwd(c.x, c.a, info)
-            lb.sgemm_lora_b_fwd(v, c.b, info, base_output=c.out, scaling=c.scale)
+            lb.sgemm_lora_b_fwd(v, c.b, info, base_output=c.out, **extra)
+
+        return run
+
+    return build
+
+
+def _sglang_chunk_size(tokens: int, cap: int = 128) -> int:
+    """SGLang's chunked backend picks its chunk from the batch's token count (128 from 256
+    tokens, 32 from 64, else 16), capped by ``--max-lora-chunk-size`` (here its maximum)."""
+    return min(cap, 128 if tokens >= 256 else 32 if tokens >= 64 else 16)
+
+
+def _sglang_chunked(mods: dict[str, Any]) -> Callable[[PeerCase], Callable[[], None]]:
+    shrink, expand, util = mods["shrink"], mods["expand"], mods["utils"]
+
+    def build(c: PeerCase) -> Callable[[], None]:
+        dev = c.x.device
+        t, n = c.x.shape[0], c.out.shape[1]
+        chunk = _sglang_chunk_size(t)
+        _, lens, ids = _segments(c.slots)  # slots are contiguous: the permutation is identity
+        seg_ids, seg_lens = [], []
+        for w, ln in zip(ids, lens, strict=True):
+            k = -(-ln // chunk)
+            seg_ids += [w] * k
+            seg_lens += [chunk] * (k - 1) + [ln - (k - 1) * chunk]
+        indptr = [0]
+        for ln in seg_lens:
+            indptr.append(indptr[-1] + ln)
+        i32 = dict(dtype=torch.int32, device=dev)
+        kw: dict[str, Any] = dict(
+            use_cuda_graph=True, bs=len(seg_lens), num_segments=len(seg_lens),
+            seg_indptr=torch.tensor(indptr, **i32), weight_indices=torch.tensor(seg_ids, **i32),
+            lora_ranks=c.ranks.to(dev), scalings=torch.full((c.a.shape[0],), c.scale, device=dev),
+            max_len=chunk, seg_lens=torch.tensor(seg_lens, **i32),
+            permutation=torch.arange(t, **i32),
+        )
+        names = {f.name for f in util.LoRABatchInfo.__dataclass_fields__.values()}
+        info = util.LoRABatchInfo(**{k: v for k, v in kw.items() if k in names})
+        offsets = torch.tensor([0, n], **i32)
+
+        def run() -> None:
+            v = shrink.chunked_sgmv_lora_shrink_forward(c.x, c.a, info, 1)
+            expand.chunked_sgmv_lora_expand_forward(v, c.b, info, offsets, n, c.out)
 
         return run
 
@@ -329,6 +417,20 @@ def load(dest: Path) -> tuple[dict[str, Peer], dict[str, str]]:
         pass
     except Exception as e:
         errors["sglang_sgemm"] = f"{type(e).__name__}: {e}"
+    try:
+        if "sglang" not in have:
+            raise LookupError("not extracted")
+        mods = {
+            "shrink": importlib.import_module("sglang.srt.lora.triton_ops.chunked_sgmv_shrink"),
+            "expand": importlib.import_module("sglang.srt.lora.triton_ops.chunked_sgmv_expand"),
+            "utils": importlib.import_module("sglang.srt.lora.utils"),
+        }
+        peers["sglang_chunked"] = Peer("sglang_chunked", info.get("sglang", {}).get("commit"),
+                                       _sglang_chunked(mods))
+    except LookupError:
+        pass
+    except Exception as e:
+        errors["sglang_chunked"] = f"{type(e).__name__}: {e}"
     try:
         if "vllm" not in have:
             raise LookupError("not extracted")
