@@ -67,6 +67,14 @@ EXPAND = [  # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, 
     (1, 256, 4, 3, False, 4, True), (1, 1024, 8, 2, False, 1, True),
     (2, 512, 4, 2, False, 1, True), (4, 512, 8, 2, False, 1, True),
 ]  # fmt: skip
+# One launch (shrink + expand fused): (block_m, block_n, block_k, n_blocks, num_warps,
+# num_stages); n_blocks column blocks of block_n per program, block_k of H per shrink step.
+FUSED = [
+    (16, 64, 256, 1, 4, 3), (16, 128, 256, 1, 4, 3), (16, 256, 128, 1, 4, 3),
+    (16, 128, 512, 1, 8, 2), (16, 256, 128, 4, 4, 3), (16, 256, 128, 16, 4, 3),
+    (32, 256, 128, 16, 8, 3), (32, 128, 64, 32, 4, 3), (64, 256, 64, 16, 8, 3),
+    (16, 128, 128, 32, 4, 4), (32, 256, 64, 8, 8, 3), (16, 512, 128, 8, 8, 3),
+]  # fmt: skip
 # Ranks other than the first are swept on these shapes only.
 SHAPES_OTHER_RANKS = [(16, 1), (64, 64), (256, 64)]
 TARGET_BYTES = 256 << 20
@@ -149,10 +157,18 @@ class Setup:
             shrink_cfg=sc, expand_cfg=ec, check_values=False,
         )  # fmt: skip
 
-    def default_fn(self, active: int | None = None) -> Callable[[tuple], object]:  # type: ignore[type-arg]
+    def default_fn(self, active: int | None = None, pdl: bool | None = None,
+                   sc: SgmmConfig | None = None,
+                   ec: SgmmConfig | None = None) -> Callable[[tuple], object]:  # type: ignore[type-arg]
         return lambda st: sgmm.add_lora(
             st[3], st[2], st[0], st[1], self.scales, self.ranks, st[4], v_buffer=st[5],
-            active_slots=active, check_values=False,
+            active_slots=active, check_values=False, pdl=pdl, shrink_cfg=sc, expand_cfg=ec,
+        )  # fmt: skip
+
+    def fused_fn(self, cfg: SgmmConfig) -> Callable[[tuple], object]:  # type: ignore[type-arg]
+        return lambda st: sgmm.add_lora(
+            st[3], st[2], st[0], st[1], self.scales, self.ranks, st[4], v_buffer=st[5],
+            fused_cfg=cfg, check_values=False,
         )  # fmt: skip
 
 
@@ -196,10 +212,44 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
         "expand": min(expand_us.items(), key=lambda kv: kv[1]) if expand_us else None,
     }
     two = (best["shrink"][1] + best["expand"][1]) if best["shrink"] and best["expand"] else None
+    # The default pair with and without the expand as a programmatic dependent launch, and
+    # the best shrink + best expand timed together both ways (their overlap is not a sum).
+    nopdl_us = time_graph(setup.calls(setup.default_fn(setup.s, pdl=False)))
+    pair_us: dict[str, float] = {}
+    if best["shrink"] and best["expand"]:
+        sc = _shrink_cfg(best["shrink"][0], setup.r)
+        ec = _expand_cfg(best["expand"][0], setup.r)
+        for pdl in (False, True):
+            pair_us["pdl" if pdl else "plain"] = time_graph(
+                setup.calls(setup.default_fn(setup.s, pdl=pdl, sc=sc, ec=ec)))
+    fused_us: dict[tuple, float] = {}
+    for c in (FUSED[:4] if quick else FUSED) if setup.r <= sgmm.FUSED_MAX_RANK else []:
+        cfg = SgmmConfig(c[0], c[1], c[2], n_blocks=c[3], num_warps=c[4], num_stages=c[5],
+                         fused=True)  # fmt: skip
+        err = setup.error(setup.fused_fn(cfg))
+        if err > 0.03:
+            results.append({**row, "kind": "fused", "cfg": list(c), "err": err, "us": None})
+            continue
+        fused_us[c] = time_graph(setup.calls(setup.fused_fn(cfg)))
+        results.append({**row, "kind": "fused", "cfg": list(c), "err": err, "us": fused_us[c]})
+    best["fused"] = min(fused_us.items(), key=lambda kv: kv[1]) if fused_us else None
     return {
         "shrink_us": shrink_us, "expand_us": expand_us, "best": best,
         "two_launch_us": two, "default_us": default_us, "default_err": default_err,
+        "default_nopdl_us": nopdl_us, "pair_us": pair_us,
     }  # fmt: skip
+
+
+def _shrink_cfg(c: tuple, r: int) -> SgmmConfig:  # type: ignore[type-arg]
+    if c[5]:
+        return SgmmConfig(c[0], c[5], c[1], num_warps=c[3], num_stages=c[4], gemv=True)
+    return SgmmConfig(c[0], _bn(r), c[1], num_warps=c[3], num_stages=c[4], split_k=c[2])
+
+
+def _expand_cfg(c: tuple, r: int) -> SgmmConfig:  # type: ignore[type-arg]
+    bk = max(16, triton.next_power_of_2(r)) if c[6] else _bn(r)
+    return SgmmConfig(c[0], c[1], bk, num_warps=c[2], num_stages=c[3], prefetch_out=c[4],
+                      n_blocks=c[5], gemv=c[6])  # fmt: skip
 
 
 def host_costs() -> dict:
@@ -235,6 +285,10 @@ def host_costs() -> dict:
         lambda: build_segment_meta(slots, 128, 16, out=meta, check_values=False,
                                    use_triton=False))  # fmt: skip
     return res
+
+
+def _r1(d: dict) -> dict:  # type: ignore[type-arg]
+    return {k: round(v, 1) for k, v in d.items()}
 
 
 def _t_bucket(t: int) -> int:
@@ -290,7 +344,10 @@ def main() -> int:
                 "best_expand": list(b["expand"][0]) if b["expand"] else None,
                 "best_expand_us": b["expand"][1] if b["expand"] else None,
                 "two_launch_us": res["two_launch_us"], "default_us": res["default_us"],
-                "default_err": res["default_err"],
+                "default_err": res["default_err"], "default_nopdl_us": res["default_nopdl_us"],
+                "pair_us": res["pair_us"],
+                "best_fused": list(b["fused"][0]) if b["fused"] else None,
+                "best_fused_us": b["fused"][1] if b["fused"] else None,
             }  # fmt: skip
             best_us = case["two_launch_us"] or res["default_us"]
             case["best_pct_copy_bw"] = 100 * setup.min_bytes / (best_us * 1e-6) / 1e9 / results["copy_gbps"]
@@ -298,7 +355,10 @@ def main() -> int:
             results["cases"].append(case)
             print(f"CASE {group:7s} T={t:4d} S={s:3d} r={r:2d}: default {res['default_us']:.1f} us, "
                   f"two {case['two_launch_us'] and round(case['two_launch_us'], 1)} "
-                  f"({case['best_shrink']} + {case['best_expand']})", flush=True)  # fmt: skip
+                  f"({case['best_shrink']} + {case['best_expand']}); no-pdl "
+                  f"{res['default_nopdl_us']:.1f}, pair {_r1(res['pair_us'])}, fused "
+                  f"{case['best_fused_us'] and round(case['best_fused_us'], 1)} "
+                  f"{case['best_fused']}", flush=True)  # fmt: skip
             del setup
             torch.cuda.empty_cache()
             Path(args.out).write_text(json.dumps(results, indent=1, default=str))

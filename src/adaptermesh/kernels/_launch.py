@@ -49,9 +49,13 @@ def launch(
     *,
     num_warps: int,
     num_stages: int,
+    launch_pdl: bool = False,
 ) -> None:
-    """``kernel[grid](*args, **constexprs, num_warps=..., num_stages=...)``."""
-    kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+    """``kernel[grid](*args, **constexprs, num_warps=..., num_stages=...)``; ``launch_pdl``:
+    a programmatic dependent launch (the kernel may start while the previous one finishes and
+    waits for it with ``gdc_wait``; CUDA, compute capability 9.0 and up)."""
+    extra = {"launch_pdl": True} if launch_pdl else {}
+    kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **extra)
 
 
 def prepare(
@@ -62,20 +66,23 @@ def prepare(
     *,
     num_warps: int,
     num_stages: int,
+    launch_pdl: bool = False,
 ) -> Callable[[], None]:
     """A launch with every argument bound now: calling it costs the driver call alone.
 
     The kernel is compiled here (without running); the closure keeps the tensors alive. Where
     the fast path is unavailable the closure is the generic launch, still correct.
     """
+    extra = {"launch_pdl": True} if launch_pdl else {}
     if not fast_path_available() or not args or not isinstance(args[0], torch.Tensor):
 
         def generic() -> None:
-            kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **extra)
 
         return generic
+    # launch_pdl is compiled into the kernel's metadata, which its launcher reads.
     compiled = kernel.warmup(
-        *args, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages
+        *args, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages, **extra
     )
     values = (*args, *constexprs.values())
     device = args[0].device

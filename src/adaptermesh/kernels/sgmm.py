@@ -25,6 +25,8 @@ Entries of ``v`` past a token's rank, and rows of base tokens, are left unwritte
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +52,8 @@ __all__ = [
     "SgmmConfig",
     "add_lora",
     "expand_config",
+    "fused_config",
+    "pdl_available",
     "plan_add_lora",
     "sgmm_expand",
     "sgmm_shrink",
@@ -87,6 +91,9 @@ class SgmmConfig:
     # block_m tokens per program, block_n columns, block_k covering the whole rank. Shrink:
     # block_m tokens, block_n rank rows per program, block_k columns of H per step, no split.
     gemv: bool = False
+    # Shrink and expand in one launch (_sgmm_fused_kernel): block_m tokens of one slot per
+    # program, block_k columns of H per shrink step, n_blocks column blocks of block_n each.
+    fused: bool = False
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -276,6 +283,47 @@ def expand_config(
     )  # fmt: skip
 
 
+# One launch (shrink and expand fused) where it measured faster than the two launches' best,
+# per (T bucket, density, rank bucket): (block_m, block_n, block_k, n_blocks, num_warps,
+# num_stages). Filled from bench/sweep_sgmm_decode.py's fused candidates; a missing key keeps
+# the two launches. Ranks above FUSED_MAX_RANK never fuse (v lives in registers).
+FUSED_MAX_RANK = 128
+_FUSED_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int]] = {}
+
+
+def fused_config(
+    num_tokens: int, hidden: int, n_max: int, r_max: int, active_slots: int | None = None
+) -> SgmmConfig | None:
+    """The one-launch config for a batch, or None where two launches are faster."""
+    if r_max > FUSED_MAX_RANK:
+        return None
+    row = _FUSED_ROWS.get(
+        (_t_bucket(num_tokens), _d_bucket(num_tokens, active_slots), _r_bucket(r_max))
+    )
+    if row is None:
+        return None
+    bm, bn, bk, nb, warps, stages = row
+    return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, n_blocks=nb, fused=True)
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether the expand may be a programmatic dependent launch after its shrink (CUDA,
+    compute capability 9.0 and up, not the interpreter; ``ADAPTERMESH_NO_PDL=1`` turns it
+    off): its prologue then overlaps the shrink's tail instead of following the launch gap."""
+    if device.type != "cuda" or interpreter_enabled():
+        return False
+    if os.environ.get("ADAPTERMESH_NO_PDL", "") == "1":
+        return False
+    return _capability(device.index if device.index is not None else -1) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    dev = torch.cuda.current_device() if index < 0 else index
+    major, minor = torch.cuda.get_device_capability(dev)
+    return int(major), int(minor)
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared device helper: map a program of the compact tile axis to (slot, first row, end row).
 # ---------------------------------------------------------------------------------------------
@@ -409,7 +457,10 @@ def _sgmm_shrink_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr = False,
 ):
+    if LAUNCH_DEPS:  # the expand (a programmatic dependent launch) may start its prologue
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_nk = tl.program_id(1)
     pid_i = tl.program_id(2).to(tl.int64)
@@ -487,11 +538,14 @@ def _sgmm_shrink_gemv_kernel(
     BLOCK_N: tl.constexpr,  # rank rows per program
     BLOCK_K: tl.constexpr,  # H columns per step
     BLOCK_S: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr = False,
 ):
     """Shrink as a gathered matrix-vector product: each program owns BLOCK_N rank rows of its
     slot's A and walks the whole of H once, reducing against its tokens' x on the CUDA cores.
     With many programs per slot (one per few rank rows) a decode step fills the GPU without
     split-K, so there are no partials, counters or second pass."""
+    if LAUNCH_DEPS:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_i = tl.program_id(2).to(tl.int64)
@@ -566,6 +620,7 @@ def _sgmm_expand_kernel(
     BLOCK_S: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PREFETCH_OUT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -584,12 +639,18 @@ def _sgmm_expand_kernel(
         b_ptr = b2_ptr
     n_first = pid_n * N_BLOCKS * BLOCK_N
     if n_first >= n_size:
+        if PDL:  # every program waits, so this grid ends after the shrink it depends on
+            tl.extra.cuda.gdc_wait()
         return
     has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
     if not has_tile:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         return
     rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
     if rank == 0:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         return
     offs_m = row_begin + tl.arange(0, BLOCK_M)
     mask_m = offs_m < seg_end
@@ -597,6 +658,8 @@ def _sgmm_expand_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     v_ptrs = v_ptr + pid_i.to(tl.int64) * stride_vi + tok[:, None] * stride_vt
     scale = tl.load(scales_ptr + slot)
+    if PDL:  # the prologue above overlapped the shrink; v is read only after it finished
+        tl.extra.cuda.gdc_wait()
     # N_BLOCKS column blocks per program: a program streams a longer run of B and out, so
     # fewer programs each keep more loads in flight (decode: one token per adapter).
     for j in range(0, N_BLOCKS):
@@ -667,6 +730,7 @@ def _sgmm_expand_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= R_MAX: the whole rank in one tile
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Expand as a gathered matrix-vector product: each program loads a [BLOCK_N, rank] tile
     of its slot's B once and, for each of its (at most BLOCK_M) tokens, reduces it against the
@@ -689,18 +753,26 @@ def _sgmm_expand_gemv_kernel(
         b_ptr = b2_ptr
     n_first = pid_n * N_BLOCKS * BLOCK_N
     if n_first >= n_size:
+        if PDL:  # every program waits, so this grid ends after the shrink it depends on
+            tl.extra.cuda.gdc_wait()
         return
     has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
     if not has_tile:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         return
     rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
     if rank == 0:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         return
     scale = tl.load(scales_ptr + slot)
     offs_r = tl.arange(0, BLOCK_K)
     mask_r = offs_r < rank
     b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
     v_base = v_ptr + pid_i.to(tl.int64) * stride_vi + offs_r * stride_vr
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for j in range(0, N_BLOCKS):
         offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_size
@@ -722,6 +794,127 @@ def _sgmm_expand_gemv_kernel(
                     o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
                     mask=mask_n,
                 )  # fmt: skip
+
+
+@triton.jit
+def _sgmm_fused_kernel(
+    # pointers
+    out_ptr,
+    x_ptr,
+    a_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    scales_ptr,
+    ranks_ptr,
+    sorted_ptr,
+    seg_start_ptr,
+    # sizes
+    H,
+    S,
+    R_MAX,
+    N0,
+    N1,
+    N2,
+    OFF1,
+    OFF2,
+    N_BLOCKS,  # BLOCK_N-wide column blocks per program
+    # strides
+    stride_xt,
+    stride_xh,
+    stride_ai,
+    stride_as,
+    stride_ar,
+    stride_ah,
+    stride_ot,
+    stride_on,
+    stride_b0s,
+    stride_b0n,
+    stride_b0r,
+    stride_b1s,
+    stride_b1n,
+    stride_b1r,
+    stride_b2s,
+    stride_b2n,
+    stride_b2r,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # H columns per shrink step
+    BLOCK_R: tl.constexpr,  # >= R_MAX: the whole rank in one tile
+    BLOCK_S: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Shrink and expand in one launch: a program computes its tile's ``v`` (BLOCK_M tokens of
+    one slot, the whole rank) over all of H, keeps it in registers, and adds ``v @ B.T`` to
+    its N_BLOCKS column blocks of out. ``v`` never goes to memory and there is no second
+    launch; with several column groups per tile (grid axis 1) each recomputes the tile's
+    ``v`` from x and A, which the groups read at about the same time (L2)."""
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_i = tl.program_id(2)
+    n_size = _of_slice(pid_i, N0, N1, N2)
+    col_off = _of_slice(pid_i, 0, OFF1, OFF2)
+    stride_bs = _of_slice(pid_i, stride_b0s, stride_b1s, stride_b2s).to(tl.int64)
+    stride_bn = _of_slice(pid_i, stride_b0n, stride_b1n, stride_b2n)
+    stride_br = _of_slice(pid_i, stride_b0r, stride_b1r, stride_b2r)
+    if pid_i == 0:
+        b_ptr = b0_ptr
+    elif pid_i == 1:
+        b_ptr = b1_ptr
+    else:
+        b_ptr = b2_ptr
+    n_first = pid_g * N_BLOCKS * BLOCK_N
+    if n_first >= n_size:
+        return
+    has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    if not has_tile:
+        return
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
+    if rank == 0:
+        return
+    offs_m = row_begin + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < seg_end
+    tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    a_ptrs = (
+        a_ptr
+        + pid_i.to(tl.int64) * stride_ai
+        + slot.to(tl.int64) * stride_as
+        + offs_r[None, :] * stride_ar
+        + offs_k[:, None] * stride_ah
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        k_left = H - k * BLOCK_K
+        xt = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        at = tl.load(a_ptrs, mask=(offs_k[:, None] < k_left) & mask_r[None, :], other=0.0)
+        if DOT_FP32:
+            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(xt, at)
+        x_ptrs += BLOCK_K * stride_xh
+        a_ptrs += BLOCK_K * stride_ah
+    # Rounded to the weight dtype, as the two-launch expand does with the v it reads back.
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    v = acc.to(b_ptr.dtype.element_ty)
+    scale = tl.load(scales_ptr + slot)
+    for j in range(0, N_BLOCKS):
+        offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_size
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
+        o_mask = mask_m[:, None] & mask_n[None, :]
+        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        bt = tl.load(b_base + offs_n[None, :] * stride_bn, mask=mask_r[:, None] & mask_n[None, :],
+                     other=0.0)  # fmt: skip
+        if DOT_FP32:
+            d = tl.dot(v.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
+        else:
+            d = tl.dot(v, bt)
+        tl.store(o_ptrs, (o.to(tl.float32) + d * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _dot_fp32(dtype: torch.dtype) -> bool:
@@ -779,6 +972,8 @@ def _check_config(cfg: SgmmConfig) -> None:
         raise ValueError(f"config.split_k must be >= 1, got {cfg.split_k}")
     if cfg.n_blocks < 1:
         raise ValueError(f"config.n_blocks must be >= 1, got {cfg.n_blocks}")
+    if cfg.fused and (cfg.gemv or cfg.split_k != 1):
+        raise ValueError("a fused config has no gemv or split_k variant")
 
 
 def sgmm_shrink(
@@ -812,8 +1007,10 @@ def _launch_shrink(
     shapes: SgmmShapes,  # from check_shrink
     config: SgmmConfig | None,
     run: Any = launch,
+    launch_deps: bool = False,  # the expand after it is a programmatic dependent launch
 ) -> Any:
     cfg = config or shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max)
+    deps = {"LAUNCH_DEPS": True} if launch_deps else {}
     _check_config(cfg)
     grid_m = _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m)
     n_tiles_n = int(triton.cdiv(shapes.r_max, cfg.block_n))
@@ -831,6 +1028,7 @@ def _launch_shrink(
                 "BLOCK_N": cfg.block_n,
                 "BLOCK_K": cfg.block_k,
                 "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
+                **deps,
             },
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -883,6 +1081,7 @@ def _launch_shrink(
             "BLOCK_K": cfg.block_k,
             "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
             "DOT_FP32": _dot_fp32(x.dtype),
+            **deps,
         },
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -916,6 +1115,7 @@ def _launch_expand(
     shapes: SgmmShapes,  # from check_expand
     config: SgmmConfig | None,
     run: Any = launch,
+    pdl: bool = False,  # launched as a programmatic dependent of the shrink before it
 ) -> Any:
     bs, sizes, offs = _three_slices(lora_b, shapes.out_sizes, shapes.out_offsets)
     n_max = max(shapes.out_sizes)
@@ -966,7 +1166,49 @@ def _launch_expand(
     else:
         kernel = _sgmm_expand_kernel
         consts |= {"DOT_FP32": _dot_fp32(out.dtype), "PREFETCH_OUT": cfg.prefetch_out}
+    if pdl:
+        consts["PDL"] = True
+        return run(kernel, grid, args, consts, num_warps=cfg.num_warps,
+                   num_stages=cfg.num_stages, launch_pdl=True)  # fmt: skip
     return run(kernel, grid, args, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_fused(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    ranks: torch.Tensor,
+    meta: SegmentMeta,
+    shapes: SgmmShapes,  # from check_shrink
+    expand_shapes: SgmmShapes,  # from check_expand
+    cfg: SgmmConfig,
+    run: Any = launch,
+) -> Any:
+    bs, sizes, offs = _three_slices(lora_b, expand_shapes.out_sizes, expand_shapes.out_offsets)
+    n_max = max(expand_shapes.out_sizes)
+    grid = (
+        _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m),
+        int(triton.cdiv(n_max, cfg.block_n * cfg.n_blocks)),
+        shapes.n_slices,
+    )
+    args = (
+        out, x, lora_a, bs[0], bs[1], bs[2], scales, ranks, meta.sorted_tokens, meta.seg_start,
+        shapes.hidden, shapes.num_slots, shapes.r_max, sizes[0], sizes[1], sizes[2], offs[1],
+        offs[2], cfg.n_blocks, x.stride(0), x.stride(1), *lora_a.stride(), out.stride(0),
+        out.stride(1), *bs[0].stride(), *bs[1].stride(), *bs[2].stride(),
+    )  # fmt: skip
+    consts: dict[str, object] = {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "BLOCK_R": _pow2_at_least_16(shapes.r_max),
+        "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
+        "DOT_FP32": _dot_fp32(x.dtype),
+    }
+    return run(_sgmm_fused_kernel, grid, args, consts, num_warps=cfg.num_warps,
+               num_stages=cfg.num_stages)  # fmt: skip
 
 
 def add_lora(
@@ -983,16 +1225,23 @@ def add_lora(
     expand_cfg: SgmmConfig | None = None,
     active_slots: int | None = None,
     check_values: bool = True,
+    fused_cfg: SgmmConfig | None = None,
+    fused: bool | None = None,
+    pdl: bool | None = None,
 ) -> None:
-    """``out += scale * (x @ A.T) @ B.T`` per token's slot: two launches (shrink, expand).
+    """``out += scale * (x @ A.T) @ B.T`` per token's slot: two launches (shrink, expand), or
+    one fused launch where the config table measured that faster.
 
     ``active_slots`` is how many distinct adapters the batch uses at most (the scheduler
     knows); it picks the tile shapes. Left out, it is the pool's slot count: the worst case,
-    which suits a CUDA graph captured once for any mix.
+    which suits a CUDA graph captured once for any mix. ``fused``: None lets the table decide
+    (only when no shrink/expand config is given), False always runs two launches, True needs
+    ``fused_cfg`` or a table row. ``pdl``: None launches the expand as a programmatic
+    dependent of the shrink where the GPU supports it (``pdl_available``).
     """
     _add_lora(
         out, x, lora_a, lora_b, scales, ranks, meta, v_buffer, shrink_cfg, expand_cfg,
-        active_slots, check_values, launch,
+        active_slots, check_values, launch, fused_cfg, fused, pdl,
     )  # fmt: skip
 
 
@@ -1016,7 +1265,10 @@ class AddLoraPlan:
 
     def steps(self) -> tuple[Callable[[], None], Callable[[], None]]:
         """The shrink and the expand launches apart, for a caller that runs them on two
-        streams (each launches on the stream current when it is called)."""
+        streams (each launches on the stream current when it is called). Such a plan is made
+        with ``fused=False`` and ``pdl=False``."""
+        if len(self._launches) != 2:
+            raise ValueError("a fused plan has one launch: make it with fused=False for steps()")
         shrink, expand = self._launches
         return shrink, expand
 
@@ -1035,11 +1287,14 @@ def plan_add_lora(
     expand_cfg: SgmmConfig | None = None,
     active_slots: int | None = None,
     check_values: bool = True,
+    fused_cfg: SgmmConfig | None = None,
+    fused: bool | None = None,
+    pdl: bool | None = None,
 ) -> AddLoraPlan:
     """An ``AddLoraPlan`` for these tensors (same arguments as ``add_lora``); nothing runs."""
     launches: list[Callable[[], None]] = _add_lora(
         out, x, lora_a, lora_b, scales, ranks, meta, v_buffer, shrink_cfg, expand_cfg,
-        active_slots, check_values, prepare,
+        active_slots, check_values, prepare, fused_cfg, fused, pdl,
     )  # fmt: skip
     return AddLoraPlan(launches)
 
@@ -1058,6 +1313,9 @@ def _add_lora(
     active_slots: int | None,
     check_values: bool,
     run: Any,
+    fused_cfg: SgmmConfig | None = None,
+    fused: bool | None = None,
+    pdl: bool | None = None,
 ) -> list[Any]:
     # Every check runs before the first launch, so a bad lora_b cannot leave a half-done op.
     shapes = check_shrink(x, lora_a, ranks, check_values)
@@ -1067,6 +1325,26 @@ def _add_lora(
         active_slots = shapes.num_slots
     v = _v_buffer(v_buffer, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
     expand_shapes = check_expand(out, v, lora_b, scales, ranks, False)
+    if fused_cfg is None and fused is not False and shrink_cfg is None and expand_cfg is None:
+        fused_cfg = fused_config(
+            shapes.num_tokens, shapes.hidden, max(expand_shapes.out_sizes), shapes.r_max,
+            active_slots,
+        )  # fmt: skip
+    if fused and fused_cfg is None:
+        raise ValueError("fused=True needs fused_cfg here: the config table has no row for it")
+    if fused_cfg is not None and fused is not False:
+        if not fused_cfg.fused:
+            raise ValueError("fused_cfg must be a config with fused=True")
+        if shapes.r_max > FUSED_MAX_RANK:
+            raise ValueError(f"a fused launch holds the rank in registers: R_max must be <= "
+                             f"{FUSED_MAX_RANK}, got {shapes.r_max}")  # fmt: skip
+        _check_config(fused_cfg)
+        fused_launch = _launch_fused(
+            out, x, lora_a, lora_b, scales, ranks, meta, shapes, expand_shapes, fused_cfg, run
+        )
+        return [fused_launch]
+    if pdl is None:
+        pdl = pdl_available(x.device)
     if shrink_cfg is None:
         shrink_cfg = shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max, active_slots)
     if expand_cfg is None:
@@ -1080,8 +1358,10 @@ def _add_lora(
     # Launch straight away: sgmm_shrink / sgmm_expand would repeat the checks above, and this
     # runs for every targeted module of every layer.
     return [
-        _launch_shrink(x, lora_a, ranks, meta, v, shapes, shrink_cfg, run),
-        _launch_expand(out, v, lora_b, scales, ranks, meta, expand_shapes, expand_cfg, run),
+        _launch_shrink(x, lora_a, ranks, meta, v, shapes, shrink_cfg, run, launch_deps=pdl),
+        _launch_expand(
+            out, v, lora_b, scales, ranks, meta, expand_shapes, expand_cfg, run, pdl=pdl
+        ),
     ]
 
 

@@ -126,7 +126,7 @@ def project_with_lora(
             delta.zero_()  # rows of base tokens stay zero
         shrink, expand = sgmm.plan_add_lora(
             out if delta is None else delta, x, lora_a, lora_b, scales, ranks, meta.kernel_meta,
-            v_buffer=v, check_values=False,
+            v_buffer=v, check_values=False, fused=False, pdl=False,
         ).steps()
         shrink()
         if delta is not None:

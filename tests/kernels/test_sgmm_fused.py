@@ -1,0 +1,192 @@
+"""SGMM in one launch (shrink and expand fused) and the expand as a programmatic dependent
+launch (PDL).
+
+CPU (CI): the fused kernel under TRITON_INTERPRET=1 against the torch twin on fresh random
+inputs (Hypothesis): ragged H and output sizes, ranks with 0 in a mixed pool, base tokens,
+1-3 slices, every config axis. Refusals before any launch. ``gpu``: fused and PDL launches
+against the two-launch path on real shapes, in eager, through a plan and in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kernel_cases import MIXES, make_case, tolerance
+
+from adaptermesh.kernels import build_segment_meta, reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sgmm():  # type: ignore[no-untyped-def]
+    from adaptermesh.kernels import sgmm
+
+    return sgmm
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    t=st.integers(1, 40),
+    h=st.integers(1, 70),
+    s=st.integers(1, 5),
+    r_max=st.sampled_from([1, 4, 16, 24, 40]),
+    n_sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    mix=st.sampled_from(MIXES),
+    block_m=st.sampled_from([16, 32]),
+    block_n=st.sampled_from([16, 32]),
+    block_k=st.sampled_from([16, 32]),
+    n_blocks=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_matches_twin(  # type: ignore[no-untyped-def]
+    t, h, s, r_max, n_sizes, mix, block_m, block_n, block_k, n_blocks, seed
+) -> None:
+    """Any fused config gives the twin's result; base rows and rank-0 slots keep their bits."""
+    sgmm = _sgmm()
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(0, r_max + 1, (s,), generator=gen).tolist()
+    case = make_case(
+        t=t, h=h, s=s, r_max=r_max, ranks=ranks, out_sizes=tuple(n_sizes), mix=mix,
+        dtype=torch.float32, device=DEVICE, seed=seed,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, s)
+    cfg = sgmm.SgmmConfig(block_m, block_n, block_k, n_blocks=n_blocks, fused=True)
+    got = case.out.clone()
+    plan = sgmm.plan_add_lora(
+        got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, fused_cfg=cfg
+    )
+    assert plan.launches == 1
+    plan()
+    want = case.out.clone()
+    reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    slots = case.slots.long()
+    rank_t = torch.where(slots >= 0, case.ranks.long()[slots.clamp(min=0)], 0)
+    assert torch.equal(got[rank_t == 0], case.out[rank_t == 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_half_precision_matches_twin(dtype: torch.dtype) -> None:
+    """bf16/fp16: v is rounded to the weight dtype before the expand, as in two launches."""
+    sgmm = _sgmm()
+    case = make_case(
+        t=37, h=96, s=4, r_max=32, ranks=[32, 8, 0, 17], out_sizes=(48, 20, 20), mix="zipf",
+        dtype=dtype, device=DEVICE, seed=11,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, 4)
+    got = case.out.clone()
+    sgmm.add_lora(got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+                  fused_cfg=sgmm.SgmmConfig(16, 32, 32, n_blocks=2, fused=True))  # fmt: skip
+    want = case.out.clone()
+    reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
+    rtol, atol = tolerance(dtype, "out")
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+def test_fused_refusals_before_launch() -> None:
+    sgmm = _sgmm()
+    case = make_case(
+        t=5, h=32, s=2, r_max=16, ranks=None, out_sizes=(16,), mix="uniform",
+        dtype=torch.float32, device=DEVICE, seed=1,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, 2)
+    args = (case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
+    out = case.out.clone()
+    with pytest.raises(ValueError, match="fused=True"):
+        sgmm.add_lora(out, *args, fused_cfg=sgmm.SgmmConfig(16, 16, 16), fused=None)
+    with pytest.raises(ValueError, match="no gemv or split_k"):
+        sgmm.add_lora(out, *args, fused_cfg=sgmm.SgmmConfig(16, 16, 16, fused=True, split_k=2))
+    with pytest.raises(ValueError, match="power of two"):
+        sgmm.add_lora(out, *args, fused_cfg=sgmm.SgmmConfig(16, 24, 16, fused=True))
+    if not sgmm.fused_config(5, 32, 16, 16, 2):
+        with pytest.raises(ValueError, match="needs fused_cfg"):
+            sgmm.add_lora(out, *args, fused=True)
+    assert torch.equal(out, case.out)  # nothing ran
+    big = make_case(
+        t=3, h=16, s=1, r_max=256, ranks=None, out_sizes=(16,), mix="uniform",
+        dtype=torch.float32, device=DEVICE, seed=2,
+    )  # fmt: skip
+    bmeta = build_segment_meta(big.slots, 1)
+    with pytest.raises(ValueError, match="R_max must be <= 128"):
+        sgmm.add_lora(big.out.clone(), big.x, big.lora_a, big.lora_b, big.scales, big.ranks,
+                      bmeta, fused_cfg=sgmm.SgmmConfig(16, 16, 16, fused=True))  # fmt: skip
+    assert sgmm.fused_config(3, 16, 16, 256) is None
+
+
+def test_plan_steps_needs_two_launches() -> None:
+    sgmm = _sgmm()
+    case = make_case(
+        t=4, h=16, s=1, r_max=16, ranks=None, out_sizes=(16,), mix="uniform",
+        dtype=torch.float32, device=DEVICE, seed=3,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, 1)
+    plan = sgmm.plan_add_lora(case.out.clone(), case.x, case.lora_a, case.lora_b, case.scales,
+                              case.ranks, meta,
+                              fused_cfg=sgmm.SgmmConfig(16, 16, 16, fused=True))  # fmt: skip
+    with pytest.raises(ValueError, match="fused=False"):
+        plan.steps()
+    two = sgmm.plan_add_lora(case.out.clone(), case.x, case.lora_a, case.lora_b, case.scales,
+                             case.ranks, meta, fused=False, pdl=False)  # fmt: skip
+    assert len(two.steps()) == 2
+
+
+def test_pdl_off_the_gpu() -> None:
+    """No programmatic dependent launch on CPU or under the interpreter."""
+    sgmm = _sgmm()
+    assert not sgmm.pdl_available(torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------- GPU
+GPU_SHAPES = [(1, 1, 16), (16, 1, 16), (16, 16, 16), (64, 8, 16), (256, 64, 64), (4096, 1, 16),
+              (4096, 64, 64), (300, 7, 32)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "s", "r"), GPU_SHAPES)
+def test_gpu_fused_and_pdl_match_two_launches(t: int, s: int, r: int) -> None:
+    """Fused and PDL launches against the plain two launches, eager, planned and graphed;
+    mixed ranks with 0 and base tokens."""
+    sgmm = _sgmm()
+    ranks = [(r, max(1, r // 2), 0)[i % 3] for i in range(s)] if s > 2 else None
+    case = make_case(
+        t=t, h=4096, s=s, r_max=r, ranks=ranks, out_sizes=(4096, 1024, 1024), mix="with_base",
+        dtype=torch.bfloat16, device="cuda", seed=t * 31 + s + r,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, s)
+    args = (case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
+    plain = case.out.clone()
+    sgmm.add_lora(plain, *args, fused=False, pdl=False)
+    want = case.out.clone()
+    reference.add_lora_ref(want, *args)
+    rtol, atol = tolerance(torch.bfloat16, "out")
+    torch.testing.assert_close(plain, want, rtol=rtol, atol=atol)
+    assert sgmm.pdl_available(case.x.device)
+    pdl = case.out.clone()
+    sgmm.add_lora(pdl, *args, fused=False, pdl=True)
+    assert torch.equal(pdl, plain)  # same kernels, same order of sums
+    for cfg in (sgmm.SgmmConfig(16, 128, 128, n_blocks=1, fused=True),
+                sgmm.SgmmConfig(32, 256, 64, n_blocks=4, num_warps=8, fused=True)):  # fmt: skip
+        got = case.out.clone()
+        sgmm.add_lora(got, *args, fused_cfg=cfg)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    # A plan and a CUDA graph of the default path (PDL on) replay to the eager result.
+    planned = case.out.clone()
+    sgmm.plan_add_lora(planned, *args)()
+    graphed = case.out.clone()
+    v = torch.empty(3, t, r, device="cuda", dtype=torch.float32)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        sgmm.add_lora(graphed.clone(), *args, v_buffer=v)  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        sgmm.add_lora(graphed, *args, v_buffer=v)
+    eager = case.out.clone()
+    sgmm.add_lora(eager, *args)
+    graphed.copy_(case.out)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, eager)
+    assert torch.equal(planned, eager)
