@@ -142,17 +142,18 @@ class Case:
         return [(a, b, c) for a, b, c in segs]
 
     # -- implementations: each returns one callable per input set --
-    def ours(self, hint: bool = True) -> list[Callable[[], None]]:
+    def ours(self, hint: bool = True, pdl: bool | None = None) -> list[Callable[[], None]]:
         """add_lora told the batch's distinct adapters (``active_slots``, which the scheduler
         knows when it builds the batch); ``hint=False``: the worst case it assumes otherwise
-        (every pool slot active), as a graph captured once for any mix does."""
+        (every pool slot active), as a graph captured once for any mix does. ``pdl=False``:
+        the expand as a plain launch instead of a programmatic dependent one."""
         active = self.s_used if hint else None
 
         def mk(st: dict[str, Any]) -> Callable[[], None]:
             a, b = self.a[st["pool"]].unsqueeze(0), (self.b[st["pool"]],)
             return lambda: sgmm.add_lora(
                 st["out"], st["x"], a, b, self.scales, self.ranks, st["meta"],
-                v_buffer=st["v"], active_slots=active, check_values=False,
+                v_buffer=st["v"], active_slots=active, check_values=False, pdl=pdl,
             )  # fmt: skip
 
         return [mk(st) for st in self.sets]
@@ -220,7 +221,8 @@ def check(case: Case, fns: list[Callable[[], None]],
 
 def impls(case: Case, peers: dict[str, Any]) -> dict[str, Callable[[], list[Callable[[], None]]]]:
     out: dict[str, Callable[[], list[Callable[[], None]]]] = {
-        "ours": case.ours, "ours_no_hint": lambda: case.ours(hint=False)}
+        "ours": case.ours, "ours_no_hint": lambda: case.ours(hint=False),
+        "ours_no_pdl": lambda: case.ours(pdl=False)}
     for name, p in peers.items():
         out[name] = lambda b=p.build: case.peer(b)
     if case.s_used == 1:

@@ -190,3 +190,51 @@ def test_gpu_fused_and_pdl_match_two_launches(t: int, s: int, r: int) -> None:
     torch.cuda.synchronize()
     assert torch.equal(graphed, eager)
     assert torch.equal(planned, eager)
+
+
+def test_fused_config_guards() -> None:
+    """The table's one fused row applies only where it measured faster: long batches of low
+    rank, H <= 4096, and a grid of at least two programs per SM (qkv and gate_up, not o)."""
+    sgmm = _sgmm()
+    qkv = sgmm.fused_config(4096, 4096, 4096, 16, 1, n_slices=3)
+    assert qkv is not None and qkv.fused
+    assert sgmm.fused_config(4096, 4096, 11008, 16, 64, n_slices=2) is not None  # gate_up
+    assert sgmm.fused_config(4096, 4096, 4096, 16, 1, n_slices=1) is None  # o: 128 programs
+    assert sgmm.fused_config(4096, 11008, 4096, 16, 1, n_slices=3) is None  # down's long H
+    assert sgmm.fused_config(256, 4096, 4096, 16, 64, n_slices=3) is None  # decode shapes
+    assert sgmm.fused_config(4096, 4096, 4096, 64, 1, n_slices=3) is None  # no high-rank row
+    assert sgmm.fused_config(4096, 4096, 4096, 256, 1, n_slices=3) is None
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_every_constexpr_is_bound(pdl: bool) -> None:
+    """A prepared launch binds every kernel argument, constexprs with defaults included (its
+    launcher takes them all): each launch passes exactly the kernel's parameters."""
+    sgmm = _sgmm()
+    case = make_case(
+        t=9, h=40, s=3, r_max=16, ranks=[16, 5, 0], out_sizes=(24, 8), mix="with_base",
+        dtype=torch.float32, device=DEVICE, seed=5,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, 3)
+    seen: list[tuple[object, int]] = []
+
+    def record(kernel, grid, args, consts, **kw):  # type: ignore[no-untyped-def]
+        seen.append((kernel, len(args) + len(consts)))
+        return lambda: None
+
+    configs = [
+        dict(shrink_cfg=sgmm.SgmmConfig(16, 16, 16, split_k=2),
+             expand_cfg=sgmm.SgmmConfig(16, 16, 16)),
+        dict(shrink_cfg=sgmm.SgmmConfig(1, 4, 16, gemv=True),
+             expand_cfg=sgmm.SgmmConfig(1, 16, 16, gemv=True)),
+        dict(fused_cfg=sgmm.SgmmConfig(16, 16, 16, fused=True)),
+    ]  # fmt: skip
+    for cfg in configs:
+        sgmm._add_lora(
+            case.out.clone(), case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+            None, cfg.get("shrink_cfg"), cfg.get("expand_cfg"), None, True, record,
+            cfg.get("fused_cfg"), None, pdl,
+        )  # fmt: skip
+    assert len(seen) == 5
+    for kernel, n in seen:
+        assert n == len(kernel.arg_names), (kernel.fn.__name__, n, len(kernel.arg_names))

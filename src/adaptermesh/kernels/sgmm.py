@@ -285,17 +285,36 @@ def expand_config(
 
 # One launch (shrink and expand fused) where it measured faster than the two launches' best,
 # per (T bucket, density, rank bucket): (block_m, block_n, block_k, n_blocks, num_warps,
-# num_stages). Filled from bench/sweep_sgmm_decode.py's fused candidates; a missing key keeps
-# the two launches. Ranks above FUSED_MAX_RANK never fuse (v lives in registers).
+# num_stages); a missing key keeps the two launches. Ranks above FUSED_MAX_RANK never fuse
+# (v lives in registers). From the sweep of 2026-12-03 (bench/sweep_sgmm_decode.py, fused
+# candidates beside the best shrink + expand timed together with PDL, graph replay, pool of
+# 128, bench/results/sgmm_decode_sweep_h200_fused_pdl.json): at T=4096, r=16, S=1 and 64, the
+# 32-row tile with 4,096 columns per program took qkv 108.0 / 112.6 us (two launches 119.1 /
+# 121.7) and gate_up 149.6 / 161.0 (188.2 / 188.9), but o 73.8 / 76.1 (49.1 / 51.0) and down
+# 124.7 / 128.2 (67.9 / 70.1): each program walks all of H for its tile, so a grid of one
+# program per tile (o) leaves the GPU half idle and a long H (down, 11008) costs more than
+# the second launch saves. Hence the two guards in fused_config. Every T <= 256 shape lost.
 FUSED_MAX_RANK = 128
-_FUSED_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int]] = {}
+FUSED_MAX_HIDDEN = 4096
+_FUSED_MIN_PROGRAMS_PER_SM = 2
+_FUSED_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int]] = {
+    (T_BUCKETS[-1], "dense", "low"): (32, 128, 64, 32, 4, 3),
+}
 
 
 def fused_config(
-    num_tokens: int, hidden: int, n_max: int, r_max: int, active_slots: int | None = None
+    num_tokens: int,
+    hidden: int,
+    n_max: int,
+    r_max: int,
+    active_slots: int | None = None,
+    *,
+    n_slices: int = 1,
+    sm_count: int = 132,
 ) -> SgmmConfig | None:
-    """The one-launch config for a batch, or None where two launches are faster."""
-    if r_max > FUSED_MAX_RANK:
+    """The one-launch config for a batch, or None where two launches are faster: a table row,
+    H at most FUSED_MAX_HIDDEN, and a grid of at least two programs per SM."""
+    if r_max > FUSED_MAX_RANK or hidden > FUSED_MAX_HIDDEN:
         return None
     row = _FUSED_ROWS.get(
         (_t_bucket(num_tokens), _d_bucket(num_tokens, active_slots), _r_bucket(r_max))
@@ -303,6 +322,13 @@ def fused_config(
     if row is None:
         return None
     bm, bn, bk, nb, warps, stages = row
+    programs = (
+        int(triton.cdiv(num_tokens, bm))  # the non-empty tiles at least
+        * int(triton.cdiv(n_max, bn * nb))
+        * n_slices
+    )
+    if programs < _FUSED_MIN_PROGRAMS_PER_SM * sm_count:
+        return None
     return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, n_blocks=nb, fused=True)
 
 
@@ -1010,7 +1036,8 @@ def _launch_shrink(
     launch_deps: bool = False,  # the expand after it is a programmatic dependent launch
 ) -> Any:
     cfg = config or shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max)
-    deps = {"LAUNCH_DEPS": True} if launch_deps else {}
+    # Every constexpr is passed, defaults included: a prepared launch binds all of them.
+    deps = {"LAUNCH_DEPS": launch_deps}
     _check_config(cfg)
     grid_m = _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m)
     n_tiles_n = int(triton.cdiv(shapes.r_max, cfg.block_n))
@@ -1166,8 +1193,8 @@ def _launch_expand(
     else:
         kernel = _sgmm_expand_kernel
         consts |= {"DOT_FP32": _dot_fp32(out.dtype), "PREFETCH_OUT": cfg.prefetch_out}
+    consts["PDL"] = pdl  # passed either way: a prepared launch binds every constexpr
     if pdl:
-        consts["PDL"] = True
         return run(kernel, grid, args, consts, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages, launch_pdl=True)  # fmt: skip
     return run(kernel, grid, args, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -1328,7 +1355,7 @@ def _add_lora(
     if fused_cfg is None and fused is not False and shrink_cfg is None and expand_cfg is None:
         fused_cfg = fused_config(
             shapes.num_tokens, shapes.hidden, max(expand_shapes.out_sizes), shapes.r_max,
-            active_slots,
+            active_slots, n_slices=shapes.n_slices, sm_count=_sm_count(x.device),
         )  # fmt: skip
     if fused and fused_cfg is None:
         raise ValueError("fused=True needs fused_cfg here: the config table has no row for it")

@@ -61,6 +61,7 @@ from adaptermesh.kernels.sgmm import (
     _tile_axis,
     _v_buffer,
     expand_config,
+    pdl_available,
     shrink_config,
 )
 
@@ -341,7 +342,10 @@ def _shrink_int4_kernel(
     GROUP: tl.constexpr,
     GROUP_ALONG_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr = False,
 ):
+    if LAUNCH_DEPS:  # the expand (a programmatic dependent launch) may start its prologue
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_nk = tl.program_id(1)
     pid_i = tl.program_id(2).to(tl.int64)
@@ -454,6 +458,7 @@ def _expand_int4_kernel(
     GROUP: tl.constexpr,
     GROUP_ALONG_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -477,12 +482,18 @@ def _expand_int4_kernel(
         s_ptr = s2_ptr
     n_first = pid_n * N_BLOCKS * BLOCK_N
     if n_first >= n_size:
+        if PDL:  # every program waits, so this grid ends after the shrink it depends on
+            tl.extra.cuda.gdc_wait()
         return
     has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
     if not has_tile:
+        if PDL:  # every program waits, so this grid ends after the shrink it depends on
+            tl.extra.cuda.gdc_wait()
         return
     rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
     if rank == 0:
+        if PDL:  # every program waits, so this grid ends after the shrink it depends on
+            tl.extra.cuda.gdc_wait()
         return
     HALF: tl.constexpr = BLOCK_K // 2
     offs_m = row_begin + tl.arange(0, BLOCK_M)
@@ -493,6 +504,8 @@ def _expand_int4_kernel(
     scale = tl.load(scales_ptr + slot)
     q_slot = q_ptr + slot.to(tl.int64) * stride_qs
     s_slot = s_ptr + slot.to(tl.int64) * stride_ss
+    if PDL:  # the prologue above overlapped the shrink; v is read only after it finished
+        tl.extra.cuda.gdc_wait()
     for jn in range(0, N_BLOCKS):
         offs_n = n_first + jn * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_size
@@ -559,6 +572,7 @@ def _launch_shrink_int4(
     shapes: SgmmShapes,
     config: SgmmConfig | None,
     active_slots: int | None,
+    launch_deps: bool = False,
 ) -> None:
     _check_no_gemv(config)
     cfg = config or shrink_config(
@@ -596,6 +610,7 @@ def _launch_shrink_int4(
             "GROUP": qa.group_size,
             "GROUP_ALONG_K": qa.group_dim == -1,
             "DOT_FP32": _dot_fp32(x.dtype),
+            "LAUNCH_DEPS": launch_deps,
         },
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -612,6 +627,7 @@ def _launch_expand_int4(
     shapes: SgmmShapes,
     config: SgmmConfig | None,
     active_slots: int | None,
+    pdl: bool = False,
 ) -> None:
     if len({(b.group_size, b.group_dim) for b in qb}) != 1:
         raise ValueError("every slice of qb must use the same group_size and group_dim")
@@ -651,9 +667,11 @@ def _launch_expand_int4(
             "GROUP": qb[0].group_size,
             "GROUP_ALONG_K": qb[0].group_dim == -1,
             "DOT_FP32": _dot_fp32(out.dtype),
+            "PDL": pdl,
         },
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -710,8 +728,9 @@ def add_lora_int4(
     if active_slots is None:
         active_slots = shapes.num_slots
     v = _v_buffer(v_buffer, shapes.n_slices, shapes.num_tokens, shapes.r_max, x.device)
-    _launch_shrink_int4(x, qa, ranks, meta, v, shapes, shrink_cfg, active_slots)
-    _launch_expand_int4(out, v, qb, scales, ranks, meta, shapes, expand_cfg, active_slots)
+    pdl = pdl_available(x.device)
+    _launch_shrink_int4(x, qa, ranks, meta, v, shapes, shrink_cfg, active_slots, pdl)
+    _launch_expand_int4(out, v, qb, scales, ranks, meta, shapes, expand_cfg, active_slots, pdl)
 
 
 def sgmm_expand_int4(
