@@ -67,6 +67,21 @@ EXPAND = [  # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, 
     (1, 256, 4, 3, False, 4, True), (1, 1024, 8, 2, False, 1, True),
     (2, 512, 4, 2, False, 1, True), (4, 512, 8, 2, False, 1, True),
 ]  # fmt: skip
+# Hoisted v (whole rank in one tile, loaded once per program; one product per column block),
+# an optional 8th field; and long-batch tiles, tried from T >= 1024 only.
+EXPAND_HOIST = [
+    (16, 256, 4, 3, False, 4, False, True), (32, 256, 4, 3, False, 4, False, True),
+    (16, 512, 8, 3, False, 2, False, True),
+]  # fmt: skip
+EXPAND_LARGE = [
+    (64, 128, 4, 3, False, 8, False, True), (64, 256, 8, 3, False, 4, False, True),
+    (128, 128, 8, 3, False, 4, False, True), (32, 128, 4, 4, False, 8, False, True),
+    (64, 128, 4, 2, False, 1, False), (64, 256, 8, 2, True, 1, False),
+]  # fmt: skip
+SHRINK_LARGE = [
+    (64, 128, 1, 4, 4, 0), (64, 256, 1, 8, 3, 0), (128, 64, 1, 4, 4, 0), (128, 128, 1, 8, 3, 0),
+    (32, 128, 1, 4, 5, 0), (64, 64, 1, 4, 5, 0),
+]  # fmt: skip
 # One launch (shrink + expand fused): (block_m, block_n, block_k, n_blocks, num_warps,
 # num_stages); n_blocks column blocks of block_n per program, block_k of H per shrink step.
 FUSED = [
@@ -76,7 +91,7 @@ FUSED = [
     (16, 128, 128, 32, 4, 4), (32, 256, 64, 8, 8, 3), (16, 512, 128, 8, 8, 3),
 ]  # fmt: skip
 # Ranks other than the first are swept on these shapes only.
-SHAPES_OTHER_RANKS = [(16, 1), (64, 64), (256, 64)]
+SHAPES_OTHER_RANKS = [(16, 1), (64, 64), (256, 64), (4096, 1)]
 TARGET_BYTES = 256 << 20
 
 
@@ -180,7 +195,8 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
     row: dict = {"group": setup.group, "t": setup.t, "s": setup.s, "r": setup.r}
     # Shrink alone, with the default expand's buffer filled once.
     shrink_us: dict[tuple, float] = {}
-    for c in SHRINK[:4] + SHRINK[8:10] if quick else SHRINK:
+    large = setup.t >= 1024
+    for c in SHRINK[:4] + SHRINK[8:10] if quick else SHRINK + (SHRINK_LARGE if large else []):
         if c[5]:
             cfg = SgmmConfig(c[0], c[5], c[1], num_warps=c[3], num_stages=c[4], gemv=True)
         else:
@@ -194,10 +210,8 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
         shrink_us[c] = time_graph(setup.calls(setup.shrink_fn(cfg)))
         results.append({**row, "kind": "shrink", "cfg": list(c), "err": err, "us": shrink_us[c]})
     expand_us: dict[tuple, float] = {}
-    for c in EXPAND[:4] if quick else EXPAND:
-        bk = max(16, triton.next_power_of_2(setup.r)) if c[6] else _bn(setup.r)
-        cfg = SgmmConfig(c[0], c[1], bk, num_warps=c[2], num_stages=c[3],
-                         prefetch_out=c[4], n_blocks=c[5], gemv=c[6])  # fmt: skip
+    for c in EXPAND[:4] if quick else EXPAND + EXPAND_HOIST + (EXPAND_LARGE if large else []):
+        cfg = _expand_cfg(c, setup.r)
         sc = sgmm.shrink_config(setup.t, setup.h, setup.r)
         err = setup.error(setup.pair_fn(sc, cfg))
         if err > 0.03:
@@ -247,9 +261,10 @@ def _shrink_cfg(c: tuple, r: int) -> SgmmConfig:  # type: ignore[type-arg]
 
 
 def _expand_cfg(c: tuple, r: int) -> SgmmConfig:  # type: ignore[type-arg]
-    bk = max(16, triton.next_power_of_2(r)) if c[6] else _bn(r)
+    hoist = len(c) > 7 and c[7]
+    bk = max(16, triton.next_power_of_2(r)) if c[6] or hoist else _bn(r)
     return SgmmConfig(c[0], c[1], bk, num_warps=c[2], num_stages=c[3], prefetch_out=c[4],
-                      n_blocks=c[5], gemv=c[6])  # fmt: skip
+                      n_blocks=c[5], gemv=c[6], hoist_v=hoist)  # fmt: skip
 
 
 def host_costs() -> dict:

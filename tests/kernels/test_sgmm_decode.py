@@ -341,3 +341,58 @@ def test_gpu_gemv_shrink_matches_tiles(t, s, r) -> None:  # type: ignore[no-unty
                       expand_cfg=ec)  # fmt: skip
         rtol, atol = tolerance(torch.bfloat16, "out")
         torch.testing.assert_close(got, tiles, rtol=rtol, atol=atol)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    t=st.integers(1, 40),
+    h=st.integers(1, 40),
+    s=st.integers(1, 5),
+    r_max=st.sampled_from([1, 4, 16, 24, 40]),
+    n_sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    mix=st.sampled_from(MIXES),
+    block_m=st.sampled_from([16, 32]),
+    n_blocks=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_expand_hoisted_v_property(  # type: ignore[no-untyped-def]
+    t, h, s, r_max, n_sizes, mix, block_m, n_blocks, seed
+) -> None:
+    """The tile expand with v loaded once per program (block_k covering the rank) gives the
+    twin's result; base rows keep their bits."""
+    sgmm = _sgmm()
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(0, r_max + 1, (s,), generator=gen).tolist()
+    case = make_case(
+        t=t, h=h, s=s, r_max=r_max, ranks=ranks, out_sizes=tuple(n_sizes), mix=mix,
+        dtype=torch.float32, device=DEVICE, seed=seed,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, s)
+    bk = max(16, 1 << (r_max - 1).bit_length())
+    cfg = sgmm.SgmmConfig(block_m, 16, bk, n_blocks=n_blocks, hoist_v=True)
+    got = case.out.clone()
+    sgmm.add_lora(
+        got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, expand_cfg=cfg
+    )
+    want = case.out.clone()
+    reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    base = case.slots < 0
+    assert torch.equal(got[base], case.out[base])
+
+
+def test_expand_hoisted_v_refusals() -> None:
+    sgmm = _sgmm()
+    case = make_case(
+        t=6, h=20, s=2, r_max=40, ranks=None, out_sizes=(24,), mix="uniform",
+        dtype=torch.float32, device=DEVICE, seed=9,
+    )  # fmt: skip
+    meta = build_segment_meta(case.slots, 2)
+    out = case.out.clone()
+    with pytest.raises(ValueError, match=r"hoist_v needs config\.block_k >= R_max=40"):
+        sgmm.add_lora(out, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+                      expand_cfg=sgmm.SgmmConfig(16, 16, 32, hoist_v=True))  # fmt: skip
+    with pytest.raises(ValueError, match="tile-expand option"):
+        sgmm.add_lora(out, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
+                      expand_cfg=sgmm.SgmmConfig(1, 16, 64, gemv=True, hoist_v=True))  # fmt: skip
+    assert torch.equal(out, case.out)

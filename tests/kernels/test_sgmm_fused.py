@@ -197,7 +197,8 @@ def test_fused_config_guards() -> None:
     rank, H <= 4096, and a grid of at least two programs per SM (qkv and gate_up, not o)."""
     sgmm = _sgmm()
     qkv = sgmm.fused_config(4096, 4096, 4096, 16, 1, n_slices=3)
-    assert qkv is not None and qkv.fused
+    assert qkv is not None
+    assert qkv.fused
     assert sgmm.fused_config(4096, 4096, 11008, 16, 64, n_slices=2) is not None  # gate_up
     assert sgmm.fused_config(4096, 4096, 4096, 16, 1, n_slices=1) is None  # o: 128 programs
     assert sgmm.fused_config(4096, 11008, 4096, 16, 1, n_slices=3) is None  # down's long H

@@ -91,6 +91,10 @@ class SgmmConfig:
     # block_m tokens per program, block_n columns, block_k covering the whole rank. Shrink:
     # block_m tokens, block_n rank rows per program, block_k columns of H per step, no split.
     gemv: bool = False
+    # expand only (tiles): block_k covers the whole rank, v is loaded once per program and each
+    # column block is one product, so the loop over column blocks has no inner loop and its
+    # loads can be pipelined across blocks.
+    hoist_v: bool = False
     # Shrink and expand in one launch (_sgmm_fused_kernel): block_m tokens of one slot per
     # program, block_k columns of H per shrink step, n_blocks column blocks of block_n each.
     fused: bool = False
@@ -647,6 +651,7 @@ def _sgmm_expand_kernel(
     DOT_FP32: tl.constexpr,
     PREFETCH_OUT: tl.constexpr,
     PDL: tl.constexpr = False,
+    HOIST_V: tl.constexpr = False,  # BLOCK_K >= R_MAX: v loaded once, one product per block
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -686,6 +691,27 @@ def _sgmm_expand_kernel(
     scale = tl.load(scales_ptr + slot)
     if PDL:  # the prologue above overlapped the shrink; v is read only after it finished
         tl.extra.cuda.gdc_wait()
+    if HOIST_V:
+        mask_k = offs_k < rank
+        vh = tl.load(v_ptrs + offs_k[None, :] * stride_vr, mask=mask_m[:, None] & mask_k[None, :],
+                     other=0.0).to(b_ptr.dtype.element_ty)  # fmt: skip
+        b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_k[:, None] * stride_br
+        for j in range(0, N_BLOCKS):
+            offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_size
+            o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
+            o_mask = mask_m[:, None] & mask_n[None, :]
+            o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+            bt = tl.load(b_rows + offs_n[None, :] * stride_bn, mask=mask_k[:, None] & mask_n[None, :],
+                         other=0.0)  # fmt: skip
+            if DOT_FP32:
+                d = tl.dot(vh.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
+            else:
+                d = tl.dot(vh, bt)
+            tl.store(
+                o_ptrs, (o.to(tl.float32) + d * scale).to(out_ptr.dtype.element_ty), mask=o_mask
+            )
+        return
     # N_BLOCKS column blocks per program: a program streams a longer run of B and out, so
     # fewer programs each keep more loads in flight (decode: one token per adapter).
     for j in range(0, N_BLOCKS):
@@ -1000,6 +1026,8 @@ def _check_config(cfg: SgmmConfig) -> None:
         raise ValueError(f"config.n_blocks must be >= 1, got {cfg.n_blocks}")
     if cfg.fused and (cfg.gemv or cfg.split_k != 1):
         raise ValueError("a fused config has no gemv or split_k variant")
+    if cfg.hoist_v and (cfg.gemv or cfg.fused):
+        raise ValueError("config.hoist_v is a tile-expand option (not gemv or fused)")
 
 
 def sgmm_shrink(
@@ -1188,12 +1216,16 @@ def _launch_expand(
         "BLOCK_K": cfg.block_k,
         "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
     }
+    if cfg.hoist_v and cfg.block_k < shapes.r_max:
+        raise ValueError(f"config.hoist_v needs config.block_k >= R_max={shapes.r_max}")
     if cfg.gemv:
         kernel = _sgmm_expand_gemv_kernel
     else:
         kernel = _sgmm_expand_kernel
         consts |= {"DOT_FP32": _dot_fp32(out.dtype), "PREFETCH_OUT": cfg.prefetch_out}
     consts["PDL"] = pdl  # passed either way: a prepared launch binds every constexpr
+    if not cfg.gemv:
+        consts["HOIST_V"] = cfg.hoist_v
     if pdl:
         return run(kernel, grid, args, consts, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages, launch_pdl=True)  # fmt: skip
@@ -1382,6 +1414,8 @@ def _add_lora(
     _check_config(expand_cfg)
     if expand_cfg.gemv and expand_cfg.block_k < shapes.r_max:
         raise ValueError(f"a gemv expand needs config.block_k >= R_max={shapes.r_max}")
+    if expand_cfg.hoist_v and expand_cfg.block_k < shapes.r_max:
+        raise ValueError(f"config.hoist_v needs config.block_k >= R_max={shapes.r_max}")
     # Launch straight away: sgmm_shrink / sgmm_expand would repeat the checks above, and this
     # runs for every targeted module of every layer.
     return [

@@ -367,7 +367,12 @@ def _shrink_int4_kernel(
     k_begin = pid_k * K_PER_SPLIT
     k_end = tl.minimum(H, k_begin + K_PER_SPLIT)
     offs_j = tl.arange(0, HALF)
-    q_base = qa_ptr + pid_i * stride_qi + slot.to(tl.int64) * stride_qs + offs_n[None, :] * stride_qr
+    offs_kk = tl.arange(0, BLOCK_K)
+    # The packed A is [rank, H/2] bytes, contiguous along H: each rank row's bytes are loaded
+    # as a [BLOCK_N, HALF] tile, split into nibbles, scaled, and interleaved back into the
+    # [BLOCK_N, BLOCK_K] slice of A (column 2j the low nibble, 2j+1 the high), so x is read
+    # once per step as one contiguous tile and the step is one product.
+    q_base = qa_ptr + pid_i * stride_qi + slot.to(tl.int64) * stride_qs + offs_n[:, None] * stride_qr
     s_base = sa_ptr + pid_i * stride_si + slot.to(tl.int64) * stride_ss
     x_base = x_ptr + tok[:, None] * stride_xt
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -375,29 +380,29 @@ def _shrink_int4_kernel(
         even = k0 + 2 * offs_j  # reduction index of each low nibble
         ok_e = even < k_end
         ok_o = (even + 1) < k_end
-        xe = tl.load(x_base + even[None, :] * stride_xh, mask=mask_m[:, None] & ok_e[None, :], other=0.0)
-        xo = tl.load(x_base + (even + 1)[None, :] * stride_xh, mask=mask_m[:, None] & ok_o[None, :], other=0.0)
-        w_mask = ok_e[:, None] & mask_n[None, :]
-        b = tl.load(q_base + (even // 2)[:, None] * stride_qh, mask=w_mask, other=0)
+        kk = k0 + offs_kk
+        xt = tl.load(x_base + kk[None, :] * stride_xh, mask=mask_m[:, None] & (kk < k_end)[None, :],
+                     other=0.0)  # fmt: skip
+        w_mask = mask_n[:, None] & ok_e[None, :]
+        b = tl.load(q_base + (even // 2)[None, :] * stride_qh, mask=w_mask, other=0)
         if GROUP_ALONG_K:
-            s_ptrs = s_base + offs_n[None, :] * stride_sr + (even // GROUP)[:, None] * stride_sh
+            s_ptrs = s_base + offs_n[:, None] * stride_sr + (even // GROUP)[None, :] * stride_sh
         else:
-            s_ptrs = s_base + (offs_n // GROUP)[None, :] * stride_sr + even[:, None] * stride_sh
+            s_ptrs = s_base + (offs_n // GROUP)[:, None] * stride_sr + even[None, :] * stride_sh
         sc = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         lo, hi = _nibbles(b)
         if GROUP_ALONG_K:
             sc_o = sc  # the pair shares a group (GROUP is even)
         else:
-            s_o = s_base + (offs_n // GROUP)[None, :] * stride_sr + (even + 1)[:, None] * stride_sh
-            sc_o = tl.load(s_o, mask=ok_o[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            s_o = s_base + (offs_n // GROUP)[:, None] * stride_sr + (even + 1)[None, :] * stride_sh
+            sc_o = tl.load(s_o, mask=mask_n[:, None] & ok_o[None, :], other=0.0).to(tl.float32)
         we = (lo * sc).to(x_ptr.dtype.element_ty)
         wo = (hi * sc_o).to(x_ptr.dtype.element_ty)
+        w = tl.trans(tl.interleave(we, wo))  # [BLOCK_K, BLOCK_N]
         if DOT_FP32:
-            acc += tl.dot(xe.to(tl.float32), we.to(tl.float32), input_precision="ieee")
-            acc += tl.dot(xo.to(tl.float32), wo.to(tl.float32), input_precision="ieee")
+            acc += tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(xe, we)
-            acc += tl.dot(xo, wo)
+            acc += tl.dot(xt, w)
     mask_mn = mask_m[:, None] & mask_n[None, :]
     v_ptrs = v_ptr + pid_i * stride_vi + tok[:, None] * stride_vt + offs_n[None, :] * stride_vr
     _store_shrink_tile(
@@ -500,6 +505,7 @@ def _expand_int4_kernel(
     mask_m = offs_m < seg_end
     tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_j = tl.arange(0, HALF)
+    offs_kk = tl.arange(0, BLOCK_K)
     v_base = v_ptr + pid_i.to(tl.int64) * stride_vi + tok[:, None] * stride_vt
     scale = tl.load(scales_ptr + slot)
     q_slot = q_ptr + slot.to(tl.int64) * stride_qs
@@ -513,34 +519,37 @@ def _expand_int4_kernel(
         o_mask = mask_m[:, None] & mask_n[None, :]
         o = tl.load(o_ptrs, mask=o_mask, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # B is [N, rank/2] bytes, contiguous along the rank: loaded as [BLOCK_N, HALF],
+        # interleaved back into [BLOCK_N, BLOCK_K] of B, so v is one contiguous tile per step.
         for k0 in range(0, rank, BLOCK_K):
             even = k0 + 2 * offs_j
             ok_e = even < rank
             ok_o = (even + 1) < rank
-            ve = tl.load(v_base + even[None, :] * stride_vr, mask=mask_m[:, None] & ok_e[None, :], other=0.0)
-            vo = tl.load(v_base + (even + 1)[None, :] * stride_vr, mask=mask_m[:, None] & ok_o[None, :], other=0.0)
-            w_mask = ok_e[:, None] & mask_n[None, :]
-            b = tl.load(q_slot + offs_n[None, :] * stride_qn + (even // 2)[:, None] * stride_qr, mask=w_mask, other=0)
+            kk = k0 + offs_kk
+            vt = tl.load(v_base + kk[None, :] * stride_vr, mask=mask_m[:, None] & (kk < rank)[None, :],
+                         other=0.0)  # fmt: skip
+            w_mask = mask_n[:, None] & ok_e[None, :]
+            b = tl.load(q_slot + offs_n[:, None] * stride_qn + (even // 2)[None, :] * stride_qr,
+                        mask=w_mask, other=0)  # fmt: skip
             if GROUP_ALONG_K:
-                s_e = s_slot + offs_n[None, :] * stride_sn + (even // GROUP)[:, None] * stride_sr
+                s_e = s_slot + offs_n[:, None] * stride_sn + (even // GROUP)[None, :] * stride_sr
                 sc = tl.load(s_e, mask=w_mask, other=0.0).to(tl.float32)
                 sc_o = sc
             else:
-                s_e = s_slot + (offs_n // GROUP)[None, :] * stride_sn + even[:, None] * stride_sr
+                s_e = s_slot + (offs_n // GROUP)[:, None] * stride_sn + even[None, :] * stride_sr
                 sc = tl.load(s_e, mask=w_mask, other=0.0).to(tl.float32)
-                sc_o = tl.load(s_e + stride_sr, mask=ok_o[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+                sc_o = tl.load(s_e + stride_sr, mask=mask_n[:, None] & ok_o[None, :],
+                               other=0.0).to(tl.float32)  # fmt: skip
             lo, hi = _nibbles(b)
             we = (lo * sc).to(out_ptr.dtype.element_ty)
             wo = (hi * sc_o).to(out_ptr.dtype.element_ty)
+            w = tl.trans(tl.interleave(we, wo))  # [BLOCK_K, BLOCK_N]
             # v rounded to the activation dtype, as the bf16 expand feeds it.
-            ve = ve.to(out_ptr.dtype.element_ty)
-            vo = vo.to(out_ptr.dtype.element_ty)
+            vt = vt.to(out_ptr.dtype.element_ty)
             if DOT_FP32:
-                acc += tl.dot(ve.to(tl.float32), we.to(tl.float32), input_precision="ieee")
-                acc += tl.dot(vo.to(tl.float32), wo.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(vt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
-                acc += tl.dot(ve, we)
-                acc += tl.dot(vo, wo)
+                acc += tl.dot(vt, w)
         tl.store(
             o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask
         )
