@@ -354,7 +354,8 @@ def int4_section(cases: list[Case], bw: float | None) -> dict[str, Any]:
                    case: Case = case) -> Callable[[], None]:
                 return lambda: q.add_lora_int4(
                     st["out"], st["x"], qa[st["pool"]], (qb[st["pool"]],), case.scales,
-                    case.ranks, st["meta"], v_buffer=st["v"], check_values=False)
+                    case.ranks, st["meta"], v_buffer=st["v"], active_slots=case.s,
+                    check_values=False)  # the batch's adapters, as ``ours`` is told
 
             fns = [mk(st) for st in case.sets]
             # Expected: the same sum over the dequantised pool (the quantisation error itself

@@ -3,6 +3,7 @@
 #   tests     gpu-marked kernel tests (and worker tests with TESTS_WORKER=1), via bench/gpu_tests.py
 #   sweep     bench/sweep_sgmm_decode.py (add_lora configs on the engine's shapes)
 #   peers     bench/bench_sgmm_peers.py (our kernels beside the peers; needs bench/.peers)
+#   int4      bench/sweep_sgmm_int4.py (INT4 shrink / expand configs beside the bf16 defaults)
 #   adafuse   bench/bench_adafuse.py
 #   engine    bench/bench_engine_speed.py (ENGINE_ARGS, e.g. "--only batch1,batch64,step_split")
 #   fidelity  bench/fidelity_gpu.py (the model/adapter fidelity suite with the Triton kernels)
@@ -52,6 +53,9 @@ for s in $STAGES; do
     peers)
       stage peers 260 python3 bench/bench_sgmm_peers.py --out "$OUT/sgmm_peers_h200.json" \
         --budget-s $(( ${PEERS_S:-260} - 20 )) ${PEERS_ARGS:-} ;;
+    int4)
+      stage int4 170 python3 bench/sweep_sgmm_int4.py --out "$OUT/sgmm_int4_sweep_h200.json" \
+        --budget-s $(( ${INT4_S:-170} - 30 )) ;;
     adafuse)
       stage adafuse 160 python3 bench/bench_adafuse.py --out "$OUT/adafuse_h200.json" ;;
     engine)

@@ -320,6 +320,8 @@ def main() -> int:
     ap.add_argument("--shapes", default=None,
                     help="TxS list for the first rank, e.g. 1x1,64x64 (default: all)")
     ap.add_argument("--groups", default=None, help="module groups, e.g. qkv,gate_up (default: all)")
+    ap.add_argument("--shapes-other", default=None,
+                    help="TxS list for the other ranks (default: 16x1,64x64,256x64,4096x1)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -342,7 +344,10 @@ def main() -> int:
         shapes = [tuple(int(v) for v in ts.split("x")) for ts in args.shapes.split(",")]
     groups = list(GROUPS) if not args.groups else args.groups.split(",")
     order = [(t, s, ranks[0]) for (t, s) in shapes]
-    order += [(t, s, r) for r in ranks[1:] for (t, s) in SHAPES_OTHER_RANKS]
+    other = SHAPES_OTHER_RANKS
+    if args.shapes_other:
+        other = [tuple(int(v) for v in ts.split("x")) for ts in args.shapes_other.split(",")]
+    order += [(t, s, r) for r in ranks[1:] for (t, s) in other]
     for t, s, r in order:
         for group in groups:
             if time.monotonic() - t0 > args.budget_s:

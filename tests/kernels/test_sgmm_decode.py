@@ -36,8 +36,10 @@ def test_density_picks_configs() -> None:
     assert sgmm._d_bucket(64, 16) == "sparse"
     assert sgmm._d_bucket(64, 15) == "mid"
     assert sgmm._d_bucket(4096, 64) == "dense"
-    # Tall tiles stay for long single-adapter prefills.
-    assert sgmm.shrink_config(4096, 4096, 16, active_slots=1).block_m >= 32
+    # Long single-adapter prefills: tall expand tiles; the shrink's 16-row split tile at r=16
+    # and the 64-row tile at r=64 (2026-12-04 sweep).
+    assert sgmm.expand_config(4096, 4096, 16, active_slots=1).block_m >= 32
+    assert sgmm.shrink_config(4096, 4096, 64, active_slots=1).block_m >= 32
     # One to four tokens per adapter at T <= 64 and a low rank: the matrix-vector expand with
     # the whole rank in one tile; a high rank or a denser batch keeps the tensor-core tiles.
     for t, a in ((2, 2), (16, 16), (64, 64), (64, None)):
@@ -49,19 +51,35 @@ def test_density_picks_configs() -> None:
     assert sgmm.shrink_config(1, 4096, 16, 1).gemv
     assert not sgmm.shrink_config(1, 11008, 16, 1).gemv
     assert sgmm.shrink_config(1, 11008, 16, 1).split_k > 1
+    # Up to 16 tokens, any density, the same (2026-12-04): gemv over H <= 4096 only.
+    for a in (1, 4, 16, None):
+        assert sgmm.shrink_config(16, 4096, 16, a).gemv, a
+        assert not sgmm.shrink_config(16, 11008, 16, a).gemv, a
+    assert not sgmm.shrink_config(17, 4096, 16, 1).gemv
     assert not sgmm.expand_config(1, 4096, 16, 1).gemv
     assert not sgmm.shrink_config(1, 4096, 16, 1, allow_gemv=False).gemv
     assert not sgmm.shrink_config(1, 4096, 64, 1).gemv
     assert sgmm.expand_config(64, 4096, 32).block_k >= 32
-    assert not sgmm.expand_config(64, 4096, 64).gemv
+    # r=64, one token per adapter at T=64: the gemv expand (2026-12-04 sweep), whole rank.
+    assert sgmm.expand_config(64, 4096, 64).gemv
+    assert sgmm.expand_config(64, 4096, 64).block_k >= 64
+    assert not sgmm.expand_config(64, 4096, 64, active_slots=4).gemv
+    # Long dense batches and 1-4 tokens per adapter at T=256: the hoisted tile, which needs
+    # the whole rank in one tile and is dropped above HOIST_MAX_RANK.
+    for t, a, r in ((4096, 1, 16), (4096, 64, 64), (256, 64, 16), (256, None, 64)):
+        cfg = sgmm.expand_config(t, 4096, r, active_slots=a)
+        assert cfg.hoist_v, (t, a, r)
+        assert cfg.block_k >= r, (t, a, r)
+    assert not sgmm.expand_config(4096, 4096, 256, active_slots=1).hoist_v
     assert not sgmm.expand_config(64, 4096, 16, active_slots=1).gemv
     assert not sgmm.expand_config(256, 4096, 16).gemv
     for t in (1, 16, 64, 256, 4096):
-        for r in (8, 16, 64, 128):
+        for r in (8, 16, 64, 128, 200):
             for a in (None, 1, 8, 64):
                 sgmm.shrink_config(t, 4096, r, a)
                 e = sgmm.expand_config(t, 4096, r, a)
-                assert not e.gemv or e.block_k >= r  # a gemv tile covers the whole rank
+                # a gemv or hoisted tile covers the whole rank
+                assert not (e.gemv or e.hoist_v) or e.block_k >= r
 
 
 def test_default_add_lora_matches_twin_across_densities() -> None:
@@ -268,9 +286,10 @@ def test_gemv_shrink_property(  # type: ignore[no-untyped-def]
     assert torch.equal(got[base], case.out[base])
 
 
-def test_gemv_shrink_plan_and_int4_refusal() -> None:
-    """A plan with a gemv shrink is one launch per op; the INT4 path refuses a gemv shrink
-    config and never takes a gemv row from the table."""
+def test_gemv_shrink_plan_and_int4() -> None:
+    """A plan with a gemv shrink is one launch per op; the INT4 path runs the same gemv
+    shrink config (its own matrix-vector kernel) against its twin; ``allow_gemv=False`` still
+    gives tiles."""
     sgmm = _sgmm()
     from adaptermesh.kernels import sgmm_int4
 
@@ -290,9 +309,12 @@ def test_gemv_shrink_plan_and_int4_refusal() -> None:
     reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     qa, qb = sgmm_int4.quantize_lora(case.lora_a, case.lora_b, 8)
-    with pytest.raises(ValueError, match="gemv"):
-        sgmm_int4.add_lora_int4(case.out, case.x, qa, qb, case.scales, case.ranks, meta,
-                                shrink_cfg=cfg)  # fmt: skip
+    got = case.out.clone()
+    sgmm_int4.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, shrink_cfg=cfg,
+                            backend="triton")  # fmt: skip
+    want = case.out.clone()
+    sgmm_int4.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for t, a in ((1, 1), (16, 16), (64, 64), (256, 64), (4096, 1)):
         c = sgmm.shrink_config(t, 4096, 16, a, allow_gemv=False)
         assert not c.gemv

@@ -259,27 +259,110 @@ def test_random_shapes_match_twin(
     check_int4_case(case, torch.bfloat16, group, b_dim, norm=False)
 
 
-def test_int4_expand_never_takes_the_gemv_rows() -> None:
-    """The table's sparse decode rows pick the matrix-vector expand, which has no INT4 variant:
-    the INT4 launcher gets the tile row of the same T bucket, and a gemv config is refused."""
+def test_int4_takes_the_gemv_rows() -> None:
+    """The tables' decode rows pick the matrix-vector kernels for INT4 as for bf16, and the
+    INT4 result with no config (gemv shrink and expand) matches the twin."""
     from adaptermesh.kernels import sgmm
 
     for t, a in ((2, 2), (16, 16), (64, 64), (64, None)):
-        assert sgmm.expand_config(t, 4096, 16, a).gemv  # the bf16 path takes it
-        cfg = sgmm.expand_config(t, 4096, 16, a, allow_gemv=False)
-        assert not cfg.gemv
-        assert cfg.block_m >= 16  # tl.dot's least tile
+        assert sgmm.expand_config(t, 4096, 16, a).gemv
+    assert sgmm.shrink_config(1, 4096, 16, 1).gemv
     case = make_case(
-        t=4, h=32, s=2, r_max=16, ranks=None, out_sizes=(32,), mix="distinct",
+        t=5, h=70, s=5, r_max=16, ranks=[16, 3, 0, 9, 16], out_sizes=(33, 8), mix="distinct",
+        dtype=torch.bfloat16, device=DEVICE, seed=31,
+    )  # fmt: skip
+    check_int4_case(case, torch.bfloat16, 16, -2, default_configs=True, norm=False)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    t=st.integers(1, 12),
+    h=st.integers(1, 90),
+    s=st.integers(1, 5),
+    r_max=st.integers(1, 40),
+    n=st.integers(1, 40),
+    n_slices=st.integers(1, 3),
+    mix=st.sampled_from(MIXES),
+    group=st.sampled_from([2, 8, 32]),
+    b_dim=st.sampled_from([-1, -2]),
+    shrink=st.sampled_from([(1, 2, 16), (2, 4, 32), (4, 1, 64), (1, 16, 16)]),
+    expand=st.sampled_from([(1, 16), (2, 32), (4, 64), (1, 8)]),
+    n_blocks=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_gemv_kernels_match_twin(
+    t: int, h: int, s: int, r_max: int, n: int, n_slices: int, mix: str, group: int,
+    b_dim: int, shrink: tuple[int, int, int], expand: tuple[int, int], n_blocks: int, seed: int,
+) -> None:  # fmt: skip
+    """The INT4 matrix-vector shrink and expand on ragged, odd and mixed-rank inputs (rank 0
+    and base tokens included), both scale layouts, odd H (a padded last nibble)."""
+    q = _q()
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(0, r_max + 1, (s,), generator=gen).tolist()
+    sizes = tuple(max(1, n - 3 * i) for i in range(n_slices))
+    case = make_case(
+        t=t, h=h, s=s, r_max=r_max, ranks=ranks, out_sizes=sizes, mix=mix,
+        dtype=torch.bfloat16, device=DEVICE, seed=seed,
+    )  # fmt: skip
+    qa, qb = _quantize(case, group, b_dim)
+    meta = build_segment_meta(case.slots, s)
+    bk = max(16, 1 << (r_max - 1).bit_length())
+    sc = SgmmConfig(shrink[0], shrink[1], shrink[2], gemv=True)
+    ec = SgmmConfig(expand[0], expand[1], bk, n_blocks=n_blocks, gemv=True)
+    got = case.out.clone()
+    q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, shrink_cfg=sc,
+                    expand_cfg=ec, backend="triton")  # fmt: skip
+    want = case.out.clone()
+    q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
+    rtol, atol = tolerance(torch.bfloat16, "out")
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+def test_int4_refuses_fused_and_short_gemv_configs() -> None:
+    from adaptermesh.kernels import sgmm
+
+    case = make_case(
+        t=4, h=32, s=2, r_max=32, ranks=None, out_sizes=(32,), mix="distinct",
         dtype=torch.float32, device=DEVICE, seed=3,
     )  # fmt: skip
     q = _q()
     qa, qb = q.quantize_lora(case.lora_a, case.lora_b, 16)
     meta = build_segment_meta(case.slots, 2)
     before = case.out.clone()
-    with pytest.raises(ValueError, match="gemv"):
+    with pytest.raises(ValueError, match="fused"):
         q.add_lora_int4(
             case.out, case.x, qa, qb, case.scales, case.ranks, meta,
-            expand_cfg=sgmm.SgmmConfig(1, 16, 16, gemv=True),
+            expand_cfg=sgmm.SgmmConfig(16, 16, 16, fused=True),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="block_k >= R_max=32"):
+        q.add_lora_int4(
+            case.out, case.x, qa, qb, case.scales, case.ranks, meta,
+            expand_cfg=sgmm.SgmmConfig(1, 16, 16, gemv=True), backend="triton",
         )  # fmt: skip
     assert torch.equal(case.out, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "s", "r"), [(1, 1, 16), (16, 16, 16), (64, 64, 64), (256, 64, 16)])
+def test_gpu_int4_decode_rows_match_twin(t: int, s: int, r: int) -> None:
+    """The table's rows for decode batches (gemv where the bf16 path takes it) on the 7B
+    shapes, against the twin on the same packed pool."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from adaptermesh.kernels import sgmm
+
+    q = _q()
+    case = make_case(
+        t=t, h=4096, s=s, r_max=r, ranks=None, out_sizes=(4096, 11008), mix="uniform",
+        dtype=torch.bfloat16, device="cuda", seed=t + r,
+    )  # fmt: skip
+    qa, qb = q.quantize_lora(case.lora_a, case.lora_b, 64)
+    meta = build_segment_meta(case.slots, s)
+    for active in (None, s):
+        got = case.out.clone()
+        q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, active_slots=active)
+        want = case.out.clone()
+        q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
+        rtol, atol = tolerance(torch.bfloat16, "out")
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    assert sgmm.expand_config(t, 11008, r, s).gemv == ((t, s) in ((16, 16), (64, 64)))

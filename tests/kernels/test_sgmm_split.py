@@ -126,14 +126,15 @@ def test_table_covers_every_bucket() -> None:
             s_cfg = sgmm.shrink_config(t, 4096, r)
             e_cfg = sgmm.expand_config(t, 4096, r)
             tile = min(max(16, 1 << (r - 1).bit_length()), 64)
-            if s_cfg.gemv:  # the one-token row: a few rank rows per program, no split
-                assert t == 1
+            if s_cfg.gemv:  # the decode rows: a few rank rows per program, no split
+                assert t <= 16
                 assert r <= 32
                 assert s_cfg.block_n & (s_cfg.block_n - 1) == 0
                 assert s_cfg.split_k == 1
             else:
                 assert s_cfg.block_n == tile
-            assert e_cfg.block_k == (max(16, 1 << (r - 1).bit_length()) if e_cfg.gemv else tile)
+            whole = e_cfg.gemv or e_cfg.hoist_v  # the whole rank in one tile
+            assert e_cfg.block_k == (max(16, 1 << (r - 1).bit_length()) if whole else tile)
             assert e_cfg.split_k == 1
 
 

@@ -186,7 +186,7 @@ _SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int]] = 
     (16, "dense", "low"): (16, 256, 8, 4, 3, 0),
     (16, "dense", "high"): (16, 256, 8, 4, 3, 0),
     (64, "sparse", "low"): (32, 256, 4, 4, 3, 0),
-    (64, "sparse", "high"): (16, 256, 1, 4, 3, 0),
+    (64, "sparse", "high"): (16, 256, 4, 4, 3, 0),
     (64, "mid", "low"): (16, 256, 4, 4, 5, 0),
     (64, "dense", "low"): (16, 256, 4, 4, 5, 0),
     (256, "sparse", "low"): (16, 256, 4, 4, 3, 0),
@@ -195,32 +195,45 @@ _SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int]] = 
     (T_BUCKETS[-1], "mid", "low"): (16, 256, 4, 4, 3, 0),
     (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 4, 3, 0),
     (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 4, 3, 0),
+    (T_BUCKETS[-1], "dense", "low"): (16, 256, 4, 4, 5, 0),
+    (T_BUCKETS[-1], "dense", "high"): (64, 128, 1, 4, 4, 0),
 }
-# (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, gemv). The two gemv rows are
+# Rows of the sweep of 2026-12-04 on H = N = 4096 (bench/sweep_sgmm_decode.py --groups o,
+# bench/results/sgmm_decode_sweep_h200_hoist.json), each op alone in graph replay:
+# - T > 256, >= 32 tokens per adapter (dense): shrink r=16 (16,256,4,4,5) 16.2 / 17.3 us at S=1 /
+#   64; r=64 (64,128,1,4,4) 20.3 / 27.2. Expand, the hoisted 64x128 tile, 8 column blocks:
+#   r=16 30.7 / 31.5, r=64 41.7 / 45.4 (the T-only table's tiles: 40.4 / 42.4, 64.1 / 69.0).
+#   Each op streams at about half the copy bandwidth.
+# - T <= 256 at <= 4 tokens per adapter: the hoisted expand tiles, r=16 (16,512,2 blocks) 11.4
+#   us, r=64 (16,256,4 blocks) 21.6 (the unhoisted rows 13.7 / 26.4); at T=64 r=64 the gemv
+#   expand 18.7 (the 16-row tile > 21.5) with the split-4 shrink 15.8 (split 1: 16.9).
+# (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, gemv, hoist_v). The gemv rows are
 # from the matrix-vector sweep of 2026-12-02 (bench/results/sgmm_decode_sweep_h200_gemv.json):
 # at one to four tokens per adapter and T <= 64, one token per program with the whole rank in one
 # tile won every case against the tensor-core tiles (pick summed over the layer's groups: T=16
 # 38.9 us, T=64 56.3 us); at T=64 S=64 the case's best shrink plus best expand took 30.6 us for
 # qkv and 35.5 for gate_up, the tables of that day 40.4 and 55.0. At T=256 tiles won 3 of 4.
-_EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, bool, int, bool]] = {
-    (16, "sparse", "low"): (1, 512, 4, 2, False, 1, True),
-    (16, "sparse", "high"): (16, 256, 4, 2, True, 1, False),
-    (16, "mid", "low"): (16, 256, 4, 2, True, 1, False),
-    (16, "mid", "high"): (16, 256, 4, 2, True, 1, False),
-    (16, "dense", "low"): (16, 256, 4, 2, True, 1, False),
-    (16, "dense", "high"): (16, 256, 4, 2, True, 1, False),
-    (64, "sparse", "low"): (1, 512, 4, 2, False, 1, True),
-    (64, "sparse", "high"): (16, 256, 4, 2, True, 2, False),
-    (64, "mid", "low"): (16, 256, 4, 2, True, 2, False),
-    (64, "mid", "high"): (16, 256, 4, 2, True, 2, False),
-    (64, "dense", "low"): (16, 256, 4, 2, True, 2, False),
-    (64, "dense", "high"): (16, 256, 4, 2, True, 2, False),
-    (256, "sparse", "low"): (16, 256, 4, 3, True, 4, False),
-    (256, "sparse", "high"): (16, 256, 4, 3, True, 4, False),
-    (T_BUCKETS[-1], "sparse", "low"): (16, 128, 4, 3, True, 4, False),
-    (T_BUCKETS[-1], "mid", "low"): (16, 128, 4, 3, True, 4, False),
-    (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 3, True, 4, False),
-    (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 3, True, 4, False),
+_EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, bool, int, bool, bool]] = {
+    (16, "sparse", "low"): (1, 512, 4, 2, False, 1, True, False),
+    (16, "sparse", "high"): (16, 256, 4, 2, True, 1, False, False),
+    (16, "mid", "low"): (16, 256, 4, 2, True, 1, False, False),
+    (16, "mid", "high"): (16, 256, 4, 2, True, 1, False, False),
+    (16, "dense", "low"): (16, 256, 4, 2, True, 1, False, False),
+    (16, "dense", "high"): (16, 256, 4, 2, True, 1, False, False),
+    (64, "sparse", "low"): (1, 512, 4, 2, False, 1, True, False),
+    (64, "sparse", "high"): (1, 256, 4, 3, False, 4, True, False),
+    (64, "mid", "low"): (16, 256, 4, 2, True, 2, False, False),
+    (64, "mid", "high"): (16, 256, 4, 2, True, 2, False, False),
+    (64, "dense", "low"): (16, 256, 4, 2, True, 2, False, False),
+    (64, "dense", "high"): (16, 256, 4, 2, True, 2, False, False),
+    (256, "sparse", "low"): (16, 512, 8, 3, False, 2, False, True),
+    (256, "sparse", "high"): (16, 256, 4, 3, False, 4, False, True),
+    (T_BUCKETS[-1], "sparse", "low"): (16, 128, 4, 3, True, 4, False, False),
+    (T_BUCKETS[-1], "mid", "low"): (16, 128, 4, 3, True, 4, False, False),
+    (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 3, True, 4, False, False),
+    (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 3, True, 4, False, False),
+    (T_BUCKETS[-1], "dense", "low"): (64, 128, 4, 3, False, 8, False, True),
+    (T_BUCKETS[-1], "dense", "high"): (64, 128, 4, 3, False, 8, False, True),
 }
 
 
@@ -232,11 +245,20 @@ _EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, bool, int, bo
 # for all four. The T <= 16 sparse rows above took 10.9 / 9.5 / 11.2 / 13.2 us for the same
 # cases: 44.8 against 37.9 us per 7B layer.
 _ONE_TOKEN_NARROW_H = 4096
+# The same shrink rows up to 16 tokens, any density: in the sweeps of 2026-12-03 and -04
+# (sgmm_decode_sweep_h200_fused.json, sgmm_decode_sweep_h200_hoist.json) the matrix-vector
+# shrink won every T=16 case where H = 4096 (T=16 S=1: qkv 7.0 / o 5.5 / gate_up 6.2 us
+# against the split tile's 7.3 / 6.7 / 7.0; S=16: 8.4 / 7.7 / 7.9 against 9.1 / 7.8 / 8.8) and
+# the split tile kept the MLP's down input (H = 11008: 9.4 against the gemv's > 10).
+_GEMV_SHRINK_MAX_TOKENS = 16
+HOIST_MAX_RANK = 128
 _ONE_TOKEN_SHRINK: dict[bool, tuple[int, int, int, int, int, int]] = {
     False: (1, 1024, 1, 4, 2, 2),  # H <= 4096
     True: (16, 256, 8, 4, 3, 0),  # wider H
 }
-_ONE_TOKEN_EXPAND: tuple[int, int, int, int, bool, int, bool] = (16, 256, 4, 2, True, 1, False)
+_ONE_TOKEN_EXPAND: tuple[int, int, int, int, bool, int, bool, bool] = (
+    16, 256, 4, 2, True, 1, False, False
+)
 
 
 def shrink_config(
@@ -251,7 +273,7 @@ def shrink_config(
     variant, e.g. INT4) gets the tile row of the T bucket where the density row is a gemv."""
     tb, rb = _t_bucket(num_tokens), _r_bucket(r_max)
     row = _SHRINK_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
-    if num_tokens == 1 and rb == "low":
+    if num_tokens <= _GEMV_SHRINK_MAX_TOKENS and rb == "low":
         row = _ONE_TOKEN_SHRINK[hidden > _ONE_TOKEN_NARROW_H]
     if row is None or (row[5] and not allow_gemv):
         row = (*_SHRINK_TABLE[(tb, rb)], 0)
@@ -277,13 +299,17 @@ def expand_config(
     if num_tokens == 1 and rb == "low":
         row = _ONE_TOKEN_EXPAND
     if row is None or (row[6] and not allow_gemv):
-        row = (*_EXPAND_TABLE[(tb, rb)], 1, False)
-    bm, bn, warps, stages, prefetch, nb, gemv = row
-    # A gemv program holds the whole rank in one tile; a tensor-core tile walks it in steps.
-    bk = _pow2_at_least_16(r_max) if gemv else min(_pow2_at_least_16(r_max), 64)
+        row = (*_EXPAND_TABLE[(tb, rb)], 1, False, False)
+    bm, bn, warps, stages, prefetch, nb, gemv, hoist = row
+    # The hoisted tile keeps the whole rank in registers: up to HOIST_MAX_RANK.
+    hoist = hoist and r_max <= HOIST_MAX_RANK
+    # A gemv program (or a hoisted tile) holds the whole rank in one tile; a tensor-core tile
+    # walks it in steps.
+    whole = gemv or hoist
+    bk = _pow2_at_least_16(r_max) if whole else min(_pow2_at_least_16(r_max), 64)
     return SgmmConfig(
         bm, bn, bk, num_warps=warps, num_stages=stages, prefetch_out=prefetch, n_blocks=nb,
-        gemv=gemv,
+        gemv=gemv, hoist_v=hoist,
     )  # fmt: skip
 
 

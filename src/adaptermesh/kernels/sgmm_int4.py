@@ -26,18 +26,20 @@ and both choices give every group the values of one component. ``quantize_lora``
 ``quantize_int4`` takes any group dim, and the kernels read either.
 
 Kernels: the bf16 SGMM's segment and tile scheme (``sgmm._locate_tile``, a grid from shapes
-only, split-K shrink with the same workspace), with the packed weights dequantised in
-registers. A tile of BLOCK_K reduction elements is BLOCK_K/2 bytes per row: the low nibbles
-multiply the even reduction elements of the activations, the high nibbles the odd ones, so
-each step is two ``tl.dot`` of depth BLOCK_K/2 and no interleave. The dequantised weight is
-rounded to the activation dtype before the product, as bf16 weights are fed; the torch twin
-(``add_lora_int4_ref``) rounds the same way.
+only, split-K shrink with the same workspace) and its config tables, with the packed weights
+dequantised in registers. Tiles: a step of BLOCK_K reduction elements is BLOCK_K/2 bytes per
+row, split into nibbles, scaled and interleaved back into the [BLOCK_K, BLOCK_N] weight tile, so
+the activations are one contiguous tile and the step is one ``tl.dot``. Matrix-vector kernels
+(the tables' gemv rows, decode at a few tokens per adapter): the low nibbles multiply the even
+reduction elements, the high nibbles the odd ones, on the CUDA cores, no interleave. The
+dequantised weight is rounded to the activation dtype before the product, as bf16 weights are
+fed; the torch twin (``add_lora_int4_ref``) rounds the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -555,21 +557,245 @@ def _expand_int4_kernel(
         )
 
 
+@triton.jit
+def _shrink_int4_gemv_kernel(
+    x_ptr,
+    qa_ptr,  # uint8 [n_slices, S, R_max, ceil(H/2)]
+    sa_ptr,  # bf16 scales
+    v_ptr,
+    ranks_ptr,
+    sorted_ptr,
+    seg_start_ptr,
+    H,
+    S,
+    R_MAX,
+    stride_xt,
+    stride_xh,
+    stride_qi,
+    stride_qs,
+    stride_qr,
+    stride_qh,  # per byte
+    stride_si,
+    stride_ss,
+    stride_sr,
+    stride_sh,
+    stride_vi,
+    stride_vt,
+    stride_vr,
+    BLOCK_M: tl.constexpr,  # tokens per program (a few: the decode rows)
+    BLOCK_N: tl.constexpr,  # rank rows per program
+    BLOCK_K: tl.constexpr,  # reduction elements per step (BLOCK_K // 2 bytes)
+    BLOCK_S: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_ALONG_K: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr = False,
+):
+    """The matrix-vector shrink on packed A: each program owns BLOCK_N rank rows of its slot
+    and walks the whole of H, the low nibbles against the even columns of x and the high ones
+    against the odd columns, on the CUDA cores (no tile padding of a one-token segment, no
+    interleave). The dequantised weight is rounded to the activation dtype, as in the tiles."""
+    if LAUNCH_DEPS:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_i = tl.program_id(2).to(tl.int64)
+    has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    if not has_tile:
+        return
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
+    n_start = pid_n * BLOCK_N
+    if n_start >= rank:
+        return
+    HALF: tl.constexpr = BLOCK_K // 2
+    offs_m = row_begin + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < seg_end
+    tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < rank
+    offs_j = tl.arange(0, HALF)
+    q_base = qa_ptr + pid_i * stride_qi + slot.to(tl.int64) * stride_qs + offs_n[:, None] * stride_qr
+    s_base = sa_ptr + pid_i * stride_si + slot.to(tl.int64) * stride_ss
+    x_base = x_ptr + tok[:, None] * stride_xt
+    acc = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        even = k0 + 2 * offs_j
+        ok_e = even < H
+        ok_o = (even + 1) < H
+        xe = tl.load(x_base + even[None, :] * stride_xh, mask=mask_m[:, None] & ok_e[None, :],
+                     other=0.0).to(tl.float32)  # fmt: skip
+        xo = tl.load(x_base + (even + 1)[None, :] * stride_xh,
+                     mask=mask_m[:, None] & ok_o[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        w_mask = mask_n[:, None] & ok_e[None, :]
+        b = tl.load(q_base + (even // 2)[None, :] * stride_qh, mask=w_mask, other=0)
+        if GROUP_ALONG_K:
+            s_ptrs = s_base + offs_n[:, None] * stride_sr + (even // GROUP)[None, :] * stride_sh
+            sc = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+            sc_o = sc  # the pair shares a group (GROUP is even)
+        else:
+            s_ptrs = s_base + (offs_n // GROUP)[:, None] * stride_sr + even[None, :] * stride_sh
+            sc = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+            sc_o = tl.load(s_ptrs + stride_sh, mask=mask_n[:, None] & ok_o[None, :],
+                           other=0.0).to(tl.float32)  # fmt: skip
+        lo, hi = _nibbles(b)
+        we = (lo * sc).to(x_ptr.dtype.element_ty).to(tl.float32)
+        wo = (hi * sc_o).to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc += xe[:, None, :] * we[None, :, :] + xo[:, None, :] * wo[None, :, :]
+    v_ptrs = v_ptr + pid_i * stride_vi + tok[:, None] * stride_vt + offs_n[None, :] * stride_vr
+    tl.store(v_ptrs, tl.sum(acc, axis=2), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _expand_int4_gemv_kernel(
+    out_ptr,
+    v_ptr,
+    q0_ptr,
+    q1_ptr,
+    q2_ptr,
+    s0_ptr,
+    s1_ptr,
+    s2_ptr,
+    scales_ptr,
+    ranks_ptr,
+    sorted_ptr,
+    seg_start_ptr,
+    S,
+    R_MAX,
+    N0,
+    N1,
+    N2,
+    OFF1,
+    OFF2,
+    N_BLOCKS,
+    stride_ot,
+    stride_on,
+    stride_vi,
+    stride_vt,
+    stride_vr,
+    stride_q0s,
+    stride_q0n,
+    stride_q0r,
+    stride_q1s,
+    stride_q1n,
+    stride_q1r,
+    stride_q2s,
+    stride_q2n,
+    stride_q2r,
+    stride_s0s,
+    stride_s0n,
+    stride_s0r,
+    stride_s1s,
+    stride_s1n,
+    stride_s1r,
+    stride_s2s,
+    stride_s2n,
+    stride_s2r,
+    BLOCK_M: tl.constexpr,  # tokens per program (a few: the decode rows)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= R_MAX: the whole rank in one tile (BLOCK_K // 2 bytes)
+    BLOCK_S: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_ALONG_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """The matrix-vector expand on packed B: each program dequantises a [BLOCK_N, rank] tile
+    of its slot's B once (low nibbles: even rank columns, high: odd) and reduces it against
+    each of its tokens' v rows on the CUDA cores."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_i = tl.program_id(2)
+    n_size = _of_slice(pid_i, N0, N1, N2)
+    col_off = _of_slice(pid_i, 0, OFF1, OFF2)
+    stride_qs = _of_slice(pid_i, stride_q0s, stride_q1s, stride_q2s).to(tl.int64)
+    stride_qn = _of_slice(pid_i, stride_q0n, stride_q1n, stride_q2n)
+    stride_qr = _of_slice(pid_i, stride_q0r, stride_q1r, stride_q2r)
+    stride_ss = _of_slice(pid_i, stride_s0s, stride_s1s, stride_s2s).to(tl.int64)
+    stride_sn = _of_slice(pid_i, stride_s0n, stride_s1n, stride_s2n)
+    stride_sr = _of_slice(pid_i, stride_s0r, stride_s1r, stride_s2r)
+    if pid_i == 0:
+        q_ptr = q0_ptr
+        s_ptr = s0_ptr
+    elif pid_i == 1:
+        q_ptr = q1_ptr
+        s_ptr = s1_ptr
+    else:
+        q_ptr = q2_ptr
+        s_ptr = s2_ptr
+    n_first = pid_n * N_BLOCKS * BLOCK_N
+    if n_first >= n_size:
+        if PDL:  # every program waits, so this grid ends after the shrink it depends on
+            tl.extra.cuda.gdc_wait()
+        return
+    has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    if not has_tile:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        return
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
+    if rank == 0:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        return
+    HALF: tl.constexpr = BLOCK_K // 2
+    scale = tl.load(scales_ptr + slot)
+    offs_j = tl.arange(0, HALF)
+    even = 2 * offs_j
+    ok_e = even < rank
+    ok_o = (even + 1) < rank
+    q_slot = q_ptr + slot.to(tl.int64) * stride_qs
+    s_slot = s_ptr + slot.to(tl.int64) * stride_ss
+    v_base = v_ptr + pid_i.to(tl.int64) * stride_vi
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    for jn in range(0, N_BLOCKS):
+        offs_n = n_first + jn * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_size
+        w_mask = mask_n[:, None] & ok_e[None, :]
+        b = tl.load(q_slot + offs_n[:, None] * stride_qn + offs_j[None, :] * stride_qr,
+                    mask=w_mask, other=0)  # fmt: skip
+        if GROUP_ALONG_K:
+            s_e = s_slot + offs_n[:, None] * stride_sn + (even // GROUP)[None, :] * stride_sr
+            sc = tl.load(s_e, mask=w_mask, other=0.0).to(tl.float32)
+            sc_o = sc
+        else:
+            s_e = s_slot + (offs_n // GROUP)[:, None] * stride_sn + even[None, :] * stride_sr
+            sc = tl.load(s_e, mask=w_mask, other=0.0).to(tl.float32)
+            sc_o = tl.load(s_e + stride_sr, mask=mask_n[:, None] & ok_o[None, :],
+                           other=0.0).to(tl.float32)  # fmt: skip
+        lo, hi = _nibbles(b)
+        we = (lo * sc).to(out_ptr.dtype.element_ty).to(tl.float32)
+        wo = (hi * sc_o).to(out_ptr.dtype.element_ty).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            row = row_begin + m
+            if row < seg_end:
+                t = tl.load(sorted_ptr + row).to(tl.int64)
+                # v rounded to the activation dtype, as the tile expand feeds it.
+                ve = tl.load(v_base + t * stride_vt + even * stride_vr, mask=ok_e, other=0.0)
+                vo = tl.load(v_base + t * stride_vt + (even + 1) * stride_vr, mask=ok_o,
+                             other=0.0)  # fmt: skip
+                ve = ve.to(out_ptr.dtype.element_ty).to(tl.float32)
+                vo = vo.to(out_ptr.dtype.element_ty).to(tl.float32)
+                acc = tl.sum(we * ve[None, :] + wo * vo[None, :], axis=1)
+                o_ptrs = out_ptr + t * stride_ot + (col_off + offs_n) * stride_on
+                o = tl.load(o_ptrs, mask=mask_n, other=0.0)
+                tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
+                         mask=mask_n)  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
-def _check_no_gemv(cfg: SgmmConfig | None) -> None:
-    if cfg is not None and cfg.gemv:
-        raise ValueError("the INT4 kernels have no matrix-vector variant: config.gemv must be False")
+def _check_int4_config(cfg: SgmmConfig | None) -> None:
+    if cfg is not None and cfg.fused:
+        raise ValueError("the INT4 kernels have no fused variant: config.fused must be False")
 
 
-def _at_least_32(cfg: SgmmConfig) -> SgmmConfig:
-    # Each step is two dots of depth BLOCK_K / 2, and tl.dot needs depth >= 16.
-    if cfg.block_k >= 32:
+def _int4_tile(cfg: SgmmConfig) -> SgmmConfig:
+    """A config as the INT4 kernels run it: tiles have no hoisted variant, and a tile step of
+    BLOCK_K reduction elements is BLOCK_K / 2 bytes, so BLOCK_K is at least 32 (tl.dot's
+    least depth of 16 on each half); the matrix-vector kernels take the config as it is."""
+    if cfg.gemv:
         return cfg
-    return SgmmConfig(cfg.block_m, cfg.block_n, 32, num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages, split_k=cfg.split_k,
-                      prefetch_out=cfg.prefetch_out, n_blocks=cfg.n_blocks)  # fmt: skip
+    return replace(cfg, block_k=max(cfg.block_k, 32), hoist_v=False)
 
 
 def _launch_shrink_int4(
@@ -583,14 +809,34 @@ def _launch_shrink_int4(
     active_slots: int | None,
     launch_deps: bool = False,
 ) -> None:
-    _check_no_gemv(config)
-    cfg = config or shrink_config(
-        shapes.num_tokens, shapes.hidden, shapes.r_max, active_slots, allow_gemv=False
-    )
+    _check_int4_config(config)
+    cfg = config or shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max, active_slots)
     _check_config(cfg)
-    cfg = _at_least_32(cfg)
+    cfg = _int4_tile(cfg)
     grid_m = _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m)
     n_tiles_n = int(triton.cdiv(shapes.r_max, cfg.block_n))
+    if cfg.gemv:
+        launch(
+            _shrink_int4_gemv_kernel,
+            (grid_m, n_tiles_n, shapes.n_slices),
+            (
+                x, qa.packed, qa.scales, v, ranks, meta.sorted_tokens, meta.seg_start,
+                shapes.hidden, shapes.num_slots, shapes.r_max, x.stride(0), x.stride(1),
+                *qa.packed.stride(), *qa.scales.stride(), *v.stride(),
+            ),
+            {
+                "BLOCK_M": cfg.block_m,
+                "BLOCK_N": cfg.block_n,
+                "BLOCK_K": cfg.block_k,
+                "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
+                "GROUP": qa.group_size,
+                "GROUP_ALONG_K": qa.group_dim == -1,
+                "LAUNCH_DEPS": launch_deps,
+            },
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return
     split, k_per_split = _split_plan(
         cfg, shapes.hidden, grid_m * n_tiles_n * shapes.n_slices, x.device
     )
@@ -643,12 +889,12 @@ def _launch_expand_int4(
     n = shapes.n_slices
     bs, sizes, offs = _three_slices(qb, shapes.out_sizes, shapes.out_offsets)
     n_max = max(shapes.out_sizes)
-    _check_no_gemv(config)
-    cfg = config or expand_config(
-        shapes.num_tokens, n_max, shapes.r_max, active_slots, allow_gemv=False
-    )
+    _check_int4_config(config)
+    cfg = config or expand_config(shapes.num_tokens, n_max, shapes.r_max, active_slots)
     _check_config(cfg)
-    cfg = _at_least_32(cfg)
+    if cfg.gemv and cfg.block_k < shapes.r_max:
+        raise ValueError(f"a gemv expand needs config.block_k >= R_max={shapes.r_max}")
+    cfg = _int4_tile(cfg)
     grid = (
         _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m),
         int(triton.cdiv(n_max, cfg.block_n * cfg.n_blocks)),
@@ -659,8 +905,19 @@ def _launch_expand_int4(
         strides += b.packed.stride()
     for b in bs:
         strides += b.scales.stride()
+    consts: dict[str, object] = {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
+        "GROUP": qb[0].group_size,
+        "GROUP_ALONG_K": qb[0].group_dim == -1,
+    }
+    if not cfg.gemv:
+        consts["DOT_FP32"] = _dot_fp32(out.dtype)
+    consts["PDL"] = pdl
     launch(
-        _expand_int4_kernel,
+        _expand_int4_gemv_kernel if cfg.gemv else _expand_int4_kernel,
         grid,
         (
             out, v, bs[0].packed, bs[1].packed, bs[2].packed, bs[0].scales, bs[1].scales,
@@ -668,16 +925,7 @@ def _launch_expand_int4(
             shapes.r_max, sizes[0], sizes[1], sizes[2], offs[1], offs[2], cfg.n_blocks,
             out.stride(0), out.stride(1), *v.stride(), *strides,
         ),
-        {
-            "BLOCK_M": cfg.block_m,
-            "BLOCK_N": cfg.block_n,
-            "BLOCK_K": cfg.block_k,
-            "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
-            "GROUP": qb[0].group_size,
-            "GROUP_ALONG_K": qb[0].group_dim == -1,
-            "DOT_FP32": _dot_fp32(out.dtype),
-            "PDL": pdl,
-        },
+        consts,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=pdl,
@@ -726,10 +974,11 @@ def add_lora_int4(
     """``out += scale * (x @ A.T) @ B.T`` per token's slot, A and B INT4 (two launches).
 
     Triton on CUDA tensors (or with ``backend="triton"`` under ``TRITON_INTERPRET=1``), the
-    torch twin on CPU. Configs: the bf16 tables, BLOCK_K at least 32.
+    torch twin on CPU. Configs: the bf16 tables (gemv rows included); a tile's BLOCK_K is at
+    least 32 and a hoisted expand tile runs unhoisted.
     """
-    _check_no_gemv(shrink_cfg)
-    _check_no_gemv(expand_cfg)
+    _check_int4_config(shrink_cfg)
+    _check_int4_config(expand_cfg)
     if choose_backend(x, backend) == "torch":
         add_lora_int4_ref(out, x, qa, qb, scales, ranks, meta, check_values=check_values)
         return
