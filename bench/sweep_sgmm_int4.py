@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _timing import time_graph
 from sweep_sgmm_decode import Setup
 
-from adaptermesh.kernels import sgmm, sgmm_int4
+from adaptermesh.kernels import sgmm_int4
 from adaptermesh.kernels.sgmm import SgmmConfig
 
 CASES = [(16, 16, 1), (16, 16, 16), (16, 64, 8), (16, 64, 64), (16, 256, 64), (64, 64, 64),
@@ -140,7 +140,7 @@ def main() -> int:
             q.add()(st)
         best: dict[str, tuple] = {}  # type: ignore[type-arg]
         for kind, cands, mk, timed in (
-            ("shrink", SHRINK, _sc, q.shrink), ("expand", EXPAND, lambda c: _ec(c, r), q.expand)
+            ("shrink", SHRINK, _sc, q.shrink), ("expand", EXPAND, lambda c, r=r: _ec(c, r), q.expand)
         ):
             for c in cands:
                 cfg = mk(c)
