@@ -274,6 +274,27 @@ def test_int4_takes_the_gemv_rows() -> None:
     check_int4_case(case, torch.bfloat16, 16, -2, default_configs=True, norm=False)
 
 
+def test_int4_rows_pick_gemv_at_decode_batches() -> None:
+    """The INT4 rows: matrix-vector kernels at 1-32 tokens per adapter for T in 17..256 (where
+    the bf16 rows keep tiles), the bf16 tables elsewhere; the picked configs match the twin."""
+    q = _q()
+    from adaptermesh.kernels import sgmm
+
+    for t, a, r in ((64, 8, 16), (64, 64, 16), (64, 64, 64), (256, 64, 16)):
+        assert q.int4_shrink_config(t, 4096, r, a).gemv, (t, a, r)
+        assert not sgmm.shrink_config(t, 4096, r, a).gemv, (t, a, r)
+    assert q.int4_expand_config(64, 4096, 64, 64).block_k >= 64
+    assert not q.int4_expand_config(256, 4096, 64, 64).gemv
+    assert q.int4_shrink_config(4096, 4096, 16, 1) == sgmm.shrink_config(4096, 4096, 16, 1)
+    assert q.int4_expand_config(16, 4096, 16, 1) == sgmm.expand_config(16, 4096, 16, 1)
+    case = make_case(
+        t=40, h=72, s=20, r_max=16, ranks=None, out_sizes=(24,), mix="distinct",
+        dtype=torch.bfloat16, device=DEVICE, seed=41,
+    )  # fmt: skip
+    assert q.int4_shrink_config(40, 72, 16, 20).gemv
+    check_int4_case(case, torch.bfloat16, 8, -2, default_configs=True, norm=False)
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     t=st.integers(1, 12),
@@ -312,6 +333,29 @@ def test_gemv_kernels_match_twin(
     got = case.out.clone()
     q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, shrink_cfg=sc,
                     expand_cfg=ec, backend="triton")  # fmt: skip
+    want = case.out.clone()
+    q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
+    rtol, atol = tolerance(torch.bfloat16, "out")
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize(("group", "block_k", "b_dim"),
+                         [(6, 32, -2), (16, 32, -1), (64, 32, -2), (64, 256, -1), (2, 16, -2)])  # fmt: skip
+def test_gemv_shrink_scale_layouts(group: int, block_k: int, b_dim: int) -> None:
+    """The gemv shrink's scale paths: one load per group when the group is a power of two no
+    wider than a step (group <= BLOCK_K), the per-element gather otherwise (a wider or
+    non-power-of-two group); H = 203 leaves a partial last group and an odd last nibble."""
+    q = _q()
+    case = make_case(
+        t=7, h=203, s=3, r_max=24, ranks=[24, 7, 0], out_sizes=(19, 40), mix="with_base",
+        dtype=torch.bfloat16, device=DEVICE, seed=group * 31 + block_k,
+    )  # fmt: skip
+    qa, qb = _quantize(case, group, b_dim)
+    meta = build_segment_meta(case.slots, 3)
+    got = case.out.clone()
+    q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, backend="triton",
+                    shrink_cfg=SgmmConfig(2, 4, block_k, gemv=True),
+                    expand_cfg=SgmmConfig(2, 16, 32, n_blocks=2, gemv=True))  # fmt: skip
     want = case.out.clone()
     q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
     rtol, atol = tolerance(torch.bfloat16, "out")

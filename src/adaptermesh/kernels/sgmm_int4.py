@@ -54,11 +54,15 @@ from adaptermesh.kernels.meta import SegmentMeta
 from adaptermesh.kernels.sgmm import (
     SgmmConfig,
     _check_config,
+    _d_bucket,
     _dot_fp32,
     _locate_tile,
     _of_slice,
+    _pow2_at_least_16,
+    _r_bucket,
     _split_plan,
     _store_shrink_tile,
+    _t_bucket,
     _three_slices,
     _tile_axis,
     _v_buffer,
@@ -74,6 +78,8 @@ __all__ = [
     "add_lora_int4",
     "add_lora_int4_ref",
     "dequantize_int4",
+    "int4_expand_config",
+    "int4_shrink_config",
     "quantize_int4",
     "quantize_lora",
     "sgmm_expand_int4",
@@ -588,6 +594,7 @@ def _shrink_int4_gemv_kernel(
     BLOCK_S: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_ALONG_K: tl.constexpr,
+    SCALE_BLOCKS: tl.constexpr,  # GROUP a power of two <= BLOCK_K (groups align with steps)
     LAUNCH_DEPS: tl.constexpr = False,
 ):
     """The matrix-vector shrink on packed A: each program owns BLOCK_N rank rows of its slot
@@ -616,26 +623,35 @@ def _shrink_int4_gemv_kernel(
     q_base = qa_ptr + pid_i * stride_qi + slot.to(tl.int64) * stride_qs + offs_n[:, None] * stride_qr
     s_base = sa_ptr + pid_i * stride_si + slot.to(tl.int64) * stride_ss
     x_base = x_ptr + tok[:, None] * stride_xt
+    offs_kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         even = k0 + 2 * offs_j
         ok_e = even < H
-        ok_o = (even + 1) < H
-        xe = tl.load(x_base + even[None, :] * stride_xh, mask=mask_m[:, None] & ok_e[None, :],
+        kk = k0 + offs_kk
+        # x as one contiguous (vectorised) load, split into its even and odd columns.
+        xt = tl.load(x_base + kk[None, :] * stride_xh, mask=mask_m[:, None] & (kk < H)[None, :],
                      other=0.0).to(tl.float32)  # fmt: skip
-        xo = tl.load(x_base + (even + 1)[None, :] * stride_xh,
-                     mask=mask_m[:, None] & ok_o[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        xe, xo = tl.split(tl.reshape(xt, (BLOCK_M, HALF, 2)))
         w_mask = mask_n[:, None] & ok_e[None, :]
         b = tl.load(q_base + (even // 2)[None, :] * stride_qh, mask=w_mask, other=0)
         if GROUP_ALONG_K:
-            s_ptrs = s_base + offs_n[:, None] * stride_sr + (even // GROUP)[None, :] * stride_sh
-            sc = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+            if SCALE_BLOCKS:  # BLOCK_K // GROUP whole groups per step: one scale per group
+                NG: tl.constexpr = BLOCK_K // GROUP
+                g = k0 // GROUP + tl.arange(0, NG)
+                sg = tl.load(s_base + offs_n[:, None] * stride_sr + g[None, :] * stride_sh,
+                             mask=mask_n[:, None] & (g * GROUP < H)[None, :],
+                             other=0.0).to(tl.float32)  # fmt: skip
+                sc = tl.reshape(tl.broadcast_to(sg[:, :, None], (BLOCK_N, NG, GROUP // 2)),
+                                (BLOCK_N, HALF))  # fmt: skip
+            else:
+                s_ptrs = s_base + offs_n[:, None] * stride_sr + (even // GROUP)[None, :] * stride_sh
+                sc = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)
             sc_o = sc  # the pair shares a group (GROUP is even)
         else:
-            s_ptrs = s_base + (offs_n // GROUP)[:, None] * stride_sr + even[None, :] * stride_sh
-            sc = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-            sc_o = tl.load(s_ptrs + stride_sh, mask=mask_n[:, None] & ok_o[None, :],
-                           other=0.0).to(tl.float32)  # fmt: skip
+            s_row = tl.load(s_base + (offs_n // GROUP)[:, None] * stride_sr + kk[None, :] * stride_sh,
+                            mask=mask_n[:, None] & (kk < H)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            sc, sc_o = tl.split(tl.reshape(s_row, (BLOCK_N, HALF, 2)))
         lo, hi = _nibbles(b)
         we = (lo * sc).to(x_ptr.dtype.element_ty).to(tl.float32)
         wo = (hi * sc_o).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -738,6 +754,7 @@ def _expand_int4_gemv_kernel(
     HALF: tl.constexpr = BLOCK_K // 2
     scale = tl.load(scales_ptr + slot)
     offs_j = tl.arange(0, HALF)
+    offs_kk = tl.arange(0, BLOCK_K)
     even = 2 * offs_j
     ok_e = even < rank
     ok_o = (even + 1) < rank
@@ -756,11 +773,10 @@ def _expand_int4_gemv_kernel(
             s_e = s_slot + offs_n[:, None] * stride_sn + (even // GROUP)[None, :] * stride_sr
             sc = tl.load(s_e, mask=w_mask, other=0.0).to(tl.float32)
             sc_o = sc
-        else:
-            s_e = s_slot + (offs_n // GROUP)[:, None] * stride_sn + even[None, :] * stride_sr
-            sc = tl.load(s_e, mask=w_mask, other=0.0).to(tl.float32)
-            sc_o = tl.load(s_e + stride_sr, mask=mask_n[:, None] & ok_o[None, :],
-                           other=0.0).to(tl.float32)  # fmt: skip
+        else:  # one contiguous row of scales per output row, split into even and odd ranks
+            s_row = tl.load(s_slot + (offs_n // GROUP)[:, None] * stride_sn + offs_kk[None, :] * stride_sr,
+                            mask=mask_n[:, None] & (offs_kk < rank)[None, :], other=0.0)  # fmt: skip
+            sc, sc_o = tl.split(tl.reshape(s_row.to(tl.float32), (BLOCK_N, HALF, 2)))
         lo, hi = _nibbles(b)
         we = (lo * sc).to(out_ptr.dtype.element_ty).to(tl.float32)
         wo = (hi * sc_o).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -784,6 +800,63 @@ def _expand_int4_gemv_kernel(
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
+# INT4 rows by (T bucket, density, rank bucket) that override the bf16 tables, from the INT4
+# sweep of 2026-12-04 (bench/sweep_sgmm_int4.py, bench/results/sgmm_int4_sweep_h200.json; H = N
+# = 4096, pool of 128, graph replay; each op alone): at 1-32 tokens per adapter the
+# matrix-vector kernels won every T >= 64 case, the bf16 rows' tiles lost by 1.4-3.5x, e.g.
+# r=16 T=64 S=64 shrink 10.7 us (tile 15.9+), expand 8.0 (tile 9.7); r=64 T=64 S=64 shrink
+# 23.5, expand 21.1 (the table's 109.4 us for both); r=64 T=256 S=64 shrink 45.9 with the
+# 16-row expand tile 43.1. T <= 16 keeps the bf16 rows (the gemv shrink already; best pair
+# 8.1 / 9.7 us against the tables' 8.3 / 10.3).
+# shrink: (block_m, rank rows, block_k, warps, stages), matrix-vector.
+_INT4_SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int]] = {
+    (64, "mid", "low"): (1, 4, 512, 4, 2),
+    (64, "sparse", "low"): (1, 4, 512, 4, 2),
+    (64, "sparse", "high"): (1, 4, 512, 4, 2),
+    (256, "sparse", "low"): (2, 4, 512, 4, 2),
+    (256, "sparse", "high"): (2, 4, 512, 4, 2),
+}
+# expand: (block_m, block_n, warps, stages, n_blocks, gemv); block_k covers the rank for gemv.
+_INT4_EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, bool]] = {
+    (64, "mid", "low"): (2, 512, 4, 2, 1, True),
+    (64, "sparse", "low"): (2, 512, 4, 2, 1, True),
+    (64, "sparse", "high"): (1, 256, 4, 3, 4, True),
+    (256, "sparse", "low"): (4, 512, 8, 2, 1, True),
+    (256, "sparse", "high"): (16, 256, 4, 2, 1, False),
+}
+
+
+def _int4_key(num_tokens: int, r_max: int, active_slots: int | None) -> tuple[int, str, str]:
+    return (_t_bucket(num_tokens), _d_bucket(num_tokens, active_slots), _r_bucket(r_max))
+
+
+def int4_shrink_config(
+    num_tokens: int, hidden: int, r_max: int, active_slots: int | None = None
+) -> SgmmConfig:
+    """The INT4 shrink config for a batch: an INT4 row, else the bf16 tables'."""
+    row = _INT4_SHRINK_ROWS.get(_int4_key(num_tokens, r_max, active_slots))
+    if row is None:
+        return shrink_config(num_tokens, hidden, r_max, active_slots)
+    bm, rows, bk, warps, stages = row
+    return SgmmConfig(bm, rows, bk, num_warps=warps, num_stages=stages, gemv=True)
+
+
+def int4_expand_config(
+    num_tokens: int, n_max: int, r_max: int, active_slots: int | None = None
+) -> SgmmConfig:
+    """The INT4 expand config for a batch: an INT4 row, else the bf16 tables'."""
+    row = _INT4_EXPAND_ROWS.get(_int4_key(num_tokens, r_max, active_slots))
+    if row is None:
+        return expand_config(num_tokens, n_max, r_max, active_slots)
+    bm, bn, warps, stages, nb, gemv = row
+    bk = _pow2_at_least_16(r_max) if gemv else min(_pow2_at_least_16(r_max), 64)
+    return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, n_blocks=nb, gemv=gemv)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def _check_int4_config(cfg: SgmmConfig | None) -> None:
     if cfg is not None and cfg.fused:
         raise ValueError("the INT4 kernels have no fused variant: config.fused must be False")
@@ -810,7 +883,9 @@ def _launch_shrink_int4(
     launch_deps: bool = False,
 ) -> None:
     _check_int4_config(config)
-    cfg = config or shrink_config(shapes.num_tokens, shapes.hidden, shapes.r_max, active_slots)
+    cfg = config or int4_shrink_config(
+        shapes.num_tokens, shapes.hidden, shapes.r_max, active_slots
+    )
     _check_config(cfg)
     cfg = _int4_tile(cfg)
     grid_m = _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m)
@@ -831,6 +906,7 @@ def _launch_shrink_int4(
                 "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
                 "GROUP": qa.group_size,
                 "GROUP_ALONG_K": qa.group_dim == -1,
+                "SCALE_BLOCKS": _pow2(qa.group_size) and qa.group_size <= cfg.block_k,
                 "LAUNCH_DEPS": launch_deps,
             },
             num_warps=cfg.num_warps,
@@ -890,7 +966,7 @@ def _launch_expand_int4(
     bs, sizes, offs = _three_slices(qb, shapes.out_sizes, shapes.out_offsets)
     n_max = max(shapes.out_sizes)
     _check_int4_config(config)
-    cfg = config or expand_config(shapes.num_tokens, n_max, shapes.r_max, active_slots)
+    cfg = config or int4_expand_config(shapes.num_tokens, n_max, shapes.r_max, active_slots)
     _check_config(cfg)
     if cfg.gemv and cfg.block_k < shapes.r_max:
         raise ValueError(f"a gemv expand needs config.block_k >= R_max={shapes.r_max}")
@@ -974,8 +1050,8 @@ def add_lora_int4(
     """``out += scale * (x @ A.T) @ B.T`` per token's slot, A and B INT4 (two launches).
 
     Triton on CUDA tensors (or with ``backend="triton"`` under ``TRITON_INTERPRET=1``), the
-    torch twin on CPU. Configs: the bf16 tables (gemv rows included); a tile's BLOCK_K is at
-    least 32 and a hoisted expand tile runs unhoisted.
+    torch twin on CPU. Configs: ``int4_shrink_config`` / ``int4_expand_config`` (INT4 rows,
+    else the bf16 tables); a tile's BLOCK_K is at least 32, a hoisted expand tile runs unhoisted.
     """
     _check_int4_config(shrink_cfg)
     _check_int4_config(expand_cfg)
