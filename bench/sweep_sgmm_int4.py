@@ -39,11 +39,13 @@ SHRINK = [  # (block_m, block_n (rank rows for gemv), block_k, split_k, warps, s
     (16, 16, 256, 4, 4, 3, False), (16, 16, 128, 8, 4, 3, False), (16, 16, 512, 4, 4, 3, False),
     (1, 2, 1024, 1, 4, 2, True), (1, 4, 512, 1, 4, 2, True), (2, 4, 512, 1, 4, 2, True),
     (1, 8, 256, 1, 4, 3, True), (4, 2, 256, 1, 4, 2, True), (1, 16, 512, 1, 8, 2, True),
+    (16, 64, 256, 4, 4, 3, False), (16, 64, 128, 8, 4, 3, False), (32, 64, 256, 2, 4, 3, False),
 ]  # fmt: skip
 EXPAND = [  # (block_m, block_n, warps, stages, n_blocks, gemv)
     (16, 256, 4, 2, 1, False), (16, 128, 4, 3, 4, False), (16, 64, 4, 3, 4, False),
     (1, 256, 4, 2, 1, True), (1, 512, 4, 2, 1, True), (1, 256, 4, 3, 4, True),
     (2, 512, 4, 2, 1, True), (4, 512, 8, 2, 1, True), (1, 128, 4, 3, 8, True),
+    (16, 256, 8, 3, 2, False), (32, 128, 4, 3, 4, False),
 ]  # fmt: skip
 
 

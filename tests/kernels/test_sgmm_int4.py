@@ -342,9 +342,10 @@ def test_gemv_kernels_match_twin(
 @pytest.mark.parametrize(("group", "block_k", "b_dim"),
                          [(6, 32, -2), (16, 32, -1), (64, 32, -2), (64, 256, -1), (2, 16, -2)])  # fmt: skip
 def test_gemv_shrink_scale_layouts(group: int, block_k: int, b_dim: int) -> None:
-    """The gemv shrink's scale paths: one load per group when the group is a power of two no
-    wider than a step (group <= BLOCK_K), the per-element gather otherwise (a wider or
-    non-power-of-two group); H = 203 leaves a partial last group and an odd last nibble."""
+    """The scale paths of every INT4 kernel: one load per group when the group is a power of
+    two no wider than a step (A, along H) or a block of rows (B, along N), a row per element
+    otherwise (a wider or non-power-of-two group); H = 203 and N = 19 / 40 leave partial last
+    groups, H odd a padded last nibble."""
     q = _q()
     case = make_case(
         t=7, h=203, s=3, r_max=24, ranks=[24, 7, 0], out_sizes=(19, 40), mix="with_base",
@@ -352,14 +353,20 @@ def test_gemv_shrink_scale_layouts(group: int, block_k: int, b_dim: int) -> None
     )  # fmt: skip
     qa, qb = _quantize(case, group, b_dim)
     meta = build_segment_meta(case.slots, 3)
-    got = case.out.clone()
-    q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, backend="triton",
-                    shrink_cfg=SgmmConfig(2, 4, block_k, gemv=True),
-                    expand_cfg=SgmmConfig(2, 16, 32, n_blocks=2, gemv=True))  # fmt: skip
     want = case.out.clone()
     q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
     rtol, atol = tolerance(torch.bfloat16, "out")
-    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    # The matrix-vector kernels, then the tiles (whose scale paths follow the same rule: one
+    # load per group where a power-of-two group fits a step or a block of rows).
+    for sc, ec in (
+        (SgmmConfig(2, 4, block_k, gemv=True), SgmmConfig(2, 16, 32, n_blocks=2, gemv=True)),
+        (SgmmConfig(16, 16, max(32, block_k), split_k=2), SgmmConfig(16, 16, 32, n_blocks=2)),
+        (SgmmConfig(16, 32, 64), SgmmConfig(16, 64, 32)),
+    ):
+        got = case.out.clone()
+        q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, backend="triton",
+                        shrink_cfg=sc, expand_cfg=ec)  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
 def test_int4_refuses_fused_and_short_gemv_configs() -> None:

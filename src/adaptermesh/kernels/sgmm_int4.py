@@ -312,6 +312,38 @@ def _nibbles(b):
 
 
 @triton.jit
+def _row_group_scales(
+    s_ptr,  # scales of one slot, grouped along the rows (output columns of B)
+    n0,  # first row of the block, a multiple of BLOCK_N
+    n_size,
+    kk,  # [BLOCK_K] reduction (rank) indices of the step
+    k_end,
+    stride_n,
+    stride_k,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    SCALE_BLOCKS: tl.constexpr,
+):
+    """[BLOCK_N, BLOCK_K] fp32 scales of a block of rows grouped along the rows. With
+    SCALE_BLOCKS (GROUP a power of two <= BLOCK_N, so the block holds whole groups) one row of
+    scales per group, loaded once and repeated over the group's rows; else one (cached) row per
+    block row. Rows and columns out of range read 0 (their weights are masked too)."""
+    if SCALE_BLOCKS:
+        NGN: tl.constexpr = BLOCK_N // GROUP
+        g = n0 // GROUP + tl.arange(0, NGN)
+        sg = tl.load(s_ptr + g[:, None] * stride_n + kk[None, :] * stride_k,
+                     mask=(g * GROUP < n_size)[:, None] & (kk < k_end)[None, :],
+                     other=0.0).to(tl.float32)  # fmt: skip
+        return tl.reshape(tl.broadcast_to(sg[:, None, :], (NGN, GROUP, BLOCK_K)),
+                          (BLOCK_N, BLOCK_K))  # fmt: skip
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(s_ptr + (offs_n // GROUP)[:, None] * stride_n + kk[None, :] * stride_k,
+                   mask=(offs_n < n_size)[:, None] & (kk < k_end)[None, :],
+                   other=0.0).to(tl.float32)  # fmt: skip
+
+
+@triton.jit
 def _shrink_int4_kernel(
     x_ptr,
     qa_ptr,  # uint8 [n_slices, S, R_max, ceil(H/2)]
@@ -350,6 +382,7 @@ def _shrink_int4_kernel(
     GROUP: tl.constexpr,
     GROUP_ALONG_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SCALE_BLOCKS: tl.constexpr,  # GROUP a power of two <= BLOCK_K (groups align with steps)
     LAUNCH_DEPS: tl.constexpr = False,
 ):
     if LAUNCH_DEPS:  # the expand (a programmatic dependent launch) may start its prologue
@@ -387,23 +420,29 @@ def _shrink_int4_kernel(
     for k0 in range(k_begin, k_end, BLOCK_K):
         even = k0 + 2 * offs_j  # reduction index of each low nibble
         ok_e = even < k_end
-        ok_o = (even + 1) < k_end
         kk = k0 + offs_kk
         xt = tl.load(x_base + kk[None, :] * stride_xh, mask=mask_m[:, None] & (kk < k_end)[None, :],
                      other=0.0)  # fmt: skip
         w_mask = mask_n[:, None] & ok_e[None, :]
         b = tl.load(q_base + (even // 2)[None, :] * stride_qh, mask=w_mask, other=0)
         if GROUP_ALONG_K:
-            s_ptrs = s_base + offs_n[:, None] * stride_sr + (even // GROUP)[None, :] * stride_sh
-        else:
-            s_ptrs = s_base + (offs_n // GROUP)[:, None] * stride_sr + even[None, :] * stride_sh
-        sc = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        lo, hi = _nibbles(b)
-        if GROUP_ALONG_K:
+            if SCALE_BLOCKS:  # BLOCK_K // GROUP whole groups per step: one scale per group
+                NG: tl.constexpr = BLOCK_K // GROUP
+                g = k0 // GROUP + tl.arange(0, NG)
+                sg = tl.load(s_base + offs_n[:, None] * stride_sr + g[None, :] * stride_sh,
+                             mask=mask_n[:, None] & (g * GROUP < k_end)[None, :],
+                             other=0.0).to(tl.float32)  # fmt: skip
+                sc = tl.reshape(tl.broadcast_to(sg[:, :, None], (BLOCK_N, NG, GROUP // 2)),
+                                (BLOCK_N, HALF))  # fmt: skip
+            else:
+                s_ptrs = s_base + offs_n[:, None] * stride_sr + (even // GROUP)[None, :] * stride_sh
+                sc = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)
             sc_o = sc  # the pair shares a group (GROUP is even)
-        else:
-            s_o = s_base + (offs_n // GROUP)[:, None] * stride_sr + (even + 1)[None, :] * stride_sh
-            sc_o = tl.load(s_o, mask=mask_n[:, None] & ok_o[None, :], other=0.0).to(tl.float32)
+        else:  # one contiguous row of scales per rank row, split into even and odd columns
+            s_row = tl.load(s_base + (offs_n // GROUP)[:, None] * stride_sr + kk[None, :] * stride_sh,
+                            mask=mask_n[:, None] & (kk < k_end)[None, :], other=0.0)  # fmt: skip
+            sc, sc_o = tl.split(tl.reshape(s_row.to(tl.float32), (BLOCK_N, HALF, 2)))
+        lo, hi = _nibbles(b)
         we = (lo * sc).to(x_ptr.dtype.element_ty)
         wo = (hi * sc_o).to(x_ptr.dtype.element_ty)
         w = tl.trans(tl.interleave(we, wo))  # [BLOCK_K, BLOCK_N]
@@ -471,6 +510,7 @@ def _expand_int4_kernel(
     GROUP: tl.constexpr,
     GROUP_ALONG_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SCALE_BLOCKS: tl.constexpr,  # GROUP a power of two <= BLOCK_N (groups align with blocks)
     PDL: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
@@ -532,7 +572,6 @@ def _expand_int4_kernel(
         for k0 in range(0, rank, BLOCK_K):
             even = k0 + 2 * offs_j
             ok_e = even < rank
-            ok_o = (even + 1) < rank
             kk = k0 + offs_kk
             vt = tl.load(v_base + kk[None, :] * stride_vr, mask=mask_m[:, None] & (kk < rank)[None, :],
                          other=0.0)  # fmt: skip
@@ -544,10 +583,11 @@ def _expand_int4_kernel(
                 sc = tl.load(s_e, mask=w_mask, other=0.0).to(tl.float32)
                 sc_o = sc
             else:
-                s_e = s_slot + (offs_n // GROUP)[:, None] * stride_sn + even[None, :] * stride_sr
-                sc = tl.load(s_e, mask=w_mask, other=0.0).to(tl.float32)
-                sc_o = tl.load(s_e + stride_sr, mask=mask_n[:, None] & ok_o[None, :],
-                               other=0.0).to(tl.float32)  # fmt: skip
+                s_row = _row_group_scales(
+                    s_slot, n_first + jn * BLOCK_N, n_size, kk, rank, stride_sn, stride_sr,
+                    BLOCK_N, BLOCK_K, GROUP, SCALE_BLOCKS,
+                )  # fmt: skip
+                sc, sc_o = tl.split(tl.reshape(s_row, (BLOCK_N, HALF, 2)))
             lo, hi = _nibbles(b)
             we = (lo * sc).to(out_ptr.dtype.element_ty)
             wo = (hi * sc_o).to(out_ptr.dtype.element_ty)
@@ -711,6 +751,7 @@ def _expand_int4_gemv_kernel(
     BLOCK_S: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_ALONG_K: tl.constexpr,
+    SCALE_BLOCKS: tl.constexpr,  # GROUP a power of two <= BLOCK_N (groups align with blocks)
     PDL: tl.constexpr = False,
 ):
     """The matrix-vector expand on packed B: each program dequantises a [BLOCK_N, rank] tile
@@ -774,9 +815,11 @@ def _expand_int4_gemv_kernel(
             sc = tl.load(s_e, mask=w_mask, other=0.0).to(tl.float32)
             sc_o = sc
         else:  # one contiguous row of scales per output row, split into even and odd ranks
-            s_row = tl.load(s_slot + (offs_n // GROUP)[:, None] * stride_sn + offs_kk[None, :] * stride_sr,
-                            mask=mask_n[:, None] & (offs_kk < rank)[None, :], other=0.0)  # fmt: skip
-            sc, sc_o = tl.split(tl.reshape(s_row.to(tl.float32), (BLOCK_N, HALF, 2)))
+            s_row = _row_group_scales(
+                s_slot, n_first + jn * BLOCK_N, n_size, offs_kk, rank, stride_sn, stride_sr,
+                BLOCK_N, BLOCK_K, GROUP, SCALE_BLOCKS,
+            )  # fmt: skip
+            sc, sc_o = tl.split(tl.reshape(s_row, (BLOCK_N, HALF, 2)))
         lo, hi = _nibbles(b)
         we = (lo * sc).to(out_ptr.dtype.element_ty).to(tl.float32)
         wo = (hi * sc_o).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -941,6 +984,7 @@ def _launch_shrink_int4(
             "GROUP": qa.group_size,
             "GROUP_ALONG_K": qa.group_dim == -1,
             "DOT_FP32": _dot_fp32(x.dtype),
+            "SCALE_BLOCKS": _pow2(qa.group_size) and qa.group_size <= cfg.block_k,
             "LAUNCH_DEPS": launch_deps,
         },
         num_warps=cfg.num_warps,
@@ -988,6 +1032,7 @@ def _launch_expand_int4(
         "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
         "GROUP": qb[0].group_size,
         "GROUP_ALONG_K": qb[0].group_dim == -1,
+        "SCALE_BLOCKS": _pow2(qb[0].group_size) and qb[0].group_size <= cfg.block_n,
     }
     if not cfg.gemv:
         consts["DOT_FP32"] = _dot_fp32(out.dtype)
