@@ -844,27 +844,27 @@ def _expand_int4_gemv_kernel(
 # Launchers
 # ---------------------------------------------------------------------------------------------
 # INT4 rows by (T bucket, density, rank bucket) that override the bf16 tables, from the INT4
-# sweep of 2026-12-04 (bench/sweep_sgmm_int4.py, bench/results/sgmm_int4_sweep_h200.json; H = N
-# = 4096, pool of 128, graph replay; each op alone): at 1-32 tokens per adapter the
-# matrix-vector kernels won every T >= 64 case, the bf16 rows' tiles lost by 1.4-3.5x, e.g.
-# r=16 T=64 S=64 shrink 10.7 us (tile 15.9+), expand 8.0 (tile 9.7); r=64 T=64 S=64 shrink
-# 23.5, expand 21.1 (the table's 109.4 us for both); r=64 T=256 S=64 shrink 45.9 with the
-# 16-row expand tile 43.1. T <= 16 keeps the bf16 rows (the gemv shrink already; best pair
-# 8.1 / 9.7 us against the tables' 8.3 / 10.3).
-# shrink: (block_m, rank rows, block_k, warps, stages), matrix-vector.
-_INT4_SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int]] = {
-    (64, "mid", "low"): (1, 4, 512, 4, 2),
-    (64, "sparse", "low"): (1, 4, 512, 4, 2),
-    (64, "sparse", "high"): (1, 4, 512, 4, 2),
-    (256, "sparse", "low"): (2, 4, 512, 4, 2),
-    (256, "sparse", "high"): (2, 4, 512, 4, 2),
+# sweep of 2026-12-04 with the kernels' final scale loads (bench/sweep_sgmm_int4.py,
+# bench/results/sgmm_int4_sweep_h200_scales.json; H = N = 4096, pool of 128, graph replay,
+# each op alone, us): r=16 T=64 S=8 shrink gemv 10.8 (the bf16 row's split tile 15.7), expand
+# 16-row tile 7.3; S=64 shrink 10.4, expand gemv 7.7 (tile 8.7+); r=16 T=256 S=64 shrink gemv
+# 15.0 (tile 19.7), expand gemv 15.6 (tile 17.3); r=64 T=64 S=64 shrink 22.8, expand gemv
+# 17.6; r=64 T=256 S=64 shrink 16x16 split tile 41.0, expand 16x256 tile 30.2. T <= 16 keeps
+# the bf16 rows (7.6 / 10.7 us at S = 1 / 16, the best pairs 8.5 / 10.6).
+# shrink: (block_m, block_n (rank rows for gemv), block_k, split_k, warps, stages, gemv).
+_INT4_SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int, bool]] = {
+    (64, "mid", "low"): (1, 2, 1024, 1, 4, 2, True),
+    (64, "sparse", "low"): (1, 2, 1024, 1, 4, 2, True),
+    (64, "sparse", "high"): (1, 2, 1024, 1, 4, 2, True),
+    (256, "sparse", "low"): (2, 4, 512, 1, 4, 2, True),
+    (256, "sparse", "high"): (16, 16, 512, 4, 4, 3, False),
 }
 # expand: (block_m, block_n, warps, stages, n_blocks, gemv); block_k covers the rank for gemv.
 _INT4_EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, bool]] = {
-    (64, "mid", "low"): (2, 512, 4, 2, 1, True),
+    (64, "mid", "low"): (16, 256, 4, 2, 1, False),
     (64, "sparse", "low"): (2, 512, 4, 2, 1, True),
     (64, "sparse", "high"): (1, 256, 4, 3, 4, True),
-    (256, "sparse", "low"): (4, 512, 8, 2, 1, True),
+    (256, "sparse", "low"): (2, 512, 4, 2, 1, True),
     (256, "sparse", "high"): (16, 256, 4, 2, 1, False),
 }
 
@@ -880,8 +880,8 @@ def int4_shrink_config(
     row = _INT4_SHRINK_ROWS.get(_int4_key(num_tokens, r_max, active_slots))
     if row is None:
         return shrink_config(num_tokens, hidden, r_max, active_slots)
-    bm, rows, bk, warps, stages = row
-    return SgmmConfig(bm, rows, bk, num_warps=warps, num_stages=stages, gemv=True)
+    bm, bn, bk, split, warps, stages, gemv = row
+    return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, split_k=split, gemv=gemv)
 
 
 def int4_expand_config(
