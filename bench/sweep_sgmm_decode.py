@@ -77,10 +77,15 @@ EXPAND_LARGE = [
     (64, 128, 4, 3, False, 8, False, True), (64, 256, 8, 3, False, 4, False, True),
     (128, 128, 8, 3, False, 4, False, True), (32, 128, 4, 4, False, 8, False, True),
     (64, 128, 4, 2, False, 1, False), (64, 256, 8, 2, True, 1, False),
+    (64, 128, 8, 3, False, 8, False, True), (64, 128, 4, 4, False, 8, False, True),
+    (64, 64, 4, 3, False, 16, False, True), (32, 256, 8, 3, False, 4, False, True),
+    (128, 64, 8, 3, False, 8, False, True),
 ]  # fmt: skip
 SHRINK_LARGE = [
     (64, 128, 1, 4, 4, 0), (64, 256, 1, 8, 3, 0), (128, 64, 1, 4, 4, 0), (128, 128, 1, 8, 3, 0),
     (32, 128, 1, 4, 5, 0), (64, 64, 1, 4, 5, 0),
+    (16, 512, 2, 4, 3, 0), (16, 512, 4, 8, 3, 0), (32, 512, 2, 8, 3, 0), (16, 256, 2, 4, 6, 0),
+    (16, 128, 4, 4, 6, 0), (32, 256, 2, 8, 4, 0),
 ]  # fmt: skip
 # One launch (shrink + expand fused): (block_m, block_n, block_k, n_blocks, num_warps,
 # num_stages); n_blocks column blocks of block_n per program, block_k of H per shrink step.
