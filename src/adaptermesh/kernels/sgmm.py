@@ -202,8 +202,9 @@ _SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int]] = 
 # bench/results/sgmm_decode_sweep_h200_hoist.json), each op alone in graph replay:
 # - T > 256, >= 32 tokens per adapter (dense): shrink r=16 (16,256,4,4,5) 16.2 / 17.3 us at S=1 /
 #   64; r=64 (64,128,1,4,4) 20.3 / 27.2. Expand, the hoisted 64x128 tile, 8 column blocks:
-#   r=16 30.7 / 31.5, r=64 41.7 / 45.4 (the T-only table's tiles: 40.4 / 42.4, 64.1 / 69.0).
-#   Each op streams at about half the copy bandwidth.
+#   r=16 30.7 / 31.5, r=64 41.7 / 45.4 (the T-only table's tiles: 40.4 / 42.4, 64.1 / 69.0);
+#   with 8 warps (a second sweep, sgmm_decode_sweep_h200_long.json) 28.8 / 31.5 and 36.9 at
+#   r=64 S=1. Each op streams at about half the copy bandwidth.
 # - T <= 256 at <= 4 tokens per adapter: the hoisted expand tiles, r=16 (16,512,2 blocks) 11.4
 #   us, r=64 (16,256,4 blocks) 21.6 (the unhoisted rows 13.7 / 26.4); at T=64 r=64 the gemv
 #   expand 18.7 (the 16-row tile > 21.5) with the split-4 shrink 15.8 (split 1: 16.9).
@@ -232,8 +233,8 @@ _EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, bool, int, bo
     (T_BUCKETS[-1], "mid", "low"): (16, 128, 4, 3, True, 4, False, False),
     (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 3, True, 4, False, False),
     (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 3, True, 4, False, False),
-    (T_BUCKETS[-1], "dense", "low"): (64, 128, 4, 3, False, 8, False, True),
-    (T_BUCKETS[-1], "dense", "high"): (64, 128, 4, 3, False, 8, False, True),
+    (T_BUCKETS[-1], "dense", "low"): (64, 128, 8, 3, False, 8, False, True),
+    (T_BUCKETS[-1], "dense", "high"): (64, 128, 8, 3, False, 8, False, True),
 }
 
 
