@@ -287,6 +287,7 @@ def test_int4_rows_pick_gemv_at_decode_batches() -> None:
     assert q.int4_expand_config(64, 4096, 64, 64).block_k >= 64
     assert not q.int4_expand_config(256, 4096, 64, 64).gemv
     assert not q.int4_shrink_config(256, 4096, 64, 64).gemv
+    assert not q.int4_expand_config(64, 4096, 128, 64).gemv  # past GEMV_EXPAND_MAX_RANK
     assert q.int4_shrink_config(256, 4096, 64, 64).split_k > 1
     assert q.int4_shrink_config(4096, 4096, 16, 1) == sgmm.shrink_config(4096, 4096, 16, 1)
     assert q.int4_expand_config(16, 4096, 16, 1) == sgmm.expand_config(16, 4096, 16, 1)

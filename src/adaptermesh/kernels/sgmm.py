@@ -253,6 +253,9 @@ _ONE_TOKEN_NARROW_H = 4096
 # the split tile kept the MLP's down input (H = 11008: 9.4 against the gemv's > 10).
 _GEMV_SHRINK_MAX_TOKENS = 16
 HOIST_MAX_RANK = 128
+# A gemv expand program holds a [block_n, pow2(rank)] fp32 tile: the rows (swept up to r=64)
+# apply up to this rank; wider ranks take the T bucket's tile row.
+GEMV_EXPAND_MAX_RANK = 64
 _ONE_TOKEN_SHRINK: dict[bool, tuple[int, int, int, int, int, int]] = {
     False: (1, 1024, 1, 4, 2, 2),  # H <= 4096
     True: (16, 256, 8, 4, 3, 0),  # wider H
@@ -299,7 +302,7 @@ def expand_config(
     row = _EXPAND_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
     if num_tokens == 1 and rb == "low":
         row = _ONE_TOKEN_EXPAND
-    if row is None or (row[6] and not allow_gemv):
+    if row is None or (row[6] and (not allow_gemv or r_max > GEMV_EXPAND_MAX_RANK)):
         row = (*_EXPAND_TABLE[(tb, rb)], 1, False, False)
     bm, bn, warps, stages, prefetch, nb, gemv, hoist = row
     # The hoisted tile keeps the whole rank in registers: up to HOIST_MAX_RANK.

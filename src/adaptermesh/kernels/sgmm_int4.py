@@ -52,6 +52,7 @@ from adaptermesh.kernels._validate import ACT_DTYPES, MAX_SLICES, SgmmShapes, ch
 from adaptermesh.kernels._workspace import split_workspace
 from adaptermesh.kernels.meta import SegmentMeta
 from adaptermesh.kernels.sgmm import (
+    GEMV_EXPAND_MAX_RANK,
     SgmmConfig,
     _check_config,
     _d_bucket,
@@ -889,7 +890,7 @@ def int4_expand_config(
 ) -> SgmmConfig:
     """The INT4 expand config for a batch: an INT4 row, else the bf16 tables'."""
     row = _INT4_EXPAND_ROWS.get(_int4_key(num_tokens, r_max, active_slots))
-    if row is None:
+    if row is None or (row[5] and r_max > GEMV_EXPAND_MAX_RANK):
         return expand_config(num_tokens, n_max, r_max, active_slots)
     bm, bn, warps, stages, nb, gemv = row
     bk = _pow2_at_least_16(r_max) if gemv else min(_pow2_at_least_16(r_max), 64)
