@@ -27,9 +27,9 @@ def _q():  # type: ignore[no-untyped-def]
     return sgmm_int4
 
 
-def _quantize(case: Case, group: int, b_dim: int):  # type: ignore[no-untyped-def]
+def _quantize(case: Case, group: int, b_dim: int, a_dim: int = -1):  # type: ignore[no-untyped-def]
     q = _q()
-    qa = q.quantize_int4(case.lora_a, group, group_dim=-1)
+    qa = q.quantize_int4(case.lora_a, group, group_dim=a_dim)
     qb = tuple(q.quantize_int4(b, group, group_dim=b_dim) for b in case.lora_b)
     return qa, qb
 
@@ -41,13 +41,14 @@ EXPAND = SgmmConfig(16, 32, 32)
 
 def check_int4_case(
     case: Case, dtype: torch.dtype, group: int = 16, b_dim: int = -2, *, parts: bool = False,
-    default_configs: bool = False, norm: bool = True,
+    default_configs: bool = False, norm: bool = True, a_dim: int = -1,
+    shrink_cfg: SgmmConfig = SHRINK, expand_cfg: SgmmConfig = EXPAND,
 ) -> None:  # fmt: skip
     q = _q()
-    qa, qb = _quantize(case, group, b_dim)
+    qa, qb = _quantize(case, group, b_dim, a_dim)
     meta = build_segment_meta(case.slots, case.lora_a.shape[1])
     got = case.out.clone()
-    cfgs = {} if default_configs else {"shrink_cfg": SHRINK, "expand_cfg": EXPAND}
+    cfgs = {} if default_configs else {"shrink_cfg": shrink_cfg, "expand_cfg": expand_cfg}
     q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, backend="triton", **cfgs)
     want = case.out.clone()
     q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
@@ -231,23 +232,32 @@ def test_error_against_bf16_pool() -> None:
     assert rel < 0.15, rel
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     t=st.integers(1, 24),
-    h=st.integers(1, 70),
+    h=st.integers(1, 90),
     s=st.integers(1, 5),
     r_max=st.integers(1, 40),
     n=st.integers(1, 40),
     n_slices=st.integers(1, 3),
     mix=st.sampled_from(MIXES),
-    group=st.sampled_from([2, 8, 32]),
+    group=st.sampled_from([2, 6, 8, 32]),
+    a_dim=st.sampled_from([-1, -2]),
     b_dim=st.sampled_from([-1, -2]),
+    gemv=st.booleans(),
+    shrink=st.sampled_from([(1, 2, 16), (2, 4, 32), (4, 1, 64), (1, 16, 16)]),
+    expand=st.sampled_from([(1, 16), (2, 32), (4, 64), (1, 8)]),
+    n_blocks=st.integers(1, 3),
     seed=st.integers(0, 2**16),
 )
 def test_random_shapes_match_twin(
     t: int, h: int, s: int, r_max: int, n: int, n_slices: int, mix: str, group: int,
-    b_dim: int, seed: int,
+    a_dim: int, b_dim: int, gemv: bool, shrink: tuple[int, int, int], expand: tuple[int, int],
+    n_blocks: int, seed: int,
 ) -> None:  # fmt: skip
+    """Both kernel families (tiles with split-K, or the matrix-vector kernels) on ragged, odd
+    and mixed-rank inputs (rank 0 and base tokens included), every scale layout of A and B
+    and power-of-two or not group sizes, odd H (a padded last nibble)."""
     gen = torch.Generator().manual_seed(seed)
     ranks = torch.randint(0, r_max + 1, (s,), generator=gen).tolist()
     sizes = tuple(max(1, n - 3 * i) for i in range(n_slices))
@@ -255,8 +265,15 @@ def test_random_shapes_match_twin(
         t=t, h=h, s=s, r_max=r_max, ranks=ranks, out_sizes=sizes, mix=mix,
         dtype=torch.bfloat16, device=DEVICE, seed=seed,
     )  # fmt: skip
+    if gemv:
+        bk = max(16, 1 << (r_max - 1).bit_length())
+        sc = SgmmConfig(shrink[0], shrink[1], shrink[2], gemv=True)
+        ec = SgmmConfig(expand[0], expand[1], bk, n_blocks=n_blocks, gemv=True)
+    else:
+        sc, ec = SHRINK, SgmmConfig(16, 32, 32, n_blocks=n_blocks)
     # Tiny outputs make the norm bound noisy; the elementwise bound still holds.
-    check_int4_case(case, torch.bfloat16, group, b_dim, norm=False)
+    check_int4_case(case, torch.bfloat16, group, b_dim, norm=False, a_dim=a_dim,
+                    shrink_cfg=sc, expand_cfg=ec)  # fmt: skip
 
 
 def test_int4_takes_the_gemv_rows() -> None:
@@ -299,63 +316,21 @@ def test_int4_rows_pick_gemv_at_decode_batches() -> None:
     check_int4_case(case, torch.bfloat16, 8, -2, default_configs=True, norm=False)
 
 
-@settings(max_examples=10, deadline=None)
-@given(
-    t=st.integers(1, 12),
-    h=st.integers(1, 90),
-    s=st.integers(1, 5),
-    r_max=st.integers(1, 40),
-    n=st.integers(1, 40),
-    n_slices=st.integers(1, 3),
-    mix=st.sampled_from(MIXES),
-    group=st.sampled_from([2, 8, 32]),
-    b_dim=st.sampled_from([-1, -2]),
-    shrink=st.sampled_from([(1, 2, 16), (2, 4, 32), (4, 1, 64), (1, 16, 16)]),
-    expand=st.sampled_from([(1, 16), (2, 32), (4, 64), (1, 8)]),
-    n_blocks=st.integers(1, 3),
-    seed=st.integers(0, 2**16),
-)
-def test_gemv_kernels_match_twin(
-    t: int, h: int, s: int, r_max: int, n: int, n_slices: int, mix: str, group: int,
-    b_dim: int, shrink: tuple[int, int, int], expand: tuple[int, int], n_blocks: int, seed: int,
-) -> None:  # fmt: skip
-    """The INT4 matrix-vector shrink and expand on ragged, odd and mixed-rank inputs (rank 0
-    and base tokens included), both scale layouts, odd H (a padded last nibble)."""
-    q = _q()
-    gen = torch.Generator().manual_seed(seed)
-    ranks = torch.randint(0, r_max + 1, (s,), generator=gen).tolist()
-    sizes = tuple(max(1, n - 3 * i) for i in range(n_slices))
-    case = make_case(
-        t=t, h=h, s=s, r_max=r_max, ranks=ranks, out_sizes=sizes, mix=mix,
-        dtype=torch.bfloat16, device=DEVICE, seed=seed,
-    )  # fmt: skip
-    qa, qb = _quantize(case, group, b_dim)
-    meta = build_segment_meta(case.slots, s)
-    bk = max(16, 1 << (r_max - 1).bit_length())
-    sc = SgmmConfig(shrink[0], shrink[1], shrink[2], gemv=True)
-    ec = SgmmConfig(expand[0], expand[1], bk, n_blocks=n_blocks, gemv=True)
-    got = case.out.clone()
-    q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, shrink_cfg=sc,
-                    expand_cfg=ec, backend="triton")  # fmt: skip
-    want = case.out.clone()
-    q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
-    rtol, atol = tolerance(torch.bfloat16, "out")
-    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
-
-
-@pytest.mark.parametrize(("group", "block_k", "b_dim"),
-                         [(6, 32, -2), (16, 32, -1), (64, 32, -2), (64, 256, -1), (2, 16, -2)])  # fmt: skip
-def test_gemv_shrink_scale_layouts(group: int, block_k: int, b_dim: int) -> None:
-    """The scale paths of every INT4 kernel: one load per group when the group is a power of
-    two no wider than a step (A, along H) or a block of rows (B, along N), a row per element
-    otherwise (a wider or non-power-of-two group); H = 203 and N = 19 / 40 leave partial last
+@pytest.mark.parametrize(("group", "block_k", "a_dim", "b_dim"),
+                         [(6, 32, -1, -2), (16, 32, -2, -1), (64, 32, -1, -2), (64, 256, -1, -1),
+                          (2, 16, -2, -2), (4, 16, -2, -1)])  # fmt: skip
+def test_scale_layouts(group: int, block_k: int, a_dim: int, b_dim: int) -> None:
+    """The scale paths of every INT4 kernel, for A and B each grouped along its reduction dim
+    or along its rows: one load per group when the group is a power of two no wider than the
+    step (along K) or the block of rows, else a gather along K or a row per weight row (a
+    wider or non-power-of-two group); H = 203, rank 24 and N = 19 / 40 leave partial last
     groups, H odd a padded last nibble."""
     q = _q()
     case = make_case(
         t=7, h=203, s=3, r_max=24, ranks=[24, 7, 0], out_sizes=(19, 40), mix="with_base",
         dtype=torch.bfloat16, device=DEVICE, seed=group * 31 + block_k,
     )  # fmt: skip
-    qa, qb = _quantize(case, group, b_dim)
+    qa, qb = _quantize(case, group, b_dim, a_dim)
     meta = build_segment_meta(case.slots, 3)
     want = case.out.clone()
     q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)

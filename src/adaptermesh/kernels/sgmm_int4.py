@@ -313,35 +313,68 @@ def _nibbles(b):
 
 
 @triton.jit
-def _row_group_scales(
-    s_ptr,  # scales of one slot, grouped along the rows (output columns of B)
-    n0,  # first row of the block, a multiple of BLOCK_N
-    n_size,
-    kk,  # [BLOCK_K] reduction (rank) indices of the step
-    k_end,
-    stride_n,
-    stride_k,
-    BLOCK_N: tl.constexpr,
+def _dequant_step(
+    q_ptr,  # packed bytes of one slot (and slice): [rows, ceil(K/2)]
+    s_ptr,  # its scales
+    r0,  # first row of the block, a multiple of BLOCK_R
+    r_size,  # rows in range
+    k0,  # first reduction element of the step, a multiple of BLOCK_K
+    k_end,  # reduction elements in range
+    stride_qr,
+    stride_qk,  # per byte
+    stride_sr,
+    stride_sk,
+    BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
+    GROUP_ALONG_K: tl.constexpr,
     SCALE_BLOCKS: tl.constexpr,
 ):
-    """[BLOCK_N, BLOCK_K] fp32 scales of a block of rows grouped along the rows. With
-    SCALE_BLOCKS (GROUP a power of two <= BLOCK_N, so the block holds whole groups) one row of
-    scales per group, loaded once and repeated over the group's rows; else one (cached) row per
-    block row. Rows and columns out of range read 0 (their weights are masked too)."""
-    if SCALE_BLOCKS:
-        NGN: tl.constexpr = BLOCK_N // GROUP
-        g = n0 // GROUP + tl.arange(0, NGN)
-        sg = tl.load(s_ptr + g[:, None] * stride_n + kk[None, :] * stride_k,
-                     mask=(g * GROUP < n_size)[:, None] & (kk < k_end)[None, :],
-                     other=0.0).to(tl.float32)  # fmt: skip
-        return tl.reshape(tl.broadcast_to(sg[:, None, :], (NGN, GROUP, BLOCK_K)),
-                          (BLOCK_N, BLOCK_K))  # fmt: skip
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    return tl.load(s_ptr + (offs_n // GROUP)[:, None] * stride_n + kk[None, :] * stride_k,
-                   mask=(offs_n < n_size)[:, None] & (kk < k_end)[None, :],
-                   other=0.0).to(tl.float32)  # fmt: skip
+    """One step of a packed weight: rows [r0, r0 + BLOCK_R) x reduction elements [k0, k0 +
+    BLOCK_K), as (even, odd) [BLOCK_R, BLOCK_K // 2] fp32 tiles ``q * scale`` (the low nibbles
+    are the even elements, the high ones the odd), 0 out of range.
+
+    Scales: SCALE_BLOCKS means the groups align with the block (GROUP a power of two no wider
+    than a step along K, or than the block of rows): one load per group, repeated over its
+    elements. Otherwise a per-element gather along K, or one contiguous row of scales per
+    weight row split into its even and odd elements."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < r_size
+    even = k0 + 2 * tl.arange(0, HALF)
+    w_mask = mask_r[:, None] & (even < k_end)[None, :]
+    b = tl.load(q_ptr + offs_r[:, None] * stride_qr + (even // 2)[None, :] * stride_qk,
+                mask=w_mask, other=0)  # fmt: skip
+    if GROUP_ALONG_K:
+        if SCALE_BLOCKS:
+            NG: tl.constexpr = BLOCK_K // GROUP
+            g = k0 // GROUP + tl.arange(0, NG)
+            sg = tl.load(s_ptr + offs_r[:, None] * stride_sr + g[None, :] * stride_sk,
+                         mask=mask_r[:, None] & (g * GROUP < k_end)[None, :],
+                         other=0.0).to(tl.float32)  # fmt: skip
+            sc = tl.reshape(tl.broadcast_to(sg[:, :, None], (BLOCK_R, NG, GROUP // 2)),
+                            (BLOCK_R, HALF))  # fmt: skip
+        else:
+            sc = tl.load(s_ptr + offs_r[:, None] * stride_sr + (even // GROUP)[None, :] * stride_sk,
+                         mask=w_mask, other=0.0).to(tl.float32)  # fmt: skip
+        sc_o = sc  # the pair shares a group (GROUP is even)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        if SCALE_BLOCKS:
+            NGR: tl.constexpr = BLOCK_R // GROUP
+            g = r0 // GROUP + tl.arange(0, NGR)
+            sg = tl.load(s_ptr + g[:, None] * stride_sr + kk[None, :] * stride_sk,
+                         mask=(g * GROUP < r_size)[:, None] & (kk < k_end)[None, :],
+                         other=0.0).to(tl.float32)  # fmt: skip
+            s_row = tl.reshape(tl.broadcast_to(sg[:, None, :], (NGR, GROUP, BLOCK_K)),
+                               (BLOCK_R, BLOCK_K))  # fmt: skip
+        else:
+            s_row = tl.load(s_ptr + (offs_r // GROUP)[:, None] * stride_sr + kk[None, :] * stride_sk,
+                            mask=mask_r[:, None] & (kk < k_end)[None, :],
+                            other=0.0).to(tl.float32)  # fmt: skip
+        sc, sc_o = tl.split(tl.reshape(s_row, (BLOCK_R, HALF, 2)))
+    lo, hi = _nibbles(b)
+    return lo * sc, hi * sc_o
 
 
 @triton.jit
@@ -377,15 +410,22 @@ def _shrink_int4_kernel(
     stride_vt,
     stride_vr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # rank rows per program
     BLOCK_K: tl.constexpr,  # reduction elements per step (BLOCK_K // 2 bytes)
     BLOCK_S: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_ALONG_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    SCALE_BLOCKS: tl.constexpr,  # GROUP a power of two <= BLOCK_K (groups align with steps)
+    SCALE_BLOCKS: tl.constexpr,  # see _dequant_step
+    GEMV: tl.constexpr,  # the matrix-vector product (CUDA cores, SPLIT_K = 1) instead of tiles
     LAUNCH_DEPS: tl.constexpr = False,
 ):
+    """Tiles: each step's dequantised [BLOCK_N, BLOCK_K] slice of A is interleaved back from
+    its nibbles (column 2j the low, 2j+1 the high), so x is one contiguous tile and the step is
+    one product; split-K as in the bf16 shrink. GEMV (a few tokens per program, decode): x is
+    split into its even and odd columns against the low and high nibbles on the CUDA cores,
+    no tile padding of a one-token segment. The dequantised weight is rounded to the
+    activation dtype before the product, as bf16 weights are fed."""
     if LAUNCH_DEPS:  # the expand (a programmatic dependent launch) may start its prologue
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -408,55 +448,43 @@ def _shrink_int4_kernel(
     mask_n = offs_n < rank
     k_begin = pid_k * K_PER_SPLIT
     k_end = tl.minimum(H, k_begin + K_PER_SPLIT)
-    offs_j = tl.arange(0, HALF)
     offs_kk = tl.arange(0, BLOCK_K)
-    # The packed A is [rank, H/2] bytes, contiguous along H: each rank row's bytes are loaded
-    # as a [BLOCK_N, HALF] tile, split into nibbles, scaled, and interleaved back into the
-    # [BLOCK_N, BLOCK_K] slice of A (column 2j the low nibble, 2j+1 the high), so x is read
-    # once per step as one contiguous tile and the step is one product.
-    q_base = qa_ptr + pid_i * stride_qi + slot.to(tl.int64) * stride_qs + offs_n[:, None] * stride_qr
-    s_base = sa_ptr + pid_i * stride_si + slot.to(tl.int64) * stride_ss
+    q_slot = qa_ptr + pid_i * stride_qi + slot.to(tl.int64) * stride_qs
+    s_slot = sa_ptr + pid_i * stride_si + slot.to(tl.int64) * stride_ss
     x_base = x_ptr + tok[:, None] * stride_xt
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GEMV:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        even = k0 + 2 * offs_j  # reduction index of each low nibble
-        ok_e = even < k_end
         kk = k0 + offs_kk
         xt = tl.load(x_base + kk[None, :] * stride_xh, mask=mask_m[:, None] & (kk < k_end)[None, :],
                      other=0.0)  # fmt: skip
-        w_mask = mask_n[:, None] & ok_e[None, :]
-        b = tl.load(q_base + (even // 2)[None, :] * stride_qh, mask=w_mask, other=0)
-        if GROUP_ALONG_K:
-            if SCALE_BLOCKS:  # BLOCK_K // GROUP whole groups per step: one scale per group
-                NG: tl.constexpr = BLOCK_K // GROUP
-                g = k0 // GROUP + tl.arange(0, NG)
-                sg = tl.load(s_base + offs_n[:, None] * stride_sr + g[None, :] * stride_sh,
-                             mask=mask_n[:, None] & (g * GROUP < k_end)[None, :],
-                             other=0.0).to(tl.float32)  # fmt: skip
-                sc = tl.reshape(tl.broadcast_to(sg[:, :, None], (BLOCK_N, NG, GROUP // 2)),
-                                (BLOCK_N, HALF))  # fmt: skip
-            else:
-                s_ptrs = s_base + offs_n[:, None] * stride_sr + (even // GROUP)[None, :] * stride_sh
-                sc = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-            sc_o = sc  # the pair shares a group (GROUP is even)
-        else:  # one contiguous row of scales per rank row, split into even and odd columns
-            s_row = tl.load(s_base + (offs_n // GROUP)[:, None] * stride_sr + kk[None, :] * stride_sh,
-                            mask=mask_n[:, None] & (kk < k_end)[None, :], other=0.0)  # fmt: skip
-            sc, sc_o = tl.split(tl.reshape(s_row.to(tl.float32), (BLOCK_N, HALF, 2)))
-        lo, hi = _nibbles(b)
-        we = (lo * sc).to(x_ptr.dtype.element_ty)
-        wo = (hi * sc_o).to(x_ptr.dtype.element_ty)
-        w = tl.trans(tl.interleave(we, wo))  # [BLOCK_K, BLOCK_N]
-        if DOT_FP32:
-            acc += tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        we, wo = _dequant_step(
+            q_slot, s_slot, n_start, rank, k0, k_end, stride_qr, stride_qh, stride_sr,
+            stride_sh, BLOCK_N, BLOCK_K, GROUP, GROUP_ALONG_K, SCALE_BLOCKS,
+        )  # fmt: skip
+        we = we.to(x_ptr.dtype.element_ty)
+        wo = wo.to(x_ptr.dtype.element_ty)
+        if GEMV:
+            xe, xo = tl.split(tl.reshape(xt.to(tl.float32), (BLOCK_M, HALF, 2)))
+            acc += (xe[:, None, :] * we.to(tl.float32)[None, :, :]
+                    + xo[:, None, :] * wo.to(tl.float32)[None, :, :])  # fmt: skip
         else:
-            acc += tl.dot(xt, w)
+            w = tl.trans(tl.interleave(we, wo))  # [BLOCK_K, BLOCK_N]
+            if DOT_FP32:
+                acc += tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, w)
     mask_mn = mask_m[:, None] & mask_n[None, :]
     v_ptrs = v_ptr + pid_i * stride_vi + tok[:, None] * stride_vt + offs_n[None, :] * stride_vr
-    _store_shrink_tile(
-        acc, v_ptrs, part_ptr, count_ptr, tok, offs_n, mask_mn, pid_i, pid_k, pid_n, pid_m,
-        T, R_MAX, GRID_M, N_TILES_N, SPLIT_K, BLOCK_M, BLOCK_N,
-    )  # fmt: skip
+    if GEMV:
+        tl.store(v_ptrs, tl.sum(acc, axis=2), mask=mask_mn)
+    else:
+        _store_shrink_tile(
+            acc, v_ptrs, part_ptr, count_ptr, tok, offs_n, mask_mn, pid_i, pid_k, pid_n, pid_m,
+            T, R_MAX, GRID_M, N_TILES_N, SPLIT_K, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -506,14 +534,19 @@ def _expand_int4_kernel(
     stride_s2r,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # rank elements per step (BLOCK_K // 2 bytes)
+    BLOCK_K: tl.constexpr,  # rank elements per step (GEMV: >= R_MAX, the whole rank)
     BLOCK_S: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_ALONG_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    SCALE_BLOCKS: tl.constexpr,  # GROUP a power of two <= BLOCK_N (groups align with blocks)
+    SCALE_BLOCKS: tl.constexpr,  # see _dequant_step
+    GEMV: tl.constexpr,  # the matrix-vector product (CUDA cores) instead of tiles
     PDL: tl.constexpr = False,
 ):
+    """Tiles: each step's dequantised [BLOCK_N, BLOCK_K] slice of B is interleaved back, so v
+    is one contiguous tile and the step is one product. GEMV (a few tokens per program,
+    decode): each program dequantises a [BLOCK_N, rank] tile of B once per column block and
+    reduces it against each of its tokens' v rows on the CUDA cores."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_i = tl.program_id(2)
@@ -553,292 +586,65 @@ def _expand_int4_kernel(
     offs_m = row_begin + tl.arange(0, BLOCK_M)
     mask_m = offs_m < seg_end
     tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    offs_j = tl.arange(0, HALF)
     offs_kk = tl.arange(0, BLOCK_K)
-    v_base = v_ptr + pid_i.to(tl.int64) * stride_vi + tok[:, None] * stride_vt
+    even = 2 * tl.arange(0, HALF)
+    v_base = v_ptr + pid_i.to(tl.int64) * stride_vi
     scale = tl.load(scales_ptr + slot)
     q_slot = q_ptr + slot.to(tl.int64) * stride_qs
     s_slot = s_ptr + slot.to(tl.int64) * stride_ss
     if PDL:  # the prologue above overlapped the shrink; v is read only after it finished
         tl.extra.cuda.gdc_wait()
     for jn in range(0, N_BLOCKS):
-        offs_n = n_first + jn * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = n_first + jn * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_size
-        o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
-        o_mask = mask_m[:, None] & mask_n[None, :]
-        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # B is [N, rank/2] bytes, contiguous along the rank: loaded as [BLOCK_N, HALF],
-        # interleaved back into [BLOCK_N, BLOCK_K] of B, so v is one contiguous tile per step.
-        for k0 in range(0, rank, BLOCK_K):
-            even = k0 + 2 * offs_j
-            ok_e = even < rank
-            kk = k0 + offs_kk
-            vt = tl.load(v_base + kk[None, :] * stride_vr, mask=mask_m[:, None] & (kk < rank)[None, :],
-                         other=0.0)  # fmt: skip
-            w_mask = mask_n[:, None] & ok_e[None, :]
-            b = tl.load(q_slot + offs_n[:, None] * stride_qn + (even // 2)[None, :] * stride_qr,
-                        mask=w_mask, other=0)  # fmt: skip
-            if GROUP_ALONG_K:
-                s_e = s_slot + offs_n[:, None] * stride_sn + (even // GROUP)[None, :] * stride_sr
-                sc = tl.load(s_e, mask=w_mask, other=0.0).to(tl.float32)
-                sc_o = sc
-            else:
-                s_row = _row_group_scales(
-                    s_slot, n_first + jn * BLOCK_N, n_size, kk, rank, stride_sn, stride_sr,
-                    BLOCK_N, BLOCK_K, GROUP, SCALE_BLOCKS,
-                )  # fmt: skip
-                sc, sc_o = tl.split(tl.reshape(s_row, (BLOCK_N, HALF, 2)))
-            lo, hi = _nibbles(b)
-            we = (lo * sc).to(out_ptr.dtype.element_ty)
-            wo = (hi * sc_o).to(out_ptr.dtype.element_ty)
-            w = tl.trans(tl.interleave(we, wo))  # [BLOCK_K, BLOCK_N]
-            # v rounded to the activation dtype, as the bf16 expand feeds it.
-            vt = vt.to(out_ptr.dtype.element_ty)
-            if DOT_FP32:
-                acc += tl.dot(vt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(vt, w)
-        tl.store(
-            o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask
-        )
-
-
-@triton.jit
-def _shrink_int4_gemv_kernel(
-    x_ptr,
-    qa_ptr,  # uint8 [n_slices, S, R_max, ceil(H/2)]
-    sa_ptr,  # bf16 scales
-    v_ptr,
-    ranks_ptr,
-    sorted_ptr,
-    seg_start_ptr,
-    H,
-    S,
-    R_MAX,
-    stride_xt,
-    stride_xh,
-    stride_qi,
-    stride_qs,
-    stride_qr,
-    stride_qh,  # per byte
-    stride_si,
-    stride_ss,
-    stride_sr,
-    stride_sh,
-    stride_vi,
-    stride_vt,
-    stride_vr,
-    BLOCK_M: tl.constexpr,  # tokens per program (a few: the decode rows)
-    BLOCK_N: tl.constexpr,  # rank rows per program
-    BLOCK_K: tl.constexpr,  # reduction elements per step (BLOCK_K // 2 bytes)
-    BLOCK_S: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_ALONG_K: tl.constexpr,
-    SCALE_BLOCKS: tl.constexpr,  # GROUP a power of two <= BLOCK_K (groups align with steps)
-    LAUNCH_DEPS: tl.constexpr = False,
-):
-    """The matrix-vector shrink on packed A: each program owns BLOCK_N rank rows of its slot
-    and walks the whole of H, the low nibbles against the even columns of x and the high ones
-    against the odd columns, on the CUDA cores (no tile padding of a one-token segment, no
-    interleave). The dequantised weight is rounded to the activation dtype, as in the tiles."""
-    if LAUNCH_DEPS:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_i = tl.program_id(2).to(tl.int64)
-    has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    n_start = pid_n * BLOCK_N
-    if n_start >= rank:
-        return
-    HALF: tl.constexpr = BLOCK_K // 2
-    offs_m = row_begin + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < seg_end
-    tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < rank
-    offs_j = tl.arange(0, HALF)
-    q_base = qa_ptr + pid_i * stride_qi + slot.to(tl.int64) * stride_qs + offs_n[:, None] * stride_qr
-    s_base = sa_ptr + pid_i * stride_si + slot.to(tl.int64) * stride_ss
-    x_base = x_ptr + tok[:, None] * stride_xt
-    offs_kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        even = k0 + 2 * offs_j
-        ok_e = even < H
-        kk = k0 + offs_kk
-        # x as one contiguous (vectorised) load, split into its even and odd columns.
-        xt = tl.load(x_base + kk[None, :] * stride_xh, mask=mask_m[:, None] & (kk < H)[None, :],
-                     other=0.0).to(tl.float32)  # fmt: skip
-        xe, xo = tl.split(tl.reshape(xt, (BLOCK_M, HALF, 2)))
-        w_mask = mask_n[:, None] & ok_e[None, :]
-        b = tl.load(q_base + (even // 2)[None, :] * stride_qh, mask=w_mask, other=0)
-        if GROUP_ALONG_K:
-            if SCALE_BLOCKS:  # BLOCK_K // GROUP whole groups per step: one scale per group
-                NG: tl.constexpr = BLOCK_K // GROUP
-                g = k0 // GROUP + tl.arange(0, NG)
-                sg = tl.load(s_base + offs_n[:, None] * stride_sr + g[None, :] * stride_sh,
-                             mask=mask_n[:, None] & (g * GROUP < H)[None, :],
-                             other=0.0).to(tl.float32)  # fmt: skip
-                sc = tl.reshape(tl.broadcast_to(sg[:, :, None], (BLOCK_N, NG, GROUP // 2)),
-                                (BLOCK_N, HALF))  # fmt: skip
-            else:
-                s_ptrs = s_base + offs_n[:, None] * stride_sr + (even // GROUP)[None, :] * stride_sh
-                sc = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-            sc_o = sc  # the pair shares a group (GROUP is even)
-        else:
-            s_row = tl.load(s_base + (offs_n // GROUP)[:, None] * stride_sr + kk[None, :] * stride_sh,
-                            mask=mask_n[:, None] & (kk < H)[None, :], other=0.0).to(tl.float32)  # fmt: skip
-            sc, sc_o = tl.split(tl.reshape(s_row, (BLOCK_N, HALF, 2)))
-        lo, hi = _nibbles(b)
-        we = (lo * sc).to(x_ptr.dtype.element_ty).to(tl.float32)
-        wo = (hi * sc_o).to(x_ptr.dtype.element_ty).to(tl.float32)
-        acc += xe[:, None, :] * we[None, :, :] + xo[:, None, :] * wo[None, :, :]
-    v_ptrs = v_ptr + pid_i * stride_vi + tok[:, None] * stride_vt + offs_n[None, :] * stride_vr
-    tl.store(v_ptrs, tl.sum(acc, axis=2), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _expand_int4_gemv_kernel(
-    out_ptr,
-    v_ptr,
-    q0_ptr,
-    q1_ptr,
-    q2_ptr,
-    s0_ptr,
-    s1_ptr,
-    s2_ptr,
-    scales_ptr,
-    ranks_ptr,
-    sorted_ptr,
-    seg_start_ptr,
-    S,
-    R_MAX,
-    N0,
-    N1,
-    N2,
-    OFF1,
-    OFF2,
-    N_BLOCKS,
-    stride_ot,
-    stride_on,
-    stride_vi,
-    stride_vt,
-    stride_vr,
-    stride_q0s,
-    stride_q0n,
-    stride_q0r,
-    stride_q1s,
-    stride_q1n,
-    stride_q1r,
-    stride_q2s,
-    stride_q2n,
-    stride_q2r,
-    stride_s0s,
-    stride_s0n,
-    stride_s0r,
-    stride_s1s,
-    stride_s1n,
-    stride_s1r,
-    stride_s2s,
-    stride_s2n,
-    stride_s2r,
-    BLOCK_M: tl.constexpr,  # tokens per program (a few: the decode rows)
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # >= R_MAX: the whole rank in one tile (BLOCK_K // 2 bytes)
-    BLOCK_S: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_ALONG_K: tl.constexpr,
-    SCALE_BLOCKS: tl.constexpr,  # GROUP a power of two <= BLOCK_N (groups align with blocks)
-    PDL: tl.constexpr = False,
-):
-    """The matrix-vector expand on packed B: each program dequantises a [BLOCK_N, rank] tile
-    of its slot's B once (low nibbles: even rank columns, high: odd) and reduces it against
-    each of its tokens' v rows on the CUDA cores."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_i = tl.program_id(2)
-    n_size = _of_slice(pid_i, N0, N1, N2)
-    col_off = _of_slice(pid_i, 0, OFF1, OFF2)
-    stride_qs = _of_slice(pid_i, stride_q0s, stride_q1s, stride_q2s).to(tl.int64)
-    stride_qn = _of_slice(pid_i, stride_q0n, stride_q1n, stride_q2n)
-    stride_qr = _of_slice(pid_i, stride_q0r, stride_q1r, stride_q2r)
-    stride_ss = _of_slice(pid_i, stride_s0s, stride_s1s, stride_s2s).to(tl.int64)
-    stride_sn = _of_slice(pid_i, stride_s0n, stride_s1n, stride_s2n)
-    stride_sr = _of_slice(pid_i, stride_s0r, stride_s1r, stride_s2r)
-    if pid_i == 0:
-        q_ptr = q0_ptr
-        s_ptr = s0_ptr
-    elif pid_i == 1:
-        q_ptr = q1_ptr
-        s_ptr = s1_ptr
-    else:
-        q_ptr = q2_ptr
-        s_ptr = s2_ptr
-    n_first = pid_n * N_BLOCKS * BLOCK_N
-    if n_first >= n_size:
-        if PDL:  # every program waits, so this grid ends after the shrink it depends on
-            tl.extra.cuda.gdc_wait()
-        return
-    has_tile, slot, row_begin, seg_end = _locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    if rank == 0:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        return
-    HALF: tl.constexpr = BLOCK_K // 2
-    scale = tl.load(scales_ptr + slot)
-    offs_j = tl.arange(0, HALF)
-    offs_kk = tl.arange(0, BLOCK_K)
-    even = 2 * offs_j
-    ok_e = even < rank
-    ok_o = (even + 1) < rank
-    q_slot = q_ptr + slot.to(tl.int64) * stride_qs
-    s_slot = s_ptr + slot.to(tl.int64) * stride_ss
-    v_base = v_ptr + pid_i.to(tl.int64) * stride_vi
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    for jn in range(0, N_BLOCKS):
-        offs_n = n_first + jn * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < n_size
-        w_mask = mask_n[:, None] & ok_e[None, :]
-        b = tl.load(q_slot + offs_n[:, None] * stride_qn + offs_j[None, :] * stride_qr,
-                    mask=w_mask, other=0)  # fmt: skip
-        if GROUP_ALONG_K:
-            s_e = s_slot + offs_n[:, None] * stride_sn + (even // GROUP)[None, :] * stride_sr
-            sc = tl.load(s_e, mask=w_mask, other=0.0).to(tl.float32)
-            sc_o = sc
-        else:  # one contiguous row of scales per output row, split into even and odd ranks
-            s_row = _row_group_scales(
-                s_slot, n_first + jn * BLOCK_N, n_size, offs_kk, rank, stride_sn, stride_sr,
-                BLOCK_N, BLOCK_K, GROUP, SCALE_BLOCKS,
+        if GEMV:
+            we, wo = _dequant_step(
+                q_slot, s_slot, n0, n_size, 0, rank, stride_qn, stride_qr, stride_sn,
+                stride_sr, BLOCK_N, BLOCK_K, GROUP, GROUP_ALONG_K, SCALE_BLOCKS,
             )  # fmt: skip
-            sc, sc_o = tl.split(tl.reshape(s_row, (BLOCK_N, HALF, 2)))
-        lo, hi = _nibbles(b)
-        we = (lo * sc).to(out_ptr.dtype.element_ty).to(tl.float32)
-        wo = (hi * sc_o).to(out_ptr.dtype.element_ty).to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            row = row_begin + m
-            if row < seg_end:
-                t = tl.load(sorted_ptr + row).to(tl.int64)
-                # v rounded to the activation dtype, as the tile expand feeds it.
-                ve = tl.load(v_base + t * stride_vt + even * stride_vr, mask=ok_e, other=0.0)
-                vo = tl.load(v_base + t * stride_vt + (even + 1) * stride_vr, mask=ok_o,
-                             other=0.0)  # fmt: skip
-                ve = ve.to(out_ptr.dtype.element_ty).to(tl.float32)
-                vo = vo.to(out_ptr.dtype.element_ty).to(tl.float32)
-                acc = tl.sum(we * ve[None, :] + wo * vo[None, :], axis=1)
-                o_ptrs = out_ptr + t * stride_ot + (col_off + offs_n) * stride_on
-                o = tl.load(o_ptrs, mask=mask_n, other=0.0)
-                tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
-                         mask=mask_n)  # fmt: skip
+            we = we.to(out_ptr.dtype.element_ty).to(tl.float32)
+            wo = wo.to(out_ptr.dtype.element_ty).to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                row = row_begin + m
+                if row < seg_end:
+                    t = tl.load(sorted_ptr + row).to(tl.int64)
+                    # v rounded to the activation dtype, as the tiles feed it.
+                    ve = tl.load(v_base + t * stride_vt + even * stride_vr, mask=even < rank,
+                                 other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+                    vo = tl.load(v_base + t * stride_vt + (even + 1) * stride_vr,
+                                 mask=(even + 1) < rank,
+                                 other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+                    acc = tl.sum(we * ve[None, :] + wo * vo[None, :], axis=1)
+                    o_ptrs = out_ptr + t * stride_ot + (col_off + offs_n) * stride_on
+                    o = tl.load(o_ptrs, mask=mask_n, other=0.0)
+                    tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
+                             mask=mask_n)  # fmt: skip
+        else:
+            o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
+            o_mask = mask_m[:, None] & mask_n[None, :]
+            o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, rank, BLOCK_K):
+                kk = k0 + offs_kk
+                vt = tl.load(v_base + tok[:, None] * stride_vt + kk[None, :] * stride_vr,
+                             mask=mask_m[:, None] & (kk < rank)[None, :], other=0.0)  # fmt: skip
+                we, wo = _dequant_step(
+                    q_slot, s_slot, n0, n_size, k0, rank, stride_qn, stride_qr, stride_sn,
+                    stride_sr, BLOCK_N, BLOCK_K, GROUP, GROUP_ALONG_K, SCALE_BLOCKS,
+                )  # fmt: skip
+                w = tl.trans(tl.interleave(we.to(out_ptr.dtype.element_ty),
+                                           wo.to(out_ptr.dtype.element_ty)))  # fmt: skip
+                # v rounded to the activation dtype, as the bf16 expand feeds it.
+                vt = vt.to(out_ptr.dtype.element_ty)
+                if DOT_FP32:
+                    acc2 += tl.dot(vt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                else:
+                    acc2 += tl.dot(vt, w)
+            tl.store(
+                o_ptrs, (o.to(tl.float32) + acc2 * scale).to(out_ptr.dtype.element_ty),
+                mask=o_mask,
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -897,8 +703,12 @@ def int4_expand_config(
     return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, n_blocks=nb, gemv=gemv)
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+def _scale_blocks(q: Int4Weight, cfg: SgmmConfig) -> bool:
+    """Whether a kernel step or block holds whole scale groups (``_dequant_step``): the group
+    a power of two no wider than the step along K (groups along K) or than the block of rows
+    (groups along the rows)."""
+    g = q.group_size
+    return g & (g - 1) == 0 and g <= (cfg.block_k if q.group_dim == -1 else cfg.block_n)
 
 
 def _check_int4_config(cfg: SgmmConfig | None) -> None:
@@ -934,32 +744,12 @@ def _launch_shrink_int4(
     cfg = _int4_tile(cfg)
     grid_m = _tile_axis(shapes.num_tokens, shapes.num_slots, cfg.block_m)
     n_tiles_n = int(triton.cdiv(shapes.r_max, cfg.block_n))
-    if cfg.gemv:
-        launch(
-            _shrink_int4_gemv_kernel,
-            (grid_m, n_tiles_n, shapes.n_slices),
-            (
-                x, qa.packed, qa.scales, v, ranks, meta.sorted_tokens, meta.seg_start,
-                shapes.hidden, shapes.num_slots, shapes.r_max, x.stride(0), x.stride(1),
-                *qa.packed.stride(), *qa.scales.stride(), *v.stride(),
-            ),
-            {
-                "BLOCK_M": cfg.block_m,
-                "BLOCK_N": cfg.block_n,
-                "BLOCK_K": cfg.block_k,
-                "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
-                "GROUP": qa.group_size,
-                "GROUP_ALONG_K": qa.group_dim == -1,
-                "SCALE_BLOCKS": _pow2(qa.group_size) and qa.group_size <= cfg.block_k,
-                "LAUNCH_DEPS": launch_deps,
-            },
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )  # fmt: skip
-        return
-    split, k_per_split = _split_plan(
-        cfg, shapes.hidden, grid_m * n_tiles_n * shapes.n_slices, x.device
-    )
+    if cfg.gemv:  # one program walks the whole of H: no split, no partials
+        split, k_per_split = 1, int(triton.cdiv(shapes.hidden, cfg.block_k)) * cfg.block_k
+    else:
+        split, k_per_split = _split_plan(
+            cfg, shapes.hidden, grid_m * n_tiles_n * shapes.n_slices, x.device
+        )
     if split > 1:
         counters, partials = split_workspace(
             x.device,
@@ -985,7 +775,8 @@ def _launch_shrink_int4(
             "GROUP": qa.group_size,
             "GROUP_ALONG_K": qa.group_dim == -1,
             "DOT_FP32": _dot_fp32(x.dtype),
-            "SCALE_BLOCKS": _pow2(qa.group_size) and qa.group_size <= cfg.block_k,
+            "SCALE_BLOCKS": _scale_blocks(qa, cfg),
+            "GEMV": cfg.gemv,
             "LAUNCH_DEPS": launch_deps,
         },
         num_warps=cfg.num_warps,
@@ -1033,13 +824,13 @@ def _launch_expand_int4(
         "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
         "GROUP": qb[0].group_size,
         "GROUP_ALONG_K": qb[0].group_dim == -1,
-        "SCALE_BLOCKS": _pow2(qb[0].group_size) and qb[0].group_size <= cfg.block_n,
+        "DOT_FP32": _dot_fp32(out.dtype),
+        "SCALE_BLOCKS": _scale_blocks(qb[0], cfg),
+        "GEMV": cfg.gemv,
+        "PDL": pdl,
     }
-    if not cfg.gemv:
-        consts["DOT_FP32"] = _dot_fp32(out.dtype)
-    consts["PDL"] = pdl
     launch(
-        _expand_int4_gemv_kernel if cfg.gemv else _expand_int4_kernel,
+        _expand_int4_kernel,
         grid,
         (
             out, v, bs[0].packed, bs[1].packed, bs[2].packed, bs[0].scales, bs[1].scales,
