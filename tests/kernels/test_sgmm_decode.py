@@ -47,7 +47,7 @@ def test_density_picks_configs() -> None:
         assert cfg.gemv, (t, a)
         assert cfg.block_k >= 16, (t, a)
     # One token, low rank: the matrix-vector shrink over H <= 4096, split-K over wider H, and
-    # the 16-row expand tile (the batch-1 rows of the 2026-12-03 sweep); INT4 keeps tiles.
+    # the 16-row expand tile (the batch-1 rows of the 2026-12-03 sweep).
     assert sgmm.shrink_config(1, 4096, 16, 1).gemv
     assert not sgmm.shrink_config(1, 11008, 16, 1).gemv
     assert sgmm.shrink_config(1, 11008, 16, 1).split_k > 1
@@ -57,7 +57,6 @@ def test_density_picks_configs() -> None:
         assert not sgmm.shrink_config(16, 11008, 16, a).gemv, a
     assert not sgmm.shrink_config(17, 4096, 16, 1).gemv
     assert not sgmm.expand_config(1, 4096, 16, 1).gemv
-    assert not sgmm.shrink_config(1, 4096, 16, 1, allow_gemv=False).gemv
     assert not sgmm.shrink_config(1, 4096, 64, 1).gemv
     assert sgmm.expand_config(64, 4096, 32).block_k >= 32
     # r=64, one token per adapter at T=64: the gemv expand (2026-12-04 sweep), whole rank.
@@ -292,8 +291,7 @@ def test_gemv_shrink_property(  # type: ignore[no-untyped-def]
 
 def test_gemv_shrink_plan_and_int4() -> None:
     """A plan with a gemv shrink is one launch per op; the INT4 path runs the same gemv
-    shrink config (its own matrix-vector kernel) against its twin; ``allow_gemv=False`` still
-    gives tiles."""
+    shrink config (its own matrix-vector path) against its twin."""
     sgmm = _sgmm()
     from adaptermesh.kernels import sgmm_int4
 
@@ -319,10 +317,6 @@ def test_gemv_shrink_plan_and_int4() -> None:
     want = case.out.clone()
     sgmm_int4.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    for t, a in ((1, 1), (16, 16), (64, 64), (256, 64), (4096, 1)):
-        c = sgmm.shrink_config(t, 4096, 16, a, allow_gemv=False)
-        assert not c.gemv
-        assert c.block_m >= 16
 
 
 @pytest.mark.gpu

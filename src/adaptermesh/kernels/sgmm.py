@@ -270,16 +270,13 @@ def shrink_config(
     hidden: int,
     r_max: int,
     active_slots: int | None = None,
-    *,
-    allow_gemv: bool = True,
 ) -> SgmmConfig:
-    """The shrink config for a batch; ``allow_gemv=False`` (a kernel with no matrix-vector
-    variant, e.g. INT4) gets the tile row of the T bucket where the density row is a gemv."""
+    """The shrink config for a batch: its density row, else the T bucket's tile row."""
     tb, rb = _t_bucket(num_tokens), _r_bucket(r_max)
     row = _SHRINK_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
     if num_tokens <= _GEMV_SHRINK_MAX_TOKENS and rb == "low":
         row = _ONE_TOKEN_SHRINK[hidden > _ONE_TOKEN_NARROW_H]
-    if row is None or (row[5] and not allow_gemv):
+    if row is None:
         row = (*_SHRINK_TABLE[(tb, rb)], 0)
     bm, bk, split, warps, stages, gemv_rows = row
     if gemv_rows:
@@ -293,16 +290,14 @@ def expand_config(
     n_max: int,
     r_max: int,
     active_slots: int | None = None,
-    *,
-    allow_gemv: bool = True,
 ) -> SgmmConfig:
-    """The expand config for a batch; ``allow_gemv=False`` (a kernel with no matrix-vector
-    variant, e.g. INT4) gets the tile row of the T bucket where the density row is a gemv."""
+    """The expand config for a batch: its density row, else the T bucket's tile row (also
+    where a gemv row's rank would pass GEMV_EXPAND_MAX_RANK)."""
     tb, rb = _t_bucket(num_tokens), _r_bucket(r_max)
     row = _EXPAND_ROWS.get((tb, _d_bucket(num_tokens, active_slots), rb))
     if num_tokens == 1 and rb == "low":
         row = _ONE_TOKEN_EXPAND
-    if row is None or (row[6] and (not allow_gemv or r_max > GEMV_EXPAND_MAX_RANK)):
+    if row is None or (row[6] and r_max > GEMV_EXPAND_MAX_RANK):
         row = (*_EXPAND_TABLE[(tb, rb)], 1, False, False)
     bm, bn, warps, stages, prefetch, nb, gemv, hoist = row
     # The hoisted tile keeps the whole rank in registers: up to HOIST_MAX_RANK.
