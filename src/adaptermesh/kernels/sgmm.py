@@ -206,8 +206,9 @@ _SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int]] = 
 #   with 8 warps (a second sweep, sgmm_decode_sweep_h200_long.json) 28.8 / 31.5 and 36.9 at
 #   r=64 S=1. Each op streams at about half the copy bandwidth.
 # - T <= 256 at <= 4 tokens per adapter: the hoisted expand tiles, r=16 (16,512,2 blocks) 11.4
-#   us, r=64 (16,256,4 blocks) 21.6 (the unhoisted rows 13.7 / 26.4); at T=64 r=64 the gemv
-#   expand 18.7 (the 16-row tile > 21.5) with the split-4 shrink 15.8 (split 1: 16.9).
+#   us, r=64 (16,256,4 blocks) 21.6 (the unhoisted rows 16.1 / 26.4); at T=64 r=64 the gemv
+#   expand 18.7 (the previous 16-row row 24.5, the best tile 20.4) with the split-4 shrink
+#   15.8 (split 1: 16.9).
 # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, gemv, hoist_v). The gemv rows are
 # from the matrix-vector sweep of 2026-12-02 (bench/results/sgmm_decode_sweep_h200_gemv.json):
 # at one to four tokens per adapter and T <= 64, one token per program with the whole rank in one

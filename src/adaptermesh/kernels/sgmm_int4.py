@@ -653,8 +653,8 @@ def _expand_int4_kernel(
 # INT4 rows by (T bucket, density, rank bucket) that override the bf16 tables, from the INT4
 # sweep of 2026-12-04 with the kernels' final scale loads (bench/sweep_sgmm_int4.py,
 # bench/results/sgmm_int4_sweep_h200_scales.json; H = N = 4096, pool of 128, graph replay,
-# each op alone, us): r=16 T=64 S=8 shrink gemv 10.8 (the bf16 row's split tile 15.7), expand
-# 16-row tile 7.3; S=64 shrink 10.4, expand gemv 7.7 (tile 8.7+); r=16 T=256 S=64 shrink gemv
+# each op alone, us): r=16 T=64 S=8 shrink gemv 10.8 (the best split tile 13.6), expand
+# 16-row tile 7.3; S=64 shrink 10.4, expand gemv 7.7 (tiles > 10.1); r=16 T=256 S=64 shrink gemv
 # 15.0 (tile 19.7), expand gemv 15.6 (tile 17.3); r=64 T=64 S=64 shrink 22.8, expand gemv
 # 17.6; r=64 T=256 S=64 shrink 16x16 split tile 41.0, expand 16x256 tile 30.2. T <= 16 keeps
 # the bf16 rows (7.6 / 10.7 us at S = 1 / 16, the best pairs 8.5 / 10.6).
