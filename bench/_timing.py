@@ -5,10 +5,26 @@ Every figure is a median of CUDA-event times, so host jitter between calls never
 
 from __future__ import annotations
 
+import datetime as dt
+import platform
 import statistics
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
+import triton
+
+
+def run_header() -> dict[str, Any]:
+    """What a results JSON records about its run: GPU, versions, UTC date and command."""
+    return {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "python": platform.python_version(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }  # fmt: skip
 
 
 def time_rotating(fns: list[Callable[[], object]], reps: int = 7, passes: int = 3) -> float:

@@ -24,10 +24,8 @@ Usage: python3 bench/sweep_sgmm_decode.py --out sweep.json [--budget-s 200] [--q
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
-import platform
 import statistics
 import sys
 import time
@@ -39,7 +37,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from _timing import copy_bandwidth, time_graph
+from _timing import copy_bandwidth, run_header, time_graph
 
 from adaptermesh.kernels import build_segment_meta, sgmm
 from adaptermesh.kernels.sgmm import SgmmConfig
@@ -333,11 +331,7 @@ def main() -> int:
         return 2
     t0 = time.monotonic()
     results: dict = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton.__version__, "python": platform.python_version(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "copy_gbps": copy_bandwidth(), "pool": args.pool, "candidates": [], "cases": [],
+        **run_header(), "copy_gbps": copy_bandwidth(), "pool": args.pool, "candidates": [], "cases": [],
         "skipped": [],
     }  # fmt: skip
     print(f"copy bandwidth {results['copy_gbps']:.0f} GB/s", flush=True)

@@ -14,9 +14,7 @@ Usage: python3 bench/sweep_sgmm_int4.py --out sweep_int4.json [--budget-s 150]
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +25,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from _timing import time_graph
+from _timing import run_header, time_graph
 from sweep_sgmm_decode import Setup
 
 from adaptermesh.kernels import sgmm_int4
@@ -120,13 +118,7 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    res: dict = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton.__version__, "python": platform.python_version(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "cases": [],
-        "skipped": [],
-    }  # fmt: skip
+    res: dict = {**run_header(), "cases": [], "skipped": []}
     for r, t, s in CASES:
         if time.monotonic() - t0 > args.budget_s:
             res["skipped"].append([r, t, s])
