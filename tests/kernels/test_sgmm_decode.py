@@ -66,7 +66,7 @@ def test_density_picks_configs() -> None:
     # Wider ranks than the gemv rows were swept on keep the tiles.
     for r in (65, 128, 256):
         assert not sgmm.expand_config(64, 4096, r).gemv, r
-        assert not sgmm.expand_config(64, 4096, r).hoist_v or r <= sgmm.HOIST_MAX_RANK
+        assert sgmm.expand_config(64, 4096, r).block_m >= 16, r
     # Long dense batches and 1-4 tokens per adapter at T=256: the hoisted tile, which needs
     # the whole rank in one tile and is dropped above HOIST_MAX_RANK.
     for t, a, r in ((4096, 1, 16), (4096, 64, 64), (256, 64, 16), (256, None, 64)):
