@@ -38,8 +38,8 @@ from adaptermesh.worker.adafuse_train import (
     write_expert_set,
 )
 from adaptermesh.worker.engine import Engine, EngineConfig
-from adaptermesh.worker.testing import make_tiny_model
 from adaptermesh.worker.types import GenerationRequest, SamplingParams
+from adaptermesh_testkit.checkpoints import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES: dict[str, dict[str, int]] = {

@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from adaptermesh.worker import lora_ops
 from adaptermesh.worker.engine import Engine, EngineConfig
-from adaptermesh.worker.testing import make_model_config, make_tokenizer
 from adaptermesh.worker.types import GenerationRequest, SamplingParams
+from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
 
 SHAPE_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,

@@ -371,7 +371,7 @@ class Bench:
         }
 
     def write_adapters(self) -> None:
-        from adaptermesh.worker.testing import make_model_config, make_tokenizer
+        from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
 
         make_tokenizer(self.model_dir)
         (self.model_dir / "config.json").write_text(json.dumps(make_model_config("llama", **self.shape)))

@@ -107,8 +107,8 @@ from bench_engine import ATTN, SHAPE_7B, SHAPE_TINY, random_weights, write_adapt
 
 from adaptermesh.worker.engine import Engine, EngineConfig
 from adaptermesh.worker.eviction import DEFAULT_POLICY, POLICY_NAMES, make_policy
-from adaptermesh.worker.testing import make_model_config, make_tokenizer
 from adaptermesh.worker.types import GenerationRequest, SamplingParams
+from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
 
 N_ADAPTERS = 1000
 SWEEP = (32, 48, 64, 80, 96, 128, 192, 256, 384, 512, 768, 1000)

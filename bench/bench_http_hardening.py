@@ -164,7 +164,7 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     from adaptermesh.httpserve import ListenerLimits
     from adaptermesh.worker.engine import Engine, EngineConfig
     from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
-    from adaptermesh.worker.testing import make_tiny_model
+    from adaptermesh_testkit.checkpoints import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny", max_position_embeddings=1024)

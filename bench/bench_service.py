@@ -429,7 +429,7 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from adaptermesh.worker.engine import Engine, EngineConfig
     from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
-    from adaptermesh.worker.testing import make_model_config, make_tokenizer
+    from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
 
     device = args.device
     cfg = dict(SHAPE_7B if device == "cuda" else SHAPE_TINY)
@@ -677,8 +677,8 @@ async def mix_main(args: argparse.Namespace) -> dict[str, Any]:
 
     from adaptermesh.worker.engine import Engine, EngineConfig
     from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
-    from adaptermesh.worker.testing import make_model_config, make_tokenizer
     from adaptermesh.worker.types import SamplingParams
+    from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
 
     device = args.device
     gpu = device == "cuda"

@@ -272,7 +272,7 @@ def build_engine(args: argparse.Namespace, tmp: Path) -> tuple[Any, dict[str, An
     import torch
 
     from adaptermesh.worker.engine import Engine, EngineConfig
-    from adaptermesh.worker.testing import make_tiny_model
+    from adaptermesh_testkit.checkpoints import make_tiny_model
 
     model = make_tiny_model(tmp / "tiny", max_position_embeddings=1024)
     (tmp / "adapters").mkdir()

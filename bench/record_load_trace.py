@@ -72,7 +72,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from adaptermesh.control_plane.metrics_source import ScrapeSource, Target
     from adaptermesh.worker.engine import Engine, EngineConfig
     from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
-    from adaptermesh.worker.testing import make_model_config, make_tokenizer
+    from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
 
     device = args.device
     cfg = dict(bs.SHAPE_TINY if args.tiny else bs.SHAPE_7B)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from adaptermesh.bpf.loader import BpfShardTable
-from adaptermesh.bpf.netns import NodeTopology, delete_namespaces
+from adaptermesh_testkit.netns import NodeTopology, delete_namespaces
 
 
 def _rm_pins(path: Path) -> None:

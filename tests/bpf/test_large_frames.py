@@ -36,8 +36,8 @@ from scapy.layers.l2 import Ether
 
 from adaptermesh.bpf import maglev
 from adaptermesh.bpf.loader import BpfShardTable
-from adaptermesh.bpf.netns import NodeTopology, UdpReceiver, inside, ip, socket_in, sysctl
 from adaptermesh.bpf.table import ShardStats, addr16
+from adaptermesh_testkit.netns import NodeTopology, UdpReceiver, inside, ip, socket_in, sysctl
 
 from .helpers import S, make_assignment
 from .traffic import inject, receivers, settle

@@ -15,8 +15,8 @@ from waiting import wait_until
 
 from adaptermesh.bpf import libbpf, maglev
 from adaptermesh.bpf.loader import BpfShardTable
-from adaptermesh.bpf.netns import NodeTopology, socket_in
 from adaptermesh.bpf.table import DatapathCounters, FlowEvent, addr16
+from adaptermesh_testkit.netns import NodeTopology, socket_in
 
 from .helpers import S, make_assignment
 

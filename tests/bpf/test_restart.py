@@ -16,8 +16,8 @@ import pytest
 from waiting import wait_until
 
 from adaptermesh.bpf import maglev
-from adaptermesh.bpf.netns import NodeTopology
 from adaptermesh.bpf.table import addr16, validate_assignment
+from adaptermesh_testkit.netns import NodeTopology
 
 from .helpers import S, make_assignment
 from .traffic import inject, raw_udp_frames, receivers, send_udp, settle

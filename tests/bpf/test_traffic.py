@@ -11,8 +11,8 @@ import pytest
 
 from adaptermesh.bpf import maglev
 from adaptermesh.bpf.loader import BpfShardTable
-from adaptermesh.bpf.netns import NodeTopology, UdpReceiver
 from adaptermesh.bpf.table import addr16
+from adaptermesh_testkit.netns import NodeTopology, UdpReceiver
 
 from .helpers import S, make_assignment
 from .traffic import HttpServer, http_get, inject, raw_udp_frames, receivers, send_udp, settle

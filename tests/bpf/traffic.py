@@ -1,8 +1,8 @@
-"""Real traffic in the test topology (the helpers live in adaptermesh.bpf.netns)."""
+"""Real traffic in the test topology (the helpers live in adaptermesh_testkit.netns)."""
 
 from __future__ import annotations
 
-from adaptermesh.bpf.netns import (
+from adaptermesh_testkit.netns import (
     HttpServer,
     http_get,
     inject,
@@ -10,6 +10,6 @@ from adaptermesh.bpf.netns import (
     send_udp,
     settle,
 )
-from adaptermesh.bpf.netns import udp_receivers as receivers
+from adaptermesh_testkit.netns import udp_receivers as receivers
 
 __all__ = ["HttpServer", "http_get", "inject", "raw_udp_frames", "receivers", "send_udp", "settle"]

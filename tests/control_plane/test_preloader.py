@@ -22,7 +22,7 @@ from adaptermesh.control_plane.preloader import HttpWorkerAdmin, Preloader, Prel
 from adaptermesh.control_plane.store import Store
 from adaptermesh.worker.engine import Engine, EngineConfig
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
-from adaptermesh.worker.testing import make_adapter, make_tiny_model
+from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
 
 from .conftest import instance, shard
 

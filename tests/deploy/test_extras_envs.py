@@ -242,7 +242,7 @@ def test_control_plane_env(tmp_path: Path) -> None:
 
 
 def test_worker_env(tmp_path: Path) -> None:
-    from adaptermesh.worker.testing import make_adapter, make_tiny_model
+    from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
 
     model = make_tiny_model(tmp_path / "model")
     root = tmp_path / "adapters"

@@ -23,8 +23,8 @@ import httpx
 import pytest
 from edge_tokens import ISSUER, JWKS, token
 
-from adaptermesh.bpf.netns import NodeTopology
-from adaptermesh.demo.localmesh import SERVICE_PORT, LocalMesh, MeshConfig
+from adaptermesh_testkit.localmesh import SERVICE_PORT, LocalMesh, MeshConfig
+from adaptermesh_testkit.netns import NodeTopology
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.slow]
 

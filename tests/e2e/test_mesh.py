@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 from waiting import wait_until
 
-from adaptermesh.demo.localmesh import LocalMesh, MeshConfig
+from adaptermesh_testkit.localmesh import LocalMesh, MeshConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.slow]
 

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from waiting import wait_until
 
-from adaptermesh.demo.localmesh import SERVICE_PORT, LocalMesh, MeshConfig
 from adaptermesh.proto import control_plane_pb2
+from adaptermesh_testkit.localmesh import SERVICE_PORT, LocalMesh, MeshConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.slow]
 

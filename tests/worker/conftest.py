@@ -15,8 +15,8 @@ import torch
 
 from adaptermesh.worker import engine as engine_mod
 from adaptermesh.worker.engine import Engine, EngineConfig
-from adaptermesh.worker.testing import make_adapter, make_tiny_model
 from adaptermesh.worker.types import GenerationRequest, SamplingParams, TokenEvent
+from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
 
 # name -> (rank, target modules, seed, use_rslora)
 ADAPTERS: dict[str, tuple[int, tuple[str, ...], int, bool]] = {

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from adaptermesh.worker.testing import make_tokenizer
+from adaptermesh_testkit.checkpoints import make_tokenizer
 
 from .conftest import collect, recording_logits, request, tokens
 

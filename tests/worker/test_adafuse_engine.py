@@ -24,8 +24,8 @@ from waiting import async_wait_until
 
 from adaptermesh.worker import adafuse as adafuse_mod
 from adaptermesh.worker.adapters import AdapterValidationError
-from adaptermesh.worker.testing import make_adafuse_expert_set
 from adaptermesh.worker.types import AdapterNotFoundError
+from adaptermesh_testkit.checkpoints import make_adafuse_expert_set
 
 from .conftest import PROMPTS, Tiny, collect, request, tokens
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from waiting import async_wait_until
 
 from adaptermesh.worker.adapters import AdapterValidationError, resolve_in_root
-from adaptermesh.worker.testing import make_adapter
 from adaptermesh.worker.types import AdapterNotFoundError
+from adaptermesh_testkit.checkpoints import make_adapter
 
 from .conftest import ADAPTERS, PROMPTS, Tiny, collect, request, tokens
 

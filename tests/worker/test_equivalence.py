@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from adaptermesh.worker.testing import make_adapter, make_tiny_model
+from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
 
 from .conftest import ADAPTERS, PROMPTS, Reference, Tiny, collect, request, tokens
 

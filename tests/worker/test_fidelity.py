@@ -29,7 +29,7 @@ from adaptermesh.worker.model_fields import (
     UNREAD_FIELDS,
     check_adapter_config,
 )
-from adaptermesh.worker.testing import make_adapter, make_model_config, make_tiny_model
+from adaptermesh_testkit.checkpoints import make_adapter, make_model_config, make_tiny_model
 
 from .fidelity_configs import ACCEPTED, REFUSED
 from .fidelity_helpers import (
@@ -394,7 +394,7 @@ def test_patterns_refused_where_one_scale_is_shared(tmp_path: Path, tiny_llama: 
 
 def test_adafuse_expert_with_alpha_pattern_refused(tmp_path: Path, tiny_llama: Path) -> None:
     from adaptermesh.worker.adafuse import read_expert_set
-    from adaptermesh.worker.testing import make_adafuse_expert_set
+    from adaptermesh_testkit.checkpoints import make_adafuse_expert_set
 
     es = make_adafuse_expert_set(tmp_path, tiny_llama, "es", num_experts=2, top_k=1, rank=4)
     cj_path = es / "experts" / "1" / "adapter_config.json"

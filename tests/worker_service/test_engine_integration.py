@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from waiting import async_wait_until as wait_until
 
 from adaptermesh.worker.engine import Engine, EngineConfig
-from adaptermesh.worker.testing import make_adapter, make_tiny_model
 from adaptermesh.worker.types import GenerationRequest, SamplingParams
+from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
 
 from .conftest import StartServer
 from .test_metrics import EXPECTED

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from waiting import async_wait_until
 
 from adaptermesh.worker.engine import Engine, EngineConfig
-from adaptermesh.worker.testing import make_adapter, make_tiny_model
 from adaptermesh.worker.types import (
     AdapterNotFoundError,
     EngineError,
@@ -31,6 +30,7 @@ from adaptermesh.worker.types import (
     SamplingParams,
     TokenEvent,
 )
+from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
 
 from .fakes import FakeEngine
 

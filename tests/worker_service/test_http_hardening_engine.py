@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaptermesh.worker.engine import Engine, EngineConfig
-from adaptermesh.worker.testing import make_adapter, make_tiny_model
+from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
 
 from .conftest import StartServer
 from .strategies import bodies, check_answer

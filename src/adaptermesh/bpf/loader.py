@@ -12,7 +12,7 @@ Usage by the node agent::
     table.close(detach=False)          # keep the filter and pins: a restart picks them up
 
 ``netns`` names a network namespace that holds ``ifname`` and ``vxlan_dev`` (tests and the
-demo); the default is the caller's namespace.
+demo; :mod:`adaptermesh.bpf.namespace` enters it); the default is the caller's namespace.
 
 Restarts: every map is pinned under ``pin_dir``. A new BpfShardTable compiles the program,
 reuses the pinned maps (counters, sticky flows, the live Maglev table and its version stay),
@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from adaptermesh.bpf import libbpf, maglev, ringbuf
+from adaptermesh.bpf.namespace import inside
 from adaptermesh.bpf.ringbuf import EventBatch, RingBuffer
 from adaptermesh.bpf.table import (
     AM_MAX_PINS,
@@ -346,8 +347,6 @@ class BpfShardTable:
     def _ipr(self) -> Iterator[Any]:
         from pyroute2 import IPRoute
 
-        from adaptermesh.bpf.netns import inside
-
         # A netlink socket opened inside the namespace stays bound to it; this avoids
         # pyroute2's NetNS, which forks a helper process.
         if self.netns:
@@ -420,8 +419,6 @@ class BpfShardTable:
     def _resolve(self, name: str) -> int | None:
         # if_nametoindex is one ioctl; a netlink socket costs about a millisecond, once per
         # redirect shard and once for the VXLAN device on every apply().
-        from adaptermesh.bpf.netns import inside
-
         try:
             if self.netns:
                 with inside(self.netns):

@@ -46,12 +46,12 @@ from typing import Any, TypeVar
 import grpc
 import httpx
 
-from adaptermesh.bpf.netns import NodeTopology, delete_namespaces, inside
 from adaptermesh.proto.adaptermesh.v1 import (
     assignment_pb2,
     control_plane_pb2,
     control_plane_pb2_grpc,
 )
+from adaptermesh_testkit.netns import NodeTopology, delete_namespaces, inside
 
 T = TypeVar("T")
 
@@ -295,7 +295,7 @@ class LocalMesh:
     # ---- pieces ------------------------------------------------------------------------------
 
     def _make_model(self) -> None:
-        from adaptermesh.worker.testing import make_adapter, make_tiny_model
+        from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
 
         if not (self.model_dir / "config.json").exists():
             make_tiny_model(self.model_dir)
@@ -306,7 +306,7 @@ class LocalMesh:
         del make_adapter
 
     def make_adapter(self, name: str, seed: int, rank: int = 8) -> Path:
-        from adaptermesh.worker.testing import make_adapter
+        from adaptermesh_testkit.checkpoints import make_adapter
 
         return make_adapter(
             self.adapter_root,

@@ -12,22 +12,20 @@ Every shard can be reached by all three steering modes: ``mark`` (policy routing
 and ``tunnel`` (VXLAN to the shard's underlay address, VNI 100+i). The node's main table has
 no route to the VIP, so a packet that is not steered never reaches any shard.
 
-Helpers run code inside a namespace per thread (setns affects only the calling thread), so
-sockets made inside keep working from any thread.
+Helpers run code inside a namespace per thread (:func:`adaptermesh.bpf.namespace.inside`:
+setns affects only the calling thread), so sockets made inside keep working from any thread.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from adaptermesh.bpf.namespace import CLONE_NEWNET, inside
 
 __all__ = [
     "CLONE_NEWNET",
@@ -47,10 +45,6 @@ __all__ = [
     "udp_receivers",
 ]
 
-CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
 def ip(*args: str, ns: str | None = None, check: bool = True) -> str:
     cmd = ["ip", *(["-n", ns] if ns else []), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -61,26 +55,6 @@ def ip(*args: str, ns: str | None = None, check: bool = True) -> str:
 
 def sysctl(ns: str, key: str, value: str) -> None:
     subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}"], check=True)
-
-
-@contextlib.contextmanager
-def inside(ns: str) -> Iterator[None]:
-    """Run the block in network namespace ``ns`` (this thread only)."""
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-    try:
-        if _libc.setns(target, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({ns}): {os.strerror(err)}")
-        try:
-            yield
-        finally:
-            if _libc.setns(own, CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"setns back: {os.strerror(err)}")
-    finally:
-        os.close(own)
-        os.close(target)
 
 
 def socket_in(ns: str, family: int = socket.AF_INET, kind: int = socket.SOCK_DGRAM,
