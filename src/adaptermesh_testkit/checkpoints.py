@@ -2,7 +2,9 @@
 
 Nothing here downloads anything, and nothing needs ``peft`` at run time: adapters are written
 directly in PEFT's on-disk format (``adapter_config.json`` + ``adapter_model.safetensors``), so
-``peft.PeftModel.from_pretrained`` loads them unchanged.
+``peft.PeftModel.from_pretrained`` loads them unchanged. Their ``adapter_config.json`` and an
+expert set's ``adaptermesh_adafuse.json`` come from the writers AdaFuse training publishes with
+(:func:`adaptermesh.worker.adafuse_train.peft_adapter_config`, ``expert_set_meta``).
 
 Public API::
 
@@ -31,6 +33,8 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
+from adaptermesh.worker.adafuse_train import MODULE_PARENTS, expert_set_meta, peft_adapter_config
+
 __all__ = [
     "ALL_TARGET_MODULES",
     "CHAT_TEMPLATE",
@@ -43,16 +47,7 @@ __all__ = [
 
 Arch = Literal["llama", "mistral", "qwen2"]
 
-ALL_TARGET_MODULES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
-_ATTN_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+ALL_TARGET_MODULES: tuple[str, ...] = tuple(MODULE_PARENTS)
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -271,33 +266,14 @@ def make_adapter(
     for layer in range(int(config["num_hidden_layers"])):
         for module in target_modules:
             fan_in, fan_out = shapes[module]
-            parent = "self_attn" if module in _ATTN_MODULES else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{parent}.{module}"
+            prefix = f"base_model.model.model.layers.{layer}.{MODULE_PARENTS[module]}.{module}"
             sa = scale_a if scale_a is not None else 1.0 / math.sqrt(fan_in)
             tensors[f"{prefix}.lora_A.weight"] = (sa * torch.randn(rank, fan_in, generator=gen)).to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = (scale_b * torch.randn(fan_out, rank, generator=gen)).to(dtype)
     out = Path(directory) / name
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    adapter_config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(Path(base_dir)),
-        "r": rank,
-        "lora_alpha": alpha,
-        "lora_dropout": 0.0,
-        "target_modules": sorted(target_modules),
-        "use_rslora": use_rslora,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "init_lora_weights": True,
-        "modules_to_save": None,
-        "layers_to_transform": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-        "use_dora": False,
-    }
+    adapter_config = peft_adapter_config(Path(base_dir), rank, alpha, target_modules, use_rslora)
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
     return out
 
@@ -342,16 +318,8 @@ def make_adafuse_expert_set(
     if router_bias:
         router["bias"] = (0.1 * torch.randn(num_experts, generator=gen)).to(dtype)
     save_file(router, str(out / "router.safetensors"), metadata={"format": "pt"})
-    meta = {
-        "format": "adaptermesh.adafuse",
-        "version": 1,
-        "num_experts": num_experts,
-        "top_k": top_k,
-        "router": {"hidden_size": hidden, "bias": router_bias},
-        "target_modules": sorted(target_modules),
-        "r": rank,
-        "lora_alpha": alpha,
-        "use_rslora": use_rslora,
-    }
+    meta = expert_set_meta(
+        num_experts, top_k, hidden, router_bias, target_modules, rank, alpha, use_rslora
+    )
     (out / "adaptermesh_adafuse.json").write_text(json.dumps(meta, indent=2))
     return out

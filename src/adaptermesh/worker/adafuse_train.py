@@ -62,6 +62,8 @@ __all__ = [
     "TrainResult",
     "TrainingError",
     "balance_loss",
+    "expert_set_meta",
+    "peft_adapter_config",
     "train",
     "write_expert_set",
 ]
@@ -437,16 +439,25 @@ def train(
     return result
 
 
-def _peft_config(model_dir: Path, config: TrainConfig) -> dict[str, Any]:
+def peft_adapter_config(
+    base_model_dir: str | Path,
+    rank: int,
+    lora_alpha: float,
+    target_modules: Sequence[str],
+    use_rslora: bool,
+) -> dict[str, Any]:
+    """The ``adapter_config.json`` of a PEFT LoRA adapter in inference mode (no dropout, no
+    bias, no per-module patterns): what every adapter written here, and every test adapter,
+    carries; ``peft.PeftModel.from_pretrained`` and the worker's reader both accept it."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(model_dir),
-        "r": config.rank,
-        "lora_alpha": config.alpha,
+        "base_model_name_or_path": str(base_model_dir),
+        "r": rank,
+        "lora_alpha": lora_alpha,
         "lora_dropout": 0.0,
-        "target_modules": sorted(config.target_modules),
-        "use_rslora": config.use_rslora,
+        "target_modules": sorted(target_modules),
+        "use_rslora": use_rslora,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -456,6 +467,30 @@ def _peft_config(model_dir: Path, config: TrainConfig) -> dict[str, Any]:
         "rank_pattern": {},
         "alpha_pattern": {},
         "use_dora": False,
+    }
+
+
+def expert_set_meta(
+    num_experts: int,
+    top_k: int,
+    hidden_size: int,
+    router_bias: bool,
+    target_modules: Sequence[str],
+    rank: int,
+    lora_alpha: float,
+    use_rslora: bool,
+) -> dict[str, Any]:
+    """An expert set's ``adaptermesh_adafuse.json`` (``adaptermesh.worker.adafuse`` reads it)."""
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "router": {"hidden_size": hidden_size, "bias": router_bias},
+        "target_modules": sorted(target_modules),
+        "r": rank,
+        "lora_alpha": lora_alpha,
+        "use_rslora": use_rslora,
     }
 
 
@@ -482,7 +517,12 @@ def write_expert_set(
             if model.router_bias is not None:
                 router["bias"] = model.router_bias.detach().float().cpu().contiguous()
             save_file(router, str(tmp / ROUTER_FILE), metadata={"format": "pt"})
-            peft_cfg = json.dumps(_peft_config(model_dir, cfg), indent=2)
+            peft_cfg = json.dumps(
+                peft_adapter_config(
+                    model_dir, cfg.rank, cfg.alpha, cfg.target_modules, cfg.use_rslora
+                ),
+                indent=2,
+            )
             for e in range(cfg.num_experts):
                 tensors: dict[str, torch.Tensor] = {}
                 for (layer, m), a, b in zip(model.targets, model.lora_a, model.lora_b, strict=True):
@@ -493,17 +533,10 @@ def write_expert_set(
                 edir.mkdir(parents=True)
                 save_file(tensors, str(edir / "adapter_model.safetensors"), metadata={"format": "pt"})
                 (edir / "adapter_config.json").write_text(peft_cfg)
-        meta: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "num_experts": cfg.num_experts,
-            "top_k": cfg.top_k,
-            "router": {"hidden_size": model.hidden_size, "bias": cfg.router_bias},
-            "target_modules": sorted(cfg.target_modules),
-            "r": cfg.rank,
-            "lora_alpha": cfg.alpha,
-            "use_rslora": cfg.use_rslora,
-        }
+        meta = expert_set_meta(
+            cfg.num_experts, cfg.top_k, model.hidden_size, cfg.router_bias, cfg.target_modules,
+            cfg.rank, cfg.alpha, cfg.use_rslora,
+        )
         if extra_meta:
             meta["training"] = extra_meta
         (tmp / ADAFUSE_CONFIG).write_text(json.dumps(meta, indent=2))
