@@ -1,4 +1,5 @@
-"""The shared port argument type, and every process's command line using it."""
+"""The shared argument types (ports, shares, positive numbers), and every process's command
+line using them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from hypothesis import strategies as st
 
 from adaptermesh.agent.cli import build_parser as agent_parser
 from adaptermesh.bridge.cli import build_parser as bridge_parser
-from adaptermesh.cliargs import fraction, percent, port, read_secret
+from adaptermesh.cliargs import (
+    fraction,
+    non_negative_int,
+    percent,
+    port,
+    positive_float,
+    positive_int,
+    read_secret,
+)
 from adaptermesh.control_plane.cli import build_parser as control_plane_parser
 from adaptermesh.worker.cli import build_parser as worker_parser
 
@@ -86,3 +95,56 @@ def test_read_secret_strips_the_secret(tmp_path: Path) -> None:
     path = tmp_path / "secret"
     path.write_text("  s3cret\n")
     assert read_secret(path, "--x-file") == "s3cret"
+
+
+@given(st.integers() | st.text(max_size=8))
+def test_whole_number_types_take_their_range_and_name_anything_else(value: object) -> None:
+    text = str(value)
+    try:
+        number: int | None = int(text)
+    except ValueError:
+        number = None
+    for parse, low in ((positive_int, 1), (non_negative_int, 0)):
+        if number is not None and number >= low:
+            assert parse(text) == number
+        else:
+            with pytest.raises(
+                argparse.ArgumentTypeError,
+                match=r"is not a whole number|is not at least 1|is negative",
+            ):
+                parse(text)
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8))
+def test_positive_float_takes_finite_numbers_above_zero_only(value: object) -> None:
+    text = repr(value) if isinstance(value, float) else str(value)
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if math.isfinite(number) and number > 0:
+        assert positive_float(text) == number
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match="is not a positive number"):
+            positive_float(text)
+
+
+@pytest.mark.parametrize(("parser", "required", "flag", "says"), [
+    (agent_parser, ["--node-id", "n1", "--control-plane", "127.0.0.1:1"], "--report-interval",
+     "is not a positive number"),
+    (control_plane_parser, [], "--interval", "is not a positive number"),
+    (bridge_parser, ["--broker", "mqtt:1883", "--request-topic", "req",
+                     "--base-url", "http://x:1", "--state-dir", "/tmp/s"], "--max-in-flight",
+     "0 is not at least 1"),
+    (worker_parser, [], "--max-num-seqs", "0 is not at least 1"),
+    (worker_parser, [], "--drain-timeout", "is not a positive number"),
+])  # fmt: skip
+def test_each_process_refuses_a_zero_where_it_wants_a_positive_number(  # type: ignore[no-untyped-def]
+    parser, required, flag, says, capsys
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parser().parse_args([*required, flag, "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: " in err
+    assert says in err

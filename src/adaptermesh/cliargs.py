@@ -6,7 +6,15 @@ import argparse
 import math
 from pathlib import Path
 
-__all__ = ["fraction", "percent", "port", "read_secret"]
+__all__ = [
+    "fraction",
+    "non_negative_int",
+    "percent",
+    "port",
+    "positive_float",
+    "positive_int",
+    "read_secret",
+]
 
 
 def port(text: str) -> int:
@@ -20,11 +28,42 @@ def port(text: str) -> int:
     return value
 
 
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def positive_int(text: str) -> int:
+    """A whole number, at least 1 (a count, a size in bytes or tokens)."""
+    value = _whole(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number, 0 or more (a limit where 0 means none)."""
+    value = _whole(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
 def _finite(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         return math.nan
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0 (seconds, an interval)."""
+    value = _finite(text)
+    if not (math.isfinite(value) and value > 0.0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
     return value
 
 

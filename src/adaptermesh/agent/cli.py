@@ -22,7 +22,7 @@ from pathlib import Path
 
 from adaptermesh.agent.daemon import Agent, AgentConfig
 from adaptermesh.agent.flowlog import FLOW_EVENT_MODES
-from adaptermesh.cliargs import fraction, percent, port, read_secret
+from adaptermesh.cliargs import fraction, percent, port, positive_float, read_secret
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -34,13 +34,6 @@ def _host_port(text: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return text
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("/var/lib/adaptermesh/agent/assignment.pb"),
         help="cache of the last applied Assignment, served at once after a restart",
     )
-    p.add_argument("--report-interval", type=_positive, default=2.0, metavar="SECONDS")
+    p.add_argument("--report-interval", type=positive_float, default=2.0, metavar="SECONDS")
     p.add_argument("--tls-ca", type=Path, help="CA bundle: connect to the control plane with TLS")
     p.add_argument("--tls-cert", type=Path, help="client certificate for mTLS")
     p.add_argument("--tls-key", type=Path, help="client key for mTLS")

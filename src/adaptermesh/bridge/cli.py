@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from adaptermesh.bridge.mqtt import Bridge, BridgeConfig
-from adaptermesh.cliargs import port
+from adaptermesh.cliargs import port, positive_float, positive_int
 
 __all__ = ["build_parser", "main"]
 
@@ -34,26 +34,6 @@ def _broker(text: str) -> tuple[str, int]:
     if value == 0:
         raise argparse.ArgumentTypeError("0 is not a broker port (1..65535)")
     return host.strip("[]"), value
-
-
-def _pos_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def _pos_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,13 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-in-flight",
-        type=_pos_int,
+        type=positive_int,
         default=d.max_in_flight,
         help="requests submitted to the mesh at once",
     )
     p.add_argument(
         "--receive-maximum",
-        type=_pos_int,
+        type=positive_int,
         default=0,
         help="unacknowledged requests the broker may send ahead (default: --max-in-flight)",
     )
@@ -95,40 +75,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--session-expiry",
-        type=_pos_int,
+        type=positive_int,
         default=d.session_expiry_s,
         help="seconds the broker keeps the session (queued requests) while disconnected",
     )
     p.add_argument(
-        "--keepalive", type=_pos_int, default=d.keepalive_s, help="MQTT keepalive seconds"
+        "--keepalive", type=positive_int, default=d.keepalive_s, help="MQTT keepalive seconds"
     )
     p.add_argument(
         "--request-timeout",
-        type=_pos_float,
+        type=positive_float,
         default=d.request_timeout_s,
         help="seconds one HTTP attempt to the mesh may take",
     )
     p.add_argument(
         "--max-attempts",
-        type=_pos_int,
+        type=positive_int,
         default=d.max_attempts,
         help="HTTP attempts per request on 429/502/503/504 or connection errors",
     )
     p.add_argument(
         "--max-payload",
-        type=_pos_int,
+        type=positive_int,
         default=d.max_payload_bytes,
         help="largest request message in bytes",
     )
     p.add_argument(
         "--retention",
-        type=_pos_float,
+        type=positive_float,
         default=d.retention_s,
         help="seconds a published answer is kept to recognise a redelivered id",
     )
     p.add_argument(
         "--drain-seconds",
-        type=_pos_float,
+        type=positive_float,
         default=d.drain_s,
         help="on stop, how long running requests may take to finish",
     )

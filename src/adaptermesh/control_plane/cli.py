@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from adaptermesh.cliargs import port, read_secret
+from adaptermesh.cliargs import port, positive_float, read_secret
 from adaptermesh.control_plane.auth import AuthError, load_tokens
 from adaptermesh.control_plane.policy import PolicyConfig
 from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
-    p.add_argument("--interval", type=float, default=5.0, help="rebalance interval in seconds")
+    p.add_argument(
+        "--interval", type=positive_float, default=5.0, help="rebalance interval in seconds"
+    )
     p.add_argument("--scrape-timeout", type=float, default=2.0, help="per-worker scrape timeout")
     p.add_argument("--prometheus-url", help="read load from this Prometheus HTTP API instead")
     p.add_argument(
@@ -86,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.interval <= 0:
-        parser.error("--interval must be positive")
     try:
         policy = PolicyConfig(
             min_weight=args.min_weight,

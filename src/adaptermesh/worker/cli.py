@@ -24,7 +24,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from adaptermesh.cliargs import fraction, port, read_secret
+from adaptermesh.cliargs import (
+    fraction,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+    read_secret,
+)
 from adaptermesh.httpserve import ListenerLimits, raise_fd_limit
 from adaptermesh.tracing import Tracing
 from adaptermesh.worker.eviction import POLICY_NAMES
@@ -37,27 +44,6 @@ __all__ = ["LoraModule", "build_parser", "load_lora_modules", "main", "parse_lor
            "run_worker"]
 
 log = logging.getLogger("adaptermesh.worker")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,19 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a path "
                    "relative to --adapter-root or inside it")
     # Engine sizes.
-    p.add_argument("--max-model-len", type=_positive_int, default=None)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="sequences running at once (decode batch rows)")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="token budget of one step (decode rows + prompt chunks)")
-    p.add_argument("--max-prefill-chunk", type=_positive_int, default=None)
-    p.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (8..256, a power of two)")
-    p.add_argument("--kv-cache-bytes", type=_positive_int, default=None,
+    p.add_argument("--max-prefill-chunk", type=positive_int, default=None)
+    p.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (8..256, a power of two)")
+    p.add_argument("--kv-cache-bytes", type=positive_int, default=None,
                    help="KV cache size in bytes (default: from --gpu-memory-fraction)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share prompt blocks between requests of the same adapter")
-    p.add_argument("--max-loras", type=_positive_int, default=None, help="adapter GPU slots")
-    p.add_argument("--max-lora-rank", type=_positive_int, default=None)
+    p.add_argument("--max-loras", type=positive_int, default=None, help="adapter GPU slots")
+    p.add_argument("--max-lora-rank", type=positive_int, default=None)
     p.add_argument("--lora-dtype", choices=["bf16", "fp16", "fp32", "int4"], default=None,
                    help="adapter pool storage (default: the model dtype); int4 quantises each "
                    "adapter on load, group-wise, about 3.7x the adapters per GB of slots")
@@ -180,25 +166,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "default, as vLLM) or processed (the distribution the sampler draws from: "
                         "penalties, temperature, top-k/top-p/min-p applied)")
     # Service limits.
-    p.add_argument("--max-running", type=_positive_int, default=None,
+    p.add_argument("--max-running", type=positive_int, default=None,
                    help="requests admitted into the engine at once (default 2 x max-num-seqs)")
-    p.add_argument("--max-queue-per-tenant", type=_non_negative_int, default=64)
-    p.add_argument("--max-queue-total", type=_non_negative_int, default=1024)
-    p.add_argument("--request-timeout", type=_positive_float, default=600.0,
+    p.add_argument("--max-queue-per-tenant", type=non_negative_int, default=64)
+    p.add_argument("--max-queue-total", type=non_negative_int, default=1024)
+    p.add_argument("--request-timeout", type=positive_float, default=600.0,
                    help="default request deadline in seconds (x-request-timeout overrides)")
-    p.add_argument("--drain-timeout", type=_positive_float, default=30.0,
+    p.add_argument("--drain-timeout", type=positive_float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests")
-    p.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20)
+    p.add_argument("--max-body-bytes", type=positive_int, default=4 << 20)
     # Listener limits (defaults: adaptermesh.httpserve.ListenerLimits).
     d = ListenerLimits()
-    p.add_argument("--max-connections", type=_positive_int, default=d.max_connections,
+    p.add_argument("--max-connections", type=positive_int, default=d.max_connections,
                    help="open connections at once; above it a stalled one is evicted, "
                    "else the new one gets 503")
-    p.add_argument("--header-timeout", type=_positive_float, default=d.header_timeout_s,
+    p.add_argument("--header-timeout", type=positive_float, default=d.header_timeout_s,
                    help="seconds for a request's line and headers to arrive (else 408)")
-    p.add_argument("--body-timeout", type=_positive_float, default=d.body_timeout_s,
+    p.add_argument("--body-timeout", type=positive_float, default=d.body_timeout_s,
                    help="seconds for a request's body to arrive (else 408)")
-    p.add_argument("--keepalive-timeout", type=_positive_float, default=d.keepalive_timeout_s,
+    p.add_argument("--keepalive-timeout", type=positive_float, default=d.keepalive_timeout_s,
                    help="seconds an idle kept-alive connection stays open")
     p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
                    help="export OpenTelemetry spans to this OTLP/gRPC collector (off when "
