@@ -1,0 +1,183 @@
+"""How a generation request's engine events become its HTTP answer: an SSE stream (one choice,
+or n interleaved), or each choice's text collected for one JSON body.
+
+Each choice is read through a ``NextEvent``: a call that waits for the choice's next engine
+event (raising ``ApiError`` past the deadline or on an engine error) and records it in the
+choice's ``ChoiceProgress``. ``FinishError`` turns a ``cancelled`` or ``error`` finish reason
+into the error the client gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from adaptermesh.worker.generation_job import ChoiceProgress, GenerationJob, request_outcome
+from adaptermesh.worker.http_errors import ApiError
+from adaptermesh.worker.response_rendering import SSE_DONE, choice_chunk, sse_event, usage_chunk
+from adaptermesh.worker.types import TokenEvent, TokenLogprob
+
+__all__ = [
+    "FinishError",
+    "NextEvent",
+    "collect_choice",
+    "stream_choices",
+    "stream_single_choice",
+]
+
+NextEvent = Callable[[], Awaitable[TokenEvent]]
+FinishError = Callable[[str], ApiError]
+_FAILED_FINISH_REASONS = ("cancelled", "error")
+
+
+def _carries_chunk(event: TokenEvent) -> bool:
+    # One chunk per generated token, even when its text is "" (an incomplete multi-byte
+    # character): clients time tokens by chunks, as with vLLM.
+    return event.token_id is not None or bool(event.text) or event.finish_reason is not None
+
+
+async def _open_stream(request: web.Request, job: GenerationJob) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "x-request-id": job.request_id,
+        }
+    )
+    await response.prepare(request)
+    return response
+
+
+async def _end_with_error(response: web.StreamResponse, error: ApiError) -> str:
+    """Headers are gone: report ``error`` in-band, as vLLM does, and end the stream; returns
+    the request's outcome."""
+    await response.write(sse_event(error.body()))
+    await response.write(SSE_DONE)
+    return error.code or "error"
+
+
+async def stream_single_choice(
+    request: web.Request,
+    job: GenerationJob,
+    first: TokenEvent,
+    next_event: NextEvent,
+    finish_error: FinishError,
+    progress: ChoiceProgress,
+) -> web.StreamResponse:
+    """Send the SSE stream of a one-choice request; ``progress.outcome`` says how it ended."""
+    response = await _open_stream(request, job)
+    progress.outcome = "disconnected"  # until a later line knows better
+    event = first
+    try:
+        if job.kind == "chat":
+            await response.write(choice_chunk(job, "", None, role=True))
+        while True:
+            if event.finish_reason in _FAILED_FINISH_REASONS:
+                assert event.finish_reason is not None
+                progress.outcome = await _end_with_error(
+                    response, finish_error(event.finish_reason)
+                )
+                return response
+            if _carries_chunk(event):
+                await response.write(
+                    choice_chunk(job, event.text, event.finish_reason, logprobs=event.logprobs)
+                )
+            if event.finish_reason is not None:
+                break
+            try:
+                event = await next_event()
+            except ApiError as exc:
+                progress.outcome = await _end_with_error(response, exc)
+                return response
+        if job.include_usage:
+            await response.write(usage_chunk(job, progress))
+        await response.write(SSE_DONE)
+        progress.outcome = progress.finish_reason or "error"
+        await response.write_eof()
+    except ConnectionResetError:
+        progress.outcome = "disconnected"
+    return response
+
+
+async def stream_choices(
+    request: web.Request,
+    job: GenerationJob,
+    firsts: list[TokenEvent],
+    next_events: list[NextEvent],
+    finish_error: FinishError,
+    progresses: list[ChoiceProgress],
+) -> web.StreamResponse:
+    """The SSE stream of n > 1 choices: each choice's chunks in the order its tokens come,
+    interleaved, each naming its ``index``; ``progresses[0].outcome`` says how it ended."""
+    response = await _open_stream(request, job)
+    head = progresses[0]
+    head.outcome = "disconnected"
+    events: asyncio.Queue[tuple[int, TokenEvent | ApiError]] = asyncio.Queue()
+
+    async def pump(index: int, event: TokenEvent, next_event: NextEvent) -> None:
+        while True:
+            events.put_nowait((index, event))
+            if event.finish_reason is not None:
+                return
+            try:
+                event = await next_event()
+            except ApiError as exc:
+                events.put_nowait((index, exc))
+                return
+
+    pumps = [
+        asyncio.create_task(pump(index, first, next_event))
+        for index, (first, next_event) in enumerate(zip(firsts, next_events, strict=True))
+    ]
+    try:
+        if job.kind == "chat":
+            for index in range(job.n):
+                await response.write(choice_chunk(job, "", None, role=True, index=index))
+        finished = 0
+        while finished < job.n:
+            index, item = await events.get()
+            if isinstance(item, ApiError) or item.finish_reason in _FAILED_FINISH_REASONS:
+                error = (
+                    item if isinstance(item, ApiError) else finish_error(str(item.finish_reason))
+                )
+                head.outcome = await _end_with_error(response, error)
+                return response
+            if _carries_chunk(item):
+                await response.write(
+                    choice_chunk(
+                        job, item.text, item.finish_reason, index=index, logprobs=item.logprobs
+                    )
+                )
+            if item.finish_reason is not None:
+                finished += 1
+        if job.include_usage:
+            await response.write(usage_chunk(job, progresses))
+        await response.write(SSE_DONE)
+        head.outcome = request_outcome(progresses)
+        await response.write_eof()
+    except ConnectionResetError:
+        head.outcome = "disconnected"
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    return response
+
+
+async def collect_choice(
+    first: TokenEvent, next_event: NextEvent, finish_error: FinishError
+) -> tuple[str, list[TokenLogprob]]:
+    """A choice's whole text and logprobs, read to its finish reason."""
+    parts = [first.text]
+    logprobs = list(first.logprobs)
+    event = first
+    while event.finish_reason is None:
+        event = await next_event()
+        parts.append(event.text)
+        logprobs.extend(event.logprobs)
+    reason = event.finish_reason
+    if reason in _FAILED_FINISH_REASONS:
+        raise finish_error(reason)
+    return "".join(parts), logprobs

@@ -1,0 +1,172 @@
+"""The worker service's errors: ``ApiError`` (an OpenAI-shaped JSON error with its HTTP status)
+and the translations of engine errors and engine finish reasons into it.
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with ``param``
+naming the offending field.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from adaptermesh.worker.types import (
+    AdapterNotFoundError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
+
+__all__ = [
+    "ENGINE_FIELD_TO_PARAM",
+    "ApiError",
+    "QueuedPastDeadlineError",
+    "adapter_error",
+    "draining_error",
+    "engine_error_as_api_error",
+    "finish_reason_error",
+    "generation_deadline_error",
+    "invalid_field",
+    "retry_after_headers",
+]
+
+# Engine field names that differ from the API's.
+ENGINE_FIELD_TO_PARAM = {
+    "name": "lora_name",
+    "path": "lora_path",
+    "adapter": "model",
+    "prompt_token_ids": "prompt",
+}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI-shaped JSON with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # the wire field is named "type"
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+class QueuedPastDeadlineError(ApiError):
+    """The request's deadline passed while it waited in the tenant queue."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        super().__init__(
+            504,
+            "the request's deadline passed while it waited in the queue",
+            type="timeout_error",
+            code="deadline_exceeded",
+            headers=headers,
+        )
+
+
+def retry_after_headers(retry_after_s: int) -> dict[str, str]:
+    """The headers of a 429 or 503 that tells the client when to come back."""
+    return {"Retry-After": str(retry_after_s)}
+
+
+def invalid_field(
+    param: str, message: str, status: int = 422, code: str = "invalid_value"
+) -> ApiError:
+    """A refusal naming field ``param``: ``"<param>: <message>"``."""
+    return ApiError(status, f"{param}: {message}", param=param, code=code)
+
+
+def draining_error(retry_after_s: int) -> ApiError:
+    """503 for a generation request that reaches a draining worker."""
+    return ApiError(
+        503,
+        "the worker is draining; send the request to another worker",
+        type="service_unavailable",
+        code="draining",
+        headers=retry_after_headers(retry_after_s),
+    )
+
+
+def adapter_error(exc: AdapterNotFoundError, param: str) -> ApiError:
+    """404 for an adapter that does not exist; 422 for one that exists but is unusable.
+
+    The engine marks the second kind with a ``field`` attribute (a bad name, a path outside
+    the adapter root, a rank or target-module mismatch, a corrupt weights file).
+    """
+    field_name = getattr(exc, "field", None)
+    if field_name is None:
+        code = "model_not_found" if param == "model" else "adapter_not_found"
+        return ApiError(404, f"{param}: {exc}", param=param, code=code)
+    if field_name == "name" and param != "model":
+        param = "lora_name"
+    return ApiError(422, f"{param}: {exc}", param=param, code="invalid_adapter")
+
+
+def engine_error_as_api_error(exc: Exception, retry_after_s: int) -> ApiError:
+    """What a generation request answers when the engine refuses or fails it."""
+    if isinstance(exc, AdapterNotFoundError):
+        return adapter_error(exc, "model")
+    if isinstance(exc, InvalidRequestError):
+        param = ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
+        return ApiError(422, str(exc), param=param, code="invalid_value")
+    if isinstance(exc, EngineOverloadedError):
+        return ApiError(
+            429,
+            f"the engine is overloaded: {exc}",
+            type="rate_limit_error",
+            code="engine_overloaded",
+            headers=retry_after_headers(retry_after_s),
+        )
+    return ApiError(500, f"engine error: {exc}", type="server_error", code="engine_error")
+
+
+def generation_deadline_error() -> ApiError:
+    """504 for a request whose deadline passed while the engine generated it."""
+    return ApiError(
+        504,
+        "the request's deadline passed during generation",
+        type="timeout_error",
+        code="deadline_exceeded",
+    )
+
+
+def finish_reason_error(reason: str, deadline: float, retry_after_s: int) -> ApiError:
+    """The error of a choice that finished ``cancelled`` or ``error``: 504 when the request's
+    deadline (monotonic seconds) has passed, else 503 (the engine is shutting down) or 500."""
+    if reason == "cancelled" and time.monotonic() >= deadline - 0.05:
+        return generation_deadline_error()
+    if reason == "cancelled":
+        return ApiError(
+            503,
+            "the engine cancelled the request (it is shutting down)",
+            type="service_unavailable",
+            code="cancelled",
+            headers=retry_after_headers(retry_after_s),
+        )
+    return ApiError(
+        500, "the engine failed while generating", type="server_error", code="engine_error"
+    )

@@ -1,0 +1,200 @@
+"""The bytes and bodies a generation request answers with: the whole JSON body of a collected
+request, and the SSE chunks of a streamed one, in OpenAI's (and vLLM's) shapes. Pure."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from adaptermesh.worker.api import (
+    ChatChoice,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    Usage,
+)
+from adaptermesh.worker.generation_job import ChoiceProgress, GenerationJob, GenerationKind
+from adaptermesh.worker.types import TokenLogprob
+
+__all__ = [
+    "MIN_LOGPROB",
+    "SSE_DONE",
+    "chat_logprobs",
+    "choice_chunk",
+    "completion_logprobs",
+    "final_body",
+    "sse_event",
+    "usage_body",
+    "usage_chunk",
+]
+
+# A logprob the model gives (almost) no chance is reported as this, not -inf, which JSON
+# cannot carry.
+MIN_LOGPROB = -9999.0
+# The last line of every SSE stream.
+SSE_DONE = b"data: [DONE]\n\n"
+_CHUNK_TAIL = b"]}\n\n"
+
+
+def _clamped_logprob(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
+def completion_logprobs(logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """The legacy completions shape; each ``top_logprobs`` dict holds the asked-for most
+    likely alternatives and the sampled token, keyed by text (the first of equal texts)."""
+    tops: list[dict[str, float]] = []
+    for entry in logprobs:
+        top: dict[str, float] = {}
+        for alternative in entry.top:
+            top.setdefault(alternative.token, _clamped_logprob(alternative.logprob))
+        top.setdefault(entry.token, _clamped_logprob(entry.logprob))
+        tops.append(top)
+    return {
+        "tokens": [entry.token for entry in logprobs],
+        "token_logprobs": [_clamped_logprob(entry.logprob) for entry in logprobs],
+        "top_logprobs": tops,
+        "text_offset": [entry.text_offset for entry in logprobs],
+    }
+
+
+def chat_logprobs(logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """The chat shape: one entry per token, with its bytes and its alternatives."""
+    return {
+        "content": [
+            {
+                "token": entry.token,
+                "logprob": _clamped_logprob(entry.logprob),
+                "bytes": list(entry.token_bytes),
+                "top_logprobs": [
+                    {
+                        "token": alternative.token,
+                        "logprob": _clamped_logprob(alternative.logprob),
+                        "bytes": list(alternative.token_bytes),
+                    }
+                    for alternative in entry.top
+                ],
+            }
+            for entry in logprobs
+        ]
+    }
+
+
+def _compact_json(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """``payload`` as one SSE ``data:`` event."""
+    return b"data: " + _compact_json(payload) + b"\n\n"
+
+
+def usage_body(progresses: ChoiceProgress | list[ChoiceProgress]) -> dict[str, int]:
+    """Usage of the whole request: the prompt once, the tokens of every choice."""
+    choices = progresses if isinstance(progresses, list) else [progresses]
+    prompt = choices[0].prompt_tokens
+    completion = sum(p.completion_tokens for p in choices)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    ).model_dump()
+
+
+def _chunk_object(kind: GenerationKind) -> str:
+    return "text_completion" if kind == "completion" else "chat.completion.chunk"
+
+
+def final_body(
+    job: GenerationJob,
+    outputs: list[tuple[str, list[TokenLogprob]]],
+    progresses: list[ChoiceProgress],
+) -> dict[str, Any]:
+    """The JSON body of a request answered whole: each choice's text (and logprobs when asked
+    for) and the request's usage."""
+    usage = usage_body(progresses)
+    choices: list[dict[str, Any]] = []
+    asked = job.sampling.logprobs is not None
+    for index, ((text, logprobs), progress) in enumerate(zip(outputs, progresses, strict=True)):
+        if job.kind == "completion":
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=text,
+                    finish_reason=progress.finish_reason,
+                    logprobs=CompletionLogprobs(**completion_logprobs(logprobs)) if asked else None,
+                ).model_dump()
+            )
+        else:
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message={"role": "assistant", "content": text},
+                    finish_reason=progress.finish_reason,
+                    logprobs=ChatLogprobs(**chat_logprobs(logprobs)) if asked else None,
+                ).model_dump()
+            )
+    obj = "text_completion" if job.kind == "completion" else "chat.completion"
+    return {
+        "id": job.request_id,
+        "object": obj,
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def choice_chunk(
+    job: GenerationJob,
+    text: str | None,
+    finish_reason: str | None,
+    role: bool = False,
+    index: int = 0,
+    logprobs: tuple[TokenLogprob, ...] = (),
+) -> bytes:
+    """One SSE chunk of choice ``index``; ``logprobs``: those of the tokens whose text it
+    carries; ``role``: the chat stream's opening chunk, which names the assistant."""
+    if job.kind == "completion":
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": text or "",
+            "logprobs": completion_logprobs(logprobs) if logprobs else None,
+            "finish_reason": finish_reason,
+        }
+    else:
+        delta: dict[str, str] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": chat_logprobs(logprobs) if logprobs else None,
+            "finish_reason": finish_reason,
+        }
+    if not job.chunk_head:
+        head = sse_event(
+            {
+                "id": job.request_id,
+                "object": _chunk_object(job.kind),
+                "created": job.created,
+                "model": job.model,
+                "choices": [],
+            }
+        )
+        job.chunk_head = head[: -len(_CHUNK_TAIL)]
+    return job.chunk_head + _compact_json(choice) + _CHUNK_TAIL
+
+
+def usage_chunk(job: GenerationJob, progresses: ChoiceProgress | list[ChoiceProgress]) -> bytes:
+    """The stream's closing usage chunk (``stream_options.include_usage``)."""
+    return sse_event(
+        {
+            "id": job.request_id,
+            "object": _chunk_object(job.kind),
+            "created": job.created,
+            "model": job.model,
+            "choices": [],
+            "usage": usage_body(progresses),
+        }
+    )

@@ -1,0 +1,62 @@
+"""The worker's read-only answers: ``/health``, ``/metrics`` and ``/v1/models``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from adaptermesh.worker.http_errors import retry_after_headers
+from adaptermesh.worker.types import EngineProtocol
+
+__all__ = ["health_response", "metrics_response", "models_body"]
+
+
+def health_response(draining: bool, retry_after_s: int) -> web.Response:
+    """200 ``{"status": "ok"}``, or 503 ``{"status": "draining"}`` with ``Retry-After``."""
+    if draining:
+        return web.json_response(
+            {"status": "draining"}, status=503, headers=retry_after_headers(retry_after_s)
+        )
+    return web.json_response({"status": "ok"})
+
+
+def metrics_response(registry: CollectorRegistry) -> web.Response:
+    """``registry`` in Prometheus' text format."""
+    payload = generate_latest(registry)
+    return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def models_body(engine: EngineProtocol) -> dict[str, Any]:
+    """The base model (``parent: null``) and the adapters the engine knows, by name."""
+    created = int(time.time())
+    base = engine.model_name
+    data: list[dict[str, Any]] = [
+        {
+            "id": base,
+            "object": "model",
+            "created": created,
+            "owned_by": "adaptermesh",
+            "root": base,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+        }
+    ]
+    for info in sorted(engine.list_adapters(), key=lambda a: a.name):
+        data.append(
+            {
+                "id": info.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "adaptermesh",
+                "root": info.path,
+                "parent": base,
+                "max_model_len": engine.max_model_len,
+                "rank": info.rank,
+                "resident_on_gpu": info.resident_on_gpu,
+                "pinned": info.pinned,
+            }
+        )
+    return {"object": "list", "data": data}
