@@ -28,6 +28,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from adaptermesh.assignment_rules import WEIGHT_BUDGET
 from adaptermesh.proto.adaptermesh.v1 import (
     assignment_pb2,
     control_plane_pb2,
@@ -37,7 +38,6 @@ from adaptermesh.proto.adaptermesh.v1 import (
 __all__ = ["app", "node_state", "parse_weight"]
 
 T = TypeVar("T")
-BUDGET = 10_000
 KINDS = ("Shard", "AdapterInstance", "Pin", "Override")
 
 app = typer.Typer(help=__doc__.split("\n")[0], no_args_is_help=True, add_completion=False)
@@ -166,8 +166,8 @@ def parse_weight(text: str | float | int, field: str = "weight") -> int:
     parts = value * 100 if percent else value
     if parts != round(parts):
         raise ValueError(f"{field}: {text!r} is not a whole number of parts per 10,000")
-    if parts > BUDGET:
-        raise ValueError(f"{field}: {text!r} is above {BUDGET} parts (100%)")
+    if parts > WEIGHT_BUDGET:
+        raise ValueError(f"{field}: {text!r} is above {WEIGHT_BUDGET} parts (100%)")
     return round(parts)
 
 

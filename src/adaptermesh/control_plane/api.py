@@ -300,7 +300,7 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
         }
         overrides[request.shard_id] = weight
         free = len(active) - len(overrides)
-        floor = min(self.rb.config.policy.min_weight, BUDGET // max(1, len(active)))
+        floor = self.rb.config.policy.weight_floor(len(active))
         room = BUDGET - floor * free
         if free > 0 and sum(overrides.values()) > room:
             _invalid(

@@ -101,7 +101,7 @@ def validate_weights(
         total = sum(weights.values())
         if total != cfg.budget:
             problems.append(f"weights sum to {total}, not {cfg.budget}")
-        floor = min(cfg.min_weight, cfg.budget // len(active))
+        floor = cfg.weight_floor(len(active))
         low = sorted(k for k, v in weights.items() if v < floor and k not in overridden)
         if low:
             problems.append(f"weights below the minimum {floor}: {low}")

@@ -239,7 +239,7 @@ def _baseline(
     active = np.flatnonzero(obs.active)
     ids = tuple(obs.shard_ids[i] for i in active)
     n = len(ids)
-    floor = min(cfg.min_weight, cfg.budget // n) if n else 0
+    floor = cfg.weight_floor(n)
     # Starting point: the published weights over the active shards. A new shard starts at its
     # share by worker count (its capacity prior); the others make room proportionally.
     workers = np.maximum(1, np.diff(obs.offsets)[active])

@@ -1,5 +1,6 @@
 """What the policy reads and returns: its configuration, the observations, the state it
-carries between ticks, and the decision. Plain frozen dataclasses; no logic."""
+carries between ticks, and the decision. Plain frozen dataclasses; no logic beyond checking
+the configuration and the one rule it implies (each active shard's minimum weight)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ class PolicyConfig:
     endpoint_scale: int = 100
     # Endpoint weight changes smaller than this fraction of the scale do not force a publish.
     endpoint_threshold: float = 0.10
+
+    def weight_floor(self, active_shards: int) -> int:
+        """The least weight each of ``active_shards`` keeps: ``min_weight``, lowered to an
+        even share of the budget when there are too many shards for it (0 with none)."""
+        return min(self.min_weight, self.budget // active_shards) if active_shards else 0
 
     def validate(self) -> None:
         if self.budget <= 0:
