@@ -3,14 +3,17 @@
 Counters and histograms are updated by the rebalancer as it works; everything that describes
 current state (weights, utilisation, nodes, watchers) is read when Prometheus scrapes, so a
 deleted shard or node disappears from the next scrape instead of lingering as a stale series.
+That state comes from a reader injected with :meth:`ControlPlaneMetrics.bind` (the rebalancer's
+``metrics_state``): this module never reaches into the rebalancer or the store itself.
 The series are listed in docs/control-plane.md; a test checks that list against a scrape.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -19,10 +22,15 @@ from prometheus_client.registry import Collector
 
 from adaptermesh.httpserve import serve_app
 
-if TYPE_CHECKING:
-    from adaptermesh.control_plane.rebalancer import Rebalancer
-
-__all__ = ["PREFIX", "ControlPlaneMetrics", "publish_cause", "serve_metrics"]
+__all__ = [
+    "PREFIX",
+    "ControlPlaneMetrics",
+    "ControlPlaneState",
+    "ShardLoad",
+    "StateReader",
+    "publish_cause",
+    "serve_metrics",
+]
 
 PREFIX = "adaptermesh_control_plane_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -52,6 +60,38 @@ def publish_cause(reason: str) -> str:
     return "other"
 
 
+class ShardLoad(Protocol):
+    """One shard's load as a scrape exports it (the rebalancer's ``ShardLoadView``)."""
+
+    @property
+    def known(self) -> bool: ...
+    @property
+    def utilization(self) -> float: ...
+    @property
+    def workers(self) -> int: ...
+    @property
+    def workers_known(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlaneState:
+    """The control plane's current state, read once per scrape."""
+
+    # Version of the newest published Assignment (0: none yet).
+    assignment_version: int
+    # Weights of the newest Assignment (what the nodes are told), DRAINING shards at 0.
+    shard_weights: Mapping[str, int]
+    rebalance_steps: int
+    rebalance_failures: int
+    watch_streams: int
+    shard_loads: Mapping[str, ShardLoad]
+    # (node id, applied version, time of its last ReportLoad, last apply error or "").
+    nodes: Sequence[tuple[str, int, float, str]]
+
+
+StateReader = Callable[[], ControlPlaneState]
+
+
 class ControlPlaneMetrics:
     """The registry, the rebalancer's histograms, and a collector over live state."""
 
@@ -77,8 +117,9 @@ class ControlPlaneMetrics:
         cause = publish_cause(reason)
         self.publishes[cause] = self.publishes.get(cause, 0) + 1
 
-    def bind(self, rebalancer: Rebalancer, clock: Callable[[], float] = time.time) -> None:
-        self.registry.register(_StateCollector(self, rebalancer, clock))
+    def bind(self, read_state: StateReader, clock: Callable[[], float] = time.time) -> None:
+        """Export the state ``read_state`` returns at every scrape."""
+        self.registry.register(_StateCollector(self, read_state, clock))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -86,10 +127,10 @@ class ControlPlaneMetrics:
 
 class _StateCollector(Collector):
     def __init__(
-        self, metrics: ControlPlaneMetrics, rb: Rebalancer, clock: Callable[[], float]
+        self, metrics: ControlPlaneMetrics, read_state: StateReader, clock: Callable[[], float]
     ) -> None:
         self.metrics = metrics
-        self.rb = rb
+        self.read_state = read_state
         self.clock = clock
 
     def describe(self) -> list[Metric]:
@@ -97,9 +138,8 @@ class _StateCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        rb, m = self.rb, self.metrics
-        latest = rb.hub.latest
-        current = latest.version if latest is not None else 0
+        state, metrics = self.read_state(), self.metrics
+        current = state.assignment_version
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
             return GaugeMetricFamily(PREFIX + name, doc, labels=list(labels))
@@ -109,36 +149,35 @@ class _StateCollector(Collector):
         yield version
 
         steps = CounterMetricFamily(PREFIX + "rebalance_steps", "Rebalance steps started.")
-        steps.add_metric([], float(rb.steps))
+        steps.add_metric([], float(state.rebalance_steps))
         yield steps
         failures = CounterMetricFamily(
             PREFIX + "rebalance_failures", "Rebalance steps that failed (retried with backoff)."
         )
-        failures.add_metric([], float(rb.failures))
+        failures.add_metric([], float(state.rebalance_failures))
         yield failures
         publishes = CounterMetricFamily(
             PREFIX + "publishes",
             "Assignments published, by cause (the first part of the Assignment's reason).",
             labels=["reason"],
         )
-        for cause, n in sorted(m.publishes.items()):
-            publishes.add_metric([cause], float(n))
+        for cause, count in sorted(metrics.publishes.items()):
+            publishes.add_metric([cause], float(count))
         yield publishes
         scrape = CounterMetricFamily(
             PREFIX + "worker_scrape_errors",
             "Worker /metrics scrapes that failed or returned no known series.",
         )
-        scrape.add_metric([], float(m.scrape_errors))
+        scrape.add_metric([], float(metrics.scrape_errors))
         yield scrape
 
         watchers = gauge("watch_streams", "WatchAssignments streams connected now.")
-        watchers.add_metric([], float(rb.hub.watchers))
+        watchers.add_metric([], float(state.watch_streams))
         yield watchers
 
-        weights = latest_weights(rb)
         weight = gauge("shard_weight", "Published shard weight in parts per 10,000.", ("shard",))
-        for sid, w in sorted(weights.items()):
-            weight.add_metric([sid], float(w))
+        for shard_id, shard_weight in sorted(state.shard_weights.items()):
+            weight.add_metric([shard_id], float(shard_weight))
         yield weight
         util = gauge(
             "shard_utilization",
@@ -149,12 +188,12 @@ class _StateCollector(Collector):
             "shard_known", "1 when at least one of the shard's workers reports metrics.", ("shard",)
         )
         workers = gauge("shard_workers", "Workers of the shard by metrics state.", ("shard", "state"))
-        for sid, view in sorted(rb.loads.items()):
-            known.add_metric([sid], 1.0 if view.known else 0.0)
-            if view.known:
-                util.add_metric([sid], view.utilization)
-            workers.add_metric([sid, "known"], float(view.workers_known))
-            workers.add_metric([sid, "unknown"], float(view.workers - view.workers_known))
+        for shard_id, load in sorted(state.shard_loads.items()):
+            known.add_metric([shard_id], 1.0 if load.known else 0.0)
+            if load.known:
+                util.add_metric([shard_id], load.utilization)
+            workers.add_metric([shard_id, "known"], float(load.workers_known))
+            workers.add_metric([shard_id, "unknown"], float(load.workers - load.workers_known))
         yield util
         yield known
         yield workers
@@ -166,7 +205,7 @@ class _StateCollector(Collector):
         age = gauge("node_report_age_seconds", "Seconds since the node's last ReportLoad.", ("node",))
         error = gauge("node_apply_error", "1 when the node's last apply failed.", ("node",))
         now = self.clock()
-        for node_id, applied_version, last, err in rb.store.list_nodes():
+        for node_id, applied_version, last, err in state.nodes:
             applied.add_metric([node_id], float(applied_version))
             lag.add_metric([node_id], float(max(0, current - applied_version)))
             age.add_metric([node_id], max(0.0, now - last))
@@ -175,14 +214,6 @@ class _StateCollector(Collector):
         yield lag
         yield age
         yield error
-
-
-def latest_weights(rb: Rebalancer) -> Mapping[str, int]:
-    """Weights of the newest Assignment (what the nodes are told), DRAINING shards at 0."""
-    latest = rb.hub.latest
-    if latest is None:
-        return {}
-    return {s.id: s.weight for s in latest.shards}
 
 
 async def serve_metrics(metrics: ControlPlaneMetrics, host: str, port: int) -> web.AppRunner:

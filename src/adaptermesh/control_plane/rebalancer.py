@@ -28,7 +28,7 @@ from adaptermesh.backoff import Backoff
 from adaptermesh.clock import Clock, SystemClock, sleep_or_stop
 from adaptermesh.control_plane import policy
 from adaptermesh.control_plane.capacity_history import ADAPTER_CLASS_LABEL, CapacityHistory
-from adaptermesh.control_plane.metrics import ControlPlaneMetrics
+from adaptermesh.control_plane.metrics import ControlPlaneMetrics, ControlPlaneState
 from adaptermesh.control_plane.metrics_source import LoadSource, Target
 from adaptermesh.control_plane.policy import (
     ColumnLayout,
@@ -208,7 +208,7 @@ class Rebalancer:
         self.publishes = 0
         self.last_error = ""
         self.metrics = metrics or ControlPlaneMetrics()
-        self.metrics.bind(self, self.clock.time)
+        self.metrics.bind(self.metrics_state, self.clock.time)
         self.capacity = CapacityHistory(self.config.capacity)
         self.state = PolicyState()
         latest = store.latest_assignment()
@@ -461,6 +461,21 @@ class Rebalancer:
             assert self._loads_from is not None
             self._loads = _summarise(*self._loads_from)
         return self._loads
+
+    def metrics_state(self) -> ControlPlaneState:
+        """What a metrics scrape exports: the newest Assignment, the loop's counters, the
+        per-shard load of the last step and the nodes' reports (read from the store)."""
+        latest = self.hub.latest
+        return ControlPlaneState(
+            assignment_version=latest.version if latest is not None else 0,
+            # What the nodes are told: DRAINING shards at 0.
+            shard_weights={} if latest is None else {s.id: s.weight for s in latest.shards},
+            rebalance_steps=self.steps,
+            rebalance_failures=self.failures,
+            watch_streams=self.hub.watchers,
+            shard_loads=self.loads,
+            nodes=self.store.list_nodes(),
+        )
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Repeat ``step()`` every interval until ``stop`` is set; back off after failures."""
