@@ -28,18 +28,29 @@ __all__ = [
 ]
 
 
-def check_admin_token(headers: Mapping[str, str], expected: str | None) -> None:
-    """401 without a token, 403 with a wrong one; anything passes when ``expected`` is None.
+def admin_token_verdict(x_admin_token: str | None, authorization: str, expected: str | None) -> str:
+    """ "ok", "missing" or "wrong": the one rule for the admin token over HTTP and gRPC.
 
-    The token comes in ``x-admin-token`` or as ``Authorization: Bearer``.
+    The token comes in ``x-admin-token`` or as ``Authorization: Bearer``; anything passes when
+    ``expected`` is None.
     """
     if expected is None:
-        return
-    given = headers.get("x-admin-token")
+        return "ok"
+    given = x_admin_token
     if given is None:
-        scheme, _, token = headers.get("Authorization", "").partition(" ")
+        scheme, _, token = authorization.partition(" ")
         given = token.strip() if scheme.lower() == "bearer" else None
     if not given:
+        return "missing"
+    return "ok" if hmac.compare_digest(given.encode(), expected.encode()) else "wrong"
+
+
+def check_admin_token(headers: Mapping[str, str], expected: str | None) -> None:
+    """401 without a token, 403 with a wrong one; anything passes when ``expected`` is None."""
+    verdict = admin_token_verdict(
+        headers.get("x-admin-token"), headers.get("Authorization", ""), expected
+    )
+    if verdict == "missing":
         raise ApiError(
             401,
             "this endpoint needs the admin token (Authorization: Bearer or x-admin-token)",
@@ -47,7 +58,7 @@ def check_admin_token(headers: Mapping[str, str], expected: str | None) -> None:
             code="missing_token",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    if not hmac.compare_digest(given.encode(), expected.encode()):
+    if verdict == "wrong":
         raise ApiError(
             403, "the admin token is wrong", type="permission_error", code="invalid_token"
         )

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -43,6 +42,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from adaptermesh.proto.adaptermesh.v1 import open_inference_pb2 as pb
 from adaptermesh.proto.adaptermesh.v1 import open_inference_pb2_grpc as pb_grpc
+from adaptermesh.worker.admin_endpoints import admin_token_verdict
 from adaptermesh.worker.service import ADAPTER_HEADER, ApiError, WorkerService
 
 __all__ = [
@@ -571,21 +571,19 @@ class GrpcV2Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # --------------------------------------------------------------------------- repository
     def _check_admin(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        expected = self.service.config.admin_token
-        if expected is None:
-            return
         headers = _metadata(context)
-        given = headers.get("x-admin-token")
-        if given is None:
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            given = token.strip() if scheme.lower() == "bearer" else None
-        if not given:
+        verdict = admin_token_verdict(
+            headers.get("x-admin-token"),
+            headers.get("authorization", ""),
+            self.service.config.admin_token,
+        )
+        if verdict == "missing":
             raise _Failure(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "authorization: the repository "
                 "calls need the admin token (metadata authorization: Bearer ...)",
             )
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        if verdict == "wrong":
             raise _Failure(
                 grpc.StatusCode.PERMISSION_DENIED, "authorization: the admin token is wrong"
             )
