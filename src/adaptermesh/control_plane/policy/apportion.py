@@ -13,16 +13,16 @@ from adaptermesh.control_plane.policy.types import PolicyConfig
 
 def _apportion_cols(shares: _F, total: int, floor: int) -> _I:
     """``apportion`` on a column (keys already in sorted order)."""
-    n = shares.size
-    if n == 0:
+    count = shares.size
+    if count == 0:
         return np.zeros(0, dtype=np.int64)
-    if floor * n > total:
-        floor = total // n
+    if floor * count > total:
+        floor = total // count
     clean = np.where(np.isfinite(shares), np.maximum(shares, 0.0), 0.0)
     if _seqsum(clean) <= 0:
-        clean = np.ones(n)
+        clean = np.ones(count)
     # Water-fill: shards whose proportional share is below the floor are pinned to it.
-    pinned = np.zeros(n, dtype=np.bool_)
+    pinned = np.zeros(count, dtype=np.bool_)
     while True:
         free = ~pinned
         if not free.any():
@@ -44,26 +44,26 @@ def _apportion_cols(shares: _F, total: int, floor: int) -> _I:
     else:
         exact = np.where(pinned, float(floor), rest / max(1, int(free.sum())))
     floors = np.floor(exact)
-    out = np.maximum(floor, floors).astype(np.int64)
-    remainder = total - int(out.sum())
+    weights = np.maximum(floor, floors).astype(np.int64)
+    remainder = total - int(weights.sum())
     # Largest fractional part first, ties by key (the keys are sorted, so by position).
-    order = np.lexsort((np.arange(n), -(exact - floors)))
-    if 0 < remainder <= n:
-        out[order[:remainder]] += 1
+    order = np.lexsort((np.arange(count), -(exact - floors)))
+    if 0 < remainder <= count:
+        weights[order[:remainder]] += 1
     elif remainder != 0:
-        i = 0
+        step = 0
         while remainder != 0:
-            k = order[i % n]
+            row = order[step % count]
             if remainder > 0:
-                out[k] += 1
+                weights[row] += 1
                 remainder -= 1
-            elif out[k] > floor:
-                out[k] -= 1
+            elif weights[row] > floor:
+                weights[row] -= 1
                 remainder += 1
-            i += 1
-            if i > 4 * n * (abs(remainder) + 1):
+            step += 1
+            if step > 4 * count * (abs(remainder) + 1):
                 break
-    return out
+    return weights
 
 
 def apportion(shares: Mapping[str, float], total: int, floor: int = 0) -> dict[str, int]:
@@ -75,15 +75,15 @@ def apportion(shares: Mapping[str, float], total: int, floor: int = 0) -> dict[s
     keys = sorted(shares)
     if not keys:
         return {}
-    values = np.array([float(shares[k]) for k in keys], dtype=np.float64)
-    out = _apportion_cols(values, total, floor)
-    return dict(zip(keys, out.tolist(), strict=True))
+    values = np.array([float(shares[key]) for key in keys], dtype=np.float64)
+    weights = _apportion_cols(values, total, floor)
+    return dict(zip(keys, weights.tolist(), strict=True))
 
 
 def validate_weights(
     weights: Mapping[str, int],
     active: Sequence[str],
-    cfg: PolicyConfig,
+    config: PolicyConfig,
     overridden: Collection[str] = (),
 ) -> list[str]:
     """Problems with a weight set; empty when it may be published.
@@ -99,10 +99,10 @@ def validate_weights(
         problems.append(f"active shards without a weight: {missing}")
     if active:
         total = sum(weights.values())
-        if total != cfg.budget:
-            problems.append(f"weights sum to {total}, not {cfg.budget}")
-        floor = cfg.weight_floor(len(active))
-        low = sorted(k for k, v in weights.items() if v < floor and k not in overridden)
+        if total != config.budget:
+            problems.append(f"weights sum to {total}, not {config.budget}")
+        floor = config.weight_floor(len(active))
+        low = sorted(shard_id for shard_id, weight in weights.items() if weight < floor and shard_id not in overridden)
         if low:
             problems.append(f"weights below the minimum {floor}: {low}")
     return problems
@@ -118,8 +118,8 @@ def _waterfill_cols(share: _F, total: float, floor: float) -> _F:
             return np.full(share.size, total / share.size)
         rest = total - floor * int(pinned.sum())
         mass = _seqsum(share[free])
-        out = rest * share / mass if mass > 0 else np.full(share.size, rest / int(free.sum()))
-        low = free & (out < floor)
+        proportional = rest * share / mass if mass > 0 else np.full(share.size, rest / int(free.sum()))
+        low = free & (proportional < floor)
         if not low.any():
-            return np.where(pinned, floor, out).astype(np.float64)
+            return np.where(pinned, floor, proportional).astype(np.float64)
         pinned |= low

@@ -122,8 +122,8 @@ class CapacityConfig:
             raise ValueError("capacity: need min_levels >= 3 and level_width > 0")
         if not 0 < self.min_confidence <= 1:
             raise ValueError("capacity: min_confidence must be in (0, 1]")
-        lo, hi = self.beta_bounds
-        if not lo < hi:
+        beta_low, beta_high = self.beta_bounds
+        if not beta_low < beta_high:
             raise ValueError("capacity: beta_bounds must be increasing")
         if not self.ln_alpha_bounds[0] < self.ln_alpha_bounds[1]:
             raise ValueError("capacity: ln_alpha_bounds must be increasing")
@@ -150,9 +150,9 @@ class PowerLawFit:
     reason: str  # why it is not usable; "" when it is
 
     def predict(self, tokens_per_s: float) -> float:
-        t = max(float(tokens_per_s), 1e-9)
+        throughput = max(float(tokens_per_s), 1e-9)
         try:
-            return self.eps + self.alpha * math.pow(t, -self.beta)
+            return self.eps + self.alpha * math.pow(throughput, -self.beta)
         except OverflowError:
             return math.inf
 
@@ -173,94 +173,94 @@ def _unusable(points: int, reason: str) -> PowerLawFit:
     return PowerLawFit(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, points, False, reason)
 
 
-def narrow_range(tokens_min: float, tokens_max: float, points: int, cfg: CapacityConfig) -> PowerLawFit | None:
+def narrow_range(tokens_min: float, tokens_max: float, points: int, config: CapacityConfig) -> PowerLawFit | None:
     """The unusable fit, without fitting, when the readings cannot reach the excitation bar.
 
     The standard deviation of ``ln T`` is at most half its range, so a range below twice
     ``min_log_spread`` can never pass: a steady fleet costs two comparisons per worker."""
-    if tokens_min > 0 and math.log(tokens_max / tokens_min) < 2 * cfg.min_log_spread:
+    if tokens_min > 0 and math.log(tokens_max / tokens_min) < 2 * config.min_log_spread:
         return _unusable(points, f"not excited: ln(T) range {math.log(tokens_max / tokens_min):.3f}"
-                         f" < {2 * cfg.min_log_spread}")
+                         f" < {2 * config.min_log_spread}")
     return None
 
 
 def fit_power_law(
-    tokens_per_s: Sequence[float] | _F, latency_s: Sequence[float] | _F, cfg: CapacityConfig
+    tokens_per_s: Sequence[float] | _F, latency_s: Sequence[float] | _F, config: CapacityConfig
 ) -> PowerLawFit:
     """Fit ``L = alpha * T^(-beta) + eps`` to paired readings; never raises on bad data."""
-    t = np.asarray(tokens_per_s, dtype=np.float64)
-    lat = np.asarray(latency_s, dtype=np.float64)
-    if t.shape != lat.shape or t.ndim != 1:
+    throughput = np.asarray(tokens_per_s, dtype=np.float64)
+    latency = np.asarray(latency_s, dtype=np.float64)
+    if throughput.shape != latency.shape or throughput.ndim != 1:
         raise ValueError("tokens_per_s and latency_s must be 1-d and of one length")
-    ok = np.isfinite(t) & np.isfinite(lat) & (t > cfg.min_tokens_per_s) & (lat > 0)
-    t, lat = t[ok], lat[ok]
-    n = int(t.size)
-    if n < cfg.min_points:
-        return _unusable(n, f"{n} points, need {cfg.min_points}")
-    x = np.log(t)
-    y_full = np.log(lat)
-    spread = float(x.std())
+    valid = np.isfinite(throughput) & np.isfinite(latency) & (throughput > config.min_tokens_per_s) & (latency > 0)
+    throughput, latency = throughput[valid], latency[valid]
+    count = int(throughput.size)
+    if count < config.min_points:
+        return _unusable(count, f"{count} points, need {config.min_points}")
+    ln_throughput = np.log(throughput)
+    ln_latency = np.log(latency)
+    spread = float(ln_throughput.std())
     # Three parameters need at least as many distinct operating points, and a couple more to
     # tell a curve from noise: two levels always fit perfectly and say nothing.
-    levels = int(np.unique(np.round(x / cfg.level_width)).size)
-    if levels < cfg.min_levels:
-        return _unusable(n, f"not excited: {levels} distinct throughput levels, need {cfg.min_levels}")
-    if spread < cfg.min_log_spread:
+    levels = int(np.unique(np.round(ln_throughput / config.level_width)).size)
+    if levels < config.min_levels:
+        return _unusable(count, f"not excited: {levels} distinct throughput levels, need {config.min_levels}")
+    if spread < config.min_log_spread:
         # One operating point identifies no curve: skip the fit (the steady state, so cheap).
-        return _unusable(n, f"not excited: ln(T) spread {spread:.3f} < {cfg.min_log_spread}")
-    excitation = min(1.0, spread / cfg.full_log_spread)
-    lmin = float(lat.min())
-    b_lo, b_hi = cfg.beta_bounds
-    a_lo, a_hi = cfg.ln_alpha_bounds
-    xm = x - x.mean()
-    sxx = float(xm @ xm)
+        return _unusable(count, f"not excited: ln(T) spread {spread:.3f} < {config.min_log_spread}")
+    excitation = min(1.0, spread / config.full_log_spread)
+    latency_min = float(latency.min())
+    beta_low, beta_high = config.beta_bounds
+    ln_alpha_low, ln_alpha_high = config.ln_alpha_bounds
+    centred_ln_throughput = ln_throughput - ln_throughput.mean()
+    throughput_sum_squares = float(centred_ln_throughput @ centred_ln_throughput)
 
-    def line(f: float) -> tuple[float, float, float, float]:
-        eps = f * lmin
-        y = np.log(lat - eps)
-        slope = float(xm @ (y - y.mean())) / sxx if sxx > 0 else 0.0
-        beta = min(b_hi, max(b_lo, -slope))
-        ln_alpha = min(a_hi, max(a_lo, float((y + beta * x).mean())))
+    def line(fraction: float) -> tuple[float, float, float, float]:
+        eps = fraction * latency_min
+        ln_excess = np.log(latency - eps)
+        slope = float(centred_ln_throughput @ (ln_excess - ln_excess.mean())) / throughput_sum_squares if throughput_sum_squares > 0 else 0.0
+        beta = min(beta_high, max(beta_low, -slope))
+        ln_alpha = min(ln_alpha_high, max(ln_alpha_low, float((ln_excess + beta * ln_throughput).mean())))
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            resid = y_full - np.log(eps + np.exp(ln_alpha - beta * x))
-        sse = float(resid @ resid)
+            residuals = ln_latency - np.log(eps + np.exp(ln_alpha - beta * ln_throughput))
+        sse = float(residuals @ residuals)
         return (sse if math.isfinite(sse) else math.inf, ln_alpha, beta, eps)
 
     # eps as a fraction of the smallest latency: a grid dense near 1 (a floor close to the
     # unloaded latency is the common case), then golden-section search around the best point.
-    fracs = [0.0] + [1.0 - 10.0 ** (-3.0 * k / max(1, cfg.eps_grid - 1)) for k in range(1, cfg.eps_grid)]
-    if cfg.eps_grid > 1:
-        fracs[-1] = 0.999
-    scored = [line(f) for f in fracs]
-    k = min(range(len(scored)), key=lambda i: scored[i][0])
-    best = scored[k]
-    lo_f, hi_f = fracs[max(0, k - 1)], fracs[min(len(fracs) - 1, k + 1)]
-    g = (math.sqrt(5) - 1) / 2
-    c, d = hi_f - g * (hi_f - lo_f), lo_f + g * (hi_f - lo_f)
-    fc, fd = line(c), line(d)
+    fractions = [0.0] + [1.0 - 10.0 ** (-3.0 * step / max(1, config.eps_grid - 1)) for step in range(1, config.eps_grid)]
+    if config.eps_grid > 1:
+        fractions[-1] = 0.999
+    scored = [line(fraction) for fraction in fractions]
+    best_index = min(range(len(scored)), key=lambda index: scored[index][0])
+    best = scored[best_index]
+    low_fraction, high_fraction = fractions[max(0, best_index - 1)], fractions[min(len(fractions) - 1, best_index + 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    left, right = high_fraction - golden * (high_fraction - low_fraction), low_fraction + golden * (high_fraction - low_fraction)
+    left_fit, right_fit = line(left), line(right)
     for _ in range(24):
-        if fc[0] < fd[0]:
-            hi_f, d, fd = d, c, fc
-            c = hi_f - g * (hi_f - lo_f)
-            fc = line(c)
+        if left_fit[0] < right_fit[0]:
+            high_fraction, right, right_fit = right, left, left_fit
+            left = high_fraction - golden * (high_fraction - low_fraction)
+            left_fit = line(left)
         else:
-            lo_f, c, fc = c, d, fd
-            d = lo_f + g * (hi_f - lo_f)
-            fd = line(d)
-    for cand in (fc, fd):
-        if cand[0] < best[0]:
-            best = cand
+            low_fraction, left, left_fit = left, right, right_fit
+            right = low_fraction + golden * (high_fraction - low_fraction)
+            right_fit = line(right)
+    for candidate in (left_fit, right_fit):
+        if candidate[0] < best[0]:
+            best = candidate
     if not math.isfinite(best[0]):
-        return _unusable(n, "no finite fit")
+        return _unusable(count, "no finite fit")
     sse, ln_alpha, beta, eps = best
-    yc = y_full - y_full.mean()
-    sst = float(yc @ yc)
-    r2 = max(0.0, min(1.0, 1.0 - sse / sst)) if sst > 1e-12 else 0.0
+    centred_ln_latency = ln_latency - ln_latency.mean()
+    total_sum_squares = float(centred_ln_latency @ centred_ln_latency)
+    r2 = max(0.0, min(1.0, 1.0 - sse / total_sum_squares)) if total_sum_squares > 1e-12 else 0.0
     confidence = r2 * excitation
     reason = ""
-    if confidence < cfg.min_confidence:
-        reason = f"confidence {confidence:.2f} < {cfg.min_confidence} (r2 {r2:.2f})"
-    return PowerLawFit(math.exp(ln_alpha), beta, eps, r2, excitation, confidence, n, not reason, reason)
+    if confidence < config.min_confidence:
+        reason = f"confidence {confidence:.2f} < {config.min_confidence} (r2 {r2:.2f})"
+    return PowerLawFit(math.exp(ln_alpha), beta, eps, r2, excitation, confidence, count, not reason, reason)
 
 
 def queue_latency(baseline_s: float, rho: float) -> float:
@@ -298,15 +298,15 @@ _LN_T_LO = math.log(1e-9)
 _LN_T_HI = 60.0
 
 
-def _tail(x: float, parts: Sequence[tuple[float, float, float]]) -> float:
+def _tail(latency: float, parts: Sequence[tuple[float, float, float]]) -> float:
     """``P(L > x)`` of the mixture of classes ``(share, p95 q, floor e)``, each with an
     exponential tail above its floor."""
     total = 0.0
-    for share, q, floor in parts:
-        if x <= floor or math.isinf(q):
+    for share, p95, floor in parts:
+        if latency <= floor or math.isinf(p95):
             total += share
-        elif q > floor:
-            total += share * math.exp(-_LN_TAIL * (x - floor) / (q - floor))
+        elif p95 > floor:
+            total += share * math.exp(-_LN_TAIL * (latency - floor) / (p95 - floor))
     return total
 
 
@@ -321,29 +321,29 @@ class MixedCurve:
     fixed: tuple[tuple[float, float, float], ...] = ()  # (share, p95, floor)
 
     def _parts(self, tokens_per_s: float) -> list[tuple[float, float, float]]:
-        return [(s, f.predict(tokens_per_s), f.eps) for s, f in self.growing] + list(self.fixed)
+        return [(share, fit.predict(tokens_per_s), fit.eps) for share, fit in self.growing] + list(self.fixed)
 
     def predict(self, tokens_per_s: float) -> float:
-        parts = [p for p in self._parts(tokens_per_s) if p[0] > 0]
+        parts = [part for part in self._parts(tokens_per_s) if part[0] > 0]
         if not parts:
             return 0.0
-        qs = [q for _, q, _ in parts]
-        lo, hi = min(qs), max(qs)
-        if math.isinf(hi):
+        p95s = [p95 for _, p95, _ in parts]
+        low, high = min(p95s), max(p95s)
+        if math.isinf(high):
             return math.inf
-        if not hi > 0:
+        if not high > 0:
             return 0.0
-        # The mixture's p95 lies between its classes' smallest and largest p95: at x = lo
-        # every class still has at least 5 % of its requests above x, at x = hi none has more.
+        # The mixture's p95 lies between its classes' smallest and largest p95: at x = low
+        # every class still has at least 5 % of its requests above x, at x = high none has more.
         # Bisection on ln x: the classes' p95s may be orders of magnitude apart.
-        ln_lo, ln_hi = math.log(max(lo, 1e-300)), math.log(hi)
+        ln_low, ln_high = math.log(max(low, 1e-300)), math.log(high)
         for _ in range(64):
-            mid = 0.5 * (ln_lo + ln_hi)
+            mid = 0.5 * (ln_low + ln_high)
             if _tail(math.exp(mid), parts) > _TAIL:
-                ln_lo = mid
+                ln_low = mid
             else:
-                ln_hi = mid
-        return math.exp(ln_hi)
+                ln_high = mid
+        return math.exp(ln_high)
 
     def max_throughput(self, latency_s: float) -> float:
         if not latency_s > 0:
@@ -356,14 +356,14 @@ class MixedCurve:
             return 0.0
         if not over(_LN_T_HI):
             return math.inf
-        lo, hi = _LN_T_LO, _LN_T_HI
+        low, high = _LN_T_LO, _LN_T_HI
         for _ in range(60):
-            mid = 0.5 * (lo + hi)
+            mid = 0.5 * (low + high)
             if over(mid):
-                hi = mid
+                high = mid
             else:
-                lo = mid
-        return math.exp(lo)
+                low = mid
+        return math.exp(low)
 
 
 def mixed_curve(
@@ -390,14 +390,14 @@ def mixed_curve(
         if own is None:
             return None
         parts.append((rest, own))
-    total = sum(s for s, _ in parts)
+    total = sum(share for share, _ in parts)
     if not parts or not total > 0:
         return own
     if len(parts) == 1:
         return parts[0][1]
-    tok = float(tokens_per_s) if math.isfinite(tokens_per_s) else 0.0
-    growing = tuple((s / total, f) for s, f in parts if f.beta < 0)
-    fixed = tuple((s / total, f.predict(tok), f.eps) for s, f in parts if f.beta >= 0)
+    throughput = float(tokens_per_s) if math.isfinite(tokens_per_s) else 0.0
+    growing = tuple((share / total, fit) for share, fit in parts if fit.beta < 0)
+    fixed = tuple((share / total, fit.predict(throughput), fit.eps) for share, fit in parts if fit.beta >= 0)
     return MixedCurve(growing, fixed)
 
 
@@ -418,24 +418,24 @@ class ShardCurve:
     fits: tuple[tuple[LatencyCurve, float], ...] = ()
 
     def predict(self, weight: float, *, skip_mixed: bool = False) -> float:
-        k = weight / self.weight_eff
+        scale = weight / self.weight_eff
         if self.fits:
-            return max((f.predict(tok * k) for f, tok in self.fits
-                        if not (skip_mixed and isinstance(f, MixedCurve))), default=-math.inf)
-        return queue_latency(self.baseline_s, self.rho * k)
+            return max((fit.predict(worker_tokens * scale) for fit, worker_tokens in self.fits
+                        if not (skip_mixed and isinstance(fit, MixedCurve))), default=-math.inf)
+        return queue_latency(self.baseline_s, self.rho * scale)
 
     def max_weight(self, level: float, *, skip_mixed: bool = False) -> float:
         """The largest weight whose predicted latency is at most ``level``; ``skip_mixed``:
         leave out the workers with a ``MixedCurve`` (``plan_split`` caps those in one batch)."""
         if self.fits:
-            w = math.inf
-            for f, tok in self.fits:
-                if skip_mixed and isinstance(f, MixedCurve):
+            weight = math.inf
+            for fit, worker_tokens in self.fits:
+                if skip_mixed and isinstance(fit, MixedCurve):
                     continue
-                cap = f.max_throughput(level)
-                if tok > 0:
-                    w = min(w, cap * self.weight_eff / tok)
-            return w
+                cap = fit.max_throughput(level)
+                if worker_tokens > 0:
+                    weight = min(weight, cap * self.weight_eff / worker_tokens)
+            return weight
         if level <= self.baseline_s or self.rho <= 0:
             return math.inf if self.rho <= 0 else 0.0
         return self.weight_eff * (1.0 - self.baseline_s / level) / self.rho
@@ -457,18 +457,18 @@ class _MixBatch:
         rows: list[list[tuple[float, float, float, float]]] = []  # (share, alpha, -beta, eps)
         shard: list[int] = []
         per_token: list[float] = []
-        for i, c in enumerate(curves):
-            for f, tok in c.fits:
-                if isinstance(f, MixedCurve) and tok > 0:
-                    rows.append([(sh, g.alpha, -g.beta, g.eps) for sh, g in f.growing]
-                                + [(sh, q - e, 0.0, e) for sh, q, e in f.fixed])
-                    shard.append(i)
-                    per_token.append(c.weight_eff / tok)
-        k = max((len(r) for r in rows), default=0)
-        table = np.zeros((len(rows), max(k, 1), 4))
-        for j, r in enumerate(rows):
-            table[j, : len(r)] = r
-        self.share, self.alpha, self.power, self.eps = (table[:, :, m] for m in range(4))
+        for position, curve in enumerate(curves):
+            for fit, worker_tokens in curve.fits:
+                if isinstance(fit, MixedCurve) and worker_tokens > 0:
+                    rows.append([(share, class_fit.alpha, -class_fit.beta, class_fit.eps) for share, class_fit in fit.growing]
+                                + [(share, p95 - floor, 0.0, floor) for share, p95, floor in fit.fixed])
+                    shard.append(position)
+                    per_token.append(curve.weight_eff / worker_tokens)
+        most_classes = max((len(row_parts) for row_parts in rows), default=0)
+        table = np.zeros((len(rows), max(most_classes, 1), 4))
+        for row, row_parts in enumerate(rows):
+            table[row, : len(row_parts)] = row_parts
+        self.share, self.alpha, self.power, self.eps = (table[:, :, column] for column in range(4))
         self.shard = np.array(shard, dtype=np.int64)
         self.per_token = np.array(per_token, dtype=np.float64)
         self.n = len(curves)
@@ -497,19 +497,19 @@ class _MixBatch:
         ln_t = np.log(np.maximum(weight / self.per_token, 1e-9))
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             gap = self.alpha * np.exp(self.power * ln_t[:, None])
-            q = self.eps + gap
+            p95 = self.eps + gap
             used = self.share > 0
-            lo = np.log(np.maximum(np.where(used, q, np.inf).min(axis=1), 1e-300))
-            top = np.where(used, q, 0.0).max(axis=1)
-            hi = np.log(np.where(np.isfinite(top) & (top > 0), top, 1.0))
+            low = np.log(np.maximum(np.where(used, p95, np.inf).min(axis=1), 1e-300))
+            top = np.where(used, p95, 0.0).max(axis=1)
+            high = np.log(np.where(np.isfinite(top) & (top > 0), top, 1.0))
             for _ in range(self._STEPS + 10):
-                mid = 0.5 * (lo + hi)
-                x = np.exp(mid)[:, None]
-                term = np.where(x < self.eps, 1.0, np.exp(-_LN_TAIL * (x - self.eps) / gap))
+                mid = 0.5 * (low + high)
+                latency = np.exp(mid)[:, None]
+                term = np.where(latency < self.eps, 1.0, np.exp(-_LN_TAIL * (latency - self.eps) / gap))
                 over = (self.share * term).sum(axis=1) > _TAIL
-                lo = np.where(over, mid, lo)
-                hi = np.where(over, hi, mid)
-            value = np.where(np.isfinite(top), np.where(top > 0, np.exp(hi), 0.0), math.inf)
+                low = np.where(over, mid, low)
+                high = np.where(over, high, mid)
+            value = np.where(np.isfinite(top), np.where(top > 0, np.exp(high), 0.0), math.inf)
         np.maximum.at(out, self.shard, value)
         return out
 
@@ -527,98 +527,98 @@ class _MixBatch:
         already solved: a throughput under the cap at a lower level is under it here, one
         over the cap at a higher level is over it here. ``plan_split`` bisects the level, so
         its brackets shrink with it and a late level costs a few steps."""
-        m = len(self)
+        count = len(self)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             # alpha 0 (a fixed class at its floor): no tail above the floor.
             scale = np.where(self.alpha > 0, _LN_TAIL * (level - self.eps)
                              / np.where(self.alpha > 0, self.alpha, 1.0), np.inf)
         below = level <= self.eps
-        lo = np.full(m, _LN_T_LO)
-        hi = np.full(m, _LN_T_HI)
-        known_lo = np.zeros(m, dtype=np.bool_)  # lo is a throughput known to be under
-        known_hi = np.zeros(m, dtype=np.bool_)  # hi is one known to be over
-        zero = np.zeros(m, dtype=np.bool_)
-        free = np.zeros(m, dtype=np.bool_)
-        k = bisect.bisect_left(self._levels, level)
-        if k < len(self._levels) and self._levels[k] == level:
-            return self._solved[k][2]
-        if k > 0:
-            lo1, _, caps1 = self._solved[k - 1]
-            free |= np.isinf(caps1) & (caps1 > 0)
-            use = caps1 > 0
-            lo = np.where(use, np.maximum(lo, lo1), lo)
-            known_lo |= use
-        if k < len(self._levels):
-            _, hi3, caps3 = self._solved[k]
-            zero |= caps3 == 0
-            use = np.isfinite(caps3)
-            hi = np.where(use, np.minimum(hi, hi3), hi)
-            known_hi |= use
-        zero |= ~known_lo & ~free & self._over(lo, scale, below)
-        free |= ~known_hi & ~zero & ~self._over(hi, scale, below)
+        low = np.full(count, _LN_T_LO)
+        high = np.full(count, _LN_T_HI)
+        known_low = np.zeros(count, dtype=np.bool_)  # low is a throughput known to be under
+        known_high = np.zeros(count, dtype=np.bool_)  # high is one known to be over
+        zero = np.zeros(count, dtype=np.bool_)
+        free = np.zeros(count, dtype=np.bool_)
+        position = bisect.bisect_left(self._levels, level)
+        if position < len(self._levels) and self._levels[position] == level:
+            return self._solved[position][2]
+        if position > 0:
+            low_below, _, caps_below = self._solved[position - 1]
+            free |= np.isinf(caps_below) & (caps_below > 0)
+            use = caps_below > 0
+            low = np.where(use, np.maximum(low, low_below), low)
+            known_low |= use
+        if position < len(self._levels):
+            _, high_above, caps_above = self._solved[position]
+            zero |= caps_above == 0
+            use = np.isfinite(caps_above)
+            high = np.where(use, np.minimum(high, high_above), high)
+            known_high |= use
+        zero |= ~known_low & ~free & self._over(low, scale, below)
+        free |= ~known_high & ~zero & ~self._over(high, scale, below)
         for _ in range(self._STEPS):
-            if not ((hi - lo) > self._TOL).any():
+            if not ((high - low) > self._TOL).any():
                 break
-            mid = 0.5 * (lo + hi)
+            mid = 0.5 * (low + high)
             over = self._over(mid, scale, below)
-            hi = np.where(over, mid, hi)
-            lo = np.where(over, lo, mid)
-        caps = np.where(zero, 0.0, np.where(free, math.inf, np.exp(lo)))
-        self._levels.insert(k, level)
-        self._solved.insert(k, (lo, hi, caps))
+            high = np.where(over, mid, high)
+            low = np.where(over, low, mid)
+        caps = np.where(zero, 0.0, np.where(free, math.inf, np.exp(low)))
+        self._levels.insert(position, level)
+        self._solved.insert(position, (low, high, caps))
         return caps
 
 
 def plan_split(curves: Sequence[ShardCurve], pool: float, floor: float) -> _F:
     """Weights (floats, each >= ``floor``, summing to ``pool``) that equalise predicted tail
     latency across ``curves``. Requires ``pool >= floor * len(curves)``."""
-    n = len(curves)
-    if n == 0:
+    count = len(curves)
+    if count == 0:
         return np.zeros(0)
-    spare = pool - floor * n
+    spare = pool - floor * count
     batch = _MixBatch(curves)
 
     def alloc(level: float) -> _F:
         if not len(batch):
             return np.array(
-                [min(pool, max(floor, c.max_weight(level))) for c in curves], dtype=np.float64
+                [min(pool, max(floor, curve.max_weight(level))) for curve in curves], dtype=np.float64
             )
         mixed = batch.max_weights(level)
         return np.array(
-            [min(pool, max(floor, min(c.max_weight(level, skip_mixed=True), float(m))))
-             for c, m in zip(curves, mixed, strict=True)],
+            [min(pool, max(floor, min(curve.max_weight(level, skip_mixed=True), float(mixed_cap))))
+             for curve, mixed_cap in zip(curves, mixed, strict=True)],
             dtype=np.float64,
         )
 
     if len(batch):
         mixed_lows = batch.predict(floor)
-        lows = [max(c.predict(floor, skip_mixed=True), float(m))
-                for c, m in zip(curves, mixed_lows, strict=True)]
+        lows = [max(curve.predict(floor, skip_mixed=True), float(mixed_cap))
+                for curve, mixed_cap in zip(curves, mixed_lows, strict=True)]
     else:
-        lows = [c.predict(floor) for c in curves]
-    lo_level = max(1e-9, min(v for v in lows if math.isfinite(v)) if any(map(math.isfinite, lows)) else 1e-9)
-    hi_level = lo_level * 2.0
+        lows = [curve.predict(floor) for curve in curves]
+    low_level = max(1e-9, min(low_latency for low_latency in lows if math.isfinite(low_latency)) if any(map(math.isfinite, lows)) else 1e-9)
+    high_level = low_level * 2.0
     for _ in range(200):
-        if alloc(hi_level).sum() >= pool:
+        if alloc(high_level).sum() >= pool:
             break
-        hi_level *= 2.0
-    w_hi = alloc(hi_level)
-    if w_hi.sum() < pool:
+        high_level *= 2.0
+    high_weights = alloc(high_level)
+    if high_weights.sum() < pool:
         # No level reaches the pool (every shard is capped): give the remainder evenly.
-        even: _F = w_hi + (pool - w_hi.sum()) / n
+        even: _F = high_weights + (pool - high_weights.sum()) / count
         return even
-    lo = math.log(lo_level)
-    hi = math.log(hi_level)
+    low = math.log(low_level)
+    high = math.log(high_level)
     for _ in range(60):
-        mid = 0.5 * (lo + hi)
+        mid = 0.5 * (low + high)
         if alloc(math.exp(mid)).sum() >= pool:
-            hi = mid
+            high = mid
         else:
-            lo = mid
-    w = alloc(math.exp(hi))
+            low = mid
+    weights = alloc(math.exp(high))
     # Scale what is above the floor so the total is exactly the pool.
-    above = w - floor
+    above = weights - floor
     mass = float(above.sum())
     if mass > 0 and spare >= 0:
-        w = floor + above * (spare / mass)
-    return w
+        weights = floor + above * (spare / mass)
+    return weights

@@ -38,7 +38,7 @@ def _seqsum(values: _F) -> float:
     return float(np.cumsum(values)[-1]) if values.size else 0.0
 
 
-def _opt(value: float | None) -> float:
+def _reading(value: float | None) -> float:
     return math.nan if value is None or not math.isfinite(value) else float(value)
 
 
@@ -90,40 +90,40 @@ class ObservationColumns:
         counts: list[int] = []
         wanted: list[float] = []
         active: list[bool] = []
-        for sid in shard_ids:
-            shard = shards[sid]
+        for shard_id in shard_ids:
+            shard = shards[shard_id]
             workers = shard.workers
             active.append(shard.active)
             counts.append(len(workers))
             requested: frozenset[str] | set[str] = shard.routed_adapters
-            for w in workers:
-                if w.requested_adapters:
-                    requested = requested | w.requested_adapters
+            for worker in workers:
+                if worker.requested_adapters:
+                    requested = requested | worker.requested_adapters
             wanted.append(float(len(requested)))
             if requested:
                 hits.extend(
                     [
-                        float(len(requested & w.resident_adapters)) if w.resident_adapters else 0.0
-                        for w in workers
+                        float(len(requested & worker.resident_adapters)) if worker.resident_adapters else 0.0
+                        for worker in workers
                     ]
                 )
             else:
                 hits.extend([0.0] * len(workers))
-            endpoints.extend([f"{w.address}:{w.port}" for w in workers])
+            endpoints.extend([f"{worker.address}:{worker.port}" for worker in workers])
             rows.extend(
                 [
                     (
-                        w.known,
-                        w.waiting,
-                        w.running,
-                        w.kv_cache_usage,
-                        w.latency_s,
-                        w.tokens_per_s,
-                        w.gpu_free_bytes,
-                        w.ttft_p95_s,
-                        w.tpot_p95_s,
+                        worker.known,
+                        worker.waiting,
+                        worker.running,
+                        worker.kv_cache_usage,
+                        worker.latency_s,
+                        worker.tokens_per_s,
+                        worker.gpu_free_bytes,
+                        worker.ttft_p95_s,
+                        worker.tpot_p95_s,
                     )
-                    for w in workers
+                    for worker in workers
                 ]
             )
         table = np.array(rows, dtype=np.float64).reshape(len(rows), 9)
@@ -132,16 +132,16 @@ class ObservationColumns:
         if not np.isfinite(table).all():
             # A non-finite count or rate is as good as no reading: 0 for counts and rates,
             # nan ("not reported") for latency and free memory.
-            for col, fill in ((1, 0.0), (2, 0.0), (3, 0.0), (4, math.nan), (5, 0.0), (6, math.nan),
+            for column, fill in ((1, 0.0), (2, 0.0), (3, 0.0), (4, math.nan), (5, 0.0), (6, math.nan),
                               (7, math.nan), (8, math.nan)):
-                bad = ~np.isfinite(table[:, col])
-                table[bad, col] = fill
+                bad = ~np.isfinite(table[:, column])
+                table[bad, column] = fill
         # A latency no worker can have (negative, or above a million seconds) is a broken
         # exporter: not reported, like a non-finite one (and no overflow downstream).
-        lat = table[:, (4, 7, 8)]
-        wild = (lat < 0) | (lat > _MAX_LATENCY_S)
+        latencies = table[:, (4, 7, 8)]
+        wild = (latencies < 0) | (latencies > _MAX_LATENCY_S)
         if wild.any():
-            table[:, (4, 7, 8)] = np.where(wild, math.nan, lat)
+            table[:, (4, 7, 8)] = np.where(wild, math.nan, latencies)
         return cls(
             shard_ids=shard_ids,
             active=np.array(active, dtype=np.bool_),
@@ -179,9 +179,9 @@ _ROW_FIELDS = ("waiting", "running", "kv_cache_usage", "latency_s", "tokens_per_
 _ROW_FILL = (0.0, 0.0, 0.0, math.nan, 0.0, math.nan, math.nan, math.nan)
 
 
-def _reported(col: _F) -> _F | None:
+def _reported(column: _F) -> _F | None:
     """A percentile column, or None when no worker reported it (the common old-worker case)."""
-    return np.ascontiguousarray(col) if not np.isnan(col).all() else None
+    return np.ascontiguousarray(column) if not np.isnan(column).all() else None
 _KNOWN = attrgetter("known")
 _RESIDENT = attrgetter("resident_adapters")
 _REQUESTED = attrgetter("requested_adapters")
@@ -226,15 +226,15 @@ class ColumnLayout:
             raise ValueError("routed needs one entry per shard")
         self.shard_ids = ids
         self.active = np.array(list(active), dtype=np.bool_)
-        counts = np.array([len(e) for e in endpoints], dtype=np.int64)
+        counts = np.array([len(shard_endpoints) for shard_endpoints in endpoints], dtype=np.int64)
         self.offsets = np.zeros(len(ids) + 1, dtype=np.int64)
         np.cumsum(counts, out=self.offsets[1:])
-        self.endpoints = tuple(k for eps in endpoints for k in eps)
+        self.endpoints = tuple(key for shard_endpoints in endpoints for key in shard_endpoints)
         self.shard_of = np.repeat(np.arange(len(ids), dtype=np.int64), counts)
         # Interned adapter sets are forgotten past this many, so a churning adapter
         # population cannot grow the table without bound.
         self.max_interned = 65_536
-        self.routed = tuple(frozenset(r) for r in routed) if routed is not None else tuple(
+        self.routed = tuple(frozenset(routed_set) for routed_set in routed) if routed is not None else tuple(
             _EMPTY for _ in ids
         )
         self._reset_interning()
@@ -242,12 +242,12 @@ class ColumnLayout:
     @classmethod
     def from_observation(cls, observation: Observation) -> ColumnLayout:
         ids = sorted(observation.shards)
-        shards = [observation.shards[sid] for sid in ids]
+        shards = [observation.shards[shard_id] for shard_id in ids]
         return cls(
             ids,
-            [s.active for s in shards],
-            [[f"{w.address}:{w.port}" for w in s.workers] for s in shards],
-            [s.routed_adapters for s in shards],
+            [shard.active for shard in shards],
+            [[f"{worker.address}:{worker.port}" for worker in shard.workers] for shard in shards],
+            [shard.routed_adapters for shard in shards],
         )
 
     def __len__(self) -> int:
@@ -271,24 +271,24 @@ class ColumnLayout:
         return mask
 
     def _ids(self, sets: list[frozenset[str]]) -> _I:
-        ids = list(map(self._set_id.get, sets))
+        set_ids = list(map(self._set_id.get, sets))
         try:
-            return np.array(ids, dtype=np.int64)
+            return np.array(set_ids, dtype=np.int64)
         except TypeError:  # a set not seen before (None in the list)
             pass
         if len(self._set_id) + len(sets) > self.max_interned:
             self._reset_interning()
-            ids = list(map(self._set_id.get, sets))
-        for i, got in enumerate(ids):
+            set_ids = list(map(self._set_id.get, sets))
+        for position, got in enumerate(set_ids):
             if got is None:
-                s = frozenset(sets[i])
-                got = self._set_id.get(s)
+                adapter_set = frozenset(sets[position])
+                got = self._set_id.get(adapter_set)
                 if got is None:
-                    got = self._set_id[s] = len(self._masks)
-                    self._masks.append(self._mask(s))
+                    got = self._set_id[adapter_set] = len(self._masks)
+                    self._masks.append(self._mask(adapter_set))
                     self._mask_cache = None
-                ids[i] = got
-        return np.array(ids, dtype=np.int64)
+                set_ids[position] = got
+        return np.array(set_ids, dtype=np.int64)
 
     def _mask_table(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
         """(interned sets, words) and (shards, words) bit masks, 64 adapters per word."""
@@ -298,7 +298,7 @@ class ColumnLayout:
             full = (1 << 64) - 1
             every = self._masks + self._routed_masks
             cached = np.array(
-                [[(m >> (64 * k)) & full for k in range(words)] for m in every], dtype=np.uint64
+                [[(mask >> (64 * word)) & full for word in range(words)] for mask in every], dtype=np.uint64
             ).reshape(len(every), words)
             self._mask_cache = cached
         n_sets = len(self._masks)
@@ -321,28 +321,28 @@ class ColumnLayout:
                 f"workers: {len(workers)} readings for {len(self.endpoints)} endpoint rows"
             )
         n_shards = len(self.shard_ids)
-        cols = []
-        for get, fill in zip(_GETTERS, _ROW_FILL, strict=True):
-            col = np.array(list(map(get, workers)), dtype=np.float64)
-            bad = ~np.isfinite(col)
+        readings = []
+        for read, fill in zip(_GETTERS, _ROW_FILL, strict=True):
+            reading = np.array(list(map(read, workers)), dtype=np.float64)
+            bad = ~np.isfinite(reading)
             if bad.any():
-                col[bad] = fill
-            cols.append(col)
+                reading[bad] = fill
+            readings.append(reading)
         known = np.array(list(map(_KNOWN, workers)), dtype=np.bool_)
         # One call for both, so a reset of the interning table cannot split them.
         both = self._ids(list(map(_RESIDENT, workers)) + list(map(_REQUESTED, workers)))
-        res_ids, req_ids = both[: len(workers)], both[len(workers):]
+        resident_ids, requested_ids = both[: len(workers)], both[len(workers):]
         masks, routed = self._mask_table()
         if masks.shape[0] == 1 and not routed.any():
             # No worker names an adapter and none is routed: nothing is wanted anywhere.
             wanted = np.zeros(n_shards)
             hits = np.zeros(len(workers))
         else:
-            shard_req = routed.copy()
-            np.bitwise_or.at(shard_req, self.shard_of, masks[req_ids])
-            wanted = np.bitwise_count(shard_req).sum(axis=1, dtype=np.int64).astype(np.float64)
+            shard_requested = routed.copy()
+            np.bitwise_or.at(shard_requested, self.shard_of, masks[requested_ids])
+            wanted = np.bitwise_count(shard_requested).sum(axis=1, dtype=np.int64).astype(np.float64)
             hits = (
-                np.bitwise_count(shard_req[self.shard_of] & masks[res_ids])
+                np.bitwise_count(shard_requested[self.shard_of] & masks[resident_ids])
                 .sum(axis=1, dtype=np.int64)
                 .astype(np.float64)
             )
@@ -352,17 +352,17 @@ class ColumnLayout:
             offsets=self.offsets,
             endpoints=self.endpoints,
             known=known,
-            waiting=cols[0],
-            running=cols[1],
-            kv_cache_usage=cols[2],
-            latency_s=cols[3],
-            tokens_per_s=cols[4],
-            gpu_free_bytes=cols[5],
+            waiting=readings[0],
+            running=readings[1],
+            kv_cache_usage=readings[2],
+            latency_s=readings[3],
+            tokens_per_s=readings[4],
+            gpu_free_bytes=readings[5],
             affinity_hits=hits,
             wanted=wanted,
             overrides=dict(overrides) if overrides else {},
-            ttft_p95_s=_reported(cols[6]),
-            tpot_p95_s=_reported(cols[7]),
+            ttft_p95_s=_reported(readings[6]),
+            tpot_p95_s=_reported(readings[7]),
             curves=curves if curves is not None else {},
             class_mixes=class_mixes if class_mixes is not None else {},
         )
@@ -388,13 +388,13 @@ class EndpointWeights(Mapping[str, Mapping[str, int]]):
 
     def _position(self, shard_id: str) -> int:
         if self._index is None:
-            self._index = {sid: i for i, sid in enumerate(self.shard_ids)}
+            self._index = {shard: position for position, shard in enumerate(self.shard_ids)}
         return self._index[shard_id]
 
     def __getitem__(self, shard_id: str) -> dict[str, int]:
-        i = self._position(shard_id)
-        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-        return dict(zip(self.endpoints[lo:hi], self.weights[lo:hi].tolist(), strict=True))
+        position = self._position(shard_id)
+        first, end = int(self.offsets[position]), int(self.offsets[position + 1])
+        return dict(zip(self.endpoints[first:end], self.weights[first:end].tolist(), strict=True))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shard_ids)
@@ -443,33 +443,33 @@ class Estimates(Mapping[str, ShardEstimate]):
         if isinstance(source, Estimates) and source.shard_ids == shard_ids:
             return source
         blank = ShardEstimate()
-        ests = [source.get(sid, blank) for sid in shard_ids]
+        estimates = [source.get(shard_id, blank) for shard_id in shard_ids]
         return cls(
             shard_ids,
-            np.array([_opt(e.rho) for e in ests], dtype=np.float64),
-            np.array([_opt(e.weight_eff) for e in ests], dtype=np.float64),
-            np.array([_opt(e.latency_s) for e in ests], dtype=np.float64),
-            np.array([_opt(e.baseline_s) for e in ests], dtype=np.float64),
-            np.array([e.tokens_per_s for e in ests], dtype=np.float64),
-            np.array([e.moving for e in ests], dtype=np.bool_),
+            np.array([_reading(estimate.rho) for estimate in estimates], dtype=np.float64),
+            np.array([_reading(estimate.weight_eff) for estimate in estimates], dtype=np.float64),
+            np.array([_reading(estimate.latency_s) for estimate in estimates], dtype=np.float64),
+            np.array([_reading(estimate.baseline_s) for estimate in estimates], dtype=np.float64),
+            np.array([estimate.tokens_per_s for estimate in estimates], dtype=np.float64),
+            np.array([estimate.moving for estimate in estimates], dtype=np.bool_),
         )
 
     def __getitem__(self, shard_id: str) -> ShardEstimate:
         if self._index is None:
-            self._index = {sid: i for i, sid in enumerate(self.shard_ids)}
-        i = self._index[shard_id]
+            self._index = {shard: position for position, shard in enumerate(self.shard_ids)}
+        position = self._index[shard_id]
 
-        def val(a: _F) -> float | None:
-            v = float(a[i])
-            return None if math.isnan(v) else v
+        def optional(column: _F) -> float | None:
+            value = float(column[position])
+            return None if math.isnan(value) else value
 
         return ShardEstimate(
-            rho=val(self.rho),
-            weight_eff=val(self.weight_eff),
-            latency_s=val(self.latency_s),
-            baseline_s=val(self.baseline_s),
-            tokens_per_s=float(self.tokens_per_s[i]),
-            moving=bool(self.moving[i]),
+            rho=optional(self.rho),
+            weight_eff=optional(self.weight_eff),
+            latency_s=optional(self.latency_s),
+            baseline_s=optional(self.baseline_s),
+            tokens_per_s=float(self.tokens_per_s[position]),
+            moving=bool(self.moving[position]),
         )
 
     def __iter__(self) -> Iterator[str]:

@@ -80,8 +80,8 @@ def _ewma_cols(prev: _F, value: _F, alpha: float) -> _F:
 
 
 def _shard_curves(
-    obs: ObservationColumns,
-    act: _I,
+    observed: ObservationColumns,
+    active_shards: _I,
     movable: _B,
     rho: _F,
     weight_eff: _F,
@@ -98,118 +98,118 @@ def _shard_curves(
     model as a whole, as does a shard without curves (one unidentified worker may be the
     bottleneck) and a saturated one.
     """
-    mixes = obs.class_mixes
-    if not mixes and not any(f.usable for f in obs.curves.values()):
+    class_mixes = observed.class_mixes
+    if not class_mixes and not any(fit.usable for fit in observed.curves.values()):
         return None  # the steady fleet: one pass over the fits, no per-shard work
-    out: list[ShardCurve] = []
+    shard_curves: list[ShardCurve] = []
     any_fit = False
-    for i in np.flatnonzero(movable).tolist():
-        s = int(act[i])
-        lo, hi = int(obs.offsets[s]), int(obs.offsets[s + 1])
+    for position in np.flatnonzero(movable).tolist():
+        shard_row = int(active_shards[position])
+        first_worker, end_worker = int(observed.offsets[shard_row]), int(observed.offsets[shard_row + 1])
         fits: list[tuple[LatencyCurve, float]] = []
         complete = True
-        for j in range(lo, hi):
-            if not obs.known[j]:
+        for worker_row in range(first_worker, end_worker):
+            if not observed.known[worker_row]:
                 continue
-            tok = float(obs.tokens_per_s[j])
-            if not tok > 0:
+            worker_tokens = float(observed.tokens_per_s[worker_row])
+            if not worker_tokens > 0:
                 continue
-            key = obs.endpoints[j]
-            curve = mixed_curve(mixes.get(key), obs.curves.get(key), tok)
+            endpoint = observed.endpoints[worker_row]
+            curve = mixed_curve(class_mixes.get(endpoint), observed.curves.get(endpoint), worker_tokens)
             if curve is not None:
-                fits.append((curve, tok))
+                fits.append((curve, worker_tokens))
             else:
                 complete = False
-        r = float(rho[i])
-        l0 = float(baseline[i]) if not math.isnan(baseline[i]) else float(latency[i])
+        shard_rho = float(rho[position])
+        unloaded_latency = float(baseline[position]) if not math.isnan(baseline[position]) else float(latency[position])
         # A saturated shard (waiting requests or rho >= 1) has left the curve: its throughput
         # no longer grows with load, only its latency does. The queueing model handles it.
-        if fits and complete and r < 1.0:
+        if fits and complete and shard_rho < 1.0:
             any_fit = True
-            out.append(ShardCurve(float(weight_eff[i]), r, l0, tuple(fits)))
+            shard_curves.append(ShardCurve(float(weight_eff[position]), shard_rho, unloaded_latency, tuple(fits)))
         else:
-            out.append(ShardCurve(float(weight_eff[i]), r, l0 if not math.isnan(l0) else 1.0))
-    return out if any_fit else None
+            shard_curves.append(ShardCurve(float(weight_eff[position]), shard_rho, unloaded_latency if not math.isnan(unloaded_latency) else 1.0))
+    return shard_curves if any_fit else None
 
 
 def _previous_endpoints(
-    previous: Mapping[str, Mapping[str, int]], obs: ObservationColumns
+    previous: Mapping[str, Mapping[str, int]], observed: ObservationColumns
 ) -> tuple[_F, bool]:
     """Last tick's endpoint weights aligned to this tick's rows (nan: none), and whether the
     set of endpoints per shard is unchanged."""
-    if isinstance(previous, EndpointWeights) and obs.same_layout(
+    if isinstance(previous, EndpointWeights) and observed.same_layout(
         previous.shard_ids, previous.offsets, previous.endpoints
     ):
         return previous.weights.astype(np.float64), True
-    prev = np.full(len(obs.endpoints), math.nan)
+    aligned = np.full(len(observed.endpoints), math.nan)
     empty: Mapping[str, int] = {}
-    same = set(previous) == set(obs.shard_ids)
-    for i, sid in enumerate(obs.shard_ids):
-        lo, hi = int(obs.offsets[i]), int(obs.offsets[i + 1])
-        eps = previous.get(sid, empty)
-        keys = obs.endpoints[lo:hi]
-        for j, key in enumerate(keys, lo):
-            v = eps.get(key)
-            if v is not None:
-                prev[j] = v
-        if same and set(eps) != set(keys):
+    same = set(previous) == set(observed.shard_ids)
+    for shard_row, shard_id in enumerate(observed.shard_ids):
+        first_row, end_row = int(observed.offsets[shard_row]), int(observed.offsets[shard_row + 1])
+        shard_endpoints = previous.get(shard_id, empty)
+        endpoint_keys = observed.endpoints[first_row:end_row]
+        for row, endpoint in enumerate(endpoint_keys, first_row):
+            weight = shard_endpoints.get(endpoint)
+            if weight is not None:
+                aligned[row] = weight
+        if same and set(shard_endpoints) != set(endpoint_keys):
             same = False
-    return prev, same
+    return aligned, same
 
 
-def _endpoint_cols(obs: ObservationColumns, prev: _F, cfg: PolicyConfig) -> _I:
+def _endpoint_cols(observed: ObservationColumns, previous: _F, config: PolicyConfig) -> _I:
     """Favour workers with headroom, free GPU memory and the shard's adapters resident."""
-    n_shards = len(obs.shard_ids)
-    shard_of = obs.shard_of
-    known = obs.known
-    rho = obs.kv_cache_usage
-    queued = obs.waiting != 0
-    rho = np.where(queued, np.maximum(rho, 1.0 + obs.waiting / np.maximum(obs.running, 1.0)), rho)
-    headroom = np.where(rho < 0.95, 1.0 - rho, 0.05)
-    free = np.where(np.isnan(obs.gpu_free_bytes) | ~(obs.gpu_free_bytes > 0), 0.0, obs.gpu_free_bytes)
-    free_max = np.zeros(n_shards)
-    np.maximum.at(free_max, shard_of[known], np.nan_to_num(obs.gpu_free_bytes[known], nan=0.0))
-    inv_free = np.where(free_max > 1.0, 1.0 / np.where(free_max > 1.0, free_max, 1.0), 0.0)
-    aff_bonus = np.where(
-        obs.wanted > 0, cfg.affinity_bonus / np.where(obs.wanted > 0, obs.wanted, 1.0), 0.0
+    n_shards = len(observed.shard_ids)
+    shard_of = observed.shard_of
+    known = observed.known
+    utilization = observed.kv_cache_usage
+    queued = observed.waiting != 0
+    utilization = np.where(queued, np.maximum(utilization, 1.0 + observed.waiting / np.maximum(observed.running, 1.0)), utilization)
+    headroom = np.where(utilization < 0.95, 1.0 - utilization, 0.05)
+    free_bytes = np.where(np.isnan(observed.gpu_free_bytes) | ~(observed.gpu_free_bytes > 0), 0.0, observed.gpu_free_bytes)
+    most_free_bytes = np.zeros(n_shards)
+    np.maximum.at(most_free_bytes, shard_of[known], np.nan_to_num(observed.gpu_free_bytes[known], nan=0.0))
+    inverse_most_free = np.where(most_free_bytes > 1.0, 1.0 / np.where(most_free_bytes > 1.0, most_free_bytes, 1.0), 0.0)
+    affinity_bonus = np.where(
+        observed.wanted > 0, config.affinity_bonus / np.where(observed.wanted > 0, observed.wanted, 1.0), 0.0
     )
-    score = headroom * (1.0 + cfg.memory_bonus * free * inv_free[shard_of])
-    if obs.tpot_p95_s is not None:
+    score = headroom * (1.0 + config.memory_bonus * free_bytes * inverse_most_free[shard_of])
+    if observed.tpot_p95_s is not None:
         # Tail decode speed: a worker whose p95 time per output token is above its shard's
         # best loses weight in proportion (at most halved); unreported rows are untouched.
-        tpot = obs.tpot_p95_s
-        has = known & ~np.isnan(tpot) & (tpot > 0)
+        tpot_p95 = observed.tpot_p95_s
+        reported = known & ~np.isnan(tpot_p95) & (tpot_p95 > 0)
         best_tpot = np.full(n_shards, np.inf)
-        np.minimum.at(best_tpot, shard_of[has], tpot[has])
-        ratio = np.where(has, best_tpot[shard_of] / np.where(has, tpot, 1.0), 1.0)
+        np.minimum.at(best_tpot, shard_of[reported], tpot_p95[reported])
+        ratio = np.where(reported, best_tpot[shard_of] / np.where(reported, tpot_p95, 1.0), 1.0)
         score = score * np.clip(ratio, 0.5, 1.0)
     # Multiplying by exactly 1.0 where nothing is resident changes nothing.
-    score = score * (1.0 + aff_bonus[shard_of] * obs.affinity_hits)
-    best = np.zeros(n_shards)
-    np.maximum.at(best, shard_of[known], score[known])
-    best_w = best[shard_of]
-    safe_best = np.where(best_w > 0, best_w, 1.0)
-    target = (cfg.endpoint_scale / safe_best) * score
-    value = np.where(np.isnan(prev), target, prev + cfg.ewma_alpha * (target - prev))
-    out = np.maximum(1, np.round(value)).astype(np.int64)
+    score = score * (1.0 + affinity_bonus[shard_of] * observed.affinity_hits)
+    best_score = np.zeros(n_shards)
+    np.maximum.at(best_score, shard_of[known], score[known])
+    row_best_score = best_score[shard_of]
+    row_best_nonzero = np.where(row_best_score > 0, row_best_score, 1.0)
+    target = (config.endpoint_scale / row_best_nonzero) * score
+    smoothed = np.where(np.isnan(previous), target, previous + config.ewma_alpha * (target - previous))
+    weights = np.maximum(1, np.round(smoothed)).astype(np.int64)
     unknown = ~known
     if unknown.any():
         # Unknown: keep what it had, never more because it looks quiet. With no previous
         # weight it gets the (upper) median of its known siblings' previous weights.
-        has = known & ~np.isnan(prev)
-        median = np.full(n_shards, float(cfg.endpoint_scale))
-        rows = np.flatnonzero(has)
+        reported = known & ~np.isnan(previous)
+        median = np.full(n_shards, float(config.endpoint_scale))
+        rows = np.flatnonzero(reported)
         if rows.size:
-            order = np.lexsort((prev[rows], shard_of[rows]))
+            order = np.lexsort((previous[rows], shard_of[rows]))
             rows = rows[order]
             owners = shard_of[rows]
             counts = np.bincount(owners, minlength=n_shards)
             starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
             present = counts > 0
-            median[present] = prev[rows[starts[present] + counts[present] // 2]]
-        fallback = np.where(np.isnan(prev), median[shard_of], prev)
-        out = np.where(unknown, np.maximum(1, fallback).astype(np.int64), out)
-    return out
+            median[present] = previous[rows[starts[present] + counts[present] // 2]]
+        fallback = np.where(np.isnan(previous), median[shard_of], previous)
+        weights = np.where(unknown, np.maximum(1, fallback).astype(np.int64), weights)
+    return weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,82 +218,82 @@ class _Baseline:
     ids: tuple[str, ...]  # (A,) their ids
     previous: _F  # (A,) the published weights (nan: none yet)
     fixed: dict[str, int]
-    c: _F  # (A,) starting weights of the free shards (nan for fixed ones)
+    start_weights: _F  # (A,) starting weights of the free shards (nan for fixed ones)
     free: _B  # (A,)
     rest: int
     floor: int
 
 
-def _aligned(weights: Mapping[str, int], ids: tuple[str, ...]) -> _F:
-    nan = math.nan
-    return np.array([weights.get(sid, nan) for sid in ids], dtype=np.float64)
+def _aligned(weights: Mapping[str, int], shard_ids: tuple[str, ...]) -> _F:
+    missing = math.nan
+    return np.array([weights.get(shard_id, missing) for shard_id in shard_ids], dtype=np.float64)
 
 
 def _baseline(
-    obs: ObservationColumns,
+    observed: ObservationColumns,
     weights: Mapping[str, int],
     overrides: Mapping[str, int],
-    cfg: PolicyConfig,
+    config: PolicyConfig,
 ) -> _Baseline:
     """Overrides applied and the other shards re-normalised."""
-    active = np.flatnonzero(obs.active)
-    ids = tuple(obs.shard_ids[i] for i in active)
-    n = len(ids)
-    floor = cfg.weight_floor(n)
+    active = np.flatnonzero(observed.active)
+    shard_ids = tuple(observed.shard_ids[i] for i in active)
+    active_count = len(shard_ids)
+    floor = config.weight_floor(active_count)
     # Starting point: the published weights over the active shards. A new shard starts at its
     # share by worker count (its capacity prior); the others make room proportionally.
-    workers = np.maximum(1, np.diff(obs.offsets)[active])
+    workers = np.maximum(1, np.diff(observed.offsets)[active])
     total_workers = int(workers.sum())
-    prev = _aligned(weights, ids)
-    cur = np.where(np.isnan(prev), cfg.budget * workers / max(1, total_workers), prev)
+    published = _aligned(weights, shard_ids)
+    current = np.where(np.isnan(published), config.budget * workers / max(1, total_workers), published)
 
-    free = np.array([sid not in overrides for sid in ids], dtype=np.bool_)
-    n_free = int(free.sum())
-    room = cfg.budget - floor * n_free
+    free = np.array([shard_id not in overrides for shard_id in shard_ids], dtype=np.bool_)
+    free_count = int(free.sum())
+    room = config.budget - floor * free_count
     fixed_total = sum(overrides.values())
-    if overrides and (fixed_total > room or not n_free):
+    if overrides and (fixed_total > room or not free_count):
         fixed = apportion(
-            {k: float(v) for k, v in overrides.items()}, room if n_free else cfg.budget
+            {shard_id: float(weight) for shard_id, weight in overrides.items()}, room if free_count else config.budget
         )
     else:
         fixed = dict(overrides)
-    rest = cfg.budget - sum(fixed.values())
+    rest = config.budget - sum(fixed.values())
 
     # Free shards share the rest; unknown ones hold their (re-normalised) share.
-    cur_free = cur[free]
-    cur_free_total = _seqsum(cur_free)
-    if cur_free_total > 0:
-        c = cur_free * rest / cur_free_total
+    current_free = current[free]
+    current_free_total = _seqsum(current_free)
+    if current_free_total > 0:
+        free_start = current_free * rest / current_free_total
     else:
-        c = np.full(n_free, rest / max(1, n_free))
-    c = np.maximum(float(floor), c)
-    excess = _seqsum(c) - rest
-    if n_free and excess > 1e-9:
-        above = c > floor
-        v = c[above] - floor
-        mass = _seqsum(v)
-        c[above] -= excess * v / mass
-    full = np.full(n, math.nan)
-    full[free] = c
-    return _Baseline(active, ids, prev, fixed, full, free, rest, floor)
+        free_start = np.full(free_count, rest / max(1, free_count))
+    free_start = np.maximum(float(floor), free_start)
+    excess = _seqsum(free_start) - rest
+    if free_count and excess > 1e-9:
+        above_floor = free_start > floor
+        surplus = free_start[above_floor] - floor
+        mass = _seqsum(surplus)
+        free_start[above_floor] -= excess * surplus / mass
+    start_weights = np.full(active_count, math.nan)
+    start_weights[free] = free_start
+    return _Baseline(active, shard_ids, published, fixed, start_weights, free, rest, floor)
 
 
 
 def _effective_overrides(
-    overrides: Mapping[str, OverrideSpec], obs: ObservationColumns, now: float
+    overrides: Mapping[str, OverrideSpec], observed: ObservationColumns, now: float
 ) -> tuple[tuple[str, ...], dict[str, int]]:
     expired = tuple(
         sorted(
-            sid
-            for sid, o in overrides.items()
-            if o.expires_at is not None and o.expires_at <= now
+            shard_id
+            for shard_id, override in overrides.items()
+            if override.expires_at is not None and override.expires_at <= now
         )
     )
-    index = {sid: i for i, sid in enumerate(obs.shard_ids)} if overrides else {}
+    index = {shard_id: i for i, shard_id in enumerate(observed.shard_ids)} if overrides else {}
     effective = {
-        sid: o.weight
-        for sid, o in overrides.items()
-        if sid in index and obs.active[index[sid]] and sid not in expired
+        shard_id: override.weight
+        for shard_id, override in overrides.items()
+        if shard_id in index and observed.active[index[shard_id]] and shard_id not in expired
     }
     return expired, effective
 
@@ -310,96 +310,95 @@ def decide(
     now: float,
     config: PolicyConfig,
 ) -> Decision:
-    cfg = config
-    obs = _columns(observation)
-    shard_of = obs.shard_of
-    n_shards = len(obs.shard_ids)
+    observed = _columns(observation)
+    shard_of = observed.shard_of
+    n_shards = len(observed.shard_ids)
 
     # 1. Overrides: expired ones are reported for removal; ones on inactive shards are kept
     # in the store but have no effect until the shard is active again.
-    expired, overrides = _effective_overrides(obs.overrides, obs, now)
+    expired, overrides = _effective_overrides(observed.overrides, observed, now)
 
     # 2. Estimates, for the active shards.
-    base = _baseline(obs, current.weights, overrides, cfg)
-    act = base.active
-    ids = base.ids
-    old = Estimates.gather(current.estimates, ids)
-    known_w = obs.known
-    kw_shard = shard_of[known_w]
-    n_known = np.bincount(kw_shard, minlength=n_shards)[act]
-    known = n_known > 0
+    base = _baseline(observed, current.weights, overrides, config)
+    active_shards = base.active
+    shard_ids = base.ids
+    prior = Estimates.gather(current.estimates, shard_ids)
+    known_workers = observed.known
+    known_worker_shard = shard_of[known_workers]
+    known_worker_count = np.bincount(known_worker_shard, minlength=n_shards)[active_shards]
+    known = known_worker_count > 0
 
-    def ksum(values: _F, mask: _B | None = None) -> _F:
-        sel = known_w if mask is None else mask
-        sums = np.bincount(shard_of[sel], weights=values[sel], minlength=n_shards)
-        return sums[act].astype(np.float64, copy=False)
+    def sum_known(values: _F, mask: _B | None = None) -> _F:
+        selected = known_workers if mask is None else mask
+        sums = np.bincount(shard_of[selected], weights=values[selected], minlength=n_shards)
+        return sums[active_shards].astype(np.float64, copy=False)
 
-    waiting = ksum(obs.waiting)
-    running = ksum(obs.running)
-    kv = ksum(obs.kv_cache_usage)
-    tokens = ksum(obs.tokens_per_s)
-    kv = np.where(n_known > 0, kv / np.maximum(n_known, 1), 0.0)
+    waiting = sum_known(observed.waiting)
+    running = sum_known(observed.running)
+    kv_usage = sum_known(observed.kv_cache_usage)
+    tokens = sum_known(observed.tokens_per_s)
+    kv_usage = np.where(known_worker_count > 0, kv_usage / np.maximum(known_worker_count, 1), 0.0)
     # Tail latency: a worker's p95 time to first token where its histogram reported one this
     # interval, its mean otherwise (older workers).
-    lat_col = obs.latency_s
-    if obs.ttft_p95_s is not None:
-        lat_col = np.where(np.isnan(obs.ttft_p95_s), lat_col, obs.ttft_p95_s)
-    has_lat = known_w & ~np.isnan(lat_col) & (lat_col != 0)
-    lat_w = np.where(obs.tokens_per_s > 1e-9, obs.tokens_per_s, 1e-9)
-    lat_weight = ksum(lat_w, has_lat)
-    lat_total = ksum(lat_col * lat_w, has_lat)
-    sampled = known & (lat_weight > 0)
-    sample = np.where(sampled, lat_total / np.where(sampled, lat_weight, 1.0), math.nan)
-    latency = np.where(sampled, _ewma_cols(old.latency_s, sample, cfg.ewma_alpha), old.latency_s)
+    worker_latency = observed.latency_s
+    if observed.ttft_p95_s is not None:
+        worker_latency = np.where(np.isnan(observed.ttft_p95_s), worker_latency, observed.ttft_p95_s)
+    has_latency = known_workers & ~np.isnan(worker_latency) & (worker_latency != 0)
+    worker_latency_weight = np.where(observed.tokens_per_s > 1e-9, observed.tokens_per_s, 1e-9)
+    latency_weight = sum_known(worker_latency_weight, has_latency)
+    weighted_latency = sum_known(worker_latency * worker_latency_weight, has_latency)
+    sampled = known & (latency_weight > 0)
+    sample = np.where(sampled, weighted_latency / np.where(sampled, latency_weight, 1.0), math.nan)
+    latency = np.where(sampled, _ewma_cols(prior.latency_s, sample, config.ewma_alpha), prior.latency_s)
     baseline = np.where(
         sampled,
         np.where(
-            np.isnan(old.baseline_s),
+            np.isnan(prior.baseline_s),
             sample,
-            np.minimum(sample, old.baseline_s * (1.0 + cfg.baseline_drift)),
+            np.minimum(sample, prior.baseline_s * (1.0 + config.baseline_drift)),
         ),
-        old.baseline_s,
+        prior.baseline_s,
     )
     # From the raw sample: rho itself is smoothed once, below, not twice.
     positive = sampled & (sample > 0)
-    rho_lat = np.where(positive, 1.0 - baseline / np.where(positive, sample, 1.0), 0.0)
-    rho_q = np.where(waiting > 0, 1.0 + waiting / np.maximum(running, 1.0), 0.0)
-    rho = np.minimum(np.maximum(np.maximum(np.maximum(rho_lat, kv), rho_q), cfg.rho_min),
-                     cfg.rho_max)
-    w_prev = base.previous
-    est_rho = np.where(known, _ewma_cols(old.rho, rho, cfg.ewma_alpha), old.rho)
-    weff_new = np.where(np.isnan(w_prev), old.weight_eff,
-                        _ewma_cols(old.weight_eff, w_prev, cfg.ewma_alpha))
-    est_weff = np.where(known, weff_new, old.weight_eff)
-    tok_prev = np.where(old.tokens_per_s == 0, math.nan, old.tokens_per_s)
-    est_tokens = np.where(known, _ewma_cols(tok_prev, tokens, cfg.ewma_alpha), old.tokens_per_s)
-    est_latency = np.where(known, latency, old.latency_s)
-    est_baseline = np.where(known, baseline, old.baseline_s)
+    rho_latency = np.where(positive, 1.0 - baseline / np.where(positive, sample, 1.0), 0.0)
+    rho_queue = np.where(waiting > 0, 1.0 + waiting / np.maximum(running, 1.0), 0.0)
+    rho = np.minimum(np.maximum(np.maximum(np.maximum(rho_latency, kv_usage), rho_queue), config.rho_min),
+                     config.rho_max)
+    published = base.previous
+    rho_estimate = np.where(known, _ewma_cols(prior.rho, rho, config.ewma_alpha), prior.rho)
+    smoothed_weight_eff = np.where(np.isnan(published), prior.weight_eff,
+                        _ewma_cols(prior.weight_eff, published, config.ewma_alpha))
+    weight_eff_estimate = np.where(known, smoothed_weight_eff, prior.weight_eff)
+    previous_tokens = np.where(prior.tokens_per_s == 0, math.nan, prior.tokens_per_s)
+    tokens_estimate = np.where(known, _ewma_cols(previous_tokens, tokens, config.ewma_alpha), prior.tokens_per_s)
+    latency_estimate = np.where(known, latency, prior.latency_s)
+    baseline_estimate = np.where(known, baseline, prior.baseline_s)
 
     # 3. Targets: equal predicted utilisation among the shards that can move.
     free = base.free
-    c = base.c
+    start_weights = base.start_weights
     floor = base.floor
-    movable = free & known & ~np.isnan(est_rho) & ~np.isnan(est_weff)
-    target = c.copy()
+    movable = free & known & ~np.isnan(rho_estimate) & ~np.isnan(weight_eff_estimate)
+    target = start_weights.copy()
     predicted: dict[str, float] = {}
     if int(movable.sum()) >= 2:
-        pool = _seqsum(c[movable])
-        curves = _shard_curves(obs, act, movable, est_rho, est_weff, est_baseline, est_latency)
+        pool = _seqsum(start_weights[movable])
+        curves = _shard_curves(observed, active_shards, movable, rho_estimate, weight_eff_estimate, baseline_estimate, latency_estimate)
         if curves is not None:
             # Power-law fits: equalise predicted tail latency (shards without a usable fit
             # use the queueing model inside the same split).
             planned = plan_split(curves, pool, float(floor))
             target[movable] = planned
-            m_ids = [ids[i] for i in np.flatnonzero(movable)]
+            movable_ids = [shard_ids[index] for index in np.flatnonzero(movable)]
             predicted = {
-                sid: c_.predict(float(w)) for sid, c_, w in zip(m_ids, curves, planned, strict=True)
+                shard_id: curve.predict(float(weight)) for shard_id, curve, weight in zip(movable_ids, curves, planned, strict=True)
             }
         else:
             # Load per unit of weight is rho / weight_eff: equal utilisation needs
             # w ~ w_eff / rho.
-            rho_m = est_rho[movable]
-            share = est_weff[movable] / np.where(rho_m != 0, rho_m, cfg.rho_min)
+            movable_rho = rho_estimate[movable]
+            share = weight_eff_estimate[movable] / np.where(movable_rho != 0, movable_rho, config.rho_min)
             if _seqsum(share) > 0:
                 target[movable] = _waterfill_cols(share, pool, float(floor))
 
@@ -407,79 +406,79 @@ def decide(
     # shard is further from its target than its entry band, and then every free shard moves
     # (the others must absorb the weight, or the budget-conserving step would cancel it) until
     # all are within the exit band.
-    gaps = (target - c)[free]
-    cf = c[free]
-    was_moving = bool(old.moving[free].any())
+    gaps = (target - start_weights)[free]
+    start_free = start_weights[free]
+    was_moving = bool(prior.moving[free].any())
     # The deadband is relative: a shard within deadband * weight of its target is balanced
     # enough, which keeps measurement noise from moving weight.
-    start = bool((np.abs(gaps) > np.maximum(cfg.enter_band, cfg.deadband * cf)).any())
+    start = bool((np.abs(gaps) > np.maximum(config.enter_band, config.deadband * start_free)).any())
     keep = was_moving and bool(
-        (np.abs(gaps) > np.maximum(cfg.exit_band, cfg.deadband * cf / 2)).any()
+        (np.abs(gaps) > np.maximum(config.exit_band, config.deadband * start_free / 2)).any()
     )
     moving = start or keep
-    est_moving = old.moving.copy()
-    est_moving[free] = moving
-    deltas = np.clip(gaps, -cfg.max_step, cfg.max_step) if moving else np.zeros(gaps.size)
-    pos = _seqsum(deltas[deltas > 0])
-    neg = -_seqsum(deltas[deltas < 0])
-    if pos > neg:
-        deltas = np.where(deltas > 0, deltas * neg / pos, deltas)
-    elif neg > pos:
-        deltas = np.where(deltas < 0, deltas * pos / neg, deltas)
-    new_free = cf + deltas
-    new_weights = np.zeros(len(ids), dtype=np.int64)
+    moving_estimate = prior.moving.copy()
+    moving_estimate[free] = moving
+    deltas = np.clip(gaps, -config.max_step, config.max_step) if moving else np.zeros(gaps.size)
+    raised = _seqsum(deltas[deltas > 0])
+    lowered = -_seqsum(deltas[deltas < 0])
+    if raised > lowered:
+        deltas = np.where(deltas > 0, deltas * lowered / raised, deltas)
+    elif lowered > raised:
+        deltas = np.where(deltas < 0, deltas * raised / lowered, deltas)
+    new_free_weights = start_free + deltas
+    new_weights = np.zeros(len(shard_ids), dtype=np.int64)
     if base.fixed:
-        new_weights[~free] = [base.fixed[sid] for sid, f in zip(ids, free.tolist(), strict=True)
-                              if not f]
-    if new_free.size:
-        new_weights[free] = _apportion_cols(new_free, base.rest, floor)
-    weights = dict(zip(ids, new_weights.tolist(), strict=True))
-    estimates = Estimates(ids, est_rho, est_weff, est_latency, est_baseline, est_tokens,
-                          est_moving)
+        new_weights[~free] = [base.fixed[shard_id] for shard_id, is_free in zip(shard_ids, free.tolist(), strict=True)
+                              if not is_free]
+    if new_free_weights.size:
+        new_weights[free] = _apportion_cols(new_free_weights, base.rest, floor)
+    weights = dict(zip(shard_ids, new_weights.tolist(), strict=True))
+    estimates = Estimates(shard_ids, rho_estimate, weight_eff_estimate, latency_estimate, baseline_estimate, tokens_estimate,
+                          moving_estimate)
     utilization: dict[str, float | None] = dict(
-        zip(ids, np.where(known, est_rho, math.nan).tolist(), strict=True)
+        zip(shard_ids, np.where(known, rho_estimate, math.nan).tolist(), strict=True)
     )
-    for sid, k in zip(ids, known.tolist(), strict=True):
-        if not k:
-            utilization[sid] = None
+    for shard_id, is_known in zip(shard_ids, known.tolist(), strict=True):
+        if not is_known:
+            utilization[shard_id] = None
 
     # 5. Endpoint weights and the publish decision.
-    prev_ep, same_endpoints = _previous_endpoints(current.endpoint_weights, obs)
-    ep_values = _endpoint_cols(obs, prev_ep, cfg)
-    endpoint_weights = EndpointWeights(obs.shard_ids, obs.offsets, obs.endpoints, ep_values)
-    prev_w = current.weights
-    structure = len(prev_w) != len(ids) or bool(np.isnan(w_prev).any())
+    previous_endpoint_weights, same_endpoints = _previous_endpoints(current.endpoint_weights, observed)
+    endpoint_values = _endpoint_cols(observed, previous_endpoint_weights, config)
+    endpoint_weights = EndpointWeights(observed.shard_ids, observed.offsets, observed.endpoints, endpoint_values)
+    published_weights = current.weights
+    structure = len(published_weights) != len(shard_ids) or bool(np.isnan(published).any())
     if structure:
-        keys = sorted(set(prev_w) | set(weights))
+        keys = sorted(set(published_weights) | set(weights))
         diffs = np.array(
-            [abs(weights.get(k, 0) - prev_w.get(k, 0)) for k in keys], dtype=np.int64
+            [abs(weights.get(shard_id, 0) - published_weights.get(shard_id, 0)) for shard_id in keys], dtype=np.int64
         )
     else:
-        keys = list(ids)
-        diffs = np.abs(new_weights - w_prev).astype(np.int64)
+        keys = list(shard_ids)
+        diffs = np.abs(new_weights - published).astype(np.int64)
     change = int(diffs.sum()) // 2
-    moved_ep = ~np.isnan(prev_ep)
-    ep_moved = (
-        int(np.abs(ep_values[moved_ep] - prev_ep[moved_ep]).max()) if moved_ep.any() else 0
+    had_endpoint_weight = ~np.isnan(previous_endpoint_weights)
+    endpoint_move = (
+        int(np.abs(endpoint_values[had_endpoint_weight] - previous_endpoint_weights[had_endpoint_weight]).max()) if had_endpoint_weight.any() else 0
     )
     reasons: list[str] = []
     if structure:
         reasons.append("shard set changed")
     if expired:
         reasons.append("override expired: " + ", ".join(expired))
-    if change >= cfg.publish_threshold:
-        top = np.argsort(-diffs, kind="stable")[:3].tolist()
+    if change >= config.publish_threshold:
+        largest = np.argsort(-diffs, kind="stable")[:3].tolist()
         reasons.append(
             f"rebalance: {change} parts moved ("
             + ", ".join(
-                f"{keys[i]} {prev_w.get(keys[i], 0)}->{weights.get(keys[i], 0)}" for i in top
+                f"{keys[index]} {published_weights.get(keys[index], 0)}->{weights.get(keys[index], 0)}" for index in largest
             )
             + ")"
         )
     if not same_endpoints:
         reasons.append("endpoint set changed")
-    elif ep_moved >= cfg.endpoint_threshold * cfg.endpoint_scale:
-        reasons.append(f"endpoint weights moved by up to {ep_moved}")
+    elif endpoint_move >= config.endpoint_threshold * config.endpoint_scale:
+        reasons.append(f"endpoint weights moved by up to {endpoint_move}")
     publish = bool(reasons)
     out_weights: dict[str, int]
     out_endpoints: Mapping[str, Mapping[str, int]]
@@ -489,8 +488,8 @@ def decide(
     else:
         # Below the threshold: keep the published weights so small moves are not lost silently
         # (they are recomputed from the same target next tick).
-        state = PolicyState(dict(prev_w), current.endpoint_weights, estimates)
-        out_weights = {k: int(v) for k, v in prev_w.items()}
+        state = PolicyState(dict(published_weights), current.endpoint_weights, estimates)
+        out_weights = {shard_id: int(weight) for shard_id, weight in published_weights.items()}
         out_endpoints = current.endpoint_weights
     return Decision(
         weights=out_weights,
@@ -513,15 +512,15 @@ def desired(
 ) -> tuple[dict[str, int], Mapping[str, Mapping[str, int]]]:
     """Weights for an immediate publish after a change of desired state (an override, a pin,
     a shard): overrides applied, the others re-normalised, nothing re-estimated or moved."""
-    obs = _columns(observation)
-    _, overrides = _effective_overrides(obs.overrides, obs, now)
-    base = _baseline(obs, current.weights, overrides, config)
+    observed = _columns(observation)
+    _, overrides = _effective_overrides(observed.overrides, observed, now)
+    base = _baseline(observed, current.weights, overrides, config)
     weights = dict(base.fixed)
     if base.free.any():
-        ids = [obs.shard_ids[i] for i in base.active]
-        free_ids = [sid for sid, f in zip(ids, base.free.tolist(), strict=True) if f]
-        alloc = _apportion_cols(base.c[base.free], base.rest, base.floor)
-        weights.update(zip(free_ids, alloc.tolist(), strict=True))
-    prev, _ = _previous_endpoints(current.endpoint_weights, obs)
-    values = np.where(np.isnan(prev), float(config.endpoint_scale), prev).astype(np.int64)
-    return weights, EndpointWeights(obs.shard_ids, obs.offsets, obs.endpoints, values)
+        shard_ids = [observed.shard_ids[i] for i in base.active]
+        free_ids = [shard_id for shard_id, is_free in zip(shard_ids, base.free.tolist(), strict=True) if is_free]
+        allocated = _apportion_cols(base.start_weights[base.free], base.rest, base.floor)
+        weights.update(zip(free_ids, allocated.tolist(), strict=True))
+    previous_endpoint_weights, _ = _previous_endpoints(current.endpoint_weights, observed)
+    values = np.where(np.isnan(previous_endpoint_weights), float(config.endpoint_scale), previous_endpoint_weights).astype(np.int64)
+    return weights, EndpointWeights(observed.shard_ids, observed.offsets, observed.endpoints, values)
