@@ -80,10 +80,12 @@ def test_fraction_and_percent_take_their_range_and_name_anything_else(value: obj
                 parse(text)
 
 
-@pytest.mark.parametrize(("content", "says"), [(None, "cannot read"), ("", "is empty"),
-                                               (" \n\t", "is empty")])
+@pytest.mark.parametrize(
+    ("content", "says"), [(None, "cannot read"), ("", "is empty"), (" \n\t", "is empty")]
+)
 def test_read_secret_refuses_a_missing_or_empty_file_naming_the_flag(
-        tmp_path: Path, content: str | None, says: str) -> None:
+    tmp_path: Path, content: str | None, says: str
+) -> None:
     path = tmp_path / "secret"
     if content is not None:
         path.write_text(content)

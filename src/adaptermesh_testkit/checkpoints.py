@@ -108,7 +108,12 @@ def make_tokenizer(directory: str | Path, *, vocab_size: int = 384) -> int:
         "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    specials_map = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>"}
+    specials_map = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "</s>",
+    }
     (out / "special_tokens_map.json").write_text(json.dumps(specials_map, indent=2))
     return int(tok.get_vocab_size())
 
@@ -131,7 +136,11 @@ def make_model_config(
 ) -> dict[str, Any]:
     """``config.json`` contents for a model of this shape, in the Hugging Face layout."""
     model_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}[arch]
-    arch_name = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    arch_name = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+    }[arch]
     cfg: dict[str, Any] = {
         "architectures": [arch_name],
         "model_type": model_type,
@@ -268,8 +277,12 @@ def make_adapter(
             fan_in, fan_out = shapes[module]
             prefix = f"base_model.model.model.layers.{layer}.{MODULE_PARENTS[module]}.{module}"
             sa = scale_a if scale_a is not None else 1.0 / math.sqrt(fan_in)
-            tensors[f"{prefix}.lora_A.weight"] = (sa * torch.randn(rank, fan_in, generator=gen)).to(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = (scale_b * torch.randn(fan_out, rank, generator=gen)).to(dtype)
+            tensors[f"{prefix}.lora_A.weight"] = (sa * torch.randn(rank, fan_in, generator=gen)).to(
+                dtype
+            )
+            tensors[f"{prefix}.lora_B.weight"] = (
+                scale_b * torch.randn(fan_out, rank, generator=gen)
+            ).to(dtype)
     out = Path(directory) / name
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -310,8 +323,16 @@ def make_adafuse_expert_set(
     out = Path(directory) / name
     for i in range(num_experts):
         make_adapter(
-            out / "experts", base_dir, str(i), rank, target_modules, seed * 1000 + i + 1, use_rslora,
-            lora_alpha=alpha, scale_b=scale_b, dtype=dtype,
+            out / "experts",
+            base_dir,
+            str(i),
+            rank,
+            target_modules,
+            seed * 1000 + i + 1,
+            use_rslora,
+            lora_alpha=alpha,
+            scale_b=scale_b,
+            dtype=dtype,
         )
     gen = torch.Generator().manual_seed(seed)
     router = {"weight": (router_std * torch.randn(num_experts, hidden, generator=gen)).to(dtype)}

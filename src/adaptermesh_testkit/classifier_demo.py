@@ -44,13 +44,19 @@ UDP_PORT, HTTP_PORT = 7000, 8080
 TENANTS = [f"10.77.0.{11 + i}" for i in range(6)]
 
 
-def _assignment(topo: NodeTopology, version: int, weights: tuple[int, int, int],
-                pins: dict[str, str]) -> pb.Assignment:
+def _assignment(
+    topo: NodeTopology, version: int, weights: tuple[int, int, int], pins: dict[str, str]
+) -> pb.Assignment:
     a = pb.Assignment(version=version, reason="demo")
     for s, w in zip(topo.shards, weights, strict=True):
-        sh = a.shards.add(id=f"shard-{s.index}", index=s.index, weight=w,
-                          state=pb.SHARD_STATE_ACTIVE, service_address=topo.vip,
-                          service_port=HTTP_PORT)
+        sh = a.shards.add(
+            id=f"shard-{s.index}",
+            index=s.index,
+            weight=w,
+            state=pb.SHARD_STATE_ACTIVE,
+            service_address=topo.vip,
+            service_port=HTTP_PORT,
+        )
         if s.index == 0:
             sh.steer.tunnel.remote_ipv4 = s.addr
             sh.steer.tunnel.vni = s.vni
@@ -69,20 +75,28 @@ def _where(rx: list[UdpReceiver]) -> dict[str, int]:
     return {src: i for i, r in enumerate(rx) for src, _ in r.received}
 
 
-def _print_counts(title: str, table: BpfShardTable, rx: list[UdpReceiver],
-                  before: dict[int, ShardStats]) -> None:
+def _print_counts(
+    title: str, table: BpfShardTable, rx: list[UdpReceiver], before: dict[int, ShardStats]
+) -> None:
     stats = table.read_stats()
     print(f"\n== {title}")
     print(f"{'shard':<8}{'steer':<10}{'packets':>9}{'new flows':>11}{'received':>10}")
     for i, mode in enumerate(("tunnel", "mark", "redirect")):
         b = before.get(i, ShardStats())
         s = stats.get(i, ShardStats())
-        print(f"shard-{i:<2}{mode:<10}{s.packets - b.packets:>9}{s.new_flows - b.new_flows:>11}"
-              f"{len(rx[i].received):>10}")
+        print(
+            f"shard-{i:<2}{mode:<10}{s.packets - b.packets:>9}{s.new_flows - b.new_flows:>11}"
+            f"{len(rx[i].received):>10}"
+        )
 
 
-def _round(topo: NodeTopology, table: BpfShardTable, rx: list[UdpReceiver], title: str,
-           extra_sources: list[str]) -> None:
+def _round(
+    topo: NodeTopology,
+    table: BpfShardTable,
+    rx: list[UdpReceiver],
+    title: str,
+    extra_sources: list[str],
+) -> None:
     before = table.read_stats()
     for r in rx:
         r.received.clear()
@@ -130,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"building namespaces {topo.node_ns}, {topo.tenant_ns}, {args.prefix}-s0..2")
         topo.create()
         print("compiling and attaching the classifier ...")
-        table = BpfShardTable(topo.node_tenant_if, pin_dir=args.pin_dir,
-                              vxlan_dev=topo.vxlan_dev, netns=topo.node_ns)
+        table = BpfShardTable(
+            topo.node_tenant_if, pin_dir=args.pin_dir, vxlan_dev=topo.vxlan_dev, netns=topo.node_ns
+        )
         table.attach()
         table.clear_flows()
         rx = udp_receivers(topo, UDP_PORT)
@@ -141,22 +156,46 @@ def main(argv: list[str] | None = None) -> int:
         table.apply(_assignment(topo, version, (4000, 3000, 3000), {}))
         _round(topo, table, rx, f"v{version}: weights 40/30/30, no pins", others)
         version += 1
-        table.apply(_assignment(topo, version, (4000, 3000, 3000),
-                                {f"{TENANTS[-1]}/32": "shard-2", "10.77.0.12/31": "shard-1"}))
-        _round(topo, table, rx,
-               f"v{version}: pin {TENANTS[-1]}/32 -> shard-2, 10.77.0.12/31 -> shard-1", [])
+        table.apply(
+            _assignment(
+                topo,
+                version,
+                (4000, 3000, 3000),
+                {f"{TENANTS[-1]}/32": "shard-2", "10.77.0.12/31": "shard-1"},
+            )
+        )
+        _round(
+            topo,
+            table,
+            rx,
+            f"v{version}: pin {TENANTS[-1]}/32 -> shard-2, 10.77.0.12/31 -> shard-1",
+            [],
+        )
         version += 1
-        table.apply(_assignment(topo, version, (1000, 1000, 8000),
-                                {f"{TENANTS[-1]}/32": "shard-2", "10.77.0.12/31": "shard-1"}))
+        table.apply(
+            _assignment(
+                topo,
+                version,
+                (1000, 1000, 8000),
+                {f"{TENANTS[-1]}/32": "shard-2", "10.77.0.12/31": "shard-1"},
+            )
+        )
         newer = [str(ipaddress.IPv4Address("10.91.0.0") + k) for k in range(300)]
-        _round(topo, table, rx,
-               f"v{version}: weights 10/10/80 (live flows stay, new flows follow)", newer)
+        _round(
+            topo,
+            table,
+            rx,
+            f"v{version}: weights 10/10/80 (live flows stay, new flows follow)",
+            newer,
+        )
         reasons: Counter[str] = Counter()
         table.poll_events(lambda e: reasons.update([e.reason]), 0)
         c = table.read_counters()
-        print(f"\nnew-flow events: {dict(reasons)}; lost events: {c.ringbuf_failed}; "
-              f"passed untouched: non-IP {c.non_ip}, malformed {c.malformed}, "
-              f"no shard {c.no_shard}")
+        print(
+            f"\nnew-flow events: {dict(reasons)}; lost events: {c.ringbuf_failed}; "
+            f"passed untouched: non-IP {c.non_ip}, malformed {c.malformed}, "
+            f"no shard {c.no_shard}"
+        )
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted; tearing down", file=sys.stderr)

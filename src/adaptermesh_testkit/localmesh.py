@@ -421,8 +421,11 @@ class LocalMesh:
                 str(self.config.max_running),
                 "--log-level",
                 "WARNING",
-                *(() if self.config.grpc_port_offset is None
-                  else ("--grpc-port", str(port + self.config.grpc_port_offset))),
+                *(
+                    ()
+                    if self.config.grpc_port_offset is None
+                    else ("--grpc-port", str(port + self.config.grpc_port_offset))
+                ),
             ],
         )
 
@@ -500,11 +503,24 @@ class LocalMesh:
             str(self.workdir / "agent" / "assignment.pb"),
             "--report-interval",
             str(self.config.report_interval_s),
-            *(() if self.config.grpc_port_offset is None
-              else ("--grpc-port-offset", str(self.config.grpc_port_offset))),
+            *(
+                ()
+                if self.config.grpc_port_offset is None
+                else ("--grpc-port-offset", str(self.config.grpc_port_offset))
+            ),
             *self.config.agent_args,
-            *(["--ext-proc-host", "0.0.0.0", "--ext-proc-port", str(EXT_PROC_PORT),
-               "--base-model", BASE_MODEL] if self.config.ext_proc else []),
+            *(
+                [
+                    "--ext-proc-host",
+                    "0.0.0.0",
+                    "--ext-proc-port",
+                    str(EXT_PROC_PORT),
+                    "--base-model",
+                    BASE_MODEL,
+                ]
+                if self.config.ext_proc
+                else []
+            ),
         ]
 
     def start_agent(self) -> Proc:
@@ -703,7 +719,12 @@ class LocalMesh:
         return self.ns.run(self.tenant_ns, fn, *args)
 
     def complete(
-        self, source: str, adapter: str, prompt: str, max_tokens: int = 8, timeout: float = 30.0,
+        self,
+        source: str,
+        adapter: str,
+        prompt: str,
+        max_tokens: int = 8,
+        timeout: float = 30.0,
         headers: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """One completion from tenant address ``source`` through classifier -> Envoy -> worker.
@@ -751,7 +772,12 @@ def _http_post_status(url: str, body: dict[str, Any]) -> int:
 
 
 def _complete(
-    source: str | None, base: str, adapter: str, prompt: str, max_tokens: int, timeout: float,
+    source: str | None,
+    base: str,
+    adapter: str,
+    prompt: str,
+    max_tokens: int,
+    timeout: float,
     headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     transport = httpx.HTTPTransport(local_address=source) if source else None

@@ -45,6 +45,7 @@ __all__ = [
     "udp_receivers",
 ]
 
+
 def ip(*args: str, ns: str | None = None, check: bool = True) -> str:
     cmd = ["ip", *(["-n", ns] if ns else []), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -57,8 +58,9 @@ def sysctl(ns: str, key: str, value: str) -> None:
     subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}"], check=True)
 
 
-def socket_in(ns: str, family: int = socket.AF_INET, kind: int = socket.SOCK_DGRAM,
-              proto: int = 0) -> socket.socket:
+def socket_in(
+    ns: str, family: int = socket.AF_INET, kind: int = socket.SOCK_DGRAM, proto: int = 0
+) -> socket.socket:
     with inside(ns):
         return socket.socket(family, kind, proto)
 
@@ -134,27 +136,39 @@ class NodeTopology:
         for ns in (node, tenant):
             ip("netns", "add", ns)
             ip("link", "set", "lo", "up", ns=ns)
-        for key in ("net.ipv4.ip_forward", "net.ipv4.conf.all.rp_filter",
-                    "net.ipv4.conf.default.rp_filter"):
+        for key in (
+            "net.ipv4.ip_forward",
+            "net.ipv4.conf.all.rp_filter",
+            "net.ipv4.conf.default.rp_filter",
+        ):
             sysctl(node, key, "1" if key.endswith("forward") else "0")
         # IPv4 only: no neighbour discovery chatter in the counters.
         for ns in (node, tenant):
             sysctl(ns, "net.ipv6.conf.all.disable_ipv6", "1")
             sysctl(ns, "net.ipv6.conf.default.disable_ipv6", "1")
         # tenant <-> node
-        ip("link", "add", self.node_tenant_if, "type", "veth", "peer", "name", self.tenant_if,
-           "netns", tenant, ns=node)
+        ip(
+            "link",
+            "add",
+            self.node_tenant_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.tenant_if,
+            "netns",
+            tenant,
+            ns=node,
+        )
         ip("addr", "add", "10.77.0.1/24", "dev", self.node_tenant_if, ns=node)
         ip("link", "set", self.node_tenant_if, "up", ns=node)
         for i, a in enumerate(self.tenant_addrs):
             ip("addr", "add", f"{a}/{24 if i == 0 else 32}", "dev", self.tenant_if, ns=tenant)
         ip("link", "set", self.tenant_if, "up", ns=tenant)
-        ip("route", "add", "default", "via", "10.77.0.1", "src", self.tenant_addrs[0],
-           ns=tenant)
+        ip("route", "add", "default", "via", "10.77.0.1", "src", self.tenant_addrs[0], ns=tenant)
         self.node_tenant_mac = _mac_of(node, self.node_tenant_if)
         # the node's collect-metadata VXLAN device (tunnel steering)
-        ip("link", "add", self.vxlan_dev, "type", "vxlan", "external", "dstport", "4789",
-           ns=node)
+        ip("link", "add", self.vxlan_dev, "type", "vxlan", "external", "dstport", "4789", ns=node)
         ip("link", "set", self.vxlan_dev, "up", ns=node)
         for i in range(self.n_shards):
             self.shards.append(self._create_shard(i, p))
@@ -177,8 +191,23 @@ class NodeTopology:
         ip("addr", "add", f"{self.vip}/32", "dev", "lo", ns=ns)
         ip("route", "add", "default", "via", node_addr, ns=ns)
         vx_mac = f"02:a1:00:00:00:{i + 1:02x}"
-        ip("link", "add", vx, "address", vx_mac, "type", "vxlan", "id", str(vni), "local", addr,
-           "dstport", "4789", "nolearning", ns=ns)
+        ip(
+            "link",
+            "add",
+            vx,
+            "address",
+            vx_mac,
+            "type",
+            "vxlan",
+            "id",
+            str(vni),
+            "local",
+            addr,
+            "dstport",
+            "4789",
+            "nolearning",
+            ns=ns,
+        )
         ip("link", "set", vx, "up", ns=ns)
         for dev in (shard_if, vx):
             sysctl(ns, f"net.ipv4.conf.{dev}.rp_filter", "0")
@@ -186,8 +215,16 @@ class NodeTopology:
         ip("rule", "add", "fwmark", hex(mark), "lookup", str(table), ns=node)
         ip("route", "add", f"{self.vip}/32", "via", addr, "table", str(table), ns=node)
         return ShardNs(
-            index=i, ns=ns, node_if=node_if, node_addr=node_addr, addr=addr,
-            mac=_mac_of(ns, shard_if), vxlan_if=vx, vxlan_mac=vx_mac, vni=vni, mark=mark,
+            index=i,
+            ns=ns,
+            node_if=node_if,
+            node_addr=node_addr,
+            addr=addr,
+            mac=_mac_of(ns, shard_if),
+            vxlan_if=vx,
+            vxlan_mac=vx_mac,
+            vni=vni,
+            mark=mark,
             table=table,
         )
 
@@ -294,8 +331,12 @@ def raw_udp_frames(topo: NodeTopology, sources: list[str], port: int) -> list[by
     from scapy.layers.l2 import Ether
 
     return [
-        bytes(Ether(dst=topo.node_tenant_mac) / IP(src=s, dst=topo.vip, ttl=16)
-              / UDP(sport=40000, dport=port) / s.encode())
+        bytes(
+            Ether(dst=topo.node_tenant_mac)
+            / IP(src=s, dst=topo.vip, ttl=16)
+            / UDP(sport=40000, dport=port)
+            / s.encode()
+        )
         for s in sources
     ]
 

@@ -75,18 +75,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard listeners route by the request's model inside Envoy (json_to_metadata), "
         "without the ext_proc hop: no scoring, no GIE",
     )
-    p.add_argument("--edge-jwks", type=Path,
-                   help="JWKS file with the keys that sign callers' bearer tokens, for "
-                   "AdapterInstances with security scopes (docs/adapter-instance.md)")
+    p.add_argument(
+        "--edge-jwks",
+        type=Path,
+        help="JWKS file with the keys that sign callers' bearer tokens, for "
+        "AdapterInstances with security scopes (docs/adapter-instance.md)",
+    )
     p.add_argument("--edge-issuer", help="the tokens' issuer (iss); needed with --edge-jwks")
-    p.add_argument("--edge-audience", action="append", default=[],
-                   help="an accepted audience (aud); repeat; none: any")
-    p.add_argument("--edge-tls-cert", help="certificate chain file (as Envoy reads it) for TLS "
-                   "beside plaintext on the shard listeners")
+    p.add_argument(
+        "--edge-audience",
+        action="append",
+        default=[],
+        help="an accepted audience (aud); repeat; none: any",
+    )
+    p.add_argument(
+        "--edge-tls-cert",
+        help="certificate chain file (as Envoy reads it) for TLS "
+        "beside plaintext on the shard listeners",
+    )
     p.add_argument("--edge-tls-key", help="the private key file of --edge-tls-cert")
-    p.add_argument("--grpc-port-offset", type=int, default=None,
-                   help="workers serve KServe v2 gRPC at their HTTP port plus this (1 for "
-                   "8000/8001): shard listeners then route gRPC to them")
+    p.add_argument(
+        "--grpc-port-offset",
+        type=int,
+        default=None,
+        help="workers serve KServe v2 gRPC at their HTTP port plus this (1 for "
+        "8000/8001): shard listeners then route gRPC to them",
+    )
     p.add_argument(
         "--base-model",
         help="the served base model's name: requests naming it get no adapter header",
@@ -105,14 +119,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard listeners trace this percent of requests with Envoy's OpenTelemetry "
         "tracer, to the bootstrap's adaptermesh_otlp collector (off when not given)",
     )
-    p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
-                   help="export the ext_proc decisions' spans to this OTLP/gRPC collector")
-    p.add_argument("--trace-sample-ratio", type=fraction, default=1.0,
-                   help="share of new traces the agent samples (a sampled parent is followed)")
-    p.add_argument("--flow-events", choices=FLOW_EVENT_MODES, default="off",
-                   help="export each new-flow classifier decision keyed by the flow: a JSON "
-                   "log line (log), a span in the flow's trace (span, needs --otlp-endpoint), "
-                   "or both")
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="export the ext_proc decisions' spans to this OTLP/gRPC collector",
+    )
+    p.add_argument(
+        "--trace-sample-ratio",
+        type=fraction,
+        default=1.0,
+        help="share of new traces the agent samples (a sampled parent is followed)",
+    )
+    p.add_argument(
+        "--flow-events",
+        choices=FLOW_EVENT_MODES,
+        default="off",
+        help="export each new-flow classifier decision keyed by the flow: a JSON "
+        "log line (log), a span in the flow's trace (span, needs --otlp-endpoint), "
+        "or both",
+    )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics binds")
     p.add_argument("--metrics-port", type=port, default=9464)
     p.add_argument(
@@ -148,8 +174,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     if (args.edge_tls_cert is None) != (args.edge_tls_key is None):
         raise SystemExit("adaptermesh agent: --edge-tls-cert and --edge-tls-key go together")
     if args.flow_events in ("span", "both") and args.otlp_endpoint is None:
-        raise SystemExit(f"adaptermesh agent: --flow-events {args.flow_events} needs "
-                         "--otlp-endpoint")
+        raise SystemExit(
+            f"adaptermesh agent: --flow-events {args.flow_events} needs --otlp-endpoint"
+        )
     return AgentConfig(
         edge_tls_cert=args.edge_tls_cert,
         edge_tls_key=args.edge_tls_key,
@@ -214,5 +241,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-

@@ -82,7 +82,13 @@ __all__ = [
 
 DEFAULT_PIN_DIR = "/sys/fs/bpf/adaptermesh"
 MAP_NAMES = (
-    "am_pins", "am_flows", "am_maglev", "am_ctl", "am_shards", "am_stats", "am_counters",
+    "am_pins",
+    "am_flows",
+    "am_maglev",
+    "am_ctl",
+    "am_shards",
+    "am_stats",
+    "am_counters",
     "am_events",
 )
 # The filter slot we own on the clsact ingress hook; replace-in-place targets exactly it.
@@ -377,9 +383,17 @@ class BpfShardTable:
                 if e.code != errno.EEXIST:
                     raise
             ipr.tc(
-                "replace-filter", "bpf", idx, f":{FILTER_HANDLE}",
-                fd=self._fn.fd, name=self._fn.name.decode(), parent=TC_INGRESS, classid=1,
-                direct_action=True, prio=FILTER_PRIO, protocol=ETH_P_ALL,
+                "replace-filter",
+                "bpf",
+                idx,
+                f":{FILTER_HANDLE}",
+                fd=self._fn.fd,
+                name=self._fn.name.decode(),
+                parent=TC_INGRESS,
+                classid=1,
+                direct_action=True,
+                prio=FILTER_PRIO,
+                protocol=ETH_P_ALL,
             )
 
     def detach(self) -> None:
@@ -392,8 +406,13 @@ class BpfShardTable:
                 return
             try:
                 ipr.tc(
-                    "del-filter", "bpf", idx, f":{FILTER_HANDLE}", parent=TC_INGRESS,
-                    prio=FILTER_PRIO, protocol=ETH_P_ALL,
+                    "del-filter",
+                    "bpf",
+                    idx,
+                    f":{FILTER_HANDLE}",
+                    parent=TC_INGRESS,
+                    prio=FILTER_PRIO,
+                    protocol=ETH_P_ALL,
                 )
             except NetlinkError as e:
                 if e.code not in (errno.ENOENT, errno.EINVAL):
@@ -639,8 +658,14 @@ class BpfShardTable:
             for i in range(AM_CNT_MAX)
         ]
         return DatapathCounters(
-            ringbuf_failed=vals[0], non_ip=vals[1], malformed=vals[2], vlan=vals[3],
-            no_shard=vals[4], steer_failed=vals[5], link_local=vals[6], martian_source=vals[7],
+            ringbuf_failed=vals[0],
+            non_ip=vals[1],
+            malformed=vals[2],
+            vlan=vals[3],
+            no_shard=vals[4],
+            steer_failed=vals[5],
+            link_local=vals[6],
+            martian_source=vals[7],
         )
 
     def _ring_consumer(self) -> RingBuffer | None:
@@ -667,7 +692,7 @@ class BpfShardTable:
                 try:
                     callback(ev)
                 except BaseException:
-                    self._pending.extend(events[i + 1:])
+                    self._pending.extend(events[i + 1 :])
                     raise
             return len(events)
 

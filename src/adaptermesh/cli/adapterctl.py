@@ -131,7 +131,9 @@ def main(
         Path | None,
         typer.Option(envvar="ADAPTERMESH_TOKEN_FILE", help="file holding the bearer token"),
     ] = None,
-    tls_ca: Annotated[Path | None, typer.Option(help="CA to verify the server (enables TLS)")] = None,
+    tls_ca: Annotated[
+        Path | None, typer.Option(help="CA to verify the server (enables TLS)")
+    ] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="client certificate for mTLS")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="client key for mTLS")] = None,
     timeout: Annotated[float, typer.Option(help="per-call timeout in seconds")] = 10.0,
@@ -193,8 +195,10 @@ def _state(value: int) -> str:
 
 def _shard_doc(s: assignment_pb2.Shard) -> dict[str, Any]:
     spec: dict[str, Any] = {
-        "endpoints": [{"address": e.address, "port": e.port} | ({"draining": True} if e.draining else {})
-                      for e in s.endpoints],
+        "endpoints": [
+            {"address": e.address, "port": e.port} | ({"draining": True} if e.draining else {})
+            for e in s.endpoints
+        ],
         "state": _state(s.state) if s.state else "ACTIVE",
     }
     steer = MessageToDict(s.steer)
@@ -215,12 +219,18 @@ def _instance_doc(i: control_plane_pb2.AdapterInstance) -> dict[str, Any]:
     spec: dict[str, Any] = {"modelRef": MessageToDict(i.model_ref)}
     if i.protocol:
         spec["protocol"] = i.protocol
-    spec["routes"] = [{"path": r.path} if r.path else
-                      {"shard": r.shard_id} | ({"weight": r.weight} if r.weight else {})
-                      for r in i.routes]
+    spec["routes"] = [
+        {"path": r.path}
+        if r.path
+        else {"shard": r.shard_id} | ({"weight": r.weight} if r.weight else {})
+        for r in i.routes
+    ]
     sec = MessageToDict(i.security)
     if sec:
-        spec["security"] = {"scopes": sec.get("scopes", []), "allowedCIDRs": sec.get("allowedCidrs", [])}
+        spec["security"] = {
+            "scopes": sec.get("scopes", []),
+            "allowedCIDRs": sec.get("allowedCidrs", []),
+        }
         if i.security.tls:
             spec["security"]["tls"] = True
     place = MessageToDict(i.placement)
@@ -255,8 +265,9 @@ def _map(value: Any, where: str, allowed: tuple[str, ...] | None = None) -> dict
     if allowed is not None:
         unknown = sorted(str(k) for k in value if k not in allowed)
         if unknown:
-            raise ValueError(f"{where}.{unknown[0]}: unknown field (expected one of "
-                             f"{', '.join(allowed)})")
+            raise ValueError(
+                f"{where}.{unknown[0]}: unknown field (expected one of {', '.join(allowed)})"
+            )
     return value
 
 
@@ -300,8 +311,9 @@ def _shard_from_doc(doc: dict[str, Any], where: str) -> assignment_pb2.Shard:
     _map(doc, where, _TOP)
     meta = _map(doc.get("metadata"), f"{where}.metadata", ("name", "labels"))
     spec = _map(doc.get("spec"), f"{where}.spec", ("endpoints", "state", "steer", "service"))
-    s = assignment_pb2.Shard(id=_str(_need(meta, "name", f"{where}.metadata"),
-                                     f"{where}.metadata.name"))
+    s = assignment_pb2.Shard(
+        id=_str(_need(meta, "name", f"{where}.metadata"), f"{where}.metadata.name")
+    )
     s.labels.update(_labels(meta, f"{where}.metadata"))
     for i, ep in enumerate(_list(spec.get("endpoints"), f"{where}.spec.endpoints")):
         ew = f"{where}.spec.endpoints[{i}]"
@@ -319,16 +331,21 @@ def _shard_from_doc(doc: dict[str, Any], where: str) -> assignment_pb2.Shard:
     if state not in ("ACTIVE", "DRAINING"):
         raise ValueError(f"{where}.spec.state: {state!r} is not ACTIVE or DRAINING")
     s.state = (
-        assignment_pb2.SHARD_STATE_DRAINING if state == "DRAINING" else assignment_pb2.SHARD_STATE_ACTIVE
+        assignment_pb2.SHARD_STATE_DRAINING
+        if state == "DRAINING"
+        else assignment_pb2.SHARD_STATE_ACTIVE
     )
     sw = f"{where}.spec.steer"
     steer = _map(spec.get("steer"), sw, ("tunnel", "redirect", "mark"))
     if len(steer) > 1:
         raise ValueError(f"{sw}: one of tunnel, redirect or mark, not {', '.join(steer)}")
     if "tunnel" in steer:
-        t = _map(steer["tunnel"], f"{sw}.tunnel", ("remoteIpv4", "remoteIPv4", "vni", "innerDstMac"))
-        s.steer.tunnel.remote_ipv4 = _str(t.get("remoteIpv4", t.get("remoteIPv4", "")),
-                                          f"{sw}.tunnel.remoteIpv4")
+        t = _map(
+            steer["tunnel"], f"{sw}.tunnel", ("remoteIpv4", "remoteIPv4", "vni", "innerDstMac")
+        )
+        s.steer.tunnel.remote_ipv4 = _str(
+            t.get("remoteIpv4", t.get("remoteIPv4", "")), f"{sw}.tunnel.remoteIpv4"
+        )
         s.steer.tunnel.vni = _int(t.get("vni", 0), f"{sw}.tunnel.vni")
         s.steer.tunnel.inner_dst_mac = _str(t.get("innerDstMac", ""), f"{sw}.tunnel.innerDstMac")
     elif "redirect" in steer:
@@ -353,20 +370,27 @@ def _instance_from_doc(doc: dict[str, Any], where: str) -> control_plane_pb2.Ada
     (``modelRef.adapterPath``); a route's ``tenantCIDRs`` become pins (see ``_tenant_pins``)."""
     _map(doc, where, _TOP)
     meta = _map(doc.get("metadata"), f"{where}.metadata", ("name", "namespace", "labels"))
-    spec = _map(doc.get("spec"), f"{where}.spec",
-                ("modelRef", "adapter", "protocol", "routes", "security", "placement"))
+    spec = _map(
+        doc.get("spec"),
+        f"{where}.spec",
+        ("modelRef", "adapter", "protocol", "routes", "security", "placement"),
+    )
     adapter = _map(spec.get("adapter"), f"{where}.spec.adapter", ("name", "path"))
     name = adapter.get("name") or _need(meta, "name", f"{where}.metadata")
     i = control_plane_pb2.AdapterInstance(name=_str(name, f"{where}.metadata.name"))
     i.labels.update(_labels(meta, f"{where}.metadata"))
     rw = f"{where}.spec.modelRef"
-    ref = _map(_need(spec, "modelRef", f"{where}.spec"), rw, ("baseModel", "adapterPath", "revision"))
+    ref = _map(
+        _need(spec, "modelRef", f"{where}.spec"), rw, ("baseModel", "adapterPath", "revision")
+    )
     i.model_ref.base_model = _str(_need(ref, "baseModel", rw), f"{rw}.baseModel")
     if "path" in adapter and "adapterPath" in ref:
-        raise ValueError(f"{where}.spec.adapter.path: give it there or in modelRef.adapterPath, "
-                         "not both")
-    i.model_ref.adapter_path = _str(adapter.get("path", ref.get("adapterPath", "")),
-                                    f"{rw}.adapterPath")
+        raise ValueError(
+            f"{where}.spec.adapter.path: give it there or in modelRef.adapterPath, not both"
+        )
+    i.model_ref.adapter_path = _str(
+        adapter.get("path", ref.get("adapterPath", "")), f"{rw}.adapterPath"
+    )
     i.model_ref.revision = _str(ref.get("revision", ""), f"{rw}.revision")
     i.protocol = _str(spec.get("protocol", ""), f"{where}.spec.protocol")
     for n, route in enumerate(_list(spec.get("routes"), f"{where}.spec.routes")):
@@ -384,21 +408,26 @@ def _instance_from_doc(doc: dict[str, Any], where: str) -> control_plane_pb2.Ada
         )
     pw = f"{where}.spec.placement"
     place = _map(spec.get("placement"), pw, ("shards", "replicas", "preload", "pinnedShards"))
-    i.placement.shards.extend(_str(x, f"{pw}.shards[{k}]")
-                              for k, x in enumerate(_list(place.get("shards"), f"{pw}.shards")))
+    i.placement.shards.extend(
+        _str(x, f"{pw}.shards[{k}]")
+        for k, x in enumerate(_list(place.get("shards"), f"{pw}.shards"))
+    )
     i.placement.pinned_shards.extend(
         _str(x, f"{pw}.pinnedShards[{k}]")
-        for k, x in enumerate(_list(place.get("pinnedShards"), f"{pw}.pinnedShards")))
+        for k, x in enumerate(_list(place.get("pinnedShards"), f"{pw}.pinnedShards"))
+    )
     i.placement.replicas = _int(place.get("replicas", 0), f"{pw}.replicas")
     i.placement.preload = _bool(place.get("preload", False), f"{pw}.preload")
     sw = f"{where}.spec.security"
     sec = _map(spec.get("security"), sw, ("scopes", "allowedCIDRs", "tls"))
     i.security.tls = _bool(sec.get("tls", False), f"{sw}.tls")
-    i.security.scopes.extend(_str(x, f"{sw}.scopes[{k}]")
-                             for k, x in enumerate(_list(sec.get("scopes"), f"{sw}.scopes")))
+    i.security.scopes.extend(
+        _str(x, f"{sw}.scopes[{k}]") for k, x in enumerate(_list(sec.get("scopes"), f"{sw}.scopes"))
+    )
     i.security.allowed_cidrs.extend(
         _str(x, f"{sw}.allowedCIDRs[{k}]")
-        for k, x in enumerate(_list(sec.get("allowedCIDRs"), f"{sw}.allowedCIDRs")))
+        for k, x in enumerate(_list(sec.get("allowedCIDRs"), f"{sw}.allowedCIDRs"))
+    )
     return i
 
 
@@ -409,8 +438,12 @@ def _tenant_pins(doc: dict[str, Any], where: str) -> list[assignment_pb2.Pin]:
     for n, route in enumerate(_list(spec.get("routes"), f"{where}.spec.routes")):
         rtw = f"{where}.spec.routes[{n}]"
         for k, cidr in enumerate(_list(route.get("tenantCIDRs"), f"{rtw}.tenantCIDRs")):
-            pins.append(assignment_pb2.Pin(cidr=_str(cidr, f"{rtw}.tenantCIDRs[{k}]"),
-                                           shard_id=_str(route["shard"], f"{rtw}.shard")))
+            pins.append(
+                assignment_pb2.Pin(
+                    cidr=_str(cidr, f"{rtw}.tenantCIDRs[{k}]"),
+                    shard_id=_str(route["shard"], f"{rtw}.shard"),
+                )
+            )
     return pins
 
 
@@ -447,8 +480,9 @@ def _load_documents(path: Path) -> list[tuple[str, dict[str, Any]]]:
             raise ValueError(f"{where}: not a mapping")
         if doc.get("kind") == "List":
             items = _list(doc.get("items"), f"{where}.items")
-            outd += [(f"{where}.items[{k}]", _map(d, f"{where}.items[{k}]"))
-                     for k, d in enumerate(items)]
+            outd += [
+                (f"{where}.items[{k}]", _map(d, f"{where}.items[{k}]")) for k, d in enumerate(items)
+            ]
         else:
             outd.append((where, doc))
     for where, doc in outd:
@@ -466,7 +500,9 @@ def _plan(c: Ctx, docs: list[tuple[str, dict[str, Any]]]) -> list[_Change]:
             "ListAdapterInstances", control_plane_pb2.ListAdapterInstancesRequest()
         ).instances
     }
-    pins = {p.cidr: p.shard_id for p in c.call("ListPins", control_plane_pb2.ListPinsRequest()).pins}
+    pins = {
+        p.cidr: p.shard_id for p in c.call("ListPins", control_plane_pb2.ListPinsRequest()).pins
+    }
     overrides = {
         o.shard_id: o
         for o in c.call("ListOverrides", control_plane_pb2.ListOverridesRequest()).overrides
@@ -480,15 +516,29 @@ def _plan(c: Ctx, docs: list[tuple[str, dict[str, Any]]]) -> list[_Change]:
             old = shards.get(s.id)
             lines = _diff_dicts(_shard_doc(old), _shard_doc(s)) if old is not None else []
             verb = "create" if old is None else "update" if lines else "unchanged"
-            changes.append(_Change(kind, s.id, verb, "; ".join(lines),
-                                   None if verb == "unchanged" else _adder("shards", s)))
+            changes.append(
+                _Change(
+                    kind,
+                    s.id,
+                    verb,
+                    "; ".join(lines),
+                    None if verb == "unchanged" else _adder("shards", s),
+                )
+            )
         elif kind == "AdapterInstance":
             i = _instance_from_doc(doc, where)
             old_i = insts.get(i.name)
             lines = _diff_dicts(_instance_doc(old_i), _instance_doc(i)) if old_i is not None else []
             verb = "create" if old_i is None else "update" if lines else "unchanged"
-            changes.append(_Change(kind, i.name, verb, "; ".join(lines),
-                                   None if verb == "unchanged" else _adder("instances", i)))
+            changes.append(
+                _Change(
+                    kind,
+                    i.name,
+                    verb,
+                    "; ".join(lines),
+                    None if verb == "unchanged" else _adder("instances", i),
+                )
+            )
             # Pins go after the instances in the server's transaction (ApplyRequest order).
             changes += [_pin_change(pins, p.cidr, p.shard_id) for p in _tenant_pins(doc, where)]
         elif kind == "Pin":
@@ -513,9 +563,16 @@ def _plan(c: Ctx, docs: list[tuple[str, dict[str, Any]]]) -> list[_Change]:
                 # Same weight and reason: unchanged (re-applying does not extend a TTL).
                 changes.append(_Change(kind, shard_id, "unchanged", "", None))
             else:
-                detail = (f"weight: {old_o.weight} -> {weight}" if old_o else f"weight {weight}")
-                changes.append(_Change(kind, shard_id, "update" if old_o else "create", detail,
-                                       _adder("overrides", req_o)))
+                detail = f"weight: {old_o.weight} -> {weight}" if old_o else f"weight {weight}"
+                changes.append(
+                    _Change(
+                        kind,
+                        shard_id,
+                        "update" if old_o else "create",
+                        detail,
+                        _adder("overrides", req_o),
+                    )
+                )
     return changes
 
 
@@ -554,8 +611,14 @@ def shards_cmd(ctx: typer.Context) -> None:
     for s in resp.shards:
         eps = ", ".join(f"{e.address}:{e.port}({e.weight})" for e in s.endpoints)
         kind = s.steer.WhichOneof("target") or "-"
-        t.add_row(escape(s.id), str(s.index), _state(s.state), f"{s.weight / 100:.2f}%",
-                  escape(eps) or "-", kind)
+        t.add_row(
+            escape(s.id),
+            str(s.index),
+            _state(s.state),
+            f"{s.weight / 100:.2f}%",
+            escape(eps) or "-",
+            kind,
+        )
     out.print(t)
 
 
@@ -563,7 +626,9 @@ def shards_cmd(ctx: typer.Context) -> None:
 def shard_upsert(
     ctx: typer.Context,
     shard_id: Annotated[str, typer.Argument(metavar="SHARD")],
-    endpoint: Annotated[list[str] | None, typer.Option("--endpoint", "-e", help="ADDRESS:PORT")] = None,
+    endpoint: Annotated[
+        list[str] | None, typer.Option("--endpoint", "-e", help="ADDRESS:PORT")
+    ] = None,
     tunnel: Annotated[str | None, typer.Option(help="VXLAN remote IPv4")] = None,
     vni: Annotated[int, typer.Option(help="VXLAN VNI")] = 0,
     ifname: Annotated[str | None, typer.Option(help="redirect to this local interface")] = None,
@@ -589,7 +654,9 @@ def shard_upsert(
             s.steer.mark.mark = mark
         if service:
             s.service_address, s.service_port = _hostport(service, "--service")
-        s.state = assignment_pb2.SHARD_STATE_DRAINING if draining else assignment_pb2.SHARD_STATE_ACTIVE
+        s.state = (
+            assignment_pb2.SHARD_STATE_DRAINING if draining else assignment_pb2.SHARD_STATE_ACTIVE
+        )
         for kv in label or []:
             k, sep, v = kv.partition("=")
             if not sep:
@@ -603,7 +670,9 @@ def shard_upsert(
 
 
 @shard_app.command("delete")
-def shard_delete(ctx: typer.Context, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]) -> None:
+def shard_delete(
+    ctx: typer.Context, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]
+) -> None:
     """Delete a shard (unpin its tenants first)."""
     _ctx(ctx).call("DeleteShard", control_plane_pb2.DeleteShardRequest(id=shard_id))
     out.print(f"shard {shard_id} deleted", markup=False, highlight=False)
@@ -623,13 +692,21 @@ def override_set(
         _die(f"--ttl: {ttl} is negative", 2)
     o = _ctx(ctx).call(
         "SetOverride",
-        control_plane_pb2.SetOverrideRequest(shard_id=shard_id, weight=parts, ttl_seconds=ttl, reason=reason),
+        control_plane_pb2.SetOverrideRequest(
+            shard_id=shard_id, weight=parts, ttl_seconds=ttl, reason=reason
+        ),
     )
-    out.print(f"override {o.shard_id} = {o.weight} parts, expires {_ts(o.expires_at)}", markup=False, highlight=False)
+    out.print(
+        f"override {o.shard_id} = {o.weight} parts, expires {_ts(o.expires_at)}",
+        markup=False,
+        highlight=False,
+    )
 
 
 @override_app.command("clear")
-def override_clear(ctx: typer.Context, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]) -> None:
+def override_clear(
+    ctx: typer.Context, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]
+) -> None:
     """Remove a shard's override."""
     _ctx(ctx).call("ClearOverride", control_plane_pb2.ClearOverrideRequest(shard_id=shard_id))
     out.print(f"override on {shard_id} cleared", markup=False, highlight=False)
@@ -646,9 +723,13 @@ def override_list(ctx: typer.Context) -> None:
 
 
 @app.command("pin")
-def pin_cmd(ctx: typer.Context, cidr: str, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]) -> None:
+def pin_cmd(
+    ctx: typer.Context, cidr: str, shard_id: Annotated[str, typer.Argument(metavar="SHARD")]
+) -> None:
     """Pin a tenant CIDR to a shard (the longest prefix wins)."""
-    p = _ctx(ctx).call("PinTenant", control_plane_pb2.PinTenantRequest(cidr=cidr, shard_id=shard_id))
+    p = _ctx(ctx).call(
+        "PinTenant", control_plane_pb2.PinTenantRequest(cidr=cidr, shard_id=shard_id)
+    )
     out.print(f"pinned {p.cidr} -> {p.shard_id}", markup=False, highlight=False)
 
 
@@ -656,7 +737,9 @@ def pin_cmd(ctx: typer.Context, cidr: str, shard_id: Annotated[str, typer.Argume
 def rules_apply_cmd(
     ctx: typer.Context,
     file: Annotated[Path, typer.Option("-f", "--file", help="rule set YAML ('-': stdin)")],
-    reason: Annotated[str, typer.Option(help="why, kept in the history")] = "adapterctl rules apply",
+    reason: Annotated[
+        str, typer.Option(help="why, kept in the history")
+    ] = "adapterctl rules apply",
 ) -> None:
     """Apply a routing-rule set; a bad rule is refused with its name and position."""
     text = sys.stdin.read() if str(file) == "-" else file.read_text()
@@ -665,8 +748,10 @@ def rules_apply_cmd(
     except yaml.YAMLError as exc:
         out.print(f"error: {file}: not YAML: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
-    resp = _ctx(ctx).call("ApplyRules", control_plane_pb2.ApplyRulesRequest(
-        document_json=json.dumps(document), reason=reason))
+    resp = _ctx(ctx).call(
+        "ApplyRules",
+        control_plane_pb2.ApplyRulesRequest(document_json=json.dumps(document), reason=reason),
+    )
     r = resp.rule_set
     what = "unchanged" if resp.unchanged else "applied"
     out.print(f"rules v{r.version} {what} ({r.rules} rules)", markup=False, highlight=False)
@@ -687,8 +772,9 @@ def rules_get_cmd(ctx: typer.Context, version: int = 0) -> None:
     """A rule set as YAML (default: the live one)."""
     r = _ctx(ctx).call("GetRules", control_plane_pb2.GetRulesRequest(version=version))
     out.print(f"# rules v{r.version}: {r.reason}", markup=False, highlight=False)
-    out.print(yaml.safe_dump(json.loads(r.document_json), sort_keys=False), markup=False,
-              highlight=False)
+    out.print(
+        yaml.safe_dump(json.loads(r.document_json), sort_keys=False), markup=False, highlight=False
+    )
 
 
 _ROLLOUT_STATES = {
@@ -731,37 +817,72 @@ def parse_steps(text: str) -> list[int]:
     try:
         return [int(p.strip().rstrip("%")) for p in text.split(",") if p.strip()]
     except ValueError:
-        raise ValueError(f"--steps: {text!r} is not a list of percentages such as 5,25,50,100") from None
+        raise ValueError(
+            f"--steps: {text!r} is not a list of percentages such as 5,25,50,100"
+        ) from None
 
 
 def _rollouts_table(rollouts: Any, title: str = "rollouts") -> Table:
-    t = Table("ADAPTER", "FROM", "TO", "STATE", "STEP", "SHARE", "REQS", "ERRORS", "P95 TTFT",
-              "REASON", title=title)
+    t = Table(
+        "ADAPTER",
+        "FROM",
+        "TO",
+        "STATE",
+        "STEP",
+        "SHARE",
+        "REQS",
+        "ERRORS",
+        "P95 TTFT",
+        "REASON",
+        title=title,
+    )
     for r in rollouts:
         spec = r.spec
         step = f"{r.step + 1}/{len(spec.steps_percent)}"
         p95 = f"{r.window_p95_ttft_ms:.0f} ms" if r.window_requests else "-"
-        t.add_row(escape(spec.adapter), escape(spec.from_version or "(unversioned)"),
-                  escape(spec.to_version), _ROLLOUT_STATES.get(r.state, "?"), step,
-                  f"{r.share / 100:g}%", str(r.window_requests), str(r.window_errors), p95,
-                  escape(r.reason))
+        t.add_row(
+            escape(spec.adapter),
+            escape(spec.from_version or "(unversioned)"),
+            escape(spec.to_version),
+            _ROLLOUT_STATES.get(r.state, "?"),
+            step,
+            f"{r.share / 100:g}%",
+            str(r.window_requests),
+            str(r.window_errors),
+            p95,
+            escape(r.reason),
+        )
     return t
 
 
 @app.command("rollout", context_settings={"allow_interspersed_args": True})
 def rollout_cmd(
     ctx: typer.Context,
-    args: Annotated[list[str], typer.Argument(
-        metavar="ADAPTER | pause ADAPTER | resume ADAPTER | abort ADAPTER | status [ADAPTER] "
-                "| history ADAPTER")],
+    args: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="ADAPTER | pause ADAPTER | resume ADAPTER | abort ADAPTER | status [ADAPTER] "
+            "| history ADAPTER"
+        ),
+    ],
     to: Annotated[str, typer.Option("--to", help="the new version")] = "",
-    from_version: Annotated[str, typer.Option("--from", help="the version now serving "
-                                              "(default: the adapter's stable one)")] = "",
-    steps: Annotated[str, typer.Option(help="canary shares in percent, the last 100")] = "5,25,50,100",
+    from_version: Annotated[
+        str,
+        typer.Option("--from", help="the version now serving (default: the adapter's stable one)"),
+    ] = "",
+    steps: Annotated[
+        str, typer.Option(help="canary shares in percent, the last 100")
+    ] = "5,25,50,100",
     interval: Annotated[str, typer.Option(help="least time per step (90s, 2m, 1h)")] = "2m",
-    max_error_rate: Annotated[str, typer.Option(help="roll back above this error rate (1%; 0: none)")] = "0",
-    max_p95_ttft: Annotated[str, typer.Option(help="roll back above this p95 TTFT (800ms; 0: none)")] = "0",
-    min_requests: Annotated[int, typer.Option(help="requests of the new version a step needs")] = 20,
+    max_error_rate: Annotated[
+        str, typer.Option(help="roll back above this error rate (1%; 0: none)")
+    ] = "0",
+    max_p95_ttft: Annotated[
+        str, typer.Option(help="roll back above this p95 TTFT (800ms; 0: none)")
+    ] = "0",
+    min_requests: Annotated[
+        int, typer.Option(help="requests of the new version a step needs")
+    ] = 20,
     reason: Annotated[str, typer.Option(help="why; recorded with the rollout")] = "",
 ) -> None:
     """Gray release of an adapter version by traffic share, promoted step by step and rolled
@@ -771,24 +892,42 @@ def rollout_cmd(
     if verb in ("pause", "resume", "abort"):
         if len(args) != 2:
             _die(f"usage: adapterctl rollout {verb} ADAPTER", 2)
-        r = c.call("ControlRollout", control_plane_pb2.ControlRolloutRequest(
-            adapter=args[1], action=verb, reason=reason))
-        out.print(f"rollout {r.spec.adapter} -> {r.spec.to_version}: "
-                  f"{_ROLLOUT_STATES.get(r.state, '?')} at {r.share / 100:g}%",
-                  markup=False, highlight=False)
+        r = c.call(
+            "ControlRollout",
+            control_plane_pb2.ControlRolloutRequest(adapter=args[1], action=verb, reason=reason),
+        )
+        out.print(
+            f"rollout {r.spec.adapter} -> {r.spec.to_version}: "
+            f"{_ROLLOUT_STATES.get(r.state, '?')} at {r.share / 100:g}%",
+            markup=False,
+            highlight=False,
+        )
         return
     if verb in ("status", "history"):
         if len(args) > 2 or (verb == "history" and len(args) != 2):
-            _die(f"usage: adapterctl rollout {verb} {'ADAPTER' if verb == 'history' else '[ADAPTER]'}", 2)
-        resp = c.call("ListRollouts", control_plane_pb2.ListRolloutsRequest(
-            adapter=args[1] if len(args) == 2 else "", history=verb == "history"))
+            _die(
+                f"usage: adapterctl rollout {verb} {'ADAPTER' if verb == 'history' else '[ADAPTER]'}",
+                2,
+            )
+        resp = c.call(
+            "ListRollouts",
+            control_plane_pb2.ListRolloutsRequest(
+                adapter=args[1] if len(args) == 2 else "", history=verb == "history"
+            ),
+        )
         out.print(_rollouts_table(resp.rollouts))
         if verb == "history":
             t = Table("AT", "ADAPTER", "TO", "EVENT", "SHARE", "REASON", title="events")
             for r in resp.rollouts:
                 for e in r.events:
-                    t.add_row(_ts(e.at), escape(r.spec.adapter), escape(r.spec.to_version),
-                              e.kind, f"{e.share / 100:g}%", escape(e.reason))
+                    t.add_row(
+                        _ts(e.at),
+                        escape(r.spec.adapter),
+                        escape(r.spec.to_version),
+                        e.kind,
+                        f"{e.share / 100:g}%",
+                        escape(e.reason),
+                    )
             out.print(t)
         return
     if len(args) != 1:
@@ -801,16 +940,25 @@ def rollout_cmd(
         if seconds != int(seconds) or seconds < 1:
             raise ValueError(f"--interval: {interval!r} must be a whole number of seconds >= 1")
         return control_plane_pb2.RolloutSpec(
-            adapter=args[0], from_version=from_version, to_version=to,
-            steps_percent=parse_steps(steps), interval_seconds=int(seconds),
+            adapter=args[0],
+            from_version=from_version,
+            to_version=to,
+            steps_percent=parse_steps(steps),
+            interval_seconds=int(seconds),
             max_error_rate=parse_fraction(max_error_rate, "--max-error-rate"),
             max_p95_ttft_ms=parse_duration(max_p95_ttft, "--max-p95-ttft", "ms"),
-            min_requests=min_requests)
+            min_requests=min_requests,
+        )
 
-    r = c.call("StartRollout", control_plane_pb2.StartRolloutRequest(spec=_guard(spec), reason=reason))
-    out.print(f"rollout {r.spec.adapter} {r.spec.from_version or '(unversioned)'} -> "
-              f"{r.spec.to_version} started at {r.share / 100:g}% (id {r.id})",
-              markup=False, highlight=False)
+    r = c.call(
+        "StartRollout", control_plane_pb2.StartRolloutRequest(spec=_guard(spec), reason=reason)
+    )
+    out.print(
+        f"rollout {r.spec.adapter} {r.spec.from_version or '(unversioned)'} -> "
+        f"{r.spec.to_version} started at {r.share / 100:g}% (id {r.id})",
+        markup=False,
+        highlight=False,
+    )
 
 
 @app.command("unpin")
@@ -822,17 +970,33 @@ def unpin_cmd(ctx: typer.Context, cidr: str) -> None:
 
 def _status_table(st: control_plane_pb2.StatusResponse) -> Table:
     a = st.assignment
-    t = Table("SHARD", "STATE", "WEIGHT", "UTIL", "QUEUE", "RUNNING", "TTFT ms", "TOK/s", "KV",
-              "WORKERS",
-              title=f"assignment v{a.version} at {_ts(a.generated_at)}: {escape(a.reason)}")
+    t = Table(
+        "SHARD",
+        "STATE",
+        "WEIGHT",
+        "UTIL",
+        "QUEUE",
+        "RUNNING",
+        "TTFT ms",
+        "TOK/s",
+        "KV",
+        "WORKERS",
+        title=f"assignment v{a.version} at {_ts(a.generated_at)}: {escape(a.reason)}",
+    )
     loads = {ld.shard_id: ld for ld in st.loads}
     for s in a.shards:
         ld = loads.get(s.id)
         if ld is None or not ld.known:
             cells = ["unknown"] + ["-"] * 5
         else:
-            cells = [f"{ld.utilization:.2f}", f"{ld.queue_depth:.0f}", f"{ld.running:.0f}",
-                     f"{ld.latency_ms:.0f}", f"{ld.tokens_per_s:.0f}", f"{ld.kv_cache_usage:.0%}"]
+            cells = [
+                f"{ld.utilization:.2f}",
+                f"{ld.queue_depth:.0f}",
+                f"{ld.running:.0f}",
+                f"{ld.latency_ms:.0f}",
+                f"{ld.tokens_per_s:.0f}",
+                f"{ld.kv_cache_usage:.0%}",
+            ]
         workers = f"{ld.workers_known}/{ld.workers}" if ld else f"?/{len(s.endpoints)}"
         t.add_row(escape(s.id), _state(s.state), f"{s.weight / 100:.2f}%", *cells, workers)
     return t
@@ -852,8 +1016,15 @@ def _nodes_table(st: control_plane_pb2.StatusResponse) -> Table:
         lag = st.assignment.version - n.applied_version
         state = node_state(n, st.assignment.version)
         style = "" if state == "OK" else "red"
-        t.add_row(escape(n.node_id), state, str(n.applied_version), str(lag), _ts(n.last_report),
-                  escape(n.apply_error), style=style)
+        t.add_row(
+            escape(n.node_id),
+            state,
+            str(n.applied_version),
+            str(lag),
+            _ts(n.last_report),
+            escape(n.apply_error),
+            style=style,
+        )
     return t
 
 
@@ -888,8 +1059,13 @@ def watch_cmd(
             for a in stream:
                 st = control_plane_pb2.StatusResponse(assignment=a)
                 with _quiet():
-                    st.loads.extend(c.stub.GetStatus(control_plane_pb2.GetStatusRequest(),
-                                                     metadata=c.metadata, timeout=c.timeout).loads)
+                    st.loads.extend(
+                        c.stub.GetStatus(
+                            control_plane_pb2.GetStatusRequest(),
+                            metadata=c.metadata,
+                            timeout=c.timeout,
+                        ).loads
+                    )
                 live.update(_status_table(st), refresh=True)
                 if not out.is_terminal:
                     out.print(f"v{a.version} {a.reason}", highlight=False, markup=False)
@@ -923,7 +1099,9 @@ def history_cmd(
         _die(f"--limit: {limit} is not in 1..1000", 2)
     if before < 0:
         _die(f"--before: {before} is negative", 2)
-    resp = _ctx(ctx).call("ListHistory", control_plane_pb2.ListHistoryRequest(limit=limit, before_version=before))
+    resp = _ctx(ctx).call(
+        "ListHistory", control_plane_pb2.ListHistoryRequest(limit=limit, before_version=before)
+    )
     t = Table("VERSION", "GENERATED", "WEIGHTS", "REASON")
     for r in resp.records:
         w = " ".join(f"{s.id}={s.weight}" for s in r.assignment.shards if s.weight)
@@ -934,7 +1112,9 @@ def history_cmd(
 @app.command("get")
 def get_cmd(
     ctx: typer.Context,
-    what: Annotated[str, typer.Argument(help="all | shards | pins | overrides | adapters | assignment")] = "all",
+    what: Annotated[
+        str, typer.Argument(help="all | shards | pins | overrides | adapters | assignment")
+    ] = "all",
     output: Annotated[str, typer.Option("--output", "-o", help="yaml | json")] = "yaml",
 ) -> None:
     """Print objects as documents that `apply -f` accepts."""
@@ -950,15 +1130,26 @@ def get_cmd(
         payload: Any = MessageToDict(a)
     else:
         if what in ("all", "shards"):
-            docs += [_shard_doc(s) for s in c.call("ListShards", control_plane_pb2.ListShardsRequest()).shards]
+            docs += [
+                _shard_doc(s)
+                for s in c.call("ListShards", control_plane_pb2.ListShardsRequest()).shards
+            ]
         if what in ("all", "adapters"):
-            docs += [_instance_doc(i) for i in c.call(
-                "ListAdapterInstances", control_plane_pb2.ListAdapterInstancesRequest()).instances]
+            docs += [
+                _instance_doc(i)
+                for i in c.call(
+                    "ListAdapterInstances", control_plane_pb2.ListAdapterInstancesRequest()
+                ).instances
+            ]
         if what in ("all", "pins"):
-            docs += [_pin_doc(p) for p in c.call("ListPins", control_plane_pb2.ListPinsRequest()).pins]
+            docs += [
+                _pin_doc(p) for p in c.call("ListPins", control_plane_pb2.ListPinsRequest()).pins
+            ]
         if what in ("all", "overrides"):
-            docs += [_override_doc(o) for o in c.call(
-                "ListOverrides", control_plane_pb2.ListOverridesRequest()).overrides]
+            docs += [
+                _override_doc(o)
+                for o in c.call("ListOverrides", control_plane_pb2.ListOverridesRequest()).overrides
+            ]
         payload = {"kind": "List", "items": docs}
     if output == "json":
         sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True) + "\n")
@@ -981,8 +1172,10 @@ def apply_cmd(
     marks = {"create": "[green]+[/green]", "update": "[yellow]~[/yellow]", "unchanged": "="}
     for ch in changes:
         detail = f"  ({escape(ch.detail)})" if ch.detail else ""
-        out.print(f"{marks[ch.verb]} {escape(ch.kind)}/{escape(ch.name)} {ch.verb}{detail}",
-                  highlight=False)
+        out.print(
+            f"{marks[ch.verb]} {escape(ch.kind)}/{escape(ch.name)} {ch.verb}{detail}",
+            highlight=False,
+        )
     todo = [ch for ch in changes if ch.add is not None]
     if dry_run:
         out.print(f"{len(todo)} change(s) (dry run: nothing sent)")

@@ -96,7 +96,7 @@ def _within(prefix: str, strip: str) -> Iterator[None]:
         code = exc.code if isinstance(exc, ApiError) else grpc.StatusCode.INVALID_ARGUMENT
         field = exc.field
         if strip and (field == strip or field.startswith(strip + ".")):
-            field = field[len(strip):]
+            field = field[len(strip) :]
         elif field:
             field = "." + field
         raise ApiError(code, prefix + field, exc.message) from None
@@ -181,8 +181,7 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
                 raise ApiError(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "shard.state",
-                    f"shard {spec.id!r} still has pins {pins[:5]}: unpin them before "
-                    "draining it",
+                    f"shard {spec.id!r} still has pins {pins[:5]}: unpin them before draining it",
                 )
         if spec.state == assignment_pb2.SHARD_STATE_UNSPECIFIED:
             spec.state = assignment_pb2.SHARD_STATE_ACTIVE
@@ -234,7 +233,9 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
                 )
             for inst in self.store.list_adapter_instances():
                 if any(r.shard_id == request.id for r in inst.routes) or request.id in (
-                        *inst.placement.shards, *inst.placement.pinned_shards):
+                    *inst.placement.shards,
+                    *inst.placement.pinned_shards,
+                ):
                     raise ApiError(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         "id",
@@ -291,13 +292,9 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
             )
         rules.check_reason(request.reason)
         active = [
-            s.id
-            for s in self.store.list_shards()
-            if s.state != assignment_pb2.SHARD_STATE_DRAINING
+            s.id for s in self.store.list_shards() if s.state != assignment_pb2.SHARD_STATE_DRAINING
         ]
-        overrides = {
-            sid: w for sid, w, *_ in self.store.list_overrides() if sid in active
-        }
+        overrides = {sid: w for sid, w, *_ in self.store.list_overrides() if sid in active}
         overrides[request.shard_id] = weight
         free = len(active) - len(overrides)
         floor = self.rb.config.policy.weight_floor(len(active))
@@ -516,7 +513,9 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
             _invalid("instance.security.scopes", f"at most {self.limits.max_scopes}")
         for i, scope in enumerate(inst.security.scopes):
             if not _SCOPE_RE.match(scope):
-                _invalid(f"instance.security.scopes[{i}]", f"{scope!r} must match {_SCOPE_RE.pattern}")
+                _invalid(
+                    f"instance.security.scopes[{i}]", f"{scope!r} must match {_SCOPE_RE.pattern}"
+                )
         if len(inst.security.allowed_cidrs) > rules.MAX_ALLOWED_CIDRS:
             _invalid("instance.security.allowed_cidrs", f"at most {rules.MAX_ALLOWED_CIDRS}")
         for i, cidr in enumerate(inst.security.allowed_cidrs):
@@ -527,8 +526,10 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
         for other in self.store.list_adapter_instances():
             taken = paths & {r.path for r in other.routes if r.path}
             if other.name != inst.name and taken:
-                _invalid("instance.routes", f"path {sorted(taken)[0]!r} already reaches "
-                                            f"adapter instance {other.name!r}")
+                _invalid(
+                    "instance.routes",
+                    f"path {sorted(taken)[0]!r} already reaches adapter instance {other.name!r}",
+                )
 
     def _instance_step(
         self, request_instance: control_plane_pb2.AdapterInstance
@@ -585,8 +586,8 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
             self.rb.mutate(
                 lambda: self.store.delete_adapter_instance(request.name),
                 f"adapter instance {request.name} deleted",
-                publish=adapter_edge.edge_of(gone[0]) is not None and bool(
-                    self.store.list_shards()),
+                publish=adapter_edge.edge_of(gone[0]) is not None
+                and bool(self.store.list_shards()),
             )
             return control_plane_pb2.DeleteAdapterInstanceResponse()
         except Exception as exc:
@@ -621,7 +622,8 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
                     _invalid(name, f"at most {limit} in one Apply, got {len(items)}")
             rules.check_reason(request.reason)
             routing = bool(request.shards or request.pins or request.overrides) or any(
-                _edge_changed(self.store, i) for i in request.instances)
+                _edge_changed(self.store, i) for i in request.instances
+            )
             changes: list[str] = []
 
             def change() -> None:
@@ -747,8 +749,11 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
             ):
                 # Any holder of a token can report, and each new node id is a row: a token
                 # may create at most max_nodes of them.
-                _invalid("node_id", f"at most {self.limits.max_nodes} nodes per token; "
-                         f"{request.node_id[:80]!r} would be a new one")
+                _invalid(
+                    "node_id",
+                    f"at most {self.limits.max_nodes} nodes per token; "
+                    f"{request.node_id[:80]!r} would be a new one",
+                )
             for i, t in enumerate(request.shards):
                 for name in ("packets_per_s", "bytes_per_s", "new_flows_per_s"):
                     v = getattr(t, name)
@@ -795,6 +800,7 @@ def _parsing_handler(method: Any, behaviour: Any) -> grpc.RpcMethodHandler:
             )
 
     if method.server_streaming:
+
         async def stream(raw: bytes, context: _Ctx) -> AsyncIterator[Any]:
             async for item in behaviour(await parse(raw, context), context):
                 yield item

@@ -28,7 +28,9 @@ _DEFAULTS = PolicyConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="adaptermesh control-plane", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="adaptermesh control-plane", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--state-dir", type=Path, required=True, help="directory for the SQLite state")
     p.add_argument("--listen", default="127.0.0.1:7400", help="HOST:PORT (port 0: any free)")
     auth = p.add_mutually_exclusive_group(required=True)
@@ -60,11 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="serve Prometheus /metrics on this port, on the --listen host (0: off)",
     )
-    p.add_argument("--no-rebalance", action="store_true",
-                   help="serve the API only (no rebalancing, rollout or placement loop)")
-    p.add_argument("--worker-admin-token-file", type=Path, default=None,
-                   help="token the placement loop sends to the workers' load endpoint (the "
-                        "workers' --admin-token-file)")
+    p.add_argument(
+        "--no-rebalance",
+        action="store_true",
+        help="serve the API only (no rebalancing, rollout or placement loop)",
+    )
+    p.add_argument(
+        "--worker-admin-token-file",
+        type=Path,
+        default=None,
+        help="token the placement loop sends to the workers' load endpoint (the "
+        "workers' --admin-token-file)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -187,7 +187,9 @@ class _StateCollector(Collector):
         known = gauge(
             "shard_known", "1 when at least one of the shard's workers reports metrics.", ("shard",)
         )
-        workers = gauge("shard_workers", "Workers of the shard by metrics state.", ("shard", "state"))
+        workers = gauge(
+            "shard_workers", "Workers of the shard by metrics state.", ("shard", "state")
+        )
         for shard_id, load in sorted(state.shard_loads.items()):
             known.add_metric([shard_id], 1.0 if load.known else 0.0)
             if load.known:
@@ -202,7 +204,9 @@ class _StateCollector(Collector):
         lag = gauge(
             "node_version_lag", "Published version minus the node's applied version.", ("node",)
         )
-        age = gauge("node_report_age_seconds", "Seconds since the node's last ReportLoad.", ("node",))
+        age = gauge(
+            "node_report_age_seconds", "Seconds since the node's last ReportLoad.", ("node",)
+        )
         error = gauge("node_apply_error", "1 when the node's last apply failed.", ("node",))
         now = self.clock()
         for node_id, applied_version, last, err in state.nodes:

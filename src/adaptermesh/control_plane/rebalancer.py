@@ -81,9 +81,7 @@ class AssignmentHub:
 
     def publish(self, assignment: assignment_pb2.Assignment) -> None:
         if self._latest is not None and assignment.version <= self._latest.version:
-            raise PublishError(
-                f"version {assignment.version} is not above {self._latest.version}"
-            )
+            raise PublishError(f"version {assignment.version} is not above {self._latest.version}")
         self._latest = assignment
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
@@ -149,8 +147,9 @@ class _Layout:
         for inst in instances:
             # Shard routes lie inside placement.shards (adapter_edge.check_instance); with
             # placement and no shard routes, the placement's shards hold the adapter.
-            for shard_id in ([r.shard_id for r in inst.routes if r.shard_id]
-                             or list(inst.placement.shards)):
+            for shard_id in [r.shard_id for r in inst.routes if r.shard_id] or list(
+                inst.placement.shards
+            ):
                 routed.setdefault(shard_id, set()).add(inst.name)
         specs = tuple(sorted(store.list_shards(), key=lambda s: s.id))
         columns = ColumnLayout(
@@ -159,14 +158,16 @@ class _Layout:
             [[endpoint_key(ep.address, ep.port) for ep in s.endpoints] for s in specs],
             [routed.get(s.id, ()) for s in specs],
         )
-        targets = tuple(
-            Target(s.id, ep.address, ep.port) for s in specs for ep in s.endpoints
-        )
+        targets = tuple(Target(s.id, ep.address, ep.port) for s in specs for ep in s.endpoints)
         unknown = tuple(WorkerObservation(t.address, t.port, known=False) for t in targets)
-        classes = {i.name: i.labels[ADAPTER_CLASS_LABEL] for i in instances
-                   if i.labels.get(ADAPTER_CLASS_LABEL)}
-        return cls(key, specs, columns, targets, unknown, tuple(adapter_edge.edges_of(instances)),
-                   classes)
+        classes = {
+            i.name: i.labels[ADAPTER_CLASS_LABEL]
+            for i in instances
+            if i.labels.get(ADAPTER_CLASS_LABEL)
+        }
+        return cls(
+            key, specs, columns, targets, unknown, tuple(adapter_edge.edges_of(instances)), classes
+        )
 
 
 _AGE = attrgetter("age_s")
@@ -428,9 +429,7 @@ class Rebalancer:
         obs, rows = self.columns(self.workers)
         if self.config.power_law:
             self.capacity.add(self.workers, self.layout().classes)
-            obs = replace(
-                obs, curves=self.capacity.fits(), class_mixes=self.capacity.class_mixes()
-            )
+            obs = replace(obs, curves=self.capacity.fits(), class_mixes=self.capacity.class_mixes())
         decision = policy.decide(obs, self.state, now, self.config.policy)
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         affinity = self._affinity()
@@ -498,8 +497,9 @@ class Rebalancer:
                 self.last_error = repr(exc)
                 consecutive += 1
                 delay = backoff.next()
-                self.log.exception("rebalance step failed (%d in a row); retry in %.1fs",
-                                   consecutive, delay)
+                self.log.exception(
+                    "rebalance step failed (%d in a row); retry in %.1fs", consecutive, delay
+                )
             await sleep_or_stop(self.clock, delay, stop)
 
     def status_loads(self) -> list[control_plane_pb2.ShardLoad]:
@@ -523,15 +523,15 @@ class Rebalancer:
         ]
 
 
-
 def _affinity_reason(
     now: Mapping[str, tuple[str, ...]], before: Mapping[str, tuple[str, ...]]
 ) -> str:
     gone = sorted(k for k, v in now.items() if v == () and before.get(k) != ())
     moved = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
-    detail = f"unreachable {', '.join(gone)}" if gone else f"resident adapters of {', '.join(moved)}"
+    detail = (
+        f"unreachable {', '.join(gone)}" if gone else f"resident adapters of {', '.join(moved)}"
+    )
     return f"endpoint set changed: adapter affinity ({detail})"
-
 
 
 def _summarise(

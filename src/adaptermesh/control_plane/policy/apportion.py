@@ -102,11 +102,14 @@ def validate_weights(
         if total != config.budget:
             problems.append(f"weights sum to {total}, not {config.budget}")
         floor = config.weight_floor(len(active))
-        low = sorted(shard_id for shard_id, weight in weights.items() if weight < floor and shard_id not in overridden)
+        low = sorted(
+            shard_id
+            for shard_id, weight in weights.items()
+            if weight < floor and shard_id not in overridden
+        )
         if low:
             problems.append(f"weights below the minimum {floor}: {low}")
     return problems
-
 
 
 def _waterfill_cols(share: _F, total: float, floor: float) -> _F:
@@ -118,7 +121,9 @@ def _waterfill_cols(share: _F, total: float, floor: float) -> _F:
             return np.full(share.size, total / share.size)
         rest = total - floor * int(pinned.sum())
         mass = _seqsum(share[free])
-        proportional = rest * share / mass if mass > 0 else np.full(share.size, rest / int(free.sum()))
+        proportional = (
+            rest * share / mass if mass > 0 else np.full(share.size, rest / int(free.sum()))
+        )
         low = free & (proportional < floor)
         if not low.any():
             return np.where(pinned, floor, proportional).astype(np.float64)

@@ -173,14 +173,19 @@ def _unusable(points: int, reason: str) -> PowerLawFit:
     return PowerLawFit(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, points, False, reason)
 
 
-def narrow_range(tokens_min: float, tokens_max: float, points: int, config: CapacityConfig) -> PowerLawFit | None:
+def narrow_range(
+    tokens_min: float, tokens_max: float, points: int, config: CapacityConfig
+) -> PowerLawFit | None:
     """The unusable fit, without fitting, when the readings cannot reach the excitation bar.
 
     The standard deviation of ``ln T`` is at most half its range, so a range below twice
     ``min_log_spread`` can never pass: a steady fleet costs two comparisons per worker."""
     if tokens_min > 0 and math.log(tokens_max / tokens_min) < 2 * config.min_log_spread:
-        return _unusable(points, f"not excited: ln(T) range {math.log(tokens_max / tokens_min):.3f}"
-                         f" < {2 * config.min_log_spread}")
+        return _unusable(
+            points,
+            f"not excited: ln(T) range {math.log(tokens_max / tokens_min):.3f}"
+            f" < {2 * config.min_log_spread}",
+        )
     return None
 
 
@@ -192,7 +197,12 @@ def fit_power_law(
     latency = np.asarray(latency_s, dtype=np.float64)
     if throughput.shape != latency.shape or throughput.ndim != 1:
         raise ValueError("tokens_per_s and latency_s must be 1-d and of one length")
-    valid = np.isfinite(throughput) & np.isfinite(latency) & (throughput > config.min_tokens_per_s) & (latency > 0)
+    valid = (
+        np.isfinite(throughput)
+        & np.isfinite(latency)
+        & (throughput > config.min_tokens_per_s)
+        & (latency > 0)
+    )
     throughput, latency = throughput[valid], latency[valid]
     count = int(throughput.size)
     if count < config.min_points:
@@ -204,7 +214,9 @@ def fit_power_law(
     # tell a curve from noise: two levels always fit perfectly and say nothing.
     levels = int(np.unique(np.round(ln_throughput / config.level_width)).size)
     if levels < config.min_levels:
-        return _unusable(count, f"not excited: {levels} distinct throughput levels, need {config.min_levels}")
+        return _unusable(
+            count, f"not excited: {levels} distinct throughput levels, need {config.min_levels}"
+        )
     if spread < config.min_log_spread:
         # One operating point identifies no curve: skip the fit (the steady state, so cheap).
         return _unusable(count, f"not excited: ln(T) spread {spread:.3f} < {config.min_log_spread}")
@@ -218,9 +230,15 @@ def fit_power_law(
     def line(fraction: float) -> tuple[float, float, float, float]:
         eps = fraction * latency_min
         ln_excess = np.log(latency - eps)
-        slope = float(centred_ln_throughput @ (ln_excess - ln_excess.mean())) / throughput_sum_squares if throughput_sum_squares > 0 else 0.0
+        slope = (
+            float(centred_ln_throughput @ (ln_excess - ln_excess.mean())) / throughput_sum_squares
+            if throughput_sum_squares > 0
+            else 0.0
+        )
         beta = min(beta_high, max(beta_low, -slope))
-        ln_alpha = min(ln_alpha_high, max(ln_alpha_low, float((ln_excess + beta * ln_throughput).mean())))
+        ln_alpha = min(
+            ln_alpha_high, max(ln_alpha_low, float((ln_excess + beta * ln_throughput).mean()))
+        )
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             residuals = ln_latency - np.log(eps + np.exp(ln_alpha - beta * ln_throughput))
         sse = float(residuals @ residuals)
@@ -228,15 +246,24 @@ def fit_power_law(
 
     # eps as a fraction of the smallest latency: a grid dense near 1 (a floor close to the
     # unloaded latency is the common case), then golden-section search around the best point.
-    fractions = [0.0] + [1.0 - 10.0 ** (-3.0 * step / max(1, config.eps_grid - 1)) for step in range(1, config.eps_grid)]
+    fractions = [0.0] + [
+        1.0 - 10.0 ** (-3.0 * step / max(1, config.eps_grid - 1))
+        for step in range(1, config.eps_grid)
+    ]
     if config.eps_grid > 1:
         fractions[-1] = 0.999
     scored = [line(fraction) for fraction in fractions]
     best_index = min(range(len(scored)), key=lambda index: scored[index][0])
     best = scored[best_index]
-    low_fraction, high_fraction = fractions[max(0, best_index - 1)], fractions[min(len(fractions) - 1, best_index + 1)]
+    low_fraction, high_fraction = (
+        fractions[max(0, best_index - 1)],
+        fractions[min(len(fractions) - 1, best_index + 1)],
+    )
     golden = (math.sqrt(5) - 1) / 2
-    left, right = high_fraction - golden * (high_fraction - low_fraction), low_fraction + golden * (high_fraction - low_fraction)
+    left, right = (
+        high_fraction - golden * (high_fraction - low_fraction),
+        low_fraction + golden * (high_fraction - low_fraction),
+    )
     left_fit, right_fit = line(left), line(right)
     for _ in range(24):
         if left_fit[0] < right_fit[0]:
@@ -260,7 +287,9 @@ def fit_power_law(
     reason = ""
     if confidence < config.min_confidence:
         reason = f"confidence {confidence:.2f} < {config.min_confidence} (r2 {r2:.2f})"
-    return PowerLawFit(math.exp(ln_alpha), beta, eps, r2, excitation, confidence, count, not reason, reason)
+    return PowerLawFit(
+        math.exp(ln_alpha), beta, eps, r2, excitation, confidence, count, not reason, reason
+    )
 
 
 def queue_latency(baseline_s: float, rho: float) -> float:
@@ -321,7 +350,9 @@ class MixedCurve:
     fixed: tuple[tuple[float, float, float], ...] = ()  # (share, p95, floor)
 
     def _parts(self, tokens_per_s: float) -> list[tuple[float, float, float]]:
-        return [(share, fit.predict(tokens_per_s), fit.eps) for share, fit in self.growing] + list(self.fixed)
+        return [(share, fit.predict(tokens_per_s), fit.eps) for share, fit in self.growing] + list(
+            self.fixed
+        )
 
     def predict(self, tokens_per_s: float) -> float:
         parts = [part for part in self._parts(tokens_per_s) if part[0] > 0]
@@ -348,6 +379,7 @@ class MixedCurve:
     def max_throughput(self, latency_s: float) -> float:
         if not latency_s > 0:
             return 0.0
+
         # predict(T) <= level  <=>  P(L > level) <= 0.05 at T, and that tail grows with T.
         def over(ln_t: float) -> bool:
             return _tail(latency_s, self._parts(math.exp(ln_t))) > _TAIL
@@ -397,7 +429,9 @@ def mixed_curve(
         return parts[0][1]
     throughput = float(tokens_per_s) if math.isfinite(tokens_per_s) else 0.0
     growing = tuple((share / total, fit) for share, fit in parts if fit.beta < 0)
-    fixed = tuple((share / total, fit.predict(throughput), fit.eps) for share, fit in parts if fit.beta >= 0)
+    fixed = tuple(
+        (share / total, fit.predict(throughput), fit.eps) for share, fit in parts if fit.beta >= 0
+    )
     return MixedCurve(growing, fixed)
 
 
@@ -420,8 +454,14 @@ class ShardCurve:
     def predict(self, weight: float, *, skip_mixed: bool = False) -> float:
         scale = weight / self.weight_eff
         if self.fits:
-            return max((fit.predict(worker_tokens * scale) for fit, worker_tokens in self.fits
-                        if not (skip_mixed and isinstance(fit, MixedCurve))), default=-math.inf)
+            return max(
+                (
+                    fit.predict(worker_tokens * scale)
+                    for fit, worker_tokens in self.fits
+                    if not (skip_mixed and isinstance(fit, MixedCurve))
+                ),
+                default=-math.inf,
+            )
         return queue_latency(self.baseline_s, self.rho * scale)
 
     def max_weight(self, level: float, *, skip_mixed: bool = False) -> float:
@@ -460,8 +500,13 @@ class _MixBatch:
         for position, curve in enumerate(curves):
             for fit, worker_tokens in curve.fits:
                 if isinstance(fit, MixedCurve) and worker_tokens > 0:
-                    rows.append([(share, class_fit.alpha, -class_fit.beta, class_fit.eps) for share, class_fit in fit.growing]
-                                + [(share, p95 - floor, 0.0, floor) for share, p95, floor in fit.fixed])
+                    rows.append(
+                        [
+                            (share, class_fit.alpha, -class_fit.beta, class_fit.eps)
+                            for share, class_fit in fit.growing
+                        ]
+                        + [(share, p95 - floor, 0.0, floor) for share, p95, floor in fit.fixed]
+                    )
                     shard.append(position)
                     per_token.append(curve.weight_eff / worker_tokens)
         most_classes = max((len(row_parts) for row_parts in rows), default=0)
@@ -505,7 +550,9 @@ class _MixBatch:
             for _ in range(self._STEPS + 10):
                 mid = 0.5 * (low + high)
                 latency = np.exp(mid)[:, None]
-                term = np.where(latency < self.eps, 1.0, np.exp(-_LN_TAIL * (latency - self.eps) / gap))
+                term = np.where(
+                    latency < self.eps, 1.0, np.exp(-_LN_TAIL * (latency - self.eps) / gap)
+                )
                 over = (self.share * term).sum(axis=1) > _TAIL
                 low = np.where(over, mid, low)
                 high = np.where(over, high, mid)
@@ -519,7 +566,9 @@ class _MixBatch:
         caps = self._caps(level) if level > 0 else np.zeros(len(self))
         out = np.full(self.n, math.inf)
         with np.errstate(invalid="ignore"):
-            np.minimum.at(out, self.shard, np.nan_to_num(caps * self.per_token, nan=0.0, posinf=math.inf))
+            np.minimum.at(
+                out, self.shard, np.nan_to_num(caps * self.per_token, nan=0.0, posinf=math.inf)
+            )
         return out
 
     def _caps(self, level: float) -> _F:
@@ -530,8 +579,11 @@ class _MixBatch:
         count = len(self)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             # alpha 0 (a fixed class at its floor): no tail above the floor.
-            scale = np.where(self.alpha > 0, _LN_TAIL * (level - self.eps)
-                             / np.where(self.alpha > 0, self.alpha, 1.0), np.inf)
+            scale = np.where(
+                self.alpha > 0,
+                _LN_TAIL * (level - self.eps) / np.where(self.alpha > 0, self.alpha, 1.0),
+                np.inf,
+            )
         below = level <= self.eps
         low = np.full(count, _LN_T_LO)
         high = np.full(count, _LN_T_HI)
@@ -581,22 +633,35 @@ def plan_split(curves: Sequence[ShardCurve], pool: float, floor: float) -> _F:
     def alloc(level: float) -> _F:
         if not len(batch):
             return np.array(
-                [min(pool, max(floor, curve.max_weight(level))) for curve in curves], dtype=np.float64
+                [min(pool, max(floor, curve.max_weight(level))) for curve in curves],
+                dtype=np.float64,
             )
         mixed = batch.max_weights(level)
         return np.array(
-            [min(pool, max(floor, min(curve.max_weight(level, skip_mixed=True), float(mixed_cap))))
-             for curve, mixed_cap in zip(curves, mixed, strict=True)],
+            [
+                min(
+                    pool,
+                    max(floor, min(curve.max_weight(level, skip_mixed=True), float(mixed_cap))),
+                )
+                for curve, mixed_cap in zip(curves, mixed, strict=True)
+            ],
             dtype=np.float64,
         )
 
     if len(batch):
         mixed_lows = batch.predict(floor)
-        lows = [max(curve.predict(floor, skip_mixed=True), float(mixed_cap))
-                for curve, mixed_cap in zip(curves, mixed_lows, strict=True)]
+        lows = [
+            max(curve.predict(floor, skip_mixed=True), float(mixed_cap))
+            for curve, mixed_cap in zip(curves, mixed_lows, strict=True)
+        ]
     else:
         lows = [curve.predict(floor) for curve in curves]
-    low_level = max(1e-9, min(low_latency for low_latency in lows if math.isfinite(low_latency)) if any(map(math.isfinite, lows)) else 1e-9)
+    low_level = max(
+        1e-9,
+        min(low_latency for low_latency in lows if math.isfinite(low_latency))
+        if any(map(math.isfinite, lows))
+        else 1e-9,
+    )
     high_level = low_level * 2.0
     for _ in range(200):
         if alloc(high_level).sum() >= pool:

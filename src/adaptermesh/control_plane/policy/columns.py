@@ -103,7 +103,9 @@ class ObservationColumns:
             if requested:
                 hits.extend(
                     [
-                        float(len(requested & worker.resident_adapters)) if worker.resident_adapters else 0.0
+                        float(len(requested & worker.resident_adapters))
+                        if worker.resident_adapters
+                        else 0.0
                         for worker in workers
                     ]
                 )
@@ -132,8 +134,16 @@ class ObservationColumns:
         if not np.isfinite(table).all():
             # A non-finite count or rate is as good as no reading: 0 for counts and rates,
             # nan ("not reported") for latency and free memory.
-            for column, fill in ((1, 0.0), (2, 0.0), (3, 0.0), (4, math.nan), (5, 0.0), (6, math.nan),
-                              (7, math.nan), (8, math.nan)):
+            for column, fill in (
+                (1, 0.0),
+                (2, 0.0),
+                (3, 0.0),
+                (4, math.nan),
+                (5, 0.0),
+                (6, math.nan),
+                (7, math.nan),
+                (8, math.nan),
+            ):
                 bad = ~np.isfinite(table[:, column])
                 table[bad, column] = fill
         # A latency no worker can have (negative, or above a million seconds) is a broken
@@ -163,7 +173,9 @@ class ObservationColumns:
             class_mixes=dict(observation.class_mixes),
         )
 
-    def same_layout(self, shard_ids: tuple[str, ...], offsets: _I, endpoints: tuple[str, ...]) -> bool:
+    def same_layout(
+        self, shard_ids: tuple[str, ...], offsets: _I, endpoints: tuple[str, ...]
+    ) -> bool:
         return (
             (self.shard_ids is shard_ids or self.shard_ids == shard_ids)
             and np.array_equal(self.offsets, offsets)
@@ -172,8 +184,16 @@ class ObservationColumns:
 
 
 _MAX_LATENCY_S = 1e6
-_ROW_FIELDS = ("waiting", "running", "kv_cache_usage", "latency_s", "tokens_per_s",
-               "gpu_free_bytes", "ttft_p95_s", "tpot_p95_s")
+_ROW_FIELDS = (
+    "waiting",
+    "running",
+    "kv_cache_usage",
+    "latency_s",
+    "tokens_per_s",
+    "gpu_free_bytes",
+    "ttft_p95_s",
+    "tpot_p95_s",
+)
 # What a non-finite reading becomes: 0 for counts and rates, nan ("not reported") for latency
 # and free memory.
 _ROW_FILL = (0.0, 0.0, 0.0, math.nan, 0.0, math.nan, math.nan, math.nan)
@@ -182,6 +202,8 @@ _ROW_FILL = (0.0, 0.0, 0.0, math.nan, 0.0, math.nan, math.nan, math.nan)
 def _reported(column: _F) -> _F | None:
     """A percentile column, or None when no worker reported it (the common old-worker case)."""
     return np.ascontiguousarray(column) if not np.isnan(column).all() else None
+
+
 _KNOWN = attrgetter("known")
 _RESIDENT = attrgetter("resident_adapters")
 _REQUESTED = attrgetter("requested_adapters")
@@ -202,8 +224,18 @@ class ColumnLayout:
     """
 
     __slots__ = (
-        "_adapter_bit", "_mask_cache", "_masks", "_routed_masks", "_set_id", "active",
-        "endpoints", "max_interned", "offsets", "routed", "shard_ids", "shard_of",
+        "_adapter_bit",
+        "_mask_cache",
+        "_masks",
+        "_routed_masks",
+        "_set_id",
+        "active",
+        "endpoints",
+        "max_interned",
+        "offsets",
+        "routed",
+        "shard_ids",
+        "shard_of",
     )
 
     def __init__(
@@ -234,8 +266,10 @@ class ColumnLayout:
         # Interned adapter sets are forgotten past this many, so a churning adapter
         # population cannot grow the table without bound.
         self.max_interned = 65_536
-        self.routed = tuple(frozenset(routed_set) for routed_set in routed) if routed is not None else tuple(
-            _EMPTY for _ in ids
+        self.routed = (
+            tuple(frozenset(routed_set) for routed_set in routed)
+            if routed is not None
+            else tuple(_EMPTY for _ in ids)
         )
         self._reset_interning()
 
@@ -298,7 +332,8 @@ class ColumnLayout:
             full = (1 << 64) - 1
             every = self._masks + self._routed_masks
             cached = np.array(
-                [[(mask >> (64 * word)) & full for word in range(words)] for mask in every], dtype=np.uint64
+                [[(mask >> (64 * word)) & full for word in range(words)] for mask in every],
+                dtype=np.uint64,
             ).reshape(len(every), words)
             self._mask_cache = cached
         n_sets = len(self._masks)
@@ -331,7 +366,7 @@ class ColumnLayout:
         known = np.array(list(map(_KNOWN, workers)), dtype=np.bool_)
         # One call for both, so a reset of the interning table cannot split them.
         both = self._ids(list(map(_RESIDENT, workers)) + list(map(_REQUESTED, workers)))
-        resident_ids, requested_ids = both[: len(workers)], both[len(workers):]
+        resident_ids, requested_ids = both[: len(workers)], both[len(workers) :]
         masks, routed = self._mask_table()
         if masks.shape[0] == 1 and not routed.any():
             # No worker names an adapter and none is routed: nothing is wanted anywhere.
@@ -340,7 +375,9 @@ class ColumnLayout:
         else:
             shard_requested = routed.copy()
             np.bitwise_or.at(shard_requested, self.shard_of, masks[requested_ids])
-            wanted = np.bitwise_count(shard_requested).sum(axis=1, dtype=np.int64).astype(np.float64)
+            wanted = (
+                np.bitwise_count(shard_requested).sum(axis=1, dtype=np.int64).astype(np.float64)
+            )
             hits = (
                 np.bitwise_count(shard_requested[self.shard_of] & masks[resident_ids])
                 .sum(axis=1, dtype=np.int64)
@@ -414,7 +451,13 @@ class Estimates(Mapping[str, ShardEstimate]):
     """Per-shard estimates as columns (``nan`` for None); ``ShardEstimate``s built on access."""
 
     __slots__ = (
-        "_index", "baseline_s", "latency_s", "moving", "rho", "shard_ids", "tokens_per_s",
+        "_index",
+        "baseline_s",
+        "latency_s",
+        "moving",
+        "rho",
+        "shard_ids",
+        "tokens_per_s",
         "weight_eff",
     )
 

@@ -78,7 +78,6 @@ def _ewma_cols(prev: _F, value: _F, alpha: float) -> _F:
     return np.where(np.isnan(prev), value, prev + alpha * (value - prev))
 
 
-
 def _shard_curves(
     observed: ObservationColumns,
     active_shards: _I,
@@ -105,7 +104,10 @@ def _shard_curves(
     any_fit = False
     for position in np.flatnonzero(movable).tolist():
         shard_row = int(active_shards[position])
-        first_worker, end_worker = int(observed.offsets[shard_row]), int(observed.offsets[shard_row + 1])
+        first_worker, end_worker = (
+            int(observed.offsets[shard_row]),
+            int(observed.offsets[shard_row + 1]),
+        )
         fits: list[tuple[LatencyCurve, float]] = []
         complete = True
         for worker_row in range(first_worker, end_worker):
@@ -115,20 +117,34 @@ def _shard_curves(
             if not worker_tokens > 0:
                 continue
             endpoint = observed.endpoints[worker_row]
-            curve = mixed_curve(class_mixes.get(endpoint), observed.curves.get(endpoint), worker_tokens)
+            curve = mixed_curve(
+                class_mixes.get(endpoint), observed.curves.get(endpoint), worker_tokens
+            )
             if curve is not None:
                 fits.append((curve, worker_tokens))
             else:
                 complete = False
         shard_rho = float(rho[position])
-        unloaded_latency = float(baseline[position]) if not math.isnan(baseline[position]) else float(latency[position])
+        unloaded_latency = (
+            float(baseline[position])
+            if not math.isnan(baseline[position])
+            else float(latency[position])
+        )
         # A saturated shard (waiting requests or rho >= 1) has left the curve: its throughput
         # no longer grows with load, only its latency does. The queueing model handles it.
         if fits and complete and shard_rho < 1.0:
             any_fit = True
-            shard_curves.append(ShardCurve(float(weight_eff[position]), shard_rho, unloaded_latency, tuple(fits)))
+            shard_curves.append(
+                ShardCurve(float(weight_eff[position]), shard_rho, unloaded_latency, tuple(fits))
+            )
         else:
-            shard_curves.append(ShardCurve(float(weight_eff[position]), shard_rho, unloaded_latency if not math.isnan(unloaded_latency) else 1.0))
+            shard_curves.append(
+                ShardCurve(
+                    float(weight_eff[position]),
+                    shard_rho,
+                    unloaded_latency if not math.isnan(unloaded_latency) else 1.0,
+                )
+            )
     return shard_curves if any_fit else None
 
 
@@ -164,14 +180,28 @@ def _endpoint_cols(observed: ObservationColumns, previous: _F, config: PolicyCon
     known = observed.known
     utilization = observed.kv_cache_usage
     queued = observed.waiting != 0
-    utilization = np.where(queued, np.maximum(utilization, 1.0 + observed.waiting / np.maximum(observed.running, 1.0)), utilization)
+    utilization = np.where(
+        queued,
+        np.maximum(utilization, 1.0 + observed.waiting / np.maximum(observed.running, 1.0)),
+        utilization,
+    )
     headroom = np.where(utilization < 0.95, 1.0 - utilization, 0.05)
-    free_bytes = np.where(np.isnan(observed.gpu_free_bytes) | ~(observed.gpu_free_bytes > 0), 0.0, observed.gpu_free_bytes)
+    free_bytes = np.where(
+        np.isnan(observed.gpu_free_bytes) | ~(observed.gpu_free_bytes > 0),
+        0.0,
+        observed.gpu_free_bytes,
+    )
     most_free_bytes = np.zeros(n_shards)
-    np.maximum.at(most_free_bytes, shard_of[known], np.nan_to_num(observed.gpu_free_bytes[known], nan=0.0))
-    inverse_most_free = np.where(most_free_bytes > 1.0, 1.0 / np.where(most_free_bytes > 1.0, most_free_bytes, 1.0), 0.0)
+    np.maximum.at(
+        most_free_bytes, shard_of[known], np.nan_to_num(observed.gpu_free_bytes[known], nan=0.0)
+    )
+    inverse_most_free = np.where(
+        most_free_bytes > 1.0, 1.0 / np.where(most_free_bytes > 1.0, most_free_bytes, 1.0), 0.0
+    )
     affinity_bonus = np.where(
-        observed.wanted > 0, config.affinity_bonus / np.where(observed.wanted > 0, observed.wanted, 1.0), 0.0
+        observed.wanted > 0,
+        config.affinity_bonus / np.where(observed.wanted > 0, observed.wanted, 1.0),
+        0.0,
     )
     score = headroom * (1.0 + config.memory_bonus * free_bytes * inverse_most_free[shard_of])
     if observed.tpot_p95_s is not None:
@@ -190,7 +220,9 @@ def _endpoint_cols(observed: ObservationColumns, previous: _F, config: PolicyCon
     row_best_score = best_score[shard_of]
     row_best_nonzero = np.where(row_best_score > 0, row_best_score, 1.0)
     target = (config.endpoint_scale / row_best_nonzero) * score
-    smoothed = np.where(np.isnan(previous), target, previous + config.ewma_alpha * (target - previous))
+    smoothed = np.where(
+        np.isnan(previous), target, previous + config.ewma_alpha * (target - previous)
+    )
     weights = np.maximum(1, np.round(smoothed)).astype(np.int64)
     unknown = ~known
     if unknown.any():
@@ -245,7 +277,9 @@ def _baseline(
     workers = np.maximum(1, np.diff(observed.offsets)[active])
     total_workers = int(workers.sum())
     published = _aligned(weights, shard_ids)
-    current = np.where(np.isnan(published), config.budget * workers / max(1, total_workers), published)
+    current = np.where(
+        np.isnan(published), config.budget * workers / max(1, total_workers), published
+    )
 
     free = np.array([shard_id not in overrides for shard_id in shard_ids], dtype=np.bool_)
     free_count = int(free.sum())
@@ -253,7 +287,8 @@ def _baseline(
     fixed_total = sum(overrides.values())
     if overrides and (fixed_total > room or not free_count):
         fixed = apportion(
-            {shard_id: float(weight) for shard_id, weight in overrides.items()}, room if free_count else config.budget
+            {shard_id: float(weight) for shard_id, weight in overrides.items()},
+            room if free_count else config.budget,
         )
     else:
         fixed = dict(overrides)
@@ -276,7 +311,6 @@ def _baseline(
     start_weights = np.full(active_count, math.nan)
     start_weights[free] = free_start
     return _Baseline(active, shard_ids, published, fixed, start_weights, free, rest, floor)
-
 
 
 def _effective_overrides(
@@ -342,14 +376,18 @@ def decide(
     # interval, its mean otherwise (older workers).
     worker_latency = observed.latency_s
     if observed.ttft_p95_s is not None:
-        worker_latency = np.where(np.isnan(observed.ttft_p95_s), worker_latency, observed.ttft_p95_s)
+        worker_latency = np.where(
+            np.isnan(observed.ttft_p95_s), worker_latency, observed.ttft_p95_s
+        )
     has_latency = known_workers & ~np.isnan(worker_latency) & (worker_latency != 0)
     worker_latency_weight = np.where(observed.tokens_per_s > 1e-9, observed.tokens_per_s, 1e-9)
     latency_weight = sum_known(worker_latency_weight, has_latency)
     weighted_latency = sum_known(worker_latency * worker_latency_weight, has_latency)
     sampled = known & (latency_weight > 0)
     sample = np.where(sampled, weighted_latency / np.where(sampled, latency_weight, 1.0), math.nan)
-    latency = np.where(sampled, _ewma_cols(prior.latency_s, sample, config.ewma_alpha), prior.latency_s)
+    latency = np.where(
+        sampled, _ewma_cols(prior.latency_s, sample, config.ewma_alpha), prior.latency_s
+    )
     baseline = np.where(
         sampled,
         np.where(
@@ -363,15 +401,22 @@ def decide(
     positive = sampled & (sample > 0)
     rho_latency = np.where(positive, 1.0 - baseline / np.where(positive, sample, 1.0), 0.0)
     rho_queue = np.where(waiting > 0, 1.0 + waiting / np.maximum(running, 1.0), 0.0)
-    rho = np.minimum(np.maximum(np.maximum(np.maximum(rho_latency, kv_usage), rho_queue), config.rho_min),
-                     config.rho_max)
+    rho = np.minimum(
+        np.maximum(np.maximum(np.maximum(rho_latency, kv_usage), rho_queue), config.rho_min),
+        config.rho_max,
+    )
     published = base.previous
     rho_estimate = np.where(known, _ewma_cols(prior.rho, rho, config.ewma_alpha), prior.rho)
-    smoothed_weight_eff = np.where(np.isnan(published), prior.weight_eff,
-                        _ewma_cols(prior.weight_eff, published, config.ewma_alpha))
+    smoothed_weight_eff = np.where(
+        np.isnan(published),
+        prior.weight_eff,
+        _ewma_cols(prior.weight_eff, published, config.ewma_alpha),
+    )
     weight_eff_estimate = np.where(known, smoothed_weight_eff, prior.weight_eff)
     previous_tokens = np.where(prior.tokens_per_s == 0, math.nan, prior.tokens_per_s)
-    tokens_estimate = np.where(known, _ewma_cols(previous_tokens, tokens, config.ewma_alpha), prior.tokens_per_s)
+    tokens_estimate = np.where(
+        known, _ewma_cols(previous_tokens, tokens, config.ewma_alpha), prior.tokens_per_s
+    )
     latency_estimate = np.where(known, latency, prior.latency_s)
     baseline_estimate = np.where(known, baseline, prior.baseline_s)
 
@@ -384,7 +429,15 @@ def decide(
     predicted: dict[str, float] = {}
     if int(movable.sum()) >= 2:
         pool = _seqsum(start_weights[movable])
-        curves = _shard_curves(observed, active_shards, movable, rho_estimate, weight_eff_estimate, baseline_estimate, latency_estimate)
+        curves = _shard_curves(
+            observed,
+            active_shards,
+            movable,
+            rho_estimate,
+            weight_eff_estimate,
+            baseline_estimate,
+            latency_estimate,
+        )
         if curves is not None:
             # Power-law fits: equalise predicted tail latency (shards without a usable fit
             # use the queueing model inside the same split).
@@ -392,13 +445,16 @@ def decide(
             target[movable] = planned
             movable_ids = [shard_ids[index] for index in np.flatnonzero(movable)]
             predicted = {
-                shard_id: curve.predict(float(weight)) for shard_id, curve, weight in zip(movable_ids, curves, planned, strict=True)
+                shard_id: curve.predict(float(weight))
+                for shard_id, curve, weight in zip(movable_ids, curves, planned, strict=True)
             }
         else:
             # Load per unit of weight is rho / weight_eff: equal utilisation needs
             # w ~ w_eff / rho.
             movable_rho = rho_estimate[movable]
-            share = weight_eff_estimate[movable] / np.where(movable_rho != 0, movable_rho, config.rho_min)
+            share = weight_eff_estimate[movable] / np.where(
+                movable_rho != 0, movable_rho, config.rho_min
+            )
             if _seqsum(share) > 0:
                 target[movable] = _waterfill_cols(share, pool, float(floor))
 
@@ -428,13 +484,23 @@ def decide(
     new_free_weights = start_free + deltas
     new_weights = np.zeros(len(shard_ids), dtype=np.int64)
     if base.fixed:
-        new_weights[~free] = [base.fixed[shard_id] for shard_id, is_free in zip(shard_ids, free.tolist(), strict=True)
-                              if not is_free]
+        new_weights[~free] = [
+            base.fixed[shard_id]
+            for shard_id, is_free in zip(shard_ids, free.tolist(), strict=True)
+            if not is_free
+        ]
     if new_free_weights.size:
         new_weights[free] = _apportion_cols(new_free_weights, base.rest, floor)
     weights = dict(zip(shard_ids, new_weights.tolist(), strict=True))
-    estimates = Estimates(shard_ids, rho_estimate, weight_eff_estimate, latency_estimate, baseline_estimate, tokens_estimate,
-                          moving_estimate)
+    estimates = Estimates(
+        shard_ids,
+        rho_estimate,
+        weight_eff_estimate,
+        latency_estimate,
+        baseline_estimate,
+        tokens_estimate,
+        moving_estimate,
+    )
     utilization: dict[str, float | None] = dict(
         zip(shard_ids, np.where(known, rho_estimate, math.nan).tolist(), strict=True)
     )
@@ -443,15 +509,23 @@ def decide(
             utilization[shard_id] = None
 
     # 5. Endpoint weights and the publish decision.
-    previous_endpoint_weights, same_endpoints = _previous_endpoints(current.endpoint_weights, observed)
+    previous_endpoint_weights, same_endpoints = _previous_endpoints(
+        current.endpoint_weights, observed
+    )
     endpoint_values = _endpoint_cols(observed, previous_endpoint_weights, config)
-    endpoint_weights = EndpointWeights(observed.shard_ids, observed.offsets, observed.endpoints, endpoint_values)
+    endpoint_weights = EndpointWeights(
+        observed.shard_ids, observed.offsets, observed.endpoints, endpoint_values
+    )
     published_weights = current.weights
     structure = len(published_weights) != len(shard_ids) or bool(np.isnan(published).any())
     if structure:
         keys = sorted(set(published_weights) | set(weights))
         diffs = np.array(
-            [abs(weights.get(shard_id, 0) - published_weights.get(shard_id, 0)) for shard_id in keys], dtype=np.int64
+            [
+                abs(weights.get(shard_id, 0) - published_weights.get(shard_id, 0))
+                for shard_id in keys
+            ],
+            dtype=np.int64,
         )
     else:
         keys = list(shard_ids)
@@ -459,7 +533,14 @@ def decide(
     change = int(diffs.sum()) // 2
     had_endpoint_weight = ~np.isnan(previous_endpoint_weights)
     endpoint_move = (
-        int(np.abs(endpoint_values[had_endpoint_weight] - previous_endpoint_weights[had_endpoint_weight]).max()) if had_endpoint_weight.any() else 0
+        int(
+            np.abs(
+                endpoint_values[had_endpoint_weight]
+                - previous_endpoint_weights[had_endpoint_weight]
+            ).max()
+        )
+        if had_endpoint_weight.any()
+        else 0
     )
     reasons: list[str] = []
     if structure:
@@ -471,7 +552,8 @@ def decide(
         reasons.append(
             f"rebalance: {change} parts moved ("
             + ", ".join(
-                f"{keys[index]} {published_weights.get(keys[index], 0)}->{weights.get(keys[index], 0)}" for index in largest
+                f"{keys[index]} {published_weights.get(keys[index], 0)}->{weights.get(keys[index], 0)}"
+                for index in largest
             )
             + ")"
         )
@@ -518,9 +600,17 @@ def desired(
     weights = dict(base.fixed)
     if base.free.any():
         shard_ids = [observed.shard_ids[i] for i in base.active]
-        free_ids = [shard_id for shard_id, is_free in zip(shard_ids, base.free.tolist(), strict=True) if is_free]
+        free_ids = [
+            shard_id
+            for shard_id, is_free in zip(shard_ids, base.free.tolist(), strict=True)
+            if is_free
+        ]
         allocated = _apportion_cols(base.start_weights[base.free], base.rest, base.floor)
         weights.update(zip(free_ids, allocated.tolist(), strict=True))
     previous_endpoint_weights, _ = _previous_endpoints(current.endpoint_weights, observed)
-    values = np.where(np.isnan(previous_endpoint_weights), float(config.endpoint_scale), previous_endpoint_weights).astype(np.int64)
-    return weights, EndpointWeights(observed.shard_ids, observed.offsets, observed.endpoints, values)
+    values = np.where(
+        np.isnan(previous_endpoint_weights), float(config.endpoint_scale), previous_endpoint_weights
+    ).astype(np.int64)
+    return weights, EndpointWeights(
+        observed.shard_ids, observed.offsets, observed.endpoints, values
+    )
