@@ -7,7 +7,11 @@ Tiers and invariants:
 * **CPU cache.** Validated, packed weights (pinned memory on CUDA), bounded in bytes.
   Pinned adapters are never dropped.
 * **GPU slots.** ``LoraPool`` slots, bounded in count. A slot with a non-zero reference
-  count (in-flight requests), a reserved slot or a pinned adapter is never evicted.
+  count (in-flight requests), a reserved slot, a pinned adapter or an adapter that a waiting
+  request has *claimed* (``claim``/``unclaim``, a per-name count the scheduler keeps) is never
+  evicted. The scheduler claims the adapters of waiting requests and starts loads itself
+  (``start_load``), in queue order, no more at a time than ``slots_for_loads`` says can get a
+  slot: a completed load waits, claimed, for the request it was made for (``scheduler.py``).
 * **Eviction.** Each tier has its own policy from ``eviction.py`` (``eviction=`` names it:
   lru, lru-greedy, s3-fifo or w-tinylfu). The manager tells the policy about every request
   (``note_lookup``), every adapter that becomes resident and every removal it did not ask for,
@@ -21,9 +25,14 @@ copied to the device once and published in its own table, bounded by ``max_exper
 
 Loads are two-phase. *prepare* reads and validates the files (in a thread), reserves a free or
 evictable slot, copies the weights into it and verifies the copy by checksum; *commit* then
-publishes ``name -> slot`` in one assignment on the event loop. A failed prepare releases the
-slot and leaves the published table untouched. Reloading a name publishes the new slot while the
-old one stays "retired" until its last in-flight request releases it.
+publishes ``name -> slot`` in one assignment on the event loop. An on-demand load that the
+scheduler starts (``start_load``) reserves its slot when it starts, before the read, so the slot
+the scheduler counted for it cannot be taken meanwhile; a prefetch or an explicit load reserves
+after its read. A load that finds no slot waits on an event that every change able to free one
+sets (a release to zero, an unclaim to zero, a retired or freed slot, an unload, a failed
+prepare), up to ``slot_wait_s``. A failed prepare releases the slot and leaves the published
+table untouched. Reloading a name publishes the new slot while the old one stays "retired"
+until its last in-flight request releases it.
 
 All bookkeeping runs on the event-loop thread; only file reads and slot copies run in worker
 threads, so serving continues while an adapter loads.
@@ -32,6 +41,7 @@ threads, so serving continues while an adapter loads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import OrderedDict
@@ -68,6 +78,7 @@ __all__ = [
     "resolve_in_root",
     "validate_name",
 ]
+
 
 @dataclass(slots=True)
 class _Slot:
@@ -118,6 +129,22 @@ class Lease:
     load_s: float = 0.0
 
 
+class _SlotTicket:
+    """A load counted in ``AdapterManager.awaiting_slot`` until it reserves a slot, needs none,
+    or ends; ``settle`` uncounts it once."""
+
+    __slots__ = ("_manager",)
+
+    def __init__(self, manager: AdapterManager) -> None:
+        self._manager: AdapterManager | None = manager
+        manager.awaiting_slot += 1
+
+    def settle(self) -> None:
+        if self._manager is not None:
+            self._manager.awaiting_slot -= 1
+            self._manager = None
+
+
 ExpertSetBuilder = Callable[[CpuExpertSet, int], ExpertSet]
 
 
@@ -131,6 +158,12 @@ class ManagerCounters:
     failed_loads: int = 0
     expert_set_loads: int = 0
     expert_set_evictions: int = 0
+    # LoRA and expert-set loads started (on demand, prefetch or explicit); ``loads`` counts the
+    # LoRA ones that committed.
+    loads_started: int = 0
+    # Evictions of an adapter that some waiting request wanted (``want``): 0 unless an aged
+    # request took the slot of an adapter that only requests queued behind it wanted.
+    evictions_wanted: int = 0
     latencies: list[float] = field(default_factory=list)
     # Seconds per phase of the latest LoRA load: read (disk or CPU cache), reserve, upload
     # (copy + verify), commit; benches report them next to the end-to-end figure.
@@ -178,6 +211,13 @@ class AdapterManager:
         # for them is answered from memory without touching the disk.
         self.negative: OrderedDict[str, tuple[float, AdapterNotFoundError]] = OrderedDict()
         self.inflight: dict[str, asyncio.Task[int]] = {}
+        # Waiting requests per adapter name: all of them (``wanted``), and those whose claim
+        # protects the name's slot from eviction (``claims``); the scheduler keeps both.
+        self.wanted: dict[str, int] = {}
+        self.claims: dict[str, int] = {}
+        # Loads in flight that have not reserved a slot yet (each will take one).
+        self.awaiting_slot = 0
+        self._slot_event: asyncio.Event | None = None
         self.counters = ManagerCounters()
         # One policy per tier: GPU slots count one per adapter; the CPU cache counts bytes
         # (``cpu_cache_entries`` sizes its history, about how many adapters fit the budget).
@@ -195,7 +235,12 @@ class AdapterManager:
     def check_request(self, name: str) -> None:
         """Fast admission check: raises AdapterNotFoundError for invalid or absent names."""
         validate_name(name)
-        if name in self.published or name in self.expert_sets or name in self.inflight or name in self.registered:
+        if (
+            name in self.published
+            or name in self.expert_sets
+            or name in self.inflight
+            or name in self.registered
+        ):
             return
         self._raise_if_negative(name)
         path = resolve_in_root(self.root, name)
@@ -230,11 +275,87 @@ class AdapterManager:
         self.counters.misses += 1
         return False
 
-    def try_acquire(self, name: str) -> Lease | None:
+    def residency(self, name: str) -> str:
+        """``"resident"`` (a lease is available now), ``"loading"`` or ``"absent"``. Raises the
+        error of a failed load (negative cache) for an absent name."""
+        if name in self.published or name in self.expert_sets:
+            return "resident"
+        if name in self.inflight:
+            return "loading"
+        self._raise_if_negative(name)
+        return "absent"
+
+    def is_resident(self, name: str) -> bool:
+        return name in self.published or name in self.expert_sets
+
+    def want(self, name: str) -> None:
+        """A waiting request needs ``name`` (counted; protects nothing by itself)."""
+        self.wanted[name] = self.wanted.get(name, 0) + 1
+
+    def unwant(self, name: str) -> None:
+        left = self.wanted[name] - 1
+        if left:
+            self.wanted[name] = left
+        else:
+            del self.wanted[name]
+
+    def claim(self, name: str) -> None:
+        """Protect ``name``'s slot (once resident) from eviction for one waiting request."""
+        self.claims[name] = self.claims.get(name, 0) + 1
+
+    def unclaim(self, name: str) -> None:
+        left = self.claims[name] - 1
+        if left:
+            self.claims[name] = left
+        else:
+            del self.claims[name]
+            self._slots_changed()
+
+    def _evictable(self, name: str, exclude: str | None = None) -> bool:
+        pub = self.published.get(name)
+        if pub is None or name == exclude or name in self.claims:
+            return False
+        s = self.slots[pub.slot]
+        return s.refcount == 0 and not s.pinned and not s.reserved
+
+    def slots_for_loads(self) -> int:
+        """Slots a newly started load could get: free ones plus those holding an adapter no
+        request uses or claims, less one for each load in flight that has not reserved yet."""
+        free = sum(1 for s in self.slots if s.name is None and not s.reserved and not s.retired)
+        evictable = sum(1 for n in self.published if self._evictable(n))
+        return free + evictable - self.awaiting_slot
+
+    def drain_candidate(self, held: set[str]) -> str | None:
+        """The resident adapter to drain for an aged request's load: not pinned, not in
+        ``held``, fewest references, then fewest waiting requests, then the least recently
+        used. None when every resident adapter is pinned or held."""
+        best: tuple[int, int, float, str] | None = None
+        for name, pub in self.published.items():
+            s = self.slots[pub.slot]
+            if name in held or s.pinned or s.reserved:
+                continue
+            key = (s.refcount, self.wanted.get(name, 0), s.last_used, name)
+            if best is None or key < best:
+                best = key
+        return None if best is None else best[3]
+
+    def start_load(self, name: str) -> None:
+        """Start an on-demand load of ``name`` (the scheduler decides when, after
+        ``slots_for_loads``). Its slot is reserved now, evicting if needed, so that what the
+        scheduler counted as given to this load cannot be taken meanwhile; a load that finds
+        none reserves one after its read, as a prefetch does."""
+        if name in self.inflight:
+            return
+        slot = self._pick_slot(exclude=name)
+        if slot is not None:
+            self.slots[slot].reserved = True
+        self._start_load(name, reserved=slot)
+
+    def try_acquire(self, name: str, *, load: bool = True) -> Lease | None:
         """A lease with a reference taken, or None while the adapter is loading.
 
-        Starts an on-demand load when the adapter is not resident. Raises the load's error once
-        when it failed.
+        Starts an on-demand load when the adapter is not resident (unless ``load`` is False).
+        Raises the load's error once when it failed.
         """
         pub = self.published.get(name)
         if pub is not None:
@@ -249,7 +370,7 @@ class AdapterManager:
             es.last_used = time.monotonic()
             return Lease(-1, es.version, es, "disk", ps.load_s)
         self._raise_if_negative(name)
-        if name not in self.inflight:
+        if load and name not in self.inflight:
             self._start_load(name)
         return None
 
@@ -258,8 +379,10 @@ class AdapterManager:
         if s.refcount <= 0:
             raise RuntimeError(f"adapter slot {slot} released more often than acquired")
         s.refcount -= 1
-        if s.refcount == 0 and s.retired:
-            self._free_slot(slot)
+        if s.refcount == 0:
+            if s.retired:
+                self._free_slot(slot)
+            self._slots_changed()
             self.on_change()
 
     def release_expert_set(self, es: ExpertSet) -> None:
@@ -267,13 +390,17 @@ class AdapterManager:
             raise RuntimeError(f"expert set {es.name} released more often than acquired")
         es.refcount -= 1
         if es.refcount == 0:
-            self.on_change()  # a load may be waiting for an evictable set
+            self._slots_changed()  # a load may be waiting for an evictable set
+            self.on_change()
 
     # ---- loading ------------------------------------------------------------------------------
 
-    def _start_load(self, name: str, path: Path | None = None, pinned: bool = False) -> asyncio.Task[int]:
-        task = asyncio.get_running_loop().create_task(self._load(name, path, pinned))
+    def _start_load(
+        self, name: str, path: Path | None = None, pinned: bool = False, reserved: int | None = None
+    ) -> asyncio.Task[int]:
+        task = asyncio.get_running_loop().create_task(self._load(name, path, pinned, reserved))
         self.inflight[name] = task
+        self.counters.loads_started += 1
 
         def done(t: asyncio.Task[int]) -> None:
             if self.inflight.get(name) is t:
@@ -289,34 +416,56 @@ class AdapterManager:
         task.add_done_callback(done)
         return task
 
-    async def _load(self, name: str, path: Path | None, pinned: bool) -> int:
-        """prepare (read, validate, copy, verify) then commit. Returns the published slot."""
+    async def _load(
+        self, name: str, path: Path | None, pinned: bool, reserved: int | None = None
+    ) -> int:
+        """prepare (read, validate, copy, verify) then commit. Returns the published slot.
+        ``reserved``: a slot reserved for this load when it started (else it reserves one)."""
+        ticket = _SlotTicket(self) if reserved is None else None
+        try:
+            return await self._prepare_and_commit(name, path, pinned, ticket, reserved)
+        except BaseException:
+            if reserved is not None and self.slots[reserved].reserved:  # failed before its upload
+                self._free_slot(reserved)
+            raise
+        finally:
+            if ticket is not None:
+                ticket.settle()  # failed or cancelled before it reserved a slot
+
+    async def _prepare_and_commit(
+        self,
+        name: str,
+        path: Path | None,
+        pinned: bool,
+        ticket: _SlotTicket | None,
+        reserved: int | None,
+    ) -> int:
         t0 = time.perf_counter()
         reg = self.registered.get(name)
         if path is None:
             path = reg.path if reg is not None else resolve_in_root(self.root, name)
         pinned = pinned or (reg.pinned if reg is not None else False)
-        if is_expert_set(path):
+        if is_expert_set(path):  # an expert set takes no pool slot
+            if ticket is not None:
+                ticket.settle()
+            if reserved is not None:
+                self._free_slot(reserved)
             return await self._load_expert_set(name, path, pinned, t0)
-        cpu = self.cpu_cache.get(name)
-        self.cpu_policy.access(name)
-        source = "cpu"
-        if cpu is not None and cpu.path == path:
-            self.counters.cpu_hits += 1
-        else:
-            source = "disk"
-            cpu = await asyncio.to_thread(
-                read_adapter, name, path, self.cfg, self.max_rank, self.dtype, self._pin, per_module=True
-            )
+        cpu, source = await self._read_cpu(name, path)
         cpu.pinned = pinned
         t_read = time.perf_counter()
-        slot = await self._reserve_slot(exclude=name)
+        slot = (
+            reserved
+            if reserved is not None
+            else await self._reserve_slot(exclude=name, ticket=ticket)
+        )
         t_reserve = time.perf_counter()
         try:
-            await asyncio.to_thread(self._write_and_verify, slot, cpu)
+            await self._upload(slot, cpu)
         except BaseException:
             self.slots[slot] = _Slot()
             self.pool.clear(slot)
+            self._slots_changed()
             raise
         t_upload = time.perf_counter()
         # ---- commit: one synchronous block on the event loop, nothing can interleave ----
@@ -325,9 +474,12 @@ class AdapterManager:
         self._versions[name] = version
         old = self.published.get(name)
         self.expert_sets.pop(name, None)  # the name may have been an expert set before
-        self.slots[slot] = _Slot(name=name, version=version, last_used=time.monotonic(), pinned=pinned, rank=cpu.rank)
-        self.published[name] = _Published(slot, version, path, cpu.rank, source,
-                                          time.perf_counter() - t0)
+        self.slots[slot] = _Slot(
+            name=name, version=version, last_used=time.monotonic(), pinned=pinned, rank=cpu.rank
+        )
+        self.published[name] = _Published(
+            slot, version, path, cpu.rank, source, time.perf_counter() - t0
+        )
         if old is not None:
             self._retire(old.slot)
         if name in self.gpu_policy:
@@ -339,7 +491,10 @@ class AdapterManager:
         t_end = time.perf_counter()
         self.counters.latencies.append(t_end - t0)
         self.counters.last_phases = {
-            "read": t_read - t0, "reserve": t_reserve - t_read, "upload_verify": t_upload - t_reserve, "commit": t_end - t_upload,
+            "read": t_read - t0,
+            "reserve": t_reserve - t_read,
+            "upload_verify": t_upload - t_reserve,
+            "commit": t_end - t_upload,
         }
         self.on_change()
         return slot
@@ -348,8 +503,12 @@ class AdapterManager:
         """prepare (read, validate, copy to the device) then commit; returns -1 (no pool slot)."""
         builder = self.build_expert_set
         if builder is None:
-            raise AdapterValidationError(name, "adaptermesh_adafuse.json", "this engine does not serve AdaFuse expert sets")
-        cpu = await asyncio.to_thread(read_expert_set, name, path, self.root, self.cfg, self.max_rank, self.dtype)
+            raise AdapterValidationError(
+                name, "adaptermesh_adafuse.json", "this engine does not serve AdaFuse expert sets"
+            )
+        cpu = await asyncio.to_thread(
+            read_expert_set, name, path, self.root, self.cfg, self.max_rank, self.dtype
+        )
         cpu.pinned = pinned
         await self._make_room_for_set(exclude=name)
         version = self._versions.get(name, 0) + 1
@@ -368,6 +527,29 @@ class AdapterManager:
         self.on_change()
         return -1
 
+    async def _read_cpu(self, name: str, path: Path) -> tuple[CpuAdapter, str]:
+        """The validated adapter and where it came from: the CPU cache or the disk."""
+        cpu = self.cpu_cache.get(name)
+        self.cpu_policy.access(name)
+        if cpu is not None and cpu.path == path:
+            self.counters.cpu_hits += 1
+            return cpu, "cpu"
+        cpu = await asyncio.to_thread(
+            read_adapter,
+            name,
+            path,
+            self.cfg,
+            self.max_rank,
+            self.dtype,
+            self._pin,
+            per_module=True,
+        )
+        return cpu, "disk"
+
+    async def _upload(self, slot: int, cpu: CpuAdapter) -> None:
+        """Copy ``cpu`` into the reserved ``slot`` and verify it (in a thread)."""
+        await asyncio.to_thread(self._write_and_verify, slot, cpu)
+
     def _build_set(self, builder: ExpertSetBuilder, cpu: CpuExpertSet, version: int) -> ExpertSet:
         if self._upload_stream is not None:
             with torch.cuda.stream(self._upload_stream):
@@ -380,7 +562,8 @@ class AdapterManager:
         deadline = time.monotonic() + self.slot_wait_s
         while sum(1 for n in self.expert_sets if n != exclude) >= self.max_expert_sets:
             victims = [
-                (ps.expert_set.last_used, n) for n, ps in self.expert_sets.items()
+                (ps.expert_set.last_used, n)
+                for n, ps in self.expert_sets.items()
                 if n != exclude and ps.expert_set.refcount == 0 and not ps.expert_set.pinned
             ]
             if victims:
@@ -388,8 +571,10 @@ class AdapterManager:
                 self.counters.expert_set_evictions += 1
                 continue
             if time.monotonic() > deadline:
-                raise EngineOverloadedError("expert sets: every resident set is pinned or in use; retry later")
-            await asyncio.sleep(0.005)
+                raise EngineOverloadedError(
+                    "expert sets: every resident set is pinned or in use; retry later"
+                )
+            await self._wait_slots_changed(deadline)
 
     def _write_and_verify(self, slot: int, cpu: CpuAdapter) -> None:
         """Copy ``cpu`` into ``slot`` and verify it, with one host synchronisation.
@@ -408,17 +593,25 @@ class AdapterManager:
         slot_sum, src_sum, src_abs = nums
         if not math.isfinite(src_sum):
             bad = cpu.first_non_finite(cpu.data, self.dtype)
-            raise AdapterValidationError(cpu.name, "adapter_model.safetensors", f"tensor {bad} holds NaN or Inf")
+            raise AdapterValidationError(
+                cpu.name, "adapter_model.safetensors", f"tensor {bad} holds NaN or Inf"
+            )
         if abs(slot_sum - src_sum) > 1e-7 * (1.0 + src_abs):
-            raise AdapterValidationError(cpu.name, "gpu_copy", f"slot {slot} checksum {slot_sum} != {src_sum}")
+            raise AdapterValidationError(
+                cpu.name, "gpu_copy", f"slot {slot} checksum {slot_sum} != {src_sum}"
+            )
 
     def _write_slot(self, slot: int, cpu: CpuAdapter) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.pool
-        data = cpu.data.to(pool.device, non_blocking=True) if pool.device.type == "cuda" else cpu.data
+        data = (
+            cpu.data.to(pool.device, non_blocking=True) if pool.device.type == "cuda" else cpu.data
+        )
         pool.zero_slot(slot)
         # Each matrix at its own rank (rank_pattern); the slot's higher ranks stay zero.
         dst = [
-            pool.slot_view(e.group, e.index, e.layer, slot, e.shape[1] if e.is_b else e.shape[0], e.is_b)
+            pool.slot_view(
+                e.group, e.index, e.layer, slot, e.shape[1] if e.is_b else e.shape[0], e.is_b
+            )
             for e in cpu.entries
         ]
         src = [cpu.view(e, data) for e in cpu.entries]
@@ -426,37 +619,52 @@ class AdapterManager:
         pool.set_slot(slot, cpu.rank, cpu.scale, cpu.groups)
         return pool.slot_sum(slot), _entry_sums(cpu, data, pool.dtype)
 
-    async def _reserve_slot(self, exclude: str) -> int:
+    def _slots_changed(self) -> None:
+        """Wake the loads waiting for a slot (or an expert-set place): one may be free now."""
+        event, self._slot_event = self._slot_event, None
+        if event is not None:
+            event.set()
+
+    async def _wait_slots_changed(self, deadline: float) -> None:
+        if self._slot_event is None:
+            self._slot_event = asyncio.Event()
+        event = self._slot_event
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), max(0.0, deadline - time.monotonic()))
+
+    async def _reserve_slot(self, exclude: str, ticket: _SlotTicket | None = None) -> int:
         deadline = time.monotonic() + self.slot_wait_s
         while True:
             slot = self._pick_slot(exclude)
             if slot is not None:
                 self.slots[slot].reserved = True
+                if ticket is not None:
+                    ticket.settle()
                 return slot
             if time.monotonic() > deadline:
-                raise EngineOverloadedError("adapter slots: every GPU slot is pinned or in use; retry later")
-            await asyncio.sleep(0.005)
+                raise EngineOverloadedError(
+                    "adapter slots: every GPU slot is pinned or in use; retry later"
+                )
+            await self._wait_slots_changed(deadline)
 
     def _pick_slot(self, exclude: str) -> int | None:
         # ``exclude``: the name being (re)loaded keeps serving its current version meanwhile.
-        free = [i for i, s in enumerate(self.slots) if s.name is None and not s.reserved and not s.retired]
+        free = [
+            i
+            for i, s in enumerate(self.slots)
+            if s.name is None and not s.reserved and not s.retired
+        ]
         if free:
             return free[0]
-
-        def evictable(name: str) -> bool:
-            pub = self.published.get(name)
-            if pub is None or name == exclude:
-                return False
-            s = self.slots[pub.slot]
-            return s.refcount == 0 and not s.pinned and not s.reserved
-
-        name = self.gpu_policy.evict(evictable)
+        name = self.gpu_policy.evict(lambda n: self._evictable(n, exclude))
         if name is None:
             return None
         victim = self.published.pop(name).slot
         self.slots[victim] = _Slot()
         self.pool.clear(victim)
         self.counters.evictions += 1
+        if name in self.wanted:
+            self.counters.evictions_wanted += 1
         return victim
 
     def _retire(self, slot: int) -> None:
@@ -470,6 +678,7 @@ class AdapterManager:
     def _free_slot(self, slot: int) -> None:
         self.slots[slot] = _Slot()
         self.pool.clear(slot)
+        self._slots_changed()
 
     def _cache_cpu(self, cpu: CpuAdapter) -> None:
         prev = self.cpu_cache.pop(cpu.name, None)
@@ -503,7 +712,9 @@ class AdapterManager:
 
     # ---- admin API ----------------------------------------------------------------------------
 
-    async def load(self, name: str, path: str | None = None, *, pinned: bool = False) -> AdapterInfo:
+    async def load(
+        self, name: str, path: str | None = None, *, pinned: bool = False
+    ) -> AdapterInfo:
         """Explicit (re)load: two-phase; on failure nothing that is serving changes."""
         validate_name(name)
         resolved = resolve_in_root(self.root, name, path)

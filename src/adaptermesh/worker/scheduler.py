@@ -2,10 +2,50 @@
 prefill, prefix reuse, preemption, stop rules.
 
 Between two forward passes the scheduler (on the event-loop thread) drops cancelled and expired
-requests, admits waiting ones whose adapter is resident and whose blocks fit (a request whose
-adapter is still loading waits without blocking the others), and plans the next step: every
-decoding sequence contributes one token, and prompt chunks fill the rest of
+requests, plans adapter loads, admits waiting ones whose adapter is resident and whose blocks fit
+(a request whose adapter is still loading waits without blocking the others), and plans the next
+step: every decoding sequence contributes one token, and prompt chunks fill the rest of
 ``max_num_batched_tokens``.
+
+Adapter-aware admission (``_plan_loads`` then ``_admit``). The LoRA pool has fewer slots than
+there are adapters, so which waiting request may start a load decides whether loads evict each
+other's work:
+
+* A running or admitted sequence holds a lease (a reference on its adapter's slot) until it
+  finishes, preempted or not: its adapter is never evicted. Preemption happens only when KV
+  blocks run out (``_reserve``); nothing preempts to get an adapter.
+* Every waiting request whose adapter is resident or loading *claims* it
+  (``AdapterManager.claim``): a claimed slot is not evicted, so a completed load waits for the
+  request it was made for, and a hit is not thrown out before it runs. The claim becomes the
+  lease at admission, or goes when the request leaves (finish, cancel, deadline, error).
+* Loads start in queue order: walking the queue from the head, each request whose adapter is
+  absent starts its load while ``slots_for_loads`` (free slots plus slots that no running,
+  admitted or waiting request uses or claims, less loads in flight still to reserve one) is
+  positive; the first that finds none stops every load behind it. So at most as many loads are
+  in flight as there are slots to give them, and a later request never takes the slot the
+  head needs.
+* Admission skips ahead: a request whose adapter is resident is admitted (rows and KV blocks
+  permitting, first come first served) even while requests before it wait for their loads, so
+  resident adapters fill the batch while the next ones load. Since every sequence of a step
+  holds a lease, a step never holds more distinct adapters than there are slots.
+* Aging bounds the skipping. A waiting request is *skipped* in a pass when it stays waiting
+  for its adapter while a request behind it is admitted; after ``max_adapter_skips`` such
+  passes (default 16) it is *aged*. The first aged request whose adapter is absent and finds no
+  slot becomes the *barrier*, and one resident adapter is *drained* for it: the one with the
+  fewest references, then the fewest waiting requests, among those that no request ahead of
+  the barrier claims and no request anywhere claims for a load it waited for (pinned adapters
+  never). Requests behind the barrier drop their claims on the drained adapter and may not
+  acquire it; everything else keeps running and being admitted. No load starts behind the
+  barrier (there is no slot to give). The drained adapter's sequences finish within their
+  ``max_tokens``, its slot becomes evictable, and the barrier's load takes it in that pass,
+  before anyone behind it. The drained adapter stays the same while the barrier does, and the
+  requests ahead of the barrier only ever leave (new ones queue behind it; preempted ones
+  come back to the head holding their lease), so an aged request is admitted within a bounded
+  number of steps whatever keeps arriving (``tests/worker/test_adapter_scheduling.py`` checks
+  this, and the invariants above, over random arrivals, load completions and cancellations).
+  Draining is the one case where an adapter that a waiting request wants is evicted
+  (``ManagerCounters.evictions_wanted``); a load a request waited for is never evicted
+  before that request acquires it.
 
 Steps overlap: the engine plans and launches step N+1 while step N still runs on the GPU.
 A sequence therefore carries ``pending`` tokens: sampled on the device, not yet seen on the
@@ -96,6 +136,13 @@ class Sequence:
     cache_key: Hashable = None  # prefix-cache identity: (adapter, version) or the base model
     expert_set: ExpertSet | None = None  # held while running when the adapter is an expert set
     looked_up: bool = False
+    # Waiting for an adapter: counted in AdapterManager.wanted; ``claim`` is 0 (none), 1 (a
+    # claim on a resident adapter) or 2 (a claim on a load this request waited for, which an
+    # aged request's barrier does not drop); ``skips`` counts passes it was skipped (aging).
+    wanting: bool = False
+    claim: int = 0
+    skips: int = 0
+    waited_on_load: bool = False  # its adapter was loading or absent at some pass
     # The first lookup's time and whether the adapter was resident on the GPU then; the
     # resolution rides on the sequence's first TokenEvent (then None).
     lookup_at: float = 0.0
@@ -168,8 +215,10 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         on_admit: Callable[[Sequence], None] | None = None,
         token_piece: Callable[[int], tuple[str, bytes]] | None = None,
+        max_adapter_skips: int = 16,
     ) -> None:
-        """``token_piece(id)``: a token's text and exact bytes, for logprob entries."""
+        """``token_piece(id)``: a token's text and exact bytes, for logprob entries.
+        ``max_adapter_skips``: passes a request may be skipped before it ages (module docstring)."""
         self.blocks = blocks
         self.adapters = adapters
         self.base_names = base_names
@@ -184,6 +233,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.generated_tokens = 0
         self.preemptions = 0
+        self.max_adapter_skips = max_adapter_skips
+        # Admissions of requests that waited on an adapter load; passes in which an aged request
+        # was the barrier; passes that planned no step while a waiting request's load ran.
+        self.admissions_waited_on_load = 0
+        self.barrier_passes = 0
+        self.idle_passes_on_load = 0
+        self._barrier: Sequence | None = None
+        self._drain: str | None = None  # the adapter drained for the barrier's load
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def adapter_of(self, seq: Sequence) -> str | None:
@@ -201,7 +258,20 @@ class Scheduler:
         seq.reserved = 0
         seq.num_computed = 0
 
+    def _drop_claim(self, seq: Sequence) -> None:
+        if seq.claim:
+            self.adapters.unclaim(self.adapter_of(seq) or "")
+            seq.claim = 0
+
+    def _drop_interest(self, seq: Sequence) -> None:
+        """The sequence no longer waits for its adapter (it acquired it, or it leaves)."""
+        self._drop_claim(seq)
+        if seq.wanting:
+            self.adapters.unwant(self.adapter_of(seq) or "")
+            seq.wanting = False
+
     def _release(self, seq: Sequence) -> None:
+        self._drop_interest(seq)
         self._release_blocks(seq)
         if seq.lora_slot >= 0:
             self.adapters.release(seq.lora_slot)
@@ -212,7 +282,11 @@ class Scheduler:
         seq.acquired = False
 
     def finish(
-        self, seq: Sequence, reason: FinishReason, error: BaseException | None = None, last_token: int | None = None
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        error: BaseException | None = None,
+        last_token: int | None = None,
     ) -> None:
         """Free the sequence's resources and send its last event (or ``error``)."""
         if seq.finished:
@@ -228,7 +302,9 @@ class Scheduler:
         seq.emitted = len(seq.text)
         lps, seq.held_logprobs = tuple(seq.held_logprobs), []
         resolution, seq.resolution = seq.resolution, None
-        seq.queue.put_nowait(TokenEvent(last_token, tail, reason, len(seq.prompt), len(seq.output), lps, resolution))
+        seq.queue.put_nowait(
+            TokenEvent(last_token, tail, reason, len(seq.prompt), len(seq.output), lps, resolution)
+        )
 
     def fail_all(self, error: BaseException) -> None:
         for seq in [*self.running, *self.waiting]:
@@ -243,7 +319,10 @@ class Scheduler:
         left = seq.known_len - seq.num_computed
         if left != 1:
             return left > 1
-        return len(seq.output) + seq.pending < seq.request.sampling.max_tokens and seq.known_len < self.max_model_len
+        return (
+            len(seq.output) + seq.pending < seq.request.sampling.max_tokens
+            and seq.known_len < self.max_model_len
+        )
 
     def schedule(self, *, allow_preempt: bool = True) -> StepPlan | None:
         """The next step, or None when nothing can run now.
@@ -289,6 +368,8 @@ class Scheduler:
         decode = [s for s in decode if s.table_row is not None]
         prefill = [p for p in prefill if p[0].table_row is not None]
         if not decode and not prefill:
+            if any(s.wanting and s.waited_on_load for s in self.waiting):
+                self.idle_passes_on_load += 1
             return None
         return StepPlan(decode, prefill)
 
@@ -301,7 +382,10 @@ class Scheduler:
         while not self.blocks.append_slots(seq.seq_id, need):
             if not allow_preempt:
                 return False
-            victim = next((v for v in reversed(self.running) if v is not seq and v.seq_id not in planned), None)
+            victim = next(
+                (v for v in reversed(self.running) if v is not seq and v.seq_id not in planned),
+                None,
+            )
             if victim is None:
                 self.preempt(seq)
                 return False
@@ -319,36 +403,118 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _plan_loads(self) -> None:
+        """Claims and loads in queue order; the barrier and its drain (module docstring)."""
+        adapters = self.adapters
+        avail = adapters.slots_for_loads()
+        barrier: Sequence | None = None
+        # Resident adapters the barrier may not drain: claimed ahead of it, or claimed anywhere
+        # for a load that a request waited for.
+        held: set[str] = set()
+        for seq in self.waiting:
+            if seq.acquired or seq.finished:
+                continue
+            name = self.adapter_of(seq)
+            if name is None:
+                continue
+            if not seq.looked_up:
+                seq.looked_up = True
+                seq.lookup_at = time.monotonic()
+                seq.lookup_hit = adapters.note_lookup(name)
+            if not seq.wanting:
+                adapters.want(name)
+                seq.wanting = True
+            try:
+                where = adapters.residency(name)
+            except AdapterNotFoundError as e:
+                self.finish(seq, "error", e)
+                continue
+            if where == "resident":
+                if not seq.claim:
+                    adapters.claim(name)
+                    seq.claim = 1
+                if barrier is None or seq.claim == 2:
+                    held.add(name)
+                continue
+            seq.waited_on_load = True
+            if where == "absent":
+                if avail <= 0:  # no slot to give: nothing behind this request loads either
+                    if barrier is None and seq.skips >= self.max_adapter_skips:
+                        barrier = seq
+                    continue
+                adapters.start_load(name)
+                avail -= 1
+            if not seq.claim:
+                adapters.claim(name)
+            seq.claim = 2
+        drain: str | None = None
+        if barrier is not None:
+            self.barrier_passes += 1
+            if (
+                self._barrier is barrier
+                and self._drain is not None
+                and self._drain not in held
+                and adapters.is_resident(self._drain)
+            ):
+                drain = self._drain  # keep draining the same adapter until it goes
+            else:
+                drain = adapters.drain_candidate(held)
+            if drain is not None:
+                for seq in self.waiting:
+                    if seq.claim == 1 and not seq.acquired and self.adapter_of(seq) == drain:
+                        self._drop_claim(seq)  # only requests behind the barrier claim it
+            if adapters.slots_for_loads() > 0:  # the drained adapter is free to go now
+                name = self.adapter_of(barrier)
+                assert name is not None
+                adapters.start_load(name)
+                adapters.claim(name)
+                barrier.claim = 2
+                barrier = drain = None
+        self._barrier = barrier
+        self._drain = drain
+
     def _admit(self) -> None:
+        self._plan_loads()
         still: deque[Sequence] = deque()
+        # Per sequence left waiting for its adapter: admissions so far when it was passed.
+        passed: list[tuple[Sequence, int]] = []
+        admitted = 0
         blocked = False
+        behind_barrier = False
         while self.waiting:
             seq = self.waiting.popleft()
+            if seq.finished:
+                continue
+            if seq is self._barrier:
+                behind_barrier = True
             if blocked or not self._free_rows:
                 still.append(seq)
                 continue
             if not seq.acquired:
                 name = self.adapter_of(seq)
                 if name is not None:
-                    if not seq.looked_up:
-                        seq.looked_up = True
-                        seq.lookup_at = time.monotonic()
-                        seq.lookup_hit = self.adapters.note_lookup(name)
-                    try:
-                        got = self.adapters.try_acquire(name)
-                    except AdapterNotFoundError as e:
-                        self.finish(seq, "error", e)
-                        continue
-                    if got is None:
+                    if not self.adapters.is_resident(name) or (
+                        behind_barrier and name == self._drain and seq.claim != 2
+                    ):
                         still.append(seq)  # loading; later requests may still be admitted
+                        passed.append((seq, admitted))
                         continue
+                    got = self.adapters.try_acquire(name, load=False)
+                    assert got is not None
+                    self._drop_interest(seq)
+                    if seq.waited_on_load:
+                        self.admissions_waited_on_load += 1
                     seq.lora_slot = got.slot
                     seq.expert_set = got.expert_set
                     seq.cache_key = (name, got.version)
                     hit = seq.lookup_hit
                     seq.resolution = AdapterResolution(
-                        "gpu" if hit else got.source, seq.lookup_at, time.monotonic(),
-                        0.0 if hit else got.load_s, got.version)
+                        "gpu" if hit else got.source,
+                        seq.lookup_at,
+                        time.monotonic(),
+                        0.0 if hit else got.load_s,
+                        got.version,
+                    )
                 seq.acquired = True
             tokens = [*seq.prompt, *seq.output]
             # Keep one free block per running sequence so decoding rarely has to preempt.
@@ -363,6 +529,10 @@ class Scheduler:
             seq.table_row = self._free_rows.pop()
             seq.table_len = 0
             self.running.append(seq)
+            admitted += 1
+        for seq, before in passed:
+            if before < admitted:
+                seq.skips += 1
         self.waiting = still
 
     # ---- applying a step's result -------------------------------------------------------------
@@ -386,8 +556,12 @@ class Scheduler:
             self.blocks.commit(seq.seq_id, _TokenView(seq, min(seq.num_computed, seq.context_len)))
         return out
 
-    def apply(self, samplers: list[Sequence], sampled: list[int],
-              logprobs: list[StepLogprobs | None] | None = None) -> None:
+    def apply(
+        self,
+        samplers: list[Sequence],
+        sampled: list[int],
+        logprobs: list[StepLogprobs | None] | None = None,
+    ) -> None:
         """Deliver the tokens of a finished step (``samplers`` as ``launched`` returned) and,
         for samplers whose request asked, their logprobs."""
         lps: list[StepLogprobs | None] = [None] * len(samplers) if logprobs is None else logprobs
@@ -400,7 +574,9 @@ class Scheduler:
     def _entry(self, tok: int, lp: StepLogprobs, offset: int) -> TokenLogprob:
         piece = self.token_piece
         text, raw = piece(tok)
-        top = tuple(TopLogprob(t, *piece(t), v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True))
+        top = tuple(
+            TopLogprob(t, *piece(t), v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+        )
         return TokenLogprob(tok, text, raw, lp.logprob, offset, top)
 
     def _append_token(self, seq: Sequence, tok: int, lp: StepLogprobs | None = None) -> None:
@@ -439,11 +615,18 @@ class Scheduler:
         if seq.held_logprobs:
             held = seq.held_logprobs
             # Without stop strings nothing can be cut: release every entry at once.
-            k = len(held) if not sp.stop else next(
-                (i for i, e in enumerate(held) if e.text_offset >= seq.emitted), len(held))
+            k = (
+                len(held)
+                if not sp.stop
+                else next(
+                    (i for i, e in enumerate(held) if e.text_offset >= seq.emitted), len(held)
+                )
+            )
             released, seq.held_logprobs = tuple(held[:k]), held[k:]
         resolution, seq.resolution = seq.resolution, None
-        seq.queue.put_nowait(TokenEvent(tok, delta, None, len(seq.prompt), len(seq.output), released, resolution))
+        seq.queue.put_nowait(
+            TokenEvent(tok, delta, None, len(seq.prompt), len(seq.output), released, resolution)
+        )
 
 
 class _TokenView:
