@@ -52,7 +52,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -66,7 +66,9 @@ from adaptermesh.kernels.fuse import (
     gated_add_lora,
     route,
 )
-from adaptermesh.worker.model import GROUPS, MODULE_TO_GROUP, ModelConfig
+from adaptermesh.worker.lora_groups import GROUPS, MODULE_TO_GROUP
+from adaptermesh.worker.model import GatedTerms, ModelConfig
+from adaptermesh.worker.peft_adapter import AdapterValidationError, read_adapter, target_set
 
 if TYPE_CHECKING:
     from adaptermesh.worker.model import TransformerModel
@@ -127,8 +129,6 @@ class CpuExpertSet:
 
 
 def _int_field(name: str, cj: dict[str, Any], key: str, lo: int, hi: int) -> int:
-    from adaptermesh.worker.peft_adapter import AdapterValidationError
-
     v = cj.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise AdapterValidationError(name, key, f"must be an integer in [{lo}, {hi}], got {v!r}")
@@ -142,11 +142,11 @@ def _message(e: Exception) -> str:
 
 def _inside(root: Path, name: str, p: Path, fld: str) -> Path:
     # Files inside the set's directory may be symlinks too; none may lead out of the root.
-    from adaptermesh.worker.peft_adapter import AdapterValidationError
-
     resolved = p.resolve(strict=False)
     if not resolved.is_relative_to(root.resolve()):
-        raise AdapterValidationError(name, fld, f"resolves outside the adapter root {root.resolve()}")
+        raise AdapterValidationError(
+            name, fld, f"resolves outside the adapter root {root.resolve()}"
+        )
     return resolved
 
 
@@ -154,7 +154,6 @@ def read_expert_set(
     name: str, path: Path, root: Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype
 ) -> CpuExpertSet:
     """Read and validate an expert-set directory. Raises AdapterValidationError naming the field."""
-    from adaptermesh.worker.peft_adapter import AdapterValidationError, _target_set, read_adapter
 
     def fail(fld: str, msg: str) -> AdapterValidationError:
         return AdapterValidationError(name, fld, msg)
@@ -168,7 +167,9 @@ def read_expert_set(
     if cj.get("format", FORMAT_NAME) != FORMAT_NAME:
         raise fail("format", f"must be {FORMAT_NAME!r}, got {cj.get('format')!r}")
     if cj.get("version", FORMAT_VERSION) != FORMAT_VERSION:
-        raise fail("version", f"only version {FORMAT_VERSION} is supported, got {cj.get('version')!r}")
+        raise fail(
+            "version", f"only version {FORMAT_VERSION} is supported, got {cj.get('version')!r}"
+        )
     num_experts = _int_field(name, cj, "num_experts", 1, MAX_EXPERTS)
     top_k = _int_field(name, cj, "top_k", 1, num_experts)
     rank = _int_field(name, cj, "r", 1, min(max_rank, 128))
@@ -182,11 +183,14 @@ def read_expert_set(
     if not isinstance(router, dict):
         raise fail("router", 'must be an object {"hidden_size": H, "bias": true|false}')
     if router.get("hidden_size") != cfg.hidden_size:
-        raise fail("router.hidden_size", f"must equal the base model's hidden size {cfg.hidden_size}, got {router.get('hidden_size')!r}")
+        raise fail(
+            "router.hidden_size",
+            f"must equal the base model's hidden size {cfg.hidden_size}, got {router.get('hidden_size')!r}",
+        )
     has_bias = router.get("bias", False)
     if not isinstance(has_bias, bool):
         raise fail("router.bias", f"must be a boolean, got {has_bias!r}")
-    targets = _target_set(name, cj, cfg)
+    targets = target_set(name, cj, cfg)
 
     rpath = _inside(root, name, path / ROUTER_FILE, ROUTER_FILE)
     if not rpath.is_file():
@@ -220,7 +224,9 @@ def read_expert_set(
         for f in ("adapter_config.json", "adapter_model.safetensors"):
             _inside(root, name, edir / f, f"{fld}/{f}")
         if not (edir / "adapter_config.json").is_file():
-            raise fail(fld, f"expert {i} of {num_experts} is missing (no {fld}/adapter_config.json)")
+            raise fail(
+                fld, f"expert {i} of {num_experts} is missing (no {fld}/adapter_config.json)"
+            )
         try:
             ej = json.loads((edir / "adapter_config.json").read_text())
         except (OSError, ValueError) as e:
@@ -230,25 +236,37 @@ def read_expert_set(
         for key, top in (("r", rank), ("lora_alpha", alpha), ("use_rslora", use_rslora)):
             got = ej.get(key, False if key == "use_rslora" else None)
             if got != top:
-                raise fail(f"{fld}/adapter_config.json: {key}", f"is {got!r}, the expert set says {top!r}")
+                raise fail(
+                    f"{fld}/adapter_config.json: {key}", f"is {got!r}, the expert set says {top!r}"
+                )
         try:
-            e_targets = _target_set(name, ej, cfg)
+            e_targets = target_set(name, ej, cfg)
         except AdapterValidationError as e:
             raise fail(f"{fld}/adapter_config.json: {e.field}", _message(e)) from None
         if e_targets != targets:
-            raise fail(f"{fld}/adapter_config.json: target_modules", "must resolve to the expert set's target_modules")
+            raise fail(
+                f"{fld}/adapter_config.json: target_modules",
+                "must resolve to the expert set's target_modules",
+            )
         try:
-            per_expert.append(read_adapter(f"{name}/{fld}", edir, cfg, max_rank, dtype, pin_memory=False))
+            per_expert.append(
+                read_adapter(f"{name}/{fld}", edir, cfg, max_rank, dtype, pin_memory=False)
+            )
         except AdapterValidationError as e:
             raise fail(f"{fld}/{e.field}", _message(e)) from None
     if experts_dir.is_dir():
         names = {p.name for p in experts_dir.iterdir()}
         extra_dirs = sorted(names - {str(i) for i in range(num_experts)})
         if extra_dirs:
-            raise fail(EXPERTS_DIR, f"holds {extra_dirs[0]!r}, but num_experts is {num_experts} (experts are 0..{num_experts - 1})")
+            raise fail(
+                EXPERTS_DIR,
+                f"holds {extra_dirs[0]!r}, but num_experts is {num_experts} (experts are 0..{num_experts - 1})",
+            )
 
     # (layer, group, slice, is_b) -> matrix, per expert; every expert has every target.
-    views = [{(e.layer, e.group, e.index, e.is_b): ex.view(e) for e in ex.entries} for ex in per_expert]
+    views = [
+        {(e.layer, e.group, e.index, e.is_b): ex.view(e) for e in ex.entries} for ex in per_expert
+    ]
     a: dict[tuple[int, str], torch.Tensor] = {}
     b: dict[tuple[int, str], torch.Tensor] = {}
     for layer, m in sorted(targets):
@@ -257,12 +275,26 @@ def read_expert_set(
         b[(layer, m)] = torch.stack([v[(layer, g, i, True)] for v in views]).to(dtype).contiguous()
     rw = rt["weight"].to(dtype).contiguous()
     rb = rt["bias"].to(dtype).contiguous() if has_bias else None
-    nbytes = sum(t.numel() * t.element_size() for d in (a, b) for t in d.values()) + rw.numel() * rw.element_size()
+    nbytes = (
+        sum(t.numel() * t.element_size() for d in (a, b) for t in d.values())
+        + rw.numel() * rw.element_size()
+    )
     scale = float(alpha) / (math.sqrt(rank) if use_rslora else rank)
     return CpuExpertSet(
-        name=name, path=path, num_experts=num_experts, top_k=top_k, rank=rank, alpha=float(alpha),
-        use_rslora=use_rslora, scale=scale, targets=frozenset(targets), router_weight=rw, router_bias=rb,
-        a=a, b=b, nbytes=nbytes,
+        name=name,
+        path=path,
+        num_experts=num_experts,
+        top_k=top_k,
+        rank=rank,
+        alpha=float(alpha),
+        use_rslora=use_rslora,
+        scale=scale,
+        targets=frozenset(targets),
+        router_weight=rw,
+        router_bias=rb,
+        a=a,
+        b=b,
+        nbytes=nbytes,
     )
 
 
@@ -313,25 +345,38 @@ class ExpertSet:
     refcount: int = 0
     last_used: float = 0.0
     # Per layer and group: [(slice index, A, B)], so the forward pass does no dict lookups.
-    by_layer: list[dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+    by_layer: list[dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]]] = field(
+        default_factory=list
+    )
     # Every vocabulary token's selection (host): ids [V, k] int32 and gates [V, k] fp32.
     token_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
     token_gates: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     # Solo path with packed experts (E * r <= PACKED_MAX_RANK), per layer and group: A
     # [n_slices, 1, E*r, in] and B per slice [1, N_i, E*r]; expert e owns rank rows
     # e*r .. e*r+r-1. Slices the set does not target hold zeros. Empty when not packed.
-    packed: list[dict[str, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]] = field(default_factory=list)
+    packed: list[dict[str, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]] = field(
+        default_factory=list
+    )
     packed_ranks: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
     packed_scales: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
     @classmethod
-    def build(cls, cpu: CpuExpertSet, model: TransformerModel, masters: BackboneMasters, version: int) -> ExpertSet:
+    def build(
+        cls, cpu: CpuExpertSet, model: TransformerModel, masters: BackboneMasters, version: int
+    ) -> ExpertSet:
         dev = model.device
         weights = {
-            k: (cpu.a[k].to(dev, non_blocking=True), cpu.b[k].to(dev, non_blocking=True)) for k in sorted(cpu.targets)
+            k: (cpu.a[k].to(dev, non_blocking=True), cpu.b[k].to(dev, non_blocking=True))
+            for k in sorted(cpu.targets)
         }
         targets = [
-            MergeTarget(weight=model.module_weight(layer, m), lora_a=a, lora_b=b, scale=cpu.scale, master=masters.get(layer, m))
+            MergeTarget(
+                weight=model.module_weight(layer, m),
+                lora_a=a,
+                lora_b=b,
+                scale=cpu.scale,
+                master=masters.get(layer, m),
+            )
             for (layer, m), (a, b) in weights.items()
         ]
         table = build_merge_table(targets, exact=True)
@@ -342,10 +387,20 @@ class ExpertSet:
             g, i = MODULE_TO_GROUP[m]
             by_layer[layer][g].append((i, a, b))
         es = cls(
-            name=cpu.name, path=cpu.path, version=version, num_experts=cpu.num_experts, top_k=cpu.top_k,
-            rank=cpu.rank, scale=cpu.scale, router_weight=cpu.router_weight.to(dev),
-            router_bias=None if cpu.router_bias is None else cpu.router_bias.to(dev), weights=weights,
-            table=table, nbytes=cpu.nbytes, pinned=cpu.pinned, by_layer=by_layer,
+            name=cpu.name,
+            path=cpu.path,
+            version=version,
+            num_experts=cpu.num_experts,
+            top_k=cpu.top_k,
+            rank=cpu.rank,
+            scale=cpu.scale,
+            router_weight=cpu.router_weight.to(dev),
+            router_bias=None if cpu.router_bias is None else cpu.router_bias.to(dev),
+            weights=weights,
+            table=table,
+            nbytes=cpu.nbytes,
+            pinned=cpu.pinned,
+            by_layer=by_layer,
         )
         # The router's input for a token is its embedding row, so a token's selection never
         # changes: route the whole table once (the same kernel, row for row, as a live call).
@@ -373,10 +428,15 @@ class ExpertSet:
                 mods = GROUPS[g]
                 fan_in = cfg.module_shape(mods[0])[0]
                 a = torch.zeros((len(mods), 1, rr, fan_in), dtype=dtype, device=dev)
-                bs = [torch.zeros((1, cfg.module_shape(m)[1], rr), dtype=dtype, device=dev) for m in mods]
+                bs = [
+                    torch.zeros((1, cfg.module_shape(m)[1], rr), dtype=dtype, device=dev)
+                    for m in mods
+                ]
                 for i, ea, eb in items:
                     a[i, 0] = ea.reshape(rr, fan_in)  # [E, r, in] -> rows e*r + j
-                    bs[i][0] = eb.permute(1, 0, 2).reshape(eb.shape[1], rr)  # [E, N, r] -> [N, e*r + j]
+                    bs[i][0] = eb.permute(1, 0, 2).reshape(
+                        eb.shape[1], rr
+                    )  # [E, N, r] -> [N, e*r + j]
                 self.packed[layer][g] = (a, tuple(bs))
         self.packed_ranks = torch.tensor([rr], dtype=torch.int32, device=dev)
         self.packed_scales = torch.ones(1, dtype=torch.float32, device=dev)
@@ -408,7 +468,9 @@ class ExpertSet:
             buf[0].fill_(-1)
         return buf
 
-    def solo_rows(self, rows: int, row: int, new: Selection, merged: Selection | None) -> torch.Tensor:
+    def solo_rows(
+        self, rows: int, row: int, new: Selection, merged: Selection | None
+    ) -> torch.Tensor:
         """Host selection buffer (``solo_shape``) for one token in row ``row``: its selection
         ``new``, minus ``merged``, a selection the backbone still holds (negated gates remove
         it exactly as far as rounding goes); every other row adds nothing."""
@@ -422,7 +484,11 @@ class ExpertSet:
             if merged is not None:
                 for e, g in zip(*merged, strict=True):
                     coef[e] -= g
-            per_rank = torch.tensor(coef, dtype=torch.float32).mul_(self.scale).repeat_interleave(self.rank)
+            per_rank = (
+                torch.tensor(coef, dtype=torch.float32)
+                .mul_(self.scale)
+                .repeat_interleave(self.rank)
+            )
             buf[row] = 0
             buf[rows:] = per_rank.view(torch.int32)
             return buf
@@ -431,7 +497,9 @@ class ExpertSet:
         buf[1, row, :k] = torch.tensor(new[1], dtype=torch.float32).view(torch.int32)
         if merged is not None:
             buf[0, row, k:] = torch.tensor(merged[0], dtype=torch.int32)
-            buf[1, row, k:] = torch.tensor([-g for g in merged[1]], dtype=torch.float32).view(torch.int32)
+            buf[1, row, k:] = torch.tensor([-g for g in merged[1]], dtype=torch.float32).view(
+                torch.int32
+            )
         return buf
 
     def merge(self, sel: Selection) -> None:
@@ -444,7 +512,11 @@ class ExpertSet:
     def unmerge(self) -> None:
         """Restore ``W0`` bit for bit in every targeted weight (one launch)."""
         dev = self.table.device
-        fused_switch(self.table, torch.full((1,), -1, dtype=torch.int32, device=dev), torch.zeros(1, device=dev))
+        fused_switch(
+            self.table,
+            torch.full((1,), -1, dtype=torch.int32, device=dev),
+            torch.zeros(1, device=dev),
+        )
 
 
 def _group_cols(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:
@@ -458,14 +530,6 @@ def _group_cols(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:
         "gate_up": [(0, inter), (inter, 2 * inter)],
         "down": [(0, cfg.hidden_size)],
     }
-
-
-class GatedTerms(Protocol):
-    """What the forward pass calls for expert sets on an unmerged path."""
-
-    def route(self, h: torch.Tensor) -> None: ...
-
-    def apply(self, layer: int, group: str, out: torch.Tensor, x: torch.Tensor) -> None: ...
 
 
 class SoloGated:
@@ -491,7 +555,9 @@ class SoloGated:
         the rows by slot once per step, on the device."""
         if self.es.packed:
             slots = self.sel[: self.rows]
-            self.meta = build_segment_meta(slots, 1, max_tokens=self.rows, check_values=not slots.is_cuda)
+            self.meta = build_segment_meta(
+                slots, 1, max_tokens=self.rows, check_values=not slots.is_cuda
+            )
 
     def apply(self, layer: int, group: str, out: torch.Tensor, x: torch.Tensor) -> None:
         es = self.es
@@ -501,8 +567,12 @@ class SoloGated:
                 return
             a, bs = pk
             v = sgmm_shrink(x, a, es.packed_ranks, self.meta, check_values=False)
-            v.mul_(self.sel[self.rows :].view(torch.float32))  # each expert's rank rows x its coefficient
-            sgmm_expand(out, v, bs, es.packed_scales, es.packed_ranks, self.meta, check_values=False)
+            v.mul_(
+                self.sel[self.rows :].view(torch.float32)
+            )  # each expert's rank rows x its coefficient
+            sgmm_expand(
+                out, v, bs, es.packed_scales, es.packed_ranks, self.meta, check_values=False
+            )
             return
         cols = self.cols[group]
         # Ids come from the set's own token table (router output) or are -1: no per-call

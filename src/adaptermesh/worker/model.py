@@ -21,7 +21,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -31,6 +31,7 @@ from adaptermesh.kernels import sgmm_int4
 from adaptermesh.kernels.sgmm_int4 import DEFAULT_GROUP_SIZE, Int4Weight, quantize_int4
 from adaptermesh.worker import lora_ops
 from adaptermesh.worker.kv_cache import PagedKVCache
+from adaptermesh.worker.lora_groups import FUSED_MODULES, GROUPS, MODULE_TO_GROUP, SUPPORTED_MODULES
 from adaptermesh.worker.model_fields import (
     ACTIVATIONS,
     IGNORED_TENSOR_SUFFIXES,
@@ -38,9 +39,6 @@ from adaptermesh.worker.model_fields import (
     gemma_act,
     rotary_dim,
 )
-
-if TYPE_CHECKING:
-    from adaptermesh.worker.adafuse import GatedTerms
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +48,7 @@ __all__ = [
     "LORA_DTYPES",
     "MODULE_TO_GROUP",
     "SUPPORTED_MODULES",
+    "GatedTerms",
     "Int4LoraPool",
     "LoraPool",
     "ModelConfig",
@@ -59,21 +58,6 @@ __all__ = [
     "make_lora_pool",
 ]
 
-# Group name -> module names in slice order. Must stay in sync with the fused weight layout in
-# TransformerModel (wqkv = [q; k; v], w_gate_up = [gate; up]).
-GROUPS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
-MODULE_TO_GROUP: dict[str, tuple[str, int]] = {
-    m: (g, i) for g, ms in GROUPS.items() for i, m in enumerate(ms)
-}
-SUPPORTED_MODULES: tuple[str, ...] = tuple(MODULE_TO_GROUP)
-# A checkpoint's fused module -> the modules it stacks, in row order (Phi-3). An adapter on it
-# has one A for all of them and a B whose row blocks are theirs.
-FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": GROUPS["qkv"], "gate_up_proj": GROUPS["gate_up"]}
 _PHI3_MODULES: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -97,7 +81,9 @@ def _rope_settings(
             rope_type = scaling["rope_type"] = "longrope"
         if rope_type == "longrope":
             # Phi3Config's top-level original_max_position_embeddings (default 4096) wins.
-            scaling["original_max_position_embeddings"] = int(d.get("original_max_position_embeddings", 4096))
+            scaling["original_max_position_embeddings"] = int(
+                d.get("original_max_position_embeddings", 4096)
+            )
         if rope_type == "default":
             scaling = None
     return theta, scaling
@@ -106,7 +92,13 @@ def _rope_settings(
 def _gemma3_layer_types(d: dict[str, Any], num_layers: int) -> list[str]:
     """Gemma3TextConfig: layer_types, else every sliding_window_pattern-th layer (6) is full."""
     pattern = int(d.get("sliding_window_pattern", 6))
-    return list(d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)])
+    return list(
+        d.get("layer_types")
+        or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    )
 
 
 def _layer_windows(model_type: str, d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
@@ -129,7 +121,9 @@ def _layer_windows(model_type: str, d: dict[str, Any], num_layers: int) -> tuple
         if model_type == "gemma3_text":
             types = _gemma3_layer_types(d, num_layers)
         else:
-            types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+            types = d.get("layer_types") or [
+                "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+            ]
         out = tuple(int(w) if w and t == "sliding_attention" else None for t in types)
         return out if any(x is not None for x in out) else ()
     if model_type in ("qwen2", "qwen3"):
@@ -139,7 +133,9 @@ def _layer_windows(model_type: str, d: dict[str, Any], num_layers: int) -> tuple
         if not d.get("use_sliding_window", False) or not w:
             return ()
         if qtypes is None:
-            qtypes = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+            qtypes = [
+                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+            ]
         out = tuple(int(w) if t == "sliding_attention" else None for t in qtypes)
         return out if any(x is not None for x in out) else ()
     return ()
@@ -172,7 +168,9 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
     rotary_dim: int = 0  # rotated dimensions of a head (partial_rotary_factor); 0: head_dim
-    attn_scale: float | None = None  # softmax scale (Gemma 2: query_pre_attn_scalar^-0.5); None: head_dim^-0.5
+    attn_scale: float | None = (
+        None  # softmax scale (Gemma 2: query_pre_attn_scalar^-0.5); None: head_dim^-0.5
+    )
     attn_softcap: float | None = None  # scores -> c * tanh(scores / c)
     final_softcap: float | None = None  # logits -> c * tanh(logits / c)
     gemma_norm: bool = False  # RMSNorm scales by (1 + weight), in fp32
@@ -207,7 +205,11 @@ class ModelConfig:
         heads = int(d["num_attention_heads"])
         kv_heads = int(d.get("num_key_value_heads") or heads)
         # Qwen3Config's head_dim defaults to 128 and Gemma's to 256, not hidden / heads.
-        default_hd = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}.get(model_type) if "head_dim" not in d else None
+        default_hd = (
+            {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}.get(model_type)
+            if "head_dim" not in d
+            else None
+        )
         head_dim = int(d.get("head_dim") or default_hd or hidden // heads)
         # transformers 5 nests RoPE settings in rope_parameters; 4.x uses rope_theta + rope_scaling.
         local_rope: tuple[float, dict[str, Any] | None] | None = None
@@ -225,11 +227,26 @@ class ModelConfig:
             local_rope = _rope_settings(local, None, 0.0, d)
         else:
             rp = d.get("rope_parameters")
-            theta, scaling = _rope_settings(rp if isinstance(rp, dict) else None, d.get("rope_scaling"), float(d.get("rope_theta", 10000.0)), d)
+            theta, scaling = _rope_settings(
+                rp if isinstance(rp, dict) else None,
+                d.get("rope_scaling"),
+                float(d.get("rope_theta", 10000.0)),
+                d,
+            )
         eos = d.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = (
+            tuple(int(e) for e in eos)
+            if isinstance(eos, list)
+            else (() if eos is None else (int(eos),))
+        )
         num_layers = int(d["num_hidden_layers"])
-        attention_bias = model_type in ("llama", "qwen3", "gemma", "gemma2", "gemma3_text") and bool(d.get("attention_bias", False))
+        attention_bias = model_type in (
+            "llama",
+            "qwen3",
+            "gemma",
+            "gemma2",
+            "gemma3_text",
+        ) and bool(d.get("attention_bias", False))
         windows = _layer_windows(model_type, d, num_layers)
         gemma = model_type in ("gemma", "gemma2", "gemma3_text")
         sandwich = model_type in ("gemma2", "gemma3_text")
@@ -240,7 +257,10 @@ class ModelConfig:
         else:
             act = str(d.get("hidden_act", "silu"))
         rot = rotary_dim(d, head_dim)
-        caps: dict[str, float | None] = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+        caps: dict[str, float | None] = {
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+        }
         if model_type == "gemma2":  # Gemma2Config's defaults: 50 and 30
             caps = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
         if sandwich:  # Gemma3TextConfig's defaults are null
@@ -270,15 +290,21 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "gemma3_text"),
             rotary_dim=rot if rot != head_dim else 0,
             attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5 if sandwich else None,
-            attn_softcap=None if caps["attn_logit_softcapping"] is None else float(caps["attn_logit_softcapping"]),
-            final_softcap=None if caps["final_logit_softcapping"] is None else float(caps["final_logit_softcapping"]),
+            attn_softcap=None
+            if caps["attn_logit_softcapping"] is None
+            else float(caps["attn_logit_softcapping"]),
+            final_softcap=None
+            if caps["final_logit_softcapping"] is None
+            else float(caps["final_logit_softcapping"]),
             gemma_norm=gemma,
             embed_scale=math.sqrt(hidden) if gemma else None,
             sandwich_norm=sandwich,
             fused_checkpoint=model_type == "phi3",
             local_rope=local_rope,
             local_rope_layers=(
-                tuple(t == "sliding_attention" for t in _gemma3_layer_types(d, num_layers)) if local_rope else ()
+                tuple(t == "sliding_attention" for t in _gemma3_layer_types(d, num_layers))
+                if local_rope
+                else ()
             ),
         )
 
@@ -342,7 +368,11 @@ def rope_inv_freq(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float]:
     if kind == "yarn":
         # transformers' _compute_yarn_parameters, field for field.
         orig_y = float(sc.get("original_max_position_embeddings") or cfg.max_position_embeddings)
-        yf = float(sc["factor"]) if sc.get("factor") is not None else cfg.max_position_embeddings / orig_y
+        yf = (
+            float(sc["factor"])
+            if sc.get("factor") is not None
+            else cfg.max_position_embeddings / orig_y
+        )
         beta_fast = float(sc.get("beta_fast") or 32.0)
         beta_slow = float(sc.get("beta_slow") or 1.0)
         ms, ms_all = sc.get("mscale"), sc.get("mscale_all_dim")
@@ -379,7 +409,11 @@ def rope_inv_freq(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float]:
         # this is transformers' output for every sequence; above it, the long factors apply
         # from position 0, as in transformers' forward over any sequence past that length.
         orig_l = float(sc["original_max_position_embeddings"])
-        lf = float(sc["factor"]) if sc.get("factor") is not None else cfg.max_position_embeddings / orig_l
+        lf = (
+            float(sc["factor"])
+            if sc.get("factor") is not None
+            else cfg.max_position_embeddings / orig_l
+        )
         af = sc.get("attention_factor")
         if af is None:
             af = 1.0 if lf <= 1.0 else math.sqrt(1 + math.log(lf) / math.log(orig_l))
@@ -388,19 +422,38 @@ def rope_inv_freq(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float]:
             log.warning(
                 "LongRoPE: max_model_len %d > original_max_position_embeddings %d, so every sequence uses the "
                 "long factors; transformers uses the short ones for sequences of at most %d tokens",
-                max_len, int(orig_l), int(orig_l),
+                max_len,
+                int(orig_l),
+                int(orig_l),
             )
         ext = torch.tensor(sc["long_factor"] if long else sc["short_factor"], dtype=torch.float32)
-        return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), float(af)
-    raise ValueError(f"config.rope_scaling.rope_type: unsupported {kind!r} (linear, dynamic, llama3, yarn, longrope)")
+        return 1.0 / (
+            ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        ), float(af)
+    raise ValueError(
+        f"config.rope_scaling.rope_type: unsupported {kind!r} (linear, dynamic, llama3, yarn, longrope)"
+    )
 
 
-def _cos_sin(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _cos_sin(
+    cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """[max_len, rotary_dim]: cos of each frequency, then sin, rounded to the model dtype like
     the cos/sin tables of transformers' Llama."""
     inv, mscale = rope_inv_freq(cfg, max_len)
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
-    return torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1).to(device=device, dtype=dtype)
+    return torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1).to(
+        device=device, dtype=dtype
+    )
+
+
+class GatedTerms(Protocol):
+    """What the forward pass calls for expert sets on an unmerged path (``adafuse.SoloGated``,
+    ``adafuse.GatedBatch``)."""
+
+    def route(self, h: torch.Tensor) -> None: ...
+
+    def apply(self, layer: int, group: str, out: torch.Tensor, x: torch.Tensor) -> None: ...
 
 
 @dataclass(slots=True)
@@ -419,7 +472,9 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64 flat KV slot (block * block_size + offset), -1 = no write
+    slot_mapping: (
+        torch.Tensor
+    )  # [T] int64 flat KV slot (block * block_size + offset), -1 = no write
     token_slots: torch.Tensor  # [T] int32, LoRA pool slot, -1 = base
     block_tables: torch.Tensor  # [S, max_blocks] int32
     seq_lens: torch.Tensor  # [S] int32, keys held after this step (0 = padding sequence)
@@ -439,7 +494,14 @@ class LoraPool:
     ``ranks[g]`` is the adapter's rank where it targets any module of g, else 0.
     """
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_slots: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
@@ -450,9 +512,14 @@ class LoraPool:
         self.ranks: dict[str, torch.Tensor] = {}
         for g, mods in GROUPS.items():
             fan_in = cfg.module_shape(mods[0])[0]
-            self.a[g] = torch.zeros((L, len(mods), num_slots, max_rank, fan_in), dtype=dtype, device=device)
+            self.a[g] = torch.zeros(
+                (L, len(mods), num_slots, max_rank, fan_in), dtype=dtype, device=device
+            )
             self.b[g] = tuple(
-                torch.zeros((L, num_slots, cfg.module_shape(m)[1], max_rank), dtype=dtype, device=device) for m in mods
+                torch.zeros(
+                    (L, num_slots, cfg.module_shape(m)[1], max_rank), dtype=dtype, device=device
+                )
+                for m in mods
             )
             self.ranks[g] = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
@@ -463,7 +530,9 @@ class LoraPool:
         total += sum(t.numel() * t.element_size() for bs in self.b.values() for t in bs)
         return total
 
-    def layer_args(self, g: str, layer: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    def layer_args(
+        self, g: str, layer: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
         return self.a[g][layer], tuple(b[layer] for b in self.b[g]), self.ranks[g]
 
     def clear(self, slot: int) -> None:
@@ -478,7 +547,9 @@ class LoraPool:
             for b in self.b[g]:
                 b[:, slot].zero_()
 
-    def slot_view(self, group: str, index: int, layer: int, slot: int, rank: int, is_b: bool) -> torch.Tensor:
+    def slot_view(
+        self, group: str, index: int, layer: int, slot: int, rank: int, is_b: bool
+    ) -> torch.Tensor:
         """Where one adapter matrix goes: A [rank, in] or B [out, rank] of (layer, slice)."""
         if is_b:
             return self.b[group][index][layer, slot, :, :rank]
@@ -525,25 +596,41 @@ class Int4LoraPool(LoraPool):
         self.a, self.b = {}, {}
         for g, mods in GROUPS.items():
             fan_in = cfg.module_shape(mods[0])[0]
-            self.qa[g] = _empty_int4((L, len(mods), num_slots, max_rank, fan_in), group_size, -1, device)
+            self.qa[g] = _empty_int4(
+                (L, len(mods), num_slots, max_rank, fan_in), group_size, -1, device
+            )
             self.qb[g] = tuple(
-                _empty_int4((L, num_slots, cfg.module_shape(m)[1], max_rank), group_size, -2, device) for m in mods
+                _empty_int4(
+                    (L, num_slots, cfg.module_shape(m)[1], max_rank), group_size, -2, device
+                )
+                for m in mods
             )
             self.ranks[g] = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
-        self._layers = {g: [(self.qa[g][li], tuple(b[li] for b in self.qb[g])) for li in range(L)] for g in GROUPS}
+        self._layers = {
+            g: [(self.qa[g][li], tuple(b[li] for b in self.qb[g])) for li in range(L)]
+            for g in GROUPS
+        }
         # slot -> (A staging per group [L, n, R, in], B staging per group and slice [L, N_i, R])
-        self._staging: dict[int, tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, ...]]]] = {}
+        self._staging: dict[
+            int, tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, ...]]]
+        ] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(q.nbytes for q in self.qa.values()) + sum(q.nbytes for qs in self.qb.values() for q in qs)
+        return sum(q.nbytes for q in self.qa.values()) + sum(
+            q.nbytes for qs in self.qb.values() for q in qs
+        )
 
-    def int4_layer_args(self, g: str, layer: int) -> tuple[Int4Weight, tuple[Int4Weight, ...], torch.Tensor]:
+    def int4_layer_args(
+        self, g: str, layer: int
+    ) -> tuple[Int4Weight, tuple[Int4Weight, ...], torch.Tensor]:
         qa, qb = self._layers[g][layer]
         return qa, qb, self.ranks[g]
 
-    def layer_args(self, g: str, layer: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    def layer_args(
+        self, g: str, layer: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
         raise TypeError("an Int4LoraPool has no full-precision layer weights; use int4_layer_args")
 
     def clear(self, slot: int) -> None:
@@ -557,10 +644,15 @@ class Int4LoraPool(LoraPool):
         for g, mods in GROUPS.items():
             fan_in = self._cfg.module_shape(mods[0])[0]
             a[g] = torch.zeros((L, len(mods), self.max_rank, fan_in), dtype=dt, device=dev)
-            b[g] = tuple(torch.zeros((L, self._cfg.module_shape(m)[1], self.max_rank), dtype=dt, device=dev) for m in mods)
+            b[g] = tuple(
+                torch.zeros((L, self._cfg.module_shape(m)[1], self.max_rank), dtype=dt, device=dev)
+                for m in mods
+            )
         self._staging[slot] = (a, b)
 
-    def slot_view(self, group: str, index: int, layer: int, slot: int, rank: int, is_b: bool) -> torch.Tensor:
+    def slot_view(
+        self, group: str, index: int, layer: int, slot: int, rank: int, is_b: bool
+    ) -> torch.Tensor:
         a, b = self._staging[slot]
         if is_b:
             return b[group][index][layer, :, :rank]
@@ -587,9 +679,15 @@ class Int4LoraPool(LoraPool):
         return torch.stack(parts).sum()
 
 
-def _empty_int4(shape: tuple[int, ...], group_size: int, group_dim: int, device: torch.device) -> Int4Weight:
+def _empty_int4(
+    shape: tuple[int, ...], group_size: int, group_dim: int, device: torch.device
+) -> Int4Weight:
     packed = torch.zeros(sgmm_int4.packed_shape(shape), dtype=torch.uint8, device=device)
-    scales = torch.zeros(sgmm_int4.scales_shape(shape, group_size, group_dim), dtype=sgmm_int4.SCALE_DTYPE, device=device)
+    scales = torch.zeros(
+        sgmm_int4.scales_shape(shape, group_size, group_dim),
+        dtype=sgmm_int4.SCALE_DTYPE,
+        device=device,
+    )
     return Int4Weight(packed, scales, shape[-1], group_size, group_dim)
 
 
@@ -621,10 +719,22 @@ def make_lora_pool(cfg: ModelConfig, num_slots: int, max_rank: int, device: torc
 
 
 # A layer's weight and bias names per LoRA group.
-_WEIGHTS = {"qkv": ("wqkv", "bqkv"), "o": ("wo", "bo"), "gate_up": ("wgu", "bgu"), "down": ("wd", "bd")}
+_WEIGHTS = {
+    "qkv": ("wqkv", "bqkv"),
+    "o": ("wo", "bo"),
+    "gate_up": ("wgu", "bgu"),
+    "down": ("wd", "bd"),
+}
 
 
-def _apply_lora(pool: LoraPool, meta: lora_ops.LoraBatchMeta, group: str, layer: int, out: torch.Tensor, x: torch.Tensor) -> None:
+def _apply_lora(
+    pool: LoraPool,
+    meta: lora_ops.LoraBatchMeta,
+    group: str,
+    layer: int,
+    out: torch.Tensor,
+    x: torch.Tensor,
+) -> None:
     if isinstance(pool, Int4LoraPool):
         qa, qb, r = pool.int4_layer_args(group, layer)
         lora_ops.add_lora_int4(out, x, qa, qb, pool.scales, r, meta)
@@ -636,7 +746,14 @@ def _apply_lora(pool: LoraPool, meta: lora_ops.LoraBatchMeta, group: str, layer:
 class TransformerModel:
     """The base weights, fused per layer, plus the forward pass over a flat batch."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, max_len: int) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+        max_len: int,
+    ) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -658,10 +775,17 @@ class TransformerModel:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             if cfg.fused_checkpoint:
-                wqkv, wgu = take(p + "self_attn.qkv_proj.weight"), take(p + "mlp.gate_up_proj.weight")
+                wqkv, wgu = (
+                    take(p + "self_attn.qkv_proj.weight"),
+                    take(p + "mlp.gate_up_proj.weight"),
+                )
             else:
-                wqkv = torch.cat([take(p + f"self_attn.{m}.weight") for m in GROUPS["qkv"]]).contiguous()
-                wgu = torch.cat([take(p + f"mlp.{m}.weight") for m in GROUPS["gate_up"]]).contiguous()
+                wqkv = torch.cat(
+                    [take(p + f"self_attn.{m}.weight") for m in GROUPS["qkv"]]
+                ).contiguous()
+                wgu = torch.cat(
+                    [take(p + f"mlp.{m}.weight") for m in GROUPS["gate_up"]]
+                ).contiguous()
             layer = {
                 "ln1": take(p + "input_layernorm.weight"),
                 "wqkv": wqkv,
@@ -687,7 +811,9 @@ class TransformerModel:
             if cfg.o_bias:
                 layer["bo"] = take(p + "self_attn.o_proj.bias")
             if cfg.mlp_bias:
-                layer["bgu"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]).contiguous()
+                layer["bgu"] = torch.cat(
+                    [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]
+                ).contiguous()
                 layer["bd"] = take(p + "mlp.down_proj.bias")
             self.layers.append(layer)
         self.norm = take("model.norm.weight")
@@ -700,12 +826,19 @@ class TransformerModel:
         left = sorted(k for k in weights if not k.endswith(IGNORED_TENSOR_SUFFIXES))
         if left:
             more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-            raise ValueError(f"model weights: tensor {left[0]}{more} is not used by any module of the {cfg.arch} runtime")
+            raise ValueError(
+                f"model weights: tensor {left[0]}{more} is not used by any module of the {cfg.arch} runtime"
+            )
         self.cos_sin = _cos_sin(cfg, max_len, device, dtype)
         self.cos_sin_local = self.cos_sin
         if cfg.local_rope is not None:
             theta, scaling = cfg.local_rope
-            self.cos_sin_local = _cos_sin(dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling), max_len, device, dtype)
+            self.cos_sin_local = _cos_sin(
+                dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling),
+                max_len,
+                device,
+                dtype,
+            )
         self.act = cfg.act
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -713,7 +846,9 @@ class TransformerModel:
         self.rotary_dim = cfg.rotary_dim or None
         # Gemma multiplies the embeddings by sqrt(hidden) cast to the model dtype.
         self.embed_scale = (
-            None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale, dtype=torch.float32).to(device=device, dtype=dtype)
+            None
+            if cfg.embed_scale is None
+            else torch.tensor(cfg.embed_scale, dtype=torch.float32).to(device=device, dtype=dtype)
         )
 
     def module_weight(self, layer: int, module: str) -> torch.Tensor:
@@ -736,7 +871,12 @@ class TransformerModel:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.embed, self.norm, self.lm_head, *(t for layer in self.layers for t in layer.values())]
+        tensors = [
+            self.embed,
+            self.norm,
+            self.lm_head,
+            *(t for layer in self.layers for t in layer.values()),
+        ]
         seen: set[int] = set()
         total = 0
         for t in tensors:
@@ -786,20 +926,42 @@ class TransformerModel:
             if d is None:
                 x = kernels.rms_norm(h, layer["ln1"], cfg.rms_eps, gemma=gn)
             else:
-                x = kernels.rms_norm(d, layer["ln1"], cfg.rms_eps, residual=residual, gemma=gn, extra=d_lora)
+                x = kernels.rms_norm(
+                    d, layer["ln1"], cfg.rms_eps, residual=residual, gemma=gn, extra=d_lora
+                )
             qkv, _ = self._project(layer, "qkv", x, li, lp)  # its consumer (RoPE) takes no extra
             if gated is not None:
                 gated.apply(li, "qkv", qkv, x)
             q = qkv[:, : self.q_size].view(T, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+                T, cfg.num_kv_heads, cfg.head_dim
+            )
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             if "qn" in layer:
                 # Qwen3 normalises each head of the projections (LoRA included) before RoPE.
-                q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), layer["qn"], cfg.rms_eps, gemma=gn).view(q.shape)
-                k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), layer["kn"], cfg.rms_eps, gemma=gn).view(k.shape)
+                q = kernels.rms_norm(
+                    q.reshape(-1, cfg.head_dim), layer["qn"], cfg.rms_eps, gemma=gn
+                ).view(q.shape)
+                k = kernels.rms_norm(
+                    k.reshape(-1, cfg.head_dim), layer["kn"], cfg.rms_eps, gemma=gn
+                ).view(k.shape)
             kc, vc = kv.k[li], kv.v[li]
-            cos_sin = self.cos_sin_local if cfg.local_rope_layers and cfg.local_rope_layers[li] else self.cos_sin
-            kernels.rope_kv_write(q, k, v, inp.positions, cos_sin, kc, vc, inp.slot_mapping, rotary_dim=self.rotary_dim)
+            cos_sin = (
+                self.cos_sin_local
+                if cfg.local_rope_layers and cfg.local_rope_layers[li]
+                else self.cos_sin
+            )
+            kernels.rope_kv_write(
+                q,
+                k,
+                v,
+                inp.positions,
+                cos_sin,
+                kc,
+                vc,
+                inp.slot_mapping,
+                rotary_dim=self.rotary_dim,
+            )
             self._attention(attn, q, kc, vc, inp, cfg.window(li))
             a2 = attn.view(T, -1)
             # With the side stream, o's, gate_up's and down's LoRA terms come back apart and
@@ -810,7 +972,9 @@ class TransformerModel:
                 gated.apply(li, "o", o, a2)
             if "ln_attn_out" in layer:
                 o = kernels.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
-            x = kernels.rms_norm(o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn, extra=o_lora)
+            x = kernels.rms_norm(
+                o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn, extra=o_lora
+            )
             gu, gu_lora = self._project(layer, "gate_up", x, li, lp, True)
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
@@ -824,15 +988,22 @@ class TransformerModel:
         rows_d = d.index_select(0, inp.logits_rows)
         rows_r = residual.index_select(0, inp.logits_rows)
         rows_e = None if d_lora is None else d_lora.index_select(0, inp.logits_rows)
-        hn = kernels.rms_norm(rows_d, self.norm, cfg.rms_eps, residual=rows_r, gemma=gn, extra=rows_e)
+        hn = kernels.rms_norm(
+            rows_d, self.norm, cfg.rms_eps, residual=rows_r, gemma=gn, extra=rows_e
+        )
         logits = (hn @ self.lm_head.T).float()
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
 
     def _project(
-        self, layer: dict[str, torch.Tensor], group: str, x: torch.Tensor, li: int,
-        lp: tuple[LoraPool, lora_ops.LoraBatchMeta] | None, defer: bool = False,
+        self,
+        layer: dict[str, torch.Tensor],
+        group: str,
+        x: torch.Tensor,
+        li: int,
+        lp: tuple[LoraPool, lora_ops.LoraBatchMeta] | None,
+        defer: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One projection of a layer plus the batch's LoRA terms for it: ``(out, delta)``.
 
@@ -843,19 +1014,30 @@ class TransformerModel:
         wname, bname = _WEIGHTS[group]
         bias = layer.get(bname)
         side = self.lora_side
-        if (lp is not None and side is not None and x.shape[0] <= self.lora_side_max_tokens
-                and not isinstance(lp[0], Int4LoraPool)):
+        if (
+            lp is not None
+            and side is not None
+            and x.shape[0] <= self.lora_side_max_tokens
+            and not isinstance(lp[0], Int4LoraPool)
+        ):
             pool, meta = lp
             a, b, r = pool.layer_args(group, li)
-            return lora_ops.project_with_lora(x, layer[wname], bias, a, b, pool.scales, r, meta, side,
-                                              defer=defer)
+            return lora_ops.project_with_lora(
+                x, layer[wname], bias, a, b, pool.scales, r, meta, side, defer=defer
+            )
         out = torch.addmm(bias, x, layer[wname].T) if bias is not None else x @ layer[wname].T
         if lp is not None:
             _apply_lora(*lp, group, li, out, x)
         return out, None
 
     def _attention(
-        self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, inp: StepInputs, window: int | None
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        inp: StepInputs,
+        window: int | None,
     ) -> None:
         """Decode region with the split-KV decode kernel, prefill region with the tiled one;
         ``window``: this layer's sliding window (None: full attention)."""
@@ -863,14 +1045,31 @@ class TransformerModel:
         S = int(inp.seq_lens.shape[0])
         if nd > 0:
             kernels.paged_attention(
-                out, q, kc, vc, inp.block_tables[:nd], inp.seq_lens[:nd], inp.query_start[: nd + 1],
-                scale=self.scale, max_query_len=1, sliding_window=window, num_splits=inp.num_splits,
+                out,
+                q,
+                kc,
+                vc,
+                inp.block_tables[:nd],
+                inp.seq_lens[:nd],
+                inp.query_start[: nd + 1],
+                scale=self.scale,
+                max_query_len=1,
+                sliding_window=window,
+                num_splits=inp.num_splits,
                 softcap=self.cfg.attn_softcap,
             )
         if nd < S and inp.max_prefill_len > 0:
             kernels.paged_attention(
-                out, q, kc, vc, inp.block_tables[nd:], inp.seq_lens[nd:], inp.query_start[nd:],
-                scale=self.scale, max_query_len=inp.max_prefill_len, sliding_window=window,
+                out,
+                q,
+                kc,
+                vc,
+                inp.block_tables[nd:],
+                inp.seq_lens[nd:],
+                inp.query_start[nd:],
+                scale=self.scale,
+                max_query_len=inp.max_prefill_len,
+                sliding_window=window,
                 softcap=self.cfg.attn_softcap,
             )
 
@@ -887,6 +1086,8 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, max_len: int) -> TransformerModel:
+def load_model(
+    model_dir: Path, device: torch.device, dtype: torch.dtype, max_len: int
+) -> TransformerModel:
     cfg = ModelConfig.from_dir(model_dir)
     return TransformerModel(cfg, read_weights(model_dir), device, dtype, max_len)

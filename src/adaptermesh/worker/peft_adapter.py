@@ -18,13 +18,8 @@ from typing import Any
 
 import torch
 
-from adaptermesh.worker.model import (
-    FUSED_MODULES,
-    GROUPS,
-    MODULE_TO_GROUP,
-    SUPPORTED_MODULES,
-    ModelConfig,
-)
+from adaptermesh.worker.lora_groups import FUSED_MODULES, GROUPS, MODULE_TO_GROUP, SUPPORTED_MODULES
+from adaptermesh.worker.model import ModelConfig
 from adaptermesh.worker.model_fields import check_adapter_config
 from adaptermesh.worker.types import AdapterNotFoundError
 
@@ -32,15 +27,19 @@ __all__ = [
     "AdapterValidationError",
     "CpuAdapter",
     "TensorEntry",
+    "entry_sums",
     "read_adapter",
     "resolve_in_root",
+    "target_set",
     "validate_name",
 ]
 
 
 # "@" joins an adapter and its version ("credit-risk@2.0.0", docs/rollout.md).
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/@]{0,199}$")
-_PARENTS = {m: ("self_attn" if m in GROUPS["qkv"] or m == "o_proj" else "mlp") for m in SUPPORTED_MODULES}
+_PARENTS = {
+    m: ("self_attn" if m in GROUPS["qkv"] or m == "o_proj" else "mlp") for m in SUPPORTED_MODULES
+}
 _PARENTS.update(qkv_proj="self_attn", gate_up_proj="mlp")
 
 
@@ -53,8 +52,16 @@ class AdapterValidationError(AdapterNotFoundError):
 
 
 def validate_name(name: str) -> None:
-    if not isinstance(name, str) or not _NAME_RE.match(name) or any(p in ("..", ".") for p in name.split("/")):
-        raise AdapterValidationError(str(name), "name", "must be 1-200 characters of [A-Za-z0-9._-/@] with no '.' or '..' parts")
+    if (
+        not isinstance(name, str)
+        or not _NAME_RE.match(name)
+        or any(p in ("..", ".") for p in name.split("/"))
+    ):
+        raise AdapterValidationError(
+            str(name),
+            "name",
+            "must be 1-200 characters of [A-Za-z0-9._-/@] with no '.' or '..' parts",
+        )
 
 
 def resolve_in_root(root: Path, name: str, path: str | None = None) -> Path:
@@ -67,11 +74,15 @@ def resolve_in_root(root: Path, name: str, path: str | None = None) -> Path:
     if "\x00" in str(rel):
         raise AdapterValidationError(name, "lora_path", "must not contain NUL")
     try:
-        resolved = candidate.resolve(strict=False)  # follows symlinks, so an escaping link is caught
+        resolved = candidate.resolve(
+            strict=False
+        )  # follows symlinks, so an escaping link is caught
     except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError on 3.11), a name too long
         raise AdapterValidationError(name, "lora_path", f"cannot be resolved: {exc}") from None
     if not resolved.is_relative_to(root_r):
-        raise AdapterValidationError(name, "lora_path", f"resolves outside the adapter root {root_r}")
+        raise AdapterValidationError(
+            name, "lora_path", f"resolves outside the adapter root {root_r}"
+        )
     return resolved
 
 
@@ -115,7 +126,9 @@ class CpuAdapter:
         buf = self.data if data is None else data
         return buf[e.start : e.end].view(e.dtype).view(e.shape)
 
-    def first_non_finite(self, data: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> str | None:
+    def first_non_finite(
+        self, data: torch.Tensor | None = None, dtype: torch.dtype | None = None
+    ) -> str | None:
         """Key of the first matrix holding NaN or Inf (after a cast to ``dtype``), if any."""
         for e in self.entries:
             t = self.view(e, data)
@@ -139,25 +152,46 @@ def _matches(spec: str | list[str], key: str) -> bool:
     return key in spec or any(key.endswith("." + e) for e in spec)
 
 
-def _target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tuple[int, str]]:
+def target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tuple[int, str]]:
     """The (layer, module) pairs the adapter targets, resolved exactly as PEFT resolves them
     (``peft.tuners.tuners_utils.check_target_module_exists``): exclude_modules first, then
     target_modules, with layers_to_transform applied only to a list of module names."""
     raw = cfg_json.get("target_modules")
     layers = cfg_json.get("layers_to_transform")
-    if isinstance(layers, bool) or not (layers is None or isinstance(layers, int) or (isinstance(layers, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in layers))):
-        raise _fail(name, "layers_to_transform", f"must be a layer index or a list of them, got {layers!r}")
-    layer_ids: set[int] | None = {layers} if isinstance(layers, int) else (set(layers) if layers else None)
+    if isinstance(layers, bool) or not (
+        layers is None
+        or isinstance(layers, int)
+        or (
+            isinstance(layers, list)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+        )
+    ):
+        raise _fail(
+            name, "layers_to_transform", f"must be a layer index or a list of them, got {layers!r}"
+        )
+    layer_ids: set[int] | None = (
+        {layers} if isinstance(layers, int) else (set(layers) if layers else None)
+    )
     if layer_ids is not None:
         bad_layers = sorted(x for x in layer_ids if not 0 <= x < cfg.num_layers)
         if bad_layers:
-            raise _fail(name, "layers_to_transform", f"layers {bad_layers} do not exist (model has {cfg.num_layers})")
+            raise _fail(
+                name,
+                "layers_to_transform",
+                f"layers {bad_layers} do not exist (model has {cfg.num_layers})",
+            )
     pattern = cfg_json.get("layers_pattern")
     if pattern not in (None, "", [], "layers", ["layers"]):
-        raise _fail(name, "layers_pattern", f"{pattern!r} names no layer list of the base model (only 'layers')")
+        raise _fail(
+            name,
+            "layers_pattern",
+            f"{pattern!r} names no layer list of the base model (only 'layers')",
+        )
     exclude = cfg_json.get("exclude_modules")
     if exclude is not None and not isinstance(exclude, (str, list)):
-        raise _fail(name, "exclude_modules", f"must be a list of module names or a string, got {exclude!r}")
+        raise _fail(
+            name, "exclude_modules", f"must be a list of module names or a string, got {exclude!r}"
+        )
     if isinstance(exclude, str):
         try:
             re.compile(exclude)
@@ -165,29 +199,47 @@ def _target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tu
             raise _fail(name, "exclude_modules", f"invalid regular expression: {e}") from None
     modules = cfg.adapter_modules
     full = {
-        (layer, m): f"model.layers.{layer}.{_PARENTS[m]}.{m}" for layer in range(cfg.num_layers) for m in modules
+        (layer, m): f"model.layers.{layer}.{_PARENTS[m]}.{m}"
+        for layer in range(cfg.num_layers)
+        for m in modules
     }
     if raw == "all-linear":
         raw = list(modules)  # PEFT expands it to every linear but the output head
     if isinstance(raw, str):
         if layer_ids is not None:
-            raise _fail(name, "layers_to_transform", "cannot be combined with a regular-expression target_modules")
+            raise _fail(
+                name,
+                "layers_to_transform",
+                "cannot be combined with a regular-expression target_modules",
+            )
         try:
             re.compile(raw)
         except re.error as e:
             raise _fail(name, "target_modules", f"invalid regular expression: {e}") from None
         for short, path in _REFUSED_TARGETS.items():
             if re.fullmatch(raw, path):
-                raise _fail(name, "target_modules", f"{raw!r} targets {short}: adapters on {short} are not implemented")
+                raise _fail(
+                    name,
+                    "target_modules",
+                    f"{raw!r} targets {short}: adapters on {short} are not implemented",
+                )
     elif isinstance(raw, list) and raw:
         for entry in raw:
             if not isinstance(entry, str):
                 raise _fail(name, "target_modules", f"entries must be strings, got {entry!r}")
             for short, path in _REFUSED_TARGETS.items():
                 if entry == path or path.endswith("." + entry) or entry.endswith(short):
-                    raise _fail(name, "target_modules", f"{entry!r}: adapters on {short} are not implemented")
+                    raise _fail(
+                        name,
+                        "target_modules",
+                        f"{entry!r}: adapters on {short} are not implemented",
+                    )
             if not any(path == entry or path.endswith("." + entry) for path in full.values()):
-                raise _fail(name, "target_modules", f"{entry!r} is not a module of the base model (supported: {', '.join(modules)})")
+                raise _fail(
+                    name,
+                    "target_modules",
+                    f"{entry!r} is not a module of the base model (supported: {', '.join(modules)})",
+                )
     else:
         raise _fail(name, "target_modules", "must be a non-empty list of module names or a string")
     out: set[tuple[int, str]] = set()
@@ -203,7 +255,11 @@ def _target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tu
         if hit:
             out.add(k)
     if not out:
-        raise _fail(name, "target_modules", f"{raw!r} matches no module of the base model (after exclude_modules and layers_to_transform)")
+        raise _fail(
+            name,
+            "target_modules",
+            f"{raw!r} matches no module of the base model (after exclude_modules and layers_to_transform)",
+        )
     return out
 
 
@@ -223,8 +279,14 @@ def _is_number(v: Any) -> bool:
 
 
 def read_adapter(
-    name: str, path: Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype, pin_memory: bool,
-    *, per_module: bool = False,
+    name: str,
+    path: Path,
+    cfg: ModelConfig,
+    max_rank: int,
+    dtype: torch.dtype,
+    pin_memory: bool,
+    *,
+    per_module: bool = False,
 ) -> CpuAdapter:
     """Read, validate and pack one PEFT adapter directory. Raises AdapterValidationError.
 
@@ -263,16 +325,32 @@ def read_adapter(
         if not isinstance(pat, dict):
             raise _fail(name, fld, f"must be an object of pattern -> value, got {pat!r}")
         for k, v in pat.items():
-            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1 if fld == "rank_pattern" else _is_number(v)
+            ok = (
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                if fld == "rank_pattern"
+                else _is_number(v)
+            )
             if not ok:
-                raise _fail(name, fld, f"{k!r}: {v!r} is not a valid {'rank' if fld == 'rank_pattern' else 'alpha'}")
+                raise _fail(
+                    name,
+                    fld,
+                    f"{k!r}: {v!r} is not a valid {'rank' if fld == 'rank_pattern' else 'alpha'}",
+                )
         if pat and not per_module:
-            raise _fail(name, fld, f"{pat!r} is not implemented here: every AdaFuse expert has one rank and one scale")
+            raise _fail(
+                name,
+                fld,
+                f"{pat!r} is not implemented here: every AdaFuse expert has one rank and one scale",
+            )
         patterns[fld] = pat
-    targets = _target_set(name, cj, cfg)
+    targets = target_set(name, cj, cfg)
     fused = sorted({m for _, m in targets if m in FUSED_MODULES})
     if fused and not per_module:
-        raise _fail(name, "target_modules", f"{fused[0]!r}: AdaFuse experts on a fused module are not implemented")
+        raise _fail(
+            name,
+            "target_modules",
+            f"{fused[0]!r}: AdaFuse experts on a fused module are not implemented",
+        )
     # (layer, module) -> (rank, scale), as PEFT's LoraModel._create_and_replace picks them.
     per: dict[tuple[int, str], tuple[int, float]] = {}
     for layer, m in targets:
@@ -302,24 +380,38 @@ def read_adapter(
                 raise _fail(name, wfld, f"missing tensor {key}")
             dt, got_shape, start, end = h
             if got_shape != shape:
-                raise _fail(name, wfld, f"tensor {key} has shape {got_shape}, expected {shape} (rank {rm})")
+                raise _fail(
+                    name, wfld, f"tensor {key} has shape {got_shape}, expected {shape} (rank {rm})"
+                )
             is_b = suffix == ".lora_B.weight"
             if fold and is_b:
                 data[start:end].view(dt).mul_(sm)  # this module's scale rides in its B
             entries.extend(_split_entry(cfg, key, m, layer, is_b, dt, shape, start))
     if header:
         extra = sorted(header)[0]
-        why = "a bias or a saved module" if not extra.endswith((".lora_A.weight", ".lora_B.weight")) else "not in target_modules of the base model"
+        why = (
+            "a bias or a saved module"
+            if not extra.endswith((".lora_A.weight", ".lora_B.weight"))
+            else "not in target_modules of the base model"
+        )
         raise _fail(name, wfld, f"unexpected tensor {extra} ({why}): refused rather than ignored")
     spans = sorted((e.start, e.end) for e in entries)
     tiles = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     uniform = bool(entries) and tiles and spans[0][0] == 0 and spans[-1][1] == data.numel()
     uniform = uniform and len({e.dtype for e in entries}) == 1
     cpu = CpuAdapter(
-        name=name, path=path, rank=slot_rank, alpha=float(alpha), use_rslora=use_rslora,
-        scale=scale, targets=frozenset(target_modules),
-        groups=frozenset(MODULE_TO_GROUP[m][0] for m in target_modules), data=data, entries=tuple(entries),
-        uniform=uniform, nbytes=data.numel(),
+        name=name,
+        path=path,
+        rank=slot_rank,
+        alpha=float(alpha),
+        use_rslora=use_rslora,
+        scale=scale,
+        targets=frozenset(target_modules),
+        groups=frozenset(MODULE_TO_GROUP[m][0] for m in target_modules),
+        data=data,
+        entries=tuple(entries),
+        uniform=uniform,
+        nbytes=data.numel(),
     )
     if not pin_memory and not _all_finite(cpu, dtype):
         # Without a GPU the slot copy cannot check finiteness on the device; check here, once.
@@ -328,7 +420,14 @@ def read_adapter(
 
 
 def _split_entry(
-    cfg: ModelConfig, key: str, module: str, layer: int, is_b: bool, dt: torch.dtype, shape: tuple[int, int], start: int
+    cfg: ModelConfig,
+    key: str,
+    module: str,
+    layer: int,
+    is_b: bool,
+    dt: torch.dtype,
+    shape: tuple[int, int],
+    start: int,
 ) -> list[TensorEntry]:
     """The pool entries of one file matrix. A fused module's (Phi-3 qkv_proj, gate_up_proj)
     adapter computes ``B (A x)`` for the stacked output; each slice's rows of it are
@@ -340,11 +439,27 @@ def _split_entry(
     for sub in parts:
         g, i = MODULE_TO_GROUP[sub]
         if not is_b:
-            out.append(TensorEntry(key, g, i, layer, False, dt, shape, start, start + shape[0] * shape[1] * dt.itemsize))
+            out.append(
+                TensorEntry(
+                    key,
+                    g,
+                    i,
+                    layer,
+                    False,
+                    dt,
+                    shape,
+                    start,
+                    start + shape[0] * shape[1] * dt.itemsize,
+                )
+            )
             continue
         n = cfg.module_shape(sub)[1] if len(parts) > 1 else shape[0]
         lo = start + row * shape[1] * dt.itemsize
-        out.append(TensorEntry(key, g, i, layer, True, dt, (n, shape[1]), lo, lo + n * shape[1] * dt.itemsize))
+        out.append(
+            TensorEntry(
+                key, g, i, layer, True, dt, (n, shape[1]), lo, lo + n * shape[1] * dt.itemsize
+            )
+        )
         row += n
     return out
 
@@ -360,7 +475,9 @@ def _read_weights_file(
     bin_path = path / "adapter_model.bin"
     if bin_path.is_file():
         return (*_read_bin(name, bin_path, pin_memory), bin_path.name)
-    raise _fail(name, "adapter_model.safetensors", "file is missing (and there is no adapter_model.bin)")
+    raise _fail(
+        name, "adapter_model.safetensors", "file is missing (and there is no adapter_model.bin)"
+    )
 
 
 def _read_bin(
@@ -373,7 +490,9 @@ def _read_bin(
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle and zip errors have no common base class
         raise _fail(name, fld, f"unreadable or not a weights-only state dict: {e}") from None
-    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+    if not isinstance(sd, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()
+    ):
         raise _fail(name, fld, "must hold a dict of tensor name -> tensor")
     dtypes = set(_ST_DTYPES.values())
     out: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
@@ -437,7 +556,9 @@ def _read_safetensors(
                 raise _fail(name, fld, "corrupt or truncated: shorter than a safetensors header")
             n = int.from_bytes(head, "little")
             if n > min(size - 8, _MAX_HEADER):
-                raise _fail(name, fld, f"corrupt or truncated: header length {n} does not fit the file")
+                raise _fail(
+                    name, fld, f"corrupt or truncated: header length {n} does not fit the file"
+                )
             raw = json.loads(f.read(n))
             data_len = size - 8 - n
             data = torch.empty(data_len, dtype=torch.uint8, pin_memory=pin_memory)
@@ -463,17 +584,23 @@ def _read_safetensors(
             shape = tuple(int(x) for x in info["shape"])
             start, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise _fail(name, fld, f"tensor {key}: unsupported dtype or malformed header entry {info!r}") from None
+            raise _fail(
+                name, fld, f"tensor {key}: unsupported dtype or malformed header entry {info!r}"
+            ) from None
         numel = math.prod(shape)
         if not 0 <= start <= end or end - start != numel * dt.itemsize or start % dt.itemsize:
-            raise _fail(name, fld, f"corrupt or truncated: tensor {key} has inconsistent data offsets")
+            raise _fail(
+                name, fld, f"corrupt or truncated: tensor {key} has inconsistent data offsets"
+            )
         if end > data_len:
-            raise _fail(name, fld, f"corrupt or truncated: tensor {key} lies past the end of the file")
+            raise _fail(
+                name, fld, f"corrupt or truncated: tensor {key} lies past the end of the file"
+            )
         out[key] = (dt, shape, start, end)
     return out, data
 
 
-def _entry_sums(cpu: CpuAdapter, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def entry_sums(cpu: CpuAdapter, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[sum, sum of |x|] (float64) of every matrix cast to ``dtype``; non-finite iff some
     element is NaN or Inf (float64 cannot overflow on sums of 16/32-bit floats)."""
     if cpu.uniform:
@@ -482,7 +609,13 @@ def _entry_sums(cpu: CpuAdapter, data: torch.Tensor, dtype: torch.dtype) -> torc
             t = t.to(dtype)
         return torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)])
     parts = [cpu.view(e, data).to(dtype) for e in cpu.entries]
-    return torch.stack([
-        torch.stack([p.sum(dtype=torch.float64) for p in parts]).sum(),
-        torch.stack([p.abs().sum(dtype=torch.float64) for p in parts]).sum(),
-    ])
+    return torch.stack(
+        [
+            torch.stack([p.sum(dtype=torch.float64) for p in parts]).sum(),
+            torch.stack([p.abs().sum(dtype=torch.float64) for p in parts]).sum(),
+        ]
+    )
+
+
+# The former private name, still imported by the adapter manager.
+_entry_sums = entry_sums
