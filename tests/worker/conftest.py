@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from adaptermesh.worker import engine as engine_mod
+from adaptermesh.worker import step_launch
 from adaptermesh.worker.engine import Engine, EngineConfig
 from adaptermesh.worker.types import GenerationRequest, SamplingParams, TokenEvent
 from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
@@ -22,7 +22,12 @@ from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
 ADAPTERS: dict[str, tuple[int, tuple[str, ...], int, bool]] = {
     "alpha": (4, ("q_proj", "v_proj", "down_proj"), 1, False),
     "beta": (8, ("k_proj", "o_proj", "gate_proj", "up_proj"), 2, True),
-    "gamma": (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 3, False),
+    "gamma": (
+        16,
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        3,
+        False,
+    ),
     "delta": (2, ("o_proj",), 4, False),
 }
 PROMPTS = [
@@ -51,8 +56,12 @@ class Reference:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-            self.model: Any = peft.PeftModel.from_pretrained(base, str(root / names[0]), adapter_name=names[0])
+            base = transformers.AutoModelForCausalLM.from_pretrained(
+                str(model_dir), dtype=torch.float32
+            )
+            self.model: Any = peft.PeftModel.from_pretrained(
+                base, str(root / names[0]), adapter_name=names[0]
+            )
             for n in names[1:]:
                 self.model.load_adapter(str(root / n), adapter_name=n)
         self.model.eval()
@@ -124,7 +133,9 @@ async def collect(stream: Any) -> list[TokenEvent]:
     return [e async for e in stream]
 
 
-def request(rid: str, ids: tuple[int, ...], adapter: str | None = None, **sampling: Any) -> GenerationRequest:
+def request(
+    rid: str, ids: tuple[int, ...], adapter: str | None = None, **sampling: Any
+) -> GenerationRequest:
     return GenerationRequest(rid, ids, adapter, SamplingParams(**{"max_tokens": 8, **sampling}))
 
 
@@ -140,21 +151,23 @@ async def aiter_events(stream: Any) -> AsyncIterator[TokenEvent]:
 @contextlib.contextmanager
 def recording_logits() -> Iterator[dict[str, list[torch.Tensor]]]:
     """Records, per request id, the logits row each token was sampled from (CPU engines run
-    ``engine.sample_logits`` on every step; graphs would call it only at capture)."""
+    ``step_launch.sample_logits`` on every step; graphs would call it only at capture)."""
     log: dict[str, list[torch.Tensor]] = {}
-    real = engine_mod.sample_logits
+    real = step_launch.sample_logits
 
-    def recording(logits: torch.Tensor, buf: Any, mode: Any, rows: list[Any], out: Any = None) -> torch.Tensor:
+    def recording(
+        logits: torch.Tensor, buf: Any, mode: Any, rows: list[Any], out: Any = None
+    ) -> torch.Tensor:
         for i, s in enumerate(rows):
             if s is not None:
                 log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
         return real(logits, buf, mode, rows, out)
 
-    engine_mod.sample_logits = recording  # type: ignore[assignment]
+    step_launch.sample_logits = recording  # type: ignore[assignment]
     try:
         yield log
     finally:
-        engine_mod.sample_logits = real  # type: ignore[assignment]
+        step_launch.sample_logits = real  # type: ignore[assignment]
 
 
 @pytest.fixture

@@ -37,8 +37,15 @@ SETS: dict[str, tuple[int, int, int, tuple[str, ...], int, bool]] = {
 # A copy of "moe" whose router ignores the token (zero weight, distinct biases): every token
 # picks the same experts with the same gates, so the selection repeats on every step.
 CONST = "moe_const"
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 class ExpertSetReference:
@@ -49,7 +56,9 @@ class ExpertSetReference:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.model: Any = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+            self.model: Any = transformers.AutoModelForCausalLM.from_pretrained(
+                str(model_dir), dtype=torch.float32
+            )
         self.model.eval()
         self.sets = {n: self._read(root / n) for n in names}
 
@@ -68,7 +77,9 @@ class ExpertSetReference:
                 parts = key.split(".")
                 layer, module = int(parts[4]), parts[6]
                 b = t[key.replace("lora_A", "lora_B")]
-                deltas.setdefault((layer, module), torch.zeros(meta["num_experts"], b.shape[0], a.shape[1]))[e] = b @ a
+                deltas.setdefault(
+                    (layer, module), torch.zeros(meta["num_experts"], b.shape[0], a.shape[1])
+                )[e] = b @ a
         return {"meta": meta, "router": router, "scale": scale, "deltas": deltas}
 
     def logits(self, ids: list[int], name: str | None) -> torch.Tensor:
@@ -85,7 +96,9 @@ class ExpertSetReference:
             for (layer, module), delta in s["deltas"].items():
                 lin = getattr(getattr(self.model.model.layers[layer], _PARENT[module]), module)
                 # One merged weight per token: W_t = W + c * sum_j g_tj * B_e A_e.
-                w_t = lin.weight.unsqueeze(0) + s["scale"] * torch.einsum("tk,tkoi->toi", gates, delta[experts])
+                w_t = lin.weight.unsqueeze(0) + s["scale"] * torch.einsum(
+                    "tk,tkoi->toi", gates, delta[experts]
+                )
 
                 def hook(mod: Any, inp: Any, out: Any, w_t: torch.Tensor = w_t) -> torch.Tensor:
                     return torch.einsum("bti,toi->bto", inp[0], w_t)
@@ -108,12 +121,16 @@ def write_expert_sets(tiny: Tiny, root: Path) -> Path:
     """The tiny model's adapters plus every set in SETS and CONST under ``root``."""
     shutil.copytree(tiny.root, root)
     for name, (e, k, r, targets, seed, rs) in SETS.items():
-        make_adafuse_expert_set(root, tiny.model_dir, name, e, k, r, targets, seed, rs, router_std=2.0, scale_b=0.1)
+        make_adafuse_expert_set(
+            root, tiny.model_dir, name, e, k, r, targets, seed, rs, router_std=2.0, scale_b=0.1
+        )
     # A set whose every token routes alike, so its decode repeats one selection and merges.
     shutil.copytree(root / "moe", root / CONST)
     router = load_file(str(root / CONST / "router.safetensors"))
-    save_file({"weight": torch.zeros_like(router["weight"]), "bias": torch.tensor([0.3, -0.5, 0.9, 0.0])},
-              str(root / CONST / "router.safetensors"))
+    save_file(
+        {"weight": torch.zeros_like(router["weight"]), "bias": torch.tensor([0.3, -0.5, 0.9, 0.0])},
+        str(root / CONST / "router.safetensors"),
+    )
     return root
 
 
@@ -122,8 +139,13 @@ def moe_ref(tiny: Tiny, moe_root: Path) -> ExpertSetReference:
     return ExpertSetReference(tiny.model_dir, moe_root, [*SETS, CONST])
 
 
-def _check(rid: str, ids: tuple[int, ...], got: list[int], want_logits: Callable[[list[int]], torch.Tensor],
-           log: dict[str, list[torch.Tensor]]) -> None:
+def _check(
+    rid: str,
+    ids: tuple[int, ...],
+    got: list[int],
+    want_logits: Callable[[list[int]], torch.Tensor],
+    log: dict[str, list[torch.Tensor]],
+) -> None:
     ref = want_logits(list(ids) + got[:-1])[len(ids) - 1 :]
     assert got == [int(r.argmax()) for r in ref], rid
     torch.testing.assert_close(torch.stack(log[rid]), ref, atol=2e-4, rtol=1e-4)
@@ -131,8 +153,10 @@ def _check(rid: str, ids: tuple[int, ...], got: list[int], want_logits: Callable
 
 async def _idle(eng: Any) -> None:
     """Wait until the engine has gone idle and restored the backbone (it does so on its own)."""
-    await async_wait_until(lambda: eng._merged is None and not eng.scheduler.running,
-                           what="the engine to restore the backbone while idle")
+    await async_wait_until(
+        lambda: eng.merge_policy.merged is None and not eng.scheduler.running,
+        what="the engine to restore the backbone while idle",
+    )
 
 
 def _weights(eng: Any) -> list[torch.Tensor]:
@@ -147,12 +171,18 @@ def test_oracle_is_not_vacuous(tiny: Tiny, moe_ref: ExpertSetReference) -> None:
     # Different tokens pick different experts, so per-token routing matters.
     s = moe_ref.sets["moe"]
     emb = moe_ref.model.model.embed_tokens(torch.tensor([ids]))[0]
-    picks = {tuple(sorted(r)) for r in torch.topk(emb @ s["router"]["weight"].T, 2).indices.tolist()}
+    picks = {
+        tuple(sorted(r)) for r in torch.topk(emb @ s["router"]["weight"].T, 2).indices.tolist()
+    }
     assert len(picks) > 1
 
 
 async def test_expert_sets_in_mixed_batch_match_reference(
-    tiny: Tiny, moe_root: Path, moe_ref: ExpertSetReference, make_engine: Any, logit_log: dict[str, list[torch.Tensor]]
+    tiny: Tiny,
+    moe_root: Path,
+    moe_ref: ExpertSetReference,
+    make_engine: Any,
+    logit_log: dict[str, list[torch.Tensor]],
 ) -> None:
     eng = make_engine(root=moe_root, max_num_seqs=8, max_prefill_chunk=6, max_num_batched_tokens=20)
     pristine = _weights(eng)
@@ -174,11 +204,18 @@ async def test_expert_sets_in_mixed_batch_match_reference(
     assert info["expert_sets"] == len(SETS)
     await _idle(eng)
     assert all(torch.equal(a, b) for a, b in zip(_weights(eng), pristine, strict=True))
-    assert {a.name: a.rank for a in eng.list_adapters() if a.name in SETS} == {"moe": 4, "moe_k1": 8}
+    assert {a.name: a.rank for a in eng.list_adapters() if a.name in SETS} == {
+        "moe": 4,
+        "moe_k1": 8,
+    }
 
 
 async def test_single_request_merges_and_restores_backbone_exactly(
-    tiny: Tiny, moe_root: Path, moe_ref: ExpertSetReference, make_engine: Any, logit_log: dict[str, list[torch.Tensor]]
+    tiny: Tiny,
+    moe_root: Path,
+    moe_ref: ExpertSetReference,
+    make_engine: Any,
+    logit_log: dict[str, list[torch.Tensor]],
 ) -> None:
     # adafuse_merge_after=1: every decode step merges its selection (or finds it merged).
     eng = make_engine(root=moe_root, adafuse_merge_after=1)
@@ -198,11 +235,18 @@ async def test_single_request_merges_and_restores_backbone_exactly(
     # The engine restores the backbone when it goes idle; bit for bit, no drift.
     await _idle(eng)
     assert all(torch.equal(a, b) for a, b in zip(_weights(eng), pristine, strict=True))
-    assert tokens(await collect(eng.submit(request("base-after", ids, None, max_tokens=8)))) == base_before
+    assert (
+        tokens(await collect(eng.submit(request("base-after", ids, None, max_tokens=8))))
+        == base_before
+    )
 
 
 async def test_merged_request_then_other_requests_see_clean_backbone(
-    tiny: Tiny, moe_root: Path, moe_ref: ExpertSetReference, make_engine: Any, logit_log: dict[str, list[torch.Tensor]]
+    tiny: Tiny,
+    moe_root: Path,
+    moe_ref: ExpertSetReference,
+    make_engine: Any,
+    logit_log: dict[str, list[torch.Tensor]],
 ) -> None:
     # A base and a LoRA request arrive while an expert-set request decodes alone on merged
     # weights: the backbone must be restored before their first step.
@@ -217,12 +261,18 @@ async def test_merged_request_then_other_requests_see_clean_backbone(
     late = await asyncio.gather(*(collect(s) for s in others))
     _check("solo", ids, tokens(events), lambda full: moe_ref.logits(full, "moe"), logit_log)
     _check("late-None", ids, tokens(late[0]), lambda full: tiny.ref.logits(full, None), logit_log)
-    _check("late-alpha", ids, tokens(late[1]), lambda full: tiny.ref.logits(full, "alpha"), logit_log)
+    _check(
+        "late-alpha", ids, tokens(late[1]), lambda full: tiny.ref.logits(full, "alpha"), logit_log
+    )
     assert eng.describe()["adafuse_restores"] >= 1
 
 
 async def test_repeated_selection_merges_after_n_tokens(
-    tiny: Tiny, moe_root: Path, moe_ref: ExpertSetReference, make_engine: Any, logit_log: dict[str, list[torch.Tensor]]
+    tiny: Tiny,
+    moe_root: Path,
+    moe_ref: ExpertSetReference,
+    make_engine: Any,
+    logit_log: dict[str, list[torch.Tensor]],
 ) -> None:
     # Every token of CONST selects the same experts and gates. With N = 3, decode steps 1 and 2
     # take the gated path on the clean backbone, step 3 merges, steps 4..7 run merged.
@@ -232,8 +282,17 @@ async def test_repeated_selection_merges_after_n_tokens(
     got = tokens(await collect(eng.submit(request("const", ids, CONST, max_tokens=8))))
     _check("const", ids, got, lambda full: moe_ref.logits(full, CONST), logit_log)
     info = eng.describe()
-    counts = {k: info[f"adafuse_{k}"] for k in ("merges", "merged_steps", "solo_gated_steps", "compensated_steps", "gated_steps")}
-    assert counts == {"merges": 1, "merged_steps": 5, "solo_gated_steps": 2, "compensated_steps": 0, "gated_steps": 1}
+    counts = {
+        k: info[f"adafuse_{k}"]
+        for k in ("merges", "merged_steps", "solo_gated_steps", "compensated_steps", "gated_steps")
+    }
+    assert counts == {
+        "merges": 1,
+        "merged_steps": 5,
+        "solo_gated_steps": 2,
+        "compensated_steps": 0,
+        "gated_steps": 1,
+    }
     await _idle(eng)
     assert eng.describe()["adafuse_restores"] == 1
     assert all(torch.equal(a, b) for a, b in zip(_weights(eng), pristine, strict=True))
@@ -264,8 +323,13 @@ def _distinct_selection_tokens(ref: ExpertSetReference, name: str, vocab: int, n
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed-sgmm", "gated-kernels"])
 async def test_changing_selection_stays_unmerged_and_cancels_merged_one(
-    tiny: Tiny, moe_root: Path, moe_ref: ExpertSetReference, make_engine: Any, logit_log: dict[str, list[torch.Tensor]],
-    monkeypatch: pytest.MonkeyPatch, packed: bool,
+    tiny: Tiny,
+    moe_root: Path,
+    moe_ref: ExpertSetReference,
+    make_engine: Any,
+    logit_log: dict[str, list[torch.Tensor]],
+    monkeypatch: pytest.MonkeyPatch,
+    packed: bool,
 ) -> None:
     # One-token prompt chunks make every prompt token a single-request step whose selection the
     # test chooses. N = 2: a repeated token merges; a changed selection runs gated over the
@@ -281,8 +345,17 @@ async def test_changing_selection_stays_unmerged_and_cancels_merged_one(
     got = tokens(await collect(eng.submit(request("walk", prompt, "moe", max_tokens=1))))
     _check("walk", prompt, got, lambda full: moe_ref.logits(full, "moe"), logit_log)
     info = eng.describe()
-    counts = {k: info[f"adafuse_{k}"] for k in ("merges", "merged_steps", "solo_gated_steps", "compensated_steps", "gated_steps")}
-    assert counts == {"merges": 2, "merged_steps": 3, "solo_gated_steps": 5, "compensated_steps": 4, "gated_steps": 0}
+    counts = {
+        k: info[f"adafuse_{k}"]
+        for k in ("merges", "merged_steps", "solo_gated_steps", "compensated_steps", "gated_steps")
+    }
+    assert counts == {
+        "merges": 2,
+        "merged_steps": 3,
+        "solo_gated_steps": 5,
+        "compensated_steps": 4,
+        "gated_steps": 0,
+    }
     await _idle(eng)
     assert all(torch.equal(x, y) for x, y in zip(_weights(eng), pristine, strict=True))
     # The same walk followed by decode steps: every logit still matches the oracle.
@@ -299,7 +372,9 @@ async def test_bad_merge_after_is_rejected(make_engine: Any) -> None:
         make_engine(adafuse_merge_after=-1)
 
 
-async def test_load_unload_reload_and_eviction(tiny: Tiny, moe_root: Path, make_engine: Any) -> None:
+async def test_load_unload_reload_and_eviction(
+    tiny: Tiny, moe_root: Path, make_engine: Any
+) -> None:
     eng = make_engine(root=moe_root, max_expert_sets=1)
     info = await eng.load_adapter("moe", "moe")
     assert (info.name, info.rank, info.resident_on_gpu) == ("moe", 4, True)
@@ -355,21 +430,46 @@ def _escape(p: Path) -> None:
 
 BAD_SETS: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "missing-expert": (lambda p: shutil.rmtree(p / "experts" / "3"), "experts/3", "missing"),
-    "extra-expert": (lambda p: shutil.copytree(p / "experts" / "0", p / "experts" / "9"), "experts", "'9'"),
+    "extra-expert": (
+        lambda p: shutil.copytree(p / "experts" / "0", p / "experts" / "9"),
+        "experts",
+        "'9'",
+    ),
     "top-k": (_edit_json("adaptermesh_adafuse.json", top_k=5), "top_k", r"\[1, 4\]"),
-    "num-experts": (_edit_json("adaptermesh_adafuse.json", num_experts=0), "num_experts", "integer"),
-    "router-dims": (_edit_json("adaptermesh_adafuse.json", router={"hidden_size": 65, "bias": True}),
-                    "router.hidden_size", "hidden size 64"),
+    "num-experts": (
+        _edit_json("adaptermesh_adafuse.json", num_experts=0),
+        "num_experts",
+        "integer",
+    ),
+    "router-dims": (
+        _edit_json("adaptermesh_adafuse.json", router={"hidden_size": 65, "bias": True}),
+        "router.hidden_size",
+        "hidden size 64",
+    ),
     "router-shape": (_router_shape, "router.safetensors", "has shape"),
     "router-corrupt": (_corrupt_router, "router.safetensors", "corrupt or truncated"),
     "rank-too-large": (_edit_json("adaptermesh_adafuse.json", r=1024), "r", "integer"),
-    "expert-rank": (_edit_json("experts/1/adapter_config.json", r=8), "experts/1/adapter_config.json: r", "the expert set says 4"),
-    "expert-targets": (_edit_json("experts/1/adapter_config.json", target_modules=["q_proj"]),
-                       "experts/1/adapter_config.json: target_modules", "must resolve"),
+    "expert-rank": (
+        _edit_json("experts/1/adapter_config.json", r=8),
+        "experts/1/adapter_config.json: r",
+        "the expert set says 4",
+    ),
+    "expert-targets": (
+        _edit_json("experts/1/adapter_config.json", target_modules=["q_proj"]),
+        "experts/1/adapter_config.json: target_modules",
+        "must resolve",
+    ),
     "expert-tensor": (_drop_expert_tensor, "experts/2/adapter_model.safetensors", "missing tensor"),
-    "absent-module": (_edit_json("adaptermesh_adafuse.json", target_modules=["q_proj", "c_attn"]),
-                      "target_modules", "'c_attn' is not a module"),
-    "bad-json": (lambda p: (p / "adaptermesh_adafuse.json").write_text("{nope"), "adaptermesh_adafuse.json", "unreadable"),
+    "absent-module": (
+        _edit_json("adaptermesh_adafuse.json", target_modules=["q_proj", "c_attn"]),
+        "target_modules",
+        "'c_attn' is not a module",
+    ),
+    "bad-json": (
+        lambda p: (p / "adaptermesh_adafuse.json").write_text("{nope"),
+        "adaptermesh_adafuse.json",
+        "unreadable",
+    ),
     "symlink-escape": (_escape, "experts/0", "outside the adapter root"),
 }
 

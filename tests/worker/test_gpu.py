@@ -17,14 +17,29 @@ from .conftest import ADAPTERS, PROMPTS, Tiny, collect, request, tokens
 pytestmark = pytest.mark.gpu
 
 
-def _run(tiny: Tiny, *, graphs: bool, dtype: str = "float32",
-         overlap: bool = True) -> tuple[dict[str, list[int]], dict[str, Any]]:
+def _run(
+    tiny: Tiny, *, graphs: bool, dtype: str = "float32", overlap: bool = True
+) -> tuple[dict[str, list[int]], dict[str, Any]]:
     async def go() -> tuple[dict[str, list[int]], dict[str, Any]]:
-        cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16, max_prefill_chunk=7, use_cuda_graphs=graphs,
-                           lora_overlap=overlap)
-        eng = Engine(tiny.model_dir, tiny.root, device="cuda", dtype=dtype, config=cfg, model_name="tiny")
-        jobs = {f"{i}-{n}": (tiny.encode(p), n) for i, p in enumerate(PROMPTS) for n in (None, *ADAPTERS)}
-        streams = {rid: eng.submit(request(rid, ids, n, max_tokens=8)) for rid, (ids, n) in jobs.items()}
+        cfg = EngineConfig(
+            max_num_seqs=8,
+            max_loras=4,
+            max_lora_rank=16,
+            max_prefill_chunk=7,
+            use_cuda_graphs=graphs,
+            lora_overlap=overlap,
+        )
+        eng = Engine(
+            tiny.model_dir, tiny.root, device="cuda", dtype=dtype, config=cfg, model_name="tiny"
+        )
+        jobs = {
+            f"{i}-{n}": (tiny.encode(p), n)
+            for i, p in enumerate(PROMPTS)
+            for n in (None, *ADAPTERS)
+        }
+        streams = {
+            rid: eng.submit(request(rid, ids, n, max_tokens=8)) for rid, (ids, n) in jobs.items()
+        }
         outs = {rid: tokens(await collect(s)) for rid, s in streams.items()}
         info = eng.describe()
         info["lora_side"] = eng.model.lora_side is not None
@@ -65,12 +80,16 @@ def test_bf16_serves_mixed_batch(tiny: Tiny) -> None:
 def test_single_request_prefill_graph_matches_peft(tiny: Tiny) -> None:
     async def go() -> tuple[dict[str, list[int]], dict[str, Any]]:
         cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16)
-        eng = Engine(tiny.model_dir, tiny.root, device="cuda", dtype="float32", config=cfg, model_name="tiny")
+        eng = Engine(
+            tiny.model_dir, tiny.root, device="cuda", dtype="float32", config=cfg, model_name="tiny"
+        )
         outs = {}
         for i, p in enumerate(PROMPTS):
             for n in (None, *ADAPTERS):
                 # One at a time: each prompt prefills alone, through the prefill graph.
-                outs[f"{i}-{n}"] = tokens(await collect(eng.submit(request(f"{i}-{n}", tiny.encode(p), n, max_tokens=6))))
+                outs[f"{i}-{n}"] = tokens(
+                    await collect(eng.submit(request(f"{i}-{n}", tiny.encode(p), n, max_tokens=6)))
+                )
         info = eng.describe()
         await eng.shutdown()
         return outs, info
@@ -96,24 +115,48 @@ def test_expert_sets_on_cuda_match_reference(tiny: Tiny, tmp_path: Path) -> None
     def greedy(ids: list[int], name: str | None, n: int) -> list[int]:
         out: list[int] = []
         for _ in range(n):
-            logits = ref.logits(ids + out, name) if name in sets else tiny.ref.logits(ids + out, name)
+            logits = (
+                ref.logits(ids + out, name) if name in sets else tiny.ref.logits(ids + out, name)
+            )
             out.append(int(logits[-1].argmax()))
         return out
 
     async def go() -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, Any], bool]:
         cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16, adafuse_merge_after=3)
-        eng = Engine(tiny.model_dir, root, device="cuda", dtype="float32", config=cfg, model_name="tiny")
+        eng = Engine(
+            tiny.model_dir, root, device="cuda", dtype="float32", config=cfg, model_name="tiny"
+        )
         # Before any request: nothing can be merged yet.
         pristine = [t.clone() for layer in eng.model.layers for t in layer.values()]
-        jobs = {f"{i}-{n}": (tiny.encode(p), n) for i, p in enumerate(PROMPTS) for n in (None, "alpha", *SETS)}
-        streams = {rid: eng.submit(request(rid, ids, n, max_tokens=6)) for rid, (ids, n) in jobs.items()}
+        jobs = {
+            f"{i}-{n}": (tiny.encode(p), n)
+            for i, p in enumerate(PROMPTS)
+            for n in (None, "alpha", *SETS)
+        }
+        streams = {
+            rid: eng.submit(request(rid, ids, n, max_tokens=6)) for rid, (ids, n) in jobs.items()
+        }
         mixed = {rid: tokens(await collect(s)) for rid, s in streams.items()}
         alone = {}
         for name in sets:  # alone: decode steps run in a graph, gated (solo graph) or merged
-            alone[name] = tokens(await collect(eng.submit(request(f"alone-{name}", tiny.encode(PROMPTS[2]), name, max_tokens=6))))
-        await async_wait_until(lambda: eng._merged is None, timeout=2.0,
-                               what="the backbone restored after the merged decode")
-        restored = all(torch.equal(a, b) for a, b in zip(pristine, (t for layer in eng.model.layers for t in layer.values()), strict=True))
+            alone[name] = tokens(
+                await collect(
+                    eng.submit(
+                        request(f"alone-{name}", tiny.encode(PROMPTS[2]), name, max_tokens=6)
+                    )
+                )
+            )
+        await async_wait_until(
+            lambda: eng.merge_policy.merged is None,
+            timeout=2.0,
+            what="the backbone restored after the merged decode",
+        )
+        restored = all(
+            torch.equal(a, b)
+            for a, b in zip(
+                pristine, (t for layer in eng.model.layers for t in layer.values()), strict=True
+            )
+        )
         info = eng.describe()
         await eng.shutdown()
         return mixed, alone, info, restored
@@ -125,7 +168,9 @@ def test_expert_sets_on_cuda_match_reference(tiny: Tiny, tmp_path: Path) -> None
     assert info["cuda_graphs"], info
     for rid, got in mixed.items():
         i, name = rid.split("-", 1)
-        assert got == greedy(list(tiny.encode(PROMPTS[int(i)])), None if name == "None" else name, 6), rid
+        assert got == greedy(
+            list(tiny.encode(PROMPTS[int(i)])), None if name == "None" else name, 6
+        ), rid
     for name, got in alone.items():
         assert got == greedy(list(tiny.encode(PROMPTS[2])), name, 6), name
     assert restored

@@ -79,10 +79,13 @@ __all__ = [
     "SamplingBuffers",
     "apply_penalties",
     "counts_from_tokens",
+    "gather_logprobs",
+    "logprob_output_ends",
     "processed_logits",
     "prompt_mask_from_tokens",
     "sample",
     "token_logprobs",
+    "unpack_logprobs",
 ]
 
 
@@ -172,7 +175,9 @@ class SamplingBuffers:
     repetition_penalty: Tensor  # [C] fp32, 1 = disabled
     _device: Tensor = field(repr=False)  # [C * _ROW_BYTES] uint8, the storage of the fields above
     _host: Tensor = field(repr=False)  # same layout on the host, pinned when the device is CUDA
-    _staging: tuple[_Array, _Array, _Array] = field(repr=False)  # numpy views of _host: i64, f32, i32
+    _staging: tuple[_Array, _Array, _Array] = field(
+        repr=False
+    )  # numpy views of _host: i64, f32, i32
     _copied: torch.Event | None = field(repr=False)  # the last fill's copy, on CUDA
 
     @classmethod
@@ -221,7 +226,9 @@ class SamplingBuffers:
             self._copied.synchronize()
         i64, f32, i32 = self._staging
         if n:
-            i64[0, :n] = np.array([r.seed & _U64_MASK for r in rows], dtype=np.uint64).view(np.int64)
+            i64[0, :n] = np.array([r.seed & _U64_MASK for r in rows], dtype=np.uint64).view(
+                np.int64
+            )
             i64[1, :n] = [r.counter for r in rows]
             f32[:, :n] = np.array([_get_f32(r) for r in rows], dtype=np.float32).T
             i32[0, :n] = [r.top_k for r in rows]
@@ -311,17 +318,22 @@ def apply_penalties(
     logits: Tensor,  # [N, V] fp32
     buf: SamplingBuffers,  # capacity >= N; uses the first N rows
     token_counts: Tensor,  # [N, V] int32, count of each token in each row's output so far
-    prompt_mask: Tensor | None = None,  # [N, V] bool, token present in the prompt; None: skip repetition
+    prompt_mask: Tensor
+    | None = None,  # [N, V] bool, token present in the prompt; None: skip repetition
 ) -> Tensor:
     """[N, V] fp32 logits with the repetition (when ``prompt_mask`` is given), frequency and
     presence penalties applied; ``logits`` is not modified."""
     n = logits.shape[0]
     if token_counts.shape != logits.shape:
-        raise ValueError(f"token_counts has shape {tuple(token_counts.shape)}, logits {tuple(logits.shape)}")
+        raise ValueError(
+            f"token_counts has shape {tuple(token_counts.shape)}, logits {tuple(logits.shape)}"
+        )
     in_output = token_counts > 0
     if prompt_mask is not None:
         if prompt_mask.shape != logits.shape:
-            raise ValueError(f"prompt_mask has shape {tuple(prompt_mask.shape)}, logits {tuple(logits.shape)}")
+            raise ValueError(
+                f"prompt_mask has shape {tuple(prompt_mask.shape)}, logits {tuple(logits.shape)}"
+            )
         rep = buf.repetition_penalty[:n, None]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(in_output | prompt_mask, penalised, logits)
@@ -333,7 +345,9 @@ def apply_penalties(
 # ---- sampling -------------------------------------------------------------------------------
 
 
-def _top_k_top_p_threshold(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def _top_k_top_p_threshold(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor
+) -> Tensor:
     """[N, 1] smallest logit kept by top-k then top-p (on the top-k renormalised distribution).
 
     ``temperature`` [N, 1] (> 0), ``top_k`` [N] int32, ``top_p`` [N] fp32.
@@ -371,8 +385,13 @@ def _tempered_threshold(
     return is_greedy, t, threshold
 
 
-def _penalised(logits: Tensor, buf: SamplingBuffers, mode: SamplerMode, token_counts: Tensor | None,
-               prompt_mask: Tensor | None) -> Tensor:
+def _penalised(
+    logits: Tensor,
+    buf: SamplingBuffers,
+    mode: SamplerMode,
+    token_counts: Tensor | None,
+    prompt_mask: Tensor | None,
+) -> Tensor:
     if not mode.penalties:
         return logits
     if token_counts is None:
@@ -386,7 +405,9 @@ def _check(logits: Tensor, buf: SamplingBuffers) -> None:
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be [N, V] float32, got {tuple(logits.shape)} {logits.dtype}")
     if logits.shape[0] > buf.capacity:
-        raise ValueError(f"{logits.shape[0]} rows exceed sampling buffers of capacity {buf.capacity}")
+        raise ValueError(
+            f"{logits.shape[0]} rows exceed sampling buffers of capacity {buf.capacity}"
+        )
 
 
 def sample(
@@ -460,6 +481,62 @@ def token_logprobs(
     return chosen, top.values, top.indices
 
 
+# ---- logprobs in a step's output --------------------------------------------------------------
+# One int64 vector per step carries everything the host reads back, with one copy: the sampled
+# ids [S], then for logprob steps the values [R, k + 1] (fp64 bits: the sampled token's, then
+# the top k) and the top ids [R, k] of the R asking entries, k alternatives each.
+
+
+def logprob_output_ends(num_entries: int, num_rows: int, alternatives: int) -> tuple[int, int]:
+    """Where the values [R, alternatives + 1] and the top ids [R, alternatives] of a step's
+    output end (they start at ``num_entries`` and at the values' end)."""
+    values_end = num_entries + num_rows * (alternatives + 1)
+    return values_end, values_end + num_rows * alternatives
+
+
+def gather_logprobs(
+    out: Tensor,
+    tokens: Tensor,
+    logits: Tensor,
+    num_entries: int,
+    entries: list[int],
+    alternatives: int,
+    rows_host: Tensor,
+) -> int:
+    """Fill ``out`` with the step's ids ``tokens[:num_entries]``, then the fp64 bits of the
+    [R, alternatives + 1] values (each asking entry's sampled-token logprob, then its top
+    ``alternatives``) and the top ids [R, alternatives]; returns how many int64 elements to
+    copy. ``rows_host`` stages the asking entries' indices (pinned on CUDA). All on the
+    device, after the step's work on the same stream; no host synchronisation."""
+    num_rows = len(entries)
+    rows_host[:num_rows] = torch.tensor(entries, dtype=torch.int64)
+    rows = rows_host[:num_rows].to(out.device, non_blocking=True)
+    out[:num_entries].copy_(tokens[:num_entries])
+    chosen, top_values, top_ids = token_logprobs(
+        logits.index_select(0, rows), tokens.index_select(0, rows), alternatives
+    )
+    values_end, ids_end = logprob_output_ends(num_entries, num_rows, alternatives)
+    values = out[num_entries:values_end].view(torch.float64).view(num_rows, alternatives + 1)
+    values[:, 0] = chosen
+    if alternatives:
+        values[:, 1:] = top_values
+        out[values_end:ids_end].view(num_rows, alternatives).copy_(top_ids)
+    return ids_end
+
+
+def unpack_logprobs(
+    host: Tensor, num_entries: int, num_rows: int, alternatives: int
+) -> tuple[list[list[float]], list[list[int]]]:
+    """The host copy of ``gather_logprobs``'s output: per asking row, [its token's logprob,
+    then the top ``alternatives``], and the top ids."""
+    values_end, ids_end = logprob_output_ends(num_entries, num_rows, alternatives)
+    values = (
+        host[num_entries:values_end].view(torch.float64).view(num_rows, alternatives + 1).tolist()
+    )
+    ids = host[values_end:ids_end].view(num_rows, alternatives).tolist()
+    return values, ids
+
+
 # ---- penalty inputs -------------------------------------------------------------------------
 
 
@@ -469,8 +546,9 @@ def _flat_token_index(tokens: list[list[int]], vocab: int, device: torch.device 
     device = torch.device(device)
     rows = len(tokens)
     width = max((len(t) for t in tokens), default=0)
-    host = torch.full((rows, max(width, 1)), rows * vocab, dtype=torch.int64,
-                      pin_memory=device.type == "cuda")
+    host = torch.full(
+        (rows, max(width, 1)), rows * vocab, dtype=torch.int64, pin_memory=device.type == "cuda"
+    )
     flat = host.numpy()
     for r, toks in enumerate(tokens):
         if toks:
@@ -485,11 +563,15 @@ def counts_from_tokens(tokens: list[list[int]], vocab: int, device: torch.device
     """[N, V] int32 count of each token id in each row of ``tokens`` (N = len(tokens))."""
     index = _flat_token_index(tokens, vocab, device)
     counts = torch.zeros(len(tokens) * vocab + 1, dtype=torch.int32, device=index.device)
-    counts.scatter_add_(0, index, torch.ones(1, dtype=torch.int32, device=index.device).expand_as(index))
+    counts.scatter_add_(
+        0, index, torch.ones(1, dtype=torch.int32, device=index.device).expand_as(index)
+    )
     return counts[:-1].view(len(tokens), vocab)
 
 
-def prompt_mask_from_tokens(tokens: list[list[int]], vocab: int, device: torch.device | str) -> Tensor:
+def prompt_mask_from_tokens(
+    tokens: list[list[int]], vocab: int, device: torch.device | str
+) -> Tensor:
     """[N, V] bool, True where the token id occurs in that row of ``tokens`` (N = len(tokens))."""
     index = _flat_token_index(tokens, vocab, device)
     mask = torch.zeros(len(tokens) * vocab + 1, dtype=torch.bool, device=index.device)

@@ -1,0 +1,236 @@
+"""``EngineConfig``, its validation, and the engine's memory budget.
+
+``plan_budget`` is pure: it turns the config and the model's and device's facts (KV bytes per
+token, free and total device memory) into the sizes the engine allocates (KV blocks, the
+per-step token budget, step entries, staging and output buffer lengths), so the sizing rules
+are testable without building a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adaptermesh.worker.kv_cache import KVCacheSpec, spec_bytes_per_token
+from adaptermesh.worker.step_layout import staging_length
+from adaptermesh.worker.types import MAX_LOGPROBS, InvalidRequestError
+
+__all__ = [
+    "DTYPES",
+    "LOGPROBS_MODES",
+    "DeviceMemory",
+    "EngineBudget",
+    "EngineConfig",
+    "device_memory",
+    "plan_budget",
+    "resolve_dtype",
+    "resolve_max_model_len",
+    "validate_config",
+]
+
+LOGPROBS_MODES = ("raw", "processed")
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+# Device memory held back from the KV budget on CUDA: activations and captured graphs.
+_ACTIVATION_RESERVE_BYTES = 1 << 30
+# KV budget on CPU when the config gives none.
+_CPU_KV_BYTES = 256 << 20
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Limits and sizes. Defaults suit a CPU test box; GPU deployments raise them."""
+
+    max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
+    max_num_seqs: int = 8  # sequences running at once (decode batch rows)
+    max_loras: int = 8  # GPU pool slots
+    max_lora_rank: int = 64
+    # GPU slot and CPU cache eviction: "lru", "lru-greedy", "s3-fifo" or "w-tinylfu" (worker.eviction).
+    adapter_eviction: str = "w-tinylfu"
+    # Adapter weights in the GPU pool: None (the model dtype), "bf16"/"fp16"/"fp32" (must be
+    # the model dtype) or "int4" (grouped INT4, about a quarter of the bytes per slot).
+    lora_dtype: str | None = None
+    max_num_batched_tokens: int = 512  # token budget per step (decode rows + prompt chunks)
+    max_prefill_chunk: int = 256
+    max_prefill_seqs: int = 8  # prompt chunks per step
+    gpu_memory_fraction: float = 0.85  # of total GPU memory, for weights + pool + KV cache
+    # Explicit KV budget in bytes (all of it becomes blocks). None: from gpu_memory_fraction on
+    # CUDA (256 MiB on CPU), capped at 4x what max_num_seqs full contexts need.
+    kv_cache_bytes: int | None = None
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True  # share full prompt blocks between requests of one adapter
+    cpu_cache_bytes: int = 2 << 30  # adapter CPU cache budget
+    negative_ttl_s: float = 30.0
+    max_waiting: int = 4096
+    use_cuda_graphs: bool = True
+    # CUDA: each LoRA shrink runs on a side stream beside its base matmul (both read the same
+    # input), so its latency hides behind the matmul; the expand follows on the step's stream.
+    lora_overlap: bool = True
+    # ... for steps of at most this many tokens (batch-1/small decode, where launch latency
+    # dominates); larger steps run the terms after each matmul.
+    lora_overlap_max_tokens: int = 64
+    graph_max_tokens: int = 512  # mixed prefill+decode steps up to this many tokens replay graphs
+    # Plan and launch step N+1 while step N runs. None: on CUDA only. True also on CPU, where
+    # steps finish at launch but the in-flight token path (device gather, dropped tokens of
+    # sequences that stopped) runs the same way; tests use it.
+    async_scheduling: bool | None = None
+    profile_steps: bool = False  # record host and GPU time per step in Engine.step_profile
+    adapter_slot_wait_s: float = 10.0
+    max_expert_sets: int = 4  # resident AdaFuse expert sets (device memory outside the LoRA pool)
+    # A request decoding alone merges its expert selection into the backbone only after the
+    # same selection has repeated for this many consecutive tokens (0: never merge).
+    adafuse_merge_after: int = 4
+    # Which distribution logprobs describe (``SamplingParams.logprobs``): "raw" (log_softmax of
+    # the model's logits, vLLM's default) or "processed" (the distribution the sampler draws
+    # from: penalties, temperature and top-k/top-p/min-p applied; sampling.processed_logits).
+    logprobs_mode: str = "raw"
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The model dtype from a name ("bf16", "float32", ...) or a torch dtype."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise InvalidRequestError(
+                "dtype", f"unknown dtype {dtype!r} (float32, bfloat16, float16)"
+            )
+        return DTYPES[dtype]
+    return dtype
+
+
+def validate_config(config: EngineConfig) -> None:
+    """Refuse settings the engine cannot run with (InvalidRequestError naming the field)."""
+    if config.logprobs_mode not in LOGPROBS_MODES:
+        raise InvalidRequestError(
+            "logprobs_mode",
+            f"must be one of {', '.join(LOGPROBS_MODES)}, got {config.logprobs_mode!r}",
+        )
+    block_size = config.block_size
+    if (
+        not isinstance(block_size, int)
+        or isinstance(block_size, bool)
+        or block_size < 8
+        or block_size > 256
+        or block_size & (block_size - 1)
+    ):
+        raise InvalidRequestError(
+            "block_size", f"must be a power of two in [8, 256], got {block_size!r}"
+        )
+    if not isinstance(config.max_num_seqs, int) or config.max_num_seqs < 1:
+        raise InvalidRequestError(
+            "max_num_seqs", f"must be a positive integer, got {config.max_num_seqs!r}"
+        )
+    if not isinstance(config.max_prefill_seqs, int) or config.max_prefill_seqs < 1:
+        raise InvalidRequestError(
+            "max_prefill_seqs", f"must be a positive integer, got {config.max_prefill_seqs!r}"
+        )
+    if (
+        not isinstance(config.adafuse_merge_after, int)
+        or isinstance(config.adafuse_merge_after, bool)
+        or config.adafuse_merge_after < 0
+    ):
+        raise InvalidRequestError(
+            "adafuse_merge_after", f"must be an integer >= 0, got {config.adafuse_merge_after!r}"
+        )
+
+
+def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
+    """The context length: the config's, else the model's, at most 4096."""
+    return int(config.max_model_len or min(max_position_embeddings, 4096))
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """What the device has when the KV budget is planned (after weights and the LoRA pool)."""
+
+    is_cuda: bool
+    free_bytes: int = 0
+    total_bytes: int = 0
+
+
+def device_memory(device: torch.device, config: EngineConfig) -> DeviceMemory:
+    """Measure the device's memory, on CUDA and only when the config gives no KV budget."""
+    if device.type != "cuda":
+        return DeviceMemory(is_cuda=False)
+    if config.kv_cache_bytes is not None:
+        return DeviceMemory(is_cuda=True)
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    return DeviceMemory(is_cuda=True, free_bytes=int(free_bytes), total_bytes=int(total_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBudget:
+    """Sizes the engine allocates, from ``plan_budget``."""
+
+    max_blocks_per_seq: int  # block-table width: blocks of one max_model_len sequence
+    num_kv_blocks: int  # KV cache blocks (block 0 included)
+    step_tokens: int  # token budget per step: at least one row per sequence plus one
+    max_entries: int  # sequence entries a step's token output holds
+    logprob_rows: int  # rows that may ask for logprobs in one step (every sampling entry)
+    staging_len: int  # int64 elements of one host staging vector
+    output_len: int  # int64 elements of the per-step device-to-host output
+
+
+def kv_block_count(
+    config: EngineConfig, max_blocks_per_seq: int, bytes_per_block: int, memory: DeviceMemory
+) -> int:
+    """KV blocks the budget holds: ``kv_cache_bytes`` if given (all of it); else, on CUDA,
+    ``gpu_memory_fraction`` of the device less what is in use and a reserve for activations
+    and graphs (on CPU 256 MiB), capped at 4x what max_num_seqs full contexts need."""
+    cap: int | None = 1 + 4 * config.max_num_seqs * max_blocks_per_seq
+    if config.kv_cache_bytes is not None:
+        budget, cap = config.kv_cache_bytes, None
+    elif memory.is_cuda:
+        in_use = memory.total_bytes - memory.free_bytes
+        budget = (
+            int(memory.total_bytes * config.gpu_memory_fraction)
+            - in_use
+            - _ACTIVATION_RESERVE_BYTES
+        )
+    else:
+        budget = _CPU_KV_BYTES
+    num_blocks = max(0, budget) // bytes_per_block
+    if cap is not None:
+        num_blocks = min(num_blocks, cap)
+    return int(num_blocks)
+
+
+def plan_budget(
+    config: EngineConfig, max_model_len: int, kv_spec: KVCacheSpec, memory: DeviceMemory
+) -> EngineBudget:
+    """The engine's sizes for this config, model (``kv_spec``) and device. Raises ValueError
+    when the KV budget cannot hold one sequence of ``max_model_len`` tokens."""
+    block_size = config.block_size
+    bytes_per_block = spec_bytes_per_token(kv_spec) * block_size
+    max_blocks_per_seq = -(-max_model_len // block_size)
+    num_blocks = kv_block_count(config, max_blocks_per_seq, bytes_per_block, memory)
+    if num_blocks - 1 < max_blocks_per_seq:
+        raise ValueError(
+            f"kv_cache: the memory budget holds {max(0, num_blocks - 1) * block_size} tokens, less than one "
+            f"sequence of max_model_len={max_model_len}; lower max_model_len or raise the budget"
+        )
+    rows = config.max_num_seqs
+    step_tokens = max(config.max_num_batched_tokens, rows + 1)
+    max_entries = max(rows + config.max_prefill_seqs, step_tokens)
+    # Per step, one copy to the host: the sampled ids [S], then for logprob steps the values
+    # [R, k + 1] (fp64 bits: the sampled token's, then the top k) and the top ids [R, k] of
+    # the R <= rows + max_prefill_seqs asking rows (at most that many entries sample).
+    logprob_rows = rows + config.max_prefill_seqs
+    return EngineBudget(
+        max_blocks_per_seq=max_blocks_per_seq,
+        num_kv_blocks=num_blocks,
+        step_tokens=step_tokens,
+        max_entries=max_entries,
+        logprob_rows=logprob_rows,
+        staging_len=staging_length(step_tokens, max_entries),
+        output_len=max_entries + logprob_rows * (2 * MAX_LOGPROBS + 1),
+    )

@@ -1,0 +1,677 @@
+"""Launching one step on the device: whole-step CUDA graphs (capture and replay), the eager
+path, and the step's single device-to-host output copy.
+
+``StepLauncher.launch`` runs on a worker thread on CUDA. In order: the AdaFuse merge policy
+prepares the step (``adafuse_policy``), the step's traits pick its layout (``step_layout``), a
+graph is found or captured for that layout (or the step runs eagerly), the inputs are staged
+on the host and copied with one transfer, the step runs (graph replay, or forward and sampling
+eagerly), and the sampled ids (with logprobs when some row asked) are copied back in one
+asynchronous copy. The host learns them from the returned ``InFlight``.
+
+Each graph is the whole step: input gather, forward, sampling (greedy or random variant), and
+the write of the sampled ids. A base-only variant (no adapter row in the step) has no LoRA
+launch at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from adaptermesh.worker import lora_ops
+from adaptermesh.worker.adafuse import ExpertSet, GatedTerms, SoloGated
+from adaptermesh.worker.adafuse_policy import MergePolicy, SoloDecision
+from adaptermesh.worker.adapters import AdapterManager
+from adaptermesh.worker.engine_config import EngineBudget, EngineConfig
+from adaptermesh.worker.kv_cache import PagedKVCache
+from adaptermesh.worker.model import LoraPool, ModelConfig, StepInputs, TransformerModel
+from adaptermesh.worker.sampling import (
+    RowParams,
+    SamplerMode,
+    SamplingBuffers,
+    counts_from_tokens,
+    gather_logprobs,
+    processed_logits,
+    prompt_mask_from_tokens,
+    sample,
+    unpack_logprobs,
+)
+from adaptermesh.worker.scheduler import Scheduler, Sequence, StepLogprobs, StepPlan
+from adaptermesh.worker.step_layout import (
+    BlockTableMirror,
+    StepBuffers,
+    StepLayout,
+    decode_buckets,
+    fill_staging,
+    mixed_buckets,
+    penalised,
+    plan_layout,
+    row_params,
+    split_staging,
+)
+
+__all__ = [
+    "GREEDY",
+    "RANDOM",
+    "InFlight",
+    "LogprobRequest",
+    "StepGraph",
+    "StepLauncher",
+    "sample_logits",
+    "sample_logits_penalised",
+]
+
+log = logging.getLogger(__name__)
+
+# Sampler variants a graph is captured for: greedy rows only, or any mix with random rows
+# (top-k / top-p / min-p filters always on in that variant; disabled values are no-ops).
+GREEDY = SamplerMode(
+    any_random=False, any_top_p_or_k=False, any_min_p=False, penalties=False, repetition=False
+)
+RANDOM = SamplerMode(
+    any_random=True, any_top_p_or_k=True, any_min_p=True, penalties=False, repetition=False
+)
+
+# Host staging, three deep: step N+1 fills one while the copies of step N may still be queued
+# behind step N-1 on the stream.
+_RING_DEPTH = 3
+
+
+def sample_logits(
+    logits: torch.Tensor,
+    buffers: SamplingBuffers,
+    mode: SamplerMode,
+    rows: list[Sequence | None],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token ids [S] for logits [S, V]; ``rows[e]`` is the sequence that samples from entry e
+    (None: a padding entry or a chunk that does not sample). Inside a captured graph this runs
+    once, at capture; the replays repeat its device work."""
+    del rows  # a hook for tests that record what each sequence sampled from
+    return sample(logits, buffers, mode=mode, out=out)
+
+
+def sample_logits_penalised(
+    logits: torch.Tensor,
+    buffers: SamplingBuffers,
+    mode: SamplerMode,
+    rows: list[Sequence | None],
+    counts: torch.Tensor | None,
+    prompt_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """``sample_logits`` with penalties over each row's past tokens (eager steps only)."""
+    del rows
+    return sample(logits, buffers, mode=mode, token_counts=counts, prompt_mask=prompt_mask)
+
+
+@dataclass(slots=True)
+class StepGraph:
+    graph: torch.cuda.CUDAGraph
+    buffers: StepBuffers
+    sampling_buffers: SamplingBuffers
+    selection: torch.Tensor | None = None  # solo expert-set selection buffer
+    logits: torch.Tensor | None = None  # [S, V] fp32, the graph's output, rewritten by each replay
+
+
+@dataclass(slots=True)
+class LogprobRequest:
+    """Which samplers of a step asked for logprobs: per sampler, its row among the asking rows
+    (-1: did not ask) and how many alternatives it asked for; ``num_rows`` asking rows and
+    ``alternatives`` per row in the step's output."""
+
+    row_of_sampler: list[int]
+    wanted: list[int]
+    num_rows: int
+    alternatives: int
+
+
+@dataclass(slots=True)
+class InFlight:
+    plan: StepPlan
+    samplers: list[Sequence]
+    entries: list[int]  # entry of each sampler in the step's token output
+    host_output: torch.Tensor
+    num_entries: int
+    done: Any  # torch.cuda.Event or None (CPU: already complete)
+    started: Any = None
+    host_ms: float = 0.0
+    graph: bool = False
+    rows: int = 0
+    tokens: int = 0
+    logprobs: LogprobRequest | None = None
+
+    def wait(self) -> tuple[list[int], list[StepLogprobs | None] | None]:
+        """Each sampler's token and, when some sampler asked, the logprobs of each."""
+        if self.done is not None:
+            self.done.synchronize()
+        values = self.host_output[: self.num_entries].tolist()
+        tokens = [int(values[entry]) for entry in self.entries]
+        request = self.logprobs
+        if request is None:
+            return tokens, None
+        logprob_values, logprob_ids = unpack_logprobs(
+            self.host_output, self.num_entries, request.num_rows, request.alternatives
+        )
+        logprobs: list[StepLogprobs | None] = []
+        for row, want in zip(request.row_of_sampler, request.wanted, strict=True):
+            logprobs.append(
+                None
+                if row < 0
+                else StepLogprobs(
+                    logprob_values[row][0],
+                    logprob_ids[row][:want],
+                    logprob_values[row][1 : 1 + want],
+                )
+            )
+        return tokens, logprobs
+
+
+@dataclass(slots=True)
+class StepTraits:
+    """What a plan needs from its step, decided before the layout."""
+
+    gated_sets: bool  # expert sets run on the eager gated path (several tokens or requests)
+    penalties: bool
+    lora: bool
+    solo_set: ExpertSet | None  # the single expert-set token's set on the solo gated path
+    mode: SamplerMode  # GREEDY or RANDOM
+    graphable: bool
+
+
+@dataclass(slots=True)
+class _DeviceRun:
+    """What the step's device work left for the logprob gather."""
+
+    logits: torch.Tensor | None  # [S, V]: the graph's output, or the eager step's logits
+    sampling_buffers: SamplingBuffers
+    mode: SamplerMode
+
+
+class StepLauncher:
+    """Graphs, staging buffers and the step output of one engine."""
+
+    def __init__(
+        self,
+        *,
+        model: TransformerModel,
+        kv: PagedKVCache,
+        pool: LoraPool,
+        config: EngineConfig,
+        device: torch.device,
+        max_model_len: int,
+        budget: EngineBudget,
+        tables: BlockTableMirror,
+        merge_policy: MergePolicy,
+        scheduler: Scheduler,
+        adapters: AdapterManager,
+    ) -> None:
+        self.model = model
+        self.model_config: ModelConfig = model.cfg
+        self.kv = kv
+        self.pool = pool
+        self.config = config
+        self.device = device
+        self.max_model_len = max_model_len
+        self.tables = tables
+        self.merge_policy = merge_policy
+        self.scheduler = scheduler
+        self.adapters = adapters
+        rows = config.max_num_seqs
+        self.decode_sizes = decode_buckets(rows)
+        self.mixed_sizes = mixed_buckets(min(config.graph_max_tokens, budget.step_tokens))
+        # Every step writes its sampled ids here; the next step's decode rows gather from it.
+        self.last_tokens = torch.zeros(budget.max_entries, dtype=torch.int64, device=device)
+        self._scratch_tokens = torch.zeros_like(self.last_tokens)  # graph warm-ups write here
+        self._cuda = device.type == "cuda"
+        self._staging = [
+            self._host(torch.zeros(budget.staging_len, dtype=torch.int64))
+            for _ in range(_RING_DEPTH)
+        ]
+        self._table_staging = [
+            self._host(torch.zeros_like(tables.device_table, device="cpu"))
+            for _ in range(_RING_DEPTH)
+        ]
+        # Per step, one copy to the host (sampling.gather_logprobs lays it out).
+        self._output_device = torch.zeros(budget.output_len, dtype=torch.int64, device=device)
+        self._output_host = [
+            self._host(torch.zeros(budget.output_len, dtype=torch.int64))
+            for _ in range(_RING_DEPTH)
+        ]
+        self._logprob_rows_host = [
+            self._host(torch.zeros(budget.logprob_rows, dtype=torch.int64))
+            for _ in range(_RING_DEPTH)
+        ]
+        self.logprob_steps = 0
+        self._ring_position = 0
+        self._num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count if self._cuda else 1
+        )
+        self.graphs: dict[tuple[Any, ...], StepGraph] = {}
+        self._graph_pool: Any = None
+        self.graphs_ok = self._cuda and config.use_cuda_graphs
+        self.solo_graphs_ok = self.graphs_ok
+        self.graph_steps = 0
+        self.eager_steps = 0
+
+    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory() if self.device.type == "cuda" else tensor
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def launch(self, plan: StepPlan) -> InFlight:
+        started_at = time.perf_counter()
+        decision = self.merge_policy.prepare_step(plan)
+        traits = self._traits(plan, decision)
+        layout = self._layout(plan, traits.graphable, traits.lora, traits.mode, traits.solo_set)
+        ring_index = self._next_ring_index()
+        graph, layout = self._graph_for(plan, layout, traits)
+        buffers = (
+            graph.buffers
+            if graph is not None
+            else StepBuffers(layout.num_tokens, layout.num_entries, self.device)
+        )
+        ranges, samplers = self._stage(plan, layout, ring_index)
+        started = self._record_event()
+        self._upload(ring_index, buffers)
+        params = row_params(layout.entries)
+        if graph is not None:
+            run = self._replay(graph, params, traits, decision)
+        else:
+            run = self._run_eager(plan, layout, ranges, buffers, params, traits, decision)
+        host_output, logprobs = self._copy_output(ring_index, samplers, layout, run)
+        done = self._record_event()
+        return InFlight(
+            plan,
+            samplers,
+            [seq.last_entry for seq in samplers],
+            host_output,
+            layout.num_entries,
+            done,
+            started,
+            1e3 * (time.perf_counter() - started_at),
+            graph is not None,
+            len(plan.sequences()),
+            plan.num_tokens,
+            logprobs=logprobs,
+        )
+
+    def _traits(self, plan: StepPlan, decision: SoloDecision) -> StepTraits:
+        sequences = plan.sequences()
+        gated_sets = decision.solo is None and any(seq.expert_set is not None for seq in sequences)
+        penalties = any(penalised(seq) for seq in sequences)
+        lora = any(seq.lora_slot >= 0 for seq in sequences)
+        solo_set = decision.gated_set
+        random_mode = any(seq.request.sampling.temperature > 0 for seq in sequences)
+        graphable = (
+            self.graphs_ok
+            and not gated_sets
+            and not penalties
+            and (solo_set is None or self.solo_graphs_ok)
+        )
+        return StepTraits(
+            gated_sets, penalties, lora, solo_set, RANDOM if random_mode else GREEDY, graphable
+        )
+
+    def _lora_side(self, lora: bool) -> bool:
+        # Part of a graph's key: a graph records the LoRA path it was captured with.
+        return lora and self.model.lora_side is not None
+
+    def _layout(
+        self, plan: StepPlan, graphable: bool, lora: bool, mode: SamplerMode, solo: ExpertSet | None
+    ) -> StepLayout:
+        return plan_layout(
+            plan,
+            graphable=graphable,
+            lora=lora,
+            lora_side=self._lora_side(lora),
+            random_mode=mode.any_random,
+            solo=solo,
+            decode_sizes=self.decode_sizes,
+            mixed_sizes=self.mixed_sizes,
+            max_num_seqs=self.config.max_num_seqs,
+            max_prefill_seqs=self.config.max_prefill_seqs,
+        )
+
+    def _next_ring_index(self) -> int:
+        index = self._ring_position
+        self._ring_position = (index + 1) % _RING_DEPTH
+        return index
+
+    def _graph_for(
+        self, plan: StepPlan, layout: StepLayout, traits: StepTraits
+    ) -> tuple[StepGraph | None, StepLayout]:
+        """The layout's graph, captured on first use; when capture fails, no graph and the
+        plan's eager layout."""
+        if layout.graph_key is None:
+            return None, layout
+        graph = self.graphs.get(layout.graph_key)
+        if graph is None:
+            graph = self._try_capture(layout, traits.lora, traits.mode, traits.solo_set)
+            if graph is None:
+                layout = self._layout(plan, False, traits.lora, traits.mode, None)
+        return graph, layout
+
+    def _stage(
+        self, plan: StepPlan, layout: StepLayout, ring_index: int
+    ) -> tuple[list[tuple[int, int]], list[Sequence]]:
+        """Fill the ring slot's host staging with the step's inputs and mark the plan launched;
+        returns each plan sequence's (first row, rows) and the sequences that sample."""
+        self.tables.sync_all(plan.sequences())
+        ranges = fill_staging(
+            self._staging[ring_index].numpy(),
+            layout,
+            plan,
+            self.tables.table,
+            self.kv.block_size,
+            self.tables.pad_row,
+        )
+        samplers = self.scheduler.launched(plan)
+        for entry, seq in enumerate(layout.entries):
+            if seq is not None:
+                seq.last_entry = entry
+        return ranges, samplers
+
+    def _record_event(self) -> Any:
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=self.config.profile_steps)  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
+    def _upload(self, ring_index: int, buffers: StepBuffers) -> None:
+        """Queue the block-table mirror (when it changed) and the staged inputs to the device."""
+        self.tables.upload(self._table_staging[ring_index])
+        buffers.device_buffer.copy_(self._staging[ring_index][: buffers.size], non_blocking=True)
+
+    def _replay(
+        self, graph: StepGraph, params: list[RowParams], traits: StepTraits, decision: SoloDecision
+    ) -> _DeviceRun:
+        graph.sampling_buffers.fill(params)
+        if traits.solo_set is not None:
+            assert graph.selection is not None
+            assert decision.selection is not None
+            selection = decision.selection
+            graph.selection.copy_(
+                selection.pin_memory() if self._cuda else selection, non_blocking=True
+            )
+            self.merge_policy.solo_graph_steps += 1
+        graph.graph.replay()
+        self.graph_steps += 1
+        return _DeviceRun(graph.logits, graph.sampling_buffers, traits.mode)
+
+    def _run_eager(
+        self,
+        plan: StepPlan,
+        layout: StepLayout,
+        ranges: list[tuple[int, int]],
+        buffers: StepBuffers,
+        params: list[RowParams],
+        traits: StepTraits,
+        decision: SoloDecision,
+    ) -> _DeviceRun:
+        sampling_buffers = SamplingBuffers.allocate(layout.num_entries, self.device)
+        sampling_buffers.fill(params)
+        gated: GatedTerms | None = None
+        if traits.gated_sets:
+            gated = self.merge_policy.gated_batch(
+                plan, ranges, layout.num_tokens, self.device, self.model_config
+            )
+        elif traits.solo_set is not None:
+            assert decision.selection is not None
+            gated = SoloGated(
+                traits.solo_set, decision.selection.to(self.device), 1, self.model_config
+            )
+        mode = SamplerMode.of(params) if traits.penalties else traits.mode
+        splits = self._splits(
+            layout.num_decode, max((seq.num_computed + 1 for seq in plan.decode), default=1)
+        )
+        logits = self._step(
+            buffers,
+            layout,
+            splits,
+            traits.lora,
+            sampling_buffers,
+            mode,
+            gated,
+            self.last_tokens,
+            traits.penalties,
+        )
+        self.eager_steps += 1
+        return _DeviceRun(logits, sampling_buffers, mode)
+
+    def _copy_output(
+        self, ring_index: int, samplers: list[Sequence], layout: StepLayout, run: _DeviceRun
+    ) -> tuple[torch.Tensor, LogprobRequest | None]:
+        """Queue the step's single device-to-host copy: the sampled ids, and the logprobs of the
+        samplers that asked (after gathering them on the device)."""
+        host_output = self._output_host[ring_index]
+        wants = [seq.request.sampling.logprobs for seq in samplers]
+        if not any(want is not None for want in wants):
+            host_output[: layout.num_entries].copy_(
+                self.last_tokens[: layout.num_entries], non_blocking=True
+            )
+            return host_output, None
+        step_logits = run.logits
+        assert step_logits is not None
+        if self.config.logprobs_mode == "processed":
+            step_logits = self._processed_logits(
+                step_logits, layout, run.sampling_buffers, run.mode
+            )
+        row_of_sampler: list[int] = []
+        wanted: list[int] = []
+        asking: list[int] = []
+        for seq, want in zip(samplers, wants, strict=True):
+            row_of_sampler.append(len(asking) if want is not None else -1)
+            wanted.append(want or 0)
+            if want is not None:
+                asking.append(seq.last_entry)
+        request = LogprobRequest(row_of_sampler, wanted, len(asking), max(wanted))
+        output_len = gather_logprobs(
+            self._output_device,
+            self.last_tokens,
+            step_logits,
+            layout.num_entries,
+            asking,
+            request.alternatives,
+            self._logprob_rows_host[ring_index],
+        )
+        host_output[:output_len].copy_(self._output_device[:output_len], non_blocking=True)
+        self.logprob_steps += 1
+        return host_output, request
+
+    # ---- device work ------------------------------------------------------------------------
+
+    def _splits(self, num_seqs: int, max_len: int) -> int:
+        if not self._cuda:
+            return 1
+        from adaptermesh.kernels.paged_attention import decode_splits
+
+        return int(decode_splits(num_seqs, self.model_config.num_kv_heads, max_len, self._num_sms))
+
+    def _step(
+        self,
+        buffers: StepBuffers,
+        layout: StepLayout,
+        splits: int,
+        lora: bool,
+        sampling_buffers: SamplingBuffers,
+        mode: SamplerMode,
+        gated: GatedTerms | None,
+        destination: torch.Tensor,
+        penalties: bool = False,
+    ) -> torch.Tensor:
+        """The whole step on the device: input gather, forward, sampling, write of the ids."""
+        views = buffers.views
+        source_entries = views.source_entries
+        ids = torch.where(
+            source_entries >= 0,
+            self.last_tokens.index_select(0, source_entries.clamp(min=0)),
+            views.ids,
+        )
+        inputs = StepInputs(
+            input_ids=ids,
+            positions=views.positions,
+            slot_mapping=views.slot_mapping,
+            token_slots=views.lora_slots.to(torch.int32),
+            block_tables=self.tables.device_table.index_select(0, views.table_rows),
+            seq_lens=views.seq_lens.to(torch.int32),
+            query_start=views.query_start.to(torch.int32),
+            logits_rows=views.logits_rows,
+            num_decode=layout.num_decode,
+            max_prefill_len=layout.max_prefill_len,
+            num_splits=splits,
+        )
+        meta = lora_ops.build_meta(inputs.token_slots, self.pool.num_slots) if lora else None
+        logits = self.model.forward(inputs, self.kv, self.pool if lora else None, meta, gated)
+        if penalties:
+            tokens = self._sample_penalised(logits, sampling_buffers, layout)
+        else:
+            tokens = sample_logits(logits, sampling_buffers, mode, layout.entries)
+        destination[: tokens.shape[0]].copy_(tokens)
+        return logits
+
+    def _sample_penalised(
+        self, logits: torch.Tensor, sampling_buffers: SamplingBuffers, layout: StepLayout
+    ) -> torch.Tensor:
+        mode = SamplerMode.of(row_params(layout.entries))
+        counts, prompt_mask = self._penalty_inputs(layout, int(logits.shape[1]), mode)
+        return sample_logits_penalised(
+            logits, sampling_buffers, mode, layout.entries, counts, prompt_mask
+        )
+
+    def _penalty_inputs(
+        self, layout: StepLayout, vocab: int, mode: SamplerMode
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        outputs = [list(seq.output) if seq is not None else [] for seq in layout.entries]
+        prompts = [[*seq.prompt, *seq.output] if seq is not None else [] for seq in layout.entries]
+        counts = counts_from_tokens(outputs, vocab, self.device) if mode.penalties else None
+        prompt_mask = (
+            prompt_mask_from_tokens(prompts, vocab, self.device) if mode.repetition else None
+        )
+        return counts, prompt_mask
+
+    def _processed_logits(
+        self,
+        logits: torch.Tensor,
+        layout: StepLayout,
+        sampling_buffers: SamplingBuffers,
+        mode: SamplerMode,
+    ) -> torch.Tensor:
+        """The step's logits as the sampler processed them (same buffers, same mode), for
+        ``logprobs_mode="processed"``; penalty steps rebuild their token counts."""
+        counts = prompt_mask = None
+        if mode.penalties:
+            counts, prompt_mask = self._penalty_inputs(layout, int(logits.shape[1]), mode)
+        return processed_logits(
+            logits[: layout.num_entries],
+            sampling_buffers,
+            mode=mode,
+            token_counts=counts,
+            prompt_mask=prompt_mask,
+        )
+
+    # ---- graphs -----------------------------------------------------------------------------
+
+    def _try_capture(
+        self, layout: StepLayout, lora: bool, mode: SamplerMode, expert_set: ExpertSet | None
+    ) -> StepGraph | None:
+        assert layout.graph_key is not None
+        try:
+            graph = self._capture(layout, lora, mode, expert_set)
+        except Exception:
+            if expert_set is not None:  # the plain graphs stay in use
+                log.exception(
+                    "CUDA graph capture of a solo expert-set step failed; those run eagerly from now on"
+                )
+                self.solo_graphs_ok = False
+                return None
+            log.exception("CUDA graph capture failed; running steps eagerly from now on")
+            self.graphs_ok = False
+            return None
+        if expert_set is not None:
+            self._prune_solo_graphs()
+        self.graphs[layout.graph_key] = graph
+        return graph
+
+    def _capture(
+        self, layout: StepLayout, lora: bool, mode: SamplerMode, expert_set: ExpertSet | None
+    ) -> StepGraph:
+        device = self.device
+        buffers = StepBuffers(layout.num_tokens, layout.num_entries, device)
+        # Padding everywhere: the warm-ups write no KV slot, read no key, use no adapter.
+        padding = np.zeros(buffers.size, dtype=np.int64)
+        padding_views = split_staging(padding, layout.num_tokens, layout.num_entries)
+        padding_views.source_entries[:] = -1
+        padding_views.slot_mapping[:] = -1
+        padding_views.lora_slots[:] = -1
+        padding_views.table_rows[:] = self.tables.pad_row
+        buffers.device_buffer.copy_(torch.from_numpy(padding).to(device))
+        sampling_buffers = SamplingBuffers.allocate(layout.num_entries, device)
+        sampling_buffers.fill([])
+        selection: torch.Tensor | None = None
+        gated: SoloGated | None = None
+        if expert_set is not None:
+            selection = expert_set.solo_empty(1, device)
+            gated = SoloGated(expert_set, selection, 1, self.model_config)
+        splits = self._splits(layout.num_decode, self.max_model_len)
+        capture_layout = StepLayout(
+            layout.num_tokens,
+            layout.num_entries,
+            layout.num_decode,
+            layout.max_prefill_len,
+            [None] * layout.num_entries,
+            layout.graph_key,
+        )
+        side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy initialisation and autotuning must not be captured
+                self._step(
+                    buffers,
+                    capture_layout,
+                    splits,
+                    lora,
+                    sampling_buffers,
+                    mode,
+                    gated,
+                    self._scratch_tokens,
+                )
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: adapter uploads on the event-loop thread may run during the capture.
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            logits = self._step(
+                buffers,
+                capture_layout,
+                splits,
+                lora,
+                sampling_buffers,
+                mode,
+                gated,
+                self.last_tokens,
+            )
+        # Keeping the output referenced keeps its memory out of later captures in the shared
+        # pool, so logprob steps can read it after a replay.
+        return StepGraph(graph, buffers, sampling_buffers, selection, logits)
+
+    def _prune_solo_graphs(self) -> None:
+        """Drop solo graphs of expert sets that are neither resident nor held by a running
+        request: their graphs keep the sets' device tensors alive."""
+        live = {id(pending.expert_set) for pending in self.adapters.expert_sets.values()}
+        live |= {id(seq.expert_set) for seq in self.scheduler.running if seq.expert_set is not None}
+        for key in [
+            key
+            for key in self.graphs
+            if key[0] == "d" and key[4] is not None and id(key[4]) not in live
+        ]:
+            del self.graphs[key]
+
+    def solo_graph_count(self) -> int:
+        return sum(1 for key in self.graphs if key[0] == "d" and key[4] is not None)
