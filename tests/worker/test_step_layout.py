@@ -1,0 +1,311 @@
+"""Step layout and staging: buckets, layouts, the staging vector and the block-table mirror
+(host arrays only, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from adaptermesh.worker.scheduler import Detokenizer, Sequence, StepPlan
+from adaptermesh.worker.step_layout import (
+    BlockTableMirror,
+    StepBuffers,
+    bucket_for,
+    decode_buckets,
+    fill_staging,
+    mixed_buckets,
+    penalised,
+    plan_layout,
+    row_params,
+    split_staging,
+    staging_length,
+)
+from adaptermesh.worker.types import GenerationRequest, SamplingParams
+
+BLOCK = 16
+
+
+def make_seq(
+    prompt: list[int],
+    *,
+    output: tuple[int, ...] = (),
+    row: int = 0,
+    computed: int = 0,
+    pending: int = 0,
+    lora_slot: int = -1,
+    sampling: SamplingParams | None = None,
+) -> Sequence:
+    request = GenerationRequest("r", tuple(prompt), sampling=sampling or SamplingParams())
+    seq = Sequence(
+        request=request,
+        queue=asyncio.Queue(),
+        detok=Detokenizer(lambda ids: ""),
+        prompt=list(prompt),
+    )
+    seq.output = list(output)
+    seq.table_row = row
+    seq.num_computed = computed
+    seq.pending = pending
+    seq.lora_slot = lora_slot
+    return seq
+
+
+def layout_of(
+    plan: StepPlan,
+    *,
+    graphable: bool = True,
+    solo: object = None,
+    max_num_seqs: int = 8,
+    max_prefill_seqs: int = 2,
+    decode_sizes: list[int] | None = None,
+    mixed_sizes: list[int] | None = None,
+):  # type: ignore[no-untyped-def]
+    return plan_layout(
+        plan,
+        graphable=graphable,
+        lora=False,
+        lora_side=False,
+        random_mode=False,
+        solo=solo,  # type: ignore[arg-type]
+        decode_sizes=decode_sizes or decode_buckets(max_num_seqs),
+        mixed_sizes=mixed_sizes or mixed_buckets(64),
+        max_num_seqs=max_num_seqs,
+        max_prefill_seqs=max_prefill_seqs,
+    )
+
+
+def test_decode_buckets() -> None:
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert decode_buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert decode_buckets(300)[-6:] == [128, 160, 192, 224, 256, 300]
+    assert decode_buckets(400)[-4:] == [256, 320, 384, 400]
+
+
+def test_mixed_buckets() -> None:
+    assert mixed_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert mixed_buckets(100) == [16, 32, 64, 100]
+    assert mixed_buckets(8) == []
+
+
+def test_bucket_for() -> None:
+    assert bucket_for(3, [1, 2, 4, 8]) == 4
+    assert bucket_for(8, [1, 2, 4, 8]) == 8
+    assert bucket_for(9, [1, 2, 4, 8]) is None
+
+
+def test_split_staging_names_the_same_elements_on_host_and_device() -> None:
+    tokens, entries = 5, 3
+    size = staging_length(tokens, entries)
+    assert size == 5 * tokens + 4 * entries + 1
+    host = np.arange(size, dtype=np.int64)
+    device = torch.arange(size, dtype=torch.int64)
+    host_views, device_views = (
+        split_staging(host, tokens, entries),
+        split_staging(device, tokens, entries),
+    )
+    for name in (
+        "ids",
+        "source_entries",
+        "positions",
+        "slot_mapping",
+        "lora_slots",
+        "seq_lens",
+        "logits_rows",
+        "table_rows",
+        "query_start",
+    ):
+        assert getattr(host_views, name).tolist() == getattr(device_views, name).tolist(), name
+    assert host_views.ids.tolist() == [0, 1, 2, 3, 4]
+    assert host_views.lora_slots.tolist() == [20, 21, 22, 23, 24]
+    assert host_views.seq_lens.tolist() == [25, 26, 27]
+    assert host_views.query_start.tolist() == [34, 35, 36, 37]  # entries + 1, ending the vector
+    buffers = StepBuffers(tokens, entries, torch.device("cpu"))
+    assert buffers.size == size
+    buffers.views.query_start.fill_(7)
+    assert buffers.device_buffer[-(entries + 1) :].tolist() == [7] * (entries + 1)
+
+
+def test_decode_only_plans_take_a_decode_bucket() -> None:
+    seqs = [make_seq([1, 2, 3], row=i, computed=3) for i in range(3)]
+    layout = layout_of(StepPlan(seqs, []))
+    assert (layout.num_tokens, layout.num_entries, layout.num_decode) == (4, 4, 4)
+    assert layout.entries == [*seqs, None]
+    assert layout.graph_key == ("d", 4, False, False, None, False)
+
+
+def test_mixed_plans_take_a_token_bucket_with_fixed_regions() -> None:
+    decode = make_seq([1, 2, 3], row=0, computed=3)
+    whole = make_seq(list(range(10)), row=1)
+    partial = make_seq(list(range(30)), row=2)
+    plan = StepPlan([decode], [(whole, 0, 10), (partial, 0, 8)])  # 19 tokens
+    layout = layout_of(plan, max_num_seqs=4, max_prefill_seqs=3)
+    assert (layout.num_tokens, layout.num_entries, layout.num_decode, layout.max_prefill_len) == (
+        32,
+        7,
+        4,
+        32,
+    )
+    # The partial chunk does not reach its last token: it samples nothing.
+    assert layout.entries == [decode, None, None, None, whole, None, None]
+    assert layout.graph_key == ("m", 32, False, False, False)
+
+
+def test_eager_layout_has_the_plans_own_shape() -> None:
+    decode = make_seq([1, 2, 3], row=0, computed=3)
+    chunk = make_seq(list(range(10)), row=1)
+    plan = StepPlan([decode], [(chunk, 0, 10)])
+    for layout in (
+        layout_of(plan, graphable=False),
+        layout_of(plan, solo=object()),  # a solo expert set never runs mixed graphs
+        layout_of(plan, max_prefill_seqs=0),
+        layout_of(plan, mixed_sizes=[8]),
+    ):
+        assert (
+            layout.num_tokens,
+            layout.num_entries,
+            layout.num_decode,
+            layout.max_prefill_len,
+        ) == (11, 2, 1, 10)
+        assert layout.entries == [decode, chunk]
+        assert layout.graph_key is None
+
+
+def test_fill_staging_decode_and_prefill_rows() -> None:
+    table = np.zeros((4, 4), dtype=np.int32)
+    table[0] = [5, 6, 0, 0]
+    table[1] = [7, 8, 9, 0]
+    # Row 0 decodes position 17 (its second block), its input still on the device (entry 2).
+    decode = make_seq(list(range(17)), output=(99,), row=0, computed=17, pending=1, lora_slot=2)
+    decode.last_entry = 2
+    # Row 1 prefills positions 14..19 of a 40-token prompt (crossing into block 8).
+    chunk = make_seq(list(range(100, 140)), row=1, computed=14, lora_slot=-1)
+    plan = StepPlan([decode], [(chunk, 14, 6)])
+    layout = layout_of(plan, graphable=False)
+    stage = np.full(staging_length(layout.num_tokens, layout.num_entries), 123, dtype=np.int64)
+    ranges = fill_staging(stage, layout, plan, table, BLOCK, pad_row=3)
+    assert ranges == [(0, 1), (1, 6)]
+    views = split_staging(stage, layout.num_tokens, layout.num_entries)
+    assert views.ids.tolist() == [0, *range(114, 120)]
+    assert views.source_entries.tolist() == [2, -1, -1, -1, -1, -1, -1]
+    assert views.positions.tolist() == [17, *range(14, 20)]
+    assert views.slot_mapping.tolist() == [
+        6 * BLOCK + 1,
+        *(7 * BLOCK + p for p in (14, 15)),
+        *(8 * BLOCK + p - BLOCK for p in range(16, 20)),
+    ]
+    assert views.lora_slots.tolist() == [2, -1, -1, -1, -1, -1, -1]
+    assert views.seq_lens.tolist() == [18, 20]
+    assert views.logits_rows.tolist() == [0, 6]
+    assert views.table_rows.tolist() == [0, 1]
+    assert views.query_start.tolist() == [0, 1, 7]
+
+
+def test_fill_staging_pads_graph_regions() -> None:
+    table = np.zeros((3, 2), dtype=np.int32)
+    table[0] = [4, 0]
+    seq = make_seq([1, 2, 3], output=(9,), row=0, computed=3)
+    plan = StepPlan([seq], [])
+    layout = layout_of(plan, decode_sizes=[4])
+    stage = np.zeros(staging_length(layout.num_tokens, layout.num_entries), dtype=np.int64)
+    fill_staging(stage, layout, plan, table, BLOCK, pad_row=2)
+    views = split_staging(stage, layout.num_tokens, layout.num_entries)
+    assert views.ids.tolist() == [9, 0, 0, 0]  # the token is on the host: no device gather
+    assert views.slot_mapping.tolist() == [4 * BLOCK + 3, -1, -1, -1]
+    assert views.source_entries.tolist() == [-1] * 4
+    assert views.table_rows.tolist() == [0, 2, 2, 2]  # padding entries read the all-zero row
+    assert views.query_start.tolist() == [0, 1, 1, 1, 1]
+
+
+def test_fill_staging_reads_generated_tokens_of_a_resumed_sequence() -> None:
+    table = np.zeros((2, 2), dtype=np.int32)
+    table[0] = [3, 4]
+    seq = make_seq([1, 2, 3], output=(7, 8), row=0)
+    plan = StepPlan([], [(seq, 0, 5)])  # recompute after preemption: prompt and output
+    layout = layout_of(plan, graphable=False)
+    stage = np.zeros(staging_length(layout.num_tokens, layout.num_entries), dtype=np.int64)
+    fill_staging(stage, layout, plan, table, BLOCK, pad_row=1)
+    assert split_staging(stage, layout.num_tokens, layout.num_entries).ids.tolist() == [
+        1,
+        2,
+        3,
+        7,
+        8,
+    ]
+
+
+class FakeBlocks:
+    def __init__(self) -> None:
+        self.tables: dict[int, list[int]] = {}
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self.tables[seq_id])
+
+
+def test_block_table_mirror_copies_new_entries_once() -> None:
+    blocks = FakeBlocks()
+    mirror = BlockTableMirror(
+        blocks, rows=2, max_blocks_per_seq=3, block_size=BLOCK, device=torch.device("cpu")
+    )
+    assert mirror.pad_row == 2
+    seq = make_seq([1] * 20, row=1)
+    seq.reserved = 20
+    blocks.tables[seq.seq_id] = [5, 9]
+    mirror.sync(seq)
+    assert mirror.table[1].tolist() == [5, 9, 0]
+    assert seq.table_len == 2
+    assert mirror.dirty
+    staging = torch.zeros_like(mirror.device_table)
+    mirror.upload(staging)
+    assert not mirror.dirty
+    assert mirror.device_table[1].tolist() == [5, 9, 0]
+    blocks.tables[seq.seq_id] = [1, 1]  # already mirrored: not read again
+    mirror.sync(seq)
+    assert not mirror.dirty
+    seq.reserved = 33
+    blocks.tables[seq.seq_id] = [5, 9, 11]
+    mirror.sync_all([seq])
+    assert mirror.table[1].tolist() == [5, 9, 11]
+    assert mirror.table[2].tolist() == [0, 0, 0]
+
+
+def test_row_params() -> None:
+    sampling = SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.5,
+    )
+    seq = make_seq([1, 2], output=(3, 4), pending=1, sampling=sampling)
+    seq.seed = 42
+    padding, row = row_params([None, seq])
+    assert padding.temperature == 0.0
+    assert (row.temperature, row.top_p, row.top_k, row.min_p, row.seed, row.counter) == (
+        0.7,
+        0.9,
+        5,
+        0.1,
+        42,
+        3,
+    )
+    assert (row.presence_penalty, row.frequency_penalty, row.repetition_penalty) == (0.5, 0.25, 1.5)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "expected"),
+    [
+        (SamplingParams(), False),
+        (SamplingParams(temperature=1.0, top_k=3), False),
+        (SamplingParams(presence_penalty=0.1), True),
+        (SamplingParams(frequency_penalty=-0.1), True),
+        (SamplingParams(repetition_penalty=1.1), True),
+    ],
+)
+def test_penalised(sampling: SamplingParams, expected: bool) -> None:
+    assert penalised(make_seq([1], sampling=sampling)) is expected
