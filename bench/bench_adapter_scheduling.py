@@ -80,9 +80,10 @@ class SimManager(AdapterManager):
         gated: bool = False,
         eviction: str = DEFAULT_POLICY,
         slot_wait_s: float = 10.0,
+        root: Path | None = None,
     ) -> None:
         super().__init__(
-            Path(tempfile.gettempdir()) / "adaptermesh-sim-adapters",
+            root or Path(tempfile.gettempdir()) / "adaptermesh-sim-adapters",
             cast(ModelConfig, None),
             cast(LoraPool, _SimPool(slots)),
             max_rank=8,

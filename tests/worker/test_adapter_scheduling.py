@@ -436,6 +436,22 @@ async def test_slot_wait_keeps_its_bound_and_error(harness: ModuleType) -> None:
     assert mgr.slots_for_loads() == 0
 
 
+async def test_an_expert_set_load_takes_no_slot(harness: ModuleType, tmp_path: Path) -> None:
+    """An on-demand load that turns out to be an AdaFuse expert set reserves no pool slot, so
+    starting it evicts no LoRA adapter."""
+    (tmp_path / "experts").mkdir()
+    (tmp_path / "experts" / "adaptermesh_adafuse.json").write_text("{}")
+    mgr = harness.SimManager(1, root=tmp_path)
+    await mgr._start_load("x")
+    mgr.start_load("experts")
+    assert mgr.counters.evictions == 0
+    assert "x" in mgr.published
+    with pytest.raises(Exception, match="does not serve AdaFuse expert sets"):
+        await mgr.inflight["experts"]
+    assert "x" in mgr.published
+    assert not any(s.reserved for s in mgr.slots)
+
+
 # ---- the tiny CPU engine ----------------------------------------------------------------------
 
 

@@ -346,10 +346,21 @@ class AdapterManager:
         none reserves one after its read, as a prefetch does."""
         if name in self.inflight:
             return
-        slot = self._pick_slot(exclude=name)
+        slot = self._pick_slot(exclude=name) if self._needs_slot(name) else None
         if slot is not None:
             self.slots[slot].reserved = True
         self._start_load(name, reserved=slot)
+
+    def _needs_slot(self, name: str) -> bool:
+        """Whether loading ``name`` takes a pool slot (an expert set does not). A name whose
+        path does not resolve is left to the load, which reports the error."""
+        reg = self.registered.get(name)
+        try:
+            return not is_expert_set(
+                reg.path if reg is not None else resolve_in_root(self.root, name)
+            )
+        except (AdapterValidationError, OSError):
+            return True
 
     def try_acquire(self, name: str, *, load: bool = True) -> Lease | None:
         """A lease with a reference taken, or None while the adapter is loading.

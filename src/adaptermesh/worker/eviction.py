@@ -12,13 +12,14 @@ keys and keeps a little history. The manager tells it what happened and asks it 
 * ``evict(allowed)``: choose a victim among the resident keys for which ``allowed(key)`` is
   true, forget it (keeping history where the policy does), and return it; ``None`` when no
   resident key is allowed. The manager never allows pinned keys, keys whose slot is in use
-  (reference count above zero) or reserved, and the key being reloaded. The caller must then
+  (reference count above zero) or reserved, keys that a waiting request has claimed (the
+  scheduler's adapter-aware admission), and the key being reloaded. The caller must then
   evict the returned key; the policy already counts it as gone.
 
 Policies are pure Python, keep O(1) work per access (W-TinyLFU: a few integer hashes), and
 bound every piece of non-resident state (ghosts, sketch, doorkeeper) by their construction
 arguments. An eviction walks past keys the manager does not allow; those are at most the
-pinned and in-use keys, so it stays O(capacity) in the worst case and O(1) typically.
+pinned, in-use and claimed keys, so it stays O(capacity) in the worst case and O(1) typically.
 
 Admission. W-TinyLFU's admission filter and S3-FIFO's probationary queue can refuse a newcomer
 a long stay, but never its first use: a request that needs an adapter is always served. For a
