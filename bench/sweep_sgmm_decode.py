@@ -388,7 +388,7 @@ def main() -> int:
     for row in results["candidates"]:
         if row["us"] is None:
             continue
-        dens = sgmm._d_bucket(row["t"], row["s"])
+        dens = sgmm.density_bucket(row["t"], row["s"])
         key = (_t_bucket(row["t"]), dens, "low" if row["r"] <= 32 else "high", row["kind"])
         keyed.setdefault(key, []).append(row)
     for key, rows in keyed.items():

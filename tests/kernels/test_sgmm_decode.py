@@ -31,11 +31,11 @@ def test_density_picks_configs() -> None:
     # Decode-like: one token per adapter gets 16-row tiles; a dense batch keeps the tall ones.
     assert sgmm.expand_config(256, 4096, 16).block_m == 16
     assert sgmm.expand_config(256, 4096, 16, active_slots=1).block_m >= 16
-    assert sgmm._d_bucket(64, None) == "sparse"
-    assert sgmm._d_bucket(64, 1) == "dense"
-    assert sgmm._d_bucket(64, 16) == "sparse"
-    assert sgmm._d_bucket(64, 15) == "mid"
-    assert sgmm._d_bucket(4096, 64) == "dense"
+    assert sgmm.density_bucket(64, None) == "sparse"
+    assert sgmm.density_bucket(64, 1) == "dense"
+    assert sgmm.density_bucket(64, 16) == "sparse"
+    assert sgmm.density_bucket(64, 15) == "mid"
+    assert sgmm.density_bucket(4096, 64) == "dense"
     # Long single-adapter prefills: tall expand tiles; the shrink's 16-row split tile at r=16
     # and the 64-row tile at r=64 (2026-12-04 sweep).
     assert sgmm.expand_config(4096, 4096, 16, active_slots=1).block_m >= 32
@@ -182,8 +182,10 @@ def test_expand_column_blocks_per_program(n_blocks) -> None:  # type: ignore[no-
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(("block_m", "n_blocks", "mix"), [(1, 1, "distinct"), (2, 2, "with_base"),
-                                                          (4, 3, "zipf"), (4, 1, "identical")])
+@pytest.mark.parametrize(
+    ("block_m", "n_blocks", "mix"),
+    [(1, 1, "distinct"), (2, 2, "with_base"), (4, 3, "zipf"), (4, 1, "identical")],
+)
 def test_gemv_expand_matches_twin(block_m, n_blocks, mix) -> None:  # type: ignore[no-untyped-def]
     """The matrix-vector expand (a few tokens per program, whole rank per tile) against the
     twin: segments longer than block_m, ragged widths, mixed ranks with rank 0."""
@@ -312,8 +314,7 @@ def test_gemv_shrink_plan_and_int4() -> None:
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     qa, qb = sgmm_int4.quantize_lora(case.lora_a, case.lora_b, 8)
     got = case.out.clone()
-    sgmm_int4.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, shrink_cfg=cfg,
-                            backend="triton")  # fmt: skip
+    sgmm_int4.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, shrink_cfg=cfg)
     want = case.out.clone()
     sgmm_int4.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

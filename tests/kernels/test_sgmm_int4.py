@@ -49,7 +49,7 @@ def check_int4_case(
     meta = build_segment_meta(case.slots, case.lora_a.shape[1])
     got = case.out.clone()
     cfgs = {} if default_configs else {"shrink_cfg": shrink_cfg, "expand_cfg": expand_cfg}
-    q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, backend="triton", **cfgs)
+    q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, **cfgs)
     want = case.out.clone()
     q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
     rtol, atol = tolerance(dtype, "out")
@@ -160,7 +160,8 @@ def test_bad_inputs_raise() -> None:
 
 # --------------------------------------------------------------------------- kernel vs twin
 _MIX_CASES = [(m, torch.bfloat16) for m in MIXES] + [
-    ("with_base", torch.float16), ("zipf", torch.float32)
+    ("with_base", torch.float16),
+    ("zipf", torch.float32),
 ]
 
 
@@ -205,8 +206,7 @@ def test_split_k_shrink_matches_twin() -> None:
     meta = build_segment_meta(case.slots, 3)
     got = case.out.clone()
     cfg = SgmmConfig(16, 16, 32, split_k=4)
-    q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, shrink_cfg=cfg,
-                    backend="triton")  # fmt: skip
+    q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, shrink_cfg=cfg)
     want = case.out.clone()
     q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
     rtol, atol = tolerance(torch.bfloat16, "out")
@@ -343,7 +343,7 @@ def test_scale_layouts(group: int, block_k: int, a_dim: int, b_dim: int) -> None
         (SgmmConfig(16, 32, 64), SgmmConfig(16, 64, 32)),
     ):
         got = case.out.clone()
-        q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, backend="triton",
+        q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta,
                         shrink_cfg=sc, expand_cfg=ec)  # fmt: skip
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
@@ -367,7 +367,7 @@ def test_int4_refuses_fused_and_short_gemv_configs() -> None:
     with pytest.raises(ValueError, match="block_k >= R_max=32"):
         q.add_lora_int4(
             case.out, case.x, qa, qb, case.scales, case.ranks, meta,
-            expand_cfg=sgmm.SgmmConfig(1, 16, 16, gemv=True), backend="triton",
+            expand_cfg=sgmm.SgmmConfig(1, 16, 16, gemv=True),
         )  # fmt: skip
     assert torch.equal(case.out, before)
 

@@ -105,15 +105,15 @@ def test_split_plan_shapes_only() -> None:
     sgmm = _sgmm()
     dev = torch.device("cpu")
     cfg = _cfg(16, 16, 128, 16)
-    assert sgmm._split_plan(cfg, 4096, 2, dev) == (16, 256)
-    assert sgmm._split_plan(cfg, 2049, 2, dev) == (9, 256)  # 17 steps: 9 splits of 2, none empty
-    assert sgmm._split_plan(cfg, 100, 2, dev) == (1, 128)  # one step: nothing to split
+    assert sgmm.split_plan(cfg, 4096, 2, dev) == (16, 256)
+    assert sgmm.split_plan(cfg, 2049, 2, dev) == (9, 256)  # 17 steps: 9 splits of 2, none empty
+    assert sgmm.split_plan(cfg, 100, 2, dev) == (1, 128)  # one step: nothing to split
     # A grid that already has 4 programs per SM (132 SMs off CUDA) is not split further.
-    assert sgmm._split_plan(cfg, 4096, 4 * 132, dev)[0] == 1
-    assert sgmm._split_plan(cfg, 4096, 100, dev)[0] == 5
+    assert sgmm.split_plan(cfg, 4096, 4 * 132, dev)[0] == 1
+    assert sgmm.split_plan(cfg, 4096, 100, dev)[0] == 5
     for h in (1, 127, 129, 2049, 4104, 14336):
         for want in (1, 2, 3, 7, 32):
-            split, per = sgmm._split_plan(_cfg(16, 16, 64, want), h, 1, dev)
+            split, per = sgmm.split_plan(_cfg(16, 16, 64, want), h, 1, dev)
             assert 1 <= split <= want
             assert per % 64 == 0
             assert (split - 1) * per < h <= split * per  # every split has work

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import re
-import sys
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -198,7 +198,7 @@ def kernel_calls() -> Iterator[Counter[str]]:
     kernel modules) or ``torch:*`` (the twins in kernels.reference)."""
     from adaptermesh.kernels import reference, sgmm
 
-    pa_mod = sys.modules["adaptermesh.kernels.paged_attention"]
+    pa_mod = importlib.import_module("adaptermesh.kernels.paged_attention")
     seen: Counter[str] = Counter()
     patched = [
         (sgmm, "add_lora", "triton:add_lora"),

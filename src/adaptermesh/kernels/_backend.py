@@ -11,7 +11,7 @@ import torch
 
 Backend = Literal["triton", "torch"]
 
-__all__ = ["Backend", "choose_backend", "interpreter_enabled"]
+__all__ = ["Backend", "choose_backend", "dot_fp32", "interpreter_enabled"]
 
 
 def interpreter_enabled() -> bool:
@@ -33,3 +33,13 @@ def choose_backend(t: torch.Tensor, backend: Backend | None) -> Backend:
             )
         return "triton"
     return "torch"
+
+
+def dot_fp32(dtype: torch.dtype) -> bool:
+    """Whether tl.dot runs on fp32 operands with IEEE precision.
+
+    fp32 activations get IEEE fp32 products instead of tf32. Under TRITON_INTERPRET=1 every
+    dtype does, because the CPU interpreter of triton 3.9 returns garbage for a bf16 tl.dot;
+    the operands are upcast exactly (bf16 and fp16 embed in fp32), so the maths is unchanged.
+    """
+    return dtype == torch.float32 or interpreter_enabled()

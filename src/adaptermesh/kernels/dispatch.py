@@ -13,12 +13,14 @@ import torch
 
 from adaptermesh.kernels import reference
 from adaptermesh.kernels._backend import Backend, choose_backend, interpreter_enabled
+from adaptermesh.kernels.int4_weight import Int4Weight
 from adaptermesh.kernels.meta import SegmentMeta
 
 __all__ = [
     "Backend",
     "act_mul",
     "add_lora",
+    "add_lora_int4",
     "choose_backend",
     "interpreter_enabled",
     "paged_attention",
@@ -27,7 +29,6 @@ __all__ = [
     "sgmm_expand",
     "sgmm_shrink",
 ]
-
 
 
 def sgmm_shrink(
@@ -90,6 +91,30 @@ def add_lora(
 
     sgmm.add_lora(
         out, x, lora_a, lora_b, scales, ranks, meta, v_buffer=v_buffer, check_values=check_values
+    )
+
+
+def add_lora_int4(
+    out: torch.Tensor,  # [T, sum N_i]
+    x: torch.Tensor,  # [T, H]
+    qa: Int4Weight,  # [n_slices, S, R_max, H]
+    qb: Sequence[Int4Weight],  # n_slices x [S, N_i, R_max]
+    scales: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32
+    meta: SegmentMeta,
+    *,
+    backend: Backend | None = None,
+    v_buffer: torch.Tensor | None = None,
+    check_values: bool = True,
+) -> None:
+    """``add_lora`` with A and B INT4 (``sgmm_int4.add_lora_int4``)."""
+    if choose_backend(x, backend) == "torch":
+        reference.add_lora_int4_ref(out, x, qa, qb, scales, ranks, meta, check_values=check_values)
+        return
+    from adaptermesh.kernels import sgmm_int4
+
+    sgmm_int4.add_lora_int4(
+        out, x, qa, qb, scales, ranks, meta, v_buffer=v_buffer, check_values=check_values
     )
 
 

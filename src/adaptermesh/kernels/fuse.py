@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adaptermesh.kernels._backend import Backend, choose_backend, interpreter_enabled
+from adaptermesh.kernels._backend import Backend, choose_backend, dot_fp32
 
 __all__ = [
     "DEFAULT_SWITCH_CONFIG",
@@ -61,11 +61,6 @@ _ROUTER_BLOCK_T = 16
 _ROUTER_BLOCK_H = 128
 _GATED_BLOCK_K = 128
 _GATED_BLOCK_N = 128
-
-
-def _dot_fp32(dtype: torch.dtype) -> bool:
-    # See sgmm._dot_fp32: the triton 3.9 CPU interpreter mis-computes bf16 tl.dot.
-    return dtype == torch.float32 or interpreter_enabled()
 
 
 def _check_float(name: str, t: object) -> torch.Tensor:
@@ -213,7 +208,7 @@ def route(
         BLOCK_E=max(16, triton.next_power_of_2(e)),
         BLOCK_H=_ROUTER_BLOCK_H,
         BLOCK_TOPK=max(2, triton.next_power_of_2(top_k)),
-        DOT_FP32=_dot_fp32(h.dtype),
+        DOT_FP32=dot_fp32(h.dtype),
     )
     return ids, gates
 
@@ -617,7 +612,7 @@ def switch_launch_args(
         "EVEN_N": plan.even_cols,
         "EVEN_R": all(r == block_r for _, _, r in table.shapes),
         "ALIGNED": table.aligned,
-        "DOT_FP32": _dot_fp32(table.dtype),
+        "DOT_FP32": dot_fp32(table.dtype),
         "num_warps": cfg.num_warps,
     }
     return plan, meta

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adaptermesh.kernels.reference import (
+from adaptermesh.kernels._validate import (
     ACTIVATIONS,
     check_act_mul,
     check_rms_norm,
@@ -267,7 +267,7 @@ def _rope_kv_write_kernel(
             tl.store(vc_rows + offs_d[None, :], vt, mask=mask_d)
 
 
-# Activation codes of _act_mul_kernel, in the order of reference.ACTIVATIONS.
+# Activation codes of _act_mul_kernel, in the order of _validate.ACTIVATIONS.
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 _SQRT_HALF = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
 _TANH_2C = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi)
@@ -287,7 +287,7 @@ def _act_mul_kernel(
     stride_et,
     # meta-parameters
     BLOCK_I: tl.constexpr,
-    ACT: tl.constexpr,  # index into reference.ACTIVATIONS
+    ACT: tl.constexpr,  # index into _validate.ACTIVATIONS
     HAS_EXTRA: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -299,8 +299,12 @@ def _act_mul_kernel(
     if HAS_EXTRA:  # round(gu + extra) in gu's dtype, as if the sum had been stored
         dtype = out_ptr.dtype.element_ty
         e_row = extra_ptr + row * stride_et
-        g = (g.to(tl.float32) + tl.load(e_row + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-        u = (u.to(tl.float32) + tl.load(e_row + INTER + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        g = (g.to(tl.float32) + tl.load(e_row + cols, mask=mask, other=0.0).to(tl.float32)).to(
+            dtype
+        )
+        u = (
+            u.to(tl.float32) + tl.load(e_row + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+        ).to(dtype)
     g = g.to(tl.float32)
     u = u.to(tl.float32)
     if ACT == 0:  # silu

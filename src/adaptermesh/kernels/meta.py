@@ -14,7 +14,7 @@ Layout (all int32, fixed size so that a CUDA graph captured once can replay with
   base tokens so no kernel reads outside the pool; the count lets a caller that skipped the
   host-side check (``check_values=False``) find the error later without a synchronisation.
 
-On CUDA the build is one Triton launch (``_segment_meta_kernel``): program ``s`` counts the
+On CUDA the build is one Triton launch (``meta_kernel.py``): program ``s`` counts the
 tokens of lower slots, which is where slot ``s``'s segment starts, then writes its own tokens
 there in batch order; one more program places the base tokens after all adapter tokens,
 writes the cleaned slots and counts the invalid ones. Elsewhere it is a handful of torch ops
@@ -27,8 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 __all__ = ["SegmentMeta", "build_segment_meta"]
 
@@ -80,70 +78,13 @@ class SegmentMeta:
         return self.seg_start[1:] - self.seg_start[:-1]
 
 
-# Triton kernels take untyped launch arguments.
-@triton.jit  # type: ignore[untyped-decorator]
-def _segment_meta_kernel(  # type: ignore[no-untyped-def]
-    slots_in_ptr,  # [T] int32/int64 as given
-    slots_out_ptr,  # [T_max] int32: cleaned slots, -1 past T
-    sorted_ptr,  # [T_max] int32
-    seg_start_ptr,  # [S + 1] int32
-    invalid_ptr,  # [1] int32
-    T,
-    T_MAX,
-    S,
-    BLOCK_T: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_T)
-    # Pass 1: where this program's tokens start (tokens of lower slots; for the base program,
-    # every adapter token).
-    before = tl.zeros((BLOCK_T,), dtype=tl.int32)
-    for c in range(0, tl.cdiv(T_MAX, BLOCK_T)):
-        t = c * BLOCK_T + offs
-        raw = tl.load(slots_in_ptr + t, mask=t < T, other=-1)
-        ok = (raw >= 0) & (raw < S)
-        before += (ok & (raw < pid)).to(tl.int32)
-    start = tl.sum(before, 0)
-    if pid < S:
-        tl.store(seg_start_ptr + pid, start)
-    else:
-        tl.store(seg_start_ptr + S, start)
-    # Pass 2: this program's tokens, in batch order.
-    placed = start
-    n_bad = tl.zeros((BLOCK_T,), dtype=tl.int32)
-    for c in range(0, tl.cdiv(T_MAX, BLOCK_T)):
-        t = c * BLOCK_T + offs
-        in_batch = t < T
-        raw = tl.load(slots_in_ptr + t, mask=in_batch, other=-1)
-        ok = (raw >= 0) & (raw < S)
-        if pid < S:
-            mine = ok & (raw == pid)
-        else:
-            mine = (~ok) & (t < T_MAX)
-            bad = in_batch & ((raw < -1) | (raw >= S))
-            n_bad += bad.to(tl.int32)
-            tl.store(slots_out_ptr + t, tl.where(ok, raw, -1).to(tl.int32), mask=t < T_MAX)
-        m = mine.to(tl.int32)
-        pos = placed + tl.cumsum(m, 0) - 1
-        tl.store(sorted_ptr + pos, t.to(tl.int32), mask=mine)
-        placed += tl.sum(m, 0)
-    if pid == S:
-        tl.store(invalid_ptr, tl.sum(n_bad, 0))
-
-
 def _build_triton(out: SegmentMeta, token_slots: torch.Tensor, t: int) -> None:
-    from adaptermesh.kernels._launch import launch
+    # Imported here: this module (and the torch twins that read SegmentMeta) need no triton.
+    from adaptermesh.kernels.meta_kernel import build_segments
 
     src = token_slots if t > 0 else out.token_slots
-    launch(
-        _segment_meta_kernel,
-        (out.num_slots + 1, 1, 1),
-        (src, out.token_slots, out.sorted_tokens, out.seg_start, out.invalid, t, out.max_tokens,
-         out.num_slots),
-        {"BLOCK_T": min(1024, max(16, int(triton.next_power_of_2(out.max_tokens))))},
-        num_warps=4,
-        num_stages=1,
-    )  # fmt: skip
+    build_segments(src, out.token_slots, out.sorted_tokens, out.seg_start, out.invalid, t,
+                   out.max_tokens, out.num_slots)  # fmt: skip
 
 
 def _capturing(device: torch.device) -> bool:

@@ -46,12 +46,13 @@ no host synchronisation and a captured CUDA graph replays any batch of the captu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from adaptermesh.kernels._validate import PagedAttentionShapes, check_paged_attention
 
 __all__ = [
     "PagedAttentionConfig",
@@ -64,7 +65,6 @@ __all__ = [
     "prefill_config",
 ]
 
-_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 # Triton's grid axes 1 and 2 hold at most 65535 programs.
 _MAX_GRID_YZ = 65535
@@ -539,127 +539,8 @@ def _prefill_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Checks and launcher
+# Launcher (argument checks: _validate.check_paged_attention)
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PagedAttentionShapes:
-    num_tokens: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_blocks: int
-    block_size: int
-    num_seqs: int
-    max_blocks: int
-
-    @property
-    def group(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-
-def _tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def _int_arg(name: str, val: object, low: int) -> int:
-    if isinstance(val, bool) or not isinstance(val, int) or val < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
-    return val
-
-
-def _positive_float(name: str, val: object) -> float:
-    if isinstance(val, bool) or not isinstance(val, (int, float)):
-        raise ValueError(f"{name} must be a float, got {val!r}")
-    f = float(val)
-    if not math.isfinite(f) or f <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {val!r}")
-    return f
-
-
-def check_paged_attention(
-    out: torch.Tensor,  # [T, Hq, D]
-    q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    block_tables: torch.Tensor,  # [S, max_blocks] int32
-    seq_lens: torch.Tensor,  # [S] int32
-    query_start: torch.Tensor,  # [S + 1] int32
-    *,
-    scale: float,
-    max_query_len: int,
-    sliding_window: int | None,
-    num_splits: int,
-    softcap: float | None,
-) -> PagedAttentionShapes:
-    """Shape, dtype, device and layout checks; reads no tensor values (no synchronisation)."""
-    out, q = _tensor("out", out), _tensor("q", q)
-    k_cache, v_cache = _tensor("k_cache", k_cache), _tensor("v_cache", v_cache)
-    block_tables, seq_lens = _tensor("block_tables", block_tables), _tensor("seq_lens", seq_lens)
-    query_start = _tensor("query_start", query_start)
-    if q.dim() != 3:
-        raise ValueError(f"q must be 3-D [T, Hq, D], got shape {tuple(q.shape)}")
-    if q.dtype not in _ACT_DTYPES:
-        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    t, hq, d = q.shape
-    if d < 1 or hq < 1:
-        raise ValueError(f"q needs Hq >= 1 and D >= 1, got shape {tuple(q.shape)}")
-    if tuple(out.shape) != (t, hq, d):
-        raise ValueError(f"out must have q's shape {[t, hq, d]}, got {tuple(out.shape)}")
-    if k_cache.dim() != 4:
-        raise ValueError(
-            f"k_cache must be 4-D [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}"
-        )
-    nb, bs, hkv, dk = k_cache.shape
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(
-            f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}"
-        )
-    if dk != d:
-        raise ValueError(f"k_cache head dim {dk} does not match q's head dim {d}")
-    if hkv < 1 or hq % hkv:
-        raise ValueError(f"q's {hq} heads must be a multiple of k_cache's {hkv} kv heads")
-    if bs < 1 or bs & (bs - 1):
-        raise ValueError(f"k_cache block_size must be a power of two, got {bs}")
-    for name, x in (("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name} dtype {x.dtype} does not match q dtype {q.dtype}")
-    for name, x in (("out", out), ("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device}, expected {q.device} (the device of q)")
-        if x.numel() and x.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got strides {x.stride()}")
-    if block_tables.dim() != 2:
-        raise ValueError(
-            f"block_tables must be 2-D [S, max_blocks], got shape {tuple(block_tables.shape)}"
-        )
-    s, max_blocks = block_tables.shape
-    if tuple(seq_lens.shape) != (s,):
-        raise ValueError(f"seq_lens must have shape [{s}], got {tuple(seq_lens.shape)}")
-    if tuple(query_start.shape) != (s + 1,):
-        raise ValueError(f"query_start must have shape [{s + 1}], got {tuple(query_start.shape)}")
-    for name, x in (
-        ("block_tables", block_tables),
-        ("seq_lens", seq_lens),
-        ("query_start", query_start),
-    ):
-        if x.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device}, expected {q.device} (the device of q)")
-        if x.numel() and x.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got strides {x.stride()}")
-    _positive_float("scale", scale)
-    _int_arg("max_query_len", max_query_len, 1)
-    _int_arg("num_splits", num_splits, 1)
-    if sliding_window is not None:
-        _int_arg("sliding_window", sliding_window, 1)
-    if softcap is not None:
-        _positive_float("softcap", softcap)
-    return PagedAttentionShapes(t, hq, hkv, d, nb, bs, s, max_blocks)
-
-
 def _check_config(cfg: PagedAttentionConfig, rows: int, decode: bool) -> None:
     for name in ("block_n", "block_q", "num_warps"):
         val = getattr(cfg, name)

@@ -1,33 +1,44 @@
 """Plain-torch twins of the Triton kernels.
 
-Each ``<op>_ref`` has the same signature and contract as ``<op>`` in ``sgmm.py`` / ``fuse.py``.
+Each ``<op>_ref`` has the same signature and contract as ``<op>`` in ``sgmm.py`` /
+``sgmm_int4.py`` / ``fuse.py`` / ``layer_ops.py`` / ``paged_attention.py``.
 Tests use them as the oracle; the worker runs them on CPU. They compute in fp32 and round the
 way the kernels round: ``v`` is kept in fp32, cast to the weight dtype before the expand
 matmul (the kernel feeds bf16/fp16 operands to the tensor cores), and the sum with ``out`` is
 formed in fp32 and rounded once.
+
+Importing this module does not import triton: the twins and their checks (``_validate.py``)
+need torch alone, so a CPU worker runs them without a Triton install.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from adaptermesh.kernels._validate import (
+    ACTIVATIONS,
     SgmmShapes,
+    check_act_mul,
     check_expand,
+    check_int4,
     check_meta,
+    check_paged_attention,
     check_pair,
+    check_rms_norm,
+    check_rope_kv_write,
     check_shrink,
 )
+from adaptermesh.kernels.int4_quant import dequantize_int4
+from adaptermesh.kernels.int4_weight import Int4Weight
 from adaptermesh.kernels.meta import SegmentMeta
 
-if TYPE_CHECKING:
-    from adaptermesh.kernels.fuse import MergeTable
-
 __all__ = [
+    "ACTIVATIONS",
     "act_mul_ref",
+    "add_lora_int4_ref",
     "add_lora_ref",
     "fused_switch_ref",
     "gated_add_lora_ref",
@@ -161,6 +172,52 @@ def add_lora_ref(
 
 
 # ---------------------------------------------------------------------------------------------
+# INT4 SGMM twin (sgmm_int4.py)
+# ---------------------------------------------------------------------------------------------
+def _slot_weight(q: Int4Weight, index: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Dequantised ``q[index]`` (leading indices only), rounded to ``dtype``, as fp32."""
+    sub = q
+    for i in index:
+        sub = sub[i]
+    return dequantize_int4(sub).to(dtype).float()
+
+
+def add_lora_int4_ref(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    qa: Int4Weight,
+    qb: Sequence[Int4Weight],
+    scales: torch.Tensor,
+    ranks: torch.Tensor,
+    meta: SegmentMeta,
+    *,
+    check_values: bool = True,
+) -> None:
+    """The twin of ``add_lora_int4``: dequantise the used slots (rounded to the activation
+    dtype, as the kernels feed them), v in fp32 rounded to the activation dtype, the sum with
+    ``out`` formed in fp32 and rounded once."""
+    shapes = check_int4(out, x, qa, qb, scales, ranks, meta, check_values)
+    starts = meta.seg_start.tolist()
+    rank_list = ranks.tolist()
+    scale_list = scales.tolist()
+    dt = x.dtype
+    for s in range(shapes.num_slots):
+        a, b = starts[s], starts[s + 1]
+        r = min(int(rank_list[s]), shapes.r_max)
+        if b <= a or r == 0:
+            continue
+        idx = meta.sorted_tokens[a:b].long()
+        xs = x.index_select(0, idx).float()
+        for i in range(shapes.n_slices):
+            w_a = _slot_weight(qa, (i, s), dt)[:r]
+            vi = (xs @ w_a.T).to(dt).float()
+            w_b = _slot_weight(qb[i], (s,), dt)[:, :r]
+            off, n = shapes.out_offsets[i], shapes.out_sizes[i]
+            cols = out[:, off : off + n]
+            cols[idx] = (cols[idx].float() + (vi @ w_b.T) * scale_list[s]).to(out.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # AdaFuse twins
 # ---------------------------------------------------------------------------------------------
 def route_ref(
@@ -177,6 +234,31 @@ def route_ref(
     return ids.to(torch.int32), torch.softmax(vals, dim=-1)
 
 
+class MergeTargetView(Protocol):
+    """What ``fused_switch_ref`` reads of a ``fuse.MergeTarget``."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+    @property
+    def lora_a(self) -> torch.Tensor: ...
+    @property
+    def lora_b(self) -> torch.Tensor: ...
+    @property
+    def scale(self) -> float: ...
+    @property
+    def master(self) -> torch.Tensor | None: ...
+
+
+class MergeTableView(Protocol):
+    """What ``fused_switch_ref`` reads of a ``fuse.MergeTable`` (a protocol, so that the twins
+    need not import the Triton module that defines it)."""
+
+    @property
+    def targets(self) -> Sequence[MergeTargetView]: ...
+    @property
+    def exact(self) -> bool: ...
+
+
 def _selection_delta_ref(
     lora_a: torch.Tensor, lora_b: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor
 ) -> torch.Tensor:
@@ -189,7 +271,7 @@ def _selection_delta_ref(
 
 
 def fused_switch_ref(
-    table: MergeTable,
+    table: MergeTableView,
     new_ids: torch.Tensor,  # [k] int32
     new_gates: torch.Tensor,  # [k] fp32
     *,
@@ -233,144 +315,8 @@ def gated_add_lora_ref(
 
 # ---------------------------------------------------------------------------------------------
 # Decoder-layer elementwise twins (layer_ops.py): residual add + RMSNorm, RoPE + paged KV write,
-# gated activation. The argument checks below are shared with the Triton launchers, so both
-# backends reject the same inputs with the same messages. No check reads tensor values, so
-# they cost no host synchronisation and run inside CUDA-graph capture.
+# gated activation. Their argument checks (_validate.py) are shared with the Triton launchers.
 # ---------------------------------------------------------------------------------------------
-LAYER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
-
-
-def _layer_tensor(name: str, t: object, ndim: int, ref: torch.Tensor | None = None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {list(t.shape)}")
-    if ref is not None and t.device != ref.device:
-        raise ValueError(f"{name} is on {t.device}, expected {ref.device}")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
-    return t
-
-
-def _layer_dtype(name: str, t: torch.Tensor, want: torch.dtype | None = None) -> None:
-    if want is None and t.dtype not in LAYER_DTYPES:
-        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if want is not None and t.dtype != want:
-        raise ValueError(f"{name} must be {want} (the dtype of its activations), got {t.dtype}")
-
-
-def _layer_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-
-
-def check_rms_norm(
-    x: object,
-    weight: object,
-    eps: object,
-    residual: object | None,
-    out: object | None,
-    extra: object | None = None,
-) -> tuple[int, int]:
-    """(T, H) of a valid ``rms_norm`` call; ValueError naming the first bad argument."""
-    x = _layer_tensor("x", x, 2)
-    _layer_dtype("x", x)
-    t, h = x.shape
-    if h == 0:
-        raise ValueError("x must have a non-empty hidden dimension")
-    w = _layer_tensor("weight", weight, 1, x)
-    _layer_shape("weight", w, (h,))
-    _layer_dtype("weight", w, x.dtype)
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    if extra is not None and residual is None:
-        raise ValueError("extra needs residual (it is added to x before the residual)")
-    for name, other in (("residual", residual), ("out", out), ("extra", extra)):
-        if other is not None:
-            other = _layer_tensor(name, other, 2, x)
-            _layer_shape(name, other, (t, h))
-            _layer_dtype(name, other, x.dtype)
-    if isinstance(residual, torch.Tensor):
-        for name, other in (("out", out), ("extra", extra)):
-            if (isinstance(other, torch.Tensor) and other.numel() > 0
-                    and other.data_ptr() == residual.data_ptr()):
-                raise ValueError(f"{name} must not alias residual (residual receives the sum)")
-    return t, h
-
-
-def check_act_mul(gu: object, act: object, out: object | None, extra: object | None = None) -> int:
-    """The intermediate size I of a valid ``act_mul`` call (gu is [T, 2*I])."""
-    if not isinstance(act, str) or act not in ACTIVATIONS:
-        raise ValueError(f"act must be one of {', '.join(ACTIVATIONS)}; got {act!r}")
-    gu = _layer_tensor("gu", gu, 2)
-    _layer_dtype("gu", gu)
-    t, width = gu.shape
-    if width == 0 or width % 2:
-        raise ValueError(f"gu must be [T, 2*I] with I >= 1, got shape {list(gu.shape)}")
-    if out is not None:
-        out = _layer_tensor("out", out, 2, gu)
-        _layer_shape("out", out, (t, width // 2))
-        _layer_dtype("out", out, gu.dtype)
-    if extra is not None:
-        extra = _layer_tensor("extra", extra, 2, gu)
-        _layer_shape("extra", extra, (t, width))
-        _layer_dtype("extra", extra, gu.dtype)
-    return width // 2
-
-
-def check_rope_kv_write(
-    q: object,
-    k: object,
-    v: object,
-    positions: object,
-    cos_sin_cache: object,
-    k_cache: object,
-    v_cache: object,
-    slot_mapping: object,
-    rotary_dim: object | None,
-) -> int:
-    """The rotary dimension of a valid ``rope_kv_write`` call (``head_dim`` when None)."""
-    q = _layer_tensor("q", q, 3)
-    _layer_dtype("q", q)
-    t, hq, d = q.shape
-    if hq == 0 or d == 0:
-        raise ValueError(f"q must be [T, Hq, D] with Hq, D >= 1, got shape {list(q.shape)}")
-    k = _layer_tensor("k", k, 3, q)
-    _layer_dtype("k", k, q.dtype)
-    if k.shape[0] != t or k.shape[2] != d or k.shape[1] == 0:
-        raise ValueError(f"k must be [{t}, Hkv, {d}] with Hkv >= 1, got shape {list(k.shape)}")
-    hkv = k.shape[1]
-    v = _layer_tensor("v", v, 3, q)
-    _layer_shape("v", v, (t, hkv, d))
-    _layer_dtype("v", v, q.dtype)
-    rot = d if rotary_dim is None else rotary_dim
-    if isinstance(rot, bool) or not isinstance(rot, int) or rot < 2 or rot > d or rot % 2:
-        raise ValueError(f"rotary_dim must be an even int in [2, {d}], got {rotary_dim!r}")
-    for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
-        idx = _layer_tensor(name, idx, 1, q)
-        _layer_shape(name, idx, (t,))
-        if idx.dtype != torch.int64:
-            raise ValueError(f"{name} must be int64, got {idx.dtype}")
-    cs = _layer_tensor("cos_sin_cache", cos_sin_cache, 2, q)
-    if cs.shape[0] == 0 or cs.shape[1] != rot:
-        raise ValueError(
-            f"cos_sin_cache must be [max_pos, {rot}] (cos | sin), got shape {list(cs.shape)}"
-        )
-    if cs.dtype not in (torch.float32, q.dtype):
-        raise ValueError(f"cos_sin_cache must be float32 or {q.dtype}, got {cs.dtype}")
-    kc = _layer_tensor("k_cache", k_cache, 4, q)
-    if tuple(kc.shape[2:]) != (hkv, d):
-        raise ValueError(
-            f"k_cache must be [num_blocks, block_size, {hkv}, {d}], got shape {list(kc.shape)}"
-        )
-    _layer_dtype("k_cache", kc, q.dtype)
-    vc = _layer_tensor("v_cache", v_cache, 4, q)
-    _layer_shape("v_cache", vc, tuple(kc.shape))
-    _layer_dtype("v_cache", vc, q.dtype)
-    return rot
-
-
 def rms_norm_ref(
     x: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H], dtype of x
@@ -509,10 +455,6 @@ def paged_attention_ref(
     The metadata is read on the host, so its values are checked too: a sequence may own at
     most ``max_query_len`` rows (the kernel's grid is sized by it) and no more rows than keys.
     """
-    # Imported here: the check is shared with the launcher, and importing the twins must not
-    # import triton.
-    from adaptermesh.kernels.paged_attention import check_paged_attention
-
     shapes = check_paged_attention(
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start,
         scale=scale, max_query_len=max_query_len, sliding_window=sliding_window,

@@ -84,7 +84,7 @@ def add_lora_int4(
 ) -> None:
     """``add_lora`` on an INT4 pool (``kernels.sgmm_int4``): Triton on CUDA, the twin on CPU."""
     if meta.any_lora:
-        sgmm_int4.add_lora_int4(out, x, qa, qb, scales, ranks, meta.kernel_meta, check_values=False)
+        kernels.add_lora_int4(out, x, qa, qb, scales, ranks, meta.kernel_meta, check_values=False)
 
 
 def project_with_lora(
