@@ -9,17 +9,40 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiohttp import web
+from prometheus_client import Counter
 
-from adaptermesh.httpserve import serve_app
+from adaptermesh.httpserve import ListenerLimits, serve_app
 from adaptermesh.worker.http_errors import ApiError
 
-if TYPE_CHECKING:
-    from adaptermesh.worker.service import WorkerService
+__all__ = ["Servable", "error_middleware", "serve"]
 
-__all__ = ["error_middleware", "serve"]
+
+class _ListenerConfig(Protocol):
+    @property
+    def listener(self) -> ListenerLimits: ...
+
+
+class _RefusalMetrics(Protocol):
+    @property
+    def listener_refused(self) -> Counter: ...
+
+
+class Servable(Protocol):
+    """What ``serve`` needs of a service (``WorkerService``): its app, its listener limits
+    and the counter of refused connections."""
+
+    @property
+    def app(self) -> web.Application: ...
+
+    @property
+    def config(self) -> _ListenerConfig: ...
+
+    @property
+    def metrics(self) -> _RefusalMetrics: ...
+
 
 # The service's log, under the name it has always had.
 log = logging.getLogger("adaptermesh.worker.service")
@@ -61,7 +84,7 @@ async def error_middleware(
 
 
 async def serve(
-    service: WorkerService, host: str, port: int, *, shutdown_timeout: float = 2.0
+    service: Servable, host: str, port: int, *, shutdown_timeout: float = 2.0
 ) -> tuple[web.AppRunner, int]:
     """Start serving ``service`` on ``host:port`` (0 picks a free port); returns the port.
 
