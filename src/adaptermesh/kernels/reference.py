@@ -19,7 +19,6 @@ from typing import Protocol
 import torch
 
 from adaptermesh.kernels._validate import (
-    ACTIVATIONS,
     SgmmShapes,
     check_act_mul,
     check_expand,
@@ -36,7 +35,6 @@ from adaptermesh.kernels.int4_weight import Int4Weight
 from adaptermesh.kernels.meta import SegmentMeta
 
 __all__ = [
-    "ACTIVATIONS",
     "act_mul_ref",
     "add_lora_int4_ref",
     "add_lora_ref",
