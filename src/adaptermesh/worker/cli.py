@@ -143,16 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
     # Engine sizes.
     p.add_argument("--max-model-len", type=positive_int, default=None)
     p.add_argument("--max-num-seqs", type=positive_int, default=None,
-                   help="sequences running at once (decode batch rows)")
+                   help="sequences running at once (decode batch rows; default: 256 on a GPU unless "
+                   "its memory says fewer, 8 on the CPU)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                   help="token budget of one step (decode rows + prompt chunks)")
+                   help="token budget of one step (decode rows + prompt chunks; default: twice the "
+                   "sequences, at least 512)")
     p.add_argument("--max-prefill-chunk", type=positive_int, default=None)
     p.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (8..256, a power of two)")
     p.add_argument("--kv-cache-bytes", type=positive_int, default=None,
-                   help="KV cache size in bytes (default: from --gpu-memory-fraction)")
+                   help="KV cache size in bytes (default: what --gpu-memory-fraction leaves beside "
+                   "the weights and the adapter pool)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share prompt blocks between requests of the same adapter")
-    p.add_argument("--max-loras", type=positive_int, default=None, help="adapter GPU slots")
+    p.add_argument("--max-loras", type=positive_int, default=None, help="adapter GPU slots (default: 15%% of the GPU budget at --max-lora-rank, "
+                   "8 on the CPU)")
+    p.add_argument("--cpu-cache-bytes", type=positive_int, default=None,
+                   help="adapter CPU cache size in bytes (default: from host memory)")
+    p.add_argument("--max-adapter-skips", type=non_negative_int, default=None,
+                   help="times a waiting request may be passed over while its adapter waits "
+                   "for a GPU slot before it gets the next one (default 16)")
     p.add_argument("--max-lora-rank", type=positive_int, default=None)
     p.add_argument("--lora-dtype", choices=["bf16", "fp16", "fp32", "int4"], default=None,
                    help="adapter pool storage (default: the model dtype); int4 quantises each "
@@ -200,6 +209,7 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
     import torch
 
     from adaptermesh.worker.engine import Engine, EngineConfig
+    from adaptermesh.worker.engine_config import SIZING_FIELDS
 
     device = args.device
     if device == "auto":
@@ -215,10 +225,14 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
                        ("gpu_memory_fraction", "gpu_memory_fraction"),
                        ("max_num_batched_tokens", "max_num_batched_tokens"),
                        ("max_prefill_chunk", "max_prefill_chunk"), ("block_size", "block_size"),
-                       ("kv_cache_bytes", "kv_cache_bytes")):
+                       ("kv_cache_bytes", "kv_cache_bytes"), ("cpu_cache_bytes", "cpu_cache_bytes"),
+                       ("max_adapter_skips", "max_adapter_skips")):
         value = getattr(args, flag)
         if value is not None:
             setattr(config, attr, value)
+    # Sizes without a flag are the worker's to choose from the device and host memory
+    # (worker/sizing.py: 256 sequences on a GPU unless memory says less; small on the CPU).
+    config.auto_size = frozenset(name for name in SIZING_FIELDS if getattr(args, name) is None)
     if args.no_prefix_caching:
         config.enable_prefix_caching = False
     if args.lora_dtype is not None:

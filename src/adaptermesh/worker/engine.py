@@ -76,9 +76,10 @@ from adaptermesh.worker.engine_config import (
     plan_budget,
     resolve_dtype,
     resolve_max_model_len,
+    size_config,
     validate_config,
 )
-from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache
+from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache, spec_bytes_per_token
 from adaptermesh.worker.model import ModelConfig, TransformerModel, make_lora_pool, read_weights
 from adaptermesh.worker.paging import BlockManager
 from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence, StepPlan
@@ -182,6 +183,29 @@ class Engine:
 
         tensors = weights if weights is not None else read_weights(self.model_dir)
         self.model = TransformerModel(model_config, tensors, self.device, dtype, self.max_model_len)
+        block_size = config.block_size
+        kv_spec = KVCacheSpec(
+            model_config.num_layers,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            block_size,
+            dtype,
+        )
+        # Sizes the worker chooses itself, now that the weights hold their share of the device.
+        slot_bytes = make_lora_pool(
+            model_config, 1, config.max_lora_rank, torch.device("meta"), dtype, config.lora_dtype
+        ).nbytes
+        self.config = config
+        config, self.sizing = size_config(
+            config,
+            device=self.device,
+            kv_bytes_per_token=spec_bytes_per_token(kv_spec),
+            slot_bytes=max(1, slot_bytes),
+            max_model_len=self.max_model_len,
+        )
+        if self.sizing is not None:
+            self.config = config
+            log.info("sizes: %s", self.sizing.describe())
         self.pool = make_lora_pool(
             model_config,
             config.max_loras,
@@ -194,14 +218,6 @@ class Engine:
             self.model.lora_side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             self.model.lora_side_max_tokens = config.lora_overlap_max_tokens
 
-        block_size = config.block_size
-        kv_spec = KVCacheSpec(
-            model_config.num_layers,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            block_size,
-            dtype,
-        )
         self.budget = budget = plan_budget(
             config, self.max_model_len, kv_spec, device_memory(self.device, config)
         )
@@ -241,6 +257,7 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=frozenset(eos),
             token_piece=self.text.token_piece,
+            max_adapter_skips=config.max_adapter_skips,
         )
         self.tables = BlockTableMirror(
             self.blocks, rows, budget.max_blocks_per_seq, block_size, self.device
@@ -615,6 +632,16 @@ class Engine:
             "prefix_hit_tokens": self.blocks.stats.hit_tokens,
             "prefix_query_tokens": self.blocks.stats.query_tokens,
             "preemptions": self.scheduler.preemptions,
+            # Adapter scheduling (worker/scheduler.py): loads started in queue order, evictions
+            # of an adapter a waiting request wanted, admissions that waited on a load, and
+            # scheduling passes where nothing could run while a request waited on a load.
+            # No step waits on a load: loads run as tasks beside the step loop.
+            "adapter_loads_started": self.adapters.counters.loads_started,
+            "adapter_evictions": self.adapters.counters.evictions,
+            "adapter_evictions_wanted": self.adapters.counters.evictions_wanted,
+            "admissions_waited_on_load": self.scheduler.admissions_waited_on_load,
+            "idle_passes_on_load": self.scheduler.idle_passes_on_load,
+            "sizes": None if self.sizing is None else dict(self.sizing.origin),
             "lora_ops": lora_ops.kernels_description(),
             "cuda_graphs": self.cuda_graphs_active,
             "graph_buckets": [list(map(str, key[:4])) for key in keys],

@@ -8,17 +8,28 @@ are testable without building a model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
 from adaptermesh.worker.kv_cache import KVCacheSpec, spec_bytes_per_token
+from adaptermesh.worker.sizing import (
+    DeviceFacts,
+    HostFacts,
+    ModelFacts,
+    Requested,
+    Sizing,
+    choose_sizing,
+    host_memory_bytes,
+)
 from adaptermesh.worker.step_layout import staging_length
 from adaptermesh.worker.types import MAX_LOGPROBS, InvalidRequestError
 
 __all__ = [
     "DTYPES",
     "LOGPROBS_MODES",
+    "SIZING_FIELDS",
     "DeviceMemory",
     "EngineBudget",
     "EngineConfig",
@@ -26,10 +37,16 @@ __all__ = [
     "plan_budget",
     "resolve_dtype",
     "resolve_max_model_len",
+    "size_config",
     "validate_config",
 ]
 
 LOGPROBS_MODES = ("raw", "processed")
+
+# The EngineConfig fields ``auto_size`` may name.
+SIZING_FIELDS = frozenset(
+    {"max_num_seqs", "max_num_batched_tokens", "max_loras", "kv_cache_bytes", "cpu_cache_bytes"}
+)
 
 DTYPES = {
     "float32": torch.float32,
@@ -94,6 +111,13 @@ class EngineConfig:
     # the model's logits, vLLM's default) or "processed" (the distribution the sampler draws
     # from: penalties, temperature and top-k/top-p/min-p applied; sampling.processed_logits).
     logprobs_mode: str = "raw"
+    # Sizes the worker chooses itself from the device and host memory (worker/sizing.py), by
+    # field name: any of SIZING_FIELDS. The command line lists every size whose flag was not
+    # given; the fields named here are replaced once the weights are on the device.
+    auto_size: frozenset[str] = frozenset()
+    # A waiting request passed over this many times while its adapter waits for a slot gets
+    # the next slot (worker/scheduler.py, aging).
+    max_adapter_skips: int = 16
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -140,6 +164,20 @@ def validate_config(config: EngineConfig) -> None:
     ):
         raise InvalidRequestError(
             "adafuse_merge_after", f"must be an integer >= 0, got {config.adafuse_merge_after!r}"
+        )
+
+    unknown = sorted(set(config.auto_size) - SIZING_FIELDS)
+    if unknown:
+        raise InvalidRequestError(
+            "auto_size", f"{unknown[0]!r} is not a size (one of {', '.join(sorted(SIZING_FIELDS))})"
+        )
+    if (
+        not isinstance(config.max_adapter_skips, int)
+        or isinstance(config.max_adapter_skips, bool)
+        or config.max_adapter_skips < 0
+    ):
+        raise InvalidRequestError(
+            "max_adapter_skips", f"must be an integer >= 0, got {config.max_adapter_skips!r}"
         )
 
 
@@ -234,3 +272,53 @@ def plan_budget(
         staging_len=staging_length(step_tokens, max_entries),
         output_len=max_entries + logprob_rows * (2 * MAX_LOGPROBS + 1),
     )
+
+
+def size_config(
+    config: EngineConfig,
+    *,
+    device: torch.device,
+    kv_bytes_per_token: int,
+    slot_bytes: int,
+    max_model_len: int,
+) -> tuple[EngineConfig, Sizing | None]:
+    """``config`` with the sizes ``auto_size`` names chosen from the device and host memory
+    (``sizing.choose_sizing``), and that choice; unchanged with None when it names none.
+
+    Called once the weights are on the device, so what they take counts as used."""
+    if not config.auto_size:
+        return config, None
+    auto = config.auto_size
+    if device.type == "cuda":
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        facts = DeviceFacts("cuda", int(total_bytes), int(total_bytes) - int(free_bytes))
+    else:
+        facts = DeviceFacts(device.type)
+
+    def given(name: str) -> int | None:
+        return None if name in auto else cast("int | None", getattr(config, name))
+
+    requested = Requested(
+        max_num_seqs=given("max_num_seqs"),
+        max_num_batched_tokens=given("max_num_batched_tokens"),
+        max_loras=given("max_loras"),
+        kv_cache_bytes=given("kv_cache_bytes"),
+        cpu_cache_bytes=given("cpu_cache_bytes"),
+        gpu_memory_fraction=config.gpu_memory_fraction,
+    )
+    sizing = choose_sizing(
+        facts,
+        HostFacts(host_memory_bytes()),
+        ModelFacts(kv_bytes_per_token, slot_bytes, max_model_len),
+        requested,
+    )
+    sized = replace(
+        config,
+        max_num_seqs=sizing.max_num_seqs,
+        max_num_batched_tokens=sizing.max_num_batched_tokens,
+        max_loras=sizing.max_loras,
+        kv_cache_bytes=sizing.kv_cache_bytes,
+        cpu_cache_bytes=sizing.cpu_cache_bytes,
+    )
+    validate_config(sized)
+    return sized, sizing
