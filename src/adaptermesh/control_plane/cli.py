@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="token the placement loop sends to the workers' load endpoint (the "
         "workers' --admin-token-file)",
     )
+    p.add_argument(
+        "--auto-placement",
+        action="store_true",
+        help="give every AdapterInstance without placement.shards a home shard (rendezvous "
+        "hash weighted by the shards' adapter slots): its requests are forwarded there and it "
+        "is preloaded on placement.replicas workers (1 by default) of it",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port=args.metrics_port,
         policy=policy,
         worker_admin_token=worker_token,
+        auto_placement=args.auto_placement,
     )
     try:
         asyncio.run(_serve(config))

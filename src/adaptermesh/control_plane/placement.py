@@ -22,18 +22,39 @@ A worker keeps an adapter pinned only where an instance wants it: pins of an ins
 adapter elsewhere (pinnedShards or replicas shrunk) and pins the loop made itself for an
 adapter whose instance is gone are loaded again unpinned, so the worker may evict them.
 Pins nobody asked the loop for (a worker's ``--lora-modules``) are left alone.
+
+Automatic homes (``adaptermesh control-plane --auto-placement``): an instance that names no
+shards itself (no ``placement.shards``, no shard routes) gets one home shard from
+:func:`homes`, a rendezvous hash of (adapter, shard) weighted by each shard's adapter slots
+(:func:`shard_capacities`: the GPU slots its serving workers report). :func:`with_home` writes
+the home into the instance as if it had named it, so the Assignment's edge forwards requests
+for it to that shard and :func:`wants_of` preloads it on ``replicas`` workers there.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from adaptermesh.control_plane.policy import endpoint_key
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
 
-__all__ = ["Action", "Plan", "Want", "WorkerView", "plan", "wants_of"]
+__all__ = [
+    "Action",
+    "Plan",
+    "ShardCapacity",
+    "Want",
+    "WorkerView",
+    "homed",
+    "homes",
+    "plan",
+    "shard_capacities",
+    "wants_home",
+    "wants_of",
+    "with_home",
+]
 
 PIN = "pin"
 PRELOAD = "preload"
@@ -97,8 +118,9 @@ class Plan:
     pins: Mapping[tuple[str, str], str]
 
 
-def _residency_shards(inst: control_plane_pb2.AdapterInstance,
-                      shard_ids: Sequence[str]) -> tuple[str, ...]:
+def _residency_shards(
+    inst: control_plane_pb2.AdapterInstance, shard_ids: Sequence[str]
+) -> tuple[str, ...]:
     p = inst.placement
     if not (p.preload or p.pinned_shards or p.replicas):
         return ()
@@ -107,8 +129,9 @@ def _residency_shards(inst: control_plane_pb2.AdapterInstance,
     return tuple(dict.fromkeys([*base, *p.pinned_shards]))
 
 
-def wants_of(instances: Iterable[control_plane_pb2.AdapterInstance],
-             shards: Iterable[assignment_pb2.Shard]) -> list[Want]:
+def wants_of(
+    instances: Iterable[control_plane_pb2.AdapterInstance], shards: Iterable[assignment_pb2.Shard]
+) -> list[Want]:
     """One Want per instance (those asking nothing have no shards), in adapter order."""
     ids = sorted(s.id for s in shards)
     out = [
@@ -184,3 +207,96 @@ def plan(
     ready = [act for act in due if act.key not in held]
     actions = tuple(ready[:max_actions])
     return Plan(actions, len(due) - len(actions), tuple(short), pins)
+
+
+# -- automatic homes ------------------------------------------------------------------------
+
+_HOME_STATES = (assignment_pb2.SHARD_STATE_ACTIVE, assignment_pb2.SHARD_STATE_UNSPECIFIED)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardCapacity:
+    """One shard as a candidate home."""
+
+    shard_id: str
+    active: bool  # active (not draining): it may be a home
+    slots: float  # adapter GPU slots of its serving workers; 0: none known
+
+
+def shard_capacities(
+    shards: Iterable[assignment_pb2.Shard], slots: Mapping[str, float]
+) -> list[ShardCapacity]:
+    """Each shard's adapter slots: the sum over its serving (not draining) workers of the GPU
+    slots each reported last (``slots``: worker key -> slots). A worker that never reported
+    counts as the mean of those that did; with none reported every shard counts 0 (equal
+    weights in :func:`homes`)."""
+    listed = sorted(shards, key=lambda s: s.id)
+    known = [
+        v
+        for s in listed
+        for ep in s.endpoints
+        if (v := slots.get(endpoint_key(ep.address, ep.port), 0.0)) > 0
+    ]
+    mean = sum(known) / len(known) if known else 0.0
+    out = []
+    for s in listed:
+        total = 0.0
+        for ep in s.endpoints:
+            if not ep.draining:
+                reported = slots.get(endpoint_key(ep.address, ep.port), 0.0)
+                total += reported if reported > 0 else mean
+        out.append(ShardCapacity(s.id, s.state in _HOME_STATES, total))
+    return out
+
+
+def _home_score(adapter: str, shard_id: str, weight: float) -> float:
+    """Weighted rendezvous score: the shard with the largest wins, with a probability
+    proportional to its weight, and a shard's score does not depend on the others."""
+    digest = hashlib.blake2b(f"home\0{adapter}\0{shard_id}".encode(), digest_size=8).digest()
+    uniform = (int.from_bytes(digest, "big") + 0.5) / 2.0**64  # in (0, 1)
+    return weight / -math.log(uniform)
+
+
+def homes(adapters: Iterable[str], shards: Sequence[ShardCapacity]) -> dict[str, str]:
+    """adapter -> its home shard: among the active shards, by rendezvous hash of (adapter,
+    shard) weighted by slots (equal weights when no active shard has any). Stable: a shard
+    that leaves moves only its own adapters, one that joins takes only its share, and a
+    weight change moves adapters to or from that shard only. Empty when no shard is active."""
+    active = [s for s in shards if s.active]
+    weighted = {s.shard_id: s.slots for s in active if s.slots > 0}
+    weights = weighted or {s.shard_id: 1.0 for s in active}
+    if not weights:
+        return {}
+    return {
+        adapter: max(weights, key=lambda sid: (_home_score(adapter, sid, weights[sid]), sid))
+        for adapter in adapters
+    }
+
+
+def wants_home(inst: control_plane_pb2.AdapterInstance) -> bool:
+    """An instance that names no shards itself (no ``placement.shards``, no shard routes)."""
+    return not inst.placement.shards and not any(r.shard_id for r in inst.routes)
+
+
+def with_home(
+    inst: control_plane_pb2.AdapterInstance, home: str
+) -> control_plane_pb2.AdapterInstance:
+    """``inst`` as if it named ``home`` (and its pinned shards) in ``placement.shards`` and
+    asked for ``max(replicas, 1)`` workers there: its edge forwards to the home and the loop
+    preloads it there."""
+    out = control_plane_pb2.AdapterInstance()
+    out.CopyFrom(inst)
+    out.placement.shards[:] = list(dict.fromkeys([home, *inst.placement.pinned_shards]))
+    out.placement.replicas = max(1, inst.placement.replicas)
+    return out
+
+
+def homed(
+    instances: Iterable[control_plane_pb2.AdapterInstance], home_of: Mapping[str, str]
+) -> list[control_plane_pb2.AdapterInstance]:
+    """The instances with their homes written in (:func:`with_home`); an instance that names
+    its own shards, or has no home, as it is."""
+    return [
+        with_home(inst, home_of[inst.name]) if inst.name in home_of and wants_home(inst) else inst
+        for inst in instances
+    ]

@@ -14,13 +14,19 @@ tried again. A preloaded (unpinned) adapter that the worker evicted is loaded ag
 than ``reload_interval_s`` after its last load, so a worker short of slots is not churned.
 Every failure is kept, naming the worker, the shard, the adapter and what the worker said
 (``problems()``), and logged when it first appears.
+
+With ``auto_placement`` every instance that names no shards gets a home shard each round
+(``placement.homes``, weighted by the adapter slots the workers report: the ``max_lora`` of
+``vllm:lora_requests_info``, which the scrape remembers per worker). The loop scrapes every
+shard's workers for it, hands changed homes to ``on_homes`` (the rebalancer, which publishes
+them in the Assignment's edges) and preloads each adapter on its home.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,12 +40,16 @@ from adaptermesh.control_plane.placement import (
     Plan,
     Want,
     WorkerView,
+    homed,
+    homes,
     plan,
+    shard_capacities,
+    wants_home,
     wants_of,
 )
 from adaptermesh.control_plane.policy import endpoint_key
 from adaptermesh.control_plane.store import Store
-from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
+from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
 from adaptermesh.worker_scrape import parse_metrics
 
 __all__ = [
@@ -79,6 +89,8 @@ class HttpWorkerAdmin:
     admin_token: str | None = None
     timeout_s: float = 30.0
     client: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(trust_env=False))
+    # Worker key -> the adapter GPU slots its last readable /metrics reported (``max_lora``).
+    slots_seen: dict[str, float] = field(default_factory=dict)
 
     async def residency(self, address: str, port: int) -> tuple[frozenset[str], frozenset[str]]:
         url = f"http://{_host(address)}:{port}/metrics"
@@ -92,6 +104,8 @@ class HttpWorkerAdmin:
             raw = parse_metrics(resp.text)
         except Exception as exc:  # a malformed exposition is the worker's fault, not ours
             raise WorkerAdminError(f"GET {url}: unreadable metrics: {exc}") from None
+        if raw.max_lora is not None and raw.max_lora > 0:
+            self.slots_seen[endpoint_key(address, port)] = raw.max_lora
         return raw.resident_adapters, raw.pinned_adapters
 
     async def load(self, address: str, port: int, adapter: str, path: str, pinned: bool) -> None:
@@ -134,8 +148,9 @@ class PreloaderConfig:
         if self.interval_s <= 0 or self.max_actions < 1 or self.concurrency < 1:
             raise ValueError("placement: need interval_s > 0, max_actions >= 1, concurrency >= 1")
         if not 0 < self.retry_initial_s <= self.retry_max_s or self.reload_interval_s < 0:
-            raise ValueError("placement: need 0 < retry_initial_s <= retry_max_s and "
-                             "reload_interval_s >= 0")
+            raise ValueError(
+                "placement: need 0 < retry_initial_s <= retry_max_s and reload_interval_s >= 0"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +171,19 @@ class Preloader:
         clock: Clock | None = None,
         config: PreloaderConfig | None = None,
         logger: logging.Logger | None = None,
+        auto_placement: bool = False,
+        on_homes: Callable[[Mapping[str, str]], None] | None = None,
     ) -> None:
         self.store = store
+        # Automatic homes: every instance naming no shards gets one (placement.homes);
+        # ``on_homes`` receives each changed set (the rebalancer publishes it).
+        self.auto_placement = auto_placement
+        self.on_homes = on_homes
+        self.homes: dict[str, str] = {}
+        self._homes_delivered: dict[str, str] | None = None
+        # Worker key -> adapter slots it reported last (kept while it is unreachable, so a
+        # missed scrape does not move homes).
+        self.slots: dict[str, float] = {}
         self.admin = admin
         self.clock = clock or SystemClock()
         self.config = config or PreloaderConfig()
@@ -176,8 +202,9 @@ class Preloader:
         """What stands between the instances and the workers now: key -> message."""
         return dict(self._problems)
 
-    async def _observe(self, shards: Sequence[assignment_pb2.Shard],
-                       wanted: set[str]) -> tuple[list[WorkerView], list[tuple[str, str]]]:
+    async def _observe(
+        self, shards: Sequence[assignment_pb2.Shard], wanted: set[str]
+    ) -> tuple[list[WorkerView], list[tuple[str, str]]]:
         managed_workers = {k[0] for k in self.managed}
         targets = [
             (s.id, ep, ep.draining or s.state != _ACTIVE)
@@ -187,8 +214,9 @@ class Preloader:
         ]
         limit = asyncio.Semaphore(max(self.config.concurrency, 8))
 
-        async def one(shard_id: str, ep: assignment_pb2.Endpoint,
-                      draining: bool) -> WorkerView | tuple[str, str]:
+        async def one(
+            shard_id: str, ep: assignment_pb2.Endpoint, draining: bool
+        ) -> WorkerView | tuple[str, str]:
             async with limit:
                 try:
                     resident, pinned = await self.admin.residency(ep.address, ep.port)
@@ -208,23 +236,56 @@ class Preloader:
     def _decide(self, wants: Sequence[Want], views: Sequence[WorkerView]) -> Plan:
         now = self.clock.monotonic()
         held = frozenset(k for k, t in self._not_before.items() if t > now)
-        return plan(wants, views, managed=self.managed, held=held,
-                    max_actions=self.config.max_actions)
+        return plan(
+            wants, views, managed=self.managed, held=held, max_actions=self.config.max_actions
+        )
+
+    def _place(
+        self,
+        shards: Sequence[assignment_pb2.Shard],
+        instances: Sequence[control_plane_pb2.AdapterInstance],
+    ) -> None:
+        """This round's homes from the slots seen so far; changed ones go to ``on_homes``."""
+        seen = getattr(self.admin, "slots_seen", None)
+        listed = {endpoint_key(ep.address, ep.port) for s in shards for ep in s.endpoints}
+        if isinstance(seen, Mapping):
+            self.slots.update({k: float(v) for k, v in seen.items() if k in listed})
+        for key in [k for k in self.slots if k not in listed]:
+            del self.slots[key]
+        names = [inst.name for inst in instances if wants_home(inst)]
+        self.homes = homes(names, shard_capacities(shards, self.slots))
+        if self.on_homes is not None and self.homes != self._homes_delivered:
+            try:
+                self.on_homes(dict(self.homes))
+            except Exception as exc:  # not delivered: the next round tries again
+                self._problems["homes"] = f"adapter homes not published: {exc}"
+                self.log.warning("placement: adapter homes not published: %s", exc)
+                return
+            self._problems.pop("homes", None)
+            self._homes_delivered = dict(self.homes)
 
     async def step(self) -> StepReport:
         """One round: read, scrape, plan, load. Worker failures are reported, not raised."""
         shards = self.store.list_shards()
-        wants = wants_of(self.store.list_adapter_instances(), shards)
-        wanted = {s for w in wants for s in w.shards}
-        views, down = await self._observe(shards, wanted)
+        instances = self.store.list_adapter_instances()
+        if self.auto_placement:
+            # Every shard's workers: their slots weigh the homes.
+            views, down = await self._observe(shards, {s.id for s in shards})
+            self._place(shards, instances)
+            wants = wants_of(homed(instances, self.homes), shards)
+        else:
+            wants = wants_of(instances, shards)
+            wanted = {s for w in wants for s in w.shards}
+            views, down = await self._observe(shards, wanted)
         decided = self._decide(wants, views)
         limit = asyncio.Semaphore(self.config.concurrency)
 
         async def act(action: Action) -> str | None:
             async with limit:
                 try:
-                    await self.admin.load(action.address, action.port, action.adapter,
-                                          action.path, action.pinned)
+                    await self.admin.load(
+                        action.address, action.port, action.adapter, action.path, action.pinned
+                    )
                 except WorkerAdminError as exc:
                     return str(exc)
             return None
@@ -260,8 +321,9 @@ class Preloader:
                 self._not_before.pop(key, None)
             self.log.info("placement: %s on %s", problem, where)
             return
-        backoff = self._backoff.setdefault(key, Backoff(
-            self.config.retry_initial_s, self.config.retry_max_s, jitter=0.0))
+        backoff = self._backoff.setdefault(
+            key, Backoff(self.config.retry_initial_s, self.config.retry_max_s, jitter=0.0)
+        )
         delay = backoff.next()
         self._not_before[key] = now + delay
         message = f"cannot {problem} on {where}: {error} (next try in {delay:.0f} s)"
@@ -269,8 +331,13 @@ class Preloader:
             self.log.warning("placement: %s", message)
         self._problems[f"{key[0]}/{action.adapter}"] = message
 
-    def _note_state(self, decided: Plan, down: Sequence[tuple[str, str]],
-                    views: Sequence[WorkerView], named: set[str]) -> None:
+    def _note_state(
+        self,
+        decided: Plan,
+        down: Sequence[tuple[str, str]],
+        views: Sequence[WorkerView],
+        named: set[str],
+    ) -> None:
         for name in [k for k in self._problems if k.startswith(("unreachable ", "short "))]:
             del self._problems[name]
         for worker, why in down:
@@ -278,23 +345,33 @@ class Preloader:
         for adapter, shard_id, held, wanted in decided.short:
             self._problems[f"short {adapter}/{shard_id}"] = (
                 f"{adapter!r} on shard {shard_id}: {held} of {wanted} replicas (the shard has "
-                f"{held} serving worker{'s' if held != 1 else ''} that answered)")
+                f"{held} serving worker{'s' if held != 1 else ''} that answered)"
+            )
         # Pins the plan no longer wants and a worker that answered no longer holds are
         # forgotten (an unreachable worker's are kept, to be undone when it is back).
         seen = {v.key for v in views}
         holds = {(v.key, a) for v in views for a in v.pinned}
-        for key in [k for k in self.managed
-                    if k[0] in seen and k not in decided.pins and k not in holds]:
+        for key in [
+            k for k in self.managed if k[0] in seen and k not in decided.pins and k not in holds
+        ]:
             del self.managed[key]
         # Retry state of adapters no instance names any more goes with them.
         for key in [k for k in self._backoff if k[1] not in named]:
             del self._backoff[key]
         now = self.clock.monotonic()
-        for key in [k for k, t in self._not_before.items()
-                    if k not in self._backoff and (t <= now or k[1] not in named)]:
+        for key in [
+            k
+            for k, t in self._not_before.items()
+            if k not in self._backoff and (t <= now or k[1] not in named)
+        ]:
             del self._not_before[key]
-        for name in [k for k in self._problems if "/" in k and not k.startswith(
-                ("unreachable ", "short ")) and k.rsplit("/", 1)[1] not in named]:
+        for name in [
+            k
+            for k in self._problems
+            if "/" in k
+            and not k.startswith(("unreachable ", "short "))
+            and k.rsplit("/", 1)[1] not in named
+        ]:
             del self._problems[name]
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -310,4 +387,3 @@ class Preloader:
                 delay = backoff.next()
                 self.log.exception("placement step failed; next in %.1f s", delay)
             await sleep_or_stop(self.clock, delay, stop)
-

@@ -26,7 +26,7 @@ from adaptermesh import adapter_edge
 from adaptermesh import assignment_rules as rules
 from adaptermesh.backoff import Backoff
 from adaptermesh.clock import Clock, SystemClock, sleep_or_stop
-from adaptermesh.control_plane import policy
+from adaptermesh.control_plane import placement, policy
 from adaptermesh.control_plane.capacity_history import ADAPTER_CLASS_LABEL, CapacityHistory
 from adaptermesh.control_plane.metrics import ControlPlaneMetrics, ControlPlaneState
 from adaptermesh.control_plane.metrics_source import LoadSource, Target
@@ -138,6 +138,8 @@ class _Layout:
     edges: tuple[assignment_pb2.AdapterEdge, ...] = ()
     # AdapterInstance name -> its adapter class label, for the capacity fits per class.
     classes: Mapping[str, str] = field(default_factory=dict)
+    # The instances that name no shards (automatic homes may place them), in name order.
+    homeless: tuple[control_plane_pb2.AdapterInstance, ...] = ()
 
     @classmethod
     def read(cls, store: Store) -> _Layout:
@@ -165,8 +167,18 @@ class _Layout:
             for i in instances
             if i.labels.get(ADAPTER_CLASS_LABEL)
         }
+        homeless = tuple(
+            sorted((i for i in instances if placement.wants_home(i)), key=lambda i: i.name)
+        )
         return cls(
-            key, specs, columns, targets, unknown, tuple(adapter_edge.edges_of(instances)), classes
+            key,
+            specs,
+            columns,
+            targets,
+            unknown,
+            tuple(adapter_edge.edges_of(instances)),
+            classes,
+            homeless,
         )
 
 
@@ -204,6 +216,12 @@ class Rebalancer:
         self._sorted_adapters: dict[frozenset[str], tuple[str, ...]] = {}
         # The live routing-rule set in its carried form (rebuilt when its version moves).
         self._carried: assignment_pb2.RoutingRules | None = None
+        # Automatic homes (adapter -> shard) from the placement loop, and the edges built
+        # with them for one layout (rebuilt when either changes).
+        self.homes: dict[str, str] = {}
+        self._homed_edges: (
+            tuple[tuple[int, int], dict[str, str], tuple[assignment_pb2.AdapterEdge, ...]] | None
+        ) = None
         self.steps = 0
         self.failures = 0
         self.publishes = 0
@@ -321,9 +339,47 @@ class Rebalancer:
                     out.pins.append(pin)
                     pinned.add(pin.cidr)
         out.overrides.extend(self.store.live_overrides(now))
-        out.adapters.extend(self.layout().edges)
+        out.adapters.extend(self._edges())
         out.adapter_splits.extend(rollout_splits(self.store.rollouts()))
         return out
+
+    def _edges(self) -> tuple[assignment_pb2.AdapterEdge, ...]:
+        """The instances' edges, with each automatic home as the placement of an instance
+        that names no shards (``placement.with_home``)."""
+        layout = self.layout()
+        placed = [i for i in layout.homeless if i.name in self.homes]
+        if not placed:
+            return layout.edges
+        memo = self._homed_edges
+        if memo is not None and memo[0] == layout.key and memo[1] == self.homes:
+            return memo[2]
+        by_name = {e.name: e for e in layout.edges}
+        for inst in placement.homed(placed, self.homes):
+            edge = adapter_edge.edge_of(inst)
+            if edge is not None:
+                by_name[edge.name] = edge
+        edges = tuple(by_name[name] for name in sorted(by_name))
+        self._homed_edges = (layout.key, dict(self.homes), edges)
+        return edges
+
+    def set_homes(self, homes: Mapping[str, str]) -> None:
+        """Take the placement loop's automatic homes; a change that moves an edge publishes
+        a new Assignment at once (raises PublishError when it cannot be published)."""
+        new = dict(homes)
+        if new == self.homes:
+            return
+        before, old = self._edges(), self.homes
+        self.homes = new
+        if self._edges() == before:
+            return
+        moved = sorted(a for a in set(new) | set(old) if new.get(a) != old.get(a))
+        shown = ", ".join(f"{a}->{new.get(a, '-')}" for a in moved[:8])
+        more = f" and {len(moved) - 8} more" if len(moved) > 8 else ""
+        try:
+            self.mutate(lambda: None, f"adapter homes: {shown}{more}")
+        except Exception:
+            self.homes = old
+            raise
 
     def _routing_rules(self) -> assignment_pb2.RoutingRules | None:
         """The live rule set in its carried form, rebuilt only when its version moves."""

@@ -59,6 +59,9 @@ class ServerConfig:
     # token it sends to the workers' load endpoint (their --admin-token-file).
     placement: PreloaderConfig = field(default_factory=PreloaderConfig)
     worker_admin_token: str | None = None
+    # Automatic homes: every AdapterInstance naming no shards is placed on one shard, weighted
+    # by the shards' adapter slots (docs/adapter-instance.md, "Automatic homes").
+    auto_placement: bool = False
     limits: ApiLimits = field(default_factory=ApiLimits)
 
 
@@ -93,13 +96,21 @@ class ControlPlaneServer:
             logger=self.log,
         )
         self.servicer = ControlPlaneServicer(self.rebalancer, config.limits, self.log)
-        self.rollouts = RolloutController(self.rebalancer, tick_s=config.rollout_tick_s,
-                                          logger=self.log)
+        self.rollouts = RolloutController(
+            self.rebalancer, tick_s=config.rollout_tick_s, logger=self.log
+        )
         self.servicer.rollouts = self.rollouts
         self._rollout_task: asyncio.Task[None] | None = None
         self.worker_admin = HttpWorkerAdmin(config.worker_admin_token)
-        self.preloader = Preloader(self.store, self.worker_admin, clock=clock,
-                                   config=config.placement, logger=self.log)
+        self.preloader = Preloader(
+            self.store,
+            self.worker_admin,
+            clock=clock,
+            config=config.placement,
+            logger=self.log,
+            auto_placement=config.auto_placement,
+            on_homes=self.rebalancer.set_homes if config.auto_placement else None,
+        )
         self._placement_task: asyncio.Task[None] | None = None
         self.health = health_aio.HealthServicer()
         self.port = 0
