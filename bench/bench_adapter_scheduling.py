@@ -48,6 +48,7 @@ import torch
 
 from adaptermesh.worker.adapters import AdapterManager, CpuAdapter
 from adaptermesh.worker.eviction import DEFAULT_POLICY
+from adaptermesh.worker.lora_groups import GROUPS
 from adaptermesh.worker.model import LoraPool, ModelConfig
 from adaptermesh.worker.paging import BlockManager
 from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence, StepPlan
@@ -58,11 +59,13 @@ EOS = 0
 
 
 class _SimPool:
-    """What the manager needs of a ``LoraPool`` when nothing is copied: a slot count."""
+    """What the manager needs of a ``LoraPool`` when nothing is copied: a slot count and the
+    groups it holds (all of them)."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.device = torch.device("cpu")
+        self.groups = frozenset(GROUPS)
 
     def clear(self, slot: int) -> None:
         pass

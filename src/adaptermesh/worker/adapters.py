@@ -53,6 +53,7 @@ import torch
 
 from adaptermesh.worker.adafuse import CpuExpertSet, ExpertSet, is_expert_set, read_expert_set
 from adaptermesh.worker.eviction import DEFAULT_POLICY, make_policy
+from adaptermesh.worker.lora_groups import MODULE_TO_GROUP
 from adaptermesh.worker.model import (
     LoraPool,
     ModelConfig,
@@ -61,7 +62,7 @@ from adaptermesh.worker.peft_adapter import (
     AdapterValidationError,
     CpuAdapter,
     TensorEntry,
-    _entry_sums,
+    entry_sums,
     read_adapter,
     resolve_in_root,
     validate_name,
@@ -463,6 +464,15 @@ class AdapterManager:
                 self._free_slot(reserved)
             return await self._load_expert_set(name, path, pinned, t0)
         cpu, source = await self._read_cpu(name, path)
+        outside = cpu.groups - self.pool.groups
+        if outside:
+            modules = sorted(m for m in cpu.targets if MODULE_TO_GROUP[m][0] in outside)
+            raise AdapterValidationError(
+                name,
+                "target_modules",
+                f"{', '.join(modules)} outside the worker's LoRA target modules "
+                f"(its adapter pool holds {', '.join(sorted(self.pool.groups))})",
+            )
         cpu.pinned = pinned
         t_read = time.perf_counter()
         slot = (
@@ -628,7 +638,7 @@ class AdapterManager:
         src = [cpu.view(e, data) for e in cpu.entries]
         torch._foreach_copy_(dst, src)  # one call for every matrix, not a Python loop of copies
         pool.set_slot(slot, cpu.rank, cpu.scale, cpu.groups)
-        return pool.slot_sum(slot), _entry_sums(cpu, data, pool.dtype)
+        return pool.slot_sum(slot), entry_sums(cpu, data, pool.dtype)
 
     def _slots_changed(self) -> None:
         """Wake the loads waiting for a slot (or an expert-set place): one may be free now."""

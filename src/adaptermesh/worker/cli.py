@@ -157,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not share prompt blocks between requests of the same adapter")
     p.add_argument("--max-loras", type=positive_int, default=None, help="adapter GPU slots (default: 15%% of the GPU budget at --max-lora-rank, "
                    "8 on the CPU)")
+    p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
+                   help="modules the adapter pool holds LoRA weights for (default: all of "
+                   "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj); a pool for "
+                   "q_proj v_proj adapters holds several times the adapters in the same memory, "
+                   "and an adapter on another module is refused")
     p.add_argument("--cpu-cache-bytes", type=positive_int, default=None,
                    help="adapter CPU cache size in bytes (default: from host memory)")
     p.add_argument("--max-adapter-skips", type=non_negative_int, default=None,
@@ -237,6 +242,8 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.enable_prefix_caching = False
     if args.lora_dtype is not None:
         config.lora_dtype = args.lora_dtype
+    if args.lora_target_modules is not None:
+        config.lora_target_modules = tuple(args.lora_target_modules)
     if args.adapter_eviction is not None:
         config.adapter_eviction = args.adapter_eviction
     if args.logprobs_mode is not None:

@@ -80,6 +80,7 @@ from adaptermesh.worker.engine_config import (
     validate_config,
 )
 from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache, spec_bytes_per_token
+from adaptermesh.worker.lora_groups import pool_groups
 from adaptermesh.worker.model import ModelConfig, TransformerModel, make_lora_pool, read_weights
 from adaptermesh.worker.paging import BlockManager
 from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence, StepPlan
@@ -192,8 +193,15 @@ class Engine:
             dtype,
         )
         # Sizes the worker chooses itself, now that the weights hold their share of the device.
+        groups = pool_groups(config.lora_target_modules)
         slot_bytes = make_lora_pool(
-            model_config, 1, config.max_lora_rank, torch.device("meta"), dtype, config.lora_dtype
+            model_config,
+            1,
+            config.max_lora_rank,
+            torch.device("meta"),
+            dtype,
+            config.lora_dtype,
+            groups,
         ).nbytes
         self.config = config
         config, self.sizing = size_config(
@@ -213,6 +221,7 @@ class Engine:
             self.device,
             dtype,
             config.lora_dtype,
+            groups,
         )
         if config.lora_overlap and self.device.type == "cuda":
             self.model.lora_side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]

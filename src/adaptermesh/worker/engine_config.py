@@ -14,6 +14,7 @@ from typing import cast
 import torch
 
 from adaptermesh.worker.kv_cache import KVCacheSpec, spec_bytes_per_token
+from adaptermesh.worker.lora_groups import pool_groups
 from adaptermesh.worker.sizing import (
     DeviceFacts,
     HostFacts,
@@ -77,6 +78,10 @@ class EngineConfig:
     # Adapter weights in the GPU pool: None (the model dtype), "bf16"/"fp16"/"fp32" (must be
     # the model dtype) or "int4" (grouped INT4, about a quarter of the bytes per slot).
     lora_dtype: str | None = None
+    # Modules the adapter pool holds LoRA weights for (None: every supported module). A pool
+    # for q_proj/v_proj adapters holds only the qkv group: several times the adapters in the
+    # same memory. An adapter that targets another module is refused when it loads.
+    lora_target_modules: tuple[str, ...] | None = None
     max_num_batched_tokens: int = 512  # token budget per step (decode rows + prompt chunks)
     max_prefill_chunk: int = 256
     max_prefill_seqs: int = 8  # prompt chunks per step
@@ -166,6 +171,10 @@ def validate_config(config: EngineConfig) -> None:
             "adafuse_merge_after", f"must be an integer >= 0, got {config.adafuse_merge_after!r}"
         )
 
+    try:
+        pool_groups(config.lora_target_modules)
+    except ValueError as exc:
+        raise InvalidRequestError("lora_target_modules", str(exc)) from None
     unknown = sorted(set(config.auto_size) - SIZING_FIELDS)
     if unknown:
         raise InvalidRequestError(

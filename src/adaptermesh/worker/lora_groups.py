@@ -7,7 +7,9 @@ each other.
 
 from __future__ import annotations
 
-__all__ = ["FUSED_MODULES", "GROUPS", "MODULE_TO_GROUP", "SUPPORTED_MODULES"]
+from collections.abc import Sequence
+
+__all__ = ["FUSED_MODULES", "GROUPS", "MODULE_TO_GROUP", "SUPPORTED_MODULES", "pool_groups"]
 
 # Group name -> module names in slice order. Must stay in sync with the fused weight layout in
 # TransformerModel (wqkv = [q; k; v], w_gate_up = [gate; up]).
@@ -27,3 +29,18 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
     "qkv_proj": GROUPS["qkv"],
     "gate_up_proj": GROUPS["gate_up"],
 }
+
+
+def pool_groups(target_modules: Sequence[str] | None) -> frozenset[str] | None:
+    """The pool groups that hold adapters on ``target_modules`` (None: every group). Raises
+    ValueError naming a module the worker does not serve LoRA on."""
+    if target_modules is None:
+        return None
+    unknown = [m for m in target_modules if m not in MODULE_TO_GROUP]
+    if unknown:
+        raise ValueError(
+            f"{unknown[0]!r} is not a LoRA target module (one of {', '.join(SUPPORTED_MODULES)})"
+        )
+    if not target_modules:
+        raise ValueError("at least one target module is needed")
+    return frozenset(MODULE_TO_GROUP[m][0] for m in target_modules)

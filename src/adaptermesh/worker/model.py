@@ -492,6 +492,12 @@ class LoraPool:
     [L, S, N_i, R_max], so layer l's view ``a[g][l]`` is exactly the [n_slices, S, R_max, H]
     tensor ``add_lora`` takes, and one slot of every layer is written with one copy.
     ``ranks[g]`` is the adapter's rank where it targets any module of g, else 0.
+
+    ``groups`` limits the pool to the groups the served adapters target (``pool_groups``):
+    a pool for q_proj/v_proj adapters holds only the qkv group, a seventh of the bytes of a
+    slot over every module, so several times the adapters fit the same memory. The forward
+    pass runs no LoRA term for a group the pool lacks, and an adapter that targets one is
+    refused when it loads.
     """
 
     def __init__(
@@ -501,16 +507,18 @@ class LoraPool:
         max_rank: int,
         device: torch.device,
         dtype: torch.dtype,
+        groups: frozenset[str] | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
+        self.groups = _checked_groups(groups)
         L = cfg.num_layers
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, tuple[torch.Tensor, ...]] = {}
         self.ranks: dict[str, torch.Tensor] = {}
-        for g, mods in GROUPS.items():
+        for g, mods in _pool_groups(self.groups):
             fan_in = cfg.module_shape(mods[0])[0]
             self.a[g] = torch.zeros(
                 (L, len(mods), num_slots, max_rank, fan_in), dtype=dtype, device=device
@@ -537,12 +545,12 @@ class LoraPool:
 
     def clear(self, slot: int) -> None:
         self.scales[slot] = 0.0
-        for g in GROUPS:
+        for g in self.ranks:
             self.ranks[g][slot] = 0
 
     def zero_slot(self, slot: int) -> None:
         # Ranks above an adapter's own and layers it does not target must read as zeros.
-        for g in GROUPS:
+        for g in self.a:
             self.a[g][:, :, slot].zero_()
             for b in self.b[g]:
                 b[:, slot].zero_()
@@ -557,14 +565,14 @@ class LoraPool:
 
     def set_slot(self, slot: int, rank: int, scale: float, groups: frozenset[str]) -> None:
         """Publish the slot's ranks (0 for untargeted groups) and scale to the kernels."""
-        for g in GROUPS:
+        for g in self.ranks:
             self.ranks[g][slot] = rank if g in groups else 0
         self.scales[slot] = scale
 
     def slot_sum(self, slot: int) -> torch.Tensor:
         """float64 sum of everything in ``slot`` (a device scalar; no host sync)."""
-        parts = [self.a[g][:, :, slot].sum(dtype=torch.float64) for g in GROUPS]
-        parts += [b[:, slot].sum(dtype=torch.float64) for g in GROUPS for b in self.b[g]]
+        parts = [self.a[g][:, :, slot].sum(dtype=torch.float64) for g in self.a]
+        parts += [b[:, slot].sum(dtype=torch.float64) for g in self.b for b in self.b[g]]
         return torch.stack(parts).sum()
 
     @property
@@ -581,12 +589,13 @@ class Int4LoraPool(LoraPool):
     """
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-                 group_size: int = DEFAULT_GROUP_SIZE) -> None:  # fmt: skip
+                 group_size: int = DEFAULT_GROUP_SIZE, groups: frozenset[str] | None = None) -> None:  # fmt: skip
         # No full-precision pool: only the shapes of LoraPool, with no storage behind them.
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
+        self.groups = _checked_groups(groups)
         self.group_size = group_size
         self._cfg = cfg
         L = cfg.num_layers
@@ -594,7 +603,7 @@ class Int4LoraPool(LoraPool):
         self.qb: dict[str, tuple[Int4Weight, ...]] = {}
         self.ranks = {}
         self.a, self.b = {}, {}
-        for g, mods in GROUPS.items():
+        for g, mods in _pool_groups(self.groups):
             fan_in = cfg.module_shape(mods[0])[0]
             self.qa[g] = _empty_int4(
                 (L, len(mods), num_slots, max_rank, fan_in), group_size, -1, device
@@ -609,7 +618,7 @@ class Int4LoraPool(LoraPool):
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self._layers = {
             g: [(self.qa[g][li], tuple(b[li] for b in self.qb[g])) for li in range(L)]
-            for g in GROUPS
+            for g in self.qa
         }
         # slot -> (A staging per group [L, n, R, in], B staging per group and slice [L, N_i, R])
         self._staging: dict[
@@ -641,7 +650,7 @@ class Int4LoraPool(LoraPool):
         L, dev, dt = self._cfg.num_layers, self.device, self.dtype
         a: dict[str, torch.Tensor] = {}
         b: dict[str, tuple[torch.Tensor, ...]] = {}
-        for g, mods in GROUPS.items():
+        for g, mods in _pool_groups(self.groups):
             fan_in = self._cfg.module_shape(mods[0])[0]
             a[g] = torch.zeros((L, len(mods), self.max_rank, fan_in), dtype=dt, device=dev)
             b[g] = tuple(
@@ -662,7 +671,7 @@ class Int4LoraPool(LoraPool):
         staged = self._staging.get(slot)
         if staged is not None:
             a, b = staged
-            for g in GROUPS:
+            for g in self.qa:
                 _store_int4(self.qa[g], slot, 2, quantize_int4(a[g], self.group_size, group_dim=-1))
                 for dst, w in zip(self.qb[g], b[g], strict=True):
                     _store_int4(dst, slot, 1, quantize_int4(w, self.group_size, group_dim=-2))
@@ -700,22 +709,46 @@ def _store_int4(dst: Int4Weight, slot: int, slot_dim: int, src: Int4Weight) -> N
 LORA_DTYPES = ("bf16", "fp16", "fp32", "int4")
 
 
-def make_lora_pool(cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-                   lora_dtype: str | None = None) -> LoraPool:  # fmt: skip
-    """The pool for ``lora_dtype`` (None: the model dtype; "int4": an ``Int4LoraPool``).
+def make_lora_pool(
+    cfg: ModelConfig,
+    num_slots: int,
+    max_rank: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    lora_dtype: str | None = None,
+    groups: frozenset[str] | None = None,
+) -> LoraPool:
+    """The pool for ``lora_dtype`` (None: the model dtype; "int4": an ``Int4LoraPool``) over
+    ``groups`` (None: every group; ``pool_groups`` turns target modules into groups).
 
     Float pools must match the model dtype (the kernels take A and B in the activation dtype).
     """
     if lora_dtype is None:
-        return LoraPool(cfg, num_slots, max_rank, device, dtype)
+        return LoraPool(cfg, num_slots, max_rank, device, dtype, groups)
     if lora_dtype == "int4":
-        return Int4LoraPool(cfg, num_slots, max_rank, device, dtype)
+        return Int4LoraPool(cfg, num_slots, max_rank, device, dtype, groups=groups)
     want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(lora_dtype)
     if want is None:
         raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {lora_dtype!r}")
     if want != dtype:
         raise ValueError(f"lora_dtype {lora_dtype} needs the model dtype to match, it is {dtype}")
-    return LoraPool(cfg, num_slots, max_rank, device, dtype)
+    return LoraPool(cfg, num_slots, max_rank, device, dtype, groups)
+
+
+def _checked_groups(groups: frozenset[str] | None) -> frozenset[str]:
+    if groups is None:
+        return frozenset(GROUPS)
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown or not groups:
+        raise ValueError(
+            f"pool groups must be a non-empty subset of {', '.join(GROUPS)}, got {sorted(groups)}"
+        )
+    return frozenset(groups)
+
+
+def _pool_groups(groups: frozenset[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """The pool's groups with their modules, in GROUPS order."""
+    return [(g, mods) for g, mods in GROUPS.items() if g in groups]
 
 
 # A layer's weight and bias names per LoRA group.
@@ -1013,6 +1046,8 @@ class TransformerModel:
         ``delta``. Otherwise shrink and expand follow the matmul and ``delta`` is None."""
         wname, bname = _WEIGHTS[group]
         bias = layer.get(bname)
+        if lp is not None and group not in lp[0].groups:
+            lp = None  # the pool holds no adapter on this group
         side = self.lora_side
         if (
             lp is not None

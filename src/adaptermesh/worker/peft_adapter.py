@@ -615,7 +615,3 @@ def entry_sums(cpu: CpuAdapter, data: torch.Tensor, dtype: torch.dtype) -> torch
             torch.stack([p.abs().sum(dtype=torch.float64) for p in parts]).sum(),
         ]
     )
-
-
-# The former private name, still imported by the adapter manager.
-_entry_sums = entry_sums

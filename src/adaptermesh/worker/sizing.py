@@ -55,7 +55,7 @@ MIN_TOKENS_PER_SEQUENCE = 512
 MIN_STEP_TOKENS = 512
 ADAPTER_POOL_SHARE = 0.15
 MIN_LORA_SLOTS = 8
-MAX_LORA_SLOTS = 1024
+MAX_LORA_SLOTS = 4096
 # Activations of the largest step, sampling buffers, logits and the captured graphs' pool.
 ACTIVATION_RESERVE_BYTES = 1 * GIB
 CPU_CACHE_SHARE = 0.25
