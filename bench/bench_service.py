@@ -41,7 +41,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
+import functools
+import itertools
 import json
 import math
 import os
@@ -53,6 +56,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +73,11 @@ LOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 PROMPT_ID_RANGE = (3, 384)
 
 
+LOG_NAME = "bench_service"  # the prefix of log lines; a bench that imports this file sets its own
+
+
 def log(msg: str) -> None:
-    print(f"[bench_service {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    print(f"[{LOG_NAME} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def prompt_ids(seed: int, length: int) -> list[int]:
@@ -203,6 +210,23 @@ async def client_main(args: argparse.Namespace) -> None:
 
 
 # ================================================================================= mix client
+@functools.lru_cache(maxsize=8)
+def zipf_cumulative_weights(count: int, exponent: float) -> tuple[float, ...]:
+    """Cumulative weights of ranks 1..count under Zipf(exponent): rank k has weight k**-exponent."""
+    return tuple(itertools.accumulate((k + 1) ** -exponent for k in range(count)))
+
+
+def pick_adapter(rng: random.Random, spec: dict[str, Any]) -> str:
+    """One adapter of ``spec["adapters"]``: uniform, or with ``spec["zipf"]`` set, Zipf over the
+    list's order (the first name is the most popular)."""
+    adapters = spec["adapters"]
+    exponent = spec.get("zipf")
+    if exponent is None:
+        return str(rng.choice(adapters))
+    weights = zipf_cumulative_weights(len(adapters), float(exponent))
+    return str(rng.choices(adapters, cum_weights=weights)[0])
+
+
 def mix_body(spec: dict[str, Any], i: int) -> dict[str, Any]:
     """Request ``i`` of a mix phase, drawn from (seed, i) alone: the same index gives the same
     request whatever order the workers take them in."""
@@ -210,7 +234,7 @@ def mix_body(spec: dict[str, Any], i: int) -> dict[str, Any]:
     plen = rng.randint(*spec["prompt_range"])
     olen = rng.randint(*spec["output_range"])
     # No temperature/top_p: the API's default sampling.
-    return {"model": rng.choice(spec["adapters"]),
+    return {"model": pick_adapter(rng, spec),
             "prompt": prompt_ids(spec["seed"] * 100003 + i, plen), "max_tokens": olen,
             "stream": True, "stream_options": {"include_usage": True}}
 
@@ -347,6 +371,15 @@ def random_weights(cfg: dict[str, Any], device: str, dtype: Any, seed: int = 0) 
     return w
 
 
+def write_model_skeleton(model_dir: Path, cfg: dict[str, Any]) -> None:
+    """A Llama ``config.json`` of shape ``cfg`` and the test kit's byte-level tokenizer (no
+    weights: an in-process engine takes them as a dict, a worker process reads safetensors)."""
+    from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
+
+    make_tokenizer(model_dir)
+    (model_dir / "config.json").write_text(json.dumps(make_model_config("llama", **cfg)))
+
+
 def write_adapter(root: Path, name: str, cfg: dict[str, Any], rank: int, seed: int,
                   device: str, targets: tuple[str, ...] = ATTN) -> None:
     import torch
@@ -429,7 +462,6 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from adaptermesh.worker.engine import Engine, EngineConfig
     from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
-    from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
 
     device = args.device
     cfg = dict(SHAPE_7B if device == "cuda" else SHAPE_TINY)
@@ -438,8 +470,7 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     model_dir, root = work / "model", work / "adapters"
     model_dir.mkdir()
     root.mkdir()
-    make_tokenizer(model_dir)
-    (model_dir / "config.json").write_text(json.dumps(make_model_config("llama", **cfg)))
+    write_model_skeleton(model_dir, cfg)
     adapters = [f"ad{i:02d}" for i in range(args.adapters)]
     t = time.monotonic()
     for i, name in enumerate(adapters):
@@ -649,8 +680,13 @@ async def sample_engine(engine: Any, t_base: float, window: tuple[float, float],
             "max_running": max(running, default=None), "mean_waiting": statistics.fmean(waiting) if waiting else None}
 
 
-async def mix_phase(engine: Any, spec: dict[str, Any], window: tuple[float, float]) -> dict[str, Any]:
+async def mix_phase(engine: Any | None, spec: dict[str, Any], window: tuple[float, float]
+                    ) -> dict[str, Any]:
+    """One client phase; with an in-process ``engine``, its counters sampled over ``window``
+    (``engine`` None: a server in another process, read by the caller; ``"engine"`` is empty)."""
     spec = {**spec, "t_base": time.monotonic() + 2.0, "window": list(window)}
+    if engine is None:
+        return {"client": await run_client(spec), "engine": {}}
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_engine(engine, spec["t_base"], window, stop))
     try:
@@ -658,6 +694,58 @@ async def mix_phase(engine: Any, spec: dict[str, Any], window: tuple[float, floa
     finally:
         stop.set()
     return {"client": out, "engine": await sampler}
+
+
+@dataclasses.dataclass(frozen=True)
+class MixSchedule:
+    """The timed part of a mix run: a closed loop of ``concurrency`` requests counted over
+    [ramp_s, ramp_s + capacity_s], then Poisson arrivals at ``load`` x that rate for ``run_s``."""
+
+    concurrency: int
+    ramp_s: float
+    capacity_s: float
+    run_s: float
+    load: float
+    max_tail_s: float
+    output_range: tuple[int, int]
+
+
+async def capacity_then_load(engine: Any | None, base: dict[str, Any], schedule: MixSchedule,
+                             result: dict[str, Any], save: Callable[[], None],
+                             settle: Callable[[], Awaitable[None]]) -> None:
+    """Fill ``result["capacity"]`` and ``result["load"]``; ``settle`` runs between the phases
+    (the cut closed-loop requests wind down), ``save`` after the first."""
+    # 1. Capacity: closed loop, counted over [ramp, ramp + capacity_s], then cut.
+    w = (schedule.ramp_s, schedule.ramp_s + schedule.capacity_s)
+    cap = await mix_phase(engine, {**base, "mode": "mix_closed", "seed": 11,
+                                   "concurrency": schedule.concurrency}, w)
+    summ = mix_summary(cap["client"]["records"], schedule.capacity_s)
+    result["capacity"] = {**summ, "concurrency": schedule.concurrency, **cap["engine"],
+                          "requests_detail": _compact(cap["client"]["records"])}
+    log(f"capacity: {summ['output_tok_s']:.0f} output tok/s (engine counter "
+        f"{cap['engine'].get('engine_output_tok_s')}), mean running "
+        f"{cap['engine'].get('mean_running')}")
+    save()
+    await settle()
+
+    # 2. Poisson load at a fraction of that capacity.
+    if summ["output_tok_s"] <= 0:
+        raise RuntimeError(f"the capacity phase completed no tokens: {summ['status_counts']}")
+    lo_o, hi_o = schedule.output_range
+    per_req = (lo_o + hi_o) / 2 * (summ["completion_over_max_tokens"] or 1.0)
+    rate = schedule.load * summ["output_tok_s"] / per_req
+    ramp = min(schedule.ramp_s, schedule.run_s / 4)
+    run = await mix_phase(engine, {**base, "mode": "mix_open", "seed": 12, "rate": rate,
+                                   "duration": schedule.run_s, "max_tail_s": schedule.max_tail_s},
+                          (ramp, schedule.run_s))
+    lsum = mix_summary(run["client"]["records"], schedule.run_s - ramp)
+    result["load"] = {**lsum, "load_fraction": schedule.load, "rate_req_s": rate,
+                      "expected_output_tokens_per_request": per_req,
+                      "offered_output_tok_s": rate * per_req, "duration_s": schedule.run_s,
+                      "tail_s": run["client"]["t_end"] - schedule.run_s, **run["engine"],
+                      "requests_detail": _compact(run["client"]["records"])}
+    log(f"load {schedule.load:.0%} ({rate:.2f} req/s): ttft p95 {lsum['ttft_ms']['p95']} ms, "
+        f"tpot p95 {lsum['tpot_ms']['p95']} ms, {lsum['output_tok_s']:.0f} output tok/s")
 
 
 def _compact(records: list[dict[str, Any]]) -> list[list[Any]]:
@@ -678,7 +766,6 @@ async def mix_main(args: argparse.Namespace) -> dict[str, Any]:
     from adaptermesh.worker.engine import Engine, EngineConfig
     from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
     from adaptermesh.worker.types import SamplingParams
-    from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
 
     device = args.device
     gpu = device == "cuda"
@@ -709,8 +796,7 @@ async def mix_main(args: argparse.Namespace) -> dict[str, Any]:
     model_dir, root = work / "model", work / "adapters"
     model_dir.mkdir()
     root.mkdir()
-    make_tokenizer(model_dir)
-    (model_dir / "config.json").write_text(json.dumps(make_model_config("llama", **cfg)))
+    write_model_skeleton(model_dir, cfg)
     adapters = [f"ad{i:02d}" for i in range(args.adapters)]
     t = time.monotonic()
     for i, name in enumerate(adapters):
@@ -771,37 +857,14 @@ async def mix_main(args: argparse.Namespace) -> dict[str, Any]:
         result["warmup_s"] = time.monotonic() - t
         log(f"warm-up over {len(buckets)} batch buckets in {result['warmup_s']:.1f}s")
 
-        # 1. Capacity: closed loop, counted over [ramp, ramp + capacity_s], then cut.
-        w = (args.mix_ramp_s, args.mix_ramp_s + args.mix_capacity_s)
-        cap = await mix_phase(engine, {**base, "mode": "mix_closed", "seed": 11,
-                                       "concurrency": args.mix_concurrency}, w)
-        summ = mix_summary(cap["client"]["records"], args.mix_capacity_s)
-        result["capacity"] = {**summ, "concurrency": args.mix_concurrency, **cap["engine"],
-                              "requests_detail": _compact(cap["client"]["records"])}
-        log(f"capacity: {summ['output_tok_s']:.0f} output tok/s (engine counter "
-            f"{cap['engine']['engine_output_tok_s']}), mean running {cap['engine']['mean_running']}")
-        save()
-        t = time.monotonic()
-        while service.inflight and time.monotonic() - t < 60:  # the cut requests wind down
-            await asyncio.sleep(0.1)
+        async def settle() -> None:  # the cut requests wind down
+            t = time.monotonic()
+            while service.inflight and time.monotonic() - t < 60:
+                await asyncio.sleep(0.1)
 
-        # 2. Poisson load at a fraction of that capacity.
-        if summ["output_tok_s"] <= 0:
-            raise RuntimeError(f"the capacity phase completed no tokens: {summ['status_counts']}")
-        per_req = (lo_o + hi_o) / 2 * (summ["completion_over_max_tokens"] or 1.0)
-        rate = args.mix_load * summ["output_tok_s"] / per_req
-        ramp = min(args.mix_ramp_s, args.mix_run_s / 4)
-        run = await mix_phase(engine, {**base, "mode": "mix_open", "seed": 12, "rate": rate,
-                                       "duration": args.mix_run_s, "max_tail_s": args.mix_max_tail_s},
-                              (ramp, args.mix_run_s))
-        lsum = mix_summary(run["client"]["records"], args.mix_run_s - ramp)
-        result["load"] = {**lsum, "load_fraction": args.mix_load, "rate_req_s": rate,
-                          "expected_output_tokens_per_request": per_req,
-                          "offered_output_tok_s": rate * per_req, "duration_s": args.mix_run_s,
-                          "tail_s": run["client"]["t_end"] - args.mix_run_s, **run["engine"],
-                          "requests_detail": _compact(run["client"]["records"])}
-        log(f"load {args.mix_load:.0%} ({rate:.2f} req/s): ttft p95 {lsum['ttft_ms']['p95']} ms, "
-            f"tpot p95 {lsum['tpot_ms']['p95']} ms, {lsum['output_tok_s']:.0f} output tok/s")
+        schedule = MixSchedule(args.mix_concurrency, args.mix_ramp_s, args.mix_capacity_s,
+                               args.mix_run_s, args.mix_load, args.mix_max_tail_s, (lo_o, hi_o))
+        await capacity_then_load(engine, base, schedule, result, save, settle)
         result["engine_at_end"] = engine.describe()
     finally:
         result["targets"] = mix_targets(result)
