@@ -9,7 +9,9 @@
 #   fidelity  bench/fidelity_gpu.py (the model/adapter fidelity suite with the Triton kernels)
 #   evict     bench/bench_eviction.py --device cuda --shape llama7b
 #   http      bench/bench_service.py --mix
-# STAGES picks them in order (default: all but fidelity and evict); <STAGE>_S overrides a
+#   many_adapters  bench/bench_many_adapters.py (MANY_ADAPTERS_ARGS, e.g. "--rows r512_all,r2000_512";
+#             model and adapters kept in MANY_ADAPTERS_WORK for the next call; MANY_ADAPTERS_OUT)
+# STAGES picks them in order (default: all but fidelity, evict and many_adapters); <STAGE>_S overrides a
 # stage's timeout; TESTS_PATHS and TESTS_OUT narrow the tests stage.
 #   STAGES="tests sweep engine" ENGINE_ARGS="--only batch1,batch64" bench/gpu_session.sh
 # The worker service imports pydantic and opentelemetry, which the GPU image lacked on
@@ -70,5 +72,10 @@ for s in $STAGES; do
     http)
       stage http 200 python3 bench/bench_service.py --mix --device cuda \
         --out "$OUT/engine_speed_h200_http.json" ${HTTP_ARGS:-} ;;
+    many_adapters)
+      stage many_adapters 560 python3 bench/bench_many_adapters.py --device cuda \
+        --out "$OUT/${MANY_ADAPTERS_OUT:-many_adapters_h200.json}" \
+        --work-dir "${MANY_ADAPTERS_WORK:-/tmp/many_adapters}" \
+        --budget-s $(( ${MANY_ADAPTERS_S:-560} - 40 )) ${MANY_ADAPTERS_ARGS:-} ;;
   esac
 done

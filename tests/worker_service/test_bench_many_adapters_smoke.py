@@ -1,0 +1,63 @@
+"""bench/bench_many_adapters.py runs end to end on CPU: one ``adaptermesh worker`` process per
+row, adapters registered over HTTP, and a results file with the table's figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BENCH = Path(__file__).parents[2] / "bench" / "bench_many_adapters.py"
+
+
+def test_bench_many_adapters_cpu_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "many_adapters.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--device", "cpu", "--rows", "r512_128", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for key in ("date", "command", "machine", "model", "adapter_sets", "workload"):
+        assert key in report
+    assert report["device"] == "cpu"
+    assert report["skipped"] == []
+    # base8 runs first even when --rows leaves it out: the ratios are to it.
+    assert [row["row"] for row in report["table"]] == ["base8", "r512_128"]
+    base8, many = report["table"]
+    assert base8["ratio_vs_base8"] == 1.0
+    assert many["adapters"] > many["gpu_slots"]
+    for row in report["table"]:
+        assert row["error"] is None
+        for figure in (
+            "capacity_output_tok_s",
+            "ratio_vs_base8",
+            "ttft_p50_ms",
+            "ttft_p95_ms",
+            "tpot_p95_ms",
+        ):
+            assert row[figure] is not None, (row["row"], figure, proc.stdout[-2000:])
+            assert row[figure] > 0, (row["row"], figure)
+        assert row["ttft_p50_ms"] <= row["ttft_p95_ms"]
+        for counter in ("adapter_loads", "evictions", "cache_misses"):
+            assert row[counter] is not None, (row["row"], counter)
+            assert row[counter] >= 0, (row["row"], counter)
+        # null while the worker exports no counter of steps held back by an adapter load.
+        waited = row["steps_waited_on_adapter_load"]
+        assert waited is None or waited >= 0
+    # More adapters than slots: the measured phases load and evict.
+    assert many["adapter_loads"] > 0
+    assert many["evictions"] > 0
+    detail = report["rows"]["r512_128"]
+    assert detail["worker_reported"]["gpu_slots_total"] == many["gpu_slots"]
+    assert "--max-loras 8" in detail["worker_command"]
+    assert detail["worker_exit"] == 0
+    assert detail["load"]["status_counts"].get("200", 0) > 0
