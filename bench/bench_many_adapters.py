@@ -11,8 +11,10 @@ naming one adapter (uniformly, or Zipf(1.0) where the row says so) and acting as
 2. Load: Poisson arrivals at 80% of that rate: TTFT p50/p95 and TPOT p95 (client side).
 3. The worker's own counters from its ``/metrics`` before and after each phase: adapter loads
    (the load-latency histogram's count), GPU-slot evictions, cache misses and hits, generated
-   tokens; and decode steps that waited on an adapter load when the worker exports such a
-   counter (none did when this bench was written: ``null``).
+   tokens; the scheduler's counters: loads started, evictions of an adapter a waiting request
+   wanted, admissions that waited for a load, and scheduling passes that could run no step while
+   a request waited for a load (a step itself never waits on a load: loads run beside the step
+   loop).
 
 Rows (Llama-2-7B shape with random bf16 weights; on CPU the tiny shape, counts x ``--scale``):
 
@@ -95,9 +97,6 @@ ADAPTER_SETS: dict[str, tuple[int, tuple[str, ...], str]] = {
     "all7_r16": (16, ALL7, "a7"),
 }
 BASELINE = "base8"
-# Names a worker counter of decode steps (or passes) held back by an adapter load could carry;
-# the first one /metrics exports is reported, else null.
-WAITED_ON_LOAD_HINTS = ("waited_on_load", "waited_on_adapter", "adapter_load_wait", "load_stall")
 WORKER_MAIN = "import sys; from adaptermesh.cli.main import main; sys.exit(main())"
 
 
@@ -257,22 +256,21 @@ def counter(metrics: dict[str, float], name: str) -> float | None:
     return None
 
 
-def waited_on_load_metric(metrics: dict[str, float]) -> str | None:
-    for key in sorted(metrics):
-        if any(hint in key for hint in WAITED_ON_LOAD_HINTS) and not key.endswith("_created"):
-            return key
-    return None
-
-
 def worker_counters(metrics: dict[str, float]) -> dict[str, float | None]:
-    waited = waited_on_load_metric(metrics)
     return {
         "adapter_loads": counter(metrics, "adaptermesh_adapter_load_latency_seconds_count"),
         "evictions": counter(metrics, "adaptermesh_adapter_cache_evictions"),
         "cache_misses": counter(metrics, "adaptermesh_adapter_cache_misses"),
         "cache_hits": counter(metrics, "adaptermesh_adapter_cache_hits"),
         "generated_tokens": counter(metrics, "adaptermesh_generation_tokens"),
-        "steps_waited_on_adapter_load": metrics[waited] if waited else None,
+        "loads_started": counter(metrics, "adaptermesh_adapter_loads_started"),
+        "evictions_wanted": counter(metrics, "adaptermesh_adapter_evictions_wanted"),
+        "admissions_waited_on_load": counter(
+            metrics, "adaptermesh_admissions_waited_on_adapter_load"
+        ),
+        "scheduler_idle_on_adapter_load": counter(
+            metrics, "adaptermesh_scheduler_idle_on_adapter_load"
+        ),
     }
 
 
@@ -520,9 +518,6 @@ async def run_row(
         result["counters"]["capacity"] = counter_delta(snapshots[1], snapshots[0])
         result["counters"]["load"] = counter_delta(snapshots[2], snapshots[1])
         result["counters"]["measured"] = counter_delta(snapshots[2], snapshots[0])
-        result["steps_waited_on_adapter_load_metric"] = waited_on_load_metric(
-            await worker.metrics()
-        )
     except Exception as exc:  # a failed row is reported, the next row still runs
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["worker_log_tail"] = worker.log_tail()
@@ -552,7 +547,8 @@ def table_row(name: str, r: dict[str, Any], baseline: float | None, scale: float
         "adapter_loads": measured.get("adapter_loads"),
         "evictions": measured.get("evictions"),
         "cache_misses": measured.get("cache_misses"),
-        "steps_waited_on_adapter_load": measured.get("steps_waited_on_adapter_load"),
+        "evictions_wanted": measured.get("evictions_wanted"),
+        "scheduler_idle_on_adapter_load": measured.get("scheduler_idle_on_adapter_load"),
         "error": r.get("error"),
     }
 

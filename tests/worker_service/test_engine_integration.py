@@ -250,6 +250,11 @@ async def test_metrics_from_the_real_engine(model_files, start_server: StartServ
     assert families["vllm:lora_requests_info"].samples[0].labels["max_lora"] == "2"
     assert one("adaptermesh_adapter_cache_misses") == 3
     assert one("adaptermesh_adapter_cache_evictions") >= 1
+    # Three adapters through two slots, one request each: three loads in queue order, and the
+    # only evictions are of adapters nobody waits for.
+    assert one("adaptermesh_adapter_loads_started") == 3
+    assert one("adaptermesh_adapter_evictions_wanted") == 0
+    assert one("adaptermesh_admissions_waited_on_adapter_load") == 3
     assert one("adaptermesh_gpu_slots_total") == 2
     assert one("adaptermesh_gpu_slots_used") <= 2
     assert one("adaptermesh_generation_tokens") >= 3

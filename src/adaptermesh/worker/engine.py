@@ -448,6 +448,10 @@ class Engine:
                 sorted({name for seq in scheduler.waiting if (name := scheduler.adapter_of(seq))})
             ),
             max_loras=self.pool.num_slots,
+            adapter_loads_started=counters.loads_started,
+            adapter_evictions_wanted=counters.evictions_wanted,
+            admissions_waited_on_load=scheduler.admissions_waited_on_load,
+            idle_passes_on_adapter_load=scheduler.idle_passes_on_load,
         )
 
     async def shutdown(self) -> None:

@@ -379,6 +379,15 @@ class _EngineCollector(Collector):
              stats.adapter_misses),
             ("adaptermesh_adapter_cache_evictions", "Adapters evicted from a GPU slot.",
              stats.adapter_evictions),
+            ("adaptermesh_adapter_loads_started", "Adapter loads the scheduler started, in "
+             "queue order.", stats.adapter_loads_started),
+            ("adaptermesh_adapter_evictions_wanted", "Evictions of an adapter a waiting request "
+             "wanted (only to drain a slot for an aged request).", stats.adapter_evictions_wanted),
+            ("adaptermesh_admissions_waited_on_adapter_load", "Requests admitted after waiting "
+             "for their adapter to load.", stats.admissions_waited_on_load),
+            ("adaptermesh_scheduler_idle_on_adapter_load", "Scheduling passes that could run no "
+             "step while a request waited for an adapter load (no step ever waits on a load).",
+             stats.idle_passes_on_adapter_load),
         ):
             counter = CounterMetricFamily(name, doc)
             counter.add_metric([], value)

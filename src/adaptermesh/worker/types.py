@@ -172,6 +172,13 @@ class EngineStats:
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    # Adapter scheduling (worker/scheduler.py), cumulative: loads started, evictions of an
+    # adapter a waiting request wanted (aging's drain only), admissions that waited for a load,
+    # and scheduling passes where nothing could run while a request waited for a load.
+    adapter_loads_started: int = 0
+    adapter_evictions_wanted: int = 0
+    admissions_waited_on_load: int = 0
+    idle_passes_on_adapter_load: int = 0
 
 
 class EngineProtocol(Protocol):
