@@ -1,6 +1,6 @@
 """How the kernels package holds together: the torch twins load without triton, no module of
-the package imports itself back (type-only imports included), and INT4 picks its backend in
-``dispatch.py`` like bf16."""
+the package imports itself back (type-only imports included), and INT4, AdaFuse, the layer ops
+and paged attention pick their backend in ``dispatch.py`` like bf16."""
 
 from __future__ import annotations
 
@@ -100,3 +100,99 @@ def test_dispatch_runs_the_int4_kernels_when_asked(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         dispatch.add_lora_int4(out, case.x, qa, qb, case.scales, case.ranks, meta,
                                backend="triton")  # fmt: skip
+
+
+# The public ops of fuse.py, layer_ops.py and paged_attention.py, run on CPU tensors in a fresh
+# interpreter: each must reach its torch twin, and nothing may import triton on the way.
+_CPU_OPS = """
+import sys
+import torch
+from adaptermesh.kernels import reference
+
+called = []
+for name in ("route_ref", "fused_switch_ref", "gated_add_lora_ref", "rms_norm_ref",
+             "act_mul_ref", "rope_kv_write_ref", "paged_attention_ref"):
+    twin = getattr(reference, name)
+    def counting(*args, _twin=twin, _name=name, **kw):
+        called.append(_name)
+        return _twin(*args, **kw)
+    setattr(reference, name, counting)
+
+from adaptermesh import kernels
+from adaptermesh.kernels.fuse_config import MergeTarget, build_merge_table
+
+g = torch.Generator().manual_seed(0)
+h = torch.randn(5, 16, generator=g)
+ids, gates = kernels.route(h, torch.randn(4, 16, generator=g), None, 2)
+w = torch.randn(8, 16, generator=g)
+target = MergeTarget(w, torch.randn(4, 2, 16, generator=g), torch.randn(4, 8, 2, generator=g),
+                     0.5, master=w.clone())
+table = build_merge_table([target])
+kernels.fused_merge(table, ids[0].contiguous(), gates[0].contiguous())
+kernels.fused_switch(table, ids[1].contiguous(), gates[1].contiguous())
+kernels.fused_unmerge(table)
+assert torch.equal(target.weight, target.master)
+out = torch.zeros(5, 8)
+kernels.gated_add_lora(out, h, target.lora_a, target.lora_b, ids, gates, 0.5)
+kernels.rms_norm(h, torch.ones(16), 1e-6)
+kernels.act_mul(h)
+q, k, v = torch.randn(5, 4, 8, generator=g), torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
+k_cache, v_cache = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+kernels.rope_kv_write(q, k, v, torch.arange(5), torch.randn(16, 8, generator=g), k_cache,
+                      v_cache, torch.arange(5))
+kernels.paged_attention(torch.zeros(5, 4, 8), q, k_cache, v_cache,
+                        torch.tensor([[0, 1]], dtype=torch.int32),
+                        torch.tensor([5], dtype=torch.int32),
+                        torch.tensor([0, 5], dtype=torch.int32), scale=0.5, max_query_len=5)
+assert called == ["route_ref", "fused_switch_ref", "fused_switch_ref", "fused_switch_ref",
+                  "gated_add_lora_ref", "rms_norm_ref", "act_mul_ref", "rope_kv_write_ref",
+                  "paged_attention_ref"], called
+assert "triton" not in sys.modules, sorted(sys.modules)
+"""
+
+
+def test_adafuse_layer_and_attention_ops_run_their_twins_on_cpu_without_triton() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _CPU_OPS], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_adafuse_ops_keep_their_names_in_fuse() -> None:
+    from adaptermesh.kernels import fuse
+
+    for name in ("route", "fused_switch", "fused_merge", "fused_unmerge", "gated_add_lora"):
+        assert getattr(fuse, name) is getattr(dispatch, name) is getattr(kernels, name)
+
+
+def test_adafuse_ops_run_the_twins_not_the_launchers_on_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from adaptermesh.kernels import fuse_kernels
+    from adaptermesh.kernels.fuse_config import MergeTarget, build_merge_table
+
+    def no_triton(*args: object, **kw: object) -> None:
+        raise AssertionError("a Triton launcher ran on CPU tensors")
+
+    for name in ("route", "fused_switch", "gated_add_lora"):
+        monkeypatch.setattr(fuse_kernels, name, no_triton)
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(3, 16, generator=g)
+    router = torch.randn(4, 16, generator=g)
+    ids, gates = dispatch.route(h, router, None, 2)
+    want_ids, want_gates = reference.route_ref(h, router, None, 2)
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(gates, want_gates)
+    w = torch.randn(8, 16, generator=g)
+    target = MergeTarget(w, torch.randn(4, 2, 16, generator=g),
+                         torch.randn(4, 8, 2, generator=g), 0.5, master=w.clone())  # fmt: skip
+    table = build_merge_table([target])
+    dispatch.fused_merge(table, ids[0].contiguous(), gates[0].contiguous())
+    assert torch.equal(table.cur_ids, ids[0])
+    dispatch.fused_unmerge(table, backend="torch")
+    assert torch.equal(target.weight, target.master)
+    out = torch.zeros(3, 8)
+    dispatch.gated_add_lora(out, h, target.lora_a, target.lora_b, ids, gates, 0.5)
+    want = torch.zeros(3, 8)
+    reference.gated_add_lora_ref(want, h, target.lora_a, target.lora_b, ids, gates, 0.5)
+    assert torch.equal(out, want)

@@ -6,13 +6,16 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from adaptermesh.kernels import _validate as v
 from adaptermesh.kernels import build_segment_meta
+from adaptermesh.kernels.fuse_config import MergeTable, MergeTarget, build_merge_table
 from adaptermesh.kernels.int4_quant import quantize_int4, quantize_lora
+from adaptermesh.kernels.paged_attention import PagedAttentionConfig
 from adaptermesh.kernels.sgmm_config import SgmmConfig
 
 T, H, S, R, N = 4, 16, 2, 8, 8
@@ -120,6 +123,44 @@ def _attention(**kw: object) -> Callable[[], object]:
 def _bad_group_weight():  # type: ignore[no-untyped-def]
     qa, _ = _int4()
     return replace(qa, scales=qa.scales.float())
+
+
+E, K = 3, 16  # AdaFuse: experts, input size of a target
+
+
+def _target(**kw: object) -> MergeTarget:
+    w = torch.zeros(N, K)
+    args = {"weight": w, "lora_a": torch.zeros(E, R, K), "lora_b": torch.zeros(E, N, R),
+            "scale": 1.0, "master": w.clone()} | kw  # fmt: skip
+    return MergeTarget(**args)  # type: ignore[arg-type]
+
+
+def _table() -> MergeTable:
+    return build_merge_table([_target()])
+
+
+def _route(**kw: object) -> Callable[[], object]:
+    args = {"h": _x(), "weight": torch.zeros(E, H), "bias": None, "top_k": 2} | kw
+    return lambda: v.check_route(**args)  # type: ignore[arg-type]
+
+
+def _selection(**kw: object) -> Callable[[], object]:
+    args = {"table": _table(), "ids": torch.tensor([0, -1], dtype=I32),
+            "gates": torch.ones(2), "what": "new"} | kw  # fmt: skip
+    return lambda: v.check_selection(**args)  # type: ignore[arg-type]
+
+
+def _gated(**kw: object) -> Callable[[], object]:
+    args = {"out": torch.zeros(T, N), "x": torch.zeros(T, K), "lora_a": torch.zeros(E, R, K),
+            "lora_b": torch.zeros(E, N, R), "expert_ids": torch.zeros(T, 2, dtype=I32),
+            "gates": torch.ones(T, 2), "check_values": True} | kw  # fmt: skip
+    return lambda: v.check_gated_add_lora(**args)  # type: ignore[arg-type]
+
+
+def _switch_config(**kw: int) -> Callable[[], object]:
+    """The check on a SwitchConfig's fields (its constructor runs the same check)."""
+    fields = {"block_m": 32, "block_n": 256, "chunks": 16, "num_warps": 4, "num_stages": 3} | kw
+    return lambda: v.check_switch_config(SimpleNamespace(**fields))  # type: ignore[arg-type]
 
 
 CFG = SgmmConfig(16, 16, 16)
@@ -274,6 +315,121 @@ REFUSALS: list[tuple[str, Callable[[], object], str]] = [
     ("check_paged_attention", _attention(num_splits=0), "num_splits"),
     ("check_paged_attention", _attention(sliding_window=0), "sliding_window"),
     ("check_paged_attention", _attention(softcap=-1.0), "softcap"),
+    ("check_block", lambda: v.check_block("block_h", 24, 16), "block_h"),
+    ("check_block", lambda: v.check_block("block_i", True, 16), "block_i"),
+    (
+        "check_attention_config",
+        lambda: v.check_attention_config(PagedAttentionConfig(48), 16, decode=True),
+        "config.block_n",
+    ),
+    (
+        "check_attention_config",
+        lambda: v.check_attention_config(PagedAttentionConfig(8), 16, decode=True),
+        "config.block_n",
+    ),
+    (
+        "check_attention_config",
+        lambda: v.check_attention_config(PagedAttentionConfig(64), 8, decode=False),
+        "rows",
+    ),
+    (
+        "check_attention_workspace",
+        lambda: v.check_attention_workspace(torch.zeros(64, dtype=torch.float16), 8, _x().device),
+        "workspace",
+    ),
+    (
+        "check_attention_workspace",
+        lambda: v.check_attention_workspace(torch.zeros(4), 8, _x().device),
+        "workspace",
+    ),
+    ("check_instance", lambda: v.check_instance("table", object(), MergeTable), "table"),
+    ("check_float", lambda: v.check_float("h", [1.0]), "h"),
+    ("check_float", lambda: v.check_float("h", torch.zeros(2, dtype=I32)), "h"),
+    ("check_route", _route(h=torch.zeros(T, H, dtype=I32)), "h"),
+    ("check_route", _route(h=torch.zeros(H)), "h"),
+    ("check_route", _route(weight=torch.zeros(E, H + 1)), "weight"),
+    ("check_route", _route(weight=torch.zeros(E, H, dtype=torch.float16)), "weight"),
+    ("check_route", _route(top_k=E + 1), "top_k"),
+    ("check_route", _route(top_k=1.0), "top_k"),
+    ("check_route", _route(bias=torch.zeros(E + 1)), "bias"),
+    ("check_router_experts", lambda: v.check_router_experts(65), "experts"),
+    ("check_switch_config", _switch_config(block_m=24), "block_m"),
+    ("check_switch_config", _switch_config(block_n=8), "block_n"),
+    ("check_switch_config", _switch_config(chunks=0), "switch config"),
+    ("check_switch_config", _switch_config(num_warps=3), "switch config"),
+    ("check_merge_targets", lambda: v.check_merge_targets([], True), "targets"),
+    (
+        "check_merge_targets",
+        lambda: v.check_merge_targets([_target(weight=torch.zeros(N, K, dtype=I32))], True),
+        "targets[0].weight",
+    ),
+    (
+        "check_merge_targets",
+        lambda: v.check_merge_targets(
+            [_target(), _target(lora_a=torch.zeros(E, R, K).half())], True
+        ),
+        "targets[1].lora_a",
+    ),
+    (
+        "check_merge_targets",
+        lambda: v.check_merge_targets([_target(lora_a=torch.zeros(E, R, 2 * K)[..., ::2])], True),
+        "targets[0].lora_a",
+    ),
+    (
+        "check_merge_targets",
+        lambda: v.check_merge_targets([_target(weight=torch.zeros(N * K), master=None)], False),
+        "targets[0].weight",
+    ),
+    (
+        "check_merge_targets",
+        lambda: v.check_merge_targets([_target(lora_a=torch.zeros(E, R, K + 1))], True),
+        "targets[0].lora_a",
+    ),
+    (
+        "check_merge_targets",
+        lambda: v.check_merge_targets([_target(lora_b=torch.zeros(E, N, R - 1))], True),
+        "targets[0].lora_b",
+    ),
+    (
+        "check_merge_targets",
+        lambda: v.check_merge_targets(
+            [_target(lora_a=torch.zeros(E, 129, K), lora_b=torch.zeros(E, N, 129))], True
+        ),
+        "targets[0] rank",
+    ),
+    (
+        "check_merge_targets",
+        lambda: v.check_merge_targets([_target(master=None)], True),
+        "targets[0].master",
+    ),
+    (
+        "check_merge_targets",
+        lambda: v.check_merge_targets([_target(master=torch.zeros(K, N).T)], True),
+        "targets[0].master",
+    ),
+    ("check_selection", _selection(ids=[0, 1]), "ids"),
+    ("check_selection", _selection(ids=torch.zeros(2)), "new_ids"),
+    ("check_selection", _selection(ids=torch.zeros(0, dtype=I32), gates=torch.ones(0)), "new_ids"),
+    ("check_selection", _selection(gates=torch.ones(3)), "new_gates"),
+    ("check_selection", _selection(gates=torch.ones(2, dtype=torch.float16)), "new_gates"),
+    ("check_selection", _selection(ids=torch.zeros(4, dtype=I32)[::2]), "ids"),
+    ("check_selection", _selection(ids=torch.tensor([0, E], dtype=I32)), "new_ids"),
+    ("check_selection", _selection(ids=torch.tensor([-2, 0], dtype=I32), what="old"), "old_ids"),
+    ("check_gated_add_lora", _gated(out=torch.zeros(T, N, dtype=I32)), "out"),
+    ("check_gated_add_lora", _gated(lora_a=torch.zeros(E, R, K).half()), "lora_a"),
+    ("check_gated_add_lora", _gated(out=torch.zeros(T + 1, N)), "out"),
+    ("check_gated_add_lora", _gated(x=torch.zeros(K, T).T), "stride"),
+    ("check_gated_add_lora", _gated(lora_a=torch.zeros(E, R, K + 1)), "lora_a"),
+    ("check_gated_add_lora", _gated(lora_b=torch.zeros(E, N + 1, R)), "lora_b"),
+    (
+        "check_gated_add_lora",
+        _gated(lora_a=torch.zeros(E, 129, K), lora_b=torch.zeros(E, N, 129)),
+        "rank",
+    ),
+    ("check_gated_add_lora", _gated(expert_ids=torch.zeros(T, 2)), "expert_ids"),
+    ("check_gated_add_lora", _gated(gates=torch.ones(T, 3)), "gates"),
+    ("check_gated_add_lora", _gated(gates=torch.ones(2, T).T), "contiguous"),
+    ("check_gated_add_lora", _gated(expert_ids=torch.full((T, 2), E, dtype=I32)), "expert_ids"),
 ]
 
 
@@ -307,3 +463,21 @@ def test_valid_arguments_pass() -> None:
     _attention()()
     v.check_config(CFG)
     v.check_group(4, -2)
+    assert v.check_block("block_h", None, 64) == 64
+    assert v.check_block("block_h", 32, 64) == 32
+    v.check_attention_config(PagedAttentionConfig(64), 16, decode=True)
+    v.check_attention_config(PagedAttentionConfig(64, use_dot=False), 4, decode=True)
+    ws = torch.zeros(8)
+    assert v.check_attention_workspace(ws, 8, ws.device) is ws
+    v.check_instance("table", _table(), MergeTable)
+    v.check_router_experts(64)
+    _route()()
+    _route(bias=torch.zeros(E))()
+    _switch_config()()
+    shapes = v.check_merge_targets([_target(), _target(lora_a=torch.zeros(E, 4, K),
+                                                       lora_b=torch.zeros(E, N, 4))], True)  # fmt: skip
+    assert (shapes.num_experts, shapes.dims, shapes.r_max) == (E, [(N, K, R), (N, K, 4)], R)
+    _selection()()
+    _selection(ids=torch.tensor([E], dtype=I32), gates=torch.ones(1), values=False)()
+    _gated()()
+    _gated(expert_ids=torch.full((T, 2), E, dtype=I32), check_values=False)()

@@ -1,5 +1,6 @@
 """Multi-LoRA GPU kernels: SGMM (shrink/expand/add_lora, bf16 and INT4), AdaFuse dynamic
-adapters, the decoder layer's elementwise ops and paged attention.
+adapters (route, fused merge/switch, gated add_lora), the decoder layer's elementwise ops and
+paged attention.
 
 The worker calls these names everywhere: Triton on CUDA tensors, the torch twin on CPU (see
 ``dispatch.py``). Segment metadata is built once per batch with ``build_segment_meta`` and
@@ -9,7 +10,9 @@ their first launch, so a CPU worker runs the twins without a Triton install.
 Where a change goes: a tile table or config lookup, ``sgmm_config.py``; a kernel body,
 ``sgmm_kernels.py`` (bf16) or ``sgmm_int4_kernels.py``; a launcher or grid, ``sgmm.py`` /
 ``sgmm_int4.py``; an argument check, ``_validate.py``; a torch twin, ``reference.py``; which
-backend runs, ``dispatch.py``; the INT4 format, ``int4_weight.py`` and ``int4_quant.py``.
+backend runs, ``dispatch.py``; the INT4 format, ``int4_weight.py`` and ``int4_quant.py``; an
+AdaFuse kernel or launcher, ``fuse_kernels.py``, its switch tiling or merge table,
+``fuse_config.py``. docs/kernels.md has the full table.
 """
 
 import sys
@@ -20,9 +23,14 @@ from adaptermesh.kernels.dispatch import (
     add_lora,
     add_lora_int4,
     choose_backend,
+    fused_merge,
+    fused_switch,
+    fused_unmerge,
+    gated_add_lora,
     paged_attention,
     rms_norm,
     rope_kv_write,
+    route,
     sgmm_expand,
     sgmm_shrink,
 )
@@ -35,9 +43,14 @@ __all__ = [
     "add_lora_int4",
     "build_segment_meta",
     "choose_backend",
+    "fused_merge",
+    "fused_switch",
+    "fused_unmerge",
+    "gated_add_lora",
     "paged_attention",
     "rms_norm",
     "rope_kv_write",
+    "route",
     "sgmm_expand",
     "sgmm_shrink",
 ]

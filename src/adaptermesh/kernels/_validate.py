@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -543,6 +543,15 @@ def check_rope_kv_write(
     return rot
 
 
+def check_block(name: str, block: int | None, default: int) -> int:
+    """A launcher's optional block size: ``default`` when None, else a power of two >= 1."""
+    if block is None:
+        return default
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
+        raise ValueError(f"{name} must be a power of two >= 1, got {block!r}")
+    return block
+
+
 # ---------------------------------------------------------------------------------------------
 # Paged attention (paged_attention.py)
 # ---------------------------------------------------------------------------------------------
@@ -657,3 +666,272 @@ def check_paged_attention(
     if softcap is not None:
         _positive_float("softcap", softcap)
     return PagedAttentionShapes(t, hq, hkv, d, nb, bs, s, max_blocks)
+
+
+class PagedAttentionConfigView(Protocol):
+    """What ``check_attention_config`` reads of a ``paged_attention.PagedAttentionConfig`` (a
+    protocol: the config lives beside the Triton kernels, which import this module)."""
+
+    @property
+    def block_n(self) -> int: ...
+    @property
+    def block_q(self) -> int: ...
+    @property
+    def num_warps(self) -> int: ...
+    @property
+    def use_dot(self) -> bool: ...
+
+
+def check_attention_config(cfg: PagedAttentionConfigView, rows: int, decode: bool) -> None:
+    """A paged-attention tiling: power-of-two sizes, >= 16 keys a tile, and >= 16 rows a program
+    wherever ``tl.dot`` runs (``rows``: the query rows one program holds)."""
+    for name in ("block_n", "block_q", "num_warps"):
+        val = getattr(cfg, name)
+        if val < 1 or val & (val - 1):
+            raise ValueError(f"config.{name} must be a power of two, got {val}")
+    if cfg.block_n < 16:
+        raise ValueError(f"config.block_n must be >= 16, got {cfg.block_n}")
+    if (cfg.use_dot or not decode) and rows < 16:
+        raise ValueError(f"tl.dot needs >= 16 rows a program, config gives {rows}")
+
+
+def check_attention_workspace(buf: object, need: int, device: torch.device) -> torch.Tensor:
+    """A caller's split-KV workspace: fp32 on ``device``, contiguous, >= ``need`` elements."""
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.float32 or buf.device != device:
+        raise ValueError(f"workspace must be a float32 tensor on {device}")
+    if not buf.is_contiguous() or buf.numel() < need:
+        raise ValueError(f"workspace must be contiguous with >= {need} elements")
+    return buf
+
+
+# ---------------------------------------------------------------------------------------------
+# AdaFuse (fuse_config.py, fuse_kernels.py): the router, the merge table and its selections,
+# the switch tiling, gated SGMM. The table and its targets are read through protocols: their
+# classes live in fuse_config.py, which imports this module.
+# ---------------------------------------------------------------------------------------------
+FUSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ROUTER_MAX_EXPERTS = 64
+FUSE_MAX_RANK = 128
+
+
+class MergeTargetView(Protocol):
+    """What the checks and ``reference.fused_switch_ref`` read of a ``MergeTarget``."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+    @property
+    def lora_a(self) -> torch.Tensor: ...
+    @property
+    def lora_b(self) -> torch.Tensor: ...
+    @property
+    def scale(self) -> float: ...
+    @property
+    def master(self) -> torch.Tensor | None: ...
+
+
+class MergeTableView(Protocol):
+    """What the checks and ``reference.fused_switch_ref`` read of a ``MergeTable``."""
+
+    @property
+    def targets(self) -> Sequence[MergeTargetView]: ...
+    @property
+    def exact(self) -> bool: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def num_experts(self) -> int: ...
+
+
+class SwitchConfigView(Protocol):
+    """What ``check_switch_config`` reads of a ``SwitchConfig``."""
+
+    @property
+    def block_m(self) -> int: ...
+    @property
+    def block_n(self) -> int: ...
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def num_warps(self) -> int: ...
+    @property
+    def num_stages(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class MergeShapes:
+    dtype: torch.dtype
+    device: torch.device
+    num_experts: int
+    dims: list[tuple[int, int, int]]  # N, K, r per target
+    r_max: int
+
+
+def check_instance(name: str, value: object, cls: type) -> None:
+    """``value`` is a ``cls`` (for the classes defined beside the kernels, such as MergeTable)."""
+    if not isinstance(value, cls):
+        raise ValueError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+
+
+def check_float(name: str, t: object) -> torch.Tensor:
+    """A float16, bfloat16 or float32 tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FUSE_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    return t
+
+
+def check_route(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int
+) -> None:
+    h = check_float("h", h)
+    weight = check_float("weight", weight)
+    if h.dim() != 2:
+        raise ValueError(f"h must be 2-D [T, H], got {tuple(h.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != h.shape[1]:
+        raise ValueError(f"weight must be [E, {h.shape[1]}], got {tuple(weight.shape)}")
+    if weight.dtype != h.dtype or weight.device != h.device:
+        raise ValueError(f"weight must be {h.dtype} on {h.device}")
+    e = weight.shape[0]
+    if not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be an int in [1, E={e}], got {top_k!r}")
+    if bias is not None:
+        bias = check_float("bias", bias)
+        if bias.shape != (e,) or bias.device != h.device:
+            raise ValueError(f"bias must be [{e}] on {h.device}, got {tuple(bias.shape)}")
+
+
+def check_router_experts(num_experts: int) -> None:
+    """The Triton router holds every expert's logit of a token in one program."""
+    if num_experts > ROUTER_MAX_EXPERTS:
+        raise ValueError(
+            f"the Triton router supports up to {ROUTER_MAX_EXPERTS} experts, got E={num_experts}"
+        )
+
+
+def check_switch_config(cfg: SwitchConfigView) -> None:
+    for name in ("block_m", "block_n"):
+        v = getattr(cfg, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    if cfg.chunks < 1 or cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
+        raise ValueError(f"bad switch config {cfg}")
+
+
+def check_merge_targets(targets: Sequence[MergeTargetView], exact: bool) -> MergeShapes:
+    """The targets of one merge table: one dtype and device, contiguous, ``A [E, r, K]`` and
+    ``B [E, N, r]`` with one E, ranks in [1, 128], a master copy per weight in exact mode."""
+    if not targets:
+        raise ValueError("targets must name at least one module")
+    t0 = targets[0]
+    dtype, device = t0.weight.dtype, t0.weight.device
+    num_experts = t0.lora_a.shape[0] if t0.lora_a.dim() == 3 else -1
+    dims: list[tuple[int, int, int]] = []
+    r_max = 1
+    for i, t in enumerate(targets):
+        w, a, b = t.weight, t.lora_a, t.lora_b
+        name = f"targets[{i}]"
+        for what, x in (("weight", w), ("lora_a", a), ("lora_b", b)):
+            check_float(f"{name}.{what}", x)
+            if x.dtype != dtype or x.device != device:
+                raise ValueError(f"{name}.{what} must be {dtype} on {device}")
+            if not x.is_contiguous():
+                raise ValueError(f"{name}.{what} must be contiguous")
+        if w.dim() != 2:
+            raise ValueError(f"{name}.weight must be 2-D [N, K], got {tuple(w.shape)}")
+        n, k = w.shape
+        if a.dim() != 3 or a.shape[0] != num_experts or a.shape[2] != k:
+            raise ValueError(f"{name}.lora_a must be [{num_experts}, r, {k}], got {tuple(a.shape)}")
+        r = a.shape[1]
+        if b.shape != (num_experts, n, r):
+            raise ValueError(
+                f"{name}.lora_b must be [{num_experts}, {n}, {r}], got {tuple(b.shape)}"
+            )
+        if r < 1 or r > FUSE_MAX_RANK:
+            raise ValueError(f"{name} rank must be in [1, {FUSE_MAX_RANK}], got {r}")
+        if exact:
+            if t.master is None or t.master.shape != w.shape or t.master.dtype != dtype:
+                raise ValueError(f"{name}.master must be a {dtype} copy of the weight (exact mode)")
+            if t.master.device != device or not t.master.is_contiguous():
+                raise ValueError(f"{name}.master must be contiguous on {device}")
+        if max(w.numel(), a.numel(), b.numel()) >= 2**31:
+            raise ValueError(f"{name}: tensors of 2^31 elements or more are not supported")
+        r_max = max(r_max, r)
+        dims.append((n, k, r))
+    return MergeShapes(dtype, device, num_experts, dims, r_max)
+
+
+def check_selection(
+    table: MergeTableView,
+    ids: torch.Tensor,
+    gates: torch.Tensor,
+    what: str,
+    *,
+    values: bool = True,
+) -> None:
+    """A selection ``(ids [k] int32, gates [k] fp32)`` for ``table``; with ``values`` every id
+    lies in ``[-1, E)`` (one read-back, skipped while a graph is captured)."""
+    if not isinstance(ids, torch.Tensor) or not isinstance(gates, torch.Tensor):
+        raise ValueError(f"{what} ids and gates must be tensors")
+    if ids.dim() != 1 or ids.dtype != torch.int32 or ids.numel() < 1:
+        raise ValueError(
+            f"{what}_ids must be a non-empty 1-D int32 tensor [k], got {ids.dtype} {tuple(ids.shape)}"
+        )
+    if gates.shape != ids.shape or gates.dtype != torch.float32:
+        raise ValueError(f"{what}_gates must be float32 of shape {tuple(ids.shape)}")
+    if ids.device != table.device or gates.device != table.device:
+        raise ValueError(f"{what} ids and gates must be on {table.device}")
+    if not ids.is_contiguous() or not gates.is_contiguous():
+        raise ValueError(f"{what} ids and gates must be contiguous")
+    if values and not _capturing(ids):
+        lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one read-back
+        if lo < -1 or hi >= table.num_experts:
+            raise ValueError(
+                f"{what}_ids must lie in [-1, {table.num_experts}), got min {lo} max {hi}"
+            )
+
+
+def check_gated_add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gates: torch.Tensor,
+    check_values: bool,
+) -> None:
+    for name, ten in (("out", out), ("x", x), ("lora_a", lora_a), ("lora_b", lora_b)):
+        check_float(name, ten)
+        if ten.dtype != x.dtype or ten.device != x.device:
+            raise ValueError(
+                f"{name} must be {x.dtype} on {x.device}, got {ten.dtype} on {ten.device}"
+            )
+    if x.dim() != 2 or out.dim() != 2 or out.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x [T, K] and out [T, N] must agree on T, got {tuple(x.shape)} and {tuple(out.shape)}"
+        )
+    if x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("x and out need unit stride along their last dimension")
+    t, k = x.shape
+    n = out.shape[1]
+    if lora_a.dim() != 3 or lora_a.shape[2] != k or not lora_a.is_contiguous():
+        raise ValueError(f"lora_a must be a contiguous [E, r, {k}], got {tuple(lora_a.shape)}")
+    e, r, _ = lora_a.shape
+    if lora_b.shape != (e, n, r) or not lora_b.is_contiguous():
+        raise ValueError(f"lora_b must be a contiguous [{e}, {n}, {r}], got {tuple(lora_b.shape)}")
+    if r > FUSE_MAX_RANK:
+        raise ValueError(f"rank must be <= {FUSE_MAX_RANK}, got {r}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != t or expert_ids.dtype != torch.int32:
+        raise ValueError(
+            f"expert_ids must be int32 [{t}, k], got {expert_ids.dtype} {tuple(expert_ids.shape)}"
+        )
+    if gates.shape != expert_ids.shape or gates.dtype != torch.float32:
+        raise ValueError(f"gates must be float32 of shape {tuple(expert_ids.shape)}")
+    if expert_ids.device != x.device or gates.device != x.device:
+        raise ValueError(f"expert_ids and gates must be on {x.device}")
+    if not expert_ids.is_contiguous() or not gates.is_contiguous():
+        raise ValueError("expert_ids and gates must be contiguous")
+    if check_values and expert_ids.numel() and not _capturing(x):
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < -1 or hi >= e:
+            raise ValueError(f"expert_ids must lie in [-1, {e}), got min {lo} max {hi}")

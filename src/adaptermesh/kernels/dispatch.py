@@ -1,4 +1,4 @@
-"""Backend choice: Triton on CUDA tensors, the torch twin on CPU.
+"""Backend choice: Triton on CUDA tensors, the torch twin on CPU, for every op of the package.
 
 The worker calls these names everywhere and never picks a backend itself. ``backend`` forces
 one: ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` (set before triton is first
@@ -13,6 +13,13 @@ import torch
 
 from adaptermesh.kernels import reference
 from adaptermesh.kernels._backend import Backend, choose_backend, interpreter_enabled
+from adaptermesh.kernels._validate import (
+    check_gated_add_lora,
+    check_instance,
+    check_route,
+    check_selection,
+)
+from adaptermesh.kernels.fuse_config import MergeTable, SwitchConfig
 from adaptermesh.kernels.int4_weight import Int4Weight
 from adaptermesh.kernels.meta import SegmentMeta
 
@@ -22,10 +29,15 @@ __all__ = [
     "add_lora",
     "add_lora_int4",
     "choose_backend",
+    "fused_merge",
+    "fused_switch",
+    "fused_unmerge",
+    "gated_add_lora",
     "interpreter_enabled",
     "paged_attention",
     "rms_norm",
     "rope_kv_write",
+    "route",
     "sgmm_expand",
     "sgmm_shrink",
 ]
@@ -218,3 +230,113 @@ def paged_attention(
         *args, scale=scale, max_query_len=max_query_len, sliding_window=sliding_window,
         num_splits=num_splits, softcap=softcap, workspace=workspace,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# AdaFuse (fuse_kernels.py): router, fused merge/switch, gated SGMM. Each op checks its
+# arguments before it picks a backend, so both backends refuse the same inputs.
+# ---------------------------------------------------------------------------------------------
+def route(
+    h: torch.Tensor,  # [T, H] hidden states at the first layer
+    weight: torch.Tensor,  # [E, H] router weight, dtype of h
+    bias: torch.Tensor | None,  # [E] or None
+    top_k: int,
+    *,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k pre-gating: ``(expert_ids [T, k] int32, gates [T, k] fp32)``, best first.
+
+    Gates are the softmax of the k selected logits (they sum to 1 per token). Ties between
+    equal logits go to the lower expert index.
+    """
+    check_route(h, weight, bias, top_k)
+    if choose_backend(h, backend) == "torch":
+        return reference.route_ref(h, weight, bias, top_k)
+    from adaptermesh.kernels import fuse_kernels
+
+    return fuse_kernels.route(h, weight, bias, top_k)
+
+
+def fused_switch(
+    table: MergeTable,
+    new_ids: torch.Tensor,  # [k] int32, -1 = no expert in that position
+    new_gates: torch.Tensor,  # [k] fp32
+    *,
+    old_ids: torch.Tensor | None = None,  # [k'] int32; default: the table's current selection
+    old_gates: torch.Tensor | None = None,  # [k'] fp32
+    backend: Backend | None = None,
+    config: SwitchConfig | None = None,
+) -> None:
+    """Replace the merged selection in every targeted module with one launch.
+
+    Exact mode: ``W = round(W0 + Delta_new)`` (the old selection is not needed). Delta mode:
+    ``W = round(W - Delta_old + Delta_new)`` with both deltas formed in fp32. ``config``
+    overrides the tiling (``DEFAULT_SWITCH_CONFIG``); the result does not depend on it.
+    """
+    check_instance("table", table, MergeTable)
+    check_selection(table, new_ids, new_gates, "new")
+    if old_ids is None or old_gates is None:
+        # The table's own selection was checked when it was merged.
+        old_ids, old_gates = table.cur_ids, table.cur_gates
+        check_selection(table, old_ids, old_gates, "old", values=False)
+    else:
+        check_selection(table, old_ids, old_gates, "old")
+    if choose_backend(table.w_ptrs, backend) == "torch":
+        reference.fused_switch_ref(table, new_ids, new_gates, old_ids=old_ids, old_gates=old_gates)
+    else:
+        from adaptermesh.kernels import fuse_kernels
+
+        fuse_kernels.fused_switch(table, new_ids, new_gates, old_ids, old_gates, config)
+    table.cur_ids = new_ids.clone()
+    table.cur_gates = new_gates.clone()
+
+
+def fused_merge(
+    table: MergeTable,
+    ids: torch.Tensor,  # [k] int32
+    gates: torch.Tensor,  # [k] fp32
+    *,
+    backend: Backend | None = None,
+    config: SwitchConfig | None = None,
+) -> None:
+    """``W' = W + sum_j g_j * c * B[e_j] @ A[e_j]`` for every target, one launch.
+
+    Merging onto weights that already hold a selection replaces it (a switch)."""
+    fused_switch(table, ids, gates, backend=backend, config=config)
+
+
+def fused_unmerge(
+    table: MergeTable, *, backend: Backend | None = None, config: SwitchConfig | None = None
+) -> None:
+    """Back to the plain backbone (bit-exact in exact mode)."""
+    none_ids = torch.full((1,), -1, dtype=torch.int32, device=table.device)
+    none_gates = torch.zeros(1, dtype=torch.float32, device=table.device)
+    fused_switch(table, none_ids, none_gates, backend=backend, config=config)
+
+
+def gated_add_lora(
+    out: torch.Tensor,  # [T, N], updated in place
+    x: torch.Tensor,  # [T, K]
+    lora_a: torch.Tensor,  # [E, r, K]
+    lora_b: torch.Tensor,  # [E, N, r]
+    expert_ids: torch.Tensor,  # [T, k] int32, -1 = none
+    gates: torch.Tensor,  # [T, k] fp32
+    scale: float,
+    *,
+    backend: Backend | None = None,
+    check_values: bool = True,
+) -> None:
+    """``out[t] += scale * sum_j gates[t, j] * (x[t] @ A[e_tj].T) @ B[e_tj].T``; two launches.
+
+    ``check_values`` compares every id with ``[-1, E)`` and raises ``ValueError``; on CUDA that
+    reads the ids back (a host synchronisation). Unlike the SGMM slots, an id past ``E`` is not
+    made safe on the device, so only a caller whose ids come from ``route`` over these same
+    experts (or are -1) may turn it off.
+    """
+    check_gated_add_lora(out, x, lora_a, lora_b, expert_ids, gates, check_values)
+    if choose_backend(x, backend) == "torch":
+        reference.gated_add_lora_ref(out, x, lora_a, lora_b, expert_ids, gates, scale)
+        return
+    from adaptermesh.kernels import fuse_kernels
+
+    fuse_kernels.gated_add_lora(out, x, lora_a, lora_b, expert_ids, gates, scale)

@@ -35,6 +35,7 @@ import triton.language as tl
 from adaptermesh.kernels._validate import (
     ACTIVATIONS,
     check_act_mul,
+    check_block,
     check_rms_norm,
     check_rope_kv_write,
 )
@@ -75,14 +76,6 @@ def _rms_warps(block: int) -> int:
     if block <= 1024:
         return 4
     return 8 if block <= 4096 else 16
-
-
-def _check_block(name: str, block: int | None, default: int) -> int:
-    if block is None:
-        return default
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
-        raise ValueError(f"{name} must be a power of two >= 1, got {block!r}")
-    return block
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +332,7 @@ def rms_norm(
     ``reference.rms_norm_ref`` for the rounding points.
     """
     t, h = check_rms_norm(x, weight, eps, residual, out, extra)
-    block = _check_block("block_h", block_h, min(_pow2(h), RMS_MAX_BLOCK))
+    block = check_block("block_h", block_h, min(_pow2(h), RMS_MAX_BLOCK))
     y = torch.empty((t, h), dtype=x.dtype, device=x.device) if out is None else out
     if t == 0:
         return y
@@ -392,7 +385,7 @@ def rope_kv_write(
     hkv = k.shape[1]
     block_d = _pow2(d)
     cap = max(1, ROPE_MAX_TILE // block_d)
-    cap = _check_block("heads_per_tile", heads_per_tile, cap)
+    cap = check_block("heads_per_tile", heads_per_tile, cap)
     block_hq = min(_pow2(hq), cap)
     block_hkv = min(_pow2(hkv), cap)
     nq_tiles = int(triton.cdiv(hq, block_hq))
@@ -451,7 +444,7 @@ def act_mul(
     ``extra`` (the engine's LoRA delta of the gate/up matmul): of round(gu + extra)."""
     inter = check_act_mul(gu, act, out, extra)
     t = gu.shape[0]
-    block = _check_block("block_i", block_i, min(_pow2(inter), ACT_MAX_BLOCK))
+    block = check_block("block_i", block_i, min(_pow2(inter), ACT_MAX_BLOCK))
     y = torch.empty((t, inter), dtype=gu.dtype, device=gu.device) if out is None else out
     if t == 0:
         return y

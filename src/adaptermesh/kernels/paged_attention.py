@@ -52,7 +52,12 @@ import torch
 import triton
 import triton.language as tl
 
-from adaptermesh.kernels._validate import PagedAttentionShapes, check_paged_attention
+from adaptermesh.kernels._validate import (
+    PagedAttentionShapes,
+    check_attention_config,
+    check_attention_workspace,
+    check_paged_attention,
+)
 
 __all__ = [
     "PagedAttentionConfig",
@@ -539,19 +544,9 @@ def _prefill_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Launcher (argument checks: _validate.check_paged_attention)
+# Launcher (argument checks: _validate.check_paged_attention, check_attention_config and
+# check_attention_workspace)
 # ---------------------------------------------------------------------------------------------
-def _check_config(cfg: PagedAttentionConfig, rows: int, decode: bool) -> None:
-    for name in ("block_n", "block_q", "num_warps"):
-        val = getattr(cfg, name)
-        if val < 1 or val & (val - 1):
-            raise ValueError(f"config.{name} must be a power of two, got {val}")
-    if cfg.block_n < 16:
-        raise ValueError(f"config.block_n must be >= 16, got {cfg.block_n}")
-    if (cfg.use_dot or not decode) and rows < 16:
-        raise ValueError(f"tl.dot needs >= 16 rows a program, config gives {rows}")
-
-
 def _dot_fp32(q: torch.Tensor) -> bool:
     """Whether tl.dot takes fp32 operands at IEEE precision.
 
@@ -619,7 +614,7 @@ def paged_attention(
     window = sliding_window or 0
     if max_query_len > 1:
         cfg = config or prefill_config(group, shapes.head_dim)
-        _check_config(cfg, cfg.block_q * block_g, decode=False)
+        check_attention_config(cfg, cfg.block_q * block_g, decode=False)
         q_tiles = int(triton.cdiv(max_query_len, cfg.block_q))
         if q_tiles > _MAX_GRID_YZ or shapes.num_kv_heads > _MAX_GRID_YZ:
             raise ValueError(
@@ -636,7 +631,7 @@ def paged_attention(
 
     cfg = config or decode_config(group, shapes.head_dim)
     rows = max(16, block_g) if cfg.use_dot else block_g
-    _check_config(cfg, rows, decode=True)
+    check_attention_config(cfg, rows, decode=True)
     if shapes.num_kv_heads > _MAX_GRID_YZ or num_splits > _MAX_GRID_YZ:
         raise ValueError(f"Hkv and num_splits must be <= {_MAX_GRID_YZ}")
     # With one split the workspace pointer is never dereferenced (the stores compile out).
@@ -661,8 +656,4 @@ def _workspace(
     need = decode_workspace_numel(shapes.num_seqs, shapes.num_q_heads, shapes.head_dim, num_splits)
     if buf is None:
         return torch.empty(need, dtype=torch.float32, device=device)
-    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.float32 or buf.device != device:
-        raise ValueError(f"workspace must be a float32 tensor on {device}")
-    if not buf.is_contiguous() or buf.numel() < need:
-        raise ValueError(f"workspace must be contiguous with >= {need} elements")
-    return buf
+    return check_attention_workspace(buf, need, device)

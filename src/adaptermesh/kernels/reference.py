@@ -1,7 +1,7 @@
 """Plain-torch twins of the Triton kernels.
 
 Each ``<op>_ref`` has the same signature and contract as ``<op>`` in ``sgmm.py`` /
-``sgmm_int4.py`` / ``fuse.py`` / ``layer_ops.py`` / ``paged_attention.py``.
+``sgmm_int4.py`` / ``fuse_kernels.py`` / ``layer_ops.py`` / ``paged_attention.py``.
 Tests use them as the oracle; the worker runs them on CPU. They compute in fp32 and round the
 way the kernels round: ``v`` is kept in fp32, cast to the weight dtype before the expand
 matmul (the kernel feeds bf16/fp16 operands to the tensor cores), and the sum with ``out`` is
@@ -14,11 +14,11 @@ need torch alone, so a CPU worker runs them without a Triton install.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
 from adaptermesh.kernels._validate import (
+    MergeTableView,
     SgmmShapes,
     check_act_mul,
     check_expand,
@@ -230,31 +230,6 @@ def route_ref(
         logits = logits + bias.float()
     vals, ids = torch.topk(logits, top_k, dim=-1, sorted=True)
     return ids.to(torch.int32), torch.softmax(vals, dim=-1)
-
-
-class MergeTargetView(Protocol):
-    """What ``fused_switch_ref`` reads of a ``fuse.MergeTarget``."""
-
-    @property
-    def weight(self) -> torch.Tensor: ...
-    @property
-    def lora_a(self) -> torch.Tensor: ...
-    @property
-    def lora_b(self) -> torch.Tensor: ...
-    @property
-    def scale(self) -> float: ...
-    @property
-    def master(self) -> torch.Tensor | None: ...
-
-
-class MergeTableView(Protocol):
-    """What ``fused_switch_ref`` reads of a ``fuse.MergeTable`` (a protocol, so that the twins
-    need not import the Triton module that defines it)."""
-
-    @property
-    def targets(self) -> Sequence[MergeTargetView]: ...
-    @property
-    def exact(self) -> bool: ...
 
 
 def _selection_delta_ref(
