@@ -14,8 +14,8 @@ the start of the run. Launches per add_lora are counted with the torch profiler.
 expand), checks every candidate's result against an fp32 torch computation, picks one config
 per (T bucket, rank bucket) (the expand's pick minimises the summed slowdown over both N), and
 then times the cases with the picked configs: those picks are what the tables in
-``kernels/sgmm.py`` hold. ``--trim`` times only the shapes behind the issue's targets: S=1 for
-every (N, r, T) with torch.mm, T=4096 and T=64 at S=64 (the latter with the torch loop).
+``kernels/sgmm_config.py`` hold. ``--trim`` times only the shapes behind the issue's targets:
+S=1 for every (N, r, T) with torch.mm, T=4096 and T=64 at S=64 (the latter with the torch loop).
 
 Usage: python3 bench/bench_sgmm.py --out results.json [--tune] [--quick] [--sweep] [--trim]
 """

@@ -9,14 +9,14 @@ candidate of two families:
 - two launches: each shrink candidate with the best expand, each expand candidate with the
   best shrink (for both ops: tensor-core tiles and the matrix-vector kernels) (the ops are timed alone and their
   times add);
-- the current defaults of ``kernels/sgmm.py`` (what add_lora picks by itself).
+- the current defaults of ``kernels/sgmm_config.py`` (what add_lora picks by itself).
 
 Inputs rotate over enough layers of adapter pools and activations that at least 256 MB are
 touched per pass, so neither the adapters nor the activations sit in L2 (a real step reads
 every layer's adapters from HBM). Times are CUDA-graph replay, median of 5. Every candidate is
 checked against an fp32 torch computation before it is timed; a failing one is recorded and
 never picked. ``picks`` per (T bucket, density, rank bucket) minimise the summed time over the
-four module groups: these are what the tables in ``kernels/sgmm.py`` hold.
+four module groups: these are what the tables in ``kernels/sgmm_config.py`` hold.
 
 Usage: python3 bench/sweep_sgmm_decode.py --out sweep.json [--budget-s 200] [--quick]
 """
