@@ -90,6 +90,9 @@ class MeshConfig:
     # Adapters made on disk but not listed as resident: the workers load them on demand
     # (versions for a rollout, "<adapter>@<version>").
     extra_adapters: Sequence[str] = ()
+    # More control-plane flags (``--auto-placement``, say) and worker flags (``--max-loras``).
+    control_plane_args: Sequence[str] = ()
+    worker_args: Sequence[str] = ()
 
 
 @dataclass
@@ -371,6 +374,7 @@ class LocalMesh:
                 str(self.config.interval_s),
                 "--log-level",
                 "INFO",
+                *self.config.control_plane_args,
             ],
         )
 
@@ -426,6 +430,7 @@ class LocalMesh:
                     if self.config.grpc_port_offset is None
                     else ("--grpc-port", str(port + self.config.grpc_port_offset))
                 ),
+                *self.config.worker_args,
             ],
         )
 
