@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from adaptermesh import adapter_edge
 from adaptermesh.clock import FakeClock
 from adaptermesh.control_plane import cli
 from adaptermesh.control_plane.preloader import HttpWorkerAdmin, Preloader
@@ -179,3 +180,32 @@ async def test_off_by_default_nothing_gets_a_home(fleet: list[SlotWorker], store
         .auto_placement
         is True
     )
+
+
+def test_a_restarted_control_plane_resumes_the_published_homes(store: Store) -> None:
+    store.upsert_shard(shard("s0", ("127.0.0.1", 1)), 0.0)
+    store.upsert_shard(shard("s1", ("127.0.0.1", 2)), 0.0)
+    for name in ("a", "b"):
+        store.upsert_adapter_instance(instance(name, f"lib/{name}"), 0.0)
+    rb = Rebalancer(store, StaticSource(), clock=FakeClock())
+    rb.set_homes({"a": "s1", "b": "s0"})
+    again = Rebalancer(store, StaticSource(), clock=FakeClock())
+    assert again.homes == {}
+    again.resume_homes()
+    assert again.homes == {"a": "s1", "b": "s0"}
+    assert again._edges() == rb._edges()
+
+
+def test_homes_past_the_edge_limit_are_left_out_not_refused(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(adapter_edge, "MAX_EDGES", 3)
+    store.upsert_shard(shard("s0", ("127.0.0.1", 1)), 0.0)
+    store.upsert_shard(shard("s1", ("127.0.0.1", 2)), 0.0)
+    store.upsert_adapter_instance(instance("fixed", "lib/fixed", shards=["s0"]), 0.0)
+    names = [f"a{i}" for i in range(6)]
+    for name in names:
+        store.upsert_adapter_instance(instance(name, f"lib/{name}"), 0.0)
+    rb = Rebalancer(store, StaticSource(), clock=FakeClock())
+    rb.set_homes(dict.fromkeys(names, "s1"))
+    assert _edges(rb) == {"fixed": ["s0"], "a0": ["s1"], "a1": ["s1"]}

@@ -345,7 +345,9 @@ class Rebalancer:
 
     def _edges(self) -> tuple[assignment_pb2.AdapterEdge, ...]:
         """The instances' edges, with each automatic home as the placement of an instance
-        that names no shards (``placement.with_home``)."""
+        that names no shards (``placement.with_home``). Homes that would take the Assignment
+        past ``adapter_edge.MAX_EDGES`` edges are left out (in name order), so they never
+        stop a publish; those adapters are served as without a home."""
         layout = self.layout()
         placed = [i for i in layout.homeless if i.name in self.homes]
         if not placed:
@@ -354,13 +356,31 @@ class Rebalancer:
         if memo is not None and memo[0] == layout.key and memo[1] == self.homes:
             return memo[2]
         by_name = {e.name: e for e in layout.edges}
+        room = adapter_edge.MAX_EDGES - len(by_name)
         for inst in placement.homed(placed, self.homes):
             edge = adapter_edge.edge_of(inst)
-            if edge is not None:
-                by_name[edge.name] = edge
+            if edge is None:
+                continue
+            if edge.name not in by_name:
+                if room <= 0:
+                    continue
+                room -= 1
+            by_name[edge.name] = edge
         edges = tuple(by_name[name] for name in sorted(by_name))
         self._homed_edges = (layout.key, dict(self.homes), edges)
         return edges
+
+    def resume_homes(self) -> None:
+        """Take the homes of the last stored Assignment's edges (instances naming no shards
+        whose edge has one), so a restarted control plane publishes the same edges until the
+        placement loop's first round delivers its own."""
+        latest = self.store.latest_assignment()
+        if latest is None:
+            return
+        homeless = {i.name for i in self.layout().homeless}
+        self.homes = {
+            e.name: e.shards[0] for e in latest.adapters if e.name in homeless and e.shards
+        }
 
     def set_homes(self, homes: Mapping[str, str]) -> None:
         """Take the placement loop's automatic homes; a change that moves an edge publishes

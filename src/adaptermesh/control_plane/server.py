@@ -95,6 +95,8 @@ class ControlPlaneServer:
             config=RebalancerConfig(interval_s=config.interval_s, policy=config.policy),
             logger=self.log,
         )
+        if config.auto_placement:
+            self.rebalancer.resume_homes()
         self.servicer = ControlPlaneServicer(self.rebalancer, config.limits, self.log)
         self.rollouts = RolloutController(
             self.rebalancer, tick_s=config.rollout_tick_s, logger=self.log
