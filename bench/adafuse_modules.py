@@ -114,8 +114,12 @@ class DynamicAdapter(nn.Module):
         self.exact = exact
         self.lora_a: torch.Tensor
         self.lora_b: torch.Tensor
-        self.register_buffer("lora_a", lora_a.detach().to(device=w.device, dtype=w.dtype).contiguous())
-        self.register_buffer("lora_b", lora_b.detach().to(device=w.device, dtype=w.dtype).contiguous())
+        self.register_buffer(
+            "lora_a", lora_a.detach().to(device=w.device, dtype=w.dtype).contiguous()
+        )
+        self.register_buffer(
+            "lora_b", lora_b.detach().to(device=w.device, dtype=w.dtype).contiguous()
+        )
         self.master: torch.Tensor | None
         self.register_buffer("master", w.detach().clone() if exact else None)
         self.controller: AdaFuseController | None = None

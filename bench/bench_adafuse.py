@@ -64,7 +64,10 @@ def timed_ms(fn: Callable[[], object], reps: int) -> list[float]:
 def copy_bandwidth_gbs() -> float:
     """Device-to-device copy rate (bytes read + written per second) of a 2 GiB bf16 buffer."""
     n = 1 << 30
-    bufs = [torch.empty(n, dtype=DT, device=DEVICE).normal_(), torch.empty(n, dtype=DT, device=DEVICE)]
+    bufs = [
+        torch.empty(n, dtype=DT, device=DEVICE).normal_(),
+        torch.empty(n, dtype=DT, device=DEVICE),
+    ]
     bufs[1].copy_(bufs[0])
     ms = statistics.median(timed_ms(lambda: bufs[1].copy_(bufs[0]), 20))
     bufs.clear()
@@ -131,7 +134,9 @@ def _time_switch(
     fuse.fused_switch(table, *sels[0], config=config)  # compile
     torch.cuda.synchronize()
     it = iter(range(10**9))
-    times = timed_ms(lambda: fuse.fused_switch(table, *sels[next(it) % len(sels)], config=config), reps)
+    times = timed_ms(
+        lambda: fuse.fused_switch(table, *sels[next(it) % len(sels)], config=config), reps
+    )
     return statistics.median(times)
 
 
@@ -183,9 +188,7 @@ def fused_switch_figures(
         raise RuntimeError(f"no switch config ran: {sweep}")
     ok = [r for r in ran if r["twin_max_ulps"] <= 1.0]
     best = min(ok or ran, key=lambda r: r["ms"])
-    default = next(
-        (r for r in ran if r["config"] == fuse.DEFAULT_SWITCH_CONFIG.as_dict()), None
-    )
+    default = next((r for r in ran if r["config"] == fuse.DEFAULT_SWITCH_CONFIG.as_dict()), None)
     out = {
         "ms": best["ms"],
         "gbps": best["gbps"],
@@ -262,7 +265,9 @@ def main() -> int:
     def loop(ids: torch.Tensor, gates: torch.Tensor) -> None:
         idx = ids.long()
         for t in targets:
-            bsel = t.lora_b.index_select(0, idx) * (gates * t.scale).to(DT)[:, None, None]  # [k, N, r]
+            bsel = (
+                t.lora_b.index_select(0, idx) * (gates * t.scale).to(DT)[:, None, None]
+            )  # [k, N, r]
             bcat = bsel.permute(1, 0, 2).reshape(t.weight.shape[0], -1)
             acat = t.lora_a.index_select(0, idx).reshape(-1, t.weight.shape[1])
             torch.addmm(t.master, bcat, acat, out=t.weight)
@@ -319,7 +324,9 @@ def main() -> int:
     r_w = torch.randn(E, 4096, device=DEVICE, dtype=DT, generator=g) / 64
     r_b = torch.zeros(E, device=DEVICE, dtype=DT)
     fuse.route(h, r_w, r_b, K_TOP)
-    res["router_t1_us"] = 1e3 * statistics.median(timed_ms(lambda: fuse.route(h, r_w, r_b, K_TOP), 50))
+    res["router_t1_us"] = 1e3 * statistics.median(
+        timed_ms(lambda: fuse.route(h, r_w, r_b, K_TOP), 50)
+    )
     tgt = targets[0]
     for t_ in (16, 64):
         x = torch.randn(t_, 4096, device=DEVICE, dtype=DT, generator=g)

@@ -44,10 +44,22 @@ from adaptermesh_testkit.checkpoints import make_tiny_model
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES: dict[str, dict[str, int]] = {
     # ~0.1B parameters: big enough for real GEMMs, small enough to train in a few minutes.
-    "small": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
-              "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 1024},
-    "tiny": {"hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256},
+    "small": {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 1024,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 112,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    },
 }
 PROMPTS = ["The control plane", "Adapters are directories", "The worker engine batches"]
 
@@ -65,11 +77,18 @@ def corpus(dest: Path) -> Path:
     return dest
 
 
-async def serve_check(model: Any, model_dir: Path, root: Path, name: str, tok: Any, device: str,
-                      dtype: str, n: int) -> dict[str, Any]:
+async def serve_check(
+    model: Any, model_dir: Path, root: Path, name: str, tok: Any, device: str, dtype: str, n: int
+) -> dict[str, Any]:
     """Greedy tokens from the engine serving the written set vs the training-time forward."""
-    eng = Engine(model_dir, root, config=EngineConfig(max_num_seqs=4, max_loras=2, max_lora_rank=64),
-                 model_name="base", device=device, dtype=dtype)
+    eng = Engine(
+        model_dir,
+        root,
+        config=EngineConfig(max_num_seqs=4, max_loras=2, max_lora_rank=64),
+        model_name="base",
+        device=device,
+        dtype=dtype,
+    )
     rows = []
     try:
         for i, text in enumerate(PROMPTS):
@@ -82,18 +101,29 @@ async def serve_check(model: Any, model_dir: Path, root: Path, name: str, tok: A
                     ids.append(ref[-1])
             req = GenerationRequest(f"p{i}", tuple(prompt), name, SamplingParams(max_tokens=n))
             got = [e.token_id async for e in eng.submit(req) if e.token_id is not None]
-            agree = next((j for j, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), min(len(got), len(ref)))
-            rows.append({"prompt": text, "engine": got, "training_forward": ref, "agree_prefix": agree})
+            agree = next(
+                (j for j, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b),
+                min(len(got), len(ref)),
+            )
+            rows.append(
+                {"prompt": text, "engine": got, "training_forward": ref, "agree_prefix": agree}
+            )
     finally:
         await eng.shutdown()
-    return {"tokens": n, "prompts": rows, "all_equal": all(r["engine"] == r["training_forward"] for r in rows)}
+    return {
+        "tokens": n,
+        "prompts": rows,
+        "all_equal": all(r["engine"] == r["training_forward"] for r in rows),
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="reduced run: tiny shape, few steps (CPU check)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="reduced run: tiny shape, few steps (CPU check)"
+    )
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--rank", type=int, default=16)
@@ -111,10 +141,28 @@ def main() -> int:
     batch = args.batch_size or (4 if args.tiny else 16)
     seq = args.seq_len or (64 if args.tiny else 256)
     dtype_name = "bfloat16" if args.device == "cuda" else "float32"
-    cfg = TrainConfig(num_experts=args.experts, top_k=args.top_k, rank=args.rank,
-                      target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-                      steps=steps, batch_size=batch, seq_len=seq, lr=args.lr, warmup_steps=max(1, steps // 20),
-                      balance_coef=args.balance_coef, eval_every=max(1, steps // 10), seed=args.seed)
+    cfg = TrainConfig(
+        num_experts=args.experts,
+        top_k=args.top_k,
+        rank=args.rank,
+        target_modules=(
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ),
+        steps=steps,
+        batch_size=batch,
+        seq_len=seq,
+        lr=args.lr,
+        warmup_steps=max(1, steps // 20),
+        balance_coef=args.balance_coef,
+        eval_every=max(1, steps // 10),
+        seed=args.seed,
+    )
     cfg.validate()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_adafuse_train_") as tmp:
@@ -125,11 +173,15 @@ def main() -> int:
         base, tok = load_base(model_dir, args.device, getattr(torch, dtype_name))
         n_params = sum(p.numel() for p in base.parameters())
         data = TextDataset(data_dir, tok, cfg.seq_len, cfg.eval_fraction)
-        log(f"{n_params / 1e6:.1f}M base parameters; {data.num_tokens} tokens in {len(data.files)} files")
+        log(
+            f"{n_params / 1e6:.1f}M base parameters; {data.num_tokens} tokens in {len(data.files)} files"
+        )
 
         def report(r: Any) -> None:
             if r.eval_loss is not None:
-                log(f"step {r.step}: lm {r.lm_loss:.3f} balance {r.balance_loss:.3f} eval {r.eval_loss:.3f}")
+                log(
+                    f"step {r.step}: lm {r.lm_loss:.3f} balance {r.balance_loss:.3f} eval {r.eval_loss:.3f}"
+                )
 
         if args.device == "cuda":
             torch.cuda.synchronize()
@@ -140,11 +192,21 @@ def main() -> int:
         root = work / "adapters"
         write_expert_set(result.model, model_dir, root / "trained")
         result.model.eval()
-        served = asyncio.run(serve_check(result.model, model_dir, root, "trained", tok, args.device, dtype_name,
-                                         8 if args.tiny else 16))
+        served = asyncio.run(
+            serve_check(
+                result.model,
+                model_dir,
+                root,
+                "trained",
+                tok,
+                args.device,
+                dtype_name,
+                8 if args.tiny else 16,
+            )
+        )
         log(f"engine == training forward on every prompt: {served['all_equal']}")
     curve = result.curve()
-    usage = torch.tensor([r.usage for r in result.records[-max(1, steps // 10):]]).mean(0).tolist()
+    usage = torch.tensor([r.usage for r in result.records[-max(1, steps // 10) :]]).mean(0).tolist()
     first = sum(r.lm_loss for r in result.records[:5]) / min(5, len(result.records))
     last = sum(r.lm_loss for r in result.records[-5:]) / min(5, len(result.records))
     out: dict[str, Any] = {
@@ -152,13 +214,19 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "device": args.device,
-        "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else (platform.processor() or platform.machine()),
+        "device_name": torch.cuda.get_device_name(0)
+        if args.device == "cuda"
+        else (platform.processor() or platform.machine()),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "shape": {"name": shape, **SHAPES[shape], "base_parameters": n_params, "dtype": dtype_name},
-        "data": {"files": [f.name for f in data.files], "tokens": data.num_tokens,
-                 "train_tokens": result.train_tokens, "eval_tokens": result.eval_tokens},
+        "data": {
+            "files": [f.name for f in data.files],
+            "tokens": data.num_tokens,
+            "train_tokens": result.train_tokens,
+            "eval_tokens": result.eval_tokens,
+        },
         "summary": {
             "train_seconds": result.seconds,
             "tokens_per_s": steps * batch * seq / result.seconds if result.seconds else None,

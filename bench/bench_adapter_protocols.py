@@ -48,8 +48,17 @@ from bench_ws import MODEL, PROMPT, InstantEngine, quantiles
 from edge_tokens import ISSUER, JWKS, token
 
 SCOPE = "bench:call"
-TRANSPORTS = ("http_direct", "http", "http_path", "http_path_jwt", "http_path_tls", "grpc", "grpc_path",
-              "grpc_json", "grpc_json_jwt")
+TRANSPORTS = (
+    "http_direct",
+    "http",
+    "http_path",
+    "http_path_jwt",
+    "http_path_tls",
+    "grpc",
+    "grpc_path",
+    "grpc_json",
+    "grpc_json_jwt",
+)
 
 
 def _edges() -> list[Any]:
@@ -61,14 +70,16 @@ def _edges() -> list[Any]:
         ap.AdapterEdge(name="tls-only", paths=["/v1/tls"], tls=True),
         ap.AdapterEdge(name="grpc-path", protocol="grpc", paths=["/bench.v2.Inference/"]),
         ap.AdapterEdge(name="json-path", protocol="grpc-json", paths=["/v1/json"]),
-        ap.AdapterEdge(name="json-scoped", protocol="grpc-json", paths=["/v1/json-scoped"],
-                       scopes=[SCOPE]),
+        ap.AdapterEdge(
+            name="json-scoped", protocol="grpc-json", paths=["/v1/json-scoped"], scopes=[SCOPE]
+        ),
     ]
 
 
 # ------------------------------------------------------------------------------------ client
-async def client_main(port: int, worker: int, ca: str,
-                      args: argparse.Namespace) -> dict[str, list[float]]:
+async def client_main(
+    port: int, worker: int, ca: str, args: argparse.Namespace
+) -> dict[str, list[float]]:
     import aiohttp
     import grpc
 
@@ -77,15 +88,25 @@ async def client_main(port: int, worker: int, ca: str,
     base = f"http://127.0.0.1:{port}"
     tls_base = f"https://127.0.0.1:{port}"
     body = {"prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0}
-    v2_json = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
-                           "contents": {"bytes_contents": [base64.b64encode(PROMPT.encode())
-                                                           .decode()]}}],
-               "parameters": {"max_tokens": {"int64_param": args.max_tokens},
-                              "temperature": {"double_param": 0.0}}}
+    v2_json = {
+        "inputs": [
+            {
+                "name": "text_input",
+                "datatype": "BYTES",
+                "shape": [1],
+                "contents": {"bytes_contents": [base64.b64encode(PROMPT.encode()).decode()]},
+            }
+        ],
+        "parameters": {
+            "max_tokens": {"int64_param": args.max_tokens},
+            "temperature": {"double_param": 0.0},
+        },
+    }
     auth = {"authorization": f"Bearer {token(SCOPE, exp_in=3600)}"}
     req = pb.ModelInferRequest()
     req.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
-        PROMPT.encode())
+        PROMPT.encode()
+    )
     req.parameters["max_tokens"].int64_param = args.max_tokens
     req.parameters["temperature"].double_param = 0.0
     named = pb.ModelInferRequest()
@@ -94,24 +115,33 @@ async def client_main(port: int, worker: int, ca: str,
     context = ssl.create_default_context(cafile=ca)
 
     samples: dict[str, list[float]] = {name: [] for name in TRANSPORTS}
-    async with aiohttp.ClientSession() as session, \
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context)) as tls_session, \
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                                    request_serializer=pb.ModelInferRequest.SerializeToString,
-                                    response_deserializer=pb.ModelInferResponse.FromString)
-        infer_path = channel.unary_unary("/bench.v2.Inference/ModelInfer",
-                                         request_serializer=pb.ModelInferRequest.SerializeToString,
-                                         response_deserializer=pb.ModelInferResponse.FromString)
+    async with (
+        aiohttp.ClientSession() as session,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context)) as tls_session,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        infer_path = channel.unary_unary(
+            "/bench.v2.Inference/ModelInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
 
-        async def post(s: Any, url: str, payload: Any, headers: dict[str, str] | None = None) -> None:
+        async def post(
+            s: Any, url: str, payload: Any, headers: dict[str, str] | None = None
+        ) -> None:
             async with s.post(url, json=payload, headers=headers) as r:
                 text = await r.read()
                 assert r.status == 200, (url, r.status, text[:300])
 
         runs = {
-            "http_direct": lambda: post(session, f"http://127.0.0.1:{worker}/v1/completions",
-                                        {**body, "model": MODEL}),
+            "http_direct": lambda: post(
+                session, f"http://127.0.0.1:{worker}/v1/completions", {**body, "model": MODEL}
+            ),
             "http": lambda: post(session, base + "/v1/completions", {**body, "model": MODEL}),
             "http_path": lambda: post(session, base + "/v1/plain", body),
             "http_path_jwt": lambda: post(session, base + "/v1/scoped", body, auth),
@@ -146,10 +176,29 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
 
     load_before = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
-                        "edge.key", "-out", "edge.pem", "-days", "1", "-subj", "/CN=127.0.0.1",
-                        "-addext", "subjectAltName=IP:127.0.0.1"],
-                       cwd=tmp, check=True, capture_output=True)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                "edge.key",
+                "-out",
+                "edge.pem",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=127.0.0.1",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+            ],
+            cwd=tmp,
+            check=True,
+            capture_output=True,
+        )
         engine = InstantEngine()
         service = WorkerService(engine, ServiceConfig(max_running=64))
         runner, http_port = await serve(service, "127.0.0.1", 0)
@@ -161,28 +210,57 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         options = dataclasses.replace(
-            BuildOptions(), grpc_port_offset=gport - http_port,
+            BuildOptions(),
+            grpc_port_offset=gport - http_port,
             edge_auth=EdgeAuthOptions(ISSUER, JWKS),
-            edge_tls=EdgeTlsOptions(f"{tmp}/edge.pem", f"{tmp}/edge.key"))
-        assignment = ap.Assignment(version=1, reason="bench", adapters=_edges(), shards=[ap.Shard(
-            id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
-            service_address="127.0.0.1", service_port=port,
-            endpoints=[ap.Endpoint(address="127.0.0.1", port=http_port, weight=1)])])
+            edge_tls=EdgeTlsOptions(f"{tmp}/edge.pem", f"{tmp}/edge.key"),
+        )
+        assignment = ap.Assignment(
+            version=1,
+            reason="bench",
+            adapters=_edges(),
+            shards=[
+                ap.Shard(
+                    id="s0",
+                    index=0,
+                    weight=10_000,
+                    state=ap.SHARD_STATE_ACTIVE,
+                    service_address="127.0.0.1",
+                    service_port=port,
+                    endpoints=[ap.Endpoint(address="127.0.0.1", port=http_port, weight=1)],
+                )
+            ],
+        )
         cache = SnapshotCache(options=options)
         xds = XdsServer(cache)
         xds_port = xds.start()
         cache.set_assignment("bench", assignment)
-        envoy = EnvoyProcess(build_bootstrap("bench", xds_port, initial_fetch_timeout_s=5.0),
-                             concurrency=args.envoy_concurrency)
+        envoy = EnvoyProcess(
+            build_bootstrap("bench", xds_port, initial_fetch_timeout_s=5.0),
+            concurrency=args.envoy_concurrency,
+        )
         try:
             envoy.start(ready_timeout=30.0)
             await _wait_routable(port)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "--client", str(port), "--worker", str(http_port),
-                "--ca", f"{tmp}/edge.pem",
-                "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds),
-                "--block", str(args.block), "--warmup", str(args.warmup),
-                stdout=subprocess.PIPE)
+                sys.executable,
+                __file__,
+                "--client",
+                str(port),
+                "--worker",
+                str(http_port),
+                "--ca",
+                f"{tmp}/edge.pem",
+                "--max-tokens",
+                str(args.max_tokens),
+                "--rounds",
+                str(args.rounds),
+                "--block",
+                str(args.block),
+                "--warmup",
+                str(args.warmup),
+                stdout=subprocess.PIPE,
+            )
             out, _ = await proc.communicate()
             if proc.returncode != 0:
                 raise SystemExit(f"client failed with status {proc.returncode}")
@@ -195,28 +273,50 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
             await runner.cleanup()
     medians = {name: statistics.median(s) for name, s in measured.items()}
     transports = {
-        name: {"total": quantiles(s), "added_p50_ms": {
-            base: round((medians[name] - medians[base]) * 1e3, 3) for base in ("http", "grpc")}}
-        for name, s in measured.items()}
+        name: {
+            "total": quantiles(s),
+            "added_p50_ms": {
+                base: round((medians[name] - medians[base]) * 1e3, 3) for base in ("http", "grpc")
+            },
+        }
+        for name, s in measured.items()
+    }
     return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                    # A shared box: the load during the run says how much noise to expect.
-                    "load_average_1m_before_after": [load_before, round(os.getloadavg()[0], 2)]},
-        "versions": {"envoy": json.loads(envoy_version).get("version", ""),
-                     **{n: _version(n) for n in ("aiohttp", "grpcio", "protobuf")}},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            # A shared box: the load during the run says how much noise to expect.
+            "load_average_1m_before_after": [load_before, round(os.getloadavg()[0], 2)],
+        },
+        "versions": {
+            "envoy": json.loads(envoy_version).get("version", ""),
+            **{n: _version(n) for n in ("aiohttp", "grpcio", "protobuf")},
+        },
         "engine": "instant (tokens cost one event-loop turn)",
-        "workload": {"prompt": PROMPT, "max_tokens": args.max_tokens,
-                     "requests_per_transport": args.rounds * args.block, "rounds": args.rounds,
-                     "block": args.block, "warmup": args.warmup, "concurrency": 1,
-                     "envoy_concurrency": args.envoy_concurrency},
+        "workload": {
+            "prompt": PROMPT,
+            "max_tokens": args.max_tokens,
+            "requests_per_transport": args.rounds * args.block,
+            "rounds": args.rounds,
+            "block": args.block,
+            "warmup": args.warmup,
+            "concurrency": 1,
+            "envoy_concurrency": args.envoy_concurrency,
+        },
         "transports": transports,
-        "summary_ms": {name: {"p50": r["total"]["p50_ms"], "p99": r["total"]["p99_ms"],
-                              "added_p50_vs_http": r["added_p50_ms"]["http"],
-                              "added_p50_vs_grpc": r["added_p50_ms"]["grpc"]}
-                       for name, r in transports.items()},
+        "summary_ms": {
+            name: {
+                "p50": r["total"]["p50_ms"],
+                "p99": r["total"]["p99_ms"],
+                "added_p50_vs_http": r["added_p50_ms"]["http"],
+                "added_p50_vs_grpc": r["added_p50_ms"]["grpc"],
+            }
+            for name, r in transports.items()
+        },
     }
 
 

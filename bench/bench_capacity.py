@@ -57,18 +57,24 @@ def rows_of(trace: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def prediction_errors(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[str, Any]:
-    errs: dict[str, list[float]] = {"queue": [], "power_law": [], "power_law_usable_only": [],
-                                     "queue_on_usable": []}
+    errs: dict[str, list[float]] = {
+        "queue": [],
+        "power_law": [],
+        "power_law_usable_only": [],
+        "queue_on_usable": [],
+    }
     usable = 0
     for k in range(1, len(rows)):
-        past = rows[max(0, k - cfg.window): k]
+        past = rows[max(0, k - cfg.window) : k]
         obs = rows[k]
         l0 = min(r["lat"] for r in rows[:k])
         prev = rows[k - 1]
         rho = max(1.0 - l0 / prev["lat"], 0.0)
         if prev.get("waiting", 0) > 0:
             rho = max(rho, 1.0 + prev["waiting"] / max(prev.get("running", 0), 1.0))
-        q_pred = queue_latency(l0, min(cfg_rho_max(), rho * obs["tokens_per_s"] / prev["tokens_per_s"]))
+        q_pred = queue_latency(
+            l0, min(cfg_rho_max(), rho * obs["tokens_per_s"] / prev["tokens_per_s"])
+        )
         q_err = abs(q_pred - obs["lat"]) / obs["lat"] if math.isfinite(q_pred) else 1.0
         fit = fit_power_law([r["tokens_per_s"] for r in past], [r["lat"] for r in past], cfg)
         errs["queue"].append(q_err)
@@ -87,7 +93,11 @@ def prediction_errors(rows: list[dict[str, Any]], cfg: CapacityConfig) -> dict[s
         a = np.array(v)
         return {"n": len(v), "median": float(np.median(a)), "p90": float(np.quantile(a, 0.9))}
 
-    return {"intervals": len(rows) - 1, "fit_usable": usable, **{k: stats(v) for k, v in errs.items()}}
+    return {
+        "intervals": len(rows) - 1,
+        "fit_usable": usable,
+        **{k: stats(v) for k, v in errs.items()},
+    }
 
 
 def cfg_rho_max() -> float:
@@ -114,8 +124,9 @@ class TraceCurve:
         return float(self.lat[-1] + self.slope * (tokens - self.cap))
 
 
-def closed_loop(curve: TraceCurve, slow: float, load: float, ticks: int, power_law: bool,
-                seed: int) -> dict[str, float]:
+def closed_loop(
+    curve: TraceCurve, slow: float, load: float, ticks: int, power_law: bool, seed: int
+) -> dict[str, float]:
     caps = {"a": 1.0, "b": slow}
     total_cap = curve.cap * sum(caps.values())
     rng = random.Random(seed)
@@ -125,17 +136,34 @@ def closed_loop(curve: TraceCurve, slow: float, load: float, ticks: int, power_l
     worst: list[float] = []
     planned = 0
     for tick in range(ticks):
-        demand = load * total_cap * (1 + 0.4 * math.sin(2 * math.pi * tick / 36)) * math.exp(rng.gauss(0, 0.05))
+        demand = (
+            load
+            * total_cap
+            * (1 + 0.4 * math.sin(2 * math.pi * tick / 36))
+            * math.exp(rng.gauss(0, 0.05))
+        )
         shards = {}
         tick_worst = 0.0
         for i, (sid, c) in enumerate(caps.items()):
             tok = demand * weights.get(sid, 5000) / 10_000
             lat = curve(tok / c) * math.exp(rng.gauss(0, 0.03))
             tick_worst = max(tick_worst, lat)
-            shards[sid] = ShardObservation(sid, True, (
-                WorkerObservation(f"10.0.{i}.1", 8000, True, latency_s=lat * 0.7, ttft_p95_s=lat,
-                                  tokens_per_s=tok, waiting=0.0 if tok / c <= curve.cap else 1.0,
-                                  running=1.0),))
+            shards[sid] = ShardObservation(
+                sid,
+                True,
+                (
+                    WorkerObservation(
+                        f"10.0.{i}.1",
+                        8000,
+                        True,
+                        latency_s=lat * 0.7,
+                        ttft_p95_s=lat,
+                        tokens_per_s=tok,
+                        waiting=0.0 if tok / c <= curve.cap else 1.0,
+                        running=1.0,
+                    ),
+                ),
+            )
         if tick >= ticks // 2:
             worst.append(tick_worst)
         obs = Observation(shards)
@@ -147,16 +175,24 @@ def closed_loop(curve: TraceCurve, slow: float, load: float, ticks: int, power_l
         weights = dict(d.weights)
         planned += bool(d.predicted_latency_s)
     a = np.array(worst)
-    return {"mean_worst_p95_s": float(a.mean()), "p95_worst_p95_s": float(np.quantile(a, 0.95)),
-            "ticks_planned_by_power_law": planned, "final_weights": weights}  # type: ignore[dict-item]
+    return {
+        "mean_worst_p95_s": float(a.mean()),
+        "p95_worst_p95_s": float(np.quantile(a, 0.95)),
+        "ticks_planned_by_power_law": planned,
+        "final_weights": weights,
+    }  # type: ignore[dict-item]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--slow", type=float, default=0.6, help="capacity of the second shard relative to the first")
-    ap.add_argument("--load", type=float, default=0.7, help="mean demand as a fraction of total capacity")
+    ap.add_argument(
+        "--slow", type=float, default=0.6, help="capacity of the second shard relative to the first"
+    )
+    ap.add_argument(
+        "--load", type=float, default=0.7, help="mean demand as a fraction of total capacity"
+    )
     ap.add_argument("--ticks", type=int, default=240)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -178,23 +214,65 @@ def main() -> int:
         # The drain after the sweep (nothing offered) is a transient, not an operating point.
         curve = TraceCurve([r for r in rows if r.get("offered_rps", 0) > 0])
         res: dict[str, Any] = {
-            "source": {k: trace.get(k) for k in ("date", "command", "machine", "model", "workload", "capacity_rps")},
+            "source": {
+                k: trace.get(k)
+                for k in ("date", "command", "machine", "model", "workload", "capacity_rps")
+            },
             "prediction": prediction_errors(rows, cfg),
-            "whole_trace_fit": {k: v for k, v in zip(
-                ("alpha", "beta", "eps", "r2", "excitation", "confidence", "points", "usable", "reason"),
-                (lambda f: (f.alpha, f.beta, f.eps, f.r2, f.excitation, f.confidence, f.points, f.usable, f.reason))(
-                    fit_power_law([r["tokens_per_s"] for r in rows], [r["lat"] for r in rows], cfg)), strict=True)},
-            "rebalancer": {"slow_shard_capacity": args.slow, "load": args.load, "ticks": args.ticks},
+            "whole_trace_fit": {
+                k: v
+                for k, v in zip(
+                    (
+                        "alpha",
+                        "beta",
+                        "eps",
+                        "r2",
+                        "excitation",
+                        "confidence",
+                        "points",
+                        "usable",
+                        "reason",
+                    ),
+                    (
+                        lambda f: (
+                            f.alpha,
+                            f.beta,
+                            f.eps,
+                            f.r2,
+                            f.excitation,
+                            f.confidence,
+                            f.points,
+                            f.usable,
+                            f.reason,
+                        )
+                    )(
+                        fit_power_law(
+                            [r["tokens_per_s"] for r in rows], [r["lat"] for r in rows], cfg
+                        )
+                    ),
+                    strict=True,
+                )
+            },
+            "rebalancer": {
+                "slow_shard_capacity": args.slow,
+                "load": args.load,
+                "ticks": args.ticks,
+            },
         }
         for name, pl in (("queue", False), ("power_law", True)):
-            res["rebalancer"][name] = closed_loop(curve, args.slow, args.load, args.ticks, pl, args.seed)
+            res["rebalancer"][name] = closed_loop(
+                curve, args.slow, args.load, args.ticks, pl, args.seed
+            )
         out["traces"][Path(path).name] = res
         p = res["prediction"]
         rb = res["rebalancer"]
-        print(f"{Path(path).name}: {p['intervals']} intervals, fit usable on {p['fit_usable']}; "
-              f"median error queue {p['queue']['median']:.3f} vs power law {p['power_law']['median']:.3f}; "
-              f"worst-shard p95 mean queue {rb['queue']['mean_worst_p95_s']:.4f} s vs power law "
-              f"{rb['power_law']['mean_worst_p95_s']:.4f} s", file=sys.stderr)
+        print(
+            f"{Path(path).name}: {p['intervals']} intervals, fit usable on {p['fit_usable']}; "
+            f"median error queue {p['queue']['median']:.3f} vs power law {p['power_law']['median']:.3f}; "
+            f"worst-shard p95 mean queue {rb['queue']['mean_worst_p95_s']:.4f} s vs power law "
+            f"{rb['power_law']['mean_worst_p95_s']:.4f} s",
+            file=sys.stderr,
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0

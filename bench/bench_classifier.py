@@ -52,8 +52,14 @@ NOOP_SRC = b"int am_noop(struct __sk_buff *skb) { return 0; }"
 
 
 def machine() -> dict[str, object]:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown")
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        "unknown",
+    )
     import bcc
 
     return {
@@ -65,14 +71,16 @@ def machine() -> dict[str, object]:
     }
 
 
-def assignment(version: int, rng: random.Random,
-               pins: list[str] | list[tuple[str, int]]) -> pb.Assignment:
+def assignment(
+    version: int, rng: random.Random, pins: list[str] | list[tuple[str, int]]
+) -> pb.Assignment:
     a = pb.Assignment(version=version)
     cuts = sorted(rng.sample(range(1, 10_000), N_SHARDS - 1))
     weights = [b - a_ for a_, b in zip([0, *cuts], [*cuts, 10_000], strict=True)]
     for i in range(N_SHARDS):
-        s = a.shards.add(id=f"shard-{i:03d}", index=i, weight=weights[i],
-                         state=pb.SHARD_STATE_ACTIVE)
+        s = a.shards.add(
+            id=f"shard-{i:03d}", index=i, weight=weights[i], state=pb.SHARD_STATE_ACTIVE
+        )
         s.steer.mark.mark = 0x1000 + i
     for k, pin in enumerate(pins):
         cidr, shard = pin if isinstance(pin, tuple) else (pin, k % N_SHARDS)
@@ -175,9 +183,9 @@ def apply_latency(pin_dir: Path, n: int) -> dict[str, object]:
             third = changed // 3
             for k in picks[:third]:
                 nxt[k] = (next(fresh), nxt[k][1])
-            for k in picks[third:2 * third]:
+            for k in picks[third : 2 * third]:
                 nxt[k] = (nxt[k][0], (nxt[k][1] + 1 + rng.randrange(N_SHARDS - 1)) % N_SHARDS)
-            gone = set(picks[2 * third:])
+            gone = set(picks[2 * third :])
             nxt = [p for k, p in enumerate(nxt) if k not in gone]
             for _ in gone:
                 nxt.insert(rng.randrange(len(nxt) + 1), (next(fresh), rng.randrange(N_SHARDS)))
@@ -195,23 +203,39 @@ def apply_latency(pin_dir: Path, n: int) -> dict[str, object]:
     table.close(unpin=True)
     assert cold is not None
     return {
-        "shards": N_SHARDS, "maglev_size": table.maglev_size, "pins": N_PINS, "applies": n,
-        "to_flip_ms": {"p50": pct(flips, 0.5), "p99": pct(flips, 0.99), "max": round(max(flips), 3)},
+        "shards": N_SHARDS,
+        "maglev_size": table.maglev_size,
+        "pins": N_PINS,
+        "applies": n,
+        "to_flip_ms": {
+            "p50": pct(flips, 0.5),
+            "p99": pct(flips, 0.99),
+            "max": round(max(flips), 3),
+        },
         "validate_ms": {"p50": pct(valid, 0.5), "p99": pct(valid, 0.99)},
         "table_build_ms": {"p50": pct(built, 0.5), "p99": pct(built, 0.99)},
         "whole_apply_ms": {"p50": pct(done, 0.5), "p99": pct(done, 0.99)},
-        **{f"with_{c}_pins_changed_to_flip_ms": {
-            "applies": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99),
-            "max": round(max(xs), 3), "map_ops_per_apply_p50": statistics.median(written[c]),
-            "target_met": pct(xs, 0.99) <= 10} for c, xs in churn.items()},
-        "cold_first_apply_ms": {"to_flip": round(cold.flipped_ns / 1e6, 3),
-                                "pins_written": cold.pins_written,
-                                "total": round(cold_total / 1e6, 3)},
+        **{
+            f"with_{c}_pins_changed_to_flip_ms": {
+                "applies": len(xs),
+                "p50": pct(xs, 0.5),
+                "p99": pct(xs, 0.99),
+                "max": round(max(xs), 3),
+                "map_ops_per_apply_p50": statistics.median(written[c]),
+                "target_met": pct(xs, 0.99) <= 10,
+            }
+            for c, xs in churn.items()
+        },
+        "cold_first_apply_ms": {
+            "to_flip": round(cold.flipped_ns / 1e6, 3),
+            "pins_written": cold.pins_written,
+            "total": round(cold_total / 1e6, 3),
+        },
         "target_p99_ms": 10,
         "target_met": pct(flips, 0.99) <= 10,
         "pin_change_note": "each churn apply also carries new weights (full table rebuild); "
-                           "N changed = N/3 new CIDRs, N/3 moved shard, N/3 removed and N/3 "
-                           "added at random positions; map_ops = pins written + deleted",
+        "N changed = N/3 new CIDRs, N/3 moved shard, N/3 removed and N/3 "
+        "added at random positions; map_ops = pins written + deleted",
     }
 
 
@@ -235,8 +259,7 @@ int produce(struct __sk_buff *skb) {
 """
 
 
-def _producer(pin: str, rate: int, seconds: float, ready: object, go: object,
-              sent: object) -> None:
+def _producer(pin: str, rate: int, seconds: float, ready: object, go: object, sent: object) -> None:
     from bcc import BPF
 
     b = BPF(text=PRODUCER_SRC.replace("@PINDIR@", pin).encode())
@@ -265,8 +288,9 @@ def ringbuf(pin_dir: Path, rates: list[int], seconds: float) -> dict[str, object
         rows = []
         for rate in rates:
             ready, go, sent = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
-            proc = ctx.Process(target=_producer,
-                               args=(str(pin_dir / "ring"), rate, seconds, ready, go, sent))
+            proc = ctx.Process(
+                target=_producer, args=(str(pin_dir / "ring"), rate, seconds, ready, go, sent)
+            )
             proc.start()
             ready.wait(60)
             before = table.read_counters().ringbuf_failed
@@ -296,20 +320,30 @@ def ringbuf(pin_dir: Path, rates: list[int], seconds: float) -> dict[str, object
             cpu = time.process_time() - cpu0
             proc.join()
             lost = table.read_counters().ringbuf_failed - before
-            rows.append({"offered_per_s": rate, "sent": sent.value, "received": got,
-                         "failed_reservations": lost, "seconds": round(elapsed, 2),
-                         "consumed_per_s": round(got / elapsed),
-                         "consumer_cpu_s": round(cpu, 2),
-                         "lossless": lost == 0 and got == sent.value,
-                         "accounted": got + lost == sent.value})
+            rows.append(
+                {
+                    "offered_per_s": rate,
+                    "sent": sent.value,
+                    "received": got,
+                    "failed_reservations": lost,
+                    "seconds": round(elapsed, 2),
+                    "consumed_per_s": round(got / elapsed),
+                    "consumer_cpu_s": round(cpu, 2),
+                    "lossless": lost == 0 and got == sent.value,
+                    "accounted": got + lost == sent.value,
+                }
+            )
         best = max((r["offered_per_s"] for r in rows if r["lossless"] and r["sent"]), default=0)
         out[consumer] = {"runs": rows, "max_lossless_offered_per_s": best}
     table.close(unpin=True)
     pe = out["poll_events"]
     assert isinstance(pe, dict)
-    out |= {"consumer": "mmap ring consumer (bpf.ringbuf.RingBuffer); poll_events decodes every "
-                        "event into a FlowEvent and calls back once per event",
-            "target_per_s": 200_000, "target_met": pe["max_lossless_offered_per_s"] >= 200_000}
+    out |= {
+        "consumer": "mmap ring consumer (bpf.ringbuf.RingBuffer); poll_events decodes every "
+        "event into a FlowEvent and calls back once per event",
+        "target_per_s": 200_000,
+        "target_met": pe["max_lossless_offered_per_s"] >= 200_000,
+    }
     return out
 
 
@@ -330,21 +364,36 @@ def main() -> int:
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": machine(),
             "load_average_before": [round(x, 2) for x in load_before],
-            "per_packet": per_packet(pin_dir, 100_000 if args.quick else 1_000_000,
-                                     2 if args.quick else 5),
+            "per_packet": per_packet(
+                pin_dir, 100_000 if args.quick else 1_000_000, 2 if args.quick else 5
+            ),
             "apply_latency": apply_latency(pin_dir, 20 if args.quick else 200),
-            "ring_buffer": ringbuf(pin_dir, [200_000, 300_000, 400_000, 600_000],
-                                   1.0 if args.quick else 3.0),
+            "ring_buffer": ringbuf(
+                pin_dir, [200_000, 300_000, 400_000, 600_000], 1.0 if args.quick else 3.0
+            ),
         }
         result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     finally:
         shutil.rmtree(pin_dir, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "per_packet"} | {
-        "per_packet": {k: result["per_packet"][k] for k in  # type: ignore[index]
-                       ("ns_per_packet_median", "ratio_to_noop", "new_flow_path_ns",
-                        "target_met")}}, indent=2))
+    print(
+        json.dumps(
+            {k: v for k, v in result.items() if k != "per_packet"}
+            | {
+                "per_packet": {
+                    k: result["per_packet"][k]
+                    for k in (  # type: ignore[index]
+                        "ns_per_packet_median",
+                        "ratio_to_noop",
+                        "new_flow_path_ns",
+                        "target_met",
+                    )
+                }
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -136,9 +136,15 @@ class MemorySource:
         self.rng = rng
         self.base = [
             (
-                addr, port, rng.random() > 0.02, rng.choice([0.0, 0.0, 0.0, rng.uniform(0, 20)]),
-                rng.uniform(0, 64), rng.uniform(0, 1), rng.uniform(0.05, 2.0),
-                rng.uniform(100, 5000), rng.uniform(1e9, 8e10),
+                addr,
+                port,
+                rng.random() > 0.02,
+                rng.choice([0.0, 0.0, 0.0, rng.uniform(0, 20)]),
+                rng.uniform(0, 64),
+                rng.uniform(0, 1),
+                rng.uniform(0.05, 2.0),
+                rng.uniform(100, 5000),
+                rng.uniform(1e9, 8e10),
                 frozenset(f"a{rng.randrange(50)}" for _ in range(4)),
                 frozenset(f"a{rng.randrange(50)}" for _ in range(3)),
             )
@@ -153,8 +159,17 @@ class MemorySource:
         for i, (a, p, known, wait, run, kv, lat, tok, free, res, req) in enumerate(self.base):
             f = noise[i & 63]
             out[f"{a}:{p}"] = WorkerObservation(
-                a, p, known, wait * f, run * f, min(1.0, kv * f), lat * f, tok * f, free,
-                res, req,
+                a,
+                p,
+                known,
+                wait * f,
+                run * f,
+                min(1.0, kv * f),
+                lat * f,
+                tok * f,
+                free,
+                res,
+                req,
             )
         self.build_ms.append((time.perf_counter() - t0) * 1000)
         return out
@@ -177,7 +192,9 @@ def bench_rebalancer(repeats: int) -> dict[str, object]:
         keys = []
         with store.transaction():
             for i in range(MAX_SHARDS):
-                s = assignment_pb2.Shard(id=f"shard-{i:04d}", state=assignment_pb2.SHARD_STATE_ACTIVE)
+                s = assignment_pb2.Shard(
+                    id=f"shard-{i:04d}", state=assignment_pb2.SHARD_STATE_ACTIVE
+                )
                 for k in range(8):
                     addr = f"10.{i // 250}.{i % 250}.{k + 1}"
                     s.endpoints.add(address=addr, port=8000)
@@ -237,10 +254,23 @@ def start_server(state_dir: Path) -> tuple[subprocess.Popen[str], str]:
     tokens = state_dir / "tokens"
     tokens.write_text(f"{TOKEN} read,write bench\n")
     p = subprocess.Popen(
-        [sys.executable, "-m", "adaptermesh.control_plane.cli", "--state-dir", str(state_dir / "db"),
-         "--listen", "127.0.0.1:0", "--tokens-file", str(tokens), "--no-rebalance",
-         "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True, env=os.environ | {"PYTHONPATH": str(ROOT / "src")},
+        [
+            sys.executable,
+            "-m",
+            "adaptermesh.control_plane.cli",
+            "--state-dir",
+            str(state_dir / "db"),
+            "--listen",
+            "127.0.0.1:0",
+            "--tokens-file",
+            str(tokens),
+            "--no-rebalance",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONPATH": str(ROOT / "src")},
     )
     assert p.stdout is not None
     line = p.stdout.readline()
@@ -286,7 +316,11 @@ async def bench_fanout(addr: str, streams: int, rounds: int, channels: int) -> d
                 continue
             gen = a.generated_at.seconds + a.generated_at.nanos / 1e9
             arrivals.setdefault(a.version, []).append(now - gen)
-            if len(arrivals) >= rounds and all(len(v) >= 1 for v in arrivals.values()) and a.version >= current + rounds:
+            if (
+                len(arrivals) >= rounds
+                and all(len(v) >= 1 for v in arrivals.values())
+                and a.version >= current + rounds
+            ):
                 call.cancel()
                 return
 
@@ -342,9 +376,13 @@ async def bench_override(addr: str, calls: int) -> dict[str, object]:
             times.append((time.perf_counter() - t0) * 1000)
             assert a.version == version + i + 1, (a.version, version + i + 1)
         call.cancel()
-    return {"calls": calls, "ms": summary(times), "target_p99_ms": 50.0,
-            "note": "SetOverride start to the watcher receiving the new version; includes one "
-                    "SQLite transaction with synchronous=FULL (fsync)"}
+    return {
+        "calls": calls,
+        "ms": summary(times),
+        "target_p99_ms": 50.0,
+        "note": "SetOverride start to the watcher receiving the new version; includes one "
+        "SQLite transaction with synchronous=FULL (fsync)",
+    }
 
 
 def main() -> int:

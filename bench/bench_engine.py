@@ -50,12 +50,24 @@ from adaptermesh.worker.engine import Engine, EngineConfig
 from adaptermesh.worker.types import GenerationRequest, SamplingParams
 from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
 
-SHAPE_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-            "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
-            "max_position_embeddings": 4096}
-SHAPE_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1000,
-              "max_position_embeddings": 512}
+SHAPE_7B = {
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+SHAPE_TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 1000,
+    "max_position_embeddings": 512,
+}
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL7 = (*ATTN, "gate_proj", "up_proj", "down_proj")
 
@@ -69,16 +81,23 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def random_weights(cfg: dict[str, Any], device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+def random_weights(
+    cfg: dict[str, Any], device: str, dtype: torch.dtype, seed: int = 0
+) -> dict[str, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(seed)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kvd = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
 
     def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(
+            dtype
+        )
 
-    w = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": torch.ones(h, device=device, dtype=dtype),
-         "lm_head.weight": rnd(v, h)}
+    w = {
+        "model.embed_tokens.weight": rnd(v, h),
+        "model.norm.weight": torch.ones(h, device=device, dtype=dtype),
+        "lm_head.weight": rnd(v, h),
+    }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
@@ -93,58 +112,115 @@ def random_weights(cfg: dict[str, Any], device: str, dtype: torch.dtype, seed: i
     return w
 
 
-def write_adapter(root: Path, name: str, cfg: dict[str, Any], rank: int, seed: int, device: str,
-                  targets: tuple[str, ...] = ATTN) -> Path:
+def write_adapter(
+    root: Path,
+    name: str,
+    cfg: dict[str, Any],
+    rank: int,
+    seed: int,
+    device: str,
+    targets: tuple[str, ...] = ATTN,
+) -> Path:
     """A PEFT adapter (bf16, rank ``rank`` on ``targets``) written directly, random on the device."""
     g = torch.Generator(device=device).manual_seed(seed)
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     kvd = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
-    shapes = {"q_proj": (h, h), "k_proj": (h, kvd), "v_proj": (h, kvd), "o_proj": (h, h),
-              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    shapes = {
+        "q_proj": (h, h),
+        "k_proj": (h, kvd),
+        "v_proj": (h, kvd),
+        "o_proj": (h, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
     t: dict[str, torch.Tensor] = {}
     for layer in range(cfg["num_hidden_layers"]):
         for m in targets:
             fi, fo = shapes[m]
             p = f"base_model.model.model.layers.{layer}.{'self_attn' if m in ATTN else 'mlp'}.{m}"
-            t[p + ".lora_A.weight"] = (torch.randn(rank, fi, generator=g, device=device) * fi**-0.5).bfloat16().cpu()
-            t[p + ".lora_B.weight"] = (torch.randn(fo, rank, generator=g, device=device) * 0.02).bfloat16().cpu()
+            t[p + ".lora_A.weight"] = (
+                (torch.randn(rank, fi, generator=g, device=device) * fi**-0.5).bfloat16().cpu()
+            )
+            t[p + ".lora_B.weight"] = (
+                (torch.randn(fo, rank, generator=g, device=device) * 0.02).bfloat16().cpu()
+            )
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     save_file(t, str(d / "adapter_model.safetensors"))
-    (d / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-        "use_rslora": False, "bias": "none", "task_type": "CAUSAL_LM"}))
+    (d / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(targets),
+                "use_rslora": False,
+                "bias": "none",
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
     return d
 
 
-def write_expert_set(root: Path, name: str, cfg: dict[str, Any], experts: int, top_k: int, rank: int, device: str) -> Path:
+def write_expert_set(
+    root: Path, name: str, cfg: dict[str, Any], experts: int, top_k: int, rank: int, device: str
+) -> Path:
     """An AdaFuse expert set in the engine's format: router + ``experts`` PEFT experts (bf16)."""
     d = root / name
     for e in range(experts):
         write_adapter(d / "experts", str(e), cfg, rank, 500 + e, device, ALL7)
     h = cfg["hidden_size"]
     g = torch.Generator(device=device).manual_seed(7)
-    save_file({"weight": (torch.randn(experts, h, generator=g, device=device) * h**-0.5).bfloat16().cpu(),
-               "bias": torch.zeros(experts, dtype=torch.bfloat16)}, str(d / "router.safetensors"))
-    (d / "adaptermesh_adafuse.json").write_text(json.dumps({
-        "format": "adaptermesh.adafuse", "version": 1, "num_experts": experts, "top_k": top_k,
-        "router": {"hidden_size": h, "bias": True}, "target_modules": list(ALL7), "r": rank, "lora_alpha": 2 * rank}))
+    save_file(
+        {
+            "weight": (torch.randn(experts, h, generator=g, device=device) * h**-0.5)
+            .bfloat16()
+            .cpu(),
+            "bias": torch.zeros(experts, dtype=torch.bfloat16),
+        },
+        str(d / "router.safetensors"),
+    )
+    (d / "adaptermesh_adafuse.json").write_text(
+        json.dumps(
+            {
+                "format": "adaptermesh.adafuse",
+                "version": 1,
+                "num_experts": experts,
+                "top_k": top_k,
+                "router": {"hidden_size": h, "bias": True},
+                "target_modules": list(ALL7),
+                "r": rank,
+                "lora_alpha": 2 * rank,
+            }
+        )
+    )
     return d
 
 
-async def single_decode(eng: Engine, name: str | None, prompt_len: int, tokens: int, rid: str) -> dict[str, float]:
+async def single_decode(
+    eng: Engine, name: str | None, prompt_len: int, tokens: int, rid: str
+) -> dict[str, float]:
     """One request alone: first-token latency and decode ms/token after it."""
     ids = tuple(range(3, 3 + prompt_len))
     stamps: list[float] = []
     t0 = time.perf_counter()
-    async for ev in eng.submit(GenerationRequest(rid, ids, name, SamplingParams(max_tokens=tokens))):
+    async for ev in eng.submit(
+        GenerationRequest(rid, ids, name, SamplingParams(max_tokens=tokens))
+    ):
         if ev.token_id is not None:
             stamps.append(time.perf_counter())
-    return {"first_token_ms": 1e3 * (stamps[0] - t0), "decode_ms_per_token": 1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1),
-            "tokens": float(len(stamps))}
+    return {
+        "first_token_ms": 1e3 * (stamps[0] - t0),
+        "decode_ms_per_token": 1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+        "tokens": float(len(stamps)),
+    }
 
 
-async def run_batch(eng: Engine, names: list[str | None], prompt_len: int, max_tokens: int, vocab: int) -> dict[str, float]:
+async def run_batch(
+    eng: Engine, names: list[str | None], prompt_len: int, max_tokens: int, vocab: int
+) -> dict[str, float]:
     """Submit one request per name at once; decode tok/s over the window where all decode."""
     g = torch.Generator().manual_seed(len(names))
     reqs = []
@@ -171,23 +247,47 @@ async def run_batch(eng: Engine, names: list[str | None], prompt_len: int, max_t
     t_end = max(done)
     # Tokens generated after every request had its first token: pure decode steps.
     decode_tokens = sum(counts) - len(counts)
-    return {"decode_tok_s": decode_tokens / (t_end - t_all_first), "wall_s": t_end - t0,
-            "ttft_max_s": t_all_first - t0, "tokens": float(sum(counts))}
+    return {
+        "decode_tok_s": decode_tokens / (t_end - t_all_first),
+        "wall_s": t_end - t0,
+        "ttft_max_s": t_all_first - t0,
+        "tokens": float(sum(counts)),
+    }
 
 
-async def bench_engine(args: argparse.Namespace, cfg: dict[str, Any], model_dir: Path, root: Path, device: str,
-                       res: dict[str, Any], save: Any) -> dict[str, Any]:
+async def bench_engine(
+    args: argparse.Namespace,
+    cfg: dict[str, Any],
+    model_dir: Path,
+    root: Path,
+    device: str,
+    res: dict[str, Any],
+    save: Any,
+) -> dict[str, Any]:
     """Fills ``res`` section by section and calls ``save()`` after each, so a run cut short by
     its time limit still leaves every finished figure on disk. Order: hot load, disk -> first
     token, AdaFuse through the engine, then the (longest) throughput runs."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     only_ae = args.only == "adafuse_engine"
-    ecfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.batch, max_loras=args.batch,
-                        max_lora_rank=16, max_num_batched_tokens=args.batch * args.prompt_len + args.batch,
-                        max_prefill_chunk=args.prompt_len * 4, use_cuda_graphs=True)
+    ecfg = EngineConfig(
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.batch,
+        max_loras=args.batch,
+        max_lora_rank=16,
+        max_num_batched_tokens=args.batch * args.prompt_len + args.batch,
+        max_prefill_chunk=args.prompt_len * 4,
+        use_cuda_graphs=True,
+    )
     log("building engine")
-    eng = Engine(model_dir, root, device=device, dtype=dtype, config=ecfg, model_name="llama-7b-shape",
-                 weights=random_weights(cfg, device, dtype))
+    eng = Engine(
+        model_dir,
+        root,
+        device=device,
+        dtype=dtype,
+        config=ecfg,
+        model_name="llama-7b-shape",
+        weights=random_weights(cfg, device, dtype),
+    )
     res["engine"] = eng.describe()
     names = [f"ad{i:02d}" for i in range(args.batch)]
     if only_ae:
@@ -212,8 +312,11 @@ async def bench_engine(args: argparse.Namespace, cfg: dict[str, Any], model_dir:
         sync()
         times.append(time.perf_counter() - t)
     mgr.pool.clear(slot)
-    res["hot_load_cpu_to_gpu_ms"] = {"median": 1e3 * statistics.median(times), "min": 1e3 * min(times),
-                                     "includes": "copy of all layers' A/B into the slot + checksum verify + sync"}
+    res["hot_load_cpu_to_gpu_ms"] = {
+        "median": 1e3 * statistics.median(times),
+        "min": 1e3 * min(times),
+        "includes": "copy of all layers' A/B into the slot + checksum verify + sync",
+    }
     log(f"cpu->gpu slot: {res['hot_load_cpu_to_gpu_ms']['median']:.2f} ms")
     save()
 
@@ -240,14 +343,19 @@ async def bench_engine(args: argparse.Namespace, cfg: dict[str, Any], model_dir:
         phases.append({p: 1e3 * v for p, v in mgr.counters.last_phases.items()})
         ttft_warm.append(await first_token(name, f"w{k}"))
     res["disk_to_first_token_ms"] = {
-        "median": 1e3 * statistics.median(ttft_cold), "all": [1e3 * x for x in ttft_cold],
+        "median": 1e3 * statistics.median(ttft_cold),
+        "all": [1e3 * x for x in ttft_cold],
         "resident_adapter_first_token_ms": 1e3 * statistics.median(ttft_warm),
         "resident_adapter_first_token_eager_prefill_ms": 1e3 * statistics.median(eager),
         "load_phases_ms": {p: statistics.median(ph[p] for ph in phases) for p in phases[0]},
-        "prompt_tokens": args.prompt_len, "page_cache": "warm (file written just before)",
-        "graph_buckets": eng.describe()["graph_buckets"]}
-    log(f"disk->first token: {res['disk_to_first_token_ms']['median']:.1f} ms (resident: {1e3 * statistics.median(ttft_warm):.1f} ms, "
-        f"eager prefill {1e3 * statistics.median(eager):.1f} ms), phases {res['disk_to_first_token_ms']['load_phases_ms']}")
+        "prompt_tokens": args.prompt_len,
+        "page_cache": "warm (file written just before)",
+        "graph_buckets": eng.describe()["graph_buckets"],
+    }
+    log(
+        f"disk->first token: {res['disk_to_first_token_ms']['median']:.1f} ms (resident: {1e3 * statistics.median(ttft_warm):.1f} ms, "
+        f"eager prefill {1e3 * statistics.median(eager):.1f} ms), phases {res['disk_to_first_token_ms']['load_phases_ms']}"
+    )
     res["load_latencies_s"] = list(eng.stats().new_load_latencies)[-cold_n:]
     save()
 
@@ -257,23 +365,41 @@ async def bench_engine(args: argparse.Namespace, cfg: dict[str, Any], model_dir:
         except Exception as e:  # recorded, the rest of the results stand
             import traceback
 
-            res["adafuse_engine"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            res["adafuse_engine"] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
             log(f"adafuse_engine failed: {e}")
         save()
 
     # Warm-up: captures the CUDA graphs for the length buckets the runs below use.
-    await run_batch(eng, [names[i % 8] for i in range(args.batch)], args.prompt_len, args.max_tokens, cfg["vocab_size"])
+    await run_batch(
+        eng,
+        [names[i % 8] for i in range(args.batch)],
+        args.prompt_len,
+        args.max_tokens,
+        cfg["vocab_size"],
+    )
     thr: dict[str, Any] = {}
     for label, distinct in (("base", 0), ("1", 1), ("8", 8), ("64", args.batch)):
-        batch_names: list[str | None] = [None] * args.batch if distinct == 0 else [names[i % distinct] for i in range(args.batch)]
-        runs = [await run_batch(eng, batch_names, args.prompt_len, args.max_tokens, cfg["vocab_size"]) for _ in range(args.repeats)]
-        thr[label] = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs), "runs": runs}
+        batch_names: list[str | None] = (
+            [None] * args.batch
+            if distinct == 0
+            else [names[i % distinct] for i in range(args.batch)]
+        )
+        runs = [
+            await run_batch(eng, batch_names, args.prompt_len, args.max_tokens, cfg["vocab_size"])
+            for _ in range(args.repeats)
+        ]
+        thr[label] = {
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+            "runs": runs,
+        }
         log(f"distinct={label}: {thr[label]['decode_tok_s']:.0f} decode tok/s")
     res["throughput"] = thr
     res["ratio_64_vs_1"] = thr["64"]["decode_tok_s"] / thr["1"]["decode_tok_s"]
     res["cuda_graphs_active"] = eng.cuda_graphs_active
     save()
-
 
     await eng.shutdown()
     del eng, mgr, cpu
@@ -283,14 +409,20 @@ async def bench_engine(args: argparse.Namespace, cfg: dict[str, Any], model_dir:
     return res
 
 
-async def bench_expert_set(args: argparse.Namespace, cfg: dict[str, Any], eng: Engine, root: Path, lora: str,
-                           device: str) -> dict[str, Any]:
+async def bench_expert_set(
+    args: argparse.Namespace, cfg: dict[str, Any], eng: Engine, root: Path, lora: str, device: str
+) -> dict[str, Any]:
     """Batch-1 decode through the engine: backbone, a rank-16 LoRA, an AdaFuse expert set."""
     experts, top_k, rank = 8, 2, 16
     t = time.perf_counter()
     write_expert_set(root, "experts8", cfg, experts, top_k, rank, device)
-    out: dict[str, Any] = {"experts": experts, "top_k": top_k, "rank": rank, "modules": list(ALL7),
-                           "write_s": time.perf_counter() - t}
+    out: dict[str, Any] = {
+        "experts": experts,
+        "top_k": top_k,
+        "rank": rank,
+        "modules": list(ALL7),
+        "write_s": time.perf_counter() - t,
+    }
     t = time.perf_counter()
     await eng.load_adapter("experts8", "experts8")
     out["load_s"] = time.perf_counter() - t
@@ -301,8 +433,15 @@ async def bench_expert_set(args: argparse.Namespace, cfg: dict[str, Any], eng: E
     # and compiles every kernel the runs use.
     for label, name in (("backbone", None), ("lora_r16_qkvo", lora), ("adafuse", "experts8")):
         await single_decode(eng, name, args.prompt_len, n, f"xwarm-{label}")
-    counters = ("adafuse_merges", "adafuse_restores", "adafuse_gated_steps", "adafuse_merged_steps",
-                "adafuse_solo_gated_steps", "adafuse_compensated_steps", "adafuse_solo_graph_steps")
+    counters = (
+        "adafuse_merges",
+        "adafuse_restores",
+        "adafuse_gated_steps",
+        "adafuse_merged_steps",
+        "adafuse_solo_gated_steps",
+        "adafuse_compensated_steps",
+        "adafuse_solo_graph_steps",
+    )
     before = eng.describe()
     configs = [("backbone", None), ("lora_r16_qkvo", lora), ("adafuse", "experts8")]
     if not args.skip_merge_every_change:
@@ -310,27 +449,43 @@ async def bench_expert_set(args: argparse.Namespace, cfg: dict[str, Any], eng: E
     runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in configs}
     for k in range(2):  # interleaved, so clock drift hits every configuration alike
         for label, name in configs:
-            eng.config.adafuse_merge_after = 1 if label == "adafuse_merge_every_change" else merge_after
+            eng.config.adafuse_merge_after = (
+                1 if label == "adafuse_merge_every_change" else merge_after
+            )
             runs[label].append(await single_decode(eng, name, args.prompt_len, n, f"x{label}{k}"))
     eng.config.adafuse_merge_after = merge_after
     for label, rs in runs.items():
-        out[label] = {"decode_ms_per_token": statistics.median(r["decode_ms_per_token"] for r in rs),
-                      "first_token_ms": statistics.median(r["first_token_ms"] for r in rs), "runs": rs}
+        out[label] = {
+            "decode_ms_per_token": statistics.median(r["decode_ms_per_token"] for r in rs),
+            "first_token_ms": statistics.median(r["first_token_ms"] for r in rs),
+            "runs": rs,
+        }
         log(f"batch-1 {label}: {out[label]['decode_ms_per_token']:.2f} ms/token")
-    out["adafuse_vs_backbone"] = out["adafuse"]["decode_ms_per_token"] / out["backbone"]["decode_ms_per_token"]
+    out["adafuse_vs_backbone"] = (
+        out["adafuse"]["decode_ms_per_token"] / out["backbone"]["decode_ms_per_token"]
+    )
     if "adafuse_merge_every_change" in out:
-        out["merge_every_change_vs_backbone"] = (out["adafuse_merge_every_change"]["decode_ms_per_token"]
-                                                 / out["backbone"]["decode_ms_per_token"])
+        out["merge_every_change_vs_backbone"] = (
+            out["adafuse_merge_every_change"]["decode_ms_per_token"]
+            / out["backbone"]["decode_ms_per_token"]
+        )
     info = eng.describe()
-    out["engine"] = {k: info[k] for k in (*counters, "adafuse_merge_after", "solo_graphs", "backbone_master_bytes")}
+    out["engine"] = {
+        k: info[k]
+        for k in (*counters, "adafuse_merge_after", "solo_graphs", "backbone_master_bytes")
+    }
     out["engine_counters_during_timed_runs"] = {k: info[k] - before[k] for k in counters}
     es = eng.adapters.expert_sets["experts8"].expert_set
-    out["solo_path"] = "packed SGMM (one rank-E*r LoRA per group)" if es.packed else "gated_add_lora"
-    out["harness"] = ("adaptermesh Engine, one request alone; the batch-1 decode graph "
-                      f"(engine of {info['kv_slots']} sequences). AdaFuse default: merged weights only while they hold the token's "
-                      f"selection or after it repeated {merge_after} tokens, else the experts unmerged in the decode "
-                      "graph. merge_every_change: adafuse_merge_after=1, one fused_switch of all "
-                      f"{7 * cfg['num_hidden_layers']} modules whenever the selection changes. Warm-up runs not timed.")
+    out["solo_path"] = (
+        "packed SGMM (one rank-E*r LoRA per group)" if es.packed else "gated_add_lora"
+    )
+    out["harness"] = (
+        "adaptermesh Engine, one request alone; the batch-1 decode graph "
+        f"(engine of {info['kv_slots']} sequences). AdaFuse default: merged weights only while they hold the token's "
+        f"selection or after it repeated {merge_after} tokens, else the experts unmerged in the decode "
+        "graph. merge_every_change: adafuse_merge_after=1, one fused_switch of all "
+        f"{7 * cfg['num_hidden_layers']} modules whenever the selection changes. Warm-up runs not timed."
+    )
     return out
 
 
@@ -346,7 +501,9 @@ def hf_model(cfg: dict[str, Any], device: str, dtype: torch.dtype) -> Any:
     return m.eval()
 
 
-def bench_peft(args: argparse.Namespace, cfg: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
+def bench_peft(
+    args: argparse.Namespace, cfg: dict[str, Any], root: Path, device: str
+) -> dict[str, Any]:
     import peft
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -360,14 +517,19 @@ def bench_peft(args: argparse.Namespace, cfg: dict[str, Any], root: Path, device
     model.eval()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, cfg["vocab_size"], (args.batch, args.prompt_len), generator=g).to(device)
-    res: dict[str, Any] = {"load_64_adapters_s": load_s, "harness": "PeftModel forward with adapter_names, DynamicCache"}
+    res: dict[str, Any] = {
+        "load_64_adapters_s": load_s,
+        "harness": "PeftModel forward with adapter_names, DynamicCache",
+    }
     from transformers import DynamicCache
 
     for label, distinct in (("1", 1), ("64", args.batch)):
         an = [names[i % distinct] for i in range(args.batch)]
         with torch.no_grad():
             # Manual decode loop (no generate(): EOS must not end the measurement early).
-            out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, adapter_names=an)
+            out = model(
+                input_ids=ids, past_key_values=DynamicCache(), use_cache=True, adapter_names=an
+            )
             tok = out.logits[:, -1:].argmax(-1)
             cache = out.past_key_values
             sync()
@@ -379,7 +541,11 @@ def bench_peft(args: argparse.Namespace, cfg: dict[str, Any], root: Path, device
             sync()
             total = time.perf_counter() - t
         tok_s = args.batch * args.peft_tokens / total
-        out_r: dict[str, Any] = {"decode_tok_s": tok_s, "decode_steps": args.peft_tokens, "total_s": total}
+        out_r: dict[str, Any] = {
+            "decode_tok_s": tok_s,
+            "decode_steps": args.peft_tokens,
+            "total_s": total,
+        }
         res[label] = out_r
         log(f"peft distinct={label}: {tok_s:.0f} decode tok/s")
     del model, base
@@ -404,13 +570,19 @@ def bench_adafuse(args: argparse.Namespace, cfg: dict[str, Any], device: str) ->
 
     def linears(layer: Any) -> list[tuple[Any, str, nn.Linear]]:
         return [(layer.self_attn, m, getattr(layer.self_attn, m)) for m in ATTN] + [
-            (layer.mlp, m, getattr(layer.mlp, m)) for m in ("gate_proj", "up_proj", "down_proj")]
+            (layer.mlp, m, getattr(layer.mlp, m)) for m in ("gate_proj", "up_proj", "down_proj")
+        ]
 
     expert_w: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for li, layer in enumerate(layers):
         for _, m, lin in linears(layer):
-            a = (torch.randn(experts, rank, lin.in_features, generator=g, device=device) * lin.in_features**-0.5).to(dtype)
-            b = (torch.randn(experts, lin.out_features, rank, generator=g, device=device) * 0.02).to(dtype)
+            a = (
+                torch.randn(experts, rank, lin.in_features, generator=g, device=device)
+                * lin.in_features**-0.5
+            ).to(dtype)
+            b = (
+                torch.randn(experts, lin.out_features, rank, generator=g, device=device) * 0.02
+            ).to(dtype)
             expert_w[(li, m)] = (a, b)
 
     def decode_latency(steps: int) -> float:
@@ -445,6 +617,7 @@ def bench_adafuse(args: argparse.Namespace, cfg: dict[str, Any], device: str) ->
             dyn.append(d)
     router = AdaFuseRouter(h, experts, top_k, dtype=dtype, device=device)
     ctl = AdaFuseController(router, dyn, exact=False)
+
     def route_first(mod: Any, a: Any, kw: Any) -> None:
         hs = kw["hidden_states"] if "hidden_states" in kw else a[0]
         ctl.route(hs.reshape(-1, h))
@@ -461,7 +634,9 @@ def bench_adafuse(args: argparse.Namespace, cfg: dict[str, Any], device: str) ->
     # Per-layer routing: a router in every layer; each module adds top-2 experts with two
     # matmuls per expert (shrink then expand), no merging.
     class Routed(nn.Module):
-        def __init__(self, base: nn.Linear, a: torch.Tensor, b: torch.Tensor, state: dict[str, Any]) -> None:
+        def __init__(
+            self, base: nn.Linear, a: torch.Tensor, b: torch.Tensor, state: dict[str, Any]
+        ) -> None:
             super().__init__()
             self.base, self.a, self.b, self.state = base, a, b, state
 
@@ -481,7 +656,9 @@ def bench_adafuse(args: argparse.Namespace, cfg: dict[str, Any], device: str) ->
         state: dict[str, Any] = {}
         rw = (torch.randn(experts, h, generator=g, device=device) * h**-0.5).to(dtype)
 
-        def pre(mod: Any, a: Any, kw: Any, rw: torch.Tensor = rw, state: dict[str, Any] = state) -> None:
+        def pre(
+            mod: Any, a: Any, kw: Any, rw: torch.Tensor = rw, state: dict[str, Any] = state
+        ) -> None:
             hs = kw["hidden_states"] if "hidden_states" in kw else a[0]
             logits = hs.reshape(-1, h).float() @ rw.float().T
             vals, ids = torch.topk(logits, top_k, dim=-1)
@@ -505,7 +682,9 @@ def bench_adafuse(args: argparse.Namespace, cfg: dict[str, Any], device: str) ->
     best = min(res["backbone_ms"], res["backbone_again_ms"])
     res["adafuse_vs_backbone"] = res["adafuse_ms"] / best
     res["per_layer_vs_backbone"] = res["per_layer_routing_ms"] / best
-    res["harness"] = "transformers LlamaForCausalLM eager forward with DynamicCache, one token per step"
+    res["harness"] = (
+        "transformers LlamaForCausalLM eager forward with DynamicCache, one token per step"
+    )
     return res
 
 
@@ -520,18 +699,35 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peft-tokens", type=int, default=16)
     ap.add_argument("--adafuse-steps", type=int, default=24)
-    ap.add_argument("--adafuse-tokens", type=int, default=48, help="decode tokens per engine AdaFuse run")
-    ap.add_argument("--skip-expert-set", action="store_true", help="skip the engine AdaFuse measurement")
+    ap.add_argument(
+        "--adafuse-tokens", type=int, default=48, help="decode tokens per engine AdaFuse run"
+    )
+    ap.add_argument(
+        "--skip-expert-set", action="store_true", help="skip the engine AdaFuse measurement"
+    )
     ap.add_argument("--skip", default="", help="comma list of parts to skip: engine,peft,adafuse")
-    ap.add_argument("--only", choices=["adafuse_engine"], default=None,
-                    help="run only this section (builds the engine, writes one LoRA adapter, skips the rest)")
-    ap.add_argument("--skip-merge-every-change", action="store_true",
-                    help="engine AdaFuse: skip the adafuse_merge_after=1 comparison runs")
+    ap.add_argument(
+        "--only",
+        choices=["adafuse_engine"],
+        default=None,
+        help="run only this section (builds the engine, writes one LoRA adapter, skips the rest)",
+    )
+    ap.add_argument(
+        "--skip-merge-every-change",
+        action="store_true",
+        help="engine AdaFuse: skip the adafuse_merge_after=1 comparison runs",
+    )
     args = ap.parse_args()
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     cfg = SHAPE_TINY if args.tiny else SHAPE_7B
     if args.tiny:
-        args.batch, args.max_tokens, args.repeats, args.peft_tokens, args.adafuse_steps = 8, 8, 1, 4, 4
+        args.batch, args.max_tokens, args.repeats, args.peft_tokens, args.adafuse_steps = (
+            8,
+            8,
+            1,
+            4,
+            4,
+        )
         args.adafuse_tokens = 4
     skip = set(filter(None, args.skip.split(",")))
     if args.only == "adafuse_engine":
@@ -546,10 +742,19 @@ def main() -> int:
         write_adapter(root, f"ad{i:02d}", cfg, 16, i, device)
     log(f"wrote {1 if args.only else args.batch} adapters in {time.perf_counter() - t:.1f}s")
     result: dict[str, Any] = {
-        "bench": "bench_engine", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "lora_ops": lora_ops.kernels_description(),
-        "shape": cfg, "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "bench": "bench_engine",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name(0)
+        if device == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "lora_ops": lora_ops.kernels_description(),
+        "shape": cfg,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
         "adapter": {"rank": 16, "targets": list(ATTN), "dtype": "bfloat16"},
     }
     try:
@@ -564,9 +769,16 @@ def main() -> int:
         out.write_text(json.dumps(result, indent=2, default=str))
 
     result["engine"] = {}
-    for part, fn in (("engine", lambda: asyncio.run(bench_engine(args, cfg, model_dir, root, device, result["engine"], save))),
-                     ("peft", lambda: bench_peft(args, cfg, root, device)),
-                     ("adafuse", lambda: bench_adafuse(args, cfg, device))):
+    for part, fn in (
+        (
+            "engine",
+            lambda: asyncio.run(
+                bench_engine(args, cfg, model_dir, root, device, result["engine"], save)
+            ),
+        ),
+        ("peft", lambda: bench_peft(args, cfg, root, device)),
+        ("adafuse", lambda: bench_adafuse(args, cfg, device)),
+    ):
         if part in skip:
             continue
         try:
@@ -586,19 +798,34 @@ def main() -> int:
     ada = result.get("adafuse", {})
     targets: dict[str, Any] = {}
     if "throughput" in eng:
-        targets["64_distinct_ge_0.8x_single"] = {"value": eng["ratio_64_vs_1"], "met": eng["ratio_64_vs_1"] >= 0.8}
+        targets["64_distinct_ge_0.8x_single"] = {
+            "value": eng["ratio_64_vs_1"],
+            "met": eng["ratio_64_vs_1"] >= 0.8,
+        }
         if "64" in peft_r:
             sp = eng["throughput"]["64"]["decode_tok_s"] / peft_r["64"]["decode_tok_s"]
             targets["ge_5x_peft_at_64"] = {"value": sp, "met": sp >= 5.0}
     if "hot_load_cpu_to_gpu_ms" in eng:
-        targets["cpu_to_gpu_le_5ms"] = {"value": eng["hot_load_cpu_to_gpu_ms"]["median"], "met": eng["hot_load_cpu_to_gpu_ms"]["median"] <= 5.0}
+        targets["cpu_to_gpu_le_5ms"] = {
+            "value": eng["hot_load_cpu_to_gpu_ms"]["median"],
+            "met": eng["hot_load_cpu_to_gpu_ms"]["median"] <= 5.0,
+        }
     if "disk_to_first_token_ms" in eng:
-        targets["disk_to_first_token_le_100ms"] = {"value": eng["disk_to_first_token_ms"]["median"], "met": eng["disk_to_first_token_ms"]["median"] <= 100.0}
+        targets["disk_to_first_token_le_100ms"] = {
+            "value": eng["disk_to_first_token_ms"]["median"],
+            "met": eng["disk_to_first_token_ms"]["median"] <= 100.0,
+        }
     ae = eng.get("adafuse_engine", {}) if isinstance(eng, dict) else {}
     if "adafuse_vs_backbone" in ae:
-        targets["engine_adafuse_le_1.25x_backbone"] = {"value": ae["adafuse_vs_backbone"], "met": ae["adafuse_vs_backbone"] <= 1.25}
+        targets["engine_adafuse_le_1.25x_backbone"] = {
+            "value": ae["adafuse_vs_backbone"],
+            "met": ae["adafuse_vs_backbone"] <= 1.25,
+        }
     if "adafuse_vs_backbone" in ada:
-        targets["adafuse_le_1.25x_backbone"] = {"value": ada["adafuse_vs_backbone"], "met": ada["adafuse_vs_backbone"] <= 1.25}
+        targets["adafuse_le_1.25x_backbone"] = {
+            "value": ada["adafuse_vs_backbone"],
+            "met": ada["adafuse_vs_backbone"] <= 1.25,
+        }
     result["targets"] = targets
     save()
     log(json.dumps(targets, indent=1))

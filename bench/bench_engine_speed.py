@@ -80,16 +80,41 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 # The tiny shape of bench_service.py: byte-level vocabulary, so any prompt id decodes.
-SHAPE_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 384,
-              "max_position_embeddings": 512}
-SECTIONS = ("batch1", "batch64", "sampling", "prefix", "logprobs", "capacity", "step_split", "hf_static")
+SHAPE_TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 384,
+    "max_position_embeddings": 512,
+}
+SECTIONS = (
+    "batch1",
+    "batch64",
+    "sampling",
+    "prefix",
+    "logprobs",
+    "capacity",
+    "step_split",
+    "hf_static",
+)
 MAIN_ENGINE_SECTIONS = ("batch1", "batch64", "sampling", "prefix", "logprobs", "capacity")
 # Rough H200 seconds per section (engine builds included where the section builds one); a
 # section is skipped when --budget-s leaves less than this, so the run ends inside its limit.
-SECTION_ESTIMATE_S = {"batch1": 20, "batch64": 40, "sampling": 25, "prefix": 15, "logprobs": 25, "capacity": 25,
-                      "step_split": 60, "hf_static": 100}
-HF_BATCH_ESTIMATE_S = 90  # one batch size of hf_static: torch.compile of the decode step + timed runs
+SECTION_ESTIMATE_S = {
+    "batch1": 20,
+    "batch64": 40,
+    "sampling": 25,
+    "prefix": 15,
+    "logprobs": 25,
+    "capacity": 25,
+    "step_split": 60,
+    "hf_static": 100,
+}
+HF_BATCH_ESTIMATE_S = (
+    90  # one batch size of hf_static: torch.compile of the decode step + timed runs
+)
 OLD_DESIGN_SLOTS = 64  # the slot KV cache: one max_model_len slot per decode row, 64 rows
 
 
@@ -140,14 +165,36 @@ class Sizes:
     copy_bytes: int = 2 * GiB
 
 
-TINY = Sizes(adapters=8, prompt=16, new_tokens=8, batch=8, repeats=2, max_model_len=512,
-             max_num_seqs=128, max_num_batched_tokens=2048, max_prefill_chunk=256,
-             kv_cache_bytes=2 * MiB, capacity_ctx=256, capacity_requests=96, capacity_prompt=32,
-             capacity_new_tokens=4, system_prompt=64, user_tokens=8, prefix_warm=3,
-             logprobs_new_tokens=32,
-             split_batches=(1, 4, 16), split_prompt=8, split_new_tokens=10, split_kv_bytes=4 * MiB,
-             split_max_model_len=128, profile_window_steps=3, hf_prompt=8, hf_new_tokens=8,
-             hf_batches=(1, 8), copy_bytes=64 * MiB)
+TINY = Sizes(
+    adapters=8,
+    prompt=16,
+    new_tokens=8,
+    batch=8,
+    repeats=2,
+    max_model_len=512,
+    max_num_seqs=128,
+    max_num_batched_tokens=2048,
+    max_prefill_chunk=256,
+    kv_cache_bytes=2 * MiB,
+    capacity_ctx=256,
+    capacity_requests=96,
+    capacity_prompt=32,
+    capacity_new_tokens=4,
+    system_prompt=64,
+    user_tokens=8,
+    prefix_warm=3,
+    logprobs_new_tokens=32,
+    split_batches=(1, 4, 16),
+    split_prompt=8,
+    split_new_tokens=10,
+    split_kv_bytes=4 * MiB,
+    split_max_model_len=128,
+    profile_window_steps=3,
+    hf_prompt=8,
+    hf_new_tokens=8,
+    hf_batches=(1, 8),
+    copy_bytes=64 * MiB,
+)
 
 
 def log(msg: str) -> None:
@@ -188,8 +235,13 @@ def adapter_bytes(shape: dict[str, int], rank: int, dtype_bytes: int = 2) -> int
 # ====================================================================== header
 def driver_version() -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=False)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError):
@@ -243,9 +295,15 @@ def copy_bandwidth(device: str, nbytes: int, reps: int = 10) -> dict[str, Any]:
     del src, dst
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"GB_s": 2 * nbytes / med / 1e9, "bytes_per_copy": nbytes, "bytes_counted": 2 * nbytes,
-            "median_s": med, "min_s": min(times), "repeats": reps,
-            "method": "dst.copy_(src), bytes read + written, median of repeats after 3 warm-ups"}
+    return {
+        "GB_s": 2 * nbytes / med / 1e9,
+        "bytes_per_copy": nbytes,
+        "bytes_counted": 2 * nbytes,
+        "median_s": med,
+        "min_s": min(times),
+        "repeats": reps,
+        "method": "dst.copy_(src), bytes read + written, median of repeats after 3 warm-ups",
+    }
 
 
 # ====================================================================== the run
@@ -263,7 +321,9 @@ class Bench:
         self.dtype_bytes = 2 if device == "cuda" else 4
         self.t0 = time.monotonic()
         self.deadline = self.t0 + args.budget_s if args.budget_s else None
-        self.selected = [s for s in SECTIONS if (not args.only or s in args.only) and s not in args.skip]
+        self.selected = [
+            s for s in SECTIONS if (not args.only or s in args.only) and s not in args.skip
+        ]
         self._rid = itertools.count()
         self.work = Path(tempfile.mkdtemp(prefix="bench_engine_speed_"))
         self.model_dir = self.work / "model"
@@ -296,7 +356,9 @@ class Bench:
                 return f"time budget: {left:.0f} s left, the section needs ~{SECTION_ESTIMATE_S[name]} s"
         return None
 
-    async def section(self, name: str, fn: Callable[..., Awaitable[dict[str, Any]]], *a: Any) -> None:
+    async def section(
+        self, name: str, fn: Callable[..., Awaitable[dict[str, Any]]], *a: Any
+    ) -> None:
         reason = self.skip_reason(name)
         if reason is not None:
             log(f"{name}: skipped ({reason})")
@@ -329,9 +391,16 @@ class Bench:
             "driver": driver_version() if self.device == "cuda" else None,
             "versions": versions(),
             "mode": "tiny (CPU smoke run)" if self.args.tiny else "benchmark",
-            "shape": self.shape, "dtype": str(self.dtype), "weights": "random (bench_engine.random_weights, seed 0)",
-            "adapters": {"count": self.s.adapters, "rank": self.s.rank, "targets": list(self.be.ALL7),
-                         "format": "PEFT safetensors, bf16", "bytes_on_device_each": adapter_bytes(self.shape, self.s.rank, self.dtype_bytes)},
+            "shape": self.shape,
+            "dtype": str(self.dtype),
+            "weights": "random (bench_engine.random_weights, seed 0)",
+            "adapters": {
+                "count": self.s.adapters,
+                "rank": self.s.rank,
+                "targets": list(self.be.ALL7),
+                "format": "PEFT safetensors, bf16",
+                "bytes_on_device_each": adapter_bytes(self.shape, self.s.rank, self.dtype_bytes),
+            },
             "sizes": dataclasses.asdict(self.s),
             "sections_selected": self.selected,
             "budget_s": self.args.budget_s,
@@ -355,29 +424,39 @@ class Bench:
         ad = adapter_bytes(self.shape, s.rank, db)
         ctx = s.prompt + s.new_tokens / 2  # mean context over the decode steps of one request
         b1 = weight_bytes_per_step(self.shape, db, 1) + kvpt * ctx
-        b64 = {label: weight_bytes_per_step(self.shape, db, s.batch) + s.batch * ctx * kvpt + n * ad
-               for label, n in (("distinct", s.adapters), ("one_adapter", 1), ("base", 0))}
+        b64 = {
+            label: weight_bytes_per_step(self.shape, db, s.batch) + s.batch * ctx * kvpt + n * ad
+            for label, n in (("distinct", s.adapters), ("one_adapter", 1), ("base", 0))
+        }
         tok_s = {k: s.batch / (v / self.copy_Bps) for k, v in b64.items()}
         return {
-            "kv_bytes_per_token": kvpt, "adapter_bytes": ad, "mean_decode_context": ctx,
+            "kv_bytes_per_token": kvpt,
+            "adapter_bytes": ad,
+            "mean_decode_context": ctx,
             "weight_bytes_per_decode_step": weight_bytes_per_step(self.shape, db, 1),
-            "batch1_bytes_per_step": b1, "batch1_floor_ms_per_token": 1e3 * b1 / self.copy_Bps,
-            "batch64_bytes_per_step": b64, "batch64_floor_tok_s": tok_s,
+            "batch1_bytes_per_step": b1,
+            "batch1_floor_ms_per_token": 1e3 * b1 / self.copy_Bps,
+            "batch64_bytes_per_step": b64,
+            "batch64_floor_tok_s": tok_s,
             "batch64_distinct_vs_one_at_floor": tok_s["distinct"] / tok_s["one_adapter"],
             "kv_tokens_in_budget": s.kv_cache_bytes // kvpt,
             "full_ctx_sequences_in_budget": s.kv_cache_bytes // kvpt // s.capacity_ctx,
             "note": "bytes a step must read (weights once, KV of every context token, each distinct "
-                    "adapter's A and B) over the measured copy bandwidth; no engine runs faster",
+            "adapter's A and B) over the measured copy bandwidth; no engine runs faster",
         }
 
     def write_adapters(self) -> None:
         from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
 
         make_tokenizer(self.model_dir)
-        (self.model_dir / "config.json").write_text(json.dumps(make_model_config("llama", **self.shape)))
+        (self.model_dir / "config.json").write_text(
+            json.dumps(make_model_config("llama", **self.shape))
+        )
         t = time.perf_counter()
         for i, name in enumerate(self.names):
-            self.be.write_adapter(self.root, name, self.shape, self.s.rank, i, self.device, self.be.ALL7)
+            self.be.write_adapter(
+                self.root, name, self.shape, self.s.rank, i, self.device, self.be.ALL7
+            )
         self.result["header"]["adapter_write_s"] = time.perf_counter() - t
         log(f"wrote {len(self.names)} adapters in {time.perf_counter() - t:.1f} s")
 
@@ -386,29 +465,49 @@ class Bench:
 
         s = self.s
         kw: dict[str, Any] = dict(
-            max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs, max_loras=s.adapters,
-            max_lora_rank=s.rank, max_num_batched_tokens=s.max_num_batched_tokens,
-            max_prefill_chunk=s.max_prefill_chunk, kv_cache_bytes=s.kv_cache_bytes, use_cuda_graphs=True,
-            block_size=16, enable_prefix_caching=True, profile_steps=False)
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            max_loras=s.adapters,
+            max_lora_rank=s.rank,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_prefill_chunk=s.max_prefill_chunk,
+            kv_cache_bytes=s.kv_cache_bytes,
+            use_cuda_graphs=True,
+            block_size=16,
+            enable_prefix_caching=True,
+            profile_steps=False,
+        )
         kw.update(overrides)
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unsupported = sorted(k for k in kw if k not in known)
         cfg = EngineConfig(**{k: v for k, v in kw.items() if k in known})
-        entry: dict[str, Any] = {"config": dataclasses.asdict(cfg), "unsupported_config_fields": unsupported}
+        entry: dict[str, Any] = {
+            "config": dataclasses.asdict(cfg),
+            "unsupported_config_fields": unsupported,
+        }
         self.result["engines"][label] = entry
         if unsupported:
             log(f"engine {label}: EngineConfig lacks {unsupported}; built without them")
         t = time.perf_counter()
-        eng = Engine(self.model_dir, self.root, device=self.device, dtype=self.dtype, config=cfg,
-                     model_name="llama-7b-shape", weights=self.be.random_weights(self.shape, self.device, self.dtype))
+        eng = Engine(
+            self.model_dir,
+            self.root,
+            device=self.device,
+            dtype=self.dtype,
+            config=cfg,
+            model_name="llama-7b-shape",
+            weights=self.be.random_weights(self.shape, self.device, self.dtype),
+        )
         entry["build_s"] = time.perf_counter() - t
         t = time.perf_counter()
         await asyncio.gather(*eng.prefetch(self.names))
         entry["prefetch_s"] = time.perf_counter() - t
         entry["describe"] = eng.describe()
-        log(f"engine {label}: built in {entry['build_s']:.1f} s, {len(self.names)} adapters prefetched in "
+        log(
+            f"engine {label}: built in {entry['build_s']:.1f} s, {len(self.names)} adapters prefetched in "
             f"{entry['prefetch_s']:.1f} s; kv_tokens {entry['describe'].get('kv_tokens')}, "
-            f"graph_buckets {entry['describe'].get('graph_buckets')}")
+            f"graph_buckets {entry['describe'].get('graph_buckets')}"
+        )
         self.save()
         return eng
 
@@ -425,13 +524,21 @@ class Bench:
         if self.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-            self.result["engines"].setdefault(label, {})["gpu_free_bytes_after_shutdown"] = torch.cuda.mem_get_info()[0]
+            self.result["engines"].setdefault(label, {})["gpu_free_bytes_after_shutdown"] = (
+                torch.cuda.mem_get_info()[0]
+            )
         self.save()
 
 
 # ====================================================================== request helpers
-async def trace(eng: Any, rid: str, ids: tuple[int, ...], adapter: str | None, sp: Any,
-                on_token: Callable[[int], None] | None = None) -> dict[str, Any]:
+async def trace(
+    eng: Any,
+    rid: str,
+    ids: tuple[int, ...],
+    adapter: str | None,
+    sp: Any,
+    on_token: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """One request: submit time, the arrival time of every token, the final counts."""
     from adaptermesh.worker.types import GenerationRequest
 
@@ -444,8 +551,12 @@ async def trace(eng: Any, rid: str, ids: tuple[int, ...], adapter: str | None, s
             if on_token is not None:
                 on_token(len(stamps))
         last = ev
-    return {"t0": t0, "stamps": stamps, "finish_reason": last.finish_reason if last else None,
-            "completion_tokens": last.completion_tokens if last else 0}
+    return {
+        "t0": t0,
+        "stamps": stamps,
+        "finish_reason": last.finish_reason if last else None,
+        "completion_tokens": last.completion_tokens if last else 0,
+    }
 
 
 def decode_ms(tr: dict[str, Any]) -> float | None:
@@ -457,24 +568,46 @@ def ttft_ms(tr: dict[str, Any]) -> float | None:
     return 1e3 * (tr["stamps"][0] - tr["t0"]) if tr["stamps"] else None
 
 
-async def run_batch(b: Bench, eng: Any, adapters: list[str | None], prompt_len: int, new_tokens: int,
-                    seed: int, temperature: float = 0.0, top_p: float = 1.0,
-                    on_token: Callable[[int, int], None] | None = None,
-                    logprobs: int | None = None) -> dict[str, Any]:
+async def run_batch(
+    b: Bench,
+    eng: Any,
+    adapters: list[str | None],
+    prompt_len: int,
+    new_tokens: int,
+    seed: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    on_token: Callable[[int, int], None] | None = None,
+    logprobs: int | None = None,
+) -> dict[str, Any]:
     """Submit one request per entry of ``adapters`` at once. Decode tok/s counts the tokens that
     arrived while every request was decoding: after the last first token, up to the first last
     token. Prompts are distinct per request and per call, so no run reuses another's prefix."""
     from adaptermesh.worker.types import SamplingParams
 
     def sp(i: int) -> Any:
-        return SamplingParams(max_tokens=new_tokens, temperature=temperature, top_p=top_p,
-                              seed=(seed * 1009 + i) if temperature > 0 else None, logprobs=logprobs)
+        return SamplingParams(
+            max_tokens=new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=(seed * 1009 + i) if temperature > 0 else None,
+            logprobs=logprobs,
+        )
 
     t0 = time.perf_counter()
-    traces = await asyncio.gather(*(
-        trace(eng, b.rid("batch"), b.prompt(seed * 100_003 + i, prompt_len), a, sp(i),
-              None if on_token is None else (lambda n, i=i: on_token(i, n)))
-        for i, a in enumerate(adapters)))
+    traces = await asyncio.gather(
+        *(
+            trace(
+                eng,
+                b.rid("batch"),
+                b.prompt(seed * 100_003 + i, prompt_len),
+                a,
+                sp(i),
+                None if on_token is None else (lambda n, i=i: on_token(i, n)),
+            )
+            for i, a in enumerate(adapters)
+        )
+    )
     firsts = [tr["stamps"][0] for tr in traces if tr["stamps"]]
     lasts = [tr["stamps"][-1] for tr in traces if tr["stamps"]]
     t_a, t_b = max(firsts), min(lasts)
@@ -485,10 +618,15 @@ async def run_batch(b: Bench, eng: Any, adapters: list[str | None], prompt_len: 
         n = sum(len(tr["stamps"]) - 1 for tr in traces)
         window = max(lasts) - t_a
         rate = n / window if window > 0 else None
-    return {"decode_tok_s": rate, "window_s": window, "window_tokens": n,
-            "ttft_max_ms": 1e3 * (t_a - t0), "wall_s": max(lasts) - t0,
-            "completion_tokens": sum(tr["completion_tokens"] for tr in traces),
-            "finish_reasons": sorted({str(tr["finish_reason"]) for tr in traces})}
+    return {
+        "decode_tok_s": rate,
+        "window_s": window,
+        "window_tokens": n,
+        "ttft_max_ms": 1e3 * (t_a - t0),
+        "wall_s": max(lasts) - t0,
+        "completion_tokens": sum(tr["completion_tokens"] for tr in traces),
+        "finish_reasons": sorted({str(tr["finish_reason"]) for tr in traces}),
+    }
 
 
 # ====================================================================== sections
@@ -518,36 +656,62 @@ async def sec_batch1(b: Bench, eng: Any) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
     for k in range(s.repeats):  # interleaved: clock drift hits both alike
         for j, (label, name) in enumerate(configs):
-            tr = await one(label, name, b.rid(f"b1-{label}"), b.prompt(11_000 + 10 * k + j, s.prompt))
-            runs[label].append({"decode_ms_per_token": decode_ms(tr), "ttft_ms": ttft_ms(tr), "tokens": len(tr["stamps"])})
+            tr = await one(
+                label, name, b.rid(f"b1-{label}"), b.prompt(11_000 + 10 * k + j, s.prompt)
+            )
+            runs[label].append(
+                {
+                    "decode_ms_per_token": decode_ms(tr),
+                    "ttft_ms": ttft_ms(tr),
+                    "tokens": len(tr["stamps"]),
+                }
+            )
     kvpt = kv_bytes_per_token(b.shape, b.dtype_bytes)
     ctx = s.prompt + s.new_tokens / 2
-    out: dict[str, Any] = {"prompt_tokens": s.prompt, "new_tokens": s.new_tokens, "sampling": "greedy",
-                           "repeats": s.repeats, "timing": "first token to last token / (tokens - 1), median of repeats",
-                           "mean_decode_context": ctx}
+    out: dict[str, Any] = {
+        "prompt_tokens": s.prompt,
+        "new_tokens": s.new_tokens,
+        "sampling": "greedy",
+        "repeats": s.repeats,
+        "timing": "first token to last token / (tokens - 1), median of repeats",
+        "mean_decode_context": ctx,
+    }
     for label, name in configs:
         ms = median([r["decode_ms_per_token"] for r in runs[label]])
         nbytes = weight_bytes_per_step(b.shape, b.dtype_bytes, 1) + kvpt * ctx
         if name is not None:
             nbytes += adapter_bytes(b.shape, s.rank, b.dtype_bytes)
         achieved = nbytes / (ms / 1e3) if ms else None
-        out[label] = {"decode_ms_per_token": ms, "ttft_ms": median([r["ttft_ms"] for r in runs[label]]),
-                      "bytes_per_step": nbytes, "achieved_GB_s": achieved / 1e9 if achieved else None,
-                      "pct_of_copy_bw": 100 * achieved / b.copy_Bps if achieved and b.copy_Bps else None,
-                      "floor_ms_per_token": 1e3 * nbytes / b.copy_Bps if b.copy_Bps else None,
-                      "runs": runs[label]}
-        log(f"batch1 {label}: {_fmt(ms)} ms/token ({_fmt(out[label]['pct_of_copy_bw'])}% of copy bw)")
-    out["lora_vs_backbone"] = ratio(out["lora_r16_all7"]["decode_ms_per_token"], out["backbone"]["decode_ms_per_token"])
+        out[label] = {
+            "decode_ms_per_token": ms,
+            "ttft_ms": median([r["ttft_ms"] for r in runs[label]]),
+            "bytes_per_step": nbytes,
+            "achieved_GB_s": achieved / 1e9 if achieved else None,
+            "pct_of_copy_bw": 100 * achieved / b.copy_Bps if achieved and b.copy_Bps else None,
+            "floor_ms_per_token": 1e3 * nbytes / b.copy_Bps if b.copy_Bps else None,
+            "runs": runs[label],
+        }
+        log(
+            f"batch1 {label}: {_fmt(ms)} ms/token ({_fmt(out[label]['pct_of_copy_bw'])}% of copy bw)"
+        )
+    out["lora_vs_backbone"] = ratio(
+        out["lora_r16_all7"]["decode_ms_per_token"], out["backbone"]["decode_ms_per_token"]
+    )
     if "lora_r16_all7_serial" in out:
-        out["lora_serial_vs_backbone"] = ratio(out["lora_r16_all7_serial"]["decode_ms_per_token"],
-                                               out["backbone"]["decode_ms_per_token"])
+        out["lora_serial_vs_backbone"] = ratio(
+            out["lora_r16_all7_serial"]["decode_ms_per_token"],
+            out["backbone"]["decode_ms_per_token"],
+        )
     return out
 
 
 def batch_configs(b: Bench) -> list[tuple[str, list[str | None]]]:
     n = b.s.batch
-    return [("distinct", [b.names[i % len(b.names)] for i in range(n)]),
-            ("one_adapter", [b.names[0]] * n), ("base", [None] * n)]
+    return [
+        ("distinct", [b.names[i % len(b.names)] for i in range(n)]),
+        ("one_adapter", [b.names[0]] * n),
+        ("base", [None] * n),
+    ]
 
 
 async def sec_batch64(b: Bench, eng: Any) -> dict[str, Any]:
@@ -558,20 +722,35 @@ async def sec_batch64(b: Bench, eng: Any) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
     for k in range(s.repeats):
         for j, (label, names) in enumerate(configs):
-            runs[label].append(await run_batch(b, eng, names, s.prompt, s.new_tokens, seed=200 + 10 * k + j))
-    out: dict[str, Any] = {"batch": s.batch, "prompt_tokens": s.prompt, "new_tokens": s.new_tokens,
-                           "sampling": "greedy", "repeats": s.repeats, "distinct_adapters": len(set(configs[0][1])),
-                           "timing": "tokens that arrived after the last first token and up to the first last "
-                                     "token, over that window; median of repeats"}
+            runs[label].append(
+                await run_batch(b, eng, names, s.prompt, s.new_tokens, seed=200 + 10 * k + j)
+            )
+    out: dict[str, Any] = {
+        "batch": s.batch,
+        "prompt_tokens": s.prompt,
+        "new_tokens": s.new_tokens,
+        "sampling": "greedy",
+        "repeats": s.repeats,
+        "distinct_adapters": len(set(configs[0][1])),
+        "timing": "tokens that arrived after the last first token and up to the first last "
+        "token, over that window; median of repeats",
+    }
     floor = b.result["header"].get("floors", {}).get("batch64_floor_tok_s", {})
     for label, _ in configs:
         tok_s = median([r["decode_tok_s"] for r in runs[label]])
-        out[label] = {"decode_tok_s": tok_s, "floor_tok_s": floor.get(label),
-                      "pct_of_floor": 100 * tok_s / floor[label] if tok_s and floor.get(label) else None,
-                      "runs": runs[label]}
+        out[label] = {
+            "decode_tok_s": tok_s,
+            "floor_tok_s": floor.get(label),
+            "pct_of_floor": 100 * tok_s / floor[label] if tok_s and floor.get(label) else None,
+            "runs": runs[label],
+        }
         log(f"batch{s.batch} {label}: {_fmt(tok_s)} decode tok/s")
-    out["distinct_vs_one"] = ratio(out["distinct"]["decode_tok_s"], out["one_adapter"]["decode_tok_s"])
-    out["distinct_vs_one_at_floor"] = b.result["header"].get("floors", {}).get("batch64_distinct_vs_one_at_floor")
+    out["distinct_vs_one"] = ratio(
+        out["distinct"]["decode_tok_s"], out["one_adapter"]["decode_tok_s"]
+    )
+    out["distinct_vs_one_at_floor"] = (
+        b.result["header"].get("floors", {}).get("batch64_distinct_vs_one_at_floor")
+    )
     return out
 
 
@@ -579,17 +758,36 @@ async def sec_sampling(b: Bench, eng: Any) -> dict[str, Any]:
     s = b.s
     names = batch_configs(b)[0][1]
     configs = (("greedy", 0.0, 1.0), ("t1_p09", 1.0, 0.9))
-    await run_batch(b, eng, names, s.prompt, s.new_tokens, seed=300, temperature=1.0, top_p=0.9)  # warm-up
+    await run_batch(
+        b, eng, names, s.prompt, s.new_tokens, seed=300, temperature=1.0, top_p=0.9
+    )  # warm-up
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in configs}
     for k in range(s.repeats):
         for j, (label, temp, top_p) in enumerate(configs):
-            runs[label].append(await run_batch(b, eng, names, s.prompt, s.new_tokens, seed=400 + 10 * k + j,
-                                               temperature=temp, top_p=top_p))
-    out: dict[str, Any] = {"batch": s.batch, "distinct_adapters": len(set(names)), "repeats": s.repeats,
-                           "sampled": {"temperature": 1.0, "top_p": 0.9, "seed": "per request"},
-                           "timing": "as batch64; greedy and sampled runs interleaved"}
+            runs[label].append(
+                await run_batch(
+                    b,
+                    eng,
+                    names,
+                    s.prompt,
+                    s.new_tokens,
+                    seed=400 + 10 * k + j,
+                    temperature=temp,
+                    top_p=top_p,
+                )
+            )
+    out: dict[str, Any] = {
+        "batch": s.batch,
+        "distinct_adapters": len(set(names)),
+        "repeats": s.repeats,
+        "sampled": {"temperature": 1.0, "top_p": 0.9, "seed": "per request"},
+        "timing": "as batch64; greedy and sampled runs interleaved",
+    }
     for label, _, _ in configs:
-        out[label] = {"decode_tok_s": median([r["decode_tok_s"] for r in runs[label]]), "runs": runs[label]}
+        out[label] = {
+            "decode_tok_s": median([r["decode_tok_s"] for r in runs[label]]),
+            "runs": runs[label],
+        }
         log(f"sampling {label}: {_fmt(out[label]['decode_tok_s'])} decode tok/s")
     out["sampled_vs_greedy"] = ratio(out["t1_p09"]["decode_tok_s"], out["greedy"]["decode_tok_s"])
     return out
@@ -598,22 +796,43 @@ async def sec_sampling(b: Bench, eng: Any) -> dict[str, Any]:
 async def sec_logprobs(b: Bench, eng: Any) -> dict[str, Any]:
     s = b.s
     names: list[str | None] = [None] * s.logprobs_batch
-    configs: tuple[tuple[str, int | None], ...] = (("none", None), (f"top{s.logprobs_top}", s.logprobs_top))
+    configs: tuple[tuple[str, int | None], ...] = (
+        ("none", None),
+        (f"top{s.logprobs_top}", s.logprobs_top),
+    )
     for j, (_, k) in enumerate(configs):  # warm-up: this batch's graph bucket, the logprob path
         await run_batch(b, eng, names, s.prompt, s.logprobs_new_tokens, seed=500 + j, logprobs=k)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
     steps0 = eng.logprob_steps
     for rep in range(s.repeats):  # interleaved: clock drift hits both alike
         for j, (label, k) in enumerate(configs):
-            runs[label].append(await run_batch(b, eng, names, s.prompt, s.logprobs_new_tokens,
-                                               seed=600 + 10 * rep + j, logprobs=k))
-    out: dict[str, Any] = {"batch": s.logprobs_batch, "prompt_tokens": s.prompt, "new_tokens": s.logprobs_new_tokens,
-                           "model": "base", "sampling": "greedy", "repeats": s.repeats,
-                           "asked": f"every row: logprobs with the top {s.logprobs_top} alternatives",
-                           "logprob_steps": eng.logprob_steps - steps0,
-                           "timing": "as batch64; runs with and without logprobs interleaved"}
+            runs[label].append(
+                await run_batch(
+                    b,
+                    eng,
+                    names,
+                    s.prompt,
+                    s.logprobs_new_tokens,
+                    seed=600 + 10 * rep + j,
+                    logprobs=k,
+                )
+            )
+    out: dict[str, Any] = {
+        "batch": s.logprobs_batch,
+        "prompt_tokens": s.prompt,
+        "new_tokens": s.logprobs_new_tokens,
+        "model": "base",
+        "sampling": "greedy",
+        "repeats": s.repeats,
+        "asked": f"every row: logprobs with the top {s.logprobs_top} alternatives",
+        "logprob_steps": eng.logprob_steps - steps0,
+        "timing": "as batch64; runs with and without logprobs interleaved",
+    }
     for label, _ in configs:
-        out[label] = {"decode_tok_s": median([r["decode_tok_s"] for r in runs[label]]), "runs": runs[label]}
+        out[label] = {
+            "decode_tok_s": median([r["decode_tok_s"] for r in runs[label]]),
+            "runs": runs[label],
+        }
         log(f"logprobs {label}: {_fmt(out[label]['decode_tok_s'])} decode tok/s")
     out["logprobs_vs_none"] = ratio(out[configs[1][0]]["decode_tok_s"], out["none"]["decode_tok_s"])
     log(f"logprobs: top{s.logprobs_top} vs none {_fmt(out['logprobs_vs_none'])}")
@@ -632,7 +851,9 @@ async def sec_prefix(b: Bench, eng: Any) -> dict[str, Any]:
     seeds = itertools.count(50_000)
 
     async def ttft(system: tuple[int, ...], adapter: str) -> float:
-        tr = await trace(eng, b.rid("prefix"), system + b.prompt(next(seeds), s.user_tokens), adapter, sp)
+        tr = await trace(
+            eng, b.rid("prefix"), system + b.prompt(next(seeds), s.user_tokens), adapter, sp
+        )
         value = ttft_ms(tr)
         assert value is not None, "request produced no token"
         return value
@@ -662,20 +883,36 @@ async def sec_prefix(b: Bench, eng: Any) -> dict[str, Any]:
     cold, cold_other = median(colds), median(colds_other)
     warm_med, warm_other_med = median(warm), median(warm_other)
     out = {
-        "system_prompt_tokens": s.system_prompt, "user_tokens": s.user_tokens, "max_tokens": 2,
+        "system_prompt_tokens": s.system_prompt,
+        "user_tokens": s.user_tokens,
+        "max_tokens": 2,
         "rounds": s.prefix_rounds,
-        "same_adapter": {"adapter": a, "cold_ttft_ms": cold, "warm_ttft_ms": warm_med, "warm_all_ms": warm,
-                         "cold_all_ms": colds, "cold_over_warm": ratio(cold, warm_med)},
-        "other_adapter": {"adapter": other, "cold_ttft_ms": cold_other, "warm_ttft_ms": warm_other_med,
-                          "warm_all_ms": warm_other, "cold_all_ms": colds_other,
-                          "cold_over_warm": ratio(cold_other, warm_other_med)},
+        "same_adapter": {
+            "adapter": a,
+            "cold_ttft_ms": cold,
+            "warm_ttft_ms": warm_med,
+            "warm_all_ms": warm,
+            "cold_all_ms": colds,
+            "cold_over_warm": ratio(cold, warm_med),
+        },
+        "other_adapter": {
+            "adapter": other,
+            "cold_ttft_ms": cold_other,
+            "warm_ttft_ms": warm_other_med,
+            "warm_all_ms": warm_other,
+            "cold_all_ms": colds_other,
+            "cold_over_warm": ratio(cold_other, warm_other_med),
+        },
         "other_adapter_cold_over_same_adapter_warm": ratio(cold_other, warm_med),
         # Shared blocks would make the other adapter's first request about as fast as a warm one.
         "no_sharing_across_adapters": cold_other > (cold + (warm_med or 0)) / 2,
-        "engine_counters_before": before, "engine_counters_after": after,
+        "engine_counters_before": before,
+        "engine_counters_after": after,
         "timing": "submit to first token, one request at a time on an idle engine; medians over the rounds",
     }
-    log(f"prefix: cold {cold:.1f} ms, warm {warm_med:.1f} ms, other adapter cold {cold_other:.1f} ms")
+    log(
+        f"prefix: cold {cold:.1f} ms, warm {warm_med:.1f} ms, other adapter cold {cold_other:.1f} ms"
+    )
     return out
 
 
@@ -688,10 +925,15 @@ async def sec_capacity(b: Bench, eng: Any) -> dict[str, Any]:
     kv_tokens = info.get("kv_tokens")
     block = info.get("block_size") or 1
     out: dict[str, Any] = {
-        "kv_cache_bytes_config": s.kv_cache_bytes, "kv_bytes": info.get("kv_bytes"),
-        "kv_blocks": info.get("kv_blocks"), "block_size": info.get("block_size"),
-        "max_model_len": info.get("max_model_len"), "max_num_seqs": info.get("max_num_seqs", s.max_num_seqs),
-        "kv_bytes_per_token": kvpt, "context": s.capacity_ctx, "old_design_slots": OLD_DESIGN_SLOTS,
+        "kv_cache_bytes_config": s.kv_cache_bytes,
+        "kv_bytes": info.get("kv_bytes"),
+        "kv_blocks": info.get("kv_blocks"),
+        "block_size": info.get("block_size"),
+        "max_model_len": info.get("max_model_len"),
+        "max_num_seqs": info.get("max_num_seqs", s.max_num_seqs),
+        "kv_bytes_per_token": kvpt,
+        "context": s.capacity_ctx,
+        "old_design_slots": OLD_DESIGN_SLOTS,
         "full_ctx_sequences_in_budget": s.kv_cache_bytes // kvpt // s.capacity_ctx,
     }
     if kv_tokens is not None:
@@ -722,9 +964,21 @@ async def sec_capacity(b: Bench, eng: Any) -> dict[str, Any]:
         peak["waiting"] = max(peak["waiting"], st.num_waiting)
         peak["kv_usage"] = max(peak["kv_usage"], st.kv_cache_usage)
 
-    task = asyncio.ensure_future(asyncio.gather(*(
-        trace(eng, b.rid("cap"), b.prompt(70_000 + i, s.capacity_prompt), b.names[i % len(b.names)], sp, poll)
-        for i in range(n))))
+    task = asyncio.ensure_future(
+        asyncio.gather(
+            *(
+                trace(
+                    eng,
+                    b.rid("cap"),
+                    b.prompt(70_000 + i, s.capacity_prompt),
+                    b.names[i % len(b.names)],
+                    sp,
+                    poll,
+                )
+                for i in range(n)
+            )
+        )
+    )
     t = time.perf_counter()
     while not task.done():
         poll()
@@ -737,20 +991,30 @@ async def sec_capacity(b: Bench, eng: Any) -> dict[str, Any]:
     elif info.get("kv_slots") is not None:
         bounds["kv_slots"] = info["kv_slots"]
     out["measured"] = {
-        "requests": n, "prompt_tokens": s.capacity_prompt, "new_tokens": s.capacity_new_tokens,
-        "tokens_held_per_request": per_req_held, "peak_running": peak["running"],
-        "peak_waiting": peak["waiting"], "peak_kv_usage": peak["kv_usage"], "polls": polls,
-        "wall_s": time.perf_counter() - t, "upper_bounds": bounds,
+        "requests": n,
+        "prompt_tokens": s.capacity_prompt,
+        "new_tokens": s.capacity_new_tokens,
+        "tokens_held_per_request": per_req_held,
+        "peak_running": peak["running"],
+        "peak_waiting": peak["waiting"],
+        "peak_kv_usage": peak["kv_usage"],
+        "polls": polls,
+        "wall_s": time.perf_counter() - t,
+        "upper_bounds": bounds,
         "binding_bound": min(bounds, key=lambda k: bounds[k]),
         "completion_tokens": sum(tr["completion_tokens"] for tr in traces),
         "peak_running_over_old_slots": peak["running"] > OLD_DESIGN_SLOTS,
     }
-    log(f"capacity: kv_tokens {out.get('kv_tokens')}, {out.get('full_ctx_sequences')} x {s.capacity_ctx}-token "
-        f"sequences; peak running {peak['running']} of {n}")
+    log(
+        f"capacity: kv_tokens {out.get('kv_tokens')}, {out.get('full_ctx_sequences')} x {s.capacity_ctx}-token "
+        f"sequences; peak running {peak['running']} of {n}"
+    )
     return out
 
 
-async def launches_per_step(b: Bench, eng: Any, adapters: list[str | None], window: int) -> dict[str, Any]:
+async def launches_per_step(
+    b: Bench, eng: Any, adapters: list[str | None], window: int
+) -> dict[str, Any]:
     """torch.profiler over ``window`` decode steps of a batch, once every request is decoding."""
     import torch
     from torch.autograd import DeviceType
@@ -769,8 +1033,17 @@ async def launches_per_step(b: Bench, eng: Any, adapters: list[str | None], wind
         if len(started) == len(adapters):
             all_started.set()
 
-    task = asyncio.ensure_future(run_batch(b, eng, adapters, s.split_prompt, s.split_new_tokens,
-                                           seed=900 + len(adapters), on_token=on_token))
+    task = asyncio.ensure_future(
+        run_batch(
+            b,
+            eng,
+            adapters,
+            s.split_prompt,
+            s.split_new_tokens,
+            seed=900 + len(adapters),
+            on_token=on_token,
+        )
+    )
     waiter = asyncio.ensure_future(all_started.wait())
     await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
@@ -794,16 +1067,25 @@ async def launches_per_step(b: Bench, eng: Any, adapters: list[str | None], wind
     events = prof.events()
     dev = [e for e in events if e.device_type == DeviceType.CUDA]
     copies = [e for e in dev if e.name.startswith(("Memcpy", "Memset"))]
-    host_launch = [e for e in events if e.device_type == DeviceType.CPU and ("LaunchKernel" in e.name or "GraphLaunch" in e.name)]
+    host_launch = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CPU and ("LaunchKernel" in e.name or "GraphLaunch" in e.name)
+    ]
     graph_launch = [e for e in host_launch if "GraphLaunch" in e.name]
     per = (lambda x: x / steps) if steps else (lambda x: None)
-    return {"steps_in_window": steps, "step_count_source": "step_profile" if prof_list is not None else "tokens of one request",
-            "counts": "device kernels: kernel records the CUDA profiler reports (those a CUDA graph runs "
-                      "included), copies apart; host launch calls: cudaLaunchKernel / cuLaunchKernel / "
-                      "cudaGraphLaunch runtime calls from any thread",
-            "window_wall_ms_per_step_profiled": per(1e3 * wall),
-            "device_kernels_per_step": per(len(dev) - len(copies)), "device_copies_per_step": per(len(copies)),
-            "host_launch_calls_per_step": per(len(host_launch)), "graph_launches_per_step": per(len(graph_launch))}
+    return {
+        "steps_in_window": steps,
+        "step_count_source": "step_profile" if prof_list is not None else "tokens of one request",
+        "counts": "device kernels: kernel records the CUDA profiler reports (those a CUDA graph runs "
+        "included), copies apart; host launch calls: cudaLaunchKernel / cuLaunchKernel / "
+        "cudaGraphLaunch runtime calls from any thread",
+        "window_wall_ms_per_step_profiled": per(1e3 * wall),
+        "device_kernels_per_step": per(len(dev) - len(copies)),
+        "device_copies_per_step": per(len(copies)),
+        "host_launch_calls_per_step": per(len(host_launch)),
+        "graph_launches_per_step": per(len(graph_launch)),
+    }
 
 
 async def sec_step_split(b: Bench, eng: Any) -> dict[str, Any]:
@@ -811,37 +1093,55 @@ async def sec_step_split(b: Bench, eng: Any) -> dict[str, Any]:
     prof_list = getattr(eng, "step_profile", None)
     max_seqs = b.result["engines"]["step_split"]["config"].get("max_num_seqs", s.max_num_seqs)
     window = min(s.profile_window_steps, max(2, s.split_new_tokens // 3))
-    out: dict[str, Any] = {"prompt_tokens": s.split_prompt, "new_tokens": s.split_new_tokens,
-                           "profile_steps_supported": prof_list is not None, "profiler_window_steps": window,
-                           "adapters": "cycled over all adapters", "batches": {}}
+    out: dict[str, Any] = {
+        "prompt_tokens": s.split_prompt,
+        "new_tokens": s.split_new_tokens,
+        "profile_steps_supported": prof_list is not None,
+        "profiler_window_steps": window,
+        "adapters": "cycled over all adapters",
+        "batches": {},
+    }
     for bsz in s.split_batches:
         if bsz > max_seqs:
             out["batches"][str(bsz)] = {"skipped": f"batch {bsz} > max_num_seqs {max_seqs}"}
             continue
         names: list[str | None] = [b.names[i % len(b.names)] for i in range(bsz)]
-        await run_batch(b, eng, names, s.split_prompt, s.split_new_tokens, seed=800 + bsz)  # warm-up
+        await run_batch(
+            b, eng, names, s.split_prompt, s.split_new_tokens, seed=800 + bsz
+        )  # warm-up
         i0 = len(prof_list) if prof_list is not None else 0
         r = await run_batch(b, eng, names, s.split_prompt, s.split_new_tokens, seed=850 + bsz)
-        row: dict[str, Any] = {"decode_tok_s": r["decode_tok_s"],
-                               "wall_ms_per_step": 1e3 * bsz / r["decode_tok_s"] if r["decode_tok_s"] else None}
+        row: dict[str, Any] = {
+            "decode_tok_s": r["decode_tok_s"],
+            "wall_ms_per_step": 1e3 * bsz / r["decode_tok_s"] if r["decode_tok_s"] else None,
+        }
         if prof_list is not None:
             steps = list(prof_list)[i0:]
             dec = [st for st in steps if st.get("rows") == bsz and st.get("tokens") == bsz]
-            row.update({
-                "steps": len(steps), "decode_steps": len(dec),
-                "host_ms_per_step": median([st.get("host_ms") for st in dec]),
-                "gpu_ms_per_step": median([st.get("gpu_ms") for st in dec]),
-                "graph_share": sum(1 for st in dec if st.get("graph")) / len(dec) if dec else None,
-                "host_ms_p90": _quantile([st.get("host_ms") for st in dec], 0.9),
-                "gpu_ms_p90": _quantile([st.get("gpu_ms") for st in dec], 0.9),
-            })
+            row.update(
+                {
+                    "steps": len(steps),
+                    "decode_steps": len(dec),
+                    "host_ms_per_step": median([st.get("host_ms") for st in dec]),
+                    "gpu_ms_per_step": median([st.get("gpu_ms") for st in dec]),
+                    "graph_share": sum(1 for st in dec if st.get("graph")) / len(dec)
+                    if dec
+                    else None,
+                    "host_ms_p90": _quantile([st.get("host_ms") for st in dec], 0.9),
+                    "gpu_ms_p90": _quantile([st.get("gpu_ms") for st in dec], 0.9),
+                }
+            )
         row["profiler"] = await launches_per_step(b, eng, names, window)
         out["batches"][str(bsz)] = row
-        log(f"step_split batch {bsz}: host {row.get('host_ms_per_step')} ms, gpu {row.get('gpu_ms_per_step')} ms, "
+        log(
+            f"step_split batch {bsz}: host {row.get('host_ms_per_step')} ms, gpu {row.get('gpu_ms_per_step')} ms, "
             f"kernels/step {row['profiler']['device_kernels_per_step']}, "
-            f"host launches/step {row['profiler']['host_launch_calls_per_step']}")
+            f"host launches/step {row['profiler']['host_launch_calls_per_step']}"
+        )
     if prof_list is None:
-        out["error"] = "the engine has no step_profile: host/GPU split not measured (profile_steps unsupported)"
+        out["error"] = (
+            "the engine has no step_profile: host/GPU split not measured (profile_steps unsupported)"
+        )
     return out
 
 
@@ -858,9 +1158,16 @@ def hf_generate(model: Any, ids: Any, n: int, compiled: bool) -> tuple[float, in
         torch.cuda.synchronize()
     t = time.perf_counter()
     with torch.no_grad():
-        o = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache_implementation="static",
-                           do_sample=False, min_new_tokens=n, max_new_tokens=n, pad_token_id=0,
-                           disable_compile=not compiled)
+        o = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            cache_implementation="static",
+            do_sample=False,
+            min_new_tokens=n,
+            max_new_tokens=n,
+            pad_token_id=0,
+            disable_compile=not compiled,
+        )
     if compiled:
         torch.cuda.synchronize()
     return time.perf_counter() - t, int(o.shape[1] - ids.shape[1])
@@ -878,22 +1185,32 @@ async def sec_hf_static(b: Bench) -> dict[str, Any]:
     model.load_state_dict(weights, strict=True, assign=True)
     del weights
     gc.collect()
-    out: dict[str, Any] = {"harness": "transformers LlamaForCausalLM.generate(cache_implementation='static', "
-                                      "do_sample=False, min_new_tokens=N, max_new_tokens=N)",
-                           "compiled": compiled, "prompt_tokens": s.hf_prompt, "new_tokens": s.hf_new_tokens,
-                           "repeats": s.repeats,
-                           "timing": "decode ms/token = (t(N tokens) - t(1 token)) / (N - 1), medians; the "
-                                     "first generate of each batch size compiles and is not timed"}
+    out: dict[str, Any] = {
+        "harness": "transformers LlamaForCausalLM.generate(cache_implementation='static', "
+        "do_sample=False, min_new_tokens=N, max_new_tokens=N)",
+        "compiled": compiled,
+        "prompt_tokens": s.hf_prompt,
+        "new_tokens": s.hf_new_tokens,
+        "repeats": s.repeats,
+        "timing": "decode ms/token = (t(N tokens) - t(1 token)) / (N - 1), medians; the "
+        "first generate of each batch size compiles and is not timed",
+    }
     try:
         for bsz in s.hf_batches:
             left = b.deadline - time.monotonic() if b.deadline is not None else None
             if left is not None and left < HF_BATCH_ESTIMATE_S:
-                out[f"batch{bsz}"] = {"skipped": f"time budget: {left:.0f} s left, a batch size needs ~{HF_BATCH_ESTIMATE_S} s"}
+                out[f"batch{bsz}"] = {
+                    "skipped": f"time budget: {left:.0f} s left, a batch size needs ~{HF_BATCH_ESTIMATE_S} s"
+                }
                 continue
             g = torch.Generator().manual_seed(bsz)
-            ids = torch.randint(3, b.shape["vocab_size"], (bsz, s.hf_prompt), generator=g).to(b.device)
+            ids = torch.randint(3, b.shape["vocab_size"], (bsz, s.hf_prompt), generator=g).to(
+                b.device
+            )
             t = time.perf_counter()
-            hf_generate(model, ids, s.hf_new_tokens, compiled)  # warm-up: compiles this batch size's decode
+            hf_generate(
+                model, ids, s.hf_new_tokens, compiled
+            )  # warm-up: compiles this batch size's decode
             warm_s = time.perf_counter() - t
             full = [hf_generate(model, ids, s.hf_new_tokens, compiled) for _ in range(s.repeats)]
             first = [hf_generate(model, ids, 1, compiled) for _ in range(s.repeats)]
@@ -902,12 +1219,19 @@ async def sec_hf_static(b: Bench) -> dict[str, Any]:
             n = s.hf_new_tokens
             dec_s = max(t_full - t_first, 1e-9)
             out[f"batch{bsz}"] = {
-                "decode_ms_per_token": 1e3 * dec_s / (n - 1), "decode_tok_s": bsz * (n - 1) / dec_s,
-                "e2e_ms_per_token": 1e3 * t_full / n, "e2e_tok_s": bsz * n / t_full,
-                "t_full_s": t_full, "t_first_token_s": t_first, "warmup_compile_s": warm_s,
-                "new_tokens_seen": sorted({k for _, k in full})}
-            log(f"hf_static batch {bsz}: {out[f'batch{bsz}']['decode_ms_per_token']:.2f} ms/token, "
-                f"{out[f'batch{bsz}']['decode_tok_s']:.0f} decode tok/s (warm-up {warm_s:.0f} s)")
+                "decode_ms_per_token": 1e3 * dec_s / (n - 1),
+                "decode_tok_s": bsz * (n - 1) / dec_s,
+                "e2e_ms_per_token": 1e3 * t_full / n,
+                "e2e_tok_s": bsz * n / t_full,
+                "t_full_s": t_full,
+                "t_first_token_s": t_first,
+                "warmup_compile_s": warm_s,
+                "new_tokens_seen": sorted({k for _, k in full}),
+            }
+            log(
+                f"hf_static batch {bsz}: {out[f'batch{bsz}']['decode_ms_per_token']:.2f} ms/token, "
+                f"{out[f'batch{bsz}']['decode_tok_s']:.0f} decode tok/s (warm-up {warm_s:.0f} s)"
+            )
     finally:
         del model
         gc.collect()
@@ -918,9 +1242,12 @@ async def sec_hf_static(b: Bench) -> dict[str, Any]:
     e64 = _get(b.result, "batch64", "base", "decode_tok_s")
     h1 = _get(out, "batch1", "decode_ms_per_token")
     h64 = _get(out, f"batch{s.batch}", "decode_tok_s")
-    out["engine_vs_hf"] = {"batch1_backbone_speedup": ratio(h1, e1), f"batch{s.batch}_base_speedup": ratio(e64, h64),
-                           "note": f"engine prompts {s.prompt} tokens, hf prompts {s.hf_prompt}; both {s.new_tokens} "
-                                   "new tokens, greedy, base weights"}
+    out["engine_vs_hf"] = {
+        "batch1_backbone_speedup": ratio(h1, e1),
+        f"batch{s.batch}_base_speedup": ratio(e64, h64),
+        "note": f"engine prompts {s.prompt} tokens, hf prompts {s.hf_prompt}; both {s.new_tokens} "
+        "new tokens, greedy, base weights",
+    }
     return out
 
 
@@ -935,38 +1262,69 @@ def _get(r: dict[str, Any], *path: str) -> Any:
 
 def compute_targets(r: dict[str, Any]) -> dict[str, Any]:
     """One row per target: {"value", "target", "met"}; met is None while the value is unmeasured."""
+
     def row(value: Any, target: str, ok: Callable[[float], bool], **extra: Any) -> dict[str, Any]:
-        return {"value": value, "target": target, "met": None if value is None else bool(ok(value)), **extra}
+        return {
+            "value": value,
+            "target": target,
+            "met": None if value is None else bool(ok(value)),
+            **extra,
+        }
 
     cap = r.get("capacity", {}) if isinstance(r.get("capacity"), dict) else {}
     return {
         "batch1_backbone_ms_per_token": row(
-            _get(r, "batch1", "backbone", "decode_ms_per_token"), "<= 4.5", lambda v: v <= 4.5,
+            _get(r, "batch1", "backbone", "decode_ms_per_token"),
+            "<= 4.5",
+            lambda v: v <= 4.5,
             pct_of_copy_bw=_get(r, "batch1", "backbone", "pct_of_copy_bw"),
-            floor_ms_per_token=_get(r, "batch1", "backbone", "floor_ms_per_token")),
-        "batch1_lora_r16_all7_vs_backbone": row(_get(r, "batch1", "lora_vs_backbone"), "<= 1.10", lambda v: v <= 1.10),
+            floor_ms_per_token=_get(r, "batch1", "backbone", "floor_ms_per_token"),
+        ),
+        "batch1_lora_r16_all7_vs_backbone": row(
+            _get(r, "batch1", "lora_vs_backbone"), "<= 1.10", lambda v: v <= 1.10
+        ),
         "batch64_64_distinct_tok_s": row(
-            _get(r, "batch64", "distinct", "decode_tok_s"), ">= 10000", lambda v: v >= 10000,
-            floor_tok_s=_get(r, "batch64", "distinct", "floor_tok_s")),
-        "batch64_64_vs_1": row(_get(r, "batch64", "distinct_vs_one"), ">= 0.9", lambda v: v >= 0.9,
-                               at_floor=_get(r, "batch64", "distinct_vs_one_at_floor")),
-        "sampling_t1_p09_vs_greedy": row(_get(r, "sampling", "sampled_vs_greedy"), ">= 0.95", lambda v: v >= 0.95),
+            _get(r, "batch64", "distinct", "decode_tok_s"),
+            ">= 10000",
+            lambda v: v >= 10000,
+            floor_tok_s=_get(r, "batch64", "distinct", "floor_tok_s"),
+        ),
+        "batch64_64_vs_1": row(
+            _get(r, "batch64", "distinct_vs_one"),
+            ">= 0.9",
+            lambda v: v >= 0.9,
+            at_floor=_get(r, "batch64", "distinct_vs_one_at_floor"),
+        ),
+        "sampling_t1_p09_vs_greedy": row(
+            _get(r, "sampling", "sampled_vs_greedy"), ">= 0.95", lambda v: v >= 0.95
+        ),
         # The issue's row: sequences held at once are bounded by the tokens they hold, not by
         # slots of the longest context. Value: the peak of sequences running at once when more
         # requests arrive than the KV holds; met when that bound is the tokens held (not the
         # request count or max_num_seqs) and the peak reaches 90% of it. 40 GiB of 7B KV hold
         # 40 full 2,048-token contexts in any layout (full_ctx_sequences, reported beside).
         "kv_sequences_2048ctx_40GB": row(
-            _get(cap, "measured", "peak_running"), "bounded by tokens held (peak >= 90% of that bound)",
-            lambda v: (_get(cap, "measured", "binding_bound") == "tokens_held"
-                       and v >= 0.9 * (_get(cap, "measured", "upper_bounds", "tokens_held") or float("inf"))),
+            _get(cap, "measured", "peak_running"),
+            "bounded by tokens held (peak >= 90% of that bound)",
+            lambda v: (
+                _get(cap, "measured", "binding_bound") == "tokens_held"
+                and v
+                >= 0.9 * (_get(cap, "measured", "upper_bounds", "tokens_held") or float("inf"))
+            ),
             tokens_held_bound=_get(cap, "measured", "upper_bounds", "tokens_held"),
             measured_binding_bound=_get(cap, "measured", "binding_bound"),
             tokens_held_per_request=_get(cap, "measured", "tokens_held_per_request"),
-            kv_tokens=cap.get("kv_tokens"), full_ctx_sequences=cap.get("full_ctx_sequences"),
-            budget_bound=cap.get("full_ctx_sequences_in_budget"), old_design_slots=OLD_DESIGN_SLOTS),
-        "prefix_ttft_cold_over_warm": row(_get(r, "prefix", "same_adapter", "cold_over_warm"), ">= 5", lambda v: v >= 5,
-                                          no_sharing_across_adapters=_get(r, "prefix", "no_sharing_across_adapters")),
+            kv_tokens=cap.get("kv_tokens"),
+            full_ctx_sequences=cap.get("full_ctx_sequences"),
+            budget_bound=cap.get("full_ctx_sequences_in_budget"),
+            old_design_slots=OLD_DESIGN_SLOTS,
+        ),
+        "prefix_ttft_cold_over_warm": row(
+            _get(r, "prefix", "same_adapter", "cold_over_warm"),
+            ">= 5",
+            lambda v: v >= 5,
+            no_sharing_across_adapters=_get(r, "prefix", "no_sharing_across_adapters"),
+        ),
     }
 
 
@@ -986,19 +1344,29 @@ def print_table(r: dict[str, Any]) -> None:
     for name, t in r.get("targets", {}).items():
         print(f"{name:36s} {_fmt(t['value']):>10s} {t['target']:>34s} {_fmt(t['met'])}")
     h = r.get("header", {})
-    print(f"copy bw {_fmt(_get(h, 'copy_bandwidth', 'GB_s'))} GB/s; batch1 backbone at "
-          f"{_fmt(_get(r, 'batch1', 'backbone', 'pct_of_copy_bw'))}% of it, floor "
-          f"{_fmt(_get(h, 'floors', 'batch1_floor_ms_per_token'))} ms/token")
+    print(
+        f"copy bw {_fmt(_get(h, 'copy_bandwidth', 'GB_s'))} GB/s; batch1 backbone at "
+        f"{_fmt(_get(r, 'batch1', 'backbone', 'pct_of_copy_bw'))}% of it, floor "
+        f"{_fmt(_get(h, 'floors', 'batch1_floor_ms_per_token'))} ms/token"
+    )
     hf = r.get("hf_static", {})
     for key in sorted(k for k in hf if k.startswith("batch")):
-        print(f"hf_static {key}: {_fmt(hf[key].get('decode_ms_per_token'))} ms/token, "
-              f"{_fmt(hf[key].get('decode_tok_s'))} tok/s")
-    for bsz, row in sorted((_get(r, "step_split", "batches") or {}).items(), key=lambda kv: int(kv[0])):
+        print(
+            f"hf_static {key}: {_fmt(hf[key].get('decode_ms_per_token'))} ms/token, "
+            f"{_fmt(hf[key].get('decode_tok_s'))} tok/s"
+        )
+    for bsz, row in sorted(
+        (_get(r, "step_split", "batches") or {}).items(), key=lambda kv: int(kv[0])
+    ):
         prof = row.get("profiler", {})
-        print(f"step batch {bsz}: host {_fmt(row.get('host_ms_per_step'))} ms, gpu {_fmt(row.get('gpu_ms_per_step'))} ms, "
-              f"wall {_fmt(row.get('wall_ms_per_step'))} ms, kernels {_fmt(prof.get('device_kernels_per_step'))}, "
-              f"launch calls {_fmt(prof.get('host_launch_calls_per_step'))}")
-    bad = [k for k in SECTIONS if isinstance(r.get(k), dict) and ("error" in r[k] or "skipped" in r[k])]
+        print(
+            f"step batch {bsz}: host {_fmt(row.get('host_ms_per_step'))} ms, gpu {_fmt(row.get('gpu_ms_per_step'))} ms, "
+            f"wall {_fmt(row.get('wall_ms_per_step'))} ms, kernels {_fmt(prof.get('device_kernels_per_step'))}, "
+            f"launch calls {_fmt(prof.get('host_launch_calls_per_step'))}"
+        )
+    bad = [
+        k for k in SECTIONS if isinstance(r.get(k), dict) and ("error" in r[k] or "skipped" in r[k])
+    ]
     for k in bad:
         print(f"{k}: {r[k].get('error') or 'skipped: ' + r[k]['skipped']}")
     print(f"elapsed {_fmt(r.get('elapsed_s'))} s", flush=True)
@@ -1007,14 +1375,23 @@ def print_table(r: dict[str, Any]) -> None:
 # ====================================================================== main
 async def run_all(b: Bench) -> None:
     main_sections = [n for n in MAIN_ENGINE_SECTIONS if n in b.selected]
-    fns = {"batch1": sec_batch1, "batch64": sec_batch64, "sampling": sec_sampling,
-           "prefix": sec_prefix, "logprobs": sec_logprobs, "capacity": sec_capacity}
+    fns = {
+        "batch1": sec_batch1,
+        "batch64": sec_batch64,
+        "sampling": sec_sampling,
+        "prefix": sec_prefix,
+        "logprobs": sec_logprobs,
+        "capacity": sec_capacity,
+    }
     if main_sections:
         eng = None
         try:
             eng = await b.open_engine("main")
         except Exception as e:
-            err = {"error": f"engine build failed: {type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+            err = {
+                "error": f"engine build failed: {type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
             for n in main_sections:
                 b.result[n] = dict(err)
             b.save()
@@ -1028,11 +1405,17 @@ async def run_all(b: Bench) -> None:
     if b.skip_reason("step_split") is None:
         eng2 = None
         try:
-            eng2 = await b.open_engine("step_split", profile_steps=True, kv_cache_bytes=b.s.split_kv_bytes,
-                                       max_model_len=b.s.split_max_model_len)
+            eng2 = await b.open_engine(
+                "step_split",
+                profile_steps=True,
+                kv_cache_bytes=b.s.split_kv_bytes,
+                max_model_len=b.s.split_max_model_len,
+            )
         except Exception as e:
-            b.result["step_split"] = {"error": f"engine build failed: {type(e).__name__}: {e}",
-                                      "traceback": traceback.format_exc()[-4000:]}
+            b.result["step_split"] = {
+                "error": f"engine build failed: {type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
             b.save()
         if eng2 is not None:
             await b.section("step_split", sec_step_split, b, eng2)
@@ -1045,19 +1428,47 @@ async def run_all(b: Bench) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="results JSON (default on CUDA: bench/results/engine_speed_h200.json)")
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, every section, seconds")
-    ap.add_argument("--only", type=lambda v: [x for x in v.split(",") if x], default=[],
-                    help=f"comma list of sections to run ({','.join(SECTIONS)})")
-    ap.add_argument("--skip", type=lambda v: [x for x in v.split(",") if x], default=[],
-                    help="comma list of sections to skip")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall-clock budget: a section that would not finish inside it is skipped")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per configuration (median)")
-    ap.add_argument("--hf-batches", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
-                    help="hf_static batch sizes, e.g. 1,64")
-    ap.add_argument("--keep-files", action="store_true", help="keep the model dir and adapters (temp dir)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results JSON (default on CUDA: bench/results/engine_speed_h200.json)",
+    )
+    ap.add_argument(
+        "--tiny", action="store_true", help="CPU smoke run: tiny model, every section, seconds"
+    )
+    ap.add_argument(
+        "--only",
+        type=lambda v: [x for x in v.split(",") if x],
+        default=[],
+        help=f"comma list of sections to run ({','.join(SECTIONS)})",
+    )
+    ap.add_argument(
+        "--skip",
+        type=lambda v: [x for x in v.split(",") if x],
+        default=[],
+        help="comma list of sections to skip",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-clock budget: a section that would not finish inside it is skipped",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="timed runs per configuration (median)"
+    )
+    ap.add_argument(
+        "--hf-batches",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=None,
+        help="hf_static batch sizes, e.g. 1,64",
+    )
+    ap.add_argument(
+        "--keep-files", action="store_true", help="keep the model dir and adapters (temp dir)"
+    )
     args = ap.parse_args()
     for name in (*args.only, *args.skip):
         if name not in SECTIONS:
@@ -1068,7 +1479,9 @@ def main() -> int:
     import torch
 
     if not args.tiny and not torch.cuda.is_available():
-        print("bench_engine_speed: no CUDA device; use --tiny for the CPU smoke run", file=sys.stderr)
+        print(
+            "bench_engine_speed: no CUDA device; use --tiny for the CPU smoke run", file=sys.stderr
+        )
         return 2
     device = "cpu" if args.tiny else "cuda"
     sizes = TINY if args.tiny else Sizes()
@@ -1077,8 +1490,11 @@ def main() -> int:
     if args.hf_batches is not None:
         sizes = dataclasses.replace(sizes, hf_batches=args.hf_batches)
     if args.out is None:
-        args.out = (str(BENCH_DIR / "results" / "engine_speed_h200.json") if device == "cuda"
-                    else str(Path(tempfile.gettempdir()) / "engine_speed_tiny.json"))
+        args.out = (
+            str(BENCH_DIR / "results" / "engine_speed_h200.json")
+            if device == "cuda"
+            else str(Path(tempfile.gettempdir()) / "engine_speed_tiny.json")
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     b = Bench(args, sizes, device, out)

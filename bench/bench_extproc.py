@@ -51,8 +51,14 @@ from adaptermesh.mesh.snapshot import BuildOptions, ExtProcOptions
 from adaptermesh.proto import assignment_pb2 as ap
 
 LOOPBACK = "127.0.0.1"
-BODY = json.dumps({"model": "sql", "prompt": "Write a query that counts the rows of t.",
-                   "max_tokens": 16, "temperature": 0}).encode()
+BODY = json.dumps(
+    {
+        "model": "sql",
+        "prompt": "Write a query that counts the rows of t.",
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+).encode()
 
 
 class Upstream:
@@ -72,9 +78,13 @@ class Upstream:
 
         async def answer(request: web.Request) -> web.Response:
             await request.read()
-            return web.json_response({"object": "text_completion", "adapter":
-                                      request.headers.get("x-adapter-id"), "choices": [
-                                          {"index": 0, "text": "SELECT count(*) FROM t;"}]})
+            return web.json_response(
+                {
+                    "object": "text_completion",
+                    "adapter": request.headers.get("x-adapter-id"),
+                    "choices": [{"index": 0, "text": "SELECT count(*) FROM t;"}],
+                }
+            )
 
         async def health(request: web.Request) -> web.Response:
             return web.Response(text="ok")
@@ -114,16 +124,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_path(upstream: int, options: BuildOptions, ext_proc_port: int | None,
-               ) -> tuple[XdsServer, EnvoyProcess, int, ap.Assignment]:
+def start_path(
+    upstream: int,
+    options: BuildOptions,
+    ext_proc_port: int | None,
+) -> tuple[XdsServer, EnvoyProcess, int, ap.Assignment]:
     cache = SnapshotCache(options=options)
     server = XdsServer(cache)
     xds_port = server.start()
     port = free_port()
-    assignment = ap.Assignment(version=1, reason="bench", shards=[ap.Shard(
-        id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
-        service_address=LOOPBACK, service_port=port,
-        endpoints=[ap.Endpoint(address=LOOPBACK, port=upstream, weight=1, adapters=["sql"])])])
+    assignment = ap.Assignment(
+        version=1,
+        reason="bench",
+        shards=[
+            ap.Shard(
+                id="s0",
+                index=0,
+                weight=10_000,
+                state=ap.SHARD_STATE_ACTIVE,
+                service_address=LOOPBACK,
+                service_port=port,
+                endpoints=[
+                    ap.Endpoint(address=LOOPBACK, port=upstream, weight=1, adapters=["sql"])
+                ],
+            )
+        ],
+    )
     cache.set_assignment("bench", assignment)
     envoy = EnvoyProcess(build_bootstrap("bench", xds_port, ext_proc_port=ext_proc_port))
     envoy.start(ready_timeout=30)
@@ -132,8 +158,7 @@ def start_path(upstream: int, options: BuildOptions, ext_proc_port: int | None,
 
 def one(conn: http.client.HTTPConnection) -> tuple[float, dict[str, object]]:
     t0 = time.perf_counter_ns()
-    conn.request("POST", "/v1/completions", body=BODY,
-                 headers={"content-type": "application/json"})
+    conn.request("POST", "/v1/completions", body=BODY, headers={"content-type": "application/json"})
     resp = conn.getresponse()
     data = resp.read()
     elapsed = (time.perf_counter_ns() - t0) / 1e3
@@ -149,8 +174,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    return {"p50_us": round(percentile(values, 50), 1), "p90_us": round(percentile(values, 90), 1),
-            "p99_us": round(percentile(values, 99), 1), "mean_us": round(statistics.fmean(values), 1)}
+    return {
+        "p50_us": round(percentile(values, 50), 1),
+        "p90_us": round(percentile(values, 90), 1),
+        "p99_us": round(percentile(values, 99), 1),
+        "mean_us": round(statistics.fmean(values), 1),
+    }
 
 
 def machine() -> dict[str, object]:
@@ -162,14 +191,24 @@ def machine() -> dict[str, object]:
                 break
     except OSError:
         pass
-    envoy_version = subprocess.run([find_envoy(), "--version"], capture_output=True, text=True,
-                                   check=False).stdout.strip().split("version:")[-1].strip()
+    envoy_version = (
+        subprocess.run([find_envoy(), "--version"], capture_output=True, text=True, check=False)
+        .stdout.strip()
+        .split("version:")[-1]
+        .strip()
+    )
     # Other work on the machine shows in both paths, but the filtered one has two more
     # process hops (Envoy -> processor -> Envoy), each a scheduling wait when cores are busy.
-    return {"cpu": cpu_model, "cores": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
-            "platform": platform.platform(),
-            "python": platform.python_version(), "grpcio": grpc.__version__,
-            "envoy": envoy_version, "gpu": None}
+    return {
+        "cpu": cpu_model,
+        "cores": os.cpu_count(),
+        "loadavg_1m": os.getloadavg()[0],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+        "envoy": envoy_version,
+        "gpu": None,
+    }
 
 
 def main() -> int:
@@ -187,20 +226,30 @@ def main() -> int:
     # The processor's port must be in the bootstrap before Envoy starts: reserve one.
     ext_port = free_port()
     parent, child = multiprocessing.get_context("spawn").Pipe()
-    assignment = ap.Assignment(version=1, shards=[ap.Shard(id="s0", endpoints=[ap.Endpoint(
-        address=LOOPBACK, port=upstream.port, weight=1, adapters=["sql"])])])
+    assignment = ap.Assignment(
+        version=1,
+        shards=[
+            ap.Shard(
+                id="s0",
+                endpoints=[
+                    ap.Endpoint(address=LOOPBACK, port=upstream.port, weight=1, adapters=["sql"])
+                ],
+            )
+        ],
+    )
     processor = multiprocessing.get_context("spawn").Process(
-        target=serve_processor, args=(assignment.SerializeToString(), child, ext_port),
-        daemon=True)
+        target=serve_processor, args=(assignment.SerializeToString(), child, ext_port), daemon=True
+    )
     processor.start()
     if parent.recv() != ext_port:
         raise RuntimeError("processor did not bind its port")
     filtered = start_path(upstream.port, filtered_opts, ext_port)
     native = start_path(upstream.port, dataclasses.replace(plain_opts, route_by_body=True), None)
     try:
-        conns = {name: http.client.HTTPConnection(LOOPBACK, path[2], timeout=10)
-                 for name, path in (("plain", plain), ("ext_proc", filtered),
-                                    ("native", native))}
+        conns = {
+            name: http.client.HTTPConnection(LOOPBACK, path[2], timeout=10)
+            for name, path in (("plain", plain), ("ext_proc", filtered), ("native", native))
+        }
         # Until the first health check passes, Envoy has no healthy host.
         deadline = time.monotonic() + 20
         for conn in conns.values():
@@ -227,8 +276,9 @@ def main() -> int:
                     raise RuntimeError(f"{name}: upstream saw adapter {answer['adapter']!r}")
                 if i >= args.warmup:
                     times[name].append(elapsed)
-        processor_cpu_us = (process_cpu_s(processor.pid) - cpu_before) * 1e6 / (
-            args.warmup + args.requests)
+        processor_cpu_us = (
+            (process_cpu_s(processor.pid) - cpu_before) * 1e6 / (args.warmup + args.requests)
+        )
         paired = [b - a for a, b in zip(times["plain"], times["ext_proc"], strict=True)]
         plain_s, ext_s = summary(times["plain"]), summary(times["ext_proc"])
         native_s = summary(times["native"])
@@ -241,13 +291,15 @@ def main() -> int:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": {**info, "loadavg_1m_after": load_after},
-            "setup": {"processor": "agent.extproc.ExtProcServer in its own process",
-                      "requests_per_path": args.requests, "warmup_per_path": args.warmup,
-                      "body_bytes": len(BODY), "envoy_concurrency": 1,
-                      "processing_mode": "request headers SEND, request body BUFFERED, "
-                                         "response SKIP",
-                      "connections": "one keep-alive HTTP/1.1 connection per path, "
-                                     "requests alternating"},
+            "setup": {
+                "processor": "agent.extproc.ExtProcServer in its own process",
+                "requests_per_path": args.requests,
+                "warmup_per_path": args.warmup,
+                "body_bytes": len(BODY),
+                "envoy_concurrency": 1,
+                "processing_mode": "request headers SEND, request body BUFFERED, response SKIP",
+                "connections": "one keep-alive HTTP/1.1 connection per path, requests alternating",
+            },
             "target": {"added_p99_us": 1000},
             "plain": plain_s,
             "ext_proc": ext_s,

@@ -46,8 +46,12 @@ SMALL_INTERVAL_S = 0.005
 
 def quantiles(values: list[float]) -> dict[str, float]:
     q = statistics.quantiles(values, n=100)
-    return {"n": len(values), "p50_ms": round(statistics.median(values) * 1e3, 3),
-            "p99_ms": round(q[98] * 1e3, 3), "max_ms": round(max(values) * 1e3, 3)}
+    return {
+        "n": len(values),
+        "p50_ms": round(statistics.median(values) * 1e3, 3),
+        "p99_ms": round(q[98] * 1e3, 3),
+        "max_ms": round(max(values) * 1e3, 3),
+    }
 
 
 # ------------------------------------------------------------------------------------ client
@@ -90,9 +94,13 @@ async def slowloris(url: str, port: int) -> dict[str, Any]:
         open_at_end = sum(not r.at_eof() for r, _ in conns)
         for _, w in conns:
             w.transport.abort()
-    return {"stalled_connections": STALLED, "held_s": round(held_s, 2),
-            "still_open_at_end": open_at_end,
-            "health_baseline": quantiles(baseline), "health_under_slowloris": quantiles(under)}
+    return {
+        "stalled_connections": STALLED,
+        "held_s": round(held_s, 2),
+        "still_open_at_end": open_at_end,
+        "health_baseline": quantiles(baseline),
+        "health_under_slowloris": quantiles(under),
+    }
 
 
 async def small_requests(session: Any, url: str, stop: asyncio.Event) -> list[float]:
@@ -111,15 +119,20 @@ async def heavy(url: str) -> dict[str, Any]:
     import aiohttp
 
     bodies = {
-        "4mb_prompt_tokenised": json.dumps({"prompt": ("The quick brown fox jumps over the lazy "
-                                                       "dog. " * 100_000)[:4_000_000],
-                                            "max_tokens": 1}).encode(),
+        "4mb_prompt_tokenised": json.dumps(
+            {
+                "prompt": ("The quick brown fox jumps over the lazy dog. " * 100_000)[:4_000_000],
+                "max_tokens": 1,
+            }
+        ).encode(),
         "4mb_of_1.3m_empty_arrays": b'{"prompt": [' + b",".join([b"[]"] * 1_300_000) + b"]}",
         "100000_deep_array": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     }
     results: dict[str, Any] = {}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as small, \
-            aiohttp.ClientSession() as big:
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as small,
+        aiohttp.ClientSession() as big,
+    ):
         for name, body in bodies.items():
             stop = asyncio.Event()
             task = asyncio.create_task(small_requests(small, url, stop))
@@ -133,8 +146,9 @@ async def heavy(url: str) -> dict[str, Any]:
             times = []
             while not times or sum(times) < 2.0:
                 started = time.perf_counter()
-                async with big.post(url + "/v1/completions", data=body,
-                                    headers={"Content-Type": "application/json"}) as r:
+                async with big.post(
+                    url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
                     answer = await r.json()
                     status = r.status
                 times.append(time.perf_counter() - started)
@@ -142,9 +156,12 @@ async def heavy(url: str) -> dict[str, Any]:
             during = await task
             base_q, during_q = quantiles(baseline), quantiles(during)
             results[name] = {
-                "body_bytes": len(body), "status": status, "code": answer["error"]["code"],
+                "body_bytes": len(body),
+                "status": status,
+                "code": answer["error"]["code"],
                 "heavy_requests": len(times),
-                "heavy_request_s": round(statistics.median(times), 3), "small_baseline": base_q,
+                "heavy_request_s": round(statistics.median(times), 3),
+                "small_baseline": base_q,
                 "small_during": during_q,
                 "p50_rise_ms": round(during_q["p50_ms"] - base_q["p50_ms"], 3),
                 "p99_rise_ms": round(during_q["p99_ms"] - base_q["p99_ms"], 3),
@@ -169,16 +186,22 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny", max_position_embeddings=1024)
         (Path(tmp) / "adapters").mkdir()
-        engine = Engine(model, Path(tmp) / "adapters", device="cpu", dtype="float32",
-                        config=EngineConfig(max_num_seqs=4), model_name="tiny")
+        engine = Engine(
+            model,
+            Path(tmp) / "adapters",
+            device="cpu",
+            dtype="float32",
+            config=EngineConfig(max_num_seqs=4),
+            model_name="tiny",
+        )
         config = ServiceConfig()
         service = WorkerService(engine, config)
         runner, port = await serve(service, "127.0.0.1", 0)
         try:
             url = f"http://127.0.0.1:{port}"
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "--client", url, str(port),
-                stdout=subprocess.PIPE)
+                sys.executable, __file__, "--client", url, str(port), stdout=subprocess.PIPE
+            )
             out, _ = await proc.communicate()
             if proc.returncode != 0:
                 raise SystemExit(f"client failed with status {proc.returncode}")
@@ -190,20 +213,27 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "processor": platform.processor() or platform.machine()},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "processor": platform.processor() or platform.machine(),
+        },
         "server": "WorkerService around the real Engine on CPU (tiny random Llama), "
-                  "production ListenerLimits; client in a separate process",
+        "production ListenerLimits; client in a separate process",
         "limits": limits.as_dict(),
         **measured,
         "targets": {
             "health_p99_under_slowloris_ms": 100,
-            "health_p99_under_slowloris_met":
-                measured["slowloris"]["health_under_slowloris"]["p99_ms"] < 100,
+            "health_p99_under_slowloris_met": measured["slowloris"]["health_under_slowloris"][
+                "p99_ms"
+            ]
+            < 100,
             "small_request_rise_ms": 50,
-            "small_request_p99_rise_met": {name: r["p99_rise_ms"] < 50
-                                           for name, r in measured["heavy_bodies"].items()},
+            "small_request_p99_rise_met": {
+                name: r["p99_rise_ms"] < 50 for name, r in measured["heavy_bodies"].items()
+            },
         },
     }
 

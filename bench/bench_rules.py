@@ -126,7 +126,12 @@ def run(evaluator: Evaluator, reqs: list[RequestFacts]) -> tuple[list[int], list
 
 
 def same(a: Outcome, b: Outcome) -> bool:
-    return (a.action, a.rule, a.errors, a.over_budget) == (b.action, b.rule, b.errors, b.over_budget)
+    return (a.action, a.rule, a.errors, a.over_budget) == (
+        b.action,
+        b.rule,
+        b.errors,
+        b.over_budget,
+    )
 
 
 def main() -> None:

@@ -62,12 +62,24 @@ from typing import Any
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL7 = (*ATTN, "gate_proj", "up_proj", "down_proj")
-SHAPE_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-            "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
-            "max_position_embeddings": 4096}
-SHAPE_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 384,
-              "max_position_embeddings": 512}
+SHAPE_7B = {
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+SHAPE_TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 384,
+    "max_position_embeddings": 512,
+}
 LOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 # Prompt token ids are drawn from the tokenizer's byte-level range, so they decode.
 PROMPT_ID_RANGE = (3, 384)
@@ -93,8 +105,9 @@ def pct(values: list[float], q: float) -> float | None:
     return s[k]
 
 
-def summarize(records: list[dict[str, Any]], duration: float, wall: float, slo_ttft: float,
-              slo_tpot: float) -> dict[str, Any]:
+def summarize(
+    records: list[dict[str, Any]], duration: float, wall: float, slo_ttft: float, slo_tpot: float
+) -> dict[str, Any]:
     """``duration``: the arrival window; ``wall``: until the last response ended (rates of
     completed work divide by it, so a backlog served after the window is not over-counted)."""
     ok = [r for r in records if r["status"] == 200 and r["tokens"] > 0]
@@ -120,17 +133,27 @@ def summarize(records: list[dict[str, Any]], duration: float, wall: float, slo_t
 
 
 # ====================================================================================== client
-async def _one_http(session: Any, url: str, body: dict[str, Any], tenant: str,
-                    t_base: float, timeout_s: float) -> dict[str, Any]:
+async def _one_http(
+    session: Any, url: str, body: dict[str, Any], tenant: str, t_base: float, timeout_s: float
+) -> dict[str, Any]:
     t0 = time.monotonic()
-    rec: dict[str, Any] = {"sent": t0 - t_base, "status": 0, "tokens": 0, "ttft": None,
-                           "tpot": None, "e2e": None, "adapter": body["model"]}
+    rec: dict[str, Any] = {
+        "sent": t0 - t_base,
+        "status": 0,
+        "tokens": 0,
+        "ttft": None,
+        "tpot": None,
+        "e2e": None,
+        "adapter": body["model"],
+    }
     first = last = None
     n = 0
     try:
-        async with session.post(url + "/v1/completions", json=body,
-                                headers={"x-tenant-id": tenant,
-                                         "x-request-timeout": str(timeout_s)}) as resp:
+        async with session.post(
+            url + "/v1/completions",
+            json=body,
+            headers={"x-tenant-id": tenant, "x-request-timeout": str(timeout_s)},
+        ) as resp:
             rec["status"] = resp.status
             if resp.status != 200:
                 await resp.read()
@@ -170,10 +193,15 @@ async def client_main(args: argparse.Namespace) -> None:
     t_base = time.monotonic()
 
     def body(i: int) -> dict[str, Any]:
-        return {"model": adapters[i % len(adapters)] if spec["mode"] == "closed"
-                else rng.choice(adapters), "prompt": prompt_ids(spec["seed"] * 100003 + i,
-                                                                  spec["prompt_len"]),
-                "max_tokens": spec["max_tokens"], "temperature": 0, "stream": True}
+        return {
+            "model": adapters[i % len(adapters)]
+            if spec["mode"] == "closed"
+            else rng.choice(adapters),
+            "prompt": prompt_ids(spec["seed"] * 100003 + i, spec["prompt_len"]),
+            "max_tokens": spec["max_tokens"],
+            "temperature": 0,
+            "stream": True,
+        }
 
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=spec["timeout_s"] + 30)
@@ -191,8 +219,11 @@ async def client_main(args: argparse.Namespace) -> None:
                 if delay > 0:
                     await asyncio.sleep(delay)
                 b = body(i)
-                tasks.append(asyncio.create_task(_one_http(
-                    session, spec["url"], b, b["model"], t_base, spec["timeout_s"])))
+                tasks.append(
+                    asyncio.create_task(
+                        _one_http(session, spec["url"], b, b["model"], t_base, spec["timeout_s"])
+                    )
+                )
                 i += 1
             records = list(await asyncio.gather(*tasks))
         else:
@@ -202,8 +233,11 @@ async def client_main(args: argparse.Namespace) -> None:
                 while queue:
                     i = queue.pop()
                     b = body(i)
-                    records.append(await _one_http(session, spec["url"], b, f"c{i % 4}",
-                                                   t_base, spec["timeout_s"]))
+                    records.append(
+                        await _one_http(
+                            session, spec["url"], b, f"c{i % 4}", t_base, spec["timeout_s"]
+                        )
+                    )
 
             await asyncio.gather(*[worker() for _ in range(spec["concurrency"])])
     json.dump({"records": records, "wall_s": time.monotonic() - t_base}, sys.stdout)
@@ -234,23 +268,41 @@ def mix_body(spec: dict[str, Any], i: int) -> dict[str, Any]:
     plen = rng.randint(*spec["prompt_range"])
     olen = rng.randint(*spec["output_range"])
     # No temperature/top_p: the API's default sampling.
-    return {"model": pick_adapter(rng, spec),
-            "prompt": prompt_ids(spec["seed"] * 100003 + i, plen), "max_tokens": olen,
-            "stream": True, "stream_options": {"include_usage": True}}
+    return {
+        "model": pick_adapter(rng, spec),
+        "prompt": prompt_ids(spec["seed"] * 100003 + i, plen),
+        "max_tokens": olen,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
-async def _one_mix(session: Any, spec: dict[str, Any], body: dict[str, Any],
-                   rec: dict[str, Any], t_base: float) -> None:
+async def _one_mix(
+    session: Any, spec: dict[str, Any], body: dict[str, Any], rec: dict[str, Any], t_base: float
+) -> None:
     """Stream one completion into ``rec`` (times in seconds since ``t_base``). A request still
     running when its phase is cut keeps what it received, with ``cut`` set."""
     w0, w1 = spec["window"]
-    rec.update(sent=time.monotonic() - t_base, prompt_tokens=len(body["prompt"]),
-               max_tokens=body["max_tokens"], adapter=body["model"], status=0, chunks=0,
-               in_window=0, first=None, last=None, usage_tokens=None, done=False, cut=False)
+    rec.update(
+        sent=time.monotonic() - t_base,
+        prompt_tokens=len(body["prompt"]),
+        max_tokens=body["max_tokens"],
+        adapter=body["model"],
+        status=0,
+        chunks=0,
+        in_window=0,
+        first=None,
+        last=None,
+        usage_tokens=None,
+        done=False,
+        cut=False,
+    )
     try:
-        async with session.post(spec["url"] + "/v1/completions", json=body,
-                                headers={"x-tenant-id": body["model"],
-                                         "x-request-timeout": str(spec["timeout_s"])}) as resp:
+        async with session.post(
+            spec["url"] + "/v1/completions",
+            json=body,
+            headers={"x-tenant-id": body["model"], "x-request-timeout": str(spec["timeout_s"])},
+        ) as resp:
             rec["status"] = resp.status
             if resp.status != 200:
                 await resp.read()
@@ -323,8 +375,9 @@ async def mix_client_main(spec: dict[str, Any]) -> None:
                     await asyncio.sleep(delay)
                 rec = {"i": i, "scheduled": t}
                 records.append(rec)
-                pending.append(asyncio.create_task(
-                    _one_mix(session, spec, mix_body(spec, i), rec, t_base)))
+                pending.append(
+                    asyncio.create_task(_one_mix(session, spec, mix_body(spec, i), rec, t_base))
+                )
                 i += 1
             # Requests still running max_tail_s after the last arrival are cut (and counted as
             # such), so an overloaded server cannot stretch the phase to the request timeout.
@@ -337,8 +390,13 @@ async def mix_client_main(spec: dict[str, Any]) -> None:
 
 async def run_client(spec: dict[str, Any]) -> dict[str, Any]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--client", json.dumps(spec),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        __file__,
+        "--client",
+        json.dumps(spec),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"client failed: {err.decode()[-2000:]}")
@@ -357,16 +415,24 @@ def random_weights(cfg: dict[str, Any], device: str, dtype: Any, seed: int = 0) 
     def rnd(*shape: int) -> Any:
         return (torch.randn(*shape, generator=g, device=device) * 0.02).to(dtype)
 
-    w = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
-         "model.norm.weight": torch.ones(h, device=device, dtype=dtype)}
+    w = {
+        "model.embed_tokens.weight": rnd(v, h),
+        "lm_head.weight": rnd(v, h),
+        "model.norm.weight": torch.ones(h, device=device, dtype=dtype),
+    }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
         w[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
-        for name, shape in (("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (kvd, h)),
-                            ("self_attn.v_proj", (kvd, h)), ("self_attn.o_proj", (h, h)),
-                            ("mlp.gate_proj", (inter, h)), ("mlp.up_proj", (inter, h)),
-                            ("mlp.down_proj", (h, inter))):
+        for name, shape in (
+            ("self_attn.q_proj", (h, h)),
+            ("self_attn.k_proj", (kvd, h)),
+            ("self_attn.v_proj", (kvd, h)),
+            ("self_attn.o_proj", (h, h)),
+            ("mlp.gate_proj", (inter, h)),
+            ("mlp.up_proj", (inter, h)),
+            ("mlp.down_proj", (h, inter)),
+        ):
             w[p + name + ".weight"] = rnd(*shape)
     return w
 
@@ -380,8 +446,15 @@ def write_model_skeleton(model_dir: Path, cfg: dict[str, Any]) -> None:
     (model_dir / "config.json").write_text(json.dumps(make_model_config("llama", **cfg)))
 
 
-def write_adapter(root: Path, name: str, cfg: dict[str, Any], rank: int, seed: int,
-                  device: str, targets: tuple[str, ...] = ATTN) -> None:
+def write_adapter(
+    root: Path,
+    name: str,
+    cfg: dict[str, Any],
+    rank: int,
+    seed: int,
+    device: str,
+    targets: tuple[str, ...] = ATTN,
+) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -390,31 +463,55 @@ def write_adapter(root: Path, name: str, cfg: dict[str, Any], rank: int, seed: i
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     kvd = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
     # module -> (in features, out features)
-    shapes = {"q_proj": (h, h), "k_proj": (h, kvd), "v_proj": (h, kvd), "o_proj": (h, h),
-              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    shapes = {
+        "q_proj": (h, h),
+        "k_proj": (h, kvd),
+        "v_proj": (h, kvd),
+        "o_proj": (h, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
     t = {}
     for layer in range(cfg["num_hidden_layers"]):
         for m in targets:
             fi, fo = shapes[m]
             p = f"base_model.model.model.layers.{layer}.{'self_attn' if m in ATTN else 'mlp'}.{m}"
-            t[p + ".lora_A.weight"] = (torch.randn(rank, fi, generator=g, device=device)
-                                       * fi**-0.5).bfloat16().cpu()
-            t[p + ".lora_B.weight"] = (torch.randn(fo, rank, generator=g, device=device)
-                                       * 0.02).bfloat16().cpu()
+            t[p + ".lora_A.weight"] = (
+                (torch.randn(rank, fi, generator=g, device=device) * fi**-0.5).bfloat16().cpu()
+            )
+            t[p + ".lora_B.weight"] = (
+                (torch.randn(fo, rank, generator=g, device=device) * 0.02).bfloat16().cpu()
+            )
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     save_file(t, str(d / "adapter_model.safetensors"))
-    (d / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-        "use_rslora": False, "bias": "none", "task_type": "CAUSAL_LM"}))
+    (d / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(targets),
+                "use_rslora": False,
+                "bias": "none",
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
 
 
-async def direct_one(engine: Any, i: int, adapter: str, seed: int, args: argparse.Namespace
-                     ) -> dict[str, Any]:
+async def direct_one(
+    engine: Any, i: int, adapter: str, seed: int, args: argparse.Namespace
+) -> dict[str, Any]:
     from adaptermesh.worker.types import GenerationRequest, SamplingParams
 
-    req = GenerationRequest(f"d{seed}-{i}", tuple(prompt_ids(seed * 100003 + i, args.prompt_len)),
-                            adapter, SamplingParams(max_tokens=args.max_tokens))
+    req = GenerationRequest(
+        f"d{seed}-{i}",
+        tuple(prompt_ids(seed * 100003 + i, args.prompt_len)),
+        adapter,
+        SamplingParams(max_tokens=args.max_tokens),
+    )
     t0 = time.monotonic()
     first = last = None
     n = 0
@@ -426,12 +523,23 @@ async def direct_one(engine: Any, i: int, adapter: str, seed: int, args: argpars
             last = now
     assert first is not None
     assert last is not None
-    return {"status": 200, "tokens": n, "ttft": first - t0, "e2e": last - t0,
-            "tpot": (last - first) / (n - 1) if n > 1 else None}
+    return {
+        "status": 200,
+        "tokens": n,
+        "ttft": first - t0,
+        "e2e": last - t0,
+        "tpot": (last - first) / (n - 1) if n > 1 else None,
+    }
 
 
-async def direct_closed(engine: Any, adapters: list[str], concurrency: int, requests: int,
-                        seed: int, args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
+async def direct_closed(
+    engine: Any,
+    adapters: list[str],
+    concurrency: int,
+    requests: int,
+    seed: int,
+    args: argparse.Namespace,
+) -> tuple[list[dict[str, Any]], float]:
     queue = list(range(requests))
     out: list[dict[str, Any]] = []
 
@@ -447,9 +555,13 @@ async def direct_closed(engine: Any, adapters: list[str], concurrency: int, requ
 
 def rejected(service: Any) -> dict[str, float]:
     """429s the service gave so far, by queue bound, from its own Prometheus counters."""
-    return {reason: service.metrics.registry.get_sample_value(
-        "adaptermesh_requests_rejected_total", {"reason": reason}) or 0.0
-        for reason in ("tenant_queue_full", "global_queue_full")}
+    return {
+        reason: service.metrics.registry.get_sample_value(
+            "adaptermesh_requests_rejected_total", {"reason": reason}
+        )
+        or 0.0
+        for reason in ("tenant_queue_full", "global_queue_full")
+    }
 
 
 def med(records: list[dict[str, Any]], key: str) -> float:
@@ -476,34 +588,64 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     for i, name in enumerate(adapters):
         write_adapter(root, name, cfg, args.rank, seed=i, device=device)
     log(f"wrote {len(adapters)} adapters in {time.monotonic() - t:.1f}s")
-    ecfg = EngineConfig(max_model_len=args.prompt_len + args.max_tokens + 64,
-                        max_num_seqs=args.batch, max_loras=len(adapters), max_lora_rank=args.rank,
-                        max_num_batched_tokens=max(2048, args.batch + 2 * args.prompt_len),
-                        max_prefill_chunk=max(512, args.prompt_len))
-    engine = Engine(model_dir, root, device=device, dtype=dtype, config=ecfg,
-                    model_name="bench-base", weights=random_weights(cfg, device, dtype))
+    ecfg = EngineConfig(
+        max_model_len=args.prompt_len + args.max_tokens + 64,
+        max_num_seqs=args.batch,
+        max_loras=len(adapters),
+        max_lora_rank=args.rank,
+        max_num_batched_tokens=max(2048, args.batch + 2 * args.prompt_len),
+        max_prefill_chunk=max(512, args.prompt_len),
+    )
+    engine = Engine(
+        model_dir,
+        root,
+        device=device,
+        dtype=dtype,
+        config=ecfg,
+        model_name="bench-base",
+        weights=random_weights(cfg, device, dtype),
+    )
     await asyncio.gather(*engine.prefetch(adapters))
-    service = WorkerService(engine, ServiceConfig(
-        max_running=2 * args.batch, max_waiting_per_tenant=args.queue_per_tenant,
-        max_waiting_total=args.queue_total, request_timeout_s=args.timeout))
+    service = WorkerService(
+        engine,
+        ServiceConfig(
+            max_running=2 * args.batch,
+            max_waiting_per_tenant=args.queue_per_tenant,
+            max_waiting_total=args.queue_total,
+            request_timeout_s=args.timeout,
+        ),
+    )
     runner, port = await serve(service, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}"
     result: dict[str, Any] = {
         "bench": "bench_service",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda"
-                    else None, "torch": torch.__version__, "python": platform.python_version(),
-                    "cpu_count": __import__("os").cpu_count()},
+        "machine": {
+            "device": device,
+            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpu_count": __import__("os").cpu_count(),
+        },
         "model": {"shape": cfg, "dtype": str(dtype), "weights": "random"},
         "adapters": {"count": len(adapters), "rank": args.rank, "targets": list(ATTN)},
-        "workload": {"prompt_tokens": args.prompt_len, "max_tokens": args.max_tokens,
-                     "engine_batch": args.batch, "service_max_running": 2 * args.batch,
-                     "queue_per_tenant": args.queue_per_tenant, "queue_total": args.queue_total,
-                     "tenant": "one per adapter (x-tenant-id)", "adapter_choice": "uniform"},
-        "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot,
-                "definition": "a request meets the SLO when it got 200, its first token within "
-                              "ttft_s of sending, and a mean inter-token time within tpot_s"},
+        "workload": {
+            "prompt_tokens": args.prompt_len,
+            "max_tokens": args.max_tokens,
+            "engine_batch": args.batch,
+            "service_max_running": 2 * args.batch,
+            "queue_per_tenant": args.queue_per_tenant,
+            "queue_total": args.queue_total,
+            "tenant": "one per adapter (x-tenant-id)",
+            "adapter_choice": "uniform",
+        },
+        "slo": {
+            "ttft_s": args.slo_ttft,
+            "tpot_s": args.slo_tpot,
+            "definition": "a request meets the SLO when it got 200, its first token within "
+            "ttft_s of sending, and a mean inter-token time within tpot_s",
+        },
     }
     try:
         if hasattr(engine, "describe"):
@@ -511,11 +653,16 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
         # Warm-up (CUDA graphs for the length buckets used below).
         await direct_closed(engine, adapters, args.batch, 2 * args.batch, 1, args)
         # 1. Capacity with a full batch, called directly.
-        recs, wall = await direct_closed(engine, adapters, args.batch, args.batch * args.cal_waves,
-                                         2, args)
+        recs, wall = await direct_closed(
+            engine, adapters, args.batch, args.batch * args.cal_waves, 2, args
+        )
         capacity = len(recs) / wall
-        result["capacity"] = {"req_s": capacity, "tok_s": sum(r["tokens"] for r in recs) / wall,
-                              "requests": len(recs), "wall_s": wall}
+        result["capacity"] = {
+            "req_s": capacity,
+            "tok_s": sum(r["tokens"] for r in recs) / wall,
+            "requests": len(recs),
+            "wall_s": wall,
+        }
         log(f"capacity {capacity:.1f} req/s ({result['capacity']['tok_s']:.0f} tok/s)")
 
         # 3. HTTP overhead against direct calls, same engine, same prompts.
@@ -523,46 +670,76 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
         for conc in (1, 16):
             n = max(conc * 2, 8)
             direct, _ = await direct_closed(engine, adapters, conc, n, 3, args)
-            spec = {"mode": "closed", "url": url, "concurrency": conc, "requests": n, "seed": 3,
-                    "adapters": adapters, "prompt_len": args.prompt_len,
-                    "max_tokens": args.max_tokens, "timeout_s": args.timeout}
+            spec = {
+                "mode": "closed",
+                "url": url,
+                "concurrency": conc,
+                "requests": n,
+                "seed": 3,
+                "adapters": adapters,
+                "prompt_len": args.prompt_len,
+                "max_tokens": args.max_tokens,
+                "timeout_s": args.timeout,
+            }
             http = (await run_client(spec))["records"]
             assert all(r["status"] == 200 for r in http), http[:3]
             row = {
-                "concurrency": conc, "requests": n,
+                "concurrency": conc,
+                "requests": n,
                 "direct": {"ttft_p50_s": med(direct, "ttft"), "tpot_p50_s": med(direct, "tpot")},
                 "http": {"ttft_p50_s": med(http, "ttft"), "tpot_p50_s": med(http, "tpot")},
             }
-            row["overhead_per_token_us"] = 1e6 * (row["http"]["tpot_p50_s"]
-                                                   - row["direct"]["tpot_p50_s"])
-            row["overhead_ttft_ms"] = 1e3 * (row["http"]["ttft_p50_s"]
-                                             - row["direct"]["ttft_p50_s"])
-            row["overhead_per_token_ratio"] = (row["http"]["tpot_p50_s"]
-                                               / row["direct"]["tpot_p50_s"])
+            row["overhead_per_token_us"] = 1e6 * (
+                row["http"]["tpot_p50_s"] - row["direct"]["tpot_p50_s"]
+            )
+            row["overhead_ttft_ms"] = 1e3 * (
+                row["http"]["ttft_p50_s"] - row["direct"]["ttft_p50_s"]
+            )
+            row["overhead_per_token_ratio"] = (
+                row["http"]["tpot_p50_s"] / row["direct"]["tpot_p50_s"]
+            )
             overhead.append(row)
-            log(f"overhead conc={conc}: {row['overhead_per_token_us']:.0f} us/token, "
-                f"ttft +{row['overhead_ttft_ms']:.1f} ms")
+            log(
+                f"overhead conc={conc}: {row['overhead_per_token_us']:.0f} us/token, "
+                f"ttft +{row['overhead_ttft_ms']:.1f} ms"
+            )
         result["http_overhead"] = overhead
 
         # 2. Open-loop sweep.
         sweep = []
         for k, frac in enumerate(args.fractions):
             rate = frac * capacity
-            spec = {"mode": "open", "url": url, "rate": rate, "duration": args.duration,
-                    "seed": 100 + k, "adapters": adapters, "prompt_len": args.prompt_len,
-                    "max_tokens": args.max_tokens, "timeout_s": args.timeout}
+            spec = {
+                "mode": "open",
+                "url": url,
+                "rate": rate,
+                "duration": args.duration,
+                "seed": 100 + k,
+                "adapters": adapters,
+                "prompt_len": args.prompt_len,
+                "max_tokens": args.max_tokens,
+                "timeout_s": args.timeout,
+            }
             before = rejected(service)
             out = await run_client(spec)
-            row = {"load_fraction": frac, "rate_req_s": rate, "duration_s": args.duration,
-                   **summarize(out["records"], args.duration, out["wall_s"], args.slo_ttft,
-                             args.slo_tpot)}
-            row["rejected_by_queue_bounds"] = {k: v - before[k]
-                                               for k, v in rejected(service).items()}
+            row = {
+                "load_fraction": frac,
+                "rate_req_s": rate,
+                "duration_s": args.duration,
+                **summarize(
+                    out["records"], args.duration, out["wall_s"], args.slo_ttft, args.slo_tpot
+                ),
+            }
+            row["rejected_by_queue_bounds"] = {
+                k: v - before[k] for k, v in rejected(service).items()
+            }
             sweep.append(row)
-            log(f"{frac:.2f}x ({rate:.1f} req/s): ttft p50 {row['ttft_s']['p50']} p99 "
+            log(
+                f"{frac:.2f}x ({rate:.1f} req/s): ttft p50 {row['ttft_s']['p50']} p99 "
                 f"{row['ttft_s']['p99']}, tpot p50 {row['tpot_s']['p50']}, "
                 f"goodput {row['goodput_req_s']:.1f} req/s, within SLO "
-                f"{row['share_within_slo']}, codes {row['status_counts']}")
+                f"{row['share_within_slo']}, codes {row['status_counts']}"
+            )
             result["sweep"] = sweep
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=2))
@@ -602,8 +779,17 @@ def matmul_rate(device: str) -> dict[str, Any]:
     return {"TFLOP_s": 2 * n**3 / med / 1e12, "n": n, "dtype": str(dtype), "median_s": med}
 
 
-def mix_floor(cfg: dict[str, int], dtype_bytes: int, prompt: float, output: float, batch: int,
-              adapters: int, adapter_bytes: int, copy_Bps: float, flops: float) -> dict[str, Any]:
+def mix_floor(
+    cfg: dict[str, int],
+    dtype_bytes: int,
+    prompt: float,
+    output: float,
+    batch: int,
+    adapters: int,
+    adapter_bytes: int,
+    copy_Bps: float,
+    flops: float,
+) -> dict[str, Any]:
     """What one request of mean prompt/output length costs the GPU at least, per output token:
     prefill FLOPs (linear layers + causal attention), the KV every decode step reads, and the
     weights and adapters each step reads, shared by ``batch`` rows."""
@@ -615,18 +801,23 @@ def mix_floor(cfg: dict[str, int], dtype_bytes: int, prompt: float, output: floa
     prefill_flops = 2 * linear * prompt + layers * 2 * h * prompt * prompt  # QK^T + PV, causal
     decode_flops = output * 2 * (linear + cfg["vocab_size"] * h)
     kv_bytes = output * (prompt + output / 2) * kv_bytes_per_token(cfg, dtype_bytes)
-    step_bytes = weight_bytes_per_step(cfg, dtype_bytes, batch) + min(adapters, batch) * adapter_bytes
+    step_bytes = (
+        weight_bytes_per_step(cfg, dtype_bytes, batch) + min(adapters, batch) * adapter_bytes
+    )
     shared_bytes = output * step_bytes / batch
     t_flops = (prefill_flops + decode_flops) / flops
     t_bytes = (kv_bytes + shared_bytes) / copy_Bps
     return {
-        "mean_prompt_tokens": prompt, "mean_output_tokens": output, "rows_per_step": batch,
-        "flops_per_request": prefill_flops + decode_flops, "bytes_per_request": kv_bytes + shared_bytes,
+        "mean_prompt_tokens": prompt,
+        "mean_output_tokens": output,
+        "rows_per_step": batch,
+        "flops_per_request": prefill_flops + decode_flops,
+        "bytes_per_request": kv_bytes + shared_bytes,
         "kv_bytes_per_request": kv_bytes,
         "bound_output_tok_s": output / max(t_flops, t_bytes),
         "serial_estimate_output_tok_s": output / (t_flops + t_bytes),
         "note": "bound: FLOPs and bytes fully overlapped (no server does better); serial estimate: "
-                "prefill compute and decode memory traffic one after the other",
+        "prefill compute and decode memory traffic one after the other",
     }
 
 
@@ -640,24 +831,35 @@ def mix_summary(records: list[dict[str, Any]], window_s: float) -> dict[str, Any
         codes[key] = codes.get(key, 0) + 1
 
     def dist(v: list[float]) -> dict[str, float | None]:
-        return {"p50": pct(v, 50), "p95": pct(v, 95), "p99": pct(v, 99),
-                "mean": statistics.fmean(v) if v else None}
+        return {
+            "p50": pct(v, 50),
+            "p95": pct(v, 95),
+            "p99": pct(v, 99),
+            "mean": statistics.fmean(v) if v else None,
+        }
 
     completion = [r["usage_tokens"] if r["usage_tokens"] is not None else r["chunks"] for r in ok]
     return {
-        "requests": len(records), "completed": len(ok), "status_counts": codes,
-        "ttft_ms": dist(ttft), "tpot_ms": dist(tpot),
-        "window_s": window_s, "window_output_tokens": sum(r.get("in_window", 0) for r in records),
+        "requests": len(records),
+        "completed": len(ok),
+        "status_counts": codes,
+        "ttft_ms": dist(ttft),
+        "tpot_ms": dist(tpot),
+        "window_s": window_s,
+        "window_output_tokens": sum(r.get("in_window", 0) for r in records),
         "output_tok_s": sum(r.get("in_window", 0) for r in records) / window_s,
         "completed_output_tokens": sum(completion),
         "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in ok) if ok else None,
         "mean_completion_tokens": statistics.fmean(completion) if completion else None,
-        "completion_over_max_tokens": (sum(completion) / sum(r["max_tokens"] for r in ok)) if ok else None,
+        "completion_over_max_tokens": (sum(completion) / sum(r["max_tokens"] for r in ok))
+        if ok
+        else None,
     }
 
 
-async def sample_engine(engine: Any, t_base: float, window: tuple[float, float],
-                        stop: asyncio.Event) -> dict[str, Any]:
+async def sample_engine(
+    engine: Any, t_base: float, window: tuple[float, float], stop: asyncio.Event
+) -> dict[str, Any]:
     """The engine's generated-token counter at the window's ends, and its batch every 0.25 s."""
     marks: dict[str, int] = {}
     running: list[int] = []
@@ -675,13 +877,17 @@ async def sample_engine(engine: Any, t_base: float, window: tuple[float, float],
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.25)
     span = marks.get("t_end", 0) - marks.get("t_start", 0)
-    return {"engine_output_tok_s": (marks["end"] - marks["start"]) / span if span > 0 else None,
-            "mean_running": statistics.fmean(running) if running else None,
-            "max_running": max(running, default=None), "mean_waiting": statistics.fmean(waiting) if waiting else None}
+    return {
+        "engine_output_tok_s": (marks["end"] - marks["start"]) / span if span > 0 else None,
+        "mean_running": statistics.fmean(running) if running else None,
+        "max_running": max(running, default=None),
+        "mean_waiting": statistics.fmean(waiting) if waiting else None,
+    }
 
 
-async def mix_phase(engine: Any | None, spec: dict[str, Any], window: tuple[float, float]
-                    ) -> dict[str, Any]:
+async def mix_phase(
+    engine: Any | None, spec: dict[str, Any], window: tuple[float, float]
+) -> dict[str, Any]:
     """One client phase; with an in-process ``engine``, its counters sampled over ``window``
     (``engine`` None: a server in another process, read by the caller; ``"engine"`` is empty)."""
     spec = {**spec, "t_base": time.monotonic() + 2.0, "window": list(window)}
@@ -710,21 +916,33 @@ class MixSchedule:
     output_range: tuple[int, int]
 
 
-async def capacity_then_load(engine: Any | None, base: dict[str, Any], schedule: MixSchedule,
-                             result: dict[str, Any], save: Callable[[], None],
-                             settle: Callable[[], Awaitable[None]]) -> None:
+async def capacity_then_load(
+    engine: Any | None,
+    base: dict[str, Any],
+    schedule: MixSchedule,
+    result: dict[str, Any],
+    save: Callable[[], None],
+    settle: Callable[[], Awaitable[None]],
+) -> None:
     """Fill ``result["capacity"]`` and ``result["load"]``; ``settle`` runs between the phases
     (the cut closed-loop requests wind down), ``save`` after the first."""
     # 1. Capacity: closed loop, counted over [ramp, ramp + capacity_s], then cut.
     w = (schedule.ramp_s, schedule.ramp_s + schedule.capacity_s)
-    cap = await mix_phase(engine, {**base, "mode": "mix_closed", "seed": 11,
-                                   "concurrency": schedule.concurrency}, w)
+    cap = await mix_phase(
+        engine, {**base, "mode": "mix_closed", "seed": 11, "concurrency": schedule.concurrency}, w
+    )
     summ = mix_summary(cap["client"]["records"], schedule.capacity_s)
-    result["capacity"] = {**summ, "concurrency": schedule.concurrency, **cap["engine"],
-                          "requests_detail": _compact(cap["client"]["records"])}
-    log(f"capacity: {summ['output_tok_s']:.0f} output tok/s (engine counter "
+    result["capacity"] = {
+        **summ,
+        "concurrency": schedule.concurrency,
+        **cap["engine"],
+        "requests_detail": _compact(cap["client"]["records"]),
+    }
+    log(
+        f"capacity: {summ['output_tok_s']:.0f} output tok/s (engine counter "
         f"{cap['engine'].get('engine_output_tok_s')}), mean running "
-        f"{cap['engine'].get('mean_running')}")
+        f"{cap['engine'].get('mean_running')}"
+    )
     save()
     await settle()
 
@@ -735,25 +953,52 @@ async def capacity_then_load(engine: Any | None, base: dict[str, Any], schedule:
     per_req = (lo_o + hi_o) / 2 * (summ["completion_over_max_tokens"] or 1.0)
     rate = schedule.load * summ["output_tok_s"] / per_req
     ramp = min(schedule.ramp_s, schedule.run_s / 4)
-    run = await mix_phase(engine, {**base, "mode": "mix_open", "seed": 12, "rate": rate,
-                                   "duration": schedule.run_s, "max_tail_s": schedule.max_tail_s},
-                          (ramp, schedule.run_s))
+    run = await mix_phase(
+        engine,
+        {
+            **base,
+            "mode": "mix_open",
+            "seed": 12,
+            "rate": rate,
+            "duration": schedule.run_s,
+            "max_tail_s": schedule.max_tail_s,
+        },
+        (ramp, schedule.run_s),
+    )
     lsum = mix_summary(run["client"]["records"], schedule.run_s - ramp)
-    result["load"] = {**lsum, "load_fraction": schedule.load, "rate_req_s": rate,
-                      "expected_output_tokens_per_request": per_req,
-                      "offered_output_tok_s": rate * per_req, "duration_s": schedule.run_s,
-                      "tail_s": run["client"]["t_end"] - schedule.run_s, **run["engine"],
-                      "requests_detail": _compact(run["client"]["records"])}
-    log(f"load {schedule.load:.0%} ({rate:.2f} req/s): ttft p95 {lsum['ttft_ms']['p95']} ms, "
-        f"tpot p95 {lsum['tpot_ms']['p95']} ms, {lsum['output_tok_s']:.0f} output tok/s")
+    result["load"] = {
+        **lsum,
+        "load_fraction": schedule.load,
+        "rate_req_s": rate,
+        "expected_output_tokens_per_request": per_req,
+        "offered_output_tok_s": rate * per_req,
+        "duration_s": schedule.run_s,
+        "tail_s": run["client"]["t_end"] - schedule.run_s,
+        **run["engine"],
+        "requests_detail": _compact(run["client"]["records"]),
+    }
+    log(
+        f"load {schedule.load:.0%} ({rate:.2f} req/s): ttft p95 {lsum['ttft_ms']['p95']} ms, "
+        f"tpot p95 {lsum['tpot_ms']['p95']} ms, {lsum['output_tok_s']:.0f} output tok/s"
+    )
 
 
 def _compact(records: list[dict[str, Any]]) -> list[list[Any]]:
     """Per-request rows for the JSON: sent, ttft, last, chunks, usage tokens, prompt, max_tokens,
     status (times in seconds since the phase's base)."""
-    return [[r.get("sent"), r.get("first"), r.get("last"), r.get("chunks"), r.get("usage_tokens"),
-             r.get("prompt_tokens"), r.get("max_tokens"), "cut" if r.get("cut") else r.get("status")]
-            for r in records]
+    return [
+        [
+            r.get("sent"),
+            r.get("first"),
+            r.get("last"),
+            r.get("chunks"),
+            r.get("usage_tokens"),
+            r.get("prompt_tokens"),
+            r.get("max_tokens"),
+            "cut" if r.get("cut") else r.get("status"),
+        ]
+        for r in records
+    ]
 
 
 async def mix_main(args: argparse.Namespace) -> dict[str, Any]:
@@ -777,9 +1022,14 @@ async def mix_main(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "bench_service --mix",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"device": device, "gpu": torch.cuda.get_device_name(0) if gpu else None,
-                    "driver": driver_version() if gpu else None, "hostname": socket.gethostname(),
-                    "versions": versions(), "cpu_count": os.cpu_count()},
+        "machine": {
+            "device": device,
+            "gpu": torch.cuda.get_device_name(0) if gpu else None,
+            "driver": driver_version() if gpu else None,
+            "hostname": socket.gethostname(),
+            "versions": versions(),
+            "cpu_count": os.cpu_count(),
+        },
         "model": {"shape": cfg, "dtype": str(dtype), "weights": "random"},
         "adapters": {"count": args.adapters, "rank": args.rank, "targets": list(ALL7)},
     }
@@ -802,52 +1052,93 @@ async def mix_main(args: argparse.Namespace) -> dict[str, Any]:
     for i, name in enumerate(adapters):
         write_adapter(root, name, cfg, args.rank, seed=i, device=device, targets=ALL7)
     log(f"wrote {len(adapters)} adapters in {time.monotonic() - t:.1f}s")
-    ekw: dict[str, Any] = {"max_model_len": args.mix_max_model_len, "max_num_seqs": args.mix_max_num_seqs,
-                           "max_loras": len(adapters), "max_lora_rank": args.rank,
-                           "max_num_batched_tokens": 2048, "max_prefill_chunk": 2048}
+    ekw: dict[str, Any] = {
+        "max_model_len": args.mix_max_model_len,
+        "max_num_seqs": args.mix_max_num_seqs,
+        "max_loras": len(adapters),
+        "max_lora_rank": args.rank,
+        "max_num_batched_tokens": 2048,
+        "max_prefill_chunk": 2048,
+    }
     if args.gpu_memory_fraction is not None:
         ekw["gpu_memory_fraction"] = args.gpu_memory_fraction
     if args.no_lora_overlap:
         ekw["lora_overlap"] = False
     ecfg = EngineConfig(**ekw)
     t = time.monotonic()
-    engine = Engine(model_dir, root, device=device, dtype=dtype, config=ecfg,
-                    model_name="bench-base", weights=random_weights(cfg, device, dtype))
+    engine = Engine(
+        model_dir,
+        root,
+        device=device,
+        dtype=dtype,
+        config=ecfg,
+        model_name="bench-base",
+        weights=random_weights(cfg, device, dtype),
+    )
     await asyncio.gather(*engine.prefetch(adapters))
     log(f"engine built and adapters loaded in {time.monotonic() - t:.1f}s")
-    service = WorkerService(engine, ServiceConfig(
-        max_running=args.mix_max_num_seqs, max_waiting_per_tenant=args.mix_max_num_seqs,
-        max_waiting_total=4096, request_timeout_s=args.timeout))
+    service = WorkerService(
+        engine,
+        ServiceConfig(
+            max_running=args.mix_max_num_seqs,
+            max_waiting_per_tenant=args.mix_max_num_seqs,
+            max_waiting_total=4096,
+            request_timeout_s=args.timeout,
+        ),
+    )
     runner, port = await serve(service, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}"
     lo_p, hi_p = args.mix_prompt
     lo_o, hi_o = args.mix_output
     result["engine_config"] = {k: getattr(ecfg, k) for k in ekw}
     result["workload"] = {
-        "prompt_tokens": f"uniform [{lo_p}, {hi_p}]", "max_tokens": f"uniform [{lo_o}, {hi_o}]",
-        "max_model_len": args.mix_max_model_len, "sampling": "API default (no temperature sent)",
-        "stream": True, "arrivals": "closed loop, then Poisson", "tenant": "one per adapter (x-tenant-id)",
-        "adapter_choice": "uniform", "closed_concurrency": args.mix_concurrency, "load": args.mix_load,
-        "ramp_s": args.mix_ramp_s, "capacity_s": args.mix_capacity_s, "run_s": args.mix_run_s,
+        "prompt_tokens": f"uniform [{lo_p}, {hi_p}]",
+        "max_tokens": f"uniform [{lo_o}, {hi_o}]",
+        "max_model_len": args.mix_max_model_len,
+        "sampling": "API default (no temperature sent)",
+        "stream": True,
+        "arrivals": "closed loop, then Poisson",
+        "tenant": "one per adapter (x-tenant-id)",
+        "adapter_choice": "uniform",
+        "closed_concurrency": args.mix_concurrency,
+        "load": args.mix_load,
+        "ramp_s": args.mix_ramp_s,
+        "capacity_s": args.mix_capacity_s,
+        "run_s": args.mix_run_s,
         "max_tail_s": args.mix_max_tail_s,
         "service_max_running": args.mix_max_num_seqs,
     }
     result["floor"] = mix_floor(
-        cfg, dtype_bytes, (lo_p + hi_p) / 2, (lo_o + hi_o) / 2, args.mix_max_num_seqs, len(adapters),
-        adapter_bytes(cfg, args.rank, dtype_bytes), result["machine"]["copy_bandwidth"]["GB_s"] * 1e9,
-        result["machine"]["matmul"]["TFLOP_s"] * 1e12)
-    base = {"url": url, "adapters": adapters, "prompt_range": [lo_p, hi_p], "output_range": [lo_o, hi_o],
-            "timeout_s": args.timeout}
+        cfg,
+        dtype_bytes,
+        (lo_p + hi_p) / 2,
+        (lo_o + hi_o) / 2,
+        args.mix_max_num_seqs,
+        len(adapters),
+        adapter_bytes(cfg, args.rank, dtype_bytes),
+        result["machine"]["copy_bandwidth"]["GB_s"] * 1e9,
+        result["machine"]["matmul"]["TFLOP_s"] * 1e12,
+    )
+    base = {
+        "url": url,
+        "adapters": adapters,
+        "prompt_range": [lo_p, hi_p],
+        "output_range": [lo_o, hi_o],
+        "timeout_s": args.timeout,
+    }
     try:
         result["engine"] = engine.describe()
         # Warm-up, in process: every decode batch bucket once (the graph of each is captured
         # now, not inside the timed phases), with sampling at temperature 1 like the API's
         # default, plus a few full-size prefill chunks.
         t = time.monotonic()
-        listed = result["engine"].get("decode_buckets") or result["engine"].get("graph_buckets") or ()
-        buckets = sorted({x for x in listed if isinstance(x, int)}
-                         or {1 << k for k in range(args.mix_max_num_seqs.bit_length())}
-                         | {args.mix_max_num_seqs})
+        listed = (
+            result["engine"].get("decode_buckets") or result["engine"].get("graph_buckets") or ()
+        )
+        buckets = sorted(
+            {x for x in listed if isinstance(x, int)}
+            or {1 << k for k in range(args.mix_max_num_seqs.bit_length())} | {args.mix_max_num_seqs}
+        )
         # Short prompts and 16 tokens: every request of a bucket is admitted within a step or
         # two, so all of them decode together for a while.
         sp = SamplingParams(max_tokens=16, temperature=1.0, seed=1)
@@ -862,8 +1153,15 @@ async def mix_main(args: argparse.Namespace) -> dict[str, Any]:
             while service.inflight and time.monotonic() - t < 60:
                 await asyncio.sleep(0.1)
 
-        schedule = MixSchedule(args.mix_concurrency, args.mix_ramp_s, args.mix_capacity_s,
-                               args.mix_run_s, args.mix_load, args.mix_max_tail_s, (lo_o, hi_o))
+        schedule = MixSchedule(
+            args.mix_concurrency,
+            args.mix_ramp_s,
+            args.mix_capacity_s,
+            args.mix_run_s,
+            args.mix_load,
+            args.mix_max_tail_s,
+            (lo_o, hi_o),
+        )
         await capacity_then_load(engine, base, schedule, result, save, settle)
         result["engine_at_end"] = engine.describe()
     finally:
@@ -879,9 +1177,12 @@ async def direct_batch(engine: Any, adapters: list[str], n: int, prompt_len: int
     from adaptermesh.worker.types import GenerationRequest
 
     async def one(i: int) -> None:
-        req = GenerationRequest(f"warm-{n}-{prompt_len}-{i}",
-                                tuple(prompt_ids(7_000_000 + n * 1000 + i, prompt_len)),
-                                adapters[i % len(adapters)], sp)
+        req = GenerationRequest(
+            f"warm-{n}-{prompt_len}-{i}",
+            tuple(prompt_ids(7_000_000 + n * 1000 + i, prompt_len)),
+            adapters[i % len(adapters)],
+            sp,
+        )
         async for _ in engine.submit(req):
             pass
 
@@ -908,17 +1209,23 @@ def print_mix_table(r: dict[str, Any]) -> None:
     print("\n== bench_service --mix ==")
     for name, t in r.get("targets", {}).items():
         v = t["value"]
-        print(f"{name:32s} {('n/a' if v is None else f'{v:.1f}'):>10s} {t['target']:>8s} {t['met']}")
+        print(
+            f"{name:32s} {('n/a' if v is None else f'{v:.1f}'):>10s} {t['target']:>8s} {t['met']}"
+        )
     load = r.get("load") or {}
     if load:
-        print(f"load {load.get('load_fraction')}: {load.get('rate_req_s', 0):.2f} req/s, "
-              f"ttft p50/p95/p99 {[round(x or 0) for x in load['ttft_ms'].values()][:3]} ms, "
-              f"tpot p50/p95/p99 {[round(x or 0, 1) for x in load['tpot_ms'].values()][:3]} ms, "
-              f"{load.get('output_tok_s', 0):.0f} output tok/s, codes {load.get('status_counts')}")
+        print(
+            f"load {load.get('load_fraction')}: {load.get('rate_req_s', 0):.2f} req/s, "
+            f"ttft p50/p95/p99 {[round(x or 0) for x in load['ttft_ms'].values()][:3]} ms, "
+            f"tpot p50/p95/p99 {[round(x or 0, 1) for x in load['tpot_ms'].values()][:3]} ms, "
+            f"{load.get('output_tok_s', 0):.0f} output tok/s, codes {load.get('status_counts')}"
+        )
     fl = r.get("floor") or {}
     if fl:
-        print(f"floor: bound {fl['bound_output_tok_s']:.0f} output tok/s, serial estimate "
-              f"{fl['serial_estimate_output_tok_s']:.0f}")
+        print(
+            f"floor: bound {fl['bound_output_tok_s']:.0f} output tok/s, serial estimate "
+            f"{fl['serial_estimate_output_tok_s']:.0f}"
+        )
     sys.stdout.flush()
 
 
@@ -937,42 +1244,94 @@ def main() -> int:
     p.add_argument("--fractions", type=float, nargs="+", default=list(LOAD_FRACTIONS))
     p.add_argument("--slo-ttft", type=float, default=None)
     p.add_argument("--slo-tpot", type=float, default=None)
-    p.add_argument("--timeout", type=float, default=None,
-                   help="per-request deadline (s); default 60, with --mix 120")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="per-request deadline (s); default 60, with --mix 120",
+    )
     p.add_argument("--queue-per-tenant", type=int, default=8)
     p.add_argument("--queue-total", type=int, default=256)
     mix = p.add_argument_group("--mix mode (defaults: GPU / CPU)")
-    mix.add_argument("--mix", action="store_true", help="the serving-mix benchmark instead of the sweep")
-    mix.add_argument("--mix-concurrency", type=int, default=None, help="closed-loop requests in flight (256 / 16)")
-    mix.add_argument("--mix-ramp-s", type=float, default=None, help="seconds before counting starts (8 / 1)")
-    mix.add_argument("--mix-capacity-s", type=float, default=None, help="closed-loop counting window (60 / 3)")
-    mix.add_argument("--mix-run-s", type=float, default=None, help="Poisson arrival window (60 / 3)")
-    mix.add_argument("--mix-load", type=float, default=0.8, help="Poisson rate as a fraction of capacity")
-    mix.add_argument("--mix-max-tail-s", type=float, default=None,
-                     help="after the last arrival, cut requests still running after this (30 / 10)")
-    mix.add_argument("--mix-prompt", type=int, nargs=2, default=None, metavar=("LO", "HI"),
-                     help="prompt tokens, uniform (64 2048 / 16 128)")
-    mix.add_argument("--mix-output", type=int, nargs=2, default=None, metavar=("LO", "HI"),
-                     help="max_tokens, uniform (16 512 / 4 32)")
-    mix.add_argument("--mix-max-model-len", type=int, default=None, help="context limit (2576 / 176)")
-    mix.add_argument("--mix-max-num-seqs", type=int, default=None, help="engine max_num_seqs (256 / 32)")
-    mix.add_argument("--no-lora-overlap", action="store_true",
-                     help="LoRA terms after each matmul instead of beside it (EngineConfig.lora_overlap)")
-    mix.add_argument("--gpu-memory-fraction", type=float, default=None,
-                     help="EngineConfig.gpu_memory_fraction (default: the engine's)")
+    mix.add_argument(
+        "--mix", action="store_true", help="the serving-mix benchmark instead of the sweep"
+    )
+    mix.add_argument(
+        "--mix-concurrency",
+        type=int,
+        default=None,
+        help="closed-loop requests in flight (256 / 16)",
+    )
+    mix.add_argument(
+        "--mix-ramp-s", type=float, default=None, help="seconds before counting starts (8 / 1)"
+    )
+    mix.add_argument(
+        "--mix-capacity-s", type=float, default=None, help="closed-loop counting window (60 / 3)"
+    )
+    mix.add_argument(
+        "--mix-run-s", type=float, default=None, help="Poisson arrival window (60 / 3)"
+    )
+    mix.add_argument(
+        "--mix-load", type=float, default=0.8, help="Poisson rate as a fraction of capacity"
+    )
+    mix.add_argument(
+        "--mix-max-tail-s",
+        type=float,
+        default=None,
+        help="after the last arrival, cut requests still running after this (30 / 10)",
+    )
+    mix.add_argument(
+        "--mix-prompt",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LO", "HI"),
+        help="prompt tokens, uniform (64 2048 / 16 128)",
+    )
+    mix.add_argument(
+        "--mix-output",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LO", "HI"),
+        help="max_tokens, uniform (16 512 / 4 32)",
+    )
+    mix.add_argument(
+        "--mix-max-model-len", type=int, default=None, help="context limit (2576 / 176)"
+    )
+    mix.add_argument(
+        "--mix-max-num-seqs", type=int, default=None, help="engine max_num_seqs (256 / 32)"
+    )
+    mix.add_argument(
+        "--no-lora-overlap",
+        action="store_true",
+        help="LoRA terms after each matmul instead of beside it (EngineConfig.lora_overlap)",
+    )
+    mix.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=None,
+        help="EngineConfig.gpu_memory_fraction (default: the engine's)",
+    )
     args = p.parse_args()
     if args.client:
         asyncio.run(client_main(args))
         return 0
     gpu = args.device == "cuda"
     if args.mix:
-        for name, on_gpu, on_cpu in (("rank", 16, 16), ("timeout", 120.0, 60.0),
-                                     ("mix_concurrency", 256, 16), ("mix_ramp_s", 8.0, 1.0),
-                                     ("mix_capacity_s", 60.0, 3.0), ("mix_run_s", 60.0, 3.0),
-                                     ("mix_prompt", [64, 2048], [16, 128]),
-                                     ("mix_output", [16, 512], [4, 32]),
-                                     ("mix_max_model_len", 2576, 176),
-                                     ("mix_max_num_seqs", 256, 32), ("mix_max_tail_s", 30.0, 10.0)):
+        for name, on_gpu, on_cpu in (
+            ("rank", 16, 16),
+            ("timeout", 120.0, 60.0),
+            ("mix_concurrency", 256, 16),
+            ("mix_ramp_s", 8.0, 1.0),
+            ("mix_capacity_s", 60.0, 3.0),
+            ("mix_run_s", 60.0, 3.0),
+            ("mix_prompt", [64, 2048], [16, 128]),
+            ("mix_output", [16, 512], [4, 32]),
+            ("mix_max_model_len", 2576, 176),
+            ("mix_max_num_seqs", 256, 32),
+            ("mix_max_tail_s", 30.0, 10.0),
+        ):
             if getattr(args, name) is None:
                 setattr(args, name, on_gpu if gpu else on_cpu)
         if args.mix_prompt[1] + args.mix_output[1] > args.mix_max_model_len:
@@ -983,10 +1342,16 @@ def main() -> int:
     if args.timeout is None:
         args.timeout = 60.0
     # Defaults: a 7B-shaped run on the GPU; a small smoke run on CPU.
-    for name, on_gpu, on_cpu in (("rank", 16, 4), ("batch", 64, 8), ("prompt_len", 128, 16),
-                                 ("max_tokens", 64, 16), ("duration", 12.0, 3.0),
-                                 ("cal_waves", 3, 2), ("slo_ttft", 1.0, 2.0),
-                                 ("slo_tpot", 0.05, 0.25)):
+    for name, on_gpu, on_cpu in (
+        ("rank", 16, 4),
+        ("batch", 64, 8),
+        ("prompt_len", 128, 16),
+        ("max_tokens", 64, 16),
+        ("duration", 12.0, 3.0),
+        ("cal_waves", 3, 2),
+        ("slo_ttft", 1.0, 2.0),
+        ("slo_tpot", 0.05, 0.25),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, on_gpu if gpu else on_cpu)
     result = asyncio.run(server_main(args))

@@ -45,12 +45,6 @@ N_SETS = 16
 DT = torch.bfloat16
 
 
-
-
-
-
-
-
 def count_launches(fn: Callable[[], object]) -> int:
     from torch.profiler import ProfilerActivity, profile
 

@@ -68,16 +68,23 @@ def case_name(r: Any, t: int, s: int) -> str:
     return f"r{r}_T{t}_S{s}"
 
 
-
-
-
-
 class Case:
     """One table row: pools of adapters and rotating input sets."""
 
-    def __init__(self, r: Any, t: int, s: int, *, h: int = 4096, n: int = 4096,
-                 device: str = "cuda", dtype: torch.dtype = DT, pool: int = POOL,
-                 n_sets: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        r: Any,
+        t: int,
+        s: int,
+        *,
+        h: int = 4096,
+        n: int = 4096,
+        device: str = "cuda",
+        dtype: torch.dtype = DT,
+        pool: int = POOL,
+        n_sets: int | None = None,
+        seed: int = 0,
+    ) -> None:
         g = torch.Generator(device=device).manual_seed(seed)
         self.r, self.t, self.s, self.h, self.n, self.pool = r, t, s, h, n, pool
         ranks = [MIXED[i % 4] for i in range(pool)] if r == "mixed" else [int(r)] * pool
@@ -100,7 +107,7 @@ class Case:
         self.n_sets = n_sets
         per_pool = max(1, pool // max(1, s_used))
         self.n_pools = max(1, min(8, math.ceil(n_sets / per_pool)))
-        mask = (torch.arange(self.rmax, device=device)[None, :] < self.ranks[:, None])
+        mask = torch.arange(self.rmax, device=device)[None, :] < self.ranks[:, None]
         self.a, self.b = [], []
         for _ in range(self.n_pools):
             a = torch.randn(pool, self.rmax, h, device=device, generator=g) / h**0.5
@@ -112,8 +119,9 @@ class Case:
             p = i % self.n_pools
             off = ((i // self.n_pools) * s_used) % pool
             used = [(off + j) % pool for j in range(s_used)]
-            slots = torch.tensor([used[k * s_used // t] for k in range(t)], dtype=torch.int32,
-                                 device=device)
+            slots = torch.tensor(
+                [used[k * s_used // t] for k in range(t)], dtype=torch.int32, device=device
+            )
             x = torch.randn(t, h, device=device, generator=g).to(dtype)
             out = torch.randn(t, n, device=device, generator=g).to(dtype)
             meta = build_segment_meta(slots, pool)
@@ -179,7 +187,7 @@ class Case:
 
             def run() -> None:
                 for s0, ln, s in segs:
-                    out[s0:s0 + ln].addmm_(x[s0:s0 + ln] @ a[s].T, b[s].T, alpha=SCALE)
+                    out[s0 : s0 + ln].addmm_(x[s0 : s0 + ln] @ a[s].T, b[s].T, alpha=SCALE)
 
             return run
 
@@ -200,8 +208,9 @@ class Case:
         return [mk(st) for st in self.sets]
 
 
-def check(case: Case, fns: list[Callable[[], None]],
-          ref: torch.Tensor | None = None) -> tuple[bool, float, str | None]:
+def check(
+    case: Case, fns: list[Callable[[], None]], ref: torch.Tensor | None = None
+) -> tuple[bool, float, str | None]:
     """Run set 0 once from a fresh ``out`` and compare with fp32 torch (``ref``: another
     expected result, e.g. from dequantised weights)."""
     st = case.sets[0]
@@ -221,8 +230,10 @@ def check(case: Case, fns: list[Callable[[], None]],
 
 def impls(case: Case, peers: dict[str, Any]) -> dict[str, Callable[[], list[Callable[[], None]]]]:
     out: dict[str, Callable[[], list[Callable[[], None]]]] = {
-        "ours": case.ours, "ours_no_hint": lambda: case.ours(hint=False),
-        "ours_no_pdl": lambda: case.ours(pdl=False)}
+        "ours": case.ours,
+        "ours_no_hint": lambda: case.ours(hint=False),
+        "ours_no_pdl": lambda: case.ours(pdl=False),
+    }
     for name, p in peers.items():
         out[name] = lambda b=p.build: case.peer(b)
     if case.s_used == 1:
@@ -270,8 +281,16 @@ def host_cost(peers: dict[str, Any], calls: int = 300) -> dict[str, Any]:
     st = case.sets[0]
     fns: dict[str, Callable[[], None]] = {"ours": case.ours()[0]}
     fns["ours_plan"] = sgmm.plan_add_lora(
-        st["out"], st["x"], case.a[0].unsqueeze(0), (case.b[0],), case.scales, case.ranks,
-        st["meta"], v_buffer=st["v"], check_values=False)
+        st["out"],
+        st["x"],
+        case.a[0].unsqueeze(0),
+        (case.b[0],),
+        case.scales,
+        case.ranks,
+        st["meta"],
+        v_buffer=st["v"],
+        check_values=False,
+    )
     for name, p in peers.items():
         try:
             fns[name] = case.peer(p.build)[0]
@@ -343,19 +362,30 @@ def int4_section(cases: list[Case], bw: float | None) -> dict[str, Any]:
         row: dict[str, Any] = {"name": case_name(case.r, case.t, case.s)}
         try:
             # The pool's layout: A grouped along H, B along N (quantize_lora).
-            pairs = [q.quantize_lora(a.unsqueeze(0), (b,), group)
-                     for a, b in zip(case.a, case.b, strict=True)]
+            pairs = [
+                q.quantize_lora(a.unsqueeze(0), (b,), group)
+                for a, b in zip(case.a, case.b, strict=True)
+            ]
             qa = [p[0] for p in pairs]
             qb = [p[1][0] for p in pairs]
             row["bytes_int4"] = _nbytes(qa[0]) + _nbytes(qb[0])
             row["bytes_bf16"] = _nbytes(case.a[0]) + _nbytes(case.b[0])
 
-            def mk(st: dict[str, Any], qa: Any = qa, qb: Any = qb,
-                   case: Case = case) -> Callable[[], None]:
+            def mk(
+                st: dict[str, Any], qa: Any = qa, qb: Any = qb, case: Case = case
+            ) -> Callable[[], None]:
                 return lambda: q.add_lora_int4(
-                    st["out"], st["x"], qa[st["pool"]], (qb[st["pool"]],), case.scales,
-                    case.ranks, st["meta"], v_buffer=st["v"], active_slots=case.s,
-                    check_values=False)  # the batch's adapters, as ``ours`` is told
+                    st["out"],
+                    st["x"],
+                    qa[st["pool"]],
+                    (qb[st["pool"]],),
+                    case.scales,
+                    case.ranks,
+                    st["meta"],
+                    v_buffer=st["v"],
+                    active_slots=case.s,
+                    check_values=False,
+                )  # the batch's adapters, as ``ours`` is told
 
             fns = [mk(st) for st in case.sets]
             # Expected: the same sum over the dequantised pool (the quantisation error itself
@@ -428,10 +458,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "sgmm_peers_h200.json")
     ap.add_argument("--peers", type=Path, default=HERE / ".peers")
     ap.add_argument("--quick", action="store_true", help="four cases only")
-    ap.add_argument("--budget-s", type=float, default=220.0,
-                    help="stop adding cases once this many seconds have passed")
-    ap.add_argument("--selfcheck-cpu", action="store_true",
-                    help="tiny shapes under the Triton interpreter, no GPU")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=220.0,
+        help="stop adding cases once this many seconds have passed",
+    )
+    ap.add_argument(
+        "--selfcheck-cpu",
+        action="store_true",
+        help="tiny shapes under the Triton interpreter, no GPU",
+    )
     args = ap.parse_args()
     if args.selfcheck_cpu:
         sys.exit(selfcheck_cpu(args.peers))
@@ -442,9 +479,10 @@ def main() -> None:
     peer_sources: dict[str, Any] = {}
     if (args.peers / "SOURCES.json").exists():
         src = json.loads((args.peers / "SOURCES.json").read_text())
-        peer_sources = {k: {"commit": v.get("commit"), "version": v.get("version"),
-                            "files": v.get("files")}
-                        for k, v in src.items()}
+        peer_sources = {
+            k: {"commit": v.get("commit"), "version": v.get("version"), "files": v.get("files")}
+            for k, v in src.items()
+        }
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s; peers {sorted(peers)}; errors {peer_errors}")
     results: dict[str, Any] = dict(
@@ -472,8 +510,14 @@ def main() -> None:
         results["cases"].append(row)
         us = row["impls"]["ours"].get("us")
         targets[name] = {"value": us, "target": target, "met": us is not None and us <= target}
-        print(name, {k: round(v["us"], 1) if "us" in v else v.get("error")
-                     for k, v in row["impls"].items()}, flush=True)
+        print(
+            name,
+            {
+                k: round(v["us"], 1) if "us" in v else v.get("error")
+                for k, v in row["impls"].items()
+            },
+            flush=True,
+        )
         if t <= 256:  # INT4 is timed against bf16 on every case of T <= 256
             small.append(case)
         else:
@@ -485,8 +529,12 @@ def main() -> None:
     # plain add_lora (checks and config choice on every call) is reported beside it.
     for key, impl in (("host_cost_us", "ours_plan"), ("host_cost_plain_add_lora_us", "ours")):
         v = hc.get(impl) if isinstance(hc.get(impl), float) else None
-        targets[key] = {"value": v, "target": 30.0, "met": v is not None and v <= 30.0,
-                        "impl": impl}
+        targets[key] = {
+            "value": v,
+            "target": 30.0,
+            "met": v is not None and v <= 30.0,
+            "impl": impl,
+        }
     md = metadata_cost()
     results["metadata_us"] = md
     targets["metadata_us"] = {"value": md, "target": 50.0, "met": md <= 50.0}
@@ -494,16 +542,21 @@ def main() -> None:
     results["int4"] = i4
     for c in i4.get("cases", []):
         targets[f"int4_ratio_{c['name']}"] = {
-            "value": c.get("ratio"), "target": 1.0,
-            "met": c.get("ratio") is not None and c["ratio"] <= 1.0}
+            "value": c.get("ratio"),
+            "target": 1.0,
+            "met": c.get("ratio") is not None and c["ratio"] <= 1.0,
+        }
     if "adapters_per_gb_ratio" in i4:
         v = i4["adapters_per_gb_ratio"]
         targets["int4_adapters_per_gb_ratio"] = {"value": v, "target": 3.5, "met": v >= 3.5}
     af = adafuse_section()
     results["adafuse"] = af
     if "pct_copy_bw" in af:
-        targets["adafuse_pct_copy_bw"] = {"value": af["pct_copy_bw"], "target": 70.0,
-                                          "met": af["pct_copy_bw"] >= 70.0}
+        targets["adafuse_pct_copy_bw"] = {
+            "value": af["pct_copy_bw"],
+            "target": 70.0,
+            "met": af["pct_copy_bw"] >= 70.0,
+        }
     results["targets"] = targets
     results["wall_s"] = time.monotonic() - t_start
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -75,9 +75,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     service = WorkerService(FakeEngine(), ServiceConfig(), on)
     headers = {"traceparent": TRACEPARENT, "x-tenant-id": "acme"}
     now = time.monotonic()
-    job = SimpleNamespace(kind="completion", adapter="alpha@2.0.0", prompt_ids=[1] * 32,
-                          tenant="id-acme", arrived=now - 0.01, trace_context=None,
-                          trace_attrs={"adaptermesh.model": "alpha@2.0.0"})
+    job = SimpleNamespace(
+        kind="completion",
+        adapter="alpha@2.0.0",
+        prompt_ids=[1] * 32,
+        tenant="id-acme",
+        arrived=now - 0.01,
+        trace_context=None,
+        trace_attrs={"adaptermesh.model": "alpha@2.0.0"},
+    )
     ticket = SimpleNamespace(enqueued_at=now - 0.01, admitted_at=now - 0.009)
     reps = args.requests * 5
     t0 = time.perf_counter()
@@ -87,16 +93,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     direct_us = (time.perf_counter() - t0) * 1e6 / reps
     on.shutdown()
     receiver.stop()
-    results = {k: {"p50_us": _pct(v, 0.5), "p90_us": _pct(v, 0.9), "p99_us": _pct(v, 0.99),
-                   "mean_us": round(statistics.fmean(v), 1), "n": len(v)}
-               for k, v in lat.items()}
+    results = {
+        k: {
+            "p50_us": _pct(v, 0.5),
+            "p90_us": _pct(v, 0.9),
+            "p99_us": _pct(v, 0.99),
+            "mean_us": round(statistics.fmean(v), 1),
+            "n": len(v),
+        }
+        for k, v in lat.items()
+    }
     base = statistics.median(lat["off"])
     for k in ("on_100pct", "on_100pct_with_parent"):
         results[k]["p50_overhead_us"] = round(statistics.median(lat[k]) - base, 1)
-    return {"results": results,
-            "tracing_work_per_request_us": round(direct_us, 1),
-            "spans_received": len(receiver.spans),
-            "exports": receiver.requests}
+    return {
+        "results": results,
+        "tracing_work_per_request_us": round(direct_us, 1),
+        "spans_received": len(receiver.spans),
+        "exports": receiver.requests,
+    }
 
 
 def main() -> None:

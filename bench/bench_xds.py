@@ -43,13 +43,21 @@ from adaptermesh.proto import assignment_pb2 as ap
 def make_assignment(version: int, shards: int, step: int, base_port: int) -> ap.Assignment:
     out = ap.Assignment(version=version, reason="bench")
     for s in range(shards):
-        shard = out.shards.add(id=f"s{s}", index=s, weight=10_000 // shards,
-                               service_address="127.0.0.1", service_port=base_port + s,
-                               state=ap.SHARD_STATE_ACTIVE)
+        shard = out.shards.add(
+            id=f"s{s}",
+            index=s,
+            weight=10_000 // shards,
+            service_address="127.0.0.1",
+            service_port=base_port + s,
+            state=ap.SHARD_STATE_ACTIVE,
+        )
         for e in range(4):
-            shard.endpoints.add(address="127.0.0.1", port=40_000 + 10 * s + e,
-                                weight=1 + (step + e) % 7,
-                                adapters=[f"adapter-{s}-{e}-{k}" for k in range(8)])
+            shard.endpoints.add(
+                address="127.0.0.1",
+                port=40_000 + 10 * s + e,
+                weight=1 + (step + e) % 7,
+                adapters=[f"adapter-{s}-{e}-{k}" for k in range(8)],
+            )
     return out
 
 
@@ -72,9 +80,16 @@ def summary(latencies_s: list[float], cpu_s: float) -> dict[str, float | int]:
     }
 
 
-def run_updates(cache: SnapshotCache, nodes: list[str], updates: int, shards: int,
-                base_ports: dict[str, int], first_version: int, structural: bool,
-                gap_s: float) -> tuple[list[float], float]:
+def run_updates(
+    cache: SnapshotCache,
+    nodes: list[str],
+    updates: int,
+    shards: int,
+    base_ports: dict[str, int],
+    first_version: int,
+    structural: bool,
+    gap_s: float,
+) -> tuple[list[float], float]:
     latencies = []
     cpu0 = time.process_time()
     version = first_version
@@ -84,7 +99,8 @@ def run_updates(cache: SnapshotCache, nodes: list[str], updates: int, shards: in
         start = time.monotonic()
         for node in nodes:
             published = cache.set_assignment(
-                node, make_assignment(version, count, i + 1, base_ports[node]))
+                node, make_assignment(version, count, i + 1, base_ports[node])
+            )
         if not cache.wait_for_version(nodes, published, 10):
             raise RuntimeError(f"update {version} not ACKed by all of {len(nodes)} Envoys")
         acked = max(cache.node_status(n).acked_at for n in nodes)  # type: ignore[union-attr]
@@ -95,8 +111,9 @@ def run_updates(cache: SnapshotCache, nodes: list[str], updates: int, shards: in
     return latencies, cpu
 
 
-def scenario(n_envoys: int, updates: int, shards: int, structural_updates: int,
-             gap_s: float) -> dict[str, object]:
+def scenario(
+    n_envoys: int, updates: int, shards: int, structural_updates: int, gap_s: float
+) -> dict[str, object]:
     cache = SnapshotCache()
     server = XdsServer(cache)
     port = server.start()
@@ -118,16 +135,25 @@ def scenario(n_envoys: int, updates: int, shards: int, structural_updates: int,
         startup_s = time.monotonic() - started
         warmup = 10  # not measured: first pushes allocate connection and parser state
         run_updates(cache, nodes, warmup, shards, base_ports, 1, False, gap_s)
-        lat, cpu = run_updates(cache, nodes, updates, shards, base_ports, 1 + warmup, False,
-                               gap_s)
+        lat, cpu = run_updates(cache, nodes, updates, shards, base_ports, 1 + warmup, False, gap_s)
         result: dict[str, object] = {
-            "envoys": n_envoys, "shards_per_envoy": shards, "endpoints_per_shard": 4,
+            "envoys": n_envoys,
+            "shards_per_envoy": shards,
+            "endpoints_per_shard": 4,
             "startup_to_all_ready_s": round(startup_s, 3),
             "weight_updates": summary(lat, cpu),
         }
         if structural_updates:
-            lat, cpu = run_updates(cache, nodes, structural_updates, shards, base_ports,
-                                   1 + warmup + updates, True, gap_s)
+            lat, cpu = run_updates(
+                cache,
+                nodes,
+                structural_updates,
+                shards,
+                base_ports,
+                1 + warmup + updates,
+                True,
+                gap_s,
+            )
             result["structural_updates"] = summary(lat, cpu)
         return result
     finally:
@@ -145,12 +171,20 @@ def machine() -> dict[str, object]:
                 break
     except OSError:
         pass
-    envoy_version = subprocess.run([find_envoy(), "--version"], capture_output=True, text=True,
-                                   check=False).stdout.strip().split("version:")[-1].strip()
+    envoy_version = (
+        subprocess.run([find_envoy(), "--version"], capture_output=True, text=True, check=False)
+        .stdout.strip()
+        .split("version:")[-1]
+        .strip()
+    )
     return {
-        "cpu": cpu_model, "cores": os.cpu_count(), "platform": platform.platform(),
-        "python": platform.python_version(), "grpcio": grpc.__version__,
-        "envoy": envoy_version, "gpu": None,
+        "cpu": cpu_model,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+        "envoy": envoy_version,
+        "gpu": None,
     }
 
 
@@ -171,8 +205,7 @@ def main() -> int:
         "machine": machine(),
         "targets": {"one_envoy_p99_ms": 20, "twenty_envoys_p99_ms": 100},
         "one_envoy": scenario(1, args.updates, args.shards, args.structural, args.gap_ms / 1000),
-        "many_envoys": scenario(args.envoys, args.updates_many, args.shards, 0,
-                                args.gap_ms / 1000),
+        "many_envoys": scenario(args.envoys, args.updates_many, args.shards, 0, args.gap_ms / 1000),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -50,8 +50,11 @@ async def one(session: Any, url: str, body: dict[str, Any], t_base: float) -> di
     t0 = time.monotonic()
     rec: dict[str, Any] = {"sent": t0 - t_base, "status": 0, "e2e": None}
     try:
-        async with session.post(url + "/v1/completions", json=body,
-                                headers={"x-tenant-id": body["model"], "x-request-timeout": "120"}) as resp:
+        async with session.post(
+            url + "/v1/completions",
+            json=body,
+            headers={"x-tenant-id": body["model"], "x-request-timeout": "120"},
+        ) as resp:
             rec["status"] = resp.status
             await resp.read()
     except Exception as exc:  # a failed request is a data point, not a crash
@@ -86,15 +89,33 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     adapters = [f"ad{i:02d}" for i in range(args.adapters)]
     for i, name in enumerate(adapters):
         bs.write_adapter(root, name, cfg, args.rank, seed=i, device=device)
-    ecfg = EngineConfig(max_model_len=args.prompt_len + args.max_tokens + 64, max_num_seqs=args.batch,
-                        max_loras=len(adapters), max_lora_rank=args.rank,
-                        max_num_batched_tokens=max(2048, args.batch + 2 * args.prompt_len),
-                        max_prefill_chunk=max(512, args.prompt_len))
-    engine = Engine(model_dir, root, device=device, dtype=dtype, config=ecfg, model_name="trace-base",
-                    weights=bs.random_weights(cfg, device, dtype))
+    ecfg = EngineConfig(
+        max_model_len=args.prompt_len + args.max_tokens + 64,
+        max_num_seqs=args.batch,
+        max_loras=len(adapters),
+        max_lora_rank=args.rank,
+        max_num_batched_tokens=max(2048, args.batch + 2 * args.prompt_len),
+        max_prefill_chunk=max(512, args.prompt_len),
+    )
+    engine = Engine(
+        model_dir,
+        root,
+        device=device,
+        dtype=dtype,
+        config=ecfg,
+        model_name="trace-base",
+        weights=bs.random_weights(cfg, device, dtype),
+    )
     await asyncio.gather(*engine.prefetch(adapters))
-    service = WorkerService(engine, ServiceConfig(max_running=2 * args.batch, max_waiting_per_tenant=100_000,
-                                                  max_waiting_total=100_000, request_timeout_s=120.0))
+    service = WorkerService(
+        engine,
+        ServiceConfig(
+            max_running=2 * args.batch,
+            max_waiting_per_tenant=100_000,
+            max_waiting_total=100_000,
+            request_timeout_s=120.0,
+        ),
+    )
     runner, port = await serve(service, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}"
     rng = random.Random(args.seed)
@@ -102,8 +123,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
 
     def body(i: int) -> dict[str, Any]:
-        return {"model": rng.choice(adapters), "prompt": bs.prompt_ids(args.seed * 100003 + i, args.prompt_len),
-                "max_tokens": args.max_tokens, "temperature": 0}
+        return {
+            "model": rng.choice(adapters),
+            "prompt": bs.prompt_ids(args.seed * 100003 + i, args.prompt_len),
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+        }
 
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=300)
@@ -134,23 +159,38 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             stop = asyncio.Event()
 
             async def observe() -> None:
-                await source.collect([target], clock.monotonic())  # the first scrape has no interval
+                await source.collect(
+                    [target], clock.monotonic()
+                )  # the first scrape has no interval
                 next_at = time.monotonic() + args.interval
                 while not stop.is_set():
                     await asyncio.sleep(max(0.0, next_at - time.monotonic()))
                     next_at += args.interval
                     now = time.monotonic()
                     obs = (await source.collect([target], clock.monotonic()))[target.key]
-                    window = [r["e2e"] for r in records if r["status"] == 200
-                              and now - args.interval <= t_base + r["sent"] + r["e2e"] <= now]
-                    rows.append({
-                        "t": now - t_base, "offered_rps": offered["rate"],
-                        "tokens_per_s": obs.tokens_per_s, "ttft_mean_s": obs.latency_s,
-                        "ttft_p95_s": obs.ttft_p95_s, "tpot_p95_s": obs.tpot_p95_s,
-                        "waiting": obs.waiting, "running": obs.running, "kv_cache_usage": obs.kv_cache_usage,
-                        "gpu_free_bytes": obs.gpu_free_bytes, "known": obs.known,
-                        "client_e2e_p95_s": bs.pct(window, 95), "client_finished": len(window),
-                    })
+                    window = [
+                        r["e2e"]
+                        for r in records
+                        if r["status"] == 200
+                        and now - args.interval <= t_base + r["sent"] + r["e2e"] <= now
+                    ]
+                    rows.append(
+                        {
+                            "t": now - t_base,
+                            "offered_rps": offered["rate"],
+                            "tokens_per_s": obs.tokens_per_s,
+                            "ttft_mean_s": obs.latency_s,
+                            "ttft_p95_s": obs.ttft_p95_s,
+                            "tpot_p95_s": obs.tpot_p95_s,
+                            "waiting": obs.waiting,
+                            "running": obs.running,
+                            "kv_cache_usage": obs.kv_cache_usage,
+                            "gpu_free_bytes": obs.gpu_free_bytes,
+                            "known": obs.known,
+                            "client_e2e_p95_s": bs.pct(window, 95),
+                            "client_finished": len(window),
+                        }
+                    )
 
             observer = asyncio.create_task(observe())
             tasks: list[asyncio.Task[dict[str, Any]]] = []
@@ -183,13 +223,24 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "bench": "record_load_trace",
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": {"device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-                        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
+            "machine": {
+                "device": device,
+                "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "python": platform.python_version(),
+            },
             "model": {"shape": cfg, "dtype": str(dtype), "weights": "random"},
             "adapters": {"count": len(adapters), "rank": args.rank, "targets": list(bs.ATTN)},
-            "workload": {"prompt_tokens": args.prompt_len, "max_tokens": args.max_tokens, "batch": args.batch,
-                         "arrivals": "poisson", "fractions": list(FRACTIONS[: args.levels]),
-                         "step_s": args.step, "interval_s": args.interval},
+            "workload": {
+                "prompt_tokens": args.prompt_len,
+                "max_tokens": args.max_tokens,
+                "batch": args.batch,
+                "arrivals": "poisson",
+                "fractions": list(FRACTIONS[: args.levels]),
+                "step_s": args.step,
+                "interval_s": args.interval,
+            },
             "capacity_rps": capacity,
             "requests": len(records),
             "requests_ok": sum(1 for r in records if r["status"] == 200),
@@ -205,16 +256,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="tiny model shape (the CPU check); default on cpu")
+    ap.add_argument(
+        "--tiny", action="store_true", help="tiny model shape (the CPU check); default on cpu"
+    )
     ap.add_argument("--adapters", type=int, default=16)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=None, help="engine max_num_seqs (default 64 cuda, 8 cpu)")
+    ap.add_argument(
+        "--batch", type=int, default=None, help="engine max_num_seqs (default 64 cuda, 8 cpu)"
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=None, help="default 64 (cpu: 16)")
     ap.add_argument("--levels", type=int, default=len(FRACTIONS))
-    ap.add_argument("--step", type=float, default=None, help="seconds per load level (default 16 cuda, 6 cpu)")
-    ap.add_argument("--interval", type=float, default=None, help="scrape interval (default 3 cuda, 2 cpu)")
-    ap.add_argument("--probe", type=float, default=None, help="capacity probe seconds (default 15 cuda, 8 cpu)")
+    ap.add_argument(
+        "--step", type=float, default=None, help="seconds per load level (default 16 cuda, 6 cpu)"
+    )
+    ap.add_argument(
+        "--interval", type=float, default=None, help="scrape interval (default 3 cuda, 2 cpu)"
+    )
+    ap.add_argument(
+        "--probe", type=float, default=None, help="capacity probe seconds (default 15 cuda, 8 cpu)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     cpu = args.device == "cpu"
@@ -233,8 +294,10 @@ def main() -> int:
     result["wall_s"] = time.monotonic() - started
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    log(f"wrote {args.out}: {len(result['rows'])} rows, {result['requests_ok']}/{result['requests']} requests ok, "
-        f"{result['wall_s']:.0f} s")
+    log(
+        f"wrote {args.out}: {len(result['rows'])} rows, {result['requests_ok']}/{result['requests']} requests ok, "
+        f"{result['wall_s']:.0f} s"
+    )
     return 0
 
 

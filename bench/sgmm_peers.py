@@ -148,13 +148,12 @@ def _release_version(root: Path) -> str | None:
 
 
 def _git(gd: Path, *args: str) -> bytes:
-    return subprocess.run(
-        ["git", f"--git-dir={gd}", *args], check=True, capture_output=True
-    ).stdout
+    return subprocess.run(["git", f"--git-dir={gd}", *args], check=True, capture_output=True).stdout
 
 
-def prepare(dest: Path, mirror_root: Path = Path("/work/.mirror"),
-            srcs: dict[str, Path] | None = None) -> dict[str, Any]:
+def prepare(
+    dest: Path, mirror_root: Path = Path("/work/.mirror"), srcs: dict[str, Path] | None = None
+) -> dict[str, Any]:
     """Extract the peers' kernel files into ``dest`` and write the import shims."""
     srcs = srcs or {}
     dest.mkdir(parents=True, exist_ok=True)
@@ -178,12 +177,13 @@ def prepare(dest: Path, mirror_root: Path = Path("/work/.mirror"),
             continue
         for f in files:
             try:
-                data = (srcs[peer] / f).read_bytes() if peer in srcs else _git(
-                    gd, "show", f"HEAD:{f}")  # type: ignore[arg-type]
+                data = (
+                    (srcs[peer] / f).read_bytes() if peer in srcs else _git(gd, "show", f"HEAD:{f}")
+                )  # type: ignore[arg-type]
             except Exception:
                 entry["missing"].append(f)
                 continue
-            out = dest / f[len(STRIP[peer]):]
+            out = dest / f[len(STRIP[peer]) :]
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(data)
             entry["files"].append(f)
@@ -269,17 +269,25 @@ def _sglang_sgemm(mods: dict[str, Any]) -> Callable[[PeerCase], Callable[[], Non
         starts, lens, ids = _segments(c.slots)
         i32 = dict(dtype=torch.int32, device=dev)
         kw: dict[str, Any] = dict(
-            bs=len(lens), num_segments=len(lens), seg_lens=torch.tensor(lens, **i32),
-            seg_indptr=torch.tensor([*starts, c.x.shape[0]], **i32), max_len=max(lens),
-            weight_indices=torch.tensor(ids, **i32), lora_ranks=c.ranks.to(dev),
+            bs=len(lens),
+            num_segments=len(lens),
+            seg_lens=torch.tensor(lens, **i32),
+            seg_indptr=torch.tensor([*starts, c.x.shape[0]], **i32),
+            max_len=max(lens),
+            weight_indices=torch.tensor(ids, **i32),
+            lora_ranks=c.ranks.to(dev),
             scalings=torch.full((c.a.shape[0],), c.scale, device=dev),
-            use_cuda_graph=True, permutation=None,
+            use_cuda_graph=True,
+            permutation=None,
         )
         names = {f.name for f in util.LoRABatchInfo.__dataclass_fields__.values()}
         info = util.LoRABatchInfo(**{k: v for k, v in kw.items() if k in names})
         # Older releases took the scale as an argument; newer ones read batch_info.scalings.
-        extra = ({"scaling": c.scale}
-                 if "scaling" in inspect.signature(lb.sgemm_lora_b_fwd).parameters else {})
+        extra = (
+            {"scaling": c.scale}
+            if "scaling" in inspect.signature(lb.sgemm_lora_b_fwd).parameters
+            else {}
+        )
 
         def run() -> None:
             v = la.sgemm_lora_a_fwd(c.x, c.a, info)
@@ -314,10 +322,15 @@ def _sglang_chunked(mods: dict[str, Any]) -> Callable[[PeerCase], Callable[[], N
             indptr.append(indptr[-1] + ln)
         i32 = dict(dtype=torch.int32, device=dev)
         kw: dict[str, Any] = dict(
-            use_cuda_graph=True, bs=len(seg_lens), num_segments=len(seg_lens),
-            seg_indptr=torch.tensor(indptr, **i32), weight_indices=torch.tensor(seg_ids, **i32),
-            lora_ranks=c.ranks.to(dev), scalings=torch.full((c.a.shape[0],), c.scale, device=dev),
-            max_len=chunk, seg_lens=torch.tensor(seg_lens, **i32),
+            use_cuda_graph=True,
+            bs=len(seg_lens),
+            num_segments=len(seg_lens),
+            seg_indptr=torch.tensor(indptr, **i32),
+            weight_indices=torch.tensor(seg_ids, **i32),
+            lora_ranks=c.ranks.to(dev),
+            scalings=torch.full((c.a.shape[0],), c.scale, device=dev),
+            max_len=chunk,
+            seg_lens=torch.tensor(seg_lens, **i32),
             permutation=torch.arange(t, **i32),
         )
         names = {f.name for f in util.LoRABatchInfo.__dataclass_fields__.values()}
@@ -372,10 +385,20 @@ def _vllm(mods: dict[str, Any]) -> Callable[[PeerCase], Callable[[], None]]:
         meta = _vllm_meta(c)
         t, r = c.x.shape[0], c.a.shape[1]
         v = torch.zeros(1, t, r, dtype=torch.float32, device=c.x.device)
-        s = _call(shrink, dict(meta, inputs=c.x, lora_a_weights=[c.a], output_tensor=v,
-                               scaling=c.scale))
-        e = _call(expand, dict(meta, inputs=v, lora_b_weights=[c.b], output_tensor=c.out,
-                               offset_start=0, add_inputs=True))
+        s = _call(
+            shrink, dict(meta, inputs=c.x, lora_a_weights=[c.a], output_tensor=v, scaling=c.scale)
+        )
+        e = _call(
+            expand,
+            dict(
+                meta,
+                inputs=v,
+                lora_b_weights=[c.b],
+                output_tensor=c.out,
+                offset_start=0,
+                add_inputs=True,
+            ),
+        )
 
         def run() -> None:
             with torch.inference_mode(False):
@@ -411,8 +434,9 @@ def load(dest: Path) -> tuple[dict[str, Peer], dict[str, str]]:
             "b": importlib.import_module("sglang.srt.lora.triton_ops.sgemm_lora_b"),
             "utils": importlib.import_module("sglang.srt.lora.utils"),
         }
-        peers["sglang_sgemm"] = Peer("sglang_sgemm", info.get("sglang", {}).get("commit"),
-                                     _sglang_sgemm(mods))
+        peers["sglang_sgemm"] = Peer(
+            "sglang_sgemm", info.get("sglang", {}).get("commit"), _sglang_sgemm(mods)
+        )
     except LookupError:
         pass
     except Exception as e:
@@ -425,8 +449,9 @@ def load(dest: Path) -> tuple[dict[str, Peer], dict[str, str]]:
             "expand": importlib.import_module("sglang.srt.lora.triton_ops.chunked_sgmv_expand"),
             "utils": importlib.import_module("sglang.srt.lora.utils"),
         }
-        peers["sglang_chunked"] = Peer("sglang_chunked", info.get("sglang", {}).get("commit"),
-                                       _sglang_chunked(mods))
+        peers["sglang_chunked"] = Peer(
+            "sglang_chunked", info.get("sglang", {}).get("commit"), _sglang_chunked(mods)
+        )
     except LookupError:
         pass
     except Exception as e:

@@ -98,10 +98,6 @@ SHAPES_OTHER_RANKS = [(16, 1), (64, 64), (256, 64), (4096, 1)]
 TARGET_BYTES = 256 << 20
 
 
-
-
-
-
 class Setup:
     """Rotating sets for one (group, T, S, r): each set has its own pool layer and inputs."""
 
@@ -175,9 +171,13 @@ class Setup:
             shrink_cfg=sc, expand_cfg=ec, check_values=False,
         )  # fmt: skip
 
-    def default_fn(self, active: int | None = None, pdl: bool | None = None,
-                   sc: SgmmConfig | None = None,
-                   ec: SgmmConfig | None = None) -> Callable[[tuple], object]:  # type: ignore[type-arg]
+    def default_fn(
+        self,
+        active: int | None = None,
+        pdl: bool | None = None,
+        sc: SgmmConfig | None = None,
+        ec: SgmmConfig | None = None,
+    ) -> Callable[[tuple], object]:  # type: ignore[type-arg]
         return lambda st: sgmm.add_lora(
             st[3], st[2], st[0], st[1], self.scales, self.ranks, st[4], v_buffer=st[5],
             active_slots=active, check_values=False, pdl=pdl, shrink_cfg=sc, expand_cfg=ec,
@@ -238,7 +238,8 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
         ec = _expand_cfg(best["expand"][0], setup.r)
         for pdl in (False, True):
             pair_us["pdl" if pdl else "plain"] = time_graph(
-                setup.calls(setup.default_fn(setup.s, pdl=pdl, sc=sc, ec=ec)))
+                setup.calls(setup.default_fn(setup.s, pdl=pdl, sc=sc, ec=ec))
+            )
     fused_us: dict[tuple, float] = {}
     for c in (FUSED[:4] if quick else FUSED) if setup.r <= sgmm.FUSED_MAX_RANK else []:
         cfg = SgmmConfig(c[0], c[1], c[2], n_blocks=c[3], num_warps=c[4], num_stages=c[5],
@@ -298,7 +299,8 @@ def host_costs() -> dict:
                               check_values=False)  # fmt: skip
     res["plan_us"] = burst(plan)
     res["segment_meta_triton_us"] = burst(
-        lambda: build_segment_meta(slots, 128, 16, out=meta, check_values=False))
+        lambda: build_segment_meta(slots, 128, 16, out=meta, check_values=False)
+    )
     res["segment_meta_torch_us"] = burst(
         lambda: build_segment_meta(slots, 128, 16, out=meta, check_values=False,
                                    use_triton=False))  # fmt: skip
@@ -320,11 +322,15 @@ def main() -> int:
     ap.add_argument("--ranks", default="16,64")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--shapes", default=None,
-                    help="TxS list for the first rank, e.g. 1x1,64x64 (default: all)")
+    ap.add_argument(
+        "--shapes", default=None, help="TxS list for the first rank, e.g. 1x1,64x64 (default: all)"
+    )
     ap.add_argument("--groups", default=None, help="module groups, e.g. qkv,gate_up (default: all)")
-    ap.add_argument("--shapes-other", default=None,
-                    help="TxS list for the other ranks (default: 16x1,64x64,256x64,4096x1)")
+    ap.add_argument(
+        "--shapes-other",
+        default=None,
+        help="TxS list for the other ranks (default: 16x1,64x64,256x64,4096x1)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -369,8 +375,12 @@ def main() -> int:
                 "best_fused_us": b["fused"][1] if b["fused"] else None,
             }  # fmt: skip
             best_us = case["two_launch_us"] or res["default_us"]
-            case["best_pct_copy_bw"] = 100 * setup.min_bytes / (best_us * 1e-6) / 1e9 / results["copy_gbps"]
-            case["default_pct_copy_bw"] = 100 * setup.min_bytes / (res["default_us"] * 1e-6) / 1e9 / results["copy_gbps"]
+            case["best_pct_copy_bw"] = (
+                100 * setup.min_bytes / (best_us * 1e-6) / 1e9 / results["copy_gbps"]
+            )
+            case["default_pct_copy_bw"] = (
+                100 * setup.min_bytes / (res["default_us"] * 1e-6) / 1e9 / results["copy_gbps"]
+            )
             results["cases"].append(case)
             print(f"CASE {group:7s} T={t:4d} S={s:3d} r={r:2d}: default {res['default_us']:.1f} us, "
                   f"two {case['two_launch_us'] and round(case['two_launch_us'], 1)} "
@@ -394,7 +404,9 @@ def main() -> int:
     for key, rows in keyed.items():
         per_cfg: dict[tuple, dict[tuple, float]] = {}
         for row in rows:
-            per_cfg.setdefault(tuple(row["cfg"]), {})[(row["group"], row["t"], row["s"])] = row["us"]
+            per_cfg.setdefault(tuple(row["cfg"]), {})[(row["group"], row["t"], row["s"])] = row[
+                "us"
+            ]
         n_cases = max(len(v) for v in per_cfg.values())
         full = {c: v for c, v in per_cfg.items() if len(v) == n_cases}
         best_cfg = min(full, key=lambda c: sum(full[c].values()))

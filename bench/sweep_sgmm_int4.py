@@ -134,7 +134,8 @@ def main() -> int:
             q.add()(st)
         best: dict[str, tuple] = {}  # type: ignore[type-arg]
         for kind, cands, mk, timed in (
-            ("shrink", SHRINK, _sc, q.shrink), ("expand", EXPAND, lambda c, r=r: _ec(c, r), q.expand)
+            ("shrink", SHRINK, _sc, q.shrink),
+            ("expand", EXPAND, lambda c, r=r: _ec(c, r), q.expand),
         ):
             for c in cands:
                 cfg = mk(c)

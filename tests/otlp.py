@@ -30,17 +30,31 @@ class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):
         out = []
         for rs in request.resource_spans:
-            service = next((a.value.string_value for a in rs.resource.attributes
-                            if a.key == "service.name"), "")
+            service = next(
+                (a.value.string_value for a in rs.resource.attributes if a.key == "service.name"),
+                "",
+            )
             for ss in rs.scope_spans:
                 for s in ss.spans:
                     attrs: dict[str, object] = {}
                     for a in s.attributes:
                         v = a.value
-                        attrs[a.key] = getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
-                    out.append(ReceivedSpan(service, s.name, s.trace_id.hex(), s.span_id.hex(),
-                                            s.parent_span_id.hex(), s.kind,
-                                            s.start_time_unix_nano, s.end_time_unix_nano, attrs))
+                        attrs[a.key] = (
+                            getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
+                        )
+                    out.append(
+                        ReceivedSpan(
+                            service,
+                            s.name,
+                            s.trace_id.hex(),
+                            s.span_id.hex(),
+                            s.parent_span_id.hex(),
+                            s.kind,
+                            s.start_time_unix_nano,
+                            s.end_time_unix_nano,
+                            attrs,
+                        )
+                    )
         with self.sink.lock:
             self.sink.spans.extend(out)
             self.sink.requests += 1

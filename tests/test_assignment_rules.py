@@ -14,9 +14,14 @@ from adaptermesh.proto import assignment_pb2 as pb
 def good() -> pb.Assignment:
     a = pb.Assignment(version=7, reason="test")
     for i, w in enumerate((6000, 4000, 0)):
-        s = a.shards.add(id=f"s{i}", index=i, weight=w,
-                         state=pb.SHARD_STATE_DRAINING if i == 2 else pb.SHARD_STATE_ACTIVE,
-                         service_address="10.9.0.1", service_port=9000 + i)
+        s = a.shards.add(
+            id=f"s{i}",
+            index=i,
+            weight=w,
+            state=pb.SHARD_STATE_DRAINING if i == 2 else pb.SHARD_STATE_ACTIVE,
+            service_address="10.9.0.1",
+            service_port=9000 + i,
+        )
         s.endpoints.add(address=f"10.0.{i}.1", port=8000, weight=1)
         s.steer.mark.mark = 0x100 + i
     a.pins.add(cidr="10.1.0.0/16", shard_id="s0")
@@ -29,6 +34,7 @@ def _shards(n: int):  # type: ignore[no-untyped-def]
     def add(a: pb.Assignment) -> None:
         for i in range(n):
             a.shards.add(id=f"x{i}", index=3 + i, state=pb.SHARD_STATE_DRAINING)
+
     return add
 
 
@@ -36,6 +42,7 @@ def _pins(n: int):  # type: ignore[no-untyped-def]
     def add(a: pb.Assignment) -> None:
         for i in range(n):
             a.pins.add(cidr=f"11.{i // 256}.{i % 256}.0/24", shard_id="s0")
+
     return add
 
 
@@ -43,35 +50,44 @@ def _big(a: pb.Assignment) -> None:
     """Each part within its own limit, the whole over MAX_ASSIGNMENT_BYTES."""
     for s in a.shards:
         s.endpoints[0].adapters.extend(
-            [f"{s.id}-{k:04d}-" + "a" * 248 for k in range(rules.MAX_ADAPTERS_PER_ENDPOINT)])
+            [f"{s.id}-{k:04d}-" + "a" * 248 for k in range(rules.MAX_ADAPTERS_PER_ENDPOINT)]
+        )
 
 
 EXAMPLES = {
     "shards[0].steer.mark.mark": lambda a: setattr(a.shards[0].steer.mark, "mark", 0),
     "shards[0].steer.tunnel.vni": lambda a: (
         setattr(a.shards[0].steer.tunnel, "remote_ipv4", "192.0.2.1"),
-        setattr(a.shards[0].steer.tunnel, "vni", 1 << 24)),
+        setattr(a.shards[0].steer.tunnel, "vni", 1 << 24),
+    ),
     "shards[1].steer.tunnel.vni": lambda a: (
         setattr(a.shards[1].steer.tunnel, "remote_ipv4", "192.0.2.1"),
-        setattr(a.shards[1].steer.tunnel, "vni", 0)),
+        setattr(a.shards[1].steer.tunnel, "vni", 0),
+    ),
     "shards[0].steer.tunnel.inner_dst_mac": lambda a: (
         setattr(a.shards[0].steer.tunnel, "remote_ipv4", "192.0.2.1"),
         setattr(a.shards[0].steer.tunnel, "vni", 5),
-        setattr(a.shards[0].steer.tunnel, "inner_dst_mac", "00:11:22:33:44")),
+        setattr(a.shards[0].steer.tunnel, "inner_dst_mac", "00:11:22:33:44"),
+    ),
     "shards[0].steer.tunnel.remote_ipv4": lambda a: (
         setattr(a.shards[0].steer.tunnel, "remote_ipv4", "999.1.1.1"),
-        setattr(a.shards[0].steer.tunnel, "vni", 5)),
+        setattr(a.shards[0].steer.tunnel, "vni", 5),
+    ),
     "shards": _shards(rules.MAX_SHARDS - 2),  # 3 + 254 = 257
     "pins": _pins(rules.MAX_PINS - 1),  # 2 + 16,383 = 16,385
     "pins[2].cidr": lambda a: a.pins.add(cidr="fe80::%eth0/64", shard_id="s0"),
-    "pins[3].cidr": lambda a: (a.pins.add(cidr="10.2.0.0/16", shard_id="s0"),
-                               a.pins.add(cidr="10.2.0.0/16", shard_id="s1")),
+    "pins[3].cidr": lambda a: (
+        a.pins.add(cidr="10.2.0.0/16", shard_id="s0"),
+        a.pins.add(cidr="10.2.0.0/16", shard_id="s1"),
+    ),
     "pins[1].shard_id": lambda a: setattr(a.pins[1], "shard_id", "s2"),  # DRAINING
     "overrides[0].shard_id": lambda a: setattr(a.overrides[0], "shard_id", "s2"),
-    "shards[1].endpoints[0].address": lambda a: setattr(a.shards[1].endpoints[0], "address",
-                                                        "10.0.0.1:8000"),
-    "shards[2].endpoints[0].address": lambda a: setattr(a.shards[2].endpoints[0], "address",
-                                                        "999.1.1.1"),
+    "shards[1].endpoints[0].address": lambda a: setattr(
+        a.shards[1].endpoints[0], "address", "10.0.0.1:8000"
+    ),
+    "shards[2].endpoints[0].address": lambda a: setattr(
+        a.shards[2].endpoints[0], "address", "999.1.1.1"
+    ),
     "shards[0].endpoints[0].weight": lambda a: setattr(a.shards[0].endpoints[0], "weight", 0),
     "shards[1].index": lambda a: setattr(a.shards[1], "index", 256),
     "shards[2].weight": lambda a: setattr(a.shards[2], "weight", 5),

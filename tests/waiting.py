@@ -18,8 +18,9 @@ T = TypeVar("T")
 __all__ = ["async_wait_until", "wait_until"]
 
 
-def wait_until(predicate: Callable[[], T], timeout: float = 5.0, interval: float = 0.01,
-               what: str = "") -> T:
+def wait_until(
+    predicate: Callable[[], T], timeout: float = 5.0, interval: float = 0.01, what: str = ""
+) -> T:
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -30,8 +31,12 @@ def wait_until(predicate: Callable[[], T], timeout: float = 5.0, interval: float
         time.sleep(interval)
 
 
-async def async_wait_until(predicate: Callable[[], T | Awaitable[T]], timeout: float = 5.0,
-                           interval: float = 0.01, what: str = "") -> T:
+async def async_wait_until(
+    predicate: Callable[[], T | Awaitable[T]],
+    timeout: float = 5.0,
+    interval: float = 0.01,
+    what: str = "",
+) -> T:
     """As :func:`wait_until`, on the event loop; ``predicate`` may be a coroutine function."""
     deadline = time.monotonic() + timeout
     while True:

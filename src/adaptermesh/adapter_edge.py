@@ -68,8 +68,14 @@ _HTTP_PATH_RE = re.compile(rf"^(/{_SEGMENT})+$")
 GRPC_SERVICE_RE = re.compile(r"^/[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*/$")
 # Paths the mesh routes itself: an AdapterInstance cannot take them over.
 RESERVED_PATHS = (
-    "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter", "/v1/ws", "/health", "/metrics",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/v1/ws",
+    "/health",
+    "/metrics",
 )
 _RESERVED_PREFIXES = ("/inference.GRPCInferenceService/", "/grpc.", "/v2/")
 _SHARD_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
@@ -88,11 +94,16 @@ def check_path(path: str, protocol: str, field: str) -> None:
         raise RuleError(field, f"at most {MAX_PATH} characters")
     if protocol == GRPC:
         if not GRPC_SERVICE_RE.match(path):
-            raise RuleError(field, f"{path!r}: a grpc route is a service prefix such as "
-                                   "'/credit.risk.v2.Inference/'")
+            raise RuleError(
+                field,
+                f"{path!r}: a grpc route is a service prefix such as '/credit.risk.v2.Inference/'",
+            )
     elif not _HTTP_PATH_RE.match(path):
-        raise RuleError(field, f"{path!r}: a path of plain segments such as '/v1/evaluate' "
-                               "(no query, trailing slash, '.', '..' or percent-encoding)")
+        raise RuleError(
+            field,
+            f"{path!r}: a path of plain segments such as '/v1/evaluate' "
+            "(no query, trailing slash, '.', '..' or percent-encoding)",
+        )
     if path in RESERVED_PATHS or path.startswith(_RESERVED_PREFIXES):
         raise RuleError(field, f"{path!r} is one of the mesh's own paths")
 
@@ -131,8 +142,9 @@ def _check_shard_list(ids: Iterable[str], known: set[str] | None, field: str) ->
     return out
 
 
-def check_instance(inst: control_plane_pb2.AdapterInstance, shard_ids: set[str],
-                   field: str = "instance") -> None:
+def check_instance(
+    inst: control_plane_pb2.AdapterInstance, shard_ids: set[str], field: str = "instance"
+) -> None:
     """The edge fields of one AdapterInstance against the shards that exist.
 
     Routes: each has a ``shard_id`` or a ``path``, not both. Shard routes and pinned shards
@@ -162,12 +174,15 @@ def check_instance(inst: control_plane_pb2.AdapterInstance, shard_ids: set[str],
     if allowed:
         for i, shard_id in enumerate(pinned):
             if shard_id not in allowed:
-                raise RuleError(f"{pw}.pinned_shards[{i}]",
-                                f"{shard_id!r} is not in placement.shards")
+                raise RuleError(
+                    f"{pw}.pinned_shards[{i}]", f"{shard_id!r} is not in placement.shards"
+                )
         for i, route in enumerate(inst.routes):
             if route.shard_id and route.shard_id not in allowed:
-                raise RuleError(f"{field}.routes[{i}].shard_id",
-                                f"{route.shard_id!r} is not in placement.shards {allowed}")
+                raise RuleError(
+                    f"{field}.routes[{i}].shard_id",
+                    f"{route.shard_id!r} is not in placement.shards {allowed}",
+                )
 
 
 def edge_of(inst: control_plane_pb2.AdapterInstance) -> assignment_pb2.AdapterEdge | None:
@@ -181,8 +196,14 @@ def edge_of(inst: control_plane_pb2.AdapterInstance) -> assignment_pb2.AdapterEd
         shards=list(inst.placement.shards),
         allowed_cidrs=[normalise_cidr(c) for c in inst.security.allowed_cidrs],
     )
-    if (edge.protocol == HTTP_JSON and not edge.paths and not edge.scopes and not edge.tls
-            and not edge.shards and not edge.allowed_cidrs):
+    if (
+        edge.protocol == HTTP_JSON
+        and not edge.paths
+        and not edge.scopes
+        and not edge.tls
+        and not edge.shards
+        and not edge.allowed_cidrs
+    ):
         return None
     return edge
 
@@ -213,8 +234,10 @@ def check_edges(assignment: assignment_pb2.Assignment) -> None:
         if not 0 < len(edge.name) <= MAX_ADAPTER_NAME or not edge.name.isprintable():
             raise RuleError(f"{field}.name", f"1..{MAX_ADAPTER_NAME} printable characters")
         if edge.name in names:
-            raise RuleError(f"{field}.name",
-                            f"duplicate adapter {edge.name!r} (also adapters[{names[edge.name]}])")
+            raise RuleError(
+                f"{field}.name",
+                f"duplicate adapter {edge.name!r} (also adapters[{names[edge.name]}])",
+            )
         names[edge.name] = i
         protocol = _check_protocol(edge.protocol, f"{field}.protocol")
         if len(edge.paths) > MAX_PATHS:
@@ -222,8 +245,9 @@ def check_edges(assignment: assignment_pb2.Assignment) -> None:
         for j, path in enumerate(edge.paths):
             check_path(path, protocol, f"{field}.paths[{j}]")
             if path in owners:
-                raise RuleError(f"{field}.paths[{j}]",
-                                f"{path!r} already reaches adapter {owners[path]!r}")
+                raise RuleError(
+                    f"{field}.paths[{j}]", f"{path!r} already reaches adapter {owners[path]!r}"
+                )
             owners[path] = edge.name
         _check_scopes(edge.scopes, f"{field}.scopes")
         _check_shard_list(edge.shards, shard_ids, f"{field}.shards")

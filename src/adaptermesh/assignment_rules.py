@@ -183,8 +183,11 @@ def _adapter_ok(name: str) -> bool:
 def check_adapter_name(value: str, field: str) -> None:
     """An adapter a version can be added to: printable, no version separator."""
     if not _adapter_ok(value) or VERSION_SEPARATOR in value or value != value.strip():
-        raise RuleError(field, f"{value[:80]!r} must be 1-{MAX_ADAPTER_NAME - 66} printable "
-                        f"characters without {VERSION_SEPARATOR!r} or surrounding spaces")
+        raise RuleError(
+            field,
+            f"{value[:80]!r} must be 1-{MAX_ADAPTER_NAME - 66} printable "
+            f"characters without {VERSION_SEPARATOR!r} or surrounding spaces",
+        )
     if len(value) > MAX_ADAPTER_NAME - 66:  # room for "@" and the longest version
         raise RuleError(field, f"at most {MAX_ADAPTER_NAME - 66} characters, got {len(value)}")
 
@@ -194,8 +197,11 @@ def check_version(value: str, field: str, *, allow_empty: bool = True) -> None:
     if value == "" and allow_empty:
         return
     if not VERSION_RE.match(value):
-        raise RuleError(field, f"{value[:80]!r} is not a version: 1-64 of A-Z a-z 0-9 . _ -, "
-                        "starting with a letter or digit")
+        raise RuleError(
+            field,
+            f"{value[:80]!r} is not a version: 1-64 of A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit",
+        )
 
 
 def served_name(adapter: str, version: str) -> str:
@@ -208,11 +214,14 @@ def check_split(split: assignment_pb2.AdapterSplit, field: str) -> None:
     check_version(split.stable_version, f"{field}.stable_version")
     check_version(split.canary_version, f"{field}.canary_version")
     if split.canary_share > WEIGHT_BUDGET:
-        raise RuleError(f"{field}.canary_share",
-                        f"{split.canary_share} exceeds {WEIGHT_BUDGET} (parts per 10,000)")
+        raise RuleError(
+            f"{field}.canary_share",
+            f"{split.canary_share} exceeds {WEIGHT_BUDGET} (parts per 10,000)",
+        )
     if split.canary_share and split.canary_version == split.stable_version:
-        raise RuleError(f"{field}.canary_version",
-                        f"equals the stable version {split.stable_version!r}")
+        raise RuleError(
+            f"{field}.canary_version", f"equals the stable version {split.stable_version!r}"
+        )
     _text(split.rollout_id, f"{field}.rollout_id", 64)
 
 
@@ -245,16 +254,20 @@ def check_labels(labels: Mapping[str, str], field: str) -> None:
         if not k or len(k) > MAX_LABEL_KEY:
             raise RuleError(f"{field}[{k[:80]!r}]", f"label keys are 1-{MAX_LABEL_KEY} characters")
         if len(v) > MAX_LABEL_VALUE:
-            raise RuleError(f"{field}[{k!r}]",
-                            f"label values are at most {MAX_LABEL_VALUE} characters")
+            raise RuleError(
+                f"{field}[{k!r}]", f"label values are at most {MAX_LABEL_VALUE} characters"
+            )
     policy = labels.get(LB_POLICY_LABEL)
     if policy is not None and policy not in LB_POLICIES:
-        raise RuleError(f"{field}[{LB_POLICY_LABEL}]",
-                        f"{policy[:80]!r} is not one of {', '.join(LB_POLICIES)}")
+        raise RuleError(
+            f"{field}[{LB_POLICY_LABEL}]", f"{policy[:80]!r} is not one of {', '.join(LB_POLICIES)}"
+        )
     protocol = labels.get(UPSTREAM_PROTOCOL_LABEL)
     if protocol is not None and protocol not in UPSTREAM_PROTOCOLS:
-        raise RuleError(f"{field}[{UPSTREAM_PROTOCOL_LABEL}]",
-                        f"{protocol[:80]!r} is not one of {', '.join(UPSTREAM_PROTOCOLS)}")
+        raise RuleError(
+            f"{field}[{UPSTREAM_PROTOCOL_LABEL}]",
+            f"{protocol[:80]!r} is not one of {', '.join(UPSTREAM_PROTOCOLS)}",
+        )
 
 
 def cidr_network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
@@ -300,8 +313,9 @@ def check_steer(steer: assignment_pb2.Steer, field: str, kind: str | None = "?")
         try:
             ipaddress.IPv4Address(t.remote_ipv4)
         except ValueError:
-            raise RuleError(f"{field}.tunnel.remote_ipv4",
-                            f"{t.remote_ipv4[:80]!r} is not an IPv4 address") from None
+            raise RuleError(
+                f"{field}.tunnel.remote_ipv4", f"{t.remote_ipv4[:80]!r} is not an IPv4 address"
+            ) from None
         if not 0 < t.vni <= MAX_VNI:
             raise RuleError(f"{field}.tunnel.vni", f"{t.vni} is not in 1..{MAX_VNI}")
         check_mac(t.inner_dst_mac, f"{field}.tunnel.inner_dst_mac")
@@ -310,8 +324,9 @@ def check_steer(steer: assignment_pb2.Steer, field: str, kind: str | None = "?")
         if not r.ifname and not r.ifindex:
             raise RuleError(f"{field}.redirect", "needs ifname or ifindex")
         if len(r.ifname) > MAX_IFNAME:
-            raise RuleError(f"{field}.redirect.ifname",
-                            f"interface names are at most {MAX_IFNAME} characters")
+            raise RuleError(
+                f"{field}.redirect.ifname", f"interface names are at most {MAX_IFNAME} characters"
+            )
         if not r.ifname.isprintable() or any(c in r.ifname for c in "/ "):
             raise RuleError(f"{field}.redirect.ifname", f"{r.ifname!r} is not an interface name")
         check_mac(r.dst_mac, f"{field}.redirect.dst_mac")
@@ -334,8 +349,9 @@ def check_shard(
     if shard.weight > WEIGHT_BUDGET:
         raise RuleError(f"{field}.weight", f"{shard.weight} exceeds {WEIGHT_BUDGET}")
     if len(shard.endpoints) > MAX_ENDPOINTS:
-        raise RuleError(f"{field}.endpoints",
-                        f"at most {MAX_ENDPOINTS} endpoints, got {len(shard.endpoints)}")
+        raise RuleError(
+            f"{field}.endpoints", f"at most {MAX_ENDPOINTS} endpoints, got {len(shard.endpoints)}"
+        )
     seen: set[tuple[str | None, int]] = set()
     # Field names are built only on an error: this loop runs over every worker of every
     # shard on each publish and each apply.
@@ -348,18 +364,20 @@ def check_shard(
         if weighted and ep.weight < 1:
             raise RuleError(f"{field}.endpoints[{j}].weight", f"must be >= 1, got {ep.weight}")
         if key in seen:
-            raise RuleError(f"{field}.endpoints[{j}]",
-                            f"duplicate endpoint {ep.address}:{ep.port}")
+            raise RuleError(f"{field}.endpoints[{j}]", f"duplicate endpoint {ep.address}:{ep.port}")
         seen.add(key)
         adapters = ep.adapters
         if len(adapters) > MAX_ADAPTERS_PER_ENDPOINT:
-            raise RuleError(f"{field}.endpoints[{j}].adapters",
-                            f"at most {MAX_ADAPTERS_PER_ENDPOINT}, got {len(adapters)}")
+            raise RuleError(
+                f"{field}.endpoints[{j}].adapters",
+                f"at most {MAX_ADAPTERS_PER_ENDPOINT}, got {len(adapters)}",
+            )
         if adapters and not all(map(_adapter_ok, adapters)):
             k = next(k for k, name in enumerate(adapters) if not _adapter_ok(name))
-            raise RuleError(f"{field}.endpoints[{j}].adapters[{k}]",
-                            f"{adapters[k][:80]!r} must be 1-{MAX_ADAPTER_NAME} printable "
-                            "characters")
+            raise RuleError(
+                f"{field}.endpoints[{j}].adapters[{k}]",
+                f"{adapters[k][:80]!r} must be 1-{MAX_ADAPTER_NAME} printable characters",
+            )
     check_steer(shard.steer, f"{field}.steer")
     if shard.service_address or shard.service_port:
         check_address(shard.service_address, f"{field}.service_address")
@@ -395,8 +413,9 @@ def check_shard_set(shards: Sequence[assignment_pb2.Shard], max_shards: int = MA
         if s.index >= max_shards:
             raise RuleError(f"shards[{i}].index", f"{s.index} is out of range 0..{max_shards - 1}")
         if s.index in indices:
-            raise RuleError(f"shards[{i}].index",
-                            f"duplicate index {s.index} (also shards[{indices[s.index]}])")
+            raise RuleError(
+                f"shards[{i}].index", f"duplicate index {s.index} (also shards[{indices[s.index]}])"
+            )
         indices[s.index] = i
         if s.state not in (_ACTIVE, _DRAINING):
             raise RuleError(f"shards[{i}].state", "must be ACTIVE or DRAINING")
@@ -406,8 +425,9 @@ def check_shard_set(shards: Sequence[assignment_pb2.Shard], max_shards: int = MA
             total += s.weight
             active += 1
     if active and total != WEIGHT_BUDGET:
-        raise RuleError("shards.weight",
-                        f"ACTIVE shard weights sum to {total}, want {WEIGHT_BUDGET}")
+        raise RuleError(
+            "shards.weight", f"ACTIVE shard weights sum to {total}, want {WEIGHT_BUDGET}"
+        )
 
 
 def check_assignment(a: assignment_pb2.Assignment) -> None:
@@ -439,15 +459,19 @@ def check_assignment(a: assignment_pb2.Assignment) -> None:
             raise RuleError(f"overrides[{i}].weight", f"{o.weight} exceeds {WEIGHT_BUDGET}")
         check_reason(o.reason, f"overrides[{i}].reason")
     if len(a.adapter_splits) > MAX_ADAPTER_SPLITS:
-        raise RuleError("adapter_splits",
-                        f"at most {MAX_ADAPTER_SPLITS}, got {len(a.adapter_splits)}")
+        raise RuleError(
+            "adapter_splits", f"at most {MAX_ADAPTER_SPLITS}, got {len(a.adapter_splits)}"
+        )
     check_routing_rules(a.routing_rules)
     split_of: dict[str, int] = {}
     for i, split in enumerate(a.adapter_splits):
         check_split(split, f"adapter_splits[{i}]")
         if split.adapter in split_of:
-            raise RuleError(f"adapter_splits[{i}].adapter", f"duplicate adapter "
-                            f"{split.adapter!r} (also adapter_splits[{split_of[split.adapter]}])")
+            raise RuleError(
+                f"adapter_splits[{i}].adapter",
+                f"duplicate adapter "
+                f"{split.adapter!r} (also adapter_splits[{split_of[split.adapter]}])",
+            )
         split_of[split.adapter] = i
 
 
@@ -462,8 +486,9 @@ def check_routing_rules(r: assignment_pb2.RoutingRules, field: str = "routing_ru
         raise RuleError(f"{field}.version", "a carried rule set has a version of at least 1")
     size = len(r.document_json.encode())
     if size > MAX_RULES_DOCUMENT_BYTES:
-        raise RuleError(f"{field}.document_json",
-                        f"{size} bytes, at most {MAX_RULES_DOCUMENT_BYTES}")
+        raise RuleError(
+            f"{field}.document_json", f"{size} bytes, at most {MAX_RULES_DOCUMENT_BYTES}"
+        )
     if r.digest != hashlib.sha256(r.document_json.encode()).digest():
         raise RuleError(f"{field}.digest", "is not the SHA-256 of document_json")
 
@@ -490,8 +515,9 @@ def _check_pins(pins: Iterable[assignment_pb2.Pin], states: Mapping[str, int]) -
     for i, pin in enumerate(pins):
         cidr = normalise_cidr(pin.cidr, f"pins[{i}].cidr")
         if cidr in seen:
-            raise RuleError(f"pins[{i}].cidr",
-                            f"duplicate pin {pin.cidr} (also pins[{seen[cidr]}])")
+            raise RuleError(
+                f"pins[{i}].cidr", f"duplicate pin {pin.cidr} (also pins[{seen[cidr]}])"
+            )
         seen[cidr] = i
         _check_target(states, pin.shard_id, f"pins[{i}].shard_id")
 

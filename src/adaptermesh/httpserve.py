@@ -133,15 +133,17 @@ class JsonBodyError(ValueError):
         self.message = message
 
 
-def parse_json_bounded(raw: bytes, max_depth: int = MAX_JSON_DEPTH,
-                       max_values: int = MAX_JSON_VALUES) -> Any:
+def parse_json_bounded(
+    raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_values: int = MAX_JSON_VALUES
+) -> Any:
     """``json.loads(raw)``, refusing nesting over ``max_depth`` and over ``max_values`` values."""
     try:
         obj = json.loads(raw)
     except RecursionError:
         # The C decoder stops at the interpreter's recursion limit (1000), long before memory.
-        raise JsonBodyError(400, "json_too_deep",
-                            f"request body: JSON nests deeper than {max_depth} levels") from None
+        raise JsonBodyError(
+            400, "json_too_deep", f"request body: JSON nests deeper than {max_depth} levels"
+        ) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise JsonBodyError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
     values = 0
@@ -150,12 +152,14 @@ def parse_json_bounded(raw: bytes, max_depth: int = MAX_JSON_DEPTH,
         value, depth = stack.pop()
         values += 1
         if values > max_values:
-            raise JsonBodyError(413, "too_many_values",
-                                f"request body: more than {max_values} JSON values")
+            raise JsonBodyError(
+                413, "too_many_values", f"request body: more than {max_values} JSON values"
+            )
         if isinstance(value, dict | list):
             if depth > max_depth:
-                raise JsonBodyError(400, "json_too_deep",
-                                    f"request body: JSON nests deeper than {max_depth} levels")
+                raise JsonBodyError(
+                    400, "json_too_deep", f"request body: JSON nests deeper than {max_depth} levels"
+                )
             items = value.values() if isinstance(value, dict) else value
             stack.extend((item, depth + 1) for item in items)
     return obj
@@ -195,7 +199,9 @@ def error_json(status: int, message: str, code: str, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _raw_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> bytes:
+def _raw_response(
+    status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> bytes:
     payload = json.dumps(body, separators=(",", ":")).encode()
     lines = [
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
@@ -261,8 +267,12 @@ class _Gate:
                 self.refused("too_many_connections")
                 return False
             self.refused("evicted")
-            victim.reject(408, "the connection was closed to make room: its request headers "
-                          "had not arrived", "header_timeout", quiet_when_idle=True)
+            victim.reject(
+                408,
+                "the connection was closed to make room: its request headers had not arrived",
+                "header_timeout",
+                quiet_when_idle=True,
+            )
         self.open[handler] = None
         return True
 
@@ -275,8 +285,9 @@ class _GuardedHandler(RequestHandler):
     tests in ``tests/worker_service/test_http_hardening.py`` hold them to the installed aiohttp.
     """
 
-    def __init__(self, manager: web.Server, *, gate: _Gate, limits: ListenerLimits,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, manager: web.Server, *, gate: _Gate, limits: ListenerLimits, **kwargs: Any
+    ) -> None:
         super().__init__(manager, **kwargs)
         self._gate = gate
         self._limits = limits
@@ -294,8 +305,15 @@ class _GuardedHandler(RequestHandler):
         waiter = self._waiter
         return waiter is not None and not waiter.done()
 
-    def reject(self, status: int, message: str, code: str,
-               headers: dict[str, str] | None = None, *, quiet_when_idle: bool = False) -> None:
+    def reject(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        headers: dict[str, str] | None = None,
+        *,
+        quiet_when_idle: bool = False,
+    ) -> None:
         """Answer ``status`` with a JSON error and close, whatever the parser holds.
 
         With ``quiet_when_idle``, a connection that has sent nothing of its next request is
@@ -306,9 +324,7 @@ class _GuardedHandler(RequestHandler):
         self._gate.open.pop(self, None)
         transport = self.transport
         idle = self._header_bytes == 0
-        if transport is not None and not transport.is_closing() and not (
-            quiet_when_idle and idle
-        ):
+        if transport is not None and not transport.is_closing() and not (quiet_when_idle and idle):
             transport.write(_raw_response(status, error_json(status, message, code), headers))
         self.force_close()
 
@@ -316,8 +332,9 @@ class _GuardedHandler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self._gate.admit(self):
             assert isinstance(transport, asyncio.Transport)
-            body = error_json(503, "this server is at its connection limit; retry shortly",
-                              "too_many_connections")
+            body = error_json(
+                503, "this server is at its connection limit; retry shortly", "too_many_connections"
+            )
             transport.write(_raw_response(503, body, {"Retry-After": "1"}))
             transport.close()
             return
@@ -355,17 +372,21 @@ class _GuardedHandler(RequestHandler):
                     exc = _HeadersTooLargeError(f"request headers are larger than {limit} bytes")
                     while len(self._messages) > i:
                         self._messages.pop()
-                    self._messages.append((_ErrInfo(status=431, exc=exc, message=exc.message),
-                                           EMPTY_PAYLOAD))
+                    self._messages.append(
+                        (_ErrInfo(status=431, exc=exc, message=exc.message), EMPTY_PAYLOAD)
+                    )
                     break
         elif in_headers and self._header_bytes > limit:
             self._gate.refused("headers_too_large")
-            self.reject(431, f"request headers are larger than {limit} bytes",
-                        "headers_too_large")
+            self.reject(431, f"request headers are larger than {limit} bytes", "headers_too_large")
 
-    def handle_error(self, request: web.BaseRequest, status: int = 500,
-                     exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
         if request.writer.output_size > 0:
             return super().handle_error(request, status, exc, message)
         if isinstance(exc, LineTooLong | _HeadersTooLargeError) or (
@@ -389,8 +410,9 @@ class _GuardedHandler(RequestHandler):
     # ----------------------------------------------------------------------------- timers
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
-        self._header_timer = self._loop.call_later(self._limits.header_timeout_s,
-                                                   self._on_header_deadline)
+        self._header_timer = self._loop.call_later(
+            self._limits.header_timeout_s, self._on_header_deadline
+        )
 
     def _cancel_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -399,20 +421,32 @@ class _GuardedHandler(RequestHandler):
 
     def _on_header_deadline(self) -> None:
         self._header_timer = None
-        if self.transport is not None and self.awaiting_headers() and (
-            self._request_count == 0 or self._header_bytes > 0
+        if (
+            self.transport is not None
+            and self.awaiting_headers()
+            and (self._request_count == 0 or self._header_bytes > 0)
         ):
             self._gate.refused("header_timeout")
-            self.reject(408, f"request headers did not arrive within "
-                        f"{self._limits.header_timeout_s:g} s", "header_timeout",
-                        quiet_when_idle=True)
+            self.reject(
+                408,
+                f"request headers did not arrive within {self._limits.header_timeout_s:g} s",
+                "header_timeout",
+                quiet_when_idle=True,
+            )
 
 
 class _GuardedSite(web.BaseSite):
     """A TCP site whose connections are ``_GuardedHandler``s sharing one gate."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, limits: ListenerLimits,
-                 gate: _Gate, handler_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        limits: ListenerLimits,
+        gate: _Gate,
+        handler_kwargs: dict[str, Any],
+    ) -> None:
         super().__init__(runner, backlog=limits.backlog)
         self._host = host
         self._port = port
@@ -431,11 +465,13 @@ class _GuardedSite(web.BaseSite):
         assert manager is not None
 
         def factory() -> _GuardedHandler:
-            return _GuardedHandler(manager, gate=self.gate, limits=self._limits, loop=loop,
-                                   **self._handler_kwargs)
+            return _GuardedHandler(
+                manager, gate=self.gate, limits=self._limits, loop=loop, **self._handler_kwargs
+            )
 
-        self._server = await loop.create_server(factory, self._host, self._port,
-                                                backlog=self._backlog, reuse_address=True)
+        self._server = await loop.create_server(
+            factory, self._host, self._port, backlog=self._backlog, reuse_address=True
+        )
 
 
 async def serve_app(
@@ -460,8 +496,12 @@ async def serve_app(
     cap = max(1, min(limits.max_connections, fd_soft - FD_RESERVE))
     # One dict for both: the runner's Server and the guarded handlers get the same settings.
     handler_kwargs: dict[str, Any] = {"access_log": None, **limits.handler_args()}
-    runner = web.AppRunner(app, handler_cancellation=handler_cancellation,
-                           shutdown_timeout=shutdown_timeout, **handler_kwargs)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=handler_cancellation,
+        shutdown_timeout=shutdown_timeout,
+        **handler_kwargs,
+    )
     await runner.setup()
     site = _GuardedSite(runner, host, port, limits, _Gate(cap, on_refusal), handler_kwargs)
     try:

@@ -50,7 +50,8 @@ class OtlpGrpcExporter(SpanExporter):
         self._export = self._channel.unary_unary(
             _EXPORT,
             request_serializer=trace_service_pb2.ExportTraceServiceRequest.SerializeToString,
-            response_deserializer=trace_service_pb2.ExportTraceServiceResponse.FromString)
+            response_deserializer=trace_service_pb2.ExportTraceServiceResponse.FromString,
+        )
         self.timeout_s = timeout_s
         self.failures = 0
 
@@ -76,25 +77,34 @@ class Tracing:
     def __init__(self, provider: TracerProvider | None, name: str) -> None:
         self.provider = provider
         self.enabled = provider is not None
-        self.tracer: trace.Tracer = (provider.get_tracer(name) if provider is not None
-                                     else trace.NoOpTracer())
+        self.tracer: trace.Tracer = (
+            provider.get_tracer(name) if provider is not None else trace.NoOpTracer()
+        )
 
     @classmethod
     def off(cls) -> Tracing:
         return cls(None, "adaptermesh")
 
     @classmethod
-    def from_config(cls, endpoint: str | None, ratio: float = 1.0, service: str = "adaptermesh",
-                    exporter: SpanExporter | None = None, **batch: Any) -> Tracing:
+    def from_config(
+        cls,
+        endpoint: str | None,
+        ratio: float = 1.0,
+        service: str = "adaptermesh",
+        exporter: SpanExporter | None = None,
+        **batch: Any,
+    ) -> Tracing:
         """``endpoint`` (``host:port`` of an OTLP/gRPC collector) None: tracing off."""
         check_ratio(ratio)
         if endpoint is None and exporter is None:
             return cls.off()
         provider = TracerProvider(
             sampler=ParentBased(TraceIdRatioBased(ratio)),
-            resource=Resource.create({"service.name": service}))
-        provider.add_span_processor(BatchSpanProcessor(
-            exporter or OtlpGrpcExporter(str(endpoint)), **batch))
+            resource=Resource.create({"service.name": service}),
+        )
+        provider.add_span_processor(
+            BatchSpanProcessor(exporter or OtlpGrpcExporter(str(endpoint)), **batch)
+        )
         return cls(provider, service)
 
     @staticmethod

@@ -41,7 +41,9 @@ def table(topo: NodeTopology) -> Iterator[BpfShardTable]:
     tb: BpfShardTable | None = None
     try:
         tb = BpfShardTable(
-            topo.node_tenant_if, pin_dir=str(pin_dir), vxlan_dev=topo.vxlan_dev,
+            topo.node_tenant_if,
+            pin_dir=str(pin_dir),
+            vxlan_dev=topo.vxlan_dev,
             netns=topo.node_ns,
         )
         tb.attach()

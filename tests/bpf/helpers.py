@@ -26,12 +26,15 @@ class S:
     draining: bool = False
 
 
-def make_assignment(shards: list[S], pins: dict[str, str] | None = None,
-                    version: int | None = None) -> pb.Assignment:
+def make_assignment(
+    shards: list[S], pins: dict[str, str] | None = None, version: int | None = None
+) -> pb.Assignment:
     a = pb.Assignment(version=next_version() if version is None else version)
     for s in shards:
         sh = a.shards.add(
-            id=s.id, index=s.index, weight=s.weight,
+            id=s.id,
+            index=s.index,
+            weight=s.weight,
             state=pb.SHARD_STATE_DRAINING if s.draining else pb.SHARD_STATE_ACTIVE,
         )
         if s.steer is None:

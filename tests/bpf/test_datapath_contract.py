@@ -106,11 +106,15 @@ def test_fake_table_classifies_like_the_program(fresh: BpfShardTable) -> None:
 
     def compare() -> None:
         for s in srcs:
-            assert fake.classify(s) == shard_of(libbpf.prog_test_run(fresh.prog_fd,
-                                                                   udp4_fast(s))), s
+            assert fake.classify(s) == shard_of(
+                libbpf.prog_test_run(fresh.prog_fd, udp4_fast(s))
+            ), s
 
-    for weights, draining in (((5000, 3000, 2000), ()), ((6000, 4000, 0), (2,)),
-                              ((1000, 2000, 7000), ())):
+    for weights, draining in (
+        ((5000, 3000, 2000), ()),
+        ((6000, 4000, 0), (2,)),
+        ((1000, 2000, 7000), ()),
+    ):
         a = bpf_assignment(_mark_shards(weights, draining), pins=pins)
         fresh.apply(a)
         fake.apply(a)
@@ -127,8 +131,9 @@ def _weights(draw: st.DrawFn) -> tuple[tuple[int, int, int], tuple[int, ...]]:
     """Three shards' weights and the draining ones (weight 0); ACTIVE weights sum to the budget."""
     draining = tuple(sorted(draw(st.sets(st.integers(0, 2), max_size=2))))
     active = [i for i in range(3) if i not in draining]
-    cuts = sorted(draw(st.lists(st.integers(0, _BUDGET), min_size=len(active) - 1,
-                                max_size=len(active) - 1)))
+    cuts = sorted(
+        draw(st.lists(st.integers(0, _BUDGET), min_size=len(active) - 1, max_size=len(active) - 1))
+    )
     shares = [b - a for a, b in itertools.pairwise([0, *cuts, _BUDGET])]
     weights = [0, 0, 0]
     for i, w in zip(active, shares, strict=True):
@@ -152,14 +157,19 @@ def _packet(src: str) -> bytes:
     from scapy.layers.l2 import Ether
 
     ip = IP(src=src, dst="10.79.0.10") if ":" not in src else IPv6(src=src, dst="fd00:9::1")
-    return bytes(Ether(dst="02:00:00:00:00:01", src="02:00:00:00:00:02") / ip
-                 / UDP(sport=4000, dport=5000) / b"payload")
+    return bytes(
+        Ether(dst="02:00:00:00:00:01", src="02:00:00:00:00:02")
+        / ip
+        / UDP(sport=4000, dport=5000)
+        / b"payload"
+    )
 
 
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_fake_table_classifies_drawn_traffic_like_the_program(table: BpfShardTable,
-                                                              data: st.DataObject) -> None:
+def test_fake_table_classifies_drawn_traffic_like_the_program(
+    table: BpfShardTable, data: st.DataObject
+) -> None:
     # Assignments in sequence (so sticky flows meet weight changes, drains and new pins),
     # sources anywhere (martian, link-local, IPv4, IPv6) and inside the pins: the program
     # and the fake pick the same shard for every packet and report the same new flows.
@@ -176,8 +186,10 @@ def test_fake_table_classifies_drawn_traffic_like_the_program(table: BpfShardTab
         a = bpf_assignment(_mark_shards(weights, draining), pins=pins)
         table.apply(a)
         fake.apply(a)
-        sources = data.draw(st.lists(st.one_of(st.ip_addresses(v=4), st.ip_addresses(v=6)),
-                                     max_size=12), label="sources")
+        sources = data.draw(
+            st.lists(st.one_of(st.ip_addresses(v=4), st.ip_addresses(v=6)), max_size=12),
+            label="sources",
+        )
         srcs = [str(s) for s in sources] + [_inside(data.draw, n) for n in nets]
         srcs += srcs[: data.draw(st.integers(0, len(srcs)), label="repeats")]
         for s in srcs:

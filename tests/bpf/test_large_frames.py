@@ -60,8 +60,9 @@ class Jumbo:
 
 
 def _ethtool(ns: str, *args: str) -> str:
-    return subprocess.run(["ip", "netns", "exec", ns, "ethtool", *args], capture_output=True,
-                          text=True, check=True).stdout
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, "ethtool", *args], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def _mac(ns: str, dev: str) -> str:
@@ -87,8 +88,9 @@ def jumbo() -> Iterator[Jumbo]:
         # Replies reach the tenant on its veth while the tap transfer leaves through the tap.
         for key in ("all", "default", topo.tenant_if):
             sysctl(topo.tenant_ns, f"net.ipv4.conf.{key}.rp_filter", "0")
-        table = BpfShardTable(topo.node_tenant_if, pin_dir=str(pin_dir),
-                              vxlan_dev=topo.vxlan_dev, netns=topo.node_ns)
+        table = BpfShardTable(
+            topo.node_tenant_if, pin_dir=str(pin_dir), vxlan_dev=topo.vxlan_dev, netns=topo.node_ns
+        )
         table.attach()
         yield Jumbo(topo, table, _mac(topo.tenant_ns, topo.tenant_if))
     finally:
@@ -111,8 +113,12 @@ def _delta(before: dict[int, ShardStats], after: dict[int, ShardStats]) -> dict[
     out = {}
     for k, a in after.items():
         b = before.get(k, ShardStats())
-        d = ShardStats(a.packets - b.packets, a.bytes - b.bytes, a.new_flows - b.new_flows,
-                       a.events_dropped - b.events_dropped)
+        d = ShardStats(
+            a.packets - b.packets,
+            a.bytes - b.bytes,
+            a.new_flows - b.new_flows,
+            a.events_dropped - b.events_dropped,
+        )
         if d != ShardStats():
             out[k] = d
     return out
@@ -158,8 +164,15 @@ def test_jumbo_udp_with_a_short_linear_part_is_steered_like_small(jumbo: Jumbo) 
     sender = ShortLinearSender(jumbo)
     before_c, before_s = table.read_counters(), table.read_stats()
     with _receivers(jumbo, port) as rx:
-        big = [bytes(Ether() / IP(src=s, dst=topo.vip, ttl=16) / UDP(sport=40000, dport=port)
-                     / (b"J" * 8000)) for s in sources]
+        big = [
+            bytes(
+                Ether()
+                / IP(src=s, dst=topo.vip, ttl=16)
+                / UDP(sport=40000, dport=port)
+                / (b"J" * 8000)
+            )
+            for s in sources
+        ]
         try:
             for f in big:
                 sender.send(f)
@@ -172,8 +185,18 @@ def test_jumbo_udp_with_a_short_linear_part_is_steered_like_small(jumbo: Jumbo) 
         # The same sources as small packets: same shards, and sticky now.
         for r in rx:
             r.received.clear()
-        inject(topo, [bytes(Ether(dst=topo.node_tenant_mac) / IP(src=s, dst=topo.vip, ttl=16)
-                            / UDP(sport=40000, dport=port) / b"s") for s in sources])
+        inject(
+            topo,
+            [
+                bytes(
+                    Ether(dst=topo.node_tenant_mac)
+                    / IP(src=s, dst=topo.vip, ttl=16)
+                    / UDP(sport=40000, dport=port)
+                    / b"s"
+                )
+                for s in sources
+            ],
+        )
         settle(rx, len(sources))
         assert {src: i for i, r in enumerate(rx) for src, _ in r.received} == want
     c = table.read_counters()
@@ -198,8 +221,9 @@ def test_jumbo_ipv6_with_a_short_linear_part_is_classified(jumbo: Jumbo) -> None
     sender = ShortLinearSender(jumbo)
     try:
         for s in sources:
-            sender.send(bytes(Ether() / IPv6(src=s, dst="fd00:9::1") / UDP(dport=9)
-                              / (b"6" * 8000)))
+            sender.send(
+                bytes(Ether() / IPv6(src=s, dst="fd00:9::1") / UDP(dport=9) / (b"6" * 8000))
+            )
     finally:
         sender.close()
     events: list[tuple[str, int]] = []
@@ -211,7 +235,8 @@ def test_jumbo_ipv6_with_a_short_linear_part_is_classified(jumbo: Jumbo) -> None
     assert table.read_counters().malformed == before_c.malformed
     d = _delta(before_s, table.read_stats())
     assert {i: v.packets for i, v in d.items()} == {
-        i: sum(1 for s in sources if want[s] == i) for i in set(want.values())}
+        i: sum(1 for s in sources if want[s] == i) for i in set(want.values())
+    }
 
 
 class TcpSink:
@@ -326,8 +351,18 @@ def _tap_relay(jumbo: Jumbo, src: str) -> Iterator[None]:
     fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TAP | IFF_NO_PI))
     ip("link", "set", name, "mtu", str(MTU), "up", ns=topo.tenant_ns)
     sysctl(topo.tenant_ns, f"net.ipv4.conf.{name}.rp_filter", "0")
-    ip("neigh", "add", topo.vip, "lladdr", topo.node_tenant_mac, "dev", name, "nud", "permanent",
-       ns=topo.tenant_ns)
+    ip(
+        "neigh",
+        "add",
+        topo.vip,
+        "lladdr",
+        topo.node_tenant_mac,
+        "dev",
+        name,
+        "nud",
+        "permanent",
+        ns=topo.tenant_ns,
+    )
     ip("route", "add", f"{topo.vip}/32", "dev", name, "src", src, ns=topo.tenant_ns)
     sender = ShortLinearSender(jumbo)
     stop = threading.Event()

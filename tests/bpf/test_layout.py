@@ -22,8 +22,9 @@ pytestmark = pytest.mark.root
         ("am_stats", "sLeaf", loader.AmStats),
     ],
 )
-def test_mirror_sizes_match(table: BpfShardTable, map_name: str, part: str,
-                            mirror: type[ctypes.Structure]) -> None:
+def test_mirror_sizes_match(
+    table: BpfShardTable, map_name: str, part: str, mirror: type[ctypes.Structure]
+) -> None:
     compiled = getattr(table._bpf[map_name.encode()], part)
     assert ctypes.sizeof(compiled) == ctypes.sizeof(mirror)
 

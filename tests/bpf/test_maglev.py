@@ -18,8 +18,14 @@ SIZES = st.sampled_from([16381, 65537])
 @st.composite
 def backends(draw: st.DrawFn, min_size: int = 1, max_size: int = 16) -> list[Backend]:
     n = draw(st.integers(min_size, max_size))
-    keys = draw(st.lists(st.text("abcdefghij0123456789-", min_size=1, max_size=12),
-                         min_size=n, max_size=n, unique=True))
+    keys = draw(
+        st.lists(
+            st.text("abcdefghij0123456789-", min_size=1, max_size=12),
+            min_size=n,
+            max_size=n,
+            unique=True,
+        )
+    )
     weights = draw(st.lists(st.integers(1, 10_000), min_size=n, max_size=n))
     return [Backend(k, i, w) for i, (k, w) in enumerate(zip(keys, weights, strict=True))]
 
@@ -42,8 +48,9 @@ def test_each_share_matches_its_weight_within_a_few_entries(bs: list[Backend], s
 
 @settings(max_examples=60, deadline=None)
 @given(bs=backends(min_size=2), size=SIZES, data=st.data())
-def test_one_weight_change_moves_about_the_change(bs: list[Backend], size: int,
-                                                  data: st.DataObject) -> None:
+def test_one_weight_change_moves_about_the_change(
+    bs: list[Backend], size: int, data: st.DataObject
+) -> None:
     i = data.draw(st.integers(0, len(bs) - 1))
     new_w = data.draw(st.integers(0, 10_000))
     changed = list(bs)
@@ -58,8 +65,9 @@ def test_one_weight_change_moves_about_the_change(bs: list[Backend], size: int,
 
 @settings(max_examples=30, deadline=None)
 @given(bs=backends(), size=SIZES, data=st.data())
-def test_equal_inputs_give_equal_tables_whatever_the_order(bs: list[Backend], size: int,
-                                                           data: st.DataObject) -> None:
+def test_equal_inputs_give_equal_tables_whatever_the_order(
+    bs: list[Backend], size: int, data: st.DataObject
+) -> None:
     shuffled = data.draw(st.permutations(bs))
     assert build_table(bs, size) == build_table(list(shuffled), size)
 
@@ -134,13 +142,15 @@ def build_by_rounds(bs: list[Backend], size: int) -> array[int]:
 
 
 @settings(max_examples=40, deadline=None)
-@given(bs=backends(max_size=40), size=st.sampled_from([251, 1009, 4099]),
-       skew=st.booleans())
-def test_builders_follow_the_round_rule_turn_for_turn(bs: list[Backend], size: int,
-                                                      skew: bool) -> None:
+@given(bs=backends(max_size=40), size=st.sampled_from([251, 1009, 4099]), skew=st.booleans())
+def test_builders_follow_the_round_rule_turn_for_turn(
+    bs: list[Backend], size: int, skew: bool
+) -> None:
     if skew:  # one heavy shard beside light ones: thousands of rounds
-        bs = [Backend(b.key, b.value, 10_000 if i == 0 else 1 + b.weight % 3)
-              for i, b in enumerate(bs)]
+        bs = [
+            Backend(b.key, b.value, 10_000 if i == 0 else 1 + b.weight % 3)
+            for i, b in enumerate(bs)
+        ]
     expected = build_by_rounds(bs, size)
     assert build_table(bs, size) == expected
     assert build_table_py(bs, size) == expected

@@ -33,16 +33,25 @@ from .helpers import S, make_assignment
 # Prefixes with more than one spelling, so a pin can leave under one and come back under
 # another (the same LPM key).
 PREFIXES: list[tuple[str, ...]] = [
-    ("10.1.0.0/16",), ("10.1.2.0/24",), ("10.1.2.3/32",), ("192.0.2.0/24",), ("0.0.0.0/0",),
-    ("fd00::/64", "fd00:0::/64", "FD00::/64"), ("fd00:0:0:1::/64", "fd00:0:0:1:0:0:0:0/64"),
-    ("2001:db8::/32",), ("::ffff:10.9.0.0/112", "::ffff:a09:0/112"), ("::/0",),
+    ("10.1.0.0/16",),
+    ("10.1.2.0/24",),
+    ("10.1.2.3/32",),
+    ("192.0.2.0/24",),
+    ("0.0.0.0/0",),
+    ("fd00::/64", "fd00:0::/64", "FD00::/64"),
+    ("fd00:0:0:1::/64", "fd00:0:0:1:0:0:0:0/64"),
+    ("2001:db8::/32",),
+    ("::ffff:10.9.0.0/112", "::ffff:a09:0/112"),
+    ("::/0",),
 ] + [(f"172.20.{k}.0/24",) for k in range(20)]
 SHARD_IDS = ("s0", "s1", "s2")
 
 
 def shards(index_base: int = 0) -> list[S]:
-    return [S(sid, index_base + i, (5000, 3000, 2000)[i], ("mark", 0x300 + i))
-            for i, sid in enumerate(SHARD_IDS)]
+    return [
+        S(sid, index_base + i, (5000, 3000, 2000)[i], ("mark", 0x300 + i))
+        for i, sid in enumerate(SHARD_IDS)
+    ]
 
 
 def key_of(cidr: str) -> tuple[int, bytes]:
@@ -53,8 +62,7 @@ def key_of(cidr: str) -> tuple[int, bytes]:
 def pin_lists(draw: st.DrawFn) -> list[tuple[str, str]]:
     """A valid pin list: distinct prefixes, any spelling, any order, any shard."""
     chosen = draw(st.lists(st.sampled_from(range(len(PREFIXES))), unique=True, max_size=25))
-    return [(draw(st.sampled_from(PREFIXES[i])), draw(st.sampled_from(SHARD_IDS)))
-            for i in chosen]
+    return [(draw(st.sampled_from(PREFIXES[i])), draw(st.sampled_from(SHARD_IDS))) for i in chosen]
 
 
 BREAKERS = {
@@ -154,8 +162,10 @@ def test_am_pins_matches_the_pin_list_after_every_apply(
 @pytest.mark.root
 def test_a_small_change_to_many_pins_writes_only_the_change(pin_table: BpfShardTable) -> None:
     tb = pin_table
-    pins = [(f"172.{16 + k // 65536}.{k // 256 % 256}.{k % 256}/32", SHARD_IDS[k % 3])
-            for k in range(10_000)]
+    pins = [
+        (f"172.{16 + k // 65536}.{k // 256 % 256}.{k % 256}/32", SHARD_IDS[k % 3])
+        for k in range(10_000)
+    ]
     tb.apply(assignment(pins))
     assert len(tb.read_pins()) == 10_000
     nxt = list(pins)
@@ -203,17 +213,30 @@ def test_validated_pins_match_a_fresh_walk_through_any_sequence() -> None:
 
 _V4 = st.tuples(*[st.integers(0, 255)] * 4).map(lambda t: ".".join(map(str, t)))
 _V6 = st.lists(st.integers(0, 0xFFFF), min_size=8, max_size=8).map(
-    lambda g: str(ipaddress.IPv6Address(":".join(f"{x:x}" for x in g))))
+    lambda g: str(ipaddress.IPv6Address(":".join(f"{x:x}" for x in g)))
+)
 _NOISE = st.text(alphabet="0123456789abcdefABCDEF:./ x%", max_size=20)
 _CIDRS = st.one_of(
     st.tuples(st.one_of(_V4, _V6), st.integers(0, 140)).map(lambda t: f"{t[0]}/{t[1]}"),
     st.tuples(_V4, st.integers(0, 32)).map(
-        lambda t: f"{ipaddress.ip_network(f'{t[0]}/{t[1]}', strict=False)}"),
+        lambda t: f"{ipaddress.ip_network(f'{t[0]}/{t[1]}', strict=False)}"
+    ),
     st.tuples(_V6, st.integers(0, 128)).map(
-        lambda t: f"{ipaddress.ip_network(f'{t[0]}/{t[1]}', strict=False)}"),
+        lambda t: f"{ipaddress.ip_network(f'{t[0]}/{t[1]}', strict=False)}"
+    ),
     _NOISE,
-    st.sampled_from(["010.1.0.0/16", "10.1.0.0/016", "10.1.0.0/255.255.0.0", "1.2.3/8",
-                     "::ffff:1.2.3.0/120", "fd00::/64 ", "fd00::%eth0/64", "1.2.3.4/٣"]),
+    st.sampled_from(
+        [
+            "010.1.0.0/16",
+            "10.1.0.0/016",
+            "10.1.0.0/255.255.0.0",
+            "1.2.3/8",
+            "::ffff:1.2.3.0/120",
+            "fd00::/64 ",
+            "fd00::%eth0/64",
+            "1.2.3.4/٣",
+        ]
+    ),
 )
 
 

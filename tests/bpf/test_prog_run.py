@@ -26,8 +26,9 @@ TC_ACT_OK, TC_ACT_REDIRECT = 0, 7
 MARKS = {0: 0x100, 1: 0x101, 2: 0x102}
 
 
-def _mark_shards(weights: tuple[int, int, int] = (5000, 3000, 2000),
-                 draining: tuple[int, ...] = ()) -> list[S]:
+def _mark_shards(
+    weights: tuple[int, int, int] = (5000, 3000, 2000), draining: tuple[int, ...] = ()
+) -> list[S]:
     return [
         S(f"shard-{i}", i, 0 if i in draining else w, ("mark", MARKS[i]), i in draining)
         for i, w in enumerate(weights)
@@ -35,9 +36,12 @@ def _mark_shards(weights: tuple[int, int, int] = (5000, 3000, 2000),
 
 
 def udp4(src: str, **ip_kw: object) -> bytes:
-    return bytes(Ether(dst="02:00:00:00:00:01", src="02:00:00:00:00:02")
-                 / IP(src=src, dst="10.79.0.10", **ip_kw) / UDP(sport=4000, dport=5000)
-                 / b"payload")
+    return bytes(
+        Ether(dst="02:00:00:00:00:01", src="02:00:00:00:00:02")
+        / IP(src=src, dst="10.79.0.10", **ip_kw)
+        / UDP(sport=4000, dport=5000)
+        / b"payload"
+    )
 
 
 def inject(topo: NodeTopology, frames: list[bytes]) -> None:
@@ -93,8 +97,11 @@ def events(table: BpfShardTable) -> list[FlowEvent]:
 
 
 def counters_delta(before: DatapathCounters, after: DatapathCounters) -> dict[str, int]:
-    return {k: getattr(after, k) - getattr(before, k) for k in before.__dataclass_fields__
-            if getattr(after, k) != getattr(before, k)}
+    return {
+        k: getattr(after, k) - getattr(before, k)
+        for k in before.__dataclass_fields__
+        if getattr(after, k) != getattr(before, k)
+    }
 
 
 def test_maglev_path_picks_the_table_entry_and_reports_a_new_flow(fresh: BpfShardTable) -> None:
@@ -138,8 +145,11 @@ def test_pin_beats_a_sticky_flow(fresh: BpfShardTable) -> None:
 
 
 def test_pin_to_a_draining_shard_falls_through(fresh: BpfShardTable) -> None:
-    fresh.apply(make_assignment(_mark_shards((6000, 4000, 0), draining=(2,)),
-                                pins={"10.62.0.0/16": "shard-2"}))
+    fresh.apply(
+        make_assignment(
+            _mark_shards((6000, 4000, 0), draining=(2,)), pins={"10.62.0.0/16": "shard-2"}
+        )
+    )
     for k in range(20):
         src = f"10.62.0.{k}"
         res = libbpf.prog_test_run(fresh.prog_fd, udp4(src))
@@ -174,7 +184,9 @@ def test_sticky_flow_on_a_drained_shard_is_repicked(fresh: BpfShardTable) -> Non
     fresh.apply(make_assignment(_mark_shards((6000, 0, 4000), draining=(1,))))
     for s in on1:
         # Re-picked by the new active table, which has no entry for the drained shard.
-        assert shard_of(libbpf.prog_test_run(fresh.prog_fd, udp4(s))) == expected_maglev(fresh, s) != 1
+        assert (
+            shard_of(libbpf.prog_test_run(fresh.prog_fd, udp4(s))) == expected_maglev(fresh, s) != 1
+        )
     evs = events(fresh)
     assert {e.reason for e in evs} == {"repick"}
     assert len(evs) == len(on1)
@@ -195,11 +207,15 @@ def test_no_active_shard_passes_untouched(fresh: BpfShardTable) -> None:
 
 def test_tunnel_and_redirect_steering(fresh: BpfShardTable, topo: NodeTopology) -> None:
     s0, s1 = topo.shards[0], topo.shards[1]
-    fresh.apply(make_assignment(
-        [S("t", 0, 5000, ("tunnel", s0.addr, s0.vni, s0.vxlan_mac)),
-         S("r", 1, 5000, ("redirect", s1.node_if, s1.mac))],
-        pins={"10.67.0.0/24": "t", "10.67.1.0/24": "r"},
-    ))
+    fresh.apply(
+        make_assignment(
+            [
+                S("t", 0, 5000, ("tunnel", s0.addr, s0.vni, s0.vxlan_mac)),
+                S("r", 1, 5000, ("redirect", s1.node_if, s1.mac)),
+            ],
+            pins={"10.67.0.0/24": "t", "10.67.1.0/24": "r"},
+        )
+    )
     before = fresh.read_counters()
     t = libbpf.prog_test_run(fresh.prog_fd, udp4("10.67.0.5"))
     assert t.retval == TC_ACT_REDIRECT
@@ -219,8 +235,10 @@ def test_ipv6_is_classified_the_same_way(fresh: BpfShardTable) -> None:
     pkt = bytes(Ether() / IPv6(src=src, dst="fd00:9::1") / UDP() / b"x")
     assert shard_of(libbpf.prog_test_run(fresh.prog_fd, pkt)) == expected_maglev(fresh, src)
     evs = events(fresh)
-    assert [e.source for e in evs] == [ipaddress.IPv6Address("fd00:1::5"),
-                                       ipaddress.IPv6Address(src)]
+    assert [e.source for e in evs] == [
+        ipaddress.IPv6Address("fd00:1::5"),
+        ipaddress.IPv6Address(src),
+    ]
 
 
 def test_ip_options_and_fragments_classify_by_source(fresh: BpfShardTable) -> None:
@@ -231,27 +249,29 @@ def test_ip_options_and_fragments_classify_by_source(fresh: BpfShardTable) -> No
         plain = libbpf.prog_test_run(fresh.prog_fd, udp4(src))
         opts = libbpf.prog_test_run(fresh.prog_fd, udp4(src, options=b"\x01\x01\x01\x00"))
         first = libbpf.prog_test_run(fresh.prog_fd, udp4(src, flags="MF", id=k))
-        later = bytes(Ether() / IP(src=src, dst="10.79.0.10", flags=0, frag=185, id=k, proto=17)
-                      / (b"z" * 40))
+        later = bytes(
+            Ether() / IP(src=src, dst="10.79.0.10", flags=0, frag=185, id=k, proto=17) / (b"z" * 40)
+        )
         rest = libbpf.prog_test_run(fresh.prog_fd, later)
         assert [shard_of(x) for x in (plain, opts, first, rest)] == [want] * 4
 
 
 MALFORMED = {
     "ethernet only, IPv4 type": bytes(Ether(type=0x0800)),
-    "IPv4 header cut short": bytes(Ether() / IP(src="10.69.0.1"))[:14 + 12],
+    "IPv4 header cut short": bytes(Ether() / IP(src="10.69.0.1"))[: 14 + 12],
     "IPv4 ihl below 5": bytes(Ether() / IP(src="10.69.0.1", ihl=4) / UDP()),
     "IPv4 version 6 in an IPv4 frame": bytes(Ether(type=0x0800) / IPv6(src="::1") / UDP())[:60],
-    "IPv4 options cut short": bytes(Ether() / IP(src="10.69.0.1", ihl=8))[:14 + 24],
+    "IPv4 options cut short": bytes(Ether() / IP(src="10.69.0.1", ihl=8))[: 14 + 24],
     "IPv4 total length below header": bytes(Ether() / IP(src="10.69.0.1", len=12) / UDP()),
-    "IPv6 header cut short": bytes(Ether() / IPv6(src="fd00::1"))[:14 + 30],
+    "IPv6 header cut short": bytes(Ether() / IPv6(src="fd00::1"))[: 14 + 30],
     "IPv6 wrong version": bytes(Ether(type=0x86DD) / IP(src="10.69.0.1") / (b"\0" * 40)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
-def test_malformed_packets_pass_untouched_and_are_counted(fresh: BpfShardTable, topo: NodeTopology,
-                                                          name: str) -> None:
+def test_malformed_packets_pass_untouched_and_are_counted(
+    fresh: BpfShardTable, topo: NodeTopology, name: str
+) -> None:
     fresh.apply(make_assignment(_mark_shards()))
     pkt = MALFORMED[name]
     before_c, before_s = fresh.read_counters(), fresh.read_stats()
@@ -276,15 +296,22 @@ def test_malformed_packets_pass_untouched_and_are_counted(fresh: BpfShardTable, 
     ("name", "pkt", "counter"),
     [
         ("802.1Q", bytes(Ether() / Dot1Q(vlan=7) / IP(src="10.70.0.1") / UDP()), "vlan"),
-        ("802.1ad", bytes(Ether() / Dot1AD(vlan=7) / Dot1Q(vlan=8) / IP(src="10.70.0.1") / UDP()),
-         "vlan"),
+        (
+            "802.1ad",
+            bytes(Ether() / Dot1AD(vlan=7) / Dot1Q(vlan=8) / IP(src="10.70.0.1") / UDP()),
+            "vlan",
+        ),
         ("ARP", bytes(Ether() / ARP(psrc="10.70.0.1")), "non_ip"),
-        ("IPv6 link-local", bytes(Ether() / IPv6(src="fe80::1", dst="ff02::2") / UDP()),
-         "link_local"),
+        (
+            "IPv6 link-local",
+            bytes(Ether() / IPv6(src="fe80::1", dst="ff02::2") / UDP()),
+            "link_local",
+        ),
     ],
 )
-def test_tagged_and_non_ip_frames_pass_untouched(fresh: BpfShardTable, name: str, pkt: bytes,
-                                                 counter: str) -> None:
+def test_tagged_and_non_ip_frames_pass_untouched(
+    fresh: BpfShardTable, name: str, pkt: bytes, counter: str
+) -> None:
     fresh.apply(make_assignment(_mark_shards()))
     before = fresh.read_counters()
     res = libbpf.prog_test_run(fresh.prog_fd, pkt)
@@ -312,7 +339,8 @@ def test_failed_ring_buffer_reservations_are_counted(fresh: BpfShardTable) -> No
     assert lost > 0
     assert got + lost == n
     per_shard = sum(s.events_dropped for s in fresh.read_stats().values()) - sum(
-        s.events_dropped for s in before_s.values())
+        s.events_dropped for s in before_s.values()
+    )
     assert per_shard == lost
 
 

@@ -31,9 +31,19 @@ class Loader:
     def __init__(self, topo: NodeTopology, pin_dir: Path, assignment_file: Path) -> None:
         env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent / "src"))
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "loader_proc.py"), topo.node_tenant_if, str(pin_dir),
-             topo.node_ns, topo.vxlan_dev, str(assignment_file)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                str(HERE / "loader_proc.py"),
+                topo.node_tenant_if,
+                str(pin_dir),
+                topo.node_ns,
+                topo.vxlan_dev,
+                str(assignment_file),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         self.lines: list[str] = []
 
@@ -71,8 +81,10 @@ def test_restart_while_traffic_flows_loses_and_misroutes_nothing(
     topo = small_topo
     s0, s1 = topo.shards
     a = make_assignment(
-        [S("shard-0", 0, 5000, ("tunnel", s0.addr, s0.vni, s0.vxlan_mac)),
-         S("shard-1", 1, 5000, ("mark", s1.mark))],
+        [
+            S("shard-0", 0, 5000, ("tunnel", s0.addr, s0.vni, s0.vxlan_mac)),
+            S("shard-1", 1, 5000, ("mark", s1.mark)),
+        ],
         pins={f"{topo.tenant_addrs[2]}/32": "shard-1"},
     )
     path = tmp_path / "assignment.pb"

@@ -180,8 +180,7 @@ def test_events_equal_what_was_sent_across_ring_wrap_around(fresh: BpfShardTable
 
 @pytest.mark.root
 @needs_mmap
-def test_overload_with_a_slow_consumer_loses_only_what_is_counted(
-        fresh: BpfShardTable) -> None:
+def test_overload_with_a_slow_consumer_loses_only_what_is_counted(fresh: BpfShardTable) -> None:
     fresh.apply(make_assignment(_mark_shards()))
     before = fresh.read_counters().ringbuf_failed
     sent = _sources("10.130.0.0", 40000)

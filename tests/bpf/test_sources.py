@@ -34,13 +34,21 @@ def _shards() -> list[S]:
 
 
 def _v4(src: str) -> bytes:
-    return bytes(Ether(dst="02:00:00:00:00:01", src="02:00:00:00:00:02")
-                 / IP(src=src, dst="10.79.0.10") / UDP(sport=4000, dport=5000) / b"x")
+    return bytes(
+        Ether(dst="02:00:00:00:00:01", src="02:00:00:00:00:02")
+        / IP(src=src, dst="10.79.0.10")
+        / UDP(sport=4000, dport=5000)
+        / b"x"
+    )
 
 
 def _v6(src: str) -> bytes:
-    return bytes(Ether(dst="02:00:00:00:00:01", src="02:00:00:00:00:02")
-                 / IPv6(src=src, dst="fd00:9::1") / UDP(sport=4000, dport=5000) / b"x")
+    return bytes(
+        Ether(dst="02:00:00:00:00:01", src="02:00:00:00:00:02")
+        / IPv6(src=src, dst="fd00:9::1")
+        / UDP(sport=4000, dport=5000)
+        / b"x"
+    )
 
 
 PASSED = [
@@ -64,8 +72,7 @@ PASSED = [
 
 
 @pytest.mark.parametrize(("src", "counter"), PASSED)
-def test_sources_no_client_has_pass_untouched(fresh: BpfShardTable, src: str,
-                                              counter: str) -> None:
+def test_sources_no_client_has_pass_untouched(fresh: BpfShardTable, src: str, counter: str) -> None:
     # A catch-all pin must not rescue them either: the source check comes first.
     fresh.apply(make_assignment(_shards(), pins={"0.0.0.0/0": "shard-1", "::/0": "shard-2"}))
     events(fresh)
@@ -79,9 +86,21 @@ def test_sources_no_client_has_pass_untouched(fresh: BpfShardTable, src: str,
 
 
 NEIGHBOURS = [
-    "1.0.0.1", "126.255.255.255", "128.0.0.1", "169.253.255.255", "169.255.0.1",
-    "223.255.255.255", "240.0.0.1", "255.255.255.254",
-    "::2", "::1:0:0:1", "::fffe:a32:7", "1::ffff:a32:7", "fe00::1", "fec0::1", "fd00:1::1",
+    "1.0.0.1",
+    "126.255.255.255",
+    "128.0.0.1",
+    "169.253.255.255",
+    "169.255.0.1",
+    "223.255.255.255",
+    "240.0.0.1",
+    "255.255.255.254",
+    "::2",
+    "::1:0:0:1",
+    "::fffe:a32:7",
+    "1::ffff:a32:7",
+    "fe00::1",
+    "fec0::1",
+    "fd00:1::1",
 ]
 
 
@@ -110,7 +129,8 @@ def test_the_pass_reason_reaches_the_agent_metrics(fresh: BpfShardTable) -> None
     metrics = AgentMetrics()
     metrics.bind_rates(dict, lambda: counters)
     value = metrics.registry.get_sample_value(
-        "adaptermesh_agent_classifier_passed_packets_total", {"reason": "martian_source"})
+        "adaptermesh_agent_classifier_passed_packets_total", {"reason": "martian_source"}
+    )
     assert value == counters["martian_source"]
 
 

@@ -12,8 +12,11 @@ from .helpers import S, make_assignment
 
 def good() -> pb.Assignment:
     return make_assignment(
-        [S("a", 0, 5000, ("mark", 0x100)), S("b", 1, 5000, ("mark", 0x101)),
-         S("c", 2, 0, ("mark", 0x102), draining=True)],
+        [
+            S("a", 0, 5000, ("mark", 0x100)),
+            S("b", 1, 5000, ("mark", 0x101)),
+            S("c", 2, 0, ("mark", 0x102), draining=True),
+        ],
         pins={"10.1.0.0/16": "a"},
     )
 
@@ -38,16 +41,21 @@ BAD = {
     "shards[0].steer.mark.mark": lambda a: setattr(a.shards[0].steer.mark, "mark", 0),
     "shards[0].steer.tunnel": lambda a: (
         setattr(a.shards[0].steer.tunnel, "remote_ipv4", "10.0.0.1"),
-        setattr(a.shards[0].steer.tunnel, "vni", 5)),
+        setattr(a.shards[0].steer.tunnel, "vni", 5),
+    ),
     "shards[0].steer.tunnel.remote_ipv4": lambda a: setattr(
-        a.shards[0].steer.tunnel, "remote_ipv4", "300.1.1.1"),
+        a.shards[0].steer.tunnel, "remote_ipv4", "300.1.1.1"
+    ),
     "shards[0].steer.redirect.ifname": lambda a: setattr(
-        a.shards[0].steer.redirect, "ifname", "nosuchif"),
+        a.shards[0].steer.redirect, "ifname", "nosuchif"
+    ),
     "shards[0].steer.redirect.dst_mac": lambda a: (
         setattr(a.shards[0].steer.redirect, "ifindex", 3),
-        setattr(a.shards[0].steer.redirect, "dst_mac", "zz:00:00:00:00:00")),
-    "shards": lambda a: [a.shards.add(id=f"x{i}", index=3 + i, state=pb.SHARD_STATE_DRAINING)
-                         for i in range(300)],
+        setattr(a.shards[0].steer.redirect, "dst_mac", "zz:00:00:00:00:00"),
+    ),
+    "shards": lambda a: [
+        a.shards.add(id=f"x{i}", index=3 + i, state=pb.SHARD_STATE_DRAINING) for i in range(300)
+    ],
 }
 
 

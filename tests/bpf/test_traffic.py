@@ -23,13 +23,17 @@ _ports = itertools.count(5101)
 
 
 def mark_shards(topo: NodeTopology, weights: tuple[int, ...]) -> list[S]:
-    return [S(f"shard-{s.index}", s.index, w, ("mark", s.mark))
-            for s, w in zip(topo.shards, weights, strict=True)]
+    return [
+        S(f"shard-{s.index}", s.index, w, ("mark", s.mark))
+        for s, w in zip(topo.shards, weights, strict=True)
+    ]
 
 
 def tunnel_shards(topo: NodeTopology, weights: tuple[int, ...]) -> list[S]:
-    return [S(f"shard-{s.index}", s.index, w, ("tunnel", s.addr, s.vni, s.vxlan_mac))
-            for s, w in zip(topo.shards, weights, strict=True)]
+    return [
+        S(f"shard-{s.index}", s.index, w, ("tunnel", s.addr, s.vni, s.vxlan_mac))
+        for s, w in zip(topo.shards, weights, strict=True)
+    ]
 
 
 @pytest.fixture
@@ -61,11 +65,16 @@ def where(rx: list[UdpReceiver]) -> dict[str, list[int]]:
     return out
 
 
-def test_pins_and_mark_steering_with_udp_and_tcp(fresh: BpfShardTable, topo: NodeTopology,
-                                                 rx: list[UdpReceiver], http: int) -> None:
+def test_pins_and_mark_steering_with_udp_and_tcp(
+    fresh: BpfShardTable, topo: NodeTopology, rx: list[UdpReceiver], http: int
+) -> None:
     t1, t2, t3 = topo.tenant_addrs
-    fresh.apply(make_assignment(mark_shards(topo, (5000, 3000, 2000)),
-                                pins={"10.77.0.0/24": "shard-1", f"{t3}/32": "shard-2"}))
+    fresh.apply(
+        make_assignment(
+            mark_shards(topo, (5000, 3000, 2000)),
+            pins={"10.77.0.0/24": "shard-1", f"{t3}/32": "shard-2"},
+        )
+    )
     port = rx[0].sock.getsockname()[1]
     for src in (t1, t2, t3):
         send_udp(topo, src, port, [b"a", b"b", b"c"])
@@ -75,8 +84,9 @@ def test_pins_and_mark_steering_with_udp_and_tcp(fresh: BpfShardTable, topo: Nod
     assert http_get(topo, t3, http) == (200, "shard-2")
 
 
-def test_unpinned_sources_spread_by_weight(fresh: BpfShardTable, topo: NodeTopology,
-                                           rx: list[UdpReceiver]) -> None:
+def test_unpinned_sources_spread_by_weight(
+    fresh: BpfShardTable, topo: NodeTopology, rx: list[UdpReceiver]
+) -> None:
     weights = (5000, 3000, 2000)
     fresh.apply(make_assignment(mark_shards(topo, weights)))
     n = 2000
@@ -94,8 +104,9 @@ def test_unpinned_sources_spread_by_weight(fresh: BpfShardTable, topo: NodeTopol
     assert sum(stats[i].new_flows for i in range(3)) >= n
 
 
-def test_weight_change_moves_only_new_flows(fresh: BpfShardTable, topo: NodeTopology,
-                                            rx: list[UdpReceiver]) -> None:
+def test_weight_change_moves_only_new_flows(
+    fresh: BpfShardTable, topo: NodeTopology, rx: list[UdpReceiver]
+) -> None:
     port = rx[0].sock.getsockname()[1]
     fresh.apply(make_assignment(mark_shards(topo, (5000, 3000, 2000))))
     old = [str(ipaddress.IPv4Address("10.91.0.0") + k) for k in range(600)]
@@ -106,8 +117,12 @@ def test_weight_change_moves_only_new_flows(fresh: BpfShardTable, topo: NodeTopo
 
     fresh.apply(make_assignment(mark_shards(topo, (1000, 2000, 7000))))
     live = fresh.active_table()
-    would_move = [s for s in old if live[maglev.source_hash(
-        addr16(ipaddress.IPv4Address(s))) % fresh.maglev_size] != first[s]]
+    would_move = [
+        s
+        for s in old
+        if live[maglev.source_hash(addr16(ipaddress.IPv4Address(s))) % fresh.maglev_size]
+        != first[s]
+    ]
     assert len(would_move) > 100  # the table really changed under these flows
 
     for r in rx:
@@ -121,11 +136,16 @@ def test_weight_change_moves_only_new_flows(fresh: BpfShardTable, topo: NodeTopo
     assert new_counts[2] / len(new) > 0.55  # new flows follow the new weights (70%)
 
 
-def test_tunnel_mode_end_to_end_http_and_udp(fresh: BpfShardTable, topo: NodeTopology,
-                                             rx: list[UdpReceiver], http: int) -> None:
+def test_tunnel_mode_end_to_end_http_and_udp(
+    fresh: BpfShardTable, topo: NodeTopology, rx: list[UdpReceiver], http: int
+) -> None:
     t1, t2, t3 = topo.tenant_addrs
-    fresh.apply(make_assignment(tunnel_shards(topo, (4000, 3000, 3000)),
-                                pins={f"{t1}/32": "shard-0", f"{t2}/32": "shard-2"}))
+    fresh.apply(
+        make_assignment(
+            tunnel_shards(topo, (4000, 3000, 3000)),
+            pins={f"{t1}/32": "shard-0", f"{t2}/32": "shard-2"},
+        )
+    )
     assert http_get(topo, t1, http) == (200, "shard-0")
     assert http_get(topo, t2, http) == (200, "shard-2")
     port = rx[0].sock.getsockname()[1]
@@ -137,10 +157,13 @@ def test_tunnel_mode_end_to_end_http_and_udp(fresh: BpfShardTable, topo: NodeTop
     assert fresh.read_counters().steer_failed == 0
 
 
-def test_redirect_mode_delivers_to_the_shard(fresh: BpfShardTable, topo: NodeTopology,
-                                             rx: list[UdpReceiver]) -> None:
-    shards = [S(f"shard-{s.index}", s.index, w, ("redirect", s.node_if, s.mac))
-              for s, w in zip(topo.shards, (3400, 3300, 3300), strict=True)]
+def test_redirect_mode_delivers_to_the_shard(
+    fresh: BpfShardTable, topo: NodeTopology, rx: list[UdpReceiver]
+) -> None:
+    shards = [
+        S(f"shard-{s.index}", s.index, w, ("redirect", s.node_if, s.mac))
+        for s, w in zip(topo.shards, (3400, 3300, 3300), strict=True)
+    ]
     t1 = topo.tenant_addrs[0]
     fresh.apply(make_assignment(shards, pins={f"{t1}/32": "shard-1"}))
     send_udp(topo, t1, rx[0].sock.getsockname()[1], [b"r"] * 3)

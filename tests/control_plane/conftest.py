@@ -32,9 +32,7 @@ class StaticSource:
         self.workers: dict[str, WorkerObservation] = {}
         self.calls = 0
 
-    async def collect(
-        self, targets: Sequence[Target], now: float
-    ) -> dict[str, WorkerObservation]:
+    async def collect(self, targets: Sequence[Target], now: float) -> dict[str, WorkerObservation]:
         self.calls += 1
         return {
             t.key: self.workers.get(t.key, WorkerObservation(t.address, t.port, known=False))
@@ -61,8 +59,13 @@ def shard(sid: str, *endpoints: tuple[str, int], state: int = 0) -> assignment_p
 
 
 class Harness:
-    def __init__(self, server: ControlPlaneServer, channel: grpc.aio.Channel, source: StaticSource,
-                 clock: FakeClock) -> None:
+    def __init__(
+        self,
+        server: ControlPlaneServer,
+        channel: grpc.aio.Channel,
+        source: StaticSource,
+        clock: FakeClock,
+    ) -> None:
         self.server = server
         self.channel = channel
         self.stub = control_plane_pb2_grpc.ControlPlaneStub(channel)

@@ -207,9 +207,7 @@ def decide_ref(
     movable = [
         sid
         for sid in free
-        if sid in known
-        and estimates[sid].rho is not None
-        and estimates[sid].weight_eff is not None
+        if sid in known and estimates[sid].rho is not None and estimates[sid].weight_eff is not None
     ]
     target = dict(c)
     if len(movable) >= 2:
@@ -253,9 +251,7 @@ def decide_ref(
 
     # 7. Endpoint weights and the publish decision.
     endpoint_weights = {
-        sid: _endpoint_weights(
-            observation.shards[sid], current.endpoint_weights.get(sid, {}), cfg
-        )
+        sid: _endpoint_weights(observation.shards[sid], current.endpoint_weights.get(sid, {}), cfg)
         for sid in sorted(observation.shards)
     }
     prev_w = current.weights
@@ -321,16 +317,16 @@ def _baseline(
     cur: dict[str, float] = {}
     for sid in active:
         prev = current.weights.get(sid)
-        cur[sid] = (
-            float(prev) if prev is not None else cfg.budget * workers[sid] / total_workers
-        )
+        cur[sid] = float(prev) if prev is not None else cfg.budget * workers[sid] / total_workers
 
     # 4. Fixed shards: overrides (scaled down if they leave no room for the others' floors).
     free = [sid for sid in active if sid not in overrides]
     room = cfg.budget - floor * len(free)
     fixed_total = sum(overrides.values())
     if overrides and (fixed_total > room or not free):
-        fixed = apportion_ref({k: float(v) for k, v in overrides.items()}, room if free else cfg.budget)
+        fixed = apportion_ref(
+            {k: float(v) for k, v in overrides.items()}, room if free else cfg.budget
+        )
     else:
         fixed = dict(overrides)
     rest = cfg.budget - sum(fixed.values())

@@ -57,7 +57,11 @@ def feasible_overrides(
     draw: st.DrawFn, obs: Observation, min_weight: int, budget: int = 10_000
 ) -> dict[str, OverrideSpec]:
     active = sorted(s for s, o in obs.shards.items() if o.active)
-    chosen = draw(st.lists(st.sampled_from(active), unique=True, max_size=len(active) - 1)) if len(active) > 1 else []
+    chosen = (
+        draw(st.lists(st.sampled_from(active), unique=True, max_size=len(active) - 1))
+        if len(active) > 1
+        else []
+    )
     free = len(active) - len(chosen)
     room = budget - min(min_weight, budget // max(1, len(active))) * free
     out: dict[str, OverrideSpec] = {}
@@ -92,16 +96,56 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor  # noqa: E402
 from google.protobuf.message import Message  # noqa: E402
 
 _EDGE_TEXT = [
-    "", "s0", "s1", "ghost", "10.0.0.1", "999.1.1.1", "fe80::1", "fe80::1%eth0", "10.0.0.0/8",
-    "10.0.0.1/8", "fe80::1%eth0/128", "::/0", "0.0.0.0/0", " 10.1.0.0/16", "host.example",
-    "10.0.0.1:80", "aa:bb:cc:dd:ee:ff", "zz:00:00:00:00:00", "eth0", "x" * 300, "[/]",
-    "[bold]x[/bold]", "round_robin", "least_request", "adaptermesh.io/lb-policy", "\x00", "é",
+    "",
+    "s0",
+    "s1",
+    "ghost",
+    "10.0.0.1",
+    "999.1.1.1",
+    "fe80::1",
+    "fe80::1%eth0",
+    "10.0.0.0/8",
+    "10.0.0.1/8",
+    "fe80::1%eth0/128",
+    "::/0",
+    "0.0.0.0/0",
+    " 10.1.0.0/16",
+    "host.example",
+    "10.0.0.1:80",
+    "aa:bb:cc:dd:ee:ff",
+    "zz:00:00:00:00:00",
+    "eth0",
+    "x" * 300,
+    "[/]",
+    "[bold]x[/bold]",
+    "round_robin",
+    "least_request",
+    "adaptermesh.io/lb-policy",
+    "\x00",
+    "é",
 ]
-_EDGE_INT = [0, 1, 2, 255, 256, 1000, 9999, 10_000, 10_001, 65535, 65536, (1 << 24) - 1,
-             1 << 24, 2**31, 2**32 - 1]
+_EDGE_INT = [
+    0,
+    1,
+    2,
+    255,
+    256,
+    1000,
+    9999,
+    10_000,
+    10_001,
+    65535,
+    65536,
+    (1 << 24) - 1,
+    1 << 24,
+    2**31,
+    2**32 - 1,
+]
 _INT_RANGE = {
-    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1), FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
-    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
 }
 
 
@@ -111,7 +155,11 @@ def _scalar(f: FieldDescriptor) -> st.SearchStrategy[object]:
     if f.type == FieldDescriptor.TYPE_BOOL:
         return st.booleans()
     if f.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
-        return st.floats(allow_nan=True, allow_infinity=True, width=64 if f.type == FieldDescriptor.TYPE_DOUBLE else 32)
+        return st.floats(
+            allow_nan=True,
+            allow_infinity=True,
+            width=64 if f.type == FieldDescriptor.TYPE_DOUBLE else 32,
+        )
     if f.type == FieldDescriptor.TYPE_ENUM:
         return st.sampled_from([v.number for v in f.enum_type.values] + [7])
     if f.type == FieldDescriptor.TYPE_BYTES:

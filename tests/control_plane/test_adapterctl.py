@@ -25,10 +25,26 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A control plane of the test's own: no test sees what another one stored."""
     tmp = tmp_path_factory.mktemp("cp")
     p = subprocess.Popen(
-        [sys.executable, "-m", "adaptermesh.control_plane.cli", "--state-dir", str(tmp / "state"),
-         "--listen", "127.0.0.1:0", "--tokens-file", str(write_tokens(tmp / "tokens")),
-         "--interval", "0.5", "--synchronous", "NORMAL", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "adaptermesh.control_plane.cli",
+            "--state-dir",
+            str(tmp / "state"),
+            "--listen",
+            "127.0.0.1:0",
+            "--tokens-file",
+            str(write_tokens(tmp / "tokens")),
+            "--interval",
+            "0.5",
+            "--synchronous",
+            "NORMAL",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     assert p.stdout is not None
     line = p.stdout.readline()
@@ -77,8 +93,20 @@ spec: {shard: batch, weight: 1000, reason: cheap tier}
 
 
 def test_shard_pin_override_status_history(server: str) -> None:
-    r = run(server, "shard", "upsert", "alpha", "-e", "10.0.1.1:8000", "-e", "10.0.1.2:8000",
-            "--tunnel", "192.0.2.1", "--vni", "7")
+    r = run(
+        server,
+        "shard",
+        "upsert",
+        "alpha",
+        "-e",
+        "10.0.1.1:8000",
+        "-e",
+        "10.0.1.2:8000",
+        "--tunnel",
+        "192.0.2.1",
+        "--vni",
+        "7",
+    )
     assert r.exit_code == 0, r.output
     assert "index" in r.output
     assert run(server, "shard", "upsert", "beta", "-e", "10.0.2.1:8000").exit_code == 0
@@ -158,7 +186,10 @@ def test_apply_is_idempotent_prints_a_diff_and_round_trips(server: str, tmp_path
     assert r2.exit_code == 0, r2.output
     assert "0 change(s) applied" in r2.output, r2.output
     j = json.loads(run(server, "get", "assignment", "-o", "json").output)
-    assert sum(s.get("weight", 0) for s in j["shards"] if s.get("state") == "SHARD_STATE_ACTIVE") == 10_000
+    assert (
+        sum(s.get("weight", 0) for s in j["shards"] if s.get("state") == "SHARD_STATE_ACTIVE")
+        == 10_000
+    )
 
 
 def test_apply_rejects_bad_documents_without_changing_anything(server: str, tmp_path: Path) -> None:
@@ -192,8 +223,10 @@ def test_parse_weight() -> None:
 
 
 BAD_DOCUMENTS = [
-    ("kind: Shard\nmetadata: {name: w1}\nspec: {endpoints: [{address: 10.0.9.1, port: abc}]}\n",
-     "spec.endpoints[0].port"),
+    (
+        "kind: Shard\nmetadata: {name: w1}\nspec: {endpoints: [{address: 10.0.9.1, port: abc}]}\n",
+        "spec.endpoints[0].port",
+    ),
     ("kind: Shard\nmetadata: {name: w1}\nspec: {endpoints: 5}\n", "spec.endpoints"),
     ("kind: Shard\nmetadata: {name: w1}\nspec: {endpoint: [10.0.9.1:80]}\n", "spec.endpoint"),
     ("kind: Shard\nmetadata: {name: w1}\nspec: {steer: {mark: [1]}}\n", "spec.steer.mark"),
@@ -208,8 +241,7 @@ BAD_DOCUMENTS = [
 ]
 
 
-@pytest.mark.parametrize(("text", "field"), BAD_DOCUMENTS,
-                         ids=[f for _, f in BAD_DOCUMENTS])
+@pytest.mark.parametrize(("text", "field"), BAD_DOCUMENTS, ids=[f for _, f in BAD_DOCUMENTS])
 def test_wrong_yaml_types_and_unknown_fields_are_one_line_errors(
     server: str, tmp_path: Path, text: str, field: str
 ) -> None:
@@ -243,11 +275,18 @@ def test_apply_sends_one_transaction_so_a_refused_object_changes_nothing(
     assert run(server, "get", "all", "-o", "json").output == before
 
 
-@pytest.mark.parametrize("args", [["history", "--limit", "-1"], ["history", "--limit", "5000"],
-                                  ["history", "--before", "-3"], ["watch", "--count", "-1"],
-                                  ["shard", "upsert", "x1", "--mark", "-1"],
-                                  ["shard", "upsert", "x1", "--tunnel", "10.0.0.1", "--vni", "-5"],
-                                  ["history", "--limit", "many"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["history", "--limit", "-1"],
+        ["history", "--limit", "5000"],
+        ["history", "--before", "-3"],
+        ["watch", "--count", "-1"],
+        ["shard", "upsert", "x1", "--mark", "-1"],
+        ["shard", "upsert", "x1", "--tunnel", "10.0.0.1", "--vni", "-5"],
+        ["history", "--limit", "many"],
+    ],
+)
 def test_bad_flags_exit_2_without_a_traceback(server: str, args: list[str]) -> None:
     r = run(server, *args)
     assert r.exit_code == 2, r.output
@@ -266,14 +305,19 @@ def test_user_text_is_shown_literally(server: str) -> None:
     assert r.exit_code == 0, r.output
     channel = grpc.insecure_channel(server)
     stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
-    stub.ReportLoad(control_plane_pb2.LoadReport(node_id="[bold]n1[/]", applied_version=1,
-                                                 apply_error="version 9: [/] rules: [red]x"),
-                    metadata=[("authorization", f"Bearer {RW_TOKEN}")])
+    stub.ReportLoad(
+        control_plane_pb2.LoadReport(
+            node_id="[bold]n1[/]", applied_version=1, apply_error="version 9: [/] rules: [red]x"
+        ),
+        metadata=[("authorization", f"Bearer {RW_TOKEN}")],
+    )
     channel.close()
-    for args, expected in ((["override", "list"], "[bold]loud[/bold]"),
-                           (["history", "--limit", "3"], "[bold]loud[/bold]"),
-                           (["status"], "[bold]n1[/]"),
-                           (["status"], "version 9: [/] rules: [red]x")):
+    for args, expected in (
+        (["override", "list"], "[bold]loud[/bold]"),
+        (["history", "--limit", "3"], "[bold]loud[/bold]"),
+        (["status"], "[bold]n1[/]"),
+        (["status"], "version 9: [/] rules: [red]x"),
+    ):
         r = run(server, *args)
         assert r.exit_code == 0, r.output
         flat = " ".join(r.output.split())

@@ -91,13 +91,19 @@ async def test_override_ttl_expires_on_tick(cp: Harness) -> None:
     a = rb.hub.latest
     assert "override expired: s0" in a.reason
     assert not a.overrides
-    assert not (await cp.stub.ListOverrides(cp_pb2.ListOverridesRequest(), metadata=cp.md)).overrides
+    assert not (
+        await cp.stub.ListOverrides(cp_pb2.ListOverridesRequest(), metadata=cp.md)
+    ).overrides
 
 
 async def test_pins_longest_prefix_and_duplicates(cp: Harness) -> None:
     await _seed(cp, 2)
-    await cp.stub.PinTenant(cp_pb2.PinTenantRequest(cidr="10.1.0.0/16", shard_id="s0"), metadata=cp.md)
-    await cp.stub.PinTenant(cp_pb2.PinTenantRequest(cidr="10.1.2.0/24", shard_id="s1"), metadata=cp.md)
+    await cp.stub.PinTenant(
+        cp_pb2.PinTenantRequest(cidr="10.1.0.0/16", shard_id="s0"), metadata=cp.md
+    )
+    await cp.stub.PinTenant(
+        cp_pb2.PinTenantRequest(cidr="10.1.2.0/24", shard_id="s1"), metadata=cp.md
+    )
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await cp.stub.PinTenant(
             cp_pb2.PinTenantRequest(cidr="10.1.0.0/16", shard_id="s1"), metadata=cp.md
@@ -116,35 +122,139 @@ async def test_pins_longest_prefix_and_duplicates(cp: Harness) -> None:
 
 
 BAD = [
-    ("SetOverride", cp_pb2.SetOverrideRequest(shard_id="s0", weight=10_001), grpc.StatusCode.INVALID_ARGUMENT, "weight"),
-    ("SetOverride", cp_pb2.SetOverrideRequest(shard_id="s0", weight=2**32 - 1), grpc.StatusCode.INVALID_ARGUMENT, "weight"),
-    ("SetOverride", cp_pb2.SetOverrideRequest(shard_id="s0", weight=9990), grpc.StatusCode.INVALID_ARGUMENT, "weight"),
-    ("SetOverride", cp_pb2.SetOverrideRequest(shard_id="nope", weight=10), grpc.StatusCode.NOT_FOUND, "shard_id"),
-    ("SetOverride", cp_pb2.SetOverrideRequest(shard_id="s0", weight=10, ttl_seconds=10**9), grpc.StatusCode.INVALID_ARGUMENT, "ttl_seconds"),
-    ("SetOverride", cp_pb2.SetOverrideRequest(shard_id="s0", weight=10, reason="x" * 5000), grpc.StatusCode.INVALID_ARGUMENT, "reason"),
-    ("PinTenant", cp_pb2.PinTenantRequest(cidr="10.1.0.0/33", shard_id="s0"), grpc.StatusCode.INVALID_ARGUMENT, "cidr"),
-    ("PinTenant", cp_pb2.PinTenantRequest(cidr="10.1.0.1/16", shard_id="s0"), grpc.StatusCode.INVALID_ARGUMENT, "cidr"),
-    ("PinTenant", cp_pb2.PinTenantRequest(cidr="10.1.0.0/16", shard_id="zz"), grpc.StatusCode.NOT_FOUND, "shard_id"),
-    ("UnpinTenant", cp_pb2.UnpinTenantRequest(cidr="10.9.0.0/16"), grpc.StatusCode.NOT_FOUND, "cidr"),
+    (
+        "SetOverride",
+        cp_pb2.SetOverrideRequest(shard_id="s0", weight=10_001),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "weight",
+    ),
+    (
+        "SetOverride",
+        cp_pb2.SetOverrideRequest(shard_id="s0", weight=2**32 - 1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "weight",
+    ),
+    (
+        "SetOverride",
+        cp_pb2.SetOverrideRequest(shard_id="s0", weight=9990),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "weight",
+    ),
+    (
+        "SetOverride",
+        cp_pb2.SetOverrideRequest(shard_id="nope", weight=10),
+        grpc.StatusCode.NOT_FOUND,
+        "shard_id",
+    ),
+    (
+        "SetOverride",
+        cp_pb2.SetOverrideRequest(shard_id="s0", weight=10, ttl_seconds=10**9),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "ttl_seconds",
+    ),
+    (
+        "SetOverride",
+        cp_pb2.SetOverrideRequest(shard_id="s0", weight=10, reason="x" * 5000),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "reason",
+    ),
+    (
+        "PinTenant",
+        cp_pb2.PinTenantRequest(cidr="10.1.0.0/33", shard_id="s0"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "cidr",
+    ),
+    (
+        "PinTenant",
+        cp_pb2.PinTenantRequest(cidr="10.1.0.1/16", shard_id="s0"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "cidr",
+    ),
+    (
+        "PinTenant",
+        cp_pb2.PinTenantRequest(cidr="10.1.0.0/16", shard_id="zz"),
+        grpc.StatusCode.NOT_FOUND,
+        "shard_id",
+    ),
+    (
+        "UnpinTenant",
+        cp_pb2.UnpinTenantRequest(cidr="10.9.0.0/16"),
+        grpc.StatusCode.NOT_FOUND,
+        "cidr",
+    ),
     ("DeleteShard", cp_pb2.DeleteShardRequest(id="zz"), grpc.StatusCode.NOT_FOUND, "id"),
-    ("ClearOverride", cp_pb2.ClearOverrideRequest(shard_id="s0"), grpc.StatusCode.NOT_FOUND, "shard_id"),
-    ("UpsertShard", cp_pb2.UpsertShardRequest(shard=shard("Bad Id", ("10.0.0.1", 1))), grpc.StatusCode.INVALID_ARGUMENT, "shard.id"),
-    ("UpsertShard", cp_pb2.UpsertShardRequest(shard=shard("s5", ("10.0.0.1", 0))), grpc.StatusCode.INVALID_ARGUMENT, "shard.endpoints[0].port"),
-    ("UpsertShard", cp_pb2.UpsertShardRequest(shard=shard("s5", *[("10.0.0.1", p) for p in range(1, 1100)])), grpc.StatusCode.INVALID_ARGUMENT, "shard.endpoints"),
-    ("UpsertShard", cp_pb2.UpsertShardRequest(shard=shard("s5", ("10.0.0.1", 80), ("10.0.0.1", 80))), grpc.StatusCode.INVALID_ARGUMENT, "shard.endpoints[1]"),
-    ("ListHistory", cp_pb2.ListHistoryRequest(limit=5000), grpc.StatusCode.INVALID_ARGUMENT, "limit"),
+    (
+        "ClearOverride",
+        cp_pb2.ClearOverrideRequest(shard_id="s0"),
+        grpc.StatusCode.NOT_FOUND,
+        "shard_id",
+    ),
+    (
+        "UpsertShard",
+        cp_pb2.UpsertShardRequest(shard=shard("Bad Id", ("10.0.0.1", 1))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "shard.id",
+    ),
+    (
+        "UpsertShard",
+        cp_pb2.UpsertShardRequest(shard=shard("s5", ("10.0.0.1", 0))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "shard.endpoints[0].port",
+    ),
+    (
+        "UpsertShard",
+        cp_pb2.UpsertShardRequest(shard=shard("s5", *[("10.0.0.1", p) for p in range(1, 1100)])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "shard.endpoints",
+    ),
+    (
+        "UpsertShard",
+        cp_pb2.UpsertShardRequest(shard=shard("s5", ("10.0.0.1", 80), ("10.0.0.1", 80))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "shard.endpoints[1]",
+    ),
+    (
+        "ListHistory",
+        cp_pb2.ListHistoryRequest(limit=5000),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "limit",
+    ),
     ("ReportLoad", cp_pb2.LoadReport(node_id=""), grpc.StatusCode.INVALID_ARGUMENT, "node_id"),
-    ("ReportLoad", cp_pb2.LoadReport(node_id="n", shards=[cp_pb2.ShardTraffic(shard_id="s0", packets_per_s=float("nan"))]), grpc.StatusCode.INVALID_ARGUMENT, "shards[0].packets_per_s"),
-    ("UpsertAdapterInstance", cp_pb2.UpsertAdapterInstanceRequest(instance=cp_pb2.AdapterInstance(name="a", model_ref=cp_pb2.ModelRef(base_model="m"), routes=[cp_pb2.AdapterRoute(shard_id="zz")])), grpc.StatusCode.NOT_FOUND, "instance.routes[0].shard_id"),
+    (
+        "ReportLoad",
+        cp_pb2.LoadReport(
+            node_id="n", shards=[cp_pb2.ShardTraffic(shard_id="s0", packets_per_s=float("nan"))]
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "shards[0].packets_per_s",
+    ),
+    (
+        "UpsertAdapterInstance",
+        cp_pb2.UpsertAdapterInstanceRequest(
+            instance=cp_pb2.AdapterInstance(
+                name="a",
+                model_ref=cp_pb2.ModelRef(base_model="m"),
+                routes=[cp_pb2.AdapterRoute(shard_id="zz")],
+            )
+        ),
+        grpc.StatusCode.NOT_FOUND,
+        "instance.routes[0].shard_id",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("method", "request_", "code", "field"), BAD, ids=[f"{b[0]}-{b[3]}-{i}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize(
+    ("method", "request_", "code", "field"),
+    BAD,
+    ids=[f"{b[0]}-{b[3]}-{i}" for i, b in enumerate(BAD)],
+)
 async def test_bad_input_is_rejected_naming_the_field_and_state_is_unchanged(
     cp: Harness, method: str, request_: object, code: grpc.StatusCode, field: str
 ) -> None:
     await _seed(cp, 2)
-    await cp.stub.PinTenant(cp_pb2.PinTenantRequest(cidr="10.1.0.0/16", shard_id="s0"), metadata=cp.md)
+    await cp.stub.PinTenant(
+        cp_pb2.PinTenantRequest(cidr="10.1.0.0/16", shard_id="s0"), metadata=cp.md
+    )
     before = await cp.stub.GetStatus(cp_pb2.GetStatusRequest(), metadata=cp.md)
     pins = await cp.stub.ListPins(cp_pb2.ListPinsRequest(), metadata=cp.md)
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -190,7 +300,9 @@ async def test_auth_unauthenticated_vs_permission_denied(cp: Harness) -> None:
     await cp.stub.UpsertShard(req, metadata=creds(WO_TOKEN))
     assert (await cp.stub.ListShards(cp_pb2.ListShardsRequest(), metadata=creds(RO_TOKEN))).shards
     # Agents report with a read token.
-    await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n1", applied_version=1), metadata=creds(RO_TOKEN))
+    await cp.stub.ReportLoad(
+        cp_pb2.LoadReport(node_id="n1", applied_version=1), metadata=creds(RO_TOKEN)
+    )
 
 
 async def test_health_and_reflection_need_no_token(cp: Harness) -> None:
@@ -212,19 +324,30 @@ async def test_health_and_reflection_need_no_token(cp: Harness) -> None:
 
 async def test_watch_resumes_from_version_and_status_shows_lagging_nodes(cp: Harness) -> None:
     await _seed(cp, 3)
-    stream = cp.stub.WatchAssignments(cp_pb2.WatchAssignmentsRequest(from_version=0, node_id="n1"), metadata=cp.md)
+    stream = cp.stub.WatchAssignments(
+        cp_pb2.WatchAssignmentsRequest(from_version=0, node_id="n1"), metadata=cp.md
+    )
     first = await asyncio.wait_for(stream.read(), 5)
     assert first.version == 3  # the current one first
-    resumed = cp.stub.WatchAssignments(cp_pb2.WatchAssignmentsRequest(from_version=3), metadata=cp.md)
-    await cp.stub.PinTenant(cp_pb2.PinTenantRequest(cidr="192.0.2.0/24", shard_id="s2"), metadata=cp.md)
+    resumed = cp.stub.WatchAssignments(
+        cp_pb2.WatchAssignmentsRequest(from_version=3), metadata=cp.md
+    )
+    await cp.stub.PinTenant(
+        cp_pb2.PinTenantRequest(cidr="192.0.2.0/24", shard_id="s2"), metadata=cp.md
+    )
     assert (await asyncio.wait_for(resumed.read(), 5)).version == 4
     assert (await asyncio.wait_for(stream.read(), 5)).version == 4
     stream.cancel()
     resumed.cancel()
     await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n1", applied_version=4), metadata=cp.md)
-    await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n2", applied_version=2, apply_error="map full"), metadata=cp.md)
+    await cp.stub.ReportLoad(
+        cp_pb2.LoadReport(node_id="n2", applied_version=2, apply_error="map full"), metadata=cp.md
+    )
     st = await cp.stub.GetStatus(cp_pb2.GetStatusRequest(), metadata=cp.md)
-    assert {(n.node_id, n.applied_version, n.apply_error) for n in st.nodes} == {("n1", 4, ""), ("n2", 2, "map full")}
+    assert {(n.node_id, n.applied_version, n.apply_error) for n in st.nodes} == {
+        ("n1", 4, ""),
+        ("n2", 2, "map full"),
+    }
     assert st.assignment.version == 4
 
 
@@ -236,17 +359,27 @@ async def test_adapter_instances_are_stored_and_listed(cp: Harness) -> None:
         routes=[cp_pb2.AdapterRoute(shard_id="s0", weight=3), cp_pb2.AdapterRoute(shard_id="s1")],
         security=cp_pb2.AdapterSecurity(scopes=["tenant-a"], allowed_cidrs=["10.1.0.0/16"]),
     )
-    out = await cp.stub.UpsertAdapterInstance(cp_pb2.UpsertAdapterInstanceRequest(instance=inst), metadata=cp.md)
-    again = await cp.stub.UpsertAdapterInstance(cp_pb2.UpsertAdapterInstanceRequest(instance=inst), metadata=cp.md)
+    out = await cp.stub.UpsertAdapterInstance(
+        cp_pb2.UpsertAdapterInstanceRequest(instance=inst), metadata=cp.md
+    )
+    again = await cp.stub.UpsertAdapterInstance(
+        cp_pb2.UpsertAdapterInstanceRequest(instance=inst), metadata=cp.md
+    )
     assert out.updated_at == again.updated_at  # idempotent
-    listed = await cp.stub.ListAdapterInstances(cp_pb2.ListAdapterInstancesRequest(), metadata=cp.md)
+    listed = await cp.stub.ListAdapterInstances(
+        cp_pb2.ListAdapterInstancesRequest(), metadata=cp.md
+    )
     assert [i.name for i in listed.instances] == ["support-bot"]
     assert listed.instances[0].security.scopes == ["tenant-a"]
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await cp.stub.DeleteShard(cp_pb2.DeleteShardRequest(id="s1"), metadata=cp.md)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    await cp.stub.DeleteAdapterInstance(cp_pb2.DeleteAdapterInstanceRequest(name="support-bot"), metadata=cp.md)
-    assert not (await cp.stub.ListAdapterInstances(cp_pb2.ListAdapterInstancesRequest(), metadata=cp.md)).instances
+    await cp.stub.DeleteAdapterInstance(
+        cp_pb2.DeleteAdapterInstanceRequest(name="support-bot"), metadata=cp.md
+    )
+    assert not (
+        await cp.stub.ListAdapterInstances(cp_pb2.ListAdapterInstancesRequest(), metadata=cp.md)
+    ).instances
 
 
 async def test_draining_shard_gets_zero_weight(cp: Harness) -> None:

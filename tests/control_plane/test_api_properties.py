@@ -22,11 +22,17 @@ from adaptermesh.proto import control_plane_pb2_grpc
 from .conftest import RW_TOKEN, Harness, creds, shard
 from .strategies import messages
 
-SETTINGS = settings(max_examples=50, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                           HealthCheck.too_slow])
-STATE_CODES = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
-               grpc.StatusCode.FAILED_PRECONDITION}
+SETTINGS = settings(
+    max_examples=50,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+STATE_CODES = {
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
 WRITES = {
     "UpsertShard": cp_pb2.UpsertShardRequest,
     "SetOverride": cp_pb2.SetOverrideRequest,
@@ -46,10 +52,13 @@ def _state(stub: Any) -> tuple[object, ...]:
         stub.ListShards(cp_pb2.ListShardsRequest(), metadata=MD).SerializeToString(),
         stub.ListPins(cp_pb2.ListPinsRequest(), metadata=MD).SerializeToString(),
         stub.ListOverrides(cp_pb2.ListOverridesRequest(), metadata=MD).SerializeToString(),
-        stub.ListAdapterInstances(cp_pb2.ListAdapterInstancesRequest(),
-                                  metadata=MD).SerializeToString(),
-        tuple((n.node_id, n.applied_version, n.apply_error) for n in
-              stub.GetStatus(cp_pb2.GetStatusRequest(), metadata=MD).nodes),
+        stub.ListAdapterInstances(
+            cp_pb2.ListAdapterInstancesRequest(), metadata=MD
+        ).SerializeToString(),
+        tuple(
+            (n.node_id, n.applied_version, n.apply_error)
+            for n in stub.GetStatus(cp_pb2.GetStatusRequest(), metadata=MD).nodes
+        ),
     )
 
 
@@ -73,8 +82,11 @@ async def _run(cp: Harness, body: Any) -> None:
 def _check(channel: grpc.Channel, stub: Any, method: str, payload: bytes) -> None:
     before = _state(stub)
     code, details = _call(channel, method, payload)
-    assert code == grpc.StatusCode.OK or code == grpc.StatusCode.INVALID_ARGUMENT or (
-        code in STATE_CODES and method != "ReportLoad"), (method, code, details)
+    assert (
+        code == grpc.StatusCode.OK
+        or code == grpc.StatusCode.INVALID_ARGUMENT
+        or (code in STATE_CODES and method != "ReportLoad")
+    ), (method, code, details)
     if code != grpc.StatusCode.OK:
         assert ": " in details, details  # names the field
         assert _state(stub) == before, (method, details)
@@ -104,13 +116,18 @@ async def test_random_ill_typed_requests(cp: Harness) -> None:
             stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
 
             @SETTINGS
-            @given(method=st.sampled_from(sorted(WRITES)), raw=st.one_of(
-                st.binary(max_size=64),
-                # A string field holding bytes that are not UTF-8.
-                st.builds(lambda tag, junk: bytes([tag, len(junk)]) + junk,
-                          st.sampled_from([0x0A, 0x12, 0x22]),
-                          st.binary(min_size=1, max_size=8).map(lambda b: b"\xff" + b)),
-            ))
+            @given(
+                method=st.sampled_from(sorted(WRITES)),
+                raw=st.one_of(
+                    st.binary(max_size=64),
+                    # A string field holding bytes that are not UTF-8.
+                    st.builds(
+                        lambda tag, junk: bytes([tag, len(junk)]) + junk,
+                        st.sampled_from([0x0A, 0x12, 0x22]),
+                        st.binary(min_size=1, max_size=8).map(lambda b: b"\xff" + b),
+                    ),
+                ),
+            )
             def prop(method: str, raw: bytes) -> None:
                 _check(channel, stub, method, raw)
 
@@ -121,17 +138,25 @@ async def test_random_ill_typed_requests(cp: Harness) -> None:
 
 async def test_random_shards_accepted_at_write_time_pass_the_agents_rules(cp: Harness) -> None:
     """Steered toward valid shards: most are accepted, and each accepted one publishes."""
+
     def body(port: int) -> None:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
 
             @SETTINGS
-            @given(i=st.integers(0, 40), eps=st.lists(st.tuples(
-                       st.sampled_from(["10.1.0.1", "10.1.0.2", "fd00::1", "999.0.0.1"]),
-                       st.sampled_from([0, 80, 8000, 65535, 65536])), max_size=3),
-                   steer=st.sampled_from(["tunnel", "mark", "redirect", "none"]),
-                   value=st.sampled_from([0, 1, 5, (1 << 24) - 1, 1 << 24, 2**32 - 1]),
-                   mac=st.sampled_from(["", "02:00:00:00:00:01", "02:00:00:00:00", "x"]))
+            @given(
+                i=st.integers(0, 40),
+                eps=st.lists(
+                    st.tuples(
+                        st.sampled_from(["10.1.0.1", "10.1.0.2", "fd00::1", "999.0.0.1"]),
+                        st.sampled_from([0, 80, 8000, 65535, 65536]),
+                    ),
+                    max_size=3,
+                ),
+                steer=st.sampled_from(["tunnel", "mark", "redirect", "none"]),
+                value=st.sampled_from([0, 1, 5, (1 << 24) - 1, 1 << 24, 2**32 - 1]),
+                mac=st.sampled_from(["", "02:00:00:00:00:01", "02:00:00:00:00", "x"]),
+            )
             def prop(i: int, eps: list[tuple[str, int]], steer: str, value: int, mac: str) -> None:
                 s = cp_pb2.UpsertShardRequest().shard
                 s.id = f"p{i}"
@@ -147,15 +172,20 @@ async def test_random_shards_accepted_at_write_time_pass_the_agents_rules(cp: Ha
                 elif steer == "redirect":
                     s.steer.redirect.ifindex = value
                     s.steer.redirect.dst_mac = mac
-                _check(channel, stub, "UpsertShard",
-                       cp_pb2.UpsertShardRequest(shard=s).SerializeToString())
+                _check(
+                    channel,
+                    stub,
+                    "UpsertShard",
+                    cp_pb2.UpsertShardRequest(shard=s).SerializeToString(),
+                )
                 try:
                     rules.check_shard(s, "shard")
                     valid = True
                 except rules.RuleError:
                     valid = False
-                code, _ = _call(channel, "UpsertShard",
-                                cp_pb2.UpsertShardRequest(shard=s).SerializeToString())
+                code, _ = _call(
+                    channel, "UpsertShard", cp_pb2.UpsertShardRequest(shard=s).SerializeToString()
+                )
                 # The API refuses exactly what the rules refuse (no second rule set).
                 assert (code == grpc.StatusCode.OK) == valid, (code, s)
 

@@ -79,8 +79,11 @@ def test_too_few_points_and_pure_noise_fall_back() -> None:
     assert "confidence" in fit.reason
 
 
-finite = st.one_of(st.floats(min_value=-1e6, max_value=1e6), st.floats(min_value=1e-3, max_value=1e4),
-                   st.sampled_from([math.nan, math.inf, -math.inf, 0.0]))
+finite = st.one_of(
+    st.floats(min_value=-1e6, max_value=1e6),
+    st.floats(min_value=1e-3, max_value=1e4),
+    st.sampled_from([math.nan, math.inf, -math.inf, 0.0]),
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -88,7 +91,9 @@ finite = st.one_of(st.floats(min_value=-1e6, max_value=1e6), st.floats(min_value
     pairs=st.lists(st.tuples(finite, finite), min_size=0, max_size=80),
     noise=st.floats(0.0, 1.0),
 )
-def test_fit_never_returns_nan_or_out_of_bounds(pairs: list[tuple[float, float]], noise: float) -> None:
+def test_fit_never_returns_nan_or_out_of_bounds(
+    pairs: list[tuple[float, float]], noise: float
+) -> None:
     t = np.array([p[0] for p in pairs], dtype=np.float64)
     lat = np.array([p[1] for p in pairs], dtype=np.float64) * (1 + noise)
     fit = fit_power_law(t, lat, CFG)
@@ -112,7 +117,9 @@ def test_fit_never_returns_nan_or_out_of_bounds(pairs: list[tuple[float, float]]
     beta=st.floats(-4.0, 0.5),
     seed=st.integers(0, 2**16),
 )
-def test_low_excitation_gives_low_confidence(level: float, spread: float, noise: float, beta: float, seed: int) -> None:
+def test_low_excitation_gives_low_confidence(
+    level: float, spread: float, noise: float, beta: float, seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     t = level * np.exp(rng.normal(0, spread, 40))
     assume(float(np.log(t).std()) < CFG.min_log_spread)
@@ -138,14 +145,22 @@ def test_plan_split_equalises_predicted_latency() -> None:
 @settings(max_examples=100, deadline=None)
 @given(
     shards=st.lists(
-        st.tuples(st.floats(1e-9, 1e-3), st.floats(-4.0, 0.5), st.floats(0.0, 0.5), st.floats(1.0, 1e4),
-                  st.booleans(), st.floats(0.01, 3.0)),
-        min_size=1, max_size=8,
+        st.tuples(
+            st.floats(1e-9, 1e-3),
+            st.floats(-4.0, 0.5),
+            st.floats(0.0, 0.5),
+            st.floats(1.0, 1e4),
+            st.booleans(),
+            st.floats(0.01, 3.0),
+        ),
+        min_size=1,
+        max_size=8,
     ),
     floor=st.sampled_from([0.0, 50.0]),
 )
-def test_plan_split_keeps_the_budget_and_floor(shards: list[tuple[float, float, float, float, bool, float]],
-                                               floor: float) -> None:
+def test_plan_split_keeps_the_budget_and_floor(
+    shards: list[tuple[float, float, float, float, bool, float]], floor: float
+) -> None:
     pool = 10_000.0
     curves = [
         ShardCurve(1000.0, rho, 0.05, ((_fit(a, b, e), tok),) if use_fit else ())
@@ -188,8 +203,12 @@ class PowerLawPlant:
             worst = max(worst, lat)
             workers = tuple(
                 WorkerObservation(
-                    f"10.0.{ord(sid[-1])}.{j}", 8000, True, latency_s=lat * 0.6,
-                    ttft_p95_s=lat * math.exp(self.rng.gauss(0, self.noise)), tokens_per_s=t,
+                    f"10.0.{ord(sid[-1])}.{j}",
+                    8000,
+                    True,
+                    latency_s=lat * 0.6,
+                    ttft_p95_s=lat * math.exp(self.rng.gauss(0, self.noise)),
+                    tokens_per_s=t,
                 )
                 for j in range(2)
             )
@@ -197,7 +216,9 @@ class PowerLawPlant:
         return Observation(shards), worst
 
 
-def run_loop(plant: PowerLawPlant, power_law: bool, ticks: int = 120) -> tuple[float, CapacityHistory]:
+def run_loop(
+    plant: PowerLawPlant, power_law: bool, ticks: int = 120
+) -> tuple[float, CapacityHistory]:
     cfg = PolicyConfig()
     history = CapacityHistory(CapacityConfig(), refit_every=1)
     state = PolicyState()
@@ -208,7 +229,9 @@ def run_loop(plant: PowerLawPlant, power_law: bool, ticks: int = 120) -> tuple[f
         if tick >= ticks // 2:
             tail.append(worst)
         if power_law:
-            history.add({f"{w.address}:{w.port}": w for s in obs.shards.values() for w in s.workers})
+            history.add(
+                {f"{w.address}:{w.port}": w for s in obs.shards.values() for w in s.workers}
+            )
             obs = Observation(obs.shards, curves=history.fits())
         d = decide(obs, state, float(tick), cfg)
         state = d.state
@@ -264,10 +287,20 @@ def test_narrow_range_rejects_only_what_the_fit_rejects(tokens: list[float], see
 
 def test_slow_decode_tail_loses_endpoint_weight() -> None:
     def obs(tpot_b: float | None) -> Observation:
-        return Observation({"s": ShardObservation("s", True, (
-            WorkerObservation("10.0.0.1", 1, True, tokens_per_s=100.0, tpot_p95_s=0.02),
-            WorkerObservation("10.0.0.2", 1, True, tokens_per_s=100.0, tpot_p95_s=tpot_b),
-        ))})
+        return Observation(
+            {
+                "s": ShardObservation(
+                    "s",
+                    True,
+                    (
+                        WorkerObservation("10.0.0.1", 1, True, tokens_per_s=100.0, tpot_p95_s=0.02),
+                        WorkerObservation(
+                            "10.0.0.2", 1, True, tokens_per_s=100.0, tpot_p95_s=tpot_b
+                        ),
+                    ),
+                )
+            }
+        )
 
     slow = decide(obs(0.08), PolicyState(), 0.0, PolicyConfig()).endpoint_weights["s"]
     assert slow["10.0.0.1:1"] == 100
@@ -293,7 +326,9 @@ class PowerLawSource:
         return {f"{w.address}:{w.port}": w for s in obs.shards.values() for w in s.workers}
 
 
-async def run_rebalancer(tmp_path: Path, plant: PowerLawPlant, power_law: bool, ticks: int = 100) -> tuple[float, Any]:
+async def run_rebalancer(
+    tmp_path: Path, plant: PowerLawPlant, power_law: bool, ticks: int = 100
+) -> tuple[float, Any]:
     store = Store(tmp_path / f"cp-{power_law}.sqlite3", synchronous="NORMAL")
     holder: list[Any] = []
     source = PowerLawSource(plant, holder)
@@ -307,10 +342,12 @@ async def run_rebalancer(tmp_path: Path, plant: PowerLawPlant, power_law: bool, 
         await rb.step()
         clock.step(5)
     store.close()
-    return float(np.mean(source.worst[ticks // 2:])), rb
+    return float(np.mean(source.worst[ticks // 2 :])), rb
 
 
-async def test_rebalancer_with_a_fake_clock_fits_the_plant_and_beats_the_queueing_model(tmp_path: Path) -> None:
+async def test_rebalancer_with_a_fake_clock_fits_the_plant_and_beats_the_queueing_model(
+    tmp_path: Path,
+) -> None:
     plant = dict(curves={"a": (4e-8, -2.5, 0.03), "b": (2e-4, -1.0, 0.12)}, demand=4000.0)
     queue_tail, _ = await run_rebalancer(tmp_path, PowerLawPlant(**plant), power_law=False)
     law_tail, rb = await run_rebalancer(tmp_path, PowerLawPlant(**plant), power_law=True)

@@ -40,8 +40,28 @@ from adaptermesh.control_plane.policy.capacity import (
 from adaptermesh.worker_scrape import MAX_ADAPTER_HISTOGRAMS, parse_metrics
 
 # The worker's TTFT buckets (worker/metrics.py _TTFT_BUCKETS).
-BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-          1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+BOUNDS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 KEY = "10.0.0.1:8000"
 TARGET = Target("s", "10.0.0.1", 8000)
 
@@ -70,10 +90,16 @@ class ClassPlant:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         r = self.registry
-        self.ttft = Histogram("adaptermesh_time_to_first_token_seconds", "t", registry=r,
-                              buckets=BOUNDS)
-        self.adapter_ttft = Histogram("adaptermesh_adapter_time_to_first_token_seconds", "t",
-                                      ["adapter"], registry=r, buckets=BOUNDS)
+        self.ttft = Histogram(
+            "adaptermesh_time_to_first_token_seconds", "t", registry=r, buckets=BOUNDS
+        )
+        self.adapter_ttft = Histogram(
+            "adaptermesh_adapter_time_to_first_token_seconds",
+            "t",
+            ["adapter"],
+            registry=r,
+            buckets=BOUNDS,
+        )
         self.tokens = Counter("adaptermesh_generation_tokens", "t", registry=r)
         self.hist = _WorkerHistory()
         self.now = 0.0
@@ -145,8 +171,13 @@ def test_the_scrape_hands_over_each_adapters_interval_histogram() -> None:
 
 def test_the_scrape_keeps_at_most_the_cap_of_adapter_histograms() -> None:
     r = CollectorRegistry()
-    h = Histogram("adaptermesh_adapter_time_to_first_token_seconds", "t", ["adapter"],
-                  registry=r, buckets=BOUNDS)
+    h = Histogram(
+        "adaptermesh_adapter_time_to_first_token_seconds",
+        "t",
+        ["adapter"],
+        registry=r,
+        buckets=BOUNDS,
+    )
     for i in range(MAX_ADAPTER_HISTOGRAMS + 40):
         h.labels(adapter=f"a{i}").observe(0.1)
     raw = parse_metrics(generate_latest(r).decode())
@@ -195,8 +226,9 @@ def test_a_class_without_excitation_falls_back_to_the_worker_fit() -> None:
         if tick % 4 == 0:  # the batch class runs only at 800 tokens/s
             obs = plant.interval(800.0, {"small": 0.7, "batch": 0.3})
         else:
-            obs = plant.interval(math.exp(rng.uniform(math.log(300), math.log(2000))),
-                                 {"small": 1.0})
+            obs = plant.interval(
+                math.exp(rng.uniform(math.log(300), math.log(2000))), {"small": 1.0}
+            )
         history.add({KEY: obs}, {})
     own = history.fits()[KEY]
     assert own.usable, own.reason
@@ -216,9 +248,21 @@ def test_a_class_without_excitation_falls_back_to_the_worker_fit() -> None:
 def test_no_class_fit_and_no_worker_fit_is_the_queueing_model() -> None:
     def observation(mixes: dict[str, ClassMix]) -> Observation:
         shards = {
-            sid: ShardObservation(sid, True, (WorkerObservation(
-                f"10.0.{i}.1", 1, True, tokens_per_s=100.0 * (i + 1), latency_s=0.1 * (i + 1),
-                ttft_p95_s=0.2 * (i + 1), kv_cache_usage=0.3),))
+            sid: ShardObservation(
+                sid,
+                True,
+                (
+                    WorkerObservation(
+                        f"10.0.{i}.1",
+                        1,
+                        True,
+                        tokens_per_s=100.0 * (i + 1),
+                        latency_s=0.1 * (i + 1),
+                        ttft_p95_s=0.2 * (i + 1),
+                        kv_cache_usage=0.3,
+                    ),
+                ),
+            )
             for i, sid in enumerate(("a", "b"))
         }
         return Observation(shards, class_mixes=mixes)
@@ -253,7 +297,9 @@ def test_the_planner_reads_each_shards_class_mix() -> None:
 
 fits_in_bounds = st.builds(
     lambda ln_a, b, e: fit(math.exp(ln_a), b, e),
-    st.floats(-30.0, 30.0), st.floats(-6.0, 1.0), st.floats(0.0, 10.0),
+    st.floats(-30.0, 30.0),
+    st.floats(-6.0, 1.0),
+    st.floats(0.0, 10.0),
 )
 
 
@@ -266,7 +312,10 @@ fits_in_bounds = st.builds(
     loads=st.lists(st.floats(1e-3, 1e6), min_size=2, max_size=6),
 )
 def test_mixed_predictions_are_finite_and_monotone_in_load(
-    parts: list[tuple[PowerLawFit, float]], rest: float, own: PowerLawFit, observed: float,
+    parts: list[tuple[PowerLawFit, float]],
+    rest: float,
+    own: PowerLawFit,
+    observed: float,
     loads: list[float],
 ) -> None:
     mix = ClassMix(tuple((f"c{i}", f, s) for i, (f, s) in enumerate(parts)), rest)
@@ -293,10 +342,15 @@ def hostile_readings(draw: st.DrawFn) -> WorkerObservation:
         for i in range(draw(st.integers(0, 3)))
     }
     return WorkerObservation(
-        "10.0.0.1", 8000, True,
+        "10.0.0.1",
+        8000,
+        True,
         waiting=draw(st.one_of(hostile, st.just(0.0))),
-        latency_s=draw(hostile), ttft_p95_s=draw(st.one_of(hostile, st.none())),
-        tokens_per_s=draw(hostile), first_tokens=draw(hostile), adapter_ttft=hist,
+        latency_s=draw(hostile),
+        ttft_p95_s=draw(st.one_of(hostile, st.none())),
+        tokens_per_s=draw(hostile),
+        first_tokens=draw(hostile),
+        adapter_ttft=hist,
     )
 
 
@@ -311,8 +365,11 @@ def test_hostile_readings_never_crash_and_never_give_a_confident_fit(
         assert not any(f.usable for f in history.fits().values())
         assert history.class_mixes() == {}
     sane = WorkerObservation("10.0.0.1", 8000, True, tokens_per_s=100.0, ttft_p95_s=0.1)
-    obs = Observation({"s": ShardObservation("s", True, (sane,))},
-                      curves=history.fits(), class_mixes=history.class_mixes())
+    obs = Observation(
+        {"s": ShardObservation("s", True, (sane,))},
+        curves=history.fits(),
+        class_mixes=history.class_mixes(),
+    )
     decide(obs, PolicyState(), 0.0, PolicyConfig())
 
 
@@ -322,7 +379,9 @@ def test_hostile_readings_never_crash_and_never_give_a_confident_fit(
     rest=st.one_of(hostile, st.floats(0.0, 1.0)),
     observed=st.one_of(hostile, st.floats(1e-3, 1e6)),
 )
-def test_hostile_shares_never_crash_the_mix(shares: list[float], rest: float, observed: float) -> None:
+def test_hostile_shares_never_crash_the_mix(
+    shares: list[float], rest: float, observed: float
+) -> None:
     mix = ClassMix(tuple((f"c{i}", fit(1e-6, -2.0, 0.05), s) for i, s in enumerate(shares)), rest)
     curve = mixed_curve(mix, fit(1e-6, -1.0, 0.05), observed)
     if curve is not None:
@@ -339,9 +398,15 @@ def test_classes_per_worker_are_capped_and_idle_ones_make_room() -> None:
     hist = tuple((le, 10.0 * (i + 1)) for i, le in enumerate((0.1, 0.5, math.inf)))
 
     def reading(adapters: list[str]) -> WorkerObservation:
-        return WorkerObservation("10.0.0.1", 8000, True, tokens_per_s=100.0, ttft_p95_s=0.2,
-                                 first_tokens=30.0 * len(adapters),
-                                 adapter_ttft={a: hist for a in adapters})
+        return WorkerObservation(
+            "10.0.0.1",
+            8000,
+            True,
+            tokens_per_s=100.0,
+            ttft_p95_s=0.2,
+            first_tokens=30.0 * len(adapters),
+            adapter_ttft={a: hist for a in adapters},
+        )
 
     for tick in range(200):
         # 1,000 distinct adapters over time, 6 at a time: more than the cap.
@@ -378,7 +443,9 @@ def test_the_rebalancer_reads_classes_from_adapter_instance_labels(tmp_path: obj
     store = Store(tmp_path / "cp.sqlite3", synchronous="NORMAL")
     try:
         rb = Rebalancer(store, StaticSource(), clock=FakeClock())
-        inst = control_plane_pb2.AdapterInstance(name="code-x", labels={ADAPTER_CLASS_LABEL: "large"})
+        inst = control_plane_pb2.AdapterInstance(
+            name="code-x", labels={ADAPTER_CLASS_LABEL: "large"}
+        )
         inst.model_ref.base_model = "m"
         inst.model_ref.adapter_path = "/adapters/code-x"
         rb.mutate(lambda: store.upsert_adapter_instance(inst, 0.0), "add")
@@ -390,14 +457,20 @@ def test_the_rebalancer_reads_classes_from_adapter_instance_labels(tmp_path: obj
 @settings(max_examples=100, deadline=None)
 @given(
     workers=st.lists(
-        st.tuples(st.lists(st.tuples(fits_in_bounds, st.floats(1e-3, 1.0)), min_size=2, max_size=4),
-                  st.floats(1.0, 1e4), st.integers(0, 3)),
-        min_size=1, max_size=6),
+        st.tuples(
+            st.lists(st.tuples(fits_in_bounds, st.floats(1e-3, 1.0)), min_size=2, max_size=4),
+            st.floats(1.0, 1e4),
+            st.integers(0, 3),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
     levels=st.lists(st.floats(1e-3, 1e3), min_size=1, max_size=5),
     weight=st.floats(1.0, 1e4),
 )
 def test_the_planners_batch_agrees_with_each_mixed_curve(
-    workers: list[tuple[list[tuple[PowerLawFit, float]], float, int]], levels: list[float],
+    workers: list[tuple[list[tuple[PowerLawFit, float]], float, int]],
+    levels: list[float],
     weight: float,
 ) -> None:
     """``plan_split`` caps and predicts all mixed workers at once; each ``MixedCurve`` is the
@@ -406,8 +479,9 @@ def test_the_planners_batch_agrees_with_each_mixed_curve(
 
     shards: dict[int, list[tuple[MixedCurve, float]]] = {}
     for parts, tok, sid in workers:
-        curve = mixed_curve(ClassMix(tuple((f"c{i}", f, s) for i, (f, s) in enumerate(parts))),
-                            None, tok)
+        curve = mixed_curve(
+            ClassMix(tuple((f"c{i}", f, s) for i, (f, s) in enumerate(parts))), None, tok
+        )
         if isinstance(curve, MixedCurve):
             shards.setdefault(sid, []).append((curve, tok))
     curves = [ShardCurve(2500.0, 0.5, 0.1, tuple(v)) for _, v in sorted(shards.items())]
@@ -432,10 +506,17 @@ async def test_the_prometheus_source_reads_each_adapters_window_histogram() -> N
     def answer(query: str) -> list[dict[str, object]]:
         inst = {"instance": KEY}
         if "adaptermesh_adapter_time_to_first_token_seconds_bucket" in query:
-            rows = [("code-x@v3", "0.5", "2"), ("code-x@v3", "1.0", "9"), ("code-x@v3", "+Inf", "10"),
-                    ("chat-a", "0.5", "0"), ("chat-a", "+Inf", "0"),  # idle in the window
-                    ("bad", "x", "3")]
-            return [{"metric": inst | {"adapter": a, "le": le}, "value": [1, v]} for a, le, v in rows]
+            rows = [
+                ("code-x@v3", "0.5", "2"),
+                ("code-x@v3", "1.0", "9"),
+                ("code-x@v3", "+Inf", "10"),
+                ("chat-a", "0.5", "0"),
+                ("chat-a", "+Inf", "0"),  # idle in the window
+                ("bad", "x", "3"),
+            ]
+            return [
+                {"metric": inst | {"adapter": a, "le": le}, "value": [1, v]} for a, le, v in rows
+            ]
         if "adaptermesh_time_to_first_token_seconds_count" in query:
             return [{"metric": inst, "value": [1, "25"]}]
         if "generation_tokens" in query:
@@ -444,7 +525,9 @@ async def test_the_prometheus_source_reads_each_adapters_window_histogram() -> N
 
     async def handler(request: web.Request) -> web.Response:
         result = answer(request.query["query"])
-        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": result}})
+        return web.json_response(
+            {"status": "success", "data": {"resultType": "vector", "result": result}}
+        )
 
     app = web.Application()
     app.router.add_get("/api/v1/query", handler)
@@ -474,10 +557,16 @@ class ClassPlantSource:
         self.holder = holder
         self.demand = demand
         self.plants = {
-            "a": ClassPlant(curves={"small": (2.5e-8, -2.0, 0.05), "large": (1e-8, -2.5, 0.4)},
-                            adapters={"small": ("chat-a", "chat-b"), "large": ("code-x",)}, seed=11),
-            "b": ClassPlant(curves={"small": (2.5e-8, -2.0, 0.05), "large": (1e-8, -2.5, 0.4)},
-                            adapters={"small": ("chat-a", "chat-b"), "large": ("code-x",)}, seed=12),
+            "a": ClassPlant(
+                curves={"small": (2.5e-8, -2.0, 0.05), "large": (1e-8, -2.5, 0.4)},
+                adapters={"small": ("chat-a", "chat-b"), "large": ("code-x",)},
+                seed=11,
+            ),
+            "b": ClassPlant(
+                curves={"small": (2.5e-8, -2.0, 0.05), "large": (1e-8, -2.5, 0.4)},
+                adapters={"small": ("chat-a", "chat-b"), "large": ("code-x",)},
+                seed=12,
+            ),
         }
         self.tick = 0
         self.worst: list[float] = []
@@ -500,7 +589,9 @@ class ClassPlantSource:
         return out
 
 
-async def test_the_rebalancer_fits_labelled_classes_and_plans_with_their_mix(tmp_path: object) -> None:
+async def test_the_rebalancer_fits_labelled_classes_and_plans_with_their_mix(
+    tmp_path: object,
+) -> None:
     from pathlib import Path
 
     from adaptermesh.clock import FakeClock

@@ -34,8 +34,19 @@ from .reference_policy import decide_ref
 from .strategies import observations
 
 CFG = PolicyConfig()
-_ARRAYS = ("active", "offsets", "known", "waiting", "running", "kv_cache_usage", "latency_s",
-           "tokens_per_s", "gpu_free_bytes", "affinity_hits", "wanted")
+_ARRAYS = (
+    "active",
+    "offsets",
+    "known",
+    "waiting",
+    "running",
+    "kv_cache_usage",
+    "latency_s",
+    "tokens_per_s",
+    "gpu_free_bytes",
+    "affinity_hits",
+    "wanted",
+)
 
 
 def _object_observation(rb: Rebalancer, workers: dict[str, WorkerObservation]) -> Observation:
@@ -53,8 +64,8 @@ def _object_observation(rb: Rebalancer, workers: dict[str, WorkerObservation]) -
             obs.append(w if w is not None else WorkerObservation(ep.address, ep.port, known=False))
         shards[spec.id] = ShardObservation(
             spec.id,
-            active=spec.state in (assignment_pb2.SHARD_STATE_ACTIVE,
-                                  assignment_pb2.SHARD_STATE_UNSPECIFIED),
+            active=spec.state
+            in (assignment_pb2.SHARD_STATE_ACTIVE, assignment_pb2.SHARD_STATE_UNSPECIFIED),
             workers=tuple(obs),
             routed_adapters=frozenset(routed.get(spec.id, ())),
         )
@@ -93,8 +104,9 @@ def test_reused_layout_gives_the_per_object_columns(
 ) -> None:
     first = data.draw(observations())
     ids = sorted(first.shards)
-    routed = {sid: frozenset(data.draw(st.lists(st.sampled_from("xyzv"), max_size=2)))
-              for sid in ids}
+    routed = {
+        sid: frozenset(data.draw(st.lists(st.sampled_from("xyzv"), max_size=2))) for sid in ids
+    }
     layout: ColumnLayout | None = None
     fast_state = ref_state = PolicyState()
     for t in range(4):
@@ -125,8 +137,16 @@ def test_reused_layout_gives_the_per_object_columns(
 
 
 def test_non_finite_readings_count_as_not_reported() -> None:
-    w = WorkerObservation("10.0.0.1", 80, known=True, waiting=math.inf, running=math.nan,
-                          latency_s=math.inf, gpu_free_bytes=-math.inf, tokens_per_s=math.nan)
+    w = WorkerObservation(
+        "10.0.0.1",
+        80,
+        known=True,
+        waiting=math.inf,
+        running=math.nan,
+        latency_s=math.inf,
+        gpu_free_bytes=-math.inf,
+        tokens_per_s=math.nan,
+    )
     layout = ColumnLayout(["a"], [True], [["10.0.0.1:80"]])
     cols = layout.columns([w])
     assert (cols.waiting[0], cols.running[0], cols.tokens_per_s[0]) == (0, 0, 0)
@@ -137,8 +157,13 @@ def test_non_finite_readings_count_as_not_reported() -> None:
 def test_many_adapters_span_several_mask_words() -> None:
     names = [f"ad{i}" for i in range(150)]
     ws = [
-        WorkerObservation("10.0.0.1", 80, known=True, resident_adapters=frozenset(names[:100]),
-                          requested_adapters=frozenset(names[90:])),
+        WorkerObservation(
+            "10.0.0.1",
+            80,
+            known=True,
+            resident_adapters=frozenset(names[:100]),
+            requested_adapters=frozenset(names[90:]),
+        ),
         WorkerObservation("10.0.0.2", 80, known=True, resident_adapters=frozenset(names[140:])),
     ]
     obs = Observation({"a": ShardObservation("a", True, tuple(ws), frozenset({"zz"}))})
@@ -173,9 +198,15 @@ def _rebalancer(tmp_path: Path) -> tuple[Rebalancer, StaticSource, Store, FakeCl
 def _fill(source: StaticSource, rb: Rebalancer) -> None:
     for i, t in enumerate(rb.targets()):
         source.workers[t.key] = WorkerObservation(
-            t.address, t.port, known=True, running=4.0 + i, kv_cache_usage=0.1 * (i % 5),
-            latency_s=0.2 + 0.01 * i, tokens_per_s=100.0 * (i + 1),
-            resident_adapters=frozenset({"support"}), requested_adapters=frozenset({"support"}),
+            t.address,
+            t.port,
+            known=True,
+            running=4.0 + i,
+            kv_cache_usage=0.1 * (i % 5),
+            latency_s=0.2 + 0.01 * i,
+            tokens_per_s=100.0 * (i + 1),
+            resident_adapters=frozenset({"support"}),
+            requested_adapters=frozenset({"support"}),
         )
 
 
@@ -190,7 +221,8 @@ def test_rebalancer_layout_follows_store_changes(tmp_path: Path) -> None:
     assert "c" in second.columns.shard_ids
     assert [t.key for t in rb.targets()] == list(second.columns.endpoints)
     inst = control_plane_pb2.AdapterInstance(
-        name="support", model_ref=control_plane_pb2.ModelRef(base_model="m"),
+        name="support",
+        model_ref=control_plane_pb2.ModelRef(base_model="m"),
         routes=[control_plane_pb2.AdapterRoute(shard_id="a")],
     )
     store.upsert_adapter_instance(inst, clock.time())

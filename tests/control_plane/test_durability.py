@@ -25,16 +25,32 @@ pytestmark = pytest.mark.slow
 class Proc:
     def __init__(self, state: Path, tokens: Path) -> None:
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "adaptermesh.control_plane.cli", "--state-dir", str(state),
-             "--listen", "127.0.0.1:0", "--tokens-file", str(tokens), "--interval", "0.2",
-             "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "adaptermesh.control_plane.cli",
+                "--state-dir",
+                str(state),
+                "--listen",
+                "127.0.0.1:0",
+                "--tokens-file",
+                str(tokens),
+                "--interval",
+                "0.2",
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         assert self.p.stdout is not None
         line = self.p.stdout.readline()
         if not line.startswith("listening on"):
             self.p.kill()
-            raise AssertionError(f"server did not start: {line!r} {self.p.stderr.read() if self.p.stderr else ''}")
+            raise AssertionError(
+                f"server did not start: {line!r} {self.p.stderr.read() if self.p.stderr else ''}"
+            )
         self.addr = line.split()[-1]
         self.channel = grpc.insecure_channel(self.addr)
         self.stub = control_plane_pb2_grpc.ControlPlaneStub(self.channel)
@@ -72,10 +88,21 @@ def test_acknowledged_writes_survive_kill_9(tmp_path: Path, procs: list[Proc]) -
     first = Proc(state, tokens)
     procs.append(first)
     for i in range(3):
-        first.stub.UpsertShard(cp_pb2.UpsertShardRequest(shard=shard(f"s{i}", (f"10.0.{i}.1", 8000))), metadata=md)
-    first.stub.SetOverride(cp_pb2.SetOverrideRequest(shard_id="s1", weight=6000, ttl_seconds=3600, reason="hold"), metadata=md)
-    inst = cp_pb2.AdapterInstance(name="a1", model_ref=cp_pb2.ModelRef(base_model="m"), routes=[cp_pb2.AdapterRoute(shard_id="s0")])
-    first.stub.UpsertAdapterInstance(cp_pb2.UpsertAdapterInstanceRequest(instance=inst), metadata=md)
+        first.stub.UpsertShard(
+            cp_pb2.UpsertShardRequest(shard=shard(f"s{i}", (f"10.0.{i}.1", 8000))), metadata=md
+        )
+    first.stub.SetOverride(
+        cp_pb2.SetOverrideRequest(shard_id="s1", weight=6000, ttl_seconds=3600, reason="hold"),
+        metadata=md,
+    )
+    inst = cp_pb2.AdapterInstance(
+        name="a1",
+        model_ref=cp_pb2.ModelRef(base_model="m"),
+        routes=[cp_pb2.AdapterRoute(shard_id="s0")],
+    )
+    first.stub.UpsertAdapterInstance(
+        cp_pb2.UpsertAdapterInstanceRequest(instance=inst), metadata=md
+    )
 
     # Pins written as fast as possible while the process is killed: every acknowledged one
     # must be there after the restart.
@@ -87,7 +114,9 @@ def test_acknowledged_writes_survive_kill_9(tmp_path: Path, procs: list[Proc]) -
         while not stop.is_set():
             cidr = f"10.{100 + n // 256}.{n % 256}.0/24"
             try:
-                first.stub.PinTenant(cp_pb2.PinTenantRequest(cidr=cidr, shard_id=f"s{n % 3}"), metadata=md, timeout=2)
+                first.stub.PinTenant(
+                    cp_pb2.PinTenantRequest(cidr=cidr, shard_id=f"s{n % 3}"), metadata=md, timeout=2
+                )
             except grpc.RpcError:
                 return
             acked.append(cidr)
@@ -111,7 +140,12 @@ def test_acknowledged_writes_survive_kill_9(tmp_path: Path, procs: list[Proc]) -
     assert {(s.id, s.index) for s in shards} == {("s0", 0), ("s1", 1), ("s2", 2)}
     overrides = second.stub.ListOverrides(cp_pb2.ListOverridesRequest(), metadata=md).overrides
     assert [(o.shard_id, o.weight, o.reason) for o in overrides] == [("s1", 6000, "hold")]
-    assert [i.name for i in second.stub.ListAdapterInstances(cp_pb2.ListAdapterInstancesRequest(), metadata=md).instances] == ["a1"]
+    assert [
+        i.name
+        for i in second.stub.ListAdapterInstances(
+            cp_pb2.ListAdapterInstancesRequest(), metadata=md
+        ).instances
+    ] == ["a1"]
     current = second.stub.GetAssignment(cp_pb2.GetAssignmentRequest(), metadata=md)
     assert current.version >= last_version_seen
     assert {p.cidr for p in current.pins} >= set(acked)

@@ -61,15 +61,24 @@ async def test_metrics_endpoint_serves_state_and_counters(tmp_path: Path) -> Non
             await stub.UpsertShard(
                 cp_pb2.UpsertShardRequest(shard=shard(f"s{i}", (f"10.0.{i}.1", 8000))), metadata=md
             )
-        await stub.SetOverride(cp_pb2.SetOverrideRequest(shard_id="s0", weight=5000, reason="canary"), metadata=md)
+        await stub.SetOverride(
+            cp_pb2.SetOverrideRequest(shard_id="s0", weight=5000, reason="canary"), metadata=md
+        )
         for i in (1, 2):
             source.workers[f"10.0.{i}.1:8000"] = WorkerObservation(
-                f"10.0.{i}.1", 8000, True, running=4, kv_cache_usage=0.3 * i, latency_s=0.1,
+                f"10.0.{i}.1",
+                8000,
+                True,
+                running=4,
+                kv_cache_usage=0.3 * i,
+                latency_s=0.1,
                 tokens_per_s=100.0,
             )
         await server.rebalancer.step()
         await stub.ReportLoad(cp_pb2.LoadReport(node_id="n1", applied_version=4), metadata=md)
-        await stub.ReportLoad(cp_pb2.LoadReport(node_id="n2", applied_version=2, apply_error="x"), metadata=md)
+        await stub.ReportLoad(
+            cp_pb2.LoadReport(node_id="n2", applied_version=2, apply_error="x"), metadata=md
+        )
         stream = stub.WatchAssignments(cp_pb2.WatchAssignmentsRequest(from_version=0), metadata=md)
         await asyncio.wait_for(stream.read(), 5)
         async with httpx.AsyncClient(trust_env=False) as client:
@@ -80,7 +89,9 @@ async def test_metrics_endpoint_serves_state_and_counters(tmp_path: Path) -> Non
         got = _samples(resp.text)
         version = server.rebalancer.hub.latest.version  # type: ignore[union-attr]
         assert got[(PREFIX + "assignment_version", ())] == version
-        weights = {dict(k[1])["shard"]: v for k, v in got.items() if k[0] == PREFIX + "shard_weight"}
+        weights = {
+            dict(k[1])["shard"]: v for k, v in got.items() if k[0] == PREFIX + "shard_weight"
+        }
         assert weights["s0"] == 5000
         assert sum(weights.values()) == 10_000
         assert got[(PREFIX + "shard_known", (("shard", "s0"),))] == 0
@@ -103,7 +114,9 @@ async def test_metrics_endpoint_serves_state_and_counters(tmp_path: Path) -> Non
         assert got[(PREFIX + "worker_scrape_errors_total", ())] == 0
 
         # Every series in the docs' table is served, and every served series is documented.
-        documented = set(re.findall(r"^\| `(adaptermesh_control_plane_[a-z_]+)` \|", DOC.read_text(), re.M))
+        documented = set(
+            re.findall(r"^\| `(adaptermesh_control_plane_[a-z_]+)` \|", DOC.read_text(), re.M)
+        )
         families = {f.name for f in text_string_to_metric_families(resp.text)}
         # (prometheus_client adds a *_created family per histogram: its start time.)
         served = {n for n in families if n.startswith(PREFIX) and not n.endswith("_created")}
@@ -119,7 +132,10 @@ async def test_metrics_endpoint_serves_state_and_counters(tmp_path: Path) -> Non
 def test_publish_causes_are_a_small_fixed_set() -> None:
     assert publish_cause("override s0=7000, ttl 60s: canary") == "override"
     assert publish_cause("override on s0 cleared") == "override"
-    assert publish_cause("override expired: s0; rebalance: 100 parts moved (...)") == "override_expired"
+    assert (
+        publish_cause("override expired: s0; rebalance: 100 parts moved (...)")
+        == "override_expired"
+    )
     assert publish_cause("pin 10.1.0.0/16 -> s0") == "pin"
     assert publish_cause("unpin 10.1.0.0/16") == "pin"
     assert publish_cause("shard s1 created") == "shard"

@@ -57,8 +57,9 @@ def test_parse_tolerates_missing_and_unknown_series() -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(path: str, handler: Callable[[web.Request], Awaitable[web.Response]]
-                  ) -> AsyncIterator[int]:
+async def serving(
+    path: str, handler: Callable[[web.Request], Awaitable[web.Response]]
+) -> AsyncIterator[int]:
     """``handler`` at ``path`` on an ephemeral loopback port (bound to 0), yielding the port."""
     app = web.Application()
     app.router.add_get(path, handler)
@@ -74,7 +75,14 @@ async def serving(path: str, handler: Callable[[web.Request], Awaitable[web.Resp
 
 @pytest.fixture
 async def worker() -> AsyncIterator[tuple[int, dict[str, object]]]:
-    state: dict[str, object] = {"waiting": 0, "count": 0, "ttft_sum": 0.0, "tokens": 0, "delay": 0.0, "status": 200}
+    state: dict[str, object] = {
+        "waiting": 0,
+        "count": 0,
+        "ttft_sum": 0.0,
+        "tokens": 0,
+        "delay": 0.0,
+        "status": 200,
+    }
 
     state["inflight"] = state["peak"] = 0
 
@@ -88,7 +96,11 @@ async def worker() -> AsyncIterator[tuple[int, dict[str, object]]]:
             state["inflight"] = int(state["inflight"]) - 1  # type: ignore[call-overload]
         if state["status"] != 200:
             return web.Response(status=int(state["status"]))  # type: ignore[call-overload]
-        return web.Response(text=EXPOSITION.format(**{k: state[k] for k in ("waiting", "count", "ttft_sum", "tokens")}))
+        return web.Response(
+            text=EXPOSITION.format(
+                **{k: state[k] for k in ("waiting", "count", "ttft_sum", "tokens")}
+            )
+        )
 
     async with serving("/metrics", metrics) as port:
         yield port, state
@@ -115,7 +127,10 @@ async def test_scrape_rates_timeouts_and_staleness(worker: tuple[int, dict[str, 
     assert third.age_s == pytest.approx(2.0)
     fourth = (await src.collect(targets, now=105.5))[f"127.0.0.1:{port}"]
     assert not fourth.known
-    assert "Timeout" in src.errors[f"127.0.0.1:{port}"] or "timeout" in src.errors[f"127.0.0.1:{port}"].lower()
+    assert (
+        "Timeout" in src.errors[f"127.0.0.1:{port}"]
+        or "timeout" in src.errors[f"127.0.0.1:{port}"].lower()
+    )
 
 
 async def test_scrapes_run_concurrently(worker: tuple[int, dict[str, object]]) -> None:
@@ -140,9 +155,20 @@ async def prometheus() -> AsyncIterator[tuple[int, Callable[[str], list[dict[str
     def answer(query: str) -> list[dict[str, object]]:
         inst = {"instance": "10.0.0.1:8000"}
         if query.startswith("vllm:lora_requests_info"):
-            return [{"metric": inst | {"running_lora_adapters": "a", "waiting_lora_adapters": "b"}, "value": [1, "1"]}]
-        values = {"waiting": "3", "running": "5", "max by": "0.5", "rate(adaptermesh_time_to_first": "0.2",
-                  "rate(adaptermesh_generation": "800", "adaptermesh_free_gpu_memory_bytes": "1e9"}
+            return [
+                {
+                    "metric": inst | {"running_lora_adapters": "a", "waiting_lora_adapters": "b"},
+                    "value": [1, "1"],
+                }
+            ]
+        values = {
+            "waiting": "3",
+            "running": "5",
+            "max by": "0.5",
+            "rate(adaptermesh_time_to_first": "0.2",
+            "rate(adaptermesh_generation": "800",
+            "adaptermesh_free_gpu_memory_bytes": "1e9",
+        }
         for key, v in values.items():
             if key in query:
                 return [{"metric": inst, "value": [1, v]}]
@@ -150,7 +176,9 @@ async def prometheus() -> AsyncIterator[tuple[int, Callable[[str], list[dict[str
 
     async def handler(request: web.Request) -> web.Response:
         q = request.query["query"]
-        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": answer(q)}})
+        return web.json_response(
+            {"status": "success", "data": {"resultType": "vector", "result": answer(q)}}
+        )
 
     async with serving("/api/v1/query", handler) as port:
         yield port, answer
@@ -159,7 +187,9 @@ async def prometheus() -> AsyncIterator[tuple[int, Callable[[str], list[dict[str
 async def test_prometheus_source(prometheus: tuple[int, object]) -> None:
     port, _ = prometheus
     src = PrometheusSource(f"http://127.0.0.1:{port}", interval_s=1.0)
-    out = await src.collect([Target("s", "10.0.0.1", 8000), Target("s", "10.0.0.2", 8000)], now=10.0)
+    out = await src.collect(
+        [Target("s", "10.0.0.1", 8000), Target("s", "10.0.0.2", 8000)], now=10.0
+    )
     w = out["10.0.0.1:8000"]
     assert w.known
     assert w.waiting == 3

@@ -38,7 +38,9 @@ def test_budget_bounds_and_step_are_respected(data: st.DataObject) -> None:
     for t in range(6):
         # Fresh load every tick on the same shards: the weights must stay valid throughout.
         load = data.draw(observations(sorted(obs.shards)))
-        shards = {sid: type(o)(sid, obs.shards[sid].active, o.workers) for sid, o in load.shards.items()}
+        shards = {
+            sid: type(o)(sid, obs.shards[sid].active, o.workers) for sid, o in load.shards.items()
+        }
         d = decide(Observation(shards, overrides), state, float(t), CFG)
         active = _active(obs)
         assert validate_weights(d.weights, active, CFG, set(overrides)) == []
@@ -55,8 +57,12 @@ def test_budget_bounds_and_step_are_respected(data: st.DataObject) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.text("abc", min_size=1, max_size=2), st.floats(0, 1e6), min_size=1, max_size=30),
-       st.integers(0, 200))
+@given(
+    st.dictionaries(
+        st.text("abc", min_size=1, max_size=2), st.floats(0, 1e6), min_size=1, max_size=30
+    ),
+    st.integers(0, 200),
+)
 def test_apportion_conserves_budget_and_floor(shares: dict[str, float], floor: int) -> None:
     out = apportion(shares, BUDGET, floor)
     assert sum(out.values()) == BUDGET
@@ -98,14 +104,18 @@ def test_total_variation_is_bounded_on_noisy_load(plant: Plant, seed: int) -> No
 def test_without_hysteresis_noise_would_move_weight() -> None:
     """The bound above is not vacuous: the same noise moves an unsmoothed policy a lot."""
     plant = Plant({"a": 300, "b": 300, "c": 300}, steerable=500, noise=0.1, rng=random.Random(1))
-    loose = PolicyConfig(ewma_alpha=1.0, deadband=0.0, enter_band=0, exit_band=0, publish_threshold=1)
+    loose = PolicyConfig(
+        ewma_alpha=1.0, deadband=0.0, enter_band=0, exit_band=0, publish_threshold=1
+    )
     state, moved = PolicyState(), 0
     for t in range(70):
         d = decide(plant.observe(state.weights), state, 5.0 * t, loose)
         state = d.state
         moved += d.change if t >= 30 else 0
     assert moved > 0.15 * BUDGET
-    _, changes = _run(Plant({"a": 300, "b": 300, "c": 300}, steerable=500, noise=0.1, rng=random.Random(1)), 70)
+    _, changes = _run(
+        Plant({"a": 300, "b": 300, "c": 300}, steerable=500, noise=0.1, rng=random.Random(1)), 70
+    )
     assert sum(changes[30:]) <= 0.15 * BUDGET
 
 
@@ -123,8 +133,15 @@ def test_unknown_shard_holds_its_weight_and_is_never_idle() -> None:
 def test_endpoint_weights_favour_free_memory_and_resident_adapters() -> None:
     from adaptermesh.control_plane.policy import ShardObservation, WorkerObservation
 
-    w1 = WorkerObservation("10.0.0.1", 8000, True, kv_cache_usage=0.3, gpu_free_bytes=8e9,
-                           resident_adapters=frozenset({"x", "y"}), requested_adapters=frozenset({"x"}))
+    w1 = WorkerObservation(
+        "10.0.0.1",
+        8000,
+        True,
+        kv_cache_usage=0.3,
+        gpu_free_bytes=8e9,
+        resident_adapters=frozenset({"x", "y"}),
+        requested_adapters=frozenset({"x"}),
+    )
     w2 = WorkerObservation("10.0.0.2", 8000, True, kv_cache_usage=0.3, gpu_free_bytes=1e9)
     w3 = WorkerObservation("10.0.0.3", 8000, False)
     obs = Observation({"s": ShardObservation("s", True, (w1, w2, w3), frozenset({"y"}))})
@@ -134,15 +151,25 @@ def test_endpoint_weights_favour_free_memory_and_resident_adapters() -> None:
     assert eps["10.0.0.3:8000"] >= 1
 
 
-_READINGS = ("waiting", "running", "kv_cache_usage", "latency_s", "ttft_p95_s", "tpot_p95_s",
-             "tokens_per_s", "gpu_free_bytes", "first_tokens", "age_s")
+_READINGS = (
+    "waiting",
+    "running",
+    "kv_cache_usage",
+    "latency_s",
+    "ttft_p95_s",
+    "tpot_p95_s",
+    "tokens_per_s",
+    "gpu_free_bytes",
+    "first_tokens",
+    "age_s",
+)
 
 
 @settings(max_examples=80, deadline=None)
 @given(
     field=st.sampled_from(_READINGS),
-    value=st.sampled_from([1e308, -1e308, 5e-324, -5e-324, -1.0, 1e12, float("nan"),
-                           float("inf")]) | st.floats(allow_nan=True, allow_infinity=True),
+    value=st.sampled_from([1e308, -1e308, 5e-324, -5e-324, -1.0, 1e12, float("nan"), float("inf")])
+    | st.floats(allow_nan=True, allow_infinity=True),
 )
 def test_a_wild_reading_is_refused_quietly(field: str, value: float) -> None:
     """One worker exporting an absurd figure (a broken exporter, a hostile one) neither raises
@@ -153,8 +180,9 @@ def test_a_wild_reading_is_refused_quietly(field: str, value: float) -> None:
     kw[field] = value
     odd = WorkerObservation("10.0.0.1", 8000, True, **kw)  # type: ignore[arg-type]
     fine = WorkerObservation("10.0.0.2", 8000, True, latency_s=0.3, tokens_per_s=50.0)
-    obs = Observation({"a": ShardObservation("a", True, (odd,)),
-                       "b": ShardObservation("b", True, (fine,))}, {})
+    obs = Observation(
+        {"a": ShardObservation("a", True, (odd,)), "b": ShardObservation("b", True, (fine,))}, {}
+    )
     state = PolicyState()
     for t in range(3):
         d = decide(obs, state, float(t), CFG)

@@ -40,20 +40,20 @@ class FakeWorker:
 
     async def metrics(self, _request: web.Request) -> web.Response:
         lines = ["# TYPE adaptermesh_adapter_resident gauge"]
-        lines += [f'adaptermesh_adapter_resident{{adapter="{a}",pinned="{str(p).lower()}"}} 1.0'
-                  for a, p in sorted(self.resident.items())]
+        lines += [
+            f'adaptermesh_adapter_resident{{adapter="{a}",pinned="{str(p).lower()}"}} 1.0'
+            for a, p in sorted(self.resident.items())
+        ]
         return web.Response(text="\n".join(lines) + "\n")
 
     async def load(self, request: web.Request) -> web.Response:
         if request.headers.get("Authorization") != f"Bearer {TOKEN}":
-            return web.json_response({"error": {"message": "the admin token is wrong"}},
-                                     status=403)
+            return web.json_response({"error": {"message": "the admin token is wrong"}}, status=403)
         body = await request.json()
         self.loads.append(body)
         if self.refuse is not None:
             status, param, message = self.refuse
-            return web.json_response({"error": {"message": message, "param": param}},
-                                     status=status)
+            return web.json_response({"error": {"message": message, "param": param}}, status=status)
         self.resident[body["lora_name"]] = body["pinned"]
         return web.Response(text="Success")
 
@@ -98,18 +98,32 @@ async def admin() -> AsyncIterator[HttpWorkerAdmin]:
 
 
 def loop(store: Store, admin: HttpWorkerAdmin, clock: FakeClock, **cfg: Any) -> Preloader:
-    return Preloader(store, admin, clock=clock, config=PreloaderConfig(**cfg),
-                     logger=logging.getLogger("test.placement"))
+    return Preloader(
+        store,
+        admin,
+        clock=clock,
+        config=PreloaderConfig(**cfg),
+        logger=logging.getLogger("test.placement"),
+    )
 
 
 async def test_preload_pin_and_replicas_reach_the_workers_once(
-        start_worker: Start, store: Store, admin: HttpWorkerAdmin) -> None:
+    start_worker: Start, store: Store, admin: HttpWorkerAdmin
+) -> None:
     a1, a2, b1 = await start_worker(), await start_worker(), await start_worker()
     store.upsert_shard(shard("shard-a", ("127.0.0.1", a1.port), ("127.0.0.1", a2.port)), 0.0)
     store.upsert_shard(shard("shard-b", ("127.0.0.1", b1.port)), 0.0)
-    store.upsert_adapter_instance(instance(
-        "credit-risk-v2", "risk/credit-risk-v2", shards=["shard-a", "shard-b"],
-        pinned_shards=["shard-b"], replicas=2, preload=True), 0.0)
+    store.upsert_adapter_instance(
+        instance(
+            "credit-risk-v2",
+            "risk/credit-risk-v2",
+            shards=["shard-a", "shard-b"],
+            pinned_shards=["shard-b"],
+            replicas=2,
+            preload=True,
+        ),
+        0.0,
+    )
     clock = FakeClock()
     pre = loop(store, admin, clock)
     report = await pre.step()
@@ -118,8 +132,9 @@ async def test_preload_pin_and_replicas_reach_the_workers_once(
     # Both workers of shard-a preloaded (unpinned); shard-b's one worker pinned, short of two.
     assert a1.resident == a2.resident == {"credit-risk-v2": False}
     assert b1.resident == {"credit-risk-v2": True}
-    assert b1.loads == [{"lora_name": "credit-risk-v2", "lora_path": "risk/credit-risk-v2",
-                         "pinned": True}]
+    assert b1.loads == [
+        {"lora_name": "credit-risk-v2", "lora_path": "risk/credit-risk-v2", "pinned": True}
+    ]
     assert report.short == (("credit-risk-v2", "shard-b", 1, 2),)
     assert "short credit-risk-v2/shard-b" in pre.problems()
     # Idempotent: the workers hold what is wanted, so later rounds send nothing.
@@ -130,7 +145,8 @@ async def test_preload_pin_and_replicas_reach_the_workers_once(
 
 
 async def test_an_evicted_preload_comes_back_and_a_lost_pin_at_once(
-        start_worker: Start, store: Store, admin: HttpWorkerAdmin) -> None:
+    start_worker: Start, store: Store, admin: HttpWorkerAdmin
+) -> None:
     w = await start_worker()
     store.upsert_shard(shard("s0", ("127.0.0.1", w.port)), 0.0)
     store.upsert_adapter_instance(instance("warm", preload=True), 0.0)
@@ -149,7 +165,8 @@ async def test_an_evicted_preload_comes_back_and_a_lost_pin_at_once(
 
 
 async def test_pins_are_undone_when_the_instance_stops_asking_or_goes(
-        start_worker: Start, store: Store, admin: HttpWorkerAdmin) -> None:
+    start_worker: Start, store: Store, admin: HttpWorkerAdmin
+) -> None:
     w = await start_worker(resident={"boot": True})  # a worker's own start-up pin
     store.upsert_shard(shard("s0", ("127.0.0.1", w.port)), 0.0)
     store.upsert_adapter_instance(instance("a", pinned_shards=["s0"]), 0.0)
@@ -166,8 +183,8 @@ async def test_pins_are_undone_when_the_instance_stops_asking_or_goes(
 
 
 async def test_a_refused_load_is_named_backed_off_and_loses_nothing(
-        start_worker: Start, store: Store, admin: HttpWorkerAdmin,
-        caplog: pytest.LogCaptureFixture) -> None:
+    start_worker: Start, store: Store, admin: HttpWorkerAdmin, caplog: pytest.LogCaptureFixture
+) -> None:
     w = await start_worker(refuse=(422, "lora_path", "resolves outside the adapter root"))
     store.upsert_shard(shard("s0", ("127.0.0.1", w.port)), 0.0)
     store.upsert_adapter_instance(instance("a", "/elsewhere/a", pinned_shards=["s0"]), 0.0)
@@ -200,7 +217,8 @@ async def test_a_refused_load_is_named_backed_off_and_loses_nothing(
 
 
 async def test_bounded_per_round_and_unreachable_workers_reported(
-        start_worker: Start, store: Store, admin: HttpWorkerAdmin) -> None:
+    start_worker: Start, store: Store, admin: HttpWorkerAdmin
+) -> None:
     w = await start_worker()
     store.upsert_shard(shard("s0", ("127.0.0.1", w.port), ("127.0.0.1", 9)), 0.0)
     for i in range(7):
@@ -229,8 +247,9 @@ async def test_the_token_is_checked_by_the_worker(start_worker: Start, store: St
     assert w.resident == {}
 
 
-async def test_run_repeats_step_until_stopped(start_worker: Start, store: Store,
-                                              admin: HttpWorkerAdmin) -> None:
+async def test_run_repeats_step_until_stopped(
+    start_worker: Start, store: Store, admin: HttpWorkerAdmin
+) -> None:
     w = await start_worker()
     store.upsert_shard(shard("s0", ("127.0.0.1", w.port)), 0.0)
     store.upsert_adapter_instance(instance("a", pinned_shards=["s0"]), 0.0)
@@ -258,7 +277,8 @@ async def _models(client: httpx.AsyncClient, port: int) -> dict[str, tuple[bool,
 
 
 async def test_real_workers_keep_the_pinned_adapter_while_others_evict(
-        tmp_path: Path, store: Store, admin: HttpWorkerAdmin) -> None:
+    tmp_path: Path, store: Store, admin: HttpWorkerAdmin
+) -> None:
     model = make_tiny_model(tmp_path / "tiny")
     root = tmp_path / "adapters"
     root.mkdir()
@@ -266,10 +286,17 @@ async def test_real_workers_keep_the_pinned_adapter_while_others_evict(
         make_adapter(root, model, name, rank=4, seed=i)
     engines, runners, ports = [], [], []
     for _ in range(2):  # two workers of one shard, two GPU slots each
-        engine = Engine(model, root, device="cpu", dtype="float32", model_name="tiny",
-                        config=EngineConfig(max_loras=2, max_num_seqs=2))
-        runner, port = await serve(WorkerService(engine, ServiceConfig(admin_token=TOKEN)),
-                                   "127.0.0.1", 0)
+        engine = Engine(
+            model,
+            root,
+            device="cpu",
+            dtype="float32",
+            model_name="tiny",
+            config=EngineConfig(max_loras=2, max_num_seqs=2),
+        )
+        runner, port = await serve(
+            WorkerService(engine, ServiceConfig(admin_token=TOKEN)), "127.0.0.1", 0
+        )
         engines.append(engine)
         runners.append(runner)
         ports.append(port)
@@ -289,9 +316,10 @@ async def test_real_workers_keep_the_pinned_adapter_while_others_evict(
         # Traffic for two other adapters through the pinned worker's two slots: the preload
         # is evicted, the pinned adapter stays.
         for name in ("x1", "x2", "x1", "x2"):
-            resp = await client.post(f"http://127.0.0.1:{pinned_port}/v1/completions",
-                                     json={"model": name, "prompt": "hi", "max_tokens": 2,
-                                           "temperature": 0})
+            resp = await client.post(
+                f"http://127.0.0.1:{pinned_port}/v1/completions",
+                json={"model": name, "prompt": "hi", "max_tokens": 2, "temperature": 0},
+            )
             assert resp.status_code == 200, resp.text
         after = await _models(client, pinned_port)
         assert after["kept"] == (True, True)
@@ -300,7 +328,8 @@ async def test_real_workers_keep_the_pinned_adapter_while_others_evict(
         clock.step(31)
         again = await pre.step()
         assert [(a.adapter, a.port, a.why) for a in again.done] == [
-            ("warm", pinned_port, "preload")]
+            ("warm", pinned_port, "preload")
+        ]
         assert (await _models(client, pinned_port))["kept"] == (True, True)
     finally:
         await client.aclose()
@@ -312,13 +341,20 @@ async def test_real_workers_keep_the_pinned_adapter_while_others_evict(
 
 @pytest.mark.parametrize(("content", "says"), [(None, "No such file"), ("  \n", "is empty")])
 def test_the_worker_token_file_is_checked_at_start(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None,
-        says: str) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, says: str
+) -> None:
     path = tmp_path / "worker-token"
     if content is not None:
         path.write_text(content)
-    code = cli.main(["--state-dir", str(tmp_path / "state"), "--no-auth",
-                     "--worker-admin-token-file", str(path)])
+    code = cli.main(
+        [
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--no-auth",
+            "--worker-admin-token-file",
+            str(path),
+        ]
+    )
     assert code == 1
     err = capsys.readouterr().err
     assert "--worker-admin-token-file" in err
@@ -326,7 +362,8 @@ def test_the_worker_token_file_is_checked_at_start(
 
 
 async def test_a_deleted_instance_takes_its_problems_and_retries_with_it(
-        start_worker: Start, store: Store, admin: HttpWorkerAdmin) -> None:
+    start_worker: Start, store: Store, admin: HttpWorkerAdmin
+) -> None:
     w = await start_worker(refuse=(503, "", "every GPU slot is pinned or in use"))
     store.upsert_shard(shard("s0", ("127.0.0.1", w.port)), 0.0)
     store.upsert_adapter_instance(instance("a", pinned_shards=["s0"]), 0.0)

@@ -132,7 +132,9 @@ async def test_run_smoke_with_the_system_clock(tmp_path: Path) -> None:
     store = Store(tmp_path / "cp.sqlite3", synchronous="NORMAL")
 
     class Idle:
-        async def collect(self, targets: Sequence[Target], now: float) -> dict[str, WorkerObservation]:
+        async def collect(
+            self, targets: Sequence[Target], now: float
+        ) -> dict[str, WorkerObservation]:
             return {}
 
     rb = Rebalancer(store, Idle(), config=RebalancerConfig(interval_s=0.02))

@@ -45,8 +45,9 @@ class CounterSource:
         self.counters: dict[str, dict[str, AdapterCounters]] = {}
         self.calls = 0
 
-    def serve(self, worker: str, adapter: str, requests: int, errors: int = 0,
-              ttft_s: float = 0.05) -> None:
+    def serve(
+        self, worker: str, adapter: str, requests: int, errors: int = 0, ttft_s: float = 0.05
+    ) -> None:
         c = self.counters.setdefault(worker, {}).setdefault(adapter, AdapterCounters())
         c.requests += requests
         c.errors += errors
@@ -58,19 +59,32 @@ class CounterSource:
                 c.ttft.setdefault(le, 0)
         c.ttft_count += ok
 
-    async def collect(self, targets: list[Target],
-                      adapters: Iterable[str]) -> dict[str, dict[str, AdapterCounters]]:
+    async def collect(
+        self, targets: list[Target], adapters: Iterable[str]
+    ) -> dict[str, dict[str, AdapterCounters]]:
         self.calls += 1
         names = set(adapters)
-        return {k: {a: AdapterCounters(c.requests, c.errors, dict(c.ttft), c.ttft_count)
-                    for a, c in per.items() if a in names}
-                for k, per in self.counters.items()}
+        return {
+            k: {
+                a: AdapterCounters(c.requests, c.errors, dict(c.ttft), c.ttft_count)
+                for a, c in per.items()
+                if a in names
+            }
+            for k, per in self.counters.items()
+        }
 
 
 def spec(**kw: object) -> control_plane_pb2.RolloutSpec:
-    base: dict[str, object] = dict(adapter="credit-risk", from_version="1.2.0", to_version="2.0.0",
-                                   steps_percent=[5, 25, 50, 100], interval_seconds=120,
-                                   max_error_rate=0.01, max_p95_ttft_ms=800, min_requests=20)
+    base: dict[str, object] = dict(
+        adapter="credit-risk",
+        from_version="1.2.0",
+        to_version="2.0.0",
+        steps_percent=[5, 25, 50, 100],
+        interval_seconds=120,
+        max_error_rate=0.01,
+        max_p95_ttft_ms=800,
+        min_requests=20,
+    )
     base.update(kw)
     return control_plane_pb2.RolloutSpec(**base)  # type: ignore[arg-type]
 
@@ -143,12 +157,16 @@ async def test_no_step_without_evidence(tmp_path: Path):
     assert split(rb) == ("1.2.0", "2.0.0", 500)
 
 
-@pytest.mark.parametrize(("errors", "ttft", "why"), [
-    (3, 0.05, "error rate 10.0% > 1.0%"),
-    (0, 2.0, "p95 TTFT"),
-])
-async def test_a_broken_bound_rolls_back_with_the_reason(tmp_path: Path, errors: int, ttft: float,
-                                                         why: str):
+@pytest.mark.parametrize(
+    ("errors", "ttft", "why"),
+    [
+        (3, 0.05, "error rate 10.0% > 1.0%"),
+        (0, 2.0, "p95 TTFT"),
+    ],
+)
+async def test_a_broken_bound_rolls_back_with_the_reason(
+    tmp_path: Path, errors: int, ttft: float, why: str
+):
     ctl, source, clock, rb = setup(tmp_path)
     ctl.start(spec(), "")
     await ctl.step()  # the window's baseline
@@ -169,7 +187,8 @@ async def test_a_broken_bound_rolls_back_with_the_reason(tmp_path: Path, errors:
 
 
 async def test_errors_before_the_step_do_not_count_and_a_worker_restart_counts_from_zero(
-        tmp_path: Path):
+    tmp_path: Path,
+):
     ctl, source, clock, _rb = setup(tmp_path)
     source.serve("10.0.0.1:8000", NEW, 100, errors=100)  # before the rollout began
     ctl.start(spec(), "")
@@ -230,21 +249,24 @@ async def test_one_rollout_per_adapter_and_bad_specs_change_nothing(tmp_path: Pa
     assert [r.spec.adapter for r in ctl.listing()] == ["credit-risk"]
 
 
-@pytest.mark.parametrize(("kw", "field"), [
-    ({"adapter": ""}, "spec.adapter"),
-    ({"adapter": "a@b"}, "spec.adapter"),
-    ({"to_version": ""}, "spec.to_version"),
-    ({"to_version": "2 0"}, "spec.to_version"),
-    ({"from_version": "-x"}, "spec.from_version"),
-    ({"steps_percent": []}, "spec.steps_percent"),
-    ({"steps_percent": [0, 100]}, "spec.steps_percent[0]"),
-    ({"steps_percent": [5, 50]}, "spec.steps_percent"),
-    ({"steps_percent": [5, 5, 100]}, "spec.steps_percent[1]"),
-    ({"interval_seconds": 0}, "spec.interval_seconds"),
-    ({"max_error_rate": 1.5}, "spec.max_error_rate"),
-    ({"max_error_rate": float("nan")}, "spec.max_error_rate"),
-    ({"max_p95_ttft_ms": -1}, "spec.max_p95_ttft_ms"),
-])
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"adapter": ""}, "spec.adapter"),
+        ({"adapter": "a@b"}, "spec.adapter"),
+        ({"to_version": ""}, "spec.to_version"),
+        ({"to_version": "2 0"}, "spec.to_version"),
+        ({"from_version": "-x"}, "spec.from_version"),
+        ({"steps_percent": []}, "spec.steps_percent"),
+        ({"steps_percent": [0, 100]}, "spec.steps_percent[0]"),
+        ({"steps_percent": [5, 50]}, "spec.steps_percent"),
+        ({"steps_percent": [5, 5, 100]}, "spec.steps_percent[1]"),
+        ({"interval_seconds": 0}, "spec.interval_seconds"),
+        ({"max_error_rate": 1.5}, "spec.max_error_rate"),
+        ({"max_error_rate": float("nan")}, "spec.max_error_rate"),
+        ({"max_p95_ttft_ms": -1}, "spec.max_p95_ttft_ms"),
+    ],
+)
 def test_bad_specs_name_the_field(kw: dict[str, object], field: str) -> None:
     with pytest.raises(RuleError) as info:
         check_spec(spec(**kw))
@@ -267,13 +289,23 @@ def test_any_steps_either_pass_or_name_a_field(steps: list[int], interval: int) 
 
 
 @settings(max_examples=300, deadline=None)
-@given(requests=st.integers(0, 500), errors=st.integers(0, 500), elapsed=st.integers(0, 500),
-       step=st.integers(0, 3))
-def test_decide_never_moves_on_without_evidence_and_always_bounds(requests: int, errors: int,
-                                                                 elapsed: int, step: int) -> None:
+@given(
+    requests=st.integers(0, 500),
+    errors=st.integers(0, 500),
+    elapsed=st.integers(0, 500),
+    step=st.integers(0, 3),
+)
+def test_decide_never_moves_on_without_evidence_and_always_bounds(
+    requests: int, errors: int, elapsed: int, step: int
+) -> None:
     errors = min(errors, requests)
-    r = control_plane_pb2.Rollout(id="x", spec=spec(), state=S.ROLLOUT_STATE_RUNNING, step=step,
-                                  share=[5, 25, 50, 100][step] * 100)
+    r = control_plane_pb2.Rollout(
+        id="x",
+        spec=spec(),
+        state=S.ROLLOUT_STATE_RUNNING,
+        step=step,
+        share=[5, 25, 50, 100][step] * 100,
+    )
     r.step_started_at.FromSeconds(1000)
     w = Window(requests, errors, ((0.1, requests - errors),), requests - errors)
     got = decide(r, w, 1000 + elapsed)
@@ -297,8 +329,13 @@ def test_parse_adapter_series_reads_the_worker_format() -> None:
 
     reg = CollectorRegistry()
     c = Counter("adaptermesh_adapter_requests", "x", ["adapter", "outcome"], registry=reg)
-    h = Histogram("adaptermesh_adapter_time_to_first_token_seconds", "x", ["adapter"],
-                  registry=reg, buckets=(0.1, 1.0))
+    h = Histogram(
+        "adaptermesh_adapter_time_to_first_token_seconds",
+        "x",
+        ["adapter"],
+        registry=reg,
+        buckets=(0.1, 1.0),
+    )
     c.labels(NEW, "stop").inc(7)
     c.labels(NEW, "length").inc(2)
     c.labels(NEW, "injected_fault").inc(3)
@@ -317,8 +354,9 @@ def test_parse_adapter_series_reads_the_worker_format() -> None:
 
 async def test_api_start_list_control_and_errors(cp: Harness) -> None:
     stub, md = cp.stub, cp.md
-    await stub.UpsertShard(control_plane_pb2.UpsertShardRequest(
-        shard=shard("s0", ("10.0.0.1", 8000))), metadata=md)
+    await stub.UpsertShard(
+        control_plane_pb2.UpsertShardRequest(shard=shard("s0", ("10.0.0.1", 8000))), metadata=md
+    )
     r = await stub.StartRollout(S.StartRolloutRequest(spec=spec(), reason="go"), metadata=md)
     assert r.share == 500
     assert r.state == S.ROLLOUT_STATE_RUNNING
@@ -331,16 +369,18 @@ async def test_api_start_list_control_and_errors(cp: Harness) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.StartRollout(S.StartRolloutRequest(spec=spec()), metadata=md)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    paused = await stub.ControlRollout(S.ControlRolloutRequest(
-        adapter="credit-risk", action="pause"), metadata=md)
+    paused = await stub.ControlRollout(
+        S.ControlRolloutRequest(adapter="credit-risk", action="pause"), metadata=md
+    )
     assert paused.state == S.ROLLOUT_STATE_PAUSED
     listed = await stub.ListRollouts(S.ListRolloutsRequest(history=True), metadata=md)
     assert [e.kind for e in listed.rollouts[0].events] == ["start", "pause"]
     from .conftest import RO_TOKEN, creds
 
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.ControlRollout(S.ControlRolloutRequest(adapter="credit-risk", action="abort"),
-                                  metadata=creds(RO_TOKEN))
+        await stub.ControlRollout(
+            S.ControlRolloutRequest(adapter="credit-risk", action="abort"), metadata=creds(RO_TOKEN)
+        )
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     await stub.ListRollouts(S.ListRolloutsRequest(), metadata=creds(RO_TOKEN))
 

@@ -121,5 +121,7 @@ def test_assignments_keep_the_carried_rule_set_once(tmp_path: Path) -> None:
     reopened = Store(tmp_path / "cp.db")
     assert [a.routing_rules for a in reopened.history(10)] == [carried] * 3
     light = reopened.history(10, pins=False)
-    assert all(a.routing_rules.digest == carried.digest and not a.routing_rules.document_json
-               for a in light)
+    assert all(
+        a.routing_rules.digest == carried.digest and not a.routing_rules.document_json
+        for a in light
+    )

@@ -25,8 +25,10 @@ def test_rows_written_before_pin_sets_still_read_back(tmp_path: Path) -> None:
             db.execute(statement)
         db.execute(f"PRAGMA user_version={version + 1}")
     old = _assignment(1, 3)
-    db.execute("INSERT INTO assignments(version, reason, generated_at, body) VALUES(?,?,?,?)",
-               (1, old.reason, 0.0, old.SerializeToString()))
+    db.execute(
+        "INSERT INTO assignments(version, reason, generated_at, body) VALUES(?,?,?,?)",
+        (1, old.reason, 0.0, old.SerializeToString()),
+    )
     db.commit()
     db.close()
     store = Store(path, synchronous="NORMAL")

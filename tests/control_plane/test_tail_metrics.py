@@ -58,7 +58,9 @@ def test_no_new_observation_or_a_reset_gives_none() -> None:
     added=st.lists(st.integers(0, 50), min_size=len(BUCKETS) + 1, max_size=len(BUCKETS) + 1),
     q=st.floats(0.01, 0.99),
 )
-def test_interval_quantile_stays_inside_the_buckets(before: list[int], added: list[int], q: float) -> None:
+def test_interval_quantile_stays_inside_the_buckets(
+    before: list[int], added: list[int], q: float
+) -> None:
     bounds = (*BUCKETS, math.inf)
 
     def cumulative(counts: list[int]) -> tuple[tuple[float, float], ...]:

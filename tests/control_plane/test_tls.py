@@ -21,42 +21,98 @@ def _ssl(*args: str, cwd: Path) -> None:
 
 
 def make_pki(d: Path) -> None:
-    _ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
-         "-days", "1", "-subj", "/CN=adaptermesh-test-ca", cwd=d)
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
-        _ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-             "-subj", f"/CN={name}", cwd=d)
+    _ssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=adaptermesh-test-ca",
+        cwd=d,
+    )
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        _ssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
         (d / f"{name}.ext").write_text(ext + "\n")
-        _ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-             "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext", cwd=d)
+        _ssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
 
 
 async def test_mtls_requires_a_client_certificate(tmp_path: Path) -> None:
     make_pki(tmp_path)
     config = ServerConfig(
-        state_dir=tmp_path / "state", listen="127.0.0.1:0",
+        state_dir=tmp_path / "state",
+        listen="127.0.0.1:0",
         tokens=load_tokens(write_tokens(tmp_path / "tokens")),
-        tls_cert=tmp_path / "server.pem", tls_key=tmp_path / "server.key",
-        tls_client_ca=tmp_path / "ca.pem", rebalance=False,
+        tls_cert=tmp_path / "server.pem",
+        tls_key=tmp_path / "server.key",
+        tls_client_ca=tmp_path / "ca.pem",
+        rebalance=False,
     )
     server = ControlPlaneServer(config, source=StaticSource())
     port = await server.start()
     ca = (tmp_path / "ca.pem").read_bytes()
     try:
-        good = grpc.ssl_channel_credentials(ca, (tmp_path / "client.key").read_bytes(),
-                                            (tmp_path / "client.pem").read_bytes())
+        good = grpc.ssl_channel_credentials(
+            ca, (tmp_path / "client.key").read_bytes(), (tmp_path / "client.pem").read_bytes()
+        )
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", good) as ch:
             stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
-            resp = await stub.ListShards(cp_pb2.ListShardsRequest(), metadata=creds(RW_TOKEN), timeout=5)
+            resp = await stub.ListShards(
+                cp_pb2.ListShardsRequest(), metadata=creds(RW_TOKEN), timeout=5
+            )
             assert list(resp.shards) == []
-        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca)) as ch:
+        async with grpc.aio.secure_channel(
+            f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca)
+        ) as ch:
             stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.ListShards(cp_pb2.ListShardsRequest(), metadata=creds(RW_TOKEN), timeout=5)
+                await stub.ListShards(
+                    cp_pb2.ListShardsRequest(), metadata=creds(RW_TOKEN), timeout=5
+                )
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
             with pytest.raises(grpc.aio.AioRpcError):
-                await stub.ListShards(cp_pb2.ListShardsRequest(), metadata=creds(RW_TOKEN), timeout=5)
+                await stub.ListShards(
+                    cp_pb2.ListShardsRequest(), metadata=creds(RW_TOKEN), timeout=5
+                )
     finally:
         await server.stop(0)

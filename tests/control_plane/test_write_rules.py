@@ -39,41 +39,82 @@ def _mark(value: int):  # type: ignore[no-untyped-def]
 REFUSED = [
     ("UpsertShard", _with(_mark(0)), "shard.steer.mark.mark"),
     ("UpsertShard", _with(lambda s: setattr(s.steer.tunnel, "vni", 0)), "shard.steer.tunnel.vni"),
-    ("UpsertShard", _with(lambda s: setattr(s.steer.tunnel, "vni", 1 << 24)),
-     "shard.steer.tunnel.vni"),
-    ("UpsertShard", _with(lambda s: setattr(s.steer.tunnel, "inner_dst_mac", "zz:00:00:00:00:00")),
-     "shard.steer.tunnel.inner_dst_mac"),
-    ("UpsertShard", _with(lambda s: setattr(s.steer.tunnel, "remote_ipv4", "999.1.1.1")),
-     "shard.steer.tunnel.remote_ipv4"),
-    ("UpsertShard", _with(lambda s: setattr(s.endpoints[0], "address", "999.1.1.1")),
-     "shard.endpoints[0].address"),
-    ("UpsertShard", _with(lambda s: setattr(s.endpoints[0], "address", "10.0.0.1:8000")),
-     "shard.endpoints[0].address"),
-    ("UpsertShard", _with(lambda s: setattr(s.endpoints[0], "address", "worker.example")),
-     "shard.endpoints[0].address"),
-    ("UpsertShard", _with(lambda s: setattr(s.endpoints[0], "address", "fe80::1%eth0")),
-     "shard.endpoints[0].address"),
-    ("UpsertShard", _with(lambda s: setattr(s, "service_address", "10.0.0.1")),
-     "shard.service_port"),
-    ("UpsertShard", _with(lambda s: s.labels.update({rules.LB_POLICY_LABEL: "random"})),
-     f"shard.labels[{rules.LB_POLICY_LABEL}]"),
-    ("UpsertShard", _with(lambda s: s.endpoints[0].adapters.append("")),
-     "shard.endpoints[0].adapters[0]"),
+    (
+        "UpsertShard",
+        _with(lambda s: setattr(s.steer.tunnel, "vni", 1 << 24)),
+        "shard.steer.tunnel.vni",
+    ),
+    (
+        "UpsertShard",
+        _with(lambda s: setattr(s.steer.tunnel, "inner_dst_mac", "zz:00:00:00:00:00")),
+        "shard.steer.tunnel.inner_dst_mac",
+    ),
+    (
+        "UpsertShard",
+        _with(lambda s: setattr(s.steer.tunnel, "remote_ipv4", "999.1.1.1")),
+        "shard.steer.tunnel.remote_ipv4",
+    ),
+    (
+        "UpsertShard",
+        _with(lambda s: setattr(s.endpoints[0], "address", "999.1.1.1")),
+        "shard.endpoints[0].address",
+    ),
+    (
+        "UpsertShard",
+        _with(lambda s: setattr(s.endpoints[0], "address", "10.0.0.1:8000")),
+        "shard.endpoints[0].address",
+    ),
+    (
+        "UpsertShard",
+        _with(lambda s: setattr(s.endpoints[0], "address", "worker.example")),
+        "shard.endpoints[0].address",
+    ),
+    (
+        "UpsertShard",
+        _with(lambda s: setattr(s.endpoints[0], "address", "fe80::1%eth0")),
+        "shard.endpoints[0].address",
+    ),
+    (
+        "UpsertShard",
+        _with(lambda s: setattr(s, "service_address", "10.0.0.1")),
+        "shard.service_port",
+    ),
+    (
+        "UpsertShard",
+        _with(lambda s: s.labels.update({rules.LB_POLICY_LABEL: "random"})),
+        f"shard.labels[{rules.LB_POLICY_LABEL}]",
+    ),
+    (
+        "UpsertShard",
+        _with(lambda s: s.endpoints[0].adapters.append("")),
+        "shard.endpoints[0].adapters[0]",
+    ),
     ("PinTenant", cp_pb2.PinTenantRequest(cidr="fe80::1%eth0/128", shard_id="s0"), "cidr"),
     ("PinTenant", cp_pb2.PinTenantRequest(cidr="999.1.1.0/24", shard_id="s0"), "cidr"),
     ("PinTenant", cp_pb2.PinTenantRequest(cidr=" 10.2.0.0/16", shard_id="s0"), "cidr"),
-    ("UpsertAdapterInstance", cp_pb2.UpsertAdapterInstanceRequest(instance=cp_pb2.AdapterInstance(
-        name="a", model_ref=cp_pb2.ModelRef(base_model="m"),
-        security=cp_pb2.AdapterSecurity(allowed_cidrs=[f"10.{i // 256}.{i % 256}.0/24"
-                                                       for i in range(300)]))),
-     "instance.security.allowed_cidrs"),
+    (
+        "UpsertAdapterInstance",
+        cp_pb2.UpsertAdapterInstanceRequest(
+            instance=cp_pb2.AdapterInstance(
+                name="a",
+                model_ref=cp_pb2.ModelRef(base_model="m"),
+                security=cp_pb2.AdapterSecurity(
+                    allowed_cidrs=[f"10.{i // 256}.{i % 256}.0/24" for i in range(300)]
+                ),
+            )
+        ),
+        "instance.security.allowed_cidrs",
+    ),
     ("ReportLoad", cp_pb2.LoadReport(node_id="n\x1b[2J"), "node_id"),
     ("ReportLoad", cp_pb2.LoadReport(node_id="n", shards=[cp_pb2.ShardTraffic()] * 300), "shards"),
 ]
 
 
-@pytest.mark.parametrize(("method", "request_", "field"), REFUSED,
-                         ids=[f"{r[0]}-{r[2]}-{i}" for i, r in enumerate(REFUSED)])
+@pytest.mark.parametrize(
+    ("method", "request_", "field"),
+    REFUSED,
+    ids=[f"{r[0]}-{r[2]}-{i}" for i, r in enumerate(REFUSED)],
+)
 async def test_agent_refusals_are_refused_at_write_time(
     cp: Harness, method: str, request_: object, field: str
 ) -> None:
@@ -103,8 +144,9 @@ async def test_a_write_whose_assignment_breaks_a_rule_is_refused_naming_it(cp: H
     store = cp.server.rebalancer.store
     with store.transaction():  # indices 0..254 taken, 255 quarantined after a delete
         for i in range(rules.MAX_SHARDS):
-            store.upsert_shard(shard(f"t{i}", (f"10.{i // 250}.{i % 250}.1", 8000)),
-                               cp.clock.time())
+            store.upsert_shard(
+                shard(f"t{i}", (f"10.{i // 250}.{i % 250}.1", 8000)), cp.clock.time()
+            )
         store.delete_shard("t255", cp.clock.time())
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await cp.stub.UpsertShard(
@@ -150,22 +192,23 @@ async def test_the_16385th_pin_is_refused(cp: Harness) -> None:
 async def test_pins_and_overrides_never_outlive_a_drain(cp: Harness) -> None:
     await _seed(cp, 3)
     drained = shard("s2", ("10.0.2.1", 8000), state=assignment_pb2.SHARD_STATE_DRAINING)
-    await cp.stub.PinTenant(cp_pb2.PinTenantRequest(cidr="10.5.0.0/16", shard_id="s2"),
-                            metadata=cp.md)
+    await cp.stub.PinTenant(
+        cp_pb2.PinTenantRequest(cidr="10.5.0.0/16", shard_id="s2"), metadata=cp.md
+    )
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await cp.stub.UpsertShard(cp_pb2.UpsertShardRequest(shard=drained), metadata=cp.md)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert (err.value.details() or "").startswith("shard.state: ")
     await cp.stub.UnpinTenant(cp_pb2.UnpinTenantRequest(cidr="10.5.0.0/16"), metadata=cp.md)
-    await cp.stub.SetOverride(cp_pb2.SetOverrideRequest(shard_id="s2", weight=2000),
-                              metadata=cp.md)
+    await cp.stub.SetOverride(cp_pb2.SetOverrideRequest(shard_id="s2", weight=2000), metadata=cp.md)
     await cp.stub.UpsertShard(cp_pb2.UpsertShardRequest(shard=drained), metadata=cp.md)
     a = await cp.stub.GetAssignment(cp_pb2.GetAssignmentRequest(), metadata=cp.md)
     assert not a.overrides  # the override went with the drain
     rules.check_assignment(a)
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await cp.stub.PinTenant(cp_pb2.PinTenantRequest(cidr="10.5.0.0/16", shard_id="s2"),
-                                metadata=cp.md)
+        await cp.stub.PinTenant(
+            cp_pb2.PinTenantRequest(cidr="10.5.0.0/16", shard_id="s2"), metadata=cp.md
+        )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert (err.value.details() or "").startswith("shard_id: ")
 
@@ -192,11 +235,13 @@ async def test_history_works_with_16384_pins_and_stores_each_pin_list_once(cp: H
     with store.transaction():
         for i in range(rules.MAX_PINS - 1):
             store.add_pin(f"10.{i // 256}.{i % 256}.0/24", "s0", 0.0)
-    await cp.stub.PinTenant(cp_pb2.PinTenantRequest(cidr="11.0.0.0/24", shard_id="s1"),
-                            metadata=cp.md)
+    await cp.stub.PinTenant(
+        cp_pb2.PinTenantRequest(cidr="11.0.0.0/24", shard_id="s1"), metadata=cp.md
+    )
     for w in (1000, 2000, 3000):  # weight changes: the pins stay the same list
-        await cp.stub.SetOverride(cp_pb2.SetOverrideRequest(shard_id="s0", weight=w),
-                                  metadata=cp.md)
+        await cp.stub.SetOverride(
+            cp_pb2.SetOverrideRequest(shard_id="s0", weight=w), metadata=cp.md
+        )
     latest = await cp.stub.GetAssignment(cp_pb2.GetAssignmentRequest(), metadata=cp.md)
     assert len(latest.pins) == rules.MAX_PINS
     hist = await cp.stub.ListHistory(cp_pb2.ListHistoryRequest(limit=50), metadata=cp.md)
@@ -234,5 +279,7 @@ async def test_apply_is_all_or_nothing(cp: Harness) -> None:
     moved = cp_pb2.ApplyRequest(pins=[assignment_pb2.Pin(cidr="10.8.0.0/16", shard_id="s7")])
     resp = await cp.stub.Apply(moved, metadata=cp.md)
     pins = await cp.stub.ListPins(cp_pb2.ListPinsRequest(), metadata=cp.md)
-    assert {(p.cidr, p.shard_id) for p in pins.pins} == {("10.7.0.0/16", "s7"),
-                                                         ("10.8.0.0/16", "s7")}
+    assert {(p.cidr, p.shard_id) for p in pins.pins} == {
+        ("10.7.0.0/16", "s7"),
+        ("10.8.0.0/16", "s7"),
+    }

@@ -364,7 +364,9 @@ def test_control_plane_and_worker_args_parse_with_their_clis() -> None:
         assert parsed.interval == 5.0
         # /metrics is served on the port the pod and Service declare as "metrics".
         assert parsed.metrics_port == 9090
-        assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in cp["containers"][0]["ports"]
+        assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in cp["containers"][0][
+            "ports"
+        ]
         assert (parsed.tls_client_ca is not None) is bool(values)
     objs = render({"worker": {"model": {"subPath": "llama"}}})
     for o, c in containers(objs):

@@ -67,9 +67,15 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
     },
     "adapter-edge": {
-        "edge": {"auth": {"jwksSecret": "edge-jwks", "issuer": "https://id.example.com",
-                          "audiences": ["adaptermesh"]},
-                 "tlsSecret": "edge-tls", "grpcPortOffset": 1},
+        "edge": {
+            "auth": {
+                "jwksSecret": "edge-jwks",
+                "issuer": "https://id.example.com",
+                "audiences": ["adaptermesh"],
+            },
+            "tlsSecret": "edge-tls",
+            "grpcPortOffset": 1,
+        },
     },
     "extra-args-env-and-pull-secrets": {
         "imagePullSecrets": ["regcred"],
@@ -312,10 +318,14 @@ def test_edge_values_reach_the_agent_envoy_and_workers() -> None:
     (agent_spec,) = [s for n, s in specs.items() if n.endswith("-agent")]
     containers = {c["name"]: c for c in agent_spec["containers"]}
     args = containers["agent"]["args"]
-    for arg in ("--edge-jwks=/etc/adaptermesh/edge-jwks/jwks.json",
-                "--edge-issuer=https://id.example.com", "--edge-audience=adaptermesh",
-                "--edge-tls-cert=/etc/adaptermesh/edge-tls/tls.crt",
-                "--edge-tls-key=/etc/adaptermesh/edge-tls/tls.key", "--grpc-port-offset=1"):
+    for arg in (
+        "--edge-jwks=/etc/adaptermesh/edge-jwks/jwks.json",
+        "--edge-issuer=https://id.example.com",
+        "--edge-audience=adaptermesh",
+        "--edge-tls-cert=/etc/adaptermesh/edge-tls/tls.crt",
+        "--edge-tls-key=/etc/adaptermesh/edge-tls/tls.key",
+        "--grpc-port-offset=1",
+    ):
         assert arg in args
     # Envoy reads the certificate, so the secret is mounted there; the agent reads the JWKS.
     assert {m["name"] for m in containers["envoy"]["volumeMounts"]} >= {"edge-tls"}

@@ -35,8 +35,12 @@ PARSERS: dict[str, argparse.ArgumentParser] = {
     "control-plane": cp_cli.build_parser(),
     "mqtt-bridge": bridge_cli.build_parser(),
 }
-TRACING_FLAGS = ("--otlp-endpoint", "--trace-sample-ratio", "--envoy-trace-percent",
-                 "--flow-events")
+TRACING_FLAGS = (
+    "--otlp-endpoint",
+    "--trace-sample-ratio",
+    "--envoy-trace-percent",
+    "--flow-events",
+)
 EVERY_COMPONENT: dict[str, Any] = {
     "worker": {"shards": [{"id": "s0", "replicas": 1}, {"id": "s1", "replicas": 2}]},
     "bridge": {"enabled": True, "broker": {"host": "mqtt"}, "baseUrl": "http://am-envoy:8080"},
@@ -78,18 +82,31 @@ def _agent(objs: list[Obj]) -> argparse.Namespace:
 
 
 def test_off_by_default_nothing_tracing_related_renders() -> None:
-    for values in ({}, EVERY_COMPONENT,
-                   # Values set but tracing off: still nothing.
-                   {**EVERY_COMPONENT, "tracing": {"otlpEndpoint": ENDPOINT, "sampleRatio": 0.1,
-                                                   "envoyPercent": 5, "flowEvents": "off"}},
-                   _with({"flowEvents": False})):
+    for values in (
+        {},
+        EVERY_COMPONENT,
+        # Values set but tracing off: still nothing.
+        {
+            **EVERY_COMPONENT,
+            "tracing": {
+                "otlpEndpoint": ENDPOINT,
+                "sampleRatio": 0.1,
+                "envoyPercent": 5,
+                "flowEvents": "off",
+            },
+        },
+        _with({"flowEvents": False}),
+    ):
         objs = render(values)
         for program, args in _programs(objs):
             assert _tracing_args(args) == [], (program, values)
         assert set(_clusters(objs)) == {"adaptermesh_xds"}
         parsed = _agent(objs)
         assert (parsed.otlp_endpoint, parsed.envoy_trace_percent, parsed.flow_events) == (
-            None, None, "off")
+            None,
+            None,
+            "off",
+        )
 
 
 def test_every_component_with_the_flags_gets_them() -> None:
@@ -118,12 +135,15 @@ def test_envoy_percent_follows_the_ratio_unless_set() -> None:
     assert (derived.envoy_trace_percent, derived.trace_sample_ratio) == (5.0, 0.05)
     explicit = _agent(render(_with({**ON["tracing"], "sampleRatio": 0.05, "envoyPercent": 0})))
     assert (explicit.envoy_trace_percent, explicit.trace_sample_ratio) == (0.0, 0.05)
-    assert _agent(render(_with({**ON["tracing"], "envoyPercent": 12.5}))).envoy_trace_percent \
-        == 12.5
+    assert (
+        _agent(render(_with({**ON["tracing"], "envoyPercent": 12.5}))).envoy_trace_percent == 12.5
+    )
 
 
-@pytest.mark.parametrize(("mode", "rendered"), [("off", "off"), (False, "off"), ("log", "log"),
-                                                ("span", "span"), ("both", "both")])
+@pytest.mark.parametrize(
+    ("mode", "rendered"),
+    [("off", "off"), (False, "off"), ("log", "log"), ("span", "span"), ("both", "both")],
+)
 def test_flow_events_reach_the_agent(mode: Any, rendered: str) -> None:
     parsed = _agent(render(_with({**ON["tracing"], "flowEvents": mode})))
     assert parsed.flow_events == rendered
@@ -145,12 +165,20 @@ def test_bootstrap_clusters_equal_the_builders(endpoint: str, extproc: bool) -> 
     settings, compared as Envoy's own messages: the collector's (STRICT_DNS, HTTP/2) among
     them. The tracer itself reaches the listeners over xDS (the agent's
     --envoy-trace-percent), as on the local mesh."""
-    values = _with({**ON["tracing"], "otlpEndpoint": endpoint},
-                   agent={"xdsPort": 18123}, extProc={"enabled": extproc, "port": 18555})
+    values = _with(
+        {**ON["tracing"], "otlpEndpoint": endpoint},
+        agent={"xdsPort": 18123},
+        extProc={"enabled": extproc, "port": 18555},
+    )
     chart = _clusters(render(values))
     host, port = endpoint.rsplit(":", 1)
-    built = build_bootstrap("node-1", 18123, otlp_host=host.strip("[]"), otlp_port=int(port),
-                            ext_proc_port=18555 if extproc else None)
+    built = build_bootstrap(
+        "node-1",
+        18123,
+        otlp_host=host.strip("[]"),
+        otlp_port=int(port),
+        ext_proc_port=18555 if extproc else None,
+    )
     want = {c.name: c for c in built.static_resources.clusters}
     assert set(chart) == set(want)
     for name, cluster in chart.items():
@@ -161,17 +189,26 @@ def test_bootstrap_clusters_equal_the_builders(endpoint: str, extproc: bool) -> 
 
 
 def test_enabled_without_an_endpoint_fails_naming_it() -> None:
-    for values in (_with({"enabled": True}), _with({"enabled": True, "otlpEndpoint": ""}),
-                   {**_with({"enabled": True}), "agent": {"enabled": False}}):
-        with pytest.raises(helm.HelmError, match=r"tracing\.otlpEndpoint is required when "
-                                                 r"tracing\.enabled is true"):
+    for values in (
+        _with({"enabled": True}),
+        _with({"enabled": True, "otlpEndpoint": ""}),
+        {**_with({"enabled": True}), "agent": {"enabled": False}},
+    ):
+        with pytest.raises(
+            helm.HelmError,
+            match=r"tracing\.otlpEndpoint is required when "
+            r"tracing\.enabled is true",
+        ):
             render(values)
 
 
 @pytest.mark.parametrize("mode", ["span", "both"])
 def test_span_flow_events_without_tracing_fail_naming_the_field(mode: str) -> None:
-    with pytest.raises(helm.HelmError, match=rf"tracing\.flowEvents {mode} needs "
-                                             r"tracing\.enabled"):
+    with pytest.raises(
+        helm.HelmError,
+        match=rf"tracing\.flowEvents {mode} needs "
+        r"tracing\.enabled",
+    ):
         render(_with({"flowEvents": mode, "otlpEndpoint": ENDPOINT}))
 
 
@@ -194,8 +231,7 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("label", "tracing", "field"), BAD_VALUES,
-                         ids=[b[0] for b in BAD_VALUES])
+@pytest.mark.parametrize(("label", "tracing", "field"), BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
 def test_bad_values_fail_the_render_naming_the_field(
     label: str, tracing: dict[str, Any], field: str
 ) -> None:
@@ -218,25 +254,39 @@ _HOSTS = st.one_of(
 ENDPOINTS = st.builds(lambda h, p: f"{h}:{p}", _HOSTS, st.integers(1, 65535))
 FLOW_MODES = st.sampled_from(["off", "log", "span", "both", False])
 VALID = st.fixed_dictionaries(
-    {"enabled": st.just(True), "otlpEndpoint": ENDPOINTS,
-     "sampleRatio": st.floats(0, 1) | st.sampled_from([0, 1]),
-     "flowEvents": FLOW_MODES},
+    {
+        "enabled": st.just(True),
+        "otlpEndpoint": ENDPOINTS,
+        "sampleRatio": st.floats(0, 1) | st.sampled_from([0, 1]),
+        "flowEvents": FLOW_MODES,
+    },
     optional={"envoyPercent": st.none() | st.floats(0, 100) | st.integers(0, 100)},
 )
 _FINITE = {"allow_nan": False, "allow_infinity": False}
 BAD_FIELDS = st.one_of(
-    st.tuples(st.just("sampleRatio"),
-              st.floats(max_value=-1e-9, **_FINITE) | st.floats(min_value=1 + 1e-9, **_FINITE)),
-    st.tuples(st.just("envoyPercent"),
-              st.floats(max_value=-1e-9, **_FINITE) | st.floats(min_value=100 + 1e-9, **_FINITE)),
-    st.tuples(st.just("flowEvents"),
-              st.text(max_size=8).filter(lambda s: s not in ("off", "log", "span", "both"))),
-    st.tuples(st.just("otlpEndpoint"), st.one_of(
-        st.builds(lambda h, p: f"{h}:{p}", _HOSTS, st.integers(65536, 10**6) | st.just(0)),
-        st.builds(lambda e, s: f"{s}://{e}", ENDPOINTS, st.sampled_from(["http", "grpc"])),
-        st.builds(lambda e, t: e + t, ENDPOINTS, st.sampled_from(["/", " ", "/v1/traces", ":1"])),
-        _HOSTS,
-    )),
+    st.tuples(
+        st.just("sampleRatio"),
+        st.floats(max_value=-1e-9, **_FINITE) | st.floats(min_value=1 + 1e-9, **_FINITE),
+    ),
+    st.tuples(
+        st.just("envoyPercent"),
+        st.floats(max_value=-1e-9, **_FINITE) | st.floats(min_value=100 + 1e-9, **_FINITE),
+    ),
+    st.tuples(
+        st.just("flowEvents"),
+        st.text(max_size=8).filter(lambda s: s not in ("off", "log", "span", "both")),
+    ),
+    st.tuples(
+        st.just("otlpEndpoint"),
+        st.one_of(
+            st.builds(lambda h, p: f"{h}:{p}", _HOSTS, st.integers(65536, 10**6) | st.just(0)),
+            st.builds(lambda e, s: f"{s}://{e}", ENDPOINTS, st.sampled_from(["http", "grpc"])),
+            st.builds(
+                lambda e, t: e + t, ENDPOINTS, st.sampled_from(["/", " ", "/v1/traces", ":1"])
+            ),
+            _HOSTS,
+        ),
+    ),
 )
 
 
@@ -251,13 +301,16 @@ def test_drawn_values_render_to_flags_that_parse_back(tracing: dict[str, Any]) -
     assert agent.flow_events == mode
     percent = tracing.get("envoyPercent")
     if percent is None:
-        assert agent.envoy_trace_percent == pytest.approx(tracing["sampleRatio"] * 100,
-                                                          rel=1e-12, abs=1e-12)
+        assert agent.envoy_trace_percent == pytest.approx(
+            tracing["sampleRatio"] * 100, rel=1e-12, abs=1e-12
+        )
     else:
         assert agent.envoy_trace_percent == percent
     worker = PARSERS["worker"].parse_args(_args(objs, "worker"))
     assert (worker.otlp_endpoint, worker.trace_sample_ratio) == (
-        tracing["otlpEndpoint"], tracing["sampleRatio"])
+        tracing["otlpEndpoint"],
+        tracing["sampleRatio"],
+    )
     collector = _clusters(objs)["adaptermesh_otlp"]["load_assignment"]["endpoints"][0]
     address = collector["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
     host, port = tracing["otlpEndpoint"].rsplit(":", 1)
@@ -268,8 +321,9 @@ def test_drawn_values_render_to_flags_that_parse_back(tracing: dict[str, Any]) -
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(good=VALID, bad=BAD_FIELDS)
-def test_a_drawn_bad_value_fails_naming_its_field(good: dict[str, Any],
-                                                  bad: tuple[str, Any]) -> None:
+def test_a_drawn_bad_value_fails_naming_its_field(
+    good: dict[str, Any], bad: tuple[str, Any]
+) -> None:
     field, value = bad
     with pytest.raises(helm.HelmValuesError) as info:
         render({"tracing": {**good, field: value}})

@@ -47,7 +47,8 @@ def _bootstrap(objs: list[Obj], xds_port: int) -> bootstrap_pb2.Bootstrap:
     doc = yaml.safe_load(find(objs, "ConfigMap", "-envoy").doc["data"]["envoy.yaml"])
     (xds,) = [c for c in doc["static_resources"]["clusters"] if c["name"] == "adaptermesh_xds"]
     xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
-        "socket_address"]["port_value"] = xds_port
+        "socket_address"
+    ]["port_value"] = xds_port
     doc["admin"]["address"]["socket_address"]["port_value"] = 0
     return json_format.ParseDict(doc, bootstrap_pb2.Bootstrap())
 
@@ -75,22 +76,41 @@ def chart_mesh(tmp_path: Path) -> Iterator[tuple[int, OtlpReceiver]]:
     objs = render({"tracing": {"enabled": True, "otlpEndpoint": f"{LOOPBACK}:{otlp_port}"}})
     token = tmp_path / "token"
     token.write_text("t" * 32)
-    agent_args = [a if not str(a).startswith("--token-file=") else f"--token-file={token}"
-                  for a in _container(objs, "agent")["args"][1:]]
+    agent_args = [
+        a if not str(a).startswith("--token-file=") else f"--token-file={token}"
+        for a in _container(objs, "agent")["args"][1:]
+    ]
     config = agent_cli.config_from_args(agent_cli.build_parser().parse_args(agent_args))
     assert config.envoy_trace_percent == 100.0
     mesh = asyncio.run(mesh_xds(dataclasses.replace(config, xds_port=0)))
     assert mesh.server is not None
     worker_args = worker_cli.build_parser().parse_args(_container(objs, "worker")["args"][1:])
-    tracing = Tracing.from_config(worker_args.otlp_endpoint, worker_args.trace_sample_ratio,
-                                  "adaptermesh-worker", schedule_delay_millis=50)
+    tracing = Tracing.from_config(
+        worker_args.otlp_endpoint,
+        worker_args.trace_sample_ratio,
+        "adaptermesh-worker",
+        schedule_delay_millis=50,
+    )
     worker = contextlib.ExitStack()
     worker_port = port_of(worker.enter_context(threaded_service(FakeEngine, tracing)))
     port = _free_port()
-    mesh.publish(ap.Assignment(version=1, reason="test", shards=[ap.Shard(
-        id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
-        service_address=LOOPBACK, service_port=port,
-        endpoints=[ap.Endpoint(address=LOOPBACK, port=worker_port, weight=1)])]))
+    mesh.publish(
+        ap.Assignment(
+            version=1,
+            reason="test",
+            shards=[
+                ap.Shard(
+                    id="s0",
+                    index=0,
+                    weight=10_000,
+                    state=ap.SHARD_STATE_ACTIVE,
+                    service_address=LOOPBACK,
+                    service_port=port,
+                    endpoints=[ap.Endpoint(address=LOOPBACK, port=worker_port, weight=1)],
+                )
+            ],
+        )
+    )
     assert mesh.server.port is not None
     envoy = EnvoyProcess(_bootstrap(objs, mesh.server.port), extra_args=_node_flags(objs))
     try:
@@ -106,19 +126,31 @@ def chart_mesh(tmp_path: Path) -> Iterator[tuple[int, OtlpReceiver]]:
 
 def test_envoy_and_worker_spans_join_one_trace(chart_mesh: tuple[int, OtlpReceiver]) -> None:
     port, receiver = chart_mesh
-    wait_until(lambda: post_completion(port, {}, "tiny-base") == 200, 20, 0.2, what="Envoy routing to the worker")
+    wait_until(
+        lambda: post_completion(port, {}, "tiny-base") == 200,
+        20,
+        0.2,
+        what="Envoy routing to the worker",
+    )
     assert post_completion(port, {"traceparent": f"00-{TRACE}-{PARENT}-01"}, "tiny-base") == 200
 
-    envoy, worker = wait_until(lambda: envoy_and_worker_spans(receiver, TRACE), 20, 0.1, what="Envoy's and the worker's spans")
+    envoy, worker = wait_until(
+        lambda: envoy_and_worker_spans(receiver, TRACE),
+        20,
+        0.1,
+        what="Envoy's and the worker's spans",
+    )
     (request,) = worker
     assert request.parent_span_id in {s.span_id for s in envoy}
     assert any(s.parent_span_id == PARENT for s in envoy)
+
     # The first request carried no context: Envoy (100% from sampleRatio 1.0) started its
     # trace, and the worker's span joined it.
     def started_by_envoy() -> bool:
         spans = receiver.snapshot()
-        envoy_traces = {s.trace_id for s in spans
-                        if s.service == "adaptermesh-envoy" and s.trace_id != TRACE}
+        envoy_traces = {
+            s.trace_id for s in spans if s.service == "adaptermesh-envoy" and s.trace_id != TRACE
+        }
         return any(s.name == "worker completion" and s.trace_id in envoy_traces for s in spans)
 
     wait_until(started_by_envoy, 20, 0.1, what="a trace Envoy started, joined by the worker")
@@ -126,9 +158,12 @@ def test_envoy_and_worker_spans_join_one_trace(chart_mesh: tuple[int, OtlpReceiv
 
 def test_the_traced_bootstrap_validates_with_real_envoy() -> None:
     """A collector named by DNS, as in a cluster, with ext_proc beside it."""
-    objs = render({"tracing": {"enabled": True,
-                               "otlpEndpoint": "otel-collector.observability.svc:4317"},
-                   "extProc": {"enabled": True}})
+    objs = render(
+        {
+            "tracing": {"enabled": True, "otlpEndpoint": "otel-collector.observability.svc:4317"},
+            "extProc": {"enabled": True},
+        }
+    )
     bootstrap = _bootstrap(objs, 18000)
     bootstrap.node.id = "node-1"  # the container's --service-node
     validate_bootstrap(bootstrap)

@@ -20,7 +20,9 @@ IMAGES = {
 # The CLI subcommand each image's container runs (the container's name elsewhere).
 SUBCOMMAND = {"bridge": "mqtt-bridge"}
 # Values that render every optional part, so each image's container is in the manifests.
-ALL_PARTS = {"bridge": {"enabled": True, "broker": {"host": "mqtt"}, "baseUrl": "http://envoy:8080"}}
+ALL_PARTS = {
+    "bridge": {"enabled": True, "broker": {"host": "mqtt"}, "baseUrl": "http://envoy:8080"}
+}
 
 
 def _dockerfile(name: str) -> str:

@@ -115,8 +115,9 @@ def _site_packages(env: Path) -> Path:
 def _write_script(env: Path, name: str, target: str) -> None:
     module, _, func = target.partition(":")
     script = env / "bin" / name
-    script.write_text(f"#!{env}/bin/python\nimport sys\nfrom {module} import {func}\n"
-                      f"sys.exit({func}())\n")
+    script.write_text(
+        f"#!{env}/bin/python\nimport sys\nfrom {module} import {func}\nsys.exit({func}())\n"
+    )
     script.chmod(0o755)
 
 
@@ -156,8 +157,13 @@ def build_env(extra: str, env: Path) -> Path:
 
 
 def _run(env: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(env / "bin" / args[0]), *args[1:]], capture_output=True,
-                          text=True, timeout=timeout, env=_clean_env())
+    return subprocess.run(
+        [str(env / "bin" / args[0]), *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_clean_env(),
+    )
 
 
 def _clean_env() -> dict[str, str]:
@@ -166,11 +172,17 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def _start(env: Path, args: list[str], pattern: str,
-           timeout: float = 60) -> tuple[subprocess.Popen[str], re.Match[str]]:
+def _start(
+    env: Path, args: list[str], pattern: str, timeout: float = 60
+) -> tuple[subprocess.Popen[str], re.Match[str]]:
     """Start an entrypoint and wait for ``pattern`` on its stdout."""
-    proc = subprocess.Popen([str(env / "bin" / args[0]), *args[1:]], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_clean_env())
+    proc = subprocess.Popen(
+        [str(env / "bin" / args[0]), *args[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_clean_env(),
+    )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -200,8 +212,10 @@ def _get(url: str) -> tuple[int, str]:
 
 
 def test_the_closure_follows_the_extras() -> None:
-    names = {part: {_canonical(d.metadata["Name"] or "") for d in closure(part)}
-             for part in ("agent", "control-plane", "worker", "bridge")}
+    names = {
+        part: {_canonical(d.metadata["Name"] or "") for d in closure(part)}
+        for part in ("agent", "control-plane", "worker", "bridge")
+    }
     for part in ("agent", "control-plane"):
         assert "torch" not in names[part], part
         assert "numpy" in names[part], part
@@ -217,9 +231,14 @@ def test_agent_env(tmp_path: Path) -> None:
     r = _run(env, "adaptermesh", "agent", "--help")
     assert r.returncode == 0, r.stderr
     assert "--ext-proc-port" in r.stdout
-    r = _run(env, "python", "-c", "import adaptermesh.agent.daemon, adaptermesh.agent.extproc, "
-             "adaptermesh.bpf.loader, adaptermesh.bpf._maglev_native, pyroute2; "
-             "import importlib.util as u; assert u.find_spec('torch') is None")
+    r = _run(
+        env,
+        "python",
+        "-c",
+        "import adaptermesh.agent.daemon, adaptermesh.agent.extproc, "
+        "adaptermesh.bpf.loader, adaptermesh.bpf._maglev_native, pyroute2; "
+        "import importlib.util as u; assert u.find_spec('torch') is None",
+    )
     assert r.returncode == 0, r.stderr
     r = _run(env, "envoy", "--version")
     assert r.returncode == 0, r.stderr
@@ -231,9 +250,21 @@ def test_control_plane_env(tmp_path: Path) -> None:
     for args in (("adaptermesh", "control-plane", "--help"), ("adapterctl", "--help")):
         r = _run(env, *args)
         assert r.returncode == 0, (args, r.stderr)
-    proc, _ = _start(env, ["adaptermesh", "control-plane", "--state-dir",
-                               str(tmp_path / "state"), "--listen", "127.0.0.1:0", "--no-auth",
-                               "--metrics-port", "0"], r"listening on (\S+)")
+    proc, _ = _start(
+        env,
+        [
+            "adaptermesh",
+            "control-plane",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--listen",
+            "127.0.0.1:0",
+            "--no-auth",
+            "--metrics-port",
+            "0",
+        ],
+        r"listening on (\S+)",
+    )
     try:
         assert proc.poll() is None
     finally:
@@ -251,10 +282,29 @@ def test_worker_env(tmp_path: Path) -> None:
     r = _run(env, "adaptermesh", "worker", "--help")
     assert r.returncode == 0, r.stderr
     assert "--lora-modules" in r.stdout
-    proc, match = _start(env, ["adaptermesh", "worker", "--model", str(model), "--adapter-root",
-                               str(root), "--device", "cpu", "--port", "0", "--max-model-len",
-                               "64", "--kv-cache-bytes", str(8 << 20), "--lora-modules",
-                               "sql=sql"], r"listening on (http://\S+)", timeout=120)
+    proc, match = _start(
+        env,
+        [
+            "adaptermesh",
+            "worker",
+            "--model",
+            str(model),
+            "--adapter-root",
+            str(root),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--max-model-len",
+            "64",
+            "--kv-cache-bytes",
+            str(8 << 20),
+            "--lora-modules",
+            "sql=sql",
+        ],
+        r"listening on (http://\S+)",
+        timeout=120,
+    )
     try:
         url = match.group(1)
         assert _get(url + "/health")[0] == 200
@@ -276,10 +326,22 @@ def test_bridge_env(tmp_path: Path) -> None:
     broker = Mosquitto(tmp_path / "broker")
     broker.start()
     try:
-        proc, _ = _start(env, ["adaptermesh", "mqtt-bridge", "--broker",
-                               f"127.0.0.1:{broker.port}", "--request-topic", "requests/#",
-                               "--base-url", "http://127.0.0.1:9", "--state-dir",
-                               str(tmp_path / "state")], r"subscribed to requests/#")
+        proc, _ = _start(
+            env,
+            [
+                "adaptermesh",
+                "mqtt-bridge",
+                "--broker",
+                f"127.0.0.1:{broker.port}",
+                "--request-topic",
+                "requests/#",
+                "--base-url",
+                "http://127.0.0.1:9",
+                "--state-dir",
+                str(tmp_path / "state"),
+            ],
+            r"subscribed to requests/#",
+        )
         try:
             assert proc.poll() is None
         finally:

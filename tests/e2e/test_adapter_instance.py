@@ -40,25 +40,63 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
     (work / "jwks.json").write_text(JWKS)
     prefix = f"amai{secrets.token_hex(2)}"
     vip = NodeTopology.vip  # the service address every shard listener serves
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
-                    "edge.key", "-out", "edge.pem", "-days", "1", "-subj", f"/CN={vip}",
-                    "-addext", f"subjectAltName=IP:{vip}"],
-                   cwd=work, check=True, capture_output=True)
-    m = LocalMesh(MeshConfig(
-        prefix=prefix, shards=2, workers_per_shard=1, tenants=2, interval_s=2.0,
-        report_interval_s=0.5, workdir=work / "mesh", grpc_port_offset=GRPC_OFFSET,
-        agent_args=("--edge-jwks", str(work / "jwks.json"), "--edge-issuer", ISSUER,
-                    "--edge-tls-cert", str(work / "edge.pem"),
-                    "--edge-tls-key", str(work / "edge.key")),
-    ), progress=lambda msg: print(f"[e2e] {msg}", flush=True))
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "edge.key",
+            "-out",
+            "edge.pem",
+            "-days",
+            "1",
+            "-subj",
+            f"/CN={vip}",
+            "-addext",
+            f"subjectAltName=IP:{vip}",
+        ],
+        cwd=work,
+        check=True,
+        capture_output=True,
+    )
+    m = LocalMesh(
+        MeshConfig(
+            prefix=prefix,
+            shards=2,
+            workers_per_shard=1,
+            tenants=2,
+            interval_s=2.0,
+            report_interval_s=0.5,
+            workdir=work / "mesh",
+            grpc_port_offset=GRPC_OFFSET,
+            agent_args=(
+                "--edge-jwks",
+                str(work / "jwks.json"),
+                "--edge-issuer",
+                ISSUER,
+                "--edge-tls-cert",
+                str(work / "edge.pem"),
+                "--edge-tls-key",
+                str(work / "edge.key"),
+            ),
+        ),
+        progress=lambda msg: print(f"[e2e] {msg}", flush=True),
+    )
     m.ca = work / "edge.pem"  # type: ignore[attr-defined]
     try:
         m.start()
         m.make_adapter("credit-risk-v2", seed=42)
-        doc = (EXAMPLE.read_text().replace("shard-b", "s1")
-               .replace("10.40.0.0/16", f"{m.tenants[0]}/32")
-               .replace("10.20.0.0/16", "10.77.0.0/16")
-               .replace("path: /adapters/risk/credit-risk-v2", "path: credit-risk-v2"))
+        doc = (
+            EXAMPLE.read_text()
+            .replace("shard-b", "s1")
+            .replace("10.40.0.0/16", f"{m.tenants[0]}/32")
+            .replace("10.20.0.0/16", "10.77.0.0/16")
+            .replace("path: /adapters/risk/credit-risk-v2", "path: credit-risk-v2")
+        )
         (work / "credit-risk-v2.yaml").write_text(doc)
         out = m.adapterctl("apply", "-f", str(work / "credit-risk-v2.yaml"))
         assert "AdapterInstance/credit-risk-v2 create" in out.stdout, out.stdout
@@ -73,8 +111,14 @@ def _b64(text: str) -> str:
 
 
 V2_JSON = {
-    "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
-                "contents": {"bytes_contents": [_b64(PROMPT)]}}],
+    "inputs": [
+        {
+            "name": "text_input",
+            "datatype": "BYTES",
+            "shape": [1],
+            "contents": {"bytes_contents": [_b64(PROMPT)]},
+        }
+    ],
     "parameters": {"max_tokens": {"int64_param": 6}, "temperature": {"double_param": 0.0}},
 }
 
@@ -107,7 +151,7 @@ def _models(url: str) -> dict[str, tuple[bool, bool]]:
 def test_the_control_plane_pins_the_example_on_its_shard(mesh: LocalMesh) -> None:
     # placement: preload, pinnedShards [shard-b]: the control plane's placement loop loads it
     # pinned onto s1's worker with no request for it (docs/adapter-instance.md).
-    (addr, port), = mesh.worker_endpoints("s1")
+    ((addr, port),) = mesh.worker_endpoints("s1")
     deadline = time.monotonic() + 30
     while True:
         models = mesh.in_node(_models, f"http://{addr}:{port}/v1/models")
@@ -131,19 +175,25 @@ def test_the_example_is_served_by_path_over_tls_with_a_token(mesh: LocalMesh) ->
     if out.get("contents", {}).get("bytes_contents"):
         text = base64.b64decode(out["contents"]["bytes_contents"][0]).decode()
     else:  # raw_output_contents: a 4-byte little-endian length, then the UTF-8 text
-        text = base64.b64decode(body["raw_output_contents"][names.index("text_output")])[4:].decode()
+        text = base64.b64decode(body["raw_output_contents"][names.index("text_output")])[
+            4:
+        ].decode()
     direct = mesh.complete_direct("s1", 0, "credit-risk-v2", PROMPT, max_tokens=6)
     assert text == direct["choices"][0]["text"]
 
 
-@pytest.mark.parametrize(("scheme", "headers", "status"), [
-    ("https", {}, 401),
-    ("https", {"authorization": "Bearer not.a.jwt"}, 401),
-    ("https", {"authorization": f"Bearer {token('risk:evaluate')}"}, 403),
-    ("http", {"authorization": f"Bearer {token(SCOPES)}"}, 403),
-])
+@pytest.mark.parametrize(
+    ("scheme", "headers", "status"),
+    [
+        ("https", {}, 401),
+        ("https", {"authorization": "Bearer not.a.jwt"}, 401),
+        ("https", {"authorization": f"Bearer {token('risk:evaluate')}"}, 403),
+        ("http", {"authorization": f"Bearer {token(SCOPES)}"}, 403),
+    ],
+)
 def test_each_security_rule_refuses_at_envoy(
-        mesh: LocalMesh, scheme: str, headers: dict[str, str], status: int) -> None:
+    mesh: LocalMesh, scheme: str, headers: dict[str, str], status: int
+) -> None:
     before = _upstream(mesh)
     got, body = _call(mesh, scheme, headers)
     assert got == status, body

@@ -297,9 +297,7 @@ def test_killed_worker_is_ejected_and_the_shard_keeps_serving(mesh: LocalMesh):
             for f, (a, _b) in zip(traffic.failures, traffic.failure_times, strict=True)
             if a > settled
         ]
-        assert late == [], "\n".join(
-            [*late[:5], f"hosts: {mesh.envoy_hosts(victim_shard)}"]
-        )
+        assert late == [], "\n".join([*late[:5], f"hosts: {mesh.envoy_hosts(victim_shard)}"])
         _figure("worker_kill_failed_before_settled", len(early))
         _figure("worker_kill_failed_after_settled", len(late))
         _figure("worker_kill_requests_ok", traffic.ok)

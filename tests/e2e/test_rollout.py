@@ -59,9 +59,11 @@ def _post(source: str, base: str, adapter: str, session: str) -> tuple[int, str,
     """(status, served model or error code, body head) of one completion."""
     transport = httpx.HTTPTransport(local_address=source)
     with httpx.Client(transport=transport, timeout=30) as client:
-        r = client.post(f"{base}/v1/completions",
-                        json={"model": adapter, "prompt": PROMPT, "max_tokens": 1},
-                        headers={"x-session-id": session})
+        r = client.post(
+            f"{base}/v1/completions",
+            json={"model": adapter, "prompt": PROMPT, "max_tokens": 1},
+            headers={"x-session-id": session},
+        )
     if r.status_code == 200:
         return 200, str(r.json()["model"]), ""
     try:
@@ -84,9 +86,11 @@ class Client:
         src = self.mesh.tenants
         out: list[tuple[int, str, str]] = []
         for start in range(0, len(sessions), 8):
-            wave = sessions[start:start + 8]
-            futures = [self.pool.submit(_post, src[(start + i) % len(src)], self.base, adapter,
-                                        s) for i, s in enumerate(wave)]
+            wave = sessions[start : start + 8]
+            futures = [
+                self.pool.submit(_post, src[(start + i) % len(src)], self.base, adapter, s)
+                for i, s in enumerate(wave)
+            ]
             out += [f.result() for f in futures]
         return out
 
@@ -119,8 +123,9 @@ class Background:
 
 
 def _rollout(mesh: LocalMesh, adapter: str) -> Any:
-    resp = mesh.cp.ListRollouts(S.ListRolloutsRequest(adapter=adapter, history=True),
-                                metadata=mesh._md(), timeout=5)
+    resp = mesh.cp.ListRollouts(
+        S.ListRolloutsRequest(adapter=adapter, history=True), metadata=mesh._md(), timeout=5
+    )
     return resp.rollouts[-1]
 
 
@@ -143,9 +148,24 @@ def _binomial_ok(hits: int, n: int, p: float) -> bool:
 def test_a_rollout_promotes_to_100_percent_with_the_split_right_at_every_step(mesh: LocalMesh):
     client = Client(mesh)
     assert {a[1] for a in client.many("credit-risk", ["warm-0", "warm-1"])} == {"credit-risk"}
-    out = mesh.adapterctl("rollout", "credit-risk", "--to", "2.0.0", "--steps", "20,50,100",
-                          "--interval", "5s", "--max-error-rate", "1%", "--max-p95-ttft", "60s",
-                          "--min-requests", "3", "--reason", "e2e promote")
+    out = mesh.adapterctl(
+        "rollout",
+        "credit-risk",
+        "--to",
+        "2.0.0",
+        "--steps",
+        "20,50,100",
+        "--interval",
+        "5s",
+        "--max-error-rate",
+        "1%",
+        "--max-p95-ttft",
+        "60s",
+        "--min-requests",
+        "3",
+        "--reason",
+        "e2e promote",
+    )
     assert "started at 20%" in out.stdout
     failures: list[tuple[int, str, str]] = []
     observed: list[tuple[int, int]] = []
@@ -153,10 +173,15 @@ def test_a_rollout_promotes_to_100_percent_with_the_split_right_at_every_step(me
         last = 0
         while True:
             # Catch each step: pause it, then measure the split the agent applied for it.
-            wait_until(lambda last=last: (_rollout(mesh, "credit-risk").share > last
-                                          or _rollout(mesh, "credit-risk").state
-                                          == S.ROLLOUT_STATE_COMPLETED), 90, 0.1,
-                       what=f"a step above {last}")
+            wait_until(
+                lambda last=last: (
+                    _rollout(mesh, "credit-risk").share > last
+                    or _rollout(mesh, "credit-risk").state == S.ROLLOUT_STATE_COMPLETED
+                ),
+                90,
+                0.1,
+                what=f"a step above {last}",
+            )
             mesh.adapterctl("rollout", "pause", "credit-risk", check=False)
             r = _rollout(mesh, "credit-risk")
             if r.state == S.ROLLOUT_STATE_COMPLETED:
@@ -178,8 +203,10 @@ def test_a_rollout_promotes_to_100_percent_with_the_split_right_at_every_step(me
         failures += [a for a in bg.answers if a[0] != 200]
     # Every step but possibly the last (which may complete before it can be paused).
     assert [sh for sh, _ in observed][:2] == [2000, 5000], observed
-    print(f"\n[e2e] promote: (share, canary of {SESSIONS_PER_STEP}) {observed}, "
-          f"background {len(bg.answers)}")
+    print(
+        f"\n[e2e] promote: (share, canary of {SESSIONS_PER_STEP}) {observed}, "
+        f"background {len(bg.answers)}"
+    )
     assert not failures, failures[:5]
     assert _applied_split(mesh, "credit-risk") == ("2.0.0", "", 0)
     done = client.many("credit-risk", [f"after-{i}" for i in range(20)])
@@ -200,14 +227,34 @@ def test_a_rollout_rolls_back_on_an_injected_error_rate(mesh: LocalMesh):
     client = Client(mesh)
     for shard_id in mesh.shard_ids:
         for j in range(mesh.config.workers_per_shard):
-            assert mesh.worker_post(shard_id, j, "/v1/admin/faults",
-                                    {"adapter": "fraud@3.0.0", "error_rate": 0.5}) == 200
+            assert (
+                mesh.worker_post(
+                    shard_id, j, "/v1/admin/faults", {"adapter": "fraud@3.0.0", "error_rate": 0.5}
+                )
+                == 200
+            )
     try:
-        mesh.adapterctl("rollout", "fraud", "--to", "3.0.0", "--steps", "20,100",
-                        "--interval", "1h", "--max-error-rate", "5%", "--min-requests", "6")
+        mesh.adapterctl(
+            "rollout",
+            "fraud",
+            "--to",
+            "3.0.0",
+            "--steps",
+            "20,100",
+            "--interval",
+            "1h",
+            "--max-error-rate",
+            "5%",
+            "--min-requests",
+            "6",
+        )
         with Background(client, "fraud") as bg:
-            wait_until(lambda: _rollout(mesh, "fraud").state == S.ROLLOUT_STATE_ROLLED_BACK,
-                       90, 0.2, what="rollback")
+            wait_until(
+                lambda: _rollout(mesh, "fraud").state == S.ROLLOUT_STATE_ROLLED_BACK,
+                90,
+                0.2,
+                what="rollback",
+            )
             rolled = time.monotonic()
             assert _applied_split(mesh, "fraud") is None  # unversioned again: no split
             applied = time.monotonic()
@@ -224,21 +271,24 @@ def test_a_rollout_rolls_back_on_an_injected_error_rate(mesh: LocalMesh):
         assert all(a[:2] == (500, "injected_fault") for a in failed), failed[:5]
         after = bg.answers[mark:]
         assert all(a[0] == 200 and a[1] == "fraud" for a in after), after[:5]
-        print(f"\n[e2e] rollback: {r.reason}; {len(failed)} injected of {len(bg.answers)}; "
-              f"applied {applied - rolled:.3f}s after the rollback was seen")
+        print(
+            f"\n[e2e] rollback: {r.reason}; {len(failed)} injected of {len(bg.answers)}; "
+            f"applied {applied - rolled:.3f}s after the rollback was seen"
+        )
     finally:
         for shard_id in mesh.shard_ids:
             for j in range(mesh.config.workers_per_shard):
-                mesh.worker_post(shard_id, j, "/v1/admin/faults",
-                                 {"adapter": "fraud@3.0.0", "error_rate": 0})
+                mesh.worker_post(
+                    shard_id, j, "/v1/admin/faults", {"adapter": "fraud@3.0.0", "error_rate": 0}
+                )
 
 
 def test_bad_rollouts_are_refused_by_adapterctl_naming_the_field(mesh: LocalMesh):
-    bad = mesh.adapterctl("rollout", "credit-risk", "--to", "9", "--steps", "50,20,100",
-                          check=False)
+    bad = mesh.adapterctl(
+        "rollout", "credit-risk", "--to", "9", "--steps", "50,20,100", check=False
+    )
     assert bad.returncode == 2
     assert "steps_percent[1]" in bad.stdout + bad.stderr
-    bad = mesh.adapterctl("rollout", "credit-risk", "--to", "9", "--interval", "soon",
-                          check=False)
+    bad = mesh.adapterctl("rollout", "credit-risk", "--to", "9", "--interval", "soon", check=False)
     assert bad.returncode == 2
     assert "--interval" in bad.stdout + bad.stderr

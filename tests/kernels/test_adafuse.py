@@ -135,7 +135,9 @@ def test_fused_merge_matches_twin_and_unmerge(exact: bool) -> None:
 RAGGED = [(37, 53), (16, 40), (70, 24), (5, 130), (33, 17)]
 
 
-@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.chunks}")
+@pytest.mark.parametrize(
+    "config", SMALL_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.chunks}"
+)
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_switch_ragged_mixed_ranks_exact(config: fuse.SwitchConfig, top_k: int) -> None:
     """Two switches, each equal to round(W0 + c * Delta) as the twin computes it, then an
@@ -225,7 +227,9 @@ def test_switch_property(  # type: ignore[no-untyped-def]
             assert bool(((t.weight.float() - w.float()).abs() <= 2 * _ulp_bound(t, w)).all())
 
 
-@pytest.mark.parametrize("config", [fuse.DEFAULT_SWITCH_CONFIG, *fuse.SWITCH_CANDIDATES[1:3], *SMALL_CONFIGS])
+@pytest.mark.parametrize(
+    "config", [fuse.DEFAULT_SWITCH_CONFIG, *fuse.SWITCH_CANDIDATES[1:3], *SMALL_CONFIGS]
+)
 def test_switch_plan_covers_every_element_once(config: fuse.SwitchConfig) -> None:
     """The launch table (host only): every weight element belongs to exactly one program."""
     tg = _targets([(37, 53), (300, 17), (64, 512)], experts=2, ranks=4, seed=50, exact=False)

@@ -469,7 +469,10 @@ def test_act_mul_property(
     ("extra", "match"),
     [
         (lambda: torch.randn(4, 21, device=DEVICE), "extra must have shape"),
-        (lambda: torch.randn(4, 42, dtype=torch.float16, device=DEVICE), "extra must be torch.float32"),
+        (
+            lambda: torch.randn(4, 42, dtype=torch.float16, device=DEVICE),
+            "extra must be torch.float32",
+        ),
         (lambda: torch.randn(4, 84, device=DEVICE)[:, ::2], "extra must have a contiguous"),
         (lambda: torch.randn(42, device=DEVICE), "extra must be 2-D"),
     ],
@@ -545,8 +548,11 @@ def test_rms_norm_out_aliasing_residual_raises(impl: Backend) -> None:
     [
         (lambda: torch.randn(3, 8, device=DEVICE), False, "extra needs residual"),
         (lambda: torch.randn(3, 9, device=DEVICE), True, "extra must have shape"),
-        (lambda: torch.randn(3, 8, dtype=torch.float16, device=DEVICE), True,
-         "extra must be torch.float32"),
+        (
+            lambda: torch.randn(3, 8, dtype=torch.float16, device=DEVICE),
+            True,
+            "extra must be torch.float32",
+        ),
         (lambda: torch.randn(3, 16, device=DEVICE)[:, ::2], True, "extra must have a contiguous"),
     ],
 )
@@ -557,8 +563,14 @@ def test_rms_norm_bad_extra_raises_and_leaves_residual(
     res = torch.randn(3, 8, device=DEVICE)
     before = res.clone()
     with pytest.raises(ValueError, match=match):
-        dispatch.rms_norm(args["x"], args["weight"], EPS, residual=res if with_residual else None,
-                          extra=extra(), backend=impl)
+        dispatch.rms_norm(
+            args["x"],
+            args["weight"],
+            EPS,
+            residual=res if with_residual else None,
+            extra=extra(),
+            backend=impl,
+        )
     assert torch.equal(res, before)
 
 

@@ -18,8 +18,9 @@ from adaptermesh.mesh.server import XdsServer
 from adaptermesh.mesh.snapshot import BuildOptions
 
 # Fast health checks so tests do not wait on the production interval.
-TEST_OPTIONS = BuildOptions(health_check_interval_s=0.5, health_check_no_traffic_interval_s=0.5,
-                            health_check_timeout_s=0.5)
+TEST_OPTIONS = BuildOptions(
+    health_check_interval_s=0.5, health_check_no_traffic_interval_s=0.5, health_check_timeout_s=0.5
+)
 
 
 class Xds:
@@ -50,8 +51,9 @@ def start_envoy(xds: Xds) -> Iterator[Callable[..., EnvoyProcess]]:
     started: list[EnvoyProcess] = []
 
     def start(node_id: str, *, delta: bool = False, wait_ready: bool = True) -> EnvoyProcess:
-        envoy = EnvoyProcess(build_bootstrap(node_id, xds.port, delta=delta,
-                                             initial_fetch_timeout_s=5.0))
+        envoy = EnvoyProcess(
+            build_bootstrap(node_id, xds.port, delta=delta, initial_fetch_timeout_s=5.0)
+        )
         started.append(envoy)
         envoy.start(ready_timeout=20.0 if wait_ready else None)
         return envoy

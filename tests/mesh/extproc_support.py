@@ -31,8 +31,10 @@ class _Worker(BaseHTTPRequestHandler):
         pass
 
     def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
-        self.wfile.write(b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
-                         % (status, ctype.encode(), len(body), body))
+        self.wfile.write(
+            b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, ctype.encode(), len(body), body)
+        )
 
     def do_GET(self) -> None:
         worker: FakeWorker = self.server.worker  # type: ignore[attr-defined]
@@ -48,20 +50,25 @@ class _Worker(BaseHTTPRequestHandler):
             body = json.loads(raw)
         except ValueError:
             body = {}
-        seen = {"worker": worker.name, "adapter": self.headers.get("x-adapter-id"),
-                "destination": self.headers.get("x-gateway-destination-endpoint"),
-                "model": body.get("model") if isinstance(body, dict) else None,
-                "body_bytes": len(raw),
-                "chunked": self.headers.get("transfer-encoding") == "chunked"}
+        seen = {
+            "worker": worker.name,
+            "adapter": self.headers.get("x-adapter-id"),
+            "destination": self.headers.get("x-gateway-destination-endpoint"),
+            "model": body.get("model") if isinstance(body, dict) else None,
+            "body_bytes": len(raw),
+            "chunked": self.headers.get("transfer-encoding") == "chunked",
+        }
         with worker.lock:
             worker.seen.append(seen)
         text = f"{worker.name}|{seen['adapter']}"
         chat = self.path.endswith("/chat/completions")
         model = seen["model"] or "base"
         if isinstance(body, dict) and body.get("stream"):
-            self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n")
-            for piece in (text[: len(text) // 2], text[len(text) // 2:]):
+            self.wfile.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )
+            for piece in (text[: len(text) // 2], text[len(text) // 2 :]):
                 self._chunk(_event(chat, model, piece, None))
             self._chunk(_event(chat, model, "", "stop"))
             self._chunk(b"data: [DONE]\n\n")
@@ -92,9 +99,14 @@ def _completion(chat: bool, model: str, text: str) -> dict[str, Any]:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    return {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+    return {
+        "id": "cmpl-1",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+    }
 
 
 def _event(chat: bool, model: str, text: str, finish: str | None) -> bytes:
@@ -103,8 +115,13 @@ def _event(chat: bool, model: str, text: str, finish: str | None) -> bytes:
         choice["delta"] = {"content": text} if text else {}
     else:
         choice["text"] = text
-    event = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
-             "created": int(time.time()), "model": model, "choices": [choice]}
+    event = {
+        "id": "cmpl-1",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
     return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
@@ -122,8 +139,7 @@ class FakeWorker:
         self.httpd.worker = self  # type: ignore[attr-defined]
         self.port = int(self.httpd.server_address[1])
         self.key = f"{LOOPBACK}:{self.port}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,),
-                                        daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -131,8 +147,9 @@ class FakeWorker:
         self.httpd.server_close()
 
 
-def vllm_metrics(*, waiting: float, kv: float, running_adapters: str = "",
-                 max_lora: int = 4) -> str:
+def vllm_metrics(
+    *, waiting: float, kv: float, running_adapters: str = "", max_lora: int = 4
+) -> str:
     return (
         "# TYPE vllm:num_requests_waiting gauge\n"
         f"vllm:num_requests_waiting {waiting}\n"
@@ -144,8 +161,9 @@ def vllm_metrics(*, waiting: float, kv: float, running_adapters: str = "",
     )
 
 
-def gie_bootstrap(listen_port: int, ext_proc_port: int, access_log: str, *,
-                  subset: list[str] | None = None) -> bootstrap_pb2.Bootstrap:
+def gie_bootstrap(
+    listen_port: int, ext_proc_port: int, access_log: str, *, subset: list[str] | None = None
+) -> bootstrap_pb2.Bootstrap:
     """Envoy set up the way GIE documents for Envoy Gateway: ext_proc (full-duplex streamed
     request body, request trailers sent, fail closed) in front of a route to an ORIGINAL_DST
     cluster that takes the destination from ``x-gateway-destination-endpoint``.
@@ -153,69 +171,116 @@ def gie_bootstrap(listen_port: int, ext_proc_port: int, access_log: str, *,
     ``subset`` adds a set_metadata filter that hands the picker a subset hint."""
     filters: list[dict[str, Any]] = []
     if subset is not None:
-        filters.append({
-            "name": "envoy.filters.http.set_metadata",
+        filters.append(
+            {
+                "name": "envoy.filters.http.set_metadata",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+                    "metadata": [
+                        {
+                            "metadata_namespace": "envoy.lb.subset_hint",
+                            "value": {"x-gateway-destination-endpoint-subset": subset},
+                        }
+                    ],
+                },
+            }
+        )
+    filters.append(
+        {
+            "name": "envoy.filters.http.ext_proc",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
-                "metadata": [{"metadata_namespace": "envoy.lb.subset_hint", "value": {
-                    "x-gateway-destination-endpoint-subset": subset}}],
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
+                "failure_mode_allow": False,
+                "message_timeout": "5s",
+                "processing_mode": {
+                    "request_header_mode": "SEND",
+                    "response_header_mode": "SKIP",
+                    "request_body_mode": "FULL_DUPLEX_STREAMED",
+                    "request_trailer_mode": "SEND",
+                    "response_body_mode": "NONE",
+                    "response_trailer_mode": "SKIP",
+                },
+                "metadata_options": {
+                    "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
+                    "receiving_namespaces": {"untyped": ["envoy.lb"]},
+                },
             },
-        })
-    filters.append({
-        "name": "envoy.filters.http.ext_proc",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
-            "failure_mode_allow": False,
-            "message_timeout": "5s",
-            "processing_mode": {
-                "request_header_mode": "SEND", "response_header_mode": "SKIP",
-                "request_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND",
-                "response_body_mode": "NONE", "response_trailer_mode": "SKIP",
+        }
+    )
+    filters.append(
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
             },
-            "metadata_options": {
-                "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
-                "receiving_namespaces": {"untyped": ["envoy.lb"]},
-            },
-        },
-    })
-    filters.append({"name": "envoy.filters.http.router", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
-    h2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-        "explicit_http_config": {"http2_protocol_options": {}}}}
+        }
+    )
+    h2 = {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }
+    }
     config = {
         "admin": {"address": {"socket_address": {"address": LOOPBACK, "port_value": 0}}},
         "static_resources": {
-            "listeners": [{
-                "name": "gateway",
-                "address": {"socket_address": {"address": LOOPBACK, "port_value": listen_port}},
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network."
-                                 "http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "gateway",
-                        "access_log": [{"name": "envoy.access_loggers.file", "typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.access_loggers."
-                                     "file.v3.FileAccessLog",
-                            "path": access_log,
-                            "log_format": {"json_format": {
-                                "code": "%RESPONSE_CODE%",
-                                "upstream": "%UPSTREAM_HOST%",
-                                "picked": "%DYNAMIC_METADATA(envoy.lb:"
-                                          "x-gateway-destination-endpoint)%",
-                            }},
-                        }}],
-                        "route_config": {"virtual_hosts": [{
-                            "name": "pool", "domains": ["*"],
-                            "routes": [{"match": {"prefix": "/"}, "route": {
-                                "cluster": "original_destination_cluster", "timeout": "0s"}}],
-                        }]},
-                        "http_filters": filters,
-                    },
-                }]}],
-            }],
+            "listeners": [
+                {
+                    "name": "gateway",
+                    "address": {"socket_address": {"address": LOOPBACK, "port_value": listen_port}},
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                                        "http_connection_manager.v3.HttpConnectionManager",
+                                        "stat_prefix": "gateway",
+                                        "access_log": [
+                                            {
+                                                "name": "envoy.access_loggers.file",
+                                                "typed_config": {
+                                                    "@type": "type.googleapis.com/envoy.extensions.access_loggers."
+                                                    "file.v3.FileAccessLog",
+                                                    "path": access_log,
+                                                    "log_format": {
+                                                        "json_format": {
+                                                            "code": "%RESPONSE_CODE%",
+                                                            "upstream": "%UPSTREAM_HOST%",
+                                                            "picked": "%DYNAMIC_METADATA(envoy.lb:"
+                                                            "x-gateway-destination-endpoint)%",
+                                                        }
+                                                    },
+                                                },
+                                            }
+                                        ],
+                                        "route_config": {
+                                            "virtual_hosts": [
+                                                {
+                                                    "name": "pool",
+                                                    "domains": ["*"],
+                                                    "routes": [
+                                                        {
+                                                            "match": {"prefix": "/"},
+                                                            "route": {
+                                                                "cluster": "original_destination_cluster",
+                                                                "timeout": "0s",
+                                                            },
+                                                        }
+                                                    ],
+                                                }
+                                            ]
+                                        },
+                                        "http_filters": filters,
+                                    },
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
             "clusters": [
                 {
                     "name": "original_destination_cluster",
@@ -232,9 +297,25 @@ def gie_bootstrap(listen_port: int, ext_proc_port: int, access_log: str, *,
                     "type": "STATIC",
                     "connect_timeout": "1s",
                     "typed_extension_protocol_options": h2,
-                    "load_assignment": {"cluster_name": "epp", "endpoints": [{"lb_endpoints": [{
-                        "endpoint": {"address": {"socket_address": {
-                            "address": LOOPBACK, "port_value": ext_proc_port}}}}]}]},
+                    "load_assignment": {
+                        "cluster_name": "epp",
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {
+                                        "endpoint": {
+                                            "address": {
+                                                "socket_address": {
+                                                    "address": LOOPBACK,
+                                                    "port_value": ext_proc_port,
+                                                }
+                                            }
+                                        }
+                                    }
+                                ]
+                            }
+                        ],
+                    },
                 },
             ],
         },

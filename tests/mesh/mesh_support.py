@@ -47,8 +47,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.requests += 1  # type: ignore[attr-defined]
         body = json.dumps({"backend": name, "adapter": self.headers.get("x-adapter-id")}).encode()
         # One write: headers and body in separate segments stall on Nagle + delayed ACK.
-        self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        self.wfile.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
 
     do_GET = _answer
     do_POST = _answer
@@ -83,11 +85,23 @@ class EndpointSpec:
 
 def shard(shard_id: str, port: int, endpoints: Iterable[EndpointSpec]) -> ap.Shard:
     return ap.Shard(
-        id=shard_id, index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
-        service_address=LOOPBACK, service_port=port,
-        endpoints=[ap.Endpoint(address=LOOPBACK, port=e.backend.port, weight=e.weight,
-                               draining=e.draining, adapters=list(e.adapters))
-                   for e in endpoints])
+        id=shard_id,
+        index=0,
+        weight=10_000,
+        state=ap.SHARD_STATE_ACTIVE,
+        service_address=LOOPBACK,
+        service_port=port,
+        endpoints=[
+            ap.Endpoint(
+                address=LOOPBACK,
+                port=e.backend.port,
+                weight=e.weight,
+                draining=e.draining,
+                adapters=list(e.adapters),
+            )
+            for e in endpoints
+        ],
+    )
 
 
 def assignment(version: int, *shards: ap.Shard) -> ap.Assignment:
@@ -106,9 +120,13 @@ class Traffic:
         return sum(self.counts.values())
 
 
-def send_requests(port: int, n: int, headers: dict[str, str] | None = None,
-                  traffic: Traffic | None = None, stop: threading.Event | None = None,
-                  ) -> Traffic:
+def send_requests(
+    port: int,
+    n: int,
+    headers: dict[str, str] | None = None,
+    traffic: Traffic | None = None,
+    stop: threading.Event | None = None,
+) -> Traffic:
     """``n`` POSTs (or until ``stop``) on one keep-alive connection; failures are recorded."""
     out = traffic or Traffic()
     conn = http.client.HTTPConnection(LOOPBACK, port, timeout=10)
@@ -117,8 +135,12 @@ def send_requests(port: int, n: int, headers: dict[str, str] | None = None,
         while sent < n and not (stop is not None and stop.is_set()):
             sent += 1
             try:
-                conn.request("POST", "/v1/completions", body=b'{"prompt":"x"}',
-                             headers={"content-type": "application/json", **(headers or {})})
+                conn.request(
+                    "POST",
+                    "/v1/completions",
+                    body=b'{"prompt":"x"}',
+                    headers={"content-type": "application/json", **(headers or {})},
+                )
                 resp = conn.getresponse()
                 body = resp.read()
                 if resp.status != 200:
@@ -145,11 +167,16 @@ def healthy_hosts(envoy: EnvoyProcess, cluster: str) -> list[tuple[int, int]]:
             continue
         for host in status.get("host_statuses", []):
             health = host.get("health_status", {})
-            bad = [k for k, v in health.items() if k.startswith("failed") and v] or \
-                health.get("eds_health_status") not in (None, "HEALTHY")
+            bad = [k for k, v in health.items() if k.startswith("failed") and v] or health.get(
+                "eds_health_status"
+            ) not in (None, "HEALTHY")
             if not bad:
-                out.append((int(host["address"]["socket_address"]["port_value"]),
-                            int(host.get("weight", 1))))
+                out.append(
+                    (
+                        int(host["address"]["socket_address"]["port_value"]),
+                        int(host.get("weight", 1)),
+                    )
+                )
     return sorted(out)
 
 
@@ -158,17 +185,24 @@ class AdsClient:
 
     def __init__(self, port: int, delta: bool = False, raw: bool = False) -> None:
         self.channel = grpc.insecure_channel(f"{LOOPBACK}:{port}")
-        method = ("/envoy.service.discovery.v3.AggregatedDiscoveryService/"
-                  + ("DeltaAggregatedResources" if delta else "StreamAggregatedResources"))
-        response_type = (discovery_pb2.DeltaDiscoveryResponse if delta
-                         else discovery_pb2.DiscoveryResponse)
+        method = "/envoy.service.discovery.v3.AggregatedDiscoveryService/" + (
+            "DeltaAggregatedResources" if delta else "StreamAggregatedResources"
+        )
+        response_type = (
+            discovery_pb2.DeltaDiscoveryResponse if delta else discovery_pb2.DiscoveryResponse
+        )
         if raw:
-            call = self.channel.stream_stream(method, request_serializer=lambda b: b,
-                                              response_deserializer=response_type.FromString)
+            call = self.channel.stream_stream(
+                method,
+                request_serializer=lambda b: b,
+                response_deserializer=response_type.FromString,
+            )
         else:
             call = self.channel.stream_stream(
-                method, request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=response_type.FromString)
+                method,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=response_type.FromString,
+            )
         self._requests: queue.Queue[Any] = queue.Queue()
         self._responses: queue.Queue[Any] = queue.Queue()
         self.error: grpc.RpcError | None = None
@@ -218,6 +252,8 @@ def wait_routable(port: int, names: set[str], timeout: float = 10.0) -> None:
     """Wait until traffic reaches every backend in ``names``. Envoy keeps a new host out of
     load balancing until its first active health check passes, which /clusters does not
     show."""
+
     def reached() -> bool:
         return set(send_requests(port, 4 * len(names)).counts) >= names
+
     wait_until(reached, timeout, what=f"traffic to reach {sorted(names)}", interval=0.1)

@@ -51,10 +51,13 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/health":
             with server.lock:
                 server.seen.append((self.path, self.headers.get("x-adapter-id"), body))
-        out = json.dumps({"backend": server.name, "path": self.path,
-                          "adapter": self.headers.get("x-adapter-id")}).encode()
-        self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\n\r\n%s" % (len(out), out))
+        out = json.dumps(
+            {"backend": server.name, "path": self.path, "adapter": self.headers.get("x-adapter-id")}
+        ).encode()
+        self.wfile.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(out), out)
+        )
 
     do_GET = _answer
     do_POST = _answer
@@ -97,29 +100,75 @@ class Edge:
 
 def edge_assignment(ports: dict[str, int], workers: dict[str, Worker]) -> ap.Assignment:
     shards = [
-        ap.Shard(id=sid, index=i, weight=5_000, state=ap.SHARD_STATE_ACTIVE,
-                 service_address=LOOPBACK, service_port=ports[sid],
-                 endpoints=[ap.Endpoint(address=LOOPBACK, port=workers[sid].port, weight=1,
-                                        adapters=[ADAPTER] if sid == "s1" else ["open-adapter"])])
+        ap.Shard(
+            id=sid,
+            index=i,
+            weight=5_000,
+            state=ap.SHARD_STATE_ACTIVE,
+            service_address=LOOPBACK,
+            service_port=ports[sid],
+            endpoints=[
+                ap.Endpoint(
+                    address=LOOPBACK,
+                    port=workers[sid].port,
+                    weight=1,
+                    adapters=[ADAPTER] if sid == "s1" else ["open-adapter"],
+                )
+            ],
+        )
         for i, sid in enumerate(("s0", "s1"))
     ]
-    return ap.Assignment(version=1, reason="test", shards=shards, adapters=[
-        ap.AdapterEdge(name=ADAPTER, protocol="http-json", paths=["/v1/evaluate"],
-                       scopes=SCOPES, shards=["s1"]),
-        ap.AdapterEdge(name="tls-only", protocol="http-json", paths=["/v1/tls-only"], tls=True),
-        ap.AdapterEdge(name="open-adapter", protocol="http-json", paths=["/v1/open"]),
-        ap.AdapterEdge(name="elsewhere-only", paths=["/v1/elsewhere"],
-                       allowed_cidrs=["10.99.0.0/16", "192.0.2.0/24"]),
-        ap.AdapterEdge(name="loopback-only", paths=["/v1/loopback"], allowed_cidrs=["127.0.0.0/8"]),
-    ])
+    return ap.Assignment(
+        version=1,
+        reason="test",
+        shards=shards,
+        adapters=[
+            ap.AdapterEdge(
+                name=ADAPTER,
+                protocol="http-json",
+                paths=["/v1/evaluate"],
+                scopes=SCOPES,
+                shards=["s1"],
+            ),
+            ap.AdapterEdge(name="tls-only", protocol="http-json", paths=["/v1/tls-only"], tls=True),
+            ap.AdapterEdge(name="open-adapter", protocol="http-json", paths=["/v1/open"]),
+            ap.AdapterEdge(
+                name="elsewhere-only",
+                paths=["/v1/elsewhere"],
+                allowed_cidrs=["10.99.0.0/16", "192.0.2.0/24"],
+            ),
+            ap.AdapterEdge(
+                name="loopback-only", paths=["/v1/loopback"], allowed_cidrs=["127.0.0.0/8"]
+            ),
+        ],
+    )
 
 
 def _self_signed(d: Path) -> tuple[Path, Path]:
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
-                    "edge.key", "-out", "edge.pem", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"],
-                   cwd=d, check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "edge.key",
+            "-out",
+            "edge.pem",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        cwd=d,
+        check=True,
+        capture_output=True,
+    )
     return d / "edge.pem", d / "edge.key"
 
 
@@ -128,9 +177,12 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
     cert, key = _self_signed(tmp_path_factory.mktemp("edge-tls"))
     workers = {sid: Worker(sid) for sid in ("s0", "s1")}
     ports = {sid: free_port() for sid in ("s0", "s1")}
-    options = dataclasses.replace(TEST_OPTIONS, edge_auth=EdgeAuthOptions(ISSUER, JWKS),
-                                  grpc_port_offset=1,
-                                  edge_tls=EdgeTlsOptions(str(cert), str(key)))
+    options = dataclasses.replace(
+        TEST_OPTIONS,
+        edge_auth=EdgeAuthOptions(ISSUER, JWKS),
+        grpc_port_offset=1,
+        edge_tls=EdgeTlsOptions(str(cert), str(key)),
+    )
     cache = SnapshotCache(options=options)
     xds = XdsServer(cache)
     xds_port = xds.start()
@@ -142,8 +194,9 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
 
         def routable() -> bool:
             try:
-                return all(httpx.get(state.url(s, "/health"), timeout=2).status_code == 200
-                           for s in ports)
+                return all(
+                    httpx.get(state.url(s, "/health"), timeout=2).status_code == 200 for s in ports
+                )
             except httpx.HTTPError:
                 return False
 
@@ -170,8 +223,12 @@ BODY = {"prompt": "score this applicant", "max_tokens": 4}
 def test_the_path_reaches_the_adapter_on_its_placement_shard(edge: Edge) -> None:
     # Sent to s0's listener; the adapter is placed on s1 only, so s1's worker answers.
     before = len(edge.workers["s1"].seen)
-    r = httpx.post(edge.url("s0", "/v1/evaluate"), json=BODY,
-                   headers=bearer(token(" ".join(SCOPES))), timeout=10)
+    r = httpx.post(
+        edge.url("s0", "/v1/evaluate"),
+        json=BODY,
+        headers=bearer(token(" ".join(SCOPES))),
+        timeout=10,
+    )
     assert r.status_code == 200, r.text
     assert r.json() == {"backend": "s1", "path": "/v1/completions", "adapter": ADAPTER}
     path, adapter, body = edge.workers["s1"].seen[before]
@@ -180,11 +237,16 @@ def test_the_path_reaches_the_adapter_on_its_placement_shard(edge: Edge) -> None
 
 def test_the_header_and_the_body_reach_the_placement_shard_too(edge: Edge) -> None:
     ok = bearer(token(f"other {SCOPES[1]} {SCOPES[0]}"))
-    r = httpx.post(edge.url("s0", "/v1/completions"), json={**BODY, "model": ADAPTER},
-                   headers=ok, timeout=10)
+    r = httpx.post(
+        edge.url("s0", "/v1/completions"), json={**BODY, "model": ADAPTER}, headers=ok, timeout=10
+    )
     assert r.json()["backend"] == "s1", r.text
-    r = httpx.post(edge.url("s0", "/v1/completions"), json=BODY,
-                   headers={**ok, "x-adapter-id": ADAPTER}, timeout=10)
+    r = httpx.post(
+        edge.url("s0", "/v1/completions"),
+        json=BODY,
+        headers={**ok, "x-adapter-id": ADAPTER},
+        timeout=10,
+    )
     assert r.json()["backend"] == "s1", r.text
 
 
@@ -196,27 +258,48 @@ def test_no_token_is_401_and_the_worker_sees_nothing(edge: Edge) -> None:
 @pytest.mark.parametrize("bad", ["signed-by-another-key", "expired", "other-issuer", "junk"])
 def test_an_invalid_token_is_401(edge: Edge, bad: str) -> None:
     scope = " ".join(SCOPES)
-    tok = {"signed-by-another-key": token(scope, key=OTHER_KEY),
-           "expired": token(scope, exp_in=-120),
-           "other-issuer": token(scope, iss="https://elsewhere.test"),
-           "junk": "not.a.jwt"}[bad]
+    tok = {
+        "signed-by-another-key": token(scope, key=OTHER_KEY),
+        "expired": token(scope, exp_in=-120),
+        "other-issuer": token(scope, iss="https://elsewhere.test"),
+        "junk": "not.a.jwt",
+    }[bad]
     _refused(edge, 401, "POST", edge.url("s1", "/v1/evaluate"), json=BODY, headers=bearer(tok))
 
 
 def test_a_missing_scope_is_403(edge: Edge) -> None:
-    for scope in (SCOPES[0], SCOPES[1], "", "risk:evaluat tenant-acme", "risk:evaluate-x tenant-acme"):
-        _refused(edge, 403, "POST", edge.url("s1", "/v1/evaluate"), json=BODY,
-                 headers=bearer(token(scope)))
+    for scope in (
+        SCOPES[0],
+        SCOPES[1],
+        "",
+        "risk:evaluat tenant-acme",
+        "risk:evaluate-x tenant-acme",
+    ):
+        _refused(
+            edge,
+            403,
+            "POST",
+            edge.url("s1", "/v1/evaluate"),
+            json=BODY,
+            headers=bearer(token(scope)),
+        )
 
 
 def test_naming_the_adapter_by_header_or_body_is_checked_too(edge: Edge) -> None:
     url = edge.url("s1", "/v1/completions")
     _refused(edge, 401, "POST", url, json=BODY, headers={"x-adapter-id": ADAPTER})
     # The body decides over a header that names an open adapter.
-    _refused(edge, 401, "POST", url, json={**BODY, "model": ADAPTER},
-             headers={"x-adapter-id": "open-adapter"})
-    _refused(edge, 403, "POST", url, json={**BODY, "model": ADAPTER},
-             headers=bearer(token(SCOPES[1])))
+    _refused(
+        edge,
+        401,
+        "POST",
+        url,
+        json={**BODY, "model": ADAPTER},
+        headers={"x-adapter-id": "open-adapter"},
+    )
+    _refused(
+        edge, 403, "POST", url, json={**BODY, "model": ADAPTER}, headers=bearer(token(SCOPES[1]))
+    )
 
 
 def test_a_tls_adapter_refuses_plaintext(edge: Edge) -> None:
@@ -226,9 +309,14 @@ def test_a_tls_adapter_refuses_plaintext(edge: Edge) -> None:
 
 def test_unnamed_grpc_and_websocket_are_refused_while_an_adapter_is_guarded(edge: Edge) -> None:
     # Envoy answers a gRPC request's local 403 as gRPC: PERMISSION_DENIED (7).
-    r = _refused(edge, 200, "POST",
-                 edge.url("s0", "/inference.GRPCInferenceService/ModelInfer"),
-                 content=b"\x00\x00\x00\x00\x00", headers={"content-type": "application/grpc"})
+    r = _refused(
+        edge,
+        200,
+        "POST",
+        edge.url("s0", "/inference.GRPCInferenceService/ModelInfer"),
+        content=b"\x00\x00\x00\x00\x00",
+        headers={"content-type": "application/grpc"},
+    )
     assert r.headers["grpc-status"] == "7", r.headers
     _refused(edge, 403, "GET", edge.url("s0", "/v1/ws"))
 
@@ -256,8 +344,9 @@ def test_a_tls_adapter_is_served_over_tls_on_the_same_port(edge: Edge) -> None:
     # TLS does not stand in for a token.
     url = edge.url("s1", "/v1/evaluate").replace("http://", "https://")
     _refused(edge, 401, "POST", url, json=BODY, verify=str(edge.ca))
-    r = httpx.post(url, json=BODY, timeout=10, verify=str(edge.ca),
-                   headers=bearer(token(" ".join(SCOPES))))
+    r = httpx.post(
+        url, json=BODY, timeout=10, verify=str(edge.ca), headers=bearer(token(" ".join(SCOPES)))
+    )
     assert r.json()["adapter"] == ADAPTER
 
 
@@ -274,10 +363,17 @@ def test_a_plaintext_http2_client_cannot_claim_https(edge: Edge) -> None:
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         conn.initiate_connection()
         body = json.dumps(BODY).encode()
-        conn.send_headers(1, [(":method", "POST"), (":scheme", "https"),
-                              (":authority", f"{LOOPBACK}:{edge.ports['s0']}"),
-                              (":path", "/v1/tls-only"), ("content-type", "application/json"),
-                              ("content-length", str(len(body)))])
+        conn.send_headers(
+            1,
+            [
+                (":method", "POST"),
+                (":scheme", "https"),
+                (":authority", f"{LOOPBACK}:{edge.ports['s0']}"),
+                (":path", "/v1/tls-only"),
+                ("content-type", "application/json"),
+                ("content-length", str(len(body))),
+            ],
+        )
         conn.send_data(1, body, end_stream=True)
         before = edge.total_seen()
         sock.sendall(conn.data_to_send())
@@ -296,9 +392,14 @@ def test_a_plaintext_http2_client_cannot_claim_https(edge: Edge) -> None:
 def test_a_body_of_another_content_type_cannot_name_a_guarded_adapter(edge: Edge) -> None:
     url = edge.url("s1", "/v1/completions")
     body = json.dumps({**BODY, "model": ADAPTER})
-    for content_type in ("text/plain", "application/x-www-form-urlencoded", "APPLICATION/JSON",
-                         "application/json; charset=latin-1", "application/json;x=1",
-                         "application/jsonx"):
+    for content_type in (
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "APPLICATION/JSON",
+        "application/json; charset=latin-1",
+        "application/json;x=1",
+        "application/jsonx",
+    ):
         _refused(edge, 415, "POST", url, content=body, headers={"content-type": content_type})
     _refused(edge, 415, "POST", url, content=body)  # no content type at all
     # JSON with a charset is read, so the adapter's checks apply.

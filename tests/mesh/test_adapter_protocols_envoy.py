@@ -79,24 +79,41 @@ class Mesh:
 
 
 EDGES = [
-    ap.AdapterEdge(name="credit-risk-v2", protocol="http-json", paths=["/v1/evaluate"],
-                   scopes=[SCOPE]),
+    ap.AdapterEdge(
+        name="credit-risk-v2", protocol="http-json", paths=["/v1/evaluate"], scopes=[SCOPE]
+    ),
     ap.AdapterEdge(name="risk-grpc", protocol="grpc", paths=["/credit.risk.v2.Inference/"]),
-    ap.AdapterEdge(name="risk-json", protocol="grpc-json", paths=["/v1/score", "/v1/score2"],
-                   scopes=[SCOPE]),
+    ap.AdapterEdge(
+        name="risk-json", protocol="grpc-json", paths=["/v1/score", "/v1/score2"], scopes=[SCOPE]
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[Mesh]:
     worker = Worker()
-    options = dataclasses.replace(TEST_OPTIONS, grpc_port_offset=worker.grpc_port - worker.port,
-                                  edge_auth=EdgeAuthOptions(ISSUER, JWKS))
+    options = dataclasses.replace(
+        TEST_OPTIONS,
+        grpc_port_offset=worker.grpc_port - worker.port,
+        edge_auth=EdgeAuthOptions(ISSUER, JWKS),
+    )
     port = free_port()
-    assignment = ap.Assignment(version=1, reason="test", adapters=EDGES, shards=[ap.Shard(
-        id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
-        service_address=LOOPBACK, service_port=port,
-        endpoints=[ap.Endpoint(address=LOOPBACK, port=worker.port, weight=1)])])
+    assignment = ap.Assignment(
+        version=1,
+        reason="test",
+        adapters=EDGES,
+        shards=[
+            ap.Shard(
+                id="s0",
+                index=0,
+                weight=10_000,
+                state=ap.SHARD_STATE_ACTIVE,
+                service_address=LOOPBACK,
+                service_port=port,
+                endpoints=[ap.Endpoint(address=LOOPBACK, port=worker.port, weight=1)],
+            )
+        ],
+    )
     cache = SnapshotCache(options=options)
     xds = XdsServer(cache)
     xds_port = xds.start()
@@ -122,8 +139,9 @@ def mesh() -> Iterator[Mesh]:
 
 def _http_text(mesh: Mesh, model: str) -> str:
     body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
-    r = httpx.post(mesh.url("/v1/completions"), json=body, timeout=TIMEOUT,
-                   headers=bearer(token(SCOPE)))
+    r = httpx.post(
+        mesh.url("/v1/completions"), json=body, timeout=TIMEOUT, headers=bearer(token(SCOPE))
+    )
     assert r.status_code == 200, r.text
     text = r.json()["choices"][0]["text"]
     assert text == expected_text(FakeEngine().tokenize(PROMPT), model, 6)
@@ -131,8 +149,12 @@ def _http_text(mesh: Mesh, model: str) -> str:
 
 
 def test_http_json_path_equals_the_http_api(mesh: Mesh) -> None:
-    r = httpx.post(mesh.url("/v1/evaluate"), timeout=TIMEOUT, headers=bearer(token(SCOPE)),
-                   json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    r = httpx.post(
+        mesh.url("/v1/evaluate"),
+        timeout=TIMEOUT,
+        headers=bearer(token(SCOPE)),
+        json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "credit-risk-v2"
     assert r.json()["choices"][0]["text"] == _http_text(mesh, "credit-risk-v2")
@@ -161,7 +183,8 @@ def test_grpc_by_the_clients_own_service_prefix(mesh: Mesh) -> None:
         call = channel.unary_unary(
             "/credit.risk.v2.Inference/ModelInfer",
             request_serializer=pb.ModelInferRequest.SerializeToString,
-            response_deserializer=pb.ModelInferResponse.FromString)
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
         # No model_name: the route names the adapter.
         resp = call(_infer_request(), timeout=TIMEOUT)
         assert resp.model_name == "risk-grpc"
@@ -173,16 +196,24 @@ def test_grpc_by_the_clients_own_service_prefix(mesh: Mesh) -> None:
 
 
 def _json_request() -> dict[str, Any]:
-    return {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
-                        "contents": {"bytes_contents": [base64.b64encode(PROMPT.encode()).decode()]}}],
-            "parameters": {"max_tokens": {"int64_param": 6},
-                           "temperature": {"double_param": 0.0}}}
+    return {
+        "inputs": [
+            {
+                "name": "text_input",
+                "datatype": "BYTES",
+                "shape": [1],
+                "contents": {"bytes_contents": [base64.b64encode(PROMPT.encode()).decode()]},
+            }
+        ],
+        "parameters": {"max_tokens": {"int64_param": 6}, "temperature": {"double_param": 0.0}},
+    }
 
 
 def test_grpc_json_through_the_transcoder_equals_the_http_api(mesh: Mesh) -> None:
     for path in ("/v1/score", "/v1/score2"):
-        r = httpx.post(mesh.url(path), json=_json_request(), timeout=TIMEOUT,
-                       headers=bearer(token(SCOPE)))
+        r = httpx.post(
+            mesh.url(path), json=_json_request(), timeout=TIMEOUT, headers=bearer(token(SCOPE))
+        )
         assert r.status_code == 200, r.text
         assert r.headers["content-type"].startswith("application/json")
         answer = r.json()
@@ -194,21 +225,29 @@ def test_grpc_json_through_the_transcoder_equals_the_http_api(mesh: Mesh) -> Non
         assert _text(resp) == _http_text(mesh, "risk-json")
 
 
-def test_grpc_json_refused_without_token_or_scope_and_the_engine_sees_nothing(
-        mesh: Mesh) -> None:
+def test_grpc_json_refused_without_token_or_scope_and_the_engine_sees_nothing(mesh: Mesh) -> None:
     before = len(mesh.worker.engine.submitted)
     r = httpx.post(mesh.url("/v1/score"), json=_json_request(), timeout=TIMEOUT)
     assert r.status_code == 401, r.text
-    r = httpx.post(mesh.url("/v1/score"), json=_json_request(), timeout=TIMEOUT,
-                   headers=bearer(token("another:scope")))
+    r = httpx.post(
+        mesh.url("/v1/score"),
+        json=_json_request(),
+        timeout=TIMEOUT,
+        headers=bearer(token("another:scope")),
+    )
     assert r.status_code == 403, r.text
-    r = httpx.post(mesh.url("/v1/evaluate"), timeout=TIMEOUT,
-                   json={"prompt": PROMPT, "max_tokens": 6})
+    r = httpx.post(
+        mesh.url("/v1/evaluate"), timeout=TIMEOUT, json={"prompt": PROMPT, "max_tokens": 6}
+    )
     assert r.status_code == 401, r.text
     assert len(mesh.worker.engine.submitted) == before
 
 
 def test_a_bad_grpc_json_body_is_answered_as_json(mesh: Mesh) -> None:
-    r = httpx.post(mesh.url("/v1/score"), content=json.dumps({"inputs": "nope"}), timeout=TIMEOUT,
-                   headers={**bearer(token(SCOPE)), "content-type": "application/json"})
+    r = httpx.post(
+        mesh.url("/v1/score"),
+        content=json.dumps({"inputs": "nope"}),
+        timeout=TIMEOUT,
+        headers={**bearer(token(SCOPE)), "content-type": "application/json"},
+    )
     assert r.status_code == 400, r.text

@@ -29,27 +29,49 @@ INFERENCE_POOL_SCHEMA = {
         "kind": {"const": "InferencePool"},
         "metadata": {"type": "object"},
         "spec": {
-            "type": "object", "additionalProperties": False,
+            "type": "object",
+            "additionalProperties": False,
             "required": ["selector", "targetPorts", "endpointPickerRef"],
             "properties": {
-                "selector": {"type": "object", "additionalProperties": False,
-                             "required": ["matchLabels"],
-                             "properties": {"matchLabels": {
-                                 "type": "object", "minProperties": 1,
-                                 "additionalProperties": {"type": "string"}}}},
-                "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": {
-                    "type": "object", "additionalProperties": False, "required": ["number"],
-                    "properties": {"number": {"type": "integer", "minimum": 1,
-                                              "maximum": 65535}}}},
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["matchLabels"],
+                    "properties": {
+                        "matchLabels": {
+                            "type": "object",
+                            "minProperties": 1,
+                            "additionalProperties": {"type": "string"},
+                        }
+                    },
+                },
+                "targetPorts": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 8,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["number"],
+                        "properties": {
+                            "number": {"type": "integer", "minimum": 1, "maximum": 65535}
+                        },
+                    },
+                },
                 "endpointPickerRef": {
-                    "type": "object", "additionalProperties": False,
+                    "type": "object",
+                    "additionalProperties": False,
                     "required": ["name", "port"],
                     "properties": {
-                        "group": {"type": "string"}, "kind": {"const": "Service"},
+                        "group": {"type": "string"},
+                        "kind": {"const": "Service"},
                         "name": {"type": "string", "minLength": 1},
-                        "port": {"type": "object", "additionalProperties": False,
-                                 "required": ["number"],
-                                 "properties": {"number": {"type": "integer"}}},
+                        "port": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["number"],
+                            "properties": {"number": {"type": "integer"}},
+                        },
                         "failureMode": {"enum": ["FailOpen", "FailClose"]},
                     },
                 },
@@ -62,15 +84,21 @@ INFERENCE_POOL_SCHEMA = {
 def test_default_render_has_no_ext_proc() -> None:
     objs = render()
     assert not [o for o in objs if o.kind == "InferencePool"]
-    agent = next(c for c in find(objs, "DaemonSet", "-agent").doc["spec"]["template"]["spec"][
-        "containers"] if c["name"] == "agent")
+    agent = next(
+        c
+        for c in find(objs, "DaemonSet", "-agent").doc["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "agent"
+    )
     assert not [a for a in agent["args"] if a.startswith("--ext-proc")]
 
 
 def test_gie_values_render_the_pool_picker_and_agent_flags() -> None:
     objs = render(load_values_file(GIE_VALUES))
-    problems = {f"{o.kind}/{o.name}": strict_errors(o.doc) for o in objs
-                if o.kind != "InferencePool" and strict_errors(o.doc)}
+    problems = {
+        f"{o.kind}/{o.name}": strict_errors(o.doc)
+        for o in objs
+        if o.kind != "InferencePool" and strict_errors(o.doc)
+    }
     assert problems == {}
     pool = find(objs, "InferencePool", "adaptermesh-pool").doc
     jsonschema.validate(pool, INFERENCE_POOL_SCHEMA)
@@ -83,8 +111,12 @@ def test_gie_values_render_the_pool_picker_and_agent_flags() -> None:
     assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
     spec = find(objs, "DaemonSet", "-agent").doc["spec"]["template"]["spec"]
     agent = next(c for c in spec["containers"] if c["name"] == "agent")
-    assert {"--ext-proc-port=18001", "--ext-proc-host=0.0.0.0", "--base-model=base",
-            "--ext-proc-max-body-bytes=4194304"} <= set(agent["args"])
+    assert {
+        "--ext-proc-port=18001",
+        "--ext-proc-host=0.0.0.0",
+        "--base-model=base",
+        "--ext-proc-max-body-bytes=4194304",
+    } <= set(agent["args"])
     assert {"name": "ext-proc", "containerPort": 18001, "protocol": "TCP"} in agent["ports"]
     agent_labels = find(objs, "DaemonSet", "-agent").doc["spec"]["template"]["metadata"]["labels"]
     assert epp["spec"]["selector"].items() <= agent_labels.items()
@@ -92,8 +124,11 @@ def test_gie_values_render_the_pool_picker_and_agent_flags() -> None:
 
 def test_native_value_passes_the_flag_without_the_processor() -> None:
     objs = render({"extProc": {"native": True}})
-    agent = next(c for c in find(objs, "DaemonSet", "-agent").doc["spec"]["template"]["spec"][
-        "containers"] if c["name"] == "agent")
+    agent = next(
+        c
+        for c in find(objs, "DaemonSet", "-agent").doc["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "agent"
+    )
     assert "--route-by-body" in agent["args"]
     assert not [a for a in agent["args"] if a.startswith("--ext-proc")]
 
@@ -110,11 +145,26 @@ def test_bootstrap_with_ext_proc_validates_with_real_envoy(tmp_path: Path) -> No
     bootstrap = yaml.safe_load(find(objs, "ConfigMap", "-envoy").doc["data"]["envoy.yaml"])
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
     ext = clusters["adaptermesh_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
-    assert ext["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1",
-                                                           "port_value": 18555}
+    assert ext["endpoint"]["address"]["socket_address"] == {
+        "address": "127.0.0.1",
+        "port_value": 18555,
+    }
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(bootstrap))
-    proc = subprocess.run([envoy, "--mode", "validate", "-c", str(path), "--service-node", "n",
-                           "--use-dynamic-base-id"],
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [
+            envoy,
+            "--mode",
+            "validate",
+            "-c",
+            str(path),
+            "--service-node",
+            "n",
+            "--use-dynamic-base-id",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -56,8 +56,9 @@ def _dynamic_state(envoy) -> dict[str, dict[str, object]]:
     """type -> name -> resource of everything Envoy got over xDS, plus type -> version_info
     for the wildcard types (Envoy keeps per-resource versions of the last *change* only)."""
     dump = envoy.config_dump()
-    state: dict[str, dict[str, object]] = {t: {} for t in
-                                           (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)}
+    state: dict[str, dict[str, object]] = {
+        t: {} for t in (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
+    }
     clusters = _dump_section(dump, "ClustersConfigDump")
     for item in clusters.get("dynamic_active_clusters", []):
         cluster = _parse(item["cluster"], cluster_pb2.Cluster)
@@ -74,8 +75,10 @@ def _dynamic_state(envoy) -> dict[str, dict[str, object]]:
     for item in _dump_section(dump, "EndpointsConfigDump").get("dynamic_endpoint_configs", []):
         cla = _parse(item["endpoint_config"], endpoint_pb2.ClusterLoadAssignment)
         state[ENDPOINT_TYPE][cla.cluster_name] = cla
-    state["versions"] = {CLUSTER_TYPE: clusters.get("version_info"),
-                         LISTENER_TYPE: listeners.get("version_info")}
+    state["versions"] = {
+        CLUSTER_TYPE: clusters.get("version_info"),
+        LISTENER_TYPE: listeners.get("version_info"),
+    }
     return state
 
 
@@ -104,16 +107,24 @@ def assert_envoy_matches(envoy, snapshot: Snapshot, check_versions: bool = True)
 
 def _endpoints(cla) -> list[tuple]:
     return sorted(
-        (lb.endpoint.address.socket_address.address, lb.endpoint.address.socket_address.port_value,
-         # Envoy reports live health there, so health is checked through /clusters.
-         lb.load_balancing_weight.value,
-         json_format.MessageToJson(lb.metadata, sort_keys=True))
-        for group in cla.endpoints for lb in group.lb_endpoints)
+        (
+            lb.endpoint.address.socket_address.address,
+            lb.endpoint.address.socket_address.port_value,
+            # Envoy reports live health there, so health is checked through /clusters.
+            lb.load_balancing_weight.value,
+            json_format.MessageToJson(lb.metadata, sort_keys=True),
+        )
+        for group in cla.endpoints
+        for lb in group.lb_endpoints
+    )
 
 
 def _wait_healthy(envoy, cluster: str, ports: list[int]) -> None:
-    wait_until(lambda: [p for p, _ in healthy_hosts(envoy, cluster)] == sorted(ports), 10,
-               what=f"{cluster} hosts {ports} healthy")
+    wait_until(
+        lambda: [p for p, _ in healthy_hosts(envoy, cluster)] == sorted(ports),
+        10,
+        what=f"{cluster} hosts {ports} healthy",
+    )
 
 
 def test_envoy_config_matches_snapshot(xds: Xds, start_envoy, backends) -> None:
@@ -127,9 +138,12 @@ def test_envoy_config_matches_snapshot(xds: Xds, start_envoy, backends) -> None:
     envoy = start_envoy("node-cfg")
     assert xds.cache.wait_for_version(["node-cfg"], version, 10)
     assert_envoy_matches(envoy, xds.cache.get_snapshot("node-cfg"))
-    eds_health = {h["address"]["socket_address"]["port_value"]: h["health_status"].get(
-        "eds_health_status") for c in envoy.clusters()["cluster_statuses"]
-        if c["name"] == "shard-s1" for h in c["host_statuses"]}
+    eds_health = {
+        h["address"]["socket_address"]["port_value"]: h["health_status"].get("eds_health_status")
+        for c in envoy.clusters()["cluster_statuses"]
+        if c["name"] == "shard-s1"
+        for h in c["host_statuses"]
+    }
     assert eds_health[b[3].port] == "DRAINING"
     assert eds_health[b[2].port] != "DRAINING"
 
@@ -148,8 +162,11 @@ def test_envoy_config_matches_snapshot(xds: Xds, start_envoy, backends) -> None:
     a.version = 3
     version = xds.cache.set_assignment("node-cfg", a)
     assert xds.cache.wait_for_version(["node-cfg"], version, 10)
-    wait_until(lambda: set(_dynamic_state(envoy)[LISTENER_TYPE]) == {"shard-s0"}, 10,
-               what="listener removal")
+    wait_until(
+        lambda: set(_dynamic_state(envoy)[LISTENER_TYPE]) == {"shard-s0"},
+        10,
+        what="listener removal",
+    )
     assert_envoy_matches(envoy, xds.cache.get_snapshot("node-cfg"))
 
 
@@ -169,16 +186,20 @@ def test_weighted_split_follows_eds_weights(xds: Xds, start_envoy, backends) -> 
     b = backends(3)
     port = free_port()
     weights = {b[0].name: 1, b[1].name: 2, b[2].name: 5}
-    xds.cache.set_assignment("node-split", assignment(
-        1, shard("s0", port, [EndpointSpec(x, weights[x.name]) for x in b])))
+    xds.cache.set_assignment(
+        "node-split",
+        assignment(1, shard("s0", port, [EndpointSpec(x, weights[x.name]) for x in b])),
+    )
     envoy = start_envoy("node-split")
     _wait_healthy(envoy, "shard-s0", [x.port for x in b])
     wait_routable(port, set(weights))
 
     n = 3000
     traffic = Traffic()
-    threads = [threading.Thread(target=send_requests, args=(port, n // 3),
-                                kwargs={"traffic": traffic}) for _ in range(3)]
+    threads = [
+        threading.Thread(target=send_requests, args=(port, n // 3), kwargs={"traffic": traffic})
+        for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -198,8 +219,12 @@ def test_twenty_weight_updates_under_load_drop_nothing(xds: Xds, start_envoy, ba
 
     stop = threading.Event()
     traffic = Traffic()
-    clients = [threading.Thread(target=send_requests, args=(port, 10**9),
-                                kwargs={"traffic": traffic, "stop": stop}) for _ in range(3)]
+    clients = [
+        threading.Thread(
+            target=send_requests, args=(port, 10**9), kwargs={"traffic": traffic, "stop": stop}
+        )
+        for _ in range(3)
+    ]
     for c in clients:
         c.start()
     try:
@@ -211,8 +236,9 @@ def test_twenty_weight_updates_under_load_drop_nothing(xds: Xds, start_envoy, ba
             version = xds.cache.set_assignment("node-load", a)
             assert xds.cache.wait_for_version(["node-load"], version, 10)
             totals.append(traffic.total)
-            wait_until(lambda: traffic.total > totals[-1], 10,
-                       what="requests served after the update")
+            wait_until(
+                lambda: traffic.total > totals[-1], 10, what="requests served after the update"
+            )
     finally:
         stop.set()
         for c in clients:
@@ -227,23 +253,29 @@ def test_twenty_weight_updates_under_load_drop_nothing(xds: Xds, start_envoy, ba
 def test_nack_keeps_last_good_config(xds: Xds, start_envoy, backends) -> None:
     b = backends(2)
     port = free_port()
-    xds.cache.set_assignment("node-nack", assignment(
-        1, shard("s0", port, [EndpointSpec(b[0], 1), EndpointSpec(b[1], 1)])))
+    xds.cache.set_assignment(
+        "node-nack",
+        assignment(1, shard("s0", port, [EndpointSpec(b[0], 1), EndpointSpec(b[1], 1)])),
+    )
     envoy = start_envoy("node-nack")
     _wait_healthy(envoy, "shard-s0", [b[0].port, b[1].port])
     good = xds.cache.get_snapshot("node-nack")
 
     # Endpoint weight 0 passes our reference checks but Envoy's validation rejects it.
-    bad = build_snapshot(assignment(2, shard("s0", port, [EndpointSpec(b[0], 1)])),
-                         options=TEST_OPTIONS)
-    bad.resources[ENDPOINT_TYPE]["shard-s0"].endpoints[0].lb_endpoints[0] \
-        .load_balancing_weight.value = 0
-    xds.cache.set_snapshot("node-nack", Snapshot.create("2", {
-        t: list(r.values()) for t, r in bad.resources.items()}))
+    bad = build_snapshot(
+        assignment(2, shard("s0", port, [EndpointSpec(b[0], 1)])), options=TEST_OPTIONS
+    )
+    bad.resources[ENDPOINT_TYPE]["shard-s0"].endpoints[0].lb_endpoints[
+        0
+    ].load_balancing_weight.value = 0
+    xds.cache.set_snapshot(
+        "node-nack", Snapshot.create("2", {t: list(r.values()) for t, r in bad.resources.items()})
+    )
 
     def nacked() -> bool:
         status = xds.cache.node_status("node-nack")
         return status is not None and status.last_nack is not None
+
     wait_until(nacked, 10, what="the NACK")
     status = xds.cache.node_status("node-nack")
     assert status.last_nack.version == "2"
@@ -264,8 +296,10 @@ def test_nack_keeps_last_good_config(xds: Xds, start_envoy, backends) -> None:
     assert xds.cache.node_status("node-nack").types[ENDPOINT_TYPE].pushes == 2
 
     # The next change gets a new version and is accepted.
-    version = xds.cache.set_assignment("node-nack", assignment(
-        3, shard("s0", port, [EndpointSpec(b[0], 2), EndpointSpec(b[1], 1)])))
+    version = xds.cache.set_assignment(
+        "node-nack",
+        assignment(3, shard("s0", port, [EndpointSpec(b[0], 2), EndpointSpec(b[1], 1)])),
+    )
     assert xds.cache.wait_for_version(["node-nack"], version, 10)
     assert_envoy_matches(envoy, xds.cache.get_snapshot("node-nack"))
 
@@ -301,12 +335,22 @@ def test_server_restart_keeps_serving_and_resyncs(xds: Xds, start_envoy, backend
 def test_adapter_affinity_routes_by_header(xds: Xds, start_envoy, backends) -> None:
     b = backends(4)
     port = free_port()
-    xds.cache.set_assignment("node-aff", assignment(1, shard("s0", port, [
-        EndpointSpec(b[0], 1, ("sql", "chat")),
-        EndpointSpec(b[1], 1, ("chat",)),
-        EndpointSpec(b[2], 1, ("code",)),
-        EndpointSpec(b[3], 1, ("legal",), draining=True),
-    ])))
+    xds.cache.set_assignment(
+        "node-aff",
+        assignment(
+            1,
+            shard(
+                "s0",
+                port,
+                [
+                    EndpointSpec(b[0], 1, ("sql", "chat")),
+                    EndpointSpec(b[1], 1, ("chat",)),
+                    EndpointSpec(b[2], 1, ("code",)),
+                    EndpointSpec(b[3], 1, ("legal",), draining=True),
+                ],
+            ),
+        ),
+    )
     envoy = start_envoy("node-aff")
     _wait_healthy(envoy, "shard-s0", [b[0].port, b[1].port, b[2].port])
     wait_routable(port, {b[0].name, b[1].name, b[2].name})
@@ -327,8 +371,11 @@ def test_adapter_affinity_routes_by_header(xds: Xds, start_envoy, backends) -> N
 
 def test_delta_xds_envoy(xds: Xds, start_envoy, backends) -> None:
     b = backends(3)
-    a = assignment(1, shard("s0", free_port(), [EndpointSpec(b[0], 1), EndpointSpec(b[1], 2)]),
-                   shard("s1", free_port(), [EndpointSpec(b[2], 1)]))
+    a = assignment(
+        1,
+        shard("s0", free_port(), [EndpointSpec(b[0], 1), EndpointSpec(b[1], 2)]),
+        shard("s1", free_port(), [EndpointSpec(b[2], 1)]),
+    )
     version = xds.cache.set_assignment("node-delta", a)
     envoy = start_envoy("node-delta", delta=True)
     assert xds.cache.wait_for_version(["node-delta"], version, 10)
@@ -344,8 +391,11 @@ def test_delta_xds_envoy(xds: Xds, start_envoy, backends) -> None:
     del a.shards[1]
     version = xds.cache.set_assignment("node-delta", a)
     assert xds.cache.wait_for_version(["node-delta"], version, 10)
-    wait_until(lambda: set(_dynamic_state(envoy)[CLUSTER_TYPE]) == {"shard-s0"}, 10,
-               what="cluster removal over delta xDS")
+    wait_until(
+        lambda: set(_dynamic_state(envoy)[CLUSTER_TYPE]) == {"shard-s0"},
+        10,
+        what="cluster removal over delta xDS",
+    )
     assert set(_dynamic_state(envoy)[LISTENER_TYPE]) == {"shard-s0"}
     traffic = send_requests(a.shards[0].service_port, 100)
     assert traffic.errors == []

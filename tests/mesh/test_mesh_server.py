@@ -35,11 +35,18 @@ def _two_shards(version: int, workers, weight: int = 1):
     )
 
 
-def _req(type_url: str, *, names=(), version: str = "", nonce: str = "", error: str = "",
-         node: bool = False) -> discovery_pb2.DiscoveryRequest:
+def _req(
+    type_url: str,
+    *,
+    names=(),
+    version: str = "",
+    nonce: str = "",
+    error: str = "",
+    node: bool = False,
+) -> discovery_pb2.DiscoveryRequest:
     request = discovery_pb2.DiscoveryRequest(
-        type_url=type_url, resource_names=list(names), version_info=version,
-        response_nonce=nonce)
+        type_url=type_url, resource_names=list(names), version_info=version, response_nonce=nonce
+    )
     if node:
         request.node.CopyFrom(NODE)
     if error:
@@ -65,9 +72,16 @@ def _subscribe_all(client: AdsClient) -> dict[str, discovery_pb2.DiscoveryRespon
         response = client.recv()
         got[response.type_url] = response
     for response in got.values():
-        client.send(_req(response.type_url, names=["shard-s0", "shard-s1"]
-                         if response.type_url in (ENDPOINT_TYPE, ROUTE_TYPE) else (),
-                         version=response.version_info, nonce=response.nonce))
+        client.send(
+            _req(
+                response.type_url,
+                names=["shard-s0", "shard-s1"]
+                if response.type_url in (ENDPOINT_TYPE, ROUTE_TYPE)
+                else (),
+                version=response.version_info,
+                nonce=response.nonce,
+            )
+        )
     return got
 
 
@@ -77,7 +91,11 @@ def test_sotw_ack_then_push_only_what_changed(xds: Xds, workers) -> None:
     try:
         got = _subscribe_all(client)
         assert {t: len(r.resources) for t, r in got.items()} == {
-            CLUSTER_TYPE: 2, LISTENER_TYPE: 2, ENDPOINT_TYPE: 2, ROUTE_TYPE: 2}
+            CLUSTER_TYPE: 2,
+            LISTENER_TYPE: 2,
+            ENDPOINT_TYPE: 2,
+            ROUTE_TYPE: 2,
+        }
         assert all(r.version_info == "1" for r in got.values())
         assert xds.cache.wait_for_version(["proto-node"], "1", 5)
 
@@ -86,8 +104,9 @@ def test_sotw_ack_then_push_only_what_changed(xds: Xds, workers) -> None:
         assert response.type_url == ENDPOINT_TYPE
         assert response.version_info == "2"
         client.expect_silence(0.3)  # nothing else changed
-        client.send(_req(ENDPOINT_TYPE, names=["shard-s0", "shard-s1"], version="2",
-                         nonce=response.nonce))
+        client.send(
+            _req(ENDPOINT_TYPE, names=["shard-s0", "shard-s1"], version="2", nonce=response.nonce)
+        )
         assert xds.cache.wait_for_version(["proto-node"], "2", 5)
         status = xds.cache.node_status("proto-node")
         assert status.streams == 1
@@ -109,8 +128,9 @@ def test_stale_nonce_is_ignored_and_resource_names_filter(xds: Xds, workers) -> 
         client.expect_silence(0.3)
         assert _metric("adaptermesh_xds_stale_nonces_total") == before + 1
         # The real nonce with new names gets both.
-        client.send(_req(ENDPOINT_TYPE, names=["shard-s0", "shard-s1"], version="1",
-                         nonce=first.nonce))
+        client.send(
+            _req(ENDPOINT_TYPE, names=["shard-s0", "shard-s1"], version="1", nonce=first.nonce)
+        )
         assert len(client.recv().resources) == 2
     finally:
         client.close()
@@ -123,8 +143,9 @@ def test_nack_is_recorded_and_the_version_never_resent(xds: Xds, workers) -> Non
         client.send(_req(CLUSTER_TYPE, node=True))
         first = client.recv()
         client.send(_req(CLUSTER_TYPE, version="1", nonce=first.nonce))
-        xds.cache.set_assignment("proto-node", assignment(
-            2, shard("s0", 20001, [EndpointSpec(workers[0], 1)])))
+        xds.cache.set_assignment(
+            "proto-node", assignment(2, shard("s0", 20001, [EndpointSpec(workers[0], 1)]))
+        )
         second = client.recv()
         assert second.version_info == "2"
         before = _metric("adaptermesh_xds_nacks_total", type="Cluster", node="proto-node")
@@ -135,8 +156,9 @@ def test_nack_is_recorded_and_the_version_never_resent(xds: Xds, workers) -> Non
         assert status.last_nack.message == "bad cluster"
         assert status.types[CLUSTER_TYPE].acked_version == "1"
         assert status.types[CLUSTER_TYPE].nacked_versions == ("2",)
-        assert _metric("adaptermesh_xds_nacks_total", type="Cluster",
-                       node="proto-node") == before + 1
+        assert (
+            _metric("adaptermesh_xds_nacks_total", type="Cluster", node="proto-node") == before + 1
+        )
     finally:
         client.close()
 
@@ -179,8 +201,7 @@ def test_unknown_type_gets_one_empty_answer(xds: Xds, workers) -> None:
         response = client.recv()
         assert response.type_url == weird
         assert list(response.resources) == []
-        client.send(_req(weird, names=["x"], version=response.version_info,
-                         nonce=response.nonce))
+        client.send(_req(weird, names=["x"], version=response.version_info, nonce=response.nonce))
         client.expect_silence(0.3)
         assert _metric("adaptermesh_xds_unknown_type_requests_total") == before + 1
         # The stream still serves real types.
@@ -190,10 +211,13 @@ def test_unknown_type_gets_one_empty_answer(xds: Xds, workers) -> None:
         client.close()
 
 
-@pytest.mark.parametrize(("request_", "detail"), [
-    (discovery_pb2.DiscoveryRequest(type_url=CLUSTER_TYPE), "node.id"),
-    (discovery_pb2.DiscoveryRequest(node=NODE), "type_url"),
-])
+@pytest.mark.parametrize(
+    ("request_", "detail"),
+    [
+        (discovery_pb2.DiscoveryRequest(type_url=CLUSTER_TYPE), "node.id"),
+        (discovery_pb2.DiscoveryRequest(node=NODE), "type_url"),
+    ],
+)
 def test_protocol_violations_close_only_that_stream(xds: Xds, workers, request_, detail) -> None:
     xds.cache.set_assignment("proto-node", _two_shards(1, workers))
     bad = AdsClient(xds.port)
@@ -228,12 +252,16 @@ def _assert_server_alive(xds: Xds) -> None:
         client.close()
 
 
-def _dreq(type_url: str, *, subscribe=(), unsubscribe=(), nonce="", error="", node=False,
-          initial=None) -> discovery_pb2.DeltaDiscoveryRequest:
+def _dreq(
+    type_url: str, *, subscribe=(), unsubscribe=(), nonce="", error="", node=False, initial=None
+) -> discovery_pb2.DeltaDiscoveryRequest:
     request = discovery_pb2.DeltaDiscoveryRequest(
-        type_url=type_url, resource_names_subscribe=list(subscribe),
-        resource_names_unsubscribe=list(unsubscribe), response_nonce=nonce,
-        initial_resource_versions=initial or {})
+        type_url=type_url,
+        resource_names_subscribe=list(subscribe),
+        resource_names_unsubscribe=list(unsubscribe),
+        response_nonce=nonce,
+        initial_resource_versions=initial or {},
+    )
     if node:
         request.node.CopyFrom(NODE)
     if error:
@@ -269,17 +297,23 @@ def test_delta_sends_changes_and_removals(xds: Xds, workers) -> None:
         assert xds.cache.wait_for_version(["proto-node"], "3", 5)
 
         # Dropping shard s1 removes its cluster.
-        xds.cache.set_assignment("proto-node", assignment(
-            4, shard("s0", 20001, [EndpointSpec(workers[0], 7), EndpointSpec(workers[1], 1)])))
+        xds.cache.set_assignment(
+            "proto-node",
+            assignment(
+                4, shard("s0", 20001, [EndpointSpec(workers[0], 7), EndpointSpec(workers[1], 1)])
+            ),
+        )
         removal = client.recv()
         assert removal.type_url == CLUSTER_TYPE
         assert list(removal.removed_resources) == ["shard-s1"]
         assert list(removal.resources) == []
         # NACK in delta is recorded too.
         client.send(_dreq(CLUSTER_TYPE, nonce=removal.nonce, error="no"))
+
         def nack_recorded() -> bool:
             status = xds.cache.node_status("proto-node")
             return status is not None and status.last_nack is not None
+
         wait_until(nack_recorded, 5, what="the delta NACK recorded")
         assert xds.cache.node_status("proto-node").last_nack.message == "no"
     finally:
@@ -303,9 +337,20 @@ def test_delta_reconnect_with_known_versions_sends_only_the_difference(xds: Xds,
 
 def test_many_streams_and_a_stuck_one(xds: Xds, workers) -> None:
     """Fifty streams all get an update while one stream never reads its big responses."""
-    big = assignment(1, *[shard(f"big{i}", 21000 + i, [
-        EndpointSpec(workers[j % 3], 1, tuple(f"adapter-{i}-{k}" for k in range(40)))
-        for j in range(3)]) for i in range(150)])
+    big = assignment(
+        1,
+        *[
+            shard(
+                f"big{i}",
+                21000 + i,
+                [
+                    EndpointSpec(workers[j % 3], 1, tuple(f"adapter-{i}-{k}" for k in range(40)))
+                    for j in range(3)
+                ],
+            )
+            for i in range(150)
+        ],
+    )
     for i in range(3):
         big.shards[0].endpoints[i].port = workers[i].port
     xds.cache.set_assignment("stuck", big)
@@ -313,18 +358,24 @@ def test_many_streams_and_a_stuck_one(xds: Xds, workers) -> None:
     stuck_call = stuck_channel.stream_stream(
         "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources",
         request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=discovery_pb2.DiscoveryResponse.FromString)
+        response_deserializer=discovery_pb2.DiscoveryResponse.FromString,
+    )
     stuck_node = base_pb2.Node(id="stuck")
-    requests = [discovery_pb2.DiscoveryRequest(node=stuck_node, type_url=t)
-                for t in (CLUSTER_TYPE, LISTENER_TYPE)]
+    requests = [
+        discovery_pb2.DiscoveryRequest(node=stuck_node, type_url=t)
+        for t in (CLUSTER_TYPE, LISTENER_TYPE)
+    ]
     stuck = stuck_call(iter(requests))  # never iterated: its responses pile up unread
     clients = []
     try:
         for i in range(50):
             xds.cache.set_assignment(f"n{i}", _two_shards(1, workers))
             client = AdsClient(xds.port)
-            client.send(discovery_pb2.DiscoveryRequest(node=base_pb2.Node(id=f"n{i}"),
-                                                       type_url=CLUSTER_TYPE))
+            client.send(
+                discovery_pb2.DiscoveryRequest(
+                    node=base_pb2.Node(id=f"n{i}"), type_url=CLUSTER_TYPE
+                )
+            )
             clients.append(client)
         for client in clients:
             first = client.recv()

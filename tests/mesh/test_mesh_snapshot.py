@@ -38,13 +38,16 @@ from adaptermesh.worker.ws import WS_PATH
 
 
 def _shard(sid: str = "s0", port: int = 20000, **labels: str) -> ap.Shard:
-    return ap.Shard(id=sid, service_address="127.0.0.1", service_port=port, labels=labels,
-                    endpoints=[
-                        ap.Endpoint(address="10.0.0.1", port=8000, weight=3,
-                                    adapters=["sql", "chat"]),
-                        ap.Endpoint(address="10.0.0.2", port=8000, weight=1, draining=True,
-                                    adapters=["legal"]),
-                    ])
+    return ap.Shard(
+        id=sid,
+        service_address="127.0.0.1",
+        service_port=port,
+        labels=labels,
+        endpoints=[
+            ap.Endpoint(address="10.0.0.1", port=8000, weight=3, adapters=["sql", "chat"]),
+            ap.Endpoint(address="10.0.0.2", port=8000, weight=1, draining=True, adapters=["legal"]),
+        ],
+    )
 
 
 def test_cluster_settings() -> None:
@@ -60,19 +63,23 @@ def test_cluster_settings() -> None:
     assert cluster.lb_subset_config.list_as_any
     options = http_protocol_options_pb2.HttpProtocolOptions()
     cluster.typed_extension_protocol_options[
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].Unpack(options)
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ].Unpack(options)
     assert options.explicit_http_config.HasField("http_protocol_options")
 
 
 def test_labels_pick_least_request_and_http2() -> None:
-    shard = _shard(**{"adaptermesh.io/lb-policy": "least_request",
-                      "adaptermesh.io/upstream-protocol": "http2"})
-    cluster = build_snapshot(ap.Assignment(version=1, shards=[shard])).resources[
-        CLUSTER_TYPE]["shard-s0"]
+    shard = _shard(
+        **{"adaptermesh.io/lb-policy": "least_request", "adaptermesh.io/upstream-protocol": "http2"}
+    )
+    cluster = build_snapshot(ap.Assignment(version=1, shards=[shard])).resources[CLUSTER_TYPE][
+        "shard-s0"
+    ]
     assert cluster.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
     options = http_protocol_options_pb2.HttpProtocolOptions()
     cluster.typed_extension_protocol_options[
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].Unpack(options)
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ].Unpack(options)
     assert options.explicit_http_config.HasField("http2_protocol_options")
 
 
@@ -81,8 +88,7 @@ def test_endpoints_routes_and_listener() -> None:
     cla = snap.resources[ENDPOINT_TYPE]["shard-s0"]
     lbs = cla.endpoints[0].lb_endpoints
     assert [lb.load_balancing_weight.value for lb in lbs] == [3, 1]
-    assert [lb.health_status for lb in lbs] == [health_check_pb2.UNKNOWN,
-                                                health_check_pb2.DRAINING]
+    assert [lb.health_status for lb in lbs] == [health_check_pb2.UNKNOWN, health_check_pb2.DRAINING]
     adapters = lbs[0].metadata.filter_metadata["envoy.lb"].fields["adapter"].list_value
     assert [v.string_value for v in adapters.values] == ["chat", "sql"]
     routes = snap.resources[ROUTE_TYPE]["shard-s0"].virtual_hosts[0].routes
@@ -99,19 +105,33 @@ def test_endpoints_routes_and_listener() -> None:
     assert manager.stream_idle_timeout.ToTimedelta().total_seconds() == 0
 
 
-@pytest.mark.parametrize(("mutate", "field"), [
-    (lambda a: setattr(a.shards[0], "id", "bad id!"), "shards[0].id"),
-    (lambda a: a.shards.append(a.shards[0]), "shards[1].id"),
-    (lambda a: setattr(a.shards[0], "service_address", "localhost"), "shards[0].service_address"),
-    (lambda a: setattr(a.shards[0], "service_port", 0), "shards[0].service_port"),
-    (lambda a: setattr(a.shards[0].endpoints[1], "weight", 0), "shards[0].endpoints[1].weight"),
-    (lambda a: setattr(a.shards[0].endpoints[0], "port", 70000), "shards[0].endpoints[0].port"),
-    (lambda a: setattr(a.shards[0].endpoints[0], "address", "x"), "shards[0].endpoints[0].address"),
-    (lambda a: a.shards[0].endpoints[0].adapters.append(""), "shards[0].endpoints[0].adapters[2]"),
-    (lambda a: a.shards[0].labels.update({"adaptermesh.io/lb-policy": "random"}),
-     "shards[0].labels[adaptermesh.io/lb-policy]"),
-    (lambda a: a.shards.append(_shard("s1", 20000)), "shards[1].service_port"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda a: setattr(a.shards[0], "id", "bad id!"), "shards[0].id"),
+        (lambda a: a.shards.append(a.shards[0]), "shards[1].id"),
+        (
+            lambda a: setattr(a.shards[0], "service_address", "localhost"),
+            "shards[0].service_address",
+        ),
+        (lambda a: setattr(a.shards[0], "service_port", 0), "shards[0].service_port"),
+        (lambda a: setattr(a.shards[0].endpoints[1], "weight", 0), "shards[0].endpoints[1].weight"),
+        (lambda a: setattr(a.shards[0].endpoints[0], "port", 70000), "shards[0].endpoints[0].port"),
+        (
+            lambda a: setattr(a.shards[0].endpoints[0], "address", "x"),
+            "shards[0].endpoints[0].address",
+        ),
+        (
+            lambda a: a.shards[0].endpoints[0].adapters.append(""),
+            "shards[0].endpoints[0].adapters[2]",
+        ),
+        (
+            lambda a: a.shards[0].labels.update({"adaptermesh.io/lb-policy": "random"}),
+            "shards[0].labels[adaptermesh.io/lb-policy]",
+        ),
+        (lambda a: a.shards.append(_shard("s1", 20000)), "shards[1].service_port"),
+    ],
+)
 def test_invalid_assignment_names_the_field(mutate, field) -> None:
     assignment = ap.Assignment(version=1, shards=[_shard()])
     mutate(assignment)
@@ -139,21 +159,33 @@ def test_consistency_catches_dangling_references() -> None:
 
 _ids = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,9}[a-z0-9])?", fullmatch=True)
 _adapters = st.lists(st.sampled_from(["a", "b", "c", "sql", "chat"]), max_size=3)
-_endpoints = st.lists(st.builds(
-    lambda last, port, weight, draining, adapters: ap.Endpoint(
-        address=f"10.0.0.{last}", port=port, weight=weight, draining=draining, adapters=adapters),
-    st.integers(1, 254), st.integers(1, 65535), st.integers(1, 10_000), st.booleans(), _adapters,
-), max_size=6, unique_by=lambda e: (e.address, e.port))
+_endpoints = st.lists(
+    st.builds(
+        lambda last, port, weight, draining, adapters: ap.Endpoint(
+            address=f"10.0.0.{last}", port=port, weight=weight, draining=draining, adapters=adapters
+        ),
+        st.integers(1, 254),
+        st.integers(1, 65535),
+        st.integers(1, 10_000),
+        st.booleans(),
+        _adapters,
+    ),
+    max_size=6,
+    unique_by=lambda e: (e.address, e.port),
+)
 
 
 @st.composite
 def assignments(draw: st.DrawFn) -> ap.Assignment:
     ids = draw(st.lists(_ids, min_size=0, max_size=6, unique=True))
-    ports = draw(st.lists(st.integers(1, 65535), min_size=len(ids), max_size=len(ids),
-                          unique=True))
-    return ap.Assignment(version=draw(st.integers(1, 2**63)), shards=[
-        ap.Shard(id=i, service_address="127.0.0.1", service_port=p, endpoints=draw(_endpoints))
-        for i, p in zip(ids, ports, strict=True)])
+    ports = draw(st.lists(st.integers(1, 65535), min_size=len(ids), max_size=len(ids), unique=True))
+    return ap.Assignment(
+        version=draw(st.integers(1, 2**63)),
+        shards=[
+            ap.Shard(id=i, service_address="127.0.0.1", service_port=p, endpoints=draw(_endpoints))
+            for i, p in zip(ids, ports, strict=True)
+        ],
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -253,17 +285,23 @@ def test_a_shard_without_a_service_address_gets_no_listener() -> None:
 def _manager(snap: Snapshot, shard_id: str = "s0") -> hcm_pb2.HttpConnectionManager:
     manager = hcm_pb2.HttpConnectionManager()
     snap.resources[LISTENER_TYPE][f"shard-{shard_id}"].filter_chains[0].filters[
-        0].typed_config.Unpack(manager)
+        0
+    ].typed_config.Unpack(manager)
     return manager
 
 
-@pytest.mark.parametrize("options", [
-    BuildOptions(), BuildOptions(route_by_body=True),
-    BuildOptions(ext_proc=ExtProcOptions()),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        BuildOptions(),
+        BuildOptions(route_by_body=True),
+        BuildOptions(ext_proc=ExtProcOptions()),
+    ],
+)
 def test_every_listener_upgrades_websockets_without_cutting_them(options: BuildOptions) -> None:
-    snap = build_snapshot(ap.Assignment(version=1, shards=[_shard(), _shard("s1", 20001)]),
-                          options=options)
+    snap = build_snapshot(
+        ap.Assignment(version=1, shards=[_shard(), _shard("s1", 20001)]), options=options
+    )
     for sid in ("s0", "s1"):
         manager = _manager(snap, sid)
         assert [u.upgrade_type for u in manager.upgrade_configs] == ["websocket"]
@@ -281,13 +319,18 @@ def test_every_listener_upgrades_websockets_without_cutting_them(options: BuildO
 @pytest.mark.parametrize("protocol", ["http2", "downstream"])
 def test_http2_upstreams_carry_websockets_as_extended_connect(protocol: str) -> None:
     shard = _shard(**{"adaptermesh.io/upstream-protocol": protocol})
-    cluster = build_snapshot(ap.Assignment(version=1, shards=[shard])).resources[
-        CLUSTER_TYPE]["shard-s0"]
+    cluster = build_snapshot(ap.Assignment(version=1, shards=[shard])).resources[CLUSTER_TYPE][
+        "shard-s0"
+    ]
     options = http_protocol_options_pb2.HttpProtocolOptions()
     cluster.typed_extension_protocol_options[
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].Unpack(options)
-    h2 = (options.explicit_http_config.http2_protocol_options if protocol == "http2"
-          else options.use_downstream_protocol_config.http2_protocol_options)
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ].Unpack(options)
+    h2 = (
+        options.explicit_http_config.http2_protocol_options
+        if protocol == "http2"
+        else options.use_downstream_protocol_config.http2_protocol_options
+    )
     assert h2.allow_connect
 
 
@@ -296,8 +339,9 @@ def test_websocket_path_is_the_workers() -> None:
 
 
 def test_with_ext_proc_the_websocket_path_skips_the_body_buffering_filter() -> None:
-    snap = build_snapshot(ap.Assignment(version=1, shards=[_shard()]),
-                          options=BuildOptions(ext_proc=ExtProcOptions()))
+    snap = build_snapshot(
+        ap.Assignment(version=1, shards=[_shard()]), options=BuildOptions(ext_proc=ExtProcOptions())
+    )
     routes = snap.resources[ROUTE_TYPE]["shard-s0"].virtual_hosts[0].routes
     # Before every other route, so an upgrade never reaches a route that runs ext_proc.
     assert [r.name for r in routes][:3] == ["ws:chat", "ws:sql", "ws"]
@@ -308,11 +352,16 @@ def test_with_ext_proc_the_websocket_path_skips_the_body_buffering_filter() -> N
         assert route.typed_per_filter_config["envoy.filters.http.ext_proc"].Unpack(per_route)
         assert per_route.disabled
     assert routes[0].match.headers[0].string_match.exact == "chat"
-    assert routes[0].route.metadata_match.filter_metadata["envoy.lb"].fields[
-        "adapter"].string_value == "chat"
+    assert (
+        routes[0].route.metadata_match.filter_metadata["envoy.lb"].fields["adapter"].string_value
+        == "chat"
+    )
     assert not routes[2].match.headers
     assert not routes[2].route.HasField("metadata_match")
     # Without ext_proc nothing buffers the body, and the routes are unchanged.
     plain = build_snapshot(ap.Assignment(version=1, shards=[_shard()]))
-    assert [r.name for r in plain.resources[ROUTE_TYPE]["shard-s0"].virtual_hosts[0].routes] \
-        == ["adapter:chat", "adapter:sql", "shard"]
+    assert [r.name for r in plain.resources[ROUTE_TYPE]["shard-s0"].virtual_hosts[0].routes] == [
+        "adapter:chat",
+        "adapter:sql",
+        "shard",
+    ]

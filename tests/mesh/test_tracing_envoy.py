@@ -33,29 +33,47 @@ PARENT = "b7ad6b7169203331"
 def traced_mesh() -> Iterator[tuple[int, OtlpReceiver]]:
     receiver = OtlpReceiver()
     otlp_port = receiver.start()
-    tracing = Tracing.from_config(f"127.0.0.1:{otlp_port}", 1.0, "adaptermesh-worker",
-                                  schedule_delay_millis=50)
+    tracing = Tracing.from_config(
+        f"127.0.0.1:{otlp_port}", 1.0, "adaptermesh-worker", schedule_delay_millis=50
+    )
     worker = contextlib.ExitStack()
     worker_port = port_of(worker.enter_context(threaded_service(FakeEngine, tracing)))
-    agent_tracing = Tracing.from_config(f"127.0.0.1:{otlp_port}", 1.0, "adaptermesh-agent",
-                                        schedule_delay_millis=50)
+    agent_tracing = Tracing.from_config(
+        f"127.0.0.1:{otlp_port}", 1.0, "adaptermesh-agent", schedule_delay_millis=50
+    )
     book = EndpointBook()
     processor = ExtProcServer(book, ExtProcConfig(base_model="tiny-base"), tracing=agent_tracing)
     ext_port = processor.start()
-    options = dataclasses.replace(TEST_OPTIONS, tracing=TracingOptions(sample_percent=100.0),
-                                  ext_proc=ExtProcOptions(max_body_bytes=64 * 1024))
+    options = dataclasses.replace(
+        TEST_OPTIONS,
+        tracing=TracingOptions(sample_percent=100.0),
+        ext_proc=ExtProcOptions(max_body_bytes=64 * 1024),
+    )
     cache = SnapshotCache(options=options)
     xds = XdsServer(cache)
     xds_port = xds.start()
     port = free_port()
-    shard = ap.Shard(id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
-                     service_address=LOOPBACK, service_port=port,
-                     endpoints=[ap.Endpoint(address=LOOPBACK, port=worker_port, weight=1)])
+    shard = ap.Shard(
+        id="s0",
+        index=0,
+        weight=10_000,
+        state=ap.SHARD_STATE_ACTIVE,
+        service_address=LOOPBACK,
+        service_port=port,
+        endpoints=[ap.Endpoint(address=LOOPBACK, port=worker_port, weight=1)],
+    )
     assignment = ap.Assignment(version=1, shards=[shard], reason="test")
     book.set_assignment(assignment)
     cache.set_assignment("node-x", assignment)
-    envoy = EnvoyProcess(build_bootstrap("node-x", xds_port, otlp_port=otlp_port,
-                                         ext_proc_port=ext_port, initial_fetch_timeout_s=5.0))
+    envoy = EnvoyProcess(
+        build_bootstrap(
+            "node-x",
+            xds_port,
+            otlp_port=otlp_port,
+            ext_proc_port=ext_port,
+            initial_fetch_timeout_s=5.0,
+        )
+    )
     try:
         envoy.start(ready_timeout=20.0)
         yield port, receiver
@@ -71,10 +89,20 @@ def traced_mesh() -> Iterator[tuple[int, OtlpReceiver]]:
 
 def test_envoy_and_worker_spans_join_one_trace(traced_mesh) -> None:  # type: ignore[no-untyped-def]
     port, receiver = traced_mesh
-    wait_until(lambda: post_completion(port, {}, "alpha", 3) == 200, 20, 0.2, what="Envoy routing to the worker")
+    wait_until(
+        lambda: post_completion(port, {}, "alpha", 3) == 200,
+        20,
+        0.2,
+        what="Envoy routing to the worker",
+    )
     assert post_completion(port, {"traceparent": f"00-{TRACE}-{PARENT}-01"}, "alpha", 3) == 200
 
-    envoy, worker = wait_until(lambda: envoy_and_worker_spans(receiver, TRACE), 20, 0.1, what="Envoy's and the worker's spans")
+    envoy, worker = wait_until(
+        lambda: envoy_and_worker_spans(receiver, TRACE),
+        20,
+        0.1,
+        what="Envoy's and the worker's spans",
+    )
     (root,) = worker
     # The worker's request span is a child of a span Envoy exported, in the caller's trace.
     assert root.parent_span_id in {s.span_id for s in envoy}
@@ -82,12 +110,18 @@ def test_envoy_and_worker_spans_join_one_trace(traced_mesh) -> None:  # type: ig
     children = [s for s in receiver.snapshot() if s.parent_span_id == root.span_id]
     assert {s.name for s in children} == {"queue", "adapter resolution", "prefill", "decode"}
     # The agent's ext_proc decision joins the same trace, under the span of Envoy's call.
-    decided = wait_until(lambda: [s for s in receiver.snapshot() if s.trace_id == TRACE
-                                  and s.name == "ext_proc decide"], 20, 0.1,
-                         what="the ext_proc decision's span")
+    decided = wait_until(
+        lambda: [
+            s for s in receiver.snapshot() if s.trace_id == TRACE and s.name == "ext_proc decide"
+        ],
+        20,
+        0.1,
+        what="the ext_proc decision's span",
+    )
     spans = receiver.snapshot()
-    assert decided[0].parent_span_id in {s.span_id for s in spans
-                                         if s.service == "adaptermesh-envoy"}
+    assert decided[0].parent_span_id in {
+        s.span_id for s in spans if s.service == "adaptermesh-envoy"
+    }
     assert decided[0].attributes["adaptermesh.adapter"] == "alpha"
     # A request without a trace context still gets one trace, started by Envoy (100%).
     untraced = {s.trace_id for s in receiver.snapshot() if s.trace_id != TRACE}
@@ -102,8 +136,9 @@ def test_the_listener_carries_the_tracer_only_when_asked() -> None:
     assert tracing.random_sampling.value == 5.0
     assert tracing.provider.name == "envoy.tracers.opentelemetry"
     with pytest.raises(ValueError, match="sample_percent"):
-        build_listener(shard, dataclasses.replace(
-            TEST_OPTIONS, tracing=TracingOptions(sample_percent=101.0)))
+        build_listener(
+            shard, dataclasses.replace(TEST_OPTIONS, tracing=TracingOptions(sample_percent=101.0))
+        )
 
 
 def _manager(listener):  # type: ignore[no-untyped-def]

@@ -212,7 +212,9 @@ def test_cancel_and_tcp_drop_through_envoy_cancel_in_the_engine(mesh: Mesh) -> N
         assert (await recv(dropped))["type"] == "token"
         dropped.transport.abort()  # the client's TCP connection to Envoy just goes away
         await async_wait_until(lambda: len(engine.cancelled) == 2, TIMEOUT)
-        await async_wait_until(lambda: not engine.running and mesh.worker.service.inflight == 0, TIMEOUT)
+        await async_wait_until(
+            lambda: not engine.running and mesh.worker.service.inflight == 0, TIMEOUT
+        )
 
     asyncio.run(main())
 

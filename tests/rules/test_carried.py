@@ -31,7 +31,7 @@ WHENS = [
     'adapter.startsWith("fin-") && "x-tier" in request.headers',
     'inCidr(request.source_ip, "10.1.0.0/16")',
     'inCidr(request.source_ip, "10.2.0.0/16") || inCidr(request.source_ip, "10.3.0.0/24")',
-    'now.getHours() < 6',
+    "now.getHours() < 6",
     'request.headers.exists(k, k.startsWith("x-"))',
 ]
 ACTIONS: list[dict[str, Any]] = [
@@ -78,15 +78,13 @@ def test_carried_form_round_trips_and_compiles_to_the_stored_rules(
 
 @settings(max_examples=60, deadline=None)
 @given(documents, st.integers(0, 10_000), st.sampled_from(string.printable))
-def test_tampered_text_is_refused_by_the_digest(
-    doc: dict[str, Any], at: int, ch: str
-) -> None:
+def test_tampered_text_is_refused_by_the_digest(doc: dict[str, Any], at: int, ch: str) -> None:
     msg = routing_rules_message(1, doc)
     text = msg.document_json
     i = at % len(text)
     if text[i] == ch:
         return
-    msg.document_json = text[:i] + ch + text[i + 1:]
+    msg.document_json = text[:i] + ch + text[i + 1 :]
     with pytest.raises(RuleError, match=r"routing_rules\.digest"):
         carried_rules(msg)
 
@@ -95,8 +93,10 @@ def test_tampered_text_is_refused_by_the_digest(
     ("make", "field"),
     [
         (lambda m: setattr(m, "version", 0), "routing_rules.version"),
-        (lambda m: (setattr(m, "document_json", ""), setattr(m, "digest", b"")),
-         "routing_rules: no document_json"),
+        (
+            lambda m: (setattr(m, "document_json", ""), setattr(m, "digest", b"")),
+            "routing_rules: no document_json",
+        ),
         (lambda m: setattr(m, "digest", b""), "routing_rules.digest"),
     ],
 )
@@ -111,7 +111,8 @@ def test_hostile_envelopes_name_the_field(make: Any, field: str) -> None:
 
 def _sealed(version: int, text: str) -> assignment_pb2.RoutingRules:
     return assignment_pb2.RoutingRules(
-        version=version, document_json=text, digest=hashlib.sha256(text.encode()).digest())
+        version=version, document_json=text, digest=hashlib.sha256(text.encode()).digest()
+    )
 
 
 def test_oversize_document_is_refused() -> None:
@@ -126,7 +127,7 @@ def test_oversize_document_is_refused() -> None:
         ("{not json", "document_json: not JSON"),
         ('{"rules": [{"name": "a", "when": "tier", "shard": "s0"}]}', "undeclared variable"),
         ('{"rules": [{"name": "a", "when": "true"}]}', "rule 'a'"),
-        ('[1, 2]', "<set>"),
+        ("[1, 2]", "<set>"),
     ],
 )
 def test_sealed_text_that_is_not_a_rule_set_is_refused(text: str, message: str) -> None:

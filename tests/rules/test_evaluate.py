@@ -63,8 +63,10 @@ def _atoms() -> st.SearchStrategy[tuple[str, Ref]]:
         return f"size(adapter) > {n}", lambda r: len(r.adapter) > n
 
     def key_prefix(p: str) -> tuple[str, Ref]:
-        return (f'request.headers.exists(k, k.startsWith("{p}"))',
-                lambda r: any(k.startswith(p) for k in r.headers))
+        return (
+            f'request.headers.exists(k, k.startsWith("{p}"))',
+            lambda r: any(k.startswith(p) for k in r.headers),
+        )
 
     def hour(on: tuple[str, int]) -> tuple[str, Ref]:
         op, n = on
@@ -125,8 +127,11 @@ requests = st.builds(
     tenant=st.sampled_from(TENANTS),
     headers=st.dictionaries(st.sampled_from(KEYS), st.sampled_from(VALUES), max_size=2),
     adapter=st.sampled_from(ADAPTERS),
-    now=st.datetimes(min_value=dt.datetime(2026, 1, 1), max_value=dt.datetime(2027, 1, 1),
-                     timezones=st.just(dt.UTC)),
+    now=st.datetimes(
+        min_value=dt.datetime(2026, 1, 1),
+        max_value=dt.datetime(2027, 1, 1),
+        timezones=st.just(dt.UTC),
+    ),
 )
 
 
@@ -333,8 +338,7 @@ def test_screens_decide_known_trees() -> None:
     assert partial.decide("", "", {}, "b", 5) is False
     assert partial.decide("", "", {}, "a", 5) is None
     # The UTC hour and a key macro are decided in Python; an hour not taken (-1) is unknown.
-    timed = screen('now.getHours() < 6 && request.headers.exists(k, k.startsWith("x-b"))',
-                   in_cidr)
+    timed = screen('now.getHours() < 6 && request.headers.exists(k, k.startsWith("x-b"))', in_cidr)
     assert timed.complete
     assert timed.decide is not None
     assert timed.decide("", "", {"x-block": "1"}, "", 5) is True

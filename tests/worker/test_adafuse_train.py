@@ -28,7 +28,18 @@ from adaptermesh.worker.model import ModelConfig
 
 from .conftest import Tiny, collect, request, tokens
 
-WORDS = ["mesh", "adapter", "shard", "token", "kernel", "router", "expert", "weight", "queue", "batch"]
+WORDS = [
+    "mesh",
+    "adapter",
+    "shard",
+    "token",
+    "kernel",
+    "router",
+    "expert",
+    "weight",
+    "queue",
+    "batch",
+]
 
 
 def write_corpus(folder: Path, files: int = 3, sentences: int = 120, seed: int = 0) -> Path:
@@ -47,9 +58,20 @@ def trained(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     tmp = tmp_path_factory.mktemp("adafuse_train")
     data_dir = write_corpus(tmp / "data")
     base, tok = load_base(tiny.model_dir, "cpu", torch.float32)
-    cfg = TrainConfig(num_experts=4, top_k=2, rank=4, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"),
-                      steps=40, batch_size=4, seq_len=32, lr=5e-3, warmup_steps=4, balance_coef=0.05,
-                      eval_every=10, seed=1)
+    cfg = TrainConfig(
+        num_experts=4,
+        top_k=2,
+        rank=4,
+        target_modules=("q_proj", "v_proj", "o_proj", "down_proj"),
+        steps=40,
+        batch_size=4,
+        seq_len=32,
+        lr=5e-3,
+        warmup_steps=4,
+        balance_coef=0.05,
+        eval_every=10,
+        seed=1,
+    )
     data = TextDataset(data_dir, tok, cfg.seq_len, cfg.eval_fraction)
     result = train(base, data, cfg)
     root = tmp / "adapters"
@@ -71,9 +93,22 @@ def test_balance_loss_keeps_every_expert_used(tiny: Tiny, tmp_path: Path) -> Non
     usage = {}
     for coef in (0.0, 0.5):
         base, tok = load_base(tiny.model_dir, "cpu", torch.float32)
-        cfg = TrainConfig(num_experts=4, top_k=1, rank=4, target_modules=("q_proj", "v_proj"), steps=30,
-                          batch_size=4, seq_len=32, lr=5e-3, router_lr=5e-2, warmup_steps=2, balance_coef=coef,
-                          eval_every=10, seed=1, router_init=4.0)
+        cfg = TrainConfig(
+            num_experts=4,
+            top_k=1,
+            rank=4,
+            target_modules=("q_proj", "v_proj"),
+            steps=30,
+            batch_size=4,
+            seq_len=32,
+            lr=5e-3,
+            router_lr=5e-2,
+            warmup_steps=2,
+            balance_coef=coef,
+            eval_every=10,
+            seed=1,
+            router_init=4.0,
+        )
         r = train(base, TextDataset(data_dir, tok, cfg.seq_len, cfg.eval_fraction), cfg)
         usage[coef] = torch.tensor([x.usage for x in r.records[-5:]]).mean(0)
     # Without the balance loss one expert gets about a tenth of the tokens (uniform: 1/4).
@@ -97,7 +132,9 @@ def test_written_set_is_valid_and_names_the_training(trained: dict[str, Any], ti
     assert meta["num_experts"] == 4
     assert meta["top_k"] == 2
     assert meta["r"] == 4
-    cpu = read_expert_set("trained", out, out.parent, ModelConfig.from_dir(tiny.model_dir), 16, torch.float32)
+    cpu = read_expert_set(
+        "trained", out, out.parent, ModelConfig.from_dir(tiny.model_dir), 16, torch.float32
+    )
     # Training moved B away from zero in every expert.
     for b in cpu.b.values():
         assert (b.abs().amax(dim=(1, 2)) > 0).all()
@@ -153,38 +190,98 @@ def test_bad_data_names_the_field(tmp_path: Path, trained: dict[str, Any]) -> No
 
 @settings(max_examples=40, deadline=None)
 @given(
-    experts=st.integers(-2, 80), top_k=st.integers(-1, 80), rank=st.integers(-1, 200),
+    experts=st.integers(-2, 80),
+    top_k=st.integers(-1, 80),
+    rank=st.integers(-1, 200),
     targets=st.lists(st.sampled_from(["q_proj", "v_proj", "down_proj", "lm_head", ""]), max_size=3),
     lr=st.floats(allow_nan=True, allow_infinity=True),
 )
-def test_config_validation_names_the_field(experts: int, top_k: int, rank: int, targets: list[str], lr: float) -> None:
-    cfg = TrainConfig(num_experts=experts, top_k=top_k, rank=rank, target_modules=tuple(targets), lr=lr)
-    ok = (1 <= experts <= 64 and 1 <= top_k <= experts and 1 <= rank <= 128 and targets
-          and all(t in ("q_proj", "v_proj", "down_proj") for t in targets) and len(set(targets)) == len(targets)
-          and lr > 0 and lr != float("inf"))
+def test_config_validation_names_the_field(
+    experts: int, top_k: int, rank: int, targets: list[str], lr: float
+) -> None:
+    cfg = TrainConfig(
+        num_experts=experts, top_k=top_k, rank=rank, target_modules=tuple(targets), lr=lr
+    )
+    ok = (
+        1 <= experts <= 64
+        and 1 <= top_k <= experts
+        and 1 <= rank <= 128
+        and targets
+        and all(t in ("q_proj", "v_proj", "down_proj") for t in targets)
+        and len(set(targets)) == len(targets)
+        and lr > 0
+        and lr != float("inf")
+    )
     if ok:
         cfg.validate()
     else:
         with pytest.raises(TrainingError) as info:
             cfg.validate()
-        assert str(info.value).split(":")[0] in {"num_experts", "top_k", "rank", "target_modules", "lr"}
+        assert str(info.value).split(":")[0] in {
+            "num_experts",
+            "top_k",
+            "rank",
+            "target_modules",
+            "lr",
+        }
 
 
 def test_cli_trains_and_writes_set_and_curve(tiny: Tiny, tmp_path: Path) -> None:
     data = write_corpus(tmp_path / "data", files=2, sentences=60)
     out = tmp_path / "adapters" / "cli_set"
     curve = tmp_path / "curve.json"
-    rc = cli_main(["--model", str(tiny.model_dir), "--data", str(data), "--out", str(out), "--experts", "2",
-                   "--top-k", "1", "--rank", "2", "--targets", "q_proj", "--steps", "3", "--batch-size", "2",
-                   "--seq-len", "16", "--device", "cpu", "--curve", str(curve), "--log-level", "WARNING"])
+    rc = cli_main(
+        [
+            "--model",
+            str(tiny.model_dir),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--experts",
+            "2",
+            "--top-k",
+            "1",
+            "--rank",
+            "2",
+            "--targets",
+            "q_proj",
+            "--steps",
+            "3",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--device",
+            "cpu",
+            "--curve",
+            str(curve),
+            "--log-level",
+            "WARNING",
+        ]
+    )
     assert rc == 0
     assert (out / "adaptermesh_adafuse.json").is_file()
     body = json.loads(curve.read_text())
     assert len(body["steps"]) == 3
     assert body["config"]["num_experts"] == 2
     # A second run without --overwrite is refused before any training.
-    rc = cli_main(["--model", str(tiny.model_dir), "--data", str(data), "--out", str(out), "--device", "cpu"])
+    rc = cli_main(
+        ["--model", str(tiny.model_dir), "--data", str(data), "--out", str(out), "--device", "cpu"]
+    )
     assert rc == 2
-    rc = cli_main(["--model", str(tiny.model_dir), "--data", str(data), "--out", str(tmp_path / "x"),
-                   "--top-k", "9", "--device", "cpu"])
+    rc = cli_main(
+        [
+            "--model",
+            str(tiny.model_dir),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "x"),
+            "--top-k",
+            "9",
+            "--device",
+            "cpu",
+        ]
+    )
     assert rc == 2

@@ -98,7 +98,9 @@ BAD = {
 
 
 @pytest.mark.parametrize("kind", list(BAD))
-async def test_bad_adapter_rejected_and_engine_keeps_serving(tiny: Tiny, tmp_path: Path, make_engine: Any, kind: str) -> None:
+async def test_bad_adapter_rejected_and_engine_keeps_serving(
+    tiny: Tiny, tmp_path: Path, make_engine: Any, kind: str
+) -> None:
     root = _copy_root(tiny, tmp_path / "root")
     mutate, message = BAD[kind]
     bad = root / "bad"
@@ -118,7 +120,9 @@ async def test_bad_adapter_rejected_and_engine_keeps_serving(tiny: Tiny, tmp_pat
     await _good_request_still_works(eng, tiny, None)
 
 
-async def test_failed_reload_keeps_serving_old_version(tiny: Tiny, tmp_path: Path, make_engine: Any) -> None:
+async def test_failed_reload_keeps_serving_old_version(
+    tiny: Tiny, tmp_path: Path, make_engine: Any
+) -> None:
     root = _copy_root(tiny, tmp_path / "root")
     broken = root / "alpha_broken"
     shutil.copytree(root / "alpha", broken)
@@ -134,9 +138,18 @@ async def test_failed_reload_keeps_serving_old_version(tiny: Tiny, tmp_path: Pat
 
 @pytest.mark.parametrize(
     ("name", "path"),
-    [("esc", "../outside"), ("esc", "/etc"), ("esc", "link_out"), ("../outside", None), ("/abs", None), ("a/../../b", None)],
+    [
+        ("esc", "../outside"),
+        ("esc", "/etc"),
+        ("esc", "link_out"),
+        ("../outside", None),
+        ("/abs", None),
+        ("a/../../b", None),
+    ],
 )
-async def test_paths_outside_root_rejected(tiny: Tiny, tmp_path: Path, make_engine: Any, name: str, path: str | None) -> None:
+async def test_paths_outside_root_rejected(
+    tiny: Tiny, tmp_path: Path, make_engine: Any, name: str, path: str | None
+) -> None:
     root = _copy_root(tiny, tmp_path / "root")
     outside = tmp_path / "outside"
     shutil.copytree(tiny.root / "alpha", outside)
@@ -163,10 +176,13 @@ def test_resolve_in_root_follows_symlinks(tmp_path: Path) -> None:
     assert resolve_in_root(root, "x", str(root / "inner")) == (root / "inner").resolve()
 
 
-async def test_unknown_adapter_is_negative_cached(tiny: Tiny, make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_unknown_adapter_is_negative_cached(
+    tiny: Tiny, make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     eng = make_engine()
     with pytest.raises(AdapterNotFoundError, match="no adapter with this name"):
         eng.submit(request("u", tiny.encode("hi"), "nope"))
+
     # From now on no filesystem access at all for this name.
     def boom(*a: Any, **k: Any) -> Any:
         raise AssertionError("disk touched for a negative-cached name")
@@ -183,7 +199,9 @@ async def test_unknown_adapter_is_negative_cached(tiny: Tiny, make_engine: Any, 
         await eng.unload_adapter("nope")
 
 
-async def test_on_demand_load_does_not_block_other_requests(tiny: Tiny, make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_on_demand_load_does_not_block_other_requests(
+    tiny: Tiny, make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from adaptermesh.worker import adapters as adapters_mod
 
     real = adapters_mod.read_adapter
@@ -222,19 +240,29 @@ async def test_hot_swap_under_concurrent_load(tiny: Tiny, tmp_path: Path, make_e
         while len(results) < 60:
             after = committed.is_set()
             try:
-                got = tokens(await collect(eng.submit(request(f"c{i}-{len(results)}", ids, "alpha", max_tokens=6))))
+                got = tokens(
+                    await collect(
+                        eng.submit(request(f"c{i}-{len(results)}", ids, "alpha", max_tokens=6))
+                    )
+                )
             except BaseException as e:  # the test counts every failure
                 failures.append(e)
                 return
             results.append((after, got))
 
     clients = [asyncio.ensure_future(client(i)) for i in range(6)]
-    await async_wait_until(lambda: len(results) >= 10, timeout=120, interval=0.005,
-                           what="ten answers from the old version")
+    await async_wait_until(
+        lambda: len(results) >= 10,
+        timeout=120,
+        interval=0.005,
+        what="ten answers from the old version",
+    )
     await eng.load_adapter("alpha", "alpha_v2")
     committed.set()
     # The new version is visible right after commit.
-    assert tokens(await collect(eng.submit(request("right-after", ids, "alpha", max_tokens=6)))) == v2
+    assert (
+        tokens(await collect(eng.submit(request("right-after", ids, "alpha", max_tokens=6)))) == v2
+    )
     await asyncio.gather(*clients)
     assert not failures
     assert all(got in (v1, v2) for _, got in results)
@@ -307,7 +335,9 @@ def test_lora_path_that_cannot_be_resolved_is_a_validation_error(tmp_path: Path)
         assert ei.value.field == "lora_path", path
 
 
-async def test_first_event_reports_the_tier_that_served_the_adapter(tiny: Tiny, make_engine: Any) -> None:
+async def test_first_event_reports_the_tier_that_served_the_adapter(
+    tiny: Tiny, make_engine: Any
+) -> None:
     """The scheduler's AdapterResolution (the tracing span's source): disk when cold, gpu when
     resident, cpu when evicted from the GPU but kept in the CPU cache; on the first event only."""
     eng = make_engine(max_loras=2, max_num_seqs=4)

@@ -587,8 +587,13 @@ def test_parameter_combinations_are_served_or_refused_by_name(
 @pytest.mark.parametrize("mode", ["raw", "processed"])
 def test_graph_steps_report_the_same_logprobs_as_eager_steps(tiny: Tiny, mode: str) -> None:
     async def run(graphs: bool) -> tuple[dict[str, list[TokenEvent]], dict[str, Any]]:
-        cfg = EngineConfig(max_num_seqs=8, max_loras=4, max_lora_rank=16, use_cuda_graphs=graphs,
-                           logprobs_mode=mode)
+        cfg = EngineConfig(
+            max_num_seqs=8,
+            max_loras=4,
+            max_lora_rank=16,
+            use_cuda_graphs=graphs,
+            logprobs_mode=mode,
+        )
         eng = Engine(tiny.model_dir, tiny.root, device="cuda", config=cfg, model_name="tiny")
         reqs = [
             request(
@@ -624,8 +629,9 @@ def test_graph_steps_report_the_same_logprobs_as_eager_steps(tiny: Tiny, mode: s
 # ---- processed mode: the distribution the sampler draws from ------------------------------
 
 
-def penalised(x: torch.Tensor, seen: set[int], counts: dict[int, int], rep: float, freq: float,
-              pres: float) -> torch.Tensor:
+def penalised(
+    x: torch.Tensor, seen: set[int], counts: dict[int, int], rep: float, freq: float, pres: float
+) -> torch.Tensor:
     """The sampler's penalty formula on one float64 logits row."""
     x = x.clone()
     for t in seen | set(counts):
@@ -639,8 +645,13 @@ async def test_processed_mode_reports_tempered_top_k_logprobs(tiny: Tiny, make_e
     eng = make_engine(logprobs_mode="processed")
     ids = tiny.encode(PROMPTS[1])
     temp, top_k = 1.7, 6
-    events = await collect(eng.submit(request(
-        "t", ids, "beta", max_tokens=8, temperature=temp, top_k=top_k, seed=21, logprobs=8)))
+    events = await collect(
+        eng.submit(
+            request(
+                "t", ids, "beta", max_tokens=8, temperature=temp, top_k=top_k, seed=21, logprobs=8
+            )
+        )
+    )
     out = tokens(events)
     entries = entries_of(events)
     assert [e.token_id for e in entries] == out
@@ -665,9 +676,20 @@ async def test_processed_mode_greedy_rows_report_the_penalised_distribution(
     eng = make_engine(logprobs_mode="processed")
     ids = tiny.encode(PROMPTS[2])
     rep, freq, pres = 1.8, 1.0, 0.5
-    events = await collect(eng.submit(request(
-        "p", ids, "alpha", max_tokens=8, repetition_penalty=rep, frequency_penalty=freq,
-        presence_penalty=pres, logprobs=3)))
+    events = await collect(
+        eng.submit(
+            request(
+                "p",
+                ids,
+                "alpha",
+                max_tokens=8,
+                repetition_penalty=rep,
+                frequency_penalty=freq,
+                presence_penalty=pres,
+                logprobs=3,
+            )
+        )
+    )
     out = tokens(events)
     logits = tiny.ref.logits([*ids, *out[:-1]], "alpha")[len(ids) - 1 :].double()
     for i, e in enumerate(entries_of(events)):
@@ -685,13 +707,14 @@ async def test_processed_mode_greedy_rows_report_the_penalised_distribution(
 async def test_processed_logprobs_do_not_depend_on_the_batch(tiny: Tiny, make_engine: Any) -> None:
     eng = make_engine(logprobs_mode="processed")
     ids = tiny.encode(PROMPTS[0])
-    asked = request("x", ids, "gamma", max_tokens=7, temperature=0.9, top_p=0.8, seed=5,
-                    logprobs=5)
+    asked = request("x", ids, "gamma", max_tokens=7, temperature=0.9, top_p=0.8, seed=5, logprobs=5)
     alone = await collect(eng.submit(asked))
-    others = [request(f"o{i}", tiny.encode(PROMPTS[i % 3]), a, max_tokens=9, temperature=t,
-                      seed=i, logprobs=k)
-              for i, (a, t, k) in enumerate([(None, 0.0, 2), ("alpha", 1.3, None),
-                                             ("beta", 0.6, 20)])]
+    others = [
+        request(
+            f"o{i}", tiny.encode(PROMPTS[i % 3]), a, max_tokens=9, temperature=t, seed=i, logprobs=k
+        )
+        for i, (a, t, k) in enumerate([(None, 0.0, 2), ("alpha", 1.3, None), ("beta", 0.6, 20)])
+    ]
     together = await asyncio.gather(*(collect(eng.submit(r)) for r in [*others, asked]))
     a, b = entries_of(alone), entries_of(together[-1])
     assert [e.token_id for e in a] == [e.token_id for e in b]

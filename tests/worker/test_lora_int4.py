@@ -27,7 +27,11 @@ async def test_int4_logits_close_to_full_precision(
 ) -> None:
     eng = make_engine(lora_dtype="int4")
     assert isinstance(eng.pool, Int4LoraPool)
-    jobs = [(f"{name}-{i}", tiny.encode(p), name) for name in ADAPTERS for i, p in enumerate(PROMPTS[:2])]
+    jobs = [
+        (f"{name}-{i}", tiny.encode(p), name)
+        for name in ADAPTERS
+        for i, p in enumerate(PROMPTS[:2])
+    ]
     streams = [eng.submit(request(rid, ids, name, max_tokens=6)) for rid, ids, name in jobs]
     results = await asyncio.gather(*(collect(s) for s in streams))
     diffs, effects, agree, firm = [], [], 0, 0
@@ -66,7 +70,9 @@ async def test_int4_adapter_still_changes_output(tiny: Tiny, make_engine: Any) -
     ids = tiny.encode(PROMPTS[1])
     outs = {}
     for name in [None, *ADAPTERS]:
-        outs[name] = tokens(await collect(eng.submit(request(f"r-{name}", ids, name, max_tokens=8))))
+        outs[name] = tokens(
+            await collect(eng.submit(request(f"r-{name}", ids, name, max_tokens=8)))
+        )
     assert len({tuple(v) for v in outs.values()}) == len(outs)
 
 
@@ -76,7 +82,9 @@ def test_slot_bytes_against_bf16(tiny: Tiny) -> None:
     bf16 = make_lora_pool(cfg, 2, 16, dev, torch.bfloat16)
     int4 = make_lora_pool(cfg, 2, 16, dev, torch.bfloat16, "int4")
     ratio = bf16.slot_nbytes / int4.slot_nbytes
-    print(f"slot bytes: bf16 {bf16.slot_nbytes}, int4 {int4.slot_nbytes} ({ratio:.2f}x adapters per GB)")
+    print(
+        f"slot bytes: bf16 {bf16.slot_nbytes}, int4 {int4.slot_nbytes} ({ratio:.2f}x adapters per GB)"
+    )
     assert ratio >= 3.5
 
 

@@ -36,13 +36,17 @@ async def test_blocks_return_to_the_pool(tiny: Tiny, make_engine: Any) -> None:
     eng = make_engine(block_size=BS, enable_prefix_caching=False)
     free0 = eng.blocks.num_free()
     ids = _long_prompt(tiny, 37)
-    outs = await asyncio.gather(*(collect(eng.submit(request(f"r{i}", ids, "alpha", max_tokens=9))) for i in range(5)))
+    outs = await asyncio.gather(
+        *(collect(eng.submit(request(f"r{i}", ids, "alpha", max_tokens=9))) for i in range(5))
+    )
     assert all(len(tokens(o)) == 9 for o in outs)
     assert eng.blocks.num_free() == free0 == eng.kv.num_blocks - 1
     assert eng.stats().kv_cache_usage == 0.0
 
 
-async def test_prefix_blocks_are_shared_within_an_adapter_only(tiny: Tiny, make_engine: Any) -> None:
+async def test_prefix_blocks_are_shared_within_an_adapter_only(
+    tiny: Tiny, make_engine: Any
+) -> None:
     eng = make_engine(block_size=BS)
     ids = _long_prompt(tiny, 3 * BS + 5)
     want_alpha = tiny.ref.greedy(list(ids), "alpha", 6)
@@ -63,7 +67,9 @@ async def test_prefix_blocks_are_shared_within_an_adapter_only(tiny: Tiny, make_
     assert hits3 == hits2
 
 
-async def test_whole_prompt_cached_still_computes_its_last_token(tiny: Tiny, make_engine: Any) -> None:
+async def test_whole_prompt_cached_still_computes_its_last_token(
+    tiny: Tiny, make_engine: Any
+) -> None:
     eng = make_engine(block_size=BS)
     ids = _long_prompt(tiny, 2 * BS)  # an exact multiple of the block size
     a = tokens(await collect(eng.submit(request("a", ids, "gamma", max_tokens=5))))
@@ -71,17 +77,27 @@ async def test_whole_prompt_cached_still_computes_its_last_token(tiny: Tiny, mak
     assert a == b == tiny.ref.greedy(list(ids), "gamma", 5)
 
 
-async def test_preempted_requests_resume_with_unchanged_output(tiny: Tiny, make_engine: Any) -> None:
+async def test_preempted_requests_resume_with_unchanged_output(
+    tiny: Tiny, make_engine: Any
+) -> None:
     n_req, prompt_len, new = 6, 20, 24
     # Room for about three sequences at full length: the others are preempted while decoding.
-    eng = make_engine(block_size=BS, max_num_seqs=n_req, max_model_len=64,
-                      kv_cache_bytes=_kv_bytes(tiny, 3 * (prompt_len + new) + BS),
-                      enable_prefix_caching=False)
+    eng = make_engine(
+        block_size=BS,
+        max_num_seqs=n_req,
+        max_model_len=64,
+        kv_cache_bytes=_kv_bytes(tiny, 3 * (prompt_len + new) + BS),
+        enable_prefix_caching=False,
+    )
     names = [None, "alpha", "beta", "gamma", "delta", "alpha"]
     prompts = [_long_prompt(tiny, prompt_len + i) for i in range(n_req)]
     greedy = [request(f"g{i}", prompts[i], names[i], max_tokens=new) for i in range(n_req)]
-    seeded = [request(f"s{i}", prompts[i], names[i], max_tokens=new, temperature=0.9, top_p=0.95, seed=100 + i)
-              for i in range(n_req)]
+    seeded = [
+        request(
+            f"s{i}", prompts[i], names[i], max_tokens=new, temperature=0.9, top_p=0.95, seed=100 + i
+        )
+        for i in range(n_req)
+    ]
     outs = await asyncio.gather(*(collect(eng.submit(r)) for r in greedy + seeded))
     assert eng.describe()["preemptions"] > 0
     for i in range(n_req):
@@ -99,8 +115,17 @@ async def test_seeded_tokens_do_not_depend_on_the_batch(tiny: Tiny, make_engine:
     ids = tiny.encode(PROMPTS[2])
     mine = request("mine", ids, "beta", max_tokens=10, temperature=1.0, top_k=20, seed=42)
     alone = tokens(await collect(eng.submit(mine)))
-    noise = [request(f"n{i}", tiny.encode(PROMPTS[i % 3]), [None, "alpha", "delta"][i % 3], max_tokens=4 + i,
-                     temperature=0.7 * (i % 2), seed=i) for i in range(5)]
+    noise = [
+        request(
+            f"n{i}",
+            tiny.encode(PROMPTS[i % 3]),
+            [None, "alpha", "delta"][i % 3],
+            max_tokens=4 + i,
+            temperature=0.7 * (i % 2),
+            seed=i,
+        )
+        for i in range(5)
+    ]
     outs = await asyncio.gather(*(collect(eng.submit(r)) for r in [*noise[:2], mine, *noise[2:]]))
     assert tokens(outs[2]) == alone
 
@@ -108,12 +133,22 @@ async def test_seeded_tokens_do_not_depend_on_the_batch(tiny: Tiny, make_engine:
 async def test_overlapped_steps_match_peft(tiny: Tiny, make_engine: Any) -> None:
     # Step N+1 is planned before step N's tokens reach the host: decode rows gather their input
     # from the device, and tokens of sequences that stopped meanwhile are dropped.
-    eng = make_engine(block_size=BS, async_scheduling=True, max_num_seqs=4, max_prefill_chunk=5,
-                      max_num_batched_tokens=12)
+    eng = make_engine(
+        block_size=BS,
+        async_scheduling=True,
+        max_num_seqs=4,
+        max_prefill_chunk=5,
+        max_num_batched_tokens=12,
+    )
     names: list[str | None] = [None, "alpha", "beta", "gamma", "delta"]
-    jobs = [(f"o{i}-{n}", tiny.encode(p), n, 5 + (i + j) % 4)
-            for i, p in enumerate(PROMPTS) for j, n in enumerate(names)]
-    outs = await asyncio.gather(*(collect(eng.submit(request(r, ids, n, max_tokens=k))) for r, ids, n, k in jobs))
+    jobs = [
+        (f"o{i}-{n}", tiny.encode(p), n, 5 + (i + j) % 4)
+        for i, p in enumerate(PROMPTS)
+        for j, n in enumerate(names)
+    ]
+    outs = await asyncio.gather(
+        *(collect(eng.submit(request(r, ids, n, max_tokens=k))) for r, ids, n, k in jobs)
+    )
     for (rid, ids, name, k), ev in zip(jobs, outs, strict=True):
         assert tokens(ev) == tiny.ref.greedy(list(ids), name, k), rid
         assert ev[-1].completion_tokens == k

@@ -35,15 +35,19 @@ async def test_the_routed_adapter_names_the_model_and_cannot_be_swapped() -> Non
     runner, port = await serve(service, "127.0.0.1", 0)
     try:
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            r = await client.post(f"http://127.0.0.1:{port}/v1/completions",
-                                  headers={"x-adapter-id": "alpha"},
-                                  json={"prompt": "one two", "max_tokens": 3})
+            r = await client.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                headers={"x-adapter-id": "alpha"},
+                json={"prompt": "one two", "max_tokens": 3},
+            )
             assert r.status_code == 200, r.text
             assert r.json()["model"] == "alpha"
             assert r.json()["choices"][0]["text"] == expected_text(
-                engine.tokenize("one two"), "alpha", 3)
-        async with connect(f"ws://127.0.0.1:{port}{WS_PATH}",
-                           additional_headers={"x-adapter-id": "alpha"}) as ws:
+                engine.tokenize("one two"), "alpha", 3
+            )
+        async with connect(
+            f"ws://127.0.0.1:{port}{WS_PATH}", additional_headers={"x-adapter-id": "alpha"}
+        ) as ws:
             base = {"type": "completion", "prompt": "one two", "max_tokens": 3}
             await ws.send(json.dumps({**base, "id": "a"}))
             assert (await _final(ws, "a"))["model"] == "alpha"

@@ -43,7 +43,9 @@ class _OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def draw(logits: torch.Tensor, rows: list[RowParams], mode: SamplerMode | None = None, **kw: torch.Tensor) -> list[int]:
+def draw(
+    logits: torch.Tensor, rows: list[RowParams], mode: SamplerMode | None = None, **kw: torch.Tensor
+) -> list[int]:
     buf = SamplingBuffers.allocate(len(rows), logits.device)
     buf.fill(rows)
     return sample(logits, buf, mode=mode or SamplerMode.of(rows), **kw).tolist()
@@ -117,7 +119,10 @@ def test_greedy_rows_are_argmax_in_one_launch() -> None:
 def test_mixed_batch_greedy_rows_are_argmax_and_random_rows_match_alone() -> None:
     torch.manual_seed(0)
     logits = torch.randn(8, 500)
-    rows = [RowParams(0.0) if i % 2 else RowParams(1.0, top_p=0.9, seed=100 + i, counter=i) for i in range(8)]
+    rows = [
+        RowParams(0.0) if i % 2 else RowParams(1.0, top_p=0.9, seed=100 + i, counter=i)
+        for i in range(8)
+    ]
     got = draw(logits, rows)
     for i, r in enumerate(rows):
         if r.temperature == 0.0:
@@ -128,7 +133,18 @@ def test_mixed_batch_greedy_rows_are_argmax_and_random_rows_match_alone() -> Non
 
 def test_sample_never_synchronises() -> None:
     logits = torch.randn(4, 64)
-    rows = [RowParams(0.8, top_p=0.7, top_k=9, min_p=0.05, presence_penalty=0.3, repetition_penalty=1.2, seed=i) for i in range(4)]
+    rows = [
+        RowParams(
+            0.8,
+            top_p=0.7,
+            top_k=9,
+            min_p=0.05,
+            presence_penalty=0.3,
+            repetition_penalty=1.2,
+            seed=i,
+        )
+        for i in range(4)
+    ]
     buf = SamplingBuffers.allocate(4, "cpu")
     buf.fill(rows)
     counts = counts_from_tokens([[1, 2], [3], [], [5, 5]], 64, "cpu")
@@ -153,7 +169,13 @@ def test_same_seed_and_counter_give_the_same_token_in_any_batch() -> None:
             others = torch.randn(16, v)
             others[pos] = row_logits
             rows = [
-                RowParams(float(trial + (i % 3)) * 0.5, top_p=0.5 + 0.03 * i, top_k=i, seed=i * 7 + trial, counter=trial)
+                RowParams(
+                    float(trial + (i % 3)) * 0.5,
+                    top_p=0.5 + 0.03 * i,
+                    top_k=i,
+                    seed=i * 7 + trial,
+                    counter=trial,
+                )
                 for i in range(16)
             ]
             rows[pos] = r
@@ -163,7 +185,9 @@ def test_same_seed_and_counter_give_the_same_token_in_any_batch() -> None:
 def test_different_counters_and_seeds_give_different_draws() -> None:
     logits = torch.zeros(1, 1000)
     by_counter = draws(RowParams(1.0, seed=5), logits=logits[0], n=200)
-    by_seed = draw(logits.expand(200, -1).contiguous(), [RowParams(1.0, seed=s) for s in range(200)])
+    by_seed = draw(
+        logits.expand(200, -1).contiguous(), [RowParams(1.0, seed=s) for s in range(200)]
+    )
     assert len(set(by_counter)) > 150
     assert len(set(by_seed)) > 150
     assert by_counter != draws(RowParams(1.0, seed=6), logits=logits[0], n=200)
@@ -230,10 +254,15 @@ def test_top_p_one_and_top_k_zero_disable_filtering() -> None:
     logits = torch.randn(64, v)
     plain = [RowParams(1.0, seed=i, counter=i) for i in range(64)]
     reference = draw(logits, plain)
-    every_flag = SamplerMode(any_random=True, any_top_p_or_k=True, any_min_p=True, penalties=False, repetition=False)
+    every_flag = SamplerMode(
+        any_random=True, any_top_p_or_k=True, any_min_p=True, penalties=False, repetition=False
+    )
     assert draw(logits, plain, mode=every_flag) == reference
     for top_k in (v, v + 5, -1):
-        assert draw(logits, [dataclasses.replace(r, top_k=top_k) for r in plain], mode=every_flag) == reference
+        assert (
+            draw(logits, [dataclasses.replace(r, top_k=top_k) for r in plain], mode=every_flag)
+            == reference
+        )
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
@@ -287,10 +316,15 @@ def test_penalties_match_the_formula_and_touch_only_seen_tokens() -> None:
         (RowParams(0.0, repetition_penalty=1.5), [-1.0, -1.2], [], [0]),  # -1 * 1.5 < -1.2
     ],
 )
-def test_each_penalty_moves_the_greedy_token(row: RowParams, logits: list[float], prompt: list[int], output: list[int]) -> None:
+def test_each_penalty_moves_the_greedy_token(
+    row: RowParams, logits: list[float], prompt: list[int], output: list[int]
+) -> None:
     x = torch.tensor([logits])
     assert draw(x, [RowParams(0.0)]) == [0]
-    kw = {"token_counts": counts_from_tokens([output], 2, "cpu"), "prompt_mask": prompt_mask_from_tokens([prompt], 2, "cpu")}
+    kw = {
+        "token_counts": counts_from_tokens([output], 2, "cpu"),
+        "prompt_mask": prompt_mask_from_tokens([prompt], 2, "cpu"),
+    }
     assert draw(x, [row], **kw) == [1]
 
 
@@ -301,7 +335,12 @@ def test_penalty_inputs_are_required_by_the_mode() -> None:
     with pytest.raises(ValueError, match="token_counts"):
         sample(torch.zeros(1, 4), buf, mode=SamplerMode.of(rows))
     with pytest.raises(ValueError, match="prompt_mask"):
-        sample(torch.zeros(1, 4), buf, mode=SamplerMode.of(rows), token_counts=torch.zeros(1, 4, dtype=torch.int32))
+        sample(
+            torch.zeros(1, 4),
+            buf,
+            mode=SamplerMode.of(rows),
+            token_counts=torch.zeros(1, 4, dtype=torch.int32),
+        )
 
 
 def test_counts_and_prompt_mask_from_tokens() -> None:
@@ -320,8 +359,17 @@ def test_counts_and_prompt_mask_from_tokens() -> None:
 def test_fill_lands_in_the_fields_in_one_copy_and_pads_with_greedy_rows() -> None:
     buf = SamplingBuffers.allocate(4, "cpu")
     rows = [
-        RowParams(0.7, top_p=0.9, top_k=5, min_p=0.05, seed=2**64 - 1, counter=3,
-                  presence_penalty=0.1, frequency_penalty=0.2, repetition_penalty=1.1),
+        RowParams(
+            0.7,
+            top_p=0.9,
+            top_k=5,
+            min_p=0.05,
+            seed=2**64 - 1,
+            counter=3,
+            presence_penalty=0.1,
+            frequency_penalty=0.2,
+            repetition_penalty=1.1,
+        ),
         RowParams(1.2, seed=2**40, counter=1),
         RowParams(0.5, top_k=2, seed=9),
     ]
@@ -346,11 +394,21 @@ def test_fill_lands_in_the_fields_in_one_copy_and_pads_with_greedy_rows() -> Non
 
 
 def test_mode_of_rows() -> None:
-    assert SamplerMode.of([RowParams(0.0, top_p=0.5, top_k=3, min_p=0.1)]) == SamplerMode(False, False, False, False, False)
-    assert SamplerMode.of([RowParams(0.0), RowParams(1.0, top_k=3)]) == SamplerMode(True, True, False, False, False)
-    assert SamplerMode.of([RowParams(1.0, min_p=0.1)]) == SamplerMode(True, False, True, False, False)
-    assert SamplerMode.of([RowParams(0.0, presence_penalty=0.1)]) == SamplerMode(False, False, False, True, False)
-    assert SamplerMode.of([RowParams(0.0, repetition_penalty=1.1)]) == SamplerMode(False, False, False, True, True)
+    assert SamplerMode.of([RowParams(0.0, top_p=0.5, top_k=3, min_p=0.1)]) == SamplerMode(
+        False, False, False, False, False
+    )
+    assert SamplerMode.of([RowParams(0.0), RowParams(1.0, top_k=3)]) == SamplerMode(
+        True, True, False, False, False
+    )
+    assert SamplerMode.of([RowParams(1.0, min_p=0.1)]) == SamplerMode(
+        True, False, True, False, False
+    )
+    assert SamplerMode.of([RowParams(0.0, presence_penalty=0.1)]) == SamplerMode(
+        False, False, False, True, False
+    )
+    assert SamplerMode.of([RowParams(0.0, repetition_penalty=1.1)]) == SamplerMode(
+        False, False, False, True, True
+    )
     with pytest.raises(ValueError, match="repetition"):
         SamplerMode(False, False, False, penalties=False, repetition=True)
 
@@ -375,7 +433,9 @@ def batches(draw_: st.DrawFn) -> tuple[torch.Tensor, list[RowParams], list[int]]
     n = draw_(st.integers(1, 8))
     v = draw_(st.integers(2, 40))
     values = st.floats(-8.0, 8.0, width=32)
-    logits = torch.tensor(draw_(st.lists(st.lists(values, min_size=v, max_size=v), min_size=n, max_size=n)))
+    logits = torch.tensor(
+        draw_(st.lists(st.lists(values, min_size=v, max_size=v), min_size=n, max_size=n))
+    )
     row = st.builds(
         RowParams,
         temperature=st.one_of(st.just(0.0), st.floats(0.05, 3.0)),
@@ -392,7 +452,9 @@ def batches(draw_: st.DrawFn) -> tuple[torch.Tensor, list[RowParams], list[int]]
 
 @settings(max_examples=30, deadline=None)
 @given(batches())
-def test_tokens_are_allowed_and_independent_of_row_order(batch: tuple[torch.Tensor, list[RowParams], list[int]]) -> None:
+def test_tokens_are_allowed_and_independent_of_row_order(
+    batch: tuple[torch.Tensor, list[RowParams], list[int]],
+) -> None:
     logits, rows, perm = batch
     got = draw(logits, rows)
     for i, r in enumerate(rows):
@@ -407,7 +469,10 @@ def test_tokens_are_allowed_and_independent_of_row_order(batch: tuple[torch.Tens
 
 
 def logprobs_of(
-    logits: torch.Tensor, rows: list[RowParams], k: int, counts: torch.Tensor | None = None,
+    logits: torch.Tensor,
+    rows: list[RowParams],
+    k: int,
+    counts: torch.Tensor | None = None,
     prompt: torch.Tensor | None = None,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens and (chosen, top values, top ids) the way the engine gathers them: one ``sample``
@@ -421,7 +486,9 @@ def logprobs_of(
     return toks.tolist(), chosen, vals, ids
 
 
-def penalised_ref(logits: np.ndarray, r: RowParams, counts: np.ndarray, seen: np.ndarray) -> np.ndarray:
+def penalised_ref(
+    logits: np.ndarray, r: RowParams, counts: np.ndarray, seen: np.ndarray
+) -> np.ndarray:
     """The penalty formula of the module docstring, in float64."""
     x = logits.astype(np.float64)
     rep = np.where(x > 0, x / r.repetition_penalty, x * r.repetition_penalty)
@@ -430,18 +497,32 @@ def penalised_ref(logits: np.ndarray, r: RowParams, counts: np.ndarray, seen: np
 
 
 @st.composite
-def penalised_batches(draw_: st.DrawFn) -> tuple[torch.Tensor, list[RowParams], list[int], torch.Tensor,
-                                                  torch.Tensor, int]:
+def penalised_batches(
+    draw_: st.DrawFn,
+) -> tuple[torch.Tensor, list[RowParams], list[int], torch.Tensor, torch.Tensor, int]:
     logits, rows, perm = draw_(batches())
     n, v = logits.shape
     pen = st.floats(-1.0, 2.0, width=32)
-    rows = [dataclasses.replace(r, presence_penalty=draw_(pen), frequency_penalty=draw_(pen),
-                                repetition_penalty=draw_(st.floats(0.5, 2.0, width=32)))
-            if draw_(st.booleans()) else r for r in rows]
-    counts = torch.tensor(draw_(st.lists(st.lists(st.integers(0, 3), min_size=v, max_size=v),
-                                         min_size=n, max_size=n)), dtype=torch.int32)
-    prompt = torch.tensor(draw_(st.lists(st.lists(st.booleans(), min_size=v, max_size=v),
-                                         min_size=n, max_size=n)))
+    rows = [
+        dataclasses.replace(
+            r,
+            presence_penalty=draw_(pen),
+            frequency_penalty=draw_(pen),
+            repetition_penalty=draw_(st.floats(0.5, 2.0, width=32)),
+        )
+        if draw_(st.booleans())
+        else r
+        for r in rows
+    ]
+    counts = torch.tensor(
+        draw_(
+            st.lists(st.lists(st.integers(0, 3), min_size=v, max_size=v), min_size=n, max_size=n)
+        ),
+        dtype=torch.int32,
+    )
+    prompt = torch.tensor(
+        draw_(st.lists(st.lists(st.booleans(), min_size=v, max_size=v), min_size=n, max_size=n))
+    )
     return logits, rows, perm, counts, prompt, draw_(st.integers(0, v))
 
 
@@ -467,7 +548,9 @@ def test_logprobs_are_the_sampled_distribution_sorted_and_batch_independent(
             keep = oracle(x, r) > 0.0
             if not np.array_equal(keep, oracle(x, r, slack=1e-3) > 0.0):
                 continue  # a row on a filter's rounding edge: the kept set is not well defined
-            ref = torch.log_softmax(torch.from_numpy(np.where(keep, x / r.temperature, -np.inf)), dim=-1)
+            ref = torch.log_softmax(
+                torch.from_numpy(np.where(keep, x / r.temperature, -np.inf)), dim=-1
+            )
         assert float(chosen[i]) == pytest.approx(float(ref[toks[i]]), abs=1e-4), (i, r)
         want = torch.sort(ref, descending=True).values[:k]
         finite = torch.isfinite(want)
@@ -477,14 +560,17 @@ def test_logprobs_are_the_sampled_distribution_sorted_and_batch_independent(
         if k:
             assert float(chosen[i]) <= float(vals[i, 0]) + 1e-6
     # Same seed, same logprobs, wherever the row sits and whoever shares the batch.
-    p_toks, p_chosen, p_vals, _ = logprobs_of(logits[perm], [rows[p] for p in perm], k, counts[perm],
-                                              prompt[perm])
+    p_toks, p_chosen, p_vals, _ = logprobs_of(
+        logits[perm], [rows[p] for p in perm], k, counts[perm], prompt[perm]
+    )
     for j, i in enumerate(perm):
         assert p_toks[j] == toks[i]
         assert torch.allclose(p_chosen[j], chosen[i], atol=1e-6, rtol=0)
         assert torch.allclose(p_vals[j], vals[i], atol=1e-6, rtol=0)
     for i, r in enumerate(rows):
-        a_toks, a_chosen, a_vals, _ = logprobs_of(logits[i : i + 1], [r], k, counts[i : i + 1], prompt[i : i + 1])
+        a_toks, a_chosen, a_vals, _ = logprobs_of(
+            logits[i : i + 1], [r], k, counts[i : i + 1], prompt[i : i + 1]
+        )
         assert a_toks == [toks[i]]
         assert torch.allclose(a_chosen[0], chosen[i], atol=1e-6, rtol=0)
         assert torch.allclose(a_vals[0], vals[i], atol=1e-6, rtol=0)
@@ -493,9 +579,13 @@ def test_logprobs_are_the_sampled_distribution_sorted_and_batch_independent(
 def test_processed_logprobs_follow_temperature_and_filters() -> None:
     logits = LOGITS8[None, :]
     greedy = logprobs_of(logits, [RowParams(0.0)], 3)
-    assert float(greedy[1][0]) == pytest.approx(float(torch.log_softmax(LOGITS8, -1).max()), abs=1e-6)
+    assert float(greedy[1][0]) == pytest.approx(
+        float(torch.log_softmax(LOGITS8, -1).max()), abs=1e-6
+    )
     hot = logprobs_of(logits, [RowParams(2.0, seed=1)], 8)
-    assert torch.allclose(hot[2][0], torch.log_softmax(LOGITS8 / 2.0, -1).sort(descending=True).values, atol=1e-6)
+    assert torch.allclose(
+        hot[2][0], torch.log_softmax(LOGITS8 / 2.0, -1).sort(descending=True).values, atol=1e-6
+    )
     # top-k 2 keeps logits 2.2 and 2.0: the rest are impossible (-inf) and the two renormalise.
     top2 = logprobs_of(logits, [RowParams(1.0, top_k=2, seed=3)], 4)
     vals = top2[2][0]
@@ -515,7 +605,9 @@ def test_processed_logits_never_synchronise_and_greedy_modes_are_the_logits() ->
     prompt = prompt_mask_from_tokens([[7], [8], [9], [10]], 50, "cpu")
     toks = torch.tensor([1, 2, 3, 4])
     with _OpLog() as log:
-        p = processed_logits(logits, buf, mode=SamplerMode.of(rows), token_counts=counts, prompt_mask=prompt)
+        p = processed_logits(
+            logits, buf, mode=SamplerMode.of(rows), token_counts=counts, prompt_mask=prompt
+        )
         token_logprobs(p, toks, 5)
     syncing = {"_local_scalar_dense", "nonzero", "masked_select", "multinomial", "unique", "item"}
     assert not syncing & set(log.ops), log.ops
@@ -528,10 +620,18 @@ def test_processed_logits_never_synchronise_and_greedy_modes_are_the_logits() ->
 
 def _random_rows(n: int, step: int) -> list[RowParams]:
     return [
-        RowParams(0.0, frequency_penalty=0.3) if i % 4 == 0 else
-        RowParams(0.3 + 0.1 * (i % 7), top_p=0.5 + 0.05 * (i % 9), top_k=(i * 13) % 60, min_p=0.02 * (i % 3),
-                  seed=1000 * step + i, counter=step + i, presence_penalty=0.1 * (i % 2),
-                  repetition_penalty=1.0 + 0.05 * (i % 5))
+        RowParams(0.0, frequency_penalty=0.3)
+        if i % 4 == 0
+        else RowParams(
+            0.3 + 0.1 * (i % 7),
+            top_p=0.5 + 0.05 * (i % 9),
+            top_k=(i * 13) % 60,
+            min_p=0.02 * (i % 3),
+            seed=1000 * step + i,
+            counter=step + i,
+            presence_penalty=0.1 * (i % 2),
+            repetition_penalty=1.0 + 0.05 * (i % 5),
+        )
         for i in range(n)
     ]
 
@@ -550,7 +650,9 @@ def test_cuda_graph_replay_matches_eager() -> None:
     out = torch.zeros(cap, dtype=torch.int64, device=dev)
 
     def run() -> torch.Tensor:
-        return sample(logits, buf, mode=every_flag, token_counts=counts, prompt_mask=prompt, out=out)
+        return sample(
+            logits, buf, mode=every_flag, token_counts=counts, prompt_mask=prompt, out=out
+        )
 
     buf.fill(_random_rows(n, 0))
     side = torch.cuda.Stream()
@@ -573,7 +675,16 @@ def test_cuda_graph_replay_matches_eager() -> None:
         replayed = out.clone()
         eager = sample(logits, buf, mode=every_flag, token_counts=counts, prompt_mask=prompt)
         assert torch.equal(replayed, eager)
-        alone = sample(logits[:n], buf, mode=SamplerMode.of(rows), token_counts=counts[:n], prompt_mask=prompt[:n])
+        alone = sample(
+            logits[:n],
+            buf,
+            mode=SamplerMode.of(rows),
+            token_counts=counts[:n],
+            prompt_mask=prompt[:n],
+        )
         assert torch.equal(alone, eager[:n])
         # The noise is integer arithmetic: bitwise the same on both devices.
-        assert torch.equal(_uniform(buf.seed, buf.counter, 1000).cpu(), _uniform(buf.seed.cpu(), buf.counter.cpu(), 1000))
+        assert torch.equal(
+            _uniform(buf.seed, buf.counter, 1000).cpu(),
+            _uniform(buf.seed.cpu(), buf.counter.cpu(), 1000),
+        )

@@ -36,7 +36,11 @@ async def test_seeded_sampling_is_reproducible(tiny: Tiny, make_engine: Any) -> 
 async def test_top_p_tiny_is_greedy(tiny: Tiny, make_engine: Any) -> None:
     eng = make_engine()
     ids = tiny.encode(PROMPTS[0])
-    got = tokens(await collect(eng.submit(request("t", ids, "beta", temperature=1.0, top_p=1e-6, seed=1, max_tokens=6))))
+    got = tokens(
+        await collect(
+            eng.submit(request("t", ids, "beta", temperature=1.0, top_p=1e-6, seed=1, max_tokens=6))
+        )
+    )
     assert got == tiny.ref.greedy(list(ids), "beta", 6)
 
 
@@ -49,7 +53,11 @@ async def test_stop_sequence_truncates_text(tiny: Tiny, make_engine: Any) -> Non
             ids = tiny.encode(prompt)
             full = await collect(eng.submit(request("f", ids, name, max_tokens=20)))
             text = "".join(e.text for e in full)
-            cands = [i for i in range(1, len(text) - 2) if "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i]
+            cands = [
+                i
+                for i in range(1, len(text) - 2)
+                if "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i
+            ]
             if cands:
                 break
         if cands:
@@ -57,7 +65,9 @@ async def test_stop_sequence_truncates_text(tiny: Tiny, make_engine: Any) -> Non
     assert cands, "no usable output text"
     cut = cands[0]
     stop = text[cut : cut + 2]
-    stopped = await collect(eng.submit(request("s", ids, name, max_tokens=20, stop=(stop, "never-there"))))
+    stopped = await collect(
+        eng.submit(request("s", ids, name, max_tokens=20, stop=(stop, "never-there")))
+    )
     assert stopped[-1].finish_reason == "stop"
     assert "".join(e.text for e in stopped) == text[:cut]
     assert len(stopped) < len(full)
@@ -93,7 +103,9 @@ async def test_abandoned_iteration_cancels(tiny: Tiny, make_engine: Any) -> None
 async def test_deadline_cancels(tiny: Tiny, make_engine: Any) -> None:
     eng = make_engine()
     ids = tiny.encode(PROMPTS[0])
-    req = GenerationRequest("d", ids, None, SamplingParams(max_tokens=200), deadline=time.monotonic() - 1)
+    req = GenerationRequest(
+        "d", ids, None, SamplingParams(max_tokens=200), deadline=time.monotonic() - 1
+    )
     events = await collect(eng.submit(req))
     assert events[-1].finish_reason == "cancelled"
 
@@ -121,7 +133,9 @@ async def test_max_model_len_ends_with_length(tiny: Tiny, make_engine: Any) -> N
         ("stop", {"stop": ("",)}, (1, 2)),
     ],
 )
-async def test_invalid_requests_name_the_field(make_engine: Any, field: str, kw: dict[str, Any], ids: tuple[int, ...]) -> None:
+async def test_invalid_requests_name_the_field(
+    make_engine: Any, field: str, kw: dict[str, Any], ids: tuple[int, ...]
+) -> None:
     eng = make_engine()
     with pytest.raises(InvalidRequestError) as err:
         eng.submit(request("bad", ids, None, **kw))

@@ -204,7 +204,9 @@ async def test_cancel_frees_the_engine_sequence_on_the_tiny_model(
             "finish_reasons": ["cancelled"],
             "usage": None,
         }
-        await async_wait_until(lambda: engine.stats().num_running == 0 and server.service.inflight == 0, TIMEOUT)
+        await async_wait_until(
+            lambda: engine.stats().num_running == 0 and server.service.inflight == 0, TIMEOUT
+        )
         assert engine.stats().kv_cache_usage == 0.0
         # The socket stays open and the engine serves the next request.
         await ws.send(json.dumps({"id": "next", "prompt": "Hi", "max_tokens": 2}))
@@ -314,7 +316,9 @@ async def test_client_close_mid_stream_cancels_every_request(start_server: Start
             await ws.send(json.dumps({"id": cid, "prompt": "hi", "max_tokens": 100}))
         await recv(ws)
         await async_wait_until(lambda: len(engine.running) == 2, TIMEOUT)
-    await async_wait_until(lambda: len(engine.cancelled) == 2 and server.service.inflight == 0, TIMEOUT)
+    await async_wait_until(
+        lambda: len(engine.cancelled) == 2 and server.service.inflight == 0, TIMEOUT
+    )
     assert not engine.running
     assert (
         metric(server.service, "adaptermesh_websocket_requests_total", outcome="disconnected") == 2
@@ -564,12 +568,16 @@ async def test_plain_http_get_is_426(start_server: StartServer) -> None:
 async def test_metrics_count_sessions_and_requests(start_server: StartServer) -> None:
     server = await start_server()
     async with connect(server.ws_url) as ws:
-        await async_wait_until(lambda: metric(server.service, "adaptermesh_websocket_sessions_open") == 1, TIMEOUT)
+        await async_wait_until(
+            lambda: metric(server.service, "adaptermesh_websocket_sessions_open") == 1, TIMEOUT
+        )
         await ws.send(json.dumps({"id": "a", "prompt": "hi", "max_tokens": 2}))
         await run_one(ws, "a")
         await ws.send(json.dumps({"id": "b", "prompt": "hi", "max_tokens": 0}))
         await run_one(ws, "b")
-    await async_wait_until(lambda: metric(server.service, "adaptermesh_websocket_sessions_open") == 0, TIMEOUT)
+    await async_wait_until(
+        lambda: metric(server.service, "adaptermesh_websocket_sessions_open") == 0, TIMEOUT
+    )
     assert metric(server.service, "adaptermesh_websocket_requests_total", outcome="length") == 1
     assert (
         metric(server.service, "adaptermesh_websocket_requests_total", outcome="invalid_value") == 1

@@ -136,8 +136,14 @@ class FakeStream:
 class FakeEngine:
     model_name = "tiny-base"
 
-    def __init__(self, *, max_batch: int = 8, token_delay: float = 0.0,
-                 max_model_len: int = 128, chat: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        max_batch: int = 8,
+        token_delay: float = 0.0,
+        max_model_len: int = 128,
+        chat: bool = True,
+    ) -> None:
         self.max_model_len = max_model_len
         self.model_config = SimpleNamespace(vocab_size=VOCAB)  # what Engine._validate reads
         self.token_delay = token_delay

@@ -20,24 +20,59 @@ class Deep:
 
 NASTY_TEXT = st.one_of(
     st.text(max_size=12),
-    st.sampled_from(["\ud800", "a\udfffb", "\x00", "a\x00b", "x" * 300, "y" * 5000, "../..",
-                     "/etc/passwd", "ok-path", "alpha", "tiny-base", "", " ", "\u202e", "☃"]),
+    st.sampled_from(
+        [
+            "\ud800",
+            "a\udfffb",
+            "\x00",
+            "a\x00b",
+            "x" * 300,
+            "y" * 5000,
+            "../..",
+            "/etc/passwd",
+            "ok-path",
+            "alpha",
+            "tiny-base",
+            "",
+            " ",
+            "\u202e",
+            "☃",
+        ]
+    ),
 )
-HUGE_INTS = st.one_of(st.integers(min_value=2**63 - 2, max_value=2**80),
-                      st.integers(min_value=-(2**80), max_value=-(2**63)),
-                      st.just(2**70), st.just(10**400))
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-5, 300), HUGE_INTS,
-                    st.floats(allow_nan=True, allow_infinity=True), NASTY_TEXT)
+HUGE_INTS = st.one_of(
+    st.integers(min_value=2**63 - 2, max_value=2**80),
+    st.integers(min_value=-(2**80), max_value=-(2**63)),
+    st.just(2**70),
+    st.just(10**400),
+)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 300),
+    HUGE_INTS,
+    st.floats(allow_nan=True, allow_infinity=True),
+    NASTY_TEXT,
+)
 HOSTILE = st.one_of(
-    st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                 | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=10),
+    st.recursive(
+        SCALARS,
+        lambda inner: (
+            st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+        ),
+        max_leaves=10,
+    ),
     st.integers(min_value=33, max_value=100_000).map(Deep),
 )
-WORDS = st.lists(st.sampled_from(["hello", "world", "a", "b", "x", "z"]), min_size=1,
-                 max_size=6).map(" ".join)
+WORDS = st.lists(
+    st.sampled_from(["hello", "world", "a", "b", "x", "z"]), min_size=1, max_size=6
+).map(" ".join)
 MODELS = st.sampled_from(["tiny-base", "alpha", "beta", "nope"])
-MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
-                                           "content": WORDS}), min_size=1, max_size=3)
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": WORDS}),
+    min_size=1,
+    max_size=3,
+)
 
 SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     "model": MODELS,
@@ -58,18 +93,33 @@ SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     "user": WORDS,
 }
 FIELDS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
-    "/v1/completions": {**SAMPLING, "prompt": st.one_of(
-        WORDS, st.lists(st.integers(0, 999), min_size=1, max_size=20))},
-    "/v1/chat/completions": {**SAMPLING, "messages": MESSAGES,
-                             "max_completion_tokens": st.integers(1, 8)},
-    "/v1/load_lora_adapter": {"lora_name": st.sampled_from(["alpha", "delta", "x1"]),
-                              "lora_path": st.sampled_from(["ok-a", "ok/b", "missing"])},
+    "/v1/completions": {
+        **SAMPLING,
+        "prompt": st.one_of(WORDS, st.lists(st.integers(0, 999), min_size=1, max_size=20)),
+    },
+    "/v1/chat/completions": {
+        **SAMPLING,
+        "messages": MESSAGES,
+        "max_completion_tokens": st.integers(1, 8),
+    },
+    "/v1/load_lora_adapter": {
+        "lora_name": st.sampled_from(["alpha", "delta", "x1"]),
+        "lora_path": st.sampled_from(["ok-a", "ok/b", "missing"]),
+    },
     "/v1/unload_lora_adapter": {"lora_name": st.sampled_from(["alpha", "delta", "x1"])},
 }
 # Errors about the body as a whole name no field.
-BODY_LEVEL_CODES = {"invalid_json", "json_too_deep", "too_many_values", "payload_too_large",
-                    "invalid_body", "queue_full", "engine_overloaded", "not_found",
-                    "method_not_allowed"}
+BODY_LEVEL_CODES = {
+    "invalid_json",
+    "json_too_deep",
+    "too_many_values",
+    "payload_too_large",
+    "invalid_body",
+    "queue_full",
+    "engine_overloaded",
+    "not_found",
+    "method_not_allowed",
+}
 
 
 def encode(body: Any) -> bytes:
@@ -93,8 +143,11 @@ def bodies(draw: st.DrawFn, path: str) -> bytes:
     if kind == "not_object":
         return encode(draw(HOSTILE))
     if kind == "broken":
-        return draw(st.sampled_from([b"", b"{", b"{\"prompt\": ", b"\xff\xfe", b"nul\x00l",
-                                     b"[" * 5000, b"{\"a\":" * 5000]))
+        return draw(
+            st.sampled_from(
+                [b"", b"{", b'{"prompt": ', b"\xff\xfe", b"nul\x00l", b"[" * 5000, b'{"a":' * 5000]
+            )
+        )
     fields = FIELDS[path]
     body: dict[str, Any] = {}
     for name in draw(st.lists(st.sampled_from(sorted(fields)), unique=True)):

@@ -14,26 +14,32 @@ BODY = {"model": "alpha", "prompt": "hello", "max_tokens": 2}
 
 async def test_the_version_header_picks_the_versioned_adapter(server: Server) -> None:
     server.engine.on_disk.add("alpha@2.0.0")
-    r = await server.client.post("/v1/completions", json=BODY,
-                                 headers={"x-adapter-version": "2.0.0"})
+    r = await server.client.post(
+        "/v1/completions", json=BODY, headers={"x-adapter-version": "2.0.0"}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "alpha@2.0.0"
     assert server.engine.submitted[-1].adapter == "alpha@2.0.0"
     # The base model has no versions; a name that already carries one keeps it.
-    r = await server.client.post("/v1/completions", json={**BODY, "model": "tiny-base"},
-                                 headers={"x-adapter-version": "2.0.0"})
+    r = await server.client.post(
+        "/v1/completions",
+        json={**BODY, "model": "tiny-base"},
+        headers={"x-adapter-version": "2.0.0"},
+    )
     assert r.status_code == 200, r.text
     assert server.engine.submitted[-1].adapter is None
-    r = await server.client.post("/v1/completions", json={**BODY, "model": "alpha@2.0.0"},
-                                 headers={"x-adapter-version": "9"})
+    r = await server.client.post(
+        "/v1/completions", json={**BODY, "model": "alpha@2.0.0"}, headers={"x-adapter-version": "9"}
+    )
     assert r.status_code == 200, r.text
     assert server.engine.submitted[-1].adapter == "alpha@2.0.0"
 
 
 async def test_a_bad_version_header_names_the_header(server: Server) -> None:
     before = len(server.engine.submitted)
-    r = await server.client.post("/v1/completions", json=BODY,
-                                 headers={"x-adapter-version": "../etc"})
+    r = await server.client.post(
+        "/v1/completions", json=BODY, headers={"x-adapter-version": "../etc"}
+    )
     assert r.status_code == 422
     err = r.json()["error"]
     assert err["param"] == "x-adapter-version"
@@ -42,14 +48,16 @@ async def test_a_bad_version_header_names_the_header(server: Server) -> None:
 
 async def test_per_adapter_series_and_injected_faults(server: Server) -> None:
     server.engine.on_disk.add("alpha@2.0.0")
-    r = await server.client.post("/v1/admin/faults",
-                                 json={"adapter": "alpha@2.0.0", "error_rate": 0.25})
+    r = await server.client.post(
+        "/v1/admin/faults", json={"adapter": "alpha@2.0.0", "error_rate": 0.25}
+    )
     assert r.status_code == 200, r.text
     assert r.json() == {"faults": {"alpha@2.0.0": 0.25}}
     codes = []
     for _ in range(20):
-        r = await server.client.post("/v1/completions", json=BODY,
-                                     headers={"x-adapter-version": "2.0.0"})
+        r = await server.client.post(
+            "/v1/completions", json=BODY, headers={"x-adapter-version": "2.0.0"}
+        )
         codes.append(r.status_code)
         if r.status_code != 200:
             assert r.json()["error"]["code"] == "injected_fault"
@@ -64,9 +72,13 @@ async def test_per_adapter_series_and_injected_faults(server: Server) -> None:
     assert got["alpha@2.0.0"].ttft_count == 15
     assert (got["alpha"].requests, got["alpha"].errors) == (3, 0)
     names = {f.name for f in text_string_to_metric_families(text)}
-    assert {"adaptermesh_adapter_requests", "adaptermesh_adapter_time_to_first_token_seconds"} <= names
-    r = await server.client.post("/v1/admin/faults",
-                                 json={"adapter": "alpha@2.0.0", "error_rate": 0})
+    assert {
+        "adaptermesh_adapter_requests",
+        "adaptermesh_adapter_time_to_first_token_seconds",
+    } <= names
+    r = await server.client.post(
+        "/v1/admin/faults", json={"adapter": "alpha@2.0.0", "error_rate": 0}
+    )
     assert r.json() == {"faults": {}}
 
 
@@ -75,10 +87,12 @@ async def test_fault_input_is_checked_and_needs_the_admin_token(start_server: St
     r = await s.client.post("/v1/admin/faults", json={"adapter": "a", "error_rate": 0.5})
     assert r.status_code == 401
     auth = {"Authorization": "Bearer sekret"}
-    for body, param in [({"adapter": "", "error_rate": 0.5}, "adapter"),
-                        ({"adapter": "a", "error_rate": 1.5}, "error_rate"),
-                        ({"adapter": "a", "error_rate": "x"}, "error_rate"),
-                        ({"adapter": "a", "error_rate": True}, "error_rate")]:
+    for body, param in [
+        ({"adapter": "", "error_rate": 0.5}, "adapter"),
+        ({"adapter": "a", "error_rate": 1.5}, "error_rate"),
+        ({"adapter": "a", "error_rate": "x"}, "error_rate"),
+        ({"adapter": "a", "error_rate": True}, "error_rate"),
+    ]:
         r = await s.client.post("/v1/admin/faults", json=body, headers=auth)
         assert r.status_code == 422, body
         assert r.json()["error"]["param"] == param

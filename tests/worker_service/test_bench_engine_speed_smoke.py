@@ -15,23 +15,37 @@ SPEED = BENCH_DIR / "bench_engine_speed.py"
 SERVICE = BENCH_DIR / "bench_service.py"
 SECTIONS = ("batch1", "batch64", "sampling", "prefix", "capacity", "step_split", "hf_static")
 TARGET_ROWS = {
-    "batch1_backbone_ms_per_token", "batch1_lora_r16_all7_vs_backbone", "batch64_64_distinct_tok_s",
-    "batch64_64_vs_1", "sampling_t1_p09_vs_greedy", "kv_sequences_2048ctx_40GB",
+    "batch1_backbone_ms_per_token",
+    "batch1_lora_r16_all7_vs_backbone",
+    "batch64_64_distinct_tok_s",
+    "batch64_64_vs_1",
+    "sampling_t1_p09_vs_greedy",
+    "kv_sequences_2048ctx_40GB",
     "prefix_ttft_cold_over_warm",
 }
 
 
 def test_bench_engine_speed_help() -> None:
-    proc = subprocess.run([sys.executable, str(SPEED), "--help"], capture_output=True, text=True,
-                          timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(SPEED), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--tiny" in proc.stdout
     assert "--budget-s" in proc.stdout
 
 
 def test_bench_engine_speed_rejects_unknown_section() -> None:
-    proc = subprocess.run([sys.executable, str(SPEED), "--only", "nonsense"], capture_output=True,
-                          text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(SPEED), "--only", "nonsense"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 2
     assert "unknown section" in proc.stderr
 
@@ -39,8 +53,13 @@ def test_bench_engine_speed_rejects_unknown_section() -> None:
 @pytest.mark.slow
 def test_bench_engine_speed_tiny(tmp_path: Path) -> None:
     out = tmp_path / "speed.json"
-    proc = subprocess.run([sys.executable, str(SPEED), "--tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(SPEED), "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
 
@@ -79,9 +98,26 @@ def test_bench_engine_speed_tiny(tmp_path: Path) -> None:
 def test_bench_service_mix_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "mix.json"
     proc = subprocess.run(
-        [sys.executable, str(SERVICE), "--mix", "--device", "cpu", "--adapters", "4",
-         "--mix-capacity-s", "2", "--mix-run-s", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=240, check=False)
+        [
+            sys.executable,
+            str(SERVICE),
+            "--mix",
+            "--device",
+            "cpu",
+            "--adapters",
+            "4",
+            "--mix-capacity-s",
+            "2",
+            "--mix-run-s",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["capacity"]["output_tok_s"] > 0
@@ -90,7 +126,10 @@ def test_bench_service_mix_cpu_smoke(tmp_path: Path) -> None:
     assert load["status_counts"] == {"200": load["requests"]}
     assert load["ttft_ms"]["p50"] <= load["ttft_ms"]["p95"] <= load["ttft_ms"]["p99"]
     assert report["floor"]["bound_output_tok_s"] >= report["floor"]["serial_estimate_output_tok_s"]
-    assert set(report["targets"]) == {"http_capacity_output_tok_s", "http_tpot_p95_at_80pct_ms",
-                                      "http_ttft_p95_at_80pct_ms"}
+    assert set(report["targets"]) == {
+        "http_capacity_output_tok_s",
+        "http_tpot_p95_at_80pct_ms",
+        "http_ttft_p95_at_80pct_ms",
+    }
     for row in report["targets"].values():
         assert {"value", "target", "met"} <= set(row)

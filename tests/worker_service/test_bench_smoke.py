@@ -17,9 +17,29 @@ BENCH = Path(__file__).parents[2] / "bench" / "bench_service.py"
 def test_bench_service_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "service.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--device", "cpu", "--adapters", "4", "--batch", "4",
-         "--fractions", "0.25", "--duration", "1", "--cal-waves", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=240, check=False)
+        [
+            sys.executable,
+            str(BENCH),
+            "--device",
+            "cpu",
+            "--adapters",
+            "4",
+            "--batch",
+            "4",
+            "--fractions",
+            "0.25",
+            "--duration",
+            "1",
+            "--cal-waves",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["capacity"]["req_s"] > 0

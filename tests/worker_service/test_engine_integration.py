@@ -49,12 +49,20 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return model, root
 
 
-CANDIDATES = ("Once upon a time", "adapters", "1 2 3", "GPU workers batch", "hello world",
-              "def add(a, b):", "The quick brown fox")
+CANDIDATES = (
+    "Once upon a time",
+    "adapters",
+    "1 2 3",
+    "GPU workers batch",
+    "hello world",
+    "def add(a, b):",
+    "The quick brown fox",
+)
 
 
-async def long_running(engine: Engine, max_tokens: int,
-                       exclude: tuple[str | None, str] | None = None) -> tuple[str | None, str]:
+async def long_running(
+    engine: Engine, max_tokens: int, exclude: tuple[str | None, str] | None = None
+) -> tuple[str | None, str]:
     """An (adapter, prompt) pair whose greedy output runs to ``max_tokens`` without EOS.
 
     The tiny model has random weights, so which continuations hit EOS early is found, not
@@ -64,8 +72,7 @@ async def long_running(engine: Engine, max_tokens: int,
         for adapter in (None, *ADAPTERS):
             if (adapter, prompt) == exclude:
                 continue
-            _, n, reason = await direct_greedy(engine, engine.tokenize(prompt), adapter,
-                                               max_tokens)
+            _, n, reason = await direct_greedy(engine, engine.tokenize(prompt), adapter, max_tokens)
             if reason == "length" and n == max_tokens:
                 return adapter, prompt
     raise AssertionError(f"no candidate runs {max_tokens} tokens without EOS")
@@ -73,14 +80,19 @@ async def long_running(engine: Engine, max_tokens: int,
 
 def engine_for(files: tuple[Path, Path], **config: int) -> Engine:
     model, root = files
-    return Engine(model, root, device="cpu", dtype="float32",
-                  config=EngineConfig(**config), model_name="tiny")
+    return Engine(
+        model, root, device="cpu", dtype="float32", config=EngineConfig(**config), model_name="tiny"
+    )
 
 
-async def direct_greedy(engine: Engine, prompt_ids: list[int], adapter: str | None,
-                        max_tokens: int) -> tuple[str, int, str]:
-    stream = engine.submit(GenerationRequest(f"direct-{adapter}", tuple(prompt_ids), adapter,
-                                             SamplingParams(max_tokens=max_tokens)))
+async def direct_greedy(
+    engine: Engine, prompt_ids: list[int], adapter: str | None, max_tokens: int
+) -> tuple[str, int, str]:
+    stream = engine.submit(
+        GenerationRequest(
+            f"direct-{adapter}", tuple(prompt_ids), adapter, SamplingParams(max_tokens=max_tokens)
+        )
+    )
     text, n, reason = "", 0, ""
     async for event in stream:
         text += event.text
@@ -98,17 +110,20 @@ async def test_openai_client_matches_engine_greedy_output(
     ids = engine.tokenize(PROMPT)
     try:
         for model in ("tiny", *ADAPTERS):
-            expected, n, reason = await direct_greedy(engine, ids, None if model == "tiny"
-                                                      else model, 24)
-            got = await client.completions.create(model=model, prompt=PROMPT, max_tokens=24,
-                                                  temperature=0)
+            expected, n, reason = await direct_greedy(
+                engine, ids, None if model == "tiny" else model, 24
+            )
+            got = await client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=24, temperature=0
+            )
             assert got.choices[0].text == expected, model
             assert got.choices[0].finish_reason == reason
             assert got.usage is not None
             assert got.usage.completion_tokens == n
             assert got.usage.prompt_tokens == len(ids)
-            stream = await client.completions.create(model=model, prompt=PROMPT, max_tokens=24,
-                                                     temperature=0, stream=True)
+            stream = await client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True
+            )
             pieces, reasons = [], []
             async for chunk in stream:
                 pieces.append(chunk.choices[0].text)
@@ -124,19 +139,24 @@ async def test_openai_client_matches_engine_greedy_output(
         chat_ids = engine.apply_chat_template(messages)
         assert chat_ids is not None
         expected, n, _ = await direct_greedy(engine, chat_ids, "a2", 16)
-        chat = await client.chat.completions.create(model="a2", messages=messages,
-                                                    max_tokens=16, temperature=0)
+        chat = await client.chat.completions.create(
+            model="a2", messages=messages, max_tokens=16, temperature=0
+        )
         assert chat.choices[0].message.content == expected
         assert chat.usage is not None
         assert chat.usage.completion_tokens == n
-        chunks = await client.chat.completions.create(model="a2", messages=messages,
-                                                      max_tokens=16, temperature=0, stream=True)
+        chunks = await client.chat.completions.create(
+            model="a2", messages=messages, max_tokens=16, temperature=0, stream=True
+        )
         text = "".join([c.choices[0].delta.content or "" async for c in chunks])
         assert text == expected
         # Token-id prompts and a concurrent mixed batch give the same answers.
-        results = await asyncio.gather(*[
-            client.completions.create(model=m, prompt=ids, max_tokens=24, temperature=0)
-            for m in ("tiny", *ADAPTERS) * 2])
+        results = await asyncio.gather(
+            *[
+                client.completions.create(model=m, prompt=ids, max_tokens=24, temperature=0)
+                for m in ("tiny", *ADAPTERS) * 2
+            ]
+        )
         for m, r in zip(("tiny", *ADAPTERS) * 2, results, strict=True):
             exp = (await direct_greedy(engine, ids, None if m == "tiny" else m, 24))[0]
             assert r.choices[0].text == exp, m
@@ -151,11 +171,9 @@ async def test_flooding_tenant_gets_429_while_quiet_tenant_goes_ahead_of_its_bac
     model_files, start_server: StartServer
 ) -> None:
     engine = engine_for(model_files, max_num_seqs=2)
-    s = await start_server(engine, max_running=2, max_waiting_per_tenant=3,
-                           max_waiting_total=64)
+    s = await start_server(engine, max_running=2, max_waiting_per_tenant=3, max_waiting_total=64)
     adapter, prompt = await long_running(engine, 96)
-    flood_body = {"model": adapter or "tiny", "prompt": prompt, "max_tokens": 96,
-                  "temperature": 0}
+    flood_body = {"model": adapter or "tiny", "prompt": prompt, "max_tokens": 96, "temperature": 0}
     quiet_body = {"model": "a0", "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
 
     # The order in which answers come back (an ordering, not a time: a loaded CI machine
@@ -201,8 +219,9 @@ async def test_disconnect_mid_stream_frees_the_slot(model_files, start_server: S
     try:
         adapter, prompt = await long_running(engine, 900)
         before = engine.stats().generated_tokens
-        stream = await client.completions.create(model=adapter or "tiny", prompt=prompt,
-                                                 max_tokens=900, temperature=0, stream=True)
+        stream = await client.completions.create(
+            model=adapter or "tiny", prompt=prompt, max_tokens=900, temperature=0, stream=True
+        )
         seen = 0
         async for _chunk in stream:
             seen += 1
@@ -213,8 +232,7 @@ async def test_disconnect_mid_stream_frees_the_slot(model_files, start_server: S
         await wait_until(lambda: engine.stats().num_running == 0)
         generated = engine.stats().generated_tokens
         assert generated - before < 900
-        r = await client.completions.create(model="a0", prompt=PROMPT, max_tokens=8,
-                                            temperature=0)
+        r = await client.completions.create(model="a0", prompt=PROMPT, max_tokens=8, temperature=0)
         assert r.choices[0].finish_reason in ("length", "stop")
         # Nothing ran for the lost client: the engine generated this answer's tokens only.
         assert r.usage is not None
@@ -231,8 +249,9 @@ async def test_metrics_from_the_real_engine(model_files, start_server: StartServ
     s = await start_server(engine)
     try:
         for name in ADAPTERS:  # three adapters through two GPU slots: a miss each, an eviction
-            r = await s.client.post("/v1/completions", json={
-                "model": name, "prompt": PROMPT, "max_tokens": 8})
+            r = await s.client.post(
+                "/v1/completions", json={"model": name, "prompt": PROMPT, "max_tokens": 8}
+            )
             assert r.status_code == 200
         r = await s.client.get("/metrics")
         families = {f.name: f for f in text_string_to_metric_families(r.text)}
@@ -272,23 +291,28 @@ async def test_load_and_unload_under_concurrent_traffic_loses_no_request(
     names = [*ADAPTERS, "hot"]
 
     async def traffic(i: int) -> httpx.Response:
-        return await s.client.post("/v1/completions", json={
-            "model": names[i % len(names)], "prompt": PROMPT, "max_tokens": 12},
-            headers={"x-tenant-id": f"t{i % 3}"})
+        return await s.client.post(
+            "/v1/completions",
+            json={"model": names[i % len(names)], "prompt": PROMPT, "max_tokens": 12},
+            headers={"x-tenant-id": f"t{i % 3}"},
+        )
 
     async def churn() -> list[int]:
         codes = []
         for i in range(6):
             path = "hot" if i % 2 == 0 else "a2"  # reload "hot" with different weights
-            r = await s.client.post("/v1/load_lora_adapter", headers=admin,
-                                    json={"lora_name": "hot", "lora_path": path})
+            r = await s.client.post(
+                "/v1/load_lora_adapter", headers=admin, json={"lora_name": "hot", "lora_path": path}
+            )
             codes.append(r.status_code)
             await asyncio.sleep(0.02)
-            r = await s.client.post("/v1/unload_lora_adapter", headers=admin,
-                                    json={"lora_name": "hot"})
+            r = await s.client.post(
+                "/v1/unload_lora_adapter", headers=admin, json={"lora_name": "hot"}
+            )
             codes.append(r.status_code)
-        r = await s.client.post("/v1/load_lora_adapter", headers=admin,
-                                json={"lora_name": "hot", "lora_path": "hot"})
+        r = await s.client.post(
+            "/v1/load_lora_adapter", headers=admin, json={"lora_name": "hot", "lora_path": "hot"}
+        )
         codes.append(r.status_code)
         return codes
 
@@ -296,9 +320,9 @@ async def test_load_and_unload_under_concurrent_traffic_loses_no_request(
         results = await asyncio.gather(churn(), *[traffic(i) for i in range(40)])
         admin_codes, responses = results[0], results[1:]
         assert all(r.status_code == 200 for r in responses), [
-            (r.status_code, r.text) for r in responses if r.status_code != 200]
-        assert all(r.json()["choices"][0]["finish_reason"] in ("length", "stop")
-                   for r in responses)
+            (r.status_code, r.text) for r in responses if r.status_code != 200
+        ]
+        assert all(r.json()["choices"][0]["finish_reason"] in ("length", "stop") for r in responses)
         # An unload can race with an on-demand load of "hot" by traffic; both outcomes are
         # valid (404 means traffic had not loaded it yet), but loads always succeed.
         assert all(c == 200 for c in admin_codes[::2])
@@ -311,22 +335,25 @@ async def test_load_and_unload_under_concurrent_traffic_loses_no_request(
         await engine.shutdown()
 
 
-@pytest.mark.parametrize(("path", "body", "status", "param"), [
-    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
-    ("/v1/completions", {"model": "broken", "prompt": "x"}, 422, "model"),
-    ("/v1/completions", {"model": "../etc", "prompt": "x"}, 422, "model"),
-    ("/v1/completions", {"prompt": [5000]}, 422, "prompt"),
-    ("/v1/completions", {"prompt": "word " * 1100}, 413, "prompt"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 422, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 422, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "temperature": [1]}, 422, "temperature"),
-    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../outside"}, 422, "lora_path"),
-    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, 422, "lora_path"),
-    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "missing"}, 404, "lora_path"),
-    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "broken"}, 422, "lora_path"),
-    ("/v1/load_lora_adapter", {"lora_name": "bad name!", "lora_path": "a0"}, 422, "lora_name"),
-    ("/v1/unload_lora_adapter", {"lora_name": "a0"}, 404, "lora_name"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+        ("/v1/completions", {"model": "broken", "prompt": "x"}, 422, "model"),
+        ("/v1/completions", {"model": "../etc", "prompt": "x"}, 422, "model"),
+        ("/v1/completions", {"prompt": [5000]}, 422, "prompt"),
+        ("/v1/completions", {"prompt": "word " * 1100}, 413, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 422, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 422, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "temperature": [1]}, 422, "temperature"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../outside"}, 422, "lora_path"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, 422, "lora_path"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "missing"}, 404, "lora_path"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "broken"}, 422, "lora_path"),
+        ("/v1/load_lora_adapter", {"lora_name": "bad name!", "lora_path": "a0"}, 422, "lora_name"),
+        ("/v1/unload_lora_adapter", {"lora_name": "a0"}, 404, "lora_name"),
+    ],
+)
 async def test_bad_input_against_the_real_engine(
     model_files, start_server: StartServer, path, body, status, param
 ) -> None:
@@ -338,8 +365,9 @@ async def test_bad_input_against_the_real_engine(
         error = r.json()["error"]
         assert error["param"] == param
         assert param in error["message"]
-        ok = await s.client.post("/v1/completions", json={"model": "a0", "prompt": PROMPT,
-                                                          "max_tokens": 4})
+        ok = await s.client.post(
+            "/v1/completions", json={"model": "a0", "prompt": PROMPT, "max_tokens": 4}
+        )
         assert ok.status_code == 200
         assert {a.name for a in engine.list_adapters()} == {"a0"}
     finally:
@@ -356,11 +384,30 @@ async def test_cli_serves_and_drains_on_sigterm(model_files, tmp_path: Path) -> 
     adapter, prompt = await long_running(probe, 400)
     await probe.shutdown()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", "import sys; from adaptermesh.cli.main import main; sys.exit(main())",
-        "worker", "--model", str(model), "--adapter-root", str(root), "--port", "0",
-        "--host", "127.0.0.1", "--device", "cpu", "--admin-token-file", str(token),
-        "--max-num-seqs", "2", "--drain-timeout", "30", "--log-level", "WARNING",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-c",
+        "import sys; from adaptermesh.cli.main import main; sys.exit(main())",
+        "worker",
+        "--model",
+        str(model),
+        "--adapter-root",
+        str(root),
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--device",
+        "cpu",
+        "--admin-token-file",
+        str(token),
+        "--max-num-seqs",
+        "2",
+        "--drain-timeout",
+        "30",
+        "--log-level",
+        "WARNING",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
         assert proc.stdout is not None
@@ -370,14 +417,24 @@ async def test_cli_serves_and_drains_on_sigterm(model_files, tmp_path: Path) -> 
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             r = await c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "a0"})
             assert r.status_code == 401
-            r = await c.post("/v1/load_lora_adapter", headers={"Authorization": "Bearer cli-secret"},
-                             json={"lora_name": "x", "lora_path": adapter or "a0"})
+            r = await c.post(
+                "/v1/load_lora_adapter",
+                headers={"Authorization": "Bearer cli-secret"},
+                json={"lora_name": "x", "lora_path": adapter or "a0"},
+            )
             assert r.status_code == 200
             events: list[str] = []
-            async with c.stream("POST", "/v1/completions", json={
-                "model": "x" if adapter else "tiny", "prompt": prompt, "max_tokens": 400,
-                "temperature": 0,
-                "stream": True}) as stream:
+            async with c.stream(
+                "POST",
+                "/v1/completions",
+                json={
+                    "model": "x" if adapter else "tiny",
+                    "prompt": prompt,
+                    "max_tokens": 400,
+                    "temperature": 0,
+                    "stream": True,
+                },
+            ) as stream:
                 async for line in stream.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -412,8 +469,19 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "--model" in capsys.readouterr().err
     empty = tmp_path / "token"
     empty.write_text("  \n")
-    assert main(["--model", str(tmp_path), "--adapter-root", str(tmp_path),
-                 "--admin-token-file", str(empty)]) == 2
+    assert (
+        main(
+            [
+                "--model",
+                str(tmp_path),
+                "--adapter-root",
+                str(tmp_path),
+                "--admin-token-file",
+                str(empty),
+            ]
+        )
+        == 2
+    )
     assert "empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path), "--adapter-root", str(tmp_path), "--port", "70000"])

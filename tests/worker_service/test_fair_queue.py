@@ -135,8 +135,9 @@ async def test_wait_returns_once_admitted() -> None:
 
 async def test_idle_tenants_are_reported_then_forgotten() -> None:
     now = [0.0]
-    q = FairQueue(max_running=1, max_waiting_per_tenant=4, max_waiting_total=4,
-                  clock=lambda: now[0])
+    q = FairQueue(
+        max_running=1, max_waiting_per_tenant=4, max_waiting_total=4, clock=lambda: now[0]
+    )
     t = q.submit("a")
     q.release(t)
     assert q.snapshot()["a"].running == 0
@@ -163,12 +164,14 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, max_running=st.integers(1, 4), per_tenant=st.integers(0, 5),
-       total=st.integers(0, 12))
+@given(
+    ops=ops, max_running=st.integers(1, 4), per_tenant=st.integers(0, 5), total=st.integers(0, 12)
+)
 def test_invariants_hold_under_any_sequence(ops, max_running, per_tenant, total) -> None:
     async def body() -> None:
-        q = FairQueue(max_running=max_running, max_waiting_per_tenant=per_tenant,
-                      max_waiting_total=total)
+        q = FairQueue(
+            max_running=max_running, max_waiting_per_tenant=per_tenant, max_waiting_total=total
+        )
         tickets: list[Ticket] = []
         for op, tenant, cost, pick in ops:
             if op == "submit":

@@ -21,8 +21,9 @@ from adaptermesh.httpserve import ListenerLimits, raise_fd_limit, serve_app
 
 from .conftest import StartServer
 
-FAST = ListenerLimits(header_timeout_s=0.3, body_timeout_s=0.3, keepalive_timeout_s=5.0,
-                      lingering_time_s=0.2)
+FAST = ListenerLimits(
+    header_timeout_s=0.3, body_timeout_s=0.3, keepalive_timeout_s=5.0, lingering_time_s=0.2
+)
 
 
 async def raw_request(port: int, data: bytes, *, timeout: float = 5.0) -> tuple[int, dict]:
@@ -40,8 +41,9 @@ async def raw_request(port: int, data: bytes, *, timeout: float = 5.0) -> tuple[
     return status, json.loads(body)
 
 
-async def stalled(port: int, n: int, data: bytes = b"GET /health HTTP/1.1\r\nHost: x\r\n"
-                  ) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+async def stalled(
+    port: int, n: int, data: bytes = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
     conns = []
     for _ in range(n):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -62,8 +64,9 @@ def port_of(server) -> int:
 
 
 # --------------------------------------------------------------------------------- deadlines
-async def test_partial_headers_get_408_json_at_the_header_deadline(start_server: StartServer
-                                                                    ) -> None:
+async def test_partial_headers_get_408_json_at_the_header_deadline(
+    start_server: StartServer,
+) -> None:
     server = await start_server(listener=FAST)
     started = time.monotonic()
     status, body = await raw_request(port_of(server), b"GET /health HTTP/1.1\r\nHost: x\r\n")
@@ -74,16 +77,19 @@ async def test_partial_headers_get_408_json_at_the_header_deadline(start_server:
 
 async def test_slow_body_gets_408_json_at_the_body_deadline(start_server: StartServer) -> None:
     server = await start_server(listener=FAST)
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 100\r\n\r\n{\"prompt\":")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt":'
+    )
     status, body = await raw_request(port_of(server), head)
     assert status == 408
     assert body["error"]["code"] == "body_timeout"
     assert (await server.client.get("/health")).status_code == 200
 
 
-async def test_keepalive_connection_is_not_cut_by_the_header_deadline(start_server: StartServer
-                                                                       ) -> None:
+async def test_keepalive_connection_is_not_cut_by_the_header_deadline(
+    start_server: StartServer,
+) -> None:
     server = await start_server(listener=FAST)
     for _ in range(3):
         assert (await server.client.get("/health")).status_code == 200
@@ -92,16 +98,21 @@ async def test_keepalive_connection_is_not_cut_by_the_header_deadline(start_serv
 
 
 # ------------------------------------------------------------------------------ header caps
-@pytest.mark.parametrize(("what", "headers"), [
-    ("one long field", b"X-Big: " + b"a" * 9000 + b"\r\n"),
-    ("too many fields", b"".join(b"X-%d: 1\r\n" % i for i in range(150))),
-    ("too many bytes in all", b"".join(b"X-%d: %s\r\n" % (i, b"b" * 1000) for i in range(40))),
-])
-async def test_oversized_headers_get_431_json(start_server: StartServer, what: str,
-                                              headers: bytes) -> None:
+@pytest.mark.parametrize(
+    ("what", "headers"),
+    [
+        ("one long field", b"X-Big: " + b"a" * 9000 + b"\r\n"),
+        ("too many fields", b"".join(b"X-%d: 1\r\n" % i for i in range(150))),
+        ("too many bytes in all", b"".join(b"X-%d: %s\r\n" % (i, b"b" * 1000) for i in range(40))),
+    ],
+)
+async def test_oversized_headers_get_431_json(
+    start_server: StartServer, what: str, headers: bytes
+) -> None:
     server = await start_server()
-    status, body = await raw_request(port_of(server),
-                                     b"GET /health HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+    status, body = await raw_request(
+        port_of(server), b"GET /health HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n"
+    )
     assert status == 431, what
     assert body["error"]["code"] == "headers_too_large"
     assert (await server.client.get("/health")).status_code == 200
@@ -109,8 +120,9 @@ async def test_oversized_headers_get_431_json(start_server: StartServer, what: s
 
 async def test_long_request_line_gets_431_json(start_server: StartServer) -> None:
     server = await start_server()
-    status, body = await raw_request(port_of(server),
-                                     b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, body = await raw_request(
+        port_of(server), b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
     assert status == 431
     assert body["error"]["type"] == "invalid_request_error"
 
@@ -138,12 +150,16 @@ async def test_at_the_cap_a_stalled_connection_makes_room(start_server: StartSer
         close_all(conns)
 
 
-async def test_at_the_cap_with_no_stalled_connection_new_ones_get_503(start_server: StartServer
-                                                                       ) -> None:
+async def test_at_the_cap_with_no_stalled_connection_new_ones_get_503(
+    start_server: StartServer,
+) -> None:
     server = await start_server(listener=ListenerLimits(max_connections=4))
     # Complete headers, body pending: busy requests, which are never evicted.
-    busy = await stalled(port_of(server), 4, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Length: 50\r\n\r\n{")
+    busy = await stalled(
+        port_of(server),
+        4,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{",
+    )
     try:
         await asyncio.sleep(0.1)
         started = time.monotonic()
@@ -158,8 +174,7 @@ async def test_at_the_cap_with_no_stalled_connection_new_ones_get_503(start_serv
         assert (await fresh.get("/health")).status_code == 200
 
 
-async def test_serving_raises_the_soft_fd_limit_to_the_hard_one(start_server: StartServer
-                                                                ) -> None:
+async def test_serving_raises_the_soft_fd_limit_to_the_hard_one(start_server: StartServer) -> None:
     await start_server()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert soft == hard or hard == resource.RLIM_INFINITY
@@ -194,7 +209,8 @@ async def test_control_plane_metrics_listener_has_the_guards() -> None:
     try:
         port = int(runner.addresses[0][1])
         status, body = await raw_request(
-            port, b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n")
+            port, b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n"
+        )
         assert status == 431
         assert body["error"]["code"] == "headers_too_large"
     finally:
@@ -223,8 +239,11 @@ async def test_agent_app_keeps_its_header_caps_on_a_plain_runner() -> None:
     try:
         port = int(runner.addresses[0][1])
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /healthz HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i
-                                                            for i in range(150)) + b"\r\n")
+        writer.write(
+            b"GET /healthz HTTP/1.1\r\n"
+            + b"".join(b"X-%d: 1\r\n" % i for i in range(150))
+            + b"\r\n"
+        )
         async with asyncio.timeout(5):
             answer = await reader.read()
         writer.close()
@@ -239,15 +258,19 @@ def test_worker_cli_listener_options_default_to_the_listener_limits() -> None:
     base = ["--model", "m", "--adapter-root", "r"]
     args = build_parser().parse_args(base)
     d = ListenerLimits()
-    assert (args.max_connections, args.header_timeout, args.body_timeout,
-            args.keepalive_timeout) == (d.max_connections, d.header_timeout_s,
-                                        d.body_timeout_s, d.keepalive_timeout_s)
+    assert (
+        args.max_connections,
+        args.header_timeout,
+        args.body_timeout,
+        args.keepalive_timeout,
+    ) == (d.max_connections, d.header_timeout_s, d.body_timeout_s, d.keepalive_timeout_s)
     args = build_parser().parse_args([*base, "--max-connections", "64", "--header-timeout", "3"])
     assert (args.max_connections, args.header_timeout) == (64, 3.0)
 
 
 async def test_a_connection_that_sends_nothing_is_closed_without_an_answer(
-        start_server: StartServer) -> None:
+    start_server: StartServer,
+) -> None:
     server = await start_server(listener=FAST)
     reader, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
     try:
@@ -257,20 +280,28 @@ async def test_a_connection_that_sends_nothing_is_closed_without_an_answer(
         writer.close()
 
 
-async def test_evicting_an_idle_kept_alive_connection_sends_no_answer(start_server: StartServer
-                                                                      ) -> None:
+async def test_evicting_an_idle_kept_alive_connection_sends_no_answer(
+    start_server: StartServer,
+) -> None:
     server = await start_server(listener=ListenerLimits(max_connections=2))
     port = port_of(server)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     async with asyncio.timeout(3):
         head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length")))
+        length = int(
+            next(
+                line.split(b":")[1]
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+        )
         await reader.readexactly(length)
     try:
-        async with httpx.AsyncClient(base_url=server.url, timeout=5) as a, \
-                httpx.AsyncClient(base_url=server.url, timeout=5) as b:
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=5) as a,
+            httpx.AsyncClient(base_url=server.url, timeout=5) as b,
+        ):
             assert (await a.get("/health")).status_code == 200
             assert (await b.get("/health")).status_code == 200
         async with asyncio.timeout(3):
@@ -292,16 +323,21 @@ async def test_refused_connections_are_counted_by_reason(start_server: StartServ
     assert 'adaptermesh_http_connections_refused_total{reason="header_timeout"} 1.0' in text
 
 
-async def test_oversized_headers_in_one_read_never_reach_the_handler(start_server: StartServer
-                                                                     ) -> None:
+async def test_oversized_headers_in_one_read_never_reach_the_handler(
+    start_server: StartServer,
+) -> None:
     server = await start_server()
     body = b'{"prompt": "a b", "max_tokens": 2}'
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               + b"".join(b"X-%d: %s\r\n" % (i, b"b" * 1000) for i in range(40))
-               + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + b"".join(b"X-%d: %s\r\n" % (i, b"b" * 1000) for i in range(40))
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
     status, answer = await raw_request(port_of(server), request)
     assert status == 431
     assert answer["error"]["code"] == "headers_too_large"
     assert server.engine.submitted == []
-    assert server.service.metrics.listener_refused.labels(
-        reason="headers_too_large")._value.get() == 1
+    assert (
+        server.service.metrics.listener_refused.labels(reason="headers_too_large")._value.get() == 1
+    )

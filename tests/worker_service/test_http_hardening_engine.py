@@ -39,23 +39,33 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def engine_for(files: tuple[Path, Path]) -> Engine:
     model, root = files
-    return Engine(model, root, device="cpu", dtype="float32",
-                  config=EngineConfig(max_num_seqs=4), model_name="tiny-base")
+    return Engine(
+        model,
+        root,
+        device="cpu",
+        dtype="float32",
+        config=EngineConfig(max_num_seqs=4),
+        model_name="tiny-base",
+    )
 
 
 @pytest.fixture(scope="module")
 def client(model_files: tuple[Path, Path]) -> Iterator[httpx.Client]:
-    with threaded_service(lambda: engine_for(model_files)) as url, \
-            httpx.Client(base_url=url, timeout=60) as c:
+    with (
+        threaded_service(lambda: engine_for(model_files)) as url,
+        httpx.Client(base_url=url, timeout=60) as c,
+    ):
         yield c
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions",
-                                  "/v1/load_lora_adapter"])
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter"]
+)
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
-def test_real_engine_never_answers_5xx(client: httpx.Client, path: str, data: st.DataObject
-                                       ) -> None:
+def test_real_engine_never_answers_5xx(
+    client: httpx.Client, path: str, data: st.DataObject
+) -> None:
     r = client.post(path, content=data.draw(bodies(path)), headers=JSON)
     check_answer(path, r)
     assert client.get("/health").status_code == 200
@@ -75,9 +85,18 @@ def test_100000_deep_array_is_400(client: httpx.Client) -> None:
 
 
 def test_seed_of_2_to_the_70_generates(client: httpx.Client) -> None:
-    r = client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 3,
-                                             "seed": 2**70, "temperature": 1.0, "top_k": 20,
-                                             "min_p": 0.05, "repetition_penalty": 1.1})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "prompt": "hello world",
+            "max_tokens": 3,
+            "seed": 2**70,
+            "temperature": 1.0,
+            "top_k": 20,
+            "min_p": 0.05,
+            "repetition_penalty": 1.1,
+        },
+    )
     assert r.status_code == 200, r.text
 
 
@@ -102,27 +121,34 @@ async def small_requests(client: httpx.AsyncClient, until: asyncio.Task) -> int:
     return during
 
 
-async def test_4mb_prompt_never_stalls_the_loop(model_files: tuple[Path, Path],
-                                                    start_server: StartServer) -> None:
+async def test_4mb_prompt_never_stalls_the_loop(
+    model_files: tuple[Path, Path], start_server: StartServer
+) -> None:
     server = await start_server(engine_for(model_files))
     prompt = ("The quick brown fox jumps over the lazy dog. " * 100_000)[:4_000_000]
     # Longer than max_model_len * max_token_chars: refused before the tokenizer runs.
     # Small requests are answered, each within the probe client's timeout, while the big one
     # is uploaded, parsed and refused; how much they slow down is bench/bench_http_hardening.py's
     # figure.
-    async with httpx.AsyncClient(base_url=server.url, timeout=10) as other, \
-            httpx.AsyncClient(base_url=server.url, timeout=300) as heavy:
-        big = asyncio.create_task(heavy.post("/v1/completions",
-                                             json={"prompt": prompt, "max_tokens": 1}))
+    async with (
+        httpx.AsyncClient(base_url=server.url, timeout=10) as other,
+        httpx.AsyncClient(base_url=server.url, timeout=300) as heavy,
+    ):
+        big = asyncio.create_task(
+            heavy.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        )
         during = await small_requests(other, until=big)
         r = await big
-    assert r.status_code == 413, r.text  # longer than any tokenisation could fit: refused untokenised
+    assert r.status_code == 413, (
+        r.text
+    )  # longer than any tokenisation could fit: refused untokenised
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert during > 0, "no small request was answered while the 4 MB prompt was handled"
 
 
 async def test_a_prompt_longer_than_any_tokenisation_is_refused_untokenised(
-        model_files: tuple[Path, Path], start_server: StartServer) -> None:
+    model_files: tuple[Path, Path], start_server: StartServer
+) -> None:
     engine = engine_for(model_files)
     server = await start_server(engine)
     bound = engine.max_model_len * engine.max_token_chars
@@ -134,12 +160,16 @@ async def test_a_prompt_longer_than_any_tokenisation_is_refused_untokenised(
         return real(text)
 
     engine.tokenize = counting  # type: ignore[method-assign]
-    r = await server.client.post("/v1/completions", json={"prompt": "a" * (bound + 1), "max_tokens": 1})
+    r = await server.client.post(
+        "/v1/completions", json={"prompt": "a" * (bound + 1), "max_tokens": 1}
+    )
     assert r.status_code == 413, r.text
     assert r.json()["error"]["param"] == "prompt"
     assert calls == []  # refused before the tokenizer ran
-    chat = await server.client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "b" * (bound + 1)}], "max_tokens": 1})
+    chat = await server.client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "b" * (bound + 1)}], "max_tokens": 1},
+    )
     assert chat.status_code == 413, chat.text
     assert chat.json()["error"]["param"] == "messages"
     # At the bound the prompt is tokenised as before (and refused only if its tokens overflow).

@@ -17,13 +17,15 @@ from .fakes import FakeEngine, expected_text, word_id
 
 
 def sse_events(body: str) -> list[str]:
-    return [line[len("data: "):] for line in body.split("\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in body.split("\n") if line.startswith("data: ")]
 
 
 # ---------------------------------------------------------------------------------- happy paths
 async def test_completion_matches_engine_output(server: Server) -> None:
-    r = await server.client.post("/v1/completions", json={
-        "model": "tiny-base", "prompt": "hello world", "max_tokens": 5, "temperature": 0})
+    r = await server.client.post(
+        "/v1/completions",
+        json={"model": "tiny-base", "prompt": "hello world", "max_tokens": 5, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     ids = [word_id("hello"), word_id("world")]
@@ -39,8 +41,10 @@ async def test_completion_matches_engine_output(server: Server) -> None:
 
 
 async def test_adapter_is_named_by_model_and_token_prompts_work(server: Server) -> None:
-    r = await server.client.post("/v1/completions", json={
-        "model": "alpha", "prompt": [5, 6, 7], "max_tokens": 3, "seed": 4, "stop": ["zz"]})
+    r = await server.client.post(
+        "/v1/completions",
+        json={"model": "alpha", "prompt": [5, 6, 7], "max_tokens": 3, "seed": 4, "stop": ["zz"]},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == expected_text([5, 6, 7], "alpha", 3)
     req = server.engine.submitted[-1]
@@ -51,8 +55,14 @@ async def test_adapter_is_named_by_model_and_token_prompts_work(server: Server) 
 
 
 async def test_stream_concatenates_to_the_same_text(server: Server) -> None:
-    payload = {"model": "beta", "prompt": "a b c", "max_tokens": 6, "temperature": 0,
-               "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": "beta",
+        "prompt": "a b c",
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     r = await server.client.post("/v1/completions", json=payload)
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
@@ -71,26 +81,36 @@ async def test_stream_concatenates_to_the_same_text(server: Server) -> None:
 async def test_stop_sequence_finishes_with_stop(server: Server) -> None:
     ids = [word_id("x")]
     second = expected_text(ids, None, 2).split()[1]
-    r = await server.client.post("/v1/completions", json={
-        "prompt": "x", "max_tokens": 8, "stop": second})
+    r = await server.client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 8, "stop": second}
+    )
     assert r.json()["choices"][0]["finish_reason"] == "stop"
     assert r.json()["usage"]["completion_tokens"] == 2
 
 
 async def test_chat_completion_and_stream(server: Server) -> None:
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    r = await server.client.post("/v1/chat/completions", json={
-        "model": "tiny-base", "messages": messages, "max_completion_tokens": 4})
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    r = await server.client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny-base", "messages": messages, "max_completion_tokens": 4},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     ids = server.engine.apply_chat_template(
-        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    )
     assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant",
-                                             "content": expected_text(ids, None, 4)}
-    r = await server.client.post("/v1/chat/completions", json={
-        "model": "tiny-base", "messages": messages, "max_tokens": 4, "stream": True})
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": expected_text(ids, None, 4),
+    }
+    r = await server.client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny-base", "messages": messages, "max_tokens": 4, "stream": True},
+    )
     chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -100,8 +120,9 @@ async def test_chat_completion_and_stream(server: Server) -> None:
 
 async def test_chat_without_template_is_refused(start_server: StartServer) -> None:
     s = await start_server(FakeEngine(chat=False))
-    r = await s.client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}]})
+    r = await s.client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages"
 
@@ -166,8 +187,9 @@ async def test_bad_input_names_the_field_and_server_keeps_serving(
     server: Server, payload, status, param
 ) -> None:
     if isinstance(payload, bytes):
-        r = await server.client.post("/v1/completions", content=payload,
-                                     headers={"content-type": "application/json"})
+        r = await server.client.post(
+            "/v1/completions", content=payload, headers={"content-type": "application/json"}
+        )
     else:
         r = await server.client.post("/v1/completions", json=payload)
     assert r.status_code == status, r.text
@@ -181,14 +203,17 @@ async def test_bad_input_names_the_field_and_server_keeps_serving(
     assert ok.status_code == 200
 
 
-@pytest.mark.parametrize(("messages", "param"), [
-    (None, "messages"),
-    ([], "messages"),
-    (["hi"], "messages[0]"),
-    ([{"content": "hi"}], "messages[0].role"),
-    ([{"role": "user", "content": 3}], "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
-])
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        (None, "messages"),
+        ([], "messages"),
+        (["hi"], "messages[0]"),
+        ([{"content": "hi"}], "messages[0].role"),
+        ([{"role": "user", "content": 3}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
+    ],
+)
 async def test_bad_chat_messages(server: Server, messages, param) -> None:
     r = await server.client.post("/v1/chat/completions", json={"messages": messages})
     assert r.status_code == 422
@@ -212,8 +237,9 @@ async def test_unknown_route_and_method_get_json_errors(server: Server) -> None:
 
 
 async def test_bad_timeout_header(server: Server) -> None:
-    r = await server.client.post("/v1/completions", json={"prompt": "x"},
-                                 headers={"x-request-timeout": "-1"})
+    r = await server.client.post(
+        "/v1/completions", json={"prompt": "x"}, headers={"x-request-timeout": "-1"}
+    )
     assert r.status_code == 422
     assert r.json()["error"]["param"] == "x-request-timeout"
 
@@ -240,8 +266,9 @@ async def test_engine_crash_gives_500_and_server_keeps_serving(server: Server) -
 
 async def test_engine_error_mid_stream_is_reported_in_band(server: Server) -> None:
     server.engine.fail_after = 2
-    r = await server.client.post("/v1/completions", json={
-        "prompt": "x", "max_tokens": 5, "stream": True})
+    r = await server.client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True}
+    )
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "engine_error"
@@ -255,12 +282,16 @@ async def test_engine_error_mid_stream_is_reported_in_band(server: Server) -> No
 async def test_flooding_tenant_gets_429_while_quiet_tenant_is_served(
     start_server: StartServer,
 ) -> None:
-    s = await start_server(FakeEngine(token_delay=0.01), max_running=1,
-                           max_waiting_per_tenant=2, max_waiting_total=10)
+    s = await start_server(
+        FakeEngine(token_delay=0.01), max_running=1, max_waiting_per_tenant=2, max_waiting_total=10
+    )
 
     async def ask(tenant: str) -> httpx.Response:
-        return await s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5},
-                                   headers={"x-tenant-id": tenant})
+        return await s.client.post(
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 5},
+            headers={"x-tenant-id": tenant},
+        )
 
     flood = [asyncio.create_task(ask("flood")) for _ in range(8)]
     await wait_until(lambda: s.service.queue.num_waiting == 2)
@@ -279,25 +310,38 @@ async def test_flooding_tenant_gets_429_while_quiet_tenant_is_served(
 
 
 async def test_global_bound_gives_429(start_server: StartServer) -> None:
-    s = await start_server(FakeEngine(token_delay=0.01), max_running=1,
-                           max_waiting_per_tenant=5, max_waiting_total=2)
-    tasks = [asyncio.create_task(s.client.post(
-        "/v1/completions", json={"prompt": "x", "max_tokens": 3},
-        headers={"x-tenant-id": f"t{i}"})) for i in range(5)]
+    s = await start_server(
+        FakeEngine(token_delay=0.01), max_running=1, max_waiting_per_tenant=5, max_waiting_total=2
+    )
+    tasks = [
+        asyncio.create_task(
+            s.client.post(
+                "/v1/completions",
+                json={"prompt": "x", "max_tokens": 3},
+                headers={"x-tenant-id": f"t{i}"},
+            )
+        )
+        for i in range(5)
+    ]
     codes = sorted(r.status_code for r in await asyncio.gather(*tasks))
     assert codes == [200, 200, 200, 429, 429]
 
 
 async def test_tenant_identity_api_key_header_and_address(start_server: StartServer) -> None:
-    s = await start_server(FakeEngine(token_delay=0.02), max_running=1,
-                           max_waiting_per_tenant=1, max_waiting_total=10)
+    s = await start_server(
+        FakeEngine(token_delay=0.02), max_running=1, max_waiting_per_tenant=1, max_waiting_total=10
+    )
     body = {"prompt": "x", "max_tokens": 3}
     blocker = asyncio.create_task(s.client.post("/v1/completions", json=body))
     await wait_until(lambda: s.service.queue.num_running == 1)
-    heads = [{"Authorization": "Bearer sk-one"}, {"Authorization": "Bearer sk-two"},
-             {"x-tenant-id": "team-a"}]
-    waits = [asyncio.create_task(s.client.post("/v1/completions", json=body, headers=h))
-             for h in heads]
+    heads = [
+        {"Authorization": "Bearer sk-one"},
+        {"Authorization": "Bearer sk-two"},
+        {"x-tenant-id": "team-a"},
+    ]
+    waits = [
+        asyncio.create_task(s.client.post("/v1/completions", json=body, headers=h)) for h in heads
+    ]
     await wait_until(lambda: s.service.queue.num_waiting == 3)
     tenants = set(s.service.queue.snapshot())
     assert "ip-127.0.0.1" in tenants
@@ -311,10 +355,14 @@ async def test_tenant_identity_api_key_header_and_address(start_server: StartSer
 # ----------------------------------------------------------------------- disconnects, deadlines
 async def test_disconnect_mid_stream_cancels_and_frees_the_slot(start_server: StartServer) -> None:
     s = await start_server(FakeEngine(token_delay=0.02), max_running=1)
-    async with httpx.AsyncClient(base_url=s.url) as c, c.stream(
-        "POST", "/v1/completions",
-        json={"prompt": "x", "max_tokens": 100, "stream": True},
-    ) as r:
+    async with (
+        httpx.AsyncClient(base_url=s.url) as c,
+        c.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 100, "stream": True},
+        ) as r,
+    ):
         async for line in r.aiter_lines():
             if line.startswith("data: "):
                 break
@@ -330,8 +378,9 @@ async def test_disconnect_mid_stream_cancels_and_frees_the_slot(start_server: St
 
 async def test_disconnect_while_queued_withdraws(start_server: StartServer) -> None:
     s = await start_server(FakeEngine(token_delay=0.05), max_running=1)
-    blocker = asyncio.create_task(s.client.post(
-        "/v1/completions", json={"prompt": "x", "max_tokens": 10}))
+    blocker = asyncio.create_task(
+        s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10})
+    )
     await wait_until(lambda: s.service.queue.num_running == 1)
     async with httpx.AsyncClient(base_url=s.url, timeout=0.2) as c:
         with pytest.raises(httpx.ReadTimeout):
@@ -343,8 +392,11 @@ async def test_disconnect_while_queued_withdraws(start_server: StartServer) -> N
 
 async def test_deadline_during_generation_gives_504(start_server: StartServer) -> None:
     s = await start_server(FakeEngine(token_delay=0.05))
-    r = await s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 50},
-                            headers={"x-request-timeout": "0.2"})
+    r = await s.client.post(
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 50},
+        headers={"x-request-timeout": "0.2"},
+    )
     assert r.status_code == 504
     assert r.json()["error"]["code"] == "deadline_exceeded"
     await wait_until(lambda: s.service.queue.num_running == 0 and not s.engine.running)
@@ -352,11 +404,13 @@ async def test_deadline_during_generation_gives_504(start_server: StartServer) -
 
 async def test_deadline_while_queued_gives_504(start_server: StartServer) -> None:
     s = await start_server(FakeEngine(token_delay=0.05), max_running=1)
-    blocker = asyncio.create_task(s.client.post(
-        "/v1/completions", json={"prompt": "x", "max_tokens": 10}))
+    blocker = asyncio.create_task(
+        s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10})
+    )
     await wait_until(lambda: s.service.queue.num_running == 1)
-    r = await s.client.post("/v1/completions", json={"prompt": "y"},
-                            headers={"x-request-timeout": "0.1"})
+    r = await s.client.post(
+        "/v1/completions", json={"prompt": "y"}, headers={"x-request-timeout": "0.1"}
+    )
     assert r.status_code == 504
     assert "queue" in r.json()["error"]["message"]
     assert s.service.queue.num_waiting == 0
@@ -369,8 +423,9 @@ async def test_deadline_while_queued_gives_504(start_server: StartServer) -> Non
 
 async def test_server_default_deadline_applies(start_server: StartServer) -> None:
     s = await start_server(FakeEngine(token_delay=0.05), request_timeout_s=0.15)
-    r = await s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 50,
-                                                     "stream": True})
+    r = await s.client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 50, "stream": True}
+    )
     events = sse_events(r.text)
     assert json.loads(events[-2])["error"]["code"] == "deadline_exceeded"
 
@@ -381,48 +436,71 @@ async def test_admin_endpoints_need_the_token(start_server: StartServer) -> None
     body = {"lora_name": "new", "lora_path": "ok/new"}
     r = await s.client.post("/v1/load_lora_adapter", json=body)
     assert r.status_code == 401
-    r = await s.client.post("/v1/load_lora_adapter", json=body,
-                            headers={"Authorization": "Bearer wrong"})
+    r = await s.client.post(
+        "/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer wrong"}
+    )
     assert r.status_code == 403
     assert "new" not in s.engine.adapters
-    r = await s.client.post("/v1/load_lora_adapter", json=body,
-                            headers={"Authorization": "Bearer s3cret"})
+    r = await s.client.post(
+        "/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer s3cret"}
+    )
     assert r.status_code == 200
     assert "new" in r.text
-    r = await s.client.post("/v1/unload_lora_adapter", json={"lora_name": "new"},
-                            headers={"x-admin-token": "s3cret"})
+    r = await s.client.post(
+        "/v1/unload_lora_adapter", json={"lora_name": "new"}, headers={"x-admin-token": "s3cret"}
+    )
     assert r.status_code == 200
     assert "new" not in s.engine.adapters
 
 
 async def test_load_can_pin_and_models_say_so(server: Server) -> None:
-    r = await server.client.post("/v1/load_lora_adapter",
-                                 json={"lora_name": "p", "lora_path": "ok/p", "pinned": True})
+    r = await server.client.post(
+        "/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": "ok/p", "pinned": True}
+    )
     assert r.status_code == 200, r.text
     assert server.engine.adapters["p"].pinned
-    pinned = {m["id"]: m["pinned"] for m in (await server.client.get("/v1/models")).json()["data"]
-              if m["parent"]}
+    pinned = {
+        m["id"]: m["pinned"]
+        for m in (await server.client.get("/v1/models")).json()["data"]
+        if m["parent"]
+    }
     assert pinned == {"p": True}
-    r = await server.client.post("/v1/load_lora_adapter",
-                                 json={"lora_name": "p", "lora_path": "ok/p"})
+    r = await server.client.post(
+        "/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": "ok/p"}
+    )
     assert r.status_code == 200
     assert not server.engine.adapters["p"].pinned
 
 
-@pytest.mark.parametrize(("path", "body", "status", "param"), [
-    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "ok/x", "pinned": "yes"}, 422,
-     "pinned"),
-    ("/v1/load_lora_adapter", {"lora_path": "ok/x"}, 422, "lora_name"),
-    ("/v1/load_lora_adapter", {"lora_name": 3, "lora_path": "ok/x"}, 422, "lora_name"),
-    ("/v1/load_lora_adapter", {"lora_name": "x"}, 422, "lora_path"),
-    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "missing"}, 404, "lora_path"),
-    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "ok/../../etc"}, 422,
-     "lora_path"),
-    ("/v1/load_lora_adapter", {"lora_name": "tiny-base", "lora_path": "ok/x"}, 422,
-     "lora_name"),
-    ("/v1/unload_lora_adapter", {"lora_name": "never-loaded"}, 404, "lora_name"),
-    ("/v1/unload_lora_adapter", {}, 422, "lora_name"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        (
+            "/v1/load_lora_adapter",
+            {"lora_name": "x", "lora_path": "ok/x", "pinned": "yes"},
+            422,
+            "pinned",
+        ),
+        ("/v1/load_lora_adapter", {"lora_path": "ok/x"}, 422, "lora_name"),
+        ("/v1/load_lora_adapter", {"lora_name": 3, "lora_path": "ok/x"}, 422, "lora_name"),
+        ("/v1/load_lora_adapter", {"lora_name": "x"}, 422, "lora_path"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "missing"}, 404, "lora_path"),
+        (
+            "/v1/load_lora_adapter",
+            {"lora_name": "x", "lora_path": "ok/../../etc"},
+            422,
+            "lora_path",
+        ),
+        (
+            "/v1/load_lora_adapter",
+            {"lora_name": "tiny-base", "lora_path": "ok/x"},
+            422,
+            "lora_name",
+        ),
+        ("/v1/unload_lora_adapter", {"lora_name": "never-loaded"}, 404, "lora_name"),
+        ("/v1/unload_lora_adapter", {}, 422, "lora_name"),
+    ],
+)
 async def test_admin_bad_input(server: Server, path, body, status, param) -> None:
     r = await server.client.post(path, json=body)
     assert r.status_code == status, r.text
@@ -433,8 +511,9 @@ async def test_admin_bad_input(server: Server, path, body, status, param) -> Non
 # ------------------------------------------------------------------------------------- drain
 async def test_drain_refuses_new_work_and_waits_for_inflight(start_server: StartServer) -> None:
     s = await start_server(FakeEngine(token_delay=0.02))
-    inflight = asyncio.create_task(s.client.post(
-        "/v1/completions", json={"prompt": "x", "max_tokens": 10}))
+    inflight = asyncio.create_task(
+        s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10})
+    )
     await wait_until(lambda: s.service.inflight == 1)
     drain = asyncio.create_task(s.service.drain(5))
     await asyncio.sleep(0.02)
@@ -449,8 +528,9 @@ async def test_drain_refuses_new_work_and_waits_for_inflight(start_server: Start
 
 async def test_drain_times_out(start_server: StartServer) -> None:
     s = await start_server(FakeEngine(token_delay=0.05))
-    inflight = asyncio.create_task(s.client.post(
-        "/v1/completions", json={"prompt": "x", "max_tokens": 8}))
+    inflight = asyncio.create_task(
+        s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 8})
+    )
     await wait_until(lambda: s.service.inflight == 1)
     assert await s.service.drain(0.1) is False
     await inflight

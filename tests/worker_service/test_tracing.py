@@ -25,8 +25,9 @@ PARENT = "00f067aa0ba902b7"
 async def traced() -> AsyncIterator[tuple[httpx.AsyncClient, OtlpReceiver, FakeEngine]]:
     receiver = OtlpReceiver()
     port = receiver.start()
-    tracing = Tracing.from_config(f"127.0.0.1:{port}", 1.0, "adaptermesh-worker",
-                                  schedule_delay_millis=50)
+    tracing = Tracing.from_config(
+        f"127.0.0.1:{port}", 1.0, "adaptermesh-worker", schedule_delay_millis=50
+    )
     engine = FakeEngine()
     engine.on_disk.add("alpha@2.0.0")
     service = WorkerService(engine, ServiceConfig(), tracing)
@@ -43,15 +44,20 @@ async def traced() -> AsyncIterator[tuple[httpx.AsyncClient, OtlpReceiver, FakeE
 
 async def test_spans_join_the_callers_trace_with_their_attributes(traced) -> None:  # type: ignore[no-untyped-def]
     client, receiver, _ = traced
-    r = await client.post("/v1/completions",
-                          json={"model": "alpha", "prompt": "a b c", "max_tokens": 4},
-                          headers={"traceparent": f"00-{TRACE}-{PARENT}-01",
-                                   "x-adapter-version": "2.0.0", "x-tenant-id": "acme",
-                                   "x-adaptermesh-shard": "s1"})
+    r = await client.post(
+        "/v1/completions",
+        json={"model": "alpha", "prompt": "a b c", "max_tokens": 4},
+        headers={
+            "traceparent": f"00-{TRACE}-{PARENT}-01",
+            "x-adapter-version": "2.0.0",
+            "x-tenant-id": "acme",
+            "x-adaptermesh-shard": "s1",
+        },
+    )
     assert r.status_code == 200, r.text
     spans = await async_wait_until(
-        lambda: (got := receiver.snapshot()) and len(got) >= 5 and got, 10, 0.05,
-        what="five spans")
+        lambda: (got := receiver.snapshot()) and len(got) >= 5 and got, 10, 0.05, what="five spans"
+    )
     by = {s.name: s for s in spans}
     assert set(by) == {"worker completion", "queue", "adapter resolution", "prefill", "decode"}
     root = by["worker completion"]
@@ -82,13 +88,20 @@ async def test_spans_join_the_callers_trace_with_their_attributes(traced) -> Non
 async def test_a_resident_adapter_resolves_as_a_gpu_hit(traced) -> None:  # type: ignore[no-untyped-def]
     client, receiver, _ = traced
     for _ in range(2):
-        r = await client.post("/v1/completions",
-                              json={"model": "beta", "prompt": "a", "max_tokens": 2},
-                              headers={"traceparent": f"00-{TRACE}-{PARENT}-01"})
+        r = await client.post(
+            "/v1/completions",
+            json={"model": "beta", "prompt": "a", "max_tokens": 2},
+            headers={"traceparent": f"00-{TRACE}-{PARENT}-01"},
+        )
         assert r.status_code == 200, r.text
     got = await async_wait_until(
-        lambda: len(s := [x for x in receiver.snapshot() if x.name == "adapter resolution"]) >= 2
-        and s, 10, 0.05, what="two resolution spans")
+        lambda: (
+            len(s := [x for x in receiver.snapshot() if x.name == "adapter resolution"]) >= 2 and s
+        ),
+        10,
+        0.05,
+        what="two resolution spans",
+    )
     tiers = sorted(x.attributes["adaptermesh.adapter.tier"] for x in got)
     assert tiers == ["disk", "gpu"]
     hit = next(x for x in got if x.attributes["adaptermesh.adapter.tier"] == "gpu")
@@ -98,13 +111,19 @@ async def test_a_resident_adapter_resolves_as_a_gpu_hit(traced) -> None:  # type
 
 async def test_unsampled_parents_and_the_default_send_nothing(traced) -> None:  # type: ignore[no-untyped-def]
     client, receiver, _ = traced
-    r = await client.post("/v1/completions", json={"model": "alpha", "prompt": "a", "max_tokens": 2},
-                          headers={"traceparent": f"00-{TRACE}-{PARENT}-00"})
+    r = await client.post(
+        "/v1/completions",
+        json={"model": "alpha", "prompt": "a", "max_tokens": 2},
+        headers={"traceparent": f"00-{TRACE}-{PARENT}-00"},
+    )
     assert r.status_code == 200
-    r = await client.post("/v1/completions", json={"model": "alpha", "prompt": "a", "max_tokens": 2})
+    r = await client.post(
+        "/v1/completions", json={"model": "alpha", "prompt": "a", "max_tokens": 2}
+    )
     assert r.status_code == 200
-    spans = await async_wait_until(lambda: receiver.snapshot() or None, 10, 0.05,
-                                   what="the root trace's spans")
+    spans = await async_wait_until(
+        lambda: receiver.snapshot() or None, 10, 0.05, what="the root trace's spans"
+    )
     assert all(s.trace_id != TRACE for s in spans)  # the unsampled parent was followed
     assert Tracing.off().enabled is False
     assert WorkerService(FakeEngine()).tracing.enabled is False

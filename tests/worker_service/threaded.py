@@ -19,8 +19,9 @@ LOOPBACK = "127.0.0.1"
 
 
 @contextmanager
-def threaded_service(make_engine: Callable[[], Any], tracing: Tracing | None = None,
-                     **config: Any) -> Iterator[str]:
+def threaded_service(
+    make_engine: Callable[[], Any], tracing: Tracing | None = None, **config: Any
+) -> Iterator[str]:
     """Yield the base URL of a service around ``make_engine()`` (built on the server's loop)."""
     thread = LoopThread("worker-service")
 
@@ -49,9 +50,12 @@ def post_completion(port: int, headers: dict[str, str], model: str, max_tokens: 
     """POST a small completion to ``port``; the HTTP status."""
     conn = http.client.HTTPConnection(LOOPBACK, port, timeout=10)
     try:
-        conn.request("POST", "/v1/completions",
-                     body=json.dumps({"model": model, "prompt": "a b", "max_tokens": max_tokens}),
-                     headers={"content-type": "application/json", **headers})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps({"model": model, "prompt": "a b", "max_tokens": max_tokens}),
+            headers={"content-type": "application/json", **headers},
+        )
         resp = conn.getresponse()
         resp.read()
         return resp.status

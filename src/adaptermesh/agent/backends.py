@@ -131,17 +131,23 @@ async def mesh_xds(config: AgentConfig, registry: CollectorRegistry | None = Non
     # With the agent's ext_proc server on, every shard listener reads the body's model.
     options = BuildOptions(
         route_by_body=config.route_by_body,
-        ext_proc=None if config.ext_proc_port is None
+        ext_proc=None
+        if config.ext_proc_port is None
         else ExtProcOptions(max_body_bytes=config.ext_proc_max_body_bytes),
-        edge_auth=None if config.edge_jwks is None or config.edge_issuer is None
+        edge_auth=None
+        if config.edge_jwks is None or config.edge_issuer is None
         else EdgeAuthOptions(config.edge_issuer, config.edge_jwks, config.edge_audiences),
-        edge_tls=None if config.edge_tls_cert is None or config.edge_tls_key is None
+        edge_tls=None
+        if config.edge_tls_cert is None or config.edge_tls_key is None
         else EdgeTlsOptions(config.edge_tls_cert, config.edge_tls_key),
         grpc_port_offset=config.grpc_port_offset,
-        tracing=None if config.envoy_trace_percent is None
-        else TracingOptions(sample_percent=config.envoy_trace_percent))
-    cache = SnapshotCache(node_key=_node_key_for(config.xds_group), metrics=metrics,
-                          options=options)
+        tracing=None
+        if config.envoy_trace_percent is None
+        else TracingOptions(sample_percent=config.envoy_trace_percent),
+    )
+    cache = SnapshotCache(
+        node_key=_node_key_for(config.xds_group), metrics=metrics, options=options
+    )
     server = XdsServer(cache, host=config.xds_host, port=config.xds_port, metrics=metrics)
     server.start()
     return MeshXds(cache, server, config.xds_group)

@@ -292,8 +292,9 @@ class Agent:
             book.set_assignment(applier.current)
         server = ExtProcServer(
             book,
-            ExtProcConfig(base_model=config.base_model,
-                          max_body_bytes=config.ext_proc_max_body_bytes),
+            ExtProcConfig(
+                base_model=config.base_model, max_body_bytes=config.ext_proc_max_body_bytes
+            ),
             host=config.ext_proc_host,
             port=config.ext_proc_port or 0,
             # A GIE gateway should not pick this agent before it knows any worker.
@@ -305,21 +306,29 @@ class Agent:
         await asyncio.to_thread(server.start)
         self.rule_sync.attach(server.set_rules)
         self.ext_proc = server
-        await MetricsPoller(book, interval_s=config.picker_scrape_interval_s,
-                            assignment=lambda: applier.current,
-                            on_assignment=lambda _a: server.set_ready(True)).run()
+        await MetricsPoller(
+            book,
+            interval_s=config.picker_scrape_interval_s,
+            assignment=lambda: applier.current,
+            on_assignment=lambda _a: server.set_ready(True),
+        ).run()
 
     async def run(self, stop: asyncio.Event) -> None:
         config = self.config
         self.metrics.bind_rates(self.tracker.last, lambda: dict(self.tracker.counters))
         # The datapath runs off the event loop: pyroute2's synchronous API (used by the loader
         # to attach and resolve interfaces) refuses to run inside a running event loop.
-        self.tracing = Tracing.from_config(config.otlp_endpoint, config.trace_sample_ratio,
-                                           "adaptermesh-agent")
+        self.tracing = Tracing.from_config(
+            config.otlp_endpoint, config.trace_sample_ratio, "adaptermesh-agent"
+        )
         if config.flow_events != "off":
             self.flow_exporter = FlowExporter(
-                config.flow_events, self.tracing, config.node_id, self._shard_names,
-                sample_ratio=config.trace_sample_ratio)
+                config.flow_events,
+                self.tracing,
+                config.node_id,
+                self._shard_names,
+                sample_ratio=config.trace_sample_ratio,
+            )
         datapath = await asyncio.to_thread(self._datapath_factory, config)
         self.datapath = datapath
         self.metrics.datapath_attached.set(1)
@@ -329,8 +338,13 @@ class Agent:
         poller: threading.Thread | None = None
         try:
             self.xds = await self._xds_factory(config, self.metrics.registry)
-            applier = Applier(datapath, self.xds, self.metrics, AssignmentStore(config.state_file),
-                              clock=self.clock)
+            applier = Applier(
+                datapath,
+                self.xds,
+                self.metrics,
+                AssignmentStore(config.state_file),
+                clock=self.clock,
+            )
             self.applier = applier
             applier.listeners.append(self.rule_sync.on_assignment)
             await asyncio.to_thread(applier.reconcile)
@@ -339,7 +353,8 @@ class Agent:
             # deadlines, header caps (431), a connection cap, the fd limit raised.
             runner, self.http_port = await serve_app(
                 build_app(self.metrics, self._health, self._ready, self.status, self.flows),
-                config.metrics_host, config.metrics_port,
+                config.metrics_host,
+                config.metrics_port,
             )
 
             self._poll_stop.clear()

@@ -84,7 +84,9 @@ class FlowExporter:
             "version": event.version,
             "node": self._node,
         }
-        when = (event.ts_ns + time.time_ns() - time.monotonic_ns()) if event.ts_ns else time.time_ns()
+        when = (
+            (event.ts_ns + time.time_ns() - time.monotonic_ns()) if event.ts_ns else time.time_ns()
+        )
         if self._log:
             self._logger.info(json.dumps({**fields, "ts_ns": when}, separators=(",", ":")))
             self.logged += 1
@@ -95,12 +97,23 @@ class FlowExporter:
             attrs = {f"adaptermesh.{k}": v for k, v in fields.items()}
             # A remote, sampled parent with the flow's trace id: the span joins the flow's
             # trace (ParentBased follows it; the ratio was applied just above, per flow).
-            parent = trace.set_span_in_context(NonRecordingSpan(SpanContext(
-                trace_id, (trace_id >> 64) or 1, is_remote=True,
-                trace_flags=TraceFlags(TraceFlags.SAMPLED))))
-            span = self._tracer.start_span("classifier flow", context=parent,
-                                           kind=SpanKind.INTERNAL, start_time=when,
-                                           attributes=attrs)
+            parent = trace.set_span_in_context(
+                NonRecordingSpan(
+                    SpanContext(
+                        trace_id,
+                        (trace_id >> 64) or 1,
+                        is_remote=True,
+                        trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                    )
+                )
+            )
+            span = self._tracer.start_span(
+                "classifier flow",
+                context=parent,
+                kind=SpanKind.INTERNAL,
+                start_time=when,
+                attributes=attrs,
+            )
             span.add_event("new flow", attributes=attrs, timestamp=when)
             span.end(when)
             self.traced += 1

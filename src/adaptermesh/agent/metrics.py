@@ -95,8 +95,15 @@ class _ShardCollector(Collector):
         )
         if counters:
             lost.add_metric([], float(counters.get("ringbuf_failed", 0)))
-            for reason in ("non_ip", "malformed", "vlan", "no_shard", "steer_failed", "link_local",
-                           "martian_source"):
+            for reason in (
+                "non_ip",
+                "malformed",
+                "vlan",
+                "no_shard",
+                "steer_failed",
+                "link_local",
+                "martian_source",
+            ):
                 passed.add_metric([reason], float(counters.get(reason, 0)))
         yield from (packets, nbytes, flows, pps, bps, nfs, active, weight, lost, passed)
 

@@ -61,5 +61,8 @@ class RuleSync:
             self.error = ""
             for install in self._targets:
                 install(evaluator)
-        _log.info("routing rules version %d installed (%d rules)", carried.version,
-                  0 if compiled is None else len(compiled.programs))
+        _log.info(
+            "routing rules version %d installed (%d rules)",
+            carried.version,
+            0 if compiled is None else len(compiled.programs),
+        )

@@ -58,6 +58,7 @@ class SplitTable:
             return None
         canary = bool(split.canary_version) and (
             split.canary_share >= WEIGHT_BUDGET
-            or bucket(split.rollout_id, key) < split.canary_share)
+            or bucket(split.rollout_id, key) < split.canary_share
+        )
         version = split.canary_version if canary else split.stable_version
         return Pick(version, served_name(adapter, version), canary)

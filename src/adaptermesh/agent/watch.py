@@ -207,4 +207,6 @@ class LoadReporter:
             await self.report_once(resample)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, next_sample - self._clock.monotonic()))
+                await asyncio.wait_for(
+                    self._wake.wait(), max(0.0, next_sample - self._clock.monotonic())
+                )

@@ -84,8 +84,7 @@ def _addr(buf: object) -> int:
     return ctypes.addressof(buf)  # type: ignore[arg-type]
 
 
-def map_update_batch(fd: int, keys: Any, values: Any,
-                     count: int) -> None:
+def map_update_batch(fd: int, keys: Any, values: Any, count: int) -> None:
     """Write ``count`` key/value pairs in one syscall (bpf_map_update_batch)."""
     if count == 0:
         return

@@ -247,8 +247,17 @@ def build_table(backends: Sequence[Backend], size: int = DEFAULT_SIZE) -> array[
     scratch = np.empty(scratch_words, dtype=np.uint64)
     table = array("H", bytes(2 * size))  # every slot is written by the fill
     addr, _ = table.buffer_info()
-    rc = fn(size, n, offsets.ctypes.data, skips.ctypes.data, weights.ctypes.data,
-            values.ctypes.data, cal_rounds, scratch.ctypes.data, addr)
+    rc = fn(
+        size,
+        n,
+        offsets.ctypes.data,
+        skips.ctypes.data,
+        weights.ctypes.data,
+        values.ctypes.data,
+        cal_rounds,
+        scratch.ctypes.data,
+        addr,
+    )
     if rc != 0:
         raise RuntimeError(f"maglev fill failed ({rc})")
     return table

@@ -110,14 +110,18 @@ class EventBatch:
     def sources(self) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
         n = len(self)
         if self.src[:, :12].tobytes() == _V4_MAPPED * n:  # every source IPv4: one pass
-            return list(map(ipaddress.IPv4Address,
-                            self.src[:, 12:].copy().view(">u4").ravel().tolist()))
+            return list(
+                map(ipaddress.IPv4Address, self.src[:, 12:].copy().view(">u4").ravel().tolist())
+            )
         raw = self.src.tobytes()
         out: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
         for i in range(n):
-            addr = raw[16 * i: 16 * i + 16]
-            out.append(ipaddress.IPv4Address(addr[12:]) if addr[:12] == _V4_MAPPED
-                       else ipaddress.IPv6Address(addr))
+            addr = raw[16 * i : 16 * i + 16]
+            out.append(
+                ipaddress.IPv4Address(addr[12:])
+                if addr[:12] == _V4_MAPPED
+                else ipaddress.IPv6Address(addr)
+            )
         return out
 
     def events(self) -> list[FlowEvent]:
@@ -127,16 +131,25 @@ class EventBatch:
         names = REASON_NAMES
         reasons = [names.get(r) or str(r) for r in self.reason.tolist()]
         # map() over columns: no per-event bytecode loop, about half the cost of one.
-        return list(map(FlowEvent, self.ts_ns.tolist(), self.sources(), self.shard.tolist(),
-                        reasons, self.version.tolist()))
+        return list(
+            map(
+                FlowEvent,
+                self.ts_ns.tolist(),
+                self.sources(),
+                self.shard.tolist(),
+                reasons,
+                self.version.tolist(),
+            )
+        )
 
 
 def _empty() -> EventBatch:
     return EventBatch.from_records(np.empty(0, dtype=RECORD))
 
 
-def drain_span(data: npt.NDArray[np.uint8], cons: int, prod: int, size: int
-               ) -> tuple[int, EventBatch]:
+def drain_span(
+    data: npt.NDArray[np.uint8], cons: int, prod: int, size: int
+) -> tuple[int, EventBatch]:
     """Decode the committed records between ``cons`` and ``prod``.
 
     ``data`` is the data area mapped twice (``2 * size`` bytes, ``size`` a power of two), so a
@@ -153,7 +166,7 @@ def drain_span(data: npt.NDArray[np.uint8], cons: int, prod: int, size: int
         n = (prod - pos) // RECORD.itemsize
         if n:
             # Fast path: a run of committed am_event records is one structured array.
-            view = data[off: off + n * RECORD.itemsize].view(RECORD)
+            view = data[off : off + n * RECORD.itemsize].view(RECORD)
             bad = np.flatnonzero(view["len"] != EVENT_SIZE)
             k = int(bad[0]) if bad.size else n
             if k:
@@ -161,20 +174,21 @@ def drain_span(data: npt.NDArray[np.uint8], cons: int, prod: int, size: int
                 pos += k * RECORD.itemsize
                 continue
         # One record the fast path does not take: busy, discarded, or another length.
-        hdr = int(data[off: off + 4].view("<u4")[0])
+        hdr = int(data[off : off + 4].view("<u4")[0])
         if hdr & BUSY_BIT:
             break
         length = hdr & ~(BUSY_BIT | DISCARD_BIT)
         step = (length + HEADER_SIZE + 7) & ~7
         if not hdr & DISCARD_BIT:
             if length == EVENT_SIZE:
-                runs.append(data[off: off + RECORD.itemsize].view(RECORD))
+                runs.append(data[off : off + RECORD.itemsize].view(RECORD))
             else:
                 foreign += 1
         pos += step
     if not runs:
-        return pos, (_empty() if not foreign else EventBatch.from_records(
-            np.empty(0, dtype=RECORD), foreign))
+        return pos, (
+            _empty() if not foreign else EventBatch.from_records(np.empty(0, dtype=RECORD), foreign)
+        )
     # from_records copies each column out (and concatenate copies too), so the batch never
     # aliases the ring: one copy per event, made before the caller hands the space back.
     records = runs[0] if len(runs) == 1 else np.concatenate(runs)
@@ -198,17 +212,22 @@ class RingBuffer:
         if self.size <= 0 or self.size & (self.size - 1):
             raise ValueError(f"ring size {self.size} is not a power of two")
         page = mmap.PAGESIZE
-        self._cons_map = mmap.mmap(map_fd, page, flags=mmap.MAP_SHARED,
-                                   prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
-        self._data_map = mmap.mmap(map_fd, page + 2 * self.size, flags=mmap.MAP_SHARED,
-                                   prot=mmap.PROT_READ, offset=page)
+        self._cons_map = mmap.mmap(
+            map_fd, page, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=0
+        )
+        self._data_map = mmap.mmap(
+            map_fd, page + 2 * self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=page
+        )
         # Single aligned 8-byte loads and stores through numpy scalars.
         self._cons: npt.NDArray[np.uint64] | None = np.frombuffer(
-            self._cons_map, dtype=np.uint64, count=1)
+            self._cons_map, dtype=np.uint64, count=1
+        )
         self._prod: npt.NDArray[np.uint64] | None = np.frombuffer(
-            self._data_map, dtype=np.uint64, count=1)
+            self._data_map, dtype=np.uint64, count=1
+        )
         self._data: npt.NDArray[np.uint8] | None = np.frombuffer(
-            self._data_map, dtype=np.uint8, count=2 * self.size, offset=page)
+            self._data_map, dtype=np.uint8, count=2 * self.size, offset=page
+        )
         self._epoll = select.epoll()
         self._epoll.register(map_fd, select.EPOLLIN)
         self.foreign = 0

@@ -98,7 +98,10 @@ class DatapathCounters:
     martian_source: int = 0
 
 
-_V4_MARTIAN = tuple(ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "224.0.0.0/4", "255.255.255.255/32"))
+_V4_MARTIAN = tuple(
+    ipaddress.ip_network(n)
+    for n in ("0.0.0.0/8", "127.0.0.0/8", "224.0.0.0/4", "255.255.255.255/32")
+)
 _V4_LINK_LOCAL = ipaddress.ip_network("169.254.0.0/16")
 _V6_LINK_LOCAL = ipaddress.ip_network("fe80::/10")
 
@@ -209,8 +212,13 @@ _V4_PREFIX = b"\x00" * 10 + b"\xff\xff"
 
 def _fast_pin_key(cidr: str) -> tuple[int, bytes] | None:
     text, sep, digits = cidr.partition("/")
-    if (not sep or not digits.isascii() or not digits.isdigit() or len(digits) > 3
-            or (digits[0] == "0" and len(digits) > 1)):
+    if (
+        not sep
+        or not digits.isascii()
+        or not digits.isdigit()
+        or len(digits) > 3
+        or (digits[0] == "0" and len(digits) > 1)
+    ):
         return None
     v4 = ":" not in text
     try:
@@ -257,8 +265,9 @@ def _steer(
                 f"{name}.steer.tunnel", "this node has no collect-metadata VXLAN device"
             )
         mac = rules.mac_bytes(t.inner_dst_mac, f"{name}.steer.tunnel.inner_dst_mac")
-        return SteerPlan(kind=STEER_TUNNEL, ifindex=vxlan_ifindex, remote_ipv4=int(remote),
-                         vni=t.vni, mac=mac)
+        return SteerPlan(
+            kind=STEER_TUNNEL, ifindex=vxlan_ifindex, remote_ipv4=int(remote), vni=t.vni, mac=mac
+        )
     if which == "redirect":
         r = shard.steer.redirect
         ifindex = r.ifindex
@@ -310,10 +319,12 @@ def validate_assignment(
     for i, o in enumerate(a.overrides):
         if o.shard_id not in by_id:
             raise AssignmentError(f"overrides[{i}].shard_id", f"unknown shard {o.shard_id!r}")
-    backends = [maglev.Backend(key=p.id, value=p.index, weight=p.weight) for p in active
-                if p.weight > 0]
-    return Plan(version=a.version, shards=shards, pins=pins, backends=backends,
-                pins_delta=pins_delta)
+    backends = [
+        maglev.Backend(key=p.id, value=p.index, weight=p.weight) for p in active if p.weight > 0
+    ]
+    return Plan(
+        version=a.version, shards=shards, pins=pins, backends=backends, pins_delta=pins_delta
+    )
 
 
 # Pins arrive as 10,000 small protobuf messages every few seconds and almost all of them are
@@ -339,8 +350,9 @@ def _pins_wire_class() -> type[Message]:
     )
     pool = descriptor_pool.DescriptorPool()  # a private pool: nothing global is registered
     pool.Add(fdp)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(
-        "adaptermesh.bpf.wire.PinsWire"))
+    return message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("adaptermesh.bpf.wire.PinsWire")
+    )
 
 
 _PinsWire = _pins_wire_class()
@@ -376,8 +388,9 @@ def _pin_entries(records: list[bytes]) -> list[tuple[_PinKey, str]]:
     got = list(map(_entry_cache.get, records))
     if None not in got:
         return cast(list[tuple[_PinKey, str]], got)
-    return [hit if hit is not None else _pin_entry(rec)
-            for hit, rec in zip(got, records, strict=True)]
+    return [
+        hit if hit is not None else _pin_entry(rec) for hit, rec in zip(got, records, strict=True)
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,8 +436,9 @@ def _walk_pins(a: assignment_pb2.Assignment, index_of: dict[str, int]) -> dict[_
     return pins
 
 
-def _full_pins(records: list[bytes], index_of: dict[str, int]
-               ) -> tuple[dict[_PinKey, int], dict[bytes, _PinKey]] | None:
+def _full_pins(
+    records: list[bytes], index_of: dict[str, int]
+) -> tuple[dict[_PinKey, int], dict[bytes, _PinKey]] | None:
     """All pins from their records with C-level maps over the cache; None: some pin is bad
     (the caller walks them to name it)."""
     try:
@@ -441,8 +455,9 @@ def _full_pins(records: list[bytes], index_of: dict[str, int]
     return pins, dict(zip(records, keys, strict=True))
 
 
-def _delta_pins(memo: _PinsMemo, record_set: set[bytes], index_of: dict[str, int]
-                ) -> tuple[dict[_PinKey, int], dict[bytes, _PinKey], PinDelta] | None:
+def _delta_pins(
+    memo: _PinsMemo, record_set: set[bytes], index_of: dict[str, int]
+) -> tuple[dict[_PinKey, int], dict[bytes, _PinKey], PinDelta] | None:
     """Pins as memo's plus the records that came and minus those that went; None: some pin
     is bad (the caller walks the pins to name it)."""
     # Bulk set and map operations (C loops) rather than a Python loop per record.
@@ -472,8 +487,9 @@ def _delta_pins(memo: _PinsMemo, record_set: set[bytes], index_of: dict[str, int
     return pins, keys, PinDelta(base=memo.pins, upserts=upserts, deletes=deletes)
 
 
-def _validate_pins(a: assignment_pb2.Assignment, index_of: dict[str, int]
-                   ) -> tuple[dict[_PinKey, int], PinDelta | None]:
+def _validate_pins(
+    a: assignment_pb2.Assignment, index_of: dict[str, int]
+) -> tuple[dict[_PinKey, int], PinDelta | None]:
     global _pins_memo
     records = _pin_records(a)
     ids = tuple(sorted(index_of.items()))
@@ -571,7 +587,9 @@ class FakeShardTable:
         ip = ipaddress.ip_address(source)
         passed = source_pass_reason(ip)
         if passed is not None:
-            self._counters = replace(self._counters, **{passed: getattr(self._counters, passed) + 1})
+            self._counters = replace(
+                self._counters, **{passed: getattr(self._counters, passed) + 1}
+            )
             return None
         src = addr16(ip)
         flow = self.flows.get(src)

@@ -125,7 +125,7 @@ def method_scope(method: str) -> str | None:
     """The scope a full method name needs; None for the open services."""
     if method.startswith(_OPEN_PREFIXES):
         return None
-    if method.startswith(_SERVICE) and method[len(_SERVICE):] in _WRITE_METHODS:
+    if method.startswith(_SERVICE) and method[len(_SERVICE) :] in _WRITE_METHODS:
         return WRITE
     return READ
 

@@ -218,9 +218,9 @@ class CapacityHistory:
             if len(s.tokens) < cfg.min_points:
                 continue
             if s.fit is None or (s.new >= self.refit_every and s.phase == tick):
-                s.fit = narrow_range(min(s.tokens), max(s.tokens), len(s.tokens), cfg) or fit_power_law(
-                    list(s.tokens), list(s.latency), cfg
-                )
+                s.fit = narrow_range(
+                    min(s.tokens), max(s.tokens), len(s.tokens), cfg
+                ) or fit_power_law(list(s.tokens), list(s.latency), cfg)
                 s.new = 0
 
     def fits(self) -> dict[str, PowerLawFit]:

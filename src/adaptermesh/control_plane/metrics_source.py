@@ -70,9 +70,7 @@ def _reuse(new: frozenset[str], old: frozenset[str] | None) -> frozenset[str]:
     return old if old is not None and old == new else new
 
 
-def _observe(
-    target: Target, prev: _WorkerHistory, raw: RawSample, now: float
-) -> WorkerObservation:
+def _observe(target: Target, prev: _WorkerHistory, raw: RawSample, now: float) -> WorkerObservation:
     """Turn two consecutive scrapes into rates over the interval between them."""
     latency: float | None = None
     ttft_p95: float | None = None
@@ -140,9 +138,7 @@ def _observe(
 
 
 class LoadSource(Protocol):
-    async def collect(
-        self, targets: Sequence[Target], now: float
-    ) -> dict[str, WorkerObservation]:
+    async def collect(self, targets: Sequence[Target], now: float) -> dict[str, WorkerObservation]:
         """One observation per target key (``address:port``); ``now`` is monotonic seconds."""
         ...
 
@@ -175,9 +171,7 @@ class ScrapeSource:
         resp.raise_for_status()
         return resp.text
 
-    async def collect(
-        self, targets: Sequence[Target], now: float
-    ) -> dict[str, WorkerObservation]:
+    async def collect(self, targets: Sequence[Target], now: float) -> dict[str, WorkerObservation]:
         own = self.client is None
         client = self.client or httpx.AsyncClient(trust_env=False)
         limit = asyncio.Semaphore(self.max_concurrency)
@@ -295,9 +289,7 @@ class PrometheusSource:
         result = body.get("data", {}).get("result", [])
         return list(result) if isinstance(result, list) else []
 
-    async def collect(
-        self, targets: Sequence[Target], now: float
-    ) -> dict[str, WorkerObservation]:
+    async def collect(self, targets: Sequence[Target], now: float) -> dict[str, WorkerObservation]:
         own = self.client is None
         client = self.client or httpx.AsyncClient(trust_env=False)
         names = list(self.queries())
@@ -329,8 +321,12 @@ class PrometheusSource:
                     adapter = str(metric.get("adapter", ""))
                     le = le_bound(str(metric.get("le", "")))
                     per_inst = buckets.setdefault(inst, {})
-                    if adapter and le is not None and math.isfinite(val) and val >= 0 and (
-                        adapter in per_inst or len(per_inst) < MAX_ADAPTER_HISTOGRAMS
+                    if (
+                        adapter
+                        and le is not None
+                        and math.isfinite(val)
+                        and val >= 0
+                        and (adapter in per_inst or len(per_inst) < MAX_ADAPTER_HISTOGRAMS)
                     ):
                         per_inst.setdefault(adapter, {})[le] = val
                 elif name == "lora":

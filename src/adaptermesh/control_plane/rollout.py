@@ -106,8 +106,9 @@ def parse_adapter_series(text: str, adapters: Iterable[str]) -> dict[str, Adapte
 
 
 class AdapterSource(Protocol):
-    async def collect(self, targets: list[Target],
-                      adapters: Iterable[str]) -> dict[str, dict[str, AdapterCounters]]:
+    async def collect(
+        self, targets: list[Target], adapters: Iterable[str]
+    ) -> dict[str, dict[str, AdapterCounters]]:
         """worker key -> served adapter name -> counters; a worker that fails is absent."""
         ...
 
@@ -119,16 +120,19 @@ class ScrapeAdapterSource:
         self.timeout_s = timeout_s
         self.errors: dict[str, str] = {}
 
-    async def collect(self, targets: list[Target],
-                      adapters: Iterable[str]) -> dict[str, dict[str, AdapterCounters]]:
+    async def collect(
+        self, targets: list[Target], adapters: Iterable[str]
+    ) -> dict[str, dict[str, AdapterCounters]]:
         names = list(adapters)
         out: dict[str, dict[str, AdapterCounters]] = {}
         async with httpx.AsyncClient(trust_env=False) as client:
+
             async def one(t: Target) -> None:
                 host = f"[{t.address}]" if ":" in t.address else t.address
                 try:
-                    resp = await client.get(f"http://{host}:{t.port}/metrics",
-                                            timeout=self.timeout_s)
+                    resp = await client.get(
+                        f"http://{host}:{t.port}/metrics", timeout=self.timeout_s
+                    )
                     resp.raise_for_status()
                     out[t.key] = parse_adapter_series(resp.text, names)
                     self.errors.pop(t.key, None)
@@ -139,8 +143,7 @@ class ScrapeAdapterSource:
         return out
 
 
-def _window(now: Mapping[str, AdapterCounters],
-            base: Mapping[str, AdapterCounters]) -> Window:
+def _window(now: Mapping[str, AdapterCounters], base: Mapping[str, AdapterCounters]) -> Window:
     """The counts since ``base``, summed over workers; a worker whose counters went down
     restarted, and counts from zero."""
     requests = errors = count = 0
@@ -158,8 +161,14 @@ def _window(now: Mapping[str, AdapterCounters],
 
 
 class RolloutController:
-    def __init__(self, rebalancer: Rebalancer, source: AdapterSource | None = None, *,
-                 tick_s: float = 1.0, logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        rebalancer: Rebalancer,
+        source: AdapterSource | None = None,
+        *,
+        tick_s: float = 1.0,
+        logger: logging.Logger | None = None,
+    ) -> None:
         self.rb = rebalancer
         self.store = rebalancer.store
         self.source: AdapterSource = source or ScrapeAdapterSource()
@@ -182,36 +191,55 @@ class RolloutController:
         check_spec(spec)
         current = self.store.rollouts(spec.adapter)
         if current and current[-1].state in ACTIVE_STATES:
-            raise RolloutError(grpc.StatusCode.FAILED_PRECONDITION, "spec.adapter",
-                               f"{spec.adapter!r} already has a rollout in progress "
-                               f"(to {current[-1].spec.to_version}); abort it first")
+            raise RolloutError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "spec.adapter",
+                f"{spec.adapter!r} already has a rollout in progress "
+                f"(to {current[-1].spec.to_version}); abort it first",
+            )
         spec_ = control_plane_pb2.RolloutSpec()
         spec_.CopyFrom(spec)
         if not spec_.from_version and current:
             spec_.from_version = stable_version(current[-1])
         if spec_.from_version == spec_.to_version:
-            raise RolloutError(grpc.StatusCode.FAILED_PRECONDITION, "spec.to_version",
-                               f"{spec.adapter!r} already serves {spec_.to_version}")
+            raise RolloutError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "spec.to_version",
+                f"{spec.adapter!r} already serves {spec_.to_version}",
+            )
         now = self.clock.time()
         rollout = control_plane_pb2.Rollout(
-            id=secrets.token_hex(8), spec=spec_, state=S.ROLLOUT_STATE_RUNNING, step=0,
-            share=share_of(spec_.steps_percent, 0), reason=reason or "started")
+            id=secrets.token_hex(8),
+            spec=spec_,
+            state=S.ROLLOUT_STATE_RUNNING,
+            step=0,
+            share=share_of(spec_.steps_percent, 0),
+            reason=reason or "started",
+        )
         rollout.created_at.FromNanoseconds(int(now * 1e9))
         rollout.step_started_at.FromNanoseconds(int(now * 1e9))
-        what = (f"rollout {spec_.adapter} {spec_.from_version or '(unversioned)'} -> "
-                f"{spec_.to_version}: {rollout.share / 100:g}%")
+        what = (
+            f"rollout {spec_.adapter} {spec_.from_version or '(unversioned)'} -> "
+            f"{spec_.to_version}: {rollout.share / 100:g}%"
+        )
         self._write(rollout, "start", f"{what}{': ' + reason if reason else ''}", now)
         return rollout
 
     def control(self, adapter: str, action: str, reason: str) -> control_plane_pb2.Rollout:
         rules.check_reason(reason)
         if action not in ACTIONS:
-            raise RolloutError(grpc.StatusCode.INVALID_ARGUMENT, "action",
-                               f"{action!r} is not one of {', '.join(ACTIONS)}")
+            raise RolloutError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "action",
+                f"{action!r} is not one of {', '.join(ACTIONS)}",
+            )
         current = self.store.rollouts(adapter) if adapter else []
         if not current or current[-1].state not in ACTIVE_STATES:
-            raise RolloutError(grpc.StatusCode.FAILED_PRECONDITION, "adapter",
-                               f"{adapter!r} has no rollout in progress")
+            raise RolloutError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "adapter",
+                f"{adapter!r} has no rollout in progress",
+            )
         rollout = current[-1]
         now = self.clock.time()
         why = reason or f"operator {action}"
@@ -242,10 +270,12 @@ class RolloutController:
                 r.window_p95_ttft_ms = p95(w) or 0.0
         return out
 
-    def _write(self, rollout: control_plane_pb2.Rollout, kind: str, publish_reason: str,
-               now: float) -> None:
-        event = control_plane_pb2.RolloutEvent(kind=kind, share=rollout.share,
-                                               reason=rollout.reason)
+    def _write(
+        self, rollout: control_plane_pb2.Rollout, kind: str, publish_reason: str, now: float
+    ) -> None:
+        event = control_plane_pb2.RolloutEvent(
+            kind=kind, share=rollout.share, reason=rollout.reason
+        )
         event.at.FromNanoseconds(int(now * 1e9))
         self.rb.mutate(lambda: self.store.put_rollout(rollout, event), publish_reason)
         if rollout.state not in ACTIVE_STATES:
@@ -288,8 +318,12 @@ class RolloutController:
                 rollout.state = S.ROLLOUT_STATE_ROLLED_BACK
                 rollout.share = 0
             rollout.reason = step.reason
-            self._write(rollout, step.kind,
-                        f"rollout {rollout.spec.adapter} {step.kind}: {step.reason}", now)
+            self._write(
+                rollout,
+                step.kind,
+                f"rollout {rollout.spec.adapter} {step.kind}: {step.reason}",
+                now,
+            )
         return out
 
     async def run(self, stop: asyncio.Event | None = None) -> None:

@@ -24,8 +24,11 @@ class RolloutApi:
     async def _rollout_call(self, context: Any, call: Any) -> Any:
         try:
             if self.rollouts is None:
-                raise RolloutError(grpc.StatusCode.UNAVAILABLE, "",
-                                   "rollouts are not enabled on this control plane")
+                raise RolloutError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "",
+                    "rollouts are not enabled on this control plane",
+                )
             return call(self.rollouts)
         except RolloutError as exc:
             await context.abort(exc.code, str(exc))
@@ -34,21 +37,29 @@ class RolloutApi:
         except Exception as exc:
             await self._fail(context, exc)
 
-    async def StartRollout(self, request: control_plane_pb2.StartRolloutRequest,
-                           context: Any) -> control_plane_pb2.Rollout:
+    async def StartRollout(
+        self, request: control_plane_pb2.StartRolloutRequest, context: Any
+    ) -> control_plane_pb2.Rollout:
         out: control_plane_pb2.Rollout = await self._rollout_call(
-            context, lambda c: c.start(request.spec, request.reason))
+            context, lambda c: c.start(request.spec, request.reason)
+        )
         return out
 
-    async def ControlRollout(self, request: control_plane_pb2.ControlRolloutRequest,
-                             context: Any) -> control_plane_pb2.Rollout:
+    async def ControlRollout(
+        self, request: control_plane_pb2.ControlRolloutRequest, context: Any
+    ) -> control_plane_pb2.Rollout:
         out: control_plane_pb2.Rollout = await self._rollout_call(
-            context, lambda c: c.control(request.adapter, request.action, request.reason))
+            context, lambda c: c.control(request.adapter, request.action, request.reason)
+        )
         return out
 
-    async def ListRollouts(self, request: control_plane_pb2.ListRolloutsRequest,
-                           context: Any) -> control_plane_pb2.ListRolloutsResponse:
+    async def ListRollouts(
+        self, request: control_plane_pb2.ListRolloutsRequest, context: Any
+    ) -> control_plane_pb2.ListRolloutsResponse:
         out: control_plane_pb2.ListRolloutsResponse = await self._rollout_call(
-            context, lambda c: control_plane_pb2.ListRolloutsResponse(
-                rollouts=c.listing(request.adapter, request.history)))
+            context,
+            lambda c: control_plane_pb2.ListRolloutsResponse(
+                rollouts=c.listing(request.adapter, request.history)
+            ),
+        )
         return out

@@ -58,19 +58,26 @@ def check_spec(spec: control_plane_pb2.RolloutSpec, field: str = "spec") -> None
         if not 1 <= step <= 100:
             raise RuleError(f"{field}.steps_percent[{i}]", f"{step} is outside 1-100")
         if i and step <= steps[i - 1]:
-            raise RuleError(f"{field}.steps_percent[{i}]",
-                            f"{step} is not above the step before ({steps[i - 1]})")
+            raise RuleError(
+                f"{field}.steps_percent[{i}]",
+                f"{step} is not above the step before ({steps[i - 1]})",
+            )
     if steps[-1] != 100:
         raise RuleError(f"{field}.steps_percent", f"the last step is 100, not {steps[-1]}")
     if not 1 <= spec.interval_seconds <= MAX_INTERVAL_S:
-        raise RuleError(f"{field}.interval_seconds",
-                        f"{spec.interval_seconds} is outside 1-{MAX_INTERVAL_S}")
+        raise RuleError(
+            f"{field}.interval_seconds", f"{spec.interval_seconds} is outside 1-{MAX_INTERVAL_S}"
+        )
     if not (math.isfinite(spec.max_error_rate) and 0 <= spec.max_error_rate <= 1):
-        raise RuleError(f"{field}.max_error_rate",
-                        f"{spec.max_error_rate} is not a fraction in 0-1 (0: no bound)")
+        raise RuleError(
+            f"{field}.max_error_rate",
+            f"{spec.max_error_rate} is not a fraction in 0-1 (0: no bound)",
+        )
     if not (math.isfinite(spec.max_p95_ttft_ms) and 0 <= spec.max_p95_ttft_ms <= 3_600_000):
-        raise RuleError(f"{field}.max_p95_ttft_ms",
-                        f"{spec.max_p95_ttft_ms} is outside 0-3600000 ms (0: no bound)")
+        raise RuleError(
+            f"{field}.max_p95_ttft_ms",
+            f"{spec.max_p95_ttft_ms} is outside 0-3600000 ms (0: no bound)",
+        )
     if spec.min_requests > 1_000_000:
         raise RuleError(f"{field}.min_requests", f"{spec.min_requests} exceeds 1000000")
 
@@ -93,10 +100,15 @@ def splits(latest: Iterable[control_plane_pb2.Rollout]) -> list[assignment_pb2.A
         stable = stable_version(r)
         if not active and not stable:
             continue
-        out.append(assignment_pb2.AdapterSplit(
-            adapter=r.spec.adapter, stable_version=stable,
-            canary_version=r.spec.to_version if active else "",
-            canary_share=r.share if active else 0, rollout_id=r.id))
+        out.append(
+            assignment_pb2.AdapterSplit(
+                adapter=r.spec.adapter,
+                stable_version=stable,
+                canary_version=r.spec.to_version if active else "",
+                canary_share=r.share if active else 0,
+                rollout_id=r.id,
+            )
+        )
     return out
 
 
@@ -154,20 +166,31 @@ def decide(rollout: control_plane_pb2.Rollout, window: Window, now: float) -> St
     need = spec.min_requests or DEFAULT_MIN_REQUESTS
     if window.requests >= need:
         if spec.max_error_rate > 0 and window.error_rate > spec.max_error_rate:
-            return Step("rollback", (
-                f"error rate {window.error_rate:.1%} > {spec.max_error_rate:.1%} over "
-                f"{window.requests} requests of {spec.to_version} at {_pct(rollout.share)}"))
+            return Step(
+                "rollback",
+                (
+                    f"error rate {window.error_rate:.1%} > {spec.max_error_rate:.1%} over "
+                    f"{window.requests} requests of {spec.to_version} at {_pct(rollout.share)}"
+                ),
+            )
         latency = p95(window)
         if spec.max_p95_ttft_ms > 0 and latency is not None and latency > spec.max_p95_ttft_ms:
-            return Step("rollback", (
-                f"p95 TTFT {latency:.0f} ms > {spec.max_p95_ttft_ms:g} ms over "
-                f"{window.ttft_count} requests of {spec.to_version} at {_pct(rollout.share)}"))
+            return Step(
+                "rollback",
+                (
+                    f"p95 TTFT {latency:.0f} ms > {spec.max_p95_ttft_ms:g} ms over "
+                    f"{window.ttft_count} requests of {spec.to_version} at {_pct(rollout.share)}"
+                ),
+            )
     elapsed = now - rollout.step_started_at.ToNanoseconds() / 1e9
     if elapsed < spec.interval_seconds:
-        return Step("hold", f"step {rollout.step + 1} for {spec.interval_seconds - elapsed:.0f}s more")
+        return Step(
+            "hold", f"step {rollout.step + 1} for {spec.interval_seconds - elapsed:.0f}s more"
+        )
     if window.requests < need:
-        return Step("hold", f"waiting for {need} requests of {spec.to_version} "
-                            f"(have {window.requests})")
+        return Step(
+            "hold", f"waiting for {need} requests of {spec.to_version} (have {window.requests})"
+        )
     health = f"error rate {window.error_rate:.1%}"
     latency = p95(window)
     if latency is not None:

@@ -432,44 +432,62 @@ class Store:
 
     # -- rollouts ------------------------------------------------------------------------------
 
-    def put_rollout(self, rollout: control_plane_pb2.Rollout,
-                    event: control_plane_pb2.RolloutEvent | None = None) -> None:
+    def put_rollout(
+        self,
+        rollout: control_plane_pb2.Rollout,
+        event: control_plane_pb2.RolloutEvent | None = None,
+    ) -> None:
         """Create or update a rollout (its ``events`` field is not stored here) and append
         ``event`` to its history, in one transaction."""
         body = control_plane_pb2.Rollout()
         body.CopyFrom(rollout)
         del body.events[:]
         with self.transaction():
-            row = self._db.execute("SELECT seq FROM rollouts WHERE id = ?", (rollout.id,)).fetchone()
+            row = self._db.execute(
+                "SELECT seq FROM rollouts WHERE id = ?", (rollout.id,)
+            ).fetchone()
             if row is None:
-                seq = int(self._db.execute(
-                    "SELECT COALESCE(MAX(seq), 0) + 1 FROM rollouts").fetchone()[0])
-                self._db.execute("INSERT INTO rollouts (id, adapter, seq, body) VALUES (?,?,?,?)",
-                                 (rollout.id, rollout.spec.adapter, seq, body.SerializeToString()))
+                seq = int(
+                    self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM rollouts").fetchone()[0]
+                )
+                self._db.execute(
+                    "INSERT INTO rollouts (id, adapter, seq, body) VALUES (?,?,?,?)",
+                    (rollout.id, rollout.spec.adapter, seq, body.SerializeToString()),
+                )
             else:
-                self._db.execute("UPDATE rollouts SET body = ? WHERE id = ?",
-                                 (body.SerializeToString(), rollout.id))
+                self._db.execute(
+                    "UPDATE rollouts SET body = ? WHERE id = ?",
+                    (body.SerializeToString(), rollout.id),
+                )
             if event is not None:
-                self._db.execute("INSERT INTO rollout_events (rollout_id, body) VALUES (?,?)",
-                                 (rollout.id, event.SerializeToString()))
+                self._db.execute(
+                    "INSERT INTO rollout_events (rollout_id, body) VALUES (?,?)",
+                    (rollout.id, event.SerializeToString()),
+                )
 
-    def rollouts(self, adapter: str | None = None, *, latest_only: bool = True,
-                 events: bool = False) -> list[control_plane_pb2.Rollout]:
+    def rollouts(
+        self, adapter: str | None = None, *, latest_only: bool = True, events: bool = False
+    ) -> list[control_plane_pb2.Rollout]:
         """Rollouts oldest first; ``latest_only``: each adapter's newest one only."""
         where = "WHERE adapter = ?" if adapter is not None else ""
         args: tuple[str, ...] = (adapter,) if adapter is not None else ()
         if latest_only:
-            sql = (f"SELECT body FROM rollouts WHERE seq IN (SELECT MAX(seq) FROM rollouts "
-                   f"{where} GROUP BY adapter) ORDER BY seq")
+            sql = (
+                f"SELECT body FROM rollouts WHERE seq IN (SELECT MAX(seq) FROM rollouts "
+                f"{where} GROUP BY adapter) ORDER BY seq"
+            )
         else:
             sql = f"SELECT body FROM rollouts {where} ORDER BY seq"
-        out = [control_plane_pb2.Rollout.FromString(r[0])
-               for r in self._db.execute(sql, args).fetchall()]
+        out = [
+            control_plane_pb2.Rollout.FromString(r[0])
+            for r in self._db.execute(sql, args).fetchall()
+        ]
         if events:
             for rollout in out:
                 rows = self._db.execute(
                     "SELECT body FROM rollout_events WHERE rollout_id = ? ORDER BY seq",
-                    (rollout.id,)).fetchall()
+                    (rollout.id,),
+                ).fetchall()
                 rollout.events.extend(control_plane_pb2.RolloutEvent.FromString(r[0]) for r in rows)
         return out
 

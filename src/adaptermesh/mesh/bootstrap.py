@@ -109,53 +109,78 @@ def build_bootstrap(
         raise ValueError(f"ext_proc_port: {ext_proc_port} is outside 1-65535")
     protocol_options = http_protocol_options_pb2.HttpProtocolOptions(
         explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
-            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()))
+            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+        )
+    )
     packed_options = any_pb2.Any()
     packed_options.Pack(protocol_options)
-    static_clusters = [_h2_cluster(XDS_CLUSTER, cluster_pb2.Cluster.STATIC, xds_host, xds_port,
-                                   packed_options)]
+    static_clusters = [
+        _h2_cluster(XDS_CLUSTER, cluster_pb2.Cluster.STATIC, xds_host, xds_port, packed_options)
+    ]
     if otlp_port is not None:
         if not 1 <= otlp_port <= 65535:
             raise ValueError(f"otlp_port: {otlp_port} is outside 1-65535")
-        static_clusters.append(_h2_cluster(OTLP_CLUSTER, cluster_pb2.Cluster.STRICT_DNS,
-                                           otlp_host, otlp_port, packed_options))
+        static_clusters.append(
+            _h2_cluster(
+                OTLP_CLUSTER, cluster_pb2.Cluster.STRICT_DNS, otlp_host, otlp_port, packed_options
+            )
+        )
     if ext_proc_port is not None:
-        static_clusters.append(_h2_cluster(EXT_PROC_CLUSTER, cluster_pb2.Cluster.STATIC,
-                                           ext_proc_host, ext_proc_port, packed_options))
+        static_clusters.append(
+            _h2_cluster(
+                EXT_PROC_CLUSTER,
+                cluster_pb2.Cluster.STATIC,
+                ext_proc_host,
+                ext_proc_port,
+                packed_options,
+            )
+        )
     ads_source = config_source_pb2.ConfigSource(
         ads=config_source_pb2.AggregatedConfigSource(),
         resource_api_version=config_source_pb2.V3,
         initial_fetch_timeout=_duration(initial_fetch_timeout_s),
     )
     connection_limit = any_pb2.Any()
-    connection_limit.Pack(downstream_connections_pb2.DownstreamConnectionsConfig(
-        max_active_downstream_connections=max_downstream_connections))
+    connection_limit.Pack(
+        downstream_connections_pb2.DownstreamConnectionsConfig(
+            max_active_downstream_connections=max_downstream_connections
+        )
+    )
     return bootstrap_pb2.Bootstrap(
         node=base_pb2.Node(id=node_id, cluster=node_cluster),
         # A bound on downstream connections keeps a connection flood from exhausting fds.
-        overload_manager=overload_pb2.OverloadManager(resource_monitors=[
-            overload_pb2.ResourceMonitor(
-                name="envoy.resource_monitors.global_downstream_max_connections",
-                typed_config=connection_limit),
-        ]),
+        overload_manager=overload_pb2.OverloadManager(
+            resource_monitors=[
+                overload_pb2.ResourceMonitor(
+                    name="envoy.resource_monitors.global_downstream_max_connections",
+                    typed_config=connection_limit,
+                ),
+            ]
+        ),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(clusters=static_clusters),
         dynamic_resources=bootstrap_pb2.Bootstrap.DynamicResources(
             ads_config=config_source_pb2.ApiConfigSource(
-                api_type=(config_source_pb2.ApiConfigSource.DELTA_GRPC if delta
-                          else config_source_pb2.ApiConfigSource.GRPC),
+                api_type=(
+                    config_source_pb2.ApiConfigSource.DELTA_GRPC
+                    if delta
+                    else config_source_pb2.ApiConfigSource.GRPC
+                ),
                 transport_api_version=config_source_pb2.V3,
                 set_node_on_first_message_only=True,
-                grpc_services=[grpc_service_pb2.GrpcService(
-                    envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(
-                        cluster_name=XDS_CLUSTER,
-                        # Reconnect quickly after the agent restarts its xDS server.
-                        retry_policy=base_pb2.RetryPolicy(
-                            retry_back_off=backoff_pb2.BackoffStrategy(
-                                base_interval=_duration(xds_retry_base_s),
-                                max_interval=_duration(xds_retry_max_s)),
+                grpc_services=[
+                    grpc_service_pb2.GrpcService(
+                        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(
+                            cluster_name=XDS_CLUSTER,
+                            # Reconnect quickly after the agent restarts its xDS server.
+                            retry_policy=base_pb2.RetryPolicy(
+                                retry_back_off=backoff_pb2.BackoffStrategy(
+                                    base_interval=_duration(xds_retry_base_s),
+                                    max_interval=_duration(xds_retry_max_s),
+                                ),
+                            ),
                         ),
-                    ),
-                )],
+                    )
+                ],
             ),
             cds_config=ads_source,
             lds_config=ads_source,
@@ -197,12 +222,26 @@ def validate_bootstrap(bootstrap: bootstrap_pb2.Bootstrap, envoy: str | None = N
         path = Path(tmp) / "bootstrap.json"
         path.write_text(bootstrap_json(bootstrap))
         proc = subprocess.run(
-            [envoy or find_envoy(), "--mode", "validate", "-c", str(path),
-             "--use-dynamic-base-id", "-l", "warning"],
-            capture_output=True, text=True, timeout=60, check=False)
+            [
+                envoy or find_envoy(),
+                "--mode",
+                "validate",
+                "-c",
+                str(path),
+                "--use-dynamic-base-id",
+                "-l",
+                "warning",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     if proc.returncode != 0:
-        raise EnvoyError(f"envoy --mode validate failed ({proc.returncode}): "
-                         f"{(proc.stdout + proc.stderr)[-4000:]}")
+        raise EnvoyError(
+            f"envoy --mode validate failed ({proc.returncode}): "
+            f"{(proc.stdout + proc.stderr)[-4000:]}"
+        )
 
 
 _live: set[EnvoyProcess] = set()
@@ -266,14 +305,33 @@ class EnvoyProcess:
         config.write_text(bootstrap_json(self.bootstrap))
         admin_path = self.workdir / "admin-address"
         admin_path.unlink(missing_ok=True)
-        base = (["--base-id", str(self.base_id)] if self.base_id is not None
-                else ["--use-dynamic-base-id", "--base-id-path", str(self.workdir / "base-id")])
-        args = [self.envoy, "-c", str(config), "--concurrency", str(self.concurrency),
-                "-l", self.log_level, "--log-path", str(self.log_path),
-                "--admin-address-path", str(admin_path), *base, *self.extra_args]
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True)
+        base = (
+            ["--base-id", str(self.base_id)]
+            if self.base_id is not None
+            else ["--use-dynamic-base-id", "--base-id-path", str(self.workdir / "base-id")]
+        )
+        args = [
+            self.envoy,
+            "-c",
+            str(config),
+            "--concurrency",
+            str(self.concurrency),
+            "-l",
+            self.log_level,
+            "--log-path",
+            str(self.log_path),
+            "--admin-address-path",
+            str(admin_path),
+            *base,
+            *self.extra_args,
+        ]
+        self.process = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         with _live_lock:
             _live.add(self)
         try:
@@ -331,8 +389,11 @@ class EnvoyProcess:
 
     def stats(self, filter_regex: str = "") -> dict[str, int]:
         """Counters and gauges whose name matches ``filter_regex``."""
-        query = f"?format=json&filter={urllib.parse.quote(filter_regex)}" if filter_regex \
+        query = (
+            f"?format=json&filter={urllib.parse.quote(filter_regex)}"
+            if filter_regex
             else "?format=json"
+        )
         data = json.loads(self.admin_get(f"/stats{query}"))
         return {s["name"]: int(s["value"]) for s in data.get("stats", []) if "value" in s}
 
@@ -378,8 +439,9 @@ class EnvoyProcess:
         self.cleanup()
 
 
-def _h2_cluster(name: str, kind: int, host: str, port: int,
-                packed_options: any_pb2.Any) -> cluster_pb2.Cluster:
+def _h2_cluster(
+    name: str, kind: int, host: str, port: int, packed_options: any_pb2.Any
+) -> cluster_pb2.Cluster:
     """A static-bootstrap cluster of one endpoint spoken to over HTTP/2 (gRPC): the ADS server,
     the agent's external processor, the OTLP collector."""
     cluster = cluster_pb2.Cluster(
@@ -388,20 +450,27 @@ def _h2_cluster(name: str, kind: int, host: str, port: int,
         connect_timeout=duration_pb2.Duration(seconds=1),
         load_assignment=endpoint_pb2.ClusterLoadAssignment(
             cluster_name=name,
-            endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[
-                endpoint_components_pb2.LbEndpoint(endpoint=endpoint_components_pb2.Endpoint(
-                    address=_address(host, port))),
-            ])],
+            endpoints=[
+                endpoint_components_pb2.LocalityLbEndpoints(
+                    lb_endpoints=[
+                        endpoint_components_pb2.LbEndpoint(
+                            endpoint=endpoint_components_pb2.Endpoint(address=_address(host, port))
+                        ),
+                    ]
+                )
+            ],
         ),
     )
     cluster.typed_extension_protocol_options[
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(packed_options)
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ].CopyFrom(packed_options)
     return cluster
 
 
 def _address(host: str, port: int) -> address_pb2.Address:
-    return address_pb2.Address(socket_address=address_pb2.SocketAddress(
-        address=host, port_value=port))
+    return address_pb2.Address(
+        socket_address=address_pb2.SocketAddress(address=host, port_value=port)
+    )
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:

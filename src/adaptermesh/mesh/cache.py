@@ -66,7 +66,8 @@ class StaleVersionError(ValueError):
     def __init__(self, key: str, version: int, current: int) -> None:
         super().__init__(
             f"version: assignment version {version} for {key!r} is not newer than the "
-            f"published version {current}")
+            f"published version {current}"
+        )
         self.field = "version"
 
 
@@ -122,14 +123,26 @@ class NodeStatus:
             "key": self.key,
             "streams": self.streams,
             "acked_version": self.acked_version,
-            "types": {t.rsplit(".", 1)[-1]: {
-                "sent_version": s.sent_version, "acked_version": s.acked_version,
-                "nacked_versions": list(s.nacked_versions), "pushes": s.pushes,
-                "acks": s.acks, "nacks": s.nacks} for t, s in self.types.items()},
-            "last_nack": None if self.last_nack is None else {
+            "types": {
+                t.rsplit(".", 1)[-1]: {
+                    "sent_version": s.sent_version,
+                    "acked_version": s.acked_version,
+                    "nacked_versions": list(s.nacked_versions),
+                    "pushes": s.pushes,
+                    "acks": s.acks,
+                    "nacks": s.nacks,
+                }
+                for t, s in self.types.items()
+            },
+            "last_nack": None
+            if self.last_nack is None
+            else {
                 "type": self.last_nack.type_url.rsplit(".", 1)[-1],
-                "version": self.last_nack.version, "message": self.last_nack.message,
-                "code": self.last_nack.code, "at": self.last_nack.at},
+                "version": self.last_nack.version,
+                "message": self.last_nack.message,
+                "code": self.last_nack.code,
+                "at": self.last_nack.at,
+            },
         }
 
 
@@ -186,8 +199,10 @@ class SnapshotCache:
             if snapshot is None:
                 snapshot = build_snapshot(assignment, options=self.options)
             if current is not None and current.assignment_version is not None:
-                if (assignment.version == current.assignment_version
-                        and snapshot.resource_versions == current.snapshot.resource_versions):
+                if (
+                    assignment.version == current.assignment_version
+                    and snapshot.resource_versions == current.snapshot.resource_versions
+                ):
                     return current.snapshot.version
                 if assignment.version <= current.assignment_version:
                     raise StaleVersionError(key, assignment.version, current.assignment_version)
@@ -209,8 +224,10 @@ class SnapshotCache:
             if current is not None and snapshot.version == current.snapshot.version:
                 if snapshot.resource_versions == current.snapshot.resource_versions:
                     return snapshot.version
-                raise ValueError(f"version: snapshot version {snapshot.version!r} for {key!r} "
-                                 "is already published with other content")
+                raise ValueError(
+                    f"version: snapshot version {snapshot.version!r} for {key!r} "
+                    "is already published with other content"
+                )
         except (ValueError, InconsistentSnapshotError) as exc:
             self.metrics.publishes.labels("rejected").inc()
             log.warning("refused snapshot %s for %s: %s", snapshot.version, key, exc)
@@ -273,9 +290,7 @@ class SnapshotCache:
         with self._lock:
             return self._nodes.get(node_id)
 
-    def wait_for_version(
-        self, node_ids: Iterable[str], version: str, timeout: float
-    ) -> bool:
+    def wait_for_version(self, node_ids: Iterable[str], version: str, timeout: float) -> bool:
         """Block until every node ACKed ``version`` on all its types; False on timeout."""
         wanted = list(node_ids)
         deadline = time.monotonic() + timeout
@@ -314,28 +329,35 @@ class SnapshotCache:
 
     def record_sent(self, node_id: str, type_url: str, version: str) -> None:
         with self._lock:
-            self._update_type(node_id, type_url, lambda s: replace(
-                s, sent_version=version, pushes=s.pushes + 1))
+            self._update_type(
+                node_id, type_url, lambda s: replace(s, sent_version=version, pushes=s.pushes + 1)
+            )
 
     def record_ack(self, node_id: str, type_url: str, version: str) -> None:
         with self._lock:
-            self._update_type(node_id, type_url, lambda s: replace(
-                s, acked_version=version, acks=s.acks + 1))
+            self._update_type(
+                node_id, type_url, lambda s: replace(s, acked_version=version, acks=s.acks + 1)
+            )
             status = self._nodes.get(node_id)
             entry = self._entries.get(status.key) if status else None
             self._changed.notify_all()
         self.metrics.acks.labels(type_url.rsplit(".", 1)[-1]).inc()
-        if entry is not None and entry.snapshot.type_versions.get(type_url) == version \
-                and entry.snapshot.version == version:
+        if (
+            entry is not None
+            and entry.snapshot.type_versions.get(type_url) == version
+            and entry.snapshot.version == version
+        ):
             self.metrics.update_to_ack.labels(type_url.rsplit(".", 1)[-1]).observe(
-                time.monotonic() - entry.published_at)
+                time.monotonic() - entry.published_at
+            )
 
     def record_in_sync(self, node_id: str, version: str) -> None:
         with self._lock:
             status = self._nodes.get(node_id)
             if status is not None and status.acked_version != version:
                 self._nodes[node_id] = replace(
-                    status, acked_version=version, acked_at=time.monotonic())
+                    status, acked_version=version, acked_at=time.monotonic()
+                )
                 self._changed.notify_all()
 
     def record_nack(
@@ -343,15 +365,27 @@ class SnapshotCache:
     ) -> None:
         nack = NackRecord(type_url, version, message, code, time.time())
         with self._lock:
-            self._update_type(node_id, type_url, lambda s: replace(
-                s, nacks=s.nacks + 1,
-                nacked_versions=(*s.nacked_versions, version)[-16:]
-                if version not in s.nacked_versions else s.nacked_versions))
+            self._update_type(
+                node_id,
+                type_url,
+                lambda s: replace(
+                    s,
+                    nacks=s.nacks + 1,
+                    nacked_versions=(*s.nacked_versions, version)[-16:]
+                    if version not in s.nacked_versions
+                    else s.nacked_versions,
+                ),
+            )
             self._nodes[node_id] = replace(self._nodes[node_id], last_nack=nack)
             self._changed.notify_all()
         self.metrics.nacks.labels(type_url.rsplit(".", 1)[-1], node_id).inc()
-        log.error("Envoy %s rejected %s version %s: %s", node_id,
-                  type_url.rsplit(".", 1)[-1], version, message)
+        log.error(
+            "Envoy %s rejected %s version %s: %s",
+            node_id,
+            type_url.rsplit(".", 1)[-1],
+            version,
+            message,
+        )
 
     def _update_type(
         self, node_id: str, type_url: str, change: Callable[[TypeStatus], TypeStatus]

@@ -123,21 +123,29 @@ class EdgeTlsOptions:
             raise ValueError("EdgeTlsOptions: cert_chain_file and private_key_file are required")
 
 
-def tls_filter_chain(tls: EdgeTlsOptions,
-                     chain: listener_components_pb2.FilterChain) -> listener_components_pb2.FilterChain:
+def tls_filter_chain(
+    tls: EdgeTlsOptions, chain: listener_components_pb2.FilterChain
+) -> listener_components_pb2.FilterChain:
     """``chain`` (the plaintext one) behind TLS: matched on a TLS ClientHello, ALPN h2 and
     http/1.1."""
-    context = tls_pb2.DownstreamTlsContext(common_tls_context=tls_pb2.CommonTlsContext(
-        tls_certificates=[secret_pb2.TlsCertificate(
-            certificate_chain=base_pb2.DataSource(filename=tls.cert_chain_file),
-            private_key=base_pb2.DataSource(filename=tls.private_key_file))],
-        alpn_protocols=["h2", "http/1.1"]))
+    context = tls_pb2.DownstreamTlsContext(
+        common_tls_context=tls_pb2.CommonTlsContext(
+            tls_certificates=[
+                secret_pb2.TlsCertificate(
+                    certificate_chain=base_pb2.DataSource(filename=tls.cert_chain_file),
+                    private_key=base_pb2.DataSource(filename=tls.private_key_file),
+                )
+            ],
+            alpn_protocols=["h2", "http/1.1"],
+        )
+    )
     out = listener_components_pb2.FilterChain()
     out.CopyFrom(chain)
     out.name = "tls"
     out.filter_chain_match.transport_protocol = "tls"
-    out.transport_socket.CopyFrom(base_pb2.TransportSocket(
-        name="envoy.transport_sockets.tls", typed_config=_pack(context)))
+    out.transport_socket.CopyFrom(
+        base_pb2.TransportSocket(name="envoy.transport_sockets.tls", typed_config=_pack(context))
+    )
     return out
 
 
@@ -150,7 +158,8 @@ def tls_scheme(tls: bool) -> protocol_pb2.SchemeHeaderTransformation:
 def tls_inspector() -> listener_components_pb2.ListenerFilter:
     return listener_components_pb2.ListenerFilter(
         name="envoy.filters.listener.tls_inspector",
-        typed_config=_pack(tls_inspector_pb2.TlsInspector()))
+        typed_config=_pack(tls_inspector_pb2.TlsInspector()),
+    )
 
 
 @dataclass(frozen=True)
@@ -183,20 +192,21 @@ def needs_body_model(edges: Sequence[assignment_pb2.AdapterEdge]) -> bool:
 
 
 def grpc_json_paths(edges: Sequence[assignment_pb2.AdapterEdge]) -> tuple[str, ...]:
-    return tuple(sorted(p for e in edges if e.protocol == adapter_edge.GRPC_JSON
-                        for p in e.paths))
+    return tuple(sorted(p for e in edges if e.protocol == adapter_edge.GRPC_JSON for p in e.paths))
 
 
-def front_filters(edges: Sequence[assignment_pb2.AdapterEdge],
-                  grpc: bool) -> list[hcm_pb2.HttpFilter]:
+def front_filters(
+    edges: Sequence[assignment_pb2.AdapterEdge], grpc: bool
+) -> list[hcm_pb2.HttpFilter]:
     """Filters that go first: the gRPC-JSON transcoder when a grpc-json adapter has paths
     and the mesh serves gRPC (without gRPC, those paths answer 503)."""
     paths = grpc_json_paths(edges)
     return [transcoder_filter(paths)] if paths and grpc else []
 
 
-def edge_filters(edges: Sequence[assignment_pb2.AdapterEdge],
-                 auth: EdgeAuthOptions | None) -> list[hcm_pb2.HttpFilter]:
+def edge_filters(
+    edges: Sequence[assignment_pb2.AdapterEdge], auth: EdgeAuthOptions | None
+) -> list[hcm_pb2.HttpFilter]:
     """jwt_authn and rbac, placed after the filters that may change the route (body, ext_proc)
     and before the router; both act only where a route's per-route config asks them to."""
     if not any(e.scopes or e.allowed_cidrs for e in edges):
@@ -221,21 +231,33 @@ def edge_filters(edges: Sequence[assignment_pb2.AdapterEdge],
 
 def _scope_matcher(scope: str) -> rbac_config_pb2.Principal:
     pattern = rf"(^|.* ){re.escape(scope)}( .*|$)"
-    return rbac_config_pb2.Principal(metadata=metadata_pb2.MetadataMatcher(
-        filter=JWT_FILTER,
-        path=[metadata_pb2.MetadataMatcher.PathSegment(key=_PAYLOAD_KEY),
-              metadata_pb2.MetadataMatcher.PathSegment(key="scope")],
-        value=value_pb2.ValueMatcher(string_match=string_pb2.StringMatcher(
-            safe_regex=regex_pb2.RegexMatcher(regex=pattern))),
-    ))
+    return rbac_config_pb2.Principal(
+        metadata=metadata_pb2.MetadataMatcher(
+            filter=JWT_FILTER,
+            path=[
+                metadata_pb2.MetadataMatcher.PathSegment(key=_PAYLOAD_KEY),
+                metadata_pb2.MetadataMatcher.PathSegment(key="scope"),
+            ],
+            value=value_pb2.ValueMatcher(
+                string_match=string_pb2.StringMatcher(
+                    safe_regex=regex_pb2.RegexMatcher(regex=pattern)
+                )
+            ),
+        )
+    )
 
 
 def _source_matcher(cidrs: Sequence[str]) -> rbac_config_pb2.Principal:
     ranges = []
     for cidr in cidrs:
         address, _, prefix = cidr.partition("/")
-        ranges.append(rbac_config_pb2.Principal(direct_remote_ip=address_pb2.CidrRange(
-            address_prefix=address, prefix_len={"value": int(prefix)})))
+        ranges.append(
+            rbac_config_pb2.Principal(
+                direct_remote_ip=address_pb2.CidrRange(
+                    address_prefix=address, prefix_len={"value": int(prefix)}
+                )
+            )
+        )
     return rbac_config_pb2.Principal(or_ids=rbac_config_pb2.Principal.Set(ids=ranges))
 
 
@@ -254,9 +276,17 @@ def _guard(edge: assignment_pb2.AdapterEdge, ctx: EdgeContext) -> dict[str, any_
         ids.append(_source_matcher(edge.allowed_cidrs))
     principal = rbac_config_pb2.Principal(and_ids=rbac_config_pb2.Principal.Set(ids=ids))
     policy = rbac_config_pb2.Policy(
-        permissions=[rbac_config_pb2.Permission(any=True)], principals=[principal])
-    out[RBAC_FILTER] = _pack(rbac_pb2.RBACPerRoute(rbac=rbac_pb2.RBAC(rules=rbac_config_pb2.RBAC(
-        action=rbac_config_pb2.RBAC.ALLOW, policies={f"scopes:{edge.name}": policy}))))
+        permissions=[rbac_config_pb2.Permission(any=True)], principals=[principal]
+    )
+    out[RBAC_FILTER] = _pack(
+        rbac_pb2.RBACPerRoute(
+            rbac=rbac_pb2.RBAC(
+                rules=rbac_config_pb2.RBAC(
+                    action=rbac_config_pb2.RBAC.ALLOW, policies={f"scopes:{edge.name}": policy}
+                )
+            )
+        )
+    )
     return out
 
 
@@ -266,51 +296,80 @@ def _targets(edge: assignment_pb2.AdapterEdge, shard_id: str) -> list[str]:
     return list(edge.shards)
 
 
-def _action(edge: assignment_pb2.AdapterEdge, ctx: EdgeContext,
-            cluster_of: Callable[[str], str]) -> route_components_pb2.RouteAction:
+def _action(
+    edge: assignment_pb2.AdapterEdge, ctx: EdgeContext, cluster_of: Callable[[str], str]
+) -> route_components_pb2.RouteAction:
     targets = [cluster_of(t) for t in _targets(edge, ctx.shard_id)]
     action = ctx.http_action(targets[0])
     if len(targets) > 1:
         action.ClearField("cluster")
-        action.weighted_clusters.CopyFrom(route_components_pb2.WeightedCluster(clusters=[
-            route_components_pb2.WeightedCluster.ClusterWeight(name=c, weight={"value": 1})
-            for c in targets]))
+        action.weighted_clusters.CopyFrom(
+            route_components_pb2.WeightedCluster(
+                clusters=[
+                    route_components_pb2.WeightedCluster.ClusterWeight(name=c, weight={"value": 1})
+                    for c in targets
+                ]
+            )
+        )
     action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
-        ctx.adapter_key].string_value = edge.name
+        ctx.adapter_key
+    ].string_value = edge.name
     return action
 
 
-def _refusal(name: str, match: route_components_pb2.RouteMatch, status: int,
-             body: str) -> route_components_pb2.Route:
+def _refusal(
+    name: str, match: route_components_pb2.RouteMatch, status: int, body: str
+) -> route_components_pb2.Route:
     return route_components_pb2.Route(
-        name=name, match=match,
+        name=name,
+        match=match,
         direct_response=route_components_pb2.DirectResponseAction(
-            status=status, body=base_pb2.DataSource(inline_string=body)))
+            status=status, body=base_pb2.DataSource(inline_string=body)
+        ),
+    )
 
 
-def _routes_for(edge: assignment_pb2.AdapterEdge, name: str,
-                match: route_components_pb2.RouteMatch,
-                action: route_components_pb2.RouteAction | None, ctx: EdgeContext,
-                set_header: bool) -> list[route_components_pb2.Route]:
+def _routes_for(
+    edge: assignment_pb2.AdapterEdge,
+    name: str,
+    match: route_components_pb2.RouteMatch,
+    action: route_components_pb2.RouteAction | None,
+    ctx: EdgeContext,
+    set_header: bool,
+) -> list[route_components_pb2.Route]:
     """The route, TLS-only when the adapter asks for it (then plaintext is refused)."""
     routes = []
     if action is None:  # the protocol is not served on this mesh
-        return [_refusal(name, match, 503, f"adapter {edge.name}: {edge.protocol} is not "
-                                           "served by this mesh\n")]
-    route = route_components_pb2.Route(name=name, match=match, route=action,
-                                       typed_per_filter_config=_guard(edge, ctx))
+        return [
+            _refusal(
+                name,
+                match,
+                503,
+                f"adapter {edge.name}: {edge.protocol} is not served by this mesh\n",
+            )
+        ]
+    route = route_components_pb2.Route(
+        name=name, match=match, route=action, typed_per_filter_config=_guard(edge, ctx)
+    )
     if set_header:
-        route.request_headers_to_add.append(base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=ctx.adapter_header, value=edge.name),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD))
+        route.request_headers_to_add.append(
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=ctx.adapter_header, value=edge.name),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        )
     if edge.tls:
-        route.match.headers.append(route_components_pb2.HeaderMatcher(
-            name=":scheme", string_match=string_pb2.StringMatcher(exact="https")))
+        route.match.headers.append(
+            route_components_pb2.HeaderMatcher(
+                name=":scheme", string_match=string_pb2.StringMatcher(exact="https")
+            )
+        )
         routes.append(route)
         plain = route_components_pb2.RouteMatch()
         plain.CopyFrom(match)
-        routes.append(_refusal(f"{name}:plaintext", plain, 403,
-                               f"adapter {edge.name} requires TLS\n"))
+        routes.append(
+            _refusal(f"{name}:plaintext", plain, 403, f"adapter {edge.name} requires TLS\n")
+        )
     else:
         routes.append(route)
     return routes
@@ -318,11 +377,13 @@ def _routes_for(edge: assignment_pb2.AdapterEdge, name: str,
 
 def _header(ctx: EdgeContext, value: str) -> route_components_pb2.HeaderMatcher:
     return route_components_pb2.HeaderMatcher(
-        name=ctx.adapter_header, string_match=string_pb2.StringMatcher(exact=value))
+        name=ctx.adapter_header, string_match=string_pb2.StringMatcher(exact=value)
+    )
 
 
-def edge_routes(edges: Sequence[assignment_pb2.AdapterEdge],
-                ctx: EdgeContext) -> list[route_components_pb2.Route]:
+def edge_routes(
+    edges: Sequence[assignment_pb2.AdapterEdge], ctx: EdgeContext
+) -> list[route_components_pb2.Route]:
     """Routes placed before the shard's own: paths, then the guarded or placed adapters by
     body, gRPC header, WebSocket header and header, then the refusals for unnamed gRPC and
     WebSocket requests while any adapter is guarded."""
@@ -331,15 +392,13 @@ def edge_routes(edges: Sequence[assignment_pb2.AdapterEdge],
     for edge in edges:
         for path in edge.paths:
             if edge.protocol == adapter_edge.GRPC:
-                action = (None if ctx.grpc_cluster is None
-                          else _action(edge, ctx, ctx.grpc_cluster))
+                action = None if ctx.grpc_cluster is None else _action(edge, ctx, ctx.grpc_cluster)
                 if action is not None:
                     action.prefix_rewrite = ctx.grpc_prefix
                 routes += _routes_for(edge, f"path:{path}", RM(prefix=path), action, ctx, True)
             elif edge.protocol == adapter_edge.GRPC_JSON:
                 # The transcoder has already made it a ModelInfer call on this route.
-                action = (None if ctx.grpc_cluster is None
-                          else _action(edge, ctx, ctx.grpc_cluster))
+                action = None if ctx.grpc_cluster is None else _action(edge, ctx, ctx.grpc_cluster)
                 routes += _routes_for(edge, f"path:{path}", RM(path=path), action, ctx, True)
             else:
                 action = _action(edge, ctx, ctx.http_cluster)
@@ -351,41 +410,80 @@ def edge_routes(edges: Sequence[assignment_pb2.AdapterEdge],
         # guarded adapter unseen. POSTs other than JSON and gRPC are refused instead.
         accepted = "|".join(re.escape(t) for t in JSON_CONTENT_TYPES)
         other = route_components_pb2.HeaderMatcher(
-            name="content-type", invert_match=True, treat_missing_header_as_empty=True,
-            string_match=string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(
-                regex=rf"^({accepted}|application/grpc([+][a-z]+)?)$")))
+            name="content-type",
+            invert_match=True,
+            treat_missing_header_as_empty=True,
+            string_match=string_pb2.StringMatcher(
+                safe_regex=regex_pb2.RegexMatcher(
+                    regex=rf"^({accepted}|application/grpc([+][a-z]+)?)$"
+                )
+            ),
+        )
         post = route_components_pb2.HeaderMatcher(
-            name=":method", string_match=string_pb2.StringMatcher(exact="POST"))
-        routes.append(_refusal("edge:content-type", RM(prefix="/", headers=[post, other]), 415,
-                               "send the request body as application/json\n"))
+            name=":method", string_match=string_pb2.StringMatcher(exact="POST")
+        )
+        routes.append(
+            _refusal(
+                "edge:content-type",
+                RM(prefix="/", headers=[post, other]),
+                415,
+                "send the request body as application/json\n",
+            )
+        )
     named = [e for e in edges if adapter_edge.guarded(e) or e.shards]
     for edge in named:
-        body = RM(prefix="/", dynamic_metadata=[metadata_pb2.MetadataMatcher(
-            filter=ctx.body_namespace,
-            path=[metadata_pb2.MetadataMatcher.PathSegment(key="model")],
-            value=value_pb2.ValueMatcher(string_match=string_pb2.StringMatcher(
-                exact=edge.name)))])
-        routes += _routes_for(edge, f"edge-body:{edge.name}", body,
-                              _action(edge, ctx, ctx.http_cluster), ctx, False)
+        body = RM(
+            prefix="/",
+            dynamic_metadata=[
+                metadata_pb2.MetadataMatcher(
+                    filter=ctx.body_namespace,
+                    path=[metadata_pb2.MetadataMatcher.PathSegment(key="model")],
+                    value=value_pb2.ValueMatcher(
+                        string_match=string_pb2.StringMatcher(exact=edge.name)
+                    ),
+                )
+            ],
+        )
+        routes += _routes_for(
+            edge, f"edge-body:{edge.name}", body, _action(edge, ctx, ctx.http_cluster), ctx, False
+        )
         if ctx.grpc_cluster is not None:
             routes += _routes_for(
-                edge, f"edge-grpc:{edge.name}",
+                edge,
+                f"edge-grpc:{edge.name}",
                 RM(prefix=ctx.grpc_prefix, headers=[_header(ctx, edge.name)]),
-                _action(edge, ctx, ctx.grpc_cluster), ctx, False)
+                _action(edge, ctx, ctx.grpc_cluster),
+                ctx,
+                False,
+            )
         routes += _routes_for(
-            edge, f"edge-ws:{edge.name}",
+            edge,
+            f"edge-ws:{edge.name}",
             RM(path=ctx.websocket_path, headers=[_header(ctx, edge.name)]),
-            _action(edge, ctx, ctx.http_cluster), ctx, False)
-        routes += _routes_for(edge, f"edge:{edge.name}",
-                              RM(prefix="/", headers=[_header(ctx, edge.name)]),
-                              _action(edge, ctx, ctx.http_cluster), ctx, False)
+            _action(edge, ctx, ctx.http_cluster),
+            ctx,
+            False,
+        )
+        routes += _routes_for(
+            edge,
+            f"edge:{edge.name}",
+            RM(prefix="/", headers=[_header(ctx, edge.name)]),
+            _action(edge, ctx, ctx.http_cluster),
+            ctx,
+            False,
+        )
     if any(adapter_edge.guarded(e) for e in edges):
         unnamed = route_components_pb2.HeaderMatcher(
-            name=ctx.adapter_header, present_match=True, invert_match=True)
+            name=ctx.adapter_header, present_match=True, invert_match=True
+        )
         text = f"name the adapter in the {ctx.adapter_header} header\n"
         if ctx.grpc_cluster is not None:
-            routes.append(_refusal("edge-grpc:unnamed",
-                                   RM(prefix=ctx.grpc_prefix, headers=[unnamed]), 403, text))
-        routes.append(_refusal("edge-ws:unnamed",
-                               RM(path=ctx.websocket_path, headers=[unnamed]), 403, text))
+            routes.append(
+                _refusal(
+                    "edge-grpc:unnamed", RM(prefix=ctx.grpc_prefix, headers=[unnamed]), 403, text
+                )
+            )
+        routes.append(
+            _refusal("edge-ws:unnamed", RM(path=ctx.websocket_path, headers=[unnamed]), 403, text)
+        )
     return routes

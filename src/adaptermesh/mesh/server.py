@@ -95,8 +95,13 @@ class _Stream:
 
     mode = "sotw"
 
-    def __init__(self, cache: SnapshotCache, metrics: XdsMetrics, stream_id: int,
-                 context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        metrics: XdsMetrics,
+        stream_id: int,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
         self.cache = cache
         self.metrics = metrics
         self.stream_id = stream_id
@@ -149,14 +154,20 @@ class _Stream:
                     continue
                 if self.node_id is None:
                     if not item.HasField("node") or not item.node.id:
-                        await self._protocol_error("missing_node",
-                                                   "the first request must carry node.id")
+                        await self._protocol_error(
+                            "missing_node", "the first request must carry node.id"
+                        )
                     self.node_id = str(item.node.id)
                     self.key = self.cache.node_key(item.node)
                     self.cache.stream_opened(self.node_id, self.key)
                     cancel_watch = self.cache.watch(self.key, self._wake_threadsafe)
-                    log.info("%s stream %d opened by %s (key %s)", self.mode, self.stream_id,
-                             self.node_id, self.key)
+                    log.info(
+                        "%s stream %d opened by %s (key %s)",
+                        self.mode,
+                        self.stream_id,
+                        self.node_id,
+                        self.key,
+                    )
                 if not item.type_url:
                     await self._protocol_error("missing_type_url", "type_url is required on ADS")
                 await self._on_request(item)
@@ -196,9 +207,13 @@ class _Stream:
         state.awaiting = False
         rejected = state.sent_version or ""
         if request.HasField("error_detail"):
-            self.cache.record_nack(self.node_id, type_url, rejected,
-                                   str(request.error_detail.message),
-                                   int(request.error_detail.code))
+            self.cache.record_nack(
+                self.node_id,
+                type_url,
+                rejected,
+                str(request.error_detail.message),
+                int(request.error_detail.code),
+            )
             return
         state.acked_version = state.sent_version
         if type_url in _SERVED and state.sent_version is not None:
@@ -241,8 +256,12 @@ class _SotwStream(_Stream):
         if request.response_nonce:
             if request.response_nonce != state.nonce:
                 self.metrics.stale_nonces.inc()
-                log.debug("ignoring %s request with stale nonce %r (last %r)",
-                          _short(type_url), request.response_nonce, state.nonce)
+                log.debug(
+                    "ignoring %s request with stale nonce %r (last %r)",
+                    _short(type_url),
+                    request.response_nonce,
+                    state.nonce,
+                )
                 return
             self._handle_ack_or_nack(type_url, state, request)
         else:
@@ -250,8 +269,9 @@ class _SotwStream(_Stream):
             state.awaiting = False
             state.force = True
         names = set(request.resource_names)
-        wildcard = "*" in names or (not names and type_url in _WILDCARD_TYPES and
-                                    (first or state.wildcard))
+        wildcard = "*" in names or (
+            not names and type_url in _WILDCARD_TYPES and (first or state.wildcard)
+        )
         names.discard("*")
         if wildcard != state.wildcard or names != state.names:
             state.wildcard, state.names = wildcard, names
@@ -281,8 +301,11 @@ class _SotwStream(_Stream):
         nonce = self._next_nonce()
         state.nonce, state.sent_version, state.awaiting, state.force = nonce, version, True, False
         self._record_push(type_url, version)
-        await self.context.write(discovery_pb2.DiscoveryResponse(
-            version_info=version, resources=resources, type_url=type_url, nonce=nonce))
+        await self.context.write(
+            discovery_pb2.DiscoveryResponse(
+                version_info=version, resources=resources, type_url=type_url, nonce=nonce
+            )
+        )
 
 
 class _DeltaStream(_Stream):
@@ -335,9 +358,14 @@ class _DeltaStream(_Stream):
             current = snapshot.resource_versions[type_url]
             packed = snapshot.packed[type_url]
             for name in sorted(current):
-                if (state.wildcard or name in state.names) and state.known.get(name) != current[name]:
-                    updates.append(discovery_pb2.Resource(
-                        name=name, version=current[name], resource=packed[name]))
+                if (state.wildcard or name in state.names) and state.known.get(name) != current[
+                    name
+                ]:
+                    updates.append(
+                        discovery_pb2.Resource(
+                            name=name, version=current[name], resource=packed[name]
+                        )
+                    )
             removed = sorted(n for n in state.known if n not in current)
             if not updates and not removed and not state.force:
                 # Nothing this client holds changed: it is already at this version.
@@ -354,9 +382,15 @@ class _DeltaStream(_Stream):
         nonce = self._next_nonce()
         state.nonce, state.sent_version, state.awaiting, state.force = nonce, version, True, False
         self._record_push(type_url, version)
-        await self.context.write(discovery_pb2.DeltaDiscoveryResponse(
-            system_version_info=version, resources=updates, type_url=type_url,
-            removed_resources=removed, nonce=nonce))
+        await self.context.write(
+            discovery_pb2.DeltaDiscoveryResponse(
+                system_version_info=version,
+                resources=updates,
+                type_url=type_url,
+                removed_resources=removed,
+                nonce=nonce,
+            )
+        )
 
 
 class _AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
@@ -385,8 +419,14 @@ class XdsServer:
     closes every stream and the server. Usable as a context manager.
     """
 
-    def __init__(self, cache: SnapshotCache, *, host: str = "127.0.0.1", port: int = 0,
-                 metrics: XdsMetrics | None = None) -> None:
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics: XdsMetrics | None = None,
+    ) -> None:
         self.cache = cache
         self.host = host
         self._requested_port = port
@@ -401,15 +441,18 @@ class XdsServer:
         return self.port
 
     async def _start(self) -> int:
-        server = grpc.aio.server(options=[
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-            # Find dead Envoys whose TCP connection never closed.
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-        ])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+                # Find dead Envoys whose TCP connection never closed.
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+            ]
+        )
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
-            _AdsServicer(self.cache, self.metrics), server)
+            _AdsServicer(self.cache, self.metrics), server
+        )
         port = int(server.add_insecure_port(f"{self.host}:{self._requested_port}"))
         if port == 0:
             raise OSError(f"cannot bind the xDS server to {self.host}:{self._requested_port}")

@@ -289,8 +289,7 @@ class Snapshot:
         for type_url in ADS_TYPE_ORDER:
             if self.resource_versions.get(type_url) == previous.resource_versions.get(type_url):
                 versions[type_url] = previous.type_versions[type_url]
-        return Snapshot(self.version, self.resources, versions, self.resource_versions,
-                        self.packed)
+        return Snapshot(self.version, self.resources, versions, self.resource_versions, self.packed)
 
     def check_consistent(self) -> None:
         """Raise :class:`InconsistentSnapshotError` listing every dangling reference.
@@ -307,18 +306,22 @@ class Snapshot:
         for type_url, items in self.resources.items():
             for name, message in items.items():
                 if _resource_name(message) != name:
-                    problems.append(f"{_short(type_url)} stored as {name!r} is named "
-                                    f"{_resource_name(message)!r}")
+                    problems.append(
+                        f"{_short(type_url)} stored as {name!r} is named "
+                        f"{_resource_name(message)!r}"
+                    )
         for name, listener in listeners.items():
             for route_name in _listener_rds_names(listener):
                 if route_name not in routes:
-                    problems.append(f"listener {name!r} uses missing route configuration "
-                                    f"{route_name!r}")
+                    problems.append(
+                        f"listener {name!r} uses missing route configuration {route_name!r}"
+                    )
         for name, route_config in routes.items():
             for target in _route_clusters(route_config):
                 if target not in clusters:
-                    problems.append(f"route configuration {name!r} names missing cluster "
-                                    f"{target!r}")
+                    problems.append(
+                        f"route configuration {name!r} names missing cluster {target!r}"
+                    )
         eds_names: set[str] = set()
         for name, message in clusters.items():
             cluster: Any = message
@@ -374,8 +377,10 @@ def build_snapshot(
     if opts.lb_policy not in _LB_POLICIES:
         raise ValueError(f"BuildOptions.lb_policy {opts.lb_policy!r} not in {_LB_POLICIES}")
     if opts.upstream_protocol not in _UPSTREAM_PROTOCOLS:
-        raise ValueError(f"BuildOptions.upstream_protocol {opts.upstream_protocol!r} not in "
-                         f"{_UPSTREAM_PROTOCOLS}")
+        raise ValueError(
+            f"BuildOptions.upstream_protocol {opts.upstream_protocol!r} not in "
+            f"{_UPSTREAM_PROTOCOLS}"
+        )
     validate_assignment(assignment)
     offset = opts.grpc_port_offset
     if offset is not None:
@@ -392,34 +397,41 @@ def build_snapshot(
         # Only EDS changes on a rebalance; the other three come from a memo of their inputs
         # (a shard of 32 adapters costs ~3 ms of route building otherwise).
         labels = tuple(sorted(shard.labels.items()))
-        serving = tuple(sorted({a for ep in shard.endpoints if not ep.draining
-                                for a in ep.adapters}))
-        clusters.append(cluster_pb2.Cluster.FromString(
-            _cluster_bytes(shard.id, labels, opts)))
+        serving = tuple(
+            sorted({a for ep in shard.endpoints if not ep.draining for a in ep.adapters})
+        )
+        clusters.append(cluster_pb2.Cluster.FromString(_cluster_bytes(shard.id, labels, opts)))
         endpoints.append(build_load_assignment(shard))
         if offset is not None:
-            clusters.append(cluster_pb2.Cluster.FromString(
-                _grpc_cluster_bytes(shard.id, labels, opts)))
+            clusters.append(
+                cluster_pb2.Cluster.FromString(_grpc_cluster_bytes(shard.id, labels, opts))
+            )
             endpoints.append(build_load_assignment(shard, grpc_port_offset=offset))
         if not shard.service_address:
             continue  # reachable only through another listener's routes, if any
-        listeners.append(listener_pb2.Listener.FromString(
-            _listener_bytes(shard.id, shard.service_address, shard.service_port, opts,
-                            edge_key)))
-        routes.append(route_pb2.RouteConfiguration.FromString(
-            _route_bytes(shard.id, serving, opts, edge_key)))
+        listeners.append(
+            listener_pb2.Listener.FromString(
+                _listener_bytes(shard.id, shard.service_address, shard.service_port, opts, edge_key)
+            )
+        )
+        routes.append(
+            route_pb2.RouteConfiguration.FromString(_route_bytes(shard.id, serving, opts, edge_key))
+        )
     snapshot = Snapshot.create(
         version if version is not None else str(assignment.version),
-        {CLUSTER_TYPE: clusters, ENDPOINT_TYPE: endpoints, LISTENER_TYPE: listeners,
-         ROUTE_TYPE: routes},
+        {
+            CLUSTER_TYPE: clusters,
+            ENDPOINT_TYPE: endpoints,
+            LISTENER_TYPE: listeners,
+            ROUTE_TYPE: routes,
+        },
     )
     snapshot.check_consistent()
     return snapshot
 
 
 @functools.lru_cache(maxsize=4096)
-def _cluster_bytes(shard_id: str, labels: tuple[tuple[str, str], ...],
-                   opts: BuildOptions) -> bytes:
+def _cluster_bytes(shard_id: str, labels: tuple[tuple[str, str], ...], opts: BuildOptions) -> bytes:
     shard = assignment_pb2.Shard(id=shard_id, labels=dict(labels))
     return bytes(build_cluster(shard, opts).SerializeToString(deterministic=True))
 
@@ -430,12 +442,14 @@ def _check_grpc_ports(assignment: assignment_pb2.Assignment, offset: int) -> Non
             if not 1 <= ep.port + offset <= 65535:
                 raise AssignmentError(
                     f"shards[{i}].endpoints[{j}].port",
-                    f"port {ep.port} plus the gRPC port offset {offset} is outside 1..65535")
+                    f"port {ep.port} plus the gRPC port offset {offset} is outside 1..65535",
+                )
 
 
 @functools.lru_cache(maxsize=4096)
-def _grpc_cluster_bytes(shard_id: str, labels: tuple[tuple[str, str], ...],
-                        opts: BuildOptions) -> bytes:
+def _grpc_cluster_bytes(
+    shard_id: str, labels: tuple[tuple[str, str], ...], opts: BuildOptions
+) -> bytes:
     shard = assignment_pb2.Shard(id=shard_id, labels=dict(labels))
     return bytes(build_grpc_cluster(shard, opts).SerializeToString(deterministic=True))
 
@@ -445,18 +459,21 @@ def _edges(edge_key: tuple[bytes, ...]) -> list[assignment_pb2.AdapterEdge]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _listener_bytes(shard_id: str, address: str, port: int, opts: BuildOptions,
-                    edge_key: tuple[bytes, ...] = ()) -> bytes:
+def _listener_bytes(
+    shard_id: str, address: str, port: int, opts: BuildOptions, edge_key: tuple[bytes, ...] = ()
+) -> bytes:
     shard = assignment_pb2.Shard(id=shard_id, service_address=address, service_port=port)
     listener = build_listener(shard, opts, _edges(edge_key))
     return bytes(listener.SerializeToString(deterministic=True))
 
 
 @functools.lru_cache(maxsize=4096)
-def _route_bytes(shard_id: str, adapters: tuple[str, ...], opts: BuildOptions,
-                 edge_key: tuple[bytes, ...] = ()) -> bytes:
-    shard = assignment_pb2.Shard(id=shard_id, endpoints=[
-        assignment_pb2.Endpoint(adapters=list(adapters))])
+def _route_bytes(
+    shard_id: str, adapters: tuple[str, ...], opts: BuildOptions, edge_key: tuple[bytes, ...] = ()
+) -> bytes:
+    shard = assignment_pb2.Shard(
+        id=shard_id, endpoints=[assignment_pb2.Endpoint(adapters=list(adapters))]
+    )
     config = build_route_configuration(shard, opts, _edges(edge_key))
     return bytes(config.SerializeToString(deterministic=True))
 
@@ -471,37 +488,45 @@ def build_cluster(shard: assignment_pb2.Shard, opts: BuildOptions) -> cluster_pb
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads_source()),
         connect_timeout=_duration(opts.connect_timeout_s),
-        lb_policy=(cluster_pb2.Cluster.LEAST_REQUEST if policy == "least_request"
-                   else cluster_pb2.Cluster.ROUND_ROBIN),
-        health_checks=[health_check_pb2.HealthCheck(
-            timeout=_duration(opts.health_check_timeout_s),
-            interval=_duration(opts.health_check_interval_s),
-            no_traffic_interval=_duration(opts.health_check_no_traffic_interval_s),
-            healthy_threshold=wrappers_pb2.UInt32Value(value=opts.healthy_threshold),
-            unhealthy_threshold=wrappers_pb2.UInt32Value(value=opts.unhealthy_threshold),
-            http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(
-                path=opts.health_check_path),
-        )],
+        lb_policy=(
+            cluster_pb2.Cluster.LEAST_REQUEST
+            if policy == "least_request"
+            else cluster_pb2.Cluster.ROUND_ROBIN
+        ),
+        health_checks=[
+            health_check_pb2.HealthCheck(
+                timeout=_duration(opts.health_check_timeout_s),
+                interval=_duration(opts.health_check_interval_s),
+                no_traffic_interval=_duration(opts.health_check_no_traffic_interval_s),
+                healthy_threshold=wrappers_pb2.UInt32Value(value=opts.healthy_threshold),
+                unhealthy_threshold=wrappers_pb2.UInt32Value(value=opts.unhealthy_threshold),
+                http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(
+                    path=opts.health_check_path
+                ),
+            )
+        ],
         outlier_detection=outlier_detection_pb2.OutlierDetection(
             consecutive_5xx=wrappers_pb2.UInt32Value(value=opts.outlier_consecutive_5xx),
             interval=_duration(opts.outlier_interval_s),
             base_ejection_time=_duration(opts.outlier_base_ejection_s),
-            max_ejection_percent=wrappers_pb2.UInt32Value(
-                value=opts.outlier_max_ejection_percent),
+            max_ejection_percent=wrappers_pb2.UInt32Value(value=opts.outlier_max_ejection_percent),
         ),
-        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[
-            circuit_breaker_pb2.CircuitBreakers.Thresholds(
-                priority=base_pb2.DEFAULT,
-                max_connections=wrappers_pb2.UInt32Value(value=opts.max_connections),
-                max_pending_requests=wrappers_pb2.UInt32Value(value=opts.max_pending_requests),
-                max_requests=wrappers_pb2.UInt32Value(value=opts.max_requests),
-                max_retries=wrappers_pb2.UInt32Value(value=opts.max_retries),
-            ),
-        ]),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
+            thresholds=[
+                circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                    priority=base_pb2.DEFAULT,
+                    max_connections=wrappers_pb2.UInt32Value(value=opts.max_connections),
+                    max_pending_requests=wrappers_pb2.UInt32Value(value=opts.max_pending_requests),
+                    max_requests=wrappers_pb2.UInt32Value(value=opts.max_requests),
+                    max_retries=wrappers_pb2.UInt32Value(value=opts.max_retries),
+                ),
+            ]
+        ),
         lb_subset_config=cluster_pb2.Cluster.LbSubsetConfig(
             fallback_policy=cluster_pb2.Cluster.LbSubsetConfig.ANY_ENDPOINT,
-            subset_selectors=[cluster_pb2.Cluster.LbSubsetConfig.LbSubsetSelector(
-                keys=[ADAPTER_METADATA_KEY])],
+            subset_selectors=[
+                cluster_pb2.Cluster.LbSubsetConfig.LbSubsetSelector(keys=[ADAPTER_METADATA_KEY])
+            ],
             list_as_any=True,
             # When the whole cluster is in panic, balance over every worker rather than over
             # the adapter's subset. A subset whose only holder died still panics onto that
@@ -539,21 +564,22 @@ def build_load_assignment(
     shift = grpc_port_offset or 0
     for ep in shard.endpoints:
         lb = endpoint_components_pb2.LbEndpoint(
-            endpoint=endpoint_components_pb2.Endpoint(
-                address=_socket(ep.address, ep.port + shift)),
+            endpoint=endpoint_components_pb2.Endpoint(address=_socket(ep.address, ep.port + shift)),
             load_balancing_weight=wrappers_pb2.UInt32Value(value=ep.weight),
             health_status=health_check_pb2.DRAINING if ep.draining else health_check_pb2.UNKNOWN,
         )
         if ep.adapters:
             lb.metadata.filter_metadata[_LB_NAMESPACE].fields[
-                ADAPTER_METADATA_KEY].list_value.CopyFrom(
-                    _adapter_list(tuple(sorted(set(ep.adapters)))))
+                ADAPTER_METADATA_KEY
+            ].list_value.CopyFrom(_adapter_list(tuple(sorted(set(ep.adapters)))))
         lb_endpoints.append(lb)
     return endpoint_pb2.ClusterLoadAssignment(
-        cluster_name=(cluster_name(shard.id) if grpc_port_offset is None
-                      else grpc_cluster_name(shard.id)),
+        cluster_name=(
+            cluster_name(shard.id) if grpc_port_offset is None else grpc_cluster_name(shard.id)
+        ),
         endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=lb_endpoints)]
-        if lb_endpoints else [],
+        if lb_endpoints
+        else [],
     )
 
 
@@ -566,7 +592,8 @@ def _adapter_list(adapters: tuple[str, ...]) -> struct_pb2.ListValue:
 
 
 def build_listener(
-    shard: assignment_pb2.Shard, opts: BuildOptions,
+    shard: assignment_pb2.Shard,
+    opts: BuildOptions,
     edges: Sequence[assignment_pb2.AdapterEdge] = (),
 ) -> listener_pb2.Listener:
     """The shard's listener on its service address, routing by RDS; with adapter edges, the
@@ -585,10 +612,12 @@ def build_listener(
         http2_protocol_options=protocol_pb2.Http2ProtocolOptions(allow_connect=True),
         http_filters=[
             *front_filters(edges, opts.grpc_port_offset is not None),
-            *_body_filters(opts, needs_body_model(edges)), *_ext_proc_filters(shard.id, opts),
+            *_body_filters(opts, needs_body_model(edges)),
+            *_ext_proc_filters(shard.id, opts),
             *edge_filters(edges, opts.edge_auth),
-            hcm_pb2.HttpFilter(name="envoy.filters.http.router",
-                               typed_config=_pack(router_pb2.Router())),
+            hcm_pb2.HttpFilter(
+                name="envoy.filters.http.router", typed_config=_pack(router_pb2.Router())
+            ),
         ],
     )
     if opts.tracing is not None:
@@ -599,19 +628,29 @@ def build_listener(
         hcm.CopyFrom(manager)
         if any(e.tls for e in edges):
             hcm.scheme_header_transformation.CopyFrom(tls_scheme(tls))
-        return listener_components_pb2.FilterChain(filters=[listener_components_pb2.Filter(
-            name="envoy.filters.network.http_connection_manager", typed_config=_pack(hcm))])
+        return listener_components_pb2.FilterChain(
+            filters=[
+                listener_components_pb2.Filter(
+                    name="envoy.filters.network.http_connection_manager", typed_config=_pack(hcm)
+                )
+            ]
+        )
 
-    chains = [chain(False)] if opts.edge_tls is None else [
-        tls_filter_chain(opts.edge_tls, chain(True)), chain(False)]
+    chains = (
+        [chain(False)]
+        if opts.edge_tls is None
+        else [tls_filter_chain(opts.edge_tls, chain(True)), chain(False)]
+    )
     return listener_pb2.Listener(
         name=name,
         address=_socket(shard.service_address, shard.service_port),
         # The ext_proc filter buffers the body within this limit and Envoy answers 413 above
         # it (a route's buffer limit does not bound it: measured in tests/mesh).
         per_connection_buffer_limit_bytes=(
-            None if opts.ext_proc is None
-            else wrappers_pb2.UInt32Value(value=opts.ext_proc.max_body_bytes)),
+            None
+            if opts.ext_proc is None
+            else wrappers_pb2.UInt32Value(value=opts.ext_proc.max_body_bytes)
+        ),
         filter_chains=chains,
         listener_filters=[] if opts.edge_tls is None else [tls_inspector()],
     )
@@ -623,12 +662,16 @@ def _tracing(t: TracingOptions) -> hcm_pb2.HttpConnectionManager.Tracing:
         raise ValueError(f"tracing.sample_percent: {t.sample_percent} is outside 0-100")
     provider = opentelemetry_pb2.OpenTelemetryConfig(
         grpc_service=grpc_service_pb2.GrpcService(
-            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=t.cluster)),
-        service_name=t.service_name)
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=t.cluster)
+        ),
+        service_name=t.service_name,
+    )
     return hcm_pb2.HttpConnectionManager.Tracing(
         random_sampling=percent_pb2.Percent(value=t.sample_percent),
-        provider=http_tracer_pb2.Tracing.Http(name="envoy.tracers.opentelemetry",
-                                              typed_config=_pack(provider)))
+        provider=http_tracer_pb2.Tracing.Http(
+            name="envoy.tracers.opentelemetry", typed_config=_pack(provider)
+        ),
+    )
 
 
 BODY_METADATA_NAMESPACE = "adaptermesh.body"
@@ -641,15 +684,22 @@ def _body_filters(opts: BuildOptions, edges_need_it: bool = False) -> list[hcm_p
     if not opts.route_by_body and not edges_need_it:
         return []
     J = json_to_metadata_pb2.JsonToMetadata
-    config = J(request_rules=J.MatchRules(
-        rules=[J.Rule(
-            selectors=[J.Selector(key="model")],
-            on_present=J.KeyValuePair(metadata_namespace=BODY_METADATA_NAMESPACE, key="model"),
-        )],
-        allow_content_types=list(JSON_CONTENT_TYPES),
-    ))
-    return [hcm_pb2.HttpFilter(name="envoy.filters.http.json_to_metadata",
-                               typed_config=_pack(config))]
+    config = J(
+        request_rules=J.MatchRules(
+            rules=[
+                J.Rule(
+                    selectors=[J.Selector(key="model")],
+                    on_present=J.KeyValuePair(
+                        metadata_namespace=BODY_METADATA_NAMESPACE, key="model"
+                    ),
+                )
+            ],
+            allow_content_types=list(JSON_CONTENT_TYPES),
+        )
+    )
+    return [
+        hcm_pb2.HttpFilter(name="envoy.filters.http.json_to_metadata", typed_config=_pack(config))
+    ]
 
 
 def _ext_proc_filters(shard_id: str, opts: BuildOptions) -> list[hcm_pb2.HttpFilter]:
@@ -667,15 +717,20 @@ def _ext_proc_filters(shard_id: str, opts: BuildOptions) -> list[hcm_pb2.HttpFil
         failure_mode_allow=ext.failure_mode_allow,
         message_timeout=_duration(ext.message_timeout_s),
         processing_mode=Mode(
-            request_header_mode=Mode.SEND, response_header_mode=Mode.SKIP,
-            request_body_mode=Mode.BUFFERED, response_body_mode=Mode.NONE,
-            request_trailer_mode=Mode.SKIP, response_trailer_mode=Mode.SKIP),
+            request_header_mode=Mode.SEND,
+            response_header_mode=Mode.SKIP,
+            request_body_mode=Mode.BUFFERED,
+            response_body_mode=Mode.NONE,
+            request_trailer_mode=Mode.SKIP,
+            response_trailer_mode=Mode.SKIP,
+        ),
     )
     return [hcm_pb2.HttpFilter(name="envoy.filters.http.ext_proc", typed_config=_pack(config))]
 
 
 def build_route_configuration(
-    shard: assignment_pb2.Shard, opts: BuildOptions,
+    shard: assignment_pb2.Shard,
+    opts: BuildOptions,
     edges: Sequence[assignment_pb2.AdapterEdge] = (),
 ) -> route_pb2.RouteConfiguration:
     """The adapter edges' routes (mesh/edge.py), adapter-affinity routes (one per adapter a
@@ -683,69 +738,90 @@ def build_route_configuration(
     name = cluster_name(shard.id)
     # Draining workers are unhealthy for the load balancer, so their adapters do not count.
     adapters = sorted({a for ep in shard.endpoints if not ep.draining for a in ep.adapters})
-    routes = edge_routes(edges, EdgeContext(
-        shard_id=shard.id,
-        adapter_header=opts.adapter_header,
-        auth=opts.edge_auth,
-        http_action=lambda cluster: _route_action(cluster, opts),
-        http_cluster=cluster_name,
-        grpc_cluster=None if opts.grpc_port_offset is None else grpc_cluster_name,
-        grpc_prefix=GRPC_V2_PREFIX,
-        websocket_path=WEBSOCKET_PATH,
-        ext_proc=opts.ext_proc is not None,
-        body_namespace=BODY_METADATA_NAMESPACE,
-        adapter_key=ADAPTER_METADATA_KEY,
-    )) if edges else []
+    routes = (
+        edge_routes(
+            edges,
+            EdgeContext(
+                shard_id=shard.id,
+                adapter_header=opts.adapter_header,
+                auth=opts.edge_auth,
+                http_action=lambda cluster: _route_action(cluster, opts),
+                http_cluster=cluster_name,
+                grpc_cluster=None if opts.grpc_port_offset is None else grpc_cluster_name,
+                grpc_prefix=GRPC_V2_PREFIX,
+                websocket_path=WEBSOCKET_PATH,
+                ext_proc=opts.ext_proc is not None,
+                body_namespace=BODY_METADATA_NAMESPACE,
+                adapter_key=ADAPTER_METADATA_KEY,
+            ),
+        )
+        if edges
+        else []
+    )
     if opts.grpc_port_offset is not None:
         routes.extend(_grpc_routes(shard.id, adapters, opts))
     for adapter in adapters if opts.route_by_body else ():
         # The body's model first: it decides over a client's header.
         action = _route_action(name, opts)
         action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
-            ADAPTER_METADATA_KEY].string_value = adapter
-        routes.append(route_components_pb2.Route(
-            name=f"body:{adapter}",
-            match=route_components_pb2.RouteMatch(
-                prefix="/",
-                dynamic_metadata=[metadata_pb2.MetadataMatcher(
-                    filter=BODY_METADATA_NAMESPACE,
-                    path=[metadata_pb2.MetadataMatcher.PathSegment(key="model")],
-                    value=value_pb2.ValueMatcher(
-                        string_match=string_pb2.StringMatcher(exact=adapter)),
-                )],
-            ),
-            route=action,
-        ))
+            ADAPTER_METADATA_KEY
+        ].string_value = adapter
+        routes.append(
+            route_components_pb2.Route(
+                name=f"body:{adapter}",
+                match=route_components_pb2.RouteMatch(
+                    prefix="/",
+                    dynamic_metadata=[
+                        metadata_pb2.MetadataMatcher(
+                            filter=BODY_METADATA_NAMESPACE,
+                            path=[metadata_pb2.MetadataMatcher.PathSegment(key="model")],
+                            value=value_pb2.ValueMatcher(
+                                string_match=string_pb2.StringMatcher(exact=adapter)
+                            ),
+                        )
+                    ],
+                ),
+                route=action,
+            )
+        )
     if opts.ext_proc is not None:
         routes.extend(_websocket_routes(name, adapters, opts))
     for adapter in adapters:
         action = _route_action(name, opts)
         action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
-            ADAPTER_METADATA_KEY].string_value = adapter
-        routes.append(route_components_pb2.Route(
-            name=f"adapter:{adapter}",
-            match=route_components_pb2.RouteMatch(
-                prefix="/",
-                headers=[route_components_pb2.HeaderMatcher(
-                    name=opts.adapter_header,
-                    string_match=string_pb2.StringMatcher(exact=adapter),
-                )],
-            ),
-            route=action,
-        ))
-    routes.append(route_components_pb2.Route(
-        name="shard",
-        match=route_components_pb2.RouteMatch(prefix="/"),
-        route=_route_action(name, opts),
-    ))
+            ADAPTER_METADATA_KEY
+        ].string_value = adapter
+        routes.append(
+            route_components_pb2.Route(
+                name=f"adapter:{adapter}",
+                match=route_components_pb2.RouteMatch(
+                    prefix="/",
+                    headers=[
+                        route_components_pb2.HeaderMatcher(
+                            name=opts.adapter_header,
+                            string_match=string_pb2.StringMatcher(exact=adapter),
+                        )
+                    ],
+                ),
+                route=action,
+            )
+        )
+    routes.append(
+        route_components_pb2.Route(
+            name="shard",
+            match=route_components_pb2.RouteMatch(prefix="/"),
+            route=_route_action(name, opts),
+        )
+    )
     return route_pb2.RouteConfiguration(
         name=name,
         virtual_hosts=[route_components_pb2.VirtualHost(name=name, domains=["*"], routes=routes)],
     )
 
 
-def _websocket_routes(name: str, adapters: list[str],
-                      opts: BuildOptions) -> list[route_components_pb2.Route]:
+def _websocket_routes(
+    name: str, adapters: list[str], opts: BuildOptions
+) -> list[route_components_pb2.Route]:
     """The worker's WebSocket path without the ext_proc filter: it buffers the request body,
     and an upgrade's body never ends, so the handshake would stall (measured in
     tests/mesh/test_ws_envoy.py). Each message names its own model, so there is no body to
@@ -756,8 +832,9 @@ def _websocket_routes(name: str, adapters: list[str],
 GRPC_V2_PREFIX = "/inference.GRPCInferenceService/"
 
 
-def _grpc_routes(shard_id: str, adapters: list[str],
-                 opts: BuildOptions) -> list[route_components_pb2.Route]:
+def _grpc_routes(
+    shard_id: str, adapters: list[str], opts: BuildOptions
+) -> list[route_components_pb2.Route]:
     """KServe v2 gRPC calls to the shard's gRPC cluster. The model name is inside the
     protobuf body, so ext_proc (which reads JSON) is off for them; the adapter header still
     picks the adapter's holders."""
@@ -765,27 +842,37 @@ def _grpc_routes(shard_id: str, adapters: list[str],
                                     {"prefix": GRPC_V2_PREFIX})  # fmt: skip
 
 
-def _routes_without_ext_proc(kind: str, cluster: str, adapters: list[str], opts: BuildOptions,
-                             match: dict[str, str]) -> list[route_components_pb2.Route]:
+def _routes_without_ext_proc(
+    kind: str, cluster: str, adapters: list[str], opts: BuildOptions, match: dict[str, str]
+) -> list[route_components_pb2.Route]:
     """One route per adapter (matched by the adapter header, to that adapter's holders) and
     one for the rest, all on ``match`` (a path or prefix), with ext_proc off when it runs."""
-    skip = ({"envoy.filters.http.ext_proc": _pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
-            if opts.ext_proc is not None else {})
+    skip = (
+        {"envoy.filters.http.ext_proc": _pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+        if opts.ext_proc is not None
+        else {}
+    )
     routes = []
     for adapter in [*adapters, None]:
         action = _route_action(cluster, opts)
         headers = []
         if adapter is not None:
             action.metadata_match.filter_metadata[_LB_NAMESPACE].fields[
-                ADAPTER_METADATA_KEY].string_value = adapter
-            headers = [route_components_pb2.HeaderMatcher(
-                name=opts.adapter_header, string_match=string_pb2.StringMatcher(exact=adapter))]
-        routes.append(route_components_pb2.Route(
-            name=kind if adapter is None else f"{kind}:{adapter}",
-            match=route_components_pb2.RouteMatch(headers=headers, **match),
-            route=action,
-            typed_per_filter_config=skip,
-        ))
+                ADAPTER_METADATA_KEY
+            ].string_value = adapter
+            headers = [
+                route_components_pb2.HeaderMatcher(
+                    name=opts.adapter_header, string_match=string_pb2.StringMatcher(exact=adapter)
+                )
+            ]
+        routes.append(
+            route_components_pb2.Route(
+                name=kind if adapter is None else f"{kind}:{adapter}",
+                match=route_components_pb2.RouteMatch(headers=headers, **match),
+                route=action,
+                typed_per_filter_config=skip,
+            )
+        )
     return routes
 
 
@@ -796,10 +883,12 @@ def _route_action(cluster: str, opts: BuildOptions) -> route_components_pb2.Rout
         retry_policy=route_components_pb2.RetryPolicy(
             retry_on=opts.retry_on,
             num_retries=wrappers_pb2.UInt32Value(value=opts.num_retries),
-            retry_host_predicate=[route_components_pb2.RetryPolicy.RetryHostPredicate(
-                name="envoy.retry_host_predicates.previous_hosts",
-                typed_config=_pack(previous_hosts_pb2.PreviousHostsPredicate()),
-            )],
+            retry_host_predicate=[
+                route_components_pb2.RetryPolicy.RetryHostPredicate(
+                    name="envoy.retry_host_predicates.previous_hosts",
+                    typed_config=_pack(previous_hosts_pb2.PreviousHostsPredicate()),
+                )
+            ],
             host_selection_retry_max_attempts=3,
         ),
     )
@@ -815,17 +904,24 @@ def _upstream_protocol_options(
     Options = http_protocol_options_pb2.HttpProtocolOptions
     common = protocol_pb2.HttpProtocolOptions(idle_timeout=_duration(opts.upstream_idle_timeout_s))
     if protocol == "http2":
-        return Options(common_http_protocol_options=common,
-                       explicit_http_config=Options.ExplicitHttpConfig(
-                           http2_protocol_options=_UPSTREAM_HTTP2))
+        return Options(
+            common_http_protocol_options=common,
+            explicit_http_config=Options.ExplicitHttpConfig(http2_protocol_options=_UPSTREAM_HTTP2),
+        )
     if protocol == "downstream":
-        return Options(common_http_protocol_options=common,
-                       use_downstream_protocol_config=Options.UseDownstreamHttpConfig(
-                           http_protocol_options=protocol_pb2.Http1ProtocolOptions(),
-                           http2_protocol_options=_UPSTREAM_HTTP2))
-    return Options(common_http_protocol_options=common,
-                   explicit_http_config=Options.ExplicitHttpConfig(
-                       http_protocol_options=protocol_pb2.Http1ProtocolOptions()))
+        return Options(
+            common_http_protocol_options=common,
+            use_downstream_protocol_config=Options.UseDownstreamHttpConfig(
+                http_protocol_options=protocol_pb2.Http1ProtocolOptions(),
+                http2_protocol_options=_UPSTREAM_HTTP2,
+            ),
+        )
+    return Options(
+        common_http_protocol_options=common,
+        explicit_http_config=Options.ExplicitHttpConfig(
+            http_protocol_options=protocol_pb2.Http1ProtocolOptions()
+        ),
+    )
 
 
 def _ads_source() -> config_source_pb2.ConfigSource:
@@ -836,8 +932,11 @@ def _ads_source() -> config_source_pb2.ConfigSource:
 
 
 def _socket(address: str, port: int) -> address_pb2.Address:
-    return address_pb2.Address(socket_address=address_pb2.SocketAddress(
-        address=address, port_value=port, protocol=address_pb2.SocketAddress.TCP))
+    return address_pb2.Address(
+        socket_address=address_pb2.SocketAddress(
+            address=address, port_value=port, protocol=address_pb2.SocketAddress.TCP
+        )
+    )
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:

@@ -34,7 +34,7 @@ MAX_BODY_BYTES = 4 << 20
 
 
 def _v2_set() -> descriptor_pb2.FileDescriptorSet:
-    data = (resources.files("adaptermesh.proto") / "adaptermesh" / "v1" / _DESCRIPTOR_SET)
+    data = resources.files("adaptermesh.proto") / "adaptermesh" / "v1" / _DESCRIPTOR_SET
     return descriptor_pb2.FileDescriptorSet.FromString(data.read_bytes())
 
 
@@ -52,8 +52,11 @@ def descriptor_set(paths: tuple[str, ...]) -> bytes:
         raise ValueError("descriptor_set: at least one path")
     v2 = _v2_set()
     # Dependencies first: Envoy builds the files into its pool in order.
-    files = [_file_proto(descriptor_pb2.DESCRIPTOR), _file_proto(http_pb2.DESCRIPTOR),
-             _file_proto(annotations_pb2.DESCRIPTOR)]
+    files = [
+        _file_proto(descriptor_pb2.DESCRIPTOR),
+        _file_proto(http_pb2.DESCRIPTOR),
+        _file_proto(annotations_pb2.DESCRIPTOR),
+    ]
     names = {f.name for f in files}
     for file in v2.file:
         if file.name in names:
@@ -62,8 +65,11 @@ def descriptor_set(paths: tuple[str, ...]) -> bytes:
             file.dependency.append("google/api/annotations.proto")
             (service,) = [s for s in file.service if f"{file.package}.{s.name}" == SERVICE]
             (method,) = [m for m in service.method if m.name == "ModelInfer"]
-            rule = http_pb2.HttpRule(post=paths[0], body="*", additional_bindings=[
-                http_pb2.HttpRule(post=p, body="*") for p in paths[1:]])
+            rule = http_pb2.HttpRule(
+                post=paths[0],
+                body="*",
+                additional_bindings=[http_pb2.HttpRule(post=p, body="*") for p in paths[1:]],
+            )
             method.options.Extensions[annotations_pb2.http].CopyFrom(rule)
         files.append(file)
     return descriptor_pb2.FileDescriptorSet(file=files).SerializeToString(deterministic=True)
@@ -78,7 +84,8 @@ def transcoder_filter(paths: tuple[str, ...]) -> hcm_pb2.HttpFilter:
         convert_grpc_status=True,
         max_request_body_size={"value": MAX_BODY_BYTES},
         print_options=transcoder_pb2.GrpcJsonTranscoder.PrintOptions(
-            preserve_proto_field_names=True, always_print_primitive_fields=True),
+            preserve_proto_field_names=True, always_print_primitive_fields=True
+        ),
     )
     packed = any_pb2.Any()
     packed.Pack(config)

@@ -59,8 +59,12 @@ def generate(out_dir: Path) -> list[Path]:
         # (mesh/transcoder.py adds each grpc-json AdapterInstance path to it).
         desc = Path(tmp) / _PKG_DIR / DESCRIPTOR_SET
         v2 = [
-            "protoc", f"-I{PROTO_ROOT}", f"-I{include}", "--include_imports",
-            f"--descriptor_set_out={desc}", str(_PKG_DIR / "open_inference.proto"),
+            "protoc",
+            f"-I{PROTO_ROOT}",
+            f"-I{include}",
+            "--include_imports",
+            f"--descriptor_set_out={desc}",
+            str(_PKG_DIR / "open_inference.proto"),
         ]
         if protoc.main(v2) != 0:
             raise RuntimeError("protoc failed: " + " ".join(v2))

@@ -129,9 +129,9 @@ class Not:
     part: Node
 
 
-Node = (
-    Const | Equals | Affix | HasKey | HeaderEquals | InCidr | KeyExists | Hour | Opaque
-) | (AnyOf | AllOf | Not)
+Node = (Const | Equals | Affix | HasKey | HeaderEquals | InCidr | KeyExists | Hour | Opaque) | (
+    AnyOf | AllOf | Not
+)
 _OPAQUE = Opaque()
 
 
@@ -284,8 +284,12 @@ def _key_exists(how: str | None, lit: str) -> Guard:
 
 # now.getHours() <op> n, for the screens and the index alike.
 HOUR_COMPARE: dict[str, Callable[[int, int], bool]] = {
-    "==": int.__eq__, "!=": int.__ne__, "<": int.__lt__,
-    "<=": int.__le__, ">": int.__gt__, ">=": int.__ge__,
+    "==": int.__eq__,
+    "!=": int.__ne__,
+    "<": int.__lt__,
+    "<=": int.__le__,
+    ">": int.__gt__,
+    ">=": int.__ge__,
 }
 
 

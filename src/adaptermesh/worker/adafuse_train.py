@@ -117,29 +117,70 @@ class TrainConfig:
             if not ok:
                 raise TrainingError(f"{fld}: {msg}")
 
-        need(1 <= self.num_experts <= MAX_EXPERTS, "num_experts", f"must be in [1, {MAX_EXPERTS}], got {self.num_experts}")
-        need(1 <= self.top_k <= self.num_experts, "top_k", f"must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        need(
+            1 <= self.num_experts <= MAX_EXPERTS,
+            "num_experts",
+            f"must be in [1, {MAX_EXPERTS}], got {self.num_experts}",
+        )
+        need(
+            1 <= self.top_k <= self.num_experts,
+            "top_k",
+            f"must be in [1, num_experts={self.num_experts}], got {self.top_k}",
+        )
         need(1 <= self.rank <= 128, "rank", f"must be in [1, 128], got {self.rank}")
-        need(self.lora_alpha is None or (math.isfinite(self.lora_alpha) and self.lora_alpha > 0),
-             "lora_alpha", f"must be a positive number, got {self.lora_alpha!r}")
+        need(
+            self.lora_alpha is None or (math.isfinite(self.lora_alpha) and self.lora_alpha > 0),
+            "lora_alpha",
+            f"must be a positive number, got {self.lora_alpha!r}",
+        )
         need(bool(self.target_modules), "target_modules", "must name at least one module")
         bad = [m for m in self.target_modules if m not in MODULE_PARENTS]
-        need(not bad, "target_modules", f"unknown module {bad[0] if bad else ''!r}; known: {sorted(MODULE_PARENTS)}")
-        need(len(set(self.target_modules)) == len(self.target_modules), "target_modules", "lists a module twice")
+        need(
+            not bad,
+            "target_modules",
+            f"unknown module {bad[0] if bad else ''!r}; known: {sorted(MODULE_PARENTS)}",
+        )
+        need(
+            len(set(self.target_modules)) == len(self.target_modules),
+            "target_modules",
+            "lists a module twice",
+        )
         need(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         need(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         need(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
-        need(math.isfinite(self.lr) and self.lr > 0, "lr", f"must be a positive number, got {self.lr}")
-        need(self.router_lr is None or (math.isfinite(self.router_lr) and self.router_lr > 0),
-             "router_lr", f"must be a positive number, got {self.router_lr}")
+        need(
+            math.isfinite(self.lr) and self.lr > 0,
+            "lr",
+            f"must be a positive number, got {self.lr}",
+        )
+        need(
+            self.router_lr is None or (math.isfinite(self.router_lr) and self.router_lr > 0),
+            "router_lr",
+            f"must be a positive number, got {self.router_lr}",
+        )
         need(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        need(math.isfinite(self.balance_coef) and self.balance_coef >= 0, "balance_coef",
-             f"must be >= 0, got {self.balance_coef}")
-        need(math.isfinite(self.grad_clip) and self.grad_clip > 0, "grad_clip", f"must be > 0, got {self.grad_clip}")
+        need(
+            math.isfinite(self.balance_coef) and self.balance_coef >= 0,
+            "balance_coef",
+            f"must be >= 0, got {self.balance_coef}",
+        )
+        need(
+            math.isfinite(self.grad_clip) and self.grad_clip > 0,
+            "grad_clip",
+            f"must be > 0, got {self.grad_clip}",
+        )
         need(self.eval_every >= 1, "eval_every", f"must be >= 1, got {self.eval_every}")
         need(self.eval_blocks >= 1, "eval_blocks", f"must be >= 1, got {self.eval_blocks}")
-        need(0 <= self.eval_fraction < 1, "eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
-        need(math.isfinite(self.router_init) and self.router_init > 0, "router_init", f"must be > 0, got {self.router_init}")
+        need(
+            0 <= self.eval_fraction < 1,
+            "eval_fraction",
+            f"must be in [0, 1), got {self.eval_fraction}",
+        )
+        need(
+            math.isfinite(self.router_init) and self.router_init > 0,
+            "router_init",
+            f"must be > 0, got {self.router_init}",
+        )
 
     @property
     def alpha(self) -> float:
@@ -161,7 +202,9 @@ class TextDataset:
     def __init__(self, folder: Path, tokenizer: Any, seq_len: int, eval_fraction: float) -> None:
         if not folder.is_dir():
             raise TrainingError(f"data: {folder} is not a directory")
-        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        files = sorted(
+            p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+        )
         if not files:
             raise TrainingError(f"data: no text files ({', '.join(TEXT_SUFFIXES)}) under {folder}")
         eos = tokenizer.eos_token_id
@@ -170,7 +213,9 @@ class TextDataset:
             try:
                 text = p.read_text(encoding="utf-8")
             except UnicodeDecodeError as e:
-                raise TrainingError(f"data: {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+                raise TrainingError(
+                    f"data: {p} is not UTF-8 text ({e.reason} at byte {e.start})"
+                ) from None
             stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
             if eos is not None:
                 stream.append(int(eos))
@@ -203,11 +248,15 @@ def _linear(base: Any, layer: int, module: str) -> torch.nn.Linear:
     return lin
 
 
-def balance_loss(router_logits: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def balance_loss(
+    router_logits: torch.Tensor, experts: torch.Tensor, num_experts: int
+) -> torch.Tensor:
     """``E * sum_e f_e * P_e`` over the rows of ``router_logits`` [N, E] with top-k ids [N, k]."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     counts = torch.zeros(num_experts, device=router_logits.device)
-    counts.scatter_add_(0, experts.reshape(-1), torch.ones(experts.numel(), device=router_logits.device))
+    counts.scatter_add_(
+        0, experts.reshape(-1), torch.ones(experts.numel(), device=router_logits.device)
+    )
     f = counts / max(1, experts.numel())
     return num_experts * (f * probs.mean(dim=0)).sum()
 
@@ -232,7 +281,9 @@ class AdaFuseModel(torch.nn.Module):
         self.router_weight = torch.nn.Parameter(
             (config.router_init / math.sqrt(hidden)) * torch.randn(e, hidden, generator=gen).to(dev)
         )
-        self.router_bias = torch.nn.Parameter(torch.zeros(e, device=dev)) if config.router_bias else None
+        self.router_bias = (
+            torch.nn.Parameter(torch.zeros(e, device=dev)) if config.router_bias else None
+        )
         self.num_layers = len(base.model.layers)
         self.targets: list[tuple[int, str]] = [
             (layer, m) for layer in range(self.num_layers) for m in config.target_modules
@@ -382,7 +433,9 @@ def train(
     torch.manual_seed(config.seed)
     model = AdaFuseModel(base, config, gen)
     dev = model.router_weight.device
-    router_params = [model.router_weight] + ([model.router_bias] if model.router_bias is not None else [])
+    router_params = [model.router_weight] + (
+        [model.router_bias] if model.router_bias is not None else []
+    )
     opt = torch.optim.AdamW(
         [
             {"params": router_params, "lr": config.router_lr or config.lr},
@@ -400,8 +453,11 @@ def train(
         t = (step - config.warmup_steps) / span
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
-    result = TrainResult(config, train_tokens=int(data.train.numel()),
-                         eval_tokens=int(data.eval[: config.eval_blocks].numel()))
+    result = TrainResult(
+        config,
+        train_tokens=int(data.train.numel()),
+        eval_tokens=int(data.eval[: config.eval_blocks].numel()),
+    )
     eval_set = data.eval[: config.eval_blocks]
     has_eval = eval_set.shape[0] > 0
     if has_eval:
@@ -417,7 +473,9 @@ def train(
         bal = balance_loss(rl, experts, config.num_experts)
         loss = lm + config.balance_coef * bal
         if not torch.isfinite(loss):
-            raise TrainingError(f"lr: the loss became {float(loss)} at step {step}; lower the learning rate")
+            raise TrainingError(
+                f"lr: the loss became {float(loss)} at step {step}; lower the learning rate"
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(model.trainable(), config.grad_clip)
@@ -428,7 +486,9 @@ def train(
         if has_eval and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
             model.eval()
             ev = _evaluate(model, eval_set, config.batch_size, adapters=True)
-        rec = StepRecord(step, float(lm.detach()), float(bal.detach()), opt.param_groups[-1]["lr"], usage, ev)
+        rec = StepRecord(
+            step, float(lm.detach()), float(bal.detach()), opt.param_groups[-1]["lr"], usage, ev
+        )
         result.records.append(rec)
         if log is not None:
             log(rec)
@@ -495,7 +555,11 @@ def expert_set_meta(
 
 
 def write_expert_set(
-    model: AdaFuseModel, model_dir: Path, out: Path, *, overwrite: bool = False,
+    model: AdaFuseModel,
+    model_dir: Path,
+    out: Path,
+    *,
+    overwrite: bool = False,
     extra_meta: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``model``'s router and experts as an expert-set directory at ``out``.
@@ -531,17 +595,27 @@ def write_expert_set(
                     tensors[f"{prefix}.lora_B.weight"] = b[e].detach().float().cpu().contiguous()
                 edir = tmp / EXPERTS_DIR / str(e)
                 edir.mkdir(parents=True)
-                save_file(tensors, str(edir / "adapter_model.safetensors"), metadata={"format": "pt"})
+                save_file(
+                    tensors, str(edir / "adapter_model.safetensors"), metadata={"format": "pt"}
+                )
                 (edir / "adapter_config.json").write_text(peft_cfg)
         meta = expert_set_meta(
-            cfg.num_experts, cfg.top_k, model.hidden_size, cfg.router_bias, cfg.target_modules,
-            cfg.rank, cfg.alpha, cfg.use_rslora,
+            cfg.num_experts,
+            cfg.top_k,
+            model.hidden_size,
+            cfg.router_bias,
+            cfg.target_modules,
+            cfg.rank,
+            cfg.alpha,
+            cfg.use_rslora,
         )
         if extra_meta:
             meta["training"] = extra_meta
         (tmp / ADAFUSE_CONFIG).write_text(json.dumps(meta, indent=2))
         # The worker's own reader: what it refuses is never published.
-        read_expert_set(out.name, tmp, tmp.parent, ModelConfig.from_dir(model_dir), cfg.rank, torch.float32)
+        read_expert_set(
+            out.name, tmp, tmp.parent, ModelConfig.from_dir(model_dir), cfg.rank, torch.float32
+        )
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -37,18 +37,37 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="adaptermesh adafuse-train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, required=True, help="base model directory (config.json, *.safetensors, tokenizer)")
-    p.add_argument("--data", type=Path, required=True, help="folder of .txt/.md files (searched recursively)")
-    p.add_argument("--out", type=Path, required=True, help="expert-set directory to write (its name is the adapter name)")
+    p = argparse.ArgumentParser(
+        prog="adaptermesh adafuse-train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="base model directory (config.json, *.safetensors, tokenizer)",
+    )
+    p.add_argument(
+        "--data", type=Path, required=True, help="folder of .txt/.md files (searched recursively)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="expert-set directory to write (its name is the adapter name)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--experts", type=int, default=d.num_experts)
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--rank", type=int, default=d.rank)
     p.add_argument("--alpha", type=float, default=None, help="lora_alpha (default 2 * rank)")
     p.add_argument("--rslora", action="store_true", help="scale by alpha / sqrt(r)")
-    p.add_argument("--targets", default=",".join(d.target_modules), help='comma-separated modules or "all-linear"')
+    p.add_argument(
+        "--targets",
+        default=",".join(d.target_modules),
+        help='comma-separated modules or "all-linear"',
+    )
     p.add_argument("--no-router-bias", action="store_true")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -61,8 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-fraction", type=float, default=d.eval_fraction)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                   help="base model dtype (default bfloat16 on CUDA, float32 on CPU); experts train in float32")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="base model dtype (default bfloat16 on CUDA, float32 on CPU); experts train in float32",
+    )
     p.add_argument("--curve", type=Path, default=None, help="write the loss curve JSON here")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -70,11 +93,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     cfg = TrainConfig(
-        num_experts=args.experts, top_k=args.top_k, rank=args.rank, lora_alpha=args.alpha,
-        use_rslora=args.rslora, target_modules=split_targets(args.targets),
-        router_bias=not args.no_router_bias, steps=args.steps, batch_size=args.batch_size,
-        seq_len=args.seq_len, lr=args.lr, router_lr=args.router_lr, warmup_steps=args.warmup_steps,
-        balance_coef=args.balance_coef, eval_every=args.eval_every, eval_fraction=args.eval_fraction,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        rank=args.rank,
+        lora_alpha=args.alpha,
+        use_rslora=args.rslora,
+        target_modules=split_targets(args.targets),
+        router_bias=not args.no_router_bias,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        router_lr=args.router_lr,
+        warmup_steps=args.warmup_steps,
+        balance_coef=args.balance_coef,
+        eval_every=args.eval_every,
+        eval_fraction=args.eval_fraction,
         seed=args.seed,
     )
     cfg.validate()
@@ -83,33 +117,59 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    dtype = (
+        _DTYPES[args.dtype]
+        if args.dtype
+        else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    )
     try:
         cfg = config_from_args(args)
         if args.out.exists() and not args.overwrite:
             raise TrainingError(f"out: {args.out} already exists (pass --overwrite to replace it)")
         base, tok = load_base(args.model, args.device, dtype)
         data = TextDataset(args.data, tok, cfg.seq_len, cfg.eval_fraction)
-        log.info("data: %d files, %d tokens, %d train / %d eval blocks", len(data.files), data.num_tokens,
-                 data.train.shape[0], data.eval.shape[0])
+        log.info(
+            "data: %d files, %d tokens, %d train / %d eval blocks",
+            len(data.files),
+            data.num_tokens,
+            data.train.shape[0],
+            data.eval.shape[0],
+        )
 
         def report(r: StepRecord) -> None:
             if r.eval_loss is not None or r.step == 0:
-                log.info("step %d: lm %.4f balance %.4f eval %s usage %s", r.step, r.lm_loss, r.balance_loss,
-                         "-" if r.eval_loss is None else f"{r.eval_loss:.4f}",
-                         " ".join(f"{u:.2f}" for u in r.usage))
+                log.info(
+                    "step %d: lm %.4f balance %.4f eval %s usage %s",
+                    r.step,
+                    r.lm_loss,
+                    r.balance_loss,
+                    "-" if r.eval_loss is None else f"{r.eval_loss:.4f}",
+                    " ".join(f"{u:.2f}" for u in r.usage),
+                )
 
         result = train(base, data, cfg, log=report)
         assert result.model is not None
-        write_expert_set(result.model, args.model, args.out, overwrite=args.overwrite,
-                         extra_meta={"steps": cfg.steps, "base_eval_loss": result.base_eval_loss,
-                                     "final_eval_loss": result.final_eval_loss})
+        write_expert_set(
+            result.model,
+            args.model,
+            args.out,
+            overwrite=args.overwrite,
+            extra_meta={
+                "steps": cfg.steps,
+                "base_eval_loss": result.base_eval_loss,
+                "final_eval_loss": result.final_eval_loss,
+            },
+        )
     except TrainingError as exc:
         print(f"adaptermesh adafuse-train: {exc}", file=sys.stderr)
         return 2
     if args.curve is not None:
         args.curve.parent.mkdir(parents=True, exist_ok=True)
         args.curve.write_text(json.dumps(result.curve(), indent=2))
-    log.info("wrote %s (eval loss %s -> %s)", args.out, result.base_eval_loss, result.final_eval_loss)
+    log.info(
+        "wrote %s (eval loss %s -> %s)", args.out, result.base_eval_loss, result.final_eval_loss
+    )
     return 0

@@ -79,8 +79,9 @@ def check_text(value: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise _error("invalid_unicode", f"holds a lone surrogate at index {exc.start}; send "
-                     "valid Unicode") from None
+        raise _error(
+            "invalid_unicode", f"holds a lone surrogate at index {exc.start}; send valid Unicode"
+        ) from None
     return value
 
 
@@ -88,8 +89,7 @@ def check_name(value: str, max_chars: int = MAX_NAME_CHARS) -> str:
     if not value:
         raise _error("invalid_value", "must not be empty")
     if len(value) > max_chars:
-        raise _error("invalid_value", f"must have at most {max_chars} characters, got "
-                     f"{len(value)}")
+        raise _error("invalid_value", f"must have at most {max_chars} characters, got {len(value)}")
     if "\0" in value:
         raise _error("invalid_value", "must not contain NUL characters")
     return check_text(value)
@@ -160,12 +160,14 @@ class _Sampling(_Body):
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
             raise _error("invalid_type", "must be a string or a list of strings")
         if len(items) > MAX_STOP:
-            raise _error("invalid_value", f"at most {MAX_STOP} sequences are allowed, got "
-                         f"{len(items)}")
+            raise _error(
+                "invalid_value", f"at most {MAX_STOP} sequences are allowed, got {len(items)}"
+            )
         for s in items:
             if not s or len(s) > MAX_STOP_CHARS:
-                raise _error("invalid_value", f"each sequence must have 1 to {MAX_STOP_CHARS} "
-                             "characters")
+                raise _error(
+                    "invalid_value", f"each sequence must have 1 to {MAX_STOP_CHARS} characters"
+                )
             check_text(s)
         return tuple(items)
 
@@ -204,8 +206,10 @@ class CompletionRequest(_Sampling):
         if value is None or value is False:
             return None
         if type(value) is not int:
-            raise _error("invalid_type", f"must be an integer in [0, {MAX_LOGPROBS}], got "
-                         f"{type(value).__name__}")
+            raise _error(
+                "invalid_type",
+                f"must be an integer in [0, {MAX_LOGPROBS}], got {type(value).__name__}",
+            )
         if not 0 <= value <= MAX_LOGPROBS:
             raise _error("invalid_value", f"must be in [0, {MAX_LOGPROBS}], got {value}")
         return value
@@ -219,8 +223,7 @@ class CompletionRequest(_Sampling):
     @classmethod
     def _top_logprobs(cls, value: Any) -> None:
         if value is not None:
-            raise _error("unknown_field", "is a chat completions field; completions take "
-                         "logprobs")
+            raise _error("unknown_field", "is a chat completions field; completions take logprobs")
         return None
 
     @field_validator("echo")
@@ -255,13 +258,17 @@ class CompletionRequest(_Sampling):
                     raise _error("invalid_value", "token ids must not be negative")
                 return list(prompt)
             if all(isinstance(p, str | list) for p in prompt):
-                raise _error("unsupported", f"batches of prompts are not supported (got "
-                             f"{len(prompt)}); send one request per prompt")
+                raise _error(
+                    "unsupported",
+                    f"batches of prompts are not supported (got "
+                    f"{len(prompt)}); send one request per prompt",
+                )
             raise _error("invalid_type", "must be a string or a list of integer token ids")
         if prompt is None:
             raise _error("missing_field", "is required")
-        raise _error("invalid_type", f"must be a string or a list of token ids, got "
-                     f"{type(prompt).__name__}")
+        raise _error(
+            "invalid_type", f"must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
 
 
 class ChatMessage(_Body):
@@ -284,11 +291,16 @@ class ChatMessage(_Body):
             # Content parts: only text parts can go through a text-only model.
             texts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
                 ):
-                    raise _error("unsupported", "only {\"type\": \"text\", \"text\": ...} "
-                                 "parts are supported", at=f"[{j}]")
+                    raise _error(
+                        "unsupported",
+                        'only {"type": "text", "text": ...} parts are supported',
+                        at=f"[{j}]",
+                    )
                 texts.append(part["text"])
             content = "".join(texts)
         if content is None:
@@ -352,8 +364,10 @@ class ChatCompletionRequest(_Sampling):
     def _response_format(cls, value: Any) -> None:
         if value is None or value == {"type": "text"}:
             return None
-        raise _error("unsupported", "only {\"type\": \"text\"} is supported (no JSON mode or "
-                     "schema-guided decoding)")
+        raise _error(
+            "unsupported",
+            'only {"type": "text"} is supported (no JSON mode or schema-guided decoding)',
+        )
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:
@@ -386,8 +400,10 @@ class LoadLoraAdapterRequest(_Body):
         check_name(value, MAX_PATH_CHARS)
         longest = max(len(part.encode()) for part in value.split("/"))
         if longest > MAX_NAME_CHARS:
-            raise _error("invalid_value", f"each path component must have at most "
-                         f"{MAX_NAME_CHARS} bytes, one has {longest}")
+            raise _error(
+                "invalid_value",
+                f"each path component must have at most {MAX_NAME_CHARS} bytes, one has {longest}",
+            )
         return value
 
     @field_validator("load_inplace")
@@ -459,8 +475,11 @@ class ChatChoice(BaseModel):
 
 
 # ------------------------------------------------------------------------------------ errors
-_TYPE_CODES = {"missing": "missing_field", "extra_forbidden": "unknown_field",
-               "string_unicode": "invalid_unicode"}
+_TYPE_CODES = {
+    "missing": "missing_field",
+    "extra_forbidden": "unknown_field",
+    "string_unicode": "invalid_unicode",
+}
 
 
 def _param(loc: tuple[int | str, ...]) -> str:
@@ -478,8 +497,14 @@ def request_error(exc: ValidationError) -> tuple[str, str, str]:
     kind = str(error["type"])
     code = _TYPE_CODES.get(kind)
     if code is None:
-        if kind in {"invalid_type", "invalid_value", "invalid_unicode", "unsupported",
-                    "missing_field", "unknown_field"}:
+        if kind in {
+            "invalid_type",
+            "invalid_value",
+            "invalid_unicode",
+            "unsupported",
+            "missing_field",
+            "unknown_field",
+        }:
             code = kind
         elif kind.endswith(("_type", "_parsing")) or kind in {"model_type", "dict_type"}:
             code = "invalid_type"
@@ -491,7 +516,7 @@ def request_error(exc: ValidationError) -> tuple[str, str, str]:
     elif code == "missing_field":
         message = "is required"
     elif message.startswith("Input should be"):
-        message = "must be" + message[len("Input should be"):]
+        message = "must be" + message[len("Input should be") :]
         got = error.get("input")
         if code == "invalid_type" and got is not None:
             message += f", got {type(got).__name__}"

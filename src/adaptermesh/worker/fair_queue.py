@@ -256,9 +256,7 @@ class FairQueue:
     def _forget_idle_tenants(self) -> None:
         now = self._clock()
         idle = [
-            (t.idle_since, name)
-            for name, t in self._tenants.items()
-            if t.idle_since is not None
+            (t.idle_since, name) for name, t in self._tenants.items() if t.idle_since is not None
         ]
         expired = {name for since, name in idle if now - since > _IDLE_TENANT_TTL_S}
         if len(idle) - len(expired) > _MAX_IDLE_TENANTS:

@@ -53,8 +53,12 @@ class PagedKVCache:
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         # One allocation per layer and tensor; zeros so that no read of an unwritten slot
         # (there is none by construction) could ever see NaN.
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.k = [
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
+        self.v = [
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
 
     @property
     def nbytes(self) -> int:

@@ -54,7 +54,9 @@ def build_meta(token_slots: torch.Tensor, num_slots: int) -> LoraBatchMeta:
     """Routing facts for one batch. ``token_slots`` must already be on the compute device."""
     # The engine builds slots itself, so the host-side range check (a sync on CUDA) is skipped.
     km = build_segment_meta(
-        token_slots, num_slots, max_tokens=int(token_slots.shape[0]),
+        token_slots,
+        num_slots,
+        max_tokens=int(token_slots.shape[0]),
         check_values=not token_slots.is_cuda,
     )
     return LoraBatchMeta(token_slots, km)
@@ -70,7 +72,9 @@ def add_lora(
     meta: LoraBatchMeta,
 ) -> None:
     if meta.any_lora:
-        kernels.add_lora(out, x, lora_a, lora_b, scales, ranks, meta.kernel_meta, check_values=False)
+        kernels.add_lora(
+            out, x, lora_a, lora_b, scales, ranks, meta.kernel_meta, check_values=False
+        )
 
 
 def add_lora_int4(
@@ -125,8 +129,17 @@ def project_with_lora(
         if delta is not None:
             delta.zero_()  # rows of base tokens stay zero
         shrink, expand = sgmm.plan_add_lora(
-            out if delta is None else delta, x, lora_a, lora_b, scales, ranks, meta.kernel_meta,
-            v_buffer=v, check_values=False, fused=False, pdl=False,
+            out if delta is None else delta,
+            x,
+            lora_a,
+            lora_b,
+            scales,
+            ranks,
+            meta.kernel_meta,
+            v_buffer=v,
+            check_values=False,
+            fused=False,
+            pdl=False,
         ).steps()
         shrink()
         if delta is not None:

@@ -45,13 +45,31 @@ ROPE_KEYS: dict[str, frozenset[str]] = {
     "default": frozenset(),
     "linear": frozenset({"factor"}),
     "dynamic": frozenset({"factor"}),
-    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
-    "yarn": frozenset({
-        "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-        "attention_factor", "truncate",
-    }),
+    "llama3": frozenset(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    ),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "attention_factor",
+            "truncate",
+        }
+    ),
     # Phi-3 LongRoPE ("su" in the first Phi-3 configs): per-frequency short/long factors.
-    "longrope": frozenset({"short_factor", "long_factor", "factor", "attention_factor", "original_max_position_embeddings"}),
+    "longrope": frozenset(
+        {
+            "short_factor",
+            "long_factor",
+            "factor",
+            "attention_factor",
+            "original_max_position_embeddings",
+        }
+    ),
 }
 # RoPE types each architecture's transformers config accepts (phi3 validates to these two).
 _ROPE_TYPES_PHI3 = frozenset({"default", "longrope", "su"})
@@ -61,26 +79,78 @@ _ROPE_TYPES_COMMON = frozenset(ROPE_KEYS) - {"longrope"}
 IGNORED_TENSOR_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
 # config.json keys that cannot change a logit of a causal-LM forward pass at inference.
-HARMLESS_MODEL_FIELDS: frozenset[str] = frozenset({
-    "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache",
-    "initializer_range", "pad_token_id", "attention_dropout", "pretraining_tp", "model_type",
-    # PretrainedConfig bookkeeping and generation defaults that old configs carry.
-    "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder", "is_decoder",
-    "add_cross_attention", "tie_encoder_decoder", "chunk_size_feed_forward", "id2label", "label2id",
-    "problem_type", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id",
-    "task_specific_params", "finetuning_task", "torchscript", "use_bfloat16", "pruned_heads",
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
-    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
-    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
-    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
-    "suppress_tokens", "begin_suppress_tokens", "cross_attention_hidden_size", "tf_legacy_loss",
-    "output_router_logits",
-})
+HARMLESS_MODEL_FIELDS: frozenset[str] = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "initializer_range",
+        "pad_token_id",
+        "attention_dropout",
+        "pretraining_tp",
+        "model_type",
+        # PretrainedConfig bookkeeping and generation defaults that old configs carry.
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "is_encoder_decoder",
+        "is_decoder",
+        "add_cross_attention",
+        "tie_encoder_decoder",
+        "chunk_size_feed_forward",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "tokenizer_class",
+        "prefix",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "task_specific_params",
+        "finetuning_task",
+        "torchscript",
+        "use_bfloat16",
+        "pruned_heads",
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "output_scores",
+        "return_dict_in_generate",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "cross_attention_hidden_size",
+        "tf_legacy_loss",
+        "output_router_logits",
+    }
+)
 
 
 def _pos_int(v: Any, d: Mapping[str, Any]) -> str | None:
-    return None if isinstance(v, int) and not isinstance(v, bool) and v > 0 else "must be a positive integer"
+    return (
+        None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0
+        else "must be a positive integer"
+    )
 
 
 def _opt_pos_int(v: Any, d: Mapping[str, Any]) -> str | None:
@@ -88,7 +158,11 @@ def _opt_pos_int(v: Any, d: Mapping[str, Any]) -> str | None:
 
 
 def _number(v: Any, d: Mapping[str, Any]) -> str | None:
-    return None if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else "must be a positive number"
+    return (
+        None
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+        else "must be a positive number"
+    )
 
 
 def _bool(v: Any, d: Mapping[str, Any]) -> str | None:
@@ -101,7 +175,9 @@ def _false(v: Any, d: Mapping[str, Any]) -> str | None:
 
 def _token_id(v: Any, d: Mapping[str, Any]) -> str | None:
     ok = v is None or (isinstance(v, int) and not isinstance(v, bool))
-    ok = ok or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v))
+    ok = ok or (
+        isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    )
     return None if ok else "must be a token id, a list of token ids or null"
 
 
@@ -206,7 +282,11 @@ def _layer_types_qwen2(v: Any, d: Mapping[str, Any]) -> str | None:
     if v is None:
         return None
     n = d.get("num_hidden_layers")
-    if not isinstance(v, list) or len(v) != n or any(x not in ("full_attention", "sliding_attention") for x in v):
+    if (
+        not isinstance(v, list)
+        or len(v) != n
+        or any(x not in ("full_attention", "sliding_attention") for x in v)
+    ):
         return f"must list full_attention or sliding_attention for each of the {n} layers"
     return None
 
@@ -221,7 +301,11 @@ def _any(v: Any, d: Mapping[str, Any]) -> str | None:
 
 def _equals(*allowed: Any) -> Check:
     def check(v: Any, d: Mapping[str, Any]) -> str | None:
-        return None if v in allowed else f"is not implemented (only {' or '.join(repr(a) for a in allowed)})"
+        return (
+            None
+            if v in allowed
+            else f"is not implemented (only {' or '.join(repr(a) for a in allowed)})"
+        )
 
     return check
 
@@ -230,7 +314,11 @@ def _phi3_auto_map(v: Any, d: Mapping[str, Any]) -> str | None:
     # Phi-3 checkpoints published before transformers had the architecture name their own
     # copies of it; transformers loads its built-in Phi3 for them unless told to trust the
     # remote code. Served only when every entry names a Phi-3 class.
-    if isinstance(v, dict) and v and all(isinstance(x, str) and x.rsplit(".", 1)[-1].startswith("Phi3") for x in v.values()):
+    if (
+        isinstance(v, dict)
+        and v
+        and all(isinstance(x, str) and x.rsplit(".", 1)[-1].startswith("Phi3") for x in v.values())
+    ):
         return None
     return "custom modeling code is not implemented (only the Phi3Config / Phi3ForCausalLM entries of Phi-3 checkpoints)"
 
@@ -239,7 +327,11 @@ def _gemma_hidden_activation(v: Any, d: Mapping[str, Any]) -> str | None:
     # transformers 5's GemmaMLP reads hidden_act (legacy "gelu" meaning the tanh form); a
     # hidden_activation naming another function would be served differently by older code.
     want = gemma_act(d)
-    return None if v is None or v == want else f"differs from hidden_act ({want!r}), which is what runs"
+    return (
+        None
+        if v is None or v == want
+        else f"differs from hidden_act ({want!r}), which is what runs"
+    )
 
 
 def gemma_act(d: Mapping[str, Any]) -> str:
@@ -304,7 +396,11 @@ ARCH_FIELDS: dict[str, dict[str, Check]] = {
         **_COMMON,
         "use_sliding_window": _bool,
         "sliding_window": _opt_pos_int,
-        "max_window_layers": lambda v, d: None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "must be a non-negative integer",
+        "max_window_layers": lambda v, d: (
+            None
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            else "must be a non-negative integer"
+        ),
         "layer_types": _layer_types_qwen2,
         "use_mrope": _false,
     },
@@ -313,7 +409,11 @@ ARCH_FIELDS: dict[str, dict[str, Check]] = {
         "attention_bias": _bool,  # q/k/v/o biases
         "use_sliding_window": _bool,
         "sliding_window": _opt_pos_int,
-        "max_window_layers": lambda v, d: None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "must be a non-negative integer",
+        "max_window_layers": lambda v, d: (
+            None
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            else "must be a non-negative integer"
+        ),
         "layer_types": _layer_types_qwen2,
     },
 }
@@ -361,6 +461,7 @@ ARCH_FIELDS["gemma2"] = {
     "sliding_window_size": _same_as("sliding_window"),
 }
 
+
 def _rope_by_layer_type(v: Any, d: Mapping[str, Any]) -> str | None:
     # Gemma3TextConfig nests RoPE by layer type; a flat object would not load in transformers.
     if v is None:
@@ -400,20 +501,37 @@ UNREAD_FIELDS: dict[str, frozenset[str]] = {
     "mistral": _UNREAD_COMMON | {"layer_types"},
     "qwen2": _UNREAD_COMMON | {"use_mrope"},
     "qwen3": _UNREAD_COMMON,
-    "phi3": _UNREAD_COMMON | {
-        "resid_pdrop", "embd_pdrop", "attention_bias", "mlp_bias", "lm_head_bias", "full_attn_mod",
+    "phi3": _UNREAD_COMMON
+    | {
+        "resid_pdrop",
+        "embd_pdrop",
+        "attention_bias",
+        "mlp_bias",
+        "lm_head_bias",
+        "full_attn_mod",
         "interpolate_factor",
         "original_max_position_embeddings",  # read only with LongRoPE, like Phi3Config does
     },
     "gemma": _UNREAD_COMMON | {"hidden_activation", "use_bidirectional_attention"},
-    "gemma2": _UNREAD_COMMON | {"hidden_act", "use_bidirectional_attention", "cache_implementation", "sliding_window_size"},
-    "gemma3_text": _UNREAD_COMMON | {
-        "hidden_act", "use_bidirectional_attention", "cache_implementation", "sliding_window_size",
+    "gemma2": _UNREAD_COMMON
+    | {"hidden_act", "use_bidirectional_attention", "cache_implementation", "sliding_window_size"},
+    "gemma3_text": _UNREAD_COMMON
+    | {
+        "hidden_act",
+        "use_bidirectional_attention",
+        "cache_implementation",
+        "sliding_window_size",
         "_sliding_window_pattern",
     },
 }
 
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 def check_model_config(d: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -430,7 +548,10 @@ def check_model_config(d: Mapping[str, Any]) -> tuple[str, str] | None:
         if check is None:
             if key in HARMLESS_MODEL_FIELDS:
                 continue
-            return key, f"unknown field (value {val!r}): not implemented for {model_type}, refused rather than ignored"
+            return (
+                key,
+                f"unknown field (value {val!r}): not implemented for {model_type}, refused rather than ignored",
+            )
         msg = check(val, d)
         if msg is not None:
             return key, f"{val!r} {msg}"
@@ -453,13 +574,21 @@ def _a_any(v: Any, cj: Mapping[str, Any]) -> str | None:
 
 
 def _a_bias(v: Any, cj: Mapping[str, Any]) -> str | None:
-    return None if v in ("none", None) else "is not implemented (only 'none': the adapter would carry biases)"
+    return (
+        None
+        if v in ("none", None)
+        else "is not implemented (only 'none': the adapter would carry biases)"
+    )
 
 
 def _a_loftq(v: Any, cj: Mapping[str, Any]) -> str | None:
     # LoftQ only changes how weights are initialised (and quantises the base during training);
     # the saved adapter is an ordinary LoRA unless it asks for the base to be replaced.
-    return None if not v or not v.get("loftq_bits") else "is not implemented (the base weights would be replaced)"
+    return (
+        None
+        if not v or not v.get("loftq_bits")
+        else "is not implemented (the base weights would be replaced)"
+    )
 
 
 def _a_init(v: Any, cj: Mapping[str, Any]) -> str | None:
@@ -516,7 +645,9 @@ ADAPTER_FIELDS: dict[str, Check] = {
     "bias": _a_bias,
     "fan_in_fan_out": _a_false,
     "modules_to_save": _a_empty,
-    "alora_invocation_tokens": lambda v, cj: None if v is None else "activated LoRA (aLoRA) is not implemented",
+    "alora_invocation_tokens": lambda v, cj: (
+        None if v is None else "activated LoRA (aLoRA) is not implemented"
+    ),
     "arrow_config": _a_tristate,
     "use_bdlora": _a_tristate,
     "lora_ga_config": _a_empty,  # LoRA-GA moves part of the weight out of the base
@@ -531,7 +662,10 @@ def check_adapter_config(cj: Mapping[str, Any]) -> tuple[str, str] | None:
     for key, val in cj.items():
         check = ADAPTER_FIELDS.get(key)
         if check is None:
-            return key, f"unknown field (value {val!r}): not implemented, refused rather than ignored"
+            return (
+                key,
+                f"unknown field (value {val!r}): not implemented, refused rather than ignored",
+            )
         msg = check(val, cj)
         if msg is not None:
             return key, f"{val!r} {msg}"

@@ -384,9 +384,14 @@ class _Session:
             routed = self.request.headers.get(ADAPTER_HEADER, "").strip()
             named = body.get("model")
             if routed and named is not None and named != routed:
-                raise ApiError(403, f"model: {named!r} is not the adapter this socket was "
-                                    f"routed for ({ADAPTER_HEADER}: {routed!r})",
-                               type="permission_error", param="model", code="adapter_mismatch")
+                raise ApiError(
+                    403,
+                    f"model: {named!r} is not the adapter this socket was "
+                    f"routed for ({ADAPTER_HEADER}: {routed!r})",
+                    type="permission_error",
+                    param="model",
+                    code="adapter_mismatch",
+                )
             job = await self.service.build_job(self.request, body, kind)
             request_id, model = job.request_id, job.model
             reasons: list[str | None] = [None] * job.n
