@@ -71,6 +71,7 @@ fi
 import importlib, shutil, sys
 mods = ["bcc", "pyroute2", "torch", "triton", "transformers", "peft", "grpc", "xds", "envoy",
         "scapy", "hypothesis", "aiohttp", "httpx", "prometheus_client", "typer", "rich", "yaml",
+        "boto3", "moto",
         "importlinter"]
 bad = []
 for m in mods:

@@ -36,6 +36,13 @@ until its last in-flight request releases it.
 
 All bookkeeping runs on the event-loop thread; only file reads and slot copies run in worker
 threads, so serving continues while an adapter loads.
+
+Adapter stores (``adapter_stores.py``, the ``stores`` attribute, None unless the worker
+configures them): a ``lora_path`` of ``s3://`` or ``hf://`` is fetched into (or found in) a
+local cache and loaded from there; with resolvers configured, a name the adapter root does not
+hold is looked up in the stores on its first request and, once loaded, stays registered under
+its cached path (as an explicit load would). A local ``models--org--name`` directory (a Hugging
+Face cache entry) stands for its ``refs/main`` snapshot.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from pathlib import Path
 import torch
 
 from adaptermesh.worker.adafuse import CpuExpertSet, ExpertSet, is_expert_set, read_expert_set
+from adaptermesh.worker.adapter_stores import AdapterStores, hf_local_snapshot, is_store_uri
 from adaptermesh.worker.eviction import DEFAULT_POLICY, make_policy
 from adaptermesh.worker.lora_groups import MODULE_TO_GROUP
 from adaptermesh.worker.model import (
@@ -189,8 +197,10 @@ class AdapterManager:
         max_expert_sets: int = 4,
         eviction: str = DEFAULT_POLICY,
         cpu_cache_entries: int = 4096,
+        stores: AdapterStores | None = None,
     ) -> None:
         self.root = root
+        self.stores = stores
         self.cfg = cfg
         self.pool = pool
         self.max_rank = max_rank
@@ -246,6 +256,8 @@ class AdapterManager:
         self._raise_if_negative(name)
         path = resolve_in_root(self.root, name)
         if not (path / "adapter_config.json").is_file() and not is_expert_set(path):
+            if self.stores is not None and self.stores.resolvers:
+                return  # its load looks it up in the resolver stores
             err = AdapterNotFoundError(name, "no adapter with this name under the adapter root")
             self._remember_failure(name, err)
             raise err
@@ -454,8 +466,20 @@ class AdapterManager:
     ) -> int:
         t0 = time.perf_counter()
         reg = self.registered.get(name)
+        resolved_from_store = False
         if path is None:
-            path = reg.path if reg is not None else resolve_in_root(self.root, name)
+            if reg is not None:
+                path = reg.path
+            else:
+                path = resolve_in_root(self.root, name)
+                if (
+                    self.stores is not None
+                    and self.stores.resolvers
+                    and not (path / "adapter_config.json").is_file()
+                    and not is_expert_set(path)
+                ):
+                    path = await self.stores.resolve(name) or path
+                    resolved_from_store = True
         pinned = pinned or (reg.pinned if reg is not None else False)
         if is_expert_set(path):  # an expert set takes no pool slot
             if ticket is not None:
@@ -508,6 +532,8 @@ class AdapterManager:
         else:
             self.gpu_policy.insert(name)
         self.negative.pop(name, None)
+        if resolved_from_store and name not in self.registered:
+            self.registered[name] = _Registration(path)  # later loads read the cached copy
         self.counters.loads += 1
         t_end = time.perf_counter()
         self.counters.latencies.append(t_end - t0)
@@ -738,7 +764,7 @@ class AdapterManager:
     ) -> AdapterInfo:
         """Explicit (re)load: two-phase; on failure nothing that is serving changes."""
         validate_name(name)
-        resolved = resolve_in_root(self.root, name, path)
+        resolved = await self._resolve_path(name, path)
         pending = self.inflight.get(name)
         if pending is not None:
             # Let a concurrent on-demand load finish first so versions commit in order.
@@ -754,6 +780,24 @@ class AdapterManager:
             raise
         self.registered[name] = _Registration(resolved, pinned)
         return self.info(name)
+
+    async def _resolve_path(self, name: str, path: str | None) -> Path:
+        """The local directory of an explicit load: under the adapter root, or fetched from
+        (found in) a store for an ``s3://`` or ``hf://`` path."""
+        if path is not None and is_store_uri(path):
+            if self.stores is None:
+                raise AdapterValidationError(
+                    name,
+                    "lora_path",
+                    f"{path.split('://')[0]}:// paths need adapter stores, "
+                    "which this worker does not configure",
+                )
+            return await self.stores.local_path(name, path)
+        resolved = resolve_in_root(self.root, name, path)
+        snapshot = hf_local_snapshot(resolved)
+        if snapshot is not resolved:
+            resolved = resolve_in_root(self.root, name, str(snapshot))
+        return resolved
 
     async def unload(self, name: str) -> None:
         validate_name(name)

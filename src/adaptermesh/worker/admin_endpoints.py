@@ -67,8 +67,9 @@ def check_admin_token(headers: Mapping[str, str], expected: str | None) -> None:
 async def load_adapter_into_engine(
     engine: EngineProtocol, name: str, path: str, *, pinned: bool
 ) -> None:
-    """Load (or reload) adapter ``name`` from ``path``; engine errors become ``ApiError``
-    naming ``lora_name`` or ``lora_path``."""
+    """Load (or reload) adapter ``name`` from ``path`` (a directory under the adapter root, or
+    an ``s3://`` or ``hf://`` store URI: ``adapter_stores.py``); engine errors become
+    ``ApiError`` naming ``lora_name`` or ``lora_path`` (a failing store: 502 or 503)."""
     try:
         await engine.load_adapter(name, path, pinned=pinned)
     except AdapterNotFoundError as exc:

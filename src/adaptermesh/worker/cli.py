@@ -3,7 +3,9 @@
     adaptermesh worker --model DIR --adapter-root DIR [--port 8000] [--host 127.0.0.1]
         [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
         [--admin-token-file FILE] [--served-model-name NAME] [--lora-modules NAME=PATH ...]
-        [--max-connections N] [--header-timeout S] [--body-timeout S] [--keepalive-timeout S] ...
+        [--max-connections N] [--header-timeout S] [--body-timeout S] [--keepalive-timeout S]
+        [--adapter-cache-dir DIR] [--s3-endpoint-url URL] [--adapter-resolver s3://BUCKET/PREFIX]
+        [--hf-cache-dir DIR] ...
 
 SIGTERM or SIGINT drains: ``/health`` turns 503 and new generation requests get 503 with
 Retry-After at once, in-flight requests finish (up to ``--drain-timeout`` seconds, after which
@@ -18,11 +20,13 @@ import asyncio
 import inspect
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adaptermesh.cliargs import (
     fraction,
@@ -40,8 +44,11 @@ from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
 from adaptermesh.worker.types import EngineError, EngineProtocol
 from adaptermesh.worker.ws import mount_websocket
 
-__all__ = ["LoraModule", "build_parser", "load_lora_modules", "main", "parse_lora_module",
-           "run_worker"]
+__all__ = ["LoraModule", "build_parser", "build_stores", "load_lora_modules", "main",
+           "parse_lora_module", "run_worker"]
+
+if TYPE_CHECKING:
+    from adaptermesh.worker.adapter_stores import AdapterStores
 
 log = logging.getLogger("adaptermesh.worker")
 
@@ -111,6 +118,38 @@ async def load_lora_modules(engine: EngineProtocol, modules: Sequence[LoraModule
         log.info("loaded adapter %s from %s (pinned)", module.name, module.path)
 
 
+def _resolver_uri(text: str) -> str:
+    from adaptermesh.worker.adapter_stores import parse_s3_uri
+    from adaptermesh.worker.types import AdapterNotFoundError
+
+    try:
+        parse_s3_uri(text, "--adapter-resolver")
+    except AdapterNotFoundError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def build_stores(args: argparse.Namespace) -> AdapterStores:
+    """The worker's ``AdapterStores`` from the store flags."""
+    from adaptermesh.worker.adapter_stores import (
+        DEFAULT_MAX_FILE_BYTES,
+        DEFAULT_MAX_TOTAL_BYTES,
+        AdapterStores,
+    )
+
+    hf_cache = args.hf_cache_dir
+    if hf_cache is None and os.environ.get("HF_HUB_CACHE"):
+        hf_cache = Path(os.environ["HF_HUB_CACHE"])
+    return AdapterStores(
+        args.adapter_cache_dir,
+        endpoint_url=args.s3_endpoint_url,
+        resolvers=args.adapter_resolver,
+        hf_cache_dir=hf_cache,
+        max_file_bytes=args.adapter_max_file_bytes or DEFAULT_MAX_FILE_BYTES,
+        max_total_bytes=args.adapter_max_bytes or DEFAULT_MAX_TOTAL_BYTES,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="adaptermesh worker",
@@ -139,7 +178,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adapters loaded and pinned before the listener opens (so /health "
                    "answers only once they are in): name=path, or vLLM's JSON form "
                    "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a path "
-                   "relative to --adapter-root or inside it")
+                   "relative to --adapter-root or inside it, s3://bucket/prefix or "
+                   "hf://org/name[@revision]")
+    # Adapter stores (adapter_stores.py).
+    p.add_argument("--adapter-cache-dir", type=Path, default=None,
+                   help="where adapters fetched from s3:// are cached (default: "
+                   "<temp dir>/adaptermesh-adapter-cache-<uid>)")
+    p.add_argument("--s3-endpoint-url", default=None, metavar="URL",
+                   help="S3 API endpoint (default: AWS_ENDPOINT_URL, else AWS); credentials "
+                   "come from boto3's standard chain")
+    p.add_argument("--adapter-resolver", type=_resolver_uri, action="append", default=[],
+                   metavar="s3://BUCKET/PREFIX",
+                   help="look an adapter name the adapter root does not hold up as "
+                   "PREFIX/<name>/ in this store on its first request (repeatable, tried in "
+                   "order; default: off)")
+    p.add_argument("--hf-cache-dir", type=Path, default=None,
+                   help="local Hugging Face cache that hf://org/name[@revision] paths are "
+                   "found in (default: HF_HUB_CACHE; the Hub itself is never contacted)")
+    p.add_argument("--adapter-max-file-bytes", type=positive_int, default=None,
+                   help="largest adapter weights file fetched from a store (default 4 GiB)")
+    p.add_argument("--adapter-max-bytes", type=positive_int, default=None,
+                   help="largest adapter (all its files) fetched from a store (default 4 GiB)")
     # Engine sizes.
     p.add_argument("--max-model-len", type=positive_int, default=None)
     p.add_argument("--max-num-seqs", type=positive_int, default=None,
@@ -248,8 +307,10 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.adapter_eviction = args.adapter_eviction
     if args.logprobs_mode is not None:
         config.logprobs_mode = args.logprobs_mode
-    engine: EngineProtocol = Engine(args.model, args.adapter_root, device=device, dtype=dtype,
-                                    config=config, model_name=args.served_model_name)
+    built = Engine(args.model, args.adapter_root, device=device, dtype=dtype, config=config,
+                   model_name=args.served_model_name)
+    built.adapters.stores = build_stores(args)
+    engine: EngineProtocol = built
     return engine
 
 

@@ -115,8 +115,17 @@ def adapter_error(exc: AdapterNotFoundError, param: str) -> ApiError:
     """404 for an adapter that does not exist; 422 for one that exists but is unusable.
 
     The engine marks the second kind with a ``field`` attribute (a bad name, a path outside
-    the adapter root, a rank or target-module mismatch, a corrupt weights file).
+    the adapter root, a rank or target-module mismatch, a corrupt weights file). An adapter
+    store's failure (``adapter_stores.AdapterStoreError``, which carries a 5xx ``status``) is
+    the server's: 503 for a store that cannot be reached, 502 for one that refused access or
+    sent bytes that failed their checksum.
     """
+    store_status = getattr(exc, "status", None)
+    if isinstance(store_status, int) and 500 <= store_status <= 599:
+        code = "adapter_store_unavailable" if store_status == 503 else "adapter_store_error"
+        return ApiError(
+            store_status, f"{param}: {exc}", type="server_error", param=param, code=code
+        )
     field_name = getattr(exc, "field", None)
     if field_name is None:
         code = "model_not_found" if param == "model" else "adapter_not_found"
