@@ -9,6 +9,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from adaptermesh.worker.types import AdapterInfo
+
 from .conftest import Server, StartServer
 from .fakes import FakeEngine
 from .test_service import wait_until
@@ -21,6 +23,10 @@ EXPECTED = {
     "vllm:lora_requests_info": ("gauge", {"running_lora_adapters", "waiting_lora_adapters",
                                           "max_lora"}),
     "vllm:gpu_cache_usage_perc": ("gauge", {"model_name"}),
+    "vllm:lora_adapter_loaded": ("gauge", {"adapter_name", "level", "pinned", "rank"}),
+    "vllm:num_gpu_loaded_lora_adapters": ("gauge", {"model_name"}),
+    "vllm:max_gpu_lora_adapters": ("gauge", {"model_name"}),
+    "vllm:lora_adapter_load_seconds": ("histogram", {"model_name"}),
     "vllm:time_to_first_token_seconds": ("histogram", {"model_name"}),
     "vllm:time_per_output_token_seconds": ("histogram", {"model_name"}),
     "vllm:e2e_request_latency_seconds": ("histogram", {"model_name"}),
@@ -142,6 +148,31 @@ async def test_values_follow_traffic(start_server: StartServer) -> None:
                  "adaptermesh_adapter_load_latency_seconds_count") == 1
     assert value(f, "adaptermesh_gpu_slots_used") == 1
     assert value(f, "adaptermesh_gpu_slots_total") == 4
+
+
+async def test_residency_of_an_engine_without_tiers_is_its_gpu_resident_adapters(
+    start_server: StartServer,
+) -> None:
+    # The fake engine does not tell tiers apart (EngineStats.adapter_residency is None): the
+    # GPU tier is what list_adapters() says is resident, and there is no CPU tier.
+    engine = FakeEngine()
+    engine.adapters["sql"] = AdapterInfo("sql", "ok/sql", 16, True, True)
+    engine.adapters["cold"] = AdapterInfo("cold", "ok/cold", 8, False, False)
+    s = await start_server(engine)
+    f = await scrape(s)
+    assert [sample.labels for sample in f["vllm:lora_adapter_loaded"].samples] == [
+        {"adapter_name": "sql", "level": "gpu", "pinned": "true", "rank": "16"}]
+    assert value(f, "vllm:num_gpu_loaded_lora_adapters", model_name="tiny-base") == 1
+    assert value(f, "vllm:max_gpu_lora_adapters", model_name="tiny-base") == 4
+    await s.client.post("/v1/completions", json={"model": "alpha", "prompt": "a",
+                                                 "max_tokens": 2})
+    s.service.metrics.poll()
+    f = await scrape(s)
+    # One load latency, in both histograms.
+    assert value(f, "vllm:lora_adapter_load_seconds", "vllm:lora_adapter_load_seconds_count",
+                 model_name="tiny-base") == value(
+        f, "adaptermesh_adapter_load_latency_seconds",
+        "adaptermesh_adapter_load_latency_seconds_count") == 1
 
 
 async def test_rejections_are_counted(start_server: StartServer) -> None:

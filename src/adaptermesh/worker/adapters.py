@@ -75,7 +75,12 @@ from adaptermesh.worker.peft_adapter import (
     resolve_in_root,
     validate_name,
 )
-from adaptermesh.worker.types import AdapterInfo, AdapterNotFoundError, EngineOverloadedError
+from adaptermesh.worker.types import (
+    AdapterInfo,
+    AdapterNotFoundError,
+    AdapterResidency,
+    EngineOverloadedError,
+)
 
 __all__ = [
     "AdapterManager",
@@ -853,3 +858,21 @@ class AdapterManager:
 
     def slots_used(self) -> int:
         return sum(1 for s in self.slots if s.name is not None or s.retired or s.reserved)
+
+    def held_by_tier(self) -> tuple[AdapterResidency, ...]:
+        """Every adapter held now, once per tier: published GPU slots and expert sets
+        (``gpu``), the CPU cache (``cpu``). Only held names appear, so the answer is bounded by
+        the slots, the expert sets and the CPU cache's budget, whatever names clients ask for."""
+        gpu = [
+            AdapterResidency(name, "gpu", self.slots[pub.slot].pinned, pub.rank)
+            for name, pub in self.published.items()
+        ]
+        sets = [
+            AdapterResidency(name, "gpu", ps.expert_set.pinned, ps.expert_set.rank)
+            for name, ps in self.expert_sets.items()
+        ]
+        cpu = [
+            AdapterResidency(name, "cpu", entry.pinned, entry.rank)
+            for name, entry in self.cpu_cache.items()
+        ]
+        return (*gpu, *sets, *cpu)

@@ -452,6 +452,7 @@ class Engine:
             adapter_evictions_wanted=counters.evictions_wanted,
             admissions_waited_on_load=scheduler.admissions_waited_on_load,
             idle_passes_on_adapter_load=scheduler.idle_passes_on_load,
+            adapter_residency=self.adapters.held_by_tier(),
         )
 
     async def shutdown(self) -> None:

@@ -4,13 +4,22 @@ Two families live here, each listed with its type and labels in ``docs/worker-se
 
 - vLLM's names (``vllm:*``), so gateways and dashboards built for vLLM read this worker
   unchanged. Their labels follow vLLM's (``model_name``; ``running_lora_adapters``,
-  ``waiting_lora_adapters`` and ``max_lora`` on ``vllm:lora_requests_info``).
+  ``waiting_lora_adapters`` and ``max_lora`` on ``vllm:lora_requests_info``; ``adapter_name``,
+  ``level``, ``pinned`` and ``rank`` on ``vllm:lora_adapter_loaded``).
 - The project's ``adaptermesh_*`` series, which the control plane's rebalancer scrapes.
 
 Engine-derived values are read from one ``EngineStats`` snapshot per scrape (and once a
 second by the service's poller, which feeds the tokens-per-second window), so every series in
 one scrape describes the same instant. ``EngineStats.new_load_latencies`` is drained by each
 ``stats()`` call, so all calls go through ``ServiceMetrics.poll()``, which records them.
+
+Adapter residency, the series routers score LoRA affinity on (``vllm:lora_requests_info`` lists
+only adapters with requests in flight): ``vllm:lora_adapter_loaded`` is 1 for each adapter held
+now, once per tier (``level`` ``gpu``: in a GPU slot; ``cpu``: in the host cache), and has no
+sample for anything else, so its cardinality is bounded by the slots and the CPU cache's budget
+and never by the names clients send. ``vllm:num_gpu_loaded_lora_adapters`` counts the GPU tier,
+``vllm:max_gpu_lora_adapters`` is the pool's slots, and ``vllm:lora_adapter_load_seconds`` takes
+the same load latencies as ``adaptermesh_adapter_load_latency_seconds``.
 
 Every service owns its registry: two workers in one process (tests) never share series.
 """
@@ -32,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from adaptermesh.worker.fair_queue import FairQueue
-from adaptermesh.worker.types import EngineProtocol, EngineStats
+from adaptermesh.worker.types import AdapterResidency, EngineProtocol, EngineStats
 
 __all__ = ["TOKENS_PER_SECOND_WINDOW_S", "ServiceMetrics"]
 
@@ -110,6 +119,12 @@ class ServiceMetrics:
             "Adapter load latency reported by the engine (disk or CPU cache to GPU slot).",
             registry=r, buckets=_LOAD_BUCKETS,
         )
+        # vLLM's name for the same observations (the histogram routers read load cost from).
+        self.vllm_load_seconds = Histogram(
+            "vllm:lora_adapter_load_seconds",
+            "Adapter load time in seconds (disk or CPU cache to a GPU slot).",
+            ["model_name"], registry=r, buckets=_LOAD_BUCKETS,
+        ).labels(model_name=self.model_name)
         self.requests = Counter(
             "adaptermesh_requests",
             "Finished generation requests by outcome (finish reason, or the error that ended them).",
@@ -197,6 +212,7 @@ class ServiceMetrics:
         stats = self.engine.stats()
         for seconds in stats.new_load_latencies:
             self.load_latency.observe(seconds)
+            self.vllm_load_seconds.observe(seconds)
         now = self._clock()
         samples = self._token_samples
         samples.append((now, stats.generated_tokens))
@@ -205,6 +221,18 @@ class ServiceMetrics:
             samples.popleft()
         self._last_stats = stats
         return stats
+
+    def residency(self, stats: EngineStats) -> list[AdapterResidency]:
+        """The adapters held per tier, sorted and without repeats. An engine that does not tell
+        tiers apart reports its GPU-resident adapters (``list_adapters``) as the GPU tier."""
+        held = stats.adapter_residency
+        if held is None:
+            held = tuple(
+                AdapterResidency(info.name, "gpu", info.pinned, info.rank)
+                for info in self.engine.list_adapters()
+                if info.resident_on_gpu
+            )
+        return sorted(set(held), key=lambda h: (h.name, h.level, h.pinned, h.rank))
 
     def tokens_per_second(self) -> float:
         samples = self._token_samples
@@ -315,6 +343,33 @@ class _EngineCollector(Collector):
             time.time(),
         )
         yield lora
+
+        held = m.residency(stats)
+        loaded = GaugeMetricFamily(
+            "vllm:lora_adapter_loaded",
+            "1 for each adapter held now, per tier (level gpu: in a GPU slot; cpu: in the host "
+            "cache); adapters not held have no sample.",
+            labels=["adapter_name", "level", "pinned", "rank"],
+        )
+        for h in held:
+            loaded.add_metric([h.name, h.level, "true" if h.pinned else "false", str(h.rank)], 1.0)
+        yield loaded
+
+        gpu_loaded = GaugeMetricFamily(
+            "vllm:num_gpu_loaded_lora_adapters",
+            "Adapters held in GPU slots now.",
+            labels=["model_name"],
+        )
+        gpu_loaded.add_metric(model, float(len({h.name for h in held if h.level == "gpu"})))
+        yield gpu_loaded
+
+        gpu_max = GaugeMetricFamily(
+            "vllm:max_gpu_lora_adapters",
+            "Adapter GPU slots in the pool (the most adapters held on the GPU at once).",
+            labels=["model_name"],
+        )
+        gpu_max.add_metric(model, float(stats.gpu_slots_total))
+        yield gpu_max
 
         generation = CounterMetricFamily(
             "vllm:generation_tokens", "Tokens generated by the engine.", labels=["model_name"],

@@ -15,6 +15,7 @@ __all__ = [
     "MAX_LOGPROBS",
     "AdapterInfo",
     "AdapterNotFoundError",
+    "AdapterResidency",
     "EngineError",
     "EngineOverloadedError",
     "EngineProtocol",
@@ -154,6 +155,18 @@ class AdapterInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterResidency:
+    """One adapter held in one tier: ``level`` is ``"gpu"`` (in a GPU slot, or a GPU expert
+    set) or ``"cpu"`` (in the host cache, one copy to a slot away). An adapter in both tiers
+    has one entry for each."""
+
+    name: str
+    level: Literal["gpu", "cpu"]
+    pinned: bool
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A point-in-time snapshot the service turns into Prometheus series."""
 
@@ -179,6 +192,9 @@ class EngineStats:
     adapter_evictions_wanted: int = 0
     admissions_waited_on_load: int = 0
     idle_passes_on_adapter_load: int = 0
+    # Adapters held per tier now (GPU slots and the CPU cache); None when the engine does not
+    # tell tiers apart (the service then reports its GPU-resident adapters from list_adapters).
+    adapter_residency: tuple[AdapterResidency, ...] | None = None
 
 
 class EngineProtocol(Protocol):
