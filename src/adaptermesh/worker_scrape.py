@@ -13,6 +13,11 @@ Series read (the names the workers export, vLLM's first so existing gateways wor
 * ``adaptermesh_free_gpu_memory_bytes``, ``adaptermesh_gpu_slots_used``
 * ``adaptermesh_adapter_resident{adapter, pinned}`` (1 when resident; ``pinned="true"`` when
   it is kept in its slot), when the worker exports it
+* ``vllm:lora_adapter_loaded{adapter_name, level, pinned, rank}`` (1 per adapter held, per
+  tier): ``level="gpu"`` adds to the resident (and pinned) adapters as above, ``level="cpu"``
+  names the adapters in the worker's CPU cache; ``vllm:num_gpu_loaded_lora_adapters`` and
+  ``vllm:max_gpu_lora_adapters`` (the GPU slots; ``max_lora`` when ``vllm:lora_requests_info``
+  is absent)
 * ``adaptermesh_adapter_time_to_first_token_seconds{adapter}`` (histogram per served adapter):
   its buckets, for the first ``MAX_ADAPTER_HISTOGRAMS`` adapters in the exposition
 """
@@ -79,6 +84,11 @@ class RawSample:
     resident_adapters: frozenset[str] = frozenset()
     # Resident adapters the worker holds pinned (never evicted).
     pinned_adapters: frozenset[str] = frozenset()
+    # Adapters in the worker's CPU cache (``vllm:lora_adapter_loaded{level="cpu"}``); an adapter
+    # may be in both tiers.
+    cpu_adapters: frozenset[str] = frozenset()
+    gpu_loaded_adapters: float | None = None
+    max_gpu_adapters: float | None = None
     # Per served adapter, its cumulative TTFT buckets (as ``ttft_buckets``).
     adapter_ttft: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     series: int = 0
@@ -163,6 +173,7 @@ def parse_metrics(text: str) -> RawSample:
     tokens: dict[str, float] = {}
     resident: set[str] = set()
     pinned: set[str] = set()
+    cpu: set[str] = set()
     buckets: dict[str, dict[float, float]] = {}
     per_adapter: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
@@ -192,6 +203,19 @@ def parse_metrics(text: str) -> RawSample:
                     resident.add(s.labels["adapter"])
                     if s.labels.get("pinned") == "true":
                         pinned.add(s.labels["adapter"])
+            elif name == "vllm:lora_adapter_loaded":
+                adapter, level = s.labels.get("adapter_name"), s.labels.get("level")
+                if value > 0 and adapter:
+                    if level == "gpu":
+                        resident.add(adapter)
+                        if s.labels.get("pinned") == "true":
+                            pinned.add(adapter)
+                    elif level == "cpu":
+                        cpu.add(adapter)
+            elif name == "vllm:num_gpu_loaded_lora_adapters":
+                raw.gpu_loaded_adapters = (raw.gpu_loaded_adapters or 0.0) + value
+            elif name == "vllm:max_gpu_lora_adapters":
+                raw.max_gpu_adapters = (raw.max_gpu_adapters or 0.0) + value
             elif name == _ADAPTER_TTFT + "_bucket":
                 adapter, le = s.labels.get("adapter"), le_bound(s.labels.get("le", ""))
                 if adapter and le is not None and (
@@ -230,6 +254,9 @@ def parse_metrics(text: str) -> RawSample:
     # An adapter with running requests is resident even if the worker does not say so.
     raw.resident_adapters = frozenset(resident) | raw.running_adapters
     raw.pinned_adapters = frozenset(pinned)
+    raw.cpu_adapters = frozenset(cpu)
+    if raw.max_lora is None:
+        raw.max_lora = raw.max_gpu_adapters
     raw.adapter_ttft = {
         a: tuple(sorted(b.items())) for a, b in per_adapter.items() if math.inf in b
     }

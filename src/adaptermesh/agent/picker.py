@@ -10,11 +10,16 @@ Scoring follows what a Gateway API Inference Extension picker weighs (LoRA affin
 depth, KV-cache use), from the series the workers export (``docs/worker-service.md``):
 
 - residency (weight 3): 1 when the adapter has running requests on the worker
-  (``vllm:lora_requests_info``), 0.9 when it is resident there (the Assignment's adapters or
-  ``adaptermesh_adapter_resident``), 0.3 when the worker has a free adapter slot
-  (``max_lora`` above its resident count), else 0. A base-model request scores 1 everywhere.
-  The weights make a holder with a queue of 3 and half its KV cache beat an idle worker that
-  would have to load the adapter; a holder about 20 deep with a full KV cache no longer does.
+  (``vllm:lora_requests_info``), 0.9 when it is held in a GPU slot there (the Assignment's
+  adapters, ``vllm:lora_adapter_loaded{level="gpu"}`` or ``adaptermesh_adapter_resident``),
+  0.6 when it is held in the worker's CPU cache (``vllm:lora_adapter_loaded{level="cpu"}``: one
+  host-to-GPU copy away, no disk read), 0.3 when the worker does not hold it but has a free
+  adapter slot (``max_lora``, else ``vllm:max_gpu_lora_adapters``, above its GPU-resident
+  count), else 0. A base-model request scores 1 everywhere. So with equal queues and KV caches
+  a GPU holder beats a CPU holder, which beats a worker that must read the adapter from disk.
+  The weights make a GPU holder with a queue of 3 and half its KV cache beat an idle worker
+  that would have to load the adapter; a holder about 20 deep with a full KV cache no longer
+  does. A CPU holder with an empty queue and half its KV cache also beats the idle worker.
 - queue (weight 1): ``1 / (1 + waiting + picked since the last scrape)``, so a burst between two
   scrapes spreads instead of piling onto the worker that looked idlest.
 - KV cache (weight 1): ``1 - vllm:kv_cache_usage_perc``.
@@ -45,6 +50,11 @@ __all__ = [
 ]
 
 RESIDENCY_WEIGHT = 3.0
+# Residency scores by where the worker holds the adapter (see the module's docstring).
+RUNNING_SCORE = 1.0
+GPU_SCORE = 0.9
+CPU_SCORE = 0.6
+FREE_SLOT_SCORE = 0.3
 QUEUE_WEIGHT = 1.0
 KV_WEIGHT = 1.0
 _UNKNOWN = 0.5
@@ -79,6 +89,8 @@ class EndpointLoad:
     port: int
     resident: frozenset[str] = frozenset()
     running_adapters: frozenset[str] = frozenset()
+    # Adapters in the worker's CPU cache (one may also be resident on the GPU).
+    cpu_cached: frozenset[str] = frozenset()
     max_lora: float | None = None
     waiting: float | None = None
     kv_cache_usage: float | None = None
@@ -96,11 +108,13 @@ class EndpointLoad:
 def score(load: EndpointLoad, adapter: str | None) -> float:
     """How good ``load`` is for a request of ``adapter`` (None: the base model); higher wins."""
     if adapter is None or adapter in load.running_adapters:
-        residency = 1.0
+        residency = RUNNING_SCORE
     elif adapter in load.resident:
-        residency = 0.9
+        residency = GPU_SCORE
+    elif adapter in load.cpu_cached:
+        residency = CPU_SCORE
     elif load.max_lora is not None and load.max_lora > len(load.resident):
-        residency = 0.3
+        residency = FREE_SLOT_SCORE
     else:
         residency = 0.0
     if load.waiting is None:
@@ -267,6 +281,7 @@ def _load(worker: _Worker) -> EndpointLoad:
         worker.port,
         resident=worker.assigned | s.resident_adapters,
         running_adapters=s.running_adapters,
+        cpu_cached=s.cpu_adapters,
         max_lora=s.max_lora,
         waiting=s.waiting,
         kv_cache_usage=s.kv_cache_usage,
