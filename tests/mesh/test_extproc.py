@@ -15,6 +15,7 @@ import dataclasses
 import http.client
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -393,6 +394,42 @@ def test_gie_subset_hint_and_503s(gateway: Gateway) -> None:
     gateway.book.set_endpoints("pool", [])
     _, empty_port, _ = gateway.start()
     assert _raw_post(empty_port, b'{"model": "sql"}')[0] == 503
+
+
+@pytest.mark.slow
+def test_gie_full_duplex_chunked_body_reaches_the_gpu_holder(gateway: Gateway) -> None:
+    # w0 is busy but holds "code" in a GPU slot: the residency series make it beat the idle
+    # w2, which would have to load it. The client sends the body in pieces with pauses, so
+    # Envoy streams it to the processor in several chunks, each answered with its own streamed
+    # body response.
+    busy = gateway.workers[0]
+    busy.metrics += ('# TYPE vllm:lora_adapter_loaded gauge\n'
+                     'vllm:lora_adapter_loaded{adapter_name="code",level="gpu",pinned="false",'
+                     'rank="8"} 1\n')
+    asyncio.run(_scrape(gateway.book))
+    _, port, log = gateway.start()
+    body = json.dumps({"prompt": "x" * 3000, "model": "code", "max_tokens": 4}).encode()
+    pieces = [body[:7], body[7:1500], body[1500:2900], body[2900:]]
+    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=10)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("content-type", "application/json")
+        conn.putheader("transfer-encoding", "chunked")
+        conn.endheaders()
+        for piece in pieces:
+            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+            time.sleep(0.05)
+        conn.send(b"0\r\n\r\n")
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert json.loads(resp.read())["choices"][0]["text"] == "w0|code"
+    finally:
+        conn.close()
+    assert gateway.decisions[-1].endpoints == (busy.key,)
+    seen = busy.seen[-1]
+    # The worker got the whole body back from the processor's streamed answers, in order.
+    assert (seen["model"], seen["body_bytes"], seen["adapter"]) == ("code", len(body), "code")
+    assert _log_lines(log, 1)[-1]["picked"] == busy.key
 
 
 def _raw_post(port: int, body: bytes) -> tuple[int, bytes]:

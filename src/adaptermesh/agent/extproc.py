@@ -18,9 +18,14 @@ One gRPC ``envoy.service.ext_proc.v3.ExternalProcessor`` answers two kinds of En
   demands). With nothing eligible it answers an ImmediateResponse 503.
 
 Body handling. A ``BUFFERED`` body arrives in one message after the headers were answered,
-so the header changes ride on the body response. ``FULL_DUPLEX_STREAMED``
-(what GIE's Envoy setup uses) sends headers and chunks without waiting: the processor holds its
-headers answer until the body ends, then returns the headers mutation and the body it buffered.
+so the header changes ride on the body response. ``FULL_DUPLEX_STREAMED`` (what GIE's Envoy
+setup and llm-d-router use, the only mode llm-d-router speaks) sends headers and body chunks
+without waiting for answers: the processor holds its headers answer and the chunks until the
+body ends (``end_of_stream``, or the trailers), reads ``model`` from the reassembled body, then
+answers the headers with the mutation and each chunk, in order, with a streamed body response
+carrying that chunk's bytes (``end_of_stream`` on the last). Chunks after a decision (a body
+past ``max_body_bytes``) are answered one by one as they come. Where the chunks split the body
+does not change the decision: it is the one a buffered body gets.
 At most ``max_body_bytes`` are read for the model; a longer body (or one that is not a JSON
 object with a string ``model``) is forwarded as if it named no model. (A shard listener's
 Envoy itself refuses a body over its limit with 413, see ``mesh/snapshot.py``.)
@@ -145,7 +150,9 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         held_headers = False
         decided: Decision | None = None
         subset: list[str] | None = None
-        body = bytearray()
+        # The request body's chunks as received, until the decision; ``size`` bytes in all.
+        chunks: list[bytes] = []
+        size = 0
         over = False
         async for request in request_iterator:
             kind = request.WhichOneof("request")
@@ -169,31 +176,35 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if decided is not None:  # streaming on after the decision
                     yield _body_echo(chunk.body, chunk.end_of_stream)
                     continue
-                if not over:
-                    body += chunk.body
-                    over = len(body) > self.config.max_body_bytes
+                chunks.append(chunk.body)
+                size += len(chunk.body)
+                over = size > self.config.max_body_bytes
                 if not (chunk.end_of_stream or over or not full_duplex):
                     continue
-                model = None if over else model_of(bytes(body))
+                model = None if over else model_of(b"".join(chunks))
                 decided = self._decide(model, shard, subset, facts)
                 if decided.status is not None:
                     yield _immediate(decided)
                     return
                 if held_headers:
                     yield self._headers_answer(decided)
-                    yield _body_echo(bytes(body), chunk.end_of_stream)
+                    for response in _body_echoes(chunks, chunk.end_of_stream):
+                        yield response
                 else:
                     yield self._body_answer(decided)
+                chunks = []
             elif kind == "request_trailers":
                 if decided is None:  # a body that ended only at its trailers
-                    decided = self._decide(None if over else model_of(bytes(body)),
+                    decided = self._decide(None if over else model_of(b"".join(chunks)),
                                            shard, subset, facts)
                     if decided.status is not None:
                         yield _immediate(decided)
                         return
                     if held_headers:
                         yield self._headers_answer(decided)
-                        yield _body_echo(bytes(body), False)
+                        for response in _body_echoes(chunks, False):
+                            yield response
+                    chunks = []
                 yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
             elif kind == "response_headers":
                 yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
@@ -368,6 +379,15 @@ def _body_echo(data: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
         body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
             body=data, end_of_stream=end_of_stream)))))
+
+
+def _body_echoes(chunks: list[bytes], end_of_stream: bool) -> list[ep.ProcessingResponse]:
+    """One streamed body response per held chunk, in order; ``end_of_stream`` on the last (an
+    empty body still gets one response, so the stream's end reaches Envoy)."""
+    if not chunks:
+        return [_body_echo(b"", end_of_stream)]
+    last = len(chunks) - 1
+    return [_body_echo(data, end_of_stream and i == last) for i, data in enumerate(chunks)]
 
 
 def _immediate(decision: Decision) -> ep.ProcessingResponse:
