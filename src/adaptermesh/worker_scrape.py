@@ -126,7 +126,11 @@ def interval_quantile(
     None when nothing was observed in between, or the bucket bounds changed, or a counter went
     backwards (a worker restart). A quantile in the +Inf bucket is the largest finite bound.
     """
-    if not now or len(now) != len(before) or any(a[0] != b[0] for a, b in zip(now, before, strict=True)):
+    if (
+        not now
+        or len(now) != len(before)
+        or any(a[0] != b[0] for a, b in zip(now, before, strict=True))
+    ):
         return None
     deltas = [(le, c - b) for (le, c), (_, b) in zip(now, before, strict=True)]
     if any(d < 0 for _, d in deltas):
@@ -218,8 +222,10 @@ def parse_metrics(text: str) -> RawSample:
                 raw.max_gpu_adapters = (raw.max_gpu_adapters or 0.0) + value
             elif name == _ADAPTER_TTFT + "_bucket":
                 adapter, le = s.labels.get("adapter"), le_bound(s.labels.get("le", ""))
-                if adapter and le is not None and (
-                    adapter in per_adapter or len(per_adapter) < MAX_ADAPTER_HISTOGRAMS
+                if (
+                    adapter
+                    and le is not None
+                    and (adapter in per_adapter or len(per_adapter) < MAX_ADAPTER_HISTOGRAMS)
                 ):
                     per = per_adapter.setdefault(adapter, {})
                     per[le] = per.get(le, 0.0) + value

@@ -45,8 +45,16 @@ BASE = "base-7b"
 def test_model_of_reads_only_a_top_level_string_model() -> None:
     assert model_of(b'{"model": "sql", "prompt": "x"}') == "sql"
     assert model_of(b'{"messages": [], "model": "chat"}') == "chat"
-    for body in (b"", b"not json", b'["model"]', b'{"model": 3}', b'{"model": ""}',
-                 b'{"prompt": {"model": "x"}}', b'{"model": "sql"', b"\xff\xfe"):
+    for body in (
+        b"",
+        b"not json",
+        b'["model"]',
+        b'{"model": 3}',
+        b'{"model": ""}',
+        b'{"prompt": {"model": "x"}}',
+        b'{"model": "sql"',
+        b"\xff\xfe",
+    ):
         assert model_of(body) is None, body
 
 
@@ -57,8 +65,13 @@ def _load(port: int, **kw: object) -> EndpointLoad:
 def test_decide_prefers_residency_then_queue_then_kv() -> None:
     idle = _load(1, waiting=0.0, kv_cache_usage=0.1, max_lora=4)
     holder = _load(2, resident=frozenset({"sql"}), waiting=3.0, kv_cache_usage=0.5)
-    running = _load(3, resident=frozenset({"sql"}), running_adapters=frozenset({"sql"}),
-                    waiting=3.0, kv_cache_usage=0.5)
+    running = _load(
+        3,
+        resident=frozenset({"sql"}),
+        running_adapters=frozenset({"sql"}),
+        waiting=3.0,
+        kv_cache_usage=0.5,
+    )
     assert decide("sql", BASE, [idle, holder, running]).endpoints == (running.key,)
     assert decide("sql", BASE, [idle, holder]).endpoints == (holder.key,)
     # Base model: residency is equal everywhere, so the idle worker wins.
@@ -98,15 +111,26 @@ def test_ties_rotate_and_pending_picks_spread_a_burst() -> None:
 
 def test_book_follows_the_assignment() -> None:
     book = EndpointBook()
-    book.set_assignment(ap.Assignment(version=1, shards=[
-        ap.Shard(id="a", endpoints=[ap.Endpoint(address="10.0.0.1", port=8000, weight=1,
-                                                adapters=["sql"]),
-                                    ap.Endpoint(address="10.0.0.2", port=8000, weight=1,
-                                                draining=True)]),
-        ap.Shard(id="b", state=ap.SHARD_STATE_DRAINING, endpoints=[
-            ap.Endpoint(address="10.0.0.3", port=8000, weight=1)]),
-        ap.Shard(id="c", endpoints=[ap.Endpoint(address="fd00::1", port=80, weight=1)]),
-    ]))
+    book.set_assignment(
+        ap.Assignment(
+            version=1,
+            shards=[
+                ap.Shard(
+                    id="a",
+                    endpoints=[
+                        ap.Endpoint(address="10.0.0.1", port=8000, weight=1, adapters=["sql"]),
+                        ap.Endpoint(address="10.0.0.2", port=8000, weight=1, draining=True),
+                    ],
+                ),
+                ap.Shard(
+                    id="b",
+                    state=ap.SHARD_STATE_DRAINING,
+                    endpoints=[ap.Endpoint(address="10.0.0.3", port=8000, weight=1)],
+                ),
+                ap.Shard(id="c", endpoints=[ap.Endpoint(address="fd00::1", port=80, weight=1)]),
+            ],
+        )
+    )
     assert [c.key for c in book.candidates("a")] == ["10.0.0.1:8000"]
     assert book.candidates("a")[0].resident == {"sql"}
     assert book.candidates("b") == []
@@ -131,11 +155,24 @@ class Mesh:
 
 def _shard_assignment(port: int, workers: list[FakeWorker]) -> ap.Assignment:
     adapters = [("sql",), ("chat",), ()]
-    return ap.Assignment(version=1, reason="test", shards=[ap.Shard(
-        id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
-        service_address=LOOPBACK, service_port=port,
-        endpoints=[ap.Endpoint(address=LOOPBACK, port=w.port, weight=1, adapters=list(a))
-                   for w, a in zip(workers, adapters, strict=True)])])
+    return ap.Assignment(
+        version=1,
+        reason="test",
+        shards=[
+            ap.Shard(
+                id="s0",
+                index=0,
+                weight=10_000,
+                state=ap.SHARD_STATE_ACTIVE,
+                service_address=LOOPBACK,
+                service_port=port,
+                endpoints=[
+                    ap.Endpoint(address=LOOPBACK, port=w.port, weight=1, adapters=list(a))
+                    for w, a in zip(workers, adapters, strict=True)
+                ],
+            )
+        ],
+    )
 
 
 @pytest.fixture(params=["ext_proc"])
@@ -144,12 +181,15 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
     workers = [FakeWorker(f"w{i}") for i in range(3)]
     book = EndpointBook()
     decisions: list[Decision] = []
-    processor = ExtProcServer(book, ExtProcConfig(base_model=BASE, max_body_bytes=64 * 1024),
-                              on_decision=decisions.append)
+    processor = ExtProcServer(
+        book, ExtProcConfig(base_model=BASE, max_body_bytes=64 * 1024), on_decision=decisions.append
+    )
     ext_port = processor.start()
     options = dataclasses.replace(
-        TEST_OPTIONS, route_by_body=native,
-        ext_proc=None if native else ExtProcOptions(max_body_bytes=64 * 1024))
+        TEST_OPTIONS,
+        route_by_body=native,
+        ext_proc=None if native else ExtProcOptions(max_body_bytes=64 * 1024),
+    )
     cache = SnapshotCache(options=options)
     xds = XdsServer(cache)
     xds_port = xds.start()
@@ -157,9 +197,14 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
     assignment = _shard_assignment(port, workers)
     book.set_assignment(assignment)
     cache.set_assignment("node-x", assignment)
-    envoy = EnvoyProcess(build_bootstrap("node-x", xds_port,
-                                         ext_proc_port=None if native else ext_port,
-                                         initial_fetch_timeout_s=5.0))
+    envoy = EnvoyProcess(
+        build_bootstrap(
+            "node-x",
+            xds_port,
+            ext_proc_port=None if native else ext_port,
+            initial_fetch_timeout_s=5.0,
+        )
+    )
     try:
         envoy.start(ready_timeout=20.0)
         state = Mesh(workers, processor, envoy, port, decisions)
@@ -176,8 +221,12 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
 def _post(port: int, body: bytes, headers: dict[str, str] | None = None) -> dict[str, str]:
     conn = http.client.HTTPConnection(LOOPBACK, port, timeout=10)
     try:
-        conn.request("POST", "/v1/completions", body=body,
-                     headers={"content-type": "application/json", **(headers or {})})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=body,
+            headers={"content-type": "application/json", **(headers or {})},
+        )
         resp = conn.getresponse()
         data = resp.read()
         assert resp.status == 200, (resp.status, data[:300])
@@ -192,26 +241,42 @@ def _wait_all_healthy(m: Mesh) -> None:
     names = {w.name for w in m.workers}
 
     def reached() -> bool:
-        got = {_post(m.port, b'{"model": "' + BASE.encode() + b'"}')["worker"]
-               for _ in range(12)}
+        got = {_post(m.port, b'{"model": "' + BASE.encode() + b'"}')["worker"] for _ in range(12)}
         return got >= names
+
     wait_until(reached, 15, what="every worker routable", interval=0.1)
 
 
 def test_snapshot_puts_ext_proc_before_the_router() -> None:
     options = dataclasses.replace(TEST_OPTIONS, ext_proc=ExtProcOptions(max_body_bytes=4096))
     worker_port = 9
-    snap = build_snapshot(ap.Assignment(version=1, shards=[ap.Shard(
-        id="s0", index=0, weight=10_000, state=ap.SHARD_STATE_ACTIVE,
-        service_address=LOOPBACK, service_port=8080,  # built, never bound
-        endpoints=[ap.Endpoint(address=LOOPBACK, port=worker_port, weight=1,
-                               adapters=["sql"])])]), options=options)
+    snap = build_snapshot(
+        ap.Assignment(
+            version=1,
+            shards=[
+                ap.Shard(
+                    id="s0",
+                    index=0,
+                    weight=10_000,
+                    state=ap.SHARD_STATE_ACTIVE,
+                    service_address=LOOPBACK,
+                    service_port=8080,  # built, never bound
+                    endpoints=[
+                        ap.Endpoint(address=LOOPBACK, port=worker_port, weight=1, adapters=["sql"])
+                    ],
+                )
+            ],
+        ),
+        options=options,
+    )
     from envoy.extensions.filters.network.http_connection_manager.v3 import (
         http_connection_manager_pb2 as hcm_pb2,
     )
     from google.protobuf import json_format
-    listener = next(iter(snap.resources[
-        "type.googleapis.com/envoy.config.listener.v3.Listener"].values()))
+
+    listener = next(
+        iter(snap.resources["type.googleapis.com/envoy.config.listener.v3.Listener"].values())
+    )
     manager = hcm_pb2.HttpConnectionManager()
     listener.filter_chains[0].filters[0].typed_config.Unpack(manager)  # type: ignore[attr-defined]
     names = [f.name for f in manager.http_filters]
@@ -230,19 +295,20 @@ def _openai_reaches_holders(mesh: Mesh, header: bool) -> None:
         for _ in range(15):
             done = client.completions.create(model=adapter, prompt="hi", max_tokens=4)
             assert done.choices[0].text == want
-            stream = client.completions.create(model=adapter, prompt="hi", max_tokens=4,
-                                               stream=True)
+            stream = client.completions.create(
+                model=adapter, prompt="hi", max_tokens=4, stream=True
+            )
             assert "".join(c.choices[0].text for c in stream) == want
             chat = client.chat.completions.create(
-                model=adapter, messages=[{"role": "user", "content": "hi"}])
+                model=adapter, messages=[{"role": "user", "content": "hi"}]
+            )
             assert chat.choices[0].message.content == want
             chunks = client.chat.completions.create(
-                model=adapter, messages=[{"role": "user", "content": "hi"}], stream=True)
-            assert "".join(c.choices[0].delta.content or "" for c in chunks
-                           if c.choices) == want
+                model=adapter, messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     # The base model spreads over the whole shard and carries no adapter header.
-    seen = {client.completions.create(model=BASE, prompt="hi").choices[0].text
-            for _ in range(12)}
+    seen = {client.completions.create(model=BASE, prompt="hi").choices[0].text for _ in range(12)}
     assert seen == {"w0|None", "w1|None", "w2|None"}
 
 
@@ -313,8 +379,7 @@ def gateway(tmp_path: Path) -> Iterator[Gateway]:
     book = EndpointBook()
     book.set_endpoints("pool", [(LOOPBACK, w.port) for w in workers])
     decisions: list[Decision] = []
-    processor = ExtProcServer(book, ExtProcConfig(base_model=BASE),
-                              on_decision=decisions.append)
+    processor = ExtProcServer(book, ExtProcConfig(base_model=BASE), on_decision=decisions.append)
     ext_port = processor.start()
     envoys: list[EnvoyProcess] = []
 
@@ -342,8 +407,9 @@ async def _scrape(book: EndpointBook) -> None:
 
 
 def _log_lines(log: Path, n: int) -> list[dict[str, str]]:
-    wait_until(lambda: log.exists() and len(log.read_text().splitlines()) >= n, 10,
-               what="access log lines")
+    wait_until(
+        lambda: log.exists() and len(log.read_text().splitlines()) >= n, 10, what="access log lines"
+    )
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
@@ -351,8 +417,7 @@ def _log_lines(log: Path, n: int) -> list[dict[str, str]]:
 def test_gie_request_reaches_the_endpoint_the_picker_chose(gateway: Gateway) -> None:
     asyncio.run(_scrape(gateway.book))
     _, port, log = gateway.start()
-    client = openai.OpenAI(base_url=f"http://{LOOPBACK}:{port}/v1", api_key="unused",
-                           max_retries=0)
+    client = openai.OpenAI(base_url=f"http://{LOOPBACK}:{port}/v1", api_key="unused", max_retries=0)
     by_key = {w.key: w for w in gateway.workers}
     # The adapter's running worker wins despite a queue of one.
     assert client.completions.create(model="sql", prompt="hi").choices[0].text == "w1|sql"
@@ -365,7 +430,8 @@ def test_gie_request_reaches_the_endpoint_the_picker_chose(gateway: Gateway) -> 
     # Header and dynamic metadata carry the same pick, and Envoy went there.
     lines = _log_lines(log, 3)
     assert [(line["code"], line["upstream"], line["picked"]) for line in lines] == [
-        (200, pick, pick) for pick in picks]
+        (200, pick, pick) for pick in picks
+    ]
     for pick in picks:
         assert any(s["destination"] == pick for s in by_key[pick].seen)
 
@@ -403,9 +469,11 @@ def test_gie_full_duplex_chunked_body_reaches_the_gpu_holder(gateway: Gateway) -
     # Envoy streams it to the processor in several chunks, each answered with its own streamed
     # body response.
     busy = gateway.workers[0]
-    busy.metrics += ('# TYPE vllm:lora_adapter_loaded gauge\n'
-                     'vllm:lora_adapter_loaded{adapter_name="code",level="gpu",pinned="false",'
-                     'rank="8"} 1\n')
+    busy.metrics += (
+        "# TYPE vllm:lora_adapter_loaded gauge\n"
+        'vllm:lora_adapter_loaded{adapter_name="code",level="gpu",pinned="false",'
+        'rank="8"} 1\n'
+    )
     asyncio.run(_scrape(gateway.book))
     _, port, log = gateway.start()
     body = json.dumps({"prompt": "x" * 3000, "model": "code", "max_tokens": 4}).encode()
@@ -435,8 +503,9 @@ def test_gie_full_duplex_chunked_body_reaches_the_gpu_holder(gateway: Gateway) -
 def _raw_post(port: int, body: bytes) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection(LOOPBACK, port, timeout=10)
     try:
-        conn.request("POST", "/v1/completions", body=body,
-                     headers={"content-type": "application/json"})
+        conn.request(
+            "POST", "/v1/completions", body=body, headers={"content-type": "application/json"}
+        )
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -452,8 +521,12 @@ def test_grpc_health_answers_the_picker_services() -> None:
     try:
         with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            for service in ("", "liveness", "readiness",
-                            "envoy.service.ext_proc.v3.ExternalProcessor"):
+            for service in (
+                "",
+                "liveness",
+                "readiness",
+                "envoy.service.ext_proc.v3.ExternalProcessor",
+            ):
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:

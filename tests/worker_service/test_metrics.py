@@ -20,8 +20,10 @@ EXPECTED = {
     "vllm:num_requests_waiting": ("gauge", {"model_name"}),
     "vllm:num_requests_running": ("gauge", {"model_name"}),
     "vllm:kv_cache_usage_perc": ("gauge", {"model_name"}),
-    "vllm:lora_requests_info": ("gauge", {"running_lora_adapters", "waiting_lora_adapters",
-                                          "max_lora"}),
+    "vllm:lora_requests_info": (
+        "gauge",
+        {"running_lora_adapters", "waiting_lora_adapters", "max_lora"},
+    ),
     "vllm:gpu_cache_usage_perc": ("gauge", {"model_name"}),
     "vllm:lora_adapter_loaded": ("gauge", {"adapter_name", "level", "pinned", "rank"}),
     "vllm:num_gpu_loaded_lora_adapters": ("gauge", {"model_name"}),
@@ -88,8 +90,9 @@ def value(families: dict, name: str, sample: str | None = None, **labels: str) -
 
 async def test_every_series_is_present_with_its_type_and_labels(server: Server) -> None:
     # Exercise labelled series once so they have samples.
-    await server.client.post("/v1/completions", json={"model": "alpha", "prompt": "a b",
-                                                      "max_tokens": 3})
+    await server.client.post(
+        "/v1/completions", json={"model": "alpha", "prompt": "a b", "max_tokens": 3}
+    )
     server.service.metrics.rejected.labels(reason="tenant_queue_full")
     families = await scrape(server)
     for name, (kind, labels) in EXPECTED.items():
@@ -108,9 +111,12 @@ async def test_values_follow_traffic(start_server: StartServer) -> None:
     engine = FakeEngine(token_delay=0.01, max_batch=1)
     s = await start_server(engine, max_running=2, max_waiting_per_tenant=4)
     body = {"model": "alpha", "prompt": "a b", "max_tokens": 20}
-    tasks = [asyncio.create_task(s.client.post("/v1/completions", json=body,
-                                               headers={"x-tenant-id": "acme"}))
-             for _ in range(4)]
+    tasks = [
+        asyncio.create_task(
+            s.client.post("/v1/completions", json=body, headers={"x-tenant-id": "acme"})
+        )
+        for _ in range(4)
+    ]
     await wait_until(lambda: s.service.queue.num_waiting == 2 and len(engine.running) == 1)
     f = await scrape(s)
     assert value(f, "adaptermesh_queue_depth", tenant="id-acme") == 2
@@ -120,8 +126,11 @@ async def test_values_follow_traffic(start_server: StartServer) -> None:
     assert value(f, "vllm:num_requests_running", model_name="tiny-base") == 1
     assert value(f, "vllm:kv_cache_usage_perc", model_name="tiny-base") == 1.0
     info = f["vllm:lora_requests_info"].samples[0]
-    assert info.labels == {"running_lora_adapters": "alpha", "waiting_lora_adapters": "alpha",
-                           "max_lora": "4"}
+    assert info.labels == {
+        "running_lora_adapters": "alpha",
+        "waiting_lora_adapters": "alpha",
+        "max_lora": "4",
+    }
     assert info.value > 1e9  # a Unix timestamp, as vLLM sets it
     for t in tasks:
         assert (await t).status_code == 200
@@ -131,21 +140,42 @@ async def test_values_follow_traffic(start_server: StartServer) -> None:
     assert value(f, "adaptermesh_generation_tokens", "adaptermesh_generation_tokens_total") == 80
     assert value(f, "adaptermesh_prompt_tokens", "adaptermesh_prompt_tokens_total") == 8
     assert value(f, "adaptermesh_generation_tokens_per_second") > 0
-    assert value(f, "adaptermesh_time_to_first_token_seconds",
-                 "adaptermesh_time_to_first_token_seconds_count") == 4
-    assert value(f, "adaptermesh_time_per_output_token_seconds",
-                 "adaptermesh_time_per_output_token_seconds_count") == 4
-    tpot_sum = value(f, "adaptermesh_time_per_output_token_seconds",
-                     "adaptermesh_time_per_output_token_seconds_sum")
+    assert (
+        value(
+            f,
+            "adaptermesh_time_to_first_token_seconds",
+            "adaptermesh_time_to_first_token_seconds_count",
+        )
+        == 4
+    )
+    assert (
+        value(
+            f,
+            "adaptermesh_time_per_output_token_seconds",
+            "adaptermesh_time_per_output_token_seconds_count",
+        )
+        == 4
+    )
+    tpot_sum = value(
+        f,
+        "adaptermesh_time_per_output_token_seconds",
+        "adaptermesh_time_per_output_token_seconds_sum",
+    )
     assert 0.005 < tpot_sum / 4 < 0.5
     assert value(f, "adaptermesh_requests", "adaptermesh_requests_total", outcome="length") == 4
     # The first request loaded "alpha" (a miss, one load latency); the other three hit.
-    assert value(f, "adaptermesh_adapter_cache_misses",
-                 "adaptermesh_adapter_cache_misses_total") == 1
-    assert value(f, "adaptermesh_adapter_cache_hits",
-                 "adaptermesh_adapter_cache_hits_total") == 3
-    assert value(f, "adaptermesh_adapter_load_latency_seconds",
-                 "adaptermesh_adapter_load_latency_seconds_count") == 1
+    assert (
+        value(f, "adaptermesh_adapter_cache_misses", "adaptermesh_adapter_cache_misses_total") == 1
+    )
+    assert value(f, "adaptermesh_adapter_cache_hits", "adaptermesh_adapter_cache_hits_total") == 3
+    assert (
+        value(
+            f,
+            "adaptermesh_adapter_load_latency_seconds",
+            "adaptermesh_adapter_load_latency_seconds_count",
+        )
+        == 1
+    )
     assert value(f, "adaptermesh_gpu_slots_used") == 1
     assert value(f, "adaptermesh_gpu_slots_total") == 4
 
@@ -161,31 +191,50 @@ async def test_residency_of_an_engine_without_tiers_is_its_gpu_resident_adapters
     s = await start_server(engine)
     f = await scrape(s)
     assert [sample.labels for sample in f["vllm:lora_adapter_loaded"].samples] == [
-        {"adapter_name": "sql", "level": "gpu", "pinned": "true", "rank": "16"}]
+        {"adapter_name": "sql", "level": "gpu", "pinned": "true", "rank": "16"}
+    ]
     assert value(f, "vllm:num_gpu_loaded_lora_adapters", model_name="tiny-base") == 1
     assert value(f, "vllm:max_gpu_lora_adapters", model_name="tiny-base") == 4
-    await s.client.post("/v1/completions", json={"model": "alpha", "prompt": "a",
-                                                 "max_tokens": 2})
+    await s.client.post("/v1/completions", json={"model": "alpha", "prompt": "a", "max_tokens": 2})
     s.service.metrics.poll()
     f = await scrape(s)
     # One load latency, in both histograms.
-    assert value(f, "vllm:lora_adapter_load_seconds", "vllm:lora_adapter_load_seconds_count",
-                 model_name="tiny-base") == value(
-        f, "adaptermesh_adapter_load_latency_seconds",
-        "adaptermesh_adapter_load_latency_seconds_count") == 1
+    assert (
+        value(
+            f,
+            "vllm:lora_adapter_load_seconds",
+            "vllm:lora_adapter_load_seconds_count",
+            model_name="tiny-base",
+        )
+        == value(
+            f,
+            "adaptermesh_adapter_load_latency_seconds",
+            "adaptermesh_adapter_load_latency_seconds_count",
+        )
+        == 1
+    )
 
 
 async def test_rejections_are_counted(start_server: StartServer) -> None:
-    s = await start_server(FakeEngine(token_delay=0.02), max_running=1,
-                           max_waiting_per_tenant=1, max_waiting_total=5)
-    tasks = [asyncio.create_task(s.client.post("/v1/completions",
-                                               json={"prompt": "x", "max_tokens": 3}))
-             for _ in range(4)]
+    s = await start_server(
+        FakeEngine(token_delay=0.02), max_running=1, max_waiting_per_tenant=1, max_waiting_total=5
+    )
+    tasks = [
+        asyncio.create_task(s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}))
+        for _ in range(4)
+    ]
     codes = sorted(r.status_code for r in await asyncio.gather(*tasks))
     assert codes == [200, 200, 429, 429]
     f = await scrape(s)
-    assert value(f, "adaptermesh_requests_rejected", "adaptermesh_requests_rejected_total",
-                 reason="tenant_queue_full") == 2
+    assert (
+        value(
+            f,
+            "adaptermesh_requests_rejected",
+            "adaptermesh_requests_rejected_total",
+            reason="tenant_queue_full",
+        )
+        == 2
+    )
 
 
 async def test_two_services_in_one_process_do_not_share_series(

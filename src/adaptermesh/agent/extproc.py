@@ -104,8 +104,11 @@ RULE_VERSION_HEADER = "x-adapter-version"
 RULE_PRIORITY_HEADER = "x-adaptermesh-priority"
 TENANT_HEADER = "x-tenant-id"
 _SOURCE_ATTRIBUTE = "source.address"
-_ACTION_HEADERS = {"shard": RULE_SHARD_HEADER, "adapter_version": RULE_VERSION_HEADER,
-                   "priority": RULE_PRIORITY_HEADER}
+_ACTION_HEADERS = {
+    "shard": RULE_SHARD_HEADER,
+    "adapter_version": RULE_VERSION_HEADER,
+    "priority": RULE_PRIORITY_HEADER,
+}
 
 _TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -121,8 +124,12 @@ class ExtProcConfig:
 
 
 class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, book: EndpointBook, config: ExtProcConfig,
-                 on_decision: Callable[[Decision], None] | None = None) -> None:
+    def __init__(
+        self,
+        book: EndpointBook,
+        config: ExtProcConfig,
+        on_decision: Callable[[Decision], None] | None = None,
+    ) -> None:
         self.book = book
         self.config = config
         self.on_decision = on_decision
@@ -136,7 +143,8 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.tracing = Tracing.off()
 
     async def Process(
-        self, request_iterator: AsyncIterator[ep.ProcessingRequest],
+        self,
+        request_iterator: AsyncIterator[ep.ProcessingRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[ep.ProcessingResponse]:
         shard: str | None = None
@@ -195,8 +203,9 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 chunks = []
             elif kind == "request_trailers":
                 if decided is None:  # a body that ended only at its trailers
-                    decided = self._decide(None if over else model_of(b"".join(chunks)),
-                                           shard, subset, facts)
+                    decided = self._decide(
+                        None if over else model_of(b"".join(chunks)), shard, subset, facts
+                    )
                     if decided.status is not None:
                         yield _immediate(decided)
                         return
@@ -211,37 +220,54 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             elif kind == "response_body":
                 chunk = request.response_body
                 if full_duplex:
-                    yield ep.ProcessingResponse(response_body=ep.BodyResponse(
-                        response=ep.CommonResponse(body_mutation=ep.BodyMutation(
-                            streamed_response=ep.StreamedBodyResponse(
-                                body=chunk.body, end_of_stream=chunk.end_of_stream)))))
+                    yield ep.ProcessingResponse(
+                        response_body=ep.BodyResponse(
+                            response=ep.CommonResponse(
+                                body_mutation=ep.BodyMutation(
+                                    streamed_response=ep.StreamedBodyResponse(
+                                        body=chunk.body, end_of_stream=chunk.end_of_stream
+                                    )
+                                )
+                            )
+                        )
+                    )
                 else:
                     yield ep.ProcessingResponse(response_body=ep.BodyResponse())
             elif kind == "response_trailers":
                 yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
-    def _decide(self, model: str | None, shard: str | None,
-                subset: list[str] | None, facts: _Facts) -> _Decided:
+    def _decide(
+        self, model: str | None, shard: str | None, subset: list[str] | None, facts: _Facts
+    ) -> _Decided:
         if not self.tracing.enabled:
             return self._decide_now(model, shard, subset, facts)
         started = time.time_ns()
         decision = self._decide_now(model, shard, subset, facts)
-        attrs = {"adaptermesh.adapter": model or "", "adaptermesh.served": decision.adapter or "",
-                 "adaptermesh.shard": shard or "", "adaptermesh.source": facts.source_ip,
-                 "adaptermesh.endpoint": ",".join(decision.endpoints),
-                 "adaptermesh.reason": decision.reason}
+        attrs = {
+            "adaptermesh.adapter": model or "",
+            "adaptermesh.served": decision.adapter or "",
+            "adaptermesh.shard": shard or "",
+            "adaptermesh.source": facts.source_ip,
+            "adaptermesh.endpoint": ",".join(decision.endpoints),
+            "adaptermesh.reason": decision.reason,
+        }
         for key, value in decision.rule_headers:
             attrs[key] = value
         span = self.tracing.tracer.start_span(
-            "ext_proc decide", context=Tracing.extract(facts.trace), kind=SpanKind.SERVER,
-            start_time=started, attributes=attrs)
+            "ext_proc decide",
+            context=Tracing.extract(facts.trace),
+            kind=SpanKind.SERVER,
+            start_time=started,
+            attributes=attrs,
+        )
         if decision.status is not None:
             span.set_status(Status(StatusCode.ERROR, f"answered {decision.status}"))
         span.end()
         return decision
 
-    def _decide_now(self, model: str | None, shard: str | None,
-                    subset: list[str] | None, facts: _Facts) -> _Decided:
+    def _decide_now(
+        self, model: str | None, shard: str | None, subset: list[str] | None, facts: _Facts
+    ) -> _Decided:
         # A gray release (agent/splits.py) picks the adapter's version first, so the endpoint
         # pick and the adapter header see the versioned name the workers serve it under.
         served, version = model, None
@@ -250,23 +276,32 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         rules = self.rules
         outcome = None
         if rules is not None:
-            outcome = rules.evaluate(RequestFacts(
-                source_ip=facts.source_ip, tenant=facts.headers.get(TENANT_HEADER, ""),
-                headers=facts.headers, adapter=model or ""))
+            outcome = rules.evaluate(
+                RequestFacts(
+                    source_ip=facts.source_ip,
+                    tenant=facts.headers.get(TENANT_HEADER, ""),
+                    headers=facts.headers,
+                    adapter=model or "",
+                )
+            )
         action = outcome.action if outcome is not None else None
         if model is not None and model != self.config.base_model:
             if action is not None and action.kind == "adapter_version":
                 version = action.value  # an operator's rule beats the rollout's split
                 served = served_name(model, version)
             elif self.splits:
-                pick = self.splits.pick(model, facts.headers.get(SESSION_HEADER)
-                                        or facts.source_ip)
+                pick = self.splits.pick(model, facts.headers.get(SESSION_HEADER) or facts.source_ip)
                 if pick is not None:
                     served, version = pick.served, pick.version
         decision = decide(
-            served, self.config.base_model, self.book.candidates(shard), subset=subset,
-            must_pick=shard is None, rotation=self.book.rotation,
-            fallbacks=self.config.fallbacks)
+            served,
+            self.config.base_model,
+            self.book.candidates(shard),
+            subset=subset,
+            must_pick=shard is None,
+            rotation=self.book.rotation,
+            fallbacks=self.config.fallbacks,
+        )
         decision = _Decided(**{f: getattr(decision, f) for f in _DECISION_FIELDS})
         if version:
             decision.rule_headers.append((RULE_VERSION_HEADER, version))
@@ -274,8 +309,11 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             assert outcome is not None
             if action.kind == "reject":
                 decision = dataclasses.replace(
-                    decision, endpoints=(), status=action.status,
-                    reason=action.message or f"rejected by rule {outcome.rule}")
+                    decision,
+                    endpoints=(),
+                    status=action.status,
+                    reason=action.message or f"rejected by rule {outcome.rule}",
+                )
             elif action.kind != "adapter_version":
                 decision.rule_headers.append((_ACTION_HEADERS[action.kind], action.value))
         if decision.endpoints:
@@ -302,12 +340,14 @@ class _Servicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return _immediate(decision)
         return ep.ProcessingResponse(
             request_headers=ep.HeadersResponse(response=self._common(decision)),
-            dynamic_metadata=_metadata(decision))
+            dynamic_metadata=_metadata(decision),
+        )
 
     def _body_answer(self, decision: Decision) -> ep.ProcessingResponse:
         return ep.ProcessingResponse(
             request_body=ep.BodyResponse(response=self._common(decision)),
-            dynamic_metadata=_metadata(decision))
+            dynamic_metadata=_metadata(decision),
+        )
 
 
 _DECISION_FIELDS = tuple(f.name for f in dataclasses.fields(Decision))
@@ -351,7 +391,8 @@ def _host(address: str) -> str:
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
 
 
 def _metadata(decision: Decision) -> struct_pb2.Struct | None:
@@ -359,7 +400,8 @@ def _metadata(decision: Decision) -> struct_pb2.Struct | None:
         return None
     meta = struct_pb2.Struct()
     meta.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = ",".join(
-        decision.endpoints)
+        decision.endpoints
+    )
     return meta
 
 
@@ -376,9 +418,17 @@ def _subset(context: base_pb2.Metadata) -> list[str] | None:
 
 
 def _body_echo(data: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
-    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
-        body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
-            body=data, end_of_stream=end_of_stream)))))
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(
+            response=ep.CommonResponse(
+                body_mutation=ep.BodyMutation(
+                    streamed_response=ep.StreamedBodyResponse(
+                        body=data, end_of_stream=end_of_stream
+                    )
+                )
+            )
+        )
+    )
 
 
 def _body_echoes(chunks: list[bytes], end_of_stream: bool) -> list[ep.ProcessingResponse]:
@@ -392,22 +442,31 @@ def _body_echoes(chunks: list[bytes], end_of_stream: bool) -> list[ep.Processing
 
 def _immediate(decision: Decision) -> ep.ProcessingResponse:
     code = decision.status or 503
-    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=code),
-        body=decision.reason.encode(), details=decision.reason.replace(" ", "_")))
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=code),
+            body=decision.reason.encode(),
+            details=decision.reason.replace(" ", "_"),
+        )
+    )
 
 
 class ExtProcServer:
     """The processor on grpcio's asyncio server, on its own thread (like the xDS server), so
     its latency does not depend on what the agent's event loop is doing."""
 
-    def __init__(self, book: EndpointBook, config: ExtProcConfig | None = None, *,
-                 host: str = "127.0.0.1", port: int = 0,
-                 on_decision: Callable[[Decision], None] | None = None,
-                 ready: bool = True,
-                 assignment: Callable[[], assignment_pb2.Assignment | None] | None = None,
-                 tracing: Tracing | None = None,
-                 ) -> None:
+    def __init__(
+        self,
+        book: EndpointBook,
+        config: ExtProcConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        on_decision: Callable[[Decision], None] | None = None,
+        ready: bool = True,
+        assignment: Callable[[], assignment_pb2.Assignment | None] | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.book = book
         self.config = config or ExtProcConfig()
         self._ready = ready
@@ -429,11 +488,13 @@ class ExtProcServer:
         return self.port
 
     async def _start(self) -> int:
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", 2 * self.config.max_body_bytes + (1 << 20)),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-        ])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 2 * self.config.max_body_bytes + (1 << 20)),
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+            ]
+        )
         ep_grpc.add_ExternalProcessorServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         port = int(server.add_insecure_port(f"{self.host}:{self._requested_port}"))
@@ -447,8 +508,11 @@ class ExtProcServer:
         return port
 
     async def _set_ready(self, ready: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if ready
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ("readiness", SERVICE_NAME):
             await self.health.set(name, status)
 
@@ -481,11 +545,16 @@ class MetricsPoller:
     reading. A failed round is logged and the loop goes on.
     """
 
-    def __init__(self, book: EndpointBook, *, interval_s: float = 1.0, timeout_s: float = 1.0,
-                 client: httpx.AsyncClient | None = None,
-                 assignment: Callable[[], assignment_pb2.Assignment | None] | None = None,
-                 on_assignment: Callable[[assignment_pb2.Assignment], None] | None = None,
-                 ) -> None:
+    def __init__(
+        self,
+        book: EndpointBook,
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 1.0,
+        client: httpx.AsyncClient | None = None,
+        assignment: Callable[[], assignment_pb2.Assignment | None] | None = None,
+        on_assignment: Callable[[assignment_pb2.Assignment], None] | None = None,
+    ) -> None:
         self.book = book
         self._assignment = assignment
         self._on_assignment = on_assignment
@@ -503,6 +572,7 @@ class MetricsPoller:
             self._version = current.version
             if self._on_assignment is not None:
                 self._on_assignment(current)
+
         async def one(address: str, port: int) -> None:
             host = f"[{address}]" if ":" in address else address
             try:

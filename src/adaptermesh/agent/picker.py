@@ -172,8 +172,7 @@ def decide(
             return Decision(model, adapter, status=503, reason="no ready endpoint")
         return Decision(model, adapter, reason="no endpoint known")
     n = len(pool)
-    ranked = sorted(
-        range(n), key=lambda i: (-score(pool[i], adapter), (i - rotation) % n))
+    ranked = sorted(range(n), key=lambda i: (-score(pool[i], adapter), (i - rotation) % n))
     chosen = tuple(pool[i].key for i in ranked[: 1 + max(fallbacks, 0)])
     return Decision(model, adapter, chosen, reason="picked")
 
@@ -215,8 +214,13 @@ class EndpointBook:
                     key = endpoint_key(ep.address, ep.port)
                     old = self._workers.get(key)
                     worker = workers.get(key) or _Worker(
-                        ep.address, ep.port, frozenset(),
-                        old.sample if old else None, old.pending if old else 0, key)
+                        ep.address,
+                        ep.port,
+                        frozenset(),
+                        old.sample if old else None,
+                        old.pending if old else 0,
+                        key,
+                    )
                     worker.assigned = worker.assigned | frozenset(ep.adapters)
                     workers[key] = worker
                     if key not in keys:
@@ -274,8 +278,9 @@ class EndpointBook:
 def _load(worker: _Worker) -> EndpointLoad:
     s = worker.sample
     if s is None:
-        return EndpointLoad(worker.address, worker.port, worker.assigned,
-                            pending=worker.pending, key=worker.key)
+        return EndpointLoad(
+            worker.address, worker.port, worker.assigned, pending=worker.pending, key=worker.key
+        )
     return EndpointLoad(
         worker.address,
         worker.port,

@@ -52,18 +52,79 @@ TOKENS_PER_SECOND_WINDOW_S = 10.0
 # Bucket edges (seconds). TTFT spans an H200's few-millisecond prefill up to a minute of
 # queueing under overload; TPOT spans ~2 ms decode steps on the GPU to ~1 s steps on CPU.
 _TTFT_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
 )
 _TPOT_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1,
-    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
 )
 _LATENCY_BUCKETS = (
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
 )
 _LOAD_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 
 
@@ -97,38 +158,46 @@ class ServiceMetrics:
         self.ttft = Histogram(
             "adaptermesh_time_to_first_token_seconds",
             "Time from the request's arrival to its first generated token, queueing included.",
-            registry=r, buckets=_TTFT_BUCKETS,
+            registry=r,
+            buckets=_TTFT_BUCKETS,
         )
         self.tpot = Histogram(
             "adaptermesh_time_per_output_token_seconds",
             "Mean time between output tokens after the first, per finished request.",
-            registry=r, buckets=_TPOT_BUCKETS,
+            registry=r,
+            buckets=_TPOT_BUCKETS,
         )
         self.e2e = Histogram(
             "adaptermesh_request_latency_seconds",
             "Time from arrival to the last token, per finished generation request.",
-            registry=r, buckets=_LATENCY_BUCKETS,
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
         )
         self.queue_wait = Histogram(
             "adaptermesh_queue_wait_seconds",
             "Time a request waited in its tenant queue before the engine admitted it.",
-            registry=r, buckets=_TTFT_BUCKETS,
+            registry=r,
+            buckets=_TTFT_BUCKETS,
         )
         self.load_latency = Histogram(
             "adaptermesh_adapter_load_latency_seconds",
             "Adapter load latency reported by the engine (disk or CPU cache to GPU slot).",
-            registry=r, buckets=_LOAD_BUCKETS,
+            registry=r,
+            buckets=_LOAD_BUCKETS,
         )
         # vLLM's name for the same observations (the histogram routers read load cost from).
         self.vllm_load_seconds = Histogram(
             "vllm:lora_adapter_load_seconds",
             "Adapter load time in seconds (disk or CPU cache to a GPU slot).",
-            ["model_name"], registry=r, buckets=_LOAD_BUCKETS,
+            ["model_name"],
+            registry=r,
+            buckets=_LOAD_BUCKETS,
         ).labels(model_name=self.model_name)
         self.requests = Counter(
             "adaptermesh_requests",
             "Finished generation requests by outcome (finish reason, or the error that ended them).",
-            ["outcome"], registry=r,
+            ["outcome"],
+            registry=r,
         )
         # Per adapter as served (a version is its own name, "a@v"): what the control plane's
         # rollout controller judges a new version by (docs/rollout.md). Base-model requests
@@ -136,22 +205,27 @@ class ServiceMetrics:
         self.adapter_requests = Counter(
             "adaptermesh_adapter_requests",
             "Finished generation requests per adapter (version included) by outcome.",
-            ["adapter", "outcome"], registry=r,
+            ["adapter", "outcome"],
+            registry=r,
         )
         self.adapter_ttft = Histogram(
             "adaptermesh_adapter_time_to_first_token_seconds",
             "Time to first token per adapter (version included), queueing included.",
-            ["adapter"], registry=r, buckets=_TTFT_BUCKETS,
+            ["adapter"],
+            registry=r,
+            buckets=_TTFT_BUCKETS,
         )
         self.rejected = Counter(
             "adaptermesh_requests_rejected",
             "Generation requests refused before reaching the engine, by reason.",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
         self.listener_refused = Counter(
             "adaptermesh_http_connections_refused",
             "Connections the listener closed or refused before a handler ran, by reason.",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "adaptermesh_prompt_tokens",
@@ -168,40 +242,50 @@ class ServiceMetrics:
             "adaptermesh_websocket_sessions",
             "Ended WebSocket sessions by how they closed (client_closed, disconnected, "
             "slow_client, message_too_big, binary_frame, protocol_error, server_shutdown).",
-            ["close"], registry=r,
+            ["close"],
+            registry=r,
         )
         self.ws_requests = Counter(
             "adaptermesh_websocket_requests",
             "Requests received over WebSocket sessions by outcome (finish reason, cancelled, "
             "disconnected, or the error code that ended them).",
-            ["outcome"], registry=r,
+            ["outcome"],
+            registry=r,
         )
         # vLLM's request-level series, with its names, types and labels, fed by the same
         # observations as the adaptermesh_* ones above.
         self.vllm_ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token in seconds (queueing included).",
-            ["model_name"], registry=r, buckets=_TTFT_BUCKETS,
+            ["model_name"],
+            registry=r,
+            buckets=_TTFT_BUCKETS,
         ).labels(model_name=self.model_name)
         self.vllm_tpot = Histogram(
             "vllm:time_per_output_token_seconds",
             "Mean time per output token after the first, per finished request, in seconds.",
-            ["model_name"], registry=r, buckets=_TPOT_BUCKETS,
+            ["model_name"],
+            registry=r,
+            buckets=_TPOT_BUCKETS,
         ).labels(model_name=self.model_name)
         self.vllm_e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "End-to-end request latency in seconds.",
-            ["model_name"], registry=r, buckets=_LATENCY_BUCKETS,
+            ["model_name"],
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
         ).labels(model_name=self.model_name)
         self.vllm_prompt_tokens = Counter(
             "vllm:prompt_tokens",
             "Prompt tokens of requests admitted into the engine.",
-            ["model_name"], registry=r,
+            ["model_name"],
+            registry=r,
         ).labels(model_name=self.model_name)
         self.vllm_success = Counter(
             "vllm:request_success",
             "Requests that finished with a finish reason (stop or length).",
-            ["model_name", "finished_reason"], registry=r,
+            ["model_name", "finished_reason"],
+            registry=r,
         )
         for reason in ("stop", "length"):
             self.vllm_success.labels(model_name=self.model_name, finished_reason=reason)
@@ -372,7 +456,9 @@ class _EngineCollector(Collector):
         yield gpu_max
 
         generation = CounterMetricFamily(
-            "vllm:generation_tokens", "Tokens generated by the engine.", labels=["model_name"],
+            "vllm:generation_tokens",
+            "Tokens generated by the engine.",
+            labels=["model_name"],
         )
         generation.add_metric(model, stats.generated_tokens)
         yield generation
@@ -384,8 +470,10 @@ class _EngineCollector(Collector):
             labels=["adapter", "pinned"],
         )
         for info in sorted(m.engine.list_adapters(), key=lambda a: a.name):
-            resident.add_metric([info.name, "true" if info.pinned else "false"],
-                                1.0 if info.resident_on_gpu else 0.0)
+            resident.add_metric(
+                [info.name, "true" if info.pinned else "false"],
+                1.0 if info.resident_on_gpu else 0.0,
+            )
         yield resident
 
         depth = GaugeMetricFamily(
@@ -426,39 +514,79 @@ class _EngineCollector(Collector):
         yield tps
 
         for name, doc, value in (
-            ("adaptermesh_generation_tokens", "Tokens generated by the engine.",
-             stats.generated_tokens),
-            ("adaptermesh_adapter_cache_hits", "Adapter lookups served from a GPU slot.",
-             stats.adapter_hits),
-            ("adaptermesh_adapter_cache_misses", "Adapter lookups that had to load the adapter.",
-             stats.adapter_misses),
-            ("adaptermesh_adapter_cache_evictions", "Adapters evicted from a GPU slot.",
-             stats.adapter_evictions),
-            ("adaptermesh_adapter_loads_started", "Adapter loads the scheduler started, in "
-             "queue order.", stats.adapter_loads_started),
-            ("adaptermesh_adapter_evictions_wanted", "Evictions of an adapter a waiting request "
-             "wanted (only to drain a slot for an aged request).", stats.adapter_evictions_wanted),
-            ("adaptermesh_admissions_waited_on_adapter_load", "Requests admitted after waiting "
-             "for their adapter to load.", stats.admissions_waited_on_load),
-            ("adaptermesh_scheduler_idle_on_adapter_load", "Scheduling passes that could run no "
-             "step while a request waited for an adapter load (no step ever waits on a load).",
-             stats.idle_passes_on_adapter_load),
+            (
+                "adaptermesh_generation_tokens",
+                "Tokens generated by the engine.",
+                stats.generated_tokens,
+            ),
+            (
+                "adaptermesh_adapter_cache_hits",
+                "Adapter lookups served from a GPU slot.",
+                stats.adapter_hits,
+            ),
+            (
+                "adaptermesh_adapter_cache_misses",
+                "Adapter lookups that had to load the adapter.",
+                stats.adapter_misses,
+            ),
+            (
+                "adaptermesh_adapter_cache_evictions",
+                "Adapters evicted from a GPU slot.",
+                stats.adapter_evictions,
+            ),
+            (
+                "adaptermesh_adapter_loads_started",
+                "Adapter loads the scheduler started, in queue order.",
+                stats.adapter_loads_started,
+            ),
+            (
+                "adaptermesh_adapter_evictions_wanted",
+                "Evictions of an adapter a waiting request "
+                "wanted (only to drain a slot for an aged request).",
+                stats.adapter_evictions_wanted,
+            ),
+            (
+                "adaptermesh_admissions_waited_on_adapter_load",
+                "Requests admitted after waiting for their adapter to load.",
+                stats.admissions_waited_on_load,
+            ),
+            (
+                "adaptermesh_scheduler_idle_on_adapter_load",
+                "Scheduling passes that could run no "
+                "step while a request waited for an adapter load (no step ever waits on a load).",
+                stats.idle_passes_on_adapter_load,
+            ),
         ):
             counter = CounterMetricFamily(name, doc)
             counter.add_metric([], value)
             yield counter
 
         for name, doc, gauge_value in (
-            ("adaptermesh_gpu_slots_used", "Adapter GPU slots holding an adapter.",
-             float(stats.gpu_slots_used)),
-            ("adaptermesh_gpu_slots_total", "Adapter GPU slots in the pool.",
-             float(stats.gpu_slots_total)),
-            ("adaptermesh_free_gpu_memory_bytes", "Free GPU memory in bytes (0 on CPU).",
-             float(stats.free_gpu_bytes)),
-            ("adaptermesh_kv_cache_usage_ratio", "KV-cache usage as a fraction (0..1).",
-             float(stats.kv_cache_usage)),
-            ("adaptermesh_max_loras", "Adapters the engine can batch at once.",
-             float(stats.max_loras)),
+            (
+                "adaptermesh_gpu_slots_used",
+                "Adapter GPU slots holding an adapter.",
+                float(stats.gpu_slots_used),
+            ),
+            (
+                "adaptermesh_gpu_slots_total",
+                "Adapter GPU slots in the pool.",
+                float(stats.gpu_slots_total),
+            ),
+            (
+                "adaptermesh_free_gpu_memory_bytes",
+                "Free GPU memory in bytes (0 on CPU).",
+                float(stats.free_gpu_bytes),
+            ),
+            (
+                "adaptermesh_kv_cache_usage_ratio",
+                "KV-cache usage as a fraction (0..1).",
+                float(stats.kv_cache_usage),
+            ),
+            (
+                "adaptermesh_max_loras",
+                "Adapters the engine can batch at once.",
+                float(stats.max_loras),
+            ),
         ):
             gauge = GaugeMetricFamily(name, doc)
             gauge.add_metric([], gauge_value)
