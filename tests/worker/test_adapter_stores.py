@@ -518,3 +518,78 @@ def test_source_uris_round_trip() -> None:
     assert parse_source("hf://o/n").revision == "main"
     assert parse_source("dir/sub").kind == "dir"
     assert AdapterSource("s3", bucket="b", prefix="lib").child("x@2").uri == "s3://b/lib/x@2"
+
+
+# ---- over HTTP ------------------------------------------------------------------------------------
+
+
+async def test_http_load_and_resolve_from_s3(
+    tiny: Tiny, make_engine: Any, s3_url: str, s3: Any, bucket: str, tmp_path: Path
+) -> None:
+    """``POST /v1/load_lora_adapter`` with an s3:// ``lora_path``, a completion through the
+    resolver, and the statuses of a missing object and an unreachable store."""
+    import httpx
+
+    from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
+
+    upload(s3, bucket, "lib/alpha", tiny.root / "alpha")
+    upload(s3, bucket, "lib/team/alpha-remote", tiny.root / "alpha")
+    eng = make_engine()
+    eng.adapters.stores, _ = make_stores(
+        s3_url, tmp_path / "cache", resolvers=[f"s3://{bucket}/lib"]
+    )
+    runner, port = await serve(WorkerService(eng, ServiceConfig()), "127.0.0.1", 0)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            loaded = await client.post(
+                "/v1/load_lora_adapter",
+                json={"lora_name": "alpha-http", "lora_path": f"s3://{bucket}/lib/alpha"},
+            )
+            assert loaded.status_code == 200, loaded.text
+            body = {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0}
+            texts = []
+            # From the adapter root, from the explicit s3 load, and by the resolver (a name
+            # that only the store holds, under lib/).
+            for model in ("alpha", "alpha-http", "team/alpha-remote"):
+                answer = await client.post("/v1/completions", json={**body, "model": model})
+                assert answer.status_code == 200, answer.text
+                texts.append(answer.json()["choices"][0]["text"])
+            assert texts == [texts[0]] * 3
+            missing = await client.post(
+                "/v1/load_lora_adapter",
+                json={"lora_name": "m", "lora_path": f"s3://{bucket}/lib/none"},
+            )
+            assert missing.status_code == 404
+            assert f"s3://{bucket}/lib/none" in missing.json()["error"]["message"]
+            assert missing.json()["error"]["param"] == "lora_path"
+            unknown = await client.post("/v1/completions", json={**body, "model": "ghost"})
+            assert unknown.status_code == 404
+            assert f"s3://{bucket}/lib/ghost/" in unknown.json()["error"]["message"]
+            # A store that cannot be reached (a closed port).
+            eng.adapters.stores = AdapterStores(
+                tmp_path / "cache2",
+                client_factory=lambda: boto3.client(
+                    "s3",
+                    endpoint_url="http://127.0.0.1:9",
+                    config=Config(connect_timeout=1, retries={"max_attempts": 1}),
+                    **CREDENTIALS,
+                ),
+            )
+            down = await client.post(
+                "/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": "s3://b-down/x"}
+            )
+            assert down.status_code == 503
+            assert down.json()["error"]["code"] == "adapter_store_unavailable"
+            assert "s3://b-down/x" in down.json()["error"]["message"]
+    finally:
+        await runner.cleanup()
+
+
+def test_resolver_flag_refuses_hostile_uris(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "m", "--adapter-root", "r"]
+    args = build_parser().parse_args([*base, "--adapter-resolver", "s3://bucket/lib"])
+    assert args.adapter_resolver == ["s3://bucket/lib"]
+    for bad in ("s3://bucket/../x", "http://host/x", "s3://B/x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*base, "--adapter-resolver", bad])
+    assert "--adapter-resolver" in capsys.readouterr().err

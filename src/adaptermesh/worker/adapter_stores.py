@@ -42,6 +42,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -320,10 +321,8 @@ class AdapterStores:
             source = store.child(name)
             try:
                 return await self.fetch(name, source)
-            except AdapterStoreError:
-                raise
-            except AdapterValidationError:
-                raise
+            except (AdapterStoreError, AdapterValidationError):
+                raise  # the store failed, or holds something unusable: not "absent"
             except AdapterNotFoundError:
                 missing.append(source.uri + "/")
         raise AdapterNotFoundError(
@@ -359,8 +358,6 @@ class AdapterStores:
         return self.cache_dir / "s3" / _hash(source.uri) / _hash(version, 16)
 
     def _fetch_sync(self, name: str, source: AdapterSource) -> Path:
-        import time
-
         t0 = time.perf_counter()
         self.counters.fetches += 1
         store = source.uri
