@@ -369,6 +369,7 @@ class AdapterStores:
             self.counters.cache_hits += 1
             self.counters.seconds.append(time.perf_counter() - t0)
             return entry
+        self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # private to the worker
         entry.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=entry.parent))
         try:
