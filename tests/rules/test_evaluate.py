@@ -103,20 +103,26 @@ def _or(a: Any, b: Any) -> Any:
     return False
 
 
+def _both(
+    children: st.SearchStrategy[tuple[str, Ref]], op: str, fn: Callable[[Any, Any], Any]
+) -> st.SearchStrategy[tuple[str, Ref]]:
+    return st.tuples(children, children).map(
+        lambda ab: (f"({ab[0][0]}) {op} ({ab[1][0]})", lambda r: fn(ab[0][1](r), ab[1][1](r)))
+    )
+
+
+def _negate(a: tuple[str, Ref]) -> tuple[str, Ref]:
+    def ref(r: RequestFacts) -> Any:
+        v = a[1](r)
+        return ERR if v is ERR else not v
+
+    return f"!({a[0]})", ref
+
+
 def _combine(children: st.SearchStrategy[tuple[str, Ref]]) -> st.SearchStrategy[tuple[str, Ref]]:
-    def both(op: str, fn: Callable[[Any, Any], Any]) -> st.SearchStrategy[tuple[str, Ref]]:
-        return st.tuples(children, children).map(
-            lambda ab: (f"({ab[0][0]}) {op} ({ab[1][0]})", lambda r: fn(ab[0][1](r), ab[1][1](r)))
-        )
-
-    def negate(a: tuple[str, Ref]) -> tuple[str, Ref]:
-        def ref(r: RequestFacts) -> Any:
-            v = a[1](r)
-            return ERR if v is ERR else not v
-
-        return f"!({a[0]})", ref
-
-    return st.one_of(both("&&", _and), both("||", _or), children.map(negate))
+    # No closure over ``children``: Hypothesis checks that ``extend`` reads its argument, and
+    # does not see a read through a nested function's cell.
+    return st.one_of(_both(children, "&&", _and), _both(children, "||", _or), children.map(_negate))
 
 
 expressions = st.recursive(_atoms(), _combine, max_leaves=6)
