@@ -44,8 +44,15 @@ from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
 from adaptermesh.worker.types import EngineError, EngineProtocol
 from adaptermesh.worker.ws import mount_websocket
 
-__all__ = ["LoraModule", "build_parser", "build_stores", "load_lora_modules", "main",
-           "parse_lora_module", "run_worker"]
+__all__ = [
+    "LoraModule",
+    "build_parser",
+    "build_stores",
+    "load_lora_modules",
+    "main",
+    "parse_lora_module",
+    "run_worker",
+]
 
 if TYPE_CHECKING:
     from adaptermesh.worker.adapter_stores import AdapterStores
@@ -77,11 +84,11 @@ def parse_lora_module(text: str) -> LoraModule:
             raise argparse.ArgumentTypeError(f"unknown field {unknown[0]!r}: {text}")
         name, path, base = obj.get("name"), obj.get("path"), obj.get("base_model_name")
         if not isinstance(name, str) or not name:
-            raise argparse.ArgumentTypeError(f"\"name\" must be a non-empty string: {text}")
+            raise argparse.ArgumentTypeError(f'"name" must be a non-empty string: {text}')
         if not isinstance(path, str) or not path:
-            raise argparse.ArgumentTypeError(f"\"path\" must be a non-empty string: {text}")
+            raise argparse.ArgumentTypeError(f'"path" must be a non-empty string: {text}')
         if base is not None and not isinstance(base, str):
-            raise argparse.ArgumentTypeError(f"\"base_model_name\" must be a string: {text}")
+            raise argparse.ArgumentTypeError(f'"base_model_name" must be a string: {text}')
         return LoraModule(name, path, base)
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
@@ -103,9 +110,11 @@ async def load_lora_modules(engine: EngineProtocol, modules: Sequence[LoraModule
         if module.name == engine.model_name:
             raise ValueError(f"--lora-modules: {module.name!r} is the base model's name")
         if module.base_model_name not in (None, engine.model_name):
-            raise ValueError(f"--lora-modules: {module.name!r} names base model "
-                             f"{module.base_model_name!r}; this worker serves "
-                             f"{engine.model_name!r}")
+            raise ValueError(
+                f"--lora-modules: {module.name!r} names base model "
+                f"{module.base_model_name!r}; this worker serves "
+                f"{engine.model_name!r}"
+            )
     # The protocol's load_adapter has no ``pinned``; the real engine's does.
     load: Callable[..., Awaitable[object]] = engine.load_adapter
     pinned = {"pinned": True} if "pinned" in inspect.signature(load).parameters else {}
@@ -113,8 +122,9 @@ async def load_lora_modules(engine: EngineProtocol, modules: Sequence[LoraModule
         try:
             await load(module.name, module.path, **pinned)
         except EngineError as exc:
-            raise ValueError(f"--lora-modules: cannot load {module.name!r} from "
-                             f"{module.path}: {exc}") from None
+            raise ValueError(
+                f"--lora-modules: cannot load {module.name!r} from {module.path}: {exc}"
+            ) from None
         log.info("loaded adapter %s from %s (pinned)", module.name, module.path)
 
 
@@ -155,117 +165,262 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adaptermesh worker",
         description="Serve a base model and its LoRA adapters with an OpenAI-compatible API.",
     )
-    p.add_argument("--model", required=True, type=Path,
-                   help="local Hugging Face model directory (config.json, *.safetensors)")
-    p.add_argument("--adapter-root", required=True, type=Path,
-                   help="directory whose subdirectories are PEFT adapters, resolved by name")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1; use 0.0.0.0 in a pod)")
+    p.add_argument(
+        "--model",
+        required=True,
+        type=Path,
+        help="local Hugging Face model directory (config.json, *.safetensors)",
+    )
+    p.add_argument(
+        "--adapter-root",
+        required=True,
+        type=Path,
+        help="directory whose subdirectories are PEFT adapters, resolved by name",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; use 0.0.0.0 in a pod)",
+    )
     p.add_argument("--port", type=port, default=8000, help="port (0 picks a free one)")
-    p.add_argument("--grpc-port", type=port, default=None,
-                   help="port of the KServe v2 gRPC API (0 picks a free one; default: off; "
-                   "the chart's layout is 8001 beside HTTP 8000)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: cuda when a GPU is visible, else cpu")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   default="auto", help="auto: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--served-model-name", default=None,
-                   help="name of the base model in the API (default: the model directory name)")
-    p.add_argument("--admin-token-file", type=Path, default=None,
-                   help="file holding the token that load/unload requests must present")
-    p.add_argument("--lora-modules", type=parse_lora_module, nargs="+", action="extend",
-                   default=[], metavar="NAME=PATH|JSON",
-                   help="adapters loaded and pinned before the listener opens (so /health "
-                   "answers only once they are in): name=path, or vLLM's JSON form "
-                   "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a path "
-                   "relative to --adapter-root or inside it, s3://bucket/prefix or "
-                   "hf://org/name[@revision]")
+    p.add_argument(
+        "--grpc-port",
+        type=port,
+        default=None,
+        help="port of the KServe v2 gRPC API (0 picks a free one; default: off; "
+        "the chart's layout is 8001 beside HTTP 8000)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: cuda when a GPU is visible, else cpu",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: bfloat16 on cuda, float32 on cpu",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="name of the base model in the API (default: the model directory name)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help="file holding the token that load/unload requests must present",
+    )
+    p.add_argument(
+        "--lora-modules",
+        type=parse_lora_module,
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH|JSON",
+        help="adapters loaded and pinned before the listener opens (so /health "
+        "answers only once they are in): name=path, or vLLM's JSON form "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a path '
+        "relative to --adapter-root or inside it, s3://bucket/prefix or "
+        "hf://org/name[@revision]",
+    )
     # Adapter stores (adapter_stores.py).
-    p.add_argument("--adapter-cache-dir", type=Path, default=None,
-                   help="where adapters fetched from s3:// are cached (default: "
-                   "<temp dir>/adaptermesh-adapter-cache-<uid>)")
-    p.add_argument("--s3-endpoint-url", default=None, metavar="URL",
-                   help="S3 API endpoint (default: AWS_ENDPOINT_URL, else AWS); credentials "
-                   "come from boto3's standard chain")
-    p.add_argument("--adapter-resolver", type=_resolver_uri, action="append", default=[],
-                   metavar="s3://BUCKET/PREFIX",
-                   help="look an adapter name the adapter root does not hold up as "
-                   "PREFIX/<name>/ in this store on its first request (repeatable, tried in "
-                   "order; default: off)")
-    p.add_argument("--hf-cache-dir", type=Path, default=None,
-                   help="local Hugging Face cache that hf://org/name[@revision] paths are "
-                   "found in (default: HF_HUB_CACHE; the Hub itself is never contacted)")
-    p.add_argument("--adapter-max-file-bytes", type=positive_int, default=None,
-                   help="largest adapter weights file fetched from a store (default 4 GiB)")
-    p.add_argument("--adapter-max-bytes", type=positive_int, default=None,
-                   help="largest adapter (all its files) fetched from a store (default 4 GiB)")
+    p.add_argument(
+        "--adapter-cache-dir",
+        type=Path,
+        default=None,
+        help="where adapters fetched from s3:// are cached (default: "
+        "<temp dir>/adaptermesh-adapter-cache-<uid>)",
+    )
+    p.add_argument(
+        "--s3-endpoint-url",
+        default=None,
+        metavar="URL",
+        help="S3 API endpoint (default: AWS_ENDPOINT_URL, else AWS); credentials "
+        "come from boto3's standard chain",
+    )
+    p.add_argument(
+        "--adapter-resolver",
+        type=_resolver_uri,
+        action="append",
+        default=[],
+        metavar="s3://BUCKET/PREFIX",
+        help="look an adapter name the adapter root does not hold up as "
+        "PREFIX/<name>/ in this store on its first request (repeatable, tried in "
+        "order; default: off)",
+    )
+    p.add_argument(
+        "--hf-cache-dir",
+        type=Path,
+        default=None,
+        help="local Hugging Face cache that hf://org/name[@revision] paths are "
+        "found in (default: HF_HUB_CACHE; the Hub itself is never contacted)",
+    )
+    p.add_argument(
+        "--adapter-max-file-bytes",
+        type=positive_int,
+        default=None,
+        help="largest adapter weights file fetched from a store (default 4 GiB)",
+    )
+    p.add_argument(
+        "--adapter-max-bytes",
+        type=positive_int,
+        default=None,
+        help="largest adapter (all its files) fetched from a store (default 4 GiB)",
+    )
     # Engine sizes.
     p.add_argument("--max-model-len", type=positive_int, default=None)
-    p.add_argument("--max-num-seqs", type=positive_int, default=None,
-                   help="sequences running at once (decode batch rows; default: 256 on a GPU unless "
-                   "its memory says fewer, 8 on the CPU)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                   help="token budget of one step (decode rows + prompt chunks; default: twice the "
-                   "sequences, at least 512)")
+    p.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=None,
+        help="sequences running at once (decode batch rows; default: 256 on a GPU unless "
+        "its memory says fewer, 8 on the CPU)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="token budget of one step (decode rows + prompt chunks; default: twice the "
+        "sequences, at least 512)",
+    )
     p.add_argument("--max-prefill-chunk", type=positive_int, default=None)
-    p.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (8..256, a power of two)")
-    p.add_argument("--kv-cache-bytes", type=positive_int, default=None,
-                   help="KV cache size in bytes (default: what --gpu-memory-fraction leaves beside "
-                   "the weights and the adapter pool)")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   help="do not share prompt blocks between requests of the same adapter")
-    p.add_argument("--max-loras", type=positive_int, default=None, help="adapter GPU slots (default: 15%% of the GPU budget at --max-lora-rank, "
-                   "8 on the CPU)")
-    p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
-                   help="modules the adapter pool holds LoRA weights for (default: all of "
-                   "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj); a pool for "
-                   "q_proj v_proj adapters holds several times the adapters in the same memory, "
-                   "and an adapter on another module is refused")
-    p.add_argument("--cpu-cache-bytes", type=positive_int, default=None,
-                   help="adapter CPU cache size in bytes (default: from host memory)")
-    p.add_argument("--max-adapter-skips", type=non_negative_int, default=None,
-                   help="times a waiting request may be passed over while its adapter waits "
-                   "for a GPU slot before it gets the next one (default 16)")
+    p.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        help="tokens per KV block (8..256, a power of two)",
+    )
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=positive_int,
+        default=None,
+        help="KV cache size in bytes (default: what --gpu-memory-fraction leaves beside "
+        "the weights and the adapter pool)",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not share prompt blocks between requests of the same adapter",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=positive_int,
+        default=None,
+        help="adapter GPU slots (default: 15%% of the GPU budget at --max-lora-rank, 8 on the CPU)",
+    )
+    p.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="modules the adapter pool holds LoRA weights for (default: all of "
+        "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj); a pool for "
+        "q_proj v_proj adapters holds several times the adapters in the same memory, "
+        "and an adapter on another module is refused",
+    )
+    p.add_argument(
+        "--cpu-cache-bytes",
+        type=positive_int,
+        default=None,
+        help="adapter CPU cache size in bytes (default: from host memory)",
+    )
+    p.add_argument(
+        "--max-adapter-skips",
+        type=non_negative_int,
+        default=None,
+        help="times a waiting request may be passed over while its adapter waits "
+        "for a GPU slot before it gets the next one (default 16)",
+    )
     p.add_argument("--max-lora-rank", type=positive_int, default=None)
-    p.add_argument("--lora-dtype", choices=["bf16", "fp16", "fp32", "int4"], default=None,
-                   help="adapter pool storage (default: the model dtype); int4 quantises each "
-                   "adapter on load, group-wise, about 3.7x the adapters per GB of slots")
-    p.add_argument("--adapter-eviction", choices=list(POLICY_NAMES), default=None,
-                   help="eviction policy of the adapter GPU slots and CPU cache (default: "
-                   "EngineConfig.adapter_eviction)")
+    p.add_argument(
+        "--lora-dtype",
+        choices=["bf16", "fp16", "fp32", "int4"],
+        default=None,
+        help="adapter pool storage (default: the model dtype); int4 quantises each "
+        "adapter on load, group-wise, about 3.7x the adapters per GB of slots",
+    )
+    p.add_argument(
+        "--adapter-eviction",
+        choices=list(POLICY_NAMES),
+        default=None,
+        help="eviction policy of the adapter GPU slots and CPU cache (default: "
+        "EngineConfig.adapter_eviction)",
+    )
     p.add_argument("--gpu-memory-fraction", type=float, default=None)
-    p.add_argument("--logprobs-mode", choices=["raw", "processed"], default=None,
-                   help="what logprobs describe: raw (log_softmax of the model's logits, the "
-                        "default, as vLLM) or processed (the distribution the sampler draws from: "
-                        "penalties, temperature, top-k/top-p/min-p applied)")
+    p.add_argument(
+        "--logprobs-mode",
+        choices=["raw", "processed"],
+        default=None,
+        help="what logprobs describe: raw (log_softmax of the model's logits, the "
+        "default, as vLLM) or processed (the distribution the sampler draws from: "
+        "penalties, temperature, top-k/top-p/min-p applied)",
+    )
     # Service limits.
-    p.add_argument("--max-running", type=positive_int, default=None,
-                   help="requests admitted into the engine at once (default 2 x max-num-seqs)")
+    p.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=None,
+        help="requests admitted into the engine at once (default 2 x max-num-seqs)",
+    )
     p.add_argument("--max-queue-per-tenant", type=non_negative_int, default=64)
     p.add_argument("--max-queue-total", type=non_negative_int, default=1024)
-    p.add_argument("--request-timeout", type=positive_float, default=600.0,
-                   help="default request deadline in seconds (x-request-timeout overrides)")
-    p.add_argument("--drain-timeout", type=positive_float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        default=600.0,
+        help="default request deadline in seconds (x-request-timeout overrides)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds SIGTERM waits for in-flight requests",
+    )
     p.add_argument("--max-body-bytes", type=positive_int, default=4 << 20)
     # Listener limits (defaults: adaptermesh.httpserve.ListenerLimits).
     d = ListenerLimits()
-    p.add_argument("--max-connections", type=positive_int, default=d.max_connections,
-                   help="open connections at once; above it a stalled one is evicted, "
-                   "else the new one gets 503")
-    p.add_argument("--header-timeout", type=positive_float, default=d.header_timeout_s,
-                   help="seconds for a request's line and headers to arrive (else 408)")
-    p.add_argument("--body-timeout", type=positive_float, default=d.body_timeout_s,
-                   help="seconds for a request's body to arrive (else 408)")
-    p.add_argument("--keepalive-timeout", type=positive_float, default=d.keepalive_timeout_s,
-                   help="seconds an idle kept-alive connection stays open")
-    p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
-                   help="export OpenTelemetry spans to this OTLP/gRPC collector (off when "
-                   "not given; docs/tracing.md)")
-    p.add_argument("--trace-sample-ratio", type=fraction, default=1.0,
-                   help="share of new traces sampled (a sampled parent is always followed)")
-    p.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=d.max_connections,
+        help="open connections at once; above it a stalled one is evicted, "
+        "else the new one gets 503",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=d.header_timeout_s,
+        help="seconds for a request's line and headers to arrive (else 408)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=d.body_timeout_s,
+        help="seconds for a request's body to arrive (else 408)",
+    )
+    p.add_argument(
+        "--keepalive-timeout",
+        type=positive_float,
+        default=d.keepalive_timeout_s,
+        help="seconds an idle kept-alive connection stays open",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="export OpenTelemetry spans to this OTLP/gRPC collector (off when "
+        "not given; docs/tracing.md)",
+    )
+    p.add_argument(
+        "--trace-sample-ratio",
+        type=fraction,
+        default=1.0,
+        help="share of new traces sampled (a sampled parent is always followed)",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
 
@@ -284,13 +439,19 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
     config = EngineConfig()
-    for flag, attr in (("max_model_len", "max_model_len"), ("max_num_seqs", "max_num_seqs"),
-                       ("max_loras", "max_loras"), ("max_lora_rank", "max_lora_rank"),
-                       ("gpu_memory_fraction", "gpu_memory_fraction"),
-                       ("max_num_batched_tokens", "max_num_batched_tokens"),
-                       ("max_prefill_chunk", "max_prefill_chunk"), ("block_size", "block_size"),
-                       ("kv_cache_bytes", "kv_cache_bytes"), ("cpu_cache_bytes", "cpu_cache_bytes"),
-                       ("max_adapter_skips", "max_adapter_skips")):
+    for flag, attr in (
+        ("max_model_len", "max_model_len"),
+        ("max_num_seqs", "max_num_seqs"),
+        ("max_loras", "max_loras"),
+        ("max_lora_rank", "max_lora_rank"),
+        ("gpu_memory_fraction", "gpu_memory_fraction"),
+        ("max_num_batched_tokens", "max_num_batched_tokens"),
+        ("max_prefill_chunk", "max_prefill_chunk"),
+        ("block_size", "block_size"),
+        ("kv_cache_bytes", "kv_cache_bytes"),
+        ("cpu_cache_bytes", "cpu_cache_bytes"),
+        ("max_adapter_skips", "max_adapter_skips"),
+    ):
         value = getattr(args, flag)
         if value is not None:
             setattr(config, attr, value)
@@ -307,8 +468,14 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.adapter_eviction = args.adapter_eviction
     if args.logprobs_mode is not None:
         config.logprobs_mode = args.logprobs_mode
-    built = Engine(args.model, args.adapter_root, device=device, dtype=dtype, config=config,
-                   model_name=args.served_model_name)
+    built = Engine(
+        args.model,
+        args.adapter_root,
+        device=device,
+        dtype=dtype,
+        config=config,
+        model_name=args.served_model_name,
+    )
     built.adapters.stores = build_stores(args)
     engine: EngineProtocol = built
     return engine
@@ -356,8 +523,11 @@ async def run_worker(
             await grpc_server.draining()
         drained = await service.drain()
         if not drained:
-            log.warning("drain timed out after %.0f s; cancelling %d requests",
-                        config.drain_timeout_s, service.inflight)
+            log.warning(
+                "drain timed out after %.0f s; cancelling %d requests",
+                config.drain_timeout_s,
+                service.inflight,
+            )
         return drained
     finally:
         # Closing the runner cancels handlers still running (after a timed-out drain).
@@ -372,14 +542,19 @@ async def run_worker(
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         if not args.model.is_dir():
             raise ValueError(f"--model: {args.model} is not a directory")
         if not args.adapter_root.is_dir():
             raise ValueError(f"--adapter-root: {args.adapter_root} is not a directory")
-        token = read_secret(args.admin_token_file, "--admin-token-file") if args.admin_token_file else None
+        token = (
+            read_secret(args.admin_token_file, "--admin-token-file")
+            if args.admin_token_file
+            else None
+        )
     except ValueError as exc:
         print(f"adaptermesh worker: {exc}", file=sys.stderr)
         return 2
@@ -405,10 +580,12 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
         admin_token=token,
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
-        listener=ListenerLimits(max_connections=args.max_connections,
-                                header_timeout_s=args.header_timeout,
-                                body_timeout_s=args.body_timeout,
-                                keepalive_timeout_s=args.keepalive_timeout),
+        listener=ListenerLimits(
+            max_connections=args.max_connections,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            keepalive_timeout_s=args.keepalive_timeout,
+        ),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -424,18 +601,27 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
         print(f"adaptermesh worker gRPC listening on {args.host}:{port}", flush=True)
 
     try:
-        drained = await run_worker(engine, config, args.host, args.port, stop=stop,
-                                   on_ready=ready, lora_modules=args.lora_modules,
-                                   grpc_port=args.grpc_port, on_grpc_ready=grpc_ready,
-                                   tracing=Tracing.from_config(
-                                       args.otlp_endpoint, args.trace_sample_ratio,
-                                       "adaptermesh-worker"))
+        drained = await run_worker(
+            engine,
+            config,
+            args.host,
+            args.port,
+            stop=stop,
+            on_ready=ready,
+            lora_modules=args.lora_modules,
+            grpc_port=args.grpc_port,
+            on_grpc_ready=grpc_ready,
+            tracing=Tracing.from_config(
+                args.otlp_endpoint, args.trace_sample_ratio, "adaptermesh-worker"
+            ),
+        )
     except ValueError as exc:
         print(f"adaptermesh worker: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"adaptermesh worker: cannot listen on {args.host}:{args.port}: {exc}",
-              file=sys.stderr)
+        print(
+            f"adaptermesh worker: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr
+        )
         return 2
     return 0 if drained else 1
 
