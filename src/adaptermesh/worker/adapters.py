@@ -263,7 +263,12 @@ class AdapterManager:
         if not (path / "adapter_config.json").is_file() and not is_expert_set(path):
             if self.stores is not None and self.stores.resolvers:
                 return  # its load looks it up in the resolver stores
-            err = AdapterNotFoundError(name, "no adapter with this name under the adapter root")
+            reason = (
+                f"the directory {name} under the adapter root has no adapter_config.json"
+                if path.is_dir()
+                else "no adapter with this name under the adapter root"
+            )
+            err = AdapterNotFoundError(name, reason)
             self._remember_failure(name, err)
             raise err
 

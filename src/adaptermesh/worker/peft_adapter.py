@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,9 @@ def resolve_in_root(root: Path, name: str, path: str | None = None) -> Path:
     except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError on 3.11), a name too long
         raise AdapterValidationError(name, "lora_path", f"cannot be resolved: {exc}") from None
     if not resolved.is_relative_to(root_r):
+        if not os.path.lexists(candidate):
+            # Nothing there: say so rather than call a typo an escape.
+            raise AdapterValidationError(name, "lora_path", f"{rel} does not exist")
         raise AdapterValidationError(
             name, "lora_path", f"resolves outside the adapter root {root_r}"
         )
