@@ -197,7 +197,11 @@ def bpf_datapath(config: AgentConfig) -> TableDatapath:
     table = BpfShardTable(
         ifname=config.iface, pin_dir=str(config.pin_dir), vxlan_dev=config.vxlan_dev
     )
-    table.attach()
+    try:
+        table.attach()
+    except BaseException:
+        table.discard()  # a failed start leaves no pins of its own behind
+        raise
 
     def close(detach: bool) -> None:
         # --detach is an uninstall: remove the filter and the pinned maps.

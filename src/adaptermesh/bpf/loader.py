@@ -10,6 +10,7 @@ Usage by the node agent::
     table.poll_events(callback, 100)   # FlowEvent per new flow
     table.poll_batch(callback, 100)    # or one EventBatch (numpy columns) per drain
     table.close(detach=False)          # keep the filter and pins: a restart picks them up
+    table.discard()                    # a start that failed: remove the pins this table made
 
 ``netns`` names a network namespace that holds ``ifname`` and ``vxlan_dev`` (tests and the
 demo; :mod:`adaptermesh.bpf.namespace` enters it); the default is the caller's namespace.
@@ -277,33 +278,45 @@ class BpfShardTable:
         self.max_shards = max_shards
         self.max_pins = max_pins
         self.last_apply: ApplyTiming | None = None
+        # What this table creates, so discard() (a start that failed) removes exactly that and
+        # never the pins an earlier run left for a restart to resume from.
+        self._created_pin_dir = not self.pin_dir.exists()
         _ensure_bpffs(self.pin_dir)
-        src = classifier_source()
-        cflags = [
-            f"-I{src.parent}",
-            f'-DAM_PIN_DIR="{self.pin_dir}"',
-            f"-DAM_MAGLEV_SIZE={maglev_size}",
-            f"-DAM_MAX_SHARDS={max_shards}",
-            f"-DAM_MAX_PINS={max_pins}",
-            f"-DAM_MAX_FLOWS={max_flows}",
-            f"-DAM_RINGBUF_PAGES={ringbuf_pages}",
-            f"-DAM_LEARN={1 if learn else 0}",
-        ]
-        self._bpf: Any = BPF(src_file=str(src).encode(), cflags=cflags)
-        self._fn: Any = self._bpf.load_func(b"am_classify", BPF.SCHED_CLS)
-        self._fd = {name: int(self._bpf[name.encode()].map_fd) for name in MAP_NAMES}
-        self._ncpu = _possible_cpus()
-        self._batch_delete = True  # cleared if the kernel refuses batch deletes on am_pins
-        self._ring_open = False  # bcc's consumer (CPUs other than x86-64)
-        self._ring: RingBuffer | None = None  # the mmap consumer
-        self._ring_lock = threading.Lock()  # close() must not unmap under a running poll
-        # Events decoded but not yet delivered because a callback raised: delivered first by
-        # the next poll_events(), so a failing callback loses only its own event.
-        self._pending: deque[FlowEvent] = deque()
-        self._callback: Callable[[FlowEvent], None] | None = None
-        self._delivered = 0
-        self._callback_error: BaseException | None = None
-        self._load_shadow()
+        self._created_pins = tuple(n for n in MAP_NAMES if not (self.pin_dir / n).exists())
+        self._bpf: Any = None
+        try:
+            src = classifier_source()
+            cflags = [
+                f"-I{src.parent}",
+                f'-DAM_PIN_DIR="{self.pin_dir}"',
+                f"-DAM_MAGLEV_SIZE={maglev_size}",
+                f"-DAM_MAX_SHARDS={max_shards}",
+                f"-DAM_MAX_PINS={max_pins}",
+                f"-DAM_MAX_FLOWS={max_flows}",
+                f"-DAM_RINGBUF_PAGES={ringbuf_pages}",
+                f"-DAM_LEARN={1 if learn else 0}",
+            ]
+            self._bpf = BPF(src_file=str(src).encode(), cflags=cflags)
+            self._fn: Any = self._bpf.load_func(b"am_classify", BPF.SCHED_CLS)
+            self._fd = {name: int(self._bpf[name.encode()].map_fd) for name in MAP_NAMES}
+            self._ncpu = _possible_cpus()
+            self._batch_delete = True  # cleared if the kernel refuses batch deletes on am_pins
+            self._ring_open = False  # bcc's consumer (CPUs other than x86-64)
+            self._ring: RingBuffer | None = None  # the mmap consumer
+            self._ring_lock = threading.Lock()  # close() must not unmap under a running poll
+            # Events decoded but not yet delivered because a callback raised: delivered first by
+            # the next poll_events(), so a failing callback loses only its own event.
+            self._pending: deque[FlowEvent] = deque()
+            self._callback: Callable[[FlowEvent], None] | None = None
+            self._delivered = 0
+            self._callback_error: BaseException | None = None
+            self._load_shadow()
+        except BaseException:
+            # A compile, load or pinned-map error: nothing of this start stays behind.
+            if self._bpf is not None:
+                self._bpf.cleanup()
+            self._unpin_created()
+            raise
 
     # ---- state carried over from the pins (a restarted loader resumes from them) ----------
 
@@ -432,6 +445,20 @@ class BpfShardTable:
                 self._ring.close()
                 self._ring = None
         self._bpf.cleanup()
+
+    def discard(self) -> None:
+        """Undo a start that failed (``attach()`` raised): release this process's handles and
+        remove the pins this table created, and ``pin_dir`` when it created it and nothing
+        else lives there. Pins that were there before (an earlier run's) stay."""
+        self.close(detach=False)
+        self._unpin_created()
+
+    def _unpin_created(self) -> None:
+        for name in self._created_pins:
+            (self.pin_dir / name).unlink(missing_ok=True)
+        if self._created_pin_dir:
+            with suppress(OSError):
+                self.pin_dir.rmdir()  # fails while other pins live there
 
     # ---- apply -------------------------------------------------------------------------------
 
