@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import importlib
 import sys
+from importlib import metadata
 
-__all__ = ["app", "main"]
+import adaptermesh
 
-_COMMANDS = {
+__all__ = ["COMMANDS", "app", "main", "version"]
+
+COMMANDS = {
     "agent": ("adaptermesh.agent.cli", "Run the node agent (eBPF classifier + xDS server)."),
     "control-plane": ("adaptermesh.control_plane.cli", "Run the control plane gRPC API."),
     "worker": ("adaptermesh.worker.cli", "Run a GPU/CPU worker with the OpenAI-compatible API."),
@@ -28,9 +31,27 @@ _COMMANDS = {
 }
 
 
+def version() -> str:
+    """The installed package's version (the source tree's when it is not installed)."""
+    try:
+        return metadata.version("adaptermesh")
+    except metadata.PackageNotFoundError:
+        return adaptermesh.__version__
+
+
 def _usage() -> str:
-    lines = ["usage: adaptermesh COMMAND [ARGS]...", "", "commands:"]
-    lines += [f"  {name:<14} {doc}" for name, (_, doc) in _COMMANDS.items()]
+    lines = [
+        "usage: adaptermesh [-h] [-V] COMMAND [ARGS]...",
+        "",
+        "commands (adaptermesh COMMAND -h describes each one's flags):",
+    ]
+    lines += [f"  {name:<14} {doc}" for name, (_, doc) in COMMANDS.items()]
+    lines += [
+        "",
+        "options:",
+        "  -h, --help     show this help message and exit",
+        "  -V, --version  print the adaptermesh version and exit",
+    ]
     return "\n".join(lines)
 
 
@@ -39,11 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(f"adaptermesh {version()}")
+        return 0
     name, rest = args[0], args[1:]
-    if name not in _COMMANDS:
+    if name not in COMMANDS:
         print(f"adaptermesh: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(_COMMANDS[name][0])
+    module = importlib.import_module(COMMANDS[name][0])
     result: int = module.main(rest)
     return result
 
