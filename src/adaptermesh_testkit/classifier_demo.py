@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from adaptermesh.bpf.loader import BpfShardTable
 from adaptermesh.bpf.table import ShardStats
+from adaptermesh.clisetup import DefaultsHelpFormatter
 from adaptermesh_testkit.netns import (
     HttpServer,
     NodeTopology,
@@ -127,9 +128,15 @@ def _raise_interrupt(_sig: int, _frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="adaptermesh demo classifier", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="adaptermesh demo classifier",
+        description=__doc__,
+        formatter_class=DefaultsHelpFormatter,
+    )
     ap.add_argument("--prefix", default="amdemo", help="namespace/device name prefix")
-    ap.add_argument("--pin-dir", default="/sys/fs/bpf/amdemo")
+    ap.add_argument(
+        "--pin-dir", default="/sys/fs/bpf/amdemo", help="bpffs directory for the demo's maps"
+    )
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("adaptermesh demo: needs root (network namespaces, eBPF)", file=sys.stderr)

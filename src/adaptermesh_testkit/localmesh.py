@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -946,7 +947,8 @@ class Story:
         self.console.print(f"\n[bold cyan]==>[/bold cyan] [bold]{text}[/bold]")
 
     def run_adapterctl(self, *args: str) -> None:
-        self.console.print(f"[dim]$ adapterctl {' '.join(args)}[/dim]")
+        # Quoted as a shell needs it, so the printed command works when pasted.
+        self.console.print(f"[dim]$ adapterctl {shlex.join(args)}[/dim]", highlight=False)
         out = self.mesh.adapterctl(*args)
         for line in out.stdout.strip().splitlines():
             self.console.print(f"  {line}", highlight=False)
@@ -1056,12 +1058,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
+    from adaptermesh.clisetup import DefaultsHelpFormatter
+
     p = argparse.ArgumentParser(
         prog="adaptermesh demo",
+        formatter_class=DefaultsHelpFormatter,
         description="The whole mesh in network namespaces: traffic, an override, a pin and a "
         "load spike. `adaptermesh demo classifier` shows the datapath alone.",
     )
-    p.add_argument("--shards", type=int, default=3, choices=[2, 3])
+    p.add_argument(
+        "--shards", type=int, default=3, choices=[2, 3], help="shards of Envoy + CPU workers"
+    )
     p.add_argument("--interval", type=float, default=5.0, help="rebalance interval (s)")
     p.add_argument("--prefix", default="ammesh", help="namespace/interface prefix (<= 8 chars)")
     p.add_argument(

@@ -17,14 +17,18 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
 from adaptermesh.agent.daemon import Agent, AgentConfig
 from adaptermesh.agent.flowlog import FLOW_EVENT_MODES
 from adaptermesh.cliargs import fraction, percent, port, positive_float, read_secret
+from adaptermesh.clisetup import DefaultsHelpFormatter, setup_logging
 
 __all__ = ["build_parser", "config_from_args", "main"]
+
+_log = logging.getLogger("adaptermesh.agent")
 
 
 def _host_port(text: str) -> str:
@@ -37,7 +41,11 @@ def _host_port(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="adaptermesh agent", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="adaptermesh agent",
+        description=__doc__.splitlines()[0],
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument(
         "--node-id", required=True, help="this node's name, as the control plane sees it"
     )
@@ -48,12 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="the control plane's gRPC address (or unix:/PATH)",
     )
-    p.add_argument("--token-file", type=Path, help="bearer token with the read and write scopes")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the bearer token for the control plane; the read scope is enough "
+        "(the agent calls WatchAssignments and ReportLoad only)",
+    )
     p.add_argument("--iface", required=True, help="interface whose ingress the classifier steers")
-    p.add_argument("--pin-dir", type=Path, default=Path("/sys/fs/bpf/adaptermesh"))
+    p.add_argument(
+        "--pin-dir",
+        type=Path,
+        default=Path("/sys/fs/bpf/adaptermesh"),
+        help="bpffs directory the classifier's maps are pinned in (kept across restarts)",
+    )
     p.add_argument("--vxlan-dev", help="collect-metadata VXLAN device for tunnel steering")
     p.add_argument("--xds-host", default="127.0.0.1", help="address the xDS server binds")
-    p.add_argument("--xds-port", type=port, default=18000)
+    p.add_argument("--xds-port", type=port, default=18000, help="port of the xDS server")
     p.add_argument(
         "--xds-group",
         choices=["shard", "node"],
@@ -140,21 +158,37 @@ def build_parser() -> argparse.ArgumentParser:
         "or both",
     )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics binds")
-    p.add_argument("--metrics-port", type=port, default=9464)
+    p.add_argument(
+        "--metrics-port",
+        type=port,
+        default=9464,
+        help="port of /metrics, /healthz, /readyz, /status and /flows",
+    )
     p.add_argument(
         "--state-file",
         type=Path,
         default=Path("/var/lib/adaptermesh/agent/assignment.pb"),
         help="cache of the last applied Assignment, served at once after a restart",
     )
-    p.add_argument("--report-interval", type=positive_float, default=2.0, metavar="SECONDS")
+    p.add_argument(
+        "--report-interval",
+        type=positive_float,
+        default=2.0,
+        metavar="SECONDS",
+        help="seconds between load reports to the control plane",
+    )
     p.add_argument("--tls-ca", type=Path, help="CA bundle: connect to the control plane with TLS")
     p.add_argument("--tls-cert", type=Path, help="client certificate for mTLS")
     p.add_argument("--tls-key", type=Path, help="client key for mTLS")
     p.add_argument(
         "--detach", action="store_true", help="on exit, remove the filter and pinned maps"
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="DEBUG adds one line per worker scrape",
+    )
     return p
 
 
@@ -225,16 +259,28 @@ async def _run(config: AgentConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level)
     config = config_from_args(args)
+    try:
+        socket.if_nametoindex(config.iface)
+    except OSError:
+        # Checked before anything is compiled, pinned or bound: a wrong --iface leaves nothing.
+        print(
+            f"adaptermesh agent: --iface {config.iface}: no such network interface", file=sys.stderr
+        )
+        return 1
     try:
         asyncio.run(_run(config))
     except KeyboardInterrupt:
         return 130
+    except (OSError, ValueError) as exc:
+        # A start that cannot proceed (an interface, a port in use, a file): one line; the
+        # traceback only with --log-level DEBUG.
+        _log.debug("agent failed", exc_info=True)
+        print(f"adaptermesh agent: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
-        logging.getLogger("adaptermesh.agent").exception("agent failed: %s", exc)
+        _log.exception("agent failed: %s", exc)
         return 1
     return 0
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from adaptermesh.bridge.mqtt import Bridge, BridgeConfig
 from adaptermesh.cliargs import port, positive_float, positive_int
+from adaptermesh.clisetup import DefaultsHelpFormatter
 
 __all__ = ["build_parser", "main"]
 
@@ -38,7 +39,11 @@ def _broker(text: str) -> tuple[str, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     d = _DEFAULTS
-    p = argparse.ArgumentParser(prog="adaptermesh mqtt-bridge", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="adaptermesh mqtt-bridge",
+        description=__doc__.split("\n")[0],
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("--broker", type=_broker, required=True, help="MQTT broker HOST:PORT (MQTT v5)")
     p.add_argument(
         "--request-topic",
@@ -127,7 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus /metrics on this port (0: off)",
     )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        help="DEBUG, INFO, WARNING or ERROR: the least severe lines written",
+    )
     return p
 
 

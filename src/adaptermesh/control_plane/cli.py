@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from pathlib import Path
 
 from adaptermesh.cliargs import port, positive_float, read_secret
+from adaptermesh.clisetup import DefaultsHelpFormatter, setup_logging
 from adaptermesh.control_plane.auth import AuthError, load_tokens
 from adaptermesh.control_plane.policy import PolicyConfig
 from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
@@ -29,7 +29,9 @@ _DEFAULTS = PolicyConfig()
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="adaptermesh control-plane", description=__doc__.split("\n")[0]
+        prog="adaptermesh control-plane",
+        description=__doc__.split("\n")[0],
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--state-dir", type=Path, required=True, help="directory for the SQLite state")
     p.add_argument("--listen", default="127.0.0.1:7400", help="HOST:PORT (port 0: any free)")
@@ -42,9 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
     p.add_argument(
-        "--interval", type=positive_float, default=5.0, help="rebalance interval in seconds"
+        "--interval",
+        type=positive_float,
+        default=5.0,
+        help="seconds between rebalancing rounds (each scrapes every worker once)",
     )
-    p.add_argument("--scrape-timeout", type=float, default=2.0, help="per-worker scrape timeout")
+    p.add_argument(
+        "--scrape-timeout",
+        type=float,
+        default=2.0,
+        help="seconds one worker's /metrics scrape may take",
+    )
     p.add_argument("--prometheus-url", help="read load from this Prometheus HTTP API instead")
     p.add_argument(
         "--synchronous",
@@ -52,10 +62,30 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["NORMAL", "FULL", "EXTRA"],
         help="SQLite synchronous mode (FULL: acknowledged writes survive a power cut)",
     )
-    p.add_argument("--min-weight", type=int, default=_DEFAULTS.min_weight)
-    p.add_argument("--max-step", type=int, default=_DEFAULTS.max_step)
-    p.add_argument("--publish-threshold", type=int, default=_DEFAULTS.publish_threshold)
-    p.add_argument("--ewma-alpha", type=float, default=_DEFAULTS.ewma_alpha)
+    p.add_argument(
+        "--min-weight",
+        type=int,
+        default=_DEFAULTS.min_weight,
+        help=f"least weight every active shard keeps, in parts of {_DEFAULTS.budget}",
+    )
+    p.add_argument(
+        "--max-step",
+        type=int,
+        default=_DEFAULTS.max_step,
+        help=f"most weight one shard may gain or lose per round, in parts of {_DEFAULTS.budget}",
+    )
+    p.add_argument(
+        "--publish-threshold",
+        type=int,
+        default=_DEFAULTS.publish_threshold,
+        help="weight parts that must move before a rebalance publishes a new Assignment",
+    )
+    p.add_argument(
+        "--ewma-alpha",
+        type=float,
+        default=_DEFAULTS.ewma_alpha,
+        help="smoothing of each round's load observations, in (0, 1] (1: no smoothing)",
+    )
     p.add_argument(
         "--metrics-port",
         type=port,
@@ -71,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-admin-token-file",
         type=Path,
         default=None,
-        help="token the placement loop sends to the workers' load endpoint (the "
-        "workers' --admin-token-file)",
+        help="file holding the token the placement loop sends to the workers' load endpoint "
+        "(the workers' --admin-token-file; none: send no token)",
     )
     p.add_argument(
         "--auto-placement",
@@ -81,7 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         "hash weighted by the shards' adapter slots): its requests are forwarded there and it "
         "is preloaded on placement.replicas workers (1 by default) of it",
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        help="DEBUG, INFO, WARNING or ERROR (DEBUG adds one line per worker scrape)",
+    )
     return p
 
 
@@ -101,9 +135,7 @@ async def _serve(config: ServerConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level)
     try:
         policy = PolicyConfig(
             min_weight=args.min_weight,

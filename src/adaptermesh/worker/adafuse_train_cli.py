@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from adaptermesh.clisetup import RawDescriptionDefaultsHelpFormatter
 from adaptermesh.worker.adafuse_train import (
     StepRecord,
     TextDataset,
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="adaptermesh adafuse-train",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsHelpFormatter,
     )
     p.add_argument(
         "--model",
@@ -58,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="expert-set directory to write (its name is the adapter name)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--experts", type=int, default=d.num_experts)
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--rank", type=int, default=d.rank)
+    p.add_argument("--experts", type=int, default=d.num_experts, help="LoRA experts in the set")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="experts the router mixes per token")
+    p.add_argument("--rank", type=int, default=d.rank, help="LoRA rank of each expert (1..128)")
     p.add_argument("--alpha", type=float, default=None, help="lora_alpha (default 2 * rank)")
     p.add_argument("--rslora", action="store_true", help="scale by alpha / sqrt(r)")
     p.add_argument(
@@ -68,18 +69,43 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(d.target_modules),
         help='comma-separated modules or "all-linear"',
     )
-    p.add_argument("--no-router-bias", action="store_true")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--router-lr", type=float, default=None)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--balance-coef", type=float, default=d.balance_coef)
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-router-bias", action="store_true", help="a router without a bias term")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="token blocks per step")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per training block")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate of the experts")
+    p.add_argument(
+        "--router-lr", type=float, default=None, help="learning rate of the router (default: --lr)"
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=d.warmup_steps,
+        help="steps of linear learning-rate warm-up",
+    )
+    p.add_argument(
+        "--balance-coef",
+        type=float,
+        default=d.balance_coef,
+        help="weight of the router's load-balancing loss",
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=d.eval_every, help="steps between held-out evaluations"
+    )
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=d.eval_fraction,
+        help="share of the token blocks held out for evaluation",
+    )
+    p.add_argument(
+        "--seed", type=int, default=d.seed, help="random seed (data order, initialisation)"
+    )
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="torch device to train on",
+    )
     p.add_argument(
         "--dtype",
         choices=sorted(_DTYPES),
@@ -87,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="base model dtype (default bfloat16 on CUDA, float32 on CPU); experts train in float32",
     )
     p.add_argument("--curve", type=Path, default=None, help="write the loss curve JSON here")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        help="DEBUG, INFO, WARNING or ERROR: the least severe lines written",
+    )
     return p
 
 

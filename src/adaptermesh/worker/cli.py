@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from adaptermesh.cliargs import (
     positive_int,
     read_secret,
 )
+from adaptermesh.clisetup import DefaultsHelpFormatter, setup_logging
 from adaptermesh.httpserve import ListenerLimits, raise_fd_limit
 from adaptermesh.tracing import Tracing
 from adaptermesh.worker.eviction import POLICY_NAMES
@@ -48,6 +50,7 @@ __all__ = [
     "LoraModule",
     "build_parser",
     "build_stores",
+    "check_port_free",
     "load_lora_modules",
     "main",
     "parse_lora_module",
@@ -164,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="adaptermesh worker",
         description="Serve a base model and its LoRA adapters with an OpenAI-compatible API.",
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
         "--model",
@@ -211,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-token-file",
         type=Path,
         default=None,
-        help="file holding the token that load/unload requests must present",
+        help="file holding the token that load/unload requests must present (none: they "
+        "need no token)",
     )
     p.add_argument(
         "--lora-modules",
@@ -271,7 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest adapter (all its files) fetched from a store (default 4 GiB)",
     )
     # Engine sizes.
-    p.add_argument("--max-model-len", type=positive_int, default=None)
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="longest sequence, prompt and output together, in tokens (default: the model's "
+        "max_position_embeddings, at most 4096)",
+    )
     p.add_argument(
         "--max-num-seqs",
         type=positive_int,
@@ -286,12 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget of one step (decode rows + prompt chunks; default: twice the "
         "sequences, at least 512)",
     )
-    p.add_argument("--max-prefill-chunk", type=positive_int, default=None)
+    p.add_argument(
+        "--max-prefill-chunk",
+        type=positive_int,
+        default=None,
+        help="most prompt tokens of one sequence computed in one step (default 256)",
+    )
     p.add_argument(
         "--block-size",
         type=positive_int,
         default=None,
-        help="tokens per KV block (8..256, a power of two)",
+        help="tokens per KV block (8..256, a power of two; default 16)",
     )
     p.add_argument(
         "--kv-cache-bytes",
@@ -334,7 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="times a waiting request may be passed over while its adapter waits "
         "for a GPU slot before it gets the next one (default 16)",
     )
-    p.add_argument("--max-lora-rank", type=positive_int, default=None)
+    p.add_argument(
+        "--max-lora-rank",
+        type=positive_int,
+        default=None,
+        help="largest adapter rank a GPU slot holds; a higher-rank adapter is refused (default 64)",
+    )
     p.add_argument(
         "--lora-dtype",
         choices=["bf16", "fp16", "fp32", "int4"],
@@ -346,10 +367,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--adapter-eviction",
         choices=list(POLICY_NAMES),
         default=None,
-        help="eviction policy of the adapter GPU slots and CPU cache (default: "
+        help="eviction policy of the adapter GPU slots and CPU cache (default: w-tinylfu, "
         "EngineConfig.adapter_eviction)",
     )
-    p.add_argument("--gpu-memory-fraction", type=float, default=None)
+    p.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=None,
+        help="share of the GPU's memory for the weights, the adapter pool and the KV cache "
+        "(default 0.85)",
+    )
     p.add_argument(
         "--logprobs-mode",
         choices=["raw", "processed"],
@@ -365,8 +392,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="requests admitted into the engine at once (default 2 x max-num-seqs)",
     )
-    p.add_argument("--max-queue-per-tenant", type=non_negative_int, default=64)
-    p.add_argument("--max-queue-total", type=non_negative_int, default=1024)
+    p.add_argument(
+        "--max-queue-per-tenant",
+        type=non_negative_int,
+        default=64,
+        help="requests one tenant may have waiting for admission (more get 429)",
+    )
+    p.add_argument(
+        "--max-queue-total",
+        type=non_negative_int,
+        default=1024,
+        help="requests waiting for admission, all tenants together (more get 429)",
+    )
     p.add_argument(
         "--request-timeout",
         type=positive_float,
@@ -379,7 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds SIGTERM waits for in-flight requests",
     )
-    p.add_argument("--max-body-bytes", type=positive_int, default=4 << 20)
+    p.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=4 << 20,
+        help="largest request body (and gRPC message) in bytes; a larger one is refused (413)",
+    )
     # Listener limits (defaults: adaptermesh.httpserve.ListenerLimits).
     d = ListenerLimits()
     p.add_argument(
@@ -420,8 +462,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="share of new traces sampled (a sampled parent is always followed)",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the least severe log lines written",
+    )
     return p
+
+
+def check_port_free(host: str, port: int | None) -> None:
+    """Raise OSError when ``host:port`` cannot be bound now (in use, or an address this host
+    does not have). Binds every address ``host`` resolves to, with the listener's
+    SO_REUSEADDR, and releases them at once; port 0 and None (off) are not checked."""
+    if not port:
+        return
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(address)
 
 
 def _build_engine(args: argparse.Namespace) -> EngineProtocol:
@@ -542,9 +604,7 @@ async def run_worker(
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level)
     try:
         if not args.model.is_dir():
             raise ValueError(f"--model: {args.model} is not a directory")
@@ -558,6 +618,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"adaptermesh worker: {exc}", file=sys.stderr)
         return 2
+    # Before the model loads (minutes for a large one): a port in use fails the start at once.
+    for flag, listen_port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
+        try:
+            check_port_free(args.host, listen_port)
+        except OSError as exc:
+            print(
+                f"adaptermesh worker: cannot listen on {args.host}:{listen_port} ({flag}): "
+                f"{exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            return 2
     nofile = raise_fd_limit()
     log.info("RLIMIT_NOFILE soft limit: %d", nofile)
     return asyncio.run(_main(args, token))
