@@ -109,7 +109,9 @@ def test_shard_pin_override_status_history(server: str) -> None:
     )
     assert r.exit_code == 0, r.output
     assert "index" in r.output
-    assert run(server, "shard", "upsert", "beta", "-e", "10.0.2.1:8000").exit_code == 0
+    assert (
+        run(server, "shard", "upsert", "beta", "-e", "10.0.2.1:8000", "--mark", "2").exit_code == 0
+    )
     r = run(server, "shards")
     assert "alpha" in r.output
     assert "beta" in r.output
@@ -207,7 +209,7 @@ def test_apply_rejects_bad_documents_without_changing_anything(server: str, tmp_
 
 
 def test_watch_prints_new_versions(server: str) -> None:
-    run(server, "shard", "upsert", "gamma", "-e", "10.0.3.1:8000")
+    run(server, "shard", "upsert", "gamma", "-e", "10.0.3.1:8000", "--mark", "3")
     r = run(server, "watch", "--count", "1")
     assert r.exit_code == 0, r.output
     assert r.output.startswith("v") or "\nv" in r.output
@@ -298,8 +300,14 @@ def test_user_text_is_shown_literally(server: str) -> None:
     from adaptermesh.proto import control_plane_pb2, control_plane_pb2_grpc
 
     # Two shards: an override of the only active shard would have to hold the whole budget.
-    assert run(server, "shard", "upsert", "plain", "-e", "10.0.51.1:8000").exit_code == 0
-    assert run(server, "shard", "upsert", "markup", "-e", "10.0.50.1:8000").exit_code == 0
+    assert (
+        run(server, "shard", "upsert", "plain", "-e", "10.0.51.1:8000", "--mark", "51").exit_code
+        == 0
+    )
+    assert (
+        run(server, "shard", "upsert", "markup", "-e", "10.0.50.1:8000", "--mark", "50").exit_code
+        == 0
+    )
     reason = "[/] [bold]loud[/bold] [link=http://x]y[/link]"
     r = run(server, "override", "set", "markup", "10", "--reason", reason)
     assert r.exit_code == 0, r.output
