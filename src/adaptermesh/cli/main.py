@@ -28,6 +28,7 @@ COMMANDS = {
         "Answer OpenAI requests from an MQTT topic through the mesh.",
     ),
     "demo": ("adaptermesh.cli.demo", "Run the local demo mesh in network namespaces."),
+    "dev": ("adaptermesh.cli.dev", "The mesh on one machine: make-model, up, down."),
 }
 
 
