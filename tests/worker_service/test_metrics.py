@@ -262,3 +262,66 @@ def test_every_series_is_documented_with_its_type_and_labels() -> None:
         assert documented in rows, name
         assert rows[documented] == (kind, labels), name
     assert len(rows) == len(EXPECTED)
+
+
+async def test_made_up_model_names_mint_no_series(start_server: StartServer) -> None:
+    """600 unauthenticated requests naming 600 made-up models add one ``other`` series, not
+    600: the ``adapter`` label takes only adapters the worker knows."""
+    s = await start_server(FakeEngine())
+    ok = await s.client.post(
+        "/v1/completions", json={"model": "alpha", "prompt": "a", "max_tokens": 1}
+    )
+    assert ok.status_code == 200
+
+    async def made_up(i: int) -> int:
+        body = {"model": f"no-such-adapter-{i}", "prompt": "a", "max_tokens": 1}
+        return (await s.client.post("/v1/completions", json=body)).status_code
+
+    codes = await asyncio.gather(*(made_up(i) for i in range(600)))
+    assert all(400 <= code < 500 for code in codes)
+    f = await scrape(s)
+    adapters = {
+        sample.labels["adapter"]
+        for name in (
+            "adaptermesh_adapter_requests",
+            "adaptermesh_adapter_time_to_first_token_seconds",
+        )
+        for sample in f[name].samples
+    }
+    assert adapters <= {"alpha", "other"}
+    assert "alpha" in adapters
+
+
+async def test_adapter_labels_are_capped(start_server: StartServer, monkeypatch) -> None:
+    from adaptermesh.worker import metrics as worker_metrics
+
+    monkeypatch.setattr(worker_metrics, "MAX_ADAPTER_LABELS", 2)
+    engine = FakeEngine()
+    engine.on_disk.add("delta")
+    s = await start_server(engine)
+    for model in ("alpha", "beta", "gamma", "delta"):
+        body = {"model": model, "prompt": "a", "max_tokens": 1}
+        assert (await s.client.post("/v1/completions", json=body)).status_code == 200
+    labels = s.service.metrics.adapter_label
+    assert (labels("alpha"), labels("beta"), labels("gamma")) == ("alpha", "beta", "other")
+    f = await scrape(s)
+    counted = {
+        sample.labels["adapter"]: sample.value
+        for sample in f["adaptermesh_adapter_requests"].samples
+        if sample.name.endswith("_total")
+    }
+    assert counted == {"alpha": 1, "beta": 1, "other": 2}
+
+
+def test_a_version_of_a_known_adapter_is_known() -> None:
+    from adaptermesh.worker.fair_queue import FairQueue
+    from adaptermesh.worker.metrics import ServiceMetrics
+
+    engine = FakeEngine()
+    engine.adapters["alpha"] = AdapterInfo("alpha", "ok", 8, True)
+    metrics = ServiceMetrics(
+        engine, FairQueue(max_running=1, max_waiting_per_tenant=1, max_waiting_total=1)
+    )
+    assert metrics.adapter_label("alpha@2.0.0") == "alpha@2.0.0"
+    assert metrics.adapter_label("beta@2.0.0") == "other"
+    assert metrics.adapter_label("beta") == "other"

@@ -40,10 +40,16 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from adaptermesh.assignment_rules import VERSION_SEPARATOR
 from adaptermesh.worker.fair_queue import FairQueue
 from adaptermesh.worker.types import AdapterResidency, EngineProtocol, EngineStats
 
-__all__ = ["TOKENS_PER_SECOND_WINDOW_S", "ServiceMetrics"]
+__all__ = [
+    "MAX_ADAPTER_LABELS",
+    "OTHER_ADAPTER_LABEL",
+    "TOKENS_PER_SECOND_WINDOW_S",
+    "ServiceMetrics",
+]
 
 # Window of the tokens-per-second gauge: long enough to smooth batch-step jitter, short enough
 # that the 5 s rebalancer sees a load change within two of its periods.
@@ -128,6 +134,15 @@ _LOAD_BUCKETS = (
 )
 
 
+# adaptermesh_adapter_requests_total and adaptermesh_adapter_time_to_first_token_seconds take
+# their ``adapter`` label from the request, so a client could mint a series per made-up name.
+# A name gets its own label value only when this worker knows the adapter (registered with
+# the engine or resident, or a version ``a@v`` of an adapter ``a`` it knows), and only for the
+# first MAX_ADAPTER_LABELS such names; every other request counts under OTHER_ADAPTER_LABEL.
+MAX_ADAPTER_LABELS = 1024
+OTHER_ADAPTER_LABEL = "other"
+
+
 class ServiceMetrics:
     """All series of one worker service, in one registry."""
 
@@ -147,6 +162,8 @@ class ServiceMetrics:
         # (monotonic time, cumulative generated tokens) samples for the tokens/s window.
         self._token_samples: deque[tuple[float, int]] = deque()
         self._last_stats: EngineStats | None = None
+        # The adapter label values minted so far (at most MAX_ADAPTER_LABELS).
+        self._adapter_labels: set[str] = set()
 
         # The *_created series double the scrape size and no consumer reads them; vLLM turns
         # them off too. The switch is process-wide, which is fine in a worker process.
@@ -340,9 +357,10 @@ class ServiceMetrics:
     ) -> None:
         self.requests.labels(outcome=outcome).inc()
         if adapter is not None:
-            self.adapter_requests.labels(adapter=adapter, outcome=outcome).inc()
+            label = self.adapter_label(adapter)
+            self.adapter_requests.labels(adapter=label, outcome=outcome).inc()
             if first_token is not None:
-                self.adapter_ttft.labels(adapter=adapter).observe(first_token - arrived)
+                self.adapter_ttft.labels(adapter=label).observe(first_token - arrived)
         if outcome in ("stop", "length"):
             self.vllm_success.labels(model_name=self.model_name, finished_reason=outcome).inc()
         if first_token is None:
@@ -356,6 +374,28 @@ class ServiceMetrics:
                 tpot = (last_token - first_token) / (completion_tokens - 1)
                 self.tpot.observe(tpot)
                 self.vllm_tpot.observe(tpot)
+
+    def adapter_label(self, adapter: str) -> str:
+        """The ``adapter`` label value of a request for ``adapter``: the name itself for an
+        adapter this worker knows (at most MAX_ADAPTER_LABELS names), else "other"."""
+        if adapter in self._adapter_labels:
+            return adapter
+        if len(self._adapter_labels) < MAX_ADAPTER_LABELS and self._knows(adapter):
+            self._adapter_labels.add(adapter)
+            return adapter
+        return OTHER_ADAPTER_LABEL
+
+    def _knows(self, adapter: str) -> bool:
+        names = {info.name for info in self.engine.list_adapters()}
+        stats = self._last_stats
+        if stats is not None and stats.adapter_residency is not None:
+            names.update(held.name for held in stats.adapter_residency)
+        if adapter in names:
+            return True
+        base, separator, _ = adapter.partition(VERSION_SEPARATOR)
+        return bool(separator) and any(
+            name.partition(VERSION_SEPARATOR)[0] == base for name in names
+        )
 
     def observe_prompt(self, tokens: int) -> None:
         """Count the prompt tokens of a request the engine admitted."""
