@@ -79,6 +79,7 @@ from adaptermesh.worker.engine_config import (
     size_config,
     validate_config,
 )
+from adaptermesh.worker.faults import StepFault
 from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache, spec_bytes_per_token
 from adaptermesh.worker.lora_groups import pool_groups
 from adaptermesh.worker.model import ModelConfig, TransformerModel, make_lora_pool, read_weights
@@ -284,6 +285,8 @@ class Engine:
             scheduler=self.scheduler,
             adapters=self.adapters,
         )
+        # Off unless the fault-injection suite armed it (worker/faults.py).
+        self.step_fault = StepFault()
         self._cuda = self.device.type == "cuda"
         self._overlap = (
             self._cuda if config.async_scheduling is None else bool(config.async_scheduling)
@@ -563,6 +566,7 @@ class Engine:
             )
 
     def _launch(self, plan: StepPlan) -> InFlight:
+        self.step_fault.check()
         return self.launcher.launch(plan)
 
     def _build_expert_set(self, cpu: CpuExpertSet, version: int) -> ExpertSet:

@@ -6,14 +6,20 @@ with ``code: injected_fault`` and count as errors in the per-adapter series the 
 controller reads (``docs/rollout.md``). Rate 0 clears it. The pattern is deterministic: the
 n-th request fails when floor(n * rate) moves, so any window of requests holds the rate to
 within one request.
+
+:class:`StepFault` is the fault-injection suite's engine-step error (``docs/faults.md``): off
+unless the worker's environment names a trigger file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["MAX_FAULTS", "FaultTable"]
+__all__ = ["MAX_FAULTS", "STEP_FAULT_ENV", "FaultTable", "InjectedStepError", "StepFault"]
 
 MAX_FAULTS = 1024
 
@@ -52,3 +58,44 @@ class FaultTable:
         before = math.floor(fault.seen * fault.rate)
         fault.seen += 1
         return math.floor(fault.seen * fault.rate) > before
+
+
+# ---- an injected engine-step error, for the fault-injection suite ----------------------------
+
+STEP_FAULT_ENV = "ADAPTERMESH_FAULT_STEP_ERROR"
+
+
+class InjectedStepError(RuntimeError):
+    """The error an engine step raises when a test asked for one (see :class:`StepFault`)."""
+
+
+class StepFault:
+    """A one-shot error inside an engine step, armed from outside the process.
+
+    Off unless the worker was started with ``ADAPTERMESH_FAULT_STEP_ERROR=<path>`` in its
+    environment (only the fault-injection suite sets it). Then, before each step, the engine
+    looks for the file ``<path>.<pid>``: when it exists, the step raises
+    :class:`InjectedStepError` with the file's text as its message (a CUDA-style message, say)
+    and the file is removed, so one file fails one step. Without the variable the check is a
+    single attribute test.
+    """
+
+    def __init__(self, base: str | None = None) -> None:
+        base = os.environ.get(STEP_FAULT_ENV) if base is None else base
+        self._trigger = Path(f"{base}.{os.getpid()}") if base else None
+
+    @property
+    def armed_path(self) -> Path | None:
+        return self._trigger
+
+    def check(self) -> None:
+        """Raise :class:`InjectedStepError` once per trigger file; else nothing."""
+        if self._trigger is None:
+            return
+        try:
+            message = self._trigger.read_text().strip()
+        except FileNotFoundError:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self._trigger.unlink()
+        raise InjectedStepError(message or "injected engine step error")
