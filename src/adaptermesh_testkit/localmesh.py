@@ -442,6 +442,49 @@ class LocalMesh:
         self._wait_workers(timeout=120, only=[(shard_id, j)])
         return proc
 
+    # ---- faults: one worker killed, drained, started again (the fault-injection suite) --------
+
+    def worker_proc(self, shard_id: str, j: int) -> Proc:
+        return self.procs[f"worker-{shard_id}-{j}"]
+
+    def kill_worker(self, shard_id: str, j: int) -> float:
+        """SIGKILL worker ``j`` of ``shard_id`` (no drain, no goodbye); returns the monotonic
+        time the signal was sent. Waits (up to 5 s) until the process is gone."""
+        proc = self.worker_proc(shard_id, j)
+        at = time.monotonic()
+        proc.kill()
+        return at
+
+    def drain_worker(
+        self, shard_id: str, j: int, timeout: float = 60.0
+    ) -> tuple[float, int | None]:
+        """SIGTERM worker ``j`` of ``shard_id`` and wait for it to exit (its own drain: /health
+        turns 503, in-flight requests finish); returns (monotonic time of the signal, its exit
+        code, None when it still ran after ``timeout``)."""
+        proc = self.worker_proc(shard_id, j)
+        at = time.monotonic()
+        proc.signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout)
+        return at, proc.popen.returncode
+
+    def start_worker_again(self, shard_id: str, j: int, timeout: float = 120.0) -> Proc:
+        """Start worker ``j`` of ``shard_id`` again after a kill or a drain (same address,
+        port and flags) and wait until its /health answers 200."""
+        old = self.worker_proc(shard_id, j)
+        if old.alive:
+            raise MeshError(f"worker {shard_id}/{j} is still running")
+        addr, port = self.worker_endpoints(shard_id)[j]
+        proc = self._start_worker(shard_id, j, addr, port)
+        self._wait_workers(timeout=timeout, only=[(shard_id, j)])
+        return proc
+
+    def envoy_host_flags(self, shard_id: str, j: int) -> list[str] | None:
+        """Envoy's health flags for worker ``j`` of ``shard_id`` ([] = healthy; None when
+        Envoy does not list it)."""
+        addr, port = self.worker_endpoints(shard_id)[j]
+        return self.envoy_hosts(shard_id).get(f"{addr}:{port}")
+
     def _wait_workers(self, timeout: float, only: Sequence[tuple[str, int]] | None = None) -> None:
         pending = list(
             only or [(s, j) for s in self.shard_ids for j in range(self.config.workers_per_shard)]

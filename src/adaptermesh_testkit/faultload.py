@@ -1,0 +1,670 @@
+"""Open-loop load through the local mesh, and the fault scenarios run under it.
+
+:class:`OpenLoad` sends streaming completions from the tenant addresses (tenant -> eBPF
+classifier -> Envoy -> CPU worker, a new connection each time) at a fixed rate, whether or not
+earlier ones have finished, and keeps one :class:`RequestRecord` per request: when it was due,
+when its first byte and each later chunk came, how it ended. :func:`kill_scenario`,
+:func:`drain_scenario` and :func:`step_error_scenario` inject one kind of fault under that load
+and :func:`summarize` turns the records into the figures ``bench/bench_faults.py`` writes and
+``tests/e2e/test_faults.py`` asserts (``docs/faults.md`` defines each one).
+
+Outcomes: ``ok`` (the stream ended with ``[DONE]``), ``http_<status>`` (an error status before
+any token), ``error_event`` (an ``error`` event inside the stream), ``closed`` (the connection
+closed before ``[DONE]``), ``timeout`` (no byte for the read timeout: a hang),
+``connect_error``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from adaptermesh_testkit.localmesh import SERVICE_PORT, LocalMesh
+from adaptermesh_testkit.netns import inside
+
+__all__ = [
+    "IN_FLIGHT_END_BOUND_S",
+    "KILL_ALLOWED_AFTER_S",
+    "SCENARIOS",
+    "FaultEvent",
+    "OpenLoad",
+    "RequestRecord",
+    "drain_scenario",
+    "dump_records",
+    "held",
+    "kill_scenario",
+    "run_scenario",
+    "step_error_scenario",
+    "summarize",
+    "warm_workers",
+]
+
+PROMPT = "The quick brown fox"
+
+
+@dataclass
+class RequestRecord:
+    source: str
+    adapter: str
+    due: float  # monotonic time the open-loop schedule sent it
+    started: float = 0.0
+    first_byte: float | None = None
+    ended: float = 0.0
+    status: int = 0
+    chunks: int = 0
+    outcome: str = ""
+    detail: str = ""
+    retry_after: str | None = None
+    # The longest wait without a byte: from the start, between chunks, or until the end.
+    max_gap_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+    @property
+    def latency_s(self) -> float:
+        return self.ended - self.started
+
+
+@dataclass
+class FaultEvent:
+    kind: str  # kill, drain, step_error
+    target: str
+    at: float  # monotonic time of the injection
+    # When the fault was over (the worker back and healthy in Envoy); None: never.
+    recovered_at: float | None = None
+    # Requests in flight at any moment from ``at`` to this may fail (None: the scenario's
+    # ``allowed_after_s`` after ``at``).
+    allowed_until: float | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def _stream_once(record: RequestRecord, base: str, max_tokens: int, read_timeout_s: float) -> None:
+    record.started = time.monotonic()
+    last = record.started
+
+    def progress() -> None:
+        nonlocal last
+        now = time.monotonic()
+        record.max_gap_s = max(record.max_gap_s, now - last)
+        last = now
+
+    body = {
+        "model": record.adapter,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    timeout = httpx.Timeout(read_timeout_s, connect=5.0)
+    transport = httpx.HTTPTransport(local_address=record.source)
+    try:
+        with (
+            httpx.Client(transport=transport, timeout=timeout) as client,
+            client.stream(
+                "POST",
+                f"{base}/v1/completions",
+                json=body,
+                headers={"x-adapter-id": record.adapter},
+            ) as response,
+        ):
+            record.status = response.status_code
+            record.first_byte = time.monotonic()
+            progress()
+            if response.status_code != 200:
+                record.retry_after = response.headers.get("retry-after")
+                record.detail = response.read().decode(errors="replace")[:300]
+                record.outcome = f"http_{response.status_code}"
+                return
+            done = False
+            for line in response.iter_lines():
+                progress()
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    continue
+                record.chunks += 1
+                if '"error"' in payload:
+                    with contextlib.suppress(ValueError):
+                        event = json.loads(payload)
+                        if "error" in event:
+                            record.outcome = "error_event"
+                            record.detail = json.dumps(event["error"])[:300]
+            if not record.outcome:
+                record.outcome = "ok" if done else "closed"
+    except httpx.TimeoutException as exc:
+        record.outcome = "timeout"
+        record.detail = repr(exc)[:300]
+    except httpx.ConnectError as exc:
+        record.outcome = "connect_error"
+        record.detail = repr(exc)[:300]
+    except (httpx.HTTPError, OSError) as exc:
+        record.outcome = "closed"
+        record.detail = repr(exc)[:300]
+    finally:
+        record.ended = time.monotonic()
+        record.max_gap_s = max(record.max_gap_s, record.ended - last)
+
+
+class OpenLoad:
+    """Streaming completions at ``rate_per_s`` from ``sources`` in turn, open loop: each is
+    due at start + k / rate and sent then, however many are still running.
+
+    ``read_timeout_s`` bounds the wait for any one byte: a request that waits longer ends as
+    ``timeout`` (a hang) instead of blocking the run.
+    """
+
+    def __init__(
+        self,
+        mesh: LocalMesh,
+        rate_per_s: float,
+        sources: Sequence[str],
+        adapters: Sequence[str],
+        max_tokens: int = 32,
+        read_timeout_s: float = 20.0,
+        max_in_flight: int = 128,
+    ) -> None:
+        self.mesh = mesh
+        self.rate_per_s = rate_per_s
+        self.sources = list(sources)
+        self.adapters = list(adapters)
+        self.max_tokens = max_tokens
+        self.read_timeout_s = read_timeout_s
+        self.records: list[RequestRecord] = []
+        # Due requests that found every sender busy (the schedule still counts them).
+        self.skipped = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._in_flight = threading.Semaphore(max_in_flight)
+        self._senders: list[threading.Thread] = []
+        self._thread = threading.Thread(target=self._schedule, daemon=True)
+        self.started_at = 0.0
+
+    def _send(self, record: RequestRecord) -> None:
+        # One short thread per request, entering and leaving the tenants' namespace itself:
+        # ``inside`` restores the namespace of the thread that closes it, so it must never be
+        # left for the garbage collector to close from another thread.
+        try:
+            with inside(self.mesh.tenant_ns):
+                _stream_once(
+                    record,
+                    f"http://{self.mesh.vip}:{SERVICE_PORT}",
+                    self.max_tokens,
+                    self.read_timeout_s,
+                )
+        finally:
+            self._in_flight.release()
+
+    def _schedule(self) -> None:
+        period = 1.0 / self.rate_per_s
+        k = 0
+        while not self._stop.is_set():
+            due = self.started_at + k * period
+            delay = due - time.monotonic()
+            if delay > 0 and self._stop.wait(delay):
+                return
+            i = k % (len(self.sources) * len(self.adapters))
+            record = RequestRecord(
+                self.sources[i % len(self.sources)],
+                self.adapters[(i // len(self.sources)) % len(self.adapters)],
+                due,
+            )
+            k += 1
+            if not self._in_flight.acquire(blocking=False):
+                self.skipped += 1
+                continue
+            sender = threading.Thread(target=self._send, args=(record,), daemon=True)
+            with self._lock:
+                self.records.append(record)
+                self._senders.append(sender)
+            sender.start()
+
+    def start(self) -> OpenLoad:
+        self.started_at = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[RequestRecord]:
+        """Stop sending; wait for the requests in flight (each bounded by its read timeout)."""
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            senders = list(self._senders)
+        for sender in senders:
+            sender.join()
+        with self._lock:
+            return list(self.records)
+
+    def __enter__(self) -> OpenLoad:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def completed(self) -> int:
+        with self._lock:
+            return sum(1 for r in self.records if r.ended and r.ok)
+
+
+# ---- figures -----------------------------------------------------------------------------------
+
+
+def _percentiles(values: Iterable[float]) -> dict[str, float | None]:
+    data = sorted(values)
+    if not data:
+        return {"n": 0, "p50_s": None, "p99_s": None}
+    if len(data) == 1:
+        return {"n": 1, "p50_s": round(data[0], 4), "p99_s": round(data[0], 4)}
+    cuts = statistics.quantiles(data, n=100, method="inclusive")
+    return {"n": len(data), "p50_s": round(cuts[49], 4), "p99_s": round(cuts[98], 4)}
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    faults: Sequence[FaultEvent],
+    allowed_after_s: float | None,
+) -> dict[str, Any]:
+    """Per-scenario figures.
+
+    A failed request is *allowed* when it was in flight at some moment between a fault and
+    ``allowed_after_s`` seconds after it (the fault's own ``allowed_until`` when set): in flight
+    at the fault, or started within that window. ``None`` allows none (a drain must fail
+    nothing). Phases: ``before`` (due before the first fault), ``during``
+    (due between a fault and its recovery), ``after`` (due after the last recovery); latency
+    is start to end of the requests that succeeded.
+    """
+    first = min((f.at for f in faults), default=float("inf"))
+    last_recovery = max(
+        (f.recovered_at if f.recovered_at is not None else float("inf") for f in faults),
+        default=float("-inf"),
+    )
+
+    def during(r: RequestRecord) -> bool:
+        return any(
+            f.at <= r.due <= (f.recovered_at if f.recovered_at is not None else float("inf"))
+            for f in faults
+        )
+
+    def allowed(r: RequestRecord) -> bool:
+        for f in faults:
+            if f.allowed_until is not None:
+                until = f.allowed_until
+            elif allowed_after_s is not None:
+                until = f.at + allowed_after_s
+            else:
+                continue
+            if r.started <= until and r.ended >= f.at:
+                return True
+        return False
+
+    failed = [r for r in records if not r.ok]
+    outside = [r for r in failed if not allowed(r)]
+    # How long a request that was in flight at a fault and failed took to end after it.
+    fault_to_end = [r.ended - f.at for r in failed for f in faults if r.started <= f.at <= r.ended]
+    phases = {
+        "before": [r for r in records if r.ok and r.due < first],
+        "during": [r for r in records if r.ok and during(r)],
+        "after": [r for r in records if r.ok and r.due > last_recovery],
+    }
+    return {
+        "requests_sent": len(records),
+        "requests_ok": len(records) - len(failed),
+        "failed": len(failed),
+        "failed_outside_allowed_window": len(outside),
+        "allowed_after_fault_s": allowed_after_s,
+        "outcomes": dict(Counter(r.outcome for r in records)),
+        "latency": {name: _percentiles(r.latency_s for r in rs) for name, rs in phases.items()},
+        "worst_hang_s": round(max((r.max_gap_s for r in records), default=0.0), 4),
+        "in_flight_failed_fault_to_end_max_s": round(max(fault_to_end), 4)
+        if fault_to_end
+        else None,
+        "timeouts": sum(1 for r in records if r.outcome == "timeout"),
+        "failures_sample": [
+            {
+                "outcome": r.outcome,
+                "status": r.status,
+                "detail": r.detail,
+                "retry_after": r.retry_after,
+                "started_after_first_fault_s": round(r.started - first, 3),
+            }
+            for r in failed[:8]
+        ],
+        "failures_outside_sample": [
+            {
+                "outcome": r.outcome,
+                "status": r.status,
+                "detail": r.detail,
+                "started_after_first_fault_s": round(r.started - first, 3),
+            }
+            for r in outside[:8]
+        ],
+        "faults": [
+            {
+                "kind": f.kind,
+                "target": f.target,
+                "at_s": round(f.at - first, 3),
+                "recovered_after_s": round(f.recovered_at - f.at, 3)
+                if f.recovered_at is not None
+                else None,
+                **f.notes,
+            }
+            for f in faults
+        ],
+    }
+
+
+def dump_records(path: Path, records: Sequence[RequestRecord], origin: float) -> None:
+    """Every record as one JSON line, times relative to ``origin`` (for a closer look)."""
+    with open(path, "w") as fh:
+        for r in records:
+            row = asdict(r)
+            for key in ("due", "started", "first_byte", "ended"):
+                if row[key] is not None:
+                    row[key] = round(row[key] - origin, 4)
+            fh.write(json.dumps(row) + "\n")
+
+
+# ---- scenarios -----------------------------------------------------------------------------
+
+
+def _wait(cond: Callable[[], bool], timeout: float, interval: float = 0.1) -> float | None:
+    """Poll ``cond``; the monotonic time it first held, None when ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if cond():
+                return time.monotonic()
+        time.sleep(interval)
+    return None
+
+
+def _running_on(mesh: LocalMesh, shard_id: str, j: int) -> int:
+    """Requests in worker ``j``'s running batch (its ``vllm:num_requests_running``)."""
+    addr, port = mesh.worker_endpoints(shard_id)[j]
+    text = mesh.in_node(_http_text, f"http://{addr}:{port}/metrics")
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+def _http_text(url: str) -> str:
+    return httpx.get(url, timeout=2).text
+
+
+def _when_busy(mesh: LocalMesh, shard_id: str, j: int, timeout: float = 10.0) -> int:
+    """Wait (up to ``timeout``) until worker ``j`` of ``shard_id`` is generating, so that the
+    fault meets a stream in flight; returns how many it runs (0 when it never did)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            running = _running_on(mesh, shard_id, j)
+            if running:
+                return running
+        time.sleep(0.02)
+    return 0
+
+
+def _back_in_envoy(mesh: LocalMesh, shard_id: str, j: int, timeout: float) -> float | None:
+    return _wait(lambda: mesh.envoy_host_flags(shard_id, j) == [], timeout, 0.2)
+
+
+def kill_scenario(
+    mesh: LocalMesh,
+    load: OpenLoad,
+    victim: tuple[str, int],
+    kills: int,
+    period_s: float,
+    warmup_s: float,
+    cooldown_s: float,
+) -> list[FaultEvent]:
+    """Every ``period_s``, SIGKILL the victim worker mid-stream and start it again at once;
+    each fault is over when Envoy lists the worker healthy again."""
+    shard_id, j = victim
+    time.sleep(warmup_s)
+    faults: list[FaultEvent] = []
+    for _ in range(kills):
+        cycle_start = time.monotonic()
+        on_victim = _when_busy(mesh, shard_id, j)
+        in_flight = sum(1 for r in list(load.records) if r.started and not r.ended)
+        at = mesh.kill_worker(shard_id, j)
+        event = FaultEvent(
+            "kill",
+            f"{shard_id}/{j}",
+            at,
+            notes={"in_flight_at_kill": in_flight, "victim_running_at_kill": on_victim},
+        )
+        faults.append(event)
+        ejected = _wait(lambda: bool(mesh.envoy_host_flags(shard_id, j)), 30, 0.1)
+        event.notes["envoy_flagged_after_s"] = round(ejected - at, 3) if ejected else None
+        mesh.start_worker_again(shard_id, j)
+        event.notes["worker_healthy_after_s"] = round(time.monotonic() - at, 3)
+        event.recovered_at = _back_in_envoy(mesh, shard_id, j, 60)
+        rest = period_s - (time.monotonic() - cycle_start)
+        if rest > 0:
+            time.sleep(rest)
+    time.sleep(cooldown_s)
+    return faults
+
+
+def drain_scenario(
+    mesh: LocalMesh,
+    load: OpenLoad,
+    victim: tuple[str, int],
+    warmup_s: float,
+    cooldown_s: float,
+    drains: int = 1,
+    drain_timeout_s: float = 60.0,
+) -> list[FaultEvent]:
+    """``drains`` times: SIGTERM the victim while it generates (its drain), wait for it to
+    exit, start it again and wait until Envoy lists it healthy."""
+    shard_id, j = victim
+    time.sleep(warmup_s)
+    faults: list[FaultEvent] = []
+    for _ in range(drains):
+        flagged: list[float] = []
+        stop = threading.Event()
+
+        def watch(flagged: list[float] = flagged, stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                with contextlib.suppress(Exception):
+                    if mesh.envoy_host_flags(shard_id, j):
+                        flagged.append(time.monotonic())
+                        return
+                stop.wait(0.1)
+
+        on_victim = _when_busy(mesh, shard_id, j)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        at, code = mesh.drain_worker(shard_id, j, timeout=drain_timeout_s)
+        exited = time.monotonic()
+        stop.set()
+        watcher.join()
+        event = FaultEvent(
+            "drain",
+            f"{shard_id}/{j}",
+            at,
+            notes={
+                "victim_running_at_signal": on_victim,
+                "exit_code": code,
+                "exited_after_s": round(exited - at, 3),
+                "envoy_flagged_after_s": round(flagged[0] - at, 3) if flagged else None,
+            },
+        )
+        faults.append(event)
+        mesh.start_worker_again(shard_id, j)
+        event.recovered_at = _back_in_envoy(mesh, shard_id, j, 60)
+        time.sleep(cooldown_s)
+    return faults
+
+
+def step_error_scenario(
+    mesh: LocalMesh,
+    load: OpenLoad,
+    victim: tuple[str, int],
+    trigger_base: str,
+    warmup_s: float,
+    cooldown_s: float,
+    message: str = "CUDA error: an illegal memory access was encountered (injected)",
+) -> list[FaultEvent]:
+    """Arm one injected error in the victim's next engine step (``worker/faults.py``'s
+    trigger file; the workers were started with ``ADAPTERMESH_FAULT_STEP_ERROR``)."""
+    shard_id, j = victim
+    time.sleep(warmup_s)
+    proc = mesh.worker_proc(shard_id, j)
+    trigger = Path(f"{trigger_base}.{proc.popen.pid}")
+    on_victim = _when_busy(mesh, shard_id, j)
+    at = time.monotonic()
+    trigger.write_text(message)
+    consumed = _wait(lambda: not trigger.exists(), 30, 0.02)
+    event = FaultEvent(
+        "step_error",
+        f"{shard_id}/{j}",
+        at,
+        notes={
+            "message": message,
+            "victim_running_at_arming": on_victim,
+            "consumed_after_s": round(consumed - at, 3) if consumed else None,
+            "worker_alive_after": proc.alive,
+        },
+    )
+    # Over once the step has failed (the engine serves on; nothing to restart); the requests
+    # in flight from arming to then are the ones that may be in the failed step.
+    event.recovered_at = consumed
+    event.allowed_until = consumed
+    time.sleep(cooldown_s)
+    event.notes["worker_alive_after"] = proc.alive
+    return [event]
+
+
+# ---- one scenario under load, and the issue's bounds -----------------------------------------
+
+# A request that started later than this after a kill must not fail.
+KILL_ALLOWED_AFTER_S = 2.0
+# A stream in flight at a kill ends (error event or closed connection) within this.
+IN_FLIGHT_END_BOUND_S = 1.0
+SCENARIOS = ("kill", "drain", "step_error")
+STEP_ERROR_MESSAGE = "CUDA error: an illegal memory access was encountered (injected)"
+
+
+def warm_workers(mesh: LocalMesh) -> None:
+    """Every worker serves every adapter once (a cold first request is not a fault)."""
+    for shard_id in mesh.shard_ids:
+        for j in range(mesh.config.workers_per_shard):
+            for adapter in mesh.config.adapters:
+                mesh.complete_direct(shard_id, j, adapter, "warm up", max_tokens=4)
+
+
+def held(name: str, summary: dict[str, Any]) -> dict[str, bool]:
+    """Which of the issue's bounds held in scenario ``name``'s ``summary``."""
+    no_hang = summary["timeouts"] == 0
+    if name == "kill":
+        end = summary["in_flight_failed_fault_to_end_max_s"]
+        return {
+            "in_flight_end_within_1s": end is None or end <= IN_FLIGHT_END_BOUND_S,
+            "no_failure_later_than_2s_after_a_kill": summary["failed_outside_allowed_window"] == 0,
+            "no_hang": no_hang,
+        }
+    fault = summary["faults"][0]
+    if name == "drain":
+        return {
+            "zero_failed": summary["failed"] == 0,
+            "exited_within_drain_timeout": all(f["exit_code"] == 0 for f in summary["faults"]),
+            "no_hang": no_hang,
+        }
+    failures = summary["failures_sample"]
+    return {
+        "failures_only_in_the_failed_step": summary["failed_outside_allowed_window"] == 0,
+        "failures_are_5xx_naming_the_cause": all(
+            (f["status"] >= 500 or f["outcome"] == "error_event")
+            and "illegal memory access" in f["detail"]
+            for f in failures
+        ),
+        "engine_keeps_serving": bool(fault["worker_alive_after"])
+        and summary["latency"]["after"]["n"] > 0,
+        "no_hang": no_hang,
+    }
+
+
+def run_scenario(
+    mesh: LocalMesh,
+    name: str,
+    *,
+    victim: tuple[str, int] = ("s0", 0),
+    rate_per_s: float = 1.0,
+    max_tokens: int = 24,
+    warmup_s: float = 6.0,
+    cooldown_s: float = 6.0,
+    read_timeout_s: float = 20.0,
+    kills: int = 1,
+    kill_period_s: float = 20.0,
+    drains: int = 1,
+    trigger_base: str | None = None,
+    records_path: Path | None = None,
+) -> dict[str, Any]:
+    """Scenario ``name`` (kill, drain or step_error) under a fresh :class:`OpenLoad`; its
+    :func:`summarize` figures with ``held`` (the bounds) and the load's settings."""
+    if name not in SCENARIOS:
+        raise ValueError(f"scenario: {name!r} is not one of {', '.join(SCENARIOS)}")
+    load = OpenLoad(
+        mesh,
+        rate_per_s,
+        mesh.tenants,
+        list(mesh.config.adapters),
+        max_tokens=max_tokens,
+        read_timeout_s=read_timeout_s,
+    )
+    with load:
+        if name == "kill":
+            faults = kill_scenario(
+                mesh,
+                load,
+                victim,
+                kills=kills,
+                period_s=kill_period_s,
+                warmup_s=warmup_s,
+                cooldown_s=cooldown_s,
+            )
+        elif name == "drain":
+            faults = drain_scenario(
+                mesh, load, victim, warmup_s=warmup_s, cooldown_s=cooldown_s, drains=drains
+            )
+        else:
+            if trigger_base is None:
+                raise ValueError("step_error: trigger_base (ADAPTERMESH_FAULT_STEP_ERROR) unset")
+            faults = step_error_scenario(
+                mesh,
+                load,
+                victim,
+                trigger_base,
+                warmup_s=warmup_s,
+                cooldown_s=cooldown_s,
+                message=STEP_ERROR_MESSAGE,
+            )
+    records = load.records
+    if records_path is not None:
+        records_path.parent.mkdir(parents=True, exist_ok=True)
+        dump_records(records_path, records, load.started_at)
+    allowed = {"kill": KILL_ALLOWED_AFTER_S, "drain": None, "step_error": 0.0}[name]
+    summary = summarize(records, faults, allowed)
+    summary["open_loop_skipped"] = load.skipped
+    summary["load"] = {
+        "rate_per_s": rate_per_s,
+        "max_tokens": max_tokens,
+        "read_timeout_s": read_timeout_s,
+    }
+    summary["held"] = held(name, summary)
+    return summary
