@@ -140,3 +140,28 @@ def test_normalise_cidr_gives_one_spelling_per_prefix() -> None:
     assert rules.normalise_cidr("fe80:0::/64") == rules.normalise_cidr("fe80::/64")
     with pytest.raises(rules.RuleError, match="zone"):
         rules.normalise_cidr("fe80::1%eth0/128")
+
+
+def test_a_shard_as_written_needs_steering_or_a_service() -> None:
+    bare = pb.Shard(id="s0", state=pb.SHARD_STATE_ACTIVE)
+    bare.endpoints.add(address="10.0.0.1", port=8000, weight=1)
+    with pytest.raises(rules.RuleError) as err:
+        rules.check_shard(bare, "shard")
+    assert err.value.field == "shard.steer"
+    # As published (stored before this rule): still carried, so agents keep applying it.
+    rules.check_shard(bare, "shards[0]", published=True)
+    with_service = pb.Shard()
+    with_service.CopyFrom(bare)
+    with_service.service_address, with_service.service_port = "10.96.0.10", 8080
+    rules.check_shard(with_service, "shard")
+    steered = pb.Shard()
+    steered.CopyFrom(bare)
+    steered.steer.mark.mark = 7
+    rules.check_shard(steered, "shard")
+
+
+def test_long_input_is_quoted_as_a_prefix_and_its_length() -> None:
+    with pytest.raises(rules.RuleError) as err:
+        rules.normalise_cidr("1" * 1_000_000, "cidr")
+    assert len(str(err.value)) < 400
+    assert "(1000000 characters)" in str(err.value)

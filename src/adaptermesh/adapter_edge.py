@@ -20,6 +20,7 @@ from adaptermesh.assignment_rules import (
     MAX_SHARDS,
     RuleError,
     normalise_cidr,
+    quote,
 )
 
 if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
@@ -96,22 +97,22 @@ def check_path(path: str, protocol: str, field: str) -> None:
         if not GRPC_SERVICE_RE.match(path):
             raise RuleError(
                 field,
-                f"{path!r}: a grpc route is a service prefix such as '/credit.risk.v2.Inference/'",
+                f"{quote(path)}: a grpc route is a service prefix such as '/credit.risk.v2.Inference/'",
             )
     elif not _HTTP_PATH_RE.match(path):
         raise RuleError(
             field,
-            f"{path!r}: a path of plain segments such as '/v1/evaluate' "
+            f"{quote(path)}: a path of plain segments such as '/v1/evaluate' "
             "(no query, trailing slash, '.', '..' or percent-encoding)",
         )
     if path in RESERVED_PATHS or path.startswith(_RESERVED_PREFIXES):
-        raise RuleError(field, f"{path!r} is one of the mesh's own paths")
+        raise RuleError(field, f"{quote(path)} is one of the mesh's own paths")
 
 
 def _check_protocol(value: str, field: str) -> str:
     protocol = protocol_of(value)
     if protocol not in PROTOCOLS:
-        raise RuleError(field, f"{value!r} is not one of {', '.join(PROTOCOLS)}")
+        raise RuleError(field, f"{quote(value)} is not one of {', '.join(PROTOCOLS)}")
     return protocol
 
 
@@ -121,9 +122,9 @@ def _check_scopes(scopes: Iterable[str], field: str) -> None:
         if i >= MAX_SCOPES:
             raise RuleError(field, f"at most {MAX_SCOPES}")
         if not SCOPE_RE.match(scope):
-            raise RuleError(f"{field}[{i}]", f"{scope!r} must match {SCOPE_RE.pattern}")
+            raise RuleError(f"{field}[{i}]", f"{quote(scope)} must match {SCOPE_RE.pattern}")
         if scope in seen:
-            raise RuleError(f"{field}[{i}]", f"duplicate scope {scope!r}")
+            raise RuleError(f"{field}[{i}]", f"duplicate scope {quote(scope)}")
         seen.add(scope)
 
 
@@ -133,11 +134,11 @@ def _check_shard_list(ids: Iterable[str], known: set[str] | None, field: str) ->
         if i >= MAX_SHARDS:
             raise RuleError(field, f"at most {MAX_SHARDS}")
         if not _SHARD_ID_RE.match(shard_id):
-            raise RuleError(f"{field}[{i}]", f"{shard_id!r} is not a shard id")
+            raise RuleError(f"{field}[{i}]", f"{quote(shard_id)} is not a shard id")
         if known is not None and shard_id not in known:
-            raise RuleError(f"{field}[{i}]", f"no shard {shard_id!r}")
+            raise RuleError(f"{field}[{i}]", f"no shard {quote(shard_id)}")
         if shard_id in out:
-            raise RuleError(f"{field}[{i}]", f"duplicate shard {shard_id!r}")
+            raise RuleError(f"{field}[{i}]", f"duplicate shard {quote(shard_id)}")
         out.append(shard_id)
     return out
 
@@ -161,7 +162,7 @@ def check_instance(
                 raise RuleError(f"{where}.weight", "a path route has no weight")
             check_path(route.path, protocol, f"{where}.path")
             if route.path in paths:
-                raise RuleError(f"{where}.path", f"duplicate path {route.path!r}")
+                raise RuleError(f"{where}.path", f"duplicate path {quote(route.path)}")
             paths.add(route.path)
     if len(paths) > MAX_PATHS:
         raise RuleError(f"{field}.routes", f"at most {MAX_PATHS} paths")
@@ -175,13 +176,13 @@ def check_instance(
         for i, shard_id in enumerate(pinned):
             if shard_id not in allowed:
                 raise RuleError(
-                    f"{pw}.pinned_shards[{i}]", f"{shard_id!r} is not in placement.shards"
+                    f"{pw}.pinned_shards[{i}]", f"{quote(shard_id)} is not in placement.shards"
                 )
         for i, route in enumerate(inst.routes):
             if route.shard_id and route.shard_id not in allowed:
                 raise RuleError(
                     f"{field}.routes[{i}].shard_id",
-                    f"{route.shard_id!r} is not in placement.shards {allowed}",
+                    f"{quote(route.shard_id)} is not in placement.shards {allowed}",
                 )
 
 
@@ -236,7 +237,7 @@ def check_edges(assignment: assignment_pb2.Assignment) -> None:
         if edge.name in names:
             raise RuleError(
                 f"{field}.name",
-                f"duplicate adapter {edge.name!r} (also adapters[{names[edge.name]}])",
+                f"duplicate adapter {quote(edge.name)} (also adapters[{names[edge.name]}])",
             )
         names[edge.name] = i
         protocol = _check_protocol(edge.protocol, f"{field}.protocol")
@@ -246,7 +247,8 @@ def check_edges(assignment: assignment_pb2.Assignment) -> None:
             check_path(path, protocol, f"{field}.paths[{j}]")
             if path in owners:
                 raise RuleError(
-                    f"{field}.paths[{j}]", f"{path!r} already reaches adapter {owners[path]!r}"
+                    f"{field}.paths[{j}]",
+                    f"{quote(path)} already reaches adapter {quote(owners[path])}",
                 )
             owners[path] = edge.name
         _check_scopes(edge.scopes, f"{field}.scopes")

@@ -21,7 +21,7 @@ import functools
 import hashlib
 import ipaddress
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the lazy re-export hides the generated types from mypy
@@ -39,6 +39,7 @@ __all__ = [
     "MAX_APPLY_ERROR",
     "MAX_ASSIGNMENT_BYTES",
     "MAX_ENDPOINTS",
+    "MAX_ERROR_MESSAGE",
     "MAX_IFNAME",
     "MAX_LABELS",
     "MAX_LABEL_KEY",
@@ -46,6 +47,7 @@ __all__ = [
     "MAX_NODES",
     "MAX_NODE_ID",
     "MAX_PINS",
+    "MAX_QUOTED",
     "MAX_REASON",
     "MAX_RULES_DOCUMENT_BYTES",
     "MAX_SHARDS",
@@ -57,6 +59,7 @@ __all__ = [
     "VERSION_SEPARATOR",
     "WEIGHT_BUDGET",
     "RuleError",
+    "bounded_message",
     "check_adapter_name",
     "check_address",
     "check_assignment",
@@ -74,6 +77,7 @@ __all__ = [
     "cidr_network",
     "mac_bytes",
     "normalise_cidr",
+    "quote",
     "served_name",
 ]
 
@@ -126,6 +130,54 @@ _DRAINING = assignment_pb2.SHARD_STATE_DRAINING
 _STATES = (assignment_pb2.SHARD_STATE_UNSPECIFIED, _ACTIVE, _DRAINING)
 
 
+# Client input quoted in an error message: this many characters of it, then its length. A
+# megabyte name would otherwise travel back whole in the error, and a gRPC status that large
+# exceeds the client's metadata limit (it then sees RESOURCE_EXHAUSTED, not the error meant).
+MAX_QUOTED = 64
+# Any error message that crosses a process boundary (a gRPC status, an HTTP error body) is cut
+# to this many UTF-8 bytes, whatever it quotes: the backstop behind ``quote``. (gRPC
+# percent-encodes a status message's non-ASCII bytes, so it travels in at most 3x that.)
+MAX_ERROR_MESSAGE = 768
+
+
+def quote(value: object, limit: int = MAX_QUOTED) -> str:
+    """``value`` as an error message quotes it: ``repr`` of at most ``limit`` characters, and
+    for a longer one its first ``limit`` characters and its length:
+    ``'aaaa…' (1048576 characters)``. Every message that quotes client input uses this."""
+    if not isinstance(value, str):
+        text = repr(value)
+        if len(text) <= limit:
+            return text
+        return f"{text[:limit]}… ({len(text)} characters)"
+    if len(value) <= limit:
+        return repr(value)
+    head = repr(value[:limit])
+    return f"{head[:-1]}…{head[-1]} ({len(value)} characters)"
+
+
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def bounded_message(
+    text: str, limit: int = MAX_ERROR_MESSAGE, size: Callable[[str], int] = _utf8_size
+) -> str:
+    """``text`` cut so that ``size`` of it (UTF-8 bytes unless told) is at most ``limit``: an
+    error message about to leave the process. A cut one ends with ``… (N characters)``."""
+    if size(text) <= limit:
+        return text
+    tail = f"… ({len(text)} characters)"
+    room = limit - size(tail)
+    low, high = 0, max(0, min(len(text), room))  # every character costs at least 1
+    while low < high:  # the longest prefix that fits
+        middle = (low + high + 1) // 2
+        if size(text[:middle]) <= room:
+            low = middle
+        else:
+            high = middle - 1
+    return text[:low] + tail
+
+
 class RuleError(ValueError):
     """A value breaks a rule; ``field`` names it, ``message`` says what is allowed."""
 
@@ -147,7 +199,7 @@ def check_shard_id(value: str, field: str) -> None:
     if not value:
         raise RuleError(field, "required")
     if not SHARD_ID_RE.match(value):
-        raise RuleError(field, f"{value[:80]!r} must match {SHARD_ID_RE.pattern}")
+        raise RuleError(field, f"{quote(value)} must match {SHARD_ID_RE.pattern}")
 
 
 def check_address(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -156,17 +208,28 @@ def check_address(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.I
     if not value:
         raise RuleError(field, "required")
     if "%" in value:
-        raise RuleError(field, f"{value[:80]!r}: scoped addresses (%zone) are not allowed")
+        raise RuleError(field, f"{quote(value)}: scoped addresses (%zone) are not allowed")
     try:
         return ipaddress.ip_address(value)
     except ValueError:
-        raise RuleError(field, f"{value[:80]!r} is not an IP address") from None
+        raise RuleError(field, f"{quote(value)} is not an IP address") from None
+
+
+# The longest IP address text ("ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255" is 45), with
+# room for a prefix length: longer text is refused before a cache could keep it.
+_MAX_ADDRESS_TEXT = 64
+
+
+def _address_key(value: str) -> str | None:
+    """The canonical text of an acceptable address, None otherwise (check_address words it)."""
+    if len(value) > _MAX_ADDRESS_TEXT:
+        return None
+    return _cached_address_key(value)
 
 
 @functools.lru_cache(maxsize=1 << 15)
-def _address_key(value: str) -> str | None:
-    """The canonical text of an acceptable address, None otherwise (check_address words it).
-    Cached: an Assignment repeats the same few thousand worker addresses every few seconds."""
+def _cached_address_key(value: str) -> str | None:
+    """Cached: an Assignment repeats the same few thousand worker addresses every few seconds."""
     if not value or "%" in value:
         return None
     try:
@@ -175,9 +238,14 @@ def _address_key(value: str) -> str | None:
         return None
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def _adapter_ok(name: str) -> bool:
-    return 0 < len(name) <= MAX_ADAPTER_NAME and name.isprintable()
+    # The length first: the cache below then never keeps a long name a client sent.
+    return 0 < len(name) <= MAX_ADAPTER_NAME and _printable(name)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _printable(name: str) -> bool:
+    return name.isprintable()
 
 
 def check_adapter_name(value: str, field: str) -> None:
@@ -185,7 +253,7 @@ def check_adapter_name(value: str, field: str) -> None:
     if not _adapter_ok(value) or VERSION_SEPARATOR in value or value != value.strip():
         raise RuleError(
             field,
-            f"{value[:80]!r} must be 1-{MAX_ADAPTER_NAME - 66} printable "
+            f"{quote(value)} must be 1-{MAX_ADAPTER_NAME - 66} printable "
             f"characters without {VERSION_SEPARATOR!r} or surrounding spaces",
         )
     if len(value) > MAX_ADAPTER_NAME - 66:  # room for "@" and the longest version
@@ -199,7 +267,7 @@ def check_version(value: str, field: str, *, allow_empty: bool = True) -> None:
     if not VERSION_RE.match(value):
         raise RuleError(
             field,
-            f"{value[:80]!r} is not a version: 1-64 of A-Z a-z 0-9 . _ -, "
+            f"{quote(value)} is not a version: 1-64 of A-Z a-z 0-9 . _ -, "
             "starting with a letter or digit",
         )
 
@@ -220,7 +288,7 @@ def check_split(split: assignment_pb2.AdapterSplit, field: str) -> None:
         )
     if split.canary_share and split.canary_version == split.stable_version:
         raise RuleError(
-            f"{field}.canary_version", f"equals the stable version {split.stable_version!r}"
+            f"{field}.canary_version", f"equals the stable version {quote(split.stable_version)}"
         )
     _text(split.rollout_id, f"{field}.rollout_id", 64)
 
@@ -235,7 +303,7 @@ def mac_bytes(value: str, field: str) -> bytes | None:
     if not value:
         return None
     if not _MAC_RE.match(value):
-        raise RuleError(field, f"invalid MAC address {value[:80]!r} (want aa:bb:cc:dd:ee:ff)")
+        raise RuleError(field, f"invalid MAC address {quote(value)} (want aa:bb:cc:dd:ee:ff)")
     return bytes(int(p, 16) for p in value.split(":"))
 
 
@@ -252,21 +320,21 @@ def check_labels(labels: Mapping[str, str], field: str) -> None:
         raise RuleError(field, f"at most {MAX_LABELS} labels, got {len(labels)}")
     for k, v in labels.items():
         if not k or len(k) > MAX_LABEL_KEY:
-            raise RuleError(f"{field}[{k[:80]!r}]", f"label keys are 1-{MAX_LABEL_KEY} characters")
+            raise RuleError(f"{field}[{quote(k)}]", f"label keys are 1-{MAX_LABEL_KEY} characters")
         if len(v) > MAX_LABEL_VALUE:
             raise RuleError(
-                f"{field}[{k!r}]", f"label values are at most {MAX_LABEL_VALUE} characters"
+                f"{field}[{quote(k)}]", f"label values are at most {MAX_LABEL_VALUE} characters"
             )
     policy = labels.get(LB_POLICY_LABEL)
     if policy is not None and policy not in LB_POLICIES:
         raise RuleError(
-            f"{field}[{LB_POLICY_LABEL}]", f"{policy[:80]!r} is not one of {', '.join(LB_POLICIES)}"
+            f"{field}[{LB_POLICY_LABEL}]", f"{quote(policy)} is not one of {', '.join(LB_POLICIES)}"
         )
     protocol = labels.get(UPSTREAM_PROTOCOL_LABEL)
     if protocol is not None and protocol not in UPSTREAM_PROTOCOLS:
         raise RuleError(
             f"{field}[{UPSTREAM_PROTOCOL_LABEL}]",
-            f"{protocol[:80]!r} is not one of {', '.join(UPSTREAM_PROTOCOLS)}",
+            f"{quote(protocol)} is not one of {', '.join(UPSTREAM_PROTOCOLS)}",
         )
 
 
@@ -295,7 +363,9 @@ def normalise_cidr(text: str, field: str = "cidr") -> str:
     try:
         return _canonical_cidr(text)
     except ValueError as exc:
-        raise RuleError(field, f"{text[:80]!r} is not a valid CIDR ({exc})") from None
+        # ipaddress's own message repeats the text (or a piece of it): quoted, and cut.
+        detail = bounded_message(str(exc).replace(repr(text), quote(text)), 160)
+        raise RuleError(field, f"{quote(text)} is not a valid CIDR ({detail})") from None
 
 
 # -- a shard ---------------------------------------------------------------------------------
@@ -314,7 +384,7 @@ def check_steer(steer: assignment_pb2.Steer, field: str, kind: str | None = "?")
             ipaddress.IPv4Address(t.remote_ipv4)
         except ValueError:
             raise RuleError(
-                f"{field}.tunnel.remote_ipv4", f"{t.remote_ipv4[:80]!r} is not an IPv4 address"
+                f"{field}.tunnel.remote_ipv4", f"{quote(t.remote_ipv4)} is not an IPv4 address"
             ) from None
         if not 0 < t.vni <= MAX_VNI:
             raise RuleError(f"{field}.tunnel.vni", f"{t.vni} is not in 1..{MAX_VNI}")
@@ -328,7 +398,9 @@ def check_steer(steer: assignment_pb2.Steer, field: str, kind: str | None = "?")
                 f"{field}.redirect.ifname", f"interface names are at most {MAX_IFNAME} characters"
             )
         if not r.ifname.isprintable() or any(c in r.ifname for c in "/ "):
-            raise RuleError(f"{field}.redirect.ifname", f"{r.ifname!r} is not an interface name")
+            raise RuleError(
+                f"{field}.redirect.ifname", f"{quote(r.ifname)} is not an interface name"
+            )
         check_mac(r.dst_mac, f"{field}.redirect.dst_mac")
     elif kind == "mark" and steer.mark.mark == 0:
         raise RuleError(f"{field}.mark.mark", "must be non-zero (0 means no mark)")
@@ -339,7 +411,13 @@ def check_shard(
 ) -> None:
     """One shard's own fields. ``published``: as it appears in an Assignment (state set,
     index in the maps' range, endpoint weights >= 1), not as an operator writes it;
-    ``weighted``: only the endpoint weights (what Envoy's EDS needs)."""
+    ``weighted``: only the endpoint weights (what Envoy's EDS needs).
+
+    As an operator writes it (neither flag), a shard also needs a way in: steering (tunnel,
+    redirect or mark) or a service listener. One with neither would get weight at once while
+    no packet could reach it. Published shards are not held to this, so an Assignment that
+    carries a shard stored before the rule still publishes and applies."""
+    as_written = not (weighted or published)
     weighted = weighted or published
     check_shard_id(shard.id, f"{field}.id")
     if shard.state not in _STATES or (published and shard.state not in (_ACTIVE, _DRAINING)):
@@ -376,12 +454,19 @@ def check_shard(
             k = next(k for k, name in enumerate(adapters) if not _adapter_ok(name))
             raise RuleError(
                 f"{field}.endpoints[{j}].adapters[{k}]",
-                f"{adapters[k][:80]!r} must be 1-{MAX_ADAPTER_NAME} printable characters",
+                f"{quote(adapters[k])} must be 1-{MAX_ADAPTER_NAME} printable characters",
             )
-    check_steer(shard.steer, f"{field}.steer")
+    kind = shard.steer.WhichOneof("target")
+    check_steer(shard.steer, f"{field}.steer", kind)
     if shard.service_address or shard.service_port:
         check_address(shard.service_address, f"{field}.service_address")
         check_port(shard.service_port, f"{field}.service_port")
+    elif as_written and kind is None:
+        raise RuleError(
+            f"{field}.steer",
+            "a shard needs steering (tunnel, redirect or mark) or a service_address and "
+            "service_port; it has neither, so it would get weight but no traffic",
+        )
     check_labels(shard.labels, f"{field}.labels")
 
 
@@ -408,7 +493,9 @@ def check_shard_set(shards: Sequence[assignment_pb2.Shard], max_shards: int = MA
         if not s.id:
             raise RuleError(f"shards[{i}].id", "must not be empty")
         if s.id in ids:
-            raise RuleError(f"shards[{i}].id", f"duplicate id {s.id!r} (also shards[{ids[s.id]}])")
+            raise RuleError(
+                f"shards[{i}].id", f"duplicate id {quote(s.id)} (also shards[{ids[s.id]}])"
+            )
         ids[s.id] = i
         if s.index >= max_shards:
             raise RuleError(f"shards[{i}].index", f"{s.index} is out of range 0..{max_shards - 1}")
@@ -470,7 +557,7 @@ def check_assignment(a: assignment_pb2.Assignment) -> None:
             raise RuleError(
                 f"adapter_splits[{i}].adapter",
                 f"duplicate adapter "
-                f"{split.adapter!r} (also adapter_splits[{split_of[split.adapter]}])",
+                f"{quote(split.adapter)} (also adapter_splits[{split_of[split.adapter]}])",
             )
         split_of[split.adapter] = i
 
@@ -493,8 +580,14 @@ def check_routing_rules(r: assignment_pb2.RoutingRules, field: str = "routing_ru
         raise RuleError(f"{field}.digest", "is not the SHA-256 of document_json")
 
 
-@functools.lru_cache(maxsize=1 << 17)
 def _canonical_or_none(text: str) -> str | None:
+    if len(text) > _MAX_ADDRESS_TEXT:
+        return None
+    return _cached_canonical_or_none(text)
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _cached_canonical_or_none(text: str) -> str | None:
     try:
         return _canonical_cidr(text)
     except ValueError:
@@ -525,6 +618,6 @@ def _check_pins(pins: Iterable[assignment_pb2.Pin], states: Mapping[str, int]) -
 def _check_target(states: Mapping[str, int], shard_id: str, field: str) -> None:
     state = states.get(shard_id)
     if state is None:
-        raise RuleError(field, f"unknown shard {shard_id[:80]!r}")
+        raise RuleError(field, f"unknown shard {quote(shard_id)}")
     if state != _ACTIVE:
-        raise RuleError(field, f"shard {shard_id!r} is DRAINING")
+        raise RuleError(field, f"shard {quote(shard_id)} is DRAINING")

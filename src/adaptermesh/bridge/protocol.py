@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from adaptermesh.assignment_rules import MAX_QUOTED, quote
+
 __all__ = [
     "ENDPOINTS",
     "FIELDS",
@@ -167,7 +169,8 @@ def parse_request(
 
     for key in doc:
         if key not in FIELDS:
-            return bad(str(key), f"unknown field (a request has {', '.join(FIELDS)})", **found)
+            name = str(key) if len(str(key)) <= MAX_QUOTED else quote(str(key))
+            return bad(name, f"unknown field (a request has {', '.join(FIELDS)})", **found)
     if "id" not in doc:
         return bad("id", "is required (the idempotency key)", **found)
     if (why := _valid_id(raw_id)) is not None:
@@ -188,7 +191,7 @@ def parse_request(
         return bad("endpoint", f"is required: one of {', '.join(ENDPOINTS)}", **found)
     if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
         return bad(
-            "endpoint", f"must be one of {', '.join(ENDPOINTS)}, got {endpoint!r:.80}", **found
+            "endpoint", f"must be one of {', '.join(ENDPOINTS)}, got {quote(endpoint)}", **found
         )
     body = doc.get("body")
     if body is None:

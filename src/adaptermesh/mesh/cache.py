@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from adaptermesh.assignment_rules import quote
 from adaptermesh.mesh.metrics import XdsMetrics, default_metrics
 from adaptermesh.mesh.snapshot import (
     BuildOptions,
@@ -65,7 +66,7 @@ class StaleVersionError(ValueError):
 
     def __init__(self, key: str, version: int, current: int) -> None:
         super().__init__(
-            f"version: assignment version {version} for {key!r} is not newer than the "
+            f"version: assignment version {version} for {quote(key)} is not newer than the "
             f"published version {current}"
         )
         self.field = "version"
@@ -225,7 +226,7 @@ class SnapshotCache:
                 if snapshot.resource_versions == current.snapshot.resource_versions:
                     return snapshot.version
                 raise ValueError(
-                    f"version: snapshot version {snapshot.version!r} for {key!r} "
+                    f"version: snapshot version {quote(snapshot.version)} for {quote(key)} "
                     "is already published with other content"
                 )
         except (ValueError, InconsistentSnapshotError) as exc:

@@ -259,11 +259,13 @@ class Snapshot:
         by_type: dict[str, dict[str, Message]] = {t: {} for t in ADS_TYPE_ORDER}
         for type_url, listed in resources.items():
             if type_url not in by_type:
-                raise ValueError(f"unsupported resource type {type_url!r}")
+                raise ValueError(f"unsupported resource type {rules.quote(type_url)}")
             for item in listed:
                 name = _resource_name(item)
                 if name in by_type[type_url]:
-                    raise InconsistentSnapshotError([f"duplicate {_short(type_url)} {name!r}"])
+                    raise InconsistentSnapshotError(
+                        [f"duplicate {_short(type_url)} {rules.quote(name)}"]
+                    )
                 by_type[type_url][name] = item
         hashes: dict[str, dict[str, str]] = {}
         packed: dict[str, dict[str, any_pb2.Any]] = {}
@@ -307,20 +309,20 @@ class Snapshot:
             for name, message in items.items():
                 if _resource_name(message) != name:
                     problems.append(
-                        f"{_short(type_url)} stored as {name!r} is named "
-                        f"{_resource_name(message)!r}"
+                        f"{_short(type_url)} stored as {rules.quote(name)} is named "
+                        f"{rules.quote(_resource_name(message))}"
                     )
         for name, listener in listeners.items():
             for route_name in _listener_rds_names(listener):
                 if route_name not in routes:
                     problems.append(
-                        f"listener {name!r} uses missing route configuration {route_name!r}"
+                        f"listener {rules.quote(name)} uses missing route configuration {rules.quote(route_name)}"
                     )
         for name, route_config in routes.items():
             for target in _route_clusters(route_config):
                 if target not in clusters:
                     problems.append(
-                        f"route configuration {name!r} names missing cluster {target!r}"
+                        f"route configuration {rules.quote(name)} names missing cluster {rules.quote(target)}"
                     )
         eds_names: set[str] = set()
         for name, message in clusters.items():
@@ -329,10 +331,12 @@ class Snapshot:
                 service = cluster.eds_cluster_config.service_name or name
                 eds_names.add(service)
                 if service not in endpoints:
-                    problems.append(f"EDS cluster {name!r} has no endpoints resource {service!r}")
+                    problems.append(
+                        f"EDS cluster {rules.quote(name)} has no endpoints resource {rules.quote(service)}"
+                    )
         for name in endpoints:
             if name not in eds_names:
-                problems.append(f"endpoints {name!r} belong to no EDS cluster")
+                problems.append(f"endpoints {rules.quote(name)} belong to no EDS cluster")
         if problems:
             raise InconsistentSnapshotError(problems)
 
@@ -349,7 +353,7 @@ def validate_assignment(assignment: assignment_pb2.Assignment) -> None:
         where = f"shards[{i}]"
         rules.check_shard(shard, where, weighted=True)
         if shard.id in seen_ids:
-            raise AssignmentError(f"{where}.id", f"duplicate shard id {shard.id!r}")
+            raise AssignmentError(f"{where}.id", f"duplicate shard id {rules.quote(shard.id)}")
         seen_ids.add(shard.id)
         if not shard.service_address:
             continue  # no listener for this shard
@@ -358,7 +362,7 @@ def validate_assignment(assignment: assignment_pb2.Assignment) -> None:
             raise AssignmentError(
                 f"{where}.service_port",
                 f"{shard.service_address}:{shard.service_port} is already the listener of "
-                f"shard {seen_listeners[key]!r}",
+                f"shard {rules.quote(seen_listeners[key])}",
             )
         seen_listeners[key] = shard.id
     adapter_edge.check_edges(assignment)
@@ -375,10 +379,12 @@ def build_snapshot(
     """
     opts = options or BuildOptions()
     if opts.lb_policy not in _LB_POLICIES:
-        raise ValueError(f"BuildOptions.lb_policy {opts.lb_policy!r} not in {_LB_POLICIES}")
+        raise ValueError(
+            f"BuildOptions.lb_policy {rules.quote(opts.lb_policy)} not in {_LB_POLICIES}"
+        )
     if opts.upstream_protocol not in _UPSTREAM_PROTOCOLS:
         raise ValueError(
-            f"BuildOptions.upstream_protocol {opts.upstream_protocol!r} not in "
+            f"BuildOptions.upstream_protocol {rules.quote(opts.upstream_protocol)} not in "
             f"{_UPSTREAM_PROTOCOLS}"
         )
     validate_assignment(assignment)

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import cel
 
+from adaptermesh.assignment_rules import quote
 from adaptermesh.rules.guards import Screen, parse, screen_of
 from adaptermesh.rules.index import RuleIndex, build_index, members
 from adaptermesh.rules.model import Action, Rule, RuleError, RuleSet
@@ -146,20 +147,20 @@ def _check_names(rule: Rule, src: str) -> None:
             binds_next = False
         elif called:
             if name not in _FUNCTIONS:
-                raise RuleError(rule.name, f"unknown function {name!r}", line=line, column=col)
+                raise RuleError(rule.name, f"unknown function {quote(name)}", line=line, column=col)
             binds_next = dotted and name in _MACROS
         elif dotted:
             if previous == "request" and name not in _REQUEST_FIELDS:
                 raise RuleError(
                     rule.name,
-                    f"request has no field {name!r} (it has {', '.join(sorted(_REQUEST_FIELDS))})",
+                    f"request has no field {quote(name)} (it has {', '.join(sorted(_REQUEST_FIELDS))})",
                     line=line,
                     column=col,
                 )
         elif name not in _VARIABLES and name not in _KEYWORDS and name not in bound:
             raise RuleError(
                 rule.name,
-                f"undeclared variable {name!r} (declared: {', '.join(sorted(_VARIABLES))})",
+                f"undeclared variable {quote(name)} (declared: {', '.join(sorted(_VARIABLES))})",
                 line=line,
                 column=col,
             )
@@ -194,14 +195,14 @@ def _compile_rule(rule: Rule) -> cel.Program:
     _check_names(rule, src)
     unknown = sorted(f for f in program.functions() if f[0].isalpha() and f not in _FUNCTIONS)
     if unknown:
-        raise RuleError(rule.name, f"unknown function {unknown[0]!r}")
+        raise RuleError(rule.name, f"unknown function {quote(unknown[0])}")
     for m in _LITERAL_CIDR.finditer(src):
         try:
             _network(m.group(1))
         except ValueError:
             line, col = _line_col(src, m.start(1) - 1)
             raise RuleError(
-                rule.name, f"inCidr: {m.group(1)!r} is not a CIDR", line=line, column=col
+                rule.name, f"inCidr: {quote(m.group(1))} is not a CIDR", line=line, column=col
             ) from None
     for context in _probe_contexts(src):
         try:

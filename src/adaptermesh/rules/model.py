@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from adaptermesh.assignment_rules import SHARD_ID_RE
+from adaptermesh.assignment_rules import SHARD_ID_RE, bounded_message, quote
 
 __all__ = [
     "MAX_RULES",
@@ -50,11 +50,12 @@ class RuleError(ValueError):
         self, rule: str, message: str, *, line: int | None = None, column: int | None = None
     ) -> None:
         self.rule = rule
-        self.message = message
+        # A library's message may repeat the whole expression: cut, as any quoted input is.
+        self.message = message = bounded_message(message, 512)
         self.line = line
         self.column = column
         where = f" at {line}:{column}" if line is not None and column is not None else ""
-        super().__init__(f"rule {rule!r}{where}: {message}")
+        super().__init__(f"rule {quote(rule)}{where}: {message}")
 
 
 @dataclass(frozen=True)
@@ -96,15 +97,15 @@ def _action(rule: str, raw: Mapping[str, Any]) -> Action:
     value = raw[kind]
     if kind == "shard":
         if not isinstance(value, str) or not SHARD_ID_RE.match(value):
-            raise RuleError(rule, f"shard: {value!r} is not a shard id")
+            raise RuleError(rule, f"shard: {quote(value)} is not a shard id")
         return Action("shard", value)
     if kind == "adapter_version":
         if not isinstance(value, str) or not _VERSION.match(value):
-            raise RuleError(rule, f"adapter_version: {value!r} is not a version")
+            raise RuleError(rule, f"adapter_version: {quote(value)} is not a version")
         return Action("adapter_version", value)
     if kind == "priority":
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 9:
-            raise RuleError(rule, f"priority: {value!r} is not an integer 0-9")
+            raise RuleError(rule, f"priority: {quote(value)} is not an integer 0-9")
         return Action("priority", str(value))
     return _reject(rule, value)
 
@@ -115,7 +116,7 @@ def _reject(rule: str, value: Any) -> Action:
     status = value.get("status", 403)
     message = value.get("message", "rejected by routing rule")
     if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
-        raise RuleError(rule, f"reject.status: {status!r} is not an HTTP status 400-599")
+        raise RuleError(rule, f"reject.status: {quote(status)} is not an HTTP status 400-599")
     if not isinstance(message, str) or len(message) > 256:
         raise RuleError(rule, "reject.message: needs a string of at most 256 characters")
     return Action("reject", "", status, message)
@@ -140,7 +141,7 @@ def parse_rule_set(raw: Mapping[str, Any]) -> RuleSet:
             raise RuleError(f"#{i}", "each rule must be a mapping")
         name = item.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise RuleError(f"#{i}", f"name: {name!r} must match {_NAME.pattern}")
+            raise RuleError(f"#{i}", f"name: {quote(name)} must match {_NAME.pattern}")
         if name in seen:
             raise RuleError(name, "name: used twice")
         seen.add(name)
@@ -158,7 +159,7 @@ def parse_rule_set(raw: Mapping[str, Any]) -> RuleSet:
     max_us = budget_raw.get("max_us", budget.max_us)
     for key, val in (("max_rules", max_rules), ("max_us", max_us)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise RuleError("<set>", f"budget.{key}: {val!r} must be a positive integer")
+            raise RuleError("<set>", f"budget.{key}: {quote(val)} must be a positive integer")
     fallback_raw = raw.get("fallback", "pass")
     fallback: Action | None
     if fallback_raw == "pass":

@@ -32,6 +32,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from adaptermesh.assignment_rules import MAX_QUOTED, quote
 from adaptermesh.worker.types import MAX_LOGPROBS
 
 __all__ = [
@@ -486,6 +487,8 @@ def _param(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
         name = str(part) or '""'  # an unknown field named "" is still named
+        if len(name) > MAX_QUOTED:  # a client's own key: a bounded prefix and its length
+            name = quote(name)
         out += f"[{part}]" if isinstance(part, int) else (f".{name}" if out else name)
     return out
 

@@ -2,16 +2,21 @@
 and the translations of engine errors and engine finish reasons into it.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with ``param``
-naming the offending field.
+naming the offending field. A message quotes client input through ``assignment_rules.quote``
+(a bounded prefix and the length), and ``ApiError`` cuts any message to MAX_MESSAGE_JSON and
+any ``param`` to MAX_PARAM_JSON bytes of JSON, so an error body stays under 1 KB whatever the
+request held.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from aiohttp import web
 
+from adaptermesh.assignment_rules import bounded_message
 from adaptermesh.worker.types import (
     AdapterNotFoundError,
     EngineOverloadedError,
@@ -40,6 +45,15 @@ ENGINE_FIELD_TO_PARAM = {
 }
 
 
+# Bytes of JSON (escapes included) an error's message and param may take in its body.
+MAX_MESSAGE_JSON = 600
+MAX_PARAM_JSON = 160
+
+
+def _json_size(text: str) -> int:
+    return len(json.dumps(text))
+
+
 class ApiError(Exception):
     """An error answered as OpenAI-shaped JSON with ``status``."""
 
@@ -53,11 +67,13 @@ class ApiError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = bounded_message(message, MAX_MESSAGE_JSON, _json_size)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
-        self.param = param
+        # A param can be a client's own key (an unknown field of the body).
+        self.param = None if param is None else bounded_message(param, MAX_PARAM_JSON, _json_size)
         self.code = code
         self.headers = headers or {}
 
