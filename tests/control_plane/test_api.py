@@ -299,9 +299,14 @@ async def test_auth_unauthenticated_vs_permission_denied(cp: Harness) -> None:
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     await cp.stub.UpsertShard(req, metadata=creds(WO_TOKEN))
     assert (await cp.stub.ListShards(cp_pb2.ListShardsRequest(), metadata=creds(RO_TOKEN))).shards
-    # Agents report with a read token.
+    # A report writes a node row: a read-only token may not send one; agents hold write.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cp.stub.ReportLoad(
+            cp_pb2.LoadReport(node_id="n1", applied_version=1), metadata=creds(RO_TOKEN)
+        )
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     await cp.stub.ReportLoad(
-        cp_pb2.LoadReport(node_id="n1", applied_version=1), metadata=creds(RO_TOKEN)
+        cp_pb2.LoadReport(node_id="n1", applied_version=1), metadata=creds(WO_TOKEN)
     )
 
 

@@ -357,6 +357,20 @@ async def test_api_start_list_control_and_errors(cp: Harness) -> None:
     await stub.UpsertShard(
         control_plane_pb2.UpsertShardRequest(shard=shard("s0", ("10.0.0.1", 8000))), metadata=md
     )
+    # No AdapterInstance names the adapter and no worker holds it: refused, nothing stored.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.StartRollout(S.StartRolloutRequest(spec=spec(), reason="go"), metadata=md)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert (info.value.details() or "").startswith("spec.adapter: 'credit-risk' is not known")
+    assert not (await stub.ListRollouts(S.ListRolloutsRequest(history=True), metadata=md)).rollouts
+    await stub.UpsertAdapterInstance(
+        control_plane_pb2.UpsertAdapterInstanceRequest(
+            instance=control_plane_pb2.AdapterInstance(
+                name="credit-risk", model_ref=control_plane_pb2.ModelRef(base_model="m")
+            )
+        ),
+        metadata=md,
+    )
     r = await stub.StartRollout(S.StartRolloutRequest(spec=spec(), reason="go"), metadata=md)
     assert r.share == 500
     assert r.state == S.ROLLOUT_STATE_RUNNING
@@ -383,6 +397,22 @@ async def test_api_start_list_control_and_errors(cp: Harness) -> None:
         )
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     await stub.ListRollouts(S.ListRolloutsRequest(), metadata=creds(RO_TOKEN))
+
+
+async def test_a_rollout_of_an_adapter_a_worker_holds_starts(cp: Harness) -> None:
+    """A worker that reports a version of the adapter resident (its endpoint's adapters in the
+    Assignment) makes the adapter known, without an AdapterInstance."""
+    held = shard("s0", ("10.0.0.1", 8000))
+    held.endpoints[0].adapters.append("credit-risk@1.2.0")
+    await cp.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=held), metadata=cp.md)
+    r = await cp.stub.StartRollout(S.StartRolloutRequest(spec=spec()), metadata=cp.md)
+    assert r.state == S.ROLLOUT_STATE_RUNNING
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await cp.stub.StartRollout(
+            S.StartRolloutRequest(spec=spec(adapter="credit-risk-typo")), metadata=cp.md
+        )
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert (info.value.details() or "").startswith("spec.adapter: ")
 
 
 def test_adapterctl_parsers() -> None:

@@ -13,7 +13,7 @@ from adaptermesh import assignment_rules as rules
 from adaptermesh.proto import assignment_pb2
 from adaptermesh.proto import control_plane_pb2 as cp_pb2
 
-from .conftest import RO_TOKEN, Harness, creds, shard
+from .conftest import RO_TOKEN, WO_TOKEN, Harness, creds, shard
 
 
 async def _seed(h: Harness, n: int = 2) -> None:
@@ -220,10 +220,10 @@ async def test_node_rows_are_bounded_per_token(cp: Harness) -> None:
     await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n0", applied_version=1), metadata=cp.md)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n3"), metadata=cp.md)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert (err.value.details() or "").startswith("node_id: at most 3 nodes per token")
     # Another token has its own allowance; one token cannot use up everyone's.
-    await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n3"), metadata=creds(RO_TOKEN))
+    await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n3"), metadata=creds(WO_TOKEN))
     nodes = (await cp.stub.GetStatus(cp_pb2.GetStatusRequest(), metadata=cp.md)).nodes
     assert [n.node_id for n in nodes] == ["n0", "n1", "n2", "n3"]
     assert nodes[0].applied_version == 1
@@ -283,3 +283,54 @@ async def test_apply_is_all_or_nothing(cp: Harness) -> None:
         ("10.7.0.0/16", "s7"),
         ("10.8.0.0/16", "s7"),
     }
+
+
+async def test_node_rows_are_bounded_in_all_and_expire(cp: Harness) -> None:
+    limits = type(cp.server.servicer.limits)(max_node_rows=3, node_ttl_s=600)
+    cp.server.servicer.limits = limits
+    await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n0"), metadata=cp.md)
+    await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n1"), metadata=creds(WO_TOKEN))
+    await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n2"), metadata=cp.md)
+    # Every token together: the table is full, whichever token brings a new node.
+    for token in (cp.md, creds(WO_TOKEN)):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n3"), metadata=token)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (err.value.details() or "").startswith("node_id: at most 3 nodes")
+    await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n0", applied_version=2), metadata=cp.md)
+    # n1 and n2 fall silent; n0 keeps reporting. After the TTL their rows go, and make room.
+    cp.clock.step(400)
+    await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n0", applied_version=3), metadata=cp.md)
+    cp.clock.step(300)
+    await cp.stub.ReportLoad(cp_pb2.LoadReport(node_id="n3"), metadata=cp.md)
+    nodes = (await cp.stub.GetStatus(cp_pb2.GetStatusRequest(), metadata=cp.md)).nodes
+    assert [(n.node_id, n.applied_version) for n in nodes] == [("n0", 3), ("n3", 0)]
+
+
+async def test_a_read_token_cannot_grow_the_node_table(cp: Harness) -> None:
+    for i in range(5):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await cp.stub.ReportLoad(
+                cp_pb2.LoadReport(node_id=f"made-up-{i}"), metadata=creds(RO_TOKEN)
+            )
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert not (await cp.stub.GetStatus(cp_pb2.GetStatusRequest(), metadata=cp.md)).nodes
+
+
+async def test_a_shard_without_steering_or_service_is_refused(cp: Harness) -> None:
+    bare = cp_pb2.UpsertShardRequest(shard=assignment_pb2.Shard(id="s0"))
+    bare.shard.endpoints.add(address="10.0.0.1", port=8000)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cp.stub.UpsertShard(bare, metadata=cp.md)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("shard.steer: a shard needs steering")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cp.stub.Apply(cp_pb2.ApplyRequest(shards=[bare.shard]), metadata=cp.md)
+    assert (err.value.details() or "").startswith("shards[0].steer: ")
+    assert not (await cp.stub.ListShards(cp_pb2.ListShardsRequest(), metadata=cp.md)).shards
+    # A service listener alone is a way in (the shard's Envoy serves it).
+    bare.shard.service_address, bare.shard.service_port = "10.96.0.10", 8080
+    await cp.stub.UpsertShard(bare, metadata=cp.md)
+    assert [
+        s.id for s in (await cp.stub.ListShards(cp_pb2.ListShardsRequest(), metadata=cp.md)).shards
+    ] == ["s0"]

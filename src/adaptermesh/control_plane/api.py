@@ -36,7 +36,14 @@ from adaptermesh.proto.adaptermesh.v1 import (
 from adaptermesh.rules import RuleError as RoutingRuleError
 from adaptermesh.rules import canonical_document, parse_rule_set
 
-__all__ = ["ApiError", "ApiLimits", "ControlPlaneServicer", "add_to_server", "normalise_cidr"]
+__all__ = [
+    "NODE_TTL_S",
+    "ApiError",
+    "ApiLimits",
+    "ControlPlaneServicer",
+    "add_to_server",
+    "normalise_cidr",
+]
 
 # grpc ships no type information; the context is grpc.aio.ServicerContext.
 _Ctx: TypeAlias = Any
@@ -48,6 +55,8 @@ MAX_SHARD_BYTES = 1 << 20
 # A ListHistory answer stops before this many bytes (page on with before_version), so a
 # client with gRPC's default 4 MiB receive limit can always read it.
 MAX_HISTORY_BYTES = 3 << 20
+# A node row not reported for this long is dropped (agents report every few seconds).
+NODE_TTL_S = 15 * 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +67,12 @@ class ApiLimits:
     max_history: int = 1000
     max_routes: int = 256
     max_scopes: int = 64
+    # Node rows (ReportLoad creates one per new node_id): at most max_nodes per token and
+    # max_node_rows in all (RESOURCE_EXHAUSTED beyond either); a row not reported for
+    # node_ttl_s is dropped, so a node that left frees its row.
     max_nodes: int = rules.MAX_NODES
+    max_node_rows: int = rules.MAX_NODES
+    node_ttl_s: float = NODE_TTL_S
 
 
 class ApiError(Exception):
@@ -136,23 +150,30 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
     # -- helpers ---------------------------------------------------------------------------
 
     async def _fail(self, context: _Ctx, exc: Exception) -> NoReturn:
+        code, message = self._status_of(exc)
+        # The backstop behind rules.quote: a status message travels in the response's
+        # trailing metadata, and one over the client's metadata limit reaches it as
+        # RESOURCE_EXHAUSTED instead of this error.
+        await context.abort(code, rules.bounded_message(message))
+        raise AssertionError("abort returned")  # abort always raises
+
+    def _status_of(self, exc: Exception) -> tuple[grpc.StatusCode, str]:
         if isinstance(exc, ApiError):
-            await context.abort(exc.code, str(exc))
+            return exc.code, str(exc)
         if isinstance(exc, RuleError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         if isinstance(exc, PublishError) and isinstance(exc.__cause__, RuleError):
             # The write is fine on its own but the Assignment it leads to is not (a listener
             # address two shards share, an index past the maps): refused, nothing stored.
-            await context.abort(
+            return (
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{exc.__cause__} (in the Assignment this write would publish)",
             )
         if isinstance(exc, PublishError):
             # The change would lead to an invalid Assignment; it was rolled back.
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         self.log.exception("internal error")
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
-        raise AssertionError("abort returned")  # abort always raises
+        return grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
 
     def _now(self) -> float:
         return self.rb.clock.time()
@@ -160,9 +181,13 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
     def _require_shard(self, shard_id: str, field: str = "shard_id") -> assignment_pb2.Shard:
         if not shard_id:
             _invalid(field, "required")
+        try:
+            rules.check_shard_id(shard_id, field)  # a name no shard can have is not looked up
+        except RuleError as exc:
+            _invalid(exc.field, exc.message)
         shard = self.store.get_shard(shard_id)
         if shard is None:
-            raise ApiError(grpc.StatusCode.NOT_FOUND, field, f"no shard {shard_id!r}")
+            raise ApiError(grpc.StatusCode.NOT_FOUND, field, f"no shard {rules.quote(shard_id)}")
         return shard
 
     # -- shards ----------------------------------------------------------------------------
@@ -181,7 +206,7 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
                 raise ApiError(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "shard.state",
-                    f"shard {spec.id!r} still has pins {pins[:5]}: unpin them before draining it",
+                    f"shard {rules.quote(spec.id)} still has pins {pins[:5]}: unpin them before draining it",
                 )
         if spec.state == assignment_pb2.SHARD_STATE_UNSPECIFIED:
             spec.state = assignment_pb2.SHARD_STATE_ACTIVE
@@ -229,7 +254,7 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
                 raise ApiError(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "id",
-                    f"shard {request.id!r} still has pins {pins[:5]}: unpin them first",
+                    f"shard {rules.quote(request.id)} still has pins {pins[:5]}: unpin them first",
                 )
             for inst in self.store.list_adapter_instances():
                 if any(r.shard_id == request.id for r in inst.routes) or request.id in (
@@ -239,7 +264,7 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
                     raise ApiError(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         "id",
-                        f"adapter instance {inst.name!r} routes to shard {request.id!r}",
+                        f"adapter instance {rules.quote(inst.name)} routes to shard {rules.quote(request.id)}",
                     )
             self.rb.mutate(
                 lambda: self.store.delete_shard(request.id, self._now()),
@@ -280,7 +305,7 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
             raise ApiError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "shard_id",
-                f"shard {request.shard_id!r} is DRAINING; its weight is 0",
+                f"shard {rules.quote(request.shard_id)} is DRAINING; its weight is 0",
             )
         weight = request.weight
         if not math.isfinite(weight) or weight < 0 or weight > BUDGET:
@@ -337,11 +362,12 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
         try:
             if not request.shard_id:
                 _invalid("shard_id", "required")
+            rules.check_shard_id(request.shard_id, "shard_id")
             if not any(sid == request.shard_id for sid, *_ in self.store.list_overrides()):
                 raise ApiError(
                     grpc.StatusCode.NOT_FOUND,
                     "shard_id",
-                    f"no override on shard {request.shard_id!r}",
+                    f"no override on shard {rules.quote(request.shard_id)}",
                 )
             self.rb.mutate(
                 lambda: self.store.clear_override(request.shard_id),
@@ -369,7 +395,7 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
             raise ApiError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "shard_id",
-                f"shard {request.shard_id!r} is DRAINING; pin to an ACTIVE shard",
+                f"shard {rules.quote(request.shard_id)} is DRAINING; pin to an ACTIVE shard",
             )
         if len(self.store.list_pins()) >= rules.MAX_PINS:
             _invalid("cidr", f"at most {rules.MAX_PINS} pins (the size of am_pins)")
@@ -487,7 +513,7 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
         if not inst.name:
             _invalid("instance.name", "required")
         if not _NAME_RE.match(inst.name):
-            _invalid("instance.name", f"{inst.name!r} must match {_NAME_RE.pattern}")
+            _invalid("instance.name", f"{rules.quote(inst.name)} must match {_NAME_RE.pattern}")
         if not inst.model_ref.base_model:
             _invalid("instance.model_ref.base_model", "required")
         for field, value in (
@@ -514,7 +540,8 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
         for i, scope in enumerate(inst.security.scopes):
             if not _SCOPE_RE.match(scope):
                 _invalid(
-                    f"instance.security.scopes[{i}]", f"{scope!r} must match {_SCOPE_RE.pattern}"
+                    f"instance.security.scopes[{i}]",
+                    f"{rules.quote(scope)} must match {_SCOPE_RE.pattern}",
                 )
         if len(inst.security.allowed_cidrs) > rules.MAX_ALLOWED_CIDRS:
             _invalid("instance.security.allowed_cidrs", f"at most {rules.MAX_ALLOWED_CIDRS}")
@@ -528,7 +555,7 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
             if other.name != inst.name and taken:
                 _invalid(
                     "instance.routes",
-                    f"path {sorted(taken)[0]!r} already reaches adapter instance {other.name!r}",
+                    f"path {rules.quote(sorted(taken)[0])} already reaches adapter instance {rules.quote(other.name)}",
                 )
 
     def _instance_step(
@@ -578,10 +605,14 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
         try:
             if not request.name:
                 _invalid("name", "required")
+            if not _NAME_RE.match(request.name):
+                _invalid("name", f"{rules.quote(request.name)} must match {_NAME_RE.pattern}")
             gone = [i for i in self.store.list_adapter_instances() if i.name == request.name]
             if not gone:
                 raise ApiError(
-                    grpc.StatusCode.NOT_FOUND, "name", f"no adapter instance {request.name!r}"
+                    grpc.StatusCode.NOT_FOUND,
+                    "name",
+                    f"no adapter instance {rules.quote(request.name)}",
                 )
             self.rb.mutate(
                 lambda: self.store.delete_adapter_instance(request.name),
@@ -743,23 +774,32 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
             if len(request.shards) > rules.MAX_SHARDS:
                 _invalid("shards", f"at most {rules.MAX_SHARDS}")
             owner = _token_owner(context)
-            if (
-                not self.store.has_node(request.node_id)
-                and self.store.count_nodes(owner) >= self.limits.max_nodes
-            ):
-                # Any holder of a token can report, and each new node id is a row: a token
-                # may create at most max_nodes of them.
-                _invalid(
-                    "node_id",
-                    f"at most {self.limits.max_nodes} nodes per token; "
-                    f"{request.node_id[:80]!r} would be a new one",
-                )
+            now = self._now()
+            self.store.expire_nodes(now - self.limits.node_ttl_s)
+            if not self.store.has_node(request.node_id):
+                # Each new node id is a row: a token may create at most max_nodes of them, and
+                # the table holds at most max_node_rows (rows expire after node_ttl_s).
+                if self.store.count_nodes(owner) >= self.limits.max_nodes:
+                    raise ApiError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "node_id",
+                        f"at most {self.limits.max_nodes} nodes per token; "
+                        f"{rules.quote(request.node_id)} would be a new one",
+                    )
+                if self.store.count_nodes() >= self.limits.max_node_rows:
+                    raise ApiError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "node_id",
+                        f"at most {self.limits.max_node_rows} nodes; "
+                        f"{rules.quote(request.node_id)} would be a new one (a node not "
+                        f"reported for {self.limits.node_ttl_s:g} s is dropped)",
+                    )
             for i, t in enumerate(request.shards):
                 for name in ("packets_per_s", "bytes_per_s", "new_flows_per_s"):
                     v = getattr(t, name)
                     if not math.isfinite(v) or v < 0:
                         _invalid(f"shards[{i}].{name}", f"{v} is not a finite number >= 0")
-            self.store.record_report(request, self._now(), owner)
+            self.store.record_report(request, now, owner)
             return control_plane_pb2.ReportLoadResponse()
         except Exception as exc:
             await self._fail(context, exc)

@@ -5,12 +5,13 @@ Tokens file: one token per line, ``TOKEN SCOPES [NAME]``, scopes comma-separated
 
     # operators
     3f9c...e1  read,write  alice
-    # node agents: watch Assignments and report load
-    77aa...02  read        agents
+    # node agents: watch Assignments (read) and report load (write)
+    77aa...02  read,write  agents
 
 Scopes do not imply each other: an operator who changes state and looks at it needs both.
-``ReportLoad`` needs ``read``: a report only records what a node applied and never changes
-routing.
+``ReportLoad`` needs ``write``: a report never changes routing, but each new ``node_id`` is a
+row in the control plane's node table, and a read-only token (a dashboard's) must not be able
+to grow it. Node agents therefore hold ``read,write`` tokens (as the Helm chart gives them).
 
 A call without a valid ``authorization: Bearer <token>`` gets UNAUTHENTICATED; a valid token
 without the method's scope gets PERMISSION_DENIED. Every configured token is compared against
@@ -60,6 +61,8 @@ _WRITE_METHODS = frozenset(
         "ApplyRules",
         "StartRollout",
         "ControlRollout",
+        # Not a routing change, but it writes a node row (see the module's docstring).
+        "ReportLoad",
     }
 )
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")

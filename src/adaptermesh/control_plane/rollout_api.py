@@ -7,8 +7,15 @@ from typing import Any, NoReturn
 
 import grpc
 
-from adaptermesh.assignment_rules import RuleError
+from adaptermesh.assignment_rules import (
+    VERSION_SEPARATOR,
+    RuleError,
+    bounded_message,
+    check_adapter_name,
+    quote,
+)
 from adaptermesh.control_plane.rollout import RolloutController, RolloutError
+from adaptermesh.control_plane.rollout_state import check_spec
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2
 
 __all__ = ["RolloutApi"]
@@ -31,17 +38,59 @@ class RolloutApi:
                 )
             return call(self.rollouts)
         except RolloutError as exc:
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, bounded_message(str(exc)))
         except RuleError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded_message(str(exc)))
         except Exception as exc:
             await self._fail(context, exc)
+
+    def _require_known_adapter(self, controller: RolloutController, adapter: str) -> None:
+        """A rollout needs an adapter the mesh knows: an AdapterInstance of that name, a worker
+        that reports it (or a version of it, ``adapter@v``) resident in the Assignment last
+        published, or an earlier rollout of it. Otherwise its splits would steer traffic to
+        names no worker serves, and a typo would start a rollout that can only fail."""
+        store = controller.store
+        if any(inst.name == adapter for inst in store.list_adapter_instances()):
+            return
+        latest = controller.rb.hub.latest
+        versioned = adapter + VERSION_SEPARATOR
+        if latest is not None:
+            for shard in latest.shards:
+                for endpoint in shard.endpoints:
+                    for name in endpoint.adapters:
+                        if name == adapter or name.startswith(versioned):
+                            return
+        if store.rollouts(adapter):
+            return
+        raise RolloutError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "spec.adapter",
+            f"{quote(adapter)} is not known: no AdapterInstance names it and no worker reports "
+            "it (or a version of it) resident; create the AdapterInstance or load the adapter "
+            "on a worker first",
+        )
+
+    def _start(
+        self, controller: RolloutController, request: control_plane_pb2.StartRolloutRequest
+    ) -> control_plane_pb2.Rollout:
+        check_spec(request.spec)  # field errors first, as the controller words them
+        self._require_known_adapter(controller, request.spec.adapter)
+        return controller.start(request.spec, request.reason)
+
+    @staticmethod
+    def _control(
+        controller: RolloutController, request: control_plane_pb2.ControlRolloutRequest
+    ) -> control_plane_pb2.Rollout:
+        if request.adapter:
+            # A name no rollout could have: refused by its own rule, not looked up.
+            check_adapter_name(request.adapter, "adapter")
+        return controller.control(request.adapter, request.action, request.reason)
 
     async def StartRollout(
         self, request: control_plane_pb2.StartRolloutRequest, context: Any
     ) -> control_plane_pb2.Rollout:
         out: control_plane_pb2.Rollout = await self._rollout_call(
-            context, lambda c: c.start(request.spec, request.reason)
+            context, lambda c: self._start(c, request)
         )
         return out
 
@@ -49,7 +98,7 @@ class RolloutApi:
         self, request: control_plane_pb2.ControlRolloutRequest, context: Any
     ) -> control_plane_pb2.Rollout:
         out: control_plane_pb2.Rollout = await self._rollout_call(
-            context, lambda c: c.control(request.adapter, request.action, request.reason)
+            context, lambda c: self._control(c, request)
         )
         return out
 

@@ -607,6 +607,12 @@ class Store:
                 ),
             )
 
+    def expire_nodes(self, before: float) -> int:
+        """Drop the rows of nodes last reported before ``before``; how many went."""
+        with self.transaction():
+            cursor = self._db.execute("DELETE FROM nodes WHERE last_report < ?", (before,))
+        return int(cursor.rowcount)
+
     def has_node(self, node_id: str) -> bool:
         row = self._db.execute("SELECT 1 FROM nodes WHERE node_id=?", (node_id,)).fetchone()
         return row is not None
