@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--token-file",
         type=Path,
-        help="file holding the bearer token for the control plane; the read scope is enough "
-        "(the agent calls WatchAssignments and ReportLoad only)",
+        help="file holding the bearer token for the control plane; it needs the read and write "
+        "scopes (the agent calls WatchAssignments and ReportLoad, which writes)",
     )
     p.add_argument("--iface", required=True, help="interface whose ingress the classifier steers")
     p.add_argument(

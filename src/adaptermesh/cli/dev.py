@@ -216,7 +216,7 @@ class DevMesh:
     def _write_tokens(self) -> None:
         operator, agent, admin = (secrets.token_hex(16) for _ in range(3))
         files = {
-            "tokens": f"{operator} read,write operator\n{agent} read agent\n",
+            "tokens": f"{operator} read,write operator\n{agent} read,write agent\n",
             "operator.token": operator + "\n",
             "agent.token": agent + "\n",
             "worker-admin.token": admin + "\n",
