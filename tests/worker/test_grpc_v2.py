@@ -297,6 +297,18 @@ async def test_error_statuses(start_server: StartServer) -> None:
     assert code == "StatusCode.UNAVAILABLE"
 
 
+async def test_a_huge_model_name_is_quoted_short(start_server: StartServer) -> None:
+    # The status message stays far below the client's metadata limit, so the client sees the
+    # refusal meant for it (not RESOURCE_EXHAUSTED) with a short message naming the field.
+    server = await start_server()
+    name = "m" * 200_000
+    with pytest.raises(InferenceServerException) as exc:
+        await server.client.infer(name, text_inputs("a"))
+    assert exc.value.status() in ("StatusCode.NOT_FOUND", "StatusCode.INVALID_ARGUMENT")
+    assert "model_name" in exc.value.message() or "name" in exc.value.message()
+    assert len(exc.value.message()) < 1024
+
+
 async def test_client_cancel_cancels_the_engine_sequence(start_server: StartServer) -> None:
     server = await start_server(FakeEngine(token_delay=0.05))
     call = asyncio.create_task(

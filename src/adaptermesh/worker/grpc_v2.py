@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from adaptermesh.assignment_rules import quote
 from adaptermesh.proto.adaptermesh.v1 import open_inference_pb2 as pb
 from adaptermesh.proto.adaptermesh.v1 import open_inference_pb2_grpc as pb_grpc
 from adaptermesh.worker.admin_endpoints import admin_token_verdict
@@ -239,13 +240,14 @@ def _prompt(request: pb.ModelInferRequest) -> str:
     for i, tensor in enumerate(request.inputs):
         if tensor.name != INPUT_NAME:
             raise _invalid(
-                f"inputs[{i}].name", f"unknown input {tensor.name!r}; this model takes {INPUT_NAME}"
+                f"inputs[{i}].name",
+                f"unknown input {quote(tensor.name)}; this model takes {INPUT_NAME}",
             )
         field = f"inputs[{INPUT_NAME}]"
         if text is not None:
             raise _invalid(field, "is given twice")
         if tensor.datatype != "BYTES":
-            raise _invalid(f"{field}.datatype", f"must be BYTES, got {tensor.datatype!r}")
+            raise _invalid(f"{field}.datatype", f"must be BYTES, got {quote(tensor.datatype)}")
         if len(tensor.shape) not in (1, 2) or any(d != 1 for d in tensor.shape):
             raise _invalid(f"{field}.shape", f"must be [1] (one prompt), got {list(tensor.shape)}")
         if tensor.parameters:
@@ -274,7 +276,7 @@ def _outputs(request: pb.ModelInferRequest) -> tuple[str, ...]:
         if out.name not in OUTPUT_NAMES:
             raise _invalid(
                 f"outputs[{i}].name",
-                f"unknown output {out.name!r}; this model gives {', '.join(OUTPUT_NAMES)}",
+                f"unknown output {quote(out.name)}; this model gives {', '.join(OUTPUT_NAMES)}",
             )
         if out.parameters:
             raise _invalid(f"outputs[{i}].parameters", "are not supported")
@@ -345,12 +347,12 @@ class GrpcV2Servicer(pb_grpc.GRPCInferenceServiceServicer):
         if name not in self._models():
             raise _Failure(
                 grpc.StatusCode.NOT_FOUND,
-                f"name: no model {name!r} on this worker; models: {', '.join(self._models())}",
+                f"name: no model {quote(name)} on this worker; models: {', '.join(self._models())}",
             )
         if version not in _VERSIONS:
             raise _Failure(
                 grpc.StatusCode.NOT_FOUND,
-                f"version: model {name!r} has only version 1, not {version!r}",
+                f"version: model {quote(name)} has only version 1, not {quote(version)}",
             )
 
     async def ServerLive(
@@ -418,13 +420,13 @@ class GrpcV2Servicer(pb_grpc.GRPCInferenceServiceServicer):
         if routed and model != routed:
             raise _Failure(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"model_name: {model!r} is not the adapter this call was routed for "
-                f"({ADAPTER_HEADER}: {routed!r})",
+                f"model_name: {quote(model)} is not the adapter this call was routed for "
+                f"({ADAPTER_HEADER}: {quote(routed)})",
             )
         if request.model_version not in _VERSIONS:
             raise _Failure(
                 grpc.StatusCode.NOT_FOUND,
-                f"model_version: model {model!r} has only version 1",
+                f"model_version: model {quote(model)} has only version 1",
             )
         body, empty_final, timeout = _sampling(request.parameters)
         body["model"] = model

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from aiohttp import WebSocketError, WSCloseCode, WSMsgType, web
 
+from adaptermesh.assignment_rules import quote
 from adaptermesh.worker.service import ADAPTER_HEADER, ApiError, WorkerService
 
 __all__ = ["WS_PATH", "WebSocketLimits", "WebSocketRoute", "mount_websocket"]
@@ -386,8 +387,8 @@ class _Session:
             if routed and named is not None and named != routed:
                 raise ApiError(
                     403,
-                    f"model: {named!r} is not the adapter this socket was "
-                    f"routed for ({ADAPTER_HEADER}: {routed!r})",
+                    f"model: {quote(named)} is not the adapter this socket was "
+                    f"routed for ({ADAPTER_HEADER}: {quote(routed)})",
                     type="permission_error",
                     param="model",
                     code="adapter_mismatch",
