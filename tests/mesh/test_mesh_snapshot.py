@@ -365,3 +365,32 @@ def test_with_ext_proc_the_websocket_path_skips_the_body_buffering_filter() -> N
         "adapter:sql",
         "shard",
     ]
+
+
+def test_node_table_and_nack_labels_stay_bounded_whatever_node_ids_connect() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from adaptermesh.mesh.cache import MAX_IDLE_NODES, MAX_NACK_NODE_LABELS
+    from adaptermesh.mesh.metrics import XdsMetrics
+
+    registry = CollectorRegistry()
+    cache = SnapshotCache(metrics=XdsMetrics(registry))
+    cache.stream_opened("envoy-kept", "s0")  # an Envoy that stays connected throughout
+    for i in range(3 * MAX_IDLE_NODES):
+        node = f"made-up-{i}"
+        cache.stream_opened(node, "s0")
+        cache.record_nack(node, "type.googleapis.com/x.Cluster", "1", "bad", 3)
+        cache.stream_closed(node)
+    nodes = cache.status()
+    assert "envoy-kept" in nodes
+    assert len(nodes) <= MAX_IDLE_NODES + 1
+    assert f"made-up-{3 * MAX_IDLE_NODES - 1}" in nodes  # the newest idle nodes stay
+    labels = {
+        sample.labels["node"]
+        for metric in registry.collect()
+        if metric.name == "adaptermesh_xds_nacks"
+        for sample in metric.samples
+        if "node" in sample.labels
+    }
+    assert len(labels) <= MAX_NACK_NODE_LABELS + 1
+    assert "other" in labels

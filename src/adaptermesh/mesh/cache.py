@@ -101,6 +101,13 @@ class TypeStatus:
     nacks: int = 0
 
 
+# Node ids come from whoever opens an xDS stream. Nodes with no open stream are kept for the
+# status endpoint, the oldest dropped beyond this many; NACK counts carry a node's id as a
+# label for this many distinct ids, later ones under "other".
+MAX_IDLE_NODES = 256
+MAX_NACK_NODE_LABELS = 256
+
+
 @dataclass(frozen=True)
 class NodeStatus:
     """What one Envoy node id has from us.
@@ -176,6 +183,7 @@ class SnapshotCache:
         self._watchers: dict[str, dict[int, Watcher]] = {}
         self._next_watch = 0
         self._nodes: dict[str, NodeStatus] = {}
+        self._nack_labels: set[str] = set()
 
     # -- publication ---------------------------------------------------------------------
 
@@ -319,7 +327,7 @@ class SnapshotCache:
 
     def stream_opened(self, node_id: str, key: str) -> None:
         with self._lock:
-            status = self._nodes.get(node_id) or NodeStatus(node_id=node_id, key=key)
+            status = self._nodes.pop(node_id, None) or NodeStatus(node_id=node_id, key=key)
             self._nodes[node_id] = replace(status, key=key, streams=status.streams + 1)
 
     def stream_closed(self, node_id: str) -> None:
@@ -327,6 +335,14 @@ class SnapshotCache:
             status = self._nodes.get(node_id)
             if status is not None:
                 self._nodes[node_id] = replace(status, streams=max(0, status.streams - 1))
+            self._drop_idle_nodes()
+
+    def _drop_idle_nodes(self) -> None:
+        """Keep at most MAX_IDLE_NODES nodes without an open stream, the oldest go first
+        (a dict keeps insertion order, and a node re-enters it when it reconnects)."""
+        idle = [n for n, status in self._nodes.items() if status.streams == 0]
+        for node_id in idle[: max(0, len(idle) - MAX_IDLE_NODES)]:
+            del self._nodes[node_id]
 
     def record_sent(self, node_id: str, type_url: str, version: str) -> None:
         with self._lock:
@@ -379,7 +395,11 @@ class SnapshotCache:
             )
             self._nodes[node_id] = replace(self._nodes[node_id], last_nack=nack)
             self._changed.notify_all()
-        self.metrics.nacks.labels(type_url.rsplit(".", 1)[-1], node_id).inc()
+        with self._lock:
+            if node_id not in self._nack_labels and len(self._nack_labels) < MAX_NACK_NODE_LABELS:
+                self._nack_labels.add(node_id)
+            label = node_id if node_id in self._nack_labels else "other"
+        self.metrics.nacks.labels(type_url.rsplit(".", 1)[-1], label).inc()
         log.error(
             "Envoy %s rejected %s version %s: %s",
             node_id,
