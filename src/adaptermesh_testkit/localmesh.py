@@ -324,7 +324,7 @@ class LocalMesh:
 
     def _write_tokens(self) -> None:
         (self.workdir / "tokens").write_text(
-            f"{self.operator_token} read,write operator\n{self.agent_token} read agents\n"
+            f"{self.operator_token} read,write operator\n{self.agent_token} read,write agents\n"
         )
         (self.workdir / "agent.token").write_text(self.agent_token + "\n")
         for path in (self.workdir / "tokens", self.workdir / "agent.token"):
