@@ -24,8 +24,13 @@ MD = [("authorization", f"Bearer {TOKEN}")]
 
 
 class Mesh:
-    def __init__(self, cp: ControlPlaneServer, stub: control_plane_pb2_grpc.ControlPlaneStub,
-                 agent: Agent, table: FakeShardTable) -> None:
+    def __init__(
+        self,
+        cp: ControlPlaneServer,
+        stub: control_plane_pb2_grpc.ControlPlaneStub,
+        agent: Agent,
+        table: FakeShardTable,
+    ) -> None:
         self.cp, self.stub, self.agent, self.table = cp, stub, agent, table
         self.md = MD
 
@@ -51,17 +56,29 @@ async def inprocess_mesh(tmp_path: Path, node_id: str, **agent: object) -> Async
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{TOKEN} read,write {node_id}\n")
     cp = ControlPlaneServer(
-        ServerConfig(state_dir=tmp_path / "state", listen="127.0.0.1:0",
-                     tokens=load_tokens(tokens), rebalance=False, synchronous="NORMAL"),
+        ServerConfig(
+            state_dir=tmp_path / "state",
+            listen="127.0.0.1:0",
+            tokens=load_tokens(tokens),
+            rebalance=False,
+            synchronous="NORMAL",
+        ),
         clock=FakeClock(),
     )
     port = await cp.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     table = FakeShardTable(maglev_size=251)
     config = AgentConfig(
-        node_id=node_id, control_plane=f"127.0.0.1:{port}", token=TOKEN, iface="lo",
-        metrics_host="127.0.0.1", metrics_port=0, state_file=tmp_path / "assignment.pb",
-        report_interval_s=0.1, backoff_initial_s=0.05, backoff_max_s=0.2,
+        node_id=node_id,
+        control_plane=f"127.0.0.1:{port}",
+        token=TOKEN,
+        iface="lo",
+        metrics_host="127.0.0.1",
+        metrics_port=0,
+        state_file=tmp_path / "assignment.pb",
+        report_interval_s=0.1,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
         **agent,  # type: ignore[arg-type]
     )
 

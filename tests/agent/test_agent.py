@@ -95,7 +95,9 @@ async def test_applies_streamed_assignments_and_reports_version_and_traffic(tmp_
         seen = len(cp.servicer.reports)
         await wait_until(lambda: len(cp.servicer.reports) >= seen + 2, what="a zero sample")
         h.dp.counters = {0: ShardStats(1000, 150_000, 20), 1: ShardStats(10, 900, 1)}
-        h.dp.pending_events = [FlowEvent(1, ip_address(f"10.9.0.{i}"), 0, "maglev", 1) for i in range(5)]
+        h.dp.pending_events = [
+            FlowEvent(1, ip_address(f"10.9.0.{i}"), 0, "maglev", 1) for i in range(5)
+        ]
 
         def traffic_reported() -> bool:
             for r in cp.servicer.reports:

@@ -105,7 +105,9 @@ def test_table_datapath_over_the_classifier_fake_reports_what_traffic_did():
     metrics = AgentMetrics()
     metrics.bind_rates(dict, lambda: counters)
     passed = metrics.registry.get_sample_value
-    assert passed("adaptermesh_agent_classifier_passed_packets_total", {"reason": "link_local"}) == 3
+    assert (
+        passed("adaptermesh_agent_classifier_passed_packets_total", {"reason": "link_local"}) == 3
+    )
     assert passed("adaptermesh_agent_classifier_passed_packets_total", {"reason": "vlan"}) == 2
     # A bad assignment is refused by the classifier's own validation, naming the field.
     with pytest.raises(ValueError, match=r"pins\[0\]\.cidr"):

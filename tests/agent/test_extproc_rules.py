@@ -26,11 +26,16 @@ from adaptermesh.rules import Evaluator, compile_rule_set, parse_rule_set
 
 RULES = {
     "rules": [
-        {"name": "blocked", "when": 'inCidr(request.source_ip, "192.0.2.0/24")',
-         "reject": {"status": 403, "message": "source blocked"}},
-        {"name": "gold-fin",
-         "when": 'request.headers["x-tier"] == "gold" && adapter.startsWith("fin-")',
-         "shard": "gold"},
+        {
+            "name": "blocked",
+            "when": 'inCidr(request.source_ip, "192.0.2.0/24")',
+            "reject": {"status": 403, "message": "source blocked"},
+        },
+        {
+            "name": "gold-fin",
+            "when": 'request.headers["x-tier"] == "gold" && adapter.startsWith("fin-")',
+            "shard": "gold",
+        },
         {"name": "acme-v2", "when": 'request.tenant == "acme"', "adapter_version": "2.0.0"},
         {"name": "batch", "when": '"x-batch" in request.headers', "priority": 1},
     ]
@@ -50,18 +55,27 @@ def processor() -> Iterator[tuple[ExtProcServer, ep_grpc.ExternalProcessorStub]]
         server.stop()
 
 
-def _exchange(stub: ep_grpc.ExternalProcessorStub, headers: dict[str, str], model: str,
-              source: str | None = None) -> list[ep.ProcessingResponse]:
+def _exchange(
+    stub: ep_grpc.ExternalProcessorStub,
+    headers: dict[str, str],
+    model: str,
+    source: str | None = None,
+) -> list[ep.ProcessingResponse]:
     attrs = {}
     if source is not None:
         s = struct_pb2.Struct()
         s.fields["source.address"].string_value = source
         attrs["envoy.filters.http.ext_proc"] = s
-    hdrs = ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]))
+    hdrs = ep.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+        )
+    )
     body = json.dumps({"model": model, "prompt": "x"}).encode()
-    msgs = [ep.ProcessingRequest(request_headers=hdrs, attributes=attrs),
-            ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))]
+    msgs = [
+        ep.ProcessingRequest(request_headers=hdrs, attributes=attrs),
+        ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True)),
+    ]
     return list(stub.Process(iter(msgs), metadata=[(SHARD_METADATA_KEY, "s0")], timeout=10))
 
 
@@ -72,8 +86,9 @@ def _set(resp: ep.ProcessingResponse) -> dict[str, str]:
 
 def test_shard_action_sets_the_shard_header(processor) -> None:  # type: ignore[no-untyped-def]
     server, stub = processor
-    out = _exchange(stub, {":path": "/v1/completions", "x-tier": "gold"}, "fin-risk",
-                    source="10.1.2.3:40000")
+    out = _exchange(
+        stub, {":path": "/v1/completions", "x-tier": "gold"}, "fin-risk", source="10.1.2.3:40000"
+    )
     assert _set(out[-1])[RULE_SHARD_HEADER] == "gold"
     assert _set(out[-1])["x-adapter-id"] == "fin-risk"
     assert server.rules is not None

@@ -32,10 +32,19 @@ EVENTS = [
 
 async def _run_agent(tmp_path: Path, cp: ControlPlaneServer, **extra: object) -> None:
     dp, xds = FakeDatapath(), FakeXds()
-    config = AgentConfig(node_id="node-f", control_plane=cp.target, token=TOKEN, iface="lo",
-                         metrics_host="127.0.0.1", metrics_port=0,
-                         state_file=tmp_path / "assignment.pb", report_interval_s=0.2,
-                         backoff_initial_s=0.05, backoff_max_s=0.4, **extra)  # type: ignore[arg-type]
+    config = AgentConfig(
+        node_id="node-f",
+        control_plane=cp.target,
+        token=TOKEN,
+        iface="lo",
+        metrics_host="127.0.0.1",
+        metrics_port=0,
+        state_file=tmp_path / "assignment.pb",
+        report_interval_s=0.2,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.4,
+        **extra,
+    )  # type: ignore[arg-type]
 
     async def xds_factory(_config: AgentConfig, _registry: object) -> FakeXds:
         return xds
@@ -61,18 +70,26 @@ async def test_each_new_flow_is_a_log_line_and_a_span_in_the_flows_trace(
     port = receiver.start()
     try:
         with caplog.at_level(logging.INFO, logger="adaptermesh.flows"):
-            await _run_agent(tmp_path, cp, flow_events="both",
-                             otlp_endpoint=f"127.0.0.1:{port}")
-        lines = [json.loads(r.getMessage()) for r in caplog.records
-                 if r.name == "adaptermesh.flows"]
-        assert [(x["flow"], x["shard"], x["shard_index"], x["reason"], x["version"])
-                for x in lines] == [("10.9.0.1", "a", 0, "maglev", 1),
-                                    ("10.9.0.2", "b", 1, "pin", 1),
-                                    ("10.9.0.1", "b", 1, "repick", 1)]
+            await _run_agent(tmp_path, cp, flow_events="both", otlp_endpoint=f"127.0.0.1:{port}")
+        lines = [
+            json.loads(r.getMessage()) for r in caplog.records if r.name == "adaptermesh.flows"
+        ]
+        assert [
+            (x["flow"], x["shard"], x["shard_index"], x["reason"], x["version"]) for x in lines
+        ] == [
+            ("10.9.0.1", "a", 0, "maglev", 1),
+            ("10.9.0.2", "b", 1, "pin", 1),
+            ("10.9.0.1", "b", 1, "repick", 1),
+        ]
         assert all(x["node"] == "node-f" and x["ts_ns"] > 0 for x in lines)
         spans = await wait_until(
-            lambda: len(s := [x for x in receiver.snapshot() if x.name == "classifier flow"]) >= 3
-            and s, 10, 0.05, what="three flow spans")
+            lambda: (
+                len(s := [x for x in receiver.snapshot() if x.name == "classifier flow"]) >= 3 and s
+            ),
+            10,
+            0.05,
+            what="three flow spans",
+        )
     finally:
         receiver.stop()
     assert all(s.service == "adaptermesh-agent" for s in spans)
@@ -88,8 +105,9 @@ async def test_each_new_flow_is_a_log_line_and_a_span_in_the_flows_trace(
     assert pin.attributes["adaptermesh.version"] == 1
 
 
-async def test_off_by_default(tmp_path: Path, cp: ControlPlaneServer,
-                              caplog: pytest.LogCaptureFixture) -> None:
+async def test_off_by_default(
+    tmp_path: Path, cp: ControlPlaneServer, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="adaptermesh.flows"):
         await _run_agent(tmp_path, cp)
     assert not [r for r in caplog.records if r.name == "adaptermesh.flows"]
@@ -100,8 +118,9 @@ def test_spans_need_tracing_and_the_ratio_applies_per_flow() -> None:
         FlowExporter("span", Tracing.off(), "n", dict)
     with pytest.raises(ValueError, match="flow_events: 'loud' is not one of"):
         FlowExporter("loud", Tracing.off(), "n", dict)  # type: ignore[arg-type]
-    args = build_parser().parse_args(["--node-id", "n", "--control-plane", "h:1", "--iface", "lo",
-                                      "--flow-events", "span"])
+    args = build_parser().parse_args(
+        ["--node-id", "n", "--control-plane", "h:1", "--iface", "lo", "--flow-events", "span"]
+    )
     with pytest.raises(SystemExit, match="--flow-events span needs --otlp-endpoint"):
         config_from_args(args)
 
@@ -111,6 +130,7 @@ def test_spans_need_tracing_and_the_ratio_applies_per_flow() -> None:
 
         def export(self, spans: object) -> object:
             from opentelemetry.sdk.trace.export import SpanExportResult
+
             self.spans.extend(spans)  # type: ignore[call-overload]
             return SpanExportResult.SUCCESS
 

@@ -27,9 +27,13 @@ async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
 
 WRITES_THE_AGENT_REFUSES = [
     ("shard.steer.mark.mark", lambda s: setattr(s.steer.mark, "mark", 0)),
-    ("shard.steer.redirect.dst_mac",
-     lambda s: (setattr(s.steer.redirect, "ifindex", 1),
-                setattr(s.steer.redirect, "dst_mac", "00:11:22:33:44"))),
+    (
+        "shard.steer.redirect.dst_mac",
+        lambda s: (
+            setattr(s.steer.redirect, "ifindex", 1),
+            setattr(s.steer.redirect, "dst_mac", "00:11:22:33:44"),
+        ),
+    ),
     ("shard.endpoints[0].address", lambda s: setattr(s.endpoints[0], "address", "999.1.1.1")),
     ("shard.service_port", lambda s: setattr(s, "service_port", 0)),
     ("shard.endpoints[0].adapters[0]", lambda s: s.endpoints[0].adapters.append("a\nb")),
@@ -38,27 +42,33 @@ WRITES_THE_AGENT_REFUSES = [
 
 async def test_writes_the_agent_would_refuse_are_refused_and_the_rest_applied(mesh: Mesh) -> None:
     for i in range(3):
-        await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=shard(i)),
-                                    metadata=mesh.md)
-    await mesh.stub.PinTenant(control_plane_pb2.PinTenantRequest(cidr="fe80::/64",
-                                                                 shard_id="s1"), metadata=mesh.md)
+        await mesh.stub.UpsertShard(
+            control_plane_pb2.UpsertShardRequest(shard=shard(i)), metadata=mesh.md
+        )
+    await mesh.stub.PinTenant(
+        control_plane_pb2.PinTenantRequest(cidr="fe80::/64", shard_id="s1"), metadata=mesh.md
+    )
     await wait_until(lambda: mesh.applied == mesh.latest_version() == 4, what="v4 applied")
     for field, bad in WRITES_THE_AGENT_REFUSES:
         s = shard(1)
         bad(s)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=s),
-                                        metadata=mesh.md)
+            await mesh.stub.UpsertShard(
+                control_plane_pb2.UpsertShardRequest(shard=s), metadata=mesh.md
+            )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
         assert (err.value.details() or "").startswith(field), err.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await mesh.stub.PinTenant(control_plane_pb2.PinTenantRequest(
-            cidr="fe80::%eth0/64", shard_id="s2"), metadata=mesh.md)
+        await mesh.stub.PinTenant(
+            control_plane_pb2.PinTenantRequest(cidr="fe80::%eth0/64", shard_id="s2"),
+            metadata=mesh.md,
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert mesh.latest_version() == 4
     # Every write that was accepted has been applied by the agent, with no error.
-    await mesh.stub.SetOverride(control_plane_pb2.SetOverrideRequest(shard_id="s0", weight=5000),
-                                metadata=mesh.md)
+    await mesh.stub.SetOverride(
+        control_plane_pb2.SetOverrideRequest(shard_id="s0", weight=5000), metadata=mesh.md
+    )
     await wait_until(lambda: mesh.applied == mesh.latest_version() == 5, what="v5 applied")
     assert mesh.agent.applier is not None
     assert mesh.agent.applier.last_error == ""
@@ -66,18 +76,21 @@ async def test_writes_the_agent_would_refuse_are_refused_and_the_rest_applied(me
 
 async def test_a_bad_assignment_keeps_the_last_good_one_and_shows_degraded(mesh: Mesh) -> None:
     for i in range(2):
-        await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=shard(i)),
-                                    metadata=mesh.md)
+        await mesh.stub.UpsertShard(
+            control_plane_pb2.UpsertShardRequest(shard=shard(i)), metadata=mesh.md
+        )
     await wait_until(lambda: mesh.applied == 2, what="v2 applied")
     applier = mesh.agent.applier
     assert applier is not None
     good = applier.current
     assert good is not None
-    for n, spoil in enumerate([
-        lambda a: setattr(a.shards[0].steer.mark, "mark", 0),
-        lambda a: a.pins.add(cidr="fe80::1%eth0/128", shard_id="s0"),
-        lambda a: setattr(a.shards[1], "state", assignment_pb2.SHARD_STATE_DRAINING),
-    ]):
+    for n, spoil in enumerate(
+        [
+            lambda a: setattr(a.shards[0].steer.mark, "mark", 0),
+            lambda a: a.pins.add(cidr="fe80::1%eth0/128", shard_id="s0"),
+            lambda a: setattr(a.shards[1], "state", assignment_pb2.SHARD_STATE_DRAINING),
+        ]
+    ):
         bad = assignment_pb2.Assignment()
         bad.CopyFrom(good)
         bad.version = 100 + n

@@ -27,12 +27,13 @@ from .inprocess import MD, Mesh, inprocess_mesh, shard
 
 RULES_V1 = {
     "rules": [
-        {"name": "tenant-range", "when": 'inCidr(request.source_ip, "10.9.0.0/16")',
-         "shard": "s1"},
-        {"name": "gold-fin",
-         "when": '"x-tier" in request.headers && request.headers["x-tier"] == "gold"'
-                 ' && adapter.startsWith("fin-")',
-         "shard": "s0"},
+        {"name": "tenant-range", "when": 'inCidr(request.source_ip, "10.9.0.0/16")', "shard": "s1"},
+        {
+            "name": "gold-fin",
+            "when": '"x-tier" in request.headers && request.headers["x-tier"] == "gold"'
+            ' && adapter.startsWith("fin-")',
+            "shard": "s0",
+        },
     ]
 }
 RULES_V2 = {"rules": [RULES_V1["rules"][1]]}
@@ -40,8 +41,9 @@ RULES_V2 = {"rules": [RULES_V1["rules"][1]]}
 
 @pytest.fixture
 async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
-    async with inprocess_mesh(tmp_path, "node-rules", ext_proc_port=0, base_model="base",
-                              picker_scrape_interval_s=60.0) as m:
+    async with inprocess_mesh(
+        tmp_path, "node-rules", ext_proc_port=0, base_model="base", picker_scrape_interval_s=60.0
+    ) as m:
         yield m
 
 
@@ -49,12 +51,18 @@ def _ext_proc(port: int, headers: dict[str, str], model: str, source: str) -> di
     """One request through the agent's ext_proc server; the headers its decision sets."""
     attrs = struct_pb2.Struct()
     attrs.fields["source.address"].string_value = source
-    hdrs = ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]))
+    hdrs = ep.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+        )
+    )
     body = json.dumps({"model": model, "prompt": "x"}).encode()
-    msgs = [ep.ProcessingRequest(request_headers=hdrs,
-                                 attributes={"envoy.filters.http.ext_proc": attrs}),
-            ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))]
+    msgs = [
+        ep.ProcessingRequest(
+            request_headers=hdrs, attributes={"envoy.filters.http.ext_proc": attrs}
+        ),
+        ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True)),
+    ]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)
         out = list(stub.Process(iter(msgs), metadata=[(SHARD_METADATA_KEY, "s0")], timeout=10))
@@ -63,8 +71,10 @@ def _ext_proc(port: int, headers: dict[str, str], model: str, source: str) -> di
 
 
 async def _apply(mesh: Mesh, doc: dict[str, object], reason: str) -> int:
-    resp = await mesh.stub.ApplyRules(control_plane_pb2.ApplyRulesRequest(
-        document_json=json.dumps(doc), reason=reason), metadata=MD)
+    resp = await mesh.stub.ApplyRules(
+        control_plane_pb2.ApplyRulesRequest(document_json=json.dumps(doc), reason=reason),
+        metadata=MD,
+    )
     return int(resp.rule_set.version)
 
 
@@ -72,11 +82,18 @@ async def test_applied_rules_reach_the_ext_proc_and_the_classifier(mesh: Mesh) -
     # Rules written before any shard ride in the first Assignment the shards publish.
     assert await _apply(mesh, RULES_V1, "tenant range and gold tier") == 1
     for i in range(2):
-        await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=shard(i)),
-                                    metadata=MD)
+        await mesh.stub.UpsertShard(
+            control_plane_pb2.UpsertShardRequest(shard=shard(i)), metadata=MD
+        )
     agent = mesh.agent
-    await wait_until(lambda: agent.rule_sync.version == 1 and agent.ext_proc is not None
-                     and agent.ext_proc.rules is not None, what="rules v1 installed")
+    await wait_until(
+        lambda: (
+            agent.rule_sync.version == 1
+            and agent.ext_proc is not None
+            and agent.ext_proc.rules is not None
+        ),
+        what="rules v1 installed",
+    )
     assert agent.ext_proc is not None
     port = agent.ext_proc.port
     latest = mesh.latest()
@@ -86,8 +103,7 @@ async def test_applied_rules_reach_the_ext_proc_and_the_classifier(mesh: Mesh) -
     index = {s.id: s.index for s in latest.shards}
     # The CIDR rule steers in the classifier; the header rule in the processor.
     assert mesh.table.classify("10.9.4.4") == index["s1"]
-    got = await asyncio.to_thread(_ext_proc, port, {"x-tier": "gold"}, "fin-risk",
-                                  "10.1.2.3:4000")
+    got = await asyncio.to_thread(_ext_proc, port, {"x-tier": "gold"}, "fin-risk", "10.1.2.3:4000")
     assert got[RULE_SHARD_HEADER] == "s0"
     got = await asyncio.to_thread(_ext_proc, port, {}, "ops", "10.9.4.5:4000")
     assert got[RULE_SHARD_HEADER] == "s1"  # the processor agrees with the pin
@@ -96,8 +112,10 @@ async def test_applied_rules_reach_the_ext_proc_and_the_classifier(mesh: Mesh) -
     assert await _apply(mesh, RULES_V2, "drop the tenant range") == 2
     await wait_until(lambda: agent.rule_sync.version == 2, what="rules v2 installed")
     assert not mesh.latest().pins
-    await wait_until(lambda: mesh.table.plan is not None and not mesh.table.plan.pins,
-                     what="pin removed from the classifier")
+    await wait_until(
+        lambda: mesh.table.plan is not None and not mesh.table.plan.pins,
+        what="pin removed from the classifier",
+    )
     got = await asyncio.to_thread(_ext_proc, port, {}, "ops", "10.9.4.5:4000")
     assert RULE_SHARD_HEADER not in got
     # Re-applying the live set publishes nothing.
@@ -107,12 +125,17 @@ async def test_applied_rules_reach_the_ext_proc_and_the_classifier(mesh: Mesh) -
 
 
 async def test_a_set_the_agent_cannot_compile_keeps_the_last_good_one(mesh: Mesh) -> None:
-    await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=shard(0)),
-                                metadata=MD)
+    await mesh.stub.UpsertShard(control_plane_pb2.UpsertShardRequest(shard=shard(0)), metadata=MD)
     await _apply(mesh, RULES_V2, "gold tier")
     agent = mesh.agent
-    await wait_until(lambda: agent.rule_sync.version == 1 and agent.ext_proc is not None
-                     and agent.ext_proc.rules is not None, what="rules v1 installed")
+    await wait_until(
+        lambda: (
+            agent.rule_sync.version == 1
+            and agent.ext_proc is not None
+            and agent.ext_proc.rules is not None
+        ),
+        what="rules v1 installed",
+    )
     assert agent.ext_proc is not None
     assert agent.applier is not None
     good = agent.ext_proc.rules
@@ -127,8 +150,11 @@ async def test_a_set_the_agent_cannot_compile_keeps_the_last_good_one(mesh: Mesh
     bad.CopyFrom(agent.applier.current)
     bad.version += 10
     text = '{"rules":[{"name":"bad","when":"tier == 1","shard":"s0"}]}'
-    bad.routing_rules.CopyFrom(assignment_pb2.RoutingRules(
-        version=9, document_json=text, digest=hashlib.sha256(text.encode()).digest()))
+    bad.routing_rules.CopyFrom(
+        assignment_pb2.RoutingRules(
+            version=9, document_json=text, digest=hashlib.sha256(text.encode()).digest()
+        )
+    )
     result = await asyncio.to_thread(agent.applier.apply, bad)
     assert result.ok
     assert agent.ext_proc.rules is good
@@ -139,8 +165,10 @@ async def test_a_set_the_agent_cannot_compile_keeps_the_last_good_one(mesh: Mesh
     async def degraded() -> control_plane_pb2.NodeStatus | None:
         st = await mesh.stub.GetStatus(control_plane_pb2.GetStatusRequest(), metadata=MD)
         for node in st.nodes:
-            if node.node_id == "node-rules" and node_state(node, node.applied_version) \
-                    == "DEGRADED":
+            if (
+                node.node_id == "node-rules"
+                and node_state(node, node.applied_version) == "DEGRADED"
+            ):
                 return node
         return None
 

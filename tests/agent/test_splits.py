@@ -27,11 +27,17 @@ from adaptermesh.proto import assignment_pb2
 from adaptermesh.rules import Evaluator, compile_rule_set, parse_rule_set
 
 
-def assignment(share: int, stable: str = "1.2.0", canary: str = "2.0.0",
-               rollout_id: str = "r1") -> assignment_pb2.Assignment:
+def assignment(
+    share: int, stable: str = "1.2.0", canary: str = "2.0.0", rollout_id: str = "r1"
+) -> assignment_pb2.Assignment:
     a = assignment_pb2.Assignment(version=1)
-    a.adapter_splits.add(adapter="credit-risk", stable_version=stable, canary_version=canary,
-                         canary_share=share, rollout_id=rollout_id)
+    a.adapter_splits.add(
+        adapter="credit-risk",
+        stable_version=stable,
+        canary_version=canary,
+        canary_share=share,
+        rollout_id=rollout_id,
+    )
     return a
 
 
@@ -42,8 +48,11 @@ def table(share: int, **kw: str) -> SplitTable:
 
 
 @settings(max_examples=200, deadline=None)
-@given(keys=st.lists(st.text(max_size=40), min_size=1, max_size=50),
-       a=st.integers(0, 10_000), b=st.integers(0, 10_000))
+@given(
+    keys=st.lists(st.text(max_size=40), min_size=1, max_size=50),
+    a=st.integers(0, 10_000),
+    b=st.integers(0, 10_000),
+)
 def test_sticky_and_monotone_in_the_share(keys: list[str], a: int, b: int) -> None:
     lo, hi = table(min(a, b)), table(max(a, b))
     for key in keys:
@@ -95,8 +104,9 @@ def test_each_rollout_draws_its_clients_afresh() -> None:
 @pytest.fixture
 def processor() -> Iterator[tuple[ExtProcServer, ep_grpc.ExternalProcessorStub, list]]:
     holder: list[assignment_pb2.Assignment | None] = [assignment(5000)]
-    server = ExtProcServer(EndpointBook(), ExtProcConfig(base_model="base"),
-                           assignment=lambda: holder[0])
+    server = ExtProcServer(
+        EndpointBook(), ExtProcConfig(base_model="base"), assignment=lambda: holder[0]
+    )
     port = server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -106,13 +116,19 @@ def processor() -> Iterator[tuple[ExtProcServer, ep_grpc.ExternalProcessorStub, 
         server.stop()
 
 
-def _headers(stub: ep_grpc.ExternalProcessorStub, headers: dict[str, str],
-             model: str) -> dict[str, str]:
-    hdrs = ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]))
+def _headers(
+    stub: ep_grpc.ExternalProcessorStub, headers: dict[str, str], model: str
+) -> dict[str, str]:
+    hdrs = ep.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+        )
+    )
     body = json.dumps({"model": model, "prompt": "x"}).encode()
-    msgs = [ep.ProcessingRequest(request_headers=hdrs),
-            ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))]
+    msgs = [
+        ep.ProcessingRequest(request_headers=hdrs),
+        ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True)),
+    ]
     out = list(stub.Process(iter(msgs), metadata=[(SHARD_METADATA_KEY, "s0")], timeout=10))
     mutation = out[-1].request_body.response.header_mutation
     return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
@@ -129,19 +145,38 @@ def test_the_processor_routes_by_the_versioned_name(processor) -> None:  # type:
     assert set(seen.values()) == {"1.2.0", "2.0.0"}
     # The session decides, and keeps deciding the same way.
     for key in list(seen)[:20]:
-        assert _headers(stub, {SESSION_HEADER: key}, "credit-risk")[RULE_VERSION_HEADER] == seen[key]
+        assert (
+            _headers(stub, {SESSION_HEADER: key}, "credit-risk")[RULE_VERSION_HEADER] == seen[key]
+        )
     # Other adapters and the base model are left alone.
     assert RULE_VERSION_HEADER not in _headers(stub, {}, "ops-sum")
     assert RULE_VERSION_HEADER not in _headers(stub, {}, "base")
     # A new Assignment applies to the very next request.
     holder[0] = assignment(10_000)
-    assert all(_headers(stub, {SESSION_HEADER: k}, "credit-risk")[RULE_VERSION_HEADER] == "2.0.0"
-               for k in list(seen)[:20])
+    assert all(
+        _headers(stub, {SESSION_HEADER: k}, "credit-risk")[RULE_VERSION_HEADER] == "2.0.0"
+        for k in list(seen)[:20]
+    )
     holder[0] = None
     assert RULE_VERSION_HEADER not in _headers(stub, {}, "credit-risk")
     # An operator's adapter_version rule beats the split.
     holder[0] = assignment(10_000)
-    server.set_rules(Evaluator(compile_rule_set(parse_rule_set({"rules": [
-        {"name": "acme-old", "when": 'request.tenant == "acme"', "adapter_version": "1.0.0"}]}))))
+    server.set_rules(
+        Evaluator(
+            compile_rule_set(
+                parse_rule_set(
+                    {
+                        "rules": [
+                            {
+                                "name": "acme-old",
+                                "when": 'request.tenant == "acme"',
+                                "adapter_version": "1.0.0",
+                            }
+                        ]
+                    }
+                )
+            )
+        )
+    )
     got = _headers(stub, {"x-tenant-id": "acme"}, "credit-risk")
     assert (got[RULE_VERSION_HEADER], got["x-adapter-id"]) == ("1.0.0", "credit-risk@1.0.0")
