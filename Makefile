@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint typecheck proto bench-classifier clean
+.PHONY: setup demo test lint format typecheck proto bench-classifier clean
 
 setup:
 	@bash scripts/setup.sh
@@ -11,19 +11,25 @@ setup:
 demo: setup
 	$(VENV)/bin/adaptermesh demo
 
-# Style, types and the import contracts first (ruff, mypy strict, import-linter): a finding
-# fails the run like a failing test. The tests run in a shuffled order (inside each directory;
-# tests/conftest.py): the seed is in the header, and TEST_ORDER_SEED=<seed> make test repeats it.
+# Style, types and the import contracts first (ruff check, ruff format --check, mypy strict,
+# import-linter): a finding fails the run like a failing test (`make format` lays files out).
+# The tests run in a shuffled order (inside each directory; tests/conftest.py): the seed is
+# in the header, and TEST_ORDER_SEED=<seed> make test repeats it.
 test: setup
 	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -m "not gpu" --order shuffle $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+
+format: setup
+	$(VENV)/bin/ruff format src tests bench
 
 proto: setup
 	$(PY) -m adaptermesh.proto.generate
