@@ -1,0 +1,141 @@
+"""Fault injection on the whole local mesh, short form (docs/faults.md): one worker kill -9
+(started again at once), one drain (SIGTERM) and one injected engine-step error, each under
+steady open-loop streaming load from the tenants (classifier -> Envoy -> CPU workers).
+
+The assertions are the issue's bounds: never a hang (no request waits ``read_timeout_s``
+without a byte), streams in flight at a kill end within 1 s, no request that started later
+than 2 s after a kill fails, 0 failed requests in a drain, and a step error fails only the
+requests of that step, with a 5xx naming the cause, while the engine serves on. Two bounds
+do not hold yet for reasons outside the suite (docs/faults.md, known gaps) and are marked
+xfail with them: streams in flight at a kill end 1.0x s after it, and a drain can fail a
+request that Envoy routes to the worker before its health check fails. The long form
+(a kill every 20 s for 3 minutes) is ``bench/bench_faults.py``. The figures are printed (``-s``)
+and written to ``$AME_FAULTS_REPORT`` when that is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adaptermesh.worker.faults import STEP_FAULT_ENV
+from adaptermesh_testkit.faultload import run_scenario, warm_workers
+from adaptermesh_testkit.localmesh import LocalMesh, MeshConfig
+
+pytestmark = [pytest.mark.e2e, pytest.mark.root, pytest.mark.slow]
+
+REPORT: dict[str, Any] = {}
+# Light enough that two CPU workers on a shared 2-core machine keep up when one is away.
+LOAD = {"rate_per_s": 1.0, "max_tokens": 16, "warmup_s": 5.0, "cooldown_s": 5.0}
+
+
+def _report(name: str, summary: dict[str, Any]) -> None:
+    REPORT[name] = summary
+    brief = {k: summary[k] for k in ("requests_sent", "failed", "held")}
+    print(f"\n[faults] {name}: {json.dumps(brief)}", flush=True)
+    path = os.environ.get("AME_FAULTS_REPORT")
+    if path:
+        Path(path).write_text(json.dumps(REPORT, indent=2))
+
+
+@pytest.fixture(scope="module")
+def trigger_base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    base = str(tmp_path_factory.mktemp("faults") / "step-fault")
+    before = os.environ.get(STEP_FAULT_ENV)
+    os.environ[STEP_FAULT_ENV] = base  # the workers inherit it
+    yield base
+    if before is None:
+        os.environ.pop(STEP_FAULT_ENV, None)
+    else:
+        os.environ[STEP_FAULT_ENV] = before
+
+
+@pytest.fixture(scope="module")
+def mesh(trigger_base: str) -> Iterator[LocalMesh]:
+    m = LocalMesh(
+        MeshConfig(
+            prefix=f"amt{secrets.token_hex(2)}",
+            shards=1,
+            workers_per_shard=2,
+            tenants=4,
+            interval_s=2.0,
+            report_interval_s=0.5,
+        ),
+        progress=lambda msg: print(f"[faults] {msg}", flush=True),
+    )
+    try:
+        m.start()
+        warm_workers(m)
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture(scope="module")
+def kill(mesh: LocalMesh) -> dict[str, Any]:
+    summary = run_scenario(mesh, "kill", kills=1, **LOAD)
+    _report("kill", summary)
+    return summary
+
+
+def test_worker_kill_mid_stream_fails_nothing_after_2s_and_never_hangs(
+    kill: dict[str, Any],
+) -> None:
+    assert kill["faults"][0]["victim_running_at_kill"] > 0, "no stream on the victim at the kill"
+    held = kill["held"]
+    assert held["no_hang"], kill["failures_sample"]
+    assert held["no_failure_later_than_2s_after_a_kill"], kill["failures_outside_sample"]
+
+
+@pytest.mark.xfail(
+    reason="Envoy closes the client's HTTP/1.1 connection after its default "
+    "delayed_close_timeout (1 s) once the worker's connection drops mid-stream, so streams "
+    "in flight end 1.0x s after a kill (docs/faults.md, known gaps)",
+    strict=True,
+)
+def test_worker_kill_in_flight_streams_end_within_1s(kill: dict[str, Any]) -> None:
+    assert kill["held"]["in_flight_end_within_1s"], kill["in_flight_failed_fault_to_end_max_s"]
+
+
+@pytest.fixture(scope="module")
+def drain(mesh: LocalMesh) -> dict[str, Any]:
+    # Streams long enough that the drain waits for some and new requests arrive meanwhile.
+    summary = run_scenario(mesh, "drain", **{**LOAD, "max_tokens": 64})
+    _report("drain", summary)
+    return summary
+
+
+def test_worker_drain_finishes_in_flight_requests_and_never_hangs(drain: dict[str, Any]) -> None:
+    held = drain["held"]
+    assert held["no_hang"], drain["failures_sample"]
+    assert held["exited_within_drain_timeout"], drain["faults"]
+
+
+@pytest.mark.xfail(
+    reason="on SIGTERM the worker refuses new requests (503 draining) as its /health turns "
+    "503, and Envoy keeps routing to it until its next health check (up to 5 s), without "
+    "retrying a 503: a request that lands there in between fails (docs/faults.md, known gaps)",
+    strict=False,
+)
+def test_worker_drain_fails_nothing(drain: dict[str, Any]) -> None:
+    assert drain["held"]["zero_failed"], drain["failures_sample"]
+
+
+def test_engine_step_error_fails_only_its_step(mesh: LocalMesh, trigger_base: str) -> None:
+    started = time.monotonic()
+    summary = run_scenario(mesh, "step_error", trigger_base=trigger_base, **LOAD)
+    _report("step_error", summary)
+    held = summary["held"]
+    assert summary["faults"][0]["consumed_after_s"] is not None, "no step ran after arming"
+    assert held["no_hang"], summary["failures_sample"]
+    assert held["failures_are_5xx_naming_the_cause"], summary["failures_sample"]
+    assert held["failures_only_in_the_failed_step"], summary["failures_outside_sample"]
+    assert held["engine_keeps_serving"], summary["faults"]
+    assert time.monotonic() - started < 60
