@@ -12,6 +12,7 @@ __all__ = [
     "DURATION_UNITS",
     "MAX_DURATION_S",
     "fraction",
+    "non_negative_float",
     "non_negative_int",
     "parse_duration",
     "percent",
@@ -69,6 +70,14 @@ def positive_float(text: str) -> float:
     value = _finite(text)
     if not (math.isfinite(value) and value > 0.0):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number, 0 or more (seconds where 0 means none)."""
+    value = _finite(text)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more")
     return value
 
 

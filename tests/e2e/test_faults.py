@@ -5,10 +5,7 @@ steady open-loop streaming load from the tenants (classifier -> Envoy -> CPU wor
 The assertions are the issue's bounds: never a hang (no request waits ``read_timeout_s``
 without a byte), streams in flight at a kill end within 1 s, no request that started later
 than 2 s after a kill fails, 0 failed requests in a drain, and a step error fails only the
-requests of that step, with a 5xx naming the cause, while the engine serves on. Two bounds
-do not hold yet for reasons outside the suite (docs/faults.md, known gaps) and are marked
-xfail with them: streams in flight at a kill end 1.0x s after it, and a drain can fail a
-request that Envoy routes to the worker before its health check fails. The long form
+requests of that step, with a 5xx naming the cause, while the engine serves on. The long form
 (a kill every 20 s for 3 minutes) is ``bench/bench_faults.py``. The figures are printed (``-s``)
 and written to ``$AME_FAULTS_REPORT`` when that is set.
 """
@@ -94,12 +91,6 @@ def test_worker_kill_mid_stream_fails_nothing_after_2s_and_never_hangs(
     assert held["no_failure_later_than_2s_after_a_kill"], kill["failures_outside_sample"]
 
 
-@pytest.mark.xfail(
-    reason="Envoy closes the client's HTTP/1.1 connection after its default "
-    "delayed_close_timeout (1 s) once the worker's connection drops mid-stream, so streams "
-    "in flight end 1.0x s after a kill (docs/faults.md, known gaps)",
-    strict=True,
-)
 def test_worker_kill_in_flight_streams_end_within_1s(kill: dict[str, Any]) -> None:
     assert kill["held"]["in_flight_end_within_1s"], kill["in_flight_failed_fault_to_end_max_s"]
 
@@ -118,12 +109,6 @@ def test_worker_drain_finishes_in_flight_requests_and_never_hangs(drain: dict[st
     assert held["exited_within_drain_timeout"], drain["faults"]
 
 
-@pytest.mark.xfail(
-    reason="on SIGTERM the worker refuses new requests (503 draining) as its /health turns "
-    "503, and Envoy keeps routing to it until its next health check (up to 5 s), without "
-    "retrying a 503: a request that lands there in between fails (docs/faults.md, known gaps)",
-    strict=False,
-)
 def test_worker_drain_fails_nothing(drain: dict[str, Any]) -> None:
     assert drain["held"]["zero_failed"], drain["failures_sample"]
 

@@ -103,6 +103,9 @@ def test_endpoints_routes_and_listener() -> None:
     listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
     assert manager.rds.route_config_name == "shard-s0"
     assert manager.stream_idle_timeout.ToTimedelta().total_seconds() == 0
+    # A stream whose worker dies mid-response ends for the client within 100 ms of the reset
+    # (Envoy's default delayed close is 1 s; docs/faults.md).
+    assert manager.delayed_close_timeout.ToTimedelta().total_seconds() == 0.1
 
 
 @pytest.mark.parametrize(

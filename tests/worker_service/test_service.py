@@ -526,6 +526,35 @@ async def test_drain_refuses_new_work_and_waits_for_inflight(start_server: Start
     assert await drain is True
 
 
+async def test_drain_grace_fails_health_first_and_serves_on(start_server: StartServer) -> None:
+    s = await start_server(FakeEngine(token_delay=0.01), drain_grace_s=0.5, drain_timeout_s=5.0)
+    drain = asyncio.create_task(s.service.drain())
+    await wait_until(lambda: s.service.unready)
+    health = await s.client.get("/health")
+    assert health.status_code == 503
+    assert health.headers["x-envoy-immediate-health-check-fail"] == "true"
+    # Within the grace a load balancer that has not yet seen the failed check still gets
+    # answers; after it, requests are refused.
+    served = await s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert served.status_code == 200
+    assert await drain is True
+    refused = await s.client.post("/v1/completions", json={"prompt": "x"})
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "draining"
+
+
+async def test_drain_grace_counts_against_the_drain_timeout(start_server: StartServer) -> None:
+    s = await start_server(FakeEngine(token_delay=0.05), drain_grace_s=30.0)
+    inflight = asyncio.create_task(
+        s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 8})
+    )
+    await wait_until(lambda: s.service.inflight == 1)
+    started = asyncio.get_running_loop().time()
+    assert await s.service.drain(0.2) is False
+    assert asyncio.get_running_loop().time() - started < 5.0
+    await inflight
+
+
 async def test_drain_times_out(start_server: StartServer) -> None:
     s = await start_server(FakeEngine(token_delay=0.05))
     inflight = asyncio.create_task(

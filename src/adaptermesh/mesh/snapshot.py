@@ -169,6 +169,11 @@ class BuildOptions:
     # client's own deadline is the only limit.
     route_timeout_s: float = 0.0
     stream_idle_timeout_s: float = 0.0
+    # How long Envoy waits for a client to close a connection it is closing (after a stream
+    # reset mid-response, say) before closing it itself. Envoy's default is 1 s, which held a
+    # stream whose worker was killed open for 1.02 s (docs/faults.md); 100 ms still lets the
+    # client read what was sent.
+    delayed_close_timeout_s: float = 0.1
     # Upstream connection pool idle timeout (connections, not streams).
     upstream_idle_timeout_s: float = 300.0
     health_check_path: str = "/health"
@@ -610,6 +615,7 @@ def build_listener(
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         rds=hcm_pb2.Rds(config_source=_ads_source(), route_config_name=name),
         stream_idle_timeout=_duration(opts.stream_idle_timeout_s),
+        delayed_close_timeout=_duration(opts.delayed_close_timeout_s),
         # The worker's WebSocket route (GET /v1/ws): HTTP/1.1 upgrades, and extended CONNECT
         # from HTTP/2 clients (RFC 8441). The zero route and stream idle timeouts above keep a
         # long-lived socket open; the worker's heartbeat pings (20 s) find dead peers, and

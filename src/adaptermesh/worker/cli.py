@@ -7,9 +7,11 @@
         [--adapter-cache-dir DIR] [--s3-endpoint-url URL] [--adapter-resolver s3://BUCKET/PREFIX]
         [--hf-cache-dir DIR] ...
 
-SIGTERM or SIGINT drains: ``/health`` turns 503 and new generation requests get 503 with
-Retry-After at once, in-flight requests finish (up to ``--drain-timeout`` seconds, after which
-they are cancelled), then the listener closes and the engine shuts down. Exit status 0 after a
+SIGTERM or SIGINT drains: ``/health`` turns 503 at once (with Envoy's immediate-fail header),
+requests are still served for ``--drain-grace`` seconds so that load balancers stop sending
+first, then new generation requests get 503 with Retry-After, in-flight requests finish (up to
+``--drain-timeout`` seconds from the signal, after which they are cancelled), then the listener
+closes and the engine shuts down. Exit status 0 after a
 clean drain, 1 when the drain timed out, 2 on bad arguments or an engine that cannot start.
 """
 
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from adaptermesh.cliargs import (
     fraction,
+    non_negative_float,
     non_negative_int,
     port,
     positive_float,
@@ -417,6 +420,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds SIGTERM waits for in-flight requests",
     )
     p.add_argument(
+        "--drain-grace",
+        type=non_negative_float,
+        default=6.0,
+        help="seconds of the drain during which /health already fails but new requests are "
+        "still served, so a load balancer stops sending first (at least its health-check "
+        "interval plus timeout: the mesh's Envoy checks every 5 s with a 1 s timeout); 0 "
+        "refuses at once",
+    )
+    p.add_argument(
         "--max-body-bytes",
         type=positive_int,
         default=4 << 20,
@@ -651,6 +663,7 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
         admin_token=token,
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
+        drain_grace_s=args.drain_grace,
         listener=ListenerLimits(
             max_connections=args.max_connections,
             header_timeout_s=args.header_timeout,

@@ -363,13 +363,13 @@ class GrpcV2Servicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(
         self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=not self.service.draining)
+        return pb.ServerReadyResponse(ready=not (self.service.draining or self.service.unready))
 
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelReadyResponse:
         ready = (
-            not self.service.draining
+            not (self.service.draining or self.service.unready)
             and request.name in self._models()
             and request.version in _VERSIONS
         )

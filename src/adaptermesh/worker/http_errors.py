@@ -25,6 +25,7 @@ from adaptermesh.worker.types import (
 
 __all__ = [
     "ENGINE_FIELD_TO_PARAM",
+    "IMMEDIATE_HEALTH_CHECK_FAIL",
     "ApiError",
     "QueuedPastDeadlineError",
     "adapter_error",
@@ -109,6 +110,11 @@ def retry_after_headers(retry_after_s: int) -> dict[str, str]:
     return {"Retry-After": str(retry_after_s)}
 
 
+# On a draining worker's answers: an Envoy that health-checks this worker takes it out of load
+# balancing on the first answer carrying it, without waiting for its unhealthy threshold.
+IMMEDIATE_HEALTH_CHECK_FAIL = {"x-envoy-immediate-health-check-fail": "true"}
+
+
 def invalid_field(
     param: str, message: str, status: int = 422, code: str = "invalid_value"
 ) -> ApiError:
@@ -123,7 +129,7 @@ def draining_error(retry_after_s: int) -> ApiError:
         "the worker is draining; send the request to another worker",
         type="service_unavailable",
         code="draining",
-        headers=retry_after_headers(retry_after_s),
+        headers={**retry_after_headers(retry_after_s), **IMMEDIATE_HEALTH_CHECK_FAIL},
     )
 
 

@@ -155,6 +155,10 @@ class ServiceConfig:
     default_max_tokens: int = 16
     # Seconds SIGTERM waits for in-flight requests before cancelling them.
     drain_timeout_s: float = 30.0
+    # Seconds of the drain during which /health already fails but new requests are still
+    # served: a load balancer that routes by health checks (Envoy every 5 s) stops sending
+    # before the worker starts refusing, so no request lands on a refusing worker.
+    drain_grace_s: float = 0.0
     stats_poll_interval_s: float = 1.0
     # Header/body deadlines, header caps and the connection cap of the listener.
     listener: ListenerLimits = field(default_factory=ListenerLimits)
@@ -181,7 +185,8 @@ class WorkerService:
         )
         self.metrics = ServiceMetrics(engine, self.queue)
         self.faults = FaultTable()
-        self.draining = False
+        self.draining = False  # new generation requests are refused
+        self.unready = False  # /health fails (from the start of a drain)
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -586,7 +591,7 @@ class WorkerService:
 
     # -------------------------------------------------------------------- status endpoints
     async def _health(self, _request: web.Request) -> web.Response:
-        return health_response(self.draining, self.config.retry_after_s)
+        return health_response(self.unready or self.draining, self.config.retry_after_s)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         return metrics_response(self.metrics.registry)
@@ -632,14 +637,22 @@ class WorkerService:
             await asyncio.sleep(self.config.stats_poll_interval_s)
 
     async def drain(self, timeout: float | None = None) -> bool:
-        """Refuse new generation requests and wait for in-flight ones to finish.
+        """Fail /health, serve on for ``drain_grace_s`` (load balancers stop sending), then
+        refuse new generation requests and wait for in-flight ones to finish.
 
-        Returns True when everything finished within ``timeout`` seconds.
+        Returns True when everything finished within ``timeout`` seconds (the grace included).
         """
-        self.draining = True
         limit = self.config.drain_timeout_s if timeout is None else timeout
+        self.unready = True
+        grace = min(self.config.drain_grace_s, limit)
+        started = time.monotonic()
+        if grace > 0:
+            await asyncio.sleep(grace)
+        self.draining = True
         try:
-            await asyncio.wait_for(self._idle.wait(), limit)
+            await asyncio.wait_for(
+                self._idle.wait(), max(0.0, limit - (time.monotonic() - started))
+            )
         except TimeoutError:
             return False
         return True

@@ -8,17 +8,20 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from adaptermesh.worker.http_errors import retry_after_headers
+from adaptermesh.worker.http_errors import IMMEDIATE_HEALTH_CHECK_FAIL, retry_after_headers
 from adaptermesh.worker.types import EngineProtocol
 
 __all__ = ["health_response", "metrics_response", "models_body"]
 
 
 def health_response(draining: bool, retry_after_s: int) -> web.Response:
-    """200 ``{"status": "ok"}``, or 503 ``{"status": "draining"}`` with ``Retry-After``."""
+    """200 ``{"status": "ok"}``, or 503 ``{"status": "draining"}`` with ``Retry-After`` and
+    Envoy's immediate-fail header (the worker leaves load balancing on this answer)."""
     if draining:
         return web.json_response(
-            {"status": "draining"}, status=503, headers=retry_after_headers(retry_after_s)
+            {"status": "draining"},
+            status=503,
+            headers={**retry_after_headers(retry_after_s), **IMMEDIATE_HEALTH_CHECK_FAIL},
         )
     return web.json_response({"status": "ok"})
 
