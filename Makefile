@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint format typecheck proto bench-classifier clean
+.PHONY: setup demo test lint format faults typecheck proto bench-classifier clean
 
 setup:
 	@bash scripts/setup.sh
@@ -30,6 +30,11 @@ lint: setup
 
 format: setup
 	$(VENV)/bin/ruff format src tests bench
+
+# The fault-injection suite in full on the local mesh (docs/faults.md; root): a worker kill
+# every 20 s for 3 minutes, three drains, an engine step error. `make test` runs its short form.
+faults: setup
+	$(PY) bench/bench_faults.py --out bench/results/faults_cpu.json
 
 proto: setup
 	$(PY) -m adaptermesh.proto.generate
