@@ -414,6 +414,9 @@ def worker_argv(row: Row, args: argparse.Namespace, work: Path) -> list[str]:
         str(args.timeout),
         "--drain-timeout",
         "5",
+        # The bench stops the worker it talks to directly: no load balancer to wait for.
+        "--drain-grace",
+        "0",
     ]
     seqs = args.max_num_seqs if row.max_num_seqs is None else scaled(row.max_num_seqs, args.scale)
     slots = None if row.slots is None else scaled(row.slots, args.scale)

@@ -148,7 +148,7 @@ def _binomial_ok(hits: int, n: int, p: float) -> bool:
 def test_a_rollout_promotes_to_100_percent_with_the_split_right_at_every_step(mesh: LocalMesh):
     client = Client(mesh)
     assert {a[1] for a in client.many("credit-risk", ["warm-0", "warm-1"])} == {"credit-risk"}
-    out = mesh.adapterctl(
+    start = (
         "rollout",
         "credit-risk",
         "--to",
@@ -165,6 +165,12 @@ def test_a_rollout_promotes_to_100_percent_with_the_split_right_at_every_step(me
         "3",
         "--reason",
         "e2e promote",
+    )
+    # Refused (FAILED_PRECONDITION) until a worker's scrape shows the adapter just served.
+    out = wait_until(
+        lambda: (r := mesh.adapterctl(*start, check=False)).returncode == 0 and r,
+        timeout=30,
+        interval=1.0,
     )
     assert "started at 20%" in out.stdout
     failures: list[tuple[int, str, str]] = []
@@ -233,20 +239,26 @@ def test_a_rollout_rolls_back_on_an_injected_error_rate(mesh: LocalMesh):
                 )
                 == 200
             )
+    start = (
+        "rollout",
+        "fraud",
+        "--to",
+        "3.0.0",
+        "--steps",
+        "20,100",
+        "--interval",
+        "1h",
+        "--max-error-rate",
+        "5%",
+        "--min-requests",
+        "6",
+    )
     try:
-        mesh.adapterctl(
-            "rollout",
-            "fraud",
-            "--to",
-            "3.0.0",
-            "--steps",
-            "20,100",
-            "--interval",
-            "1h",
-            "--max-error-rate",
-            "5%",
-            "--min-requests",
-            "6",
+        # A rollout needs an adapter the mesh knows: serve fraud once, so that a worker's next
+        # scrape shows it, then start (refused with FAILED_PRECONDITION until then).
+        client.many("fraud", ["warm-fraud"])
+        wait_until(
+            lambda: mesh.adapterctl(*start, check=False).returncode == 0, timeout=30, interval=1.0
         )
         with Background(client, "fraud") as bg:
             wait_until(

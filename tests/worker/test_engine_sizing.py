@@ -4,6 +4,7 @@ worker's command line asks it to for every size whose flag was not given."""
 from __future__ import annotations
 
 import argparse
+import types
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -106,6 +107,7 @@ def test_the_command_line_leaves_unflagged_sizes_to_the_worker(
     class Capture:
         def __init__(self, *args: Any, config: EngineConfig, **kwargs: Any) -> None:
             seen["config"] = config
+            self.adapters = types.SimpleNamespace(stores=None)  # the command line sets stores
 
     with mock.patch("adaptermesh.worker.engine.Engine", Capture):
         cli._build_engine(_args(tmp_path, **flags))

@@ -47,7 +47,8 @@ class RolloutApi:
     def _require_known_adapter(self, controller: RolloutController, adapter: str) -> None:
         """A rollout needs an adapter the mesh knows: an AdapterInstance of that name, a worker
         that reports it (or a version of it, ``adapter@v``) resident in the Assignment last
-        published, or an earlier rollout of it. Otherwise its splits would steer traffic to
+        published, or resident, requested or served in its latest scrape, or an earlier rollout
+        of it. Otherwise its splits would steer traffic to
         names no worker serves, and a typo would start a rollout that can only fail."""
         store = controller.store
         if any(inst.name == adapter for inst in store.list_adapter_instances()):
@@ -60,6 +61,13 @@ class RolloutApi:
                     for name in endpoint.adapters:
                         if name == adapter or name.startswith(versioned):
                             return
+        # What the workers said in their latest scrape: resident, requested, or served in the
+        # interval (the published Assignment lags a scrape, and an adapter that loads on
+        # demand may be out of its slot right now).
+        for seen in controller.rb.workers.values():
+            names = seen.resident_adapters | seen.requested_adapters | frozenset(seen.adapter_ttft)
+            if any(name == adapter or name.startswith(versioned) for name in names):
+                return
         if store.rollouts(adapter):
             return
         raise RolloutError(
