@@ -24,7 +24,10 @@ from .threaded import threaded_service
 
 @pytest.fixture(scope="module")
 def engine_url() -> Iterator[tuple[FakeEngine, str]]:
-    engine = FakeEngine()
+    # Slots for every choice the tests ask for (n up to 20): the fake generates a choice only
+    # while its stream is read, so a request with more choices than slots would wait on
+    # itself (the engine generates whether or not its streams are read).
+    engine = FakeEngine(max_batch=32)
     with threaded_service(lambda: engine) as url:
         yield engine, url
 
