@@ -370,3 +370,13 @@ async def test_worker_errors_are_short_json_naming_the_field(
         assert named in (param, *(k for k, v in ENGINE_FIELD_TO_PARAM.items() if v == param))
     else:
         assert error["code"] == "unknown_field"
+
+
+def test_an_adapter_error_carries_a_bounded_prefix_of_a_long_name() -> None:
+    from adaptermesh.worker.types import AdapterNotFoundError
+
+    err = AdapterNotFoundError("a" * 100_000)
+    assert len(str(err)) < 200
+    assert "(100000 characters)" in str(err)
+    assert err.name == "a" * 100_000  # the full name stays on the error for the code
+    assert str(AdapterNotFoundError("alpha")) == "alpha: adapter not found"

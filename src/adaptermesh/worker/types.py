@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from adaptermesh.assignment_rules import MAX_QUOTED
+
 __all__ = [
     "MAX_LOGPROBS",
     "AdapterInfo",
@@ -54,7 +56,11 @@ class AdapterNotFoundError(EngineError, LookupError):
     """The named adapter does not exist under the adapter root (or failed validation)."""
 
     def __init__(self, name: str, message: str = "adapter not found") -> None:
-        super().__init__(f"{name}: {message}")
+        # A client chose the name: the message carries a bounded prefix of a long one.
+        shown = (
+            name if len(name) <= MAX_QUOTED else f"{name[:MAX_QUOTED]}… ({len(name)} characters)"
+        )
+        super().__init__(f"{shown}: {message}")
         self.name = name
 
 
