@@ -101,6 +101,9 @@ class InstantEngine:
     def list_adapters(self) -> list[Any]:
         return []
 
+    def knows_adapter(self, name: str) -> bool:
+        return False
+
     def stats(self) -> Any:
         from adaptermesh.worker.types import EngineStats
 

@@ -164,6 +164,8 @@ class FakeEngine:
         self.fail_in_stream: Exception | None = None
         self.fail_after: int | None = None
         self.shut_down = False
+        self.knows_adapter_calls = 0
+        self.list_adapters_calls = 0
 
     def submit(self, request: GenerationRequest) -> FakeStream:
         if self.fail_on_submit is not None:
@@ -206,7 +208,12 @@ class FakeEngine:
         self.on_disk.discard(name)
 
     def list_adapters(self) -> list[AdapterInfo]:
+        self.list_adapters_calls += 1
         return list(self.adapters.values())
+
+    def knows_adapter(self, name: str) -> bool:
+        self.knows_adapter_calls += 1
+        return name in self.adapters
 
     def stats(self) -> EngineStats:
         latencies, self.load_latencies = tuple(self.load_latencies), []

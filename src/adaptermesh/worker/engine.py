@@ -426,6 +426,11 @@ class Engine:
     def list_adapters(self) -> list[AdapterInfo]:
         return self.adapters.list()
 
+    def knows_adapter(self, name: str) -> bool:
+        # The names list_adapters lists (AdapterManager.list), as three dictionary lookups.
+        a = self.adapters
+        return name in a.published or name in a.expert_sets or name in a.registered
+
     def stats(self) -> EngineStats:
         counters = self.adapters.counters
         latencies = tuple(counters.latencies[self._latency_cursor :])

@@ -386,16 +386,25 @@ class ServiceMetrics:
         return OTHER_ADAPTER_LABEL
 
     def _knows(self, adapter: str) -> bool:
-        names = {info.name for info in self.engine.list_adapters()}
+        """The engine holds ``adapter`` (or, for ``a@v``, ``a`` or another version of it).
+        Lookups first: only a versioned name the engine does not hold lists its adapters."""
+        if self.engine.knows_adapter(adapter):
+            return True
         stats = self._last_stats
-        if stats is not None and stats.adapter_residency is not None:
-            names.update(held.name for held in stats.adapter_residency)
-        if adapter in names:
+        resident = (
+            {held.name for held in stats.adapter_residency}
+            if stats is not None and stats.adapter_residency is not None
+            else set()
+        )
+        if adapter in resident:
             return True
         base, separator, _ = adapter.partition(VERSION_SEPARATOR)
-        return bool(separator) and any(
-            name.partition(VERSION_SEPARATOR)[0] == base for name in names
-        )
+        if not separator:
+            return False
+        if self.engine.knows_adapter(base):
+            return True
+        names = resident | {info.name for info in self.engine.list_adapters()}
+        return any(name.partition(VERSION_SEPARATOR)[0] == base for name in names)
 
     def observe_prompt(self, tokens: int) -> None:
         """Count the prompt tokens of a request the engine admitted."""
