@@ -4,7 +4,7 @@ The documents tag each fenced block with what it is (the first word of the info 
 
 - ``sh``: commands a user pastes on one machine. They run, in document order, in one bash
   session per document (so ``export`` and ``cd`` carry over, as in a terminal), against the
-  mesh of ``adaptermesh dev up``, with ``AMDEV`` (its work directory),
+  mesh of ``adaptermesh dev up`` (two shards, so overrides, pins and rollouts run), with ``AMDEV`` (its work directory),
   ``ADAPTERMESH_TOKEN_FILE`` and ``ADMIN_TOKEN`` set as ``up`` prints them. Each block must
   exit 0 (``set -e -o pipefail``).
 - ``sh by-hand``: docs/operator-guide.md's "One machine, by hand": run the same way, but in a
@@ -13,19 +13,23 @@ The documents tag each fenced block with what it is (the first word of the info 
   parses them, and every ``adapterctl``/``adaptermesh`` command's subcommand must exist and its
   ``--flags`` must be in that subcommand's ``--help``.
 - ``console``: ``$ `` lines are commands (run as ``sh``); the other lines are output, and each
-  must appear in what the commands printed (spaces collapsed). ``console cluster``: the
+  must appear in what the commands printed (see :func:`output_has`). ``console cluster``: the
   commands are only checked as ``sh cluster``.
 - ``yaml file=NAME``: saved as NAME in the session's current directory.
-- ``python run``: run with the virtualenv's Python in the session (output is not checked).
+- ``python run``: run with the virtualenv's Python in the session.
+- ``text output``: what the runnable block just before it printed; each line must appear in
+  that output (see :func:`output_has`).
 - ``text``, ``yaml``, ``json``, ``python``, ``promql``: shown, not run.
 
 A block with no tag, or a tag outside this list, fails :func:`test_every_block_is_tagged`.
-The mesh starts once per module (about 15 s on two cores), in a network namespace of its own
-so its 127.0.0.1 ports never meet the host's.
+The mesh starts once per module (about 11 s on two cores), in a network namespace of its own
+so its 127.0.0.1 ports never meet the host's. The documents run against that one mesh in any
+order, so a document clears the overrides and pins it sets.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import re
@@ -41,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -55,6 +61,7 @@ KINDS = {
     ("python",),
     ("python", "run"),
     ("text",),
+    ("text", "output"),
     ("json",),
     ("promql",),
 }
@@ -122,8 +129,27 @@ def console_commands(block: Block) -> tuple[str, list[str]]:
     return "\n".join(commands) + "\n", expected
 
 
+BOX = re.compile(r"[\u2500-\u257f]")  # the box-drawing characters of adapterctl's tables
+
+
 def _squash(text: str) -> str:
-    return " ".join(text.split())
+    return " ".join(BOX.sub(" ", text).split())
+
+
+def output_has(expected: str, output: str) -> bool:
+    """Whether ``expected`` (one line a document shows as output) is in ``output``.
+
+    Spaces are collapsed and tables' box-drawing characters count as spaces, on both sides, so
+    a document may show a table row with or without its borders. A line with ``...`` matches
+    one output line that has the parts between the ``...`` in order (for figures that differ
+    from run to run); a line without it must appear as it is (across line breaks too).
+    """
+    want = _squash(expected)
+    if "..." not in want:
+        return want in _squash(output)
+    parts = [re.escape(part.strip()) for part in want.split("...")]
+    pattern = re.compile(r".*?".join(parts))
+    return any(pattern.search(_squash(line)) for line in output.splitlines())
 
 
 # ---- the checks of commands that are not run -------------------------------------------------
@@ -271,7 +297,18 @@ class Session:
 
 def run_document(blocks_: list[Block], session: Session, wanted: set[tuple[str, ...]]) -> None:
     problems: list[str] = []
+    last_output: str | None = None  # of the block just before, when it ran
     for block in blocks_:
+        if block.kind == ("text", "output"):
+            if last_output is not None:
+                for line in block.text.splitlines():
+                    if line.strip() and not output_has(line, last_output):
+                        problems.append(
+                            f"{block.where}: output lacks {line!r}; got:\n{last_output}"
+                        )
+            last_output = None
+            continue
+        last_output = None
         name = block.option("file")
         if block.kind == ("yaml",) and name:
             # Saved in the session's current directory, as a user would.
@@ -286,9 +323,9 @@ def run_document(blocks_: list[Block], session: Session, wanted: set[tuple[str, 
             expected = []
         else:
             script, expected = block.text, []
-        output = session.run(block, script)
+        output = last_output = session.run(block, script)
         for line in expected:
-            if _squash(line) not in _squash(output):
+            if not output_has(line, output):
                 problems.append(f"{block.where}: output lacks {line!r}; got:\n{output}")
     assert not problems, "\n".join(problems)
 
@@ -366,7 +403,50 @@ def test_every_block_is_tagged() -> None:
         for block in blocks(path)
         if block.kind not in KINDS
     ]
+    for path in DOCS:
+        found = blocks(path)
+        for before, block in itertools.pairwise(found):
+            if block.kind == ("text", "output") and before.kind not in RUN_KINDS:
+                problems.append(
+                    f"{block.where}: ```text output follows a block that does not run "
+                    f"(```{' '.join(before.info)})"
+                )
     assert not problems, "\n".join(problems)
+
+
+def test_output_lines_match_with_spaces_borders_and_ellipses() -> None:
+    output = (
+        "rollout support (unversioned) -> 2.0.0 started at 50% (id 31acda6ada9fc245)\n"
+        "│ support │ 2.0.0 │ 3.0.0 │ ROLLED_BACK │ 1/2  │ 0%    │ error rate 30.0% > 1.0% over 9 │\n"
+    )
+    assert output_has("rollout support (unversioned) -> 2.0.0 started at 50%", output)
+    assert output_has("support  2.0.0  3.0.0  ROLLED_BACK  1/2  0%", output)
+    assert output_has("│ support │ 2.0.0 │ 3.0.0 │ ROLLED_BACK │", output)
+    assert output_has("support 2.0.0 3.0.0 ROLLED_BACK ... error rate ... > 1.0% over", output)
+    assert not output_has("support 2.0.0 3.0.0 COMPLETED", output)
+    assert not output_has("ROLLED_BACK ... started at 50%", output)  # parts on two lines
+    assert not output_has("error rate ... ROLLED_BACK", output)  # parts out of order
+
+
+@given(
+    st.lists(
+        st.text(
+            alphabet=st.characters(codec="utf-8", exclude_categories=("Cc", "Cs", "Zl", "Zp")),
+            max_size=40,
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.data(),
+)
+def test_every_printed_line_matches_and_a_foreign_word_does_not(
+    lines: list[str], data: st.DataObject
+) -> None:
+    output = "\n".join(lines) + "\n"
+    line = data.draw(st.sampled_from(lines))
+    assert output_has(line, output)
+    assert output_has(line.replace("...", " ") + " ... ", output) or "..." in line
+    assert not output_has(f"{line} zq-not-printed-qz", output) or "zq-not-printed-qz" in output
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
@@ -381,6 +461,7 @@ def test_cluster_commands_parse(path: Path) -> None:
 
 
 RUNNABLE = {("sh",), ("console",), ("python", "run")}
+RUN_KINDS = RUNNABLE | {("sh", "by-hand")}
 
 
 @pytest.mark.e2e

@@ -9,13 +9,17 @@ enough for CPU workers.
 
 - a veth pair ``<prefix>0``/``<prefix>1`` whose first end carries the agent's classifier;
 - the control plane on 127.0.0.1:7400 (SQLite under the work directory, bearer tokens);
-- two CPU workers on 127.0.0.1:8101 and :8102 serving the tiny model and its adapters, with an
-  admin token for load and unload;
-- the shard ``s0`` (service 127.0.0.1:8080, both workers, steered by mark 257);
+- ``--shards`` shards (default 2), ``s0``, ``s1``, ...: shard ``sI`` is ``--workers-per-shard``
+  CPU workers (default 1; ports from 127.0.0.1:8101 on, in shard order) serving the tiny model
+  and its adapters, with an admin token for load and unload, behind its own Envoy listening on
+  127.0.0.1:(8080+I), steered by mark 257+I;
 - the agent (xDS on 127.0.0.1:18000, /metrics and /status on 127.0.0.1:9464, the external
   processor on 127.0.0.1:18100, pins under ``/sys/fs/bpf/<prefix>``);
-- Envoy from the virtualenv, bootstrapped from the agent with the external processor's cluster,
-  listening on 127.0.0.1:8080.
+- one Envoy per shard from the virtualenv, bootstrapped from the agent with the external
+  processor's cluster (admin on 127.0.0.1:(9901+I)).
+
+Two shards are the least for weight overrides (one shard always has 100%), pins to another
+shard and rollouts across shards; each shard's single worker keeps ``up`` quick on two cores.
 
 It prints the commands that reach the mesh, stays up until Ctrl-C (or SIGTERM) and then
 stops every process, deletes the veth pair (and with it the classifier's filter) and the
@@ -46,12 +50,17 @@ DEFAULT_PREFIX = "amdev"
 BASE_MODEL = "tinyllama"
 ADAPTERS = ("support", "sql")
 CONTROL_PLANE = "127.0.0.1:7400"
-WORKER_PORTS = (8101, 8102)
-SERVICE_PORT = 8080
+DEFAULT_SHARDS = 2
+DEFAULT_WORKERS_PER_SHARD = 1
+MAX_SHARDS = 8
+MAX_WORKERS_PER_SHARD = 4
+WORKER_BASE_PORT = 8101
+SERVICE_PORT = 8080  # shard sI listens on SERVICE_PORT + I
 XDS_PORT = 18000
 AGENT_METRICS_PORT = 9464
 EXT_PROC_PORT = 18100
-ENVOY_ADMIN_PORT = 9901
+ENVOY_ADMIN_PORT = 9901  # shard sI's Envoy: ENVOY_ADMIN_PORT + I
+FIRST_MARK = 257
 PIDS_FILE = "pids"
 # Kept across runs: building the model takes seconds, and the logs explain a failed run.
 KEPT = ("model", "adapters", "logs")
@@ -108,9 +117,24 @@ def _http_status(url: str, body: dict[str, Any] | None = None) -> int:
 class DevMesh:
     """The single-machine mesh: :meth:`start`, then :meth:`stop` (also after a failed start)."""
 
-    def __init__(self, workdir: Path, prefix: str, progress: Any = print) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        prefix: str,
+        progress: Any = print,
+        shards: int = DEFAULT_SHARDS,
+        workers_per_shard: int = DEFAULT_WORKERS_PER_SHARD,
+    ) -> None:
         if not 1 <= len(prefix) <= 13:
             raise DevError("--prefix: 1 to 13 characters (interface names hold 15)")
+        if not 1 <= shards <= MAX_SHARDS:
+            raise DevError(f"--shards: 1 to {MAX_SHARDS}, not {shards}")
+        if not 1 <= workers_per_shard <= MAX_WORKERS_PER_SHARD:
+            raise DevError(
+                f"--workers-per-shard: 1 to {MAX_WORKERS_PER_SHARD}, not {workers_per_shard}"
+            )
+        self.shards = shards
+        self.workers_per_shard = workers_per_shard
         self.workdir = workdir
         self.prefix = prefix
         self.progress = progress
@@ -119,6 +143,20 @@ class DevMesh:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.operator_token_file = workdir / "operator.token"
         self.admin_token_file = workdir / "worker-admin.token"
+
+    # ---- the layout --------------------------------------------------------------------------
+
+    @property
+    def shard_ids(self) -> list[str]:
+        return [f"s{i}" for i in range(self.shards)]
+
+    def worker_ports(self, shard: int) -> list[int]:
+        first = WORKER_BASE_PORT + shard * self.workers_per_shard
+        return list(range(first, first + self.workers_per_shard))
+
+    @property
+    def all_worker_ports(self) -> list[int]:
+        return [port for i in range(self.shards) for port in self.worker_ports(i)]
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -133,7 +171,9 @@ class DevMesh:
         _ip("link", "add", self.iface, "type", "veth", "peer", "name", self.peer)
         _ip("link", "set", self.iface, "up")
         _ip("link", "set", self.peer, "up")
-        self.progress("starting the control plane and two CPU workers")
+        self.progress(
+            f"starting the control plane and {self.shards} x {self.workers_per_shard} CPU worker(s)"
+        )
         self._spawn(
             "control-plane",
             [
@@ -149,9 +189,9 @@ class DevMesh:
                 str(self.admin_token_file),
             ],
         )
-        for i, port in enumerate(WORKER_PORTS):
+        for port in self.all_worker_ports:
             self._spawn(
-                f"worker-{i}",
+                f"worker-{port}",
                 [
                     _bin("adaptermesh"),
                     "worker",
@@ -170,9 +210,15 @@ class DevMesh:
                 ],
             )
         self._wait("control plane", self._control_plane_serving, 60)
-        self.progress("registering the shard s0 (service 127.0.0.1:8080, both workers)")
-        self._register_shard()
-        self.progress(f"starting the agent (classifier on {self.iface}) and Envoy")
+        self.progress(
+            "registering the shards "
+            + ", ".join(
+                f"{sid} (127.0.0.1:{SERVICE_PORT + i})" for i, sid in enumerate(self.shard_ids)
+            )
+        )
+        for i in range(self.shards):
+            self._register_shard(i)
+        self.progress(f"starting the agent (classifier on {self.iface}) and one Envoy per shard")
         self._spawn(
             "agent",
             [
@@ -202,16 +248,22 @@ class DevMesh:
                 str(self.workdir / "agent" / "assignment.pb"),
             ],
         )
-        self._start_envoy()
+        for i in range(self.shards):
+            self._start_envoy(i)
         agent_ready = f"http://127.0.0.1:{AGENT_METRICS_PORT}/readyz"
         self._wait("agent", lambda: _http_status(agent_ready) == 200, 90)
-        for port in WORKER_PORTS:
+        for port in self.all_worker_ports:
             url = f"http://127.0.0.1:{port}/health"
             self._wait(f"worker :{port}", lambda url=url: _http_status(url) == 200, 180)
-        self.progress("waiting for a completion through Envoy")
+        self.progress("waiting for a completion through each shard's Envoy")
         request = {"model": ADAPTERS[0], "prompt": "hello", "max_tokens": 2}
-        service = f"http://127.0.0.1:{SERVICE_PORT}/v1/completions"
-        self._wait("Envoy", lambda: _http_status(service, request) == 200, 60)
+        for i, sid in enumerate(self.shard_ids):
+            service = f"http://127.0.0.1:{SERVICE_PORT + i}/v1/completions"
+            self._wait(
+                f"Envoy of {sid}",
+                lambda service=service: _http_status(service, request) == 200,
+                60,
+            )
 
     def _write_tokens(self) -> None:
         operator, agent, admin = (secrets.token_hex(16) for _ in range(3))
@@ -239,20 +291,21 @@ class DevMesh:
         with open(self.workdir / PIDS_FILE, "a") as fh:
             fh.write(f"{proc.pid} {name}\n")
 
-    def _start_envoy(self) -> None:
+    def _start_envoy(self, shard: int) -> None:
         from adaptermesh.mesh.bootstrap import bootstrap_json, build_bootstrap, find_envoy
 
+        sid = self.shard_ids[shard]
         bootstrap = build_bootstrap(
-            "dev-envoy-s0",
+            f"dev-envoy-{sid}",
             XDS_PORT,
-            node_cluster="shard-s0",
-            admin_port=ENVOY_ADMIN_PORT,
+            node_cluster=f"shard-{sid}",
+            admin_port=ENVOY_ADMIN_PORT + shard,
             ext_proc_port=EXT_PROC_PORT,
         )
-        config = self.workdir / "envoy.json"
+        config = self.workdir / f"envoy-{sid}.json"
         config.write_text(bootstrap_json(bootstrap))
         self._spawn(
-            "envoy",
+            f"envoy-{sid}",
             [
                 find_envoy(),
                 "-c",
@@ -261,7 +314,7 @@ class DevMesh:
                 "1",
                 "--use-dynamic-base-id",
                 "--base-id-path",
-                str(self.workdir / "envoy.base-id"),
+                str(self.workdir / f"envoy-{sid}.base-id"),
             ],
         )
 
@@ -288,19 +341,20 @@ class DevMesh:
             return bool(exc.code() == grpc.StatusCode.NOT_FOUND)  # serving, nothing published
         return True
 
-    def _register_shard(self) -> None:
-        """The shard docs/operator-guide.md applies with ``adapterctl apply -f shard.yaml``."""
+    def _register_shard(self, shard_index: int) -> None:
+        """A shard as docs/operator-guide.md applies it with ``adapterctl apply -f
+        shards.yaml``."""
         from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
 
         shard = assignment_pb2.Shard(
-            id="s0",
+            id=self.shard_ids[shard_index],
             service_address="127.0.0.1",
-            service_port=SERVICE_PORT,
+            service_port=SERVICE_PORT + shard_index,
             state=assignment_pb2.SHARD_STATE_ACTIVE,
         )
-        for port in WORKER_PORTS:
+        for port in self.worker_ports(shard_index):
             shard.endpoints.add(address="127.0.0.1", port=port)
-        shard.steer.mark.mark = 257
+        shard.steer.mark.mark = FIRST_MARK + shard_index
         self._call("UpsertShard", control_plane_pb2.UpsertShardRequest(shard=shard))
 
     def _wait(self, what: str, ready: Any, timeout: float) -> None:
@@ -331,24 +385,30 @@ class DevMesh:
 
     def instructions(self) -> str:
         """What to paste to reach the mesh (every indented line is a shell command)."""
+        shards = ", ".join(
+            f"{sid} (Envoy 127.0.0.1:{SERVICE_PORT + i}, worker(s) "
+            + ", ".join(f":{port}" for port in self.worker_ports(i))
+            + ")"
+            for i, sid in enumerate(self.shard_ids)
+        )
+        worker = self.worker_ports(0)[0]
         return f"""\
-The mesh is up: control plane {CONTROL_PLANE}, agent on {self.iface}, Envoy on \
-127.0.0.1:{SERVICE_PORT}, workers on 127.0.0.1:{WORKER_PORTS[0]} and :{WORKER_PORTS[1]}.
+The mesh is up: control plane {CONTROL_PLANE}, agent on {self.iface}, shards {shards}.
 In another terminal, with the virtualenv active (the guide's examples expect these variables):
 
   export AMDEV={self.workdir} ADAPTERMESH_TOKEN_FILE={self.operator_token_file}
   export ADMIN_TOKEN=$(cat {self.admin_token_file})
   adapterctl status
   adapterctl shards
-  # an OpenAI request through Envoy, by adapter name (the base model is {BASE_MODEL})
+  # an OpenAI request through s0's Envoy, by adapter name (the base model is {BASE_MODEL})
   curl -s 127.0.0.1:{SERVICE_PORT}/v1/completions -H 'content-type: application/json' \\
       -d '{{"model": "{ADAPTERS[0]}", "prompt": "hello", "max_tokens": 8}}'
   # one worker directly; loading and unloading adapters needs its admin token
-  curl -s 127.0.0.1:{WORKER_PORTS[0]}/v1/models
-  curl -s -X POST 127.0.0.1:{WORKER_PORTS[0]}/v1/load_lora_adapter \\
+  curl -s 127.0.0.1:{worker}/v1/models
+  curl -s -X POST 127.0.0.1:{worker}/v1/load_lora_adapter \\
       -H "authorization: Bearer $ADMIN_TOKEN" -H 'content-type: application/json' \\
       -d '{{"lora_name": "{ADAPTERS[1]}", "lora_path": "{self.workdir}/adapters/{ADAPTERS[1]}"}}'
-  curl -s -X POST 127.0.0.1:{WORKER_PORTS[0]}/v1/unload_lora_adapter \\
+  curl -s -X POST 127.0.0.1:{worker}/v1/unload_lora_adapter \\
       -H "authorization: Bearer $ADMIN_TOKEN" -H 'content-type: application/json' \\
       -d '{{"lora_name": "{ADAPTERS[1]}"}}'
   curl -s 127.0.0.1:{AGENT_METRICS_PORT}/status     # the agent
@@ -387,9 +447,9 @@ def down(workdir: Path, prefix: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="adaptermesh dev",
-        description="The mesh on one machine: a tiny model, then control plane, agent, Envoy "
-        "and two CPU workers in the current network namespace (docs/operator-guide.md, "
-        "'One machine, by hand').",
+        description="The mesh on one machine: a tiny model, then control plane, agent and "
+        "two shards (each an Envoy in front of a CPU worker) in the current network namespace "
+        "(docs/operator-guide.md, 'One machine, by hand').",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     make = sub.add_parser(
@@ -414,6 +474,23 @@ def _parser() -> argparse.ArgumentParser:
             help=f"veth pair <prefix>0/<prefix>1, pins /sys/fs/bpf/<prefix> "
             f"(default {DEFAULT_PREFIX})",
         )
+        if name == "up":
+            cmd.add_argument(
+                "--shards",
+                type=int,
+                default=DEFAULT_SHARDS,
+                metavar="N",
+                help=f"shards s0..s<N-1>, each its own Envoy on 127.0.0.1:8080+I and CPU "
+                f"worker(s) (1-{MAX_SHARDS}; default {DEFAULT_SHARDS})",
+            )
+            cmd.add_argument(
+                "--workers-per-shard",
+                type=int,
+                default=DEFAULT_WORKERS_PER_SHARD,
+                metavar="N",
+                help=f"CPU workers behind each shard's Envoy, ports from 8101 on "
+                f"(1-{MAX_WORKERS_PER_SHARD}; default {DEFAULT_WORKERS_PER_SHARD})",
+            )
     return p
 
 
@@ -440,8 +517,14 @@ def main(argv: list[str] | None = None) -> int:
     def progress(msg: str) -> None:
         print(f"[{time.monotonic() - started:5.1f}s] {msg}", flush=True)
 
+    try:
+        mesh = DevMesh(
+            args.workdir.resolve(), args.prefix, progress, args.shards, args.workers_per_shard
+        )
+    except DevError as exc:
+        print(f"adaptermesh dev up: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _on_term)
-    mesh = DevMesh(args.workdir.resolve(), args.prefix, progress)
     code = 0
     try:
         mesh.start()
