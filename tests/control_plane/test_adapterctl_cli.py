@@ -73,7 +73,7 @@ def test_rollout_status_help_is_its_own() -> None:
     assert "--to" in start
     assert "--interval" in start
     group = _help("rollout")
-    for sub in ("start", "status", "history", "pause", "resume", "abort"):
+    for sub in ("start", "status", "history", "pause", "resume", "promote", "abort"):
         assert sub in group
 
 
@@ -85,7 +85,7 @@ def test_the_documented_rollout_forms_still_parse(server: str, tmp_path: Path) -
     assert "StartRollout" in r.output
     r = run(server, "rollout", "--to", "2.0.0", "credit-risk")
     assert "StartRollout" in r.output, r.output
-    for verb in ("pause", "resume", "abort"):
+    for verb in ("pause", "resume", "promote", "abort"):
         r = run(server, "rollout", verb, "credit-risk")
         assert "ControlRollout" in r.output, (verb, r.output)
         assert r.exit_code in (3, 4), r.output
@@ -178,3 +178,31 @@ def test_durations_take_the_same_forms_everywhere(server: str) -> None:  # noqa:
         r = run(server, "--timeout", "5s", "override", "set", "s0", "10%", "--ttl", ttl)
         assert r.exit_code == 0, (ttl, r.output)
     assert run(server, "--timeout", "1500ms", "shards").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("state", "share", "line"),
+    [
+        ("ROLLOUT_STATE_RUNNING", 2500, "rollout support -> 3.0.0: RUNNING at 25%"),
+        ("ROLLOUT_STATE_PAUSED", 2500, "rollout support -> 3.0.0: PAUSED at 25%"),
+        ("ROLLOUT_STATE_ABORTED", 0, "rollout support -> 3.0.0: ABORTED at 0%"),
+        (
+            "ROLLOUT_STATE_COMPLETED",
+            0,
+            "rollout support -> 3.0.0: COMPLETED 3.0.0 serves everything",
+        ),
+    ],
+)
+def test_a_control_action_says_where_the_rollout_is(
+    state: str, share: int, line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from adaptermesh.cli.adapterctl import _print_rollout
+    from adaptermesh.proto import control_plane_pb2
+
+    rollout = control_plane_pb2.Rollout(
+        spec=control_plane_pb2.RolloutSpec(adapter="support", to_version="3.0.0"),
+        state=getattr(control_plane_pb2, state),
+        share=share,
+    )
+    _print_rollout(rollout)
+    assert capsys.readouterr().out.strip() == line

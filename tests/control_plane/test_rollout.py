@@ -225,6 +225,33 @@ async def test_pause_resume_abort(tmp_path: Path):
         ctl.control("credit-risk", "resume", "")
 
 
+async def test_promote_completes_at_once_from_any_step_running_or_paused(tmp_path: Path):
+    ctl, source, clock, rb = setup(tmp_path)
+    ctl.start(spec(), "")
+    for _ in range(20):
+        source.serve("10.0.0.1:8000", NEW, 30)
+        clock.step(30)
+        await ctl.step()
+        if split(rb) != ("1.2.0", "2.0.0", 500):
+            break
+    assert split(rb) == ("1.2.0", "2.0.0", 2500)  # the second of four steps
+    ctl.control("credit-risk", "pause", "")
+    version = rb.store.last_version()
+    done = ctl.control("credit-risk", "promote", "dashboards look fine")
+    assert done.state == S.ROLLOUT_STATE_COMPLETED
+    assert done.share == 0
+    assert done.reason == "dashboards look fine"
+    assert rb.store.last_version() == version + 1  # published at once
+    assert split(rb) == ("2.0.0", "", 0)  # the new version is the stable one, as after 100%
+    (listed,) = ctl.listing("credit-risk")
+    assert [e.kind for e in listed.events][-2:] == ["pause", "promote"]
+    assert await ctl.step() == []  # nothing left to step
+    with pytest.raises(RolloutError, match="no rollout in progress"):
+        ctl.control("credit-risk", "promote", "")
+    nxt = ctl.start(spec(from_version="", to_version="2.1.0"), "")
+    assert nxt.spec.from_version == "2.0.0"
+
+
 async def test_an_unversioned_adapter_rolls_back_to_no_split(tmp_path: Path):
     ctl, _source, _clock, rb = setup(tmp_path)
     ctl.start(spec(from_version=""), "")
@@ -243,8 +270,9 @@ async def test_one_rollout_per_adapter_and_bad_specs_change_nothing(tmp_path: Pa
         ctl.start(spec(adapter="other", steps_percent=[50, 20, 100]), "")
     with pytest.raises(RolloutError, match="already serves"):
         ctl.start(spec(adapter="other", from_version="2.0.0"), "")
-    with pytest.raises(RolloutError, match="not one of"):
-        ctl.control("credit-risk", "promote", "")
+    for action in ("skip", "Promote", ""):
+        with pytest.raises(RolloutError, match="not one of pause, resume, promote, abort"):
+            ctl.control("credit-risk", action, "")
     assert rb.store.last_version() == version
     assert [r.spec.adapter for r in ctl.listing()] == ["credit-risk"]
 

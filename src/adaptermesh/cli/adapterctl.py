@@ -60,7 +60,7 @@ NOTHING_APPLIED = "nothing applied"
 
 
 class _RolloutGroup(TyperGroup):
-    """``rollout start|status|history|pause|resume|abort``; an invocation that names no
+    """``rollout start|status|history|pause|resume|promote|abort``; an invocation that names no
     sub-command (``rollout ADAPTER --to V``, the original form) is ``rollout start``."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # typer's click Context
@@ -93,7 +93,8 @@ rules_app = typer.Typer(help="Routing rules (CEL): apply, list, get.", no_args_i
 app.add_typer(rules_app, name="rules")
 rollout_app = typer.Typer(
     cls=_RolloutGroup,
-    help="Gray release of an adapter version: start, status, history, pause, resume, abort "
+    help="Gray release of an adapter version: start, status, history, pause, resume, "
+    "promote, abort "
     "(`rollout ADAPTER --to V` is `rollout start`).",
     no_args_is_help=True,
 )
@@ -1257,9 +1258,13 @@ def _rollout_row(r: control_plane_pb2.Rollout, events: bool = False) -> dict[str
 
 
 def _print_rollout(r: control_plane_pb2.Rollout) -> None:
+    if r.state == control_plane_pb2.ROLLOUT_STATE_COMPLETED:
+        # No split is left to give a share of: the new version is the stable one.
+        where = f"{r.spec.to_version} serves everything"
+    else:
+        where = f"at {r.share / 100:g}%"
     _say(
-        f"rollout {r.spec.adapter} -> {r.spec.to_version}: "
-        f"{_ROLLOUT_STATES.get(r.state, '?')} at {r.share / 100:g}%"
+        f"rollout {r.spec.adapter} -> {r.spec.to_version}: {_ROLLOUT_STATES.get(r.state, '?')} {where}"
     )
 
 
@@ -1347,6 +1352,14 @@ def rollout_resume_cmd(
 ) -> None:
     """Resume a paused rollout (its step starts over)."""
     _control(ctx, adapter, "resume", reason)
+
+
+@rollout_app.command("promote", epilog=_example("adapterctl rollout promote credit-risk"))
+def rollout_promote_cmd(
+    ctx: typer.Context, adapter: AdapterArgument, reason: ReasonOption = ""
+) -> None:
+    """Promote a rollout now, skipping its remaining steps: the new version serves everything."""
+    _control(ctx, adapter, "promote", reason)
 
 
 @rollout_app.command("abort", epilog=_example("adapterctl rollout abort credit-risk"))

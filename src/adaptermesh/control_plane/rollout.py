@@ -1,8 +1,8 @@
 """The rollout controller: starts, steps, pauses and ends gray releases of adapter versions.
 
-Every change of a rollout (start, a step, completion, rollback, pause, resume, abort) is one
-``Rebalancer.mutate``: the rollout row, its event and the Assignment carrying the new split
-are written in one transaction and published at once, like an override. ``step()`` is one
+Every change of a rollout (start, a step, completion, rollback, pause, resume, promote,
+abort) is one ``Rebalancer.mutate``: the rollout row, its event and the Assignment carrying
+the new split are written in one transaction and published at once, like an override. ``step()`` is one
 read -> decide -> write: it scrapes the new versions' per-adapter series from every worker
 (``adaptermesh_adapter_requests``, ``adaptermesh_adapter_time_to_first_token_seconds``),
 sums them over the workers since the current step began, and asks ``rollout_state.decide``.
@@ -56,7 +56,7 @@ __all__ = [
 S = control_plane_pb2
 _REQUESTS = "adaptermesh_adapter_requests"
 _TTFT = "adaptermesh_adapter_time_to_first_token_seconds"
-ACTIONS = ("pause", "resume", "abort")
+ACTIONS = ("pause", "resume", "promote", "abort")
 
 
 class RolloutError(Exception):
@@ -254,6 +254,10 @@ class RolloutController:
             rollout.state = S.ROLLOUT_STATE_RUNNING
             rollout.step_started_at.FromNanoseconds(int(now * 1e9))
             self._base[rollout.id] = None
+        elif action == "promote":
+            # What completing the last step does, now: the new version is the stable one.
+            rollout.state = S.ROLLOUT_STATE_COMPLETED
+            rollout.share = 0
         else:
             rollout.state = S.ROLLOUT_STATE_ABORTED
             rollout.share = 0
