@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -93,6 +94,8 @@ from adaptermesh.worker.step_launch import (
 )
 from adaptermesh.worker.step_layout import BlockTableMirror, penalised
 from adaptermesh.worker.tokenizer_helpers import TokenizerHelper, load_tokenizer
+from adaptermesh.worker.tp_group import ShardedLoraPool, TPGroup, TPModel, WorkerSetup
+from adaptermesh.worker.tp_shard import shard_config, shard_weights
 from adaptermesh.worker.types import (
     MAX_LOGPROBS,
     AdapterInfo,
@@ -155,6 +158,9 @@ class EngineStream:
 class Engine:
     """Multi-LoRA inference engine over a local Llama/Mistral/Qwen2 checkpoint."""
 
+    # Fault injection for tests: with tensor parallelism, this rank refuses every adapter load.
+    tp_fail_loads_rank = -1
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -183,20 +189,67 @@ class Engine:
         self.tokenizer: Any = self.text.tokenizer
         self.max_token_chars = self.text.max_token_chars
 
+        tp_size = config.tensor_parallel_size
+        self.tp_group: TPGroup | None = None
+        if tp_size > 1:
+            try:
+                shard_config(model_config, tp_size)
+            except ValueError as e:
+                raise InvalidRequestError("tensor_parallel_size", str(e)) from e
+            if weights is not None:
+                raise InvalidRequestError(
+                    "weights", "tensor parallelism reads the weights from model_dir on every rank"
+                )
+            # Steps send their inputs to the other ranks from Python: no whole-step graphs.
+            config = dataclasses.replace(config, use_cuda_graphs=False)
+            self.config = config
+            self.tp_group = TPGroup.start(tp_size, self.device)
+        try:
+            self._build(config, model_config, weights, tp_size)
+        except BaseException:
+            if self.tp_group is not None:
+                self.tp_group.close()
+            raise
+
+    def _build(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        weights: dict[str, torch.Tensor] | None,
+        tp_size: int,
+    ) -> None:
+        dtype = self.dtype
         tensors = weights if weights is not None else read_weights(self.model_dir)
-        self.model = TransformerModel(model_config, tensors, self.device, dtype, self.max_model_len)
+        group = self.tp_group
+        if group is not None:
+            shard_cfg = shard_config(model_config, tp_size)
+            self.model: TransformerModel = TPModel(
+                shard_cfg,
+                shard_weights(model_config, tensors, 0, tp_size),
+                self.device,
+                dtype,
+                self.max_model_len,
+                group,
+                model_config.vocab_size,
+            )
+            del tensors
+        else:
+            shard_cfg = model_config
+            self.model = TransformerModel(
+                model_config, tensors, self.device, dtype, self.max_model_len
+            )
         block_size = config.block_size
         kv_spec = KVCacheSpec(
-            model_config.num_layers,
-            model_config.num_kv_heads,
-            model_config.head_dim,
+            shard_cfg.num_layers,
+            shard_cfg.num_kv_heads,
+            shard_cfg.head_dim,
             block_size,
             dtype,
         )
         # Sizes the worker chooses itself, now that the weights hold their share of the device.
         groups = pool_groups(config.lora_target_modules)
         slot_bytes = make_lora_pool(
-            model_config,
+            shard_cfg,
             1,
             config.max_lora_rank,
             torch.device("meta"),
@@ -215,14 +268,27 @@ class Engine:
         if self.sizing is not None:
             self.config = config
             log.info("sizes: %s", self.sizing.describe())
-        self.pool = make_lora_pool(
-            model_config,
-            config.max_loras,
-            config.max_lora_rank,
-            self.device,
-            dtype,
-            config.lora_dtype,
-            groups,
+        self.pool = (
+            make_lora_pool(
+                model_config,
+                config.max_loras,
+                config.max_lora_rank,
+                self.device,
+                dtype,
+                config.lora_dtype,
+                groups,
+            )
+            if group is None
+            else ShardedLoraPool(
+                model_config,
+                shard_cfg,
+                group,
+                config.max_loras,
+                config.max_lora_rank,
+                self.device,
+                dtype,
+                groups,
+            )
         )
         if config.lora_overlap and self.device.type == "cuda":
             self.model.lora_side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -236,6 +302,20 @@ class Engine:
         self.blocks = BlockManager(
             self.kv.num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching
         )
+        if group is not None:
+            group.setup(
+                WorkerSetup(
+                    model_dir=str(self.model_dir),
+                    dtype=str(dtype).removeprefix("torch."),
+                    max_len=self.max_model_len,
+                    num_blocks=self.kv.num_blocks,
+                    block_size=block_size,
+                    num_slots=self.pool.num_slots,
+                    max_rank=self.pool.max_rank,
+                    groups=tuple(sorted(self.pool.groups)),
+                    fail_loads_rank=self.tp_fail_loads_rank,
+                )
+            )
 
         eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -251,7 +331,7 @@ class Engine:
             negative_ttl_s=config.negative_ttl_s,
             slot_wait_s=config.adapter_slot_wait_s,
             on_change=self._wake,
-            build_expert_set=self._build_expert_set,
+            build_expert_set=self._build_expert_set if group is None else None,
             max_expert_sets=config.max_expert_sets,
             eviction=config.adapter_eviction,
         )
@@ -473,6 +553,8 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self.tp_group is not None:
+            await asyncio.to_thread(self.tp_group.close)
 
     # ---- the step loop ------------------------------------------------------------------------
 

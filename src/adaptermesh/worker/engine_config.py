@@ -123,6 +123,10 @@ class EngineConfig:
     # A waiting request passed over this many times while its adapter waits for a slot gets
     # the next slot (worker/scheduler.py, aging).
     max_adapter_skips: int = 16
+    # Ranks of a tensor-parallel worker (worker/tp_group.py): 1 runs in this process; N > 1
+    # starts N-1 more processes (one GPU each on CUDA) and splits heads, MLP columns, the LM
+    # head's vocabulary, the KV cache and the adapter pool over them.
+    tensor_parallel_size: int = 1
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -153,6 +157,13 @@ def validate_config(config: EngineConfig) -> None:
     ):
         raise InvalidRequestError(
             "block_size", f"must be a power of two in [8, 256], got {block_size!r}"
+        )
+    tp = config.tensor_parallel_size
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise InvalidRequestError("tensor_parallel_size", f"must be a positive integer, got {tp!r}")
+    if tp > 1 and config.lora_dtype == "int4":
+        raise InvalidRequestError(
+            "lora_dtype", "int4 adapter pools are not supported with tensor_parallel_size > 1"
         )
     if not isinstance(config.max_num_seqs, int) or config.max_num_seqs < 1:
         raise InvalidRequestError(

@@ -52,6 +52,7 @@ __all__ = [
     "Int4LoraPool",
     "LoraPool",
     "ModelConfig",
+    "ParallelComm",
     "StepInputs",
     "TransformerModel",
     "load_model",
@@ -447,6 +448,18 @@ def _cos_sin(
     )
 
 
+class ParallelComm(Protocol):
+    """The collectives a tensor-parallel rank's forward pass needs (``tp_group.TPComm``)."""
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum ``t`` over the ranks, in place (after each row-parallel projection)."""
+        ...
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[S, V/N] logits of this rank's vocabulary slice -> [S, V] of every rank's."""
+        ...
+
+
 class GatedTerms(Protocol):
     """What the forward pass calls for expert sets on an unmerged path (``adafuse.SoloGated``,
     ``adafuse.GatedBatch``)."""
@@ -797,6 +810,9 @@ class TransformerModel:
         # terms after each matmul (their matmuls fill the GPU, and the H200 HTTP mix, whose
         # steps carry up to 2,048 tokens, served 11% less with the side path on every step).
         self.lora_side_max_tokens = 64
+        # Tensor parallelism (``tp_group``): this model holds one rank's shard
+        # (``tp_shard``), and the forward pass reduces after o and down and gathers the logits.
+        self.tp: ParallelComm | None = None
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -1000,9 +1016,14 @@ class TransformerModel:
             # With the side stream, o's, gate_up's and down's LoRA terms come back apart and
             # join the next elementwise kernel (RMSNorm's residual add, the activation): no
             # LoRA launch waits for the matmul.
-            o, o_lora = self._project(layer, "o", a2, li, lp, "ln_attn_out" not in layer)
+            tp = self.tp
+            o, o_lora = self._project(
+                layer, "o", a2, li, lp, "ln_attn_out" not in layer and tp is None
+            )
             if gated is not None:
                 gated.apply(li, "o", o, a2)
+            if tp is not None:
+                tp.all_reduce(o)  # partial sums of the rank's heads, LoRA delta included
             if "ln_attn_out" in layer:
                 o = kernels.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
             x = kernels.rms_norm(
@@ -1012,9 +1033,13 @@ class TransformerModel:
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
             act = kernels.act_mul(gu, act=self.act, extra=gu_lora)
-            d, d_lora = self._project(layer, "down", act, li, lp, "ln_mlp_out" not in layer)
+            d, d_lora = self._project(
+                layer, "down", act, li, lp, "ln_mlp_out" not in layer and tp is None
+            )
             if gated is not None:
                 gated.apply(li, "down", d, act)
+            if tp is not None:
+                tp.all_reduce(d)
             if "ln_mlp_out" in layer:
                 d = kernels.rms_norm(d, layer["ln_mlp_out"], cfg.rms_eps, gemma=gn)
         assert d is not None
@@ -1024,7 +1049,10 @@ class TransformerModel:
         hn = kernels.rms_norm(
             rows_d, self.norm, cfg.rms_eps, residual=rows_r, gemma=gn, extra=rows_e
         )
-        logits = (hn @ self.lm_head.T).float()
+        logits = hn @ self.lm_head.T
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
+        logits = logits.float()
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
