@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from adaptermesh.worker import lora_ops
-from adaptermesh.worker.lora_groups import GROUPS
 from adaptermesh.worker.kv_cache import PagedKVCache
+from adaptermesh.worker.lora_groups import GROUPS
 from adaptermesh.worker.model import (
     GatedTerms,
     LoraPool,
