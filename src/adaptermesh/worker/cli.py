@@ -360,6 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest adapter rank a GPU slot holds; a higher-rank adapter is refused (default 64)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="ranks the model is split over (one GPU each on CUDA; default 1): starts N-1 "
+        "more processes; N must divide the model's attention heads, KV heads and "
+        "intermediate size",
+    )
+    p.add_argument(
         "--lora-dtype",
         choices=["bf16", "fp16", "fp32", "int4"],
         default=None,
@@ -542,6 +550,7 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.adapter_eviction = args.adapter_eviction
     if args.logprobs_mode is not None:
         config.logprobs_mode = args.logprobs_mode
+    config.tensor_parallel_size = args.tensor_parallel_size
     built = Engine(
         args.model,
         args.adapter_root,
@@ -675,6 +684,10 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # A tensor-parallel rank that dies stops the worker (the others are stopped already).
+    group = getattr(engine, "tp_group", None)
+    if group is not None:
+        group.on_failure = lambda _rank: loop.call_soon_threadsafe(stop.set)
 
     def ready(port: int) -> None:
         # One parseable line on stdout so scripts (and tests) learn a port picked with 0.
@@ -707,6 +720,11 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
             f"adaptermesh worker: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr
         )
         return 2
+    if group is not None and group.failed_rank is not None:
+        print(
+            f"adaptermesh worker: tensor-parallel rank {group.failed_rank} exited", file=sys.stderr
+        )
+        return 1
     return 0 if drained else 1
 
 

@@ -541,7 +541,12 @@ class Engine:
             admissions_waited_on_load=scheduler.admissions_waited_on_load,
             idle_passes_on_adapter_load=scheduler.idle_passes_on_load,
             adapter_residency=self.adapters.held_by_tier(),
+            tp_ranks_up=self.ranks_up(),
         )
+
+    def ranks_up(self) -> tuple[bool, ...]:
+        """Each tensor-parallel rank's liveness (rank 0 first); () without tensor parallelism."""
+        return () if self.tp_group is None else self.tp_group.ranks_up()
 
     async def shutdown(self) -> None:
         self._closed = True

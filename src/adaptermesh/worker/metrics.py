@@ -640,3 +640,13 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, doc)
             gauge.add_metric([], gauge_value)
             yield gauge
+
+        if stats.tp_ranks_up:
+            ranks = GaugeMetricFamily(
+                "adaptermesh_tp_rank_up",
+                "Tensor-parallel ranks of this worker: 1 while the rank's process runs.",
+                labels=["rank"],
+            )
+            for r, up in enumerate(stats.tp_ranks_up):
+                ranks.add_metric([str(r)], 1.0 if up else 0.0)
+            yield ranks

@@ -591,7 +591,9 @@ class WorkerService:
 
     # -------------------------------------------------------------------- status endpoints
     async def _health(self, _request: web.Request) -> web.Response:
-        return health_response(self.unready or self.draining, self.config.retry_after_s)
+        ranks_up = getattr(self.engine, "ranks_up", None)
+        ranks: tuple[bool, ...] = ranks_up() if callable(ranks_up) else ()
+        return health_response(self.unready or self.draining, self.config.retry_after_s, ranks)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         return metrics_response(self.metrics.registry)

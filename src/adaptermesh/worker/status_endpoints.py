@@ -14,16 +14,27 @@ from adaptermesh.worker.types import EngineProtocol
 __all__ = ["health_response", "metrics_response", "models_body"]
 
 
-def health_response(draining: bool, retry_after_s: int) -> web.Response:
+def health_response(
+    draining: bool, retry_after_s: int, ranks_up: tuple[bool, ...] = ()
+) -> web.Response:
     """200 ``{"status": "ok"}``, or 503 ``{"status": "draining"}`` with ``Retry-After`` and
-    Envoy's immediate-fail header (the worker leaves load balancing on this answer)."""
+    Envoy's immediate-fail header (the worker leaves load balancing on this answer).
+
+    ``ranks_up``: a tensor-parallel worker's ranks (rank 0 first), listed as ``"ranks"``; any
+    rank down answers 503 ``{"status": "rank_down"}``, without ``Retry-After`` (the worker
+    is stopping)."""
+    extra: dict[str, Any] = {"ranks": ["up" if u else "down" for u in ranks_up]} if ranks_up else {}
+    if ranks_up and not all(ranks_up):
+        return web.json_response(
+            {"status": "rank_down", **extra}, status=503, headers=IMMEDIATE_HEALTH_CHECK_FAIL
+        )
     if draining:
         return web.json_response(
-            {"status": "draining"},
+            {"status": "draining", **extra},
             status=503,
             headers={**retry_after_headers(retry_after_s), **IMMEDIATE_HEALTH_CHECK_FAIL},
         )
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", **extra})
 
 
 def metrics_response(registry: CollectorRegistry) -> web.Response:

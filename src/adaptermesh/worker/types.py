@@ -201,6 +201,8 @@ class EngineStats:
     # Adapters held per tier now (GPU slots and the CPU cache); None when the engine does not
     # tell tiers apart (the service then reports its GPU-resident adapters from list_adapters).
     adapter_residency: tuple[AdapterResidency, ...] | None = None
+    # Tensor parallelism: whether each rank's process is alive, rank 0 first (() without).
+    tp_ranks_up: tuple[bool, ...] = ()
 
 
 class EngineProtocol(Protocol):
