@@ -420,3 +420,69 @@ def test_ranks_exit_when_rank_0_is_killed(tiny: Tiny, tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_worker_cli_reports_ranks_and_exits_when_one_dies(tiny: Tiny) -> None:
+    """``adaptermesh worker --tensor-parallel-size 2``: /health lists both ranks, /metrics has
+    a gauge per rank; killing rank 1 stops the worker with status 1 and leaves no process."""
+    import httpx
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import sys; from adaptermesh.cli.main import main; sys.exit(main())",
+        "worker",
+        "--model",
+        str(tiny.model_dir),
+        "--adapter-root",
+        str(tiny.root),
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--device",
+        "cpu",
+        "--max-num-seqs",
+        "2",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "16",
+        "--tensor-parallel-size",
+        "2",
+        "--drain-grace",
+        "0",
+        "--log-level",
+        "WARNING",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode()
+        assert "listening on http://127.0.0.1:" in line, line
+        url = line.strip().rsplit(" ", 1)[-1]
+        ranks = sorted(_children(proc.pid))
+        assert len(ranks) == 1
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            h = await c.get("/health")
+            assert h.status_code == 200
+            assert h.json() == {"status": "ok", "ranks": ["up", "up"]}
+            text = (await c.get("/metrics")).text
+            assert 'adaptermesh_tp_rank_up{rank="0"} 1.0' in text
+            assert 'adaptermesh_tp_rank_up{rank="1"} 1.0' in text
+            r = await c.post(
+                "/v1/completions",
+                json={"model": "alpha", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+        os.kill(ranks[0], signal.SIGKILL)
+        assert await asyncio.wait_for(proc.wait(), 60) == 1
+        assert proc.stderr is not None
+        assert b"tensor-parallel rank 1 exited" in await proc.stderr.read()
+        assert not _alive(ranks[0])
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
