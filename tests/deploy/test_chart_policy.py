@@ -231,6 +231,22 @@ def test_workers_request_gpus_and_mount_models() -> None:
         assert o.doc["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
 
 
+@pytest.mark.parametrize(
+    ("gpus", "tp", "want"), [(1, 1, "1"), (1, 4, "4"), (2, 2, "2"), (8, 4, "8"), (0, 2, None)]
+)
+def test_tensor_parallel_workers_ask_for_a_gpu_per_rank(
+    gpus: int, tp: int, want: str | None
+) -> None:
+    objs = render({"worker": {"gpus": gpus, "tensorParallelSize": tp}})
+    for o, c in containers(objs):
+        if _component(o) != "worker":
+            continue
+        assert c["resources"]["limits"].get("nvidia.com/gpu") == want
+        assert c["resources"]["requests"].get("nvidia.com/gpu") == want
+        flags = [a for a in c["args"] if a.startswith("--tensor-parallel-size")]
+        assert flags == ([f"--tensor-parallel-size={tp}"] if tp > 1 else [])
+
+
 def test_cpu_workers_ask_for_no_gpu() -> None:
     objs = render({"worker": {"gpus": 0, "device": "cpu"}})
     for o, c in containers(objs):

@@ -42,6 +42,7 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
     ("bad scrape interval", {"serviceMonitor": {"interval": "fast"}}, "/serviceMonitor/interval"),
     ("bad device", {"worker": {"device": "tpu"}}, "/worker/device"),
     ("negative gpus", {"worker": {"gpus": -1}}, "/worker/gpus"),
+    ("zero ranks", {"worker": {"tensorParallelSize": 0}}, "/worker/tensorParallelSize"),
     (
         "relative mount path",
         {"worker": {"model": {"mountPath": "models"}}},
