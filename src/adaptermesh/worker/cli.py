@@ -26,6 +26,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -687,7 +688,15 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
     # A tensor-parallel rank that dies stops the worker (the others are stopped already).
     group = getattr(engine, "tp_group", None)
     if group is not None:
-        group.on_failure = lambda _rank: loop.call_soon_threadsafe(stop.set)
+
+        def rank_died(_rank: int) -> None:
+            loop.call_soon_threadsafe(stop.set)
+            # A collective stuck on the dead rank (NCCL) may keep the drain from ending.
+            hard = threading.Timer(args.drain_timeout + 30.0, os._exit, (1,))
+            hard.daemon = True
+            hard.start()
+
+        group.on_failure = rank_died
 
     def ready(port: int) -> None:
         # One parseable line on stdout so scripts (and tests) learn a port picked with 0.

@@ -735,6 +735,7 @@ class Engine:
             "kv_slots": self.config.max_num_seqs,
             "max_model_len": self.max_model_len,
             "lora_slots": self.pool.num_slots,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
             "kv_blocks": self.kv.num_blocks,
             "block_size": self.kv.block_size,
             "kv_tokens": self.kv.num_tokens,

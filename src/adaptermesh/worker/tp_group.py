@@ -365,6 +365,10 @@ class TPGroup:
         self._check()
         scale_bits = int(torch.tensor([scale], dtype=torch.float64).view(torch.int64).item())
         with self.lock:
+            # The upload runs on its own stream (and thread): finish every step queued before
+            # it, and the load itself before any later step, so the communicator's collectives
+            # run on this rank in the order every other rank issues them.
+            self._sync()
             _broadcast_header(
                 [OP_LOAD, slot, lora_rank, _group_mask(groups), int(flat.numel()), scale_bits],
                 self.device,
@@ -378,7 +382,12 @@ class TPGroup:
             every = int(verdict.item()) == 1
             if ok and not every:
                 LoraPool.clear(pool, slot)
+            self._sync()
         return every
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- liveness and shutdown ----
 
