@@ -129,6 +129,50 @@ def test_shards_reassemble_the_checkpoint(tmp_path: Path, world: int, arch: str)
     assert not head[cfg.vocab_size :].any()
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_checkpoint_shards_match_the_split_modules(world: int) -> None:
+    """Phi-3 stores q/k/v and gate/up fused: each rank's fused rows are its q, k and v rows
+    (gate and up rows), in that order, as if the modules had been stored apart."""
+    cfg = ModelConfig.from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 16,
+            "hidden_size": 8,
+            "intermediate_size": 12,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "head_dim": 2,
+        }
+    )
+    g = torch.Generator().manual_seed(world)
+    p = "model.layers.0."
+    parts = {
+        "self_attn.q_proj.weight": torch.randn(8, 8, generator=g),
+        "self_attn.k_proj.weight": torch.randn(8, 8, generator=g),
+        "self_attn.v_proj.weight": torch.randn(8, 8, generator=g),
+        "mlp.gate_proj.weight": torch.randn(12, 8, generator=g),
+        "mlp.up_proj.weight": torch.randn(12, 8, generator=g),
+    }
+    split = {p + k: v for k, v in parts.items()}
+    split["model.embed_tokens.weight"] = torch.randn(16, 8, generator=g)
+    fused = {
+        p + "self_attn.qkv_proj.weight": torch.cat([parts[f"self_attn.{m}.weight"] for m in
+                                                   ("q_proj", "k_proj", "v_proj")]),
+        p + "mlp.gate_up_proj.weight": torch.cat([parts["mlp.gate_proj.weight"],
+                                                 parts["mlp.up_proj.weight"]]),
+        "model.embed_tokens.weight": split["model.embed_tokens.weight"],
+    }  # fmt: skip
+    for r in range(world):
+        a, b = shard_weights(cfg, split, r, world), shard_weights(cfg, fused, r, world)
+        want_qkv = torch.cat(
+            [a[p + f"self_attn.{m}.weight"] for m in ("q_proj", "k_proj", "v_proj")]
+        )
+        want_gu = torch.cat([a[p + "mlp.gate_proj.weight"], a[p + "mlp.up_proj.weight"]])
+        assert torch.equal(b[p + "self_attn.qkv_proj.weight"], want_qkv)
+        assert torch.equal(b[p + "mlp.gate_up_proj.weight"], want_gu)
+
+
 @settings(max_examples=30, deadline=None)
 @given(vocab=st.integers(1, 40), world=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_vocab_parallel_head_pads_and_gathers_back(vocab: int, world: int, seed: int) -> None:
@@ -272,6 +316,9 @@ async def test_two_ranks_match_single_process_and_peft(
     eng = _engine(tiny.model_dir, tiny.root, 2, max_prefill_chunk=6, max_num_batched_tokens=24)
     try:
         assert eng.ranks_up() == (True, True)
+        # NVLink multicast is off in every rank (set before the group starts, inherited).
+        assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+        assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
         got = await _run_batch(eng, jobs)
         assert eng.tp_group is not None
         assert eng.tp_group.failed_rank is None
@@ -301,12 +348,16 @@ async def test_four_ranks_qwen2_with_a_hot_load_match_peft(tmp_path: Path) -> No
         assert eng.ranks_up() == (True,) * 4
         ids = tuple(eng.tokenize(PROMPTS[2]))
         first = [eng.submit(request(f"a-{n}", ids, n, max_tokens=10)) for n in (None, "one", "two")]
-        # The hot load runs while the first batch decodes; its requests join the batch.
-        await asyncio.sleep(0)
+        # The hot load starts once the first batch has produced tokens (it is decoding), and
+        # its requests join the batch.
+        heads = [s.__aiter__() for s in first]
+        started = [await h.__anext__() for h in heads]
+        assert all(e.token_id is not None and e.finish_reason is None for e in started)
         info = await eng.load_adapter("hot", "hot")
         assert info.name == "hot"
         later = [eng.submit(request(f"b-{n}", ids, n, max_tokens=6)) for n in ("hot", "one")]
-        outs = await asyncio.gather(*(collect(s) for s in first + later))
+        rests = await asyncio.gather(*(collect(h) for h in heads), *(collect(s) for s in later))
+        outs = [[e, *r] for e, r in zip(started, rests[:3], strict=True)] + rests[3:]
         single = Engine(model_dir, root, config=EngineConfig(**_BASE_KW), model_name="t")
         try:
             want = await _run_batch(
