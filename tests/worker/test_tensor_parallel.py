@@ -385,6 +385,8 @@ async def test_size_that_does_not_divide_the_heads_is_refused(tiny: Tiny) -> Non
         _engine(tiny.model_dir, tiny.root, 4)  # 4 heads, but 2 KV heads
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size"):
         _engine(tiny.model_dir, tiny.root, 0)
+    with pytest.raises(InvalidRequestError, match="lora_dtype: int4 adapter pools"):
+        _engine(tiny.model_dir, tiny.root, 2, lora_dtype="int4")
     assert _children(os.getpid()) == before  # nothing was started
 
 
