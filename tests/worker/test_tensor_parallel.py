@@ -28,6 +28,7 @@ from adaptermesh.worker.status_endpoints import health_response
 from adaptermesh.worker.tp_group import decode_step, encode_step
 from adaptermesh.worker.tp_shard import (
     COLUMN_GROUPS,
+    TP_LORA_SCHEMES,
     check_divisible,
     lora_a_shard,
     lora_b_shard,
@@ -67,15 +68,19 @@ def _alive(pid: int) -> bool:
     per_kv=st.integers(1, 8),
     kv=st.integers(1, 16),
     inter=st.integers(1, 512),
+    hidden=st.sampled_from([48, 64, 96, 100]),
     world=st.integers(1, 8),
+    scheme=st.sampled_from(TP_LORA_SCHEMES),
 )
-def test_divisibility_error_names_the_field(per_kv: int, kv: int, inter: int, world: int) -> None:
+def test_divisibility_error_names_the_field(
+    per_kv: int, kv: int, inter: int, hidden: int, world: int, scheme: str
+) -> None:
     heads = per_kv * kv
     cfg = ModelConfig.from_dict(
         {
             "model_type": "llama",
             "vocab_size": 100,
-            "hidden_size": 64,
+            "hidden_size": hidden,
             "intermediate_size": inter,
             "num_hidden_layers": 1,
             "num_attention_heads": heads,
@@ -83,15 +88,17 @@ def test_divisibility_error_names_the_field(per_kv: int, kv: int, inter: int, wo
             "head_dim": 8,
         }
     )
-    bad = [
-        f for f, v in (("num_attention_heads", heads), ("num_key_value_heads", kv),
-                       ("intermediate_size", inter)) if v % world
-    ]  # fmt: skip
+    fields = [("num_attention_heads", heads), ("num_key_value_heads", kv),
+              ("intermediate_size", inter)]  # fmt: skip
+    if scheme == "sharded":  # o's and down's B split by output rows as well
+        fields.append(("hidden_size", hidden))
+    bad = [f for f, v in fields if v % world]
     if bad:
         with pytest.raises(ValueError, match=f"config.{bad[0]}") as e:
-            check_divisible(cfg, world)
+            check_divisible(cfg, world, scheme)
         assert str(e.value).startswith(f"tensor_parallel_size: {world} ")
     else:
+        check_divisible(cfg, world, scheme)
         local = shard_config(cfg, world)
         assert local.num_heads * world == heads
         assert local.num_kv_heads * world == kv
@@ -207,9 +214,10 @@ def test_vocab_parallel_head_pads_and_gathers_back(vocab: int, world: int, seed:
     rank=st.integers(1, 8),
     tokens_=st.integers(1, 5),
     seed=st.integers(0, 2**16),
+    scheme=st.sampled_from(TP_LORA_SCHEMES),
 )
 def test_lora_shards_add_up_to_the_full_delta(
-    group: str, world: int, per_rank: int, rank: int, tokens_: int, seed: int
+    group: str, world: int, per_rank: int, rank: int, tokens_: int, seed: int, scheme: str
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     d_in = d_out = per_rank * world
@@ -217,16 +225,20 @@ def test_lora_shards_add_up_to_the_full_delta(
     a = torch.randn(rank, d_in, generator=gen, dtype=torch.float64)
     b = torch.randn(d_out, rank, generator=gen, dtype=torch.float64)
     full = x @ a.T @ b.T
+
+    def b_of(r: int) -> torch.Tensor:
+        return lora_b_shard(group, b, r, world, scheme)
+
     if group in COLUMN_GROUPS:  # each rank its output columns, from the whole input
-        parts = [x @ lora_a_shard(group, a, r, world).T @ lora_b_shard(group, b, r, world).T
-                 for r in range(world)]  # fmt: skip
+        parts = [x @ lora_a_shard(group, a, r, world).T @ b_of(r).T for r in range(world)]
         got = torch.cat(parts, dim=1)
-    else:  # each rank a partial sum from its input rows; the all-reduce adds them
+    elif scheme == "base-reduce":  # each rank a partial sum; the base all-reduce adds them
         xs = x.chunk(world, dim=1)
-        got = sum(
-            xs[r] @ lora_a_shard(group, a, r, world).T @ lora_b_shard(group, b, r, world).T
-            for r in range(world)
-        )
+        got = sum(xs[r] @ lora_a_shard(group, a, r, world).T @ b_of(r).T for r in range(world))
+    else:  # the shrink outputs all-reduced, then each rank expands its output columns
+        xs = x.chunk(world, dim=1)
+        v = sum(xs[r] @ lora_a_shard(group, a, r, world).T for r in range(world))
+        got = torch.cat([v @ b_of(r).T for r in range(world)], dim=1)
     torch.testing.assert_close(got, full)
 
 
@@ -334,6 +346,7 @@ async def test_two_ranks_match_single_process_and_peft(
 
 @pytest.mark.slow
 async def test_four_ranks_qwen2_with_a_hot_load_match_peft(tmp_path: Path) -> None:
+    """With o's and down's B split too (``tp_lora_scheme="sharded"``)."""
     model_dir = make_tiny_model(
         tmp_path / "m", "qwen2", seed=5, num_key_value_heads=4, num_hidden_layers=1
     )
@@ -343,9 +356,11 @@ async def test_four_ranks_qwen2_with_a_hot_load_match_peft(tmp_path: Path) -> No
     make_adapter(root, model_dir, "two", 8, all7, seed=2)
     make_adapter(root, model_dir, "hot", 16, all7, seed=3, use_rslora=True)
     ref = Reference(model_dir, root, ["one", "two", "hot"])
-    eng = _engine(model_dir, root, 4, max_loras=3)
+    eng = _engine(model_dir, root, 4, max_loras=3, tp_lora_scheme="sharded")
     try:
         assert eng.ranks_up() == (True,) * 4
+        assert eng.pool.b["o"][0].shape[2] == 64 // 4  # rank 0 holds a quarter of o's B
+        assert eng.pool.b["down"][0].shape[2] == 64 // 4
         ids = tuple(eng.tokenize(PROMPTS[2]))
         first = [eng.submit(request(f"a-{n}", ids, n, max_tokens=10)) for n in (None, "one", "two")]
         # The hot load starts once the first batch has produced tokens (it is decoding), and

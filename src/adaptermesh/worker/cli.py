@@ -369,6 +369,15 @@ def build_parser() -> argparse.ArgumentParser:
         "intermediate size",
     )
     p.add_argument(
+        "--tp-lora-scheme",
+        choices=["base-reduce", "sharded"],
+        default="base-reduce",
+        help="with --tensor-parallel-size > 1, how o_proj's and down_proj's adapters split: "
+        "base-reduce keeps B whole on every rank and adds the delta into the base all-reduce; "
+        "sharded splits B too and all-reduces the rank-sized shrink output first "
+        "(default base-reduce)",
+    )
+    p.add_argument(
         "--lora-dtype",
         choices=["bf16", "fp16", "fp32", "int4"],
         default=None,
@@ -552,6 +561,7 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
     if args.logprobs_mode is not None:
         config.logprobs_mode = args.logprobs_mode
     config.tensor_parallel_size = args.tensor_parallel_size
+    config.tp_lora_scheme = args.tp_lora_scheme
     built = Engine(
         args.model,
         args.adapter_root,

@@ -95,7 +95,7 @@ from adaptermesh.worker.step_launch import (
 from adaptermesh.worker.step_layout import BlockTableMirror, penalised
 from adaptermesh.worker.tokenizer_helpers import TokenizerHelper, load_tokenizer
 from adaptermesh.worker.tp_group import ShardedLoraPool, TPGroup, TPModel, WorkerSetup
-from adaptermesh.worker.tp_shard import shard_config, shard_weights
+from adaptermesh.worker.tp_shard import check_divisible, shard_config, shard_weights
 from adaptermesh.worker.types import (
     MAX_LOGPROBS,
     AdapterInfo,
@@ -193,7 +193,7 @@ class Engine:
         self.tp_group: TPGroup | None = None
         if tp_size > 1:
             try:
-                shard_config(model_config, tp_size)
+                check_divisible(model_config, tp_size, config.tp_lora_scheme)
             except ValueError as e:
                 raise InvalidRequestError("tensor_parallel_size", str(e)) from e
             if weights is not None:
@@ -231,6 +231,7 @@ class Engine:
                 self.max_model_len,
                 group,
                 model_config.vocab_size,
+                config.tp_lora_scheme,
             )
             del tensors
         else:
@@ -288,6 +289,7 @@ class Engine:
                 self.device,
                 dtype,
                 groups,
+                config.tp_lora_scheme,
             )
         )
         if config.lora_overlap and self.device.type == "cuda":
@@ -313,6 +315,7 @@ class Engine:
                     num_slots=self.pool.num_slots,
                     max_rank=self.pool.max_rank,
                     groups=tuple(sorted(self.pool.groups)),
+                    lora_scheme=config.tp_lora_scheme,
                     fail_loads_rank=self.tp_fail_loads_rank,
                 )
             )
@@ -736,6 +739,7 @@ class Engine:
             "max_model_len": self.max_model_len,
             "lora_slots": self.pool.num_slots,
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "tp_lora_scheme": self.config.tp_lora_scheme,
             "kv_blocks": self.kv.num_blocks,
             "block_size": self.kv.block_size,
             "kv_tokens": self.kv.num_tokens,

@@ -127,6 +127,10 @@ class EngineConfig:
     # starts N-1 more processes (one GPU each on CUDA) and splits heads, MLP columns, the LM
     # head's vocabulary, the KV cache and the adapter pool over them.
     tensor_parallel_size: int = 1
+    # How o's and down's LoRA split over the ranks (worker/tp_shard.py): "base-reduce" (B
+    # whole on every rank, the delta joins the base all-reduce) or "sharded" (B split too, the
+    # rank-sized shrink output all-reduced first).
+    tp_lora_scheme: str = "base-reduce"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -161,6 +165,11 @@ def validate_config(config: EngineConfig) -> None:
     tp = config.tensor_parallel_size
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise InvalidRequestError("tensor_parallel_size", f"must be a positive integer, got {tp!r}")
+    if config.tp_lora_scheme not in ("base-reduce", "sharded"):
+        raise InvalidRequestError(
+            "tp_lora_scheme",
+            f"must be one of base-reduce, sharded, got {config.tp_lora_scheme!r}",
+        )
     if tp > 1 and config.lora_dtype == "int4":
         raise InvalidRequestError(
             "lora_dtype", "int4 adapter pools are not supported with tensor_parallel_size > 1"

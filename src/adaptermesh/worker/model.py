@@ -459,6 +459,12 @@ class ParallelComm(Protocol):
         """[S, V/N] logits of this rank's vocabulary slice -> [S, V] of every rank's."""
         ...
 
+    def row_lora_columns(self, width: int) -> tuple[int, int] | None:
+        """Where a row-parallel module's LoRA expand goes: None, the whole output (B
+        replicated; the delta joins the base all-reduce as a partial sum); or the column range
+        of this rank's share of B (the shrink output is all-reduced first)."""
+        ...
+
 
 class GatedTerms(Protocol):
     """What the forward pass calls for expert sets on an unmerged path (``adafuse.SoloGated``,
@@ -521,12 +527,16 @@ class LoraPool:
         device: torch.device,
         dtype: torch.dtype,
         groups: frozenset[str] | None = None,
+        out_features: dict[str, int] | None = None,
     ) -> None:
+        """``out_features``: B's output rows per module where they differ from the module's
+        (a tensor-parallel rank holding a share of o's and down's B, ``tp_shard``)."""
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
         self.groups = _checked_groups(groups)
+        outs = out_features or {}
         L = cfg.num_layers
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, tuple[torch.Tensor, ...]] = {}
@@ -538,7 +548,9 @@ class LoraPool:
             )
             self.b[g] = tuple(
                 torch.zeros(
-                    (L, num_slots, cfg.module_shape(m)[1], max_rank), dtype=dtype, device=device
+                    (L, num_slots, outs.get(m, cfg.module_shape(m)[1]), max_rank),
+                    dtype=dtype,
+                    device=device,
                 )
                 for m in mods
             )
@@ -1077,8 +1089,14 @@ class TransformerModel:
         if lp is not None and group not in lp[0].groups:
             lp = None  # the pool holds no adapter on this group
         side = self.lora_side
+        cols = (
+            self.tp.row_lora_columns(layer[wname].shape[0])
+            if lp is not None and self.tp is not None and group in ("o", "down")
+            else None
+        )
         if (
             lp is not None
+            and cols is None
             and side is not None
             and x.shape[0] <= self.lora_side_max_tokens
             and not isinstance(lp[0], Int4LoraPool)
@@ -1090,8 +1108,32 @@ class TransformerModel:
             )
         out = torch.addmm(bias, x, layer[wname].T) if bias is not None else x @ layer[wname].T
         if lp is not None:
-            _apply_lora(*lp, group, li, out, x)
+            if cols is None:
+                _apply_lora(*lp, group, li, out, x)
+            else:
+                self._sharded_row_lora(lp, group, li, out, x, cols)
         return out, None
+
+    def _sharded_row_lora(
+        self,
+        lp: tuple[LoraPool, lora_ops.LoraBatchMeta],
+        group: str,
+        li: int,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        cols: tuple[int, int],
+    ) -> None:
+        """A row-parallel module's LoRA term with A and B both sharded: the shrink of this
+        rank's input rows, an all-reduce of the rank-sized result, then the expand of this
+        rank's B share into its output columns (the base all-reduce sums the columns)."""
+        assert self.tp is not None
+        pool, meta = lp
+        a, b, r = pool.layer_args(group, li)
+        v = kernels.sgmm_shrink(x, a, r, meta.kernel_meta, check_values=False)
+        self.tp.all_reduce(v)
+        part = torch.zeros((out.shape[0], cols[1] - cols[0]), dtype=out.dtype, device=out.device)
+        kernels.sgmm_expand(part, v, b, pool.scales, r, meta.kernel_meta, check_values=False)
+        out[:, cols[0] : cols[1]] += part
 
     def _attention(
         self,

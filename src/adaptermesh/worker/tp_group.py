@@ -48,7 +48,7 @@ from adaptermesh.worker.model import (
     StepInputs,
     TransformerModel,
 )
-from adaptermesh.worker.tp_shard import lora_a_shard, lora_b_shard
+from adaptermesh.worker.tp_shard import lora_a_shard, lora_b_shard, row_b_rows
 
 __all__ = [
     "HEADER_WORDS",
@@ -93,9 +93,17 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 class TPComm:
     """The model's collectives (``model.ParallelComm``) over the default process group."""
 
-    def __init__(self, world: int, vocab: int) -> None:
+    def __init__(self, world: int, vocab: int, rank: int = 0, scheme: str = "base-reduce") -> None:
         self.world = world
         self.vocab = vocab
+        self.rank = rank
+        self.scheme = scheme
+
+    def row_lora_columns(self, width: int) -> tuple[int, int] | None:
+        if self.scheme != "sharded":
+            return None
+        share = width // self.world
+        return self.rank * share, (self.rank + 1) * share
 
     def all_reduce(self, t: torch.Tensor) -> None:
         dist.all_reduce(t)
@@ -119,6 +127,7 @@ class WorkerSetup:
     num_slots: int
     max_rank: int
     groups: tuple[str, ...]
+    lora_scheme: str = "base-reduce"  # tp_shard.TP_LORA_SCHEMES
     fail_loads_rank: int = -1  # fault injection for tests: this rank refuses every load
 
 
@@ -209,6 +218,7 @@ def write_slot_shard(
     rank: int,
     world: int,
     fail: bool = False,
+    scheme: str = "base-reduce",
 ) -> bool:
     """Write this rank's share of a whole slot (``flat``, in ``_slot_layout`` order) into
     ``slot`` of ``pool`` (a LoraPool of the rank's shard config) and verify it by float64 sums.
@@ -224,7 +234,7 @@ def write_slot_shard(
         full = flat[offset : offset + n].view(shape)
         offset += n
         if is_b:
-            src = lora_b_shard(g, full, rank, world)
+            src = lora_b_shard(g, full, rank, world, scheme)
             dst = pool.b[g][i][:, slot]
         else:
             src = lora_a_shard(g, full, rank, world)
@@ -375,8 +385,9 @@ class TPGroup:
             )
             dist.broadcast(flat, 0)
             ok = write_slot_shard(
-                pool, pool.full_cfg, flat, slot, lora_rank, scale, groups, 0, self.world
-            )
+                pool, pool.full_cfg, flat, slot, lora_rank, scale, groups, 0, self.world,
+                scheme=pool.scheme,
+            )  # fmt: skip
             verdict = torch.tensor([int(ok)], dtype=torch.int32, device=self.device)
             dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
             every = int(verdict.item()) == 1
@@ -464,9 +475,19 @@ class ShardedLoraPool(LoraPool):
         device: torch.device,
         dtype: torch.dtype,
         groups: frozenset[str] | None = None,
+        scheme: str = "base-reduce",
     ) -> None:
-        super().__init__(shard_cfg, num_slots, max_rank, device, dtype, groups)
+        super().__init__(
+            shard_cfg,
+            num_slots,
+            max_rank,
+            device,
+            dtype,
+            groups,
+            out_features=row_b_rows(full_cfg, group.world, scheme),
+        )
         self.full_cfg = full_cfg
+        self.scheme = scheme
         self.group = group
         self._staging: dict[int, list[torch.Tensor]] = {}
         self._index: dict[tuple[str, int, bool], int] = {}
@@ -515,10 +536,11 @@ class TPModel(TransformerModel):
         max_len: int,
         group: TPGroup,
         vocab: int,
+        scheme: str = "base-reduce",
     ) -> None:
         super().__init__(shard_cfg, weights, device, dtype, max_len)
         self.group = group
-        self.tp = TPComm(group.world, vocab)
+        self.tp = TPComm(group.world, vocab, 0, scheme)
 
     @torch.inference_mode()
     def forward(

@@ -20,9 +20,11 @@ LoRA follows the base split. On a column-parallel module A (the shrink) is repli
 (the expand) split by output rows like the base weight: no communication. On a row-parallel
 module A is split by input columns like the base weight and B is replicated: each rank's
 ``scale * (x_r @ A_r.T) @ B.T`` is a partial sum of the full delta, so the expand adds into the
-partial base output and the base all-reduce carries it (no extra communication). The other
-scheme, all-reducing the rank-sized shrink output before the expand, only changes
-``lora_b_shard``/``lora_a_shard`` for the row-parallel groups and the forward's reduction point.
+partial base output and the base all-reduce carries it (no extra communication): the
+``base-reduce`` scheme. The ``sharded`` scheme (vLLM's ``fully_sharded_loras`` for these
+modules) splits B of o and down by output rows too: the rank-sized shrink output is
+all-reduced, and each rank expands only its share of the output columns (1/N of the expand's
+work and of B's memory, for one more small all-reduce per module).
 """
 
 from __future__ import annotations
@@ -37,27 +39,38 @@ from adaptermesh.worker.model import ModelConfig
 __all__ = [
     "COLUMN_GROUPS",
     "ROW_GROUPS",
+    "TP_LORA_SCHEMES",
     "check_divisible",
     "lora_a_shard",
     "lora_b_shard",
     "padded_vocab",
+    "row_b_rows",
     "shard_config",
     "shard_weights",
 ]
 
 COLUMN_GROUPS = frozenset({"qkv", "gate_up"})
 ROW_GROUPS = frozenset({"o", "down"})
+# How o's and down's LoRA split: B replicated ("base-reduce") or split by output rows too.
+TP_LORA_SCHEMES = ("base-reduce", "sharded")
 
 
-def check_divisible(cfg: ModelConfig, world: int) -> None:
+def check_divisible(cfg: ModelConfig, world: int, scheme: str = "base-reduce") -> None:
     """Raise ValueError naming the field when ``world`` does not split the model evenly."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size: must be >= 1, got {world}")
-    for field, value in (
+    if scheme not in TP_LORA_SCHEMES:
+        raise ValueError(
+            f"tp_lora_scheme: must be one of {', '.join(TP_LORA_SCHEMES)}, got {scheme!r}"
+        )
+    fields = [
         ("num_attention_heads", cfg.num_heads),
         ("num_key_value_heads", cfg.num_kv_heads),
         ("intermediate_size", cfg.intermediate_size),
-    ):
+    ]
+    if scheme == "sharded":  # o's and down's B split by output rows
+        fields.append(("hidden_size", cfg.hidden_size))
+    for field, value in fields:
         if value % world:
             raise ValueError(
                 f"tensor_parallel_size: {world} does not divide config.{field} ({value}); "
@@ -151,9 +164,22 @@ def lora_a_shard(group: str, a: torch.Tensor, rank: int, world: int) -> torch.Te
     return a if group in COLUMN_GROUPS else _cols(a, rank, world)
 
 
-def lora_b_shard(group: str, b: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+def lora_b_shard(
+    group: str, b: torch.Tensor, rank: int, world: int, scheme: str = "base-reduce"
+) -> torch.Tensor:
     """One rank's share of B (``[..., N, R]``): the output rows of the rank on column-parallel
-    groups (per slice: q, k and v each split by heads), whole on row-parallel ones."""
+    groups (per slice: q, k and v each split by heads); on row-parallel ones whole
+    (``base-reduce``) or the rank's output rows (``sharded``)."""
     if group not in GROUPS:
         raise ValueError(f"group: unknown LoRA group {group!r}")
-    return b.chunk(world, dim=-2)[rank] if group in COLUMN_GROUPS else b
+    if group in COLUMN_GROUPS or scheme == "sharded":
+        return b.chunk(world, dim=-2)[rank]
+    return b
+
+
+def row_b_rows(cfg: ModelConfig, world: int, scheme: str) -> dict[str, int] | None:
+    """B's output rows per module of a rank's pool where they are not the module's own
+    (``LoraPool(out_features=...)``): o's and down's share under ``sharded``."""
+    if scheme != "sharded" or world == 1:
+        return None
+    return {"o_proj": cfg.hidden_size // world, "down_proj": cfg.hidden_size // world}

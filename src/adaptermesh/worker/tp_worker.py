@@ -36,7 +36,7 @@ from adaptermesh.worker.tp_group import (
     set_collective_env,
     write_slot_shard,
 )
-from adaptermesh.worker.tp_shard import shard_config, shard_weights
+from adaptermesh.worker.tp_shard import row_b_rows, shard_config, shard_weights
 
 __all__ = ["RankWorker", "main"]
 
@@ -56,11 +56,17 @@ class RankWorker:
         self.cfg = cfg = shard_config(full, world)
         weights = shard_weights(full, read_weights(Path(setup.model_dir)), rank, world)
         self.model = TransformerModel(cfg, weights, device, dtype, setup.max_len)
-        self.model.tp = TPComm(world, full.vocab_size)
+        self.model.tp = TPComm(world, full.vocab_size, rank, setup.lora_scheme)
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, setup.block_size, dtype)
         self.kv = PagedKVCache(spec, setup.num_blocks, device)
         self.pool = LoraPool(
-            cfg, setup.num_slots, setup.max_rank, device, dtype, frozenset(setup.groups)
+            cfg,
+            setup.num_slots,
+            setup.max_rank,
+            device,
+            dtype,
+            frozenset(setup.groups),
+            out_features=row_b_rows(full, world, setup.lora_scheme),
         )
         self.steps = 0
 
@@ -95,6 +101,7 @@ class RankWorker:
                     self.rank,
                     self.world,
                     fail=self.setup.fail_loads_rank == self.rank,
+                    scheme=self.setup.lora_scheme,
                 )
                 verdict = torch.tensor([int(ok)], dtype=torch.int32, device=self.device)
                 dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
