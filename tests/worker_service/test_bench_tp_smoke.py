@@ -28,7 +28,7 @@ def test_bench_tp_tiny_two_ranks_with_adapters(tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--tiny", "--only", "70b-b64", "--steps", "2",
-         "--ctx", "32", "--out", str(out)],
+         "--ctx", "32", "--lora-schemes", "sharded", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=240,
@@ -41,9 +41,11 @@ def test_bench_tp_tiny_two_ranks_with_adapters(tmp_path: Path) -> None:
     (case,) = doc["cases"]
     assert case["world"] == 2
     assert case["adapters"] == 4
+    assert case["lora_scheme"] == "sharded"
     assert len(case["ranks"]) == 2
     assert all(r["lora_bytes_read"] > 0 and r["step_ms_median"] > 0 for r in case["ranks"])
     assert case["byte_floor_tok_s"] > 0
     row = doc["targets"]["tp4_70b_b64_64_adapters_tok_s"]
     assert row["value"] == case["tok_s"]
     assert row["byte_floor_tok_s"] == case["byte_floor_tok_s"]
+    assert row["lora_scheme"] == "sharded"
