@@ -25,7 +25,7 @@ from adaptermesh.worker.lora_groups import GROUPS
 from adaptermesh.worker.model import ModelConfig, StepInputs, read_weights
 from adaptermesh.worker.peft_adapter import AdapterValidationError
 from adaptermesh.worker.status_endpoints import health_response
-from adaptermesh.worker.tp_group import decode_step, encode_step
+from adaptermesh.worker.tp_group import TensorParallelError, decode_step, encode_step
 from adaptermesh.worker.tp_shard import (
     COLUMN_GROUPS,
     TP_LORA_SCHEMES,
@@ -554,3 +554,15 @@ async def test_worker_cli_reports_ranks_and_exits_when_one_dies(tiny: Tiny) -> N
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_rank_that_cannot_start_fails_the_start_at_once(
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = _children(os.getpid())
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the rank's interpreter exits at once
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 exited while starting"):
+        _engine(tiny.model_dir, tiny.root, 2)
+    assert time.monotonic() - t0 < 30  # not the collectives' timeout
+    assert _children(os.getpid()) == before

@@ -49,8 +49,10 @@ from adaptermesh.worker.model import (
     TransformerModel,
 )
 from adaptermesh.worker.tp_shard import lora_a_shard, lora_b_shard, row_b_rows
+from adaptermesh.worker.types import EngineError
 
 __all__ = [
+    "COLLECTIVE_TIMEOUT_S",
     "HEADER_WORDS",
     "OP_LOAD",
     "OP_SHUTDOWN",
@@ -59,6 +61,7 @@ __all__ = [
     "TPComm",
     "TPGroup",
     "TPModel",
+    "TensorParallelError",
     "WorkerSetup",
     "backend_for",
     "decode_step",
@@ -72,6 +75,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 OP_STEP, OP_LOAD, OP_SHUTDOWN = 1, 2, 3
+# Collectives may wait this long: the other ranks wait in the first one while rank 0 reads its
+# weights (minutes for a 70B model), and dead ranks are found by the watchdog, not by timeouts.
+COLLECTIVE_TIMEOUT_S = 1800.0
+
+
+class TensorParallelError(EngineError):
+    """The rank group cannot serve: a rank exited, could not start, or the group is closed."""
+
+
 HEADER_WORDS = 10  # int64 words of every command header
 
 
@@ -280,6 +292,7 @@ class TPGroup:
         self.lock = threading.Lock()
         self.failed_rank: int | None = None
         self.closed = False
+        self.ready = False  # every rank has built its shard (``setup``)
         # Called once (from the watchdog thread) when a rank other than 0 dies; the CLI
         # stops the worker process.
         self.on_failure: Callable[[int], None] | None = None
@@ -287,7 +300,9 @@ class TPGroup:
         self._watch.start()
 
     @classmethod
-    def start(cls, world: int, device: torch.device, *, timeout_s: float = 300.0) -> TPGroup:
+    def start(
+        cls, world: int, device: torch.device, *, timeout_s: float = COLLECTIVE_TIMEOUT_S
+    ) -> TPGroup:
         """Spawn ranks 1..world-1 and join them in the default process group as rank 0."""
         if world < 2:
             raise ValueError(f"tensor_parallel_size: a group needs at least 2 ranks, got {world}")
@@ -297,9 +312,17 @@ class TPGroup:
                 f"{torch.cuda.device_count()} are visible"
             )
         if dist.is_initialized():
-            raise RuntimeError("tensor parallelism: a process group is already initialised")
+            raise TensorParallelError("tensor parallelism: a process group is already initialised")
         set_collective_env()
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        port = _free_port()
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1",
+            port,
+            world,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
         procs = [
             subprocess.Popen(
                 [
@@ -310,8 +333,8 @@ class TPGroup:
                     str(r),
                     "--world-size",
                     str(world),
-                    "--init-method",
-                    init,
+                    "--store-port",
+                    str(port),
                     "--device",
                     device.type,
                     "--parent-pid",
@@ -322,11 +345,21 @@ class TPGroup:
             for r in range(1, world)
         ]
         try:
+            # Each rank checks in on the store before it joins the group: a rank that dies
+            # while starting (a bad install, no GPU) fails the start at once, not at a timeout.
+            for r, p in enumerate(procs, start=1):
+                while not store.check([f"rank{r}-up"]):
+                    if p.poll() is not None:
+                        raise TensorParallelError(
+                            f"tensor parallelism: rank {r} exited while starting "
+                            f"(status {p.returncode})"
+                        )
+                    time.sleep(0.05)
             if device.type == "cuda":
                 torch.cuda.set_device(rank_device(device, 0))
             dist.init_process_group(
                 backend_for(device),
-                init_method=init,
+                store=store,
                 rank=0,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),
@@ -348,7 +381,8 @@ class TPGroup:
             ready = torch.ones(1, dtype=torch.int32, device=self.device)
             dist.all_reduce(ready, op=dist.ReduceOp.MIN)
         if int(ready.item()) != 1:
-            raise RuntimeError("tensor parallelism: a rank could not build its shard")
+            raise TensorParallelError("tensor parallelism: a rank could not build its shard")
+        self.ready = True
 
     def _obj_device(self) -> torch.device | None:
         return self.device if self.device.type == "cuda" else None
@@ -408,9 +442,9 @@ class TPGroup:
 
     def _check(self) -> None:
         if self.failed_rank is not None:
-            raise RuntimeError(f"tensor parallelism: rank {self.failed_rank} has exited")
+            raise TensorParallelError(f"tensor parallelism: rank {self.failed_rank} has exited")
         if self.closed:
-            raise RuntimeError("tensor parallelism: the group is shut down")
+            raise TensorParallelError("tensor parallelism: the group is shut down")
 
     def _watchdog(self) -> None:
         while not self.closed:
@@ -419,6 +453,10 @@ class TPGroup:
                     self.failed_rank = r
                     log.error("tensor-parallel rank %d exited with %s", r, p.returncode)
                     self._stop_children()
+                    if not self.ready and self.device.type == "cuda":
+                        # Rank 0 waits in the set-up collective, which NCCL does not give up
+                        # on when a peer dies: leave rather than hang.
+                        os._exit(1)
                     if self.on_failure is not None:
                         self.on_failure(r)
                     return

@@ -23,6 +23,7 @@ from adaptermesh.worker import lora_ops
 from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache
 from adaptermesh.worker.model import LoraPool, ModelConfig, TransformerModel, read_weights
 from adaptermesh.worker.tp_group import (
+    COLLECTIVE_TIMEOUT_S,
     HEADER_WORDS,
     OP_LOAD,
     OP_SHUTDOWN,
@@ -123,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="adaptermesh.worker.tp_worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--init-method", required=True)
+    p.add_argument("--store-port", type=int, required=True)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--parent-pid", type=int, required=True)
-    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--timeout-s", type=float, default=COLLECTIVE_TIMEOUT_S)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{a.rank} %(message)s")
     threading.Thread(target=_watch_parent, args=(a.parent_pid,), daemon=True).start()
@@ -134,9 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     device = rank_device(torch.device(a.device), a.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1",
+        a.store_port,
+        a.world_size,
+        is_master=False,
+        timeout=timedelta(seconds=a.timeout_s),
+    )
+    store.set(f"rank{a.rank}-up", "1")
     dist.init_process_group(
         backend_for(device),
-        init_method=a.init_method,
+        store=store,
         rank=a.rank,
         world_size=a.world_size,
         timeout=timedelta(seconds=a.timeout_s),
