@@ -59,6 +59,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,7 @@ from adaptermesh.worker.engine_config import (
     validate_config,
 )
 from adaptermesh.worker.faults import StepFault
+from adaptermesh.worker.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache, spec_bytes_per_token
 from adaptermesh.worker.lora_groups import pool_groups
 from adaptermesh.worker.model import ModelConfig, TransformerModel, make_lora_pool, read_weights
@@ -297,6 +299,8 @@ class Engine:
         self._closed = False
         self._latency_cursor = 0
         self.steps = 0
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         log.info(
             "engine ready: %s on %s (%s), kv %d blocks x %d tokens (%.1f MiB), %d sequences, lora slots %d, lora ops %s",
             self.model_name,
@@ -333,6 +337,7 @@ class Engine:
             # tokens do not depend on its batch neighbours or on preemption. Seeds of any size
             # are folded into the sampler's 63 bits.
             seed=sampling.seed % (1 << 63) if sampling.seed is not None else random.getrandbits(63),
+            matcher=request.grammar.matcher() if request.grammar is not None else None,
         )
         self.scheduler.waiting.append(seq)
         self._ensure_loop()
@@ -408,8 +413,25 @@ class Engine:
     def detokenize(self, token_ids: list[int]) -> str:
         return self.text.detokenize(token_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
-        return self.text.apply_chat_template(messages)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int] | None:
+        return self.text.apply_chat_template(messages, tools)
+
+    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """``spec`` compiled for this model's vocabulary (``GrammarError`` naming the field
+        when it does not compile). Thread-safe; the service calls it off the event loop."""
+        compiler = self._grammar_compiler
+        if compiler is None:
+            with self._grammar_lock:
+                compiler = self._grammar_compiler
+                if compiler is None:
+                    compiler = self._grammar_compiler = GrammarCompiler(
+                        self.tokenizer,
+                        self.model_config.vocab_size,
+                        sorted(self.scheduler.eos_token_ids),
+                    )
+        return compiler.compile(spec)
 
     async def load_adapter(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
         self._ensure_loop()
@@ -482,9 +504,10 @@ class Engine:
 
     def _needs_sync(self) -> bool:
         """Steps that decide on the host from tokens the device holds run without overlap:
-        expert sets (the path depends on the token) and penalties (counts of past tokens)."""
+        expert sets (the path depends on the token), penalties (counts of past tokens) and
+        grammar-constrained rows (the next mask depends on the last token)."""
         for seq in self.scheduler.running:
-            if seq.expert_set is not None or penalised(seq):
+            if seq.expert_set is not None or penalised(seq) or seq.matcher is not None:
                 return True
         return bool(self.merge_policy.merged is not None)
 
