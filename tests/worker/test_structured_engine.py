@@ -378,3 +378,56 @@ def test_closed_objects_only_closes_object_schemas() -> None:
     assert closed["properties"]["open"]["additionalProperties"] is True
     assert closed["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
     assert closed["$defs"]["d"]["anyOf"][1] == {"type": "string"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_masked_steps_in_graphs_and_eager(tiny: Tiny, graphs: bool) -> None:
+    """On a GPU: constrained rows batched with unconstrained ones, in the masked graph variant
+    (and eagerly): every constrained output validates, the unconstrained rows keep their
+    tokens, logprobs ride along, and masked steps replay graphs."""
+    from adaptermesh.worker.engine import Engine, EngineConfig
+
+    async def run() -> None:
+        config = EngineConfig(max_num_seqs=16, max_loras=4, use_cuda_graphs=graphs)
+        engine = Engine(
+            tiny.model_dir, tiny.root, device="cuda", dtype="float32", config=config, model_name="t"
+        )
+        try:
+            prompts = [tiny.encode(p) for p in ("Hello", "The quick", "A mesh", "GPU")]
+            adapters = [None, "alpha", "beta", "gamma"]
+            reference = [
+                tokens(await collect(engine.submit(request(f"r{i}", p, a, max_tokens=12))))
+                for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))
+            ]
+            picks = list(range(0, len(SUITE), 5))
+            plain = [
+                engine.submit(request(f"p{i}", p, a, max_tokens=12))
+                for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))
+            ]
+            shaped = [
+                engine.submit(
+                    constrained(
+                        f"c{k}",
+                        prompts[k % 4],
+                        engine.compile_grammar(schema(SUITE[k]["schema"])),
+                        adapters[k % 4],
+                        temperature=float(k % 2),
+                        seed=k,
+                        logprobs=2,
+                    )
+                )
+                for k in picks
+            ]
+            assert [tokens(await collect(s)) for s in plain] == reference
+            for k, stream in zip(picks, shaped, strict=True):
+                events = await collect(stream)
+                jsonschema.validate(json.loads(text_of(events)), SUITE[k]["schema"])
+                assert events[-1].finish_reason == "stop"
+            if graphs:
+                assert engine.graph_steps > 0
+                assert any(key[-1] for key in engine.launcher.graphs)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())

@@ -234,3 +234,17 @@ def test_forced_choices_have_grammars() -> None:
     assert none is not None
     assert none.format is None
     assert none.parse("[TOOL_CALLS][]") == ("[TOOL_CALLS][]", [])
+
+
+def test_the_worker_flag_names_every_parser() -> None:
+    from adaptermesh.worker.cli import build_parser
+
+    parser = build_parser()
+    base = ["--model", "m", "--adapter-root", "a"]
+    assert parser.parse_args(base).tool_call_parser == "auto"
+    assert parser.parse_args([*base, "--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--tool-call-parser", "xml"])
+    text = " ".join(parser.format_help().split())
+    for name in ("llama3_json", "hermes", "mistral", "auto picks"):
+        assert name in text

@@ -139,7 +139,8 @@ class TokenizerHelper:
         definitions) go to the template as its ``tools`` variable."""
         if not getattr(self.tokenizer, "chat_template", None):
             return None
+        extra = {} if tools is None else {"tools": tools}
         text = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
+            messages, add_generation_prompt=True, tokenize=False, **extra
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
