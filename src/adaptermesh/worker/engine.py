@@ -504,10 +504,11 @@ class Engine:
 
     def _needs_sync(self) -> bool:
         """Steps that decide on the host from tokens the device holds run without overlap:
-        expert sets (the path depends on the token), penalties (counts of past tokens) and
-        grammar-constrained rows (the next mask depends on the last token)."""
+        expert sets (the path depends on the token) and penalties (counts of past tokens).
+        Grammar-constrained rows overlap differently: their step's forward is launched, and
+        its masks and sampling follow once the previous step's tokens are applied."""
         for seq in self.scheduler.running:
-            if seq.expert_set is not None or penalised(seq) or seq.matcher is not None:
+            if seq.expert_set is not None or penalised(seq):
                 return True
         return bool(self.merge_policy.merged is not None)
 
@@ -542,6 +543,18 @@ class Engine:
                 continue
             if inflight is not None:
                 await self._finish(inflight)
+            if launched.tail is not None:
+                # A masked step: its forward runs while the previous step's tokens were
+                # applied above; now its rows' masks are known.
+                try:
+                    if self._cuda:
+                        await asyncio.to_thread(launched.run_tail)
+                    else:
+                        launched.run_tail()
+                except Exception as error:
+                    log.exception("engine step failed")
+                    self._fail(plan, error)
+                    continue
             inflight = launched
             if not self._overlap:
                 await self._finish(inflight)
@@ -590,7 +603,7 @@ class Engine:
 
     def _launch(self, plan: StepPlan) -> InFlight:
         self.step_fault.check()
-        return self.launcher.launch(plan)
+        return self.launcher.launch(plan, defer_masked=True)
 
     def _build_expert_set(self, cpu: CpuExpertSet, version: int) -> ExpertSet:
         return self.merge_policy.build_expert_set(cpu, version)

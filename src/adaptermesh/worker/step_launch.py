@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,9 +147,18 @@ class InFlight:
     rows: int = 0
     tokens: int = 0
     logprobs: LogprobRequest | None = None
+    # A grammar-masked step launched with its sampling deferred: the mask, sampling and
+    # output copy still to run (``run_tail``), once the host knows the previous step's tokens.
+    tail: Callable[[], None] | None = None
+
+    def run_tail(self) -> None:
+        tail, self.tail = self.tail, None
+        if tail is not None:
+            tail()
 
     def wait(self) -> tuple[list[int], list[StepLogprobs | None] | None]:
         """Each sampler's token and, when some sampler asked, the logprobs of each."""
+        assert self.tail is None, "a deferred step's tail has not run"
         if self.done is not None:
             self.done.synchronize()
         values = self.host_output[: self.num_entries].tolist()
@@ -272,7 +282,12 @@ class StepLauncher:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def launch(self, plan: StepPlan) -> InFlight:
+    def launch(self, plan: StepPlan, defer_masked: bool = False) -> InFlight:
+        """Launch ``plan``'s step. A step with a grammar-constrained row runs its forward
+        (graph or eager) now and its tail (the rows' masks, applied to the logits, sampling,
+        the output copy) in ``InFlight.run_tail``: at once, or, with ``defer_masked``, when
+        the caller has applied the previous step's tokens (the masks need them), so the
+        forward runs on the device meanwhile."""
         started_at = time.perf_counter()
         decision = self.merge_policy.prepare_step(plan)
         traits = self._traits(plan, decision)
@@ -289,28 +304,63 @@ class StepLauncher:
         ranges, samplers = self._stage(plan, layout, ring_index)
         started = self._record_event()
         self._upload(ring_index, buffers)
-        bitmask = self._upload_bitmask(ring_index, layout, graph) if traits.masked else None
         params = row_params(layout.entries)
         if graph is not None:
             run = self._replay(graph, params, traits, decision)
         else:
-            run = self._run_eager(plan, layout, ranges, buffers, params, traits, decision, bitmask)
-        host_output, logprobs = self._copy_output(ring_index, samplers, layout, run)
-        done = self._record_event()
-        return InFlight(
+            run = self._run_eager(plan, layout, ranges, buffers, params, traits, decision)
+        in_flight = InFlight(
             plan,
             samplers,
             [seq.last_entry for seq in samplers],
-            host_output,
+            self._output_host[ring_index],
             layout.num_entries,
-            done,
+            None,
             started,
-            1e3 * (time.perf_counter() - started_at),
+            0.0,
             graph is not None,
             len(plan.sequences()),
             plan.num_tokens,
-            logprobs=logprobs,
         )
+
+        launch_ms = 1e3 * (time.perf_counter() - started_at)
+
+        def finish_step() -> None:
+            tail_started = time.perf_counter()
+            if traits.masked:
+                self._masked_tail(ring_index, layout, graph, run, traits.penalties)
+            in_flight.host_output, in_flight.logprobs = self._copy_output(
+                ring_index, samplers, layout, run
+            )
+            in_flight.done = self._record_event()
+            in_flight.host_ms = launch_ms + 1e3 * (time.perf_counter() - tail_started)
+
+        in_flight.tail = finish_step
+        if not (traits.masked and defer_masked):
+            in_flight.run_tail()
+        return in_flight
+
+    def _masked_tail(
+        self,
+        ring_index: int,
+        layout: StepLayout,
+        graph: StepGraph | None,
+        run: _DeviceRun,
+        penalties: bool,
+    ) -> None:
+        """The tail of a grammar-masked step: the rows' masks to the device, -inf on each
+        refused token, sampling (greedy, random, penalties: all on the masked logits), and
+        the write of the ids every later step reads."""
+        logits = run.logits
+        assert logits is not None
+        bitmask = self._upload_bitmask(ring_index, layout, graph)
+        with torch.inference_mode():  # the forward's logits are an inference tensor
+            apply_bitmask(logits, bitmask)
+        if penalties:
+            tokens = self._sample_penalised(logits, run.sampling_buffers, layout)
+        else:
+            tokens = sample_logits(logits, run.sampling_buffers, run.mode, layout.entries)
+        self.last_tokens[: tokens.shape[0]].copy_(tokens)
 
     def _traits(self, plan: StepPlan, decision: SoloDecision) -> StepTraits:
         sequences = plan.sequences()
@@ -467,7 +517,6 @@ class StepLauncher:
         params: list[RowParams],
         traits: StepTraits,
         decision: SoloDecision,
-        bitmask: torch.Tensor | None = None,
     ) -> _DeviceRun:
         sampling_buffers = SamplingBuffers.allocate(layout.num_entries, self.device)
         sampling_buffers.fill(params)
@@ -495,7 +544,7 @@ class StepLauncher:
             gated,
             self.last_tokens,
             traits.penalties,
-            bitmask,
+            sample=not traits.masked,
         )
         self.eager_steps += 1
         return _DeviceRun(logits, sampling_buffers, mode)
@@ -560,11 +609,11 @@ class StepLauncher:
         gated: GatedTerms | None,
         destination: torch.Tensor,
         penalties: bool = False,
-        bitmask: torch.Tensor | None = None,
+        sample: bool = True,
     ) -> torch.Tensor:
-        """The whole step on the device: input gather, forward, the grammar mask of
-        constrained rows (``bitmask``: -inf on each disallowed token, before sampling, so
-        greedy, random, n > 1 and logprobs all see it), sampling, write of the ids."""
+        """The whole step on the device: input gather, forward, sampling, write of the ids;
+        without ``sample`` (a grammar-masked step, whose tail masks and samples) the forward
+        only. Returns the logits."""
         views = buffers.views
         source_entries = views.source_entries
         ids = torch.where(
@@ -587,9 +636,8 @@ class StepLauncher:
         )
         meta = lora_ops.build_meta(inputs.token_slots, self.pool.num_slots) if lora else None
         logits = self.model.forward(inputs, self.kv, self.pool if lora else None, meta, gated)
-        if bitmask is not None:
-            with torch.inference_mode():  # the forward's logits are an inference tensor
-                apply_bitmask(logits, bitmask)
+        if not sample:
+            return logits
         if penalties:
             tokens = self._sample_penalised(logits, sampling_buffers, layout)
         else:
@@ -685,7 +733,7 @@ class StepLauncher:
         buffers.device_buffer.copy_(torch.from_numpy(padding).to(device))
         sampling_buffers = SamplingBuffers.allocate(layout.num_entries, device)
         sampling_buffers.fill([])
-        # A masked graph reads the step's bitmask from this buffer (all allowed in warm-ups).
+        # A masked graph is the forward only; its tail reads the step's bitmask from here.
         bitmask = (
             torch.full(
                 (layout.num_entries, self._bitmask_words), -1, dtype=torch.int32, device=device
@@ -720,7 +768,7 @@ class StepLauncher:
                     mode,
                     gated,
                     self._scratch_tokens,
-                    bitmask=bitmask,
+                    sample=not masked,
                 )
         torch.cuda.current_stream(device).wait_stream(side)
         if self._graph_pool is None:
@@ -737,7 +785,7 @@ class StepLauncher:
                 mode,
                 gated,
                 self.last_tokens,
-                bitmask=bitmask,
+                sample=not masked,
             )
         # Keeping the output referenced keeps its memory out of later captures in the shared
         # pool, so logprob steps can read it after a replay.
