@@ -136,7 +136,8 @@ async def test_overlapped_scheduling_gives_the_same_outputs(make_engine: Any, ti
 
     overlapped = make_engine(max_num_seqs=32, async_scheduling=True)
     serial = make_engine(max_num_seqs=32, async_scheduling=False)
-    assert overlapped._overlap and not serial._overlap
+    assert overlapped._overlap
+    assert not serial._overlap
     assert await run(overlapped) == await run(serial)
 
 
@@ -455,3 +456,87 @@ def test_cuda_masked_steps_in_graphs_and_eager(tiny: Tiny, graphs: bool) -> None
             await engine.shutdown()
 
     asyncio.run(run())
+
+
+def sentencepiece_tokenizer(directory: Path) -> Any:
+    """A Llama-2/Mistral-style tokenizer: SentencePiece-like BPE over '▁'-marked words with
+    byte fallback (<0x00>..<0xFF> tokens for anything outside its vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", "merged_with_next")
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=specials + byte_tokens,
+        initial_alphabet=list('{}[]":,.-0123456789abcdefghijklmnopqrstuvwxyz'),
+        show_progress=False,
+    )
+    tok.train_from_iterator(
+        ['{"name": "Ada", "age": 36, "tags": ["x", "y"]} true false null'] * 20, trainer=trainer
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    # The byte tokens are plain vocabulary entries in Llama 2's and Mistral's tokenizers, not
+    # added (special) tokens as the trainer leaves them.
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in specials]
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(directory / "tokenizer.json"),
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    pick=st.sampled_from(["nested_two", "enum_mixed", "person", "string_min_max", "ref_defs"]),
+    draws=st.lists(st.integers(0, 1 << 30), min_size=300, max_size=300),
+)
+def test_byte_fallback_vocabularies_walk_to_valid_json(
+    tmp_path_factory: pytest.TempPathFactory, pick: str, draws: list[int]
+) -> None:
+    """A SentencePiece-style vocabulary with byte fallback (Llama 2, Mistral): random
+    allowed paths, non-ASCII text included, decode to valid JSON."""
+    tokenizer = _SP_CACHE.get("tok")
+    if tokenizer is None:
+        tokenizer = _SP_CACHE["tok"] = sentencepiece_tokenizer(tmp_path_factory.mktemp("sp"))
+    compiler = GrammarCompiler(tokenizer, len(tokenizer) + 7, [tokenizer.eos_token_id])
+    entry = next(e for e in SUITE if e["name"] == pick)
+    value = dict(entry["schema"])
+    if pick == "enum_mixed":
+        value = {"enum": ["héllo", "日本", "∑x", 3]}
+    matcher = compiler.compile(schema(value)).matcher()
+    out: list[int] = []
+    vocab = len(tokenizer) + 7
+    for draw in draws:
+        if matcher.only_stop_left:
+            break
+        allowed = [t for t in range(vocab) if matcher.allows(t)]
+        # Padding rows past the tokenizer are never allowed.
+        assert all(t < len(tokenizer) for t in allowed)
+        token = allowed[draw % len(allowed)]
+        assert matcher.advance(token)
+        if token == tokenizer.eos_token_id:
+            break
+        out.append(token)
+    else:
+        assume(False)
+    jsonschema.validate(json.loads(tokenizer.decode(out)), value)
+
+
+_SP_CACHE: dict[str, Any] = {}
