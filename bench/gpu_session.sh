@@ -9,6 +9,9 @@
 #   fidelity  bench/fidelity_gpu.py (the model/adapter fidelity suite with the Triton kernels)
 #   evict     bench/bench_eviction.py --device cuda --shape llama7b
 #   http      bench/bench_service.py --mix
+#   structured  bench/bench_structured_outputs.py --device cuda (batch 64, a JSON schema per row
+#             against unconstrained; needs the llguidance and jsonschema wheels carried, with
+#             referencing, rpds-py and jsonschema-specifications)
 #   many_adapters  bench/bench_many_adapters.py (MANY_ADAPTERS_ARGS, e.g. "--rows r512_all,r2000_512";
 #             model and adapters kept in MANY_ADAPTERS_WORK for the next call; MANY_ADAPTERS_OUT)
 # STAGES picks them in order (default: all but fidelity, evict and many_adapters); <STAGE>_S overrides a
@@ -46,7 +49,7 @@ for s in $STAGES; do
   case $s in
     tests)
       paths=${TESTS_PATHS:-tests/kernels}
-      [ -n "${TESTS_WORKER:-}" ] && paths="$paths tests/worker/test_gpu.py tests/worker/test_sampling.py"
+      [ -n "${TESTS_WORKER:-}" ] && paths="$paths tests/worker/test_gpu.py tests/worker/test_sampling.py tests/worker/test_structured_engine.py"
       stage tests 150 python3 bench/gpu_tests.py --out "$OUT/${TESTS_OUT:-gpu_tests_h200.json}" \
         --timeout-s $(( ${TESTS_S:-150} - 10 )) -- -m gpu $paths ;;
     sweep)
@@ -72,6 +75,9 @@ for s in $STAGES; do
     http)
       stage http 200 python3 bench/bench_service.py --mix --device cuda \
         --out "$OUT/engine_speed_h200_http.json" ${HTTP_ARGS:-} ;;
+    structured)
+      stage structured 330 python3 bench/bench_structured_outputs.py --device cuda \
+        --out "$OUT/structured_outputs_h200.json" ${STRUCTURED_ARGS:-} ;;
     many_adapters)
       stage many_adapters 560 python3 bench/bench_many_adapters.py --device cuda \
         --out "$OUT/${MANY_ADAPTERS_OUT:-many_adapters_h200.json}" \

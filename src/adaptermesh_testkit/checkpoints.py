@@ -38,11 +38,13 @@ from adaptermesh.worker.adafuse_train import MODULE_PARENTS, expert_set_meta, pe
 __all__ = [
     "ALL_TARGET_MODULES",
     "CHAT_TEMPLATE",
+    "TOOLS_CHAT_TEMPLATE",
     "make_adafuse_expert_set",
     "make_adapter",
     "make_model_config",
     "make_tiny_model",
     "make_tokenizer",
+    "set_chat_template",
 ]
 
 Arch = Literal["llama", "mistral", "qwen2"]
@@ -54,6 +56,33 @@ CHAT_TEMPLATE = (
     "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+# A chat template that renders tools, an assistant's tool calls and tool results the way
+# Qwen2.5's does (the hermes format: <tool_call> blocks), for tool-calling tests.
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\n# Tools\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call>'
+    "{{ eos_token }}\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message.get('tool_calls') %}<|assistant|>\n"
+    "{% for call in message['tool_calls'] %}<tool_call>\n"
+    '{"name": "{{ call[\'function\'][\'name\'] }}", "arguments": '
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}{{ eos_token }}\n"
+    "{% elif message['role'] == 'tool' %}<|user|>\n<tool_response>\n{{ message['content'] }}"
+    "\n</tool_response>{{ eos_token }}\n"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def set_chat_template(model_dir: str | Path, template: str) -> None:
+    """Replace the chat template in a checkpoint's ``tokenizer_config.json``."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config, indent=2))
+
 
 # A small fixed corpus so the tokenizer (and therefore every tiny model) is deterministic.
 _CORPUS = [

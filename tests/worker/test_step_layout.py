@@ -134,7 +134,7 @@ def test_decode_only_plans_take_a_decode_bucket() -> None:
     layout = layout_of(StepPlan(seqs, []))
     assert (layout.num_tokens, layout.num_entries, layout.num_decode) == (4, 4, 4)
     assert layout.entries == [*seqs, None]
-    assert layout.graph_key == ("d", 4, False, False, None, False)
+    assert layout.graph_key == ("d", 4, False, False, None, False, False)
 
 
 def test_mixed_plans_take_a_token_bucket_with_fixed_regions() -> None:
@@ -151,7 +151,7 @@ def test_mixed_plans_take_a_token_bucket_with_fixed_regions() -> None:
     )
     # The partial chunk does not reach its last token: it samples nothing.
     assert layout.entries == [decode, None, None, None, whole, None, None]
-    assert layout.graph_key == ("m", 32, False, False, False)
+    assert layout.graph_key == ("m", 32, False, False, False, False)
 
 
 def test_eager_layout_has_the_plans_own_shape() -> None:

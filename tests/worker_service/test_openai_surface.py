@@ -133,8 +133,6 @@ def test_sampling_fields_reach_the_engine(
     [
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
         ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported"),
         ({"n": 0}, "n", "invalid_value"),
         ({"extra_body": {"max_token": 3}}, "max_token", "unknown_field"),
         (

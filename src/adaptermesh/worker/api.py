@@ -11,9 +11,11 @@ Logprobs: completions take ``logprobs`` (an integer in [0, MAX_LOGPROBS]: the sa
 logprob plus that many alternatives); chat takes ``logprobs: true`` with an optional
 ``top_logprobs`` in [0, MAX_LOGPROBS], which needs ``logprobs: true``.
 
-OpenAI fields this server does not implement (``echo``, ``suffix``, ``logit_bias``, ``tools``,
-``response_format`` other than text, ``best_of`` above ``n``) are accepted only with their
-default value and otherwise refused by name as ``unsupported``. Response models (``Usage``, the choices, the chunks) document the wire
+OpenAI fields this server does not implement (``echo``, ``suffix``, ``logit_bias``, ``best_of``
+above ``n``) are accepted only with their default value and otherwise refused by name as
+``unsupported``. The output constraints (``response_format``, vLLM's ``structured_outputs`` and
+``guided_*``) and chat's ``tools`` / ``tool_choice`` pass through as sent and are checked where
+they are used (``structured_request.py``, ``tool_calls.py``), with a 400 naming the field. Response models (``Usage``, the choices, the chunks) document the wire
 shapes; the streaming path writes pre-encoded chunks of the same shape.
 """
 
@@ -140,6 +142,13 @@ class _Sampling(_Body):
     # Accepted only with their defaults (see the module's docstring).
     logit_bias: Any = None
     best_of: Any = None
+    # Output constraints (structured_request.py checks them): OpenAI's and vLLM's fields.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("model")
     @classmethod
@@ -273,12 +282,16 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(_Body):
-    # Other message fields (name, tool_calls, ...) are ignored, not refused: chat clients
-    # send back what the server answered, and a text-only model has no use for them.
+    # Other message fields are ignored, not refused: chat clients send back what the server
+    # answered. An assistant's tool_calls and a tool message's tool_call_id (and name) go to the
+    # chat template; tool_calls.py checks them.
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     role: Annotated[str, Strict(), Field(min_length=1)]
     content: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    name: Any = None
 
     @field_validator("role")
     @classmethod
@@ -317,10 +330,10 @@ class ChatCompletionRequest(_Sampling):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = None
+    # Checked by tool_calls.py (400 naming the field).
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
     # logprobs: true reports each output token's logprob; top_logprobs adds that many of the
     # most likely alternatives and needs logprobs: true.
     logprobs: StrictBool | None = None
@@ -339,36 +352,12 @@ class ChatCompletionRequest(_Sampling):
         """Alternatives per token for the engine, or None when no logprobs are asked for."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, value: Any) -> None:
-        if value not in (None, []) or (value is not None and not isinstance(value, list)):
-            raise _unsupported("tools")
-        return None
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, value: Any) -> None:
-        if value not in (None, "none"):
-            raise _unsupported("tool_choice")
-        return None
-
     @field_validator("parallel_tool_calls")
     @classmethod
-    def _parallel(cls, value: Any) -> None:
+    def _parallel(cls, value: Any) -> bool | None:
         if value is not None and not isinstance(value, bool):
             raise _error("invalid_type", "must be a boolean")
-        return None
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, value: Any) -> None:
-        if value is None or value == {"type": "text"}:
-            return None
-        raise _error(
-            "unsupported",
-            'only {"type": "text"} is supported (no JSON mode or schema-guided decoding)',
-        )
+        return value
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:
@@ -470,7 +459,8 @@ class CompletionChoice(BaseModel):
 
 class ChatChoice(BaseModel):
     index: int
-    message: dict[str, str]
+    # role and content; an answer with tool calls: content may be null, and tool_calls.
+    message: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 

@@ -47,6 +47,7 @@ from adaptermesh.tracing import Tracing
 from adaptermesh.worker.eviction import POLICY_NAMES
 from adaptermesh.worker.grpc_v2 import GrpcV2Server
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
+from adaptermesh.worker.tool_calls import TOOL_CALL_PARSERS
 from adaptermesh.worker.types import EngineError, EngineProtocol
 from adaptermesh.worker.ws import mount_websocket
 
@@ -214,6 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name",
         default=None,
         help="name of the base model in the API (default: the model directory name)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="auto",
+        help="the format chat tool calls are parsed from when tool_choice is auto: "
+        'llama3_json (Llama 3.1+: {"name", "parameters"}, <|python_tag|>), hermes '
+        "(Qwen2/2.5/3: <tool_call>...</tool_call>), mistral ([TOOL_CALLS][...]); auto picks "
+        "by the tokenizer's marker tokens, then by the model family (tool_choice required or "
+        "a named function is grammar-enforced in any family)",
     )
     p.add_argument(
         "--admin-token-file",
@@ -684,6 +695,7 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         drain_grace_s=args.drain_grace,
+        tool_call_parser=args.tool_call_parser,
         listener=ListenerLimits(
             max_connections=args.max_connections,
             header_timeout_s=args.header_timeout,

@@ -60,6 +60,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,7 @@ from adaptermesh.worker.engine_config import (
     validate_config,
 )
 from adaptermesh.worker.faults import StepFault
+from adaptermesh.worker.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache, spec_bytes_per_token
 from adaptermesh.worker.lora_groups import pool_groups
 from adaptermesh.worker.model import ModelConfig, TransformerModel, make_lora_pool, read_weights
@@ -380,6 +382,8 @@ class Engine:
         self._closed = False
         self._latency_cursor = 0
         self.steps = 0
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         log.info(
             "engine ready: %s on %s (%s), kv %d blocks x %d tokens (%.1f MiB), %d sequences, lora slots %d, lora ops %s",
             self.model_name,
@@ -416,6 +420,7 @@ class Engine:
             # tokens do not depend on its batch neighbours or on preemption. Seeds of any size
             # are folded into the sampler's 63 bits.
             seed=sampling.seed % (1 << 63) if sampling.seed is not None else random.getrandbits(63),
+            matcher=request.grammar.matcher() if request.grammar is not None else None,
         )
         self.scheduler.waiting.append(seq)
         self._ensure_loop()
@@ -491,8 +496,25 @@ class Engine:
     def detokenize(self, token_ids: list[int]) -> str:
         return self.text.detokenize(token_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
-        return self.text.apply_chat_template(messages)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int] | None:
+        return self.text.apply_chat_template(messages, tools)
+
+    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """``spec`` compiled for this model's vocabulary (``GrammarError`` naming the field
+        when it does not compile). Thread-safe; the service calls it off the event loop."""
+        compiler = self._grammar_compiler
+        if compiler is None:
+            with self._grammar_lock:
+                compiler = self._grammar_compiler
+                if compiler is None:
+                    compiler = self._grammar_compiler = GrammarCompiler(
+                        self.tokenizer,
+                        self.model_config.vocab_size,
+                        sorted(self.scheduler.eos_token_ids),
+                    )
+        return compiler.compile(spec)
 
     async def load_adapter(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
         self._ensure_loop()
@@ -577,7 +599,9 @@ class Engine:
 
     def _needs_sync(self) -> bool:
         """Steps that decide on the host from tokens the device holds run without overlap:
-        expert sets (the path depends on the token) and penalties (counts of past tokens)."""
+        expert sets (the path depends on the token) and penalties (counts of past tokens).
+        Grammar-constrained rows overlap differently: their step's forward is launched, and
+        its masks and sampling follow once the previous step's tokens are applied."""
         for seq in self.scheduler.running:
             if seq.expert_set is not None or penalised(seq):
                 return True
@@ -614,6 +638,18 @@ class Engine:
                 continue
             if inflight is not None:
                 await self._finish(inflight)
+            if launched.tail is not None:
+                # A masked step: its forward runs while the previous step's tokens were
+                # applied above; now its rows' masks are known.
+                try:
+                    if self._cuda:
+                        await asyncio.to_thread(launched.run_tail)
+                    else:
+                        launched.run_tail()
+                except Exception as error:
+                    log.exception("engine step failed")
+                    self._fail(plan, error)
+                    continue
             inflight = launched
             if not self._overlap:
                 await self._finish(inflight)
@@ -662,7 +698,7 @@ class Engine:
 
     def _launch(self, plan: StepPlan) -> InFlight:
         self.step_fault.check()
-        return self.launcher.launch(plan)
+        return self.launcher.launch(plan, defer_masked=True)
 
     def _build_expert_set(self, cpu: CpuExpertSet, version: int) -> ExpertSet:
         return self.merge_policy.build_expert_set(cpu, version)

@@ -46,6 +46,10 @@ class GenerationJob:
     # The W3C trace context the request carried and its span attributes (tracing on only).
     trace_context: Any = None
     trace_attrs: dict[str, str] | None = None
+    # Constrained decoding: the compiled grammar every choice starts a matcher in (None:
+    # unconstrained); chat tools: how the output becomes tool calls (tool_calls.ToolPlan).
+    grammar: Any = None
+    tool_plan: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,13 @@ from aiohttp import web
 
 from adaptermesh.worker.generation_job import ChoiceProgress, GenerationJob, request_outcome
 from adaptermesh.worker.http_errors import ApiError
-from adaptermesh.worker.response_rendering import SSE_DONE, choice_chunk, sse_event, usage_chunk
+from adaptermesh.worker.response_rendering import (
+    SSE_DONE,
+    choice_chunk,
+    delta_chunk,
+    sse_event,
+    usage_chunk,
+)
 from adaptermesh.worker.types import TokenEvent, TokenLogprob
 
 __all__ = [
@@ -36,6 +42,43 @@ def _carries_chunk(event: TokenEvent) -> bool:
     # One chunk per generated token, even when its text is "" (an incomplete multi-byte
     # character): clients time tokens by chunks, as with vLLM.
     return event.token_id is not None or bool(event.text) or event.finish_reason is not None
+
+
+class _ChoiceChunks:
+    """The SSE chunks of one streamed choice's events: one per token as text deltas, or,
+    for a chat with tools whose output is parsed, OpenAI's ``tool_calls`` deltas (and content
+    deltas for text outside the calls) as ``tool_calls.ToolCallStream`` finds them."""
+
+    def __init__(self, job: GenerationJob, index: int) -> None:
+        self.job = job
+        self.index = index
+        plan = job.tool_plan if job.kind == "chat" else None
+        self.tools = None if plan is None or plan.format is None else plan.stream()
+
+    def of(self, event: TokenEvent) -> list[bytes]:
+        job, index = self.job, self.index
+        if self.tools is None:
+            if not _carries_chunk(event):
+                return []
+            return [
+                choice_chunk(
+                    job, event.text, event.finish_reason, index=index, logprobs=event.logprobs
+                )
+            ]
+        deltas = self.tools.feed(event.text) if event.text else []
+        reason: str | None = event.finish_reason
+        if reason is not None:
+            deltas += self.tools.finish()
+            if reason == "stop" and self.tools.called:
+                reason = "tool_calls"
+        chunks = []
+        logprobs = event.logprobs
+        for delta in deltas:
+            chunks.append(delta_chunk(job, delta, None, index, logprobs))
+            logprobs = ()
+        if reason is not None or logprobs:
+            chunks.append(delta_chunk(job, {}, reason, index, logprobs))
+        return chunks
 
 
 async def _open_stream(request: web.Request, job: GenerationJob) -> web.StreamResponse:
@@ -70,6 +113,7 @@ async def stream_single_choice(
     response = await _open_stream(request, job)
     progress.outcome = "disconnected"  # until a later line knows better
     event = first
+    chunks = _ChoiceChunks(job, 0)
     try:
         if job.kind == "chat":
             await response.write(choice_chunk(job, "", None, role=True))
@@ -80,10 +124,8 @@ async def stream_single_choice(
                     response, finish_error(event.finish_reason)
                 )
                 return response
-            if _carries_chunk(event):
-                await response.write(
-                    choice_chunk(job, event.text, event.finish_reason, logprobs=event.logprobs)
-                )
+            for chunk in chunks.of(event):
+                await response.write(chunk)
             if event.finish_reason is not None:
                 break
             try:
@@ -131,6 +173,7 @@ async def stream_choices(
         asyncio.create_task(pump(index, first, next_event))
         for index, (first, next_event) in enumerate(zip(firsts, next_events, strict=True))
     ]
+    writers = [_ChoiceChunks(job, index) for index in range(job.n)]
     try:
         if job.kind == "chat":
             for index in range(job.n):
@@ -144,12 +187,8 @@ async def stream_choices(
                 )
                 head.outcome = await _end_with_error(response, error)
                 return response
-            if _carries_chunk(item):
-                await response.write(
-                    choice_chunk(
-                        job, item.text, item.finish_reason, index=index, logprobs=item.logprobs
-                    )
-                )
+            for chunk in writers[index].of(item):
+                await response.write(chunk)
             if item.finish_reason is not None:
                 finished += 1
         if job.include_usage:

@@ -226,6 +226,8 @@ def generation_job(
     arrived: float,
     timeout_s: float,
     trace_fields: dict[str, Any] | None = None,
+    grammar: Any = None,
+    tool_plan: Any = None,
 ) -> GenerationJob:
     """The job of a validated body; its deadline is ``arrived + timeout_s`` (monotonic)."""
     kind: GenerationKind = "completion" if isinstance(parsed, CompletionRequest) else "chat"
@@ -243,6 +245,8 @@ def generation_job(
         arrived=arrived,
         deadline=arrived + timeout_s,
         request_id=prefix + uuid.uuid4().hex,
+        grammar=grammar,
+        tool_plan=tool_plan,
         **(trace_fields or {}),
     )
 
@@ -259,4 +263,5 @@ def generation_request(job: GenerationJob, index: int) -> GenerationRequest:
         adapter=job.adapter,
         sampling=sampling,
         deadline=job.deadline,
+        grammar=job.grammar,
     )

@@ -20,8 +20,10 @@ __all__ = [
     "MIN_LOGPROB",
     "SSE_DONE",
     "chat_logprobs",
+    "chat_message",
     "choice_chunk",
     "completion_logprobs",
+    "delta_chunk",
     "final_body",
     "sse_event",
     "usage_body",
@@ -124,11 +126,12 @@ def final_body(
                 ).model_dump()
             )
         else:
+            message, finish_reason = chat_message(job, text, progress.finish_reason)
             choices.append(
                 ChatChoice(
                     index=index,
-                    message={"role": "assistant", "content": text},
-                    finish_reason=progress.finish_reason,
+                    message=message,
+                    finish_reason=finish_reason,
                     logprobs=ChatLogprobs(**chat_logprobs(logprobs)) if asked else None,
                 ).model_dump()
             )
@@ -141,6 +144,58 @@ def final_body(
         "choices": choices,
         "usage": usage,
     }
+
+
+def chat_message(
+    job: GenerationJob, text: str, finish_reason: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """A chat choice's message and finish reason: its text, or, when the request has tools
+    and the output holds calls, the calls (``finish_reason`` ``tool_calls`` when the model
+    stopped by itself)."""
+    plan = job.tool_plan
+    if plan is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = plan.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    message = {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [call.as_openai() for call in calls],
+    }
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def delta_chunk(
+    job: GenerationJob,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    index: int = 0,
+    logprobs: tuple[TokenLogprob, ...] = (),
+) -> bytes:
+    """One chat SSE chunk of choice ``index`` carrying ``delta`` as is (tool-call deltas)."""
+    choice = {
+        "index": index,
+        "delta": delta,
+        "logprobs": chat_logprobs(logprobs) if logprobs else None,
+        "finish_reason": finish_reason,
+    }
+    return _chunk(job, choice)
+
+
+def _chunk(job: GenerationJob, choice: dict[str, Any]) -> bytes:
+    if not job.chunk_head:
+        head = sse_event(
+            {
+                "id": job.request_id,
+                "object": _chunk_object(job.kind),
+                "created": job.created,
+                "model": job.model,
+                "choices": [],
+            }
+        )
+        job.chunk_head = head[: -len(_CHUNK_TAIL)]
+    return job.chunk_head + _compact_json(choice) + _CHUNK_TAIL
 
 
 def choice_chunk(
@@ -172,18 +227,7 @@ def choice_chunk(
             "logprobs": chat_logprobs(logprobs) if logprobs else None,
             "finish_reason": finish_reason,
         }
-    if not job.chunk_head:
-        head = sse_event(
-            {
-                "id": job.request_id,
-                "object": _chunk_object(job.kind),
-                "created": job.created,
-                "model": job.model,
-                "choices": [],
-            }
-        )
-        job.chunk_head = head[: -len(_CHUNK_TAIL)]
-    return job.chunk_head + _compact_json(choice) + _CHUNK_TAIL
+    return _chunk(job, choice)
 
 
 def usage_chunk(job: GenerationJob, progresses: ChoiceProgress | list[ChoiceProgress]) -> bytes:

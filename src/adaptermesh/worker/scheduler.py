@@ -67,7 +67,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from adaptermesh.worker.adafuse import ExpertSet
 from adaptermesh.worker.adapters import AdapterManager
@@ -160,6 +160,9 @@ class Sequence:
     # Logprob entries of applied tokens not yet released (their text is held back).
     held_logprobs: list[TokenLogprob] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
+    # A constrained request's grammar position (worker/grammar.py RowMatcher): its ``mask``
+    # limits the next token; each applied token advances it.
+    matcher: Any = None
 
     @property
     def adapter(self) -> str | None:
@@ -591,7 +594,19 @@ class Scheduler:
         if tok in self.eos_token_ids:
             self.finish(seq, "stop", last_token=tok)
             return
-        at_limit = len(seq.output) >= sp.max_tokens or seq.context_len >= self.max_model_len
+        # A constrained output whose grammar is complete, with nothing but a stop token left
+        # to sample, is finished now (no step is spent on the stop token).
+        complete = False
+        if seq.matcher is not None:
+            if not seq.matcher.advance(tok):
+                self.finish(
+                    seq, "error", EngineError(f"token {tok} left the request's output grammar")
+                )
+                return
+            complete = seq.matcher.only_stop_left
+        at_limit = (
+            complete or len(seq.output) >= sp.max_tokens or seq.context_len >= self.max_model_len
+        )
         seq.text += seq.detok.flush(seq.output) if at_limit else seq.detok.step(seq.output)
         reason: FinishReason | None = None
         if sp.stop:
@@ -604,7 +619,7 @@ class Scheduler:
                 cut = len(seq.text)
                 seq.held_logprobs = [e for e in seq.held_logprobs if e.text_offset < cut]
         if reason is None and at_limit:
-            reason = "length"
+            reason = "stop" if complete else "length"
         if reason is not None:
             self.finish(seq, reason, last_token=tok)
             return

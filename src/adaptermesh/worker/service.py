@@ -33,12 +33,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from aiohttp import web
 
@@ -53,6 +54,7 @@ from adaptermesh.worker.admin_endpoints import (
     unloaded_message,
 )
 from adaptermesh.worker.api import (
+    ChatCompletionRequest,
     CompletionRequest,
     LoadLoraAdapterRequest,
     UnloadLoraAdapterRequest,
@@ -74,6 +76,7 @@ from adaptermesh.worker.generation_responses import (
     stream_choices,
     stream_single_choice,
 )
+from adaptermesh.worker.grammar import GrammarError, GrammarSpec
 from adaptermesh.worker.http_errors import (
     ApiError,
     QueuedPastDeadlineError,
@@ -108,6 +111,8 @@ from adaptermesh.worker.request_translation import (
 )
 from adaptermesh.worker.response_rendering import final_body, usage_body
 from adaptermesh.worker.status_endpoints import health_response, metrics_response, models_body
+from adaptermesh.worker.structured_request import bad_field, grammar_error, grammar_spec
+from adaptermesh.worker.tool_calls import detect_tool_parser, template_messages, tool_plan
 from adaptermesh.worker.types import (
     EngineError,
     EngineOverloadedError,
@@ -160,6 +165,9 @@ class ServiceConfig:
     # before the worker starts refusing, so no request lands on a refusing worker.
     drain_grace_s: float = 0.0
     stats_poll_interval_s: float = 1.0
+    # The output format chat tool calls are parsed from (tool_calls.TOOL_CALL_PARSERS):
+    # "auto" picks by the tokenizer's marker tokens, then the model family.
+    tool_call_parser: str = "auto"
     # Header/body deadlines, header caps and the connection cap of the listener.
     listener: ListenerLimits = field(default_factory=ListenerLimits)
 
@@ -216,6 +224,7 @@ class WorkerService:
         self._cpu = ThreadPoolExecutor(2, thread_name_prefix="worker-tokenize")
         # A finished request's spans, from the times already taken (request_spans.py).
         self._record_spans = functools.partial(record_request_spans, self.tracing.tracer)
+        self._tool_format: str | None = None
 
     # ----------------------------------------------------------------- generation endpoints
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -290,7 +299,9 @@ class WorkerService:
         arrived = time.monotonic()
         parsed = parse_generation_body(kind, body)
         model, adapter = resolve_model(parsed.model, request.headers, self.engine.model_name)
-        prompt_ids = await self._prompt_token_ids(parsed)
+        spec, plan = self._output_constraints(parsed)
+        prompt_ids = await self._prompt_token_ids(parsed, plan)
+        grammar = None if spec is None else await self._compile_grammar(spec)
         max_tokens = checked_max_tokens(
             parsed, len(prompt_ids), self.engine.max_model_len, self.config.default_max_tokens
         )
@@ -312,6 +323,8 @@ class WorkerService:
             trace_fields=(
                 trace_fields(request.headers, model, tenant) if self.tracing.enabled else None
             ),
+            grammar=grammar,
+            tool_plan=plan,
         )
 
     async def job_events(self, job: GenerationJob) -> AsyncGenerator[ChoiceEvent, None]:
@@ -389,10 +402,56 @@ class WorkerService:
             self._settle(job, ticket, streams, progresses, outcome or "error")
 
     # ---------------------------------------- the steps every transport shares (HTTP and WS)
-    async def _prompt_token_ids(self, parsed: ParsedGeneration) -> list[int]:
+    def _output_constraints(self, parsed: ParsedGeneration) -> tuple[GrammarSpec | None, Any]:
+        """The request's output constraint (``response_format``, ``structured_outputs``,
+        ``guided_*``, or what ``tool_choice`` forces) and, for a chat with tools, its
+        ``ToolPlan``; 400 naming the field when malformed."""
+        spec = grammar_spec(parsed)
+        plan = None
+        if isinstance(parsed, ChatCompletionRequest):
+            plan = tool_plan(
+                parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls, self._tool_parser()
+            )
+        forced = None if plan is None else plan.grammar_spec()
+        if forced is not None:
+            if spec is not None:
+                raise bad_field(
+                    spec.param.split(".")[0],
+                    "cannot be combined with tool_choice 'required' or a named function",
+                )
+            spec = forced
+        return spec, plan
+
+    def _tool_parser(self) -> str:
+        if self._tool_format is None:
+            chosen = self.config.tool_call_parser
+            if chosen == "auto":
+                model_config = getattr(self.engine, "model_config", None)
+                tokenizer = getattr(self.engine, "tokenizer", None)
+                vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+                chosen = detect_tool_parser(str(getattr(model_config, "arch", "")), vocab)
+            self._tool_format = chosen
+        return self._tool_format
+
+    async def _compile_grammar(self, spec: GrammarSpec) -> Any:
+        """``spec`` compiled by the engine on the tokenizer threads (a schema can take tens of
+        milliseconds); 400 naming the field when it does not compile."""
+        compile_grammar = getattr(self.engine, "compile_grammar", None)
+        if compile_grammar is None:
+            raise invalid_field(
+                spec.param, "this engine does not serve constrained outputs", code="unsupported"
+            )
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._cpu, compile_grammar, spec
+            )
+        except GrammarError as exc:
+            raise grammar_error(exc) from None
+
+    async def _prompt_token_ids(self, parsed: ParsedGeneration, plan: Any = None) -> list[int]:
         """The prompt's token ids: a completion's ids as sent or its text tokenised, a chat's
-        messages through the model's chat template. A text that cannot fit the context is
-        refused before it is tokenised."""
+        messages (with its tools) through the model's chat template. A text that cannot fit
+        the context is refused before it is tokenised."""
         max_model_len = self.engine.max_model_len
         max_token_chars = getattr(self.engine, "max_token_chars", 0)
         if isinstance(parsed, CompletionRequest):
@@ -402,9 +461,23 @@ class WorkerService:
             refuse_untokenised(len(prompt), max_model_len, max_token_chars, "prompt")
             return list(await self._off_loop(len(prompt), self.engine.tokenize, prompt))
         messages = chat_messages(parsed)
-        chars = sum(len(message["content"]) for message in messages)
+        chars = sum(len(message["content"] or "") for message in messages)
         refuse_untokenised(chars, max_model_len, max_token_chars, "messages")
-        ids = await self._off_loop(chars, self.engine.apply_chat_template, messages)
+        if plan is not None or any(
+            m.tool_calls is not None or m.role == "tool" for m in parsed.messages
+        ):
+            rich = template_messages(parsed.messages)
+            tools = None if plan is None else plan.tools
+            # Tool definitions and calls count toward the template's text too.
+            chars += len(json.dumps(tools)) + sum(
+                len(json.dumps(m.get("tool_calls", ""))) for m in rich
+            )
+            apply: Any = functools.partial(
+                cast(Any, self.engine).apply_chat_template, rich, tools=tools
+            )
+            ids = await self._off_loop(chars, apply)
+        else:
+            ids = await self._off_loop(chars, self.engine.apply_chat_template, messages)
         if ids is None:
             raise chat_template_missing_error()
         return list(ids)

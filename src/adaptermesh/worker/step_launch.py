@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from adaptermesh.worker.adafuse import ExpertSet, GatedTerms, SoloGated
 from adaptermesh.worker.adafuse_policy import MergePolicy, SoloDecision
 from adaptermesh.worker.adapters import AdapterManager
 from adaptermesh.worker.engine_config import EngineBudget, EngineConfig
+from adaptermesh.worker.grammar import apply_bitmask, bitmask_words, fill_masks
 from adaptermesh.worker.kv_cache import PagedKVCache
 from adaptermesh.worker.model import LoraPool, ModelConfig, StepInputs, TransformerModel
 from adaptermesh.worker.sampling import (
@@ -116,6 +118,7 @@ class StepGraph:
     sampling_buffers: SamplingBuffers
     selection: torch.Tensor | None = None  # solo expert-set selection buffer
     logits: torch.Tensor | None = None  # [S, V] fp32, the graph's output, rewritten by each replay
+    bitmask: torch.Tensor | None = None  # [S, W] int32 token mask of a masked graph's entries
 
 
 @dataclass(slots=True)
@@ -144,9 +147,18 @@ class InFlight:
     rows: int = 0
     tokens: int = 0
     logprobs: LogprobRequest | None = None
+    # A grammar-masked step launched with its sampling deferred: the mask, sampling and
+    # output copy still to run (``run_tail``), once the host knows the previous step's tokens.
+    tail: Callable[[], None] | None = None
+
+    def run_tail(self) -> None:
+        tail, self.tail = self.tail, None
+        if tail is not None:
+            tail()
 
     def wait(self) -> tuple[list[int], list[StepLogprobs | None] | None]:
         """Each sampler's token and, when some sampler asked, the logprobs of each."""
+        assert self.tail is None, "a deferred step's tail has not run"
         if self.done is not None:
             self.done.synchronize()
         values = self.host_output[: self.num_entries].tolist()
@@ -181,6 +193,7 @@ class StepTraits:
     solo_set: ExpertSet | None  # the single expert-set token's set on the solo gated path
     mode: SamplerMode  # GREEDY or RANDOM
     graphable: bool
+    masked: bool = False  # some sequence is grammar-constrained: the step applies a bitmask
 
 
 @dataclass(slots=True)
@@ -246,6 +259,12 @@ class StepLauncher:
             self._host(torch.zeros(budget.logprob_rows, dtype=torch.int64))
             for _ in range(_RING_DEPTH)
         ]
+        # Grammar-constrained steps: each entry's packed token mask, staged on the host.
+        self._bitmask_words = bitmask_words(self.model_config.vocab_size)
+        self._bitmask_host = [
+            self._host(torch.zeros((budget.max_entries, self._bitmask_words), dtype=torch.int32))
+            for _ in range(_RING_DEPTH)
+        ]
         self.logprob_steps = 0
         self._ring_position = 0
         self._num_sms = (
@@ -263,11 +282,18 @@ class StepLauncher:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def launch(self, plan: StepPlan) -> InFlight:
+    def launch(self, plan: StepPlan, defer_masked: bool = False) -> InFlight:
+        """Launch ``plan``'s step. A step with a grammar-constrained row runs its forward
+        (graph or eager) now and its tail (the rows' masks, applied to the logits, sampling,
+        the output copy) in ``InFlight.run_tail``: at once, or, with ``defer_masked``, when
+        the caller has applied the previous step's tokens (the masks need them), so the
+        forward runs on the device meanwhile."""
         started_at = time.perf_counter()
         decision = self.merge_policy.prepare_step(plan)
         traits = self._traits(plan, decision)
-        layout = self._layout(plan, traits.graphable, traits.lora, traits.mode, traits.solo_set)
+        layout = self._layout(
+            plan, traits.graphable, traits.lora, traits.mode, traits.solo_set, traits.masked
+        )
         ring_index = self._next_ring_index()
         graph, layout = self._graph_for(plan, layout, traits)
         buffers = (
@@ -283,22 +309,58 @@ class StepLauncher:
             run = self._replay(graph, params, traits, decision)
         else:
             run = self._run_eager(plan, layout, ranges, buffers, params, traits, decision)
-        host_output, logprobs = self._copy_output(ring_index, samplers, layout, run)
-        done = self._record_event()
-        return InFlight(
+        in_flight = InFlight(
             plan,
             samplers,
             [seq.last_entry for seq in samplers],
-            host_output,
+            self._output_host[ring_index],
             layout.num_entries,
-            done,
+            None,
             started,
-            1e3 * (time.perf_counter() - started_at),
+            0.0,
             graph is not None,
             len(plan.sequences()),
             plan.num_tokens,
-            logprobs=logprobs,
         )
+
+        launch_ms = 1e3 * (time.perf_counter() - started_at)
+
+        def finish_step() -> None:
+            tail_started = time.perf_counter()
+            if traits.masked:
+                self._masked_tail(ring_index, layout, graph, run, traits.penalties)
+            in_flight.host_output, in_flight.logprobs = self._copy_output(
+                ring_index, samplers, layout, run
+            )
+            in_flight.done = self._record_event()
+            in_flight.host_ms = launch_ms + 1e3 * (time.perf_counter() - tail_started)
+
+        in_flight.tail = finish_step
+        if not (traits.masked and defer_masked):
+            in_flight.run_tail()
+        return in_flight
+
+    def _masked_tail(
+        self,
+        ring_index: int,
+        layout: StepLayout,
+        graph: StepGraph | None,
+        run: _DeviceRun,
+        penalties: bool,
+    ) -> None:
+        """The tail of a grammar-masked step: the rows' masks to the device, -inf on each
+        refused token, sampling (greedy, random, penalties: all on the masked logits), and
+        the write of the ids every later step reads."""
+        logits = run.logits
+        assert logits is not None
+        bitmask = self._upload_bitmask(ring_index, layout, graph)
+        with torch.inference_mode():  # the forward's logits are an inference tensor
+            apply_bitmask(logits, bitmask)
+        if penalties:
+            tokens = self._sample_penalised(logits, run.sampling_buffers, layout)
+        else:
+            tokens = sample_logits(logits, run.sampling_buffers, run.mode, layout.entries)
+        self.last_tokens[: tokens.shape[0]].copy_(tokens)
 
     def _traits(self, plan: StepPlan, decision: SoloDecision) -> StepTraits:
         sequences = plan.sequences()
@@ -307,6 +369,7 @@ class StepLauncher:
         lora = any(seq.lora_slot >= 0 for seq in sequences)
         solo_set = decision.gated_set
         random_mode = any(seq.request.sampling.temperature > 0 for seq in sequences)
+        masked = any(seq.matcher is not None for seq in sequences)
         graphable = (
             self.graphs_ok
             and not gated_sets
@@ -314,7 +377,13 @@ class StepLauncher:
             and (solo_set is None or self.solo_graphs_ok)
         )
         return StepTraits(
-            gated_sets, penalties, lora, solo_set, RANDOM if random_mode else GREEDY, graphable
+            gated_sets,
+            penalties,
+            lora,
+            solo_set,
+            RANDOM if random_mode else GREEDY,
+            graphable,
+            masked,
         )
 
     def _lora_side(self, lora: bool) -> bool:
@@ -322,7 +391,13 @@ class StepLauncher:
         return lora and self.model.lora_side is not None
 
     def _layout(
-        self, plan: StepPlan, graphable: bool, lora: bool, mode: SamplerMode, solo: ExpertSet | None
+        self,
+        plan: StepPlan,
+        graphable: bool,
+        lora: bool,
+        mode: SamplerMode,
+        solo: ExpertSet | None,
+        masked: bool = False,
     ) -> StepLayout:
         return plan_layout(
             plan,
@@ -335,6 +410,7 @@ class StepLauncher:
             mixed_sizes=self.mixed_sizes,
             max_num_seqs=self.config.max_num_seqs,
             max_prefill_seqs=self.config.max_prefill_seqs,
+            masked=masked,
         )
 
     def _next_ring_index(self) -> int:
@@ -351,9 +427,11 @@ class StepLauncher:
             return None, layout
         graph = self.graphs.get(layout.graph_key)
         if graph is None:
-            graph = self._try_capture(layout, traits.lora, traits.mode, traits.solo_set)
+            graph = self._try_capture(
+                layout, traits.lora, traits.mode, traits.solo_set, traits.masked
+            )
             if graph is None:
-                layout = self._layout(plan, False, traits.lora, traits.mode, None)
+                layout = self._layout(plan, False, traits.lora, traits.mode, None, traits.masked)
         return graph, layout
 
     def _stage(
@@ -387,6 +465,32 @@ class StepLauncher:
         """Queue the block-table mirror (when it changed) and the staged inputs to the device."""
         self.tables.upload(self._table_staging[ring_index])
         buffers.device_buffer.copy_(self._staging[ring_index][: buffers.size], non_blocking=True)
+
+    def _upload_bitmask(
+        self, ring_index: int, layout: StepLayout, graph: StepGraph | None
+    ) -> torch.Tensor:
+        """Queue the step's token bitmask to the device: each constrained entry's row is its
+        matcher's next-token mask (all rows computed in parallel outside the GIL, on CUDA on
+        the launch's worker thread), every other row allows everything. Returns the device
+        bitmask (the graph's own buffer)."""
+        entries = layout.num_entries
+        host = self._bitmask_host[ring_index][:entries]
+        host.fill_(-1)
+        fill_masks(
+            [
+                (seq.matcher, entry)
+                for entry, seq in enumerate(layout.entries)
+                if seq is not None and seq.matcher is not None
+            ],
+            host,
+        )
+        if graph is not None:
+            assert graph.bitmask is not None
+            device = graph.bitmask
+        else:
+            device = torch.empty_like(host, device=self.device)
+        device.copy_(host, non_blocking=True)
+        return device
 
     def _replay(
         self, graph: StepGraph, params: list[RowParams], traits: StepTraits, decision: SoloDecision
@@ -440,6 +544,7 @@ class StepLauncher:
             gated,
             self.last_tokens,
             traits.penalties,
+            sample=not traits.masked,
         )
         self.eager_steps += 1
         return _DeviceRun(logits, sampling_buffers, mode)
@@ -504,8 +609,11 @@ class StepLauncher:
         gated: GatedTerms | None,
         destination: torch.Tensor,
         penalties: bool = False,
+        sample: bool = True,
     ) -> torch.Tensor:
-        """The whole step on the device: input gather, forward, sampling, write of the ids."""
+        """The whole step on the device: input gather, forward, sampling, write of the ids;
+        without ``sample`` (a grammar-masked step, whose tail masks and samples) the forward
+        only. Returns the logits."""
         views = buffers.views
         source_entries = views.source_entries
         ids = torch.where(
@@ -528,6 +636,8 @@ class StepLauncher:
         )
         meta = lora_ops.build_meta(inputs.token_slots, self.pool.num_slots) if lora else None
         logits = self.model.forward(inputs, self.kv, self.pool if lora else None, meta, gated)
+        if not sample:
+            return logits
         if penalties:
             tokens = self._sample_penalised(logits, sampling_buffers, layout)
         else:
@@ -578,11 +688,16 @@ class StepLauncher:
     # ---- graphs -----------------------------------------------------------------------------
 
     def _try_capture(
-        self, layout: StepLayout, lora: bool, mode: SamplerMode, expert_set: ExpertSet | None
+        self,
+        layout: StepLayout,
+        lora: bool,
+        mode: SamplerMode,
+        expert_set: ExpertSet | None,
+        masked: bool = False,
     ) -> StepGraph | None:
         assert layout.graph_key is not None
         try:
-            graph = self._capture(layout, lora, mode, expert_set)
+            graph = self._capture(layout, lora, mode, expert_set, masked)
         except Exception:
             if expert_set is not None:  # the plain graphs stay in use
                 log.exception(
@@ -599,7 +714,12 @@ class StepLauncher:
         return graph
 
     def _capture(
-        self, layout: StepLayout, lora: bool, mode: SamplerMode, expert_set: ExpertSet | None
+        self,
+        layout: StepLayout,
+        lora: bool,
+        mode: SamplerMode,
+        expert_set: ExpertSet | None,
+        masked: bool = False,
     ) -> StepGraph:
         device = self.device
         buffers = StepBuffers(layout.num_tokens, layout.num_entries, device)
@@ -613,6 +733,14 @@ class StepLauncher:
         buffers.device_buffer.copy_(torch.from_numpy(padding).to(device))
         sampling_buffers = SamplingBuffers.allocate(layout.num_entries, device)
         sampling_buffers.fill([])
+        # A masked graph is the forward only; its tail reads the step's bitmask from here.
+        bitmask = (
+            torch.full(
+                (layout.num_entries, self._bitmask_words), -1, dtype=torch.int32, device=device
+            )
+            if masked
+            else None
+        )
         selection: torch.Tensor | None = None
         gated: SoloGated | None = None
         if expert_set is not None:
@@ -640,6 +768,7 @@ class StepLauncher:
                     mode,
                     gated,
                     self._scratch_tokens,
+                    sample=not masked,
                 )
         torch.cuda.current_stream(device).wait_stream(side)
         if self._graph_pool is None:
@@ -656,10 +785,11 @@ class StepLauncher:
                 mode,
                 gated,
                 self.last_tokens,
+                sample=not masked,
             )
         # Keeping the output referenced keeps its memory out of later captures in the shared
         # pool, so logprob steps can read it after a replay.
-        return StepGraph(graph, buffers, sampling_buffers, selection, logits)
+        return StepGraph(graph, buffers, sampling_buffers, selection, logits, bitmask)
 
     def _prune_solo_graphs(self) -> None:
         """Drop solo graphs of expert sets that are neither resident nor held by a running

@@ -148,6 +148,7 @@ def plan_layout(
     random_mode: bool,
     solo: ExpertSet | None,
     decode_sizes: list[int],
+    masked: bool = False,
     mixed_sizes: list[int],
     max_num_seqs: int,
     max_prefill_seqs: int,
@@ -155,7 +156,8 @@ def plan_layout(
     """The step's layout: a pure-decode graph bucket, a mixed graph bucket (decode region of
     ``min(max_num_seqs, bucket)`` entries, then ``max_prefill_seqs`` chunk entries), or the
     plan's own shape (eager). ``solo`` (an expert set or None) and ``lora_side`` are part of a
-    decode graph's key; steps with a solo set have no mixed graph."""
+    decode graph's key; steps with a solo set have no mixed graph. ``masked`` (some row is
+    grammar-constrained: the graph applies the step's token bitmask) is part of every key."""
     num_decode, num_prefill, num_tokens = len(plan.decode), len(plan.prefill), plan.num_tokens
     decode_entries: list[Sequence | None] = list(plan.decode)
     prefill_entries: list[Sequence | None] = [
@@ -170,7 +172,7 @@ def plan_layout(
                 size,
                 0,
                 decode_entries + [None] * (size - num_decode),
-                ("d", size, lora, random_mode, solo, lora_side),
+                ("d", size, lora, random_mode, solo, lora_side, masked),
             )
     if graphable and solo is None and num_prefill <= max_prefill_seqs:
         token_bucket = bucket_for(num_tokens, mixed_sizes)
@@ -188,7 +190,7 @@ def plan_layout(
                 decode_region,
                 token_bucket,
                 entries,
-                ("m", token_bucket, lora, random_mode, lora_side),
+                ("m", token_bucket, lora, random_mode, lora_side, masked),
             )
     max_prefill_len = max((count for _, _, count in plan.prefill), default=0)
     return StepLayout(

@@ -132,10 +132,15 @@ class TokenizerHelper:
             )
         return hit
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int] | None:
+        """The chat's token ids through the model's template; ``tools`` (OpenAI function
+        definitions) go to the template as its ``tools`` variable."""
         if not getattr(self.tokenizer, "chat_template", None):
             return None
+        extra = {} if tools is None else {"tools": tools}
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, add_generation_prompt=True, tokenize=False, **extra
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

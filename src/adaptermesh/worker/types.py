@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from adaptermesh.assignment_rules import MAX_QUOTED
 
@@ -24,6 +24,7 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "GenerationRequest",
+    "GrammarProtocol",
     "InvalidRequestError",
     "SamplingParams",
     "TokenEvent",
@@ -86,6 +87,12 @@ class SamplingParams:
     logprobs: int | None = None
 
 
+class GrammarProtocol(Protocol):
+    """A grammar compiled for the engine's vocabulary (worker/grammar.py)."""
+
+    def matcher(self) -> Any: ...
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
@@ -95,6 +102,9 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # Absolute deadline in time.monotonic() seconds; None: no deadline.
     deadline: float | None = None
+    # Constrained decoding: a compiled grammar (worker/grammar.py CompiledGrammar) whose
+    # ``matcher()`` starts the sequence's grammar position; None: unconstrained.
+    grammar: GrammarProtocol | None = None
 
 
 @dataclass(frozen=True, slots=True)

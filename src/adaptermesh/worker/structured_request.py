@@ -1,0 +1,194 @@
+"""A request's output constraint (``GrammarSpec``) from the OpenAI and vLLM fields that name
+one, each checked with a 400 naming the field when it is malformed:
+
+* ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``, or
+  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``;
+* vLLM's ``structured_outputs``: an object with exactly one of ``json`` (a schema, as an
+  object or JSON text), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF) or
+  ``json_object: true``;
+* vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``.
+
+At most one of them may constrain a request. Whether the constraint compiles is the grammar
+compiler's to say (``worker/grammar.py``), also as a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from adaptermesh.worker.grammar import GrammarError, GrammarSpec
+from adaptermesh.worker.http_errors import ApiError
+
+__all__ = [
+    "MAX_CHOICES",
+    "MAX_CONSTRAINT_CHARS",
+    "bad_field",
+    "grammar_error",
+    "grammar_spec",
+    "schema_spec",
+]
+
+# The longest schema, regex or grammar one request may send (as JSON text), and the most
+# choices: a grammar compiles on the worker's CPU.
+MAX_CONSTRAINT_CHARS = 64 << 10
+MAX_CHOICES = 1024
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def bad_field(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    """A 400 ``invalid_request_error`` naming ``param``."""
+    return ApiError(400, f"{param}: {message}", param=param, code=code)
+
+
+def grammar_error(exc: GrammarError) -> ApiError:
+    return bad_field(exc.param, exc.message)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _sized(text: str, param: str) -> str:
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise bad_field(param, f"must have at most {MAX_CONSTRAINT_CHARS} characters")
+    return text
+
+
+def schema_spec(schema: Any, param: str) -> GrammarSpec:
+    """A JSON-schema constraint from ``schema`` (an object, or JSON text of one)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise bad_field(param, f"is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict | bool):
+        raise bad_field(param, f"must be a JSON schema object, got {_type_name(schema)}")
+    if schema is False:
+        raise bad_field(param, "false admits no output")
+    text = json.dumps({} if schema is True else schema, separators=(",", ":"))
+    return GrammarSpec("json_schema", _sized(text, param), param)
+
+
+def _regex_spec(value: Any, param: str) -> GrammarSpec:
+    if not isinstance(value, str) or not value:
+        raise bad_field(param, f"must be a non-empty string, got {_type_name(value)}")
+    return GrammarSpec("regex", _sized(value, param), param)
+
+
+def _choice_spec(value: Any, param: str) -> GrammarSpec:
+    if not isinstance(value, list) or not value:
+        raise bad_field(param, "must be a non-empty list of strings")
+    if len(value) > MAX_CHOICES:
+        raise bad_field(param, f"must have at most {MAX_CHOICES} choices, got {len(value)}")
+    for index, choice in enumerate(value):
+        if not isinstance(choice, str):
+            raise bad_field(f"{param}[{index}]", f"must be a string, got {_type_name(choice)}")
+    return GrammarSpec("choice", _sized(json.dumps(value), param), param)
+
+
+def _grammar_spec(value: Any, param: str) -> GrammarSpec:
+    if not isinstance(value, str) or not value.strip():
+        raise bad_field(param, f"must be a non-empty EBNF grammar, got {_type_name(value)}")
+    return GrammarSpec("grammar", _sized(value, param), param)
+
+
+def _response_format(value: Any) -> GrammarSpec | None:
+    param = "response_format"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_field(param, f"must be an object, got {_type_name(value)}")
+    kind = value.get("type")
+    extra = sorted(set(value) - {"type", "json_schema"})
+    if extra:
+        raise bad_field(f"{param}.{extra[0]}", "is not a field of response_format", "unknown_field")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", param)
+    if kind != "json_schema":
+        raise bad_field(
+            f"{param}.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+        )
+    body = value.get("json_schema")
+    at = f"{param}.json_schema"
+    if not isinstance(body, dict):
+        raise bad_field(at, f"must be an object, got {_type_name(body)}")
+    unknown = sorted(set(body) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise bad_field(f"{at}.{unknown[0]}", "is not a field of json_schema", "unknown_field")
+    name = body.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+        raise bad_field(
+            f"{at}.name", "must be 1 to 64 letters, digits, underscores or dashes", "invalid_value"
+        )
+    if "strict" in body and body["strict"] is not None and not isinstance(body["strict"], bool):
+        raise bad_field(f"{at}.strict", f"must be a boolean, got {_type_name(body['strict'])}")
+    if "description" in body and not isinstance(body["description"], str | None):
+        raise bad_field(f"{at}.description", "must be a string")
+    if "schema" not in body or body["schema"] is None:
+        return GrammarSpec("json_object", "", at)
+    return schema_spec(body["schema"], f"{at}.schema")
+
+
+def _structured_outputs(value: Any) -> GrammarSpec | None:
+    param = "structured_outputs"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_field(param, f"must be an object, got {_type_name(value)}")
+    unknown = sorted(set(value) - set(_STRUCTURED_KEYS))
+    if unknown:
+        raise bad_field(
+            f"{param}.{unknown[0]}",
+            f"is not supported; use one of {', '.join(_STRUCTURED_KEYS)}",
+            "unknown_field",
+        )
+    given = [key for key in _STRUCTURED_KEYS if value.get(key) not in (None, False)]
+    if len(given) > 1:
+        raise bad_field(f"{param}.{given[1]}", f"cannot be combined with {param}.{given[0]}")
+    if not given:
+        return None
+    key = given[0]
+    at = f"{param}.{key}"
+    if key == "json":
+        return schema_spec(value[key], at)
+    if key == "regex":
+        return _regex_spec(value[key], at)
+    if key == "choice":
+        return _choice_spec(value[key], at)
+    if key == "grammar":
+        return _grammar_spec(value[key], at)
+    if value[key] is not True:
+        raise bad_field(at, f"must be true, got {_type_name(value[key])}")
+    return GrammarSpec("json_object", "", at)
+
+
+def grammar_spec(parsed: Any) -> GrammarSpec | None:
+    """The constraint a validated request body names, or None; a 400 naming the field when
+    one is malformed or a second one is given."""
+    found: list[GrammarSpec] = []
+    response_format = _response_format(getattr(parsed, "response_format", None))
+    if response_format is not None:
+        found.append(response_format)
+    structured = _structured_outputs(getattr(parsed, "structured_outputs", None))
+    if structured is not None:
+        found.append(structured)
+    makers = {
+        "guided_json": schema_spec,
+        "guided_regex": _regex_spec,
+        "guided_choice": _choice_spec,
+        "guided_grammar": _grammar_spec,
+    }
+    for name in _GUIDED_FIELDS:
+        value = getattr(parsed, name, None)
+        if value is not None:
+            found.append(makers[name](value, name))
+    if len(found) > 1:
+        first, second = found[0].param.split(".")[0], found[1].param.split(".")[0]
+        raise bad_field(second, f"cannot be combined with {first}: send one output constraint")
+    return found[0] if found else None
