@@ -31,9 +31,11 @@ from adaptermesh.worker.engine_config import EngineBudget, EngineConfig
 from adaptermesh.worker.kv_cache import PagedKVCache
 from adaptermesh.worker.model import LoraPool, ModelConfig, StepInputs, TransformerModel
 from adaptermesh.worker.sampling import (
+    LogitBias,
     RowParams,
     SamplerMode,
     SamplingBuffers,
+    apply_logit_bias,
     counts_from_tokens,
     gather_logprobs,
     processed_logits,
@@ -177,6 +179,7 @@ class StepTraits:
 
     gated_sets: bool  # expert sets run on the eager gated path (several tokens or requests)
     penalties: bool
+    biased: bool  # some sampling row has a logit_bias (the step runs eagerly)
     lora: bool
     solo_set: ExpertSet | None  # the single expert-set token's set on the solo gated path
     mode: SamplerMode  # GREEDY or RANDOM
@@ -190,6 +193,7 @@ class _DeviceRun:
     logits: torch.Tensor | None  # [S, V]: the graph's output, or the eager step's logits
     sampling_buffers: SamplingBuffers
     mode: SamplerMode
+    bias: LogitBias | None = None  # the step's logit biases (eager steps only)
 
 
 class StepLauncher:
@@ -304,6 +308,7 @@ class StepLauncher:
         sequences = plan.sequences()
         gated_sets = decision.solo is None and any(seq.expert_set is not None for seq in sequences)
         penalties = any(penalised(seq) for seq in sequences)
+        biased = any(seq.request.sampling.logit_bias for seq in sequences)
         lora = any(seq.lora_slot >= 0 for seq in sequences)
         solo_set = decision.gated_set
         random_mode = any(seq.request.sampling.temperature > 0 for seq in sequences)
@@ -311,10 +316,17 @@ class StepLauncher:
             self.graphs_ok
             and not gated_sets
             and not penalties
+            and not biased
             and (solo_set is None or self.solo_graphs_ok)
         )
         return StepTraits(
-            gated_sets, penalties, lora, solo_set, RANDOM if random_mode else GREEDY, graphable
+            gated_sets,
+            penalties,
+            biased,
+            lora,
+            solo_set,
+            RANDOM if random_mode else GREEDY,
+            graphable,
         )
 
     def _lora_side(self, lora: bool) -> bool:
@@ -430,6 +442,7 @@ class StepLauncher:
         splits = self._splits(
             layout.num_decode, max((seq.num_computed + 1 for seq in plan.decode), default=1)
         )
+        bias = self._logit_bias(layout) if traits.biased else None
         logits = self._step(
             buffers,
             layout,
@@ -440,9 +453,18 @@ class StepLauncher:
             gated,
             self.last_tokens,
             traits.penalties,
+            bias,
         )
         self.eager_steps += 1
-        return _DeviceRun(logits, sampling_buffers, mode)
+        return _DeviceRun(logits, sampling_buffers, mode, bias)
+
+    def _logit_bias(self, layout: StepLayout) -> LogitBias | None:
+        """The sampling entries' logit biases on the device (padding entries: none)."""
+        return LogitBias.of(
+            [seq.request.sampling.logit_bias if seq is not None else () for seq in layout.entries],
+            self.model_config.vocab_size,
+            self.device,
+        )
 
     def _copy_output(
         self, ring_index: int, samplers: list[Sequence], layout: StepLayout, run: _DeviceRun
@@ -459,6 +481,8 @@ class StepLauncher:
         step_logits = run.logits
         assert step_logits is not None
         if self.config.logprobs_mode == "processed":
+            if run.bias is not None:
+                step_logits = apply_logit_bias(step_logits[: layout.num_entries], run.bias)
             step_logits = self._processed_logits(
                 step_logits, layout, run.sampling_buffers, run.mode
             )
@@ -504,8 +528,10 @@ class StepLauncher:
         gated: GatedTerms | None,
         destination: torch.Tensor,
         penalties: bool = False,
+        bias: LogitBias | None = None,
     ) -> torch.Tensor:
-        """The whole step on the device: input gather, forward, sampling, write of the ids."""
+        """The whole step on the device: input gather, forward, sampling (from the logits
+        with ``bias`` added, when given), write of the ids; returns the raw logits."""
         views = buffers.views
         source_entries = views.source_entries
         ids = torch.where(
@@ -528,10 +554,11 @@ class StepLauncher:
         )
         meta = lora_ops.build_meta(inputs.token_slots, self.pool.num_slots) if lora else None
         logits = self.model.forward(inputs, self.kv, self.pool if lora else None, meta, gated)
+        biased = logits if bias is None else apply_logit_bias(logits, bias)
         if penalties:
-            tokens = self._sample_penalised(logits, sampling_buffers, layout)
+            tokens = self._sample_penalised(biased, sampling_buffers, layout)
         else:
-            tokens = sample_logits(logits, sampling_buffers, mode, layout.entries)
+            tokens = sample_logits(biased, sampling_buffers, mode, layout.entries)
         destination[: tokens.shape[0]].copy_(tokens)
         return logits
 
