@@ -10,8 +10,10 @@ import pytest
 
 from adaptermesh.worker.tokenizer_helpers import (
     CHAR_TO_BYTE,
+    FIM_TOKEN_SETS,
     TokenizerHelper,
     byte_to_char,
+    fim_token_ids,
     is_byte_level,
     piece_of,
     special_ids,
@@ -144,3 +146,12 @@ def test_chat_template() -> None:
     assert helper.apply_chat_template(messages) is None  # no template
     tokenizer.chat_template = "{{ messages }}"
     assert helper.apply_chat_template(messages) == [2, 3]  # no special tokens added twice
+
+
+@pytest.mark.parametrize("names", FIM_TOKEN_SETS)
+def test_fim_token_ids_find_each_family_s_set(names: tuple[str, str, str]) -> None:
+    vocab = {"a": 0, names[0]: 10, names[1]: 11, names[2]: 12}
+    assert fim_token_ids(vocab) == (10, 11, 12)
+    # A set with one token missing is no set.
+    assert fim_token_ids({names[0]: 10, names[1]: 11}) is None
+    assert fim_token_ids({}) is None

@@ -48,7 +48,7 @@ written behind the sampled ids in one device buffer, so the host still gets ever
 the step's single device-to-host copy. Rows that did not ask, and steps where none did, run
 exactly as before; graphs are not duplicated per logprob setting. By default
 (``EngineConfig.logprobs_mode="raw"``) the values are the raw model distribution (before
-penalties, temperature and filters), as vLLM reports by default; ``"processed"`` first runs
+logit_bias, penalties, temperature and filters), as vLLM reports by default; ``"processed"`` first runs
 ``sampling.processed_logits`` over the step's logits with the step's own sampling buffers and
 mode, so the values are the distribution the sampler drew each token from.
 """

@@ -397,22 +397,24 @@ class _Session:
             request_id, model = job.request_id, job.model
             reasons: list[str | None] = [None] * job.n
             events = self.service.job_events(job)
-            if job.echo and not job.best_of:
-                # echo: the prompt's text first, as the SSE stream sends it (no token id).
-                for index in range(job.n):
-                    self._send(
-                        {
-                            "id": cid,
-                            "type": "token",
-                            "index": index,
-                            "text": job.echo,
-                            "token_id": None,
-                            "finish_reason": None,
-                        }
-                    )
+            # echo: each choice's first message is the prompt's text (no token id), sent once
+            # the choice has its first event, as the SSE stream sends it first.
+            echo_pending = set(range(job.n)) if job.echo else set()
             async with contextlib.aclosing(events):
                 async for item in events:
                     event = item.event
+                    if item.index in echo_pending:
+                        echo_pending.discard(item.index)
+                        self._send(
+                            {
+                                "id": cid,
+                                "type": "token",
+                                "index": item.index,
+                                "text": job.echo,
+                                "token_id": None,
+                                "finish_reason": None,
+                            }
+                        )
                     if event.finish_reason is not None:
                         reasons[item.index] = event.finish_reason
                     # One message per generated token, even when its text is "" (an
