@@ -1,9 +1,9 @@
 """``logit_bias``, ``suffix`` (fill-in-the-middle) and ``best_of`` through the service around the
-real engine, with the tiny random Llama on CPU (and, marked gpu, on CUDA with graphs on)."""
+real engine, with the tiny random Llama on CPU (the engine-level batch checks, CUDA included,
+are tests/worker/test_logit_bias.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from adaptermesh.worker.engine import Engine, EngineConfig
-from adaptermesh.worker.sampling import LogitBias, apply_logit_bias
 from adaptermesh.worker.types import GenerationRequest, SamplingParams
 from adaptermesh_testkit.checkpoints import FIM_TOKENS, make_tiny_model
 
@@ -49,18 +48,6 @@ async def generate(engine: Engine, prompt: list[int], **sampling: Any) -> list[i
         GenerationRequest("direct", tuple(prompt), None, SamplingParams(**sampling))
     )
     return [event.token_id async for event in stream if event.token_id is not None]
-
-
-def test_apply_logit_bias_adds_to_the_named_rows_only() -> None:
-    logits = torch.zeros(3, 5)
-    bias = LogitBias.of([((1, 2.0), (4, -100.0)), (), ((0, 0.5),)], 5, "cpu")
-    assert bias is not None
-    out = apply_logit_bias(logits, bias)
-    assert out.tolist() == [[0, 2, 0, 0, -100], [0] * 5, [0.5, 0, 0, 0, 0]]
-    assert logits.abs().sum().item() == 0  # not modified
-    assert LogitBias.of([(), ()], 5, "cpu") is None
-    with pytest.raises(ValueError, match="outside"):
-        LogitBias.of([((5, 1.0),)], 5, "cpu")
 
 
 async def test_logit_bias_forces_and_bans_tokens_greedy_and_sampled(
@@ -101,25 +88,6 @@ async def test_logit_bias_forces_and_bans_tokens_greedy_and_sampled(
         model="tiny", prompt=prompt, max_tokens=8, temperature=0, logit_bias={"5": 0}
     )
     assert same.choices[0].text == engine.detokenize(plain_ids)
-    await engine.shutdown()
-
-
-async def test_biased_and_unbiased_rows_share_a_batch_without_crosstalk(
-    model_dirs: tuple[Path, Path, Path],
-) -> None:
-    plain, _, root = model_dirs
-    engine = engine_of(plain, root, max_num_seqs=8)
-    prompts = [engine.tokenize(text) for text in ("Once upon a time", "hello world", "1 2 3")]
-    alone = [await generate(engine, p, max_tokens=6) for p in prompts]
-    target = 77
-    together = await asyncio.gather(
-        generate(engine, prompts[0], max_tokens=6),
-        generate(engine, prompts[1], max_tokens=6, logit_bias=((target, 100.0),)),
-        generate(engine, prompts[2], max_tokens=6),
-    )
-    assert together[0] == alone[0]
-    assert together[1] == [target] * 6
-    assert together[2] == alone[2]
     await engine.shutdown()
 
 
@@ -216,24 +184,4 @@ async def test_best_of_answers_the_candidates_with_the_highest_cumulative_logpro
     assert all(c["logprobs"] is None for c in answer["choices"])
     assert [c["index"] for c in answer["choices"]] == [0, 1]
     assert answer["usage"] == every.json()["usage"]
-    await engine.shutdown()
-
-
-@pytest.mark.gpu
-async def test_logit_bias_on_cuda_with_graphs(model_dirs: tuple[Path, Path, Path]) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    plain, _, root = model_dirs
-    engine = engine_of(plain, root, device="cuda", max_num_seqs=8, use_cuda_graphs=True)
-    prompts = [engine.tokenize(text) for text in ("Once upon a time", "hello world")]
-    alone = [await generate(engine, p, max_tokens=6) for p in prompts]
-    together = await asyncio.gather(
-        generate(engine, prompts[0], max_tokens=6),
-        generate(engine, prompts[1], max_tokens=6, logit_bias=((77, 100.0),)),
-        generate(engine, prompts[1], max_tokens=6, temperature=0.8, logit_bias=((77, 100.0),)),
-    )
-    assert together[0] == alone[0]
-    assert together[1] == [77] * 6
-    assert together[2] == [77] * 6
-    assert engine.launcher.graph_steps > 0  # the unbiased steps kept their graphs
     await engine.shutdown()
