@@ -381,3 +381,65 @@ def test_unknown_model_is_404_model_not_found(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="nope", prompt="x")
     assert (info.value.code, info.value.param) == ("model_not_found", "model")
+
+
+ANY_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 25),
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=4),
+    st.lists(st.integers(), max_size=2),
+)
+
+
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    fields=st.fixed_dictionaries(
+        {},
+        optional={
+            "n": st.one_of(st.integers(1, 4), ANY_VALUE),
+            "best_of": st.one_of(st.integers(1, 6), ANY_VALUE),
+            "stream": st.one_of(st.booleans(), ANY_VALUE),
+            "echo": st.one_of(st.booleans(), ANY_VALUE),
+            "suffix": st.one_of(st.sampled_from(["", "tail"]), ANY_VALUE),
+            "logprobs": st.one_of(st.integers(0, 3), ANY_VALUE),
+        },
+    )
+)
+def test_best_of_echo_suffix_combinations_are_served_or_refused_naming_a_field(
+    engine_url: tuple[FakeEngine, str], fields: dict[str, Any]
+) -> None:
+    engine, url = engine_url
+    before = len(engine.submitted)
+    prompt = "tell me"
+    r = httpx.post(
+        url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, **fields}, timeout=30
+    )
+    if r.status_code != 200:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] in fields, (error, fields)
+        assert error["message"].startswith(error["param"] + ": ")
+        assert len(engine.submitted) == before  # nothing reached the engine
+        return
+    n = fields.get("n", 1)
+    best_of = fields.get("best_of") or n
+    assert len(engine.submitted) == before + best_of
+    if fields.get("stream") is True:
+        texts: dict[int, str] = {}
+        for line in r.text.splitlines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        answered = [texts[i] for i in sorted(texts)]
+    else:
+        answered = [choice["text"] for choice in r.json()["choices"]]
+    assert len(answered) == n
+    generated = expected_text(ids(prompt), None, 2)
+    echoed = prompt if fields.get("echo") is True else ""
+    assert answered == [echoed + generated] * n
