@@ -18,8 +18,9 @@ MAX_BEST_OF candidates, the n with the highest cumulative logprob answered; not 
 ``logprobs``, as prompt logprobs are not computed) and ``suffix`` (fill-in-the-middle, only on a
 model whose tokenizer has FIM tokens: the service checks). OpenAI fields this server does not
 implement (``tools``, ``response_format`` other than text) are accepted only with their default
-value and otherwise refused by name as ``unsupported``. Response models (``Usage``, the choices, the chunks) document the wire
-shapes; the streaming path writes pre-encoded chunks of the same shape.
+value and otherwise refused by name as ``unsupported``. Response models (``Usage``, the
+choices, the chunks) document the wire shapes; the streaming path writes pre-encoded chunks of
+the same shape.
 """
 
 from __future__ import annotations
@@ -246,11 +247,6 @@ class _Sampling(_Body):
                 "above n cannot be streamed: the candidates are ranked after they finish",
             )
         return value
-
-    @property
-    def candidates(self) -> int:
-        """Engine sequences the request runs: best_of when set, else n."""
-        return self.best_of or self.n
 
     @property
     def include_usage(self) -> bool:

@@ -115,6 +115,16 @@ def fim_token_ids(vocab: dict[str, int]) -> tuple[int, int, int] | None:
     return None
 
 
+def _leading_tokens(tokenizer: Any) -> list[int]:
+    """The special tokens ``tokenizer`` puts before a text's own tokens."""
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    marked = list(tokenizer("a")["input_ids"])
+    for start in range(len(marked) - len(plain) + 1):
+        if marked[start : start + len(plain)] == plain:
+            return marked[:start]
+    return []
+
+
 class TokenizerHelper:
     """One tokenizer's text work for the engine, with each token's piece cached."""
 
@@ -128,15 +138,9 @@ class TokenizerHelper:
         self._byte_level = is_byte_level(tokenizer)
         self._special_ids = special_ids(tokenizer)
         self.fim_ids = fim_token_ids(dict(tokenizer.get_vocab()))
-        # The tokens the tokenizer puts in front of a text (Llama's BOS), kept in front of a
-        # fill-in-the-middle prompt.
-        plain = list(tokenizer("", add_special_tokens=False)["input_ids"])
-        marked = list(tokenizer("")["input_ids"])
-        self._leading = (
-            marked[: len(marked) - len(plain)]
-            if marked[len(marked) - len(plain) :] == plain
-            else []
-        )
+        # The tokens the tokenizer puts in front of a text (Llama's BOS; not one it appends),
+        # kept in front of a fill-in-the-middle prompt.
+        self._leading = _leading_tokens(tokenizer)
 
     def fill_in_middle(self, prefix: str | list[int], suffix: str) -> list[int] | None:
         """The prefix-suffix-middle prompt (leading special tokens, FIM prefix token, the
