@@ -111,3 +111,32 @@ def test_biased_and_unbiased_rows_share_a_cuda_batch(
     if graphs:
         assert engine.launcher.graph_steps > 0  # the steps without a biased row kept graphs
     assert engine.launcher.eager_steps > 0
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_are_before_the_bias_raw_and_after_it_processed(
+    tiny_dirs: tuple[Path, Path], mode: str
+) -> None:
+    model, root = tiny_dirs
+    engine = Engine(
+        model, root, device="cpu", dtype="float32", config=EngineConfig(logprobs_mode=mode)
+    )
+    prompt = engine.tokenize("Once upon a time")
+
+    async def first() -> tuple[int, float]:
+        request = GenerationRequest(
+            "lp",
+            tuple(prompt),
+            None,
+            SamplingParams(max_tokens=1, logprobs=0, logit_bias=((TARGET, 100.0),)),
+        )
+        entries = [lp async for event in engine.submit(request) for lp in event.logprobs]
+        await engine.shutdown()
+        return entries[0].token_id, entries[0].logprob
+
+    token, logprob = asyncio.run(first())
+    assert token == TARGET
+    if mode == "raw":
+        assert logprob < -0.5  # what the model gives the token, not the forced ~0
+    else:
+        assert logprob > -1e-3  # the distribution the sampler drew from
