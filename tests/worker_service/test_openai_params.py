@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from adaptermesh.worker.api import MAX_BEST_OF, CompletionRequest
+from adaptermesh.worker.http_errors import ApiError
 from adaptermesh.worker.types import MAX_LOGIT_BIAS
 
 from .conftest import Server, StartServer
@@ -289,9 +290,9 @@ async def test_best_of_is_refused_on_the_websocket_route(start_server: StartServ
         _request(), {"prompt": "x", "max_tokens": 1, "best_of": 3}, "completion"
     )
     events = server.service.job_events(job)
-    with pytest.raises(Exception) as caught:
+    with pytest.raises(ApiError) as caught:
         await anext(events)
-    assert getattr(caught.value, "param", None) == "best_of"
+    assert (caught.value.status, caught.value.param) == (400, "best_of")
     assert server.service.inflight == 0
 
 
