@@ -14,7 +14,7 @@ Measured, each by this script in one run:
    header deadline is 10 s).
 2. CPU-heavy bodies: another client's small requests (``GET /v1/models``, every 5 ms) before
    and while one heavy request runs: a 4 MB text prompt (tokenised on a thread, then refused
-   413: longer than the context), a 4 MB body of 1.3 M empty arrays (parsed in the child
+   400 context_length_exceeded: longer than the context), a 4 MB body of 1.3 M empty arrays (parsed in the child
    process, refused 413: too many values) and a 100,000-deep array (refused 400), each sent
    back to back for at least 2 s. p50/p99 of the small requests and their rise over the
    baseline, and the heavy request's own median time.

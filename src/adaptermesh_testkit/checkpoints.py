@@ -38,6 +38,7 @@ from adaptermesh.worker.adafuse_train import MODULE_PARENTS, expert_set_meta, pe
 __all__ = [
     "ALL_TARGET_MODULES",
     "CHAT_TEMPLATE",
+    "FIM_TOKENS",
     "TOOLS_CHAT_TEMPLATE",
     "make_adafuse_expert_set",
     "make_adapter",
@@ -99,17 +100,26 @@ _CORPUS = [
 ]
 
 
-def make_tokenizer(directory: str | Path, *, vocab_size: int = 384) -> int:
+# StarCoder's fill-in-the-middle tokens, for a tokenizer made with ``fim_tokens=True``.
+FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+
+
+def make_tokenizer(
+    directory: str | Path, *, vocab_size: int = 384, fim_tokens: bool = False
+) -> int:
     """Train a byte-level BPE tokenizer on a fixed corpus and save it with a chat template.
 
     Writes ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``.
-    Every byte sequence is encodable. Returns the tokenizer's vocabulary size.
+    Every byte sequence is encodable. ``fim_tokens``: the vocabulary also holds the special
+    tokens of FIM_TOKENS. Returns the tokenizer's vocabulary size.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     specials = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    if fim_tokens:
+        specials += FIM_TOKENS
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -211,6 +221,7 @@ def make_tiny_model(
     rope_scaling: dict[str, Any] | None = None,
     tie_word_embeddings: bool = False,
     init_std: float = 0.08,
+    fim_tokens: bool = False,
 ) -> Path:
     """Build a random checkpoint of the Llama family, with a tokenizer, in ``directory``.
 
@@ -223,7 +234,7 @@ def make_tiny_model(
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(out)
+    vocab = make_tokenizer(out, fim_tokens=fim_tokens)
     cfg = make_model_config(
         arch,
         vocab_size=vocab,

@@ -185,7 +185,7 @@ async def test_pins_are_undone_when_the_instance_stops_asking_or_goes(
 async def test_a_refused_load_is_named_backed_off_and_loses_nothing(
     start_worker: Start, store: Store, admin: HttpWorkerAdmin, caplog: pytest.LogCaptureFixture
 ) -> None:
-    w = await start_worker(refuse=(422, "lora_path", "resolves outside the adapter root"))
+    w = await start_worker(refuse=(400, "lora_path", "resolves outside the adapter root"))
     store.upsert_shard(shard("s0", ("127.0.0.1", w.port)), 0.0)
     store.upsert_adapter_instance(instance("a", "/elsewhere/a", pinned_shards=["s0"]), 0.0)
     clock = FakeClock()
@@ -194,7 +194,7 @@ async def test_a_refused_load_is_named_backed_off_and_loses_nothing(
         report = await pre.step()
     ((action, error),) = report.failed
     assert action.adapter == "a"
-    assert "HTTP 422: lora_path: resolves outside" in error
+    assert "HTTP 400: lora_path: resolves outside" in error
     (problem,) = pre.problems().values()
     assert f"127.0.0.1:{w.port}" in problem
     assert "shard s0" in problem

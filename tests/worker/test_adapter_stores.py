@@ -399,7 +399,7 @@ async def test_hostile_paths_are_refused(
     eng.adapters.stores = AdapterStores(tmp_path / "cache", hf_cache_dir=tmp_path / "hf")
     with pytest.raises(ApiError) as info:
         await load_adapter_into_engine(eng, "m", path, pinned=False)
-    assert info.value.status == 422
+    assert info.value.status == 400
     assert info.value.param == "lora_path"
     assert cached_files(tmp_path / "cache") == []
 
@@ -415,7 +415,7 @@ async def test_store_paths_without_stores_are_refused(tiny: Tiny, make_engine: A
     eng = make_engine()
     with pytest.raises(ApiError) as info:
         await load_adapter_into_engine(eng, "m", "s3://bucket/a", pinned=False)
-    assert info.value.status == 422
+    assert info.value.status == 400
     assert "adapter stores" in info.value.message
 
 

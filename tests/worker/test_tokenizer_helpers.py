@@ -10,8 +10,10 @@ import pytest
 
 from adaptermesh.worker.tokenizer_helpers import (
     CHAR_TO_BYTE,
+    FIM_TOKEN_SETS,
     TokenizerHelper,
     byte_to_char,
+    fim_token_ids,
     is_byte_level,
     piece_of,
     special_ids,
@@ -144,3 +146,37 @@ def test_chat_template() -> None:
     assert helper.apply_chat_template(messages) is None  # no template
     tokenizer.chat_template = "{{ messages }}"
     assert helper.apply_chat_template(messages) == [2, 3]  # no special tokens added twice
+
+
+@pytest.mark.parametrize("names", FIM_TOKEN_SETS)
+def test_fim_token_ids_find_each_family_s_set(names: tuple[str, str, str]) -> None:
+    vocab = {"a": 0, names[0]: 10, names[1]: 11, names[2]: 12}
+    assert fim_token_ids(vocab) == (10, 11, 12)
+    # A set with one token missing is no set.
+    assert fim_token_ids({names[0]: 10, names[1]: 11}) is None
+    assert fim_token_ids({}) is None
+
+
+class _Marking:
+    """A tokenizer that wraps a text's ids in the given leading and trailing tokens."""
+
+    def __init__(self, lead: list[int], trail: list[int], vocab: dict[str, int]) -> None:
+        self.lead, self.trail, self.vocab = lead, trail, vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids = [ord(c) for c in text]
+        return {"input_ids": [*self.lead, *ids, *self.trail] if add_special_tokens else ids}
+
+
+@pytest.mark.parametrize(("lead", "trail"), [([], []), ([1], []), ([1], [2]), ([], [2])])
+def test_fill_in_middle_keeps_leading_special_tokens_only(
+    lead: list[int], trail: list[int]
+) -> None:
+    vocab = {"<fim_prefix>": 5, "<fim_suffix>": 6, "<fim_middle>": 7, "a": 97}
+    helper = TokenizerHelper(_Marking(lead, trail, vocab))
+    assert helper.fill_in_middle("ab", "c") == [*lead, 5, 97, 98, 6, 99, 7]
+    assert helper.fill_in_middle([40, 41], "") == [5, 40, 41, 6, 7]
+    assert TokenizerHelper(_Marking(lead, trail, {"a": 97})).fill_in_middle("ab", "c") is None

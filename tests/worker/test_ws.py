@@ -713,3 +713,33 @@ def test_hostile_messages_never_crash_the_socket(
         ):
             pass
         assert msg["type"] == "done", msg
+
+
+async def test_echo_sends_the_prompt_first_and_best_of_is_refused(
+    start_server: StartServer,
+) -> None:
+    server = await start_server()
+    body = {"prompt": "hello world", "max_tokens": 3, "echo": True}
+    http_texts, http_usage = await sse_texts(server, "/v1/completions", body)
+    async with connect(server.ws_url) as ws:
+        await ws.send(json.dumps({"id": "e", **body}))
+        tokens, done = await run_one(ws, "e")
+        assert [t["text"] for t in tokens] == http_texts
+        assert tokens[0] == {
+            "id": "e",
+            "type": "token",
+            "index": 0,
+            "text": "hello world",
+            "token_id": None,
+            "finish_reason": None,
+        }
+        assert done["usage"] == http_usage
+        await ws.send(json.dumps({"id": "b", "prompt": "x", "max_tokens": 1, "best_of": 2}))
+        tokens, error = await run_one(ws, "b")
+        assert tokens == []
+        assert (error["type"], error["status"], error["error"]["param"]) == (
+            "error",
+            400,
+            "best_of",
+        )
+    assert server.service.inflight == 0

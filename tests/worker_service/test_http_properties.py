@@ -66,20 +66,20 @@ def error_of(r: httpx.Response) -> dict:
     return r.json()["error"]
 
 
-def test_lone_surrogate_prompt_is_422_naming_prompt(client: httpx.Client) -> None:
+def test_lone_surrogate_prompt_is_400_naming_prompt(client: httpx.Client) -> None:
     r = client.post("/v1/completions", content=b'{"prompt": "hi \\ud800 there"}', headers=JSON)
-    assert r.status_code == 422
+    assert r.status_code == 400
     assert error_of(r)["param"] == "prompt"
     assert error_of(r)["code"] == "invalid_unicode"
 
 
-def test_lone_surrogate_chat_content_is_422_naming_the_message(client: httpx.Client) -> None:
+def test_lone_surrogate_chat_content_is_400_naming_the_message(client: httpx.Client) -> None:
     r = client.post(
         "/v1/chat/completions",
         headers=JSON,
         content=b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
     )
-    assert r.status_code == 422
+    assert r.status_code == 400
     assert error_of(r)["param"] == "messages[0].content"
 
 
@@ -111,13 +111,13 @@ def test_seed_of_2_to_the_70_is_accepted(client: httpx.Client) -> None:
         ("ok/" + "y" * 256, "a component over 255 bytes"),
     ],
 )
-def test_bad_lora_paths_are_422_naming_lora_path(client: httpx.Client, path: str, why: str) -> None:
+def test_bad_lora_paths_are_400_naming_lora_path(client: httpx.Client, path: str, why: str) -> None:
     r = client.post("/v1/load_lora_adapter", json={"lora_name": "n1", "lora_path": path})
-    assert r.status_code == 422, why
+    assert r.status_code == 400, why
     assert error_of(r)["param"] == "lora_path"
 
 
-def test_huge_numbers_are_422_naming_the_field(client: httpx.Client) -> None:
+def test_huge_numbers_are_400_naming_the_field(client: httpx.Client) -> None:
     for name, value in [
         ("temperature", 10**400),
         ("top_p", -(2**70)),
@@ -129,7 +129,7 @@ def test_huge_numbers_are_422_naming_the_field(client: httpx.Client) -> None:
         r = client.post(
             "/v1/completions", content=encode({"prompt": "a", name: value}), headers=JSON
         )
-        assert r.status_code == 422, (name, r.text)
+        assert r.status_code == 400, (name, r.text)
         assert error_of(r)["param"] == name
 
 

@@ -147,7 +147,7 @@ def test_sampling_fields_reach_the_engine(
 def test_refusals_name_the_field(
     client: openai.OpenAI, kwargs: dict[str, Any], param: str, code: str
 ) -> None:
-    with pytest.raises(openai.UnprocessableEntityError) as info:
+    with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model="tiny-base", max_tokens=2, messages=[{"role": "user", "content": "hi"}], **kwargs
         )
@@ -162,7 +162,7 @@ def test_completions_refuse_chat_only_fields(engine_url: tuple[FakeEngine, str])
         engine_url[1] + "/v1/completions",
         json={"prompt": "a", "messages": [{"role": "user", "content": "x"}]},
     )
-    assert r.status_code == 422
+    assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages"
 
 

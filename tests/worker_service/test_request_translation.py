@@ -199,7 +199,7 @@ def test_any_invalid_value_is_refused_naming_its_field(data: st.DataObject) -> N
     body[field] = value
     with pytest.raises(ApiError) as caught:
         parse_generation_body("completion" if kind == "completion" else "chat", body)
-    assert caught.value.status == 422
+    assert caught.value.status == 400
     assert caught.value.param == field
     assert caught.value.message.startswith(f"{field}: ")
     assert caught.value.code in {"invalid_type", "invalid_value"}
@@ -228,7 +228,7 @@ def test_a_mesh_chosen_version_names_the_versioned_adapter() -> None:
     with pytest.raises(ApiError) as caught:
         resolve_model("alpha", {VERSION_HEADER: "bad version!"}, BASE)
     assert (caught.value.status, caught.value.param, caught.value.code) == (
-        422,
+        400,
         VERSION_HEADER,
         "invalid_header",
     )
@@ -243,23 +243,26 @@ def test_max_tokens_defaults_and_limits() -> None:
     with pytest.raises(ApiError) as caught:
         checked_max_tokens(chat, 128, 128, 16)
     assert (caught.value.status, caught.value.param, caught.value.code) == (
-        413,
+        400,
         "messages",
         "context_length_exceeded",
     )
     assert caught.value.message == (
-        "prompt: has 128 tokens; this model's context is 128 "
-        "tokens, so a prompt may have at most 127"
+        "messages: this model's maximum context length is 128 tokens. However, the prompt "
+        "has 128 tokens, so a prompt may have at most 127"
     )
     too_many = parse_generation_body(
         "chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 50}
     )
     with pytest.raises(ApiError) as caught:
         checked_max_tokens(too_many, 100, 128, 16)
-    assert (caught.value.param, caught.value.code) == (
+    assert (caught.value.status, caught.value.param, caught.value.code) == (
+        400,
         "max_completion_tokens",
         "context_length_exceeded",
     )
+    assert "maximum context length is 128 tokens" in caught.value.message
+    assert "150 tokens (100 in the prompt, 50 in max_completion_tokens)" in caught.value.message
     zero = parse_generation_body("completion", {"prompt": [1], "max_tokens": 0})
     with pytest.raises(ApiError) as caught:
         checked_max_tokens(zero, 1, 128, 16)
@@ -271,7 +274,7 @@ def test_a_bad_request_timeout_header_is_refused(header: str) -> None:
     with pytest.raises(ApiError) as caught:
         request_timeout(header, 600.0, 3600.0)
     assert (caught.value.status, caught.value.param, caught.value.code) == (
-        422,
+        400,
         "x-request-timeout",
         "invalid_header",
     )
@@ -289,7 +292,7 @@ def test_a_text_longer_than_any_tokenisation_is_refused_untokenised() -> None:
     with pytest.raises(ApiError) as caught:
         refuse_untokenised(101, 10, 10, "messages")
     assert (caught.value.status, caught.value.param, caught.value.code) == (
-        413,
+        400,
         "messages",
         "context_length_exceeded",
     )

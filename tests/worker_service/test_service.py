@@ -148,37 +148,42 @@ BAD = [
     (b"[1, 2]", 400, None),
     (b"", 400, None),
     (b"\xff\xfe", 400, None),
-    ({"model": 7, "prompt": "x"}, 422, "model"),
-    ({"prompt": "x", "max_tokens": "5"}, 422, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 2.5}, 422, "max_tokens"),
-    ({"prompt": "x", "max_tokens": True}, 422, "max_tokens"),
-    ({"prompt": "x", "max_tokens": -1}, 422, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 10**12}, 422, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 128}, 422, "max_tokens"),
-    ({"max_tokens": 3}, 422, "prompt"),
-    ({"prompt": 5}, 422, "prompt"),
-    ({"prompt": ""}, 422, "prompt"),
-    ({"prompt": []}, 422, "prompt"),
-    ({"prompt": [1, "a"]}, 422, "prompt"),
-    ({"prompt": [1, -2]}, 422, "prompt"),
-    ({"prompt": [1, 5000]}, 422, "prompt"),
-    ({"prompt": ["a", "b"]}, 422, "prompt"),
-    ({"prompt": "x", "temperature": 5}, 422, "temperature"),
-    ({"prompt": "x", "temperature": "hot"}, 422, "temperature"),
-    ({"prompt": "x", "top_p": 0}, 422, "top_p"),
-    ({"prompt": "x", "seed": 1.5}, 422, "seed"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 422, "stop"),
-    ({"prompt": "x", "stop": [1]}, 422, "stop"),
-    ({"prompt": "x", "stream": "yes"}, 422, "stream"),
-    ({"prompt": "x", "stream_options": 3}, 422, "stream_options"),
-    ({"prompt": "x", "n": 0}, 422, "n"),
-    ({"prompt": "x", "n": 17}, 422, "n"),
-    ({"prompt": "x", "logprobs": 21}, 422, "logprobs"),
-    ({"prompt": "x", "max_token": 2}, 422, "max_token"),
-    ({"prompt": "x", "echo": True}, 422, "echo"),
+    ({"model": 7, "prompt": "x"}, 400, "model"),
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**12}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 128}, 400, "max_tokens"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [1, "a"]}, 400, "prompt"),
+    ({"prompt": [1, -2]}, 400, "prompt"),
+    ({"prompt": [1, 5000]}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": "x", "temperature": 5}, 400, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "seed": 1.5}, 400, "seed"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"prompt": "x", "stop": [1]}, 400, "stop"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "stream_options": 3}, 400, "stream_options"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 17}, 400, "n"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "max_token": 2}, 400, "max_token"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
+    ({"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    ({"prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"9999": 1}}, 400, "logit_bias"),
     ({"model": "nope", "prompt": "x"}, 404, "model"),
-    ({"prompt": " ".join(["w"] * 128)}, 413, "prompt"),
+    ({"prompt": " ".join(["w"] * 128)}, 400, "prompt"),
 ]
 
 
@@ -216,7 +221,7 @@ async def test_bad_input_names_the_field_and_server_keeps_serving(
 )
 async def test_bad_chat_messages(server: Server, messages, param) -> None:
     r = await server.client.post("/v1/chat/completions", json={"messages": messages})
-    assert r.status_code == 422
+    assert r.status_code == 400
     assert r.json()["error"]["param"] == param
 
 
@@ -240,7 +245,7 @@ async def test_bad_timeout_header(server: Server) -> None:
     r = await server.client.post(
         "/v1/completions", json={"prompt": "x"}, headers={"x-request-timeout": "-1"}
     )
-    assert r.status_code == 422
+    assert r.status_code == 400
     assert r.json()["error"]["param"] == "x-request-timeout"
 
 
@@ -478,27 +483,27 @@ async def test_load_can_pin_and_models_say_so(server: Server) -> None:
         (
             "/v1/load_lora_adapter",
             {"lora_name": "x", "lora_path": "ok/x", "pinned": "yes"},
-            422,
+            400,
             "pinned",
         ),
-        ("/v1/load_lora_adapter", {"lora_path": "ok/x"}, 422, "lora_name"),
-        ("/v1/load_lora_adapter", {"lora_name": 3, "lora_path": "ok/x"}, 422, "lora_name"),
-        ("/v1/load_lora_adapter", {"lora_name": "x"}, 422, "lora_path"),
+        ("/v1/load_lora_adapter", {"lora_path": "ok/x"}, 400, "lora_name"),
+        ("/v1/load_lora_adapter", {"lora_name": 3, "lora_path": "ok/x"}, 400, "lora_name"),
+        ("/v1/load_lora_adapter", {"lora_name": "x"}, 400, "lora_path"),
         ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "missing"}, 404, "lora_path"),
         (
             "/v1/load_lora_adapter",
             {"lora_name": "x", "lora_path": "ok/../../etc"},
-            422,
+            400,
             "lora_path",
         ),
         (
             "/v1/load_lora_adapter",
             {"lora_name": "tiny-base", "lora_path": "ok/x"},
-            422,
+            400,
             "lora_name",
         ),
         ("/v1/unload_lora_adapter", {"lora_name": "never-loaded"}, 404, "lora_name"),
-        ("/v1/unload_lora_adapter", {}, 422, "lora_name"),
+        ("/v1/unload_lora_adapter", {}, 400, "lora_name"),
     ],
 )
 async def test_admin_bad_input(server: Server, path, body, status, param) -> None:

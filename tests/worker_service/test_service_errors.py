@@ -25,7 +25,7 @@ from adaptermesh.worker.types import (
 
 
 def test_the_error_body_has_openais_shape() -> None:
-    error = ApiError(422, "n: bad", param="n", code="invalid_value")
+    error = ApiError(400, "n: bad", param="n", code="invalid_value")
     assert error.body() == {
         "error": {
             "message": "n: bad",
@@ -35,18 +35,18 @@ def test_the_error_body_has_openais_shape() -> None:
         }
     }
     response = error.response()
-    assert response.status == 422
+    assert response.status == 400
     assert response.content_type == "application/json"
 
 
-def test_a_missing_adapter_is_404_and_an_unusable_one_422() -> None:
+def test_a_missing_adapter_is_404_and_an_unusable_one_400() -> None:
     missing = adapter_error(AdapterNotFoundError("alpha"), "model")
     assert (missing.status, missing.param, missing.code) == (404, "model", "model_not_found")
     assert adapter_error(AdapterNotFoundError("alpha"), "lora_path").code == "adapter_not_found"
     unusable = AdapterNotFoundError("alpha", "bad name")
     unusable.field = "name"  # type: ignore[attr-defined]
     named = adapter_error(unusable, "lora_path")
-    assert (named.status, named.param, named.code) == (422, "lora_name", "invalid_adapter")
+    assert (named.status, named.param, named.code) == (400, "lora_name", "invalid_adapter")
     assert adapter_error(unusable, "model").param == "model"
 
 
@@ -54,8 +54,8 @@ def test_a_missing_adapter_is_404_and_an_unusable_one_422() -> None:
     ("exc", "status", "param", "code"),
     [
         (AdapterNotFoundError("alpha"), 404, "model", "model_not_found"),
-        (InvalidRequestError("prompt_token_ids", "too long"), 422, "prompt", "invalid_value"),
-        (InvalidRequestError("top_k", "too big"), 422, "top_k", "invalid_value"),
+        (InvalidRequestError("prompt_token_ids", "too long"), 400, "prompt", "invalid_value"),
+        (InvalidRequestError("top_k", "too big"), 400, "top_k", "invalid_value"),
         (EngineOverloadedError("full"), 429, None, "engine_overloaded"),
         (EngineError("boom"), 500, None, "engine_error"),
     ],
@@ -116,7 +116,7 @@ def test_the_admin_token_passes() -> None:
 def test_a_bad_fault_setting_names_its_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as caught:
         set_fault_rate(FaultTable(), body)
-    assert (caught.value.status, caught.value.param) == (422, param)
+    assert (caught.value.status, caught.value.param) == (400, param)
 
 
 def test_a_fault_setting_applies() -> None:

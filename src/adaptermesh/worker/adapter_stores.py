@@ -28,7 +28,7 @@ store in order (vLLM's LoRA resolver semantics); names are checked by ``validate
 Errors name the store: a missing bucket or object is ``AdapterNotFoundError`` (404); an
 unreachable store is ``AdapterStoreError`` with status 503, one that refuses access or sends
 bytes that fail their checksum 502; an oversized or unexpected object is
-``AdapterValidationError`` on ``lora_path`` (422).
+``AdapterValidationError`` on ``lora_path`` (400).
 """
 
 from __future__ import annotations

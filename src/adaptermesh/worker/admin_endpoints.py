@@ -76,7 +76,7 @@ async def load_adapter_into_engine(
         raise adapter_error(exc, "lora_path") from None
     except InvalidRequestError as exc:
         param = ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
-        raise ApiError(422, str(exc), param=param, code="invalid_adapter") from None
+        raise ApiError(400, str(exc), param=param, code="invalid_adapter") from None
     except (OSError, ValueError, RuntimeError) as exc:
         # What the filesystem says about the path (a name too long, a permission, a
         # symlink loop, which pathlib reports as RuntimeError on Python 3.11) is about the
@@ -97,7 +97,7 @@ async def unload_adapter_from_engine(engine: EngineProtocol, name: str) -> None:
         raise adapter_error(exc, "lora_name") from None
     except InvalidRequestError as exc:
         param = ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
-        raise ApiError(422, str(exc), param=param) from None
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
 
 
 def loaded_message(name: str) -> str:

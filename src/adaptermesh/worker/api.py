@@ -11,16 +11,22 @@ Logprobs: completions take ``logprobs`` (an integer in [0, MAX_LOGPROBS]: the sa
 logprob plus that many alternatives); chat takes ``logprobs: true`` with an optional
 ``top_logprobs`` in [0, MAX_LOGPROBS], which needs ``logprobs: true``.
 
-OpenAI fields this server does not implement (``echo``, ``suffix``, ``logit_bias``, ``best_of``
-above ``n``) are accepted only with their default value and otherwise refused by name as
-``unsupported``. The output constraints (``response_format``, vLLM's ``structured_outputs`` and
-``guided_*``) and chat's ``tools`` / ``tool_choice`` pass through as sent and are checked where
-they are used (``structured_request.py``, ``tool_calls.py``), with a 400 naming the field. Response models (``Usage``, the choices, the chunks) document the wire
-shapes; the streaming path writes pre-encoded chunks of the same shape.
+Served as vLLM serves them: ``logit_bias`` (token id, as a decimal string key, to a bias in
+[-100, 100], at most MAX_LOGIT_BIAS entries; both endpoints), ``best_of`` (n <= best_of <=
+MAX_BEST_OF candidates, the n with the highest cumulative logprob answered; not with
+``stream``), and on completions ``echo`` (the prompt before each choice's text; not with
+``logprobs``, as prompt logprobs are not computed) and ``suffix`` (fill-in-the-middle, only on a
+model whose tokenizer has FIM tokens: the service checks). The output constraints
+(``response_format``, vLLM's ``structured_outputs`` and ``guided_*``) and chat's ``tools`` /
+``tool_choice`` pass through as sent and are checked where they are used
+(``structured_request.py``, ``tool_calls.py``), with a 400 naming the field. Response models
+(``Usage``, the choices, the chunks) document the wire shapes; the streaming path writes
+pre-encoded chunks of the same shape.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 from pydantic import (
@@ -35,9 +41,12 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from adaptermesh.assignment_rules import MAX_QUOTED, quote
-from adaptermesh.worker.types import MAX_LOGPROBS
+from adaptermesh.worker.types import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS
 
 __all__ = [
+    "MAX_BEST_OF",
+    "MAX_LOGIT_BIAS",
+    "MAX_LOGIT_BIAS_VALUE",
     "MAX_LOGPROBS",
     "MAX_N",
     "ChatCompletionRequest",
@@ -47,11 +56,16 @@ __all__ = [
     "StreamOptions",
     "UnloadLoraAdapterRequest",
     "Usage",
+    "check_logit_bias",
     "request_error",
 ]
 
 # Choices one request may ask for (each is one engine sequence).
 MAX_N = 16
+# Candidates one request may generate with best_of (each is one engine sequence): OpenAI's cap.
+MAX_BEST_OF = 20
+# The longest suffix (characters) a fill-in-the-middle request may send.
+MAX_SUFFIX_CHARS = 1 << 20
 # The most stop sequences one request may carry (OpenAI's limit), and their length.
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
@@ -98,6 +112,44 @@ def check_name(value: str, max_chars: int = MAX_NAME_CHARS) -> str:
     return check_text(value)
 
 
+def check_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted ``(token id, bias)`` pairs: an object (or null) of at most
+    MAX_LOGIT_BIAS entries, each key a token id in decimal, each value a finite number in
+    [-MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE]. Whether the ids are in the vocabulary is
+    the engine's check."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _error(
+            "invalid_type", f"must be an object of token id to bias, got {type(value).__name__}"
+        )
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _error("invalid_value", f"may bias at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        text = str(key)
+        if not (text.isascii() and text.isdigit()) or len(text) > 10:
+            raise _error(
+                "invalid_value",
+                f"keys must be token ids (non-negative integers), got {quote(text)}",
+            )
+        if type(bias) not in (int, float) or (type(bias) is float and not math.isfinite(bias)):
+            raise _error(
+                "invalid_type",
+                f"the bias of token {text} must be a finite number, got {type(bias).__name__}",
+            )
+        if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+            raise _error(
+                "invalid_value",
+                f"the bias of token {text} must be in [-100, 100], got {quote(repr(bias))}",
+            )
+        token = int(text)
+        if token in pairs:
+            raise _error("invalid_value", f"token {token} is named twice")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
 def _unsupported(what: str) -> PydanticCustomError:
     return _error("unsupported", f"{what} is not supported by this server (only the default is)")
 
@@ -139,8 +191,8 @@ class _Sampling(_Body):
     stop: Any = ()
     max_tokens: StrictInt | None = None
     user: Annotated[str, Strict(), Field(max_length=MAX_PATH_CHARS)] | None = None
-    # Accepted only with their defaults (see the module's docstring).
-    logit_bias: Any = None
+    # {token id: bias}; held as sorted (id, bias) pairs.
+    logit_bias: Any = Field(default=None, validate_default=True)
     best_of: Any = None
     # Output constraints (structured_request.py checks them): OpenAI's and vLLM's fields.
     response_format: Any = None
@@ -183,17 +235,26 @@ class _Sampling(_Body):
 
     @field_validator("logit_bias")
     @classmethod
-    def _logit_bias(cls, value: Any) -> None:
-        if value not in (None, {}) or (value is not None and not isinstance(value, dict)):
-            raise _unsupported("logit_bias")
-        return None
+    def _logit_bias(cls, value: Any) -> tuple[tuple[int, float], ...]:
+        return check_logit_bias(value)
 
     @field_validator("best_of")
     @classmethod
-    def _best_of(cls, value: Any) -> None:
-        if value is not None and not (type(value) is int and value == 1):
-            raise _unsupported("best_of above 1")
-        return None
+    def _best_of(cls, value: Any, info: ValidationInfo) -> int | None:
+        # n and stream come first (field order); when one failed, its own error comes first.
+        if value is None:
+            return None
+        if type(value) is not int:
+            raise _error("invalid_type", f"must be an integer, got {type(value).__name__}")
+        n = info.data.get("n", 1)
+        if not n <= value <= MAX_BEST_OF:
+            raise _error("invalid_value", f"must be in [n, {MAX_BEST_OF}] (n is {n}), got {value}")
+        if value > n and info.data.get("stream"):
+            raise _error(
+                "invalid_value",
+                "above n cannot be streamed: the candidates are ranked after they finish",
+            )
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -207,7 +268,7 @@ class CompletionRequest(_Sampling):
     # None (or false): no logprobs; k: the sampled token's logprob and the k most likely.
     logprobs: Any = None
     top_logprobs: Any = None
-    echo: Any = None
+    echo: StrictBool = False
     suffix: Any = None
 
     @field_validator("logprobs")
@@ -236,19 +297,33 @@ class CompletionRequest(_Sampling):
             raise _error("unknown_field", "is a chat completions field; completions take logprobs")
         return None
 
-    @field_validator("echo")
+    @field_validator("echo", mode="before")
     @classmethod
-    def _echo(cls, value: Any) -> None:
-        if value is not None and value is not False:
-            raise _unsupported("echo")
-        return None
+    def _echo(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return False
+        # logprobs comes first (field order); when it failed, its own error comes first.
+        if value is True and info.data.get("logprobs") is not None:
+            raise _error(
+                "unsupported",
+                "with logprobs is not supported: this server does not compute the "
+                "prompt's logprobs; send echo or logprobs, not both",
+            )
+        return value
 
     @field_validator("suffix")
     @classmethod
-    def _suffix(cls, value: Any) -> None:
-        if value not in (None, "") or (value is not None and not isinstance(value, str)):
-            raise _unsupported("suffix")
-        return None
+    def _suffix(cls, value: Any) -> str | None:
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise _error("invalid_type", f"must be a string, got {type(value).__name__}")
+        if len(value) > MAX_SUFFIX_CHARS:
+            raise _error(
+                "invalid_value",
+                f"must have at most {MAX_SUFFIX_CHARS} characters, got {len(value)}",
+            )
+        return check_text(value)
 
     @field_validator("prompt")
     @classmethod

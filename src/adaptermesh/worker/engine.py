@@ -48,7 +48,7 @@ written behind the sampled ids in one device buffer, so the host still gets ever
 the step's single device-to-host copy. Rows that did not ask, and steps where none did, run
 exactly as before; graphs are not duplicated per logprob setting. By default
 (``EngineConfig.logprobs_mode="raw"``) the values are the raw model distribution (before
-penalties, temperature and filters), as vLLM reports by default; ``"processed"`` first runs
+logit_bias, penalties, temperature and filters), as vLLM reports by default; ``"processed"`` first runs
 ``sampling.processed_logits`` over the step's logits with the step's own sampling buffers and
 mode, so the values are the distribution the sampler drew each token from.
 """
@@ -99,6 +99,8 @@ from adaptermesh.worker.tokenizer_helpers import TokenizerHelper, load_tokenizer
 from adaptermesh.worker.tp_group import ShardedLoraPool, TPGroup, TPModel, WorkerSetup
 from adaptermesh.worker.tp_shard import check_divisible, shard_config, shard_weights
 from adaptermesh.worker.types import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
     AdapterInfo,
     EngineError,
@@ -119,6 +121,28 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def _validate_logit_bias(pairs: tuple[tuple[int, float], ...], vocab: int) -> None:
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            "logit_bias", f"may bias at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}"
+        )
+    seen: set[int] = set()
+    for token, bias in pairs:
+        if type(token) is not int or not 0 <= token < vocab:
+            raise InvalidRequestError(
+                "logit_bias", f"token id {token!r} is outside the vocabulary [0, {vocab})"
+            )
+        if token in seen:
+            raise InvalidRequestError("logit_bias", f"token {token} is named twice")
+        seen.add(token)
+        if not isinstance(bias, float | int) or not (
+            -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE
+        ):
+            raise InvalidRequestError(
+                "logit_bias", f"the bias of token {token} must be in [-100, 100], got {bias!r}"
+            )
 
 
 class EngineStream:
@@ -489,12 +513,17 @@ class Engine:
             )
         if any(not isinstance(stop, str) or not stop for stop in sampling.stop):
             raise InvalidRequestError("stop", "stop sequences must be non-empty strings")
+        _validate_logit_bias(sampling.logit_bias, vocab)
 
     def tokenize(self, text: str) -> list[int]:
         return self.text.tokenize(text)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.text.detokenize(token_ids)
+
+    def fill_in_middle(self, prefix: str | list[int], suffix: str) -> list[int] | None:
+        """A completion's fill-in-the-middle prompt, or None when the model has no FIM tokens."""
+        return self.text.fill_in_middle(prefix, suffix)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

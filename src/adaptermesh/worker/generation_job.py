@@ -39,6 +39,14 @@ class GenerationJob:
     request_id: str
     # Choices: n engine sequences of one prompt, answered together.
     n: int = 1
+    # best_of: this many engine sequences, of which the n with the highest cumulative logprob
+    # are answered (0: n sequences, all answered). Never streamed.
+    best_of: int = 0
+    # The sampling asks the engine for logprobs only to rank best_of's candidates: the answer
+    # carries none.
+    ranking_logprobs: bool = False
+    # echo: the prompt's text, sent before each choice's text.
+    echo: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     # The SSE chunk's bytes up to its choices list: the same for every chunk of the request,
     # so it is encoded once instead of once per token.
@@ -50,6 +58,15 @@ class GenerationJob:
     # unconstrained); chat tools: how the output becomes tool calls (tool_calls.ToolPlan).
     grammar: Any = None
     tool_plan: Any = None
+
+    @property
+    def candidates(self) -> int:
+        """The engine sequences the request runs (best_of when set, else n)."""
+        return max(self.best_of, self.n)
+
+    @property
+    def reports_logprobs(self) -> bool:
+        return self.sampling.logprobs is not None and not self.ranking_logprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,8 @@ async def stream_single_choice(
     try:
         if job.kind == "chat":
             await response.write(choice_chunk(job, "", None, role=True))
+        elif job.echo:
+            await response.write(choice_chunk(job, job.echo, None))
         while True:
             if event.finish_reason in _FAILED_FINISH_REASONS:
                 assert event.finish_reason is not None
@@ -178,6 +180,9 @@ async def stream_choices(
         if job.kind == "chat":
             for index in range(job.n):
                 await response.write(choice_chunk(job, "", None, role=True, index=index))
+        elif job.echo:
+            for index in range(job.n):
+                await response.write(choice_chunk(job, job.echo, None, index=index))
         finished = 0
         while finished < job.n:
             index, item = await events.get()

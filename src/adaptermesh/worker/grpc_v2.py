@@ -87,7 +87,6 @@ _STATUS: dict[int, grpc.StatusCode] = {
     404: grpc.StatusCode.NOT_FOUND,
     409: grpc.StatusCode.FAILED_PRECONDITION,
     413: grpc.StatusCode.INVALID_ARGUMENT,
-    422: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,

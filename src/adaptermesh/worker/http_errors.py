@@ -116,7 +116,7 @@ IMMEDIATE_HEALTH_CHECK_FAIL = {"x-envoy-immediate-health-check-fail": "true"}
 
 
 def invalid_field(
-    param: str, message: str, status: int = 422, code: str = "invalid_value"
+    param: str, message: str, status: int = 400, code: str = "invalid_value"
 ) -> ApiError:
     """A refusal naming field ``param``: ``"<param>: <message>"``."""
     return ApiError(status, f"{param}: {message}", param=param, code=code)
@@ -134,7 +134,7 @@ def draining_error(retry_after_s: int) -> ApiError:
 
 
 def adapter_error(exc: AdapterNotFoundError, param: str) -> ApiError:
-    """404 for an adapter that does not exist; 422 for one that exists but is unusable.
+    """404 for an adapter that does not exist; 400 for one that exists but is unusable.
 
     The engine marks the second kind with a ``field`` attribute (a bad name, a path outside
     the adapter root, a rank or target-module mismatch, a corrupt weights file). An adapter
@@ -154,7 +154,7 @@ def adapter_error(exc: AdapterNotFoundError, param: str) -> ApiError:
         return ApiError(404, f"{param}: {exc}", param=param, code=code)
     if field_name == "name" and param != "model":
         param = "lora_name"
-    return ApiError(422, f"{param}: {exc}", param=param, code="invalid_adapter")
+    return ApiError(400, f"{param}: {exc}", param=param, code="invalid_adapter")
 
 
 def engine_error_as_api_error(exc: Exception, retry_after_s: int) -> ApiError:
@@ -163,7 +163,7 @@ def engine_error_as_api_error(exc: Exception, retry_after_s: int) -> ApiError:
         return adapter_error(exc, "model")
     if isinstance(exc, InvalidRequestError):
         param = ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
-        return ApiError(422, str(exc), param=param, code="invalid_value")
+        return ApiError(400, str(exc), param=param, code="invalid_value")
     if isinstance(exc, EngineOverloadedError):
         return ApiError(
             429,

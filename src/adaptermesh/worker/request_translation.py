@@ -31,6 +31,8 @@ __all__ = [
     "chat_messages",
     "chat_template_missing_error",
     "checked_max_tokens",
+    "context_length_error",
+    "fill_in_middle_missing_error",
     "generation_job",
     "generation_request",
     "parse_body",
@@ -77,12 +79,12 @@ def tenant_of(request: web.BaseRequest) -> str:
 
 
 def parse_body(model: type[_Body], body: dict[str, Any]) -> _Body:
-    """``body`` as ``model``; the first invalid field is a 422 naming it."""
+    """``body`` as ``model``; the first invalid field is a 400 naming it."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         param, code, message = request_error(exc)
-        raise ApiError(422, message, param=param, code=code) from None
+        raise ApiError(400, message, param=param, code=code) from None
 
 
 def parse_generation_body(kind: GenerationKind, body: dict[str, Any]) -> ParsedGeneration:
@@ -114,24 +116,46 @@ def resolve_model(
     return model, None if model == base_model else model
 
 
+def context_length_error(param: str, detail: str, max_model_len: int) -> ApiError:
+    """400 ``context_length_exceeded`` naming ``param``, worded as OpenAI's (``This model's
+    maximum context length is N tokens``), so clients that truncate and retry on it work."""
+    return ApiError(
+        400,
+        f"{param}: this model's maximum context length is {max_model_len} tokens. However, "
+        f"{detail}",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def refuse_untokenised(chars: int, max_model_len: int, max_token_chars: object, param: str) -> None:
-    """413 for a text too long for the context whatever its tokens: no token covers more
-    than ``max_token_chars`` characters (the engine's, when it says), so nothing is tokenised
-    (a multi-megabyte prompt costs no tokenizer time and never stalls the loop)."""
+    """400 ``context_length_exceeded`` for a text too long for the context whatever its
+    tokens: no token covers more than ``max_token_chars`` characters (the engine's, when it
+    says), so nothing is tokenised (a multi-megabyte prompt costs no tokenizer time and never
+    stalls the loop)."""
     per = max_token_chars
     if isinstance(per, int) and per > 0 and chars > max_model_len * per:
-        raise ApiError(
-            413,
-            f"{param}: {chars} characters cannot fit the {max_model_len}-token "
-            f"context (no token of this model covers more than {per} characters)",
-            param=param,
-            code="context_length_exceeded",
+        raise context_length_error(
+            param,
+            f"{chars} characters cannot fit it (no token of this model covers more than "
+            f"{per} characters)",
+            max_model_len,
         )
 
 
 def chat_messages(parsed: ChatCompletionRequest) -> list[dict[str, str]]:
     """The messages the chat template is applied to."""
     return [{"role": m.role, "content": m.content} for m in parsed.messages]
+
+
+def fill_in_middle_missing_error() -> ApiError:
+    return ApiError(
+        400,
+        "suffix: this model has no fill-in-the-middle tokens, so it cannot complete between a "
+        "prompt and a suffix; send the prompt alone",
+        param="suffix",
+        code="unsupported",
+    )
 
 
 def chat_template_missing_error() -> ApiError:
@@ -148,19 +172,18 @@ def checked_max_tokens(
 ) -> int:
     """The output-token cap of a request whose prompt has ``prompt_length`` tokens.
 
-    413 when the prompt leaves no room in the context. Without a cap, a completion gets
-    ``default_max_tokens`` (at most the room left) and a chat the whole room; a cap below 1
-    or above the room is refused naming the field the client set.
+    400 ``context_length_exceeded`` when the prompt leaves no room in the context, or the cap
+    the client set is beyond the room left (naming the field it set). Without a cap, a
+    completion gets ``default_max_tokens`` (at most the room left) and a chat the whole room;
+    a cap below 1 is refused naming the field.
     """
     is_completion = isinstance(parsed, CompletionRequest)
     if prompt_length >= max_model_len:
-        raise ApiError(
-            413,
-            f"prompt: has {prompt_length} tokens; this model's context "
-            f"is {max_model_len} tokens, so a prompt may have at most "
+        raise context_length_error(
+            "prompt" if is_completion else "messages",
+            f"the prompt has {prompt_length} tokens, so a prompt may have at most "
             f"{max_model_len - 1}",
-            param="prompt" if is_completion else "messages",
-            code="context_length_exceeded",
+            max_model_len,
         )
     if isinstance(parsed, CompletionRequest):
         max_tokens_name, max_tokens = "max_tokens", parsed.max_tokens
@@ -172,12 +195,12 @@ def checked_max_tokens(
     if max_tokens < 1:
         raise invalid_field(max_tokens_name, f"must be at least 1, got {max_tokens}")
     if max_tokens > room:
-        raise invalid_field(
+        raise context_length_error(
             max_tokens_name,
-            f"is {max_tokens}, but the prompt has "
-            f"{prompt_length} tokens and the context is {max_model_len} tokens, "
-            f"so at most {room} tokens can be generated",
-            code="context_length_exceeded",
+            f"you requested {prompt_length + max_tokens} tokens ({prompt_length} in the "
+            f"prompt, {max_tokens} in {max_tokens_name}), so at most {room} tokens can be "
+            "generated",
+            max_model_len,
         )
     return max_tokens
 
@@ -212,6 +235,7 @@ def sampling_params(parsed: ParsedGeneration, max_tokens: int) -> SamplingParams
         frequency_penalty=parsed.frequency_penalty,
         repetition_penalty=parsed.repetition_penalty,
         logprobs=parsed.logprobs_k,
+        logit_bias=parsed.logit_bias,
     )
 
 
@@ -228,17 +252,29 @@ def generation_job(
     trace_fields: dict[str, Any] | None = None,
     grammar: Any = None,
     tool_plan: Any = None,
+    echo: str | None = None,
 ) -> GenerationJob:
-    """The job of a validated body; its deadline is ``arrived + timeout_s`` (monotonic)."""
+    """The job of a validated body; its deadline is ``arrived + timeout_s`` (monotonic);
+    ``echo``: the prompt's text for a completion that asked for it."""
     kind: GenerationKind = "completion" if isinstance(parsed, CompletionRequest) else "chat"
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+    sampling = sampling_params(parsed, max_tokens)
+    best_of = parsed.best_of if parsed.best_of is not None and parsed.best_of > parsed.n else 0
+    # best_of ranks its candidates by cumulative logprob: the engine reports the sampled
+    # tokens' logprobs even when the client asked for none.
+    ranking = bool(best_of) and sampling.logprobs is None
+    if ranking:
+        sampling = replace(sampling, logprobs=0)
     return GenerationJob(
         kind=kind,
         model=model,
         adapter=adapter,
         prompt_ids=prompt_ids,
-        sampling=sampling_params(parsed, max_tokens),
+        sampling=sampling,
         n=parsed.n,
+        best_of=best_of,
+        ranking_logprobs=ranking,
+        echo=echo,
         stream=parsed.stream,
         include_usage=parsed.include_usage,
         tenant=tenant,
@@ -258,7 +294,7 @@ def generation_request(job: GenerationJob, index: int) -> GenerationRequest:
     if index and sampling.seed is not None:
         sampling = replace(sampling, seed=sampling.seed + index)
     return GenerationRequest(
-        request_id=job.request_id if job.n == 1 else f"{job.request_id}-{index}",
+        request_id=job.request_id if job.candidates == 1 else f"{job.request_id}-{index}",
         prompt_token_ids=tuple(job.prompt_ids),
         adapter=job.adapter,
         sampling=sampling,

@@ -4,6 +4,7 @@ request, and the SSE chunks of a streamed one, in OpenAI's (and vLLM's) shapes. 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from adaptermesh.worker.api import (
@@ -19,6 +20,7 @@ from adaptermesh.worker.types import TokenLogprob
 __all__ = [
     "MIN_LOGPROB",
     "SSE_DONE",
+    "best_candidates",
     "chat_logprobs",
     "chat_message",
     "choice_chunk",
@@ -105,22 +107,33 @@ def _chunk_object(kind: GenerationKind) -> str:
     return "text_completion" if kind == "completion" else "chat.completion.chunk"
 
 
+def best_candidates(outputs: list[tuple[str, list[TokenLogprob]]], n: int) -> list[int]:
+    """The indices of the ``n`` outputs with the highest cumulative logprob (the sum of their
+    tokens' logprobs), best first; equal sums keep their order."""
+    scores = [math.fsum(entry.logprob for entry in logprobs) for _, logprobs in outputs]
+    return sorted(range(len(outputs)), key=lambda i: -scores[i])[:n]
+
+
 def final_body(
     job: GenerationJob,
     outputs: list[tuple[str, list[TokenLogprob]]],
     progresses: list[ChoiceProgress],
+    usage: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of a request answered whole: each choice's text (and logprobs when asked
-    for) and the request's usage."""
-    usage = usage_body(progresses)
+    """The JSON body of a request answered whole: each choice's text (after the echoed prompt
+    when asked for, and with logprobs when asked for) and the request's usage (by default that
+    of ``progresses``)."""
+    if usage is None:
+        usage = usage_body(progresses)
     choices: list[dict[str, Any]] = []
-    asked = job.sampling.logprobs is not None
+    asked = job.reports_logprobs
+    echo = job.echo or ""
     for index, ((text, logprobs), progress) in enumerate(zip(outputs, progresses, strict=True)):
         if job.kind == "completion":
             choices.append(
                 CompletionChoice(
                     index=index,
-                    text=text,
+                    text=echo + text,
                     finish_reason=progress.finish_reason,
                     logprobs=CompletionLogprobs(**completion_logprobs(logprobs)) if asked else None,
                 ).model_dump()

@@ -74,9 +74,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "LogitBias",
     "RowParams",
     "SamplerMode",
     "SamplingBuffers",
+    "apply_logit_bias",
     "apply_penalties",
     "counts_from_tokens",
     "gather_logprobs",
@@ -535,6 +537,52 @@ def unpack_logprobs(
     )
     ids = host[values_end:ids_end].view(num_rows, alternatives).tolist()
     return values, ids
+
+
+# ---- logit bias -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LogitBias:
+    """A step's logit biases as device tensors: ``index`` [B] int64 (row * V + token id) and
+    ``values`` [B] fp32, for ``apply_logit_bias``."""
+
+    index: Tensor
+    values: Tensor
+
+    @staticmethod
+    def of(
+        rows: list[tuple[tuple[int, float], ...]], vocab: int, device: torch.device | str
+    ) -> LogitBias | None:
+        """The biases of each row (``rows[r]``: its (token id, bias) pairs, ids distinct and in
+        [0, vocab)), or None when no row has one. One host-to-device copy per tensor."""
+        index = [r * vocab + token for r, pairs in enumerate(rows) for token, _ in pairs]
+        if not index:
+            return None
+        for r, pairs in enumerate(rows):
+            for token, _ in pairs:
+                if not 0 <= token < vocab:
+                    raise ValueError(f"row {r} biases token {token}, outside [0, {vocab})")
+        device = torch.device(device)
+        pin = device.type == "cuda"
+        host_index = torch.tensor(index, dtype=torch.int64)
+        host_values = torch.tensor(
+            [bias for pairs in rows for _, bias in pairs], dtype=torch.float32
+        )
+        if pin:
+            host_index, host_values = host_index.pin_memory(), host_values.pin_memory()
+        return LogitBias(
+            host_index.to(device, non_blocking=True), host_values.to(device, non_blocking=True)
+        )
+
+
+def apply_logit_bias(logits: Tensor, bias: LogitBias) -> Tensor:
+    """[N, V] ``logits`` with each row's biases added (OpenAI's ``logit_bias``, as vLLM applies
+    it: to the logits, before penalties, temperature and filters); ``logits`` is not modified.
+    The biased tokens' indices must lie within the first N rows."""
+    out = logits.clone()
+    out.view(-1).index_add_(0, bias.index, bias.values)
+    return out
 
 
 # ---- penalty inputs -------------------------------------------------------------------------

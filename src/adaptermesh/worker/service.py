@@ -100,6 +100,7 @@ from adaptermesh.worker.request_translation import (
     chat_messages,
     chat_template_missing_error,
     checked_max_tokens,
+    fill_in_middle_missing_error,
     generation_job,
     generation_request,
     parse_body,
@@ -109,7 +110,7 @@ from adaptermesh.worker.request_translation import (
     resolve_model,
     tenant_of,
 )
-from adaptermesh.worker.response_rendering import final_body, usage_body
+from adaptermesh.worker.response_rendering import best_candidates, final_body, usage_body
 from adaptermesh.worker.status_endpoints import health_response, metrics_response, models_body
 from adaptermesh.worker.structured_request import bad_field, grammar_error, grammar_spec
 from adaptermesh.worker.tool_calls import detect_tool_parser, template_messages, tool_plan
@@ -243,7 +244,7 @@ class WorkerService:
         job = await self.build_job(request, body, kind)
         self._inject_fault(job)
         ticket = self._enqueue(job)
-        progresses = [ChoiceProgress() for _ in range(job.n)]
+        progresses = [ChoiceProgress() for _ in range(job.candidates)]
         outcome = "error"
         streams: list[TokenStream] = []
         try:
@@ -275,6 +276,18 @@ class WorkerService:
                     raise result
             outputs = [result for result in results if isinstance(result, tuple)]
             progresses[0].outcome = outcome = request_outcome(progresses)
+            if job.best_of:
+                # The n candidates with the highest cumulative logprob, best first; usage
+                # counts every candidate's tokens.
+                chosen = best_candidates(outputs, job.n)
+                return web.json_response(
+                    final_body(
+                        job,
+                        [outputs[i] for i in chosen],
+                        [progresses[i] for i in chosen],
+                        usage=usage_body(progresses),
+                    )
+                )
             return web.json_response(final_body(job, outputs, progresses))
         except QueuedPastDeadlineError:
             outcome = "deadline_queued"
@@ -302,6 +315,10 @@ class WorkerService:
         spec, plan = self._output_constraints(parsed)
         prompt_ids = await self._prompt_token_ids(parsed, plan)
         grammar = None if spec is None else await self._compile_grammar(spec)
+        echo = None
+        if isinstance(parsed, CompletionRequest) and parsed.echo:
+            prompt = parsed.prompt
+            echo = prompt if isinstance(prompt, str) else self.engine.detokenize(list(prompt))
         max_tokens = checked_max_tokens(
             parsed, len(prompt_ids), self.engine.max_model_len, self.config.default_max_tokens
         )
@@ -320,6 +337,7 @@ class WorkerService:
             tenant=tenant,
             arrived=arrived,
             timeout_s=timeout_s,
+            echo=echo,
             trace_fields=(
                 trace_fields(request.headers, model, tenant) if self.tracing.enabled else None
             ),
@@ -337,6 +355,13 @@ class WorkerService:
         engine sequences and counts the request as ``disconnected``, as an HTTP client that
         goes away does.
         """
+        if job.best_of:
+            raise invalid_field(
+                "best_of",
+                "above n is served by the HTTP routes only: its candidates are ranked after "
+                "they finish, so their events cannot be sent as they come",
+                code="unsupported",
+            )
         ticket = self._enqueue(job)
         progresses = [ChoiceProgress() for _ in range(job.n)]
         outcome: str | None = None
@@ -456,6 +481,8 @@ class WorkerService:
         max_token_chars = getattr(self.engine, "max_token_chars", 0)
         if isinstance(parsed, CompletionRequest):
             prompt = parsed.prompt
+            if parsed.suffix is not None:
+                return await self._fill_in_middle_ids(prompt, parsed.suffix)
             if not isinstance(prompt, str):
                 return list(prompt)
             refuse_untokenised(len(prompt), max_model_len, max_token_chars, "prompt")
@@ -480,6 +507,21 @@ class WorkerService:
             ids = await self._off_loop(chars, self.engine.apply_chat_template, messages)
         if ids is None:
             raise chat_template_missing_error()
+        return list(ids)
+
+    async def _fill_in_middle_ids(self, prompt: str | list[int], suffix: str) -> list[int]:
+        """A completion's fill-in-the-middle prompt (``suffix``): 400 naming ``suffix`` on a
+        model without FIM tokens (an engine without ``fill_in_middle`` has none)."""
+        fill_in_middle = getattr(self.engine, "fill_in_middle", None)
+        if fill_in_middle is None:
+            raise fill_in_middle_missing_error()
+        max_model_len = self.engine.max_model_len
+        max_token_chars = getattr(self.engine, "max_token_chars", 0)
+        chars = (len(prompt) if isinstance(prompt, str) else 0) + len(suffix)
+        refuse_untokenised(chars, max_model_len, max_token_chars, "prompt")
+        ids = await self._off_loop(chars, fill_in_middle, prompt, suffix)
+        if ids is None:
+            raise fill_in_middle_missing_error()
         return list(ids)
 
     async def _off_loop(self, size: int, function: Callable[..., _Result], *args: Any) -> _Result:
@@ -510,7 +552,7 @@ class WorkerService:
         """Put the request in its tenant's queue (429 when full) and count it in flight."""
         try:
             ticket = self.queue.submit(
-                job.tenant, cost=len(job.prompt_ids) + job.n * job.sampling.max_tokens
+                job.tenant, cost=len(job.prompt_ids) + job.candidates * job.sampling.max_tokens
             )
         except QueueFullError as exc:
             self.metrics.rejected.labels(reason=f"{exc.scope}_queue_full").inc()
@@ -540,7 +582,7 @@ class WorkerService:
         """Submit the request's n choices to the engine, appending each stream as it is made
         (so a failure part-way still leaves every submitted stream to cancel)."""
         try:
-            for index in range(job.n):
+            for index in range(job.candidates):
                 streams.append(self.engine.submit(generation_request(job, index)))
         except EngineError as exc:
             raise self._engine_error(exc) from None

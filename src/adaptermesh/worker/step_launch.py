@@ -33,9 +33,11 @@ from adaptermesh.worker.grammar import apply_bitmask, bitmask_words, fill_masks
 from adaptermesh.worker.kv_cache import PagedKVCache
 from adaptermesh.worker.model import LoraPool, ModelConfig, StepInputs, TransformerModel
 from adaptermesh.worker.sampling import (
+    LogitBias,
     RowParams,
     SamplerMode,
     SamplingBuffers,
+    apply_logit_bias,
     counts_from_tokens,
     gather_logprobs,
     processed_logits,
@@ -189,6 +191,7 @@ class StepTraits:
 
     gated_sets: bool  # expert sets run on the eager gated path (several tokens or requests)
     penalties: bool
+    biased: bool  # some sampling row has a logit_bias (the step runs eagerly)
     lora: bool
     solo_set: ExpertSet | None  # the single expert-set token's set on the solo gated path
     mode: SamplerMode  # GREEDY or RANDOM
@@ -203,6 +206,7 @@ class _DeviceRun:
     logits: torch.Tensor | None  # [S, V]: the graph's output, or the eager step's logits
     sampling_buffers: SamplingBuffers
     mode: SamplerMode
+    bias: LogitBias | None = None  # the step's logit biases (eager steps only)
 
 
 class StepLauncher:
@@ -356,16 +360,19 @@ class StepLauncher:
         bitmask = self._upload_bitmask(ring_index, layout, graph)
         with torch.inference_mode():  # the forward's logits are an inference tensor
             apply_bitmask(logits, bitmask)
+        # A refused token stays at -inf whatever its bias: the order of the two does not matter.
+        biased = logits if run.bias is None else apply_logit_bias(logits, run.bias)
         if penalties:
-            tokens = self._sample_penalised(logits, run.sampling_buffers, layout)
+            tokens = self._sample_penalised(biased, run.sampling_buffers, layout)
         else:
-            tokens = sample_logits(logits, run.sampling_buffers, run.mode, layout.entries)
+            tokens = sample_logits(biased, run.sampling_buffers, run.mode, layout.entries)
         self.last_tokens[: tokens.shape[0]].copy_(tokens)
 
     def _traits(self, plan: StepPlan, decision: SoloDecision) -> StepTraits:
         sequences = plan.sequences()
         gated_sets = decision.solo is None and any(seq.expert_set is not None for seq in sequences)
         penalties = any(penalised(seq) for seq in sequences)
+        biased = any(seq.request.sampling.logit_bias for seq in sequences)
         lora = any(seq.lora_slot >= 0 for seq in sequences)
         solo_set = decision.gated_set
         random_mode = any(seq.request.sampling.temperature > 0 for seq in sequences)
@@ -374,11 +381,13 @@ class StepLauncher:
             self.graphs_ok
             and not gated_sets
             and not penalties
+            and not biased
             and (solo_set is None or self.solo_graphs_ok)
         )
         return StepTraits(
             gated_sets,
             penalties,
+            biased,
             lora,
             solo_set,
             RANDOM if random_mode else GREEDY,
@@ -534,6 +543,7 @@ class StepLauncher:
         splits = self._splits(
             layout.num_decode, max((seq.num_computed + 1 for seq in plan.decode), default=1)
         )
+        bias = self._logit_bias(layout) if traits.biased else None
         logits = self._step(
             buffers,
             layout,
@@ -545,9 +555,18 @@ class StepLauncher:
             self.last_tokens,
             traits.penalties,
             sample=not traits.masked,
+            bias=bias,
         )
         self.eager_steps += 1
-        return _DeviceRun(logits, sampling_buffers, mode)
+        return _DeviceRun(logits, sampling_buffers, mode, bias)
+
+    def _logit_bias(self, layout: StepLayout) -> LogitBias | None:
+        """The sampling entries' logit biases on the device (padding entries: none)."""
+        return LogitBias.of(
+            [seq.request.sampling.logit_bias if seq is not None else () for seq in layout.entries],
+            self.model_config.vocab_size,
+            self.device,
+        )
 
     def _copy_output(
         self, ring_index: int, samplers: list[Sequence], layout: StepLayout, run: _DeviceRun
@@ -564,6 +583,8 @@ class StepLauncher:
         step_logits = run.logits
         assert step_logits is not None
         if self.config.logprobs_mode == "processed":
+            if run.bias is not None:
+                step_logits = apply_logit_bias(step_logits[: layout.num_entries], run.bias)
             step_logits = self._processed_logits(
                 step_logits, layout, run.sampling_buffers, run.mode
             )
@@ -610,10 +631,12 @@ class StepLauncher:
         destination: torch.Tensor,
         penalties: bool = False,
         sample: bool = True,
+        bias: LogitBias | None = None,
     ) -> torch.Tensor:
-        """The whole step on the device: input gather, forward, sampling, write of the ids;
-        without ``sample`` (a grammar-masked step, whose tail masks and samples) the forward
-        only. Returns the logits."""
+        """The whole step on the device: input gather, forward, sampling (from the logits
+        with ``bias`` added, when given), write of the ids; without ``sample`` (a
+        grammar-masked step, whose tail masks, biases and samples) the forward only. Returns
+        the raw logits."""
         views = buffers.views
         source_entries = views.source_entries
         ids = torch.where(
@@ -638,10 +661,11 @@ class StepLauncher:
         logits = self.model.forward(inputs, self.kv, self.pool if lora else None, meta, gated)
         if not sample:
             return logits
+        biased = logits if bias is None else apply_logit_bias(logits, bias)
         if penalties:
-            tokens = self._sample_penalised(logits, sampling_buffers, layout)
+            tokens = self._sample_penalised(biased, sampling_buffers, layout)
         else:
-            tokens = sample_logits(logits, sampling_buffers, mode, layout.entries)
+            tokens = sample_logits(biased, sampling_buffers, mode, layout.entries)
         destination[: tokens.shape[0]].copy_(tokens)
         return logits
 

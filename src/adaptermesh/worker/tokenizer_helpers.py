@@ -10,8 +10,10 @@ from typing import Any
 
 __all__ = [
     "CHAR_TO_BYTE",
+    "FIM_TOKEN_SETS",
     "TokenizerHelper",
     "byte_to_char",
+    "fim_token_ids",
     "is_byte_level",
     "load_tokenizer",
     "piece_of",
@@ -92,6 +94,37 @@ def piece_of(
     return text, text.encode()
 
 
+# Fill-in-the-middle tokens (prefix, suffix, middle) of the model families that have them:
+# StarCoder/SantaCoder and others, Qwen2.5-Coder, CodeLlama (SentencePiece, with and without
+# the word-boundary mark), DeepSeek-Coder (begin, hole, end: the same prefix-suffix-middle order).
+FIM_TOKEN_SETS: tuple[tuple[str, str, str], ...] = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("\u2581<PRE>", "\u2581<SUF>", "\u2581<MID>"),
+    ("<PRE>", "<SUF>", "<MID>"),
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),
+)
+
+
+def fim_token_ids(vocab: dict[str, int]) -> tuple[int, int, int] | None:
+    """The (prefix, suffix, middle) token ids of the first FIM set ``vocab`` has whole."""
+    for names in FIM_TOKEN_SETS:
+        ids = [vocab.get(name) for name in names]
+        if all(token is not None for token in ids):
+            return (int(ids[0] or 0), int(ids[1] or 0), int(ids[2] or 0))
+    return None
+
+
+def _leading_tokens(tokenizer: Any) -> list[int]:
+    """The special tokens ``tokenizer`` puts before a text's own tokens."""
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    marked = list(tokenizer("a")["input_ids"])
+    for start in range(len(marked) - len(plain) + 1):
+        if marked[start : start + len(plain)] == plain:
+            return marked[:start]
+    return []
+
+
 class TokenizerHelper:
     """One tokenizer's text work for the engine, with each token's piece cached."""
 
@@ -104,6 +137,26 @@ class TokenizerHelper:
         self._pieces: dict[int, tuple[str, bytes]] = {}
         self._byte_level = is_byte_level(tokenizer)
         self._special_ids = special_ids(tokenizer)
+        self.fim_ids = fim_token_ids(dict(tokenizer.get_vocab()))
+        # The tokens the tokenizer puts in front of a text (Llama's BOS; not one it appends),
+        # kept in front of a fill-in-the-middle prompt.
+        self._leading = _leading_tokens(tokenizer)
+
+    def fill_in_middle(self, prefix: str | list[int], suffix: str) -> list[int] | None:
+        """The prefix-suffix-middle prompt (leading special tokens, FIM prefix token, the
+        prefix, FIM suffix token, the suffix, FIM middle token), or None when the tokenizer
+        has no FIM tokens. A prefix given as token ids is used as sent."""
+        if self.fim_ids is None:
+            return None
+        start, hole, middle = self.fim_ids
+        if isinstance(prefix, str):
+            head = [*self._leading, start, *self._plain(prefix)]
+        else:
+            head = [start, *prefix]
+        return [*head, hole, *self._plain(suffix), middle]
+
+    def _plain(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])

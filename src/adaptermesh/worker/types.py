@@ -14,6 +14,8 @@ from typing import Any, Literal, Protocol
 from adaptermesh.assignment_rules import MAX_QUOTED
 
 __all__ = [
+    "MAX_LOGIT_BIAS",
+    "MAX_LOGIT_BIAS_VALUE",
     "MAX_LOGPROBS",
     "AdapterInfo",
     "AdapterNotFoundError",
@@ -39,6 +41,10 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 # chat limit, also applied to the legacy completions ``logprobs``. The engine sizes its per-step
 # host copy for it.
 MAX_LOGPROBS = 20
+# The most tokens one request's ``SamplingParams.logit_bias`` may bias (OpenAI's limit), and
+# the largest bias magnitude.
+MAX_LOGIT_BIAS = 300
+MAX_LOGIT_BIAS_VALUE = 100.0
 
 
 class EngineError(Exception):
@@ -83,8 +89,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
     # None: no logprobs. k >= 0: the logprob of each sampled token and the k most likely
     # alternatives, all from the raw model distribution (log_softmax of the logits, before
-    # penalties, temperature and filters). At most MAX_LOGPROBS.
+    # logit_bias, penalties, temperature and filters). At most MAX_LOGPROBS.
     logprobs: int | None = None
+    # (token id, bias) pairs, ids distinct and in the vocabulary, biases in [-100, 100], at
+    # most MAX_LOGIT_BIAS: added to the row's logits on the device before sampling.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class GrammarProtocol(Protocol):

@@ -289,7 +289,7 @@ class _Session:
             self._error(
                 None,
                 ApiError(
-                    422,
+                    400,
                     f"id: {'must be' if present else 'is required,'} a string of 1 to "
                     f"{_MAX_ID_CHARS} characters or an integer",
                     param="id",
@@ -303,7 +303,7 @@ class _Session:
             self._error(
                 cid,
                 ApiError(
-                    422,
+                    400,
                     f"type: must be one of {', '.join(_TYPES)}, got {json.dumps(kind)[:64]}",
                     param="type",
                     code="invalid_value",
@@ -349,7 +349,7 @@ class _Session:
             self._error(
                 cid,
                 ApiError(
-                    422,
+                    400,
                     f"{field}: is not a field of a cancel message",
                     param=field,
                     code="unknown_field",
@@ -397,9 +397,24 @@ class _Session:
             request_id, model = job.request_id, job.model
             reasons: list[str | None] = [None] * job.n
             events = self.service.job_events(job)
+            # echo: each choice's first message is the prompt's text (no token id), sent once
+            # the choice has its first event, as the SSE stream sends it first.
+            echo_pending = set(range(job.n)) if job.echo else set()
             async with contextlib.aclosing(events):
                 async for item in events:
                     event = item.event
+                    if item.index in echo_pending:
+                        echo_pending.discard(item.index)
+                        self._send(
+                            {
+                                "id": cid,
+                                "type": "token",
+                                "index": item.index,
+                                "text": job.echo,
+                                "token_id": None,
+                                "finish_reason": None,
+                            }
+                        )
                     if event.finish_reason is not None:
                         reasons[item.index] = event.finish_reason
                     # One message per generated token, even when its text is "" (an
