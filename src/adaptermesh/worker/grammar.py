@@ -120,12 +120,21 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def _lark_literal(text: str) -> str:
+    """``text`` as a Lark string literal. JSON's string escapes are valid in Lark string
+    literals; JSON leaves DEL and the C1 controls (and the line and paragraph separators) raw,
+    which the grammar's lexer refuses, so those are escaped as well."""
+    return "".join(
+        f"\\u{ord(ch):04x}"
+        if ch == "\x7f" or "\x80" <= ch <= "\x9f" or ch in "\u2028\u2029"
+        else ch
+        for ch in json.dumps(text, ensure_ascii=False)
+    )
+
+
 def choice_grammar(choices: list[str]) -> str:
     """A Lark grammar whose sentences are exactly ``choices``."""
-    # JSON's string escapes are valid in Lark string literals.
-    return "start: " + " | ".join(
-        json.dumps(choice, ensure_ascii=False) if choice else '""' for choice in choices
-    )
+    return "start: " + " | ".join(_lark_literal(choice) if choice else '""' for choice in choices)
 
 
 class RowMatcher:
