@@ -458,3 +458,67 @@ def test_adapterctl_parsers() -> None:
             parse_duration(bad, "--interval")
     with pytest.raises(ValueError, match="--max-error-rate"):
         parse_fraction("150%", "--max-error-rate")
+
+
+class _LateSource:
+    """Reports no worker until ``load`` is called, then one holding ``adapter``: an adapter a
+    worker loaded after the control plane's last scrape."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerObservation] = {}
+        self.scrapes = 0
+
+    def load(self, adapter: str) -> None:
+        self.workers = {
+            "w0": WorkerObservation(
+                address="10.0.0.1",
+                port=8000,
+                known=True,
+                resident_adapters=frozenset({adapter}),
+            )
+        }
+
+    async def collect(self, targets: Sequence[Target], now: float) -> dict[str, WorkerObservation]:
+        self.scrapes += 1
+        return dict(self.workers)
+
+
+async def test_start_waits_for_a_scrape_that_finds_a_freshly_loaded_adapter(
+    tmp_path: Path,
+) -> None:
+    """A rollout started right after a worker loaded its adapter (before the next scrape) is
+    not refused: the known-adapter check waits for the rebalancing loop's next steps; a name
+    no worker ever reports is still refused, after at most two steps."""
+    import asyncio
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from adaptermesh.control_plane.rollout import RolloutError
+    from adaptermesh.control_plane.rollout_api import RolloutApi
+
+    store = Store(tmp_path / "cp.sqlite3", synchronous="NORMAL")
+    source = _LateSource()
+    rb = Rebalancer(store, cast(Any, source), config=RebalancerConfig(interval_s=0.05))
+    controller = cast(Any, SimpleNamespace(store=store, rb=rb))
+    api = RolloutApi()
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(rb.run(stop))
+    try:
+        while not rb.running:
+            await asyncio.sleep(0.01)
+        source.load("support")  # loaded on the worker; the control plane has not scraped yet
+        await api._require_known_adapter(controller, "support")
+        assert source.scrapes >= 1
+        before = source.scrapes
+        with pytest.raises(RolloutError) as info:
+            await api._require_known_adapter(controller, "typo")
+        assert info.value.field == "spec.adapter"
+        assert 1 <= source.scrapes - before <= 3
+    finally:
+        stop.set()
+        await loop_task
+    # No loop running: nothing would scrape again, so the refusal is immediate.
+    assert not rb.running
+    assert await rb.next_step(5.0) is False
+    with pytest.raises(RolloutError):
+        await api._require_known_adapter(controller, "typo")

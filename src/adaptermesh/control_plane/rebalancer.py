@@ -205,6 +205,9 @@ class Rebalancer:
         self.hub = hub or AssignmentHub()
         self.log = logger or logging.getLogger("adaptermesh.control_plane.rebalancer")
         self.workers: dict[str, WorkerObservation] = {}
+        # Callers of next_step() waiting for the loop's next finished step (run() sets running).
+        self.running = False
+        self._step_waiters: list[asyncio.Future[None]] = []
         # The observed resident adapters per worker in the last published Assignment: a change
         # (an adapter loaded or evicted, a worker gone) publishes without waiting for weights.
         self._affinity_published: dict[str, tuple[str, ...]] = {}
@@ -552,8 +555,38 @@ class Rebalancer:
             nodes=self.store.list_nodes(),
         )
 
+    async def next_step(self, timeout_s: float) -> bool:
+        """Wait until the loop (``run``) finishes its next step, failed or not: True then; False
+        after ``timeout_s``, or at once when no loop runs (no step would come)."""
+        if not self.running:
+            return False
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._step_waiters.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            if waiter in self._step_waiters:
+                self._step_waiters.remove(waiter)
+
+    def _wake_step_waiters(self) -> None:
+        waiters, self._step_waiters = self._step_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Repeat ``step()`` every interval until ``stop`` is set; back off after failures."""
+        self.running = True
+        try:
+            await self._run(stop)
+        finally:
+            self.running = False
+            self._wake_step_waiters()
+
+    async def _run(self, stop: asyncio.Event | None) -> None:
         stop = stop or asyncio.Event()
         # n failures in a row wait interval * 2**n, up to max_backoff_s (no jitter: there is
         # one control plane, so no herd to spread out).
@@ -576,6 +609,7 @@ class Rebalancer:
                 self.log.exception(
                     "rebalance step failed (%d in a row); retry in %.1fs", consecutive, delay
                 )
+            self._wake_step_waiters()
             await sleep_or_stop(self.clock, delay, stop)
 
     def status_loads(self) -> list[control_plane_pb2.ShardLoad]:

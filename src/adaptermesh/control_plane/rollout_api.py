@@ -3,6 +3,7 @@ ListRollouts), mixed into ``ControlPlaneServicer``; the work is ``RolloutControl
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NoReturn
 
 import grpc
@@ -36,7 +37,8 @@ class RolloutApi:
                     "",
                     "rollouts are not enabled on this control plane",
                 )
-            return call(self.rollouts)
+            result = call(self.rollouts)
+            return await result if inspect.isawaitable(result) else result
         except RolloutError as exc:
             await context.abort(exc.code, bounded_message(str(exc)))
         except RuleError as exc:
@@ -44,31 +46,24 @@ class RolloutApi:
         except Exception as exc:
             await self._fail(context, exc)
 
-    def _require_known_adapter(self, controller: RolloutController, adapter: str) -> None:
+    async def _require_known_adapter(self, controller: RolloutController, adapter: str) -> None:
         """A rollout needs an adapter the mesh knows: an AdapterInstance of that name, a worker
         that reports it (or a version of it, ``adapter@v``) resident in the Assignment last
         published, or resident, requested or served in its latest scrape, or an earlier rollout
-        of it. Otherwise its splits would steer traffic to
-        names no worker serves, and a typo would start a rollout that can only fail."""
-        store = controller.store
-        if any(inst.name == adapter for inst in store.list_adapter_instances()):
-            return
-        latest = controller.rb.hub.latest
-        versioned = adapter + VERSION_SEPARATOR
-        if latest is not None:
-            for shard in latest.shards:
-                for endpoint in shard.endpoints:
-                    for name in endpoint.adapters:
-                        if name == adapter or name.startswith(versioned):
-                            return
-        # What the workers said in their latest scrape: resident, requested, or served in the
-        # interval (the published Assignment lags a scrape, and an adapter that loads on
-        # demand may be out of its slot right now).
-        for seen in controller.rb.workers.values():
-            names = seen.resident_adapters | seen.requested_adapters | frozenset(seen.adapter_ttft)
-            if any(name == adapter or name.startswith(versioned) for name in names):
+        of it. Otherwise its splits would steer traffic to names no worker serves, and a typo
+        would start a rollout that can only fail.
+
+        A worker may have loaded the adapter since the last scrape (a hot load, or a request
+        that loaded it on demand just before the rollout): before refusing, wait for up to two
+        more steps of the rebalancing loop (the first may have scraped before the load), each
+        at most two intervals."""
+        rebalancer = controller.rb
+        for _ in range(2):
+            if self._knows_adapter(controller, adapter):
                 return
-        if store.rollouts(adapter):
+            if not await rebalancer.next_step(2 * rebalancer.config.interval_s):
+                break
+        if self._knows_adapter(controller, adapter):
             return
         raise RolloutError(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -78,11 +73,33 @@ class RolloutApi:
             "on a worker first",
         )
 
-    def _start(
+    @staticmethod
+    def _knows_adapter(controller: RolloutController, adapter: str) -> bool:
+        store = controller.store
+        if any(inst.name == adapter for inst in store.list_adapter_instances()):
+            return True
+        latest = controller.rb.hub.latest
+        versioned = adapter + VERSION_SEPARATOR
+        if latest is not None:
+            for shard in latest.shards:
+                for endpoint in shard.endpoints:
+                    for name in endpoint.adapters:
+                        if name == adapter or name.startswith(versioned):
+                            return True
+        # What the workers said in their latest scrape: resident, requested, or served in the
+        # interval (the published Assignment lags a scrape, and an adapter that loads on
+        # demand may be out of its slot right now).
+        for seen in controller.rb.workers.values():
+            names = seen.resident_adapters | seen.requested_adapters | frozenset(seen.adapter_ttft)
+            if any(name == adapter or name.startswith(versioned) for name in names):
+                return True
+        return bool(store.rollouts(adapter))
+
+    async def _start(
         self, controller: RolloutController, request: control_plane_pb2.StartRolloutRequest
     ) -> control_plane_pb2.Rollout:
         check_spec(request.spec)  # field errors first, as the controller words them
-        self._require_known_adapter(controller, request.spec.adapter)
+        await self._require_known_adapter(controller, request.spec.adapter)
         return controller.start(request.spec, request.reason)
 
     @staticmethod
