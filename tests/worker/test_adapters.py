@@ -367,3 +367,49 @@ async def test_first_event_reports_the_tier_that_served_the_adapter(
     assert back.tier == "cpu"
     assert back.load_s > 0
     assert await resolve(None, "base") is None
+
+
+async def test_cpu_cache_upload_reuses_the_source_sums_and_checks_the_copy(
+    tiny: Tiny, make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter's source sums are computed on its first upload only: an upload from the CPU
+    cache verifies against the kept sums (same tokens as the reference). On the host pool a
+    copy that does not match its source is refused, naming gpu_copy, and nothing is published."""
+    import adaptermesh.worker.adapters as adapters_module
+
+    calls: list[str] = []
+    real_entry_sums = adapters_module.entry_sums
+
+    def counting(cpu: Any, data: Any, dtype: Any) -> Any:
+        calls.append(cpu.name)
+        return real_entry_sums(cpu, data, dtype)
+
+    monkeypatch.setattr(adapters_module, "entry_sums", counting)
+    eng = make_engine(max_loras=2, max_num_seqs=4)
+    ids = tiny.encode(PROMPTS[0])
+    names = list(ADAPTERS)
+    for name in [*names, *names]:  # two slots: every adapter is evicted and comes back
+        got = tokens(await collect(eng.submit(request(f"c-{name}", ids, name, max_tokens=3))))
+        assert got == tiny.ref.greedy(list(ids), name, 3), name
+    assert eng.adapters.counters.cpu_hits >= 2
+    assert sorted(calls) == sorted(names)  # once per adapter, not once per upload
+
+    # A copy that lands wrong (a matrix altered after the copy) is caught by the exact check.
+    pool = eng.adapters.pool
+    real_set_slot = pool.set_slot
+
+    def corrupting(slot: int, rank: int, scale: float, groups: Any) -> None:
+        for group in pool.a:
+            written = pool.a[group][:, :, slot]
+            if written.any():  # a group the adapter targets: alter one of its weights
+                written[tuple(written.nonzero()[0].tolist())] += 1.0
+                break
+        real_set_slot(slot, rank, scale, groups)
+
+    monkeypatch.setattr(pool, "set_slot", corrupting)
+    resident = {a.name for a in eng.list_adapters() if a.resident_on_gpu}
+    evicted = next(n for n in names if n not in resident)
+    with pytest.raises(AdapterValidationError, match="gpu_copy"):
+        await eng.load_adapter(evicted, evicted)
+    monkeypatch.setattr(pool, "set_slot", real_set_slot)
+    await _good_request_still_works(eng, tiny, evicted)

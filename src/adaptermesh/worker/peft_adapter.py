@@ -13,7 +13,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,9 @@ class CpuAdapter:
     uniform: bool
     nbytes: int
     pinned: bool = False
+    # (sum, sum of |x|) of the matrices cast to a pool dtype, kept after the first upload: the
+    # data never changes, so a later upload from the CPU cache verifies against these.
+    sums: dict[torch.dtype, tuple[float, float]] = field(default_factory=dict)
 
     def view(self, e: TensorEntry, data: torch.Tensor | None = None) -> torch.Tensor:
         """Entry ``e`` as a tensor over ``data`` (default: the host buffer; or a device copy)."""
