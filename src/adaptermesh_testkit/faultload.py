@@ -752,13 +752,17 @@ def agent_restart_scenario(
     warmup_s: float,
     cooldown_s: float,
     gap_s: float = 5.0,
+    expected: dict[str, str] | None = None,
 ) -> tuple[list[FaultEvent], dict[str, Any]]:
     """Restart the agent ``restarts`` times (SIGTERM, then SIGKILL, alternately) under the
     HTTP ``load`` and the UDP ``probe``; each fault is over when the new agent has applied
     the control plane's current Assignment. Returns the faults and the packet counts: every
-    probe packet sent from each signal to one second after its recovery, by where it went."""
+    probe packet sent from each signal to one second after its recovery, by where it went.
+    ``expected``: each probe source's shard (pinned ones, say); by default the shard the
+    agent's flow table names for it after the warm-up."""
     time.sleep(warmup_s)
-    expected = {src: mesh.agent_flow(src) or "" for src in probe.sources}
+    if expected is None:
+        expected = {src: mesh.agent_flow(src) or "" for src in probe.sources}
     counters_before = _agent_counters(mesh)
     faults: list[FaultEvent] = []
     for i in range(restarts):
@@ -967,6 +971,7 @@ def run_scenario(
     down_s: float = 15.0,
     restarts: int = 2,
     probe_pps: float = 50.0,
+    probe_expected: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Scenario ``name`` (kill, drain, step_error or stall) under a fresh :class:`OpenLoad`;
     its :func:`summarize` figures with ``held`` (the bounds) and the load's settings.
@@ -989,6 +994,7 @@ def run_scenario(
             down_s=down_s,
             restarts=restarts,
             probe_pps=probe_pps,
+            probe_expected=probe_expected,
             records_path=records_path,
         )
     if name == "stall":
@@ -1164,6 +1170,7 @@ def _run_node_fault(
     restarts: int,
     probe_pps: float,
     records_path: Path | None,
+    probe_expected: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """``control_plane`` or ``agent_restart`` under the HTTP load (no failure allowed); the
     agent restart also under the UDP probe from the mesh's probe sources."""
@@ -1184,7 +1191,13 @@ def _run_node_fault(
         try:
             with load:
                 faults, packets = agent_restart_scenario(
-                    mesh, load, probe, restarts, warmup_s=warmup_s, cooldown_s=cooldown_s
+                    mesh,
+                    load,
+                    probe,
+                    restarts,
+                    warmup_s=warmup_s,
+                    cooldown_s=cooldown_s,
+                    expected=probe_expected,
                 )
         finally:
             probe.stop()
