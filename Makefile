@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint format faults typecheck proto bench-classifier clean
+.PHONY: setup demo test lint format faults faults-soak typecheck proto bench-classifier clean
 
 setup:
 	@bash scripts/setup.sh
@@ -32,9 +32,17 @@ format: setup
 	$(VENV)/bin/ruff format src tests bench
 
 # The fault-injection suite in full on the local mesh (docs/faults.md; root): a worker kill
-# every 20 s for 3 minutes, three drains, an engine step error. `make test` runs its short form.
+# every 20 s for 3 minutes, three drains, an engine step error, the adapter store stalled, the
+# control plane down, the agent restarted. `make test` runs its short form.
 faults: setup
 	$(PY) bench/bench_faults.py --out bench/results/faults_cpu.json
+
+# The 30-minute soak (root; not in CI): mixed traffic, an override, pin or rollout changing every
+# minute, RSS and descriptors of every process. SOAK_MINUTES=10 make faults-soak for less.
+SOAK_MINUTES ?= 30
+faults-soak: setup
+	$(PY) bench/bench_faults.py --soak --soak-minutes $(SOAK_MINUTES) \
+		--out bench/results/faults_soak_cpu.json
 
 proto: setup
 	$(PY) -m adaptermesh.proto.generate

@@ -1,17 +1,28 @@
 """Fault injection on the local mesh under steady open-loop load: a worker killed (kill -9) and
-started again, a worker drained (SIGTERM), an error injected inside an engine step.
+started again, a worker drained (SIGTERM), an error injected inside an engine step, the adapter
+store stalled, the control plane stopped, the agent restarted; and a soak.
 
     sudo .venv/bin/python bench/bench_faults.py --out bench/results/faults_cpu.json
     sudo .venv/bin/python bench/bench_faults.py --short --out bench/results/faults_cpu_short.json
+    sudo .venv/bin/python bench/bench_faults.py --soak --soak-minutes 30 \
+        --out bench/results/faults_soak_cpu.json
 
 Each run builds the testkit's LocalMesh (needs root: network namespaces, eBPF): one shard of two
-CPU workers (tiny model), the real classifier, Envoy, agent and control plane as processes.
+CPU workers (tiny model), the real classifier, Envoy, agent and control plane as processes, and
+an S3 store (moto behind a proxy that can stall) holding one adapter the workers do not have.
 Tenants behind the classifier send streaming completions at a fixed rate, open loop (a request
 is sent when it is due, whatever is still running), a new connection each time. One scenario
-at a time runs under that load; the mesh is shared, and each scenario leaves both workers
-healthy in Envoy. The full form kills the victim every ``--kill-period`` seconds for
-``--kill-duration`` seconds (the issue's 20 s for 3 minutes) and drains it ``--drains`` times;
-``--short`` is one kill, one drain and one step error, the CI form of tests/e2e/test_faults.py.
+at a time runs under that load; the mesh is shared, and each scenario leaves it healthy. The
+full form kills the victim every ``--kill-period`` seconds for ``--kill-duration`` seconds (the
+issue's 20 s for 3 minutes), drains it ``--drains`` times, stalls the store for ``--stall``
+seconds, stops the control plane for ``--cp-down`` seconds and restarts the agent
+``--agent-restarts`` times (with UDP probes counted per shard); ``--short`` is one kill, one
+drain, one stall and one step error, the CI form of tests/e2e/test_faults.py.
+
+``--soak`` runs the soak instead (src/adaptermesh_testkit/soak.py): two shards of one worker,
+the agent's external processor (rollouts), mixed streaming and plain traffic for
+``--soak-minutes``, an override, a pin or a rollout changing every minute, RSS and descriptors
+of every process sampled.
 
 The figures per scenario (src/adaptermesh_testkit/faultload.py, docs/faults.md): requests sent,
 failed, failed outside the allowed window, p50/p99 latency before, during and after the faults,
@@ -42,16 +53,23 @@ from adaptermesh_testkit.faultload import (
     IN_FLIGHT_END_BOUND_S,
     KILL_ALLOWED_AFTER_S,
     SCENARIOS,
+    STALL_OTHERS_P99_FACTOR,
     run_scenario,
     warm_workers,
 )
 from adaptermesh_testkit.localmesh import LocalMesh, MeshConfig
+from adaptermesh_testkit.soak import FD_SLACK, RSS_GROWTH_BOUND, run_soak
+
+SHORT = ("kill", "drain", "stall", "step_error")
+STORE_ADAPTER = "remote"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", default="bench/results/faults_cpu.json")
-    p.add_argument("--short", action="store_true", help="one kill, one drain, one step error")
+    p.add_argument(
+        "--short", action="store_true", help="one kill, one drain, one stall, one step error"
+    )
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--rate", type=float, default=1.0, help="requests per second (open loop)")
     p.add_argument("--max-tokens", type=int, default=24)
@@ -67,7 +85,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=6.0)
     p.add_argument("--cooldown", type=float, default=6.0)
     p.add_argument("--records-dir", default=None, help="also write every request, per scenario")
+    p.add_argument("--stall", type=float, default=30.0, help="seconds the store stalls (full)")
+    p.add_argument("--load-wait", type=float, default=5.0, help="the workers' --adapter-load-wait")
+    p.add_argument("--store-timeout", type=float, default=3.0, help="--adapter-store-timeout")
+    p.add_argument("--cp-down", type=float, default=30.0, help="seconds the control plane is down")
+    p.add_argument("--agent-restarts", type=int, default=4, help="agent restarts (full)")
+    p.add_argument("--probe-pps", type=float, default=50.0, help="UDP probes per second per source")
+    p.add_argument("--soak", action="store_true", help="run the soak instead of the scenarios")
+    p.add_argument("--soak-minutes", type=float, default=30.0)
     args = p.parse_args(argv)
+    if args.soak:
+        if args.out == "bench/results/faults_cpu.json":
+            args.out = "bench/results/faults_soak_cpu.json"
+        return soak(args)
+    if args.short and args.scenarios == ",".join(SCENARIOS):
+        args.scenarios = ",".join(SHORT)
     if os.geteuid() != 0:
         print("bench_faults: needs root (network namespaces, eBPF)", file=sys.stderr)
         return 2
@@ -82,9 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             shards=1,
             workers_per_shard=2,
             tenants=4,
+            probe_sources=2,
             interval_s=2.0,
             report_interval_s=0.5,
             workdir=workdir / "mesh",
+            store_adapters=(STORE_ADAPTER,),
+            worker_args=(
+                "--adapter-load-wait",
+                str(args.load_wait),
+                "--adapter-store-timeout",
+                str(args.store_timeout),
+            ),
         ),
         progress=lambda msg: print(f"[faults] {msg}", flush=True),
     )
@@ -100,15 +140,22 @@ def main(argv: list[str] | None = None) -> int:
             summary = run_scenario(
                 mesh,
                 name,
-                rate_per_s=args.rate,
+                # The stall compares the other adapters' p99 before and during: more samples.
+                rate_per_s=2 * args.rate if name == "stall" else args.rate,
                 max_tokens=args.drain_max_tokens if name == "drain" else args.max_tokens,
-                warmup_s=args.warmup,
+                warmup_s=2 * args.warmup if name == "stall" else args.warmup,
                 cooldown_s=args.cooldown,
                 kills=kills,
                 kill_period_s=args.kill_period,
                 drains=1 if args.short else args.drains,
                 trigger_base=trigger_base,
                 records_path=Path(args.records_dir) / f"{name}.jsonl" if args.records_dir else None,
+                stall_s=min(args.stall, 10.0) if args.short else args.stall,
+                stalled_rate_per_s=args.rate,
+                load_wait_s=args.load_wait,
+                down_s=min(args.cp_down, 10.0) if args.short else args.cp_down,
+                restarts=1 if args.short else args.agent_restarts,
+                probe_pps=args.probe_pps,
             )
             scenarios[name] = summary
             print(
@@ -136,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "kills": kills,
         "drains": 1 if args.short else args.drains,
         "kill_period_s": args.kill_period,
+        "scenarios_run": args.scenarios.split(","),
         "bounds": {
             "kill": f"in-flight streams end (error event or closed) within "
             f"{IN_FLIGHT_END_BOUND_S:g} s; no request that started later than "
@@ -143,11 +191,85 @@ def main(argv: list[str] | None = None) -> int:
             "drain": "0 failed requests; the worker exits within its drain timeout; no hang",
             "step_error": "only the requests of the failed step fail, with a 5xx naming the "
             "cause; the engine keeps serving; no hang",
+            "stall": "requests for the stalled adapter get 503 with Retry-After within the "
+            "workers' --adapter-load-wait plus the larger of 1.5 s and the others' p99 before; "
+            "the other adapters fail nothing and their p99 during the stall is within "
+            f"{STALL_OTHERS_P99_FACTOR:g}x of before; the adapter loads once the store answers; "
+            "no hang",
+            "control_plane": "0 failed requests while the control plane is down; the agent "
+            "keeps the last Assignment; a change made after the restart reaches the agent; "
+            "no hang",
+            "agent_restart": "0 failed requests; every UDP probe sent from the signal to 1 s "
+            "after the new agent applied arrives at the shard its source is steered to (none "
+            "misclassified, none lost); the classifier passes nothing unsteered; no hang",
+        },
+        "store": {
+            "adapter": STORE_ADAPTER,
+            "adapter_load_wait_s": args.load_wait,
+            "adapter_store_timeout_s": args.store_timeout,
         },
         "scenarios": scenarios,
     }
     write_results(args.out, doc)
     return 0 if all(all(s["held"].values()) for s in scenarios.values()) else 1
+
+
+def soak(args: argparse.Namespace) -> int:
+    """The soak (module docstring): two shards of one worker, rollouts through the agent's
+    external processor, ``--soak-minutes`` of mixed traffic."""
+    if os.geteuid() != 0:
+        print("bench_faults: needs root (network namespaces, eBPF)", file=sys.stderr)
+        return 2
+    load_start = os.getloadavg()[0]
+    workdir = Path(tempfile.mkdtemp(prefix="ams-"))
+    mesh = LocalMesh(
+        MeshConfig(
+            prefix=f"ams{secrets.token_hex(2)}",
+            shards=2,
+            workers_per_shard=1,
+            tenants=4,
+            interval_s=2.0,
+            report_interval_s=0.5,
+            max_running=8,
+            ext_proc=True,
+            extra_adapters=("support@2.0.0",),
+            workdir=workdir / "mesh",
+        ),
+        progress=lambda msg: print(f"[soak] {msg}", flush=True),
+    )
+    started = time.monotonic()
+    try:
+        mesh.start()
+        print(f"[soak] mesh up in {time.monotonic() - started:.1f}s", flush=True)
+        warm_workers(mesh)
+        result = run_soak(
+            mesh,
+            args.soak_minutes,
+            rate_per_s=2 * args.rate,
+            plain_rate_per_s=args.rate,
+            max_tokens=args.max_tokens,
+            progress=lambda msg: print(f"[soak] {msg}", flush=True),
+        )
+    finally:
+        mesh.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    doc = {
+        **provenance("httpx", load_start=load_start),
+        "topology": "2 shards x 1 CPU worker (tiny Llama), real classifier, Envoy with the "
+        "agent's external processor, agent and control plane as processes",
+        "form": "soak",
+        "soak_minutes_asked": args.soak_minutes,
+        "soak_minutes_run": result["minutes"],
+        "bounds": {
+            "soak": f"0 failed requests (nothing injected); RSS of every process grows under "
+            f"{RSS_GROWTH_BOUND:.0%} after the first 5 minutes (half the run when shorter); "
+            f"open descriptors flat (at the end at most {FD_SLACK} above the baseline); no hang",
+        },
+        "soak": result,
+    }
+    write_results(args.out, doc)
+    print(f"[soak] held {result['held']}", flush=True)
+    return 0 if all(result["held"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import statistics
 import threading
 import time
@@ -44,6 +45,7 @@ __all__ = [
     "held",
     "kill_scenario",
     "run_scenario",
+    "stall_scenario",
     "step_error_scenario",
     "summarize",
     "warm_workers",
@@ -90,7 +92,9 @@ class FaultEvent:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-def _stream_once(record: RequestRecord, base: str, max_tokens: int, read_timeout_s: float) -> None:
+def _stream_once(
+    record: RequestRecord, base: str, max_tokens: int, read_timeout_s: float, stream: bool = True
+) -> None:
     record.started = time.monotonic()
     last = record.started
 
@@ -105,7 +109,7 @@ def _stream_once(record: RequestRecord, base: str, max_tokens: int, read_timeout
         "prompt": PROMPT,
         "max_tokens": max_tokens,
         "temperature": 0,
-        "stream": True,
+        "stream": stream,
     }
     timeout = httpx.Timeout(read_timeout_s, connect=5.0)
     transport = httpx.HTTPTransport(local_address=record.source)
@@ -124,8 +128,19 @@ def _stream_once(record: RequestRecord, base: str, max_tokens: int, read_timeout
             progress()
             if response.status_code != 200:
                 record.retry_after = response.headers.get("retry-after")
-                record.detail = response.read().decode(errors="replace")[:300]
+                record.detail = response.read().decode(errors="replace")[:1000]
                 record.outcome = f"http_{response.status_code}"
+                return
+            if not stream:  # one JSON body: ok when it carries a choice
+                raw = response.read()
+                progress()
+                try:
+                    choices = json.loads(raw).get("choices")
+                except ValueError:
+                    choices = None
+                record.outcome = "ok" if choices else "closed"
+                if not choices:
+                    record.detail = raw.decode(errors="replace")[:1000]
                 return
             done = False
             for line in response.iter_lines():
@@ -160,7 +175,7 @@ def _stream_once(record: RequestRecord, base: str, max_tokens: int, read_timeout
 
 
 class OpenLoad:
-    """Streaming completions at ``rate_per_s`` from ``sources`` in turn, open loop: each is
+    """Streaming completions (plain ones with ``stream`` False) at ``rate_per_s`` from ``sources`` in turn, open loop: each is
     due at start + k / rate and sent then, however many are still running.
 
     ``read_timeout_s`` bounds the wait for any one byte: a request that waits longer ends as
@@ -176,8 +191,10 @@ class OpenLoad:
         max_tokens: int = 32,
         read_timeout_s: float = 20.0,
         max_in_flight: int = 128,
+        stream: bool = True,
     ) -> None:
         self.mesh = mesh
+        self.stream = stream
         self.rate_per_s = rate_per_s
         self.sources = list(sources)
         self.adapters = list(adapters)
@@ -204,6 +221,7 @@ class OpenLoad:
                     f"http://{self.mesh.vip}:{SERVICE_PORT}",
                     self.max_tokens,
                     self.read_timeout_s,
+                    self.stream,
                 )
         finally:
             self._in_flight.release()
@@ -550,13 +568,303 @@ def step_error_scenario(
     return [event]
 
 
+def stall_scenario(
+    mesh: LocalMesh,
+    load: OpenLoad,
+    stalled_load: OpenLoad,
+    stall_s: float,
+    warmup_s: float,
+    cooldown_s: float,
+    recover_timeout_s: float = 60.0,
+) -> list[FaultEvent]:
+    """The adapter store stalls (every shard's StallProxy accepts and never answers) while
+    ``load`` runs on the resident adapters; after ``warmup_s`` (the ``before`` phase)
+    ``stalled_load`` starts asking for an adapter only that store holds. After ``stall_s`` the
+    store answers again; the fault is over at the first request for that adapter that
+    succeeds (its load finished). ``stalled_load`` runs on through ``cooldown_s``."""
+    proxies = list(mesh.store_proxies.values())
+    if not proxies:
+        raise ValueError("stall: the mesh has no adapter store (MeshConfig.store_adapters)")
+    for proxy in proxies:
+        proxy.stall()
+    time.sleep(warmup_s)
+    at = time.monotonic()
+    stalled_load.start()
+    time.sleep(stall_s)
+    released = time.monotonic()
+    for proxy in proxies:
+        proxy.forward()
+
+    def loaded() -> bool:
+        with stalled_load._lock:
+            return any(r.ok and r.started >= released for r in stalled_load.records)
+
+    first_ok = _wait(loaded, recover_timeout_s, 0.1)
+    event = FaultEvent(
+        "stall",
+        f"store {', '.join(p.url for p in proxies)}",
+        at,
+        # Set from the records once the stalled load has stopped (_stall_recovery): each
+        # worker loads the adapter on its own, so the first success is not yet the end.
+        recovered_at=None,
+        allowed_until=float("inf"),
+        notes={
+            "stall_s": round(released - at, 3),
+            "released_at": released,
+            "first_ok_after_release_s": round(first_ok - released, 3) if first_ok else None,
+            "connections_held": sum(p.held for p in proxies),
+        },
+    )
+    time.sleep(cooldown_s)
+    return [event]
+
+
+def _stall_recovery(event: FaultEvent, stalled: Sequence[RequestRecord]) -> None:
+    """The stall is over at the first success for the stalled adapter after the store
+    answers again that no failure follows (every worker has loaded it); requests for it may
+    fail (503) until then. None when it never got there."""
+    released = float(event.notes.pop("released_at"))
+    last_failure = max((r.started for r in stalled if not r.ok), default=released)
+    later = sorted(r.started for r in stalled if r.ok and r.started > max(last_failure, released))
+    recovered = later[0] if later else None
+    event.recovered_at = recovered
+    event.allowed_until = recovered if recovered is not None else float("inf")
+    event.notes["recovered_after_release_s"] = (
+        round(recovered - released, 3) if recovered is not None else None
+    )
+
+
+# ---- packets through the classifier: sent vs arrived at the right shard ------------------------
+
+PROBE_UDP_PORT = 7000
+
+
+class UdpProbe:
+    """UDP datagrams from ``sources`` (tenant-namespace addresses) to the VIP at ``rate_pps``
+    per source, each numbered; a receiver in every shard namespace records which arrived
+    where. :meth:`summary` counts, for the packets sent in a window, those that reached the
+    shard the classifier steers their source to (``expected``: source -> shard id), those that
+    reached another shard (misclassified) and those that reached none (lost)."""
+
+    def __init__(self, mesh: LocalMesh, sources: Sequence[str], rate_pps: float) -> None:
+        from adaptermesh_testkit.netns import UdpReceiver
+
+        self.mesh = mesh
+        self.sources = list(sources)
+        self.rate_pps = rate_pps
+        self.sent: list[tuple[str, int, float]] = []  # (source, seq, monotonic time)
+        self.receivers = {
+            shard_id: UdpReceiver(mesh.shard_ns(shard_id), mesh.vip, PROBE_UDP_PORT)
+            for shard_id in mesh.shard_ids
+        }
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._send, daemon=True)
+
+    def _send(self) -> None:
+        import socket
+
+        with inside(self.mesh.tenant_ns):
+            socks = []
+            for source in self.sources:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                sock.bind((source, 0))
+                socks.append(sock)
+            try:
+                period = 1.0 / self.rate_pps
+                start = time.monotonic()
+                k = 0
+                while not self._stop.is_set():
+                    delay = start + k * period - time.monotonic()
+                    if delay > 0 and self._stop.wait(delay):
+                        break
+                    for source, sock in zip(self.sources, socks, strict=True):
+                        now = time.monotonic()
+                        with contextlib.suppress(OSError):
+                            sock.sendto(f"{source}|{k}".encode(), (self.mesh.vip, PROBE_UDP_PORT))
+                            self.sent.append((source, k, now))
+                    k += 1
+            finally:
+                for sock in socks:
+                    sock.close()
+
+    def start(self) -> UdpProbe:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        time.sleep(0.5)  # the last datagrams land
+        for receiver in self.receivers.values():
+            receiver.close()
+
+    def arrivals(self) -> dict[tuple[str, int], list[str]]:
+        """(source, seq) -> the shards it arrived at."""
+        out: dict[tuple[str, int], list[str]] = {}
+        for shard_id, receiver in self.receivers.items():
+            for _src, data in list(receiver.received):
+                source, _, seq = data.decode(errors="replace").partition("|")
+                with contextlib.suppress(ValueError):
+                    out.setdefault((source, int(seq)), []).append(shard_id)
+        return out
+
+    def summary(
+        self, expected: dict[str, str], start: float = float("-inf"), end: float = float("inf")
+    ) -> dict[str, Any]:
+        arrivals = self.arrivals()
+        sent = [(src, seq) for src, seq, t in self.sent if start <= t <= end]
+        right = wrong = lost = 0
+        for key in sent:
+            where = arrivals.get(key, [])
+            if not where:
+                lost += 1
+            elif all(shard == expected.get(key[0]) for shard in where):
+                right += 1
+            else:
+                wrong += 1
+        return {
+            "packets_sent": len(sent),
+            "arrived_at_expected_shard": right,
+            "misclassified": wrong,
+            "lost": lost,
+        }
+
+
+def _agent_counters(mesh: LocalMesh) -> dict[str, float]:
+    """The classifier's counters as the agent exports them (pinned maps: they carry on
+    across agent restarts): packets per shard and packets passed untouched, by reason."""
+    text = mesh.in_node(_http_text, mesh.agent_url("/metrics"))
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(
+            ("adaptermesh_agent_shard_packets_total", "adaptermesh_agent_classifier_passed")
+        ):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def agent_restart_scenario(
+    mesh: LocalMesh,
+    load: OpenLoad,
+    probe: UdpProbe,
+    restarts: int,
+    warmup_s: float,
+    cooldown_s: float,
+    gap_s: float = 5.0,
+    expected: dict[str, str] | None = None,
+) -> tuple[list[FaultEvent], dict[str, Any]]:
+    """Restart the agent ``restarts`` times (SIGTERM, then SIGKILL, alternately) under the
+    HTTP ``load`` and the UDP ``probe``; each fault is over when the new agent has applied
+    the control plane's current Assignment. Returns the faults and the packet counts: every
+    probe packet sent from each signal to one second after its recovery, by where it went.
+    ``expected``: each probe source's shard (pinned ones, say); by default the shard the
+    agent's flow table names for it after the warm-up."""
+    time.sleep(warmup_s)
+    if expected is None:
+        expected = {src: mesh.agent_flow(src) or "" for src in probe.sources}
+    counters_before = _agent_counters(mesh)
+    faults: list[FaultEvent] = []
+    for i in range(restarts):
+        kill = i % 2 == 1
+        at, healthy = mesh.restart_agent(kill=kill)
+        applied = mesh.wait_agent_applied(timeout=60)
+        event = FaultEvent(
+            "agent_restart",
+            "agent (SIGKILL)" if kill else "agent (SIGTERM)",
+            at,
+            recovered_at=time.monotonic(),
+            notes={
+                "signal": "SIGKILL" if kill else "SIGTERM",
+                "healthy_after_s": round(healthy - at, 3),
+                "applied_version": applied,
+            },
+        )
+        faults.append(event)
+        time.sleep(gap_s)
+    time.sleep(cooldown_s)
+    counters_after = _agent_counters(mesh)
+    windows = [(f.at, (f.recovered_at or f.at) + 1.0) for f in faults]
+    per_fault = [probe.summary(expected, a, b) for a, b in windows]
+    for f, counts in zip(faults, per_fault, strict=True):
+        f.notes["packets"] = counts
+    packets = {
+        "sources": len(probe.sources),
+        "rate_pps_per_source": probe.rate_pps,
+        "expected_shard": expected,
+        "during_restarts": {
+            k: sum(c[k] for c in per_fault)
+            for k in ("packets_sent", "arrived_at_expected_shard", "misclassified", "lost")
+        },
+        "whole_run": probe.summary(expected),
+        "classifier_counters_delta": {
+            k: counters_after.get(k, 0.0) - counters_before.get(k, 0.0)
+            for k in sorted(set(counters_before) | set(counters_after))
+        },
+    }
+    return faults, packets
+
+
+def control_plane_scenario(
+    mesh: LocalMesh,
+    load: OpenLoad,
+    down_s: float,
+    warmup_s: float,
+    cooldown_s: float,
+) -> list[FaultEvent]:
+    """SIGKILL the control plane under load; it stays down ``down_s`` (the agents keep the
+    last Assignment, traffic flows); start it again on its state, then change something (a
+    pin of the first tenant to the first shard, undone after) and measure how long until the
+    agent has applied it."""
+    time.sleep(warmup_s)
+    shard_id = mesh.shard_ids[0]
+    version_before = mesh.current_version()
+    at = mesh.stop_control_plane(kill=True)
+    time.sleep(0.5)
+    status_down = mesh.agent_status()
+    time.sleep(max(0.0, down_s - 0.5))
+    mesh.start_control_plane_again()
+    restarted = time.monotonic()
+    version_after_restart = mesh.current_version()
+    changed = time.monotonic()
+    cidr = f"{mesh.tenants[0]}/32"
+    version = mesh.pin(cidr, shard_id)
+    applied = mesh.wait_agent_applied(version, timeout=120)
+    reached = time.monotonic()
+    mesh.unpin(cidr)
+    event = FaultEvent(
+        "control_plane_down",
+        "control plane (SIGKILL)",
+        at,
+        recovered_at=reached,
+        notes={
+            "down_s": round(restarted - at, 3),
+            "version_before": version_before,
+            "version_after_restart": version_after_restart,
+            "agent_applied_while_down": status_down.get("applied_version"),
+            "agent_connected_while_down": status_down.get("control_plane_connected"),
+            "change_version": version,
+            "change_applied_by_agent_after_s": round(reached - changed, 3),
+            "agent_applied": applied,
+        },
+    )
+    time.sleep(cooldown_s)
+    return [event]
+
+
 # ---- one scenario under load, and the issue's bounds -----------------------------------------
 
 # A request that started later than this after a kill must not fail.
 KILL_ALLOWED_AFTER_S = 2.0
 # A stream in flight at a kill ends (error event or closed connection) within this.
 IN_FLIGHT_END_BOUND_S = 1.0
-SCENARIOS = ("kill", "drain", "step_error")
+SCENARIOS = ("kill", "drain", "step_error", "stall", "control_plane", "agent_restart")
+# Others' p99 during a store stall: within this factor of their p99 before it.
+STALL_OTHERS_P99_FACTOR = 1.2
+# A stalled adapter's request gets its 503 within the worker's --adapter-load-wait plus the
+# larger of this and the other adapters' p99 before the stall (the path through Envoy and the
+# worker on a shared machine).
+STALL_WAIT_SLACK_S = 1.5
 STEP_ERROR_MESSAGE = "CUDA error: an illegal memory access was encountered (injected)"
 
 
@@ -579,6 +887,49 @@ def held(name: str, summary: dict[str, Any]) -> dict[str, bool]:
             "no_hang": no_hang,
         }
     fault = summary["faults"][0]
+    if name == "stall":
+        stalled = summary["stalled_adapter"]
+        others = summary["other_adapters"]
+        before = others["latency"]["before"]["p99_s"]
+        during = others["latency"]["during"]["p99_s"]
+        return {
+            "stalled_requests_get_503_with_retry_after": stalled["failed"] > 0
+            and stalled["failed"] == stalled["http_503_with_retry_after"],
+            "stalled_wait_bounded": stalled["failed_wait_max_s"] is not None
+            and stalled["failed_wait_max_s"] <= stalled["wait_bound_s"],
+            "others_zero_failed": others["failed"] == 0,
+            "others_p99_within_1_2x": before is not None
+            and during is not None
+            and during <= STALL_OTHERS_P99_FACTOR * before,
+            "recovers_and_loads": fault["recovered_after_s"] is not None
+            and stalled["ok_after_recovery"] > 0,
+            "no_hang": no_hang,
+        }
+    if name == "control_plane":
+        return {
+            "zero_failed": summary["failed"] == 0,
+            "agent_kept_the_last_assignment": (fault["agent_applied_while_down"] or 0)
+            >= fault["version_before"]
+            > 0,
+            "change_after_restart_reached_the_agent": fault["agent_applied"]
+            >= fault["change_version"],
+            "no_hang": no_hang,
+        }
+    if name == "agent_restart":
+        during = summary["packets"]["during_restarts"]
+        passed = {
+            k: v
+            for k, v in summary["packets"]["classifier_counters_delta"].items()
+            if k.startswith("adaptermesh_agent_classifier_passed") and v
+        }
+        return {
+            "zero_failed": summary["failed"] == 0,
+            "no_packet_misclassified": during["packets_sent"] > 0
+            and during["misclassified"] == 0
+            and during["lost"] == 0,
+            "classifier_passed_nothing_unsteered": not passed,
+            "no_hang": no_hang,
+        }
     if name == "drain":
         return {
             "zero_failed": summary["failed"] == 0,
@@ -614,11 +965,51 @@ def run_scenario(
     drains: int = 1,
     trigger_base: str | None = None,
     records_path: Path | None = None,
+    stall_s: float = 20.0,
+    stalled_rate_per_s: float = 0.5,
+    load_wait_s: float | None = None,
+    down_s: float = 15.0,
+    restarts: int = 2,
+    probe_pps: float = 50.0,
+    probe_expected: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Scenario ``name`` (kill, drain or step_error) under a fresh :class:`OpenLoad`; its
-    :func:`summarize` figures with ``held`` (the bounds) and the load's settings."""
+    """Scenario ``name`` (kill, drain, step_error or stall) under a fresh :class:`OpenLoad`;
+    its :func:`summarize` figures with ``held`` (the bounds) and the load's settings.
+
+    ``stall``: ``stall_s`` of a stalled store, ``stalled_rate_per_s`` requests per second
+    for the adapter only the store holds, ``load_wait_s`` the workers' --adapter-load-wait.
+    ``control_plane``: down ``down_s``. ``agent_restart``: ``restarts`` restarts, with
+    ``probe_pps`` UDP packets per second from each of the mesh's probe sources."""
     if name not in SCENARIOS:
         raise ValueError(f"scenario: {name!r} is not one of {', '.join(SCENARIOS)}")
+    if name in ("control_plane", "agent_restart"):
+        return _run_node_fault(
+            mesh,
+            name,
+            rate_per_s=rate_per_s,
+            max_tokens=max_tokens,
+            warmup_s=warmup_s,
+            cooldown_s=cooldown_s,
+            read_timeout_s=read_timeout_s,
+            down_s=down_s,
+            restarts=restarts,
+            probe_pps=probe_pps,
+            probe_expected=probe_expected,
+            records_path=records_path,
+        )
+    if name == "stall":
+        return _run_stall(
+            mesh,
+            rate_per_s=rate_per_s,
+            max_tokens=max_tokens,
+            warmup_s=warmup_s,
+            cooldown_s=cooldown_s,
+            read_timeout_s=read_timeout_s,
+            stall_s=stall_s,
+            stalled_rate_per_s=stalled_rate_per_s,
+            load_wait_s=load_wait_s,
+            records_path=records_path,
+        )
     load = OpenLoad(
         mesh,
         rate_per_s,
@@ -665,6 +1056,169 @@ def run_scenario(
         "rate_per_s": rate_per_s,
         "max_tokens": max_tokens,
         "read_timeout_s": read_timeout_s,
+    }
+    summary["held"] = held(name, summary)
+    return summary
+
+
+def _run_stall(
+    mesh: LocalMesh,
+    *,
+    rate_per_s: float,
+    max_tokens: int,
+    warmup_s: float,
+    cooldown_s: float,
+    read_timeout_s: float,
+    stall_s: float,
+    stalled_rate_per_s: float,
+    load_wait_s: float | None,
+    records_path: Path | None,
+) -> dict[str, Any]:
+    if load_wait_s is None:
+        raise ValueError("stall: load_wait_s (the workers' --adapter-load-wait) unset")
+    if not mesh.config.store_adapters:
+        raise ValueError("stall: the mesh has no adapter store (MeshConfig.store_adapters)")
+    load = OpenLoad(
+        mesh,
+        rate_per_s,
+        mesh.tenants,
+        list(mesh.config.adapters),
+        max_tokens=max_tokens,
+        read_timeout_s=read_timeout_s,
+    )
+    stalled_load = OpenLoad(
+        mesh,
+        stalled_rate_per_s,
+        mesh.tenants,
+        [mesh.config.store_adapters[0]],
+        max_tokens=max_tokens,
+        read_timeout_s=read_timeout_s,
+    )
+    with load:
+        try:
+            faults = stall_scenario(
+                mesh, load, stalled_load, stall_s, warmup_s=warmup_s, cooldown_s=cooldown_s
+            )
+        finally:
+            stalled = stalled_load.stop() if stalled_load.started_at else []
+    _stall_recovery(faults[0], stalled)
+    records = [*load.records, *stalled]
+    if records_path is not None:
+        records_path.parent.mkdir(parents=True, exist_ok=True)
+        dump_records(records_path, records, load.started_at)
+    summary = summarize(records, faults, None)
+    others = summarize(load.records, faults, None)
+    # The wait's bound: the load wait plus what a whole request of the other adapters took
+    # before the stall (p99; at least STALL_WAIT_SLACK_S): on a loaded machine the path to
+    # the worker and back alone takes that long.
+    before_p99 = others["latency"]["before"]["p99_s"] or 0.0
+    bound = round(load_wait_s + max(STALL_WAIT_SLACK_S, before_p99), 4)
+    recovered = faults[0].recovered_at
+    failed = [r for r in stalled if not r.ok]
+    summary["other_adapters"] = {
+        k: others[k]
+        for k in ("requests_sent", "failed", "outcomes", "latency", "worst_hang_s", "timeouts")
+    }
+    summary["stalled_adapter"] = {
+        "adapter": mesh.config.store_adapters[0],
+        "requests_sent": len(stalled),
+        "failed": len(failed),
+        "outcomes": dict(Counter(r.outcome for r in stalled)),
+        "http_503_with_retry_after": sum(
+            1 for r in failed if r.status == 503 and r.retry_after is not None
+        ),
+        "load_wait_s": load_wait_s,
+        "wait_bound_s": bound,
+        "failed_wait_max_s": round(max(r.latency_s for r in failed), 4) if failed else None,
+        "failed_wait_p50_s": _percentiles(r.latency_s for r in failed)["p50_s"],
+        "failed_after_recovery": sum(
+            1 for r in failed if recovered is not None and r.started > recovered
+        ),
+        "ok_after_recovery": sum(
+            1 for r in stalled if r.ok and recovered is not None and r.started >= recovered
+        ),
+        "error_codes": dict(Counter(_error_code(r.detail) for r in failed)),
+    }
+    summary["open_loop_skipped"] = load.skipped + stalled_load.skipped
+    summary["load"] = {
+        "rate_per_s": rate_per_s,
+        "stalled_rate_per_s": stalled_rate_per_s,
+        "max_tokens": max_tokens,
+        "read_timeout_s": read_timeout_s,
+        "stall_s": stall_s,
+    }
+    summary["held"] = held("stall", summary)
+    return summary
+
+
+def _error_code(detail: str) -> str:
+    """The ``code`` of an OpenAI-style error body (its first 300 characters are kept)."""
+    found = re.search(r'"code":\s*"([^"]+)"', detail)
+    return found.group(1) if found else "-"
+
+
+def _run_node_fault(
+    mesh: LocalMesh,
+    name: str,
+    *,
+    rate_per_s: float,
+    max_tokens: int,
+    warmup_s: float,
+    cooldown_s: float,
+    read_timeout_s: float,
+    down_s: float,
+    restarts: int,
+    probe_pps: float,
+    records_path: Path | None,
+    probe_expected: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """``control_plane`` or ``agent_restart`` under the HTTP load (no failure allowed); the
+    agent restart also under the UDP probe from the mesh's probe sources."""
+    load = OpenLoad(
+        mesh,
+        rate_per_s,
+        mesh.tenants,
+        list(mesh.config.adapters),
+        max_tokens=max_tokens,
+        read_timeout_s=read_timeout_s,
+    )
+    packets: dict[str, Any] | None = None
+    if name == "agent_restart":
+        if not mesh.probe_sources:
+            raise ValueError("agent_restart: the mesh has no probe sources (probe_sources)")
+        probe = UdpProbe(mesh, mesh.probe_sources, probe_pps)
+        probe.start()
+        try:
+            with load:
+                faults, packets = agent_restart_scenario(
+                    mesh,
+                    load,
+                    probe,
+                    restarts,
+                    warmup_s=warmup_s,
+                    cooldown_s=cooldown_s,
+                    expected=probe_expected,
+                )
+        finally:
+            probe.stop()
+    else:
+        with load:
+            faults = control_plane_scenario(
+                mesh, load, down_s, warmup_s=warmup_s, cooldown_s=cooldown_s
+            )
+    records = load.records
+    if records_path is not None:
+        records_path.parent.mkdir(parents=True, exist_ok=True)
+        dump_records(records_path, records, load.started_at)
+    summary = summarize(records, faults, None)
+    if packets is not None:
+        summary["packets"] = packets
+    summary["open_loop_skipped"] = load.skipped
+    summary["load"] = {
+        "rate_per_s": rate_per_s,
+        "max_tokens": max_tokens,
+        "read_timeout_s": read_timeout_s,
+        **({"down_s": down_s} if name == "control_plane" else {"restarts": restarts}),
     }
     summary["held"] = held(name, summary)
     return summary

@@ -53,6 +53,7 @@ from adaptermesh.proto.adaptermesh.v1 import (
     control_plane_pb2_grpc,
 )
 from adaptermesh_testkit.netns import NodeTopology, delete_namespaces, inside
+from adaptermesh_testkit.stallproxy import StallProxy
 
 T = TypeVar("T")
 
@@ -94,6 +95,19 @@ class MeshConfig:
     # More control-plane flags (``--auto-placement``, say) and worker flags (``--max-loras``).
     control_plane_args: Sequence[str] = ()
     worker_args: Sequence[str] = ()
+    # Adapters that only an S3 store holds (not the adapter root): each shard namespace runs a
+    # moto S3 server behind a StallProxy (stallproxy.py) on 127.0.0.1, and its workers look
+    # unknown names up there (``--adapter-resolver s3://STORE_BUCKET/STORE_PREFIX``).
+    store_adapters: Sequence[str] = ()
+
+
+STORE_BUCKET = "adapters"
+STORE_PREFIX = "lib"
+_STORE_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 @dataclass
@@ -208,6 +222,9 @@ class LocalMesh:
         self.adapter_root = self.workdir / "adapters"
         self._channel: grpc.Channel | None = None
         self._stopped = False
+        # Per shard: its S3 store's proxy, and the moto servers behind them.
+        self.store_proxies: dict[str, StallProxy] = {}
+        self._store_servers: list[Any] = []
 
     # ---- names -----------------------------------------------------------------------------
 
@@ -249,6 +266,8 @@ class LocalMesh:
         self.progress("starting the control plane, the workers and the agent")
         self._write_tokens()
         self._start_control_plane()
+        if self.config.store_adapters:
+            self._start_stores()
         for shard_id in self.shard_ids:
             for j, (addr, port) in enumerate(self.worker_endpoints(shard_id)):
                 self._start_worker(shard_id, j, addr, port)
@@ -284,6 +303,11 @@ class LocalMesh:
                 proc.kill()
         if self._channel is not None:
             self._channel.close()
+        for proxy in self.store_proxies.values():
+            proxy.close()
+        for server in self._store_servers:
+            with contextlib.suppress(Exception):
+                server.stop()
         self.ns.shutdown()
         self.topo.destroy()
         shutil.rmtree(self.pin_dir, ignore_errors=True)
@@ -321,6 +345,68 @@ class LocalMesh:
             target_modules=("q_proj", "v_proj", "o_proj"),
             scale_b=0.5,
         )
+
+    def _start_stores(self) -> None:
+        """A moto S3 server and a StallProxy in front of it in each shard namespace, holding
+        ``config.store_adapters`` under ``s3://STORE_BUCKET/STORE_PREFIX/<name>/``."""
+        from moto.server import ThreadedMotoServer
+
+        from adaptermesh_testkit.checkpoints import make_adapter
+
+        made = self.workdir / "store-adapters"
+        offset = len(self.config.adapters) + len(self.config.extra_adapters)
+        for i, name in enumerate(self.config.store_adapters):
+            if not (made / name / "adapter_config.json").exists():
+                make_adapter(
+                    made,
+                    self.model_dir,
+                    name,
+                    rank=8,
+                    seed=offset + i + 1,
+                    target_modules=("q_proj", "v_proj", "o_proj"),
+                    scale_b=0.5,
+                )
+        for shard_id in self.shard_ids:
+
+            def start(made: Path = made) -> tuple[Any, StallProxy]:
+                import boto3
+
+                server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+                server.start()
+                port = int(server.get_host_and_port()[1])
+                s3 = boto3.client(
+                    "s3",
+                    endpoint_url=f"http://127.0.0.1:{port}",
+                    region_name=_STORE_ENV["AWS_DEFAULT_REGION"],
+                    aws_access_key_id=_STORE_ENV["AWS_ACCESS_KEY_ID"],
+                    aws_secret_access_key=_STORE_ENV["AWS_SECRET_ACCESS_KEY"],
+                )
+                s3.create_bucket(Bucket=STORE_BUCKET)
+                for name in self.config.store_adapters:
+                    for file in sorted((made / name).iterdir()):
+                        s3.put_object(
+                            Bucket=STORE_BUCKET,
+                            Key=f"{STORE_PREFIX}/{name}/{file.name}",
+                            Body=file.read_bytes(),
+                        )
+                return server, StallProxy(("127.0.0.1", port)).start()
+
+            server, proxy = self.ns.run(self.shard_ns(shard_id), start)
+            self._store_servers.append(server)
+            self.store_proxies[shard_id] = proxy
+
+    def _store_args(self, shard_id: str) -> list[str]:
+        proxy = self.store_proxies.get(shard_id)
+        if proxy is None:
+            return []
+        return [
+            "--s3-endpoint-url",
+            proxy.url,
+            "--adapter-resolver",
+            f"s3://{STORE_BUCKET}/{STORE_PREFIX}",
+            "--adapter-cache-dir",
+            str(self.workdir / "adapter-cache" / shard_id),
+        ]
 
     def _write_tokens(self) -> None:
         (self.workdir / "tokens").write_text(
@@ -379,6 +465,38 @@ class LocalMesh:
             ],
         )
 
+    def stop_control_plane(self, kill: bool = False) -> float:
+        """Stop the control plane (SIGTERM, or SIGKILL with ``kill``); returns the monotonic
+        time of the signal. Its state directory stays for :meth:`start_control_plane_again`."""
+        proc = self.procs["control-plane"]
+        at = time.monotonic()
+        if kill:
+            proc.kill()
+        else:
+            proc.stop()
+        return at
+
+    def start_control_plane_again(self) -> Proc:
+        """Start the control plane on its state directory and socket; wait until it serves."""
+        if self.procs["control-plane"].alive:
+            raise MeshError("the control plane is still running")
+        proc = self._start_control_plane()
+        self._wait_control_plane()
+        return proc
+
+    def restart_agent(self, kill: bool = False) -> tuple[float, float]:
+        """Stop the agent (SIGTERM, or SIGKILL with ``kill``) and start it again with the same
+        flags (pin directory, state file); returns the monotonic times of the signal and of
+        the new agent's healthy /healthz."""
+        proc = self.procs["agent"]
+        at = time.monotonic()
+        if kill:
+            proc.kill()
+        else:
+            proc.stop()
+        self.start_agent()
+        return at, time.monotonic()
+
     def restart_control_plane(self) -> Proc:
         self.procs["control-plane"].stop()
         proc = self._start_control_plane()
@@ -431,8 +549,10 @@ class LocalMesh:
                     if self.config.grpc_port_offset is None
                     else ("--grpc-port", str(port + self.config.grpc_port_offset))
                 ),
+                *self._store_args(shard_id),
                 *self.config.worker_args,
             ],
+            env=_STORE_ENV if shard_id in self.store_proxies else None,
         )
 
     def restart_worker(self, shard_id: str, j: int) -> Proc:

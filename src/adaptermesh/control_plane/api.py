@@ -27,7 +27,12 @@ from adaptermesh.assignment_rules import RuleError
 from adaptermesh.control_plane.policy import BUDGET
 from adaptermesh.control_plane.rebalancer import PublishError, Rebalancer
 from adaptermesh.control_plane.rollout_api import RolloutApi
-from adaptermesh.control_plane.store import AlreadyExistsError, RuleSetRecord, override_message
+from adaptermesh.control_plane.store import (
+    AlreadyExistsError,
+    RuleSetRecord,
+    StoreWriteError,
+    override_message,
+)
 from adaptermesh.proto.adaptermesh.v1 import (
     assignment_pb2,
     control_plane_pb2,
@@ -169,6 +174,14 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{exc.__cause__} (in the Assignment this write would publish)",
             )
+        if isinstance(exc, StoreWriteError):
+            # Out of space: RESOURCE_EXHAUSTED (the same write may succeed once space returns);
+            # another I/O error: UNAVAILABLE. The message names the cause either way.
+            self.log.warning("write refused: %s", exc)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.full else grpc.StatusCode.UNAVAILABLE
+            return code, str(exc)
+        if isinstance(exc, PublishError) and isinstance(exc.__cause__, StoreWriteError):
+            return self._status_of(exc.__cause__)
         if isinstance(exc, PublishError):
             # The change would lead to an invalid Assignment; it was rolled back.
             return grpc.StatusCode.FAILED_PRECONDITION, str(exc)

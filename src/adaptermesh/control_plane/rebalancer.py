@@ -448,12 +448,12 @@ class Rebalancer:
         try:
             assignment = self._build(weights, endpoint_weights, reason, affinity)
             self._validate(assignment)
+            self.store.append_assignment(assignment)
         except Exception:
             # The caller's transaction rolls back, and a rule set version it wrote may be
             # written again with other content: forget the carried form built from it.
             self._carried = None
             raise
-        self.store.append_assignment(assignment)
         return assignment
 
     def _commit(

@@ -19,7 +19,7 @@ import json
 import sqlite3
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ __all__ = [
     "RuleSetRecord",
     "Store",
     "StoreError",
+    "StoreWriteError",
     "override_message",
 ]
 
@@ -136,6 +137,42 @@ class AlreadyExistsError(StoreError):
     pass
 
 
+class StoreWriteError(StoreError):
+    """A write the database could not make (its transaction is rolled back: nothing of it is
+    stored, nothing acknowledged before it is lost). ``full``: the disk (or the database's
+    size limit) is full, so the write may succeed once space returns; otherwise an I/O error
+    of the disk under the state directory."""
+
+    def __init__(self, message: str, *, full: bool) -> None:
+        super().__init__(message)
+        self.full = full
+
+
+# SQLite's primary result codes for a full disk and a failed read or write of the files.
+_SQLITE_FULL = 13
+_SQLITE_IOERR = 10
+
+
+def _write_error(exc: sqlite3.Error, path: Path) -> StoreWriteError | None:
+    """The StoreWriteError for a full disk or an I/O error; None for any other error."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    primary = code & 0xFF if isinstance(code, int) else None
+    text = str(exc)
+    if primary == _SQLITE_FULL or "disk is full" in text:
+        return StoreWriteError(
+            f"the control plane's state store is out of space ({text}; {path}): the write "
+            "was not applied and nothing stored before it is lost; free space and retry",
+            full=True,
+        )
+    if primary == _SQLITE_IOERR or "disk I/O error" in text:
+        return StoreWriteError(
+            f"the control plane's state store could not write ({text}; {path}): the write "
+            "was not applied; retry later",
+            full=False,
+        )
+    return None
+
+
 class Store:
     """One SQLite database; every method runs on the caller's thread.
 
@@ -211,17 +248,40 @@ class Store:
                 finally:
                     self._depth -= 1
                 return
-            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                self._raise_write_error(exc)
+                raise
             self._depth = 1
             try:
                 yield
-            except BaseException:
+            except BaseException as exc:
                 self._depth = 0
                 self._layout_generation += 1
-                self._db.execute("ROLLBACK")
+                self._rollback()
+                if isinstance(exc, sqlite3.Error):
+                    self._raise_write_error(exc)
                 raise
             self._depth = 0
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                # Not on disk, so not acknowledged: undo it whole (SQLite may have already).
+                self._layout_generation += 1
+                self._rollback()
+                self._raise_write_error(exc)
+                raise
+
+    def _rollback(self) -> None:
+        if self._db.in_transaction:
+            with suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
+
+    def _raise_write_error(self, exc: sqlite3.Error) -> None:
+        error = _write_error(exc, self.path)
+        if error is not None:
+            raise error from exc
 
     def layout_key(self) -> tuple[int, int]:
         """Changes whenever the shard specs or adapter instances may have changed.

@@ -71,6 +71,7 @@ ADAPTER_FILES = (CONFIG_FILE, *WEIGHT_FILES)
 MAX_CONFIG_BYTES = 1 << 20
 DEFAULT_MAX_FILE_BYTES = 4 << 30
 DEFAULT_MAX_TOTAL_BYTES = 4 << 30
+DEFAULT_TIMEOUT_S = 10.0  # connect and read timeout of each S3 request
 _CHUNK = 1 << 20
 _MARKER = ".adaptermesh-source.json"
 
@@ -243,7 +244,9 @@ class AdapterStores:
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
         client_factory: Callable[[], Any] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
+        self.timeout_s = timeout_s
         self.cache_dir = (cache_dir or default_cache_dir()).resolve()
         self.endpoint_url = endpoint_url
         self.resolvers = [parse_s3_uri(uri, "--adapter-resolver") for uri in resolvers]
@@ -262,9 +265,10 @@ class AdapterStores:
         import boto3
         from botocore.config import Config
 
+        # A store that accepts and never answers fails each attempt after ``timeout_s``.
         config = Config(
-            connect_timeout=5,
-            read_timeout=60,
+            connect_timeout=self.timeout_s,
+            read_timeout=self.timeout_s,
             retries={"mode": "standard", "max_attempts": 3},
         )
         return boto3.client("s3", endpoint_url=self.endpoint_url, config=config)

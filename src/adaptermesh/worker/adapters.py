@@ -93,6 +93,10 @@ __all__ = [
     "validate_name",
 ]
 
+# How long a load that failed because its store could not be reached (status 503) is
+# remembered (at most the manager's negative TTL).
+UNAVAILABLE_STORE_TTL_S = 5.0
+
 
 @dataclass(slots=True)
 class _Slot:
@@ -280,7 +284,12 @@ class AdapterManager:
             del self.negative[name]
 
     def _remember_failure(self, name: str, err: AdapterNotFoundError) -> None:
-        self.negative[name] = (time.monotonic() + self.negative_ttl_s, err)
+        ttl = self.negative_ttl_s
+        if getattr(err, "status", None) == 503:
+            # A store that could not be reached may be back soon: remembered briefly, so that
+            # a flood is answered from memory but the adapter loads soon after it recovers.
+            ttl = min(ttl, UNAVAILABLE_STORE_TTL_S)
+        self.negative[name] = (time.monotonic() + ttl, err)
         self.negative.move_to_end(name)
         while len(self.negative) > self.negative_max_entries:
             self.negative.popitem(last=False)
@@ -901,6 +910,24 @@ class AdapterManager:
             task = self.inflight.get(name) or self._start_load(name)
             tasks.append(task)
         return tasks
+
+    def store_load(self, name: str) -> asyncio.Task[int] | None:
+        """The load in flight for ``name``, started here when only an adapter store holds it
+        (not under the adapter root, resolvers configured); None when it is resident, or
+        absent and local (the scheduler loads it when a slot is free). Raises the error of a
+        recent failed load (negative cache) and AdapterNotFoundError for a bad name."""
+        if name in self.published or name in self.expert_sets:
+            return None
+        task = self.inflight.get(name)
+        if task is not None:
+            return task
+        self.check_request(name)
+        if name in self.registered or self.stores is None or not self.stores.resolvers:
+            return None
+        path = resolve_in_root(self.root, name)
+        if (path / "adapter_config.json").is_file() or is_expert_set(path):
+            return None
+        return self._start_load(name)
 
     def info(self, name: str) -> AdapterInfo:
         pub = self.published.get(name)

@@ -165,6 +165,7 @@ def build_stores(args: argparse.Namespace) -> AdapterStores:
         hf_cache_dir=hf_cache,
         max_file_bytes=args.adapter_max_file_bytes or DEFAULT_MAX_FILE_BYTES,
         max_total_bytes=args.adapter_max_bytes or DEFAULT_MAX_TOTAL_BYTES,
+        timeout_s=args.adapter_store_timeout,
     )
 
 
@@ -289,6 +290,23 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         help="largest adapter (all its files) fetched from a store (default 4 GiB)",
+    )
+    p.add_argument(
+        "--adapter-store-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="S",
+        help="connect and read timeout of each S3 request (a store that accepts and never "
+        "answers fails the download after at most 3 attempts of this)",
+    )
+    p.add_argument(
+        "--adapter-load-wait",
+        type=positive_float,
+        default=30.0,
+        metavar="S",
+        help="longest a generation request waits on its adapter's load in flight (a slow or "
+        "stalled store); then it gets 503 adapter_load_timeout with Retry-After, and the "
+        "load goes on for later requests",
     )
     # Engine sizes.
     p.add_argument(
@@ -554,6 +572,7 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         ("kv_cache_bytes", "kv_cache_bytes"),
         ("cpu_cache_bytes", "cpu_cache_bytes"),
         ("max_adapter_skips", "max_adapter_skips"),
+        ("adapter_load_wait", "adapter_load_wait_s"),
     ):
         value = getattr(args, flag)
         if value is not None:

@@ -103,6 +103,7 @@ from adaptermesh.worker.types import (
     MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
     AdapterInfo,
+    AdapterLoadTimeoutError,
     EngineError,
     EngineOverloadedError,
     EngineStats,
@@ -377,6 +378,7 @@ class Engine:
             eos_token_ids=frozenset(eos),
             token_piece=self.text.token_piece,
             max_adapter_skips=config.max_adapter_skips,
+            adapter_load_wait_s=config.adapter_load_wait_s,
         )
         self.tables = BlockTableMirror(
             self.blocks, rows, budget.max_blocks_per_seq, block_size, self.device
@@ -552,6 +554,26 @@ class Engine:
     async def unload_adapter(self, name: str) -> None:
         await self.adapters.unload(name)
 
+    async def await_adapter(self, name: str | None) -> None:
+        """Before a request takes an admission slot: when its adapter is loading (or only a
+        store holds it, and its load starts here), wait for that load, at most
+        ``adapter_load_wait_s``, so that a slow or stalled store never holds the slots the
+        other adapters' requests need. Raises AdapterLoadTimeoutError when the wait runs
+        out and the load's own error when it fails; the load itself is shared and never
+        cancelled here (a waiter that goes away leaves it to the others)."""
+        if name is None or name in self.scheduler.base_names:
+            return
+        self._ensure_loop()
+        task = self.adapters.store_load(name)
+        if task is None:
+            return
+        wait = self.config.adapter_load_wait_s
+        try:
+            await asyncio.wait_for(asyncio.shield(task), wait)
+        except TimeoutError:
+            self.scheduler.load_wait_timeouts += 1
+            raise AdapterLoadTimeoutError(name, wait or 0.0) from None
+
     def prefetch(self, names: list[str]) -> list[asyncio.Task[int]]:
         """Warm adapters into GPU slots ahead of their requests."""
         self._ensure_loop()
@@ -653,7 +675,12 @@ class Engine:
                 if self.merge_policy.merged is not None:
                     await asyncio.to_thread(self.merge_policy.restore_backbone)
                     continue
-                await self._event.wait()
+                expiry = self.scheduler.next_load_wait_expiry()
+                if expiry is None:
+                    await self._event.wait()
+                else:  # wake when a request's wait on its adapter's load runs out
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._event.wait(), expiry + 0.01)
                 continue
             try:
                 launched = (

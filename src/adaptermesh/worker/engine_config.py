@@ -8,6 +8,7 @@ are testable without building a model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -131,6 +132,9 @@ class EngineConfig:
     # whole on every rank, the delta joins the base all-reduce) or "sharded" (B split too, the
     # rank-sized shrink output all-reduced first).
     tp_lora_scheme: str = "base-reduce"
+    # The longest a generation request waits on its adapter's load in flight (a slow or
+    # stalled store) before it fails with 503 and Retry-After; the load goes on. None: no bound.
+    adapter_load_wait_s: float | None = 30.0
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -207,6 +211,22 @@ def validate_config(config: EngineConfig) -> None:
     ):
         raise InvalidRequestError(
             "max_adapter_skips", f"must be an integer >= 0, got {config.max_adapter_skips!r}"
+        )
+    _check_load_wait(config)
+
+
+def _check_load_wait(config: EngineConfig) -> None:
+    wait = config.adapter_load_wait_s
+    if wait is None:
+        return
+    if (
+        isinstance(wait, bool)
+        or not isinstance(wait, int | float)
+        or not math.isfinite(wait)
+        or wait <= 0
+    ):
+        raise InvalidRequestError(
+            "adapter_load_wait_s", f"must be a number of seconds > 0, got {wait!r}"
         )
 
 

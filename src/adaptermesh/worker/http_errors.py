@@ -18,6 +18,7 @@ from aiohttp import web
 
 from adaptermesh.assignment_rules import bounded_message
 from adaptermesh.worker.types import (
+    AdapterLoadTimeoutError,
     AdapterNotFoundError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -133,20 +134,39 @@ def draining_error(retry_after_s: int) -> ApiError:
     )
 
 
-def adapter_error(exc: AdapterNotFoundError, param: str) -> ApiError:
+def adapter_error(
+    exc: AdapterNotFoundError, param: str, retry_after_s: int | None = None
+) -> ApiError:
     """404 for an adapter that does not exist; 400 for one that exists but is unusable.
 
     The engine marks the second kind with a ``field`` attribute (a bad name, a path outside
     the adapter root, a rank or target-module mismatch, a corrupt weights file). An adapter
     store's failure (``adapter_stores.AdapterStoreError``, which carries a 5xx ``status``) is
     the server's: 503 for a store that cannot be reached, 502 for one that refused access or
-    sent bytes that failed their checksum.
+    sent bytes that failed their checksum. A request that waited its worker's
+    ``--adapter-load-wait`` for the adapter's load (``AdapterLoadTimeoutError``) gets 503
+    ``adapter_load_timeout``. A 503 carries ``Retry-After`` when ``retry_after_s`` is given.
     """
     store_status = getattr(exc, "status", None)
     if isinstance(store_status, int) and 500 <= store_status <= 599:
-        code = "adapter_store_unavailable" if store_status == 503 else "adapter_store_error"
+        if isinstance(exc, AdapterLoadTimeoutError):
+            code = "adapter_load_timeout"
+        elif store_status == 503:
+            code = "adapter_store_unavailable"
+        else:
+            code = "adapter_store_error"
+        headers = (
+            retry_after_headers(retry_after_s)
+            if store_status == 503 and retry_after_s is not None
+            else None
+        )
         return ApiError(
-            store_status, f"{param}: {exc}", type="server_error", param=param, code=code
+            store_status,
+            f"{param}: {exc}",
+            type="server_error",
+            param=param,
+            code=code,
+            headers=headers,
         )
     field_name = getattr(exc, "field", None)
     if field_name is None:
@@ -160,7 +180,7 @@ def adapter_error(exc: AdapterNotFoundError, param: str) -> ApiError:
 def engine_error_as_api_error(exc: Exception, retry_after_s: int) -> ApiError:
     """What a generation request answers when the engine refuses or fails it."""
     if isinstance(exc, AdapterNotFoundError):
-        return adapter_error(exc, "model")
+        return adapter_error(exc, "model", retry_after_s)
     if isinstance(exc, InvalidRequestError):
         param = ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
         return ApiError(400, str(exc), param=param, code="invalid_value")

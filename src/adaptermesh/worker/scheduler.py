@@ -73,6 +73,7 @@ from adaptermesh.worker.adafuse import ExpertSet
 from adaptermesh.worker.adapters import AdapterManager
 from adaptermesh.worker.paging import BlockManager
 from adaptermesh.worker.types import (
+    AdapterLoadTimeoutError,
     AdapterNotFoundError,
     AdapterResolution,
     EngineError,
@@ -147,6 +148,9 @@ class Sequence:
     # resolution rides on the sequence's first TokenEvent (then None).
     lookup_at: float = 0.0
     lookup_hit: bool = False
+    # When it first waited on its adapter's load in flight (0: never); a request that waits
+    # longer than the scheduler's ``adapter_load_wait_s`` fails with AdapterLoadTimeoutError.
+    loading_since: float = 0.0
     resolution: AdapterResolution | None = None
     acquired: bool = False  # adapter lease taken (kept across preemption)
     num_computed: int = 0  # tokens whose KV is written or being written by a launched step
@@ -219,9 +223,13 @@ class Scheduler:
         on_admit: Callable[[Sequence], None] | None = None,
         token_piece: Callable[[int], tuple[str, bytes]] | None = None,
         max_adapter_skips: int = 16,
+        adapter_load_wait_s: float | None = None,
     ) -> None:
         """``token_piece(id)``: a token's text and exact bytes, for logprob entries.
-        ``max_adapter_skips``: passes a request may be skipped before it ages (module docstring)."""
+        ``max_adapter_skips``: passes a request may be skipped before it ages (module docstring).
+        ``adapter_load_wait_s``: the longest a request waits on its adapter's load in flight
+        before it fails with ``AdapterLoadTimeoutError`` (503; the load goes on); None: no
+        bound."""
         self.blocks = blocks
         self.adapters = adapters
         self.base_names = base_names
@@ -237,6 +245,8 @@ class Scheduler:
         self.generated_tokens = 0
         self.preemptions = 0
         self.max_adapter_skips = max_adapter_skips
+        self.adapter_load_wait_s = adapter_load_wait_s
+        self.load_wait_timeouts = 0
         # Admissions of requests that waited on an adapter load; passes in which an aged request
         # was the barrier; passes that planned no step while a waiting request's load ran.
         self.admissions_waited_on_load = 0
@@ -338,6 +348,7 @@ class Scheduler:
             dl = seq.request.deadline
             if seq.cancelled or (dl is not None and now > dl):
                 self.finish(seq, "cancelled")
+        self._expire_load_waits(now)
         self.waiting = deque(s for s in self.waiting if not s.finished)
         self._admit()
         budget = self.max_num_batched_tokens
@@ -447,6 +458,8 @@ class Scheduler:
                     continue
                 adapters.start_load(name)
                 avail -= 1
+            if not seq.loading_since:
+                seq.loading_since = time.monotonic()
             if not seq.claim:
                 adapters.claim(name)
             seq.claim = 2
@@ -475,6 +488,39 @@ class Scheduler:
                 barrier = drain = None
         self._barrier = barrier
         self._drain = drain
+
+    def _expire_load_waits(self, now: float) -> None:
+        """Fail the waiting requests whose adapter load has run longer than
+        ``adapter_load_wait_s`` since they began waiting on it (503 with Retry-After at the
+        HTTP layer). The load is not cancelled: later requests find it in flight or done."""
+        bound = self.adapter_load_wait_s
+        if bound is None:
+            return
+        for seq in self.waiting:
+            if seq.finished or seq.acquired or not seq.loading_since:
+                continue
+            if now - seq.loading_since < bound:
+                continue
+            name = self.adapter_of(seq)
+            if name is None or self.adapters.is_resident(name):
+                continue
+            self.load_wait_timeouts += 1
+            self.finish(seq, "error", AdapterLoadTimeoutError(name, bound))
+
+    def next_load_wait_expiry(self) -> float | None:
+        """Seconds until the next waiting request's load wait runs out (None: none waits on a
+        load, or there is no bound): the engine's idle loop wakes then to answer it."""
+        bound = self.adapter_load_wait_s
+        if bound is None:
+            return None
+        starts = [
+            s.loading_since
+            for s in self.waiting
+            if s.loading_since and not s.finished and not s.acquired
+        ]
+        if not starts:
+            return None
+        return max(0.0, min(starts) + bound - time.monotonic())
 
     def _admit(self) -> None:
         self._plan_loads()

@@ -243,6 +243,7 @@ class WorkerService:
         # Validate, resolve the model and adapter, tokenise, check the context and deadline.
         job = await self.build_job(request, body, kind)
         self._inject_fault(job)
+        await self._adapter_ready(job)
         ticket = self._enqueue(job)
         progresses = [ChoiceProgress() for _ in range(job.candidates)]
         outcome = "error"
@@ -301,6 +302,28 @@ class WorkerService:
             raise
         finally:
             self._settle(job, ticket, streams, progresses, progresses[0].outcome or outcome)
+
+    async def _adapter_ready(self, job: GenerationJob) -> None:
+        """Wait for the job's adapter when its load is in flight or must come from a store
+        (``Engine.await_adapter``), before the job takes a place in the tenant queue and an
+        admission slot: 503 with Retry-After when that wait runs out."""
+        await_adapter = getattr(self.engine, "await_adapter", None)
+        if await_adapter is None or job.adapter is None:
+            return
+        try:
+            await await_adapter(job.adapter)
+        except EngineError as exc:
+            error = engine_error_as_api_error(exc, self.config.retry_after_s)
+            # Counted once, as a request that reached the engine and failed would be.
+            self.metrics.observe_finished(
+                outcome=error.code or "error",
+                arrived=job.arrived,
+                first_token=None,
+                last_token=None,
+                completion_tokens=0,
+                adapter=job.adapter,
+            )
+            raise error from None
 
     async def build_job(
         self, request: web.Request, body: dict[str, Any], kind: GenerationKind
@@ -362,6 +385,7 @@ class WorkerService:
                 "they finish, so their events cannot be sent as they come",
                 code="unsupported",
             )
+        await self._adapter_ready(job)
         ticket = self._enqueue(job)
         progresses = [ChoiceProgress() for _ in range(job.n)]
         outcome: str | None = None

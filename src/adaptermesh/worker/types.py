@@ -18,6 +18,7 @@ __all__ = [
     "MAX_LOGIT_BIAS_VALUE",
     "MAX_LOGPROBS",
     "AdapterInfo",
+    "AdapterLoadTimeoutError",
     "AdapterNotFoundError",
     "AdapterResidency",
     "EngineError",
@@ -69,6 +70,22 @@ class AdapterNotFoundError(EngineError, LookupError):
         )
         super().__init__(f"{shown}: {message}")
         self.name = name
+
+
+class AdapterLoadTimeoutError(AdapterNotFoundError):
+    """A request waited ``wait_s`` for its adapter's load, which has not finished (its store
+    is slow or stalled). The server's problem, not the client's: ``status`` 503, retry later.
+    The load itself goes on for the requests that come after."""
+
+    status = 503
+
+    def __init__(self, name: str, wait_s: float) -> None:
+        super().__init__(
+            name,
+            f"its load did not finish within {wait_s:g} s (the adapter store is slow or "
+            "stalled); retry later",
+        )
+        self.wait_s = wait_s
 
 
 class EngineOverloadedError(EngineError):
