@@ -429,7 +429,9 @@ def test_cuda_masked_steps_in_graphs_and_eager(tiny: Tiny, graphs: bool) -> None
                 tokens(await collect(engine.submit(request(f"r{i}", p, a, max_tokens=12))))
                 for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))
             ]
-            picks = list(range(0, len(SUITE), 5))
+            # Every fifth schema, closed ones only: allOf's parts stay open (any extra key), and a
+            # random model may spell an extra key until max_tokens; the CPU suite covers them.
+            picks = [k for k in range(0, len(SUITE), 5) if "allOf" not in json.dumps(SUITE[k])]
             plain = [
                 engine.submit(request(f"p{i}", p, a, max_tokens=12))
                 for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))
@@ -451,8 +453,9 @@ def test_cuda_masked_steps_in_graphs_and_eager(tiny: Tiny, graphs: bool) -> None
             assert [tokens(await collect(s)) for s in plain] == reference
             for k, stream in zip(picks, shaped, strict=True):
                 events = await collect(stream)
-                jsonschema.validate(json.loads(text_of(events)), SUITE[k]["schema"])
-                assert events[-1].finish_reason == "stop"
+                text = text_of(events)
+                assert events[-1].finish_reason == "stop", (SUITE[k]["name"], text)
+                jsonschema.validate(json.loads(text), SUITE[k]["schema"])
             if graphs:
                 assert engine.graph_steps > 0
                 assert any(key[-1] for key in engine.launcher.graphs)
