@@ -380,7 +380,13 @@ def test_mixed_batches_leave_unconstrained_rows_alone(
             results = await asyncio.gather(*(collect(s) for s in streams))
             for i, events in enumerate(results):
                 if constrained_rows[i]:
-                    jsonschema.validate(json.loads(text_of(events)), SUITE[picks[i]]["schema"])
+                    # A random model can write a number's digits (or an open object's keys)
+                    # until max_tokens: such a row is cut ("length"), not wrong. A finished row
+                    # validates; the property here is that the unconstrained rows are untouched.
+                    if events[-1].finish_reason == "stop":
+                        jsonschema.validate(json.loads(text_of(events)), SUITE[picks[i]]["schema"])
+                    else:
+                        assert events[-1].finish_reason == "length"
                 else:
                     assert tokens(events) == reference[i]
         finally:
