@@ -71,7 +71,7 @@ fi
 import importlib, shutil, sys
 mods = ["bcc", "pyroute2", "torch", "triton", "transformers", "peft", "grpc", "xds", "envoy",
         "scapy", "hypothesis", "aiohttp", "httpx", "prometheus_client", "typer", "rich", "yaml",
-        "boto3", "moto",
+        "boto3", "moto", "llguidance", "jsonschema", "openai", "xgrammar", "outlines_core",
         "importlinter"]
 bad = []
 for m in mods:
