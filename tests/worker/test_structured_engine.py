@@ -216,7 +216,8 @@ def test_apply_bitmask_masks_exactly_the_cleared_bits() -> None:
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(choices=st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=4, unique=True))
-@example(choices=["\x7f", "\x85", "a\u2028b", '"q"\\'])  # DEL, C1, separators: JSON leaves raw
+# Characters JSON leaves raw that are not printable: DEL, C1, separators, format, astral.
+@example(choices=["\x7f", "\x85", "a\u2028b", "\u200b\ufeff", "\U000e0001", '"q"\\'])
 def test_any_choices_compile_to_exactly_themselves(
     compiler: GrammarCompiler, tiny: Tiny, choices: list[str]
 ) -> None:

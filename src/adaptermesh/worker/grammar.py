@@ -122,14 +122,22 @@ def bitmask_words(vocab_size: int) -> int:
 
 def _lark_literal(text: str) -> str:
     """``text`` as a Lark string literal. JSON's string escapes are valid in Lark string
-    literals; JSON leaves DEL and the C1 controls (and the line and paragraph separators) raw,
-    which the grammar's lexer refuses, so those are escaped as well."""
-    return "".join(
-        f"\\u{ord(ch):04x}"
-        if ch == "\x7f" or "\x80" <= ch <= "\x9f" or ch in "\u2028\u2029"
-        else ch
-        for ch in json.dumps(text, ensure_ascii=False)
-    )
+    literals, but JSON leaves every non-printable character above U+001F raw (DEL, the C1
+    controls, the line and paragraph separators, format characters), and the grammar's lexer
+    refuses some of them: every character that is not printable is escaped (as a UTF-16
+    surrogate pair above U+FFFF)."""
+    out = []
+    for ch in json.dumps(text, ensure_ascii=False):
+        if ch.isprintable():
+            out.append(ch)
+            continue
+        code = ord(ch)
+        if code > 0xFFFF:
+            code -= 0x10000
+            out.append(f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}")
+        else:
+            out.append(f"\\u{code:04x}")
+    return "".join(out)
 
 
 def choice_grammar(choices: list[str]) -> str:
