@@ -290,6 +290,16 @@ def _percentiles(values: Iterable[float]) -> dict[str, float | None]:
     return {"n": len(data), "p50_s": round(cuts[49], 4), "p99_s": round(cuts[98], 4)}
 
 
+def _failure_row(record: RequestRecord, first: float) -> dict[str, Any]:
+    """A failed request as the results JSON samples it."""
+    return {
+        "outcome": record.outcome,
+        "status": record.status,
+        "detail": record.detail,
+        "started_after_first_fault_s": round(record.started - first, 3),
+    }
+
+
 def summarize(
     records: Sequence[RequestRecord],
     faults: Sequence[FaultEvent],
@@ -351,24 +361,9 @@ def summarize(
         else None,
         "timeouts": sum(1 for r in records if r.outcome == "timeout"),
         "failures_sample": [
-            {
-                "outcome": r.outcome,
-                "status": r.status,
-                "detail": r.detail,
-                "retry_after": r.retry_after,
-                "started_after_first_fault_s": round(r.started - first, 3),
-            }
-            for r in failed[:8]
+            {**_failure_row(r, first), "retry_after": r.retry_after} for r in failed[:8]
         ],
-        "failures_outside_sample": [
-            {
-                "outcome": r.outcome,
-                "status": r.status,
-                "detail": r.detail,
-                "started_after_first_fault_s": round(r.started - first, 3),
-            }
-            for r in outside[:8]
-        ],
+        "failures_outside_sample": [_failure_row(r, first) for r in outside[:8]],
         "faults": [
             {
                 "kind": f.kind,

@@ -662,11 +662,12 @@ class AdapterManager:
             assert cached is not None
             self._check_finite(cpu, cached[0])
             return
-        if self._upload_stream is not None:
-            with torch.cuda.stream(self._upload_stream):
-                got, want = self._write_slot(slot, cpu, cached is None)
-                nums = torch.cat([got.reshape(1), *([] if want is None else [want])]).tolist()
-        else:
+        stream = (
+            torch.cuda.stream(self._upload_stream)
+            if self._upload_stream is not None
+            else contextlib.nullcontext()
+        )
+        with stream:
             got, want = self._write_slot(slot, cpu, cached is None)
             nums = torch.cat([got.reshape(1), *([] if want is None else [want])]).tolist()
         slot_sum = nums[0]
