@@ -418,7 +418,7 @@ def _http_text(url: str) -> str:
     return httpx.get(url, timeout=2).text
 
 
-def _when_busy(mesh: LocalMesh, shard_id: str, j: int, timeout: float = 10.0) -> int:
+def _when_busy(mesh: LocalMesh, shard_id: str, j: int, timeout: float = 30.0) -> int:
     """Wait (up to ``timeout``) until worker ``j`` of ``shard_id`` is generating, so that the
     fault meets a stream in flight; returns how many it runs (0 when it never did)."""
     deadline = time.monotonic() + timeout
@@ -451,6 +451,9 @@ def kill_scenario(
     faults: list[FaultEvent] = []
     for _ in range(kills):
         cycle_start = time.monotonic()
+        # A scenario run before this one may have left the victim just restarted: Envoy must
+        # route to it again before a stream can be in flight there.
+        _back_in_envoy(mesh, shard_id, j, 60)
         on_victim = _when_busy(mesh, shard_id, j)
         in_flight = sum(1 for r in list(load.records) if r.started and not r.ended)
         at = mesh.kill_worker(shard_id, j)
@@ -540,8 +543,12 @@ def step_error_scenario(
     proc = mesh.worker_proc(shard_id, j)
     trigger = Path(f"{trigger_base}.{proc.popen.pid}")
     on_victim = _when_busy(mesh, shard_id, j)
+    # Written whole under another name, then renamed: the worker checks for the trigger
+    # before every step and must never read it empty (its message is what the test checks).
+    staged = trigger.with_name(f".{trigger.name}.staged")
+    staged.write_text(message)
     at = time.monotonic()
-    trigger.write_text(message)
+    staged.rename(trigger)
     consumed = _wait(lambda: not trigger.exists(), 30, 0.02)
     event = FaultEvent(
         "step_error",

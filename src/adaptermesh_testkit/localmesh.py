@@ -47,12 +47,13 @@ from typing import Any, TypeVar
 import grpc
 import httpx
 
+from adaptermesh.bpf.namespace import enter
 from adaptermesh.proto.adaptermesh.v1 import (
     assignment_pb2,
     control_plane_pb2,
     control_plane_pb2_grpc,
 )
-from adaptermesh_testkit.netns import NodeTopology, delete_namespaces, inside
+from adaptermesh_testkit.netns import NodeTopology, delete_namespaces
 from adaptermesh_testkit.stallproxy import StallProxy
 
 T = TypeVar("T")
@@ -153,14 +154,7 @@ class _NsPools:
 
     def __init__(self) -> None:
         self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-        self._stacks: list[contextlib.ExitStack] = []
         self._lock = threading.Lock()
-
-    def _enter(self, ns: str) -> None:
-        stack = contextlib.ExitStack()
-        stack.enter_context(inside(ns))  # never left: the thread lives in ns until shutdown
-        with self._lock:
-            self._stacks.append(stack)
 
     def pool(self, ns: str) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
@@ -169,7 +163,7 @@ class _NsPools:
                 pool = concurrent.futures.ThreadPoolExecutor(
                     max_workers=32,
                     thread_name_prefix=f"ns-{ns}",
-                    initializer=self._enter,
+                    initializer=enter,  # for good: the thread lives in ns until shutdown
                     initargs=(ns,),
                 )
                 self._pools[ns] = pool

@@ -8,9 +8,11 @@ to ``$AME_E2E_REPORT`` when that is set.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -73,6 +75,7 @@ class Traffic:
         self.failure_times: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._noted = False
         self._threads = [
             threading.Thread(target=self._run, args=(src, adapters[i % len(adapters)]), daemon=True)
             for i, src in enumerate(sources)
@@ -86,11 +89,25 @@ class Traffic:
             except Exception as exc:  # every failure counts, whatever its kind
                 with self._lock:
                     self.failures.append(f"{time.strftime('%X')} {source}: {exc}")
+                    if isinstance(exc, OSError) and exc.errno == errno.EADDRNOTAVAIL:
+                        self._note_addresses()
                     self.failure_times.append((started, time.monotonic()))
             else:
                 with self._lock:
                     self.ok += 1
             time.sleep(0.02)
+
+    def _note_addresses(self) -> None:
+        # A tenant address that cannot be bound: keep, once, what the tenant namespace holds
+        # then (its addresses and links), so the failure says which part went away.
+        if self._noted:
+            return
+        self._noted = True
+        for what in (["-br", "addr"], ["-br", "link"]):
+            out = subprocess.run(
+                ["ip", "-n", self.mesh.tenant_ns, *what], capture_output=True, text=True
+            )
+            self.failures.append(f"ip {' '.join(what)}: {out.stdout.strip()} {out.stderr.strip()}")
 
     def __enter__(self) -> Traffic:
         for t in self._threads:
