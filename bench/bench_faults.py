@@ -64,6 +64,13 @@ SHORT = ("kill", "drain", "stall", "step_error")
 STORE_ADAPTER = "remote"
 
 
+def _done_with(workdir: Path, keep: bool) -> None:
+    if keep:
+        print(f"[faults] kept {workdir} (logs in {workdir / 'mesh' / 'logs'})", flush=True)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", default="bench/results/faults_cpu.json")
@@ -85,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=6.0)
     p.add_argument("--cooldown", type=float, default=6.0)
     p.add_argument("--records-dir", default=None, help="also write every request, per scenario")
+    p.add_argument(
+        "--keep-workdir",
+        action="store_true",
+        help="keep the mesh's work directory (every process's log under mesh/logs) and print it",
+    )
     p.add_argument("--stall", type=float, default=30.0, help="seconds the store stalls (full)")
     p.add_argument("--load-wait", type=float, default=5.0, help="the workers' --adapter-load-wait")
     p.add_argument("--store-timeout", type=float, default=3.0, help="--adapter-store-timeout")
@@ -167,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         mesh.stop()
         os.environ.pop(STEP_FAULT_ENV, None)
-        shutil.rmtree(workdir, ignore_errors=True)
+        _done_with(workdir, args.keep_workdir)
     doc = {
         **provenance("httpx", load_start=load_start),
         "topology": "1 shard x 2 CPU workers (tiny Llama), real classifier, Envoy, agent and "
@@ -252,7 +264,7 @@ def soak(args: argparse.Namespace) -> int:
         )
     finally:
         mesh.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        _done_with(workdir, args.keep_workdir)
     doc = {
         **provenance("httpx", load_start=load_start),
         "topology": "2 shards x 1 CPU worker (tiny Llama), real classifier, Envoy with the "
