@@ -641,3 +641,62 @@ def test_window_state_is_held_only_for_rollouts_in_progress(ops: list[str]) -> N
 
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(run(Path(tmp)))
+
+
+def _rollout(adapter: str, n: int) -> control_plane_pb2.Rollout:
+    r = control_plane_pb2.Rollout(
+        id=f"{adapter}-{n}",
+        spec=spec(adapter=adapter, to_version=f"2.0.{n}"),
+        state=S.ROLLOUT_STATE_ABORTED,
+    )
+    return r
+
+
+def _event(kind: str) -> control_plane_pb2.RolloutEvent:
+    return control_plane_pb2.RolloutEvent(kind=kind)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    limit=st.integers(1, 5),
+    adapters=st.lists(st.sampled_from(["a", "b", "c"]), max_size=30),
+)
+def test_the_store_keeps_the_newest_rollouts_per_adapter(limit: int, adapters: list[str]) -> None:
+    """After any sequence of rollouts, each adapter keeps its newest ``limit`` rollouts
+    (the newest always) with all their events, and nothing of the older ones."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "cp.sqlite3", synchronous="OFF", rollout_history_limit=limit)
+        made: dict[str, list[str]] = {}
+        for n, adapter in enumerate(adapters):
+            r = _rollout(adapter, n)
+            store.put_rollout(r, _event("start"))
+            store.put_rollout(r, _event("abort"))
+            made.setdefault(adapter, []).append(r.id)
+        for adapter, ids in made.items():
+            kept = store.rollouts(adapter, latest_only=False, events=True)
+            assert [r.id for r in kept] == ids[-limit:]
+            assert all([e.kind for e in r.events] == ["start", "abort"] for r in kept)
+            (latest,) = store.rollouts(adapter)
+            assert latest.id == ids[-1]
+        events = store._db.execute("SELECT COUNT(*) FROM rollout_events").fetchone()[0]
+        assert events == 2 * sum(min(len(ids), limit) for ids in made.values())
+        store.close()
+
+
+async def test_rollout_history_is_capped_through_the_controller(tmp_path: Path) -> None:
+    """The default cap holds for rollouts started and aborted one after another (what a
+    soak's change cycle does), and the history lists the newest ones, newest last."""
+    from adaptermesh.control_plane.store import ROLLOUT_HISTORY_LIMIT
+
+    ctl, _source, _clock, rb = setup(tmp_path)
+    ids = []
+    for n in range(ROLLOUT_HISTORY_LIMIT + 7):
+        ids.append(ctl.start(spec(from_version="", to_version=f"2.0.{n}"), "").id)
+        ctl.control("credit-risk", "abort", "")
+    history = ctl.listing("credit-risk", history=True)
+    assert len(history) == ROLLOUT_HISTORY_LIMIT
+    assert [r.id for r in history] == ids[-ROLLOUT_HISTORY_LIMIT:]
+    assert [e.kind for e in history[-1].events] == ["start", "abort"]
+    assert split(rb) is None  # the newest (aborted, unversioned) still decides the split
