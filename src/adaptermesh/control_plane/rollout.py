@@ -140,6 +140,9 @@ class ScrapeAdapterSource:
                     self.errors[t.key] = str(exc) or type(exc).__name__
 
             await asyncio.gather(*(one(t) for t in targets))
+        listed = {t.key for t in targets}
+        for key in [k for k in self.errors if k not in listed]:
+            del self.errors[key]  # a worker no longer listed
         return out
 
 
