@@ -306,7 +306,9 @@ class FakeWorker:
         return generate_latest(self.metrics.registry)
 
 
-async def _start_workers(n: int) -> tuple[list[FakeWorker], list[Any]]:
+async def _start_workers(n: int, slow: float) -> tuple[list[FakeWorker], list[Any]]:
+    """``slow``: the fraction of scrapes answered only after the control plane's 2 s scrape
+    timeout, as a CPU worker busy with requests sometimes answers (every 1/slow-th one)."""
     from aiohttp import web
 
     workers, runners = [], []
@@ -314,7 +316,10 @@ async def _start_workers(n: int) -> tuple[list[FakeWorker], list[Any]]:
         worker = FakeWorker(i)
 
         async def handler(_: web.Request, w: FakeWorker = worker) -> web.Response:
-            return web.Response(body=w.render(), content_type="text/plain")
+            body = w.render()
+            if slow > 0 and int(w.scrapes * slow) != int((w.scrapes - 1) * slow):
+                await asyncio.sleep(2.5)
+            return web.Response(body=body, content_type="text/plain")
 
         app = web.Application()
         app.router.add_get("/metrics", handler)
@@ -539,7 +544,7 @@ def _top_growth(first: Path, last: Path, limit: int) -> list[dict[str, Any]]:
 async def _drive(
     args: argparse.Namespace, workdir: Path, src: Path, traced: bool
 ) -> dict[str, Any]:
-    workers, runners = await _start_workers(2)
+    workers, runners = await _start_workers(2, args.slow_scrapes)
     server = Server(args, workdir, src, traced)
     driver = Driver(server.target, args.speed)
     stop = asyncio.Event()
@@ -674,6 +679,12 @@ def main() -> int:
     p.add_argument(
         "--malloc-arena-max", type=int, default=0, help="MALLOC_ARENA_MAX for the server (0: unset)"
     )
+    p.add_argument(
+        "--slow-scrapes",
+        type=float,
+        default=0.0,
+        help="fraction of worker scrapes that time out (answered after 2.5 s)",
+    )
     p.add_argument("--src", type=Path, help="run the server from this source tree")
     p.add_argument(
         "--compare-src",
@@ -719,6 +730,7 @@ def main() -> int:
             "rollout_tick_s": SOAK_ROLLOUT_TICK_S / args.speed,
             "soak_minutes_equivalent": args.cycles * 6,
             "malloc_arena_max": args.malloc_arena_max or None,
+            "slow_scrapes": args.slow_scrapes,
         },
         "summary": {
             label: {
