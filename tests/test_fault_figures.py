@@ -127,3 +127,11 @@ def test_soak_figures_measure_growth_after_the_baseline_and_follow_a_restarted_p
     assert w["pid"] == 6
     assert w["samples"] == 3  # the old pid's sample is not its
     assert w["rss_growth"] == 0.02
+
+
+def test_soak_figures_keep_the_rss_once_a_minute_and_the_last_sample() -> None:
+    rows: list[tuple[float, dict[str, Any]]] = [
+        (t, {"cp": (1, 1000 + int(t), 10)}) for t in (0.0, 15.0, 59.9, 60.0, 75.0, 130.0, 140.5)
+    ]
+    cp = _sampler(rows).figures(0.0)["cp"]
+    assert cp["rss_kib_per_minute"] == [[0.0, 1000], [60.0, 1060], [130.0, 1130], [140.5, 1140]]

@@ -10,7 +10,8 @@ later). Nothing is injected, so no request may fail.
 
 :func:`run_soak` returns the figures ``bench/bench_faults.py --soak`` writes: requests sent and
 failed, latency per ten-minute block, and per process the RSS and descriptor count at the end
-of the warm-up (``baseline_after_s``), their maximum and last value after it, and the growth.
+of the warm-up (``baseline_after_s``), their maximum and last value after it, the growth,
+and the RSS once a minute.
 """
 
 from __future__ import annotations
@@ -116,8 +117,23 @@ class ProcessSampler:
                 "fds_baseline": base_fds,
                 "fds_max_after": max_fds,
                 "fds_last": last_fds,
+                # One (seconds, KiB) point a minute, so a plateau shows from a steady climb.
+                "rss_kib_per_minute": _per_minute(rows),
             }
         return out
+
+
+def _per_minute(rows: list[tuple[float, tuple[int, int, int]]]) -> list[list[float]]:
+    """The first sample of every minute (and the last one): [seconds, RSS KiB]."""
+    out: list[list[float]] = []
+    minute = -1
+    for t, (_, rss, _) in rows:
+        if int(t // 60) != minute:
+            minute = int(t // 60)
+            out.append([round(t, 1), rss])
+    if rows and out[-1][0] != round(rows[-1][0], 1):
+        out.append([round(rows[-1][0], 1), rows[-1][1][1]])
+    return out
 
 
 def _mesh_pids(mesh: LocalMesh) -> dict[str, int]:

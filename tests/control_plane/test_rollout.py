@@ -522,3 +522,181 @@ async def test_start_waits_for_a_scrape_that_finds_a_freshly_loaded_adapter(
     assert await rb.next_step(5.0) is False
     with pytest.raises(RolloutError):
         await api._require_known_adapter(controller, "typo")
+
+
+class _HeldSource(CounterSource):
+    """A CounterSource whose scrape waits until the test lets it finish, so an operator's
+    action can land while a controller step is awaiting it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import asyncio
+
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.hold = False
+
+    async def collect(
+        self, targets: list[Target], adapters: Iterable[str]
+    ) -> dict[str, dict[str, AdapterCounters]]:
+        if self.hold:
+            self.entered.set()
+            await self.release.wait()
+        return await super().collect(targets, adapters)
+
+
+def _setup_held(tmp_path: Path) -> tuple[RolloutController, _HeldSource, FakeClock, Rebalancer]:
+    ctl, _source, clock, rb = setup(tmp_path)
+    source = _HeldSource()
+    ctl.source = source
+    return ctl, source, clock, rb
+
+
+@pytest.mark.parametrize("action", ["abort", "pause", "promote"])
+async def test_an_operator_action_during_a_steps_scrape_wins_and_leaves_no_window(
+    tmp_path: Path, action: str
+) -> None:
+    """The step read the rollout RUNNING, then awaited its scrape; the operator acted
+    meanwhile. The step writes nothing over the action (its figures would have rolled the
+    rollout back) and keeps no window state for a rollout that is over."""
+    import asyncio
+
+    ctl, source, clock, rb = _setup_held(tmp_path)
+    started = ctl.start(spec(), "")
+    await ctl.step()  # the window's baseline
+    source.serve("10.0.0.1:8000", NEW, 30, errors=20)  # a broken bound: rollback if decided
+    clock.step(1)
+    source.hold = True
+    stepping = asyncio.create_task(ctl.step())
+    await source.entered.wait()
+    done = ctl.control("credit-risk", action, "operator")
+    version = rb.store.last_version()
+    source.release.set()
+    assert await stepping == []  # nothing decided for a rollout that changed meanwhile
+    assert rb.store.last_version() == version  # nothing published after the action
+    (stored,) = ctl.listing("credit-risk")
+    assert stored.id == started.id
+    assert stored.state == done.state
+    assert [e.kind for e in stored.events] == ["start", action]
+    if action == "pause":  # still in progress: its window state stays
+        assert set(ctl._base) <= {started.id}
+    else:
+        assert ctl._base == {}
+        assert ctl._windows == {}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(["start", "serve", "step", "abort_in_scrape", "pause", "resume", "abort"]),
+        max_size=40,
+    )
+)
+def test_window_state_is_held_only_for_rollouts_in_progress(ops: list[str]) -> None:
+    """Whatever the order of starts, steps, operator actions and actions during a scrape,
+    the controller keeps window state for the rollouts in progress only (at most one per
+    adapter), so ended rollouts never accumulate."""
+    import asyncio
+    import tempfile
+
+    async def run(tmp: Path) -> None:
+        ctl, source, clock, _rb = _setup_held(tmp)
+        for op in ops:
+            latest = ctl.listing("credit-risk")
+            active = bool(latest) and latest[-1].state in (
+                S.ROLLOUT_STATE_RUNNING,
+                S.ROLLOUT_STATE_PAUSED,
+            )
+            if op == "start" and not active:
+                ctl.start(spec(from_version="", min_requests=1000), "")
+            elif op == "serve":
+                source.serve("10.0.0.1:8000", NEW, 3)
+                clock.step(5)
+            elif op == "step":
+                await ctl.step()
+            elif op == "abort_in_scrape" and active:
+                source.hold, source.release = True, asyncio.Event()
+                source.entered.clear()
+                stepping = asyncio.create_task(ctl.step())
+                await asyncio.wait(
+                    [asyncio.ensure_future(source.entered.wait()), stepping],
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                ctl.control("credit-risk", "abort", "")
+                source.release.set()
+                await stepping
+                source.hold = False
+            elif op in ("pause", "resume", "abort") and active:
+                ctl.control("credit-risk", op, "")
+            in_progress = {
+                r.id
+                for r in ctl.listing()
+                if r.state in (S.ROLLOUT_STATE_RUNNING, S.ROLLOUT_STATE_PAUSED)
+            }
+            if op == "step" or op == "abort_in_scrape":
+                assert set(ctl._base) <= in_progress
+                assert set(ctl._windows) <= in_progress
+            assert len(ctl._base) <= 1
+            assert len(ctl._windows) <= 1
+
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(run(Path(tmp)))
+
+
+def _rollout(adapter: str, n: int) -> control_plane_pb2.Rollout:
+    r = control_plane_pb2.Rollout(
+        id=f"{adapter}-{n}",
+        spec=spec(adapter=adapter, to_version=f"2.0.{n}"),
+        state=S.ROLLOUT_STATE_ABORTED,
+    )
+    return r
+
+
+def _event(kind: str) -> control_plane_pb2.RolloutEvent:
+    return control_plane_pb2.RolloutEvent(kind=kind)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    limit=st.integers(1, 5),
+    adapters=st.lists(st.sampled_from(["a", "b", "c"]), max_size=30),
+)
+def test_the_store_keeps_the_newest_rollouts_per_adapter(limit: int, adapters: list[str]) -> None:
+    """After any sequence of rollouts, each adapter keeps its newest ``limit`` rollouts
+    (the newest always) with all their events, and nothing of the older ones."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "cp.sqlite3", synchronous="OFF", rollout_history_limit=limit)
+        made: dict[str, list[str]] = {}
+        for n, adapter in enumerate(adapters):
+            r = _rollout(adapter, n)
+            store.put_rollout(r, _event("start"))
+            store.put_rollout(r, _event("abort"))
+            made.setdefault(adapter, []).append(r.id)
+        for adapter, ids in made.items():
+            kept = store.rollouts(adapter, latest_only=False, events=True)
+            assert [r.id for r in kept] == ids[-limit:]
+            assert all([e.kind for e in r.events] == ["start", "abort"] for r in kept)
+            (latest,) = store.rollouts(adapter)
+            assert latest.id == ids[-1]
+        events = store._db.execute("SELECT COUNT(*) FROM rollout_events").fetchone()[0]
+        assert events == 2 * sum(min(len(ids), limit) for ids in made.values())
+        store.close()
+
+
+async def test_rollout_history_is_capped_through_the_controller(tmp_path: Path) -> None:
+    """The default cap holds for rollouts started and aborted one after another (what a
+    soak's change cycle does), and the history lists the newest ones, newest last."""
+    from adaptermesh.control_plane.store import ROLLOUT_HISTORY_LIMIT
+
+    ctl, _source, _clock, rb = setup(tmp_path)
+    ids = []
+    for n in range(ROLLOUT_HISTORY_LIMIT + 7):
+        ids.append(ctl.start(spec(from_version="", to_version=f"2.0.{n}"), "").id)
+        ctl.control("credit-risk", "abort", "")
+    history = ctl.listing("credit-risk", history=True)
+    assert len(history) == ROLLOUT_HISTORY_LIMIT
+    assert [r.id for r in history] == ids[-ROLLOUT_HISTORY_LIMIT:]
+    assert [e.kind for e in history[-1].events] == ["start", "abort"]
+    assert split(rb) is None  # the newest (aborted, unversioned) still decides the split

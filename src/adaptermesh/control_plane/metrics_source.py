@@ -213,10 +213,12 @@ class ScrapeSource:
                 out[target.key] = replace(hist.observation, age_s=age, down=down)
             else:
                 out[target.key] = replace(_stale(target, hist.observation, age), down=down)
+        # Workers no longer listed leave with their history and their last error (which
+        # the rebalancer would otherwise count as a failed scrape on every step).
         wanted = {t.key for t in targets}
-        for key in list(self._history):
-            if key not in wanted:
-                del self._history[key]
+        for table in (self._history, self.errors):
+            for key in [k for k in table if k not in wanted]:
+                del table[key]
         return out
 
 
@@ -373,4 +375,6 @@ class PrometheusSource:
                 out[t.key] = replace(last[1], age_s=age)
             else:
                 out[t.key] = _stale(t, last[1] if last else None, age)
+        for key in [k for k in self._last if k not in out]:
+            del self._last[key]  # a worker no longer listed
         return out

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -268,6 +268,13 @@ class Preloader:
         """One round: read, scrape, plan, load. Worker failures are reported, not raised."""
         shards = self.store.list_shards()
         instances = self.store.list_adapter_instances()
+        seen = getattr(self.admin, "slots_seen", None)
+        if isinstance(seen, MutableMapping):
+            # The admin keeps a reading per worker it ever scraped: those of workers no
+            # longer listed go.
+            listed = {endpoint_key(ep.address, ep.port) for s in shards for ep in s.endpoints}
+            for key in [k for k in seen if k not in listed]:
+                del seen[key]
         if self.auto_placement:
             # Every shard's workers: their slots weigh the homes.
             views, down = await self._observe(shards, {s.id for s in shards})

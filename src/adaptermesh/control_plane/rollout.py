@@ -140,6 +140,9 @@ class ScrapeAdapterSource:
                     self.errors[t.key] = str(exc) or type(exc).__name__
 
             await asyncio.gather(*(one(t) for t in targets))
+        listed = {t.key for t in targets}
+        for key in [k for k in self.errors if k not in listed]:
+            del self.errors[key]  # a worker no longer listed
         return out
 
 
@@ -290,16 +293,44 @@ class RolloutController:
     # -- the loop --------------------------------------------------------------------------------
 
     async def step(self) -> list[tuple[str, Step]]:
-        """One read -> decide -> write over the running rollouts; returns what each did."""
+        """One read -> decide -> write over the running rollouts; returns what each did.
+
+        The scrape is awaited, so an operator's pause, abort or promote may land while it
+        runs: only the rollouts still stored exactly as read before it are decided (the
+        operator's change wins, and nothing is written over it). Afterwards the per-rollout
+        window state is kept for the rollouts in progress only."""
         self.steps += 1
         running = [r for r in self.store.rollouts() if r.state == S.ROLLOUT_STATE_RUNNING]
         if not running:
+            self._keep_windows_of_active()
             return []
         names = {rules.served_name(r.spec.adapter, r.spec.to_version): r for r in running}
         seen = await self.source.collect(self.rb.targets(), names)
+        out = self._decide_all(names, seen)
+        self._keep_windows_of_active()
+        return out
+
+    def _keep_windows_of_active(self) -> None:
+        """Forget the window state of every rollout no longer in progress: one entry per
+        rollout in progress (at most one per adapter), whatever ended the others."""
+        if not (self._base or self._windows):
+            return
+        active = {r.id for r in self.store.rollouts() if r.state in ACTIVE_STATES}
+        for table in (self._base, self._windows):
+            for rollout_id in [k for k in table if k not in active]:
+                del table[rollout_id]
+
+    def _decide_all(
+        self,
+        names: Mapping[str, control_plane_pb2.Rollout],
+        seen: Mapping[str, Mapping[str, AdapterCounters]],
+    ) -> list[tuple[str, Step]]:
+        current = {r.id: r for r in self.store.rollouts()}
         now = self.clock.time()
         out = []
         for name, rollout in names.items():
+            if current.get(rollout.id) != rollout:
+                continue  # changed while the scrape ran (paused, aborted, promoted)
             counters = {key: per[name] for key, per in seen.items() if name in per}
             base = self._base.get(rollout.id)
             if base is None:

@@ -29,6 +29,7 @@ from adaptermesh.rules import canonical_document, compile_rule_set, parse_rule_s
 
 __all__ = [
     "MIGRATIONS",
+    "ROLLOUT_HISTORY_LIMIT",
     "SCHEMA_VERSION",
     "AlreadyExistsError",
     "RuleSetRecord",
@@ -118,6 +119,10 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
+# Rollouts kept per adapter, with their events: the newest ones (the newest decides the
+# adapter's split and is never dropped). An older one goes when a new one starts.
+ROLLOUT_HISTORY_LIMIT = 100
+
 
 @dataclass(frozen=True)
 class RuleSetRecord:
@@ -187,12 +192,16 @@ class Store:
         synchronous: str = "FULL",
         index_quarantine_s: float = 300.0,
         history_limit: int = 10_000,
+        rollout_history_limit: int = ROLLOUT_HISTORY_LIMIT,
     ) -> None:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, not {synchronous}")
         self.path = Path(path)
         self.index_quarantine_s = index_quarantine_s
         self.history_limit = history_limit
+        if rollout_history_limit < 1:
+            raise ValueError(f"rollout_history_limit must be >= 1, not {rollout_history_limit}")
+        self.rollout_history_limit = rollout_history_limit
         self._lock = threading.RLock()
         self._depth = 0
         # Bumped by every write to shards or adapter instances made through this object (and
@@ -514,6 +523,7 @@ class Store:
                     "INSERT INTO rollouts (id, adapter, seq, body) VALUES (?,?,?,?)",
                     (rollout.id, rollout.spec.adapter, seq, body.SerializeToString()),
                 )
+                self._prune_rollouts(rollout.spec.adapter)
             else:
                 self._db.execute(
                     "UPDATE rollouts SET body = ? WHERE id = ?",
@@ -524,6 +534,19 @@ class Store:
                     "INSERT INTO rollout_events (rollout_id, body) VALUES (?,?)",
                     (rollout.id, event.SerializeToString()),
                 )
+
+    def _prune_rollouts(self, adapter: str) -> None:
+        """Keep the adapter's newest ``rollout_history_limit`` rollouts and their events."""
+        oldest_kept = (
+            "SELECT seq FROM rollouts WHERE adapter = ? ORDER BY seq DESC LIMIT 1 OFFSET ?"
+        )
+        args = (adapter, adapter, self.rollout_history_limit - 1)
+        self._db.execute(
+            "DELETE FROM rollout_events WHERE rollout_id IN (SELECT id FROM rollouts"
+            f" WHERE adapter = ? AND seq < ({oldest_kept}))",
+            args,
+        )
+        self._db.execute(f"DELETE FROM rollouts WHERE adapter = ? AND seq < ({oldest_kept})", args)
 
     def rollouts(
         self, adapter: str | None = None, *, latest_only: bool = True, events: bool = False
