@@ -105,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-pps", type=float, default=50.0, help="UDP probes per second per source")
     p.add_argument("--soak", action="store_true", help="run the soak instead of the scenarios")
     p.add_argument("--soak-minutes", type=float, default=30.0)
+    p.add_argument(
+        "--control-plane-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment of the control plane's process (repeatable), "
+        "e.g. MALLOC_ARENA_MAX=2",
+    )
     args = p.parse_args(argv)
     if args.soak:
         if args.out == "bench/results/faults_cpu.json":
@@ -226,6 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(all(s["held"].values()) for s in scenarios.values()) else 1
 
 
+def _env_pairs(items: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--control-plane-env: {item[:64]!r} is not KEY=VALUE")
+        env[key] = value
+    return env
+
+
 def soak(args: argparse.Namespace) -> int:
     """The soak (module docstring): two shards of one worker, rollouts through the agent's
     external processor, ``--soak-minutes`` of mixed traffic."""
@@ -246,6 +264,7 @@ def soak(args: argparse.Namespace) -> int:
             ext_proc=True,
             extra_adapters=("support@2.0.0",),
             workdir=workdir / "mesh",
+            control_plane_env=_env_pairs(args.control_plane_env),
         ),
         progress=lambda msg: print(f"[soak] {msg}", flush=True),
     )
@@ -270,6 +289,7 @@ def soak(args: argparse.Namespace) -> int:
         "topology": "2 shards x 1 CPU worker (tiny Llama), real classifier, Envoy with the "
         "agent's external processor, agent and control plane as processes",
         "form": "soak",
+        "control_plane_env": _env_pairs(args.control_plane_env),
         "soak_minutes_asked": args.soak_minutes,
         "soak_minutes_run": result["minutes"],
         "bounds": {

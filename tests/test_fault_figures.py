@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from adaptermesh_testkit.faultload import FaultEvent, RequestRecord, UdpProbe, _stall_recovery
-from adaptermesh_testkit.soak import ProcessSampler
+from adaptermesh_testkit.soak import ProcessSampler, rss_by_mapping
 
 
 def _probe(
@@ -135,3 +135,67 @@ def test_soak_figures_keep_the_rss_once_a_minute_and_the_last_sample() -> None:
     ]
     cp = _sampler(rows).figures(0.0)["cp"]
     assert cp["rss_kib_per_minute"] == [[0.0, 1000], [60.0, 1060], [130.0, 1130], [140.5, 1140]]
+
+
+def _smaps_entry(lo: int, size_kib: int, path: str, rss_kib: int) -> str:
+    hi = lo + size_kib * 1024
+    return (
+        f"{lo:012x}-{hi:012x} rw-p 00000000 00:00 0          {path}\n"
+        f"Size:           {size_kib} kB\nKernelPageSize:        4 kB\nRss:            {rss_kib} kB\n"
+        f"Pss:            {rss_kib} kB\nVmFlags: rd wr mr mw me ac sd\n"
+    )
+
+
+def test_rss_by_mapping_sorts_heap_arenas_small_anon_and_files() -> None:
+    text = "".join(
+        [
+            _smaps_entry(0x400000, 4096, "/usr/bin/python3.11", 3000),
+            _smaps_entry(0x1000000, 20000, "[heap]", 15000),
+            _smaps_entry(0x7F0000000000, 65536, "", 9000),  # a malloc arena's 64 MiB
+            _smaps_entry(0x7F1000000000, 1024, "", 700),  # a Python arena
+            _smaps_entry(0x7F2000000000, 8192, "[stack]", 40),
+        ]
+    )
+    assert rss_by_mapping(text) == {
+        "heap": 15000,
+        "anon_large": 9000,
+        "anon_small": 740,
+        "file": 3000,
+    }
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 200_000),
+            st.sampled_from(["", "[heap]", "[stack]", "/lib/x.so", "[anon:x]", "[vdso]"]),
+            st.integers(0, 100_000),
+        ),
+        max_size=30,
+    )
+)
+def test_rss_by_mapping_counts_every_mapping_once(entries: list[tuple[int, str, int]]) -> None:
+    text = "".join(
+        _smaps_entry(0x10000000 + i * (1 << 32), size, path, rss)
+        for i, (size, path, rss) in enumerate(entries)
+    )
+    kinds = rss_by_mapping(text)
+    assert sum(kinds.values()) == sum(rss for _, _, rss in entries)
+    assert kinds["heap"] == sum(rss for _, path, rss in entries if path == "[heap]")
+
+
+def test_soak_figures_say_what_holds_the_rss_at_the_baseline_and_the_end() -> None:
+    rows: list[tuple[float, dict[str, Any]]] = [
+        (0.0, {"cp": (1, 900, 10)}),
+        (300.0, {"cp": (1, 1000, 12)}),
+        (600.0, {"cp": (1, 1100, 12)}),
+    ]
+    sampler = _sampler(rows)
+    sampler.mappings = [
+        {"cp": {"heap": 1, "anon_large": 0, "anon_small": 0, "file": 0}},
+        {"cp": {"heap": 2, "anon_large": 0, "anon_small": 0, "file": 0}},
+        {"cp": {"heap": 3, "anon_large": 5, "anon_small": 0, "file": 0}},
+    ]
+    held = sampler.figures(300.0)["cp"]["rss_kib_by_mapping"]
+    assert held["baseline"]["heap"] == 2
+    assert held["last"] == {"heap": 3, "anon_large": 5, "anon_small": 0, "file": 0}

@@ -39,8 +39,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -95,6 +95,8 @@ class MeshConfig:
     extra_adapters: Sequence[str] = ()
     # More control-plane flags (``--auto-placement``, say) and worker flags (``--max-loras``).
     control_plane_args: Sequence[str] = ()
+    # Extra environment of the control plane's process (say MALLOC_ARENA_MAX=2).
+    control_plane_env: Mapping[str, str] = field(default_factory=dict)
     worker_args: Sequence[str] = ()
     # Adapters that only an S3 store holds (not the adapter root): each shard namespace runs a
     # moto S3 server behind a StallProxy (stallproxy.py) on 127.0.0.1, and its workers look
@@ -457,6 +459,7 @@ class LocalMesh:
                 "INFO",
                 *self.config.control_plane_args,
             ],
+            env=dict(self.config.control_plane_env),
         )
 
     def stop_control_plane(self, kill: bool = False) -> float:

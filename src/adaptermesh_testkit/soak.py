@@ -27,7 +27,7 @@ from typing import Any
 from adaptermesh_testkit.faultload import OpenLoad, RequestRecord, _percentiles
 from adaptermesh_testkit.localmesh import LocalMesh
 
-__all__ = ["RSS_GROWTH_BOUND", "ProcessSampler", "run_soak"]
+__all__ = ["RSS_GROWTH_BOUND", "ProcessSampler", "rss_by_mapping", "run_soak"]
 
 # RSS after the warm-up may grow at most this fraction; descriptors at most FD_SLACK.
 RSS_GROWTH_BOUND = 0.05
@@ -42,6 +42,46 @@ def _rss_kib(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+# An anonymous mapping at least this large (virtual) is a malloc arena's heap (glibc reserves
+# them 64 MiB at a time) or a large block; smaller ones are mostly Python's own arenas.
+_LARGE_ANON_KIB = 32 * 1024
+
+
+def rss_by_mapping(smaps: str) -> dict[str, int]:
+    """RSS (KiB) of one process by kind of mapping, from the text of ``/proc/<pid>/smaps``:
+    ``heap`` (the brk heap: malloc's main arena), ``anon_large`` (anonymous mappings of at
+    least 32 MiB: other malloc arenas, big blocks), ``anon_small`` (smaller anonymous ones:
+    Python's arenas, thread stacks), ``file`` (file-backed: code, libraries, mapped files)."""
+    out = {"heap": 0, "anon_large": 0, "anon_small": 0, "file": 0}
+    kind = "file"
+    for line in smaps.splitlines():
+        head = line.split(None, 1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):
+            parts = line.split()
+            lo, _, hi = parts[0].partition("-")
+            try:
+                size_kib = (int(hi, 16) - int(lo, 16)) // 1024
+            except ValueError:
+                continue
+            path = parts[5] if len(parts) > 5 else ""
+            if path == "[heap]":
+                kind = "heap"
+            elif path == "" or path.startswith("[anon") or path == "[stack]":
+                kind = "anon_large" if size_kib >= _LARGE_ANON_KIB else "anon_small"
+            else:
+                kind = "file"
+        elif line.startswith("Rss:"):
+            out[kind] += int(line.split()[1])
+    return out
+
+
+def _mapping_kib(pid: int) -> dict[str, int] | None:
+    try:
+        return rss_by_mapping(Path(f"/proc/{pid}/smaps").read_text())
+    except OSError:
+        return None
 
 
 def _fds(pid: int) -> int | None:
@@ -59,6 +99,8 @@ class ProcessSampler:
         self.pids = pids
         self.interval_s = interval_s
         self.samples: list[tuple[float, dict[str, tuple[int, int, int]]]] = []
+        # RSS by kind of mapping (rss_by_mapping), per sample, per process name.
+        self.mappings: list[dict[str, dict[str, int]]] = []
         self.loadavg: list[float] = []  # the machine's 1-minute load average per sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -66,11 +108,15 @@ class ProcessSampler:
 
     def sample(self) -> None:
         row: dict[str, tuple[int, int, int]] = {}
+        maps: dict[str, dict[str, int]] = {}
         for name, pid in self.pids().items():
-            rss, fds = _rss_kib(pid), _fds(pid)
+            rss, fds, kinds = _rss_kib(pid), _fds(pid), _mapping_kib(pid)
             if rss is not None and fds is not None:
                 row[name] = (pid, rss, fds)
+                if kinds is not None:
+                    maps[name] = kinds
         self.samples.append((time.monotonic() - self.started, row))
+        self.mappings.append(maps)
         self.loadavg.append(os.getloadavg()[0])
 
     def _run(self) -> None:
@@ -119,8 +165,19 @@ class ProcessSampler:
                 "fds_last": last_fds,
                 # One (seconds, KiB) point a minute, so a plateau shows from a steady climb.
                 "rss_kib_per_minute": _per_minute(rows),
+                # What holds it, at the baseline and at the last sample.
+                "rss_kib_by_mapping": {
+                    "baseline": self._mapping_at(name, pid, base_t),
+                    "last": self._mapping_at(name, pid, after[-1][0]),
+                },
             }
         return out
+
+    def _mapping_at(self, name: str, pid: int, t: float) -> dict[str, int] | None:
+        for i, (ts, row) in enumerate(self.samples):
+            if ts == t and name in row and row[name][0] == pid and i < len(self.mappings):
+                return self.mappings[i].get(name)
+        return None
 
 
 def _per_minute(rows: list[tuple[float, tuple[int, int, int]]]) -> list[list[float]]:
