@@ -151,8 +151,8 @@ def test_rss_by_mapping_sorts_heap_arenas_small_anon_and_files() -> None:
         [
             _smaps_entry(0x400000, 4096, "/usr/bin/python3.11", 3000),
             _smaps_entry(0x1000000, 20000, "[heap]", 15000),
-            _smaps_entry(0x7F0000000000, 65536, "", 9000),  # a malloc arena's 64 MiB
-            _smaps_entry(0x7F1000000000, 1024, "", 700),  # a Python arena
+            _smaps_entry(0x7F0000000000, 65536, "", 9000),  # a 64 MiB anonymous block
+            _smaps_entry(0x7F1000000000, 1024, "", 700),  # Python arenas
             _smaps_entry(0x7F2000000000, 8192, "[stack]", 40),
         ]
     )

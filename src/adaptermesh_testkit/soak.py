@@ -44,16 +44,16 @@ def _rss_kib(pid: int) -> int | None:
     return None
 
 
-# An anonymous mapping at least this large (virtual) is a malloc arena's heap (glibc reserves
-# them 64 MiB at a time) or a large block; smaller ones are mostly Python's own arenas.
+# An anonymous mapping with at least this much address space counts as large.
 _LARGE_ANON_KIB = 32 * 1024
 
 
 def rss_by_mapping(smaps: str) -> dict[str, int]:
     """RSS (KiB) of one process by kind of mapping, from the text of ``/proc/<pid>/smaps``:
-    ``heap`` (the brk heap: malloc's main arena), ``anon_large`` (anonymous mappings of at
-    least 32 MiB: other malloc arenas, big blocks), ``anon_small`` (smaller anonymous ones:
-    Python's arenas, thread stacks), ``file`` (file-backed: code, libraries, mapped files)."""
+    ``heap`` (the brk heap: glibc malloc's main arena), ``anon_large`` (anonymous mappings of at
+    least 32 MiB of address space: large malloc blocks), ``anon_small`` (every other anonymous
+    mapping: Python's own arenas, which the kernel merges when adjacent, thread stacks, the used
+    part of malloc's other arenas), ``file`` (file-backed: code, libraries, mapped files)."""
     out = {"heap": 0, "anon_large": 0, "anon_small": 0, "file": 0}
     kind = "file"
     for line in smaps.splitlines():
