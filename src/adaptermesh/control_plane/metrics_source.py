@@ -22,6 +22,7 @@ from typing import Protocol
 import httpx
 
 from adaptermesh.control_plane.policy import WorkerObservation, endpoint_key
+from adaptermesh.control_plane.tables import keep_only
 from adaptermesh.worker_scrape import (
     MAX_ADAPTER_HISTOGRAMS,
     RawSample,
@@ -216,9 +217,8 @@ class ScrapeSource:
         # Workers no longer listed leave with their history and their last error (which
         # the rebalancer would otherwise count as a failed scrape on every step).
         wanted = {t.key for t in targets}
-        for table in (self._history, self.errors):
-            for key in [k for k in table if k not in wanted]:
-                del table[key]
+        keep_only(self._history, wanted)
+        keep_only(self.errors, wanted)
         return out
 
 
@@ -375,6 +375,5 @@ class PrometheusSource:
                 out[t.key] = replace(last[1], age_s=age)
             else:
                 out[t.key] = _stale(t, last[1] if last else None, age)
-        for key in [k for k in self._last if k not in out]:
-            del self._last[key]  # a worker no longer listed
+        keep_only(self._last, out)  # a worker no longer listed goes
         return out

@@ -49,6 +49,7 @@ from adaptermesh.control_plane.placement import (
 )
 from adaptermesh.control_plane.policy import endpoint_key
 from adaptermesh.control_plane.store import Store
+from adaptermesh.control_plane.tables import keep_only
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
 from adaptermesh.worker_scrape import parse_metrics
 
@@ -250,8 +251,7 @@ class Preloader:
         listed = {endpoint_key(ep.address, ep.port) for s in shards for ep in s.endpoints}
         if isinstance(seen, Mapping):
             self.slots.update({k: float(v) for k, v in seen.items() if k in listed})
-        for key in [k for k in self.slots if k not in listed]:
-            del self.slots[key]
+        keep_only(self.slots, listed)
         names = [inst.name for inst in instances if wants_home(inst)]
         self.homes = homes(names, shard_capacities(shards, self.slots))
         if self.on_homes is not None and self.homes != self._homes_delivered:
@@ -273,8 +273,7 @@ class Preloader:
             # The admin keeps a reading per worker it ever scraped: those of workers no
             # longer listed go.
             listed = {endpoint_key(ep.address, ep.port) for s in shards for ep in s.endpoints}
-            for key in [k for k in seen if k not in listed]:
-                del seen[key]
+            keep_only(seen, listed)
         if self.auto_placement:
             # Every shard's workers: their slots weigh the homes.
             views, down = await self._observe(shards, {s.id for s in shards})

@@ -42,6 +42,7 @@ from adaptermesh.control_plane.rollout_state import (
     share_of,
     stable_version,
 )
+from adaptermesh.control_plane.tables import keep_only
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2
 
 __all__ = [
@@ -140,9 +141,7 @@ class ScrapeAdapterSource:
                     self.errors[t.key] = str(exc) or type(exc).__name__
 
             await asyncio.gather(*(one(t) for t in targets))
-        listed = {t.key for t in targets}
-        for key in [k for k in self.errors if k not in listed]:
-            del self.errors[key]  # a worker no longer listed
+        keep_only(self.errors, {t.key for t in targets})  # a worker no longer listed goes
         return out
 
 
@@ -316,9 +315,8 @@ class RolloutController:
         if not (self._base or self._windows):
             return
         active = {r.id for r in self.store.rollouts() if r.state in ACTIVE_STATES}
-        for table in (self._base, self._windows):
-            for rollout_id in [k for k in table if k not in active]:
-                del table[rollout_id]
+        keep_only(self._base, active)
+        keep_only(self._windows, active)
 
     def _decide_all(
         self,
