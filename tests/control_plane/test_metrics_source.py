@@ -108,7 +108,9 @@ async def worker() -> AsyncIterator[tuple[int, dict[str, object]]]:
 
 async def test_scrape_rates_timeouts_and_staleness(worker: tuple[int, dict[str, object]]) -> None:
     port, state = worker
-    src = ScrapeSource(interval_s=1.0, timeout_s=0.3)
+    # A generous timeout while the worker answers at once (a busy machine can take longer
+    # than a fraction of a second to serve loopback), a short one once it is made slow.
+    src = ScrapeSource(interval_s=1.0, timeout_s=10.0)
     targets = [Target("s", "127.0.0.1", port), Target("s", "127.0.0.1", 1)]  # port 1: refused
     first = await src.collect(targets, now=100.0)
     good, dead = first[f"127.0.0.1:{port}"], first["127.0.0.1:1"]
@@ -117,11 +119,13 @@ async def test_scrape_rates_timeouts_and_staleness(worker: tuple[int, dict[str, 
     assert not dead.known  # never scraped: unknown, not idle
     state.update(count=20, ttft_sum=3.0, tokens=1000)
     second = (await src.collect(targets, now=102.0))[f"127.0.0.1:{port}"]
+    assert second.age_s == 0, src.errors
     assert second.latency_s == pytest.approx(0.15)
     assert second.tokens_per_s == pytest.approx(500.0)
     assert second.requested_adapters == {"a", "b", "c"}
     # A slow worker times out; inside three intervals its last reading stands, then unknown.
     state["delay"] = 1.0
+    src.timeout_s = 0.3
     third = (await src.collect(targets, now=104.0))[f"127.0.0.1:{port}"]
     assert third.known
     assert third.age_s == pytest.approx(2.0)
