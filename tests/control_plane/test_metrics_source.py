@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from aiohttp import web
 
+from adaptermesh.control_plane.http_client import KeptClient
 from adaptermesh.control_plane.metrics_source import (
     PrometheusSource,
     ScrapeSource,
     Target,
     parse_metrics,
 )
+from adaptermesh.control_plane.rollout import ScrapeAdapterSource
 
 EXPOSITION = """\
 # HELP vllm:num_requests_waiting waiting
@@ -202,3 +204,46 @@ async def test_prometheus_source(prometheus: tuple[int, object]) -> None:
     assert w.tokens_per_s == 800
     assert w.requested_adapters == {"a", "b"}
     assert not out["10.0.0.2:8000"].known
+
+
+async def test_scrapes_keep_one_client_and_its_connections() -> None:
+    """Round after round, both scrape sources use one kept client: no new client (and TLS
+    context) per round, and the worker sees the same connection again (keep-alive)."""
+    peers: list[object] = []
+
+    async def seen_peer(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        return web.Response(text=EXPOSITION.format(waiting=0, count=0, ttft_sum=0.0, tokens=0))
+
+    async with serving("/metrics", seen_peer) as own_port:
+        own = [Target("s", "127.0.0.1", own_port)]
+        src = ScrapeSource(interval_s=1.0, timeout_s=10.0)
+        rollout_src = ScrapeAdapterSource(timeout_s=10.0)
+        for i in range(4):
+            assert (await src.collect(own, now=float(i)))[own[0].key].known
+            assert own[0].key in await rollout_src.collect(own, ["a"])
+        assert src._kept is not None
+        assert src._kept.built == 1
+        assert rollout_src._kept.built == 1
+        assert len(peers) == 8
+        assert len(set(peers)) == 2  # one connection per source, reused every round
+        await src.aclose()
+        await rollout_src.aclose()
+        # Closed: the next round builds a new client rather than failing.
+        assert (await src.collect(own, now=10.0))[own[0].key].known
+        assert src._kept.built == 2
+        await src.aclose()
+
+
+def test_a_kept_client_is_rebuilt_on_a_new_event_loop() -> None:
+    """A client is bound to the loop it was built on: a source used from a second
+    ``asyncio.run`` builds another instead of reusing one whose loop has closed."""
+    kept = KeptClient()
+    first = asyncio.run(_get(kept))
+    second = asyncio.run(_get(kept))
+    assert first is not second
+    assert kept.built == 2
+
+
+async def _get(kept: KeptClient) -> object:
+    return kept.get()

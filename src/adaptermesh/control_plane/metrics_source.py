@@ -21,6 +21,7 @@ from typing import Protocol
 
 import httpx
 
+from adaptermesh.control_plane.http_client import KeptClient, plain_http_client_options
 from adaptermesh.control_plane.policy import WorkerObservation, endpoint_key
 from adaptermesh.control_plane.tables import keep_only
 from adaptermesh.worker_scrape import (
@@ -158,9 +159,23 @@ class ScrapeSource:
     stale_intervals: float = 3.0
     path: str = "/metrics"
     max_concurrency: int = 64
+    # A client to use instead of the source's own (tests pass a mocked transport). Without
+    # one the source keeps its own across rounds (``aclose`` closes it).
     client: httpx.AsyncClient | None = None
     _history: dict[str, _WorkerHistory] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    _kept: KeptClient | None = field(default=None, repr=False)
+
+    def _client(self) -> httpx.AsyncClient:
+        if self.client is not None:
+            return self.client
+        if self._kept is None:
+            self._kept = KeptClient(**plain_http_client_options(self.max_concurrency))
+        return self._kept.get()
+
+    async def aclose(self) -> None:
+        if self._kept is not None:
+            await self._kept.aclose()
 
     @property
     def stale_after_s(self) -> float:
@@ -173,8 +188,7 @@ class ScrapeSource:
         return resp.text
 
     async def collect(self, targets: Sequence[Target], now: float) -> dict[str, WorkerObservation]:
-        own = self.client is None
-        client = self.client or httpx.AsyncClient(trust_env=False)
+        client = self._client()
         limit = asyncio.Semaphore(self.max_concurrency)
 
         async def one(t: Target) -> tuple[Target, str | BaseException]:
@@ -184,11 +198,7 @@ class ScrapeSource:
                 except Exception as exc:  # each failure only makes that worker older
                     return t, exc
 
-        try:
-            results = await asyncio.gather(*(one(t) for t in targets))
-        finally:
-            if own:
-                await client.aclose()
+        results = await asyncio.gather(*(one(t) for t in targets))
         out: dict[str, WorkerObservation] = {}
         for target, result in results:
             hist = self._history.setdefault(target.key, _WorkerHistory())
@@ -253,8 +263,22 @@ class PrometheusSource:
     window: str = "1m"
     instance_label: str = "instance"
     headers: Mapping[str, str] = field(default_factory=dict)
+    # As ScrapeSource.client; without one the source keeps its own (Prometheus may be
+    # reached over TLS, so this one verifies certificates).
     client: httpx.AsyncClient | None = None
     _last: dict[str, tuple[float, WorkerObservation]] = field(default_factory=dict)
+    _kept: KeptClient | None = field(default=None, repr=False)
+
+    def _client(self) -> httpx.AsyncClient:
+        if self.client is not None:
+            return self.client
+        if self._kept is None:
+            self._kept = KeptClient(trust_env=False)
+        return self._kept.get()
+
+    async def aclose(self) -> None:
+        if self._kept is not None:
+            await self._kept.aclose()
 
     def queries(self) -> dict[str, str]:
         lbl, w = self.instance_label, self.window
@@ -292,17 +316,12 @@ class PrometheusSource:
         return list(result) if isinstance(result, list) else []
 
     async def collect(self, targets: Sequence[Target], now: float) -> dict[str, WorkerObservation]:
-        own = self.client is None
-        client = self.client or httpx.AsyncClient(trust_env=False)
+        client = self._client()
         names = list(self.queries())
-        try:
-            answers = await asyncio.gather(
-                *(self._query(client, q) for q in self.queries().values()),
-                return_exceptions=True,
-            )
-        finally:
-            if own:
-                await client.aclose()
+        answers = await asyncio.gather(
+            *(self._query(client, q) for q in self.queries().values()),
+            return_exceptions=True,
+        )
         per: dict[str, dict[str, float]] = {}
         lora: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
         buckets: dict[str, dict[str, dict[float, float]]] = {}  # instance -> adapter -> le

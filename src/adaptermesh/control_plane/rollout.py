@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from adaptermesh import assignment_rules as rules
 from adaptermesh.backoff import Backoff
 from adaptermesh.clock import Clock, sleep_or_stop
+from adaptermesh.control_plane.http_client import KeptClient, plain_http_client_options
 from adaptermesh.control_plane.metrics_source import Target
 from adaptermesh.control_plane.rebalancer import Rebalancer
 from adaptermesh.control_plane.rollout_state import (
@@ -117,30 +118,32 @@ class AdapterSource(Protocol):
 class ScrapeAdapterSource:
     """Reads each worker's ``GET /metrics`` directly."""
 
-    def __init__(self, timeout_s: float = 2.0) -> None:
+    def __init__(self, timeout_s: float = 2.0, concurrency: int = 64) -> None:
         self.timeout_s = timeout_s
         self.errors: dict[str, str] = {}
+        self._kept = KeptClient(**plain_http_client_options(concurrency))
+
+    async def aclose(self) -> None:
+        await self._kept.aclose()
 
     async def collect(
         self, targets: list[Target], adapters: Iterable[str]
     ) -> dict[str, dict[str, AdapterCounters]]:
         names = list(adapters)
         out: dict[str, dict[str, AdapterCounters]] = {}
-        async with httpx.AsyncClient(trust_env=False) as client:
+        client = self._kept.get()
 
-            async def one(t: Target) -> None:
-                host = f"[{t.address}]" if ":" in t.address else t.address
-                try:
-                    resp = await client.get(
-                        f"http://{host}:{t.port}/metrics", timeout=self.timeout_s
-                    )
-                    resp.raise_for_status()
-                    out[t.key] = parse_adapter_series(resp.text, names)
-                    self.errors.pop(t.key, None)
-                except (httpx.HTTPError, ValueError) as exc:
-                    self.errors[t.key] = str(exc) or type(exc).__name__
+        async def one(t: Target) -> None:
+            host = f"[{t.address}]" if ":" in t.address else t.address
+            try:
+                resp = await client.get(f"http://{host}:{t.port}/metrics", timeout=self.timeout_s)
+                resp.raise_for_status()
+                out[t.key] = parse_adapter_series(resp.text, names)
+                self.errors.pop(t.key, None)
+            except (httpx.HTTPError, ValueError) as exc:
+                self.errors[t.key] = str(exc) or type(exc).__name__
 
-            await asyncio.gather(*(one(t) for t in targets))
+        await asyncio.gather(*(one(t) for t in targets))
         keep_only(self.errors, {t.key for t in targets})  # a worker no longer listed goes
         return out
 

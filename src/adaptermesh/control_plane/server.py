@@ -189,6 +189,11 @@ class ControlPlaneServer:
         if self._server is not None:
             await self._server.stop(grace)
         await self.worker_admin.aclose()
+        for source in (self.rebalancer.source, self.rollouts.source):
+            # The scrape sources keep one HTTP client across rounds; a test's fake has none.
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                await aclose()
         self.store.close()
 
     async def wait(self) -> None:
