@@ -22,7 +22,9 @@ drain, one stall and one step error, the CI form of tests/e2e/test_faults.py.
 ``--soak`` runs the soak instead (src/adaptermesh_testkit/soak.py): two shards of one worker,
 the agent's external processor (rollouts), mixed streaming and plain traffic for
 ``--soak-minutes``, an override, a pin or a rollout changing every minute, RSS and descriptors
-of every process sampled.
+of every process sampled. ``--heap-probe`` adds the control plane's heap sampled from inside
+(bench/heap_probe: RSS, malloc's bytes in use and free bytes held, SQLite's bytes) as
+``soak.control_plane_heap``.
 
 The figures per scenario (src/adaptermesh_testkit/faultload.py, docs/faults.md): requests sent,
 failed, failed outside the allowed window, p50/p99 latency before, during and after the faults,
@@ -34,6 +36,7 @@ fault, how long they took to end after it. The bounds each is checked against ar
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -58,6 +61,9 @@ from adaptermesh_testkit.faultload import (
     warm_workers,
 )
 from adaptermesh_testkit.localmesh import LocalMesh, MeshConfig
+
+# bench/heap_probe/sitecustomize.py: the control plane's heap, sampled from inside (--heap-probe)
+HEAP_PROBE_DIR = Path(__file__).resolve().parent / "heap_probe"
 from adaptermesh_testkit.soak import FD_SLACK, RSS_GROWTH_BOUND, run_soak
 
 SHORT = ("kill", "drain", "stall", "step_error")
@@ -112,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="extra environment of the control plane's process (repeatable), "
         "e.g. MALLOC_ARENA_MAX=2",
+    )
+    p.add_argument(
+        "--heap-probe",
+        action="store_true",
+        help="soak: sample the control plane's heap from inside (RSS, malloc's in-use and "
+        "free-held bytes, SQLite's) every 15 s into soak.control_plane_heap",
     )
     args = p.parse_args(argv)
     if args.soak:
@@ -252,6 +264,11 @@ def soak(args: argparse.Namespace) -> int:
         return 2
     load_start = os.getloadavg()[0]
     workdir = Path(tempfile.mkdtemp(prefix="ams-"))
+    cp_env = _env_pairs(args.control_plane_env)
+    heap_log = workdir / "control-plane-heap.jsonl"
+    if args.heap_probe:
+        cp_env |= {"PYTHONPATH": str(HEAP_PROBE_DIR), "HEAP_PROBE_OUT": str(heap_log)}
+    heap: list[dict[str, float]] = []
     mesh = LocalMesh(
         MeshConfig(
             prefix=f"ams{secrets.token_hex(2)}",
@@ -264,7 +281,7 @@ def soak(args: argparse.Namespace) -> int:
             ext_proc=True,
             extra_adapters=("support@2.0.0",),
             workdir=workdir / "mesh",
-            control_plane_env=_env_pairs(args.control_plane_env),
+            control_plane_env=cp_env,
         ),
         progress=lambda msg: print(f"[soak] {msg}", flush=True),
     )
@@ -283,13 +300,18 @@ def soak(args: argparse.Namespace) -> int:
         )
     finally:
         mesh.stop()
+        if heap_log.exists():
+            heap = [json.loads(line) for line in heap_log.read_text().splitlines() if line]
         _done_with(workdir, args.keep_workdir)
+    if args.heap_probe:
+        result["control_plane_heap"] = heap
     doc = {
         **provenance("httpx", load_start=load_start),
         "topology": "2 shards x 1 CPU worker (tiny Llama), real classifier, Envoy with the "
         "agent's external processor, agent and control plane as processes",
         "form": "soak",
         "control_plane_env": _env_pairs(args.control_plane_env),
+        "heap_probe": bool(args.heap_probe),
         "soak_minutes_asked": args.soak_minutes,
         "soak_minutes_run": result["minutes"],
         "bounds": {
