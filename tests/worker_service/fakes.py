@@ -161,6 +161,7 @@ class FakeEngine:
         self.generated = 0
         self.load_latencies: list[float] = []
         self.fail_on_submit: Exception | None = None
+        self.fail_on_load: Exception | None = None
         self.fail_in_stream: Exception | None = None
         self.fail_after: int | None = None
         self.shut_down = False
@@ -191,6 +192,8 @@ class FakeEngine:
         return self.tokenize(" ".join(f"{m['role']}: {m['content']}" for m in messages))
 
     async def load_adapter(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
+        if self.fail_on_load is not None:
+            raise self.fail_on_load
         if ".." in path:
             raise InvalidRequestError("path", "must stay inside the adapter root")
         if not path.startswith("ok"):

@@ -477,6 +477,29 @@ async def test_load_can_pin_and_models_say_so(server: Server) -> None:
     assert not server.engine.adapters["p"].pinned
 
 
+async def test_a_load_that_finds_every_slot_taken_is_a_503_to_retry(server: Server) -> None:
+    """Every GPU slot pinned or in use until the load's wait ran out: the admin gets 503 with
+    Retry-After naming lora_name (not a 500), nothing is registered, and the worker serves on."""
+    server.engine.fail_on_load = EngineOverloadedError(
+        "adapter slots: every GPU slot is pinned or in use; retry later"
+    )
+    r = await server.client.post(
+        "/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": "ok/p", "pinned": True}
+    )
+    assert r.status_code == 503, r.text
+    assert r.headers["Retry-After"] == "1"
+    err = r.json()["error"]
+    assert err["param"] == "lora_name"
+    assert err["code"] == "engine_overloaded"
+    assert "every GPU slot" in err["message"]
+    assert "p" not in server.engine.adapters
+    server.engine.fail_on_load = None
+    r = await server.client.post(
+        "/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": "ok/p", "pinned": True}
+    )
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [

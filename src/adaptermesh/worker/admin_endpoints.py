@@ -8,6 +8,7 @@ import hmac
 from collections.abc import Mapping
 from typing import Any
 
+from adaptermesh.assignment_rules import quote
 from adaptermesh.worker.api import MAX_NAME_CHARS
 from adaptermesh.worker.faults import FaultTable
 from adaptermesh.worker.http_errors import (
@@ -15,8 +16,14 @@ from adaptermesh.worker.http_errors import (
     ApiError,
     adapter_error,
     invalid_field,
+    retry_after_headers,
 )
-from adaptermesh.worker.types import AdapterNotFoundError, EngineProtocol, InvalidRequestError
+from adaptermesh.worker.types import (
+    AdapterNotFoundError,
+    EngineOverloadedError,
+    EngineProtocol,
+    InvalidRequestError,
+)
 
 __all__ = [
     "check_admin_token",
@@ -65,13 +72,23 @@ def check_admin_token(headers: Mapping[str, str], expected: str | None) -> None:
 
 
 async def load_adapter_into_engine(
-    engine: EngineProtocol, name: str, path: str, *, pinned: bool
+    engine: EngineProtocol, name: str, path: str, *, pinned: bool, retry_after_s: int = 1
 ) -> None:
     """Load (or reload) adapter ``name`` from ``path`` (a directory under the adapter root, or
     an ``s3://`` or ``hf://`` store URI: ``adapter_stores.py``); engine errors become
-    ``ApiError`` naming ``lora_name`` or ``lora_path`` (a failing store: 502 or 503)."""
+    ``ApiError`` naming ``lora_name`` or ``lora_path`` (a failing store: 502 or 503; every GPU
+    slot pinned or in use until the load's wait ran out: 503 with ``Retry-After``)."""
     try:
         await engine.load_adapter(name, path, pinned=pinned)
+    except EngineOverloadedError as exc:
+        raise ApiError(
+            503,
+            f"lora_name: {quote(name)} cannot be placed now: {exc}",
+            type="server_error",
+            param="lora_name",
+            code="engine_overloaded",
+            headers=retry_after_headers(retry_after_s),
+        ) from None
     except AdapterNotFoundError as exc:
         raise adapter_error(exc, "lora_path") from None
     except InvalidRequestError as exc:

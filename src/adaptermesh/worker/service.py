@@ -706,7 +706,9 @@ class WorkerService:
         """Load (or reload) adapter ``name`` from ``path``, for every transport; engine errors
         become ``ApiError`` naming ``lora_name`` or ``lora_path``. ``pinned`` keeps it in its GPU
         slot (never evicted) until it is loaded again unpinned or unloaded."""
-        await load_adapter_into_engine(self.engine, name, path, pinned=pinned)
+        await load_adapter_into_engine(
+            self.engine, name, path, pinned=pinned, retry_after_s=self.config.retry_after_s
+        )
 
     async def _unload_adapter(self, request: web.Request) -> web.Response:
         check_admin_token(request.headers, self.config.admin_token)
