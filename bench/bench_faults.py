@@ -267,7 +267,9 @@ def soak(args: argparse.Namespace) -> int:
     cp_env = _env_pairs(args.control_plane_env)
     heap_log = workdir / "control-plane-heap.jsonl"
     if args.heap_probe:
-        cp_env |= {"PYTHONPATH": str(HEAP_PROBE_DIR), "HEAP_PROBE_OUT": str(heap_log)}
+        # Ahead of any PYTHONPATH given with --control-plane-env (e.g. another source tree).
+        path = [str(HEAP_PROBE_DIR), *filter(None, [cp_env.get("PYTHONPATH")])]
+        cp_env |= {"PYTHONPATH": os.pathsep.join(path), "HEAP_PROBE_OUT": str(heap_log)}
     heap: list[dict[str, float]] = []
     mesh = LocalMesh(
         MeshConfig(
