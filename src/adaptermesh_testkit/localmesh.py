@@ -33,6 +33,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -220,7 +221,7 @@ class LocalMesh:
         self._stopped = False
         # Per shard: its S3 store's proxy, and the moto servers behind them.
         self.store_proxies: dict[str, StallProxy] = {}
-        self._store_servers: list[Any] = []
+        self._store_servers: list[subprocess.Popen[bytes]] = []
 
     # ---- names -----------------------------------------------------------------------------
 
@@ -302,8 +303,12 @@ class LocalMesh:
         for proxy in self.store_proxies.values():
             proxy.close()
         for server in self._store_servers:
-            with contextlib.suppress(Exception):
-                server.stop()
+            server.terminate()
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
         self.ns.shutdown()
         self.topo.destroy()
         shutil.rmtree(self.pin_dir, ignore_errors=True)
@@ -345,8 +350,6 @@ class LocalMesh:
     def _start_stores(self) -> None:
         """A moto S3 server and a StallProxy in front of it in each shard namespace, holding
         ``config.store_adapters`` under ``s3://STORE_BUCKET/STORE_PREFIX/<name>/``."""
-        from moto.server import ThreadedMotoServer
-
         from adaptermesh_testkit.checkpoints import make_adapter
 
         made = self.workdir / "store-adapters"
@@ -367,9 +370,7 @@ class LocalMesh:
             def start(made: Path = made) -> tuple[Any, StallProxy]:
                 import boto3
 
-                server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-                server.start()
-                port = int(server.get_host_and_port()[1])
+                server, port = _start_moto_server()
                 s3 = boto3.client(
                     "s3",
                     endpoint_url=f"http://127.0.0.1:{port}",
@@ -1288,3 +1289,30 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"logs and state kept in {mesh.workdir}")
         progress("torn down: namespaces, processes and pins removed")
     return code
+
+
+def _start_moto_server(timeout_s: float = 30.0) -> tuple[subprocess.Popen[bytes], int]:
+    """A moto S3 server as its own process on 127.0.0.1 (in the calling thread's network
+    namespace), and its port, once it accepts connections. Its own process, not a thread of
+    the process that runs the load and times every stream: when a stalled store is released it
+    answers every held connection and retry at once, and in the measuring process that work
+    delayed every stream's timestamps (docs/faults.md)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return server, port
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                server.wait()
+                raise MeshError(f"the moto S3 server did not start on port {port}") from None
+            time.sleep(0.05)
