@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(os.environ.get("BENCH_CP_SRC") or ROOT / "src")))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _results import provenance, write_results
+from heap_probe.heap_figures import malloc_heap_figures
 
 SOAK_INTERVAL_S = 2.0  # bench_faults.py --soak: MeshConfig(interval_s=2.0)
 SOAK_REPORT_S = 0.5  # ... report_interval_s=0.5
@@ -82,24 +83,6 @@ MD = (("authorization", f"Bearer {TOKEN}"),)
 # -- server side (a subprocess: --serve) -------------------------------------------------------
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
 def _libc() -> Any:
     name = ctypes.util.find_library("c")
     return ctypes.CDLL(name) if name else None
@@ -107,15 +90,9 @@ def _libc() -> Any:
 
 def _malloc_figures(libc: Any, scratch: Path) -> dict[str, int]:
     """glibc's view of the heap: in use, free but held, mmap'd, and the number of arenas."""
-    out: dict[str, int] = {}
-    if libc is None or not hasattr(libc, "mallinfo2"):
+    out = malloc_heap_figures(libc)
+    if not out:
         return out
-    libc.mallinfo2.restype = _MallInfo2
-    mi = libc.mallinfo2()
-    out["heap_kib"] = mi.arena // 1024  # bytes the heaps (all arenas) took from the system
-    out["in_use_kib"] = mi.uordblks // 1024
-    out["free_held_kib"] = mi.fordblks // 1024
-    out["mmap_kib"] = mi.hblkhd // 1024
     libc.fopen.restype = ctypes.c_void_p
     libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]

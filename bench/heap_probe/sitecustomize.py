@@ -17,23 +17,7 @@ import os
 import threading
 import time
 
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
+from heap_figures import malloc_heap_figures  # this directory is on PYTHONPATH
 
 
 def _rss_kib() -> int:
@@ -50,7 +34,6 @@ def _start() -> None:
         return
     every = float(os.environ.get("HEAP_PROBE_EVERY_S", "15"))
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
     try:
         sqlite = ctypes.CDLL("libsqlite3.so.0")
         sqlite.sqlite3_memory_used.restype = ctypes.c_int64
@@ -59,14 +42,10 @@ def _start() -> None:
     t0 = time.monotonic()
 
     def sample() -> dict[str, float]:
-        mi = libc.mallinfo2()
         rec: dict[str, float] = {
             "t_s": round(time.monotonic() - t0, 1),
             "rss_kib": _rss_kib(),
-            "heap_kib": mi.arena // 1024,
-            "in_use_kib": mi.uordblks // 1024,
-            "free_held_kib": mi.fordblks // 1024,
-            "mmap_kib": mi.hblkhd // 1024,
+            **malloc_heap_figures(libc),
             "threads": threading.active_count(),
         }
         if sqlite is not None:
