@@ -164,18 +164,16 @@ class ScrapeSource:
     client: httpx.AsyncClient | None = None
     _history: dict[str, _WorkerHistory] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
-    _kept: KeptClient | None = field(default=None, repr=False)
+    _kept: KeptClient = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._kept = KeptClient(**plain_http_client_options(self.max_concurrency))
 
     def _client(self) -> httpx.AsyncClient:
-        if self.client is not None:
-            return self.client
-        if self._kept is None:
-            self._kept = KeptClient(**plain_http_client_options(self.max_concurrency))
-        return self._kept.get()
+        return self.client or self._kept.get()
 
     async def aclose(self) -> None:
-        if self._kept is not None:
-            await self._kept.aclose()
+        await self._kept.aclose()
 
     @property
     def stale_after_s(self) -> float:
@@ -267,18 +265,13 @@ class PrometheusSource:
     # reached over TLS, so this one verifies certificates).
     client: httpx.AsyncClient | None = None
     _last: dict[str, tuple[float, WorkerObservation]] = field(default_factory=dict)
-    _kept: KeptClient | None = field(default=None, repr=False)
+    _kept: KeptClient = field(default_factory=lambda: KeptClient(trust_env=False), repr=False)
 
     def _client(self) -> httpx.AsyncClient:
-        if self.client is not None:
-            return self.client
-        if self._kept is None:
-            self._kept = KeptClient(trust_env=False)
-        return self._kept.get()
+        return self.client or self._kept.get()
 
     async def aclose(self) -> None:
-        if self._kept is not None:
-            await self._kept.aclose()
+        await self._kept.aclose()
 
     def queries(self) -> dict[str, str]:
         lbl, w = self.instance_label, self.window
