@@ -7,6 +7,8 @@ import asyncio
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -593,3 +595,56 @@ def test_resolver_flag_refuses_hostile_uris(capsys: pytest.CaptureFixture[str]) 
         with pytest.raises(SystemExit):
             build_parser().parse_args([*base, "--adapter-resolver", bad])
     assert "--adapter-resolver" in capsys.readouterr().err
+
+
+def test_prepare_builds_the_client_once_and_only_with_a_store(tmp_path: Path) -> None:
+    built: list[object] = []
+
+    def factory() -> object:
+        built.append(object())
+        return built[-1]
+
+    assert AdapterStores(tmp_path, client_factory=factory).prepare() is False
+    assert built == []  # no resolver, no endpoint: nothing to build (and no boto3 import)
+    stores = AdapterStores(tmp_path, resolvers=["s3://bucket/lib"], client_factory=factory)
+    assert stores.prepare() is True
+    assert len(built) == 1
+    assert stores.client() is built[0]  # the first fetch uses it, builds no other
+    stores = AdapterStores(tmp_path, endpoint_url="http://127.0.0.1:9", client_factory=factory)
+    assert stores.prepare() is True
+    assert len(built) == 2
+
+
+def test_a_bad_endpoint_fails_the_start_in_one_line(tmp_path: Path) -> None:
+    stores = AdapterStores(tmp_path, endpoint_url="not a url")
+    with pytest.raises(ValueError, match=r"^--s3-endpoint-url: Invalid endpoint: not a url$"):
+        stores.prepare()
+    model = tmp_path / "m"
+    model.mkdir()
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "adaptermesh"),
+            "worker",
+            "--model",
+            str(model),
+            "--adapter-root",
+            str(tmp_path),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--s3-endpoint-url",
+            "not a url",
+            "--log-level",
+            "WARNING",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "adaptermesh worker: cannot start the engine: --s3-endpoint-url: Invalid endpoint: "
+        "not a url"
+    ]

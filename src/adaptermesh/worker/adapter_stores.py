@@ -273,6 +273,19 @@ class AdapterStores:
         )
         return boto3.client("s3", endpoint_url=self.endpoint_url, config=config)
 
+    def prepare(self) -> bool:
+        """Build the S3 client now when a store is configured (a resolver or an endpoint), so
+        the first request for a store's adapter does not pay for it (importing boto3 and
+        building a client take a few hundred milliseconds of CPU, and the interpreter, from the
+        engine's steps). Returns whether it built one; a bad endpoint raises ValueError."""
+        if not self.resolvers and self.endpoint_url is None:
+            return False
+        try:
+            self.client()
+        except ValueError as exc:
+            raise ValueError(f"--s3-endpoint-url: {exc}") from None
+        return True
+
     def client(self) -> Any:
         with self._client_lock:
             if self._client is None:

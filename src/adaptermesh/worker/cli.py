@@ -44,6 +44,11 @@ from adaptermesh.cliargs import (
 from adaptermesh.clisetup import DefaultsHelpFormatter, setup_logging
 from adaptermesh.httpserve import ListenerLimits, raise_fd_limit
 from adaptermesh.tracing import Tracing
+from adaptermesh.worker.cpu_threads import (
+    apply_cpu_threads,
+    choose_cpu_threads,
+    parse_cpu_threads,
+)
 from adaptermesh.worker.eviction import POLICY_NAMES
 from adaptermesh.worker.grpc_v2 import GrpcV2Server
 from adaptermesh.worker.service import ServiceConfig, WorkerService, serve
@@ -147,6 +152,13 @@ def _resolver_uri(text: str) -> str:
     return text
 
 
+def _cpu_threads(text: str) -> int | None:
+    try:
+        return parse_cpu_threads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_stores(args: argparse.Namespace) -> AdapterStores:
     """The worker's ``AdapterStores`` from the store flags."""
     from adaptermesh.worker.adapter_stores import (
@@ -205,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "cpu", "cuda"],
         default="auto",
         help="auto: cuda when a GPU is visible, else cpu",
+    )
+    p.add_argument(
+        "--cpu-threads",
+        type=_cpu_threads,
+        default=None,
+        metavar="N|auto",
+        help="threads torch runs CPU operators on; auto: the CPUs the process may use, the "
+        "smaller of its affinity mask and its cgroup CPU quota (a pod's CPU limit)",
     )
     p.add_argument(
         "--dtype",
@@ -592,6 +612,10 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.logprobs_mode = args.logprobs_mode
     config.tensor_parallel_size = args.tensor_parallel_size
     config.tp_lora_scheme = args.tp_lora_scheme
+    # Before the model: a bad endpoint fails the start at once, and the store's client is
+    # ready before the first request for one of its adapters.
+    stores = build_stores(args)
+    stores.prepare()
     built = Engine(
         args.model,
         args.adapter_root,
@@ -600,7 +624,7 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config=config,
         model_name=args.served_model_name,
     )
-    built.adapters.stores = build_stores(args)
+    built.adapters.stores = stores
     engine: EngineProtocol = built
     return engine
 
@@ -693,6 +717,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     nofile = raise_fd_limit()
     log.info("RLIMIT_NOFILE soft limit: %d", nofile)
+    threads = choose_cpu_threads(args.cpu_threads)
+    apply_cpu_threads(threads)
+    log.info("torch: %s", threads.describe())
     return asyncio.run(_main(args, token))
 
 
