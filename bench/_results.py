@@ -8,13 +8,39 @@ import importlib.metadata
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 
+def source_revision() -> str | None:
+    """The commit the bench ran from, ``+changes`` when the tree differed from it; None
+    outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if changed else "")
+
+
 def provenance(*packages: str, load_start: float | None = None) -> dict[str, Any]:
-    """``date``, ``command`` and ``machine`` (with the versions of ``packages``)."""
+    """``date``, ``command``, ``source`` (the commit) and ``machine`` (with the versions of
+    ``packages``)."""
     machine: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count()}
     if load_start is not None:
         machine["loadavg_1m_start"] = round(load_start, 2)
@@ -25,6 +51,7 @@ def provenance(*packages: str, load_start: float | None = None) -> dict[str, Any
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "source": source_revision(),
         "machine": machine,
     }
 

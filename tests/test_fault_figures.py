@@ -1,17 +1,21 @@
 """The fault suite's bookkeeping without a mesh: how probe packets are counted (arrived at the
 expected shard, misclassified, lost), when a store stall is over, and the soak's RSS and
-descriptor figures. The mesh runs (tests/e2e) can only show the counts staying at zero; these
+descriptor figures, and each local-mesh worker's share of the CPUs. The mesh runs (tests/e2e) can only show the counts staying at zero; these
 check that a misrouted packet, a late 503 or a growing process would be counted."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from adaptermesh_testkit.faultload import FaultEvent, RequestRecord, UdpProbe, _stall_recovery
+from adaptermesh_testkit.localmesh import LocalMesh, MeshConfig
 from adaptermesh_testkit.soak import ProcessSampler, rss_by_mapping
 
 
@@ -199,3 +203,29 @@ def test_soak_figures_say_what_holds_the_rss_at_the_baseline_and_the_end() -> No
     held = sampler.figures(300.0)["cp"]["rss_kib_by_mapping"]
     assert held["baseline"]["heap"] == 2
     assert held["last"] == {"heap": 3, "anon_large": 5, "anon_small": 0, "file": 0}
+
+
+@pytest.mark.parametrize(
+    ("shards", "per_shard", "extra", "want"),
+    [
+        (1, 2, (), None),  # computed from this machine below
+        (3, 2, (), None),
+        (1, 2, ("--cpu-threads", "5"), []),  # the config's own flag wins
+    ],
+)
+def test_local_mesh_gives_each_worker_its_share_of_the_cpus(
+    tmp_path: Path, shards: int, per_shard: int, extra: tuple[str, ...], want: list[str] | None
+) -> None:
+    mesh = LocalMesh(
+        MeshConfig(
+            prefix="amt0",
+            shards=shards,
+            workers_per_shard=per_shard,
+            workdir=tmp_path,
+            worker_args=extra,
+        )
+    )
+    if want is None:
+        share = max(1, len(os.sched_getaffinity(0)) // (shards * per_shard))
+        want = ["--cpu-threads", str(share)]
+    assert mesh._cpu_threads_args() == want

@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from adaptermesh_testkit.localmesh import SERVICE_PORT, LocalMesh
+from adaptermesh_testkit.localmesh import SERVICE_PORT, LocalMesh, plain_http_client
 from adaptermesh_testkit.netns import inside
 
 __all__ = [
@@ -112,10 +112,9 @@ def _stream_once(
         "stream": stream,
     }
     timeout = httpx.Timeout(read_timeout_s, connect=5.0)
-    transport = httpx.HTTPTransport(local_address=record.source)
     try:
         with (
-            httpx.Client(transport=transport, timeout=timeout) as client,
+            plain_http_client(record.source, timeout) as client,
             client.stream(
                 "POST",
                 f"{base}/v1/completions",

@@ -548,10 +548,24 @@ class LocalMesh:
                     else ("--grpc-port", str(port + self.config.grpc_port_offset))
                 ),
                 *self._store_args(shard_id),
+                *self._cpu_threads_args(),
                 *self.config.worker_args,
             ],
             env=_STORE_ENV if shard_id in self.store_proxies else None,
         )
+
+    def _cpu_threads_args(self) -> list[str]:
+        """Each worker's share of the machine's CPUs, as a pod's CPU limit would give it
+        (``--cpu-threads``; unless ``worker_args`` sets it). Every worker of the mesh runs on
+        this one machine, and a worker sizes torch's threads from the CPUs it may use: without
+        a share, each worker starts a thread per core, their spinning OpenMP threads take turns
+        on the same cores, and a step slows by an order of magnitude whenever two workers step
+        at once (docs/faults.md)."""
+        if "--cpu-threads" in self.config.worker_args:
+            return []
+        workers = len(self.shard_ids) * self.config.workers_per_shard
+        share = max(1, len(os.sched_getaffinity(0)) // max(1, workers))
+        return ["--cpu-threads", str(share)]
 
     def restart_worker(self, shard_id: str, j: int) -> Proc:
         addr, port = self.worker_endpoints(shard_id)[j]
@@ -934,6 +948,18 @@ def _http_json(url: str) -> Any:
     return r.json()
 
 
+def plain_http_client(source: str | None, timeout: float | httpx.Timeout) -> httpx.Client:
+    """A client for one plain-HTTP request to the mesh, from ``source`` when given.
+
+    It builds no TLS context: httpx builds one per transport by default and loads the CA store
+    into it, about 20 ms of the interpreter on this machine, and a load generator that starts a
+    client per request would delay every other request's timestamps in the process by that
+    much each time (more requests a second, more delay: a load that rises mid-run would look
+    slower for it)."""
+    transport = httpx.HTTPTransport(local_address=source, verify=False) if source else None
+    return httpx.Client(transport=transport, timeout=timeout, verify=False)
+
+
 def _http_post_status(url: str, body: dict[str, Any]) -> int:
     return httpx.post(url, json=body, timeout=30).status_code
 
@@ -947,8 +973,7 @@ def _complete(
     timeout: float,
     headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    transport = httpx.HTTPTransport(local_address=source) if source else None
-    with httpx.Client(transport=transport, timeout=timeout) as client:
+    with plain_http_client(source, timeout) as client:
         r = client.post(
             f"{base}/v1/completions",
             json={"model": adapter, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
