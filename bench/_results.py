@@ -15,8 +15,8 @@ from typing import Any
 
 
 def source_revision() -> str | None:
-    """The commit the bench ran from, ``+changes`` when the tree differed from it; None
-    outside a git checkout."""
+    """The commit the bench ran from, ``+changes`` when the tree (results files aside) differed
+    from it; None outside a git checkout."""
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(
@@ -27,7 +27,17 @@ def source_revision() -> str | None:
             check=True,
         ).stdout.strip()
         changed = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            [
+                "git",
+                "-C",
+                str(root),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!bench/results",  # other results written since are not the code's state
+            ],
             capture_output=True,
             text=True,
             timeout=10,
