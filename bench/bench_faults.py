@@ -106,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall", type=float, default=30.0, help="seconds the store stalls (full)")
     p.add_argument("--load-wait", type=float, default=5.0, help="the workers' --adapter-load-wait")
     p.add_argument("--store-timeout", type=float, default=3.0, help="--adapter-store-timeout")
+    p.add_argument(
+        "--worker-cpu-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="each worker's --cpu-threads (default: its share of the machine's CPUs, as the "
+        "local mesh gives it; the cores' count reproduces workers that each use every core)",
+    )
     p.add_argument("--cp-down", type=float, default=30.0, help="seconds the control plane is down")
     p.add_argument("--agent-restarts", type=int, default=4, help="agent restarts (full)")
     p.add_argument("--probe-pps", type=float, default=50.0, help="UDP probes per second per source")
@@ -156,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.load_wait),
                 "--adapter-store-timeout",
                 str(args.store_timeout),
+                *(
+                    ()
+                    if args.worker_cpu_threads is None
+                    else ("--cpu-threads", str(args.worker_cpu_threads))
+                ),
             ),
         ),
         progress=lambda msg: print(f"[faults] {msg}", flush=True),
@@ -235,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             "after the new agent applied arrives at the shard its source is steered to (none "
             "misclassified, none lost); the classifier passes nothing unsteered; no hang",
         },
+        "worker_cpu_threads": args.worker_cpu_threads or mesh.worker_cpu_share(),
         "store": {
             "adapter": STORE_ADAPTER,
             "adapter_load_wait_s": args.load_wait,

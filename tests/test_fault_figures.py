@@ -6,6 +6,7 @@ check that a misrouted packet, a late 503 or a growing process would be counted.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from adaptermesh_testkit.cpusample import CpuSampler, cpu_seconds
 from adaptermesh_testkit.faultload import FaultEvent, RequestRecord, UdpProbe, _stall_recovery
 from adaptermesh_testkit.localmesh import LocalMesh, MeshConfig
 from adaptermesh_testkit.soak import ProcessSampler, rss_by_mapping
@@ -229,3 +231,45 @@ def test_local_mesh_gives_each_worker_its_share_of_the_cpus(
         share = max(1, len(os.sched_getaffinity(0)) // (shards * per_shard))
         want = ["--cpu-threads", str(share)]
     assert mesh._cpu_threads_args() == want
+
+
+def test_cpu_sampler_cores_per_process_and_phases(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    used = {"worker": 10.0, "agent": 5.0}
+    pids = {"worker": 11, "agent": 12}
+    monkeypatch.setattr("adaptermesh_testkit.cpusample.time.monotonic", lambda: clock[0])
+    sampler = CpuSampler(lambda: dict(pids), read=lambda pid: used[_name(pids, pid)])
+    sampler.sample()  # the baseline: no row
+    assert sampler.samples == []
+    for step in range(4):
+        clock[0] += 0.5
+        used["worker"] += 0.5 if step < 2 else 0.05  # one core busy, then a tenth
+        used["agent"] += 0.1
+        sampler.sample()
+    pids["worker"] = 21  # restarted: its first sample after has no interval to count
+    used["worker"] = 0.2
+    clock[0] += 0.5
+    sampler.sample()
+    assert "worker" not in sampler.samples[-1][1]
+    phases = sampler.by_phase({"busy": (100.0, 101.01), "idle": (101.01, 103.0)})
+    assert phases["busy"]["samples"] == 2
+    assert phases["busy"]["cores"]["worker"] == {"mean": 1.0, "max": 1.0}
+    assert phases["busy"]["cores"]["agent"] == {"mean": 0.2, "max": 0.2}
+    assert phases["idle"]["samples"] == 3
+    assert phases["idle"]["cores"]["worker"] == {"mean": 0.07, "max": 0.1}
+
+
+def _name(pids: dict[str, int], pid: int) -> str:
+    return next(n for n, p in pids.items() if p == pid)
+
+
+def test_cpu_seconds_of_a_busy_process_grows() -> None:
+    before = cpu_seconds(os.getpid())
+    assert before is not None
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:
+        pass
+    after = cpu_seconds(os.getpid())
+    assert after is not None
+    assert after - before >= 0.1
+    assert cpu_seconds(2**22 + 7) is None  # above pid_max: no such process

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import statistics
 import threading
@@ -30,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from adaptermesh_testkit.cpusample import CpuSampler
 from adaptermesh_testkit.localmesh import SERVICE_PORT, LocalMesh, plain_http_client
 from adaptermesh_testkit.netns import inside
 
@@ -1095,6 +1097,8 @@ def _run_stall(
         max_tokens=max_tokens,
         read_timeout_s=read_timeout_s,
     )
+    # Which process is busy when: the stall's figures hinge on the machine's CPU.
+    cpu = CpuSampler(lambda: {**mesh.pids(), "bench": os.getpid()}).start()
     with load:
         try:
             faults = stall_scenario(
@@ -1102,6 +1106,7 @@ def _run_stall(
             )
         finally:
             stalled = stalled_load.stop() if stalled_load.started_at else []
+    cpu.stop()
     _stall_recovery(faults[0], stalled)
     records = [*load.records, *stalled]
     if records_path is not None:
@@ -1148,6 +1153,16 @@ def _run_stall(
         "read_timeout_s": read_timeout_s,
         "stall_s": stall_s,
     }
+    fault = faults[0]
+    ended = time.monotonic()
+    recovered_at = fault.recovered_at if fault.recovered_at is not None else ended
+    summary["cpu_by_phase"] = cpu.by_phase(
+        {
+            "before": (load.started_at, fault.at),
+            "during": (fault.at, recovered_at),
+            "after": (recovered_at, ended),
+        }
+    )
     summary["held"] = held("stall", summary)
     return summary
 

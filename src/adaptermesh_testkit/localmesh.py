@@ -554,6 +554,19 @@ class LocalMesh:
             env=_STORE_ENV if shard_id in self.store_proxies else None,
         )
 
+    def pids(self) -> dict[str, int]:
+        """The running processes of the mesh by name: its workers, agent and control plane,
+        each shard's Envoy (``envoy-<shard>``) and S3 store server (``store-<n>``)."""
+        pids = {name: proc.popen.pid for name, proc in self.procs.items() if proc.alive}
+        for shard_id, envoy in self.envoys.items():
+            process = getattr(envoy, "process", None)
+            if process is not None and process.poll() is None:
+                pids[f"envoy-{shard_id}"] = process.pid
+        for i, server in enumerate(self._store_servers):
+            if server.poll() is None:
+                pids[f"store-{i}"] = server.pid
+        return pids
+
     def _cpu_threads_args(self) -> list[str]:
         """Each worker's share of the machine's CPUs, as a pod's CPU limit would give it
         (``--cpu-threads``; unless ``worker_args`` sets it). Every worker of the mesh runs on
@@ -563,9 +576,12 @@ class LocalMesh:
         at once (docs/faults.md)."""
         if "--cpu-threads" in self.config.worker_args:
             return []
+        return ["--cpu-threads", str(self.worker_cpu_share())]
+
+    def worker_cpu_share(self) -> int:
+        """The machine's CPUs (its affinity mask) over the mesh's workers, at least 1."""
         workers = len(self.shard_ids) * self.config.workers_per_shard
-        share = max(1, len(os.sched_getaffinity(0)) // max(1, workers))
-        return ["--cpu-threads", str(share)]
+        return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
 
     def restart_worker(self, shard_id: str, j: int) -> Proc:
         addr, port = self.worker_endpoints(shard_id)[j]

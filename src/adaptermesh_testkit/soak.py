@@ -193,15 +193,6 @@ def _per_minute(rows: list[tuple[float, tuple[int, int, int]]]) -> list[list[flo
     return out
 
 
-def _mesh_pids(mesh: LocalMesh) -> dict[str, int]:
-    pids = {name: proc.popen.pid for name, proc in mesh.procs.items() if proc.alive}
-    for shard_id, envoy in mesh.envoys.items():
-        process = getattr(envoy, "process", None)
-        if process is not None and process.poll() is None:
-            pids[f"envoy-{shard_id}"] = process.pid
-    return pids
-
-
 class _Changes:
     """One change a minute, in turn: override, pin, rollout (each undone the next time)."""
 
@@ -324,7 +315,7 @@ def run_soak(
     plain = OpenLoad(
         mesh, plain_rate_per_s, mesh.tenants, adapters, max_tokens=max_tokens, stream=False
     )
-    sampler = ProcessSampler(lambda: _mesh_pids(mesh), sample_interval_s)
+    sampler = ProcessSampler(mesh.pids, sample_interval_s)
     changes = _Changes(mesh, rollout_adapter, rollout_to, progress)
     duration = minutes * 60.0
     sampler.start()
