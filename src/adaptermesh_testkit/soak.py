@@ -340,7 +340,8 @@ def run_soak(
                 progress(f"soak: {elapsed / 60:.1f} min, {done} requests, failed {dict(bad)}")
         time.sleep(max(0.0, origin + duration - time.monotonic()))
     finally:
-        records = [*streamed.stop(), *plain.stop()]
+        streamed_records = streamed.stop()
+        records = [*streamed_records, *plain.stop()]
         changes.wait()
         sampler.stop()
     failed = [r for r in records if not r.ok]
@@ -365,7 +366,17 @@ def run_soak(
         "worst_hang_s": round(max((r.max_gap_s for r in records), default=0.0), 4),
         "timeouts": sum(1 for r in records if r.outcome == "timeout"),
         "failures_sample": [
-            {"outcome": r.outcome, "status": r.status, "detail": r.detail[:300]} for r in failed[:8]
+            {
+                "outcome": r.outcome,
+                "status": r.status,
+                "detail": r.detail[:300],
+                # Beside the changes' at_s: which change, if any, it followed.
+                "started_s": round(r.started - origin, 3),
+                "source": r.source,
+                "adapter": r.adapter,
+                "stream": any(r is x for x in streamed_records),
+            }
+            for r in failed[:8]
         ],
         "changes": changes.log,
         "changes_failed": sum(1 for c in changes.log if not c["ok"]),

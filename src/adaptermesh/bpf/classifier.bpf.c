@@ -7,12 +7,17 @@
  * Decision order: pinned CIDR (longest prefix) -> the flow's sticky shard -> weighted Maglev
  * table indexed by a hash of the source address. A chosen shard must be ACTIVE; a pin or a
  * sticky entry naming a shard that is not falls through to the next step, so nothing new is
- * ever sent to a draining shard. Frames that cannot be classified safely (truncated or invalid
+ * ever sent to a draining shard. Before all of that, a TCP connection the classifier has seen
+ * stays on the shard of its first packet while that shard is ACTIVE or DRAINING (am_conns): a
+ * pin, a weight change or a drain moves the source's new connections, never one in flight,
+ * whose packets would reach an Envoy that never saw it and be reset. A SYN without ACK opens
+ * the connection again (a reused port) and takes the decision above. Frames that cannot be classified safely (truncated or invalid
  * headers, VLAN tags, non-IP) and sources no client has (link-local, unspecified, loopback,
  * multicast, broadcast) pass untouched and are counted in am_counters.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/if_ether.h>
+#include <uapi/linux/in.h>
 #include <uapi/linux/ip.h>
 #include <uapi/linux/ipv6.h>
 #include <uapi/linux/pkt_cls.h>
@@ -49,6 +54,8 @@ struct am_addr {
 AM_TABLE("lpm_trie", struct am_lpm_key, __u32, am_pins, AM_MAX_PINS, BPF_F_NO_PREALLOC);
 /* am_flows: LRU hash, source address -> struct am_flow. Classifier writes and reads. */
 AM_TABLE("lru_hash", struct am_addr, struct am_flow, am_flows, AM_MAX_FLOWS, 0);
+/* am_conns: LRU hash, TCP connection -> struct am_conn. Classifier writes and reads. */
+AM_TABLE("lru_hash", struct am_conn_key, struct am_conn, am_conns, AM_MAX_CONNS, 0);
 /* am_maglev: array[2] of struct am_maglev_table. Agent fills the idle one; classifier reads. */
 AM_TABLE("array", __u32, struct am_maglev_table, am_maglev, 2, 0);
 /* am_ctl: array[1] of struct am_ctl. Agent flips it after filling the idle table. */
@@ -179,6 +186,26 @@ static __always_inline void am_emit(const struct am_addr *addr, __u32 shard, __u
 	am_events.ringbuf_submit(e, 0);
 }
 
+#define AM_TCP_FIN 0x01
+#define AM_TCP_SYN 0x02
+#define AM_TCP_ACK 0x10
+
+/*
+ * The TCP header's ports (into key) and flags at offset off; 0 when the frame does not hold
+ * them (the packet then classifies by its source alone, as UDP does).
+ */
+static __always_inline int am_tcp(struct __sk_buff *skb, __u32 off, struct am_conn_key *key,
+				  __u8 *flags)
+{
+	__u8 th[14];
+	if (bpf_skb_load_bytes(skb, off, th, sizeof(th)) < 0)
+		return 0;
+	__builtin_memcpy(&key->sport, &th[0], 2);
+	__builtin_memcpy(&key->dport, &th[2], 2);
+	*flags = th[13];
+	return 1;
+}
+
 static __always_inline int am_steer(struct __sk_buff *skb, struct am_shard *sh)
 {
 	if (sh->kind == AM_STEER_MARK) {
@@ -217,6 +244,9 @@ int am_classify(struct __sk_buff *skb)
 	struct ethhdr *eth = data;
 	struct am_addr src = {};
 	struct am_lpm_key pkey = {};
+	struct am_conn_key ckey = {};
+	int tcp = 0;
+	__u8 tflags = 0;
 
 	if (skb->vlan_present) {
 		/* Tagged frames belong to another L2 domain: never steer them. */
@@ -250,6 +280,19 @@ int am_classify(struct __sk_buff *skb)
 		src.a[10] = 0xff;
 		src.a[11] = 0xff;
 		__builtin_memcpy(&src.a[12], &saddr, 4);
+		/* A TCP segment's connection (first fragments and whole packets: later fragments
+		 * carry no ports and classify by source). */
+		if (AM_LEARN && ip->protocol == IPPROTO_TCP &&
+		    !(ip->frag_off & bpf_htons(0x1fff))) {
+			__be32 daddr = ip->daddr;
+			ckey.src[10] = 0xff;
+			ckey.src[11] = 0xff;
+			__builtin_memcpy(&ckey.src[12], &saddr, 4);
+			ckey.dst[10] = 0xff;
+			ckey.dst[11] = 0xff;
+			__builtin_memcpy(&ckey.dst[12], &daddr, 4);
+			tcp = am_tcp(skb, ETH_HLEN + ip->ihl * 4, &ckey, &tflags);
+		}
 	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr buf6;
 		struct ipv6hdr *ip6 = am_l3(skb, &buf6, sizeof(buf6));
@@ -267,6 +310,12 @@ int am_classify(struct __sk_buff *skb)
 		if (am_martian6(&src)) {
 			am_count(AM_CNT_MARTIAN);
 			return TC_ACT_OK;
+		}
+		/* TCP right after the fixed header (behind extension headers: by source alone). */
+		if (AM_LEARN && ip6->nexthdr == IPPROTO_TCP) {
+			__builtin_memcpy(ckey.src, &ip6->saddr, 16);
+			__builtin_memcpy(ckey.dst, &ip6->daddr, 16);
+			tcp = am_tcp(skb, ETH_HLEN + sizeof(struct ipv6hdr), &ckey, &tflags);
 		}
 	} else if (eth->h_proto == bpf_htons(ETH_P_8021Q) ||
 		   eth->h_proto == bpf_htons(ETH_P_8021AD)) {
@@ -288,6 +337,25 @@ int am_classify(struct __sk_buff *skb)
 	struct am_flow *flow = NULL;
 
 #if AM_LEARN
+	/* An opening SYN (no ACK) takes a fresh decision; any other segment of a connection the
+	 * classifier has seen goes where the connection went, unless that shard is gone. */
+	int opening = (tflags & (AM_TCP_SYN | AM_TCP_ACK)) == AM_TCP_SYN;
+	if (tcp && !opening) {
+		struct am_conn *conn = am_conns.lookup(&ckey);
+		if (conn) {
+			__u32 cshard = conn->shard;
+			struct am_shard *csh = am_shards.lookup(&cshard);
+			struct am_stats *cst = am_stats.lookup(&cshard);
+			if (csh && cst &&
+			    (csh->state == AM_STATE_ACTIVE || csh->state == AM_STATE_DRAINING)) {
+				cst->packets += 1;
+				cst->bytes += len;
+				if (now - conn->last_seen_ns > 1000000000ULL)
+					conn->last_seen_ns = now;
+				return am_steer(skb, csh);
+			}
+		}
+	}
 	flow = am_flows.lookup(&src);
 #endif
 	pkey.prefixlen = 128;
@@ -346,6 +414,15 @@ int am_classify(struct __sk_buff *skb)
 	} else if (flow && now - flow->last_seen_ns > 1000000000ULL) {
 		/* Refresh at most once a second: a write per packet would bounce the cache line. */
 		flow->last_seen_ns = now;
+	}
+	if (tcp) {
+		/* The connection's first packet seen here (its SYN, or a segment of one that began
+		 * before the classifier knew it), or a SYN reopening it: it stays on this shard.
+		 * Entries outlive FIN and RST (the last ACKs still need them); the LRU drops the
+		 * least recently used, and a connection whose entry it dropped classifies by source
+		 * again. */
+		struct am_conn nc = { .last_seen_ns = now, .shard = shard };
+		am_conns.update(&ckey, &nc);
 	}
 #endif
 	return am_steer(skb, sh);

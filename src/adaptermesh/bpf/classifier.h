@@ -20,6 +20,9 @@
 #ifndef AM_MAX_FLOWS
 #define AM_MAX_FLOWS 262144
 #endif
+#ifndef AM_MAX_CONNS
+#define AM_MAX_CONNS 262144
+#endif
 #ifndef AM_RINGBUF_PAGES
 #define AM_RINGBUF_PAGES 256 /* 1 MiB: about 21,000 events of headroom */
 #endif
@@ -73,6 +76,23 @@ struct am_flow {
 	__u64 last_seen_ns;
 	__u32 shard;
 	__u32 reason;
+};
+
+/* am_conns key: one TCP connection from a client (source and destination, IPv4-mapped for
+ * IPv4, and ports in network byte order). */
+struct am_conn_key {
+	__u8 src[16];
+	__u8 dst[16];
+	__u16 sport;
+	__u16 dport;
+	__u32 pad;
+};
+
+/* am_conns value: the shard the connection's first packet went to. */
+struct am_conn {
+	__u64 last_seen_ns;
+	__u32 shard;
+	__u32 pad;
 };
 
 /* am_shards value: how to steer a packet to one shard. */

@@ -85,6 +85,7 @@ DEFAULT_PIN_DIR = "/sys/fs/bpf/adaptermesh"
 MAP_NAMES = (
     "am_pins",
     "am_flows",
+    "am_conns",
     "am_maglev",
     "am_ctl",
     "am_shards",
@@ -293,6 +294,7 @@ class BpfShardTable:
                 f"-DAM_MAX_SHARDS={max_shards}",
                 f"-DAM_MAX_PINS={max_pins}",
                 f"-DAM_MAX_FLOWS={max_flows}",
+                f"-DAM_MAX_CONNS={max_flows}",  # as many TCP connections as sticky sources
                 f"-DAM_RINGBUF_PAGES={ringbuf_pages}",
                 f"-DAM_LEARN={1 if learn else 0}",
             ]
@@ -642,9 +644,10 @@ class BpfShardTable:
         return int(value.shard)
 
     def clear_flows(self) -> None:
-        """Forget every sticky flow (the next packet of each flow is a new flow)."""
-        flows = self._bpf[b"am_flows"]
-        flows.clear()
+        """Forget every sticky flow and every TCP connection's shard (the next packet of each
+        is classified afresh)."""
+        self._bpf[b"am_flows"].clear()
+        self._bpf[b"am_conns"].clear()
 
     def active_table(self) -> list[int]:
         """The live Maglev table as the classifier reads it."""
