@@ -5,6 +5,7 @@ BPF_PROG_TEST_RUN, beside a model of the decision that property tests replay."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import pytest
@@ -269,3 +270,18 @@ def test_the_datapath_follows_the_model(
             frame, want = tcp(src, port, flags), model.decide(table, src, port, flags)
         got = run(table, frame)
         assert got == want, (op, model)
+
+
+def test_the_stateless_build_keeps_no_connection() -> None:
+    """The stateless variant (``learn=False``, the bench's Maglev-only build) writes no map:
+    a TCP segment follows its source's pin like any packet."""
+    pin_dir = f"/sys/fs/bpf/amb-stateless-{secrets.token_hex(4)}"
+    table = BpfShardTable("lo", pin_dir=pin_dir, learn=False)
+    try:
+        table.apply(make_assignment(_shards()))
+        src = _source_not_on(table, "10.99.0", 1)
+        assert run(table, tcp(src, 48001, "S")) == expected_maglev(table, src)
+        table.apply(make_assignment(_shards(), pins={f"{src}/32": "shard-1"}))
+        assert run(table, tcp(src, 48001, "A")) == 1
+    finally:
+        table.close(detach=False, unpin=True)
