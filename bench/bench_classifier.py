@@ -3,9 +3,9 @@
 Run as root: ``.venv/bin/python bench/bench_classifier.py [--quick] [--out FILE]``.
 
 1. Per-packet cost through BPF_PROG_TEST_RUN (kernel-measured average over >= 1,000,000
-   repeats of one packet) for a pin hit, a sticky hit and the Maglev path, beside a no-op TC
-   program in the same run. A repeated packet is a new flow only once, so the Maglev path is
-   measured on the stateless build (AM_LEARN=0: no am_flows write, no event); the full
+   repeats of one packet) for a pin hit, a sticky hit, a segment of an open TCP connection
+   (am_conns) and the Maglev path, beside a no-op TC program in the same run. A repeated
+   packet is a new flow only once, so the Maglev path is measured on the stateless build (AM_LEARN=0: no am_flows write, no event); the full
    new-flow path (Maglev + am_flows insert + ring-buffer event) is measured separately as the
    kernel's per-run time over distinct sources, one run each.
 2. apply() latency for 100 shards, M = 65,537 and 10,000 pins, from the call to the am_ctl
@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from scapy.layers.inet import IP, UDP
+from scapy.layers.inet import IP, TCP, UDP
 from scapy.layers.l2 import Ether
 
 from adaptermesh.bpf import libbpf
@@ -97,6 +97,17 @@ def pkt(src: str) -> bytes:
     return bytes(Ether() / IP(src=src, dst="10.79.0.10") / UDP(sport=1, dport=2) / (b"x" * 18))
 
 
+def tcp_pkt(src: str, flags: str) -> bytes:
+    """A TCP segment of the same size as pkt()'s datagram."""
+    payload = b"x" * 6
+    return bytes(
+        Ether()
+        / IP(src=src, dst="10.79.0.10")
+        / TCP(sport=40000, dport=8080, flags=flags)
+        / payload
+    )
+
+
 def per_packet(pin_dir: Path, repeat: int, rounds: int) -> dict[str, object]:
     from bcc import BPF
 
@@ -110,10 +121,14 @@ def per_packet(pin_dir: Path, repeat: int, rounds: int) -> dict[str, object]:
         t.apply(assignment(1, rng, pins))
     pinned, unpinned = pkt("172.16.5.9"), pkt("10.50.1.2")
     libbpf.prog_test_run(full.prog_fd, unpinned)  # makes the sticky entry
+    segment = tcp_pkt("10.50.1.3", "A")
+    libbpf.prog_test_run(full.prog_fd, tcp_pkt("10.50.1.3", "S"))  # opens its connection
     cases = {
         "noop": (noop_fd, unpinned),
         "pin_hit": (full.prog_fd, pinned),
         "sticky_hit": (full.prog_fd, unpinned),
+        # A segment of an open TCP connection: the header load and the am_conns lookup.
+        "tcp_connection_hit": (full.prog_fd, segment),
         "maglev_path": (stateless.prog_fd, unpinned),
     }
     samples: dict[str, list[int]] = {k: [] for k in cases}
