@@ -5,9 +5,10 @@ Run as root: ``.venv/bin/python bench/bench_classifier.py [--quick] [--out FILE]
 1. Per-packet cost through BPF_PROG_TEST_RUN (kernel-measured average over >= 1,000,000
    repeats of one packet) for a pin hit, a sticky hit, a segment of an open TCP connection
    (am_conns) and the Maglev path, beside a no-op TC program in the same run. A repeated
-   packet is a new flow only once, so the Maglev path is measured on the stateless build (AM_LEARN=0: no am_flows write, no event); the full
-   new-flow path (Maglev + am_flows insert + ring-buffer event) is measured separately as the
-   kernel's per-run time over distinct sources, one run each.
+   packet is a new flow only once, so the Maglev path is measured on the stateless build
+   (AM_LEARN=0: no am_flows write, no event); the full new-flow path (Maglev + am_flows
+   insert + ring-buffer event) is measured separately as the kernel's per-run time over
+   distinct sources, one run each.
 2. apply() latency for 100 shards, M = 65,537 and 10,000 pins, from the call to the am_ctl
    flip, with new weights on every apply: pins unchanged, then 100 and then 1,000 of the
    10,000 pins changed on every apply.
