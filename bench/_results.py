@@ -48,9 +48,12 @@ def source_revision() -> str | None:
     return head + ("+changes" if changed else "")
 
 
-def provenance(*packages: str, load_start: float | None = None) -> dict[str, Any]:
-    """``date``, ``command``, ``source`` (the commit) and ``machine`` (with the versions of
-    ``packages``)."""
+def provenance(
+    *packages: str, load_start: float | None = None, source: str | None = None
+) -> dict[str, Any]:
+    """``date``, ``command``, ``source`` (the commit; pass the one read when the run began,
+    since commits made while a long run goes on are not what it ran) and ``machine`` (with the
+    versions of ``packages``)."""
     machine: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count()}
     if load_start is not None:
         machine["loadavg_1m_start"] = round(load_start, 2)
@@ -61,7 +64,7 @@ def provenance(*packages: str, load_start: float | None = None) -> dict[str, Any
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "source": source_revision(),
+        "source": source if source is not None else source_revision(),
         "machine": machine,
     }
 

@@ -49,7 +49,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import provenance, write_results
+from _results import provenance, source_revision, write_results
 
 from adaptermesh.worker.faults import STEP_FAULT_ENV
 from adaptermesh_testkit.faultload import (
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_faults: needs root (network namespaces, eBPF)", file=sys.stderr)
         return 2
     load_start = os.getloadavg()[0]
+    source = source_revision()
     workdir = Path(tempfile.mkdtemp(prefix="amf-"))
     trigger_base = str(workdir / "step-fault")
     # The workers inherit it: the engine-step trigger file is <base>.<worker pid>.
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop(STEP_FAULT_ENV, None)
         _done_with(workdir, args.keep_workdir)
     doc = {
-        **provenance("httpx", load_start=load_start),
+        **provenance("httpx", load_start=load_start, source=source),
         "topology": "1 shard x 2 CPU workers (tiny Llama), real classifier, Envoy, agent and "
         "control plane as processes; tenants send streaming completions, a new connection each",
         "load": {
@@ -277,6 +278,7 @@ def soak(args: argparse.Namespace) -> int:
         print("bench_faults: needs root (network namespaces, eBPF)", file=sys.stderr)
         return 2
     load_start = os.getloadavg()[0]
+    source = source_revision()
     workdir = Path(tempfile.mkdtemp(prefix="ams-"))
     cp_env = _env_pairs(args.control_plane_env)
     heap_log = workdir / "control-plane-heap.jsonl"
@@ -322,7 +324,7 @@ def soak(args: argparse.Namespace) -> int:
     if args.heap_probe:
         result["control_plane_heap"] = heap
     doc = {
-        **provenance("httpx", load_start=load_start),
+        **provenance("httpx", load_start=load_start, source=source),
         "topology": "2 shards x 1 CPU worker (tiny Llama), real classifier, Envoy with the "
         "agent's external processor, agent and control plane as processes",
         "form": "soak",
