@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         mesh.start()
         print(f"[faults] mesh up in {time.monotonic() - started:.1f}s", flush=True)
         warm_workers(mesh)
+        stall_s = min(args.stall, 10.0) if args.short else args.stall
         for name in args.scenarios.split(","):
             print(f"[faults] scenario {name}", flush=True)
             summary = run_scenario(
@@ -189,14 +190,17 @@ def main(argv: list[str] | None = None) -> int:
                 # The stall compares the other adapters' p99 before and during: more samples.
                 rate_per_s=2 * args.rate if name == "stall" else args.rate,
                 max_tokens=args.drain_max_tokens if name == "drain" else args.max_tokens,
-                warmup_s=2 * args.warmup if name == "stall" else args.warmup,
+                # The stall's "before" is at least as long as the stall, so that the two p99s
+                # compared come from about as many requests: the p99 of 25 requests is their
+                # slowest, and the slowest of 72 from the same distribution is slower.
+                warmup_s=max(2 * args.warmup, stall_s) if name == "stall" else args.warmup,
                 cooldown_s=args.cooldown,
                 kills=kills,
                 kill_period_s=args.kill_period,
                 drains=1 if args.short else args.drains,
                 trigger_base=trigger_base,
                 records_path=Path(args.records_dir) / f"{name}.jsonl" if args.records_dir else None,
-                stall_s=min(args.stall, 10.0) if args.short else args.stall,
+                stall_s=stall_s,
                 stalled_rate_per_s=args.rate,
                 load_wait_s=args.load_wait,
                 down_s=min(args.cp_down, 10.0) if args.short else args.cp_down,
