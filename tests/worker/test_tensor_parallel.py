@@ -457,6 +457,24 @@ async def test_shutdown_and_a_dying_rank_leave_no_process(tiny: Tiny) -> None:
     assert not any(_alive(p.pid) for p in group.procs)
 
 
+async def test_ranks_take_the_workers_cpu_thread_count(tiny: Tiny) -> None:
+    """A rank is its own interpreter: it gets the thread count rank 0 chose (--cpu-threads),
+    not one per core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eng = _engine(tiny.model_dir, tiny.root, 2)
+        group = eng.tp_group
+        assert group is not None
+        try:
+            environ = Path(f"/proc/{group.procs[0].pid}/environ").read_bytes().split(b"\0")
+            assert b"OMP_NUM_THREADS=1" in environ
+        finally:
+            await eng.shutdown()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_ranks_exit_when_rank_0_is_killed(tiny: Tiny, tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""

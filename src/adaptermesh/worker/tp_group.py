@@ -340,7 +340,9 @@ class TPGroup:
                     "--parent-pid",
                     str(os.getpid()),
                 ],
-                env=dict(os.environ),
+                # The rank's torch takes the thread count the worker chose (--cpu-threads): it
+                # starts its own interpreter, which would count every core again.
+                env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
             )
             for r in range(1, world)
         ]
