@@ -35,7 +35,8 @@ the sizing pair uses 64 rank-16 adapters on all seven modules. base8 runs first 
 invocation (added when ``--rows`` leaves it out): each row's ratio is to the base8 of the same run.
 On a GPU a first, unmeasured base8 (``warmup_row``) runs before it: the first worker on a machine
 compiles the Triton kernels, and a base8 that paid for that measured 896 tok/s against 1,613-3,436
-for the rows after it on an H200.
+for the rows after it on an H200. One such row does not compile every shape the rows reach on a
+fresh machine (docs/benchmarks.md).
 
 Files: one model directory (config, tokenizer, random weights as one safetensors file, drawn on
 the device) and the adapters, written once per invocation in a child process (so this process
