@@ -173,3 +173,20 @@ def test_host_memory_follows_a_cgroup_limit(tmp_path: Path) -> None:
     physical = host_memory_bytes(tmp_path)
     assert physical > 1 << 30
     assert host_memory_bytes(tmp_path / "absent") == physical
+
+
+def test_host_memory_takes_the_tightest_limit_above_the_process(tmp_path: Path) -> None:
+    """A pod's limit sits on the pod's cgroup; the container's cgroup below it has none."""
+    from adaptermesh.worker.cgroups import limit_dirs
+    from adaptermesh.worker.sizing import _cgroup_limit
+
+    pod = tmp_path / "kubepods" / "pod1"
+    (pod / "ctr").mkdir(parents=True)
+    (pod / "memory.max").write_text(f"{2 << 30}\n")
+    (pod / "ctr" / "memory.max").write_text("max\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/kubepods/pod1/ctr\n")
+    assert limit_dirs("memory", tmp_path, proc)[:2] == [pod / "ctr", pod]
+    assert _cgroup_limit(tmp_path, proc) == 2 << 30
+    (pod / "ctr" / "memory.max").write_text(f"{1 << 30}\n")  # tighter below: that one
+    assert _cgroup_limit(tmp_path, proc) == 1 << 30

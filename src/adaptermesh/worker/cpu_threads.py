@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from adaptermesh.worker.cgroups import CGROUP_ROOT, PROC_SELF_CGROUP, limit_dirs, read_limit_file
+
 __all__ = [
     "CpuThreads",
     "apply_cpu_threads",
@@ -29,9 +31,6 @@ __all__ = [
     "choose_cpu_threads",
     "parse_cpu_threads",
 ]
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 
 
 @dataclass(frozen=True)
@@ -60,47 +59,12 @@ def parse_cpu_threads(text: str) -> int | None:
     except ValueError:
         raise ValueError(f"expected auto or a positive integer, got {text[:64]!r}") from None
     if value < 1 or value > 4096:
-        raise ValueError(f"expected auto or 1-4096 threads, got {value}")
+        raise ValueError(f"expected auto or 1-4096 threads, got {text.strip()[:64]}")
     return value
 
 
-def _cgroup_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
-    """This process's cgroup v2 path and its v1 ``cpu`` controller path (either may be None)."""
-    v2: str | None = None
-    v1: str | None = None
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None, None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if controllers == "":
-            v2 = path
-        elif "cpu" in controllers.split(","):
-            v1 = path
-    return v2, v1
-
-
-def _ancestors(mount: Path, path: str) -> list[Path]:
-    """``mount/path`` and every directory above it up to ``mount``; inside a container whose
-    cgroup namespace hides the host's path, ``mount`` itself is the process's cgroup."""
-    rel = [p for p in path.strip("/").split("/") if p and p not in (".", "..")]
-    dirs = [mount.joinpath(*rel[:i]) for i in range(len(rel), -1, -1)]
-    return [d for d in dirs if d.is_dir()]
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
-
-
 def _v2_quota(directory: Path) -> float | None:
-    text = _read(directory / "cpu.max")
+    text = read_limit_file(directory / "cpu.max")
     if not text:
         return None
     fields = text.split()
@@ -114,8 +78,8 @@ def _v2_quota(directory: Path) -> float | None:
 
 
 def _v1_quota(directory: Path) -> float | None:
-    quota_text = _read(directory / "cpu.cfs_quota_us")
-    period_text = _read(directory / "cpu.cfs_period_us")
+    quota_text = read_limit_file(directory / "cpu.cfs_quota_us")
+    period_text = read_limit_file(directory / "cpu.cfs_period_us")
     if quota_text is None or period_text is None:
         return None
     try:
@@ -129,18 +93,12 @@ def cgroup_cpu_quota(
     root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
 ) -> float | None:
     """The CPUs this process's cgroups allow it (the tightest limit of its cgroup and its
-    ancestors), or None without a limit. cgroup v2 first, then v1's ``cpu`` controller
-    (mounted at ``cpu``, ``cpu,cpuacct`` or ``cpuacct,cpu``)."""
-    v2, v1 = _cgroup_paths(proc_cgroup)
-    found: list[float] = []
-    if v2 is not None and (root / "cgroup.controllers").is_file():
-        found += [q for d in _ancestors(root, v2) if (q := _v2_quota(d)) is not None]
-    if v1 is not None:
-        for mount_name in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
-            mount = root / mount_name
-            if mount.is_dir():
-                found += [q for d in _ancestors(mount, v1) if (q := _v1_quota(d)) is not None]
-                break
+    ancestors, v2 ``cpu.max`` or v1 CFS quota), or None without a limit."""
+    found = [
+        q
+        for d in limit_dirs("cpu", root, proc_cgroup)
+        if (q := _v2_quota(d) or _v1_quota(d)) is not None
+    ]
     return min(found) if found else None
 
 

@@ -33,6 +33,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from adaptermesh.worker.cgroups import PROC_SELF_CGROUP, limit_dirs, read_limit_file
+
 __all__ = [
     "ADAPTER_POOL_SHARE",
     "CPU_CACHE_SHARE",
@@ -232,16 +234,16 @@ def choose_sizing(
     return Sizing(seqs, step, loras, kv_bytes, cpu_cache, origin)
 
 
-def _cgroup_limit(root: Path) -> int | None:
-    for name in ("memory.max", "memory/memory.limit_in_bytes"):
-        path = root / name
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            return int(text)
-    return None
+def _cgroup_limit(root: Path, proc_cgroup: Path = PROC_SELF_CGROUP) -> int | None:
+    """The tightest memory limit of this process's cgroups (cgroup.limit_dirs: its own and the
+    ones above it; v2 ``memory.max``, v1 ``memory.limit_in_bytes``), or None."""
+    found = [
+        int(text)
+        for d in limit_dirs("memory", root, proc_cgroup)
+        for name in ("memory.max", "memory.limit_in_bytes")
+        if (text := read_limit_file(d / name)) is not None and text.isdigit()
+    ]
+    return min(found) if found else None
 
 
 def host_memory_bytes(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
