@@ -208,16 +208,27 @@ def test_soak_figures_say_what_holds_the_rss_at_the_baseline_and_the_end() -> No
 
 
 @pytest.mark.parametrize(
-    ("shards", "per_shard", "extra", "want"),
+    ("cpus", "shards", "per_shard", "extra", "want"),
     [
-        (1, 2, (), None),  # computed from this machine below
-        (3, 2, (), None),
-        (1, 2, ("--cpu-threads", "5"), []),  # the config's own flag wins
+        (2, 1, 2, (), ["--cpu-threads", "1"]),  # the fault mesh on this box
+        (8, 1, 2, (), ["--cpu-threads", "4"]),
+        (8, 3, 2, (), ["--cpu-threads", "1"]),  # 8 // 6
+        (2, 3, 2, (), ["--cpu-threads", "1"]),  # fewer cores than workers: still one each
+        (2, 1, 2, ("--cpu-threads", "5"), []),  # the config's own flag wins
     ],
 )
 def test_local_mesh_gives_each_worker_its_share_of_the_cpus(
-    tmp_path: Path, shards: int, per_shard: int, extra: tuple[str, ...], want: list[str] | None
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cpus: int,
+    shards: int,
+    per_shard: int,
+    extra: tuple[str, ...],
+    want: list[str],
 ) -> None:
+    monkeypatch.setattr(
+        "adaptermesh_testkit.localmesh.os.sched_getaffinity", lambda _pid: set(range(cpus))
+    )
     mesh = LocalMesh(
         MeshConfig(
             prefix="amt0",
@@ -227,9 +238,6 @@ def test_local_mesh_gives_each_worker_its_share_of_the_cpus(
             worker_args=extra,
         )
     )
-    if want is None:
-        share = max(1, len(os.sched_getaffinity(0)) // (shards * per_shard))
-        want = ["--cpu-threads", str(share)]
     assert mesh._cpu_threads_args() == want
 
 

@@ -13,9 +13,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-__all__ = ["CpuSampler", "cpu_seconds"]
+__all__ = ["CpuSampler", "PeriodicSampler", "cpu_seconds"]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -34,7 +34,36 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
-class CpuSampler:
+class PeriodicSampler:
+    """Calls :meth:`sample` at :meth:`start`, every ``interval_s`` from a thread, and once
+    more at :meth:`stop`; ``started`` is the monotonic time of :meth:`start`."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.started = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="sampler")
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def start(self) -> Self:
+        self.started = time.monotonic()
+        self.sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+class CpuSampler(PeriodicSampler):
     """Cores used per process (``pids()``: name -> pid) every ``interval_s``."""
 
     def __init__(
@@ -43,14 +72,12 @@ class CpuSampler:
         interval_s: float = 0.5,
         read: Callable[[int], float | None] = cpu_seconds,
     ) -> None:
+        super().__init__(interval_s)
         self.pids = pids
-        self.interval_s = interval_s
         self.read = read
         # (monotonic time at the end of the interval, name -> cores used over it)
         self.samples: list[tuple[float, dict[str, float]]] = []
         self._last: dict[str, tuple[int, float, float]] = {}  # name -> (pid, cpu s, time)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="cpu-sampler")
 
     def sample(self) -> None:
         now = time.monotonic()
@@ -67,20 +94,6 @@ class CpuSampler:
         self._last = current
         if row:
             self.samples.append((now, row))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.sample()
-
-    def start(self) -> CpuSampler:
-        self.sample()
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
 
     def by_phase(self, phases: Mapping[str, tuple[float, float]]) -> dict[str, Any]:
         """Per phase (name -> [start, end) in monotonic time): the samples that ended in it,

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from adaptermesh_testkit.cpusample import PeriodicSampler
 from adaptermesh_testkit.faultload import OpenLoad, RequestRecord, _percentiles
 from adaptermesh_testkit.localmesh import LocalMesh
 
@@ -91,20 +92,17 @@ def _fds(pid: int) -> int | None:
         return None
 
 
-class ProcessSampler:
+class ProcessSampler(PeriodicSampler):
     """Every ``interval_s``: RSS (KiB) and open descriptors of each process ``pids()``
     names, with the time since :meth:`start`."""
 
     def __init__(self, pids: Callable[[], dict[str, int]], interval_s: float) -> None:
+        super().__init__(interval_s)
         self.pids = pids
-        self.interval_s = interval_s
         self.samples: list[tuple[float, dict[str, tuple[int, int, int]]]] = []
         # RSS by kind of mapping (rss_by_mapping), per sample, per process name.
         self.mappings: list[dict[str, dict[str, int]]] = []
         self.loadavg: list[float] = []  # the machine's 1-minute load average per sample
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.started = 0.0
 
     def sample(self) -> None:
         row: dict[str, tuple[int, int, int]] = {}
@@ -118,21 +116,6 @@ class ProcessSampler:
         self.samples.append((time.monotonic() - self.started, row))
         self.mappings.append(maps)
         self.loadavg.append(os.getloadavg()[0])
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.sample()
-
-    def start(self) -> ProcessSampler:
-        self.started = time.monotonic()
-        self.sample()
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
 
     def figures(self, baseline_after_s: float) -> dict[str, Any]:
         """Per process: RSS and descriptors at the first sample at or after
@@ -342,6 +325,7 @@ def run_soak(
     finally:
         streamed_records = streamed.stop()
         records = [*streamed_records, *plain.stop()]
+        streamed_ids = {id(r) for r in streamed_records}
         changes.wait()
         sampler.stop()
     failed = [r for r in records if not r.ok]
@@ -374,7 +358,7 @@ def run_soak(
                 "started_s": round(r.started - origin, 3),
                 "source": r.source,
                 "adapter": r.adapter,
-                "stream": any(r is x for x in streamed_records),
+                "stream": id(r) in streamed_ids,
             }
             for r in failed[:8]
         ],
