@@ -11,9 +11,10 @@
  * stays on the shard of its first packet while that shard is ACTIVE or DRAINING (am_conns): a
  * pin, a weight change or a drain moves the source's new connections, never one in flight,
  * whose packets would reach an Envoy that never saw it and be reset. A SYN without ACK opens
- * the connection again (a reused port) and takes the decision above. Frames that cannot be classified safely (truncated or invalid
- * headers, VLAN tags, non-IP) and sources no client has (link-local, unspecified, loopback,
- * multicast, broadcast) pass untouched and are counted in am_counters.
+ * the connection again (a reused port) and takes the decision above. Frames that cannot be
+ * classified safely (truncated or invalid headers, VLAN tags, non-IP) and sources no client
+ * has (link-local, unspecified, loopback, multicast, broadcast) pass untouched and are counted
+ * in am_counters.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/if_ether.h>
@@ -186,7 +187,6 @@ static __always_inline void am_emit(const struct am_addr *addr, __u32 shard, __u
 	am_events.ringbuf_submit(e, 0);
 }
 
-#define AM_TCP_FIN 0x01
 #define AM_TCP_SYN 0x02
 #define AM_TCP_ACK 0x10
 
@@ -348,10 +348,9 @@ int am_classify(struct __sk_buff *skb)
 			struct am_stats *cst = am_stats.lookup(&cshard);
 			if (csh && cst &&
 			    (csh->state == AM_STATE_ACTIVE || csh->state == AM_STATE_DRAINING)) {
+				/* No refresh: the LRU's own lookup keeps the entry recent. */
 				cst->packets += 1;
 				cst->bytes += len;
-				if (now - conn->last_seen_ns > 1000000000ULL)
-					conn->last_seen_ns = now;
 				return am_steer(skb, csh);
 			}
 		}
@@ -421,7 +420,7 @@ int am_classify(struct __sk_buff *skb)
 		 * Entries outlive FIN and RST (the last ACKs still need them); the LRU drops the
 		 * least recently used, and a connection whose entry it dropped classifies by source
 		 * again. */
-		struct am_conn nc = { .last_seen_ns = now, .shard = shard };
+		struct am_conn nc = { .written_ns = now, .shard = shard };
 		am_conns.update(&ckey, &nc);
 	}
 #endif
