@@ -20,7 +20,8 @@ On a GPU, once the weights are on the device:
 * **Step budget.** Twice the sequences, at least 512 tokens: every decode row fits in one step
   with as many prompt tokens again beside it.
 * **CPU cache** (both devices): ``CPU_CACHE_SHARE`` of the host memory the process may use
-  (the cgroup's limit where one is set, as in a Kubernetes pod), between 256 MiB and
+  (the tightest cgroup limit of the process's cgroup and the ones above it, as in a Kubernetes
+  pod: worker/cgroups.py), between 256 MiB and
   ``MAX_CPU_CACHE_BYTES``. On the CPU it stays at the old 2 GiB unless the host has less.
 
 Pure: the facts come in as values (``DeviceFacts``, ``HostFacts``, ``ModelFacts``), read by the
