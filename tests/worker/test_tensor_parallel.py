@@ -45,10 +45,15 @@ _BASE_KW = {"max_num_seqs": 8, "max_loras": 4, "max_lora_rank": 16}
 
 
 def _children(pid: int) -> set[int]:
+    """The live children of every thread of ``pid``; a thread that exits while the
+    listing is read (its ``task`` entry gone) has none to report."""
     out: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        out.update(int(x) for x in text)
+        try:
+            text = (task / "children").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        out.update(int(x) for x in text if _alive(int(x)))
     return out
 
 
@@ -402,7 +407,7 @@ async def test_size_that_does_not_divide_the_heads_is_refused(tiny: Tiny) -> Non
         _engine(tiny.model_dir, tiny.root, 0)
     with pytest.raises(InvalidRequestError, match="lora_dtype: int4 adapter pools"):
         _engine(tiny.model_dir, tiny.root, 2, lora_dtype="int4")
-    assert _children(os.getpid()) == before  # nothing was started
+    assert _children(os.getpid()) <= before  # nothing was started
 
 
 async def test_failed_load_on_one_rank_publishes_on_none(
