@@ -419,9 +419,14 @@ def _http_text(url: str) -> str:
     return httpx.get(url, timeout=2).text
 
 
-def _when_busy(mesh: LocalMesh, shard_id: str, j: int, timeout: float = 30.0) -> int:
+def _when_busy(mesh: LocalMesh, shard_id: str, j: int, timeout: float = 90.0) -> int:
     """Wait (up to ``timeout``) until worker ``j`` of ``shard_id`` is generating, so that the
-    fault meets a stream in flight; returns how many it runs (0 when it never did)."""
+    fault meets a stream in flight; returns how many it runs (0 when it never did).
+
+    The wait may be long: the control plane may weigh a worker that queued or ran slow (just
+    restarted by an earlier scenario, or on a busy machine) down to 5 % of its shard's best
+    and back up over several rounds, and at one request a second such a worker sees about
+    one request every 20 s. In one CI-form run on a loaded machine 30 s passed without one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
