@@ -700,3 +700,69 @@ async def test_rollout_history_is_capped_through_the_controller(tmp_path: Path) 
     assert [r.id for r in history] == ids[-ROLLOUT_HISTORY_LIMIT:]
     assert [e.kind for e in history[-1].events] == ["start", "abort"]
     assert split(rb) is None  # the newest (aborted, unversioned) still decides the split
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    limit=st.integers(2, 6),
+    kinds=st.lists(
+        st.tuples(st.sampled_from(["x", "y"]), st.sampled_from(["pause", "resume", "step"])),
+        max_size=40,
+    ),
+)
+def test_the_store_keeps_each_rollouts_first_and_newest_events(
+    limit: int, kinds: list[tuple[str, str]]
+) -> None:
+    """Whatever events arrive, interleaved over two rollouts, each keeps its first event and
+    its newest ``limit - 1``, in order, and the table holds nothing else."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "cp.sqlite3", synchronous="OFF", rollout_event_limit=limit)
+        rollouts = {a: _rollout(a, 0) for a in ("x", "y")}
+        written: dict[str, list[str]] = {a: [] for a in rollouts}
+        for a, r in rollouts.items():
+            store.put_rollout(r, _event(f"start-{a}"))
+            written[a].append(f"start-{a}")
+        for n, (a, kind) in enumerate(kinds):
+            store.put_rollout(rollouts[a], _event(f"{kind}-{n}"))
+            written[a].append(f"{kind}-{n}")
+        for a, all_kinds in written.items():
+            (got,) = store.rollouts(a, events=True)
+            want = (
+                all_kinds if len(all_kinds) <= limit else [all_kinds[0], *all_kinds[-(limit - 1) :]]
+            )
+            assert [e.kind for e in got.events] == want
+        rows = store._db.execute("SELECT COUNT(*) FROM rollout_events").fetchone()[0]
+        assert rows == sum(min(len(k), limit) for k in written.values())
+        store.close()
+
+
+def test_the_event_limit_is_checked() -> None:
+    import tempfile
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        pytest.raises(ValueError, match="rollout_event_limit"),
+    ):
+        Store(Path(tmp) / "cp.sqlite3", rollout_event_limit=1)
+
+
+async def test_pausing_and_resuming_in_a_loop_keeps_the_events_bounded(tmp_path: Path) -> None:
+    """An operator (or a script) pausing and resuming one rollout over and over: its history
+    keeps the start and the newest events, ROLLOUT_EVENT_LIMIT in all."""
+    from adaptermesh.control_plane.store import ROLLOUT_EVENT_LIMIT
+
+    ctl, _source, _clock, _rb = setup(tmp_path)
+    ctl.start(spec(from_version="", to_version="2.0.1"), "first")
+    for n in range(ROLLOUT_EVENT_LIMIT):
+        ctl.control("credit-risk", "pause", f"p{n}")
+        ctl.control("credit-risk", "resume", f"r{n}")
+    (r,) = ctl.listing("credit-risk", history=True)
+    assert len(r.events) == ROLLOUT_EVENT_LIMIT
+    assert r.events[0].kind == "start"
+    assert [e.reason for e in r.events[-2:]] == [
+        f"p{ROLLOUT_EVENT_LIMIT - 1}",
+        f"r{ROLLOUT_EVENT_LIMIT - 1}",
+    ]
+    assert r.state == S.ROLLOUT_STATE_RUNNING

@@ -125,3 +125,53 @@ def test_assignments_keep_the_carried_rule_set_once(tmp_path: Path) -> None:
         a.routing_rules.digest == carried.digest and not a.routing_rules.document_json
         for a in light
     )
+
+
+def _numbered(n: int) -> dict[str, object]:
+    return {"rules": [{"name": f"r{n}", "when": f'adapter == "a{n}"', "shard": "s"}]}
+
+
+@settings(max_examples=30, deadline=None)
+@given(limit=st.integers(1, 5), applies=st.lists(st.integers(0, 6), max_size=25))
+def test_the_store_keeps_the_newest_rule_sets(limit: int, applies: list[int]) -> None:
+    """Any sequence of applies (repeats of the live set included): the newest ``limit``
+    versions stay, readable by version, the live one always; older ones are gone."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "cp.db", rule_set_history_limit=limit)
+        versions: list[tuple[int, int]] = []  # (version, which document)
+        for n in applies:
+            rec = store.apply_rule_set(_numbered(n), f"apply {n}", now=1.0)
+            if not rec.unchanged:
+                versions.append((rec.version, n))
+        kept = versions[-limit:]
+        assert [r.version for r in store.rule_set_history(1000)] == [v for v, _ in reversed(kept)]
+        for v, n in kept:
+            assert store.rule_set(v).document["rules"] == _numbered(n)["rules"]  # type: ignore[union-attr]
+        for v, _ in versions[:-limit]:
+            assert store.rule_set(v) is None
+        if versions:
+            assert store.rule_set().version == versions[-1][0]  # type: ignore[union-attr]
+            assert store.live_rule_set_version() == versions[-1][0]
+        rows = store._db.execute("SELECT COUNT(*) FROM rule_sets").fetchone()[0]
+        assert rows == len(kept)
+        store.close()
+
+
+def test_the_rule_set_limit_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="rule_set_history_limit"):
+        Store(tmp_path / "cp.db", rule_set_history_limit=0)
+
+
+def test_the_default_keeps_rule_set_history_limit_versions(tmp_path: Path) -> None:
+    from adaptermesh.control_plane.store import RULE_SET_HISTORY_LIMIT
+
+    store = Store(tmp_path / "cp.db", synchronous="OFF")
+    for n in range(RULE_SET_HISTORY_LIMIT + 5):
+        store.apply_rule_set(_numbered(n), "", now=float(n))
+    history = store.rule_set_history(1000)
+    assert len(history) == RULE_SET_HISTORY_LIMIT
+    assert history[0].version == RULE_SET_HISTORY_LIMIT + 5
+    assert store.rule_set(5) is None
+    assert store.rule_set(6) is not None

@@ -62,6 +62,8 @@ async def test_apply_get_list_and_refuse(cp: Harness) -> None:
     listed = await cp.stub.ListRules(cp_pb2.ListRulesRequest(), metadata=cp.md)
     assert [r.version for r in listed.rule_sets] == [1]
     assert listed.rule_sets[0].reason == "gold tier"
+    assert listed.rule_sets[0].rules == 1
+    assert listed.rule_sets[0].document_json == ""  # a listing; GetRules reads the document
 
 
 async def test_apply_needs_the_write_scope(cp: Harness) -> None:
@@ -73,3 +75,26 @@ async def test_apply_needs_the_write_scope(cp: Harness) -> None:
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     listed = await cp.stub.ListRules(cp_pb2.ListRulesRequest(), metadata=creds(RO_TOKEN))
     assert list(listed.rule_sets) == []
+
+
+async def test_listing_many_large_sets_stays_small(cp: Harness) -> None:
+    """Twenty versions of a 1,000-rule set (about 1.4 MB each): the listing carries none of
+    the documents, so it fits a client's default 4 MiB limit and the control plane builds no
+    28 MB reply; each version is still read whole with GetRules."""
+    for n in range(20):
+        doc = {
+            "rules": [
+                {"name": f"r{i}", "when": f'adapter == "{"a" * 1300}{n}-{i}"', "shard": "s"}
+                for i in range(1000)
+            ]
+        }
+        await cp.stub.ApplyRules(
+            cp_pb2.ApplyRulesRequest(document_json=json.dumps(doc), reason=f"v{n}"),
+            metadata=cp.md,
+        )
+    listed = await cp.stub.ListRules(cp_pb2.ListRulesRequest(limit=1000), metadata=cp.md)
+    assert [r.version for r in listed.rule_sets] == list(range(20, 0, -1))
+    assert all(r.rules == 1000 and not r.document_json for r in listed.rule_sets)
+    assert listed.ByteSize() < 4096
+    first = await cp.stub.GetRules(cp_pb2.GetRulesRequest(version=1), metadata=cp.md)
+    assert len(json.loads(first.document_json)["rules"]) == 1000

@@ -508,10 +508,15 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
     async def ListRules(
         self, request: control_plane_pb2.ListRulesRequest, context: _Ctx
     ) -> control_plane_pb2.ListRulesResponse:
+        # A listing: each version's document is left out (GetRules reads one). A set may be a
+        # few MB, and a page of them would pass any client's message limit.
         limit = min(request.limit or 100, 1000)
-        return control_plane_pb2.ListRulesResponse(
-            rule_sets=[self._rule_set_message(r) for r in self.store.rule_set_history(limit)]
-        )
+        out = control_plane_pb2.ListRulesResponse()
+        for record in self.store.rule_set_history(limit):
+            msg = self._rule_set_message(record)
+            msg.ClearField("document_json")
+            out.rule_sets.append(msg)
+        return out
 
     async def ListPins(
         self, request: control_plane_pb2.ListPinsRequest, context: _Ctx

@@ -29,7 +29,9 @@ from adaptermesh.rules import canonical_document, compile_rule_set, parse_rule_s
 
 __all__ = [
     "MIGRATIONS",
+    "ROLLOUT_EVENT_LIMIT",
     "ROLLOUT_HISTORY_LIMIT",
+    "RULE_SET_HISTORY_LIMIT",
     "SCHEMA_VERSION",
     "AlreadyExistsError",
     "RuleSetRecord",
@@ -116,12 +118,20 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             rollout_id TEXT NOT NULL REFERENCES rollouts(id),
             body BLOB NOT NULL)""",
     ),
+    # A rollout's events are read and pruned by rollout (ROLLOUT_EVENT_LIMIT).
+    ("CREATE INDEX rollout_events_rollout ON rollout_events(rollout_id, seq)",),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
 # Rollouts kept per adapter, with their events: the newest ones (the newest decides the
 # adapter's split and is never dropped). An older one goes when a new one starts.
 ROLLOUT_HISTORY_LIMIT = 100
+# Events kept per rollout: its first (the start) and the newest others. Steps, pauses and
+# resumes each add one, so an operator pausing and resuming in a loop would grow it without end.
+ROLLOUT_EVENT_LIMIT = 256
+# Routing-rule versions kept: the newest ones (the newest is the live set). A set is up to
+# MAX_RULES rules of MAX_WHEN_CHARS each (a few MB), one version per apply that changes it.
+RULE_SET_HISTORY_LIMIT = 256
 
 
 @dataclass(frozen=True)
@@ -193,6 +203,8 @@ class Store:
         index_quarantine_s: float = 300.0,
         history_limit: int = 10_000,
         rollout_history_limit: int = ROLLOUT_HISTORY_LIMIT,
+        rollout_event_limit: int = ROLLOUT_EVENT_LIMIT,
+        rule_set_history_limit: int = RULE_SET_HISTORY_LIMIT,
     ) -> None:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, not {synchronous}")
@@ -202,6 +214,12 @@ class Store:
         if rollout_history_limit < 1:
             raise ValueError(f"rollout_history_limit must be >= 1, not {rollout_history_limit}")
         self.rollout_history_limit = rollout_history_limit
+        if rollout_event_limit < 2:
+            raise ValueError(f"rollout_event_limit must be >= 2, not {rollout_event_limit}")
+        self.rollout_event_limit = rollout_event_limit
+        if rule_set_history_limit < 1:
+            raise ValueError(f"rule_set_history_limit must be >= 1, not {rule_set_history_limit}")
+        self.rule_set_history_limit = rule_set_history_limit
         self._lock = threading.RLock()
         self._depth = 0
         # Bumped by every write to shards or adapter instances made through this object (and
@@ -467,6 +485,13 @@ class Store:
                 (canonical, digest, reason, now),
             )
             version = int(cur.lastrowid or 0)
+            # Versions count up by one (AUTOINCREMENT, deletes only from below), so this keeps
+            # the newest rule_set_history_limit. An older Assignment record that carried a
+            # dropped set keeps its version and digest; its document reads as empty.
+            self._db.execute(
+                "DELETE FROM rule_sets WHERE version <= ?",
+                (version - self.rule_set_history_limit,),
+            )
         return RuleSetRecord(version, json.loads(canonical), reason, now)
 
     def live_rule_set_version(self) -> int:
@@ -534,6 +559,18 @@ class Store:
                     "INSERT INTO rollout_events (rollout_id, body) VALUES (?,?)",
                     (rollout.id, event.SerializeToString()),
                 )
+                self._prune_events(rollout.id)
+
+    def _prune_events(self, rollout_id: str) -> None:
+        """Keep the rollout's first event (its start) and its newest
+        ``rollout_event_limit - 1``."""
+        self._db.execute(
+            "DELETE FROM rollout_events WHERE rollout_id = ?"
+            " AND seq > (SELECT MIN(seq) FROM rollout_events WHERE rollout_id = ?)"
+            " AND seq < (SELECT seq FROM rollout_events WHERE rollout_id = ?"
+            " ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+            (rollout_id, rollout_id, rollout_id, self.rollout_event_limit - 2),
+        )
 
     def _prune_rollouts(self, adapter: str) -> None:
         """Keep the adapter's newest ``rollout_history_limit`` rollouts and their events."""
