@@ -35,8 +35,13 @@ the sizing pair uses 64 rank-16 adapters on all seven modules. base8 runs first 
 invocation (added when ``--rows`` leaves it out): each row's ratio is to the base8 of the same run.
 On a GPU a first, unmeasured base8 (``warmup_row``) runs before it: the first worker on a machine
 compiles the Triton kernels, and a base8 that paid for that measured 896 tok/s against 1,613-3,436
-for the rows after it on an H200. One such row does not compile every shape the rows reach on a
-fresh machine (docs/benchmarks.md).
+for the rows after it on an H200. That row runs closed loops only, at 256, 64 and 16 requests in
+flight for ``--warmup-s`` in all (90 s on a GPU), so that the batch sizes and prefill/decode
+mixes of the rows' two phases are compiled before any row measures; each level's tok/s is kept
+(``warmup_row.warmup_levels``). A row's capacity window (30 s after a 30 s ramp on a GPU) is
+longer than the closed loop's first prefill burst and the length of a request (16-512 tokens at
+30-80 ms each); ``capacity_second_over_first_half`` in the table, near 1, says the window held a
+steady state.
 
 Files: one model directory (config, tokenizer, random weights as one safetensors file, drawn on
 the device) and the adapters, written once per invocation in a child process (so this process
@@ -142,15 +147,16 @@ SIZE_FLAGS: dict[str, tuple[Any, Any, type, str]] = {
     "scale": (1.0, 1 / 16, float, "adapter, slot and per-row sequence counts x this, at least 2"),
     "concurrency": (256, 16, int, "closed-loop requests in flight"),
     "max_num_seqs": (256, 16, int, "worker --max-num-seqs of the rows that set it"),
-    "ramp_s": (6.0, 0.5, float, "seconds before counting starts"),
-    "capacity_s": (8.0, 2.0, float, "closed-loop counting window, s"),
-    "run_s": (8.0, 3.0, float, "Poisson arrival window, s"),
+    "ramp_s": (30.0, 0.5, float, "seconds before counting starts"),
+    "capacity_s": (30.0, 2.0, float, "closed-loop counting window, s"),
+    "run_s": (16.0, 3.0, float, "Poisson arrival window, s"),
     "max_tail_s": (
-        12.0,
+        24.0,
         10.0,
         float,
         "after the last arrival, cut requests still running after this",
     ),
+    "warmup_s": (90.0, 6.0, float, "the warm-up row's closed loops, s in all"),
     "prompt": ([64, 2048], [16, 128], int, "prompt tokens, uniform in [LO, HI]"),
     "output": ([16, 512], [4, 32], int, "max_tokens, uniform in [LO, HI]"),
     "max_model_len": (2576, 176, int, "worker --max-model-len of the rows that set it"),
@@ -451,11 +457,51 @@ def admission_slots(log_text: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+# The warm-up row's closed loops: concurrency as a fraction of --concurrency, each for a third
+# of --warmup-s. Full, a quarter and a sixteenth of the loop reach the decode batch sizes and
+# the prefill/decode mixes that the rows' capacity and 80% load phases reach.
+WARMUP_LEVELS = (1.0, 0.25, 1 / 16)
+
+
+async def warm_shapes(
+    base: dict[str, Any], concurrency: int, seconds: float, settle: Any
+) -> list[dict[str, Any]]:
+    """Closed loops at each of WARMUP_LEVELS for ``seconds / 3`` each, nothing measured: the
+    worker compiles and captures what the rows will reach. Returns each level's output tok/s
+    (over the level's second half), which shows when compiling stopped."""
+    out = []
+    per = seconds / len(WARMUP_LEVELS)
+    for k, level in enumerate(WARMUP_LEVELS):
+        c = max(1, round(concurrency * level))
+        phase = await bench_service.mix_phase(
+            None, {**base, "mode": "mix_closed", "seed": 21 + k, "concurrency": c}, (per / 2, per)
+        )
+        summ = bench_service.mix_summary(phase["client"]["records"], per / 2)
+        out.append(
+            {
+                "concurrency": c,
+                "seconds": per,
+                "output_tok_s": summ["output_tok_s"],
+                "output_tok_s_halves": summ["output_tok_s_halves"],
+                "status_counts": summ["status_counts"],
+            }
+        )
+        log(f"warm-up at {c} in flight: {summ['output_tok_s']:.0f} output tok/s")
+        await settle()
+    return out
+
+
 async def run_row(
-    name: str, args: argparse.Namespace, work: Path, save: Any, result: dict[str, Any]
+    name: str,
+    args: argparse.Namespace,
+    work: Path,
+    save: Any,
+    result: dict[str, Any],
+    warmup_s: float | None = None,
 ) -> None:
     """Start the row's worker, register its adapters, measure, stop it; fills ``result`` (which
-    ``save`` writes out) as it goes."""
+    ``save`` writes out) as it goes. With ``warmup_s``: closed loops for that long instead of
+    the measured phases (the warm-up row)."""
     row = ROWS[name]
     count = scaled(row.adapters, args.scale)
     names = adapter_names(row.adapter_set, count)
@@ -511,6 +557,10 @@ async def run_row(
             await worker.settle()
             snapshots.append(worker_counters(await worker.metrics()))
 
+        if warmup_s is not None:
+            result["warmup_levels"] = await warm_shapes(base, args.concurrency, warmup_s, settle)
+            return
+
         schedule = MixSchedule(
             args.concurrency,
             args.ramp_s,
@@ -537,6 +587,7 @@ async def run_row(
 def table_row(name: str, r: dict[str, Any], baseline: float | None, scale: float) -> dict[str, Any]:
     spec = ROWS[name]
     capacity = (r.get("capacity") or {}).get("output_tok_s")
+    halves = (r.get("capacity") or {}).get("output_tok_s_halves")
     load = r.get("load") or {}
     measured = (r.get("counters") or {}).get("measured") or {}
     return {
@@ -547,6 +598,8 @@ def table_row(name: str, r: dict[str, Any], baseline: float | None, scale: float
         "popularity": spec.popularity,
         "capacity_output_tok_s": capacity,
         "ratio_vs_base8": capacity / baseline if capacity and baseline else None,
+        # The capacity window's second half over its first: near 1 in a steady state.
+        "capacity_second_over_first_half": halves[1] / halves[0] if halves and halves[0] else None,
         "ttft_p50_ms": (load.get("ttft_ms") or {}).get("p50"),
         "ttft_p95_ms": (load.get("ttft_ms") or {}).get("p95"),
         "tpot_p95_ms": (load.get("tpot_ms") or {}).get("p95"),
@@ -564,7 +617,8 @@ def print_table(table: list[dict[str, Any]]) -> None:
     print("\n== bench_many_adapters (capacity through HTTP; latency at the load fraction) ==")
     print(
         f"{'row':16s} {'adapters':>8s} {'slots':>6s} {'tok/s':>8s} {'ratio':>6s} "
-        f"{'ttft50':>8s} {'ttft95':>8s} {'tpot95':>7s} {'loads':>7s} {'evict':>7s} {'miss':>7s}"
+        f"{'2nd/1st':>7s} {'ttft50':>8s} {'ttft95':>8s} {'tpot95':>7s} {'loads':>7s} "
+        f"{'evict':>7s} {'miss':>7s}"
     )
 
     def fmt(v: Any, digits: int = 0) -> str:
@@ -574,6 +628,7 @@ def print_table(table: list[dict[str, Any]]) -> None:
         print(
             f"{t['row']:16s} {fmt(t['adapters']):>8s} {fmt(t['gpu_slots']):>6s} "
             f"{fmt(t['capacity_output_tok_s']):>8s} {fmt(t['ratio_vs_base8'], 2):>6s} "
+            f"{fmt(t['capacity_second_over_first_half'], 2):>7s} "
             f"{fmt(t['ttft_p50_ms']):>8s} {fmt(t['ttft_p95_ms']):>8s} "
             f"{fmt(t['tpot_p95_ms'], 1):>7s} {fmt(t['adapter_loads']):>7s} "
             f"{fmt(t['evictions']):>7s} {fmt(t['cache_misses']):>7s}"
@@ -644,6 +699,8 @@ async def run(args: argparse.Namespace, rows: list[str]) -> dict[str, Any]:
             "load": args.load,
             "ramp_s": args.ramp_s,
             "capacity_s": args.capacity_s,
+            "warmup_row_s": args.warmup_s if args.warmup_row else None,
+            "warmup_levels": list(WARMUP_LEVELS) if args.warmup_row else None,
             "run_s": args.run_s,
             "max_tail_s": args.max_tail_s,
             "zipf_exponent": args.zipf,
@@ -674,7 +731,7 @@ async def run(args: argparse.Namespace, rows: list[str]) -> dict[str, Any]:
             # serves the later ones) and its row measured that: run the baseline once first,
             # kept apart and not used for any ratio.
             result["warmup_row"] = {"row": BASELINE}
-            await run_row(BASELINE, args, work, save, result["warmup_row"])
+            await run_row(BASELINE, args, work, save, result["warmup_row"], warmup_s=args.warmup_s)
             longest = result["warmup_row"]["row_s"]
             save()
         for name in rows:

@@ -291,6 +291,7 @@ async def _one_mix(
         status=0,
         chunks=0,
         in_window=0,
+        in_first_half=0,
         first=None,
         last=None,
         usage_tokens=None,
@@ -325,6 +326,8 @@ async def _one_mix(
                     rec["last"] = now
                     if w0 <= now <= w1:
                         rec["in_window"] += 1
+                        if now < (w0 + w1) / 2:
+                            rec["in_first_half"] += 1
         rec["done"] = True
     except asyncio.CancelledError:
         rec["cut"] = True
@@ -821,6 +824,14 @@ def mix_floor(
     }
 
 
+def _halves(records: list[dict[str, Any]], window_s: float) -> list[float] | None:
+    if window_s <= 0:
+        return None
+    first = sum(r.get("in_first_half", 0) for r in records)
+    second = sum(r.get("in_window", 0) for r in records) - first
+    return [2 * first / window_s, 2 * second / window_s]
+
+
 def mix_summary(records: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
     ok = [r for r in records if r.get("status") == 200 and r.get("done") and r.get("chunks")]
     ttft = [1e3 * (r["first"] - r["sent"]) for r in ok]
@@ -848,6 +859,9 @@ def mix_summary(records: list[dict[str, Any]], window_s: float) -> dict[str, Any
         "window_s": window_s,
         "window_output_tokens": sum(r.get("in_window", 0) for r in records),
         "output_tok_s": sum(r.get("in_window", 0) for r in records) / window_s,
+        # The window's two halves: far apart, the window held a transient (the closed loop's
+        # first prefill burst, kernels compiling) rather than a steady state.
+        "output_tok_s_halves": _halves(records, window_s),
         "completed_output_tokens": sum(completion),
         "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in ok) if ok else None,
         "mean_completion_tokens": statistics.fmean(completion) if completion else None,

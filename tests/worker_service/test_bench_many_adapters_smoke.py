@@ -18,7 +18,17 @@ BENCH = Path(__file__).parents[2] / "bench" / "bench_many_adapters.py"
 def test_bench_many_adapters_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "many_adapters.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--device", "cpu", "--rows", "r512_128", "--out", str(out)],
+        [
+            sys.executable,
+            str(BENCH),
+            "--device",
+            "cpu",
+            "--rows",
+            "r512_128",
+            "--warmup-row",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -59,6 +69,19 @@ def test_bench_many_adapters_cpu_smoke(tmp_path: Path) -> None:
     # More adapters than slots: the measured phases load and evict.
     assert many["adapter_loads"] > 0
     assert many["evictions"] > 0
+    # The warm-up row ran closed loops only, at each level, before the table; it is no row.
+    warm = report["warmup_row"]
+    assert warm["row"] == "base8"
+    assert warm.get("error") is None, warm.get("error")
+    assert [w["concurrency"] for w in warm["warmup_levels"]] == [16, 4, 1]
+    assert all(w["output_tok_s"] > 0 for w in warm["warmup_levels"])
+    assert "capacity" not in warm
+    for row in report["table"]:
+        # Both halves of the capacity window counted tokens.
+        first, second = report["rows"][row["row"]]["capacity"]["output_tok_s_halves"]
+        assert first > 0
+        assert second > 0
+        assert row["capacity_second_over_first_half"] == second / first
     detail = report["rows"]["r512_128"]
     assert detail["worker_reported"]["gpu_slots_total"] == many["gpu_slots"]
     assert "--max-loras 8" in detail["worker_command"]
