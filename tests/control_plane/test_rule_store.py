@@ -3,6 +3,7 @@ bad set is refused naming the rule and the position, and changes nothing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,24 @@ def test_the_default_keeps_rule_set_history_limit_versions(tmp_path: Path) -> No
     assert history[0].version == RULE_SET_HISTORY_LIMIT + 5
     assert store.rule_set(5) is None
     assert store.rule_set(6) is not None
+
+
+def test_the_set_the_newest_assignment_carries_is_kept(tmp_path: Path) -> None:
+    """Sets applied while no shard exists publish nothing: the newest Assignment still carries
+    an older set, which agents read whole, so pruning keeps it however many come after."""
+    from adaptermesh.proto import assignment_pb2
+    from adaptermesh.rules.carried import routing_rules_message
+
+    store = Store(tmp_path / "cp.db", rule_set_history_limit=2)
+    first = store.apply_rule_set(_numbered(0), "", now=1.0)
+    published = assignment_pb2.Assignment(version=1)
+    published.routing_rules.CopyFrom(routing_rules_message(first.version, first.document))
+    store.append_assignment(published)
+    for n in range(1, 6):
+        store.apply_rule_set(_numbered(n), "", now=float(n))
+    # The newest two, and the carried one.
+    assert [r.version for r in store.rule_set_history(1000)] == [6, 5, 1]
+    latest = store.latest_assignment()
+    assert latest is not None
+    assert json.loads(latest.routing_rules.document_json)["rules"] == _numbered(0)["rules"]
+    assert store.rule_set(2) is None

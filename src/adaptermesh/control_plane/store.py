@@ -486,13 +486,25 @@ class Store:
             )
             version = int(cur.lastrowid or 0)
             # Versions count up by one (AUTOINCREMENT, deletes only from below), so this keeps
-            # the newest rule_set_history_limit. An older Assignment record that carried a
-            # dropped set keeps its version and digest; its document reads as empty.
+            # the newest rule_set_history_limit, and the set the newest Assignment carries
+            # (sets applied while no shard exists publish nothing), which agents read whole.
+            # An older Assignment record that carried a dropped set keeps its version and
+            # digest; its document reads as empty.
             self._db.execute(
-                "DELETE FROM rule_sets WHERE version <= ?",
-                (version - self.rule_set_history_limit,),
+                "DELETE FROM rule_sets WHERE version <= ? AND version != ?",
+                (version - self.rule_set_history_limit, self._carried_rule_set_version()),
             )
         return RuleSetRecord(version, json.loads(canonical), reason, now)
+
+    def _carried_rule_set_version(self) -> int:
+        """The rule-set version the newest Assignment carries; 0 when none."""
+        row = self._db.execute(
+            "SELECT body FROM assignments ORDER BY version DESC LIMIT 1"
+        ).fetchone()
+        if row is None:
+            return 0
+        latest = assignment_pb2.Assignment.FromString(row[0])
+        return int(latest.routing_rules.version) if latest.HasField("routing_rules") else 0
 
     def live_rule_set_version(self) -> int:
         """The live (newest) rule set's version; 0 when none was ever applied."""
