@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -573,12 +574,19 @@ class LoraPool:
         for g in self.ranks:
             self.ranks[g][slot] = 0
 
-    def zero_slot(self, slot: int) -> None:
-        # Ranks above an adapter's own and layers it does not target must read as zeros.
+    def zero_slot(self, slot: int, written: Mapping[str, int] | None = None) -> None:
+        """Zero what the next copy into ``slot`` will not write: ranks above an adapter's own,
+        and layers and modules it does not target, must read as zeros. ``written[g]``: the
+        copy writes ranks below it of every layer and module of group ``g``, so only the
+        ranks from there up are zeroed (none when it is ``max_rank``); any other group is
+        zeroed whole."""
         for g in self.a:
-            self.a[g][:, :, slot].zero_()
+            r = written.get(g, 0) if written else 0
+            if r >= self.max_rank:
+                continue
+            self.a[g][:, :, slot, r:].zero_()
             for b in self.b[g]:
-                b[:, slot].zero_()
+                b[:, slot, :, r:].zero_()
 
     def slot_view(
         self, group: str, index: int, layer: int, slot: int, rank: int, is_b: bool
@@ -671,7 +679,8 @@ class Int4LoraPool(LoraPool):
         super().clear(slot)
         self._staging.pop(slot, None)
 
-    def zero_slot(self, slot: int) -> None:
+    def zero_slot(self, slot: int, written: Mapping[str, int] | None = None) -> None:
+        # A fresh zeroed staging copy: nothing to skip.
         L, dev, dt = self._cfg.num_layers, self.device, self.dtype
         a: dict[str, torch.Tensor] = {}
         b: dict[str, tuple[torch.Tensor, ...]] = {}

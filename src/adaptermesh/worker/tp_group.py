@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -533,7 +533,7 @@ class ShardedLoraPool(LoraPool):
         self._index: dict[tuple[str, int, bool], int] = {}
         self._verdict: dict[int, bool] = {}
 
-    def zero_slot(self, slot: int) -> None:
+    def zero_slot(self, slot: int, written: Mapping[str, int] | None = None) -> None:
         layout = _slot_layout(self.full_cfg, self.max_rank, self.groups)
         self._index = {(g, i, b): k for k, (g, i, b, _) in enumerate(layout)}
         self._staging[slot] = [
