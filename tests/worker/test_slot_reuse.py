@@ -147,3 +147,16 @@ def test_a_copy_that_misplaces_a_matrix_is_refused(
     with pytest.raises(AdapterValidationError, match="differs from its source"):
         asyncio.run(mgr.load("qv8", None))
     assert not mgr.is_resident("qv8")
+
+
+def test_a_cast_that_overflows_is_refused_naming_the_tensor(
+    tmp_path: Path, files: tuple[Path, Path, ModelConfig]
+) -> None:
+    """A float32 adapter holding 1e6 in a float16 pool would copy as Inf: the host pool takes no
+    sums at upload, so the read refuses it, naming the tensor, and nothing is published."""
+    model, _, cfg = files
+    make_adapter(tmp_path, model, "big", 2, ("q_proj",), seed=9, scale_b=1e6)
+    mgr = _manager(tmp_path, cfg, torch.float16)
+    with pytest.raises(AdapterValidationError, match="NaN or Inf"):
+        asyncio.run(mgr.load("big", None))
+    assert not mgr.is_resident("big")
