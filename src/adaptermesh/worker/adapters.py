@@ -106,8 +106,8 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Host tensors of one shape and dtype hold the same bits (NaN equals itself, -0 is not
-    +0). numpy compares about 3x faster than ``torch.equal`` on one core (16 ms against 51
-    for an 80 MB adapter)."""
+    +0). numpy compares an 80 MB adapter in 16 ms on one core, ``torch.equal`` in 51 ms
+    (as int16) to 63 ms (as bf16)."""
     bits = _BITS[a.element_size()]
     return bool(np.array_equal(a.view(bits).numpy(), b.view(bits).numpy()))
 
