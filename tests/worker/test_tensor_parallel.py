@@ -462,9 +462,12 @@ async def test_shutdown_and_a_dying_rank_leave_no_process(tiny: Tiny) -> None:
     assert not any(_alive(p.pid) for p in group.procs)
 
 
-async def test_ranks_take_the_workers_cpu_thread_count(tiny: Tiny) -> None:
+async def test_ranks_take_the_workers_cpu_thread_count(
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A rank is its own interpreter: it gets the thread count rank 0 chose (--cpu-threads),
-    not one per core."""
+    not one per core nor what the worker's own environment said."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -420,7 +420,7 @@ int am_classify(struct __sk_buff *skb)
 		 * Entries outlive FIN and RST (the last ACKs still need them); the LRU drops the
 		 * least recently used, and a connection whose entry it dropped classifies by source
 		 * again. */
-		struct am_conn nc = { .written_ns = now, .shard = shard };
+		struct am_conn nc = { .shard = shard };
 		am_conns.update(&ckey, &nc);
 	}
 #endif

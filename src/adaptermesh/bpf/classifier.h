@@ -88,10 +88,9 @@ struct am_conn_key {
 	__u32 pad;
 };
 
-/* am_conns value: the shard the connection's first packet went to, and when the entry was
- * written (the LRU, not this time, decides which entries go). */
+/* am_conns value: the shard the connection's first packet went to (the LRU decides which
+ * entries go). */
 struct am_conn {
-	__u64 written_ns;
 	__u32 shard;
 	__u32 pad;
 };
