@@ -512,10 +512,11 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
         # few MB, and a page of them would pass any client's message limit.
         limit = min(request.limit or 100, 1000)
         out = control_plane_pb2.ListRulesResponse()
-        for record in self.store.rule_set_history(limit):
-            msg = self._rule_set_message(record)
-            msg.ClearField("document_json")
-            out.rule_sets.append(msg)
+        for summary in self.store.rule_set_history(limit):
+            msg = out.rule_sets.add(
+                version=summary.version, reason=summary.reason, rules=summary.rules
+            )
+            msg.created_at.FromNanoseconds(int(summary.created_at * 1e9))
         return out
 
     async def ListPins(

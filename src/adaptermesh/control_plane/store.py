@@ -35,6 +35,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "AlreadyExistsError",
     "RuleSetRecord",
+    "RuleSetSummary",
     "Store",
     "StoreError",
     "StoreWriteError",
@@ -132,6 +133,16 @@ ROLLOUT_EVENT_LIMIT = 256
 # Routing-rule versions kept: the newest ones (the newest is the live set). A set is up to
 # MAX_RULES rules of MAX_WHEN_CHARS each (a few MB), one version per apply that changes it.
 RULE_SET_HISTORY_LIMIT = 256
+
+
+@dataclass(frozen=True)
+class RuleSetSummary:
+    """A stored rule-set version without its document (a listing)."""
+
+    version: int
+    reason: str
+    created_at: float
+    rules: int  # how many rules the set holds
 
 
 @dataclass(frozen=True)
@@ -490,10 +501,11 @@ class Store:
             # (sets applied while no shard exists publish nothing), which agents read whole.
             # An older Assignment record that carried a dropped set keeps its version and
             # digest; its document reads as empty.
-            self._db.execute(
-                "DELETE FROM rule_sets WHERE version <= ? AND version != ?",
-                (version - self.rule_set_history_limit, self._carried_rule_set_version()),
-            )
+            if version > self.rule_set_history_limit:
+                self._db.execute(
+                    "DELETE FROM rule_sets WHERE version <= ? AND version != ?",
+                    (version - self.rule_set_history_limit, self._carried_rule_set_version()),
+                )
         return RuleSetRecord(version, json.loads(canonical), reason, now)
 
     def _carried_rule_set_version(self) -> int:
@@ -527,14 +539,15 @@ class Store:
             return None
         return RuleSetRecord(int(row[0]), json.loads(row[1]), str(row[2]), float(row[3]))
 
-    def rule_set_history(self, limit: int = 100) -> list[RuleSetRecord]:
-        """Versions newest first."""
+    def rule_set_history(self, limit: int = 100) -> list[RuleSetSummary]:
+        """Versions newest first, without their documents (SQLite counts the rules: no set of
+        a few MB is read into Python for a listing)."""
         rows = self._db.execute(
-            "SELECT version, document, reason, created_at FROM rule_sets "
-            "ORDER BY version DESC LIMIT ?",
+            "SELECT version, reason, created_at, json_array_length(document, '$.rules') "
+            "FROM rule_sets ORDER BY version DESC LIMIT ?",
             (limit,),
         ).fetchall()
-        return [RuleSetRecord(int(r[0]), json.loads(r[1]), str(r[2]), float(r[3])) for r in rows]
+        return [RuleSetSummary(int(r[0]), str(r[1]), float(r[2]), int(r[3] or 0)) for r in rows]
 
     # -- rollouts ------------------------------------------------------------------------------
 
