@@ -49,6 +49,7 @@ from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.mesh.server import XdsServer
 from adaptermesh.mesh.snapshot import BuildOptions, ExtProcOptions
 from adaptermesh.proto import assignment_pb2 as ap
+from adaptermesh_testkit.cpusample import cpu_seconds
 
 LOOPBACK = "127.0.0.1"
 BODY = json.dumps(
@@ -114,8 +115,10 @@ def serve_processor(assignment: bytes, conn: Connection, port: int) -> None:
 
 
 def process_cpu_s(pid: int | None) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    used = None if pid is None else cpu_seconds(pid)
+    if used is None:
+        raise RuntimeError(f"the external processor (pid {pid}) is gone")
+    return used
 
 
 def free_port() -> int:

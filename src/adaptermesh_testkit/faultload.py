@@ -1111,7 +1111,7 @@ def _run_stall(
             )
         finally:
             stalled = stalled_load.stop() if stalled_load.started_at else []
-    cpu.stop()
+            cpu.stop()
     _stall_recovery(faults[0], stalled)
     records = [*load.records, *stalled]
     if records_path is not None:
