@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint format faults faults-soak typecheck proto bench-classifier clean
+.PHONY: setup demo test lint format faults faults-soak typecheck proto lock bench-classifier clean
 
 setup:
 	@bash scripts/setup.sh
@@ -44,8 +44,16 @@ faults-soak: setup
 	$(PY) bench/bench_faults.py --soak --soak-minutes $(SOAK_MINUTES) \
 		--out bench/results/faults_soak_cpu.json
 
+# The generated gRPC modules, made by the locked grpcio-tools (tests/test_lock.py checks the
+# committed ones name its release).
 proto: setup
 	$(PY) -m adaptermesh.proto.generate
+
+# Resolve every environment's lock in requirements/ again from pyproject.toml's ranges
+# (scripts/lock.py). The periodic refresh: `make lock && make proto && make test`, then one
+# commit. `$(PY) scripts/lock.py --check` says whether a refresh would change anything.
+lock: setup
+	$(PY) scripts/lock.py
 
 bench-classifier: setup
 	$(PY) bench/bench_classifier.py

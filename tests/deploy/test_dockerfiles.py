@@ -104,16 +104,33 @@ def test_worker_image_is_cuda_based() -> None:
     assert "runtime" in final
 
 
+# The lock each image installs (requirements/, written by `make lock`).
+LOCKS = {
+    "agent": "agent",
+    "bridge": "bridge",
+    "control-plane": "control-plane",
+    "worker": "worker-cuda",
+}
+
+
 @pytest.mark.parametrize("name", sorted(IMAGES))
-def test_each_image_installs_the_package_with_its_extra(name: str) -> None:
+def test_each_image_installs_its_lock_then_the_package(name: str) -> None:
     text = _dockerfile(name)
+    lock = f"requirements/{LOCKS[name]}.lock"
     installs = re.findall(r"pip install [^\n]*", text)
-    package = [line for line in installs if re.search(r"[\s\"']\.(\[|[\s\"']|$)", line)]
-    assert package == [f'pip install --no-cache-dir ".[{name}]"'], installs
-    assert "--no-deps" not in text
-    assert "requirements" not in text
-    assert "requirements" not in (DOCKER_DIR / f"{name}.Dockerfile.dockerignore").read_text()
+    # First every dependency, exactly as locked and hash-checked; then the package alone,
+    # built with the locked setuptools, resolving nothing.
+    assert installs == [
+        f"pip install --no-cache-dir --require-hashes --no-deps -r {lock}",
+        f'pip install --no-cache-dir --no-deps --no-build-isolation ".[{name}]"',
+    ], installs
+    assert f"COPY {lock} ./requirements/" in text
+    assert text.index(f"COPY {lock}") < text.index("COPY src ./src")
+    assert (REPO / lock).exists()
+    ignore = (DOCKER_DIR / f"{name}.Dockerfile.dockerignore").read_text().splitlines()
+    assert f"!{lock}" in ignore
     assert name in _project()["optional-dependencies"]
+    assert "TORCH_VERSION" not in text  # torch comes from the lock, like everything else
     assert not list(DOCKER_DIR.glob("requirements*.txt"))
 
 

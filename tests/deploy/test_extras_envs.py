@@ -1,13 +1,16 @@
-"""Each image's environment, built from its pyproject extra in a fresh venv, imports and starts
-its entrypoint (no container engine is needed).
+"""Each image's environment, built from its lock in requirements/ in a fresh venv, imports and
+starts its entrypoint (no container engine is needed).
 
-The venv is built offline: the requirements of ``adaptermesh[<extra>]`` (read from
-pyproject.toml) are resolved against the distributions installed in this environment, and
-exactly that closure is linked into a new venv without system site-packages; the package
-itself comes from ``src`` through a ``.pth`` file. A dependency missing from the extra (as numpy
-once was from the control-plane image) is then an ImportError here, as it would be in the
-image. With ``ADAPTERMESH_EXTRAS_PIP=1`` (a machine that may reach the package index) the venv
-is made with ``pip install .[<extra>]`` instead, as the Dockerfiles do.
+The venv is built offline: the packages ``requirements/<part>.lock`` pins (the lock the
+part's image installs; ``worker-cpu.lock`` for the worker, the CPU twin of the image's
+``worker-cuda.lock``) are found among the distributions installed in this environment, at
+exactly the locked versions (tests/test_lock.py holds every Python 3.11 lock to dev.lock's
+versions, and this environment to dev.lock), and exactly that set is linked into a new venv
+without system site-packages; the package itself comes from ``src`` through a ``.pth`` file.
+A dependency missing from a lock (as numpy once was from the control-plane image) is then an
+ImportError here, as it would be in the image. With ``ADAPTERMESH_EXTRAS_PIP=1`` (a machine
+that may reach the package index) the venv is made as the Dockerfiles make it instead:
+``pip install --require-hashes --no-deps -r <lock>``, then the package with ``--no-deps``.
 
 About 75 s in all on a 2-core machine (marked slow), most of it the worker's CPU start.
 """
@@ -28,7 +31,6 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 
 import pytest
-from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -41,50 +43,44 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _project_requirements(extras: set[str]) -> list[Requirement]:
-    reqs = [Requirement(r) for r in PROJECT["dependencies"]]
-    seen: set[str] = set()
-    todo = list(extras)
-    while todo:
-        extra = todo.pop()
-        if extra in seen:
-            continue
-        seen.add(extra)
-        for text in PROJECT["optional-dependencies"][extra]:
-            req = Requirement(text)
-            if _canonical(req.name) == "adaptermesh":
-                todo.extend(req.extras)
-            else:
-                reqs.append(req)
-    return reqs
+# The lock each part's environment is built from.
+LOCKS = {
+    "agent": "agent",
+    "control-plane": "control-plane",
+    "worker": "worker-cpu",
+    "bridge": "bridge",
+}
+
+
+def _lock(extra: str) -> Path:
+    return REPO / "requirements" / f"{LOCKS[extra]}.lock"
+
+
+def _pins(extra: str) -> dict[str, str]:
+    pins = {}
+    for line in _lock(extra).read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line)
+        if m:
+            pins[_canonical(m.group(1))] = m.group(2)
+    return pins
 
 
 def closure(extra: str) -> list[md.Distribution]:
-    """The installed distributions that ``adaptermesh[extra]`` needs, transitively."""
-    found: dict[str, md.Distribution] = {}
-    todo = [(r, r.extras) for r in _project_requirements({extra})]
-    missing = []
-    while todo:
-        req, extras = todo.pop()
-        name = _canonical(req.name)
+    """The installed distributions that ``adaptermesh[extra]``'s lock pins, each at its
+    locked version."""
+    found = []
+    wrong = []
+    for name, version in sorted(_pins(extra).items()):
         try:
-            dist = md.distribution(req.name)
+            dist = md.distribution(name)
         except md.PackageNotFoundError:
-            missing.append(str(req))
+            wrong.append(f"{name}=={version}: not installed")
             continue
-        assert req.specifier.contains(dist.version, prereleases=True), (str(req), dist.version)
-        new = name not in found
-        found[name] = dist
-        if not new and not extras:
-            continue
-        for text in dist.requires or []:
-            sub = Requirement(text)
-            envs = [{"extra": e} for e in extras] or [{"extra": ""}]
-            wanted = sub.marker is None or any(sub.marker.evaluate(env) for env in envs)
-            if wanted and (_canonical(sub.name) not in found or sub.extras):
-                todo.append((sub, sub.extras))
-    assert not missing, f"{extra}: not installed here: {missing}"
-    return list(found.values())
+        if dist.version != version:
+            wrong.append(f"{name}=={version}: {dist.version} installed")
+        found.append(dist)
+    assert not wrong, f"{_lock(extra).name} against this environment: {wrong}"
+    return found
 
 
 def _files(dist: md.Distribution) -> Iterator[PurePosixPath]:
@@ -125,7 +121,9 @@ def build_env(extra: str, env: Path) -> Path:
     """A fresh venv holding exactly ``adaptermesh[extra]``'s closure; returns it."""
     if os.environ.get("ADAPTERMESH_EXTRAS_PIP") == "1":
         venv.EnvBuilder(with_pip=True, symlinks=True).create(env)
-        subprocess.run([env / "bin" / "pip", "install", "-q", f"{REPO}[{extra}]"], check=True)
+        pip = [str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps"]
+        subprocess.run([*pip, "--require-hashes", "-r", str(_lock(extra))], check=True)
+        subprocess.run([*pip, "--no-build-isolation", f"{REPO}[{extra}]"], check=True)
         return env
     venv.EnvBuilder(with_pip=False, symlinks=True).create(env)
     site = _site_packages(env)

@@ -6,7 +6,7 @@ import warnings
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2 as adaptermesh_dot_v1_dot_assignment__pb2
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2 as adaptermesh_dot_v1_dot_control__plane__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
