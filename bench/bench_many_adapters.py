@@ -66,6 +66,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -452,6 +453,82 @@ def worker_argv(row: Row, args: argparse.Namespace, work: Path) -> list[str]:
     return argv
 
 
+def _pct(values: list[float], q: float) -> float | None:
+    vals = sorted(values)
+    return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+# Buckets of distinct adapters per step for the GPU time split (the SGMM kernels' segments).
+ADAPTER_BUCKETS = ((0, 8), (9, 32), (33, 64), (65, 128), (129, 1 << 30))
+
+
+def summarise_steps(steps: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
+    """The worker's step records (``--step-profile``) that completed in [t0, t1): where the
+    window's time went, by step kind and by the number of distinct adapters a step held."""
+    win = [st for st in steps if t0 <= st["t"] < t1]
+    if not win:
+        return {"steps": 0, "window_s": t1 - t0}
+    span = t1 - t0
+    decode = [st for st in win if st["prefill_tokens"] == 0]
+    mixed = [st for st in win if st["prefill_tokens"] > 0]
+    tokens = sum(st["tokens"] for st in win)
+
+    def kind(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "steps": len(rows),
+            "gpu_ms_sum_share_of_window": sum(st["gpu_ms"] for st in rows) / 1e3 / span,
+            "gpu_ms_p50": _pct([st["gpu_ms"] for st in rows], 0.5),
+            "gpu_ms_mean": _mean([st["gpu_ms"] for st in rows]),
+            "host_ms_p50": _pct([st["host_ms"] for st in rows], 0.5),
+            "rows_mean": _mean([st["rows"] for st in rows]),
+            "tokens_mean": _mean([st["tokens"] for st in rows]),
+            "adapters_mean": _mean([st["adapters"] for st in rows]),
+            "graph_share": sum(1 for st in rows if st["graph"]) / len(rows) if rows else None,
+        }
+
+    buckets = {}
+    for lo, hi in ADAPTER_BUCKETS:
+        rows = [st for st in decode if lo <= st["adapters"] <= hi]
+        if rows:
+            label = f"{lo}-{hi}" if hi < 1 << 30 else f">{lo - 1}"
+            # Per decode row, so buckets of different batch sizes compare.
+            buckets[label] = {
+                **kind(rows),
+                "gpu_us_per_decode_row": _mean([1e3 * st["gpu_ms"] / st["rows"] for st in rows]),
+            }
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(win)]
+    return {
+        "steps": len(win),
+        "window_s": span,
+        "steps_per_s": len(win) / span,
+        "tokens": tokens,
+        "prefill_token_share": sum(st["prefill_tokens"] for st in win) / tokens if tokens else None,
+        "gpu_busy_share": sum(st["gpu_ms"] for st in win) / 1e3 / span,
+        "step_interval_ms_p50": 1e3 * _pct(gaps, 0.5) if gaps else None,
+        "adapters_per_step_p50": _pct([st["adapters"] for st in win], 0.5),
+        "adapters_per_step_p90": _pct([st["adapters"] for st in win], 0.9),
+        "adapters_per_step_max": max(st["adapters"] for st in win),
+        "steps_over_64_adapters_share": sum(1 for st in win if st["adapters"] > 64) / len(win),
+        "decode_only": kind(decode),
+        "with_prefill": kind(mixed),
+        "decode_by_adapters": buckets,
+    }
+
+
+def read_steps(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a line cut by the worker's stop
+            out.append(json.loads(line))
+    return out
+
+
 def admission_slots(log_text: str) -> int | None:
     found = re.search(r"with (\d+) admission slots", log_text)
     return int(found.group(1)) if found else None
@@ -506,6 +583,10 @@ async def run_row(
     count = scaled(row.adapters, args.scale)
     names = adapter_names(row.adapter_set, count)
     argv = worker_argv(row, args, work)
+    steps_path = work / f"steps-{name}.jsonl"
+    if args.step_profile and warmup_s is None:
+        steps_path.unlink(missing_ok=True)
+        argv += ["--step-profile", str(steps_path)]
     result.update(
         {
             "adapters": count,
@@ -570,7 +651,16 @@ async def run_row(
             args.max_tail_s,
             tuple(args.output),
         )
+        started = time.time()
         await capacity_then_load(None, base, schedule, result, save, settle)
+        if args.step_profile:
+            t0 = started + args.ramp_s
+            result["step_profile"] = {
+                "capacity": summarise_steps(read_steps(steps_path), t0, t0 + args.capacity_s),
+                "note": "engine step records (--step-profile) that completed in the capacity "
+                "window (after the ramp): GPU time between the step's events, host launch time, "
+                "distinct adapters (SGMM segments) and prefill tokens per step",
+            }
         await settle()
         result["counters"]["capacity"] = counter_delta(snapshots[1], snapshots[0])
         result["counters"]["load"] = counter_delta(snapshots[2], snapshots[1])
@@ -796,6 +886,13 @@ def main() -> int:
         type=float,
         default=None,
         help="skip a row when the time used plus the longest row so far would pass this",
+    )
+    p.add_argument(
+        "--step-profile",
+        action="store_true",
+        help="start each row's worker with --step-profile and summarise its steps over the "
+        "capacity window (step_profile in each row: GPU and host ms, distinct adapters and "
+        "prefill tokens per step, the steps' share of the window)",
     )
     p.add_argument(
         "--warmup-row",

@@ -26,6 +26,7 @@ def test_bench_many_adapters_cpu_smoke(tmp_path: Path) -> None:
             "--rows",
             "r512_128",
             "--warmup-row",
+            "--step-profile",
             "--out",
             str(out),
         ],
@@ -82,6 +83,18 @@ def test_bench_many_adapters_cpu_smoke(tmp_path: Path) -> None:
         assert first > 0
         assert second > 0
         assert row["capacity_second_over_first_half"] == second / first
+    # Each row's worker profiled its steps; the capacity window's summary came back.
+    for name in ("base8", "r512_128"):
+        prof = report["rows"][name]["step_profile"]["capacity"]
+        assert prof["steps"] > 0, name
+        assert prof["gpu_busy_share"] == 0  # no GPU: steps finish at launch, no events
+        assert prof["steps_per_s"] > 0, name
+        assert prof["adapters_per_step_max"] >= 1, name
+        assert 0 <= prof["prefill_token_share"] <= 1, name
+        assert sum(b["steps"] for b in prof["decode_by_adapters"].values()) == (
+            prof["decode_only"]["steps"]
+        )
+    assert "step_profile" not in warm
     detail = report["rows"]["r512_128"]
     assert detail["worker_reported"]["gpu_slots_total"] == many["gpu_slots"]
     assert "--max-loras 8" in detail["worker_command"]

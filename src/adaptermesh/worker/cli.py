@@ -441,6 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
         "EngineConfig.adapter_eviction)",
     )
     p.add_argument(
+        "--step-profile",
+        metavar="PATH",
+        default=None,
+        help="profile every engine step: append one JSON line per step (rows, prefill tokens, "
+        "distinct adapters, host and GPU ms, completion time) to PATH; costs a timing event "
+        "per step, for benches and investigations",
+    )
+    p.add_argument(
         "--gpu-memory-fraction",
         type=float,
         default=None,
@@ -610,6 +618,9 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.adapter_eviction = args.adapter_eviction
     if args.logprobs_mode is not None:
         config.logprobs_mode = args.logprobs_mode
+    if args.step_profile is not None:
+        config.profile_steps = True
+        config.step_profile_path = args.step_profile
     config.tensor_parallel_size = args.tensor_parallel_size
     config.tp_lora_scheme = args.tp_lora_scheme
     # Before the model: a bad endpoint fails the start at once, and the store's client is

@@ -58,9 +58,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import random
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -403,6 +405,11 @@ class Engine:
             self._cuda if config.async_scheduling is None else bool(config.async_scheduling)
         )
         self.step_profile: list[dict[str, Any]] = []
+        self._profile_out = (
+            open(config.step_profile_path, "a", buffering=1)  # noqa: SIM115 (closed at shutdown)
+            if config.profile_steps and config.step_profile_path
+            else None
+        )
         self._event: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -636,6 +643,9 @@ class Engine:
             self._task = None
         if self.tp_group is not None:
             await asyncio.to_thread(self.tp_group.close)
+        if self._profile_out is not None:
+            self._profile_out.close()
+            self._profile_out = None
 
     # ---- the step loop ------------------------------------------------------------------------
 
@@ -737,20 +747,34 @@ class Engine:
         self.scheduler.apply(in_flight.samplers, *results)
         self.steps += 1
         if self.config.profile_steps:
-            gpu_ms = (
-                float(in_flight.started.elapsed_time(in_flight.done))
-                if in_flight.done is not None
-                else 0.0
-            )
-            self.step_profile.append(
-                {
-                    "rows": len(in_flight.plan.decode) + len(in_flight.plan.prefill),
-                    "tokens": in_flight.tokens,
-                    "graph": in_flight.graph,
-                    "host_ms": in_flight.host_ms,
-                    "gpu_ms": gpu_ms,
-                }
-            )
+            self._record_step(in_flight)
+
+    def _record_step(self, in_flight: InFlight) -> None:
+        """One step's profile record: its shape (decode rows, prefill tokens, the distinct
+        adapters in it, which is the SGMM kernels' segment count less the base rows'), where
+        it ran (graph or eager), its host launch time and its GPU time between the step's
+        two events, and the wall time it completed at."""
+        gpu_ms = (
+            float(in_flight.started.elapsed_time(in_flight.done))
+            if in_flight.done is not None
+            else 0.0
+        )
+        plan = in_flight.plan
+        record = {
+            "t": time.time(),
+            "rows": len(plan.decode) + len(plan.prefill),
+            "tokens": in_flight.tokens,
+            "decode_rows": len(plan.decode),
+            "prefill_tokens": sum(n for _, _, n in plan.prefill),
+            "adapters": len({s.lora_slot for s in plan.sequences() if s.lora_slot >= 0}),
+            "graph": in_flight.graph,
+            "host_ms": in_flight.host_ms,
+            "gpu_ms": gpu_ms,
+        }
+        if self._profile_out is not None:
+            self._profile_out.write(json.dumps(record) + "\n")
+        else:
+            self.step_profile.append(record)
 
     def _launch(self, plan: StepPlan) -> InFlight:
         self.step_fault.check()

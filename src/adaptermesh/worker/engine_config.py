@@ -108,6 +108,9 @@ class EngineConfig:
     # sequences that stopped) runs the same way; tests use it.
     async_scheduling: bool | None = None
     profile_steps: bool = False  # record host and GPU time per step in Engine.step_profile
+    # With profile_steps: append each step's record to this file as one JSON line instead of
+    # keeping it in Engine.step_profile (a long run's records stay out of the heap).
+    step_profile_path: str | None = None
     adapter_slot_wait_s: float = 10.0
     max_expert_sets: int = 4  # resident AdaFuse expert sets (device memory outside the LoRA pool)
     # A request decoding alone merges its expert selection into the backbone only after the
