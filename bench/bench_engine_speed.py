@@ -23,6 +23,11 @@ Sections (in the order they run):
   logprobs    batch-64 decode (base model, greedy) with every row asking logprobs with the top 5
               alternatives against the same batch asking none, interleaved: decode tok/s of both
               and their ratio (the engine's logprob gather runs after each step, on its logits).
+  kernels     batch-64 decode of the three batch64 configurations under torch.profiler: each
+              step's device time by kernel and by kind (base GEMMs, LoRA shrink/expand, attention,
+              norms, rotary, sampling, copies, the rest), the GPU's busy share of the step, and
+              the kernels that cost the LoRA configurations more than the base one: where each
+              microsecond of the adapter terms goes.
   capacity    the KV cache of the engine above (40 GiB, max_model_len >= 2048): its token
               capacity, sequences of a full 2,048-token context that fit at once, and the peak
               number of 200 requests (256-token prompts, 16 tokens) running at once.
@@ -95,11 +100,20 @@ SECTIONS = (
     "sampling",
     "prefix",
     "logprobs",
+    "kernels",
     "capacity",
     "step_split",
     "hf_static",
 )
-MAIN_ENGINE_SECTIONS = ("batch1", "batch64", "sampling", "prefix", "logprobs", "capacity")
+MAIN_ENGINE_SECTIONS = (
+    "batch1",
+    "batch64",
+    "sampling",
+    "prefix",
+    "logprobs",
+    "kernels",
+    "capacity",
+)
 # Rough H200 seconds per section (engine builds included where the section builds one); a
 # section is skipped when --budget-s leaves less than this, so the run ends inside its limit.
 SECTION_ESTIMATE_S = {
@@ -108,6 +122,7 @@ SECTION_ESTIMATE_S = {
     "sampling": 25,
     "prefix": 15,
     "logprobs": 25,
+    "kernels": 30,
     "capacity": 25,
     "step_split": 60,
     "hf_static": 100,
@@ -1088,6 +1103,164 @@ async def launches_per_step(
     }
 
 
+# Kernel kinds by name, first match wins. Triton kernels carry their function's name; cuBLAS's
+# and CUTLASS's carry gemm/sm90/nvjet; torch's elementwise kernels are "the rest".
+KERNEL_KINDS = (
+    ("lora", ("sgmm", "lora", "shrink", "expand", "_bgmv", "_sgmv")),
+    ("attention", ("attention", "attn", "paged", "flash")),
+    ("base_gemm", ("gemm", "gemv", "nvjet", "sm90_", "cutlass", "cublas", "matmul", "_mm_")),
+    ("norm", ("rms", "norm")),
+    ("rotary", ("rotary", "rope")),
+    ("sampling", ("sample", "argmax", "softmax", "topk", "top_k", "sort", "gumbel", "logprob")),
+    ("copy", ("memcpy", "memset", "copy_", "index_put", "gather", "scatter")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals: the time the GPU ran anything."""
+    total, cur_s, cur_e = 0.0, None, None
+    for start, end in sorted(spans):
+        if cur_e is None or start > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s  # type: ignore[operator]
+            cur_s, cur_e = start, end
+        else:
+            cur_e = max(cur_e, end)
+    if cur_e is not None:
+        total += cur_e - cur_s  # type: ignore[operator]
+    return total
+
+
+async def kernel_profile(
+    b: Bench, eng: Any, adapters: list[str | None], window: int, seed: int
+) -> dict[str, Any]:
+    """Device kernels of ``window`` decode steps of a batch, once every request decodes: time
+    per step by kernel and by kind, and the GPU's busy time against the window's wall time."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    s = b.s
+    started: set[int] = set()
+    tokens0 = [0]
+    all_started = asyncio.Event()
+
+    def on_token(i: int, count: int) -> None:
+        started.add(i)
+        if i == 0:
+            tokens0[0] = count
+        if len(started) == len(adapters):
+            all_started.set()
+
+    task = asyncio.ensure_future(
+        run_batch(b, eng, adapters, s.prompt, s.new_tokens, seed=seed, on_token=on_token)
+    )
+    waiter = asyncio.ensure_future(all_started.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    acts = [ProfilerActivity.CUDA] if b.device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        k0 = tokens0[0]
+        t = time.perf_counter()
+        while not task.done() and tokens0[0] - k0 < window:
+            await asyncio.sleep(0.0005)
+        steps = tokens0[0] - k0
+        wall_us = 1e6 * (time.perf_counter() - t)
+        if b.device == "cuda":
+            torch.cuda.synchronize()
+    await task
+    want = DeviceType.CUDA if b.device == "cuda" else DeviceType.CPU
+    dev = [e for e in prof.events() if e.device_type == want]
+    if not steps or not dev:
+        return {"steps_in_window": steps, "error": "no steps or no device kernels in the window"}
+    by_name: dict[str, list[float]] = {}
+    spans = []
+    for e in dev:
+        dur = e.time_range.end - e.time_range.start
+        by_name.setdefault(e.name, []).append(dur)
+        spans.append((e.time_range.start, e.time_range.end))
+    by_kind: dict[str, float] = {}
+    for name, durs in by_name.items():
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + sum(durs)
+    kernels = sorted(
+        (
+            {
+                "name": name[:160],
+                "kind": kernel_kind(name),
+                "us_per_step": sum(durs) / steps,
+                "calls_per_step": len(durs) / steps,
+            }
+            for name, durs in by_name.items()
+        ),
+        key=lambda k: -k["us_per_step"],
+    )
+    return {
+        "steps_in_window": steps,
+        "window_wall_us_per_step": wall_us / steps,
+        "kernel_us_per_step": sum(by_kind.values()) / steps,
+        "busy_us_per_step": busy_us(spans) / steps,
+        "kernels_per_step": len(dev) / steps,
+        "us_per_step_by_kind": {k: v / steps for k, v in sorted(by_kind.items())},
+        "top_kernels": kernels[:25],
+        "all_kernels": {k["name"]: [k["us_per_step"], k["calls_per_step"]] for k in kernels},
+    }
+
+
+async def sec_kernels(b: Bench, eng: Any) -> dict[str, Any]:
+    s = b.s
+    configs = batch_configs(b)
+    window = min(s.profile_window_steps, max(2, s.new_tokens // 4))
+    out: dict[str, Any] = {
+        "batch": s.batch,
+        "prompt_tokens": s.prompt,
+        "window_steps": window,
+        "profiler": "torch.profiler, CUDA activity only (kernels a CUDA graph runs included); "
+        "us per decode step; busy = the union of kernel intervals, so busy < wall is time "
+        "the GPU ran nothing (launch gaps, stream joins, host waits)",
+    }
+    for j, (label, names) in enumerate(configs):
+        await run_batch(b, eng, names, s.prompt, s.new_tokens, seed=300 + j)  # warm-up
+        out[label] = await kernel_profile(b, eng, names, window, seed=350 + j)
+        log(
+            f"kernels {label}: {_fmt(out[label].get('kernel_us_per_step'))} us of kernels, "
+            f"{_fmt(out[label].get('busy_us_per_step'))} busy, "
+            f"{_fmt(out[label].get('window_wall_us_per_step'))} wall per step"
+        )
+    base = out["base"].get("all_kernels", {})
+    for label in ("one_adapter", "distinct"):
+        mine = out[label].get("all_kernels", {})
+        if not mine or not base:
+            continue
+        extra = {
+            name: mine[name][0] - base.get(name, [0.0])[0]
+            for name in mine
+            if mine[name][0] - base.get(name, [0.0])[0] > 0.5
+        }
+        out[f"{label}_over_base"] = {
+            "wall_us_per_step": out[label]["window_wall_us_per_step"]
+            - out["base"]["window_wall_us_per_step"],
+            "kernel_us_per_step": out[label]["kernel_us_per_step"]
+            - out["base"]["kernel_us_per_step"],
+            "busy_us_per_step": out[label]["busy_us_per_step"] - out["base"]["busy_us_per_step"],
+            "by_kind": {
+                k: v - out["base"]["us_per_step_by_kind"].get(k, 0.0)
+                for k, v in out[label]["us_per_step_by_kind"].items()
+            },
+            "kernels_adding_us": dict(sorted(extra.items(), key=lambda kv: -kv[1])[:20]),
+        }
+    for label in ("base", "one_adapter", "distinct"):
+        out[label].pop("all_kernels", None)  # the diffs above keep what matters
+    return out
+
+
 async def sec_step_split(b: Bench, eng: Any) -> dict[str, Any]:
     s = b.s
     prof_list = getattr(eng, "step_profile", None)
@@ -1381,6 +1554,7 @@ async def run_all(b: Bench) -> None:
         "sampling": sec_sampling,
         "prefix": sec_prefix,
         "logprobs": sec_logprobs,
+        "kernels": sec_kernels,
         "capacity": sec_capacity,
     }
     if main_sections:

@@ -172,6 +172,38 @@ async def decode_run(
     }
 
 
+class MaskClock:
+    """Times every ``fill_masks`` call the engine's step launcher makes while it is entered
+    (the launcher calls the module-level function, so the bench wraps it there)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.seconds = 0.0
+        self.wall = 0.0
+
+    def __enter__(self) -> MaskClock:
+        from adaptermesh.worker import step_launch
+
+        self._module = step_launch
+        self._real = step_launch.fill_masks
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return self._real(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.calls += 1
+
+        step_launch.fill_masks = timed  # type: ignore[assignment]
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._t0
+        self._module.fill_masks = self._real  # type: ignore[assignment]
+
+
 async def throughput(
     engine: Engine, rows: int, prompt_len: int, max_tokens: int, reps: int
 ) -> dict[str, Any]:
@@ -212,7 +244,19 @@ async def throughput(
     constrained: list[dict[str, Any]] = []
     for rep in range(reps):
         plain.append(await decode_run(engine, prompts, None, max_tokens, f"plain{rep}"))
-        constrained.append(await decode_run(engine, prompts, grammars, max_tokens, f"json{rep}"))
+        with MaskClock() as clock:
+            run = await decode_run(engine, prompts, grammars, max_tokens, f"json{rep}")
+        # The host time llguidance spent filling the rows' masks during the run, against the
+        # run's wall time: the mask's share of a step (on the step's critical path only where
+        # the step waits for it).
+        run["mask_fill_calls"] = clock.calls
+        run["mask_fill_ms_per_call"] = (
+            round(1e3 * clock.seconds / clock.calls, 4) if clock.calls else None
+        )
+        run["mask_fill_share_of_wall"] = (
+            round(clock.seconds / clock.wall, 4) if clock.wall else None
+        )
+        constrained.append(run)
     # The best of interleaved runs: the least disturbed by other load on the machine.
     plain_tps = max(r["tok_s"] for r in plain)
     json_tps = max(r["tok_s"] for r in constrained)
@@ -227,6 +271,13 @@ async def throughput(
         "unconstrained_tok_s_best": plain_tps,
         "constrained_tok_s_best": json_tps,
         "ratio_constrained_vs_unconstrained": round(json_tps / plain_tps, 4),
+        "mask_fill_share_of_wall_median": statistics.median(
+            r["mask_fill_share_of_wall"]
+            for r in constrained
+            if r["mask_fill_share_of_wall"] is not None
+        )
+        if any(r["mask_fill_share_of_wall"] is not None for r in constrained)
+        else None,
         "describe": {
             k: v
             for k, v in engine.describe().items()

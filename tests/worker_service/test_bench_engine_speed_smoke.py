@@ -13,7 +13,16 @@ import pytest
 BENCH_DIR = Path(__file__).parents[2] / "bench"
 SPEED = BENCH_DIR / "bench_engine_speed.py"
 SERVICE = BENCH_DIR / "bench_service.py"
-SECTIONS = ("batch1", "batch64", "sampling", "prefix", "capacity", "step_split", "hf_static")
+SECTIONS = (
+    "batch1",
+    "batch64",
+    "sampling",
+    "prefix",
+    "kernels",
+    "capacity",
+    "step_split",
+    "hf_static",
+)
 TARGET_ROWS = {
     "batch1_backbone_ms_per_token",
     "batch1_lora_r16_all7_vs_backbone",
@@ -79,6 +88,14 @@ def test_bench_engine_speed_tiny(tmp_path: Path) -> None:
     assert report["batch64"]["distinct"]["decode_tok_s"] > 0
     assert report["capacity"]["kv_tokens_source"] == "describe()['kv_tokens']"
     assert report["capacity"]["measured"]["peak_running"] > 0
+    kernels = report["kernels"]
+    for label in ("base", "one_adapter", "distinct"):
+        assert kernels[label]["steps_in_window"] > 0, label
+        assert kernels[label]["kernel_us_per_step"] > 0, label
+        assert 0 < kernels[label]["busy_us_per_step"] <= kernels[label]["kernel_us_per_step"]
+        assert kernels[label]["top_kernels"], label
+    for label in ("one_adapter_over_base", "distinct_over_base"):
+        assert set(kernels[label]) >= {"wall_us_per_step", "by_kind", "kernels_adding_us"}
     split = report["step_split"]
     assert split["profile_steps_supported"]
     for row in split["batches"].values():
