@@ -417,3 +417,26 @@ def test_expand_hoisted_v_refusals() -> None:
         sgmm.add_lora(out, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
                       expand_cfg=sgmm.SgmmConfig(1, 16, 64, gemv=True, hoist_v=True))  # fmt: skip
     assert torch.equal(out, case.out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.integers(1, 8192), active=st.integers(1, 8192))
+def test_density_slots_bound_their_class(tokens: int, active: int) -> None:
+    """The slot bound a density class is configured by lies in that class, and bounds every
+    batch of the class: a graph keyed by the class may replay any of them."""
+    from adaptermesh.kernels.sgmm_config import density_bucket, density_slots
+
+    active = min(active, tokens)
+    cls = density_bucket(tokens, active)
+    bound = density_slots(tokens, cls)
+    assert density_bucket(tokens, bound) == cls
+    if bound is not None:
+        assert active <= bound
+        assert density_bucket(tokens, bound + 1) != cls  # the largest such count
+
+
+def test_density_slots_refuses_an_unknown_class() -> None:
+    from adaptermesh.kernels.sgmm_config import density_slots
+
+    with pytest.raises(ValueError, match="density"):
+        density_slots(64, "thick")

@@ -62,11 +62,16 @@ def layout_of(
     max_prefill_seqs: int = 2,
     decode_sizes: list[int] | None = None,
     mixed_sizes: list[int] | None = None,
+    lora: bool = False,
+    lora_density: bool = True,
 ):  # type: ignore[no-untyped-def]
+    slots = {seq.lora_slot for seq in plan.sequences() if seq.lora_slot >= 0}
     return plan_layout(
         plan,
         graphable=graphable,
-        lora=False,
+        lora=lora,
+        active_slots=len(slots),
+        lora_density=lora_density,
         lora_side=False,
         random_mode=False,
         solo=solo,  # type: ignore[arg-type]
@@ -134,7 +139,8 @@ def test_decode_only_plans_take_a_decode_bucket() -> None:
     layout = layout_of(StepPlan(seqs, []))
     assert (layout.num_tokens, layout.num_entries, layout.num_decode) == (4, 4, 4)
     assert layout.entries == [*seqs, None]
-    assert layout.graph_key == ("d", 4, False, False, None, False, False)
+    assert layout.graph_key == ("d", 4, False, False, None, False, False, None)
+    assert layout.lora_active_slots is None
 
 
 def test_mixed_plans_take_a_token_bucket_with_fixed_regions() -> None:
@@ -151,7 +157,46 @@ def test_mixed_plans_take_a_token_bucket_with_fixed_regions() -> None:
     )
     # The partial chunk does not reach its last token: it samples nothing.
     assert layout.entries == [decode, None, None, None, whole, None, None]
-    assert layout.graph_key == ("m", 32, False, False, False, False)
+    assert layout.graph_key == ("m", 32, False, False, False, False, None)
+
+
+def _decode_rows(n: int, adapters: int) -> StepPlan:
+    return StepPlan(
+        [make_seq([1, 2, 3], row=i, computed=3, lora_slot=i % adapters) for i in range(n)], []
+    )
+
+
+def test_lora_graphs_are_keyed_by_the_batchs_density() -> None:
+    """One adapter over 64 decode rows, two, and 64: three density classes, three graphs,
+    each with the kernels' slot bound of its class (lora_ops.config_slots)."""
+    cases = {1: ("dense", 1), 2: ("mid", 15), 16: ("sparse", None), 64: ("sparse", None)}
+    keys = {}
+    for adapters, (cls, slots) in cases.items():
+        layout = layout_of(_decode_rows(64, adapters), max_num_seqs=64, lora=True)
+        assert layout.num_tokens == 64
+        assert layout.graph_key[-1] == cls, adapters
+        assert layout.lora_active_slots == slots, adapters
+        keys[adapters] = layout.graph_key
+    assert keys[16] == keys[64]  # one sparse graph serves both
+    assert len(set(keys.values())) == 3
+    # The same plans without density configs share one graph with the worst case's configs.
+    plain = {
+        layout_of(_decode_rows(64, a), max_num_seqs=64, lora=True, lora_density=False).graph_key
+        for a in cases
+    }
+    assert len(plain) == 1
+    assert (
+        layout_of(
+            _decode_rows(64, 1), max_num_seqs=64, lora=True, lora_density=False
+        ).lora_active_slots
+        is None
+    )
+
+
+def test_eager_lora_steps_pick_configs_by_their_own_adapters() -> None:
+    layout = layout_of(_decode_rows(5, 3), lora=True, graphable=False)
+    assert layout.graph_key is None
+    assert layout.lora_active_slots == 3
 
 
 def test_eager_layout_has_the_plans_own_shape() -> None:

@@ -91,9 +91,12 @@ def add_lora(
     *,
     backend: Backend | None = None,
     v_buffer: torch.Tensor | None = None,
+    active_slots: int | None = None,
     check_values: bool = True,
 ) -> None:
-    """In-place ``out += scale * (x @ A.T) @ B.T`` per token's slot; base tokens untouched."""
+    """In-place ``out += scale * (x @ A.T) @ B.T`` per token's slot; base tokens untouched.
+    ``active_slots``: at most this many distinct adapters in the batch (picks the Triton
+    kernels' tile shapes; the torch twin ignores it)."""
     if choose_backend(x, backend) == "torch":
         reference.add_lora_ref(
             out, x, lora_a, lora_b, scales, ranks, meta, check_values=check_values
@@ -102,7 +105,16 @@ def add_lora(
     from adaptermesh.kernels import sgmm
 
     sgmm.add_lora(
-        out, x, lora_a, lora_b, scales, ranks, meta, v_buffer=v_buffer, check_values=check_values
+        out,
+        x,
+        lora_a,
+        lora_b,
+        scales,
+        ranks,
+        meta,
+        v_buffer=v_buffer,
+        active_slots=active_slots,
+        check_values=check_values,
     )
 
 
@@ -117,6 +129,7 @@ def add_lora_int4(
     *,
     backend: Backend | None = None,
     v_buffer: torch.Tensor | None = None,
+    active_slots: int | None = None,
     check_values: bool = True,
 ) -> None:
     """``add_lora`` with A and B INT4 (``sgmm_int4.add_lora_int4``)."""
@@ -126,7 +139,16 @@ def add_lora_int4(
     from adaptermesh.kernels import sgmm_int4
 
     sgmm_int4.add_lora_int4(
-        out, x, qa, qb, scales, ranks, meta, v_buffer=v_buffer, check_values=check_values
+        out,
+        x,
+        qa,
+        qb,
+        scales,
+        ranks,
+        meta,
+        v_buffer=v_buffer,
+        active_slots=active_slots,
+        check_values=check_values,
     )
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "T_BUCKETS",
     "SgmmConfig",
     "density_bucket",
+    "density_slots",
     "expand_config",
     "fused_config",
     "int4_expand_config",
@@ -142,6 +143,20 @@ def density_bucket(num_tokens: int, active_slots: int | None) -> str:
     if num_tokens <= SPARSE_TOKENS_PER_SLOT * slots:
         return "sparse"
     return "mid" if num_tokens <= MID_TOKENS_PER_SLOT * slots else "dense"
+
+
+def density_slots(num_tokens: int, density: str) -> int | None:
+    """The most distinct adapters a batch of ``num_tokens`` can hold and still be of
+    ``density``: the ``active_slots`` to pick configs with for every batch of that density
+    (a CUDA graph captured once per density replays its configs for any such batch). None
+    for "sparse", which any number of adapters is."""
+    if density == "dense":
+        return max(1, (num_tokens - 1) // MID_TOKENS_PER_SLOT)
+    if density == "mid":
+        return max(1, (num_tokens - 1) // SPARSE_TOKENS_PER_SLOT)
+    if density != "sparse":
+        raise ValueError(f"density must be sparse, mid or dense, got {density!r}")
+    return None
 
 
 # Rows by (T bucket, density, rank bucket) that override the tables above, from the decode

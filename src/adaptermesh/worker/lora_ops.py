@@ -26,12 +26,14 @@ import torch
 from adaptermesh import kernels
 from adaptermesh.kernels import sgmm_int4
 from adaptermesh.kernels.meta import SegmentMeta, build_segment_meta
+from adaptermesh.kernels.sgmm_config import density_bucket, density_slots
 
 __all__ = [
     "LoraBatchMeta",
     "add_lora",
     "add_lora_int4",
     "build_meta",
+    "config_slots",
     "kernels_description",
     "project_with_lora",
 ]
@@ -44,14 +46,30 @@ class LoraBatchMeta:
     token_slots: torch.Tensor  # [T] int32, -1 = base model only
     kernel_meta: SegmentMeta
     any_lora: bool = True
+    # At most this many distinct adapters in the batch (the scheduler knows): the kernels
+    # pick their tile shapes by tokens per adapter. None: the pool's slot count, the worst
+    # case. Any value is correct for any batch; a low one is only faster where it holds.
+    active_slots: int | None = None
+
+
+def config_slots(num_tokens: int, active_slots: int) -> tuple[str, int | None]:
+    """(the batch's density class, the ``active_slots`` to pick kernel configs by) for a
+    step of ``num_tokens`` tokens over ``active_slots`` distinct adapters. Every batch of one
+    class gets the same configs, so a CUDA graph keyed by the class replays the right ones:
+    one adapter over 64 decode rows takes the dense tiles, 64 adapters the per-token ones."""
+    density = density_bucket(num_tokens, max(1, active_slots))
+    return density, density_slots(num_tokens, density)
 
 
 def kernels_description() -> str:
     return "adaptermesh.kernels"
 
 
-def build_meta(token_slots: torch.Tensor, num_slots: int) -> LoraBatchMeta:
-    """Routing facts for one batch. ``token_slots`` must already be on the compute device."""
+def build_meta(
+    token_slots: torch.Tensor, num_slots: int, active_slots: int | None = None
+) -> LoraBatchMeta:
+    """Routing facts for one batch. ``token_slots`` must already be on the compute device;
+    ``active_slots``: LoraBatchMeta's."""
     # The engine builds slots itself, so the host-side range check (a sync on CUDA) is skipped.
     km = build_segment_meta(
         token_slots,
@@ -59,7 +77,7 @@ def build_meta(token_slots: torch.Tensor, num_slots: int) -> LoraBatchMeta:
         max_tokens=int(token_slots.shape[0]),
         check_values=not token_slots.is_cuda,
     )
-    return LoraBatchMeta(token_slots, km)
+    return LoraBatchMeta(token_slots, km, active_slots=active_slots)
 
 
 def add_lora(
@@ -73,7 +91,15 @@ def add_lora(
 ) -> None:
     if meta.any_lora:
         kernels.add_lora(
-            out, x, lora_a, lora_b, scales, ranks, meta.kernel_meta, check_values=False
+            out,
+            x,
+            lora_a,
+            lora_b,
+            scales,
+            ranks,
+            meta.kernel_meta,
+            active_slots=meta.active_slots,
+            check_values=False,
         )
 
 
@@ -88,7 +114,17 @@ def add_lora_int4(
 ) -> None:
     """``add_lora`` on an INT4 pool (``kernels.sgmm_int4``): Triton on CUDA, the twin on CPU."""
     if meta.any_lora:
-        kernels.add_lora_int4(out, x, qa, qb, scales, ranks, meta.kernel_meta, check_values=False)
+        kernels.add_lora_int4(
+            out,
+            x,
+            qa,
+            qb,
+            scales,
+            ranks,
+            meta.kernel_meta,
+            active_slots=meta.active_slots,
+            check_values=False,
+        )
 
 
 def project_with_lora(
@@ -137,6 +173,7 @@ def project_with_lora(
             ranks,
             meta.kernel_meta,
             v_buffer=v,
+            active_slots=meta.active_slots,
             check_values=False,
             fused=False,
             pdl=False,

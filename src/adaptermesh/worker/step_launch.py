@@ -197,6 +197,7 @@ class StepTraits:
     mode: SamplerMode  # GREEDY or RANDOM
     graphable: bool
     masked: bool = False  # some sequence is grammar-constrained: the step applies a bitmask
+    active_slots: int = 0  # distinct adapter slots the plan's sequences use
 
 
 @dataclass(slots=True)
@@ -296,7 +297,13 @@ class StepLauncher:
         decision = self.merge_policy.prepare_step(plan)
         traits = self._traits(plan, decision)
         layout = self._layout(
-            plan, traits.graphable, traits.lora, traits.mode, traits.solo_set, traits.masked
+            plan,
+            traits.graphable,
+            traits.lora,
+            traits.mode,
+            traits.solo_set,
+            traits.masked,
+            traits.active_slots,
         )
         ring_index = self._next_ring_index()
         graph, layout = self._graph_for(plan, layout, traits)
@@ -373,7 +380,8 @@ class StepLauncher:
         gated_sets = decision.solo is None and any(seq.expert_set is not None for seq in sequences)
         penalties = any(penalised(seq) for seq in sequences)
         biased = any(seq.request.sampling.logit_bias for seq in sequences)
-        lora = any(seq.lora_slot >= 0 for seq in sequences)
+        slots = {seq.lora_slot for seq in sequences if seq.lora_slot >= 0}
+        lora = bool(slots)
         solo_set = decision.gated_set
         random_mode = any(seq.request.sampling.temperature > 0 for seq in sequences)
         masked = any(seq.matcher is not None for seq in sequences)
@@ -393,6 +401,7 @@ class StepLauncher:
             RANDOM if random_mode else GREEDY,
             graphable,
             masked,
+            len(slots),
         )
 
     def _lora_side(self, lora: bool) -> bool:
@@ -407,6 +416,7 @@ class StepLauncher:
         mode: SamplerMode,
         solo: ExpertSet | None,
         masked: bool = False,
+        active_slots: int = 0,
     ) -> StepLayout:
         return plan_layout(
             plan,
@@ -420,6 +430,8 @@ class StepLauncher:
             max_num_seqs=self.config.max_num_seqs,
             max_prefill_seqs=self.config.max_prefill_seqs,
             masked=masked,
+            active_slots=active_slots,
+            lora_density=self.config.lora_density_configs,
         )
 
     def _next_ring_index(self) -> int:
@@ -440,7 +452,9 @@ class StepLauncher:
                 layout, traits.lora, traits.mode, traits.solo_set, traits.masked
             )
             if graph is None:
-                layout = self._layout(plan, False, traits.lora, traits.mode, None, traits.masked)
+                layout = self._layout(
+                    plan, False, traits.lora, traits.mode, None, traits.masked, traits.active_slots
+                )
         return graph, layout
 
     def _stage(
@@ -657,7 +671,11 @@ class StepLauncher:
             max_prefill_len=layout.max_prefill_len,
             num_splits=splits,
         )
-        meta = lora_ops.build_meta(inputs.token_slots, self.pool.num_slots) if lora else None
+        meta = (
+            lora_ops.build_meta(inputs.token_slots, self.pool.num_slots, layout.lora_active_slots)
+            if lora
+            else None
+        )
         logits = self.model.forward(inputs, self.kv, self.pool if lora else None, meta, gated)
         if not sample:
             return logits
@@ -778,6 +796,7 @@ class StepLauncher:
             layout.max_prefill_len,
             [None] * layout.num_entries,
             layout.graph_key,
+            layout.lora_active_slots,
         )
         side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))

@@ -18,6 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
+from adaptermesh.worker import lora_ops
 from adaptermesh.worker.adafuse import ExpertSet
 from adaptermesh.worker.sampling import RowParams
 from adaptermesh.worker.scheduler import Sequence, StepPlan
@@ -108,6 +109,9 @@ class StepLayout:
     max_prefill_len: int
     entries: list[Sequence | None]  # per entry, the sequence that samples there
     graph_key: tuple[Any, ...] | None  # graph key, None = eager
+    # The LoRA kernels' ``active_slots`` (lora_ops.config_slots): for a graph, the bound of its
+    # density class, which is part of its key; eager, the plan's distinct adapters.
+    lora_active_slots: int | None = None
 
 
 def decode_buckets(limit: int, start: int = 1) -> list[int]:
@@ -152,13 +156,25 @@ def plan_layout(
     mixed_sizes: list[int],
     max_num_seqs: int,
     max_prefill_seqs: int,
+    active_slots: int = 0,
+    lora_density: bool = True,
 ) -> StepLayout:
     """The step's layout: a pure-decode graph bucket, a mixed graph bucket (decode region of
     ``min(max_num_seqs, bucket)`` entries, then ``max_prefill_seqs`` chunk entries), or the
     plan's own shape (eager). ``solo`` (an expert set or None) and ``lora_side`` are part of a
     decode graph's key; steps with a solo set have no mixed graph. ``masked`` (some row is
-    grammar-constrained: the graph applies the step's token bitmask) is part of every key."""
+    grammar-constrained: the graph applies the step's token bitmask) is part of every key.
+    With ``lora`` and ``lora_density``, the density class of the plan's ``active_slots``
+    distinct adapters over the layout's tokens is part of every key too, and picks the LoRA
+    kernels' configs (``lora_active_slots``); without ``lora_density`` every step takes the
+    worst case's (None)."""
     num_decode, num_prefill, num_tokens = len(plan.decode), len(plan.prefill), plan.num_tokens
+
+    def density(tokens: int) -> tuple[str | None, int | None]:
+        if not (lora and lora_density):
+            return None, None
+        return lora_ops.config_slots(tokens, active_slots)
+
     decode_entries: list[Sequence | None] = list(plan.decode)
     prefill_entries: list[Sequence | None] = [
         seq if start + count >= seq.known_len else None for seq, start, count in plan.prefill
@@ -166,13 +182,15 @@ def plan_layout(
     if graphable and num_prefill == 0:
         size = bucket_for(num_decode, decode_sizes)
         if size is not None:
+            cls, slots = density(size)
             return StepLayout(
                 size,
                 size,
                 size,
                 0,
                 decode_entries + [None] * (size - num_decode),
-                ("d", size, lora, random_mode, solo, lora_side, masked),
+                ("d", size, lora, random_mode, solo, lora_side, masked, cls),
+                slots,
             )
     if graphable and solo is None and num_prefill <= max_prefill_seqs:
         token_bucket = bucket_for(num_tokens, mixed_sizes)
@@ -184,13 +202,15 @@ def plan_layout(
                 + prefill_entries
                 + [None] * (max_prefill_seqs - num_prefill)
             )
+            cls, slots = density(token_bucket)
             return StepLayout(
                 token_bucket,
                 decode_region + max_prefill_seqs,
                 decode_region,
                 token_bucket,
                 entries,
-                ("m", token_bucket, lora, random_mode, lora_side, masked),
+                ("m", token_bucket, lora, random_mode, lora_side, masked, cls),
+                slots,
             )
     max_prefill_len = max((count for _, _, count in plan.prefill), default=0)
     return StepLayout(
@@ -200,6 +220,7 @@ def plan_layout(
         max_prefill_len,
         decode_entries + prefill_entries,
         None,
+        max(1, active_slots) if lora and lora_density else None,
     )
 
 
