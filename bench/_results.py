@@ -61,12 +61,27 @@ def provenance(
     machine["python"] = platform.python_version()
     for name in packages:
         machine[name] = importlib.metadata.version(name)
+    gpu = _gpu_name()
+    if gpu is not None:
+        machine["gpu"] = gpu
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "source": source if source is not None else source_revision(),
         "machine": machine,
     }
+
+
+def _gpu_name() -> str | None:
+    """The CUDA device's name where torch is already imported and sees one (a bench that
+    never imported torch is not made to)."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            return str(torch.cuda.get_device_name(0))
+    except Exception:  # a broken CUDA install: the figures say so themselves
+        return None
+    return None
 
 
 def write_results(path: str | Path, doc: dict[str, Any]) -> None:

@@ -492,6 +492,8 @@ class Bench:
             enable_prefix_caching=True,
             profile_steps=False,
         )
+        if label == "main":
+            kw.update(self.args.config_overrides)
         kw.update(overrides)
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unsupported = sorted(k for k in kw if k not in known)
@@ -1643,7 +1645,25 @@ def main() -> int:
     ap.add_argument(
         "--keep-files", action="store_true", help="keep the model dir and adapters (temp dir)"
     )
+    ap.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="an EngineConfig field for the main engine (true/false, numbers, or text), e.g. "
+        "--config lora_density_configs=false to measure without a feature; repeatable",
+    )
     args = ap.parse_args()
+    args.config_overrides = {}
+    for item in args.config:
+        field, sep, text = item.partition("=")
+        if not sep:
+            ap.error(f"--config {item!r}: want FIELD=VALUE")
+        value: Any = {"true": True, "false": False}.get(text.lower(), text)
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = float(text) if "." in text else int(text)
+        args.config_overrides[field] = value
     for name in (*args.only, *args.skip):
         if name not in SECTIONS:
             ap.error(f"unknown section {name!r}; sections: {', '.join(SECTIONS)}")

@@ -77,7 +77,7 @@ for s in $STAGES; do
         --out "$OUT/engine_speed_h200_http.json" ${HTTP_ARGS:-} ;;
     structured)
       stage structured 330 python3 bench/bench_structured_outputs.py --device cuda \
-        --out "$OUT/structured_outputs_h200.json" ${STRUCTURED_ARGS:-} ;;
+        --out "$OUT/${STRUCTURED_OUT:-structured_outputs_h200.json}" ${STRUCTURED_ARGS:-} ;;
     many_adapters)
       stage many_adapters 560 python3 bench/bench_many_adapters.py --device cuda \
         --out "$OUT/${MANY_ADAPTERS_OUT:-many_adapters_h200.json}" \
