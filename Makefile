@@ -2,6 +2,9 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Two pytest-xdist workers (tests/conftest.py: the host's network and BPF tests run on one, one
+# at a time, first; the rest spreads over both). PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint format faults faults-soak typecheck proto lock bench-classifier clean
 
@@ -14,13 +17,13 @@ demo: setup
 # Style, types and the import contracts first (ruff check, ruff format --check, mypy strict,
 # import-linter): a finding fails the run like a failing test (`make format` lays files out).
 # The tests run in a shuffled order (inside each directory; tests/conftest.py): the seed is
-# in the header, and TEST_ORDER_SEED=<seed> make test repeats it.
+# in the header, and TEST_ORDER_SEED=<seed> make test repeats it, on two workers.
 test: setup
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -m "not gpu" --order shuffle $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu" --order shuffle -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench

@@ -137,6 +137,12 @@ def compile_lock(name: str, out_dir: Path, args: argparse.Namespace) -> Path:
         # Resolution for another Python needs no interpreter of it: never download one.
         env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
         subprocess.run(cmd, cwd=REPO, check=True, env=env)
+    # The constraints file lives in a temporary folder: name it by what it holds (dev.lock's
+    # pins), so a lock written again from the same inputs is the same file.
+    text = out.read_text().replace(str(overrides), f"scripts/lock.py ({torch})")
+    if name != "dev":
+        text = text.replace(str(shared), "requirements/dev.lock")
+    out.write_text(text)
     header = (
         f"# The {name} environment: adaptermesh[{extra}] on Python {python}, x86-64 Linux"
         + (f", {torch}" if torch else "")

@@ -16,6 +16,13 @@
   the order of parts is part of how the suite is read.
 - Without CUDA the whole session runs Triton's interpreter (set below, before any test
   module is imported), so the kernel tests run the real kernels on the CPU.
+- ``make test`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``): most of
+  a serial run waits on servers it started, so two workers on two cores overlap one's waits
+  with the other's work. Tests that use the host's shared network and BPF state (``root`` and
+  ``e2e`` tests, everything under tests/bpf, which share a session topology) form one group,
+  ``host``, that runs on one worker, one test at a time and in the shuffled order, first; the
+  other worker takes the rest, and both take what is left. Every worker arranges the tests
+  with the controller's seed, so the order is the same everywhere.
 """
 
 from __future__ import annotations
@@ -82,6 +89,10 @@ def _env_seed() -> int | None:
 
 def _order_seed(config: pytest.Config) -> int:
     seed = config.getoption("--order-seed")
+    workerinput = getattr(config, "workerinput", None)
+    if seed is None and workerinput is not None:
+        seed = workerinput.get("order_seed")  # the controller's, so every worker agrees
+        config.option.order_seed = seed
     if seed is None:
         seed = random.randrange(1 << 32)
         config.option.order_seed = seed
@@ -144,8 +155,50 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+class _XdistSeed:
+    """Hands the controller's order seed to each xdist worker (registered when xdist is)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_configure_node(self, node: object) -> None:
+        node.workerinput["order_seed"] = _order_seed(self.config)  # type: ignore[attr-defined]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_XdistSeed(config), "adaptermesh-xdist-seed")
+
+
+# Tests that share the host's network namespaces, interfaces, BPF pins and the bpf tests'
+# session topology: one xdist group, one worker, one at a time.
+_HOST_GROUP = "host"
+
+
+def _uses_the_host(item: pytest.Item) -> bool:
+    return "root" in item.keywords or "e2e" in item.keywords or item.nodeid.startswith("tests/bpf/")
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Marked as each item is collected, before any plugin's pytest_collection_modifyitems
+    # (xdist's worker reads the xdist_group marks in its own).
+    if getattr(item.config.option, "loadgroup", False) and _uses_the_host(item):
+        item.add_marker(pytest.mark.xdist_group(_HOST_GROUP))
+
+
+def _group_host_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # An xdist worker of a --dist loadgroup run (its own "dist" option reads "no").
+    if not getattr(config.option, "loadgroup", False):
+        return
+    # The group is the longest chain of work: it starts first, the rest fills the other worker.
+    host = [item for item in items if _uses_the_host(item)]
+    chosen = set(map(id, host))
+    items[:] = host + [item for item in items if id(item) not in chosen]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _reorder(config, items)
+    _group_host_tests(config, items)
     has_gpu = _cuda_available()
     if os.environ.get("REQUIRE_GPU") == "1" and not has_gpu:
         raise pytest.UsageError(

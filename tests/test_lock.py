@@ -185,3 +185,11 @@ def test_setup_installs_from_the_lock_with_hashes() -> None:
         assert "--no-deps" in line, line
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^lock: setup\n\t\$\(PY\) scripts/lock\.py", makefile, re.M)
+
+
+@pytest.mark.parametrize("name", LOCK_NAMES)
+def test_a_lock_names_no_temporary_path(name: str) -> None:
+    """Written again from the same inputs, a lock is the same file (`lock.py --check`)."""
+    text = (LOCK_DIR / f"{name}.lock").read_text()
+    assert "/tmp" not in text
+    assert str(REPO) not in text

@@ -145,3 +145,29 @@ def test_triton_runs_interpreted_from_the_first_import() -> None:
 
     assert isinstance(tl.zeros, InterpretedFunction)
     assert isinstance(tl.sum, InterpretedFunction)
+
+
+def test_two_workers_run_the_host_tests_on_one_worker_first(suite: pytest.Pytester) -> None:
+    """``make test``'s ``-n 2 --dist loadgroup``: every worker arranges the tests with the
+    controller's seed (a different collection would stop the run), and the tests that use
+    the host (root, e2e, tests/bpf) run on one worker, one at a time, before its others."""
+    host = suite.path / "c_host"
+    host.mkdir()
+    host.joinpath("test_net_c.py").write_text(
+        "import pytest\n\npytestmark = pytest.mark.root\n\n\n"
+        + "".join(f"def test_n{i}():\n    pass\n\n\n" for i in range(5))
+    )
+    result = suite.runpytest("-n", "2", "--dist", "loadgroup", "--order", "shuffle", "-v")
+    assert result.ret == 0, result.stdout.str()
+    ran = re.findall(r"\[(gw\d)\] \[\s*\d+%\] PASSED (\S+)", result.stdout.str())
+    assert len(ran) == 2 * 2 * 7 + 5
+    host_runs = [(gw, node) for gw, node in ran if node.startswith("c_host/")]
+    assert len(host_runs) == 5
+    assert all(node.endswith("@host") for _, node in host_runs)
+    (worker,) = {gw for gw, _ in host_runs}
+    # That worker began with them.
+    mine = [node for gw, node in ran if gw == worker]
+    assert all(node.startswith("c_host/") for node in mine[:5])
+    # Outside xdist the same suite has no groups.
+    plain = collected(suite, "--order", "shuffle", "--order-seed", "5")
+    assert not any("@" in node for node in plain)
