@@ -91,8 +91,9 @@ def test_bench_many_adapters_cpu_smoke(tmp_path: Path) -> None:
         assert prof["steps_per_s"] > 0, name
         assert prof["adapters_per_step_max"] >= 1, name
         assert 0 <= prof["prefill_token_share"] <= 1, name
-        assert sum(b["steps"] for b in prof["decode_by_adapters"].values()) == (
-            prof["decode_only"]["steps"]
+        assert (
+            sum(b["steps"] for b in prof["decode_by_adapters"].values())
+            == (prof["decode_only"]["steps"])
         )
     assert "step_profile" not in warm
     detail = report["rows"]["r512_128"]
