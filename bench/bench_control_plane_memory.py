@@ -644,7 +644,7 @@ def _round(x: float | None) -> float | None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--cycles", type=int, default=60, help="change cycles (six soak minutes each)")
     p.add_argument("--warmup-cycles", type=int, default=5)
     p.add_argument("--sample-every", type=int, default=5, help="cycles between samples")

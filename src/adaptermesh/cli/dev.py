@@ -450,18 +450,20 @@ def _parser() -> argparse.ArgumentParser:
         description="The mesh on one machine: a tiny model, then control plane, agent and "
         "two shards (each an Envoy in front of a CPU worker) in the current network namespace "
         "(docs/operator-guide.md, 'One machine, by hand').",
+        allow_abbrev=False,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     make = sub.add_parser(
         "make-model",
         help="write a tiny random Llama (DIR/model) and two adapters (DIR/adapters)",
+        allow_abbrev=False,
     )
     make.add_argument("dir", type=Path, metavar="DIR")
     for name, text in (
         ("up", "start the mesh, print how to reach it, stop it all on Ctrl-C (root)"),
         ("down", "remove what a killed `up` left: processes, veth pair, pinned maps (root)"),
     ):
-        cmd = sub.add_parser(name, help=text, description=text)
+        cmd = sub.add_parser(name, help=text, description=text, allow_abbrev=False)
         cmd.add_argument(
             "--workdir",
             type=Path,
