@@ -206,6 +206,7 @@ class _StubEngine:
 
     model_name = "tiny"
     max_model_len = 2048
+    on_gpu = False
 
     def __init__(self, adapters: tuple[str, ...]) -> None:
         from adaptermesh.worker.types import AdapterInfo
@@ -237,6 +238,9 @@ class _StubEngine:
 
     def knows_adapter(self, name: str) -> bool:
         return any(a.name == name for a in self.adapters)
+
+    async def locate_adapter(self, name: str) -> str | None:
+        return "resident" if self.knows_adapter(name) else None
 
 
 @dataclass

@@ -51,6 +51,7 @@ class InstantEngine:
     model_name = MODEL
     max_model_len = 4096
     max_token_chars = 16
+    on_gpu = False
 
     def __init__(self) -> None:
         self.generated = 0
@@ -103,6 +104,9 @@ class InstantEngine:
 
     def knows_adapter(self, name: str) -> bool:
         return False
+
+    async def locate_adapter(self, name: str) -> str | None:
+        return None
 
     def stats(self) -> Any:
         from adaptermesh.worker.types import EngineStats
