@@ -208,7 +208,7 @@ def fused_switch_figures(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--switches", type=int, default=1000)

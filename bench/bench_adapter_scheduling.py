@@ -309,7 +309,7 @@ def main() -> int:
     # Beside this file; imported here so that the tests can import the harness alone.
     from _results import provenance, write_results
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--adapters", default="8,512,2000")
     ap.add_argument("--popularity", default="uniform,zipf-1.0")

@@ -301,7 +301,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "adapter_stores_cpu.json")

@@ -184,7 +184,7 @@ def closed_loop(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--out", required=True)
     ap.add_argument(

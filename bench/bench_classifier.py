@@ -364,7 +364,7 @@ def ringbuf(pin_dir: Path, rates: list[int], seconds: float) -> dict[str, object
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "classifier.json"))
     args = ap.parse_args()

@@ -386,7 +386,7 @@ async def bench_override(addr: str, calls: int) -> dict[str, object]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "control_plane.json"))
     ap.add_argument("--policy-repeats", type=int, default=200)
     ap.add_argument("--policy-only", action="store_true", help="skip the gRPC benchmarks")

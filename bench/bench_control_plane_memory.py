@@ -206,6 +206,7 @@ class _StubEngine:
 
     model_name = "tiny"
     max_model_len = 2048
+    on_gpu = False
 
     def __init__(self, adapters: tuple[str, ...]) -> None:
         from adaptermesh.worker.types import AdapterInfo
@@ -237,6 +238,9 @@ class _StubEngine:
 
     def knows_adapter(self, name: str) -> bool:
         return any(a.name == name for a in self.adapters)
+
+    async def locate_adapter(self, name: str) -> str | None:
+        return "resident" if self.knows_adapter(name) else None
 
 
 @dataclass
@@ -644,7 +648,7 @@ def _round(x: float | None) -> float | None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--cycles", type=int, default=60, help="change cycles (six soak minutes each)")
     p.add_argument("--warmup-cycles", type=int, default=5)
     p.add_argument("--sample-every", type=int, default=5, help="cycles between samples")

@@ -689,7 +689,7 @@ def bench_adafuse(args: argparse.Namespace, cfg: dict[str, Any], device: str) ->
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny shape")
     ap.add_argument("--batch", type=int, default=64)

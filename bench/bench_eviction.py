@@ -509,7 +509,7 @@ async def measure_constants(args: argparse.Namespace, work: Path) -> dict[str, A
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument(

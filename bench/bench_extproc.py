@@ -215,7 +215,7 @@ def machine() -> dict[str, object]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--out", default="bench/results/extproc.json")

@@ -78,7 +78,7 @@ def _done_with(workdir: Path, keep: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", default="bench/results/faults_cpu.json")
     p.add_argument(
         "--short", action="store_true", help="one kill, one drain, one stall, one step error"

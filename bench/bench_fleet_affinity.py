@@ -254,7 +254,7 @@ def run(auto: bool, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--max-loras", type=int, default=4, help="adapter GPU slots per worker (P)")
     p.add_argument("--adapters-per-slot", type=int, default=4, help="N = this x P adapters")
     p.add_argument("--tenants", type=int, default=6)

@@ -315,7 +315,7 @@ def run_engine(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--out", default="bench/results/grammar_engines_cpu.json")
     parser.add_argument("--steps", type=int, default=400, help="most tokens of one random path")
     parser.add_argument("--seed", type=int, default=0)

@@ -200,7 +200,7 @@ def _version(name: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--out", default="bench/results/grpc_v2_cpu.json")
     parser.add_argument("--engine", choices=["instant", "tiny"], default="instant")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -856,7 +856,9 @@ async def run(args: argparse.Namespace, rows: list[str]) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--prepare", help=argparse.SUPPRESS)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument(

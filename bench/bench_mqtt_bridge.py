@@ -188,7 +188,7 @@ def main() -> None:
     if sys.argv[1:] == ["--serve-mesh"]:
         serve_mesh()
         return
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--requests", type=int, default=300, help="sequential requests per path")
     p.add_argument("--burst", type=int, default=1000, help="requests in the throughput burst")
     p.add_argument("--max-in-flight", type=int, default=16)

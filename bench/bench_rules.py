@@ -135,7 +135,7 @@ def same(a: Outcome, b: Outcome) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--warmup", type=int, default=2_000)
     ap.add_argument("--seed", type=int, default=1)

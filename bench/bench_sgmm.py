@@ -273,7 +273,7 @@ def sweep(results: dict, out_path: str) -> dict[tuple[int, int], tuple[SgmmConfi
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")

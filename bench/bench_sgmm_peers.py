@@ -454,7 +454,9 @@ def selfcheck_cpu(peers_dir: Path) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "sgmm_peers_h200.json")
     ap.add_argument("--peers", type=Path, default=HERE / ".peers")
     ap.add_argument("--quick", action="store_true", help="four cases only")

@@ -325,7 +325,9 @@ def run_case(case: Case) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument(
         "--only", nargs="+", default=list(SCENARIOS), help="scenarios (default: all of them)"

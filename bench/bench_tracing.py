@@ -115,7 +115,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="bench/results/tracing_cpu.json")

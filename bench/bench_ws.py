@@ -51,6 +51,7 @@ class InstantEngine:
     model_name = MODEL
     max_model_len = 4096
     max_token_chars = 16
+    on_gpu = False
 
     def __init__(self) -> None:
         self.generated = 0
@@ -103,6 +104,9 @@ class InstantEngine:
 
     def knows_adapter(self, name: str) -> bool:
         return False
+
+    async def locate_adapter(self, name: str) -> str | None:
+        return None
 
     def stats(self) -> Any:
         from adaptermesh.worker.types import EngineStats
@@ -377,7 +381,7 @@ def _version(name: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--out", default="bench/results/ws_cpu.json")
     parser.add_argument("--engine", choices=["instant", "tiny"], default="instant")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

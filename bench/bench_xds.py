@@ -189,7 +189,7 @@ def machine() -> dict[str, object]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--updates", type=int, default=300)
     parser.add_argument("--structural", type=int, default=100)
     parser.add_argument("--envoys", type=int, default=20)

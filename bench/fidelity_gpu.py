@@ -159,7 +159,9 @@ def read_diffs(path: Path) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     ap.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N (default cuda)")
     ap.add_argument(

@@ -59,7 +59,7 @@ def summarise(xml_path: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--timeout-s", type=float, default=150.0)
     ap.add_argument("pytest_args", nargs="*")

@@ -472,9 +472,11 @@ def load(dest: Path) -> tuple[dict[str, Peer], dict[str, str]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare")
+    p = sub.add_parser("prepare", allow_abbrev=False)
     p.add_argument("--dest", type=Path, default=Path(__file__).parent / ".peers")
     p.add_argument("--mirror-root", type=Path, default=Path("/work/.mirror"))
     p.add_argument("--src", action="append", default=[], help="PEER=DIR: a plain source tree")

@@ -316,7 +316,7 @@ def _t_bucket(t: int) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--pool", type=int, default=128, help="pool slots (default 128)")
     ap.add_argument("--ranks", default="16,64")

@@ -110,7 +110,7 @@ def _ec(c: tuple, r: int) -> SgmmConfig:  # type: ignore[type-arg]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=150.0)
     args = ap.parse_args()

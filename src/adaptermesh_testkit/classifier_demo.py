@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="adaptermesh demo classifier",
         description=__doc__,
         formatter_class=DefaultsHelpFormatter,
+        allow_abbrev=False,
     )
     ap.add_argument("--prefix", default="amdemo", help="namespace/device name prefix")
     ap.add_argument(

@@ -1267,6 +1267,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=DefaultsHelpFormatter,
         description="The whole mesh in network namespaces: traffic, an override, a pin and a "
         "load spike. `adaptermesh demo classifier` shows the datapath alone.",
+        allow_abbrev=False,
     )
     p.add_argument(
         "--shards", type=int, default=3, choices=[2, 3], help="shards of Envoy + CPU workers"

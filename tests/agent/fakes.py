@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Mapping
 
 import grpc
 
 from adaptermesh.agent.ports import DatapathCounters, FlowEvent, ShardStats
-from adaptermesh.bpf.table import validate_assignment
+from adaptermesh.bpf.table import Attachment, validate_assignment
 from adaptermesh.proto.adaptermesh.v1 import (
     assignment_pb2,
     control_plane_pb2,
@@ -172,3 +173,33 @@ class ControlPlaneServer:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+
+class FakeAttachedDatapath(FakeDatapath):
+    """A FakeDatapath on an interface that tests can take away (``interface = False``), strip
+    of its filter or pins, and give back; ``calls`` records applies and re-attaches in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interface = True
+        self.filter = True
+        self.unpinned: tuple[str, ...] = ()
+        self.calls: list[str] = []
+
+    def apply(self, assignment: assignment_pb2.Assignment) -> None:
+        super().apply(assignment)
+        self.calls.append(f"apply {assignment.version}")
+
+    def inspect(self) -> Attachment:
+        return Attachment(
+            interface=self.interface, filter=self.interface and self.filter, unpinned=self.unpinned
+        )
+
+    def reattach(self) -> None:
+        if not self.interface:
+            raise ValueError("ifname: no interface 'lo'")
+        self.filter, self.unpinned = True, ()
+        self.calls.append("reattach")
+
+    def watch_links(self, wake: Callable[[], None], stop: threading.Event) -> None:
+        stop.wait()

@@ -143,18 +143,19 @@ def test_every_read_command_prints_json_and_yaml_with_the_same_rows(mesh: str) -
     rollouts = _json(mesh, "rollout", "status")
     assert len(rollouts) == 1
     ro = rollouts[0]
-    assert (ro["adapter"], ro["to"], ro["state"], ro["step"], ro["share"]) == (
+    assert (ro["adapter"], ro["to"], ro["state"], ro["step"], ro["share_percent"]) == (
         "credit-risk",
         "2.0.0",
         "RUNNING",
         1,
-        500,
+        5,  # percent, as --steps and steps_percent (and the table's SHARE) say it
     )
     assert ro["interval_s"] == 90
     assert ro["max_p95_ttft_ms"] == 1500
     assert ro["steps_percent"] == [5, 25, 50, 100]
     assert _json(mesh, "rollout", "status", "credit-risk") == rollouts
-    assert _json(mesh, "rollout", "status", "nothing-here") == []
+    unknown = run(mesh, "rollout", "status", "nothing-here", "-o", "json")
+    assert unknown.exit_code == 3, unknown.output
     hist = _json(mesh, "rollout", "history", "credit-risk")
     assert hist[0]["events"][0]["event"] == "start"
     assert _yaml(mesh, "rollout", "history", "credit-risk") == hist

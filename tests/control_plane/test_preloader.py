@@ -271,9 +271,9 @@ def test_bad_config_is_refused() -> None:
 
 
 async def _models(client: httpx.AsyncClient, port: int) -> dict[str, tuple[bool, bool]]:
-    """adapter -> (resident_on_gpu, pinned), from a real worker's /v1/models."""
+    """adapter -> (resident, pinned), from a real worker's /v1/models."""
     body = (await client.get(f"http://127.0.0.1:{port}/v1/models")).json()
-    return {m["id"]: (m["resident_on_gpu"], m["pinned"]) for m in body["data"] if m["parent"]}
+    return {m["id"]: (m["resident"], m["pinned"]) for m in body["data"] if m["parent"]}
 
 
 async def test_real_workers_keep_the_pinned_adapter_while_others_evict(

@@ -30,6 +30,7 @@ order, so a document clears the overrides and pins it sets.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import queue
 import re
@@ -535,3 +536,99 @@ def test_one_machine_by_hand(tmp_path: Path) -> None:
         session.close()
         subprocess.run(["ip", "netns", "del", netns], check=False)
         shutil.rmtree(f"/sys/fs/bpf/amh{suffix}", ignore_errors=True)
+
+
+def _in_mesh(netns: str, env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["nsenter", f"--net=/run/netns/{netns}", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+def _served_by(netns: str, env: dict[str, str], source: str) -> str:
+    r = _in_mesh(
+        netns, env, str(BIN / "adaptermesh"), "dev", "exec", "--", "curl", "-s", "-D", "-",
+        "-o", "/dev/null", "--interface", source, "10.213.0.1:8080/v1/models",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    found = re.search(r"^x-adaptermesh-served-by: (\S+)", r.stdout, re.M)
+    assert found, r.stdout
+    return found.group(1)
+
+
+@pytest.mark.e2e
+@pytest.mark.root
+@pytest.mark.slow
+def test_dev_exec_requests_cross_the_classifier(
+    dev_mesh: tuple[str, dict[str, str], str],
+) -> None:
+    """A pin moves the client namespace's requests from one shard's Envoy to the other's,
+    and a connection that did not cross the classifier (no mark) reaches no shard."""
+    netns, env, _printed = dev_mesh
+    ctl = str(BIN / "adapterctl")
+    source = "10.213.0.6"
+    try:
+        for shard in ("s0", "s1", "s0"):
+            assert _in_mesh(netns, env, ctl, "pin", f"{source}/32", shard).returncode == 0
+            assert _served_by(netns, env, source) == shard
+            assert _in_mesh(netns, env, ctl, "unpin", f"{source}/32").returncode == 0
+    finally:
+        _in_mesh(netns, env, ctl, "unpin", f"{source}/32")
+    bypass = _in_mesh(netns, env, "curl", "-s", "-m", "5", "10.213.0.1:8080/v1/models")
+    assert bypass.returncode != 0
+    assert bypass.stdout == ""
+
+
+@pytest.mark.e2e
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_second_up_leaves_the_first_serving_with_its_state(
+    dev_mesh: tuple[str, dict[str, str], str], tmp_path: Path
+) -> None:
+    netns, env, _printed = dev_mesh
+    ctl = str(BIN / "adapterctl")
+    workdir = env["AMDEV"]
+    prefix = json.loads((Path(workdir) / "mesh.json").read_text())["prefix"]
+    source = "10.213.0.7"
+    assert _in_mesh(netns, env, ctl, "pin", f"{source}/32", "s1").returncode == 0
+    try:
+        before = json.loads(_in_mesh(netns, env, ctl, "status", "-o", "json").stdout)
+        up = str(BIN / "adaptermesh")
+        attempts = {
+            "same workdir": [up, "dev", "up", "--workdir", workdir, "--prefix", prefix],
+            "other workdir": [up, "dev", "up", "--workdir", str(tmp_path / "w2"), "--prefix",
+                              prefix],
+            "other workdir and prefix": [up, "dev", "up", "--workdir", str(tmp_path / "w3"),
+                                         "--prefix", "amsecond"],
+        }  # fmt: skip
+        for what, argv in attempts.items():
+            r = _in_mesh(netns, env, *argv)
+            assert r.returncode == 1, (what, r.stdout, r.stderr)
+            assert r.stderr.count("\n") == 1, (what, r.stderr)
+            if what == "other workdir and prefix":
+                assert "127.0.0.1:7400 is in use, probably by pid " in r.stderr, r.stderr
+                assert "control-plane" in r.stderr, r.stderr
+            else:
+                assert "a dev mesh is already running" in r.stderr, r.stderr
+                assert f"workdir {workdir}" in r.stderr
+        assert not (tmp_path / "w2").exists()
+        assert not (tmp_path / "w3").exists()
+        assert _in_mesh(netns, env, "ip", "link", "show", "amsecond0").returncode != 0
+        after = json.loads(_in_mesh(netns, env, ctl, "status", "-o", "json").stdout)
+        assert after["assignment"]["version"] >= before["assignment"]["version"]
+        agent = json.loads(_in_mesh(netns, env, "curl", "-s", "127.0.0.1:9464/status").stdout)
+        assert {"cidr": f"{source}/32", "shard_id": "s1"} in agent["pins"], agent["pins"]
+        assert agent["applied_version"] >= before["assignment"]["version"]
+        assert _served_by(netns, env, source) == "s1"
+        r = _in_mesh(
+            netns, env, "curl", "-s", "--fail-with-body", "127.0.0.1:8080/v1/completions",
+            "-H", "content-type: application/json",
+            "-d", '{"model": "support", "prompt": "hi", "max_tokens": 2}',
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        _in_mesh(netns, env, ctl, "unpin", f"{source}/32")

@@ -145,7 +145,7 @@ def _upstream(mesh: LocalMesh) -> int:
 
 def _models(url: str) -> dict[str, tuple[bool, bool]]:
     body = httpx.get(url, timeout=10).json()
-    return {m["id"]: (m["resident_on_gpu"], m["pinned"]) for m in body["data"] if m["parent"]}
+    return {m["id"]: (m["resident"], m["pinned"]) for m in body["data"] if m["parent"]}
 
 
 def test_the_control_plane_pins_the_example_on_its_shard(mesh: LocalMesh) -> None:

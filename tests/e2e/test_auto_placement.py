@@ -77,7 +77,7 @@ def _counters(url: str) -> dict[str, float]:
 
 def _resident(url: str) -> set[str]:
     body = httpx.get(url, timeout=5).json()
-    return {m["id"] for m in body["data"] if m["parent"] and m["resident_on_gpu"]}
+    return {m["id"] for m in body["data"] if m["parent"] and m["resident"]}
 
 
 def test_a_request_for_an_adapter_homed_elsewhere_is_forwarded_to_its_home(

@@ -135,6 +135,7 @@ class FakeStream:
 
 class FakeEngine:
     model_name = "tiny-base"
+    on_gpu = False
 
     def __init__(
         self,
@@ -217,6 +218,11 @@ class FakeEngine:
     def knows_adapter(self, name: str) -> bool:
         self.knows_adapter_calls += 1
         return name in self.adapters
+
+    async def locate_adapter(self, name: str) -> str | None:
+        if name in self.adapters:
+            return "resident"
+        return "root" if name in self.on_disk else None
 
     def stats(self) -> EngineStats:
         latencies, self.load_latencies = tuple(self.load_latencies), []

@@ -490,3 +490,33 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path), "--adapter-root", str(tmp_path), "--port", "70000"])
+
+
+async def test_a_cpu_worker_says_where_its_adapters_are(model_files, start_server: StartServer):
+    """A CPU worker's slots are host memory: ``resident`` but never ``resident_on_gpu``; and
+    ``GET /v1/models/{name}`` says whether (and where) a request would find an adapter,
+    without loading it."""
+    engine = engine_for(model_files, max_num_seqs=2, max_loras=2)
+    s = await start_server(engine)
+    try:
+        r = await s.client.post(
+            "/v1/completions", json={"model": "a0", "prompt": PROMPT, "max_tokens": 2}
+        )
+        assert r.status_code == 200
+        cards = {m["id"]: m for m in (await s.client.get("/v1/models")).json()["data"]}
+        assert (cards["a0"]["resident"], cards["a0"]["resident_on_gpu"]) == (True, False)
+        located = {
+            name: (r.status_code, r.json().get("location"), r.json().get("error", {}).get("code"))
+            for name in ("tiny", "a0", "a2", "a2@9.9.9", "nosuch")
+            for r in [await s.client.get(f"/v1/models/{name}")]
+        }
+        assert located == {
+            "tiny": (200, "resident", None),
+            "a0": (200, "resident", None),
+            "a2": (200, "root", None),
+            "a2@9.9.9": (404, None, "model_not_found"),
+            "nosuch": (404, None, "model_not_found"),
+        }
+        assert "a2" not in {m["id"] for m in (await s.client.get("/v1/models")).json()["data"]}
+    finally:
+        await engine.shutdown()

@@ -6,11 +6,16 @@ knows, such as interface names, before it touches a map), then the xDS
 snapshot. If the snapshot is refused, the maps are put back to the last good Assignment, so
 the two never disagree. A refused version is remembered and never retried; the last good
 Assignment keeps serving, and the error is reported to the control plane.
+
+While the datapath is gone (``hold``: its interface, filter or pins, see agent/liveness.py),
+a new Assignment is kept, not applied, and reported as not applied with the reason; ``replay``
+applies it (or the current one again) once the datapath is back, and ``release`` ends the hold.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +60,12 @@ class Applier:
         self.rejected_version = 0
         self.received_version = 0
         self.listeners: list[Callable[[assignment_pb2.Assignment], None]] = []
+        # Why the datapath cannot take an Assignment now ("": it can), and the newest one
+        # received meanwhile. The watch and the liveness monitor call in from two threads.
+        self.held = ""
+        self.pending: assignment_pb2.Assignment | None = None
+        self._held_error = False
+        self._lock = threading.RLock()
 
     @property
     def applied_version(self) -> int:
@@ -73,6 +84,54 @@ class Applier:
         return self.apply(cached, persist=False)
 
     def apply(self, assignment: assignment_pb2.Assignment, persist: bool = True) -> ApplyResult:
+        with self._lock:
+            return self._apply(assignment, persist)
+
+    def hold(self, reason: str) -> None:
+        """The datapath is gone: keep new Assignments instead of applying them."""
+        with self._lock:
+            if self.held == reason:
+                return
+            self.held = reason
+            self.last_error = (
+                f"version {self.pending.version} not applied: datapath: {reason}"
+                if self.pending is not None
+                else f"datapath: {reason}"
+            )[: rules.MAX_APPLY_ERROR]
+            self._held_error = True
+            self._metrics.apply_error.set(1)
+
+    def replay(self) -> ApplyResult | None:
+        """Write the held Assignment, or the current one again, to a datapath that is back
+        (a new interface may have new indices for redirect targets); None: nothing to write."""
+        with self._lock:
+            pending, self.pending = self.pending, None
+            if pending is not None and pending.version > self.applied_version:
+                held, self.held = self.held, ""
+                try:
+                    return self._apply(pending, persist=True)
+                finally:
+                    self.held = held
+            current = self.current
+            if current is None:
+                return None
+            try:
+                self._datapath.apply(current)
+            except Exception as exc:
+                _log.exception("could not replay assignment %d", current.version)
+                return ApplyResult(current.version, ok=False, error=f"datapath: replay: {exc}")
+            return ApplyResult(current.version, ok=True)
+
+    def release(self) -> None:
+        """The datapath is back: apply again as Assignments come."""
+        with self._lock:
+            self.held = ""
+            if self._held_error:
+                self._held_error = False
+                self.last_error = ""
+                self._metrics.apply_error.set(0)
+
+    def _apply(self, assignment: assignment_pb2.Assignment, persist: bool) -> ApplyResult:
         version = assignment.version
         self.received_version = max(self.received_version, version)
         self._metrics.received_version.set(self.received_version)
@@ -86,6 +145,18 @@ class Applier:
             adapter_edge.check_edges(assignment)
         except rules.RuleError as exc:
             return self._reject(assignment, f"rules: {exc}")
+        if self.held:
+            # Never reported applied without a datapath to apply it to.
+            if self.pending is None or version > self.pending.version:
+                self.pending = assignment
+            self.last_error = f"version {version} not applied: datapath: {self.held}"[
+                : rules.MAX_APPLY_ERROR
+            ]
+            self._held_error = True
+            self._metrics.applies.labels("held").inc()
+            self._metrics.apply_error.set(1)
+            _log.warning("holding assignment version %d: datapath: %s", version, self.held)
+            return ApplyResult(version, ok=False, error=self.last_error)
         try:
             self._datapath.apply(assignment)
         except Exception as exc:
@@ -98,6 +169,7 @@ class Applier:
         self._metrics.apply_seconds.observe(time.perf_counter() - started)
         self.current = assignment
         self.last_error = ""
+        self._held_error = False
         self._metrics.applies.labels("ok").inc()
         self._metrics.applied_version.set(version)
         self._metrics.apply_error.set(0)

@@ -15,13 +15,22 @@ every key on its last good snapshot.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from adaptermesh.agent.daemon import AgentConfig
-from adaptermesh.bpf.table import DatapathCounters, FlowEvent, FlowLookup, ShardStats, ShardTable
+from adaptermesh.bpf.table import (
+    Attachable,
+    Attachment,
+    DatapathCounters,
+    FlowEvent,
+    FlowLookup,
+    ShardStats,
+    ShardTable,
+)
 from adaptermesh.mesh.cache import SnapshotCache
 from adaptermesh.mesh.edge import EdgeAuthOptions, EdgeTlsOptions
 from adaptermesh.mesh.metrics import XdsMetrics
@@ -37,6 +46,7 @@ from adaptermesh.proto.adaptermesh.v1 import assignment_pb2
 
 __all__ = [
     "NODE_KEY",
+    "AttachedDatapath",
     "MeshXds",
     "TableDatapath",
     "bpf_datapath",
@@ -186,7 +196,27 @@ class TableDatapath:
             self._closer(detach)
 
 
-def bpf_datapath(config: AgentConfig) -> TableDatapath:
+class AttachedDatapath(TableDatapath):
+    """A TableDatapath whose table is attached to an interface, so it can be lost and
+    attached again (the agent's liveness monitor watches it: agent/liveness.py)."""
+
+    def __init__(
+        self, table: ShardTable, attachable: Attachable, closer: Callable[[bool], None]
+    ) -> None:
+        super().__init__(table, closer)
+        self._attachable = attachable
+
+    def inspect(self) -> Attachment:
+        return self._attachable.inspect()
+
+    def reattach(self) -> None:
+        self._attachable.reattach()
+
+    def watch_links(self, wake: Callable[[], None], stop: threading.Event) -> None:
+        self._attachable.watch_links(wake, stop)
+
+
+def bpf_datapath(config: AgentConfig) -> AttachedDatapath:
     """Compile and load the classifier, reuse the pinned maps, attach to ``config.iface``.
 
     A restarted agent swaps its program into the same filter slot with one netlink replace
@@ -207,4 +237,4 @@ def bpf_datapath(config: AgentConfig) -> TableDatapath:
         # --detach is an uninstall: remove the filter and the pinned maps.
         table.close(detach=detach, unpin=detach)
 
-    return TableDatapath(table, close)
+    return AttachedDatapath(table, table, close)

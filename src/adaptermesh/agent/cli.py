@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adaptermesh agent",
         description=__doc__.splitlines()[0],
         formatter_class=DefaultsHelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument(
         "--node-id", required=True, help="this node's name, as the control plane sees it"

@@ -8,6 +8,10 @@ Start-up order matters for a restart that loses no traffic:
    gets the same configuration it had, not an empty one;
 3. only then watch the control plane, resuming from the applied version.
 
+A datapath that can be lost (the real one: its interface, filter and pins) is watched by
+``agent/liveness.py``: ``/healthz`` fails and names what is missing, Assignments are held,
+and when the interface is back the agent replays the current Assignment and attaches again.
+
 A graceful stop leaves the filter and the pinned maps in place unless ``detach`` is set.
 """
 
@@ -30,6 +34,7 @@ from adaptermesh.agent.applier import Applier
 from adaptermesh.agent.extproc import ExtProcConfig, ExtProcServer, MetricsPoller
 from adaptermesh.agent.flowlog import FlowEventMode, FlowExporter
 from adaptermesh.agent.http import build_app
+from adaptermesh.agent.liveness import DatapathMonitor
 from adaptermesh.agent.load import LoadTracker
 from adaptermesh.agent.metrics import AgentMetrics
 from adaptermesh.agent.picker import EndpointBook
@@ -38,7 +43,7 @@ from adaptermesh.agent.rulesync import RuleSync
 from adaptermesh.agent.state import AssignmentStore
 from adaptermesh.agent.watch import AssignmentWatcher, LoadReporter
 from adaptermesh.backoff import Backoff
-from adaptermesh.bpf.table import FlowLookup
+from adaptermesh.bpf.table import Attachable, FlowLookup
 from adaptermesh.clock import Clock, SystemClock
 from adaptermesh.httpserve import serve_app
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2_grpc
@@ -102,6 +107,9 @@ class AgentConfig:
     # Each new-flow ring-buffer event exported keyed by the flow (agent/flowlog.py): "log" (a
     # JSON line on the adaptermesh.flows logger), "span" (needs otlp_endpoint), "both", "off".
     flow_events: FlowEventMode = "off"
+    # Longest time between two looks at the datapath's interface, filter and pins (netlink
+    # events about links and filters wake the look at once; an unpinned map sends none).
+    liveness_interval_s: float = 1.0
 
 
 DatapathFactory = Callable[[AgentConfig], Datapath]
@@ -149,6 +157,7 @@ class Agent:
         self.applier: Applier | None = None
         self.watcher: AssignmentWatcher | None = None
         self.reporter: LoadReporter | None = None
+        self.monitor: DatapathMonitor | None = None
         self.http_port: int | None = None
         self.ext_proc: ExtProcServer | None = None
         # The Assignment's routing rules, compiled and installed into the ext_proc server.
@@ -182,6 +191,14 @@ class Agent:
                 _log.exception("ring buffer poll failed; retrying")
                 self._poll_stop.wait(1.0)
 
+    def _watch_links(self, datapath: Attachable, monitor: DatapathMonitor) -> None:
+        # Netlink events only make the monitor look sooner; its periodic look stays.
+        try:
+            datapath.watch_links(monitor.wake, self._poll_stop)
+        except Exception:
+            _log.exception("netlink watch failed; the datapath is checked every %.1fs",
+                           monitor.interval_s)  # fmt: skip
+
     def _shard_names(self) -> dict[int, str]:
         current = self.applier.current if self.applier else None
         if current is None:
@@ -193,13 +210,35 @@ class Agent:
 
     # -- HTTP views -----------------------------------------------------------------------
 
+    def _datapath_view(self) -> dict[str, Any]:
+        monitor = self.monitor
+        if monitor is None:
+            return {"attached": self.datapath is not None, "missing": []}
+        return {
+            "attached": monitor.attached,
+            "missing": list(monitor.missing),
+            "detaches": monitor.detaches,
+            "reattaches": monitor.reattaches,
+            "error": monitor.last_error,
+        }
+
     def _health(self) -> tuple[bool, dict[str, Any]]:
         applier = self.applier
-        ok = self.datapath is not None and self.xds is not None and not self._poll_error
+        datapath = self._datapath_view()
+        ok = (
+            self.datapath is not None
+            and datapath["attached"]
+            and self.xds is not None
+            and not self._poll_error
+        )
+        error = self._poll_error
+        if datapath["missing"]:
+            error = f"datapath: {', '.join(datapath['missing'])} missing"
         return ok, {
             "applied_version": applier.applied_version if applier else 0,
             "control_plane_connected": bool(self.watcher and self.watcher.connected),
-            "error": self._poll_error,
+            "datapath": datapath,
+            "error": error,
         }
 
     def _ready(self) -> bool:
@@ -240,6 +279,7 @@ class Agent:
             "applied_version": applier.applied_version if applier else 0,
             "received_version": applier.received_version if applier else 0,
             "apply_error": applier.last_error if applier else "",
+            "datapath": self._datapath_view(),
             "routing_rules": {"version": self.rule_sync.version, "error": self.rule_sync.error},
             "reason": current.reason if current else "",
             "control_plane_connected": bool(self.watcher and self.watcher.connected),
@@ -363,6 +403,23 @@ class Agent:
             )
             poller.start()
 
+            if isinstance(datapath, Attachable):
+                self.monitor = DatapathMonitor(
+                    datapath,
+                    applier,
+                    self.metrics,
+                    config.iface,
+                    str(config.pin_dir),
+                    interval_s=config.liveness_interval_s,
+                )
+                tasks.append(asyncio.create_task(self.monitor.run(), name="am-liveness"))
+                threading.Thread(
+                    target=self._watch_links,
+                    args=(datapath, self.monitor),
+                    name="am-netlink",
+                    daemon=True,
+                ).start()
+
             channel = _channel(config)
             stub = control_plane_pb2_grpc.ControlPlaneStub(channel)  # type: ignore[no-untyped-call]
             self.reporter = LoadReporter(
@@ -387,7 +444,7 @@ class Agent:
                 on_applied=self.reporter.poke,
                 clock=self.clock,
             )
-            tasks = [
+            tasks += [
                 asyncio.create_task(self.watcher.run(), name="am-watch"),
                 asyncio.create_task(self.reporter.run(), name="am-report"),
             ]

@@ -124,7 +124,8 @@ class AgentMetrics:
         )
         self.applies = Counter(
             "adaptermesh_agent_applies",
-            "Assignments the agent tried to apply, by result (ok, error, stale).",
+            "Assignments the agent tried to apply, by result (ok, error, stale, held: the "
+            "datapath was gone, applied when it is back).",
             ["result"],
             registry=r,
         )
@@ -175,6 +176,16 @@ class AgentMetrics:
         self.datapath_attached = Gauge(
             "adaptermesh_agent_datapath_attached",
             "1 while the classifier is loaded and attached to the node interface.",
+            registry=r,
+        )
+        self.datapath_detaches = Counter(
+            "adaptermesh_agent_datapath_detaches",
+            "Times the datapath was found gone: the interface, the filter or a pinned map.",
+            registry=r,
+        )
+        self.datapath_reattaches = Counter(
+            "adaptermesh_agent_datapath_reattaches",
+            "Times the datapath was attached again (and the current Assignment replayed).",
             registry=r,
         )
         self._shard_names: dict[int, tuple[str, int]] = {}

@@ -68,6 +68,8 @@ def _lib() -> ctypes.CDLL:
     lib.bpf_map_delete_elem.restype = ctypes.c_int
     lib.bpf_obj_get.argtypes = [ctypes.c_char_p]
     lib.bpf_obj_get.restype = ctypes.c_int
+    lib.bpf_obj_pin.argtypes = [ctypes.c_int, ctypes.c_char_p]
+    lib.bpf_obj_pin.restype = ctypes.c_int
     lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(_TestRunOpts)]
     lib.bpf_prog_test_run_opts.restype = ctypes.c_int
     return lib
@@ -137,6 +139,11 @@ def obj_get(path: str) -> int:
     fd = _lib().bpf_obj_get(path.encode())
     _check(fd, f"bpf_obj_get({path})")
     return int(fd)
+
+
+def obj_pin(fd: int, path: str) -> None:
+    """Pin the map or program ``fd`` at ``path`` on a bpffs."""
+    _check(_lib().bpf_obj_pin(fd, path.encode()), f"bpf_obj_pin({path})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,9 @@ Usage by the node agent::
     table.read_counters()              # DatapathCounters: lost events, each pass reason
     table.poll_events(callback, 100)   # FlowEvent per new flow
     table.poll_batch(callback, 100)    # or one EventBatch (numpy columns) per drain
+    table.inspect()                    # Attachment: interface, our filter, the pins still there?
+    table.reattach()                   # pin what was unpinned, attach again (a new interface)
+    table.watch_links(wake, stop)      # call wake() on every link or tc change (a thread)
     table.close(detach=False)          # keep the filter and pins: a restart picks them up
     table.discard()                    # a start that failed: remove the pins this table made
 
@@ -53,6 +56,7 @@ from adaptermesh.bpf.table import (
     REASON_NAMES,
     STATE_ACTIVE,
     STATE_DRAINING,
+    Attachment,
     DatapathCounters,
     FlowEvent,
     Plan,
@@ -410,6 +414,52 @@ class BpfShardTable:
                 prio=FILTER_PRIO,
                 protocol=ETH_P_ALL,
             )
+
+    def _has_filter(self, ipr: Any, idx: int) -> bool:
+        # tcm_info holds the filter's priority in its upper 16 bits (and the protocol below).
+        for f in ipr.get_filters(index=idx, parent=0xFFFFFFF2):
+            if f.get_attr("TCA_KIND") == "bpf" and f["info"] >> 16 == FILTER_PRIO:
+                return True
+        return False
+
+    def inspect(self) -> Attachment:
+        """What is still in place: the interface, our filter on its ingress, each pin.
+
+        A CNI or an operator that deletes the interface takes the filter with it; ``rm`` on
+        bpffs unpins a map while this process keeps using it. Neither tells the loader.
+        """
+        unpinned = tuple(n for n in MAP_NAMES if not (self.pin_dir / n).exists())
+        with self._ipr() as ipr:
+            idx = self._ifindex(ipr, self.ifname)
+            attached = idx is not None and self._has_filter(ipr, idx)
+        return Attachment(interface=idx is not None, filter=attached, unpinned=unpinned)
+
+    def reattach(self) -> None:
+        """Pin again every map whose pin is gone (this process still holds the maps, with
+        their pins, sticky flows and counters), then attach to ``ifname`` (a new interface of
+        the same name gets the filter again). The caller re-applies the Assignment first
+        when the interface is new, so its first packet meets the current state."""
+        _ensure_bpffs(self.pin_dir)
+        for name in MAP_NAMES:
+            path = self.pin_dir / name
+            if not path.exists():
+                libbpf.obj_pin(self._fd[name], str(path))
+        self.attach()
+
+    def watch_links(self, wake: Callable[[], None], stop: threading.Event) -> None:
+        """Call ``wake`` on every link or traffic-control change in ``ifname``'s namespace,
+        until ``stop`` is set (run it in a thread: it blocks on a netlink socket)."""
+        import select
+
+        from pyroute2.netlink.rtnl import RTMGRP_LINK, RTMGRP_TC
+
+        with self._ipr() as ipr:
+            ipr.bind(groups=RTMGRP_LINK | RTMGRP_TC)
+            while not stop.is_set():
+                ready, _, _ = select.select([ipr.fileno()], [], [], 0.2)
+                if ready:
+                    ipr.get()
+                    wake()
 
     def detach(self) -> None:
         """Remove our filter (the clsact qdisc stays: other programs may use it)."""

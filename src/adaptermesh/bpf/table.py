@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import socket
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -40,6 +41,8 @@ __all__ = [
     "REASON_NAMES",
     "WEIGHT_BUDGET",
     "AssignmentError",
+    "Attachable",
+    "Attachment",
     "DatapathCounters",
     "FakeShardTable",
     "FlowEvent",
@@ -179,6 +182,31 @@ class ShardTable(Protocol):
 
     @property
     def applied_version(self) -> int | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    """What of the datapath is in place: the interface, the classifier's filter on its
+    ingress, and the maps whose pins are gone (``BpfShardTable.inspect()``)."""
+
+    interface: bool = True
+    filter: bool = True
+    unpinned: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.interface and self.filter and not self.unpinned
+
+
+@runtime_checkable
+class Attachable(Protocol):
+    """A datapath that can say whether it is still attached, and attach again."""
+
+    def inspect(self) -> Attachment: ...
+
+    def reattach(self) -> None: ...
+
+    def watch_links(self, wake: Callable[[], None], stop: threading.Event) -> None: ...
 
 
 @runtime_checkable

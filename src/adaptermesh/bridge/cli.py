@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adaptermesh mqtt-bridge",
         description=__doc__.split("\n")[0],
         formatter_class=DefaultsHelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument("--broker", type=_broker, required=True, help="MQTT broker HOST:PORT (MQTT v5)")
     p.add_argument(

@@ -210,6 +210,12 @@ def _version_callback(value: bool) -> None:
         raise typer.Exit(0)
 
 
+def _given(ctx: typer.Context, param: str, flag: str, env: str) -> str:
+    """How the user set ``param``: its flag, or the environment variable it came from."""
+    source = ctx.get_parameter_source(param)
+    return env if source is not None and source.name == "ENVIRONMENT" else flag
+
+
 @app.callback(
     epilog=_example(
         "adapterctl --server cp.example:7400 --token-file ~/.adaptermesh-token status -o json"
@@ -244,12 +250,17 @@ def main(
     ] = False,
 ) -> None:
     if token and token_file:
-        _die("--token and --token-file are exclusive", 2)
+        _die(
+            f"{_given(ctx, 'token', '--token', 'ADAPTERMESH_TOKEN')} and "
+            f"{_given(ctx, 'token_file', '--token-file', 'ADAPTERMESH_TOKEN_FILE')} "
+            "are exclusive: set one",
+            2,
+        )
     if token_file is not None:
         try:
             token = token_file.read_text().strip()
         except OSError as exc:
-            _die(f"--token-file: {exc}", 2)
+            _die(f"{_given(ctx, 'token_file', '--token-file', 'ADAPTERMESH_TOKEN_FILE')}: {exc}", 2)
     if (tls_cert or tls_key) and not tls_ca:
         _die("--tls-cert/--tls-key need --tls-ca", 2)
     seconds = _guard(lambda: parse_duration(timeout, "--timeout"))
@@ -1181,7 +1192,7 @@ ROLLOUT_COLUMNS = (
     Column("TO", "to"),
     Column("STATE", "state"),
     Column("STEP", "step", lambda r: f"{r['step']}/{len(r['steps_percent'])}"),
-    Column("SHARE", "share", lambda r: f"{r['share'] / 100:g}%"),
+    Column("SHARE", "share_percent", lambda r: f"{r['share_percent']:g}%"),
     Column("REQS", "requests"),
     Column("ERRORS", "errors"),
     Column(
@@ -1215,9 +1226,16 @@ EVENT_COLUMNS = (
     Column("ADAPTER", "adapter"),
     Column("TO", "to"),
     Column("EVENT", "event"),
-    Column("SHARE", "share", lambda r: f"{r['share'] / 100:g}%"),
+    Column("SHARE", "share_percent", lambda r: f"{r['share_percent']:g}%"),
     Column("REASON", "reason"),
 )
+
+
+def _percent(parts: int) -> int | float:
+    """A rollout's share (parts per 10,000 on the wire) in percent, the unit of --steps, of
+    steps_percent and of every line adapterctl prints: 5000 -> 50, 1250 -> 12.5."""
+    value = parts / 100
+    return int(value) if value.is_integer() else value
 
 
 def _rollout_row(r: control_plane_pb2.Rollout, events: bool = False) -> dict[str, Any]:
@@ -1228,7 +1246,7 @@ def _rollout_row(r: control_plane_pb2.Rollout, events: bool = False) -> dict[str
         "to": spec.to_version,
         "state": _ROLLOUT_STATES.get(r.state, "?"),
         "step": r.step + 1,
-        "share": r.share,
+        "share_percent": _percent(r.share),
         "requests": r.window_requests,
         "errors": r.window_errors,
         "p95_ttft_ms": r.window_p95_ttft_ms if r.window_requests else None,
@@ -1249,7 +1267,7 @@ def _rollout_row(r: control_plane_pb2.Rollout, events: bool = False) -> dict[str
                 "adapter": spec.adapter,
                 "to": spec.to_version,
                 "event": e.kind,
-                "share": e.share,
+                "share_percent": _percent(e.share),
                 "reason": e.reason,
             }
             for e in r.events
@@ -1379,9 +1397,9 @@ def rollout_status_cmd(
     """Rollouts (all, or one adapter's): state, step, share, this step's requests, errors
     and p95 TTFT.
 
-    -o json|yaml: a list of {adapter, from, to, state, step (1-based), share (parts per
-    10,000), requests, errors, p95_ttft_ms, reason, id, steps_percent, interval_s,
-    max_error_rate, max_p95_ttft_ms, min_requests, created, step_started}."""
+    -o json|yaml: a list of {adapter, from, to, state, step (1-based), share_percent (the new
+    version's, in percent like steps_percent), requests, errors, p95_ttft_ms, reason, id,
+    steps_percent, interval_s, max_error_rate, max_p95_ttft_ms, min_requests, created, step_started}."""
     fmt = _format(output)
     resp = _ctx(ctx).call("ListRollouts", control_plane_pb2.ListRolloutsRequest(adapter=adapter))
     rows = [_rollout_row(r) for r in resp.rollouts]
@@ -1394,14 +1412,19 @@ def rollout_history_cmd(
 ) -> None:
     """An adapter's rollouts, past ones included, and every event of each.
 
-    -o json|yaml: the list rollout status prints, each with events [{at, adapter, to, event,
-    share, reason}]."""
+    -o json|yaml: the list rollout status prints, newest first, each with events (newest
+    first) [{at, adapter, to, event, share_percent, reason}]."""
     fmt = _format(output)
     resp = _ctx(ctx).call(
         "ListRollouts", control_plane_pb2.ListRolloutsRequest(adapter=adapter, history=True)
     )
-    rows = [_rollout_row(r, events=True) for r in resp.rollouts]
-    events = [e for row in rows for e in row["events"]]
+    # Newest first, as `adapterctl history` lists Assignments (the API answers oldest first).
+    rows = [_rollout_row(r, events=True) for r in reversed(resp.rollouts)]
+    for row in rows:
+        row["events"].reverse()
+    events = sorted(
+        (e for row in rows for e in row["events"]), key=lambda e: e["at"] or "", reverse=True
+    )
     print_tables(
         [
             Listing(ROLLOUT_COLUMNS, rows, title="rollouts"),

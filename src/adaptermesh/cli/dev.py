@@ -21,27 +21,47 @@ enough for CPU workers.
 Two shards are the least for weight overrides (one shard always has 100%), pins to another
 shard and rollouts across shards; each shard's single worker keeps ``up`` quick on two cores.
 
-It prints the commands that reach the mesh, stays up until Ctrl-C (or SIGTERM) and then
-stops every process, deletes the veth pair (and with it the classifier's filter) and the
-pinned maps. The tiny model and the logs stay in the work directory; everything else there
-is removed. ``adaptermesh dev down`` removes what a killed ``up`` left behind.
+The veth pair's second end lives in a network namespace of its own, ``<prefix>-client``
+(address 10.213.0.2, and .3 to .9 for fresh sources), and ``adaptermesh dev exec -- CMD``
+runs a command there: its requests to ``10.213.0.1:8080`` cross the veth and the classifier,
+whose mark picks the shard whose Envoy answers (``cli/devrelay.py``), so a pin or an
+override visibly changes the shard that answers (``x-adaptermesh-served-by``). A request to
+127.0.0.1:8080 goes straight to ``s0``'s Envoy and never meets the classifier.
 
-``up`` and ``down`` need root (a veth pair, eBPF).
+It prints the commands that reach the mesh, stays up until Ctrl-C (or SIGTERM) and then
+stops every process, deletes the veth pair (and with it the classifier's filter), the client
+namespace and the pinned maps. The tiny model and the logs stay in the work directory;
+everything else there is removed. ``adaptermesh dev down`` removes what a killed ``up`` left
+behind.
+
+One mesh at a time: ``up`` takes a lock (``/run/adaptermesh-dev/<prefix>.lock``, with its pid
+and work directory) and refuses, before it touches anything, while another ``up`` holds one
+for the same prefix or the same work directory; it says how to reach that mesh and how to
+stop it. A port already in use is refused the same way, in one line naming the port and its
+holder. Another mesh at the same time needs its own ``--prefix`` and ``--workdir`` and its own
+network namespace (its ports are the same).
+
+``up``, ``down`` and ``exec`` need root (a veth pair, eBPF, a network namespace).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import json
 import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from adaptermesh.cli.devrelay import MarkRelay, shard_for_mark
 
 __all__ = ["main"]
 
@@ -62,12 +82,133 @@ EXT_PROC_PORT = 18100
 ENVOY_ADMIN_PORT = 9901  # shard sI's Envoy: ENVOY_ADMIN_PORT + I
 FIRST_MARK = 257
 PIDS_FILE = "pids"
+# What `exec` reads to find the mesh of a work directory (written once the mesh is up).
+MESH_FILE = "mesh.json"
+# net.ipv4.tcp_fwmark_accept before `up` turned it on (put back by `down`).
+FWMARK_FILE = "tcp_fwmark_accept"
+FWMARK_SYSCTL = Path("/proc/sys/net/ipv4/tcp_fwmark_accept")
 # Kept across runs: building the model takes seconds, and the logs explain a failed run.
 KEPT = ("model", "adapters", "logs")
+LOCK_DIR = Path("/run/adaptermesh-dev")
+# The veth pair's subnet: the node end (the relay listens there) and the client namespace's
+# sources (the first is the default; the others are fresh sources for curl --interface).
+NODE_ADDR = "10.213.0.1"
+CLIENT_ADDRS = tuple(f"10.213.0.{i}" for i in range(2, 10))
 
 
 class DevError(RuntimeError):
     pass
+
+
+# ---- one mesh at a time ----------------------------------------------------------------------
+
+
+def _lock_owner(path: Path) -> dict[str, Any] | None:
+    """The owner a live ``up`` wrote into ``path``; None when no process holds the lock (a
+    killed ``up`` leaves the file, not the lock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                owner: dict[str, Any] = json.loads(os.read(fd, 4096) or b"{}")
+            except ValueError:
+                owner = {}
+            return owner
+        return None  # free: stale
+    finally:
+        os.close(fd)
+
+
+def refusal(owner: dict[str, Any]) -> str:
+    """What a second ``up`` says: whose mesh runs, how to reach it and how to stop it."""
+    pid, workdir = owner.get("pid", "?"), owner.get("workdir", "?")
+    return (
+        f"a dev mesh is already running (pid {pid}, workdir {workdir}, prefix "
+        f"{owner.get('prefix', '?')}); nothing was changed. Reach it with: export "
+        f"AMDEV={workdir} ADAPTERMESH_TOKEN_FILE={workdir}/operator.token. Stop it with "
+        f"Ctrl-C in its terminal, or kill {pid}"
+    )
+
+
+class DevLock:
+    """``LOCK_DIR/<prefix>.lock``, flock-ed for the life of ``up`` (the kernel lets go when the
+    process dies, however it dies)."""
+
+    def __init__(self, prefix: str, workdir: Path, lock_dir: Path | None = None) -> None:
+        lock_dir = LOCK_DIR if lock_dir is None else lock_dir
+        self.path = lock_dir / f"{prefix}.lock"
+        self.prefix, self.workdir, self.lock_dir = prefix, workdir, lock_dir
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise DevError naming the mesh that holds one for this prefix
+        or this work directory."""
+        self.lock_dir.mkdir(parents=True, exist_ok=True)
+        for other in sorted(self.lock_dir.glob("*.lock")):
+            owner = _lock_owner(other)
+            if owner is not None and (
+                other == self.path or owner.get("workdir") == str(self.workdir)
+            ):
+                raise DevError(refusal(owner))
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DevError(refusal(_lock_owner(self.path) or {})) from None
+        owner = {"pid": os.getpid(), "workdir": str(self.workdir), "prefix": self.prefix}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _holder(port: int) -> str:
+    """Who listens on 127.0.0.1:``port`` (or any address), from /proc: "pid N (name)"."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+                    words = [w.decode(errors="replace") for w in cmdline if w][:3]
+                    shown = " ".join([Path(words[0]).name, *words[1:]]) if words else "?"
+                    return f"pid {proc.name} ({shown})"
+    return "a process this user cannot see"
+
+
+def busy_port(ports: list[int]) -> str | None:
+    """The first of ``ports`` something already listens on, as one line; None: all free."""
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return (
+                    f"127.0.0.1:{port} is in use, probably by {_holder(port)}; nothing was "
+                    "changed (stop it, or run the mesh in another network namespace)"
+                )
+    return None
 
 
 def make_model(directory: Path) -> tuple[Path, Path]:
@@ -140,6 +281,8 @@ class DevMesh:
         self.progress = progress
         self.pin_dir = Path(f"/sys/fs/bpf/{prefix}")
         self.iface, self.peer = f"{prefix}0", f"{prefix}1"
+        self.client_ns = client_namespace(prefix)
+        self.relay: MarkRelay | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.operator_token_file = workdir / "operator.token"
         self.admin_token_file = workdir / "worker-admin.token"
@@ -158,6 +301,19 @@ class DevMesh:
     def all_worker_ports(self) -> list[int]:
         return [port for i in range(self.shards) for port in self.worker_ports(i)]
 
+    @property
+    def ports(self) -> list[int]:
+        """Every 127.0.0.1 port the mesh listens on, in start order."""
+        return [
+            int(CONTROL_PLANE.rsplit(":", 1)[1]),
+            *self.all_worker_ports,
+            XDS_PORT,
+            AGENT_METRICS_PORT,
+            EXT_PROC_PORT,
+            *(SERVICE_PORT + i for i in range(self.shards)),
+            *(ENVOY_ADMIN_PORT + i for i in range(self.shards)),
+        ]
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -167,10 +323,12 @@ class DevMesh:
         self.progress("building the tiny model and its adapters (once)")
         model_dir, adapter_root = make_model(self.workdir)
         self._write_tokens()
-        self.progress(f"creating the veth pair {self.iface}/{self.peer}")
+        self.progress(
+            f"creating the veth pair {self.iface}/{self.peer} ({self.peer} in the network "
+            f"namespace {self.client_ns})"
+        )
         _ip("link", "add", self.iface, "type", "veth", "peer", "name", self.peer)
-        _ip("link", "set", self.iface, "up")
-        _ip("link", "set", self.peer, "up")
+        self._client_namespace()
         self.progress(
             f"starting the control plane and {self.shards} x {self.workers_per_shard} CPU worker(s)"
         )
@@ -255,6 +413,15 @@ class DevMesh:
         for port in self.all_worker_ports:
             url = f"http://127.0.0.1:{port}/health"
             self._wait(f"worker :{port}", lambda url=url: _http_status(url) == 200, 180)
+        self.relay = MarkRelay(
+            (NODE_ADDR, SERVICE_PORT),
+            lambda mark: (
+                None
+                if (i := shard_for_mark(mark, FIRST_MARK, self.shards)) is None
+                else ("127.0.0.1", SERVICE_PORT + i)
+            ),
+        )
+        self.relay.start()
         self.progress("waiting for a completion through each shard's Envoy")
         request = {"model": ADAPTERS[0], "prompt": "hello", "max_tokens": 2}
         for i, sid in enumerate(self.shard_ids):
@@ -264,6 +431,37 @@ class DevMesh:
                 lambda service=service: _http_status(service, request) == 200,
                 60,
             )
+
+    def _client_namespace(self) -> None:
+        """The peer end in a namespace of its own, so its packets cross the classifier."""
+        _ip("netns", "add", self.client_ns)
+        _ip("link", "set", self.peer, "netns", self.client_ns)
+        ns = ("-n", self.client_ns)
+        _ip(*ns, "link", "set", "lo", "up")
+        for i, addr in enumerate(CLIENT_ADDRS):
+            _ip(*ns, "addr", "add", f"{addr}/{24 if i == 0 else 32}", "dev", self.peer)
+        _ip(*ns, "link", "set", self.peer, "up")
+        _ip(*ns, "route", "add", "default", "via", NODE_ADDR, "src", CLIENT_ADDRS[0])
+        _ip("addr", "add", f"{NODE_ADDR}/24", "dev", self.iface)
+        _ip("link", "set", self.iface, "up")
+        # An accepted connection keeps its SYN's mark (the classifier's shard); `down` puts
+        # the old value back.
+        (self.workdir / FWMARK_FILE).write_text(FWMARK_SYSCTL.read_text())
+        FWMARK_SYSCTL.write_text("1\n")
+
+    def write_mesh_file(self) -> None:
+        """What `exec` (and a second `up`) read about this mesh."""
+        (self.workdir / MESH_FILE).write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "prefix": self.prefix,
+                    "client_netns": self.client_ns,
+                    "service": f"{NODE_ADDR}:{SERVICE_PORT}",
+                    "shards": self.shard_ids,
+                }
+            )
+        )
 
     def _write_tokens(self) -> None:
         operator, agent, admin = (secrets.token_hex(16) for _ in range(3))
@@ -381,6 +579,9 @@ class DevMesh:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.1, deadline - time.monotonic()))
         self.procs.clear()
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
         down(self.workdir, self.prefix)
 
     def instructions(self) -> str:
@@ -412,8 +613,15 @@ In another terminal, with the virtualenv active (the guide's examples expect the
       -H "authorization: Bearer $ADMIN_TOKEN" -H 'content-type: application/json' \\
       -d '{{"lora_name": "{ADAPTERS[1]}"}}'
   curl -s 127.0.0.1:{AGENT_METRICS_PORT}/status     # the agent
+  # through the classifier, from the client namespace: the response names the shard
+  adaptermesh dev exec --workdir {self.workdir} -- curl -s -D - -o /dev/null \\
+      {NODE_ADDR}:{SERVICE_PORT}/v1/models
 
 Logs: {self.workdir}/logs. Ctrl-C stops everything."""
+
+
+def client_namespace(prefix: str) -> str:
+    return f"{prefix}-client"
 
 
 def down(workdir: Path, prefix: str) -> None:
@@ -433,6 +641,11 @@ def down(workdir: Path, prefix: str) -> None:
                         time.sleep(0.1)
                     os.killpg(pid, signal.SIGKILL)
     _ip("link", "del", f"{prefix}0", check=False)
+    _ip("netns", "del", client_namespace(prefix), check=False)
+    saved = workdir / FWMARK_FILE
+    if saved.exists():
+        with contextlib.suppress(OSError):
+            FWMARK_SYSCTL.write_text(saved.read_text())
     shutil.rmtree(f"/sys/fs/bpf/{prefix}", ignore_errors=True)
     if workdir.is_dir():
         for entry in workdir.iterdir():
@@ -450,18 +663,20 @@ def _parser() -> argparse.ArgumentParser:
         description="The mesh on one machine: a tiny model, then control plane, agent and "
         "two shards (each an Envoy in front of a CPU worker) in the current network namespace "
         "(docs/operator-guide.md, 'One machine, by hand').",
+        allow_abbrev=False,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     make = sub.add_parser(
         "make-model",
         help="write a tiny random Llama (DIR/model) and two adapters (DIR/adapters)",
+        allow_abbrev=False,
     )
     make.add_argument("dir", type=Path, metavar="DIR")
     for name, text in (
         ("up", "start the mesh, print how to reach it, stop it all on Ctrl-C (root)"),
         ("down", "remove what a killed `up` left: processes, veth pair, pinned maps (root)"),
     ):
-        cmd = sub.add_parser(name, help=text, description=text)
+        cmd = sub.add_parser(name, help=text, description=text, allow_abbrev=False)
         cmd.add_argument(
             "--workdir",
             type=Path,
@@ -491,7 +706,59 @@ def _parser() -> argparse.ArgumentParser:
                 help=f"CPU workers behind each shard's Envoy, ports from 8101 on "
                 f"(1-{MAX_WORKERS_PER_SHARD}; default {DEFAULT_WORKERS_PER_SHARD})",
             )
+    run = sub.add_parser(
+        "exec",
+        help="run a command in the mesh's client namespace: its requests to "
+        f"{NODE_ADDR}:{SERVICE_PORT} cross the classifier (root)",
+        description="Run COMMAND in the client namespace of the mesh `up` runs in WORKDIR, "
+        f"from source {CLIENT_ADDRS[0]} ({', '.join(CLIENT_ADDRS[1:3])}, ... with curl "
+        f"--interface): a request to {NODE_ADDR}:{SERVICE_PORT} crosses the veth and the "
+        "classifier, and the shard it picks answers (x-adaptermesh-served-by).",
+        allow_abbrev=False,
+    )
+    run.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help=f"the mesh's work directory (default $AMDEV, else {DEFAULT_WORKDIR})",
+    )
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     return p
+
+
+def _exec(workdir_arg: Path | None, argv: list[str]) -> int:
+    from adaptermesh.bpf.namespace import enter
+
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print(
+            "adaptermesh dev exec: no command (adaptermesh dev exec -- curl ...)", file=sys.stderr
+        )
+        return 2
+    env_workdir = os.environ.get("AMDEV")
+    if workdir_arg is not None:
+        workdir, named = workdir_arg, f"--workdir {workdir_arg}"
+    elif env_workdir:
+        workdir, named = Path(env_workdir), f"AMDEV={env_workdir}"
+    else:
+        workdir, named = DEFAULT_WORKDIR, f"the default work directory {DEFAULT_WORKDIR}"
+    try:
+        mesh = json.loads((workdir / MESH_FILE).read_text())
+    except (OSError, ValueError):
+        print(
+            f"adaptermesh dev exec: {named}: no dev mesh is up there (start one with "
+            "adaptermesh dev up)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        enter(mesh["client_netns"])
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        print(f"adaptermesh dev exec: {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return 127
+    return 0  # not reached: execvp replaced this process
 
 
 def _on_term(_sig: int, _frame: Any) -> None:
@@ -508,8 +775,19 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print(f"adaptermesh dev {args.command}: needs root (a veth pair, eBPF)", file=sys.stderr)
         return 2
+    if args.command == "exec":
+        return _exec(args.workdir, args.argv)
+    workdir = args.workdir.resolve()
+    lock = DevLock(args.prefix, workdir)
     if args.command == "down":
-        down(args.workdir.resolve(), args.prefix)
+        owner = _lock_owner(lock.path)
+        if owner is not None:
+            print(
+                f"adaptermesh dev down: {refusal(owner)} (down removes what a killed up left)",
+                file=sys.stderr,
+            )
+            return 1
+        down(workdir, args.prefix)
         print(f"removed the processes, {args.prefix}0 and /sys/fs/bpf/{args.prefix}")
         return 0
     started = time.monotonic()
@@ -518,16 +796,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - started:5.1f}s] {msg}", flush=True)
 
     try:
-        mesh = DevMesh(
-            args.workdir.resolve(), args.prefix, progress, args.shards, args.workers_per_shard
-        )
+        mesh = DevMesh(workdir, args.prefix, progress, args.shards, args.workers_per_shard)
     except DevError as exc:
         print(f"adaptermesh dev up: {exc}", file=sys.stderr)
         return 2
+    # Refused before anything is touched: another up's lock, then a port in use.
+    try:
+        lock.acquire()
+    except DevError as exc:
+        print(f"adaptermesh dev up: {exc}", file=sys.stderr)
+        return 1
+    busy = busy_port(mesh.ports)
+    if busy is not None:
+        lock.release()
+        print(f"adaptermesh dev up: {busy}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, _on_term)
     code = 0
     try:
         mesh.start()
+        mesh.write_mesh_file()
         print(mesh.instructions(), flush=True)
         while True:
             mesh.check_alive()
@@ -541,7 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         mesh.stop()
-        progress("stopped: processes, veth pair and pinned maps removed")
+        lock.release()
+        progress("stopped: processes, veth pair, client namespace and pinned maps removed")
     return code
 
 

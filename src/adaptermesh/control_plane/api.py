@@ -377,6 +377,7 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
                 _invalid("shard_id", "required")
             rules.check_shard_id(request.shard_id, "shard_id")
             if not any(sid == request.shard_id for sid, *_ in self.store.list_overrides()):
+                self._require_shard(request.shard_id)  # a typo says "no shard", not "no override"
                 raise ApiError(
                     grpc.StatusCode.NOT_FOUND,
                     "shard_id",

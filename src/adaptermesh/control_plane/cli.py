@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adaptermesh control-plane",
         description=__doc__.split("\n")[0],
         formatter_class=DefaultsHelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument("--state-dir", type=Path, required=True, help="directory for the SQLite state")
     p.add_argument("--listen", default="127.0.0.1:7400", help="HOST:PORT (port 0: any free)")

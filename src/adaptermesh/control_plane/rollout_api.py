@@ -3,10 +3,12 @@ ListRollouts), mixed into ``ControlPlaneServicer``; the work is ``RolloutControl
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from typing import Any, NoReturn
 
 import grpc
+import httpx
 
 from adaptermesh.assignment_rules import (
     VERSION_SEPARATOR,
@@ -15,6 +17,8 @@ from adaptermesh.assignment_rules import (
     check_adapter_name,
     quote,
 )
+from adaptermesh.control_plane.http_client import plain_http_client_options
+from adaptermesh.control_plane.loadable import Finds, ask_worker, refusing_shards
 from adaptermesh.control_plane.rollout import RolloutController, RolloutError
 from adaptermesh.control_plane.rollout_state import check_spec
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2
@@ -95,11 +99,69 @@ class RolloutApi:
                 return True
         return bool(store.rollouts(adapter))
 
+    @staticmethod
+    def _reached_shards(
+        controller: RolloutController, adapter: str, latest: Any
+    ) -> set[str] | None:
+        """The shards requests for ``adapter`` reach: its AdapterInstance's shard routes and
+        pinned shards, else its placement's shards (the edge's), else (None) every shard."""
+        inst = next(
+            (i for i in controller.store.list_adapter_instances() if i.name == adapter), None
+        )
+        if inst is not None:
+            named = {r.shard_id for r in inst.routes if r.shard_id}
+            named |= set(inst.placement.pinned_shards)
+            if named:
+                return named
+        edge = next((e for e in latest.adapters if e.name == adapter), None)
+        return set(edge.shards) if edge is not None and edge.shards else None
+
+    async def _require_loadable_version(
+        self, controller: RolloutController, spec: control_plane_pb2.RolloutSpec
+    ) -> None:
+        """The target version must be one the workers of the shards the adapter's routes
+        reach can serve (control_plane/loadable.py); otherwise its canary share would get
+        404s until the rollback. Nothing is stored when it is refused."""
+        latest = controller.rb.hub.latest
+        if latest is None:
+            return
+        adapter = spec.adapter
+        name = f"{adapter}{VERSION_SEPARATOR}{spec.to_version}" if spec.to_version else adapter
+        placed = self._reached_shards(controller, adapter, latest)
+        seen: dict[tuple[str, int], bool] = {}
+        for w in controller.rb.workers.values():
+            names = w.resident_adapters | w.requested_adapters | frozenset(w.adapter_ttft)
+            seen[(w.address, w.port)] = name in names
+        shards = [s for s in latest.shards if placed is None or s.id in placed]
+        known: dict[str, list[Finds]] = {}
+        asked: list[tuple[str, Any]] = []
+        async with httpx.AsyncClient(**plain_http_client_options(16)) as client:
+            for shard in shards:
+                known[shard.id] = []
+                for e in shard.endpoints:
+                    if name in e.adapters or seen.get((e.address, e.port)):
+                        known[shard.id].append(True)
+                    else:
+                        asked.append((shard.id, ask_worker(client, e.address, e.port, name)))
+            answers = await asyncio.gather(*(ask for _, ask in asked))
+        for (shard_id, _), finds in zip(asked, answers, strict=True):
+            known[shard_id].append(finds)
+        refusing = refusing_shards(known)
+        if refusing:
+            raise RolloutError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "spec.to_version",
+                f"{quote(name)} cannot be served on shard {', '.join(refusing)}: no worker "
+                "there has it loaded, under its adapter root or in an adapter store; put "
+                f"{quote(name)} there first, or fix the version",
+            )
+
     async def _start(
         self, controller: RolloutController, request: control_plane_pb2.StartRolloutRequest
     ) -> control_plane_pb2.Rollout:
         check_spec(request.spec)  # field errors first, as the controller words them
         await self._require_known_adapter(controller, request.spec.adapter)
+        await self._require_loadable_version(controller, request.spec)
         return controller.start(request.spec, request.reason)
 
     @staticmethod
@@ -131,9 +193,22 @@ class RolloutApi:
         self, request: control_plane_pb2.ListRolloutsRequest, context: Any
     ) -> control_plane_pb2.ListRolloutsResponse:
         out: control_plane_pb2.ListRolloutsResponse = await self._rollout_call(
-            context,
-            lambda c: control_plane_pb2.ListRolloutsResponse(
-                rollouts=c.listing(request.adapter, request.history)
-            ),
+            context, lambda c: self._list(c, request)
         )
         return out
+
+    def _list(
+        self, controller: RolloutController, request: control_plane_pb2.ListRolloutsRequest
+    ) -> control_plane_pb2.ListRolloutsResponse:
+        rollouts = controller.listing(request.adapter, request.history)
+        if request.adapter and not rollouts:
+            check_adapter_name(request.adapter, "adapter")
+            if not self._knows_adapter(controller, request.adapter):
+                # A typo would otherwise look like an adapter that never had a rollout.
+                raise RolloutError(
+                    grpc.StatusCode.NOT_FOUND,
+                    "adapter",
+                    f"{quote(request.adapter)}: no rollout of it, and no AdapterInstance "
+                    "or worker names it",
+                )
+        return control_plane_pb2.ListRolloutsResponse(rollouts=rollouts)

@@ -198,6 +198,8 @@ def find_envoy() -> str:
     """Path of the Envoy binary; raises :class:`EnvoyError` when there is none."""
     explicit = os.environ.get("ADAPTERMESH_ENVOY")
     if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise EnvoyError(f"ADAPTERMESH_ENVOY={explicit}: not an executable file")
         return explicit
     search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     found = shutil.which("envoy", path=search)

@@ -93,6 +93,7 @@ __all__ = [
     "GRPC_V2_PREFIX",
     "LISTENER_TYPE",
     "ROUTE_TYPE",
+    "SERVED_BY_HEADER",
     "WEBSOCKET_PATH",
     "AssignmentError",
     "BuildOptions",
@@ -110,6 +111,9 @@ CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+# On every response a shard listener sends: the shard that answered, so a client (or an
+# operator with curl -i) sees where the classifier steered it.
+SERVED_BY_HEADER = "x-adaptermesh-served-by"
 
 # Make-before-break order: a cluster and its endpoints exist before a listener or route
 # can point at them (Envoy's own ADS sequencing expects CDS -> EDS -> LDS -> RDS).
@@ -825,9 +829,17 @@ def build_route_configuration(
             route=_route_action(name, opts),
         )
     )
+    served_by = base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=SERVED_BY_HEADER, value=shard.id),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
     return route_pb2.RouteConfiguration(
         name=name,
-        virtual_hosts=[route_components_pb2.VirtualHost(name=name, domains=["*"], routes=routes)],
+        virtual_hosts=[
+            route_components_pb2.VirtualHost(
+                name=name, domains=["*"], routes=routes, response_headers_to_add=[served_by]
+            )
+        ],
     )
 
 

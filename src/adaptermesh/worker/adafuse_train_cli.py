@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adaptermesh adafuse-train",
         description=__doc__,
         formatter_class=RawDescriptionDefaultsHelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument(
         "--model",

@@ -61,7 +61,12 @@ import numpy as np
 import torch
 
 from adaptermesh.worker.adafuse import CpuExpertSet, ExpertSet, is_expert_set, read_expert_set
-from adaptermesh.worker.adapter_stores import AdapterStores, hf_local_snapshot, is_store_uri
+from adaptermesh.worker.adapter_stores import (
+    AdapterStoreError,
+    AdapterStores,
+    hf_local_snapshot,
+    is_store_uri,
+)
 from adaptermesh.worker.eviction import DEFAULT_POLICY, make_policy
 from adaptermesh.worker.lora_groups import MODULE_TO_GROUP
 from adaptermesh.worker.model import (
@@ -289,6 +294,27 @@ class AdapterManager:
         self._host_upload: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ---- lookups used by submit() and the scheduler -------------------------------------------
+
+    async def locate(self, name: str) -> str | None:
+        """Where a request for ``name`` would find it, without loading it: ``"resident"``
+        (listed), ``"root"`` (a PEFT directory or an expert set under the adapter root),
+        ``"store"`` (a resolver store holds it; fetched into the cache, as its first request
+        would), None: nowhere. A store that fails raises (that is not "absent")."""
+        validate_name(name)
+        if name in self.published or name in self.expert_sets or name in self.registered:
+            return "resident"
+        path = resolve_in_root(self.root, name)
+        if (path / "adapter_config.json").is_file() or is_expert_set(path):
+            return "root"
+        if self.stores is None or not self.stores.resolvers:
+            return None
+        try:
+            found = await self.stores.resolve(name)
+        except AdapterStoreError:
+            raise
+        except AdapterNotFoundError:
+            return None
+        return "store" if found is not None else None
 
     def check_request(self, name: str) -> None:
         """Fast admission check: raises AdapterNotFoundError for invalid or absent names."""

@@ -186,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adaptermesh worker",
         description="Serve a base model and its LoRA adapters with an OpenAI-compatible API.",
         formatter_class=DefaultsHelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument(
         "--model",

@@ -209,6 +209,7 @@ class Engine:
         if not self.adapter_root.is_dir():
             raise InvalidRequestError("adapter_root", f"{self.adapter_root} is not a directory")
         self.device = torch.device(device)
+        self.on_gpu = self.device.type == "cuda"
         self.dtype = dtype = resolve_dtype(dtype)
         validate_config(config)
         self.model_config = model_config = ModelConfig.from_dir(self.model_dir)
@@ -588,6 +589,9 @@ class Engine:
 
     def list_adapters(self) -> list[AdapterInfo]:
         return self.adapters.list()
+
+    async def locate_adapter(self, name: str) -> str | None:
+        return await self.adapters.locate(name)
 
     def knows_adapter(self, name: str) -> bool:
         # The names list_adapters lists (AdapterManager.list), as three dictionary lookups.

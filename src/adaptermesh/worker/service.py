@@ -80,6 +80,7 @@ from adaptermesh.worker.grammar import GrammarError, GrammarSpec
 from adaptermesh.worker.http_errors import (
     ApiError,
     QueuedPastDeadlineError,
+    adapter_error,
     draining_error,
     engine_error_as_api_error,
     finish_reason_error,
@@ -111,10 +112,16 @@ from adaptermesh.worker.request_translation import (
     tenant_of,
 )
 from adaptermesh.worker.response_rendering import best_candidates, final_body, usage_body
-from adaptermesh.worker.status_endpoints import health_response, metrics_response, models_body
+from adaptermesh.worker.status_endpoints import (
+    health_response,
+    metrics_response,
+    model_body,
+    models_body,
+)
 from adaptermesh.worker.structured_request import bad_field, grammar_error, grammar_spec
 from adaptermesh.worker.tool_calls import detect_tool_parser, template_messages, tool_plan
 from adaptermesh.worker.types import (
+    AdapterNotFoundError,
     EngineError,
     EngineOverloadedError,
     EngineProtocol,
@@ -208,6 +215,7 @@ class WorkerService:
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/chat/completions", self._chat_completions),
                 web.get("/v1/models", self._models),
+                web.get("/v1/models/{name}", self._model),
                 web.post("/v1/load_lora_adapter", self._load_adapter),
                 web.post("/v1/unload_lora_adapter", self._unload_adapter),
                 web.get("/health", self._health),
@@ -741,6 +749,28 @@ class WorkerService:
 
     async def _models(self, _request: web.Request) -> web.Response:
         return web.json_response(models_body(self.engine))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        """OpenAI's retrieve-model: the base model, or an adapter this worker serves now or
+        would load at its first request (``location``: resident, root, store); 404
+        ``model_not_found`` otherwise. Nothing is loaded (a store's copy is fetched into the
+        cache). The control plane asks it before a rollout (docs/rollout.md)."""
+        name = request.match_info["name"]
+        if name == self.engine.model_name:
+            return web.json_response(model_body(self.engine, name, None, "resident"))
+        try:
+            location = await self.engine.locate_adapter(name)
+        except AdapterNotFoundError as exc:
+            raise adapter_error(exc, "model", self.config.retry_after_s) from None
+        if location is None:
+            raise ApiError(
+                404,
+                f"model: {name!r} is not served here: not loaded, not under the adapter root "
+                "and in no adapter store",
+                param="model",
+                code="model_not_found",
+            )
+        return web.json_response(model_body(self.engine, name, self.engine.model_name, location))
 
     # ------------------------------------------------------------------------ request body
     async def _read_json(self, request: web.Request) -> dict[str, Any]:

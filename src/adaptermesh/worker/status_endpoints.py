@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from adaptermesh.worker.http_errors import IMMEDIATE_HEALTH_CHECK_FAIL, retry_after_headers
 from adaptermesh.worker.types import EngineProtocol
 
-__all__ = ["health_response", "metrics_response", "models_body"]
+__all__ = ["health_response", "metrics_response", "model_body", "models_body"]
 
 
 def health_response(
@@ -43,6 +43,22 @@ def metrics_response(registry: CollectorRegistry) -> web.Response:
     return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def model_body(
+    engine: EngineProtocol, name: str, parent: str | None, location: str
+) -> dict[str, Any]:
+    """``GET /v1/models/{name}``: one model card, with where the worker finds it."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "adaptermesh",
+        "root": name if parent is None else None,
+        "parent": parent,
+        "max_model_len": engine.max_model_len,
+        "location": location,
+    }
+
+
 def models_body(engine: EngineProtocol) -> dict[str, Any]:
     """The base model (``parent: null``) and the adapters the engine knows, by name."""
     created = int(time.time())
@@ -69,7 +85,9 @@ def models_body(engine: EngineProtocol) -> dict[str, Any]:
                 "parent": base,
                 "max_model_len": engine.max_model_len,
                 "rank": info.rank,
-                "resident_on_gpu": info.resident_on_gpu,
+                # In a slot of the adapter pool; on a CPU worker that pool is host memory.
+                "resident": info.resident_on_gpu,
+                "resident_on_gpu": info.resident_on_gpu and engine.on_gpu,
                 "pinned": info.pinned,
             }
         )

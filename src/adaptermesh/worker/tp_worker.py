@@ -121,7 +121,7 @@ def _watch_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="adaptermesh.worker.tp_worker")
+    p = argparse.ArgumentParser(prog="adaptermesh.worker.tp_worker", allow_abbrev=False)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--store-port", type=int, required=True)

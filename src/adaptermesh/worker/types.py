@@ -244,6 +244,9 @@ class EngineStats:
 class EngineProtocol(Protocol):
     model_name: str
     max_model_len: int
+    # Whether adapter slots live in GPU memory (False on a CPU worker: AdapterInfo's
+    # resident_on_gpu then means "in a slot of the host pool").
+    on_gpu: bool
 
     def submit(self, request: GenerationRequest) -> TokenStream: ...
     def tokenize(self, text: str) -> list[int]: ...
@@ -258,6 +261,11 @@ class EngineProtocol(Protocol):
     def knows_adapter(self, name: str) -> bool:
         """Whether ``name`` is one of :meth:`list_adapters`' names, without building the list
         (called per request)."""
+        ...
+
+    async def locate_adapter(self, name: str) -> str | None:
+        """Where a request for ``name`` would find it, without loading it: "resident",
+        "root" (under the adapter root), "store" (a resolver store holds it), None: nowhere."""
         ...
 
     def stats(self) -> EngineStats: ...
