@@ -6,7 +6,7 @@ import warnings
 from adaptermesh.proto.adaptermesh.v1 import assignment_pb2 as adaptermesh_dot_v1_dot_assignment__pb2
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2 as adaptermesh_dot_v1_dot_control__plane__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -114,6 +114,11 @@ class ControlPlaneStub:
                 '/adaptermesh.v1.ControlPlane/ListHistory',
                 request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryRequest.SerializeToString,
                 response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryResponse.FromString,
+                _registered_method=True)
+        self.ListAudit = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/ListAudit',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditResponse.FromString,
                 _registered_method=True)
         self.ApplyRules = channel.unary_unary(
                 '/adaptermesh.v1.ControlPlane/ApplyRules',
@@ -263,6 +268,14 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAudit(self, request, context):
+        """The audit of writes: who made each accepted or refused one, when, and what it changed
+        (scope: read; see docs/control-plane.md, "Audit").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ApplyRules(self, request, context):
         """Routing rules (CEL; see docs/rules.md). ApplyRules needs write, the others read.
         """
@@ -396,6 +409,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ListHistory,
                     request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryRequest.FromString,
                     response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryResponse.SerializeToString,
+            ),
+            'ListAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAudit,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditResponse.SerializeToString,
             ),
             'ApplyRules': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplyRules,
@@ -870,6 +888,33 @@ class ControlPlane:
             '/adaptermesh.v1.ControlPlane/ListHistory',
             adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryRequest.SerializeToString,
             adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/ListAudit',
+            adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditResponse.FromString,
             options,
             channel_credentials,
             insecure,
