@@ -94,7 +94,8 @@ class _Key:
 
 
 def parse_jwks(text: str, source: str = "jwks") -> tuple[_Key, ...]:
-    """The signing keys of a JWKS document; AuthError when there is none usable."""
+    """The signing keys of a JWKS document; AuthError when it lists keys and none is usable
+    (an empty list is a valid document: no token verifies until keys arrive)."""
     try:
         doc = json.loads(text)
     except ValueError as exc:
@@ -121,7 +122,7 @@ def parse_jwks(text: str, source: str = "jwks") -> tuple[_Key, ...]:
             except ValueError as exc:
                 raise AuthError(f"{where}: {exc}") from None
             keys.append(_Key(kid, alg, public, size))
-    if not keys:
+    if not keys and doc["keys"]:
         raise AuthError(f"{source}: no RSA (2048+ bits) or EC signing keys")
     return tuple(keys)
 
@@ -139,6 +140,15 @@ class JwksFile:
         self._keys = parse_jwks(self.path.read_text(), str(self.path))
         self.reloads = 0
         self.reload_failures = 0
+        self._warn_if_empty()
+
+    def _warn_if_empty(self) -> None:
+        if not self._keys:
+            self.log.warning(
+                "JWKS %s holds no keys: no ServiceAccount token verifies until it does "
+                "(it is re-read when it changes)",
+                self.path,
+            )
 
     def _stat(self) -> tuple[int, int, int, int]:
         st = os.stat(self.path)
@@ -159,6 +169,7 @@ class JwksFile:
             else:
                 self.reloads += 1
                 self.log.info("JWKS %s reloaded: %d keys", self.path, len(self._keys))
+                self._warn_if_empty()
         return self._keys
 
 
