@@ -219,7 +219,11 @@ json_values = st.recursive(
 )
 
 
-@given(st.dictionaries(st.text(max_size=40), json_values, max_size=30))
+@given(
+    st.dictionaries(
+        st.text(max_size=40) | st.text(min_size=300, max_size=3000), json_values, max_size=40
+    )
+)
 def test_an_audit_state_is_bounded_and_exact_when_it_fits(state: dict[str, Any]) -> None:
     text = bounded_json(state)
     assert len(text.encode()) <= MAX_STATE_BYTES

@@ -19,6 +19,7 @@ rows.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -51,6 +52,8 @@ MAX_MESSAGE = 1024
 MAX_STATE_BYTES = 16 * 1024
 # Objects named per call (an Apply may name up to MAX_SHARDS of each kind).
 MAX_SUBJECTS = 256
+# An object's name as recorded (a refused call may name anything).
+MAX_NAME = 256
 
 
 def _clip(text: str, limit: int) -> str:
@@ -67,7 +70,8 @@ def bounded_json(state: dict[str, Any]) -> str:
             "truncated": True,
             "bytes": len(text.encode()),
             "sha256": hashlib.sha256(text.encode()).hexdigest(),
-            "objects": sorted(state)[:32],
+            # 16 names of at most 64 characters (12 bytes each as JSON escapes): < 16 KiB.
+            "objects": [_clip(name, 64) for name in sorted(state)[:16]],
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -109,7 +113,7 @@ def subjects(method: str, request: Any) -> list[str]:
         out.append(f"rollout/{request.adapter}")
     elif method == "ReportLoad":
         out.append(f"node/{request.node_id}")
-    return list(dict.fromkeys(out))[:MAX_SUBJECTS]
+    return list(dict.fromkeys(_clip(name, MAX_NAME) for name in out))[:MAX_SUBJECTS]
 
 
 def _message(msg: Any) -> dict[str, Any]:
@@ -221,9 +225,14 @@ class AuditLog:
             before = self.state(names)
             try:
                 result = await behaviour(request, context)
-            except BaseException:
+            except BaseException as exc:
                 code = context.code()
-                outcome = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+                if isinstance(code, grpc.StatusCode):
+                    outcome = code.name
+                elif isinstance(exc, asyncio.CancelledError):
+                    outcome = "CANCELLED"  # the caller went away mid-call
+                else:
+                    outcome = "UNKNOWN"
                 self.record(
                     current_principal().name,
                     method,
