@@ -156,8 +156,6 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
         # (method, reason) of each refusal the servicer itself makes (a report for a node the
         # caller is not bound to); the server counts them with the interceptor's.
         self.count_denied: Callable[[str, str], None] = lambda method, reason: None
-        # Set by the server; ListAudit reads it.
-        self.audit: AuditLog | None = None
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,7 +55,7 @@ class ServerConfig:
     # of the two below: no authentication (--no-auth).
     tokens: TokenTable | TokenFile | None = None
     # Projected ServiceAccount tokens as node credentials: the issuer's JWKS file and what
-    # the tokens must say (docs/control-plane.md, "Node credentials").
+    # the tokens must say (docs/control-plane.md, "Credentials").
     sa_jwks: Path | None = None
     service_accounts: ServiceAccountPolicy | None = None
     # mTLS client certificates with a SAN "<node><suffix>" as node credentials (needs
@@ -109,8 +108,6 @@ class ControlPlaneServer:
             index_quarantine_s=config.index_quarantine_s,
             audit_limit=config.audit_limit,
         )
-        self.clock = clock
-        self.authenticator = self._authenticator()
         if source is None:
             source = (
                 PrometheusSource(config.prometheus_url, interval_s=config.interval_s)
@@ -127,8 +124,8 @@ class ControlPlaneServer:
         if config.auto_placement:
             self.rebalancer.resume_homes()
         self.servicer = ControlPlaneServicer(self.rebalancer, config.limits, self.log)
+        self.authenticator = self._authenticator()
         self.audit = AuditLog(self.store, self.rebalancer.clock.time, self.log)
-        self.servicer.audit = self.audit
         self.servicer.count_denied = self.rebalancer.metrics.count_denied
         self.rollouts = RolloutController(
             self.rebalancer, tick_s=config.rollout_tick_s, logger=self.log
@@ -159,9 +156,8 @@ class ControlPlaneServer:
         if (cfg.sa_jwks is None) != (cfg.service_accounts is None):
             raise ValueError("ServiceAccount tokens need both the JWKS file and the policy")
         if cfg.sa_jwks is not None and cfg.service_accounts is not None:
-            clock = self.clock.time if self.clock is not None else time.time
             verifier = ServiceAccountVerifier(
-                JwksFile(cfg.sa_jwks, self.log), cfg.service_accounts, clock
+                JwksFile(cfg.sa_jwks, self.log), cfg.service_accounts, self.rebalancer.clock.time
             )
         certs = None
         if cfg.node_cert_suffix is not None:
