@@ -166,7 +166,7 @@ class ControlPlaneServicer:
     """Missing associated documentation comment in .proto file."""
 
     def UpsertShard(self, request, context):
-        """Shards (scope: write / read).
+        """Shards (scope: write / read; docs/control-plane.md, "Auth", lists every method's).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -277,7 +277,7 @@ class ControlPlaneServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ApplyRules(self, request, context):
-        """Routing rules (CEL; see docs/rules.md). ApplyRules needs write, the others read.
+        """Routing rules (CEL; see docs/rules.md). ApplyRules needs rollout, the others read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -296,7 +296,7 @@ class ControlPlaneServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StartRollout(self, request, context):
-        """Gray release per adapter version (see docs/rollout.md). Start and Control need write.
+        """Gray release per adapter version (see docs/rollout.md). Start and Control need rollout.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -315,7 +315,7 @@ class ControlPlaneServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportLoad(self, request, context):
-        """Node agents.
+        """Node agents. ReportLoad needs report, for a node the credential is bound to.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
