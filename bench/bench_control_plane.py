@@ -252,7 +252,7 @@ def bench_rebalancer(repeats: int) -> dict[str, object]:
 
 def start_server(state_dir: Path) -> tuple[subprocess.Popen[str], str]:
     tokens = state_dir / "tokens"
-    tokens.write_text(f"{TOKEN} read,write bench\n")
+    tokens.write_text(f"{TOKEN} read,write,rollout,report bench nodes=*\n")
     p = subprocess.Popen(
         [
             sys.executable,

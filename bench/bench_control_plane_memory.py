@@ -150,7 +150,7 @@ async def _serve(args: argparse.Namespace) -> None:
         tracemalloc.start(frames)
     state = Path(args.state_dir)
     state.mkdir(parents=True, exist_ok=True)
-    (state / "tokens").write_text(f"{TOKEN} read,write bench\n")
+    (state / "tokens").write_text(f"{TOKEN} read,write,rollout,report bench nodes=*\n")
     config = ServerConfig(
         state_dir=state,
         listen="127.0.0.1:0",

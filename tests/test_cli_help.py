@@ -115,7 +115,7 @@ def test_control_plane_help_shows_policy_flags_and_defaults(
 
 
 def test_agent_help_names_the_scopes_its_calls_need(capsys: pytest.CaptureFixture[str]) -> None:
-    from adaptermesh.control_plane.auth import READ, WRITE, method_scope
+    from adaptermesh.control_plane.auth import READ, REPORT, method_scope
 
     # The agent calls these two control-plane methods and no other (agent/watch.py).
     needed = {
@@ -126,12 +126,9 @@ def test_agent_help_names_the_scopes_its_calls_need(capsys: pytest.CaptureFixtur
         entry.main(["agent", "-h"])
     out = " ".join(capsys.readouterr().out.split())
     assert "WatchAssignments and ReportLoad" in out
-    if needed == {READ}:
-        assert "the read scope is enough" in out
-        assert "read and write" not in out
-    else:
-        assert needed == {READ, WRITE}
-        assert "the read and write scopes" in out
+    assert needed == {READ, REPORT}
+    assert "the read and report scopes" in out
+    assert "write" not in out.split("--token-file", 1)[1].split("--iface", 1)[0]
 
 
 @pytest.mark.parametrize("flag", ["-h", "--help"])

@@ -228,7 +228,7 @@ def _state(stub: Any) -> tuple[bytes, ...]:
 @pytest.fixture
 async def control_plane(tmp_path: Path) -> AsyncIterator[int]:
     tokens = tmp_path / "tokens"
-    tokens.write_text(f"{TOKEN} read,write operator\n")
+    tokens.write_text(f"{TOKEN} read,write,rollout,report operator nodes=*\n")
     config = ServerConfig(
         state_dir=tmp_path / "state",
         listen="127.0.0.1:0",

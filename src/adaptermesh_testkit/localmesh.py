@@ -407,7 +407,9 @@ class LocalMesh:
 
     def _write_tokens(self) -> None:
         (self.workdir / "tokens").write_text(
-            f"{self.operator_token} read,write operator\n{self.agent_token} read,write agents\n"
+            # The operator's scopes are adapterctl's; the agent reports for its own node only.
+            f"{self.operator_token} read,write,rollout operator\n"
+            f"{self.agent_token} read,report agent nodes={self.node_ns}\n"
         )
         (self.workdir / "agent.token").write_text(self.agent_token + "\n")
         for path in (self.workdir / "tokens", self.workdir / "agent.token"):

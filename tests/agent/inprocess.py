@@ -54,7 +54,8 @@ async def inprocess_mesh(tmp_path: Path, node_id: str, **agent: object) -> Async
     """Control plane (no rebalancing: versions move on writes only) and agent, both running;
     ``agent`` adds AgentConfig fields (the ext_proc server, say)."""
     tokens = tmp_path / "tokens"
-    tokens.write_text(f"{TOKEN} read,write {node_id}\n")
+    # One token for the test's writes and the agent; it reports for this node only.
+    tokens.write_text(f"{TOKEN} read,write,rollout,report {node_id} nodes={node_id}\n")
     cp = ControlPlaneServer(
         ServerConfig(
             state_dir=tmp_path / "state",

@@ -169,3 +169,26 @@ def test_load_tracker_bounds_its_memory():
         t.on_event(FlowEvent(0, ip_address(f"10.0.{i}.1"), 0, "maglev", 1), now=float(i))
     assert sum(t.active_flows(now=50.0).values()) == 10
     assert t.events_total == 50
+
+
+def test_the_token_file_is_read_again_when_the_kubelet_rotates_it(tmp_path):
+    import os
+
+    from adaptermesh.agent.watch import BearerFile, auth_metadata
+
+    path = tmp_path / "token"
+    path.write_text("first-token\n")
+    token = BearerFile(path, "first-token")
+    assert auth_metadata(token) == (("authorization", "Bearer first-token"),)
+    # The kubelet writes the new token beside the old one and swaps it in.
+    (tmp_path / "token.new").write_text("second-token\n")
+    os.replace(tmp_path / "token.new", path)
+    assert auth_metadata(token) == (("authorization", "Bearer second-token"),)
+    # An empty or vanished file keeps the last token (the next swap brings a new one).
+    (tmp_path / "token.new").write_text("")
+    os.replace(tmp_path / "token.new", path)
+    assert auth_metadata(token) == (("authorization", "Bearer second-token"),)
+    path.unlink()
+    assert auth_metadata(token) == (("authorization", "Bearer second-token"),)
+    assert auth_metadata("static") == (("authorization", "Bearer static"),)
+    assert auth_metadata(None) == ()

@@ -18,10 +18,13 @@ from adaptermesh.proto import assignment_pb2, control_plane_pb2, control_plane_p
 RW_TOKEN = "rw-token-0123456789abcdef"
 RO_TOKEN = "ro-token-0123456789abcdef"
 WO_TOKEN = "wo-token-0123456789abcdef"
+# The operator token holds every scope and may report for any node, so the hostile-input
+# suites reach every handler with one token (tests/control_plane/test_access.py holds the
+# scopes to the callers that need them).
 TOKENS_TEXT = f"""# test tokens
-{RW_TOKEN} read,write operator
+{RW_TOKEN} read,write,rollout,report operator nodes=*
 {RO_TOKEN} read viewer
-{WO_TOKEN} write writer-only
+{WO_TOKEN} write,rollout,report writer-only nodes=*
 """
 
 

@@ -299,7 +299,7 @@ async def test_auth_unauthenticated_vs_permission_denied(cp: Harness) -> None:
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     await cp.stub.UpsertShard(req, metadata=creds(WO_TOKEN))
     assert (await cp.stub.ListShards(cp_pb2.ListShardsRequest(), metadata=creds(RO_TOKEN))).shards
-    # A report writes a node row: a read-only token may not send one; agents hold write.
+    # A report writes a node row: a read-only token may not send one; agents hold report.
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await cp.stub.ReportLoad(
             cp_pb2.LoadReport(node_id="n1", applied_version=1), metadata=creds(RO_TOKEN)

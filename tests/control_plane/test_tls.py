@@ -116,3 +116,67 @@ async def test_mtls_requires_a_client_certificate(tmp_path: Path) -> None:
                 )
     finally:
         await server.stop(0)
+
+
+def make_node_cert(d: Path, node: str) -> None:
+    """A client certificate from make_pki's CA with the node name in a SAN."""
+    _ssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{node}.key", "-out", f"{node}.csr",
+        "-subj", f"/CN={node}", cwd=d,
+    )  # fmt: skip
+    (d / f"{node}.ext").write_text(
+        f"extendedKeyUsage=clientAuth\nsubjectAltName=DNS:{node}.node.adaptermesh\n"
+    )
+    _ssl(
+        "x509", "-req", "-in", f"{node}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", f"{node}.pem", "-days", "1", "-extfile", f"{node}.ext", cwd=d,
+    )  # fmt: skip
+
+
+async def test_a_node_certificate_is_a_credential_for_its_node_only(tmp_path: Path) -> None:
+    make_pki(tmp_path)
+    make_node_cert(tmp_path, "node-a")
+    config = ServerConfig(
+        state_dir=tmp_path / "state",
+        listen="127.0.0.1:0",
+        tokens=load_tokens(write_tokens(tmp_path / "tokens")),
+        tls_cert=tmp_path / "server.pem",
+        tls_key=tmp_path / "server.key",
+        tls_client_ca=tmp_path / "ca.pem",
+        node_cert_suffix=".node.adaptermesh",
+        rebalance=False,
+    )
+    server = ControlPlaneServer(config, source=StaticSource())
+    port = await server.start()
+    ca = (tmp_path / "ca.pem").read_bytes()
+
+    def channel(name: str) -> grpc.aio.Channel:
+        key, cert = (tmp_path / f"{name}.key").read_bytes(), (tmp_path / f"{name}.pem").read_bytes()
+        return grpc.aio.secure_channel(
+            f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca, key, cert)
+        )
+
+    try:
+        async with channel("node-a") as ch:
+            stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
+            # No bearer token: the certificate's SAN names the caller.
+            await stub.ReportLoad(cp_pb2.LoadReport(node_id="node-a"), timeout=5)
+            await stub.ListShards(cp_pb2.ListShardsRequest(), timeout=5)
+            for call in (
+                stub.ReportLoad(cp_pb2.LoadReport(node_id="node-b"), timeout=5),
+                stub.SetOverride(cp_pb2.SetOverrideRequest(shard_id="s0", weight=1), timeout=5),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "cert:node-a" in (err.value.details() or "")
+        async with channel("client") as ch:
+            # A certificate without a node SAN names nobody: a bearer token is still needed.
+            stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ReportLoad(cp_pb2.LoadReport(node_id="client"), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        nodes = server.store.list_nodes()
+        assert [n[0] for n in nodes] == ["node-a"]
+    finally:
+        await server.stop(0)

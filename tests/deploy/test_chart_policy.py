@@ -284,23 +284,49 @@ def test_rbac_is_least_privilege() -> None:
     ]
 
 
-def test_tokens_are_generated_scoped_and_split(tmp_path: Path) -> None:
-    objs = render({"auth": {"agentScopes": ["read", "write"], "operatorScopes": ["write"]}})
+def _tokens_table(objs: list[Obj], tmp_path: Path) -> tuple[dict[str, str], auth.TokenTable]:
     secret = find(objs, "Secret", "-tokens").doc["stringData"]
     # The control plane's own parser reads the rendered tokens file.
     path = tmp_path / "tokens"
     path.write_text(secret["tokens"])
-    table = auth.load_tokens(path)
+    return secret, auth.load_tokens(path)
+
+
+def _args(objs: list[Obj], kind: str, suffix: str) -> list[str]:
+    spec = find(objs, kind, suffix).doc["spec"]["template"]["spec"]
+    return list(spec["containers"][0]["args"])
+
+
+def test_tokens_are_generated_scoped_and_split(tmp_path: Path) -> None:
+    # By default: an operator token with what adapterctl needs, a read-only one for
+    # dashboards, and no agent token (agents use their ServiceAccount tokens).
+    secret, table = _tokens_table(render(), tmp_path)
+    assert "agent-token" not in secret
+    assert len(table) == 2
+    assert table.lookup(secret["operator-token"]) == auth.Principal(
+        "token:operator", frozenset({"read", "write", "rollout"}), frozenset()
+    )
+    assert table.lookup(secret["read-token"]) == auth.Principal(
+        "token:read-only", frozenset({"read"}), frozenset()
+    )
+    # The operator token holds the scope of every method adapterctl calls, and no other.
+    assert set(auth.METHOD_SCOPES.values()) - {"report"} == {"read", "write", "rollout"}
+    objs = render({"auth": {"agentCredential": "token", "operatorScopes": ["write"]}})
+    secret, table = _tokens_table(objs, tmp_path)
     assert len(table) == 3
-    assert table.lookup(secret["agent-token"]) == (frozenset({"read", "write"}), "agent")
-    assert table.lookup(secret["operator-token"]) == (frozenset({"write"}), "operator")
-    assert table.lookup(secret["read-token"]) == (frozenset({"read"}), "read-only")
+    # A shared agent token reports for any node: the legacy mode, never the default.
+    assert table.lookup(secret["agent-token"]) == auth.Principal(
+        "token:agent", frozenset({"read", "report"}), None
+    )
+    assert table.lookup(secret["operator-token"]) == auth.Principal(
+        "token:operator", frozenset({"write"}), frozenset()
+    )
     values = [secret["agent-token"], secret["operator-token"], secret["read-token"]]
     assert len(set(values)) == 3
     assert all(len(v) >= 32 for v in values)
     # Random per install, not a constant baked into the chart.
-    again = find(render(), "Secret", "-tokens").doc["stringData"]
-    assert again["agent-token"] not in values
+    again = find(render({"auth": {"agentCredential": "token"}}), "Secret", "-tokens")
+    assert again.doc["stringData"]["agent-token"] not in values
     # Agents mount only their own token; the control plane only the tokens file.
     for o, spec in pod_specs(objs):
         for v in spec["volumes"]:
@@ -308,6 +334,62 @@ def test_tokens_are_generated_scoped_and_split(tmp_path: Path) -> None:
                 keys = [i["key"] for i in v["secret"]["items"]]
                 want = {"agent": ["agent-token"], "control-plane": ["tokens"]}[_component(o)]
                 assert keys == want
+
+
+def test_agents_authenticate_with_their_own_serviceaccount_token_by_default() -> None:
+    objs = render()
+    agent = find(objs, "DaemonSet", "-agent").doc["spec"]["template"]["spec"]
+    volume = next(v for v in agent["volumes"] if v["name"] == "agent-token")
+    assert volume["projected"]["sources"] == [
+        {
+            "serviceAccountToken": {
+                "audience": "adaptermesh",
+                "expirationSeconds": 600,
+                "path": "token",
+            }
+        }
+    ]
+    # No Kubernetes API credentials for all that.
+    assert agent["automountServiceAccountToken"] is False
+    assert "--token-file=/etc/adaptermesh/agent/token" in _args(objs, "DaemonSet", "-agent")
+    cp_args = _args(objs, "Deployment", "-control-plane")
+    assert "--sa-jwks-file=/etc/adaptermesh/sa-jwks/jwks.json" in cp_args
+    assert "--sa-issuer=https://kubernetes.default.svc.cluster.local" in cp_args
+    assert "--sa-audience=adaptermesh" in cp_args
+    # Only the agents' own service account.
+    assert [a for a in cp_args if a.startswith("--sa-allow=")] == [
+        "--sa-allow=inference:am-adaptermesh-agent"
+    ]
+    sa_name = find(objs, "DaemonSet", "-agent").doc["spec"]["template"]["spec"][
+        "serviceAccountName"
+    ]
+    assert sa_name == "am-adaptermesh-agent"
+    cp_spec = find(objs, "Deployment", "-control-plane").doc["spec"]["template"]["spec"]
+    jwks = next(v for v in cp_spec["volumes"] if v["name"] == "sa-jwks")
+    assert jwks["secret"]["secretName"] == "am-adaptermesh-sa-jwks"
+    # The flags the chart passes are the control plane's.
+    parsed = cp_cli.build_parser().parse_args(cp_args[1:])
+    assert parsed.sa_allow == ["inference:am-adaptermesh-agent"]
+    # Token and key files are re-read: no checksum annotation restarts the control plane.
+    annotations = find(objs, "Deployment", "-control-plane").doc["spec"]["template"]["metadata"]
+    assert "checksum/tokens" not in (annotations.get("annotations") or {})
+
+
+def test_agents_can_authenticate_with_node_certificates() -> None:
+    values = {
+        "auth": {"agentCredential": "certificate"},
+        "controlPlane": {"tls": {"enabled": True, "secretName": "cp-tls", "clientAuth": True}},
+        "agent": {"tls": {"clientSecretName": "agent-tls"}},
+    }
+    objs = render(values)
+    agent_args = _args(objs, "DaemonSet", "-agent")
+    assert not any(a.startswith("--token-file") for a in agent_args)
+    assert "--tls-cert=/etc/adaptermesh/agent-tls/tls.crt" in agent_args
+    assert "--node-cert-suffix=.node.adaptermesh" in _args(objs, "Deployment", "-control-plane")
+    agent = find(objs, "DaemonSet", "-agent").doc["spec"]["template"]["spec"]
+    assert not any(v["name"] == "agent-token" for v in agent["volumes"])
+    with pytest.raises(Exception, match=r"needs controlPlane\.tls\.enabled"):
+        render({"auth": {"agentCredential": "certificate"}})
 
 
 def test_tls_wires_certificates_into_both_sides() -> None:

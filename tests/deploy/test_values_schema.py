@@ -67,7 +67,13 @@ def test_template_level_checks_fail_with_a_clear_message() -> None:
             {"controlPlane": {"tls": {"enabled": True, "secretName": "s", "clientAuth": True}}},
             "agent.tls.clientSecretName",
         ),
-        ({"controlPlane": {"enabled": False}}, "auth.existingSecret"),
+        # A shared agent token must come from somewhere when the chart has no control plane
+        # (ServiceAccount tokens need none).
+        (
+            {"controlPlane": {"enabled": False}, "auth": {"agentCredential": "token"}},
+            "auth.existingSecret",
+        ),
+        ({"auth": {"agentCredential": "certificate"}}, "controlPlane.tls.clientAuth"),
         ({"envoy": {"image": {"repository": "envoyproxy/envoy"}}}, "envoy.image.tag"),
     ]
     for values, field in cases:

@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--token-file",
         type=Path,
-        help="file holding the bearer token for the control plane; it needs the read and write "
-        "scopes (the agent calls WatchAssignments and ReportLoad, which writes)",
+        help="file holding the bearer token for the control plane (re-read when it changes: a "
+        "projected ServiceAccount token works); it needs the read and report scopes (the agent "
+        "calls WatchAssignments and ReportLoad, for its own node only)",
     )
     p.add_argument("--iface", required=True, help="interface whose ingress the classifier steers")
     p.add_argument(
@@ -222,6 +223,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         node_id=args.node_id,
         control_plane=args.control_plane,
         token=token,
+        token_file=args.token_file,
         iface=args.iface,
         pin_dir=args.pin_dir,
         vxlan_dev=args.vxlan_dev,

@@ -41,7 +41,7 @@ from adaptermesh.agent.picker import EndpointBook
 from adaptermesh.agent.ports import Datapath, FlowEvent, XdsSink
 from adaptermesh.agent.rulesync import RuleSync
 from adaptermesh.agent.state import AssignmentStore
-from adaptermesh.agent.watch import AssignmentWatcher, LoadReporter
+from adaptermesh.agent.watch import AssignmentWatcher, BearerFile, LoadReporter, Token
 from adaptermesh.backoff import Backoff
 from adaptermesh.bpf.table import Attachable, FlowLookup
 from adaptermesh.clock import Clock, SystemClock
@@ -59,6 +59,9 @@ class AgentConfig:
     node_id: str
     control_plane: str  # HOST:PORT
     token: str | None = None
+    # Where ``token`` came from: re-read when it changes (a projected ServiceAccount token the
+    # kubelet rotates). None: ``token`` is fixed.
+    token_file: Path | None = None
     iface: str = "eth0"
     pin_dir: Path = Path("/sys/fs/bpf/adaptermesh")
     vxlan_dev: str | None = None
@@ -422,6 +425,11 @@ class Agent:
 
             channel = _channel(config)
             stub = control_plane_pb2_grpc.ControlPlaneStub(channel)  # type: ignore[no-untyped-call]
+            bearer: Token = (
+                BearerFile(config.token_file, config.token)
+                if config.token_file is not None and config.token
+                else config.token
+            )
             self.reporter = LoadReporter(
                 stub,
                 config.node_id,
@@ -429,7 +437,7 @@ class Agent:
                 datapath,
                 self.tracker,
                 self.metrics,
-                token=config.token,
+                token=bearer,
                 interval_s=config.report_interval_s,
                 clock=self.clock,
                 extra_error=lambda: self.rule_sync.error,
@@ -439,7 +447,7 @@ class Agent:
                 config.node_id,
                 applier,
                 self.metrics,
-                token=config.token,
+                token=bearer,
                 backoff=Backoff(config.backoff_initial_s, config.backoff_max_s),
                 on_applied=self.reporter.poke,
                 clock=self.clock,

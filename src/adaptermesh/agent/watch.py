@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -25,13 +27,48 @@ from adaptermesh.backoff import Backoff
 from adaptermesh.clock import Clock, SystemClock
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2, control_plane_pb2_grpc
 
-__all__ = ["AssignmentWatcher", "LoadReporter", "auth_metadata"]
+__all__ = ["AssignmentWatcher", "BearerFile", "LoadReporter", "Token", "auth_metadata"]
 
 _log = logging.getLogger(__name__)
 
 
-def auth_metadata(token: str | None) -> Sequence[tuple[str, str]]:
-    return (("authorization", f"Bearer {token}"),) if token else ()
+class BearerFile:
+    """A bearer token kept in a file and re-read when the file changes: the kubelet rotates a
+    projected ServiceAccount token in place, and an agent that kept the first one would be
+    refused once it expires. A file that turns empty or unreadable keeps the last token."""
+
+    def __init__(self, path: Path, token: str) -> None:
+        self.path = path
+        self._token = token
+        self._signature = self._stat()
+
+    def _stat(self) -> tuple[int, int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def token(self) -> str:
+        signature = self._stat()
+        if signature is not None and signature != self._signature:
+            self._signature = signature
+            try:
+                text = self.path.read_text().strip()
+            except OSError as exc:
+                _log.warning("token file %s: %s; keeping the last token", self.path, exc)
+            else:
+                if text:
+                    self._token = text
+        return self._token
+
+
+Token = str | BearerFile | None
+
+
+def auth_metadata(token: Token) -> Sequence[tuple[str, str]]:
+    value = token.token() if isinstance(token, BearerFile) else token
+    return (("authorization", f"Bearer {value}"),) if value else ()
 
 
 class AssignmentWatcher:
@@ -43,7 +80,7 @@ class AssignmentWatcher:
         node_id: str,
         applier: Applier,
         metrics: AgentMetrics,
-        token: str | None = None,
+        token: Token = None,
         backoff: Backoff | None = None,
         on_applied: Callable[[], None] | None = None,
         # A stream that lived this long counts as healthy: the next failure starts the
@@ -55,7 +92,7 @@ class AssignmentWatcher:
         self._node_id = node_id
         self._applier = applier
         self._metrics = metrics
-        self._metadata = auth_metadata(token)
+        self._token = token
         self.backoff = backoff or Backoff()
         self._on_applied = on_applied
         self._healthy_after_s = healthy_after_s
@@ -96,7 +133,7 @@ class AssignmentWatcher:
         request = control_plane_pb2.WatchAssignmentsRequest(
             from_version=self._applier.applied_version, node_id=self._node_id
         )
-        call = self._stub.WatchAssignments(request, metadata=self._metadata)
+        call = self._stub.WatchAssignments(request, metadata=auth_metadata(self._token))
         try:
             # wait_for_connection() would block forever on an unreachable server; the first
             # read fails fast instead and the backoff takes over.
@@ -125,7 +162,7 @@ class LoadReporter:
         datapath: Datapath,
         tracker: LoadTracker,
         metrics: AgentMetrics,
-        token: str | None = None,
+        token: Token = None,
         interval_s: float = 2.0,
         timeout_s: float = 2.0,
         clock: Clock | None = None,
@@ -139,7 +176,7 @@ class LoadReporter:
         self._datapath = datapath
         self._tracker = tracker
         self._metrics = metrics
-        self._metadata = auth_metadata(token)
+        self._token = token
         self.interval_s = interval_s
         self._timeout_s = timeout_s
         self._clock: Clock = clock or SystemClock()
@@ -187,7 +224,9 @@ class LoadReporter:
             rates = self._tracker.last()
         try:
             await self._stub.ReportLoad(
-                self.build_report(rates), metadata=self._metadata, timeout=self._timeout_s
+                self.build_report(rates),
+                metadata=auth_metadata(self._token),
+                timeout=self._timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
             self.last_error = f"{exc.code().name}: {exc.details()}"

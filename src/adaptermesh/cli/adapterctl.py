@@ -1668,22 +1668,87 @@ HISTORY_COLUMNS = (
 )
 
 
-@app.command("history", epilog=_example("adapterctl history --limit 5 -o json"))
+AUDIT_COLUMNS = (
+    Column("SEQ", "seq"),
+    Column("AT", "at", lambda r: _shown_time(r, "at")),
+    Column("CALLER", "caller"),
+    Column("METHOD", "method"),
+    Column("OUTCOME", "outcome"),
+    Column("CHANGE", "change"),
+    Column("MESSAGE", "message", wide=True),
+)
+
+
+def _audit_change(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """What changed, one ``object: before -> after`` per object that differs."""
+    if before.get("truncated") or after.get("truncated"):
+        return "(too large to show; -o json has the digests)"
+
+    def show(value: Any) -> str:
+        return "-" if value is None else json.dumps(value, sort_keys=True)
+
+    parts = []
+    for name in sorted(set(before) | set(after)):
+        old, new = before.get(name), after.get(name)
+        if old != new:
+            parts.append(f"{name}: {show(old)} -> {show(new)}")
+    return "; ".join(parts) or "-"
+
+
+def _audit_rows(c: Ctx, limit: int, before: int) -> list[dict[str, Any]]:
+    resp = c.call("ListAudit", control_plane_pb2.ListAuditRequest(limit=limit, before_seq=before))
+    rows = []
+    for r in resp.records:
+        old = json.loads(r.before_json or "{}")
+        new = json.loads(r.after_json or "{}")
+        rows.append(
+            {
+                "seq": r.seq,
+                "at": _when(r.at),
+                "caller": r.caller,
+                "method": r.method,
+                "outcome": r.outcome,
+                "message": r.message,
+                "change": _audit_change(old, new),
+                "before": old,
+                "after": new,
+            }
+        )
+    return rows
+
+
+@app.command(
+    "history",
+    epilog=_example(
+        "adapterctl history --limit 5 -o json", "adapterctl history --audit --limit 20"
+    ),
+)
 def history_cmd(
     ctx: typer.Context,
-    limit: Annotated[int, typer.Option(help="how many versions")] = 20,
-    before: Annotated[int, typer.Option(help="only versions below this one")] = 0,
+    limit: Annotated[int, typer.Option(help="how many versions (audit records)")] = 20,
+    before: Annotated[int, typer.Option(help="only versions (audit records) below this one")] = 0,
+    audit: Annotated[
+        bool,
+        typer.Option("--audit", help="list the audit of writes (who, when, what changed) instead"),
+    ] = False,
     output: OutputOption = "table",
 ) -> None:
-    """Published Assignment versions with their reasons, newest first.
+    """Published Assignment versions with their reasons, newest first; with --audit, every
+    accepted or refused write with its caller.
 
     -o json|yaml: a list of {version, generated, weights ({shard: parts per 10,000}, shards
-    with weight only), reason, shards (how many)}."""
+    with weight only), reason, shards (how many)}; with --audit, a list of {seq, at, caller,
+    method, outcome (OK or the gRPC status), message, change, before, after (the objects the
+    call named, before and after it)}."""
     fmt = _format(output)
     if not 0 < limit <= 1000:
         _die(f"--limit: {limit} is not in 1..1000", 2)
     if before < 0:
         _die(f"--before: {before} is negative", 2)
+    if audit:
+        audit_rows = _audit_rows(_ctx(ctx), limit, before)
+        print_tables([Listing(AUDIT_COLUMNS, audit_rows)], fmt, audit_rows)
+        return
     resp = _ctx(ctx).call(
         "ListHistory", control_plane_pb2.ListHistoryRequest(limit=limit, before_version=before)
     )

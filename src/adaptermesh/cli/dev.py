@@ -466,7 +466,8 @@ class DevMesh:
     def _write_tokens(self) -> None:
         operator, agent, admin = (secrets.token_hex(16) for _ in range(3))
         files = {
-            "tokens": f"{operator} read,write operator\n{agent} read,write agent\n",
+            # adapterctl's scopes, and the agent's: it reports for its own node ("dev") only.
+            "tokens": f"{operator} read,write,rollout operator\n{agent} read,report agent nodes=dev\n",
             "operator.token": operator + "\n",
             "agent.token": agent + "\n",
             "worker-admin.token": admin + "\n",

@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
@@ -24,6 +24,8 @@ from google.protobuf.message import DecodeError
 from adaptermesh import adapter_edge
 from adaptermesh import assignment_rules as rules
 from adaptermesh.assignment_rules import RuleError
+from adaptermesh.control_plane.audit import AuditLog, record_message
+from adaptermesh.control_plane.auth import ANONYMOUS, current_principal
 from adaptermesh.control_plane.policy import BUDGET
 from adaptermesh.control_plane.rebalancer import PublishError, Rebalancer
 from adaptermesh.control_plane.rollout_api import RolloutApi
@@ -151,6 +153,9 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
         self.store = rebalancer.store
         self.limits = limits or ApiLimits()
         self.log = logger or logging.getLogger("adaptermesh.control_plane.api")
+        # (method, reason) of each refusal the servicer itself makes (a report for a node the
+        # caller is not bound to); the server counts them with the interceptor's.
+        self.count_denied: Callable[[str, str], None] = lambda method, reason: None
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -777,6 +782,27 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
         except Exception as exc:
             await self._fail(context, exc)
 
+    async def ListAudit(
+        self, request: control_plane_pb2.ListAuditRequest, context: _Ctx
+    ) -> control_plane_pb2.ListAuditResponse:
+        try:
+            limit = request.limit or 50
+            if limit > self.limits.max_history:
+                _invalid("limit", f"at most {self.limits.max_history}")
+            if request.before_seq > 2**63 - 1:
+                _invalid("before_seq", "at most 2^63 - 1")
+            out = control_plane_pb2.ListAuditResponse()
+            size = 0
+            for row in self.store.audit(limit, request.before_seq):
+                record = record_message(row)
+                size += record.ByteSize() + 8
+                if out.records and size > MAX_HISTORY_BYTES:
+                    break  # the caller pages on with before_seq
+                out.records.append(record)
+            return out
+        except Exception as exc:
+            await self._fail(context, exc)
+
     # -- node agents -----------------------------------------------------------------------
 
     async def ReportLoad(
@@ -793,7 +819,20 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
                 _invalid("apply_error", f"at most {rules.MAX_APPLY_ERROR} characters")
             if len(request.shards) > rules.MAX_SHARDS:
                 _invalid("shards", f"at most {rules.MAX_SHARDS}")
-            owner = _token_owner(context)
+            principal = current_principal()
+            if not principal.may_report(request.node_id):
+                self.count_denied("ReportLoad", "node_binding")
+                bound = (
+                    "any node"
+                    if principal.nodes is None
+                    else ", ".join(sorted(principal.nodes)[:5]) or "no node"
+                )
+                raise ApiError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "node_id",
+                    f"{principal.name} reports for {bound}, not {rules.quote(request.node_id)}",
+                )
+            owner = _token_owner(context) if principal is ANONYMOUS else _owner(principal.name)
             now = self._now()
             self.store.expire_nodes(now - self.limits.node_ttl_s)
             if not self.store.has_node(request.node_id):
@@ -837,6 +876,10 @@ class ControlPlaneServicer(RolloutApi, control_plane_pb2_grpc.ControlPlaneServic
         return out
 
 
+def _owner(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
 def _token_owner(context: _Ctx) -> str:
     """A digest of the caller's bearer token ('' without one): who created a node row."""
     for key, value in context.invocation_metadata() or ():
@@ -877,12 +920,20 @@ def _parsing_handler(method: Any, behaviour: Any) -> grpc.RpcMethodHandler:
     )
 
 
-def add_to_server(servicer: ControlPlaneServicer, server: Any) -> None:
+def add_to_server(
+    servicer: ControlPlaneServicer, server: Any, audit: AuditLog | None = None
+) -> None:
     """Register the servicer like the generated ``add_ControlPlaneServicer_to_server``, but
     parse each request inside its handler: a request that is no valid message (broken wire
-    bytes, a string that is not UTF-8) is INVALID_ARGUMENT, not grpc's INTERNAL."""
+    bytes, a string that is not UTF-8) is INVALID_ARGUMENT, not grpc's INTERNAL. With
+    ``audit``, every write leaves an audit row."""
     service = control_plane_pb2.DESCRIPTOR.services_by_name["ControlPlane"]
-    handlers = {m.name: _parsing_handler(m, getattr(servicer, m.name)) for m in service.methods}
+    handlers = {}
+    for m in service.methods:
+        behaviour = getattr(servicer, m.name)
+        if audit is not None:
+            behaviour = audit.wrap(m.name, behaviour, m.server_streaming)
+        handlers[m.name] = _parsing_handler(m, behaviour)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )

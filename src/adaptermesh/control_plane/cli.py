@@ -1,7 +1,7 @@
 """``adaptermesh control-plane``: run the control plane.
 
     adaptermesh control-plane --state-dir DIR --listen HOST:PORT --tokens-file F --interval 5 \
-        [--metrics-port 9090]
+        [--metrics-port 9090] [--sa-jwks-file jwks.json --sa-issuer URL --sa-allow NS:SA]
 
 Prints ``listening on HOST:PORT`` (the bound port, useful with ``:0``) once it serves, and
 stops cleanly on SIGTERM or SIGINT. Exit codes: 0 after a clean stop, 1 when it cannot start
@@ -18,9 +18,16 @@ from pathlib import Path
 
 from adaptermesh.cliargs import port, positive_float, read_secret
 from adaptermesh.clisetup import DefaultsHelpFormatter, setup_logging
-from adaptermesh.control_plane.auth import AuthError, load_tokens
+from adaptermesh.control_plane.auth import DEFAULT_CERT_SAN_SUFFIX, AuthError, TokenFile
 from adaptermesh.control_plane.policy import PolicyConfig
+from adaptermesh.control_plane.sa_tokens import (
+    DEFAULT_AUDIENCE,
+    DEFAULT_MAX_LIFETIME_S,
+    ServiceAccountPolicy,
+    parse_allowed,
+)
 from adaptermesh.control_plane.server import ControlPlaneServer, ServerConfig
+from adaptermesh.control_plane.store import AUDIT_LIMIT
 
 __all__ = ["build_parser", "main"]
 
@@ -37,9 +44,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", type=Path, required=True, help="directory for the SQLite state")
     p.add_argument("--listen", default="127.0.0.1:7400", help="HOST:PORT (port 0: any free)")
     auth = p.add_mutually_exclusive_group(required=True)
-    auth.add_argument("--tokens-file", type=Path, help="bearer tokens: 'TOKEN SCOPES [NAME]' lines")
+    auth.add_argument(
+        "--tokens-file",
+        type=Path,
+        help="bearer tokens: 'TOKEN SCOPES [NAME] [nodes=NODE,...]' lines, scopes from read, "
+        "report, write, rollout (re-read when the file changes)",
+    )
     auth.add_argument(
         "--no-auth", action="store_true", help="accept every call (local development only)"
+    )
+    p.add_argument(
+        "--sa-jwks-file",
+        type=Path,
+        help="JWKS of the cluster's service-account issuer: node agents then authenticate "
+        "with their pod's projected ServiceAccount token (re-read when the file changes)",
+    )
+    p.add_argument("--sa-issuer", help="the ServiceAccount tokens' issuer (iss)")
+    p.add_argument(
+        "--sa-audience", default=DEFAULT_AUDIENCE, help="the audience the tokens must carry"
+    )
+    p.add_argument(
+        "--sa-allow",
+        action="append",
+        default=[],
+        metavar="NAMESPACE:SERVICEACCOUNT",
+        help="a service account whose tokens are node credentials (read,report bound to the "
+        "token's node); repeatable, at least one with --sa-jwks-file",
+    )
+    p.add_argument(
+        "--sa-max-lifetime",
+        type=positive_float,
+        default=DEFAULT_MAX_LIFETIME_S,
+        help="seconds a ServiceAccount token may be valid for in all (exp - iat)",
+    )
+    p.add_argument(
+        "--node-cert-suffix",
+        help="with --tls-client-ca: a client certificate with a SAN '<node><suffix>' is a "
+        f"node credential (read,report for that node), e.g. {DEFAULT_CERT_SAN_SUFFIX}",
+    )
+    p.add_argument(
+        "--audit-limit",
+        type=int,
+        default=AUDIT_LIMIT,
+        help="audit rows kept (the newest)",
     )
     p.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
@@ -147,11 +194,27 @@ def main(argv: list[str] | None = None) -> int:
         policy.validate()
     except ValueError as exc:
         parser.error(str(exc))
+    if args.audit_limit < 1:
+        parser.error(f"--audit-limit: {args.audit_limit} must be at least 1")
     try:
-        tokens = load_tokens(args.tokens_file) if args.tokens_file else None
+        tokens = TokenFile(args.tokens_file) if args.tokens_file else None
     except (OSError, AuthError) as exc:
         print(f"adaptermesh control-plane: tokens file: {exc}", file=sys.stderr)
         return 1
+    service_accounts = None
+    if args.sa_jwks_file is not None or args.sa_issuer or args.sa_allow:
+        if args.sa_jwks_file is None or not args.sa_issuer or not args.sa_allow:
+            parser.error("--sa-jwks-file, --sa-issuer and --sa-allow go together")
+        try:
+            service_accounts = ServiceAccountPolicy(
+                issuer=args.sa_issuer,
+                allowed=parse_allowed(args.sa_allow),
+                audience=args.sa_audience,
+                max_lifetime_s=args.sa_max_lifetime,
+            )
+            service_accounts.validate()
+        except AuthError as exc:
+            parser.error(str(exc))
     worker_token: str | None = None
     if args.worker_admin_token_file is not None:
         try:
@@ -163,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         state_dir=args.state_dir,
         listen=args.listen,
         tokens=tokens,
+        sa_jwks=args.sa_jwks_file,
+        service_accounts=service_accounts,
+        node_cert_suffix=args.node_cert_suffix,
+        audit_limit=args.audit_limit,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
@@ -178,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         asyncio.run(_serve(config))
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # AuthError: a JWKS that cannot be used
         print(f"adaptermesh control-plane: {exc}", file=sys.stderr)
         return 1
     return 0

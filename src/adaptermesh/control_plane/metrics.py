@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from adaptermesh.httpserve import serve_app
 
 __all__ = [
+    "DENIED",
     "PREFIX",
     "ControlPlaneMetrics",
     "ControlPlaneState",
@@ -33,6 +34,9 @@ __all__ = [
 ]
 
 PREFIX = "adaptermesh_control_plane_"
+# Refused calls, by method and reason (control_plane/auth.py names the reasons: a small fixed
+# set, as the methods are). Named as docs/control-plane.md and the dashboards know it.
+DENIED = "adaptermesh_cp_denied"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Causes that label adaptermesh_control_plane_publishes_total: a small fixed set, so an
@@ -112,6 +116,11 @@ class ControlPlaneMetrics:
         )
         self.publishes: dict[str, int] = dict.fromkeys(CAUSES, 0)
         self.scrape_errors = 0
+        self.denied: dict[tuple[str, str], int] = {}
+
+    def count_denied(self, method: str, reason: str) -> None:
+        key = (method, reason)
+        self.denied[key] = self.denied.get(key, 0) + 1
 
     def count_publish(self, reason: str) -> None:
         cause = publish_cause(reason)
@@ -170,6 +179,15 @@ class _StateCollector(Collector):
         )
         scrape.add_metric([], float(metrics.scrape_errors))
         yield scrape
+        denied = CounterMetricFamily(
+            DENIED,
+            "Calls refused for their credentials (UNAUTHENTICATED) or their scope or node "
+            "binding (PERMISSION_DENIED), by method and reason.",
+            labels=["method", "reason"],
+        )
+        for (method, reason), count in sorted(metrics.denied.items()):
+            denied.add_metric([method, reason], float(count))
+        yield denied
 
         watchers = gauge("watch_streams", "WatchAssignments streams connected now.")
         watchers.add_metric([], float(state.watch_streams))

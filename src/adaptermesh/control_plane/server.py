@@ -17,14 +17,28 @@ from grpc_reflection.v1alpha import reflection
 
 from adaptermesh.clock import Clock
 from adaptermesh.control_plane.api import ApiLimits, ControlPlaneServicer, add_to_server
-from adaptermesh.control_plane.auth import AuthInterceptor, TokenTable, server_credentials
+from adaptermesh.control_plane.audit import AuditLog
+from adaptermesh.control_plane.auth import (
+    Authenticator,
+    AuthInterceptor,
+    CertIdentity,
+    Denied,
+    TokenFile,
+    TokenTable,
+    server_credentials,
+)
 from adaptermesh.control_plane.metrics import serve_metrics
 from adaptermesh.control_plane.metrics_source import LoadSource, PrometheusSource, ScrapeSource
 from adaptermesh.control_plane.policy import PolicyConfig
 from adaptermesh.control_plane.preloader import HttpWorkerAdmin, Preloader, PreloaderConfig
 from adaptermesh.control_plane.rebalancer import Rebalancer, RebalancerConfig
 from adaptermesh.control_plane.rollout import RolloutController
-from adaptermesh.control_plane.store import Store
+from adaptermesh.control_plane.sa_tokens import (
+    JwksFile,
+    ServiceAccountPolicy,
+    ServiceAccountVerifier,
+)
+from adaptermesh.control_plane.store import AUDIT_LIMIT, Store
 from adaptermesh.proto.adaptermesh.v1 import control_plane_pb2
 
 __all__ = ["CONTROL_PLANE_SERVICE", "ControlPlaneServer", "ServerConfig"]
@@ -37,7 +51,18 @@ DB_NAME = "control-plane.sqlite3"
 class ServerConfig:
     state_dir: Path
     listen: str = "127.0.0.1:7400"
-    tokens: TokenTable | None = None
+    # The static tokens (a TokenFile re-reads its file when it changes). None, with neither
+    # of the two below: no authentication (--no-auth).
+    tokens: TokenTable | TokenFile | None = None
+    # Projected ServiceAccount tokens as node credentials: the issuer's JWKS file and what
+    # the tokens must say (docs/control-plane.md, "Credentials").
+    sa_jwks: Path | None = None
+    service_accounts: ServiceAccountPolicy | None = None
+    # mTLS client certificates with a SAN "<node><suffix>" as node credentials (needs
+    # tls_client_ca); None: certificates name no caller.
+    node_cert_suffix: str | None = None
+    # Audit rows kept (the newest).
+    audit_limit: int = AUDIT_LIMIT
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -81,6 +106,7 @@ class ControlPlaneServer:
             config.state_dir / DB_NAME,
             synchronous=config.synchronous,
             index_quarantine_s=config.index_quarantine_s,
+            audit_limit=config.audit_limit,
         )
         if source is None:
             source = (
@@ -98,6 +124,9 @@ class ControlPlaneServer:
         if config.auto_placement:
             self.rebalancer.resume_homes()
         self.servicer = ControlPlaneServicer(self.rebalancer, config.limits, self.log)
+        self.authenticator = self._authenticator()
+        self.audit = AuditLog(self.store, self.rebalancer.clock.time, self.log)
+        self.servicer.count_denied = self.rebalancer.metrics.count_denied
         self.rollouts = RolloutController(
             self.rebalancer, tick_s=config.rollout_tick_s, logger=self.log
         )
@@ -121,9 +150,36 @@ class ControlPlaneServer:
         self._loop_task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
 
+    def _authenticator(self) -> Authenticator | None:
+        cfg = self.config
+        verifier = None
+        if (cfg.sa_jwks is None) != (cfg.service_accounts is None):
+            raise ValueError("ServiceAccount tokens need both the JWKS file and the policy")
+        if cfg.sa_jwks is not None and cfg.service_accounts is not None:
+            verifier = ServiceAccountVerifier(
+                JwksFile(cfg.sa_jwks, self.log), cfg.service_accounts, self.rebalancer.clock.time
+            )
+        certs = None
+        if cfg.node_cert_suffix is not None:
+            if cfg.tls_client_ca is None:
+                raise ValueError("node certificates need --tls-client-ca (mTLS)")
+            certs = CertIdentity(cfg.node_cert_suffix)
+        if cfg.tokens is None and verifier is None and certs is None:
+            return None
+        return Authenticator(cfg.tokens, verifier, certs)
+
+    def _denied(self, method: str, refusal: Denied) -> None:
+        self.rebalancer.metrics.count_denied(method, refusal.reason)
+        self.log.debug("refused %s from %s: %s", method, refusal.caller, refusal.message)
+        self.audit.denied(method, refusal)
+
     async def start(self) -> int:
         cfg = self.config
-        interceptors = [AuthInterceptor(cfg.tokens)] if cfg.tokens is not None else []
+        interceptors = (
+            [AuthInterceptor(self.authenticator, self._denied)]
+            if self.authenticator is not None
+            else []
+        )
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -134,7 +190,7 @@ class ControlPlaneServer:
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        add_to_server(self.servicer, server)
+        add_to_server(self.servicer, server, self.audit)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (CONTROL_PLANE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server

@@ -28,12 +28,14 @@ from adaptermesh.proto.adaptermesh.v1 import assignment_pb2, control_plane_pb2
 from adaptermesh.rules import canonical_document, compile_rule_set, parse_rule_set
 
 __all__ = [
+    "AUDIT_LIMIT",
     "MIGRATIONS",
     "ROLLOUT_EVENT_LIMIT",
     "ROLLOUT_HISTORY_LIMIT",
     "RULE_SET_HISTORY_LIMIT",
     "SCHEMA_VERSION",
     "AlreadyExistsError",
+    "AuditRow",
     "RuleSetRecord",
     "RuleSetSummary",
     "Store",
@@ -121,6 +123,19 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     # A rollout's events are read and pruned by rollout (ROLLOUT_EVENT_LIMIT).
     ("CREATE INDEX rollout_events_rollout ON rollout_events(rollout_id, seq)",),
+    # The audit of writes (control_plane/audit.py): who, when, which method, the state of the
+    # objects it names before and after (JSON), and the outcome. The newest AUDIT_LIMIT rows.
+    (
+        """CREATE TABLE audit (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            at REAL NOT NULL,
+            caller TEXT NOT NULL,
+            method TEXT NOT NULL,
+            outcome TEXT NOT NULL,
+            message TEXT NOT NULL,
+            before TEXT NOT NULL,
+            after TEXT NOT NULL)""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -133,6 +148,23 @@ ROLLOUT_EVENT_LIMIT = 256
 # Routing-rule versions kept: the newest ones (the newest is the live set). A set is up to
 # MAX_RULES rules of MAX_WHEN_CHARS each (a few MB), one version per apply that changes it.
 RULE_SET_HISTORY_LIMIT = 256
+# Audit rows kept: the newest ones. Each is at most a few tens of KB (audit.py bounds its
+# fields), so the table stays within a few hundred MB even under a write loop.
+AUDIT_LIMIT = 10_000
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    """One audited write (control_plane/audit.py gives the fields their meaning)."""
+
+    seq: int
+    at: float
+    caller: str
+    method: str
+    outcome: str  # "OK" or the gRPC status code's name
+    message: str
+    before: str  # JSON
+    after: str  # JSON
 
 
 @dataclass(frozen=True)
@@ -216,6 +248,7 @@ class Store:
         rollout_history_limit: int = ROLLOUT_HISTORY_LIMIT,
         rollout_event_limit: int = ROLLOUT_EVENT_LIMIT,
         rule_set_history_limit: int = RULE_SET_HISTORY_LIMIT,
+        audit_limit: int = AUDIT_LIMIT,
     ) -> None:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, not {synchronous}")
@@ -231,6 +264,9 @@ class Store:
         if rule_set_history_limit < 1:
             raise ValueError(f"rule_set_history_limit must be >= 1, not {rule_set_history_limit}")
         self.rule_set_history_limit = rule_set_history_limit
+        if audit_limit < 1:
+            raise ValueError(f"audit_limit must be >= 1, not {audit_limit}")
+        self.audit_limit = audit_limit
         self._lock = threading.RLock()
         self._depth = 0
         # Bumped by every write to shards or adapter instances made through this object (and
@@ -774,6 +810,35 @@ class Store:
             "SELECT node_id, applied_version, last_report, apply_error FROM nodes ORDER BY node_id"
         ).fetchall()
         return [(str(a), int(b), float(c), str(d)) for a, b, c, d in rows]
+
+    # -- audit -----------------------------------------------------------------------------
+
+    def append_audit(self, row: AuditRow) -> int:
+        """Store the row (its ``seq`` is ignored) and drop all but the newest ``audit_limit``;
+        returns the row's sequence number."""
+        with self.transaction():
+            cur = self._db.execute(
+                "INSERT INTO audit (at, caller, method, outcome, message, before, after)"
+                " VALUES (?,?,?,?,?,?,?)",
+                (row.at, row.caller, row.method, row.outcome, row.message, row.before, row.after),
+            )
+            seq = int(cur.lastrowid or 0)
+            # Sequence numbers count up by one and rows go only from below.
+            self._db.execute("DELETE FROM audit WHERE seq <= ?", (seq - self.audit_limit,))
+        return seq
+
+    def audit(self, limit: int, before_seq: int = 0) -> list[AuditRow]:
+        """Newest first; ``before_seq``: only rows strictly below it (paging backwards)."""
+        where, args = ("WHERE seq < ?", (before_seq, limit)) if before_seq else ("", (limit,))
+        rows = self._db.execute(
+            "SELECT seq, at, caller, method, outcome, message, before, after FROM audit"
+            f" {where} ORDER BY seq DESC LIMIT ?",
+            args,
+        ).fetchall()
+        return [AuditRow(int(r[0]), float(r[1]), *(str(v) for v in r[2:])) for r in rows]
+
+    def audit_count(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM audit").fetchone()[0])
 
 
 def override_message(

@@ -85,6 +85,13 @@ image.tag and then to the chart's appVersion; a digest, when given, pins the con
 {{- printf "%s-control-plane.%s.svc" (include "adaptermesh.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
+{{- define "adaptermesh.saJwksSecret" -}}
+{{- .Values.auth.serviceAccountToken.jwksSecret | default (printf "%s-sa-jwks" (include "adaptermesh.fullname" .)) -}}
+{{- end -}}
+
+{{- /* The SAN suffix that makes a client certificate a node credential ("<node>" + it). */ -}}
+{{- define "adaptermesh.nodeCertSuffix" -}}.node.adaptermesh{{- end -}}
+
 {{- define "adaptermesh.tokensSecret" -}}
 {{- .Values.auth.existingSecret | default (printf "%s-tokens" (include "adaptermesh.fullname" .)) -}}
 {{- end -}}

@@ -172,6 +172,40 @@ class ListHistoryResponse(_message.Message):
     records: _containers.RepeatedCompositeFieldContainer[AssignmentRecord]
     def __init__(self, records: _Optional[_Iterable[_Union[AssignmentRecord, _Mapping]]] = ...) -> None: ...
 
+class ListAuditRequest(_message.Message):
+    __slots__ = ("limit", "before_seq")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    before_seq: int
+    def __init__(self, limit: _Optional[int] = ..., before_seq: _Optional[int] = ...) -> None: ...
+
+class AuditRecord(_message.Message):
+    __slots__ = ("seq", "at", "caller", "method", "outcome", "message", "before_json", "after_json")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_JSON_FIELD_NUMBER: _ClassVar[int]
+    AFTER_JSON_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    at: _timestamp_pb2.Timestamp
+    caller: str
+    method: str
+    outcome: str
+    message: str
+    before_json: str
+    after_json: str
+    def __init__(self, seq: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., caller: _Optional[str] = ..., method: _Optional[str] = ..., outcome: _Optional[str] = ..., message: _Optional[str] = ..., before_json: _Optional[str] = ..., after_json: _Optional[str] = ...) -> None: ...
+
+class ListAuditResponse(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[AuditRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[AuditRecord, _Mapping]]] = ...) -> None: ...
+
 class ShardTraffic(_message.Message):
     __slots__ = ("shard_id", "packets_per_s", "bytes_per_s", "new_flows_per_s", "active_flows")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]

@@ -115,6 +115,11 @@ class ControlPlaneStub:
                 request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryRequest.SerializeToString,
                 response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryResponse.FromString,
                 _registered_method=True)
+        self.ListAudit = channel.unary_unary(
+                '/adaptermesh.v1.ControlPlane/ListAudit',
+                request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditRequest.SerializeToString,
+                response_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditResponse.FromString,
+                _registered_method=True)
         self.ApplyRules = channel.unary_unary(
                 '/adaptermesh.v1.ControlPlane/ApplyRules',
                 request_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ApplyRulesRequest.SerializeToString,
@@ -161,7 +166,7 @@ class ControlPlaneServicer:
     """Missing associated documentation comment in .proto file."""
 
     def UpsertShard(self, request, context):
-        """Shards (scope: write / read).
+        """Shards (scope: write / read; docs/control-plane.md, "Auth", lists every method's).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -263,8 +268,16 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAudit(self, request, context):
+        """The audit of writes: who made each accepted or refused one, when, and what it changed
+        (scope: read; see docs/control-plane.md, "Audit").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ApplyRules(self, request, context):
-        """Routing rules (CEL; see docs/rules.md). ApplyRules needs write, the others read.
+        """Routing rules (CEL; see docs/rules.md). ApplyRules needs rollout, the others read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -283,7 +296,7 @@ class ControlPlaneServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StartRollout(self, request, context):
-        """Gray release per adapter version (see docs/rollout.md). Start and Control need write.
+        """Gray release per adapter version (see docs/rollout.md). Start and Control need rollout.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -302,7 +315,7 @@ class ControlPlaneServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportLoad(self, request, context):
-        """Node agents.
+        """Node agents. ReportLoad needs report, for a node the credential is bound to.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -396,6 +409,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ListHistory,
                     request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryRequest.FromString,
                     response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryResponse.SerializeToString,
+            ),
+            'ListAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAudit,
+                    request_deserializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditRequest.FromString,
+                    response_serializer=adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditResponse.SerializeToString,
             ),
             'ApplyRules': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplyRules,
@@ -870,6 +888,33 @@ class ControlPlane:
             '/adaptermesh.v1.ControlPlane/ListHistory',
             adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryRequest.SerializeToString,
             adaptermesh_dot_v1_dot_control__plane__pb2.ListHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptermesh.v1.ControlPlane/ListAudit',
+            adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditRequest.SerializeToString,
+            adaptermesh_dot_v1_dot_control__plane__pb2.ListAuditResponse.FromString,
             options,
             channel_credentials,
             insecure,
