@@ -277,6 +277,14 @@ def _json_pointer(value: str) -> bool:
     return True
 
 
+def _uuid_version(version: int) -> Any:
+    def check(value: str) -> bool:
+        # Python reads a version only for the RFC variant, as pydantic's UUIDn fields do.
+        return _uuid(value) and uuid.UUID(value).version == version
+
+    return check
+
+
 CHECKS = {
     "date": _date,
     "time": _time,
@@ -287,6 +295,8 @@ CHECKS = {
     "ipv4": _ipv4,
     "ipv6": _ipv6,
     "uuid": _uuid,
+    **{f"uuid{v}": _uuid_version(v) for v in range(1, 9)},
+    "ipvanyaddress": lambda value: _ipv4(value) or _ipv6(value),
     "uri": _uri,
     "uri-reference": _uri_reference,
     "json-pointer": _json_pointer,

@@ -25,7 +25,9 @@ subset is stated where it is narrower than the RFC.
 * ``ipv4``: dotted decimal, 0 to 255, no leading zeros (Python's ``ipaddress`` refuses them).
 * ``ipv6`` (RFC 4291 text form, as RFC 3986's IPv6address): with ``::`` compression and an
   IPv4 tail; no zone index.
-* ``uuid`` (RFC 9562): 8-4-4-4-12 hexadecimal digits, either case.
+* ``uuid`` (RFC 9562): 8-4-4-4-12 hexadecimal digits, either case; pydantic's ``uuid1`` to
+  ``uuid8`` (``UUID4`` fields and the like) also fix the version digit and the RFC variant.
+* ``ipvanyaddress`` (pydantic's ``IPvAnyAddress``): ``ipv4`` or ``ipv6``.
 * ``uri`` (RFC 3986 URI) and ``uri-reference`` (URI or relative reference): ASCII, with
   percent-encoding.
 * ``json-pointer`` (RFC 6901).
@@ -88,6 +90,14 @@ _IPV6 = (
     )
     + ")"
 )
+_HEX4 = r"[0-9A-Fa-f]{4}"
+_UUID = rf"[0-9A-Fa-f]{{8}}-{_HEX4}-{_HEX4}-{_HEX4}-[0-9A-Fa-f]{{12}}"
+
+
+def _uuid_version(version: int) -> str:
+    return rf"[0-9A-Fa-f]{{8}}-{_HEX4}-{version}[0-9A-Fa-f]{{3}}-[89ABab][0-9A-Fa-f]{{3}}-[0-9A-Fa-f]{{12}}"
+
+
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = rf"{_LABEL}(?:\.{_LABEL})*"
 _TOP_LABEL = r"[A-Za-z](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -125,7 +135,9 @@ _FORMATS: dict[str, tuple[str, ...]] = {
     "hostname": (_HOSTNAME, r".{1,253}"),
     "ipv4": (_IPV4,),
     "ipv6": (_IPV6,),
-    "uuid": (r"[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}",),
+    "ipvanyaddress": (f"(?:{_IPV4}|{_IPV6})",),
+    "uuid": (_UUID,),
+    **{f"uuid{version}": (_uuid_version(version),) for version in range(1, 9)},
     "uri": (_URI,),
     "uri-reference": (f"(?:{_URI}|{_RELATIVE})",),
     "json-pointer": (_JSON_POINTER,),
