@@ -470,6 +470,19 @@ def test_schemas_deeper_than_the_body_bound_are_served(client: openai.OpenAI) ->
             {"guided_json": {"type": "array", "items": {}, "minItems": 3, "maxItems": 1}},
             "guided_json.minItems",
         ),
+        (  # more keys wanted than the closed key set holds (it used to repeat keys)
+            {
+                "structured_outputs": {
+                    "json": {
+                        "type": "object",
+                        "patternProperties": {"^x[0-9]$": {"type": "boolean"}},
+                        "additionalProperties": False,
+                        "minProperties": 11,
+                    }
+                }
+            },
+            "structured_outputs.json.minProperties",
+        ),
         (
             {
                 "tools": [

@@ -258,24 +258,123 @@ class _Walker:
                 raise SchemaError(
                     f"{at}.required[{index}]", f"{key!r} is required but its schema is false"
                 )
-        closed = schema.get("additionalProperties") is False and not schema.get("patternProperties")
-        if not closed:
+        if schema.get("additionalProperties") is not False:
             return
+        patterns = schema.get("patternProperties")
+        patterns = patterns if isinstance(patterns, dict) else {}
         for index, key in enumerate(required):
-            if key not in properties:
+            if key not in properties and not any(_matches(p, key) for p in patterns):
+                admitted = f"its properties ({', '.join(map(repr, properties)) or 'none'})"
+                if patterns:
+                    admitted += " and keys matching its patternProperties"
                 raise SchemaError(
                     f"{at}.required[{index}]",
-                    f"{key!r} is required but the object admits only its properties "
-                    f"({', '.join(map(repr, properties)) or 'none'}; objects that list "
-                    "properties are closed unless additionalProperties says otherwise)",
+                    f"{key!r} is required but the object admits only {admitted} (objects "
+                    "that list properties are closed unless additionalProperties says otherwise)",
                 )
         minimum = schema.get("minProperties")
-        allowed = sum(1 for sub in properties.values() if sub is not False)
-        if isinstance(minimum, int) and not isinstance(minimum, bool) and minimum > allowed:
+        if not isinstance(minimum, int) or isinstance(minimum, bool):
+            return
+        keys: set[str] | None = {k for k, sub in properties.items() if sub is not False}
+        for pattern in patterns:
+            found = _finite_language(pattern)
+            if found is None or keys is None:
+                keys = None
+                break
+            keys |= found
+        if keys is not None and minimum > len(keys):
             raise SchemaError(
                 f"{at}.minProperties",
-                f"is {minimum}, above the {allowed} keys the object admits (no key may repeat)",
+                f"is {minimum}, above the {len(keys)} distinct keys the object admits",
             )
+
+
+def _matches(pattern: str, key: str) -> bool:
+    try:
+        return re.search(pattern, key) is not None
+    except re.error:
+        return True  # not Python's syntax: the grammar compiler judges it
+
+
+# Strings a key pattern's language may hold before it counts as "many" (undecided).
+_LANGUAGE_CAP = 4096
+
+
+def _finite_language(pattern: Any) -> set[str] | None:
+    """Every string an anchored key pattern matches, when that is a small finite set of
+    plain literals, classes, alternatives and bounded repeats; None when undecided."""
+    if not isinstance(pattern, str) or not (pattern.startswith("^") and pattern.endswith("$")):
+        return None
+    try:
+        tree = list(re._parser.parse(pattern))  # type: ignore[attr-defined]
+    except (re.error, AttributeError, RecursionError):
+        return None
+    if len(tree) < 2 or tree[0] != (_AT, _AT_BEGINNING) or tree[-1] != (_AT, _AT_END):
+        return None
+    return _strings(tree[1:-1])
+
+
+_constants: Any = getattr(re, "_constants", None)
+_AT = getattr(_constants, "AT", None)
+_AT_BEGINNING = getattr(_constants, "AT_BEGINNING", None)
+_AT_END = getattr(_constants, "AT_END", None)
+
+
+def _strings(items: Any) -> set[str] | None:
+    """The strings of a parsed sequence (``re._parser`` items), or None past the cap."""
+    out = {""}
+    for op, arg in items:
+        name = str(op)
+        if name == "LITERAL":
+            options: set[str] | None = {chr(arg)}
+        elif name == "IN":
+            options = _class(arg)
+        elif name == "SUBPATTERN":
+            options = _strings(arg[-1])
+        elif name == "BRANCH":
+            options = set()
+            for branch in arg[1]:
+                found = _strings(branch)
+                if found is None:
+                    return None
+                options |= found
+        elif name in ("MAX_REPEAT", "MIN_REPEAT"):
+            low, high, body = arg
+            unit = _strings(body)
+            if unit is None or high > _LANGUAGE_CAP:
+                return None
+            options, layer = set(), {""}
+            for count in range(high + 1):
+                if count >= low:
+                    options |= layer
+                if count < high:
+                    layer = {a + b for a in layer for b in unit}
+                    if len(layer) > _LANGUAGE_CAP:
+                        return None
+        else:
+            return None
+        if options is None:
+            return None
+        out = {a + b for a in out for b in options}
+        if len(out) > _LANGUAGE_CAP:
+            return None
+    return out
+
+
+def _class(items: Any) -> set[str] | None:
+    chars: set[str] = set()
+    for op, arg in items:
+        name = str(op)
+        if name == "LITERAL":
+            chars.add(chr(arg))
+        elif name == "RANGE":
+            low, high = arg
+            if high - low > _LANGUAGE_CAP:
+                return None
+            chars.update(chr(c) for c in range(low, high + 1))
+        else:
+            return None  # a negation or a category: many characters
+    return chars
 
 
 def _bounds(schema: dict[str, Any], at: str, low_key: str, high_key: str) -> None:
