@@ -303,29 +303,38 @@ CHECKS = {
 }
 
 
-def strict_format_errors(schema: Any, instance: Any) -> list[tuple[str, Any]]:
+def strict_format_errors(schema: Any, instance: Any, root: Any = None) -> list[tuple[str, Any]]:
     """``(format, value)`` for each string at a ``format`` of ``schema`` (through
-    properties, patternProperties, additionalProperties, items and anyOf) that fails its
-    strict check."""
+    properties, patternProperties, additionalProperties, items, prefixItems, local ``$ref``,
+    allOf, anyOf and oneOf) that fails its strict check."""
     errors: list[tuple[str, Any]] = []
+    root = schema if root is None else root
 
     def walk(sub: Any, value: Any) -> None:
         if not isinstance(sub, dict):
             return
+        ref = sub.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/"):
+            target = root
+            for part in ref[2:].split("/"):
+                target = target[part]
+            walk(target, value)
+        for part in sub.get("allOf", []):
+            walk(part, value)
         name = sub.get("format")
         types = sub.get("type")
         admits_strings = types is None or types == "string" or "string" in types
         strict = isinstance(name, str) and isinstance(value, str) and admits_strings
         if strict and not CHECKS[name](value):
             errors.append((name, value))
-        branches = sub.get("anyOf", [])
+        branches = sub.get("anyOf", []) + sub.get("oneOf", [])
         if branches:
             # One branch that the value meets, strictly, is enough.
             found = []
             for branch in branches:
-                if not jsonschema.Draft202012Validator(branch).is_valid(value):
+                if not jsonschema.Draft202012Validator({**branch, "$defs": {}}).is_valid(value):
                     continue
-                found.append(strict_format_errors(branch, value))
+                found.append(strict_format_errors(branch, value, root))
             if found and not any(branch_errors == [] for branch_errors in found):
                 errors.extend(found[0])
         if isinstance(value, dict):
@@ -342,8 +351,9 @@ def strict_format_errors(schema: Any, instance: Any) -> list[tuple[str, Any]]:
                 if not matched:
                     walk(sub.get("additionalProperties"), item)
         if isinstance(value, list):
-            for item in value:
-                walk(sub.get("items"), item)
+            prefix = sub.get("prefixItems", [])
+            for index, item in enumerate(value):
+                walk(prefix[index] if index < len(prefix) else sub.get("items"), item)
 
     walk(schema, instance)
     return errors

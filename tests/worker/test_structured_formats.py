@@ -129,6 +129,10 @@ def leaves() -> st.SearchStrategy[dict[str, Any]]:
             {"type": "string", "pattern": "^[a-c]{1,4}$"},
             {"type": "string", "format": "date", "pattern": "^2"},
             {"type": "integer", "format": "int64"},
+            {"const": "k"},
+            {"type": "integer", "multipleOf": 3, "minimum": -9, "maximum": 30},
+            {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            {"oneOf": [{"type": "string", "format": "uuid"}, {"type": "integer"}]},
         ]
     )
     return st.one_of(formatted, formatted, nullable, bounded, integers, fixed)
@@ -173,10 +177,33 @@ def composites(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy
         }
     )
     either = st.tuples(children, children).map(lambda t: {"anyOf": [t[0], t[1]]})
-    return st.one_of(closed, arrays, patterned, mapping, mixed, either)
+    both = st.tuples(children, children).map(
+        lambda t: {
+            "allOf": [
+                {"type": "object", "properties": {"a": t[0]}, "required": ["a"]},
+                {"type": "object", "properties": {"b": t[1]}},
+            ]
+        }
+    )
+    tuples = st.tuples(children, children).map(
+        lambda t: {"type": "array", "prefixItems": [t[0], t[1]], "items": False, "minItems": 2}
+    )
+    return st.one_of(closed, arrays, patterned, mapping, mixed, either, both, tuples)
 
 
-schemas = st.recursive(leaves(), composites, max_leaves=6)
+trees = st.recursive(leaves(), composites, max_leaves=6)
+# $defs live at the root (a "#/$defs/..." pointer starts there).
+schemas = st.one_of(
+    trees,
+    st.tuples(trees, trees).map(
+        lambda t: {
+            "$defs": {"d": t[0]},
+            "type": "object",
+            "properties": {"r": {"$ref": "#/$defs/d"}, "s": t[1]},
+            "required": ["r"],
+        }
+    ),
+)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
