@@ -18,7 +18,9 @@ adds, per listener:
 
 Body deadlines belong to the handlers that read bodies: ``read_body`` reads one within
 ``body_timeout_s``. ``JsonBodyParser`` parses JSON bodies with a depth cap (``MAX_JSON_DEPTH``)
-and a value cap (``MAX_JSON_VALUES``), and parses bodies over ``JSON_INLINE_BYTES`` in a child
+and a value cap (``MAX_JSON_VALUES``) (fields that hold a document of their own, such as a JSON
+schema, count their levels from the field, against their own cap: ``NestedDocument``), and
+parses bodies over ``JSON_INLINE_BYTES`` in a child
 process: ``json.loads`` holds the GIL, so a thread would not free the event loop (a 4 MB body
 of 1.3 M small values takes 120-500 ms to parse here). Every error these guards send is JSON
 in OpenAI's error shape. See
@@ -28,6 +30,7 @@ in OpenAI's error shape. See
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import multiprocessing
@@ -53,6 +56,7 @@ __all__ = [
     "JsonBodyError",
     "JsonBodyParser",
     "ListenerLimits",
+    "NestedDocument",
     "error_json",
     "parse_json_bounded",
     "raise_fd_limit",
@@ -124,19 +128,42 @@ JSON_INLINE_BYTES = 64 << 10
 
 
 class JsonBodyError(ValueError):
-    """A body that is not JSON, or is over the depth or value cap; ``status`` is 400 or 413."""
+    """A body that is not JSON, or is over the depth or value cap; ``status`` is 400 or 413;
+    ``param``: the field whose nesting is over its own cap (see ``NestedDocument``)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(status, code, message)  # all three in args, so it pickles
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(status, code, message, param)  # all in args, so it pickles
         self.status = status
         self.code = code
         self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class NestedDocument:
+    """Fields of a body that hold a document of their own (a JSON schema): at ``path`` (keys,
+    with "*" for any list index), the value's levels count from 1 at the field against
+    ``max_depth`` instead of adding to the body's."""
+
+    path: tuple[str, ...]
+    max_depth: int
+
+
+def _field_name(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
 
 
 def parse_json_bounded(
-    raw: bytes, max_depth: int = MAX_JSON_DEPTH, max_values: int = MAX_JSON_VALUES
+    raw: bytes,
+    max_depth: int = MAX_JSON_DEPTH,
+    max_values: int = MAX_JSON_VALUES,
+    nested: tuple[NestedDocument, ...] = (),
 ) -> Any:
-    """``json.loads(raw)``, refusing nesting over ``max_depth`` and over ``max_values`` values."""
+    """``json.loads(raw)``, refusing nesting over ``max_depth`` and over ``max_values`` values;
+    a ``nested`` document's levels count from its own field, against its own cap."""
     try:
         obj = json.loads(raw)
     except RecursionError:
@@ -147,21 +174,52 @@ def parse_json_bounded(
     except (ValueError, UnicodeDecodeError) as exc:
         raise JsonBodyError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
     values = 0
-    stack: list[tuple[Any, int]] = [(obj, 1)]
+    # (value, depth, cap, path while it may still lead to a nested document, the document)
+    stack: list[tuple[Any, int, int, tuple[str | int, ...] | None, str | None]] = [
+        (obj, 1, max_depth, () if nested else None, None)
+    ]
     while stack:
-        value, depth = stack.pop()
+        value, depth, cap, path, document = stack.pop()
         values += 1
         if values > max_values:
             raise JsonBodyError(
                 413, "too_many_values", f"request body: more than {max_values} JSON values"
             )
+        if path is not None and path:
+            for spec in nested:
+                if len(spec.path) == len(path) and all(
+                    want == "*" or want == got for want, got in zip(spec.path, path, strict=True)
+                ):
+                    depth, cap, document = 1, spec.max_depth, _field_name(path)
+                    path = None
+                    break
+            else:
+                if not any(
+                    len(spec.path) > len(path)
+                    and all(w == "*" or w == g for w, g in zip(spec.path, path, strict=False))
+                    for spec in nested
+                ):
+                    path = None
         if isinstance(value, dict | list):
-            if depth > max_depth:
+            if depth > cap:
+                if document is not None:
+                    raise JsonBodyError(
+                        400,
+                        "json_too_deep",
+                        f"{document}: nests deeper than {cap} levels (counted from {document})",
+                        document,
+                    )
                 raise JsonBodyError(
                     400, "json_too_deep", f"request body: JSON nests deeper than {max_depth} levels"
                 )
-            items = value.values() if isinstance(value, dict) else value
-            stack.extend((item, depth + 1) for item in items)
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    child = None if path is None else (*path, key)
+                    stack.append((item, depth + 1, cap, child, document))
+            else:
+                for index, item in enumerate(value):
+                    child = None if path is None else (*path, index)
+                    stack.append((item, depth + 1, cap, child, document))
     return obj
 
 
@@ -171,18 +229,22 @@ class JsonBodyParser:
     ``spawn``, not ``fork``: the worker process holds CUDA state and threads.
     """
 
-    def __init__(self, inline_bytes: int = JSON_INLINE_BYTES) -> None:
+    def __init__(
+        self, inline_bytes: int = JSON_INLINE_BYTES, nested: tuple[NestedDocument, ...] = ()
+    ) -> None:
         self.inline_bytes = inline_bytes
+        self.nested = nested
         self._pool: ProcessPoolExecutor | None = None
 
     async def parse(self, raw: bytes) -> Any:
         if len(raw) <= self.inline_bytes:
-            return parse_json_bounded(raw)
+            return parse_json_bounded(raw, nested=self.nested)
         if self._pool is None:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         loop = asyncio.get_running_loop()
+        parse = functools.partial(parse_json_bounded, nested=self.nested)
         try:
-            return await loop.run_in_executor(self._pool, parse_json_bounded, raw)
+            return await loop.run_in_executor(self._pool, parse, raw)
         except BrokenProcessPool:
             self._pool = None
             raise

@@ -108,11 +108,11 @@ def test_parse_and_tool_calls_through_envoy(mesh: LocalMesh) -> None:
     assert parsed.finish_reason == "stop"
     assert isinstance(parsed.message.parsed, Answer)
     named = out["named"].choices[0]
-    assert named.finish_reason == "tool_calls"
+    assert named.finish_reason == "stop"  # a named function ends "stop", as OpenAI answers
     assert named.message.tool_calls is not None
     call = named.message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS)
-    assert out["finish"] == "tool_calls"
+    assert out["finish"] == "stop"
     assert [c["name"] for c in out["streamed"]] == ["get_weather"]
     jsonschema.validate(json.loads(out["streamed"][0]["arguments"]), PARAMETERS)

@@ -18,6 +18,7 @@ from adaptermesh.worker.tool_calls import (
     ToolCallStream,
     detect_tool_parser,
     parse_tool_calls,
+    template_messages,
     tool_plan,
 )
 
@@ -248,3 +249,120 @@ def test_the_worker_flag_names_every_parser() -> None:
     text = " ".join(parser.format_help().split())
     for name in ("llama3_json", "hermes", "mistral", "auto picks"):
         assert name in text
+
+
+# ------------------------------------------------------------- as vLLM and OpenAI answer
+def parameters(*keys: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {k: {} for k in keys}}
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": parameters("city")}},
+    {"type": "function", "function": {"name": "get_time", "parameters": parameters("tz", "n")}},
+]
+AUTO_FORMATS = ["hermes", "llama3_json", "mistral"]
+
+
+def plan_for(fmt: str, parallel: bool | None = None, choice: Any = None) -> Any:
+    plan = tool_plan(TOOLS, choice, parallel, fmt)
+    assert plan is not None
+    return plan
+
+
+def stream_plan(plan: Any, text: str, cuts: list[int]) -> tuple[str, list[dict[str, Any]]]:
+    stream = plan.stream()
+    deltas: list[Any] = []
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    for start, end in itertools.pairwise(bounds):
+        deltas += stream.feed(text[start:end])
+    return assemble(deltas + stream.finish())
+
+
+@settings(max_examples=60, deadline=None)
+@given(fmt=st.sampled_from(AUTO_FORMATS), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_parallel_tool_calls_false_keeps_the_first_call(fmt: str, cuts: list[int]) -> None:
+    text = render(fmt, CALLS)
+    _, calls = plan_for(fmt, parallel=False).parse(text)
+    assert as_pairs(calls) == CALLS[:1]
+    _, streamed = stream_plan(plan_for(fmt, parallel=False), text, cuts)
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == CALLS[:1]
+    _, calls = plan_for(fmt).parse(text)
+    assert as_pairs(calls) == CALLS
+
+
+@settings(max_examples=60, deadline=None)
+@given(fmt=st.sampled_from(AUTO_FORMATS), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_a_call_to_an_unknown_function_is_content(fmt: str, cuts: list[int]) -> None:
+    text = render(fmt, [("launch", {"city": "Oslo"})], "Sure. " if fmt == "hermes" else "")
+    plan = plan_for(fmt)
+    assert plan.parse(text) == (text, [])
+    content, streamed = stream_plan(plan_for(fmt), text, cuts)
+    assert (content, streamed) == (text, [])
+    # After a known call, the whole answer is content; a stream is too unless it had sent
+    # the known call before the unknown name came, and then drops the unknown one.
+    text = render(fmt, [CALLS[0], ("launch", {})])
+    assert plan.parse(text) == (text, [])
+    content, streamed = stream_plan(plan_for(fmt), text, cuts)
+    assert (content, streamed) == (text, []) or [c["name"] for c in streamed] == ["get_weather"]
+
+
+@pytest.mark.parametrize("fmt", AUTO_FORMATS)
+def test_a_cut_off_call_is_content(fmt: str) -> None:
+    whole = render(fmt, CALLS[:1])
+    cut = whole[: whole.index("Paris") + 2]
+    assert plan_for(fmt).parse(cut) == (cut, [])
+    bad_arguments = whole.replace('{"city": "Paris", "unit": "c"}', "[1, 2]")
+    assert plan_for(fmt).parse(bad_arguments) == (bad_arguments, [])
+    # Without its closing tag, a whole call still counts (the model stopped right after).
+    if fmt == "hermes":
+        unclosed = whole[: whole.index("</tool_call>")]
+        assert as_pairs(plan_for(fmt).parse(unclosed)[1]) == CALLS[:1]
+
+
+def test_finish_reason_is_tool_calls_only_for_calls_the_model_chose() -> None:
+    auto = plan_for("hermes")
+    required = plan_for("hermes", choice="required")
+    named = plan_for("hermes", choice={"type": "function", "function": {"name": "get_time"}})
+    assert auto.finish_reason("stop", True) == "tool_calls"
+    assert auto.finish_reason("stop", False) == "stop"
+    assert auto.finish_reason("length", True) == "length"
+    assert required.finish_reason("stop", True) == "stop"
+    assert named.finish_reason("stop", True) == "stop"
+
+
+def test_every_tool_definition_is_checked_whatever_the_choice() -> None:
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"d": {"type": "string", "format": "iri"}},
+            },
+        },
+    }
+    for choice in (None, "auto", "none", "required"):
+        with pytest.raises(ApiError) as info:
+            tool_plan([TOOLS[0], bad], choice, None, "hermes")
+        assert info.value.param == "tools[1].function.parameters.properties.d.format"
+    plan = plan_for("hermes")
+    specs = plan.tool_specs()
+    assert [s.param for s in specs] == [
+        "tools[0].function.parameters",
+        "tools[1].function.parameters",
+    ]
+
+
+def test_a_tool_message_needs_its_tool_call_id() -> None:
+    from adaptermesh.worker.api import ChatMessage
+
+    messages = [
+        ChatMessage(role="user", content="hi"),
+        ChatMessage(role="tool", content='{"t": 1}'),
+    ]
+    with pytest.raises(ApiError) as info:
+        template_messages(messages)
+    assert info.value.param == "messages[1].tool_call_id"
+    assert info.value.status == 400
+    ok = [messages[0], ChatMessage(role="tool", content="1", tool_call_id="call_1")]
+    assert template_messages(ok)[1]["tool_call_id"] == "call_1"

@@ -11,8 +11,10 @@ constraints and tools are 400s naming the field.
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -252,7 +254,8 @@ def test_named_and_required_tool_choices_force_calls(client: openai.OpenAI) -> N
         max_tokens=200,
     )
     choice = named.choices[0]
-    assert choice.finish_reason == "tool_calls"
+    # A forced call ends "stop", as OpenAI and vLLM answer a named function.
+    assert choice.finish_reason == "stop"
     calls = choice.message.tool_calls
     assert calls is not None
     assert len(calls) == 1
@@ -270,7 +273,7 @@ def test_named_and_required_tool_choices_force_calls(client: openai.OpenAI) -> N
         seed=1,
     )
     choice = required.choices[0]
-    assert choice.finish_reason == "tool_calls"
+    assert choice.finish_reason == "stop"  # as vLLM answers tool_choice "required"
     assert choice.message.tool_calls is not None
     assert len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0]
@@ -327,8 +330,260 @@ def test_streamed_tool_calls_come_as_openai_sends_them(client: openai.OpenAI, ch
                 assert part.function.name is None
                 calls[part.index]["arguments"] += part.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls"
+    assert finish == "stop"
     assert len(calls) == 1
     check_call(calls[0]["name"], calls[0]["arguments"])
     if choice == "named":
         assert calls[0]["name"] == "get_weather"
+
+
+# ------------------------------------------------- what OpenAI and vLLM users rely on
+class Event(pydantic.BaseModel):
+    when: datetime.datetime
+    day: datetime.date
+    at: datetime.time
+    ref: uuid.UUID
+    host: pydantic.IPvAnyAddress
+
+
+class Times(pydantic.BaseModel):
+    when: datetime.datetime
+    day: datetime.date
+    at: datetime.time
+    until: datetime.datetime
+
+
+@pytest.mark.parametrize(("model", "seed"), [(Event, 0), (Event, 1), (Times, 2), (Times, 3)])
+def test_parse_with_date_time_fields_never_raises_in_the_client(
+    client: openai.OpenAI, model: type[pydantic.BaseModel], seed: int
+) -> None:
+    """Year 0000, 31 April or second 60 made pydantic raise inside ``parse``: no longer
+    generated; pydantic's address and UUID formats are enforced."""
+    completion = client.chat.completions.parse(
+        model="tiny",
+        messages=MESSAGES,
+        response_format=model,
+        max_tokens=300,
+        temperature=1.0,
+        seed=seed,
+        n=3,
+    )
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, model)
+
+
+def test_pattern_keys_never_repeat(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "patternProperties": {"^x[0-9]$": {"type": "boolean"}},
+        "additionalProperties": False,
+        "minProperties": 3,
+        "maxProperties": 6,
+    }
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        response_format={"type": "json_schema", "json_schema": {"name": "k", "schema": schema}},
+        max_tokens=200,
+        temperature=1.0,
+        seed=2,
+        n=4,
+    )
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        text = choice.message.content or ""
+        keys = [k for k, _ in json.loads(text, object_pairs_hook=lambda pairs: pairs)]
+        assert len(keys) == len(set(keys)), text
+        jsonschema.validate(json.loads(text), schema)
+
+
+def nested(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "boolean"}
+    for _ in range(levels):
+        schema = {
+            "type": "object",
+            "properties": {"n": schema},
+            "required": ["n"],
+            "additionalProperties": False,
+        }
+    return schema
+
+
+def test_schemas_deeper_than_the_body_bound_are_served(client: openai.OpenAI) -> None:
+    """20 nested objects (41 JSON levels, past the body's 32; OpenAI allows 10)."""
+    schema = nested(20)
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": schema}},
+        max_tokens=300,
+    )
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content or ""), schema)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "d", "schema": nested(40)},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "d",
+                        "schema": {
+                            "type": "object",
+                            "properties": {"when": {"type": "string", "format": "iri"}},
+                        },
+                    },
+                }
+            },
+            "response_format.json_schema.schema.properties.when.format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "d",
+                        "schema": {
+                            "type": "object",
+                            "properties": {"a": {}, "b": {}},
+                            "required": ["a", "c"],
+                        },
+                    },
+                }
+            },
+            "response_format.json_schema.schema.required[1]",
+        ),
+        (
+            {"guided_json": {"type": "array", "items": {}, "minItems": 3, "maxItems": 1}},
+            "guided_json.minItems",
+        ),
+        (  # more keys wanted than the closed key set holds (it used to repeat keys)
+            {
+                "structured_outputs": {
+                    "json": {
+                        "type": "object",
+                        "patternProperties": {"^x[0-9]$": {"type": "boolean"}},
+                        "additionalProperties": False,
+                        "minProperties": 11,
+                    }
+                }
+            },
+            "structured_outputs.json.minProperties",
+        ),
+        (
+            {
+                "tools": [
+                    WEATHER,
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "bad",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"p": {"type": "string", "pattern": "(("}},
+                            },
+                        },
+                    },
+                ]
+            },
+            "tools[1].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "deep", "parameters": nested(40)}}
+                ],
+                "tool_choice": "none",
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "messages": [
+                    *MESSAGES,
+                    {"role": "assistant", "content": "ok"},
+                    {"role": "tool", "content": '{"temp": 21}'},
+                ]
+            },
+            "messages[2].tool_call_id",
+        ),
+    ],
+)
+def test_what_openai_refuses_is_a_400_naming_the_field(
+    client: openai.OpenAI, extra: dict[str, Any], param: str
+) -> None:
+    rest = dict(extra)
+    messages = rest.pop("messages", MESSAGES)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4, extra_body=rest
+        )
+    error = info.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith(param)
+    assert client.models.list().data  # still serving
+
+
+def forced_output(
+    client: openai.OpenAI, text: str, stream: bool = False, **extra: Any
+) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    """A chat with tools under ``auto`` whose output is exactly ``text`` (a one-choice
+    constraint): (content, calls, finish_reason), whole or assembled from the stream."""
+    kwargs: dict[str, Any] = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "tools": [WEATHER, TIME],
+        "max_tokens": 300,
+        "extra_body": {"guided_choice": [text]},
+        **extra,
+    }
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]  # type: ignore[union-attr]
+        return choice.message.content, calls, choice.finish_reason
+    content, parts, finish = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            if part.index == len(parts):
+                parts.append([part.function.name, ""])  # type: ignore[union-attr]
+            parts[part.index][1] += part.function.arguments or ""  # type: ignore[union-attr]
+        finish = chunk.choices[0].finish_reason or finish
+    return content or None, [(n, a) for n, a in parts], finish
+
+
+WEATHER_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}'
+TIME_CALL = '{"name": "get_time", "parameters": {"zone": 1}}'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_calls_as_vllm_answers_them(client: openai.OpenAI, stream: bool) -> None:
+    both = f"{WEATHER_CALL}; {TIME_CALL}"
+    _, calls, finish = forced_output(client, both, stream)
+    assert [name for name, _ in calls] == ["get_weather", "get_time"]
+    assert finish == "tool_calls"
+    _, calls, finish = forced_output(client, both, stream, parallel_tool_calls=False)
+    assert [name for name, _ in calls] == ["get_weather"]  # the first, as vLLM keeps
+    assert json.loads(calls[0][1]) == {"city": "Oslo", "unit": "c"}
+    assert finish == "tool_calls"
+    unknown = '{"name": "launch", "parameters": {}}'
+    assert forced_output(client, unknown, stream) == (unknown, [], "stop")
+    if not stream:  # streamed, a call's fragments are sent as the model writes them
+        cut = WEATHER_CALL[:30]
+        assert forced_output(client, cut, stream) == (cut, [], "stop")

@@ -53,6 +53,7 @@ class _ChoiceChunks:
         self.job = job
         self.index = index
         plan = job.tool_plan if job.kind == "chat" else None
+        self.plan = plan
         self.tools = None if plan is None or plan.format is None else plan.stream()
 
     def of(self, event: TokenEvent) -> list[bytes]:
@@ -69,8 +70,8 @@ class _ChoiceChunks:
         reason: str | None = event.finish_reason
         if reason is not None:
             deltas += self.tools.finish()
-            if reason == "stop" and self.tools.called:
-                reason = "tool_calls"
+            assert self.plan is not None  # tools are parsed only under a plan
+            reason = self.plan.finish_reason(reason, self.tools.called)
         chunks = []
         logprobs = event.logprobs
         for delta in deltas:

@@ -24,7 +24,12 @@ only place that imports it.
 
 JSON schemas are compiled without free whitespace between JSON tokens, so a model cannot pad
 an answer with unbounded spaces, and objects that list their properties admit only those
-(``closed_objects``) unless the schema sets ``additionalProperties``.
+(``closed_objects``) unless the schema sets ``additionalProperties``. Before a schema compiles,
+``schema_rules.enforceable_schema`` checks it (depth, formats, satisfiable bounds; a
+``GrammarError`` naming the schema path) and replaces each ``format`` with exact patterns. A
+grammar whose objects may hold keys beyond a fixed list (a schema's open objects, JSON mode)
+gives each matcher a ``json_keys.KeyGuard``, which takes the tokens that would repeat a key
+out of the mask.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from adaptermesh.worker.json_keys import KeyGuard, KeyVocab
+from adaptermesh.worker.schema_rules import SchemaError, closed_objects, enforceable_schema
 
 __all__ = [
     "CompiledGrammar",
@@ -77,44 +85,6 @@ class GrammarSpec:
     param: str
 
 
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-_SCHEMA_VALUES = (
-    "items",
-    "additionalProperties",
-    "unevaluatedProperties",
-    "not",
-    "contains",
-    "propertyNames",
-    "if",
-    "then",
-    "else",
-)
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-
-
-def closed_objects(schema: Any, close: bool = True) -> Any:
-    """``schema`` with every object schema that lists ``properties`` and says nothing about
-    ``additionalProperties`` closed to them (``additionalProperties: false``), as OpenAI's
-    strict schemas are and vLLM's default engine treats them. Every output still validates
-    against the original schema; a model just cannot add keys nobody asked for. The parts of
-    an ``allOf`` stay open (each lists only some of the properties the whole allows)."""
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
-        elif key in _SCHEMA_VALUES:
-            out[key] = closed_objects(value)
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
-            out[key] = [closed_objects(sub, key != "allOf") for sub in value]
-        else:
-            out[key] = value
-    if close and "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
 def bitmask_words(vocab_size: int) -> int:
     """32-bit words of one row's packed mask."""
     return (vocab_size + 31) // 32
@@ -148,16 +118,20 @@ def choice_grammar(choices: list[str]) -> str:
 class RowMatcher:
     """One sequence's position in its grammar."""
 
-    __slots__ = ("_matcher", "_words")
+    __slots__ = ("_guard", "_matcher", "_words")
 
-    def __init__(self, matcher: Any, words: int) -> None:
+    def __init__(self, matcher: Any, words: int, guard: KeyGuard | None = None) -> None:
         self._matcher = matcher
         self._words = words
+        self._guard = guard
 
     def advance(self, token_id: int) -> bool:
         """Accept ``token_id``; False when the grammar refuses it (the sequence then has to
         stop: its output would leave the grammar)."""
-        return bool(self._matcher.consume_token(token_id)) and not self._matcher.is_error()
+        accepted = bool(self._matcher.consume_token(token_id)) and not self._matcher.is_error()
+        if accepted and self._guard is not None:
+            self._guard.advance(token_id)
+        return accepted
 
     @property
     def only_stop_left(self) -> bool:
@@ -170,6 +144,8 @@ class RowMatcher:
         import llguidance.torch
 
         llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        if self._guard is not None:
+            self._guard.restrict(bitmask, row, self._matcher)
 
     def allows(self, token_id: int) -> bool:
         mask = torch.zeros((1, self._words), dtype=torch.int32)
@@ -197,26 +173,52 @@ def fill_masks(rows: list[tuple[RowMatcher, int]], bitmask: torch.Tensor) -> Non
     llguidance.torch.fill_next_token_bitmask_par(
         _executor, [(matcher._matcher, row) for matcher, row in rows], bitmask
     )
+    for matcher, row in rows:
+        if matcher._guard is not None:
+            matcher._guard.restrict(bitmask, row, matcher._matcher)
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    grammar: str
+    open_keys: bool  # outputs may hold objects with keys beyond a fixed list
+    finite_keys: bool  # ... from a set that may be finite (the guard looks ahead)
 
 
 class CompiledGrammar:
     """A spec checked against one vocabulary; ``matcher()`` starts a sequence in it."""
 
-    __slots__ = ("_grammar", "_tokenizer", "_words", "spec")
+    __slots__ = ("_compiled", "_keys", "_tokenizer", "_words", "spec")
 
-    def __init__(self, spec: GrammarSpec, grammar: str, tokenizer: Any, words: int) -> None:
+    def __init__(
+        self,
+        spec: GrammarSpec,
+        compiled: _Compiled,
+        tokenizer: Any,
+        words: int,
+        keys: KeyVocab | None,
+    ) -> None:
         self.spec = spec
-        self._grammar = grammar
+        self._compiled = compiled
         self._tokenizer = tokenizer
         self._words = words
+        self._keys = keys
+
+    @property
+    def guards_keys(self) -> bool:
+        """Each matcher refuses tokens that would repeat a key of an object."""
+        return self._keys is not None
 
     def matcher(self) -> RowMatcher:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer, self._grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer, self._compiled.grammar, log_level=0)
         if matcher.is_error():  # checked at compile time; a resource limit can still hit
             raise GrammarError(self.spec.param, _clean(matcher.get_error()))
-        return RowMatcher(matcher, self._words)
+        guard = None
+        if self._keys is not None:
+            guard = KeyGuard(self._keys, self._compiled.finite_keys)
+        return RowMatcher(matcher, self._words, guard)
 
 
 class GrammarCompiler:
@@ -233,8 +235,18 @@ class GrammarCompiler:
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=self.stop_token_ids or None
         )
-        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], _Compiled] = OrderedDict()
         self._lock = threading.Lock()
+        self._keys: KeyVocab | None = None
+
+    def _key_vocab(self) -> KeyVocab:
+        """Every token's bytes (built when a grammar first needs the key guard)."""
+        with self._lock:
+            if self._keys is None:
+                tokenizer = self._tokenizer
+                data = [tokenizer.decode_bytes([i]) for i in range(self.vocab_size)]
+                self._keys = KeyVocab(data, self.stop_token_ids)
+            return self._keys
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         key = (spec.kind, spec.source)
@@ -248,19 +260,27 @@ class GrammarCompiler:
                 self._cache[key] = grammar
                 while len(self._cache) > _CACHE_ENTRIES:
                     self._cache.popitem(last=False)
-        return CompiledGrammar(spec, grammar, self._tokenizer, self.words)
+        keys = self._key_vocab() if grammar.open_keys else None
+        return CompiledGrammar(spec, grammar, self._tokenizer, self.words, keys)
 
-    def _grammar(self, spec: GrammarSpec) -> str:
+    def _grammar(self, spec: GrammarSpec) -> _Compiled:
         """The llguidance grammar of ``spec``, checked (with the vocabulary) before use."""
         import llguidance
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
         matcher = llguidance.LLMatcher
+        open_keys = finite_keys = False
+        if spec.kind == "json_schema":
+            try:
+                prepared = enforceable_schema(json.loads(spec.source), spec.param)
+            except SchemaError as exc:
+                raise GrammarError(exc.param, exc.message) from None
+            open_keys, finite_keys = prepared.open_keys, prepared.finite_keys
+        elif spec.kind == "json_object":
+            open_keys = True
         try:
             if spec.kind == "json_schema":
-                grammar = matcher.grammar_from_json_schema(
-                    closed_objects(json.loads(spec.source)), defaults=_JSON_OPTIONS
-                )
+                grammar = matcher.grammar_from_json_schema(prepared.schema, defaults=_JSON_OPTIONS)
             elif spec.kind == "json_object":
                 grammar = matcher.grammar_from_json_schema(
                     {"type": "object"}, defaults=_JSON_OPTIONS
@@ -279,7 +299,7 @@ class GrammarCompiler:
         error = matcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise GrammarError(spec.param, _message(spec, error))
-        return str(grammar)
+        return _Compiled(str(grammar), open_keys, finite_keys)
 
 
 def _clean(text: str) -> str:

@@ -49,7 +49,7 @@ async def decode_json_object(
     try:
         body = await parser.parse(raw)
     except JsonBodyError as exc:
-        raise ApiError(exc.status, exc.message, code=exc.code) from None
+        raise ApiError(exc.status, exc.message, param=exc.param, code=exc.code) from None
     except BrokenProcessPool:
         raise ApiError(
             503,

@@ -163,8 +163,8 @@ def chat_message(
     job: GenerationJob, text: str, finish_reason: str | None
 ) -> tuple[dict[str, Any], str | None]:
     """A chat choice's message and finish reason: its text, or, when the request has tools
-    and the output holds calls, the calls (``finish_reason`` ``tool_calls`` when the model
-    stopped by itself)."""
+    and the output holds calls, the calls (``finish_reason`` as ``ToolPlan.finish_reason``
+    says: ``tool_calls`` when the model chose the calls and stopped by itself)."""
     plan = job.tool_plan
     if plan is None:
         return {"role": "assistant", "content": text}, finish_reason
@@ -176,7 +176,7 @@ def chat_message(
         "content": content,
         "tool_calls": [call.as_openai() for call in calls],
     }
-    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+    return message, plan.finish_reason(finish_reason, True)
 
 
 def delta_chunk(

@@ -118,7 +118,12 @@ from adaptermesh.worker.status_endpoints import (
     model_body,
     models_body,
 )
-from adaptermesh.worker.structured_request import bad_field, grammar_error, grammar_spec
+from adaptermesh.worker.structured_request import (
+    SCHEMA_DOCUMENTS,
+    bad_field,
+    grammar_error,
+    grammar_spec,
+)
 from adaptermesh.worker.tool_calls import detect_tool_parser, template_messages, tool_plan
 from adaptermesh.worker.types import (
     AdapterNotFoundError,
@@ -227,7 +232,7 @@ class WorkerService:
         self.app.on_startup.append(self._start_poller)
         self.app.on_cleanup.append(self._stop_poller)
         self.app.on_cleanup.append(self._close_executors)
-        self._json = JsonBodyParser()
+        self._json = JsonBodyParser(nested=SCHEMA_DOCUMENTS)
         # Tokenising long prompts and chat templates; two threads keep one 4 MB prompt from
         # holding up the next long one.
         self._cpu = ThreadPoolExecutor(2, thread_name_prefix="worker-tokenize")
@@ -344,6 +349,10 @@ class WorkerService:
         parsed = parse_generation_body(kind, body)
         model, adapter = resolve_model(parsed.model, request.headers, self.engine.model_name)
         spec, plan = self._output_constraints(parsed)
+        if plan is not None and getattr(self.engine, "compile_grammar", None) is not None:
+            # Every tool definition compiles, whatever the tool choice (400 naming it).
+            for tool_spec in plan.tool_specs():
+                await self._compile_grammar(tool_spec)
         prompt_ids = await self._prompt_token_ids(parsed, plan)
         grammar = None if spec is None else await self._compile_grammar(spec)
         echo = None

@@ -8,8 +8,11 @@ one, each checked with a 400 naming the field when it is malformed:
   ``json_object: true``;
 * vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``.
 
-At most one of them may constrain a request. Whether the constraint compiles is the grammar
-compiler's to say (``worker/grammar.py``), also as a 400 naming the field.
+At most one of them may constrain a request. A JSON schema meets ``schema_rules`` here (its
+depth, its formats, satisfiable bounds: a 400 naming the schema path, such as
+``response_format.json_schema.schema.properties.when.format``); whether the constraint
+compiles is the grammar compiler's to say (``worker/grammar.py``), also as a 400 naming the
+field.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ import json
 import re
 from typing import Any
 
+from adaptermesh.httpserve import NestedDocument
 from adaptermesh.worker.grammar import GrammarError, GrammarSpec
 from adaptermesh.worker.http_errors import ApiError
+from adaptermesh.worker.schema_rules import MAX_SCHEMA_DEPTH, SchemaError, enforceable_schema
 
 __all__ = [
     "MAX_CHOICES",
     "MAX_CONSTRAINT_CHARS",
+    "SCHEMA_DOCUMENTS",
     "bad_field",
     "grammar_error",
     "grammar_spec",
@@ -37,6 +43,17 @@ MAX_CHOICES = 1024
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# The body fields that hold a JSON schema: the body's nesting bound counts their levels from
+# the field, against the schema's own limit (schema_rules.MAX_SCHEMA_DEPTH).
+SCHEMA_DOCUMENTS = tuple(
+    NestedDocument(path, MAX_SCHEMA_DEPTH)
+    for path in (
+        ("response_format", "json_schema", "schema"),
+        ("structured_outputs", "json"),
+        ("guided_json",),
+        ("tools", "*", "function", "parameters"),
+    )
+)
 
 
 def bad_field(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -65,12 +82,18 @@ def schema_spec(schema: Any, param: str) -> GrammarSpec:
             schema = json.loads(schema)
         except ValueError as exc:
             raise bad_field(param, f"is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise bad_field(param, f"nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
     if not isinstance(schema, dict | bool):
         raise bad_field(param, f"must be a JSON schema object, got {_type_name(schema)}")
     if schema is False:
         raise bad_field(param, "false admits no output")
-    text = json.dumps({} if schema is True else schema, separators=(",", ":"))
-    return GrammarSpec("json_schema", _sized(text, param), param)
+    text = _sized(json.dumps({} if schema is True else schema, separators=(",", ":")), param)
+    try:
+        enforceable_schema(schema, param)
+    except SchemaError as exc:
+        raise bad_field(exc.param, exc.message) from None
+    return GrammarSpec("json_schema", text, param)
 
 
 def _regex_spec(value: Any, param: str) -> GrammarSpec:

@@ -21,6 +21,13 @@ nothing; ``auto`` (the default with tools) parses the model's format.
 
 Arguments are reported as the JSON text the model wrote, so a stream's argument fragments,
 joined, equal the whole answer's ``arguments``.
+
+As vLLM does: with ``parallel_tool_calls: false`` only the first call is kept (``required``'s
+grammar allows just one); under ``auto``, an output whose calls name a function that is not
+in ``tools``, or whose call is cut off (its object never closes, or its arguments are not a
+JSON object), is returned as content, with no calls; ``finish_reason`` is ``tool_calls`` only
+under ``auto`` (a named function and ``required`` end with ``stop``, as OpenAI and vLLM
+answer them).
 """
 
 from __future__ import annotations
@@ -132,16 +139,57 @@ class ToolPlan:
         schema.update(defs)
         return schema_spec(schema, "tools")
 
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(tool["function"]["name"] for tool in self.tools)
+
+    def tool_specs(self) -> list[GrammarSpec]:
+        """Each tool's parameters as a constraint of its own, named
+        ``tools[i].function.parameters``: every definition compiles, whatever the choice."""
+        return [
+            schema_spec(tool["function"]["parameters"], f"tools[{i}].function.parameters")
+            for i, tool in enumerate(self.tools)
+        ]
+
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         fmt = self.format
         if fmt is None:
             return text, []
-        return parse_tool_calls(fmt, text, self.function)
+        content, calls = parse_tool_calls(fmt, text, self.function)
+        forced = fmt in ("named", "required")
+        if calls and not forced and not all(_usable(call, self.names) for call in calls):
+            return text, []
+        if not self.parallel:
+            calls = calls[:1]
+        return content, calls
+
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """The choice's ``finish_reason``: ``tool_calls`` for calls the model chose to make
+        (``auto``) and stopped after; a forced call (named, ``required``) ends ``stop``."""
+        if called and reason == "stop" and self.choice == "auto":
+            return "tool_calls"
+        return reason
 
     def stream(self) -> ToolCallStream:
         fmt = self.format
         assert fmt is not None
-        return ToolCallStream(fmt, self.function)
+        forced = fmt in ("named", "required")
+        return ToolCallStream(
+            fmt,
+            self.function,
+            names=None if forced else self.names,
+            limit=None if self.parallel else 1,
+        )
+
+
+def _usable(call: ParsedCall, names: frozenset[str]) -> bool:
+    """A whole call to a known function whose arguments are a JSON object."""
+    if not call.complete or call.name not in names:
+        return False
+    try:
+        return isinstance(json.loads(call.arguments), dict)
+    except ValueError:
+        return False
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
@@ -273,6 +321,12 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
             if not isinstance(message.tool_call_id, str):
                 raise bad_field(f"messages[{index}].tool_call_id", "must be a string")
             item["tool_call_id"] = message.tool_call_id
+        elif message.role == "tool":
+            raise bad_field(
+                f"messages[{index}].tool_call_id",
+                "is required: a tool message answers the tool call with this id",
+                "missing_field",
+            )
         if message.name is not None:
             if not isinstance(message.name, str):
                 raise bad_field(f"messages[{index}].name", "must be a string")
@@ -545,13 +599,26 @@ class ToolCallStream:
     end. A call's first delta carries its index, id, type and name with empty arguments; its
     arguments follow in fragments as the model writes them."""
 
-    def __init__(self, fmt: ToolFormat, function: str | None = None) -> None:
+    def __init__(
+        self,
+        fmt: ToolFormat,
+        function: str | None = None,
+        *,
+        names: frozenset[str] | None = None,
+        limit: int | None = None,
+    ) -> None:
         self.format = fmt
         self.function = function
+        self.names = names  # the known functions (None: not checked)
+        self.limit = limit  # the most calls sent (None: all)
         self.text = ""
         self.sent_content = 0
         self.sent_arguments: list[int] = []
         self.ids: list[str] = []
+        # A first call to an unknown function turns the output into content (as a whole
+        # answer's would be); a later one, after calls were sent, is dropped.
+        self.as_content = False
+        self.dropped = False
 
     @property
     def called(self) -> bool:
@@ -559,21 +626,42 @@ class ToolCallStream:
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self.text += text
+        if self.as_content:
+            return self._deltas(_Snapshot(self.text))
         return self._deltas(_snapshot(self.format, self.text, False, self.function))
 
     def finish(self) -> list[dict[str, Any]]:
         snapshot = _snapshot(self.format, self.text, True, self.function)
-        if not self.called and not any(call.name is not None for call in snapshot.calls):
+        if self.as_content or (
+            not self.called and not any(call.name is not None for call in snapshot.calls)
+        ):
             # No call after all: everything not yet sent is content.
             snapshot = _Snapshot(self.text)
         return self._deltas(snapshot)
 
     def _deltas(self, snapshot: _Snapshot) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
+        named = [call for call in snapshot.calls if call.name is not None]
+        if (
+            self.names is not None
+            and not self.called
+            and any(call.name not in self.names for call in named)
+        ):
+            self.as_content = True
+            snapshot, named = _Snapshot(self.text), []
         if len(snapshot.content) > self.sent_content and not self.called:
             deltas.append({"content": snapshot.content[self.sent_content :]})
             self.sent_content = len(snapshot.content)
-        named = [call for call in snapshot.calls if call.name is not None]
+        if self.names is not None:
+            known = []
+            for call in named:
+                if call.name not in self.names:
+                    self.dropped = True
+                    break
+                known.append(call)
+            named = known
+        if self.limit is not None:
+            named = named[: self.limit]
         for index, call in enumerate(named):
             if index == len(self.ids):
                 self.ids.append(new_call_id())
