@@ -153,7 +153,7 @@ def compile_lock(name: str, out_dir: Path, args: argparse.Namespace) -> Path:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--check", action="store_true", help="exit 1 if a lock would change")
     p.add_argument("--find-links", action="append", help="where the CPU torch wheel lies")
     p.add_argument("--only", choices=sorted(LOCKS), action="append")
