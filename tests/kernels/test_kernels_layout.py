@@ -94,8 +94,9 @@ def test_dispatch_runs_the_int4_kernels_when_asked(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = case.out.clone()
     dispatch.add_lora_int4(out, case.x, qa, qb, case.scales, case.ranks, meta, backend="triton",
-                           check_values=False)  # fmt: skip
-    assert seen == [{"v_buffer": None, "check_values": False}]
+                           active_slots=2, check_values=False)  # fmt: skip
+    # The batch's adapter count reaches the kernels, which pick their tiles by it.
+    assert seen == [{"v_buffer": None, "active_slots": 2, "check_values": False}]
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         dispatch.add_lora_int4(out, case.x, qa, qb, case.scales, case.ranks, meta,

@@ -27,6 +27,10 @@ def test_bench_many_adapters_cpu_smoke(tmp_path: Path) -> None:
             "r512_128",
             "--warmup-row",
             "--step-profile",
+            # A ramp long enough for the closed loop to reach its steady state on a loaded
+            # two-core machine, so both halves of the window count tokens.
+            "--ramp-s",
+            "3",
             "--out",
             str(out),
         ],
