@@ -1109,9 +1109,11 @@ async def launches_per_step(
 # and CUTLASS's carry gemm/sm90/nvjet; torch's elementwise kernels are "the rest".
 KERNEL_KINDS = (
     ("lora", ("sgmm", "lora", "shrink", "expand", "_bgmv", "_sgmv")),
-    ("attention", ("attention", "attn", "paged", "flash")),
+    # paged_attention.py's kernels: _decode_kernel, _decode_merge_kernel, _prefill_kernel.
+    ("attention", ("attention", "attn", "paged", "flash", "_decode_", "_prefill_kernel")),
     ("base_gemm", ("gemm", "gemv", "nvjet", "sm90_", "cutlass", "cublas", "matmul", "_mm_")),
     ("norm", ("rms", "norm")),
+    ("activation", ("act_mul",)),
     ("rotary", ("rotary", "rope")),
     ("sampling", ("sample", "argmax", "softmax", "topk", "top_k", "sort", "gumbel", "logprob")),
     ("copy", ("memcpy", "memset", "copy_", "index_put", "gather", "scatter")),
