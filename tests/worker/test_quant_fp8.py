@@ -384,6 +384,7 @@ def _ct(**over: Any) -> dict[str, Any]:
         ),
         (_ct(quantization_status="calibration"), "quantization_status: 'calibration' is not"),
         (_ct(surprise=True), "surprise: unknown field"),
+        (_ct(format=None), "config_groups.group_0.format: null with no top-level format"),
         (
             _ct(group={"weights": {**_CT_W, "type": "int"}}),
             "config_groups.group_0.weights.type: 'int'",

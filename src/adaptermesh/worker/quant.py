@@ -172,6 +172,9 @@ def _ct_groups(v: Any, d: Mapping[str, Any]) -> str | None:
                 )
         if scheme.get("weights") is None:
             return f".{name}.weights: null is not implemented (a group must quantise weights)"
+        if (scheme.get("format") or d.get("format")) != "float-quantized":
+            # compressed-tensors' default format is "dense" (weights not compressed).
+            return f".{name}.format: null with no top-level format is not implemented (only 'float-quantized')"
         if not scheme.get("targets"):
             return f".{name}.targets: is required"
     return None
