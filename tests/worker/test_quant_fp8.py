@@ -38,6 +38,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL7 = list(LEAVES)
+PHI3_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # stored fused
 PROMPTS = [tuple(range(2, 40, 3)), (5, 9, 2, 77, 31, 8)]
 
 
@@ -111,7 +112,7 @@ def write_fp8(
 
 
 def _is_linear(m: str) -> bool:
-    return m == "lm_head" or m.rsplit(".", 1)[-1] in LEAVES
+    return m == "lm_head" or m.rsplit(".", 1)[-1] in (*LEAVES, *PHI3_MODULES)
 
 
 CASES: dict[str, tuple[dict[str, Any], Any, str, str | None]] = {
@@ -218,7 +219,7 @@ CASES: dict[str, tuple[dict[str, Any], Any, str, str | None]] = {
             "quant_method": "compressed-tensors",
             "format": "float-quantized",
             "quantization_status": "frozen",
-            "ignore": ["lm_head", "model.layers.0.mlp.down_proj"],
+            "ignore": ["lm_head", "re:model\\.layers\\.0\\.mlp\\.down"],
             "config_groups": {
                 "attn": {
                     "targets": ["re:.*self_attn\\.(q|k|v|o)_proj$"],
@@ -246,6 +247,11 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("fp8_plain") / "m", "llama", seed=3, pad_token_id=0)
 
 
+@pytest.fixture(scope="module")
+def plain_phi3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("fp8_phi3") / "m", "phi3", seed=4, pad_token_id=0)
+
+
 def _write_case(plain: Path, tmp: Path, case: str) -> tuple[Path, Path]:
     qcfg, plan, scale_name, input_name = CASES[case]
     dst, ref = tmp / "fp8", tmp / "ref"
@@ -269,6 +275,40 @@ def test_fp8_checkpoint_matches_dequantised_reference(
         try:
             with recording_logits() as log:
                 await assert_matches(eng, ref, [None, "a0"], log, PROMPTS, n=6, tag=case)
+        finally:
+            await eng.shutdown()
+
+    asyncio.run(go())
+
+
+def test_fused_phi3_checkpoint_matches_dequantised_reference(
+    plain_phi3: Path, tmp_path: Path
+) -> None:
+    """Phi-3 stores qkv_proj and gate_up_proj fused: each is one fp8 module with its own
+    block scales (64 and 96 rows of 16-row blocks), served under a fused-module adapter."""
+    qcfg, _, scale_name, _ = CASES["fp8-block"]
+    dst, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+    write_fp8(
+        plain_phi3,
+        dst,
+        ref_dir,
+        {**qcfg, "modules_to_not_convert": None},
+        lambda m: None if m == "lm_head" or not _is_linear(m) else ("block", (16, 16)),
+        scale_name=scale_name,
+    )
+    m = load_model(dst, torch.device("cpu"), torch.float32, 64)
+    assert sorted(k.rsplit(".", 1)[-1] for k in m.quantized) == sorted(PHI3_MODULES * 2)
+    root = tmp_path / "adapters"
+    peft_adapter(root, ref_dir, "a0", seed=6, r=4, lora_alpha=8, target_modules=PHI3_MODULES)
+    ref = Ref(ref_dir, root, ["a0"])
+
+    async def go() -> None:
+        eng = Engine(
+            dst, root, device=DEVICE, dtype="float32", config=engine_config(), model_name="q"
+        )
+        try:
+            with recording_logits() as log:
+                await assert_matches(eng, ref, [None, "a0"], log, PROMPTS, n=6, tag="phi3")
         finally:
             await eng.shutdown()
 
@@ -600,6 +640,19 @@ _CT_ARGS_DRAW: dict[str, tuple[list[Any], list[Any]]] = {
 }
 
 
+_CT_TOP_DRAW: dict[str, tuple[list[Any], list[Any]]] = {
+    "format": (["float-quantized"], ["pack-quantized", "dense", None]),
+    "quantization_status": (["compressed", "frozen"], ["initialized", "calibration"]),
+    "ignore": ([None, [], ["lm_head", "re:.*mlp"]], ["lm_head", [1]]),
+    "kv_cache_scheme": ([None, {}], [{"num_bits": 8, "type": "float", "strategy": "tensor"}]),
+    "sparsity_config": ([None, {}], [{"format": "sparse-24-bitmask"}]),
+    "transform_config": ([None], [{"config_groups": {}}]),
+    "global_compression_ratio": ([None, 1.5], []),
+    "version": (["0.9.1"], []),
+    "provider_extra": ([], ["x"]),
+}
+
+
 @st.composite
 def _fields(
     draw: st.DrawFn, table: dict[str, tuple[list[Any], list[Any]]]
@@ -616,14 +669,20 @@ def _fields(
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(fp8=_fields(_FP8_DRAW), args=_fields(_CT_ARGS_DRAW), method=st.sampled_from(["fp8", "ct"]))
-def test_drawn_field_combinations(plain: Path, fp8: Any, args: Any, method: str) -> None:
+@given(
+    fp8=_fields(_FP8_DRAW),
+    args=_fields(_CT_ARGS_DRAW),
+    top=_fields(_CT_TOP_DRAW),
+    method=st.sampled_from(["fp8", "ct"]),
+)
+def test_drawn_field_combinations(plain: Path, fp8: Any, args: Any, top: Any, method: str) -> None:
     if method == "fp8":
         fields, bad = fp8
         qcfg = {"quant_method": "fp8", **fields}
     else:
         fields, bad = args
-        qcfg = _ct(group={"weights": fields})
+        qcfg = _ct(group={"weights": fields}, **top[0])
+        bad = bad | top[1]
     cfg = _cfg(plain, qcfg)
     if not bad:
         assert ModelConfig.from_dict(cfg).quant is not None
