@@ -852,7 +852,7 @@ class TransformerModel:
         # dequantised copies, rounded once to ``dtype`` (no fp8 GEMM exists yet).
         self.quantized: dict[str, Fp8Weight] = {}
         if cfg.quant is not None:
-            weights, self.quantized = dequantize_checkpoint(cfg.quant, weights)
+            weights, self.quantized = dequantize_checkpoint(cfg.quant, weights, dtype)
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:

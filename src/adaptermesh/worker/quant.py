@@ -20,7 +20,7 @@ style of ``model_fields``). Refused by name: AWQ, GPTQ and every other ``quant_m
 The loaded form is an ``Fp8Weight`` per quantised module: the stored e4m3 tensor and its
 scales, untouched, so a device GEMM on fp8 (``torch._scaled_mm`` or a Triton ``tl.dot``) can
 consume them. No such kernel exists yet: ``dequantize_checkpoint`` also returns each weight
-dequantised in fp32 (the model rounds it once to its dtype), which is what the forward pass
+dequantised to the model dtype (the fp32 product, rounded once), which is what the forward pass
 multiplies by on every device today. Activation scales are kept and checked but not applied:
 the dequantised-weight path is transformers' ``dequantize=True`` reference, which drops them.
 """
@@ -497,13 +497,14 @@ def _load_one(
 
 
 def dequantize_checkpoint(
-    scheme: QuantScheme, weights: dict[str, torch.Tensor]
+    scheme: QuantScheme, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
 ) -> tuple[dict[str, torch.Tensor], dict[str, Fp8Weight]]:
     """Split the checkpoint's tensors: ``(dense, stored)``.
 
     ``stored``: module name -> ``Fp8Weight`` for every linear module the scheme quantises.
     ``dense``: the other tensors as they were, plus each quantised module's ``.weight``
-    dequantised in fp32. Scale tensors of unquantised modules stay in ``dense`` (the model
+    dequantised to ``dtype`` (the fp32 product, rounded once; one module at a time, so the
+    load never holds an fp32 copy of the model). Scale tensors of unquantised modules stay in ``dense`` (the model
     then refuses them as unused); an fp8 tensor anywhere else is refused here.
     """
     weights = dict(weights)
@@ -525,5 +526,5 @@ def dequantize_checkpoint(
                 "layer)"
             )
     for module, w in stored.items():
-        weights[module + ".weight"] = w.dequantize(torch.float32)
+        weights[module + ".weight"] = w.dequantize(dtype)
     return weights, stored
