@@ -429,6 +429,14 @@ def _ct(**over: Any) -> dict[str, Any]:
             _ct(group={"weights": {**_CT_W, "type": "int"}}),
             "config_groups.group_0.weights.type: 'int'",
         ),
+        (
+            _ct(group={"weights": {"num_bits": 8, "strategy": "tensor"}}),
+            "weights.type: absent means 'int'",
+        ),
+        (
+            _ct(group={"input_activations": {"num_bits": 8, "dynamic": True}}),
+            "input_activations.type: absent means 'int'",
+        ),
         (_ct(group={"weights": {**_CT_W, "num_bits": 4}}), "group_0.weights.num_bits: 4"),
         (
             _ct(group={"weights": {**_CT_W, "strategy": "group", "group_size": 128}}),
@@ -681,7 +689,7 @@ def test_drawn_field_combinations(plain: Path, fp8: Any, args: Any, top: Any, me
         qcfg = {"quant_method": "fp8", **fields}
     else:
         fields, bad = args
-        qcfg = _ct(group={"weights": fields}, **top[0])
+        qcfg = _ct(group={"weights": {**_CT_W, **fields}}, **top[0])
         bad = bad | top[1]
     cfg = _cfg(plain, qcfg)
     if not bad:

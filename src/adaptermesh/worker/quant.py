@@ -228,6 +228,9 @@ def _args_check(role: str) -> QCheck:
             msg = c(val, v)
             if msg is not None:
                 return f".{key}: {val!r} {msg}"
+        if "type" not in v:
+            # compressed-tensors' QuantizationArgs default: type "int".
+            return ".type: absent means 'int', which is not implemented (only 'float')"
         strategy, dynamic = v.get("strategy", "tensor"), v.get("dynamic", False)
         if role == "weights":
             if strategy not in ("tensor", "channel"):
