@@ -315,6 +315,25 @@ def test_fused_phi3_checkpoint_matches_dequantised_reference(
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_load_equals_the_dequantised_checkpoint(
+    plain: Path, tmp_path: Path, case: str
+) -> None:
+    """In bf16 the served weights are the fp32 products rounded once: exactly what the plain
+    dequantised checkpoint gives when the same loader casts it."""
+    dst, ref_dir = _write_case(plain, tmp_path, case)
+    mine = load_model(dst, torch.device("cpu"), torch.bfloat16, 64)
+    want = load_model(ref_dir, torch.device("cpu"), torch.bfloat16, 64)
+    assert mine.quantized
+    assert not want.quantized
+    assert torch.equal(mine.lm_head, want.lm_head)
+    for la, lb in zip(mine.layers, want.layers, strict=True):
+        assert la.keys() == lb.keys()
+        for k in la:
+            assert la[k].dtype == torch.bfloat16
+            assert torch.equal(la[k], lb[k]), k
+
+
 def test_stored_form_is_kept_and_counted(plain: Path, tmp_path: Path) -> None:
     dst, _ = _write_case(plain, tmp_path, "fp8-block")
     raw = load_file(str(dst / "model.safetensors"))
