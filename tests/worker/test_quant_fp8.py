@@ -116,7 +116,8 @@ def _is_linear(m: str) -> bool:
 
 
 CASES: dict[str, tuple[dict[str, Any], Any, str, str | None]] = {
-    # DeepSeek/Qwen3-FP8 layout: 16x16 blocks, one layer's attention kept in fp32.
+    # DeepSeek/Qwen3-FP8 layout: 16x16 blocks, one layer's attention kept in fp32. A given
+    # modules_to_not_convert replaces transformers' default skips: lm_head is quantised too.
     "fp8-block": (
         {
             "quant_method": "fp8",
@@ -127,13 +128,14 @@ CASES: dict[str, tuple[dict[str, Any], Any, str, str | None]] = {
         },
         lambda m: (
             None
-            if m == "lm_head" or not _is_linear(m) or m.startswith("model.layers.1.self_attn")
+            if not _is_linear(m) or m.startswith("model.layers.1.self_attn")
             else ("block", (16, 16))
         ),
         "weight_scale_inv",
         None,
     ),
-    # Blocks that do not divide the shapes (the last row/column block is partial).
+    # Blocks that do not divide the shapes (the last row/column block is partial); no
+    # modules_to_not_convert, so lm_head keeps transformers' default skip.
     "fp8-ragged-block": (
         {"quant_method": "fp8", "weight_block_size": [12, 20]},
         lambda m: None if m == "lm_head" or not _is_linear(m) else ("block", (12, 20)),
@@ -347,8 +349,8 @@ def test_stored_form_is_kept_and_counted(plain: Path, tmp_path: Path) -> None:
     assert w.input_scale is None
     # Layer 1's attention is in modules_to_not_convert: plain, not held.
     assert "model.layers.1.self_attn.q_proj" not in m.quantized
-    assert "lm_head" not in m.quantized
-    assert len(m.quantized) == 7 + 3  # layer 0: all seven; layer 1: the MLP
+    assert m.quantized["lm_head"].block == (16, 16)  # a given list replaces the default skips
+    assert len(m.quantized) == 7 + 3 + 1  # layer 0: all seven; layer 1: the MLP; lm_head
     dense = sum(
         t.numel() * t.element_size()
         for t in [m.embed, m.norm, m.lm_head, *(t for layer in m.layers for t in layer.values())]
@@ -546,7 +548,7 @@ def _tamper(plain: Path, tmp: Path, case: str, edit: Any) -> Path:
             "torch.int32",
         ),
         (
-            "fp8-block",
+            "fp8-ragged-block",
             lambda t: t.update({"lm_head.weight": t["lm_head.weight"].to(FP8)}),
             "tensor lm_head.weight is float8_e4m3fn",
         ),

@@ -7,7 +7,8 @@ the real weight is ``w = q.float() * scale`` broadcast over the scale's layout:
   per ``weight_block_size`` block, ``[ceil(out / bo), ceil(in / bi)]`` (the name says "inv"
   but it multiplies, as transformers' ``Fp8Dequantize`` does), or one per-tensor scalar when
   ``weight_block_size`` is null. ``activation_scheme: static`` adds ``activation_scale``.
-  ``lm_head`` is never quantised (transformers keeps the output embedding unconverted).
+  Without ``modules_to_not_convert`` (or its alias ``ignored_layers``), ``lm_head`` stays
+  unquantised (transformers' default skips); with a list, only the list is skipped.
 - ``compressed-tensors`` float8 (``format: float-quantized``): ``weight_scale`` per tensor
   (one element) or per channel (``[out, 1]``); ``input_scale`` (one element) for static
   activations, nothing for dynamic ones; modules picked by each config group's ``targets``
@@ -323,11 +324,16 @@ class QuantScheme:
     ignore: tuple[str, ...]
     scale_name: str  # "weight_scale_inv" | "weight_scale"
     input_scale_name: str  # "activation_scale" | "input_scale"
+    # fp8 without modules_to_not_convert: transformers' default skips keep lm_head unquantised
+    # (given a list, even an empty one, only the list is skipped).
+    skip_lm_head: bool = False
 
     def scheme_for(self, module: str) -> LinearScheme | None:
         """The scheme of checkpoint module ``module`` (a linear layer), or None: not quantised."""
         if self.method == "fp8":
-            if module == "lm_head" or any(_fp8_skip(p, module) for p in self.ignore):
+            if (module == "lm_head" and self.skip_lm_head) or any(
+                _fp8_skip(p, module) for p in self.ignore
+            ):
                 return None
             return self.groups[0][1]
         if any(_ct_match(t, module) for t in self.ignore):
@@ -383,6 +389,7 @@ def parse_quant_config(v: Mapping[str, Any]) -> QuantScheme:
             tuple(skip or ()),
             "weight_scale_inv",
             "activation_scale",
+            skip_lm_head=skip is None,
         )
     groups = []
     for name, scheme in v["config_groups"].items():
