@@ -40,6 +40,12 @@ from adaptermesh.worker.model_fields import (
     gemma_act,
     rotary_dim,
 )
+from adaptermesh.worker.quant import (
+    Fp8Weight,
+    QuantScheme,
+    dequantize_checkpoint,
+    parse_quant_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +189,8 @@ class ModelConfig:
     # are (their own RoPE even without a window).
     local_rope: tuple[float, dict[str, Any] | None] | None = None
     local_rope_layers: tuple[bool, ...] = ()
+    # quantization_config: which linear modules the checkpoint stores in fp8 (worker/quant.py).
+    quant: QuantScheme | None = None
 
     @property
     def rot_dim(self) -> int:
@@ -307,6 +315,11 @@ class ModelConfig:
                 tuple(t == "sliding_attention" for t in _gemma3_layer_types(d, num_layers))
                 if local_rope
                 else ()
+            ),
+            quant=(
+                parse_quant_config(d["quantization_config"])
+                if d.get("quantization_config") is not None
+                else None
             ),
         )
 
@@ -834,6 +847,12 @@ class TransformerModel:
         # Tensor parallelism (``tp_group``): this model holds one rank's shard
         # (``tp_shard``), and the forward pass reduces after o and down and gathers the logits.
         self.tp: ParallelComm | None = None
+        # An fp8 checkpoint's linear weights as stored (e4m3 + scales, on the host, where the
+        # file put them) for a device fp8 GEMM; the forward pass multiplies by their
+        # dequantised copies, rounded once to ``dtype`` (no fp8 GEMM exists yet).
+        self.quantized: dict[str, Fp8Weight] = {}
+        if cfg.quant is not None:
+            weights, self.quantized = dequantize_checkpoint(cfg.quant, weights, dtype)
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -954,6 +973,8 @@ class TransformerModel:
                 continue
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
+        if self.device.type == "cpu":  # the stored fp8 form shares the device's memory there
+            total += sum(w.nbytes for w in self.quantized.values())
         return total
 
     @torch.inference_mode()

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from adaptermesh.worker.quant import check_quant_config
+
 __all__ = [
     "ACTIVATIONS",
     "ADAPTER_FIELDS",
@@ -373,7 +375,7 @@ _COMMON: dict[str, Check] = {
     "tie_word_embeddings": _bool,
     "bos_token_id": _token_id,
     "eos_token_id": _token_id,
-    "quantization_config": _never("quantized checkpoints are not implemented"),
+    "quantization_config": lambda v, d: check_quant_config(v),  # worker/quant.py's tables
     "auto_map": _never("custom modeling code is not implemented"),
 }
 
@@ -495,7 +497,7 @@ ARCH_FIELDS["gemma3_text"] = {
 # attention only), or the field is one transformers' own model ignores too (dropout, the
 # generation cache class, a duplicate of another field). Every other field of a table is read.
 # tests/worker/test_fidelity.py holds real and transformers-written configs to this.
-_UNREAD_COMMON = frozenset({"quantization_config", "auto_map"})
+_UNREAD_COMMON = frozenset({"auto_map"})
 UNREAD_FIELDS: dict[str, frozenset[str]] = {
     "llama": _UNREAD_COMMON | {"sliding_window", "layer_types"},
     "mistral": _UNREAD_COMMON | {"layer_types"},

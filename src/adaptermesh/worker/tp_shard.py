@@ -121,6 +121,11 @@ def shard_weights(
     """Rank ``rank``'s tensors under the Hugging Face names ``TransformerModel`` reads, for the
     config ``shard_config(cfg, world)``. ``weights`` is left as it was."""
     check_divisible(cfg, world)
+    if cfg.quant is not None:
+        raise ValueError(
+            f"config.quantization_config: tensor parallelism over a quantised checkpoint "
+            f"({cfg.quant.method}) is not implemented"
+        )
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
     inter = cfg.intermediate_size
