@@ -287,6 +287,7 @@ class Engine:
             dtype,
             config.lora_dtype,
             groups,
+            config.lora_dora,
         ).nbytes
         self.config = config
         config, self.sizing = size_config(
@@ -308,6 +309,7 @@ class Engine:
                 dtype,
                 config.lora_dtype,
                 groups,
+                config.lora_dora,
             )
             if group is None
             else ShardedLoraPool(
@@ -322,6 +324,8 @@ class Engine:
                 config.tp_lora_scheme,
             )
         )
+        if self.pool.dora:
+            self.pool.base_weight = self.model.module_weight
         if config.lora_overlap and self.device.type == "cuda":
             self.model.lora_side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             self.model.lora_side_max_tokens = config.lora_overlap_max_tokens
