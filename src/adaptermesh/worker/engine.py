@@ -324,8 +324,6 @@ class Engine:
                 config.tp_lora_scheme,
             )
         )
-        if self.pool.dora:
-            self.pool.base_weight = self.model.module_weight
         if config.lora_overlap and self.device.type == "cuda":
             self.model.lora_side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             self.model.lora_side_max_tokens = config.lora_overlap_max_tokens
@@ -358,6 +356,9 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.merge_policy = MergePolicy(self.model, config)
+        if self.pool.dora:
+            # DoRA's norms are of the base weights: never of an AdaFuse merge in them.
+            self.pool.base_weight = self.merge_policy.masters.pristine
         self.adapters = AdapterManager(
             self.adapter_root,
             model_config,
