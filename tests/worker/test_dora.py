@@ -279,3 +279,30 @@ def test_pool_counts_dora_factors(llama: Path) -> None:
     dora.dora["qkv"][:, 1] = 2.0
     dora.clear(1)
     assert bool((dora.dora["qkv"] == 1.0).all())
+
+
+def test_dora_norms_come_from_the_unmerged_base(llama: Path, tmp_path: Path) -> None:
+    # An AdaFuse merge writes into the live weights; a DoRA adapter loading meanwhile must
+    # take its norms from the module's pristine copy, as peft (on the base model) does.
+    path = peft_adapter(tmp_path, llama, "ad", 1, r=4, use_dora=True, target_modules=["q_proj"])
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj."
+    a, b = tensors[prefix + "lora_A.weight"], tensors[prefix + "lora_B.weight"]
+    m = tensors[prefix + "lora_magnitude_vector"]
+
+    async def go() -> None:
+        eng = Engine(llama, tmp_path, config=EngineConfig(lora_dora=True, max_loras=2))
+        try:
+            w0 = eng.merge_policy.masters.get(0, "q_proj").clone()  # what a set load takes
+            eng.model.module_weight(0, "q_proj").add_(0.5)  # what a merge then writes
+            await eng.load_adapter("ad", str(path))
+            slot = eng.adapters.published["ad"].slot
+            got = eng.pool.dora["qkv"][0, slot, : w0.shape[0]]
+            cj = json.loads((path / "adapter_config.json").read_text())
+            scale = cj["lora_alpha"] / cj["r"]
+            want = m / torch.linalg.norm(w0 + scale * (b @ a), dim=1)
+            torch.testing.assert_close(got, want)
+        finally:
+            await eng.shutdown()
+
+    asyncio.run(go())
