@@ -92,6 +92,29 @@ def test_dora_with_projection_biases_matches_peft(tmp_path: Path) -> None:
         match_case(model_dir, root, ["d", "p"], PROMPTS, n=4, tag=f"{arch}-", lora_dora=True)
 
 
+# Every family the worker serves, with DoRA on the modules it has unfused (Phi-3: o_proj and
+# down_proj; its fused qkv_proj / gate_up_proj are refused, below).
+FAMILIES = [
+    ("mistral", {}, MODULES),
+    ("qwen3", {"attention_bias": True}, MODULES),
+    ("phi3", {}, ("o_proj", "down_proj")),
+    ("gemma", {"head_dim": 16, "attention_bias": True}, MODULES),
+    ("gemma2", {"head_dim": 8, "final_logit_softcapping": 5.0}, MODULES),
+    ("gemma3_text", {"head_dim": 8, "sliding_window": 3, "sliding_window_pattern": 2}, MODULES),
+]
+
+
+@pytest.mark.parametrize(("arch", "cfg", "mods"), FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_dora_on_every_family_matches_peft(
+    tmp_path: Path, arch: str, cfg: dict[str, Any], mods: tuple[str, ...]
+) -> None:
+    model_dir = build_model(tmp_path / "m", arch, seed=4, pad_token_id=0, **cfg)
+    root = tmp_path / "adapters"
+    peft_adapter(root, model_dir, "d", 41, r=4, use_dora=True, target_modules=list(mods))
+    peft_adapter(root, model_dir, "p", 42, r=2, target_modules=list(mods[:1]))
+    match_case(model_dir, root, ["d", "p"], PROMPTS, n=3, tag=f"{arch}-", lora_dora=True)
+
+
 def test_dora_magnitude_really_changes_output(llama: Path, tmp_path: Path) -> None:
     # Guards the equivalence tests against a factor that is ignored (or always 1): the same
     # matrices saved without their magnitudes, as plain LoRA, give other tokens.
