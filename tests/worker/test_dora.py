@@ -92,19 +92,22 @@ def test_dora_with_projection_biases_matches_peft(tmp_path: Path) -> None:
         match_case(model_dir, root, ["d", "p"], PROMPTS, n=4, tag=f"{arch}-", lora_dora=True)
 
 
-# Every family the worker serves, with DoRA on the modules it has unfused (Phi-3: o_proj and
-# down_proj; its fused qkv_proj / gate_up_proj are refused, below).
+# Every family the worker serves. Phi-3's fused qkv_proj / gate_up_proj carry one magnitude
+# vector over the stacked outputs, split onto the slices like B.
 FAMILIES = [
     ("mistral", {}, MODULES),
     ("qwen3", {"attention_bias": True}, MODULES),
-    ("phi3", {}, ("o_proj", "down_proj")),
+    ("phi3", {}, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    ("phi3", {}, ("qkv_proj", "down_proj")),
     ("gemma", {"head_dim": 16, "attention_bias": True}, MODULES),
     ("gemma2", {"head_dim": 8, "final_logit_softcapping": 5.0}, MODULES),
     ("gemma3_text", {"head_dim": 8, "sliding_window": 3, "sliding_window_pattern": 2}, MODULES),
 ]
 
 
-@pytest.mark.parametrize(("arch", "cfg", "mods"), FAMILIES, ids=[f[0] for f in FAMILIES])
+@pytest.mark.parametrize(
+    ("arch", "cfg", "mods"), FAMILIES, ids=[f"{f[0]}-{len(f[2])}" for f in FAMILIES]
+)
 def test_dora_on_every_family_matches_peft(
     tmp_path: Path, arch: str, cfg: dict[str, Any], mods: tuple[str, ...]
 ) -> None:
@@ -214,15 +217,21 @@ def _read(path: Path, model_dir: Path, per_module: bool = True) -> Any:
     return read_adapter("ad", path, cfg, 16, torch.float32, pin_memory=False, per_module=per_module)
 
 
-def test_dora_on_a_fused_module_is_refused_by_name(tmp_path: Path) -> None:
+def test_fused_magnitudes_split_onto_the_slices(tmp_path: Path) -> None:
     model_dir = build_model(tmp_path / "m", "phi3", seed=1, pad_token_id=0)
     path = peft_adapter(
         tmp_path / "a", model_dir, "ad", 1, r=4, use_dora=True, target_modules=["qkv_proj"]
     )
-    with pytest.raises(AdapterValidationError) as exc:
-        _read(path, model_dir)
-    assert exc.value.field == "use_dora"
-    assert "qkv_proj" in str(exc.value)
+    cpu = _read(path, model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    m = load_file(str(path / "adapter_model.safetensors"))[
+        "base_model.model.model.layers.1.self_attn.qkv_proj.lora_magnitude_vector"
+    ]
+    parts = [e for e in cpu.magnitudes if e.layer == 1]
+    assert [(e.group, e.index) for e in parts] == [("qkv", 0), ("qkv", 1), ("qkv", 2)]
+    widths = [cfg.module_shape(s)[1] for s in ("q_proj", "k_proj", "v_proj")]
+    torch.testing.assert_close(torch.cat([cpu.magnitude(e) for e in parts]), m)
+    assert [e.length for e in parts] == widths
 
 
 def test_dora_for_adafuse_experts_is_refused_by_name(llama: Path, tmp_path: Path) -> None:

@@ -619,7 +619,7 @@ ADAPTER_FIELDS: dict[str, Check] = {
     "rank_pattern": _a_any,
     "alpha_pattern": _a_any,
     # DoRA: magnitude vectors read with the matrices (read_adapter); where the worker cannot
-    # serve it exactly (a fused module, AdaFuse experts, a pool without DoRA factors) the load
+    # serve it exactly (AdaFuse experts, a pool without DoRA factors) the load
     # refuses it by this name.
     "use_dora": lambda v, cj: None if v is None or isinstance(v, bool) else "must be a boolean",
     # harmless at inference

@@ -379,12 +379,6 @@ def read_adapter(
     dora = cj.get("use_dora") is True
     if dora and not per_module:
         raise _fail(name, "use_dora", "True is not implemented for AdaFuse experts")
-    if dora and fused:
-        raise _fail(
-            name,
-            "use_dora",
-            f"True is not implemented on the fused module {fused[0]!r} (Phi-3 checkpoints)",
-        )
     if fused and not per_module:
         raise _fail(
             name,
@@ -429,7 +423,7 @@ def read_adapter(
                 data[start:end].view(dt).mul_(sm)  # this module's scale rides in its B
             entries.extend(_split_entry(cfg, key, m, layer, is_b, dt, shape, start))
         if dora:
-            magnitudes.append(_magnitude_entry(name, wfld, header, prefix, m, layer, fo))
+            magnitudes.extend(_magnitude_entries(cfg, name, wfld, header, prefix, m, layer, fo))
     if header:
         extra = sorted(header)[0]
         why = (
@@ -466,7 +460,8 @@ def read_adapter(
     return cpu
 
 
-def _magnitude_entry(
+def _magnitude_entries(
+    cfg: ModelConfig,
     name: str,
     wfld: str,
     header: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]],
@@ -474,17 +469,26 @@ def _magnitude_entry(
     module: str,
     layer: int,
     out_features: int,
-) -> MagnitudeEntry:
-    """The DoRA magnitude vector of one targeted module, taken out of ``header``."""
+) -> list[MagnitudeEntry]:
+    """The DoRA magnitude vector of one targeted module, taken out of ``header``. A fused
+    module's (Phi-3) vector splits by output rows like its B: each row's norm is of that row
+    of ``W + scale B A`` alone, so every slice keeps its rows' magnitudes."""
     key = prefix + ".lora_magnitude_vector"
     h = header.pop(key, None)
     if h is None:
         raise _fail(name, wfld, f"missing tensor {key} (use_dora is true)")
-    dt, got_shape, start, end = h
+    dt, got_shape, start, _ = h
     if got_shape != (out_features,):
         raise _fail(name, wfld, f"tensor {key} has shape {got_shape}, expected ({out_features},)")
-    g, i = MODULE_TO_GROUP[module]
-    return MagnitudeEntry(key, g, i, layer, dt, out_features, start, end)
+    out = []
+    row = 0
+    for sub in FUSED_MODULES.get(module, (module,)):
+        g, i = MODULE_TO_GROUP[sub]
+        n = cfg.module_shape(sub)[1] if sub != module else out_features
+        lo = start + row * dt.itemsize
+        out.append(MagnitudeEntry(key, g, i, layer, dt, n, lo, lo + n * dt.itemsize))
+        row += n
+    return out
 
 
 def _split_entry(
