@@ -118,7 +118,8 @@ def build_model(directory: Path, arch: str, seed: int = 0, **config: Any) -> Pat
 
 
 def peft_adapter(root: Path, model_dir: Path, name: str, seed: int, **lora: Any) -> Path:
-    """An adapter saved by peft itself from a LoraConfig, with random non-zero A and B."""
+    """An adapter saved by peft itself from a LoraConfig, with random non-zero A and B (and,
+    with ``use_dora``, random magnitudes)."""
     import peft
     import transformers
 
@@ -135,6 +136,9 @@ def peft_adapter(root: Path, model_dir: Path, name: str, seed: int, **lora: Any)
                     p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
                 elif "lora_B" in n:
                     p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+                elif "lora_magnitude_vector" in n:
+                    # DoRA starts at m = ||W|| (a factor of about 1); move it off that.
+                    p.mul_(0.6 + 0.8 * torch.rand(p.shape, generator=gen))
         pm.save_pretrained(str(root / name))
     return root / name
 

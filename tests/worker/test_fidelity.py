@@ -301,7 +301,7 @@ def test_rope_tables_match_transformers(rope: dict[str, Any]) -> None:
 # --- refused adapter_config.json fields ----------------------------------------------------
 
 REFUSED_ADAPTER = [
-    ({"use_dora": True}, "use_dora"),
+    ({"use_dora": "yes"}, "use_dora"),
     ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
     ({"bias": "all"}, "bias"),
     ({"bias": "lora_only"}, "bias"),

@@ -174,3 +174,62 @@ def test_expert_sets_on_cuda_match_reference(tiny: Tiny, tmp_path: Path) -> None
     for name, got in alone.items():
         assert got == greedy(list(tiny.encode(PROMPTS[2])), name, 6), name
     assert restored
+
+
+def test_dora_rows_on_cuda_match_peft(tmp_path: Path) -> None:
+    # DoRA, plain LoRA and base rows in one batch on the Triton path: graph replay with the
+    # side-stream shrink (the factor gathered after the deferred term) and eager steps with
+    # the serial path, fp32 against peft; bf16 serves the same batch.
+    from .fidelity_helpers import PROMPT, Ref, build_model, peft_adapter
+
+    model_dir = build_model(tmp_path / "m", "llama", seed=3, pad_token_id=0, mlp_bias=True)
+    root = tmp_path / "adapters"
+    peft_adapter(
+        root, model_dir, "d4", 11, r=4, use_dora=True, target_modules=["q_proj", "down_proj"]
+    )
+    peft_adapter(root, model_dir, "d8", 12, r=8, use_dora=True, use_rslora=True,
+                 target_modules="all-linear")  # fmt: skip
+    peft_adapter(root, model_dir, "p4", 13, r=4, target_modules=["v_proj", "o_proj"])
+    names: list[str | None] = [None, "d4", "d8", "p4"]
+    prompts = [PROMPT, PROMPT[3:7]]
+    ref = Ref(model_dir, root, ["d4", "d8", "p4"])
+
+    def run(graphs: bool, overlap: bool, dtype: str) -> tuple[dict[str, list[int]], Any]:
+        async def go() -> tuple[dict[str, list[int]], Any]:
+            cfg = EngineConfig(
+                max_num_seqs=8,
+                max_loras=3,
+                max_lora_rank=16,
+                max_prefill_chunk=5,
+                use_cuda_graphs=graphs,
+                lora_overlap=overlap,
+                lora_dora=True,
+            )
+            eng = Engine(model_dir, root, device="cuda", dtype=dtype, config=cfg)
+            streams = {
+                f"{i}-{n}": eng.submit(request(f"{i}-{n}", p, n, max_tokens=6))
+                for i, p in enumerate(prompts)
+                for n in names
+            }
+            outs = {rid: tokens(await collect(s)) for rid, s in streams.items()}
+            info = eng.describe()
+            await eng.shutdown()
+            return outs, info
+
+        return asyncio.run(go())
+
+    def greedy(ids: list[int], name: str | None) -> list[int]:
+        out: list[int] = []
+        for _ in range(6):
+            out.append(int(ref.logits(ids + out, name)[-1].argmax()))
+        return out
+
+    replayed, info = run(graphs=True, overlap=True, dtype="float32")
+    assert info["cuda_graphs"], info
+    for rid, got in replayed.items():
+        i, name = rid.split("-", 1)
+        assert got == greedy(list(prompts[int(i)]), None if name == "None" else name), rid
+    eager, _ = run(graphs=False, overlap=False, dtype="float32")
+    assert eager == replayed
+    bf16, _ = run(graphs=True, overlap=True, dtype="bfloat16")
+    assert all(len(v) == 6 for v in bf16.values())

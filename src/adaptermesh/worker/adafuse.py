@@ -319,6 +319,14 @@ class BackboneMasters:
                 self.copies[(layer, module)] = t
             return t
 
+    def pristine(self, layer: int, module: str) -> torch.Tensor:
+        """The unmerged weight of (layer, module): its copy when some expert set targets it
+        (a merge may be in the live weight), else the live weight, which no set can have
+        merged into (the copy is taken before any set on the module is published)."""
+        with self._lock:
+            t = self.copies.get((layer, module))
+        return self.model.module_weight(layer, module) if t is None else t
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.copies.values())

@@ -580,6 +580,13 @@ class AdapterManager:
                 f"{', '.join(modules)} outside the worker's LoRA target modules "
                 f"(its adapter pool holds {', '.join(sorted(self.pool.groups))})",
             )
+        if cpu.magnitudes and not self.pool.dora:
+            raise AdapterValidationError(
+                name,
+                "use_dora",
+                "True is not served by this worker: its adapter pool holds no DoRA factors "
+                "(start it with --lora-dora; not available with int4 pools or tensor parallelism)",
+            )
         cpu.pinned = pinned
         t_read = time.perf_counter()
         slot = (
@@ -782,6 +789,13 @@ class AdapterManager:
         src = [cpu.view(e, data) for e in cpu.entries]
         torch._foreach_copy_(dst, src)  # one call for every matrix, not a Python loop of copies
         pool.set_slot(slot, cpu.rank, cpu.scale, cpu.groups)
+        if pool.dora:
+            # DoRA's column norms, once per load from the slot just written (plain LoRA: ones).
+            pool.set_dora(
+                slot,
+                cpu.scale,
+                [(m.group, m.index, m.layer, cpu.magnitude(m, data)) for m in cpu.magnitudes],
+            )
         return dst
 
     def _write_slot(

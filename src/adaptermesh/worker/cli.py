@@ -435,6 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
         "adapter on load, group-wise, about 3.7x the adapters per GB of slots",
     )
     p.add_argument(
+        "--lora-dora",
+        action="store_true",
+        help="hold DoRA factors in the adapter pool so use_dora adapters load (one vector "
+        "per module and slot; each projection scales its rows by their adapter's factor)",
+    )
+    p.add_argument(
         "--adapter-eviction",
         choices=list(POLICY_NAMES),
         default=None,
@@ -613,6 +619,8 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.enable_prefix_caching = False
     if args.lora_dtype is not None:
         config.lora_dtype = args.lora_dtype
+    if args.lora_dora:
+        config.lora_dora = True
     if args.lora_target_modules is not None:
         config.lora_target_modules = tuple(args.lora_target_modules)
     if args.adapter_eviction is not None:

@@ -287,6 +287,7 @@ class Engine:
             dtype,
             config.lora_dtype,
             groups,
+            config.lora_dora,
         ).nbytes
         self.config = config
         config, self.sizing = size_config(
@@ -308,6 +309,7 @@ class Engine:
                 dtype,
                 config.lora_dtype,
                 groups,
+                config.lora_dora,
             )
             if group is None
             else ShardedLoraPool(
@@ -354,6 +356,9 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.merge_policy = MergePolicy(self.model, config)
+        if self.pool.dora:
+            # DoRA's norms are of the base weights: never of an AdaFuse merge in them.
+            self.pool.base_weight = self.merge_policy.masters.pristine
         self.adapters = AdapterManager(
             self.adapter_root,
             model_config,

@@ -83,6 +83,10 @@ class EngineConfig:
     # for q_proj/v_proj adapters holds only the qkv group: several times the adapters in the
     # same memory. An adapter that targets another module is refused when it loads.
     lora_target_modules: tuple[str, ...] | None = None
+    # The pool holds DoRA factors (one per output feature of every pool module, per slot), so
+    # use_dora adapters load; every projection then scales its rows by their slot's factor
+    # (1 for plain LoRA and base rows). Off: use_dora adapters are refused by name.
+    lora_dora: bool = False
     max_num_batched_tokens: int = 512  # token budget per step (decode rows + prompt chunks)
     max_prefill_chunk: int = 256
     max_prefill_seqs: int = 8  # prompt chunks per step
@@ -185,6 +189,14 @@ def validate_config(config: EngineConfig) -> None:
     if tp > 1 and config.lora_dtype == "int4":
         raise InvalidRequestError(
             "lora_dtype", "int4 adapter pools are not supported with tensor_parallel_size > 1"
+        )
+    if config.lora_dora and tp > 1:
+        raise InvalidRequestError(
+            "lora_dora", "DoRA pools are not implemented with tensor_parallel_size > 1"
+        )
+    if config.lora_dora and config.lora_dtype == "int4":
+        raise InvalidRequestError(
+            "lora_dora", "DoRA pools are not implemented with lora_dtype int4"
         )
     if not isinstance(config.max_num_seqs, int) or config.max_num_seqs < 1:
         raise InvalidRequestError(

@@ -15,6 +15,14 @@ Shapes (the pool layout shared with ``adaptermesh.kernels``):
 
 The op is ``adaptermesh.kernels.add_lora``: Triton on CUDA, its torch twin on CPU. The segment
 metadata is built once per batch and shared by every layer.
+
+DoRA rows (``apply_dora``) then scale their projection by the slot's per-output factor
+``f = m / ||W + scale B A||`` (PEFT's ``DoraLinearLayer.forward`` with its detached norm)::
+
+    out[t] = f[s] * (x[t] @ W.T + scale * B A x[t]) + bias
+
+by a gather of each row's factor row and one elementwise pass; plain LoRA and base rows read
+a row of ones there, so they keep their outputs bit for bit.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ __all__ = [
     "LoraBatchMeta",
     "add_lora",
     "add_lora_int4",
+    "apply_dora",
     "build_meta",
     "config_slots",
     "kernels_description",
@@ -189,3 +198,22 @@ def project_with_lora(
     if delta is None:
         expand()
     return out, delta
+
+
+def apply_dora(
+    out: torch.Tensor,  # [T, N] projection + bias + LoRA term (the term apart when deferred)
+    delta: torch.Tensor | None,  # [T, N] the deferred LoRA term, or None
+    bias: torch.Tensor | None,  # [N]
+    factors: torch.Tensor,  # [S + 1, N] one layer's DoRA factors, row S all ones
+    rows: torch.Tensor,  # [T] int64 each token's factor row (slot, S for base rows)
+) -> None:
+    """In place: ``out = f * (out - bias) + bias`` and ``delta *= f`` with ``f`` each row's
+    factor row. Written as ``out * f + bias * (1 - f)`` so a factor of exactly 1 leaves the
+    row's bits as they were. Fixed shapes and no host sync: CUDA graphs capture it."""
+    f = factors.index_select(0, rows)
+    if bias is None:
+        out.mul_(f)
+    else:
+        out.mul_(f).addcmul_(1.0 - f, bias)
+    if delta is not None:
+        delta.mul_(f)

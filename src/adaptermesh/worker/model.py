@@ -19,7 +19,7 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -531,6 +531,13 @@ class LoraPool:
     slot over every module, so several times the adapters fit the same memory. The forward
     pass runs no LoRA term for a group the pool lacks, and an adapter that targets one is
     refused when it loads.
+
+    With ``dora`` the pool also holds DoRA's per-output factor ``m / ||W + scale B A||`` (the
+    norm per output row of the direction, constant at inference, so computed once at load
+    from the adapter's magnitude vector, its slot matrices and ``base_weight``):
+    ``dora[g]`` is [L, S + 1, sum N_i], 1 wherever a slot holds a plain LoRA or a module the
+    adapter leaves, and row S (the base rows' slot -1) is all ones. The forward pass scales
+    each projection's output (without its bias) by its row's factor.
     """
 
     def __init__(
@@ -542,6 +549,7 @@ class LoraPool:
         dtype: torch.dtype,
         groups: frozenset[str] | None = None,
         out_features: dict[str, int] | None = None,
+        dora: bool = False,
     ) -> None:
         """``out_features``: B's output rows per module where they differ from the module's
         (a tensor-parallel rank holding a share of o's and down's B, ``tp_shard``)."""
@@ -570,12 +578,49 @@ class LoraPool:
             )
             self.ranks[g] = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.dora: dict[str, torch.Tensor] = {}
+        if dora:
+            for g, bs in self.b.items():
+                width = sum(b.shape[2] for b in bs)
+                self.dora[g] = torch.ones((L, num_slots + 1, width), dtype=dtype, device=device)
+        # The live [out, in] base weight of (layer, module), bound by the engine for a DoRA
+        # pool (``TransformerModel.module_weight``).
+        self.base_weight: Callable[[int, str], torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
         total = sum(t.numel() * t.element_size() for t in self.a.values())
         total += sum(t.numel() * t.element_size() for bs in self.b.values() for t in bs)
+        total += sum(t.numel() * t.element_size() for t in self.dora.values())
         return total
+
+    def dora_rows(self, token_slots: torch.Tensor) -> torch.Tensor:
+        """[T] int64 rows of ``dora[g][layer]`` for a batch's ``token_slots`` (-1 -> S)."""
+        s = token_slots.to(torch.int64)
+        return torch.where(s >= 0, s, torch.full_like(s, self.num_slots))
+
+    def set_dora(
+        self, slot: int, scale: float, magnitudes: Sequence[tuple[str, int, int, torch.Tensor]]
+    ) -> None:
+        """Write ``slot``'s DoRA factors from its magnitude vectors ``(group, slice, layer,
+        m [N_i])``; every other output of the slot gets 1. Runs after the slot's matrices are
+        written (their padding ranks zeroed) and reads them there, so the norm sees exactly
+        the weights the step uses. As PEFT's ``DoraLinearLayer.get_weight_norm``: the norm of
+        each output row of ``W + scale * (B @ A)`` in the weights' dtype, then ``m / norm``."""
+        for t in self.dora.values():
+            t[:, slot].fill_(1.0)
+        if not magnitudes:
+            return
+        if self.base_weight is None:
+            raise RuntimeError("a DoRA pool needs its base weights bound (base_weight)")
+        for g, i, layer, m in magnitudes:
+            w = self.base_weight(layer, GROUPS[g][i])
+            a = self.a[g][layer, i, slot]  # [R_max, in]
+            b = self.b[g][i][layer, slot]  # [N_i, R_max]
+            direction = w + scale * (b @ a).to(w.dtype)
+            norm = torch.linalg.norm(direction, dim=1).to(w.dtype)
+            off = sum(bb.shape[2] for bb in self.b[g][:i])
+            self.dora[g][layer, slot, off : off + b.shape[0]] = m.to(w.dtype) / norm
 
     def layer_args(
         self, g: str, layer: int
@@ -586,6 +631,8 @@ class LoraPool:
         self.scales[slot] = 0.0
         for g in self.ranks:
             self.ranks[g][slot] = 0
+        for t in self.dora.values():
+            t[:, slot].fill_(1.0)
 
     def zero_slot(self, slot: int, written: Mapping[str, int] | None = None) -> None:
         """Zero what the next copy into ``slot`` will not write: ranks above an adapter's own,
@@ -649,6 +696,8 @@ class Int4LoraPool(LoraPool):
         self.qb: dict[str, tuple[Int4Weight, ...]] = {}
         self.ranks = {}
         self.a, self.b = {}, {}
+        self.dora = {}  # DoRA is not served from an INT4 pool (EngineConfig refuses it)
+        self.base_weight = None
         for g, mods in _pool_groups(self.groups):
             fan_in = cfg.module_shape(mods[0])[0]
             self.qa[g] = _empty_int4(
@@ -764,22 +813,26 @@ def make_lora_pool(
     dtype: torch.dtype,
     lora_dtype: str | None = None,
     groups: frozenset[str] | None = None,
+    dora: bool = False,
 ) -> LoraPool:
     """The pool for ``lora_dtype`` (None: the model dtype; "int4": an ``Int4LoraPool``) over
-    ``groups`` (None: every group; ``pool_groups`` turns target modules into groups).
+    ``groups`` (None: every group; ``pool_groups`` turns target modules into groups), with
+    DoRA factors when ``dora`` (float pools only).
 
     Float pools must match the model dtype (the kernels take A and B in the activation dtype).
     """
     if lora_dtype is None:
-        return LoraPool(cfg, num_slots, max_rank, device, dtype, groups)
+        return LoraPool(cfg, num_slots, max_rank, device, dtype, groups, dora=dora)
     if lora_dtype == "int4":
+        if dora:
+            raise ValueError("lora_dora is not implemented with lora_dtype int4")
         return Int4LoraPool(cfg, num_slots, max_rank, device, dtype, groups=groups)
     want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(lora_dtype)
     if want is None:
         raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {lora_dtype!r}")
     if want != dtype:
         raise ValueError(f"lora_dtype {lora_dtype} needs the model dtype to match, it is {dtype}")
-    return LoraPool(cfg, num_slots, max_rank, device, dtype, groups)
+    return LoraPool(cfg, num_slots, max_rank, device, dtype, groups, dora=dora)
 
 
 def _checked_groups(groups: frozenset[str] | None) -> frozenset[str]:
@@ -1007,6 +1060,8 @@ class TransformerModel:
         if gated is not None:
             gated.route(h)
         lp = (pool, meta) if pool is not None and meta is not None and meta.any_lora else None
+        # DoRA pools: each row's slot in the factor tables, once per step (graph-captured).
+        dora_rows = lp[0].dora_rows(lp[1].token_slots) if lp is not None and lp[0].dora else None
         T = h.shape[0]
         attn = torch.empty((T, cfg.num_heads, cfg.head_dim), dtype=h.dtype, device=h.device)
         attn.zero_()  # rows no sequence owns stay finite (they feed the o matmul, then are dropped)
@@ -1020,7 +1075,9 @@ class TransformerModel:
                 x = kernels.rms_norm(
                     d, layer["ln1"], cfg.rms_eps, residual=residual, gemma=gn, extra=d_lora
                 )
-            qkv, _ = self._project(layer, "qkv", x, li, lp)  # its consumer (RoPE) takes no extra
+            qkv, _ = self._project(
+                layer, "qkv", x, li, lp, dora_rows=dora_rows
+            )  # its consumer (RoPE) takes no extra
             if gated is not None:
                 gated.apply(li, "qkv", qkv, x)
             q = qkv[:, : self.q_size].view(T, cfg.num_heads, cfg.head_dim)
@@ -1060,7 +1117,7 @@ class TransformerModel:
             # LoRA launch waits for the matmul.
             tp = self.tp
             o, o_lora = self._project(
-                layer, "o", a2, li, lp, "ln_attn_out" not in layer and tp is None
+                layer, "o", a2, li, lp, "ln_attn_out" not in layer and tp is None, dora_rows
             )
             if gated is not None:
                 gated.apply(li, "o", o, a2)
@@ -1071,12 +1128,12 @@ class TransformerModel:
             x = kernels.rms_norm(
                 o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn, extra=o_lora
             )
-            gu, gu_lora = self._project(layer, "gate_up", x, li, lp, True)
+            gu, gu_lora = self._project(layer, "gate_up", x, li, lp, True, dora_rows)
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
             act = kernels.act_mul(gu, act=self.act, extra=gu_lora)
             d, d_lora = self._project(
-                layer, "down", act, li, lp, "ln_mlp_out" not in layer and tp is None
+                layer, "down", act, li, lp, "ln_mlp_out" not in layer and tp is None, dora_rows
             )
             if gated is not None:
                 gated.apply(li, "down", d, act)
@@ -1107,13 +1164,16 @@ class TransformerModel:
         li: int,
         lp: tuple[LoraPool, lora_ops.LoraBatchMeta] | None,
         defer: bool = False,
+        dora_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One projection of a layer plus the batch's LoRA terms for it: ``(out, delta)``.
 
         With ``lora_side`` (CUDA, a bf16/fp16 pool, a step of at most ``lora_side_max_tokens``
         tokens) the LoRA work runs on that stream beside the matmul, and with ``defer`` (the
         output's consumer takes an ``extra=`` term) the whole term comes back apart as
-        ``delta``. Otherwise shrink and expand follow the matmul and ``delta`` is None."""
+        ``delta``. Otherwise shrink and expand follow the matmul and ``delta`` is None.
+
+        ``dora_rows`` (a DoRA pool's ``dora_rows``): both then get each row's DoRA factor."""
         wname, bname = _WEIGHTS[group]
         bias = layer.get(bname)
         if lp is not None and group not in lp[0].groups:
@@ -1133,15 +1193,20 @@ class TransformerModel:
         ):
             pool, meta = lp
             a, b, r = pool.layer_args(group, li)
-            return lora_ops.project_with_lora(
+            out, delta = lora_ops.project_with_lora(
                 x, layer[wname], bias, a, b, pool.scales, r, meta, side, defer=defer
             )
+            if dora_rows is not None:
+                lora_ops.apply_dora(out, delta, bias, pool.dora[group][li], dora_rows)
+            return out, delta
         out = torch.addmm(bias, x, layer[wname].T) if bias is not None else x @ layer[wname].T
         if lp is not None:
             if cols is None:
                 _apply_lora(*lp, group, li, out, x)
             else:
                 self._sharded_row_lora(lp, group, li, out, x, cols)
+            if dora_rows is not None:
+                lora_ops.apply_dora(out, None, bias, lp[0].dora[group][li], dora_rows)
         return out, None
 
     def _sharded_row_lora(

@@ -620,6 +620,10 @@ ADAPTER_FIELDS: dict[str, Check] = {
     "layers_pattern": _a_any,
     "rank_pattern": _a_any,
     "alpha_pattern": _a_any,
+    # DoRA: magnitude vectors read with the matrices (read_adapter); where the worker cannot
+    # serve it exactly (AdaFuse experts, a pool without DoRA factors) the load
+    # refuses it by this name.
+    "use_dora": lambda v, cj: None if v is None or isinstance(v, bool) else "must be a boolean",
     # harmless at inference
     "task_type": _a_any,
     "base_model_name_or_path": _a_any,
@@ -642,7 +646,6 @@ ADAPTER_FIELDS: dict[str, Check] = {
     "runtime_config": _a_any,
     "ensure_weight_tying": _a_false,
     # refused when set
-    "use_dora": _a_false,
     "use_qalora": _a_false,
     "bias": _a_bias,
     "fan_in_fan_out": _a_false,

@@ -27,6 +27,7 @@ from adaptermesh.worker.types import AdapterNotFoundError
 __all__ = [
     "AdapterValidationError",
     "CpuAdapter",
+    "MagnitudeEntry",
     "TensorEntry",
     "entry_sums",
     "read_adapter",
@@ -105,6 +106,21 @@ class TensorEntry:
     end: int
 
 
+@dataclass(frozen=True, slots=True)
+class MagnitudeEntry:
+    """Where one DoRA magnitude vector (``lora_magnitude_vector`` [out]) lies in
+    ``CpuAdapter.data`` and which pool slice it belongs to."""
+
+    key: str
+    group: str
+    index: int  # slice within the group
+    layer: int
+    dtype: torch.dtype
+    length: int  # the module's output features
+    start: int
+    end: int
+
+
 @dataclass(slots=True)
 class CpuAdapter:
     """A validated adapter as read from disk: the safetensors data section in one buffer
@@ -123,6 +139,9 @@ class CpuAdapter:
     # All entries share one dtype and tile ``data`` exactly: one reduction covers them all.
     uniform: bool
     nbytes: int
+    # DoRA (``use_dora``): one magnitude vector per targeted module, in ``data`` beside the
+    # matrices (so the tiers hold and count them like the matrices); empty for plain LoRA.
+    magnitudes: tuple[MagnitudeEntry, ...] = ()
     pinned: bool = False
     # (sum, sum of |x|) of the matrices cast to a pool dtype, kept after the first upload: the
     # data never changes, so a later upload from the CPU cache verifies against these.
@@ -132,6 +151,11 @@ class CpuAdapter:
         """Entry ``e`` as a tensor over ``data`` (default: the host buffer; or a device copy)."""
         buf = self.data if data is None else data
         return buf[e.start : e.end].view(e.dtype).view(e.shape)
+
+    def magnitude(self, e: MagnitudeEntry, data: torch.Tensor | None = None) -> torch.Tensor:
+        """Magnitude vector ``e`` [out] over ``data`` (default: the host buffer)."""
+        buf = self.data if data is None else data
+        return buf[e.start : e.end].view(e.dtype)
 
     def first_non_finite(
         self, data: torch.Tensor | None = None, dtype: torch.dtype | None = None
@@ -352,6 +376,9 @@ def read_adapter(
         patterns[fld] = pat
     targets = target_set(name, cj, cfg)
     fused = sorted({m for _, m in targets if m in FUSED_MODULES})
+    dora = cj.get("use_dora") is True
+    if dora and not per_module:
+        raise _fail(name, "use_dora", "True is not implemented for AdaFuse experts")
     if fused and not per_module:
         raise _fail(
             name,
@@ -375,6 +402,7 @@ def read_adapter(
 
     header, data, wfld = _read_weights_file(name, path, pin_memory)
     entries: list[TensorEntry] = []
+    magnitudes: list[MagnitudeEntry] = []
     target_modules = {sub for _, m in targets for sub in FUSED_MODULES.get(m, (m,))}
     for layer, m in sorted(targets):
         prefix = f"base_model.model.model.layers.{layer}.{_PARENTS[m]}.{m}"
@@ -394,6 +422,8 @@ def read_adapter(
             if fold and is_b:
                 data[start:end].view(dt).mul_(sm)  # this module's scale rides in its B
             entries.extend(_split_entry(cfg, key, m, layer, is_b, dt, shape, start))
+        if dora:
+            magnitudes.extend(_magnitude_entries(cfg, name, wfld, header, prefix, m, layer, fo))
     if header:
         extra = sorted(header)[0]
         why = (
@@ -419,11 +449,46 @@ def read_adapter(
         entries=tuple(entries),
         uniform=uniform,
         nbytes=data.numel(),
+        magnitudes=tuple(magnitudes),
     )
+    for me in cpu.magnitudes:
+        if not bool(torch.isfinite(cpu.magnitude(me)).all()):
+            raise _fail(name, wfld, f"tensor {me.key} holds NaN or Inf")
     if not pin_memory and not _all_finite(cpu, dtype):
         # Without a GPU the slot copy cannot check finiteness on the device; check here, once.
         raise _fail(name, wfld, f"tensor {cpu.first_non_finite(data, dtype)} holds NaN or Inf")
     return cpu
+
+
+def _magnitude_entries(
+    cfg: ModelConfig,
+    name: str,
+    wfld: str,
+    header: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]],
+    prefix: str,
+    module: str,
+    layer: int,
+    out_features: int,
+) -> list[MagnitudeEntry]:
+    """The DoRA magnitude vector of one targeted module, taken out of ``header``. A fused
+    module's (Phi-3) vector splits by output rows like its B: each row's norm is of that row
+    of ``W + scale B A`` alone, so every slice keeps its rows' magnitudes."""
+    key = prefix + ".lora_magnitude_vector"
+    h = header.pop(key, None)
+    if h is None:
+        raise _fail(name, wfld, f"missing tensor {key} (use_dora is true)")
+    dt, got_shape, start, _ = h
+    if got_shape != (out_features,):
+        raise _fail(name, wfld, f"tensor {key} has shape {got_shape}, expected ({out_features},)")
+    out = []
+    row = 0
+    for sub in FUSED_MODULES.get(module, (module,)):
+        g, i = MODULE_TO_GROUP[sub]
+        n = cfg.module_shape(sub)[1] if sub != module else out_features
+        lo = start + row * dt.itemsize
+        out.append(MagnitudeEntry(key, g, i, layer, dt, n, lo, lo + n * dt.itemsize))
+        row += n
+    return out
 
 
 def _split_entry(
