@@ -143,7 +143,8 @@ class Mesh:
 @pytest.fixture
 async def mesh(topo: NodeTopology, tmp_path: Path) -> AsyncIterator[Mesh]:
     tokens = tmp_path / "tokens"
-    tokens.write_text(f"{TOKEN} read,write node-l\n")
+    # The agent reports for its own node (report, bound to node-l); the test sets pins with write.
+    tokens.write_text(f"{TOKEN} read,report,write node-l nodes=node-l\n")
     cp = ControlPlaneServer(
         ServerConfig(
             state_dir=tmp_path / "state",
