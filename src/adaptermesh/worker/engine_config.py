@@ -109,9 +109,10 @@ class EngineConfig:
     graph_max_tokens: int = 512  # mixed prefill+decode steps up to this many tokens replay graphs
     # The LoRA kernels pick their tiles by the step's tokens per adapter (one adapter over a
     # batch-64 decode takes the dense tiles, 64 adapters the per-token ones); graphs are keyed
-    # by that density class. False: every step takes the worst case's configs (a pool's worth
-    # of adapters), one graph per bucket.
-    lora_density_configs: bool = True
+    # by that density class. False (the default until the GPU before/after below is measured:
+    # docs/worker-engine.md, "Where a batch-64 step's time goes"): every step takes the worst
+    # case's configs (a pool's worth of adapters), one graph per bucket.
+    lora_density_configs: bool = False
     # Plan and launch step N+1 while step N runs. None: on CUDA only. True also on CPU, where
     # steps finish at launch but the in-flight token path (device gather, dropped tokens of
     # sequences that stopped) runs the same way; tests use it.
