@@ -1029,16 +1029,17 @@ async def sec_capacity(b: Bench, eng: Any) -> dict[str, Any]:
     return out
 
 
-async def launches_per_step(
-    b: Bench, eng: Any, adapters: list[str | None], window: int
-) -> dict[str, Any]:
-    """torch.profiler over ``window`` decode steps of a batch, once every request is decoding."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    s = b.s
-    prof_list = getattr(eng, "step_profile", None)
+async def decoding_batch(
+    b: Bench,
+    eng: Any,
+    adapters: list[str | None],
+    prompt_len: int,
+    new_tokens: int,
+    seed: int,
+) -> tuple[asyncio.Future[dict[str, Any]], list[int]]:
+    """Start a batch (``run_batch``) and return once every request has its first token (or
+    the batch ended): the running batch and a one-item list that tracks how many tokens its
+    first request has, which counts its decode steps from here."""
     started: set[int] = set()
     tokens0 = [0]
     all_started = asyncio.Event()
@@ -1051,19 +1052,27 @@ async def launches_per_step(
             all_started.set()
 
     task = asyncio.ensure_future(
-        run_batch(
-            b,
-            eng,
-            adapters,
-            s.split_prompt,
-            s.split_new_tokens,
-            seed=900 + len(adapters),
-            on_token=on_token,
-        )
+        run_batch(b, eng, adapters, prompt_len, new_tokens, seed=seed, on_token=on_token)
     )
     waiter = asyncio.ensure_future(all_started.wait())
     await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
+    return task, tokens0
+
+
+async def launches_per_step(
+    b: Bench, eng: Any, adapters: list[str | None], window: int
+) -> dict[str, Any]:
+    """torch.profiler over ``window`` decode steps of a batch, once every request is decoding."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    s = b.s
+    prof_list = getattr(eng, "step_profile", None)
+    task, tokens0 = await decoding_batch(
+        b, eng, adapters, s.split_prompt, s.split_new_tokens, 900 + len(adapters)
+    )
     # CUDA activity alone records kernels, copies and the runtime/driver API calls (launches) of
     # every thread; CPU op events would only slow the window down and its post-processing.
     acts = [ProfilerActivity.CUDA] if b.device == "cuda" else [ProfilerActivity.CPU]
@@ -1153,23 +1162,7 @@ async def kernel_profile(
     from torch.profiler import ProfilerActivity, profile
 
     s = b.s
-    started: set[int] = set()
-    tokens0 = [0]
-    all_started = asyncio.Event()
-
-    def on_token(i: int, count: int) -> None:
-        started.add(i)
-        if i == 0:
-            tokens0[0] = count
-        if len(started) == len(adapters):
-            all_started.set()
-
-    task = asyncio.ensure_future(
-        run_batch(b, eng, adapters, s.prompt, s.new_tokens, seed=seed, on_token=on_token)
-    )
-    waiter = asyncio.ensure_future(all_started.wait())
-    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
+    task, tokens0 = await decoding_batch(b, eng, adapters, s.prompt, s.new_tokens, seed)
     acts = [ProfilerActivity.CUDA] if b.device == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         k0 = tokens0[0]
