@@ -120,8 +120,10 @@ def write_adapter(
     seed: int,
     device: str,
     targets: tuple[str, ...] = ATTN,
+    dora: bool = False,
 ) -> Path:
-    """A PEFT adapter (bf16, rank ``rank`` on ``targets``) written directly, random on the device."""
+    """A PEFT adapter (bf16, rank ``rank`` on ``targets``) written directly, random on the device;
+    with ``dora`` a DoRA adapter (``use_dora``, a magnitude vector per module near 1)."""
     g = torch.Generator(device=device).manual_seed(seed)
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     kvd = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
@@ -145,6 +147,10 @@ def write_adapter(
             t[p + ".lora_B.weight"] = (
                 (torch.randn(fo, rank, generator=g, device=device) * 0.02).bfloat16().cpu()
             )
+            if dora:
+                t[p + ".lora_magnitude_vector"] = (
+                    (1 + 0.05 * torch.randn(fo, generator=g, device=device)).bfloat16().cpu()
+                )
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     save_file(t, str(d / "adapter_model.safetensors"))
@@ -156,6 +162,7 @@ def write_adapter(
                 "lora_alpha": 2 * rank,
                 "target_modules": list(targets),
                 "use_rslora": False,
+                "use_dora": dora,
                 "bias": "none",
                 "task_type": "CAUSAL_LM",
             }

@@ -413,6 +413,7 @@ class Bench:
                 "count": self.s.adapters,
                 "rank": self.s.rank,
                 "targets": list(self.be.ALL7),
+                "dora": self.args.dora,
                 "format": "PEFT safetensors, bf16",
                 "bytes_on_device_each": adapter_bytes(self.shape, self.s.rank, self.dtype_bytes),
             },
@@ -470,7 +471,8 @@ class Bench:
         t = time.perf_counter()
         for i, name in enumerate(self.names):
             self.be.write_adapter(
-                self.root, name, self.shape, self.s.rank, i, self.device, self.be.ALL7
+                self.root, name, self.shape, self.s.rank, i, self.device, self.be.ALL7,
+                dora=self.args.dora,
             )
         self.result["header"]["adapter_write_s"] = time.perf_counter() - t
         log(f"wrote {len(self.names)} adapters in {time.perf_counter() - t:.1f} s")
@@ -493,6 +495,8 @@ class Bench:
             profile_steps=False,
         )
         if label == "main":
+            if self.args.dora:
+                kw["lora_dora"] = True
             kw.update(self.args.config_overrides)
         kw.update(overrides)
         known = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -1649,6 +1653,12 @@ def main() -> int:
         metavar="FIELD=VALUE",
         help="an EngineConfig field for the main engine (true/false, numbers, or text), e.g. "
         "--config lora_density_configs=false to measure without a feature; repeatable",
+    )
+    ap.add_argument(
+        "--dora",
+        action="store_true",
+        help="DoRA adapters (use_dora, a magnitude vector per module) on an engine with "
+        "lora_dora; compare its batch64 with a plain run's in the same session",
     )
     args = ap.parse_args()
     args.config_overrides = {}
