@@ -471,7 +471,13 @@ class Bench:
         t = time.perf_counter()
         for i, name in enumerate(self.names):
             self.be.write_adapter(
-                self.root, name, self.shape, self.s.rank, i, self.device, self.be.ALL7,
+                self.root,
+                name,
+                self.shape,
+                self.s.rank,
+                i,
+                self.device,
+                self.be.ALL7,
                 dora=self.args.dora,
             )
         self.result["header"]["adapter_write_s"] = time.perf_counter() - t
