@@ -26,9 +26,16 @@ Rows (Llama-2-7B shape with random bf16 weights; on CPU the tiny shape, counts x
     r512_128_lru          512        128   --adapter-eviction lru                 uniform
     r512_128_seq64        512        128   --max-num-seqs 64                      uniform
     zipf2000            2,000        512                                          Zipf(1.0)
+    r2000_auto          2,000    (worker)  none at all                            uniform
+    r2000_auto_b2048    2,000    (worker)  --max-num-batched-tokens 2048          uniform
+                                           --max-prefill-chunk 2048
+    r2000_auto_b8192    2,000    (worker)  the same at 8192                       uniform
     sizing_auto            64    (worker)  none: the worker sizes itself          uniform
     sizing_fixed           64         64   --max-num-seqs 128 only                uniform
 
+The three r2000_auto rows (rank-8 q,v adapters, no sizing flags) compare the step token budget
+and prefill chunk the worker chooses with 2,048 and with 8,192 (the budget vLLM picks for an
+online server on a GPU of 70 GiB or more), for the TTFT they cost.
 The first seven use rank-8 adapters on q_proj and v_proj and the common flags --max-num-seqs 256
 --max-num-batched-tokens 2048 --max-prefill-chunk 2048 --max-model-len 2576 --max-lora-rank 8;
 the sizing pair uses 64 rank-16 adapters on all seven modules. base8 runs first in every
@@ -121,6 +128,7 @@ class Row:
     max_num_seqs: int | None = None  # None: --max-num-seqs of the run
     adapter_set: str = "qv_r8"
     sizing_flags: str = "all"  # "all": the common engine flags; "none"; "seqs_loras": those two
+    extra: tuple[str, ...] = ()  # worker flags added after the sizing flags
 
 
 ROWS: dict[str, Row] = {
@@ -131,6 +139,21 @@ ROWS: dict[str, Row] = {
     "r512_128_lru": Row(512, 128, eviction="lru"),
     "r512_128_seq64": Row(512, 128, max_num_seqs=64),
     "zipf2000": Row(2000, 512, popularity="zipf"),
+    # No sizing flags at all (the worker chooses sequences, slots, step budget and chunk), then
+    # the same with the step token budget and prefill chunk given: what the budget costs TTFT.
+    "r2000_auto": Row(2000, None, sizing_flags="none"),
+    "r2000_auto_b2048": Row(
+        2000,
+        None,
+        sizing_flags="none",
+        extra=("--max-num-batched-tokens", "2048", "--max-prefill-chunk", "2048"),
+    ),
+    "r2000_auto_b8192": Row(
+        2000,
+        None,
+        sizing_flags="none",
+        extra=("--max-num-batched-tokens", "8192", "--max-prefill-chunk", "8192"),
+    ),
     "sizing_auto": Row(64, None, adapter_set="all7_r16", sizing_flags="none"),
     "sizing_fixed": Row(
         64, 64, max_num_seqs=128, adapter_set="all7_r16", sizing_flags="seqs_loras"
@@ -450,7 +473,7 @@ def worker_argv(row: Row, args: argparse.Namespace, work: Path) -> list[str]:
         argv += ["--max-num-seqs", str(seqs), "--max-loras", str(slots)]
     if row.eviction is not None:
         argv += ["--adapter-eviction", row.eviction]
-    return argv
+    return argv + list(row.extra)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -527,6 +550,12 @@ def read_steps(path: Path) -> list[dict[str, Any]]:
         with contextlib.suppress(ValueError):  # a line cut by the worker's stop
             out.append(json.loads(line))
     return out
+
+
+def sizes_line(log_text: str) -> str | None:
+    """The worker's start-up line of the sizes it chose and why (``sizes: ...``)."""
+    found = re.search(r"sizes: (.*)", log_text)
+    return found.group(1).strip() if found else None
 
 
 def admission_slots(log_text: str) -> int | None:
@@ -616,6 +645,7 @@ async def run_row(
             "gpu_slots_total": gauges.get("adaptermesh_gpu_slots_total"),
             "max_loras": gauges.get("adaptermesh_max_loras"),
             "admission_slots": admission_slots(worker.log_tail(200_000)),
+            "sizes": sizes_line(worker.log_tail(200_000)),
         }
         result["counters"] = {"registration": registered}
         # Zipf: popularity in a fixed shuffled order, so the most popular adapters are not simply
