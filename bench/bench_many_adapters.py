@@ -26,6 +26,8 @@ Rows (Llama-2-7B shape with random bf16 weights; on CPU the tiny shape, counts x
     r512_128_lru          512        128   --adapter-eviction lru                 uniform
     r512_128_seq64        512        128   --max-num-seqs 64                      uniform
     zipf2000            2,000        512                                          Zipf(1.0)
+    r2000_512_density   2,000        512   --lora-density-configs                 uniform
+    zipf2000_density    2,000        512   --lora-density-configs                 Zipf(1.0)
     r2000_auto          2,000    (worker)  none at all                            uniform
     r2000_auto_b2048    2,000    (worker)  --max-num-batched-tokens 2048          uniform
                                            --max-prefill-chunk 2048
@@ -139,6 +141,9 @@ ROWS: dict[str, Row] = {
     "r512_128_lru": Row(512, 128, eviction="lru"),
     "r512_128_seq64": Row(512, 128, max_num_seqs=64),
     "zipf2000": Row(2000, 512, popularity="zipf"),
+    # The same two rows with the LoRA kernels' tiles picked by the step's tokens per adapter.
+    "r2000_512_density": Row(2000, 512, extra=("--lora-density-configs",)),
+    "zipf2000_density": Row(2000, 512, popularity="zipf", extra=("--lora-density-configs",)),
     # No sizing flags at all (the worker chooses sequences, slots, step budget and chunk), then
     # the same with the step token budget and prefill chunk given: what the budget costs TTFT.
     "r2000_auto": Row(2000, None, sizing_flags="none"),

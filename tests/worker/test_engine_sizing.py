@@ -115,3 +115,27 @@ def test_the_command_line_leaves_unflagged_sizes_to_the_worker(
     assert config.auto_size == auto
     for name, value in flags.items():
         assert getattr(config, name) == value
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        (None, EngineConfig().lora_density_configs),
+        ("--lora-density-configs", True),
+        ("--no-lora-density-configs", False),
+    ],
+)
+def test_the_density_configs_flag_reaches_the_engine_config(
+    tmp_path: Path, flag: str | None, expected: bool
+) -> None:
+    seen: dict[str, EngineConfig] = {}
+
+    class Capture:
+        def __init__(self, *args: Any, config: EngineConfig, **kwargs: Any) -> None:
+            seen["config"] = config
+            self.adapters = types.SimpleNamespace(stores=None)
+
+    argv = ["--model", str(tmp_path), "--adapter-root", str(tmp_path), "--device", "cpu"]
+    with mock.patch("adaptermesh.worker.engine.Engine", Capture):
+        cli._build_engine(cli.build_parser().parse_args(argv + ([flag] if flag else [])))
+    assert seen["config"].lora_density_configs is expected

@@ -441,6 +441,13 @@ def build_parser() -> argparse.ArgumentParser:
         "per module and slot; each projection scales its rows by their adapter's factor)",
     )
     p.add_argument(
+        "--lora-density-configs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pick the LoRA kernels' tiles by the step's tokens per adapter and key CUDA "
+        "graphs by that density class (default: EngineConfig.lora_density_configs)",
+    )
+    p.add_argument(
         "--adapter-eviction",
         choices=list(POLICY_NAMES),
         default=None,
@@ -621,6 +628,8 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.lora_dtype = args.lora_dtype
     if args.lora_dora:
         config.lora_dora = True
+    if args.lora_density_configs is not None:
+        config.lora_density_configs = args.lora_density_configs
     if args.lora_target_modules is not None:
         config.lora_target_modules = tuple(args.lora_target_modules)
     if args.adapter_eviction is not None:
