@@ -41,8 +41,8 @@ from adaptermesh.worker.model_fields import (
     rotary_dim,
 )
 from adaptermesh.worker.quant import (
-    Fp8Weight,
     QuantScheme,
+    QuantWeight,
     dequantize_checkpoint,
     parse_quant_config,
 )
@@ -903,7 +903,7 @@ class TransformerModel:
         # An fp8 checkpoint's linear weights as stored (e4m3 + scales, on the host, where the
         # file put them) for a device fp8 GEMM; the forward pass multiplies by their
         # dequantised copies, rounded once to ``dtype`` (no fp8 GEMM exists yet).
-        self.quantized: dict[str, Fp8Weight] = {}
+        self.quantized: dict[str, QuantWeight] = {}
         if cfg.quant is not None:
             weights, self.quantized = dequantize_checkpoint(cfg.quant, weights, dtype)
 
