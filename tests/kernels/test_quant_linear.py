@@ -16,6 +16,7 @@ relative Frobenius error.
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -178,6 +179,27 @@ def test_fp8_gemv_kernel_matches_twin(m: int, n: int, k: int, dtype: torch.dtype
     _close(want, (x.float() @ w.T).to(dtype), dtype)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize(
+    ("m", "n", "k", "tiles"),
+    [
+        (5, 48, 64, {}),
+        (17, 40, 100, {}),
+        (33, 24, 300, {"SPLIT_K": 3}),
+        (70, 8, 40, {"BLOCK_K": 16}),
+    ],
+)
+def test_fp8_w8a16_kernel_matches_twin(
+    m: int, n: int, k: int, tiles: dict[str, int], dtype: torch.dtype
+) -> None:
+    gen = _gen("w8", m, n, k, dtype)
+    lin, w = make_fp8(n, k, gen=gen)
+    x = torch.randn(m, k, generator=gen).to(device=DEVICE, dtype=dtype)
+    got = ql.fp8_w8a16(x, lin, backend="triton", **tiles)
+    _close(got, ql.fp8_gemv_ref(x, lin), dtype)
+    _close(got, (x.float() @ w.T).to(dtype), dtype)
+
+
 def test_quantize_fp8_rows() -> None:
     gen = _gen("rows")
     x = torch.randn(6, 50, generator=gen) * torch.tensor([1e-3, 1, 10, 100, 0, 3])[:, None]
@@ -228,10 +250,13 @@ def test_fp8_linear_picks_gemv_for_few_rows(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(ql, "fp8_gemv", record("gemv"))
     monkeypatch.setattr(ql, "fp8_scaled_mm", record("mm"))
+    monkeypatch.setattr(ql, "fp8_w8a16", record("w8a16"))
     lin, _ = make_fp8(16, 16, gen=_gen("pick"))
     for m in (1, 4, 5, 64):
         ql.fp8_linear(torch.zeros(m, 16), lin)
-    assert calls == ["gemv", "gemv", "mm", "mm"]
+    for m in (1, 4, 5, 64):
+        ql.fp8_linear(torch.zeros(m, 16), replace(lin, fp8_activations=True))
+    assert calls == ["gemv", "gemv", "w8a16", "w8a16", "gemv", "gemv", "mm", "mm"]
 
 
 # --- GPU -----------------------------------------------------------------------------------
@@ -265,6 +290,16 @@ def test_gpu_fp8_gemv_matches_twin(m: int, n: int, k: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [5, 16, 64, 200])
+@pytest.mark.parametrize(("n", "k"), GPU_SHAPES)
+def test_gpu_fp8_w8a16_matches_twin(m: int, n: int, k: int) -> None:
+    gen = _gen("gw8", m, n, k)
+    lin, _ = make_fp8(n, k, gen=gen)
+    x = torch.randn(m, k, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    _close(ql.fp8_linear(x, lin), ql.fp8_gemv_ref(x, lin), torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("m", [5, 64, 333])
 @pytest.mark.parametrize(("n", "k"), [s for s in GPU_SHAPES if s[0] % 16 == 0 and s[1] % 16 == 0])
@@ -272,7 +307,7 @@ def test_gpu_fp8_scaled_mm_matches_twin(m: int, n: int, k: int, static: bool) ->
     gen = _gen("gsmm", m, n, k, static)
     lin, _ = make_fp8(n, k, gen=gen, static=static)
     x = (torch.randn(m, k, generator=gen) * 0.1).to(device="cuda", dtype=torch.bfloat16)
-    got = ql.fp8_linear(x, lin)
+    got = ql.fp8_linear(x, replace(lin, fp8_activations=True))
     _close(got, ql.fp8_scaled_mm_ref(x, lin), torch.bfloat16)
 
 
@@ -281,10 +316,16 @@ def test_gpu_quant_linear_in_a_cuda_graph() -> None:
     gen = _gen("graph")
     w4 = _big_w4(4096, 4096, 128, act=False, gen=gen)
     f8, _ = make_fp8(4096, 4096, gen=gen)
+    f8a = replace(f8, fp8_activations=True)
     for m in (1, 64):
         x = torch.randn(m, 4096, generator=gen).to(device="cuda", dtype=torch.bfloat16)
         outs: dict[str, Any] = {}
-        for name, lin in (("w4", w4), ("fp8", f8)):
+        lins: tuple[tuple[str, Fp8Linear | W4Linear], ...] = (
+            ("w4", w4),
+            ("fp8", f8),
+            ("fp8a", f8a),
+        )
+        for name, lin in lins:
             ql.quant_linear(x, lin)  # compile outside the capture
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
@@ -293,12 +334,14 @@ def test_gpu_quant_linear_in_a_cuda_graph() -> None:
             x.copy_(torch.randn(m, 4096, generator=gen).to(device="cuda", dtype=torch.bfloat16))
             g.replay()
             torch.cuda.synchronize()
-            ref = ql.w4a16_ref(x, w4) if name == "w4" else _fp8_ref(x, f8)
+            ref = ql.w4a16_ref(x, lin) if isinstance(lin, W4Linear) else _fp8_ref(x, lin)
             _close(outs[name], ref, torch.bfloat16)
 
 
 def _fp8_ref(x: torch.Tensor, lin: Fp8Linear) -> torch.Tensor:
-    return ql.fp8_gemv_ref(x, lin) if x.shape[0] <= 4 else ql.fp8_scaled_mm_ref(x, lin)
+    if x.shape[0] <= 4 or not lin.fp8_activations:
+        return ql.fp8_gemv_ref(x, lin)
+    return ql.fp8_scaled_mm_ref(x, lin)
 
 
 def _big_w4(n: int, k: int, group: int, *, act: bool, gen: torch.Generator) -> W4Linear:

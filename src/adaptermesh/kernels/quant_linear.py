@@ -11,15 +11,16 @@ Two device formats, built at load from the checkpoint's (``worker/quant.py``):
   ``k // group_size``); ``w[n, k] = (q[k, n] - zeros[g, n]) * scales[g, n]``.
 
 ``fp8_linear``: at most ``gemv_rows`` rows (batch-1 and small-batch decode) run the weight-only
-gemv (``fp8_gemv_kernel``: reads the fp8 weight once, bf16 activations, fp32 sums); more rows
-quantise the activations to e4m3 (one scale per row, or the static scale) and run
-``torch._scaled_mm`` with row-wise scales on the tensor cores. ``w4a16_linear``: the Triton
-GEMM that dequantises in the tensor-core path (``w4a16_kernel``). Each has a torch twin here
-(``*_ref``), which the CPU runs unless ``backend="triton"`` under TRITON_INTERPRET=1; the
-twins state the maths: the gemv and W4A16 twins are the dequantised weight rounded once to the
-activation dtype (W4A16) or kept in fp32 (gemv) times the activations, with fp32 sums; the
-scaled-mm twin quantises the activations exactly as the device path does and multiplies the
-e4m3 values in fp32.
+gemv (``fp8_gemv_kernel``: reads the fp8 weight once, fp32 sums); more rows run the weight-only
+W8A16 GEMM on the tensor cores (``w8a16_kernel``), or, with ``fp8_activations``, quantise the
+activations to e4m3 (one scale per row, or the static scale) for ``torch._scaled_mm`` with
+row-wise scales (W8A8: twice the tensor-core rate for compute-bound prefill, at e4m3's
+activation error). ``w4a16_linear``: the Triton GEMM that dequantises 4-bit words in the
+tensor-core path (``w4a16_kernel``). Each has a torch twin here (``*_ref``), which the CPU runs
+unless ``backend="triton"`` under TRITON_INTERPRET=1; the twins state the maths: gemv / W8A16,
+fp32 sums of the activations times the e4m3 values, times the per-output scale; W4A16, the
+dequantised weight rounded once to the activation dtype, fp32 sums; scaled-mm, the activations
+quantised exactly as the device path does, e4m3 products summed in fp32.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "fp8_gemv_ref",
     "fp8_linear",
     "fp8_scaled_mm_ref",
+    "fp8_w8a16",
     "quant_linear",
     "quantize_fp8_rows",
     "w4a16_linear",
@@ -62,6 +64,9 @@ class Fp8Linear:
     data: torch.Tensor  # float8_e4m3fn [N, K]
     scale: torch.Tensor  # fp32 [N]
     input_scale: torch.Tensor | None = None  # fp32 []: static activations
+    # Steps of more than the gemv's rows quantise their activations to e4m3 for
+    # torch._scaled_mm (W8A8); False: the weight-only W8A16 GEMM (activations kept).
+    fp8_activations: bool = False
 
     @property
     def out_features(self) -> int:
@@ -81,6 +86,7 @@ class Fp8Linear:
             self.data.to(device).contiguous(),
             self.scale.to(device=device, dtype=torch.float32).contiguous(),
             None if self.input_scale is None else self.input_scale.to(device, torch.float32),
+            self.fp8_activations,
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -232,6 +238,51 @@ def fp8_scaled_mm(x: torch.Tensor, w: Fp8Linear, backend: Backend | None = None)
     )
 
 
+def fp8_w8a16(
+    x: torch.Tensor, w: Fp8Linear, backend: Backend | None = None, **tiles: int
+) -> torch.Tensor:
+    """The weight-only fp8 GEMM; the twin is the gemv's maths (``fp8_gemv_ref``)."""
+    _check_x(x, w.in_features, "fp8_w8a16")
+    if choose_backend(x, backend) == "torch":
+        return fp8_gemv_ref(x, w)
+    m, n, k = x.shape[0], w.out_features, w.in_features
+    if m == 0:
+        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+    cfg = {**_w4_config(m, n, k, 64, False, x.device), **tiles}
+    bk, split = cfg["BLOCK_K"], cfg["SPLIT_K"]
+    k_per = triton_cdiv(triton_cdiv(k, split), bk) * bk
+    split = triton_cdiv(k, k_per)
+    out = (
+        torch.empty((m, n), dtype=x.dtype, device=x.device)
+        if split == 1
+        else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    )
+    grid = (triton_cdiv(m, cfg["BLOCK_M"]), triton_cdiv(n, cfg["BLOCK_N"]), split)
+    _kernels().w8a16_kernel[grid](
+        x,
+        w.data,
+        w.scale,
+        out,
+        m,
+        n,
+        k,
+        k_per,
+        x.stride(0),
+        x.stride(1),
+        w.data.stride(0),
+        w.data.stride(1),
+        out.stride(0),
+        out.stride(1),
+        SPLIT_K=split,
+        DOT_FP32=dot_fp32(x.dtype),
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=bk,
+        num_warps=4,
+    )
+    return out if split == 1 else out.to(x.dtype)
+
+
 def fp8_linear(
     x: torch.Tensor,
     w: Fp8Linear,
@@ -239,14 +290,22 @@ def fp8_linear(
     gemv_rows: int = _GEMV_ROWS,
 ) -> torch.Tensor:
     """``x @ w.T`` [M, N] in ``x.dtype``: the gemv for at most ``gemv_rows`` rows, else the
-    scaled-mm path (activations quantised per row)."""
+    scaled-mm path (activations quantised per row) with ``w.fp8_activations``, else the
+    weight-only W8A16 GEMM."""
     if x.shape[0] <= gemv_rows:
         return fp8_gemv(x, w, backend)
-    return fp8_scaled_mm(x, w, backend)
+    if w.fp8_activations:
+        return fp8_scaled_mm(x, w, backend)
+    return fp8_w8a16(x, w, backend)
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def _w4_config(
@@ -256,11 +315,7 @@ def _w4_config(
     block_n = 64 if m <= 16 else 128
     block_k = 64 if group % 64 == 0 or gidx else 32
     programs = triton_cdiv(m, block_m) * triton_cdiv(n, block_n)
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 8
-    )
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 8
     steps = triton_cdiv(k, block_k)
     split = 1
     if m <= 64:

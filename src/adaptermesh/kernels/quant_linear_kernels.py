@@ -16,6 +16,10 @@ alone gives too few programs to read the weights at bandwidth).
 scale per output, on the CUDA cores: each program reads BLOCK_N weight rows once per
 activation row (the rows of one program share them through L1/L2) and reduces in fp32; the
 scale multiplies the sum. Weight-only: the activations are not quantised.
+
+``w8a16_kernel``: the same e4m3 weight on the tensor cores for more rows: each weight tile is
+converted to the activation dtype in registers (exact: e4m3 embeds in bf16 / fp16) for one
+``tl.dot``; the per-output scale multiplies the fp32 sum.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["fp8_gemv_kernel", "w4a16_kernel"]
+__all__ = ["fp8_gemv_kernel", "w4a16_kernel", "w8a16_kernel"]
 
 
 @triton.jit
@@ -151,3 +155,66 @@ def fp8_gemv_kernel(
         (acc * s).to(out_ptr.dtype.element_ty),
         mask=mask_n,
     )
+
+
+@triton.jit
+def w8a16_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    SPLIT_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Activations [M, K] times an e4m3 weight [N, K] with one fp32 scale per output, on the
+    tensor cores: each [BLOCK_K, BLOCK_N] weight tile is converted in registers to the
+    activation dtype (e4m3 embeds exactly in bf16 / fp16) for one ``tl.dot``, and the scale
+    multiplies the fp32 sum. Weight-only: the activations keep their dtype."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_hi
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+    acc = acc * s[None, :]
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    o_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.atomic_add(o_ptrs, acc, mask=o_mask)

@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from adaptermesh.kernels.quant_linear import Fp8Linear, W4Linear, quant_linear
+
 __all__ = [
     "AWQ_ORDER",
     "FP8_DTYPE",
@@ -58,12 +60,15 @@ __all__ = [
     "Fp8Weight",
     "Int4BaseWeight",
     "LinearScheme",
+    "QuantLinear",
     "QuantScheme",
     "QuantWeight",
     "check_quant_config",
     "dequantize_checkpoint",
+    "pack_linear",
     "pack_rows",
     "parse_quant_config",
+    "quant_linear",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -921,6 +926,8 @@ def _split_int4(scheme: QuantScheme, weights: dict[str, torch.Tensor]) -> dict[s
 
 
 QuantWeight = Fp8Weight | Int4BaseWeight
+# The device form of one packed projection (kernels/quant_linear.py).
+QuantLinear = Fp8Linear | W4Linear
 
 
 def dequantize_checkpoint(
@@ -966,3 +973,55 @@ def dequantize_checkpoint(
         for module, w in stored.items():
             weights[module + ".weight"] = w.dequantize(dtype)
     return weights, stored
+
+
+def pack_linear(
+    parts: list[QuantWeight], fp8_activations: bool = False
+) -> Fp8Linear | W4Linear | None:
+    """The device form of one projection whose modules ``parts`` (in output order, e.g. q, k,
+    v) are all quantised: their weights concatenated along the outputs. None where no kernel
+    serves them packed: fp8 block scales (no row-wise form), or 4-bit modules whose groups
+    differ (group size, inputs, act-order orders); those stay dequantised.
+
+    FP8 per-tensor scales are repeated over their outputs (exact: the same product); static
+    input scales of fused modules become their maximum (the modules share one input, so one
+    quantisation of it; the largest scale saturates none of them). ``fp8_activations``: fp8
+    steps past the gemv's rows quantise their activations (``Fp8Linear.fp8_activations``)."""
+    if all(isinstance(p, Fp8Weight) for p in parts):
+        f8 = [p for p in parts if isinstance(p, Fp8Weight)]
+        if any(p.block is not None for p in f8):
+            return None
+        scales = [p.scale.reshape(-1).expand(p.data.shape[0]) for p in f8]
+        inputs = [p.input_scale for p in f8]
+        static = None
+        if all(s is not None for s in inputs):
+            static = torch.stack([s.reshape(()) for s in inputs if s is not None]).amax()
+        return Fp8Linear(
+            torch.cat([p.data for p in f8]).contiguous(),
+            torch.cat(scales).float().contiguous(),
+            static,
+            fp8_activations,
+        )
+    if all(isinstance(p, Int4BaseWeight) for p in parts):
+        w4 = [p for p in parts if isinstance(p, Int4BaseWeight)]
+        first = w4[0]
+        for p in w4[1:]:
+            if (p.group_size, p.in_features) != (first.group_size, first.in_features):
+                return None
+            if (p.g_idx is None) != (first.g_idx is None) or (
+                p.g_idx is not None
+                and first.g_idx is not None
+                and not torch.equal(p.g_idx, first.g_idx)
+            ):
+                return None
+        if len({p.scales.dtype for p in w4}) != 1:
+            return None
+        return W4Linear(
+            torch.cat([p.qweight for p in w4], dim=1).contiguous(),
+            torch.cat([p.zeros for p in w4], dim=1).contiguous(),
+            torch.cat([p.scales for p in w4], dim=1).contiguous(),
+            first.g_idx,
+            first.group_size,
+            first.in_features,
+        )
+    return None
