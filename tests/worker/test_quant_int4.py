@@ -185,6 +185,7 @@ def write_int4(
     qt: dict[str, torch.Tensor] = {}
     rt: dict[str, torch.Tensor] = {}
     ints: dict[str, dict[str, torch.Tensor]] = {}
+    orders: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         module = name.removesuffix(".weight")
         if not (name.endswith(".weight") and plan(module)):
@@ -192,10 +193,16 @@ def write_int4(
             continue
         g_idx = None
         if act_order:
-            k = t.shape[1]
-            order = torch.randperm(k, generator=gen)
-            g_idx = torch.empty(k, dtype=torch.int64)
-            g_idx[order] = torch.arange(k) // group
+            # Modules that read one input (q/k/v, gate/up) share its Hessian, hence GPTQ's
+            # act-order permutation.
+            parent, _, leaf = module.rpartition(".")
+            key = parent + {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(
+                leaf, leaf
+            )
+            if key not in orders:
+                orders[key] = torch.randperm(t.shape[1], generator=gen)
+            g_idx = torch.empty(t.shape[1], dtype=torch.int64)
+            g_idx[orders[key]] = torch.arange(t.shape[1]) // group
         parts, deq, ints[module] = module_tensors(t, fmt, group, sym=sym, g_idx=g_idx)
         for suffix, p in parts.items():
             qt[f"{module}.{suffix}"] = p

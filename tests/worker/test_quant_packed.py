@@ -202,3 +202,26 @@ def test_quant_kernels_value_refused_by_name() -> None:
 
     with pytest.raises(InvalidRequestError, match="quant_kernels"):
         validate_config(engine_config(quant_kernels="yes"))
+
+
+def test_int4_parts_with_different_orders_stay_dense() -> None:
+    """4-bit parts of one projection whose act-order g_idx (or group size) differ cannot
+    share one device weight: ``pack_linear`` leaves them dense."""
+    from adaptermesh.worker.quant import Int4BaseWeight, pack_linear
+
+    def part(g_idx: torch.Tensor | None, group: int = 8) -> Int4BaseWeight:
+        return Int4BaseWeight(
+            torch.zeros(2, 8, dtype=torch.int32),
+            torch.zeros(2, 8, dtype=torch.uint8),
+            torch.ones(2, 8, dtype=torch.float16),
+            g_idx,
+            group,
+            16,
+        )
+
+    g = (torch.arange(16) // 8).flip(0).to(torch.int32)
+    assert isinstance(pack_linear([part(None), part(None)]), W4Linear)
+    assert isinstance(pack_linear([part(g), part(g.clone())]), W4Linear)
+    assert pack_linear([part(g), part(None)]) is None
+    assert pack_linear([part(g), part(g.roll(1))]) is None
+    assert pack_linear([part(None), part(None, 16)]) is None

@@ -67,6 +67,7 @@ __all__ = [
     "dequantize_checkpoint",
     "pack_linear",
     "pack_rows",
+    "packed_bytes",
     "parse_quant_config",
     "quant_linear",
 ]
@@ -1025,3 +1026,20 @@ def pack_linear(
             first.in_features,
         )
     return None
+
+
+def packed_bytes(
+    in_features: int, out_features: int, method: str, group_size: int = 128, act_order: bool = False
+) -> int:
+    """Device bytes of one projection held packed (``pack_linear``'s form), for sizing
+    without a checkpoint: ``fp8`` / ``compressed-tensors``: e4m3 weights plus one fp32 scale
+    per output; ``awq`` / ``gptq``: int32 words of eight inputs, a uint8 zero point and an
+    fp16 scale per (group, output), plus an int32 ``g_idx`` with act-order."""
+    if method in ("fp8", "compressed-tensors"):
+        return in_features * out_features + 4 * out_features
+    if method in ("awq", "gptq"):
+        gs = in_features if group_size == -1 else group_size
+        groups = -(-in_features // gs)
+        words = -(-in_features // 8) * out_features * 4
+        return words + groups * out_features * 3 + (4 * in_features if act_order else 0)
+    raise ValueError(f"method: {method!r} has no packed form (fp8, compressed-tensors, awq, gptq)")
