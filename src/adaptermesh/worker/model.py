@@ -41,6 +41,7 @@ from adaptermesh.worker.model_fields import (
     rotary_dim,
 )
 from adaptermesh.worker.quant import (
+    Fp8Weight,
     QuantLinear,
     QuantScheme,
     QuantWeight,
@@ -871,7 +872,7 @@ def _pack_projections(
     fp8_activations: bool,
 ) -> dict[tuple[int, str], QuantLinear]:
     """The projections a device kernel serves packed, keyed (layer, group), moved to
-    ``device``; each one's dense copies in ``weights`` become meta tensors of their shape.
+    ``device``; each one's modules get meta tensors of their shape in ``weights`` (no bytes).
     A projection with an unquantised module, or parts ``pack_linear`` cannot fuse, stays
     dense."""
     groups = {
@@ -895,9 +896,12 @@ def _pack_projections(
             if lin is None:
                 continue
             out[(i, g)] = lin.to(device)
-            for n in names:
-                w = weights[n + ".weight"]
-                weights[n + ".weight"] = torch.empty(w.shape, dtype=w.dtype, device="meta")
+            for n, p in zip(names, parts, strict=True):
+                assert p is not None
+                shape = (
+                    p.data.shape if isinstance(p, Fp8Weight) else (p.out_features, p.in_features)
+                )
+                weights[n + ".weight"] = torch.empty(shape, dtype=torch.float32, device="meta")
     return out
 
 
@@ -951,11 +955,15 @@ class TransformerModel:
         self.quantized: dict[str, QuantWeight] = {}
         self.packed: dict[tuple[int, str], QuantLinear] = {}
         if cfg.quant is not None:
-            weights, self.quantized = dequantize_checkpoint(cfg.quant, weights, dtype)
+            weights, self.quantized = dequantize_checkpoint(
+                cfg.quant, weights, dtype, dense=not quant_kernels
+            )
             if quant_kernels:
                 self.packed = _pack_projections(
                     cfg, weights, self.quantized, device, fp8_activations
                 )
+                for name, w in self.quantized.items():  # what stays dense
+                    weights.setdefault(name + ".weight", w.dequantize(dtype))
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:

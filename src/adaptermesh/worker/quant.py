@@ -791,9 +791,9 @@ _AWQ_UNDO = torch.tensor([AWQ_ORDER.index(c) for c in range(8)])
 
 def _unpack_cols(t: torch.Tensor, awq: bool) -> torch.Tensor:
     """int32 [rows, cols / 8] packed along the columns -> int32 [rows, cols], 0..15."""
-    q = (t[:, :, None] >> _SHIFTS[None, None, :]) & 0xF  # [rows, words, nibble]
+    q = (t[:, :, None] >> _SHIFTS.to(t.device)[None, None, :]) & 0xF  # [rows, words, nibble]
     if awq:
-        q = q[:, :, _AWQ_UNDO]  # column c of a word sits in nibble AWQ_ORDER.index(c)
+        q = q[:, :, _AWQ_UNDO.to(t.device)]  # column c of a word sits in nibble AWQ_ORDER.index(c)
     return q.reshape(t.shape[0], -1)
 
 
@@ -803,7 +803,7 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
     pad = -k % 8
     if pad:
         q = torch.cat([q, q.new_zeros(pad, n)])
-    q = q.to(torch.int64).reshape(-1, 8, n) << _SHIFTS.to(torch.int64)[None, :, None]
+    q = q.to(torch.int64).reshape(-1, 8, n) << _SHIFTS.to(q.device, torch.int64)[None, :, None]
     words = q.sum(dim=1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
@@ -873,7 +873,7 @@ def _load_int4(
             )
         if bool(((gi < 0) | (gi >= ngroups)).any()):
             raise ValueError(f"model weights: tensor {gname} names groups outside 0..{ngroups - 1}")
-        trivial = torch.arange(k, dtype=gi.dtype) // gs
+        trivial = torch.arange(k, dtype=gi.dtype, device=gi.device) // gs
         if not torch.equal(gi, trivial):
             g_idx = gi.to(torch.int32).contiguous()
     elif scheme.desc_act:
