@@ -366,3 +366,17 @@ def _big_w4(n: int, k: int, group: int, *, act: bool, gen: torch.Generator) -> W
         k,
     )
     return lin.to(torch.device("cuda"))
+
+
+def test_quant_linear_imports_without_triton() -> None:
+    """A CPU worker loads quantised bases with no Triton install: the launchers import the
+    kernels only on their first Triton launch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, adaptermesh.kernels.quant_linear, adaptermesh.worker.quant; "
+        "assert 'triton' not in sys.modules, sorted(sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
