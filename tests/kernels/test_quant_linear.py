@@ -200,6 +200,31 @@ def test_fp8_w8a16_kernel_matches_twin(
     _close(got, (x.float() @ w.T).to(dtype), dtype)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_out_is_written_in_place(backend: str) -> None:
+    """``out=`` (the LoRA side-stream path's preallocated output) receives the product, on
+    every path: gemv, W8A16 (split-K too), W4A16 (split-K too), the scaled-mm twin."""
+    gen = _gen("out", backend)
+    f8, _ = make_fp8(24, 64, gen=gen)
+    w4, _ = make_w4(24, 64, 16, act=False, gen=gen, scale_dtype=torch.float16)
+    for m in (2, 9):
+        x = torch.randn(m, 64, generator=gen).to(DEVICE)
+        for lin in (f8, replace(f8, fp8_activations=True), w4):
+            buf = torch.full((m, 24), float("nan"), device=DEVICE)
+            got = ql.quant_linear(x, lin, backend, out=buf)  # type: ignore[arg-type]
+            assert got is buf
+            want = ql.quant_linear(x, lin, "torch")
+            _close(buf, want, torch.float32)
+        buf = torch.full((m, 24), float("nan"), device=DEVICE)
+        ql.w4a16_linear(x, w4, backend, out=buf, SPLIT_K=2)  # type: ignore[arg-type]
+        _close(buf, ql.w4a16_ref(x, w4), torch.float32)
+        buf = torch.full((m, 24), float("nan"), device=DEVICE)
+        ql.fp8_w8a16(x, f8, backend, out=buf, SPLIT_K=2)  # type: ignore[arg-type]
+        _close(buf, ql.fp8_gemv_ref(x, f8), torch.float32)
+    with pytest.raises(ValueError, match=r"out must be torch.float32 \[2, 24\]"):
+        ql.quant_linear(torch.zeros(2, 64, device=DEVICE), w4, "triton", out=torch.zeros(2, 8))
+
+
 def test_quantize_fp8_rows() -> None:
     gen = _gen("rows")
     x = torch.randn(6, 50, generator=gen) * torch.tensor([1e-3, 1, 10, 100, 0, 3])[:, None]
@@ -242,7 +267,7 @@ def test_fp8_linear_picks_gemv_for_few_rows(monkeypatch: pytest.MonkeyPatch) -> 
     calls: list[str] = []
 
     def record(name: str) -> Any:
-        def run(x: torch.Tensor, w: Fp8Linear, backend: Any = None) -> torch.Tensor:
+        def run(x: torch.Tensor, w: Fp8Linear, backend: Any = None, **kw: Any) -> torch.Tensor:
             calls.append(name)
             return x
 

@@ -184,12 +184,14 @@ def _check_x(x: torch.Tensor, k: int, what: str) -> None:
         raise ValueError(f"{what}: activations must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-def fp8_gemv(x: torch.Tensor, w: Fp8Linear, backend: Backend | None = None) -> torch.Tensor:
+def fp8_gemv(
+    x: torch.Tensor, w: Fp8Linear, backend: Backend | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     _check_x(x, w.in_features, "fp8_gemv")
     if choose_backend(x, backend) == "torch":
-        return fp8_gemv_ref(x, w)
+        return _into(fp8_gemv_ref(x, w), out)
     m, n, k = x.shape[0], w.out_features, w.in_features
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = _out(x, n, out)
     if m == 0:
         return out
     block_n = 16 if n >= 2048 else 8
@@ -224,39 +226,43 @@ def _scaled_mm_ok(x: torch.Tensor, w: Fp8Linear) -> bool:
     )
 
 
-def fp8_scaled_mm(x: torch.Tensor, w: Fp8Linear, backend: Backend | None = None) -> torch.Tensor:
+def fp8_scaled_mm(
+    x: torch.Tensor, w: Fp8Linear, backend: Backend | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     _check_x(x, w.in_features, "fp8_scaled_mm")
     if choose_backend(x, backend) == "torch" or not _scaled_mm_ok(x, w):
-        return fp8_scaled_mm_ref(x, w)
+        return _into(fp8_scaled_mm_ref(x, w), out)
     xq, xs = quantize_fp8_rows(x, w.input_scale)
-    return torch._scaled_mm(
+    y = torch._scaled_mm(
         xq,
         w.data.T,
         scale_a=xs,
         scale_b=w.scale.reshape(1, -1),
         out_dtype=x.dtype,
     )
+    return _into(y, out)
 
 
 def fp8_w8a16(
-    x: torch.Tensor, w: Fp8Linear, backend: Backend | None = None, **tiles: int
+    x: torch.Tensor,
+    w: Fp8Linear,
+    backend: Backend | None = None,
+    out: torch.Tensor | None = None,
+    **tiles: int,
 ) -> torch.Tensor:
     """The weight-only fp8 GEMM; the twin is the gemv's maths (``fp8_gemv_ref``)."""
     _check_x(x, w.in_features, "fp8_w8a16")
     if choose_backend(x, backend) == "torch":
-        return fp8_gemv_ref(x, w)
+        return _into(fp8_gemv_ref(x, w), out)
     m, n, k = x.shape[0], w.out_features, w.in_features
+    dst = _out(x, n, out)
     if m == 0:
-        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+        return dst
     cfg = {**_w4_config(m, n, k, 64, False, x.device), **tiles}
     bk, split = cfg["BLOCK_K"], cfg["SPLIT_K"]
     k_per = triton_cdiv(triton_cdiv(k, split), bk) * bk
     split = triton_cdiv(k, k_per)
-    out = (
-        torch.empty((m, n), dtype=x.dtype, device=x.device)
-        if split == 1
-        else torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    )
+    out = dst if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (triton_cdiv(m, cfg["BLOCK_M"]), triton_cdiv(n, cfg["BLOCK_N"]), split)
     _kernels().w8a16_kernel[grid](
         x,
@@ -280,7 +286,9 @@ def fp8_w8a16(
         BLOCK_K=bk,
         num_warps=4,
     )
-    return out if split == 1 else out.to(x.dtype)
+    if split > 1:
+        dst.copy_(out)
+    return dst
 
 
 def fp8_linear(
@@ -288,15 +296,16 @@ def fp8_linear(
     w: Fp8Linear,
     backend: Backend | None = None,
     gemv_rows: int = _GEMV_ROWS,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ w.T`` [M, N] in ``x.dtype``: the gemv for at most ``gemv_rows`` rows, else the
     scaled-mm path (activations quantised per row) with ``w.fp8_activations``, else the
     weight-only W8A16 GEMM."""
     if x.shape[0] <= gemv_rows:
-        return fp8_gemv(x, w, backend)
+        return fp8_gemv(x, w, backend, out=out)
     if w.fp8_activations:
-        return fp8_scaled_mm(x, w, backend)
-    return fp8_w8a16(x, w, backend)
+        return fp8_scaled_mm(x, w, backend, out=out)
+    return fp8_w8a16(x, w, backend, out=out)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -324,26 +333,27 @@ def _w4_config(
 
 
 def w4a16_linear(
-    x: torch.Tensor, w: W4Linear, backend: Backend | None = None, **tiles: int
+    x: torch.Tensor,
+    w: W4Linear,
+    backend: Backend | None = None,
+    out: torch.Tensor | None = None,
+    **tiles: int,
 ) -> torch.Tensor:
     """``x @ w.T`` [M, N] in ``x.dtype`` with the 4-bit weight dequantised per tile.
     ``tiles``: BLOCK_M / BLOCK_N / BLOCK_K / SPLIT_K overrides (tests, tuning)."""
     _check_x(x, w.in_features, "w4a16_linear")
     if choose_backend(x, backend) == "torch":
-        return w4a16_ref(x, w)
+        return _into(w4a16_ref(x, w), out)
     m, n, k = x.shape[0], w.out_features, w.in_features
+    dst = _out(x, n, out)
     if m == 0:
-        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+        return dst
     cfg = {**_w4_config(m, n, k, w.group_size, w.g_idx is not None, x.device), **tiles}
     bk, split = cfg["BLOCK_K"], cfg["SPLIT_K"]
     k_per = triton_cdiv(triton_cdiv(k, split), bk) * bk
     split = triton_cdiv(k, k_per)
     scale_row = w.g_idx is None and w.group_size % bk == 0
-    out = (
-        torch.empty((m, n), dtype=x.dtype, device=x.device)
-        if split == 1
-        else torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    )
+    out = dst if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (triton_cdiv(m, cfg["BLOCK_M"]), triton_cdiv(n, cfg["BLOCK_N"]), split)
     _kernels().w4a16_kernel[grid](
         x,
@@ -376,13 +386,36 @@ def w4a16_linear(
         BLOCK_K=bk,
         num_warps=4,
     )
-    return out if split == 1 else out.to(x.dtype)
+    if split > 1:
+        dst.copy_(out)
+    return dst
 
 
 def quant_linear(
-    x: torch.Tensor, w: Fp8Linear | W4Linear, backend: Backend | None = None
+    x: torch.Tensor,
+    w: Fp8Linear | W4Linear,
+    backend: Backend | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ w.T`` for either packed format."""
+    """``x @ w.T`` for either packed format; ``out`` ([M, N], ``x.dtype``): written there (the
+    LoRA side-stream path hands its preallocated output) and returned."""
     if isinstance(w, Fp8Linear):
-        return fp8_linear(x, w, backend)
-    return w4a16_linear(x, w, backend)
+        return fp8_linear(x, w, backend, out=out)
+    return w4a16_linear(x, w, backend, out=out)
+
+
+def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (x.shape[0], n) or out.dtype != x.dtype:
+        raise ValueError(
+            f"out must be {x.dtype} [{x.shape[0]}, {n}], got {out.dtype} {list(out.shape)}"
+        )
+    return out

@@ -1250,8 +1250,32 @@ class TransformerModel:
             lp = None  # the pool holds no adapter on this group
         packed = self.packed.get((li, group)) if self.packed else None
         if packed is not None:
-            # The base GEMM on the packed weight; the LoRA terms follow it (bf16, the same
-            # input), as on the path without the side stream.
+            # The base GEMM on the packed weight; the LoRA terms (bf16, the same input) beside
+            # it on the side stream where the dense path puts them there, else after it.
+            if (
+                lp is not None
+                and self.lora_side is not None
+                and x.shape[0] <= self.lora_side_max_tokens
+                and not isinstance(lp[0], Int4LoraPool)
+            ):
+                pool, meta = lp
+                a, b, r = pool.layer_args(group, li)
+                out, delta = lora_ops.project_with_lora(
+                    x,
+                    layer[wname],
+                    bias,
+                    a,
+                    b,
+                    pool.scales,
+                    r,
+                    meta,
+                    self.lora_side,
+                    defer=defer,
+                    matmul=lambda xx, o: quant_linear(xx, packed, out=o),
+                )
+                if dora_rows is not None:
+                    lora_ops.apply_dora(out, delta, bias, pool.dora[group][li], dora_rows)
+                return out, delta
             out = quant_linear(x, packed)
             if bias is not None:
                 out += bias
