@@ -290,8 +290,9 @@ def _awq_pack(v: Any) -> Any:
 
 
 def quantize_base(weights: dict[str, Any], quant: str, group: int = 128) -> dict[str, Any]:
-    """The synthetic base as a quantised checkpoint's tensors, every projection converted (on
-    the weights' device, then moved to the host as a file would give them); the rest as is."""
+    """The synthetic base as a quantised checkpoint's tensors, every projection converted on
+    the weights' device and left there (the engine's load then repacks on the GPU, and the
+    dense bf16 projections are freed one by one); the rest as is."""
     import torch
 
     out: dict[str, Any] = {}
@@ -301,13 +302,13 @@ def quantize_base(weights: dict[str, Any], quant: str, group: int = 128) -> dict
         if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in (
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
         ):  # fmt: skip
-            out[name] = t.cpu()
+            out[name] = t
             continue
         w = t.float()
         if quant == "fp8":
             scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
-            out[name] = (w / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).cpu()
-            out[module + ".weight_scale"] = scale.to(torch.bfloat16).cpu()
+            out[name] = (w / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            out[module + ".weight_scale"] = scale.to(torch.bfloat16)
         else:
             n, k = w.shape
             g = w.T.reshape(k // group, group, n)  # [groups, group, out]
@@ -315,9 +316,9 @@ def quantize_base(weights: dict[str, Any], quant: str, group: int = 128) -> dict
             s = ((hi - lo) / 15).clamp_min(1e-8).half()
             z = torch.round(-lo / s.float()).clamp(0, 15)
             q = (torch.round(g / s.float()[:, None, :]) + z[:, None, :]).clamp(0, 15)
-            out[module + ".qweight"] = _awq_pack(q.reshape(k, n)).cpu()
-            out[module + ".qzeros"] = _awq_pack(z).cpu()
-            out[module + ".scales"] = s.cpu()
+            out[module + ".qweight"] = _awq_pack(q.reshape(k, n))
+            out[module + ".qzeros"] = _awq_pack(z)
+            out[module + ".scales"] = s
         del t, w
     return out
 
