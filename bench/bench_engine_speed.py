@@ -51,6 +51,14 @@ Usage:
     python bench/bench_engine_speed.py --tiny --out /tmp/s.json  # CPU smoke run, tiny model, seconds
     python bench/bench_engine_speed.py --skip hf_static --budget-s 240
     python bench/bench_engine_speed.py --only logprobs --out bench/results/engine_speed_logprobs_h200.json
+    python bench/bench_engine_speed.py --base-quant fp8 --only batch1,batch64   # FP8 base
+
+``--base-quant fp8|awq``: the main engine serves a quantised copy of the synthetic base, made by
+this script from the same random weights: ``fp8``, compressed-tensors float8 with one e4m3 scale
+per output channel (llm-compressor's FP8_DYNAMIC layout); ``awq``, AutoAWQ GEMM 4-bit, group
+128, zero points. The tensors go to the engine as a checkpoint would give them and config.json
+carries their ``quantization_config``; the engine keeps them packed on the GPU
+(``EngineConfig.quant_kernels``). The floors then count the packed bytes; hf_static stays bf16.
 """
 
 from __future__ import annotations
@@ -239,6 +247,117 @@ def weight_bytes_per_step(shape: dict[str, int], dtype_bytes: int, rows: int) ->
     return (shape["num_hidden_layers"] * layer + v * h + h + rows * h) * dtype_bytes
 
 
+def quant_weight_bytes_per_step(
+    shape: dict[str, int], dtype_bytes: int, rows: int, quant: str, group: int = 128
+) -> int:
+    """``weight_bytes_per_step`` with every projection in its packed form (``quant.packed_bytes``):
+    the embedding rows, norms and LM head stay at ``dtype_bytes``."""
+    from adaptermesh.worker.quant import packed_bytes
+
+    h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kvd = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    method = "compressed-tensors" if quant == "fp8" else "awq"
+    proj = (
+        packed_bytes(h, h + 2 * kvd, method, group)
+        + packed_bytes(h, h, method, group)
+        + packed_bytes(h, 2 * inter, method, group)
+        + packed_bytes(inter, h, method, group)
+    )
+    rest = shape["num_hidden_layers"] * 2 * h + v * h + h + rows * h
+    return shape["num_hidden_layers"] * proj + rest * dtype_bytes
+
+
+def step_weight_bytes(b: Bench, rows: int) -> int:
+    if b.args.base_quant:
+        return quant_weight_bytes_per_step(
+            b.shape, b.dtype_bytes, rows, b.args.base_quant, b.quant_group
+        )
+    return weight_bytes_per_step(b.shape, b.dtype_bytes, rows)
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i holds column 8 j + [i]
+
+
+def _awq_pack(v: Any) -> Any:
+    """int [rows, cols] 0..15 -> int32 [rows, cols / 8] in AutoAWQ's interleaved order."""
+    import torch
+
+    rows, cols = v.shape
+    g = v.to(torch.int64).reshape(rows, cols // 8, 8)[:, :, list(AWQ_ORDER)]
+    shifts = torch.arange(0, 32, 4, device=v.device, dtype=torch.int64)
+    words = (g << shifts).sum(dim=2)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def quantize_base(weights: dict[str, Any], quant: str, group: int = 128) -> dict[str, Any]:
+    """The synthetic base as a quantised checkpoint's tensors, every projection converted on
+    the weights' device and left there (the engine's load then repacks on the GPU, and the
+    dense bf16 projections are freed one by one); the rest as is."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for name in list(weights):
+        t = weights.pop(name)
+        module = name.removesuffix(".weight")
+        if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in (
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        ):  # fmt: skip
+            out[name] = t
+            continue
+        w = t.float()
+        if quant == "fp8":
+            scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
+            out[name] = (w / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            out[module + ".weight_scale"] = scale.to(torch.bfloat16)
+        else:
+            n, k = w.shape
+            g = w.T.reshape(k // group, group, n)  # [groups, group, out]
+            lo, hi = g.amin(dim=1).clamp(max=0), g.amax(dim=1).clamp(min=0)
+            s = ((hi - lo) / 15).clamp_min(1e-8).half()
+            z = torch.round(-lo / s.float()).clamp(0, 15)
+            q = (torch.round(g / s.float()[:, None, :]) + z[:, None, :]).clamp(0, 15)
+            out[module + ".qweight"] = _awq_pack(q.reshape(k, n))
+            out[module + ".qzeros"] = _awq_pack(z)
+            out[module + ".scales"] = s
+        del t, w
+    return out
+
+
+QUANT_CONFIGS: dict[str, dict[str, Any]] = {
+    "fp8": {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "channel",
+                    "dynamic": False,
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "token",
+                    "dynamic": True,
+                },
+            }
+        },
+    },
+    "awq": {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "version": "gemm",
+        "zero_point": True,
+        "modules_to_not_convert": None,
+    },
+}
+
+
 def adapter_bytes(shape: dict[str, int], rank: int, dtype_bytes: int = 2) -> int:
     """A and B of a rank-``rank`` adapter on all seven modules of every layer (bf16 on the GPU)."""
     h, inter = shape["hidden_size"], shape["intermediate_size"]
@@ -348,6 +467,18 @@ class Bench:
         self.result: dict[str, Any] = {"bench": "bench_engine_speed", "header": {}, "engines": {}}
 
     # ---- bookkeeping
+    @property
+    def quant_group(self) -> int:
+        return 32 if self.args.tiny else 128  # the tiny shape's hidden size is 64
+
+    def quant_config(self) -> dict[str, Any] | None:
+        if not self.args.base_quant:
+            return None
+        cfg = json.loads(json.dumps(QUANT_CONFIGS[self.args.base_quant]))
+        if "group_size" in cfg:
+            cfg["group_size"] = self.quant_group
+        return dict(cfg)
+
     def save(self) -> None:
         self.result["targets"] = compute_targets(self.result)
         self.result["elapsed_s"] = time.monotonic() - self.t0
@@ -409,6 +540,8 @@ class Bench:
             "shape": self.shape,
             "dtype": str(self.dtype),
             "weights": "random (bench_engine.random_weights, seed 0)",
+            "base_quant": self.args.base_quant,
+            "base_quantization_config": self.quant_config(),
             "adapters": {
                 "count": self.s.adapters,
                 "rank": self.s.rank,
@@ -439,9 +572,9 @@ class Bench:
         kvpt = kv_bytes_per_token(self.shape, db)
         ad = adapter_bytes(self.shape, s.rank, db)
         ctx = s.prompt + s.new_tokens / 2  # mean context over the decode steps of one request
-        b1 = weight_bytes_per_step(self.shape, db, 1) + kvpt * ctx
+        b1 = step_weight_bytes(self, 1) + kvpt * ctx
         b64 = {
-            label: weight_bytes_per_step(self.shape, db, s.batch) + s.batch * ctx * kvpt + n * ad
+            label: step_weight_bytes(self, s.batch) + s.batch * ctx * kvpt + n * ad
             for label, n in (("distinct", s.adapters), ("one_adapter", 1), ("base", 0))
         }
         tok_s = {k: s.batch / (v / self.copy_Bps) for k, v in b64.items()}
@@ -449,7 +582,7 @@ class Bench:
             "kv_bytes_per_token": kvpt,
             "adapter_bytes": ad,
             "mean_decode_context": ctx,
-            "weight_bytes_per_decode_step": weight_bytes_per_step(self.shape, db, 1),
+            "weight_bytes_per_decode_step": step_weight_bytes(self, 1),
             "batch1_bytes_per_step": b1,
             "batch1_floor_ms_per_token": 1e3 * b1 / self.copy_Bps,
             "batch64_bytes_per_step": b64,
@@ -465,9 +598,10 @@ class Bench:
         from adaptermesh_testkit.checkpoints import make_model_config, make_tokenizer
 
         make_tokenizer(self.model_dir)
-        (self.model_dir / "config.json").write_text(
-            json.dumps(make_model_config("llama", **self.shape))
-        )
+        cfg = make_model_config("llama", **self.shape)
+        if self.args.base_quant:
+            cfg["quantization_config"] = self.quant_config()
+        (self.model_dir / "config.json").write_text(json.dumps(cfg))
         t = time.perf_counter()
         for i, name in enumerate(self.names):
             self.be.write_adapter(
@@ -484,6 +618,8 @@ class Bench:
         log(f"wrote {len(self.names)} adapters in {time.perf_counter() - t:.1f} s")
 
     async def open_engine(self, label: str, **overrides: Any) -> Any:
+        import torch
+
         from adaptermesh.worker.engine import Engine, EngineConfig
 
         s = self.s
@@ -500,6 +636,9 @@ class Bench:
             enable_prefix_caching=True,
             profile_steps=False,
         )
+        if self.args.base_quant:
+            # On CUDA "auto" packs too; "on" also runs the packed path (its twins) in --tiny.
+            kw["quant_kernels"] = "on"
         if label == "main":
             if self.args.dora:
                 kw["lora_dora"] = True
@@ -515,6 +654,13 @@ class Bench:
         self.result["engines"][label] = entry
         if unsupported:
             log(f"engine {label}: EngineConfig lacks {unsupported}; built without them")
+        weights = self.be.random_weights(self.shape, self.device, self.dtype)
+        if self.args.base_quant:
+            t = time.perf_counter()
+            weights = quantize_base(weights, self.args.base_quant, self.quant_group)
+            entry["quantize_base_s"] = time.perf_counter() - t
+            if self.device == "cuda":
+                torch.cuda.empty_cache()  # the dense copies: gone before the engine sizes itself
         t = time.perf_counter()
         eng = Engine(
             self.model_dir,
@@ -523,9 +669,12 @@ class Bench:
             dtype=self.dtype,
             config=cfg,
             model_name="llama-7b-shape",
-            weights=self.be.random_weights(self.shape, self.device, self.dtype),
+            weights=weights,
         )
+        del weights
         entry["build_s"] = time.perf_counter() - t
+        entry["weights_bytes"] = eng.model.nbytes
+        entry["packed_projections"] = len(eng.model.packed)
         t = time.perf_counter()
         await asyncio.gather(*eng.prefetch(self.names))
         entry["prefetch_s"] = time.perf_counter() - t
@@ -705,7 +854,7 @@ async def sec_batch1(b: Bench, eng: Any) -> dict[str, Any]:
     }
     for label, name in configs:
         ms = median([r["decode_ms_per_token"] for r in runs[label]])
-        nbytes = weight_bytes_per_step(b.shape, b.dtype_bytes, 1) + kvpt * ctx
+        nbytes = step_weight_bytes(b, 1) + kvpt * ctx
         if name is not None:
             nbytes += adapter_bytes(b.shape, s.rank, b.dtype_bytes)
         achieved = nbytes / (ms / 1e3) if ms else None
@@ -1452,6 +1601,28 @@ def compute_targets(r: dict[str, Any]) -> dict[str, Any]:
         }
 
     cap = r.get("capacity", {}) if isinstance(r.get("capacity"), dict) else {}
+    quant = _get(r, "header", "base_quant")
+    if quant:
+        # The quantised-base issue's rows (FP8: <= 2.4 ms batch-1; AWQ: <= 1.8 ms).
+        limit = 2.4 if quant == "fp8" else 1.8
+        return {
+            f"batch1_backbone_ms_per_token_{quant}": row(
+                _get(r, "batch1", "backbone", "decode_ms_per_token"),
+                f"<= {limit}",
+                lambda v: v <= limit,
+                floor_ms_per_token=_get(r, "batch1", "backbone", "floor_ms_per_token"),
+                pct_of_copy_bw=_get(r, "batch1", "backbone", "pct_of_copy_bw"),
+            ),
+            f"batch1_lora_r16_all7_vs_{quant}_backbone": row(
+                _get(r, "batch1", "lora_vs_backbone"), "<= 1.10", lambda v: v <= 1.10
+            ),
+            f"batch64_64_distinct_tok_s_{quant}": row(
+                _get(r, "batch64", "distinct", "decode_tok_s"),
+                ">= 10000",
+                lambda v: v >= 10000,
+                floor_tok_s=_get(r, "batch64", "distinct", "floor_tok_s"),
+            ),
+        }
     return {
         "batch1_backbone_ms_per_token": row(
             _get(r, "batch1", "backbone", "decode_ms_per_token"),
@@ -1666,6 +1837,14 @@ def main() -> int:
         help="DoRA adapters (use_dora, a magnitude vector per module) on an engine with "
         "lora_dora; compare its batch64 with a plain run's in the same session",
     )
+    ap.add_argument(
+        "--base-quant",
+        choices=("fp8", "awq"),
+        default=None,
+        help="serve a quantised copy of the synthetic base (fp8: compressed-tensors per-channel "
+        "e4m3; awq: AutoAWQ GEMM 4-bit, group 128), packed on the GPU; compare with a bf16 run "
+        "in the same session",
+    )
     args = ap.parse_args()
     args.config_overrides = {}
     for item in args.config:
@@ -1698,7 +1877,15 @@ def main() -> int:
         sizes = dataclasses.replace(sizes, hf_batches=args.hf_batches)
     if args.out is None:
         args.out = (
-            str(BENCH_DIR / "results" / "engine_speed_h200.json")
+            str(
+                BENCH_DIR
+                / "results"
+                / (
+                    f"engine_speed_{args.base_quant}_h200.json"
+                    if args.base_quant
+                    else "engine_speed_h200.json"
+                )
+            )
             if device == "cuda"
             else str(Path(tempfile.gettempdir()) / "engine_speed_tiny.json")
         )

@@ -63,7 +63,7 @@ REFUSED_CONFIG = [
         "rope_parameters",
     ),
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ("llama", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+    ("llama", {"quantization_config": {"quant_method": "gptq", "bits": 8}}, "quantization_config"),
     ("llama", {"auto_map": {"AutoModelForCausalLM": "x.Y"}}, "auto_map"),
     ("llama", {"brand_new_field": 1}, "brand_new_field"),
     ("llama", {"sliding_window": 128}, "sliding_window"),

@@ -432,7 +432,11 @@ REFUSED = [
     ("phi3", {"auto_map": {"AutoModelForCausalLM": "modeling_custom.MyPhi"}}, "auto_map"),
     ("phi3", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("phi3", {"hidden_act": "gelu_new"}, "hidden_act"),
-    ("phi3", {"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+    (
+        "phi3",
+        {"quantization_config": {"quant_method": "awq", "version": "gemv"}},
+        "quantization_config",
+    ),
     ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("gemma2", {"hidden_activation": "gelu_new"}, "hidden_activation"),
     ("gemma2", {"layer_types": ["sliding_attention"]}, "layer_types"),

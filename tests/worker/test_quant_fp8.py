@@ -408,8 +408,9 @@ def _ct(**over: Any) -> dict[str, Any]:
     ("qcfg", "needle"),
     [
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
-        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "AWQ"),
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "GPTQ"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version: 'gemv' is not"),
+        ({"quant_method": "gptq", "bits": 4, "is_marlin_format": True}, "is_marlin_format"),
+        ({"quant_method": "hqq"}, "quant_method 'hqq': HQQ"),
         ({"bits": 4}, "quant_method None"),
         (
             {"quant_method": "fp8", "weight_block_size": [128, 128], "brand_new": 1},

@@ -267,8 +267,21 @@ class Engine:
         else:
             shard_cfg = model_config
             self.model = TransformerModel(
-                model_config, tensors, self.device, dtype, self.max_model_len
+                model_config,
+                tensors,
+                self.device,
+                dtype,
+                self.max_model_len,
+                quant_kernels=config.quant_kernels == "on"
+                or (config.quant_kernels == "auto" and self.device.type == "cuda"),
+                fp8_activations=config.quant_fp8_activations,
             )
+            if self.model.packed and config.lora_dora:
+                raise InvalidRequestError(
+                    "quant_kernels",
+                    "DoRA pools need the base weights dense (their norms read them); set "
+                    "quant_kernels off to serve DoRA over a quantised base",
+                )
         block_size = config.block_size
         kv_spec = KVCacheSpec(
             shard_cfg.num_layers,

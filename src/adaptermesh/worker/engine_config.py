@@ -130,6 +130,16 @@ class EngineConfig:
     # the model's logits, vLLM's default) or "processed" (the distribution the sampler draws
     # from: penalties, temperature and top-k/top-p/min-p applied; sampling.processed_logits).
     logprobs_mode: str = "raw"
+    # A quantised base (config.json's quantization_config): "auto" keeps its linear weights
+    # packed on CUDA (fp8: a gemv for up to 4 rows, torch._scaled_mm beyond; AWQ / GPTQ: the
+    # W4A16 Triton GEMM; kernels/quant_linear.py), so the device holds fp8 / 4-bit bytes, and
+    # dequantises them on the CPU; "on" packs on every device (the CPU runs the kernels' torch
+    # twins); "off" dequantises everywhere (the dense GEMMs at the model dtype).
+    quant_kernels: str = "auto"
+    # Packed fp8 weights, steps of more than 4 rows: False, the weight-only W8A16 GEMM (the
+    # activations keep the model dtype: the dequantised reference's maths); True, e4m3
+    # activations (per row, or the checkpoint's static scale) for torch._scaled_mm (W8A8).
+    quant_fp8_activations: bool = False
     # Sizes the worker chooses itself from the device and host memory (worker/sizing.py), by
     # field name: any of SIZING_FIELDS. The command line lists every size whose flag was not
     # given; the fields named here are replaced once the weights are on the device.
@@ -167,6 +177,10 @@ def validate_config(config: EngineConfig) -> None:
         raise InvalidRequestError(
             "logprobs_mode",
             f"must be one of {', '.join(LOGPROBS_MODES)}, got {config.logprobs_mode!r}",
+        )
+    if config.quant_kernels not in ("auto", "on", "off"):
+        raise InvalidRequestError(
+            "quant_kernels", f"must be one of auto, on, off, got {config.quant_kernels!r}"
         )
     block_size = config.block_size
     if (

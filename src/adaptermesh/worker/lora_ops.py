@@ -27,6 +27,7 @@ a row of ones there, so they keep their outputs bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +149,7 @@ def project_with_lora(
     side: torch.cuda.Stream,
     *,
     defer: bool = False,
+    matmul: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x @ weight.T (+ bias)`` and the batch's LoRA terms, with LoRA work on ``side``
     beside the base matmul (CUDA only). Returns ``(out, delta)``.
@@ -158,7 +160,8 @@ def project_with_lora(
     into ``out`` on the calling stream (``delta`` is None). With ``defer`` the whole term
     (zeroed buffer, shrink, expand) goes into ``delta`` on ``side``, and the caller adds it
     where the output is consumed (``rms_norm(..., extra=delta)``, ``act_mul(..., extra=)``):
-    no LoRA launch waits for the matmul. Buffers are allocated on the calling stream before
+    no LoRA launch waits for the matmul. ``matmul(x, out)``: writes the base product instead
+    of ``x @ weight.T`` (a packed quantised weight, kernels/quant_linear.py). Buffers are allocated on the calling stream before
     the fork, the side stream waits for the caller first, and the caller joins it right after
     the matmul, so nothing is reused while in use.
     """
@@ -190,7 +193,11 @@ def project_with_lora(
         shrink()
         if delta is not None:
             expand()
-    if bias is None:
+    if matmul is not None:  # a packed quantised weight (``weight``: its shape only)
+        matmul(x, out)
+        if bias is not None:
+            out += bias
+    elif bias is None:
         torch.matmul(x, weight.T, out=out)
     else:
         torch.addmm(bias, x, weight.T, out=out)

@@ -42,9 +42,13 @@ from adaptermesh.worker.model_fields import (
 )
 from adaptermesh.worker.quant import (
     Fp8Weight,
+    QuantLinear,
     QuantScheme,
+    QuantWeight,
     dequantize_checkpoint,
+    pack_linear,
     parse_quant_config,
+    quant_linear,
 )
 
 log = logging.getLogger(__name__)
@@ -860,6 +864,47 @@ _WEIGHTS = {
 }
 
 
+def _pack_projections(
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    stored: Mapping[str, QuantWeight],
+    device: torch.device,
+    fp8_activations: bool,
+) -> dict[tuple[int, str], QuantLinear]:
+    """The projections a device kernel serves packed, keyed (layer, group), moved to
+    ``device``; each one's modules get meta tensors of their shape in ``weights`` (no bytes).
+    A projection with an unquantised module, or parts ``pack_linear`` cannot fuse, stays
+    dense."""
+    groups = {
+        "qkv": ["self_attn.qkv_proj"]
+        if cfg.fused_checkpoint
+        else [f"self_attn.{m}" for m in GROUPS["qkv"]],
+        "o": ["self_attn.o_proj"],
+        "gate_up": ["mlp.gate_up_proj"]
+        if cfg.fused_checkpoint
+        else [f"mlp.{m}" for m in GROUPS["gate_up"]],
+        "down": ["mlp.down_proj"],
+    }
+    out: dict[tuple[int, str], QuantLinear] = {}
+    for i in range(cfg.num_layers):
+        for g, mods in groups.items():
+            names = [f"model.layers.{i}.{m}" for m in mods]
+            parts = [stored.get(n) for n in names]
+            if any(p is None for p in parts):
+                continue
+            lin = pack_linear([p for p in parts if p is not None], fp8_activations)
+            if lin is None:
+                continue
+            out[(i, g)] = lin.to(device)
+            for n, p in zip(names, parts, strict=True):
+                assert p is not None
+                shape = (
+                    p.data.shape if isinstance(p, Fp8Weight) else (p.out_features, p.in_features)
+                )
+                weights[n + ".weight"] = torch.empty(shape, dtype=torch.float32, device="meta")
+    return out
+
+
 def _apply_lora(
     pool: LoraPool,
     meta: lora_ops.LoraBatchMeta,
@@ -886,6 +931,8 @@ class TransformerModel:
         device: torch.device,
         dtype: torch.dtype,
         max_len: int,
+        quant_kernels: bool = False,
+        fp8_activations: bool = False,
     ) -> None:
         self.cfg = cfg
         self.device = device
@@ -900,17 +947,31 @@ class TransformerModel:
         # Tensor parallelism (``tp_group``): this model holds one rank's shard
         # (``tp_shard``), and the forward pass reduces after o and down and gathers the logits.
         self.tp: ParallelComm | None = None
-        # An fp8 checkpoint's linear weights as stored (e4m3 + scales, on the host, where the
-        # file put them) for a device fp8 GEMM; the forward pass multiplies by their
-        # dequantised copies, rounded once to ``dtype`` (no fp8 GEMM exists yet).
-        self.quantized: dict[str, Fp8Weight] = {}
+        # A quantised checkpoint's linear weights as stored (fp8 + scales, or 4-bit words,
+        # zero points and scales; on the host, where the file put them). The forward pass
+        # multiplies by their dequantised copies, rounded once to ``dtype``, except where
+        # ``quant_kernels`` packs a projection: ``packed[(layer, group)]`` then holds it on
+        # the device for kernels/quant_linear.py, and no dense copy is made.
+        self.quantized: dict[str, QuantWeight] = {}
+        self.packed: dict[tuple[int, str], QuantLinear] = {}
         if cfg.quant is not None:
-            weights, self.quantized = dequantize_checkpoint(cfg.quant, weights, dtype)
+            weights, self.quantized = dequantize_checkpoint(
+                cfg.quant, weights, dtype, dense=not quant_kernels
+            )
+            if quant_kernels:
+                self.packed = _pack_projections(
+                    cfg, weights, self.quantized, device, fp8_activations
+                )
+                for name, w in self.quantized.items():  # what stays dense
+                    weights.setdefault(name + ".weight", w.dequantize(dtype))
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"model weights: missing tensor {name}")
-            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
+            t = weights.pop(name)
+            if t.is_meta:  # held packed (``self.packed``): the shape only
+                return torch.empty(t.shape, dtype=dtype, device="meta")
+            return t.to(device=device, dtype=dtype).contiguous()
 
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[dict[str, torch.Tensor]] = []
@@ -1009,7 +1070,15 @@ class TransformerModel:
         }
         if module not in views:
             raise ValueError(f"module: unknown module {module!r}")
-        return views[module]()
+        w = views[module]()
+        if w.is_meta:
+            method = self.cfg.quant.method if self.cfg.quant is not None else "quantised"
+            raise ValueError(
+                f"module: {module} of layer {layer} is held packed ({method} weights on the "
+                "device), so it has no dense weight to read or merge into (AdaFuse merges and "
+                "DoRA norms need EngineConfig.quant_kernels off)"
+            )
+        return w
 
     @property
     def nbytes(self) -> int:
@@ -1022,12 +1091,13 @@ class TransformerModel:
         seen: set[int] = set()
         total = 0
         for t in tensors:
-            if t.data_ptr() in seen:
+            if t.is_meta or t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
-        if self.device.type == "cpu":  # the stored fp8 form shares the device's memory there
+        if self.device.type == "cpu":  # the stored form shares the device's memory there
             total += sum(w.nbytes for w in self.quantized.values())
+        total += sum(w.nbytes for w in self.packed.values())  # on the device
         return total
 
     @torch.inference_mode()
@@ -1178,6 +1248,42 @@ class TransformerModel:
         bias = layer.get(bname)
         if lp is not None and group not in lp[0].groups:
             lp = None  # the pool holds no adapter on this group
+        packed = self.packed.get((li, group)) if self.packed else None
+        if packed is not None:
+            # The base GEMM on the packed weight; the LoRA terms (bf16, the same input) beside
+            # it on the side stream where the dense path puts them there, else after it.
+            if (
+                lp is not None
+                and self.lora_side is not None
+                and x.shape[0] <= self.lora_side_max_tokens
+                and not isinstance(lp[0], Int4LoraPool)
+            ):
+                pool, meta = lp
+                a, b, r = pool.layer_args(group, li)
+                out, delta = lora_ops.project_with_lora(
+                    x,
+                    layer[wname],
+                    bias,
+                    a,
+                    b,
+                    pool.scales,
+                    r,
+                    meta,
+                    self.lora_side,
+                    defer=defer,
+                    matmul=lambda xx, o: quant_linear(xx, packed, out=o),
+                )
+                if dora_rows is not None:
+                    lora_ops.apply_dora(out, delta, bias, pool.dora[group][li], dora_rows)
+                return out, delta
+            out = quant_linear(x, packed)
+            if bias is not None:
+                out += bias
+            if lp is not None:
+                _apply_lora(*lp, group, li, out, x)
+                if dora_rows is not None:
+                    lora_ops.apply_dora(out, None, bias, lp[0].dora[group][li], dora_rows)
+            return out, None
         side = self.lora_side
         cols = (
             self.tp.row_lora_columns(layer[wname].shape[0])
