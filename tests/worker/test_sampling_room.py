@@ -22,12 +22,21 @@ from transformers.generation.logits_process import (
 from adaptermesh.worker.api import CompletionRequest
 from adaptermesh.worker.sampling import (
     BOUNDS,
+    LogitBias,
     RowParams,
     SamplerMode,
     SamplingBuffers,
+    apply_logit_bias,
+    apply_penalties,
+    counts_from_tokens,
+    processed_entries,
     processed_logits,
+    prompt_mask_from_tokens,
+    row_params,
     sample,
+    sample_entries,
 )
+from adaptermesh.worker.step_plan import SamplingRow
 from adaptermesh.worker.types import InvalidRequestError, SamplingParams
 
 from .conftest import PROMPTS, LogitLog, Tiny, collect, request, tokens
@@ -128,6 +137,55 @@ def test_rows_without_typical_p_sample_as_before_in_a_typical_batch() -> None:
     together = sample(torch.cat([logits, torch.randn(1, 30)]), buf, mode=SamplerMode.of(mixed))
     assert SamplerMode.of(mixed).any_typical
     assert together[:3].tolist() == alone.tolist()
+
+
+# ---- a step's processor chain ----------------------------------------------------------------
+
+
+def test_a_steps_processors_run_bias_then_penalties_then_the_draw() -> None:
+    torch.manual_seed(2)
+    vocab = 20
+    logits = torch.randn(3, vocab)
+    entries: list[SamplingRow | None] = [
+        SamplingRow(1, "a", SamplingParams(temperature=0.9, logit_bias=((4, 5.0),)), 7, 1),
+        None,  # padding
+        SamplingRow(
+            2,
+            "b",
+            SamplingParams(temperature=0.0, frequency_penalty=1.5, repetition_penalty=1.3),
+            0,
+            3,
+            output=(4, 4, 9),
+            context=(1, 2, 4, 4, 9),
+        ),
+    ]
+    params = row_params(entries)
+    buf = SamplingBuffers.allocate(3, "cpu")
+    buf.fill(params)
+    bias = LogitBias.of([e.sampling.logit_bias if e else () for e in entries], vocab, "cpu")
+    assert bias is not None
+    seen: list[torch.Tensor] = []
+    got = sample_entries(
+        logits,
+        buf,
+        SamplerMode.of(params),
+        entries,
+        bias=bias,
+        penalties=True,
+        observe=lambda x, rows: seen.append(x.clone()),
+    )
+    biased = apply_logit_bias(logits, bias)
+    assert torch.equal(seen[0], biased)  # the observer sees the biased logits
+    counts = counts_from_tokens([[], [], [4, 4, 9]], vocab, "cpu")
+    mask = prompt_mask_from_tokens([[], [], [1, 2, 4, 4, 9]], vocab, "cpu")
+    want = sample(biased, buf, mode=SamplerMode.of(params), token_counts=counts, prompt_mask=mask)
+    assert got.tolist() == want.tolist()
+    assert int(got[2]) == int(apply_penalties(biased, buf, counts, mask)[2].argmax())
+    processed = processed_entries(
+        torch.cat([logits, torch.randn(2, vocab)]), buf, SamplerMode.of(params), entries, bias=bias
+    )
+    assert processed.shape == (3, vocab)
+    assert torch.isfinite(processed[0, 4])
 
 
 # ---- one set of bounds -------------------------------------------------------------------

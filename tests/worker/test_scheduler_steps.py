@@ -376,3 +376,129 @@ def test_random_traffic_keeps_block_accounting_consistent(
     assert not scheduler.running
     assert not scheduler.waiting
     assert scheduler.in_flight() == 0
+
+
+# ---- replaying an engine's recorded steps -------------------------------------------------
+
+
+def _normalised(step: ScheduledStep, index: dict[int, int]) -> Any:
+    """A step with sequence ids replaced by submission order (ids are process-wide)."""
+
+    def row(r: StepRow) -> Any:
+        sampler = None
+        if r.sampler is not None:
+            s = r.sampler
+            sampler = (index[s.seq_id], s.request_id, s.seed, s.counter, s.output, s.context)
+        return (
+            index[r.seq_id],
+            r.start,
+            r.count,
+            r.token_ids,
+            r.source_entry,
+            r.lora_slot,
+            sampler,
+        )
+
+    tables = [(u.first, len(u.blocks)) for u in step.tables]
+    return [row(r) for r in step.decode], [row(r) for r in step.prefill], tables
+
+
+async def test_a_scheduler_alone_replays_an_engines_recorded_results(
+    tiny: Any, make_engine: Any
+) -> None:
+    """Record the steps, launch reports and results an engine's scheduler saw; a fresh
+    scheduler fed the same requests and the recorded results emits the same steps and the
+    same events, without a model."""
+    from .conftest import PROMPTS, collect, request
+
+    eng = make_engine(max_num_seqs=3, max_prefill_chunk=5, max_num_batched_tokens=8)
+    recorded: list[tuple[ScheduledStep, list[int], StepResult | None]] = []
+    real = eng.scheduler
+    schedule, launched, apply = real.schedule, real.launched, real.apply
+
+    def record_schedule(**kw: Any) -> ScheduledStep | None:
+        step = schedule(**kw)
+        if step is not None:
+            recorded.append((step, [], None))
+        return step
+
+    def record_launched(step: ScheduledStep, entries: list[int]) -> None:
+        recorded[-1] = (step, list(entries), None)
+        launched(step, entries)
+
+    def record_apply(result: StepResult) -> None:
+        at = next(i for i, (s, _, _) in enumerate(recorded) if s.step_id == result.step_id)
+        recorded[at] = (recorded[at][0], recorded[at][1], result)
+        apply(result)
+
+    real.schedule, real.launched, real.apply = record_schedule, record_launched, record_apply
+    sampling = [
+        {"max_tokens": 6},
+        {"max_tokens": 4, "temperature": 0.8},
+        {"max_tokens": 7, "frequency_penalty": 0.5},
+        {"max_tokens": 5, "stop": ("e",)},
+    ]
+    prompts = [tiny.encode(PROMPTS[i % len(PROMPTS)]) for i in range(len(sampling))]
+    streams = [
+        eng.submit(request(f"r{i}", ids, None, seed=11 + i, **kw))
+        for i, (ids, kw) in enumerate(zip(prompts, sampling, strict=True))
+    ]
+    # The engine's sequences, in submission order (its loop has not run yet).
+    engine_ids = {seq.seq_id: i for i, seq in enumerate(real.waiting)}
+    assert len(engine_ids) == len(sampling)
+    want = [await collect(s) for s in streams]
+    assert len(recorded) > 4
+
+    scheduler = Scheduler(
+        BlockManager(eng.blocks.num_blocks, real.blocks.block_size, enable_prefix_caching=True),
+        cast(AdapterManager, NoAdapters()),
+        base_names=real.base_names,
+        max_num_seqs=real.max_num_seqs,
+        max_num_batched_tokens=real.max_num_batched_tokens,
+        max_prefill_chunk=real.max_prefill_chunk,
+        max_prefill_seqs=real.max_prefill_seqs,
+        max_model_len=real.max_model_len,
+        eos_token_ids=real.eos_token_ids,
+        token_piece=real.token_piece,
+    )
+    seqs = []
+    for i, (ids, kw) in enumerate(zip(prompts, sampling, strict=True)):
+        req = request(f"r{i}", ids, None, seed=11 + i, **kw)
+        seq = Sequence(
+            request=req,
+            queue=asyncio.Queue(),
+            detok=Detokenizer(eng.text.decode_for_stream),
+            prompt=list(ids),
+            seed=11 + i,
+        )
+        scheduler.waiting.append(seq)
+        seqs.append(seq)
+    for n, (step, entries, result) in enumerate(recorded):
+        mine = scheduler.schedule(allow_preempt=True)
+        assert mine is not None, n
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        ours = _normalised(mine, index)
+        theirs = _normalised(step, engine_ids)
+        assert ours == theirs, n
+        scheduler.launched(mine, entries)
+        assert result is not None
+        mapped = tuple(
+            SampledToken(seqs[engine_ids[t.seq_id]].seq_id, t.token, t.logprobs)
+            for t in result.tokens
+        )
+        scheduler.apply(StepResult(mine.step_id, mapped))
+    assert scheduler.schedule() is None
+    for seq, events in zip(seqs, want, strict=True):
+        got = [e for e in events_of(seq)]
+        assert [(e.token_id, e.text, e.finish_reason) for e in got] == [
+            (e.token_id, e.text, e.finish_reason) for e in events
+        ]
+
+
+def events_of(seq: Sequence) -> list[TokenEvent]:
+    out = []
+    while not seq.queue.empty():
+        item = seq.queue.get_nowait()
+        assert isinstance(item, TokenEvent)
+        out.append(item)
+    return out

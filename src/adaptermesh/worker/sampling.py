@@ -7,7 +7,9 @@ are applied by ``grammar.apply_bitmask`` on the logits the step hands here), the
 draw, and the log-probabilities, for eager steps and captured graphs alike (``GREEDY`` and
 ``RANDOM`` are the variants a graph is captured for). A new sampling parameter is a field of
 the API model (``api.py``), of ``SamplingParams`` as the request translation fills it
-(``request_translation.py``), and of ``RowParams``/``SamplingBuffers`` here.
+(``request_translation.py``), and of ``RowParams``/``SamplingBuffers`` here. The step launcher
+calls ``sample_entries`` (bias, penalties, draw) and ``processed_entries`` (processed
+logprobs) with the step's rows; it holds no sampling rule of its own.
 
 For each row r with logits l (after logit_bias and penalties, below), temperature T, and
 filters top-k, top-p, min-p and typical-p::
@@ -82,6 +84,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,10 +119,12 @@ __all__ = [
     "logprob_output_ends",
     "penalised",
     "penalty_inputs",
+    "processed_entries",
     "processed_logits",
     "prompt_mask_from_tokens",
     "row_params",
     "sample",
+    "sample_entries",
     "token_logprobs",
     "unpack_logprobs",
 ]
@@ -883,3 +888,47 @@ def penalty_inputs(
     counts = counts_from_tokens(outputs, vocab, device) if mode.penalties else None
     prompt_mask = prompt_mask_from_tokens(contexts, vocab, device) if mode.repetition else None
     return counts, prompt_mask
+
+
+def sample_entries(
+    logits: Tensor,  # [S, V] fp32: the step's logits (a masked step's already masked)
+    buf: SamplingBuffers,
+    mode: SamplerMode,
+    entries: list[SamplingRow | None],
+    *,
+    bias: LogitBias | None = None,
+    penalties: bool = False,
+    observe: Callable[[Tensor, list[SamplingRow | None]], None] | None = None,
+) -> Tensor:
+    """A step's token ids [S], through the processors in order: ``logit_bias``, then (when
+    some row has them, eager steps only) penalties over each row's past tokens with the rows'
+    exact mode, then the filters and the draw. ``observe`` sees the logits the draw starts
+    from (after the bias). Inside a captured graph this runs once, at capture; the replays
+    repeat its device work."""
+    biased = logits if bias is None else apply_logit_bias(logits, bias)
+    if observe is not None:
+        observe(biased, entries)
+    if not penalties:
+        return sample(biased, buf, mode=mode)
+    mode = SamplerMode.of(row_params(entries))
+    counts, prompt_mask = penalty_inputs(entries, int(logits.shape[1]), logits.device, mode)
+    return sample(biased, buf, mode=mode, token_counts=counts, prompt_mask=prompt_mask)
+
+
+def processed_entries(
+    logits: Tensor,  # [>= S, V] fp32
+    buf: SamplingBuffers,
+    mode: SamplerMode,
+    entries: list[SamplingRow | None],
+    *,
+    bias: LogitBias | None = None,
+) -> Tensor:
+    """The step's first S = len(entries) logits as its sampler processed them (bias, the same
+    buffers and mode; penalty steps rebuild their token counts), for processed logprobs."""
+    logits = logits[: len(entries)]
+    if bias is not None:
+        logits = apply_logit_bias(logits, bias)
+    counts = prompt_mask = None
+    if mode.penalties:
+        counts, prompt_mask = penalty_inputs(entries, int(logits.shape[1]), logits.device, mode)
+    return processed_logits(logits, buf, mode=mode, token_counts=counts, prompt_mask=prompt_mask)

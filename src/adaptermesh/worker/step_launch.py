@@ -43,16 +43,14 @@ from adaptermesh.worker.sampling import (
     RowParams,
     SamplerMode,
     SamplingBuffers,
-    apply_logit_bias,
     eager_only,
     entry_logit_bias,
     gather_logprobs,
     graph_mode,
     penalised,
-    penalty_inputs,
-    processed_logits,
+    processed_entries,
     row_params,
-    sample,
+    sample_entries,
     unpack_logprobs,
 )
 from adaptermesh.worker.step_layout import (
@@ -344,8 +342,15 @@ class StepLauncher:
         with torch.inference_mode():  # the forward's logits are an inference tensor
             apply_bitmask(logits, bitmask)
         # A refused token stays at -inf whatever its bias: the order of the two does not matter.
-        biased = logits if run.bias is None else apply_logit_bias(logits, run.bias)
-        tokens = self._sample(biased, run.sampling_buffers, run.mode, layout, penalties)
+        tokens = sample_entries(
+            logits,
+            run.sampling_buffers,
+            run.mode,
+            layout.entries,
+            bias=run.bias,
+            penalties=penalties,
+            observe=self._observe,
+        )
         self.last_tokens[: tokens.shape[0]].copy_(tokens)
 
     def _traits(self, plan: ScheduledStep, decision: SoloDecision) -> StepTraits:
@@ -563,10 +568,8 @@ class StepLauncher:
         step_logits = run.logits
         assert step_logits is not None
         if self.config.logprobs_mode == "processed":
-            if run.bias is not None:
-                step_logits = apply_logit_bias(step_logits[: layout.num_entries], run.bias)
-            step_logits = self._processed_logits(
-                step_logits, layout, run.sampling_buffers, run.mode
+            step_logits = processed_entries(
+                step_logits, run.sampling_buffers, run.mode, layout.entries, bias=run.bias
             )
         row_of_sampler: list[int] = []
         wanted: list[int] = []
@@ -645,53 +648,14 @@ class StepLauncher:
         logits = self.model.forward(inputs, self.kv, self.pool if lora else None, meta, gated)
         if not sample:
             return logits
-        biased = logits if bias is None else apply_logit_bias(logits, bias)
-        tokens = self._sample(biased, sampling_buffers, mode, layout, penalties)
+        tokens = sample_entries(
+            logits,
+            sampling_buffers,
+            mode,
+            layout.entries,
+            bias=bias,
+            penalties=penalties,
+            observe=self._observe,
+        )
         destination[: tokens.shape[0]].copy_(tokens)
         return logits
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        sampling_buffers: SamplingBuffers,
-        mode: SamplerMode,
-        layout: StepLayout,
-        penalties: bool,
-    ) -> torch.Tensor:
-        """Token ids [S] for the step's (biased) logits [S, V]: the sampler, with penalties
-        over each row's past tokens when some row has them (eager steps only). Inside a
-        captured graph this runs once, at capture; the replays repeat its device work."""
-        if self._observe is not None:
-            self._observe(logits, layout.entries)
-        if not penalties:
-            return sample(logits, sampling_buffers, mode=mode)
-        mode = SamplerMode.of(row_params(layout.entries))
-        counts, prompt_mask = self._penalty_inputs(layout, int(logits.shape[1]), mode)
-        return sample(
-            logits, sampling_buffers, mode=mode, token_counts=counts, prompt_mask=prompt_mask
-        )
-
-    def _penalty_inputs(
-        self, layout: StepLayout, vocab: int, mode: SamplerMode
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return penalty_inputs(layout.entries, vocab, self.device, mode)
-
-    def _processed_logits(
-        self,
-        logits: torch.Tensor,
-        layout: StepLayout,
-        sampling_buffers: SamplingBuffers,
-        mode: SamplerMode,
-    ) -> torch.Tensor:
-        """The step's logits as the sampler processed them (same buffers, same mode), for
-        ``logprobs_mode="processed"``; penalty steps rebuild their token counts."""
-        counts = prompt_mask = None
-        if mode.penalties:
-            counts, prompt_mask = self._penalty_inputs(layout, int(logits.shape[1]), mode)
-        return processed_logits(
-            logits[: layout.num_entries],
-            sampling_buffers,
-            mode=mode,
-            token_counts=counts,
-            prompt_mask=prompt_mask,
-        )
