@@ -51,7 +51,8 @@ from adaptermesh.worker.eviction import DEFAULT_POLICY
 from adaptermesh.worker.lora_groups import GROUPS
 from adaptermesh.worker.model import LoraPool, ModelConfig
 from adaptermesh.worker.paging import BlockManager
-from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence, StepPlan
+from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence
+from adaptermesh.worker.step_plan import SampledToken, ScheduledStep, StepResult
 from adaptermesh.worker.types import GenerationRequest, SamplingParams
 
 TOKEN = 7  # every simulated step samples this token (never an end-of-sequence token)
@@ -182,7 +183,7 @@ class Sim:
         self.prompt_len = prompt_len
         self.steps = 0
         self.submitted: list[Sequence] = []
-        self.on_plan: Any = None  # called with each plan before its tokens are applied
+        self.on_plan: Any = None  # called with each step before its tokens are applied
 
     def submit(self, adapter: str | None, max_tokens: int) -> Sequence:
         n = len(self.submitted)
@@ -195,15 +196,18 @@ class Sim:
         self.submitted.append(seq)
         return seq
 
-    def step(self) -> StepPlan | None:
+    def step(self) -> ScheduledStep | None:
         plan = self.scheduler.schedule()
         self.steps += 1
         if plan is None:
             return None
         if self.on_plan is not None:
             self.on_plan(plan)
-        samplers = self.scheduler.launched(plan)
-        self.scheduler.apply(samplers, [TOKEN] * len(samplers))
+        samplers = plan.samplers
+        self.scheduler.launched(plan, list(range(len(samplers))))
+        self.scheduler.apply(
+            StepResult(plan.step_id, tuple(SampledToken(row.seq_id, TOKEN) for row in samplers))
+        )
         return plan
 
     async def settle(self) -> None:
@@ -260,7 +264,7 @@ async def run_config(n_adapters: int, popularity: str, args: argparse.Namespace)
         admitted_per_step.append(len(after))
         if plan is not None:
             rows_per_step.append(len(plan.decode) + len(plan.prefill))
-            distinct = len({s.adapter for s in plan.sequences()})
+            distinct = len({row.lora_slot for row in plan.rows})  # -1: the base model
             distinct_per_step.append(distinct)
             max_distinct = max(max_distinct, distinct)
         still = []

@@ -338,9 +338,11 @@ async def bench_engine(
 
     # Engine warm-up, not adapter work: captures the prefill graph of this prompt's length bucket.
     await first_token(None, "prefill-warmup")
-    graphs_ok, eng._graphs_ok = eng._graphs_ok, False
+    # The eager comparison: the graph runner's own switch (a failed capture clears it too).
+    graphs = eng.launcher.graph_runner
+    graphs_ok, graphs.enabled = graphs.enabled, False
     eager = [await first_token(names[0], f"e{k}") for k in range(3)]
-    eng._graphs_ok = graphs_ok
+    graphs.enabled = graphs_ok
     ttft_cold, ttft_warm, phases = [], [], []
     cold_n = max(5, args.repeats)
     for k in range(cold_n):
@@ -405,7 +407,7 @@ async def bench_engine(
         log(f"distinct={label}: {thr[label]['decode_tok_s']:.0f} decode tok/s")
     res["throughput"] = thr
     res["ratio_64_vs_1"] = thr["64"]["decode_tok_s"] / thr["1"]["decode_tok_s"]
-    res["cuda_graphs_active"] = eng.cuda_graphs_active
+    res["cuda_graphs_active"] = eng.launcher.graph_runner.active
     save()
 
     await eng.shutdown()

@@ -979,7 +979,7 @@ async def sec_logprobs(b: Bench, eng: Any) -> dict[str, Any]:
     for j, (_, k) in enumerate(configs):  # warm-up: this batch's graph bucket, the logprob path
         await run_batch(b, eng, names, s.prompt, s.logprobs_new_tokens, seed=500 + j, logprobs=k)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
-    steps0 = eng.logprob_steps
+    steps0 = eng.launcher.logprob_steps
     for rep in range(s.repeats):  # interleaved: clock drift hits both alike
         for j, (label, k) in enumerate(configs):
             runs[label].append(
@@ -1001,7 +1001,7 @@ async def sec_logprobs(b: Bench, eng: Any) -> dict[str, Any]:
         "sampling": "greedy",
         "repeats": s.repeats,
         "asked": f"every row: logprobs with the top {s.logprobs_top} alternatives",
-        "logprob_steps": eng.logprob_steps - steps0,
+        "logprob_steps": eng.launcher.logprob_steps - steps0,
         "timing": "as batch64; runs with and without logprobs interleaved",
     }
     for label, _ in configs:

@@ -3,9 +3,8 @@ transformers + peft reference that every output is checked against."""
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from adaptermesh.worker import step_launch
 from adaptermesh.worker.engine import Engine, EngineConfig
 from adaptermesh.worker.types import GenerationRequest, SamplingParams, TokenEvent
 from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
@@ -113,14 +111,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
 
 
 @pytest.fixture
-async def make_engine(tiny: Tiny) -> AsyncIterator[Any]:
+async def make_engine(tiny: Tiny, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """Builds engines over the tiny model; a test that also asks for ``logit_log`` gets its
+    engines' sampled logits recorded there."""
     engines: list[Engine] = []
+    observer = request.getfixturevalue("logit_log") if "logit_log" in request.fixturenames else None
 
     def build(**kw: Any) -> Engine:
         root = kw.pop("root", tiny.root)
         model_dir = kw.pop("model_dir", tiny.model_dir)
         cfg = EngineConfig(**{"max_num_seqs": 8, "max_loras": 4, "max_lora_rank": 16, **kw})
-        eng = Engine(model_dir, root, config=cfg, model_name="tiny")
+        eng = Engine(model_dir, root, config=cfg, model_name="tiny", sample_observer=observer)
         engines.append(eng)
         return eng
 
@@ -148,29 +149,18 @@ async def aiter_events(stream: Any) -> AsyncIterator[TokenEvent]:
         yield e
 
 
-@contextlib.contextmanager
-def recording_logits() -> Iterator[dict[str, list[torch.Tensor]]]:
-    """Records, per request id, the logits row each token was sampled from (CPU engines run
-    ``step_launch.sample_logits`` on every step; graphs would call it only at capture)."""
-    log: dict[str, list[torch.Tensor]] = {}
-    real = step_launch.sample_logits
+class LogitLog(dict[str, list[torch.Tensor]]):
+    """Per request id, the logits row each token was sampled from: an engine's
+    ``sample_observer`` (CPU engines sample eagerly on every step; graphs would report only
+    at capture, with no rows)."""
 
-    def recording(
-        logits: torch.Tensor, buf: Any, mode: Any, rows: list[Any], out: Any = None
-    ) -> torch.Tensor:
-        for i, s in enumerate(rows):
-            if s is not None:
-                log.setdefault(s.request.request_id, []).append(logits[i].detach().cpu().clone())
-        return real(logits, buf, mode, rows, out)
-
-    step_launch.sample_logits = recording  # type: ignore[assignment]
-    try:
-        yield log
-    finally:
-        step_launch.sample_logits = real  # type: ignore[assignment]
+    def __call__(self, logits: torch.Tensor, rows: list[Any]) -> None:
+        for i, row in enumerate(rows):
+            if row is not None:
+                self.setdefault(row.request_id, []).append(logits[i].detach().cpu().clone())
 
 
 @pytest.fixture
-def logit_log() -> Iterator[dict[str, list[torch.Tensor]]]:
-    with recording_logits() as log:
-        yield log
+def logit_log() -> LogitLog:
+    """A ``LogitLog`` that ``make_engine`` hands to the engines it builds."""
+    return LogitLog()

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from adaptermesh_testkit.checkpoints import make_tokenizer
 
-from .conftest import collect, recording_logits, request, tokens
+from .conftest import LogitLog, collect, request, tokens
 
 __all__ = [
     "DEVICE",
@@ -187,7 +187,7 @@ class Ref:
 
 def engine_config(**kw: Any) -> Any:
     """EngineConfig for a fidelity run. CUDA graphs stay off: a replayed graph never calls the
-    logits hook (``recording_logits``), and graph replay against peft has its own GPU tests
+    engine's ``sample_observer`` (``LogitLog``), and graph replay against peft has its own GPU tests
     (tests/worker/test_gpu.py); the kernels are the same ones."""
     from adaptermesh.worker.engine import EngineConfig
 
@@ -285,6 +285,7 @@ def match_case(
     ref = Ref(model_dir, root, names)
 
     async def go() -> None:
+        log = LogitLog()
         eng = Engine(
             model_dir,
             root,
@@ -292,9 +293,10 @@ def match_case(
             dtype="float32",
             config=engine_config(**engine_kw),
             model_name="fid",
+            sample_observer=log,
         )
         try:
-            with recording_logits() as log, kernel_calls() as calls:
+            with kernel_calls() as calls:
                 await assert_matches(eng, ref, [None, *names], log, prompts, n=n, tag=tag)
         finally:
             await eng.shutdown()

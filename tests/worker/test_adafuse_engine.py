@@ -300,7 +300,7 @@ async def test_repeated_selection_merges_after_n_tokens(
     eng0 = make_engine(root=moe_root, adafuse_merge_after=0)
     got0 = tokens(await collect(eng0.submit(request("const0", ids, CONST, max_tokens=8))))
     _check("const0", ids, got0, lambda full: moe_ref.logits(full, CONST), logit_log)
-    assert (eng0.adafuse_merges, eng0.adafuse_solo_gated_steps) == (0, 7)
+    assert (eng0.merge_policy.merges, eng0.merge_policy.solo_gated_steps) == (0, 7)
 
 
 def _distinct_selection_tokens(ref: ExpertSetReference, name: str, vocab: int, n: int) -> list[int]:
@@ -361,7 +361,7 @@ async def test_changing_selection_stays_unmerged_and_cancels_merged_one(
     # The same walk followed by decode steps: every logit still matches the oracle.
     got = tokens(await collect(eng.submit(request("walk-decode", prompt, "moe", max_tokens=6))))
     _check("walk-decode", prompt, got, lambda full: moe_ref.logits(full, "moe"), logit_log)
-    assert eng.adafuse_compensated_steps >= 8
+    assert eng.merge_policy.compensated_steps >= 8
     assert bool(eng.adapters.expert_sets["moe"].expert_set.packed) == packed
 
 

@@ -11,7 +11,8 @@ import torch
 
 from adaptermesh.worker.adafuse_policy import MergePolicy, gated_batch, single_expert_token
 from adaptermesh.worker.engine_config import EngineConfig
-from adaptermesh.worker.scheduler import Detokenizer, Sequence, StepPlan
+from adaptermesh.worker.scheduler import Detokenizer, Sequence
+from adaptermesh.worker.step_plan import ScheduledStep, StepRow
 from adaptermesh.worker.types import GenerationRequest
 
 Selection = tuple[tuple[int, ...], tuple[float, ...]]
@@ -54,8 +55,26 @@ def make_seq(prompt: list[int], expert_set: Any = None, computed: int | None = N
     return seq
 
 
-def decode_plan(seq: Sequence) -> StepPlan:
-    return StepPlan([seq], [])
+def row(seq: Sequence, start: int, count: int) -> StepRow:
+    tokens = tuple(seq.token_at(p) for p in range(start, start + count))
+    return StepRow(seq.seq_id, start, count, tokens, -1, 0, -1, seq.expert_set)
+
+
+def step_of(
+    decode: list[Sequence],
+    prefill: list[tuple[Sequence, int, int]] = (),  # type: ignore[assignment]
+) -> ScheduledStep:
+    """The scheduler's description of a step over these sequences (a decode row at each
+    one's ``num_computed``, then the chunks)."""
+    return ScheduledStep(
+        1,
+        tuple(row(seq, seq.num_computed, 1) for seq in decode),
+        tuple(row(seq, start, count) for seq, start, count in prefill),
+    )
+
+
+def decode_plan(seq: Sequence) -> ScheduledStep:
+    return step_of([seq])
 
 
 def policy(merge_after: int) -> MergePolicy:
@@ -67,15 +86,21 @@ def test_single_expert_token() -> None:
     seq = make_seq([5, 17, 23], experts)
     solo = single_expert_token(decode_plan(seq))
     assert solo is not None
-    assert (solo.seq, solo.expert_set, solo.token, solo.rows, solo.row) == (seq, experts, 23, 1, 0)
+    assert (solo.seq_id, solo.expert_set, solo.token, solo.rows, solo.row) == (
+        seq.seq_id,
+        experts,
+        23,
+        1,
+        0,
+    )
     # A one-token prompt chunk is one too; its token is the chunk's.
-    chunk = single_expert_token(StepPlan([], [(seq, 1, 1)]))
+    chunk = single_expert_token(step_of([], [(seq, 1, 1)]))
     assert chunk is not None
     assert chunk.token == 17
-    assert single_expert_token(StepPlan([], [(seq, 0, 2)])) is None
+    assert single_expert_token(step_of([], [(seq, 0, 2)])) is None
     assert single_expert_token(decode_plan(make_seq([1, 2]))) is None  # no expert set
     other = make_seq([1, 2], experts)
-    assert single_expert_token(StepPlan([seq, other], [])) is None
+    assert single_expert_token(step_of([seq, other])) is None
 
 
 def test_merges_after_the_selection_repeats() -> None:
@@ -91,7 +116,7 @@ def test_merges_after_the_selection_repeats() -> None:
     assert [d.gated_set is experts for d in decisions] == [True, True, False, False, False]
     assert experts.merged == [((1,), (1.0,))]
     assert merge_policy.merged is experts
-    assert merge_policy.merged_owner is seq
+    assert merge_policy.merged_owner == seq.seq_id
     assert (merge_policy.merges, merge_policy.merged_steps, merge_policy.solo_gated_steps) == (
         1,
         3,
@@ -152,7 +177,7 @@ def test_any_other_step_restores_the_backbone() -> None:
     other = make_seq([10, 11], experts)
     merge_policy.prepare_step(decode_plan(other))
     assert experts.unmerges == 1
-    assert merge_policy.merged_owner is other
+    assert merge_policy.merged_owner == other.seq_id
     # A base-model step: restored, and the streak ends.
     merge_policy.prepare_step(decode_plan(make_seq([1, 2])))
     assert experts.unmerges == 2
@@ -169,7 +194,7 @@ def test_gated_batch_maps_rows_to_sets() -> None:
     decode_base = make_seq([1, 2])
     chunk_b = make_seq([1, 2, 3, 4], second)
     chunk_a = make_seq([1, 2, 3], first)
-    plan = StepPlan([decode_a, decode_base], [(chunk_b, 0, 4), (chunk_a, 0, 3)])
+    plan = step_of([decode_a, decode_base], [(chunk_b, 0, 4), (chunk_a, 0, 3)])
     ranges = [(0, 1), (1, 1), (2, 4), (6, 3)]
     config = type(
         "Config",

@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaptermesh.worker.eviction import POLICY_NAMES
-from adaptermesh.worker.scheduler import Sequence, StepPlan
+from adaptermesh.worker.scheduler import Sequence
+from adaptermesh.worker.step_plan import ScheduledStep
 from adaptermesh.worker.types import EngineOverloadedError
 
 from .conftest import PROMPTS, Tiny, collect, request, tokens
@@ -60,11 +61,15 @@ class Checker:
         sim.manager.on_evict = self.on_evict
         sim.on_plan = self.on_plan
 
-    def on_plan(self, plan: StepPlan) -> None:
+    def on_plan(self, plan: ScheduledStep) -> None:
         mgr = self.sim.manager
-        names = {s.adapter for s in plan.sequences() if s.adapter is not None}
+        running = {s.seq_id: s for s in self.scheduler.running}
+        sequences = [running[row.seq_id] for row in plan.rows]
+        names = {s.adapter for s in sequences if s.adapter is not None}
         assert len(names) <= self.slots
-        for s in plan.sequences():
+        for row, s in zip(plan.rows, sequences, strict=True):
+            assert row.lora_slot == s.lora_slot
+        for s in sequences:
             self.admitted.setdefault(s.seq_id, self.sim.steps)
             if s.adapter is not None:
                 assert s.acquired
@@ -97,11 +102,11 @@ class Checker:
         self.sim.manager.open_gate(name)
         await self.sim.settle()
 
-    async def step(self) -> StepPlan | None:
+    async def step(self) -> ScheduledStep | None:
         for name in self.pending_loads():  # bounded load time
             if self.sim.steps - self.load_started.get(name, self.sim.steps) >= self.load_steps:
                 await self.complete(name)
-        plan: StepPlan | None = self.sim.step()
+        plan: ScheduledStep | None = self.sim.step()
         mgr = self.sim.manager
         for name in mgr.inflight:
             self.load_started.setdefault(name, self.sim.steps)

@@ -134,9 +134,9 @@ async def test_mixed_batch_rows_that_do_not_ask_are_unchanged(
         ]
 
     plain = await asyncio.gather(*(collect(eng.submit(r)) for r in reqs(False)))
-    assert eng.logprob_steps == 0  # steps where no row asked run no logprob work
+    assert eng.launcher.logprob_steps == 0  # steps where no row asked run no logprob work
     mixed = await asyncio.gather(*(collect(eng.submit(r)) for r in reqs(True)))
-    assert eng.logprob_steps > 0
+    assert eng.launcher.logprob_steps > 0
     for (rid, p, a, _), before, after in zip(base, plain, mixed, strict=True):
         assert tokens(after) == tokens(before), rid  # asking changes no token, of any row
         if rid in asks:
@@ -182,7 +182,7 @@ async def test_penalised_rows_report_raw_logprobs(tiny: Tiny, make_engine: Any) 
     out = tokens(events)
     entries = entries_of(events)
     check_entries(tiny, ids, "alpha", out, entries, 3)
-    assert eng.eager_steps > 0
+    assert eng.launcher.eager_steps > 0
 
 
 async def test_stop_string_cuts_its_tokens_out_of_the_logprobs(

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from adaptermesh.worker.engine import Engine
 from adaptermesh.worker.model import ModelConfig, load_model
 
-from .conftest import recording_logits
+from .conftest import LogitLog
 from .fidelity_helpers import DEVICE, Ref, assert_matches, build_model, engine_config, peft_adapter
 
 FP8 = torch.float8_e4m3fn
@@ -271,12 +271,18 @@ def test_fp8_checkpoint_matches_dequantised_reference(
     ref = Ref(ref_dir, root, ["a0"])
 
     async def go() -> None:
+        log = LogitLog()
         eng = Engine(
-            dst, root, device=DEVICE, dtype="float32", config=engine_config(), model_name="q"
+            dst,
+            root,
+            device=DEVICE,
+            dtype="float32",
+            config=engine_config(),
+            model_name="q",
+            sample_observer=log,
         )
         try:
-            with recording_logits() as log:
-                await assert_matches(eng, ref, [None, "a0"], log, PROMPTS, n=6, tag=case)
+            await assert_matches(eng, ref, [None, "a0"], log, PROMPTS, n=6, tag=case)
         finally:
             await eng.shutdown()
 
@@ -305,12 +311,18 @@ def test_fused_phi3_checkpoint_matches_dequantised_reference(
     ref = Ref(ref_dir, root, ["a0"])
 
     async def go() -> None:
+        log = LogitLog()
         eng = Engine(
-            dst, root, device=DEVICE, dtype="float32", config=engine_config(), model_name="q"
+            dst,
+            root,
+            device=DEVICE,
+            dtype="float32",
+            config=engine_config(),
+            model_name="q",
+            sample_observer=log,
         )
         try:
-            with recording_logits() as log:
-                await assert_matches(eng, ref, [None, "a0"], log, PROMPTS, n=6, tag="phi3")
+            await assert_matches(eng, ref, [None, "a0"], log, PROMPTS, n=6, tag="phi3")
         finally:
             await eng.shutdown()
 

@@ -18,6 +18,7 @@ from .conftest import Tiny, collect, request, tokens
 
 def test_off_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(STEP_FAULT_ENV, raising=False)
+    assert StepFault.from_environment() is None  # an engine then checks nothing per step
     fault = StepFault()
     assert fault.armed_path is None
     fault.check()  # nothing to raise
@@ -39,6 +40,7 @@ async def test_engine_fails_the_step_naming_the_cause_and_serves_on(
 ) -> None:
     monkeypatch.setenv(STEP_FAULT_ENV, str(tmp_path / "trigger"))
     engine = make_engine()
+    assert engine.step_fault is not None  # armed from the environment
     prompt = tiny.encode("The quick brown fox")
     before = tokens(await collect(engine.submit(request("a", prompt, "alpha"))))
     assert engine.step_fault.armed_path is not None

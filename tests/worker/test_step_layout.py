@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 import torch
 
-from adaptermesh.worker.scheduler import Detokenizer, Sequence, StepPlan
 from adaptermesh.worker.step_layout import (
     BlockTableMirror,
     StepBuffers,
@@ -17,44 +14,54 @@ from adaptermesh.worker.step_layout import (
     decode_buckets,
     fill_staging,
     mixed_buckets,
-    penalised,
     plan_layout,
-    row_params,
     split_staging,
     staging_length,
 )
-from adaptermesh.worker.types import GenerationRequest, SamplingParams
+from adaptermesh.worker.step_plan import BlockTableUpdate, SamplingRow, ScheduledStep, StepRow
+from adaptermesh.worker.types import SamplingParams
 
 BLOCK = 16
+_ids = iter(range(1, 1 << 30))
 
 
-def make_seq(
-    prompt: list[int],
+def make_row(
+    tokens: list[int],
     *,
-    output: tuple[int, ...] = (),
+    start: int = 0,
+    count: int | None = None,
     row: int = 0,
-    computed: int = 0,
-    pending: int = 0,
+    source_entry: int = -1,
     lora_slot: int = -1,
-    sampling: SamplingParams | None = None,
-) -> Sequence:
-    request = GenerationRequest("r", tuple(prompt), sampling=sampling or SamplingParams())
-    seq = Sequence(
-        request=request,
-        queue=asyncio.Queue(),
-        detok=Detokenizer(lambda ids: ""),
-        prompt=list(prompt),
+    samples: bool = True,
+) -> StepRow:
+    """A step row over ``tokens`` (the sequence's known tokens) from ``start``: a decode row
+    (``count`` 1, its input from ``source_entry`` when >= 0) or a prompt chunk."""
+    count = len(tokens) - start if count is None else count
+    seq_id = next(_ids)
+    return StepRow(
+        seq_id=seq_id,
+        start=start,
+        count=count,
+        token_ids=() if source_entry >= 0 else tuple(tokens[start : start + count]),
+        source_entry=source_entry,
+        table_row=row,
+        lora_slot=lora_slot,
+        sampler=SamplingRow(seq_id, f"r{seq_id}", SamplingParams(), 0, 1) if samples else None,
     )
-    seq.output = list(output)
-    seq.table_row = row
-    seq.num_computed = computed
-    seq.pending = pending
-    seq.lora_slot = lora_slot
-    return seq
+
+
+def decode_row(context: int, **kw: int) -> StepRow:
+    """A decode row at position ``context`` (its input the token there, on the host)."""
+    return make_row(list(range(context + 1)), start=context, count=1, **kw)
+
+
+def step(decode: list[StepRow], prefill: list[StepRow] = ()) -> ScheduledStep:  # type: ignore[assignment]
+    return ScheduledStep(1, tuple(decode), tuple(prefill))
 
 
 def layout_of(
-    plan: StepPlan,
+    plan: ScheduledStep,
     *,
     graphable: bool = True,
     solo: object = None,
@@ -65,7 +72,7 @@ def layout_of(
     lora: bool = False,
     lora_density: bool = True,
 ):  # type: ignore[no-untyped-def]
-    slots = {seq.lora_slot for seq in plan.sequences() if seq.lora_slot >= 0}
+    slots = {row.lora_slot for row in plan.rows if row.lora_slot >= 0}
     return plan_layout(
         plan,
         graphable=graphable,
@@ -135,19 +142,20 @@ def test_split_staging_names_the_same_elements_on_host_and_device() -> None:
 
 
 def test_decode_only_plans_take_a_decode_bucket() -> None:
-    seqs = [make_seq([1, 2, 3], row=i, computed=3) for i in range(3)]
-    layout = layout_of(StepPlan(seqs, []))
+    rows = [decode_row(3, row=i) for i in range(3)]
+    layout = layout_of(step(rows))
     assert (layout.num_tokens, layout.num_entries, layout.num_decode) == (4, 4, 4)
-    assert layout.entries == [*seqs, None]
+    assert layout.entries == [*(r.sampler for r in rows), None]
     assert layout.graph_key == ("d", 4, False, False, None, False, False, None)
     assert layout.lora_active_slots is None
 
 
 def test_mixed_plans_take_a_token_bucket_with_fixed_regions() -> None:
-    decode = make_seq([1, 2, 3], row=0, computed=3)
-    whole = make_seq(list(range(10)), row=1)
-    partial = make_seq(list(range(30)), row=2)
-    plan = StepPlan([decode], [(whole, 0, 10), (partial, 0, 8)])  # 19 tokens
+    decode = decode_row(3, row=0)
+    whole = make_row(list(range(10)), row=1)
+    # The partial chunk does not reach its last token: it samples nothing.
+    partial = make_row(list(range(30)), count=8, row=2, samples=False)
+    plan = step([decode], [whole, partial])  # 19 tokens
     layout = layout_of(plan, max_num_seqs=4, max_prefill_seqs=3)
     assert (layout.num_tokens, layout.num_entries, layout.num_decode, layout.max_prefill_len) == (
         32,
@@ -155,15 +163,12 @@ def test_mixed_plans_take_a_token_bucket_with_fixed_regions() -> None:
         4,
         32,
     )
-    # The partial chunk does not reach its last token: it samples nothing.
-    assert layout.entries == [decode, None, None, None, whole, None, None]
+    assert layout.entries == [decode.sampler, None, None, None, whole.sampler, None, None]
     assert layout.graph_key == ("m", 32, False, False, False, False, None)
 
 
-def _decode_rows(n: int, adapters: int) -> StepPlan:
-    return StepPlan(
-        [make_seq([1, 2, 3], row=i, computed=3, lora_slot=i % adapters) for i in range(n)], []
-    )
+def _decode_rows(n: int, adapters: int) -> ScheduledStep:
+    return step([decode_row(3, row=i, lora_slot=i % adapters) for i in range(n)])
 
 
 def test_lora_graphs_are_keyed_by_the_batchs_density() -> None:
@@ -200,9 +205,9 @@ def test_eager_lora_steps_pick_configs_by_their_own_adapters() -> None:
 
 
 def test_eager_layout_has_the_plans_own_shape() -> None:
-    decode = make_seq([1, 2, 3], row=0, computed=3)
-    chunk = make_seq(list(range(10)), row=1)
-    plan = StepPlan([decode], [(chunk, 0, 10)])
+    decode = decode_row(3, row=0)
+    chunk = make_row(list(range(10)), row=1)
+    plan = step([decode], [chunk])
     for layout in (
         layout_of(plan, graphable=False),
         layout_of(plan, solo=object()),  # a solo expert set never runs mixed graphs
@@ -215,7 +220,7 @@ def test_eager_layout_has_the_plans_own_shape() -> None:
             layout.num_decode,
             layout.max_prefill_len,
         ) == (11, 2, 1, 10)
-        assert layout.entries == [decode, chunk]
+        assert layout.entries == [decode.sampler, chunk.sampler]
         assert layout.graph_key is None
 
 
@@ -224,11 +229,10 @@ def test_fill_staging_decode_and_prefill_rows() -> None:
     table[0] = [5, 6, 0, 0]
     table[1] = [7, 8, 9, 0]
     # Row 0 decodes position 17 (its second block), its input still on the device (entry 2).
-    decode = make_seq(list(range(17)), output=(99,), row=0, computed=17, pending=1, lora_slot=2)
-    decode.last_entry = 2
+    decode = make_row(list(range(18)), start=17, count=1, row=0, source_entry=2, lora_slot=2)
     # Row 1 prefills positions 14..19 of a 40-token prompt (crossing into block 8).
-    chunk = make_seq(list(range(100, 140)), row=1, computed=14, lora_slot=-1)
-    plan = StepPlan([decode], [(chunk, 14, 6)])
+    chunk = make_row(list(range(100, 140)), start=14, count=6, row=1, samples=False)
+    plan = step([decode], [chunk])
     layout = layout_of(plan, graphable=False)
     stage = np.full(staging_length(layout.num_tokens, layout.num_entries), 123, dtype=np.int64)
     ranges = fill_staging(stage, layout, plan, table, BLOCK, pad_row=3)
@@ -252,8 +256,8 @@ def test_fill_staging_decode_and_prefill_rows() -> None:
 def test_fill_staging_pads_graph_regions() -> None:
     table = np.zeros((3, 2), dtype=np.int32)
     table[0] = [4, 0]
-    seq = make_seq([1, 2, 3], output=(9,), row=0, computed=3)
-    plan = StepPlan([seq], [])
+    row = make_row([1, 2, 3, 9], start=3, count=1, row=0)
+    plan = step([row])
     layout = layout_of(plan, decode_sizes=[4])
     stage = np.zeros(staging_length(layout.num_tokens, layout.num_entries), dtype=np.int64)
     fill_staging(stage, layout, plan, table, BLOCK, pad_row=2)
@@ -265,92 +269,22 @@ def test_fill_staging_pads_graph_regions() -> None:
     assert views.query_start.tolist() == [0, 1, 1, 1, 1]
 
 
-def test_fill_staging_reads_generated_tokens_of_a_resumed_sequence() -> None:
-    table = np.zeros((2, 2), dtype=np.int32)
-    table[0] = [3, 4]
-    seq = make_seq([1, 2, 3], output=(7, 8), row=0)
-    plan = StepPlan([], [(seq, 0, 5)])  # recompute after preemption: prompt and output
-    layout = layout_of(plan, graphable=False)
-    stage = np.zeros(staging_length(layout.num_tokens, layout.num_entries), dtype=np.int64)
-    fill_staging(stage, layout, plan, table, BLOCK, pad_row=1)
-    assert split_staging(stage, layout.num_tokens, layout.num_entries).ids.tolist() == [
-        1,
-        2,
-        3,
-        7,
-        8,
-    ]
-
-
-class FakeBlocks:
-    def __init__(self) -> None:
-        self.tables: dict[int, list[int]] = {}
-
-    def block_table(self, seq_id: int) -> list[int]:
-        return list(self.tables[seq_id])
-
-
-def test_block_table_mirror_copies_new_entries_once() -> None:
-    blocks = FakeBlocks()
+def test_block_table_mirror_writes_each_update_once() -> None:
     mirror = BlockTableMirror(
-        blocks, rows=2, max_blocks_per_seq=3, block_size=BLOCK, device=torch.device("cpu")
+        rows=2, max_blocks_per_seq=3, block_size=BLOCK, device=torch.device("cpu")
     )
     assert mirror.pad_row == 2
-    seq = make_seq([1] * 20, row=1)
-    seq.reserved = 20
-    blocks.tables[seq.seq_id] = [5, 9]
-    mirror.sync(seq)
+    mirror.apply([BlockTableUpdate(1, 0, (5, 9))])
     assert mirror.table[1].tolist() == [5, 9, 0]
-    assert seq.table_len == 2
     assert mirror.dirty
     staging = torch.zeros_like(mirror.device_table)
     mirror.upload(staging)
     assert not mirror.dirty
     assert mirror.device_table[1].tolist() == [5, 9, 0]
-    blocks.tables[seq.seq_id] = [1, 1]  # already mirrored: not read again
-    mirror.sync(seq)
+    mirror.apply([])
     assert not mirror.dirty
-    seq.reserved = 33
-    blocks.tables[seq.seq_id] = [5, 9, 11]
-    mirror.sync_all([seq])
+    mirror.apply([BlockTableUpdate(1, 2, (11,))])
     assert mirror.table[1].tolist() == [5, 9, 11]
     assert mirror.table[2].tolist() == [0, 0, 0]
-
-
-def test_row_params() -> None:
-    sampling = SamplingParams(
-        temperature=0.7,
-        top_p=0.9,
-        top_k=5,
-        min_p=0.1,
-        presence_penalty=0.5,
-        frequency_penalty=0.25,
-        repetition_penalty=1.5,
-    )
-    seq = make_seq([1, 2], output=(3, 4), pending=1, sampling=sampling)
-    seq.seed = 42
-    padding, row = row_params([None, seq])
-    assert padding.temperature == 0.0
-    assert (row.temperature, row.top_p, row.top_k, row.min_p, row.seed, row.counter) == (
-        0.7,
-        0.9,
-        5,
-        0.1,
-        42,
-        3,
-    )
-    assert (row.presence_penalty, row.frequency_penalty, row.repetition_penalty) == (0.5, 0.25, 1.5)
-
-
-@pytest.mark.parametrize(
-    ("sampling", "expected"),
-    [
-        (SamplingParams(), False),
-        (SamplingParams(temperature=1.0, top_k=3), False),
-        (SamplingParams(presence_penalty=0.1), True),
-        (SamplingParams(frequency_penalty=-0.1), True),
-        (SamplingParams(repetition_penalty=1.1), True),
-    ],
-)
-def test_penalised(sampling: SamplingParams, expected: bool) -> None:
-    assert penalised(make_seq([1], sampling=sampling)) is expected
+    with pytest.raises(ValueError, match="row 2"):
+        mirror.apply([BlockTableUpdate(2, 0, (1,))])  # the padding row stays all zeros

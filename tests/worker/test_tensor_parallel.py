@@ -301,9 +301,24 @@ def test_health_lists_ranks_and_fails_when_one_is_down() -> None:
 # ---- the engine over 2 and 4 ranks -------------------------------------------------------------
 
 
-def _engine(model_dir: Path, root: Path, tp: int, **kw: Any) -> Engine:
+def _engine(
+    model_dir: Path,
+    root: Path,
+    tp: int,
+    *,
+    observer: Any = None,
+    fail_loads_rank: int = -1,
+    **kw: Any,
+) -> Engine:
     cfg = EngineConfig(**{**_BASE_KW, "tensor_parallel_size": tp, **kw})
-    return Engine(model_dir, root, config=cfg, model_name="tiny")
+    return Engine(
+        model_dir,
+        root,
+        config=cfg,
+        model_name="tiny",
+        sample_observer=observer,
+        tp_fail_loads_rank=fail_loads_rank,
+    )
 
 
 async def _run_batch(
@@ -324,13 +339,26 @@ async def test_two_ranks_match_single_process_and_peft(
         for i, p in enumerate(PROMPTS[:2])
         for j, name in enumerate(names)
     ]
-    single = Engine(tiny.model_dir, tiny.root, config=EngineConfig(**_BASE_KW), model_name="t")
+    single = Engine(
+        tiny.model_dir,
+        tiny.root,
+        config=EngineConfig(**_BASE_KW),
+        model_name="t",
+        sample_observer=logit_log,
+    )
     try:
         want_single = await _run_batch(single, jobs)
     finally:
         await single.shutdown()
     logit_log.clear()
-    eng = _engine(tiny.model_dir, tiny.root, 2, max_prefill_chunk=6, max_num_batched_tokens=24)
+    eng = _engine(
+        tiny.model_dir,
+        tiny.root,
+        2,
+        observer=logit_log,
+        max_prefill_chunk=6,
+        max_num_batched_tokens=24,
+    )
     try:
         assert eng.ranks_up() == (True, True)
         # NVLink multicast is off in every rank (set before the group starts, inherited).
@@ -410,11 +438,8 @@ async def test_size_that_does_not_divide_the_heads_is_refused(tiny: Tiny) -> Non
     assert _children(os.getpid()) <= before  # nothing was started
 
 
-async def test_failed_load_on_one_rank_publishes_on_none(
-    tiny: Tiny, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(Engine, "tp_fail_loads_rank", 1)
-    eng = _engine(tiny.model_dir, tiny.root, 2)
+async def test_failed_load_on_one_rank_publishes_on_none(tiny: Tiny) -> None:
+    eng = _engine(tiny.model_dir, tiny.root, 2, fail_loads_rank=1)
     try:
         with pytest.raises(AdapterValidationError, match="gpu_copy"):
             await eng.load_adapter("gamma", "gamma")

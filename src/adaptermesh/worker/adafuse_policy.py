@@ -26,7 +26,7 @@ from adaptermesh.worker.adafuse import (
 )
 from adaptermesh.worker.engine_config import EngineConfig
 from adaptermesh.worker.model import ModelConfig, TransformerModel
-from adaptermesh.worker.scheduler import Sequence, StepPlan
+from adaptermesh.worker.step_plan import ScheduledStep
 
 __all__ = ["MergePolicy", "SoloDecision", "SoloStep", "gated_batch", "single_expert_token"]
 
@@ -35,7 +35,7 @@ __all__ = ["MergePolicy", "SoloDecision", "SoloStep", "gated_batch", "single_exp
 class SoloStep:
     """One token of one expert-set request (a batch of one row)."""
 
-    seq: Sequence
+    seq_id: int
     expert_set: ExpertSet
     token: int
     rows: int
@@ -59,42 +59,38 @@ class SoloDecision:
         )
 
 
-def single_expert_token(plan: StepPlan) -> SoloStep | None:
-    """The step when it is exactly one token of one expert-set request."""
-    if len(plan.decode) == 1 and not plan.prefill:
-        seq = plan.decode[0]
-        if seq.expert_set is None:
-            return None
-        return SoloStep(seq, seq.expert_set, seq.token_at(seq.num_computed), 1, 0)
-    if not plan.decode and len(plan.prefill) == 1 and plan.prefill[0][2] == 1:
-        seq, start, _ = plan.prefill[0]
-        return (
-            SoloStep(seq, seq.expert_set, seq.token_at(start), 1, 0)
-            if seq.expert_set is not None
-            else None
-        )
-    return None
+def single_expert_token(plan: ScheduledStep) -> SoloStep | None:
+    """The step when it is exactly one token of one expert-set request (whose input the host
+    knows: expert-set steps run without overlap)."""
+    rows = plan.rows
+    if len(rows) != 1 or rows[0].count != 1:
+        return None
+    row = rows[0]
+    if row.expert_set is None:
+        return None
+    assert row.token_ids, "an expert-set step's input token is on the host"
+    return SoloStep(row.seq_id, row.expert_set, row.token_ids[0], 1, 0)
 
 
 def gated_batch(
-    plan: StepPlan,
+    plan: ScheduledStep,
     ranges: list[tuple[int, int]],
     num_tokens: int,
     device: torch.device,
     model_config: ModelConfig,
 ) -> GatedBatch:
-    """Which rows of the flat batch each expert set owns (``ranges``: each plan sequence's
-    first row and rows)."""
+    """Which rows of the flat batch each expert set owns (``ranges``: each plan row's first
+    token row and token rows)."""
     sets: list[ExpertSet] = []
     index: dict[int, int] = {}
     token_set = [-1] * num_tokens
-    for seq, (first_row, count) in zip(plan.sequences(), ranges, strict=True):
-        if seq.expert_set is None:
+    for row, (first_row, count) in zip(plan.rows, ranges, strict=True):
+        if row.expert_set is None:
             continue
-        if id(seq.expert_set) not in index:
-            index[id(seq.expert_set)] = len(sets)
-            sets.append(seq.expert_set)
-        token_set[first_row : first_row + count] = [index[id(seq.expert_set)]] * count
+        if id(row.expert_set) not in index:
+            index[id(row.expert_set)] = len(sets)
+            sets.append(row.expert_set)
+        token_set[first_row : first_row + count] = [index[id(row.expert_set)]] * count
     token_sets = torch.tensor(token_set, dtype=torch.int32, device=device)
     return GatedBatch(sets, token_sets, model_config)
 
@@ -107,12 +103,13 @@ class MergePolicy:
         self.config = config  # read at each decision: ``adafuse_merge_after`` may change
         self.masters = BackboneMasters(model)
         # The expert set whose selection the backbone weights hold right now (merged path), that
-        # selection, and the request it was merged for.
+        # selection, and the request (sequence id) it was merged for.
         self.merged: ExpertSet | None = None
         self.merged_selection: Selection | None = None
-        self.merged_owner: Sequence | None = None
-        # The current run of identical selections of one request: (seq, set, selection), length.
-        self.streak: tuple[Sequence, ExpertSet, Selection] | None = None
+        self.merged_owner: int | None = None
+        # The current run of identical selections of one request: (seq id, set, selection),
+        # length.
+        self.streak: tuple[int, ExpertSet, Selection] | None = None
         self.streak_length = 0
         self.merges = 0  # fused_switch launches that merged a new selection
         self.restores = 0  # launches that restored the pristine backbone
@@ -133,12 +130,12 @@ class MergePolicy:
             self.merged_owner = None
             self.restores += 1
 
-    def prepare_step(self, plan: StepPlan) -> SoloDecision:
+    def prepare_step(self, plan: ScheduledStep) -> SoloDecision:
         """Before a step: restore the backbone unless the step is the merged request's single
         token, and choose the solo path of a single expert-set token."""
         solo = single_expert_token(plan)
         if self.merged is not None and (
-            solo is None or solo.expert_set is not self.merged or solo.seq is not self.merged_owner
+            solo is None or solo.expert_set is not self.merged or solo.seq_id != self.merged_owner
         ):
             self.restore_backbone()  # nothing else may ever run on merged weights
         selection: torch.Tensor | None = None
@@ -154,13 +151,13 @@ class MergePolicy:
 
         Cost rule: a switch moves every targeted weight (read W0, write W); the gated path
         moves only the token's experts. So merge only a selection that keeps repeating."""
-        expert_set, seq = solo.expert_set, solo.seq
+        expert_set, seq = solo.expert_set, solo.seq_id
         selection = expert_set.selection(solo.token)
         key = (seq, expert_set, selection)
         streak = self.streak
         if (
             streak is not None
-            and streak[0] is seq
+            and streak[0] == seq
             and streak[1] is expert_set
             and streak[2] == selection
         ):
@@ -188,7 +185,7 @@ class MergePolicy:
 
     def gated_batch(
         self,
-        plan: StepPlan,
+        plan: ScheduledStep,
         ranges: list[tuple[int, int]],
         num_tokens: int,
         device: torch.device,

@@ -41,6 +41,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from adaptermesh.assignment_rules import MAX_QUOTED, quote
+from adaptermesh.worker.sampling import BOUNDS
 from adaptermesh.worker.types import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS
 
 __all__ = [
@@ -73,17 +74,26 @@ MAX_STOP_CHARS = 256
 MAX_NAME_CHARS = 255
 MAX_PATH_CHARS = 4096
 # top_k is an int32 on the device; -1 (vLLM's "off") is accepted as 0.
-MAX_TOP_K = (1 << 31) - 1
+MAX_TOP_K = BOUNDS.max_top_k
 
 StrictInt = Annotated[int, Strict()]
 StrictBool = Annotated[bool, Strict()]
 
 
-Temperature = Annotated[float, Strict(), Field(ge=0.0, le=2.0, allow_inf_nan=False)]
-TopP = Annotated[float, Strict(), Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-MinP = Annotated[float, Strict(), Field(ge=0.0, le=1.0, allow_inf_nan=False)]
-Penalty = Annotated[float, Strict(), Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
-RepetitionPenalty = Annotated[float, Strict(), Field(gt=0.0, le=10.0, allow_inf_nan=False)]
+# The sampling parameters' limits are the sampler's (sampling.BOUNDS), which the engine checks
+# every request against too.
+Temperature = Annotated[
+    float, Strict(), Field(**BOUNDS.temperature.field_limits(), allow_inf_nan=False)
+]
+TopP = Annotated[float, Strict(), Field(**BOUNDS.top_p.field_limits(), allow_inf_nan=False)]
+TypicalP = Annotated[float, Strict(), Field(**BOUNDS.typical_p.field_limits(), allow_inf_nan=False)]
+MinP = Annotated[float, Strict(), Field(**BOUNDS.min_p.field_limits(), allow_inf_nan=False)]
+Penalty = Annotated[
+    float, Strict(), Field(**BOUNDS.presence_penalty.field_limits(), allow_inf_nan=False)
+]
+RepetitionPenalty = Annotated[
+    float, Strict(), Field(**BOUNDS.repetition_penalty.field_limits(), allow_inf_nan=False)
+]
 
 
 def _error(code: str, message: str, at: str = "") -> PydanticCustomError:
@@ -123,8 +133,10 @@ def check_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise _error(
             "invalid_type", f"must be an object of token id to bias, got {type(value).__name__}"
         )
-    if len(value) > MAX_LOGIT_BIAS:
-        raise _error("invalid_value", f"may bias at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    if len(value) > BOUNDS.max_logit_bias:
+        raise _error(
+            "invalid_value", f"may bias at most {BOUNDS.max_logit_bias} tokens, got {len(value)}"
+        )
     pairs: dict[int, float] = {}
     for key, bias in value.items():
         text = str(key)
@@ -138,10 +150,11 @@ def check_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
                 "invalid_type",
                 f"the bias of token {text} must be a finite number, got {type(bias).__name__}",
             )
-        if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+        if bias not in BOUNDS.logit_bias:
             raise _error(
                 "invalid_value",
-                f"the bias of token {text} must be in [-100, 100], got {quote(repr(bias))}",
+                f"the bias of token {text} must be in {BOUNDS.logit_bias.describe()}, "
+                f"got {quote(repr(bias))}",
             )
         token = int(text)
         if token in pairs:
@@ -183,6 +196,8 @@ class _Sampling(_Body):
     top_p: TopP = 1.0
     top_k: Annotated[int, Strict(), Field(ge=-1, le=MAX_TOP_K)] = 0
     min_p: MinP = 0.0
+    # Locally typical sampling (vLLM's and transformers' typical_p); 1 = off.
+    typical_p: TypicalP = 1.0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0

@@ -7,10 +7,19 @@ transfer; forward and sampling on the device), and deliver the previous step's t
 request's stream.
 
 This module holds the step loop (submit, overlap, finishing). The rest lives beside it:
-``engine_config`` (``EngineConfig``, validation, the memory budget), ``step_layout`` (step
-shapes, buckets, input staging, the block-table mirror), ``step_launch`` (graph capture and
-replay, the eager path, the output copy), ``adafuse_policy`` (when expert selections merge
-into the backbone), ``tokenizer_helpers`` and ``sampling`` (sampling and logprob gathering).
+``engine_config`` (``EngineConfig``, validation, the memory budget), ``step_plan`` (the plain
+step description and result), ``step_layout`` (step shapes, buckets, input staging, the
+block-table mirror), ``step_launch`` (a step's launch, the eager path, the output copy),
+``graph_runner`` (CUDA graph capture and replay), ``adafuse_policy`` (when expert selections
+merge into the backbone), ``tokenizer_helpers`` and ``sampling`` (the sampler's bounds,
+processors, sampling and logprob gathering).
+
+**Threads.** The step loop, and every call into the scheduler, runs on the event loop's
+thread. ``Scheduler.schedule`` emits a ``ScheduledStep`` (plain data); on CUDA the launch runs
+on a worker thread (``asyncio.to_thread``) and sees only that description; when it returns,
+the loop reports the launch (``Scheduler.launched``), and when the step's copy completes it
+hands the ``StepResult`` to ``Scheduler.apply``. The scheduler's state is never touched from
+the worker thread.
 
 **Overlap.** On CUDA, step N+1 is planned and launched while step N runs: the tokens step N
 samples stay on the device in ``last_tokens`` and step N+1's decode rows gather them from
@@ -74,7 +83,6 @@ from adaptermesh.worker.adafuse import CpuExpertSet, ExpertSet
 from adaptermesh.worker.adafuse_policy import MergePolicy
 from adaptermesh.worker.adapters import AdapterManager
 from adaptermesh.worker.engine_config import (
-    LOGPROBS_MODES,
     EngineConfig,
     device_memory,
     plan_budget,
@@ -89,21 +97,15 @@ from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache, spec_bytes_pe
 from adaptermesh.worker.lora_groups import pool_groups
 from adaptermesh.worker.model import ModelConfig, TransformerModel, make_lora_pool, read_weights
 from adaptermesh.worker.paging import BlockManager
-from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence, StepPlan
-from adaptermesh.worker.step_launch import (
-    InFlight,
-    StepLauncher,
-    sample_logits,
-    sample_logits_penalised,
-)
-from adaptermesh.worker.step_layout import BlockTableMirror, penalised
+from adaptermesh.worker.sampling import BOUNDS, penalised
+from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence
+from adaptermesh.worker.step_launch import InFlight, SampleObserver, StepLauncher
+from adaptermesh.worker.step_layout import BlockTableMirror
+from adaptermesh.worker.step_plan import ScheduledStep
 from adaptermesh.worker.tokenizer_helpers import TokenizerHelper, load_tokenizer
 from adaptermesh.worker.tp_group import ShardedLoraPool, TPGroup, TPModel, WorkerSetup
 from adaptermesh.worker.tp_shard import check_divisible, shard_config, shard_weights
 from adaptermesh.worker.types import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_VALUE,
-    MAX_LOGPROBS,
     AdapterInfo,
     AdapterLoadTimeoutError,
     EngineError,
@@ -114,38 +116,10 @@ from adaptermesh.worker.types import (
     TokenEvent,
 )
 
-__all__ = [
-    "LOGPROBS_MODES",
-    "Engine",
-    "EngineConfig",
-    "EngineStream",
-    "sample_logits",
-    "sample_logits_penalised",
-]
+# EngineConfig is the constructor's own argument type, named with the engine.
+__all__ = ["Engine", "EngineConfig", "EngineStream"]
 
 log = logging.getLogger(__name__)
-
-
-def _validate_logit_bias(pairs: tuple[tuple[int, float], ...], vocab: int) -> None:
-    if len(pairs) > MAX_LOGIT_BIAS:
-        raise InvalidRequestError(
-            "logit_bias", f"may bias at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}"
-        )
-    seen: set[int] = set()
-    for token, bias in pairs:
-        if type(token) is not int or not 0 <= token < vocab:
-            raise InvalidRequestError(
-                "logit_bias", f"token id {token!r} is outside the vocabulary [0, {vocab})"
-            )
-        if token in seen:
-            raise InvalidRequestError("logit_bias", f"token {token} is named twice")
-        seen.add(token)
-        if not isinstance(bias, float | int) or not (
-            -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE
-        ):
-            raise InvalidRequestError(
-                "logit_bias", f"the bias of token {token} must be in [-100, 100], got {bias!r}"
-            )
 
 
 class EngineStream:
@@ -187,9 +161,6 @@ class EngineStream:
 class Engine:
     """Multi-LoRA inference engine over a local Llama/Mistral/Qwen2 checkpoint."""
 
-    # Fault injection for tests: with tensor parallelism, this rank refuses every adapter load.
-    tp_fail_loads_rank = -1
-
     def __init__(
         self,
         model_dir: str | Path,
@@ -200,9 +171,21 @@ class Engine:
         config: EngineConfig | None = None,
         model_name: str | None = None,
         weights: dict[str, torch.Tensor] | None = None,
+        sample_observer: SampleObserver | None = None,
+        step_fault: StepFault | None = None,
+        tp_fail_loads_rank: int = -1,
     ) -> None:
         """``weights``: use these tensors (Hugging Face names) instead of reading
-        ``model_dir/*.safetensors``; benches pass random weights made on the device."""
+        ``model_dir/*.safetensors``; benches pass random weights made on the device.
+
+        For tests and the fault-injection suite: ``sample_observer(logits, rows)`` sees the
+        logits each eager step samples from (``step_launch.SampleObserver``); ``step_fault``
+        fails steps on demand (default: the one the environment arms,
+        ``faults.StepFault.from_environment``, usually none); ``tp_fail_loads_rank``: with
+        tensor parallelism, this rank refuses every adapter load."""
+        self._sample_observer = sample_observer
+        self.step_fault = step_fault if step_fault is not None else StepFault.from_environment()
+        self.tp_fail_loads_rank = tp_fail_loads_rank
         self.config = config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.adapter_root = Path(adapter_root)
@@ -401,9 +384,7 @@ class Engine:
             max_adapter_skips=config.max_adapter_skips,
             adapter_load_wait_s=config.adapter_load_wait_s,
         )
-        self.tables = BlockTableMirror(
-            self.blocks, rows, budget.max_blocks_per_seq, block_size, self.device
-        )
+        self.tables = BlockTableMirror(rows, budget.max_blocks_per_seq, block_size, self.device)
         self.launcher = StepLauncher(
             model=self.model,
             kv=self.kv,
@@ -414,11 +395,8 @@ class Engine:
             budget=budget,
             tables=self.tables,
             merge_policy=self.merge_policy,
-            scheduler=self.scheduler,
-            adapters=self.adapters,
+            sample_observer=self._sample_observer,
         )
-        # Off unless the fault-injection suite armed it (worker/faults.py).
-        self.step_fault = StepFault()
         self._cuda = self.device.type == "cuda"
         self._overlap = (
             self._cuda if config.async_scheduling is None else bool(config.async_scheduling)
@@ -502,46 +480,9 @@ class Engine:
             raise InvalidRequestError(
                 "max_tokens", f"must be a positive integer, got {sampling.max_tokens!r}"
             )
-        if not (sampling.temperature >= 0.0) or sampling.temperature == float("inf"):
-            raise InvalidRequestError(
-                "temperature", f"must be a finite number >= 0, got {sampling.temperature!r}"
-            )
-        if not (0.0 < sampling.top_p <= 1.0):
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {sampling.top_p!r}")
-        if sampling.logprobs is not None and (
-            not isinstance(sampling.logprobs, int)
-            or isinstance(sampling.logprobs, bool)
-            or not 0 <= sampling.logprobs <= MAX_LOGPROBS
-        ):
-            raise InvalidRequestError(
-                "logprobs",
-                f"must be None or an integer in [0, {MAX_LOGPROBS}], got {sampling.logprobs!r}",
-            )
-        if sampling.seed is not None and (not isinstance(sampling.seed, int) or sampling.seed < 0):
-            raise InvalidRequestError(
-                "seed", f"must be a non-negative integer, got {sampling.seed!r}"
-            )
-        if (
-            not isinstance(sampling.top_k, int)
-            or isinstance(sampling.top_k, bool)
-            or sampling.top_k < 0
-        ):
-            raise InvalidRequestError(
-                "top_k", f"must be an integer >= 0 (0 = off), got {sampling.top_k!r}"
-            )
-        if not (0.0 <= sampling.min_p <= 1.0):
-            raise InvalidRequestError("min_p", f"must be in [0, 1], got {sampling.min_p!r}")
-        for field_name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(sampling, field_name)
-            if not (-2.0 <= value <= 2.0):
-                raise InvalidRequestError(field_name, f"must be in [-2, 2], got {value!r}")
-        if not (0.0 < sampling.repetition_penalty <= 10.0):
-            raise InvalidRequestError(
-                "repetition_penalty", f"must be in (0, 10], got {sampling.repetition_penalty!r}"
-            )
+        BOUNDS.check(sampling, vocab)  # the sampler's bounds, as the API models check them
         if any(not isinstance(stop, str) or not stop for stop in sampling.stop):
             raise InvalidRequestError("stop", "stop sequences must be non-empty strings")
-        _validate_logit_bias(sampling.logit_bias, vocab)
 
     def tokenize(self, text: str) -> list[int]:
         return self.text.tokenize(text)
@@ -686,7 +627,7 @@ class Engine:
         Grammar-constrained rows overlap differently: their step's forward is launched, and
         its masks and sampling follow once the previous step's tokens are applied."""
         for seq in self.scheduler.running:
-            if seq.expert_set is not None or penalised(seq):
+            if seq.expert_set is not None or penalised(seq.request.sampling):
                 return True
         return bool(self.merge_policy.merged is not None)
 
@@ -724,6 +665,11 @@ class Engine:
                 log.exception("engine step failed")
                 self._fail(plan, error)
                 continue
+            # On this thread, before the previous step's tokens are applied: the step's
+            # sampling rows now have tokens in flight, at these entries of its output.
+            self.scheduler.launched(plan, launched.entries)
+            if launched.captured_solo:
+                self.launcher.graph_runner.prune_solo(self._live_expert_sets())
             if inflight is not None:
                 await self._finish(inflight)
             if launched.tail is not None:
@@ -747,26 +693,27 @@ class Engine:
             with contextlib.suppress(Exception):
                 inflight.wait()
 
-    def _fail(self, plan: StepPlan, error: BaseException) -> None:
-        for seq in plan.sequences():
-            self.scheduler.finish(seq, "error", EngineError(f"step failed: {error}"))
-        # Blocks the failed step was writing may have been registered for sharing.
-        self.blocks.reset_prefix_cache()
+    def _fail(self, plan: ScheduledStep, error: BaseException) -> None:
+        self.scheduler.fail_step(plan.step_id, error)
+
+    def _live_expert_sets(self) -> set[int]:
+        """Ids of the expert sets resident or held by a running request."""
+        live = {id(pending.expert_set) for pending in self.adapters.expert_sets.values()}
+        live |= {id(s.expert_set) for s in self.scheduler.running if s.expert_set is not None}
+        return live
 
     async def _finish(self, in_flight: InFlight) -> None:
         try:
-            results = (
+            result = (
                 await asyncio.to_thread(in_flight.wait)
                 if in_flight.done is not None
                 else in_flight.wait()
             )
         except Exception as error:
             log.exception("engine step failed on the device")
-            for seq in in_flight.samplers:
-                seq.pending -= 1
             self._fail(in_flight.plan, error)
             return
-        self.scheduler.apply(in_flight.samplers, *results)
+        self.scheduler.apply(result)
         self.steps += 1
         if self.config.profile_steps:
             self._record_step(in_flight)
@@ -787,8 +734,8 @@ class Engine:
             "rows": len(plan.decode) + len(plan.prefill),
             "tokens": in_flight.tokens,
             "decode_rows": len(plan.decode),
-            "prefill_tokens": sum(n for _, _, n in plan.prefill),
-            "adapters": len({s.lora_slot for s in plan.sequences() if s.lora_slot >= 0}),
+            "prefill_tokens": sum(row.count for row in plan.prefill),
+            "adapters": len({row.lora_slot for row in plan.rows if row.lora_slot >= 0}),
             "graph": in_flight.graph,
             "host_ms": in_flight.host_ms,
             "gpu_ms": gpu_ms,
@@ -798,76 +745,19 @@ class Engine:
         else:
             self.step_profile.append(record)
 
-    def _launch(self, plan: StepPlan) -> InFlight:
-        self.step_fault.check()
+    def _launch(self, plan: ScheduledStep) -> InFlight:
+        if self.step_fault is not None:  # only the fault-injection suite arms one
+            self.step_fault.check()
         return self.launcher.launch(plan, defer_masked=True)
 
     def _build_expert_set(self, cpu: CpuExpertSet, version: int) -> ExpertSet:
         return self.merge_policy.build_expert_set(cpu, version)
 
-    # ---- introspection for tests and benches ----------------------------------------------------
-
-    @property
-    def last_tokens(self) -> torch.Tensor:
-        """The device vector every step writes its sampled ids to."""
-        return self.launcher.last_tokens
-
-    @property
-    def graph_steps(self) -> int:
-        return self.launcher.graph_steps
-
-    @property
-    def eager_steps(self) -> int:
-        return self.launcher.eager_steps
-
-    @property
-    def logprob_steps(self) -> int:
-        return self.launcher.logprob_steps
-
-    @property
-    def _graphs_ok(self) -> bool:
-        # Benches switch graphs off for a comparison run.
-        return self.launcher.graphs_ok
-
-    @_graphs_ok.setter
-    def _graphs_ok(self, value: bool) -> None:
-        self.launcher.graphs_ok = value
-
-    @property
-    def adafuse_merges(self) -> int:
-        return self.merge_policy.merges
-
-    @property
-    def adafuse_restores(self) -> int:
-        return self.merge_policy.restores
-
-    @property
-    def adafuse_gated_steps(self) -> int:
-        return self.merge_policy.gated_steps
-
-    @property
-    def adafuse_merged_steps(self) -> int:
-        return self.merge_policy.merged_steps
-
-    @property
-    def adafuse_solo_gated_steps(self) -> int:
-        return self.merge_policy.solo_gated_steps
-
-    @property
-    def adafuse_compensated_steps(self) -> int:
-        return self.merge_policy.compensated_steps
-
-    @property
-    def adafuse_solo_graph_steps(self) -> int:
-        return self.merge_policy.solo_graph_steps
-
-    @property
-    def cuda_graphs_active(self) -> bool:
-        return self.launcher.graphs_ok and bool(self.launcher.graphs)
-
     def describe(self) -> dict[str, Any]:
         launcher = self.launcher
-        keys = sorted(launcher.graphs, key=repr)
+        graphs = launcher.graph_runner
+        policy = self.merge_policy
+        keys = sorted(graphs.graphs, key=repr)
         return {
             "model": self.model_name,
             "device": str(self.device),
@@ -896,25 +786,25 @@ class Engine:
             "idle_passes_on_load": self.scheduler.idle_passes_on_load,
             "sizes": None if self.sizing is None else dict(self.sizing.origin),
             "lora_ops": lora_ops.kernels_description(),
-            "cuda_graphs": self.cuda_graphs_active,
+            "cuda_graphs": graphs.active,
             "graph_buckets": [list(map(str, key[:4])) for key in keys],
             "decode_buckets": list(launcher.decode_sizes),
             "mixed_buckets": list(launcher.mixed_sizes),
-            "graph_steps": self.graph_steps,
-            "eager_steps": self.eager_steps,
+            "graph_steps": graphs.replays,
+            "eager_steps": launcher.eager_steps,
             "async_scheduling": self._overlap,
             "weights_bytes": self.model.nbytes,
             "pool_bytes": self.pool.nbytes,
             "kv_bytes": self.kv.nbytes,
             "expert_sets": len(self.adapters.expert_sets),
             "backbone_master_bytes": self.merge_policy.masters.nbytes,
-            "adafuse_merges": self.adafuse_merges,
-            "adafuse_restores": self.adafuse_restores,
-            "adafuse_gated_steps": self.adafuse_gated_steps,
-            "adafuse_merged_steps": self.adafuse_merged_steps,
-            "adafuse_solo_gated_steps": self.adafuse_solo_gated_steps,
-            "adafuse_compensated_steps": self.adafuse_compensated_steps,
-            "adafuse_solo_graph_steps": self.adafuse_solo_graph_steps,
+            "adafuse_merges": policy.merges,
+            "adafuse_restores": policy.restores,
+            "adafuse_gated_steps": policy.gated_steps,
+            "adafuse_merged_steps": policy.merged_steps,
+            "adafuse_solo_gated_steps": policy.solo_gated_steps,
+            "adafuse_compensated_steps": policy.compensated_steps,
+            "adafuse_solo_graph_steps": policy.solo_graph_steps,
             "adafuse_merge_after": self.config.adafuse_merge_after,
-            "solo_graphs": launcher.solo_graph_count(),
+            "solo_graphs": graphs.solo_count(),
         }

@@ -84,6 +84,11 @@ class StepFault:
         base = os.environ.get(STEP_FAULT_ENV) if base is None else base
         self._trigger = Path(f"{base}.{os.getpid()}") if base else None
 
+    @classmethod
+    def from_environment(cls) -> StepFault | None:
+        """The fault the worker's environment arms, or None (the engine then checks nothing)."""
+        return cls() if os.environ.get(STEP_FAULT_ENV) else None
+
     @property
     def armed_path(self) -> Path | None:
         return self._trigger

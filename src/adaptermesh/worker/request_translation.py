@@ -234,6 +234,7 @@ def sampling_params(parsed: ParsedGeneration, max_tokens: int) -> SamplingParams
         presence_penalty=parsed.presence_penalty,
         frequency_penalty=parsed.frequency_penalty,
         repetition_penalty=parsed.repetition_penalty,
+        typical_p=parsed.typical_p,
         logprobs=parsed.logprobs_k,
         logit_bias=parsed.logit_bias,
     )

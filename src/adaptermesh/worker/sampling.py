@@ -1,17 +1,35 @@
 """Batched, device-side token sampling with per-row parameters.
 
-For each row r with logits l (after penalties, below), temperature T, and filters top-k, top-p
-and min-p::
+This module is the worker's one sampler room: the parameter bounds every entry point validates
+against (``SamplingBounds``, ``BOUNDS``; the OpenAI API models in ``api.py`` and the engine's
+``submit`` both read it), the logit processors (``logit_bias``, penalties; the grammar masks
+are applied by ``grammar.apply_bitmask`` on the logits the step hands here), the filters, the
+draw, and the log-probabilities, for eager steps and captured graphs alike (``GREEDY`` and
+``RANDOM`` are the variants a graph is captured for). A new sampling parameter is a field of
+the API model (``api.py``), of ``SamplingParams`` as the request translation fills it
+(``request_translation.py``), and of ``RowParams``/``SamplingBuffers`` here. The step launcher
+calls ``sample_entries`` (bias, penalties, draw) and ``processed_entries`` (processed
+logprobs) with the step's rows; it holds no sampling rule of its own.
+
+For each row r with logits l (after logit_bias and penalties, below), temperature T, and
+filters top-k, top-p, min-p and typical-p::
 
     T == 0:  token = argmax_i l_i
     T  > 0:  p = softmax(l / T)
              S = top-k set  ∩  top-p set (on p renormalised over the top-k set)  ∩  min-p set
+             S = S ∩ typical set (on p renormalised over S)
              token ~ p restricted to S, renormalised
 
 * top-k keeps the k largest logits (k <= 0 or k >= V: no limit).
 * top-p keeps the smallest prefix of the descending order whose mass reaches top_p; the most
   likely token is always kept; top_p >= 1 keeps everything.
 * min-p keeps i with p_i >= min_p * max_j p_j, i.e. l_i >= max_j l_j + T * log(min_p).
+* typical-p (locally typical sampling, Meister et al. 2022, as transformers'
+  ``TypicalLogitsWarper`` defines it) orders the tokens of S by |-log q_i - H(q)|, q being p
+  renormalised over S and H its entropy, and keeps the smallest prefix of that order whose
+  mass under q reaches typical_p (at least one token); typical_p >= 1 keeps everything. It
+  runs after the other filters, as transformers applies it after top-k, top-p and min-p, and
+  is a mask, not a threshold (the most likely token may fall outside the typical set).
 
 Each filter becomes one threshold in logit units per row (the smallest kept logit), and the mask
 is ``l >= threshold``. Thresholds are values, not positions, so tokens tied with the last kept
@@ -57,8 +75,8 @@ Log-probabilities: ``processed_logits`` rebuilds, with the same helpers, paramet
 set; greedy rows: the penalised logits at T = 1), and ``token_logprobs`` turns any [R, V] logits
 into the sampled token's log_softmax and the top k, batched, without a host synchronisation.
 
-Preconditions, validated where requests enter the engine: temperature finite and >= 0, top_p in
-(0, 1], min_p in [0, 1], repetition_penalty > 0. Rows of ``logits`` past the batch may hold
+Preconditions, validated where requests enter (``BOUNDS``): temperature in [0, 2], top_p and
+typical_p in (0, 1], min_p in [0, 1], repetition_penalty in (0, 10]. Rows of ``logits`` past the batch may hold
 anything (NaN, inf): they sample as greedy rows and yield some token id in [0, V).
 """
 
@@ -66,6 +84,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,19 +92,39 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from adaptermesh.worker.step_plan import SamplingRow
+from adaptermesh.worker.types import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_LOGPROBS,
+    InvalidRequestError,
+    SamplingParams,
+)
+
 __all__ = [
+    "BOUNDS",
+    "GREEDY",
+    "RANDOM",
+    "Bound",
     "LogitBias",
     "RowParams",
     "SamplerMode",
+    "SamplingBounds",
     "SamplingBuffers",
     "apply_logit_bias",
     "apply_penalties",
     "counts_from_tokens",
+    "entry_logit_bias",
     "gather_logprobs",
     "logprob_output_ends",
+    "penalised",
+    "penalty_inputs",
+    "processed_entries",
     "processed_logits",
     "prompt_mask_from_tokens",
+    "row_params",
     "sample",
+    "sample_entries",
     "token_logprobs",
     "unpack_logprobs",
 ]
@@ -104,6 +143,7 @@ class RowParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    typical_p: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +156,7 @@ class SamplerMode:
     any_min_p: bool  # some random row has min_p > 0
     penalties: bool  # some row has a presence, frequency or repetition penalty
     repetition: bool  # some row has repetition_penalty != 1
+    any_typical: bool = False  # some random row has typical_p < 1
 
     def __post_init__(self) -> None:
         if self.repetition and not self.penalties:
@@ -132,7 +173,171 @@ class SamplerMode:
             penalties=repetition
             or any(r.presence_penalty != 0.0 or r.frequency_penalty != 0.0 for r in rows),
             repetition=repetition,
+            any_typical=any(r.typical_p < 1.0 for r in random),
         )
+
+
+# Sampler variants a graph is captured for: greedy rows only, or any mix with random rows
+# (top-k / top-p / min-p filters always on in that variant; disabled values are no-ops).
+# Penalties, logit_bias and typical-p rows run eagerly (no graph variant has them).
+GREEDY = SamplerMode(
+    any_random=False, any_top_p_or_k=False, any_min_p=False, penalties=False, repetition=False
+)
+RANDOM = SamplerMode(
+    any_random=True, any_top_p_or_k=True, any_min_p=True, penalties=False, repetition=False
+)
+
+
+def graph_mode(rows: list[SamplingRow | None]) -> SamplerMode:
+    """The graph variant that serves these entries: RANDOM when some row draws."""
+    return RANDOM if any(r is not None and r.sampling.temperature > 0 for r in rows) else GREEDY
+
+
+def eager_only(sampling: SamplingParams) -> bool:
+    """Whether a row needs a logit processor or filter no graph variant has."""
+    return penalised(sampling) or bool(sampling.logit_bias) or sampling.typical_p < 1.0
+
+
+# ---- parameter bounds -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A closed interval [low, high], or (low, high] with ``low_open``."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False  # (an int of any size compares exactly with the float limits)
+        above = value > self.low if self.low_open else value >= self.low
+        return above and value <= self.high
+
+    def describe(self) -> str:
+        low = f"{self.low:g}"
+        return f"{'(' if self.low_open else '['}{low}, {self.high:g}]"
+
+    def field_limits(self) -> dict[str, float]:
+        """The limits as a pydantic ``Field``'s keyword arguments."""
+        return {"gt" if self.low_open else "ge": self.low, "le": self.high}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBounds:
+    """The limits of every sampling parameter, in one place: the OpenAI API models
+    (``api.py``) build their field constraints from it and the engine checks each request
+    against it (``check``), so the two cannot disagree. Temperature follows OpenAI (0 to 2)."""
+
+    temperature: Bound = Bound(0.0, 2.0)
+    top_p: Bound = Bound(0.0, 1.0, low_open=True)
+    typical_p: Bound = Bound(0.0, 1.0, low_open=True)
+    min_p: Bound = Bound(0.0, 1.0)
+    max_top_k: int = (1 << 31) - 1  # an int32 on the device; 0 = off
+    presence_penalty: Bound = Bound(-2.0, 2.0)
+    frequency_penalty: Bound = Bound(-2.0, 2.0)
+    repetition_penalty: Bound = Bound(0.0, 10.0, low_open=True)
+    max_logprobs: int = MAX_LOGPROBS
+    max_logit_bias: int = MAX_LOGIT_BIAS
+    logit_bias: Bound = Bound(-MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE)
+
+    def check(self, sampling: SamplingParams, vocab: int) -> None:
+        """``InvalidRequestError`` naming the first parameter of ``sampling`` out of bounds."""
+        for name in ("temperature", "top_p", "typical_p", "min_p"):
+            self._check_float(name, getattr(sampling, name))
+        top_k = sampling.top_k
+        if (
+            not isinstance(top_k, int)
+            or isinstance(top_k, bool)
+            or not 0 <= top_k <= self.max_top_k
+        ):
+            raise InvalidRequestError(
+                "top_k", f"must be an integer in [0, {self.max_top_k}] (0 = off), got {top_k!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            self._check_float(name, getattr(sampling, name))
+        logprobs = sampling.logprobs
+        if logprobs is not None and (
+            not isinstance(logprobs, int)
+            or isinstance(logprobs, bool)
+            or not 0 <= logprobs <= self.max_logprobs
+        ):
+            raise InvalidRequestError(
+                "logprobs",
+                f"must be None or an integer in [0, {self.max_logprobs}], got {logprobs!r}",
+            )
+        seed = sampling.seed
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise InvalidRequestError("seed", f"must be a non-negative integer, got {seed!r}")
+        self.check_logit_bias(sampling.logit_bias, vocab)
+
+    def _check_float(self, name: str, value: object) -> None:
+        bound: Bound = getattr(self, name)
+        if value not in bound:
+            raise InvalidRequestError(
+                name, f"must be a number in {bound.describe()}, got {value!r}"
+            )
+
+    def check_logit_bias(self, pairs: tuple[tuple[int, float], ...], vocab: int) -> None:
+        if len(pairs) > self.max_logit_bias:
+            raise InvalidRequestError(
+                "logit_bias", f"may bias at most {self.max_logit_bias} tokens, got {len(pairs)}"
+            )
+        seen: set[int] = set()
+        for token, bias in pairs:
+            if type(token) is not int or not 0 <= token < vocab:
+                raise InvalidRequestError(
+                    "logit_bias", f"token id {token!r} is outside the vocabulary [0, {vocab})"
+                )
+            if token in seen:
+                raise InvalidRequestError("logit_bias", f"token {token} is named twice")
+            seen.add(token)
+            if bias not in self.logit_bias:
+                raise InvalidRequestError(
+                    "logit_bias",
+                    f"the bias of token {token} must be in {self.logit_bias.describe()}, "
+                    f"got {bias!r}",
+                )
+
+
+BOUNDS = SamplingBounds()
+
+
+def penalised(sampling: SamplingParams) -> bool:
+    """Whether a request samples with presence, frequency or repetition penalties."""
+    return (
+        sampling.presence_penalty != 0.0
+        or sampling.frequency_penalty != 0.0
+        or sampling.repetition_penalty != 1.0
+    )
+
+
+def row_params(rows: list[SamplingRow | None]) -> list[RowParams]:
+    """Each step entry's sampling parameters (padding entries, None: greedy)."""
+    out: list[RowParams] = []
+    for row in rows:
+        if row is None:
+            out.append(RowParams(temperature=0.0))
+            continue
+        sampling = row.sampling
+        out.append(
+            RowParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                seed=row.seed,
+                counter=row.counter,
+                presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty,
+                repetition_penalty=sampling.repetition_penalty,
+                typical_p=sampling.typical_p,
+            )
+        )
+    return out
 
 
 # ---- parameter buffers ----------------------------------------------------------------------
@@ -148,11 +353,12 @@ _F32_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "typical_p",
 )
 _I32_FIELDS = ("top_k",)
 _ROW_BYTES = 8 * len(_I64_FIELDS) + 4 * len(_F32_FIELDS) + 4 * len(_I32_FIELDS)
 # Values of the rows past the batch: a greedy row with every filter and penalty off.
-_F32_DEFAULTS = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0], dtype=np.float32)[:, None]
+_F32_DEFAULTS = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0], dtype=np.float32)[:, None]
 _get_f32 = operator.attrgetter(*_F32_FIELDS)
 _U64_MASK = (1 << 64) - 1
 _Array = np.ndarray[Any, Any]
@@ -175,6 +381,7 @@ class SamplingBuffers:
     presence_penalty: Tensor  # [C] fp32
     frequency_penalty: Tensor  # [C] fp32
     repetition_penalty: Tensor  # [C] fp32, 1 = disabled
+    typical_p: Tensor  # [C] fp32 in (0, 1], 1 = disabled
     _device: Tensor = field(repr=False)  # [C * _ROW_BYTES] uint8, the storage of the fields above
     _host: Tensor = field(repr=False)  # same layout on the host, pinned when the device is CUDA
     _staging: tuple[_Array, _Array, _Array] = field(
@@ -387,6 +594,31 @@ def _tempered_threshold(
     return is_greedy, t, threshold
 
 
+def _typical_removed(
+    logits: Tensor, t: Tensor, threshold: Tensor | None, buf: SamplingBuffers, mode: SamplerMode
+) -> Tensor | None:
+    """[N, V] bool: the tokens typical-p removes from each row's kept set (None when no row
+    asks). The distribution is the tempered one renormalised over the tokens the other
+    filters keep (``logits >= threshold``), as transformers' ``TypicalLogitsWarper`` sees it
+    after them; the steps are the warper's, so the sets agree token for token."""
+    if not mode.any_typical:
+        return None
+    n, vocab = logits.shape
+    typical_p = buf.typical_p[:n]
+    scores = logits / t
+    if threshold is not None:
+        scores = scores.masked_fill(logits < threshold, -math.inf)
+    log_q = torch.log_softmax(scores, dim=-1)
+    entropy = -(log_q * log_q.exp()).nansum(dim=-1, keepdim=True)
+    shifted = (-log_q - entropy).abs_()
+    ordered, order = torch.sort(shifted, dim=-1)
+    mass = scores.gather(1, order).softmax(dim=-1).cumsum_(dim=-1)
+    last = (mass < typical_p[:, None]).sum(dim=-1, keepdim=True).clamp_(max=vocab - 1)
+    removed = shifted > ordered.gather(1, last)
+    removed &= (typical_p < 1.0)[:, None]
+    return removed
+
+
 def _penalised(
     logits: Tensor,
     buf: SamplingBuffers,
@@ -430,11 +662,14 @@ def sample(
 
     top, greedy = logits.max(dim=-1, keepdim=True)
     is_greedy, t, threshold = _tempered_threshold(logits, top, buf, mode)
+    removed = _typical_removed(logits, t, threshold, buf, mode)
     # score = log E - l / T with E = -log(u); the minimum wins the race.
     score = _uniform(buf.seed[:n], buf.counter[:n], vocab).log_().neg_().log_()
     score.addcdiv_(logits, t, value=-1.0)
     if threshold is not None:
         score.masked_fill_(logits < threshold, math.inf)
+    if removed is not None:
+        score.masked_fill_(removed, math.inf)
     drawn = score.argmin(dim=-1)
     return torch.where(is_greedy, greedy[:, 0], drawn, out=out)
 
@@ -452,7 +687,7 @@ def processed_logits(
 ) -> Tensor:
     """[N, V] fp32: each row's sampling distribution as logits, built by the same code as
     ``sample`` with the same parameters and mode: penalties applied, divided by the row's
-    temperature, and -inf outside the row's kept set (top-k, top-p, min-p). ``log_softmax`` of a
+    temperature, and -inf outside the row's kept set (top-k, top-p, min-p, typical-p). ``log_softmax`` of a
     row is then the log-probability ``sample`` draws each token with, so a drawn token's is
     always finite. A greedy row (temperature 0) is its penalised logits, unfiltered: the token
     is their argmax and its log-probability is that of the penalised distribution at T = 1.
@@ -463,9 +698,12 @@ def processed_logits(
         return logits
     top = logits.amax(dim=-1, keepdim=True)
     is_greedy, t, threshold = _tempered_threshold(logits, top, buf, mode)
+    removed = _typical_removed(logits, t, threshold, buf, mode)
     out = logits / t
     if threshold is not None:
         out.masked_fill_((logits < threshold) & ~is_greedy[:, None], -math.inf)
+    if removed is not None:
+        out.masked_fill_(removed & ~is_greedy[:, None], -math.inf)
     return out
 
 
@@ -625,3 +863,72 @@ def prompt_mask_from_tokens(
     mask = torch.zeros(len(tokens) * vocab + 1, dtype=torch.bool, device=index.device)
     mask.index_fill_(0, index, True)
     return mask[:-1].view(len(tokens), vocab)
+
+
+# ---- a step's processor inputs --------------------------------------------------------------
+
+
+def entry_logit_bias(
+    entries: list[SamplingRow | None], vocab: int, device: torch.device | str
+) -> LogitBias | None:
+    """The logit biases of a step's entries on the device (padding entries: none)."""
+    return LogitBias.of(
+        [row.sampling.logit_bias if row is not None else () for row in entries], vocab, device
+    )
+
+
+def penalty_inputs(
+    entries: list[SamplingRow | None], vocab: int, device: torch.device | str, mode: SamplerMode
+) -> tuple[Tensor | None, Tensor | None]:
+    """The token counts (``mode.penalties``) and prompt masks (``mode.repetition``) of a step's
+    entries, from the tokens each row carries (rows without penalties carry none: zero
+    penalties are exact no-ops)."""
+    outputs = [list(row.output) if row is not None else [] for row in entries]
+    contexts = [list(row.context) if row is not None else [] for row in entries]
+    counts = counts_from_tokens(outputs, vocab, device) if mode.penalties else None
+    prompt_mask = prompt_mask_from_tokens(contexts, vocab, device) if mode.repetition else None
+    return counts, prompt_mask
+
+
+def sample_entries(
+    logits: Tensor,  # [S, V] fp32: the step's logits (a masked step's already masked)
+    buf: SamplingBuffers,
+    mode: SamplerMode,
+    entries: list[SamplingRow | None],
+    *,
+    bias: LogitBias | None = None,
+    penalties: bool = False,
+    observe: Callable[[Tensor, list[SamplingRow | None]], None] | None = None,
+) -> Tensor:
+    """A step's token ids [S], through the processors in order: ``logit_bias``, then (when
+    some row has them, eager steps only) penalties over each row's past tokens with the rows'
+    exact mode, then the filters and the draw. ``observe`` sees the logits the draw starts
+    from (after the bias). Inside a captured graph this runs once, at capture; the replays
+    repeat its device work."""
+    biased = logits if bias is None else apply_logit_bias(logits, bias)
+    if observe is not None:
+        observe(biased, entries)
+    if not penalties:
+        return sample(biased, buf, mode=mode)
+    mode = SamplerMode.of(row_params(entries))
+    counts, prompt_mask = penalty_inputs(entries, int(logits.shape[1]), logits.device, mode)
+    return sample(biased, buf, mode=mode, token_counts=counts, prompt_mask=prompt_mask)
+
+
+def processed_entries(
+    logits: Tensor,  # [>= S, V] fp32
+    buf: SamplingBuffers,
+    mode: SamplerMode,
+    entries: list[SamplingRow | None],
+    *,
+    bias: LogitBias | None = None,
+) -> Tensor:
+    """The step's first S = len(entries) logits as its sampler processed them (bias, the same
+    buffers and mode; penalty steps rebuild their token counts), for processed logprobs."""
+    logits = logits[: len(entries)]
+    if bias is not None:
+        logits = apply_logit_bias(logits, bias)
+    counts = prompt_mask = None
+    if mode.penalties:
+        counts, prompt_mask = penalty_inputs(entries, int(logits.shape[1]), logits.device, mode)
+    return processed_logits(logits, buf, mode=mode, token_counts=counts, prompt_mask=prompt_mask)

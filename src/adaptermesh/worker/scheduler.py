@@ -52,6 +52,17 @@ A sequence therefore carries ``pending`` tokens: sampled on the device, not yet 
 host. Its next decode row reads that token from the device (the engine gathers it), and
 everything the plan needs (positions, slots, lengths) follows from counts the host knows.
 
+Threading contract. Every method of ``Scheduler`` runs on the engine's thread (the event
+loop's), and the scheduler's state (its queues, every ``Sequence``, the block manager's
+tables) changes only there. ``schedule`` emits a ``step_plan.ScheduledStep``: plain, immutable
+data (sequence ids, input tokens or the device entry holding them, positions, block-table
+growth, adapter slots, sampling rows) that the step launcher reads on its worker thread; the
+launcher never sees a ``Sequence``. When the launch returns, the engine reports, still on its
+own thread, where each sampling row sits in the step's output (``launched``), and when the step
+completes, its ``step_plan.StepResult`` (``apply``); a step that failed goes to
+``fail_step``. The scheduler therefore runs, and is tested, without an engine or a model:
+drive it with ``schedule``, ``launched`` and recorded or synthetic results.
+
 Logprobs (requests with ``SamplingParams.logprobs``) travel with the tokens: each applied token
 gets a ``TokenLogprob`` whose ``text_offset`` is where its text starts in ``Sequence.text``. An
 entry is released with the event that releases the text at its offset, so an entry never
@@ -67,11 +78,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from adaptermesh.worker.adafuse import ExpertSet
 from adaptermesh.worker.adapters import AdapterManager
 from adaptermesh.worker.paging import BlockManager
+from adaptermesh.worker.sampling import penalised
+from adaptermesh.worker.step_plan import (
+    BlockTableUpdate,
+    SamplingRow,
+    ScheduledStep,
+    StepLogprobs,
+    StepResult,
+    StepRow,
+)
 from adaptermesh.worker.types import (
     AdapterLoadTimeoutError,
     AdapterNotFoundError,
@@ -84,9 +104,10 @@ from adaptermesh.worker.types import (
     TopLogprob,
 )
 
-__all__ = ["Detokenizer", "Scheduler", "Sequence", "StepLogprobs", "StepPlan"]
+__all__ = ["Detokenizer", "Scheduler", "Sequence", "StepPlan"]
 
 _ids = itertools.count(1)
+_step_ids = itertools.count(1)
 
 
 class Detokenizer:
@@ -112,14 +133,6 @@ class Detokenizer:
         full = self.decode(tokens[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(tokens)
         return full[len(prefix) :] if len(full) > len(prefix) else ""
-
-
-class StepLogprobs(NamedTuple):
-    """What one step measured for one sampled token (raw model distribution)."""
-
-    logprob: float  # of the sampled token
-    top_ids: list[int]  # the k most likely token ids, most likely first
-    top_logprobs: list[float]  # their logprobs
 
 
 @dataclass(eq=False)
@@ -193,11 +206,14 @@ class Sequence:
 
 @dataclass(slots=True)
 class StepPlan:
-    """One step: ``decode`` sequences contribute one row each (their last token), then each
-    ``prefill`` entry (sequence, start position, number of tokens) a chunk."""
+    """The scheduler's own record of one step (engine thread only; the launcher gets the
+    ``ScheduledStep`` built from it): ``decode`` sequences contribute one row each (their
+    last token), then each ``prefill`` entry (sequence, start position, number of tokens) a
+    chunk. ``samplers``: the sequences that sample, once the step is launched."""
 
     decode: list[Sequence]
     prefill: list[tuple[Sequence, int, int]]
+    samplers: list[Sequence] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -255,6 +271,8 @@ class Scheduler:
         self._barrier: Sequence | None = None
         self._drain: str | None = None  # the adapter drained for the barrier's load
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # Steps emitted and not yet completed or failed, by step id.
+        self._steps: dict[int, StepPlan] = {}
 
     def adapter_of(self, seq: Sequence) -> str | None:
         name = seq.adapter
@@ -323,6 +341,8 @@ class Scheduler:
         for seq in [*self.running, *self.waiting]:
             self.finish(seq, "error", error)
         self.waiting.clear()
+        # Steps in flight stay recorded: their results may still arrive and are applied to
+        # finished sequences as no-ops.
 
     # ---- planning -----------------------------------------------------------------------------
 
@@ -337,8 +357,8 @@ class Scheduler:
             and seq.known_len < self.max_model_len
         )
 
-    def schedule(self, *, allow_preempt: bool = True) -> StepPlan | None:
-        """The next step, or None when nothing can run now.
+    def schedule(self, *, allow_preempt: bool = True) -> ScheduledStep | None:
+        """The next step's description, or None when nothing can run now.
 
         ``allow_preempt`` False (a step is still in flight): a sequence that needs a block
         when none is free sits this step out instead of preempting another sequence, since a
@@ -385,7 +405,83 @@ class Scheduler:
             if any(s.wanting and s.waited_on_load for s in self.waiting):
                 self.idle_passes_on_load += 1
             return None
-        return StepPlan(decode, prefill)
+        plan = StepPlan(decode, prefill)
+        step = self._describe(plan)
+        self._steps[step.step_id] = plan
+        return step
+
+    # ---- the step description -----------------------------------------------------------------
+
+    def _describe(self, plan: StepPlan) -> ScheduledStep:
+        """The plain description of ``plan`` the launcher reads (module ``step_plan``)."""
+        tables = tuple(
+            update
+            for update in (self._table_update(seq) for seq in plan.sequences())
+            if update is not None
+        )
+        decode = tuple(self._row(seq, seq.num_computed, 1, True) for seq in plan.decode)
+        prefill = tuple(
+            self._row(seq, start, count, start + count >= seq.known_len)
+            for seq, start, count in plan.prefill
+        )
+        return ScheduledStep(next(_step_ids), decode, prefill, tables)
+
+    def _table_update(self, seq: Sequence) -> BlockTableUpdate | None:
+        """The block-table entries of ``seq`` not yet in its row of the engine's mirror."""
+        need = -(-seq.reserved // self.blocks.block_size)
+        if seq.table_len >= need:
+            return None
+        assert seq.table_row is not None
+        table = self.blocks.block_table(seq.seq_id)
+        update = BlockTableUpdate(seq.table_row, seq.table_len, tuple(table[seq.table_len :]))
+        seq.table_len = len(table)
+        return update
+
+    def _row(self, seq: Sequence, start: int, count: int, samples: bool) -> StepRow:
+        assert seq.table_row is not None
+        source_entry = -1
+        if count == 1 and seq.pending:  # a decode row whose input is still on the device
+            assert start == seq.known_len - 1
+            token_ids: tuple[int, ...] = ()
+            source_entry = seq.last_entry
+        elif start + count <= len(seq.prompt):
+            assert seq.pending == 0
+            token_ids = tuple(seq.prompt[start : start + count])
+        else:
+            assert seq.pending == 0
+            token_ids = tuple(seq.token_at(position) for position in range(start, start + count))
+        return StepRow(
+            seq_id=seq.seq_id,
+            start=start,
+            count=count,
+            token_ids=token_ids,
+            source_entry=source_entry,
+            table_row=seq.table_row,
+            lora_slot=seq.lora_slot,
+            expert_set=seq.expert_set,
+            sampler=self._sampling_row(seq) if samples else None,
+        )
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        sampling = seq.request.sampling
+        output: tuple[int, ...] = ()
+        context: tuple[int, ...] = ()
+        if penalised(sampling):  # rows without penalties read no counts (zero is a no-op)
+            output = tuple(seq.output)
+            if sampling.repetition_penalty != 1.0:
+                context = (*seq.prompt, *seq.output)
+        return SamplingRow(
+            seq_id=seq.seq_id,
+            request_id=seq.request.request_id,
+            sampling=sampling,
+            seed=seq.seed,
+            # The draw's counter: the output tokens before it, counting those in flight and
+            # this one (a preempted request that resumes draws with the same counters).
+            counter=len(seq.output) + seq.pending + 1,
+            output=output,
+            context=context,
+            matcher=seq.matcher,
+        )
 
     def _reserve(self, seq: Sequence, n: int, planned: set[int], allow_preempt: bool) -> bool:
         """Room for ``n`` more tokens of ``seq`` from ``num_computed``; preempts the newest
@@ -586,39 +682,63 @@ class Scheduler:
 
     # ---- applying a step's result -------------------------------------------------------------
 
-    def launched(self, plan: StepPlan) -> list[Sequence]:
-        """Advance counts for a step that was just launched; returns the sequences that sample
-        a token in it (their chunk reaches the last known token), in plan order."""
-        out: list[Sequence] = []
+    def launched(self, step: ScheduledStep, entries: tuple[int, ...] | list[int]) -> None:
+        """The step was launched; ``entries``: where each of its sampling rows (in
+        ``step.samplers`` order) sits in the step's token output, which the next step's decode
+        rows read while the token is still on the device. Advances the counts."""
+        plan = self._steps[step.step_id]
+        samplers: list[Sequence] = []
         for seq in plan.decode:
             seq.num_computed += 1
             seq.pending += 1
-            out.append(seq)
+            samplers.append(seq)
         for seq, start, n in plan.prefill:
             seq.num_computed = start + n
             if seq.num_computed >= seq.known_len:
                 seq.pending += 1
-                out.append(seq)
+                samplers.append(seq)
+        if len(entries) != len(samplers):
+            raise ValueError(f"{len(entries)} output entries for {len(samplers)} sampling rows")
+        for seq, entry in zip(samplers, entries, strict=True):
+            seq.last_entry = entry
+        plan.samplers = samplers
         # Full blocks whose tokens the host knows can be shared from now on: a later step that
         # reads them runs after this one on the same stream.
         for seq in plan.sequences():
             self.blocks.commit(seq.seq_id, _TokenView(seq, min(seq.num_computed, seq.context_len)))
-        return out
 
-    def apply(
-        self,
-        samplers: list[Sequence],
-        sampled: list[int],
-        logprobs: list[StepLogprobs | None] | None = None,
-    ) -> None:
-        """Deliver the tokens of a finished step (``samplers`` as ``launched`` returned) and,
-        for samplers whose request asked, their logprobs."""
-        lps: list[StepLogprobs | None] = [None] * len(samplers) if logprobs is None else logprobs
-        for seq, tok, lp in zip(samplers, sampled, lps, strict=True):
+    def apply(self, result: StepResult) -> None:
+        """Deliver a completed step's tokens (and, for rows whose request asked, logprobs)."""
+        plan = self._steps.get(result.step_id)
+        if plan is None or plan.samplers is None:
+            raise ValueError(f"step {result.step_id} is not a launched step in flight")
+        samplers = plan.samplers
+        ids = [seq.seq_id for seq in samplers]
+        if [t.seq_id for t in result.tokens] != ids:
+            raise ValueError(f"step {result.step_id}'s result is not for its sampling rows {ids}")
+        del self._steps[result.step_id]
+        for seq, sampled in zip(samplers, result.tokens, strict=True):
             seq.pending -= 1
             if seq.finished:
                 continue
-            self._append_token(seq, tok, lp)
+            self._append_token(seq, sampled.token, sampled.logprobs)
+
+    def fail_step(self, step_id: int, error: BaseException) -> None:
+        """A step that failed (at launch or on the device): its requests fail with ``error``
+        named, the blocks it was writing leave the prefix cache, and the rest keeps serving."""
+        plan = self._steps.pop(step_id, None)
+        if plan is None:
+            return
+        for seq in plan.samplers or ():
+            seq.pending -= 1
+        for seq in plan.sequences():
+            self.finish(seq, "error", EngineError(f"step failed: {error}"))
+        # Blocks the failed step was writing may have been registered for sharing.
+        self.blocks.reset_prefix_cache()
+
+    def in_flight(self) -> int:
+        """Steps emitted and not yet completed or failed."""
+        return len(self._steps)
 
     def _entry(self, tok: int, lp: StepLogprobs, offset: int) -> TokenLogprob:
         piece = self.token_piece

@@ -1,5 +1,6 @@
-"""Launching one step on the device: whole-step CUDA graphs (capture and replay), the eager
-path, and the step's single device-to-host output copy.
+"""Launching one step on the device: its traits and layout, the input staging, the eager
+path (or a replay of the step's CUDA graph, ``graph_runner.py``), and the step's single
+device-to-host output copy.
 
 ``StepLauncher.launch`` runs on a worker thread on CUDA. In order: the AdaFuse merge policy
 prepares the step (``adafuse_policy``), the step's traits pick its layout (``step_layout``), a
@@ -8,6 +9,12 @@ on the host and copied with one transfer, the step runs (graph replay, or forwar
 eagerly), and the sampled ids (with logprobs when some row asked) are copied back in one
 asynchronous copy. The host learns them from the returned ``InFlight``.
 
+Threading contract: the launcher is handed only the scheduler's plain step description
+(``step_plan.ScheduledStep``) and never imports, reads or changes the scheduler or the adapter
+manager. What it learns for the host goes back as plain data: ``InFlight.entries`` (where each
+sampling row sits in the step's output) and ``InFlight.wait``'s ``StepResult``, which the
+engine applies to the scheduler on its own thread.
+
 Each graph is the whole step: input gather, forward, sampling (greedy or random variant), and
 the write of the sampled ids. A base-only variant (no adapter row in the step) has no LoRA
 launch at all.
@@ -15,21 +22,20 @@ launch at all.
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from adaptermesh.worker import lora_ops
 from adaptermesh.worker.adafuse import ExpertSet, GatedTerms, SoloGated
 from adaptermesh.worker.adafuse_policy import MergePolicy, SoloDecision
-from adaptermesh.worker.adapters import AdapterManager
 from adaptermesh.worker.engine_config import EngineBudget, EngineConfig
 from adaptermesh.worker.grammar import apply_bitmask, bitmask_words, fill_masks
+from adaptermesh.worker.graph_runner import GraphRunner, StepGraph
 from adaptermesh.worker.kv_cache import PagedKVCache
 from adaptermesh.worker.model import LoraPool, ModelConfig, StepInputs, TransformerModel
 from adaptermesh.worker.sampling import (
@@ -37,15 +43,16 @@ from adaptermesh.worker.sampling import (
     RowParams,
     SamplerMode,
     SamplingBuffers,
-    apply_logit_bias,
-    counts_from_tokens,
+    eager_only,
+    entry_logit_bias,
     gather_logprobs,
-    processed_logits,
-    prompt_mask_from_tokens,
-    sample,
+    graph_mode,
+    penalised,
+    processed_entries,
+    row_params,
+    sample_entries,
     unpack_logprobs,
 )
-from adaptermesh.worker.scheduler import Scheduler, Sequence, StepLogprobs, StepPlan
 from adaptermesh.worker.step_layout import (
     BlockTableMirror,
     StepBuffers,
@@ -53,74 +60,29 @@ from adaptermesh.worker.step_layout import (
     decode_buckets,
     fill_staging,
     mixed_buckets,
-    penalised,
     plan_layout,
-    row_params,
-    split_staging,
+)
+from adaptermesh.worker.step_plan import (
+    SampledToken,
+    SamplingRow,
+    ScheduledStep,
+    StepLogprobs,
+    StepResult,
 )
 
-__all__ = [
-    "GREEDY",
-    "RANDOM",
-    "InFlight",
-    "LogprobRequest",
-    "StepGraph",
-    "StepLauncher",
-    "sample_logits",
-    "sample_logits_penalised",
-]
-
-log = logging.getLogger(__name__)
-
-# Sampler variants a graph is captured for: greedy rows only, or any mix with random rows
-# (top-k / top-p / min-p filters always on in that variant; disabled values are no-ops).
-GREEDY = SamplerMode(
-    any_random=False, any_top_p_or_k=False, any_min_p=False, penalties=False, repetition=False
-)
-RANDOM = SamplerMode(
-    any_random=True, any_top_p_or_k=True, any_min_p=True, penalties=False, repetition=False
-)
+__all__ = ["InFlight", "LogprobRequest", "SampleObserver", "StepLauncher"]
 
 # Host staging, three deep: step N+1 fills one while the copies of step N may still be queued
 # behind step N-1 on the stream.
 _RING_DEPTH = 3
 
 
-def sample_logits(
-    logits: torch.Tensor,
-    buffers: SamplingBuffers,
-    mode: SamplerMode,
-    rows: list[Sequence | None],
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Token ids [S] for logits [S, V]; ``rows[e]`` is the sequence that samples from entry e
-    (None: a padding entry or a chunk that does not sample). Inside a captured graph this runs
-    once, at capture; the replays repeat its device work."""
-    del rows  # a hook for tests that record what each sequence sampled from
-    return sample(logits, buffers, mode=mode, out=out)
+class SampleObserver(Protocol):
+    """Sees the logits [S, V] an eager step samples from and, per entry, the row that samples
+    there (None: padding or a chunk that does not sample); tests record them to compare with
+    a reference. Graph replays repeat the device work without calling it."""
 
-
-def sample_logits_penalised(
-    logits: torch.Tensor,
-    buffers: SamplingBuffers,
-    mode: SamplerMode,
-    rows: list[Sequence | None],
-    counts: torch.Tensor | None,
-    prompt_mask: torch.Tensor | None,
-) -> torch.Tensor:
-    """``sample_logits`` with penalties over each row's past tokens (eager steps only)."""
-    del rows
-    return sample(logits, buffers, mode=mode, token_counts=counts, prompt_mask=prompt_mask)
-
-
-@dataclass(slots=True)
-class StepGraph:
-    graph: torch.cuda.CUDAGraph
-    buffers: StepBuffers
-    sampling_buffers: SamplingBuffers
-    selection: torch.Tensor | None = None  # solo expert-set selection buffer
-    logits: torch.Tensor | None = None  # [S, V] fp32, the graph's output, rewritten by each replay
-    bitmask: torch.Tensor | None = None  # [S, W] int32 token mask of a masked graph's entries
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow | None]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -137,9 +99,8 @@ class LogprobRequest:
 
 @dataclass(slots=True)
 class InFlight:
-    plan: StepPlan
-    samplers: list[Sequence]
-    entries: list[int]  # entry of each sampler in the step's token output
+    plan: ScheduledStep
+    entries: list[int]  # entry of each sampling row (``plan.samplers``) in the token output
     host_output: torch.Tensor
     num_entries: int
     done: Any  # torch.cuda.Event or None (CPU: already complete)
@@ -152,22 +113,28 @@ class InFlight:
     # A grammar-masked step launched with its sampling deferred: the mask, sampling and
     # output copy still to run (``run_tail``), once the host knows the previous step's tokens.
     tail: Callable[[], None] | None = None
+    captured_solo: bool = False  # the launch captured a solo expert-set graph
 
     def run_tail(self) -> None:
         tail, self.tail = self.tail, None
         if tail is not None:
             tail()
 
-    def wait(self) -> tuple[list[int], list[StepLogprobs | None] | None]:
-        """Each sampler's token and, when some sampler asked, the logprobs of each."""
+    def wait(self) -> StepResult:
+        """Each sampling row's token and, for rows that asked, its logprobs (blocks until the
+        step's output copy completed)."""
         assert self.tail is None, "a deferred step's tail has not run"
         if self.done is not None:
             self.done.synchronize()
         values = self.host_output[: self.num_entries].tolist()
         tokens = [int(values[entry]) for entry in self.entries]
+        ids = [row.seq_id for row in self.plan.samplers]
         request = self.logprobs
         if request is None:
-            return tokens, None
+            return StepResult(
+                self.plan.step_id,
+                tuple(SampledToken(i, t) for i, t in zip(ids, tokens, strict=True)),
+            )
         logprob_values, logprob_ids = unpack_logprobs(
             self.host_output, self.num_entries, request.num_rows, request.alternatives
         )
@@ -182,7 +149,10 @@ class InFlight:
                     logprob_values[row][1 : 1 + want],
                 )
             )
-        return tokens, logprobs
+        return StepResult(
+            self.plan.step_id,
+            tuple(SampledToken(i, t, lp) for i, t, lp in zip(ids, tokens, logprobs, strict=True)),
+        )
 
 
 @dataclass(slots=True)
@@ -191,10 +161,10 @@ class StepTraits:
 
     gated_sets: bool  # expert sets run on the eager gated path (several tokens or requests)
     penalties: bool
-    biased: bool  # some sampling row has a logit_bias (the step runs eagerly)
+    biased: bool  # some sampling row has a logit_bias
     lora: bool
     solo_set: ExpertSet | None  # the single expert-set token's set on the solo gated path
-    mode: SamplerMode  # GREEDY or RANDOM
+    mode: SamplerMode  # the graph variant (sampling.GREEDY or RANDOM), or the eager rows' own
     graphable: bool
     masked: bool = False  # some sequence is grammar-constrained: the step applies a bitmask
     active_slots: int = 0  # distinct adapter slots the plan's sequences use
@@ -225,8 +195,7 @@ class StepLauncher:
         budget: EngineBudget,
         tables: BlockTableMirror,
         merge_policy: MergePolicy,
-        scheduler: Scheduler,
-        adapters: AdapterManager,
+        sample_observer: SampleObserver | None = None,
     ) -> None:
         self.model = model
         self.model_config: ModelConfig = model.cfg
@@ -237,14 +206,12 @@ class StepLauncher:
         self.max_model_len = max_model_len
         self.tables = tables
         self.merge_policy = merge_policy
-        self.scheduler = scheduler
-        self.adapters = adapters
+        self._observe = sample_observer
         rows = config.max_num_seqs
         self.decode_sizes = decode_buckets(rows)
         self.mixed_sizes = mixed_buckets(min(config.graph_max_tokens, budget.step_tokens))
         # Every step writes its sampled ids here; the next step's decode rows gather from it.
         self.last_tokens = torch.zeros(budget.max_entries, dtype=torch.int64, device=device)
-        self._scratch_tokens = torch.zeros_like(self.last_tokens)  # graph warm-ups write here
         self._cuda = device.type == "cuda"
         self._staging = [
             self._host(torch.zeros(budget.staging_len, dtype=torch.int64))
@@ -275,11 +242,17 @@ class StepLauncher:
         self._num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if self._cuda else 1
         )
-        self.graphs: dict[tuple[Any, ...], StepGraph] = {}
-        self._graph_pool: Any = None
-        self.graphs_ok = self._cuda and config.use_cuda_graphs
-        self.solo_graphs_ok = self.graphs_ok
-        self.graph_steps = 0
+        self.graph_runner = GraphRunner(
+            device=device,
+            enabled=self._cuda and config.use_cuda_graphs,
+            model_config=self.model_config,
+            pad_row=tables.pad_row,
+            bitmask_words=self._bitmask_words,
+            max_model_len=max_model_len,
+            last_tokens=self.last_tokens,
+            step=self._step,
+            splits=self._splits,
+        )
         self.eager_steps = 0
 
     def _host(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -287,7 +260,7 @@ class StepLauncher:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def launch(self, plan: StepPlan, defer_masked: bool = False) -> InFlight:
+    def launch(self, plan: ScheduledStep, defer_masked: bool = False) -> InFlight:
         """Launch ``plan``'s step. A step with a grammar-constrained row runs its forward
         (graph or eager) now and its tail (the rows' masks, applied to the logits, sampling,
         the output copy) in ``InFlight.run_tail``: at once, or, with ``defer_masked``, when
@@ -306,13 +279,14 @@ class StepLauncher:
             traits.active_slots,
         )
         ring_index = self._next_ring_index()
+        solo_graphs = self.graph_runner.solo_count()
         graph, layout = self._graph_for(plan, layout, traits)
         buffers = (
             graph.buffers
             if graph is not None
             else StepBuffers(layout.num_tokens, layout.num_entries, self.device)
         )
-        ranges, samplers = self._stage(plan, layout, ring_index)
+        ranges, entries = self._stage(plan, layout, ring_index)
         started = self._record_event()
         self._upload(ring_index, buffers)
         params = row_params(layout.entries)
@@ -322,16 +296,16 @@ class StepLauncher:
             run = self._run_eager(plan, layout, ranges, buffers, params, traits, decision)
         in_flight = InFlight(
             plan,
-            samplers,
-            [seq.last_entry for seq in samplers],
+            entries,
             self._output_host[ring_index],
             layout.num_entries,
             None,
             started,
             0.0,
             graph is not None,
-            len(plan.sequences()),
+            len(plan.rows),
             plan.num_tokens,
+            captured_solo=self.graph_runner.solo_count() > solo_graphs,
         )
 
         launch_ms = 1e3 * (time.perf_counter() - started_at)
@@ -341,7 +315,7 @@ class StepLauncher:
             if traits.masked:
                 self._masked_tail(ring_index, layout, graph, run, traits.penalties)
             in_flight.host_output, in_flight.logprobs = self._copy_output(
-                ring_index, samplers, layout, run
+                ring_index, plan.samplers, entries, layout, run
             )
             in_flight.done = self._record_event()
             in_flight.host_ms = launch_ms + 1e3 * (time.perf_counter() - tail_started)
@@ -368,37 +342,41 @@ class StepLauncher:
         with torch.inference_mode():  # the forward's logits are an inference tensor
             apply_bitmask(logits, bitmask)
         # A refused token stays at -inf whatever its bias: the order of the two does not matter.
-        biased = logits if run.bias is None else apply_logit_bias(logits, run.bias)
-        if penalties:
-            tokens = self._sample_penalised(biased, run.sampling_buffers, layout)
-        else:
-            tokens = sample_logits(biased, run.sampling_buffers, run.mode, layout.entries)
+        tokens = sample_entries(
+            logits,
+            run.sampling_buffers,
+            run.mode,
+            layout.entries,
+            bias=run.bias,
+            penalties=penalties,
+            observe=self._observe,
+        )
         self.last_tokens[: tokens.shape[0]].copy_(tokens)
 
-    def _traits(self, plan: StepPlan, decision: SoloDecision) -> StepTraits:
-        sequences = plan.sequences()
-        gated_sets = decision.solo is None and any(seq.expert_set is not None for seq in sequences)
-        penalties = any(penalised(seq) for seq in sequences)
-        biased = any(seq.request.sampling.logit_bias for seq in sequences)
-        slots = {seq.lora_slot for seq in sequences if seq.lora_slot >= 0}
+    def _traits(self, plan: ScheduledStep, decision: SoloDecision) -> StepTraits:
+        rows = plan.rows
+        samplers = plan.samplers
+        gated_sets = decision.solo is None and any(row.expert_set is not None for row in rows)
+        # The logit processors run on the rows that sample: a prompt chunk that does not
+        # sample needs none of them.
+        penalties = any(penalised(row.sampling) for row in samplers)
+        biased = any(row.sampling.logit_bias for row in samplers)
+        slots = {row.lora_slot for row in rows if row.lora_slot >= 0}
         lora = bool(slots)
         solo_set = decision.gated_set
-        random_mode = any(seq.request.sampling.temperature > 0 for seq in sequences)
-        masked = any(seq.matcher is not None for seq in sequences)
-        graphable = (
-            self.graphs_ok
-            and not gated_sets
-            and not penalties
-            and not biased
-            and (solo_set is None or self.solo_graphs_ok)
-        )
+        masked = any(row.matcher is not None for row in samplers)
+        eager = any(eager_only(row.sampling) for row in samplers)
+        graphable = self.graph_runner.usable(solo_set is not None) and not gated_sets and not eager
+        mode = graph_mode(list(samplers))
+        if any(row.sampling.typical_p < 1.0 for row in samplers):  # eager: no graph variant
+            mode = dataclasses.replace(mode, any_typical=mode.any_random)
         return StepTraits(
             gated_sets,
             penalties,
             biased,
             lora,
             solo_set,
-            RANDOM if random_mode else GREEDY,
+            mode,
             graphable,
             masked,
             len(slots),
@@ -410,7 +388,7 @@ class StepLauncher:
 
     def _layout(
         self,
-        plan: StepPlan,
+        plan: ScheduledStep,
         graphable: bool,
         lora: bool,
         mode: SamplerMode,
@@ -440,29 +418,28 @@ class StepLauncher:
         return index
 
     def _graph_for(
-        self, plan: StepPlan, layout: StepLayout, traits: StepTraits
+        self, plan: ScheduledStep, layout: StepLayout, traits: StepTraits
     ) -> tuple[StepGraph | None, StepLayout]:
         """The layout's graph, captured on first use; when capture fails, no graph and the
         plan's eager layout."""
         if layout.graph_key is None:
             return None, layout
-        graph = self.graphs.get(layout.graph_key)
+        graph = self.graph_runner.get(
+            layout, traits.lora, traits.mode, traits.solo_set, traits.masked
+        )
         if graph is None:
-            graph = self._try_capture(
-                layout, traits.lora, traits.mode, traits.solo_set, traits.masked
+            layout = self._layout(
+                plan, False, traits.lora, traits.mode, None, traits.masked, traits.active_slots
             )
-            if graph is None:
-                layout = self._layout(
-                    plan, False, traits.lora, traits.mode, None, traits.masked, traits.active_slots
-                )
         return graph, layout
 
     def _stage(
-        self, plan: StepPlan, layout: StepLayout, ring_index: int
-    ) -> tuple[list[tuple[int, int]], list[Sequence]]:
-        """Fill the ring slot's host staging with the step's inputs and mark the plan launched;
-        returns each plan sequence's (first row, rows) and the sequences that sample."""
-        self.tables.sync_all(plan.sequences())
+        self, plan: ScheduledStep, layout: StepLayout, ring_index: int
+    ) -> tuple[list[tuple[int, int]], list[int]]:
+        """Fill the ring slot's host staging with the step's inputs (the block-table mirror
+        first); returns each plan row's (first token row, token rows) and the output entry of
+        each sampling row."""
+        self.tables.apply(plan.tables)
         ranges = fill_staging(
             self._staging[ring_index].numpy(),
             layout,
@@ -471,11 +448,8 @@ class StepLauncher:
             self.kv.block_size,
             self.tables.pad_row,
         )
-        samplers = self.scheduler.launched(plan)
-        for entry, seq in enumerate(layout.entries):
-            if seq is not None:
-                seq.last_entry = entry
-        return ranges, samplers
+        entries = [entry for entry, row in enumerate(layout.entries) if row is not None]
+        return ranges, entries
 
     def _record_event(self) -> Any:
         if not self._cuda:
@@ -501,9 +475,9 @@ class StepLauncher:
         host.fill_(-1)
         fill_masks(
             [
-                (seq.matcher, entry)
-                for entry, seq in enumerate(layout.entries)
-                if seq is not None and seq.matcher is not None
+                (row.matcher, entry)
+                for entry, row in enumerate(layout.entries)
+                if row is not None and row.matcher is not None
             ],
             host,
         )
@@ -518,22 +492,17 @@ class StepLauncher:
     def _replay(
         self, graph: StepGraph, params: list[RowParams], traits: StepTraits, decision: SoloDecision
     ) -> _DeviceRun:
-        graph.sampling_buffers.fill(params)
+        selection = None
         if traits.solo_set is not None:
-            assert graph.selection is not None
             assert decision.selection is not None
             selection = decision.selection
-            graph.selection.copy_(
-                selection.pin_memory() if self._cuda else selection, non_blocking=True
-            )
             self.merge_policy.solo_graph_steps += 1
-        graph.graph.replay()
-        self.graph_steps += 1
+        self.graph_runner.replay(graph, params, selection)
         return _DeviceRun(graph.logits, graph.sampling_buffers, traits.mode)
 
     def _run_eager(
         self,
-        plan: StepPlan,
+        plan: ScheduledStep,
         layout: StepLayout,
         ranges: list[tuple[int, int]],
         buffers: StepBuffers,
@@ -554,10 +523,15 @@ class StepLauncher:
                 traits.solo_set, decision.selection.to(self.device), 1, self.model_config
             )
         mode = SamplerMode.of(params) if traits.penalties else traits.mode
+        # The bound the split heuristic reads: one past the longest decode row's length.
         splits = self._splits(
-            layout.num_decode, max((seq.num_computed + 1 for seq in plan.decode), default=1)
+            layout.num_decode, max((row.start + 2 for row in plan.decode), default=1)
         )
-        bias = self._logit_bias(layout) if traits.biased else None
+        bias = (
+            entry_logit_bias(layout.entries, self.model_config.vocab_size, self.device)
+            if traits.biased
+            else None
+        )
         logits = self._step(
             buffers,
             layout,
@@ -574,21 +548,18 @@ class StepLauncher:
         self.eager_steps += 1
         return _DeviceRun(logits, sampling_buffers, mode, bias)
 
-    def _logit_bias(self, layout: StepLayout) -> LogitBias | None:
-        """The sampling entries' logit biases on the device (padding entries: none)."""
-        return LogitBias.of(
-            [seq.request.sampling.logit_bias if seq is not None else () for seq in layout.entries],
-            self.model_config.vocab_size,
-            self.device,
-        )
-
     def _copy_output(
-        self, ring_index: int, samplers: list[Sequence], layout: StepLayout, run: _DeviceRun
+        self,
+        ring_index: int,
+        samplers: tuple[SamplingRow, ...],
+        entries: list[int],
+        layout: StepLayout,
+        run: _DeviceRun,
     ) -> tuple[torch.Tensor, LogprobRequest | None]:
         """Queue the step's single device-to-host copy: the sampled ids, and the logprobs of the
         samplers that asked (after gathering them on the device)."""
         host_output = self._output_host[ring_index]
-        wants = [seq.request.sampling.logprobs for seq in samplers]
+        wants = [row.sampling.logprobs for row in samplers]
         if not any(want is not None for want in wants):
             host_output[: layout.num_entries].copy_(
                 self.last_tokens[: layout.num_entries], non_blocking=True
@@ -597,19 +568,17 @@ class StepLauncher:
         step_logits = run.logits
         assert step_logits is not None
         if self.config.logprobs_mode == "processed":
-            if run.bias is not None:
-                step_logits = apply_logit_bias(step_logits[: layout.num_entries], run.bias)
-            step_logits = self._processed_logits(
-                step_logits, layout, run.sampling_buffers, run.mode
+            step_logits = processed_entries(
+                step_logits, run.sampling_buffers, run.mode, layout.entries, bias=run.bias
             )
         row_of_sampler: list[int] = []
         wanted: list[int] = []
         asking: list[int] = []
-        for seq, want in zip(samplers, wants, strict=True):
+        for entry, want in zip(entries, wants, strict=True):
             row_of_sampler.append(len(asking) if want is not None else -1)
             wanted.append(want or 0)
             if want is not None:
-                asking.append(seq.last_entry)
+                asking.append(entry)
         request = LogprobRequest(row_of_sampler, wanted, len(asking), max(wanted))
         output_len = gather_logprobs(
             self._output_device,
@@ -679,172 +648,14 @@ class StepLauncher:
         logits = self.model.forward(inputs, self.kv, self.pool if lora else None, meta, gated)
         if not sample:
             return logits
-        biased = logits if bias is None else apply_logit_bias(logits, bias)
-        if penalties:
-            tokens = self._sample_penalised(biased, sampling_buffers, layout)
-        else:
-            tokens = sample_logits(biased, sampling_buffers, mode, layout.entries)
+        tokens = sample_entries(
+            logits,
+            sampling_buffers,
+            mode,
+            layout.entries,
+            bias=bias,
+            penalties=penalties,
+            observe=self._observe,
+        )
         destination[: tokens.shape[0]].copy_(tokens)
         return logits
-
-    def _sample_penalised(
-        self, logits: torch.Tensor, sampling_buffers: SamplingBuffers, layout: StepLayout
-    ) -> torch.Tensor:
-        mode = SamplerMode.of(row_params(layout.entries))
-        counts, prompt_mask = self._penalty_inputs(layout, int(logits.shape[1]), mode)
-        return sample_logits_penalised(
-            logits, sampling_buffers, mode, layout.entries, counts, prompt_mask
-        )
-
-    def _penalty_inputs(
-        self, layout: StepLayout, vocab: int, mode: SamplerMode
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        outputs = [list(seq.output) if seq is not None else [] for seq in layout.entries]
-        prompts = [[*seq.prompt, *seq.output] if seq is not None else [] for seq in layout.entries]
-        counts = counts_from_tokens(outputs, vocab, self.device) if mode.penalties else None
-        prompt_mask = (
-            prompt_mask_from_tokens(prompts, vocab, self.device) if mode.repetition else None
-        )
-        return counts, prompt_mask
-
-    def _processed_logits(
-        self,
-        logits: torch.Tensor,
-        layout: StepLayout,
-        sampling_buffers: SamplingBuffers,
-        mode: SamplerMode,
-    ) -> torch.Tensor:
-        """The step's logits as the sampler processed them (same buffers, same mode), for
-        ``logprobs_mode="processed"``; penalty steps rebuild their token counts."""
-        counts = prompt_mask = None
-        if mode.penalties:
-            counts, prompt_mask = self._penalty_inputs(layout, int(logits.shape[1]), mode)
-        return processed_logits(
-            logits[: layout.num_entries],
-            sampling_buffers,
-            mode=mode,
-            token_counts=counts,
-            prompt_mask=prompt_mask,
-        )
-
-    # ---- graphs -----------------------------------------------------------------------------
-
-    def _try_capture(
-        self,
-        layout: StepLayout,
-        lora: bool,
-        mode: SamplerMode,
-        expert_set: ExpertSet | None,
-        masked: bool = False,
-    ) -> StepGraph | None:
-        assert layout.graph_key is not None
-        try:
-            graph = self._capture(layout, lora, mode, expert_set, masked)
-        except Exception:
-            if expert_set is not None:  # the plain graphs stay in use
-                log.exception(
-                    "CUDA graph capture of a solo expert-set step failed; those run eagerly from now on"
-                )
-                self.solo_graphs_ok = False
-                return None
-            log.exception("CUDA graph capture failed; running steps eagerly from now on")
-            self.graphs_ok = False
-            return None
-        if expert_set is not None:
-            self._prune_solo_graphs()
-        self.graphs[layout.graph_key] = graph
-        return graph
-
-    def _capture(
-        self,
-        layout: StepLayout,
-        lora: bool,
-        mode: SamplerMode,
-        expert_set: ExpertSet | None,
-        masked: bool = False,
-    ) -> StepGraph:
-        device = self.device
-        buffers = StepBuffers(layout.num_tokens, layout.num_entries, device)
-        # Padding everywhere: the warm-ups write no KV slot, read no key, use no adapter.
-        padding = np.zeros(buffers.size, dtype=np.int64)
-        padding_views = split_staging(padding, layout.num_tokens, layout.num_entries)
-        padding_views.source_entries[:] = -1
-        padding_views.slot_mapping[:] = -1
-        padding_views.lora_slots[:] = -1
-        padding_views.table_rows[:] = self.tables.pad_row
-        buffers.device_buffer.copy_(torch.from_numpy(padding).to(device))
-        sampling_buffers = SamplingBuffers.allocate(layout.num_entries, device)
-        sampling_buffers.fill([])
-        # A masked graph is the forward only; its tail reads the step's bitmask from here.
-        bitmask = (
-            torch.full(
-                (layout.num_entries, self._bitmask_words), -1, dtype=torch.int32, device=device
-            )
-            if masked
-            else None
-        )
-        selection: torch.Tensor | None = None
-        gated: SoloGated | None = None
-        if expert_set is not None:
-            selection = expert_set.solo_empty(1, device)
-            gated = SoloGated(expert_set, selection, 1, self.model_config)
-        splits = self._splits(layout.num_decode, self.max_model_len)
-        capture_layout = StepLayout(
-            layout.num_tokens,
-            layout.num_entries,
-            layout.num_decode,
-            layout.max_prefill_len,
-            [None] * layout.num_entries,
-            layout.graph_key,
-            layout.lora_active_slots,
-        )
-        side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lazy initialisation and autotuning must not be captured
-                self._step(
-                    buffers,
-                    capture_layout,
-                    splits,
-                    lora,
-                    sampling_buffers,
-                    mode,
-                    gated,
-                    self._scratch_tokens,
-                    sample=not masked,
-                )
-        torch.cuda.current_stream(device).wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: adapter uploads on the event-loop thread may run during the capture.
-        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            logits = self._step(
-                buffers,
-                capture_layout,
-                splits,
-                lora,
-                sampling_buffers,
-                mode,
-                gated,
-                self.last_tokens,
-                sample=not masked,
-            )
-        # Keeping the output referenced keeps its memory out of later captures in the shared
-        # pool, so logprob steps can read it after a replay.
-        return StepGraph(graph, buffers, sampling_buffers, selection, logits, bitmask)
-
-    def _prune_solo_graphs(self) -> None:
-        """Drop solo graphs of expert sets that are neither resident nor held by a running
-        request: their graphs keep the sets' device tensors alive."""
-        live = {id(pending.expert_set) for pending in self.adapters.expert_sets.values()}
-        live |= {id(seq.expert_set) for seq in self.scheduler.running if seq.expert_set is not None}
-        for key in [
-            key
-            for key in self.graphs
-            if key[0] == "d" and key[4] is not None and id(key[4]) not in live
-        ]:
-            del self.graphs[key]
-
-    def solo_graph_count(self) -> int:
-        return sum(1 for key in self.graphs if key[0] == "d" and key[4] is not None)

@@ -6,22 +6,23 @@ integer inputs travel in one int64 vector (``split_staging`` names its parts), f
 host by ``fill_staging`` and copied to the device with one transfer. ``BlockTableMirror`` keeps
 the block tables of admitted sequences in a host array and its device copy.
 
-Everything but the mirror's device copy is host work on plain arrays, testable without a model.
+Everything here reads the scheduler's plain step description (``step_plan.ScheduledStep``),
+never a scheduler ``Sequence``; everything but the mirror's device copy is host work on plain
+arrays, testable without a model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
 from adaptermesh.worker import lora_ops
 from adaptermesh.worker.adafuse import ExpertSet
-from adaptermesh.worker.sampling import RowParams
-from adaptermesh.worker.scheduler import Sequence, StepPlan
+from adaptermesh.worker.step_plan import BlockTableUpdate, SamplingRow, ScheduledStep
 
 __all__ = [
     "BlockTableMirror",
@@ -32,9 +33,7 @@ __all__ = [
     "decode_buckets",
     "fill_staging",
     "mixed_buckets",
-    "penalised",
     "plan_layout",
-    "row_params",
     "split_staging",
     "staging_length",
 ]
@@ -107,7 +106,7 @@ class StepLayout:
     num_entries: int
     num_decode: int  # size of the decode region (entries)
     max_prefill_len: int
-    entries: list[Sequence | None]  # per entry, the sequence that samples there
+    entries: list[SamplingRow | None]  # per entry, the row that samples there (None: padding)
     graph_key: tuple[Any, ...] | None  # graph key, None = eager
     # The LoRA kernels' ``active_slots`` (lora_ops.config_slots): for a graph, the bound of its
     # density class, which is part of its key; eager, the plan's distinct adapters.
@@ -144,7 +143,7 @@ def bucket_for(count: int, buckets: list[int]) -> int | None:
 
 
 def plan_layout(
-    plan: StepPlan,
+    plan: ScheduledStep,
     *,
     graphable: bool,
     lora: bool,
@@ -175,10 +174,8 @@ def plan_layout(
             return None, None
         return lora_ops.config_slots(tokens, active_slots)
 
-    decode_entries: list[Sequence | None] = list(plan.decode)
-    prefill_entries: list[Sequence | None] = [
-        seq if start + count >= seq.known_len else None for seq, start, count in plan.prefill
-    ]
+    decode_entries: list[SamplingRow | None] = [row.sampler for row in plan.decode]
+    prefill_entries: list[SamplingRow | None] = [row.sampler for row in plan.prefill]
     if graphable and num_prefill == 0:
         size = bucket_for(num_decode, decode_sizes)
         if size is not None:
@@ -212,7 +209,7 @@ def plan_layout(
                 ("m", token_bucket, lora, random_mode, lora_side, masked, cls),
                 slots,
             )
-    max_prefill_len = max((count for _, _, count in plan.prefill), default=0)
+    max_prefill_len = max((row.count for row in plan.prefill), default=0)
     return StepLayout(
         num_tokens,
         num_decode + num_prefill,
@@ -227,14 +224,14 @@ def plan_layout(
 def fill_staging(
     stage: np.ndarray[Any, Any],
     layout: StepLayout,
-    plan: StepPlan,
+    plan: ScheduledStep,
     block_table: np.ndarray[Any, Any],
     block_size: int,
     pad_row: int,
 ) -> list[tuple[int, int]]:
     """Write the step's inputs into ``stage`` (the staging layout of ``split_staging``);
-    returns each plan sequence's (first row, rows). ``block_table`` must already hold every
-    plan sequence's blocks (``BlockTableMirror.sync``)."""
+    returns each plan row's (first token row, token rows). ``block_table`` must already hold
+    every plan row's blocks (``BlockTableMirror.apply``)."""
     views = split_staging(stage, layout.num_tokens, layout.num_entries)
     ids, source_entries, positions = views.ids, views.source_entries, views.positions
     slot_mapping, lora_slots, seq_lens = views.slot_mapping, views.lora_slots, views.seq_lens
@@ -249,46 +246,42 @@ def fill_staging(
     table_rows[:] = pad_row
     ranges: list[tuple[int, int]] = []
     num_decode = len(plan.decode)
-    for index, seq in enumerate(plan.decode):
-        position = seq.num_computed
-        row = seq.table_row
-        assert row is not None
-        if seq.pending:
-            source_entries[index] = seq.last_entry
+    for index, row in enumerate(plan.decode):
+        position = row.start
+        table_row = row.table_row
+        if row.source_entry >= 0:
+            source_entries[index] = row.source_entry
         else:
-            ids[index] = seq.token_at(position)
+            ids[index] = row.token_ids[0]
         positions[index] = position
         slot_mapping[index] = (
-            int(block_table[row, position // block_size]) * block_size + position % block_size
+            int(block_table[table_row, position // block_size]) * block_size + position % block_size
         )
-        lora_slots[index] = seq.lora_slot
+        lora_slots[index] = row.lora_slot
         seq_lens[index] = position + 1
         logits_rows[index] = index
-        table_rows[index] = row
+        table_rows[index] = table_row
         ranges.append((index, 1))
     query_start[: num_decode + 1] = np.arange(num_decode + 1)
     query_start[num_decode + 1 : layout.num_decode + 1] = num_decode
     cursor = num_decode
     entry = layout.num_decode
-    for seq, start, count in plan.prefill:
-        assert seq.pending == 0
-        assert seq.table_row is not None
-        row = seq.table_row
+    for row in plan.prefill:
+        start, count, table_row = row.start, row.count, row.table_row
+        assert row.source_entry < 0
+        assert len(row.token_ids) == count
         chunk = slice(cursor, cursor + count)
-        if start + count <= len(seq.prompt):
-            ids[chunk] = seq.prompt[start : start + count]
-        else:
-            ids[chunk] = [seq.token_at(position) for position in range(start, start + count)]
+        ids[chunk] = row.token_ids
         chunk_positions = np.arange(start, start + count)
         positions[chunk] = chunk_positions
         slot_mapping[chunk] = (
-            block_table[row, chunk_positions // block_size].astype(np.int64) * block_size
+            block_table[table_row, chunk_positions // block_size].astype(np.int64) * block_size
             + chunk_positions % block_size
         )
-        lora_slots[chunk] = seq.lora_slot
+        lora_slots[chunk] = row.lora_slot
         seq_lens[entry] = start + count
         logits_rows[entry] = cursor + count - 1
-        table_rows[entry] = row
+        table_rows[entry] = table_row
         query_start[entry] = cursor
         ranges.append((cursor, count))
         cursor += count
@@ -297,23 +290,18 @@ def fill_staging(
     return ranges
 
 
-class _BlockTables(Protocol):
-    def block_table(self, seq_id: int) -> list[int]: ...
-
-
 class BlockTableMirror:
     """Block tables of admitted sequences, one row each (row ``pad_row``, the last, stays all
-    zeros: padding entries read it), mirrored on the device whenever a row grew."""
+    zeros: padding entries read it), mirrored on the device whenever a row grew. The
+    scheduler names the growth in each step's description (``ScheduledStep.tables``)."""
 
     def __init__(
         self,
-        blocks: _BlockTables,
         rows: int,
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
     ) -> None:
-        self.blocks = blocks
         self.block_size = block_size
         self.pad_row = rows
         self.table = np.zeros((rows + 1, max_blocks_per_seq), dtype=np.int32)
@@ -322,20 +310,14 @@ class BlockTableMirror:
         )
         self.dirty = False
 
-    def sync(self, seq: Sequence) -> None:
-        """Copy the sequence's new block-table entries into its row of the mirror."""
-        need = -(-seq.reserved // self.block_size)
-        if seq.table_len >= need:
-            return
-        table = self.blocks.block_table(seq.seq_id)
-        assert seq.table_row is not None
-        self.table[seq.table_row, seq.table_len : len(table)] = table[seq.table_len :]
-        seq.table_len = len(table)
-        self.dirty = True
-
-    def sync_all(self, sequences: Iterable[Sequence]) -> None:
-        for seq in sequences:
-            self.sync(seq)
+    def apply(self, updates: Iterable[BlockTableUpdate]) -> None:
+        """Write each update's new block-table entries into its row of the host mirror."""
+        for update in updates:
+            if not 0 <= update.table_row < self.pad_row:
+                raise ValueError(f"block-table row {update.table_row} is not a sequence's row")
+            end = update.first + len(update.blocks)
+            self.table[update.table_row, update.first : end] = update.blocks
+            self.dirty = True
 
     def upload(self, host_staging: torch.Tensor) -> None:
         """Queue the host table's copy to the device through ``host_staging`` (pinned on
@@ -344,37 +326,3 @@ class BlockTableMirror:
             host_staging.numpy()[:] = self.table
             self.device_table.copy_(host_staging, non_blocking=True)
             self.dirty = False
-
-
-def row_params(entries: list[Sequence | None]) -> list[RowParams]:
-    """Each entry's sampling parameters (padding entries: greedy)."""
-    out: list[RowParams] = []
-    for seq in entries:
-        if seq is None:
-            out.append(RowParams(temperature=0.0))
-            continue
-        sampling = seq.request.sampling
-        out.append(
-            RowParams(
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                min_p=sampling.min_p,
-                seed=seq.seed,
-                counter=len(seq.output) + seq.pending,
-                presence_penalty=sampling.presence_penalty,
-                frequency_penalty=sampling.frequency_penalty,
-                repetition_penalty=sampling.repetition_penalty,
-            )
-        )
-    return out
-
-
-def penalised(seq: Sequence) -> bool:
-    """Whether the sequence samples with presence, frequency or repetition penalties."""
-    sampling = seq.request.sampling
-    return (
-        sampling.presence_penalty != 0.0
-        or sampling.frequency_penalty != 0.0
-        or sampling.repetition_penalty != 1.0
-    )

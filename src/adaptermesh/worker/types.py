@@ -104,6 +104,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off
+    typical_p: float = 1.0  # locally typical sampling's mass (worker/sampling.py); 1 = off
     # None: no logprobs. k >= 0: the logprob of each sampled token and the k most likely
     # alternatives, all from the raw model distribution (log_softmax of the logits, before
     # logit_bias, penalties, temperature and filters). At most MAX_LOGPROBS.
