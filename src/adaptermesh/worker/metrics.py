@@ -174,82 +174,85 @@ class ServiceMetrics:
         # Registered first: collection follows registration order, and this collector's poll()
         # moves freshly drained load latencies into the histogram below within the same scrape.
         r.register(_EngineCollector(self))
-        self.ttft = Histogram(
+
+        # Every series below is made in this registry by these four.
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...], labels: list[str] | None = None
+        ) -> Histogram:
+            return Histogram(name, doc, labels or (), registry=r, buckets=buckets)
+
+        def model_histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return histogram(name, doc, buckets, ["model_name"]).labels(model_name=self.model_name)
+
+        def counter(name: str, doc: str, labels: list[str] | None = None) -> Counter:
+            return Counter(name, doc, labels or (), registry=r)
+
+        def model_counter(name: str, doc: str) -> Counter:
+            return counter(name, doc, ["model_name"]).labels(model_name=self.model_name)
+
+        self.ttft = histogram(
             "adaptermesh_time_to_first_token_seconds",
             "Time from the request's arrival to its first generated token, queueing included.",
-            registry=r,
-            buckets=_TTFT_BUCKETS,
+            _TTFT_BUCKETS,
         )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "adaptermesh_time_per_output_token_seconds",
             "Mean time between output tokens after the first, per finished request.",
-            registry=r,
-            buckets=_TPOT_BUCKETS,
+            _TPOT_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.e2e = histogram(
             "adaptermesh_request_latency_seconds",
             "Time from arrival to the last token, per finished generation request.",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
+            _LATENCY_BUCKETS,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = histogram(
             "adaptermesh_queue_wait_seconds",
             "Time a request waited in its tenant queue before the engine admitted it.",
-            registry=r,
-            buckets=_TTFT_BUCKETS,
+            _TTFT_BUCKETS,
         )
-        self.load_latency = Histogram(
+        self.load_latency = histogram(
             "adaptermesh_adapter_load_latency_seconds",
             "Adapter load latency reported by the engine (disk or CPU cache to GPU slot).",
-            registry=r,
-            buckets=_LOAD_BUCKETS,
+            _LOAD_BUCKETS,
         )
         # vLLM's name for the same observations (the histogram routers read load cost from).
-        self.vllm_load_seconds = Histogram(
+        self.vllm_load_seconds = model_histogram(
             "vllm:lora_adapter_load_seconds",
             "Adapter load time in seconds (disk or CPU cache to a GPU slot).",
-            ["model_name"],
-            registry=r,
-            buckets=_LOAD_BUCKETS,
-        ).labels(model_name=self.model_name)
-        self.requests = Counter(
+            _LOAD_BUCKETS,
+        )
+        self.requests = counter(
             "adaptermesh_requests",
             "Finished generation requests by outcome (finish reason, or the error that ended them).",
             ["outcome"],
-            registry=r,
         )
         # Per adapter as served (a version is its own name, "a@v"): what the control plane's
         # rollout controller judges a new version by (docs/rollout.md). Base-model requests
         # are not counted here.
-        self.adapter_requests = Counter(
+        self.adapter_requests = counter(
             "adaptermesh_adapter_requests",
             "Finished generation requests per adapter (version included) by outcome.",
             ["adapter", "outcome"],
-            registry=r,
         )
-        self.adapter_ttft = Histogram(
+        self.adapter_ttft = histogram(
             "adaptermesh_adapter_time_to_first_token_seconds",
             "Time to first token per adapter (version included), queueing included.",
+            _TTFT_BUCKETS,
             ["adapter"],
-            registry=r,
-            buckets=_TTFT_BUCKETS,
         )
-        self.rejected = Counter(
+        self.rejected = counter(
             "adaptermesh_requests_rejected",
             "Generation requests refused before reaching the engine, by reason.",
             ["reason"],
-            registry=r,
         )
-        self.listener_refused = Counter(
+        self.listener_refused = counter(
             "adaptermesh_http_connections_refused",
             "Connections the listener closed or refused before a handler ran, by reason.",
             ["reason"],
-            registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = counter(
             "adaptermesh_prompt_tokens",
             "Prompt tokens of requests admitted into the engine.",
-            registry=r,
         )
         # WebSocket streaming (``/v1/ws``). Its requests also count in the request series above.
         self.ws_open = Gauge(
@@ -257,54 +260,43 @@ class ServiceMetrics:
             "WebSocket sessions open now.",
             registry=r,
         )
-        self.ws_sessions = Counter(
+        self.ws_sessions = counter(
             "adaptermesh_websocket_sessions",
             "Ended WebSocket sessions by how they closed (client_closed, disconnected, "
             "slow_client, message_too_big, binary_frame, protocol_error, server_shutdown).",
             ["close"],
-            registry=r,
         )
-        self.ws_requests = Counter(
+        self.ws_requests = counter(
             "adaptermesh_websocket_requests",
             "Requests received over WebSocket sessions by outcome (finish reason, cancelled, "
             "disconnected, or the error code that ended them).",
             ["outcome"],
-            registry=r,
         )
         # vLLM's request-level series, with its names, types and labels, fed by the same
         # observations as the adaptermesh_* ones above.
-        self.vllm_ttft = Histogram(
+        self.vllm_ttft = model_histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token in seconds (queueing included).",
-            ["model_name"],
-            registry=r,
-            buckets=_TTFT_BUCKETS,
-        ).labels(model_name=self.model_name)
-        self.vllm_tpot = Histogram(
+            _TTFT_BUCKETS,
+        )
+        self.vllm_tpot = model_histogram(
             "vllm:time_per_output_token_seconds",
             "Mean time per output token after the first, per finished request, in seconds.",
-            ["model_name"],
-            registry=r,
-            buckets=_TPOT_BUCKETS,
-        ).labels(model_name=self.model_name)
-        self.vllm_e2e = Histogram(
+            _TPOT_BUCKETS,
+        )
+        self.vllm_e2e = model_histogram(
             "vllm:e2e_request_latency_seconds",
             "End-to-end request latency in seconds.",
-            ["model_name"],
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
-        ).labels(model_name=self.model_name)
-        self.vllm_prompt_tokens = Counter(
+            _LATENCY_BUCKETS,
+        )
+        self.vllm_prompt_tokens = model_counter(
             "vllm:prompt_tokens",
             "Prompt tokens of requests admitted into the engine.",
-            ["model_name"],
-            registry=r,
-        ).labels(model_name=self.model_name)
-        self.vllm_success = Counter(
+        )
+        self.vllm_success = counter(
             "vllm:request_success",
             "Requests that finished with a finish reason (stop or length).",
             ["model_name", "finished_reason"],
-            registry=r,
         )
         for reason in ("stop", "length"):
             self.vllm_success.labels(model_name=self.model_name, finished_reason=reason)
