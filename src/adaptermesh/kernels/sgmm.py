@@ -5,7 +5,7 @@ Three files, one concern each: ``sgmm_config.py`` picks a batch's tile shapes (t
 tables), ``sgmm_kernels.py`` holds the ``@triton.jit`` bodies and their maths, and this file
 checks the arguments (``_validate.py``), sizes the grids from shapes only and launches. Worker
 code calls the ops through ``dispatch.py``, which runs the torch twins (``reference.py``) on
-CPU. The config names are re-exported here, where callers have always found them.
+CPU.
 """
 
 from __future__ import annotations
@@ -34,13 +34,8 @@ from adaptermesh.kernels._validate import (
 from adaptermesh.kernels._workspace import split_workspace
 from adaptermesh.kernels.meta import SegmentMeta
 from adaptermesh.kernels.sgmm_config import (
-    FUSED_MAX_HIDDEN,
     FUSED_MAX_RANK,
-    GEMV_EXPAND_MAX_RANK,
-    HOIST_MAX_RANK,
-    T_BUCKETS,
     SgmmConfig,
-    density_bucket,
     expand_config,
     fused_config,
     pow2_at_least_16,
@@ -55,22 +50,12 @@ from adaptermesh.kernels.sgmm_kernels import (
 )
 
 __all__ = [
-    "FUSED_MAX_HIDDEN",
-    "FUSED_MAX_RANK",
-    "GEMV_EXPAND_MAX_RANK",
-    "HOIST_MAX_RANK",
-    "T_BUCKETS",
     "AddLoraPlan",
-    "SgmmConfig",
     "add_lora",
-    "density_bucket",
-    "expand_config",
-    "fused_config",
     "pdl_available",
     "plan_add_lora",
     "sgmm_expand",
     "sgmm_shrink",
-    "shrink_config",
     "shrink_output",
     "sm_count",
     "split_plan",

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from adaptermesh import kernels
-from adaptermesh.kernels import sgmm_int4
+from adaptermesh.kernels.int4_weight import Int4Weight
 from adaptermesh.kernels.meta import SegmentMeta, build_segment_meta
 from adaptermesh.kernels.sgmm_config import density_bucket, density_slots
 
@@ -115,8 +115,8 @@ def add_lora(
 def add_lora_int4(
     out: torch.Tensor,  # [T, sum N_i]
     x: torch.Tensor,  # [T, H]
-    qa: sgmm_int4.Int4Weight,  # [n_slices, S, R_max, H]
-    qb: tuple[sgmm_int4.Int4Weight, ...],  # n_slices x [S, N_i, R_max]
+    qa: Int4Weight,  # [n_slices, S, R_max, H]
+    qb: tuple[Int4Weight, ...],  # n_slices x [S, N_i, R_max]
     scales: torch.Tensor,  # [S] fp32
     ranks: torch.Tensor,  # [S] int32
     meta: LoraBatchMeta,

@@ -28,8 +28,9 @@ import torch
 from safetensors import safe_open
 
 from adaptermesh import kernels
-from adaptermesh.kernels import sgmm_int4
-from adaptermesh.kernels.sgmm_int4 import DEFAULT_GROUP_SIZE, Int4Weight, quantize_int4
+from adaptermesh.kernels import int4_weight
+from adaptermesh.kernels.int4_quant import quantize_int4
+from adaptermesh.kernels.int4_weight import DEFAULT_GROUP_SIZE, Int4Weight
 from adaptermesh.worker import lora_ops
 from adaptermesh.worker.kv_cache import PagedKVCache
 from adaptermesh.worker.lora_groups import FUSED_MODULES, GROUPS, MODULE_TO_GROUP, SUPPORTED_MODULES
@@ -787,10 +788,10 @@ class Int4LoraPool(LoraPool):
 def _empty_int4(
     shape: tuple[int, ...], group_size: int, group_dim: int, device: torch.device
 ) -> Int4Weight:
-    packed = torch.zeros(sgmm_int4.packed_shape(shape), dtype=torch.uint8, device=device)
+    packed = torch.zeros(int4_weight.packed_shape(shape), dtype=torch.uint8, device=device)
     scales = torch.zeros(
-        sgmm_int4.scales_shape(shape, group_size, group_dim),
-        dtype=sgmm_int4.SCALE_DTYPE,
+        int4_weight.scales_shape(shape, group_size, group_dim),
+        dtype=int4_weight.SCALE_DTYPE,
         device=device,
     )
     return Int4Weight(packed, scales, shape[-1], group_size, group_dim)
