@@ -51,14 +51,14 @@ GROUPS = {
 }
 # (T, S distinct adapters); the pool has --pool slots either way.
 SHAPES = [(1, 1), (16, 16), (16, 1), (64, 64), (64, 8), (64, 1), (256, 64), (256, 256), (1024, 64)]
-SHRINK = [  # (block_m, block_k, split_k, num_warps, num_stages, gemv_rows): as _SHRINK_ROWS
+SHRINK = [  # sgmm_config.ShrinkTile fields, in order
     (16, 256, 1, 4, 3, 0), (16, 256, 4, 4, 3, 0), (16, 256, 8, 4, 3, 0), (32, 256, 4, 4, 3, 0),
     (16, 256, 1, 4, 5, 0), (16, 256, 4, 4, 5, 0), (32, 256, 4, 4, 5, 0), (16, 128, 8, 4, 5, 0),
     # matrix-vector: block_m tokens and gemv_rows rank rows per program, block_k of H per step
     (1, 512, 1, 4, 2, 4), (1, 1024, 1, 4, 2, 2), (1, 256, 1, 4, 3, 8), (2, 512, 1, 4, 2, 4),
     (1, 512, 1, 8, 2, 16), (4, 256, 1, 4, 2, 2),
 ]  # fmt: skip
-EXPAND = [  # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, gemv)
+EXPAND = [  # sgmm_config.ExpandTile fields, in order (block_m, block_n, ..., n_blocks, gemv)
     (16, 256, 4, 2, True, 1, False), (16, 256, 4, 2, True, 2, False),
     (16, 256, 4, 3, True, 4, False), (16, 128, 4, 3, True, 4, False),
     (1, 256, 4, 2, False, 1, True), (1, 512, 4, 2, False, 1, True),

@@ -23,8 +23,8 @@ weight dtype before the tensor-core product, and adds to ``out`` in fp32 with on
 
 The ``@triton.jit`` bodies only: the tables that pick their meta-parameters are in
 ``sgmm_config.py``, the launchers that check arguments and size the grids in ``sgmm.py``. The
-helpers below (tile location, slice selection, the split-K store) are public because the INT4
-kernels (``sgmm_int4_kernels.py``) run the same scheme.
+helpers below (tile location, slice selection, the expand prologue ``expand_tile``, the split-K
+store) are public because the INT4 kernels (``sgmm_int4_kernels.py``) run the same scheme.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "expand_tile",
     "locate_tile",
     "of_slice",
     "sgmm_expand_gemv_kernel",
@@ -158,6 +159,54 @@ def slice_operand(
         stride_2n, stride_2r,
     )  # fmt: skip
     return slice_pointer(pid_i, p0, p1, p2), stride_s, stride_n, stride_r
+
+
+@triton.jit
+def _pdl_exit(PDL: tl.constexpr):
+    if PDL:  # every program waits, so the grid ends after the shrink it depends on
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def expand_tile(
+    pid_m,
+    pid_n,
+    pid_i,
+    seg_start_ptr,
+    ranks_ptr,
+    S,
+    R_MAX,
+    N0,
+    N1,
+    N2,
+    OFF1,
+    OFF2,
+    N_BLOCKS,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The prologue every expand kernel runs (bf16, INT4, fused): the output slice of
+    ``pid_i`` (width, first column), this program's first column, its (slot, tile) and the
+    slot's rank. Returns ``(live, n_size, col_off, n_first, slot, row_begin, seg_end, rank)``;
+    a program past its slice's width, without a tile, or on a rank-0 slot is not live and the
+    kernel returns at once. With ``PDL`` such a program has waited for the shrink first, so the
+    grid still ends after the launch it depends on."""
+    n_size, col_off = slice_columns(pid_i, N0, N1, N2, OFF1, OFF2)
+    n_first = pid_n * N_BLOCKS * BLOCK_N
+    if n_first >= n_size:
+        _pdl_exit(PDL)
+        return False, n_size, col_off, n_first, 0, 0, 0, 0
+    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    if not has_tile:
+        _pdl_exit(PDL)
+        return False, n_size, col_off, n_first, slot, row_begin, seg_end, 0
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
+    if rank == 0:
+        _pdl_exit(PDL)
+        return False, n_size, col_off, n_first, slot, row_begin, seg_end, rank
+    return True, n_size, col_off, n_first, slot, row_begin, seg_end, rank
 
 
 @triton.jit
@@ -412,26 +461,16 @@ def sgmm_expand_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_i = tl.program_id(2)
-    # Per-slice B matrix, width, column offset and strides (at most three slices).
-    n_size, col_off = slice_columns(pid_i, N0, N1, N2, OFF1, OFF2)
+    # Per-slice B matrix and strides (at most three slices).
     b_ptr, stride_bs, stride_bn, stride_br = slice_operand(
         pid_i, b0_ptr, b1_ptr, b2_ptr, stride_b0s, stride_b0n, stride_b0r, stride_b1s,
         stride_b1n, stride_b1r, stride_b2s, stride_b2n, stride_b2r,
     )  # fmt: skip
-    n_first = pid_n * N_BLOCKS * BLOCK_N
-    if n_first >= n_size:
-        if PDL:  # every program waits, so this grid ends after the shrink it depends on
-            tl.extra.cuda.gdc_wait()
-        return
-    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    if rank == 0:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
+    live, n_size, col_off, n_first, slot, row_begin, seg_end, rank = expand_tile(
+        pid_m, pid_n, pid_i, seg_start_ptr, ranks_ptr, S, R_MAX, N0, N1, N2, OFF1, OFF2,
+        N_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_S, PDL,
+    )  # fmt: skip
+    if not live:
         return
     mask_m, tok = tile_tokens(sorted_ptr, row_begin, seg_end, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -537,26 +576,16 @@ def sgmm_expand_gemv_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_i = tl.program_id(2)
-    # Per-slice B matrix, width, column offset and strides (at most three slices).
-    n_size, col_off = slice_columns(pid_i, N0, N1, N2, OFF1, OFF2)
+    # Per-slice B matrix and strides (at most three slices).
     b_ptr, stride_bs, stride_bn, stride_br = slice_operand(
         pid_i, b0_ptr, b1_ptr, b2_ptr, stride_b0s, stride_b0n, stride_b0r, stride_b1s,
         stride_b1n, stride_b1r, stride_b2s, stride_b2n, stride_b2r,
     )  # fmt: skip
-    n_first = pid_n * N_BLOCKS * BLOCK_N
-    if n_first >= n_size:
-        if PDL:  # every program waits, so this grid ends after the shrink it depends on
-            tl.extra.cuda.gdc_wait()
-        return
-    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    if rank == 0:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
+    live, n_size, col_off, n_first, slot, row_begin, seg_end, rank = expand_tile(
+        pid_m, pid_n, pid_i, seg_start_ptr, ranks_ptr, S, R_MAX, N0, N1, N2, OFF1, OFF2,
+        N_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_S, PDL,
+    )  # fmt: skip
+    if not live:
         return
     scale = tl.load(scales_ptr + slot)
     offs_r = tl.arange(0, BLOCK_K)
@@ -645,19 +674,15 @@ def sgmm_fused_kernel(
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     pid_i = tl.program_id(2)
-    n_size, col_off = slice_columns(pid_i, N0, N1, N2, OFF1, OFF2)
     b_ptr, stride_bs, stride_bn, stride_br = slice_operand(
         pid_i, b0_ptr, b1_ptr, b2_ptr, stride_b0s, stride_b0n, stride_b0r, stride_b1s,
         stride_b1n, stride_b1r, stride_b2s, stride_b2n, stride_b2r,
     )  # fmt: skip
-    n_first = pid_g * N_BLOCKS * BLOCK_N
-    if n_first >= n_size:
-        return
-    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    if rank == 0:
+    live, n_size, col_off, n_first, slot, row_begin, seg_end, rank = expand_tile(
+        pid_m, pid_g, pid_i, seg_start_ptr, ranks_ptr, S, R_MAX, N0, N1, N2, OFF1, OFF2,
+        N_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_S, False,
+    )  # fmt: skip
+    if not live:
         return
     mask_m, tok = tile_tokens(sorted_ptr, row_begin, seg_end, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
