@@ -27,8 +27,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
-from adaptermesh import kernels
-from adaptermesh.kernels import int4_weight
+from adaptermesh.kernels import dispatch, int4_weight
 from adaptermesh.kernels.int4_quant import quantize_int4
 from adaptermesh.kernels.int4_weight import DEFAULT_GROUP_SIZE, Int4Weight
 from adaptermesh.worker import lora_ops
@@ -1071,9 +1070,9 @@ class TransformerModel:
         d_lora: torch.Tensor | None = None
         for li, layer in enumerate(self.layers):
             if d is None:
-                x = kernels.rms_norm(h, layer["ln1"], cfg.rms_eps, gemma=gn)
+                x = dispatch.rms_norm(h, layer["ln1"], cfg.rms_eps, gemma=gn)
             else:
-                x = kernels.rms_norm(
+                x = dispatch.rms_norm(
                     d, layer["ln1"], cfg.rms_eps, residual=residual, gemma=gn, extra=d_lora
                 )
             qkv, _ = self._project(
@@ -1088,10 +1087,10 @@ class TransformerModel:
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             if "qn" in layer:
                 # Qwen3 normalises each head of the projections (LoRA included) before RoPE.
-                q = kernels.rms_norm(
+                q = dispatch.rms_norm(
                     q.reshape(-1, cfg.head_dim), layer["qn"], cfg.rms_eps, gemma=gn
                 ).view(q.shape)
-                k = kernels.rms_norm(
+                k = dispatch.rms_norm(
                     k.reshape(-1, cfg.head_dim), layer["kn"], cfg.rms_eps, gemma=gn
                 ).view(k.shape)
             kc, vc = kv.k[li], kv.v[li]
@@ -1100,7 +1099,7 @@ class TransformerModel:
                 if cfg.local_rope_layers and cfg.local_rope_layers[li]
                 else self.cos_sin
             )
-            kernels.rope_kv_write(
+            dispatch.rope_kv_write(
                 q,
                 k,
                 v,
@@ -1125,14 +1124,14 @@ class TransformerModel:
             if tp is not None:
                 tp.all_reduce(o)  # partial sums of the rank's heads, LoRA delta included
             if "ln_attn_out" in layer:
-                o = kernels.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
-            x = kernels.rms_norm(
+                o = dispatch.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
+            x = dispatch.rms_norm(
                 o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn, extra=o_lora
             )
             gu, gu_lora = self._project(layer, "gate_up", x, li, lp, True, dora_rows)
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
-            act = kernels.act_mul(gu, act=self.act, extra=gu_lora)
+            act = dispatch.act_mul(gu, act=self.act, extra=gu_lora)
             d, d_lora = self._project(
                 layer, "down", act, li, lp, "ln_mlp_out" not in layer and tp is None, dora_rows
             )
@@ -1141,12 +1140,12 @@ class TransformerModel:
             if tp is not None:
                 tp.all_reduce(d)
             if "ln_mlp_out" in layer:
-                d = kernels.rms_norm(d, layer["ln_mlp_out"], cfg.rms_eps, gemma=gn)
+                d = dispatch.rms_norm(d, layer["ln_mlp_out"], cfg.rms_eps, gemma=gn)
         assert d is not None
         rows_d = d.index_select(0, inp.logits_rows)
         rows_r = residual.index_select(0, inp.logits_rows)
         rows_e = None if d_lora is None else d_lora.index_select(0, inp.logits_rows)
-        hn = kernels.rms_norm(
+        hn = dispatch.rms_norm(
             rows_d, self.norm, cfg.rms_eps, residual=rows_r, gemma=gn, extra=rows_e
         )
         logits = hn @ self.lm_head.T
@@ -1225,11 +1224,7 @@ class TransformerModel:
         assert self.tp is not None
         pool, meta = lp
         a, b, r = pool.layer_args(group, li)
-        v = kernels.sgmm_shrink(x, a, r, meta.kernel_meta, check_values=False)
-        self.tp.all_reduce(v)
-        part = torch.zeros((out.shape[0], cols[1] - cols[0]), dtype=out.dtype, device=out.device)
-        kernels.sgmm_expand(part, v, b, pool.scales, r, meta.kernel_meta, check_values=False)
-        out[:, cols[0] : cols[1]] += part
+        lora_ops.add_lora_sharded_rows(out, x, a, b, pool.scales, r, meta, cols, self.tp.all_reduce)
 
     def _attention(
         self,
@@ -1245,7 +1240,7 @@ class TransformerModel:
         nd = inp.num_decode
         S = int(inp.seq_lens.shape[0])
         if nd > 0:
-            kernels.paged_attention(
+            dispatch.paged_attention(
                 out,
                 q,
                 kc,
@@ -1260,7 +1255,7 @@ class TransformerModel:
                 softcap=self.cfg.attn_softcap,
             )
         if nd < S and inp.max_prefill_len > 0:
-            kernels.paged_attention(
+            dispatch.paged_attention(
                 out,
                 q,
                 kc,
