@@ -102,23 +102,8 @@ _TPOT_BUCKETS = (
     1.0,
     2.5,
 )
-_LATENCY_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-)
-_LOAD_BUCKETS = (
+# The 1, 2.5, 5 series from 0.5 ms to 10 s.
+_ONE_TWO_FIVE = (
     0.0005,
     0.001,
     0.0025,
@@ -134,6 +119,9 @@ _LOAD_BUCKETS = (
     5.0,
     10.0,
 )
+# From 10 ms, then doubling up to 160 s.
+_LATENCY_BUCKETS = (*_ONE_TWO_FIVE[4:], 20.0, 40.0, 80.0, 160.0)
+_LOAD_BUCKETS = _ONE_TWO_FIVE
 
 
 # adaptermesh_adapter_requests_total and adaptermesh_adapter_time_to_first_token_seconds take
