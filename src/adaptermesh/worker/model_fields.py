@@ -539,16 +539,25 @@ def check_model_config(d: Mapping[str, Any]) -> tuple[str, str] | None:
     for key in _REQUIRED:
         if key not in d:
             return key, "is required"
-    for key, val in d.items():
+    return _first_refused(d, table, HARMLESS_MODEL_FIELDS, f" for {model_type}")
+
+
+def _first_refused(
+    fields: Mapping[str, Any], table: Mapping[str, Check], harmless: frozenset[str], where: str
+) -> tuple[str, str] | None:
+    """The first of ``fields`` that ``table`` does not name (and ``harmless`` does not let
+    through) or whose check fails, as (field, message); ``where`` ends the unknown-field
+    message's "not implemented"."""
+    for key, val in fields.items():
         check = table.get(key)
         if check is None:
-            if key in HARMLESS_MODEL_FIELDS:
+            if key in harmless:
                 continue
             return (
                 key,
-                f"unknown field (value {val!r}): not implemented for {model_type}, refused rather than ignored",
+                f"unknown field (value {val!r}): not implemented{where}, refused rather than ignored",
             )
-        msg = check(val, d)
+        msg = check(val, fields)
         if msg is not None:
             return key, f"{val!r} {msg}"
     return None
@@ -658,14 +667,4 @@ ADAPTER_FIELDS: dict[str, Check] = {
 
 def check_adapter_config(cj: Mapping[str, Any]) -> tuple[str, str] | None:
     """The first field of ``adapter_config.json`` that the runtime cannot honour."""
-    for key, val in cj.items():
-        check = ADAPTER_FIELDS.get(key)
-        if check is None:
-            return (
-                key,
-                f"unknown field (value {val!r}): not implemented, refused rather than ignored",
-            )
-        msg = check(val, cj)
-        if msg is not None:
-            return key, f"{val!r} {msg}"
-    return None
+    return _first_refused(cj, ADAPTER_FIELDS, frozenset(), "")
