@@ -45,7 +45,8 @@ sys.path.insert(0, str(HERE))
 from _timing import copy_bandwidth, time_graph
 from sgmm_peers import PeerCase, load
 
-from adaptermesh.kernels import build_segment_meta, sgmm
+from adaptermesh.kernels import sgmm
+from adaptermesh.kernels.meta import build_segment_meta
 
 DT = torch.bfloat16
 POOL = 128

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _timing import copy_bandwidth, run_header, time_graph
 
-from adaptermesh.kernels import build_segment_meta, sgmm, sgmm_config
+from adaptermesh.kernels import sgmm, sgmm_config
+from adaptermesh.kernels.meta import build_segment_meta
 from adaptermesh.kernels.sgmm_config import SgmmConfig
 
 DT = torch.bfloat16

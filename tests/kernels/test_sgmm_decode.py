@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_cases import MIXES, make_case, tolerance
 
-from adaptermesh.kernels import build_segment_meta, int4_quant, reference, sgmm_config
+from adaptermesh.kernels import int4_quant, reference, sgmm_config
+from adaptermesh.kernels.meta import build_segment_meta
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import MIXES, Case, make_case, tolerance
 
-from adaptermesh.kernels import build_segment_meta, int4_quant, reference, sgmm_config
+from adaptermesh.kernels import int4_quant, reference, sgmm_config
+from adaptermesh.kernels.meta import build_segment_meta
 from adaptermesh.kernels.sgmm_config import SgmmConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

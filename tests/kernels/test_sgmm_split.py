@@ -15,7 +15,8 @@ import pytest
 import torch
 from kernel_cases import Case, defined_v_mask, make_case, tolerance
 
-from adaptermesh.kernels import _workspace, build_segment_meta, reference, sgmm_config
+from adaptermesh.kernels import _workspace, reference, sgmm_config
+from adaptermesh.kernels.meta import build_segment_meta
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -19,7 +19,7 @@ On disk (one directory under the adapter root, named like any adapter)::
                                       adapter_config.json agrees with r, lora_alpha,
                                       use_rslora and the resolved target modules
 
-Three execution paths, all from ``adaptermesh.kernels.fuse``:
+Three execution paths, all through ``adaptermesh.kernels.dispatch``:
 
 * **Merged** (one token of one request, and only when the same selection has repeated for
   ``adafuse_merge_after`` consecutive tokens, or is already merged): ``fused_switch`` writes
