@@ -56,8 +56,11 @@ def _signature(fn: Any, consts: dict[str, Any]) -> tuple[dict[str, str], dict[tu
 
 def normalise(ptx: str) -> list[str]:
     """PTX without debug sections, .loc/.file lines, comments and line-table labels, with
-    register numbers and label names folded."""
+    register numbers, label names and the kernel's name folded."""
     body = re.split(r"\.section\s+\.debug", ptx)[0]
+    entry = re.search(r"\.entry\s+(\w+)", body)
+    if entry:
+        body = body.replace(entry.group(1), "KERNEL")
     out = []
     for line in body.splitlines():
         text = line.strip()
@@ -80,13 +83,14 @@ def _variants() -> list[tuple[str, str, dict[str, Any]]]:
                     f"expand-prefetch{int(prefetch)}-pdl{int(pdl)}-hoist{int(hoist)}",
                     "sgmm_kernels.sgmm_expand_kernel",
                     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, BLOCK_S=64, DOT_FP32=False,
-                         PREFETCH_OUT=prefetch, PDL=pdl, HOIST_V=hoist),
+                         PREFETCH_OUT=prefetch, PDL=pdl, HOIST_V=hoist, GEMV=False),
                 ))  # fmt: skip
     for pdl in (False, True):
         rows.append((
             f"expand_gemv-pdl{int(pdl)}",
-            "sgmm_kernels.sgmm_expand_gemv_kernel",
-            dict(BLOCK_M=2, BLOCK_N=128, BLOCK_K=16, BLOCK_S=64, PDL=pdl),
+            "sgmm_kernels.sgmm_expand_kernel",
+            dict(BLOCK_M=2, BLOCK_N=128, BLOCK_K=16, BLOCK_S=64, DOT_FP32=False,
+                 PREFETCH_OUT=False, PDL=pdl, HOIST_V=False, GEMV=True),
         ))  # fmt: skip
         for gemv in (False, True):
             rows.append((
@@ -117,7 +121,18 @@ def compile_all(src: Path, out: Path) -> dict[str, int]:
     lines: dict[str, int] = {}
     for name, where, consts in _variants():
         module, attr = where.split(".")
-        fn = getattr(importlib.import_module(f"adaptermesh.kernels.{module}"), attr)
+        mod = importlib.import_module(f"adaptermesh.kernels.{module}")
+        fn = getattr(mod, attr)
+        if consts.get("GEMV") and hasattr(mod, "sgmm_expand_gemv_kernel"):
+            # A tree from before the gemv expand was a variant of the tile expand's kernel.
+            fn = mod.sgmm_expand_gemv_kernel
+        params = inspect.signature(fn.fn).parameters
+        consts = {k: v for k, v in consts.items() if k in params}
+        missing = [
+            n for n, q in params.items() if "constexpr" in str(q.annotation) and n not in consts
+        ]
+        if missing:
+            raise SystemExit(f"{name}: no value for the constexprs {missing}")
         sig, constexprs = _signature(fn, consts)
         kernel = triton.compile(
             ASTSource(fn, sig, constexprs), target=target, options={"num_warps": 4}

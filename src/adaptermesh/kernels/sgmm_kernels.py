@@ -36,7 +36,6 @@ __all__ = [
     "expand_tile",
     "locate_tile",
     "of_slice",
-    "sgmm_expand_gemv_kernel",
     "sgmm_expand_kernel",
     "sgmm_fused_kernel",
     "sgmm_shrink_gemv_kernel",
@@ -457,7 +456,17 @@ def sgmm_expand_kernel(
     PREFETCH_OUT: tl.constexpr,
     PDL: tl.constexpr = False,
     HOIST_V: tl.constexpr = False,  # BLOCK_K >= R_MAX: v loaded once, one product per block
+    GEMV: tl.constexpr = False,
 ):
+    """Tiles: each program adds ``v @ B.T`` for a BLOCK_M tile of one slot's tokens to
+    N_BLOCKS column blocks, one tensor-core product per step of the rank (with HOIST_V, v is
+    loaded once and each column block is one product).
+
+    GEMV, a gathered matrix-vector product (a few tokens per program: decode at about one
+    token per adapter): each program loads a [BLOCK_N, rank] tile of its slot's B once
+    (BLOCK_K >= R_MAX, the whole rank) and, for each of its at most BLOCK_M tokens, reduces
+    it against the token's v row on the CUDA cores. No tensor-core tile, so no 16-row padding
+    of a segment that holds one token; DOT_FP32, PREFETCH_OUT and HOIST_V do not apply."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_i = tl.program_id(2)
@@ -471,6 +480,38 @@ def sgmm_expand_kernel(
         N_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_S, PDL,
     )  # fmt: skip
     if not live:
+        return
+    if GEMV:
+        scale = tl.load(scales_ptr + slot)
+        offs_r = tl.arange(0, BLOCK_K)
+        mask_r = offs_r < rank
+        b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
+        v_base = v_ptr + pid_i.to(tl.int64) * stride_vi + offs_r * stride_vr
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        for j in range(0, N_BLOCKS):
+            offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_size
+            bt = tl.load(
+                b_base + offs_n[:, None] * stride_bn,
+                mask=mask_n[:, None] & mask_r[None, :],
+                other=0.0,
+            )
+            btf = bt.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                row = row_begin + m
+                if row < seg_end:
+                    t = tl.load(sorted_ptr + row).to(tl.int64)
+                    vv = tl.load(v_base + t * stride_vt, mask=mask_r, other=0.0)
+                    # Rounded to the weight dtype first, as the tensor-core path does.
+                    vv = vv.to(bt.dtype).to(tl.float32)
+                    acc = tl.sum(btf * vv[None, :], axis=1)
+                    o_ptrs = out_ptr + t * stride_ot + (col_off + offs_n) * stride_on
+                    o = tl.load(o_ptrs, mask=mask_n, other=0.0)
+                    tl.store(
+                        o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
+                        mask=mask_n,
+                    )  # fmt: skip
         return
     mask_m, tok = tile_tokens(sorted_ptr, row_begin, seg_end, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -524,97 +565,6 @@ def sgmm_expand_kernel(
         if not PREFETCH_OUT:
             o = tl.load(o_ptrs, mask=o_mask, other=0.0)
         tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit
-def sgmm_expand_gemv_kernel(
-    # pointers
-    out_ptr,
-    v_ptr,
-    b0_ptr,
-    b1_ptr,
-    b2_ptr,
-    scales_ptr,
-    ranks_ptr,
-    sorted_ptr,
-    seg_start_ptr,
-    # sizes
-    S,
-    R_MAX,
-    N0,
-    N1,
-    N2,
-    OFF1,
-    OFF2,
-    N_BLOCKS,
-    # strides
-    stride_ot,
-    stride_on,
-    stride_vi,
-    stride_vt,
-    stride_vr,
-    stride_b0s,
-    stride_b0n,
-    stride_b0r,
-    stride_b1s,
-    stride_b1n,
-    stride_b1r,
-    stride_b2s,
-    stride_b2n,
-    stride_b2r,
-    # meta-parameters
-    BLOCK_M: tl.constexpr,  # tokens per program (a few: this is the one-token-per-adapter path)
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # >= R_MAX: the whole rank in one tile
-    BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """Expand as a gathered matrix-vector product: each program loads a [BLOCK_N, rank] tile
-    of its slot's B once and, for each of its (at most BLOCK_M) tokens, reduces it against the
-    token's v row on the CUDA cores. No tensor-core tile, so no 16-row padding of a segment
-    that holds one token."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_i = tl.program_id(2)
-    # Per-slice B matrix and strides (at most three slices).
-    b_ptr, stride_bs, stride_bn, stride_br = slice_operand(
-        pid_i, b0_ptr, b1_ptr, b2_ptr, stride_b0s, stride_b0n, stride_b0r, stride_b1s,
-        stride_b1n, stride_b1r, stride_b2s, stride_b2n, stride_b2r,
-    )  # fmt: skip
-    live, n_size, col_off, n_first, slot, row_begin, seg_end, rank = expand_tile(
-        pid_m, pid_n, pid_i, seg_start_ptr, ranks_ptr, S, R_MAX, N0, N1, N2, OFF1, OFF2,
-        N_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_S, PDL,
-    )  # fmt: skip
-    if not live:
-        return
-    scale = tl.load(scales_ptr + slot)
-    offs_r = tl.arange(0, BLOCK_K)
-    mask_r = offs_r < rank
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
-    v_base = v_ptr + pid_i.to(tl.int64) * stride_vi + offs_r * stride_vr
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    for j in range(0, N_BLOCKS):
-        offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < n_size
-        bt = tl.load(
-            b_base + offs_n[:, None] * stride_bn, mask=mask_n[:, None] & mask_r[None, :], other=0.0
-        )
-        btf = bt.to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            row = row_begin + m
-            if row < seg_end:
-                t = tl.load(sorted_ptr + row).to(tl.int64)
-                vv = tl.load(v_base + t * stride_vt, mask=mask_r, other=0.0)
-                # Rounded to the weight dtype first, as the tensor-core path does.
-                vv = vv.to(bt.dtype).to(tl.float32)
-                acc = tl.sum(btf * vv[None, :], axis=1)
-                o_ptrs = out_ptr + t * stride_ot + (col_off + offs_n) * stride_on
-                o = tl.load(o_ptrs, mask=mask_n, other=0.0)
-                tl.store(
-                    o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
-                    mask=mask_n,
-                )  # fmt: skip
 
 
 @triton.jit
