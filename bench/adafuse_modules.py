@@ -1,7 +1,7 @@
 """AdaFuse on a Hugging Face model, for bench/bench_engine.py's decode comparison.
 
-Thin ``nn.Module`` wrappers over the kernels in ``adaptermesh.kernels.fuse``: a router at the
-first layer, each targeted ``nn.Linear`` wrapped with its experts, and a controller that merges
+Thin ``nn.Module`` wrappers over the AdaFuse ops in ``adaptermesh.kernels.dispatch``: a router
+at the first layer, each targeted ``nn.Linear`` wrapped with its experts, and a controller that merges
 a one-token selection into every wrapped weight with one ``fused_switch`` (or, for larger
 batches, adds the gated low-rank terms per token). The worker does not use them: its engine
 holds the expert sets itself (``adaptermesh.worker.adafuse``).
@@ -14,14 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from adaptermesh.kernels.fuse import (
-    MergeTarget,
-    build_merge_table,
-    fused_switch,
-    fused_unmerge,
-    gated_add_lora,
-    route,
-)
+from adaptermesh.kernels.dispatch import fused_switch, fused_unmerge, gated_add_lora, route
+from adaptermesh.kernels.fuse_config import MergeTarget, build_merge_table
 
 __all__ = ["AdaFuseController", "AdaFuseRouter", "DynamicAdapter"]
 

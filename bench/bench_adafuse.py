@@ -3,7 +3,7 @@
 32 layers x 7 targeted modules (q, k, v, o: 4096x4096; gate, up: 11008x4096; down:
 4096x11008), 8 experts of rank 16 per module, top-2 selections. Measured in one run:
 
-- the tiling sweep: every ``fuse.SWITCH_CANDIDATES`` config in exact mode, each checked
+- the tiling sweep: every ``fuse_config.SWITCH_CANDIDATES`` config in exact mode, each checked
   against the torch twin on two modules, the fastest one kept (``fused_switch_figures``,
   also imported by bench/bench_sgmm_peers.py);
 - fused_switch, exact mode (reads the pristine copy W0, writes W) and delta mode (reads and
@@ -40,7 +40,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from adaptermesh.kernels import fuse
+from adaptermesh.kernels import dispatch, fuse_config, fuse_kernels
 
 DEVICE = "cuda"
 DT = torch.bfloat16
@@ -79,9 +79,9 @@ def copy_bandwidth_gbs() -> float:
 class Backbone:
     """The 7B-shaped targets with their expert sets and both merge tables."""
 
-    targets: list[fuse.MergeTarget]
-    exact: fuse.MergeTable
-    delta: fuse.MergeTable
+    targets: list[fuse_config.MergeTarget]
+    exact: fuse_config.MergeTable
+    delta: fuse_config.MergeTable
     sels: list[tuple[torch.Tensor, torch.Tensor]]  # 32 random top-k selections
     gen: torch.Generator
 
@@ -103,9 +103,9 @@ def build_backbone(layers: int = 32, seed: int = 0) -> Backbone:
             w = torch.randn(nn_, kk, device=DEVICE, dtype=DT, generator=g) * 0.02
             la = torch.randn(E, R, kk, device=DEVICE, dtype=DT, generator=g) / kk**0.5
             lb = torch.randn(E, nn_, R, device=DEVICE, dtype=DT, generator=g) / R**0.5 * 0.02
-            targets.append(fuse.MergeTarget(w, la, lb, scale=2.0, master=w.clone()))
-    exact = fuse.build_merge_table(targets, exact=True)
-    delta = fuse.build_merge_table(targets, exact=False)
+            targets.append(fuse_config.MergeTarget(w, la, lb, scale=2.0, master=w.clone()))
+    exact = fuse_config.build_merge_table(targets, exact=True)
+    delta = fuse_config.build_merge_table(targets, exact=False)
     return Backbone(targets, exact, delta, [_random_sel(g) for _ in range(32)], g)
 
 
@@ -126,16 +126,16 @@ def _twin_error(bb: Backbone, ids: torch.Tensor, gates: torch.Tensor) -> float:
 
 
 def _time_switch(
-    table: fuse.MergeTable,
+    table: fuse_config.MergeTable,
     sels: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    config: fuse.SwitchConfig,
+    config: fuse_config.SwitchConfig,
     reps: int,
 ) -> float:
-    fuse.fused_switch(table, *sels[0], config=config)  # compile
+    dispatch.fused_switch(table, *sels[0], config=config)  # compile
     torch.cuda.synchronize()
     it = iter(range(10**9))
     times = timed_ms(
-        lambda: fuse.fused_switch(table, *sels[next(it) % len(sels)], config=config), reps
+        lambda: dispatch.fused_switch(table, *sels[next(it) % len(sels)], config=config), reps
     )
     return statistics.median(times)
 
@@ -143,7 +143,7 @@ def _time_switch(
 def fused_switch_figures(
     backbone: Backbone | None = None,
     *,
-    configs: Sequence[fuse.SwitchConfig] = fuse.SWITCH_CANDIDATES,
+    configs: Sequence[fuse_config.SwitchConfig] = fuse_config.SWITCH_CANDIDATES,
     reps: int = 10,
     copy_gbs: float | None = None,
 ) -> dict[str, Any]:
@@ -168,7 +168,7 @@ def fused_switch_figures(
         try:
             ms = _time_switch(table, bb.sels, cfg, reps)
             ids, gates = bb.sels[1]
-            fuse.fused_switch(table, ids, gates, config=cfg)
+            dispatch.fused_switch(table, ids, gates, config=cfg)
             err = _twin_error(bb, ids, gates)
         except Exception as exc:  # e.g. out of shared memory on this GPU: record, go on
             sweep.append({"config": cfg.as_dict(), "error": repr(exc)[:300]})
@@ -177,18 +177,20 @@ def fused_switch_figures(
         gbps = touched / (ms * 1e-3) / 1e9
         sweep.append({
             "config": cfg.as_dict(), "ms": ms, "gbps": gbps, "pct_copy_bw": 100 * gbps / bw,
-            "programs": fuse.switch_launch_args(table, K_TOP, K_TOP, cfg)[0].num_programs,
+            "programs": fuse_kernels.switch_launch_args(table, K_TOP, K_TOP, cfg)[0].num_programs,
             "twin_max_ulps": err, "seconds": time.perf_counter() - t0,
         })  # fmt: skip
         print(f"SWEEP {cfg.as_dict()} {ms:.3f} ms {100 * gbps / bw:.1f}% twin {err:.2f} ulp")
-    fuse.fused_unmerge(table)
+    dispatch.fused_unmerge(table)
     torch.cuda.synchronize()
     ran = [r for r in sweep if "ms" in r]
     if not ran:
         raise RuntimeError(f"no switch config ran: {sweep}")
     ok = [r for r in ran if r["twin_max_ulps"] <= 1.0]
     best = min(ok or ran, key=lambda r: r["ms"])
-    default = next((r for r in ran if r["config"] == fuse.DEFAULT_SWITCH_CONFIG.as_dict()), None)
+    default = next(
+        (r for r in ran if r["config"] == fuse_config.DEFAULT_SWITCH_CONFIG.as_dict()), None
+    )
     out = {
         "ms": best["ms"],
         "gbps": best["gbps"],
@@ -196,7 +198,7 @@ def fused_switch_figures(
         "config": best["config"],
         "copy_bandwidth_gbs": bw,
         "backbone_bytes_touched": touched,
-        "default_config": fuse.DEFAULT_SWITCH_CONFIG.as_dict(),
+        "default_config": fuse_config.DEFAULT_SWITCH_CONFIG.as_dict(),
         "default_ms": default["ms"] if default else None,
         "all_configs_match_twin": len(ok) == len(sweep),  # and all of them ran
         "sweep": sweep,
@@ -239,21 +241,21 @@ def main() -> int:
     res["switch_default_config"] = fig["default_config"]
     res["switch_default_ms"] = fig["default_ms"]
     res["switch_all_configs_match_twin"] = fig["all_configs_match_twin"]
-    best = fuse.SwitchConfig(**fig["config"])
-    res["programs"] = fuse.switch_launch_args(exact, K_TOP, K_TOP, best)[0].num_programs
+    best = fuse_config.SwitchConfig(**fig["config"])
+    res["programs"] = fuse_kernels.switch_launch_args(exact, K_TOP, K_TOP, best)[0].num_programs
     for name, table in (("exact", exact), ("delta", delta)):
         try:
             med = _time_switch(table, sels, best, 15)
         except Exception as exc:  # the delta variant needs more shared memory
             print(f"{name} mode with {best}: {exc!r}; timing the default config"[:300])
             res[f"fused_switch_{name}_config_error"] = repr(exc)[:300]
-            best = fuse.DEFAULT_SWITCH_CONFIG
+            best = fuse_config.DEFAULT_SWITCH_CONFIG
             med = _time_switch(table, sels, best, 15)
         res[f"fused_switch_{name}_config"] = best.as_dict()
         res[f"fused_switch_{name}_ms"] = med
         res[f"fused_switch_{name}_gbs"] = touched / (med * 1e-3) / 1e9
         res[f"fused_switch_{name}_pct_copy_bw"] = 100 * touched / (med * 1e-3) / 1e9 / bw
-        fuse.fused_unmerge(table, config=best)
+        dispatch.fused_unmerge(table, config=best)
     torch.cuda.synchronize()
     pct = res["fused_switch_exact_pct_copy_bw"]
     res["targets"] = {
@@ -287,7 +289,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fuse.fused_switch(exact, *sels[1], config=best)
+        dispatch.fused_switch(exact, *sels[1], config=best)
         torch.cuda.synchronize()
     res["launches_per_switch"] = sum(
         1 for e in prof.events()
@@ -297,8 +299,8 @@ def main() -> int:
     # Drift: random switches, then back to the backbone.
     for name, table in (("exact", exact), ("delta", delta)):
         for _ in range(args.switches):
-            fuse.fused_switch(table, *sel(), config=best)
-        fuse.fused_unmerge(table, config=best)
+            dispatch.fused_switch(table, *sel(), config=best)
+        dispatch.fused_unmerge(table, config=best)
         torch.cuda.synchronize()
         worst_abs = 0.0
         worst_ulp = 0.0
@@ -323,18 +325,18 @@ def main() -> int:
     h = torch.randn(1, 4096, device=DEVICE, dtype=DT, generator=g)
     r_w = torch.randn(E, 4096, device=DEVICE, dtype=DT, generator=g) / 64
     r_b = torch.zeros(E, device=DEVICE, dtype=DT)
-    fuse.route(h, r_w, r_b, K_TOP)
+    dispatch.route(h, r_w, r_b, K_TOP)
     res["router_t1_us"] = 1e3 * statistics.median(
-        timed_ms(lambda: fuse.route(h, r_w, r_b, K_TOP), 50)
+        timed_ms(lambda: dispatch.route(h, r_w, r_b, K_TOP), 50)
     )
     tgt = targets[0]
     for t_ in (16, 64):
         x = torch.randn(t_, 4096, device=DEVICE, dtype=DT, generator=g)
         out = torch.randn(t_, 4096, device=DEVICE, dtype=DT, generator=g)
-        ids, gates = fuse.route(x, r_w, r_b, K_TOP)
+        ids, gates = dispatch.route(x, r_w, r_b, K_TOP)
 
         def gated(x=x, out=out, ids=ids, gates=gates) -> None:  # type: ignore[no-untyped-def]
-            fuse.gated_add_lora(out, x, tgt.lora_a, tgt.lora_b, ids, gates, 2.0)
+            dispatch.gated_add_lora(out, x, tgt.lora_a, tgt.lora_b, ids, gates, 2.0)
 
         gated()
         res[f"gated_sgmm_t{t_}_us"] = 1e3 * statistics.median(timed_ms(gated, 50))

@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _timing import copy_bandwidth, time_graph, time_rotating
 
-from adaptermesh.kernels import build_segment_meta, sgmm
-from adaptermesh.kernels.sgmm import SgmmConfig, expand_config, shrink_config
+from adaptermesh.kernels import sgmm
+from adaptermesh.kernels.meta import build_segment_meta
+from adaptermesh.kernels.sgmm_config import SgmmConfig, expand_config, shrink_config
 
 N_SETS = 16
 DT = torch.bfloat16

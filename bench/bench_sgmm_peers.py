@@ -45,7 +45,8 @@ sys.path.insert(0, str(HERE))
 from _timing import copy_bandwidth, time_graph
 from sgmm_peers import PeerCase, load
 
-from adaptermesh.kernels import build_segment_meta, sgmm
+from adaptermesh.kernels import sgmm
+from adaptermesh.kernels.meta import build_segment_meta
 
 DT = torch.bfloat16
 POOL = 128
@@ -349,10 +350,11 @@ def int4_section(cases: list[Case], bw: float | None) -> dict[str, Any]:
     """INT4 adapters vs bf16, when adaptermesh.kernels.sgmm_int4 exists."""
     try:
         q = importlib.import_module("adaptermesh.kernels.sgmm_int4")
+        quant = importlib.import_module("adaptermesh.kernels.int4_quant")
     except ImportError as e:
         return {"skipped": f"no adaptermesh.kernels.sgmm_int4 ({e})"}
-    if not all(hasattr(q, f) for f in ("quantize_lora", "add_lora_int4")):
-        return {"skipped": "sgmm_int4 lacks quantize_lora / add_lora_int4"}
+    if not (hasattr(quant, "quantize_lora") and hasattr(q, "add_lora_int4")):
+        return {"skipped": "int4_quant lacks quantize_lora or sgmm_int4 add_lora_int4"}
     sig = str(inspect.signature(q.add_lora_int4))
     res: dict[str, Any] = {"add_lora_int4_signature": sig, "cases": []}
     group = 128
@@ -363,7 +365,7 @@ def int4_section(cases: list[Case], bw: float | None) -> dict[str, Any]:
         try:
             # The pool's layout: A grouped along H, B along N (quantize_lora).
             pairs = [
-                q.quantize_lora(a.unsqueeze(0), (b,), group)
+                quant.quantize_lora(a.unsqueeze(0), (b,), group)
                 for a, b in zip(case.a, case.b, strict=True)
             ]
             qa = [p[0] for p in pairs]
@@ -391,8 +393,8 @@ def int4_section(cases: list[Case], bw: float | None) -> dict[str, Any]:
             # Expected: the same sum over the dequantised pool (the quantisation error itself
             # is the tests' concern, tests/kernels/test_sgmm_int4.py).
             st0 = case.sets[0]
-            da = q.dequantize_int4(qa[st0["pool"]])[0]
-            db = q.dequantize_int4(qb[st0["pool"]])
+            da = quant.dequantize_int4(qa[st0["pool"]])[0]
+            db = quant.dequantize_int4(qb[st0["pool"]])
             idx = st0["slots"].long()
             v = torch.einsum("th,trh->tr", st0["x"].float(), da[idx])
             ref = case.out0.float() + SCALE * torch.einsum("tr,tnr->tn", v, db[idx])

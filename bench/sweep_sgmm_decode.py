@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _timing import copy_bandwidth, run_header, time_graph
 
-from adaptermesh.kernels import build_segment_meta, sgmm
-from adaptermesh.kernels.sgmm import SgmmConfig
+from adaptermesh.kernels import sgmm, sgmm_config
+from adaptermesh.kernels.meta import build_segment_meta
+from adaptermesh.kernels.sgmm_config import SgmmConfig
 
 DT = torch.bfloat16
 GROUPS = {
@@ -51,14 +52,14 @@ GROUPS = {
 }
 # (T, S distinct adapters); the pool has --pool slots either way.
 SHAPES = [(1, 1), (16, 16), (16, 1), (64, 64), (64, 8), (64, 1), (256, 64), (256, 256), (1024, 64)]
-SHRINK = [  # (block_m, block_k, split_k, num_warps, num_stages, gemv_rows): as _SHRINK_ROWS
+SHRINK = [  # sgmm_config.ShrinkTile fields, in order
     (16, 256, 1, 4, 3, 0), (16, 256, 4, 4, 3, 0), (16, 256, 8, 4, 3, 0), (32, 256, 4, 4, 3, 0),
     (16, 256, 1, 4, 5, 0), (16, 256, 4, 4, 5, 0), (32, 256, 4, 4, 5, 0), (16, 128, 8, 4, 5, 0),
     # matrix-vector: block_m tokens and gemv_rows rank rows per program, block_k of H per step
     (1, 512, 1, 4, 2, 4), (1, 1024, 1, 4, 2, 2), (1, 256, 1, 4, 3, 8), (2, 512, 1, 4, 2, 4),
     (1, 512, 1, 8, 2, 16), (4, 256, 1, 4, 2, 2),
 ]  # fmt: skip
-EXPAND = [  # (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, gemv)
+EXPAND = [  # sgmm_config.ExpandTile fields, in order (block_m, block_n, ..., n_blocks, gemv)
     (16, 256, 4, 2, True, 1, False), (16, 256, 4, 2, True, 2, False),
     (16, 256, 4, 3, True, 4, False), (16, 128, 4, 3, True, 4, False),
     (1, 256, 4, 2, False, 1, True), (1, 512, 4, 2, False, 1, True),
@@ -205,7 +206,7 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
         else:
             cfg = SgmmConfig(c[0], _bn(setup.r), c[1], num_warps=c[3], num_stages=c[4],
                              split_k=c[2])  # fmt: skip
-        ec = sgmm.expand_config(setup.t, max(setup.sizes), setup.r)
+        ec = sgmm_config.expand_config(setup.t, max(setup.sizes), setup.r)
         err = setup.error(setup.pair_fn(cfg, ec))
         if err > 0.03:
             results.append({**row, "kind": "shrink", "cfg": list(c), "err": err, "us": None})
@@ -215,7 +216,7 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
     expand_us: dict[tuple, float] = {}
     for c in EXPAND[:4] if quick else EXPAND + EXPAND_HOIST + (EXPAND_LARGE if large else []):
         cfg = _expand_cfg(c, setup.r)
-        sc = sgmm.shrink_config(setup.t, setup.h, setup.r)
+        sc = sgmm_config.shrink_config(setup.t, setup.h, setup.r)
         err = setup.error(setup.pair_fn(sc, cfg))
         if err > 0.03:
             results.append({**row, "kind": "expand", "cfg": list(c), "err": err, "us": None})
@@ -241,7 +242,7 @@ def run_case(setup: Setup, results: list[dict], quick: bool) -> dict:
                 setup.calls(setup.default_fn(setup.s, pdl=pdl, sc=sc, ec=ec))
             )
     fused_us: dict[tuple, float] = {}
-    for c in (FUSED[:4] if quick else FUSED) if setup.r <= sgmm.FUSED_MAX_RANK else []:
+    for c in (FUSED[:4] if quick else FUSED) if setup.r <= sgmm_config.FUSED_MAX_RANK else []:
         cfg = SgmmConfig(c[0], c[1], c[2], n_blocks=c[3], num_warps=c[4], num_stages=c[5],
                          fused=True)  # fmt: skip
         err = setup.error(setup.fused_fn(cfg))
@@ -312,7 +313,7 @@ def _r1(d: dict) -> dict:  # type: ignore[type-arg]
 
 
 def _t_bucket(t: int) -> int:
-    return next(b for b in sgmm.T_BUCKETS if t <= b)
+    return next(b for b in sgmm_config.T_BUCKETS if t <= b)
 
 
 def main() -> int:
@@ -398,7 +399,7 @@ def main() -> int:
     for row in results["candidates"]:
         if row["us"] is None:
             continue
-        dens = sgmm.density_bucket(row["t"], row["s"])
+        dens = sgmm_config.density_bucket(row["t"], row["s"])
         key = (_t_bucket(row["t"]), dens, "low" if row["r"] <= 32 else "high", row["kind"])
         keyed.setdefault(key, []).append(row)
     for key, rows in keyed.items():

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _timing import run_header, time_graph
 from sweep_sgmm_decode import Setup
 
-from adaptermesh.kernels import sgmm_int4
-from adaptermesh.kernels.sgmm import SgmmConfig
+from adaptermesh.kernels import int4_quant, reference, sgmm_int4
+from adaptermesh.kernels.sgmm_config import SgmmConfig
 
 CASES = [(16, 16, 1), (16, 16, 16), (16, 64, 8), (16, 64, 64), (16, 256, 64), (64, 64, 64),
          (64, 256, 64)]  # (r, T, S)  # fmt: skip
@@ -53,7 +53,7 @@ class Int4Setup:
         self.q: dict[int, tuple] = {}  # type: ignore[type-arg]
         for a, b, *_ in base.sets:
             if id(a) not in self.q:
-                qa, qb = sgmm_int4.quantize_lora(a, b, 64)
+                qa, qb = int4_quant.quantize_lora(a, b, 64)
                 self.q[id(a)] = (qa, qb)
 
     def packed(self, st: tuple) -> tuple:  # type: ignore[type-arg]
@@ -63,7 +63,7 @@ class Int4Setup:
         st = self.base.sets[0]
         qa, qb = self.packed(st)
         want = st[3].clone()
-        sgmm_int4.add_lora_int4_ref(want, st[2], qa, qb, self.base.scales, self.base.ranks, st[4])
+        reference.add_lora_int4_ref(want, st[2], qa, qb, self.base.scales, self.base.ranks, st[4])
         return want.float()
 
     def error(self, fn: Callable[[tuple], object]) -> float:  # type: ignore[type-arg]

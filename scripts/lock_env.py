@@ -6,7 +6,8 @@
     lock_env.py prune LOCK   uninstall what the lock does not name (scripts/setup.sh runs it
                              after installing the lock, so a reused venv loses strays)
 
-The package itself (adaptermesh, installed editable from the tree) is not in any lock.
+The package itself and its test kit (adaptermesh and adaptermesh-testkit, installed editable
+from the tree) are not in any lock.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
 # Installed beside the lock by the tree itself, never by the lock.
-_OWN = frozenset({"adaptermesh"})
+_OWN = frozenset({"adaptermesh", "adaptermesh-testkit"})
 
 
 def canonical(name: str) -> str:

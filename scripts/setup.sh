@@ -53,16 +53,19 @@ echo "$(pwd)/.venv/debian-shim" > "$site/adaptermesh-debian-bcc.pth"
 
 # 4. Python dependencies from the lock (requirements/dev.lock: every package pinned, with its
 #    hashes; `make lock` writes it), then the package itself, built with the locked setuptools
-#    and compiled C extension, without resolving anything. Packages the lock does not name are
+#    and compiled C extension, and its test kit (testkit/: the distribution adaptermesh-testkit,
+#    which the tests, `adaptermesh demo` and `adaptermesh dev` import), both editable and
+#    without resolving anything. Packages the lock does not name are
 #    removed, so the venv holds exactly what the suite runs with. Redone only when the lock,
 #    pyproject.toml or the extension's sources change. The CPU build of torch comes from pip's
 #    find-links (this machine's PIP_FIND_LINKS); GPU machines use requirements/worker-cuda.lock.
-stamp=.venv/.deps-$(cat requirements/dev.lock pyproject.toml src/adaptermesh/bpf/_maglev_native.c \
+stamp=.venv/.deps-$(cat requirements/dev.lock pyproject.toml testkit/pyproject.toml \
+  src/adaptermesh/bpf/_maglev_native.c \
   src/adaptermesh/bpf/maglev_fill.c | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
   log "pip install from requirements/dev.lock (a few minutes the first time)"
   .venv/bin/python -m pip install -q --require-hashes --no-deps -r requirements/dev.lock
-  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . -e ./testkit
   .venv/bin/python scripts/lock_env.py prune requirements/dev.lock
   rm -f .venv/.deps-*
   touch "$stamp"
@@ -71,7 +74,7 @@ fi
 # 5. Sanity: everything the tests need must import, so that no test is skipped for a missing
 #    install step.
 .venv/bin/python - <<'PY'
-import importlib, shutil, sys
+import importlib, importlib.metadata, shutil, sys
 mods = ["bcc", "pyroute2", "torch", "triton", "transformers", "peft", "grpc", "xds", "envoy",
         "scapy", "hypothesis", "aiohttp", "httpx", "prometheus_client", "typer", "rich", "yaml",
         "boto3", "moto", "llguidance", "jsonschema", "openai", "xgrammar", "outlines_core",
@@ -82,6 +85,10 @@ for m in mods:
         importlib.import_module(m)
     except Exception as e:  # noqa: BLE001
         bad.append(f"{m}: {e}")
+try:
+    importlib.metadata.version("adaptermesh-testkit")
+except importlib.metadata.PackageNotFoundError:
+    bad.append("adaptermesh-testkit not installed (pip install --no-deps -e ./testkit)")
 if shutil.which("openssl") is None:
     bad.append("openssl missing (TLS tests make their certificates with it)")
 if shutil.which("envoy", path=sys.prefix + "/bin") is None:

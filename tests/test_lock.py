@@ -158,7 +158,19 @@ def test_the_differences_name_each_drift(tmp_path: Path) -> None:
     assert f"{name}==0.0.0: {version} installed" in diffs
     assert "not-here==1.0: not installed" in diffs
     others = [d for d in diffs if d.endswith("not in x.lock")]
-    assert len(others) == len(set(installed) - {name, "adaptermesh"})
+    assert len(others) == len(set(installed) - {name} - lock_env._OWN)
+
+
+def test_setup_keeps_the_testkit_distribution_it_installs() -> None:
+    """scripts/setup.sh installs the test kit (testkit/) beside the lock, then prunes what the
+    lock does not name: the distribution testkit/ builds is one the pruning keeps, and the
+    name the commands that load it ask for."""
+    from adaptermesh.cli.testkit import TESTKIT_DISTRIBUTION
+
+    name = tomllib.loads((REPO / "testkit" / "pyproject.toml").read_text())["project"]["name"]
+    assert canonical(name) == canonical(TESTKIT_DISTRIBUTION)
+    assert canonical(name) in lock_env._OWN
+    assert "-e ./testkit" in (REPO / "scripts" / "setup.sh").read_text()
 
 
 def test_generated_grpc_modules_come_from_the_locked_grpcio_tools() -> None:

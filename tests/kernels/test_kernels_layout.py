@@ -1,6 +1,7 @@
-"""How the kernels package holds together: the torch twins load without triton, no module of
-the package imports itself back (type-only imports included), and INT4, AdaFuse, the layer ops
-and paged attention pick their backend in ``dispatch.py`` like bf16."""
+"""How the kernels package holds together: the torch twins load without triton, the package
+re-exports nothing, no module of the package imports itself back (type-only imports included),
+and INT4, AdaFuse, the layer ops and paged attention pick their backend in ``dispatch.py`` like
+bf16."""
 
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ import pytest
 import torch
 from kernel_cases import make_case
 
-from adaptermesh import kernels
-from adaptermesh.kernels import build_segment_meta, dispatch, reference
+from adaptermesh.kernels import dispatch, reference
+from adaptermesh.kernels.meta import build_segment_meta
 
 
 @pytest.mark.parametrize(
     "module",
-    ["adaptermesh.kernels.reference", "adaptermesh.kernels.dispatch", "adaptermesh.kernels"],
+    [
+        "adaptermesh.kernels.reference",
+        "adaptermesh.kernels.dispatch",
+        "adaptermesh.kernels.meta",
+        "adaptermesh.kernels",
+    ],
 )
 def test_twins_import_without_triton(module: str) -> None:
     code = f"import sys, {module}; assert 'triton' not in sys.modules, sorted(sys.modules)"
@@ -40,11 +46,18 @@ def test_no_import_cycle_among_kernel_modules() -> None:
     assert cycles == []
 
 
-def test_paged_attention_op_keeps_its_name_after_the_module_loads() -> None:
-    import adaptermesh.kernels.paged_attention  # noqa: F401  (binds the module's name, if let)
-
-    assert kernels.paged_attention is dispatch.paged_attention
-    assert sys.modules["adaptermesh.kernels.paged_attention"].__name__.endswith("paged_attention")
+def test_the_package_reexports_nothing() -> None:
+    """Every name is imported from the module that owns it: the package holds its submodules
+    and nothing else."""
+    code = (
+        "import types, adaptermesh.kernels as k, adaptermesh.kernels.dispatch, "
+        "adaptermesh.kernels.meta; "
+        "print(sorted(n for n, v in vars(k).items() "
+        "if not n.startswith('__') and not isinstance(v, types.ModuleType)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
 
 
 def _int4_case():  # type: ignore[no-untyped-def]
@@ -76,7 +89,7 @@ def test_dispatch_runs_the_int4_twin_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(reference, "add_lora_int4_ref", counting_twin)
     monkeypatch.setattr(sgmm_int4, "add_lora_int4", no_triton)
     got = case.out.clone()
-    kernels.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta)
+    dispatch.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta)
     dispatch.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, backend="torch")
     assert calls == ["torch", "torch"]
     want = case.out.clone()
@@ -103,7 +116,7 @@ def test_dispatch_runs_the_int4_kernels_when_asked(monkeypatch: pytest.MonkeyPat
                                backend="triton")  # fmt: skip
 
 
-# The public ops of fuse.py, layer_ops.py and paged_attention.py, run on CPU tensors in a fresh
+# The AdaFuse, layer and attention ops of dispatch.py, run on CPU tensors in a fresh
 # interpreter: each must reach its torch twin, and nothing may import triton on the way.
 _CPU_OPS = """
 import sys
@@ -119,29 +132,29 @@ for name in ("route_ref", "fused_switch_ref", "gated_add_lora_ref", "rms_norm_re
         return _twin(*args, **kw)
     setattr(reference, name, counting)
 
-from adaptermesh import kernels
+from adaptermesh.kernels import dispatch
 from adaptermesh.kernels.fuse_config import MergeTarget, build_merge_table
 
 g = torch.Generator().manual_seed(0)
 h = torch.randn(5, 16, generator=g)
-ids, gates = kernels.route(h, torch.randn(4, 16, generator=g), None, 2)
+ids, gates = dispatch.route(h, torch.randn(4, 16, generator=g), None, 2)
 w = torch.randn(8, 16, generator=g)
 target = MergeTarget(w, torch.randn(4, 2, 16, generator=g), torch.randn(4, 8, 2, generator=g),
                      0.5, master=w.clone())
 table = build_merge_table([target])
-kernels.fused_merge(table, ids[0].contiguous(), gates[0].contiguous())
-kernels.fused_switch(table, ids[1].contiguous(), gates[1].contiguous())
-kernels.fused_unmerge(table)
+dispatch.fused_merge(table, ids[0].contiguous(), gates[0].contiguous())
+dispatch.fused_switch(table, ids[1].contiguous(), gates[1].contiguous())
+dispatch.fused_unmerge(table)
 assert torch.equal(target.weight, target.master)
 out = torch.zeros(5, 8)
-kernels.gated_add_lora(out, h, target.lora_a, target.lora_b, ids, gates, 0.5)
-kernels.rms_norm(h, torch.ones(16), 1e-6)
-kernels.act_mul(h)
+dispatch.gated_add_lora(out, h, target.lora_a, target.lora_b, ids, gates, 0.5)
+dispatch.rms_norm(h, torch.ones(16), 1e-6)
+dispatch.act_mul(h)
 q, k, v = torch.randn(5, 4, 8, generator=g), torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
 k_cache, v_cache = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
-kernels.rope_kv_write(q, k, v, torch.arange(5), torch.randn(16, 8, generator=g), k_cache,
+dispatch.rope_kv_write(q, k, v, torch.arange(5), torch.randn(16, 8, generator=g), k_cache,
                       v_cache, torch.arange(5))
-kernels.paged_attention(torch.zeros(5, 4, 8), q, k_cache, v_cache,
+dispatch.paged_attention(torch.zeros(5, 4, 8), q, k_cache, v_cache,
                         torch.tensor([[0, 1]], dtype=torch.int32),
                         torch.tensor([5], dtype=torch.int32),
                         torch.tensor([0, 5], dtype=torch.int32), scale=0.5, max_query_len=5)
@@ -157,13 +170,6 @@ def test_adafuse_layer_and_attention_ops_run_their_twins_on_cpu_without_triton()
         [sys.executable, "-c", _CPU_OPS], capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stderr[-2000:]
-
-
-def test_adafuse_ops_keep_their_names_in_fuse() -> None:
-    from adaptermesh.kernels import fuse
-
-    for name in ("route", "fused_switch", "fused_merge", "fused_unmerge", "gated_add_lora"):
-        assert getattr(fuse, name) is getattr(dispatch, name) is getattr(kernels, name)
 
 
 def test_adafuse_ops_run_the_twins_not_the_launchers_on_cpu(

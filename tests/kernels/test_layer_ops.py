@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptermesh import kernels
 from adaptermesh.kernels import dispatch, reference
 from adaptermesh.kernels.dispatch import Backend
 
@@ -641,16 +640,16 @@ def test_act_mul_bad_input_raises(impl: Backend) -> None:
 
 
 def test_package_exports_and_cpu_default_is_twin() -> None:
-    assert kernels.rms_norm is dispatch.rms_norm
-    assert kernels.rope_kv_write is dispatch.rope_kv_write
-    assert kernels.act_mul is dispatch.act_mul
+    assert dispatch.rms_norm is dispatch.rms_norm
+    assert dispatch.rope_kv_write is dispatch.rope_kv_write
+    assert dispatch.act_mul is dispatch.act_mul
     if DEVICE == "cpu":
         gen = _gen("default")
         x = _randn(gen, 3, 8, dtype=torch.float32)
         w = _randn(gen, 8, dtype=torch.float32)
-        assert torch.equal(kernels.rms_norm(x, w, EPS), reference.rms_norm_ref(x, w, EPS))
+        assert torch.equal(dispatch.rms_norm(x, w, EPS), reference.rms_norm_ref(x, w, EPS))
         gu = _randn(gen, 3, 8, dtype=torch.float32)
-        assert torch.equal(kernels.act_mul(gu), reference.act_mul_ref(gu))
+        assert torch.equal(dispatch.act_mul(gu), reference.act_mul_ref(gu))
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -689,11 +688,11 @@ def test_gpu_offsets_past_2_31() -> None:
     # act_mul: [T, 2*I] with T * 2I > 2^31; check the last rows.
     t, inter = 75_000, 14336
     gu = torch.randn(t, 2 * inter, device="cuda", dtype=dt)
-    got = kernels.act_mul(gu)
+    got = dispatch.act_mul(gu)
     _close(got[-4:], reference.act_mul_ref(gu[-4:]), dt)
     x = gu.view(-1, 8192)  # [262500, 8192]: rms_norm rows past 2^31 elements
     del got
-    y = kernels.rms_norm(x, torch.ones(8192, device="cuda", dtype=dt), EPS)
+    y = dispatch.rms_norm(x, torch.ones(8192, device="cuda", dtype=dt), EPS)
     _close(
         y[-4:], reference.rms_norm_ref(x[-4:], torch.ones(8192, device="cuda", dtype=dt), EPS), dt
     )
@@ -708,7 +707,7 @@ def test_gpu_offsets_past_2_31() -> None:
     table = cos_sin_table(16, d, torch.float32)
     pos = torch.tensor([3, 9], device="cuda")
     slots = torch.tensor([nb * bs - 1, nb * bs - 17], device="cuda")
-    kernels.rope_kv_write(q, k, v, pos, table, kc, vc, slots)
+    dispatch.rope_kv_write(q, k, v, pos, table, kc, vc, slots)
     _close(kc[nb - 1, bs - 1], rope_formula(k, pos, table, d)[0], dt)
     assert torch.equal(vc[nb - 2, bs - 1], v[1])
 
@@ -735,9 +734,9 @@ def test_gpu_graph_capture_and_replay() -> None:
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
 
     def step() -> None:
-        kernels.rms_norm(x, w, EPS, residual=res, out=y_out)
-        kernels.rope_kv_write(q, k, v, pos, table, kc, vc, slots)
-        kernels.act_mul(gu, act="gelu_pytorch_tanh", out=a_out)
+        dispatch.rms_norm(x, w, EPS, residual=res, out=y_out)
+        dispatch.rope_kv_write(q, k, v, pos, table, kc, vc, slots)
+        dispatch.act_mul(gu, act="gelu_pytorch_tanh", out=a_out)
 
     inputs0 = [z.clone() for z in (x, res, qkv, gu)]
     step()  # compile outside the capture

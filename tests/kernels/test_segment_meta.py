@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptermesh.kernels import SegmentMeta, build_segment_meta
+from adaptermesh.kernels.meta import SegmentMeta, build_segment_meta
 
 
 def _groups(meta: SegmentMeta) -> dict[int, list[int]]:

@@ -15,8 +15,8 @@ import pytest
 import torch
 from kernel_cases import MIXES, Case, defined_v_mask, make_case, tolerance
 
-from adaptermesh import kernels
-from adaptermesh.kernels import build_segment_meta, choose_backend, dispatch, reference
+from adaptermesh.kernels import dispatch, reference
+from adaptermesh.kernels.meta import build_segment_meta
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -110,15 +110,15 @@ def test_graph_style_buffers_reuse() -> None:
 
 def test_dispatch_picks_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.zeros(1)
-    assert choose_backend(cpu, None) == "torch"
-    assert choose_backend(cpu, "torch") == "torch"
+    assert dispatch.choose_backend(cpu, None) == "torch"
+    assert dispatch.choose_backend(cpu, "torch") == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert choose_backend(cpu, "triton") == "triton"
+    assert dispatch.choose_backend(cpu, "triton") == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        choose_backend(cpu, "triton")
+        dispatch.choose_backend(cpu, "triton")
     with pytest.raises(ValueError, match="backend"):
-        choose_backend(cpu, "cuda")  # type: ignore[arg-type]
+        dispatch.choose_backend(cpu, "cuda")  # type: ignore[arg-type]
 
 
 def test_package_add_lora_uses_twin_on_cpu() -> None:
@@ -128,7 +128,7 @@ def test_package_add_lora_uses_twin_on_cpu() -> None:
     )  # fmt: skip
     meta = build_segment_meta(case.slots, 2)
     got = case.out.clone()
-    kernels.add_lora(got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
+    dispatch.add_lora(got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
     want = case.out.clone()
     reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
     assert torch.equal(got, want)

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_cases import MIXES, make_case, tolerance
 
-from adaptermesh.kernels import build_segment_meta, reference
+from adaptermesh.kernels import int4_quant, reference, sgmm_config
+from adaptermesh.kernels.meta import build_segment_meta
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,60 +28,59 @@ def _sgmm():  # type: ignore[no-untyped-def]
 
 
 def test_density_picks_configs() -> None:
-    sgmm = _sgmm()
     # Decode-like: one token per adapter gets 16-row tiles; a dense batch keeps the tall ones.
-    assert sgmm.expand_config(256, 4096, 16).block_m == 16
-    assert sgmm.expand_config(256, 4096, 16, active_slots=1).block_m >= 16
-    assert sgmm.density_bucket(64, None) == "sparse"
-    assert sgmm.density_bucket(64, 1) == "dense"
-    assert sgmm.density_bucket(64, 16) == "sparse"
-    assert sgmm.density_bucket(64, 15) == "mid"
-    assert sgmm.density_bucket(4096, 64) == "dense"
+    assert sgmm_config.expand_config(256, 4096, 16).block_m == 16
+    assert sgmm_config.expand_config(256, 4096, 16, active_slots=1).block_m >= 16
+    assert sgmm_config.density_bucket(64, None) == "sparse"
+    assert sgmm_config.density_bucket(64, 1) == "dense"
+    assert sgmm_config.density_bucket(64, 16) == "sparse"
+    assert sgmm_config.density_bucket(64, 15) == "mid"
+    assert sgmm_config.density_bucket(4096, 64) == "dense"
     # Long single-adapter prefills: tall expand tiles; the shrink's 16-row split tile at r=16
     # and the 64-row tile at r=64 (2026-12-04 sweep).
-    assert sgmm.expand_config(4096, 4096, 16, active_slots=1).block_m >= 32
-    assert sgmm.shrink_config(4096, 4096, 64, active_slots=1).block_m >= 32
+    assert sgmm_config.expand_config(4096, 4096, 16, active_slots=1).block_m >= 32
+    assert sgmm_config.shrink_config(4096, 4096, 64, active_slots=1).block_m >= 32
     # One to four tokens per adapter at T <= 64 and a low rank: the matrix-vector expand with
     # the whole rank in one tile; a high rank or a denser batch keeps the tensor-core tiles.
     for t, a in ((2, 2), (16, 16), (64, 64), (64, None)):
-        cfg = sgmm.expand_config(t, 4096, 16, active_slots=a)
+        cfg = sgmm_config.expand_config(t, 4096, 16, active_slots=a)
         assert cfg.gemv, (t, a)
         assert cfg.block_k >= 16, (t, a)
     # One token, low rank: the matrix-vector shrink over H <= 4096, split-K over wider H, and
     # the 16-row expand tile (the batch-1 rows of the 2026-12-03 sweep).
-    assert sgmm.shrink_config(1, 4096, 16, 1).gemv
-    assert not sgmm.shrink_config(1, 11008, 16, 1).gemv
-    assert sgmm.shrink_config(1, 11008, 16, 1).split_k > 1
+    assert sgmm_config.shrink_config(1, 4096, 16, 1).gemv
+    assert not sgmm_config.shrink_config(1, 11008, 16, 1).gemv
+    assert sgmm_config.shrink_config(1, 11008, 16, 1).split_k > 1
     # Up to 16 tokens, any density, the same (2026-12-04): gemv over H <= 4096 only.
     for a in (1, 4, 16, None):
-        assert sgmm.shrink_config(16, 4096, 16, a).gemv, a
-        assert not sgmm.shrink_config(16, 11008, 16, a).gemv, a
-    assert not sgmm.shrink_config(17, 4096, 16, 1).gemv
-    assert not sgmm.expand_config(1, 4096, 16, 1).gemv
-    assert not sgmm.shrink_config(1, 4096, 64, 1).gemv
-    assert sgmm.expand_config(64, 4096, 32).block_k >= 32
+        assert sgmm_config.shrink_config(16, 4096, 16, a).gemv, a
+        assert not sgmm_config.shrink_config(16, 11008, 16, a).gemv, a
+    assert not sgmm_config.shrink_config(17, 4096, 16, 1).gemv
+    assert not sgmm_config.expand_config(1, 4096, 16, 1).gemv
+    assert not sgmm_config.shrink_config(1, 4096, 64, 1).gemv
+    assert sgmm_config.expand_config(64, 4096, 32).block_k >= 32
     # r=64, one token per adapter at T=64: the gemv expand (2026-12-04 sweep), whole rank.
-    assert sgmm.expand_config(64, 4096, 64).gemv
-    assert sgmm.expand_config(64, 4096, 64).block_k >= 64
-    assert not sgmm.expand_config(64, 4096, 64, active_slots=4).gemv
+    assert sgmm_config.expand_config(64, 4096, 64).gemv
+    assert sgmm_config.expand_config(64, 4096, 64).block_k >= 64
+    assert not sgmm_config.expand_config(64, 4096, 64, active_slots=4).gemv
     # Wider ranks than the gemv rows were swept on keep the tiles.
     for r in (65, 128, 256):
-        assert not sgmm.expand_config(64, 4096, r).gemv, r
-        assert sgmm.expand_config(64, 4096, r).block_m >= 16, r
+        assert not sgmm_config.expand_config(64, 4096, r).gemv, r
+        assert sgmm_config.expand_config(64, 4096, r).block_m >= 16, r
     # Long dense batches and 1-4 tokens per adapter at T=256: the hoisted tile, which needs
     # the whole rank in one tile and is dropped above HOIST_MAX_RANK.
     for t, a, r in ((4096, 1, 16), (4096, 64, 64), (256, 64, 16), (256, None, 64)):
-        cfg = sgmm.expand_config(t, 4096, r, active_slots=a)
+        cfg = sgmm_config.expand_config(t, 4096, r, active_slots=a)
         assert cfg.hoist_v, (t, a, r)
         assert cfg.block_k >= r, (t, a, r)
-    assert not sgmm.expand_config(4096, 4096, 256, active_slots=1).hoist_v
-    assert not sgmm.expand_config(64, 4096, 16, active_slots=1).gemv
-    assert not sgmm.expand_config(256, 4096, 16).gemv
+    assert not sgmm_config.expand_config(4096, 4096, 256, active_slots=1).hoist_v
+    assert not sgmm_config.expand_config(64, 4096, 16, active_slots=1).gemv
+    assert not sgmm_config.expand_config(256, 4096, 16).gemv
     for t in (1, 16, 64, 256, 4096):
         for r in (8, 16, 64, 128, 200):
             for a in (None, 1, 8, 64):
-                sgmm.shrink_config(t, 4096, r, a)
-                e = sgmm.expand_config(t, 4096, r, a)
+                sgmm_config.shrink_config(t, 4096, r, a)
+                e = sgmm_config.expand_config(t, 4096, r, a)
                 # a gemv or hoisted tile covers the whole rank
                 assert not (e.gemv or e.hoist_v) or e.block_k >= r
 
@@ -114,7 +114,7 @@ def test_plan_runs_the_same_op_on_fixed_buffers() -> None:
     """A plan made once gives add_lora's result on every call, with new contents each time, for
     the table's picks and for a gemv expand; making it runs nothing."""
     sgmm = _sgmm()
-    for expand_cfg in (None, sgmm.SgmmConfig(1, 16, 16, n_blocks=2, gemv=True)):
+    for expand_cfg in (None, sgmm_config.SgmmConfig(1, 16, 16, n_blocks=2, gemv=True)):
         case = make_case(
             t=7, h=40, s=3, r_max=16, ranks=[16, 5, 0], out_sizes=(24, 8), mix="with_base",
             dtype=torch.float32, device=DEVICE, seed=11,
@@ -171,11 +171,11 @@ def test_expand_column_blocks_per_program(n_blocks) -> None:  # type: ignore[no-
         dtype=torch.float32, device=DEVICE, seed=n_blocks,
     )  # fmt: skip
     meta = build_segment_meta(case.slots, 3)
-    cfg = sgmm.SgmmConfig(16, 16, 16, num_warps=4, num_stages=2, n_blocks=n_blocks)
+    cfg = sgmm_config.SgmmConfig(16, 16, 16, num_warps=4, num_stages=2, n_blocks=n_blocks)
     got = case.out.clone()
     sgmm.add_lora(
         got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-        shrink_cfg=sgmm.shrink_config(9, 24, 16), expand_cfg=cfg,
+        shrink_cfg=sgmm_config.shrink_config(9, 24, 16), expand_cfg=cfg,
     )  # fmt: skip
     want = case.out.clone()
     reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
@@ -195,12 +195,12 @@ def test_gemv_expand_matches_twin(block_m, n_blocks, mix) -> None:  # type: igno
         dtype=torch.float32, device=DEVICE, seed=block_m * 10 + n_blocks,
     )  # fmt: skip
     meta = build_segment_meta(case.slots, 4)
-    cfg = sgmm.SgmmConfig(block_m, 16, 32, num_warps=4, num_stages=2, n_blocks=n_blocks,
+    cfg = sgmm_config.SgmmConfig(block_m, 16, 32, num_warps=4, num_stages=2, n_blocks=n_blocks,
                           gemv=True)  # fmt: skip
     got = case.out.clone()
     sgmm.add_lora(
         got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-        shrink_cfg=sgmm.shrink_config(11, 24, 24), expand_cfg=cfg,
+        shrink_cfg=sgmm_config.shrink_config(11, 24, 24), expand_cfg=cfg,
     )  # fmt: skip
     want = case.out.clone()
     reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
@@ -208,7 +208,7 @@ def test_gemv_expand_matches_twin(block_m, n_blocks, mix) -> None:  # type: igno
     with pytest.raises(ValueError, match="block_k >= R_max"):
         sgmm.add_lora(
             got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-            expand_cfg=sgmm.SgmmConfig(1, 16, 16, gemv=True),
+            expand_cfg=sgmm_config.SgmmConfig(1, 16, 16, gemv=True),
         )  # fmt: skip
 
 
@@ -240,7 +240,7 @@ def test_expand_configs_property(  # type: ignore[no-untyped-def]
     )  # fmt: skip
     meta = build_segment_meta(case.slots, s)
     bm = block_m if gemv else 16
-    cfg = sgmm.SgmmConfig(bm, 16, 32 if gemv else 16, num_warps=4, num_stages=2,
+    cfg = sgmm_config.SgmmConfig(bm, 16, 32 if gemv else 16, num_warps=4, num_stages=2,
                           prefetch_out=prefetch, n_blocks=n_blocks, gemv=gemv)  # fmt: skip
     got = case.out.clone()
     sgmm.add_lora(
@@ -279,7 +279,7 @@ def test_gemv_shrink_property(  # type: ignore[no-untyped-def]
         dtype=torch.float32, device=DEVICE, seed=seed,
     )  # fmt: skip
     meta = build_segment_meta(case.slots, s)
-    cfg = sgmm.SgmmConfig(block_m, block_n, block_k, num_warps=4, num_stages=2, gemv=True)
+    cfg = sgmm_config.SgmmConfig(block_m, block_n, block_k, num_warps=4, num_stages=2, gemv=True)
     got = case.out.clone()
     sgmm.add_lora(
         got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, shrink_cfg=cfg
@@ -302,7 +302,7 @@ def test_gemv_shrink_plan_and_int4() -> None:
         dtype=torch.float32, device=DEVICE, seed=2,
     )  # fmt: skip
     meta = build_segment_meta(case.slots, 3)
-    cfg = sgmm.SgmmConfig(1, 4, 16, gemv=True)
+    cfg = sgmm_config.SgmmConfig(1, 4, 16, gemv=True)
     out = case.out.clone()
     plan = sgmm.plan_add_lora(
         out, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, shrink_cfg=cfg
@@ -312,11 +312,11 @@ def test_gemv_shrink_plan_and_int4() -> None:
     want = case.out.clone()
     reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
-    qa, qb = sgmm_int4.quantize_lora(case.lora_a, case.lora_b, 8)
+    qa, qb = int4_quant.quantize_lora(case.lora_a, case.lora_b, 8)
     got = case.out.clone()
     sgmm_int4.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, shrink_cfg=cfg)
     want = case.out.clone()
-    sgmm_int4.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
+    reference.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -331,12 +331,12 @@ def test_gpu_gemv_expand_matches_tiles(t, s, r) -> None:  # type: ignore[no-unty
     meta = build_segment_meta(case.slots, s)
     tiles = case.out.clone()
     sgmm.add_lora(tiles, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-                  expand_cfg=sgmm.SgmmConfig(16, 256, min(64, max(16, r))))  # fmt: skip
+                  expand_cfg=sgmm_config.SgmmConfig(16, 256, min(64, max(16, r))))  # fmt: skip
     for bm, bn, nb in ((1, 256, 1), (4, 512, 2)):
         got = case.out.clone()
-        cfg = sgmm.SgmmConfig(bm, bn, max(16, r), n_blocks=nb, gemv=True)
+        cfg = sgmm_config.SgmmConfig(bm, bn, max(16, r), n_blocks=nb, gemv=True)
         sgmm.add_lora(got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-                      shrink_cfg=sgmm.shrink_config(t, 4096, r), expand_cfg=cfg)  # fmt: skip
+                      shrink_cfg=sgmm_config.shrink_config(t, 4096, r), expand_cfg=cfg)  # fmt: skip
         rtol, atol = tolerance(torch.bfloat16, "out")
         torch.testing.assert_close(got, tiles, rtol=rtol, atol=atol)
 
@@ -351,14 +351,14 @@ def test_gpu_gemv_shrink_matches_tiles(t, s, r) -> None:  # type: ignore[no-unty
     )  # fmt: skip
     meta = build_segment_meta(case.slots, s)
     tiles = case.out.clone()
-    ec = sgmm.SgmmConfig(16, 256, min(64, max(16, r)))
+    ec = sgmm_config.SgmmConfig(16, 256, min(64, max(16, r)))
     sgmm.add_lora(tiles, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-                  shrink_cfg=sgmm.SgmmConfig(16, min(64, max(16, r)), 256, split_k=4),
+                  shrink_cfg=sgmm_config.SgmmConfig(16, min(64, max(16, r)), 256, split_k=4),
                   expand_cfg=ec)  # fmt: skip
     for bm, bn, bk in ((1, 4, 512), (2, 2, 1024), (1, 16, 256)):
         got = case.out.clone()
         sgmm.add_lora(got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-                      shrink_cfg=sgmm.SgmmConfig(bm, bn, bk, num_stages=2, gemv=True),
+                      shrink_cfg=sgmm_config.SgmmConfig(bm, bn, bk, num_stages=2, gemv=True),
                       expand_cfg=ec)  # fmt: skip
         rtol, atol = tolerance(torch.bfloat16, "out")
         torch.testing.assert_close(got, tiles, rtol=rtol, atol=atol)
@@ -390,7 +390,7 @@ def test_expand_hoisted_v_property(  # type: ignore[no-untyped-def]
     )  # fmt: skip
     meta = build_segment_meta(case.slots, s)
     bk = max(16, 1 << (r_max - 1).bit_length())
-    cfg = sgmm.SgmmConfig(block_m, 16, bk, n_blocks=n_blocks, hoist_v=True)
+    cfg = sgmm_config.SgmmConfig(block_m, 16, bk, n_blocks=n_blocks, hoist_v=True)
     got = case.out.clone()
     sgmm.add_lora(
         got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, expand_cfg=cfg
@@ -412,10 +412,10 @@ def test_expand_hoisted_v_refusals() -> None:
     out = case.out.clone()
     with pytest.raises(ValueError, match=r"hoist_v needs config\.block_k >= R_max=40"):
         sgmm.add_lora(out, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-                      expand_cfg=sgmm.SgmmConfig(16, 16, 32, hoist_v=True))  # fmt: skip
+                      expand_cfg=sgmm_config.SgmmConfig(16, 16, 32, hoist_v=True))  # fmt: skip
     with pytest.raises(ValueError, match="tile-expand option"):
         sgmm.add_lora(out, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-                      expand_cfg=sgmm.SgmmConfig(1, 16, 64, gemv=True, hoist_v=True))  # fmt: skip
+                      expand_cfg=sgmm_config.SgmmConfig(1, 16, 64, gemv=True, hoist_v=True))  # fmt: skip
     assert torch.equal(out, case.out)
 
 

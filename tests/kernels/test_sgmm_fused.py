@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_cases import MIXES, make_case, tolerance
 
-from adaptermesh.kernels import build_segment_meta, reference
+from adaptermesh.kernels import reference, sgmm_config
+from adaptermesh.kernels.meta import build_segment_meta
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -52,7 +53,7 @@ def test_fused_matches_twin(  # type: ignore[no-untyped-def]
         dtype=torch.float32, device=DEVICE, seed=seed,
     )  # fmt: skip
     meta = build_segment_meta(case.slots, s)
-    cfg = sgmm.SgmmConfig(block_m, block_n, block_k, n_blocks=n_blocks, fused=True)
+    cfg = sgmm_config.SgmmConfig(block_m, block_n, block_k, n_blocks=n_blocks, fused=True)
     got = case.out.clone()
     plan = sgmm.plan_add_lora(
         got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta, fused_cfg=cfg
@@ -78,7 +79,7 @@ def test_fused_half_precision_matches_twin(dtype: torch.dtype) -> None:
     meta = build_segment_meta(case.slots, 4)
     got = case.out.clone()
     sgmm.add_lora(got, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta,
-                  fused_cfg=sgmm.SgmmConfig(16, 32, 32, n_blocks=2, fused=True))  # fmt: skip
+                  fused_cfg=sgmm_config.SgmmConfig(16, 32, 32, n_blocks=2, fused=True))  # fmt: skip
     want = case.out.clone()
     reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
     rtol, atol = tolerance(dtype, "out")
@@ -95,12 +96,14 @@ def test_fused_refusals_before_launch() -> None:
     args = (case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
     out = case.out.clone()
     with pytest.raises(ValueError, match="fused=True"):
-        sgmm.add_lora(out, *args, fused_cfg=sgmm.SgmmConfig(16, 16, 16), fused=None)
+        sgmm.add_lora(out, *args, fused_cfg=sgmm_config.SgmmConfig(16, 16, 16), fused=None)
     with pytest.raises(ValueError, match="no gemv or split_k"):
-        sgmm.add_lora(out, *args, fused_cfg=sgmm.SgmmConfig(16, 16, 16, fused=True, split_k=2))
+        sgmm.add_lora(
+            out, *args, fused_cfg=sgmm_config.SgmmConfig(16, 16, 16, fused=True, split_k=2)
+        )
     with pytest.raises(ValueError, match="power of two"):
-        sgmm.add_lora(out, *args, fused_cfg=sgmm.SgmmConfig(16, 24, 16, fused=True))
-    if not sgmm.fused_config(5, 32, 16, 16, 2):
+        sgmm.add_lora(out, *args, fused_cfg=sgmm_config.SgmmConfig(16, 24, 16, fused=True))
+    if not sgmm_config.fused_config(5, 32, 16, 16, 2):
         with pytest.raises(ValueError, match="needs fused_cfg"):
             sgmm.add_lora(out, *args, fused=True)
     assert torch.equal(out, case.out)  # nothing ran
@@ -111,8 +114,8 @@ def test_fused_refusals_before_launch() -> None:
     bmeta = build_segment_meta(big.slots, 1)
     with pytest.raises(ValueError, match="R_max must be <= 128"):
         sgmm.add_lora(big.out.clone(), big.x, big.lora_a, big.lora_b, big.scales, big.ranks,
-                      bmeta, fused_cfg=sgmm.SgmmConfig(16, 16, 16, fused=True))  # fmt: skip
-    assert sgmm.fused_config(3, 16, 16, 256) is None
+                      bmeta, fused_cfg=sgmm_config.SgmmConfig(16, 16, 16, fused=True))  # fmt: skip
+    assert sgmm_config.fused_config(3, 16, 16, 256) is None
 
 
 def test_plan_steps_needs_two_launches() -> None:
@@ -124,7 +127,7 @@ def test_plan_steps_needs_two_launches() -> None:
     meta = build_segment_meta(case.slots, 1)
     plan = sgmm.plan_add_lora(case.out.clone(), case.x, case.lora_a, case.lora_b, case.scales,
                               case.ranks, meta,
-                              fused_cfg=sgmm.SgmmConfig(16, 16, 16, fused=True))  # fmt: skip
+                              fused_cfg=sgmm_config.SgmmConfig(16, 16, 16, fused=True))  # fmt: skip
     with pytest.raises(ValueError, match="fused=False"):
         plan.steps()
     two = sgmm.plan_add_lora(case.out.clone(), case.x, case.lora_a, case.lora_b, case.scales,
@@ -166,8 +169,8 @@ def test_gpu_fused_and_pdl_match_two_launches(t: int, s: int, r: int) -> None:
     pdl = case.out.clone()
     sgmm.add_lora(pdl, *args, fused=False, pdl=True)
     assert torch.equal(pdl, plain)  # same kernels, same order of sums
-    for cfg in (sgmm.SgmmConfig(16, 128, 128, n_blocks=1, fused=True),
-                sgmm.SgmmConfig(32, 256, 64, n_blocks=4, num_warps=8, fused=True)):  # fmt: skip
+    for cfg in (sgmm_config.SgmmConfig(16, 128, 128, n_blocks=1, fused=True),
+                sgmm_config.SgmmConfig(32, 256, 64, n_blocks=4, num_warps=8, fused=True)):  # fmt: skip
         got = case.out.clone()
         sgmm.add_lora(got, *args, fused_cfg=cfg)
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
@@ -195,16 +198,15 @@ def test_gpu_fused_and_pdl_match_two_launches(t: int, s: int, r: int) -> None:
 def test_fused_config_guards() -> None:
     """The table's one fused row applies only where it measured faster: long batches of low
     rank, H <= 4096, and a grid of at least two programs per SM (qkv and gate_up, not o)."""
-    sgmm = _sgmm()
-    qkv = sgmm.fused_config(4096, 4096, 4096, 16, 1, n_slices=3)
+    qkv = sgmm_config.fused_config(4096, 4096, 4096, 16, 1, n_slices=3)
     assert qkv is not None
     assert qkv.fused
-    assert sgmm.fused_config(4096, 4096, 11008, 16, 64, n_slices=2) is not None  # gate_up
-    assert sgmm.fused_config(4096, 4096, 4096, 16, 1, n_slices=1) is None  # o: 128 programs
-    assert sgmm.fused_config(4096, 11008, 4096, 16, 1, n_slices=3) is None  # down's long H
-    assert sgmm.fused_config(256, 4096, 4096, 16, 64, n_slices=3) is None  # decode shapes
-    assert sgmm.fused_config(4096, 4096, 4096, 64, 1, n_slices=3) is None  # no high-rank row
-    assert sgmm.fused_config(4096, 4096, 4096, 256, 1, n_slices=3) is None
+    assert sgmm_config.fused_config(4096, 4096, 11008, 16, 64, n_slices=2) is not None  # gate_up
+    assert sgmm_config.fused_config(4096, 4096, 4096, 16, 1, n_slices=1) is None  # o: 128 programs
+    assert sgmm_config.fused_config(4096, 11008, 4096, 16, 1, n_slices=3) is None  # down's long H
+    assert sgmm_config.fused_config(256, 4096, 4096, 16, 64, n_slices=3) is None  # decode shapes
+    assert sgmm_config.fused_config(4096, 4096, 4096, 64, 1, n_slices=3) is None  # no high-rank row
+    assert sgmm_config.fused_config(4096, 4096, 4096, 256, 1, n_slices=3) is None
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -224,11 +226,11 @@ def test_every_constexpr_is_bound(pdl: bool) -> None:
         return lambda: None
 
     configs = [
-        dict(shrink_cfg=sgmm.SgmmConfig(16, 16, 16, split_k=2),
-             expand_cfg=sgmm.SgmmConfig(16, 16, 16)),
-        dict(shrink_cfg=sgmm.SgmmConfig(1, 4, 16, gemv=True),
-             expand_cfg=sgmm.SgmmConfig(1, 16, 16, gemv=True)),
-        dict(fused_cfg=sgmm.SgmmConfig(16, 16, 16, fused=True)),
+        dict(shrink_cfg=sgmm_config.SgmmConfig(16, 16, 16, split_k=2),
+             expand_cfg=sgmm_config.SgmmConfig(16, 16, 16)),
+        dict(shrink_cfg=sgmm_config.SgmmConfig(1, 4, 16, gemv=True),
+             expand_cfg=sgmm_config.SgmmConfig(1, 16, 16, gemv=True)),
+        dict(fused_cfg=sgmm_config.SgmmConfig(16, 16, 16, fused=True)),
     ]  # fmt: skip
     for cfg in configs:
         sgmm._add_lora(

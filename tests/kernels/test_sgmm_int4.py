@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import MIXES, Case, make_case, tolerance
 
-from adaptermesh.kernels import build_segment_meta, reference
-from adaptermesh.kernels.sgmm import SgmmConfig
+from adaptermesh.kernels import int4_quant, reference, sgmm_config
+from adaptermesh.kernels.meta import build_segment_meta
+from adaptermesh.kernels.sgmm_config import SgmmConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -28,9 +29,8 @@ def _q():  # type: ignore[no-untyped-def]
 
 
 def _quantize(case: Case, group: int, b_dim: int, a_dim: int = -1):  # type: ignore[no-untyped-def]
-    q = _q()
-    qa = q.quantize_int4(case.lora_a, group, group_dim=a_dim)
-    qb = tuple(q.quantize_int4(b, group, group_dim=b_dim) for b in case.lora_b)
+    qa = int4_quant.quantize_int4(case.lora_a, group, group_dim=a_dim)
+    qb = tuple(int4_quant.quantize_int4(b, group, group_dim=b_dim) for b in case.lora_b)
     return qa, qb
 
 
@@ -51,7 +51,7 @@ def check_int4_case(
     cfgs = {} if default_configs else {"shrink_cfg": shrink_cfg, "expand_cfg": expand_cfg}
     q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, **cfgs)
     want = case.out.clone()
-    q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
+    reference.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
     rtol, atol = tolerance(dtype, "out")
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
     rel = float((got.double() - want.double()).norm()) / max(float(want.double().norm()), 1e-30)
@@ -66,7 +66,7 @@ def check_int4_case(
     # The shrink alone: v poisoned with NaN, every promised entry written.
     v = torch.full((qa.shape[0], case.x.shape[0], qa.shape[2]), float("nan"), device=case.x.device)
     q.sgmm_shrink_int4(case.x, qa, case.ranks, meta, out=v, config=SHRINK)
-    deq_a = q.dequantize_int4(qa).to(dtype)
+    deq_a = int4_quant.dequantize_int4(qa).to(dtype)
     v_ref = reference.sgmm_shrink_ref(case.x, deq_a, case.ranks, meta)
     cols = torch.arange(qa.shape[2], device=slots.device)
     mask = (cols[None, :] < rank_t[:, None]).unsqueeze(0).expand(qa.shape[0], -1, -1)
@@ -75,7 +75,7 @@ def check_int4_case(
     got2 = case.out.clone()
     q.sgmm_expand_int4(got2, torch.nan_to_num(v), qb, case.scales, case.ranks, meta, config=EXPAND)
     want2 = case.out.clone()
-    deq_b = tuple(q.dequantize_int4(b).to(dtype) for b in qb)
+    deq_b = tuple(int4_quant.dequantize_int4(b).to(dtype) for b in qb)
     reference.sgmm_expand_ref(want2, v_ref, deq_b, case.scales, case.ranks, meta)
     torch.testing.assert_close(got2, want2, rtol=rtol, atol=atol)
 
@@ -86,14 +86,13 @@ def check_int4_case(
 def test_round_trip_error_bound(shape: tuple[int, ...], group_dim: int) -> None:
     """Every element is within half a step (its group's scale) of the input, or clipped by at
     most the clip ratio's share of the group's absmax; zeros stay zeros."""
-    q = _q()
     gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, group_dim)).encode()))
     w = torch.randn(*shape, generator=gen) * 0.02
     w[..., 0, :] = 0.0  # a zero row
-    qw = q.quantize_int4(w, 16, group_dim=group_dim)
+    qw = int4_quant.quantize_int4(w, 16, group_dim=group_dim)
     assert qw.packed.dtype == torch.uint8
     assert qw.packed.shape[-1] == math.ceil(shape[-1] / 2)
-    back = q.dequantize_int4(qw)
+    back = int4_quant.dequantize_int4(qw)
     assert back.shape == w.shape
     assert torch.equal(back[..., 0, :], torch.zeros_like(back[..., 0, :]))
     s = qw.scales.float()
@@ -112,26 +111,25 @@ def test_round_trip_error_bound(shape: tuple[int, ...], group_dim: int) -> None:
 
 def test_packing_layout() -> None:
     """Low nibble = even element, two's complement, so a zero byte is two zeros."""
-    q = _q()
     w = torch.tensor([[1.0, -2.0, 7.0, -8.0, 3.0]])
-    qw = q.quantize_int4(w, 6)  # one group; absmax 8 -> scale 8/7 at c=1 (or a clipped one)
-    vals = q.unpack_int4(qw.packed, 5)
+    # One group; absmax 8 -> scale 8/7 at c=1 (or a clipped one).
+    qw = int4_quant.quantize_int4(w, 6)
+    vals = int4_quant.unpack_int4(qw.packed, 5)
     assert vals.shape == (1, 5)
     b = int(qw.packed[0, 0])
     assert ((b & 15) ^ 8) - 8 == int(vals[0, 0])
     assert ((b >> 4) ^ 8) - 8 == int(vals[0, 1])
     assert int(qw.packed[0, 2]) >> 4 == 0  # the odd tail's pad nibble
-    zero = q.quantize_int4(torch.zeros(3, 8), 4)
+    zero = int4_quant.quantize_int4(torch.zeros(3, 8), 4)
     assert int(zero.packed.abs().sum()) == 0
     assert float(zero.scales.float().abs().sum()) == 0.0
 
 
 def test_memory_ratio() -> None:
     """Bytes of a rank-16 pool slot against bf16 at group 64: >= 3.5x."""
-    q = _q()
     a = torch.randn(3, 1, 16, 4096, dtype=torch.bfloat16)
     b = torch.randn(1, 4096, 16, dtype=torch.bfloat16)
-    qa, (qb,) = q.quantize_lora(a, (b,), 64)
+    qa, (qb,) = int4_quant.quantize_lora(a, (b,), 64)
     bf16 = (a.numel() + b.numel()) * 2
     assert bf16 / (qa.nbytes + qb.nbytes) >= 3.5
 
@@ -139,9 +137,9 @@ def test_memory_ratio() -> None:
 def test_bad_inputs_raise() -> None:
     q = _q()
     with pytest.raises(ValueError, match="group_size"):
-        q.quantize_int4(torch.zeros(2, 4), 3)
+        int4_quant.quantize_int4(torch.zeros(2, 4), 3)
     with pytest.raises(ValueError, match="group_dim"):
-        q.quantize_int4(torch.zeros(2, 4), 2, group_dim=0)
+        int4_quant.quantize_int4(torch.zeros(2, 4), 2, group_dim=0)
     case = make_case(
         t=5, h=16, s=2, r_max=8, ranks=[8, 4], out_sizes=(8,), mix="uniform",
         dtype=torch.bfloat16, device=DEVICE, seed=1,
@@ -149,7 +147,7 @@ def test_bad_inputs_raise() -> None:
     qa, qb = _quantize(case, 8, -2)
     meta = build_segment_meta(case.slots, 2)
     args = (case.out, case.x, qa, qb, case.scales, case.ranks, meta)
-    for impl in (q.add_lora_int4_ref, q.add_lora_int4):
+    for impl in (reference.add_lora_int4_ref, q.add_lora_int4):
         with pytest.raises(ValueError, match="Int4Weight"):
             impl(case.out, case.x, case.lora_a, qb, case.scales, case.ranks, meta)
         with pytest.raises(ValueError, match="columns"):
@@ -208,22 +206,21 @@ def test_split_k_shrink_matches_twin() -> None:
     cfg = SgmmConfig(16, 16, 32, split_k=4)
     q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, shrink_cfg=cfg)
     want = case.out.clone()
-    q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
+    reference.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
     rtol, atol = tolerance(torch.bfloat16, "out")
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
 def test_error_against_bf16_pool() -> None:
     """The INT4 result against the bf16 pool it came from: the LoRA term's relative error."""
-    q = _q()
     case = make_case(
         t=32, h=256, s=4, r_max=16, ranks=[16, 8, 16, 4], out_sizes=(128,),
         mix="uniform", dtype=torch.float32, device="cpu", seed=5,
     )  # fmt: skip
     meta = build_segment_meta(case.slots, 4)
-    qa, qb = q.quantize_lora(case.lora_a, case.lora_b, 64)
+    qa, qb = int4_quant.quantize_lora(case.lora_a, case.lora_b, 64)
     got = case.out.clone()
-    q.add_lora_int4_ref(got, case.x, qa, qb, case.scales, case.ranks, meta)
+    reference.add_lora_int4_ref(got, case.x, qa, qb, case.scales, case.ranks, meta)
     want = case.out.clone()
     reference.add_lora_ref(want, case.x, case.lora_a, case.lora_b, case.scales, case.ranks, meta)
     delta = want - case.out
@@ -279,11 +276,10 @@ def test_random_shapes_match_twin(
 def test_int4_takes_the_gemv_rows() -> None:
     """The tables' decode rows pick the matrix-vector kernels for INT4 as for bf16, and the
     INT4 result with no config (gemv shrink and expand) matches the twin."""
-    from adaptermesh.kernels import sgmm
 
     for t, a in ((2, 2), (16, 16), (64, 64), (64, None)):
-        assert sgmm.expand_config(t, 4096, 16, a).gemv
-    assert sgmm.shrink_config(1, 4096, 16, 1).gemv
+        assert sgmm_config.expand_config(t, 4096, 16, a).gemv
+    assert sgmm_config.shrink_config(1, 4096, 16, 1).gemv
     case = make_case(
         t=5, h=70, s=5, r_max=16, ranks=[16, 3, 0, 9, 16], out_sizes=(33, 8), mix="distinct",
         dtype=torch.bfloat16, device=DEVICE, seed=31,
@@ -294,25 +290,27 @@ def test_int4_takes_the_gemv_rows() -> None:
 def test_int4_rows_pick_gemv_at_decode_batches() -> None:
     """The INT4 rows: matrix-vector kernels at 1-32 tokens per adapter for T in 17..256 (where
     the bf16 rows keep tiles), the bf16 tables elsewhere; the picked configs match the twin."""
-    q = _q()
-    from adaptermesh.kernels import sgmm
 
     for t, a, r in ((64, 8, 16), (64, 64, 16), (64, 64, 64), (256, 64, 16)):
-        assert q.int4_shrink_config(t, 4096, r, a).gemv, (t, a, r)
-        assert not sgmm.shrink_config(t, 4096, r, a).gemv, (t, a, r)
-    assert q.int4_expand_config(64, 4096, 64, 64).gemv
-    assert q.int4_expand_config(64, 4096, 64, 64).block_k >= 64
-    assert not q.int4_expand_config(256, 4096, 64, 64).gemv
-    assert not q.int4_shrink_config(256, 4096, 64, 64).gemv
-    assert not q.int4_expand_config(64, 4096, 128, 64).gemv  # past GEMV_EXPAND_MAX_RANK
-    assert q.int4_shrink_config(256, 4096, 64, 64).split_k > 1
-    assert q.int4_shrink_config(4096, 4096, 16, 1) == sgmm.shrink_config(4096, 4096, 16, 1)
-    assert q.int4_expand_config(16, 4096, 16, 1) == sgmm.expand_config(16, 4096, 16, 1)
+        assert sgmm_config.int4_shrink_config(t, 4096, r, a).gemv, (t, a, r)
+        assert not sgmm_config.shrink_config(t, 4096, r, a).gemv, (t, a, r)
+    assert sgmm_config.int4_expand_config(64, 4096, 64, 64).gemv
+    assert sgmm_config.int4_expand_config(64, 4096, 64, 64).block_k >= 64
+    assert not sgmm_config.int4_expand_config(256, 4096, 64, 64).gemv
+    assert not sgmm_config.int4_shrink_config(256, 4096, 64, 64).gemv
+    assert not sgmm_config.int4_expand_config(64, 4096, 128, 64).gemv  # past GEMV_EXPAND_MAX_RANK
+    assert sgmm_config.int4_shrink_config(256, 4096, 64, 64).split_k > 1
+    assert sgmm_config.int4_shrink_config(4096, 4096, 16, 1) == sgmm_config.shrink_config(
+        4096, 4096, 16, 1
+    )
+    assert sgmm_config.int4_expand_config(16, 4096, 16, 1) == sgmm_config.expand_config(
+        16, 4096, 16, 1
+    )
     case = make_case(
         t=40, h=72, s=20, r_max=16, ranks=None, out_sizes=(24,), mix="distinct",
         dtype=torch.bfloat16, device=DEVICE, seed=41,
     )  # fmt: skip
-    assert q.int4_shrink_config(40, 72, 16, 20).gemv
+    assert sgmm_config.int4_shrink_config(40, 72, 16, 20).gemv
     check_int4_case(case, torch.bfloat16, 8, -2, default_configs=True, norm=False)
 
 
@@ -333,7 +331,7 @@ def test_scale_layouts(group: int, block_k: int, a_dim: int, b_dim: int) -> None
     qa, qb = _quantize(case, group, b_dim, a_dim)
     meta = build_segment_meta(case.slots, 3)
     want = case.out.clone()
-    q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
+    reference.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
     rtol, atol = tolerance(torch.bfloat16, "out")
     # The matrix-vector kernels, then the tiles (whose scale paths follow the same rule: one
     # load per group where a power-of-two group fits a step or a block of rows).
@@ -349,25 +347,23 @@ def test_scale_layouts(group: int, block_k: int, a_dim: int, b_dim: int) -> None
 
 
 def test_int4_refuses_fused_and_short_gemv_configs() -> None:
-    from adaptermesh.kernels import sgmm
-
     case = make_case(
         t=4, h=32, s=2, r_max=32, ranks=None, out_sizes=(32,), mix="distinct",
         dtype=torch.float32, device=DEVICE, seed=3,
     )  # fmt: skip
     q = _q()
-    qa, qb = q.quantize_lora(case.lora_a, case.lora_b, 16)
+    qa, qb = int4_quant.quantize_lora(case.lora_a, case.lora_b, 16)
     meta = build_segment_meta(case.slots, 2)
     before = case.out.clone()
     with pytest.raises(ValueError, match="fused"):
         q.add_lora_int4(
             case.out, case.x, qa, qb, case.scales, case.ranks, meta,
-            expand_cfg=sgmm.SgmmConfig(16, 16, 16, fused=True),
+            expand_cfg=sgmm_config.SgmmConfig(16, 16, 16, fused=True),
         )  # fmt: skip
     with pytest.raises(ValueError, match="block_k >= R_max=32"):
         q.add_lora_int4(
             case.out, case.x, qa, qb, case.scales, case.ranks, meta,
-            expand_cfg=sgmm.SgmmConfig(1, 16, 16, gemv=True),
+            expand_cfg=sgmm_config.SgmmConfig(1, 16, 16, gemv=True),
         )  # fmt: skip
     assert torch.equal(case.out, before)
 
@@ -379,20 +375,19 @@ def test_gpu_int4_decode_rows_match_twin(t: int, s: int, r: int) -> None:
     shapes, against the twin on the same packed pool."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from adaptermesh.kernels import sgmm
 
     q = _q()
     case = make_case(
         t=t, h=4096, s=s, r_max=r, ranks=None, out_sizes=(4096, 11008), mix="uniform",
         dtype=torch.bfloat16, device="cuda", seed=t + r,
     )  # fmt: skip
-    qa, qb = q.quantize_lora(case.lora_a, case.lora_b, 64)
+    qa, qb = int4_quant.quantize_lora(case.lora_a, case.lora_b, 64)
     meta = build_segment_meta(case.slots, s)
     for active in (None, s):
         got = case.out.clone()
         q.add_lora_int4(got, case.x, qa, qb, case.scales, case.ranks, meta, active_slots=active)
         want = case.out.clone()
-        q.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
+        reference.add_lora_int4_ref(want, case.x, qa, qb, case.scales, case.ranks, meta)
         rtol, atol = tolerance(torch.bfloat16, "out")
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
-    assert sgmm.expand_config(t, 11008, r, s).gemv == ((t, s) in ((16, 16), (64, 64)))
+    assert sgmm_config.expand_config(t, 11008, r, s).gemv == ((t, s) in ((16, 16), (64, 64)))

@@ -15,7 +15,8 @@ import pytest
 import torch
 from kernel_cases import Case, defined_v_mask, make_case, tolerance
 
-from adaptermesh.kernels import _workspace, build_segment_meta, reference
+from adaptermesh.kernels import _workspace, reference, sgmm_config
+from adaptermesh.kernels.meta import build_segment_meta
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -120,11 +121,10 @@ def test_split_plan_shapes_only() -> None:
 
 
 def test_table_covers_every_bucket() -> None:
-    sgmm = _sgmm()
     for t in (1, 16, 17, 64, 65, 256, 257, 4096, 100_000):
         for r in (1, 16, 32, 33, 64, 128):
-            s_cfg = sgmm.shrink_config(t, 4096, r)
-            e_cfg = sgmm.expand_config(t, 4096, r)
+            s_cfg = sgmm_config.shrink_config(t, 4096, r)
+            e_cfg = sgmm_config.expand_config(t, 4096, r)
             tile = min(max(16, 1 << (r - 1).bit_length()), 64)
             if s_cfg.gemv:  # the decode rows: a few rank rows per program, no split
                 assert t <= 16
@@ -147,7 +147,7 @@ def test_bad_config_raises(field: str, value: int) -> None:
     )  # fmt: skip
     meta = build_segment_meta(case.slots, 2)
     args = {"block_m": 16, "block_n": 16, "block_k": 32, "split_k": 2, field: value}
-    cfg = sgmm.SgmmConfig(
+    cfg = sgmm_config.SgmmConfig(
         args["block_m"], args["block_n"], args["block_k"], split_k=args["split_k"]
     )
     with pytest.raises(ValueError, match=f"config.{field}"):
@@ -168,11 +168,10 @@ def test_gpu_split_real_shapes(t: int, h: int, ranks: str) -> None:
         mix="with_base" if t > 1 else "identical", dtype=torch.bfloat16, device="cuda",
         seed=zlib.crc32(f"{t}{h}{ranks}".encode()),
     )  # fmt: skip
-    sgmm = _sgmm()
     check_split(case, torch.bfloat16, None)  # the table's choice for this shape
     bn = min(max(16, 1 << (r_max - 1).bit_length()), 64)
     for split in (7, 32):
-        check_split(case, torch.bfloat16, sgmm.SgmmConfig(16, bn, 128, split_k=split))
+        check_split(case, torch.bfloat16, sgmm_config.SgmmConfig(16, bn, 128, split_k=split))
 
 
 @pytest.mark.gpu
@@ -183,7 +182,7 @@ def test_gpu_split_graph_replay() -> None:
         t=16, h=4096, s=4, r_max=64, ranks=[64, 16, 0, 40], out_sizes=(4096,),
         mix="uniform", dtype=torch.bfloat16, device="cuda", seed=99,
     )  # fmt: skip
-    cfg = sgmm.SgmmConfig(16, 64, 128, split_k=16)
+    cfg = sgmm_config.SgmmConfig(16, 64, 128, split_k=16)
     meta = build_segment_meta(case.slots, 4)
     v = torch.empty(1, 16, 64, device="cuda")
     out = case.out.clone()

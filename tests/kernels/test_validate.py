@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from adaptermesh.kernels import _validate as v
-from adaptermesh.kernels import build_segment_meta
 from adaptermesh.kernels.fuse_config import MergeTable, MergeTarget, build_merge_table
 from adaptermesh.kernels.int4_quant import quantize_int4, quantize_lora
+from adaptermesh.kernels.meta import build_segment_meta
 from adaptermesh.kernels.paged_attention import PagedAttentionConfig
 from adaptermesh.kernels.sgmm_config import SgmmConfig
 

@@ -173,7 +173,7 @@ def _decode_rows(n: int, adapters: int) -> ScheduledStep:
 
 def test_lora_graphs_are_keyed_by_the_batchs_density() -> None:
     """One adapter over 64 decode rows, two, and 64: three density classes, three graphs,
-    each with the kernels' slot bound of its class (lora_ops.config_slots)."""
+    each with the kernels' slot bound of its class (dispatch.config_slots)."""
     cases = {1: ("dense", 1), 2: ("mid", 15), 16: ("sparse", None), 64: ("sparse", None)}
     keys = {}
     for adapters, (cls, slots) in cases.items():

@@ -11,26 +11,33 @@ mark + policy routing, one by redirect). Tenants send UDP and HTTP to the servic
 demo applies a pin and a weight change and prints per-shard counts after each step. Everything
 is torn down on exit, Ctrl-C included (:mod:`adaptermesh_testkit.classifier_demo`).
 
-Both demos live in the test-support package ``adaptermesh_testkit`` (namespace topologies,
-tiny checkpoints), imported only when a demo runs.
+Both demos live in the test kit ``adaptermesh_testkit`` (namespace topologies, tiny
+checkpoints), its own distribution, ``adaptermesh-testkit``, loaded when a demo runs
+(:mod:`adaptermesh.cli.testkit`); without it the demo stops and says what to install.
 """
 
 from __future__ import annotations
 
 import sys
 
+from adaptermesh.cli.testkit import NoTestkitError, load_testkit
+
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["classifier"]:
-        from adaptermesh_testkit.classifier_demo import main as classifier_main
-
-        return classifier_main(args[1:])
-    from adaptermesh_testkit.localmesh import main as mesh_main
-
-    return mesh_main(args)
+    classifier = args[:1] == ["classifier"]
+    try:
+        if classifier:
+            demo = load_testkit("classifier_demo", "adaptermesh demo classifier")
+        else:
+            demo = load_testkit("localmesh", "adaptermesh demo")
+    except NoTestkitError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    code: int = demo.main(args[1:] if classifier else args)
+    return code
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from adaptermesh.cli.devrelay import MarkRelay, shard_for_mark
+from adaptermesh.cli.testkit import NoTestkitError, load_testkit
 
 __all__ = ["main"]
 
@@ -211,10 +212,11 @@ def busy_port(ports: list[int]) -> str | None:
     return None
 
 
-def make_model(directory: Path) -> tuple[Path, Path]:
-    """The tiny model in ``directory/model`` and its adapters under ``directory/adapters``."""
-    from adaptermesh_testkit.checkpoints import make_adapter, make_tiny_model
-
+def make_model(directory: Path, command: str = "adaptermesh dev up") -> tuple[Path, Path]:
+    """The tiny model in ``directory/model`` and its adapters under ``directory/adapters``
+    (made by the test kit; ``command`` is named when it is not installed)."""
+    checkpoints = load_testkit("checkpoints", command)
+    make_adapter, make_tiny_model = checkpoints.make_adapter, checkpoints.make_tiny_model
     model_dir = directory / "model"
     adapter_root = directory / "adapters"
     if not (model_dir / "config.json").exists():
@@ -769,7 +771,11 @@ def _on_term(_sig: int, _frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "make-model":
-        model_dir, adapter_root = make_model(args.dir)
+        try:
+            model_dir, adapter_root = make_model(args.dir, "adaptermesh dev make-model")
+        except NoTestkitError as exc:
+            print(exc, file=sys.stderr)
+            return 2
         print(f"model {model_dir} (serve it as {BASE_MODEL}), adapters {adapter_root}: ", end="")
         print(", ".join(ADAPTERS))
         return 0
@@ -801,7 +807,13 @@ def main(argv: list[str] | None = None) -> int:
     except DevError as exc:
         print(f"adaptermesh dev up: {exc}", file=sys.stderr)
         return 2
-    # Refused before anything is touched: another up's lock, then a port in use.
+    # Refused before anything is touched: no test kit (the tiny model comes from it), another
+    # up's lock, then a port in use.
+    try:
+        load_testkit("checkpoints", "adaptermesh dev up")
+    except NoTestkitError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     try:
         lock.acquire()
     except DevError as exc:

@@ -1,13 +1,15 @@
 """Backend choice: Triton on CUDA tensors, the torch twin on CPU, for every op of the package.
 
-The worker calls these names everywhere and never picks a backend itself. ``backend`` forces
+The worker's one seam to the kernels: it calls these names (and takes the argument types from
+``meta``, ``int4_weight``, ``int4_quant`` and ``fuse_config``), never a launcher, kernel, table
+or twin module (an import-linter contract), and never picks a backend itself. ``backend`` forces
 one: ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` (set before triton is first
 imported), which is how the CPU tests run the real kernels; ``"torch"`` runs the twin anywhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,7 +30,9 @@ __all__ = [
     "act_mul",
     "add_lora",
     "add_lora_int4",
+    "add_lora_steps",
     "choose_backend",
+    "config_slots",
     "fused_merge",
     "fused_switch",
     "fused_unmerge",
@@ -150,6 +154,42 @@ def add_lora_int4(
         active_slots=active_slots,
         check_values=check_values,
     )
+
+
+def add_lora_steps(
+    out: torch.Tensor,  # [T, sum N_i]
+    x: torch.Tensor,  # [T, H]
+    lora_a: torch.Tensor,  # [n_slices, S, R_max, H]
+    lora_b: Sequence[torch.Tensor],  # n_slices x [S, N_i, R_max]
+    scales: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32
+    meta: SegmentMeta,
+    *,
+    v_buffer: torch.Tensor,  # [n_slices, T, R_max] fp32
+    active_slots: int | None = None,
+    check_values: bool = True,
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``add_lora`` as its two launches, ``(shrink, expand)``, checked and bound to these
+    tensors, for a caller that runs them on two streams (each launches on the stream current
+    when it is called; the expand reads v from ``v_buffer``). Triton only: CUDA tensors, or
+    CPU ones under ``TRITON_INTERPRET=1``; see ``sgmm.plan_add_lora``."""
+    from adaptermesh.kernels import sgmm
+
+    return sgmm.plan_add_lora(
+        out, x, lora_a, lora_b, scales, ranks, meta, v_buffer=v_buffer,
+        active_slots=active_slots, check_values=check_values, fused=False, pdl=False,
+    ).steps()  # fmt: skip
+
+
+def config_slots(num_tokens: int, active_slots: int) -> tuple[str, int | None]:
+    """(the batch's density class, the ``active_slots`` to pick kernel configs by) for a
+    step of ``num_tokens`` tokens over ``active_slots`` distinct adapters. Every batch of one
+    class gets the same configs, so a CUDA graph keyed by the class replays the right ones:
+    one adapter over 64 decode rows takes the dense tiles, 64 adapters the per-token ones."""
+    from adaptermesh.kernels.sgmm_config import density_bucket, density_slots
+
+    density = density_bucket(num_tokens, max(1, active_slots))
+    return density, density_slots(num_tokens, density)
 
 
 # ---------------------------------------------------------------------------------------------

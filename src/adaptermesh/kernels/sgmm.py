@@ -5,7 +5,7 @@ Three files, one concern each: ``sgmm_config.py`` picks a batch's tile shapes (t
 tables), ``sgmm_kernels.py`` holds the ``@triton.jit`` bodies and their maths, and this file
 checks the arguments (``_validate.py``), sizes the grids from shapes only and launches. Worker
 code calls the ops through ``dispatch.py``, which runs the torch twins (``reference.py``) on
-CPU. The config names are re-exported here, where callers have always found them.
+CPU.
 """
 
 from __future__ import annotations
@@ -34,20 +34,14 @@ from adaptermesh.kernels._validate import (
 from adaptermesh.kernels._workspace import split_workspace
 from adaptermesh.kernels.meta import SegmentMeta
 from adaptermesh.kernels.sgmm_config import (
-    FUSED_MAX_HIDDEN,
     FUSED_MAX_RANK,
-    GEMV_EXPAND_MAX_RANK,
-    HOIST_MAX_RANK,
-    T_BUCKETS,
     SgmmConfig,
-    density_bucket,
     expand_config,
     fused_config,
     pow2_at_least_16,
     shrink_config,
 )
 from adaptermesh.kernels.sgmm_kernels import (
-    sgmm_expand_gemv_kernel,
     sgmm_expand_kernel,
     sgmm_fused_kernel,
     sgmm_shrink_gemv_kernel,
@@ -55,22 +49,12 @@ from adaptermesh.kernels.sgmm_kernels import (
 )
 
 __all__ = [
-    "FUSED_MAX_HIDDEN",
-    "FUSED_MAX_RANK",
-    "GEMV_EXPAND_MAX_RANK",
-    "HOIST_MAX_RANK",
-    "T_BUCKETS",
     "AddLoraPlan",
-    "SgmmConfig",
     "add_lora",
-    "density_bucket",
-    "expand_config",
-    "fused_config",
     "pdl_available",
     "plan_add_lora",
     "sgmm_expand",
     "sgmm_shrink",
-    "shrink_config",
     "shrink_output",
     "sm_count",
     "split_plan",
@@ -339,25 +323,26 @@ def _launch_expand(
         *bs[1].stride(),
         *bs[2].stride(),
     )
+    check_hoist_rank(cfg, shapes.r_max)
+    # Every constexpr is passed, PDL too: a prepared launch binds them all. The tile-only
+    # ones are fixed for a gemv config, so its variants compile once.
     consts: dict[str, object] = {
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "BLOCK_K": cfg.block_k,
         "BLOCK_S": triton.next_power_of_2(shapes.num_slots),
+        "DOT_FP32": dot_fp32(out.dtype) and not cfg.gemv,
+        "PREFETCH_OUT": cfg.prefetch_out and not cfg.gemv,
+        "PDL": pdl,
+        "HOIST_V": cfg.hoist_v and not cfg.gemv,
+        "GEMV": cfg.gemv,
     }
-    check_hoist_rank(cfg, shapes.r_max)
-    if cfg.gemv:
-        kernel = sgmm_expand_gemv_kernel
-    else:
-        kernel = sgmm_expand_kernel
-        consts |= {"DOT_FP32": dot_fp32(out.dtype), "PREFETCH_OUT": cfg.prefetch_out}
-    consts["PDL"] = pdl  # passed either way: a prepared launch binds every constexpr
-    if not cfg.gemv:
-        consts["HOIST_V"] = cfg.hoist_v
     if pdl:
-        return run(kernel, grid, args, consts, num_warps=cfg.num_warps,
+        return run(sgmm_expand_kernel, grid, args, consts, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages, launch_pdl=True)  # fmt: skip
-    return run(kernel, grid, args, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return run(
+        sgmm_expand_kernel, grid, args, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+    )
 
 
 def _launch_fused(

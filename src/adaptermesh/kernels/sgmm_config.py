@@ -11,6 +11,7 @@ came from is named next to its table.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import triton
 
@@ -22,7 +23,12 @@ __all__ = [
     "MID_TOKENS_PER_SLOT",
     "SPARSE_TOKENS_PER_SLOT",
     "T_BUCKETS",
+    "ExpandTile",
+    "FusedTile",
+    "Int4ExpandTile",
+    "Int4ShrinkTile",
     "SgmmConfig",
+    "ShrinkTile",
     "density_bucket",
     "density_slots",
     "expand_config",
@@ -80,6 +86,68 @@ def pow2_at_least_16(n: int) -> int:
     return max(16, int(triton.next_power_of_2(n)))
 
 
+# One named row type per table layout; the config functions read rows by field name. Fields
+# are SgmmConfig's; the defaults are the tables' most common values.
+class ShrinkTile(NamedTuple):
+    """A shrink row. ``gemv_rows`` > 0 picks the matrix-vector shrink with that many rank rows
+    per program (its block_n), no split; else block_n = min(pow2(R_max), 64)."""
+
+    block_m: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    gemv_rows: int = 0
+
+
+class ExpandTile(NamedTuple):
+    """An expand row; block_k follows from the rank (the whole rank for gemv or hoist_v,
+    else min(pow2(R_max), 64))."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    prefetch_out: bool = False
+    n_blocks: int = 1
+    gemv: bool = False
+    hoist_v: bool = False
+
+
+class FusedTile(NamedTuple):
+    """A one-launch (fused shrink and expand) row."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    n_blocks: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+class Int4ShrinkTile(NamedTuple):
+    """An INT4 shrink row; ``block_n`` is the rank rows per program for gemv."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    gemv: bool = False
+
+
+class Int4ExpandTile(NamedTuple):
+    """An INT4 expand row; block_k covers the rank for gemv."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    n_blocks: int = 1
+    gemv: bool = False
+
+
 # Token-count buckets (upper bounds, inclusive) and rank buckets: ranks up to 32 use the
 # "low" row, larger ranks the "high" row. The sweep ran r=16 and r=64.
 T_BUCKETS = (16, 64, 256, 1 << 62)
@@ -95,37 +163,37 @@ def rank_bucket(r_max: int) -> str:
 
 # Sweep of 2026-11-29 (bench_sgmm.py --sweep, bench/results/sgmm_h200_run2.json): each op alone,
 # graph replay over 16 input sets, S=1, H=4096, bf16; every candidate checked against fp32 torch.
-# shrink: (block_m, block_k, split_k, num_warps, num_stages); block_n = min(pow2(R_max), 64).
+# shrink rows: block_n = min(pow2(R_max), 64).
 # Best vs. the unsplit tile, us: T=16 r=16 6.6 (unsplit 16x256: 10.4); T=16 r=64 8.3 (15.9);
 # T=64 r=16 6.6 (10.5); T=64 r=64 8.7 (15.8); T=256 r=16 7.5 (32x256: 10.8); T=256 r=64 9.7;
 # T=4096 r=16 14.3
 # (split 1: 14.4); T=4096 r=64 18.7 (32x256: 20.3). More splits lose: 32 splits of 128 cost
 # 11.6-15.8 us at T=16/64, the partial traffic and the serial last-arrival sum grow.
-_SHRINK_TABLE: dict[tuple[int, str], tuple[int, int, int, int, int]] = {
-    (16, "low"): (16, 256, 8, 4, 3),
-    (16, "high"): (16, 256, 8, 4, 3),
-    (64, "low"): (16, 256, 8, 4, 3),
-    (64, "high"): (16, 128, 8, 4, 3),
-    (256, "low"): (16, 128, 8, 4, 3),
-    (256, "high"): (16, 128, 4, 4, 3),
-    (T_BUCKETS[-1], "low"): (32, 256, 2, 4, 3),
-    (T_BUCKETS[-1], "high"): (64, 256, 1, 8, 3),
+_SHRINK_TABLE: dict[tuple[int, str], ShrinkTile] = {
+    (16, "low"): ShrinkTile(block_m=16, block_k=256, split_k=8),
+    (16, "high"): ShrinkTile(block_m=16, block_k=256, split_k=8),
+    (64, "low"): ShrinkTile(block_m=16, block_k=256, split_k=8),
+    (64, "high"): ShrinkTile(block_m=16, block_k=128, split_k=8),
+    (256, "low"): ShrinkTile(block_m=16, block_k=128, split_k=8),
+    (256, "high"): ShrinkTile(block_m=16, block_k=128, split_k=4),
+    (T_BUCKETS[-1], "low"): ShrinkTile(block_m=32, block_k=256, split_k=2),
+    (T_BUCKETS[-1], "high"): ShrinkTile(block_m=64, block_k=256, split_k=1, num_warps=8),
 }
 
-# expand: (block_m, block_n, num_warps, num_stages, prefetch_out); block_k = min(pow2(R_max), 64).
+# expand rows: block_k = min(pow2(R_max), 64).
 # Picked per (T, r) by the least summed slowdown over N=4096 and N=14336, us (N=4096 / 14336):
 # T=16 r=16 3.0/3.3; T=16 r=64 3.7/4.6; T=64 r=16 3.2/4.2; T=64 r=64 4.2/5.6 (16x128: 4.5/8.4);
 # T=256 r=16 5.2/10.1; T=256 r=64 5.8/19.1; T=4096 r=16 27.9/90.4; T=4096 r=64 47.1/149.7
 # (the old 64x128 tile: 51.7/166.5). Prefetching out wins by 0-5 %, never loses more than 4 %.
-_EXPAND_TABLE: dict[tuple[int, str], tuple[int, int, int, int, bool]] = {
-    (16, "low"): (16, 256, 4, 2, True),
-    (16, "high"): (16, 128, 4, 2, False),
-    (64, "low"): (16, 256, 4, 2, True),
-    (64, "high"): (32, 128, 4, 2, True),
-    (256, "low"): (64, 128, 4, 2, True),
-    (256, "high"): (32, 128, 4, 2, True),
-    (T_BUCKETS[-1], "low"): (64, 128, 4, 2, False),
-    (T_BUCKETS[-1], "high"): (64, 256, 8, 2, True),
+_EXPAND_TABLE: dict[tuple[int, str], ExpandTile] = {
+    (16, "low"): ExpandTile(block_m=16, block_n=256, prefetch_out=True),
+    (16, "high"): ExpandTile(block_m=16, block_n=128),
+    (64, "low"): ExpandTile(block_m=16, block_n=256, prefetch_out=True),
+    (64, "high"): ExpandTile(block_m=32, block_n=128, prefetch_out=True),
+    (256, "low"): ExpandTile(block_m=64, block_n=128, prefetch_out=True),
+    (256, "high"): ExpandTile(block_m=32, block_n=128, prefetch_out=True),
+    (T_BUCKETS[-1], "low"): ExpandTile(block_m=64, block_n=128),
+    (T_BUCKETS[-1], "high"): ExpandTile(block_m=64, block_n=256, num_warps=8, prefetch_out=True),
 }
 
 
@@ -166,27 +234,25 @@ def density_slots(num_tokens: int, density: str) -> int | None:
 # summed time over the groups and shapes of its key. Every T <= 256 shape measured (S = 1..256)
 # and T=1024 at 16 tokens per adapter won with 16- or 32-row tiles: at T=1024 S=64 the old
 # 64-row rows took 385.9 us summed, these 182.6.
-# (block_m, block_k, split_k, num_warps, num_stages, gemv_rows): gemv_rows > 0 picks the
-# matrix-vector shrink with that many rank rows per program (block_n), no split.
-_SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int]] = {
-    (16, "sparse", "low"): (16, 256, 4, 4, 5, 0),
-    (16, "sparse", "high"): (16, 256, 8, 4, 3, 0),
-    (16, "mid", "low"): (16, 256, 8, 4, 3, 0),
-    (16, "mid", "high"): (16, 256, 8, 4, 3, 0),
-    (16, "dense", "low"): (16, 256, 8, 4, 3, 0),
-    (16, "dense", "high"): (16, 256, 8, 4, 3, 0),
-    (64, "sparse", "low"): (32, 256, 4, 4, 3, 0),
-    (64, "sparse", "high"): (16, 256, 4, 4, 3, 0),
-    (64, "mid", "low"): (16, 256, 4, 4, 5, 0),
-    (64, "dense", "low"): (16, 256, 4, 4, 5, 0),
-    (256, "sparse", "low"): (16, 256, 4, 4, 3, 0),
-    (256, "sparse", "high"): (16, 256, 4, 4, 3, 0),
-    (T_BUCKETS[-1], "sparse", "low"): (16, 256, 4, 4, 3, 0),
-    (T_BUCKETS[-1], "mid", "low"): (16, 256, 4, 4, 3, 0),
-    (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 4, 3, 0),
-    (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 4, 3, 0),
-    (T_BUCKETS[-1], "dense", "low"): (16, 256, 4, 4, 5, 0),
-    (T_BUCKETS[-1], "dense", "high"): (64, 128, 1, 4, 4, 0),
+_SHRINK_ROWS: dict[tuple[int, str, str], ShrinkTile] = {
+    (16, "sparse", "low"): ShrinkTile(block_m=16, block_k=256, split_k=4, num_stages=5),
+    (16, "sparse", "high"): ShrinkTile(block_m=16, block_k=256, split_k=8),
+    (16, "mid", "low"): ShrinkTile(block_m=16, block_k=256, split_k=8),
+    (16, "mid", "high"): ShrinkTile(block_m=16, block_k=256, split_k=8),
+    (16, "dense", "low"): ShrinkTile(block_m=16, block_k=256, split_k=8),
+    (16, "dense", "high"): ShrinkTile(block_m=16, block_k=256, split_k=8),
+    (64, "sparse", "low"): ShrinkTile(block_m=32, block_k=256, split_k=4),
+    (64, "sparse", "high"): ShrinkTile(block_m=16, block_k=256, split_k=4),
+    (64, "mid", "low"): ShrinkTile(block_m=16, block_k=256, split_k=4, num_stages=5),
+    (64, "dense", "low"): ShrinkTile(block_m=16, block_k=256, split_k=4, num_stages=5),
+    (256, "sparse", "low"): ShrinkTile(block_m=16, block_k=256, split_k=4),
+    (256, "sparse", "high"): ShrinkTile(block_m=16, block_k=256, split_k=4),
+    (T_BUCKETS[-1], "sparse", "low"): ShrinkTile(block_m=16, block_k=256, split_k=4),
+    (T_BUCKETS[-1], "mid", "low"): ShrinkTile(block_m=16, block_k=256, split_k=4),
+    (T_BUCKETS[-1], "sparse", "high"): ShrinkTile(block_m=16, block_k=256, split_k=4),
+    (T_BUCKETS[-1], "mid", "high"): ShrinkTile(block_m=16, block_k=256, split_k=4),
+    (T_BUCKETS[-1], "dense", "low"): ShrinkTile(block_m=16, block_k=256, split_k=4, num_stages=5),
+    (T_BUCKETS[-1], "dense", "high"): ShrinkTile(block_m=64, block_k=128, split_k=1, num_stages=4),
 }
 # Rows of the sweep of 2026-12-04 on H = N = 4096 (bench/sweep_sgmm_decode.py --groups o,
 # bench/results/sgmm_decode_sweep_h200_hoist.json), each op alone in graph replay:
@@ -199,33 +265,48 @@ _SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int]] = 
 #   us, r=64 (16,256,4 blocks) 21.6 (the unhoisted rows 16.1 / 26.4); at T=64 r=64 the gemv
 #   expand 18.7 (the previous 16-row row 24.5, the best tile 20.4) with the split-4 shrink
 #   15.8 (split 1: 16.9).
-# (block_m, block_n, num_warps, num_stages, prefetch_out, n_blocks, gemv, hoist_v). The gemv rows are
-# from the matrix-vector sweep of 2026-12-02 (bench/results/sgmm_decode_sweep_h200_gemv.json):
+# The gemv rows are from the matrix-vector sweep of 2026-12-02 (bench/results/sgmm_decode_sweep_h200_gemv.json):
 # at one to four tokens per adapter and T <= 64, one token per program with the whole rank in one
 # tile won every case against the tensor-core tiles (pick summed over the layer's groups: T=16
 # 38.9 us, T=64 56.3 us); at T=64 S=64 the case's best shrink plus best expand took 30.6 us for
 # qkv and 35.5 for gate_up, the tables of that day 40.4 and 55.0. At T=256 tiles won 3 of 4.
-_EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, bool, int, bool, bool]] = {
-    (16, "sparse", "low"): (1, 512, 4, 2, False, 1, True, False),
-    (16, "sparse", "high"): (16, 256, 4, 2, True, 1, False, False),
-    (16, "mid", "low"): (16, 256, 4, 2, True, 1, False, False),
-    (16, "mid", "high"): (16, 256, 4, 2, True, 1, False, False),
-    (16, "dense", "low"): (16, 256, 4, 2, True, 1, False, False),
-    (16, "dense", "high"): (16, 256, 4, 2, True, 1, False, False),
-    (64, "sparse", "low"): (1, 512, 4, 2, False, 1, True, False),
-    (64, "sparse", "high"): (1, 256, 4, 3, False, 4, True, False),
-    (64, "mid", "low"): (16, 256, 4, 2, True, 2, False, False),
-    (64, "mid", "high"): (16, 256, 4, 2, True, 2, False, False),
-    (64, "dense", "low"): (16, 256, 4, 2, True, 2, False, False),
-    (64, "dense", "high"): (16, 256, 4, 2, True, 2, False, False),
-    (256, "sparse", "low"): (16, 512, 8, 3, False, 2, False, True),
-    (256, "sparse", "high"): (16, 256, 4, 3, False, 4, False, True),
-    (T_BUCKETS[-1], "sparse", "low"): (16, 128, 4, 3, True, 4, False, False),
-    (T_BUCKETS[-1], "mid", "low"): (16, 128, 4, 3, True, 4, False, False),
-    (T_BUCKETS[-1], "sparse", "high"): (16, 256, 4, 3, True, 4, False, False),
-    (T_BUCKETS[-1], "mid", "high"): (16, 256, 4, 3, True, 4, False, False),
-    (T_BUCKETS[-1], "dense", "low"): (64, 128, 8, 3, False, 8, False, True),
-    (T_BUCKETS[-1], "dense", "high"): (64, 128, 8, 3, False, 8, False, True),
+_EXPAND_ROWS: dict[tuple[int, str, str], ExpandTile] = {
+    (16, "sparse", "low"): ExpandTile(block_m=1, block_n=512, gemv=True),
+    (16, "sparse", "high"): ExpandTile(block_m=16, block_n=256, prefetch_out=True),
+    (16, "mid", "low"): ExpandTile(block_m=16, block_n=256, prefetch_out=True),
+    (16, "mid", "high"): ExpandTile(block_m=16, block_n=256, prefetch_out=True),
+    (16, "dense", "low"): ExpandTile(block_m=16, block_n=256, prefetch_out=True),
+    (16, "dense", "high"): ExpandTile(block_m=16, block_n=256, prefetch_out=True),
+    (64, "sparse", "low"): ExpandTile(block_m=1, block_n=512, gemv=True),
+    (64, "sparse", "high"): ExpandTile(block_m=1, block_n=256, num_stages=3, n_blocks=4, gemv=True),
+    (64, "mid", "low"): ExpandTile(block_m=16, block_n=256, prefetch_out=True, n_blocks=2),
+    (64, "mid", "high"): ExpandTile(block_m=16, block_n=256, prefetch_out=True, n_blocks=2),
+    (64, "dense", "low"): ExpandTile(block_m=16, block_n=256, prefetch_out=True, n_blocks=2),
+    (64, "dense", "high"): ExpandTile(block_m=16, block_n=256, prefetch_out=True, n_blocks=2),
+    (256, "sparse", "low"): ExpandTile(
+        block_m=16, block_n=512, num_warps=8, num_stages=3, n_blocks=2, hoist_v=True
+    ),
+    (256, "sparse", "high"): ExpandTile(
+        block_m=16, block_n=256, num_stages=3, n_blocks=4, hoist_v=True
+    ),
+    (T_BUCKETS[-1], "sparse", "low"): ExpandTile(
+        block_m=16, block_n=128, num_stages=3, prefetch_out=True, n_blocks=4
+    ),
+    (T_BUCKETS[-1], "mid", "low"): ExpandTile(
+        block_m=16, block_n=128, num_stages=3, prefetch_out=True, n_blocks=4
+    ),
+    (T_BUCKETS[-1], "sparse", "high"): ExpandTile(
+        block_m=16, block_n=256, num_stages=3, prefetch_out=True, n_blocks=4
+    ),
+    (T_BUCKETS[-1], "mid", "high"): ExpandTile(
+        block_m=16, block_n=256, num_stages=3, prefetch_out=True, n_blocks=4
+    ),
+    (T_BUCKETS[-1], "dense", "low"): ExpandTile(
+        block_m=64, block_n=128, num_warps=8, num_stages=3, n_blocks=8, hoist_v=True
+    ),
+    (T_BUCKETS[-1], "dense", "high"): ExpandTile(
+        block_m=64, block_n=128, num_warps=8, num_stages=3, n_blocks=8, hoist_v=True
+    ),
 }
 
 
@@ -247,20 +328,11 @@ HOIST_MAX_RANK = 128
 # A gemv expand program holds a [block_n, pow2(rank)] fp32 tile: the rows (swept up to r=64)
 # apply up to this rank; wider ranks take the T bucket's tile row.
 GEMV_EXPAND_MAX_RANK = 64
-_ONE_TOKEN_SHRINK: dict[bool, tuple[int, int, int, int, int, int]] = {
-    False: (1, 1024, 1, 4, 2, 2),  # H <= 4096
-    True: (16, 256, 8, 4, 3, 0),  # wider H
+_ONE_TOKEN_SHRINK: dict[bool, ShrinkTile] = {
+    False: ShrinkTile(block_m=1, block_k=1024, split_k=1, num_stages=2, gemv_rows=2),  # H <= 4096
+    True: ShrinkTile(block_m=16, block_k=256, split_k=8),  # wider H
 }
-_ONE_TOKEN_EXPAND: tuple[int, int, int, int, bool, int, bool, bool] = (
-    16,
-    256,
-    4,
-    2,
-    True,
-    1,
-    False,
-    False,
-)
+_ONE_TOKEN_EXPAND = ExpandTile(block_m=16, block_n=256, prefetch_out=True)
 
 
 def shrink_config(
@@ -275,12 +347,16 @@ def shrink_config(
     if num_tokens <= _GEMV_SHRINK_MAX_TOKENS and rank_key == "low":
         row = _ONE_TOKEN_SHRINK[hidden > _ONE_TOKEN_NARROW_H]
     if row is None:
-        row = (*_SHRINK_TABLE[(token_key, rank_key)], 0)
-    bm, bk, split, warps, stages, gemv_rows = row
-    if gemv_rows:
-        return SgmmConfig(bm, gemv_rows, bk, num_warps=warps, num_stages=stages, gemv=True)
-    bn = min(pow2_at_least_16(r_max), 64)
-    return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, split_k=split)
+        row = _SHRINK_TABLE[(token_key, rank_key)]
+    if row.gemv_rows:
+        return SgmmConfig(
+            row.block_m, row.gemv_rows, row.block_k, num_warps=row.num_warps,
+            num_stages=row.num_stages, gemv=True,
+        )  # fmt: skip
+    return SgmmConfig(
+        row.block_m, min(pow2_at_least_16(r_max), 64), row.block_k, num_warps=row.num_warps,
+        num_stages=row.num_stages, split_k=row.split_k,
+    )  # fmt: skip
 
 
 def expand_config(
@@ -295,24 +371,22 @@ def expand_config(
     row = _EXPAND_ROWS.get((token_key, density_bucket(num_tokens, active_slots), rank_key))
     if num_tokens == 1 and rank_key == "low":
         row = _ONE_TOKEN_EXPAND
-    if row is None or (row[6] and r_max > GEMV_EXPAND_MAX_RANK):
-        row = (*_EXPAND_TABLE[(token_key, rank_key)], 1, False, False)
-    bm, bn, warps, stages, prefetch, nb, gemv, hoist = row
+    if row is None or (row.gemv and r_max > GEMV_EXPAND_MAX_RANK):
+        row = _EXPAND_TABLE[(token_key, rank_key)]
     # The hoisted tile keeps the whole rank in registers: up to HOIST_MAX_RANK.
-    hoist = hoist and r_max <= HOIST_MAX_RANK
+    hoist = row.hoist_v and r_max <= HOIST_MAX_RANK
     # A gemv program (or a hoisted tile) holds the whole rank in one tile; a tensor-core tile
     # walks it in steps.
-    whole = gemv or hoist
+    whole = row.gemv or hoist
     bk = pow2_at_least_16(r_max) if whole else min(pow2_at_least_16(r_max), 64)
     return SgmmConfig(
-        bm, bn, bk, num_warps=warps, num_stages=stages, prefetch_out=prefetch, n_blocks=nb,
-        gemv=gemv, hoist_v=hoist,
+        row.block_m, row.block_n, bk, num_warps=row.num_warps, num_stages=row.num_stages,
+        prefetch_out=row.prefetch_out, n_blocks=row.n_blocks, gemv=row.gemv, hoist_v=hoist,
     )  # fmt: skip
 
 
 # One launch (shrink and expand fused) where it measured faster than the two launches' best,
-# per (T bucket, density, rank bucket): (block_m, block_n, block_k, n_blocks, num_warps,
-# num_stages); a missing key keeps the two launches. Ranks above FUSED_MAX_RANK never fuse
+# per (T bucket, density, rank bucket); a missing key keeps the two launches. Ranks above FUSED_MAX_RANK never fuse
 # (v lives in registers). From the sweep of 2026-12-03 (bench/sweep_sgmm_decode.py, fused
 # candidates beside the best shrink + expand timed together with PDL, graph replay, pool of
 # 128, bench/results/sgmm_decode_sweep_h200_fused_pdl.json): at T=4096, r=16, S=1 and 64, the
@@ -324,8 +398,8 @@ def expand_config(
 FUSED_MAX_RANK = 128
 FUSED_MAX_HIDDEN = 4096
 _FUSED_MIN_PROGRAMS_PER_SM = 2
-_FUSED_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int]] = {
-    (T_BUCKETS[-1], "dense", "low"): (32, 128, 64, 32, 4, 3),
+_FUSED_ROWS: dict[tuple[int, str, str], FusedTile] = {
+    (T_BUCKETS[-1], "dense", "low"): FusedTile(block_m=32, block_n=128, block_k=64, n_blocks=32),
 }
 
 
@@ -348,15 +422,17 @@ def fused_config(
     )
     if row is None:
         return None
-    bm, bn, bk, nb, warps, stages = row
     programs = (
-        int(triton.cdiv(num_tokens, bm))  # the non-empty tiles at least
-        * int(triton.cdiv(n_max, bn * nb))
+        int(triton.cdiv(num_tokens, row.block_m))  # the non-empty tiles at least
+        * int(triton.cdiv(n_max, row.block_n * row.n_blocks))
         * n_slices
     )
     if programs < _FUSED_MIN_PROGRAMS_PER_SM * sm_count:
         return None
-    return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, n_blocks=nb, fused=True)
+    return SgmmConfig(
+        row.block_m, row.block_n, row.block_k, num_warps=row.num_warps,
+        num_stages=row.num_stages, n_blocks=row.n_blocks, fused=True,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,21 +446,23 @@ def fused_config(
 # 15.0 (tile 19.7), expand gemv 15.6 (tile 17.3); r=64 T=64 S=64 shrink 22.8, expand gemv
 # 17.6; r=64 T=256 S=64 shrink 16x16 split tile 41.0, expand 16x256 tile 30.2. T <= 16 keeps
 # the bf16 rows (7.6 / 10.7 us at S = 1 / 16, the best pairs 8.5 / 10.6).
-# shrink: (block_m, block_n (rank rows for gemv), block_k, split_k, warps, stages, gemv).
-_INT4_SHRINK_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, int, bool]] = {
-    (64, "mid", "low"): (1, 2, 1024, 1, 4, 2, True),
-    (64, "sparse", "low"): (1, 2, 1024, 1, 4, 2, True),
-    (64, "sparse", "high"): (1, 2, 1024, 1, 4, 2, True),
-    (256, "sparse", "low"): (2, 4, 512, 1, 4, 2, True),
-    (256, "sparse", "high"): (16, 16, 512, 4, 4, 3, False),
+_INT4_SHRINK_ROWS: dict[tuple[int, str, str], Int4ShrinkTile] = {
+    (64, "mid", "low"): Int4ShrinkTile(block_m=1, block_n=2, block_k=1024, gemv=True),
+    (64, "sparse", "low"): Int4ShrinkTile(block_m=1, block_n=2, block_k=1024, gemv=True),
+    (64, "sparse", "high"): Int4ShrinkTile(block_m=1, block_n=2, block_k=1024, gemv=True),
+    (256, "sparse", "low"): Int4ShrinkTile(block_m=2, block_n=4, block_k=512, gemv=True),
+    (256, "sparse", "high"): Int4ShrinkTile(
+        block_m=16, block_n=16, block_k=512, split_k=4, num_stages=3
+    ),
 }
-# expand: (block_m, block_n, warps, stages, n_blocks, gemv); block_k covers the rank for gemv.
-_INT4_EXPAND_ROWS: dict[tuple[int, str, str], tuple[int, int, int, int, int, bool]] = {
-    (64, "mid", "low"): (16, 256, 4, 2, 1, False),
-    (64, "sparse", "low"): (2, 512, 4, 2, 1, True),
-    (64, "sparse", "high"): (1, 256, 4, 3, 4, True),
-    (256, "sparse", "low"): (2, 512, 4, 2, 1, True),
-    (256, "sparse", "high"): (16, 256, 4, 2, 1, False),
+_INT4_EXPAND_ROWS: dict[tuple[int, str, str], Int4ExpandTile] = {
+    (64, "mid", "low"): Int4ExpandTile(block_m=16, block_n=256),
+    (64, "sparse", "low"): Int4ExpandTile(block_m=2, block_n=512, gemv=True),
+    (64, "sparse", "high"): Int4ExpandTile(
+        block_m=1, block_n=256, num_stages=3, n_blocks=4, gemv=True
+    ),
+    (256, "sparse", "low"): Int4ExpandTile(block_m=2, block_n=512, gemv=True),
+    (256, "sparse", "high"): Int4ExpandTile(block_m=16, block_n=256),
 }
 
 
@@ -399,8 +477,10 @@ def int4_shrink_config(
     row = _INT4_SHRINK_ROWS.get(_int4_key(num_tokens, r_max, active_slots))
     if row is None:
         return shrink_config(num_tokens, hidden, r_max, active_slots)
-    bm, bn, bk, split, warps, stages, gemv = row
-    return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, split_k=split, gemv=gemv)
+    return SgmmConfig(
+        row.block_m, row.block_n, row.block_k, num_warps=row.num_warps,
+        num_stages=row.num_stages, split_k=row.split_k, gemv=row.gemv,
+    )  # fmt: skip
 
 
 def int4_expand_config(
@@ -408,8 +488,10 @@ def int4_expand_config(
 ) -> SgmmConfig:
     """The INT4 expand config for a batch: an INT4 row, else the bf16 tables'."""
     row = _INT4_EXPAND_ROWS.get(_int4_key(num_tokens, r_max, active_slots))
-    if row is None or (row[5] and r_max > GEMV_EXPAND_MAX_RANK):
+    if row is None or (row.gemv and r_max > GEMV_EXPAND_MAX_RANK):
         return expand_config(num_tokens, n_max, r_max, active_slots)
-    bm, bn, warps, stages, nb, gemv = row
-    bk = pow2_at_least_16(r_max) if gemv else min(pow2_at_least_16(r_max), 64)
-    return SgmmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, n_blocks=nb, gemv=gemv)
+    bk = pow2_at_least_16(r_max) if row.gemv else min(pow2_at_least_16(r_max), 64)
+    return SgmmConfig(
+        row.block_m, row.block_n, bk, num_warps=row.num_warps, num_stages=row.num_stages,
+        n_blocks=row.n_blocks, gemv=row.gemv,
+    )  # fmt: skip

@@ -3,8 +3,8 @@ Triton, A and B packed 4-bit (``int4_weight.Int4Weight``).
 
 Like ``sgmm.py`` for bf16: the configs come from ``sgmm_config.py`` (INT4 rows, else the bf16
 tables), the kernels from ``sgmm_int4_kernels.py``, the checks from ``_validate.py``. The torch
-twin is ``reference.add_lora_int4_ref``; ``dispatch.add_lora_int4`` picks one of the two. The
-format, quantisation and twin names are re-exported here, where callers have always found them.
+twin is ``reference.add_lora_int4_ref``; ``dispatch.add_lora_int4`` picks one of the two.
+The INT4 format is ``int4_weight.py``, its quantisation ``int4_quant.py``.
 """
 
 from __future__ import annotations
@@ -28,23 +28,10 @@ from adaptermesh.kernels._validate import (
     check_int4_groups,
     check_shrink_int4,
 )
-from adaptermesh.kernels.int4_quant import (
-    CLIP_RATIOS,
-    dequantize_int4,
-    quantize_int4,
-    quantize_lora,
-    unpack_int4,
-)
 from adaptermesh.kernels.int4_weight import (
-    DEFAULT_GROUP_SIZE,
-    SCALE_BITS,
-    SCALE_DTYPE,
     Int4Weight,
-    packed_shape,
-    scales_shape,
 )
 from adaptermesh.kernels.meta import SegmentMeta
-from adaptermesh.kernels.reference import add_lora_int4_ref
 from adaptermesh.kernels.sgmm import (
     pdl_available,
     shrink_output,
@@ -56,25 +43,7 @@ from adaptermesh.kernels.sgmm import (
 from adaptermesh.kernels.sgmm_config import SgmmConfig, int4_expand_config, int4_shrink_config
 from adaptermesh.kernels.sgmm_int4_kernels import expand_int4_kernel, shrink_int4_kernel
 
-__all__ = [
-    "CLIP_RATIOS",
-    "DEFAULT_GROUP_SIZE",
-    "SCALE_BITS",
-    "SCALE_DTYPE",
-    "Int4Weight",
-    "add_lora_int4",
-    "add_lora_int4_ref",
-    "dequantize_int4",
-    "int4_expand_config",
-    "int4_shrink_config",
-    "packed_shape",
-    "quantize_int4",
-    "quantize_lora",
-    "scales_shape",
-    "sgmm_expand_int4",
-    "sgmm_shrink_int4",
-    "unpack_int4",
-]
+__all__ = ["add_lora_int4", "sgmm_expand_int4", "sgmm_shrink_int4"]
 
 
 def _scale_blocks(q: Int4Weight, cfg: SgmmConfig) -> bool:

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from adaptermesh.kernels.sgmm_kernels import (
+    expand_tile,
     locate_tile,
-    slice_columns,
     slice_pointer,
     slice_strides,
     store_shrink_tile,
@@ -275,8 +275,7 @@ def expand_int4_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_i = tl.program_id(2)
-    # Per-slice packed B, its scales, width, column offset and strides (at most three slices).
-    n_size, col_off = slice_columns(pid_i, N0, N1, N2, OFF1, OFF2)
+    # Per-slice packed B, its scales and their strides (at most three slices).
     stride_qs, stride_qn, stride_qr = slice_strides(
         pid_i, stride_q0s, stride_q0n, stride_q0r, stride_q1s, stride_q1n, stride_q1r,
         stride_q2s, stride_q2n, stride_q2r,
@@ -287,20 +286,11 @@ def expand_int4_kernel(
     )  # fmt: skip
     q_ptr = slice_pointer(pid_i, q0_ptr, q1_ptr, q2_ptr)
     s_ptr = slice_pointer(pid_i, s0_ptr, s1_ptr, s2_ptr)
-    n_first = pid_n * N_BLOCKS * BLOCK_N
-    if n_first >= n_size:
-        if PDL:  # every program waits, so this grid ends after the shrink it depends on
-            tl.extra.cuda.gdc_wait()
-        return
-    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
-        if PDL:  # every program waits, so this grid ends after the shrink it depends on
-            tl.extra.cuda.gdc_wait()
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    if rank == 0:
-        if PDL:  # every program waits, so this grid ends after the shrink it depends on
-            tl.extra.cuda.gdc_wait()
+    live, n_size, col_off, n_first, slot, row_begin, seg_end, rank = expand_tile(
+        pid_m, pid_n, pid_i, seg_start_ptr, ranks_ptr, S, R_MAX, N0, N1, N2, OFF1, OFF2,
+        N_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_S, PDL,
+    )  # fmt: skip
+    if not live:
         return
     HALF: tl.constexpr = BLOCK_K // 2
     mask_m, tok = tile_tokens(sorted_ptr, row_begin, seg_end, BLOCK_M)

@@ -23,8 +23,8 @@ weight dtype before the tensor-core product, and adds to ``out`` in fp32 with on
 
 The ``@triton.jit`` bodies only: the tables that pick their meta-parameters are in
 ``sgmm_config.py``, the launchers that check arguments and size the grids in ``sgmm.py``. The
-helpers below (tile location, slice selection, the split-K store) are public because the INT4
-kernels (``sgmm_int4_kernels.py``) run the same scheme.
+helpers below (tile location, slice selection, the expand prologue ``expand_tile``, the split-K
+store) are public because the INT4 kernels (``sgmm_int4_kernels.py``) run the same scheme.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "expand_tile",
     "locate_tile",
     "of_slice",
-    "sgmm_expand_gemv_kernel",
     "sgmm_expand_kernel",
     "sgmm_fused_kernel",
     "sgmm_shrink_gemv_kernel",
@@ -158,6 +158,54 @@ def slice_operand(
         stride_2n, stride_2r,
     )  # fmt: skip
     return slice_pointer(pid_i, p0, p1, p2), stride_s, stride_n, stride_r
+
+
+@triton.jit
+def _pdl_exit(PDL: tl.constexpr):
+    if PDL:  # every program waits, so the grid ends after the shrink it depends on
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def expand_tile(
+    pid_m,
+    pid_n,
+    pid_i,
+    seg_start_ptr,
+    ranks_ptr,
+    S,
+    R_MAX,
+    N0,
+    N1,
+    N2,
+    OFF1,
+    OFF2,
+    N_BLOCKS,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The prologue every expand kernel runs (bf16, INT4, fused): the output slice of
+    ``pid_i`` (width, first column), this program's first column, its (slot, tile) and the
+    slot's rank. Returns ``(live, n_size, col_off, n_first, slot, row_begin, seg_end, rank)``;
+    a program past its slice's width, without a tile, or on a rank-0 slot is not live and the
+    kernel returns at once. With ``PDL`` such a program has waited for the shrink first, so the
+    grid still ends after the launch it depends on."""
+    n_size, col_off = slice_columns(pid_i, N0, N1, N2, OFF1, OFF2)
+    n_first = pid_n * N_BLOCKS * BLOCK_N
+    if n_first >= n_size:
+        _pdl_exit(PDL)
+        return False, n_size, col_off, n_first, 0, 0, 0, 0
+    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    if not has_tile:
+        _pdl_exit(PDL)
+        return False, n_size, col_off, n_first, slot, row_begin, seg_end, 0
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
+    if rank == 0:
+        _pdl_exit(PDL)
+        return False, n_size, col_off, n_first, slot, row_begin, seg_end, rank
+    return True, n_size, col_off, n_first, slot, row_begin, seg_end, rank
 
 
 @triton.jit
@@ -408,30 +456,62 @@ def sgmm_expand_kernel(
     PREFETCH_OUT: tl.constexpr,
     PDL: tl.constexpr = False,
     HOIST_V: tl.constexpr = False,  # BLOCK_K >= R_MAX: v loaded once, one product per block
+    GEMV: tl.constexpr = False,
 ):
+    """Tiles: each program adds ``v @ B.T`` for a BLOCK_M tile of one slot's tokens to
+    N_BLOCKS column blocks, one tensor-core product per step of the rank (with HOIST_V, v is
+    loaded once and each column block is one product).
+
+    GEMV, a gathered matrix-vector product (a few tokens per program: decode at about one
+    token per adapter): each program loads a [BLOCK_N, rank] tile of its slot's B once
+    (BLOCK_K >= R_MAX, the whole rank) and, for each of its at most BLOCK_M tokens, reduces
+    it against the token's v row on the CUDA cores. No tensor-core tile, so no 16-row padding
+    of a segment that holds one token; DOT_FP32, PREFETCH_OUT and HOIST_V do not apply."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_i = tl.program_id(2)
-    # Per-slice B matrix, width, column offset and strides (at most three slices).
-    n_size, col_off = slice_columns(pid_i, N0, N1, N2, OFF1, OFF2)
+    # Per-slice B matrix and strides (at most three slices).
     b_ptr, stride_bs, stride_bn, stride_br = slice_operand(
         pid_i, b0_ptr, b1_ptr, b2_ptr, stride_b0s, stride_b0n, stride_b0r, stride_b1s,
         stride_b1n, stride_b1r, stride_b2s, stride_b2n, stride_b2r,
     )  # fmt: skip
-    n_first = pid_n * N_BLOCKS * BLOCK_N
-    if n_first >= n_size:
-        if PDL:  # every program waits, so this grid ends after the shrink it depends on
-            tl.extra.cuda.gdc_wait()
+    live, n_size, col_off, n_first, slot, row_begin, seg_end, rank = expand_tile(
+        pid_m, pid_n, pid_i, seg_start_ptr, ranks_ptr, S, R_MAX, N0, N1, N2, OFF1, OFF2,
+        N_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_S, PDL,
+    )  # fmt: skip
+    if not live:
         return
-    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
+    if GEMV:
+        scale = tl.load(scales_ptr + slot)
+        offs_r = tl.arange(0, BLOCK_K)
+        mask_r = offs_r < rank
+        b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
+        v_base = v_ptr + pid_i.to(tl.int64) * stride_vi + offs_r * stride_vr
         if PDL:
             tl.extra.cuda.gdc_wait()
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    if rank == 0:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
+        for j in range(0, N_BLOCKS):
+            offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_size
+            bt = tl.load(
+                b_base + offs_n[:, None] * stride_bn,
+                mask=mask_n[:, None] & mask_r[None, :],
+                other=0.0,
+            )
+            btf = bt.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                row = row_begin + m
+                if row < seg_end:
+                    t = tl.load(sorted_ptr + row).to(tl.int64)
+                    vv = tl.load(v_base + t * stride_vt, mask=mask_r, other=0.0)
+                    # Rounded to the weight dtype first, as the tensor-core path does.
+                    vv = vv.to(bt.dtype).to(tl.float32)
+                    acc = tl.sum(btf * vv[None, :], axis=1)
+                    o_ptrs = out_ptr + t * stride_ot + (col_off + offs_n) * stride_on
+                    o = tl.load(o_ptrs, mask=mask_n, other=0.0)
+                    tl.store(
+                        o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
+                        mask=mask_n,
+                    )  # fmt: skip
         return
     mask_m, tok = tile_tokens(sorted_ptr, row_begin, seg_end, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -485,107 +565,6 @@ def sgmm_expand_kernel(
         if not PREFETCH_OUT:
             o = tl.load(o_ptrs, mask=o_mask, other=0.0)
         tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit
-def sgmm_expand_gemv_kernel(
-    # pointers
-    out_ptr,
-    v_ptr,
-    b0_ptr,
-    b1_ptr,
-    b2_ptr,
-    scales_ptr,
-    ranks_ptr,
-    sorted_ptr,
-    seg_start_ptr,
-    # sizes
-    S,
-    R_MAX,
-    N0,
-    N1,
-    N2,
-    OFF1,
-    OFF2,
-    N_BLOCKS,
-    # strides
-    stride_ot,
-    stride_on,
-    stride_vi,
-    stride_vt,
-    stride_vr,
-    stride_b0s,
-    stride_b0n,
-    stride_b0r,
-    stride_b1s,
-    stride_b1n,
-    stride_b1r,
-    stride_b2s,
-    stride_b2n,
-    stride_b2r,
-    # meta-parameters
-    BLOCK_M: tl.constexpr,  # tokens per program (a few: this is the one-token-per-adapter path)
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # >= R_MAX: the whole rank in one tile
-    BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """Expand as a gathered matrix-vector product: each program loads a [BLOCK_N, rank] tile
-    of its slot's B once and, for each of its (at most BLOCK_M) tokens, reduces it against the
-    token's v row on the CUDA cores. No tensor-core tile, so no 16-row padding of a segment
-    that holds one token."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_i = tl.program_id(2)
-    # Per-slice B matrix, width, column offset and strides (at most three slices).
-    n_size, col_off = slice_columns(pid_i, N0, N1, N2, OFF1, OFF2)
-    b_ptr, stride_bs, stride_bn, stride_br = slice_operand(
-        pid_i, b0_ptr, b1_ptr, b2_ptr, stride_b0s, stride_b0n, stride_b0r, stride_b1s,
-        stride_b1n, stride_b1r, stride_b2s, stride_b2n, stride_b2r,
-    )  # fmt: skip
-    n_first = pid_n * N_BLOCKS * BLOCK_N
-    if n_first >= n_size:
-        if PDL:  # every program waits, so this grid ends after the shrink it depends on
-            tl.extra.cuda.gdc_wait()
-        return
-    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    if rank == 0:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        return
-    scale = tl.load(scales_ptr + slot)
-    offs_r = tl.arange(0, BLOCK_K)
-    mask_r = offs_r < rank
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
-    v_base = v_ptr + pid_i.to(tl.int64) * stride_vi + offs_r * stride_vr
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    for j in range(0, N_BLOCKS):
-        offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < n_size
-        bt = tl.load(
-            b_base + offs_n[:, None] * stride_bn, mask=mask_n[:, None] & mask_r[None, :], other=0.0
-        )
-        btf = bt.to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            row = row_begin + m
-            if row < seg_end:
-                t = tl.load(sorted_ptr + row).to(tl.int64)
-                vv = tl.load(v_base + t * stride_vt, mask=mask_r, other=0.0)
-                # Rounded to the weight dtype first, as the tensor-core path does.
-                vv = vv.to(bt.dtype).to(tl.float32)
-                acc = tl.sum(btf * vv[None, :], axis=1)
-                o_ptrs = out_ptr + t * stride_ot + (col_off + offs_n) * stride_on
-                o = tl.load(o_ptrs, mask=mask_n, other=0.0)
-                tl.store(
-                    o_ptrs, (o.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
-                    mask=mask_n,
-                )  # fmt: skip
 
 
 @triton.jit
@@ -645,19 +624,15 @@ def sgmm_fused_kernel(
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     pid_i = tl.program_id(2)
-    n_size, col_off = slice_columns(pid_i, N0, N1, N2, OFF1, OFF2)
     b_ptr, stride_bs, stride_bn, stride_br = slice_operand(
         pid_i, b0_ptr, b1_ptr, b2_ptr, stride_b0s, stride_b0n, stride_b0r, stride_b1s,
         stride_b1n, stride_b1r, stride_b2s, stride_b2n, stride_b2r,
     )  # fmt: skip
-    n_first = pid_g * N_BLOCKS * BLOCK_N
-    if n_first >= n_size:
-        return
-    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    if rank == 0:
+    live, n_size, col_off, n_first, slot, row_begin, seg_end, rank = expand_tile(
+        pid_m, pid_g, pid_i, seg_start_ptr, ranks_ptr, S, R_MAX, N0, N1, N2, OFF1, OFF2,
+        N_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_S, False,
+    )  # fmt: skip
+    if not live:
         return
     mask_m, tok = tile_tokens(sorted_ptr, row_begin, seg_end, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)

@@ -19,7 +19,7 @@ On disk (one directory under the adapter root, named like any adapter)::
                                       adapter_config.json agrees with r, lora_alpha,
                                       use_rslora and the resolved target modules
 
-Three execution paths, all from ``adaptermesh.kernels.fuse``:
+Three execution paths, all through ``adaptermesh.kernels.dispatch``:
 
 * **Merged** (one token of one request, and only when the same selection has repeated for
   ``adafuse_merge_after`` consecutive tokens, or is already merged): ``fused_switch`` writes
@@ -57,8 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from adaptermesh.kernels import (
-    build_segment_meta,
+from adaptermesh.kernels.dispatch import (
     fused_switch,
     gated_add_lora,
     route,
@@ -66,6 +65,7 @@ from adaptermesh.kernels import (
     sgmm_shrink,
 )
 from adaptermesh.kernels.fuse_config import MergeTable, MergeTarget, build_merge_table
+from adaptermesh.kernels.meta import build_segment_meta
 from adaptermesh.worker.lora_groups import GROUPS, MODULE_TO_GROUP
 from adaptermesh.worker.model import GatedTerms, ModelConfig
 from adaptermesh.worker.peft_adapter import AdapterValidationError, read_adapter, target_set

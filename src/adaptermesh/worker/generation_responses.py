@@ -1,5 +1,6 @@
 """How a generation request's engine events become its HTTP answer: an SSE stream (one choice,
-or n interleaved), or each choice's text collected for one JSON body.
+or n interleaved), or each choice's text collected for one JSON body; ``interleaved`` gives n choices' events as they
+come to the routes that are not HTTP responses.
 
 Each choice is read through a ``NextEvent``: a call that waits for the choice's next engine
 event (raising ``ApiError`` past the deadline or on an engine error) and records it in the
@@ -10,7 +11,8 @@ into the error the client gets.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -29,6 +31,7 @@ __all__ = [
     "FinishError",
     "NextEvent",
     "collect_choice",
+    "interleaved",
     "stream_choices",
     "stream_single_choice",
 ]
@@ -159,23 +162,6 @@ async def stream_choices(
     response = await _open_stream(request, job)
     head = progresses[0]
     head.outcome = "disconnected"
-    events: asyncio.Queue[tuple[int, TokenEvent | ApiError]] = asyncio.Queue()
-
-    async def pump(index: int, event: TokenEvent, next_event: NextEvent) -> None:
-        while True:
-            events.put_nowait((index, event))
-            if event.finish_reason is not None:
-                return
-            try:
-                event = await next_event()
-            except ApiError as exc:
-                events.put_nowait((index, exc))
-                return
-
-    pumps = [
-        asyncio.create_task(pump(index, first, next_event))
-        for index, (first, next_event) in enumerate(zip(firsts, next_events, strict=True))
-    ]
     writers = [_ChoiceChunks(job, index) for index in range(job.n)]
     try:
         if job.kind == "chat":
@@ -184,19 +170,18 @@ async def stream_choices(
         elif job.echo:
             for index in range(job.n):
                 await response.write(choice_chunk(job, job.echo, None, index=index))
-        finished = 0
-        while finished < job.n:
-            index, item = await events.get()
-            if isinstance(item, ApiError) or item.finish_reason in _FAILED_FINISH_REASONS:
-                error = (
-                    item if isinstance(item, ApiError) else finish_error(str(item.finish_reason))
-                )
-                head.outcome = await _end_with_error(response, error)
-                return response
-            for chunk in writers[index].of(item):
-                await response.write(chunk)
-            if item.finish_reason is not None:
-                finished += 1
+        async with contextlib.aclosing(interleaved(next_events, firsts)) as items:
+            async for index, item in items:
+                if isinstance(item, ApiError) or item.finish_reason in _FAILED_FINISH_REASONS:
+                    error = (
+                        item
+                        if isinstance(item, ApiError)
+                        else finish_error(str(item.finish_reason))
+                    )
+                    head.outcome = await _end_with_error(response, error)
+                    return response
+                for chunk in writers[index].of(item):
+                    await response.write(chunk)
         if job.include_usage:
             await response.write(usage_chunk(job, progresses))
         await response.write(SSE_DONE)
@@ -204,11 +189,55 @@ async def stream_choices(
         await response.write_eof()
     except ConnectionResetError:
         head.outcome = "disconnected"
+    return response
+
+
+async def interleaved(
+    next_events: list[NextEvent], firsts: list[TokenEvent] | None = None
+) -> AsyncGenerator[tuple[int, TokenEvent | ApiError], None]:
+    """Every choice's events as they come, each with its choice's index, starting from
+    ``firsts`` when those were read already; a choice ends at its finish reason or at the
+    ``ApiError`` its read raised (yielded, not raised). Close it (``contextlib.aclosing``) to
+    stop the reads of choices still running."""
+    if firsts is None and len(next_events) == 1:
+        while True:
+            try:
+                event = await next_events[0]()
+            except ApiError as exc:
+                yield 0, exc
+                return
+            yield 0, event
+            if event.finish_reason is not None:
+                return
+    items: asyncio.Queue[tuple[int, TokenEvent | BaseException]] = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        event = None if firsts is None else firsts[index]
+        try:
+            while True:
+                if event is None:
+                    event = await next_events[index]()
+                items.put_nowait((index, event))
+                if event.finish_reason is not None:
+                    return
+                event = None
+        except Exception as exc:
+            items.put_nowait((index, exc))
+
+    pumps = [asyncio.create_task(pump(index)) for index in range(len(next_events))]
+    try:
+        ended = 0
+        while ended < len(pumps):
+            index, item = await items.get()
+            if isinstance(item, BaseException) and not isinstance(item, ApiError):
+                raise item
+            if isinstance(item, ApiError) or item.finish_reason is not None:
+                ended += 1
+            yield index, item
     finally:
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
-    return response
 
 
 async def collect_choice(

@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import struct
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, cast
@@ -600,20 +600,10 @@ class GrpcV2Servicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RepositoryModelLoadResponse:
-        try:
-            self._check_admin(context)
-            name = request.model_name
-            if not name:
-                raise _invalid("model_name", "is required (the adapter's name)")
-            if name == self.service.engine.model_name:
-                raise _invalid("model_name", "is the base model, which is always loaded")
-            path = _load_path(request)
-            try:
-                await self.service.load_adapter(name, path)
-            except ApiError as exc:
-                raise _from_api(exc) from None
-        except _Failure as exc:
-            await context.abort(exc.code, exc.message)
+        async def load(name: str) -> None:
+            await self.service.load_adapter(name, _load_path(request))
+
+        await self._repository_call(context, request.model_name, "is always loaded", load)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
@@ -621,20 +611,33 @@ class GrpcV2Servicer(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.RepositoryModelUnloadRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> pb.RepositoryModelUnloadResponse:
+        await self._repository_call(
+            context, request.model_name, "cannot be unloaded", self.service.unload_adapter
+        )
+        return pb.RepositoryModelUnloadResponse()
+
+    async def _repository_call(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        name: str,
+        base_model: str,
+        call: Callable[[str], Awaitable[None]],
+    ) -> None:
+        """A load or unload of adapter ``name``: the admin token, then the name (required,
+        not the base model, which ``base_model``), then ``call(name)``; a refusal aborts the
+        call with its status and message."""
         try:
             self._check_admin(context)
-            name = request.model_name
             if not name:
                 raise _invalid("model_name", "is required (the adapter's name)")
             if name == self.service.engine.model_name:
-                raise _invalid("model_name", "is the base model, which cannot be unloaded")
+                raise _invalid("model_name", f"is the base model, which {base_model}")
             try:
-                await self.service.unload_adapter(name)
+                await call(name)
             except ApiError as exc:
                 raise _from_api(exc) from None
         except _Failure as exc:
             await context.abort(exc.code, exc.message)
-        return pb.RepositoryModelUnloadResponse()
 
 
 def _load_path(request: pb.RepositoryModelLoadRequest) -> str:

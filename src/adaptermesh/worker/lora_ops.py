@@ -1,4 +1,4 @@
-"""The multi-LoRA op the model runtime calls, bound to ``adaptermesh.kernels`` when present.
+"""The multi-LoRA ops the model runtime calls: the model's one way to the LoRA kernels.
 
 ``add_lora(out, x, lora_a, lora_b, scales, ranks, meta)`` adds, for every token t whose slot
 s = token_slots[t] is not -1::
@@ -13,8 +13,10 @@ Shapes (the pool layout shared with ``adaptermesh.kernels``):
     lora_b  tuple of n_slices tensors [S, N_i, R_max]
     scales  [S] fp32      ranks [S] int32
 
-The op is ``adaptermesh.kernels.add_lora``: Triton on CUDA, its torch twin on CPU. The segment
-metadata is built once per batch and shared by every layer.
+The op is ``adaptermesh.kernels.dispatch.add_lora``: Triton on CUDA, its torch twin on CPU.
+This module reaches the kernels through ``dispatch`` only (with the argument types of ``meta``
+and ``int4_weight``); the model calls these functions, not the kernels. The segment metadata
+is built once per batch and shared by every layer.
 
 DoRA rows (``apply_dora``) then scale their projection by the slot's per-output factor
 ``f = m / ||W + scale B A||`` (PEFT's ``DoraLinearLayer.forward`` with its detached norm)::
@@ -32,18 +34,17 @@ from dataclasses import dataclass
 
 import torch
 
-from adaptermesh import kernels
-from adaptermesh.kernels import sgmm_int4
+from adaptermesh.kernels import dispatch
+from adaptermesh.kernels.int4_weight import Int4Weight
 from adaptermesh.kernels.meta import SegmentMeta, build_segment_meta
-from adaptermesh.kernels.sgmm_config import density_bucket, density_slots
 
 __all__ = [
     "LoraBatchMeta",
     "add_lora",
     "add_lora_int4",
+    "add_lora_sharded_rows",
     "apply_dora",
     "build_meta",
-    "config_slots",
     "kernels_description",
     "project_with_lora",
 ]
@@ -60,15 +61,6 @@ class LoraBatchMeta:
     # pick their tile shapes by tokens per adapter. None: the pool's slot count, the worst
     # case. Any value is correct for any batch; a low one is only faster where it holds.
     active_slots: int | None = None
-
-
-def config_slots(num_tokens: int, active_slots: int) -> tuple[str, int | None]:
-    """(the batch's density class, the ``active_slots`` to pick kernel configs by) for a
-    step of ``num_tokens`` tokens over ``active_slots`` distinct adapters. Every batch of one
-    class gets the same configs, so a CUDA graph keyed by the class replays the right ones:
-    one adapter over 64 decode rows takes the dense tiles, 64 adapters the per-token ones."""
-    density = density_bucket(num_tokens, max(1, active_slots))
-    return density, density_slots(num_tokens, density)
 
 
 def kernels_description() -> str:
@@ -100,7 +92,7 @@ def add_lora(
     meta: LoraBatchMeta,
 ) -> None:
     if meta.any_lora:
-        kernels.add_lora(
+        dispatch.add_lora(
             out,
             x,
             lora_a,
@@ -116,15 +108,16 @@ def add_lora(
 def add_lora_int4(
     out: torch.Tensor,  # [T, sum N_i]
     x: torch.Tensor,  # [T, H]
-    qa: sgmm_int4.Int4Weight,  # [n_slices, S, R_max, H]
-    qb: tuple[sgmm_int4.Int4Weight, ...],  # n_slices x [S, N_i, R_max]
+    qa: Int4Weight,  # [n_slices, S, R_max, H]
+    qb: tuple[Int4Weight, ...],  # n_slices x [S, N_i, R_max]
     scales: torch.Tensor,  # [S] fp32
     ranks: torch.Tensor,  # [S] int32
     meta: LoraBatchMeta,
 ) -> None:
-    """``add_lora`` on an INT4 pool (``kernels.sgmm_int4``): Triton on CUDA, the twin on CPU."""
+    """``add_lora`` on an INT4 pool (``dispatch.add_lora_int4``): Triton on CUDA, the twin on
+    CPU."""
     if meta.any_lora:
-        kernels.add_lora_int4(
+        dispatch.add_lora_int4(
             out,
             x,
             qa,
@@ -165,8 +158,6 @@ def project_with_lora(
     the fork, the side stream waits for the caller first, and the caller joins it right after
     the matmul, so nothing is reused while in use.
     """
-    from adaptermesh.kernels import sgmm
-
     main = torch.cuda.current_stream(x.device)
     t = x.shape[0]
     out = torch.empty((t, weight.shape[0]), dtype=x.dtype, device=x.device)
@@ -176,7 +167,7 @@ def project_with_lora(
     with torch.cuda.stream(side):
         if delta is not None:
             delta.zero_()  # rows of base tokens stay zero
-        shrink, expand = sgmm.plan_add_lora(
+        shrink, expand = dispatch.add_lora_steps(
             out if delta is None else delta,
             x,
             lora_a,
@@ -187,9 +178,7 @@ def project_with_lora(
             v_buffer=v,
             active_slots=meta.active_slots,
             check_values=False,
-            fused=False,
-            pdl=False,
-        ).steps()
+        )
         shrink()
         if delta is not None:
             expand()
@@ -205,6 +194,27 @@ def project_with_lora(
     if delta is None:
         expand()
     return out, delta
+
+
+def add_lora_sharded_rows(
+    out: torch.Tensor,  # [T, N] this rank's output; the term goes into columns cols
+    x: torch.Tensor,  # [T, H_rank] this rank's input rows of the module
+    lora_a: torch.Tensor,  # the pool's A for those input rows
+    lora_b: tuple[torch.Tensor, ...],  # the pool's B for the output columns cols
+    scales: torch.Tensor,  # [S] fp32
+    ranks: torch.Tensor,  # [S] int32
+    meta: LoraBatchMeta,
+    cols: tuple[int, int],  # (c0, c1): this rank's output columns
+    all_reduce: Callable[[torch.Tensor], None],  # in place, over the tensor-parallel group
+) -> None:
+    """A row-parallel module's LoRA term with A and B both sharded: the shrink of this rank's
+    input columns, an all-reduce of the rank-sized result, then the expand of this rank's B
+    share into its output columns (the base all-reduce sums the columns)."""
+    v = dispatch.sgmm_shrink(x, lora_a, ranks, meta.kernel_meta, check_values=False)
+    all_reduce(v)
+    part = torch.zeros((out.shape[0], cols[1] - cols[0]), dtype=out.dtype, device=out.device)
+    dispatch.sgmm_expand(part, v, lora_b, scales, ranks, meta.kernel_meta, check_values=False)
+    out[:, cols[0] : cols[1]] += part
 
 
 def apply_dora(

@@ -29,6 +29,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 from prometheus_client import (
     CollectorRegistry,
@@ -41,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from adaptermesh.assignment_rules import VERSION_SEPARATOR
-from adaptermesh.worker.fair_queue import FairQueue
+from adaptermesh.worker.fair_queue import FairQueue, TenantSnapshot
 from adaptermesh.worker.types import AdapterResidency, EngineProtocol, EngineStats
 
 __all__ = [
@@ -100,23 +102,8 @@ _TPOT_BUCKETS = (
     1.0,
     2.5,
 )
-_LATENCY_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-)
-_LOAD_BUCKETS = (
+# The 1, 2.5, 5 series from 0.5 ms to 10 s.
+_ONE_TWO_FIVE = (
     0.0005,
     0.001,
     0.0025,
@@ -132,6 +119,9 @@ _LOAD_BUCKETS = (
     5.0,
     10.0,
 )
+# From 10 ms, then doubling up to 160 s.
+_LATENCY_BUCKETS = (*_ONE_TWO_FIVE[4:], 20.0, 40.0, 80.0, 160.0)
+_LOAD_BUCKETS = _ONE_TWO_FIVE
 
 
 # adaptermesh_adapter_requests_total and adaptermesh_adapter_time_to_first_token_seconds take
@@ -172,82 +162,85 @@ class ServiceMetrics:
         # Registered first: collection follows registration order, and this collector's poll()
         # moves freshly drained load latencies into the histogram below within the same scrape.
         r.register(_EngineCollector(self))
-        self.ttft = Histogram(
+
+        # Every series below is made in this registry by these four.
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...], labels: list[str] | None = None
+        ) -> Histogram:
+            return Histogram(name, doc, labels or (), registry=r, buckets=buckets)
+
+        def model_histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return histogram(name, doc, buckets, ["model_name"]).labels(model_name=self.model_name)
+
+        def counter(name: str, doc: str, labels: list[str] | None = None) -> Counter:
+            return Counter(name, doc, labels or (), registry=r)
+
+        def model_counter(name: str, doc: str) -> Counter:
+            return counter(name, doc, ["model_name"]).labels(model_name=self.model_name)
+
+        self.ttft = histogram(
             "adaptermesh_time_to_first_token_seconds",
             "Time from the request's arrival to its first generated token, queueing included.",
-            registry=r,
-            buckets=_TTFT_BUCKETS,
+            _TTFT_BUCKETS,
         )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "adaptermesh_time_per_output_token_seconds",
             "Mean time between output tokens after the first, per finished request.",
-            registry=r,
-            buckets=_TPOT_BUCKETS,
+            _TPOT_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.e2e = histogram(
             "adaptermesh_request_latency_seconds",
             "Time from arrival to the last token, per finished generation request.",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
+            _LATENCY_BUCKETS,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = histogram(
             "adaptermesh_queue_wait_seconds",
             "Time a request waited in its tenant queue before the engine admitted it.",
-            registry=r,
-            buckets=_TTFT_BUCKETS,
+            _TTFT_BUCKETS,
         )
-        self.load_latency = Histogram(
+        self.load_latency = histogram(
             "adaptermesh_adapter_load_latency_seconds",
             "Adapter load latency reported by the engine (disk or CPU cache to GPU slot).",
-            registry=r,
-            buckets=_LOAD_BUCKETS,
+            _LOAD_BUCKETS,
         )
         # vLLM's name for the same observations (the histogram routers read load cost from).
-        self.vllm_load_seconds = Histogram(
+        self.vllm_load_seconds = model_histogram(
             "vllm:lora_adapter_load_seconds",
             "Adapter load time in seconds (disk or CPU cache to a GPU slot).",
-            ["model_name"],
-            registry=r,
-            buckets=_LOAD_BUCKETS,
-        ).labels(model_name=self.model_name)
-        self.requests = Counter(
+            _LOAD_BUCKETS,
+        )
+        self.requests = counter(
             "adaptermesh_requests",
             "Finished generation requests by outcome (finish reason, or the error that ended them).",
             ["outcome"],
-            registry=r,
         )
         # Per adapter as served (a version is its own name, "a@v"): what the control plane's
         # rollout controller judges a new version by (docs/rollout.md). Base-model requests
         # are not counted here.
-        self.adapter_requests = Counter(
+        self.adapter_requests = counter(
             "adaptermesh_adapter_requests",
             "Finished generation requests per adapter (version included) by outcome.",
             ["adapter", "outcome"],
-            registry=r,
         )
-        self.adapter_ttft = Histogram(
+        self.adapter_ttft = histogram(
             "adaptermesh_adapter_time_to_first_token_seconds",
             "Time to first token per adapter (version included), queueing included.",
+            _TTFT_BUCKETS,
             ["adapter"],
-            registry=r,
-            buckets=_TTFT_BUCKETS,
         )
-        self.rejected = Counter(
+        self.rejected = counter(
             "adaptermesh_requests_rejected",
             "Generation requests refused before reaching the engine, by reason.",
             ["reason"],
-            registry=r,
         )
-        self.listener_refused = Counter(
+        self.listener_refused = counter(
             "adaptermesh_http_connections_refused",
             "Connections the listener closed or refused before a handler ran, by reason.",
             ["reason"],
-            registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = counter(
             "adaptermesh_prompt_tokens",
             "Prompt tokens of requests admitted into the engine.",
-            registry=r,
         )
         # WebSocket streaming (``/v1/ws``). Its requests also count in the request series above.
         self.ws_open = Gauge(
@@ -255,54 +248,43 @@ class ServiceMetrics:
             "WebSocket sessions open now.",
             registry=r,
         )
-        self.ws_sessions = Counter(
+        self.ws_sessions = counter(
             "adaptermesh_websocket_sessions",
             "Ended WebSocket sessions by how they closed (client_closed, disconnected, "
             "slow_client, message_too_big, binary_frame, protocol_error, server_shutdown).",
             ["close"],
-            registry=r,
         )
-        self.ws_requests = Counter(
+        self.ws_requests = counter(
             "adaptermesh_websocket_requests",
             "Requests received over WebSocket sessions by outcome (finish reason, cancelled, "
             "disconnected, or the error code that ended them).",
             ["outcome"],
-            registry=r,
         )
         # vLLM's request-level series, with its names, types and labels, fed by the same
         # observations as the adaptermesh_* ones above.
-        self.vllm_ttft = Histogram(
+        self.vllm_ttft = model_histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token in seconds (queueing included).",
-            ["model_name"],
-            registry=r,
-            buckets=_TTFT_BUCKETS,
-        ).labels(model_name=self.model_name)
-        self.vllm_tpot = Histogram(
+            _TTFT_BUCKETS,
+        )
+        self.vllm_tpot = model_histogram(
             "vllm:time_per_output_token_seconds",
             "Mean time per output token after the first, per finished request, in seconds.",
-            ["model_name"],
-            registry=r,
-            buckets=_TPOT_BUCKETS,
-        ).labels(model_name=self.model_name)
-        self.vllm_e2e = Histogram(
+            _TPOT_BUCKETS,
+        )
+        self.vllm_e2e = model_histogram(
             "vllm:e2e_request_latency_seconds",
             "End-to-end request latency in seconds.",
-            ["model_name"],
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
-        ).labels(model_name=self.model_name)
-        self.vllm_prompt_tokens = Counter(
+            _LATENCY_BUCKETS,
+        )
+        self.vllm_prompt_tokens = model_counter(
             "vllm:prompt_tokens",
             "Prompt tokens of requests admitted into the engine.",
-            ["model_name"],
-            registry=r,
-        ).labels(model_name=self.model_name)
-        self.vllm_success = Counter(
+        )
+        self.vllm_success = counter(
             "vllm:request_success",
             "Requests that finished with a finish reason (stop or length).",
             ["model_name", "finished_reason"],
-            registry=r,
         )
         for reason in ("stop", "length"):
             self.vllm_success.labels(model_name=self.model_name, finished_reason=reason)
@@ -412,8 +394,252 @@ class ServiceMetrics:
         self.vllm_prompt_tokens.inc(tokens)
 
 
+Labels = tuple[str, ...]
+Samples = Iterable[tuple[Labels, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Scrape:
+    """What one scrape reads: the service, one stats snapshot, the queue's tenants and the
+    adapters held per tier."""
+
+    m: ServiceMetrics
+    stats: EngineStats
+    tenants: list[tuple[str, TenantSnapshot]]
+    held: list[AdapterResidency]
+
+    @property
+    def model(self) -> Labels:
+        return (self.m.model_name,)
+
+
+@dataclass(frozen=True, slots=True)
+class _Series:
+    """One scrape-time family: its name, help, type, label names, and the reader that gives its
+    samples (label values, value) from a scrape. ``when`` leaves the family out of a scrape it
+    does not describe (tensor-parallel ranks on a worker without them)."""
+
+    name: str
+    help: str
+    kind: Literal["gauge", "counter"]
+    labels: Labels
+    read: Callable[[_Scrape], Samples]
+    when: Callable[[_Scrape], bool] | None = None
+
+
+def _model_gauge(name: str, help: str, value: Callable[[_Scrape], float]) -> _Series:
+    """A gauge with the one ``model_name`` label."""
+    return _Series(name, help, "gauge", ("model_name",), lambda s: [(s.model, value(s))])
+
+
+def _plain(kind: Literal["gauge", "counter"], name: str, help: str, field: str) -> _Series:
+    """An unlabelled family whose value is one field of the stats snapshot."""
+    return _Series(name, help, kind, (), lambda s: [((), float(getattr(s.stats, field)))])
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _lora_requests_info(s: _Scrape) -> Samples:
+    running = ",".join(sorted(set(s.stats.running_adapters)))
+    waiting = ",".join(sorted(set(s.stats.waiting_adapters)))
+    return [((running, waiting, str(s.stats.max_loras)), time.time())]
+
+
+# Every scrape-time family, in exposition order.
+_SERIES: tuple[_Series, ...] = (
+    _model_gauge(
+        "vllm:num_requests_waiting",
+        "Requests waiting: in the worker's tenant queues plus in the engine's own queue.",
+        lambda s: s.m.queue.num_waiting + s.stats.num_waiting,
+    ),
+    _model_gauge(
+        "vllm:num_requests_running",
+        "Requests in the engine's running batch.",
+        lambda s: s.stats.num_running,
+    ),
+    _model_gauge(
+        "vllm:kv_cache_usage_perc",
+        "KV-cache usage as a fraction: 0 is empty, 1 is full.",
+        lambda s: s.stats.kv_cache_usage,
+    ),
+    # vLLM's name before 0.9; older GIE releases and dashboards read this one.
+    _model_gauge(
+        "vllm:gpu_cache_usage_perc",
+        "KV-cache usage as a fraction (vLLM's older name of vllm:kv_cache_usage_perc).",
+        lambda s: s.stats.kv_cache_usage,
+    ),
+    _Series(
+        "vllm:lora_requests_info",
+        "Adapters of running and waiting requests (comma-separated label values); the "
+        "value is the scrape's Unix time.",
+        "gauge",
+        ("running_lora_adapters", "waiting_lora_adapters", "max_lora"),
+        _lora_requests_info,
+    ),
+    _Series(
+        "vllm:lora_adapter_loaded",
+        "1 for each adapter held now, per tier (level gpu: in a GPU slot; cpu: in the host "
+        "cache); adapters not held have no sample.",
+        "gauge",
+        ("adapter_name", "level", "pinned", "rank"),
+        lambda s: [((h.name, h.level, _flag(h.pinned), str(h.rank)), 1.0) for h in s.held],
+    ),
+    _model_gauge(
+        "vllm:num_gpu_loaded_lora_adapters",
+        "Adapters held in GPU slots now.",
+        lambda s: float(len({h.name for h in s.held if h.level == "gpu"})),
+    ),
+    _model_gauge(
+        "vllm:max_gpu_lora_adapters",
+        "Adapter GPU slots in the pool (the most adapters held on the GPU at once).",
+        lambda s: float(s.stats.gpu_slots_total),
+    ),
+    _Series(
+        "vllm:generation_tokens",
+        "Tokens generated by the engine.",
+        "counter",
+        ("model_name",),
+        lambda s: [(s.model, s.stats.generated_tokens)],
+    ),
+    _Series(
+        "adaptermesh_adapter_resident",
+        "1 for each adapter held in a GPU slot (idle or not), 0 for one known but not "
+        "resident (on disk or in the CPU cache).",
+        "gauge",
+        ("adapter", "pinned"),
+        lambda s: [
+            ((info.name, _flag(info.pinned)), 1.0 if info.resident_on_gpu else 0.0)
+            for info in sorted(s.m.engine.list_adapters(), key=lambda a: a.name)
+        ],
+    ),
+    _Series(
+        "adaptermesh_queue_depth",
+        "Requests waiting in each tenant's queue (tenants idle for 5 minutes are dropped).",
+        "gauge",
+        ("tenant",),
+        lambda s: [((tenant,), snap.waiting) for tenant, snap in s.tenants],
+    ),
+    _Series(
+        "adaptermesh_tenant_requests_running",
+        "Requests each tenant has admitted into the engine.",
+        "gauge",
+        ("tenant",),
+        lambda s: [((tenant,), snap.running) for tenant, snap in s.tenants],
+    ),
+    _Series(
+        "adaptermesh_queue_depth_total",
+        "Requests waiting in all tenant queues.",
+        "gauge",
+        (),
+        lambda s: [((), s.m.queue.num_waiting)],
+    ),
+    _Series(
+        "adaptermesh_requests_admitted",
+        "Requests admitted into the engine and not yet finished (bounded by max_running).",
+        "gauge",
+        (),
+        lambda s: [((), s.m.queue.num_running)],
+    ),
+    _Series(
+        "adaptermesh_generation_tokens_per_second",
+        f"Generated tokens per second over the last {TOKENS_PER_SECOND_WINDOW_S:g} s.",
+        "gauge",
+        (),
+        lambda s: [((), s.m.tokens_per_second())],
+    ),
+    _plain(
+        "counter",
+        "adaptermesh_generation_tokens",
+        "Tokens generated by the engine.",
+        "generated_tokens",
+    ),
+    _plain(
+        "counter",
+        "adaptermesh_adapter_cache_hits",
+        "Adapter lookups served from a GPU slot.",
+        "adapter_hits",
+    ),
+    _plain(
+        "counter",
+        "adaptermesh_adapter_cache_misses",
+        "Adapter lookups that had to load the adapter.",
+        "adapter_misses",
+    ),
+    _plain(
+        "counter",
+        "adaptermesh_adapter_cache_evictions",
+        "Adapters evicted from a GPU slot.",
+        "adapter_evictions",
+    ),
+    _plain(
+        "counter",
+        "adaptermesh_adapter_loads_started",
+        "Adapter loads the scheduler started, in queue order.",
+        "adapter_loads_started",
+    ),
+    _plain(
+        "counter",
+        "adaptermesh_adapter_evictions_wanted",
+        "Evictions of an adapter a waiting request "
+        "wanted (only to drain a slot for an aged request).",
+        "adapter_evictions_wanted",
+    ),
+    _plain(
+        "counter",
+        "adaptermesh_admissions_waited_on_adapter_load",
+        "Requests admitted after waiting for their adapter to load.",
+        "admissions_waited_on_load",
+    ),
+    _plain(
+        "counter",
+        "adaptermesh_scheduler_idle_on_adapter_load",
+        "Scheduling passes that could run no "
+        "step while a request waited for an adapter load (no step ever waits on a load).",
+        "idle_passes_on_adapter_load",
+    ),
+    _plain(
+        "gauge",
+        "adaptermesh_gpu_slots_used",
+        "Adapter GPU slots holding an adapter.",
+        "gpu_slots_used",
+    ),
+    _plain(
+        "gauge", "adaptermesh_gpu_slots_total", "Adapter GPU slots in the pool.", "gpu_slots_total"
+    ),
+    _plain(
+        "gauge",
+        "adaptermesh_free_gpu_memory_bytes",
+        "Free GPU memory in bytes (0 on CPU).",
+        "free_gpu_bytes",
+    ),
+    _plain(
+        "gauge",
+        "adaptermesh_kv_cache_usage_ratio",
+        "KV-cache usage as a fraction (0..1).",
+        "kv_cache_usage",
+    ),
+    _plain("gauge", "adaptermesh_max_loras", "Adapters the engine can batch at once.", "max_loras"),
+    _Series(
+        "adaptermesh_tp_rank_up",
+        "Tensor-parallel ranks of this worker: 1 while the rank's process runs.",
+        "gauge",
+        ("rank",),
+        lambda s: [((str(r),), 1.0 if up else 0.0) for r, up in enumerate(s.stats.tp_ranks_up)],
+        when=lambda s: bool(s.stats.tp_ranks_up),
+    ),
+)
+
+_FAMILIES: dict[str, type[GaugeMetricFamily] | type[CounterMetricFamily]] = {
+    "gauge": GaugeMetricFamily,
+    "counter": CounterMetricFamily,
+}
+
+
 class _EngineCollector(Collector):
-    """Series computed at scrape time from the engine's stats and the fair queue."""
+    """Series computed at scrape time from the engine's stats and the fair queue: each family
+    of ``_SERIES`` rendered from one scrape."""
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self._m = metrics
@@ -425,228 +651,11 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         m = self._m
         stats = m.poll()
-        queue = m.queue
-        model = [m.model_name]
-
-        waiting = GaugeMetricFamily(
-            "vllm:num_requests_waiting",
-            "Requests waiting: in the worker's tenant queues plus in the engine's own queue.",
-            labels=["model_name"],
-        )
-        waiting.add_metric(model, queue.num_waiting + stats.num_waiting)
-        yield waiting
-
-        running = GaugeMetricFamily(
-            "vllm:num_requests_running",
-            "Requests in the engine's running batch.",
-            labels=["model_name"],
-        )
-        running.add_metric(model, stats.num_running)
-        yield running
-
-        kv = GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage as a fraction: 0 is empty, 1 is full.",
-            labels=["model_name"],
-        )
-        kv.add_metric(model, stats.kv_cache_usage)
-        yield kv
-
-        # vLLM's name before 0.9; older GIE releases and dashboards read this one.
-        kv_old = GaugeMetricFamily(
-            "vllm:gpu_cache_usage_perc",
-            "KV-cache usage as a fraction (vLLM's older name of vllm:kv_cache_usage_perc).",
-            labels=["model_name"],
-        )
-        kv_old.add_metric(model, stats.kv_cache_usage)
-        yield kv_old
-
-        lora = GaugeMetricFamily(
-            "vllm:lora_requests_info",
-            "Adapters of running and waiting requests (comma-separated label values); the "
-            "value is the scrape's Unix time.",
-            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
-        )
-        lora.add_metric(
-            [
-                ",".join(sorted(set(stats.running_adapters))),
-                ",".join(sorted(set(stats.waiting_adapters))),
-                str(stats.max_loras),
-            ],
-            time.time(),
-        )
-        yield lora
-
-        held = m.residency(stats)
-        loaded = GaugeMetricFamily(
-            "vllm:lora_adapter_loaded",
-            "1 for each adapter held now, per tier (level gpu: in a GPU slot; cpu: in the host "
-            "cache); adapters not held have no sample.",
-            labels=["adapter_name", "level", "pinned", "rank"],
-        )
-        for h in held:
-            loaded.add_metric([h.name, h.level, "true" if h.pinned else "false", str(h.rank)], 1.0)
-        yield loaded
-
-        gpu_loaded = GaugeMetricFamily(
-            "vllm:num_gpu_loaded_lora_adapters",
-            "Adapters held in GPU slots now.",
-            labels=["model_name"],
-        )
-        gpu_loaded.add_metric(model, float(len({h.name for h in held if h.level == "gpu"})))
-        yield gpu_loaded
-
-        gpu_max = GaugeMetricFamily(
-            "vllm:max_gpu_lora_adapters",
-            "Adapter GPU slots in the pool (the most adapters held on the GPU at once).",
-            labels=["model_name"],
-        )
-        gpu_max.add_metric(model, float(stats.gpu_slots_total))
-        yield gpu_max
-
-        generation = CounterMetricFamily(
-            "vllm:generation_tokens",
-            "Tokens generated by the engine.",
-            labels=["model_name"],
-        )
-        generation.add_metric(model, stats.generated_tokens)
-        yield generation
-
-        resident = GaugeMetricFamily(
-            "adaptermesh_adapter_resident",
-            "1 for each adapter held in a GPU slot (idle or not), 0 for one known but not "
-            "resident (on disk or in the CPU cache).",
-            labels=["adapter", "pinned"],
-        )
-        for info in sorted(m.engine.list_adapters(), key=lambda a: a.name):
-            resident.add_metric(
-                [info.name, "true" if info.pinned else "false"],
-                1.0 if info.resident_on_gpu else 0.0,
-            )
-        yield resident
-
-        depth = GaugeMetricFamily(
-            "adaptermesh_queue_depth",
-            "Requests waiting in each tenant's queue (tenants idle for 5 minutes are dropped).",
-            labels=["tenant"],
-        )
-        tenant_running = GaugeMetricFamily(
-            "adaptermesh_tenant_requests_running",
-            "Requests each tenant has admitted into the engine.",
-            labels=["tenant"],
-        )
-        for tenant, snap in sorted(queue.snapshot().items()):
-            depth.add_metric([tenant], snap.waiting)
-            tenant_running.add_metric([tenant], snap.running)
-        yield depth
-        yield tenant_running
-
-        total_depth = GaugeMetricFamily(
-            "adaptermesh_queue_depth_total",
-            "Requests waiting in all tenant queues.",
-        )
-        total_depth.add_metric([], queue.num_waiting)
-        yield total_depth
-
-        admitted = GaugeMetricFamily(
-            "adaptermesh_requests_admitted",
-            "Requests admitted into the engine and not yet finished (bounded by max_running).",
-        )
-        admitted.add_metric([], queue.num_running)
-        yield admitted
-
-        tps = GaugeMetricFamily(
-            "adaptermesh_generation_tokens_per_second",
-            f"Generated tokens per second over the last {TOKENS_PER_SECOND_WINDOW_S:g} s.",
-        )
-        tps.add_metric([], m.tokens_per_second())
-        yield tps
-
-        for name, doc, value in (
-            (
-                "adaptermesh_generation_tokens",
-                "Tokens generated by the engine.",
-                stats.generated_tokens,
-            ),
-            (
-                "adaptermesh_adapter_cache_hits",
-                "Adapter lookups served from a GPU slot.",
-                stats.adapter_hits,
-            ),
-            (
-                "adaptermesh_adapter_cache_misses",
-                "Adapter lookups that had to load the adapter.",
-                stats.adapter_misses,
-            ),
-            (
-                "adaptermesh_adapter_cache_evictions",
-                "Adapters evicted from a GPU slot.",
-                stats.adapter_evictions,
-            ),
-            (
-                "adaptermesh_adapter_loads_started",
-                "Adapter loads the scheduler started, in queue order.",
-                stats.adapter_loads_started,
-            ),
-            (
-                "adaptermesh_adapter_evictions_wanted",
-                "Evictions of an adapter a waiting request "
-                "wanted (only to drain a slot for an aged request).",
-                stats.adapter_evictions_wanted,
-            ),
-            (
-                "adaptermesh_admissions_waited_on_adapter_load",
-                "Requests admitted after waiting for their adapter to load.",
-                stats.admissions_waited_on_load,
-            ),
-            (
-                "adaptermesh_scheduler_idle_on_adapter_load",
-                "Scheduling passes that could run no "
-                "step while a request waited for an adapter load (no step ever waits on a load).",
-                stats.idle_passes_on_adapter_load,
-            ),
-        ):
-            counter = CounterMetricFamily(name, doc)
-            counter.add_metric([], value)
-            yield counter
-
-        for name, doc, gauge_value in (
-            (
-                "adaptermesh_gpu_slots_used",
-                "Adapter GPU slots holding an adapter.",
-                float(stats.gpu_slots_used),
-            ),
-            (
-                "adaptermesh_gpu_slots_total",
-                "Adapter GPU slots in the pool.",
-                float(stats.gpu_slots_total),
-            ),
-            (
-                "adaptermesh_free_gpu_memory_bytes",
-                "Free GPU memory in bytes (0 on CPU).",
-                float(stats.free_gpu_bytes),
-            ),
-            (
-                "adaptermesh_kv_cache_usage_ratio",
-                "KV-cache usage as a fraction (0..1).",
-                float(stats.kv_cache_usage),
-            ),
-            (
-                "adaptermesh_max_loras",
-                "Adapters the engine can batch at once.",
-                float(stats.max_loras),
-            ),
-        ):
-            gauge = GaugeMetricFamily(name, doc)
-            gauge.add_metric([], gauge_value)
-            yield gauge
-
-        if stats.tp_ranks_up:
-            ranks = GaugeMetricFamily(
-                "adaptermesh_tp_rank_up",
-                "Tensor-parallel ranks of this worker: 1 while the rank's process runs.",
-                labels=["rank"],
-            )
-            for r, up in enumerate(stats.tp_ranks_up):
-                ranks.add_metric([str(r)], 1.0 if up else 0.0)
-            yield ranks
+        scrape = _Scrape(m, stats, sorted(m.queue.snapshot().items()), m.residency(stats))
+        for series in _SERIES:
+            if series.when is not None and not series.when(scrape):
+                continue
+            family = _FAMILIES[series.kind](series.name, series.help, labels=list(series.labels))
+            for labels, value in series.read(scrape):
+                family.add_metric(list(labels), value)
+            yield family

@@ -27,9 +27,9 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
-from adaptermesh import kernels
-from adaptermesh.kernels import sgmm_int4
-from adaptermesh.kernels.sgmm_int4 import DEFAULT_GROUP_SIZE, Int4Weight, quantize_int4
+from adaptermesh.kernels import dispatch, int4_weight
+from adaptermesh.kernels.int4_quant import quantize_int4
+from adaptermesh.kernels.int4_weight import DEFAULT_GROUP_SIZE, Int4Weight
 from adaptermesh.worker import lora_ops
 from adaptermesh.worker.kv_cache import PagedKVCache
 from adaptermesh.worker.lora_groups import FUSED_MODULES, GROUPS, MODULE_TO_GROUP, SUPPORTED_MODULES
@@ -791,10 +791,10 @@ class Int4LoraPool(LoraPool):
 def _empty_int4(
     shape: tuple[int, ...], group_size: int, group_dim: int, device: torch.device
 ) -> Int4Weight:
-    packed = torch.zeros(sgmm_int4.packed_shape(shape), dtype=torch.uint8, device=device)
+    packed = torch.zeros(int4_weight.packed_shape(shape), dtype=torch.uint8, device=device)
     scales = torch.zeros(
-        sgmm_int4.scales_shape(shape, group_size, group_dim),
-        dtype=sgmm_int4.SCALE_DTYPE,
+        int4_weight.scales_shape(shape, group_size, group_dim),
+        dtype=int4_weight.SCALE_DTYPE,
         device=device,
     )
     return Int4Weight(packed, scales, shape[-1], group_size, group_dim)
@@ -1140,9 +1140,9 @@ class TransformerModel:
         d_lora: torch.Tensor | None = None
         for li, layer in enumerate(self.layers):
             if d is None:
-                x = kernels.rms_norm(h, layer["ln1"], cfg.rms_eps, gemma=gn)
+                x = dispatch.rms_norm(h, layer["ln1"], cfg.rms_eps, gemma=gn)
             else:
-                x = kernels.rms_norm(
+                x = dispatch.rms_norm(
                     d, layer["ln1"], cfg.rms_eps, residual=residual, gemma=gn, extra=d_lora
                 )
             qkv, _ = self._project(
@@ -1157,10 +1157,10 @@ class TransformerModel:
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             if "qn" in layer:
                 # Qwen3 normalises each head of the projections (LoRA included) before RoPE.
-                q = kernels.rms_norm(
+                q = dispatch.rms_norm(
                     q.reshape(-1, cfg.head_dim), layer["qn"], cfg.rms_eps, gemma=gn
                 ).view(q.shape)
-                k = kernels.rms_norm(
+                k = dispatch.rms_norm(
                     k.reshape(-1, cfg.head_dim), layer["kn"], cfg.rms_eps, gemma=gn
                 ).view(k.shape)
             kc, vc = kv.k[li], kv.v[li]
@@ -1169,7 +1169,7 @@ class TransformerModel:
                 if cfg.local_rope_layers and cfg.local_rope_layers[li]
                 else self.cos_sin
             )
-            kernels.rope_kv_write(
+            dispatch.rope_kv_write(
                 q,
                 k,
                 v,
@@ -1194,14 +1194,14 @@ class TransformerModel:
             if tp is not None:
                 tp.all_reduce(o)  # partial sums of the rank's heads, LoRA delta included
             if "ln_attn_out" in layer:
-                o = kernels.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
-            x = kernels.rms_norm(
+                o = dispatch.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
+            x = dispatch.rms_norm(
                 o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn, extra=o_lora
             )
             gu, gu_lora = self._project(layer, "gate_up", x, li, lp, True, dora_rows)
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
-            act = kernels.act_mul(gu, act=self.act, extra=gu_lora)
+            act = dispatch.act_mul(gu, act=self.act, extra=gu_lora)
             d, d_lora = self._project(
                 layer, "down", act, li, lp, "ln_mlp_out" not in layer and tp is None, dora_rows
             )
@@ -1210,12 +1210,12 @@ class TransformerModel:
             if tp is not None:
                 tp.all_reduce(d)
             if "ln_mlp_out" in layer:
-                d = kernels.rms_norm(d, layer["ln_mlp_out"], cfg.rms_eps, gemma=gn)
+                d = dispatch.rms_norm(d, layer["ln_mlp_out"], cfg.rms_eps, gemma=gn)
         assert d is not None
         rows_d = d.index_select(0, inp.logits_rows)
         rows_r = residual.index_select(0, inp.logits_rows)
         rows_e = None if d_lora is None else d_lora.index_select(0, inp.logits_rows)
-        hn = kernels.rms_norm(
+        hn = dispatch.rms_norm(
             rows_d, self.norm, cfg.rms_eps, residual=rows_r, gemma=gn, extra=rows_e
         )
         logits = hn @ self.lm_head.T
@@ -1330,11 +1330,7 @@ class TransformerModel:
         assert self.tp is not None
         pool, meta = lp
         a, b, r = pool.layer_args(group, li)
-        v = kernels.sgmm_shrink(x, a, r, meta.kernel_meta, check_values=False)
-        self.tp.all_reduce(v)
-        part = torch.zeros((out.shape[0], cols[1] - cols[0]), dtype=out.dtype, device=out.device)
-        kernels.sgmm_expand(part, v, b, pool.scales, r, meta.kernel_meta, check_values=False)
-        out[:, cols[0] : cols[1]] += part
+        lora_ops.add_lora_sharded_rows(out, x, a, b, pool.scales, r, meta, cols, self.tp.all_reduce)
 
     def _attention(
         self,
@@ -1350,7 +1346,7 @@ class TransformerModel:
         nd = inp.num_decode
         S = int(inp.seq_lens.shape[0])
         if nd > 0:
-            kernels.paged_attention(
+            dispatch.paged_attention(
                 out,
                 q,
                 kc,
@@ -1365,7 +1361,7 @@ class TransformerModel:
                 softcap=self.cfg.attn_softcap,
             )
         if nd < S and inp.max_prefill_len > 0:
-            kernels.paged_attention(
+            dispatch.paged_attention(
                 out,
                 q,
                 kc,

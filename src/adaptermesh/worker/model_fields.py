@@ -159,6 +159,14 @@ def _opt_pos_int(v: Any, d: Mapping[str, Any]) -> str | None:
     return None if v is None else _pos_int(v, d)
 
 
+def _non_negative_int(v: Any, d: Mapping[str, Any]) -> str | None:
+    return (
+        None
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        else "must be a non-negative integer"
+    )
+
+
 def _number(v: Any, d: Mapping[str, Any]) -> str | None:
     return (
         None
@@ -379,6 +387,14 @@ _COMMON: dict[str, Check] = {
     "auto_map": _never("custom modeling code is not implemented"),
 }
 
+# The sliding-window fields Qwen2 and Qwen3 share.
+_QWEN_WINDOWS: dict[str, Check] = {
+    "use_sliding_window": _bool,
+    "sliding_window": _opt_pos_int,
+    "max_window_layers": _non_negative_int,
+    "layer_types": _layer_types_qwen2,
+}
+
 # model_type -> every config.json field the runtime reads, with its check. A field absent
 # here and from HARMLESS_MODEL_FIELDS refuses the load.
 ARCH_FIELDS: dict[str, dict[str, Check]] = {
@@ -394,30 +410,8 @@ ARCH_FIELDS: dict[str, dict[str, Check]] = {
         "sliding_window": _opt_pos_int,  # every layer; absent means 4096 (MistralConfig's default)
         "layer_types": _layer_types_full,
     },
-    "qwen2": {
-        **_COMMON,
-        "use_sliding_window": _bool,
-        "sliding_window": _opt_pos_int,
-        "max_window_layers": lambda v, d: (
-            None
-            if isinstance(v, int) and not isinstance(v, bool) and v >= 0
-            else "must be a non-negative integer"
-        ),
-        "layer_types": _layer_types_qwen2,
-        "use_mrope": _false,
-    },
-    "qwen3": {
-        **_COMMON,
-        "attention_bias": _bool,  # q/k/v/o biases
-        "use_sliding_window": _bool,
-        "sliding_window": _opt_pos_int,
-        "max_window_layers": lambda v, d: (
-            None
-            if isinstance(v, int) and not isinstance(v, bool) and v >= 0
-            else "must be a non-negative integer"
-        ),
-        "layer_types": _layer_types_qwen2,
-    },
+    "qwen2": {**_COMMON, **_QWEN_WINDOWS, "use_mrope": _false},
+    "qwen3": {**_COMMON, "attention_bias": _bool, **_QWEN_WINDOWS},  # q/k/v/o biases
 }
 
 _NO_HIDDEN_ACT = {k: v for k, v in _COMMON.items() if k != "hidden_act"}
@@ -545,16 +539,25 @@ def check_model_config(d: Mapping[str, Any]) -> tuple[str, str] | None:
     for key in _REQUIRED:
         if key not in d:
             return key, "is required"
-    for key, val in d.items():
+    return _first_refused(d, table, HARMLESS_MODEL_FIELDS, f" for {model_type}")
+
+
+def _first_refused(
+    fields: Mapping[str, Any], table: Mapping[str, Check], harmless: frozenset[str], where: str
+) -> tuple[str, str] | None:
+    """The first of ``fields`` that ``table`` does not name (and ``harmless`` does not let
+    through) or whose check fails, as (field, message); ``where`` ends the unknown-field
+    message's "not implemented"."""
+    for key, val in fields.items():
         check = table.get(key)
         if check is None:
-            if key in HARMLESS_MODEL_FIELDS:
+            if key in harmless:
                 continue
             return (
                 key,
-                f"unknown field (value {val!r}): not implemented for {model_type}, refused rather than ignored",
+                f"unknown field (value {val!r}): not implemented{where}, refused rather than ignored",
             )
-        msg = check(val, d)
+        msg = check(val, fields)
         if msg is not None:
             return key, f"{val!r} {msg}"
     return None
@@ -664,14 +667,4 @@ ADAPTER_FIELDS: dict[str, Check] = {
 
 def check_adapter_config(cj: Mapping[str, Any]) -> tuple[str, str] | None:
     """The first field of ``adapter_config.json`` that the runtime cannot honour."""
-    for key, val in cj.items():
-        check = ADAPTER_FIELDS.get(key)
-        if check is None:
-            return (
-                key,
-                f"unknown field (value {val!r}): not implemented, refused rather than ignored",
-            )
-        msg = check(val, cj)
-        if msg is not None:
-            return key, f"{val!r} {msg}"
-    return None
+    return _first_refused(cj, ADAPTER_FIELDS, frozenset(), "")

@@ -221,25 +221,19 @@ def choice_chunk(
 ) -> bytes:
     """One SSE chunk of choice ``index``; ``logprobs``: those of the tokens whose text it
     carries; ``role``: the chat stream's opening chunk, which names the assistant."""
-    if job.kind == "completion":
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": text or "",
-            "logprobs": completion_logprobs(logprobs) if logprobs else None,
-            "finish_reason": finish_reason,
-        }
-    else:
-        delta: dict[str, str] = {}
+    if job.kind != "completion":
+        delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {
-            "index": index,
-            "delta": delta,
-            "logprobs": chat_logprobs(logprobs) if logprobs else None,
-            "finish_reason": finish_reason,
-        }
+        return delta_chunk(job, delta, finish_reason, index, logprobs)
+    choice = {
+        "index": index,
+        "text": text or "",
+        "logprobs": completion_logprobs(logprobs) if logprobs else None,
+        "finish_reason": finish_reason,
+    }
     return _chunk(job, choice)
 
 

@@ -33,13 +33,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -54,13 +52,13 @@ from adaptermesh.worker.admin_endpoints import (
     unloaded_message,
 )
 from adaptermesh.worker.api import (
-    ChatCompletionRequest,
     CompletionRequest,
     LoadLoraAdapterRequest,
     UnloadLoraAdapterRequest,
 )
 from adaptermesh.worker.fair_queue import FairQueue, QueueFullError, Ticket
 from adaptermesh.worker.faults import FaultTable
+from adaptermesh.worker.generation_inputs import GenerationInputs
 from adaptermesh.worker.generation_job import (
     ChoiceEvent,
     ChoiceProgress,
@@ -73,10 +71,10 @@ from adaptermesh.worker.generation_responses import (
     FinishError,
     NextEvent,
     collect_choice,
+    interleaved,
     stream_choices,
     stream_single_choice,
 )
-from adaptermesh.worker.grammar import GrammarError, GrammarSpec
 from adaptermesh.worker.http_errors import (
     ApiError,
     QueuedPastDeadlineError,
@@ -97,16 +95,11 @@ from adaptermesh.worker.request_translation import (
     REQUEST_TIMEOUT_HEADER,
     SHARD_HEADER,
     VERSION_HEADER,
-    ParsedGeneration,
-    chat_messages,
-    chat_template_missing_error,
     checked_max_tokens,
-    fill_in_middle_missing_error,
     generation_job,
     generation_request,
     parse_body,
     parse_generation_body,
-    refuse_untokenised,
     request_timeout,
     resolve_model,
     tenant_of,
@@ -120,11 +113,7 @@ from adaptermesh.worker.status_endpoints import (
 )
 from adaptermesh.worker.structured_request import (
     SCHEMA_DOCUMENTS,
-    bad_field,
-    grammar_error,
-    grammar_spec,
 )
-from adaptermesh.worker.tool_calls import detect_tool_parser, template_messages, tool_plan
 from adaptermesh.worker.types import (
     AdapterNotFoundError,
     EngineError,
@@ -185,6 +174,16 @@ class ServiceConfig:
     listener: ListenerLimits = field(default_factory=ListenerLimits)
 
 
+@dataclass(frozen=True, slots=True)
+class _Running:
+    """An admitted request's choices: per choice, the call that reads its next event, and its
+    progress; and the error of a choice that finished ``cancelled`` or ``error``."""
+
+    next_events: list[NextEvent]
+    progresses: list[ChoiceProgress]
+    finish_error: FinishError
+
+
 class WorkerService:
     """The aiohttp application plus the fair queue and metrics it serves with."""
 
@@ -233,12 +232,10 @@ class WorkerService:
         self.app.on_cleanup.append(self._stop_poller)
         self.app.on_cleanup.append(self._close_executors)
         self._json = JsonBodyParser(nested=SCHEMA_DOCUMENTS)
-        # Tokenising long prompts and chat templates; two threads keep one 4 MB prompt from
-        # holding up the next long one.
-        self._cpu = ThreadPoolExecutor(2, thread_name_prefix="worker-tokenize")
+        # Output constraints, grammars and prompt ids (long ones off the event loop).
+        self.inputs = GenerationInputs(engine, self.config.tool_call_parser)
         # A finished request's spans, from the times already taken (request_spans.py).
         self._record_spans = functools.partial(record_request_spans, self.tracing.tracer)
-        self._tool_format: str | None = None
 
     # ----------------------------------------------------------------- generation endpoints
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -256,31 +253,22 @@ class WorkerService:
         # Validate, resolve the model and adapter, tokenise, check the context and deadline.
         job = await self.build_job(request, body, kind)
         self._inject_fault(job)
-        await self._adapter_ready(job)
-        ticket = self._enqueue(job)
-        progresses = [ChoiceProgress() for _ in range(job.candidates)]
-        outcome = "error"
-        streams: list[TokenStream] = []
-        try:
-            await self._wait_for_admission(job, ticket)
-            # One GenerationRequest per choice, each the engine's own sequence.
-            self._submit_choices(job, streams)
-            next_events = self._event_readers(job, streams, progresses)
-            finish_error = self._finish_error(job)
+        async with self._running(job) as run:
+            next_events, progresses = run.next_events, run.progresses
             # The first events come before any header, so errors still get a real status code.
             firsts = [await next_event() for next_event in next_events]
             if job.stream and job.n == 1:
                 return await stream_single_choice(
-                    request, job, firsts[0], next_events[0], finish_error, progresses[0]
+                    request, job, firsts[0], next_events[0], run.finish_error, progresses[0]
                 )
             if job.stream:
                 return await stream_choices(
-                    request, job, firsts, next_events, finish_error, progresses
+                    request, job, firsts, next_events, run.finish_error, progresses
                 )
             # Not streamed: every choice collected, then one JSON body.
             results = await asyncio.gather(
                 *(
-                    collect_choice(first, next_event, finish_error)
+                    collect_choice(first, next_event, run.finish_error)
                     for first, next_event in zip(firsts, next_events, strict=True)
                 ),
                 return_exceptions=True,
@@ -289,7 +277,7 @@ class WorkerService:
                 if isinstance(result, BaseException):
                     raise result
             outputs = [result for result in results if isinstance(result, tuple)]
-            progresses[0].outcome = outcome = request_outcome(progresses)
+            progresses[0].outcome = request_outcome(progresses)
             if job.best_of:
                 # The n candidates with the highest cumulative logprob, best first; usage
                 # counts every candidate's tokens.
@@ -303,18 +291,38 @@ class WorkerService:
                     )
                 )
             return web.json_response(final_body(job, outputs, progresses))
+
+    @contextlib.asynccontextmanager
+    async def _running(self, job: GenerationJob) -> AsyncIterator[_Running]:
+        """A generation request's one path through the worker, for every route: wait for its
+        adapter, take its place in the tenant queue, wait for admission, submit its choices,
+        and hand the caller their event readers; then, however the caller ends (an answer,
+        an ``ApiError``, a disconnect), cancel what still runs, release the queue slot and
+        record the request once. ``progresses[0].outcome``, where the caller sets it, is the
+        outcome recorded; else the way the request ended names it."""
+        await self._adapter_ready(job)
+        ticket = self._enqueue(job)
+        progresses = [ChoiceProgress() for _ in range(job.candidates)]
+        streams: list[TokenStream] = []
+        ended = "error"
+        try:
+            await self._wait_for_admission(job, ticket)
+            # One GenerationRequest per choice, each the engine's own sequence.
+            self._submit_choices(job, streams)
+            yield _Running(
+                self._event_readers(job, streams, progresses), progresses, self._finish_error(job)
+            )
         except QueuedPastDeadlineError:
-            outcome = "deadline_queued"
+            ended = "deadline_queued"
             raise
         except ApiError as exc:
-            if outcome == "error":
-                outcome = exc.code or "error"
+            ended = exc.code or "error"
             raise
-        except asyncio.CancelledError:
-            outcome = "disconnected"
+        except (asyncio.CancelledError, GeneratorExit):
+            ended = "disconnected"
             raise
         finally:
-            self._settle(job, ticket, streams, progresses, progresses[0].outcome or outcome)
+            self._settle(job, ticket, streams, progresses, progresses[0].outcome or ended)
 
     async def _adapter_ready(self, job: GenerationJob) -> None:
         """Wait for the job's adapter when its load is in flight or must come from a store
@@ -348,13 +356,13 @@ class WorkerService:
         arrived = time.monotonic()
         parsed = parse_generation_body(kind, body)
         model, adapter = resolve_model(parsed.model, request.headers, self.engine.model_name)
-        spec, plan = self._output_constraints(parsed)
+        spec, plan = self.inputs.output_constraints(parsed)
         if plan is not None and getattr(self.engine, "compile_grammar", None) is not None:
             # Every tool definition compiles, whatever the tool choice (400 naming it).
             for tool_spec in plan.tool_specs():
-                await self._compile_grammar(tool_spec)
-        prompt_ids = await self._prompt_token_ids(parsed, plan)
-        grammar = None if spec is None else await self._compile_grammar(spec)
+                await self.inputs.compile_grammar(tool_spec)
+        prompt_ids = await self.inputs.prompt_token_ids(parsed, plan)
+        grammar = None if spec is None else await self.inputs.compile_grammar(spec)
         echo = None
         if isinstance(parsed, CompletionRequest) and parsed.echo:
             prompt = parsed.prompt
@@ -402,175 +410,26 @@ class WorkerService:
                 "they finish, so their events cannot be sent as they come",
                 code="unsupported",
             )
-        await self._adapter_ready(job)
-        ticket = self._enqueue(job)
-        progresses = [ChoiceProgress() for _ in range(job.n)]
-        outcome: str | None = None
-        streams: list[TokenStream] = []
-        pumps: list[asyncio.Task[None]] = []
-        try:
-            await self._wait_for_admission(job, ticket)
-            self._submit_choices(job, streams)
-            next_events = self._event_readers(job, streams, progresses)
-            finish_error = self._finish_error(job)
-            merged: asyncio.Queue[tuple[int, TokenEvent | ApiError]] = asyncio.Queue()
-
-            async def pump(index: int) -> None:
-                while True:
-                    try:
-                        event = await next_events[index]()
-                    except ApiError as exc:
-                        merged.put_nowait((index, exc))
-                        return
-                    merged.put_nowait((index, event))
-                    if event.finish_reason is not None:
-                        return
-
-            if job.n > 1:
-                pumps = [asyncio.create_task(pump(index)) for index in range(job.n)]
+        async with (
+            self._running(job) as run,
+            contextlib.aclosing(interleaved(run.next_events)) as items,
+        ):
             finished = 0
-            item: TokenEvent | ApiError
-            while finished < job.n:
-                if job.n == 1:
-                    index, item = 0, await next_events[0]()
-                else:
-                    index, item = await merged.get()
+            async for index, item in items:
                 if isinstance(item, ApiError):
                     raise item
                 reason = item.finish_reason
                 if reason in ("cancelled", "error"):
-                    assert reason is not None
-                    raise finish_error(reason)
+                    raise run.finish_error(str(reason))
                 usage = None
                 if reason is not None:
                     finished += 1
                     if finished == job.n:
-                        outcome = request_outcome(progresses)
-                        usage = usage_body(progresses)
+                        run.progresses[0].outcome = request_outcome(run.progresses)
+                        usage = usage_body(run.progresses)
                 yield ChoiceEvent(index, item, usage)
-        except QueuedPastDeadlineError:
-            if outcome is None:
-                outcome = "deadline_queued"
-            raise
-        except ApiError as exc:
-            if outcome is None:
-                outcome = exc.code or "error"
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            if outcome is None:
-                outcome = "disconnected"
-            raise
-        finally:
-            for task in pumps:
-                task.cancel()
-            if pumps:
-                await asyncio.gather(*pumps, return_exceptions=True)
-            self._settle(job, ticket, streams, progresses, outcome or "error")
 
     # ---------------------------------------- the steps every transport shares (HTTP and WS)
-    def _output_constraints(self, parsed: ParsedGeneration) -> tuple[GrammarSpec | None, Any]:
-        """The request's output constraint (``response_format``, ``structured_outputs``,
-        ``guided_*``, or what ``tool_choice`` forces) and, for a chat with tools, its
-        ``ToolPlan``; 400 naming the field when malformed."""
-        spec = grammar_spec(parsed)
-        plan = None
-        if isinstance(parsed, ChatCompletionRequest):
-            plan = tool_plan(
-                parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls, self._tool_parser()
-            )
-        forced = None if plan is None else plan.grammar_spec()
-        if forced is not None:
-            if spec is not None:
-                raise bad_field(
-                    spec.param.split(".")[0],
-                    "cannot be combined with tool_choice 'required' or a named function",
-                )
-            spec = forced
-        return spec, plan
-
-    def _tool_parser(self) -> str:
-        if self._tool_format is None:
-            chosen = self.config.tool_call_parser
-            if chosen == "auto":
-                model_config = getattr(self.engine, "model_config", None)
-                tokenizer = getattr(self.engine, "tokenizer", None)
-                vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-                chosen = detect_tool_parser(str(getattr(model_config, "arch", "")), vocab)
-            self._tool_format = chosen
-        return self._tool_format
-
-    async def _compile_grammar(self, spec: GrammarSpec) -> Any:
-        """``spec`` compiled by the engine on the tokenizer threads (a schema can take tens of
-        milliseconds); 400 naming the field when it does not compile."""
-        compile_grammar = getattr(self.engine, "compile_grammar", None)
-        if compile_grammar is None:
-            raise invalid_field(
-                spec.param, "this engine does not serve constrained outputs", code="unsupported"
-            )
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._cpu, compile_grammar, spec
-            )
-        except GrammarError as exc:
-            raise grammar_error(exc) from None
-
-    async def _prompt_token_ids(self, parsed: ParsedGeneration, plan: Any = None) -> list[int]:
-        """The prompt's token ids: a completion's ids as sent or its text tokenised, a chat's
-        messages (with its tools) through the model's chat template. A text that cannot fit
-        the context is refused before it is tokenised."""
-        max_model_len = self.engine.max_model_len
-        max_token_chars = getattr(self.engine, "max_token_chars", 0)
-        if isinstance(parsed, CompletionRequest):
-            prompt = parsed.prompt
-            if parsed.suffix is not None:
-                return await self._fill_in_middle_ids(prompt, parsed.suffix)
-            if not isinstance(prompt, str):
-                return list(prompt)
-            refuse_untokenised(len(prompt), max_model_len, max_token_chars, "prompt")
-            return list(await self._off_loop(len(prompt), self.engine.tokenize, prompt))
-        messages = chat_messages(parsed)
-        chars = sum(len(message["content"] or "") for message in messages)
-        refuse_untokenised(chars, max_model_len, max_token_chars, "messages")
-        if plan is not None or any(
-            m.tool_calls is not None or m.role == "tool" for m in parsed.messages
-        ):
-            rich = template_messages(parsed.messages)
-            tools = None if plan is None else plan.tools
-            # Tool definitions and calls count toward the template's text too.
-            chars += len(json.dumps(tools)) + sum(
-                len(json.dumps(m.get("tool_calls", ""))) for m in rich
-            )
-            apply: Any = functools.partial(
-                cast(Any, self.engine).apply_chat_template, rich, tools=tools
-            )
-            ids = await self._off_loop(chars, apply)
-        else:
-            ids = await self._off_loop(chars, self.engine.apply_chat_template, messages)
-        if ids is None:
-            raise chat_template_missing_error()
-        return list(ids)
-
-    async def _fill_in_middle_ids(self, prompt: str | list[int], suffix: str) -> list[int]:
-        """A completion's fill-in-the-middle prompt (``suffix``): 400 naming ``suffix`` on a
-        model without FIM tokens (an engine without ``fill_in_middle`` has none)."""
-        fill_in_middle = getattr(self.engine, "fill_in_middle", None)
-        if fill_in_middle is None:
-            raise fill_in_middle_missing_error()
-        max_model_len = self.engine.max_model_len
-        max_token_chars = getattr(self.engine, "max_token_chars", 0)
-        chars = (len(prompt) if isinstance(prompt, str) else 0) + len(suffix)
-        refuse_untokenised(chars, max_model_len, max_token_chars, "prompt")
-        ids = await self._off_loop(chars, fill_in_middle, prompt, suffix)
-        if ids is None:
-            raise fill_in_middle_missing_error()
-        return list(ids)
-
-    async def _off_loop(self, size: int, function: Callable[..., _Result], *args: Any) -> _Result:
-        """``function(*args)`` inline when ``size`` is small, else on the tokenizer threads."""
-        if size <= _TOKENIZE_INLINE_CHARS:
-            return function(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, function, *args)
-
     def _inject_fault(self, job: GenerationJob) -> None:
         """An operator's injected fault (worker/faults.py): a 500, counted as the adapter's."""
         if self.faults.should_fail(job.adapter):
@@ -807,7 +666,7 @@ class WorkerService:
 
     async def _close_executors(self, _app: web.Application) -> None:
         self._json.close()
-        self._cpu.shutdown(wait=False, cancel_futures=True)
+        self.inputs.close()
 
     async def _poll_stats(self) -> None:
         # Feeds the tokens/s window and drains load latencies even when nobody scrapes.

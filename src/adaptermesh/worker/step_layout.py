@@ -20,7 +20,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from adaptermesh.worker import lora_ops
+from adaptermesh.kernels import dispatch
 from adaptermesh.worker.adafuse import ExpertSet
 from adaptermesh.worker.step_plan import BlockTableUpdate, SamplingRow, ScheduledStep
 
@@ -108,7 +108,7 @@ class StepLayout:
     max_prefill_len: int
     entries: list[SamplingRow | None]  # per entry, the row that samples there (None: padding)
     graph_key: tuple[Any, ...] | None  # graph key, None = eager
-    # The LoRA kernels' ``active_slots`` (lora_ops.config_slots): for a graph, the bound of its
+    # The LoRA kernels' ``active_slots`` (dispatch.config_slots): for a graph, the bound of its
     # density class, which is part of its key; eager, the plan's distinct adapters.
     lora_active_slots: int | None = None
 
@@ -172,7 +172,7 @@ def plan_layout(
     def density(tokens: int) -> tuple[str | None, int | None]:
         if not (lora and lora_density):
             return None, None
-        return lora_ops.config_slots(tokens, active_slots)
+        return dispatch.config_slots(tokens, active_slots)
 
     decode_entries: list[SamplingRow | None] = [row.sampler for row in plan.decode]
     prefill_entries: list[SamplingRow | None] = [row.sampler for row in plan.prefill]
