@@ -51,6 +51,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import math
+import shutil
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -61,6 +63,17 @@ import numpy as np
 import torch
 
 from adaptermesh.worker.adafuse import CpuExpertSet, ExpertSet, is_expert_set, read_expert_set
+from adaptermesh.worker.adapter_merge import (
+    DEFAULT_MAX_PARTS,
+    MERGE_FIELD,
+    MergeSpec,
+    MergeSpecError,
+    build_merged,
+    mergeable_as_cached,
+    merged_name,
+    part_etag,
+    read_part,
+)
 from adaptermesh.worker.adapter_stores import (
     AdapterStoreError,
     AdapterStores,
@@ -220,6 +233,8 @@ class ManagerCounters:
     # Evictions of an adapter that some waiting request wanted (``want``): 0 unless an aged
     # request took the slot of an adapter that only requests queued behind it wanted.
     evictions_wanted: int = 0
+    # Merged adapters built for requests' ``merged_adapters`` (each key once).
+    merges: int = 0
     latencies: list[float] = field(default_factory=list)
     # Seconds per phase of the latest LoRA load: read (disk or CPU cache), reserve, upload
     # (copy + verify), commit; benches report them next to the end-to-end figure.
@@ -292,6 +307,15 @@ class AdapterManager:
         # loop's) for the same cores. 80 MB from the CPU cache took 61 ms with two such threads
         # and 35 ms with one, on two cores. Started at the first upload.
         self._host_upload: concurrent.futures.ThreadPoolExecutor | None = None
+        # Per-request merges (``merged``): at most ``max_merge_parts`` parts; the built ones,
+        # oldest first (at most ``max_merged`` registered; an older one that nothing holds goes
+        # with its directory), and the builds in flight.
+        self.max_merge_parts = DEFAULT_MAX_PARTS
+        self.max_merged = 256
+        self.merge_dir: Path | None = None
+        self.merged_built: OrderedDict[str, Path] = OrderedDict()
+        self._merging: dict[str, asyncio.Task[Path]] = {}
+        self.last_merge_phases: dict[str, float] = {}
 
     # ---- lookups used by submit() and the scheduler -------------------------------------------
 
@@ -921,6 +945,114 @@ class AdapterManager:
         if entry is not None:
             self.cpu_bytes -= entry.nbytes
         self.cpu_policy.remove(name)
+
+    # ---- per-request merges -------------------------------------------------------------------
+
+    async def _part_path(self, name: str) -> Path:
+        """Where part ``name`` of a merge lies (what its own load would read)."""
+        self.check_request(name)  # 404 for an unknown name, 400 for a bad one
+        reg = self.registered.get(name)
+        pub = self.published.get(name)
+        path: Path | None
+        if name in self.expert_sets:
+            path = self.expert_sets[name].path
+        else:
+            path = reg.path if reg is not None else pub.path if pub is not None else None
+        if path is None:
+            path = resolve_in_root(self.root, name)
+            if (
+                self.stores is not None
+                and self.stores.resolvers
+                and not (path / "adapter_config.json").is_file()
+                and not is_expert_set(path)
+            ):
+                found = await self.stores.resolve(name)
+                if found is None:
+                    raise AdapterNotFoundError(name, "no adapter with this name here or in a store")
+                path = found
+        if is_expert_set(path):
+            raise AdapterValidationError(
+                name, MERGE_FIELD, "an AdaFuse expert set cannot be a part of a merge"
+            )
+        return path
+
+    async def merged(self, spec: MergeSpec, base_model: str = "") -> str:
+        """The name of the adapter that merges ``spec``'s parts, built (once per key: the
+        parts' paths and file versions, the weights, the method and its options) as a PEFT
+        directory and registered, so that its requests load, cache, evict and report it as
+        any other adapter. Raises MergeSpecError (400 naming the sub-field),
+        AdapterNotFoundError for an unknown part (404) and the part's AdapterValidationError
+        for one that cannot be merged; nothing changes then."""
+        if len(spec.ids) > self.max_merge_parts:
+            raise MergeSpecError(
+                f"{MERGE_FIELD}.ids",
+                f"names {len(spec.ids)} adapters; at most {self.max_merge_parts} may be merged",
+            )
+        parts = []
+        for part in spec.ids:
+            path = await self._part_path(part)
+            parts.append((part, path, part_etag(path)))
+        name = merged_name(spec, parts)
+        if name in self.registered and name in self.merged_built:
+            self.merged_built.move_to_end(name)
+            return name
+        task = self._merging.get(name)
+        if task is None:
+            if self.merge_dir is None:
+                self.merge_dir = Path(tempfile.mkdtemp(prefix="adaptermesh-merged-"))
+            out = self.merge_dir / name
+            # Parts in the CPU cache with B as stored (one scale: nothing folded) are merged
+            # from there, not read again.
+            cached = {}
+            for part, path, _ in parts:
+                cpu = self.cpu_cache.get(part)
+                if cpu is not None and cpu.path == path and mergeable_as_cached(cpu):
+                    cached[part] = cpu
+            task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self._build_merge, spec, parts, out, base_model, cached)
+            )
+            self._merging[name] = task
+            task.add_done_callback(lambda t: self._merging.pop(name, None))
+        path = await asyncio.shield(task)
+        if name not in self.registered:
+            self.registered[name] = _Registration(path)
+            self.merged_built[name] = path
+            self._trim_merged(keep=name)
+        return name
+
+    def _build_merge(
+        self,
+        spec: MergeSpec,
+        parts: list[tuple[str, Path, str]],
+        out: Path,
+        base_model: str,
+        cached: dict[str, CpuAdapter],
+    ) -> Path:
+        """Runs in a thread: ``cached`` holds the parts found in the CPU cache (their data
+        never changes), the others are read from their directories."""
+        if (out / "adapter_config.json").is_file():  # built before: the key names its content
+            return out
+        t0 = time.perf_counter()
+        cpus = [cached.get(n) or read_part(n, p, self.cfg, self.max_rank) for n, p, _ in parts]
+        t1 = time.perf_counter()
+        dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        # On a GPU worker the maths runs on the pool's device (the parts' data go there once).
+        phases = build_merged(spec, cpus, out, self.cfg, base_model, dtype, self.pool.device)
+        self.last_merge_phases = {"read_parts": t1 - t0, **phases}
+        self.counters.merges += 1
+        return out
+
+    def _trim_merged(self, keep: str) -> None:
+        for old in list(self.merged_built):
+            if len(self.merged_built) <= self.max_merged:
+                return
+            held = old == keep or old in self.published or old in self.inflight
+            if held or old in self.wanted or old in self.claims:
+                continue
+            path = self.merged_built.pop(old)
+            self.registered.pop(old, None)
+            self._drop_cpu(old)
+            shutil.rmtree(path, ignore_errors=True)
 
     # ---- admin API ----------------------------------------------------------------------------
 

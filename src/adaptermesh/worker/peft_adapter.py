@@ -142,6 +142,9 @@ class CpuAdapter:
     # DoRA (``use_dora``): one magnitude vector per targeted module, in ``data`` beside the
     # matrices (so the tiers hold and count them like the matrices); empty for plain LoRA.
     magnitudes: tuple[MagnitudeEntry, ...] = ()
+    # Per targeted module (its file key prefix): (rank, scale) as PEFT resolves them from r,
+    # lora_alpha, use_rslora and the patterns. Merges (``adapter_merge``) weight by these.
+    module_scales: dict[str, tuple[int, float]] = field(default_factory=dict)
     pinned: bool = False
     # (sum, sum of |x|) of the matrices cast to a pool dtype, kept after the first upload: the
     # data never changes, so a later upload from the CPU cache verifies against these.
@@ -318,13 +321,15 @@ def read_adapter(
     pin_memory: bool,
     *,
     per_module: bool = False,
+    fold_scales: bool = True,
 ) -> CpuAdapter:
     """Read, validate and pack one PEFT adapter directory. Raises AdapterValidationError.
 
     Every adapter_config.json field is honoured or refused by name (``model_fields``). With
     ``per_module`` (LoRA pool slots), a rank_pattern or alpha_pattern is honoured: each module
     keeps its own rank (zero-padded in the slot to the largest) and its own scale, folded into
-    its B matrix (the slot's scale is then 1). Without it (AdaFuse experts, which share one rank
+    its B matrix (the slot's scale is then 1; ``fold_scales=False`` leaves B as stored, for a
+    merge that reads ``module_scales`` instead, never for a slot). Without it (AdaFuse experts, which share one rank
     and one scale across the set) a pattern is refused.
     """
     if not path.is_dir():
@@ -397,7 +402,7 @@ def read_adapter(
         fld = "r" if slot_rank == r else "rank_pattern"
         raise _fail(name, fld, f"rank {slot_rank} exceeds the engine's max_lora_rank {max_rank}")
     scales = {sc for _, sc in per.values()}
-    fold = len(scales) > 1
+    fold = len(scales) > 1 and fold_scales
     scale = 1.0 if fold else next(iter(scales))
 
     header, data, wfld = _read_weights_file(name, path, pin_memory)
@@ -450,6 +455,10 @@ def read_adapter(
         uniform=uniform,
         nbytes=data.numel(),
         magnitudes=tuple(magnitudes),
+        module_scales={
+            f"base_model.model.model.layers.{layer}.{_PARENTS[m]}.{m}": rs
+            for (layer, m), rs in per.items()
+        },
     )
     for me in cpu.magnitudes:
         if not bool(torch.isfinite(cpu.magnitude(me)).all()):

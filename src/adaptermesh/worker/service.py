@@ -104,6 +104,7 @@ from adaptermesh.worker.request_translation import (
     fill_in_middle_missing_error,
     generation_job,
     generation_request,
+    merged_adapter,
     parse_body,
     parse_generation_body,
     refuse_untokenised,
@@ -348,6 +349,7 @@ class WorkerService:
         arrived = time.monotonic()
         parsed = parse_generation_body(kind, body)
         model, adapter = resolve_model(parsed.model, request.headers, self.engine.model_name)
+        model, adapter = await merged_adapter(parsed, model, adapter, self.engine)
         spec, plan = self._output_constraints(parsed)
         if plan is not None and getattr(self.engine, "compile_grammar", None) is not None:
             # Every tool definition compiles, whatever the tool choice (400 naming it).
