@@ -197,13 +197,20 @@ def read_part(name: str, path: Path, cfg: ModelConfig, max_rank: int) -> CpuAdap
         raise AdapterValidationError(
             name, "use_dora", f"DoRA adapters cannot be parts of {MERGE_FIELD}"
         )
+    if cpu.vocab:
+        raise AdapterValidationError(
+            name,
+            "target_modules",
+            f"adapters on embed_tokens or lm_head cannot be parts of {MERGE_FIELD}",
+        )
     return cpu
 
 
 def mergeable_as_cached(cpu: CpuAdapter) -> bool:
     """Whether an adapter as the adapter manager caches it can be a part as it is: no DoRA
     vectors and one scale over its modules (so no scale was folded into its B matrices)."""
-    return not cpu.magnitudes and len({sc for _, sc in cpu.module_scales.values()}) == 1
+    one_scale = len({sc for _, sc in cpu.module_scales.values()}) == 1
+    return not cpu.magnitudes and not cpu.vocab and one_scale
 
 
 def _config(part: CpuAdapter) -> dict[str, Any]:

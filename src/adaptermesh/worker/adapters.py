@@ -87,6 +87,7 @@ from adaptermesh.worker.model import (
     ModelConfig,
 )
 from adaptermesh.worker.peft_adapter import (
+    VOCAB_MODULES,
     AdapterValidationError,
     CpuAdapter,
     TensorEntry,
@@ -604,6 +605,15 @@ class AdapterManager:
                 f"{', '.join(modules)} outside the worker's LoRA target modules "
                 f"(its adapter pool holds {', '.join(sorted(self.pool.groups))})",
             )
+        if cpu.vocab and not self.pool.vocab:
+            modules = [m for m, (part, _) in VOCAB_MODULES.items() if part in cpu.vocab]
+            raise AdapterValidationError(
+                name,
+                "target_modules",
+                f"{', '.join(modules)} is not served by this worker: its adapter pool holds no "
+                "embedding or LM-head LoRA (start it with --lora-vocab; not available with "
+                "int4 pools or tensor parallelism)",
+            )
         if cpu.magnitudes and not self.pool.dora:
             raise AdapterValidationError(
                 name,
@@ -803,16 +813,15 @@ class AdapterManager:
         ranks and scale; returns the slot's views, in ``cpu.entries`` order."""
         pool = self.pool
         pool.zero_slot(slot, written_ranks(cpu, pool))
+        if cpu.vocab_bases and not cpu.vocab_checked:
+            self._check_vocab_bases(cpu, data)
         # Each matrix at its own rank (rank_pattern); the slot's higher ranks stay zero.
-        dst = [
-            pool.slot_view(
-                e.group, e.index, e.layer, slot, e.shape[1] if e.is_b else e.shape[0], e.is_b
-            )
-            for e in cpu.entries
-        ]
+        dst = [self._slot_view(slot, e) for e in cpu.entries]
         src = [cpu.view(e, data) for e in cpu.entries]
         torch._foreach_copy_(dst, src)  # one call for every matrix, not a Python loop of copies
         pool.set_slot(slot, cpu.rank, cpu.scale, cpu.groups)
+        if pool.vocab:
+            pool.set_vocab(slot, cpu.rank, cpu.vocab)
         if pool.dora:
             # DoRA's column norms, once per load from the slot just written (plain LoRA: ones).
             pool.set_dora(
@@ -821,6 +830,33 @@ class AdapterManager:
                 [(m.group, m.index, m.layer, cpu.magnitude(m, data)) for m in cpu.magnitudes],
             )
         return dst
+
+    def _slot_view(self, slot: int, e: TensorEntry) -> torch.Tensor:
+        rank = e.shape[1] if e.is_b else e.shape[0]
+        if e.layer < 0:  # embed_tokens / lm_head
+            return self.pool.vocab_view(e.group, slot, rank, e.is_b)
+        return self.pool.slot_view(e.group, e.index, e.layer, slot, rank, e.is_b)
+
+    def _check_vocab_bases(self, cpu: CpuAdapter, data: torch.Tensor) -> None:
+        """The base weights PEFT saved beside a vocabulary LoRA must be the model's (PEFT
+        would load them into the model for every adapter; a trained copy is a
+        ``modules_to_save``, which is refused)."""
+        base_of = self.pool.base_vocab
+        if base_of is None:
+            raise AdapterValidationError(
+                cpu.name, "target_modules", "this worker cannot check saved embedding weights"
+            )
+        for e in cpu.vocab_bases:
+            base = base_of(e.group)
+            saved = cpu.view(e, data).to(device=base.device, dtype=base.dtype)
+            if not torch.equal(saved, base):
+                raise AdapterValidationError(
+                    cpu.name,
+                    "adapter_model.safetensors",
+                    f"{e.key} differs from the base model's weight: a trained copy of the "
+                    "module (modules_to_save) is not served",
+                )
+        cpu.vocab_checked = True
 
     def _write_slot(
         self, slot: int, cpu: CpuAdapter, source_sums: bool
@@ -836,17 +872,9 @@ class AdapterManager:
         """The host pool's write: each copied matrix must hold its source's bits (cast to the
         pool's dtype)."""
         self._place(slot, cpu, cpu.data)
-        pool = self.pool
         for entry in cpu.entries:
             # Read back through fresh views of the slot, not the ones written through.
-            placed = pool.slot_view(
-                entry.group,
-                entry.index,
-                entry.layer,
-                slot,
-                entry.shape[1] if entry.is_b else entry.shape[0],
-                entry.is_b,
-            )
+            placed = self._slot_view(slot, entry)
             source = cpu.view(entry)
             if source.dtype != placed.dtype:
                 source = source.to(placed.dtype)

@@ -288,6 +288,7 @@ class Engine:
             config.lora_dtype,
             groups,
             config.lora_dora,
+            config.lora_vocab,
         ).nbytes
         self.config = config
         config, self.sizing = size_config(
@@ -310,6 +311,7 @@ class Engine:
                 config.lora_dtype,
                 groups,
                 config.lora_dora,
+                config.lora_vocab,
             )
             if group is None
             else ShardedLoraPool(
@@ -359,6 +361,10 @@ class Engine:
         if self.pool.dora:
             # DoRA's norms are of the base weights: never of an AdaFuse merge in them.
             self.pool.base_weight = self.merge_policy.masters.pristine
+        if self.pool.vocab:
+            # A vocabulary adapter's saved base weights are checked against these.
+            model = self.model
+            self.pool.base_vocab = lambda part: model.embed if part == "embed" else model.lm_head
         self.adapters = AdapterManager(
             self.adapter_root,
             model_config,
