@@ -134,7 +134,9 @@ def peft_adapter(root: Path, model_dir: Path, name: str, seed: int, **lora: Any)
             for n, p in pm.named_parameters():
                 if "lora_A" in n:
                     p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-                elif "lora_B" in n:
+                elif "lora_embedding_A" in n:  # [r, vocab]: a token picks a column
+                    p.copy_(torch.randn(p.shape, generator=gen))
+                elif "lora_embedding_B" in n or "lora_B" in n:
                     p.copy_(0.1 * torch.randn(p.shape, generator=gen))
                 elif "lora_magnitude_vector" in n:
                     # DoRA starts at m = ||W|| (a factor of about 1); move it off that.

@@ -51,6 +51,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import math
+import shutil
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -61,6 +63,17 @@ import numpy as np
 import torch
 
 from adaptermesh.worker.adafuse import CpuExpertSet, ExpertSet, is_expert_set, read_expert_set
+from adaptermesh.worker.adapter_merge import (
+    DEFAULT_MAX_PARTS,
+    MERGE_FIELD,
+    MergeSpec,
+    MergeSpecError,
+    build_merged,
+    mergeable_as_cached,
+    merged_name,
+    part_etag,
+    read_part,
+)
 from adaptermesh.worker.adapter_stores import (
     AdapterStoreError,
     AdapterStores,
@@ -74,6 +87,7 @@ from adaptermesh.worker.model import (
     ModelConfig,
 )
 from adaptermesh.worker.peft_adapter import (
+    VOCAB_MODULES,
     AdapterValidationError,
     CpuAdapter,
     TensorEntry,
@@ -220,6 +234,8 @@ class ManagerCounters:
     # Evictions of an adapter that some waiting request wanted (``want``): 0 unless an aged
     # request took the slot of an adapter that only requests queued behind it wanted.
     evictions_wanted: int = 0
+    # Merged adapters built for requests' ``merged_adapters`` (each key once).
+    merges: int = 0
     latencies: list[float] = field(default_factory=list)
     # Seconds per phase of the latest LoRA load: read (disk or CPU cache), reserve, upload
     # (copy + verify), commit; benches report them next to the end-to-end figure.
@@ -292,6 +308,15 @@ class AdapterManager:
         # loop's) for the same cores. 80 MB from the CPU cache took 61 ms with two such threads
         # and 35 ms with one, on two cores. Started at the first upload.
         self._host_upload: concurrent.futures.ThreadPoolExecutor | None = None
+        # Per-request merges (``merged``): at most ``max_merge_parts`` parts; the built ones,
+        # oldest first (at most ``max_merged`` registered; an older one that nothing holds goes
+        # with its directory), and the builds in flight.
+        self.max_merge_parts = DEFAULT_MAX_PARTS
+        self.max_merged = 256
+        self.merge_dir: Path | None = None
+        self.merged_built: OrderedDict[str, Path] = OrderedDict()
+        self._merging: dict[str, asyncio.Task[Path]] = {}
+        self.last_merge_phases: dict[str, float] = {}
 
     # ---- lookups used by submit() and the scheduler -------------------------------------------
 
@@ -580,6 +605,15 @@ class AdapterManager:
                 f"{', '.join(modules)} outside the worker's LoRA target modules "
                 f"(its adapter pool holds {', '.join(sorted(self.pool.groups))})",
             )
+        if cpu.vocab and not self.pool.vocab:
+            modules = [m for m, (part, _) in VOCAB_MODULES.items() if part in cpu.vocab]
+            raise AdapterValidationError(
+                name,
+                "target_modules",
+                f"{', '.join(modules)} is not served by this worker: its adapter pool holds no "
+                "embedding or LM-head LoRA (start it with --lora-vocab; not available with "
+                "int4 pools or tensor parallelism)",
+            )
         if cpu.magnitudes and not self.pool.dora:
             raise AdapterValidationError(
                 name,
@@ -779,16 +813,15 @@ class AdapterManager:
         ranks and scale; returns the slot's views, in ``cpu.entries`` order."""
         pool = self.pool
         pool.zero_slot(slot, written_ranks(cpu, pool))
+        if cpu.vocab_bases and not cpu.vocab_checked:
+            self._check_vocab_bases(cpu, data)
         # Each matrix at its own rank (rank_pattern); the slot's higher ranks stay zero.
-        dst = [
-            pool.slot_view(
-                e.group, e.index, e.layer, slot, e.shape[1] if e.is_b else e.shape[0], e.is_b
-            )
-            for e in cpu.entries
-        ]
+        dst = [self._slot_view(slot, e) for e in cpu.entries]
         src = [cpu.view(e, data) for e in cpu.entries]
         torch._foreach_copy_(dst, src)  # one call for every matrix, not a Python loop of copies
         pool.set_slot(slot, cpu.rank, cpu.scale, cpu.groups)
+        if pool.vocab:
+            pool.set_vocab(slot, cpu.rank, cpu.vocab)
         if pool.dora:
             # DoRA's column norms, once per load from the slot just written (plain LoRA: ones).
             pool.set_dora(
@@ -797,6 +830,33 @@ class AdapterManager:
                 [(m.group, m.index, m.layer, cpu.magnitude(m, data)) for m in cpu.magnitudes],
             )
         return dst
+
+    def _slot_view(self, slot: int, e: TensorEntry) -> torch.Tensor:
+        rank = e.shape[1] if e.is_b else e.shape[0]
+        if e.layer < 0:  # embed_tokens / lm_head
+            return self.pool.vocab_view(e.group, slot, rank, e.is_b)
+        return self.pool.slot_view(e.group, e.index, e.layer, slot, rank, e.is_b)
+
+    def _check_vocab_bases(self, cpu: CpuAdapter, data: torch.Tensor) -> None:
+        """The base weights PEFT saved beside a vocabulary LoRA must be the model's (PEFT
+        would load them into the model for every adapter; a trained copy is a
+        ``modules_to_save``, which is refused)."""
+        base_of = self.pool.base_vocab
+        if base_of is None:
+            raise AdapterValidationError(
+                cpu.name, "target_modules", "this worker cannot check saved embedding weights"
+            )
+        for e in cpu.vocab_bases:
+            base = base_of(e.group)
+            saved = cpu.view(e, data).to(device=base.device, dtype=base.dtype)
+            if not torch.equal(saved, base):
+                raise AdapterValidationError(
+                    cpu.name,
+                    "adapter_model.safetensors",
+                    f"{e.key} differs from the base model's weight: a trained copy of the "
+                    "module (modules_to_save) is not served",
+                )
+        cpu.vocab_checked = True
 
     def _write_slot(
         self, slot: int, cpu: CpuAdapter, source_sums: bool
@@ -812,17 +872,9 @@ class AdapterManager:
         """The host pool's write: each copied matrix must hold its source's bits (cast to the
         pool's dtype)."""
         self._place(slot, cpu, cpu.data)
-        pool = self.pool
         for entry in cpu.entries:
             # Read back through fresh views of the slot, not the ones written through.
-            placed = pool.slot_view(
-                entry.group,
-                entry.index,
-                entry.layer,
-                slot,
-                entry.shape[1] if entry.is_b else entry.shape[0],
-                entry.is_b,
-            )
+            placed = self._slot_view(slot, entry)
             source = cpu.view(entry)
             if source.dtype != placed.dtype:
                 source = source.to(placed.dtype)
@@ -921,6 +973,114 @@ class AdapterManager:
         if entry is not None:
             self.cpu_bytes -= entry.nbytes
         self.cpu_policy.remove(name)
+
+    # ---- per-request merges -------------------------------------------------------------------
+
+    async def _part_path(self, name: str) -> Path:
+        """Where part ``name`` of a merge lies (what its own load would read)."""
+        self.check_request(name)  # 404 for an unknown name, 400 for a bad one
+        reg = self.registered.get(name)
+        pub = self.published.get(name)
+        path: Path | None
+        if name in self.expert_sets:
+            path = self.expert_sets[name].path
+        else:
+            path = reg.path if reg is not None else pub.path if pub is not None else None
+        if path is None:
+            path = resolve_in_root(self.root, name)
+            if (
+                self.stores is not None
+                and self.stores.resolvers
+                and not (path / "adapter_config.json").is_file()
+                and not is_expert_set(path)
+            ):
+                found = await self.stores.resolve(name)
+                if found is None:
+                    raise AdapterNotFoundError(name, "no adapter with this name here or in a store")
+                path = found
+        if is_expert_set(path):
+            raise AdapterValidationError(
+                name, MERGE_FIELD, "an AdaFuse expert set cannot be a part of a merge"
+            )
+        return path
+
+    async def merged(self, spec: MergeSpec, base_model: str = "") -> str:
+        """The name of the adapter that merges ``spec``'s parts, built (once per key: the
+        parts' paths and file versions, the weights, the method and its options) as a PEFT
+        directory and registered, so that its requests load, cache, evict and report it as
+        any other adapter. Raises MergeSpecError (400 naming the sub-field),
+        AdapterNotFoundError for an unknown part (404) and the part's AdapterValidationError
+        for one that cannot be merged; nothing changes then."""
+        if len(spec.ids) > self.max_merge_parts:
+            raise MergeSpecError(
+                f"{MERGE_FIELD}.ids",
+                f"names {len(spec.ids)} adapters; at most {self.max_merge_parts} may be merged",
+            )
+        parts = []
+        for part in spec.ids:
+            path = await self._part_path(part)
+            parts.append((part, path, part_etag(path)))
+        name = merged_name(spec, parts)
+        if name in self.registered and name in self.merged_built:
+            self.merged_built.move_to_end(name)
+            return name
+        task = self._merging.get(name)
+        if task is None:
+            if self.merge_dir is None:
+                self.merge_dir = Path(tempfile.mkdtemp(prefix="adaptermesh-merged-"))
+            out = self.merge_dir / name
+            # Parts in the CPU cache with B as stored (one scale: nothing folded) are merged
+            # from there, not read again.
+            cached = {}
+            for part, path, _ in parts:
+                cpu = self.cpu_cache.get(part)
+                if cpu is not None and cpu.path == path and mergeable_as_cached(cpu):
+                    cached[part] = cpu
+            task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self._build_merge, spec, parts, out, base_model, cached)
+            )
+            self._merging[name] = task
+            task.add_done_callback(lambda t: self._merging.pop(name, None))
+        path = await asyncio.shield(task)
+        if name not in self.registered:
+            self.registered[name] = _Registration(path)
+            self.merged_built[name] = path
+            self._trim_merged(keep=name)
+        return name
+
+    def _build_merge(
+        self,
+        spec: MergeSpec,
+        parts: list[tuple[str, Path, str]],
+        out: Path,
+        base_model: str,
+        cached: dict[str, CpuAdapter],
+    ) -> Path:
+        """Runs in a thread: ``cached`` holds the parts found in the CPU cache (their data
+        never changes), the others are read from their directories."""
+        if (out / "adapter_config.json").is_file():  # built before: the key names its content
+            return out
+        t0 = time.perf_counter()
+        cpus = [cached.get(n) or read_part(n, p, self.cfg, self.max_rank) for n, p, _ in parts]
+        t1 = time.perf_counter()
+        dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        # On a GPU worker the maths runs on the pool's device (the parts' data go there once).
+        phases = build_merged(spec, cpus, out, self.cfg, base_model, dtype, self.pool.device)
+        self.last_merge_phases = {"read_parts": t1 - t0, **phases}
+        self.counters.merges += 1
+        return out
+
+    def _trim_merged(self, keep: str) -> None:
+        for old in list(self.merged_built):
+            if len(self.merged_built) <= self.max_merged:
+                return
+            held = old == keep or old in self.published or old in self.inflight
+            if held or old in self.wanted or old in self.claims:
+                continue
+            path = self.merged_built.pop(old)
+            self.registered.pop(old, None)
+            self._drop_cpu(old)
+            shutil.rmtree(path, ignore_errors=True)
 
     # ---- admin API ----------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from adaptermesh.assignment_rules import MAX_QUOTED, quote
+from adaptermesh.worker.merge_spec import MERGE_FIELD, MergeSpec, MergeSpecError, parse_merge_spec
 from adaptermesh.worker.sampling import BOUNDS
 from adaptermesh.worker.types import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS
 
@@ -216,6 +217,19 @@ class _Sampling(_Body):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # A merge of several adapters for this request (merge_spec.py, docs/worker-service.md):
+    # {ids, weights, merge_strategy, density, majority_sign_method, seed}.
+    merged_adapters: Any = None
+
+    @field_validator("merged_adapters")
+    @classmethod
+    def _merged_adapters(cls, value: Any) -> MergeSpec | None:
+        if value is None:
+            return None
+        try:
+            return parse_merge_spec(value)
+        except MergeSpecError as exc:
+            raise _error("invalid_value", exc.message, at=exc.field[len(MERGE_FIELD) :]) from None
 
     @field_validator("model")
     @classmethod

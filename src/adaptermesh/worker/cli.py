@@ -448,6 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
         "graphs by that density class (default: EngineConfig.lora_density_configs)",
     )
     p.add_argument(
+        "--lora-vocab",
+        action="store_true",
+        help="hold LoRA on embed_tokens and lm_head in the adapter pool so adapters "
+        "targeting them load (rank x vocabulary per module and slot)",
+    )
+    p.add_argument(
         "--adapter-eviction",
         choices=list(POLICY_NAMES),
         default=None,
@@ -630,6 +636,8 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.lora_dora = True
     if args.lora_density_configs is not None:
         config.lora_density_configs = args.lora_density_configs
+    if args.lora_vocab:
+        config.lora_vocab = True
     if args.lora_target_modules is not None:
         config.lora_target_modules = tuple(args.lora_target_modules)
     if args.adapter_eviction is not None:

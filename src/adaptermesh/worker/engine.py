@@ -284,6 +284,7 @@ class Engine:
             config.lora_dtype,
             groups,
             config.lora_dora,
+            config.lora_vocab,
         ).nbytes
         self.config = config
         config, self.sizing = size_config(
@@ -306,6 +307,7 @@ class Engine:
                 config.lora_dtype,
                 groups,
                 config.lora_dora,
+                config.lora_vocab,
             )
             if group is None
             else ShardedLoraPool(
@@ -355,6 +357,10 @@ class Engine:
         if self.pool.dora:
             # DoRA's norms are of the base weights: never of an AdaFuse merge in them.
             self.pool.base_weight = self.merge_policy.masters.pristine
+        if self.pool.vocab:
+            # A vocabulary adapter's saved base weights are checked against these.
+            model = self.model
+            self.pool.base_vocab = lambda part: model.embed if part == "embed" else model.lm_head
         self.adapters = AdapterManager(
             self.adapter_root,
             model_config,

@@ -87,6 +87,11 @@ class EngineConfig:
     # use_dora adapters load; every projection then scales its rows by their slot's factor
     # (1 for plain LoRA and base rows). Off: use_dora adapters are refused by name.
     lora_dora: bool = False
+    # The pool holds LoRA on embed_tokens and lm_head (a few MB a slot: rank x vocabulary
+    # for each), so adapters targeting them load; each step then gathers the adapter rows'
+    # embedding factors and adds the head's term to the logits rows. Off: such adapters are
+    # refused by name.
+    lora_vocab: bool = False
     max_num_batched_tokens: int = 512  # token budget per step (decode rows + prompt chunks)
     max_prefill_chunk: int = 256
     max_prefill_seqs: int = 8  # prompt chunks per step
@@ -212,6 +217,15 @@ def validate_config(config: EngineConfig) -> None:
     if config.lora_dora and config.lora_dtype == "int4":
         raise InvalidRequestError(
             "lora_dora", "DoRA pools are not implemented with lora_dtype int4"
+        )
+    if config.lora_vocab and tp > 1:
+        raise InvalidRequestError(
+            "lora_vocab",
+            "embedding and LM-head LoRA is not implemented with tensor_parallel_size > 1",
+        )
+    if config.lora_vocab and config.lora_dtype == "int4":
+        raise InvalidRequestError(
+            "lora_vocab", "embedding and LM-head LoRA is not implemented with lora_dtype int4"
         )
     if not isinstance(config.max_num_seqs, int) or config.max_num_seqs < 1:
         raise InvalidRequestError(

@@ -554,9 +554,16 @@ class LoraPool:
         groups: frozenset[str] | None = None,
         out_features: dict[str, int] | None = None,
         dora: bool = False,
+        vocab: bool = False,
     ) -> None:
         """``out_features``: B's output rows per module where they differ from the module's
-        (a tensor-parallel rank holding a share of o's and down's B, ``tp_shard``)."""
+        (a tensor-parallel rank holding a share of o's and down's B, ``tp_shard``).
+
+        ``vocab``: the pool also holds LoRA on ``embed_tokens`` and ``lm_head`` (``embed_a``
+        [S, R_max, V] as PEFT's ``lora_embedding_A`` so a token's column is gathered,
+        ``embed_b`` [S, H, R_max]; ``head_a`` [1, S, R_max, H], ``head_b`` [S, V, R_max] in
+        the kernels' layout), with their own ranks (``vocab_ranks``, 0 where the adapter
+        leaves the module)."""
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
@@ -590,13 +597,46 @@ class LoraPool:
         # The live [out, in] base weight of (layer, module), bound by the engine for a DoRA
         # pool (``TransformerModel.module_weight``).
         self.base_weight: Callable[[int, str], torch.Tensor] | None = None
+        self.vocab: dict[str, torch.Tensor] = {}
+        self.vocab_ranks: dict[str, torch.Tensor] = {}
+        if vocab:
+            v, hid = cfg.vocab_size, cfg.hidden_size
+            shapes = {
+                "embed_a": (num_slots, max_rank, v),
+                "embed_b": (num_slots, hid, max_rank),
+                "head_a": (1, num_slots, max_rank, hid),
+                "head_b": (num_slots, v, max_rank),
+            }
+            for k, shape in shapes.items():
+                self.vocab[k] = torch.zeros(shape, dtype=dtype, device=device)
+            for part in ("embed", "head"):
+                self.vocab_ranks[part] = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        # The model's embedding and head weights, bound by the engine for a vocab pool: a
+        # vocab adapter's saved base weights are checked against them.
+        self.base_vocab: Callable[[str], torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
         total = sum(t.numel() * t.element_size() for t in self.a.values())
         total += sum(t.numel() * t.element_size() for bs in self.b.values() for t in bs)
         total += sum(t.numel() * t.element_size() for t in self.dora.values())
+        total += sum(t.numel() * t.element_size() for t in self.vocab.values())
         return total
+
+    def vocab_view(self, part: str, slot: int, rank: int, is_b: bool) -> torch.Tensor:
+        """Where a vocabulary LoRA matrix goes, in its file's shape: embed A [rank, V], embed
+        B [H, rank], head A [rank, H], head B [V, rank]."""
+        if part == "embed":
+            t = self.vocab["embed_a"]
+            return self.vocab["embed_b"][slot, :, :rank] if is_b else t[slot, :rank]
+        if is_b:
+            return self.vocab["head_b"][slot, :, :rank]
+        return self.vocab["head_a"][0, slot, :rank]
+
+    def set_vocab(self, slot: int, rank: int, parts: frozenset[str]) -> None:
+        """Publish the slot's vocabulary ranks (0 for a part the adapter leaves)."""
+        for part, ranks in self.vocab_ranks.items():
+            ranks[slot] = rank if part in parts else 0
 
     def dora_rows(self, token_slots: torch.Tensor) -> torch.Tensor:
         """[T] int64 rows of ``dora[g][layer]`` for a batch's ``token_slots`` (-1 -> S)."""
@@ -635,6 +675,8 @@ class LoraPool:
         self.scales[slot] = 0.0
         for g in self.ranks:
             self.ranks[g][slot] = 0
+        for ranks in self.vocab_ranks.values():
+            ranks[slot] = 0
         for t in self.dora.values():
             t[:, slot].fill_(1.0)
 
@@ -651,6 +693,8 @@ class LoraPool:
             self.a[g][:, :, slot, r:].zero_()
             for b in self.b[g]:
                 b[:, slot, :, r:].zero_()
+        for k, t in self.vocab.items():  # a few MB a slot: zeroed whole
+            (t[0, slot] if k == "head_a" else t[slot]).zero_()
 
     def slot_view(
         self, group: str, index: int, layer: int, slot: int, rank: int, is_b: bool
@@ -670,6 +714,10 @@ class LoraPool:
         """float64 sum of everything in ``slot`` (a device scalar; no host sync)."""
         parts = [self.a[g][:, :, slot].sum(dtype=torch.float64) for g in self.a]
         parts += [b[:, slot].sum(dtype=torch.float64) for g in self.b for b in self.b[g]]
+        parts += [
+            (t[0, slot] if k == "head_a" else t[slot]).sum(dtype=torch.float64)
+            for k, t in self.vocab.items()
+        ]
         return torch.stack(parts).sum()
 
     @property
@@ -702,6 +750,8 @@ class Int4LoraPool(LoraPool):
         self.a, self.b = {}, {}
         self.dora = {}  # DoRA is not served from an INT4 pool (EngineConfig refuses it)
         self.base_weight = None
+        self.vocab, self.vocab_ranks = {}, {}  # nor vocabulary LoRA (make_lora_pool refuses it)
+        self.base_vocab = None
         for g, mods in _pool_groups(self.groups):
             fan_in = cfg.module_shape(mods[0])[0]
             self.qa[g] = _empty_int4(
@@ -818,6 +868,7 @@ def make_lora_pool(
     lora_dtype: str | None = None,
     groups: frozenset[str] | None = None,
     dora: bool = False,
+    vocab: bool = False,
 ) -> LoraPool:
     """The pool for ``lora_dtype`` (None: the model dtype; "int4": an ``Int4LoraPool``) over
     ``groups`` (None: every group; ``pool_groups`` turns target modules into groups), with
@@ -826,17 +877,19 @@ def make_lora_pool(
     Float pools must match the model dtype (the kernels take A and B in the activation dtype).
     """
     if lora_dtype is None:
-        return LoraPool(cfg, num_slots, max_rank, device, dtype, groups, dora=dora)
+        return LoraPool(cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab)
     if lora_dtype == "int4":
         if dora:
             raise ValueError("lora_dora is not implemented with lora_dtype int4")
+        if vocab:
+            raise ValueError("lora_vocab is not implemented with lora_dtype int4")
         return Int4LoraPool(cfg, num_slots, max_rank, device, dtype, groups=groups)
     want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(lora_dtype)
     if want is None:
         raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {lora_dtype!r}")
     if want != dtype:
         raise ValueError(f"lora_dtype {lora_dtype} needs the model dtype to match, it is {dtype}")
-    return LoraPool(cfg, num_slots, max_rank, device, dtype, groups, dora=dora)
+    return LoraPool(cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab)
 
 
 def _checked_groups(groups: frozenset[str] | None) -> frozenset[str]:
@@ -1127,9 +1180,11 @@ class TransformerModel:
         h = self.embed.index_select(0, inp.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        lp = (pool, meta) if pool is not None and meta is not None and meta.any_lora else None
+        if lp is not None and lp[0].vocab:
+            h = self._embed_lora(h, inp.input_ids, *lp)
         if gated is not None:
             gated.route(h)
-        lp = (pool, meta) if pool is not None and meta is not None and meta.any_lora else None
         # DoRA pools: each row's slot in the factor tables, once per step (graph-captured).
         dora_rows = lp[0].dora_rows(lp[1].token_slots) if lp is not None and lp[0].dora else None
         T = h.shape[0]
@@ -1219,12 +1274,64 @@ class TransformerModel:
             rows_d, self.norm, cfg.rms_eps, residual=rows_r, gemma=gn, extra=rows_e
         )
         logits = hn @ self.lm_head.T
+        if lp is not None and lp[0].vocab:
+            self._head_lora(logits, hn, inp.logits_rows, *lp)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits)
         logits = logits.float()
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
+
+    def _embed_lora(
+        self,
+        h: torch.Tensor,
+        input_ids: torch.Tensor,
+        pool: LoraPool,
+        meta: lora_ops.LoraBatchMeta,
+    ) -> torch.Tensor:
+        """``h`` plus each adapter row's embedding LoRA, as PEFT's ``lora.Embedding``:
+        ``scale * B A[:, id]`` (times the embedding scale where the model scales its
+        embeddings, as PEFT does for Gemma's scaled embeddings). ``A[:, id]`` is a gather,
+        the ``B`` product the SGMM expand over the batch's segments; no host sync."""
+        slots = meta.token_slots.clamp(min=0).to(torch.int64)
+        after_a = pool.vocab["embed_a"][slots, :, input_ids].float().unsqueeze(0)  # [1, T, R]
+        delta = torch.zeros_like(h)
+        dispatch.sgmm_expand(
+            delta,
+            after_a,
+            (pool.vocab["embed_b"],),
+            pool.scales,
+            pool.vocab_ranks["embed"],
+            meta.kernel_meta,
+            check_values=False,
+        )
+        if self.embed_scale is not None:
+            delta = delta * self.embed_scale
+        return h + delta
+
+    def _head_lora(
+        self,
+        logits: torch.Tensor,
+        hn: torch.Tensor,
+        logits_rows: torch.Tensor,
+        pool: LoraPool,
+        meta: lora_ops.LoraBatchMeta,
+    ) -> None:
+        """In place: each sequence row's ``lm_head`` LoRA, ``scale * B (A hn)`` (PEFT's
+        ``lora.Linear`` on the head), through add_lora over the rows' own segments."""
+        row_meta = lora_ops.build_meta(
+            meta.token_slots.index_select(0, logits_rows), pool.num_slots
+        )
+        lora_ops.add_lora(
+            logits,
+            hn,
+            pool.vocab["head_a"],
+            (pool.vocab["head_b"],),
+            pool.scales,
+            pool.vocab_ranks["head"],
+            row_meta,
+        )
 
     def _project(
         self,

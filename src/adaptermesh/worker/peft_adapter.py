@@ -25,6 +25,7 @@ from adaptermesh.worker.model_fields import check_adapter_config
 from adaptermesh.worker.types import AdapterNotFoundError
 
 __all__ = [
+    "VOCAB_MODULES",
     "AdapterValidationError",
     "CpuAdapter",
     "MagnitudeEntry",
@@ -142,6 +143,15 @@ class CpuAdapter:
     # DoRA (``use_dora``): one magnitude vector per targeted module, in ``data`` beside the
     # matrices (so the tiers hold and count them like the matrices); empty for plain LoRA.
     magnitudes: tuple[MagnitudeEntry, ...] = ()
+    # Per targeted module (its file key prefix): (rank, scale) as PEFT resolves them from r,
+    # lora_alpha, use_rslora and the patterns. Merges (``adapter_merge``) weight by these.
+    module_scales: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # LoRA on the vocabulary modules: the pool parts it fills ("embed", "head"; its entries
+    # of those groups have layer -1), and the base weights PEFT saved beside them, which must
+    # equal the model's (checked once, at the first upload: ``vocab_checked``).
+    vocab: frozenset[str] = frozenset()
+    vocab_bases: tuple[TensorEntry, ...] = ()
+    vocab_checked: bool = False
     pinned: bool = False
     # (sum, sum of |x|) of the matrices cast to a pool dtype, kept after the first upload: the
     # data never changes, so a later upload from the CPU cache verifies against these.
@@ -173,6 +183,13 @@ def _fail(name: str, fld: str, msg: str) -> AdapterValidationError:
 
 
 _REFUSED_TARGETS = {"lm_head": "lm_head", "embed_tokens": "model.embed_tokens"}
+_VOCAB_PATHS = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
+# The vocabulary modules a LoRA may target on a pool that holds them (``LoraPool.vocab``):
+# module -> (pool part, file key prefix).
+VOCAB_MODULES = {
+    "embed_tokens": ("embed", "base_model.model.model.embed_tokens"),
+    "lm_head": ("head", "base_model.model.lm_head"),
+}
 
 
 def _matches(spec: str | list[str], key: str) -> bool:
@@ -183,10 +200,16 @@ def _matches(spec: str | list[str], key: str) -> bool:
     return key in spec or any(key.endswith("." + e) for e in spec)
 
 
-def target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tuple[int, str]]:
+def target_set(
+    name: str, cfg_json: dict[str, Any], cfg: ModelConfig, *, vocab: bool = False
+) -> set[tuple[int, str]]:
     """The (layer, module) pairs the adapter targets, resolved exactly as PEFT resolves them
     (``peft.tuners.tuners_utils.check_target_module_exists``): exclude_modules first, then
-    target_modules, with layers_to_transform applied only to a list of module names."""
+    target_modules, with layers_to_transform applied only to a list of module names.
+
+    With ``vocab``, ``embed_tokens`` and ``lm_head`` may be targeted too, as ``(-1, name)``
+    (``VOCAB_MODULES``); without it they are refused by name. They have no layer index, so a
+    list target_modules with layers_to_transform leaves them, as PEFT does."""
     raw = cfg_json.get("target_modules")
     layers = cfg_json.get("layers_to_transform")
     if isinstance(layers, bool) or not (
@@ -248,7 +271,7 @@ def target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tup
         except re.error as e:
             raise _fail(name, "target_modules", f"invalid regular expression: {e}") from None
         for short, path in _REFUSED_TARGETS.items():
-            if re.fullmatch(raw, path):
+            if re.fullmatch(raw, path) and not vocab:
                 raise _fail(
                     name,
                     "target_modules",
@@ -258,14 +281,19 @@ def target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tup
         for entry in raw:
             if not isinstance(entry, str):
                 raise _fail(name, "target_modules", f"entries must be strings, got {entry!r}")
+            on_vocab = False
             for short, path in _REFUSED_TARGETS.items():
                 if entry == path or path.endswith("." + entry) or entry.endswith(short):
-                    raise _fail(
-                        name,
-                        "target_modules",
-                        f"{entry!r}: adapters on {short} are not implemented",
-                    )
-            if not any(path == entry or path.endswith("." + entry) for path in full.values()):
+                    if not vocab:
+                        raise _fail(
+                            name,
+                            "target_modules",
+                            f"{entry!r}: adapters on {short} are not implemented",
+                        )
+                    on_vocab = True
+            if not on_vocab and not any(
+                path == entry or path.endswith("." + entry) for path in full.values()
+            ):
                 raise _fail(
                     name,
                     "target_modules",
@@ -285,6 +313,16 @@ def target_set(name: str, cfg_json: dict[str, Any], cfg: ModelConfig) -> set[tup
             hit = _matches(raw, path) and (layer_ids is None or k[0] in layer_ids)
         if hit:
             out.add(k)
+    if vocab:
+        for short, path in _REFUSED_TARGETS.items():
+            if exclude and _matches(exclude, path):
+                continue
+            if isinstance(raw, str):
+                hit = _matches(raw, path)
+            else:
+                hit = path in raw or (_matches(raw, path) and layer_ids is None)
+            if hit:
+                out.add((-1, short))
     if not out:
         raise _fail(
             name,
@@ -318,13 +356,15 @@ def read_adapter(
     pin_memory: bool,
     *,
     per_module: bool = False,
+    fold_scales: bool = True,
 ) -> CpuAdapter:
     """Read, validate and pack one PEFT adapter directory. Raises AdapterValidationError.
 
     Every adapter_config.json field is honoured or refused by name (``model_fields``). With
     ``per_module`` (LoRA pool slots), a rank_pattern or alpha_pattern is honoured: each module
     keeps its own rank (zero-padded in the slot to the largest) and its own scale, folded into
-    its B matrix (the slot's scale is then 1). Without it (AdaFuse experts, which share one rank
+    its B matrix (the slot's scale is then 1; ``fold_scales=False`` leaves B as stored, for a
+    merge that reads ``module_scales`` instead, never for a slot). Without it (AdaFuse experts, which share one rank
     and one scale across the set) a pattern is refused.
     """
     if not path.is_dir():
@@ -374,21 +414,31 @@ def read_adapter(
                 f"{pat!r} is not implemented here: every AdaFuse expert has one rank and one scale",
             )
         patterns[fld] = pat
-    targets = target_set(name, cj, cfg)
+    targets = target_set(name, cj, cfg, vocab=per_module)
+    vocab_targets = sorted(m for layer, m in targets if layer < 0)
+    targets = {(layer, m) for layer, m in targets if layer >= 0}
     fused = sorted({m for _, m in targets if m in FUSED_MODULES})
     dora = cj.get("use_dora") is True
     if dora and not per_module:
         raise _fail(name, "use_dora", "True is not implemented for AdaFuse experts")
+    if dora and vocab_targets:
+        raise _fail(
+            name,
+            "use_dora",
+            f"True with target_modules on {', '.join(vocab_targets)} is not implemented "
+            "(DoRA is served on the projection modules only)",
+        )
     if fused and not per_module:
         raise _fail(
             name,
             "target_modules",
             f"{fused[0]!r}: AdaFuse experts on a fused module are not implemented",
         )
-    # (layer, module) -> (rank, scale), as PEFT's LoraModel._create_and_replace picks them.
+    # (layer, module) -> (rank, scale), as PEFT's LoraModel._create_and_replace picks them;
+    # the vocabulary modules under layer -1.
     per: dict[tuple[int, str], tuple[int, float]] = {}
-    for layer, m in targets:
-        key = f"model.layers.{layer}.{_PARENTS[m]}.{m}"
+    for layer, m in [*targets, *((-1, v) for v in vocab_targets)]:
+        key = _VOCAB_PATHS[m] if layer < 0 else f"model.layers.{layer}.{_PARENTS[m]}.{m}"
         rm = int(_pattern_value(name, "rank_pattern", patterns["rank_pattern"], key, r))
         am = float(_pattern_value(name, "alpha_pattern", patterns["alpha_pattern"], key, alpha))
         per[(layer, m)] = (rm, am / (math.sqrt(rm) if use_rslora else rm))
@@ -397,7 +447,7 @@ def read_adapter(
         fld = "r" if slot_rank == r else "rank_pattern"
         raise _fail(name, fld, f"rank {slot_rank} exceeds the engine's max_lora_rank {max_rank}")
     scales = {sc for _, sc in per.values()}
-    fold = len(scales) > 1
+    fold = len(scales) > 1 and fold_scales
     scale = 1.0 if fold else next(iter(scales))
 
     header, data, wfld = _read_weights_file(name, path, pin_memory)
@@ -424,6 +474,54 @@ def read_adapter(
             entries.extend(_split_entry(cfg, key, m, layer, is_b, dt, shape, start))
         if dora:
             magnitudes.extend(_magnitude_entries(cfg, name, wfld, header, prefix, m, layer, fo))
+    vocab_bases: list[TensorEntry] = []
+    for m in vocab_targets:
+        part, prefix = VOCAB_MODULES[m]
+        rm, sm = per[(-1, m)]
+        v, hid = cfg.vocab_size, cfg.hidden_size
+        # PEFT names an embedding's factors lora_embedding_A [r, V] / _B [H, r]; the head is
+        # a Linear (lora_A [r, H], lora_B [V, r]).
+        pairs = (
+            ((".lora_embedding_A", (rm, v), False), (".lora_embedding_B", (hid, rm), True))
+            if m == "embed_tokens"
+            else ((".lora_A.weight", (rm, hid), False), (".lora_B.weight", (v, rm), True))
+        )
+        for suffix, shape, is_b in pairs:
+            key = prefix + suffix
+            h = header.pop(key, None)
+            if h is None:
+                raise _fail(name, wfld, f"missing tensor {key}")
+            dt, got_shape, start, end = h
+            rows = got_shape[1] if m == "embed_tokens" and not is_b else got_shape[0]
+            if len(got_shape) == 2 and got_shape != shape and rows > v:
+                raise _fail(
+                    name,
+                    "target_modules",
+                    f"{m}: tensor {key} covers {rows} vocabulary rows, the model has {v}: "
+                    "adapters with extra vocabulary rows are not served",
+                )
+            if got_shape != shape:
+                raise _fail(
+                    name, wfld, f"tensor {key} has shape {got_shape}, expected {shape} (rank {rm})"
+                )
+            if fold and is_b:
+                data[start:end].view(dt).mul_(sm)
+            entries.append(TensorEntry(key, part, 0, -1, is_b, dt, shape, start, end))
+        # PEFT saves the targeted layer's base weight beside its factors
+        # (save_embedding_layers): the same as the model's it changes nothing (checked when
+        # the adapter enters a slot, ``vocab_bases``); more rows are a resized vocabulary.
+        key = prefix + ".base_layer.weight"
+        h = header.pop(key, None)
+        if h is not None:
+            dt, got_shape, start, end = h
+            if got_shape != (v, hid):
+                raise _fail(
+                    name,
+                    "target_modules",
+                    f"{m}: {key} has shape {got_shape}, the model's is {(v, hid)}: adapters "
+                    "trained on a resized vocabulary (extra vocabulary rows) are not served",
+                )
+            vocab_bases.append(TensorEntry(key, part, 0, -1, False, dt, got_shape, start, end))
     if header:
         extra = sorted(header)[0]
         why = (
@@ -450,6 +548,13 @@ def read_adapter(
         uniform=uniform,
         nbytes=data.numel(),
         magnitudes=tuple(magnitudes),
+        module_scales={
+            f"base_model.model.model.layers.{layer}.{_PARENTS[m]}.{m}": rs
+            for (layer, m), rs in per.items()
+            if layer >= 0
+        },
+        vocab=frozenset(VOCAB_MODULES[m][0] for m in vocab_targets),
+        vocab_bases=tuple(vocab_bases),
     )
     for me in cpu.magnitudes:
         if not bool(torch.isfinite(cpu.magnitude(me)).all()):

@@ -19,8 +19,9 @@ from pydantic import BaseModel, ValidationError
 from adaptermesh.assignment_rules import VERSION_SEPARATOR, RuleError, check_version, served_name
 from adaptermesh.worker.api import ChatCompletionRequest, CompletionRequest, request_error
 from adaptermesh.worker.generation_job import GenerationJob, GenerationKind
-from adaptermesh.worker.http_errors import ApiError, invalid_field
-from adaptermesh.worker.types import GenerationRequest, SamplingParams
+from adaptermesh.worker.http_errors import ApiError, adapter_error, invalid_field
+from adaptermesh.worker.merge_spec import MERGE_FIELD, MergeSpecError
+from adaptermesh.worker.types import AdapterNotFoundError, GenerationRequest, SamplingParams
 
 __all__ = [
     "ADAPTER_HEADER",
@@ -35,6 +36,7 @@ __all__ = [
     "fill_in_middle_missing_error",
     "generation_job",
     "generation_request",
+    "merged_adapter",
     "parse_body",
     "parse_generation_body",
     "refuse_untokenised",
@@ -114,6 +116,34 @@ def resolve_model(
             raise invalid_field(VERSION_HEADER, exc.message, code="invalid_header") from None
         model = served_name(model, version)
     return model, None if model == base_model else model
+
+
+async def merged_adapter(
+    parsed: ParsedGeneration, model: str, adapter: str | None, engine: Any
+) -> tuple[str, str | None]:
+    """``(model, adapter)`` of a request with ``merged_adapters``: the base model (what the
+    response echoes) and the merged adapter's name (built on its first request,
+    ``AdapterManager.merged``); unchanged without it. Its ``model`` must name the base model;
+    an unknown part is a 404 like an unknown model, every other bad value a 400 naming the
+    sub-field."""
+    spec = parsed.merged_adapters
+    if spec is None:
+        return model, adapter
+    if adapter is not None:
+        raise invalid_field(
+            "model",
+            f"must name the base model when {MERGE_FIELD} is given (the merge names its parts)",
+        )
+    manager = getattr(engine, "adapters", None)
+    if manager is None or not hasattr(manager, "merged"):
+        raise invalid_field(MERGE_FIELD, "this worker does not merge adapters", code="unsupported")
+    try:
+        name = await manager.merged(spec, model)
+    except MergeSpecError as exc:
+        raise invalid_field(exc.field, exc.message) from None
+    except AdapterNotFoundError as exc:
+        raise adapter_error(exc, f"{MERGE_FIELD}.ids") from None
+    return model, name
 
 
 def context_length_error(param: str, detail: str, max_model_len: int) -> ApiError:

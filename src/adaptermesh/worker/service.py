@@ -98,6 +98,7 @@ from adaptermesh.worker.request_translation import (
     checked_max_tokens,
     generation_job,
     generation_request,
+    merged_adapter,
     parse_body,
     parse_generation_body,
     request_timeout,
@@ -356,6 +357,7 @@ class WorkerService:
         arrived = time.monotonic()
         parsed = parse_generation_body(kind, body)
         model, adapter = resolve_model(parsed.model, request.headers, self.engine.model_name)
+        model, adapter = await merged_adapter(parsed, model, adapter, self.engine)
         spec, plan = self.inputs.output_constraints(parsed)
         if plan is not None and getattr(self.engine, "compile_grammar", None) is not None:
             # Every tool definition compiles, whatever the tool choice (400 naming it).
