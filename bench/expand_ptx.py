@@ -161,7 +161,7 @@ def compare(a: Path, b: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--src", type=Path, default=Path(__file__).resolve().parents[1] / "src")
     p.add_argument("--out", type=Path)
     p.add_argument("--compare", type=Path, nargs=2, metavar=("DIR_A", "DIR_B"))

@@ -35,7 +35,7 @@ from adaptermesh.worker.model import ModelConfig
 from adaptermesh.worker.peft_adapter import AdapterValidationError
 from adaptermesh.worker.types import AdapterNotFoundError
 
-from .conftest import recording_logits
+from .conftest import LogitLog
 from .fidelity_helpers import (
     DEVICE,
     EXAMPLES,
@@ -295,6 +295,7 @@ def test_merged_rows_match_peft_in_one_batch(llama: Path, parts: Path) -> None:
     ]
 
     async def go() -> None:
+        log = LogitLog()
         eng = Engine(
             llama,
             parts,
@@ -302,6 +303,7 @@ def test_merged_rows_match_peft_in_one_batch(llama: Path, parts: Path) -> None:
             dtype="float32",
             config=engine_config(max_loras=3, max_prefill_chunk=5, max_num_batched_tokens=16),
             model_name="fid",
+            sample_observer=log,
         )
         try:
             from .conftest import collect, request
@@ -331,12 +333,12 @@ def test_merged_rows_match_peft_in_one_batch(llama: Path, parts: Path) -> None:
             ref = Ref(llama, parts, ["p0", "p1", "p2"])
             for s, n in zip(specs, names, strict=True):
                 peft_merge(ref.model, s, n)
-            with recording_logits() as log:
-                # Four merged adapters and two parts through three slots: loads, evictions
-                # and reloads of merged adapters mid-batch.
-                await assert_matches(
-                    eng, ref, [None, "p1", *names, "p0"], log, PROMPTS, n=4, tag="merge-"
-                )
+            # Four merged adapters and two parts through three slots: loads, evictions
+            # and reloads of merged adapters mid-batch.
+            log.clear()
+            await assert_matches(
+                eng, ref, [None, "p1", *names, "p0"], log, PROMPTS, n=4, tag="merge-"
+            )
             held = {r.name for r in eng.adapters.held_by_tier()}
             assert set(names) & held
         finally:
@@ -351,7 +353,10 @@ def test_merge_changes_the_output(llama: Path, parts: Path) -> None:
     async def go() -> list[torch.Tensor]:
         from .conftest import collect, request
 
-        eng = Engine(llama, parts, dtype="float32", config=engine_config(max_loras=2))
+        log = LogitLog()
+        eng = Engine(
+            llama, parts, dtype="float32", config=engine_config(max_loras=2), sample_observer=log
+        )
         try:
             outs = []
             for body in (
@@ -365,8 +370,7 @@ def test_merge_changes_the_output(llama: Path, parts: Path) -> None:
                 },
             ):
                 name = await eng.adapters.merged(parse_merge_spec(body))
-                with recording_logits() as log:
-                    await collect(eng.submit(request(name, PROMPT, name, max_tokens=1)))
+                await collect(eng.submit(request(name, PROMPT, name, max_tokens=1)))
                 outs.append(log[name][0])
             return outs
         finally:

@@ -39,7 +39,7 @@ from adaptermesh.worker.quant import (
     parse_quant_config,
 )
 
-from .conftest import recording_logits
+from .conftest import LogitLog
 from .fidelity_helpers import DEVICE, Ref, assert_matches, build_model, engine_config, peft_adapter
 
 LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -359,12 +359,18 @@ def test_int4_checkpoint_matches_dequantised_reference(
     ref = Ref(ref_dir, root, ["a0", "a1"])
 
     async def go() -> None:
+        log = LogitLog()
         eng = Engine(
-            dst, root, device=DEVICE, dtype="float32", config=engine_config(), model_name="q"
+            dst,
+            root,
+            device=DEVICE,
+            dtype="float32",
+            config=engine_config(),
+            model_name="q",
+            sample_observer=log,
         )
         try:
-            with recording_logits() as log:
-                await assert_matches(eng, ref, [None, "a0", "a1"], log, PROMPTS, n=6, tag=case)
+            await assert_matches(eng, ref, [None, "a0", "a1"], log, PROMPTS, n=6, tag=case)
         finally:
             await eng.shutdown()
 
@@ -392,12 +398,18 @@ def test_fused_phi3_awq_matches_dequantised_reference(plain_phi3: Path, tmp_path
     ref = Ref(ref_dir, root, ["a0"])
 
     async def go() -> None:
+        log = LogitLog()
         eng = Engine(
-            dst, root, device=DEVICE, dtype="float32", config=engine_config(), model_name="q"
+            dst,
+            root,
+            device=DEVICE,
+            dtype="float32",
+            config=engine_config(),
+            model_name="q",
+            sample_observer=log,
         )
         try:
-            with recording_logits() as log:
-                await assert_matches(eng, ref, [None, "a0"], log, PROMPTS, n=6, tag="phi3-awq")
+            await assert_matches(eng, ref, [None, "a0"], log, PROMPTS, n=6, tag="phi3-awq")
         finally:
             await eng.shutdown()
 

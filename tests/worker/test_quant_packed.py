@@ -28,7 +28,7 @@ from adaptermesh.kernels.quant_linear import Fp8Linear, W4Linear
 from adaptermesh.worker.engine import Engine
 from adaptermesh.worker.model import ModelConfig, TransformerModel, load_model, read_weights
 
-from .conftest import collect, recording_logits, request
+from .conftest import LogitLog, collect, request
 from .fidelity_helpers import DEVICE, Ref, assert_matches, build_model, engine_config, peft_adapter
 from .test_quant_fp8 import CASES as FP8_CASES
 from .test_quant_fp8 import write_fp8
@@ -75,6 +75,7 @@ def _packed_model(dst: Path, dtype: torch.dtype = torch.float32) -> TransformerM
 
 def _run(dst: Path, ref: Ref, root: Path, names: list[str | None], tag: str, **kw: object) -> None:
     async def go() -> None:
+        log = LogitLog()
         eng = Engine(
             dst,
             root,
@@ -82,11 +83,11 @@ def _run(dst: Path, ref: Ref, root: Path, names: list[str | None], tag: str, **k
             dtype="float32",
             config=engine_config(quant_kernels="on", **kw),
             model_name="q",
+            sample_observer=log,
         )
         try:
             assert eng.model.packed
-            with recording_logits() as log:
-                await assert_matches(eng, ref, names, log, PROMPTS, n=6, tag=tag)
+            await assert_matches(eng, ref, names, log, PROMPTS, n=6, tag=tag)
         finally:
             await eng.shutdown()
 
@@ -125,6 +126,7 @@ def test_w8a8_engine_within_activation_error(plain: Path, tmp_path: Path, case: 
     jobs = [(f"s{i}-{n}", p, n) for i, p in enumerate(PROMPTS) for n in (None, "a0")]
 
     async def go() -> dict[str, list[torch.Tensor]]:
+        log = LogitLog()
         eng = Engine(
             dst,
             root,
@@ -132,14 +134,14 @@ def test_w8a8_engine_within_activation_error(plain: Path, tmp_path: Path, case: 
             dtype="float32",
             config=engine_config(quant_kernels="on", quant_fp8_activations=True),
             model_name="q",
+            sample_observer=log,
         )
         try:
             lin = eng.model.packed[(0, "qkv")]
             assert isinstance(lin, Fp8Linear)
             assert lin.fp8_activations
-            with recording_logits() as log:
-                streams = [eng.submit(request(rid, p, n, max_tokens=1)) for rid, p, n in jobs]
-                await asyncio.gather(*(collect(s) for s in streams))
+            streams = [eng.submit(request(rid, p, n, max_tokens=1)) for rid, p, n in jobs]
+            await asyncio.gather(*(collect(s) for s in streams))
             return log
         finally:
             await eng.shutdown()

@@ -110,15 +110,21 @@ def test_vocab_lora_really_changes_output(llama: Path, tmp_path: Path) -> None:
         (d / "adapter_config.json").write_text((root / "v" / "adapter_config.json").read_text())
 
     async def go() -> dict[str, torch.Tensor]:
-        from .conftest import recording_logits
+        from .conftest import LogitLog
 
-        eng = Engine(llama, root, dtype="float32", config=engine_config(lora_vocab=True))
+        log = LogitLog()
+        eng = Engine(
+            llama,
+            root,
+            dtype="float32",
+            config=engine_config(lora_vocab=True),
+            sample_observer=log,
+        )
         try:
             out = {}
             for name in (None, "v", "noemb", "nohead"):
-                with recording_logits() as log:
-                    rid = f"r-{name}"
-                    await collect(eng.submit(request(rid, PROMPT, name, max_tokens=1)))
+                rid = f"r-{name}"
+                await collect(eng.submit(request(rid, PROMPT, name, max_tokens=1)))
                 out[str(name)] = log[rid][0]
             return out
         finally:
