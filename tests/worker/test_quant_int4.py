@@ -480,20 +480,6 @@ def test_stored_form_is_counted(plain: Path, tmp_path: Path) -> None:
     assert m.nbytes == dense + stored
 
 
-def test_awq_reference_dequantize_gemm() -> None:
-    """AutoAWQ's own unpack + dequantise of the packed tensors equals the loaded weight."""
-    pk = pytest.importorskip("awq.utils.packing_utils")
-    gen = torch.Generator().manual_seed(3)
-    w = torch.randn(48, 64, generator=gen) * 0.1
-    t, deq, _ = module_tensors(w, "awq", 16, sym=False)
-    theirs = pk.dequantize_gemm(t["qweight"], t["qzeros"], t["scales"], 4, 16)  # [in, out]
-    scheme = parse_quant_config({"quant_method": "awq", "group_size": 16})
-    _, stored = dequantize_checkpoint(scheme, {f"m.mlp.down_proj.{k}": v for k, v in t.items()})
-    mine = stored["m.mlp.down_proj"].dequantize(torch.float16)
-    assert torch.equal(mine, theirs.T.to(torch.float16))
-    assert torch.equal(mine, deq.half())
-
-
 # --- Hypothesis: packing over shapes, group sizes, zero points, orders ----------------------
 
 
