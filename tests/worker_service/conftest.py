@@ -36,7 +36,9 @@ async def start_server() -> AsyncIterator[StartServer]:
         runner, port = await serve(service, "127.0.0.1", 0)
         runners.append(runner)
         url = f"http://127.0.0.1:{port}"
-        client = httpx.AsyncClient(base_url=url, timeout=30)
+        # A deadline, not a latency check: a queued request's first byte waits for the ones
+        # ahead of it, which on a loaded two-core machine can take well over 30 s.
+        client = httpx.AsyncClient(base_url=url, timeout=120)
         clients.append(client)
         return Server(url, service, engine, client)
 
