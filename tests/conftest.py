@@ -22,7 +22,8 @@
   ``e2e`` tests, everything under tests/bpf, which share a session topology) form one group,
   ``host``, that runs on one worker, one test at a time and in the shuffled order, first; the
   other worker takes the rest, and both take what is left. Every worker arranges the tests
-  with the controller's seed, so the order is the same everywhere.
+  with the controller's seed, so the order is the same everywhere. Each worker's torch runs
+  its CPU operators on its share of the CPUs (set below).
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ from hypothesis import settings
 # any test module is imported (this file is loaded first whatever paths a run names).
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+# torch sizes each process's OpenMP pool from the CPUs it can see, so two pytest-xdist workers
+# on two cores run four threads that spin while they wait for each other, and every CPU
+# operator waits on threads the kernel has descheduled (tests/worker/test_dora.py with
+# test_equivalence.py on two workers: 89 s with the default pools, 31 s with one thread each).
+# Each worker takes its share of the CPUs; a run in one process keeps torch's default. The
+# processes tests start (workers, ranks) choose their own (``--cpu-threads``).
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+if _XDIST_WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS))
 
 # CI explores a fixed set of examples, so a run is reproducible; developers' runs explore
 # fresh random examples (HYPOTHESIS_PROFILE=dev, the default outside CI). No test here checks

@@ -171,3 +171,38 @@ def test_two_workers_run_the_host_tests_on_one_worker_first(suite: pytest.Pytest
     # Outside xdist the same suite has no groups.
     plain = collected(suite, "--order", "shuffle", "--order-seed", "5")
     assert not any("@" in node for node in plain)
+
+
+def test_each_worker_runs_torch_on_its_share_of_the_cpus(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two xdist workers on the CPUs this process sees: each worker's torch takes half of them
+    (at least one), so the workers' OpenMP pools do not oversubscribe the cores; one process
+    keeps torch's own default."""
+    import os
+    import subprocess
+    import sys
+
+    cpus = len(os.sched_getaffinity(0))
+    default = int(
+        subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("OMP_")},
+        ).stdout
+    )
+    suite.path.joinpath("a_first", "test_threads_a.py").write_text(
+        "import os\nimport torch\n\n\n"
+        "def test_threads():\n"
+        "    workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT') or 0)\n"
+        f"    want = max(1, {cpus} // workers) if workers > 1 else {default}\n"
+        "    assert torch.get_num_threads() == want, (torch.get_num_threads(), want)\n"
+    )
+    # This test may itself run on an xdist worker: the runs below are not its workers.
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    for args in (("-n", "2"), ("-p", "no:xdist")):
+        result = suite.runpytest_subprocess(*args, "-k", "test_threads")
+        assert result.ret == 0, result.stdout.str()
