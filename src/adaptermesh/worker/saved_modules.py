@@ -289,9 +289,9 @@ def unserved_message(entries: Sequence[SavedEntry], pool: SavedModulePool | None
         return None
     kinds = sorted({_kind(m) for m in missing})
     return (
-        f"{', '.join(missing)} is not served by this worker: its adapter pool holds no trained "
-        f"copies of {' or '.join(kinds)} (start it with --lora-saved-modules "
-        f"{' '.join(kinds)}; not available with int4 pools or tensor parallelism)"
+        f"copies of {', '.join(missing)}: this worker's adapter pool holds no trained copies "
+        f"of {' or '.join(kinds)} (start it with --lora-saved-modules {' '.join(kinds)}; "
+        "not available with int4 pools or tensor parallelism)"
     )
 
 
