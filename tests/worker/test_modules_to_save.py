@@ -624,3 +624,41 @@ def test_random_saved_modules_match_peft(
         lora_saved_modules=ALL, lora_vocab=True,
         max_loras=max(2, len(names) - 1), max_prefill_chunk=5, max_num_batched_tokens=16,
     )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_copy_rows_with_cuda_graphs_on_match_peft(llama: Path, tmp_path: Path) -> None:
+    # On the GPU with graphs on: steps of base and plain rows replay graphs, steps with a
+    # copy row run eagerly (the fused norm kernel for the other rows, torch for the copy
+    # rows); every request still gets peft's greedy tokens.
+    root = tmp_path / "adapters"
+    names = _mixed_root(root, llama)
+    ref = Ref(llama, root, names)
+
+    async def go() -> None:
+        eng = Engine(
+            llama,
+            root,
+            device="cuda",
+            dtype="float32",
+            config=engine_config(lora_saved_modules=ALL, use_cuda_graphs=True),
+            model_name="fid",
+        )
+        try:
+            jobs = [(f"{i}-{n}", p, n) for i, p in enumerate(PROMPTS) for n in (None, *names)]
+            outs = await asyncio.gather(
+                *(collect(eng.submit(request(r, p, n, max_tokens=6))) for r, p, n in jobs)
+            )
+            for (rid, p, n), events in zip(jobs, outs, strict=True):
+                got = tokens(events)
+                want = [int(r.argmax()) for r in ref.logits([*p, *got][:-1], n)[len(p) - 1 :]]
+                assert got == want, rid
+            # Base-only and plain-only steps replayed graphs.
+            for rid in ("solo-base", "solo-plain"):
+                name = None if rid == "solo-base" else "plain"
+                await collect(eng.submit(request(rid, PROMPT, name, max_tokens=4)))
+            assert eng.describe()["graph_steps"] > 0
+        finally:
+            await eng.shutdown()
+
+    asyncio.run(go())
