@@ -59,7 +59,8 @@ def saved_adapter(root: Path, model_dir: Path, name: str, seed: int, **lora: Any
         with torch.no_grad():
             for n, p in pm.named_parameters():
                 if "modules_to_save" in n:
-                    # A trained copy: the base weight moved by a few percent of its size.
+                    # A trained copy: the base weight plus noise of about a third of its
+                    # mean magnitude.
                     p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=gen))
                 elif "lora_A" in n:
                     p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)

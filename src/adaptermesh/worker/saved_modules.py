@@ -217,7 +217,7 @@ def resolve_saved(raw: Any, cfg: ArchConfig) -> tuple[Site, ...]:
         bad = [p for p in paths if kinds[p] != "copy"]
         if bad:
             raise ValueError(
-                f"{entry!r} matches {bad[0] or 'the root module'}, {kinds[bad[0]]}: trained "
+                f"{entry!r} matches {bad[0]}, {kinds[bad[0]]}: trained "
                 f"copies are served for {_SERVED} only"
             )
         hit.update(paths)
