@@ -203,6 +203,12 @@ def read_part(name: str, path: Path, cfg: ModelConfig, max_rank: int) -> CpuAdap
             "target_modules",
             f"adapters on embed_tokens or lm_head cannot be parts of {MERGE_FIELD}",
         )
+    if cpu.saved:
+        raise AdapterValidationError(
+            name,
+            "modules_to_save",
+            f"adapters with trained module copies cannot be parts of {MERGE_FIELD}",
+        )
     return cpu
 
 
@@ -210,7 +216,7 @@ def mergeable_as_cached(cpu: CpuAdapter) -> bool:
     """Whether an adapter as the adapter manager caches it can be a part as it is: no DoRA
     vectors and one scale over its modules (so no scale was folded into its B matrices)."""
     one_scale = len({sc for _, sc in cpu.module_scales.values()}) == 1
-    return not cpu.magnitudes and not cpu.vocab and one_scale
+    return not cpu.magnitudes and not cpu.vocab and not cpu.saved and one_scale
 
 
 def _config(part: CpuAdapter) -> dict[str, Any]:

@@ -96,6 +96,7 @@ from adaptermesh.worker.peft_adapter import (
     resolve_in_root,
     validate_name,
 )
+from adaptermesh.worker.saved_modules import unserved_message
 from adaptermesh.worker.types import (
     AdapterInfo,
     AdapterNotFoundError,
@@ -621,6 +622,9 @@ class AdapterManager:
                 "True is not served by this worker: its adapter pool holds no DoRA factors "
                 "(start it with --lora-dora; not available with int4 pools or tensor parallelism)",
             )
+        unserved = unserved_message(cpu.saved, self.pool.saved)
+        if unserved is not None:
+            raise AdapterValidationError(name, "modules_to_save", unserved)
         cpu.pinned = pinned
         t_read = time.perf_counter()
         slot = (
@@ -822,6 +826,8 @@ class AdapterManager:
         pool.set_slot(slot, cpu.rank, cpu.scale, cpu.groups)
         if pool.vocab:
             pool.set_vocab(slot, cpu.rank, cpu.vocab)
+        if pool.saved is not None:  # trained module copies (none: the slot holds none)
+            pool.saved.write(slot, cpu.saved, data)
         if pool.dora:
             # DoRA's column norms, once per load from the slot just written (plain LoRA: ones).
             pool.set_dora(
@@ -839,8 +845,8 @@ class AdapterManager:
 
     def _check_vocab_bases(self, cpu: CpuAdapter, data: torch.Tensor) -> None:
         """The base weights PEFT saved beside a vocabulary LoRA must be the model's (PEFT
-        would load them into the model for every adapter; a trained copy is a
-        ``modules_to_save``, which is refused)."""
+        would load them into the model for every adapter; a trained copy for the adapter's
+        rows only is a ``modules_to_save``)."""
         base_of = self.pool.base_vocab
         if base_of is None:
             raise AdapterValidationError(
@@ -853,8 +859,9 @@ class AdapterManager:
                 raise AdapterValidationError(
                     cpu.name,
                     "adapter_model.safetensors",
-                    f"{e.key} differs from the base model's weight: a trained copy of the "
-                    "module (modules_to_save) is not served",
+                    f"{e.key} differs from the base model's weight (PEFT would load it into "
+                    "the model for every adapter); a trained copy of the module for this "
+                    "adapter alone is saved through modules_to_save",
                 )
         cpu.vocab_checked = True
 
@@ -872,15 +879,19 @@ class AdapterManager:
         """The host pool's write: each copied matrix must hold its source's bits (cast to the
         pool's dtype)."""
         self._place(slot, cpu, cpu.data)
-        for entry in cpu.entries:
-            # Read back through fresh views of the slot, not the ones written through.
-            placed = self._slot_view(slot, entry)
-            source = cpu.view(entry)
+        # Read back through fresh views of the slot, not the ones written through.
+        pairs = [(e.key, self._slot_view(slot, e), cpu.view(e)) for e in cpu.entries]
+        saved = self.pool.saved
+        if saved is not None:
+            pairs += [
+                (e.key, saved.view(e.module, e.layer, slot), e.view(cpu.data)) for e in cpu.saved
+            ]
+        for key, placed, source in pairs:
             if source.dtype != placed.dtype:
                 source = source.to(placed.dtype)
             if not same_bits(placed, source):
                 raise AdapterValidationError(
-                    cpu.name, "gpu_copy", f"slot {slot}: {entry.key} differs from its source"
+                    cpu.name, "gpu_copy", f"slot {slot}: {key} differs from its source"
                 )
 
     def _slots_changed(self) -> None:

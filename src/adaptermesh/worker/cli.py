@@ -454,6 +454,16 @@ def build_parser() -> argparse.ArgumentParser:
         "targeting them load (rank x vocabulary per module and slot)",
     )
     p.add_argument(
+        "--lora-saved-modules",
+        nargs="+",
+        choices=["embed_tokens", "lm_head", "norms"],
+        default=None,
+        metavar="KIND",
+        help="hold trained module copies (PEFT modules_to_save) in the adapter pool so "
+        "adapters saving them load: embed_tokens and lm_head (vocabulary x hidden values "
+        "per slot each), norms (every norm of the model, a few vectors per layer)",
+    )
+    p.add_argument(
         "--adapter-eviction",
         choices=list(POLICY_NAMES),
         default=None,
@@ -638,6 +648,8 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.lora_density_configs = args.lora_density_configs
     if args.lora_vocab:
         config.lora_vocab = True
+    if args.lora_saved_modules is not None:
+        config.lora_saved_modules = tuple(dict.fromkeys(args.lora_saved_modules))
     if args.lora_target_modules is not None:
         config.lora_target_modules = tuple(args.lora_target_modules)
     if args.adapter_eviction is not None:

@@ -285,6 +285,7 @@ class Engine:
             groups,
             config.lora_dora,
             config.lora_vocab,
+            frozenset(config.lora_saved_modules),
         ).nbytes
         self.config = config
         config, self.sizing = size_config(
@@ -308,6 +309,7 @@ class Engine:
                 groups,
                 config.lora_dora,
                 config.lora_vocab,
+                frozenset(config.lora_saved_modules),
             )
             if group is None
             else ShardedLoraPool(
@@ -801,6 +803,14 @@ class Engine:
             "async_scheduling": self._overlap,
             "weights_bytes": self.model.nbytes,
             "pool_bytes": self.pool.nbytes,
+            # Of pool_bytes: the per-slot tables of trained module copies (modules_to_save),
+            # and the slots holding any copy now.
+            "saved_module_bytes": self.pool.saved.nbytes if self.pool.saved is not None else 0,
+            "saved_module_slots": (
+                len(self.pool.saved.slots_with_copies(range(self.pool.num_slots)))
+                if self.pool.saved is not None
+                else 0
+            ),
             "kv_bytes": self.kv.nbytes,
             "expert_sets": len(self.adapters.expert_sets),
             "backbone_master_bytes": self.merge_policy.masters.nbytes,

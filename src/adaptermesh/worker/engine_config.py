@@ -16,6 +16,7 @@ import torch
 
 from adaptermesh.worker.kv_cache import KVCacheSpec, spec_bytes_per_token
 from adaptermesh.worker.lora_groups import pool_groups
+from adaptermesh.worker.saved_modules import POOL_KINDS
 from adaptermesh.worker.sizing import (
     DeviceFacts,
     HostFacts,
@@ -92,6 +93,11 @@ class EngineConfig:
     # embedding factors and adds the head's term to the logits rows. Off: such adapters are
     # refused by name.
     lora_vocab: bool = False
+    # Trained module copies (PEFT modules_to_save) the pool holds per slot: any of
+    # "embed_tokens", "lm_head" (a vocabulary x hidden table per slot each) and "norms"
+    # (every norm of the model, a few vectors per layer). Adapters saving a module of another
+    # kind are refused by name; empty: every modules_to_save adapter is (saved_modules.py).
+    lora_saved_modules: tuple[str, ...] = ()
     max_num_batched_tokens: int = 512  # token budget per step (decode rows + prompt chunks)
     max_prefill_chunk: int = 256
     max_prefill_seqs: int = 8  # prompt chunks per step
@@ -227,6 +233,7 @@ def validate_config(config: EngineConfig) -> None:
         raise InvalidRequestError(
             "lora_vocab", "embedding and LM-head LoRA is not implemented with lora_dtype int4"
         )
+    _check_saved_modules(config)
     if not isinstance(config.max_num_seqs, int) or config.max_num_seqs < 1:
         raise InvalidRequestError(
             "max_num_seqs", f"must be a positive integer, got {config.max_num_seqs!r}"
@@ -262,6 +269,29 @@ def validate_config(config: EngineConfig) -> None:
             "max_adapter_skips", f"must be an integer >= 0, got {config.max_adapter_skips!r}"
         )
     _check_load_wait(config)
+
+
+def _check_saved_modules(config: EngineConfig) -> None:
+    saved = config.lora_saved_modules
+    if not isinstance(saved, (tuple, list)) or not all(isinstance(k, str) for k in saved):
+        raise InvalidRequestError(
+            "lora_saved_modules", f"must be a list of module kinds, got {saved!r}"
+        )
+    unknown = sorted(set(saved) - set(POOL_KINDS))
+    if unknown:
+        raise InvalidRequestError(
+            "lora_saved_modules",
+            f"{unknown[0]!r} is not a kind of trained module copy (one of {', '.join(POOL_KINDS)})",
+        )
+    if saved and config.tensor_parallel_size > 1:
+        raise InvalidRequestError(
+            "lora_saved_modules",
+            "trained module copies are not implemented with tensor_parallel_size > 1",
+        )
+    if saved and config.lora_dtype == "int4":
+        raise InvalidRequestError(
+            "lora_saved_modules", "trained module copies are not implemented with lora_dtype int4"
+        )
 
 
 def _check_load_wait(config: EngineConfig) -> None:

@@ -50,6 +50,7 @@ from adaptermesh.worker.quant import (
     parse_quant_config,
     quant_linear,
 )
+from adaptermesh.worker.saved_modules import SavedModulePool, SavedRows, SavedStep
 
 log = logging.getLogger(__name__)
 
@@ -520,6 +521,9 @@ class StepInputs:
     num_decode: int  # host: sequences in the decode region
     max_prefill_len: int  # host: bound on rows per prefill-region sequence (0: none)
     num_splits: int = 1  # host: key partitions per decode sequence
+    # Trained module copies (``modules_to_save``) the step's rows' adapters hold; None: none
+    # (``saved_modules``: the step then runs no part of them).
+    saved: SavedStep | None = None
 
 
 class LoraPool:
@@ -555,6 +559,7 @@ class LoraPool:
         out_features: dict[str, int] | None = None,
         dora: bool = False,
         vocab: bool = False,
+        saved: frozenset[str] = frozenset(),
     ) -> None:
         """``out_features``: B's output rows per module where they differ from the module's
         (a tensor-parallel rank holding a share of o's and down's B, ``tp_shard``).
@@ -563,7 +568,10 @@ class LoraPool:
         [S, R_max, V] as PEFT's ``lora_embedding_A`` so a token's column is gathered,
         ``embed_b`` [S, H, R_max]; ``head_a`` [1, S, R_max, H], ``head_b`` [S, V, R_max] in
         the kernels' layout), with their own ranks (``vocab_ranks``, 0 where the adapter
-        leaves the module)."""
+        leaves the module).
+
+        ``saved``: the kinds of trained module copies (``modules_to_save``) the pool holds per
+        slot (``saved_modules.POOL_KINDS``; ``self.saved``, None without any)."""
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
@@ -614,10 +622,14 @@ class LoraPool:
         # The model's embedding and head weights, bound by the engine for a vocab pool: a
         # vocab adapter's saved base weights are checked against them.
         self.base_vocab: Callable[[str], torch.Tensor] | None = None
+        self.saved: SavedModulePool | None = (
+            SavedModulePool(cfg, num_slots, device, dtype, saved) if saved else None
+        )
 
     @property
     def nbytes(self) -> int:
         total = sum(t.numel() * t.element_size() for t in self.a.values())
+        total += self.saved.nbytes if self.saved is not None else 0
         total += sum(t.numel() * t.element_size() for bs in self.b.values() for t in bs)
         total += sum(t.numel() * t.element_size() for t in self.dora.values())
         total += sum(t.numel() * t.element_size() for t in self.vocab.values())
@@ -679,6 +691,8 @@ class LoraPool:
             ranks[slot] = 0
         for t in self.dora.values():
             t[:, slot].fill_(1.0)
+        if self.saved is not None:
+            self.saved.clear(slot)
 
     def zero_slot(self, slot: int, written: Mapping[str, int] | None = None) -> None:
         """Zero what the next copy into ``slot`` will not write: ranks above an adapter's own,
@@ -718,6 +732,8 @@ class LoraPool:
             (t[0, slot] if k == "head_a" else t[slot]).sum(dtype=torch.float64)
             for k, t in self.vocab.items()
         ]
+        if self.saved is not None:
+            parts.append(self.saved.slot_sum(slot))
         return torch.stack(parts).sum()
 
     @property
@@ -752,6 +768,7 @@ class Int4LoraPool(LoraPool):
         self.base_weight = None
         self.vocab, self.vocab_ranks = {}, {}  # nor vocabulary LoRA (make_lora_pool refuses it)
         self.base_vocab = None
+        self.saved = None  # nor trained module copies (make_lora_pool refuses them)
         for g, mods in _pool_groups(self.groups):
             fan_in = cfg.module_shape(mods[0])[0]
             self.qa[g] = _empty_int4(
@@ -869,27 +886,35 @@ def make_lora_pool(
     groups: frozenset[str] | None = None,
     dora: bool = False,
     vocab: bool = False,
+    saved: frozenset[str] = frozenset(),
 ) -> LoraPool:
     """The pool for ``lora_dtype`` (None: the model dtype; "int4": an ``Int4LoraPool``) over
     ``groups`` (None: every group; ``pool_groups`` turns target modules into groups), with
-    DoRA factors when ``dora`` (float pools only).
+    DoRA factors when ``dora``, vocabulary LoRA when ``vocab`` and trained module copies of the
+    ``saved`` kinds (float pools only).
 
     Float pools must match the model dtype (the kernels take A and B in the activation dtype).
     """
     if lora_dtype is None:
-        return LoraPool(cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab)
+        return LoraPool(
+            cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved
+        )
     if lora_dtype == "int4":
         if dora:
             raise ValueError("lora_dora is not implemented with lora_dtype int4")
         if vocab:
             raise ValueError("lora_vocab is not implemented with lora_dtype int4")
+        if saved:
+            raise ValueError("lora_saved_modules is not implemented with lora_dtype int4")
         return Int4LoraPool(cfg, num_slots, max_rank, device, dtype, groups=groups)
     want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(lora_dtype)
     if want is None:
         raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {lora_dtype!r}")
     if want != dtype:
         raise ValueError(f"lora_dtype {lora_dtype} needs the model dtype to match, it is {dtype}")
-    return LoraPool(cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab)
+    return LoraPool(
+        cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved
+    )
 
 
 def _checked_groups(groups: frozenset[str] | None) -> frozenset[str]:
@@ -1174,10 +1199,16 @@ class TransformerModel:
         ``gated``: AdaFuse expert sets on an unmerged path; routed once here, from the first
         layer's input (a ``SoloGated`` brings its selection along), and applied in every
         targeted module.
+
+        ``inp.saved``: trained module copies of the rows' adapters (``saved_modules``), each
+        applied right after the base module it replaces, on its adapter's rows only.
         """
         cfg = self.cfg
         gn = cfg.gemma_norm
+        sv = self._saved_rows(inp)
         h = self.embed.index_select(0, inp.input_ids)
+        if sv is not None:
+            h = sv.embed(h, inp.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         lp = (pool, meta) if pool is not None and meta is not None and meta.any_lora else None
@@ -1200,6 +1231,8 @@ class TransformerModel:
                 x = dispatch.rms_norm(
                     d, layer["ln1"], cfg.rms_eps, residual=residual, gemma=gn, extra=d_lora
                 )
+            if sv is not None:  # the norm's input: the residual stream (h before layer 0)
+                x = sv.norm("input_layernorm", li, x, residual, cfg.rms_eps, gn)
             qkv, _ = self._project(
                 layer, "qkv", x, li, lp, dora_rows=dora_rows
             )  # its consumer (RoPE) takes no extra
@@ -1212,12 +1245,13 @@ class TransformerModel:
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             if "qn" in layer:
                 # Qwen3 normalises each head of the projections (LoRA included) before RoPE.
-                q = dispatch.rms_norm(
-                    q.reshape(-1, cfg.head_dim), layer["qn"], cfg.rms_eps, gemma=gn
-                ).view(q.shape)
-                k = dispatch.rms_norm(
-                    k.reshape(-1, cfg.head_dim), layer["kn"], cfg.rms_eps, gemma=gn
-                ).view(k.shape)
+                q_in, k_in = q.reshape(-1, cfg.head_dim), k.reshape(-1, cfg.head_dim)
+                qn = dispatch.rms_norm(q_in, layer["qn"], cfg.rms_eps, gemma=gn)
+                kn = dispatch.rms_norm(k_in, layer["kn"], cfg.rms_eps, gemma=gn)
+                if sv is not None:
+                    qn = sv.norm("q_norm", li, qn, q_in, cfg.rms_eps, gn)
+                    kn = sv.norm("k_norm", li, kn, k_in, cfg.rms_eps, gn)
+                q, k = qn.view(q.shape), kn.view(k.shape)
             kc, vc = kv.k[li], kv.v[li]
             cos_sin = (
                 self.cos_sin_local
@@ -1249,10 +1283,18 @@ class TransformerModel:
             if tp is not None:
                 tp.all_reduce(o)  # partial sums of the rank's heads, LoRA delta included
             if "ln_attn_out" in layer:
+                o_in = o
                 o = dispatch.rms_norm(o, layer["ln_attn_out"], cfg.rms_eps, gemma=gn)
+                if sv is not None:
+                    o = sv.norm("post_attention_layernorm", li, o, o_in, cfg.rms_eps, gn)
             x = dispatch.rms_norm(
                 o, layer["ln2"], cfg.rms_eps, residual=residual, gemma=gn, extra=o_lora
             )
+            if sv is not None:
+                ln2 = (
+                    "pre_feedforward_layernorm" if cfg.sandwich_norm else "post_attention_layernorm"
+                )
+                x = sv.norm(ln2, li, x, residual, cfg.rms_eps, gn)
             gu, gu_lora = self._project(layer, "gate_up", x, li, lp, True, dora_rows)
             if gated is not None:
                 gated.apply(li, "gate_up", gu, x)
@@ -1265,7 +1307,10 @@ class TransformerModel:
             if tp is not None:
                 tp.all_reduce(d)
             if "ln_mlp_out" in layer:
+                d_in = d
                 d = dispatch.rms_norm(d, layer["ln_mlp_out"], cfg.rms_eps, gemma=gn)
+                if sv is not None:
+                    d = sv.norm("post_feedforward_layernorm", li, d, d_in, cfg.rms_eps, gn)
         assert d is not None
         rows_d = d.index_select(0, inp.logits_rows)
         rows_r = residual.index_select(0, inp.logits_rows)
@@ -1273,7 +1318,11 @@ class TransformerModel:
         hn = dispatch.rms_norm(
             rows_d, self.norm, cfg.rms_eps, residual=rows_r, gemma=gn, extra=rows_e
         )
+        if sv is not None:
+            hn = sv.norm("norm", -1, hn, rows_r, cfg.rms_eps, gn)
         logits = hn @ self.lm_head.T
+        if sv is not None:
+            logits = sv.head(logits, hn)
         if lp is not None and lp[0].vocab:
             self._head_lora(logits, hn, inp.logits_rows, *lp)
         if self.tp is not None:
@@ -1282,6 +1331,12 @@ class TransformerModel:
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
+
+    def _saved_rows(self, inp: StepInputs) -> SavedRows | None:
+        if inp.saved is None:
+            return None
+        heads = {"q_norm": self.cfg.num_heads, "k_norm": self.cfg.num_kv_heads}
+        return inp.saved.bind(inp.token_slots, inp.logits_rows, heads)
 
     def _embed_lora(
         self,

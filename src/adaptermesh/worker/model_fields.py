@@ -627,6 +627,14 @@ ADAPTER_FIELDS: dict[str, Check] = {
     # serve it exactly (AdaFuse experts, a pool without DoRA factors) the load
     # refuses it by this name.
     "use_dora": lambda v, cj: None if v is None or isinstance(v, bool) else "must be a boolean",
+    # Trained copies of embed_tokens, lm_head and the norms (saved_modules.resolve_saved
+    # names what else an entry matches); a worker without the pool's tables for them
+    # refuses the adapter by this name when it loads.
+    "modules_to_save": lambda v, cj: (
+        None
+        if v is None or (isinstance(v, list) and all(isinstance(e, str) for e in v))
+        else "must be a list of module names"
+    ),
     # harmless at inference
     "task_type": _a_any,
     "base_model_name_or_path": _a_any,
@@ -652,7 +660,6 @@ ADAPTER_FIELDS: dict[str, Check] = {
     "use_qalora": _a_false,
     "bias": _a_bias,
     "fan_in_fan_out": _a_false,
-    "modules_to_save": _a_empty,
     "alora_invocation_tokens": lambda v, cj: (
         None if v is None else "activated LoRA (aLoRA) is not implemented"
     ),

@@ -22,6 +22,12 @@ import torch
 from adaptermesh.worker.lora_groups import FUSED_MODULES, GROUPS, MODULE_TO_GROUP, SUPPORTED_MODULES
 from adaptermesh.worker.model import ModelConfig
 from adaptermesh.worker.model_fields import check_adapter_config
+from adaptermesh.worker.saved_modules import (
+    SavedEntry,
+    excluded_from_lora,
+    resolve_saved,
+    take_copies,
+)
 from adaptermesh.worker.types import AdapterNotFoundError
 
 __all__ = [
@@ -152,6 +158,9 @@ class CpuAdapter:
     vocab: frozenset[str] = frozenset()
     vocab_bases: tuple[TensorEntry, ...] = ()
     vocab_checked: bool = False
+    # Trained copies of whole modules (``modules_to_save``), in ``data`` beside the matrices
+    # (so the tiers hold and count them like the matrices; ``saved_modules``).
+    saved: tuple[SavedEntry, ...] = ()
     pinned: bool = False
     # (sum, sum of |x|) of the matrices cast to a pool dtype, kept after the first upload: the
     # data never changes, so a later upload from the CPU cache verifies against these.
@@ -170,11 +179,14 @@ class CpuAdapter:
     def first_non_finite(
         self, data: torch.Tensor | None = None, dtype: torch.dtype | None = None
     ) -> str | None:
-        """Key of the first matrix holding NaN or Inf (after a cast to ``dtype``), if any."""
-        for e in self.entries:
-            t = self.view(e, data)
+        """Key of the first matrix (or trained copy) holding NaN or Inf (after a cast to
+        ``dtype``), if any."""
+        buf = self.data if data is None else data
+        views = [(e.key, self.view(e, buf)) for e in self.entries]
+        views += [(e.key, e.view(buf)) for e in self.saved]
+        for key, t in views:
             if not bool(torch.isfinite(t if dtype is None else t.to(dtype)).all()):
-                return e.key
+                return key
         return None
 
 
@@ -415,6 +427,16 @@ def read_adapter(
             )
         patterns[fld] = pat
     targets = target_set(name, cj, cfg, vocab=per_module)
+    try:
+        sites = resolve_saved(cj.get("modules_to_save"), cfg)
+    except ValueError as e:
+        raise _fail(name, "modules_to_save", str(e)) from None
+    if sites and not per_module:
+        raise _fail(
+            name, "modules_to_save", "trained copies are not implemented for AdaFuse experts"
+        )
+    if sites:
+        targets = _without_saved(name, cj, targets, {s.path for s in sites})
     vocab_targets = sorted(m for layer, m in targets if layer < 0)
     targets = {(layer, m) for layer, m in targets if layer >= 0}
     fused = sorted({m for _, m in targets if m in FUSED_MODULES})
@@ -522,6 +544,10 @@ def read_adapter(
                     "trained on a resized vocabulary (extra vocabulary rows) are not served",
                 )
             vocab_bases.append(TensorEntry(key, part, 0, -1, False, dt, got_shape, start, end))
+    try:
+        saved = take_copies(header, sites, wfld)
+    except ValueError as e:
+        raise _fail(name, "modules_to_save", str(e)) from None
     if header:
         extra = sorted(header)[0]
         why = (
@@ -533,7 +559,7 @@ def read_adapter(
     spans = sorted((e.start, e.end) for e in entries)
     tiles = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     uniform = bool(entries) and tiles and spans[0][0] == 0 and spans[-1][1] == data.numel()
-    uniform = uniform and len({e.dtype for e in entries}) == 1
+    uniform = uniform and len({e.dtype for e in entries}) == 1 and not saved
     cpu = CpuAdapter(
         name=name,
         path=path,
@@ -555,6 +581,7 @@ def read_adapter(
         },
         vocab=frozenset(VOCAB_MODULES[m][0] for m in vocab_targets),
         vocab_bases=tuple(vocab_bases),
+        saved=tuple(saved),
     )
     for me in cpu.magnitudes:
         if not bool(torch.isfinite(cpu.magnitude(me)).all()):
@@ -563,6 +590,37 @@ def read_adapter(
         # Without a GPU the slot copy cannot check finiteness on the device; check here, once.
         raise _fail(name, wfld, f"tensor {cpu.first_non_finite(data, dtype)} holds NaN or Inf")
     return cpu
+
+
+def _target_path(layer: int, module: str) -> str:
+    return (
+        _VOCAB_PATHS[module] if layer < 0 else f"model.layers.{layer}.{_PARENTS[module]}.{module}"
+    )
+
+
+def _without_saved(
+    name: str, cj: dict[str, Any], targets: set[tuple[int, str]], saved_paths: set[str]
+) -> set[tuple[int, str]]:
+    """``targets`` less the modules PEFT puts no LoRA on because ``modules_to_save`` names
+    them; a module that keeps a LoRA and is also copied (an entry that is only a suffix of its
+    name, such as ``head``) is refused."""
+    raw = cj.get("modules_to_save")
+    kept = {t for t in targets if not excluded_from_lora(raw, _target_path(*t))}
+    both = sorted(_target_path(*t) for t in kept if _target_path(*t) in saved_paths)
+    if both:
+        raise _fail(
+            name,
+            "modules_to_save",
+            f"copies {both[0]}, which target_modules also puts a LoRA on",
+        )
+    if not kept:
+        raise _fail(
+            name,
+            "target_modules",
+            f"{cj.get('target_modules')!r} leaves no module with a LoRA once modules_to_save's "
+            "modules are left out (as PEFT leaves them)",
+        )
+    return kept
 
 
 def _magnitude_entries(
@@ -786,6 +844,7 @@ def entry_sums(cpu: CpuAdapter, data: torch.Tensor, dtype: torch.dtype) -> torch
             t = t.to(dtype)
         return torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)])
     parts = [cpu.view(e, data).to(dtype) for e in cpu.entries]
+    parts += [e.view(data).to(dtype) for e in cpu.saved]
     return torch.stack(
         [
             torch.stack([p.sum(dtype=torch.float64) for p in parts]).sum(),

@@ -168,6 +168,9 @@ class StepTraits:
     graphable: bool
     masked: bool = False  # some sequence is grammar-constrained: the step applies a bitmask
     active_slots: int = 0  # distinct adapter slots the plan's sequences use
+    # Slots of the plan's rows whose adapters hold trained module copies (modules_to_save):
+    # such a step runs eagerly (its head copies are one matmul per slot, from this list).
+    saved: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -366,7 +369,13 @@ class StepLauncher:
         solo_set = decision.gated_set
         masked = any(row.matcher is not None for row in samplers)
         eager = any(eager_only(row.sampling) for row in samplers)
-        graphable = self.graph_runner.usable(solo_set is not None) and not gated_sets and not eager
+        saved = self.pool.saved.slots_with_copies(slots) if self.pool.saved is not None else ()
+        graphable = (
+            self.graph_runner.usable(solo_set is not None)
+            and not gated_sets
+            and not eager
+            and not saved
+        )
         mode = graph_mode(list(samplers))
         if any(row.sampling.typical_p < 1.0 for row in samplers):  # eager: no graph variant
             mode = dataclasses.replace(mode, any_typical=mode.any_random)
@@ -380,6 +389,7 @@ class StepLauncher:
             graphable,
             masked,
             len(slots),
+            saved,
         )
 
     def _lora_side(self, lora: bool) -> bool:
@@ -544,6 +554,7 @@ class StepLauncher:
             traits.penalties,
             sample=not traits.masked,
             bias=bias,
+            saved=traits.saved,
         )
         self.eager_steps += 1
         return _DeviceRun(logits, sampling_buffers, mode, bias)
@@ -615,11 +626,13 @@ class StepLauncher:
         penalties: bool = False,
         sample: bool = True,
         bias: LogitBias | None = None,
+        saved: tuple[int, ...] = (),
     ) -> torch.Tensor:
         """The whole step on the device: input gather, forward, sampling (from the logits
         with ``bias`` added, when given), write of the ids; without ``sample`` (a
         grammar-masked step, whose tail masks, biases and samples) the forward only. Returns
-        the raw logits."""
+        the raw logits. ``saved``: the slots of rows whose adapters hold trained module
+        copies (eager steps only)."""
         views = buffers.views
         source_entries = views.source_entries
         ids = torch.where(
@@ -639,6 +652,7 @@ class StepLauncher:
             num_decode=layout.num_decode,
             max_prefill_len=layout.max_prefill_len,
             num_splits=splits,
+            saved=self.pool.saved.step(saved) if saved and self.pool.saved is not None else None,
         )
         meta = (
             lora_ops.build_meta(inputs.token_slots, self.pool.num_slots, layout.lora_active_slots)
