@@ -189,7 +189,7 @@ def _merge_spec(value: Any) -> MergeSpec | None:
     try:
         return parse_merge_spec(value)
     except MergeSpecError as exc:
-        raise _error("invalid_value", exc.message, at=exc.field[len(MERGE_FIELD) :]) from None
+        raise _error("invalid_value", exc.message, at=exc.param[len(MERGE_FIELD) :]) from None
 
 
 def _model_name(value: str) -> str:

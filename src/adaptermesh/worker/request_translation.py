@@ -140,7 +140,7 @@ async def merged_adapter(
     try:
         name = await manager.merged(spec, model)
     except MergeSpecError as exc:
-        raise invalid_field(exc.field, exc.message) from None
+        raise invalid_field(exc.param, exc.message) from None
     except AdapterNotFoundError as exc:
         raise adapter_error(exc, f"{MERGE_FIELD}.ids") from None
     return model, name
