@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from adaptermesh.worker.adafuse_policy import MergePolicy, gated_batch, single_expert_token
+from adaptermesh.worker.adafuse_policy import MergePolicy, single_expert_token
 from adaptermesh.worker.engine_config import EngineConfig
 from adaptermesh.worker.scheduler import Detokenizer, Sequence
 from adaptermesh.worker.step_plan import ScheduledStep, StepRow
@@ -212,4 +212,6 @@ def test_gated_batch_maps_rows_to_sets() -> None:
     assert batch.sets == [first, second]
     assert batch.token_set.tolist() == [0, -1, 1, 1, 1, 1, 0, 0, 0, -1]
     assert merge_policy.gated_steps == 1
-    assert gated_batch(plan, ranges, 9, torch.device("cpu"), config).token_set.shape == (9,)  # type: ignore[arg-type]
+    batch = merge_policy.gated_batch(plan, ranges, 9, torch.device("cpu"), config)  # type: ignore[arg-type]
+    assert batch.token_set.shape == (9,)
+    assert merge_policy.gated_steps == 2

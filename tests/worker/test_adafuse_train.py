@@ -285,3 +285,57 @@ def test_cli_trains_and_writes_set_and_curve(tiny: Tiny, tmp_path: Path) -> None
         ]
     )
     assert rc == 2
+
+
+# Each training flag and the TrainConfig field it sets, with a strategy for its value.
+_FLAG_FIELDS: dict[str, tuple[str, st.SearchStrategy[Any]]] = {
+    "--experts": ("num_experts", st.integers(1, 8)),
+    "--top-k": ("top_k", st.integers(1, 8)),
+    "--rank": ("rank", st.integers(1, 128)),
+    "--alpha": ("lora_alpha", st.floats(0.5, 64.0)),
+    "--steps": ("steps", st.integers(1, 10_000)),
+    "--batch-size": ("batch_size", st.integers(1, 64)),
+    "--seq-len": ("seq_len", st.integers(8, 4096)),
+    "--lr": ("lr", st.floats(1e-6, 1.0)),
+    "--router-lr": ("router_lr", st.floats(1e-6, 1.0)),
+    "--warmup-steps": ("warmup_steps", st.integers(0, 100)),
+    "--balance-coef": ("balance_coef", st.floats(0.0, 1.0)),
+    "--eval-every": ("eval_every", st.integers(1, 100)),
+    "--eval-fraction": ("eval_fraction", st.floats(0.05, 0.5)),
+    "--seed": ("seed", st.integers(0, 2**31)),
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    flags=st.sets(st.sampled_from(sorted(_FLAG_FIELDS))),
+    data=st.data(),
+    rslora=st.booleans(),
+    no_bias=st.booleans(),
+)
+def test_cli_flags_set_their_config_fields(
+    flags: set[str], data: st.DataObject, rslora: bool, no_bias: bool
+) -> None:
+    from adaptermesh.worker.adafuse_train_cli import build_parser, config_from_args
+
+    given_values = {flag: data.draw(_FLAG_FIELDS[flag][1], label=flag) for flag in sorted(flags)}
+    argv = ["--model", "m", "--data", "d", "--out", "o", "--targets", "q_proj,v_proj"]
+    for flag, value in given_values.items():
+        argv += [flag, repr(value)]
+    if rslora:
+        argv.append("--rslora")
+    if no_bias:
+        argv.append("--no-router-bias")
+    args = build_parser().parse_args(argv)
+    if given_values.get("--top-k", 2) > given_values.get("--experts", 4):
+        with pytest.raises(TrainingError, match="top_k"):
+            config_from_args(args)
+        return
+    cfg = config_from_args(args)
+    default = TrainConfig()
+    for flag, (field, _) in _FLAG_FIELDS.items():
+        want = given_values.get(flag, getattr(default, field))
+        assert getattr(cfg, field) == want, flag
+    assert cfg.use_rslora is rslora
+    assert cfg.router_bias is not no_bias
+    assert cfg.target_modules == ("q_proj", "v_proj")

@@ -255,7 +255,7 @@ def test_refused_parts_name_the_field(llama: Path, parts: Path, tmp_path: Path) 
     cpus = [read_part(n, parts / n, cfg, 64) for n in spec.ids]
     with pytest.raises(MergeSpecError) as exc:
         build_merged(spec, cpus, tmp_path / "o", cfg)
-    assert exc.value.field == "merged_adapters.ids"
+    assert exc.value.param == "merged_adapters.ids"
     assert "r4: 4" in exc.value.message
     assert not (tmp_path / "o").exists()
     peft_adapter(tmp_path, llama, "dora", 9, r=8, use_dora=True, target_modules=["q_proj"])
@@ -393,11 +393,11 @@ def test_bad_merges_change_nothing(llama: Path, parts: Path, tmp_path: Path) -> 
             assert not isinstance(nf.value, AdapterValidationError)
             with pytest.raises(MergeSpecError) as rk:
                 await m.merged(parse_merge_spec({"ids": ["p0", "r4"]}))
-            assert rk.value.field == "merged_adapters.ids"
+            assert rk.value.param == "merged_adapters.ids"
             m.max_merge_parts = 2
             with pytest.raises(MergeSpecError) as lim:
                 await m.merged(parse_merge_spec({"ids": ["p0", "p1", "p2"]}))
-            assert lim.value.field == "merged_adapters.ids"
+            assert lim.value.param == "merged_adapters.ids"
             assert "at most 2" in lim.value.message
             assert (set(m.registered), set(m.published), m.counters.merges) == before
             # Still serving: a good merge after the bad ones builds and loads.
@@ -465,7 +465,7 @@ def test_parse_errors_name_the_sub_field() -> None:
     for value, field in cases:
         with pytest.raises(MergeSpecError) as exc:
             parse_merge_spec(value)
-        assert exc.value.field == field, (value, exc.value)
+        assert exc.value.param == field, (value, exc.value)
 
 
 def test_regex_targets_merge_as_peft_and_mixed_kinds_are_refused(
@@ -483,7 +483,7 @@ def test_regex_targets_merge_as_peft_and_mixed_kinds_are_refused(
     cpus = [read_part(n, root / n, cfg, 64) for n in ("x", "z")]
     with pytest.raises(MergeSpecError) as exc:
         merged_config(cpus, cfg)
-    assert exc.value.field == "merged_adapters.ids"
+    assert exc.value.param == "merged_adapters.ids"
     assert "(x)" in exc.value.message
 
 

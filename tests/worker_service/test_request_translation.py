@@ -40,6 +40,10 @@ VALID_SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     "presence_penalty": st.floats(-2.0, 2.0, **FINITE),
     "frequency_penalty": st.floats(-2.0, 2.0, **FINITE),
     "repetition_penalty": st.floats(0.0, 10.0, exclude_min=True, **FINITE),
+    "typical_p": st.floats(0.0, 1.0, exclude_min=True, **FINITE),
+    "logit_bias": st.dictionaries(
+        st.integers(0, 50).map(str), st.floats(-100.0, 100.0, **FINITE), max_size=3
+    ),
     "seed": st.integers(-(2**70), 2**70),
     "stop": st.one_of(
         st.text("abc ", min_size=1, max_size=8),
@@ -132,6 +136,9 @@ def test_any_valid_completion_body_reaches_the_engine_as_sent(
     assert sampling.presence_penalty == body.get("presence_penalty", 0.0)
     assert sampling.frequency_penalty == body.get("frequency_penalty", 0.0)
     assert sampling.repetition_penalty == body.get("repetition_penalty", 1.0)
+    assert sampling.typical_p == body.get("typical_p", 1.0)
+    bias = body.get("logit_bias", {})
+    assert sampling.logit_bias == tuple(sorted((int(k), float(v)) for k, v in bias.items()))
     stop = body.get("stop", ())
     assert sampling.stop == ((stop,) if isinstance(stop, str) else tuple(stop))
     assert sampling.logprobs == logprobs

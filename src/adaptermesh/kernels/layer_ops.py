@@ -90,6 +90,30 @@ def _scale_row(normed, w, GEMMA: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _residual_chunk(
+    x_row,
+    r_row,
+    e_row,
+    cols,
+    mask,
+    dtype: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+):
+    """Columns ``cols`` of the row the norm reads, as fp32: x, plus extra (rounded), plus the
+    residual (rounded), which is stored back into the residual row."""
+    h = tl.load(x_row + cols, mask=mask, other=0.0)
+    if HAS_EXTRA:
+        e = tl.load(e_row + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + e.to(tl.float32)).to(dtype)
+    if HAS_RESIDUAL:
+        r = tl.load(r_row + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(r_row + cols, h, mask=mask)
+    return h.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     # pointers
     x_ptr,
@@ -121,15 +145,7 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK_H)
     if SINGLE_PASS:
         mask = offs < H
-        h = tl.load(x_row + offs, mask=mask, other=0.0)
-        if HAS_EXTRA:
-            e = tl.load(e_row + offs, mask=mask, other=0.0)
-            h = (h.to(tl.float32) + e.to(tl.float32)).to(dtype)
-        if HAS_RESIDUAL:
-            r = tl.load(r_row + offs, mask=mask, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
-            tl.store(r_row + offs, h, mask=mask)
-        hf = h.to(tl.float32)
+        hf = _residual_chunk(x_row, r_row, e_row, offs, mask, dtype, HAS_RESIDUAL, HAS_EXTRA)
         rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / H + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         tl.store(o_row + offs, _scale_row(hf * rstd, w, GEMMA, dtype), mask=mask)
@@ -138,15 +154,7 @@ def _rms_norm_kernel(
         for start in range(0, H, BLOCK_H):
             cols = start + offs
             mask = cols < H
-            h = tl.load(x_row + cols, mask=mask, other=0.0)
-            if HAS_EXTRA:
-                e = tl.load(e_row + cols, mask=mask, other=0.0)
-                h = (h.to(tl.float32) + e.to(tl.float32)).to(dtype)
-            if HAS_RESIDUAL:
-                r = tl.load(r_row + cols, mask=mask, other=0.0)
-                h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
-                tl.store(r_row + cols, h, mask=mask)
-            hf = h.to(tl.float32)
+            hf = _residual_chunk(x_row, r_row, e_row, cols, mask, dtype, HAS_RESIDUAL, HAS_EXTRA)
             acc += hf * hf
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / H + eps)
         if HAS_RESIDUAL:

@@ -25,9 +25,11 @@ quantised exactly as the device path does, e4m3 products summed in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 from types import ModuleType
+from typing import Any, TypeVar
 
 import torch
 
@@ -47,6 +49,7 @@ __all__ = [
     "w4a16_ref",
 ]
 
+_W = TypeVar("_W", "Fp8Linear", "W4Linear")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _GEMV_ROWS = 4
@@ -184,16 +187,30 @@ def _check_x(x: torch.Tensor, k: int, what: str) -> None:
         raise ValueError(f"{what}: activations must be float32, bfloat16 or float16, got {x.dtype}")
 
 
+def _launch_output(
+    x: torch.Tensor,
+    w: _W,
+    what: str,
+    backend: Backend | None,
+    out: torch.Tensor | None,
+    twin: Callable[[torch.Tensor, _W], torch.Tensor],
+) -> tuple[torch.Tensor, bool]:
+    """``(tensor, launch)`` for op ``what`` after checking the activations: on the torch
+    backend the twin's result (in ``out`` when given) and False; else the output the kernel
+    writes (``out``, checked, or a new one), and whether there are rows to launch for."""
+    _check_x(x, w.in_features, what)
+    if choose_backend(x, backend) == "torch":
+        return _into(twin(x, w), out), False
+    return _out(x, w.out_features, out), x.shape[0] > 0
+
+
 def fp8_gemv(
     x: torch.Tensor, w: Fp8Linear, backend: Backend | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    _check_x(x, w.in_features, "fp8_gemv")
-    if choose_backend(x, backend) == "torch":
-        return _into(fp8_gemv_ref(x, w), out)
-    m, n, k = x.shape[0], w.out_features, w.in_features
-    out = _out(x, n, out)
-    if m == 0:
+    out, launch = _launch_output(x, w, "fp8_gemv", backend, out, fp8_gemv_ref)
+    if not launch:
         return out
+    m, n, k = x.shape[0], w.out_features, w.in_features
     block_n = 16 if n >= 2048 else 8
     grid = (triton_cdiv(n, block_n), m)
     _kernels().fp8_gemv_kernel[grid](
@@ -251,44 +268,14 @@ def fp8_w8a16(
     **tiles: int,
 ) -> torch.Tensor:
     """The weight-only fp8 GEMM; the twin is the gemv's maths (``fp8_gemv_ref``)."""
-    _check_x(x, w.in_features, "fp8_w8a16")
-    if choose_backend(x, backend) == "torch":
-        return _into(fp8_gemv_ref(x, w), out)
-    m, n, k = x.shape[0], w.out_features, w.in_features
-    dst = _out(x, n, out)
-    if m == 0:
+    dst, launch = _launch_output(x, w, "fp8_w8a16", backend, out, fp8_gemv_ref)
+    if not launch:
         return dst
+    m, n, k = x.shape[0], w.out_features, w.in_features
     cfg = {**_w4_config(m, n, k, 64, False, x.device), **tiles}
-    bk, split = cfg["BLOCK_K"], cfg["SPLIT_K"]
-    k_per = triton_cdiv(triton_cdiv(k, split), bk) * bk
-    split = triton_cdiv(k, k_per)
-    out = dst if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    grid = (triton_cdiv(m, cfg["BLOCK_M"]), triton_cdiv(n, cfg["BLOCK_N"]), split)
-    _kernels().w8a16_kernel[grid](
-        x,
-        w.data,
-        w.scale,
-        out,
-        m,
-        n,
-        k,
-        k_per,
-        x.stride(0),
-        x.stride(1),
-        w.data.stride(0),
-        w.data.stride(1),
-        out.stride(0),
-        out.stride(1),
-        SPLIT_K=split,
-        DOT_FP32=dot_fp32(x.dtype),
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=bk,
-        num_warps=4,
+    return _split_k_gemm(
+        _kernels().w8a16_kernel, x, dst, k, cfg, (w.data, w.scale), tuple(w.data.stride())
     )
-    if split > 1:
-        dst.copy_(out)
-    return dst
 
 
 def fp8_linear(
@@ -306,6 +293,37 @@ def fp8_linear(
     if w.fp8_activations:
         return fp8_scaled_mm(x, w, backend, out=out)
     return fp8_w8a16(x, w, backend, out=out)
+
+
+def _split_k_gemm(
+    kernel: Any,
+    x: torch.Tensor,
+    dst: torch.Tensor,
+    k: int,
+    cfg: dict[str, int],
+    operands: tuple[torch.Tensor, ...],
+    strides: tuple[int, ...],
+    **consts: object,
+) -> torch.Tensor:
+    """Launch a tensor-core GEMM of ``x`` [M, K] into ``dst`` [M, N] over ``cfg``'s tiles,
+    with up to SPLIT_K programs along K: one split writes ``dst``, more add their partial
+    products into an fp32 buffer copied into ``dst`` after. The kernel takes ``x``, the
+    weight's ``operands``, the output, M, N, K, the K range per split, then the strides of
+    ``x``, the weight's ``strides`` and the output's."""
+    m, n = dst.shape
+    bk = cfg["BLOCK_K"]
+    k_per = triton_cdiv(triton_cdiv(k, cfg["SPLIT_K"]), bk) * bk
+    split = triton_cdiv(k, k_per)
+    out = dst if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    grid = (triton_cdiv(m, cfg["BLOCK_M"]), triton_cdiv(n, cfg["BLOCK_N"]), split)
+    kernel[grid](
+        x, *operands, out, m, n, k, k_per, x.stride(0), x.stride(1), *strides, out.stride(0),
+        out.stride(1), SPLIT_K=split, DOT_FP32=dot_fp32(x.dtype), BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, num_warps=4, **consts,
+    )  # fmt: skip
+    if split > 1:
+        dst.copy_(out)
+    return dst
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -341,54 +359,23 @@ def w4a16_linear(
 ) -> torch.Tensor:
     """``x @ w.T`` [M, N] in ``x.dtype`` with the 4-bit weight dequantised per tile.
     ``tiles``: BLOCK_M / BLOCK_N / BLOCK_K / SPLIT_K overrides (tests, tuning)."""
-    _check_x(x, w.in_features, "w4a16_linear")
-    if choose_backend(x, backend) == "torch":
-        return _into(w4a16_ref(x, w), out)
-    m, n, k = x.shape[0], w.out_features, w.in_features
-    dst = _out(x, n, out)
-    if m == 0:
+    dst, launch = _launch_output(x, w, "w4a16_linear", backend, out, w4a16_ref)
+    if not launch:
         return dst
+    m, n, k = x.shape[0], w.out_features, w.in_features
     cfg = {**_w4_config(m, n, k, w.group_size, w.g_idx is not None, x.device), **tiles}
-    bk, split = cfg["BLOCK_K"], cfg["SPLIT_K"]
-    k_per = triton_cdiv(triton_cdiv(k, split), bk) * bk
-    split = triton_cdiv(k, k_per)
-    scale_row = w.g_idx is None and w.group_size % bk == 0
-    out = dst if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    grid = (triton_cdiv(m, cfg["BLOCK_M"]), triton_cdiv(n, cfg["BLOCK_N"]), split)
-    _kernels().w4a16_kernel[grid](
+    return _split_k_gemm(
+        _kernels().w4a16_kernel,
         x,
-        w.qweight,
-        w.zeros,
-        w.scales,
-        w.g_idx if w.g_idx is not None else w.qweight,
-        out,
-        m,
-        n,
+        dst,
         k,
-        k_per,
-        x.stride(0),
-        x.stride(1),
-        w.qweight.stride(0),
-        w.qweight.stride(1),
-        w.zeros.stride(0),
-        w.zeros.stride(1),
-        w.scales.stride(0),
-        w.scales.stride(1),
-        out.stride(0),
-        out.stride(1),
+        cfg,
+        (w.qweight, w.zeros, w.scales, w.g_idx if w.g_idx is not None else w.qweight),
+        (*w.qweight.stride(), *w.zeros.stride(), *w.scales.stride()),
         GROUP=w.group_size,
         HAS_GIDX=w.g_idx is not None,
-        SCALE_ROW=scale_row,
-        SPLIT_K=split,
-        DOT_FP32=dot_fp32(x.dtype),
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=bk,
-        num_warps=4,
+        SCALE_ROW=w.g_idx is None and w.group_size % cfg["BLOCK_K"] == 0,
     )
-    if split > 1:
-        dst.copy_(out)
-    return dst
 
 
 def quant_linear(

@@ -31,6 +31,50 @@ __all__ = ["fp8_gemv_kernel", "w4a16_kernel", "w8a16_kernel"]
 
 
 @triton.jit
+def _gemm_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output tile of a split-K GEMM (grid: M tiles, N tiles, splits):
+    ``(offs_m, offs_n, mask_m, mask_n, k_lo, k_hi)``, its rows, columns and K range."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    return offs_m, offs_n, mask_m, mask_n, k_lo, k_hi
+
+
+@triton.jit
+def _x_step(x_ptr, offs_m, mask_m, k0, k_hi, stride_xm, stride_xk, BLOCK_K: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] activation tile of the step at ``k0`` (0 past ``k_hi``), with
+    the step's reduction indices and their mask."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < k_hi
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+        mask=mask_m[:, None] & mask_k[None, :],
+        other=0.0,
+    )
+    return x, offs_k, mask_k
+
+
+@triton.jit
+def _store_tile(
+    out_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_om, stride_on, SPLIT_K: tl.constexpr
+):
+    """The fp32 tile ``acc`` into out: stored in out's dtype, or with SPLIT_K > 1 added into
+    the fp32 partial buffer."""
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    o_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.atomic_add(o_ptrs, acc, mask=o_mask)
+
+
+@triton.jit
 def w4a16_kernel(
     x_ptr,
     qw_ptr,
@@ -61,24 +105,10 @@ def w4a16_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    offs_m, offs_n, mask_m, mask_n, k_lo, k_hi = _gemm_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_hi
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        x, offs_k, mask_k = _x_step(x_ptr, offs_m, mask_m, k0, k_hi, stride_xm, stride_xk, BLOCK_K)
         wk_mask = mask_k[:, None] & mask_n[None, :]
         words = tl.load(
             qw_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
@@ -109,12 +139,7 @@ def w4a16_kernel(
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    o_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        tl.atomic_add(o_ptrs, acc, mask=o_mask)
+    _store_tile(out_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_om, stride_on, SPLIT_K)
 
 
 @triton.jit
@@ -183,24 +208,10 @@ def w8a16_kernel(
     tensor cores: each [BLOCK_K, BLOCK_N] weight tile is converted in registers to the
     activation dtype (e4m3 embeds exactly in bf16 / fp16) for one ``tl.dot``, and the scale
     multiplies the fp32 sum. Weight-only: the activations keep their dtype."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    offs_m, offs_n, mask_m, mask_n, k_lo, k_hi = _gemm_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_hi
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        x, offs_k, mask_k = _x_step(x_ptr, offs_m, mask_m, k0, k_hi, stride_xm, stride_xk, BLOCK_K)
         w = tl.load(
             w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
             mask=mask_k[:, None] & mask_n[None, :],
@@ -212,9 +223,4 @@ def w8a16_kernel(
             acc += tl.dot(x, w.to(x.dtype))
     s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
     acc = acc * s[None, :]
-    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    o_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        tl.atomic_add(o_ptrs, acc, mask=o_mask)
+    _store_tile(out_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_om, stride_on, SPLIT_K)

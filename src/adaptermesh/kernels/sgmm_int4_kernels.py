@@ -20,7 +20,7 @@ import triton.language as tl
 
 from adaptermesh.kernels.sgmm_kernels import (
     expand_tile,
-    locate_tile,
+    shrink_tile,
     slice_pointer,
     slice_strides,
     store_shrink_tile,
@@ -153,19 +153,10 @@ def shrink_int4_kernel(
     split into its even and odd columns against the low and high nibbles on the CUDA cores,
     no tile padding of a one-token segment. The dequantised weight is rounded to the
     activation dtype before the product, as bf16 weights are fed."""
-    if LAUNCH_DEPS:  # the expand (a programmatic dependent launch) may start its prologue
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_nk = tl.program_id(1)
-    pid_i = tl.program_id(2).to(tl.int64)
-    pid_n = pid_nk // SPLIT_K
-    pid_k = pid_nk % SPLIT_K
-    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    n_start = pid_n * BLOCK_N
-    if n_start >= rank:
+    live, pid_m, pid_n, pid_k, pid_i, slot, row_begin, seg_end, rank, n_start = shrink_tile(
+        seg_start_ptr, ranks_ptr, S, R_MAX, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_S, LAUNCH_DEPS
+    )
+    if not live:
         return
     HALF: tl.constexpr = BLOCK_K // 2
     mask_m, tok = tile_tokens(sorted_ptr, row_begin, seg_end, BLOCK_M)

@@ -23,8 +23,9 @@ weight dtype before the tensor-core product, and adds to ``out`` in fp32 with on
 
 The ``@triton.jit`` bodies only: the tables that pick their meta-parameters are in
 ``sgmm_config.py``, the launchers that check arguments and size the grids in ``sgmm.py``. The
-helpers below (tile location, slice selection, the expand prologue ``expand_tile``, the split-K
-store) are public because the INT4 kernels (``sgmm_int4_kernels.py``) run the same scheme.
+helpers below (tile location, slice selection, the shrink and expand prologues ``shrink_tile``
+and ``expand_tile``, the split-K store) are public because the INT4 kernels
+(``sgmm_int4_kernels.py``) run the same scheme.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "sgmm_fused_kernel",
     "sgmm_shrink_gemv_kernel",
     "sgmm_shrink_kernel",
+    "shrink_tile",
     "slice_columns",
     "slice_operand",
     "slice_pointer",
@@ -209,6 +211,42 @@ def expand_tile(
 
 
 @triton.jit
+def shrink_tile(
+    seg_start_ptr,
+    ranks_ptr,
+    S,
+    R_MAX,
+    SPLIT_K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr,
+):
+    """The prologue every shrink kernel runs (bf16 tiles and gemv, INT4): with
+    ``LAUNCH_DEPS`` it lets the dependent expand start; then this program's token tile, rank
+    block, split and slice (grid axis 1 holds rank blocks x ``SPLIT_K`` splits), its (slot,
+    tile), the slot's rank and the program's first rank row. Returns ``(live, pid_m, pid_n,
+    pid_k, pid_i, slot, row_begin, seg_end, rank, n_start)``; a program without a tile or past
+    its slot's rank is not live and the kernel returns at once. Every split of a tile takes
+    the same exits, so a tile's split-K counter is touched by all of its splits or by none."""
+    if LAUNCH_DEPS:  # the expand (a programmatic dependent launch) may start its prologue
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_m = tl.program_id(0)
+    pid_nk = tl.program_id(1)
+    pid_i = tl.program_id(2).to(tl.int64)
+    pid_n = pid_nk // SPLIT_K
+    pid_k = pid_nk % SPLIT_K
+    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
+    if not has_tile:
+        return False, pid_m, pid_n, pid_k, pid_i, slot, row_begin, seg_end, 0, 0
+    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
+    n_start = pid_n * BLOCK_N
+    if n_start >= rank:  # no work past the slot's real rank
+        return False, pid_m, pid_n, pid_k, pid_i, slot, row_begin, seg_end, rank, n_start
+    return True, pid_m, pid_n, pid_k, pid_i, slot, row_begin, seg_end, rank, n_start
+
+
+@triton.jit
 def store_shrink_tile(
     acc,
     v_ptrs,
@@ -297,21 +335,10 @@ def sgmm_shrink_kernel(
     DOT_FP32: tl.constexpr,
     LAUNCH_DEPS: tl.constexpr = False,
 ):
-    if LAUNCH_DEPS:  # the expand (a programmatic dependent launch) may start its prologue
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_nk = tl.program_id(1)
-    pid_i = tl.program_id(2).to(tl.int64)
-    pid_n = pid_nk // SPLIT_K
-    pid_k = pid_nk % SPLIT_K
-    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    # Every split of a tile takes the same exits, so a tile's counter is touched by all of its
-    # splits or by none.
-    if not has_tile:
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    n_start = pid_n * BLOCK_N
-    if n_start >= rank:  # no work past the slot's real rank
+    live, pid_m, pid_n, pid_k, pid_i, slot, row_begin, seg_end, rank, n_start = shrink_tile(
+        seg_start_ptr, ranks_ptr, S, R_MAX, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_S, LAUNCH_DEPS
+    )
+    if not live:
         return
     mask_m, tok = tile_tokens(sorted_ptr, row_begin, seg_end, BLOCK_M)
     offs_n = n_start + tl.arange(0, BLOCK_N)
@@ -380,17 +407,10 @@ def sgmm_shrink_gemv_kernel(
     slot's A and walks the whole of H once, reducing against its tokens' x on the CUDA cores.
     With many programs per slot (one per few rank rows) a decode step fills the GPU without
     split-K, so there are no partials, counters or second pass."""
-    if LAUNCH_DEPS:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_i = tl.program_id(2).to(tl.int64)
-    has_tile, slot, row_begin, seg_end = locate_tile(pid_m, seg_start_ptr, S, BLOCK_M, BLOCK_S)
-    if not has_tile:
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot), R_MAX)
-    n_start = pid_n * BLOCK_N
-    if n_start >= rank:
+    live, _, _, _, pid_i, slot, row_begin, seg_end, rank, n_start = shrink_tile(
+        seg_start_ptr, ranks_ptr, S, R_MAX, 1, BLOCK_M, BLOCK_N, BLOCK_S, LAUNCH_DEPS
+    )
+    if not live:
         return
     mask_m, tok = tile_tokens(sorted_ptr, row_begin, seg_end, BLOCK_M)
     offs_n = n_start + tl.arange(0, BLOCK_N)

@@ -28,7 +28,7 @@ from adaptermesh.worker.engine_config import EngineConfig
 from adaptermesh.worker.model import ModelConfig, TransformerModel
 from adaptermesh.worker.step_plan import ScheduledStep
 
-__all__ = ["MergePolicy", "SoloDecision", "SoloStep", "gated_batch", "single_expert_token"]
+__all__ = ["MergePolicy", "SoloDecision", "SoloStep", "single_expert_token"]
 
 
 @dataclass(slots=True)
@@ -70,29 +70,6 @@ def single_expert_token(plan: ScheduledStep) -> SoloStep | None:
         return None
     assert row.token_ids, "an expert-set step's input token is on the host"
     return SoloStep(row.seq_id, row.expert_set, row.token_ids[0], 1, 0)
-
-
-def gated_batch(
-    plan: ScheduledStep,
-    ranges: list[tuple[int, int]],
-    num_tokens: int,
-    device: torch.device,
-    model_config: ModelConfig,
-) -> GatedBatch:
-    """Which rows of the flat batch each expert set owns (``ranges``: each plan row's first
-    token row and token rows)."""
-    sets: list[ExpertSet] = []
-    index: dict[int, int] = {}
-    token_set = [-1] * num_tokens
-    for row, (first_row, count) in zip(plan.rows, ranges, strict=True):
-        if row.expert_set is None:
-            continue
-        if id(row.expert_set) not in index:
-            index[id(row.expert_set)] = len(sets)
-            sets.append(row.expert_set)
-        token_set[first_row : first_row + count] = [index[id(row.expert_set)]] * count
-    token_sets = torch.tensor(token_set, dtype=torch.int32, device=device)
-    return GatedBatch(sets, token_sets, model_config)
 
 
 class MergePolicy:
@@ -191,6 +168,19 @@ class MergePolicy:
         device: torch.device,
         model_config: ModelConfig,
     ) -> GatedBatch:
-        """``gated_batch`` for a step with several expert-set tokens or requests, counted."""
+        """Which rows of the flat batch each expert set owns, for a step with several
+        expert-set tokens or requests (``ranges``: each plan row's first token row and token
+        rows); counted."""
         self.gated_steps += 1
-        return gated_batch(plan, ranges, num_tokens, device, model_config)
+        sets: list[ExpertSet] = []
+        index: dict[int, int] = {}
+        token_set = [-1] * num_tokens
+        for row, (first_row, count) in zip(plan.rows, ranges, strict=True):
+            if row.expert_set is None:
+                continue
+            if id(row.expert_set) not in index:
+                index[id(row.expert_set)] = len(sets)
+                sets.append(row.expert_set)
+            token_set[first_row : first_row + count] = [index[id(row.expert_set)]] * count
+        token_sets = torch.tensor(token_set, dtype=torch.int32, device=device)
+        return GatedBatch(sets, token_sets, model_config)

@@ -36,8 +36,41 @@ log = logging.getLogger("adaptermesh.worker.adafuse_train")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# Flags that set a TrainConfig field of the same meaning: (flag, field, type, help). The
+# default is the field's; the value is read back from the flag's argparse name.
+_ConfigFlags = tuple[tuple[str, str, type, str], ...]
+_SET_FLAGS: _ConfigFlags = (
+    ("--experts", "num_experts", int, "LoRA experts in the set"),
+    ("--top-k", "top_k", int, "experts the router mixes per token"),
+    ("--rank", "rank", int, "LoRA rank of each expert (1..128)"),
+    ("--alpha", "lora_alpha", float, "lora_alpha (default 2 * rank)"),
+)
+_TRAINING_FLAGS: _ConfigFlags = (
+    ("--steps", "steps", int, "optimiser steps"),
+    ("--batch-size", "batch_size", int, "token blocks per step"),
+    ("--seq-len", "seq_len", int, "tokens per training block"),
+    ("--lr", "lr", float, "learning rate of the experts"),
+    ("--router-lr", "router_lr", float, "learning rate of the router (default: --lr)"),
+    ("--warmup-steps", "warmup_steps", int, "steps of linear learning-rate warm-up"),
+    ("--balance-coef", "balance_coef", float, "weight of the router's load-balancing loss"),
+    ("--eval-every", "eval_every", int, "steps between held-out evaluations"),
+    (
+        "--eval-fraction",
+        "eval_fraction",
+        float,
+        "share of the token blocks held out for evaluation",
+    ),
+    ("--seed", "seed", int, "random seed (data order, initialisation)"),
+)
+
+
+def _add_config_flags(p: argparse.ArgumentParser, flags: _ConfigFlags) -> None:
+    defaults = TrainConfig()
+    for flag, field, kind, text in flags:
+        p.add_argument(flag, type=kind, default=getattr(defaults, field), help=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = TrainConfig()
     p = argparse.ArgumentParser(
         prog="adaptermesh adafuse-train",
         description=__doc__,
@@ -60,48 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="expert-set directory to write (its name is the adapter name)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--experts", type=int, default=d.num_experts, help="LoRA experts in the set")
-    p.add_argument("--top-k", type=int, default=d.top_k, help="experts the router mixes per token")
-    p.add_argument("--rank", type=int, default=d.rank, help="LoRA rank of each expert (1..128)")
-    p.add_argument("--alpha", type=float, default=None, help="lora_alpha (default 2 * rank)")
+    _add_config_flags(p, _SET_FLAGS)
     p.add_argument("--rslora", action="store_true", help="scale by alpha / sqrt(r)")
     p.add_argument(
         "--targets",
-        default=",".join(d.target_modules),
+        default=",".join(TrainConfig().target_modules),
         help='comma-separated modules or "all-linear"',
     )
     p.add_argument("--no-router-bias", action="store_true", help="a router without a bias term")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="token blocks per step")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per training block")
-    p.add_argument("--lr", type=float, default=d.lr, help="learning rate of the experts")
-    p.add_argument(
-        "--router-lr", type=float, default=None, help="learning rate of the router (default: --lr)"
-    )
-    p.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=d.warmup_steps,
-        help="steps of linear learning-rate warm-up",
-    )
-    p.add_argument(
-        "--balance-coef",
-        type=float,
-        default=d.balance_coef,
-        help="weight of the router's load-balancing loss",
-    )
-    p.add_argument(
-        "--eval-every", type=int, default=d.eval_every, help="steps between held-out evaluations"
-    )
-    p.add_argument(
-        "--eval-fraction",
-        type=float,
-        default=d.eval_fraction,
-        help="share of the token blocks held out for evaluation",
-    )
-    p.add_argument(
-        "--seed", type=int, default=d.seed, help="random seed (data order, initialisation)"
-    )
+    _add_config_flags(p, _TRAINING_FLAGS)
     p.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
@@ -123,24 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values = vars(args)
     cfg = TrainConfig(
-        num_experts=args.experts,
-        top_k=args.top_k,
-        rank=args.rank,
-        lora_alpha=args.alpha,
+        **{
+            field: values[flag.removeprefix("--").replace("-", "_")]
+            for flag, field, _, _ in _SET_FLAGS + _TRAINING_FLAGS
+        },
         use_rslora=args.rslora,
         target_modules=split_targets(args.targets),
         router_bias=not args.no_router_bias,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        router_lr=args.router_lr,
-        warmup_steps=args.warmup_steps,
-        balance_coef=args.balance_coef,
-        eval_every=args.eval_every,
-        eval_fraction=args.eval_fraction,
-        seed=args.seed,
     )
     cfg.validate()
     return cfg

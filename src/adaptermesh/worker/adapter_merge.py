@@ -47,6 +47,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -309,85 +310,90 @@ def _weights(part: CpuAdapter, prefix: str, weight: float) -> tuple[float, float
     return math.sqrt(abs(ws)) * (1 if ws >= 0 else -1), math.sqrt(abs(ws))
 
 
-def _merge_module(
-    out: dict[str, torch.Tensor],
-    spec: MergeSpec,
-    strategy: str,
-    parts: list[CpuAdapter],
-    buffers: list[torch.Tensor],
-    layer: int,
-    module: str,
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    gen: torch.Generator | None,
-) -> None:
-    prefix = _prefix(layer, module)
-    wa, wb, fa, fb = [], [], [], []
-    for p, buf, w in zip(parts, buffers, spec.weights, strict=True):
-        ab = _weights(p, prefix, w)
-        if ab is None:
-            continue
-        wa.append(ab[0])
-        wb.append(ab[1])
-        fa.append(_factor(p, prefix + ".lora_A.weight", buf))
-        fb.append(_factor(p, prefix + ".lora_B.weight", buf))
-    device = buffers[0].device
-    rank = parts[0].rank
-    fi, fo = cfg.module_shape(module)
-    if not fa:  # covered by the merged config, targeted by no part: a zero update
-        out[prefix + ".lora_A.weight"] = torch.zeros(rank, fi, dtype=dtype, device=device)
-        out[prefix + ".lora_B.weight"] = torch.zeros(fo, rank, dtype=dtype, device=device)
-        return
-    for suffix, fs, ws_ in ((".lora_A.weight", fa, wa), (".lora_B.weight", fb, wb)):
-        merged = merge_factors(fs, ws_, strategy, spec.density, spec.majority_sign_method, gen)
-        out[prefix + suffix] = merged.to(dtype)
+@dataclass(slots=True)
+class _Merge:
+    """One merge's inputs (``parts`` with their data on the merge's device, in ``buffers``)
+    and the merged tensors it writes into ``out``, by PEFT module name."""
 
+    spec: MergeSpec
+    strategy: str
+    parts: list[CpuAdapter]
+    buffers: list[torch.Tensor]
+    cfg: ModelConfig
+    dtype: torch.dtype
+    out: dict[str, torch.Tensor] = field(default_factory=dict)
 
-def _merge_layers(
-    out: dict[str, torch.Tensor],
-    spec: MergeSpec,
-    strategy: str,
-    parts: list[CpuAdapter],
-    buffers: list[torch.Tensor],
-    layers: list[int],
-    module: str,
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-) -> None:
-    """``merge_factors`` for every layer in ``layers`` of ``module`` at once."""
-    device = buffers[0].device
-    rank = parts[0].rank
-    fi, fo = cfg.module_shape(module)
-    for suffix, shape, idx in (
-        (".lora_A.weight", (rank, fi), 0),
-        (".lora_B.weight", (fo, rank), 1),
-    ):
-        stacked = torch.zeros((len(parts), len(layers), *shape), dtype=torch.float32, device=device)
-        w = torch.zeros((len(parts), len(layers)), dtype=torch.float32)
-        for i, (p, buf, weight) in enumerate(zip(parts, buffers, spec.weights, strict=True)):
+    def module(self, layer: int, module: str, gen: torch.Generator | None) -> None:
+        """``merge_factors`` for ``module`` of ``layer``."""
+        spec, parts, buffers = self.spec, self.parts, self.buffers
+        prefix = _prefix(layer, module)
+        wa, wb, fa, fb = [], [], [], []
+        for p, buf, w in zip(parts, buffers, spec.weights, strict=True):
+            ab = _weights(p, prefix, w)
+            if ab is None:
+                continue
+            wa.append(ab[0])
+            wb.append(ab[1])
+            fa.append(_factor(p, prefix + ".lora_A.weight", buf))
+            fb.append(_factor(p, prefix + ".lora_B.weight", buf))
+        device = buffers[0].device
+        rank = parts[0].rank
+        fi, fo = self.cfg.module_shape(module)
+        if not fa:  # covered by the merged config, targeted by no part: a zero update
+            self.out[prefix + ".lora_A.weight"] = torch.zeros(
+                rank, fi, dtype=self.dtype, device=device
+            )
+            self.out[prefix + ".lora_B.weight"] = torch.zeros(
+                fo, rank, dtype=self.dtype, device=device
+            )
+            return
+        for suffix, fs, ws_ in ((".lora_A.weight", fa, wa), (".lora_B.weight", fb, wb)):
+            merged = merge_factors(
+                fs, ws_, self.strategy, spec.density, spec.majority_sign_method, gen
+            )
+            self.out[prefix + suffix] = merged.to(self.dtype)
+
+    def layers(self, layers: list[int], module: str) -> None:
+        """``merge_factors`` for every layer in ``layers`` of ``module`` at once."""
+        spec, parts, buffers, strategy = self.spec, self.parts, self.buffers, self.strategy
+        device = buffers[0].device
+        rank = parts[0].rank
+        fi, fo = self.cfg.module_shape(module)
+        for suffix, shape, idx in (
+            (".lora_A.weight", (rank, fi), 0),
+            (".lora_B.weight", (fo, rank), 1),
+        ):
+            stacked = torch.zeros(
+                (len(parts), len(layers), *shape), dtype=torch.float32, device=device
+            )
+            w = torch.zeros((len(parts), len(layers)), dtype=torch.float32)
+            for i, (p, buf, weight) in enumerate(zip(parts, buffers, spec.weights, strict=True)):
+                for j, layer in enumerate(layers):
+                    prefix = _prefix(layer, module)
+                    ab = _weights(p, prefix, weight)
+                    if ab is not None:
+                        w[i, j] = ab[idx]
+                        stacked[i, j] = _factor(p, prefix + suffix, buf)
+            if strategy in PRUNED and spec.density < 1:
+                flat = stacked.view(len(parts) * len(layers), -1)
+                k = int(spec.density * flat.shape[1])  # PEFT's k, per matrix
+                mask = torch.zeros_like(flat)
+                mask.scatter_(1, torch.topk(flat.abs(), k=k, dim=1, largest=True).indices, 1.0)
+                stacked = (flat * mask).view_as(stacked)
+            wt = w.to(device).view(len(parts), len(layers), 1, 1)
+            if strategy in SIGNED:
+                sign = stacked.sign()
+                mass = (
+                    stacked.sum(dim=0) if spec.majority_sign_method == "total" else sign.sum(dim=0)
+                )
+                agree = sign == torch.where(mass >= 0, 1, -1)
+                merged = (stacked * wt * agree).sum(dim=0) / torch.clamp(agree.sum(dim=0), min=1.0)
+            else:
+                merged = (stacked * wt).sum(dim=0)
+            merged = merged.to(self.dtype)
             for j, layer in enumerate(layers):
-                prefix = _prefix(layer, module)
-                ab = _weights(p, prefix, weight)
-                if ab is not None:
-                    w[i, j] = ab[idx]
-                    stacked[i, j] = _factor(p, prefix + suffix, buf)
-        if strategy in PRUNED and spec.density < 1:
-            flat = stacked.view(len(parts) * len(layers), -1)
-            k = int(spec.density * flat.shape[1])  # PEFT's k, per matrix
-            mask = torch.zeros_like(flat)
-            mask.scatter_(1, torch.topk(flat.abs(), k=k, dim=1, largest=True).indices, 1.0)
-            stacked = (flat * mask).view_as(stacked)
-        wt = w.to(device).view(len(parts), len(layers), 1, 1)
-        if strategy in SIGNED:
-            sign = stacked.sign()
-            mass = stacked.sum(dim=0) if spec.majority_sign_method == "total" else sign.sum(dim=0)
-            agree = sign == torch.where(mass >= 0, 1, -1)
-            merged = (stacked * wt * agree).sum(dim=0) / torch.clamp(agree.sum(dim=0), min=1.0)
-        else:
-            merged = (stacked * wt).sum(dim=0)
-        merged = merged.to(dtype)
-        for j, layer in enumerate(layers):
-            out[_prefix(layer, module) + suffix] = merged[j].clone()  # a file tensor of its own
+                # A file tensor of its own.
+                self.out[_prefix(layer, module) + suffix] = merged[j].clone()
 
 
 def build_merged(
@@ -412,11 +418,11 @@ def build_merged(
         gen = torch.Generator(device=device).manual_seed(spec.seed)
     buffers = [p.data.to(device, non_blocking=True) for p in parts]
     strategy = "linear" if len(parts) == 1 else spec.merge_strategy  # as PEFT does
-    out: dict[str, torch.Tensor] = {}
+    merge = _Merge(spec, strategy, parts, buffers, cfg, dtype)
     if strategy in RANDOM:
         # DARE: module by module, A before B, parts in order: PEFT's order of draws.
         for layer, module in covered:
-            _merge_module(out, spec, strategy, parts, buffers, layer, module, cfg, dtype, gen)
+            merge.module(layer, module, gen)
     else:
         # Deterministic methods: every layer of one module at once (one top-k per factor
         # kind instead of one per matrix); a part that leaves a layer enters as zeros with
@@ -425,8 +431,8 @@ def build_merged(
         for layer, module in covered:
             by_module.setdefault(module, []).append(layer)
         for module, layers in by_module.items():
-            _merge_layers(out, spec, strategy, parts, buffers, layers, module, cfg, dtype)
-    out = {k: v.to("cpu").contiguous() for k, v in out.items()}
+            merge.layers(layers, module)
+    out = {k: v.to("cpu").contiguous() for k, v in merge.out.items()}
     t1 = time.perf_counter()
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}-{threading.get_ident()}")
     try:

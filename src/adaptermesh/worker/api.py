@@ -30,6 +30,7 @@ import math
 from typing import Annotated, Any
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -168,6 +169,153 @@ def _unsupported(what: str) -> PydanticCustomError:
     return _error("unsupported", f"{what} is not supported by this server (only the default is)")
 
 
+def _default_only(value: bool, info: ValidationInfo) -> bool:
+    """A flag this server accepts only off, its default."""
+    if value:
+        raise _unsupported(str(info.field_name))
+    return value
+
+
+# A name (model, adapter): check_name; a flag accepted only off.
+Name = Annotated[str, Strict(), AfterValidator(check_name)]
+DefaultOnly = Annotated[bool, Strict(), AfterValidator(_default_only)]
+
+
+# The checks of one field's value, declared with the field's type; the checks that read other
+# fields are the models' field validators.
+def _merge_spec(value: Any) -> MergeSpec | None:
+    if value is None:
+        return None
+    try:
+        return parse_merge_spec(value)
+    except MergeSpecError as exc:
+        raise _error("invalid_value", exc.message, at=exc.param[len(MERGE_FIELD) :]) from None
+
+
+def _model_name(value: str) -> str:
+    # "" means the base model, as before; anything else must be a usable name.
+    return value if not value else check_name(value)
+
+
+def _stop_sequences(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _error("invalid_type", "must be a string or a list of strings")
+    if len(items) > MAX_STOP:
+        raise _error("invalid_value", f"at most {MAX_STOP} sequences are allowed, got {len(items)}")
+    for s in items:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise _error(
+                "invalid_value", f"each sequence must have 1 to {MAX_STOP_CHARS} characters"
+            )
+        check_text(s)
+    return tuple(items)
+
+
+def _completion_logprobs(value: Any) -> int | None:
+    if value is None or value is False:
+        return None
+    if type(value) is not int:
+        raise _error(
+            "invalid_type",
+            f"must be an integer in [0, {MAX_LOGPROBS}], got {type(value).__name__}",
+        )
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise _error("invalid_value", f"must be in [0, {MAX_LOGPROBS}], got {value}")
+    return value
+
+
+def _fim_suffix(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise _error("invalid_type", f"must be a string, got {type(value).__name__}")
+    if len(value) > MAX_SUFFIX_CHARS:
+        raise _error(
+            "invalid_value",
+            f"must have at most {MAX_SUFFIX_CHARS} characters, got {len(value)}",
+        )
+    return check_text(value)
+
+
+def _prompt(prompt: Any) -> str | list[int]:
+    """A string, a list of token ids, or a batch of exactly one of those."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _error("invalid_value", "must not be empty")
+        return check_text(prompt)
+    if isinstance(prompt, list):
+        if not prompt:
+            raise _error("invalid_value", "must not be empty")
+        if all(type(t) is int for t in prompt):
+            if any(t < 0 for t in prompt):
+                raise _error("invalid_value", "token ids must not be negative")
+            return list(prompt)
+        if all(isinstance(p, str | list) for p in prompt):
+            raise _error(
+                "unsupported",
+                f"batches of prompts are not supported (got "
+                f"{len(prompt)}); send one request per prompt",
+            )
+        raise _error("invalid_type", "must be a string or a list of integer token ids")
+    if prompt is None:
+        raise _error("missing_field", "is required")
+    raise _error(
+        "invalid_type", f"must be a string or a list of token ids, got {type(prompt).__name__}"
+    )
+
+
+def _message_content(content: Any) -> str:
+    if isinstance(content, list):
+        # Content parts: only text parts can go through a text-only model.
+        texts = []
+        for j, part in enumerate(content):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise _error(
+                    "unsupported",
+                    'only {"type": "text", "text": ...} parts are supported',
+                    at=f"[{j}]",
+                )
+            texts.append(part["text"])
+        content = "".join(texts)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise _error("invalid_type", "must be a string or a list of text parts")
+    return check_text(content)
+
+
+def _optional_bool(value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise _error("invalid_type", "must be a boolean")
+    return value
+
+
+def _adapter_path(value: str) -> str:
+    check_name(value, MAX_PATH_CHARS)
+    longest = max(len(part.encode()) for part in value.split("/"))
+    if longest > MAX_NAME_CHARS:
+        raise _error(
+            "invalid_value",
+            f"each path component must have at most {MAX_NAME_CHARS} bytes, one has {longest}",
+        )
+    return value
+
+
+def _chat_field(value: Any) -> None:
+    if value is not None:
+        raise _error("unknown_field", "is a chat completions field; completions take logprobs")
+    return None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -175,20 +323,13 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: StrictBool = False
     # OpenAI's newer option: usage on every chunk; accepted only off.
-    continuous_usage_stats: StrictBool = False
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _continuous(cls, value: bool) -> bool:
-        if value:
-            raise _unsupported("continuous_usage_stats")
-        return value
+    continuous_usage_stats: DefaultOnly = False
 
 
 class _Sampling(_Body):
     """Fields both generation endpoints share."""
 
-    model: Annotated[str, Strict()] | None = None
+    model: Annotated[str, Strict(), AfterValidator(_model_name)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1
@@ -204,11 +345,16 @@ class _Sampling(_Body):
     repetition_penalty: RepetitionPenalty = 1.0
     # Any integer: the engine uses its low 64 bits.
     seed: StrictInt | None = None
-    stop: Any = ()
+    stop: Annotated[Any, AfterValidator(_stop_sequences)] = ()
     max_tokens: StrictInt | None = None
-    user: Annotated[str, Strict(), Field(max_length=MAX_PATH_CHARS)] | None = None
+    user: (
+        Annotated[str, Strict(), Field(max_length=MAX_PATH_CHARS), AfterValidator(check_text)]
+        | None
+    ) = None
     # {token id: bias}; held as sorted (id, bias) pairs.
-    logit_bias: Any = Field(default=None, validate_default=True)
+    logit_bias: Annotated[Any, AfterValidator(check_logit_bias)] = Field(
+        default=None, validate_default=True
+    )
     best_of: Any = None
     # Output constraints (structured_request.py checks them): OpenAI's and vLLM's fields.
     response_format: Any = None
@@ -219,53 +365,7 @@ class _Sampling(_Body):
     guided_grammar: Any = None
     # A merge of several adapters for this request (merge_spec.py, docs/worker-service.md):
     # {ids, weights, merge_strategy, density, majority_sign_method, seed}.
-    merged_adapters: Any = None
-
-    @field_validator("merged_adapters")
-    @classmethod
-    def _merged_adapters(cls, value: Any) -> MergeSpec | None:
-        if value is None:
-            return None
-        try:
-            return parse_merge_spec(value)
-        except MergeSpecError as exc:
-            raise _error("invalid_value", exc.message, at=exc.field[len(MERGE_FIELD) :]) from None
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, value: str | None) -> str | None:
-        # "" means the base model, as before; anything else must be a usable name.
-        return value if not value else check_name(value)
-
-    @field_validator("user")
-    @classmethod
-    def _user(cls, value: str | None) -> str | None:
-        return None if value is None else check_text(value)
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, value: Any) -> tuple[str, ...]:
-        if value is None:
-            return ()
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise _error("invalid_type", "must be a string or a list of strings")
-        if len(items) > MAX_STOP:
-            raise _error(
-                "invalid_value", f"at most {MAX_STOP} sequences are allowed, got {len(items)}"
-            )
-        for s in items:
-            if not s or len(s) > MAX_STOP_CHARS:
-                raise _error(
-                    "invalid_value", f"each sequence must have 1 to {MAX_STOP_CHARS} characters"
-                )
-            check_text(s)
-        return tuple(items)
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, value: Any) -> tuple[tuple[int, float], ...]:
-        return check_logit_bias(value)
+    merged_adapters: Annotated[Any, AfterValidator(_merge_spec)] = None
 
     @field_validator("best_of")
     @classmethod
@@ -293,38 +393,17 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
-    prompt: Any = Field(default=None, validate_default=True)
+    prompt: Annotated[Any, AfterValidator(_prompt)] = Field(default=None, validate_default=True)
     # None (or false): no logprobs; k: the sampled token's logprob and the k most likely.
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: Annotated[Any, AfterValidator(_completion_logprobs)] = None
+    top_logprobs: Annotated[Any, AfterValidator(_chat_field)] = None
     echo: StrictBool = False
-    suffix: Any = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value: Any) -> int | None:
-        if value is None or value is False:
-            return None
-        if type(value) is not int:
-            raise _error(
-                "invalid_type",
-                f"must be an integer in [0, {MAX_LOGPROBS}], got {type(value).__name__}",
-            )
-        if not 0 <= value <= MAX_LOGPROBS:
-            raise _error("invalid_value", f"must be in [0, {MAX_LOGPROBS}], got {value}")
-        return value
+    suffix: Annotated[Any, AfterValidator(_fim_suffix)] = None
 
     @property
     def logprobs_k(self) -> int | None:
         """Alternatives per token for the engine, or None when no logprobs are asked for."""
         return self.logprobs if isinstance(self.logprobs, int) else None
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value: Any) -> None:
-        if value is not None:
-            raise _error("unknown_field", "is a chat completions field; completions take logprobs")
-        return None
 
     @field_validator("echo", mode="before")
     @classmethod
@@ -340,50 +419,6 @@ class CompletionRequest(_Sampling):
             )
         return value
 
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, value: Any) -> str | None:
-        if value is None or value == "":
-            return None
-        if not isinstance(value, str):
-            raise _error("invalid_type", f"must be a string, got {type(value).__name__}")
-        if len(value) > MAX_SUFFIX_CHARS:
-            raise _error(
-                "invalid_value",
-                f"must have at most {MAX_SUFFIX_CHARS} characters, got {len(value)}",
-            )
-        return check_text(value)
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, prompt: Any) -> str | list[int]:
-        """A string, a list of token ids, or a batch of exactly one of those."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise _error("invalid_value", "must not be empty")
-            return check_text(prompt)
-        if isinstance(prompt, list):
-            if not prompt:
-                raise _error("invalid_value", "must not be empty")
-            if all(type(t) is int for t in prompt):
-                if any(t < 0 for t in prompt):
-                    raise _error("invalid_value", "token ids must not be negative")
-                return list(prompt)
-            if all(isinstance(p, str | list) for p in prompt):
-                raise _error(
-                    "unsupported",
-                    f"batches of prompts are not supported (got "
-                    f"{len(prompt)}); send one request per prompt",
-                )
-            raise _error("invalid_type", "must be a string or a list of integer token ids")
-        if prompt is None:
-            raise _error("missing_field", "is required")
-        raise _error(
-            "invalid_type", f"must be a string or a list of token ids, got {type(prompt).__name__}"
-        )
-
 
 class ChatMessage(_Body):
     # Other message fields are ignored, not refused: chat clients send back what the server
@@ -391,41 +426,11 @@ class ChatMessage(_Body):
     # chat template; tool_calls.py checks them.
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    role: Annotated[str, Strict(), Field(min_length=1)]
-    content: Any = None
+    role: Annotated[str, Strict(), Field(min_length=1), AfterValidator(check_text)]
+    content: Annotated[Any, AfterValidator(_message_content)] = None
     tool_calls: Any = None
     tool_call_id: Any = None
     name: Any = None
-
-    @field_validator("role")
-    @classmethod
-    def _role(cls, value: str) -> str:
-        return check_text(value)
-
-    @field_validator("content")
-    @classmethod
-    def _content(cls, content: Any) -> str:
-        if isinstance(content, list):
-            # Content parts: only text parts can go through a text-only model.
-            texts = []
-            for j, part in enumerate(content):
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
-                    raise _error(
-                        "unsupported",
-                        'only {"type": "text", "text": ...} parts are supported',
-                        at=f"[{j}]",
-                    )
-                texts.append(part["text"])
-            content = "".join(texts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise _error("invalid_type", "must be a string or a list of text parts")
-        return check_text(content)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -437,7 +442,7 @@ class ChatCompletionRequest(_Sampling):
     # Checked by tool_calls.py (400 naming the field).
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: Annotated[Any, AfterValidator(_optional_bool)] = None
     # logprobs: true reports each output token's logprob; top_logprobs adds that many of the
     # most likely alternatives and needs logprobs: true.
     logprobs: StrictBool | None = None
@@ -456,13 +461,6 @@ class ChatCompletionRequest(_Sampling):
         """Alternatives per token for the engine, or None when no logprobs are asked for."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @field_validator("parallel_tool_calls")
-    @classmethod
-    def _parallel(cls, value: Any) -> bool | None:
-        if value is not None and not isinstance(value, bool):
-            raise _error("invalid_type", "must be a boolean")
-        return value
-
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:
         """The name and value of the output cap the client set (the newer name wins)."""
@@ -474,51 +472,22 @@ class ChatCompletionRequest(_Sampling):
 class LoadLoraAdapterRequest(_Body):
     """``POST /v1/load_lora_adapter``, vLLM's body."""
 
-    lora_name: Annotated[str, Strict()]
-    lora_path: Annotated[str, Strict()]
+    lora_name: Name
+    lora_path: Annotated[str, Strict(), AfterValidator(_adapter_path)]
     # vLLM's in-place reload; only a fresh load is supported.
-    load_inplace: StrictBool = False
+    load_inplace: DefaultOnly = False
     # The mesh's own field (vLLM has none): keep the adapter in its GPU slot, never evicted,
     # until it is loaded again unpinned or unloaded (the control plane's placement loop sends
     # it for an AdapterInstance's pinnedShards).
     pinned: StrictBool = False
 
-    @field_validator("lora_name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        return check_name(value)
-
-    @field_validator("lora_path")
-    @classmethod
-    def _path(cls, value: str) -> str:
-        check_name(value, MAX_PATH_CHARS)
-        longest = max(len(part.encode()) for part in value.split("/"))
-        if longest > MAX_NAME_CHARS:
-            raise _error(
-                "invalid_value",
-                f"each path component must have at most {MAX_NAME_CHARS} bytes, one has {longest}",
-            )
-        return value
-
-    @field_validator("load_inplace")
-    @classmethod
-    def _inplace(cls, value: bool) -> bool:
-        if value:
-            raise _unsupported("load_inplace")
-        return value
-
 
 class UnloadLoraAdapterRequest(_Body):
     """``POST /v1/unload_lora_adapter``, vLLM's body."""
 
-    lora_name: Annotated[str, Strict()]
+    lora_name: Name
     # vLLM accepts an integer id beside the name; names are what this server keys on.
     lora_int_id: StrictInt | None = None
-
-    @field_validator("lora_name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        return check_name(value)
 
 
 class Usage(BaseModel):

@@ -181,6 +181,36 @@ def build_stores(args: argparse.Namespace) -> AdapterStores:
     )
 
 
+# The flags that set a ListenerLimits field: (flag, field, type, help); the default is the
+# field's, the value is read back from the flag's argparse name.
+_LISTENER_FLAGS: tuple[tuple[str, str, Callable[[str], object], str], ...] = (
+    (
+        "--max-connections",
+        "max_connections",
+        positive_int,
+        "open connections at once; above it a stalled one is evicted, else the new one gets 503",
+    ),
+    (
+        "--header-timeout",
+        "header_timeout_s",
+        positive_float,
+        "seconds for a request's line and headers to arrive (else 408)",
+    ),
+    (
+        "--body-timeout",
+        "body_timeout_s",
+        positive_float,
+        "seconds for a request's body to arrive (else 408)",
+    ),
+    (
+        "--keepalive-timeout",
+        "keepalive_timeout_s",
+        positive_float,
+        "seconds an idle kept-alive connection stays open",
+    ),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="adaptermesh worker",
@@ -540,32 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body (and gRPC message) in bytes; a larger one is refused (413)",
     )
     # Listener limits (defaults: adaptermesh.httpserve.ListenerLimits).
-    d = ListenerLimits()
-    p.add_argument(
-        "--max-connections",
-        type=positive_int,
-        default=d.max_connections,
-        help="open connections at once; above it a stalled one is evicted, "
-        "else the new one gets 503",
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=positive_float,
-        default=d.header_timeout_s,
-        help="seconds for a request's line and headers to arrive (else 408)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=positive_float,
-        default=d.body_timeout_s,
-        help="seconds for a request's body to arrive (else 408)",
-    )
-    p.add_argument(
-        "--keepalive-timeout",
-        type=positive_float,
-        default=d.keepalive_timeout_s,
-        help="seconds an idle kept-alive connection stays open",
-    )
+    limits = ListenerLimits()
+    for flag, field, kind, text in _LISTENER_FLAGS:
+        p.add_argument(flag, type=kind, default=getattr(limits, field), help=text)
     p.add_argument(
         "--otlp-endpoint",
         default=None,
@@ -792,10 +799,10 @@ async def _main(args: argparse.Namespace, token: str | None) -> int:
         drain_grace_s=args.drain_grace,
         tool_call_parser=args.tool_call_parser,
         listener=ListenerLimits(
-            max_connections=args.max_connections,
-            header_timeout_s=args.header_timeout,
-            body_timeout_s=args.body_timeout,
-            keepalive_timeout_s=args.keepalive_timeout,
+            **{
+                field: getattr(args, flag.removeprefix("--").replace("-", "_"))
+                for flag, field, _, _ in _LISTENER_FLAGS
+            }
         ),
     )
     stop = asyncio.Event()

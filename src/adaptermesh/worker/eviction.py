@@ -36,7 +36,7 @@ import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 Allowed = Callable[[str], bool]
+_V = TypeVar("_V")
 _MASK64 = (1 << 64) - 1
 _HALVE = bytes(v >> 1 for v in range(256))  # translate table: every counter halved
 
@@ -91,14 +92,27 @@ class EvictionPolicy(ABC):
         return 0
 
 
-class LruPolicy(EvictionPolicy):
-    """Least recently used: the allowed key whose last access or insert is oldest."""
-
-    name = "lru"
+class _RecencyPolicy(EvictionPolicy, Generic[_V]):
+    """A policy over one recency order of the resident keys, each with a value of ``_V``."""
 
     def __init__(self, capacity: int, *, entries: int | None = None) -> None:
         super().__init__(capacity, entries=entries)
-        self._order: OrderedDict[str, None] = OrderedDict()  # least recent first
+        self._order: OrderedDict[str, _V] = OrderedDict()  # least recent first
+
+    def remove(self, key: str) -> None:
+        self._order.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class LruPolicy(_RecencyPolicy[None]):
+    """Least recently used: the allowed key whose last access or insert is oldest."""
+
+    name = "lru"
 
     def access(self, key: str) -> None:
         if key in self._order:
@@ -108,9 +122,6 @@ class LruPolicy(EvictionPolicy):
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def remove(self, key: str) -> None:
-        self._order.pop(key, None)
-
     def evict(self, allowed: Allowed) -> str | None:
         for key in self._order:
             if allowed(key):
@@ -118,14 +129,8 @@ class LruPolicy(EvictionPolicy):
                 return key
         return None
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
 
-    def __len__(self) -> int:
-        return len(self._order)
-
-
-class LruGreedyPolicy(EvictionPolicy):
+class LruGreedyPolicy(_RecencyPolicy[list[int]]):
     """LRU-Greedy: among the ``window`` least recently used allowed keys, evict the one with
     the lowest ``hits / size``, the least recently used of them on a tie.
 
@@ -142,8 +147,7 @@ class LruGreedyPolicy(EvictionPolicy):
         super().__init__(capacity, entries=entries)
         if window < 1:
             raise ValueError(f"lru-greedy window must be at least 1, got {window}")
-        self.window = window
-        self._order: OrderedDict[str, list[int]] = OrderedDict()  # key -> [hits, size]
+        self.window = window  # each key's value: [hits, size]
 
     def access(self, key: str) -> None:
         entry = self._order.get(key)
@@ -154,9 +158,6 @@ class LruGreedyPolicy(EvictionPolicy):
     def insert(self, key: str, size: int = 1) -> None:
         self._order[key] = [1, max(1, size)]
         self._order.move_to_end(key)
-
-    def remove(self, key: str) -> None:
-        self._order.pop(key, None)
 
     def evict(self, allowed: Allowed) -> str | None:
         best: str | None = None
@@ -174,12 +175,6 @@ class LruGreedyPolicy(EvictionPolicy):
         if best is not None:
             del self._order[best]
         return best
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
-
-    def __len__(self) -> int:
-        return len(self._order)
 
 
 class S3FifoPolicy(EvictionPolicy):

@@ -44,6 +44,7 @@ import torch
 
 from adaptermesh.worker.json_keys import KeyGuard, KeyVocab
 from adaptermesh.worker.schema_rules import SchemaError, closed_objects, enforceable_schema
+from adaptermesh.worker.types import ParamError
 
 __all__ = [
     "CompiledGrammar",
@@ -66,13 +67,8 @@ _executor: Any = None
 _executor_lock = threading.Lock()
 
 
-class GrammarError(ValueError):
+class GrammarError(ParamError):
     """A constraint that does not compile; ``param`` names the request field it came from."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)

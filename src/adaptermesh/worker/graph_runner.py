@@ -208,28 +208,10 @@ class GraphRunner:
             layout.graph_key,
             layout.lora_active_slots,
         )
-        side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lazy initialisation and autotuning must not be captured
-                self._step(
-                    buffers,
-                    capture_layout,
-                    splits,
-                    lora,
-                    sampling_buffers,
-                    mode,
-                    gated,
-                    self._scratch_tokens,
-                    sample=not masked,
-                )
-        torch.cuda.current_stream(device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: adapter uploads on the event-loop thread may run during the capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._step(
+
+        def step(destination: torch.Tensor) -> torch.Tensor:
+            # The warm-ups run the very step the graph captures; only the ids' target differs.
+            return self._step(
                 buffers,
                 capture_layout,
                 splits,
@@ -237,9 +219,22 @@ class GraphRunner:
                 sampling_buffers,
                 mode,
                 gated,
-                self.last_tokens,
+                destination,
                 sample=not masked,
             )
+
+        side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy initialisation and autotuning must not be captured
+                step(self._scratch_tokens)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: adapter uploads on the event-loop thread may run during the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits = step(self.last_tokens)
         # Keeping the output referenced keeps its memory out of later captures in the shared
         # pool, so logprob steps can read it after a replay.
         return StepGraph(graph, buffers, sampling_buffers, selection, logits, bitmask)

@@ -121,20 +121,16 @@ class KeyTracker:
         mode, buf, escape = self.mode, self.buf, self.escape
         start = 0
         for i, byte in enumerate(data):
-            if mode == _IN_STRING:
+            if mode in (_IN_STRING, _IN_KEY):
+                # In a string value or a key: only an unescaped quote ends it.
                 if escape:
                     escape = False
                 elif byte == _BACKSLASH:
                     escape = True
                 elif byte == _QUOTE:
-                    mode = _AFTER
-                continue
-            if mode == _IN_KEY:
-                if escape:
-                    escape = False
-                elif byte == _BACKSLASH:
-                    escape = True
-                elif byte == _QUOTE:
+                    if mode == _IN_STRING:
+                        mode = _AFTER
+                        continue
                     key = _decode_key(buf + data[start:i])
                     if stack and stack[-1] is not None:
                         frame = stack[-1]

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from adaptermesh.worker.types import ParamError
+
 __all__ = [
     "DEFAULT_MAX_PARTS",
     "MAJORITY_SIGN_METHODS",
@@ -29,13 +31,8 @@ PRUNED = ("ties", "dare_linear", "dare_ties", "magnitude_prune")
 RANDOM = ("dare_linear", "dare_ties")
 
 
-class MergeSpecError(ValueError):
-    """A bad ``merged_adapters`` value; ``field`` names the sub-field (``merged_adapters.ids``)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+class MergeSpecError(ParamError):
+    """A bad ``merged_adapters`` value; ``param`` names the sub-field (``merged_adapters.ids``)."""
 
 
 @dataclass(frozen=True, slots=True)

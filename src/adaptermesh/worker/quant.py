@@ -45,7 +45,7 @@ path: it is transformers' ``dequantize=True`` reference, which drops them.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +106,20 @@ def _only(*allowed: Any) -> QCheck:
         return f"is not implemented (only {' or '.join(repr(a) for a in allowed)})"
 
     return check
+
+
+def _check_fields(obj: Mapping[str, Any], table: Mapping[str, QCheck], of: str = "") -> str | None:
+    """Why ``table`` refuses one of ``obj``'s fields, as ``key: value why`` (``key.inner...``
+    where the check names a nested field), or None; a field the table does not name is refused.
+    ``of`` follows the value in that refusal (`` of gptq``)."""
+    for key, val in obj.items():
+        check = table.get(key)
+        if check is None:
+            return f"{key}: unknown field (value {val!r}){of}, refused rather than ignored"
+        msg = check(val, obj)
+        if msg is not None:
+            return f"{key}{msg}" if msg.startswith(".") else f"{key}: {val!r} {msg}"
+    return None
 
 
 def _bool(v: Any, d: Mapping[str, Any]) -> str | None:
@@ -186,17 +200,9 @@ def _ct_groups(v: Any, d: Mapping[str, Any]) -> str | None:
     for name, scheme in v.items():
         if not isinstance(scheme, dict):
             return f".{name}: must be a quantization scheme object"
-        for key, val in scheme.items():
-            check = CT_SCHEME_FIELDS.get(key)
-            if check is None:
-                return f".{name}.{key}: unknown field (value {val!r}), refused rather than ignored"
-            msg = check(val, scheme)
-            if msg is not None:
-                return (
-                    f".{name}.{key}{msg}"
-                    if msg.startswith(".")
-                    else f".{name}.{key}: {val!r} {msg}"
-                )
+        msg = _check_fields(scheme, CT_SCHEME_FIELDS)
+        if msg is not None:
+            return f".{name}.{msg}"
         if scheme.get("weights") is None:
             return f".{name}.weights: null is not implemented (a group must quantise weights)"
         if (scheme.get("format") or d.get("format")) != "float-quantized":
@@ -248,13 +254,9 @@ def _args_check(role: str) -> QCheck:
             return None if role == "input" else "is required"
         if not isinstance(v, dict):
             return "must be a quantization args object"
-        for key, val in v.items():
-            c = CT_ARGS_FIELDS.get(key)
-            if c is None:
-                return f".{key}: unknown field (value {val!r}), refused rather than ignored"
-            msg = c(val, v)
-            if msg is not None:
-                return f".{key}: {val!r} {msg}"
+        msg = _check_fields(v, CT_ARGS_FIELDS)
+        if msg is not None:
+            return f".{msg}"
         if "type" not in v:
             # compressed-tensors' QuantizationArgs default: type "int".
             return ".type: absent means 'int', which is not implemented (only 'float')"
@@ -322,12 +324,21 @@ def _awq_version(v: Any, d: Mapping[str, Any]) -> str | None:
     return "is not implemented (only 'gemm': AutoAWQ's GEMM packing)"
 
 
-def _awq_format(v: Any, d: Mapping[str, Any]) -> str | None:
-    # transformers 5 writes both (the same value); it reads version when both are given.
-    ver = d.get("version")
-    if ver is not None and v is not None and str(v).lower() != str(ver).lower():
-        return f"contradicts version {ver!r} (transformers reads version)"
-    return None if v is None else _awq_version(v, d)
+def _alias_of(key: str, check: QCheck, note: str = "") -> QCheck:
+    """A second name of field ``key``: given with ``key``, the two must agree (ignoring case);
+    its value is checked as ``key``'s is."""
+
+    def alias(v: Any, d: Mapping[str, Any]) -> str | None:
+        other = d.get(key)
+        if v is not None and other is not None and str(v).lower() != str(other).lower():
+            return f"contradicts {key} {other!r}{note}"
+        return None if v is None else check(v, d)
+
+    return alias
+
+
+# transformers 5 writes both (the same value); it reads version when both are given.
+_awq_format = _alias_of("version", _awq_version, " (transformers reads version)")
 
 
 def _awq_backend(v: Any, d: Mapping[str, Any]) -> str | None:
@@ -341,13 +352,6 @@ def _gptq_format(v: Any, d: Mapping[str, Any]) -> str | None:
     if isinstance(v, str) and v.lower() in ("gptq", "gptq_v2"):
         return None
     return "is not implemented (only 'gptq' or 'gptq_v2')"
-
-
-def _gptq_format_alias(v: Any, d: Mapping[str, Any]) -> str | None:
-    cf = d.get("checkpoint_format")
-    if v is not None and cf is not None and str(v).lower() != str(cf).lower():
-        return f"contradicts checkpoint_format {cf!r}"
-    return None if v is None else _gptq_format(v, d)
 
 
 def _pack_dtype(v: Any, d: Mapping[str, Any]) -> str | None:
@@ -412,7 +416,9 @@ GPTQ_FIELDS: dict[str, QCheck] = {
     "desc_act": _bool,  # act-order: served through each module's g_idx
     "sym": _bool,  # checked against the stored zero points
     "checkpoint_format": _gptq_format,  # 'gptq': zero points stored minus 1; 'gptq_v2': as is
-    "format": _gptq_format_alias,  # GPTQModel / transformers 5's name for checkpoint_format
+    "format": _alias_of(
+        "checkpoint_format", _gptq_format
+    ),  # GPTQModel / transformers 5's name for checkpoint_format
     "lm_head": _bool,  # GPTQModel: lm_head quantised too
     "modules_in_block_to_quantize": _module_lists,
     "pack_dtype": _pack_dtype,
@@ -479,14 +485,7 @@ def check_quant_config(v: Any) -> str | None:
     table = _METHODS.get(method) if isinstance(method, str) else None
     if table is None:
         return f"quant_method {method!r} is not implemented (only {', '.join(map(repr, _METHODS))})"
-    for key, val in v.items():
-        check = table.get(key)
-        if check is None:
-            return f"{key}: unknown field (value {val!r}) of {method}, refused rather than ignored"
-        msg = check(val, v)
-        if msg is not None:
-            return f"{key}{msg}" if msg.startswith(".") else f"{key}: {val!r} {msg}"
-    return None
+    return _check_fields(v, table, f" of {method}")
 
 
 # --- the scheme ----------------------------------------------------------------------------
@@ -890,6 +889,16 @@ def _load_int4(
     )
 
 
+def _linear_modules(names: Iterable[str]) -> Iterator[str]:
+    """The modules of the ``<module>.weight`` tensors in ``names`` that are linear layers (a
+    LINEAR_LEAVES leaf, or lm_head), in ``names``' order."""
+    for name in names:
+        if name.endswith(".weight"):
+            module = name[: -len(".weight")]
+            if module == "lm_head" or module.rsplit(".", 1)[-1] in LINEAR_LEAVES:
+                yield module
+
+
 def _split_int4(scheme: QuantScheme, weights: dict[str, torch.Tensor]) -> dict[str, Int4BaseWeight]:
     stored: dict[str, Int4BaseWeight] = {}
     for name in sorted(weights):
@@ -909,15 +918,10 @@ def _split_int4(scheme: QuantScheme, weights: dict[str, torch.Tensor]) -> dict[s
         if module + ".weight" in weights:
             raise ValueError(f"model weights: {module} has both .qweight and .weight")
         stored[module] = _load_int4(scheme, module, weights)
-    for name in list(weights):
-        if not name.endswith(".weight"):
-            continue
-        module = name[: -len(".weight")]
-        if module != "lm_head" and module.rsplit(".", 1)[-1] not in LINEAR_LEAVES:
-            continue
+    for module in _linear_modules(list(weights)):
         if scheme.scheme_for(module) is not None:
             raise ValueError(
-                f"model weights: tensor {name} is unquantised but quantization_config "
+                f"model weights: tensor {module}.weight is unquantised but quantization_config "
                 f"({scheme.method}) quantises {module} (expected {module}.qweight)"
             )
     for name in weights:
@@ -954,12 +958,7 @@ def dequantize_checkpoint(
                 weights[module + ".weight"] = w4.dequantize(dtype)
         return weights, stored4
     stored: dict[str, Fp8Weight] = {}
-    for name in sorted(weights):
-        if not name.endswith(".weight"):
-            continue
-        module = name[: -len(".weight")]
-        if module != "lm_head" and module.rsplit(".", 1)[-1] not in LINEAR_LEAVES:
-            continue
+    for module in _linear_modules(sorted(weights)):
         ls = scheme.scheme_for(module)
         if ls is not None:
             stored[module] = _load_one(scheme, ls, module, weights)

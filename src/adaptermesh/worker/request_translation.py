@@ -140,7 +140,7 @@ async def merged_adapter(
     try:
         name = await manager.merged(spec, model)
     except MergeSpecError as exc:
-        raise invalid_field(exc.field, exc.message) from None
+        raise invalid_field(exc.param, exc.message) from None
     except AdapterNotFoundError as exc:
         raise adapter_error(exc, f"{MERGE_FIELD}.ids") from None
     return model, name
@@ -251,22 +251,29 @@ def request_timeout(header: str | None, default_s: float, max_s: float) -> float
     return min(timeout, max_s)
 
 
+# The body's sampling fields that SamplingParams takes as they are, under the same name (a
+# new sampling parameter is one more name here); the others are converted below.
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "typical_p",
+    "logit_bias",
+)
+
+
 def sampling_params(parsed: ParsedGeneration, max_tokens: int) -> SamplingParams:
     """The engine's sampling settings of a validated body (top_k -1, vLLM's "off", is 0)."""
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=parsed.temperature,
-        top_p=parsed.top_p,
-        seed=parsed.seed,
-        stop=parsed.stop,
         top_k=max(parsed.top_k, 0),
-        min_p=parsed.min_p,
-        presence_penalty=parsed.presence_penalty,
-        frequency_penalty=parsed.frequency_penalty,
-        repetition_penalty=parsed.repetition_penalty,
-        typical_p=parsed.typical_p,
         logprobs=parsed.logprobs_k,
-        logit_bias=parsed.logit_bias,
+        **{name: getattr(parsed, name) for name in _SAMPLING_FIELDS},
     )
 
 

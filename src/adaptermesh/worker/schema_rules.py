@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptermesh.worker.schema_formats import ENFORCED_FORMATS, format_patterns
+from adaptermesh.worker.types import ParamError
 
 __all__ = [
     "MAX_SCHEMA_DEPTH",
@@ -80,13 +81,8 @@ def closed_objects(schema: Any, close: bool = True) -> Any:
     return out
 
 
-class SchemaError(ValueError):
+class SchemaError(ParamError):
     """A schema the grammar cannot enforce; ``param`` is the path of the offending part."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from adaptermesh.httpserve import NestedDocument
@@ -42,7 +43,6 @@ MAX_CONSTRAINT_CHARS = 64 << 10
 MAX_CHOICES = 1024
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # The body fields that hold a JSON schema: the body's nesting bound counts their levels from
 # the field, against the schema's own limit (schema_rules.MAX_SCHEMA_DEPTH).
 SCHEMA_DOCUMENTS = tuple(
@@ -119,12 +119,14 @@ def _grammar_spec(value: Any, param: str) -> GrammarSpec:
     return GrammarSpec("grammar", _sized(value, param), param)
 
 
-def _response_format(value: Any) -> GrammarSpec | None:
-    param = "response_format"
-    if value is None:
-        return None
+def _object(value: Any, param: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise bad_field(param, f"must be an object, got {_type_name(value)}")
+    return value
+
+
+def _response_format(value: Any, param: str) -> GrammarSpec | None:
+    value = _object(value, param)
     kind = value.get("type")
     extra = sorted(set(value) - {"type", "json_schema"})
     if extra:
@@ -137,10 +139,8 @@ def _response_format(value: Any) -> GrammarSpec | None:
         raise bad_field(
             f"{param}.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}"
         )
-    body = value.get("json_schema")
     at = f"{param}.json_schema"
-    if not isinstance(body, dict):
-        raise bad_field(at, f"must be an object, got {_type_name(body)}")
+    body = _object(value.get("json_schema"), at)
     unknown = sorted(set(body) - {"name", "schema", "strict", "description"})
     if unknown:
         raise bad_field(f"{at}.{unknown[0]}", "is not a field of json_schema", "unknown_field")
@@ -158,12 +158,8 @@ def _response_format(value: Any) -> GrammarSpec | None:
     return schema_spec(body["schema"], f"{at}.schema")
 
 
-def _structured_outputs(value: Any) -> GrammarSpec | None:
-    param = "structured_outputs"
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise bad_field(param, f"must be an object, got {_type_name(value)}")
+def _structured_outputs(value: Any, param: str) -> GrammarSpec | None:
+    value = _object(value, param)
     unknown = sorted(set(value) - set(_STRUCTURED_KEYS))
     if unknown:
         raise bad_field(
@@ -191,26 +187,27 @@ def _structured_outputs(value: Any) -> GrammarSpec | None:
     return GrammarSpec("json_object", "", at)
 
 
+# The request fields that carry an output constraint, in the order they are read, and the
+# parser of each (value, field name); a field that is absent or null sets none.
+_CONSTRAINT_FIELDS: dict[str, Callable[[Any, str], GrammarSpec | None]] = {
+    "response_format": _response_format,
+    "structured_outputs": _structured_outputs,
+    "guided_json": schema_spec,
+    "guided_regex": _regex_spec,
+    "guided_choice": _choice_spec,
+    "guided_grammar": _grammar_spec,
+}
+
+
 def grammar_spec(parsed: Any) -> GrammarSpec | None:
     """The constraint a validated request body names, or None; a 400 naming the field when
     one is malformed or a second one is given."""
     found: list[GrammarSpec] = []
-    response_format = _response_format(getattr(parsed, "response_format", None))
-    if response_format is not None:
-        found.append(response_format)
-    structured = _structured_outputs(getattr(parsed, "structured_outputs", None))
-    if structured is not None:
-        found.append(structured)
-    makers = {
-        "guided_json": schema_spec,
-        "guided_regex": _regex_spec,
-        "guided_choice": _choice_spec,
-        "guided_grammar": _grammar_spec,
-    }
-    for name in _GUIDED_FIELDS:
+    for name, parse in _CONSTRAINT_FIELDS.items():
         value = getattr(parsed, name, None)
-        if value is not None:
-            found.append(makers[name](value, name))
+        spec = None if value is None else parse(value, name)
+        if spec is not None:
+            found.append(spec)
     if len(found) > 1:
         first, second = found[0].param.split(".")[0], found[1].param.split(".")[0]
         raise bad_field(second, f"cannot be combined with {first}: send one output constraint")

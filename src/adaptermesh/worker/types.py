@@ -29,6 +29,7 @@ __all__ = [
     "GenerationRequest",
     "GrammarProtocol",
     "InvalidRequestError",
+    "ParamError",
     "SamplingParams",
     "TokenEvent",
     "TokenLogprob",
@@ -58,6 +59,17 @@ class InvalidRequestError(EngineError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class ParamError(ValueError):
+    """A request parameter's value refused where it is parsed or compiled: ``param`` is its
+    path in the body (``response_format.json_schema``, ``merged_adapters.ids[1]``),
+    ``message`` says why."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
 
 
 class AdapterNotFoundError(EngineError, LookupError):
