@@ -67,6 +67,7 @@ class _SimPool:
         self.num_slots = num_slots
         self.device = torch.device("cpu")
         self.groups = frozenset(GROUPS)
+        self.saved = None  # no trained module copies
 
     def clear(self, slot: int) -> None:
         pass

@@ -83,9 +83,13 @@ def test_bench_many_adapters_cpu_smoke(tmp_path: Path) -> None:
     assert warm["row"] == "base8"
     assert warm.get("error") is None, warm.get("error")
     assert [w["concurrency"] for w in warm["warmup_levels"]] == [16, 4, 1]
-    # Every level's loop ran requests to completion; the full loop streamed tokens in its
-    # measured half (a one-request loop on a loaded machine may finish none inside it).
-    assert all(w["status_counts"].get("200", 0) > 0 for w in warm["warmup_levels"])
+    # Every level's loop sent requests and none failed (answered, or cut at the level's end: a
+    # one-request loop of a long prompt on a loaded machine may finish none in its 4 s); the
+    # full loop streamed tokens in its measured half.
+    for w in warm["warmup_levels"]:
+        codes = w["status_counts"]
+        assert sum(codes.values()) > 0, w
+        assert set(codes) <= {"200", "cut"}, w
     assert warm["warmup_levels"][0]["output_tok_s"] > 0
     assert "capacity" not in warm
     for row in report["table"]:
