@@ -529,6 +529,9 @@ class LoraPool:
     [L, S, N_i, R_max], so layer l's view ``a[g][l]`` is exactly the [n_slices, S, R_max, H]
     tensor ``add_lora`` takes, and one slot of every layer is written with one copy.
     ``ranks[g]`` is the adapter's rank where it targets any module of g, else 0.
+    ``routes[p]`` (``lora_ops.GroupRoute``) gives each slot's index in part p (a group, or the
+    vocabulary's ``embed``/``head``): the slot itself where its adapter targets p, -1
+    elsewhere, so a row whose adapter leaves p is a base row in p's kernel launch.
 
     ``groups`` limits the pool to the groups the served adapters target (``pool_groups``):
     a pool for q_proj/v_proj adapters holds only the qkv group, a seventh of the bytes of a
@@ -540,7 +543,7 @@ class LoraPool:
     norm per output row of the direction, constant at inference, so computed once at load
     from the adapter's magnitude vector, its slot matrices and ``base_weight``):
     ``dora[g]`` is [L, S + 1, sum N_i], 1 wherever a slot holds a plain LoRA or a module the
-    adapter leaves, and row S (the base rows' slot -1) is all ones. The forward pass scales
+    adapter leaves, and row S is all ones (base rows, at index -1, take 1). The forward pass scales
     each projection's output (without its bias) by its row's factor.
     """
 
@@ -614,6 +617,46 @@ class LoraPool:
         # The model's embedding and head weights, bound by the engine for a vocab pool: a
         # vocab adapter's saved base weights are checked against them.
         self.base_vocab: Callable[[str], torch.Tensor] | None = None
+        self.num_layers = L
+        self._init_routes(num_slots, [*self.a, *self.vocab_ranks], device)
+
+    def _init_routes(self, grid: int, parts: Sequence[str], device: torch.device) -> None:
+        """Per part (pool group, or vocabulary part ``embed``/``head``): each handle's index in
+        the part's grid of ``grid`` indices, -1 until an adapter on the part is published
+        there (``lora_ops.GroupRoute``)."""
+        self.routes: dict[str, lora_ops.GroupRoute] = {
+            part: lora_ops.GroupRoute(
+                torch.full((self.num_slots,), -1, dtype=torch.int32, device=device), grid
+            )
+            for part in parts
+        }
+
+    def _route(self, slot: int, parts: frozenset[str] | Mapping[str, int]) -> None:
+        """Publish ``slot``'s index in every part: its own where ``parts`` names the part (a
+        mapping gives the index), -1 elsewhere."""
+        for part, route in self.routes.items():
+            if isinstance(parts, Mapping):
+                route.index[slot] = parts.get(part, -1)
+            else:
+                route.index[slot] = slot if part in parts else -1
+
+    def group_scales(self, part: str) -> torch.Tensor:
+        """[S] fp32 scales the kernels read for ``part``'s indices."""
+        return self.scales
+
+    def vocab_args(
+        self, part: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(A, B, scales, ranks) of vocabulary part ``embed`` (A [S, R_max, V] gathered by
+        token, B [S, H, R_max]) or ``head`` (A [1, S, R_max, H], B [S, V, R_max])."""
+        ranks = self.vocab_ranks[part]
+        if part == "embed":
+            return self.vocab["embed_a"], self.vocab["embed_b"], self.group_scales(part), ranks
+        return self.vocab["head_a"], self.vocab["head_b"], self.group_scales(part), ranks
+
+    def dora_factors(self, group: str, layer: int) -> torch.Tensor:
+        """[S (+ 1), N] DoRA factors of ``group``'s indices in ``layer``."""
+        return self.dora[group][layer]
 
     @property
     def nbytes(self) -> int:
@@ -634,14 +677,11 @@ class LoraPool:
         return self.vocab["head_a"][0, slot, :rank]
 
     def set_vocab(self, slot: int, rank: int, parts: frozenset[str]) -> None:
-        """Publish the slot's vocabulary ranks (0 for a part the adapter leaves)."""
+        """Publish the slot's vocabulary ranks (0 for a part the adapter leaves) and its index
+        in each (-1 for a part it leaves)."""
         for part, ranks in self.vocab_ranks.items():
             ranks[slot] = rank if part in parts else 0
-
-    def dora_rows(self, token_slots: torch.Tensor) -> torch.Tensor:
-        """[T] int64 rows of ``dora[g][layer]`` for a batch's ``token_slots`` (-1 -> S)."""
-        s = token_slots.to(torch.int64)
-        return torch.where(s >= 0, s, torch.full_like(s, self.num_slots))
+            self.routes[part].index[slot] = slot if part in parts else -1
 
     def set_dora(
         self, slot: int, scale: float, magnitudes: Sequence[tuple[str, int, int, torch.Tensor]]
@@ -679,6 +719,8 @@ class LoraPool:
             ranks[slot] = 0
         for t in self.dora.values():
             t[:, slot].fill_(1.0)
+        for route in self.routes.values():
+            route.index[slot] = -1
 
     def zero_slot(self, slot: int, written: Mapping[str, int] | None = None) -> None:
         """Zero what the next copy into ``slot`` will not write: ranks above an adapter's own,
@@ -705,9 +747,11 @@ class LoraPool:
         return self.a[group][layer, index, slot, :rank]
 
     def set_slot(self, slot: int, rank: int, scale: float, groups: frozenset[str]) -> None:
-        """Publish the slot's ranks (0 for untargeted groups) and scale to the kernels."""
+        """Publish the slot's ranks (0 for untargeted groups), scale and index in each group
+        (-1 for untargeted ones: its rows skip the group) to the kernels."""
         for g in self.ranks:
             self.ranks[g][slot] = rank if g in groups else 0
+            self.routes[g].index[slot] = slot if g in groups else -1
         self.scales[slot] = scale
 
     def slot_sum(self, slot: int) -> torch.Tensor:
@@ -765,6 +809,8 @@ class Int4LoraPool(LoraPool):
             )
             self.ranks[g] = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.num_layers = L
+        self._init_routes(num_slots, list(self.qa), device)
         self._layers = {
             g: [(self.qa[g][li], tuple(b[li] for b in self.qb[g])) for li in range(L)]
             for g in self.qa
@@ -966,12 +1012,13 @@ def _apply_lora(
     out: torch.Tensor,
     x: torch.Tensor,
 ) -> None:
+    gm = meta.group(group)
     if isinstance(pool, Int4LoraPool):
         qa, qb, r = pool.int4_layer_args(group, layer)
-        lora_ops.add_lora_int4(out, x, qa, qb, pool.scales, r, meta)
+        lora_ops.add_lora_int4(out, x, qa, qb, pool.group_scales(group), r, gm)
         return
     a, b, r = pool.layer_args(group, layer)
-    lora_ops.add_lora(out, x, a, b, pool.scales, r, meta)
+    lora_ops.add_lora(out, x, a, b, pool.group_scales(group), r, gm)
 
 
 class TransformerModel:
@@ -1185,8 +1232,12 @@ class TransformerModel:
             h = self._embed_lora(h, inp.input_ids, *lp)
         if gated is not None:
             gated.route(h)
-        # DoRA pools: each row's slot in the factor tables, once per step (graph-captured).
-        dora_rows = lp[0].dora_rows(lp[1].token_slots) if lp is not None and lp[0].dora else None
+        # DoRA pools: each row's index in each group's factors, once per step (graph-captured).
+        dora_rows = (
+            {g: lp[1].group(g).token_slots.to(torch.int64) for g in lp[0].dora}
+            if lp is not None and lp[0].dora
+            else None
+        )
         T = h.shape[0]
         attn = torch.empty((T, cfg.num_heads, cfg.head_dim), dtype=h.dtype, device=h.device)
         attn.zero_()  # rows no sequence owns stay finite (they feed the o matmul, then are dropped)
@@ -1294,17 +1345,13 @@ class TransformerModel:
         ``scale * B A[:, id]`` (times the embedding scale where the model scales its
         embeddings, as PEFT does for Gemma's scaled embeddings). ``A[:, id]`` is a gather,
         the ``B`` product the SGMM expand over the batch's segments; no host sync."""
-        slots = meta.token_slots.clamp(min=0).to(torch.int64)
-        after_a = pool.vocab["embed_a"][slots, :, input_ids].float().unsqueeze(0)  # [1, T, R]
+        gm = meta.group("embed")
+        embed_a, embed_b, scales, ranks = pool.vocab_args("embed")
+        slots = gm.token_slots.clamp(min=0).to(torch.int64)
+        after_a = embed_a[slots, :, input_ids].float().unsqueeze(0)  # [1, T, R]
         delta = torch.zeros_like(h)
         dispatch.sgmm_expand(
-            delta,
-            after_a,
-            (pool.vocab["embed_b"],),
-            pool.scales,
-            pool.vocab_ranks["embed"],
-            meta.kernel_meta,
-            check_values=False,
+            delta, after_a, (embed_b,), scales, ranks, gm.segments(), check_values=False
         )
         if self.embed_scale is not None:
             delta = delta * self.embed_scale
@@ -1321,17 +1368,12 @@ class TransformerModel:
         """In place: each sequence row's ``lm_head`` LoRA, ``scale * B (A hn)`` (PEFT's
         ``lora.Linear`` on the head), through add_lora over the rows' own segments."""
         row_meta = lora_ops.build_meta(
-            meta.token_slots.index_select(0, logits_rows), pool.num_slots
-        )
-        lora_ops.add_lora(
-            logits,
-            hn,
-            pool.vocab["head_a"],
-            (pool.vocab["head_b"],),
-            pool.scales,
-            pool.vocab_ranks["head"],
-            row_meta,
-        )
+            meta.token_slots.index_select(0, logits_rows),
+            pool.num_slots,
+            routes={"head": pool.routes["head"]} if meta.groups else None,
+        ).group("head")
+        head_a, head_b, scales, ranks = pool.vocab_args("head")
+        lora_ops.add_lora(logits, hn, head_a, (head_b,), scales, ranks, row_meta)
 
     def _project(
         self,
@@ -1341,7 +1383,7 @@ class TransformerModel:
         li: int,
         lp: tuple[LoraPool, lora_ops.LoraBatchMeta] | None,
         defer: bool = False,
-        dora_rows: torch.Tensor | None = None,
+        dora_rows: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One projection of a layer plus the batch's LoRA terms for it: ``(out, delta)``.
 
@@ -1350,11 +1392,12 @@ class TransformerModel:
         output's consumer takes an ``extra=`` term) the whole term comes back apart as
         ``delta``. Otherwise shrink and expand follow the matmul and ``delta`` is None.
 
-        ``dora_rows`` (a DoRA pool's ``dora_rows``): both then get each row's DoRA factor."""
+        ``dora_rows`` (a DoRA pool's rows per group): both then get each row's DoRA factor."""
         wname, bname = _WEIGHTS[group]
         bias = layer.get(bname)
         if lp is not None and group not in lp[0].groups:
             lp = None  # the pool holds no adapter on this group
+        rows = dora_rows[group] if dora_rows is not None and lp is not None else None
         packed = self.packed.get((li, group)) if self.packed else None
         if packed is not None:
             # The base GEMM on the packed weight; the LoRA terms (bf16, the same input) beside
@@ -1373,23 +1416,23 @@ class TransformerModel:
                     bias,
                     a,
                     b,
-                    pool.scales,
+                    pool.group_scales(group),
                     r,
-                    meta,
+                    meta.group(group),
                     self.lora_side,
                     defer=defer,
                     matmul=lambda xx, o: quant_linear(xx, packed, out=o),
                 )
-                if dora_rows is not None:
-                    lora_ops.apply_dora(out, delta, bias, pool.dora[group][li], dora_rows)
+                if rows is not None:
+                    lora_ops.apply_dora(out, delta, bias, pool.dora_factors(group, li), rows)
                 return out, delta
             out = quant_linear(x, packed)
             if bias is not None:
                 out += bias
             if lp is not None:
                 _apply_lora(*lp, group, li, out, x)
-                if dora_rows is not None:
-                    lora_ops.apply_dora(out, None, bias, lp[0].dora[group][li], dora_rows)
+                if rows is not None:
+                    lora_ops.apply_dora(out, None, bias, lp[0].dora_factors(group, li), rows)
             return out, None
         side = self.lora_side
         cols = (
@@ -1407,10 +1450,19 @@ class TransformerModel:
             pool, meta = lp
             a, b, r = pool.layer_args(group, li)
             out, delta = lora_ops.project_with_lora(
-                x, layer[wname], bias, a, b, pool.scales, r, meta, side, defer=defer
+                x,
+                layer[wname],
+                bias,
+                a,
+                b,
+                pool.group_scales(group),
+                r,
+                meta.group(group),
+                side,
+                defer=defer,
             )
-            if dora_rows is not None:
-                lora_ops.apply_dora(out, delta, bias, pool.dora[group][li], dora_rows)
+            if rows is not None:
+                lora_ops.apply_dora(out, delta, bias, pool.dora_factors(group, li), rows)
             return out, delta
         out = torch.addmm(bias, x, layer[wname].T) if bias is not None else x @ layer[wname].T
         if lp is not None:
@@ -1418,8 +1470,8 @@ class TransformerModel:
                 _apply_lora(*lp, group, li, out, x)
             else:
                 self._sharded_row_lora(lp, group, li, out, x, cols)
-            if dora_rows is not None:
-                lora_ops.apply_dora(out, None, bias, lp[0].dora[group][li], dora_rows)
+            if rows is not None:
+                lora_ops.apply_dora(out, None, bias, lp[0].dora_factors(group, li), rows)
         return out, None
 
     def _sharded_row_lora(
@@ -1437,7 +1489,9 @@ class TransformerModel:
         assert self.tp is not None
         pool, meta = lp
         a, b, r = pool.layer_args(group, li)
-        lora_ops.add_lora_sharded_rows(out, x, a, b, pool.scales, r, meta, cols, self.tp.all_reduce)
+        lora_ops.add_lora_sharded_rows(
+            out, x, a, b, pool.group_scales(group), r, meta.group(group), cols, self.tp.all_reduce
+        )
 
     def _attention(
         self,

@@ -641,7 +641,12 @@ class StepLauncher:
             num_splits=splits,
         )
         meta = (
-            lora_ops.build_meta(inputs.token_slots, self.pool.num_slots, layout.lora_active_slots)
+            lora_ops.build_meta(
+                inputs.token_slots,
+                self.pool.num_slots,
+                layout.lora_active_slots,
+                self.pool.routes,
+            )
             if lora
             else None
         )
