@@ -19,7 +19,7 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,6 +50,7 @@ from adaptermesh.worker.quant import (
     parse_quant_config,
     quant_linear,
 )
+from adaptermesh.worker.sizing import ARENA_ALIGN_BYTES, arena_lengths, arena_unit
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ __all__ = [
     "LORA_DTYPES",
     "MODULE_TO_GROUP",
     "SUPPORTED_MODULES",
+    "ArenaGrid",
+    "ArenaLayout",
+    "ArenaLoraPool",
     "GatedTerms",
     "Int4LoraPool",
     "LoraPool",
@@ -66,6 +70,7 @@ __all__ = [
     "ParallelComm",
     "StepInputs",
     "TransformerModel",
+    "arena_part_bytes",
     "load_model",
     "make_lora_pool",
 ]
@@ -620,6 +625,17 @@ class LoraPool:
         self.num_layers = L
         self._init_routes(num_slots, [*self.a, *self.vocab_ranks], device)
 
+    # A pool of slots: every part's index of an adapter is its slot. ``ArenaLoraPool`` sets
+    # its layout (``ArenaLayout``), in which the manager places each part on its own.
+    arena: ArenaLayout | None = None
+
+    def place(self, slot: int, placement: Mapping[str, int]) -> None:
+        """The adapter in ``slot`` holds ``placement[p]`` of each part p: in a pool of slots,
+        always the slot itself."""
+        odd = sorted(p for p, i in placement.items() if i != slot)
+        if odd:
+            raise ValueError(f"slot {slot}: a pool of slots holds {', '.join(odd)} at the slot")
+
     def _init_routes(self, grid: int, parts: Sequence[str], device: torch.device) -> None:
         """Per part (pool group, or vocabulary part ``embed``/``head``): each handle's index in
         the part's grid of ``grid`` indices, -1 until an adapter on the part is published
@@ -643,6 +659,10 @@ class LoraPool:
     def group_scales(self, part: str) -> torch.Tensor:
         """[S] fp32 scales the kernels read for ``part``'s indices."""
         return self.scales
+
+    def describe(self) -> str:
+        """What the pool holds, for the start-up log."""
+        return f"{self.num_slots} slots"
 
     def vocab_args(
         self, part: str
@@ -768,6 +788,368 @@ class LoraPool:
     def slot_nbytes(self) -> int:
         """Device bytes one adapter slot takes (all layers and groups)."""
         return self.nbytes // self.num_slots
+
+
+VOCAB_PARTS = ("embed", "head")
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaGrid:
+    """One part's grid over the arena: index i holds one adapter's matrices of the part (every
+    layer, at the pool's max rank) in bytes ``[i * step, i * step + length)``. Every part's
+    grid has the same step (the arena's unit) and a length of whole steps, so consecutive
+    indices of one grid overlap where the part is longer than a step, and an adapter's parts
+    pack back to back."""
+
+    step: int
+    length: int
+    count: int
+
+    def span(self, index: int) -> tuple[int, int]:
+        return index * self.step, index * self.step + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaLayout:
+    """The arena's size in bytes and each part's grid over it (what the adapter manager
+    allocates in)."""
+
+    size: int
+    grids: Mapping[str, ArenaGrid]
+
+    def adapter_bytes(self, parts: Iterable[str]) -> int:
+        """Bytes an adapter on ``parts`` takes: one index of each part's grid."""
+        return sum(self.grids[p].length for p in parts)
+
+    def fits(self, parts: Iterable[str]) -> int:
+        """How many adapters on ``parts`` (and nothing else) the arena holds at once."""
+        need = self.adapter_bytes(parts)
+        return self.size // need if need else max(g.count for g in self.grids.values())
+
+
+@dataclass(frozen=True, slots=True)
+class _PartShape:
+    """Where one part's tensors lie inside an index, in elements: each (offset, shape) is
+    contiguous; ``used`` elements in all (the rest of the part's length is padding)."""
+
+    tensors: tuple[tuple[int, tuple[int, ...]], ...]  # A, then B per slice (or embed/head B)
+    dora: tuple[int, tuple[int, ...]] | None  # [L, sum N_i] DoRA factors
+    used: int
+
+
+def _part_shapes(
+    cfg: ModelConfig, max_rank: int, groups: frozenset[str], dora: bool, vocab: bool
+) -> dict[str, _PartShape]:
+    L, R = cfg.num_layers, max_rank
+    out: dict[str, _PartShape] = {}
+    for g, mods in _pool_groups(groups):
+        fan_in = cfg.module_shape(mods[0])[0]
+        shapes: list[tuple[int, ...]] = [(L, len(mods), R, fan_in)]
+        shapes += [(L, cfg.module_shape(m)[1], R) for m in mods]
+        offsets = []
+        at = 0
+        for shape in shapes:
+            offsets.append((at, shape))
+            at += math.prod(shape)
+        factors = None
+        if dora:
+            width = sum(cfg.module_shape(m)[1] for m in mods)
+            factors = (at, (L, width))
+            at += L * width
+        out[g] = _PartShape(tuple(offsets), factors, at)
+    if vocab:
+        v, hid = cfg.vocab_size, cfg.hidden_size
+        out["embed"] = _PartShape(((0, (R, v)), (R * v, (hid, R))), None, R * v + hid * R)
+        out["head"] = _PartShape(((0, (R, hid)), (R * hid, (v, R))), None, R * hid + v * R)
+    return out
+
+
+def arena_part_bytes(
+    cfg: ModelConfig,
+    max_rank: int,
+    dtype: torch.dtype,
+    groups: frozenset[str] | None = None,
+    dora: bool = False,
+    vocab: bool = False,
+) -> dict[str, int]:
+    """Bytes of one adapter's matrices of each part at ``max_rank`` (and its DoRA factors),
+    aligned to ARENA_ALIGN_BYTES; an arena rounds them up to its steps (``arena_lengths``)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return {
+        p: -(-shape.used * size // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
+        for p, shape in _part_shapes(cfg, max_rank, _checked_groups(groups), dora, vocab).items()
+    }
+
+
+class ArenaLoraPool(LoraPool):
+    """A LoRA pool in one arena of bytes, allocated once, in which each adapter takes only the
+    parts it targets: per part (pool group, or vocabulary part) a grid of indices over the
+    whole arena (``ArenaGrid``), each index holding one adapter's matrices of that part, so an
+    adapter on q and v takes one index of the qkv grid and nothing of o, gate_up or down.
+
+    The grids overlap: the adapter manager places each adapter's parts in byte ranges that
+    overlap nothing else in use (``place``). The kernels' operands are fixed views over the
+    arena (a CUDA graph captures their bases once): per group and layer, A is
+    ``[n_slices, S_g, R_max, in]`` and B ``[S_g, N_i, R_max]`` with the arena's unit between
+    indices; ranks and scales are per part and per index; ``routes[p]`` maps each adapter
+    handle (``num_slots`` of them, the most adapters the arena can hold) to its index in p.
+    DoRA factors live in their group's index, [L, sum N_i] after the matrices."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        arena_bytes: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        groups: frozenset[str] | None = None,
+        dora: bool = False,
+        vocab: bool = False,
+    ) -> None:
+        self.max_rank = max_rank
+        self.device = device
+        self.dtype = dtype
+        self.groups = _checked_groups(groups)
+        self.num_layers = cfg.num_layers
+        self._shapes = _part_shapes(cfg, max_rank, self.groups, dora, vocab)
+        used = arena_part_bytes(cfg, max_rank, dtype, self.groups, dora, vocab)
+        elt = torch.empty((), dtype=dtype).element_size()
+        unit = arena_unit(arena_bytes, used)
+        size = arena_bytes // unit * unit
+        grids = {
+            p: ArenaGrid(unit, length, (size - length) // unit + 1 if size >= length else 0)
+            for p, length in arena_lengths(arena_bytes, used).items()
+        }
+        short = sorted(p for p, g in grids.items() if g.count < 1)
+        if short:
+            raise ValueError(
+                f"lora_arena_bytes: {arena_bytes} bytes hold no adapter on {', '.join(short)}; "
+                f"one adapter on every target module at rank {max_rank} takes "
+                f"{sum(g.length for g in grids.values())}"
+            )
+        self.layout = ArenaLayout(size, grids)
+        self.arena = self.layout
+        self.storage = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._elements = self.storage.view(dtype)
+        self._elt = elt
+        self.num_slots = max(g.count for g in grids.values())
+        self.placed: dict[int, dict[str, int]] = {}
+        self.ranks = {g: self._zeros(grids[g].count, torch.int32) for g in self._layer_parts}
+        self.vocab_ranks = {
+            p: self._zeros(grids[p].count, torch.int32) for p in VOCAB_PARTS if p in grids
+        }
+        self._scales = {p: self._zeros(g.count, torch.float32) for p, g in grids.items()}
+        self.a, self.b = {}, {}
+        self._layers: dict[str, tuple[tuple[torch.Tensor, tuple[torch.Tensor, ...]], ...]] = {}
+        self._dora: dict[str, tuple[torch.Tensor, ...]] = {}
+        for g in self._layer_parts:
+            (a_off, (L, n, R, fan_in)), *bs = self._shapes[g].tensors
+            count, stride = grids[g].count, unit // elt
+            layers = []
+            for li in range(L):
+                a = self._elements.as_strided(
+                    (n, count, R, fan_in),
+                    (R * fan_in, stride, fan_in, 1),
+                    a_off + li * n * R * fan_in,
+                )
+                b = tuple(
+                    self._elements.as_strided((count, out, R), (stride, R, 1), off + li * out * R)
+                    for off, (_, out, _) in bs
+                )
+                layers.append((a, b))
+            self._layers[g] = tuple(layers)
+            factors = self._shapes[g].dora
+            if factors is not None:
+                off, (_, width) = factors
+                self._dora[g] = tuple(
+                    self._elements.as_strided((count, width), (stride, 1), off + li * width)
+                    for li in range(L)
+                )
+        self.dora = dict(self._dora)  # type: ignore[arg-type]
+        self.vocab = {}
+        if vocab:
+            v, hid = cfg.vocab_size, cfg.hidden_size
+            e, h = grids["embed"], grids["head"]
+            es = hs = unit // elt
+            R = max_rank
+            self.vocab = {
+                "embed_a": self._elements.as_strided((e.count, R, v), (es, v, 1), 0),
+                "embed_b": self._elements.as_strided((e.count, hid, R), (es, R, 1), R * v),
+                "head_a": self._elements.as_strided((1, h.count, R, hid), (0, hs, hid, 1), 0),
+                "head_b": self._elements.as_strided((h.count, v, R), (hs, R, 1), R * hid),
+            }
+        self.base_weight = None
+        self.base_vocab = None
+        self.scales = self._zeros(1, torch.float32)  # unused: scales are per part (group_scales)
+        self.routes = {
+            p: lora_ops.GroupRoute(self._full(self.num_slots), g.count) for p, g in grids.items()
+        }
+
+    @property
+    def _layer_parts(self) -> list[str]:
+        return [g for g, _ in _pool_groups(self.groups)]
+
+    def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, device=self.device)
+
+    def _full(self, n: int) -> torch.Tensor:
+        return torch.full((n,), -1, dtype=torch.int32, device=self.device)
+
+    # ---- placement ------------------------------------------------------------------------
+
+    def place(self, slot: int, placement: Mapping[str, int]) -> None:
+        """Handle ``slot`` holds its adapter at ``placement[p]`` of each part p (host only;
+        the manager chose byte ranges that overlap nothing in use). Published to the kernels
+        by ``set_slot``."""
+        for p, i in placement.items():
+            grid = self.layout.grids.get(p)
+            if grid is None or not 0 <= i < grid.count:
+                raise ValueError(f"slot {slot}: no index {i} in the arena's {p!r} grid")
+        self.placed[slot] = dict(placement)
+
+    def _index(self, slot: int, part: str) -> int:
+        got = self.placed.get(slot, {}).get(part)
+        if got is None:
+            raise RuntimeError(f"slot {slot} has no index in {part!r} (place it first)")
+        return got
+
+    def _region(self, part: str, index: int, k: int) -> torch.Tensor:
+        """Tensor ``k`` of ``part`` at ``index`` (A, then the Bs), in its own contiguous shape."""
+        off, shape = self._shapes[part].tensors[k]
+        base = index * self.layout.grids[part].step // self._elt + off
+        return self._elements[base : base + math.prod(shape)].view(shape)
+
+    def _factors(self, group: str, index: int) -> torch.Tensor:
+        factors = self._shapes[group].dora
+        assert factors is not None
+        off, shape = factors
+        base = index * self.layout.grids[group].step // self._elt + off
+        return self._elements[base : base + math.prod(shape)].view(shape)
+
+    # ---- what the manager writes ----------------------------------------------------------
+
+    def zero_slot(self, slot: int, written: Mapping[str, int] | None = None) -> None:
+        """Zero what the next copy will not write, in the slot's own indices (their bytes may
+        hold any earlier adapter's matrices of any part): as ``LoraPool.zero_slot``."""
+        for part, index in self.placed.get(slot, {}).items():
+            tensors = self._shapes[part].tensors
+            if part in VOCAB_PARTS:
+                for k in range(len(tensors)):
+                    self._region(part, index, k).zero_()
+                continue
+            r = written.get(part, 0) if written else 0
+            if r >= self.max_rank:
+                continue
+            self._region(part, index, 0)[:, :, r:].zero_()
+            for k in range(1, len(tensors)):
+                self._region(part, index, k)[:, :, r:].zero_()
+
+    def slot_view(
+        self, group: str, index: int, layer: int, slot: int, rank: int, is_b: bool
+    ) -> torch.Tensor:
+        at = self._index(slot, group)
+        if is_b:
+            return self._region(group, at, 1 + index)[layer, :, :rank]
+        return self._region(group, at, 0)[layer, index, :rank]
+
+    def vocab_view(self, part: str, slot: int, rank: int, is_b: bool) -> torch.Tensor:
+        at = self._index(slot, part)
+        if is_b:
+            return self._region(part, at, 1)[:, :rank]
+        return self._region(part, at, 0)[:rank]
+
+    def set_slot(self, slot: int, rank: int, scale: float, groups: frozenset[str]) -> None:
+        """Publish the slot: ranks and scale at its indices, its index in every part (-1 in
+        the parts it leaves)."""
+        placement = self.placed.get(slot, {})
+        missing = sorted(g for g in groups if g not in placement)
+        if missing:
+            raise RuntimeError(f"slot {slot} has no index in {', '.join(missing)}")
+        for part, index in placement.items():
+            if part in self.ranks:
+                self.ranks[part][index] = rank if part in groups else 0
+            self._scales[part][index] = scale
+        self._route(slot, placement)
+
+    def set_vocab(self, slot: int, rank: int, parts: frozenset[str]) -> None:
+        for part, ranks in self.vocab_ranks.items():
+            index = self.placed.get(slot, {}).get(part)
+            if index is not None:
+                ranks[index] = rank if part in parts else 0
+
+    def clear(self, slot: int) -> None:
+        for part, index in self.placed.pop(slot, {}).items():
+            if part in self.ranks:
+                self.ranks[part][index] = 0
+            if part in self.vocab_ranks:
+                self.vocab_ranks[part][index] = 0
+            self._scales[part][index] = 0.0
+        for route in self.routes.values():
+            route.index[slot] = -1
+
+    def set_dora(
+        self, slot: int, scale: float, magnitudes: Sequence[tuple[str, int, int, torch.Tensor]]
+    ) -> None:
+        """As ``LoraPool.set_dora``, in the factors of the slot's own group indices."""
+        placement = self.placed.get(slot, {})
+        for g in self._dora:
+            if g in placement:
+                self._factors(g, placement[g]).fill_(1.0)
+        if not magnitudes:
+            return
+        if self.base_weight is None:
+            raise RuntimeError("a DoRA pool needs its base weights bound (base_weight)")
+        for g, i, layer, m in magnitudes:
+            at = placement[g]
+            w = self.base_weight(layer, GROUPS[g][i])
+            a = self._region(g, at, 0)[layer, i]  # [R_max, in]
+            b = self._region(g, at, 1 + i)[layer]  # [N_i, R_max]
+            direction = w + scale * (b @ a).to(w.dtype)
+            norm = torch.linalg.norm(direction, dim=1).to(w.dtype)
+            off = sum(self._shapes[g].tensors[1 + k][1][1] for k in range(i))
+            self._factors(g, at)[layer, off : off + b.shape[0]] = m.to(w.dtype) / norm
+
+    def slot_sum(self, slot: int) -> torch.Tensor:
+        """float64 sum of the slot's matrices (its indices' A and B; no padding, no factors)."""
+        parts = [
+            self._region(part, index, k).sum(dtype=torch.float64)
+            for part, index in self.placed.get(slot, {}).items()
+            for k in range(len(self._shapes[part].tensors))
+        ]
+        if not parts:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack(parts).sum()
+
+    # ---- what the kernels read ------------------------------------------------------------
+
+    def layer_args(
+        self, g: str, layer: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+        a, b = self._layers[g][layer]
+        return a, b, self.ranks[g]
+
+    def group_scales(self, part: str) -> torch.Tensor:
+        return self._scales[part]
+
+    def dora_factors(self, group: str, layer: int) -> torch.Tensor:
+        return self._dora[group][layer]
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.size
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one adapter on every part of the pool takes."""
+        return self.layout.adapter_bytes(self.layout.grids)
+
+    def describe(self) -> str:
+        grids = self.layout.grids
+        alone = ", ".join(f"{p} {self.layout.fits([p])}" for p in grids)
+        return (
+            f"arena {self.layout.size / 2**30:.2f} GiB: {self.layout.fits(grids)} adapters on "
+            f"every module at rank {self.max_rank}, or on one part alone: {alone}"
+        )
 
 
 class Int4LoraPool(LoraPool):
@@ -915,13 +1297,19 @@ def make_lora_pool(
     groups: frozenset[str] | None = None,
     dora: bool = False,
     vocab: bool = False,
+    arena_bytes: int | None = None,
 ) -> LoraPool:
     """The pool for ``lora_dtype`` (None: the model dtype; "int4": an ``Int4LoraPool``) over
     ``groups`` (None: every group; ``pool_groups`` turns target modules into groups), with
-    DoRA factors when ``dora`` (float pools only).
+    DoRA factors when ``dora`` (float pools only). With ``arena_bytes`` a float pool is an
+    ``ArenaLoraPool`` of that many bytes (``num_slots`` is then unused).
 
     Float pools must match the model dtype (the kernels take A and B in the activation dtype).
     """
+    if lora_dtype == "int4" and arena_bytes is not None:
+        raise ValueError("lora_dtype int4 keeps a pool of slots: it has no adapter arena")
+    if lora_dtype is None and arena_bytes is not None:
+        return ArenaLoraPool(cfg, arena_bytes, max_rank, device, dtype, groups, dora, vocab)
     if lora_dtype is None:
         return LoraPool(cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab)
     if lora_dtype == "int4":
@@ -935,6 +1323,8 @@ def make_lora_pool(
         raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {lora_dtype!r}")
     if want != dtype:
         raise ValueError(f"lora_dtype {lora_dtype} needs the model dtype to match, it is {dtype}")
+    if arena_bytes is not None:
+        return ArenaLoraPool(cfg, arena_bytes, max_rank, device, dtype, groups, dora, vocab)
     return LoraPool(cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab)
 
 
