@@ -204,6 +204,10 @@ def test_first_fit_takes_the_lowest_free_index_and_ranges_never_overlap(
         for (_, end, _), (start, _, _) in itertools.pairwise(spans):
             assert end <= start
         assert space.used_bytes() <= layout.size
+        # The free gaps are exactly what the ranges in use leave, merged.
+        edges = [0, *(x for s, e, _ in spans for x in (s, e)), layout.size]
+        want = [(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if b > a]
+        assert space.gaps() == want
         # The cheapest index for a predicate that allows even-numbered holders: no holder of
         # it is odd, and no index with fewer holders (all even) exists.
         for part in parts:

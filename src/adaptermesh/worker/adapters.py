@@ -56,6 +56,7 @@ import asyncio
 import bisect
 import concurrent.futures
 import contextlib
+import heapq
 import json
 import math
 import shutil
@@ -167,12 +168,15 @@ class ArenaSpace:
     its range overlaps no range in use, of any part. ``first_fit`` finds the lowest such index;
     ``cheapest`` the index whose holders are fewest, among those whose holders all satisfy a
     predicate (those the manager may evict). Ranges in use never overlap (``take`` refuses an
-    overlap), so they stay sorted by start and by end alike."""
+    overlap), so they stay sorted by start and by end alike; the free gaps between them are
+    kept too, so first fit in a full arena looks at its few gaps, not at every range."""
 
     def __init__(self, layout: ArenaLayout) -> None:
         self.layout = layout
         self._starts: list[int] = []
         self._spans: list[tuple[int, int, int]] = []  # (start, end, handle), sorted
+        self._gap_starts: list[int] = [0] if layout.size else []
+        self._gaps: list[tuple[int, int]] = [(0, layout.size)] if layout.size else []
         self.held: dict[int, dict[str, int]] = {}  # handle -> part -> index
 
     def span(self, part: str, index: int) -> tuple[int, int]:
@@ -187,14 +191,12 @@ class ArenaSpace:
     def first_fit(self, part: str) -> int | None:
         """The lowest index of ``part``'s grid whose bytes overlap nothing in use."""
         grid = self.layout.grids[part]
-        at = 0
-        for start, end, _ in self._spans:
-            if at + grid.length <= start:
-                break
-            if end > at:
-                at = -(-end // grid.step) * grid.step
-        index = at // grid.step
-        return index if index < grid.count else None
+        for start, end in self._gaps:
+            at = -(-start // grid.step) * grid.step
+            if at + grid.length <= end:
+                index = at // grid.step
+                return index if index < grid.count else None
+        return None
 
     def holders(self, part: str, index: int) -> set[int]:
         """The handles whose ranges overlap ``index`` of ``part``."""
@@ -244,17 +246,43 @@ class ArenaSpace:
         self._starts.insert(k, start)
         self._spans.insert(k, (start, end, handle))
         self.held.setdefault(handle, {})[part] = index
+        g = bisect.bisect_right(self._gap_starts, start) - 1
+        gap_start, gap_end = self._gaps[g]
+        if not gap_start <= start < end <= gap_end:
+            raise RuntimeError(f"arena bytes [{start}, {end}) are not inside one free gap")
+        pieces = [(a, b) for a, b in ((gap_start, start), (end, gap_end)) if b > a]
+        self._gaps[g : g + 1] = pieces
+        self._gap_starts[g : g + 1] = [a for a, _ in pieces]
 
     def release(self, handle: int) -> dict[str, int]:
         """Free every range ``handle`` holds; returns its placement."""
         placement = self.held.pop(handle, {})
         for part, index in placement.items():
-            start, _ = self.span(part, index)
+            start, end = self.span(part, index)
             k = bisect.bisect_left(self._starts, start)
             assert self._spans[k][2] == handle
             del self._starts[k]
             del self._spans[k]
+            self._free(start, end)
         return placement
+
+    def _free(self, start: int, end: int) -> None:
+        """Return ``[start, end)`` to the gaps, merged with the gaps it touches."""
+        g = bisect.bisect_left(self._gap_starts, start)
+        if g > 0 and self._gaps[g - 1][1] == start:
+            g -= 1
+            start = self._gaps[g][0]
+            del self._gaps[g]
+            del self._gap_starts[g]
+        if g < len(self._gaps) and self._gaps[g][0] == end:
+            end = self._gaps[g][1]
+            del self._gaps[g]
+            del self._gap_starts[g]
+        self._gaps.insert(g, (start, end))
+        self._gap_starts.insert(g, start)
+
+    def gaps(self) -> list[tuple[int, int]]:
+        return list(self._gaps)
 
     def ranges(self, handle: int) -> list[tuple[int, int]]:
         return [self.span(p, i) for p, i in self.held.get(handle, {}).items()]
@@ -384,6 +412,9 @@ class AdapterManager:
         self.slot_wait_s = slot_wait_s
         self.on_change = on_change or (lambda: None)
         self.slots = [_Slot() for _ in range(pool.num_slots)]
+        # Slots freed since they were last looked at, lowest first; checked when taken (an
+        # arena has thousands of handles: no scan of every slot per load).
+        self._free_heap = list(range(pool.num_slots))
         self.published: dict[str, _Published] = {}
         self.expert_sets: dict[str, _PublishedSet] = {}
         self.build_expert_set = build_expert_set
@@ -569,10 +600,11 @@ class AdapterManager:
         the bytes that are free or held by such evictable adapters, at most the free and
         evictable handles, less the loads still to reserve. The shape is an estimate: a load
         whose adapter needs more finds no room when it starts and reserves after its read."""
-        free = sum(1 for s in self.slots if s.name is None and not s.reserved and not s.retired)
         movable = [self.published[n].slot for n in self.published if self._evictable(n)]
         if self.space is None:
+            free = sum(1 for s in self.slots if s.name is None and not s.reserved and not s.retired)
             return free + len(movable) - self.awaiting_slot
+        free = len(self.slots) - len(self.space.held)  # every handle in use holds bytes
         return min(free + len(movable), self._room_in_adapters(set(movable))) - self.awaiting_slot
 
     def _room_in_adapters(self, movable: set[int]) -> int:
@@ -1150,9 +1182,13 @@ class AdapterManager:
         return slot
 
     def _free_handle(self) -> int | None:
-        for i, s in enumerate(self.slots):
+        """The lowest free slot (left free: the caller reserves it)."""
+        heap = self._free_heap
+        while heap:
+            s = self.slots[heap[0]]
             if s.name is None and not s.reserved and not s.retired:
-                return i
+                return heap[0]
+            heapq.heappop(heap)  # taken since it was freed; pushed again when freed again
         return None
 
     def _evict(self, name: str) -> int:
@@ -1189,8 +1225,8 @@ class AdapterManager:
             if index is not None:
                 space.take(slot, part, index)
                 return index
-            if space.cheapest(part, ok) is None:
-                return None
+            # No index is free, so an index all of whose holders may go has one at least, and
+            # each of them helps: none helps exactly when every index holds one that must stay.
             name = self.gpu_policy.evict(helps)
             if name is None:
                 return None
@@ -1216,6 +1252,7 @@ class AdapterManager:
         self.pool.clear(slot)
         if self.space is not None:
             self.space.release(slot)
+        heapq.heappush(self._free_heap, slot)
 
     def _retire(self, slot: int) -> None:
         s = self.slots[slot]
