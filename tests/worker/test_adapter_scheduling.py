@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adaptermesh.worker.eviction import POLICY_NAMES
@@ -201,6 +201,20 @@ ARENA_SHAPES = [
 
 
 @settings(max_examples=40, deadline=None)
+@example(  # an adapter on every part after ones on fewer: placed part by part, it split itself
+    ops=[
+        ("burst", 476, 2),
+        ("complete", 0, 0),
+        ("cancel", 0, 0),
+        ("burst", 1, 2),
+        ("arrive", 2, 1),
+    ],
+    adapters=1,
+    rows=1,
+    skips=0,
+    policy="lru",
+    shapes=[ARENA_SHAPES[k] for k in (4, 0, 1, 0, 3, 0)],
+)
 @given(
     ops=OPS,
     adapters=st.integers(1, 3),

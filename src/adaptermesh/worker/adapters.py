@@ -91,6 +91,7 @@ from adaptermesh.worker.adapter_stores import (
 from adaptermesh.worker.eviction import DEFAULT_POLICY, make_policy
 from adaptermesh.worker.lora_groups import FUSED_MODULES, GROUPS, MODULE_TO_GROUP
 from adaptermesh.worker.model import (
+    ArenaGrid,
     ArenaLayout,
     ArenaLoraPool,
     LoraPool,
@@ -188,9 +189,19 @@ class ArenaSpace:
     def used_bytes(self) -> int:
         return sum(e - s for s, e, _ in self._spans)
 
-    def first_fit(self, part: str) -> int | None:
-        """The lowest index of ``part``'s grid whose bytes overlap nothing in use."""
-        grid = self.layout.grids[part]
+    def _grid(self, part: str | ArenaGrid) -> ArenaGrid:
+        return part if isinstance(part, ArenaGrid) else self.layout.grids[part]
+
+    def window(self, parts: Iterable[str]) -> ArenaGrid:
+        """A grid of windows that hold one adapter's ``parts`` back to back."""
+        step = next(iter(self.layout.grids.values())).step
+        length = self.layout.adapter_bytes(parts)
+        return ArenaGrid(step, length, max(0, (self.layout.size - length) // step + 1))
+
+    def first_fit(self, part: str | ArenaGrid) -> int | None:
+        """The lowest index of ``part``'s grid (or of ``grid``) whose bytes overlap nothing in
+        use."""
+        grid = self._grid(part)
         for start, end in self._gaps:
             at = -(-start // grid.step) * grid.step
             if at + grid.length <= end:
@@ -198,9 +209,9 @@ class ArenaSpace:
                 return index if index < grid.count else None
         return None
 
-    def holders(self, part: str, index: int) -> set[int]:
+    def holders(self, part: str | ArenaGrid, index: int) -> set[int]:
         """The handles whose ranges overlap ``index`` of ``part``."""
-        start, end = self.span(part, index)
+        start, end = self._grid(part).span(index)
         k = max(0, bisect.bisect_right(self._starts, start) - 1)
         out = set()
         while k < len(self._spans) and self._spans[k][0] < end:
@@ -211,12 +222,15 @@ class ArenaSpace:
         return out
 
     def cheapest(
-        self, part: str, ok: Callable[[int], bool], near: Iterable[tuple[int, int]] | None = None
+        self,
+        part: str | ArenaGrid,
+        ok: Callable[[int], bool],
+        near: Iterable[tuple[int, int]] | None = None,
     ) -> tuple[int, set[int]] | None:
         """(index, its holders) of ``part`` with the fewest holders, all of them ``ok``, the
         lowest index on a tie; only indices overlapping a range of ``near`` when given. None
         when every index has a holder that is not ``ok``."""
-        grid = self.layout.grids[part]
+        grid = self._grid(part)
         if near is None:
             candidates: Iterable[int] = range(grid.count)
         else:
@@ -1159,27 +1173,96 @@ class AdapterManager:
         """A free slot for a load of ``exclude`` (the name being (re)loaded keeps serving its
         current version meanwhile), evicting through the policy if needed; None when none can
         be had. In an arena the slot is a handle, and each of ``parts`` gets an index of its
-        grid whose bytes overlap nothing in use (``_room_for``): placed in the pool, not yet
-        published."""
+        grid whose bytes overlap nothing in use (``_place_parts``): placed in the pool, not
+        yet published."""
         slot = self._free_handle()
         if slot is None:
             name = self.gpu_policy.evict(lambda n: self._evictable(n, exclude))
             if name is None:
                 return None
             slot = self._evict(name)
-        space = self.space
-        if space is None:
+        if self.space is None:
             return slot
-        placement = {}
-        # Longest parts first: they need the longest free runs.
-        for part in sorted(parts, key=lambda p: (-space.layout.grids[p].length, p)):
-            index = self._room_for(part, slot, exclude)
-            if index is None:
-                space.release(slot)
-                return None
-            placement[part] = index
+        placement = self._place_parts(slot, parts, exclude)
+        if placement is None:
+            return None
         self.pool.place(slot, placement)
         return slot
+
+    def _place_parts(self, slot: int, parts: frozenset[str], exclude: str) -> dict[str, int] | None:
+        """An index of each part's grid for ``slot``, taken in the arena: the parts back to
+        back in the lowest free window that holds them all; else each in the lowest free index
+        of its grid (holes left by other shapes); else, evicting, a window freed for them all.
+        The policy chooses the first victim among the adapters whose eviction can free such a
+        window (every adapter overlapping it may be evicted); the other adapters overlapping
+        the cheapest window next to it go too, in the policy's order, and the search starts
+        over. None (with whatever was evicted gone) when every window overlaps an adapter in
+        use, pinned, claimed, reserved or retired."""
+        space = self.space
+        assert space is not None
+        grids = space.layout.grids
+        order = sorted(parts, key=lambda p: (-grids[p].length, p))  # longest parts first
+        if not order:
+            return {}
+        window = space.window(order)
+        while True:
+            at = space.first_fit(window)
+            if at is not None:
+                start = window.span(at)[0]
+                placement = {}
+                for part in order:
+                    index = start // grids[part].step
+                    space.take(slot, part, index)
+                    placement[part] = index
+                    start += grids[part].length
+                return placement
+            placement = {}
+            for part in order if len(order) > 1 else ():  # one part: its window is its grid
+                hole = space.first_fit(part)
+                if hole is None:
+                    break
+                space.take(slot, part, hole)
+                placement[part] = hole
+            else:
+                if placement:
+                    return placement
+            space.release(slot)
+            if not self._evict_for(window, exclude):
+                return None
+
+    def _evict_for(self, window: ArenaGrid, exclude: str) -> bool:
+        """Evict the adapters overlapping one index of ``window`` that may all go, the first
+        of them chosen by the policy among those that help; False (nothing evicted) when no
+        index of ``window`` can be freed."""
+        space = self.space
+        assert space is not None
+
+        def ok(handle: int) -> bool:
+            name = self.slots[handle].name
+            return name is not None and self._evictable(name, exclude)
+
+        def helps(name: str) -> bool:
+            if not self._evictable(name, exclude):
+                return False
+            near = space.ranges(self.published[name].slot)
+            return space.cheapest(window, ok, near) is not None
+
+        # No window is free, so one all of whose holders may go has one at least, and each of
+        # them helps: none helps exactly when every window holds one that must stay.
+        name = self.gpu_policy.evict(helps)
+        if name is None:
+            return False
+        near = space.ranges(self.published[name].slot)
+        self._evict(name)
+        best = space.cheapest(window, ok, near)
+        rest: set[str | None] = set() if best is None else {self.slots[h].name for h in best[1]}
+        while rest:
+            victim = self.gpu_policy.evict(rest.__contains__)
+            if victim is None:
+                break
+            rest.discard(victim)
+            self._evict(victim)
+        return True
 
     def _free_handle(self) -> int | None:
         """The lowest free slot (left free: the caller reserves it)."""
@@ -1199,47 +1282,6 @@ class AdapterManager:
         if name in self.wanted:
             self.counters.evictions_wanted += 1
         return victim
-
-    def _room_for(self, part: str, slot: int, exclude: str) -> int | None:
-        """An index of ``part``'s grid for ``slot``, taken in the arena: the lowest one whose
-        bytes are free, else one freed by eviction. The policy chooses the first victim among
-        the adapters whose eviction can free an index (every adapter overlapping it may be
-        evicted); the other adapters overlapping the cheapest such index next to it go too,
-        in the policy's order. None (nothing evicted) when every index overlaps an adapter in
-        use, pinned, claimed or reserved."""
-        space = self.space
-        assert space is not None
-
-        def ok(handle: int) -> bool:
-            name = self.slots[handle].name
-            return name is not None and self._evictable(name, exclude)
-
-        def helps(name: str) -> bool:
-            if not self._evictable(name, exclude):
-                return False
-            near = space.ranges(self.published[name].slot)
-            return space.cheapest(part, ok, near) is not None
-
-        while True:
-            index = space.first_fit(part)
-            if index is not None:
-                space.take(slot, part, index)
-                return index
-            # No index is free, so an index all of whose holders may go has one at least, and
-            # each of them helps: none helps exactly when every index holds one that must stay.
-            name = self.gpu_policy.evict(helps)
-            if name is None:
-                return None
-            near = space.ranges(self.published[name].slot)
-            self._evict(name)
-            best = space.cheapest(part, ok, near)
-            rest: set[str | None] = set() if best is None else {self.slots[h].name for h in best[1]}
-            while rest:
-                victim = self.gpu_policy.evict(rest.__contains__)
-                if victim is None:
-                    break
-                rest.discard(victim)
-                self._evict(victim)
 
     def _policy_size(self, slot: int) -> int:
         """What ``slot``'s adapter counts for in the GPU policy: 1, or its bytes in an arena."""
