@@ -1183,8 +1183,14 @@ class AdapterManager:
             slot = self._evict(name)
         if self.space is None:
             return slot
+        evictions = self.counters.evictions
         placement = self._place_parts(slot, parts, exclude)
         if placement is None:
+            if self.counters.evictions != evictions:
+                # Room was made but not enough for this adapter: another load waiting for a
+                # slot, or a request the scheduler could start a load for, may fit in it now.
+                self._slots_changed()
+                self.on_change()
             return None
         self.pool.place(slot, placement)
         return slot

@@ -1146,8 +1146,10 @@ class ArenaLoraPool(LoraPool):
     def describe(self) -> str:
         grids = self.layout.grids
         alone = ", ".join(f"{p} {self.layout.fits([p])}" for p in grids)
+        size = self.layout.size
+        shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.2f} MiB"
         return (
-            f"arena {self.layout.size / 2**30:.2f} GiB: {self.layout.fits(grids)} adapters on "
+            f"arena {shown}: {self.layout.fits(grids)} adapters on "
             f"every module at rank {self.max_rank}, or on one part alone: {alone}"
         )
 
