@@ -49,7 +49,7 @@ import torch
 from adaptermesh.worker.adapters import AdapterManager, CpuAdapter
 from adaptermesh.worker.eviction import DEFAULT_POLICY
 from adaptermesh.worker.lora_groups import GROUPS
-from adaptermesh.worker.model import LoraPool, ModelConfig
+from adaptermesh.worker.model import ArenaGrid, ArenaLayout, LoraPool, ModelConfig
 from adaptermesh.worker.paging import BlockManager
 from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence
 from adaptermesh.worker.step_plan import SampledToken, ScheduledStep, StepResult
@@ -63,14 +63,41 @@ class _SimPool:
     """What the manager needs of a ``LoraPool`` when nothing is copied: a slot count and the
     groups it holds (all of them)."""
 
+    arena = None  # a pool of slots
+
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.device = torch.device("cpu")
         self.groups = frozenset(GROUPS)
         self.saved = None  # no trained module copies
+        self.vocab: dict[str, torch.Tensor] = {}
 
     def clear(self, slot: int) -> None:
         pass
+
+
+# A simulated arena's parts and their bytes per adapter: the 7B shape's ratios (qkv 12, o 4,
+# gate_up 15, down 8 MiB at rank 8), in units.
+SIM_PARTS = {"qkv": 12, "o": 4, "gate_up": 15, "down": 8}
+
+
+class _SimArenaPool(_SimPool):
+    """An adapter arena of ``adapters`` adapters on every part of SIM_PARTS, with no storage:
+    what the manager needs to place parts (``arena``, ``place``) and publish handles."""
+
+    def __init__(self, adapters: int) -> None:
+        size = adapters * sum(SIM_PARTS.values())
+        grids = {p: ArenaGrid(1, b, size - b + 1) for p, b in SIM_PARTS.items()}
+        super().__init__(max(g.count for g in grids.values()))
+        self.arena = ArenaLayout(size, grids)  # type: ignore[assignment]
+        self.groups = frozenset(SIM_PARTS)
+        self.placed: dict[int, dict[str, int]] = {}
+
+    def place(self, slot: int, placement: dict[str, int]) -> None:
+        self.placed[slot] = dict(placement)
+
+    def clear(self, slot: int) -> None:
+        self.placed.pop(slot, None)
 
 
 class SimManager(AdapterManager):
@@ -86,11 +113,16 @@ class SimManager(AdapterManager):
         eviction: str = DEFAULT_POLICY,
         slot_wait_s: float = 10.0,
         root: Path | None = None,
+        shapes: dict[str, frozenset[str]] | None = None,
     ) -> None:
+        # ``shapes``: an arena of ``slots`` adapters on every part, each adapter taking the
+        # parts its name maps to (SIM_PARTS when the name is not there); None: ``slots`` slots.
+        self.shapes = shapes
+        pool = _SimPool(slots) if shapes is None else _SimArenaPool(slots)
         super().__init__(
             root or Path(tempfile.gettempdir()) / "adaptermesh-sim-adapters",
             cast(ModelConfig, None),
-            cast(LoraPool, _SimPool(slots)),
+            cast(LoraPool, pool),
             max_rank=8,
             cpu_cache_bytes=1 << 30,
             dtype=torch.float32,
@@ -121,7 +153,7 @@ class SimManager(AdapterManager):
             use_rslora=False,
             scale=1.0,
             targets=frozenset(),
-            groups=frozenset(),
+            groups=self._shape(name),
             data=torch.empty(0, dtype=torch.uint8),
             entries=(),
             uniform=True,
@@ -132,10 +164,18 @@ class SimManager(AdapterManager):
     async def _upload(self, slot: int, cpu: CpuAdapter) -> None:
         pass
 
-    def _pick_slot(self, exclude: str) -> int | None:
+    def _shape(self, name: str) -> frozenset[str]:
+        if self.shapes is None:
+            return frozenset()
+        return self.shapes.get(name, frozenset(SIM_PARTS))
+
+    def _start_parts(self, name: str) -> frozenset[str] | None:
+        return self._shape(name)  # what the adapter's config would say
+
+    def _pick_slot(self, exclude: str, parts: frozenset[str] = frozenset()) -> int | None:
         self.picks += 1
         before = set(self.published)
-        slot = super()._pick_slot(exclude)
+        slot = super()._pick_slot(exclude, parts)
         for name in before - set(self.published):
             self.evicted.append(name)
             if self.on_evict is not None:
@@ -163,8 +203,9 @@ class Sim:
         max_model_len: int = 128,
         num_blocks: int | None = None,
         block_size: int = 16,
+        shapes: dict[str, frozenset[str]] | None = None,
     ) -> None:
-        self.manager = SimManager(slots, gated=gated, eviction=eviction)
+        self.manager = SimManager(slots, gated=gated, eviction=eviction, shapes=shapes)
         per_seq = -(-max_model_len // block_size) + 1
         self.blocks = BlockManager(
             num_blocks or rows * per_seq + 2, block_size, enable_prefix_caching=False

@@ -29,6 +29,7 @@ Rows (Llama-2-7B shape with random bf16 weights; on CPU the tiny shape, counts x
     r2000_512_density   2,000        512   --lora-density-configs                 uniform
     zipf2000_density    2,000        512   --lora-density-configs                 Zipf(1.0)
     r2000_auto          2,000    (worker)  none at all                            uniform
+    r2000_auto_r8       2,000    (worker)  --max-lora-rank 8 only                 uniform
     r2000_auto_b2048    2,000    (worker)  --max-num-batched-tokens 2048          uniform
                                            --max-prefill-chunk 2048
     r2000_auto_b8192    2,000    (worker)  the same at 8192                       uniform
@@ -37,7 +38,10 @@ Rows (Llama-2-7B shape with random bf16 weights; on CPU the tiny shape, counts x
 
 The three r2000_auto rows (rank-8 q,v adapters, no sizing flags) compare the step token budget
 and prefill chunk the worker chooses with 2,048 and with 8,192 (the budget vLLM picks for an
-online server on a GPU of 70 GiB or more), for the TTFT they cost.
+online server on a GPU of 70 GiB or more), for the TTFT they cost. r2000_auto_r8 gives the
+pool's largest rank as the adapters' (8; the worker's default is 64): with no sizing flag and no
+--lora-target-modules, its adapter arena holds as many of them as a pool told q_proj v_proj
+(``worker_reported.lora_pool`` names how many of each shape).
 The first seven use rank-8 adapters on q_proj and v_proj and the common flags --max-num-seqs 256
 --max-num-batched-tokens 2048 --max-prefill-chunk 2048 --max-model-len 2576 --max-lora-rank 8;
 the sizing pair uses 64 rank-16 adapters on all seven modules. base8 runs first in every
@@ -147,6 +151,9 @@ ROWS: dict[str, Row] = {
     # No sizing flags at all (the worker chooses sequences, slots, step budget and chunk), then
     # the same with the step token budget and prefill chunk given: what the budget costs TTFT.
     "r2000_auto": Row(2000, None, sizing_flags="none"),
+    # The same with the adapters' rank as the pool's largest (not a sizing flag): the
+    # configuration of the issue's no-flags row (421 slots in a pool of slots).
+    "r2000_auto_r8": Row(2000, None, sizing_flags="none", extra=("--max-lora-rank", "8")),
     "r2000_auto_b2048": Row(
         2000,
         None,
@@ -563,6 +570,13 @@ def sizes_line(log_text: str) -> str | None:
     return found.group(1).strip() if found else None
 
 
+def lora_pool(log_text: str) -> str | None:
+    """The worker's adapter pool as its start-up line describes it (``lora pool ...``): its
+    slots, or its arena and how many adapters of each shape it holds."""
+    found = re.search(r"lora pool (.*?), lora ops", log_text)
+    return found.group(1).strip() if found else None
+
+
 def admission_slots(log_text: str) -> int | None:
     found = re.search(r"with (\d+) admission slots", log_text)
     return int(found.group(1)) if found else None
@@ -651,6 +665,7 @@ async def run_row(
             "max_loras": gauges.get("adaptermesh_max_loras"),
             "admission_slots": admission_slots(worker.log_tail(200_000)),
             "sizes": sizes_line(worker.log_tail(200_000)),
+            "lora_pool": lora_pool(worker.log_tail(200_000)),
         }
         result["counters"] = {"registration": registered}
         # Zipf: popularity in a fixed shuffled order, so the most popular adapters are not simply

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import itertools
 import random
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adaptermesh.worker.eviction import POLICY_NAMES
@@ -48,6 +49,9 @@ class Checker:
       load was made for it, or it waited for it) is still waiting for it.
     * Every step's sequences hold leases on resident slots, at most ``slots`` distinct adapters.
     * Loads complete at the test's choosing, but none stays in flight more than ``load_steps``.
+    * In an adapter arena (``shapes``): the byte ranges in use never overlap and lie inside the
+      arena, each resident adapter holds exactly one index of each part it targets, and only
+      resident, reserved or retired handles hold bytes.
     """
 
     def __init__(self, sim: Any, slots: int, load_steps: int) -> None:
@@ -60,6 +64,24 @@ class Checker:
         self.admitted: dict[int, int] = {}  # seq id -> step of admission
         sim.manager.on_evict = self.on_evict
         sim.on_plan = self.on_plan
+
+    def check_arena(self) -> None:
+        mgr = self.sim.manager
+        space = mgr.space
+        if space is None:
+            return
+        spans = space.spans()
+        for (_, end, _), (start, _, _) in itertools.pairwise(spans):
+            assert end <= start, f"byte ranges in use overlap: {spans}"
+        for start, end, handle in spans:
+            assert 0 <= start < end <= space.layout.size
+            slot = mgr.slots[handle]
+            assert slot.name is not None or slot.reserved or slot.retired, (handle, slot)
+        for name, pub in mgr.published.items():
+            held = space.held.get(pub.slot, {})
+            assert set(held) == set(mgr._shape(name)), (name, held)
+            for part, index in held.items():
+                assert space.span(part, index) in {(s, e) for s, e, h in spans if h == pub.slot}
 
     def on_plan(self, plan: ScheduledStep) -> None:
         mgr = self.sim.manager
@@ -101,6 +123,7 @@ class Checker:
     async def complete(self, name: str) -> None:
         self.sim.manager.open_gate(name)
         await self.sim.settle()
+        self.check_arena()
 
     async def step(self) -> ScheduledStep | None:
         for name in self.pending_loads():  # bounded load time
@@ -116,7 +139,9 @@ class Checker:
         for seq in self.scheduler.waiting:
             if not seq.acquired and seq.adapter in mgr.inflight:
                 self.waited.setdefault(seq.adapter, set()).add(seq.seq_id)
+        self.check_arena()
         await self.sim.settle()
+        self.check_arena()
         return plan
 
 
@@ -163,57 +188,121 @@ def test_property_scheduling_invariants_and_no_starvation(
 ) -> None:
     """Random arrivals (adapter index ``N_ADAPTERS`` is the base model), load completions,
     cancellations and steps, with fewer slots than adapters; then a drain."""
+    asyncio.run(_run_ops(harness, ops, slots, rows, skips, policy))
+
+
+ARENA_SHAPES = [
+    frozenset({"qkv"}),
+    frozenset({"qkv", "o", "gate_up", "down"}),
+    frozenset({"o"}),
+    frozenset({"qkv", "down"}),
+    frozenset({"o", "gate_up"}),
+]
+
+
+@settings(max_examples=40, deadline=None)
+@example(  # an adapter on every part after ones on fewer: placed part by part, it split itself
+    ops=[
+        ("burst", 476, 2),
+        ("complete", 0, 0),
+        ("cancel", 0, 0),
+        ("burst", 1, 2),
+        ("arrive", 2, 1),
+    ],
+    adapters=1,
+    rows=1,
+    skips=0,
+    policy="lru",
+    shapes=[ARENA_SHAPES[k] for k in (4, 0, 1, 0, 3, 0)],
+)
+@given(
+    ops=OPS,
+    adapters=st.integers(1, 3),
+    rows=st.integers(1, 5),
+    skips=st.integers(0, 4),
+    policy=st.sampled_from(POLICY_NAMES),
+    shapes=st.lists(st.sampled_from(ARENA_SHAPES), min_size=N_ADAPTERS, max_size=N_ADAPTERS),
+)
+def test_property_arena_invariants_and_no_starvation(
+    harness: ModuleType,
+    ops: list[tuple[str, int, int]],
+    adapters: int,
+    rows: int,
+    skips: int,
+    policy: str,
+    shapes: list[frozenset[str]],
+) -> None:
+    """The same in an adapter arena of ``adapters`` adapters on every part, each adapter on
+    its own parts: byte ranges in use never overlap, an adapter in use (or one a waiting
+    request waited for) is never evicted, loads start in queue order and every request is
+    served within the bound."""
+    named = {f"a{i}": shape for i, shape in enumerate(shapes)}
+    asyncio.run(_run_ops(harness, ops, adapters, rows, skips, policy, named))
+
+
+async def _run_ops(
+    harness: ModuleType,
+    ops: list[tuple[str, int, int]],
+    slots: int,
+    rows: int,
+    skips: int,
+    policy: str,
+    shapes: dict[str, frozenset[str]] | None = None,
+) -> None:
     names = [f"a{i}" for i in range(N_ADAPTERS)]
     load_steps = 3
-
-    async def run() -> None:
-        sim = harness.Sim(
-            slots, rows=rows, gated=True, max_adapter_skips=skips, eviction=policy, prompt_len=4
+    sim = harness.Sim(
+        slots,
+        rows=rows,
+        gated=True,
+        max_adapter_skips=skips,
+        eviction=policy,
+        prompt_len=4,
+        shapes=shapes,
+    )
+    check = Checker(sim, slots if shapes is None else sim.manager.pool.num_slots, load_steps)
+    for op, x, y in ops:
+        if op == "arrive":
+            check.arrive(names[x] if x < N_ADAPTERS else None, y)
+        elif op == "burst":  # y requests for adapters drawn from x
+            for i in range(y):
+                check.arrive(names[(x // (i + 1)) % N_ADAPTERS], 1 + (x + i) % 5)
+        elif op == "complete":
+            pending = check.pending_loads()
+            if pending:
+                await check.complete(pending[x % len(pending)])
+        elif op == "cancel":
+            live = [s for s in sim.submitted if not s.finished]
+            if live:
+                live[x % len(live)].cancelled = True
+        else:
+            for _ in range(y):
+                await check.step()
+    budget = wait_bound(len(sim.submitted), 5, load_steps, skips)
+    while not sim.done():
+        assert budget > 0, "requests still unfinished after the drain's bound"
+        budget -= 1
+        await check.step()
+    admitted = check.admitted
+    for i, seq in enumerate(sim.submitted):
+        if seq.seq_id not in admitted:
+            assert seq.cancelled  # never admitted: only when cancelled while waiting
+            continue
+        arrived_at, ahead = check.arrived[seq.seq_id]
+        overtakers = sum(
+            1
+            for t in sim.submitted[i + 1 :]
+            if admitted.get(t.seq_id, 1 << 30) < admitted[seq.seq_id]
         )
-        check = Checker(sim, slots, load_steps)
-        for op, x, y in ops:
-            if op == "arrive":
-                check.arrive(names[x] if x < N_ADAPTERS else None, y)
-            elif op == "burst":  # y requests for adapters drawn from x
-                for i in range(y):
-                    check.arrive(names[(x // (i + 1)) % N_ADAPTERS], 1 + (x + i) % 5)
-            elif op == "complete":
-                pending = check.pending_loads()
-                if pending:
-                    await check.complete(pending[x % len(pending)])
-            elif op == "cancel":
-                live = [s for s in sim.submitted if not s.finished]
-                if live:
-                    live[x % len(live)].cancelled = True
-            else:
-                for _ in range(y):
-                    await check.step()
-        budget = wait_bound(len(sim.submitted), 5, load_steps, skips)
-        while not sim.done():
-            assert budget > 0, "requests still unfinished after the drain's bound"
-            budget -= 1
-            await check.step()
-        admitted = check.admitted
-        for i, seq in enumerate(sim.submitted):
-            if seq.seq_id not in admitted:
-                assert seq.cancelled  # never admitted: only when cancelled while waiting
-                continue
-            arrived_at, ahead = check.arrived[seq.seq_id]
-            overtakers = sum(
-                1
-                for t in sim.submitted[i + 1 :]
-                if admitted.get(t.seq_id, 1 << 30) < admitted[seq.seq_id]
-            )
-            waited = admitted[seq.seq_id] - arrived_at
-            assert waited <= wait_bound(ahead + overtakers, 5, load_steps, skips)
-        mgr = sim.manager
-        assert sim.scheduler.preemptions == 0  # KV blocks are ample: nothing preempts
-        assert not mgr.claims
-        assert not mgr.wanted
-        assert mgr.awaiting_slot == 0
-        assert all(s.refcount == 0 for s in mgr.slots)
-
-    asyncio.run(run())
+        waited = admitted[seq.seq_id] - arrived_at
+        assert waited <= wait_bound(ahead + overtakers, 5, load_steps, skips)
+    mgr = sim.manager
+    assert sim.scheduler.preemptions == 0  # KV blocks are ample: nothing preempts
+    assert not mgr.claims
+    assert not mgr.wanted
+    assert mgr.awaiting_slot == 0
+    assert all(s.refcount == 0 for s in mgr.slots)
+    check.check_arena()
 
 
 async def _run_closed(harness: ModuleType, sim: Any, load_steps: int) -> None:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from waiting import async_wait_until
 
 from adaptermesh.worker.adapters import AdapterValidationError, resolve_in_root
+from adaptermesh.worker.lora_groups import GROUPS
 from adaptermesh.worker.types import AdapterNotFoundError
 from adaptermesh_testkit.checkpoints import make_adapter
 
@@ -287,8 +288,13 @@ async def test_eviction_pressure_counters_add_up(tiny: Tiny, make_engine: Any) -
     c = eng.adapters.counters
     assert st.adapter_hits + st.adapter_misses == adapter_requests
     assert st.adapter_misses >= len(ADAPTERS)  # every adapter was cold once
-    assert st.adapter_evictions >= len(ADAPTERS) - 2
-    assert c.loads - st.adapter_evictions == st.gpu_slots_used <= 2
+    # Two adapters on every module's bytes: the four (on fewer modules, but more than two
+    # adapters on every module in all) do not fit at once.
+    assert st.adapter_evictions >= 1
+    assert c.loads - st.adapter_evictions == st.gpu_slots_used < len(ADAPTERS)
+    space = eng.adapters.space
+    assert space is not None
+    assert space.used_bytes() <= space.layout.size
     assert len(st.new_load_latencies) == c.loads
     # A request for an evicted adapter re-loads it from the CPU cache, not the disk.
     resident = {a.name for a in eng.list_adapters() if a.resident_on_gpu}
@@ -400,11 +406,13 @@ async def test_host_pool_uploads_take_no_sums_and_check_the_copy(
     real_set_slot = pool.set_slot
 
     def corrupting(slot: int, rank: int, scale: float, groups: Any) -> None:
-        for group in pool.a:
-            written = pool.a[group][:, :, slot]
-            if written.any():  # a group the adapter targets: alter one of its weights
-                written[tuple(written.nonzero()[0].tolist())] += 1.0
-                break
+        written = next(
+            view
+            for group in sorted(groups)
+            for index in range(len(GROUPS[group]))
+            if (view := pool.slot_view(group, index, 0, slot, rank, False)).any()
+        )  # a matrix the adapter has: alter one of its weights
+        written[tuple(written.nonzero()[0].tolist())] += 1.0
         real_set_slot(slot, rank, scale, groups)
 
     monkeypatch.setattr(pool, "set_slot", corrupting)

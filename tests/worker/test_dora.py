@@ -329,7 +329,8 @@ def test_dora_norms_come_from_the_unmerged_base(llama: Path, tmp_path: Path) -> 
             eng.model.module_weight(0, "q_proj").add_(0.5)  # what a merge then writes
             await eng.load_adapter("ad", str(path))
             slot = eng.adapters.published["ad"].slot
-            got = eng.pool.dora["qkv"][0, slot, : w0.shape[0]]
+            index = int(eng.pool.routes["qkv"].index[slot])  # its index in the qkv group
+            got = eng.pool.dora_factors("qkv", 0)[index, : w0.shape[0]]
             cj = json.loads((path / "adapter_config.json").read_text())
             scale = cj["lora_alpha"] / cj["r"]
             want = m / torch.linalg.norm(w0 + scale * (b @ a), dim=1)

@@ -24,7 +24,8 @@ async def test_a_cpu_engine_that_sizes_itself_keeps_the_small_defaults(make_engi
     eng = make_engine(max_num_seqs=3, auto_size=SIZING_FIELDS - {"max_num_seqs"})
     assert eng.config.max_num_seqs == 3  # the "flag" stays
     assert eng.config.max_loras == CPU_DEFAULTS.max_loras
-    assert eng.pool.num_slots == CPU_DEFAULTS.max_loras
+    # The adapter arena holds that many adapters on every module (more on fewer).
+    assert eng.pool.arena.fits(eng.pool.arena.grids) == CPU_DEFAULTS.max_loras
     assert eng.config.max_num_batched_tokens == CPU_DEFAULTS.max_num_batched_tokens
     assert 0 < eng.config.cpu_cache_bytes <= 2 * GIB
     assert eng.adapters.cpu_cache_bytes == eng.config.cpu_cache_bytes
@@ -35,7 +36,7 @@ async def test_a_cpu_engine_that_sizes_itself_keeps_the_small_defaults(make_engi
 
 async def test_without_auto_size_nothing_moves(make_engine: Any) -> None:
     eng = make_engine(max_num_seqs=5, max_loras=3)
-    assert (eng.config.max_num_seqs, eng.pool.num_slots) == (5, 3)
+    assert (eng.config.max_num_seqs, eng.pool.arena.fits(eng.pool.arena.grids)) == (5, 3)
     assert eng.describe()["sizes"] is None
 
 

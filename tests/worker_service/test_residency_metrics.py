@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Server, StartServer
-from .test_engine_integration import ADAPTERS, PROMPT, engine_for, model_files
+from .test_engine_integration import ADAPTERS, PROMPT, QKVO, engine_for, model_files
 
 __all__ = ["model_files"]  # the module-scoped fixture, shared with the integration tests
 
@@ -51,14 +51,16 @@ async def complete(server: Server, model: str) -> int:
 async def test_residency_follows_loads_evictions_pins_and_unloads(
     model_files: tuple[Path, Path], start_server: StartServer
 ) -> None:
-    engine = engine_for(model_files, max_num_seqs=2, max_loras=2)
+    # A pool over exactly the adapters' modules: two slots' bytes never hold all three.
+    engine = engine_for(model_files, max_num_seqs=2, max_loras=2, lora_target_modules=QKVO)
     s = await start_server(engine, admin_token="tok")
     admin = {"Authorization": "Bearer tok"}
     try:
         f = await scrape(s)
         assert held(f) == set()
         assert one(f, "vllm:num_gpu_loaded_lora_adapters") == 0
-        assert one(f, "vllm:max_gpu_lora_adapters") == 2
+        # The most adapters the arena holds at once (of its smallest shape).
+        assert one(f, "vllm:max_gpu_lora_adapters") == engine.pool.num_slots
 
         # Three adapters through two GPU slots: the first is evicted from the GPU and stays
         # in the CPU cache (the default budget holds all three).
@@ -106,7 +108,9 @@ async def test_without_a_cpu_budget_only_the_gpu_tier_holds_adapters(
     model_files: tuple[Path, Path], start_server: StartServer
 ) -> None:
     # A one-byte CPU cache keeps nothing that is not pinned: adapters live in GPU slots only.
-    engine = engine_for(model_files, max_num_seqs=2, max_loras=2, cpu_cache_bytes=1)
+    engine = engine_for(
+        model_files, max_num_seqs=2, max_loras=2, cpu_cache_bytes=1, lora_target_modules=QKVO
+    )
     s = await start_server(engine)
     try:
         for name in ADAPTERS:

@@ -1,4 +1,5 @@
-"""Adapter manager: PEFT adapters on disk -> CPU cache (bytes) -> GPU pool slots (count).
+"""Adapter manager: PEFT adapters on disk -> CPU cache (bytes) -> GPU pool (an arena of bytes,
+or slots).
 
 Tiers and invariants:
 
@@ -6,7 +7,11 @@ Tiers and invariants:
   (no ``..``, no absolute paths elsewhere, no symlink escapes).
 * **CPU cache.** Validated, packed weights (pinned memory on CUDA), bounded in bytes.
   Pinned adapters are never dropped.
-* **GPU slots.** ``LoraPool`` slots, bounded in count. A slot with a non-zero reference
+* **GPU slots.** A slot is an adapter's handle in the pool. In an adapter arena
+  (``ArenaLoraPool``, bounded in bytes) the adapter also takes, per part it targets, one index
+  of that part's grid whose bytes overlap nothing else in use (``ArenaSpace``: first fit;
+  evicting through the policy when none is free); a pool of slots (``LoraPool``, INT4 and
+  tensor-parallel pools) is bounded in count. A slot with a non-zero reference
   count (in-flight requests), a reserved slot, a pinned adapter or an adapter that a waiting
   request has *claimed* (``claim``/``unclaim``, a per-name count the scheduler keeps) is never
   evicted. The scheduler claims the adapters of waiting requests and starts loads itself
@@ -48,8 +53,11 @@ Face cache entry) stands for its ``refs/main`` snapshot.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import contextlib
+import heapq
+import json
 import math
 import shutil
 import tempfile
@@ -81,8 +89,11 @@ from adaptermesh.worker.adapter_stores import (
     is_store_uri,
 )
 from adaptermesh.worker.eviction import DEFAULT_POLICY, make_policy
-from adaptermesh.worker.lora_groups import MODULE_TO_GROUP
+from adaptermesh.worker.lora_groups import FUSED_MODULES, GROUPS, MODULE_TO_GROUP
 from adaptermesh.worker.model import (
+    ArenaGrid,
+    ArenaLayout,
+    ArenaLoraPool,
     LoraPool,
     ModelConfig,
 )
@@ -94,6 +105,7 @@ from adaptermesh.worker.peft_adapter import (
     entry_sums,
     read_adapter,
     resolve_in_root,
+    target_set,
     validate_name,
 )
 from adaptermesh.worker.saved_modules import unserved_message
@@ -107,6 +119,7 @@ from adaptermesh.worker.types import (
 __all__ = [
     "AdapterManager",
     "AdapterValidationError",
+    "ArenaSpace",
     "CpuAdapter",
     "Lease",
     "TensorEntry",
@@ -144,11 +157,150 @@ def written_ranks(cpu: CpuAdapter, pool: LoraPool) -> dict[str, int]:
         seen.setdefault(e.group, set()).add((e.layer, e.index, e.is_b))
     out = {}
     for g, r in ranks.items():
-        if g in pool.a:
-            layers, modules = pool.a[g].shape[0], pool.a[g].shape[1]
-            if len(seen[g]) == 2 * layers * modules:
-                out[g] = r
+        if g in pool.groups and len(seen[g]) == 2 * pool.num_layers * len(GROUPS[g]):
+            out[g] = r
     return out
+
+
+class ArenaSpace:
+    """Which byte ranges of the adapter arena are in use, and by which handle.
+
+    Every part an adapter targets takes one index of that part's grid (``ArenaGrid``): the
+    range ``[i * step, i * step + length)``. The grids overlap, so an index is free only when
+    its range overlaps no range in use, of any part. ``first_fit`` finds the lowest such index;
+    ``cheapest`` the index whose holders are fewest, among those whose holders all satisfy a
+    predicate (those the manager may evict). Ranges in use never overlap (``take`` refuses an
+    overlap), so they stay sorted by start and by end alike; the free gaps between them are
+    kept too, so first fit in a full arena looks at its few gaps, not at every range."""
+
+    def __init__(self, layout: ArenaLayout) -> None:
+        self.layout = layout
+        self._starts: list[int] = []
+        self._spans: list[tuple[int, int, int]] = []  # (start, end, handle), sorted
+        self._gap_starts: list[int] = [0] if layout.size else []
+        self._gaps: list[tuple[int, int]] = [(0, layout.size)] if layout.size else []
+        self.held: dict[int, dict[str, int]] = {}  # handle -> part -> index
+
+    def span(self, part: str, index: int) -> tuple[int, int]:
+        return self.layout.grids[part].span(index)
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        return list(self._spans)
+
+    def used_bytes(self) -> int:
+        return sum(e - s for s, e, _ in self._spans)
+
+    def _grid(self, part: str | ArenaGrid) -> ArenaGrid:
+        return part if isinstance(part, ArenaGrid) else self.layout.grids[part]
+
+    def window(self, parts: Iterable[str]) -> ArenaGrid:
+        """A grid of windows that hold one adapter's ``parts`` back to back."""
+        step = next(iter(self.layout.grids.values())).step
+        length = self.layout.adapter_bytes(parts)
+        return ArenaGrid(step, length, max(0, (self.layout.size - length) // step + 1))
+
+    def first_fit(self, part: str | ArenaGrid) -> int | None:
+        """The lowest index of ``part``'s grid (or of ``grid``) whose bytes overlap nothing in
+        use."""
+        grid = self._grid(part)
+        for start, end in self._gaps:
+            at = -(-start // grid.step) * grid.step
+            if at + grid.length <= end:
+                index = at // grid.step
+                return index if index < grid.count else None
+        return None
+
+    def holders(self, part: str | ArenaGrid, index: int) -> set[int]:
+        """The handles whose ranges overlap ``index`` of ``part``."""
+        start, end = self._grid(part).span(index)
+        k = max(0, bisect.bisect_right(self._starts, start) - 1)
+        out = set()
+        while k < len(self._spans) and self._spans[k][0] < end:
+            _s, e, handle = self._spans[k]
+            if e > start:
+                out.add(handle)
+            k += 1
+        return out
+
+    def cheapest(
+        self,
+        part: str | ArenaGrid,
+        ok: Callable[[int], bool],
+        near: Iterable[tuple[int, int]] | None = None,
+    ) -> tuple[int, set[int]] | None:
+        """(index, its holders) of ``part`` with the fewest holders, all of them ``ok``, the
+        lowest index on a tie; only indices overlapping a range of ``near`` when given. None
+        when every index has a holder that is not ``ok``."""
+        grid = self._grid(part)
+        if near is None:
+            candidates: Iterable[int] = range(grid.count)
+        else:
+            found: set[int] = set()
+            for start, end in near:  # indices i with i * step < end and i * step + length > start
+                first = max(0, (start - grid.length) // grid.step + 1)
+                last = min(grid.count, -(-end // grid.step))
+                found.update(range(first, last))
+            candidates = sorted(found)
+        verdict: dict[int, bool] = {}
+        best: tuple[int, set[int]] | None = None
+        for index in candidates:
+            held = self.holders(part, index)
+            if not all(verdict.setdefault(h, ok(h)) for h in held):
+                continue
+            if best is None or len(held) < len(best[1]):
+                best = (index, held)
+                if not held:
+                    break
+        return best
+
+    def take(self, handle: int, part: str, index: int) -> None:
+        start, end = self.span(part, index)
+        if self.layout.grids[part].count <= index or self.holders(part, index):
+            raise RuntimeError(f"arena bytes [{start}, {end}) of {part}[{index}] are in use")
+        k = bisect.bisect_left(self._starts, start)
+        self._starts.insert(k, start)
+        self._spans.insert(k, (start, end, handle))
+        self.held.setdefault(handle, {})[part] = index
+        g = bisect.bisect_right(self._gap_starts, start) - 1
+        gap_start, gap_end = self._gaps[g]
+        if not gap_start <= start < end <= gap_end:
+            raise RuntimeError(f"arena bytes [{start}, {end}) are not inside one free gap")
+        pieces = [(a, b) for a, b in ((gap_start, start), (end, gap_end)) if b > a]
+        self._gaps[g : g + 1] = pieces
+        self._gap_starts[g : g + 1] = [a for a, _ in pieces]
+
+    def release(self, handle: int) -> dict[str, int]:
+        """Free every range ``handle`` holds; returns its placement."""
+        placement = self.held.pop(handle, {})
+        for part, index in placement.items():
+            start, end = self.span(part, index)
+            k = bisect.bisect_left(self._starts, start)
+            assert self._spans[k][2] == handle
+            del self._starts[k]
+            del self._spans[k]
+            self._free(start, end)
+        return placement
+
+    def _free(self, start: int, end: int) -> None:
+        """Return ``[start, end)`` to the gaps, merged with the gaps it touches."""
+        g = bisect.bisect_left(self._gap_starts, start)
+        if g > 0 and self._gaps[g - 1][1] == start:
+            g -= 1
+            start = self._gaps[g][0]
+            del self._gaps[g]
+            del self._gap_starts[g]
+        if g < len(self._gaps) and self._gaps[g][0] == end:
+            end = self._gaps[g][1]
+            del self._gaps[g]
+            del self._gap_starts[g]
+        self._gaps.insert(g, (start, end))
+        self._gap_starts.insert(g, start)
+
+    def gaps(self) -> list[tuple[int, int]]:
+        return list(self._gaps)
+
+    def ranges(self, handle: int) -> list[tuple[int, int]]:
+        return [self.span(p, i) for p, i in self.held.get(handle, {}).items()]
 
 
 @dataclass(slots=True)
@@ -275,6 +427,9 @@ class AdapterManager:
         self.slot_wait_s = slot_wait_s
         self.on_change = on_change or (lambda: None)
         self.slots = [_Slot() for _ in range(pool.num_slots)]
+        # Slots freed since they were last looked at, lowest first; checked when taken (an
+        # arena has thousands of handles: no scan of every slot per load).
+        self._free_heap = list(range(pool.num_slots))
         self.published: dict[str, _Published] = {}
         self.expert_sets: dict[str, _PublishedSet] = {}
         self.build_expert_set = build_expert_set
@@ -294,10 +449,22 @@ class AdapterManager:
         self.awaiting_slot = 0
         self._slot_event: asyncio.Event | None = None
         self.counters = ManagerCounters()
-        # One policy per tier: GPU slots count one per adapter; the CPU cache counts bytes
-        # (``cpu_cache_entries`` sizes its history, about how many adapters fit the budget).
+        # An adapter arena (``ArenaLoraPool``): the byte ranges each adapter's parts take. A
+        # pool of slots has none: an adapter takes one slot, whatever it targets.
+        layout = pool.arena
+        self.space = ArenaSpace(layout) if layout is not None else None
+        # Parts the last committed adapter took: ``slots_for_loads`` counts room in adapters
+        # of that shape (every part of the pool until the first commit).
+        self._typical_parts = frozenset(layout.grids) if layout is not None else frozenset()
+        # One policy per tier: GPU slots count one per adapter, the arena its bytes; the CPU
+        # cache counts bytes (``cpu_cache_entries`` sizes its history, about how many adapters
+        # fit the budget).
         self.eviction = eviction
-        self.gpu_policy = make_policy(eviction, pool.num_slots)
+        self.gpu_policy = (
+            make_policy(eviction, max(1, layout.size), entries=pool.num_slots)
+            if layout is not None
+            else make_policy(eviction, pool.num_slots)
+        )
         self.cpu_policy = make_policy(eviction, max(1, cpu_cache_bytes), entries=cpu_cache_entries)
         self._versions: dict[str, int] = {}
         self._pin = pool.device.type == "cuda"
@@ -442,10 +609,42 @@ class AdapterManager:
 
     def slots_for_loads(self) -> int:
         """Slots a newly started load could get: free ones plus those holding an adapter no
-        request uses or claims, less one for each load in flight that has not reserved yet."""
-        free = sum(1 for s in self.slots if s.name is None and not s.reserved and not s.retired)
-        evictable = sum(1 for n in self.published if self._evictable(n))
-        return free + evictable - self.awaiting_slot
+        request uses or claims, less one for each load in flight that has not reserved yet.
+
+        In an arena: how many adapters shaped like the last one committed (same parts) fit in
+        the bytes that are free or held by such evictable adapters, at most the free and
+        evictable handles, less the loads still to reserve. The shape is an estimate: a load
+        whose adapter needs more finds no room when it starts and reserves after its read."""
+        movable = [self.published[n].slot for n in self.published if self._evictable(n)]
+        if self.space is None:
+            free = sum(1 for s in self.slots if s.name is None and not s.reserved and not s.retired)
+            return free + len(movable) - self.awaiting_slot
+        free = len(self.slots) - len(self.space.held)  # every handle in use holds bytes
+        return min(free + len(movable), self._room_in_adapters(set(movable))) - self.awaiting_slot
+
+    def _room_in_adapters(self, movable: set[int]) -> int:
+        """Adapters on ``_typical_parts`` that fit, packed back to back, in the runs of the
+        arena's bytes between ranges of handles not in ``movable``."""
+        space = self.space
+        assert space is not None
+        layout = space.layout
+        runs: list[tuple[int, int]] = []
+        start = 0
+        for s, e, handle in space.spans():
+            if handle not in movable:
+                if s > start:
+                    runs.append((start, s))
+                start = max(start, e)
+        if start < layout.size:
+            runs.append((start, layout.size))
+        parts = self._typical_parts
+        if not parts:
+            return len(self.slots)
+        step = next(iter(layout.grids.values())).step
+        need = layout.adapter_bytes(parts)
+        # Each run's whole steps (every part starts at a step and is whole steps long), packed
+        # with such adapters back to back.
+        return sum(max(0, e // step - -(-s // step)) * step // need for s, e in runs)
 
     def drain_candidate(self, held: set[str]) -> str | None:
         """The resident adapter to drain for an aged request's load: not pinned, not in
@@ -465,13 +664,49 @@ class AdapterManager:
         """Start an on-demand load of ``name`` (the scheduler decides when, after
         ``slots_for_loads``). Its slot is reserved now, evicting if needed, so that what the
         scheduler counted as given to this load cannot be taken meanwhile; a load that finds
-        none reserves one after its read, as a prefetch does."""
+        none reserves one after its read, as a prefetch does. In an arena the reservation is
+        for the parts the adapter's config names (``_start_parts``); one whose files name
+        others gives it back and reserves again after the read."""
         if name in self.inflight:
             return
-        slot = self._pick_slot(exclude=name) if self._needs_slot(name) else None
+        slot = None
+        if self._needs_slot(name):
+            parts = self._start_parts(name) if self.space is not None else frozenset()
+            if parts is not None:
+                slot = self._pick_slot(exclude=name, parts=parts)
         if slot is not None:
             self.slots[slot].reserved = True
         self._start_load(name, reserved=slot)
+
+    def _parts_of(self, cpu: CpuAdapter) -> frozenset[str]:
+        """The pool parts ``cpu`` takes: the groups it targets, and its vocabulary parts."""
+        return cpu.groups | (cpu.vocab if self.pool.vocab else frozenset())
+
+    def _start_parts(self, name: str) -> frozenset[str] | None:
+        """The parts a load of ``name`` will take, before its read: from the CPU cache, else
+        from the adapter_config.json its load will read (a small file: target_modules resolved
+        as the read resolves them). None when that cannot tell (not under the adapter root, a
+        config the read will refuse, parts the pool lacks): the load reserves after its read."""
+        assert self.space is not None
+        reg = self.registered.get(name)
+        try:
+            path = reg.path if reg is not None else resolve_in_root(self.root, name)
+        except (AdapterNotFoundError, OSError):
+            return None
+        cpu = self.cpu_cache.get(name)
+        if cpu is not None and cpu.path == path:
+            return self._parts_of(cpu)
+        try:
+            config = json.loads((path / "adapter_config.json").read_text())
+            targets = target_set(name, config, self.cfg, vocab=bool(self.pool.vocab))
+        except (OSError, ValueError, TypeError, AttributeError, AdapterNotFoundError):
+            return None
+        parts = frozenset(
+            VOCAB_MODULES[m][0] if layer < 0 else MODULE_TO_GROUP[sub][0]
+            for layer, m in targets
+            for sub in FUSED_MODULES.get(m, (m,))
+        )
+        return parts if parts <= set(self.space.layout.grids) else None
 
     def _needs_slot(self, name: str) -> bool:
         """Whether loading ``name`` takes a pool slot (an expert set does not). A name whose
@@ -555,11 +790,13 @@ class AdapterManager:
         """prepare (read, validate, copy, verify) then commit. Returns the published slot.
         ``reserved``: a slot reserved for this load when it started (else it reserves one)."""
         ticket = _SlotTicket(self) if reserved is None else None
+        held = [reserved]  # the reservation this load still holds (it may give it back)
         try:
-            return await self._prepare_and_commit(name, path, pinned, ticket, reserved)
+            return await self._prepare_and_commit(name, path, pinned, ticket, held)
         except BaseException:
-            if reserved is not None and self.slots[reserved].reserved:  # failed before its upload
-                self._free_slot(reserved)
+            slot = held[0]
+            if slot is not None and self.slots[slot].reserved:  # failed before its upload
+                self._free_slot(slot)
             raise
         finally:
             if ticket is not None:
@@ -571,9 +808,10 @@ class AdapterManager:
         path: Path | None,
         pinned: bool,
         ticket: _SlotTicket | None,
-        reserved: int | None,
+        held: list[int | None],
     ) -> int:
         t0 = time.perf_counter()
+        reserved = held[0]
         reg = self.registered.get(name)
         resolved_from_store = False
         if path is None:
@@ -594,6 +832,7 @@ class AdapterManager:
             if ticket is not None:
                 ticket.settle()
             if reserved is not None:
+                held[0] = None
                 self._free_slot(reserved)
             return await self._load_expert_set(name, path, pinned, t0)
         cpu, source = await self._read_cpu(name, path)
@@ -627,18 +866,27 @@ class AdapterManager:
             raise AdapterValidationError(name, "modules_to_save", unserved)
         cpu.pinned = pinned
         t_read = time.perf_counter()
+        parts = self._parts_of(cpu)
+        if (
+            reserved is not None
+            and self.space is not None
+            and frozenset(self.space.held.get(reserved, {})) != parts
+        ):
+            # Reserved for the parts its config named; the files hold others.
+            held[0] = None
+            self._free_slot(reserved)
+            reserved = None
         slot = (
             reserved
             if reserved is not None
-            else await self._reserve_slot(exclude=name, ticket=ticket)
+            else await self._reserve_slot(exclude=name, ticket=ticket, parts=parts)
         )
+        held[0] = slot
         t_reserve = time.perf_counter()
         try:
             await self._upload(slot, cpu)
         except BaseException:
-            self.slots[slot] = _Slot()
-            self.pool.clear(slot)
-            self._slots_changed()
+            self._free_slot(slot)
             raise
         t_upload = time.perf_counter()
         # ---- commit: one synchronous block on the event loop, nothing can interleave ----
@@ -658,7 +906,9 @@ class AdapterManager:
         if name in self.gpu_policy:
             self.gpu_policy.access(name)  # a reload keeps the name's standing
         else:
-            self.gpu_policy.insert(name)
+            self.gpu_policy.insert(name, self._policy_size(slot))
+        if self.space is not None:
+            self._typical_parts = parts
         self.negative.pop(name, None)
         if resolved_from_store and name not in self.registered:
             self.registered[name] = _Registration(path)  # later loads read the cached copy
@@ -810,7 +1060,7 @@ class AdapterManager:
     def _exact_host_check(self) -> bool:
         # A plain pool in host memory: exact comparison after the copy (INT4 pools quantise,
         # so they keep the sums of their staged full-precision copy).
-        return self.pool.device.type != "cuda" and type(self.pool) is LoraPool
+        return self.pool.device.type != "cuda" and type(self.pool) in (LoraPool, ArenaLoraPool)
 
     def _place(self, slot: int, cpu: CpuAdapter, data: torch.Tensor) -> list[torch.Tensor]:
         """Zero ``slot``, copy every matrix of ``cpu`` (over ``data``) into it, publish its
@@ -907,10 +1157,15 @@ class AdapterManager:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), max(0.0, deadline - time.monotonic()))
 
-    async def _reserve_slot(self, exclude: str, ticket: _SlotTicket | None = None) -> int:
+    async def _reserve_slot(
+        self,
+        exclude: str,
+        ticket: _SlotTicket | None = None,
+        parts: frozenset[str] = frozenset(),
+    ) -> int:
         deadline = time.monotonic() + self.slot_wait_s
         while True:
-            slot = self._pick_slot(exclude)
+            slot = self._pick_slot(exclude, parts)
             if slot is not None:
                 self.slots[slot].reserved = True
                 if ticket is not None:
@@ -919,28 +1174,144 @@ class AdapterManager:
             if time.monotonic() > deadline:
                 raise EngineOverloadedError(
                     "adapter slots: every GPU slot is pinned or in use; retry later"
+                    if self.space is None
+                    else "adapter arena: every GPU byte range it could take holds an adapter "
+                    "that is pinned or in use; retry later"
                 )
             await self._wait_slots_changed(deadline)
 
-    def _pick_slot(self, exclude: str) -> int | None:
-        # ``exclude``: the name being (re)loaded keeps serving its current version meanwhile.
-        free = [
-            i
-            for i, s in enumerate(self.slots)
-            if s.name is None and not s.reserved and not s.retired
-        ]
-        if free:
-            return free[0]
-        name = self.gpu_policy.evict(lambda n: self._evictable(n, exclude))
-        if name is None:
+    def _pick_slot(self, exclude: str, parts: frozenset[str] = frozenset()) -> int | None:
+        """A free slot for a load of ``exclude`` (the name being (re)loaded keeps serving its
+        current version meanwhile), evicting through the policy if needed; None when none can
+        be had. In an arena the slot is a handle, and each of ``parts`` gets an index of its
+        grid whose bytes overlap nothing in use (``_place_parts``): placed in the pool, not
+        yet published."""
+        slot = self._free_handle()
+        if slot is None:
+            name = self.gpu_policy.evict(lambda n: self._evictable(n, exclude))
+            if name is None:
+                return None
+            slot = self._evict(name)
+        if self.space is None:
+            return slot
+        evictions = self.counters.evictions
+        placement = self._place_parts(slot, parts, exclude)
+        if placement is None:
+            if self.counters.evictions != evictions:
+                # Room was made but not enough for this adapter: another load waiting for a
+                # slot, or a request the scheduler could start a load for, may fit in it now.
+                self._slots_changed()
+                self.on_change()
             return None
+        self.pool.place(slot, placement)
+        return slot
+
+    def _place_parts(self, slot: int, parts: frozenset[str], exclude: str) -> dict[str, int] | None:
+        """An index of each part's grid for ``slot``, taken in the arena: the parts back to
+        back in the lowest free window that holds them all; else each in the lowest free index
+        of its grid (holes left by other shapes); else, evicting, a window freed for them all.
+        The policy chooses the first victim among the adapters whose eviction can free such a
+        window (every adapter overlapping it may be evicted); the other adapters overlapping
+        the cheapest window next to it go too, in the policy's order, and the search starts
+        over. None (with whatever was evicted gone) when every window overlaps an adapter in
+        use, pinned, claimed, reserved or retired."""
+        space = self.space
+        assert space is not None
+        grids = space.layout.grids
+        order = sorted(parts, key=lambda p: (-grids[p].length, p))  # longest parts first
+        if not order:
+            return {}
+        window = space.window(order)
+        while True:
+            at = space.first_fit(window)
+            if at is not None:
+                start = window.span(at)[0]
+                placement = {}
+                for part in order:
+                    index = start // grids[part].step
+                    space.take(slot, part, index)
+                    placement[part] = index
+                    start += grids[part].length
+                return placement
+            placement = {}
+            for part in order if len(order) > 1 else ():  # one part: its window is its grid
+                hole = space.first_fit(part)
+                if hole is None:
+                    break
+                space.take(slot, part, hole)
+                placement[part] = hole
+            else:
+                if placement:
+                    return placement
+            space.release(slot)
+            if not self._evict_for(window, exclude):
+                return None
+
+    def _evict_for(self, window: ArenaGrid, exclude: str) -> bool:
+        """Evict the adapters overlapping one index of ``window`` that may all go, the first
+        of them chosen by the policy among those that help; False (nothing evicted) when no
+        index of ``window`` can be freed."""
+        space = self.space
+        assert space is not None
+
+        def ok(handle: int) -> bool:
+            name = self.slots[handle].name
+            return name is not None and self._evictable(name, exclude)
+
+        def helps(name: str) -> bool:
+            if not self._evictable(name, exclude):
+                return False
+            near = space.ranges(self.published[name].slot)
+            return space.cheapest(window, ok, near) is not None
+
+        # No window is free, so one all of whose holders may go has one at least, and each of
+        # them helps: none helps exactly when every window holds one that must stay.
+        name = self.gpu_policy.evict(helps)
+        if name is None:
+            return False
+        near = space.ranges(self.published[name].slot)
+        self._evict(name)
+        best = space.cheapest(window, ok, near)
+        rest: set[str | None] = set() if best is None else {self.slots[h].name for h in best[1]}
+        while rest:
+            victim = self.gpu_policy.evict(rest.__contains__)
+            if victim is None:
+                break
+            rest.discard(victim)
+            self._evict(victim)
+        return True
+
+    def _free_handle(self) -> int | None:
+        """The lowest free slot (left free: the caller reserves it)."""
+        heap = self._free_heap
+        while heap:
+            s = self.slots[heap[0]]
+            if s.name is None and not s.reserved and not s.retired:
+                return heap[0]
+            heapq.heappop(heap)  # taken since it was freed; pushed again when freed again
+        return None
+
+    def _evict(self, name: str) -> int:
+        """Evict resident ``name`` (the policy counts it gone already); returns its slot."""
         victim = self.published.pop(name).slot
-        self.slots[victim] = _Slot()
-        self.pool.clear(victim)
+        self._release_slot(victim)
         self.counters.evictions += 1
         if name in self.wanted:
             self.counters.evictions_wanted += 1
         return victim
+
+    def _policy_size(self, slot: int) -> int:
+        """What ``slot``'s adapter counts for in the GPU policy: 1, or its bytes in an arena."""
+        if self.space is None:
+            return 1
+        return max(1, self.space.layout.adapter_bytes(self.space.held.get(slot, {})))
+
+    def _release_slot(self, slot: int) -> None:
+        self.slots[slot] = _Slot()
+        self.pool.clear(slot)
+        if self.space is not None:
+            self.space.release(slot)
+        heapq.heappush(self._free_heap, slot)
 
     def _retire(self, slot: int) -> None:
         s = self.slots[slot]
@@ -951,8 +1322,7 @@ class AdapterManager:
             self._free_slot(slot)
 
     def _free_slot(self, slot: int) -> None:
-        self.slots[slot] = _Slot()
-        self.pool.clear(slot)
+        self._release_slot(slot)
         self._slots_changed()
 
     def _cache_cpu(self, cpu: CpuAdapter) -> None:

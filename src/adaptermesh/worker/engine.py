@@ -95,10 +95,18 @@ from adaptermesh.worker.faults import StepFault
 from adaptermesh.worker.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache, spec_bytes_per_token
 from adaptermesh.worker.lora_groups import pool_groups
-from adaptermesh.worker.model import ModelConfig, TransformerModel, make_lora_pool, read_weights
+from adaptermesh.worker.model import (
+    LoraPool,
+    ModelConfig,
+    TransformerModel,
+    arena_part_bytes,
+    make_lora_pool,
+    read_weights,
+)
 from adaptermesh.worker.paging import BlockManager
 from adaptermesh.worker.sampling import BOUNDS, penalised
 from adaptermesh.worker.scheduler import Detokenizer, Scheduler, Sequence
+from adaptermesh.worker.sizing import arena_adapters, arena_size_for
 from adaptermesh.worker.step_launch import InFlight, SampleObserver, StepLauncher
 from adaptermesh.worker.step_layout import BlockTableMirror
 from adaptermesh.worker.step_plan import ScheduledStep
@@ -275,18 +283,37 @@ class Engine:
         )
         # Sizes the worker chooses itself, now that the weights hold their share of the device.
         groups = pool_groups(config.lora_target_modules)
-        slot_bytes = make_lora_pool(
-            shard_cfg,
-            1,
-            config.max_lora_rank,
-            torch.device("meta"),
-            dtype,
-            config.lora_dtype,
-            groups,
-            config.lora_dora,
-            config.lora_vocab,
-            frozenset(config.lora_saved_modules),
-        ).nbytes
+        # A float pool on one device is an adapter arena (each adapter takes only the parts
+        # it targets); INT4 and tensor-parallel pools, and pools holding trained module
+        # copies (one table per slot), keep slots.
+        part_bytes = (
+            arena_part_bytes(
+                shard_cfg, config.max_lora_rank, dtype, groups, config.lora_dora, config.lora_vocab
+            )
+            if group is None and config.lora_dtype != "int4" and not config.lora_saved_modules
+            else None
+        )
+        if part_bytes is not None and "max_loras" not in config.auto_size:
+            try:
+                arena_size_for(config.max_loras, part_bytes)
+            except ValueError:
+                part_bytes = None  # more adapters than an arena's steps index: slots
+        slot_bytes = (
+            sum(part_bytes.values())
+            if part_bytes is not None
+            else make_lora_pool(
+                shard_cfg,
+                1,
+                config.max_lora_rank,
+                torch.device("meta"),
+                dtype,
+                config.lora_dtype,
+                groups,
+                config.lora_dora,
+                config.lora_vocab,
+                frozenset(config.lora_saved_modules),
+            ).nbytes
+        )
         self.config = config
         config, self.sizing = size_config(
             config,
@@ -294,12 +321,26 @@ class Engine:
             kv_bytes_per_token=spec_bytes_per_token(kv_spec),
             slot_bytes=max(1, slot_bytes),
             max_model_len=self.max_model_len,
+            part_bytes=part_bytes,
         )
         if self.sizing is not None:
             self.config = config
             log.info("sizes: %s", self.sizing.describe())
-        self.pool = (
-            make_lora_pool(
+        arena_bytes = None
+        if part_bytes is not None:
+            arena_bytes = config.lora_arena_bytes or arena_size_for(config.max_loras, part_bytes)
+            short = sorted(
+                p for p in part_bytes if arena_adapters(arena_bytes, part_bytes, [p]) < 1
+            )
+            if short:
+                raise InvalidRequestError(
+                    "lora_arena_bytes",
+                    f"{arena_bytes} bytes hold no adapter on {', '.join(short)}; one adapter "
+                    f"on every module at rank {config.max_lora_rank} takes {slot_bytes}",
+                )
+        self.pool: LoraPool
+        if group is None:
+            self.pool = make_lora_pool(
                 model_config,
                 config.max_loras,
                 config.max_lora_rank,
@@ -310,9 +351,10 @@ class Engine:
                 config.lora_dora,
                 config.lora_vocab,
                 frozenset(config.lora_saved_modules),
+                arena_bytes=arena_bytes,
             )
-            if group is None
-            else ShardedLoraPool(
+        else:
+            self.pool = ShardedLoraPool(
                 model_config,
                 shard_cfg,
                 group,
@@ -323,7 +365,6 @@ class Engine:
                 groups,
                 config.tp_lora_scheme,
             )
-        )
         if config.lora_overlap and self.device.type == "cuda":
             self.model.lora_side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             self.model.lora_side_max_tokens = config.lora_overlap_max_tokens
@@ -423,7 +464,7 @@ class Engine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         log.info(
-            "engine ready: %s on %s (%s), kv %d blocks x %d tokens (%.1f MiB), %d sequences, lora slots %d, lora ops %s",
+            "engine ready: %s on %s (%s), kv %d blocks x %d tokens (%.1f MiB), %d sequences, lora pool %s, lora ops %s",
             self.model_name,
             self.device,
             dtype,
@@ -431,7 +472,7 @@ class Engine:
             block_size,
             self.kv.nbytes / 2**20,
             rows,
-            config.max_loras,
+            self.pool.describe(),
             lora_ops.kernels_description(),
         )
 
@@ -589,7 +630,8 @@ class Engine:
             waiting_adapters=tuple(
                 sorted({name for seq in scheduler.waiting if (name := scheduler.adapter_of(seq))})
             ),
-            max_loras=self.pool.num_slots,
+            # Adapters on every module the pool holds at once (an arena holds more on fewer).
+            max_loras=self.config.max_loras,
             adapter_loads_started=counters.loads_started,
             adapter_evictions_wanted=counters.evictions_wanted,
             admissions_waited_on_load=scheduler.admissions_waited_on_load,

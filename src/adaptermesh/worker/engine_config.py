@@ -9,6 +9,7 @@ are testable without building a model.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -73,8 +74,14 @@ class EngineConfig:
 
     max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
     max_num_seqs: int = 8  # sequences running at once (decode batch rows)
-    max_loras: int = 8  # GPU pool slots
+    # GPU pool slots: adapters at max_lora_rank on every pool module. A float pool on one
+    # device is an adapter arena of that many such adapters' bytes (lora_arena_bytes), in which
+    # adapters on fewer modules take less and more of them fit.
+    max_loras: int = 8
     max_lora_rank: int = 64
+    # The adapter arena's bytes (None: max_loras adapters on every module); the sizing sets it
+    # from the device's memory when it chooses max_loras.
+    lora_arena_bytes: int | None = None
     # GPU slot and CPU cache eviction: "lru", "lru-greedy", "s3-fifo" or "w-tinylfu" (worker.eviction).
     adapter_eviction: str = "w-tinylfu"
     # Adapter weights in the GPU pool: None (the model dtype), "bf16"/"fp16"/"fp32" (must be
@@ -203,6 +210,11 @@ def validate_config(config: EngineConfig) -> None:
     ):
         raise InvalidRequestError(
             "block_size", f"must be a power of two in [8, 256], got {block_size!r}"
+        )
+    arena = config.lora_arena_bytes
+    if arena is not None and (not isinstance(arena, int) or isinstance(arena, bool) or arena < 1):
+        raise InvalidRequestError(
+            "lora_arena_bytes", f"must be a positive number of bytes, got {arena!r}"
         )
     tp = config.tensor_parallel_size
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -409,9 +421,12 @@ def size_config(
     kv_bytes_per_token: int,
     slot_bytes: int,
     max_model_len: int,
+    part_bytes: Mapping[str, int] | None = None,
 ) -> tuple[EngineConfig, Sizing | None]:
     """``config`` with the sizes ``auto_size`` names chosen from the device and host memory
     (``sizing.choose_sizing``), and that choice; unchanged with None when it names none.
+    ``part_bytes``: an adapter arena's bytes per part of one adapter (None: a pool of slots);
+    the chosen arena goes into ``lora_arena_bytes``.
 
     Called once the weights are on the device, so what they take counts as used."""
     if not config.auto_size:
@@ -437,7 +452,7 @@ def size_config(
     sizing = choose_sizing(
         facts,
         HostFacts(host_memory_bytes()),
-        ModelFacts(kv_bytes_per_token, slot_bytes, max_model_len),
+        ModelFacts(kv_bytes_per_token, slot_bytes, max_model_len, dict(part_bytes or {})),
         requested,
     )
     sized = replace(
@@ -445,6 +460,7 @@ def size_config(
         max_num_seqs=sizing.max_num_seqs,
         max_num_batched_tokens=sizing.max_num_batched_tokens,
         max_loras=sizing.max_loras,
+        lora_arena_bytes=sizing.adapter_arena_bytes if part_bytes else config.lora_arena_bytes,
         kv_cache_bytes=sizing.kv_cache_bytes,
         cpu_cache_bytes=sizing.cpu_cache_bytes,
     )

@@ -18,6 +18,15 @@ This module reaches the kernels through ``dispatch`` only (with the argument typ
 and ``int4_weight``); the model calls these functions, not the kernels. The segment metadata
 is built once per batch and shared by every layer.
 
+Per-group indices. A row names its adapter by a *handle* (``token_slots``). A pool whose
+groups have grids of their own (``GroupRoute``: each handle's index in the group's grid, -1
+where the adapter does not target the group) gets one index vector and one segment
+metadata per group (``LoraBatchMeta.group``): the kernels take group g's weights, ranks and
+scales indexed by the rows' indices in g, and a row whose adapter leaves g is a base row there
+(index -1: the kernels skip it). A pool without routes shares one metadata over the handles
+between its groups (``group`` returns the batch's own), and a group an adapter leaves reads
+rank 0 at its handle.
+
 DoRA rows (``apply_dora``) then scale their projection by the slot's per-output factor
 ``f = m / ||W + scale B A||`` (PEFT's ``DoraLinearLayer.forward`` with its detached norm)::
 
@@ -29,8 +38,8 @@ a row of ones there, so they keep their outputs bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +48,7 @@ from adaptermesh.kernels.int4_weight import Int4Weight
 from adaptermesh.kernels.meta import SegmentMeta, build_segment_meta
 
 __all__ = [
+    "GroupRoute",
     "LoraBatchMeta",
     "add_lora",
     "add_lora_int4",
@@ -50,36 +60,85 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True, slots=True)
+class GroupRoute:
+    """How a batch's adapter handles reach one pool group's grid of indices."""
+
+    index: torch.Tensor  # [H] int32: each handle's index in the group's grid, -1: none there
+    size: int  # indices in the grid: the kernels' S for this group's weights
+
+
 @dataclass(slots=True)
 class LoraBatchMeta:
-    """Per-batch routing facts, built once and shared by every layer."""
+    """Per-batch routing facts, built once and shared by every layer.
+
+    ``token_slots`` are the rows' adapter handles (-1: base model only) and ``kernel_meta``
+    their segments; with per-group ``groups`` (a pool with ``GroupRoute``s), each group's own
+    meta holds the rows' indices in that group's grid as its ``token_slots`` and the batch's
+    ``kernel_meta`` is None: every LoRA call then takes ``group(g)``."""
 
     token_slots: torch.Tensor  # [T] int32, -1 = base model only
-    kernel_meta: SegmentMeta
+    kernel_meta: SegmentMeta | None
     any_lora: bool = True
     # At most this many distinct adapters in the batch (the scheduler knows): the kernels
     # pick their tile shapes by tokens per adapter. None: the pool's slot count, the worst
     # case. Any value is correct for any batch; a low one is only faster where it holds.
     active_slots: int | None = None
+    groups: dict[str, LoraBatchMeta] = field(default_factory=dict)
+
+    def group(self, name: str) -> LoraBatchMeta:
+        """The meta the kernels take for pool group (or vocabulary part) ``name``: its own
+        where the batch has per-group routes, else the batch's."""
+        if not self.groups:
+            return self
+        got = self.groups.get(name)
+        if got is None:
+            raise KeyError(
+                f"the batch has no LoRA route for {name!r} (routes: {sorted(self.groups)})"
+            )
+        return got
+
+    def segments(self) -> SegmentMeta:
+        if self.kernel_meta is None:
+            raise ValueError(
+                "a batch with per-group routes has no segments of its own: take meta.group(name)"
+            )
+        return self.kernel_meta
 
 
 def kernels_description() -> str:
     return "adaptermesh.kernels"
 
 
-def build_meta(
-    token_slots: torch.Tensor, num_slots: int, active_slots: int | None = None
-) -> LoraBatchMeta:
-    """Routing facts for one batch. ``token_slots`` must already be on the compute device;
-    ``active_slots``: LoraBatchMeta's."""
+def _segments(slots: torch.Tensor, num_slots: int) -> SegmentMeta:
     # The engine builds slots itself, so the host-side range check (a sync on CUDA) is skipped.
-    km = build_segment_meta(
-        token_slots,
-        num_slots,
-        max_tokens=int(token_slots.shape[0]),
-        check_values=not token_slots.is_cuda,
+    return build_segment_meta(
+        slots, num_slots, max_tokens=int(slots.shape[0]), check_values=not slots.is_cuda
     )
-    return LoraBatchMeta(token_slots, km, active_slots=active_slots)
+
+
+def build_meta(
+    token_slots: torch.Tensor,
+    num_slots: int,
+    active_slots: int | None = None,
+    routes: Mapping[str, GroupRoute] | None = None,
+) -> LoraBatchMeta:
+    """Routing facts for one batch. ``token_slots`` (the rows' handles in ``[-1, num_slots)``)
+    must already be on the compute device; ``active_slots``: LoraBatchMeta's. With ``routes``
+    each group gets its rows' indices (a gather through its handle table, -1 for base rows and
+    for adapters that leave the group) and their segments: no host work, so a CUDA graph
+    captures it and replays it with the tables as they are then."""
+    if not routes:
+        return LoraBatchMeta(
+            token_slots, _segments(token_slots, num_slots), active_slots=active_slots
+        )
+    handles = token_slots.clamp(min=0)
+    base = token_slots < 0
+    groups = {}
+    for name, route in routes.items():
+        index = route.index.index_select(0, handles).masked_fill_(base, -1)
+        groups[name] = LoraBatchMeta(index, _segments(index, route.size), active_slots=active_slots)
+    return LoraBatchMeta(token_slots, None, active_slots=active_slots, groups=groups)
 
 
 def add_lora(
@@ -99,7 +158,7 @@ def add_lora(
             lora_b,
             scales,
             ranks,
-            meta.kernel_meta,
+            meta.segments(),
             active_slots=meta.active_slots,
             check_values=False,
         )
@@ -124,7 +183,7 @@ def add_lora_int4(
             qb,
             scales,
             ranks,
-            meta.kernel_meta,
+            meta.segments(),
             active_slots=meta.active_slots,
             check_values=False,
         )
@@ -174,7 +233,7 @@ def project_with_lora(
             lora_b,
             scales,
             ranks,
-            meta.kernel_meta,
+            meta.segments(),
             v_buffer=v,
             active_slots=meta.active_slots,
             check_values=False,
@@ -210,10 +269,10 @@ def add_lora_sharded_rows(
     """A row-parallel module's LoRA term with A and B both sharded: the shrink of this rank's
     input columns, an all-reduce of the rank-sized result, then the expand of this rank's B
     share into its output columns (the base all-reduce sums the columns)."""
-    v = dispatch.sgmm_shrink(x, lora_a, ranks, meta.kernel_meta, check_values=False)
+    v = dispatch.sgmm_shrink(x, lora_a, ranks, meta.segments(), check_values=False)
     all_reduce(v)
     part = torch.zeros((out.shape[0], cols[1] - cols[0]), dtype=out.dtype, device=out.device)
-    dispatch.sgmm_expand(part, v, lora_b, scales, ranks, meta.kernel_meta, check_values=False)
+    dispatch.sgmm_expand(part, v, lora_b, scales, ranks, meta.segments(), check_values=False)
     out[:, cols[0] : cols[1]] += part
 
 
@@ -221,13 +280,15 @@ def apply_dora(
     out: torch.Tensor,  # [T, N] projection + bias + LoRA term (the term apart when deferred)
     delta: torch.Tensor | None,  # [T, N] the deferred LoRA term, or None
     bias: torch.Tensor | None,  # [N]
-    factors: torch.Tensor,  # [S + 1, N] one layer's DoRA factors, row S all ones
-    rows: torch.Tensor,  # [T] int64 each token's factor row (slot, S for base rows)
+    factors: torch.Tensor,  # [S, N] one layer's DoRA factors of the group's indices
+    rows: torch.Tensor,  # [T] int64 each token's index in the group, -1: factor 1 (base rows)
 ) -> None:
     """In place: ``out = f * (out - bias) + bias`` and ``delta *= f`` with ``f`` each row's
-    factor row. Written as ``out * f + bias * (1 - f)`` so a factor of exactly 1 leaves the
-    row's bits as they were. Fixed shapes and no host sync: CUDA graphs capture it."""
-    f = factors.index_select(0, rows)
+    factor row (all ones for a row at -1). Written as ``out * f + bias * (1 - f)`` so a factor
+    of exactly 1 leaves the row's bits as they were. Fixed shapes and no host sync: CUDA graphs
+    capture it."""
+    f = factors.index_select(0, rows.clamp(min=0))
+    f = f.masked_fill((rows < 0).unsqueeze(1), 1.0)
     if bias is None:
         out.mul_(f)
     else:

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,6 +51,7 @@ from adaptermesh.worker.quant import (
     quant_linear,
 )
 from adaptermesh.worker.saved_modules import SavedModulePool, SavedRows, SavedStep
+from adaptermesh.worker.sizing import ARENA_ALIGN_BYTES, arena_lengths, arena_unit
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ __all__ = [
     "LORA_DTYPES",
     "MODULE_TO_GROUP",
     "SUPPORTED_MODULES",
+    "ArenaGrid",
+    "ArenaLayout",
+    "ArenaLoraPool",
     "GatedTerms",
     "Int4LoraPool",
     "LoraPool",
@@ -67,6 +71,7 @@ __all__ = [
     "ParallelComm",
     "StepInputs",
     "TransformerModel",
+    "arena_part_bytes",
     "load_model",
     "make_lora_pool",
 ]
@@ -533,6 +538,9 @@ class LoraPool:
     [L, S, N_i, R_max], so layer l's view ``a[g][l]`` is exactly the [n_slices, S, R_max, H]
     tensor ``add_lora`` takes, and one slot of every layer is written with one copy.
     ``ranks[g]`` is the adapter's rank where it targets any module of g, else 0.
+    ``routes[p]`` (``lora_ops.GroupRoute``) gives each slot's index in part p (a group, or the
+    vocabulary's ``embed``/``head``): the slot itself where its adapter targets p, -1
+    elsewhere, so a row whose adapter leaves p is a base row in p's kernel launch.
 
     ``groups`` limits the pool to the groups the served adapters target (``pool_groups``):
     a pool for q_proj/v_proj adapters holds only the qkv group, a seventh of the bytes of a
@@ -544,7 +552,7 @@ class LoraPool:
     norm per output row of the direction, constant at inference, so computed once at load
     from the adapter's magnitude vector, its slot matrices and ``base_weight``):
     ``dora[g]`` is [L, S + 1, sum N_i], 1 wherever a slot holds a plain LoRA or a module the
-    adapter leaves, and row S (the base rows' slot -1) is all ones. The forward pass scales
+    adapter leaves, and row S is all ones (base rows, at index -1, take 1). The forward pass scales
     each projection's output (without its bias) by its row's factor.
     """
 
@@ -625,6 +633,61 @@ class LoraPool:
         self.saved: SavedModulePool | None = (
             SavedModulePool(cfg, num_slots, device, dtype, saved) if saved else None
         )
+        self.num_layers = L
+        self._init_routes(num_slots, [*self.a, *self.vocab_ranks], device)
+
+    # A pool of slots: every part's index of an adapter is its slot. ``ArenaLoraPool`` sets
+    # its layout (``ArenaLayout``), in which the manager places each part on its own.
+    arena: ArenaLayout | None = None
+
+    def place(self, slot: int, placement: Mapping[str, int]) -> None:
+        """The adapter in ``slot`` holds ``placement[p]`` of each part p: in a pool of slots,
+        always the slot itself."""
+        odd = sorted(p for p, i in placement.items() if i != slot)
+        if odd:
+            raise ValueError(f"slot {slot}: a pool of slots holds {', '.join(odd)} at the slot")
+
+    def _init_routes(self, grid: int, parts: Sequence[str], device: torch.device) -> None:
+        """Per part (pool group, or vocabulary part ``embed``/``head``): each handle's index in
+        the part's grid of ``grid`` indices, -1 until an adapter on the part is published
+        there (``lora_ops.GroupRoute``)."""
+        self.routes: dict[str, lora_ops.GroupRoute] = {
+            part: lora_ops.GroupRoute(
+                torch.full((self.num_slots,), -1, dtype=torch.int32, device=device), grid
+            )
+            for part in parts
+        }
+
+    def _route(self, slot: int, parts: frozenset[str] | Mapping[str, int]) -> None:
+        """Publish ``slot``'s index in every part: its own where ``parts`` names the part (a
+        mapping gives the index), -1 elsewhere."""
+        for part, route in self.routes.items():
+            if isinstance(parts, Mapping):
+                route.index[slot] = parts.get(part, -1)
+            else:
+                route.index[slot] = slot if part in parts else -1
+
+    def group_scales(self, part: str) -> torch.Tensor:
+        """[S] fp32 scales the kernels read for ``part``'s indices."""
+        return self.scales
+
+    def describe(self) -> str:
+        """What the pool holds, for the start-up log."""
+        return f"{self.num_slots} slots"
+
+    def vocab_args(
+        self, part: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(A, B, scales, ranks) of vocabulary part ``embed`` (A [S, R_max, V] gathered by
+        token, B [S, H, R_max]) or ``head`` (A [1, S, R_max, H], B [S, V, R_max])."""
+        ranks = self.vocab_ranks[part]
+        if part == "embed":
+            return self.vocab["embed_a"], self.vocab["embed_b"], self.group_scales(part), ranks
+        return self.vocab["head_a"], self.vocab["head_b"], self.group_scales(part), ranks
+
+    def dora_factors(self, group: str, layer: int) -> torch.Tensor:
+        """[S (+ 1), N] DoRA factors of ``group``'s indices in ``layer``."""
+        return self.dora[group][layer]
 
     @property
     def nbytes(self) -> int:
@@ -646,14 +709,11 @@ class LoraPool:
         return self.vocab["head_a"][0, slot, :rank]
 
     def set_vocab(self, slot: int, rank: int, parts: frozenset[str]) -> None:
-        """Publish the slot's vocabulary ranks (0 for a part the adapter leaves)."""
+        """Publish the slot's vocabulary ranks (0 for a part the adapter leaves) and its index
+        in each (-1 for a part it leaves)."""
         for part, ranks in self.vocab_ranks.items():
             ranks[slot] = rank if part in parts else 0
-
-    def dora_rows(self, token_slots: torch.Tensor) -> torch.Tensor:
-        """[T] int64 rows of ``dora[g][layer]`` for a batch's ``token_slots`` (-1 -> S)."""
-        s = token_slots.to(torch.int64)
-        return torch.where(s >= 0, s, torch.full_like(s, self.num_slots))
+            self.routes[part].index[slot] = slot if part in parts else -1
 
     def set_dora(
         self, slot: int, scale: float, magnitudes: Sequence[tuple[str, int, int, torch.Tensor]]
@@ -693,6 +753,8 @@ class LoraPool:
             t[:, slot].fill_(1.0)
         if self.saved is not None:
             self.saved.clear(slot)
+        for route in self.routes.values():
+            route.index[slot] = -1
 
     def zero_slot(self, slot: int, written: Mapping[str, int] | None = None) -> None:
         """Zero what the next copy into ``slot`` will not write: ranks above an adapter's own,
@@ -719,9 +781,11 @@ class LoraPool:
         return self.a[group][layer, index, slot, :rank]
 
     def set_slot(self, slot: int, rank: int, scale: float, groups: frozenset[str]) -> None:
-        """Publish the slot's ranks (0 for untargeted groups) and scale to the kernels."""
+        """Publish the slot's ranks (0 for untargeted groups), scale and index in each group
+        (-1 for untargeted ones: its rows skip the group) to the kernels."""
         for g in self.ranks:
             self.ranks[g][slot] = rank if g in groups else 0
+            self.routes[g].index[slot] = slot if g in groups else -1
         self.scales[slot] = scale
 
     def slot_sum(self, slot: int) -> torch.Tensor:
@@ -740,6 +804,371 @@ class LoraPool:
     def slot_nbytes(self) -> int:
         """Device bytes one adapter slot takes (all layers and groups)."""
         return self.nbytes // self.num_slots
+
+
+VOCAB_PARTS = ("embed", "head")
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaGrid:
+    """One part's grid over the arena: index i holds one adapter's matrices of the part (every
+    layer, at the pool's max rank) in bytes ``[i * step, i * step + length)``. Every part's
+    grid has the same step (the arena's unit) and a length of whole steps, so consecutive
+    indices of one grid overlap where the part is longer than a step, and an adapter's parts
+    pack back to back."""
+
+    step: int
+    length: int
+    count: int
+
+    def span(self, index: int) -> tuple[int, int]:
+        return index * self.step, index * self.step + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaLayout:
+    """The arena's size in bytes and each part's grid over it (what the adapter manager
+    allocates in)."""
+
+    size: int
+    grids: Mapping[str, ArenaGrid]
+
+    def adapter_bytes(self, parts: Iterable[str]) -> int:
+        """Bytes an adapter on ``parts`` takes: one index of each part's grid."""
+        return sum(self.grids[p].length for p in parts)
+
+    def fits(self, parts: Iterable[str]) -> int:
+        """How many adapters on ``parts`` (and nothing else) the arena holds at once."""
+        need = self.adapter_bytes(parts)
+        return self.size // need if need else max(g.count for g in self.grids.values())
+
+
+@dataclass(frozen=True, slots=True)
+class _PartShape:
+    """Where one part's tensors lie inside an index, in elements: each (offset, shape) is
+    contiguous; ``used`` elements in all (the rest of the part's length is padding)."""
+
+    tensors: tuple[tuple[int, tuple[int, ...]], ...]  # A, then B per slice (or embed/head B)
+    dora: tuple[int, tuple[int, ...]] | None  # [L, sum N_i] DoRA factors
+    used: int
+
+
+def _part_shapes(
+    cfg: ModelConfig, max_rank: int, groups: frozenset[str], dora: bool, vocab: bool
+) -> dict[str, _PartShape]:
+    L, R = cfg.num_layers, max_rank
+    out: dict[str, _PartShape] = {}
+    for g, mods in _pool_groups(groups):
+        fan_in = cfg.module_shape(mods[0])[0]
+        shapes: list[tuple[int, ...]] = [(L, len(mods), R, fan_in)]
+        shapes += [(L, cfg.module_shape(m)[1], R) for m in mods]
+        offsets = []
+        at = 0
+        for shape in shapes:
+            offsets.append((at, shape))
+            at += math.prod(shape)
+        factors = None
+        if dora:
+            width = sum(cfg.module_shape(m)[1] for m in mods)
+            factors = (at, (L, width))
+            at += L * width
+        out[g] = _PartShape(tuple(offsets), factors, at)
+    if vocab:
+        v, hid = cfg.vocab_size, cfg.hidden_size
+        out["embed"] = _PartShape(((0, (R, v)), (R * v, (hid, R))), None, R * v + hid * R)
+        out["head"] = _PartShape(((0, (R, hid)), (R * hid, (v, R))), None, R * hid + v * R)
+    return out
+
+
+def arena_part_bytes(
+    cfg: ModelConfig,
+    max_rank: int,
+    dtype: torch.dtype,
+    groups: frozenset[str] | None = None,
+    dora: bool = False,
+    vocab: bool = False,
+) -> dict[str, int]:
+    """Bytes of one adapter's matrices of each part at ``max_rank`` (and its DoRA factors),
+    aligned to ARENA_ALIGN_BYTES; an arena rounds them up to its steps (``arena_lengths``)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return {
+        p: -(-shape.used * size // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
+        for p, shape in _part_shapes(cfg, max_rank, _checked_groups(groups), dora, vocab).items()
+    }
+
+
+class ArenaLoraPool(LoraPool):
+    """A LoRA pool in one arena of bytes, allocated once, in which each adapter takes only the
+    parts it targets: per part (pool group, or vocabulary part) a grid of indices over the
+    whole arena (``ArenaGrid``), each index holding one adapter's matrices of that part, so an
+    adapter on q and v takes one index of the qkv grid and nothing of o, gate_up or down.
+
+    The grids overlap: the adapter manager places each adapter's parts in byte ranges that
+    overlap nothing else in use (``place``). The kernels' operands are fixed views over the
+    arena (a CUDA graph captures their bases once): per group and layer, A is
+    ``[n_slices, S_g, R_max, in]`` and B ``[S_g, N_i, R_max]`` with the arena's unit between
+    indices; ranks and scales are per part and per index; ``routes[p]`` maps each adapter
+    handle (``num_slots`` of them, the most adapters the arena can hold) to its index in p.
+    DoRA factors live in their group's index, [L, sum N_i] after the matrices."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        arena_bytes: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        groups: frozenset[str] | None = None,
+        dora: bool = False,
+        vocab: bool = False,
+    ) -> None:
+        self.max_rank = max_rank
+        self.device = device
+        self.dtype = dtype
+        self.groups = _checked_groups(groups)
+        self.num_layers = cfg.num_layers
+        self._shapes = _part_shapes(cfg, max_rank, self.groups, dora, vocab)
+        used = arena_part_bytes(cfg, max_rank, dtype, self.groups, dora, vocab)
+        elt = torch.empty((), dtype=dtype).element_size()
+        unit = arena_unit(arena_bytes, used)
+        size = arena_bytes // unit * unit
+        grids = {
+            p: ArenaGrid(unit, length, (size - length) // unit + 1 if size >= length else 0)
+            for p, length in arena_lengths(arena_bytes, used).items()
+        }
+        short = sorted(p for p, g in grids.items() if g.count < 1)
+        if short:
+            raise ValueError(
+                f"lora_arena_bytes: {arena_bytes} bytes hold no adapter on {', '.join(short)}; "
+                f"one adapter on every target module at rank {max_rank} takes "
+                f"{sum(g.length for g in grids.values())}"
+            )
+        self.layout = ArenaLayout(size, grids)
+        self.arena = self.layout
+        self.storage = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._elements = self.storage.view(dtype)
+        self._elt = elt
+        self.num_slots = max(g.count for g in grids.values())
+        self.placed: dict[int, dict[str, int]] = {}
+        self.ranks = {g: self._zeros(grids[g].count, torch.int32) for g in self._layer_parts}
+        self.vocab_ranks = {
+            p: self._zeros(grids[p].count, torch.int32) for p in VOCAB_PARTS if p in grids
+        }
+        self._scales = {p: self._zeros(g.count, torch.float32) for p, g in grids.items()}
+        self.a, self.b = {}, {}
+        self._layers: dict[str, tuple[tuple[torch.Tensor, tuple[torch.Tensor, ...]], ...]] = {}
+        self._dora: dict[str, tuple[torch.Tensor, ...]] = {}
+        for g in self._layer_parts:
+            (a_off, (L, n, R, fan_in)), *bs = self._shapes[g].tensors
+            count, stride = grids[g].count, unit // elt
+            layers = []
+            for li in range(L):
+                a = self._elements.as_strided(
+                    (n, count, R, fan_in),
+                    (R * fan_in, stride, fan_in, 1),
+                    a_off + li * n * R * fan_in,
+                )
+                b = tuple(
+                    self._elements.as_strided((count, out, R), (stride, R, 1), off + li * out * R)
+                    for off, (_, out, _) in bs
+                )
+                layers.append((a, b))
+            self._layers[g] = tuple(layers)
+            factors = self._shapes[g].dora
+            if factors is not None:
+                off, (_, width) = factors
+                self._dora[g] = tuple(
+                    self._elements.as_strided((count, width), (stride, 1), off + li * width)
+                    for li in range(L)
+                )
+        self.dora = dict(self._dora)  # type: ignore[arg-type]
+        self.vocab = {}
+        if vocab:
+            v, hid = cfg.vocab_size, cfg.hidden_size
+            e, h = grids["embed"], grids["head"]
+            es = hs = unit // elt
+            R = max_rank
+            self.vocab = {
+                "embed_a": self._elements.as_strided((e.count, R, v), (es, v, 1), 0),
+                "embed_b": self._elements.as_strided((e.count, hid, R), (es, R, 1), R * v),
+                "head_a": self._elements.as_strided((1, h.count, R, hid), (0, hs, hid, 1), 0),
+                "head_b": self._elements.as_strided((h.count, v, R), (hs, R, 1), R * hid),
+            }
+        self.base_weight = None
+        self.base_vocab = None
+        self.saved = None  # trained module copies keep a pool of slots
+        self.scales = self._zeros(1, torch.float32)  # unused: scales are per part (group_scales)
+        self.routes = {
+            p: lora_ops.GroupRoute(self._full(self.num_slots), g.count) for p, g in grids.items()
+        }
+
+    @property
+    def _layer_parts(self) -> list[str]:
+        return [g for g, _ in _pool_groups(self.groups)]
+
+    def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, device=self.device)
+
+    def _full(self, n: int) -> torch.Tensor:
+        return torch.full((n,), -1, dtype=torch.int32, device=self.device)
+
+    # ---- placement ------------------------------------------------------------------------
+
+    def place(self, slot: int, placement: Mapping[str, int]) -> None:
+        """Handle ``slot`` holds its adapter at ``placement[p]`` of each part p (host only;
+        the manager chose byte ranges that overlap nothing in use). Published to the kernels
+        by ``set_slot``."""
+        for p, i in placement.items():
+            grid = self.layout.grids.get(p)
+            if grid is None or not 0 <= i < grid.count:
+                raise ValueError(f"slot {slot}: no index {i} in the arena's {p!r} grid")
+        self.placed[slot] = dict(placement)
+
+    def _index(self, slot: int, part: str) -> int:
+        got = self.placed.get(slot, {}).get(part)
+        if got is None:
+            raise RuntimeError(f"slot {slot} has no index in {part!r} (place it first)")
+        return got
+
+    def _region(self, part: str, index: int, k: int) -> torch.Tensor:
+        """Tensor ``k`` of ``part`` at ``index`` (A, then the Bs), in its own contiguous shape."""
+        off, shape = self._shapes[part].tensors[k]
+        base = index * self.layout.grids[part].step // self._elt + off
+        return self._elements[base : base + math.prod(shape)].view(shape)
+
+    def _factors(self, group: str, index: int) -> torch.Tensor:
+        factors = self._shapes[group].dora
+        assert factors is not None
+        off, shape = factors
+        base = index * self.layout.grids[group].step // self._elt + off
+        return self._elements[base : base + math.prod(shape)].view(shape)
+
+    # ---- what the manager writes ----------------------------------------------------------
+
+    def zero_slot(self, slot: int, written: Mapping[str, int] | None = None) -> None:
+        """Zero what the next copy will not write, in the slot's own indices (their bytes may
+        hold any earlier adapter's matrices of any part): as ``LoraPool.zero_slot``."""
+        for part, index in self.placed.get(slot, {}).items():
+            tensors = self._shapes[part].tensors
+            if part in VOCAB_PARTS:
+                for k in range(len(tensors)):
+                    self._region(part, index, k).zero_()
+                continue
+            r = written.get(part, 0) if written else 0
+            if r >= self.max_rank:
+                continue
+            self._region(part, index, 0)[:, :, r:].zero_()
+            for k in range(1, len(tensors)):
+                self._region(part, index, k)[:, :, r:].zero_()
+
+    def slot_view(
+        self, group: str, index: int, layer: int, slot: int, rank: int, is_b: bool
+    ) -> torch.Tensor:
+        at = self._index(slot, group)
+        if is_b:
+            return self._region(group, at, 1 + index)[layer, :, :rank]
+        return self._region(group, at, 0)[layer, index, :rank]
+
+    def vocab_view(self, part: str, slot: int, rank: int, is_b: bool) -> torch.Tensor:
+        at = self._index(slot, part)
+        if is_b:
+            return self._region(part, at, 1)[:, :rank]
+        return self._region(part, at, 0)[:rank]
+
+    def set_slot(self, slot: int, rank: int, scale: float, groups: frozenset[str]) -> None:
+        """Publish the slot: ranks and scale at its indices, its index in every part (-1 in
+        the parts it leaves)."""
+        placement = self.placed.get(slot, {})
+        missing = sorted(g for g in groups if g not in placement)
+        if missing:
+            raise RuntimeError(f"slot {slot} has no index in {', '.join(missing)}")
+        for part, index in placement.items():
+            if part in self.ranks:
+                self.ranks[part][index] = rank if part in groups else 0
+            self._scales[part][index] = scale
+        self._route(slot, placement)
+
+    def set_vocab(self, slot: int, rank: int, parts: frozenset[str]) -> None:
+        for part, ranks in self.vocab_ranks.items():
+            index = self.placed.get(slot, {}).get(part)
+            if index is not None:
+                ranks[index] = rank if part in parts else 0
+
+    def clear(self, slot: int) -> None:
+        for part, index in self.placed.pop(slot, {}).items():
+            if part in self.ranks:
+                self.ranks[part][index] = 0
+            if part in self.vocab_ranks:
+                self.vocab_ranks[part][index] = 0
+            self._scales[part][index] = 0.0
+        for route in self.routes.values():
+            route.index[slot] = -1
+
+    def set_dora(
+        self, slot: int, scale: float, magnitudes: Sequence[tuple[str, int, int, torch.Tensor]]
+    ) -> None:
+        """As ``LoraPool.set_dora``, in the factors of the slot's own group indices."""
+        placement = self.placed.get(slot, {})
+        for g in self._dora:
+            if g in placement:
+                self._factors(g, placement[g]).fill_(1.0)
+        if not magnitudes:
+            return
+        if self.base_weight is None:
+            raise RuntimeError("a DoRA pool needs its base weights bound (base_weight)")
+        for g, i, layer, m in magnitudes:
+            at = placement[g]
+            w = self.base_weight(layer, GROUPS[g][i])
+            a = self._region(g, at, 0)[layer, i]  # [R_max, in]
+            b = self._region(g, at, 1 + i)[layer]  # [N_i, R_max]
+            direction = w + scale * (b @ a).to(w.dtype)
+            norm = torch.linalg.norm(direction, dim=1).to(w.dtype)
+            off = sum(self._shapes[g].tensors[1 + k][1][1] for k in range(i))
+            self._factors(g, at)[layer, off : off + b.shape[0]] = m.to(w.dtype) / norm
+
+    def slot_sum(self, slot: int) -> torch.Tensor:
+        """float64 sum of the slot's matrices (its indices' A and B; no padding, no factors)."""
+        parts = [
+            self._region(part, index, k).sum(dtype=torch.float64)
+            for part, index in self.placed.get(slot, {}).items()
+            for k in range(len(self._shapes[part].tensors))
+        ]
+        if not parts:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack(parts).sum()
+
+    # ---- what the kernels read ------------------------------------------------------------
+
+    def layer_args(
+        self, g: str, layer: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+        a, b = self._layers[g][layer]
+        return a, b, self.ranks[g]
+
+    def group_scales(self, part: str) -> torch.Tensor:
+        return self._scales[part]
+
+    def dora_factors(self, group: str, layer: int) -> torch.Tensor:
+        return self._dora[group][layer]
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.size
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one adapter on every part of the pool takes."""
+        return self.layout.adapter_bytes(self.layout.grids)
+
+    def describe(self) -> str:
+        grids = self.layout.grids
+        alone = ", ".join(f"{p} {self.layout.fits([p])}" for p in grids)
+        size = self.layout.size
+        shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.2f} MiB"
+        return (
+            f"arena {shown}: {self.layout.fits(grids)} adapters on "
+            f"every module at rank {self.max_rank}, or on one part alone: {alone}"
+        )
 
 
 class Int4LoraPool(LoraPool):
@@ -782,6 +1211,8 @@ class Int4LoraPool(LoraPool):
             )
             self.ranks[g] = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.num_layers = L
+        self._init_routes(num_slots, list(self.qa), device)
         self._layers = {
             g: [(self.qa[g][li], tuple(b[li] for b in self.qb[g])) for li in range(L)]
             for g in self.qa
@@ -887,14 +1318,23 @@ def make_lora_pool(
     dora: bool = False,
     vocab: bool = False,
     saved: frozenset[str] = frozenset(),
+    arena_bytes: int | None = None,
 ) -> LoraPool:
     """The pool for ``lora_dtype`` (None: the model dtype; "int4": an ``Int4LoraPool``) over
     ``groups`` (None: every group; ``pool_groups`` turns target modules into groups), with
     DoRA factors when ``dora``, vocabulary LoRA when ``vocab`` and trained module copies of the
-    ``saved`` kinds (float pools only).
+    ``saved`` kinds (float pools only). With ``arena_bytes`` a float pool is an
+    ``ArenaLoraPool`` of that many bytes (``num_slots`` is then unused); a pool of trained
+    module copies keeps slots (one table per slot).
 
     Float pools must match the model dtype (the kernels take A and B in the activation dtype).
     """
+    if lora_dtype == "int4" and arena_bytes is not None:
+        raise ValueError("lora_dtype int4 keeps a pool of slots: it has no adapter arena")
+    if saved and arena_bytes is not None:
+        raise ValueError("lora_saved_modules keeps a pool of slots: it has no adapter arena")
+    if lora_dtype is None and arena_bytes is not None:
+        return ArenaLoraPool(cfg, arena_bytes, max_rank, device, dtype, groups, dora, vocab)
     if lora_dtype is None:
         return LoraPool(
             cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved
@@ -912,6 +1352,8 @@ def make_lora_pool(
         raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {lora_dtype!r}")
     if want != dtype:
         raise ValueError(f"lora_dtype {lora_dtype} needs the model dtype to match, it is {dtype}")
+    if arena_bytes is not None:
+        return ArenaLoraPool(cfg, arena_bytes, max_rank, device, dtype, groups, dora, vocab)
     return LoraPool(
         cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved
     )
@@ -991,12 +1433,13 @@ def _apply_lora(
     out: torch.Tensor,
     x: torch.Tensor,
 ) -> None:
+    gm = meta.group(group)
     if isinstance(pool, Int4LoraPool):
         qa, qb, r = pool.int4_layer_args(group, layer)
-        lora_ops.add_lora_int4(out, x, qa, qb, pool.scales, r, meta)
+        lora_ops.add_lora_int4(out, x, qa, qb, pool.group_scales(group), r, gm)
         return
     a, b, r = pool.layer_args(group, layer)
-    lora_ops.add_lora(out, x, a, b, pool.scales, r, meta)
+    lora_ops.add_lora(out, x, a, b, pool.group_scales(group), r, gm)
 
 
 class TransformerModel:
@@ -1216,8 +1659,12 @@ class TransformerModel:
             h = self._embed_lora(h, inp.input_ids, *lp)
         if gated is not None:
             gated.route(h)
-        # DoRA pools: each row's slot in the factor tables, once per step (graph-captured).
-        dora_rows = lp[0].dora_rows(lp[1].token_slots) if lp is not None and lp[0].dora else None
+        # DoRA pools: each row's index in each group's factors, once per step (graph-captured).
+        dora_rows = (
+            {g: lp[1].group(g).token_slots.to(torch.int64) for g in lp[0].dora}
+            if lp is not None and lp[0].dora
+            else None
+        )
         T = h.shape[0]
         attn = torch.empty((T, cfg.num_heads, cfg.head_dim), dtype=h.dtype, device=h.device)
         attn.zero_()  # rows no sequence owns stay finite (they feed the o matmul, then are dropped)
@@ -1349,17 +1796,13 @@ class TransformerModel:
         ``scale * B A[:, id]`` (times the embedding scale where the model scales its
         embeddings, as PEFT does for Gemma's scaled embeddings). ``A[:, id]`` is a gather,
         the ``B`` product the SGMM expand over the batch's segments; no host sync."""
-        slots = meta.token_slots.clamp(min=0).to(torch.int64)
-        after_a = pool.vocab["embed_a"][slots, :, input_ids].float().unsqueeze(0)  # [1, T, R]
+        gm = meta.group("embed")
+        embed_a, embed_b, scales, ranks = pool.vocab_args("embed")
+        slots = gm.token_slots.clamp(min=0).to(torch.int64)
+        after_a = embed_a[slots, :, input_ids].float().unsqueeze(0)  # [1, T, R]
         delta = torch.zeros_like(h)
         dispatch.sgmm_expand(
-            delta,
-            after_a,
-            (pool.vocab["embed_b"],),
-            pool.scales,
-            pool.vocab_ranks["embed"],
-            meta.kernel_meta,
-            check_values=False,
+            delta, after_a, (embed_b,), scales, ranks, gm.segments(), check_values=False
         )
         if self.embed_scale is not None:
             delta = delta * self.embed_scale
@@ -1376,17 +1819,12 @@ class TransformerModel:
         """In place: each sequence row's ``lm_head`` LoRA, ``scale * B (A hn)`` (PEFT's
         ``lora.Linear`` on the head), through add_lora over the rows' own segments."""
         row_meta = lora_ops.build_meta(
-            meta.token_slots.index_select(0, logits_rows), pool.num_slots
-        )
-        lora_ops.add_lora(
-            logits,
-            hn,
-            pool.vocab["head_a"],
-            (pool.vocab["head_b"],),
-            pool.scales,
-            pool.vocab_ranks["head"],
-            row_meta,
-        )
+            meta.token_slots.index_select(0, logits_rows),
+            pool.num_slots,
+            routes={"head": pool.routes["head"]} if meta.groups else None,
+        ).group("head")
+        head_a, head_b, scales, ranks = pool.vocab_args("head")
+        lora_ops.add_lora(logits, hn, head_a, (head_b,), scales, ranks, row_meta)
 
     def _project(
         self,
@@ -1396,7 +1834,7 @@ class TransformerModel:
         li: int,
         lp: tuple[LoraPool, lora_ops.LoraBatchMeta] | None,
         defer: bool = False,
-        dora_rows: torch.Tensor | None = None,
+        dora_rows: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One projection of a layer plus the batch's LoRA terms for it: ``(out, delta)``.
 
@@ -1405,11 +1843,12 @@ class TransformerModel:
         output's consumer takes an ``extra=`` term) the whole term comes back apart as
         ``delta``. Otherwise shrink and expand follow the matmul and ``delta`` is None.
 
-        ``dora_rows`` (a DoRA pool's ``dora_rows``): both then get each row's DoRA factor."""
+        ``dora_rows`` (a DoRA pool's rows per group): both then get each row's DoRA factor."""
         wname, bname = _WEIGHTS[group]
         bias = layer.get(bname)
         if lp is not None and group not in lp[0].groups:
             lp = None  # the pool holds no adapter on this group
+        rows = dora_rows[group] if dora_rows is not None and lp is not None else None
         packed = self.packed.get((li, group)) if self.packed else None
         if packed is not None:
             # The base GEMM on the packed weight; the LoRA terms (bf16, the same input) beside
@@ -1428,23 +1867,23 @@ class TransformerModel:
                     bias,
                     a,
                     b,
-                    pool.scales,
+                    pool.group_scales(group),
                     r,
-                    meta,
+                    meta.group(group),
                     self.lora_side,
                     defer=defer,
                     matmul=lambda xx, o: quant_linear(xx, packed, out=o),
                 )
-                if dora_rows is not None:
-                    lora_ops.apply_dora(out, delta, bias, pool.dora[group][li], dora_rows)
+                if rows is not None:
+                    lora_ops.apply_dora(out, delta, bias, pool.dora_factors(group, li), rows)
                 return out, delta
             out = quant_linear(x, packed)
             if bias is not None:
                 out += bias
             if lp is not None:
                 _apply_lora(*lp, group, li, out, x)
-                if dora_rows is not None:
-                    lora_ops.apply_dora(out, None, bias, lp[0].dora[group][li], dora_rows)
+                if rows is not None:
+                    lora_ops.apply_dora(out, None, bias, lp[0].dora_factors(group, li), rows)
             return out, None
         side = self.lora_side
         cols = (
@@ -1462,10 +1901,19 @@ class TransformerModel:
             pool, meta = lp
             a, b, r = pool.layer_args(group, li)
             out, delta = lora_ops.project_with_lora(
-                x, layer[wname], bias, a, b, pool.scales, r, meta, side, defer=defer
+                x,
+                layer[wname],
+                bias,
+                a,
+                b,
+                pool.group_scales(group),
+                r,
+                meta.group(group),
+                side,
+                defer=defer,
             )
-            if dora_rows is not None:
-                lora_ops.apply_dora(out, delta, bias, pool.dora[group][li], dora_rows)
+            if rows is not None:
+                lora_ops.apply_dora(out, delta, bias, pool.dora_factors(group, li), rows)
             return out, delta
         out = torch.addmm(bias, x, layer[wname].T) if bias is not None else x @ layer[wname].T
         if lp is not None:
@@ -1473,8 +1921,8 @@ class TransformerModel:
                 _apply_lora(*lp, group, li, out, x)
             else:
                 self._sharded_row_lora(lp, group, li, out, x, cols)
-            if dora_rows is not None:
-                lora_ops.apply_dora(out, None, bias, lp[0].dora[group][li], dora_rows)
+            if rows is not None:
+                lora_ops.apply_dora(out, None, bias, lp[0].dora_factors(group, li), rows)
         return out, None
 
     def _sharded_row_lora(
@@ -1492,7 +1940,9 @@ class TransformerModel:
         assert self.tp is not None
         pool, meta = lp
         a, b, r = pool.layer_args(group, li)
-        lora_ops.add_lora_sharded_rows(out, x, a, b, pool.scales, r, meta, cols, self.tp.all_reduce)
+        lora_ops.add_lora_sharded_rows(
+            out, x, a, b, pool.group_scales(group), r, meta.group(group), cols, self.tp.all_reduce
+        )
 
     def _attention(
         self,

@@ -655,7 +655,12 @@ class StepLauncher:
             saved=self.pool.saved.step(saved) if saved and self.pool.saved is not None else None,
         )
         meta = (
-            lora_ops.build_meta(inputs.token_slots, self.pool.num_slots, layout.lora_active_slots)
+            lora_ops.build_meta(
+                inputs.token_slots,
+                self.pool.num_slots,
+                layout.lora_active_slots,
+                self.pool.routes,
+            )
             if lora
             else None
         )
