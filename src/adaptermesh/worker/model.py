@@ -31,6 +31,7 @@ from adaptermesh.kernels import dispatch, int4_weight
 from adaptermesh.kernels.int4_quant import quantize_int4
 from adaptermesh.kernels.int4_weight import DEFAULT_GROUP_SIZE, Int4Weight
 from adaptermesh.worker import lora_ops
+from adaptermesh.worker.extra_vocab import ExtraStep, ExtraVocabPool
 from adaptermesh.worker.kv_cache import PagedKVCache
 from adaptermesh.worker.lora_groups import FUSED_MODULES, GROUPS, MODULE_TO_GROUP, SUPPORTED_MODULES
 from adaptermesh.worker.model_fields import (
@@ -524,6 +525,9 @@ class StepInputs:
     # Trained module copies (``modules_to_save``) the step's rows' adapters hold; None: none
     # (``saved_modules``: the step then runs no part of them).
     saved: SavedStep | None = None
+    # Rows of adapters with extra vocabulary rows (``extra_vocab``); None: none (the logits
+    # are the model's vocabulary wide, and the step runs no part of it).
+    extra: ExtraStep | None = None
 
 
 class LoraPool:
@@ -560,6 +564,7 @@ class LoraPool:
         dora: bool = False,
         vocab: bool = False,
         saved: frozenset[str] = frozenset(),
+        extra_vocab: int = 0,
     ) -> None:
         """``out_features``: B's output rows per module where they differ from the module's
         (a tensor-parallel rank holding a share of o's and down's B, ``tp_shard``).
@@ -571,12 +576,17 @@ class LoraPool:
         leaves the module).
 
         ``saved``: the kinds of trained module copies (``modules_to_save``) the pool holds per
-        slot (``saved_modules.POOL_KINDS``; ``self.saved``, None without any)."""
+        slot (``saved_modules.POOL_KINDS``; ``self.saved``, None without any).
+
+        ``extra_vocab``: the most vocabulary rows past the model's an adapter in a slot may
+        have (``extra_vocab``; ``self.extra``, None for 0): the vocabulary factors and copies
+        are that much wider, and the extra rows of the base embedding and head are held."""
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
         self.groups = _checked_groups(groups)
+        self._cfg_vocab = cfg.vocab_size
         outs = out_features or {}
         L = cfg.num_layers
         self.a: dict[str, torch.Tensor] = {}
@@ -608,7 +618,7 @@ class LoraPool:
         self.vocab: dict[str, torch.Tensor] = {}
         self.vocab_ranks: dict[str, torch.Tensor] = {}
         if vocab:
-            v, hid = cfg.vocab_size, cfg.hidden_size
+            v, hid = cfg.vocab_size + extra_vocab, cfg.hidden_size
             shapes = {
                 "embed_a": (num_slots, max_rank, v),
                 "embed_b": (num_slots, hid, max_rank),
@@ -623,26 +633,34 @@ class LoraPool:
         # vocab adapter's saved base weights are checked against them.
         self.base_vocab: Callable[[str], torch.Tensor] | None = None
         self.saved: SavedModulePool | None = (
-            SavedModulePool(cfg, num_slots, device, dtype, saved) if saved else None
+            SavedModulePool(cfg, num_slots, device, dtype, saved, extra_vocab) if saved else None
+        )
+        self.extra: ExtraVocabPool | None = (
+            ExtraVocabPool(cfg, num_slots, extra_vocab, device, dtype) if extra_vocab else None
         )
 
     @property
     def nbytes(self) -> int:
         total = sum(t.numel() * t.element_size() for t in self.a.values())
         total += self.saved.nbytes if self.saved is not None else 0
+        total += self.extra.nbytes if self.extra is not None else 0
         total += sum(t.numel() * t.element_size() for bs in self.b.values() for t in bs)
         total += sum(t.numel() * t.element_size() for t in self.dora.values())
         total += sum(t.numel() * t.element_size() for t in self.vocab.values())
         return total
 
-    def vocab_view(self, part: str, slot: int, rank: int, is_b: bool) -> torch.Tensor:
+    def vocab_view(
+        self, part: str, slot: int, rank: int, is_b: bool, rows: int | None = None
+    ) -> torch.Tensor:
         """Where a vocabulary LoRA matrix goes, in its file's shape: embed A [rank, V], embed
-        B [H, rank], head A [rank, H], head B [V, rank]."""
+        B [H, rank], head A [rank, H], head B [V, rank], V being ``rows`` (the adapter's
+        vocabulary; None: the model's)."""
+        v = self._cfg_vocab if rows is None else rows
         if part == "embed":
             t = self.vocab["embed_a"]
-            return self.vocab["embed_b"][slot, :, :rank] if is_b else t[slot, :rank]
+            return self.vocab["embed_b"][slot, :, :rank] if is_b else t[slot, :rank, :v]
         if is_b:
-            return self.vocab["head_b"][slot, :, :rank]
+            return self.vocab["head_b"][slot, :v, :rank]
         return self.vocab["head_a"][0, slot, :rank]
 
     def set_vocab(self, slot: int, rank: int, parts: frozenset[str]) -> None:
@@ -693,6 +711,8 @@ class LoraPool:
             t[:, slot].fill_(1.0)
         if self.saved is not None:
             self.saved.clear(slot)
+        if self.extra is not None:
+            self.extra.clear(slot)
 
     def zero_slot(self, slot: int, written: Mapping[str, int] | None = None) -> None:
         """Zero what the next copy into ``slot`` will not write: ranks above an adapter's own,
@@ -734,6 +754,8 @@ class LoraPool:
         ]
         if self.saved is not None:
             parts.append(self.saved.slot_sum(slot))
+        if self.extra is not None:
+            parts.append(self.extra.slot_sum(slot))
         return torch.stack(parts).sum()
 
     @property
@@ -769,6 +791,8 @@ class Int4LoraPool(LoraPool):
         self.vocab, self.vocab_ranks = {}, {}  # nor vocabulary LoRA (make_lora_pool refuses it)
         self.base_vocab = None
         self.saved = None  # nor trained module copies (make_lora_pool refuses them)
+        self.extra = None  # nor extra vocabulary rows (make_lora_pool refuses them)
+        self._cfg_vocab = cfg.vocab_size
         for g, mods in _pool_groups(self.groups):
             fan_in = cfg.module_shape(mods[0])[0]
             self.qa[g] = _empty_int4(
@@ -887,18 +911,20 @@ def make_lora_pool(
     dora: bool = False,
     vocab: bool = False,
     saved: frozenset[str] = frozenset(),
+    extra_vocab: int = 0,
 ) -> LoraPool:
     """The pool for ``lora_dtype`` (None: the model dtype; "int4": an ``Int4LoraPool``) over
     ``groups`` (None: every group; ``pool_groups`` turns target modules into groups), with
-    DoRA factors when ``dora``, vocabulary LoRA when ``vocab`` and trained module copies of the
-    ``saved`` kinds (float pools only).
+    DoRA factors when ``dora``, vocabulary LoRA when ``vocab``, trained module copies of the
+    ``saved`` kinds and ``extra_vocab`` extra vocabulary rows a slot (float pools only).
 
     Float pools must match the model dtype (the kernels take A and B in the activation dtype).
     """
     if lora_dtype is None:
         return LoraPool(
-            cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved
-        )
+            cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved,
+            extra_vocab=extra_vocab,
+        )  # fmt: skip
     if lora_dtype == "int4":
         if dora:
             raise ValueError("lora_dora is not implemented with lora_dtype int4")
@@ -906,6 +932,8 @@ def make_lora_pool(
             raise ValueError("lora_vocab is not implemented with lora_dtype int4")
         if saved:
             raise ValueError("lora_saved_modules is not implemented with lora_dtype int4")
+        if extra_vocab:
+            raise ValueError("lora_extra_vocab is not implemented with lora_dtype int4")
         return Int4LoraPool(cfg, num_slots, max_rank, device, dtype, groups=groups)
     want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(lora_dtype)
     if want is None:
@@ -913,8 +941,9 @@ def make_lora_pool(
     if want != dtype:
         raise ValueError(f"lora_dtype {lora_dtype} needs the model dtype to match, it is {dtype}")
     return LoraPool(
-        cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved
-    )
+        cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved,
+        extra_vocab=extra_vocab,
+    )  # fmt: skip
 
 
 def _checked_groups(groups: frozenset[str] | None) -> frozenset[str]:
@@ -1202,11 +1231,19 @@ class TransformerModel:
 
         ``inp.saved``: trained module copies of the rows' adapters (``saved_modules``), each
         applied right after the base module it replaces, on its adapter's rows only.
+
+        ``inp.extra``: rows of adapters with extra vocabulary rows (``extra_vocab``): their
+        ids past the model's vocabulary embed from their slot's rows, and the logits are
+        ``V + N`` wide, each row -inf past its own vocabulary.
         """
         cfg = self.cfg
         gn = cfg.gemma_norm
         sv = self._saved_rows(inp)
-        h = self.embed.index_select(0, inp.input_ids)
+        ev = inp.extra.bind(inp.token_slots, inp.logits_rows) if inp.extra is not None else None
+        if ev is None:
+            h = self.embed.index_select(0, inp.input_ids)
+        else:
+            h = ev.embed(self.embed.index_select(0, ev.base_ids(inp.input_ids)), inp.input_ids)
         if sv is not None:
             h = sv.embed(h, inp.input_ids)
         if self.embed_scale is not None:
@@ -1321,6 +1358,8 @@ class TransformerModel:
         if sv is not None:
             hn = sv.norm("norm", -1, hn, rows_r, cfg.rms_eps, gn)
         logits = hn @ self.lm_head.T
+        if ev is not None:
+            logits = ev.widen(logits, hn)
         if sv is not None:
             logits = sv.head(logits, hn)
         if lp is not None and lp[0].vocab:
@@ -1330,6 +1369,8 @@ class TransformerModel:
         logits = logits.float()
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        if ev is not None:
+            logits = ev.mask(logits)
         return logits
 
     def _saved_rows(self, inp: StepInputs) -> SavedRows | None:
@@ -1382,7 +1423,7 @@ class TransformerModel:
             logits,
             hn,
             pool.vocab["head_a"],
-            (pool.vocab["head_b"],),
+            (pool.vocab["head_b"][:, : logits.shape[1]],),
             pool.scales,
             pool.vocab_ranks["head"],
             row_meta,
