@@ -462,7 +462,8 @@ class Engine:
     def submit(self, request: GenerationRequest) -> EngineStream:
         if self._closed:
             raise EngineError("engine is shut down")
-        self._validate(request)
+        vocab, exact = self._request_vocab(request.adapter)
+        self._validate(request, vocab)
         name = request.adapter
         if name is not None and name not in self.scheduler.base_names:
             self.adapters.check_request(name)
@@ -486,7 +487,7 @@ class Engine:
         if text is not self.text:  # the adapter's own tokenizer names its tokens and stops
             seq.piece = text.token_piece
             seq.stop_ids = self.texts.stops(text)
-        if self._request_vocab(name)[1] is False:
+        if not exact:
             # The adapter's vocabulary is known once it has a slot: checked at admission.
             seq.check_vocab = functools.partial(self._check_slot_vocab, request)
         self.scheduler.waiting.append(seq)
@@ -494,7 +495,9 @@ class Engine:
         self._wake()
         return EngineStream(self, seq)
 
-    def _validate(self, request: GenerationRequest) -> None:
+    def _validate(self, request: GenerationRequest, vocab: int | None = None) -> None:
+        """``vocab``: the vocabulary the request's token ids are checked against (None: the
+        model's)."""
         sampling = request.sampling
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt", "must contain at least one token")
@@ -503,7 +506,7 @@ class Engine:
                 "prompt",
                 f"{len(request.prompt_token_ids)} tokens leave no room to generate (max_model_len {self.max_model_len})",
             )
-        vocab, _ = self._request_vocab(request.adapter)
+        vocab = self.model_config.vocab_size if vocab is None else vocab
         _check_ids(request, vocab)
         if not isinstance(sampling.max_tokens, int) or sampling.max_tokens < 1:
             raise InvalidRequestError(
