@@ -60,6 +60,8 @@ def _randomize(pm: Any, gen: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen))
             elif "lora_embedding_B" in n or "lora_B" in n:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif "trainable_tokens_delta" in n:  # the new tokens' trained rows
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
 
 
 def resized_adapter(
@@ -910,13 +912,14 @@ def test_grammars_compile_with_the_adapter_tokenizer(llama: Path, tmp_path: Path
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # How the adapter's file holds its vocabulary: copies of both modules; an embedding copy
 # with a head LoRA over the resized base; the reverse; LoRA on both; a plain LoRA whose file
-# carries the resized base.
+# carries the resized base; trained rows of some added tokens.
 KINDS = {
     "copies": {"modules_to_save": ["embed_tokens", "lm_head"]},
     "embed_copy": {"modules_to_save": ["embed_tokens"], "vocab": ["lm_head"]},
     "head_copy": {"modules_to_save": ["lm_head"], "vocab": ["embed_tokens"]},
     "lora": {"vocab": ["embed_tokens", "lm_head"]},
     "plain": {},
+    "tokens": {"tokens": True},
 }
 
 
@@ -926,8 +929,9 @@ def extra_case(draw: st.DrawFn) -> dict[str, Any]:
     for _ in range(draw(st.integers(1, 3))):
         kind = KINDS[draw(st.sampled_from(sorted(KINDS)))]
         linear = draw(st.lists(st.sampled_from(LINEAR), min_size=1, max_size=2, unique=True))
+        extra = draw(st.integers(1, EXTRA))
         ad: dict[str, Any] = {
-            "extra": draw(st.integers(1, EXTRA)),
+            "extra": extra,
             "r": draw(st.integers(1, 8)),
             "lora_alpha": float(draw(st.integers(1, 32))),
             "use_rslora": draw(st.booleans()),
@@ -935,6 +939,9 @@ def extra_case(draw: st.DrawFn) -> dict[str, Any]:
         }
         if "modules_to_save" in kind:
             ad["modules_to_save"] = kind["modules_to_save"]
+        if "tokens" in kind:  # offsets past the model's vocabulary
+            rows = st.lists(st.integers(0, extra - 1), min_size=1, max_size=extra, unique=True)
+            ad["tokens"] = draw(rows)
         adapters.append(ad)
     return {
         "arch": draw(st.sampled_from(["llama", "qwen2"])),
@@ -964,6 +971,9 @@ def test_random_extra_vocab_adapters_match_peft(
     for i, ad in enumerate(case["adapters"]):
         ad = dict(ad)
         extra = ad.pop("extra")
+        if "tokens" in ad:
+            v = ModelConfig.from_dir(model_dir).vocab_size
+            ad["trainable_token_indices"] = [v + t for t in ad.pop("tokens")]
         resized_adapter(root, model_dir, f"x{i}", seed + i, extra, **ad)
         kinds[f"x{i}"] = extra
     if case["same"]:
@@ -987,6 +997,79 @@ def test_random_extra_vocab_adapters_match_peft(
             await eng.shutdown()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_trained_rows_of_added_tokens_match_peft(tmp_path: Path, arch: str) -> None:
+    # trainable_token_indices over the added tokens: peft saves the resized base and the
+    # trained rows, which replace the base's (a tied head reads them too; an untied head
+    # keeps the resized base's rows, saved beside them). Beside LoRA rows and base rows.
+    tied = arch == "qwen2"
+    model_dir = build_model(tmp_path / "m", arch, seed=8, pad_token_id=0, tie_word_embeddings=tied)
+    v = ModelConfig.from_dir(model_dir).vocab_size
+    root = tmp_path / "adapters"
+    resized_adapter(
+        root, model_dir, "tt", 61, 4, r=4, target_modules=["q_proj"],
+        trainable_token_indices=[v + 2, v, v + 3],
+    )  # fmt: skip
+    resized_adapter(
+        root, model_dir, "td", 62, 2, r=2, target_modules=["v_proj", "down_proj"],
+        trainable_token_indices={"embed_tokens": [v + 1]},
+    )  # fmt: skip
+    peft_adapter(root, model_dir, "plain", 63, r=4, target_modules=["o_proj"])
+    tensors = load_file(str(root / "tt" / "adapter_model.safetensors"))
+    delta = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+    assert tuple(tensors[delta].shape) == (3, 32)
+    assert ("base_model.model.lm_head.token_adapter.trainable_tokens_delta" in tensors) == tied
+    kinds = {"tt": 4, "td": 2, "plain": 0}
+    refs, vocabs = _refs(model_dir, root, kinds)
+
+    async def go() -> None:
+        log = LogitLog()
+        eng = Engine(
+            model_dir, root, dtype="float32", sample_observer=log,
+            config=engine_config(lora_extra_vocab=EXTRA, lora_vocab=True, max_loras=2),
+        )  # fmt: skip
+        try:
+            await run_and_check(eng, log, _jobs(kinds, v), refs, vocabs)
+        finally:
+            await eng.shutdown()
+
+    asyncio.run(go())
+
+
+def test_trained_token_rows_refused_by_name(llama: Path, tmp_path: Path) -> None:
+    cfg = ModelConfig.from_dir(llama)
+    v = cfg.vocab_size
+    root = tmp_path / "adapters"
+    src = resized_adapter(
+        root, llama, "tt", 65, 2, r=2, target_modules=["q_proj"], trainable_token_indices=[v]
+    )
+
+    def patched(name: str, value: Any) -> Path:
+        d = root / name
+        shutil.copytree(src, d)
+        cj = json.loads((d / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(json.dumps({**cj, "trainable_token_indices": value}))
+        return d
+
+    field = "trainable_token_indices"
+    _refused(patched("own", [5]), cfg, field, "token 5 is a row of the model's own vocabulary")
+    _refused(patched("past", [v + 2]), cfg, field, f"token {v + 2} is past")
+    _refused(patched("twice", [v, v]), cfg, field, "more than once")
+    _refused(patched("head", {"lm_head": [v]}), cfg, field, "embed_tokens only")
+    _refused(patched("kind", ["x"]), cfg, field, "list of token ids")
+    _refused(patched("rows", [v, v + 1]), cfg, "adapter_model.safetensors", "has shape (1, 32)")
+    with pytest.raises(AdapterValidationError) as exc:
+        read_adapter("tt", src, cfg, 16, torch.float32, False, extra_vocab=EXTRA)
+    assert exc.value.field == field  # AdaFuse experts
+    _refused(src, cfg, "trainable_token_indices", "extra vocabulary rows", extra=0)
+    # With a LoRA on lm_head peft saves the LoRA-wrapped head alone: the embedding's added
+    # rows it did not train are not in the file.
+    lm = resized_adapter(
+        root, llama, "lm", 66, 2, r=2, target_modules=["lm_head"], trainable_token_indices=[v]
+    )
+    _refused(lm, cfg, "adapter_model.safetensors", "missing tensor", "token_adapter.base_layer")
 
 
 @pytest.mark.gpu

@@ -13,7 +13,11 @@ rows of its vocabulary tensors, which must all agree:
   which must hold the same bits, and the resized base as ``<module>.original_module.weight``);
 * a LoRA on the module over the resized base: ``lora_embedding_A`` [r, V_a] / head
   ``lora_B`` [V_a, r], and the resized base as ``<module>.base_layer.weight``;
-* neither: the resized base as ``<module>.weight``.
+* neither: the resized base as ``<module>.weight``;
+* trained rows of the new tokens (``trainable_token_indices``, every index an added token's):
+  the resized base as ``embed_tokens.token_adapter.base_layer.weight`` and the trained rows
+  as ``trainable_tokens_delta``, which replace those rows (PEFT's ``index_copy``; a tied
+  head wraps the same rows, saved under ``lm_head.token_adapter``).
 
 A resized base must hold the model's weight in its first ``V`` rows (PEFT loads it into the
 model for every adapter; checked once, when the adapter first enters a slot); its rows from
@@ -41,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -57,6 +61,7 @@ __all__ = [
     "VocabError",
     "VocabWeights",
     "take_vocab_weights",
+    "trainable_tokens",
 ]
 
 EXTRA_FLAG = "--lora-extra-vocab"
@@ -142,6 +147,43 @@ def _same_bits(data: torch.Tensor, a: tuple[int, int], b: tuple[int, int]) -> bo
     return bool(np.array_equal(view[a[0] : a[1]], view[b[0] : b[1]]))
 
 
+_TOKENS = "trainable_token_indices"
+_TOKEN_BASE = ".token_adapter.base_layer.weight"
+_TOKEN_DELTA = ".token_adapter.trainable_tokens_delta"
+
+
+def trainable_tokens(
+    raw: Any, *, per_module: bool, copied: frozenset[str], lora: frozenset[str]
+) -> tuple[int, ...]:
+    """The embedding rows ``trainable_token_indices`` trains (PEFT: a list for the input
+    embedding, or a dict of module name -> list). Raises ``VocabError`` naming the field for
+    what is not served: a module other than the embedding, repeated or non-integer indices,
+    an embedding that is also copied or carries a LoRA, AdaFuse experts. Whether each index
+    is an added token's is checked against the file (``take_vocab_weights``)."""
+    if raw is None or raw == [] or raw == {}:
+        return ()
+    if not per_module:
+        raise VocabError(_TOKENS, "trained token rows are not implemented for AdaFuse experts")
+    if isinstance(raw, dict):
+        if len(raw) != 1 or next(iter(raw)) not in ("embed_tokens", "model.embed_tokens"):
+            raise VocabError(
+                _TOKENS,
+                f"{sorted(raw)!r}: trained token rows are served for embed_tokens only (a tied "
+                "head follows it)",
+            )
+        raw = next(iter(raw.values()))
+    if not isinstance(raw, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in raw
+    ):
+        raise VocabError(_TOKENS, f"must be a list of token ids, got {raw!r}")
+    if len(set(raw)) != len(raw):
+        raise VocabError(_TOKENS, "names a token more than once")
+    if "embed_tokens" in copied | lora:
+        how = "copies" if "embed_tokens" in copied else "puts a LoRA on"
+        raise VocabError(_TOKENS, f"trains rows of embed_tokens, which the adapter also {how}")
+    return tuple(raw)
+
+
 def take_vocab_weights(
     header: Header,
     data: torch.Tensor,
@@ -152,16 +194,27 @@ def take_vocab_weights(
     limit: int,
     wfld: str,
     per_module: bool,
+    tokens: tuple[int, ...] = (),
 ) -> VocabWeights:
     """The adapter's vocabulary from its file's vocabulary tensors (``copied``: the modules
-    ``modules_to_save`` copies; ``lora``: those its LoRA targets), with the saved base weights
-    taken out of ``header`` (the copies and factors stay for their readers, which check them
-    against ``rows``). Raises ``VocabError`` naming the field: more extra rows than ``limit``,
-    a base weight of another shape, a module without its extra rows, two copies that differ.
-    Without ``per_module`` (AdaFuse experts) nothing is taken."""
+    ``modules_to_save`` copies; ``lora``: those its LoRA targets; ``tokens``: the embedding
+    rows ``trainable_token_indices`` trains), with the saved base weights taken out of
+    ``header`` (the copies and factors stay for their readers, which check them against
+    ``rows``; trained token rows are written over their base rows in ``data``). Raises
+    ``VocabError`` naming the field: more extra rows than ``limit``, a base weight of another
+    shape, a module without its extra rows, two copies that differ, a trained token row that
+    is not an added token's. Without ``per_module`` (AdaFuse experts) nothing is taken."""
     v, hid = cfg.vocab_size, cfg.hidden_size
     if not per_module:
         return VocabWeights(v)
+    own = [i for i in tokens if i < v]
+    if own:
+        raise VocabError(
+            _TOKENS,
+            f"token {own[0]} is a row of the model's own vocabulary ({v} rows): trained token "
+            "rows are served for added tokens only (a modules_to_save copy of embed_tokens "
+            "trains the model's own rows)",
+        )
     # 1. Every tensor a reader will take, with its vocabulary rows and the field it belongs to.
     found: list[tuple[int, str, str, str]] = []  # (rows, module, key, field)
     for m, p in VOCAB_PREFIXES.items():
@@ -178,6 +231,9 @@ def take_vocab_weights(
             tail = (".lora_embedding_A",) if m == "embed_tokens" else (".lora_B.weight",)
             keys = [k for k in (p + ".base_layer.weight", *(p + t for t in tail)) if k in header]
             fld = "target_modules"
+        elif tokens and (m == "embed_tokens" or p + _TOKEN_BASE in header):
+            keys = [p + _TOKEN_BASE] if p + _TOKEN_BASE in header else []
+            fld = _TOKENS
         else:
             keys = [p + ".weight"] if p + ".weight" in header else []
             fld = wfld
@@ -220,19 +276,33 @@ def take_vocab_weights(
             key = p + ".original_module.weight"
         elif m in lora:
             key = p + ".base_layer.weight"
+        elif tokens and (m == "embed_tokens" or p + _TOKEN_BASE in header):
+            key = p + _TOKEN_BASE
         else:
             key = p + ".weight"
         h = header.pop(key, None)
         if h is None:
+            if key.endswith(_TOKEN_BASE):
+                raise VocabError(wfld, f"missing tensor {key} ({_TOKENS} is set)")
             continue
         dt, shape, start, end = h
         if shape != (va, hid):
-            fld = "modules_to_save" if m in copied else "target_modules" if m in lora else wfld
+            fld = (
+                "modules_to_save"
+                if m in copied
+                else "target_modules"
+                if m in lora
+                else _TOKENS
+                if key.endswith(_TOKEN_BASE)
+                else wfld
+            )
             more = f" (the model's vocabulary has {v} rows)" if va == v else ""
             raise VocabError(
                 fld,
                 f"{m}: {key} has shape {shape}, the adapter's vocabulary needs {(va, hid)}{more}",
             )
+        if key.endswith(_TOKEN_BASE):
+            _write_tokens(header, data, p, tokens, v, va, hid, (dt, start, end), wfld)
         bases[m] = (key, dt, start, end)
     checks = tuple(
         BaseRows(_PARTS[m], key, dt, (v, hid), start, start + v * hid * dt.itemsize)
@@ -277,6 +347,41 @@ def take_vocab_weights(
                 f"{emb.key} differ in their extra vocabulary rows",
             )
     return VocabWeights(va, checks, tuple(extra))
+
+
+def _write_tokens(
+    header: Header,
+    data: torch.Tensor,
+    prefix: str,
+    tokens: tuple[int, ...],
+    v: int,
+    va: int,
+    hid: int,
+    base: tuple[torch.dtype, int, int],
+    wfld: str,
+) -> None:
+    """The trained rows of ``tokens`` (``<prefix>.token_adapter.trainable_tokens_delta``,
+    taken out of ``header``) written over their rows of the saved base in ``data``, as
+    PEFT's ``index_copy`` replaces them."""
+    bad = [i for i in tokens if i >= va]
+    if bad:
+        raise VocabError(
+            _TOKENS, f"token {bad[0]} is past the adapter's vocabulary ({va} rows in {prefix})"
+        )
+    key = prefix + _TOKEN_DELTA
+    h = header.pop(key, None)
+    if h is None:
+        raise VocabError(wfld, f"missing tensor {key} ({_TOKENS} is set)")
+    ddt, shape, start, end = h
+    if shape != (len(tokens), hid):
+        raise VocabError(
+            wfld, f"tensor {key} has shape {shape}, expected {(len(tokens), hid)} (one row a token)"
+        )
+    bdt, bstart, bend = base
+    rows = data[bstart:bend].view(bdt).view(va, hid)
+    delta = data[start:end].view(ddt).view(shape)
+    index = torch.tensor(tokens, dtype=torch.int64)
+    rows.index_copy_(0, index, delta.to(bdt))
 
 
 # ---- the pool ---------------------------------------------------------------------------

@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-from adaptermesh.worker.extra_vocab import ExtraEntry, VocabError, take_vocab_weights
+from adaptermesh.worker.extra_vocab import (
+    ExtraEntry,
+    VocabError,
+    take_vocab_weights,
+    trainable_tokens,
+)
 from adaptermesh.worker.lora_groups import FUSED_MODULES, GROUPS, MODULE_TO_GROUP, SUPPORTED_MODULES
 from adaptermesh.worker.model import ModelConfig
 from adaptermesh.worker.model_fields import check_adapter_config
@@ -448,6 +453,16 @@ def read_adapter(
     if sites:
         targets = _without_saved(name, cj, targets, {s.path for s in sites})
     vocab_targets = sorted(m for layer, m in targets if layer < 0)
+    copied = frozenset(s.module for s in sites if s.module in VOCAB_MODULES)
+    try:
+        tokens = trainable_tokens(
+            cj.get("trainable_token_indices"),
+            per_module=per_module,
+            copied=copied,
+            lora=frozenset(vocab_targets),
+        )
+    except VocabError as e:
+        raise _fail(name, e.field, str(e)) from None
     targets = {(layer, m) for layer, m in targets if layer >= 0}
     fused = sorted({m for _, m in targets if m in FUSED_MODULES})
     dora = cj.get("use_dora") is True
@@ -488,11 +503,12 @@ def read_adapter(
             header,
             data,
             cfg,
-            copied=frozenset(s.module for s in sites if s.module in VOCAB_MODULES),
+            copied=copied,
             lora=frozenset(vocab_targets),
             limit=extra_vocab,
             wfld=wfld,
             per_module=per_module,
+            tokens=tokens,
         )
     except VocabError as e:
         raise _fail(name, e.field, str(e)) from None
