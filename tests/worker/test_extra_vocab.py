@@ -34,6 +34,7 @@ from adaptermesh.worker.types import GenerationRequest, SamplingParams
 
 from .conftest import LogitLog, collect, request, tokens
 from .fidelity_helpers import (
+    DEVICE,
     EXAMPLES,
     PROMPT,
     TOLERANCE,
@@ -267,7 +268,7 @@ def test_extra_vocab_rows_mixed_with_base_plain_and_copies_match_peft(
         # Four slots for six adapters: slots change hands mid-run between adapters with and
         # without extra rows, so a slot's rows and vocabulary must follow what it holds.
         eng = Engine(
-            llama, root, dtype="float32", sample_observer=log,
+            llama, root, device=DEVICE, dtype="float32", sample_observer=log,
             config=engine_config(
                 lora_extra_vocab=EXTRA, lora_saved_modules=ALL, lora_vocab=True, max_loras=4,
                 max_prefill_chunk=5, max_num_batched_tokens=16,
@@ -319,7 +320,7 @@ def test_tied_and_scaled_embeddings_match_peft(
     async def go() -> None:
         log = LogitLog()
         eng = Engine(
-            model_dir, root, dtype="float32", sample_observer=log,
+            model_dir, root, device=DEVICE, dtype="float32", sample_observer=log,
             config=engine_config(
                 lora_extra_vocab=EXTRA, lora_saved_modules=ALL, lora_vocab=True, max_loras=3
             ),
@@ -629,7 +630,7 @@ def test_sampler_never_reaches_past_a_rows_vocabulary(llama: Path, tmp_path: Pat
 
     async def go() -> None:
         eng = Engine(
-            llama, root, dtype="float32",
+            llama, root, device=DEVICE, dtype="float32",
             config=engine_config(
                 lora_extra_vocab=EXTRA, lora_saved_modules=ALL, logprobs_mode="processed",
                 max_num_seqs=16,
@@ -984,7 +985,7 @@ def test_random_extra_vocab_adapters_match_peft(
     async def go() -> None:
         log = LogitLog()
         eng = Engine(
-            model_dir, root, dtype="float32", sample_observer=log,
+            model_dir, root, device=DEVICE, dtype="float32", sample_observer=log,
             config=engine_config(
                 lora_extra_vocab=EXTRA, lora_saved_modules=("embed_tokens", "lm_head"),
                 lora_vocab=True, max_loras=max(2, len(kinds) - 1), max_prefill_chunk=5,
@@ -1027,7 +1028,7 @@ def test_trained_rows_of_added_tokens_match_peft(tmp_path: Path, arch: str) -> N
     async def go() -> None:
         log = LogitLog()
         eng = Engine(
-            model_dir, root, dtype="float32", sample_observer=log,
+            model_dir, root, device=DEVICE, dtype="float32", sample_observer=log,
             config=engine_config(lora_extra_vocab=EXTRA, lora_vocab=True, max_loras=2),
         )  # fmt: skip
         try:
