@@ -192,8 +192,16 @@ def _factor(cpu: CpuAdapter, key: str, data: torch.Tensor) -> torch.Tensor:
 def read_part(name: str, path: Path, cfg: ModelConfig, max_rank: int) -> CpuAdapter:
     """One part, validated as the adapter manager validates a load, with B as stored."""
     cpu = read_adapter(
-        name, path, cfg, max_rank, torch.float32, False, per_module=True, fold_scales=False
-    )
+        name, path, cfg, max_rank, torch.float32, False, per_module=True, fold_scales=False,
+        extra_vocab=1 << 30,  # refused below, by name
+    )  # fmt: skip
+    if cpu.vocab_size > cfg.vocab_size or cpu.vocab_bases:
+        raise AdapterValidationError(
+            name,
+            "adapter_model.safetensors",
+            f"adapters with saved embedding or head weights (a resized vocabulary) cannot be "
+            f"parts of {MERGE_FIELD}",
+        )
     if cpu.magnitudes:
         raise AdapterValidationError(
             name, "use_dora", f"DoRA adapters cannot be parts of {MERGE_FIELD}"
@@ -217,7 +225,8 @@ def mergeable_as_cached(cpu: CpuAdapter) -> bool:
     """Whether an adapter as the adapter manager caches it can be a part as it is: no DoRA
     vectors and one scale over its modules (so no scale was folded into its B matrices)."""
     one_scale = len({sc for _, sc in cpu.module_scales.values()}) == 1
-    return not cpu.magnitudes and not cpu.vocab and not cpu.saved and one_scale
+    plain = not cpu.magnitudes and not cpu.vocab and not cpu.saved and not cpu.vocab_bases
+    return plain and one_scale
 
 
 def _config(part: CpuAdapter) -> dict[str, Any]:

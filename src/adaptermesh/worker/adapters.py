@@ -968,6 +968,7 @@ class AdapterManager:
             self.dtype,
             self._pin,
             per_module=True,
+            extra_vocab=self.pool.extra.capacity if self.pool.extra is not None else 0,
         )
         return cpu, "disk"
 
@@ -1078,6 +1079,8 @@ class AdapterManager:
             pool.set_vocab(slot, cpu.rank, cpu.vocab)
         if pool.saved is not None:  # trained module copies (none: the slot holds none)
             pool.saved.write(slot, cpu.saved, data)
+        if pool.extra is not None:  # extra vocabulary rows (none: the model's vocabulary)
+            pool.extra.write(slot, cpu.extra_rows, data, cpu.vocab_size or self.cfg.vocab_size)
         if pool.dora:
             # DoRA's column norms, once per load from the slot just written (plain LoRA: ones).
             pool.set_dora(
@@ -1089,8 +1092,9 @@ class AdapterManager:
 
     def _slot_view(self, slot: int, e: TensorEntry) -> torch.Tensor:
         rank = e.shape[1] if e.is_b else e.shape[0]
-        if e.layer < 0:  # embed_tokens / lm_head
-            return self.pool.vocab_view(e.group, slot, rank, e.is_b)
+        if e.layer < 0:  # embed_tokens / lm_head, as wide as the adapter's vocabulary
+            rows = e.shape[1] if e.group == "embed" and not e.is_b else e.shape[0]
+            return self.pool.vocab_view(e.group, slot, rank, e.is_b, rows)
         return self.pool.slot_view(e.group, e.index, e.layer, slot, rank, e.is_b)
 
     def _check_vocab_bases(self, cpu: CpuAdapter, data: torch.Tensor) -> None:
@@ -1133,9 +1137,10 @@ class AdapterManager:
         pairs = [(e.key, self._slot_view(slot, e), cpu.view(e)) for e in cpu.entries]
         saved = self.pool.saved
         if saved is not None:
-            pairs += [
-                (e.key, saved.view(e.module, e.layer, slot), e.view(cpu.data)) for e in cpu.saved
-            ]
+            pairs += [(e.key, saved.placed(e, slot), e.view(cpu.data)) for e in cpu.saved]
+        extra = self.pool.extra
+        if extra is not None:
+            pairs += [(e.key, extra.view(e, slot), e.view(cpu.data)) for e in cpu.extra_rows]
         for key, placed, source in pairs:
             if source.dtype != placed.dtype:
                 source = source.to(placed.dtype)
@@ -1567,6 +1572,29 @@ class AdapterManager:
     def list(self) -> list[AdapterInfo]:
         names = sorted(set(self.published) | set(self.expert_sets) | set(self.registered))
         return [self.info(n) for n in names]
+
+    def local_path(self, name: str) -> Path | None:
+        """The local directory a request for ``name`` reads now (published, registered, or a
+        PEFT adapter under the root); None when there is none (a bad name, or only a store
+        holds it)."""
+        pub, reg = self.published.get(name), self.registered.get(name)
+        if pub is not None or reg is not None:
+            return pub.path if pub is not None else reg.path if reg is not None else None
+        try:
+            validate_name(name)
+            path = resolve_in_root(self.root, name)
+        except AdapterNotFoundError:
+            return None
+        return path if (path / "adapter_config.json").is_file() else None
+
+    def vocab_of(self, name: str) -> int | None:
+        """The vocabulary of adapter ``name`` as last read (its slot's, else its CPU cache
+        entry's); None when it has not been read."""
+        pub = self.published.get(name)
+        if pub is not None and self.pool.extra is not None:
+            return self.pool.extra.vocab[pub.slot]
+        cpu = self.cpu_cache.get(name)
+        return cpu.vocab_size or self.cfg.vocab_size if cpu is not None else None
 
     def version(self, name: str) -> int | None:
         pub = self.published.get(name)

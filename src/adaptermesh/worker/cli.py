@@ -494,6 +494,15 @@ def build_parser() -> argparse.ArgumentParser:
         "per slot each), norms (every norm of the model, a few vectors per layer)",
     )
     p.add_argument(
+        "--lora-extra-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="hold up to N vocabulary rows past the model's per adapter slot, so adapters "
+        "trained on a resized embedding and head load (their tokenizer files tokenize and "
+        "detokenize their requests); 0 (default) refuses them",
+    )
+    p.add_argument(
         "--adapter-eviction",
         choices=list(POLICY_NAMES),
         default=None,
@@ -657,6 +666,8 @@ def _build_engine(args: argparse.Namespace) -> EngineProtocol:
         config.lora_vocab = True
     if args.lora_saved_modules is not None:
         config.lora_saved_modules = tuple(dict.fromkeys(args.lora_saved_modules))
+    if args.lora_extra_vocab is not None:
+        config.lora_extra_vocab = args.lora_extra_vocab
     if args.lora_target_modules is not None:
         config.lora_target_modules = tuple(args.lora_target_modules)
     if args.adapter_eviction is not None:

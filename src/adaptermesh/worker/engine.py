@@ -67,10 +67,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import random
-import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -81,6 +81,7 @@ import torch
 from adaptermesh.worker import lora_ops
 from adaptermesh.worker.adafuse import CpuExpertSet, ExpertSet
 from adaptermesh.worker.adafuse_policy import MergePolicy
+from adaptermesh.worker.adapter_text import AdapterTexts
 from adaptermesh.worker.adapters import AdapterManager
 from adaptermesh.worker.engine_config import (
     EngineConfig,
@@ -92,7 +93,7 @@ from adaptermesh.worker.engine_config import (
     validate_config,
 )
 from adaptermesh.worker.faults import StepFault
-from adaptermesh.worker.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
+from adaptermesh.worker.grammar import CompiledGrammar, GrammarSpec
 from adaptermesh.worker.kv_cache import KVCacheSpec, PagedKVCache, spec_bytes_per_token
 from adaptermesh.worker.lora_groups import pool_groups
 from adaptermesh.worker.model import (
@@ -128,6 +129,19 @@ from adaptermesh.worker.types import (
 __all__ = ["Engine", "EngineConfig", "EngineStream"]
 
 log = logging.getLogger(__name__)
+
+
+def _check_ids(request: GenerationRequest, vocab: int) -> None:
+    """InvalidRequestError naming ``prompt`` for a prompt token id outside ``vocab``."""
+    bad = [
+        token
+        for token in request.prompt_token_ids
+        if not isinstance(token, int) or not 0 <= token < vocab
+    ]
+    if bad:
+        raise InvalidRequestError(
+            "prompt", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})"
+        )
 
 
 class EngineStream:
@@ -285,12 +299,15 @@ class Engine:
         groups = pool_groups(config.lora_target_modules)
         # A float pool on one device is an adapter arena (each adapter takes only the parts
         # it targets); INT4 and tensor-parallel pools, and pools holding trained module
-        # copies (one table per slot), keep slots.
+        # copies or extra vocabulary rows (tables per slot), keep slots.
         part_bytes = (
             arena_part_bytes(
                 shard_cfg, config.max_lora_rank, dtype, groups, config.lora_dora, config.lora_vocab
             )
-            if group is None and config.lora_dtype != "int4" and not config.lora_saved_modules
+            if group is None
+            and config.lora_dtype != "int4"
+            and not config.lora_saved_modules
+            and not config.lora_extra_vocab
             else None
         )
         if part_bytes is not None and "max_loras" not in config.auto_size:
@@ -312,6 +329,7 @@ class Engine:
                 config.lora_dora,
                 config.lora_vocab,
                 frozenset(config.lora_saved_modules),
+                extra_vocab=config.lora_extra_vocab,
             ).nbytes
         )
         self.config = config
@@ -352,6 +370,7 @@ class Engine:
                 config.lora_vocab,
                 frozenset(config.lora_saved_modules),
                 arena_bytes=arena_bytes,
+                extra_vocab=config.lora_extra_vocab,
             )
         else:
             self.pool = ShardedLoraPool(
@@ -400,8 +419,9 @@ class Engine:
         if self.pool.dora:
             # DoRA's norms are of the base weights: never of an AdaFuse merge in them.
             self.pool.base_weight = self.merge_policy.masters.pristine
-        if self.pool.vocab:
-            # A vocabulary adapter's saved base weights are checked against these.
+        if group is None:
+            # The base weights an adapter saves beside its vocabulary tensors (a vocabulary
+            # LoRA's, a resized vocabulary's) are checked against these.
             model = self.model
             self.pool.base_vocab = lambda part: model.embed if part == "embed" else model.lm_head
         self.adapters = AdapterManager(
@@ -417,6 +437,13 @@ class Engine:
             build_expert_set=self._build_expert_set if group is None else None,
             max_expert_sets=config.max_expert_sets,
             eviction=config.adapter_eviction,
+        )
+        extra = self.pool.extra
+        self.texts = AdapterTexts(
+            self.text,
+            self.adapters.local_path,
+            extra.width if extra is not None else model_config.vocab_size,
+            frozenset(eos),
         )
         rows = config.max_num_seqs
         self.scheduler = Scheduler(
@@ -461,8 +488,6 @@ class Engine:
         self._closed = False
         self._latency_cursor = 0
         self.steps = 0
-        self._grammar_compiler: GrammarCompiler | None = None
-        self._grammar_lock = threading.Lock()
         log.info(
             "engine ready: %s on %s (%s), kv %d blocks x %d tokens (%.1f MiB), %d sequences, lora pool %s, lora ops %s",
             self.model_name,
@@ -481,7 +506,8 @@ class Engine:
     def submit(self, request: GenerationRequest) -> EngineStream:
         if self._closed:
             raise EngineError("engine is shut down")
-        self._validate(request)
+        vocab, exact = self._request_vocab(request.adapter)
+        self._validate(request, vocab)
         name = request.adapter
         if name is not None and name not in self.scheduler.base_names:
             self.adapters.check_request(name)
@@ -490,10 +516,11 @@ class Engine:
                 f"{len(self.scheduler.waiting)} requests are already waiting"
             )
         sampling = request.sampling
+        text = self.texts.helper(self._adapter_name(name))
         seq = Sequence(
             request=request,
             queue=asyncio.Queue(),
-            detok=Detokenizer(self.text.decode_for_stream),
+            detok=Detokenizer(text.decode_for_stream),
             prompt=list(request.prompt_token_ids),
             # Counter-based sampling: (seed, output index) decides each draw, so a request's
             # tokens do not depend on its batch neighbours or on preemption. Seeds of any size
@@ -501,12 +528,20 @@ class Engine:
             seed=sampling.seed % (1 << 63) if sampling.seed is not None else random.getrandbits(63),
             matcher=request.grammar.matcher() if request.grammar is not None else None,
         )
+        if text is not self.text:  # the adapter's own tokenizer names its tokens and stops
+            seq.piece = text.token_piece
+            seq.stop_ids = self.texts.stops(text)
+        if not exact:
+            # The adapter's vocabulary is known once it has a slot: checked at admission.
+            seq.check_vocab = functools.partial(self._check_slot_vocab, request)
         self.scheduler.waiting.append(seq)
         self._ensure_loop()
         self._wake()
         return EngineStream(self, seq)
 
-    def _validate(self, request: GenerationRequest) -> None:
+    def _validate(self, request: GenerationRequest, vocab: int | None = None) -> None:
+        """``vocab``: the vocabulary the request's token ids are checked against (None: the
+        model's)."""
         sampling = request.sampling
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt", "must contain at least one token")
@@ -515,16 +550,8 @@ class Engine:
                 "prompt",
                 f"{len(request.prompt_token_ids)} tokens leave no room to generate (max_model_len {self.max_model_len})",
             )
-        vocab = self.model_config.vocab_size
-        bad = [
-            token
-            for token in request.prompt_token_ids
-            if not isinstance(token, int) or not 0 <= token < vocab
-        ]
-        if bad:
-            raise InvalidRequestError(
-                "prompt", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})"
-            )
+        vocab = self.model_config.vocab_size if vocab is None else vocab
+        _check_ids(request, vocab)
         if not isinstance(sampling.max_tokens, int) or sampling.max_tokens < 1:
             raise InvalidRequestError(
                 "max_tokens", f"must be a positive integer, got {sampling.max_tokens!r}"
@@ -533,35 +560,63 @@ class Engine:
         if any(not isinstance(stop, str) or not stop for stop in sampling.stop):
             raise InvalidRequestError("stop", "stop sequences must be non-empty strings")
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.text.tokenize(text)
+    def _adapter_name(self, name: str | None) -> str | None:
+        return None if name is None or name in self.scheduler.base_names else name
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.text.detokenize(token_ids)
+    def _request_vocab(self, name: str | None) -> tuple[int, bool]:
+        """The vocabulary a request's token ids are checked against, and whether it is the
+        adapter's own (else the widest a slot holds: checked again at admission)."""
+        extra = self.pool.extra
+        name = self._adapter_name(name)
+        if name is None or extra is None:
+            return self.model_config.vocab_size, True
+        known = self.adapters.vocab_of(name)
+        return (known, True) if known is not None else (extra.width, False)
 
-    def fill_in_middle(self, prefix: str | list[int], suffix: str) -> list[int] | None:
+    def _check_slot_vocab(self, request: GenerationRequest, slot: int) -> BaseException | None:
+        """At admission: the request's ids against its adapter's vocabulary (its slot's)."""
+        extra = self.pool.extra
+        if extra is None or slot < 0:
+            return None
+        try:
+            _check_ids(request, extra.vocab[slot])
+            BOUNDS.check_logit_bias(request.sampling.logit_bias, extra.vocab[slot])
+        except InvalidRequestError as e:
+            return e
+        return None
+
+    def tokenize(self, text: str, adapter: str | None = None) -> list[int]:
+        return self.texts.helper(self._adapter_name(adapter)).tokenize(text)
+
+    def detokenize(self, token_ids: list[int], adapter: str | None = None) -> str:
+        return self.texts.helper(self._adapter_name(adapter)).detokenize(token_ids)
+
+    def fill_in_middle(
+        self, prefix: str | list[int], suffix: str, adapter: str | None = None
+    ) -> list[int] | None:
         """A completion's fill-in-the-middle prompt, or None when the model has no FIM tokens."""
-        return self.text.fill_in_middle(prefix, suffix)
+        return self.texts.helper(self._adapter_name(adapter)).fill_in_middle(prefix, suffix)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        adapter: str | None = None,
     ) -> list[int] | None:
-        return self.text.apply_chat_template(messages, tools)
+        return self.texts.helper(self._adapter_name(adapter)).apply_chat_template(messages, tools)
 
-    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
-        """``spec`` compiled for this model's vocabulary (``GrammarError`` naming the field
-        when it does not compile). Thread-safe; the service calls it off the event loop."""
-        compiler = self._grammar_compiler
-        if compiler is None:
-            with self._grammar_lock:
-                compiler = self._grammar_compiler
-                if compiler is None:
-                    compiler = self._grammar_compiler = GrammarCompiler(
-                        self.tokenizer,
-                        self.model_config.vocab_size,
-                        sorted(self.scheduler.eos_token_ids),
-                    )
-        return compiler.compile(spec)
+    async def adapter_text(self, name: str | None) -> TokenizerHelper | None:
+        """The tokenizer helper of requests for ``name`` when it is the adapter's own
+        (loaded off the event loop), None when the base model's serves them."""
+        helper = await self.texts.prepare(self._adapter_name(name))
+        return None if helper is self.text else helper
+
+    def compile_grammar(self, spec: GrammarSpec, adapter: str | None = None) -> CompiledGrammar:
+        """``spec`` compiled for this model's vocabulary, with the tokenizer of requests for
+        ``adapter`` (``GrammarError`` naming the field when it does not compile). Thread-safe;
+        the service calls it off the event loop."""
+        helper = self.texts.helper(self._adapter_name(adapter))
+        return self.texts.compiler(helper).compile(spec)
 
     async def load_adapter(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
         self._ensure_loop()
@@ -853,6 +908,15 @@ class Engine:
                 if self.pool.saved is not None
                 else 0
             ),
+            # Of pool_bytes: the extra vocabulary rows and widths (extra_vocab), and the slots
+            # whose adapter's vocabulary exceeds the model's now.
+            "extra_vocab_bytes": self.pool.extra.nbytes if self.pool.extra is not None else 0,
+            "extra_vocab_slots": (
+                len(self.pool.extra.slots_with_extra(range(self.pool.num_slots)))
+                if self.pool.extra is not None
+                else 0
+            ),
+            **self.texts.describe(),
             "kv_bytes": self.kv.nbytes,
             "expert_sets": len(self.adapters.expert_sets),
             "backbone_master_bytes": self.merge_policy.masters.nbytes,

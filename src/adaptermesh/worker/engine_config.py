@@ -105,6 +105,11 @@ class EngineConfig:
     # (every norm of the model, a few vectors per layer). Adapters saving a module of another
     # kind are refused by name; empty: every modules_to_save adapter is (saved_modules.py).
     lora_saved_modules: tuple[str, ...] = ()
+    # The most vocabulary rows past the model's an adapter in a pool slot may have (a resized
+    # embedding and head, with the adapter's own tokenizer files; extra_vocab.py): per slot,
+    # that many rows of the base embedding and head, and vocabulary factors and copies that
+    # much wider. 0: adapters with extra vocabulary rows are refused by name.
+    lora_extra_vocab: int = 0
     max_num_batched_tokens: int = 512  # token budget per step (decode rows + prompt chunks)
     max_prefill_chunk: int = 256
     max_prefill_seqs: int = 8  # prompt chunks per step
@@ -246,6 +251,7 @@ def validate_config(config: EngineConfig) -> None:
             "lora_vocab", "embedding and LM-head LoRA is not implemented with lora_dtype int4"
         )
     _check_saved_modules(config)
+    _check_extra_vocab(config)
     if not isinstance(config.max_num_seqs, int) or config.max_num_seqs < 1:
         raise InvalidRequestError(
             "max_num_seqs", f"must be a positive integer, got {config.max_num_seqs!r}"
@@ -281,6 +287,21 @@ def validate_config(config: EngineConfig) -> None:
             "max_adapter_skips", f"must be an integer >= 0, got {config.max_adapter_skips!r}"
         )
     _check_load_wait(config)
+
+
+def _check_extra_vocab(config: EngineConfig) -> None:
+    extra = config.lora_extra_vocab
+    if not isinstance(extra, int) or isinstance(extra, bool) or extra < 0:
+        raise InvalidRequestError("lora_extra_vocab", f"must be an integer >= 0, got {extra!r}")
+    if extra and config.tensor_parallel_size > 1:
+        raise InvalidRequestError(
+            "lora_extra_vocab",
+            "extra vocabulary rows are not implemented with tensor_parallel_size > 1",
+        )
+    if extra and config.lora_dtype == "int4":
+        raise InvalidRequestError(
+            "lora_extra_vocab", "extra vocabulary rows are not implemented with lora_dtype int4"
+        )
 
 
 def _check_saved_modules(config: EngineConfig) -> None:

@@ -31,6 +31,7 @@ from adaptermesh.kernels import dispatch, int4_weight
 from adaptermesh.kernels.int4_quant import quantize_int4
 from adaptermesh.kernels.int4_weight import DEFAULT_GROUP_SIZE, Int4Weight
 from adaptermesh.worker import lora_ops
+from adaptermesh.worker.extra_vocab import ExtraStep, ExtraVocabPool
 from adaptermesh.worker.kv_cache import PagedKVCache
 from adaptermesh.worker.lora_groups import FUSED_MODULES, GROUPS, MODULE_TO_GROUP, SUPPORTED_MODULES
 from adaptermesh.worker.model_fields import (
@@ -529,6 +530,9 @@ class StepInputs:
     # Trained module copies (``modules_to_save``) the step's rows' adapters hold; None: none
     # (``saved_modules``: the step then runs no part of them).
     saved: SavedStep | None = None
+    # Rows of adapters with extra vocabulary rows (``extra_vocab``); None: none (the logits
+    # are the model's vocabulary wide, and the step runs no part of it).
+    extra: ExtraStep | None = None
 
 
 class LoraPool:
@@ -568,6 +572,7 @@ class LoraPool:
         dora: bool = False,
         vocab: bool = False,
         saved: frozenset[str] = frozenset(),
+        extra_vocab: int = 0,
     ) -> None:
         """``out_features``: B's output rows per module where they differ from the module's
         (a tensor-parallel rank holding a share of o's and down's B, ``tp_shard``).
@@ -579,12 +584,17 @@ class LoraPool:
         leaves the module).
 
         ``saved``: the kinds of trained module copies (``modules_to_save``) the pool holds per
-        slot (``saved_modules.POOL_KINDS``; ``self.saved``, None without any)."""
+        slot (``saved_modules.POOL_KINDS``; ``self.saved``, None without any).
+
+        ``extra_vocab``: the most vocabulary rows past the model's an adapter in a slot may
+        have (``extra_vocab``; ``self.extra``, None for 0): the vocabulary factors and copies
+        are that much wider, and the extra rows of the base embedding and head are held."""
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
         self.groups = _checked_groups(groups)
+        self._cfg_vocab = cfg.vocab_size
         outs = out_features or {}
         L = cfg.num_layers
         self.a: dict[str, torch.Tensor] = {}
@@ -616,7 +626,7 @@ class LoraPool:
         self.vocab: dict[str, torch.Tensor] = {}
         self.vocab_ranks: dict[str, torch.Tensor] = {}
         if vocab:
-            v, hid = cfg.vocab_size, cfg.hidden_size
+            v, hid = cfg.vocab_size + extra_vocab, cfg.hidden_size
             shapes = {
                 "embed_a": (num_slots, max_rank, v),
                 "embed_b": (num_slots, hid, max_rank),
@@ -631,7 +641,10 @@ class LoraPool:
         # vocab adapter's saved base weights are checked against them.
         self.base_vocab: Callable[[str], torch.Tensor] | None = None
         self.saved: SavedModulePool | None = (
-            SavedModulePool(cfg, num_slots, device, dtype, saved) if saved else None
+            SavedModulePool(cfg, num_slots, device, dtype, saved, extra_vocab) if saved else None
+        )
+        self.extra: ExtraVocabPool | None = (
+            ExtraVocabPool(cfg, num_slots, extra_vocab, device, dtype) if extra_vocab else None
         )
         self.num_layers = L
         self._init_routes(num_slots, [*self.a, *self.vocab_ranks], device)
@@ -693,19 +706,24 @@ class LoraPool:
     def nbytes(self) -> int:
         total = sum(t.numel() * t.element_size() for t in self.a.values())
         total += self.saved.nbytes if self.saved is not None else 0
+        total += self.extra.nbytes if self.extra is not None else 0
         total += sum(t.numel() * t.element_size() for bs in self.b.values() for t in bs)
         total += sum(t.numel() * t.element_size() for t in self.dora.values())
         total += sum(t.numel() * t.element_size() for t in self.vocab.values())
         return total
 
-    def vocab_view(self, part: str, slot: int, rank: int, is_b: bool) -> torch.Tensor:
+    def vocab_view(
+        self, part: str, slot: int, rank: int, is_b: bool, rows: int | None = None
+    ) -> torch.Tensor:
         """Where a vocabulary LoRA matrix goes, in its file's shape: embed A [rank, V], embed
-        B [H, rank], head A [rank, H], head B [V, rank]."""
+        B [H, rank], head A [rank, H], head B [V, rank], V being ``rows`` (the adapter's
+        vocabulary; None: the model's)."""
+        v = self._cfg_vocab if rows is None else rows
         if part == "embed":
             t = self.vocab["embed_a"]
-            return self.vocab["embed_b"][slot, :, :rank] if is_b else t[slot, :rank]
+            return self.vocab["embed_b"][slot, :, :rank] if is_b else t[slot, :rank, :v]
         if is_b:
-            return self.vocab["head_b"][slot, :, :rank]
+            return self.vocab["head_b"][slot, :v, :rank]
         return self.vocab["head_a"][0, slot, :rank]
 
     def set_vocab(self, slot: int, rank: int, parts: frozenset[str]) -> None:
@@ -755,6 +773,8 @@ class LoraPool:
             self.saved.clear(slot)
         for route in self.routes.values():
             route.index[slot] = -1
+        if self.extra is not None:
+            self.extra.clear(slot)
 
     def zero_slot(self, slot: int, written: Mapping[str, int] | None = None) -> None:
         """Zero what the next copy into ``slot`` will not write: ranks above an adapter's own,
@@ -798,6 +818,8 @@ class LoraPool:
         ]
         if self.saved is not None:
             parts.append(self.saved.slot_sum(slot))
+        if self.extra is not None:
+            parts.append(self.extra.slot_sum(slot))
         return torch.stack(parts).sum()
 
     @property
@@ -997,6 +1019,8 @@ class ArenaLoraPool(LoraPool):
         self.base_weight = None
         self.base_vocab = None
         self.saved = None  # trained module copies keep a pool of slots
+        self.extra = None  # and so do extra vocabulary rows
+        self._cfg_vocab = cfg.vocab_size
         self.scales = self._zeros(1, torch.float32)  # unused: scales are per part (group_scales)
         self.routes = {
             p: lora_ops.GroupRoute(self._full(self.num_slots), g.count) for p, g in grids.items()
@@ -1069,7 +1093,11 @@ class ArenaLoraPool(LoraPool):
             return self._region(group, at, 1 + index)[layer, :, :rank]
         return self._region(group, at, 0)[layer, index, :rank]
 
-    def vocab_view(self, part: str, slot: int, rank: int, is_b: bool) -> torch.Tensor:
+    def vocab_view(
+        self, part: str, slot: int, rank: int, is_b: bool, rows: int | None = None
+    ) -> torch.Tensor:
+        # ``rows``: an arena holds the model's vocabulary only (extra vocabulary rows keep a
+        # pool of slots, and the adapter reader refuses them without one).
         at = self._index(slot, part)
         if is_b:
             return self._region(part, at, 1)[:, :rank]
@@ -1198,6 +1226,8 @@ class Int4LoraPool(LoraPool):
         self.vocab, self.vocab_ranks = {}, {}  # nor vocabulary LoRA (make_lora_pool refuses it)
         self.base_vocab = None
         self.saved = None  # nor trained module copies (make_lora_pool refuses them)
+        self.extra = None  # nor extra vocabulary rows (make_lora_pool refuses them)
+        self._cfg_vocab = cfg.vocab_size
         for g, mods in _pool_groups(self.groups):
             fan_in = cfg.module_shape(mods[0])[0]
             self.qa[g] = _empty_int4(
@@ -1319,13 +1349,15 @@ def make_lora_pool(
     vocab: bool = False,
     saved: frozenset[str] = frozenset(),
     arena_bytes: int | None = None,
+    extra_vocab: int = 0,
 ) -> LoraPool:
     """The pool for ``lora_dtype`` (None: the model dtype; "int4": an ``Int4LoraPool``) over
     ``groups`` (None: every group; ``pool_groups`` turns target modules into groups), with
-    DoRA factors when ``dora``, vocabulary LoRA when ``vocab`` and trained module copies of the
-    ``saved`` kinds (float pools only). With ``arena_bytes`` a float pool is an
-    ``ArenaLoraPool`` of that many bytes (``num_slots`` is then unused); a pool of trained
-    module copies keeps slots (one table per slot).
+    DoRA factors when ``dora``, vocabulary LoRA when ``vocab``, trained module copies of the
+    ``saved`` kinds and ``extra_vocab`` extra vocabulary rows a slot (float pools only). With
+    ``arena_bytes`` a float pool is an ``ArenaLoraPool`` of that many bytes (``num_slots`` is
+    then unused); a pool of trained module copies or extra vocabulary rows keeps slots (tables
+    per slot).
 
     Float pools must match the model dtype (the kernels take A and B in the activation dtype).
     """
@@ -1333,12 +1365,15 @@ def make_lora_pool(
         raise ValueError("lora_dtype int4 keeps a pool of slots: it has no adapter arena")
     if saved and arena_bytes is not None:
         raise ValueError("lora_saved_modules keeps a pool of slots: it has no adapter arena")
+    if extra_vocab and arena_bytes is not None:
+        raise ValueError("lora_extra_vocab keeps a pool of slots: it has no adapter arena")
     if lora_dtype is None and arena_bytes is not None:
         return ArenaLoraPool(cfg, arena_bytes, max_rank, device, dtype, groups, dora, vocab)
     if lora_dtype is None:
         return LoraPool(
-            cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved
-        )
+            cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved,
+            extra_vocab=extra_vocab,
+        )  # fmt: skip
     if lora_dtype == "int4":
         if dora:
             raise ValueError("lora_dora is not implemented with lora_dtype int4")
@@ -1346,6 +1381,8 @@ def make_lora_pool(
             raise ValueError("lora_vocab is not implemented with lora_dtype int4")
         if saved:
             raise ValueError("lora_saved_modules is not implemented with lora_dtype int4")
+        if extra_vocab:
+            raise ValueError("lora_extra_vocab is not implemented with lora_dtype int4")
         return Int4LoraPool(cfg, num_slots, max_rank, device, dtype, groups=groups)
     want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(lora_dtype)
     if want is None:
@@ -1355,8 +1392,9 @@ def make_lora_pool(
     if arena_bytes is not None:
         return ArenaLoraPool(cfg, arena_bytes, max_rank, device, dtype, groups, dora, vocab)
     return LoraPool(
-        cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved
-    )
+        cfg, num_slots, max_rank, device, dtype, groups, dora=dora, vocab=vocab, saved=saved,
+        extra_vocab=extra_vocab,
+    )  # fmt: skip
 
 
 def _checked_groups(groups: frozenset[str] | None) -> frozenset[str]:
@@ -1645,11 +1683,19 @@ class TransformerModel:
 
         ``inp.saved``: trained module copies of the rows' adapters (``saved_modules``), each
         applied right after the base module it replaces, on its adapter's rows only.
+
+        ``inp.extra``: rows of adapters with extra vocabulary rows (``extra_vocab``): their
+        ids past the model's vocabulary embed from their slot's rows, and the logits are
+        ``V + N`` wide, each row -inf past its own vocabulary.
         """
         cfg = self.cfg
         gn = cfg.gemma_norm
         sv = self._saved_rows(inp)
-        h = self.embed.index_select(0, inp.input_ids)
+        ev = inp.extra.bind(inp.token_slots, inp.logits_rows) if inp.extra is not None else None
+        if ev is None:
+            h = self.embed.index_select(0, inp.input_ids)
+        else:
+            h = ev.embed(self.embed.index_select(0, ev.base_ids(inp.input_ids)), inp.input_ids)
         if sv is not None:
             h = sv.embed(h, inp.input_ids)
         if self.embed_scale is not None:
@@ -1768,6 +1814,8 @@ class TransformerModel:
         if sv is not None:
             hn = sv.norm("norm", -1, hn, rows_r, cfg.rms_eps, gn)
         logits = hn @ self.lm_head.T
+        if ev is not None:
+            logits = ev.widen(logits, hn)
         if sv is not None:
             logits = sv.head(logits, hn)
         if lp is not None and lp[0].vocab:
@@ -1777,6 +1825,8 @@ class TransformerModel:
         logits = logits.float()
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        if ev is not None:
+            logits = ev.mask(logits)
         return logits
 
     def _saved_rows(self, inp: StepInputs) -> SavedRows | None:
@@ -1824,7 +1874,9 @@ class TransformerModel:
             routes={"head": pool.routes["head"]} if meta.groups else None,
         ).group("head")
         head_a, head_b, scales, ranks = pool.vocab_args("head")
-        lora_ops.add_lora(logits, hn, head_a, (head_b,), scales, ranks, row_meta)
+        lora_ops.add_lora(
+            logits, hn, head_a, (head_b[:, : logits.shape[1]],), scales, ranks, row_meta
+        )
 
     def _project(
         self,

@@ -653,7 +653,8 @@ ADAPTER_FIELDS: dict[str, Check] = {
     "qalora_group_size": _a_any,  # only read when use_qalora
     "lora_bias": _a_false,
     "target_parameters": _a_empty,
-    "trainable_token_indices": _a_empty,
+    # Trained rows of added tokens (extra_vocab.trainable_tokens checks the value).
+    "trainable_token_indices": _a_any,
     "runtime_config": _a_any,
     "ensure_weight_tying": _a_false,
     # refused when set

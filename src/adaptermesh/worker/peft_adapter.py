@@ -19,6 +19,12 @@ from typing import Any
 
 import torch
 
+from adaptermesh.worker.extra_vocab import (
+    ExtraEntry,
+    VocabError,
+    take_vocab_weights,
+    trainable_tokens,
+)
 from adaptermesh.worker.lora_groups import FUSED_MODULES, GROUPS, MODULE_TO_GROUP, SUPPORTED_MODULES
 from adaptermesh.worker.model import ModelConfig
 from adaptermesh.worker.model_fields import check_adapter_config
@@ -161,6 +167,11 @@ class CpuAdapter:
     # Trained copies of whole modules (``modules_to_save``), in ``data`` beside the matrices
     # (so the tiers hold and count them like the matrices; ``saved_modules``).
     saved: tuple[SavedEntry, ...] = ()
+    # The adapter's vocabulary (0: the model's), and the rows of its resized embedding and
+    # head past the model's, in ``data`` (``extra_vocab``; the base rows before them are
+    # checked against the model's with ``vocab_bases``).
+    vocab_size: int = 0
+    extra_rows: tuple[ExtraEntry, ...] = ()
     pinned: bool = False
     # (sum, sum of |x|) of the matrices cast to a pool dtype, kept after the first upload: the
     # data never changes, so a later upload from the CPU cache verifies against these.
@@ -184,6 +195,7 @@ class CpuAdapter:
         buf = self.data if data is None else data
         views = [(e.key, self.view(e, buf)) for e in self.entries]
         views += [(e.key, e.view(buf)) for e in self.saved]
+        views += [(e.key, e.view(buf)) for e in self.extra_rows]
         for key, t in views:
             if not bool(torch.isfinite(t if dtype is None else t.to(dtype)).all()):
                 return key
@@ -369,6 +381,7 @@ def read_adapter(
     *,
     per_module: bool = False,
     fold_scales: bool = True,
+    extra_vocab: int = 0,
 ) -> CpuAdapter:
     """Read, validate and pack one PEFT adapter directory. Raises AdapterValidationError.
 
@@ -377,7 +390,9 @@ def read_adapter(
     keeps its own rank (zero-padded in the slot to the largest) and its own scale, folded into
     its B matrix (the slot's scale is then 1; ``fold_scales=False`` leaves B as stored, for a
     merge that reads ``module_scales`` instead, never for a slot). Without it (AdaFuse experts, which share one rank
-    and one scale across the set) a pattern is refused.
+    and one scale across the set) a pattern is refused. ``extra_vocab``: the most vocabulary
+    rows past the model's the adapter may bring (a resized embedding and head,
+    ``extra_vocab.take_vocab_weights``).
     """
     if not path.is_dir():
         raise AdapterNotFoundError(name, f"no adapter directory at {path}")
@@ -438,6 +453,16 @@ def read_adapter(
     if sites:
         targets = _without_saved(name, cj, targets, {s.path for s in sites})
     vocab_targets = sorted(m for layer, m in targets if layer < 0)
+    copied = frozenset(s.module for s in sites if s.module in VOCAB_MODULES)
+    try:
+        tokens = trainable_tokens(
+            cj.get("trainable_token_indices"),
+            per_module=per_module,
+            copied=copied,
+            lora=frozenset(vocab_targets),
+        )
+    except VocabError as e:
+        raise _fail(name, e.field, str(e)) from None
     targets = {(layer, m) for layer, m in targets if layer >= 0}
     fused = sorted({m for _, m in targets if m in FUSED_MODULES})
     dora = cj.get("use_dora") is True
@@ -473,6 +498,20 @@ def read_adapter(
     scale = 1.0 if fold else next(iter(scales))
 
     header, data, wfld = _read_weights_file(name, path, pin_memory)
+    try:
+        vw = take_vocab_weights(
+            header,
+            data,
+            cfg,
+            copied=copied,
+            lora=frozenset(vocab_targets),
+            limit=extra_vocab,
+            wfld=wfld,
+            per_module=per_module,
+            tokens=tokens,
+        )
+    except VocabError as e:
+        raise _fail(name, e.field, str(e)) from None
     entries: list[TensorEntry] = []
     magnitudes: list[MagnitudeEntry] = []
     target_modules = {sub for _, m in targets for sub in FUSED_MODULES.get(m, (m,))}
@@ -496,13 +535,15 @@ def read_adapter(
             entries.extend(_split_entry(cfg, key, m, layer, is_b, dt, shape, start))
         if dora:
             magnitudes.extend(_magnitude_entries(cfg, name, wfld, header, prefix, m, layer, fo))
-    vocab_bases: list[TensorEntry] = []
+    vocab_bases = [
+        TensorEntry(b.key, b.part, 0, -1, False, b.dtype, b.shape, b.start, b.end) for b in vw.bases
+    ]
     for m in vocab_targets:
         part, prefix = VOCAB_MODULES[m]
         rm, sm = per[(-1, m)]
-        v, hid = cfg.vocab_size, cfg.hidden_size
+        v, hid = vw.rows, cfg.hidden_size
         # PEFT names an embedding's factors lora_embedding_A [r, V] / _B [H, r]; the head is
-        # a Linear (lora_A [r, H], lora_B [V, r]).
+        # a Linear (lora_A [r, H], lora_B [V, r]); V is the adapter's vocabulary.
         pairs = (
             ((".lora_embedding_A", (rm, v), False), (".lora_embedding_B", (hid, rm), True))
             if m == "embed_tokens"
@@ -514,38 +555,18 @@ def read_adapter(
             if h is None:
                 raise _fail(name, wfld, f"missing tensor {key}")
             dt, got_shape, start, end = h
-            rows = got_shape[1] if m == "embed_tokens" and not is_b else got_shape[0]
-            if len(got_shape) == 2 and got_shape != shape and rows > v:
+            if got_shape != shape:
+                more = f", vocabulary {v}" if v != cfg.vocab_size else ""
                 raise _fail(
                     name,
-                    "target_modules",
-                    f"{m}: tensor {key} covers {rows} vocabulary rows, the model has {v}: "
-                    "adapters with extra vocabulary rows are not served",
-                )
-            if got_shape != shape:
-                raise _fail(
-                    name, wfld, f"tensor {key} has shape {got_shape}, expected {shape} (rank {rm})"
+                    wfld,
+                    f"tensor {key} has shape {got_shape}, expected {shape} (rank {rm}{more})",
                 )
             if fold and is_b:
                 data[start:end].view(dt).mul_(sm)
             entries.append(TensorEntry(key, part, 0, -1, is_b, dt, shape, start, end))
-        # PEFT saves the targeted layer's base weight beside its factors
-        # (save_embedding_layers): the same as the model's it changes nothing (checked when
-        # the adapter enters a slot, ``vocab_bases``); more rows are a resized vocabulary.
-        key = prefix + ".base_layer.weight"
-        h = header.pop(key, None)
-        if h is not None:
-            dt, got_shape, start, end = h
-            if got_shape != (v, hid):
-                raise _fail(
-                    name,
-                    "target_modules",
-                    f"{m}: {key} has shape {got_shape}, the model's is {(v, hid)}: adapters "
-                    "trained on a resized vocabulary (extra vocabulary rows) are not served",
-                )
-            vocab_bases.append(TensorEntry(key, part, 0, -1, False, dt, got_shape, start, end))
     try:
-        saved = take_copies(header, sites, wfld)
+        saved = take_copies(header, sites, wfld, vw.rows)
     except ValueError as e:
         raise _fail(name, "modules_to_save", str(e)) from None
     if header:
@@ -559,7 +580,7 @@ def read_adapter(
     spans = sorted((e.start, e.end) for e in entries)
     tiles = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     uniform = bool(entries) and tiles and spans[0][0] == 0 and spans[-1][1] == data.numel()
-    uniform = uniform and len({e.dtype for e in entries}) == 1 and not saved
+    uniform = uniform and len({e.dtype for e in entries}) == 1 and not saved and not vw.extra
     cpu = CpuAdapter(
         name=name,
         path=path,
@@ -582,6 +603,8 @@ def read_adapter(
         vocab=frozenset(VOCAB_MODULES[m][0] for m in vocab_targets),
         vocab_bases=tuple(vocab_bases),
         saved=tuple(saved),
+        vocab_size=vw.rows,
+        extra_rows=vw.extra,
     )
     for me in cpu.magnitudes:
         if not bool(torch.isfinite(cpu.magnitude(me)).all()):
@@ -845,6 +868,7 @@ def entry_sums(cpu: CpuAdapter, data: torch.Tensor, dtype: torch.dtype) -> torch
         return torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)])
     parts = [cpu.view(e, data).to(dtype) for e in cpu.entries]
     parts += [e.view(data).to(dtype) for e in cpu.saved]
+    parts += [e.view(data).to(dtype) for e in cpu.extra_rows]
     return torch.stack(
         [
             torch.stack([p.sum(dtype=torch.float64) for p in parts]).sum(),

@@ -711,13 +711,24 @@ def token_logprobs(
     logits: Tensor,  # [R, V] float, the distribution of each row as logits (raw or processed)
     tokens: Tensor,  # [R] int64, each row's sampled token
     k: int,  # alternatives per row, 0 <= k <= V
+    widths: Tensor | None = None,  # [R] int: each row's vocabulary (None: all of V)
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(the [R] log-probability of each row's token, the [R, k] k largest log-probabilities in
     descending order, their [R, k] int64 token ids), from ``log_softmax`` over each row in fp32.
-    Batched: a handful of launches whatever R is, and no host synchronisation."""
+    Batched: a handful of launches whatever R is, and no host synchronisation.
+
+    With ``widths`` (rows of different vocabularies, ``extra_vocab``), the alternatives never
+    name an id at or past the row's vocabulary: a token of the vocabulary that the row's
+    filters removed (-inf) is reported at the most negative float instead, ahead of them."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, tokens[:, None])[:, 0]
-    top = torch.topk(lp, k, dim=-1)
+    ranked = lp
+    if widths is not None:
+        cols = torch.arange(lp.shape[1], device=lp.device)
+        inside = cols.unsqueeze(0) < widths.to(lp.device).unsqueeze(1)
+        floor = torch.finfo(lp.dtype).min
+        ranked = torch.where(inside, lp.clamp(min=floor), torch.full_like(lp, -math.inf))
+    top = torch.topk(ranked, k, dim=-1)
     return chosen, top.values, top.indices
 
 
@@ -742,18 +753,23 @@ def gather_logprobs(
     entries: list[int],
     alternatives: int,
     rows_host: Tensor,
+    widths: Tensor | None = None,
 ) -> int:
     """Fill ``out`` with the step's ids ``tokens[:num_entries]``, then the fp64 bits of the
     [R, alternatives + 1] values (each asking entry's sampled-token logprob, then its top
     ``alternatives``) and the top ids [R, alternatives]; returns how many int64 elements to
-    copy. ``rows_host`` stages the asking entries' indices (pinned on CUDA). All on the
+    copy. ``rows_host`` stages the asking entries' indices (pinned on CUDA); ``widths`` [S]:
+    each entry's vocabulary, in a step with rows of different vocabularies. All on the
     device, after the step's work on the same stream; no host synchronisation."""
     num_rows = len(entries)
     rows_host[:num_rows] = torch.tensor(entries, dtype=torch.int64)
     rows = rows_host[:num_rows].to(out.device, non_blocking=True)
     out[:num_entries].copy_(tokens[:num_entries])
     chosen, top_values, top_ids = token_logprobs(
-        logits.index_select(0, rows), tokens.index_select(0, rows), alternatives
+        logits.index_select(0, rows),
+        tokens.index_select(0, rows),
+        alternatives,
+        None if widths is None else widths.index_select(0, rows),
     )
     values_end, ids_end = logprob_output_ends(num_entries, num_rows, alternatives)
     values = out[num_entries:values_end].view(torch.float64).view(num_rows, alternatives + 1)

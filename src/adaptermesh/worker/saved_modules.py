@@ -17,13 +17,15 @@ its path (``(^|.*\\.)entry($|\\..*)``), so ``modules_to_save: ["lm_head"]`` with
 **In the file.** PEFT saves a copy under ``base_model.model.<module>.weight`` (the wrapper's
 ``modules_to_save.<adapter>.`` part removed); a state dict taken from a live PEFT model keeps
 it (``<module>.modules_to_save.<adapter>.weight``), and either form is read. A copy must have
-its base module's shape: an embedding or head copy with more (or fewer) vocabulary rows than
-the model is a resized vocabulary and is refused by name, as is any other shape.
+its base module's shape, except that an embedding or head copy has the adapter's vocabulary
+rows: more than the model's for a resized vocabulary (``extra_vocab``, on a worker that holds
+extra rows; refused by name otherwise), never fewer.
 
 **In the pool.** ``SavedModulePool`` holds, per pool slot, one table entry for every module of
 the kinds the worker was started with (``EngineConfig.lora_saved_modules``: ``embed_tokens``,
 ``lm_head``, ``norms``): a [V, H] table per slot for each vocabulary module, a few vectors per
-layer for the norms. The tables are part of the pool's bytes (``LoraPool.nbytes``, so the
+layer for the norms (a vocabulary table has ``V + N`` rows on a worker holding ``N`` extra
+vocabulary rows a slot; the rows past a copy's own are zero). The tables are part of the pool's bytes (``LoraPool.nbytes``, so the
 sizing divides memory by the slot size with them), written with the adapter's LoRA matrices
 in the same atomic load, verified with them, and dropped with the slot. Per slot the pool keeps
 which (module, layer) copies it holds (``held``, on the host) and a device flag per module,
@@ -36,7 +38,9 @@ device tensors, with no host sync: a norm is normalised once more for the whole 
 row takes its own slot's weight (a gather), then ``torch.where`` keeps the base rows' result
 bit for bit; an embedding copy is a gather of each token's row from its slot's table; a head
 copy is the head's matmul with the copy's weight, kept on the sequences of that adapter (one
-matmul per distinct adapter with a head copy in the step, the host's list).
+matmul per distinct adapter with a head copy in the step, the host's list), over as many
+columns as the step's logits have (the model's vocabulary, or ``V + N`` in a step with extra
+vocabulary rows).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ __all__ = [
 # What a pool can hold copies of (``EngineConfig.lora_saved_modules``).
 POOL_KINDS = ("embed_tokens", "lm_head", "norms")
 _PREFIX = "base_model.model."
+_VOCAB = ("embed_tokens", "lm_head")
 _SERVED = "embed_tokens, lm_head and the norms"
 
 
@@ -235,9 +240,12 @@ def excluded_from_lora(raw: Any, path: str) -> bool:
 Header = dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]
 
 
-def take_copies(header: Header, sites: Sequence[Site], wfld: str) -> list[SavedEntry]:
-    """Each site's copy, taken out of ``header`` (``key -> (dtype, shape, start, end)``).
-    Raises ValueError naming the tensor for a missing, doubled or misshapen copy."""
+def take_copies(
+    header: Header, sites: Sequence[Site], wfld: str, vocab_rows: int | None = None
+) -> list[SavedEntry]:
+    """Each site's copy, taken out of ``header`` (``key -> (dtype, shape, start, end)``); an
+    embedding or head copy has ``vocab_rows`` rows (the adapter's vocabulary; None: the
+    model's). Raises ValueError naming the tensor for a missing, doubled or misshapen copy."""
     out = []
     for site in sites:
         base = _PREFIX + site.path
@@ -263,13 +271,14 @@ def take_copies(header: Header, sites: Sequence[Site], wfld: str) -> list[SavedE
             )
         key = keys[0]
         dt, shape, start, end = header.pop(key)
-        if shape != site.shape:
-            vocab = site.module in ("embed_tokens", "lm_head")
+        vocab = site.module in _VOCAB
+        want = (vocab_rows, site.shape[1]) if vocab and vocab_rows is not None else site.shape
+        if shape != want:
             if vocab and len(shape) == 2 and shape[1] == site.shape[1]:
+                whose = "the model has" if want[0] == site.shape[0] else "the adapter's has"
                 raise ValueError(
-                    f"{site.module}: tensor {key} has {shape[0]} vocabulary rows, the model has "
-                    f"{site.shape[0]}: trained copies of a resized vocabulary (extra vocabulary "
-                    "rows) are not served"
+                    f"{site.module}: tensor {key} has {shape[0]} vocabulary rows, {whose} "
+                    f"{want[0]}: a copy holds the adapter's whole vocabulary"
                 )
             raise ValueError(
                 f"{site.module}: tensor {key} has shape {shape}, the model's {site.path} has "
@@ -305,7 +314,9 @@ class SavedModulePool:
         device: torch.device,
         dtype: torch.dtype,
         kinds: frozenset[str],
+        extra_vocab: int = 0,
     ) -> None:
+        """``extra_vocab``: rows past the model's vocabulary each vocabulary table holds."""
         unknown = sorted(kinds - set(POOL_KINDS))
         if unknown or not kinds:
             raise ValueError(
@@ -327,8 +338,11 @@ class SavedModulePool:
                 continue
             depth = layers if site.layer >= 0 else 1
             self.layered[site.module] = site.layer >= 0
+            shape = site.shape
+            if site.module in _VOCAB:
+                shape = (shape[0] + extra_vocab, shape[1])
             self.tables[site.module] = torch.zeros(
-                (depth, num_slots, *site.shape), dtype=dtype, device=device
+                (depth, num_slots, *shape), dtype=dtype, device=device
             )
             self.on[site.module] = torch.zeros(
                 (depth, num_slots + 1), dtype=torch.bool, device=device
@@ -342,8 +356,13 @@ class SavedModulePool:
         return sum(t.numel() * t.element_size() for t in (*self.tables.values(), *self.on.values()))
 
     def view(self, module: str, layer: int, slot: int) -> torch.Tensor:
-        """Where ``slot``'s copy of ``module`` (at ``layer``) goes."""
+        """``slot``'s table entry for ``module`` (at ``layer``), all its rows."""
         return self.tables[module][max(layer, 0), slot]
+
+    def placed(self, e: SavedEntry, slot: int) -> torch.Tensor:
+        """Where copy ``e`` goes in ``slot`` (a vocabulary copy: its own rows)."""
+        t = self.view(e.module, e.layer, slot)
+        return t[: e.shape[0]] if e.module in _VOCAB else t
 
     def write(self, slot: int, entries: Sequence[SavedEntry], data: torch.Tensor) -> None:
         """Copy ``entries`` (over ``data``, the adapter's buffer on the host or the device) into
@@ -351,8 +370,11 @@ class SavedModulePool:
         self.clear(slot)
         if not entries:
             return
-        dst = [self.view(e.module, e.layer, slot) for e in entries]
+        dst = [self.placed(e, slot) for e in entries]
         torch._foreach_copy_(dst, [e.view(data) for e in entries])
+        for e in entries:  # the table's rows past the copy's vocabulary read as zeros
+            if e.module in _VOCAB and e.shape[0] < self.view(e.module, e.layer, slot).shape[0]:
+                self.view(e.module, e.layer, slot)[e.shape[0] :].zero_()
         held = frozenset((e.module, e.layer) for e in entries)
         for module, flags in self.on.items():
             layers = range(flags.shape[0]) if self.layered[module] else (-1,)
@@ -481,7 +503,8 @@ class SavedRows:
             return logits
         pool = self.step.pool
         slots = self.token_slots.index_select(0, self.logits_rows)
+        width = logits.shape[1]  # the model's vocabulary, or V + N with extra rows
         for s in self.step.head_slots:
             mask = (slots == s).unsqueeze(1)
-            logits = torch.where(mask, hn @ pool.tables["lm_head"][0, s].T, logits)
+            logits = torch.where(mask, hn @ pool.tables["lm_head"][0, s, :width].T, logits)
         return logits

@@ -180,6 +180,13 @@ class Sequence:
     # A constrained request's grammar position (worker/grammar.py RowMatcher): its ``mask``
     # limits the next token; each applied token advances it.
     matcher: Any = None
+    # An adapter with its own tokenizer (adapter_text.py): its tokens' text for logprob
+    # entries (None: the scheduler's), and end tokens beside the scheduler's.
+    piece: Callable[[int], tuple[str, bytes]] | None = None
+    stop_ids: frozenset[int] = frozenset()
+    # Checks the request's token ids against its adapter's vocabulary once it has a slot
+    # (set when that vocabulary was not known at submit): the error, or None.
+    check_vocab: Callable[[int], BaseException | None] | None = None
 
     @property
     def adapter(self) -> str | None:
@@ -651,6 +658,10 @@ class Scheduler:
                         self.admissions_waited_on_load += 1
                     seq.lora_slot = got.slot
                     seq.expert_set = got.expert_set
+                    bad = seq.check_vocab(got.slot) if seq.check_vocab is not None else None
+                    if bad is not None:
+                        self.finish(seq, "error", bad)  # releases the lease
+                        continue
                     seq.cache_key = (name, got.version)
                     hit = seq.lookup_hit
                     seq.resolution = AdapterResolution(
@@ -740,8 +751,8 @@ class Scheduler:
         """Steps emitted and not yet completed or failed."""
         return len(self._steps)
 
-    def _entry(self, tok: int, lp: StepLogprobs, offset: int) -> TokenLogprob:
-        piece = self.token_piece
+    def _entry(self, seq: Sequence, tok: int, lp: StepLogprobs, offset: int) -> TokenLogprob:
+        piece = seq.piece or self.token_piece
         text, raw = piece(tok)
         top = tuple(
             TopLogprob(t, *piece(t), v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
@@ -756,8 +767,8 @@ class Scheduler:
             self.finish(seq, "cancelled")
             return
         if lp is not None:
-            seq.held_logprobs.append(self._entry(tok, lp, len(seq.text)))
-        if tok in self.eos_token_ids:
+            seq.held_logprobs.append(self._entry(seq, tok, lp, len(seq.text)))
+        if tok in self.eos_token_ids or tok in seq.stop_ids:
             self.finish(seq, "stop", last_token=tok)
             return
         # A constrained output whose grammar is complete, with nothing but a stop token left

@@ -362,13 +362,15 @@ class WorkerService:
         if plan is not None and getattr(self.engine, "compile_grammar", None) is not None:
             # Every tool definition compiles, whatever the tool choice (400 naming it).
             for tool_spec in plan.tool_specs():
-                await self.inputs.compile_grammar(tool_spec)
-        prompt_ids = await self.inputs.prompt_token_ids(parsed, plan)
-        grammar = None if spec is None else await self.inputs.compile_grammar(spec)
+                await self.inputs.compile_grammar(tool_spec, adapter)
+        # An adapter that ships its own tokenizer tokenises its prompts (adapter_text.py).
+        prompt_ids = await self.inputs.prompt_token_ids(parsed, plan, adapter)
+        grammar = None if spec is None else await self.inputs.compile_grammar(spec, adapter)
         echo = None
         if isinstance(parsed, CompletionRequest) and parsed.echo:
             prompt = parsed.prompt
-            echo = prompt if isinstance(prompt, str) else self.engine.detokenize(list(prompt))
+            text = await self.inputs.adapter_text(adapter) or self.engine
+            echo = prompt if isinstance(prompt, str) else text.detokenize(list(prompt))
         max_tokens = checked_max_tokens(
             parsed, len(prompt_ids), self.engine.max_model_len, self.config.default_max_tokens
         )

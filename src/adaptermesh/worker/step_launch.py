@@ -171,6 +171,9 @@ class StepTraits:
     # Slots of the plan's rows whose adapters hold trained module copies (modules_to_save):
     # such a step runs eagerly (its head copies are one matmul per slot, from this list).
     saved: tuple[int, ...] = ()
+    # Slots of the plan's rows whose adapters have extra vocabulary rows (extra_vocab): such
+    # a step runs eagerly, with logits as wide as the widest vocabulary a slot holds.
+    extra: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -181,6 +184,7 @@ class _DeviceRun:
     sampling_buffers: SamplingBuffers
     mode: SamplerMode
     bias: LogitBias | None = None  # the step's logit biases (eager steps only)
+    widths: torch.Tensor | None = None  # [S] each row's vocabulary, in a step with extra rows
 
 
 class StepLauncher:
@@ -235,7 +239,10 @@ class StepLauncher:
             for _ in range(_RING_DEPTH)
         ]
         # Grammar-constrained steps: each entry's packed token mask, staged on the host.
-        self._bitmask_words = bitmask_words(self.model_config.vocab_size)
+        extra = pool.extra
+        self._bitmask_words = bitmask_words(
+            extra.width if extra is not None else self.model_config.vocab_size
+        )
         self._bitmask_host = [
             self._host(torch.zeros((budget.max_entries, self._bitmask_words), dtype=torch.int32))
             for _ in range(_RING_DEPTH)
@@ -370,11 +377,13 @@ class StepLauncher:
         masked = any(row.matcher is not None for row in samplers)
         eager = any(eager_only(row.sampling) for row in samplers)
         saved = self.pool.saved.slots_with_copies(slots) if self.pool.saved is not None else ()
+        extra = self.pool.extra.slots_with_extra(slots) if self.pool.extra is not None else ()
         graphable = (
             self.graph_runner.usable(solo_set is not None)
             and not gated_sets
             and not eager
             and not saved
+            and not extra
         )
         mode = graph_mode(list(samplers))
         if any(row.sampling.typical_p < 1.0 for row in samplers):  # eager: no graph variant
@@ -390,6 +399,7 @@ class StepLauncher:
             masked,
             len(slots),
             saved,
+            extra,
         )
 
     def _lora_side(self, lora: bool) -> bool:
@@ -537,11 +547,9 @@ class StepLauncher:
         splits = self._splits(
             layout.num_decode, max((row.start + 2 for row in plan.decode), default=1)
         )
-        bias = (
-            entry_logit_bias(layout.entries, self.model_config.vocab_size, self.device)
-            if traits.biased
-            else None
-        )
+        ev = self.pool.extra.step(traits.extra) if self.pool.extra is not None else None
+        width = ev.width if ev is not None else self.model_config.vocab_size  # the logits'
+        bias = entry_logit_bias(layout.entries, width, self.device) if traits.biased else None
         logits = self._step(
             buffers,
             layout,
@@ -555,9 +563,14 @@ class StepLauncher:
             sample=not traits.masked,
             bias=bias,
             saved=traits.saved,
+            extra=traits.extra,
         )
         self.eager_steps += 1
-        return _DeviceRun(logits, sampling_buffers, mode, bias)
+        widths = None
+        if ev is not None:
+            views = buffers.views
+            widths = ev.pool.row_widths(views.lora_slots, views.logits_rows)
+        return _DeviceRun(logits, sampling_buffers, mode, bias, widths)
 
     def _copy_output(
         self,
@@ -599,6 +612,7 @@ class StepLauncher:
             asking,
             request.alternatives,
             self._logprob_rows_host[ring_index],
+            run.widths,
         )
         host_output[:output_len].copy_(self._output_device[:output_len], non_blocking=True)
         self.logprob_steps += 1
@@ -627,12 +641,14 @@ class StepLauncher:
         sample: bool = True,
         bias: LogitBias | None = None,
         saved: tuple[int, ...] = (),
+        extra: tuple[int, ...] = (),
     ) -> torch.Tensor:
         """The whole step on the device: input gather, forward, sampling (from the logits
         with ``bias`` added, when given), write of the ids; without ``sample`` (a
         grammar-masked step, whose tail masks, biases and samples) the forward only. Returns
         the raw logits. ``saved``: the slots of rows whose adapters hold trained module
-        copies (eager steps only)."""
+        copies (eager steps only); ``extra``: those of rows whose adapters have extra
+        vocabulary rows (eager steps only; the logits are then that much wider)."""
         views = buffers.views
         source_entries = views.source_entries
         ids = torch.where(
@@ -653,6 +669,7 @@ class StepLauncher:
             max_prefill_len=layout.max_prefill_len,
             num_splits=splits,
             saved=self.pool.saved.step(saved) if saved and self.pool.saved is not None else None,
+            extra=self.pool.extra.step(extra) if extra and self.pool.extra is not None else None,
         )
         meta = (
             lora_ops.build_meta(
