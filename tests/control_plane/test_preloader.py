@@ -292,7 +292,11 @@ async def test_real_workers_keep_the_pinned_adapter_while_others_evict(
             device="cpu",
             dtype="float32",
             model_name="tiny",
-            config=EngineConfig(max_loras=2, max_num_seqs=2),
+            # A pool of the adapters' own modules: two of them fill it (an arena over every
+            # module would hold more of these q,v adapters than two).
+            config=EngineConfig(
+                max_loras=2, max_num_seqs=2, lora_target_modules=("q_proj", "v_proj")
+            ),
         )
         runner, port = await serve(
             WorkerService(engine, ServiceConfig(admin_token=TOKEN)), "127.0.0.1", 0

@@ -29,7 +29,7 @@ from adaptermesh.worker.eviction import (
     make_policy,
 )
 
-from .conftest import PROMPTS, Tiny, collect, request
+from .conftest import ADAPTERS, PROMPTS, Tiny, collect, request
 
 
 def _all(_: str) -> bool:
@@ -276,14 +276,30 @@ POLICY_CLASSES: dict[str, type[EvictionPolicy]] = {
 }
 
 
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def uniform_root(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The worker suite's adapter names, each on every module at the pool's rank: every one
+    takes the bytes of one adapter on every module, so ``max_loras`` adapters fit in the
+    adapter arena at once and the policies choose among equals."""
+    from adaptermesh_testkit.checkpoints import make_adapter
+
+    root = tmp_path_factory.mktemp("uniform_adapters")
+    for i, name in enumerate(ADAPTERS):
+        make_adapter(root, tiny.model_dir, name, 16, ALL_MODULES, seed=10 + i)
+    return root
+
+
 @pytest.mark.parametrize(
     ("name", "survivor"),
     [("lru", "beta"), ("lru-greedy", "alpha"), ("s3-fifo", "alpha"), ("w-tinylfu", "alpha")],
 )
 async def test_manager_evicts_by_the_configured_policy(
-    tiny: Tiny, make_engine: Any, name: str, survivor: str
+    tiny: Tiny, make_engine: Any, uniform_root: Path, name: str, survivor: str
 ) -> None:
-    eng = make_engine(max_loras=2, adapter_eviction=name)
+    eng = make_engine(max_loras=2, adapter_eviction=name, root=uniform_root)
     assert isinstance(eng.adapters.gpu_policy, POLICY_CLASSES[name])
     assert isinstance(eng.adapters.cpu_policy, POLICY_CLASSES[name])
     ids = tiny.encode(PROMPTS[0])
@@ -299,9 +315,9 @@ async def test_manager_evicts_by_the_configured_policy(
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
 async def test_manager_keeps_pinned_and_in_use_adapters(
-    tiny: Tiny, make_engine: Any, name: str
+    tiny: Tiny, make_engine: Any, uniform_root: Path, name: str
 ) -> None:
-    eng = make_engine(max_loras=3, adapter_eviction=name)
+    eng = make_engine(max_loras=3, adapter_eviction=name, root=uniform_root)
     await eng.load_adapter("alpha", "alpha", pinned=True)
     await eng.load_adapter("beta", "beta")
     mgr = eng.adapters
