@@ -99,8 +99,9 @@ class AdapterTexts:
     def cached(self, name: str | None) -> TokenizerHelper | None:
         """The helper of ``name`` when no load is needed (the base's, or a cached one)."""
         key = self._key(name)
-        if key is None:
-            return self.base
+        return self.base if key is None else self._lookup(key)
+
+    def _lookup(self, key: tuple[Path, tuple[tuple[str, int, int], ...]]) -> TokenizerHelper | None:
         with self._lock:
             helper = self._cache.get(key)
             if helper is not None:
@@ -113,11 +114,9 @@ class AdapterTexts:
         key = self._key(name)
         if key is None:
             return self.base
-        with self._lock:
-            helper = self._cache.get(key)
-            if helper is not None:
-                self._cache.move_to_end(key)
-                return helper
+        helper = self._lookup(key)
+        if helper is not None:
+            return helper
         assert name is not None
         try:
             helper = TokenizerHelper(load_tokenizer(key[0]))

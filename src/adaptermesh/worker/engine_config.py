@@ -233,23 +233,10 @@ def validate_config(config: EngineConfig) -> None:
         raise InvalidRequestError(
             "lora_dtype", "int4 adapter pools are not supported with tensor_parallel_size > 1"
         )
-    if config.lora_dora and tp > 1:
-        raise InvalidRequestError(
-            "lora_dora", "DoRA pools are not implemented with tensor_parallel_size > 1"
-        )
-    if config.lora_dora and config.lora_dtype == "int4":
-        raise InvalidRequestError(
-            "lora_dora", "DoRA pools are not implemented with lora_dtype int4"
-        )
-    if config.lora_vocab and tp > 1:
-        raise InvalidRequestError(
-            "lora_vocab",
-            "embedding and LM-head LoRA is not implemented with tensor_parallel_size > 1",
-        )
-    if config.lora_vocab and config.lora_dtype == "int4":
-        raise InvalidRequestError(
-            "lora_vocab", "embedding and LM-head LoRA is not implemented with lora_dtype int4"
-        )
+    if config.lora_dora:
+        _float_pool_on_one_device(config, "lora_dora", "DoRA pools are")
+    if config.lora_vocab:
+        _float_pool_on_one_device(config, "lora_vocab", "embedding and LM-head LoRA is")
     _check_saved_modules(config)
     _check_extra_vocab(config)
     if not isinstance(config.max_num_seqs, int) or config.max_num_seqs < 1:
@@ -289,19 +276,21 @@ def validate_config(config: EngineConfig) -> None:
     _check_load_wait(config)
 
 
+def _float_pool_on_one_device(config: EngineConfig, field: str, what: str) -> None:
+    """``what`` (a pool feature ``field`` turns on) lives in a float pool on one device:
+    refused, naming ``field``, with tensor parallelism or an INT4 pool."""
+    if config.tensor_parallel_size > 1:
+        raise InvalidRequestError(field, f"{what} not implemented with tensor_parallel_size > 1")
+    if config.lora_dtype == "int4":
+        raise InvalidRequestError(field, f"{what} not implemented with lora_dtype int4")
+
+
 def _check_extra_vocab(config: EngineConfig) -> None:
     extra = config.lora_extra_vocab
     if not isinstance(extra, int) or isinstance(extra, bool) or extra < 0:
         raise InvalidRequestError("lora_extra_vocab", f"must be an integer >= 0, got {extra!r}")
-    if extra and config.tensor_parallel_size > 1:
-        raise InvalidRequestError(
-            "lora_extra_vocab",
-            "extra vocabulary rows are not implemented with tensor_parallel_size > 1",
-        )
-    if extra and config.lora_dtype == "int4":
-        raise InvalidRequestError(
-            "lora_extra_vocab", "extra vocabulary rows are not implemented with lora_dtype int4"
-        )
+    if extra:
+        _float_pool_on_one_device(config, "lora_extra_vocab", "extra vocabulary rows are")
 
 
 def _check_saved_modules(config: EngineConfig) -> None:
@@ -316,15 +305,8 @@ def _check_saved_modules(config: EngineConfig) -> None:
             "lora_saved_modules",
             f"{unknown[0]!r} is not a kind of trained module copy (one of {', '.join(POOL_KINDS)})",
         )
-    if saved and config.tensor_parallel_size > 1:
-        raise InvalidRequestError(
-            "lora_saved_modules",
-            "trained module copies are not implemented with tensor_parallel_size > 1",
-        )
-    if saved and config.lora_dtype == "int4":
-        raise InvalidRequestError(
-            "lora_saved_modules", "trained module copies are not implemented with lora_dtype int4"
-        )
+    if saved:
+        _float_pool_on_one_device(config, "lora_saved_modules", "trained module copies are")
 
 
 def _check_load_wait(config: EngineConfig) -> None:
