@@ -119,7 +119,8 @@ def build_model(directory: Path, arch: str, seed: int = 0, **config: Any) -> Pat
 
 def peft_adapter(root: Path, model_dir: Path, name: str, seed: int, **lora: Any) -> Path:
     """An adapter saved by peft itself from a LoraConfig, with random non-zero A and B (and,
-    with ``use_dora``, random magnitudes)."""
+    with ``use_dora``, random magnitudes; with ``modules_to_save``, every trained copy moved
+    off the base module it starts as)."""
     import peft
     import transformers
 
@@ -132,7 +133,11 @@ def peft_adapter(root: Path, model_dir: Path, name: str, seed: int, **lora: Any)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for n, p in pm.named_parameters():
-                if "lora_A" in n:
+                if "modules_to_save" in n:
+                    # A trained copy: the base weight plus noise of about a third of its
+                    # mean magnitude.
+                    p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+                elif "lora_A" in n:
                     p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
                 elif "lora_embedding_A" in n:  # [r, vocab]: a token picks a column
                     p.copy_(torch.randn(p.shape, generator=gen))

@@ -37,39 +37,14 @@ from .fidelity_helpers import (
     build_model,
     engine_config,
     match_case,
+    peft_adapter,
 )
 
 PROMPTS = [PROMPT, PROMPT[3:8]]
 ALL = ("embed_tokens", "lm_head", "norms")
 
 
-def saved_adapter(root: Path, model_dir: Path, name: str, seed: int, **lora: Any) -> Path:
-    """An adapter saved by peft itself, with random non-zero LoRA factors and every trained
-    copy (``modules_to_save``) moved off the base module it starts as."""
-    import peft
-    import transformers
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        base = transformers.AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch.float32
-        )
-        pm = peft.get_peft_model(base, peft.LoraConfig(lora_dropout=0.0, **lora))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for n, p in pm.named_parameters():
-                if "modules_to_save" in n:
-                    # A trained copy: the base weight plus noise of about a third of its
-                    # mean magnitude.
-                    p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=gen))
-                elif "lora_A" in n:
-                    p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-                elif "lora_embedding_A" in n:
-                    p.copy_(torch.randn(p.shape, generator=gen))
-                elif "lora_embedding_B" in n or "lora_B" in n:
-                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        pm.save_pretrained(str(root / name))
-    return root / name
+saved_adapter = peft_adapter  # trained copies are drawn by the shared helper
 
 
 @pytest.fixture(scope="module")
